@@ -1,0 +1,326 @@
+// ferry fabric: the TransferEngine.
+//
+// A TransferEngine owns one NIC's endpoint (a libfabric domain: `efa`, `shm`, `tcp;ofi_rxm`) and
+// one worker thread that posts work requests and polls completions. Callers register memory,
+// exchange addresses and remote descriptors as bytes (through any bootstrap they like), and submit
+// one-sided writes and two-sided messages from any thread. Every submit either returns an error at
+// once (nothing was posted) or later ends in exactly one completion: the callback runs, or the
+// counter moves.
+//
+//   auto engine = TransferEngine::Create(EngineOptions::FromEnv()).value();
+//   MemoryRegion buf = engine->RegisterMemory(ptr, len).value();
+//   std::vector<uint8_t> my_address = engine->Address();       // send to peers
+//   std::vector<uint8_t> my_region = buf.remote().Serialize();  // send to peers
+//   PeerId peer = engine->AddPeer(peer_address_bytes).value();
+//   RemoteRegion dst = RemoteRegion::Parse(peer_region_bytes).value();
+//   engine->Write({.src = &buf, .peer = peer, .dst = dst, .length = len, .imm = 7},
+//                 Completion::Callback([](const Status& s) { ... }));
+//   // on the peer: engine->WaitImm(7, 1, Deadline::After(1s));
+//
+// Remote addresses, memory-registration modes, context modes and message-size limits differ per
+// provider; the engine adapts to what fi_getinfo returns and callers never see the difference.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "ferry/inline_function.h"
+#include "ferry/status.h"
+
+namespace ferry {
+
+using PeerId = uint32_t;
+using GroupId = uint32_t;
+using ScatterPlanId = uint32_t;
+
+using Clock = std::chrono::steady_clock;
+
+// A point in time after which a wait gives up with DeadlineExceeded.
+struct Deadline {
+  Clock::time_point at;
+  static Deadline After(Clock::duration d) { return {Clock::now() + d}; }
+  bool Expired(Clock::time_point now = Clock::now()) const { return now >= at; }
+};
+
+enum class MemoryKind : uint8_t { kHost = 0, kCuda = 1 };
+
+struct EngineOptions {
+  // libfabric provider: "shm", "tcp;ofi_rxm", "efa"; empty picks the first of efa, shm.
+  // Environment: FERRY_PROVIDER.
+  std::string provider;
+  // Address to bind (tcp: "127.0.0.1" on loopback). Empty lets the provider choose.
+  // Environment: FERRY_NODE.
+  std::string node;
+  // Pin the worker thread to this CPU; -1 leaves it unpinned. Environment: FERRY_WORKER_CPU.
+  int worker_cpu = -1;
+  // Capacity of the lock-free submission queue (requests not yet taken by the worker).
+  uint32_t submit_queue_depth = 4096;
+  // Transfers in flight at once (submitted, not yet completed). Environment: FERRY_MAX_TRANSFERS.
+  uint32_t max_transfers = 4096;
+  // Work requests outstanding at the provider at once; capped by the provider's tx size.
+  uint32_t max_outstanding_wrs = 1024;
+  // Two-sided messages: receive bounce buffers (re-posted automatically) and their size, which is
+  // also the largest message Send accepts. Environment: FERRY_MSG_BYTES.
+  uint32_t num_recv_buffers = 64;
+  uint32_t num_send_buffers = 64;
+  uint32_t message_bytes = 16384;
+  uint32_t max_peers = 1024;
+  uint32_t max_groups = 256;
+  uint32_t max_scatter_plans = 256;
+  // Immediate counters that can exist at once.
+  uint32_t max_imm_counters = 4096;
+  // A transfer not completed within this time fails with DeadlineExceeded and its peer is marked
+  // lost (later submits to it fail with Unavailable). Environment: FERRY_TRANSFER_TIMEOUT_MS.
+  uint32_t transfer_timeout_ms = 5000;
+  // Worker idling: spin this long after the last event, then yield until idle_yield_us, then
+  // sleep in steps of at most idle_sleep_us (a submit wakes it at once). spin_us < 0: never idle
+  // (production, pinned cores). Environment: FERRY_SPIN_US, FERRY_IDLE_SLEEP_US.
+  int spin_us = 50;
+  uint32_t idle_yield_us = 1000;
+  uint32_t idle_sleep_us = 100;
+
+  // Defaults overridden by the FERRY_* environment variables named above.
+  static EngineOptions FromEnv();
+};
+
+// How a submitted transfer reports its end. Exactly one of done / error happens per submit.
+struct TransferCounter {
+  std::atomic<uint64_t> done{0};
+  std::atomic<uint64_t> failed{0};
+  // Waits until done + failed >= n. DeadlineExceeded says how many were seen.
+  Status Wait(uint64_t n, Deadline deadline) const;
+};
+
+using DoneCallback = InlineFunction<void(const Status&), 48>;
+
+class Completion {
+ public:
+  Completion() = default;  // fire and forget
+  // Runs on the engine's worker thread: keep it short, never block in it.
+  static Completion Callback(DoneCallback cb) {
+    Completion c;
+    c.callback_ = std::move(cb);
+    return c;
+  }
+  // The cheaper form: no callback, one atomic increment.
+  static Completion Counter(TransferCounter* counter) {
+    Completion c;
+    c.counter_ = counter;
+    return c;
+  }
+  void Finish(const Status& status);
+
+ private:
+  DoneCallback callback_;
+  TransferCounter* counter_ = nullptr;
+};
+
+// What a peer needs to write into one of our regions. Serialises to versioned bytes carrying the
+// owning engine's id, the region length, and the provider's address and key.
+struct RemoteRegion {
+  uint64_t engine_id = 0;
+  uint64_t base = 0;    // provider address of byte 0: a virtual address or 0 (offset mode)
+  uint64_t key = 0;
+  uint64_t length = 0;
+
+  std::vector<uint8_t> Serialize() const;
+  // Full validation: InvalidArgument on a wrong size, magic, version or field.
+  static StatusOr<RemoteRegion> Parse(std::span<const uint8_t> bytes);
+};
+
+class TransferEngine;
+struct RegistrationOwner;  // ties regions to their engine; outlives both
+
+// A registered local buffer. Move-only; deregisters when destroyed (a no-op once its engine is
+// gone: the engine closes its registrations). Must outlive every transfer that reads from or
+// lands in it.
+class MemoryRegion {
+ public:
+  MemoryRegion() = default;
+  MemoryRegion(MemoryRegion&& other) noexcept;
+  MemoryRegion& operator=(MemoryRegion&& other) noexcept;
+  MemoryRegion(const MemoryRegion&) = delete;
+  MemoryRegion& operator=(const MemoryRegion&) = delete;
+  ~MemoryRegion();
+
+  bool valid() const { return owner_ != nullptr; }
+  void* data() const { return data_; }
+  uint64_t length() const { return length_; }
+  MemoryKind kind() const { return kind_; }
+  const RemoteRegion& remote() const { return remote_; }
+  void* local_desc() const { return local_desc_; }  // provider descriptor (fi_mr_desc)
+
+ private:
+  friend class TransferEngine;
+  void Release();
+  std::shared_ptr<RegistrationOwner> owner_;
+  void* handle_ = nullptr;  // backend registration
+  void* data_ = nullptr;
+  uint64_t length_ = 0;
+  MemoryKind kind_ = MemoryKind::kHost;
+  void* local_desc_ = nullptr;
+  RemoteRegion remote_;
+};
+
+// One contiguous write, optionally carrying a 32-bit immediate that the receiver counts once the
+// bytes have landed. Writes larger than the provider's message size are split; the immediate
+// travels with the last piece, posted after the others completed.
+struct SingleWrite {
+  const MemoryRegion* src = nullptr;
+  uint64_t src_offset = 0;
+  PeerId peer = 0;
+  RemoteRegion dst;
+  uint64_t dst_offset = 0;
+  uint64_t length = 0;
+  std::optional<uint32_t> imm;
+};
+
+// Page i goes from src_offset + src_pages[i] * src_stride to dst_offset + dst_pages[i] *
+// dst_stride, page_bytes long; with an immediate, every page write carries it. The index spans,
+// like the memory, must stay valid until the transfer completes.
+struct PagedWrite {
+  const MemoryRegion* src = nullptr;
+  PeerId peer = 0;
+  RemoteRegion dst;
+  uint64_t page_bytes = 0;
+  uint64_t src_stride = 0;
+  uint64_t dst_stride = 0;
+  uint64_t src_offset = 0;
+  uint64_t dst_offset = 0;
+  std::span<const uint32_t> src_pages;
+  std::span<const uint32_t> dst_pages;
+  std::optional<uint32_t> imm;
+};
+
+// One slice of a scatter: bytes [src_offset, src_offset + length) of the plan's source region
+// go to member `member` of the plan's group at dst_offset in that member's region.
+struct ScatterTarget {
+  uint32_t member = 0;
+  uint64_t src_offset = 0;
+  uint64_t dst_offset = 0;
+  uint64_t length = 0;
+};
+
+// A scatter posted from a plan made by PrepareScatter. The target span must stay valid until the
+// transfer completes. With an immediate, every slice carries it.
+struct ScatterWrite {
+  ScatterPlanId plan = 0;
+  std::span<const ScatterTarget> targets;
+  std::optional<uint32_t> imm;
+};
+
+// Engine counters for diagnostics and benchmarks. Monotonic.
+struct EngineStats {
+  uint64_t transfers_submitted = 0;
+  uint64_t transfers_completed = 0;
+  uint64_t transfers_failed = 0;
+  uint64_t wrs_posted = 0;
+  uint64_t post_retries = 0;  // provider said EAGAIN
+  uint64_t imms_received = 0;
+  uint64_t imms_unmatched = 0;
+  uint64_t messages_received = 0;
+  uint64_t worker_cpu_ns = 0;  // CPU time the worker thread has used
+};
+
+// Provider facts the engine adapted to; for logs and benchmarks, never needed to use the API.
+struct FabricInfo {
+  std::string provider;
+  std::string domain;
+  bool virt_addr = false;   // FI_MR_VIRT_ADDR: remote addresses are virtual addresses
+  bool prov_key = false;    // FI_MR_PROV_KEY
+  bool mr_local = false;    // FI_MR_LOCAL
+  bool mr_endpoint = false; // FI_MR_ENDPOINT
+  bool hmem = false;        // FI_HMEM offered
+  bool context_mode = false;
+  size_t cq_data_size = 0;
+  size_t max_msg_size = 0;
+  size_t inject_size = 0;
+  size_t tx_size = 0;
+  size_t rx_size = 0;
+};
+
+// Thread safety: every method may be called from any thread, concurrently. Callbacks run on the
+// worker thread. Destroying the engine completes transfers still in flight with Cancelled and joins
+// the worker; it must not race with other calls on the same engine.
+class TransferEngine {
+ public:
+  static StatusOr<std::unique_ptr<TransferEngine>> Create(const EngineOptions& options);
+  virtual ~TransferEngine() = default;
+
+  virtual const FabricInfo& info() const = 0;
+  // A random id that tells this engine's descriptors from any other's.
+  virtual uint64_t id() const = 0;
+  // Our address, as bytes a peer passes to AddPeer.
+  virtual std::vector<uint8_t> Address() const = 0;
+
+  // --- memory ---
+  // kCuda needs a provider with FI_HMEM_CUDA support; otherwise Unimplemented.
+  virtual StatusOr<MemoryRegion> RegisterMemory(void* data, uint64_t length,
+                                                MemoryKind kind = MemoryKind::kHost,
+                                                int device = 0) = 0;
+
+  // --- peers ---
+  virtual StatusOr<PeerId> AddPeer(std::span<const uint8_t> address) = 0;
+  // Forgets a peer: its pending transfers fail with Unavailable, later submits are refused.
+  virtual Status RemovePeer(PeerId peer) = 0;
+  virtual StatusOr<GroupId> AddPeerGroup(std::span<const PeerId> members) = 0;
+  // Pre-builds the work-request templates of a scatter from `src` to one region per group member.
+  virtual StatusOr<ScatterPlanId> PrepareScatter(GroupId group, const MemoryRegion& src,
+                                                 std::span<const RemoteRegion> dst) = 0;
+
+  // --- one-sided writes (non-blocking; ResourceExhausted when the queue or slots are full) ---
+  virtual Status Write(const SingleWrite& write, Completion done) = 0;
+  virtual Status WritePaged(const PagedWrite& write, Completion done) = 0;
+  virtual Status Scatter(const ScatterWrite& write, Completion done) = 0;
+  // An immediate to every member of the group.
+  virtual Status Barrier(GroupId group, uint32_t imm, Completion done) = 0;
+  // An immediate alone.
+  virtual Status WriteImm(PeerId peer, uint32_t imm, Completion done) = 0;
+
+  // --- two-sided messages ---
+  // Copies `message` (at most options.message_bytes) into a send buffer; returns at once.
+  virtual Status Send(PeerId peer, std::span<const uint8_t> message, Completion done) = 0;
+  // Called on the worker thread for every message received; `from` is empty when the sender is
+  // not one of our peers. The bytes are valid during the call only.
+  using MessageHandler =
+      std::function<void(std::optional<PeerId> from, std::span<const uint8_t> message)>;
+  virtual void SetMessageHandler(MessageHandler handler) = 0;
+
+  // --- immediate counters (receiving side) ---
+  // Immediates with a counter are counted; others go to the unmatched handler. Create the counter
+  // before any peer can send its immediate.
+  virtual Status CreateImmCounter(uint32_t imm) = 0;
+  virtual StatusOr<uint64_t> ImmCount(uint32_t imm) const = 0;
+  // Blocks the calling thread until the count reaches `target`.
+  virtual Status WaitImm(uint32_t imm, uint64_t target, Deadline deadline) const = 0;
+  // Calls `done` (on the worker) once the count reaches `target`, or with DeadlineExceeded.
+  // One armed notification per counter at a time.
+  virtual Status NotifyImm(uint32_t imm, uint64_t target, Deadline deadline,
+                           DoneCallback done) = 0;
+  // Subtracts n from the count so the counter can serve the next round; FailedPrecondition if
+  // fewer than n arrived.
+  virtual Status ConsumeImm(uint32_t imm, uint64_t n) = 0;
+  using UnmatchedImmHandler = std::function<void(uint32_t imm)>;
+  virtual void SetUnmatchedImmHandler(UnmatchedImmHandler handler) = 0;
+
+  virtual EngineStats stats() const = 0;
+
+ protected:
+  friend class MemoryRegion;
+  virtual void Deregister(MemoryRegion& region) = 0;
+  static void InitRegion(MemoryRegion& region, std::shared_ptr<RegistrationOwner> owner,
+                         void* handle, void* data,
+                         uint64_t length, MemoryKind kind, void* local_desc,
+                         const RemoteRegion& remote);
+  static void* RegionHandle(const MemoryRegion& region) { return region.handle_; }
+};
+
+}  // namespace ferry

@@ -1,0 +1,232 @@
+// The embedded bootstrap: forked ranks, one socketpair each to the launcher, which relays
+// all-gather rounds. Frames are [u32 length][bytes]; a round ends when every rank has sent one
+// frame, and the launcher answers each rank with [u32 count]([u32 length][bytes])*.
+#include "ferry/bootstrap.h"
+
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <unordered_map>
+
+namespace ferry {
+namespace {
+
+using Millis = std::chrono::milliseconds;
+using SteadyClock = std::chrono::steady_clock;
+
+// Reads or writes exactly n bytes before `deadline`.
+Status IoExact(int fd, void* buf, size_t n, bool write, SteadyClock::time_point deadline) {
+  auto* p = static_cast<uint8_t*>(buf);
+  while (n > 0) {
+    auto left = std::chrono::duration_cast<Millis>(deadline - SteadyClock::now()).count();
+    if (left <= 0) return DeadlineExceededError("bootstrap: peer did not answer in time");
+    pollfd pfd{fd, static_cast<short>(write ? POLLOUT : POLLIN), 0};
+    int r = poll(&pfd, 1, static_cast<int>(std::min<long>(left, 1000)));
+    if (r < 0 && errno != EINTR) return ErrnoError("bootstrap poll", errno);
+    if (r <= 0) continue;
+    ssize_t got = write ? ::send(fd, p, n, MSG_NOSIGNAL) : ::recv(fd, p, n, 0);
+    if (got == 0) return UnavailableError("bootstrap: connection closed (a rank died)");
+    if (got < 0) {
+      if (errno == EINTR || errno == EAGAIN) continue;
+      if (errno == EPIPE || errno == ECONNRESET) {
+        return UnavailableError("bootstrap: connection lost (a rank died)");
+      }
+      return ErrnoError("bootstrap io", errno);
+    }
+    p += got;
+    n -= static_cast<size_t>(got);
+  }
+  return Status::Ok();
+}
+
+class SocketBootstrap final : public Bootstrap {
+ public:
+  SocketBootstrap(int rank, int world_size, int fd) : rank_(rank), size_(world_size), fd_(fd) {}
+  ~SocketBootstrap() override { close(fd_); }
+  int rank() const override { return rank_; }
+  int world_size() const override { return size_; }
+
+  StatusOr<std::vector<std::vector<uint8_t>>> AllGather(std::span<const uint8_t> mine,
+                                                        Millis timeout) override {
+    auto deadline = SteadyClock::now() + timeout;
+    uint32_t len = static_cast<uint32_t>(mine.size());
+    RETURN_IF_ERROR(IoExact(fd_, &len, sizeof len, true, deadline));
+    RETURN_IF_ERROR(IoExact(fd_, const_cast<uint8_t*>(mine.data()), mine.size(), true, deadline));
+    uint32_t count = 0;
+    RETURN_IF_ERROR(IoExact(fd_, &count, sizeof count, false, deadline));
+    if (count != static_cast<uint32_t>(size_)) {
+      return DataLossError("bootstrap: round has " + std::to_string(count) + " entries");
+    }
+    std::vector<std::vector<uint8_t>> all(count);
+    for (auto& entry : all) {
+      RETURN_IF_ERROR(IoExact(fd_, &len, sizeof len, false, deadline));
+      entry.resize(len);
+      RETURN_IF_ERROR(IoExact(fd_, entry.data(), len, false, deadline));
+    }
+    return all;
+  }
+
+ private:
+  int rank_, size_, fd_;
+};
+
+// The launcher's side: collects one frame per live rank, then answers all of them.
+class Relay {
+ public:
+  explicit Relay(std::vector<int> fds) : fds_(std::move(fds)), frames_(fds_.size()),
+                                         have_(fds_.size(), false) {}
+
+  // Reads what is readable on fd i; returns false when the rank hung up.
+  bool OnReadable(size_t i) {
+    Buffer& b = partial_[i];
+    uint8_t chunk[4096];
+    ssize_t got = ::recv(fds_[i], chunk, sizeof chunk, MSG_DONTWAIT);
+    if (got <= 0) return got < 0 && (errno == EAGAIN || errno == EINTR);
+    b.bytes.insert(b.bytes.end(), chunk, chunk + got);
+    while (b.bytes.size() >= 4) {
+      uint32_t len;
+      std::memcpy(&len, b.bytes.data(), 4);
+      if (b.bytes.size() < 4 + size_t{len}) break;
+      frames_[i].assign(b.bytes.begin() + 4, b.bytes.begin() + 4 + len);
+      have_[i] = true;
+      b.bytes.erase(b.bytes.begin(), b.bytes.begin() + 4 + len);
+    }
+    return true;
+  }
+
+  bool RoundComplete() const {
+    for (bool h : have_) if (!h) return false;
+    return true;
+  }
+
+  void Answer() {
+    std::vector<uint8_t> out;
+    auto put32 = [&](uint32_t v) { out.insert(out.end(), (uint8_t*)&v, (uint8_t*)&v + 4); };
+    put32(static_cast<uint32_t>(frames_.size()));
+    for (auto& f : frames_) {
+      put32(static_cast<uint32_t>(f.size()));
+      out.insert(out.end(), f.begin(), f.end());
+    }
+    for (int fd : fds_) {
+      Status s = IoExact(fd, out.data(), out.size(), true, SteadyClock::now() + Millis(10000));
+      (void)s;  // a rank that died will be seen by its peers
+    }
+    for (size_t i = 0; i < have_.size(); ++i) have_[i] = false;
+  }
+
+ private:
+  struct Buffer {
+    std::vector<uint8_t> bytes;
+  };
+  std::vector<int> fds_;
+  std::vector<std::vector<uint8_t>> frames_;
+  std::vector<bool> have_;
+  std::unordered_map<size_t, Buffer> partial_;
+};
+
+}  // namespace
+
+Status Bootstrap::Barrier(Millis timeout) {
+  uint8_t none = 0;
+  auto r = AllGather(std::span<const uint8_t>(&none, 1), timeout);
+  return r.status();
+}
+
+std::vector<RankExit> RunLocalRanks(int world_size, const std::function<Status(Bootstrap&)>& body,
+                                    Millis timeout) {
+  std::vector<RankExit> exits(world_size);
+  std::vector<pid_t> pids(world_size, -1);
+  std::vector<int> parent_fds;
+  std::fflush(nullptr);
+  for (int r = 0; r < world_size; ++r) {
+    int sv[2];
+    if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0) {
+      std::perror("socketpair");
+      break;
+    }
+    pid_t pid = fork();
+    if (pid == 0) {
+      for (int fd : parent_fds) close(fd);
+      close(sv[0]);
+      Status s;
+      {
+        SocketBootstrap bootstrap(r, world_size, sv[1]);
+        s = body(bootstrap);
+      }
+      if (!s.ok()) std::fprintf(stderr, "[rank %d] %s\n", r, s.ToString().c_str());
+      std::fflush(nullptr);
+      _exit(s.ok() ? 0 : 1);
+    }
+    close(sv[1]);
+    if (pid < 0) {
+      std::perror("fork");
+      close(sv[0]);
+      break;
+    }
+    pids[r] = pid;
+    parent_fds.push_back(sv[0]);
+  }
+
+  Relay relay(parent_fds);
+  std::vector<bool> open(parent_fds.size(), true);
+  int running = static_cast<int>(parent_fds.size());
+  auto deadline = SteadyClock::now() + timeout;
+  while (running > 0) {
+    // Reap ranks that finished.
+    for (int r = 0; r < static_cast<int>(pids.size()); ++r) {
+      if (pids[r] <= 0) continue;
+      int st = 0;
+      if (waitpid(pids[r], &st, WNOHANG) == pids[r]) {
+        exits[r].exit_code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+        exits[r].signal = WIFSIGNALED(st) ? WTERMSIG(st) : 0;
+        pids[r] = -1;
+        --running;
+      }
+    }
+    if (SteadyClock::now() >= deadline) {
+      for (int r = 0; r < static_cast<int>(pids.size()); ++r) {
+        if (pids[r] <= 0) continue;
+        kill(pids[r], SIGKILL);
+        waitpid(pids[r], nullptr, 0);
+        exits[r].timed_out = true;
+        pids[r] = -1;
+        --running;
+      }
+      break;
+    }
+    std::vector<pollfd> pfds;
+    std::vector<size_t> which;
+    for (size_t i = 0; i < parent_fds.size(); ++i) {
+      if (open[i]) {
+        pfds.push_back({parent_fds[i], POLLIN, 0});
+        which.push_back(i);
+      }
+    }
+    int n = pfds.empty() ? (usleep(2000), 0) : poll(pfds.data(), pfds.size(), 5);
+    for (int k = 0; n > 0 && k < static_cast<int>(pfds.size()); ++k) {
+      if (pfds[k].revents & (POLLIN | POLLHUP | POLLERR)) {
+        size_t i = which[k];
+        if (!relay.OnReadable(i)) {
+          // A rank hung up: the round can never complete; close everyone's link so that
+          // ranks blocked in AllGather see Unavailable instead of waiting out their deadline.
+          for (size_t j = 0; j < parent_fds.size(); ++j) {
+            if (open[j]) shutdown(parent_fds[j], SHUT_RDWR);
+            open[j] = false;
+          }
+        }
+      }
+    }
+    if (relay.RoundComplete()) relay.Answer();
+  }
+  for (int fd : parent_fds) close(fd);
+  return exits;
+}
+
+}  // namespace ferry

@@ -1,0 +1,77 @@
+// FaultInjectionDomain: a Domain decorator for tests, in the manner of LevelDB's
+// FaultInjectionTestEnv. It forwards to a real backend and, on demand, turns the completions of
+// writes aimed at one remote key into provider errors, or swallows them (a peer that never acks).
+#pragma once
+
+#include <atomic>
+#include <mutex>
+#include <unordered_set>
+
+#include "fabric/domain.h"
+
+namespace ferry::fabric {
+
+class FaultInjectionDomain final : public Domain {
+ public:
+  explicit FaultInjectionDomain(std::unique_ptr<Domain> base) : base_(std::move(base)) {}
+
+  // Writes to `key` complete with an error carrying `message`.
+  void FailWritesToKey(uint64_t key) { fail_key_.store(key); }
+  // Writes to `key` never complete.
+  void SwallowWritesToKey(uint64_t key) { swallow_key_.store(key); }
+
+  const FabricInfo& info() const override { return base_->info(); }
+  std::vector<uint8_t> Name() const override { return base_->Name(); }
+  StatusOr<uint64_t> InsertPeer(std::span<const uint8_t> name) override {
+    return base_->InsertPeer(name);
+  }
+  Status RemovePeer(uint64_t addr) override { return base_->RemovePeer(addr); }
+  StatusOr<Registration> Register(void* data, uint64_t length, MemoryKind kind,
+                                  int device) override {
+    return base_->Register(data, length, kind, device);
+  }
+  void Deregister(void* handle) override { base_->Deregister(handle); }
+
+  PostResult PostWrite(const WriteWr& wr, Status* error) override {
+    PostResult r = base_->PostWrite(wr, error);
+    if (r == PostResult::kPosted) {
+      std::lock_guard<std::mutex> l(mu_);
+      if (wr.key == fail_key_.load()) failing_.insert(wr.context);
+      if (wr.key == swallow_key_.load()) swallowed_.insert(wr.context);
+    }
+    return r;
+  }
+  PostResult PostSend(const void* data, uint64_t length, void* desc, uint64_t peer,
+                      OpContext* ctx, Status* error) override {
+    return base_->PostSend(data, length, desc, peer, ctx, error);
+  }
+  PostResult PostRecv(void* data, uint64_t length, void* desc, OpContext* ctx,
+                      Status* error) override {
+    return base_->PostRecv(data, length, desc, ctx, error);
+  }
+
+  size_t Poll(std::span<DomainCompletion> out) override {
+    size_t n = base_->Poll(out);
+    size_t kept = 0;
+    std::lock_guard<std::mutex> l(mu_);
+    for (size_t i = 0; i < n; ++i) {
+      DomainCompletion& c = out[i];
+      if (c.kind == CompletionKind::kLocal && swallowed_.erase(c.context)) continue;
+      if (c.kind == CompletionKind::kLocal && failing_.erase(c.context)) {
+        c.error = InternalError("injected fault: remote access error");
+      }
+      if (kept != i) out[kept] = std::move(c);
+      ++kept;
+    }
+    return kept;
+  }
+
+ private:
+  std::unique_ptr<Domain> base_;
+  std::atomic<uint64_t> fail_key_{~uint64_t{0}};
+  std::atomic<uint64_t> swallow_key_{~uint64_t{0}};
+  std::mutex mu_;
+  std::unordered_set<const OpContext*> failing_, swallowed_;
+};
+
+}  // namespace ferry::fabric

@@ -1,0 +1,59 @@
+#include "fabric/imm_counters.h"
+
+#include <string>
+
+namespace ferry::fabric {
+
+ImmCounterTable::ImmCounterTable(uint32_t capacity) : capacity_(capacity) {
+  uint32_t n = 16;
+  while (n < 2 * capacity) n <<= 1;  // load factor <= 1/2 keeps probes short
+  mask_ = n - 1;
+  slots_ = std::make_unique<Slot[]>(n);
+}
+
+Status ImmCounterTable::Create(uint32_t imm) {
+  if (size_.fetch_add(1, std::memory_order_relaxed) >= capacity_) {
+    size_.fetch_sub(1, std::memory_order_relaxed);
+    return ResourceExhaustedError("immediate counter table is full (" +
+                                  std::to_string(capacity_) + " counters)");
+  }
+  const uint64_t want = uint64_t{imm} + 1;
+  for (uint32_t i = Hash(imm);; ++i) {
+    Slot& slot = slots_[i & mask_];
+    uint64_t key = slot.key.load(std::memory_order_acquire);
+    if (key == 0 && slot.key.compare_exchange_strong(key, want, std::memory_order_acq_rel)) {
+      return Status::Ok();
+    }
+    if (key == want) {
+      size_.fetch_sub(1, std::memory_order_relaxed);
+      return AlreadyExistsError("immediate counter " + std::to_string(imm) + " exists");
+    }
+  }
+}
+
+ImmCounterTable::Slot* ImmCounterTable::Find(uint32_t imm) const {
+  const uint64_t want = uint64_t{imm} + 1;
+  for (uint32_t i = Hash(imm), probes = 0; probes <= mask_; ++i, ++probes) {
+    Slot& slot = slots_[i & mask_];
+    uint64_t key = slot.key.load(std::memory_order_acquire);
+    if (key == want) return &slot;
+    if (key == 0) return nullptr;
+  }
+  return nullptr;
+}
+
+Status ImmCounterTable::Consume(uint32_t imm, uint64_t n) {
+  Slot* slot = Find(imm);
+  if (!slot) return NotFoundError("no immediate counter " + std::to_string(imm));
+  uint64_t cur = slot->count.load(std::memory_order_acquire);
+  do {
+    if (cur < n) {
+      return FailedPreconditionError("immediate counter " + std::to_string(imm) + " holds " +
+                                     std::to_string(cur) + ", cannot consume " +
+                                     std::to_string(n));
+    }
+  } while (!slot->count.compare_exchange_weak(cur, cur - n, std::memory_order_acq_rel));
+  return Status::Ok();
+}
+
+}  // namespace ferry::fabric

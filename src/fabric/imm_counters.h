@@ -1,0 +1,50 @@
+// ImmCounterTable: counts immediates by value, lock-free, with a fixed capacity.
+//
+// The worker thread increments counts as writes land; any thread creates counters, reads them,
+// waits on them, or consumes from them. Counters are never deleted (a slot's key, once set, is
+// permanent), which is what makes lookups lock-free: open addressing with linear probing over
+// atomic keys. Notification state (target, deadline, callback) belongs to the worker alone.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+
+#include "ferry/fabric.h"
+#include "ferry/status.h"
+
+namespace ferry::fabric {
+
+class ImmCounterTable {
+ public:
+  struct Slot {
+    std::atomic<uint64_t> key{0};  // imm + 1; 0 = empty
+    std::atomic<uint64_t> count{0};
+    // Worker-owned: the armed notification, if any.
+    bool armed = false;
+    uint64_t target = 0;
+    Clock::time_point deadline;
+    Completion on_reached;
+  };
+
+  explicit ImmCounterTable(uint32_t capacity);
+
+  // AlreadyExists if the counter exists; ResourceExhausted past capacity.
+  Status Create(uint32_t imm);
+  // Null if no counter exists for imm. Lock-free; any thread.
+  Slot* Find(uint32_t imm) const;
+  // Subtracts n; FailedPrecondition if the count is below n.
+  Status Consume(uint32_t imm, uint64_t n);
+
+ private:
+  static uint32_t Hash(uint32_t imm) {
+    uint32_t h = imm * 0x9E3779B1u;
+    return h ^ (h >> 16);
+  }
+  std::unique_ptr<Slot[]> slots_;
+  uint32_t mask_ = 0;
+  uint32_t capacity_ = 0;
+  std::atomic<uint32_t> size_{0};
+};
+
+}  // namespace ferry::fabric

@@ -1,0 +1,48 @@
+// Shared helpers for fabric tests: which providers to run over and how to configure them.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "ferry/fabric.h"
+
+namespace ferry::testing_util {
+
+// The software providers every machine has. FERRY_TEST_PROVIDERS="shm" narrows the list.
+inline std::vector<std::string> Providers() {
+  if (const char* env = std::getenv("FERRY_TEST_PROVIDERS")) {
+    std::vector<std::string> out;
+    std::string s(env);
+    size_t start = 0;
+    while (start <= s.size()) {
+      size_t end = s.find(',', start);
+      if (end == std::string::npos) end = s.size();
+      if (end > start) out.push_back(s.substr(start, end - start));
+      start = end + 1;
+    }
+    return out;
+  }
+  return {"shm", "tcp;ofi_rxm"};
+}
+
+inline std::string ProviderTestName(const ::testing::TestParamInfo<std::string>& info) {
+  std::string name;
+  for (char c : info.param) name += std::isalnum(static_cast<unsigned char>(c)) ? c : '_';
+  return name;
+}
+
+// Small pools and gentle idling: tests run many engines on two cores.
+inline EngineOptions TestOptions(const std::string& provider) {
+  EngineOptions o;
+  o.provider = provider;
+  if (provider.find("tcp") != std::string::npos) o.node = "127.0.0.1";
+  o.spin_us = 20;
+  o.idle_yield_us = 200;
+  o.idle_sleep_us = 200;
+  o.transfer_timeout_ms = 5000;
+  return o;
+}
+
+}  // namespace ferry::testing_util

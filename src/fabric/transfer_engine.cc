@@ -1,0 +1,1382 @@
+// The TransferEngine: submission from any thread, one worker thread that owns the Domain.
+//
+// Life of a transfer:
+//   caller thread: Submit validates everything (peer, descriptors, bounds, page indices), takes an
+//     admission ticket (max_transfers), resolves addresses, pushes a Request on the lock-free
+//     queue and wakes the worker if it sleeps. Nothing is allocated, nothing locked.
+//   worker thread: pops the Request into a Transfer slot, expands it into work requests (one per
+//     chunk, page, slice or member) as provider queue space and WR contexts allow, polls the CQ,
+//     and finishes the transfer when its last WR completes: exactly one Completion::Finish.
+// A transfer that outlives transfer_timeout_ms fails with DeadlineExceeded and marks its peer
+// lost; its WRs still owned by the provider keep the slot until they complete or the engine closes.
+//
+// Control operations (registration, peers, groups, handlers) are rare and run on the worker too,
+// because the provider is opened with FI_THREAD_DOMAIN: only the worker touches the Domain.
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "common/backoff.h"
+#include "common/bounded_queue.h"
+#include "fabric/domain.h"
+#include "fabric/engine_internal.h"
+#include "fabric/imm_counters.h"
+#include "fabric/wire.h"
+#include "ferry/fabric.h"
+
+namespace ferry {
+
+// ---------------------------------------------------------------------------------------------
+// Public helpers declared in fabric.h.
+
+void Completion::Finish(const Status& status) {
+  if (counter_) {
+    (status.ok() ? counter_->done : counter_->failed).fetch_add(1, std::memory_order_acq_rel);
+    counter_ = nullptr;
+  }
+  if (callback_) {
+    callback_(status);
+    callback_.Reset();
+  }
+}
+
+Status TransferCounter::Wait(uint64_t n, Deadline deadline) const {
+  Backoff backoff;
+  for (;;) {
+    uint64_t seen = done.load(std::memory_order_acquire) + failed.load(std::memory_order_acquire);
+    if (seen >= n) return Status::Ok();
+    if (deadline.Expired()) {
+      return DeadlineExceededError("transfer counter: waited for " + std::to_string(n) +
+                                   " completions, saw " + std::to_string(seen) + " (" +
+                                   std::to_string(failed.load()) + " failed)");
+    }
+    backoff.Pause();
+  }
+}
+
+struct RegistrationOwner {
+  std::mutex mu;
+  TransferEngine* engine = nullptr;  // null once the engine is gone
+};
+
+void MemoryRegion::Release() {
+  if (!owner_) return;
+  {
+    std::lock_guard<std::mutex> lock(owner_->mu);
+    if (owner_->engine) owner_->engine->Deregister(*this);
+  }
+  owner_.reset();
+  handle_ = nullptr;
+}
+
+MemoryRegion::MemoryRegion(MemoryRegion&& other) noexcept { *this = std::move(other); }
+
+MemoryRegion& MemoryRegion::operator=(MemoryRegion&& other) noexcept {
+  if (this != &other) {
+    Release();
+    owner_ = std::move(other.owner_);
+    handle_ = std::exchange(other.handle_, nullptr);
+    data_ = other.data_;
+    length_ = other.length_;
+    kind_ = other.kind_;
+    local_desc_ = other.local_desc_;
+    remote_ = other.remote_;
+  }
+  return *this;
+}
+
+MemoryRegion::~MemoryRegion() { Release(); }
+
+void TransferEngine::InitRegion(MemoryRegion& region, std::shared_ptr<RegistrationOwner> owner,
+                                void* handle, void* data, uint64_t length, MemoryKind kind,
+                                void* local_desc, const RemoteRegion& remote) {
+  region.owner_ = std::move(owner);
+  region.handle_ = handle;
+  region.data_ = data;
+  region.length_ = length;
+  region.kind_ = kind;
+  region.local_desc_ = local_desc;
+  region.remote_ = remote;
+}
+
+namespace {
+
+uint32_t EnvU32(const char* name, uint32_t fallback) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  return static_cast<uint32_t>(std::strtoul(v, nullptr, 10));
+}
+
+}  // namespace
+
+EngineOptions EngineOptions::FromEnv() {
+  EngineOptions o;
+  if (const char* p = std::getenv("FERRY_PROVIDER")) o.provider = p;
+  if (const char* n = std::getenv("FERRY_NODE")) o.node = n;
+  if (const char* c = std::getenv("FERRY_WORKER_CPU")) o.worker_cpu = std::atoi(c);
+  if (const char* s = std::getenv("FERRY_SPIN_US")) o.spin_us = std::atoi(s);
+  o.max_transfers = EnvU32("FERRY_MAX_TRANSFERS", o.max_transfers);
+  o.message_bytes = EnvU32("FERRY_MSG_BYTES", o.message_bytes);
+  o.transfer_timeout_ms = EnvU32("FERRY_TRANSFER_TIMEOUT_MS", o.transfer_timeout_ms);
+  o.idle_sleep_us = EnvU32("FERRY_IDLE_SLEEP_US", o.idle_sleep_us);
+  return o;
+}
+
+namespace fabric {
+namespace {
+
+std::string PeerName(PeerId peer) { return "peer " + std::to_string(peer); }
+
+// OutOfRange unless [offset, offset + length) lies inside a region of region_length bytes.
+Status CheckRange(const char* side, uint64_t offset, uint64_t length, uint64_t region_length) {
+  if (offset > region_length || length > region_length - offset) {
+    return OutOfRangeError(std::string(side) + " offset " + std::to_string(offset) +
+                           " + length " + std::to_string(length) + " exceeds region length " +
+                           std::to_string(region_length));
+  }
+  return Status::Ok();
+}
+
+// Byte offset of page `index`: base + index * stride, with overflow reported as OutOfRange.
+Status PageOffset(const char* side, uint64_t base, uint32_t index, uint64_t stride,
+                  uint64_t* out) {
+  unsigned __int128 v = static_cast<unsigned __int128>(index) * stride + base;
+  if (v > ~uint64_t{0}) {
+    return OutOfRangeError(std::string(side) + " page " + std::to_string(index) + " overflows");
+  }
+  *out = static_cast<uint64_t>(v);
+  return Status::Ok();
+}
+
+enum class Kind : uint8_t { kSingle, kPaged, kScatter, kBarrier, kImm, kSend, kNotify };
+
+struct PeerEntry {
+  uint64_t addr = 0;  // provider address (fi_addr_t)
+  uint64_t engine_id = 0;
+  uint64_t sink_base = 0;
+  uint64_t sink_key = 0;
+  std::atomic<bool> lost{false};
+};
+
+struct ScatterMember {
+  PeerId peer;
+  uint64_t addr;
+  uint64_t base;
+  uint64_t key;
+  uint64_t length;
+};
+
+struct ScatterPlan {
+  const uint8_t* src = nullptr;
+  uint64_t src_length = 0;
+  void* src_desc = nullptr;
+  std::vector<ScatterMember> members;
+};
+
+struct PeerGroup {
+  std::vector<PeerId> members;
+};
+
+// A submitted transfer, as it travels through the submission queue. Everything the worker needs
+// is resolved on the caller's thread.
+struct Request {
+  Kind kind = Kind::kSingle;
+  bool has_imm = false;
+  uint32_t imm = 0;
+  PeerId peer = 0;             // single-peer kinds
+  uint64_t peer_addr = 0;
+  const uint8_t* src = nullptr;  // local bytes of offset 0 (after src_offset)
+  void* src_desc = nullptr;
+  uint64_t dst = 0;  // provider address of the destination's offset 0 (after dst_offset)
+  uint64_t key = 0;
+  uint64_t length = 0;  // single: bytes; paged: page bytes; send: bytes
+  uint64_t src_stride = 0;
+  uint64_t dst_stride = 0;
+  const uint32_t* src_pages = nullptr;
+  const uint32_t* dst_pages = nullptr;
+  uint32_t count = 0;  // pages, targets or members
+  const ScatterPlan* plan = nullptr;
+  const ScatterTarget* targets = nullptr;
+  const PeerGroup* group = nullptr;
+  const PeerEntry* peers = nullptr;  // the peer table, for barrier members
+  uint32_t send_buffer = 0;
+  // kNotify
+  ImmCounterTable::Slot* slot = nullptr;
+  uint64_t target = 0;
+  Clock::time_point deadline;
+  Completion done;
+};
+
+struct Transfer;
+
+// One posted work request. Its OpContext comes first so the provider's context pointer is ours.
+struct WrSlot {
+  OpContext ctx;
+  Transfer* transfer = nullptr;
+};
+static_assert(offsetof(WrSlot, ctx) == 0, "the provider context must be WrSlot's first member");
+
+struct Transfer {
+  Request req;
+  uint32_t total = 0;        // WRs this transfer posts
+  uint32_t next = 0;         // next WR to post
+  uint32_t outstanding = 0;  // posted, not completed
+  uint64_t chunk = 0;        // single: bytes per WR
+  bool finished = false;     // Completion already ran (a timed-out transfer may still own WRs)
+  bool queued = false;       // on the pending-post list
+  bool tail_deferred = false;  // single: the immediate-carrying last chunk waits for the others
+  Clock::time_point deadline;
+  Status error;
+  // Intrusive lists owned by the worker.
+  Transfer* active_prev = nullptr;
+  Transfer* active_next = nullptr;
+};
+
+struct RecvSlot {
+  OpContext ctx;
+  uint32_t index = 0;
+};
+
+class Futex {
+ public:
+  static void Wait(std::atomic<uint32_t>* word, uint32_t expected, uint32_t timeout_us) {
+    timespec ts{static_cast<time_t>(timeout_us / 1000000),
+                static_cast<long>(timeout_us % 1000000) * 1000};
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT_PRIVATE, expected, &ts,
+            nullptr, 0);
+  }
+  static void WakeOne(std::atomic<uint32_t>* word) {
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE_PRIVATE, 1, nullptr,
+            nullptr, 0);
+  }
+};
+
+class Engine final : public TransferEngine {
+ public:
+  Engine(const EngineOptions& options, std::unique_ptr<Domain> domain)
+      : options_(options),
+        domain_(std::move(domain)),
+        queue_(options.submit_queue_depth),
+        free_send_buffers_(std::max<uint32_t>(options.num_send_buffers, 1)),
+        counters_(options.max_imm_counters),
+        owner_(std::make_shared<RegistrationOwner>()) {
+    owner_->engine = this;
+    std::random_device rd;
+    id_ = (uint64_t{rd()} << 32 | rd()) | 1;  // never 0
+  }
+
+  ~Engine() override {
+    {
+      std::lock_guard<std::mutex> lock(owner_->mu);
+      owner_->engine = nullptr;
+    }
+    Shutdown();
+    // Close the endpoint while the WR contexts and buffers it may still reference exist.
+    domain_.reset();
+  }
+
+  Status Init() {
+    const FabricInfo& info = domain_->info();
+    max_chunk_ = std::min<uint64_t>(info.max_msg_size, uint64_t{1} << 30);
+    uint32_t wrs = options_.max_outstanding_wrs;
+    if (info.tx_size > 0) wrs = std::min<uint32_t>(wrs, static_cast<uint32_t>(info.tx_size));
+    wr_slots_ = std::make_unique<WrSlot[]>(wrs);
+    free_wrs_.reserve(wrs);
+    for (uint32_t i = wrs; i > 0; --i) free_wrs_.push_back(&wr_slots_[i - 1]);
+
+    transfers_ = std::make_unique<Transfer[]>(options_.max_transfers);
+    free_transfers_.reserve(options_.max_transfers);
+    for (uint32_t i = options_.max_transfers; i > 0; --i) {
+      free_transfers_.push_back(&transfers_[i - 1]);
+    }
+    pending_.resize(options_.max_transfers);
+    scratch_.reserve(options_.max_transfers);
+    peers_ = std::make_unique<PeerEntry[]>(options_.max_peers);
+    groups_.resize(options_.max_groups);
+    plans_.resize(options_.max_scatter_plans);
+
+    // The sink receives immediate-only writes: zero bytes land there, the immediate is the point.
+    sink_.resize(64);
+    ASSIGN_OR_RETURN(sink_reg_, domain_->Register(sink_.data(), sink_.size(), MemoryKind::kHost, 0));
+
+    uint32_t rx = std::max<uint32_t>(options_.num_recv_buffers, 1);
+    if (info.rx_size > 0) rx = std::min<uint32_t>(rx, static_cast<uint32_t>(info.rx_size));
+    recv_buffers_.resize(uint64_t{rx} * options_.message_bytes);
+    ASSIGN_OR_RETURN(recv_reg_, domain_->Register(recv_buffers_.data(), recv_buffers_.size(),
+                                                  MemoryKind::kHost, 0));
+    recv_slots_ = std::make_unique<RecvSlot[]>(rx);
+    num_recv_slots_ = rx;
+    for (uint32_t i = 0; i < rx; ++i) {
+      recv_slots_[i].index = i;
+      RETURN_IF_ERROR(PostRecvSlot(i));
+    }
+    send_buffers_.resize(uint64_t{options_.num_send_buffers} * options_.message_bytes);
+    if (!send_buffers_.empty()) {
+      ASSIGN_OR_RETURN(send_reg_, domain_->Register(send_buffers_.data(), send_buffers_.size(),
+                                                    MemoryKind::kHost, 0));
+    }
+    for (uint32_t i = 0; i < options_.num_send_buffers; ++i) {
+      uint32_t index = i;
+      free_send_buffers_.TryPush(std::move(index));
+    }
+
+    EngineAddress address;
+    address.engine_id = id_;
+    address.provider = info.provider;
+    address.name = domain_->Name();
+    address.sink_base = sink_reg_.base;
+    address.sink_key = sink_reg_.key;
+    address_ = address.Serialize();
+
+    worker_ = std::thread([this] { WorkerMain(); });
+    return Status::Ok();
+  }
+
+  const FabricInfo& info() const override { return domain_->info(); }
+  uint64_t id() const override { return id_; }
+  std::vector<uint8_t> Address() const override { return address_; }
+
+  // ----- memory -----------------------------------------------------------------------------
+
+  StatusOr<MemoryRegion> RegisterMemory(void* data, uint64_t length, MemoryKind kind,
+                                        int device) override {
+    if (data == nullptr || length == 0) {
+      return InvalidArgumentError("RegisterMemory: null pointer or zero length");
+    }
+    Registration reg;
+    RETURN_IF_ERROR(RunOnWorker([&]() -> Status {
+      ASSIGN_OR_RETURN(reg, domain_->Register(data, length, kind, device));
+      return Status::Ok();
+    }));
+    MemoryRegion region;
+    RemoteRegion remote{id_, reg.base, reg.key, length};
+    InitRegion(region, owner_, reg.handle, data, length, kind, reg.local_desc, remote);
+    return region;
+  }
+
+  void Deregister(MemoryRegion& region) override {
+    void* handle = RegionHandle(region);
+    if (!handle) return;
+    Status s = RunOnWorker([&]() -> Status {
+      domain_->Deregister(handle);
+      return Status::Ok();
+    });
+    (void)s;  // after shutdown the domain closes its remaining registrations itself
+  }
+
+  // ----- peers ------------------------------------------------------------------------------
+
+  StatusOr<PeerId> AddPeer(std::span<const uint8_t> address_bytes) override {
+    ASSIGN_OR_RETURN(EngineAddress address, EngineAddress::Parse(address_bytes));
+    if (address.provider != info().provider) {
+      return InvalidArgumentError("peer address is for provider '" + address.provider +
+                                  "', this engine uses '" + info().provider + "'");
+    }
+    std::lock_guard<std::mutex> lock(add_mu_);
+    uint32_t n = num_peers_.load(std::memory_order_relaxed);
+    if (n >= options_.max_peers) {
+      return ResourceExhaustedError("peer table full (" + std::to_string(options_.max_peers) +
+                                    ")");
+    }
+    uint64_t addr = 0;
+    RETURN_IF_ERROR(RunOnWorker([&]() -> Status {
+      ASSIGN_OR_RETURN(addr, domain_->InsertPeer(address.name));
+      peer_by_addr_[addr] = n;
+      return Status::Ok();
+    }));
+    PeerEntry& e = peers_[n];
+    e.addr = addr;
+    e.engine_id = address.engine_id;
+    e.sink_base = address.sink_base;
+    e.sink_key = address.sink_key;
+    num_peers_.store(n + 1, std::memory_order_release);
+    return PeerId{n};
+  }
+
+  Status RemovePeer(PeerId peer) override {
+    RETURN_IF_ERROR(CheckPeer(peer));
+    return RunOnWorker([&]() -> Status {
+      MarkPeerLost(peer, UnavailableError(PeerName(peer) + " was removed"));
+      peer_by_addr_.erase(peers_[peer].addr);
+      return domain_->RemovePeer(peers_[peer].addr);
+    });
+  }
+
+  StatusOr<GroupId> AddPeerGroup(std::span<const PeerId> members) override {
+    if (members.empty()) return InvalidArgumentError("AddPeerGroup: no members");
+    for (PeerId p : members) {
+      if (p >= num_peers_.load(std::memory_order_acquire)) {
+        return NotFoundError("AddPeerGroup: unknown " + PeerName(p));
+      }
+    }
+    std::lock_guard<std::mutex> lock(add_mu_);
+    uint32_t n = num_groups_.load(std::memory_order_relaxed);
+    if (n >= options_.max_groups) return ResourceExhaustedError("peer group table full");
+    groups_[n] = std::make_unique<PeerGroup>(PeerGroup{{members.begin(), members.end()}});
+    num_groups_.store(n + 1, std::memory_order_release);
+    return GroupId{n};
+  }
+
+  StatusOr<ScatterPlanId> PrepareScatter(GroupId group, const MemoryRegion& src,
+                                         std::span<const RemoteRegion> dst) override {
+    RETURN_IF_ERROR(CheckLocal(&src));
+    ASSIGN_OR_RETURN(const PeerGroup* g, FindGroup(group));
+    if (dst.size() != g->members.size()) {
+      return InvalidArgumentError("PrepareScatter: " + std::to_string(dst.size()) +
+                                  " regions for a group of " + std::to_string(g->members.size()));
+    }
+    auto plan = std::make_unique<ScatterPlan>();
+    plan->src = static_cast<const uint8_t*>(src.data());
+    plan->src_length = src.length();
+    plan->src_desc = src.local_desc();
+    for (size_t i = 0; i < dst.size(); ++i) {
+      PeerId p = g->members[i];
+      RETURN_IF_ERROR(CheckOwner(p, dst[i]));
+      plan->members.push_back({p, peers_[p].addr, dst[i].base, dst[i].key, dst[i].length});
+    }
+    std::lock_guard<std::mutex> lock(add_mu_);
+    uint32_t n = num_plans_.load(std::memory_order_relaxed);
+    if (n >= options_.max_scatter_plans) return ResourceExhaustedError("scatter plan table full");
+    plans_[n] = std::move(plan);
+    num_plans_.store(n + 1, std::memory_order_release);
+    return ScatterPlanId{n};
+  }
+
+  // ----- submission -------------------------------------------------------------------------
+
+  Status Write(const SingleWrite& w, Completion done) override {
+    RETURN_IF_ERROR(CheckLocal(w.src));
+    RETURN_IF_ERROR(CheckPeer(w.peer));
+    RETURN_IF_ERROR(CheckOwner(w.peer, w.dst));
+    if (w.length == 0 && !w.imm) {
+      return InvalidArgumentError("Write: zero length and no immediate");
+    }
+    RETURN_IF_ERROR(CheckRange("src", w.src_offset, w.length, w.src->length()));
+    RETURN_IF_ERROR(CheckRange("dst", w.dst_offset, w.length, w.dst.length));
+    Request r;
+    r.kind = Kind::kSingle;
+    SetPeer(r, w.peer);
+    r.src = static_cast<const uint8_t*>(w.src->data()) + w.src_offset;
+    r.src_desc = w.src->local_desc();
+    r.dst = w.dst.base + w.dst_offset;
+    r.key = w.dst.key;
+    r.length = w.length;
+    SetImm(r, w.imm);
+    return Enqueue(std::move(r), std::move(done));
+  }
+
+  Status WritePaged(const PagedWrite& w, Completion done) override {
+    RETURN_IF_ERROR(CheckLocal(w.src));
+    RETURN_IF_ERROR(CheckPeer(w.peer));
+    RETURN_IF_ERROR(CheckOwner(w.peer, w.dst));
+    if (w.src_pages.size() != w.dst_pages.size()) {
+      return InvalidArgumentError("WritePaged: " + std::to_string(w.src_pages.size()) +
+                                  " source pages but " + std::to_string(w.dst_pages.size()) +
+                                  " destination pages");
+    }
+    if (w.page_bytes == 0) return InvalidArgumentError("WritePaged: page_bytes is 0");
+    if (w.page_bytes > max_chunk_) {
+      return InvalidArgumentError("WritePaged: page of " + std::to_string(w.page_bytes) +
+                                  " bytes exceeds the provider's message size " +
+                                  std::to_string(max_chunk_));
+    }
+    if (w.src_pages.size() > UINT32_MAX) return InvalidArgumentError("WritePaged: too many pages");
+    for (size_t i = 0; i < w.src_pages.size(); ++i) {
+      uint64_t src_off, dst_off;
+      RETURN_IF_ERROR(PageOffset("src", w.src_offset, w.src_pages[i], w.src_stride, &src_off));
+      RETURN_IF_ERROR(PageOffset("dst", w.dst_offset, w.dst_pages[i], w.dst_stride, &dst_off));
+      Status s = CheckRange("src", src_off, w.page_bytes, w.src->length());
+      if (s.ok()) s = CheckRange("dst", dst_off, w.page_bytes, w.dst.length);
+      if (!s.ok()) {
+        return s.WithContext("WritePaged page " + std::to_string(i) + " (src page " +
+                             std::to_string(w.src_pages[i]) + ", dst page " +
+                             std::to_string(w.dst_pages[i]) + ")");
+      }
+    }
+    Request r;
+    r.kind = Kind::kPaged;
+    SetPeer(r, w.peer);
+    r.src = static_cast<const uint8_t*>(w.src->data()) + w.src_offset;
+    r.src_desc = w.src->local_desc();
+    r.dst = w.dst.base + w.dst_offset;
+    r.key = w.dst.key;
+    r.length = w.page_bytes;
+    r.src_stride = w.src_stride;
+    r.dst_stride = w.dst_stride;
+    r.src_pages = w.src_pages.data();
+    r.dst_pages = w.dst_pages.data();
+    r.count = static_cast<uint32_t>(w.src_pages.size());
+    SetImm(r, w.imm);
+    return Enqueue(std::move(r), std::move(done));
+  }
+
+  Status Scatter(const ScatterWrite& w, Completion done) override {
+    if (w.plan >= num_plans_.load(std::memory_order_acquire)) {
+      return NotFoundError("Scatter: unknown plan " + std::to_string(w.plan));
+    }
+    const ScatterPlan* plan = plans_[w.plan].get();
+    if (w.targets.size() > UINT32_MAX) return InvalidArgumentError("Scatter: too many targets");
+    for (size_t i = 0; i < w.targets.size(); ++i) {
+      const ScatterTarget& t = w.targets[i];
+      if (t.member >= plan->members.size()) {
+        return OutOfRangeError("Scatter target " + std::to_string(i) + ": member " +
+                               std::to_string(t.member) + " of a group of " +
+                               std::to_string(plan->members.size()));
+      }
+      const ScatterMember& m = plan->members[t.member];
+      if (t.length > max_chunk_) {
+        return InvalidArgumentError("Scatter target " + std::to_string(i) + ": " +
+                                    std::to_string(t.length) +
+                                    " bytes exceed the provider's message size");
+      }
+      if (t.length == 0 && !w.imm) {
+        return InvalidArgumentError("Scatter target " + std::to_string(i) +
+                                    ": zero length and no immediate");
+      }
+      Status s = CheckRange("src", t.src_offset, t.length, plan->src_length);
+      if (s.ok()) s = CheckRange("dst", t.dst_offset, t.length, m.length);
+      if (s.ok()) s = CheckPeer(m.peer);
+      if (!s.ok()) return s.WithContext("Scatter target " + std::to_string(i));
+    }
+    Request r;
+    r.kind = Kind::kScatter;
+    r.plan = plan;
+    r.targets = w.targets.data();
+    r.count = static_cast<uint32_t>(w.targets.size());
+    SetImm(r, w.imm);
+    return Enqueue(std::move(r), std::move(done));
+  }
+
+  Status Barrier(GroupId group, uint32_t imm, Completion done) override {
+    ASSIGN_OR_RETURN(const PeerGroup* g, FindGroup(group));
+    for (PeerId p : g->members) RETURN_IF_ERROR(CheckPeer(p).WithContext("Barrier"));
+    Request r;
+    r.kind = Kind::kBarrier;
+    r.group = g;
+    r.peers = peers_.get();
+    r.count = static_cast<uint32_t>(g->members.size());
+    SetImm(r, imm);
+    return Enqueue(std::move(r), std::move(done));
+  }
+
+  Status WriteImm(PeerId peer, uint32_t imm, Completion done) override {
+    RETURN_IF_ERROR(CheckPeer(peer));
+    Request r;
+    r.kind = Kind::kImm;
+    SetPeer(r, peer);
+    r.dst = peers_[peer].sink_base;
+    r.key = peers_[peer].sink_key;
+    SetImm(r, imm);
+    return Enqueue(std::move(r), std::move(done));
+  }
+
+  Status Send(PeerId peer, std::span<const uint8_t> message, Completion done) override {
+    RETURN_IF_ERROR(CheckPeer(peer));
+    if (message.size() > options_.message_bytes) {
+      return InvalidArgumentError("Send: message of " + std::to_string(message.size()) +
+                                  " bytes exceeds message_bytes " +
+                                  std::to_string(options_.message_bytes));
+    }
+    uint32_t index = 0;
+    if (!free_send_buffers_.TryPop(index)) {
+      return ResourceExhaustedError("Send: all " + std::to_string(options_.num_send_buffers) +
+                                    " send buffers are in flight");
+    }
+    uint8_t* buf = send_buffers_.data() + uint64_t{index} * options_.message_bytes;
+    if (!message.empty()) std::memcpy(buf, message.data(), message.size());
+    Request r;
+    r.kind = Kind::kSend;
+    SetPeer(r, peer);
+    r.src = buf;
+    r.src_desc = send_reg_.local_desc;
+    r.length = message.size();
+    r.send_buffer = index;
+    Status s = Enqueue(std::move(r), std::move(done));
+    if (!s.ok()) free_send_buffers_.TryPush(std::move(index));
+    return s;
+  }
+
+  void SetMessageHandler(MessageHandler handler) override {
+    Status s = RunOnWorker([&]() -> Status {
+      message_handler_ = std::move(handler);
+      return Status::Ok();
+    });
+    (void)s;
+  }
+
+  // ----- immediate counters -----------------------------------------------------------------
+
+  Status CreateImmCounter(uint32_t imm) override { return counters_.Create(imm); }
+
+  StatusOr<uint64_t> ImmCount(uint32_t imm) const override {
+    const ImmCounterTable::Slot* slot = counters_.Find(imm);
+    if (!slot) return NotFoundError("no immediate counter " + std::to_string(imm));
+    return slot->count.load(std::memory_order_acquire);
+  }
+
+  Status WaitImm(uint32_t imm, uint64_t target, Deadline deadline) const override {
+    const ImmCounterTable::Slot* slot = counters_.Find(imm);
+    if (!slot) return NotFoundError("no immediate counter " + std::to_string(imm));
+    Backoff backoff;
+    for (;;) {
+      uint64_t seen = slot->count.load(std::memory_order_acquire);
+      if (seen >= target) return Status::Ok();
+      if (deadline.Expired()) {
+        return DeadlineExceededError("immediate counter " + std::to_string(imm) + ": expected " +
+                                     std::to_string(target) + ", seen " + std::to_string(seen));
+      }
+      backoff.Pause();
+    }
+  }
+
+  Status NotifyImm(uint32_t imm, uint64_t target, Deadline deadline,
+                   DoneCallback done) override {
+    ImmCounterTable::Slot* slot = counters_.Find(imm);
+    if (!slot) return NotFoundError("no immediate counter " + std::to_string(imm));
+    Request r;
+    r.kind = Kind::kNotify;
+    r.imm = imm;
+    r.slot = slot;
+    r.target = target;
+    r.deadline = deadline.at;
+    return Push(std::move(r), Completion::Callback(std::move(done)));
+  }
+
+  Status ConsumeImm(uint32_t imm, uint64_t n) override { return counters_.Consume(imm, n); }
+
+  void SetUnmatchedImmHandler(UnmatchedImmHandler handler) override {
+    Status s = RunOnWorker([&]() -> Status {
+      unmatched_handler_ = std::move(handler);
+      return Status::Ok();
+    });
+    (void)s;
+  }
+
+  EngineStats stats() const override {
+    EngineStats s;
+    s.transfers_submitted = stats_.submitted.load(std::memory_order_relaxed);
+    s.transfers_completed = stats_.completed.load(std::memory_order_relaxed);
+    s.transfers_failed = stats_.failed.load(std::memory_order_relaxed);
+    s.wrs_posted = stats_.wrs_posted.load(std::memory_order_relaxed);
+    s.post_retries = stats_.post_retries.load(std::memory_order_relaxed);
+    s.imms_received = stats_.imms.load(std::memory_order_relaxed);
+    s.imms_unmatched = stats_.imms_unmatched.load(std::memory_order_relaxed);
+    s.messages_received = stats_.messages.load(std::memory_order_relaxed);
+    if (worker_.joinable()) {
+      clockid_t cid;
+      timespec ts{};
+      if (pthread_getcpuclockid(const_cast<std::thread&>(worker_).native_handle(), &cid) == 0 &&
+          clock_gettime(cid, &ts) == 0) {
+        s.worker_cpu_ns = uint64_t(ts.tv_sec) * 1000000000ull + uint64_t(ts.tv_nsec);
+      }
+    }
+    return s;
+  }
+
+ private:
+  // ----- validation (caller threads) ---------------------------------------------------------
+
+  Status CheckLocal(const MemoryRegion* region) const {
+    if (region == nullptr || !region->valid()) {
+      return InvalidArgumentError("source region is null or not registered");
+    }
+    if (region->remote().engine_id != id_) {
+      return InvalidArgumentError("source region was registered with another engine");
+    }
+    return Status::Ok();
+  }
+
+  Status CheckPeer(PeerId peer) const {
+    if (peer >= num_peers_.load(std::memory_order_acquire)) {
+      return NotFoundError("unknown " + PeerName(peer));
+    }
+    if (peers_[peer].lost.load(std::memory_order_acquire)) {
+      return UnavailableError(PeerName(peer) + " is lost");
+    }
+    return Status::Ok();
+  }
+
+  // The descriptor must come from the engine we are writing to.
+  Status CheckOwner(PeerId peer, const RemoteRegion& region) const {
+    if (peer >= num_peers_.load(std::memory_order_acquire)) {
+      return NotFoundError("unknown " + PeerName(peer));
+    }
+    if (region.engine_id != peers_[peer].engine_id) {
+      return InvalidArgumentError("region descriptor belongs to another engine than " +
+                                  PeerName(peer));
+    }
+    return Status::Ok();
+  }
+
+  StatusOr<const PeerGroup*> FindGroup(GroupId group) const {
+    if (group >= num_groups_.load(std::memory_order_acquire)) {
+      return NotFoundError("unknown peer group " + std::to_string(group));
+    }
+    return groups_[group].get();
+  }
+
+  void SetPeer(Request& r, PeerId peer) const {
+    r.peer = peer;
+    r.peer_addr = peers_[peer].addr;
+  }
+  static void SetImm(Request& r, std::optional<uint32_t> imm) {
+    r.has_imm = imm.has_value();
+    r.imm = imm.value_or(0);
+  }
+
+  // Admission: at most max_transfers in flight, so the worker always finds a free slot.
+  Status Enqueue(Request&& r, Completion&& done) {
+    if (inflight_.fetch_add(1, std::memory_order_acq_rel) >= options_.max_transfers) {
+      inflight_.fetch_sub(1, std::memory_order_acq_rel);
+      return ResourceExhaustedError("too many transfers in flight (max_transfers " +
+                                    std::to_string(options_.max_transfers) + ")");
+    }
+    Status s = Push(std::move(r), std::move(done));
+    if (!s.ok()) {
+      inflight_.fetch_sub(1, std::memory_order_acq_rel);
+    } else {
+      stats_.submitted.fetch_add(1, std::memory_order_relaxed);
+    }
+    return s;
+  }
+
+  Status Push(Request&& r, Completion&& done) {
+    if (stopping_.load(std::memory_order_acquire)) {
+      return CancelledError("engine is shutting down");
+    }
+    r.done = std::move(done);
+    if (!queue_.TryPush(std::move(r))) {
+      // TryPush leaves r intact on failure; the caller keeps ownership of its completion.
+      return ResourceExhaustedError("submission queue full (" +
+                                    std::to_string(queue_.capacity()) + " requests)");
+    }
+    WakeWorker();
+    return Status::Ok();
+  }
+
+  void WakeWorker() {
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    if (sleeping_.load(std::memory_order_relaxed)) {
+      wake_word_.fetch_add(1, std::memory_order_release);
+      Futex::WakeOne(&wake_word_);
+    }
+  }
+
+  // Runs `fn` on the worker (or here, before the worker starts or after it stopped) and waits.
+  Status RunOnWorker(std::function<Status()> fn) {
+    struct Op {
+      std::function<Status()> fn;
+      Status result;
+      bool done = false;
+    } op{std::move(fn), {}, false};
+    {
+      std::unique_lock<std::mutex> lock(control_mu_);
+      if (!worker_running_) return CancelledError("engine worker is not running");
+      control_.push_back([&op, this] {
+        Status s = op.fn();
+        std::lock_guard<std::mutex> l(control_mu_);
+        op.result = std::move(s);
+        op.done = true;
+        control_cv_.notify_all();
+      });
+      control_pending_.store(true, std::memory_order_release);
+    }
+    WakeWorker();
+    std::unique_lock<std::mutex> lock(control_mu_);
+    if (!control_cv_.wait_for(lock, std::chrono::seconds(30), [&] { return op.done; })) {
+      // The worker is wedged; the op stays queued and will run (or be dropped) later, so it must
+      // not reference this frame: we cannot return. This only happens on a provider deadlock.
+      control_cv_.wait(lock, [&] { return op.done; });
+    }
+    return op.result;
+  }
+
+  // ----- worker -------------------------------------------------------------------------------
+
+  void WorkerMain() {
+    if (options_.worker_cpu >= 0) {
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      CPU_SET(options_.worker_cpu, &set);
+      pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+    }
+    Clock::time_point last_event = Clock::now();
+    Clock::time_point last_scan = last_event;
+    while (!stop_.load(std::memory_order_acquire)) {
+      size_t events = PollCompletions();
+      events += DrainQueue();
+      events += PostPending();
+      if (control_pending_.load(std::memory_order_acquire)) {
+        RunControl();
+        ++events;
+      }
+      Clock::time_point now = Clock::now();
+      if (now - last_scan > std::chrono::milliseconds(1)) {
+        ScanDeadlines(now);
+        last_scan = now;
+      }
+      if (events > 0) {
+        last_event = now;
+        continue;
+      }
+      Idle(now - last_event);
+    }
+    Drain();
+  }
+
+  void Idle(Clock::duration idle_for) {
+    if (options_.spin_us < 0) return;
+    auto idle_us = std::chrono::duration_cast<std::chrono::microseconds>(idle_for).count();
+    if (idle_us < options_.spin_us) {
+      CpuRelax();
+    } else if (idle_us < options_.idle_yield_us) {
+      sched_yield();
+    } else {
+      uint32_t seen = wake_word_.load(std::memory_order_acquire);
+      sleeping_.store(true, std::memory_order_relaxed);
+      std::atomic_thread_fence(std::memory_order_seq_cst);
+      if (queue_.ApproxEmpty() && !control_pending_.load(std::memory_order_relaxed) &&
+          !stop_.load(std::memory_order_relaxed)) {
+        Futex::Wait(&wake_word_, seen, options_.idle_sleep_us);
+      }
+      sleeping_.store(false, std::memory_order_relaxed);
+    }
+  }
+
+  void RunControl() {
+    std::deque<std::function<void()>> ops;
+    {
+      std::lock_guard<std::mutex> lock(control_mu_);
+      ops.swap(control_);
+      control_pending_.store(false, std::memory_order_release);
+    }
+    for (auto& op : ops) op();
+  }
+
+  size_t DrainQueue() {
+    size_t n = 0;
+    Request r;
+    while (n < 64 && queue_.TryPop(r)) {
+      ++n;
+      if (r.kind == Kind::kNotify) {
+        Arm(std::move(r));
+        continue;
+      }
+      Start(std::move(r));
+    }
+    return n;
+  }
+
+  void Start(Request&& r) {
+    Transfer* t = free_transfers_.back();  // admission guarantees one
+    free_transfers_.pop_back();
+    *t = Transfer{};
+    t->req = std::move(r);
+    t->deadline = Clock::now() + std::chrono::milliseconds(options_.transfer_timeout_ms);
+    switch (t->req.kind) {
+      case Kind::kSingle:
+        t->chunk = max_chunk_;
+        t->total = t->req.length == 0 ? 1
+                                      : static_cast<uint32_t>((t->req.length + max_chunk_ - 1) /
+                                                              max_chunk_);
+        break;
+      case Kind::kImm:
+      case Kind::kSend: t->total = 1; break;
+      default: t->total = t->req.count; break;
+    }
+    // Link into the active list.
+    t->active_next = active_;
+    if (active_) active_->active_prev = t;
+    active_ = t;
+    if (t->total == 0) {
+      Finish(t, Status::Ok());
+      return;
+    }
+    Enqueue(t);
+  }
+
+  void Enqueue(Transfer* t) {
+    if (t->queued) return;
+    t->queued = true;
+    pending_[(pending_head_ + pending_size_) % pending_.size()] = t;
+    ++pending_size_;
+  }
+
+  // Posts WRs of pending transfers, oldest first, while WR contexts and provider space last.
+  size_t PostPending() {
+    size_t posted = 0;
+    while (pending_size_ > 0) {
+      Transfer* t = pending_[pending_head_];
+      bool blocked = false;
+      while (t->next < t->total && !t->finished) {
+        if (t->tail_deferred || (t->req.kind == Kind::kSingle && t->total > 1 &&
+                                 t->req.has_imm && t->next == t->total - 1 && t->outstanding)) {
+          // The immediate must not overtake the data: post the last chunk after the others.
+          t->tail_deferred = true;
+          break;
+        }
+        if (free_wrs_.empty()) {
+          blocked = true;
+          break;
+        }
+        WrSlot* slot = free_wrs_.back();
+        slot->transfer = t;
+        Status error;
+        PostResult res = PostOne(t, t->next, slot, &error);
+        if (res == PostResult::kAgain) {
+          stats_.post_retries.store(stats_.post_retries.load(std::memory_order_relaxed) + 1,
+                                    std::memory_order_relaxed);
+          blocked = true;
+          break;
+        }
+        if (res == PostResult::kError) {
+          Fail(t, error);
+          break;
+        }
+        free_wrs_.pop_back();
+        ++t->next;
+        ++t->outstanding;
+        ++posted;
+      }
+      if (blocked) break;
+      // Done posting (or deferred, or failed): off the pending list.
+      pending_head_ = (pending_head_ + 1) % pending_.size();
+      --pending_size_;
+      t->queued = false;
+      MaybeFinish(t);
+    }
+    if (posted) {
+      stats_.wrs_posted.store(stats_.wrs_posted.load(std::memory_order_relaxed) + posted,
+                              std::memory_order_relaxed);
+    }
+    return posted;
+  }
+
+  PostResult PostOne(Transfer* t, uint32_t i, WrSlot* slot, Status* error) {
+    const Request& r = t->req;
+    WriteWr wr;
+    wr.context = &slot->ctx;
+    wr.has_imm = r.has_imm;
+    wr.imm = r.imm;
+    switch (r.kind) {
+      case Kind::kSingle: {
+        uint64_t off = uint64_t{i} * t->chunk;
+        wr.local = r.src + off;
+        wr.length = std::min(t->chunk, r.length - off);
+        wr.local_desc = r.src_desc;
+        wr.peer_addr = r.peer_addr;
+        wr.remote_addr = r.dst + off;
+        wr.key = r.key;
+        wr.has_imm = r.has_imm && i == t->total - 1;
+        break;
+      }
+      case Kind::kPaged:
+        wr.local = r.src + uint64_t{r.src_pages[i]} * r.src_stride;
+        wr.length = r.length;
+        wr.local_desc = r.src_desc;
+        wr.peer_addr = r.peer_addr;
+        wr.remote_addr = r.dst + uint64_t{r.dst_pages[i]} * r.dst_stride;
+        wr.key = r.key;
+        break;
+      case Kind::kScatter: {
+        const ScatterTarget& target = r.targets[i];
+        const ScatterMember& m = r.plan->members[target.member];
+        wr.local = r.plan->src + target.src_offset;
+        wr.length = target.length;
+        wr.local_desc = r.plan->src_desc;
+        wr.peer_addr = m.addr;
+        wr.remote_addr = m.base + target.dst_offset;
+        wr.key = m.key;
+        break;
+      }
+      case Kind::kBarrier: {
+        const PeerEntry& p = r.peers[r.group->members[i]];
+        wr.peer_addr = p.addr;
+        wr.remote_addr = p.sink_base;
+        wr.key = p.sink_key;
+        break;
+      }
+      case Kind::kImm:
+        wr.peer_addr = r.peer_addr;
+        wr.remote_addr = r.dst;
+        wr.key = r.key;
+        break;
+      case Kind::kSend:
+        return domain_->PostSend(r.src, r.length, r.src_desc, r.peer_addr, &slot->ctx, error);
+      case Kind::kNotify: break;
+    }
+    return domain_->PostWrite(wr, error);
+  }
+
+  size_t PollCompletions() {
+    DomainCompletion batch[32];
+    size_t total = 0;
+    for (;;) {
+      size_t n = domain_->Poll(batch);
+      for (size_t i = 0; i < n; ++i) Complete(batch[i]);
+      total += n;
+      if (n < std::size(batch)) return total;
+    }
+  }
+
+  bool IsRecvSlot(const OpContext* ctx) const {
+    auto* p = reinterpret_cast<const RecvSlot*>(ctx);
+    return p >= recv_slots_.get() && p < recv_slots_.get() + num_recv_slots_;
+  }
+
+  void Complete(DomainCompletion& c) {
+    if (c.context && IsRecvSlot(c.context)) {
+      auto* rs = reinterpret_cast<RecvSlot*>(c.context);
+      if (c.error.ok()) {
+        if (c.kind == CompletionKind::kRemoteImm) {
+          CountImm(c.imm);
+        } else {
+          OnMessage(c, rs->index);
+        }
+      }
+      if (!stop_.load(std::memory_order_relaxed)) {
+        Status s = PostRecvSlot(rs->index);
+        (void)s;  // a receive we cannot re-post shrinks the pool; messages still flow
+      }
+      return;
+    }
+    if (c.kind == CompletionKind::kRemoteImm) {
+      if (c.has_imm) CountImm(c.imm);
+      return;
+    }
+    if (!c.context) return;
+    auto* slot = reinterpret_cast<WrSlot*>(c.context);
+    Transfer* t = slot->transfer;
+    free_wrs_.push_back(slot);
+    --t->outstanding;
+    if (!c.error.ok() && t->error.ok()) {
+      t->error = c.error.WithContext(Describe(t));
+      t->next = t->total;  // post nothing more of a failed transfer
+    }
+    if (t->req.kind == Kind::kSend && t->outstanding == 0) {
+      uint32_t index = t->req.send_buffer;
+      free_send_buffers_.TryPush(std::move(index));
+    }
+    if (t->tail_deferred && t->outstanding == 0 && t->error.ok()) {
+      t->tail_deferred = false;
+      Enqueue(t);
+      return;
+    }
+    MaybeFinish(t);
+  }
+
+  std::string Describe(const Transfer* t) const {
+    static constexpr const char* kNames[] = {"write", "paged write", "scatter", "barrier",
+                                             "immediate", "send", "notify"};
+    std::string s = kNames[static_cast<int>(t->req.kind)];
+    switch (t->req.kind) {
+      case Kind::kSingle:
+      case Kind::kPaged:
+      case Kind::kImm:
+      case Kind::kSend: s += " to " + PeerName(t->req.peer); break;
+      default: s += " of " + std::to_string(t->total) + " WRs"; break;
+    }
+    return s;
+  }
+
+  void CountImm(uint32_t imm) {
+    stats_.imms.store(stats_.imms.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+    ImmCounterTable::Slot* slot = counters_.Find(imm);
+    if (!slot) {
+      stats_.imms_unmatched.store(stats_.imms_unmatched.load(std::memory_order_relaxed) + 1,
+                                  std::memory_order_relaxed);
+      if (unmatched_handler_) unmatched_handler_(imm);
+      return;
+    }
+    uint64_t now = slot->count.fetch_add(1, std::memory_order_acq_rel) + 1;
+    if (slot->armed && now >= slot->target) FireNotify(slot, Status::Ok());
+  }
+
+  void OnMessage(const DomainCompletion& c, uint32_t index) {
+    stats_.messages.store(stats_.messages.load(std::memory_order_relaxed) + 1,
+                          std::memory_order_relaxed);
+    if (!message_handler_) return;
+    std::optional<PeerId> from;
+    auto it = peer_by_addr_.find(c.src_addr);
+    if (c.src_addr != kNoPeerAddr && it != peer_by_addr_.end()) from = it->second;
+    const uint8_t* data = recv_buffers_.data() + uint64_t{index} * options_.message_bytes;
+    message_handler_(from, std::span<const uint8_t>(data, c.length));
+  }
+
+  Status PostRecvSlot(uint32_t index) {
+    uint8_t* data = recv_buffers_.data() + uint64_t{index} * options_.message_bytes;
+    Status error;
+    for (int attempt = 0;; ++attempt) {
+      PostResult r = domain_->PostRecv(data, options_.message_bytes, recv_reg_.local_desc,
+                                       &recv_slots_[index].ctx, &error);
+      if (r == PostResult::kPosted) return Status::Ok();
+      if (r == PostResult::kError || attempt > 1000) return error;
+    }
+  }
+
+  void Arm(Request&& r) {
+    ImmCounterTable::Slot* slot = r.slot;
+    if (slot->armed) {
+      r.done.Finish(FailedPreconditionError("immediate counter " + std::to_string(r.imm) +
+                                            " already has a notification armed"));
+      return;
+    }
+    if (slot->count.load(std::memory_order_acquire) >= r.target) {
+      r.done.Finish(Status::Ok());
+      return;
+    }
+    slot->armed = true;
+    slot->target = r.target;
+    slot->deadline = r.deadline;
+    slot->on_reached = std::move(r.done);
+    armed_imm_[slot] = r.imm;
+  }
+
+  void FireNotify(ImmCounterTable::Slot* slot, const Status& status) {
+    slot->armed = false;
+    armed_imm_.erase(slot);
+    Completion done = std::move(slot->on_reached);
+    done.Finish(status);
+  }
+
+  void Fail(Transfer* t, const Status& status) {
+    if (t->error.ok()) t->error = status.WithContext(Describe(t));
+    t->next = t->total;
+    t->tail_deferred = false;
+    MaybeFinish(t);
+  }
+
+  // Finishes a transfer once nothing is left to post; releases its slot once nothing is left
+  // outstanding.
+  void MaybeFinish(Transfer* t) {
+    if (t->next < t->total || t->tail_deferred) return;
+    if (!t->finished) {
+      if (t->outstanding == 0 || !t->error.ok()) Finish(t, t->error);  // releases when idle
+    } else if (t->outstanding == 0 && !t->queued) {
+      Release(t);
+    }
+  }
+
+  void Finish(Transfer* t, const Status& status) {
+    t->finished = true;
+    t->next = t->total;
+    if (status.ok()) {
+      stats_.completed.store(stats_.completed.load(std::memory_order_relaxed) + 1,
+                             std::memory_order_relaxed);
+    } else {
+      stats_.failed.store(stats_.failed.load(std::memory_order_relaxed) + 1,
+                          std::memory_order_relaxed);
+    }
+    t->req.done.Finish(status);
+    if (t->outstanding == 0 && !t->queued) Release(t);
+  }
+
+  void Release(Transfer* t) {
+    if (t->active_prev) t->active_prev->active_next = t->active_next;
+    if (t->active_next) t->active_next->active_prev = t->active_prev;
+    if (active_ == t) active_ = t->active_next;
+    t->active_prev = t->active_next = nullptr;
+    t->req = Request{};
+    free_transfers_.push_back(t);
+    inflight_.fetch_sub(1, std::memory_order_acq_rel);
+  }
+
+  static bool SinglePeer(const Transfer* t) {
+    return t->req.kind == Kind::kSingle || t->req.kind == Kind::kPaged ||
+           t->req.kind == Kind::kImm || t->req.kind == Kind::kSend;
+  }
+
+  // Finishing a transfer may release it (unlinking it from the active list), so failures are
+  // collected first and applied after the walk.
+  void FailCollected(const Status& why) {
+    for (Transfer* t : scratch_) {
+      if (t->finished) continue;
+      if (t->error.ok()) t->error = why;
+      t->next = t->total;
+      t->tail_deferred = false;
+      Finish(t, t->error);
+    }
+    scratch_.clear();
+  }
+
+  // Single-peer transfers of a lost peer fail at once; multi-peer ones by their own deadline.
+  void MarkPeerLost(PeerId peer, const Status& why) {
+    peers_[peer].lost.store(true, std::memory_order_release);
+    for (Transfer* t = active_; t; t = t->active_next) {
+      if (!t->finished && SinglePeer(t) && t->req.peer == peer) scratch_.push_back(t);
+    }
+    FailCollected(why);
+  }
+
+  void ScanDeadlines(Clock::time_point now) {
+    std::vector<Transfer*> expired;  // rare path: a transfer timed out
+    for (Transfer* t = active_; t; t = t->active_next) {
+      if (!t->finished && now >= t->deadline) expired.push_back(t);
+    }
+    for (Transfer* t : expired) {
+      if (t->finished) continue;
+      Status why = DeadlineExceededError(
+          Describe(t) + " not completed within " + std::to_string(options_.transfer_timeout_ms) +
+          " ms (" + std::to_string(t->next) + " of " + std::to_string(t->total) +
+          " WRs posted, " + std::to_string(t->outstanding) + " outstanding)");
+      scratch_.push_back(t);
+      FailCollected(why);
+      if (SinglePeer(t)) MarkPeerLost(t->req.peer, why);
+    }
+    for (auto it = armed_imm_.begin(); it != armed_imm_.end();) {
+      ImmCounterTable::Slot* slot = it->first;
+      uint32_t imm = it->second;
+      ++it;
+      if (now >= slot->deadline) {
+        FireNotify(slot, DeadlineExceededError(
+                             "immediate counter " + std::to_string(imm) + ": expected " +
+                             std::to_string(slot->target) + ", seen " +
+                             std::to_string(slot->count.load(std::memory_order_acquire))));
+      }
+    }
+  }
+
+  // Worker exit: everything still owed a completion gets Cancelled.
+  void Drain() {
+    Status cancelled = CancelledError("engine shut down");
+    Request r;
+    while (queue_.TryPop(r)) {
+      if (r.kind == Kind::kNotify) {
+        r.done.Finish(cancelled);
+        continue;
+      }
+      stats_.failed.fetch_add(1, std::memory_order_relaxed);
+      r.done.Finish(cancelled);
+      inflight_.fetch_sub(1, std::memory_order_acq_rel);
+    }
+    for (Transfer* t = active_; t; t = t->active_next) {
+      if (!t->finished) {
+        t->finished = true;
+        stats_.failed.fetch_add(1, std::memory_order_relaxed);
+        t->req.done.Finish(cancelled);
+      }
+    }
+    while (!armed_imm_.empty()) FireNotify(armed_imm_.begin()->first, cancelled);
+    std::deque<std::function<void()>> ops;
+    {
+      std::lock_guard<std::mutex> lock(control_mu_);
+      worker_running_ = false;
+      ops.swap(control_);
+    }
+    // Control ops that raced with shutdown still run: they only touch the domain, which lives on.
+    for (auto& op : ops) op();
+  }
+
+  void Shutdown() {
+    stopping_.store(true, std::memory_order_release);
+    stop_.store(true, std::memory_order_release);
+    wake_word_.fetch_add(1, std::memory_order_release);
+    Futex::WakeOne(&wake_word_);
+    if (worker_.joinable()) worker_.join();
+  }
+
+  const EngineOptions options_;
+  std::unique_ptr<Domain> domain_;
+  uint64_t id_ = 0;
+  uint64_t max_chunk_ = 0;
+  std::vector<uint8_t> address_;
+
+  BoundedQueue<Request> queue_;
+  std::atomic<uint32_t> inflight_{0};
+  std::atomic<bool> stopping_{false};
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> sleeping_{false};
+  std::atomic<uint32_t> wake_word_{0};
+
+  // Peers, groups and plans: append-only tables, entries immutable once published by the count.
+  std::mutex add_mu_;  // serialises appends
+  std::unique_ptr<PeerEntry[]> peers_;
+  std::atomic<uint32_t> num_peers_{0};
+  std::vector<std::unique_ptr<PeerGroup>> groups_;
+  std::atomic<uint32_t> num_groups_{0};
+  std::vector<std::unique_ptr<ScatterPlan>> plans_;
+  std::atomic<uint32_t> num_plans_{0};
+
+  // Buffers for immediates and messages.
+  std::vector<uint8_t> sink_;
+  Registration sink_reg_;
+  std::vector<uint8_t> recv_buffers_;
+  Registration recv_reg_;
+  std::unique_ptr<RecvSlot[]> recv_slots_;
+  uint32_t num_recv_slots_ = 0;
+  std::vector<uint8_t> send_buffers_;
+  Registration send_reg_;
+  BoundedQueue<uint32_t> free_send_buffers_;
+
+  ImmCounterTable counters_;
+  std::shared_ptr<RegistrationOwner> owner_;
+
+  // Worker-owned state.
+  std::unique_ptr<Transfer[]> transfers_;
+  std::vector<Transfer*> free_transfers_;
+  Transfer* active_ = nullptr;
+  std::vector<Transfer*> pending_;  // ring of transfers with WRs left to post
+  size_t pending_head_ = 0;
+  size_t pending_size_ = 0;
+  std::unique_ptr<WrSlot[]> wr_slots_;
+  std::vector<WrSlot*> free_wrs_;
+  std::vector<Transfer*> scratch_;  // reserved to max_transfers: failing many never allocates
+  std::unordered_map<uint64_t, PeerId> peer_by_addr_;
+  std::unordered_map<ImmCounterTable::Slot*, uint32_t> armed_imm_;
+  MessageHandler message_handler_;
+  UnmatchedImmHandler unmatched_handler_;
+
+  struct Stats {
+    std::atomic<uint64_t> submitted{0}, completed{0}, failed{0}, wrs_posted{0}, post_retries{0},
+        imms{0}, imms_unmatched{0}, messages{0};
+  } stats_;
+
+  // Control operations for the worker.
+  std::mutex control_mu_;
+  std::condition_variable control_cv_;
+  std::deque<std::function<void()>> control_;
+  std::atomic<bool> control_pending_{false};
+  bool worker_running_ = true;
+
+  std::thread worker_;  // last: starts after everything above exists, joins first
+};
+
+}  // namespace
+}  // namespace fabric
+
+namespace fabric {
+
+StatusOr<std::unique_ptr<TransferEngine>> CreateEngineWithDomain(const EngineOptions& options,
+                                                                 std::unique_ptr<Domain> domain) {
+  auto engine = std::make_unique<Engine>(options, std::move(domain));
+  RETURN_IF_ERROR(engine->Init());
+  return std::unique_ptr<TransferEngine>(std::move(engine));
+}
+
+}  // namespace fabric
+
+StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::Create(const EngineOptions& options) {
+  if (options.max_transfers == 0 || options.submit_queue_depth == 0 ||
+      options.max_outstanding_wrs == 0 || options.max_peers == 0 || options.message_bytes == 0) {
+    return InvalidArgumentError("EngineOptions: queue depths, pools and message_bytes must be > 0");
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<fabric::Domain> domain, fabric::OpenLibfabricDomain(options));
+  return fabric::CreateEngineWithDomain(options, std::move(domain));
+}
+
+}  // namespace ferry
