@@ -17,7 +17,9 @@ TEST_P(CudaMemoryTest, RegistersDeviceMemoryOrSaysUnimplemented) {
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) GTEST_SKIP() << "no GPU";
   void* ptr = nullptr;
   ASSERT_EQ(cudaMalloc(&ptr, 1 << 20), cudaSuccess);
-  auto engine = TransferEngine::Create(testing_util::TestOptions(GetParam()));
+  EngineOptions options = testing_util::TestOptions(GetParam());
+  options.cuda_memory = true;
+  auto engine = TransferEngine::Create(options);
   ASSERT_TRUE(engine.ok()) << engine.status();
   auto region = (*engine)->RegisterMemory(ptr, 1 << 20, MemoryKind::kCuda, 0);
   if (region.ok()) {
@@ -28,6 +30,12 @@ TEST_P(CudaMemoryTest, RegistersDeviceMemoryOrSaysUnimplemented) {
     std::printf("provider %s: %s\n", GetParam().c_str(), region.status().ToString().c_str());
   }
   region = StatusOr<MemoryRegion>(CancelledError("released"));
+  // Without cuda_memory the engine refuses device memory up front.
+  auto plain = TransferEngine::Create(testing_util::TestOptions(GetParam()));
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_EQ((*plain)->RegisterMemory(ptr, 1 << 20, MemoryKind::kCuda, 0).status().code(),
+            StatusCode::kFailedPrecondition);
+  plain->reset();
   engine->reset();
   cudaFree(ptr);
 }

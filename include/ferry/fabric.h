@@ -59,6 +59,9 @@ struct EngineOptions {
   // Address to bind (tcp: "127.0.0.1" on loopback). Empty lets the provider choose.
   // Environment: FERRY_NODE.
   std::string node;
+  // Allow registering CUDA device memory (asks the provider for FI_HMEM). Off by default: some
+  // providers (shm) then lose their fastest path for host memory. Environment: FERRY_CUDA_MEMORY=1.
+  bool cuda_memory = false;
   // Pin the worker thread to this CPU; -1 leaves it unpinned. Environment: FERRY_WORKER_CPU.
   int worker_cpu = -1;
   // Capacity of the lock-free submission queue (requests not yet taken by the worker).
@@ -262,7 +265,8 @@ class TransferEngine {
   virtual std::vector<uint8_t> Address() const = 0;
 
   // --- memory ---
-  // kCuda needs a provider with FI_HMEM_CUDA support; otherwise Unimplemented.
+  // kCuda needs options.cuda_memory (else FailedPrecondition) and a provider with FI_HMEM_CUDA
+  // support (else Unimplemented).
   virtual StatusOr<MemoryRegion> RegisterMemory(void* data, uint64_t length,
                                                 MemoryKind kind = MemoryKind::kHost,
                                                 int device = 0) = 0;

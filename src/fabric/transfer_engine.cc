@@ -130,6 +130,7 @@ EngineOptions EngineOptions::FromEnv() {
   if (const char* n = std::getenv("FERRY_NODE")) o.node = n;
   if (const char* c = std::getenv("FERRY_WORKER_CPU")) o.worker_cpu = std::atoi(c);
   if (const char* s = std::getenv("FERRY_SPIN_US")) o.spin_us = std::atoi(s);
+  if (const char* c = std::getenv("FERRY_CUDA_MEMORY")) o.cuda_memory = std::atoi(c) != 0;
   o.max_transfers = EnvU32("FERRY_MAX_TRANSFERS", o.max_transfers);
   o.message_bytes = EnvU32("FERRY_MSG_BYTES", o.message_bytes);
   o.transfer_timeout_ms = EnvU32("FERRY_TRANSFER_TIMEOUT_MS", o.transfer_timeout_ms);

@@ -173,6 +173,9 @@ class LibfabricDomain final : public Domain {
 
   StatusOr<Registration> Register(void* data, uint64_t length, MemoryKind kind,
                                   int device) override {
+    if (kind == MemoryKind::kCuda && !cuda_memory_) {
+      return FailedPreconditionError("CUDA memory needs an engine created with cuda_memory = true");
+    }
     if (kind == MemoryKind::kCuda && !info_.hmem) {
       return UnimplementedError("provider '" + info_.provider +
                                 "' does not support CUDA memory (no FI_HMEM)");
@@ -313,11 +316,14 @@ class LibfabricDomain final : public Domain {
   }
 
   Status Init(const std::string& provider, const EngineOptions& options) {
-    // Ask for the optional capabilities first (CUDA memory, the sender's address on receives),
-    // then settle for less: a provider without them still runs, reporting what it lacks.
+    // Ask for the optional capabilities first (the sender's address on receives; CUDA memory
+    // only when asked: shm with FI_HMEM gives up its single-copy path for large host writes and
+    // runs at half the bandwidth), then settle for less: a provider without them still runs,
+    // reporting what it lacks.
     InfoPtr info;
     Status status;
-    for (uint64_t caps : {uint64_t{FI_HMEM | FI_SOURCE}, uint64_t{FI_SOURCE}, uint64_t{0}}) {
+    const uint64_t hmem = options.cuda_memory ? uint64_t{FI_HMEM} : 0;
+    for (uint64_t caps : {uint64_t{hmem | FI_SOURCE}, hmem, uint64_t{FI_SOURCE}, uint64_t{0}}) {
       auto got = GetInfo(provider, options.node, caps);
       if (got.ok()) {
         info = std::move(got).value();
@@ -335,6 +341,7 @@ class LibfabricDomain final : public Domain {
                                 std::to_string(d.cq_data_size) +
                                 " bytes of CQ data; ferry needs 4 for immediates");
     }
+    cuda_memory_ = options.cuda_memory;
     info_.provider = info->fabric_attr->prov_name;
     info_.domain = d.name ? d.name : "";
     info_.virt_addr = (d.mr_mode & FI_MR_VIRT_ADDR) || d.mr_mode == FI_MR_BASIC;
@@ -400,6 +407,7 @@ class LibfabricDomain final : public Domain {
   FabricInfo info_;
   std::vector<uint8_t> name_;
   std::vector<fid_mr*> live_mrs_;
+  bool cuda_memory_ = false;
   // Keys we request when the provider does not pick them (no FI_MR_PROV_KEY). Unique per domain.
   uint64_t next_key_ = 1;
 };
