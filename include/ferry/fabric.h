@@ -83,6 +83,11 @@ struct EngineOptions {
   // A transfer not completed within this time fails with DeadlineExceeded and its peer is marked
   // lost (later submits to it fail with Unavailable). Environment: FERRY_TRANSFER_TIMEOUT_MS.
   uint32_t transfer_timeout_ms = 5000;
+  // Bounds on the engine's own waits: a control operation (registration, AddPeer) waits this
+  // long for the worker; destruction waits this long for the worker to stop, after which a
+  // worker stuck in a provider call is abandoned (the engine is leaked, never freed under it).
+  uint32_t control_timeout_ms = 10000;
+  uint32_t shutdown_timeout_ms = 10000;
   // Worker idling: spin this long after the last event, then yield until idle_yield_us, then
   // sleep in steps of at most idle_sleep_us (a submit wakes it at once). spin_us < 0: never idle
   // (production, pinned cores). Environment: FERRY_SPIN_US, FERRY_IDLE_SLEEP_US.

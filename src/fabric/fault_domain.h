@@ -4,7 +4,9 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <mutex>
+#include <thread>
 #include <unordered_set>
 
 #include "fabric/domain.h"
@@ -19,6 +21,10 @@ class FaultInjectionDomain final : public Domain {
   void FailWritesToKey(uint64_t key) { fail_key_.store(key); }
   // Writes to `key` never complete.
   void SwallowWritesToKey(uint64_t key) { swallow_key_.store(key); }
+  // PostWrite blocks (a provider call that never returns) until Unwedge().
+  void Wedge() { wedged_.store(true); }
+  void Unwedge() { wedged_.store(false); }
+  bool InsideWedge() const { return inside_wedge_.load(); }
 
   const FabricInfo& info() const override { return base_->info(); }
   std::vector<uint8_t> Name() const override { return base_->Name(); }
@@ -33,6 +39,12 @@ class FaultInjectionDomain final : public Domain {
   void Deregister(void* handle) override { base_->Deregister(handle); }
 
   PostResult PostWrite(const WriteWr& wr, Status* error) override {
+    if (wedged_.load()) {
+      inside_wedge_.store(true);
+      while (wedged_.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      inside_wedge_.store(false);
+      return PostResult::kAgain;  // come back out without touching the provider
+    }
     PostResult r = base_->PostWrite(wr, error);
     if (r == PostResult::kPosted) {
       std::lock_guard<std::mutex> l(mu_);
@@ -70,6 +82,7 @@ class FaultInjectionDomain final : public Domain {
   std::unique_ptr<Domain> base_;
   std::atomic<uint64_t> fail_key_{~uint64_t{0}};
   std::atomic<uint64_t> swallow_key_{~uint64_t{0}};
+  std::atomic<bool> wedged_{false}, inside_wedge_{false};
   std::mutex mu_;
   std::unordered_set<const OpContext*> failing_, swallowed_;
 };

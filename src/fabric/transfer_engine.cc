@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
@@ -281,12 +282,11 @@ class Engine final : public TransferEngine {
     id_ = (uint64_t{rd()} << 32 | rd()) | 1;  // never 0
   }
 
+  // Stops the worker; false means the engine must be leaked (see Stop).
+  bool StopWorker() { return Stop(); }
+
+  // Precondition: StopWorker() returned true.
   ~Engine() override {
-    {
-      std::lock_guard<std::mutex> lock(owner_->mu);
-      owner_->engine = nullptr;
-    }
-    Shutdown();
     // Close the endpoint while the WR contexts and buffers it may still reference exist.
     domain_.reset();
   }
@@ -359,11 +359,12 @@ class Engine final : public TransferEngine {
     if (data == nullptr || length == 0) {
       return InvalidArgumentError("RegisterMemory: null pointer or zero length");
     }
-    Registration reg;
-    RETURN_IF_ERROR(RunOnWorker([&]() -> Status {
-      ASSIGN_OR_RETURN(reg, domain_->Register(data, length, kind, device));
+    ASSIGN_OR_RETURN(ControlResult done, RunOnWorker([this, data, length, kind, device](
+                                                         ControlResult& out) -> Status {
+      ASSIGN_OR_RETURN(out.reg, domain_->Register(data, length, kind, device));
       return Status::Ok();
     }));
+    const Registration& reg = done.reg;
     MemoryRegion region;
     RemoteRegion remote{id_, reg.base, reg.key, length};
     InitRegion(region, owner_, reg.handle, data, length, kind, reg.local_desc, remote);
@@ -373,11 +374,11 @@ class Engine final : public TransferEngine {
   void Deregister(MemoryRegion& region) override {
     void* handle = RegionHandle(region);
     if (!handle) return;
-    Status s = RunOnWorker([&]() -> Status {
+    auto s = RunOnWorker([this, handle](ControlResult&) -> Status {
       domain_->Deregister(handle);
       return Status::Ok();
     });
-    (void)s;  // after shutdown the domain closes its remaining registrations itself
+    (void)s;  // if the worker is gone or wedged, the domain closes the registration itself
   }
 
   // ----- peers ------------------------------------------------------------------------------
@@ -394,12 +395,13 @@ class Engine final : public TransferEngine {
       return ResourceExhaustedError("peer table full (" + std::to_string(options_.max_peers) +
                                     ")");
     }
-    uint64_t addr = 0;
-    RETURN_IF_ERROR(RunOnWorker([&]() -> Status {
-      ASSIGN_OR_RETURN(addr, domain_->InsertPeer(address.name));
-      peer_by_addr_[addr] = n;
-      return Status::Ok();
-    }));
+    ASSIGN_OR_RETURN(ControlResult inserted,
+                     RunOnWorker([this, name = address.name, n](ControlResult& out) -> Status {
+                       ASSIGN_OR_RETURN(out.value, domain_->InsertPeer(name));
+                       peer_by_addr_[out.value] = n;
+                       return Status::Ok();
+                     }));
+    const uint64_t addr = inserted.value;
     PeerEntry& e = peers_[n];
     e.addr = addr;
     e.engine_id = address.engine_id;
@@ -411,11 +413,12 @@ class Engine final : public TransferEngine {
 
   Status RemovePeer(PeerId peer) override {
     RETURN_IF_ERROR(CheckPeer(peer));
-    return RunOnWorker([&]() -> Status {
-      MarkPeerLost(peer, UnavailableError(PeerName(peer) + " was removed"));
-      peer_by_addr_.erase(peers_[peer].addr);
-      return domain_->RemovePeer(peers_[peer].addr);
-    });
+    return RunOnWorker([this, peer](ControlResult&) -> Status {
+             MarkPeerLost(peer, UnavailableError(PeerName(peer) + " was removed"));
+             peer_by_addr_.erase(peers_[peer].addr);
+             return domain_->RemovePeer(peers_[peer].addr);
+           })
+        .status();
   }
 
   StatusOr<GroupId> AddPeerGroup(std::span<const PeerId> members) override {
@@ -613,8 +616,8 @@ class Engine final : public TransferEngine {
   }
 
   void SetMessageHandler(MessageHandler handler) override {
-    Status s = RunOnWorker([&]() -> Status {
-      message_handler_ = std::move(handler);
+    auto s = RunOnWorker([this, handler = std::move(handler)](ControlResult&) -> Status {
+      message_handler_ = handler;
       return Status::Ok();
     });
     (void)s;
@@ -661,8 +664,8 @@ class Engine final : public TransferEngine {
   Status ConsumeImm(uint32_t imm, uint64_t n) override { return counters_.Consume(imm, n); }
 
   void SetUnmatchedImmHandler(UnmatchedImmHandler handler) override {
-    Status s = RunOnWorker([&]() -> Status {
-      unmatched_handler_ = std::move(handler);
+    auto s = RunOnWorker([this, handler = std::move(handler)](ControlResult&) -> Status {
+      unmatched_handler_ = handler;
       return Status::Ok();
     });
     (void)s;
@@ -778,33 +781,53 @@ class Engine final : public TransferEngine {
     }
   }
 
-  // Runs `fn` on the worker (or here, before the worker starts or after it stopped) and waits.
-  Status RunOnWorker(std::function<Status()> fn) {
+  // What a control operation hands back to its caller.
+  struct ControlResult {
+    Registration reg;
+    uint64_t value = 0;
+  };
+  using ControlFn = std::function<Status(ControlResult&)>;
+
+  // Runs `fn` on the worker and waits at most options_.control_timeout_ms. `fn` must capture by
+  // value: after a timeout the caller is gone while the op may still be queued (it is then
+  // skipped) or running inside a wedged provider call (it then owns only its own copies).
+  StatusOr<ControlResult> RunOnWorker(ControlFn fn) {
     struct Op {
-      std::function<Status()> fn;
+      ControlFn fn;
+      ControlResult out;
       Status result;
       bool done = false;
-    } op{std::move(fn), {}, false};
+      bool abandoned = false;
+    };
+    auto op = std::make_shared<Op>();
+    op->fn = std::move(fn);
     {
       std::unique_lock<std::mutex> lock(control_mu_);
       if (!worker_running_) return CancelledError("engine worker is not running");
-      control_.push_back([&op, this] {
-        Status s = op.fn();
+      control_.push_back([op, this] {
+        {
+          std::lock_guard<std::mutex> l(control_mu_);
+          if (op->abandoned) return;
+        }
+        Status s = op->fn(op->out);
         std::lock_guard<std::mutex> l(control_mu_);
-        op.result = std::move(s);
-        op.done = true;
+        op->result = std::move(s);
+        op->done = true;
         control_cv_.notify_all();
       });
       control_pending_.store(true, std::memory_order_release);
     }
     WakeWorker();
     std::unique_lock<std::mutex> lock(control_mu_);
-    if (!control_cv_.wait_for(lock, std::chrono::seconds(30), [&] { return op.done; })) {
-      // The worker is wedged; the op stays queued and will run (or be dropped) later, so it must
-      // not reference this frame: we cannot return. This only happens on a provider deadlock.
-      control_cv_.wait(lock, [&] { return op.done; });
+    if (!control_cv_.wait_for(lock, std::chrono::milliseconds(options_.control_timeout_ms),
+                              [&] { return op->done; })) {
+      op->abandoned = true;
+      return DeadlineExceededError("engine worker did not run a control operation within " +
+                                   std::to_string(options_.control_timeout_ms) +
+                                   " ms (is it stuck in a provider call?)");
     }
-    return op.result;
+    if (!op->result.ok()) return op->result;
+    return op->out;
   }
 
   // ----- worker -------------------------------------------------------------------------------
@@ -837,7 +860,12 @@ class Engine final : public TransferEngine {
       }
       Idle(now - last_event);
     }
-    Drain();
+    // An abandoned engine's worker that comes back from a wedged provider call touches nothing
+    // its owner may have freed: no callbacks, no counters.
+    if (!abandoned_.load(std::memory_order_acquire)) Drain();
+    std::lock_guard<std::mutex> lock(exit_mu_);
+    worker_exited_ = true;
+    exit_cv_.notify_all();
   }
 
   void Idle(Clock::duration idle_for) {
@@ -1174,6 +1202,7 @@ class Engine final : public TransferEngine {
   }
 
   void Finish(Transfer* t, const Status& status) {
+    if (abandoned_.load(std::memory_order_relaxed)) return;  // the owner may be gone
     t->finished = true;
     t->next = t->total;
     if (status.ok()) {
@@ -1283,12 +1312,35 @@ class Engine final : public TransferEngine {
     for (auto& op : ops) op();
   }
 
-  void Shutdown() {
+  // Stops the worker. Returns false if it did not exit within shutdown_timeout_ms: it is stuck
+  // inside a provider call (seen with shm when a peer died holding its shared-memory lock). The
+  // engine is then abandoned: the thread is detached, and the caller must leak this object,
+  // because the thread may still touch it if the provider call ever returns.
+  bool Stop() {
+    {
+      std::lock_guard<std::mutex> lock(owner_->mu);
+      owner_->engine = nullptr;  // regions released from now on just forget their handles
+    }
     stopping_.store(true, std::memory_order_release);
     stop_.store(true, std::memory_order_release);
     wake_word_.fetch_add(1, std::memory_order_release);
     Futex::WakeOne(&wake_word_);
-    if (worker_.joinable()) worker_.join();
+    if (!worker_.joinable()) return true;
+    std::unique_lock<std::mutex> lock(exit_mu_);
+    if (exit_cv_.wait_for(lock, std::chrono::milliseconds(options_.shutdown_timeout_ms),
+                          [&] { return worker_exited_; })) {
+      lock.unlock();
+      worker_.join();
+      return true;
+    }
+    abandoned_.store(true, std::memory_order_release);
+    lock.unlock();
+    worker_.detach();
+    std::fprintf(stderr,
+                 "ferry: engine worker did not stop within %u ms: stuck in a provider call; "
+                 "abandoning the engine (its memory is leaked, %u transfers never complete)\n",
+                 options_.shutdown_timeout_ms, inflight_.load());
+    return false;
   }
 
   const EngineOptions options_;
@@ -1354,7 +1406,12 @@ class Engine final : public TransferEngine {
   std::atomic<bool> control_pending_{false};
   bool worker_running_ = true;
 
-  std::thread worker_;  // last: starts after everything above exists, joins first
+  std::mutex exit_mu_;
+  std::condition_variable exit_cv_;
+  bool worker_exited_ = false;
+  std::atomic<bool> abandoned_{false};
+
+  std::thread worker_;  // last: starts after everything above exists
 };
 
 }  // namespace
@@ -1362,11 +1419,84 @@ class Engine final : public TransferEngine {
 
 namespace fabric {
 
+// What Create hands out: forwards to the Engine and decides, at destruction, whether the Engine
+// can be freed (its worker stopped) or must be leaked (its worker is wedged in the provider).
+class EngineHandle final : public TransferEngine {
+ public:
+  explicit EngineHandle(std::unique_ptr<Engine> engine) : e_(engine.release()) {}
+  ~EngineHandle() override {
+    if (e_->StopWorker()) delete e_;
+  }
+  const FabricInfo& info() const override { return e_->info(); }
+  uint64_t id() const override { return e_->id(); }
+  std::vector<uint8_t> Address() const override { return e_->Address(); }
+  StatusOr<MemoryRegion> RegisterMemory(void* data, uint64_t length, MemoryKind kind,
+                                        int device) override {
+    return e_->RegisterMemory(data, length, kind, device);
+  }
+  StatusOr<PeerId> AddPeer(std::span<const uint8_t> address) override {
+    return e_->AddPeer(address);
+  }
+  Status RemovePeer(PeerId peer) override { return e_->RemovePeer(peer); }
+  StatusOr<GroupId> AddPeerGroup(std::span<const PeerId> members) override {
+    return e_->AddPeerGroup(members);
+  }
+  StatusOr<ScatterPlanId> PrepareScatter(GroupId group, const MemoryRegion& src,
+                                         std::span<const RemoteRegion> dst) override {
+    return e_->PrepareScatter(group, src, dst);
+  }
+  Status Write(const SingleWrite& w, Completion done) override {
+    return e_->Write(w, std::move(done));
+  }
+  Status WritePaged(const PagedWrite& w, Completion done) override {
+    return e_->WritePaged(w, std::move(done));
+  }
+  Status Scatter(const ScatterWrite& w, Completion done) override {
+    return e_->Scatter(w, std::move(done));
+  }
+  Status Barrier(GroupId group, uint32_t imm, Completion done) override {
+    return e_->Barrier(group, imm, std::move(done));
+  }
+  Status WriteImm(PeerId peer, uint32_t imm, Completion done) override {
+    return e_->WriteImm(peer, imm, std::move(done));
+  }
+  Status Send(PeerId peer, std::span<const uint8_t> message, Completion done) override {
+    return e_->Send(peer, message, std::move(done));
+  }
+  void SetMessageHandler(MessageHandler handler) override {
+    e_->SetMessageHandler(std::move(handler));
+  }
+  Status CreateImmCounter(uint32_t imm) override { return e_->CreateImmCounter(imm); }
+  StatusOr<uint64_t> ImmCount(uint32_t imm) const override { return e_->ImmCount(imm); }
+  Status WaitImm(uint32_t imm, uint64_t target, Deadline deadline) const override {
+    return e_->WaitImm(imm, target, deadline);
+  }
+  Status NotifyImm(uint32_t imm, uint64_t target, Deadline deadline,
+                   DoneCallback done) override {
+    return e_->NotifyImm(imm, target, deadline, std::move(done));
+  }
+  Status ConsumeImm(uint32_t imm, uint64_t n) override { return e_->ConsumeImm(imm, n); }
+  void SetUnmatchedImmHandler(UnmatchedImmHandler handler) override {
+    e_->SetUnmatchedImmHandler(std::move(handler));
+  }
+  EngineStats stats() const override { return e_->stats(); }
+
+ protected:
+  void Deregister(MemoryRegion&) override {}  // regions point at the Engine, never the handle
+
+ private:
+  Engine* e_;  // owned; leaked on purpose when its worker cannot be stopped
+};
+
 StatusOr<std::unique_ptr<TransferEngine>> CreateEngineWithDomain(const EngineOptions& options,
                                                                  std::unique_ptr<Domain> domain) {
   auto engine = std::make_unique<Engine>(options, std::move(domain));
-  RETURN_IF_ERROR(engine->Init());
-  return std::unique_ptr<TransferEngine>(std::move(engine));
+  Status s = engine->Init();
+  if (!s.ok()) {
+    if (!engine->StopWorker()) (void)engine.release();
+    return s;
+  }
+  return std::unique_ptr<TransferEngine>(new EngineHandle(std::move(engine)));
 }
 
 }  // namespace fabric

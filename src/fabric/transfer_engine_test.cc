@@ -358,6 +358,8 @@ class FaultTest : public ::testing::TestWithParam<std::string> {
   void SetUp() override {
     EngineOptions o = testing_util::TestOptions(GetParam());
     o.transfer_timeout_ms = 300;
+    o.control_timeout_ms = 300;
+    o.shutdown_timeout_ms = 300;
     auto base = fabric::OpenLibfabricDomain(o);
     ASSERT_TRUE(base.ok()) << base.status();
     auto fault = std::make_unique<fabric::FaultInjectionDomain>(std::move(base).value());
@@ -427,6 +429,29 @@ TEST_P(FaultTest, AWriteThatNeverCompletesFailsAtTheDeadlineAndMarksThePeerLost)
   EXPECT_GE(waited, 300ms);
   EXPECT_LT(waited, 5s);
   EXPECT_EQ(a_->Write(To(dst2_reg_), {}).code(), StatusCode::kUnavailable);
+}
+
+// A provider call that never returns (shm does this when a peer dies holding its lock) must not
+// hang the engine's callers: control operations time out, destruction abandons the engine.
+TEST_P(FaultTest, AWedgedProviderCallNeverHangsTheCaller) {
+  fault_->Wedge();
+  TransferCounter c;
+  ASSERT_TRUE(a_->Write(To(dst2_reg_), Completion::Counter(&c)).ok());
+  for (int i = 0; i < 5000 && !fault_->InsideWedge(); ++i) std::this_thread::sleep_for(1ms);
+  ASSERT_TRUE(fault_->InsideWedge());
+  std::vector<uint8_t> more(4096);
+  auto start = Clock::now();
+  auto reg = a_->RegisterMemory(more.data(), more.size());
+  EXPECT_EQ(reg.status().code(), StatusCode::kDeadlineExceeded) << reg.status();
+  EXPECT_LT(Clock::now() - start, 5s);
+  src_reg_ = MemoryRegion();  // releasing a region of a wedged engine returns too
+  start = Clock::now();
+  a_.reset();  // abandons the engine: returns after shutdown_timeout_ms
+  EXPECT_LT(Clock::now() - start, 5s);
+  EXPECT_EQ(c.done.load() + c.failed.load(), 0u);  // the abandoned transfer never reports
+  fault_->Unwedge();  // let the leaked worker run off before the peer goes away
+  for (int i = 0; i < 5000 && fault_->InsideWedge(); ++i) std::this_thread::sleep_for(1ms);
+  std::this_thread::sleep_for(50ms);
 }
 
 INSTANTIATE_TEST_SUITE_P(Providers, FaultTest, ::testing::ValuesIn(testing_util::Providers()),
