@@ -79,6 +79,23 @@ Figures Summarise(std::vector<double>& lat_us, double elapsed_us, uint64_t ops, 
   return f;
 }
 
+double MedianOf(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+// Field-wise median of one side's figures over the repetitions of a row.
+Figures Median(const std::vector<Row>& samples, Figures Row::*side) {
+  std::vector<double> p50, p99, gbps, mops;
+  for (const Row& r : samples) {
+    p50.push_back((r.*side).p50_us);
+    p99.push_back((r.*side).p99_us);
+    gbps.push_back((r.*side).gbps);
+    mops.push_back((r.*side).mops);
+  }
+  return {MedianOf(p50), MedianOf(p99), MedianOf(gbps), MedianOf(mops)};
+}
+
 // One phase of the benchmark: what rank 0 posts.
 struct Phase {
   enum Kind { kSingle, kPaged, kRoundTrip } kind;
@@ -129,10 +146,27 @@ class Runner {
       Row row;
       row.bytes = p.bytes;
       row.kind = p.kind == Phase::kSingle ? "single" : p.kind == Phase::kPaged ? "paged" : "imm-rtt";
-      if (b_.rank() == 0) {
-        RETURN_IF_ERROR(FerryPhase(p, &row));
+      // ferry and raw alternate, reps times, and each figure is the median over the reps: slow
+      // drifts of the machine then hit both sides alike.
+      const int reps = o_.quick ? 1 : 3;
+      std::vector<Row> samples(reps, row);
+      for (int rep = 0; rep < reps; ++rep) {
+        if (b_.rank() == 0) {
+          RETURN_IF_ERROR(FerryPhase(p, &samples[rep]));
+          RETURN_IF_ERROR(b_.Barrier(60s));
+          RETURN_IF_ERROR(RawPhase(p, &samples[rep]));
+        } else {
+          RETURN_IF_ERROR(b_.Barrier(60s));
+          RETURN_IF_ERROR(ServeRaw());
+        }
         RETURN_IF_ERROR(b_.Barrier(60s));
-        RETURN_IF_ERROR(RawPhase(p, &row));
+      }
+      if (b_.rank() == 0) {
+        row.ferry = Median(samples, &Row::ferry);
+        row.raw = Median(samples, &Row::raw);
+        std::vector<double> cpu;
+        for (const Row& r : samples) cpu.push_back(r.worker_ns_per_wr);
+        row.worker_ns_per_wr = MedianOf(cpu);
         if (p.kind == Phase::kRoundTrip) {
           row.ratio = row.ferry.p50_us / row.raw.p50_us;
           row.ratio_of = "p50";
@@ -140,11 +174,7 @@ class Runner {
           row.ratio = row.ferry.mops / row.raw.mops;
         }
         rows->push_back(row);
-      } else {
-        RETURN_IF_ERROR(b_.Barrier(60s));
-        RETURN_IF_ERROR(ServeRaw());
       }
-      RETURN_IF_ERROR(b_.Barrier(60s));
     }
     return Status::Ok();
   }

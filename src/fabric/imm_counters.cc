@@ -22,6 +22,7 @@ Status ImmCounterTable::Create(uint32_t imm) {
     Slot& slot = slots_[i & mask_];
     uint64_t key = slot.key.load(std::memory_order_acquire);
     if (key == 0 && slot.key.compare_exchange_strong(key, want, std::memory_order_acq_rel)) {
+      slot.imm = imm;  // readers find the slot by key and compare keys, never read imm before
       return Status::Ok();
     }
     if (key == want) {

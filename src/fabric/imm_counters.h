@@ -21,6 +21,7 @@ class ImmCounterTable {
     std::atomic<uint64_t> key{0};  // imm + 1; 0 = empty
     std::atomic<uint64_t> count{0};
     // Worker-owned: the armed notification, if any.
+    uint32_t imm = 0;  // set once, before the key is published
     bool armed = false;
     uint64_t target = 0;
     Clock::time_point deadline;

@@ -307,6 +307,7 @@ class Engine final : public TransferEngine {
     }
     pending_.resize(options_.max_transfers);
     scratch_.reserve(options_.max_transfers);
+    armed_.reserve(options_.max_imm_counters);
     peers_ = std::make_unique<PeerEntry[]>(options_.max_peers);
     groups_.resize(options_.max_groups);
     plans_.resize(options_.max_scatter_plans);
@@ -1173,12 +1174,16 @@ class Engine final : public TransferEngine {
     slot->target = r.target;
     slot->deadline = r.deadline;
     slot->on_reached = std::move(r.done);
-    armed_imm_[slot] = r.imm;
+    armed_.push_back(slot);
   }
 
   void FireNotify(ImmCounterTable::Slot* slot, const Status& status) {
     slot->armed = false;
-    armed_imm_.erase(slot);
+    auto it = std::find(armed_.begin(), armed_.end(), slot);
+    if (it != armed_.end()) {
+      *it = armed_.back();
+      armed_.pop_back();
+    }
     Completion done = std::move(slot->on_reached);
     done.Finish(status);
   }
@@ -1268,13 +1273,11 @@ class Engine final : public TransferEngine {
       FailCollected(why);
       if (SinglePeer(t)) MarkPeerLost(t->req.peer, why);
     }
-    for (auto it = armed_imm_.begin(); it != armed_imm_.end();) {
-      ImmCounterTable::Slot* slot = it->first;
-      uint32_t imm = it->second;
-      ++it;
+    for (size_t i = armed_.size(); i > 0; --i) {
+      ImmCounterTable::Slot* slot = armed_[i - 1];
       if (now >= slot->deadline) {
         FireNotify(slot, DeadlineExceededError(
-                             "immediate counter " + std::to_string(imm) + ": expected " +
+                             "immediate counter " + std::to_string(slot->imm) + ": expected " +
                              std::to_string(slot->target) + ", seen " +
                              std::to_string(slot->count.load(std::memory_order_acquire))));
       }
@@ -1301,7 +1304,7 @@ class Engine final : public TransferEngine {
         t->req.done.Finish(cancelled);
       }
     }
-    while (!armed_imm_.empty()) FireNotify(armed_imm_.begin()->first, cancelled);
+    while (!armed_.empty()) FireNotify(armed_.back(), cancelled);
     std::deque<std::function<void()>> ops;
     {
       std::lock_guard<std::mutex> lock(control_mu_);
@@ -1390,7 +1393,7 @@ class Engine final : public TransferEngine {
   std::vector<WrSlot*> free_wrs_;
   std::vector<Transfer*> scratch_;  // reserved to max_transfers: failing many never allocates
   std::unordered_map<uint64_t, PeerId> peer_by_addr_;
-  std::unordered_map<ImmCounterTable::Slot*, uint32_t> armed_imm_;
+  std::vector<ImmCounterTable::Slot*> armed_;  // reserved to max_imm_counters: never allocates
   MessageHandler message_handler_;
   UnmatchedImmHandler unmatched_handler_;
 
