@@ -1,0 +1,113 @@
+// ferry moe: expert-parallel dispatch and combine across ranks.
+//
+// Dispatch sends each token to the ranks that hold its experts; combine brings the expert outputs
+// back and takes their weighted sum. Each is split into a send half and a receive half so the
+// caller can overlap other work (shared experts, another micro-batch) while bytes are in flight:
+//
+//   a2a->DispatchSend(in);            // counts out, first tokens out; returns without waiting
+//   a2a->DispatchRecv(out, deadline); // waits for routes, sends the rest, fills expert-major out
+//   ... grouped GEMM on out ...
+//   a2a->CombineSend(expert_out);     // one write back per rank
+//   a2a->CombineRecv(y, deadline);    // weighted sum, fp32 accumulation, bf16 out
+//
+// This header's AllToAll is the host device: the four steps on host memory over a
+// TransferEngine. It is the reference for the CUDA kernels and runs the whole protocol in CI.
+//
+// Protocol (DESIGN.md §2.2): every rank sends its per-expert token counts to every rank (so all
+// ranks know the full routing); the first max_private_tokens tokens for each receiver go at once
+// into a region private to the sender; once the counts are in, each sender computes where its
+// remaining tokens go in the receiver's shared overflow region and writes them there, one write
+// per peer. Immediates carry a kind and an epoch (iteration mod 4) so consecutive iterations
+// never mix; a barrier after each receive half tells senders the buffers may be reused.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "ferry/bootstrap.h"
+#include "ferry/fabric.h"
+#include "ferry/status.h"
+
+namespace ferry {
+
+enum class DispatchDtype : uint8_t {
+  kBf16 = 0,    // 2 bytes per element
+  kFp8E4M3 = 1  // 1 byte per element, plus one fp32 scale per 128 columns
+};
+
+struct AllToAllConfig {
+  int world_size = 0;
+  int rank = 0;
+  int ranks_per_node = 1;  // the NVLink domain; the host device moves everything over the engine
+  int num_experts = 0;     // divisible by world_size
+  int experts_per_token = 0;
+  int max_tokens_per_rank = 0;
+  int hidden = 0;  // multiple of 128
+  DispatchDtype dtype = DispatchDtype::kBf16;
+  int max_private_tokens = 16;  // per (sender, receiver): sent before the counts are known
+
+  // InvalidArgument naming the first bad field.
+  Status Validate() const;
+  int local_experts() const { return num_experts / world_size; }
+  // Bytes of one token row as dispatched (payload only).
+  int64_t token_bytes() const;
+  // fp32 scales per token (fp8 only).
+  int scales_per_token() const { return dtype == DispatchDtype::kFp8E4M3 ? hidden / 128 : 0; }
+  // Rows of the expert-major dispatch output per local expert: the worst case, every token of
+  // every rank routed to one expert.
+  int64_t expert_capacity() const { return int64_t{world_size} * max_tokens_per_rank; }
+  // What must agree between ranks, as bytes (rank excluded).
+  std::vector<uint8_t> Fingerprint() const;
+  std::string ToString() const;
+};
+
+// Dispatch input of one rank. Shapes in the comments; T = num_tokens <= max_tokens_per_rank.
+struct DispatchInput {
+  const void* x = nullptr;          // [T, hidden] bf16 or fp8 e4m3, row-major
+  const float* scales = nullptr;    // [T, hidden / 128] fp32; fp8 only
+  const int32_t* indices = nullptr; // [T, experts_per_token] global expert ids
+  const float* weights = nullptr;   // [T, experts_per_token] combine weights
+  int num_tokens = 0;
+};
+
+// Dispatch output: expert-major, the layout grouped GEMMs eat. Rows past num_tokens[e] are not
+// written.
+struct DispatchOutput {
+  void* x = nullptr;             // [local_experts, expert_capacity, hidden] bf16 or fp8
+  float* scales = nullptr;       // [local_experts, expert_capacity, hidden / 128]; fp8 only
+  int32_t* num_tokens = nullptr; // [local_experts]
+};
+
+// Thread safety: one thread drives an AllToAll; the steps run in order DispatchSend,
+// DispatchRecv, CombineSend, CombineRecv, and again.
+class AllToAll {
+ public:
+  // Collective: every rank calls it with the same configuration (but its own rank). Registers
+  // the buffers with `engine`, exchanges addresses and descriptors through `bootstrap`, and
+  // checks that the configurations agree (InvalidArgument naming the rank that differs).
+  static StatusOr<std::unique_ptr<AllToAll>> Create(const AllToAllConfig& config,
+                                                    TransferEngine* engine, Bootstrap& bootstrap);
+  virtual ~AllToAll() = default;
+
+  virtual const AllToAllConfig& config() const = 0;
+
+  virtual Status DispatchSend(const DispatchInput& in) = 0;
+  virtual Status DispatchRecv(const DispatchOutput& out, Deadline deadline) = 0;
+  // expert_out: [local_experts, expert_capacity, hidden] bf16, rows as DispatchRecv laid them out.
+  virtual Status CombineSend(const uint16_t* expert_out) = 0;
+  // out: [T, hidden] bf16 for the T of the last DispatchSend; with accumulate, adds to it.
+  virtual Status CombineRecv(uint16_t* out, bool accumulate, Deadline deadline) = 0;
+
+  // Bytes this rank's last dispatch and combine put on the wire (payload and metadata).
+  virtual uint64_t dispatch_bytes_sent() const = 0;
+  virtual uint64_t combine_bytes_sent() const = 0;
+};
+
+// bf16 helpers (round to nearest even), for callers and tests.
+uint16_t FloatToBf16(float f);
+float Bf16ToFloat(uint16_t b);
+
+}  // namespace ferry

@@ -1,0 +1,80 @@
+// AllToAllConfig validation and the bf16 helpers.
+#include <cstring>
+#include <string>
+
+#include "fabric/wire.h"
+#include "ferry/moe.h"
+
+namespace ferry {
+
+Status AllToAllConfig::Validate() const {
+  auto bad = [&](const std::string& what) {
+    return InvalidArgumentError("AllToAllConfig: " + what + " (" + ToString() + ")");
+  };
+  if (world_size < 1) return bad("world_size must be >= 1");
+  if (rank < 0 || rank >= world_size) return bad("rank out of [0, world_size)");
+  if (ranks_per_node < 1 || world_size % ranks_per_node != 0) {
+    return bad("ranks_per_node must divide world_size");
+  }
+  if (num_experts < world_size || num_experts % world_size != 0) {
+    return bad("num_experts must be a positive multiple of world_size");
+  }
+  if (num_experts > 4096) return bad("num_experts above 4096");
+  if (experts_per_token < 1 || experts_per_token > num_experts || experts_per_token > 32) {
+    return bad("experts_per_token must be in [1, min(num_experts, 32)]");
+  }
+  if (max_tokens_per_rank < 1 || max_tokens_per_rank > (1 << 20)) {
+    return bad("max_tokens_per_rank must be in [1, 2^20]");
+  }
+  if (hidden < 128 || hidden % 128 != 0 || hidden > (1 << 16)) {
+    return bad("hidden must be a multiple of 128 in [128, 65536]");
+  }
+  if (dtype != DispatchDtype::kBf16 && dtype != DispatchDtype::kFp8E4M3) {
+    return bad("unknown dispatch dtype");
+  }
+  if (max_private_tokens < 0 || max_private_tokens > 65536) {
+    return bad("max_private_tokens must be in [0, 65536]");
+  }
+  return Status::Ok();
+}
+
+int64_t AllToAllConfig::token_bytes() const {
+  return int64_t{hidden} * (dtype == DispatchDtype::kBf16 ? 2 : 1);
+}
+
+std::vector<uint8_t> AllToAllConfig::Fingerprint() const {
+  fabric::ByteWriter w;
+  for (int v : {world_size, ranks_per_node, num_experts, experts_per_token, max_tokens_per_rank,
+                hidden, static_cast<int>(dtype), max_private_tokens}) {
+    w.U32(static_cast<uint32_t>(v));
+  }
+  return w.Take();
+}
+
+std::string AllToAllConfig::ToString() const {
+  return "world_size=" + std::to_string(world_size) + " rank=" + std::to_string(rank) +
+         " ranks_per_node=" + std::to_string(ranks_per_node) +
+         " num_experts=" + std::to_string(num_experts) +
+         " experts_per_token=" + std::to_string(experts_per_token) +
+         " max_tokens_per_rank=" + std::to_string(max_tokens_per_rank) +
+         " hidden=" + std::to_string(hidden) +
+         " dtype=" + (dtype == DispatchDtype::kBf16 ? "bf16" : "fp8_e4m3") +
+         " max_private_tokens=" + std::to_string(max_private_tokens);
+}
+
+uint16_t FloatToBf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7F800000u) == 0x7F800000u && (u & 0x007FFFFFu)) return 0x7FC0;  // NaN stays NaN
+  u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even
+  return static_cast<uint16_t>(u >> 16);
+}
+
+float Bf16ToFloat(uint16_t b) {
+  uint32_t u = uint32_t{b} << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+}  // namespace ferry

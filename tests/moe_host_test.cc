@@ -1,0 +1,301 @@
+// The moe protocol on the host device, ranks as processes on localhost over shm and tcp.
+//
+// Every rank can regenerate every other rank's inputs from (seed, rank, iteration), so each
+// checks on its own: the exact multiset of token rows (payload and scales) each of its experts
+// received, and the combined output against a float64 reference of the same expert function.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+
+#include "fabric/test_util.h"
+#include "ferry/bootstrap.h"
+#include "ferry/moe.h"
+
+namespace ferry {
+namespace {
+
+using namespace std::chrono_literals;
+
+enum class Routing { kRandom, kAllToOneExpert };
+
+struct Case {
+  std::string provider;
+  int world_size, tokens, hidden, experts, k;
+  DispatchDtype dtype;
+  Routing routing;
+  int private_tokens = 4;
+  bool rank1_empty = false;  // rank 1 sends no tokens
+  int iterations = 2;
+};
+
+std::string Describe(const Case& c);
+void PrintTo(const Case& c, std::ostream* os) { *os << Describe(c); }
+
+std::string CaseName(const ::testing::TestParamInfo<Case>& info) { return Describe(info.param); }
+
+std::string Describe(const Case& c) {
+  std::string p = c.provider == "shm" ? "shm" : "tcp";
+  return p + "_n" + std::to_string(c.world_size) + "_t" + std::to_string(c.tokens) + "_h" +
+         std::to_string(c.hidden) + "_e" + std::to_string(c.experts) + "_k" +
+         std::to_string(c.k) + (c.dtype == DispatchDtype::kBf16 ? "_bf16" : "_fp8") +
+         (c.routing == Routing::kAllToOneExpert ? "_hot" : "") + (c.rank1_empty ? "_empty1" : "") +
+         "_it" + std::to_string(c.iterations);
+}
+
+float DecodeE4M3(uint8_t b) {
+  int sign = b >> 7, exp = (b >> 3) & 0xF, man = b & 7;
+  float v = exp == 0 ? std::ldexp(man / 8.0f, -6) : std::ldexp(1.0f + man / 8.0f, exp - 7);
+  return sign ? -v : v;
+}
+
+// One rank's inputs for one iteration, reproducible anywhere.
+struct Inputs {
+  int tokens = 0;
+  std::vector<uint8_t> x;  // [T, row bytes]
+  std::vector<float> scales;
+  std::vector<int32_t> indices;
+  std::vector<float> weights;
+};
+
+Inputs MakeInputs(const Case& c, const AllToAllConfig& cfg, int rank, int iteration) {
+  Inputs in;
+  in.tokens = (c.rank1_empty && rank == 1) ? 0 : c.tokens;
+  std::mt19937 rng(1000003u * rank + 7919u * iteration + 17);
+  const int64_t row = cfg.token_bytes();
+  in.x.resize(size_t(in.tokens) * row);
+  if (c.dtype == DispatchDtype::kBf16) {
+    std::uniform_real_distribution<float> val(-2.0f, 2.0f);
+    for (size_t i = 0; i < in.x.size(); i += 2) {
+      uint16_t b = FloatToBf16(val(rng));
+      std::memcpy(&in.x[i], &b, 2);
+    }
+  } else {
+    for (auto& b : in.x) {
+      b = static_cast<uint8_t>(rng());
+      if ((b & 0x7F) == 0x7F) b = 0;  // no NaNs
+    }
+    std::uniform_real_distribution<float> scale(0.01f, 1.0f);
+    in.scales.resize(size_t(in.tokens) * cfg.scales_per_token());
+    for (auto& s : in.scales) s = scale(rng);
+  }
+  in.indices.resize(size_t(in.tokens) * c.k);
+  in.weights.resize(size_t(in.tokens) * c.k);
+  std::vector<int32_t> experts(c.experts);
+  std::iota(experts.begin(), experts.end(), 0);
+  for (int t = 0; t < in.tokens; ++t) {
+    std::shuffle(experts.begin(), experts.end(), rng);
+    if (c.routing == Routing::kAllToOneExpert) {
+      auto it = std::find(experts.begin(), experts.end(), 0);
+      std::iter_swap(experts.begin(), it);
+    }
+    for (int j = 0; j < c.k; ++j) {
+      in.indices[size_t(t) * c.k + j] = experts[j];
+      in.weights[size_t(t) * c.k + j] = std::uniform_real_distribution<float>(0.0f, 1.0f)(rng);
+    }
+  }
+  return in;
+}
+
+// The expert function every rank applies: a per-expert scale of the dequantised row.
+float ExpertScale(int global_expert) { return 1.0f + 0.01f * static_cast<float>(global_expert); }
+
+float Dequant(const AllToAllConfig& cfg, const uint8_t* row, const float* scales, int i) {
+  if (cfg.dtype == DispatchDtype::kBf16) {
+    uint16_t b;
+    std::memcpy(&b, row + 2 * i, 2);
+    return Bf16ToFloat(b);
+  }
+  return DecodeE4M3(row[i]) * scales[i / 128];
+}
+
+#define CHECK_OR_RETURN(cond, msg)                                                             \
+  do {                                                                                         \
+    if (!(cond)) return InternalError(std::string("line ") + std::to_string(__LINE__) + ": " + \
+                                      (msg));                                                  \
+  } while (0)
+
+Status RunRank(const Case& c, Bootstrap& b) {
+  AllToAllConfig cfg;
+  cfg.world_size = b.world_size();
+  cfg.rank = b.rank();
+  cfg.num_experts = c.experts;
+  cfg.experts_per_token = c.k;
+  cfg.max_tokens_per_rank = std::max(c.tokens, 1);
+  cfg.hidden = c.hidden;
+  cfg.dtype = c.dtype;
+  cfg.max_private_tokens = c.private_tokens;
+  ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions(c.provider)));
+  ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(cfg, engine.get(), b));
+  const int l = cfg.local_experts(), n = cfg.world_size, h = cfg.hidden;
+  const int64_t cap = cfg.expert_capacity(), row = cfg.token_bytes(), spt = cfg.scales_per_token();
+  std::vector<uint8_t> out_x(size_t(l) * cap * row, 0xCD);  // poisoned
+  std::vector<float> out_scales(size_t(l) * cap * spt, -1.0f);
+  std::vector<int32_t> out_counts(l, -1);
+  std::vector<uint16_t> expert_out(size_t(l) * cap * h, 0);
+  for (int it = 0; it < c.iterations; ++it) {
+    std::vector<Inputs> all;
+    for (int r = 0; r < n; ++r) all.push_back(MakeInputs(c, cfg, r, it));
+    const Inputs& mine = all[b.rank()];
+    DispatchInput in{mine.x.data(), mine.scales.empty() ? nullptr : mine.scales.data(),
+                     mine.indices.data(), mine.weights.data(), mine.tokens};
+    RETURN_IF_ERROR(a2a->DispatchSend(in));
+    RETURN_IF_ERROR(a2a->DispatchRecv({out_x.data(), out_scales.data(), out_counts.data()},
+                                      Deadline::After(30s)));
+    // Exact multiset per local expert: payload bytes and scales of every copy routed to it.
+    for (int e = 0; e < l; ++e) {
+      const int g = b.rank() * l + e;
+      std::vector<std::string> want, got;
+      for (int r = 0; r < n; ++r) {
+        const Inputs& src = all[r];
+        for (int t = 0; t < src.tokens; ++t) {
+          for (int j = 0; j < c.k; ++j) {
+            if (src.indices[size_t(t) * c.k + j] != g) continue;
+            std::string key(reinterpret_cast<const char*>(src.x.data() + t * row), row);
+            if (spt) key.append(reinterpret_cast<const char*>(&src.scales[t * spt]), spt * 4);
+            want.push_back(std::move(key));
+          }
+        }
+      }
+      CHECK_OR_RETURN(out_counts[e] == static_cast<int32_t>(want.size()),
+                      "expert " + std::to_string(g) + " got " + std::to_string(out_counts[e]) +
+                          " rows, expected " + std::to_string(want.size()));
+      for (int i = 0; i < out_counts[e]; ++i) {
+        int64_t r = int64_t{e} * cap + i;
+        std::string key(reinterpret_cast<const char*>(out_x.data() + r * row), row);
+        if (spt) key.append(reinterpret_cast<const char*>(&out_scales[r * spt]), spt * 4);
+        got.push_back(std::move(key));
+        // The expert computes; its output goes back through combine.
+        for (int col = 0; col < h; ++col) {
+          expert_out[r * h + col] = FloatToBf16(
+              Dequant(cfg, out_x.data() + r * row, &out_scales[r * spt], col) * ExpertScale(g));
+        }
+      }
+      std::sort(want.begin(), want.end());
+      std::sort(got.begin(), got.end());
+      CHECK_OR_RETURN(want == got, "expert " + std::to_string(g) + " received other rows");
+    }
+    RETURN_IF_ERROR(a2a->CombineSend(expert_out.data()));
+    std::vector<uint16_t> y(size_t(mine.tokens) * h, FloatToBf16(0.5f));
+    const bool accumulate = it % 2 == 1;  // odd iterations add to what y holds
+    RETURN_IF_ERROR(a2a->CombineRecv(y.data(), accumulate, Deadline::After(30s)));
+    for (int t = 0; t < mine.tokens; ++t) {
+      const uint8_t* xr = mine.x.data() + t * row;
+      const float* sr = spt ? &mine.scales[t * spt] : nullptr;
+      double norm = 0, err = 0;
+      for (int col = 0; col < h; ++col) {
+        double ref = accumulate ? 0.5 : 0.0;
+        for (int j = 0; j < c.k; ++j) {
+          int g = mine.indices[size_t(t) * c.k + j];
+          float expert = Bf16ToFloat(FloatToBf16(Dequant(cfg, xr, sr, col) * ExpertScale(g)));
+          ref += double(mine.weights[size_t(t) * c.k + j]) * expert;
+        }
+        double got = Bf16ToFloat(y[size_t(t) * h + col]);
+        norm += ref * ref;
+        err += (got - ref) * (got - ref);
+      }
+      CHECK_OR_RETURN(std::sqrt(err) <= 1e-2 * std::sqrt(norm) + 1e-6,
+                      "token " + std::to_string(t) + " combine relative error " +
+                          std::to_string(std::sqrt(err / std::max(norm, 1e-30))));
+    }
+  }
+  return b.Barrier(30s);
+}
+
+class MoeHostTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(MoeHostTest, DispatchExactAndCombineWithinTolerance) {
+  const Case c = GetParam();
+  auto exits = RunLocalRanks(c.world_size, [&](Bootstrap& b) { return RunRank(c, b); }, 240s);
+  for (size_t r = 0; r < exits.size(); ++r) {
+    EXPECT_TRUE(exits[r].ok()) << "rank " << r << ": exit " << exits[r].exit_code << " signal "
+                               << exits[r].signal << (exits[r].timed_out ? " (timed out)" : "");
+  }
+}
+
+std::vector<Case> Cases() {
+  const auto bf16 = DispatchDtype::kBf16, fp8 = DispatchDtype::kFp8E4M3;
+  const auto rnd = Routing::kRandom, hot = Routing::kAllToOneExpert;
+  std::vector<Case> out = {
+      {"shm", 2, 0, 128, 8, 2, bf16, rnd},
+      {"shm", 2, 1, 128, 8, 1, bf16, rnd},
+      {"shm", 2, 7, 2176, 8, 2, fp8, rnd},
+      {"shm", 2, 128, 128, 64, 8, bf16, hot},
+      {"shm", 2, 333, 128, 8, 8, fp8, rnd, 16},
+      {"shm", 3, 7, 128, 48, 2, bf16, rnd, 4, true},
+      {"shm", 3, 128, 2176, 48, 8, bf16, hot},
+      {"shm", 4, 1, 128, 8, 1, fp8, rnd, 0},
+      {"shm", 4, 128, 128, 256, 8, fp8, rnd, 4, true},
+      {"shm", 4, 333, 128, 64, 2, bf16, hot, 32},
+      {"shm", 8, 7, 128, 64, 8, bf16, rnd},
+      {"shm", 8, 128, 128, 256, 2, fp8, hot, 8, true},
+      {"tcp;ofi_rxm", 2, 128, 2176, 64, 8, fp8, rnd},
+      {"tcp;ofi_rxm", 3, 7, 128, 48, 2, bf16, hot, 4, true},
+      {"tcp;ofi_rxm", 4, 333, 128, 8, 1, bf16, rnd},
+      // Many iterations back to back, without re-initialisation.
+      {"shm", 2, 7, 128, 8, 2, bf16, rnd, 2, false, 1000},
+  };
+  std::vector<Case> filtered;
+  for (const Case& c : out) {
+    for (const std::string& p : testing_util::Providers()) {
+      if (p == c.provider) filtered.push_back(c);
+    }
+  }
+  return filtered;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, MoeHostTest, ::testing::ValuesIn(Cases()), CaseName);
+
+// Bad inputs: clear errors, and the protocol still works afterwards.
+TEST(MoeHostBadInputTest, RefusesBadRoutesTooManyTokensAndMismatchedConfigs) {
+  auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
+    AllToAllConfig cfg{2, b.rank(), 1, 8, 2, 4, 128, DispatchDtype::kBf16, 2};
+    ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
+    ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(cfg, engine.get(), b));
+    std::vector<uint16_t> x(5 * 128, 0);
+    std::vector<int32_t> idx = {0, 1, 2, 8, 3, 4, 5, 6, 7, 0};
+    std::vector<float> w(10, 0.5f);
+    Status s = a2a->DispatchSend({x.data(), nullptr, idx.data(), w.data(), 2});
+    CHECK_OR_RETURN(s.code() == StatusCode::kOutOfRange, "expert 8 accepted: " + s.ToString());
+    s = a2a->DispatchSend({x.data(), nullptr, idx.data(), w.data(), 5});
+    CHECK_OR_RETURN(s.code() == StatusCode::kInvalidArgument, "5 > 4 tokens: " + s.ToString());
+    s = a2a->CombineSend(nullptr);
+    CHECK_OR_RETURN(s.code() == StatusCode::kFailedPrecondition, "out of order: " + s.ToString());
+    AllToAllConfig bad = cfg;
+    bad.num_experts = 7;
+    CHECK_OR_RETURN(bad.Validate().code() == StatusCode::kInvalidArgument, "E % N accepted");
+    bad = cfg;
+    bad.hidden = 100;
+    CHECK_OR_RETURN(bad.Validate().code() == StatusCode::kInvalidArgument, "hidden 100 accepted");
+    // A good iteration after the refusals.
+    idx = {0, 5, 7, 2};
+    std::vector<uint16_t> out_x(4 * 2 * 4 * 128), y(2 * 128), eo(4 * 2 * 4 * 128, 0);
+    std::vector<int32_t> counts(4);
+    RETURN_IF_ERROR(a2a->DispatchSend({x.data(), nullptr, idx.data(), w.data(), 2}));
+    RETURN_IF_ERROR(a2a->DispatchRecv({out_x.data(), nullptr, counts.data()}, Deadline::After(30s)));
+    RETURN_IF_ERROR(a2a->CombineSend(eo.data()));
+    RETURN_IF_ERROR(a2a->CombineRecv(y.data(), false, Deadline::After(30s)));
+    return b.Barrier(30s);
+  }, 120s);
+  for (auto& e : exits) EXPECT_TRUE(e.ok()) << e.exit_code;
+
+  // Ranks that disagree on the configuration fail at setup, naming the problem.
+  exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
+    AllToAllConfig cfg{2, b.rank(), 1, 8, 2, 4, b.rank() == 0 ? 128 : 256, DispatchDtype::kBf16, 2};
+    ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
+    auto a2a = AllToAll::Create(cfg, engine.get(), b);
+    CHECK_OR_RETURN(!a2a.ok() && a2a.status().code() == StatusCode::kInvalidArgument,
+                    "mismatched configs accepted: " + a2a.status().ToString());
+    CHECK_OR_RETURN(a2a.status().message().find("different configuration") != std::string::npos,
+                    a2a.status().ToString());
+    return Status::Ok();
+  }, 120s);
+  for (auto& e : exits) EXPECT_TRUE(e.ok()) << e.exit_code;
+}
+
+}  // namespace
+}  // namespace ferry
