@@ -1,21 +1,35 @@
 // ferry-bench: benchmarks and the demo driver.
 //
-//   ferry-bench fabric [--provider shm|tcp;ofi_rxm|efa] [--max-bytes N] [--quick] [--json]
-//   ferry-bench demo            the main job of `make demo`: a short fabric sweep on shm
+//   ferry-bench fabric [--provider P] [--max-bytes N] [--quick] [--json]
+//   ferry-bench moe    [--provider P] [--ranks N] [--tokens T] [--hidden H] [--experts E]
+//                      [--topk K] [--dtype fp8|bf16] [--iters I] [--json]
+//   ferry-bench demo   the main job of `make demo`: short fabric and moe runs on shm
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
 
 #include "tools/bench_fabric.h"
+#include "tools/bench_moe.h"
 
 namespace {
 
 void Usage() {
   std::fprintf(stderr,
                "usage: ferry-bench fabric [--provider P] [--max-bytes N] [--quick] [--json]\n"
+               "       ferry-bench moe [--provider P] [--ranks N] [--tokens T] [--hidden H]\n"
+               "                       [--experts E] [--topk K] [--dtype fp8|bf16] [--iters I]"
+               " [--json]\n"
                "       ferry-bench demo\n"
                "Provider from --provider, else FERRY_PROVIDER, else shm.\n");
+}
+
+bool ParseInt(const char* s, int* out) {
+  char* end = nullptr;
+  long v = std::strtol(s, &end, 10);
+  if (!end || *end || v < 0 || v > (1 << 30)) return false;
+  *out = static_cast<int>(v);
+  return true;
 }
 
 }  // namespace
@@ -25,35 +39,71 @@ int main(int argc, char** argv) {
     Usage();
     return 2;
   }
-  std::string command = argv[1];
-  ferry::bench::FabricBenchOptions o;
-  if (const char* p = std::getenv("FERRY_PROVIDER")) o.provider = p;
+  const std::string command = argv[1];
+  ferry::bench::FabricBenchOptions f;
+  ferry::bench::MoeBenchOptions m;
+  if (const char* p = std::getenv("FERRY_PROVIDER")) f.provider = m.provider = p;
   for (int i = 2; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a == "--provider" && i + 1 < argc) {
-      o.provider = argv[++i];
-    } else if (a == "--max-bytes" && i + 1 < argc) {
-      o.max_bytes = std::strtoull(argv[++i], nullptr, 10);
+    const std::string a = argv[i];
+    const bool has_value = i + 1 < argc;
+    bool ok = true;
+    if (a == "--provider" && has_value) {
+      f.provider = m.provider = argv[++i];
+    } else if (a == "--max-bytes" && has_value) {
+      f.max_bytes = std::strtoull(argv[++i], nullptr, 10);
     } else if (a == "--quick") {
-      o.quick = true;
+      f.quick = true;
     } else if (a == "--json") {
-      o.json = true;
+      f.json = m.json = true;
+    } else if (a == "--ranks" && has_value) {
+      ok = ParseInt(argv[++i], &m.ranks);
+    } else if (a == "--tokens" && has_value) {
+      ok = ParseInt(argv[++i], &m.tokens);
+    } else if (a == "--hidden" && has_value) {
+      ok = ParseInt(argv[++i], &m.hidden);
+    } else if (a == "--experts" && has_value) {
+      ok = ParseInt(argv[++i], &m.experts);
+    } else if (a == "--topk" && has_value) {
+      ok = ParseInt(argv[++i], &m.topk);
+    } else if (a == "--iters" && has_value) {
+      ok = ParseInt(argv[++i], &m.iters);
+    } else if (a == "--dtype" && has_value) {
+      std::string d = argv[++i];
+      ok = d == "fp8" || d == "bf16";
+      m.fp8 = d == "fp8";
     } else {
+      ok = false;
+    }
+    if (!ok) {
+      std::fprintf(stderr, "bad argument: %s\n", a.c_str());
       Usage();
       return 2;
     }
   }
-  if (o.max_bytes < 1024) {
+  if (f.max_bytes < 1024) {
     std::fprintf(stderr, "--max-bytes must be at least 1024\n");
     return 2;
   }
-  if (command == "fabric") return ferry::bench::RunFabricBench(o);
+  if (m.ranks < 1 || m.iters < 1) {
+    std::fprintf(stderr, "--ranks and --iters must be at least 1\n");
+    return 2;
+  }
+  if (command == "fabric") return ferry::bench::RunFabricBench(f);
+  if (command == "moe") return ferry::bench::RunMoeBench(m);
   if (command == "demo") {
-    std::printf("== ferry demo: TransferEngine vs raw libfabric, %s provider ==\n",
-                o.provider.c_str());
-    o.quick = true;
-    o.max_bytes = 16u << 20;
-    return ferry::bench::RunFabricBench(o);
+    std::printf("== ferry demo 1/2: TransferEngine vs raw libfabric, %s provider ==\n",
+                f.provider.c_str());
+    f.quick = true;
+    f.max_bytes = 16u << 20;
+    if (int rc = ferry::bench::RunFabricBench(f)) return rc;
+    std::printf("\n== ferry demo 2/2: MoE dispatch + combine, host device, 4 ranks ==\n");
+    m.ranks = 4;
+    m.tokens = 64;
+    m.hidden = 2048;
+    m.experts = 32;
+    m.topk = 4;
+    m.iters = 20;
+    return ferry::bench::RunMoeBench(m);
   }
   Usage();
   return 2;

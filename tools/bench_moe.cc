@@ -1,0 +1,238 @@
+// ferry-bench moe: the AllToAll host device across forked local ranks.
+//
+// Per step (dispatch send / recv, combine send / recv) it reports p50 and p99 over the
+// iterations, as seen by the slowest rank of each iteration, plus the bytes each rank put on the
+// wire. Baseline in the same run: the same bytes moved as one scatter (one write per peer, with
+// an immediate) and awaited on every rank: the transport's floor for what dispatch and combine
+// move. The ratio is step time over that floor.
+#include "tools/bench_moe.h"
+
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "ferry/bootstrap.h"
+#include "ferry/fabric.h"
+#include "ferry/moe.h"
+
+namespace ferry::bench {
+namespace {
+
+using namespace std::chrono_literals;
+
+double NowUs() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec * 1e6 + ts.tv_nsec * 1e-3;
+}
+
+double Percentile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(q * v.size()))];
+}
+
+// The slowest rank's time for each iteration: all-gather every rank's samples.
+StatusOr<std::vector<double>> SlowestPerIteration(Bootstrap& b, const std::vector<double>& mine) {
+  std::vector<uint8_t> bytes(mine.size() * sizeof(double));
+  std::memcpy(bytes.data(), mine.data(), bytes.size());
+  ASSIGN_OR_RETURN(auto all, b.AllGather(bytes, 60s));
+  std::vector<double> out(mine);
+  for (auto& r : all) {
+    for (size_t i = 0; i < out.size() && (i + 1) * sizeof(double) <= r.size(); ++i) {
+      double v;
+      std::memcpy(&v, r.data() + i * sizeof(double), sizeof v);
+      out[i] = std::max(out[i], v);
+    }
+  }
+  return out;
+}
+
+struct Result {
+  double p50[4], p99[4];
+  double floor_dispatch_p50, floor_combine_p50;
+  uint64_t dispatch_bytes, combine_bytes;
+};
+
+Status RunRank(const MoeBenchOptions& o, Bootstrap& b, Result* result) {
+  AllToAllConfig cfg;
+  cfg.world_size = b.world_size();
+  cfg.rank = b.rank();
+  cfg.num_experts = o.experts;
+  cfg.experts_per_token = o.topk;
+  cfg.max_tokens_per_rank = o.tokens;
+  cfg.hidden = o.hidden;
+  cfg.dtype = o.fp8 ? DispatchDtype::kFp8E4M3 : DispatchDtype::kBf16;
+  cfg.max_private_tokens = o.private_tokens;
+  RETURN_IF_ERROR(cfg.Validate());
+  EngineOptions eo = EngineOptions::FromEnv();
+  eo.provider = o.provider;
+  if (o.provider.find("tcp") != std::string::npos && eo.node.empty()) eo.node = "127.0.0.1";
+  ASSIGN_OR_RETURN(auto a2a_engine, TransferEngine::Create(eo));
+  ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(cfg, a2a_engine.get(), b));
+
+  const int l = cfg.local_experts();
+  const int64_t cap = cfg.expert_capacity();
+  std::mt19937 rng(b.rank() + 1);
+  std::vector<uint8_t> x(size_t(o.tokens) * cfg.token_bytes());
+  for (auto& v : x) v = static_cast<uint8_t>(rng() & 0x3F);
+  std::vector<float> scales(size_t(o.tokens) * cfg.scales_per_token(), 1.0f);
+  std::vector<int32_t> idx(size_t(o.tokens) * o.topk);
+  std::vector<float> w(idx.size(), 1.0f / o.topk);
+  std::vector<int32_t> experts(o.experts);
+  for (int e = 0; e < o.experts; ++e) experts[e] = e;
+  for (int t = 0; t < o.tokens; ++t) {
+    std::shuffle(experts.begin(), experts.end(), rng);
+    std::copy(experts.begin(), experts.begin() + o.topk, idx.begin() + size_t(t) * o.topk);
+  }
+  std::vector<uint8_t> out_x(size_t(l) * cap * cfg.token_bytes());
+  std::vector<float> out_scales(size_t(l) * cap * cfg.scales_per_token());
+  std::vector<int32_t> counts(l);
+  std::vector<uint16_t> expert_out(size_t(l) * cap * o.hidden, FloatToBf16(1.0f));
+  std::vector<uint16_t> y(size_t(o.tokens) * o.hidden);
+
+  std::vector<double> steps[4];
+  for (int it = 0; it < o.warmup + o.iters; ++it) {
+    RETURN_IF_ERROR(b.Barrier(60s));
+    double t0 = NowUs();
+    RETURN_IF_ERROR(a2a->DispatchSend({x.data(), scales.data(), idx.data(), w.data(), o.tokens}));
+    double t1 = NowUs();
+    RETURN_IF_ERROR(a2a->DispatchRecv({out_x.data(), out_scales.data(), counts.data()},
+                                      Deadline::After(60s)));
+    double t2 = NowUs();
+    RETURN_IF_ERROR(a2a->CombineSend(expert_out.data()));
+    double t3 = NowUs();
+    RETURN_IF_ERROR(a2a->CombineRecv(y.data(), false, Deadline::After(60s)));
+    double t4 = NowUs();
+    if (it >= o.warmup) {
+      steps[0].push_back(t1 - t0);
+      steps[1].push_back(t2 - t1);
+      steps[2].push_back(t3 - t2);
+      steps[3].push_back(t4 - t3);
+    }
+  }
+  for (int s = 0; s < 4; ++s) {
+    ASSIGN_OR_RETURN(steps[s], SlowestPerIteration(b, steps[s]));
+    result->p50[s] = Percentile(steps[s], 0.5);
+    result->p99[s] = Percentile(steps[s], 0.99);
+  }
+  result->dispatch_bytes = a2a->dispatch_bytes_sent();
+  result->combine_bytes = a2a->combine_bytes_sent();
+
+  // Floor: the same bytes per peer as one scatter with an immediate, awaited on every rank.
+  const int n = b.world_size();
+  if (n > 1) {
+    // A second engine, so the floor's peers and counters are its own.
+    ASSIGN_OR_RETURN(auto floor_engine, TransferEngine::Create(eo));
+    TransferEngine* engine = floor_engine.get();
+    const uint64_t most = std::max(result->dispatch_bytes, result->combine_bytes) / (n - 1) + 64;
+    std::vector<uint8_t> src(most), dst(most * n);
+    ASSIGN_OR_RETURN(MemoryRegion src_reg, engine->RegisterMemory(src.data(), src.size()));
+    ASSIGN_OR_RETURN(MemoryRegion dst_reg, engine->RegisterMemory(dst.data(), dst.size()));
+    ASSIGN_OR_RETURN(auto addresses, b.AllGather(engine->Address(), 60s));
+    ASSIGN_OR_RETURN(auto regions, b.AllGather(dst_reg.remote().Serialize(), 60s));
+    std::vector<PeerId> members;
+    std::vector<RemoteRegion> dsts;
+    for (int r = 0; r < n; ++r) {
+      if (r == b.rank()) continue;
+      ASSIGN_OR_RETURN(PeerId p, engine->AddPeer(addresses[r]));
+      members.push_back(p);
+      ASSIGN_OR_RETURN(RemoteRegion region, RemoteRegion::Parse(regions[r]));
+      dsts.push_back(region);
+    }
+    ASSIGN_OR_RETURN(GroupId group, engine->AddPeerGroup(members));
+    ASSIGN_OR_RETURN(ScatterPlanId plan, engine->PrepareScatter(group, src_reg, dsts));
+    constexpr uint32_t kFloorImm = 0xD0000001u;
+    RETURN_IF_ERROR(engine->CreateImmCounter(kFloorImm));
+    for (int which = 0; which < 2; ++which) {
+      const uint64_t per_peer = (which == 0 ? result->dispatch_bytes : result->combine_bytes) /
+                                (n - 1);
+      std::vector<ScatterTarget> targets;
+      for (uint32_t m = 0; m < members.size(); ++m) {
+        targets.push_back({m, 0, uint64_t(b.rank()) * most, per_peer});
+      }
+      std::vector<double> t;
+      for (int it = 0; it < o.warmup + o.iters; ++it) {
+        RETURN_IF_ERROR(b.Barrier(60s));
+        TransferCounter c;
+        double t0 = NowUs();
+        RETURN_IF_ERROR(engine->Scatter({plan, targets, kFloorImm}, Completion::Counter(&c)));
+        RETURN_IF_ERROR(engine->WaitImm(kFloorImm, n - 1, Deadline::After(60s)));
+        RETURN_IF_ERROR(engine->ConsumeImm(kFloorImm, n - 1));
+        double elapsed = NowUs() - t0;
+        RETURN_IF_ERROR(c.Wait(1, Deadline::After(60s)));
+        if (it >= o.warmup) t.push_back(elapsed);
+      }
+      ASSIGN_OR_RETURN(t, SlowestPerIteration(b, t));
+      (which == 0 ? result->floor_dispatch_p50 : result->floor_combine_p50) = Percentile(t, 0.5);
+    }
+  }
+  return b.Barrier(60s);
+}
+
+}  // namespace
+
+int RunMoeBench(const MoeBenchOptions& o) {
+  int fds[2];
+  if (pipe(fds) != 0) return 1;
+  auto exits = RunLocalRanks(o.ranks, [&](Bootstrap& b) -> Status {
+    close(fds[0]);
+    Result r{};
+    RETURN_IF_ERROR(RunRank(o, b, &r));
+    if (b.rank() == 0 && write(fds[1], &r, sizeof r) != sizeof r) {
+      return InternalError("could not report");
+    }
+    return Status::Ok();
+  }, std::chrono::minutes(10));
+  close(fds[1]);
+  Result r{};
+  bool got = read(fds[0], &r, sizeof r) == sizeof r;
+  close(fds[0]);
+  for (const RankExit& e : exits) {
+    if (!e.ok()) {
+      std::fprintf(stderr, "ferry-bench moe: a rank failed (exit %d, signal %d%s)\n",
+                   e.exit_code, e.signal, e.timed_out ? ", timed out" : "");
+      return 1;
+    }
+  }
+  if (!got) return 1;
+  const char* names[4] = {"dispatch send", "dispatch recv", "combine send", "combine recv"};
+  if (o.json) {
+    std::printf("{\"bench\":\"moe\",\"device\":\"host\",\"provider\":\"%s\",\"ranks\":%d,"
+                "\"tokens\":%d,\"hidden\":%d,\"experts\":%d,\"topk\":%d,\"dtype\":\"%s\",",
+                o.provider.c_str(), o.ranks, o.tokens, o.hidden, o.experts, o.topk,
+                o.fp8 ? "fp8" : "bf16");
+    std::printf("\"steps\":[");
+    for (int s = 0; s < 4; ++s) {
+      std::printf("%s{\"step\":\"%s\",\"p50_us\":%.2f,\"p99_us\":%.2f}", s ? "," : "", names[s],
+                  r.p50[s], r.p99[s]);
+    }
+    std::printf("],\"dispatch_bytes\":%llu,\"combine_bytes\":%llu,\"floor_dispatch_p50_us\":%.2f,"
+                "\"floor_combine_p50_us\":%.2f}\n",
+                (unsigned long long)r.dispatch_bytes, (unsigned long long)r.combine_bytes,
+                r.floor_dispatch_p50, r.floor_combine_p50);
+    return 0;
+  }
+  std::printf("ferry-bench moe  device=host provider=%s ranks=%d tokens=%d hidden=%d experts=%d "
+              "topk=%d dtype=%s  (slowest rank per iteration, %d iterations)\n",
+              o.provider.c_str(), o.ranks, o.tokens, o.hidden, o.experts, o.topk,
+              o.fp8 ? "fp8" : "bf16", o.iters);
+  std::printf("%-14s %10s %10s\n", "step", "p50 us", "p99 us");
+  for (int s = 0; s < 4; ++s) std::printf("%-14s %10.1f %10.1f\n", names[s], r.p50[s], r.p99[s]);
+  const double dispatch = r.p50[0] + r.p50[1], combine = r.p50[2] + r.p50[3];
+  std::printf("%-14s %10.1f | bytes/rank %9llu | floor (1 scatter) %8.1f us | ratio %.2f\n",
+              "dispatch", dispatch, (unsigned long long)r.dispatch_bytes, r.floor_dispatch_p50,
+              r.floor_dispatch_p50 > 0 ? dispatch / r.floor_dispatch_p50 : 0.0);
+  std::printf("%-14s %10.1f | bytes/rank %9llu | floor (1 scatter) %8.1f us | ratio %.2f\n",
+              "combine", combine, (unsigned long long)r.combine_bytes, r.floor_combine_p50,
+              r.floor_combine_p50 > 0 ? combine / r.floor_combine_p50 : 0.0);
+  return 0;
+}
+
+}  // namespace ferry::bench

@@ -1,0 +1,25 @@
+// ferry-bench moe: options and entry point.
+#pragma once
+
+#include <string>
+
+namespace ferry::bench {
+
+struct MoeBenchOptions {
+  std::string provider = "shm";
+  int ranks = 2;
+  int tokens = 128;
+  int hidden = 7168;
+  int experts = 256;
+  int topk = 8;
+  bool fp8 = true;
+  int private_tokens = 16;
+  int iters = 50;
+  int warmup = 5;
+  bool json = false;
+};
+
+// Returns the process exit code.
+int RunMoeBench(const MoeBenchOptions& options);
+
+}  // namespace ferry::bench
