@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <csignal>
 #include <cmath>
 #include <cstring>
 #include <numeric>
@@ -295,6 +296,36 @@ TEST(MoeHostBadInputTest, RefusesBadRoutesTooManyTokensAndMismatchedConfigs) {
     return Status::Ok();
   }, 120s);
   for (auto& e : exits) EXPECT_TRUE(e.ok()) << e.exit_code;
+}
+
+// A rank that dies mid-protocol: the survivor's receive half ends at its deadline with the
+// state that explains it, and tearing the AllToAll down does not hang on the proxy.
+TEST(MoeHostFailureTest, ADeadPeerEndsTheReceiveHalfAtItsDeadline) {
+  auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
+    AllToAllConfig cfg{2, b.rank(), 1, 8, 2, 4, 128, DispatchDtype::kBf16, 2};
+    ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
+    ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(cfg, engine.get(), b));
+    if (b.rank() == 1) {
+      a2a.reset();
+      engine.reset();
+      raise(SIGKILL);
+    }
+    std::vector<uint16_t> x(4 * 128, 0), out_x(4 * 8 * 128);
+    std::vector<int32_t> idx = {0, 5, 7, 2}, counts(4);
+    std::vector<float> w(4, 0.5f);
+    RETURN_IF_ERROR(a2a->DispatchSend({x.data(), nullptr, idx.data(), w.data(), 2}));
+    auto start = Clock::now();
+    Status s = a2a->DispatchRecv({out_x.data(), nullptr, counts.data()}, Deadline::After(1s));
+    CHECK_OR_RETURN(s.code() == StatusCode::kDeadlineExceeded, "got " + s.ToString());
+    CHECK_OR_RETURN(s.message().find("recv-ready of epoch 0") != std::string::npos, s.ToString());
+    CHECK_OR_RETURN(Clock::now() - start < 5s, "deadline not kept");
+    start = Clock::now();
+    a2a.reset();
+    CHECK_OR_RETURN(Clock::now() - start < 5s, "teardown hung on the proxy");
+    return Status::Ok();
+  }, 120s);
+  EXPECT_TRUE(exits[0].ok()) << exits[0].exit_code;
+  EXPECT_EQ(exits[1].signal, SIGKILL);
 }
 
 }  // namespace

@@ -1,0 +1,186 @@
+// AllToAll: buffers, the exchange at setup, and the glue between a device and its proxy.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ferry/moe.h"
+#include "moe/device.h"
+#include "moe/layout.h"
+#include "moe/proxy.h"
+
+namespace ferry {
+namespace {
+
+using moe::Channel;
+using moe::MoeLayout;
+
+class AllToAllImpl final : public AllToAll {
+ public:
+  AllToAllImpl(const AllToAllConfig& c, TransferEngine* engine)
+      : c_(c), layout_(c), engine_(engine), routing_(c) {}
+
+  ~AllToAllImpl() override {
+    proxy_.reset();  // joins the proxy thread before the buffers go
+  }
+
+  Status Init(Bootstrap& bootstrap) {
+    const int n = c_.world_size, me = c_.rank;
+    recv_.assign(layout_.recv_bytes, 0);
+    send_.assign(layout_.send_bytes, 0);
+    ASSIGN_OR_RETURN(recv_reg_, engine_->RegisterMemory(recv_.data(), recv_.size()));
+    ASSIGN_OR_RETURN(send_reg_, engine_->RegisterMemory(send_.data(), send_.size()));
+    for (uint32_t kind = moe::kCounts; kind <= moe::kCombineConsumed; ++kind) {
+      for (uint32_t epoch = 0; epoch < moe::kEpochs; ++epoch) {
+        Status s = engine_->CreateImmCounter(moe::MoeImm(static_cast<moe::ImmKind>(kind), epoch));
+        if (!s.ok()) {
+          return s.WithContext("AllToAll: one engine serves one AllToAll (counter taken)");
+        }
+      }
+    }
+    // Exchange: configuration fingerprint, engine address, receive-region descriptor.
+    const auto timeout = std::chrono::seconds(60);
+    ASSIGN_OR_RETURN(auto prints, bootstrap.AllGather(c_.Fingerprint(), timeout));
+    for (int r = 0; r < n; ++r) {
+      if (prints[r] != prints[me]) {
+        return InvalidArgumentError("AllToAll: rank " + std::to_string(r) +
+                                    " has a different configuration than rank " +
+                                    std::to_string(me) + " (" + c_.ToString() + ")");
+      }
+    }
+    ASSIGN_OR_RETURN(auto addresses, bootstrap.AllGather(engine_->Address(), timeout));
+    ASSIGN_OR_RETURN(auto regions, bootstrap.AllGather(recv_reg_.remote().Serialize(), timeout));
+    moe::ProxyParams pp;
+    std::vector<PeerId> members;
+    std::vector<RemoteRegion> dsts;
+    for (int r = 0; r < n; ++r) {
+      if (r == me) continue;
+      ASSIGN_OR_RETURN(PeerId peer, engine_->AddPeer(addresses[r]));
+      ASSIGN_OR_RETURN(RemoteRegion region, RemoteRegion::Parse(regions[r]));
+      if (region.length != static_cast<uint64_t>(layout_.recv_bytes)) {
+        return InvalidArgumentError("AllToAll: rank " + std::to_string(r) +
+                                    " registered a receive region of another size");
+      }
+      members.push_back(peer);
+      dsts.push_back(region);
+    }
+    if (n > 1) {
+      ASSIGN_OR_RETURN(pp.group, engine_->AddPeerGroup(members));
+      ASSIGN_OR_RETURN(pp.plan, engine_->PrepareScatter(pp.group, send_reg_, dsts));
+    }
+    RETURN_IF_ERROR(bootstrap.Barrier(timeout));
+    pp.config = c_;
+    pp.engine = engine_;
+    pp.channel = &channel_;
+    pp.routing = &routing_;
+    pp.recv = recv_.data();
+    pp.send = send_.data();
+    proxy_ = std::make_unique<moe::Proxy>(pp);
+    device_ = moe::NewHostDevice({c_, &channel_, &routing_, recv_.data(), send_.data()});
+    return Status::Ok();
+  }
+
+  const AllToAllConfig& config() const override { return c_; }
+  uint64_t dispatch_bytes_sent() const override { return proxy_->dispatch_bytes(); }
+  uint64_t combine_bytes_sent() const override { return proxy_->combine_bytes(); }
+
+  Status DispatchSend(const DispatchInput& in) override {
+    RETURN_IF_ERROR(Step(Stage::kIdle, "DispatchSend"));
+    RETURN_IF_ERROR(CheckInput(in));
+    RETURN_IF_ERROR(device_->DispatchSend(in, epoch_));
+    stage_ = Stage::kDispatchSent;
+    return Status::Ok();
+  }
+
+  Status DispatchRecv(const DispatchOutput& out, Deadline deadline) override {
+    RETURN_IF_ERROR(Step(Stage::kDispatchSent, "DispatchRecv"));
+    if (!out.x || !out.num_tokens || (c_.scales_per_token() && !out.scales)) {
+      return InvalidArgumentError("DispatchRecv: null output buffer");
+    }
+    RETURN_IF_ERROR(device_->DispatchRecv(out, epoch_, deadline));
+    stage_ = Stage::kDispatchDone;
+    return Status::Ok();
+  }
+
+  Status CombineSend(const uint16_t* expert_out) override {
+    RETURN_IF_ERROR(Step(Stage::kDispatchDone, "CombineSend"));
+    if (!expert_out) return InvalidArgumentError("CombineSend: null expert output");
+    RETURN_IF_ERROR(device_->CombineSend(expert_out, epoch_));
+    stage_ = Stage::kCombineSent;
+    return Status::Ok();
+  }
+
+  Status CombineRecv(uint16_t* out, bool accumulate, Deadline deadline) override {
+    RETURN_IF_ERROR(Step(Stage::kCombineSent, "CombineRecv"));
+    RETURN_IF_ERROR(device_->CombineRecv(out, accumulate, epoch_, deadline));
+    stage_ = Stage::kIdle;
+    ++epoch_;
+    return Status::Ok();
+  }
+
+ private:
+  enum class Stage { kIdle, kDispatchSent, kDispatchDone, kCombineSent };
+
+  // Steps run in order; after a proxy failure every step reports it.
+  Status Step(Stage want, const char* name) const {
+    if (channel_.failed.load(std::memory_order_acquire)) return channel_.Error();
+    if (stage_ != want) {
+      return FailedPreconditionError(std::string(name) +
+                                     " out of order: the steps run DispatchSend, DispatchRecv, "
+                                     "CombineSend, CombineRecv");
+    }
+    return Status::Ok();
+  }
+
+  Status CheckInput(const DispatchInput& in) const {
+    if (in.num_tokens < 0 || in.num_tokens > c_.max_tokens_per_rank) {
+      return InvalidArgumentError("DispatchSend: " + std::to_string(in.num_tokens) +
+                                  " tokens, configured maximum " +
+                                  std::to_string(c_.max_tokens_per_rank));
+    }
+    if (in.num_tokens == 0) return Status::Ok();
+    if (!in.x || !in.indices || !in.weights || (c_.scales_per_token() && !in.scales)) {
+      return InvalidArgumentError("DispatchSend: null input buffer");
+    }
+    const int64_t copies = int64_t{in.num_tokens} * c_.experts_per_token;
+    for (int64_t i = 0; i < copies; ++i) {
+      if (in.indices[i] < 0 || in.indices[i] >= c_.num_experts) {
+        return OutOfRangeError("DispatchSend: token " + std::to_string(i / c_.experts_per_token) +
+                               " routes to expert " + std::to_string(in.indices[i]) +
+                               ", valid ids are [0, " + std::to_string(c_.num_experts) + ")");
+      }
+    }
+    return Status::Ok();
+  }
+
+  const AllToAllConfig c_;
+  const MoeLayout layout_;
+  TransferEngine* engine_;
+  std::vector<uint8_t> recv_, send_;
+  MemoryRegion recv_reg_, send_reg_;
+  mutable Channel channel_;  // Error() takes its lock
+  moe::Routing routing_;
+  std::unique_ptr<moe::MoeDevice> device_;
+  std::unique_ptr<moe::Proxy> proxy_;
+  Stage stage_ = Stage::kIdle;
+  uint64_t epoch_ = 0;
+};
+
+}  // namespace
+
+StatusOr<std::unique_ptr<AllToAll>> AllToAll::Create(const AllToAllConfig& config,
+                                                     TransferEngine* engine, Bootstrap& bootstrap) {
+  RETURN_IF_ERROR(config.Validate());
+  if (!engine) return InvalidArgumentError("AllToAll: null engine");
+  if (bootstrap.world_size() != config.world_size || bootstrap.rank() != config.rank) {
+    return InvalidArgumentError("AllToAll: bootstrap has rank " +
+                                std::to_string(bootstrap.rank()) + " of " +
+                                std::to_string(bootstrap.world_size()) + ", config says " +
+                                std::to_string(config.rank) + " of " +
+                                std::to_string(config.world_size));
+  }
+  auto a2a = std::make_unique<AllToAllImpl>(config, engine);
+  RETURN_IF_ERROR(a2a->Init(bootstrap));
+  return std::unique_ptr<AllToAll>(std::move(a2a));
+}
+
+}  // namespace ferry

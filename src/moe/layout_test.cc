@@ -1,0 +1,79 @@
+#include "moe/layout.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+
+namespace ferry::moe {
+namespace {
+
+// 3 ranks, 6 experts (2 per rank), P = 2. counts[s][e]:
+//   rank 0: 1 0 | 2 1 | 0 0     -> to rank 0: 1, rank 1: 3, rank 2: 0
+//   rank 1: 0 4 | 0 0 | 1 1     -> to rank 0: 4, rank 1: 0, rank 2: 2
+//   rank 2: 2 2 | 1 0 | 0 3     -> to rank 0: 4, rank 1: 1, rank 2: 3
+TEST(RoutingTest, CopiesOverflowAndSendOffsets) {
+  AllToAllConfig c{3, 0, 1, 6, 2, 8, 128, DispatchDtype::kBf16, 2};
+  ASSERT_TRUE(c.Validate().ok());
+  Routing r(c);
+  const int32_t counts[18] = {1, 0, 2, 1, 0, 0, 0, 4, 0, 0, 1, 1, 2, 2, 1, 0, 0, 3};
+  std::copy(counts, counts + 18, r.counts());
+  EXPECT_EQ(r.Copies(0, 1), 3);
+  EXPECT_EQ(r.Copies(1, 0), 4);
+  EXPECT_EQ(r.Copies(2, 2), 3);
+  // Overflow into rank 0: rank 0 sends 1 (no overflow), rank 1 sends 4 (2 over), rank 2 4.
+  EXPECT_EQ(r.OverflowStart(0, 0), 0);
+  EXPECT_EQ(r.OverflowStart(1, 0), 0);
+  EXPECT_EQ(r.OverflowStart(2, 0), 2);
+  // Sender 2's send area: rank 0's 4 copies, then rank 1's 1, then its own 3.
+  EXPECT_EQ(r.SendStart(2, 0), 0);
+  EXPECT_EQ(r.SendStart(2, 1), 4);
+  EXPECT_EQ(r.SendStart(2, 2), 5);
+}
+
+TEST(MoeLayoutTest, RegionsDoNotOverlapAndHoldTheWorstCase) {
+  AllToAllConfig c{4, 1, 1, 256, 8, 128, 7168, DispatchDtype::kFp8E4M3, 16};
+  ASSERT_TRUE(c.Validate().ok());
+  MoeLayout l(c);
+  EXPECT_EQ(l.slot_bytes % 16, 0);
+  EXPECT_GE(l.slot_bytes, 16 + 7168 + 56 * 4);
+  EXPECT_EQ(l.copies_per_pair, 128 * 8);
+  EXPECT_GE(l.private_off, 4 * 256 * 4);
+  EXPECT_EQ(l.overflow_off, l.private_off + 4 * 16 * l.slot_bytes);
+  EXPECT_EQ(l.combine_off, l.overflow_off + 4 * l.copies_per_pair * l.slot_bytes);
+  EXPECT_EQ(l.recv_bytes, l.combine_off + 128 * 8 * 7168 * 2);
+  EXPECT_EQ(l.send_combine_off, l.send_dispatch_off + 128 * 8 * l.slot_bytes);
+}
+
+TEST(AllToAllConfigTest, ValidateNamesTheBadField) {
+  AllToAllConfig c{4, 0, 2, 64, 8, 128, 7168, DispatchDtype::kBf16, 16};
+  EXPECT_TRUE(c.Validate().ok());
+  AllToAllConfig bad = c;
+  bad.rank = 4;
+  EXPECT_NE(bad.Validate().message().find("rank out of"), std::string::npos);
+  bad = c;
+  bad.ranks_per_node = 3;
+  EXPECT_NE(bad.Validate().message().find("ranks_per_node"), std::string::npos);
+  bad = c;
+  bad.experts_per_token = 65;
+  EXPECT_EQ(bad.Validate().code(), StatusCode::kInvalidArgument);
+  bad = c;
+  bad.hidden = 7000;
+  EXPECT_NE(bad.Validate().message().find("hidden"), std::string::npos);
+  EXPECT_NE(c.Fingerprint(), bad.Fingerprint());
+  bad = c;
+  bad.rank = 3;
+  EXPECT_EQ(c.Fingerprint(), bad.Fingerprint());  // rank is not part of the agreement
+}
+
+TEST(Bf16Test, RoundsToNearestEvenAndKeepsSpecials) {
+  EXPECT_EQ(FloatToBf16(1.0f), 0x3F80);
+  EXPECT_EQ(Bf16ToFloat(FloatToBf16(3.140625f)), 3.140625f);
+  EXPECT_EQ(FloatToBf16(1.00390625f), 0x3F80);  // halfway, rounds to even
+  EXPECT_EQ(FloatToBf16(1.01171875f), 0x3F82);  // halfway, rounds up to even
+  EXPECT_TRUE(std::isnan(Bf16ToFloat(FloatToBf16(std::nanf("")))));
+  EXPECT_TRUE(std::isinf(Bf16ToFloat(FloatToBf16(std::numeric_limits<float>::max()))));
+}
+
+}  // namespace
+}  // namespace ferry::moe
