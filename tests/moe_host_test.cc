@@ -32,6 +32,8 @@ struct Case {
   int private_tokens = 4;
   bool rank1_empty = false;  // rank 1 sends no tokens
   int iterations = 2;
+  bool once_per_rank = false;          // option (a)
+  bool reduce_at_expert_rank = false;  // option (b)
 };
 
 std::string Describe(const Case& c);
@@ -45,7 +47,8 @@ std::string Describe(const Case& c) {
          std::to_string(c.hidden) + "_e" + std::to_string(c.experts) + "_k" +
          std::to_string(c.k) + (c.dtype == DispatchDtype::kBf16 ? "_bf16" : "_fp8") +
          (c.routing == Routing::kAllToOneExpert ? "_hot" : "") + (c.rank1_empty ? "_empty1" : "") +
-         "_it" + std::to_string(c.iterations);
+         "_it" + std::to_string(c.iterations) + (c.once_per_rank ? "_a" : "") +
+         (c.reduce_at_expert_rank ? "_b" : "");
 }
 
 float DecodeE4M3(uint8_t b) {
@@ -130,6 +133,8 @@ Status RunRank(const Case& c, Bootstrap& b) {
   cfg.hidden = c.hidden;
   cfg.dtype = c.dtype;
   cfg.max_private_tokens = c.private_tokens;
+  cfg.dispatch_once_per_rank = c.once_per_rank;
+  cfg.combine_reduce_at_expert_rank = c.reduce_at_expert_rank;
   ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions(c.provider)));
   ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(cfg, engine.get(), b));
   const int l = cfg.local_experts(), n = cfg.world_size, h = cfg.hidden;
@@ -240,6 +245,24 @@ std::vector<Case> Cases() {
       // Many iterations back to back, without re-initialisation.
       {"shm", 2, 7, 128, 8, 2, bf16, rnd, 2, false, 1000},
   };
+  // Options (a) once per rank and (b) reduce at the expert rank pass the same checks.
+  const size_t plain = out.size();
+  for (size_t i = 0; i < plain; ++i) {
+    if (out[i].iterations > 2 || out[i].provider != "shm") continue;
+    if (i % 3 == 0 || i % 3 == 1) {
+      Case a = out[i];
+      a.once_per_rank = true;
+      a.reduce_at_expert_rank = i % 3 == 1;
+      out.push_back(a);
+    }
+    if (i % 3 == 2) {
+      Case b = out[i];
+      b.reduce_at_expert_rank = true;
+      out.push_back(b);
+    }
+  }
+  out.push_back({"tcp;ofi_rxm", 3, 128, 128, 48, 8, fp8, rnd, 4, true, 2, true, true});
+  out.push_back({"shm", 2, 7, 128, 8, 2, bf16, rnd, 2, false, 1000, true, true});
   std::vector<Case> filtered;
   for (const Case& c : out) {
     for (const std::string& p : testing_util::Providers()) {

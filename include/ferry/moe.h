@@ -48,6 +48,14 @@ struct AllToAllConfig {
   int hidden = 0;  // multiple of 128
   DispatchDtype dtype = DispatchDtype::kBf16;
   int max_private_tokens = 16;  // per (sender, receiver): sent before the counts are known
+  // Beyond the seed, each measured against the plain protocol (ferry-bench moe --once-per-rank
+  // --reduce-at-expert-rank):
+  // (a) a token goes once to each rank that holds any of its experts (not once per expert); the
+  //     receiver fans it out to its local experts.
+  bool dispatch_once_per_rank = false;
+  // (b) the expert rank sums its experts' outputs for a token in fp32, weights applied, and
+  //     returns one bf16 row per token instead of one per expert.
+  bool combine_reduce_at_expert_rank = false;
 
   // InvalidArgument naming the first bad field.
   Status Validate() const;

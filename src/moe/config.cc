@@ -45,7 +45,8 @@ int64_t AllToAllConfig::token_bytes() const {
 std::vector<uint8_t> AllToAllConfig::Fingerprint() const {
   fabric::ByteWriter w;
   for (int v : {world_size, ranks_per_node, num_experts, experts_per_token, max_tokens_per_rank,
-                hidden, static_cast<int>(dtype), max_private_tokens}) {
+                hidden, static_cast<int>(dtype), max_private_tokens,
+                int{dispatch_once_per_rank}, int{combine_reduce_at_expert_rank}}) {
     w.U32(static_cast<uint32_t>(v));
   }
   return w.Take();
@@ -59,7 +60,9 @@ std::string AllToAllConfig::ToString() const {
          " max_tokens_per_rank=" + std::to_string(max_tokens_per_rank) +
          " hidden=" + std::to_string(hidden) +
          " dtype=" + (dtype == DispatchDtype::kBf16 ? "bf16" : "fp8_e4m3") +
-         " max_private_tokens=" + std::to_string(max_private_tokens);
+         " max_private_tokens=" + std::to_string(max_private_tokens) +
+         (dispatch_once_per_rank ? " once_per_rank" : "") +
+         (combine_reduce_at_expert_rank ? " reduce_at_expert_rank" : "");
 }
 
 uint16_t FloatToBf16(float f) {

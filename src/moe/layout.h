@@ -2,19 +2,23 @@
 // device and proxy share. Pure functions of the configuration and the exchanged counts.
 //
 // Buffers of one rank (N ranks, E experts, L = E / N local experts, T = max_tokens_per_rank,
-// K = experts_per_token, P = max_private_tokens, C = T * min(K, L) copies one sender can route to
-// one receiver; a "slot" is 16 bytes of metadata + one token row + its scales):
+// K = experts_per_token, P = max_private_tokens; S = the most slots one sender can route to one
+// receiver: T * min(K, L), or T when a token goes once per rank; R = the most combine rows one
+// rank returns to one sender, the same with "once per rank" read as "reduced at the expert
+// rank"; a "slot" is the metadata of up to K (local expert, k, weight) entries + one token row +
+// its scales):
 //
-//   receive region (registered, written by peers)     send region (registered, read by the NIC)
-//   counts    [N][E] int32  every sender's routing     counts    [E] int32  our routing
-//   private   [N][P] slots  first P from sender s      dispatch  [T * K] slots, grouped by
-//   overflow  [N * C] slots the rest, packed in                   receiving rank, (t, k) order
-//                           sender-rank order          combine   [N * C] bf16 rows, grouped by
-//   combine   [T * K] rows  returned copies, grouped             the rank they return to, in
-//                           by expert rank, in our                that rank's send order
-//                           send order
+//   receive region (registered, written by peers)    send region (registered, read by the NIC)
+//   counts    [N][E + 2N] int32  every sender's       counts    [E + 2N] int32 our routing:
+//                       routing (see Routing)                   per expert, slots per rank,
+//   private   [N][P] slots  first P from sender s               combine rows per rank
+//   overflow  [N * S] slots the rest, packed in       dispatch  [T * K] slots, grouped by
+//                           sender-rank order                   receiving rank, token order
+//   combine   [T * K] rows  returned rows, grouped    combine   [N * R] bf16 rows, grouped by
+//                           by expert rank, in our              the rank they return to, in
+//                           send order                          that rank's send order
 //
-// A receiver gets at most N * C copies (every sender routes all its copies to it); the overflow
+// A receiver gets at most N * S slots (every sender routes everything to it); the overflow
 // region holds that worst case, so no routing can overrun it.
 #pragma once
 
@@ -27,13 +31,17 @@
 
 namespace ferry::moe {
 
-struct SlotMeta {
+// A slot starts with its header and K entries (only `entries` of them used).
+struct SlotHeader {
   int32_t src_token;
-  int32_t k;
-  int32_t local_expert;
-  int32_t reserved;
+  int32_t entries;
 };
-static_assert(sizeof(SlotMeta) == 16, "slot metadata is 16 bytes on the wire");
+struct SlotEntry {
+  int32_t local_expert;
+  int32_t k;
+  float weight;  // the token's combine weight for this expert
+};
+static_assert(sizeof(SlotHeader) == 8 && sizeof(SlotEntry) == 12, "slot metadata wire layout");
 
 inline int64_t RoundUp(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
 
@@ -41,55 +49,64 @@ struct MoeLayout {
   explicit MoeLayout(const AllToAllConfig& c) {
     const int64_t n = c.world_size, e = c.num_experts, t = c.max_tokens_per_rank,
                   k = c.experts_per_token, l = c.local_experts();
-    copies_per_pair = t * std::min(k, l);
-    slot_bytes = RoundUp(int64_t{sizeof(SlotMeta)} + c.token_bytes() +
-                             int64_t{c.scales_per_token()} * 4, 16);
+    slots_per_pair = c.dispatch_once_per_rank ? t : t * std::min(k, l);
+    rows_per_pair = c.combine_reduce_at_expert_rank ? t : t * std::min(k, l);
+    meta_bytes = int64_t{sizeof(SlotHeader)} + k * int64_t{sizeof(SlotEntry)};
+    slot_bytes = RoundUp(meta_bytes + c.token_bytes() + int64_t{c.scales_per_token()} * 4, 16);
     row_bytes = int64_t{c.hidden} * 2;
-    private_off = RoundUp(n * e * 4, 64);
+    counts_per_rank = e + 2 * n;
+    private_off = RoundUp(n * counts_per_rank * 4, 64);
     overflow_off = private_off + n * c.max_private_tokens * slot_bytes;
-    combine_off = overflow_off + n * copies_per_pair * slot_bytes;
+    combine_off = overflow_off + n * slots_per_pair * slot_bytes;
     recv_bytes = combine_off + t * k * row_bytes;
-    send_dispatch_off = RoundUp(e * 4, 64);
+    send_dispatch_off = RoundUp(counts_per_rank * 4, 64);
     send_combine_off = send_dispatch_off + t * k * slot_bytes;
-    send_bytes = send_combine_off + n * copies_per_pair * row_bytes;
+    send_bytes = send_combine_off + n * rows_per_pair * row_bytes;
   }
-  int64_t copies_per_pair, slot_bytes, row_bytes;
+  int64_t slots_per_pair, rows_per_pair, meta_bytes, slot_bytes, row_bytes, counts_per_rank;
   // Receive region.
   int64_t counts_off = 0, private_off, overflow_off, combine_off, recv_bytes;
   // Send region.
   int64_t send_counts_off = 0, send_dispatch_off, send_combine_off, send_bytes;
 };
 
-// The routing of one epoch, from every rank's per-expert counts ([N][E], row s = sender s).
+// The routing of one epoch, from every rank's counts row ([N][E + 2N], row s = sender s:
+// copies per expert, then dispatch slots per receiving rank, then combine rows per rank).
 class Routing {
  public:
-  explicit Routing(const AllToAllConfig& c) : c_(c), counts_(size_t(c.world_size) * c.num_experts) {}
+  explicit Routing(const AllToAllConfig& c)
+      : c_(c), width_(c.num_experts + 2 * c.world_size), counts_(size_t(c.world_size) * width_) {}
 
-  int32_t* counts() { return counts_.data(); }
-  const int32_t* counts() const { return counts_.data(); }
+  int width() const { return width_; }
+  int32_t* row(int s) { return counts_.data() + size_t(s) * width_; }
+  const int32_t* row(int s) const { return counts_.data() + size_t(s) * width_; }
 
-  // Copies sender s routes to rank r.
-  int64_t Copies(int s, int r) const {
-    const int l = c_.local_experts();
-    const int32_t* row = counts_.data() + size_t(s) * c_.num_experts + size_t(r) * l;
-    return std::accumulate(row, row + l, int64_t{0});
-  }
+  // Dispatch slots sender s sends rank r.
+  int64_t Slots(int s, int r) const { return row(s)[c_.num_experts + r]; }
+  // Combine rows rank r returns to sender s.
+  int64_t Rows(int s, int r) const { return row(s)[c_.num_experts + c_.world_size + r]; }
   // First slot of sender s's overflow in receiver r's overflow region.
   int64_t OverflowStart(int s, int r) const {
     int64_t start = 0;
-    for (int q = 0; q < s; ++q) start += std::max<int64_t>(0, Copies(q, r) - c_.max_private_tokens);
+    for (int q = 0; q < s; ++q) start += std::max<int64_t>(0, Slots(q, r) - c_.max_private_tokens);
     return start;
   }
-  // First slot of receiver r's copies in sender s's dispatch send area (and first row of r's
-  // returned copies in s's combine region: both keep s's send order).
-  int64_t SendStart(int s, int r) const {
+  // First slot for receiver r in sender s's dispatch send area.
+  int64_t SlotStart(int s, int r) const {
     int64_t start = 0;
-    for (int q = 0; q < r; ++q) start += Copies(s, q);
+    for (int q = 0; q < r; ++q) start += Slots(s, q);
+    return start;
+  }
+  // First row from expert rank r in sender s's combine region.
+  int64_t RowStart(int s, int r) const {
+    int64_t start = 0;
+    for (int q = 0; q < r; ++q) start += Rows(s, q);
     return start;
   }
 
  private:
   const AllToAllConfig c_;
+  const int width_;
   std::vector<int32_t> counts_;
 };
 

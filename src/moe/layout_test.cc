@@ -8,27 +8,31 @@
 namespace ferry::moe {
 namespace {
 
-// 3 ranks, 6 experts (2 per rank), P = 2. counts[s][e]:
-//   rank 0: 1 0 | 2 1 | 0 0     -> to rank 0: 1, rank 1: 3, rank 2: 0
-//   rank 1: 0 4 | 0 0 | 1 1     -> to rank 0: 4, rank 1: 0, rank 2: 2
-//   rank 2: 2 2 | 1 0 | 0 3     -> to rank 0: 4, rank 1: 1, rank 2: 3
-TEST(RoutingTest, CopiesOverflowAndSendOffsets) {
+// 3 ranks, 6 experts (2 per rank), P = 2. Slots per receiving rank, by sender:
+//   rank 0 -> 1, 3, 0     rank 1 -> 4, 0, 2     rank 2 -> 4, 1, 3
+TEST(RoutingTest, OverflowAndSendOffsets) {
   AllToAllConfig c{3, 0, 1, 6, 2, 8, 128, DispatchDtype::kBf16, 2};
   ASSERT_TRUE(c.Validate().ok());
   Routing r(c);
-  const int32_t counts[18] = {1, 0, 2, 1, 0, 0, 0, 4, 0, 0, 1, 1, 2, 2, 1, 0, 0, 3};
-  std::copy(counts, counts + 18, r.counts());
-  EXPECT_EQ(r.Copies(0, 1), 3);
-  EXPECT_EQ(r.Copies(1, 0), 4);
-  EXPECT_EQ(r.Copies(2, 2), 3);
+  const int32_t slots[3][3] = {{1, 3, 0}, {4, 0, 2}, {4, 1, 3}};
+  for (int s = 0; s < 3; ++s) {
+    for (int q = 0; q < 3; ++q) {
+      r.row(s)[6 + q] = slots[s][q];
+      r.row(s)[9 + q] = slots[s][q] + 1;  // rows: one more, to tell the columns apart
+    }
+  }
+  EXPECT_EQ(r.Slots(0, 1), 3);
+  EXPECT_EQ(r.Slots(1, 0), 4);
+  EXPECT_EQ(r.Rows(2, 2), 4);
   // Overflow into rank 0: rank 0 sends 1 (no overflow), rank 1 sends 4 (2 over), rank 2 4.
   EXPECT_EQ(r.OverflowStart(0, 0), 0);
   EXPECT_EQ(r.OverflowStart(1, 0), 0);
   EXPECT_EQ(r.OverflowStart(2, 0), 2);
-  // Sender 2's send area: rank 0's 4 copies, then rank 1's 1, then its own 3.
-  EXPECT_EQ(r.SendStart(2, 0), 0);
-  EXPECT_EQ(r.SendStart(2, 1), 4);
-  EXPECT_EQ(r.SendStart(2, 2), 5);
+  // Sender 2's send area: rank 0's 4 slots, then rank 1's 1, then its own 3.
+  EXPECT_EQ(r.SlotStart(2, 0), 0);
+  EXPECT_EQ(r.SlotStart(2, 1), 4);
+  EXPECT_EQ(r.SlotStart(2, 2), 5);
+  EXPECT_EQ(r.RowStart(2, 2), 5 + 2);
 }
 
 TEST(MoeLayoutTest, RegionsDoNotOverlapAndHoldTheWorstCase) {
@@ -36,11 +40,16 @@ TEST(MoeLayoutTest, RegionsDoNotOverlapAndHoldTheWorstCase) {
   ASSERT_TRUE(c.Validate().ok());
   MoeLayout l(c);
   EXPECT_EQ(l.slot_bytes % 16, 0);
-  EXPECT_GE(l.slot_bytes, 16 + 7168 + 56 * 4);
-  EXPECT_EQ(l.copies_per_pair, 128 * 8);
-  EXPECT_GE(l.private_off, 4 * 256 * 4);
+  EXPECT_GE(l.slot_bytes, 8 + 8 * 12 + 7168 + 56 * 4);
+  EXPECT_EQ(l.slots_per_pair, 128 * 8);
+  EXPECT_GE(l.private_off, 4 * (256 + 8) * 4);
   EXPECT_EQ(l.overflow_off, l.private_off + 4 * 16 * l.slot_bytes);
-  EXPECT_EQ(l.combine_off, l.overflow_off + 4 * l.copies_per_pair * l.slot_bytes);
+  EXPECT_EQ(l.combine_off, l.overflow_off + 4 * l.slots_per_pair * l.slot_bytes);
+  c.dispatch_once_per_rank = true;
+  c.combine_reduce_at_expert_rank = true;
+  MoeLayout once(c);
+  EXPECT_EQ(once.slots_per_pair, 128);
+  EXPECT_EQ(once.rows_per_pair, 128);
   EXPECT_EQ(l.recv_bytes, l.combine_off + 128 * 8 * 7168 * 2);
   EXPECT_EQ(l.send_combine_off, l.send_dispatch_off + 128 * 8 * l.slot_bytes);
 }

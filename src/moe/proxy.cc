@@ -39,8 +39,8 @@ Status Proxy::Dispatch(uint64_t epoch) {
 
   RETURN_IF_ERROR(WaitDevice(p_.channel->route_ready, epoch));
   // Our counts, as the device left them; our row of the routing table.
-  std::memcpy(routing.counts() + size_t(me) * c.num_experts, p_.send + layout_.send_counts_off,
-              size_t(c.num_experts) * 4);
+  const size_t row_bytes = size_t(routing.width()) * 4;
+  std::memcpy(routing.row(me), p_.send + layout_.send_counts_off, row_bytes);
   // Every peer has read what we wrote last epoch before we write again.
   if (epoch > 0) RETURN_IF_ERROR(AwaitPeers(kDispatchConsumed, epoch - 1, n - 1));
   dispatch_bytes_.store(0, std::memory_order_relaxed);
@@ -48,8 +48,7 @@ Status Proxy::Dispatch(uint64_t epoch) {
   for (int r = 0; r < n; ++r) {
     if (r == me) continue;
     targets_.push_back({Member(r), uint64_t(layout_.send_counts_off),
-                        uint64_t(layout_.counts_off) + uint64_t(me) * c.num_experts * 4,
-                        uint64_t(c.num_experts) * 4});
+                        uint64_t(layout_.counts_off) + uint64_t(me) * row_bytes, row_bytes});
   }
   RETURN_IF_ERROR(Post(kCounts, epoch));
 
@@ -58,9 +57,9 @@ Status Proxy::Dispatch(uint64_t epoch) {
   targets_.clear();
   for (int r = 0; r < n; ++r) {
     if (r == me) continue;
-    int64_t count = std::min<int64_t>(routing.Copies(me, r), priv);
+    int64_t count = std::min<int64_t>(routing.Slots(me, r), priv);
     targets_.push_back({Member(r),
-                        uint64_t(layout_.send_dispatch_off + routing.SendStart(me, r) * slot),
+                        uint64_t(layout_.send_dispatch_off + routing.SlotStart(me, r) * slot),
                         uint64_t(layout_.private_off + int64_t{me} * priv * slot),
                         uint64_t(count * slot)});
   }
@@ -70,20 +69,19 @@ Status Proxy::Dispatch(uint64_t epoch) {
   RETURN_IF_ERROR(AwaitPeers(kCounts, epoch, n - 1));
   for (int s = 0; s < n; ++s) {
     if (s == me) continue;
-    std::memcpy(routing.counts() + size_t(s) * c.num_experts,
-                p_.recv + layout_.counts_off + int64_t{s} * c.num_experts * 4,
-                size_t(c.num_experts) * 4);
+    std::memcpy(routing.row(s), p_.recv + layout_.counts_off + int64_t{s} * row_bytes,
+                row_bytes);
   }
   targets_.clear();
   uint64_t overflow_in = 0;
   for (int r = 0; r < n; ++r) {
     if (r == me) continue;
-    if (routing.Copies(r, me) > priv) ++overflow_in;
-    int64_t sent = routing.Copies(me, r);
+    if (routing.Slots(r, me) > priv) ++overflow_in;
+    int64_t sent = routing.Slots(me, r);
     if (sent <= priv) continue;
     targets_.push_back({Member(r),
                         uint64_t(layout_.send_dispatch_off +
-                                 (routing.SendStart(me, r) + priv) * slot),
+                                 (routing.SlotStart(me, r) + priv) * slot),
                         uint64_t(layout_.overflow_off + routing.OverflowStart(me, r) * slot),
                         uint64_t((sent - priv) * slot)});
   }
@@ -108,19 +106,19 @@ Status Proxy::Combine(uint64_t epoch) {
 
   RETURN_IF_ERROR(WaitDevice(p_.channel->combine_ready, epoch));
   if (epoch > 0) RETURN_IF_ERROR(AwaitPeers(kCombineConsumed, epoch - 1, n - 1));
-  // The device packed the rows for sender s at [sum of Copies(q, me) for q < s), in s's order;
-  // they land in s's combine region at s's own send offset for us.
+  // The device packed the rows for sender s after those for lower ranks, in s's order; they
+  // land in s's combine region after the rows of lower expert ranks.
   combine_bytes_.store(0, std::memory_order_relaxed);
   targets_.clear();
   int64_t start = 0;
   for (int s = 0; s < n; ++s) {
-    const int64_t copies = routing.Copies(s, me);
+    const int64_t rows = routing.Rows(s, me);
     if (s != me) {
       targets_.push_back({Member(s), uint64_t(layout_.send_combine_off + start * row),
-                          uint64_t(layout_.combine_off + routing.SendStart(s, me) * row),
-                          uint64_t(copies * row)});
+                          uint64_t(layout_.combine_off + routing.RowStart(s, me) * row),
+                          uint64_t(rows * row)});
     }
-    start += copies;
+    start += rows;
   }
   RETURN_IF_ERROR(Post(kCombine, epoch));
   RETURN_IF_ERROR(AwaitPeers(kCombine, epoch, n - 1));

@@ -36,32 +36,52 @@ class HostDevice final : public MoeDevice {
     const int n = c.world_size, k = c.experts_per_token, l = c.local_experts();
     num_tokens_ = in.num_tokens;
     weights_.assign(in.weights, in.weights + size_t(in.num_tokens) * k);
-    // Route: copies grouped by receiving rank, in (token, k) order; counts per expert.
-    for (auto& list : sent_) list.clear();
-    sent_.resize(n);
+    // Route: per receiving rank, its slots (a token with its entries for that rank) and the
+    // combine rows it will return, both in token order.
+    slots_.resize(n);
+    rows_.resize(n);
+    for (int r = 0; r < n; ++r) {
+      slots_[r].clear();
+      rows_[r].clear();
+    }
+    entries_.clear();
     auto* counts = reinterpret_cast<int32_t*>(p_.send + layout_.send_counts_off);
-    std::fill(counts, counts + c.num_experts, 0);
+    std::fill(counts, counts + layout_.counts_per_rank, 0);
     for (int t = 0; t < in.num_tokens; ++t) {
-      for (int j = 0; j < k; ++j) {
-        const int32_t e = in.indices[size_t(t) * k + j];
-        sent_[e / l].push_back({t, j, e % l});
-        ++counts[e];
+      for (int r = 0; r < n; ++r) {
+        bool first = true;
+        for (int j = 0; j < k; ++j) {
+          const int32_t e = in.indices[size_t(t) * k + j];
+          if (e / l != r) continue;
+          ++counts[e];
+          if (first || !c.dispatch_once_per_rank) {
+            slots_[r].push_back({t, static_cast<int32_t>(entries_.size()), 0});
+          }
+          if (first || !c.combine_reduce_at_expert_rank) rows_[r].push_back({t, j});
+          entries_.push_back({e % l, j, in.weights[size_t(t) * k + j]});
+          ++slots_[r].back().entries;
+          first = false;
+        }
       }
+    }
+    for (int r = 0; r < n; ++r) {
+      counts[c.num_experts + r] = static_cast<int32_t>(slots_[r].size());
+      counts[c.num_experts + n + r] = static_cast<int32_t>(rows_[r].size());
     }
     p_.channel->route_ready.store(epoch + 1, std::memory_order_release);
     // Pack, receiver by receiver.
     const int64_t payload = c.token_bytes(), spt = c.scales_per_token();
     int64_t slot_index = 0;
     for (int r = 0; r < n; ++r) {
-      for (const Copy& cp : sent_[r]) {
+      for (const OutSlot& os : slots_[r]) {
         uint8_t* slot = p_.send + layout_.send_dispatch_off + slot_index++ * layout_.slot_bytes;
-        const SlotMeta meta{cp.token, cp.k, cp.local_expert, 0};
-        std::memcpy(slot, &meta, sizeof meta);
-        std::memcpy(slot + sizeof meta,
-                    static_cast<const uint8_t*>(in.x) + int64_t{cp.token} * payload, payload);
-        if (spt) {
-          std::memcpy(slot + sizeof meta + payload, in.scales + int64_t{cp.token} * spt, spt * 4);
-        }
+        const SlotHeader header{os.token, os.entries};
+        std::memcpy(slot, &header, sizeof header);
+        std::memcpy(slot + sizeof header, &entries_[os.first_entry],
+                    size_t(os.entries) * sizeof(SlotEntry));
+        uint8_t* body = slot + layout_.meta_bytes;
+        std::memcpy(body, static_cast<const uint8_t*>(in.x) + int64_t{os.token} * payload, payload);
+        if (spt) std::memcpy(body + payload, in.scales + int64_t{os.token} * spt, spt * 4);
       }
     }
     p_.channel->send_ready.store(epoch + 1, std::memory_order_release);
@@ -70,7 +90,7 @@ class HostDevice final : public MoeDevice {
 
   Status DispatchRecv(const DispatchOutput& out, uint64_t epoch, Deadline deadline) override {
     const AllToAllConfig& c = p_.config;
-    const int n = c.world_size, me = c.rank, l = c.local_experts();
+    const int n = c.world_size, me = c.rank, l = c.local_experts(), k = c.experts_per_token;
     const int64_t priv = c.max_private_tokens, slot_bytes = layout_.slot_bytes;
     RETURN_IF_ERROR(WaitForProxy(*p_.channel, p_.channel->recv_ready, "recv-ready", epoch,
                                  deadline));
@@ -78,12 +98,14 @@ class HostDevice final : public MoeDevice {
     std::fill(out.num_tokens, out.num_tokens + l, 0);
     routes_.assign(size_t(l) * c.expert_capacity(), Route{});
     const int64_t payload = c.token_bytes(), spt = c.scales_per_token();
-    const int64_t own_start = routing.SendStart(me, me);
-    // Sender by sender, each in its send order; our own copies straight from the send area.
+    const int64_t own_start = routing.SlotStart(me, me);
+    // Sender by sender, each in its send order; our own slots straight from the send area.
     for (int s = 0; s < n; ++s) {
-      const int64_t copies = routing.Copies(s, me);
+      const int64_t slots = routing.Slots(s, me), rows = routing.Rows(s, me);
       const int64_t overflow_start = routing.OverflowStart(s, me);
-      for (int64_t j = 0; j < copies; ++j) {
+      int64_t row = -1;
+      int32_t last_token = -1;
+      for (int64_t j = 0; j < slots; ++j) {
         const uint8_t* slot;
         if (s == me) {
           slot = p_.send + layout_.send_dispatch_off + (own_start + j) * slot_bytes;
@@ -92,17 +114,31 @@ class HostDevice final : public MoeDevice {
         } else {
           slot = p_.recv + layout_.overflow_off + (overflow_start + j - priv) * slot_bytes;
         }
-        SlotMeta meta;
-        std::memcpy(&meta, slot, sizeof meta);
-        if (meta.local_expert < 0 || meta.local_expert >= l) {
-          return DataLossError("moe: slot from rank " + std::to_string(s) +
-                               " names local expert " + std::to_string(meta.local_expert));
+        SlotHeader header;
+        std::memcpy(&header, slot, sizeof header);
+        if (header.entries < 1 || header.entries > k || header.src_token < 0 ||
+            header.src_token >= c.max_tokens_per_rank) {
+          return DataLossError("moe: malformed slot " + std::to_string(j) + " from rank " +
+                               std::to_string(s));
         }
-        const int32_t row = out.num_tokens[meta.local_expert]++;
-        const int64_t dst = int64_t{meta.local_expert} * c.expert_capacity() + row;
-        std::memcpy(static_cast<uint8_t*>(out.x) + dst * payload, slot + sizeof meta, payload);
-        if (spt) std::memcpy(out.scales + dst * spt, slot + sizeof meta + payload, spt * 4);
-        routes_[dst] = Route{s, j};
+        const uint8_t* body = slot + layout_.meta_bytes;
+        for (int i = 0; i < header.entries; ++i) {
+          SlotEntry entry;
+          std::memcpy(&entry, slot + sizeof header + i * sizeof(SlotEntry), sizeof entry);
+          // The combine row this copy feeds: its own, or its token's when the expert rank sums.
+          if (!c.combine_reduce_at_expert_rank || header.src_token != last_token) ++row;
+          last_token = header.src_token;
+          if (entry.local_expert < 0 || entry.local_expert >= l || row >= rows) {
+            return DataLossError("moe: slot " + std::to_string(j) + " from rank " +
+                                 std::to_string(s) + " names local expert " +
+                                 std::to_string(entry.local_expert) + " or overruns its rows");
+          }
+          const int32_t pos = out.num_tokens[entry.local_expert]++;
+          const int64_t dst = int64_t{entry.local_expert} * c.expert_capacity() + pos;
+          std::memcpy(static_cast<uint8_t*>(out.x) + dst * payload, body, payload);
+          if (spt) std::memcpy(out.scales + dst * spt, body + payload, spt * 4);
+          routes_[dst] = Route{s, row, entry.weight};
+        }
       }
     }
     expert_rows_.assign(out.num_tokens, out.num_tokens + l);
@@ -112,18 +148,34 @@ class HostDevice final : public MoeDevice {
 
   Status CombineSend(const uint16_t* expert_out, uint64_t epoch) override {
     const AllToAllConfig& c = p_.config;
-    const int n = c.world_size, me = c.rank, l = c.local_experts();
+    const int n = c.world_size, me = c.rank, l = c.local_experts(), h = c.hidden;
     const Routing& routing = *p_.routing;
     // Rows for sender s, in s's send order, after those of lower ranks.
     row_start_.assign(n + 1, 0);
-    for (int s = 0; s < n; ++s) row_start_[s + 1] = row_start_[s] + routing.Copies(s, me);
-    for (int e = 0; e < l; ++e) {
-      for (int32_t row = 0; row < expert_rows_[e]; ++row) {
-        const int64_t src = int64_t{e} * c.expert_capacity() + row;
-        const Route& route = routes_[src];
-        std::memcpy(p_.send + layout_.send_combine_off +
-                        (row_start_[route.src] + route.copy) * layout_.row_bytes,
-                    expert_out + src * c.hidden, layout_.row_bytes);
+    for (int s = 0; s < n; ++s) row_start_[s + 1] = row_start_[s] + routing.Rows(s, me);
+    uint8_t* area = p_.send + layout_.send_combine_off;
+    if (c.combine_reduce_at_expert_rank) {
+      // Each returned row is the weighted fp32 sum of our experts' outputs for one token.
+      partial_.assign(size_t(row_start_[n]) * h, 0.0f);
+      for (int e = 0; e < l; ++e) {
+        for (int32_t pos = 0; pos < expert_rows_[e]; ++pos) {
+          const int64_t src = int64_t{e} * c.expert_capacity() + pos;
+          const Route& route = routes_[src];
+          float* acc = partial_.data() + size_t(row_start_[route.src] + route.row) * h;
+          const uint16_t* y = expert_out + src * h;
+          for (int i = 0; i < h; ++i) acc[i] += route.weight * Bf16ToFloat(y[i]);
+        }
+      }
+      auto* rows = reinterpret_cast<uint16_t*>(area);
+      for (size_t i = 0; i < partial_.size(); ++i) rows[i] = FloatToBf16(partial_[i]);
+    } else {
+      for (int e = 0; e < l; ++e) {
+        for (int32_t pos = 0; pos < expert_rows_[e]; ++pos) {
+          const int64_t src = int64_t{e} * c.expert_capacity() + pos;
+          const Route& route = routes_[src];
+          std::memcpy(area + (row_start_[route.src] + route.row) * layout_.row_bytes,
+                      expert_out + src * h, layout_.row_bytes);
+        }
       }
     }
     p_.channel->combine_ready.store(epoch + 1, std::memory_order_release);
@@ -141,15 +193,18 @@ class HostDevice final : public MoeDevice {
       for (size_t i = 0; i < acc_.size(); ++i) acc_[i] = Bf16ToFloat(out[i]);
     }
     for (int r = 0; r < n; ++r) {
-      // Our copies to ourselves never left: they sit in our combine send area.
+      // Rows we returned to ourselves never left: they sit in our combine send area.
       const uint8_t* base =
           r == me ? p_.send + layout_.send_combine_off + row_start_[me] * layout_.row_bytes
-                  : p_.recv + layout_.combine_off + routing.SendStart(me, r) * layout_.row_bytes;
-      for (size_t j = 0; j < sent_[r].size(); ++j) {
-        const Copy& cp = sent_[r][j];
-        const float w = weights_[size_t(cp.token) * k + cp.k];
+                  : p_.recv + layout_.combine_off + routing.RowStart(me, r) * layout_.row_bytes;
+      for (size_t j = 0; j < rows_[r].size(); ++j) {
+        const OutRow& row_of = rows_[r][j];
+        // A summed row already carries its weights.
+        const float w = c.combine_reduce_at_expert_rank
+                            ? 1.0f
+                            : weights_[size_t(row_of.token) * k + row_of.k];
         const auto* row = reinterpret_cast<const uint16_t*>(base + j * layout_.row_bytes);
-        float* dst = acc_.data() + size_t(cp.token) * h;
+        float* dst = acc_.data() + size_t(row_of.token) * h;
         for (int i = 0; i < h; ++i) dst[i] += w * Bf16ToFloat(row[i]);
       }
     }
@@ -159,25 +214,33 @@ class HostDevice final : public MoeDevice {
   }
 
  private:
-  struct Copy {
+  struct OutSlot {
     int32_t token;
-    int32_t k;
-    int32_t local_expert;
+    int32_t first_entry;  // into entries_
+    int32_t entries;
+  };
+  struct OutRow {
+    int32_t token;
+    int32_t k;  // the first k of the token for this rank when the expert rank sums
   };
   struct Route {
     int32_t src = -1;   // sending rank
-    int64_t copy = -1;  // index in that rank's list for us
+    int64_t row = -1;   // combine row, in that sender's order
+    float weight = 0;   // used when the expert rank sums
   };
 
   const DeviceParams p_;
   const MoeLayout layout_;
   int num_tokens_ = 0;
-  std::vector<float> weights_;           // [T, K] of the current iteration
-  std::vector<std::vector<Copy>> sent_;  // per receiving rank, in send order
-  std::vector<Route> routes_;            // [L, capacity] where each received row came from
-  std::vector<int32_t> expert_rows_;     // [L]
-  std::vector<int64_t> row_start_;       // [N + 1] combine rows per sender, in our send area
-  std::vector<float> acc_;               // [T, hidden] fp32 accumulator
+  std::vector<float> weights_;              // [T, K] of the current iteration
+  std::vector<std::vector<OutSlot>> slots_; // per receiving rank, in send order
+  std::vector<std::vector<OutRow>> rows_;   // per expert rank, the rows it returns, in order
+  std::vector<SlotEntry> entries_;          // what the slots carry
+  std::vector<Route> routes_;               // [L, capacity] where each received row came from
+  std::vector<int32_t> expert_rows_;        // [L]
+  std::vector<int64_t> row_start_;          // [N + 1] combine rows per sender, in our send area
+  std::vector<float> partial_;              // [rows, hidden] fp32 sums at the expert rank
+  std::vector<float> acc_;                  // [T, hidden] fp32 accumulator
 };
 
 }  // namespace
