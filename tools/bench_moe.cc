@@ -70,6 +70,8 @@ Status RunRank(const MoeBenchOptions& o, Bootstrap& b, Result* result) {
   cfg.hidden = o.hidden;
   cfg.dtype = o.fp8 ? DispatchDtype::kFp8E4M3 : DispatchDtype::kBf16;
   cfg.max_private_tokens = o.private_tokens;
+  cfg.dispatch_once_per_rank = o.once_per_rank;
+  cfg.combine_reduce_at_expert_rank = o.reduce_at_expert_rank;
   RETURN_IF_ERROR(cfg.Validate());
   EngineOptions eo = EngineOptions::FromEnv();
   eo.provider = o.provider;
@@ -178,9 +180,12 @@ Status RunRank(const MoeBenchOptions& o, Bootstrap& b, Result* result) {
 
 }  // namespace
 
-int RunMoeBench(const MoeBenchOptions& o) {
+namespace {
+
+// Runs one variant across forked ranks; rank 0's figures come back through a pipe.
+bool RunVariant(const MoeBenchOptions& o, Result* out) {
   int fds[2];
-  if (pipe(fds) != 0) return 1;
+  if (pipe(fds) != 0) return false;
   auto exits = RunLocalRanks(o.ranks, [&](Bootstrap& b) -> Status {
     close(fds[0]);
     Result r{};
@@ -191,47 +196,81 @@ int RunMoeBench(const MoeBenchOptions& o) {
     return Status::Ok();
   }, std::chrono::minutes(10));
   close(fds[1]);
-  Result r{};
-  bool got = read(fds[0], &r, sizeof r) == sizeof r;
+  bool got = read(fds[0], out, sizeof *out) == sizeof *out;
   close(fds[0]);
   for (const RankExit& e : exits) {
     if (!e.ok()) {
       std::fprintf(stderr, "ferry-bench moe: a rank failed (exit %d, signal %d%s)\n",
                    e.exit_code, e.signal, e.timed_out ? ", timed out" : "");
-      return 1;
+      return false;
     }
   }
-  if (!got) return 1;
-  const char* names[4] = {"dispatch send", "dispatch recv", "combine send", "combine recv"};
-  if (o.json) {
+  return got;
+}
+
+const char* VariantName(const MoeBenchOptions& o) {
+  if (o.once_per_rank && o.reduce_at_expert_rank) return "(a)+(b)";
+  if (o.once_per_rank) return "(a) once/rank";
+  if (o.reduce_at_expert_rank) return "(b) reduce";
+  return "plain";
+}
+
+}  // namespace
+
+int RunMoeBench(const MoeBenchOptions& options) {
+  std::vector<MoeBenchOptions> variants = {options};
+  if (options.compare) {
+    variants.assign(4, options);
+    variants[1].once_per_rank = true;
+    variants[2].reduce_at_expert_rank = true;
+    variants[3].once_per_rank = variants[3].reduce_at_expert_rank = true;
+    variants[0].once_per_rank = variants[0].reduce_at_expert_rank = false;
+  }
+  const MoeBenchOptions& o = options;
+  if (!o.json) {
+    std::printf("ferry-bench moe  device=host provider=%s ranks=%d tokens=%d hidden=%d "
+                "experts=%d topk=%d dtype=%s  (slowest rank per iteration, %d iterations)\n",
+                o.provider.c_str(), o.ranks, o.tokens, o.hidden, o.experts, o.topk,
+                o.fp8 ? "fp8" : "bf16", o.iters);
+    std::printf("%-13s | %21s %21s | %21s %21s | %10s %10s | %9s %9s | %6s %6s\n", "variant",
+                "dispatch send p50/p99", "dispatch recv p50/p99", "combine send p50/p99",
+                "combine recv p50/p99", "disp bytes", "comb bytes", "floor d", "floor c",
+                "d/fl", "c/fl");
+  } else {
     std::printf("{\"bench\":\"moe\",\"device\":\"host\",\"provider\":\"%s\",\"ranks\":%d,"
-                "\"tokens\":%d,\"hidden\":%d,\"experts\":%d,\"topk\":%d,\"dtype\":\"%s\",",
+                "\"tokens\":%d,\"hidden\":%d,\"experts\":%d,\"topk\":%d,\"dtype\":\"%s\","
+                "\"variants\":[",
                 o.provider.c_str(), o.ranks, o.tokens, o.hidden, o.experts, o.topk,
                 o.fp8 ? "fp8" : "bf16");
-    std::printf("\"steps\":[");
-    for (int s = 0; s < 4; ++s) {
-      std::printf("%s{\"step\":\"%s\",\"p50_us\":%.2f,\"p99_us\":%.2f}", s ? "," : "", names[s],
-                  r.p50[s], r.p99[s]);
-    }
-    std::printf("],\"dispatch_bytes\":%llu,\"combine_bytes\":%llu,\"floor_dispatch_p50_us\":%.2f,"
-                "\"floor_combine_p50_us\":%.2f}\n",
-                (unsigned long long)r.dispatch_bytes, (unsigned long long)r.combine_bytes,
-                r.floor_dispatch_p50, r.floor_combine_p50);
-    return 0;
   }
-  std::printf("ferry-bench moe  device=host provider=%s ranks=%d tokens=%d hidden=%d experts=%d "
-              "topk=%d dtype=%s  (slowest rank per iteration, %d iterations)\n",
-              o.provider.c_str(), o.ranks, o.tokens, o.hidden, o.experts, o.topk,
-              o.fp8 ? "fp8" : "bf16", o.iters);
-  std::printf("%-14s %10s %10s\n", "step", "p50 us", "p99 us");
-  for (int s = 0; s < 4; ++s) std::printf("%-14s %10.1f %10.1f\n", names[s], r.p50[s], r.p99[s]);
-  const double dispatch = r.p50[0] + r.p50[1], combine = r.p50[2] + r.p50[3];
-  std::printf("%-14s %10.1f | bytes/rank %9llu | floor (1 scatter) %8.1f us | ratio %.2f\n",
-              "dispatch", dispatch, (unsigned long long)r.dispatch_bytes, r.floor_dispatch_p50,
-              r.floor_dispatch_p50 > 0 ? dispatch / r.floor_dispatch_p50 : 0.0);
-  std::printf("%-14s %10.1f | bytes/rank %9llu | floor (1 scatter) %8.1f us | ratio %.2f\n",
-              "combine", combine, (unsigned long long)r.combine_bytes, r.floor_combine_p50,
-              r.floor_combine_p50 > 0 ? combine / r.floor_combine_p50 : 0.0);
+  for (size_t v = 0; v < variants.size(); ++v) {
+    Result r{};
+    if (!RunVariant(variants[v], &r)) return 1;
+    const double dispatch = r.p50[0] + r.p50[1], combine = r.p50[2] + r.p50[3];
+    const double d_ratio = r.floor_dispatch_p50 > 0 ? dispatch / r.floor_dispatch_p50 : 0;
+    const double c_ratio = r.floor_combine_p50 > 0 ? combine / r.floor_combine_p50 : 0;
+    if (o.json) {
+      std::printf("%s{\"variant\":\"%s\",\"p50_us\":[%.2f,%.2f,%.2f,%.2f],"
+                  "\"p99_us\":[%.2f,%.2f,%.2f,%.2f],\"dispatch_bytes\":%llu,"
+                  "\"combine_bytes\":%llu,\"floor_dispatch_p50_us\":%.2f,"
+                  "\"floor_combine_p50_us\":%.2f}",
+                  v ? "," : "", VariantName(variants[v]), r.p50[0], r.p50[1], r.p50[2], r.p50[3],
+                  r.p99[0], r.p99[1], r.p99[2], r.p99[3], (unsigned long long)r.dispatch_bytes,
+                  (unsigned long long)r.combine_bytes, r.floor_dispatch_p50, r.floor_combine_p50);
+    } else {
+      std::printf("%-13s | %10.1f %10.1f %10.1f %10.1f | %10.1f %10.1f %10.1f %10.1f | %10llu "
+                  "%10llu | %9.1f %9.1f | %6.2f %6.2f\n",
+                  VariantName(variants[v]), r.p50[0], r.p99[0], r.p50[1], r.p99[1], r.p50[2],
+                  r.p99[2], r.p50[3], r.p99[3], (unsigned long long)r.dispatch_bytes,
+                  (unsigned long long)r.combine_bytes, r.floor_dispatch_p50,
+                  r.floor_combine_p50, d_ratio, c_ratio);
+    }
+  }
+  if (o.json) std::printf("]}\n");
+  else {
+    std::printf("times in us; bytes = what rank 0 put on the wire; floor = the same bytes as one "
+                "scatter per peer\n");
+  }
   return 0;
 }
 

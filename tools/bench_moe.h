@@ -14,6 +14,9 @@ struct MoeBenchOptions {
   int topk = 8;
   bool fp8 = true;
   int private_tokens = 16;
+  bool once_per_rank = false;          // option (a)
+  bool reduce_at_expert_rank = false;  // option (b)
+  bool compare = false;                // plain, (a), (b), (a)+(b) in one invocation
   int iters = 50;
   int warmup = 5;
   bool json = false;

@@ -3,6 +3,7 @@
 //   ferry-bench fabric [--provider P] [--max-bytes N] [--quick] [--json]
 //   ferry-bench moe    [--provider P] [--ranks N] [--tokens T] [--hidden H] [--experts E]
 //                      [--topk K] [--dtype fp8|bf16] [--iters I] [--json]
+//                      [--once-per-rank] [--reduce-at-expert-rank] [--compare]
 //   ferry-bench demo   the main job of `make demo`: short fabric and moe runs on shm
 #include <cstdio>
 #include <cstdlib>
@@ -20,6 +21,7 @@ void Usage() {
                "       ferry-bench moe [--provider P] [--ranks N] [--tokens T] [--hidden H]\n"
                "                       [--experts E] [--topk K] [--dtype fp8|bf16] [--iters I]"
                " [--json]\n"
+               "                       [--once-per-rank] [--reduce-at-expert-rank] [--compare]\n"
                "       ferry-bench demo\n"
                "Provider from --provider, else FERRY_PROVIDER, else shm.\n");
 }
@@ -67,6 +69,12 @@ int main(int argc, char** argv) {
       ok = ParseInt(argv[++i], &m.topk);
     } else if (a == "--iters" && has_value) {
       ok = ParseInt(argv[++i], &m.iters);
+    } else if (a == "--once-per-rank") {
+      m.once_per_rank = true;
+    } else if (a == "--reduce-at-expert-rank") {
+      m.reduce_at_expert_rank = true;
+    } else if (a == "--compare") {
+      m.compare = true;
     } else if (a == "--dtype" && has_value) {
       std::string d = argv[++i];
       ok = d == "fp8" || d == "bf16";
@@ -103,6 +111,7 @@ int main(int argc, char** argv) {
     m.experts = 32;
     m.topk = 4;
     m.iters = 20;
+    m.compare = true;
     return ferry::bench::RunMoeBench(m);
   }
   Usage();
