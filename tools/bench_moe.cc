@@ -133,7 +133,16 @@ Status RunRank(const MoeBenchOptions& o, Bootstrap& b, Result* result) {
     // A second engine, so the floor's peers and counters are its own.
     ASSIGN_OR_RETURN(auto floor_engine, TransferEngine::Create(eo));
     TransferEngine* engine = floor_engine.get();
-    const uint64_t most = std::max(result->dispatch_bytes, result->combine_bytes) / (n - 1) + 64;
+    // Every rank sizes its landing area for the largest sender.
+    uint64_t most = std::max(result->dispatch_bytes, result->combine_bytes) / (n - 1) + 64;
+    std::vector<uint8_t> mine(sizeof most);
+    std::memcpy(mine.data(), &most, sizeof most);
+    ASSIGN_OR_RETURN(auto sizes, b.AllGather(mine, 60s));
+    for (const auto& sz : sizes) {
+      uint64_t v = 0;
+      if (sz.size() == sizeof v) std::memcpy(&v, sz.data(), sizeof v);
+      most = std::max(most, v);
+    }
     std::vector<uint8_t> src(most), dst(most * n);
     ASSIGN_OR_RETURN(MemoryRegion src_reg, engine->RegisterMemory(src.data(), src.size()));
     ASSIGN_OR_RETURN(MemoryRegion dst_reg, engine->RegisterMemory(dst.data(), dst.size()));

@@ -22,6 +22,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <span>
 #include <string>
@@ -114,8 +115,20 @@ class AllToAll {
   virtual uint64_t combine_bytes_sent() const = 0;
 };
 
-// bf16 helpers (round to nearest even), for callers and tests.
-uint16_t FloatToBf16(float f);
-float Bf16ToFloat(uint16_t b);
+// bf16 helpers (round to nearest even, NaN kept), for callers and tests. Inline: the host
+// device calls them per element.
+inline uint16_t FloatToBf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7F800000u) == 0x7F800000u && (u & 0x007FFFFFu)) return 0x7FC0;
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+inline float Bf16ToFloat(uint16_t b) {
+  const uint32_t u = uint32_t{b} << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 
 }  // namespace ferry

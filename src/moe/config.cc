@@ -1,4 +1,4 @@
-// AllToAllConfig validation and the bf16 helpers.
+// AllToAllConfig validation and description.
 #include <cstring>
 #include <string>
 
@@ -63,21 +63,6 @@ std::string AllToAllConfig::ToString() const {
          " max_private_tokens=" + std::to_string(max_private_tokens) +
          (dispatch_once_per_rank ? " once_per_rank" : "") +
          (combine_reduce_at_expert_rank ? " reduce_at_expert_rank" : "");
-}
-
-uint16_t FloatToBf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7F800000u) == 0x7F800000u && (u & 0x007FFFFFu)) return 0x7FC0;  // NaN stays NaN
-  u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even
-  return static_cast<uint16_t>(u >> 16);
-}
-
-float Bf16ToFloat(uint16_t b) {
-  uint32_t u = uint32_t{b} << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
 }
 
 }  // namespace ferry
