@@ -1,0 +1,81 @@
+// ferry kv: KV-cache page layouts, tensor-parallel sharding, and the reshard planner of the KV
+// messenger (DESIGN.md §1.2, §2.3).
+//
+// A KvLayout describes one layer's cache pages as one TP rank holds them. The planner turns
+// (prefill layout + TP size, decode layout + TP size, the request's page ids) into the list of
+// contiguous writes that rebuild every decode rank's pages from the prefill ranks' pages, and
+// the number of writes each decode rank must expect. It is pure and deterministic given a seed.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "ferry/status.h"
+
+namespace ferry {
+
+enum class KvOrder : uint8_t {
+  kNHD = 0,  // [tokens][heads][head_dim]: FlashInfer's default
+  kHND = 1,  // [heads][tokens][head_dim]: a head-shard of a page is contiguous
+};
+
+// The model's cache, independent of sharding.
+struct KvModel {
+  int kv_heads = 0;     // KV heads (1 for MLA)
+  int head_dim = 0;     // elements per head (MLA: the latent width, e.g. 576)
+  int dtype_bytes = 2;  // bf16
+  bool mla = false;     // one latent per token (no separate K and V); replicated on every rank
+  int page_tokens = 0;  // tokens per page
+
+  Status Validate() const;
+  int components() const { return mla ? 1 : 2; }  // K and V, or the latent
+};
+
+// How one side (prefill or decode) lays out and shards the cache.
+struct KvSide {
+  KvModel model;
+  KvOrder order = KvOrder::kHND;
+  int tp = 1;  // tensor-parallel ranks
+
+  Status Validate() const;
+  // Heads each rank holds (all of them for MLA).
+  int heads_per_rank() const;
+  // Ranks holding the same heads: tp / kv_heads when replicated, tp for MLA, else 1.
+  int replicas() const;
+  // First (global) head that rank `r` holds.
+  int first_head(int r) const;
+  // Bytes of one page of one layer on one rank.
+  int64_t page_bytes() const;
+  // Byte offset, within one rank's layer region, of the head_dim vector of (page, component,
+  // local head, token).
+  int64_t Offset(int64_t page, int component, int local_head, int token) const;
+  int64_t vector_bytes() const { return int64_t{model.head_dim} * model.dtype_bytes; }
+};
+
+// One contiguous write of the plan: bytes of a prefill rank's layer region to a decode rank's.
+struct KvWrite {
+  int src_rank = 0;
+  int64_t src_offset = 0;
+  int dst_rank = 0;
+  int64_t dst_offset = 0;
+  int64_t length = 0;
+};
+
+struct KvPlan {
+  std::vector<KvWrite> writes;           // per layer; ordered by (dst rank, dst offset)
+  std::vector<int64_t> writes_per_dst;   // [decode tp] writes each decode rank receives per layer
+  std::vector<int> source_replica;       // [decode replicas] prefill replica set feeding each
+};
+
+// Plans one layer's transfer of a request. src_pages[i] (prefill page id) fills dst_pages[i]
+// (decode page id); every rank of a side uses the same page ids. `seed` picks which prefill
+// replica set feeds each decode replica set (a different seed per request spreads the NICs).
+// InvalidArgument when the sides disagree on the model, a side cannot shard it, or page lists
+// differ in length or hold negative ids.
+StatusOr<KvPlan> PlanKvTransfer(const KvSide& prefill, const KvSide& decode,
+                                std::span<const int64_t> src_pages,
+                                std::span<const int64_t> dst_pages, uint64_t seed);
+
+}  // namespace ferry
