@@ -7,11 +7,15 @@
 // the number of writes each decode rank must expect. It is pure and deterministic given a seed.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "ferry/fabric.h"
 #include "ferry/status.h"
 
 namespace ferry {
@@ -77,5 +81,73 @@ struct KvPlan {
 StatusOr<KvPlan> PlanKvTransfer(const KvSide& prefill, const KvSide& decode,
                                 std::span<const int64_t> src_pages,
                                 std::span<const int64_t> dst_pages, uint64_t seed);
+
+}  // namespace ferry
+
+// ---------------------------------------------------------------------------------------------
+// The KV messenger. One TransferEngine serves all TP ranks of a node: each rank's cache is a
+// registered region (on GPUs, imported into the leader; in CPU tests, host regions standing for
+// devices) holding num_layers layers, layer_stride bytes apart, pages at KvSide::Offset.
+
+namespace ferry {
+
+struct KvRegions {
+  std::vector<const MemoryRegion*> ranks;  // [tp] one region per TP rank
+  int num_layers = 0;
+  int64_t layer_stride = 0;  // bytes between consecutive layers in a rank's region
+};
+
+// Decode side: registers nothing itself; sends requests and counts the writes that land.
+// Thread safety: Submit from any one thread; callbacks run on the engine's worker.
+class KvDecoder {
+ public:
+  static StatusOr<std::unique_ptr<KvDecoder>> Create(TransferEngine* engine, const KvSide& decode,
+                                                     const KvRegions& regions,
+                                                     const MemoryRegion* aux,
+                                                     int max_requests = 256);
+  virtual ~KvDecoder() = default;
+
+  struct Request {
+    uint64_t request_id = 0;                // unique among in-flight requests; seeds the plan
+    std::span<const uint8_t> prefill_address;
+    KvSide prefill;                         // the prefill side's layout, to count the writes
+    std::span<const int64_t> pages;         // our page ids, in prompt order
+    int64_t num_tokens = 0;                 // prompt tokens the prefill computes
+    int64_t aux_offset = 0;                 // where in `aux` the prefill's aux bytes go
+    int64_t aux_bytes = 0;                  // 0: no aux data
+  };
+  // Sends the request and calls `ready` once every page of every layer and the aux data have
+  // landed, or with DeadlineExceeded at `deadline`.
+  virtual Status Submit(const Request& request, Deadline deadline, DoneCallback ready) = 0;
+};
+
+// Prefill side: takes requests, follows the forward pass through a layer counter, writes each
+// finished layer's pages, then the aux data, and releases the source pages when done.
+class KvPrefill {
+ public:
+  struct Incoming {
+    uint64_t request_id = 0;
+    int64_t num_pages = 0;
+    int64_t num_tokens = 0;
+  };
+  struct Callbacks {
+    std::function<void(const Incoming&)> on_request;                 // hand to the scheduler
+    std::function<void(uint64_t request_id, const Status&)> on_released;  // source pages free
+  };
+  // `layer_counter` counts attention output projections finished, cumulatively over passes.
+  static StatusOr<std::unique_ptr<KvPrefill>> Create(TransferEngine* engine,
+                                                     const KvSide& prefill,
+                                                     const KvRegions& regions,
+                                                     const MemoryRegion* aux,
+                                                     const std::atomic<uint64_t>* layer_counter,
+                                                     Callbacks callbacks);
+  virtual ~KvPrefill() = default;
+
+  // The scheduler placed the request in the pass that starts after layer count `pass_base`:
+  // layer l goes once the counter reaches pass_base + l + 1. `src_pages` are our page ids for
+  // the request's pages; the aux bytes are read at `aux_offset` of our aux region.
+  virtual Status Schedule(uint64_t request_id, std::span<const int64_t> src_pages,
+                          int64_t aux_offset, uint64_t pass_base) = 0;
+};
 
 }  // namespace ferry

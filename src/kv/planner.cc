@@ -99,8 +99,11 @@ StatusOr<KvPlan> PlanKvTransfer(const KvSide& prefill, const KvSide& decode,
     const int sigma = plan.source_replica[d % decode.replicas()];
     const int hpr = decode.heads_per_rank();
     const size_t first_write = plan.writes.size();
+    // Writes never span pages: the decoder counts writes without knowing the prefill's page
+    // ids, so the count must not depend on whether ids happen to be adjacent.
+    size_t page_first_write = first_write;
     auto add = [&](int src_rank, int64_t src_off, int64_t dst_off) {
-      if (plan.writes.size() > first_write) {
+      if (plan.writes.size() > page_first_write) {
         KvWrite& last = plan.writes.back();
         if (last.src_rank == src_rank && last.src_offset + last.length == src_off &&
             last.dst_offset + last.length == dst_off) {
@@ -111,6 +114,7 @@ StatusOr<KvPlan> PlanKvTransfer(const KvSide& prefill, const KvSide& decode,
       plan.writes.push_back({src_rank, src_off, d, dst_off, vec});
     };
     for (size_t i = 0; i < dst_pages.size(); ++i) {
+      page_first_write = plan.writes.size();
       for (int c = 0; c < comps; ++c) {
         const int outer = decode.order == KvOrder::kHND ? hpr : tokens;
         const int inner = decode.order == KvOrder::kHND ? tokens : hpr;

@@ -1,0 +1,485 @@
+// The KV messenger: decode side (requests, counting) and prefill side (scheduling, the layer
+// watcher, per-layer page writes, aux data, release).
+//
+// The request travels as one two-sided message: [magic, version] request id, immediate, the
+// decoder's engine address, the decode side's layout, one region descriptor per decode rank,
+// layer count and stride, page ids, token count, aux descriptor, offset and length. The decoder
+// plans the same transfer with the same seed (the request id) to know how many writes to expect:
+// writes per layer x layers, plus one for the aux data. Every write carries the request's
+// immediate, so the decoder needs no other notification.
+#include <deque>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+
+#include "common/backoff.h"
+#include "fabric/wire.h"
+#include "ferry/kv.h"
+
+namespace ferry {
+namespace {
+
+constexpr uint32_t kRequestMagic = 0x5152564B;  // "KVRQ"
+constexpr uint32_t kImmBase = 0xC0000000u;       // request slot i counts immediate kImmBase + i
+
+void PutSide(fabric::ByteWriter& w, const KvSide& s) {
+  for (int v : {s.model.kv_heads, s.model.head_dim, s.model.dtype_bytes, int{s.model.mla},
+                s.model.page_tokens, static_cast<int>(s.order), s.tp}) {
+    w.U32(static_cast<uint32_t>(v));
+  }
+}
+
+Status GetSide(fabric::ByteReader& r, KvSide* s) {
+  uint32_t v[7];
+  for (uint32_t& x : v) RETURN_IF_ERROR(r.U32(&x));
+  s->model = KvModel{int(v[0]), int(v[1]), int(v[2]), v[3] != 0, int(v[4])};
+  if (v[5] > 1) return InvalidArgumentError("KV request: unknown page order");
+  s->order = static_cast<KvOrder>(v[5]);
+  s->tp = int(v[6]);
+  return s->Validate();
+}
+
+struct WireRequest {
+  uint64_t request_id = 0;
+  uint32_t imm = 0;
+  std::vector<uint8_t> decoder_address;
+  KvSide decode;
+  uint32_t num_layers = 0;
+  uint64_t layer_stride = 0;
+  std::vector<RemoteRegion> dst;  // [decode.tp]
+  std::vector<int64_t> pages;
+  int64_t num_tokens = 0;
+  RemoteRegion aux;
+  int64_t aux_offset = 0, aux_bytes = 0;
+
+  std::vector<uint8_t> Serialize() const {
+    fabric::ByteWriter w;
+    w.U32(kRequestMagic);
+    w.U16(fabric::kWireVersion);
+    w.U16(0);
+    w.U64(request_id);
+    w.U32(imm);
+    w.Bytes(decoder_address);
+    PutSide(w, decode);
+    w.U32(num_layers);
+    w.U64(layer_stride);
+    for (const RemoteRegion& d : dst) w.Bytes(d.Serialize());
+    w.U32(static_cast<uint32_t>(pages.size()));
+    for (int64_t p : pages) w.U64(static_cast<uint64_t>(p));
+    w.U64(static_cast<uint64_t>(num_tokens));
+    w.Bytes(aux.Serialize());
+    w.U64(static_cast<uint64_t>(aux_offset));
+    w.U64(static_cast<uint64_t>(aux_bytes));
+    return w.Take();
+  }
+
+  static StatusOr<WireRequest> Parse(std::span<const uint8_t> bytes) {
+    fabric::ByteReader r(bytes, "KV request");
+    WireRequest q;
+    RETURN_IF_ERROR(r.Header(kRequestMagic));
+    RETURN_IF_ERROR(r.U64(&q.request_id));
+    RETURN_IF_ERROR(r.U32(&q.imm));
+    RETURN_IF_ERROR(r.Bytes(&q.decoder_address, 4096));
+    RETURN_IF_ERROR(GetSide(r, &q.decode));
+    RETURN_IF_ERROR(r.U32(&q.num_layers));
+    RETURN_IF_ERROR(r.U64(&q.layer_stride));
+    if (q.decode.tp > 64) return InvalidArgumentError("KV request: decode TP above 64");
+    for (int d = 0; d < q.decode.tp; ++d) {
+      std::vector<uint8_t> region;
+      RETURN_IF_ERROR(r.Bytes(&region, 256));
+      ASSIGN_OR_RETURN(RemoteRegion parsed, RemoteRegion::Parse(region));
+      q.dst.push_back(parsed);
+    }
+    uint32_t n = 0;
+    RETURN_IF_ERROR(r.U32(&n));
+    if (n > bytes.size() / 8) return InvalidArgumentError("KV request: page count too large");
+    q.pages.resize(n);
+    for (int64_t& p : q.pages) {
+      uint64_t v;
+      RETURN_IF_ERROR(r.U64(&v));
+      p = static_cast<int64_t>(v);
+    }
+    uint64_t tokens, off, len;
+    RETURN_IF_ERROR(r.U64(&tokens));
+    std::vector<uint8_t> aux;
+    RETURN_IF_ERROR(r.Bytes(&aux, 256));
+    RETURN_IF_ERROR(r.U64(&off));
+    RETURN_IF_ERROR(r.U64(&len));
+    RETURN_IF_ERROR(r.Finish());
+    q.num_tokens = static_cast<int64_t>(tokens);
+    q.aux_offset = static_cast<int64_t>(off);
+    q.aux_bytes = static_cast<int64_t>(len);
+    if (q.aux_bytes > 0) {
+      ASSIGN_OR_RETURN(q.aux, RemoteRegion::Parse(aux));
+    }
+    return q;
+  }
+};
+
+Status CheckRegions(const KvSide& side, const KvRegions& regions) {
+  RETURN_IF_ERROR(side.Validate());
+  if (static_cast<int>(regions.ranks.size()) != side.tp) {
+    return InvalidArgumentError("KV: " + std::to_string(regions.ranks.size()) +
+                                " regions for TP " + std::to_string(side.tp));
+  }
+  if (regions.num_layers < 1 || regions.layer_stride < 1) {
+    return InvalidArgumentError("KV: num_layers and layer_stride must be >= 1");
+  }
+  for (const MemoryRegion* r : regions.ranks) {
+    if (!r || !r->valid()) return InvalidArgumentError("KV: a rank's region is not registered");
+    if (static_cast<uint64_t>(regions.layer_stride) * regions.num_layers > r->length()) {
+      return InvalidArgumentError("KV: a rank's region is shorter than num_layers * stride");
+    }
+  }
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------------------------
+
+class Decoder final : public KvDecoder {
+ public:
+  Decoder(TransferEngine* engine, const KvSide& decode, const KvRegions& regions,
+          const MemoryRegion* aux, int max_requests)
+      : engine_(engine), decode_(decode), regions_(regions), aux_(aux),
+        slots_(static_cast<size_t>(max_requests)) {}
+
+  Status Init() {
+    for (size_t i = 0; i < slots_.size(); ++i) {
+      RETURN_IF_ERROR(engine_->CreateImmCounter(kImmBase + static_cast<uint32_t>(i)));
+      free_.push_back(static_cast<uint32_t>(i));
+    }
+    return Status::Ok();
+  }
+
+  Status Submit(const Request& req, Deadline deadline, DoneCallback ready) override {
+    ASSIGN_OR_RETURN(KvPlan plan, PlanKvTransfer(req.prefill, decode_, DummyPages(req.pages.size()),
+                                                 req.pages, req.request_id));
+    const int64_t page_bytes = decode_.page_bytes();
+    for (int64_t p : req.pages) {
+      if ((p + 1) * page_bytes > regions_.layer_stride) {
+        return OutOfRangeError("KV request: page " + std::to_string(p) +
+                               " lies outside the layer of " +
+                               std::to_string(regions_.layer_stride) + " bytes");
+      }
+    }
+    if (req.aux_bytes > 0 &&
+        (!aux_ || req.aux_offset < 0 ||
+         static_cast<uint64_t>(req.aux_offset + req.aux_bytes) > aux_->length())) {
+      return OutOfRangeError("KV request: aux slot outside the aux region");
+    }
+    ASSIGN_OR_RETURN(PeerId prefill, PeerFor(req.prefill_address));
+    uint32_t slot;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (free_.empty()) return ResourceExhaustedError("KV decoder: all request slots in use");
+      slot = free_.front();
+      free_.pop_front();
+    }
+    WireRequest w;
+    w.request_id = req.request_id;
+    w.imm = kImmBase + slot;
+    w.decoder_address = engine_->Address();
+    w.decode = decode_;
+    w.num_layers = static_cast<uint32_t>(regions_.num_layers);
+    w.layer_stride = static_cast<uint64_t>(regions_.layer_stride);
+    for (const MemoryRegion* r : regions_.ranks) w.dst.push_back(r->remote());
+    w.pages.assign(req.pages.begin(), req.pages.end());
+    w.num_tokens = req.num_tokens;
+    if (req.aux_bytes > 0) w.aux = aux_->remote();
+    w.aux_offset = req.aux_offset;
+    w.aux_bytes = req.aux_bytes;
+    const uint64_t expected = static_cast<uint64_t>(plan.writes.size()) * regions_.num_layers +
+                              (req.aux_bytes > 0 ? 1 : 0);
+    // Arm before sending: the first write may land before Send returns.
+    Status s = engine_->NotifyImm(
+        w.imm, expected, deadline,
+        [this, slot, expected, cb = std::make_shared<DoneCallback>(std::move(ready))](
+            const Status& st) mutable {
+          // A slot whose request failed is retired: a late write may still land in it.
+          if (st.ok()) {
+            (void)engine_->ConsumeImm(kImmBase + slot, expected);
+            std::lock_guard<std::mutex> lock(mu_);
+            free_.push_back(slot);
+          }
+          (*cb)(st);
+        });
+    if (s.ok()) s = engine_->Send(prefill, w.Serialize(), {});
+    return s;
+  }
+
+ private:
+  // The decoder only needs the prefill page count to plan; ids do not change the write count.
+  static std::vector<int64_t> DummyPages(size_t n) {
+    std::vector<int64_t> v(n);
+    for (size_t i = 0; i < n; ++i) v[i] = static_cast<int64_t>(i);
+    return v;
+  }
+
+  StatusOr<PeerId> PeerFor(std::span<const uint8_t> address) {
+    std::string key(address.begin(), address.end());
+    std::lock_guard<std::mutex> lock(peers_mu_);
+    auto it = peers_.find(key);
+    if (it != peers_.end()) return it->second;
+    ASSIGN_OR_RETURN(PeerId p, engine_->AddPeer(address));
+    peers_[key] = p;
+    return p;
+  }
+
+  TransferEngine* engine_;
+  const KvSide decode_;
+  const KvRegions regions_;
+  const MemoryRegion* aux_;
+  std::vector<char> slots_;
+  std::mutex mu_;
+  std::deque<uint32_t> free_;
+  std::mutex peers_mu_;
+  std::unordered_map<std::string, PeerId> peers_;
+};
+
+// ---------------------------------------------------------------------------------------------
+
+class Prefill final : public KvPrefill {
+ public:
+  Prefill(TransferEngine* engine, const KvSide& prefill, const KvRegions& regions,
+          const MemoryRegion* aux, const std::atomic<uint64_t>* layer_counter, Callbacks cb)
+      : engine_(engine), prefill_(prefill), regions_(regions), aux_(aux), counter_(layer_counter),
+        cb_(std::move(cb)) {}
+
+  ~Prefill() override {
+    stop_.store(true, std::memory_order_release);
+    if (watcher_.joinable()) watcher_.join();
+    engine_->SetMessageHandler(nullptr);
+  }
+
+  Status Init() {
+    // The handler runs on the engine's worker: it only queues; the watcher parses and adds
+    // peers (engine control calls must not run on the worker).
+    engine_->SetMessageHandler([this](std::optional<PeerId>, std::span<const uint8_t> m) {
+      std::lock_guard<std::mutex> lock(mu_);
+      inbox_.emplace_back(m.begin(), m.end());
+    });
+    watcher_ = std::thread([this] { Watch(); });
+    return Status::Ok();
+  }
+
+  Status Schedule(uint64_t request_id, std::span<const int64_t> src_pages, int64_t aux_offset,
+                  uint64_t pass_base) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = pending_.find(request_id);
+    if (it == pending_.end()) {
+      return NotFoundError("KV prefill: unknown request " + std::to_string(request_id));
+    }
+    Active& a = it->second;
+    if (a.scheduled) return FailedPreconditionError("KV prefill: request already scheduled");
+    if (src_pages.size() != a.req.pages.size()) {
+      return InvalidArgumentError("KV prefill: " + std::to_string(src_pages.size()) +
+                                  " source pages for a request of " +
+                                  std::to_string(a.req.pages.size()));
+    }
+    const int64_t page_bytes = prefill_.page_bytes();
+    for (int64_t p : src_pages) {
+      if (p < 0 || (p + 1) * page_bytes > regions_.layer_stride) {
+        return OutOfRangeError("KV prefill: source page " + std::to_string(p) + " out of range");
+      }
+    }
+    if (a.req.aux_bytes > 0 && (!aux_ || aux_offset < 0 ||
+                                static_cast<uint64_t>(aux_offset + a.req.aux_bytes) >
+                                    aux_->length())) {
+      return OutOfRangeError("KV prefill: aux source outside the aux region");
+    }
+    if (a.req.num_layers != static_cast<uint32_t>(regions_.num_layers)) {
+      return InvalidArgumentError("KV prefill: the decoder has " +
+                                  std::to_string(a.req.num_layers) + " layers, we have " +
+                                  std::to_string(regions_.num_layers));
+    }
+    ASSIGN_OR_RETURN(a.plan, PlanKvTransfer(prefill_, a.req.decode, src_pages, a.req.pages,
+                                            request_id));
+    a.aux_src_offset = aux_offset;
+    a.pass_base = pass_base;
+    a.scheduled = true;
+    return Status::Ok();
+  }
+
+ private:
+  struct Active {
+    WireRequest req;
+    PeerId peer = 0;
+    KvPlan plan;
+    bool scheduled = false;
+    uint64_t pass_base = 0;
+    int next_layer = 0;  // layers posted so far
+    bool aux_posted = false;
+    int64_t aux_src_offset = 0;
+    Status failure;  // a post that could not be made; reported at release
+    std::shared_ptr<TransferCounter> writes = std::make_shared<TransferCounter>();
+    uint64_t submitted = 0;
+  };
+
+  void Watch() {
+    Backoff backoff(64, 256, 50);
+    while (!stop_.load(std::memory_order_acquire)) {
+      bool progress = DrainInbox();
+      progress |= PostReadyLayers();
+      progress |= ReleaseFinished();
+      if (progress) {
+        backoff.Reset();
+      } else {
+        backoff.Pause();
+      }
+    }
+  }
+
+  bool DrainInbox() {
+    std::deque<std::vector<uint8_t>> inbox;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      inbox.swap(inbox_);
+    }
+    for (auto& m : inbox) {
+      auto req = WireRequest::Parse(m);
+      if (!req.ok()) continue;  // a malformed request has nobody to answer; drop it
+      auto peer = engine_->AddPeer(req->decoder_address);
+      if (!peer.ok()) continue;
+      Incoming in{req->request_id, static_cast<int64_t>(req->pages.size()), req->num_tokens};
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        Active a;
+        a.req = std::move(req).value();
+        a.peer = *peer;
+        pending_.emplace(in.request_id, std::move(a));
+      }
+      if (cb_.on_request) cb_.on_request(in);
+    }
+    return !inbox.empty();
+  }
+
+  // Posts every layer the counter says is done, for every scheduled request.
+  bool PostReadyLayers() {
+    const uint64_t done = counter_->load(std::memory_order_acquire);
+    bool progress = false;
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [id, a] : pending_) {
+      if (!a.scheduled) continue;
+      while (a.next_layer < regions_.num_layers && done >= a.pass_base + a.next_layer + 1) {
+        Status s = PostLayer(a, a.next_layer);
+        if (!s.ok()) {
+          a.failure = s;
+          a.next_layer = regions_.num_layers;
+          break;
+        }
+        ++a.next_layer;
+        progress = true;
+      }
+      if (a.next_layer == regions_.num_layers && !a.aux_posted) {
+        a.aux_posted = true;
+        if (a.req.aux_bytes > 0 && a.failure.ok()) {
+          SingleWrite w{aux_, static_cast<uint64_t>(a.aux_src_offset), a.peer, a.req.aux,
+                        static_cast<uint64_t>(a.req.aux_offset),
+                        static_cast<uint64_t>(a.req.aux_bytes), a.req.imm};
+          Status s = Submit([&] { return engine_->Write(w, Completion::Counter(a.writes.get())); });
+          if (s.ok()) ++a.submitted;
+          else a.failure = s;
+        }
+        progress = true;
+      }
+    }
+    return progress;
+  }
+
+  Status PostLayer(Active& a, int layer) {
+    const uint64_t src_base = uint64_t(layer) * regions_.layer_stride;
+    const uint64_t dst_base = uint64_t(layer) * a.req.layer_stride;
+    for (const KvWrite& kw : a.plan.writes) {
+      SingleWrite w{regions_.ranks[kw.src_rank], src_base + kw.src_offset, a.peer,
+                    a.req.dst[kw.dst_rank], dst_base + kw.dst_offset,
+                    static_cast<uint64_t>(kw.length), a.req.imm};
+      RETURN_IF_ERROR(Submit([&] { return engine_->Write(w, Completion::Counter(a.writes.get())); }));
+      ++a.submitted;
+    }
+    return Status::Ok();
+  }
+
+  // Submits, retrying while the engine's queues are full (bounded).
+  template <typename Fn>
+  Status Submit(Fn&& fn) {
+    Deadline deadline = Deadline::After(std::chrono::seconds(30));
+    for (;;) {
+      Status s = fn();
+      if (s.code() != StatusCode::kResourceExhausted || deadline.Expired()) return s;
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+
+  // Requests whose writes all completed release their source pages.
+  bool ReleaseFinished() {
+    std::vector<std::pair<uint64_t, Status>> released;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto it = pending_.begin(); it != pending_.end();) {
+        Active& a = it->second;
+        const uint64_t ended = a.writes->done.load() + a.writes->failed.load();
+        if (a.scheduled && a.aux_posted && ended == a.submitted) {
+          Status s = a.failure;
+          if (s.ok() && a.writes->failed.load() > 0) {
+            s = UnavailableError("KV prefill: " + std::to_string(a.writes->failed.load()) +
+                                 " writes of request " + std::to_string(it->first) + " failed");
+          }
+          released.emplace_back(it->first, s);
+          it = pending_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    for (auto& [id, s] : released) {
+      if (cb_.on_released) cb_.on_released(id, s);
+    }
+    return !released.empty();
+  }
+
+  TransferEngine* engine_;
+  const KvSide prefill_;
+  const KvRegions regions_;
+  const MemoryRegion* aux_;
+  const std::atomic<uint64_t>* counter_;
+  const Callbacks cb_;
+  std::mutex mu_;
+  std::deque<std::vector<uint8_t>> inbox_;
+  std::unordered_map<uint64_t, Active> pending_;
+  std::atomic<bool> stop_{false};
+  std::thread watcher_;
+};
+
+}  // namespace
+
+StatusOr<std::unique_ptr<KvDecoder>> KvDecoder::Create(TransferEngine* engine,
+                                                       const KvSide& decode,
+                                                       const KvRegions& regions,
+                                                       const MemoryRegion* aux,
+                                                       int max_requests) {
+  if (!engine) return InvalidArgumentError("KvDecoder: null engine");
+  if (max_requests < 1 || max_requests > (1 << 20)) {
+    return InvalidArgumentError("KvDecoder: max_requests must be in [1, 2^20]");
+  }
+  RETURN_IF_ERROR(CheckRegions(decode, regions));
+  auto d = std::make_unique<Decoder>(engine, decode, regions, aux, max_requests);
+  RETURN_IF_ERROR(d->Init());
+  return std::unique_ptr<KvDecoder>(std::move(d));
+}
+
+StatusOr<std::unique_ptr<KvPrefill>> KvPrefill::Create(TransferEngine* engine,
+                                                       const KvSide& prefill,
+                                                       const KvRegions& regions,
+                                                       const MemoryRegion* aux,
+                                                       const std::atomic<uint64_t>* layer_counter,
+                                                       Callbacks callbacks) {
+  if (!engine || !layer_counter) return InvalidArgumentError("KvPrefill: null engine or counter");
+  RETURN_IF_ERROR(CheckRegions(prefill, regions));
+  auto p = std::make_unique<Prefill>(engine, prefill, regions, aux, layer_counter,
+                                     std::move(callbacks));
+  RETURN_IF_ERROR(p->Init());
+  return std::unique_ptr<KvPrefill>(std::move(p));
+}
+
+}  // namespace ferry

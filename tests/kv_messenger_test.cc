@@ -1,0 +1,295 @@
+// The KV messenger across processes: one prefill rank process (serving all its TP shards with
+// one engine) feeding several decoder processes, over shm and tcp. The prefill "model" writes
+// each layer's pages and bumps the layer counter; every decoder page and aux slot is checked
+// byte for byte.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <numeric>
+#include <random>
+#include <thread>
+
+#include "fabric/test_util.h"
+#include "ferry/bootstrap.h"
+#include "ferry/kv.h"
+
+namespace ferry {
+namespace {
+
+using namespace std::chrono_literals;
+
+#define CHECK_OR_RETURN(cond, msg)                                                             \
+  do {                                                                                         \
+    if (!(cond)) return InternalError(std::string("line ") + std::to_string(__LINE__) + ": " + \
+                                      (msg));                                                  \
+  } while (0)
+
+uint8_t Logical(uint64_t request, int layer, size_t page, int c, int h, int t, int64_t k) {
+  uint64_t x = request * 0x100000001B3ull ^ (uint64_t(layer) << 48) ^ (uint64_t(page) << 32) ^
+               (uint64_t(c) << 28) ^ (uint64_t(h) << 16) ^ (uint64_t(t) << 4) ^
+               uint64_t(k) * 0x9E3779B97F4A7C15ull;
+  x ^= x >> 31;
+  x *= 0xBF58476D1CE4E5B9ull;
+  return static_cast<uint8_t>(x >> 56);
+}
+uint8_t AuxByte(uint64_t request, int64_t k) { return static_cast<uint8_t>(request * 31 + k * 7); }
+
+struct Case {
+  std::string provider;
+  KvModel model;
+  KvOrder prefill_order, decode_order;
+  int prefill_tp, decode_tp;
+  int decoders = 3;
+  int requests_per_decoder = 3;
+};
+
+std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
+  const Case& c = info.param;
+  return std::string(c.provider == "shm" ? "shm" : "tcp") + (c.model.mla ? "_mla" : "_gqa") +
+         "_tp" + std::to_string(c.prefill_tp) + "_to_tp" + std::to_string(c.decode_tp) +
+         (c.prefill_order == KvOrder::kHND ? "_hnd" : "_nhd") +
+         (c.decode_order == KvOrder::kHND ? "_hnd" : "_nhd");
+}
+
+constexpr int kLayers = 3;
+constexpr int kPagesPerLayer = 24;
+constexpr int kPagesPerRequest = 5;
+constexpr int64_t kAuxBytes = 1000;
+
+// One side's memory on this node: one region per TP rank, layers back to back.
+struct Shards {
+  std::vector<std::vector<uint8_t>> bytes;
+  std::vector<MemoryRegion> regs;
+  KvRegions regions;
+
+  Status Init(TransferEngine& e, const KvSide& side) {
+    const int64_t stride = side.page_bytes() * kPagesPerLayer;
+    bytes.assign(side.tp, std::vector<uint8_t>(stride * kLayers, 0));
+    for (auto& b : bytes) {
+      ASSIGN_OR_RETURN(MemoryRegion r, e.RegisterMemory(b.data(), b.size()));
+      regs.push_back(std::move(r));
+    }
+    for (auto& r : regs) regions.ranks.push_back(&r);
+    regions.num_layers = kLayers;
+    regions.layer_stride = stride;
+    return Status::Ok();
+  }
+};
+
+Status RunPrefill(const Case& c, Bootstrap& b) {
+  const KvSide side{c.model, c.prefill_order, c.prefill_tp};
+  ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions(c.provider)));
+  Shards shards;
+  RETURN_IF_ERROR(shards.Init(*engine, side));
+  std::vector<uint8_t> aux(kAuxBytes * 64);
+  ASSIGN_OR_RETURN(MemoryRegion aux_reg, engine->RegisterMemory(aux.data(), aux.size()));
+  std::atomic<uint64_t> layers_done{0};
+  std::mutex mu;
+  std::deque<KvPrefill::Incoming> incoming;
+  std::atomic<int> released{0}, failed{0};
+  std::deque<int64_t> free_pages;
+  for (int p = 0; p < kPagesPerLayer; ++p) free_pages.push_back(p);
+  std::unordered_map<uint64_t, std::vector<int64_t>> held;
+  KvPrefill::Callbacks cb;
+  cb.on_request = [&](const KvPrefill::Incoming& in) {
+    std::lock_guard<std::mutex> l(mu);
+    incoming.push_back(in);
+  };
+  cb.on_released = [&](uint64_t id, const Status& s) {
+    if (!s.ok()) failed.fetch_add(1);
+    std::lock_guard<std::mutex> l(mu);
+    for (int64_t p : held[id]) free_pages.push_back(p);
+    held.erase(id);
+    released.fetch_add(1);
+  };
+  ASSIGN_OR_RETURN(auto prefill,
+                   KvPrefill::Create(engine.get(), side, shards.regions, &aux_reg, &layers_done, cb));
+  RETURN_IF_ERROR(b.AllGather(engine->Address(), 30s).status());
+  const int total = c.decoders * c.requests_per_decoder;
+  int64_t aux_slot = 0;
+  Deadline deadline = Deadline::After(60s);
+  while (released.load() < total) {
+    if (deadline.Expired()) return DeadlineExceededError("prefill: requests never all released");
+    // One forward pass over whatever arrived and fits.
+    std::vector<KvPrefill::Incoming> batch;
+    {
+      std::lock_guard<std::mutex> l(mu);
+      while (!incoming.empty() && free_pages.size() >= kPagesPerRequest) {
+        batch.push_back(incoming.front());
+        incoming.pop_front();
+        for (int i = 0; i < kPagesPerRequest; ++i) {
+          held[batch.back().request_id].push_back(free_pages.front());
+          free_pages.pop_front();
+        }
+      }
+    }
+    if (batch.empty()) {
+      std::this_thread::sleep_for(1ms);
+      continue;
+    }
+    const uint64_t base = layers_done.load();
+    for (const auto& in : batch) {
+      CHECK_OR_RETURN(in.num_pages == kPagesPerRequest, "page count");
+      std::vector<int64_t> pages;
+      {
+        std::lock_guard<std::mutex> l(mu);
+        pages = held[in.request_id];
+      }
+      const int64_t aux_off = (aux_slot++ % 64) * kAuxBytes;
+      for (int64_t k = 0; k < kAuxBytes; ++k) aux[aux_off + k] = AuxByte(in.request_id, k);
+      RETURN_IF_ERROR(prefill->Schedule(in.request_id, pages, aux_off, base));
+      // Bad schedules are refused without disturbing the request.
+      CHECK_OR_RETURN(prefill->Schedule(in.request_id + 999999, pages, 0, base).code() ==
+                          StatusCode::kNotFound, "unknown request accepted");
+    }
+    for (int layer = 0; layer < kLayers; ++layer) {
+      // "Attention" for this layer: fill every scheduled request's pages on every shard.
+      for (const auto& in : batch) {
+        std::vector<int64_t> pages;
+        {
+          std::lock_guard<std::mutex> l(mu);
+          pages = held[in.request_id];
+        }
+        for (int s = 0; s < side.tp; ++s) {
+          uint8_t* base_ptr = shards.bytes[s].data() + layer * shards.regions.layer_stride;
+          for (size_t i = 0; i < pages.size(); ++i) {
+            for (int comp = 0; comp < c.model.components(); ++comp) {
+              for (int hl = 0; hl < side.heads_per_rank(); ++hl) {
+                for (int t = 0; t < c.model.page_tokens; ++t) {
+                  uint8_t* v = base_ptr + side.Offset(pages[i], comp, hl, t);
+                  for (int64_t k = 0; k < side.vector_bytes(); ++k) {
+                    v[k] = Logical(in.request_id, layer, i, comp, side.first_head(s) + hl, t, k);
+                  }
+                }
+              }
+            }
+          }
+        }
+      }
+      layers_done.fetch_add(1, std::memory_order_release);  // the output projection finished
+      std::this_thread::sleep_for(200us);
+    }
+  }
+  CHECK_OR_RETURN(failed.load() == 0, "a request was released with an error");
+  return b.Barrier(60s);
+}
+
+Status RunDecoder(const Case& c, Bootstrap& b) {
+  const KvSide side{c.model, c.decode_order, c.decode_tp};
+  const KvSide prefill_side{c.model, c.prefill_order, c.prefill_tp};
+  ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions(c.provider)));
+  Shards shards;
+  RETURN_IF_ERROR(shards.Init(*engine, side));
+  std::vector<uint8_t> aux(kAuxBytes * c.requests_per_decoder, 0);
+  ASSIGN_OR_RETURN(MemoryRegion aux_reg, engine->RegisterMemory(aux.data(), aux.size()));
+  ASSIGN_OR_RETURN(auto decoder, KvDecoder::Create(engine.get(), side, shards.regions, &aux_reg));
+  ASSIGN_OR_RETURN(auto addresses, b.AllGather(engine->Address(), 30s));
+  // Disjoint page sets per request, shuffled.
+  std::vector<int64_t> ids(kPagesPerLayer);
+  std::iota(ids.begin(), ids.end(), 0);
+  std::mt19937 rng(b.rank());
+  std::shuffle(ids.begin(), ids.end(), rng);
+  std::atomic<int> ready{0}, bad{0};
+  std::vector<std::vector<int64_t>> pages(c.requests_per_decoder);
+  for (int j = 0; j < c.requests_per_decoder; ++j) {
+    pages[j].assign(ids.begin() + j * kPagesPerRequest, ids.begin() + (j + 1) * kPagesPerRequest);
+    KvDecoder::Request req;
+    req.request_id = uint64_t(b.rank()) * 1000 + j;
+    req.prefill_address = addresses[0];
+    req.prefill = prefill_side;
+    req.pages = pages[j];
+    req.num_tokens = kPagesPerRequest * c.model.page_tokens;
+    req.aux_offset = j * kAuxBytes;
+    req.aux_bytes = kAuxBytes;
+    RETURN_IF_ERROR(decoder->Submit(req, Deadline::After(60s), [&](const Status& s) {
+      if (!s.ok()) bad.fetch_add(1);
+      ready.fetch_add(1);
+    }));
+  }
+  // A request for a page outside our regions is refused before anything is sent.
+  std::vector<int64_t> outside = {kPagesPerLayer};
+  KvDecoder::Request wrong;
+  wrong.request_id = 77;
+  wrong.prefill_address = addresses[0];
+  wrong.prefill = prefill_side;
+  wrong.pages = outside;
+  CHECK_OR_RETURN(decoder->Submit(wrong, Deadline::After(1s), [](const Status&) {}).code() ==
+                      StatusCode::kOutOfRange, "page outside the region accepted");
+  Deadline deadline = Deadline::After(60s);
+  while (ready.load() < c.requests_per_decoder && !deadline.Expired()) {
+    std::this_thread::sleep_for(1ms);
+  }
+  CHECK_OR_RETURN(ready.load() == c.requests_per_decoder && bad.load() == 0,
+                  "requests ready: " + std::to_string(ready.load()) + ", failed " +
+                      std::to_string(bad.load()));
+  for (int j = 0; j < c.requests_per_decoder; ++j) {
+    const uint64_t id = uint64_t(b.rank()) * 1000 + j;
+    for (int64_t k = 0; k < kAuxBytes; ++k) {
+      CHECK_OR_RETURN(aux[j * kAuxBytes + k] == AuxByte(id, k), "aux byte");
+    }
+    for (int d = 0; d < side.tp; ++d) {
+      for (int layer = 0; layer < kLayers; ++layer) {
+        const uint8_t* base = shards.bytes[d].data() + layer * shards.regions.layer_stride;
+        for (size_t i = 0; i < pages[j].size(); ++i) {
+          for (int comp = 0; comp < c.model.components(); ++comp) {
+            for (int hl = 0; hl < side.heads_per_rank(); ++hl) {
+              for (int t = 0; t < c.model.page_tokens; ++t) {
+                const uint8_t* v = base + side.Offset(pages[j][i], comp, hl, t);
+                for (int64_t k = 0; k < side.vector_bytes(); ++k) {
+                  CHECK_OR_RETURN(v[k] == Logical(id, layer, i, comp, side.first_head(d) + hl, t, k),
+                                  "request " + std::to_string(id) + " rank " + std::to_string(d) +
+                                      " layer " + std::to_string(layer) + " page " +
+                                      std::to_string(i));
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  return b.Barrier(60s);
+}
+
+class KvMessengerTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(KvMessengerTest, OnePrefillFeedsDecodersPageForPage) {
+  const Case c = GetParam();
+  auto exits = RunLocalRanks(1 + c.decoders, [&](Bootstrap& b) -> Status {
+    return b.rank() == 0 ? RunPrefill(c, b) : RunDecoder(c, b);
+  }, 180s);
+  for (size_t r = 0; r < exits.size(); ++r) {
+    EXPECT_TRUE(exits[r].ok()) << (r == 0 ? "prefill" : "decoder ") << r << ": exit "
+                               << exits[r].exit_code << " signal " << exits[r].signal
+                               << (exits[r].timed_out ? " (timed out)" : "");
+  }
+}
+
+std::vector<Case> Cases() {
+  const KvModel gqa{8, 16, 2, false, 4};  // 8 KV heads (GQA), small head_dim to keep CI fast
+  const KvModel mla{1, 72, 2, true, 4};
+  const auto hnd = KvOrder::kHND, nhd = KvOrder::kNHD;
+  std::vector<Case> all = {
+      {"shm", gqa, hnd, hnd, 4, 2},
+      {"shm", gqa, hnd, hnd, 2, 4},
+      {"shm", gqa, nhd, hnd, 4, 4},
+      {"shm", mla, hnd, hnd, 4, 2},
+      {"tcp;ofi_rxm", gqa, hnd, hnd, 4, 2},
+      {"tcp;ofi_rxm", mla, hnd, nhd, 2, 4},
+  };
+  std::vector<Case> out;
+  for (const Case& c : all) {
+    for (const std::string& p : testing_util::Providers()) {
+      if (p == c.provider) out.push_back(c);
+    }
+  }
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, KvMessengerTest, ::testing::ValuesIn(Cases()), CaseName);
+
+}  // namespace
+}  // namespace ferry
