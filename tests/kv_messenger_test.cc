@@ -44,6 +44,7 @@ struct Case {
   int prefill_tp, decode_tp;
   int decoders = 3;
   int requests_per_decoder = 3;
+  bool chunked = false;
 };
 
 std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
@@ -51,7 +52,7 @@ std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
   return std::string(c.provider == "shm" ? "shm" : "tcp") + (c.model.mla ? "_mla" : "_gqa") +
          "_tp" + std::to_string(c.prefill_tp) + "_to_tp" + std::to_string(c.decode_tp) +
          (c.prefill_order == KvOrder::kHND ? "_hnd" : "_nhd") +
-         (c.decode_order == KvOrder::kHND ? "_hnd" : "_nhd");
+         (c.decode_order == KvOrder::kHND ? "_hnd" : "_nhd") + (c.chunked ? "_chunked" : "");
 }
 
 constexpr int kLayers = 3;
@@ -140,13 +141,29 @@ Status RunPrefill(const Case& c, Bootstrap& b) {
       }
       const int64_t aux_off = (aux_slot++ % 64) * kAuxBytes;
       for (int64_t k = 0; k < kAuxBytes; ++k) aux[aux_off + k] = AuxByte(in.request_id, k);
-      RETURN_IF_ERROR(prefill->Schedule(in.request_id, pages, aux_off, base));
+      if (c.chunked) {
+        // Chunked prefill: 2 + 2 + 1 pages, in three consecutive passes.
+        const std::span<const int64_t> all(pages);
+        RETURN_IF_ERROR(prefill->ScheduleChunk(in.request_id, 0, all.subspan(0, 2), base, 0));
+        CHECK_OR_RETURN(prefill->ScheduleChunk(in.request_id, 3, all.subspan(3, 2), base, 0)
+                                .code() == StatusCode::kFailedPrecondition,
+                        "out-of-order chunk accepted");
+        RETURN_IF_ERROR(
+            prefill->ScheduleChunk(in.request_id, 2, all.subspan(2, 2), base + kLayers, 0));
+        RETURN_IF_ERROR(prefill->ScheduleChunk(in.request_id, 4, all.subspan(4, 1),
+                                               base + 2 * kLayers, aux_off));
+      } else {
+        RETURN_IF_ERROR(prefill->Schedule(in.request_id, pages, aux_off, base));
+      }
       // Bad schedules are refused without disturbing the request.
       CHECK_OR_RETURN(prefill->Schedule(in.request_id + 999999, pages, 0, base).code() ==
                           StatusCode::kNotFound, "unknown request accepted");
     }
-    for (int layer = 0; layer < kLayers; ++layer) {
-      // "Attention" for this layer: fill every scheduled request's pages on every shard.
+    const int passes = c.chunked ? 3 : 1;
+    for (int step = 0; step < passes * kLayers; ++step) {
+      const int layer = step % kLayers;
+      // "Attention" for this layer: fill every scheduled request's pages on every shard (for a
+      // chunked request, the pass's pages would do; filling all is the same content).
       for (const auto& in : batch) {
         std::vector<int64_t> pages;
         {
@@ -275,6 +292,8 @@ std::vector<Case> Cases() {
   std::vector<Case> all = {
       {"shm", gqa, hnd, hnd, 4, 2},
       {"shm", gqa, hnd, hnd, 2, 4},
+      {"shm", gqa, hnd, hnd, 4, 2, 3, 3, true},
+      {"tcp;ofi_rxm", mla, hnd, hnd, 2, 2, 2, 2, true},
       {"shm", gqa, nhd, hnd, 4, 4},
       {"shm", mla, hnd, hnd, 4, 2},
       {"tcp;ofi_rxm", gqa, hnd, hnd, 4, 2},

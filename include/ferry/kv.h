@@ -143,11 +143,19 @@ class KvPrefill {
                                                      Callbacks callbacks);
   virtual ~KvPrefill() = default;
 
-  // The scheduler placed the request in the pass that starts after layer count `pass_base`:
-  // layer l goes once the counter reaches pass_base + l + 1. `src_pages` are our page ids for
-  // the request's pages; the aux bytes are read at `aux_offset` of our aux region.
-  virtual Status Schedule(uint64_t request_id, std::span<const int64_t> src_pages,
-                          int64_t aux_offset, uint64_t pass_base) = 0;
+  // Chunked prefill: the scheduler placed the request's pages [first_page, first_page +
+  // src_pages.size()) in the pass that starts after layer count `pass_base`; layer l of those
+  // pages goes once the counter reaches pass_base + l + 1. `src_pages` are our page ids for them.
+  // Chunks come in page order; the one that completes the request also sends the aux bytes, read
+  // at `aux_offset` of our aux region, after its last layer.
+  virtual Status ScheduleChunk(uint64_t request_id, int64_t first_page,
+                               std::span<const int64_t> src_pages, uint64_t pass_base,
+                               int64_t aux_offset) = 0;
+  // The whole request in one pass.
+  Status Schedule(uint64_t request_id, std::span<const int64_t> src_pages, int64_t aux_offset,
+                  uint64_t pass_base) {
+    return ScheduleChunk(request_id, 0, src_pages, pass_base, aux_offset);
+  }
 };
 
 }  // namespace ferry

@@ -263,19 +263,26 @@ class Prefill final : public KvPrefill {
     return Status::Ok();
   }
 
-  Status Schedule(uint64_t request_id, std::span<const int64_t> src_pages, int64_t aux_offset,
-                  uint64_t pass_base) override {
+  Status ScheduleChunk(uint64_t request_id, int64_t first_page,
+                       std::span<const int64_t> src_pages, uint64_t pass_base,
+                       int64_t aux_offset) override {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = pending_.find(request_id);
     if (it == pending_.end()) {
       return NotFoundError("KV prefill: unknown request " + std::to_string(request_id));
     }
     Active& a = it->second;
-    if (a.scheduled) return FailedPreconditionError("KV prefill: request already scheduled");
-    if (src_pages.size() != a.req.pages.size()) {
-      return InvalidArgumentError("KV prefill: " + std::to_string(src_pages.size()) +
-                                  " source pages for a request of " +
-                                  std::to_string(a.req.pages.size()));
+    const int64_t total = static_cast<int64_t>(a.req.pages.size());
+    if (first_page != a.pages_scheduled) {
+      return FailedPreconditionError("KV prefill: chunk starts at page " +
+                                     std::to_string(first_page) + ", expected " +
+                                     std::to_string(a.pages_scheduled));
+    }
+    if (static_cast<int64_t>(src_pages.size()) > total - first_page ||
+        (src_pages.empty() && total > 0)) {
+      return InvalidArgumentError("KV prefill: chunk of " + std::to_string(src_pages.size()) +
+                                  " pages from page " + std::to_string(first_page) +
+                                  " of a request of " + std::to_string(total));
     }
     const int64_t page_bytes = prefill_.page_bytes();
     for (int64_t p : src_pages) {
@@ -283,9 +290,10 @@ class Prefill final : public KvPrefill {
         return OutOfRangeError("KV prefill: source page " + std::to_string(p) + " out of range");
       }
     }
-    if (a.req.aux_bytes > 0 && (!aux_ || aux_offset < 0 ||
-                                static_cast<uint64_t>(aux_offset + a.req.aux_bytes) >
-                                    aux_->length())) {
+    const bool last = first_page + static_cast<int64_t>(src_pages.size()) == total;
+    if (last && a.req.aux_bytes > 0 &&
+        (!aux_ || aux_offset < 0 ||
+         static_cast<uint64_t>(aux_offset + a.req.aux_bytes) > aux_->length())) {
       return OutOfRangeError("KV prefill: aux source outside the aux region");
     }
     if (a.req.num_layers != static_cast<uint32_t>(regions_.num_layers)) {
@@ -293,22 +301,34 @@ class Prefill final : public KvPrefill {
                                   std::to_string(a.req.num_layers) + " layers, we have " +
                                   std::to_string(regions_.num_layers));
     }
-    ASSIGN_OR_RETURN(a.plan, PlanKvTransfer(prefill_, a.req.decode, src_pages, a.req.pages,
-                                            request_id));
-    a.aux_src_offset = aux_offset;
-    a.pass_base = pass_base;
-    a.scheduled = true;
+    Chunk chunk;
+    ASSIGN_OR_RETURN(chunk.plan,
+                     PlanKvTransfer(prefill_, a.req.decode, src_pages,
+                                    std::span<const int64_t>(a.req.pages)
+                                        .subspan(first_page, src_pages.size()),
+                                    request_id));
+    chunk.pass_base = pass_base;
+    a.chunks.push_back(std::move(chunk));
+    a.pages_scheduled += static_cast<int64_t>(src_pages.size());
+    if (last) {
+      a.aux_src_offset = aux_offset;
+      a.scheduled = true;
+    }
     return Status::Ok();
   }
 
  private:
+  struct Chunk {
+    KvPlan plan;
+    uint64_t pass_base = 0;
+    int next_layer = 0;  // layers posted so far
+  };
   struct Active {
     WireRequest req;
     PeerId peer = 0;
-    KvPlan plan;
-    bool scheduled = false;
-    uint64_t pass_base = 0;
-    int next_layer = 0;  // layers posted so far
+    std::vector<Chunk> chunks;
+    int64_t pages_scheduled = 0;
+    bool scheduled = false;  // every page is in some chunk
     bool aux_posted = false;
     int64_t aux_src_offset = 0;
     Status failure;  // a post that could not be made; reported at release
@@ -354,24 +374,25 @@ class Prefill final : public KvPrefill {
     return !inbox.empty();
   }
 
-  // Posts every layer the counter says is done, for every scheduled request.
+  // Posts every layer the counter says is done, for every scheduled chunk; the aux bytes once
+  // every chunk of a fully scheduled request has posted its last layer.
   bool PostReadyLayers() {
     const uint64_t done = counter_->load(std::memory_order_acquire);
     bool progress = false;
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [id, a] : pending_) {
-      if (!a.scheduled) continue;
-      while (a.next_layer < regions_.num_layers && done >= a.pass_base + a.next_layer + 1) {
-        Status s = PostLayer(a, a.next_layer);
-        if (!s.ok()) {
-          a.failure = s;
-          a.next_layer = regions_.num_layers;
-          break;
+      bool all_posted = true;
+      for (Chunk& chunk : a.chunks) {
+        while (a.failure.ok() && chunk.next_layer < regions_.num_layers &&
+               done >= chunk.pass_base + chunk.next_layer + 1) {
+          Status s = PostLayer(a, chunk, chunk.next_layer);
+          if (!s.ok()) a.failure = s;
+          ++chunk.next_layer;
+          progress = true;
         }
-        ++a.next_layer;
-        progress = true;
+        if (a.failure.ok() && chunk.next_layer < regions_.num_layers) all_posted = false;
       }
-      if (a.next_layer == regions_.num_layers && !a.aux_posted) {
+      if (a.scheduled && all_posted && !a.aux_posted) {
         a.aux_posted = true;
         if (a.req.aux_bytes > 0 && a.failure.ok()) {
           SingleWrite w{aux_, static_cast<uint64_t>(a.aux_src_offset), a.peer, a.req.aux,
@@ -387,10 +408,10 @@ class Prefill final : public KvPrefill {
     return progress;
   }
 
-  Status PostLayer(Active& a, int layer) {
+  Status PostLayer(Active& a, const Chunk& chunk, int layer) {
     const uint64_t src_base = uint64_t(layer) * regions_.layer_stride;
     const uint64_t dst_base = uint64_t(layer) * a.req.layer_stride;
-    for (const KvWrite& kw : a.plan.writes) {
+    for (const KvWrite& kw : chunk.plan.writes) {
       SingleWrite w{regions_.ranks[kw.src_rank], src_base + kw.src_offset, a.peer,
                     a.req.dst[kw.dst_rank], dst_base + kw.dst_offset,
                     static_cast<uint64_t>(kw.length), a.req.imm};
