@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <csignal>
 #include <cstring>
 #include <deque>
 #include <mutex>
@@ -45,6 +46,9 @@ struct Case {
   int decoders = 3;
   int requests_per_decoder = 3;
   bool chunked = false;
+  int pages_per_request = 5;
+  bool kill_prefill = false;  // the prefill dies after taking the requests
+  int pages_per_layer() const { return std::max(24, pages_per_request * requests_per_decoder); }
 };
 
 std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
@@ -52,12 +56,12 @@ std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
   return std::string(c.provider == "shm" ? "shm" : "tcp") + (c.model.mla ? "_mla" : "_gqa") +
          "_tp" + std::to_string(c.prefill_tp) + "_to_tp" + std::to_string(c.decode_tp) +
          (c.prefill_order == KvOrder::kHND ? "_hnd" : "_nhd") +
-         (c.decode_order == KvOrder::kHND ? "_hnd" : "_nhd") + (c.chunked ? "_chunked" : "");
+         (c.decode_order == KvOrder::kHND ? "_hnd" : "_nhd") + (c.chunked ? "_chunked" : "") +
+         "_r" + std::to_string(c.decoders * c.requests_per_decoder) +
+         (c.kill_prefill ? "_killed" : "");
 }
 
 constexpr int kLayers = 3;
-constexpr int kPagesPerLayer = 24;
-constexpr int kPagesPerRequest = 5;
 constexpr int64_t kAuxBytes = 1000;
 
 // One side's memory on this node: one region per TP rank, layers back to back.
@@ -66,8 +70,8 @@ struct Shards {
   std::vector<MemoryRegion> regs;
   KvRegions regions;
 
-  Status Init(TransferEngine& e, const KvSide& side) {
-    const int64_t stride = side.page_bytes() * kPagesPerLayer;
+  Status Init(TransferEngine& e, const KvSide& side, int pages_per_layer) {
+    const int64_t stride = side.page_bytes() * pages_per_layer;
     bytes.assign(side.tp, std::vector<uint8_t>(stride * kLayers, 0));
     for (auto& b : bytes) {
       ASSIGN_OR_RETURN(MemoryRegion r, e.RegisterMemory(b.data(), b.size()));
@@ -84,15 +88,16 @@ Status RunPrefill(const Case& c, Bootstrap& b) {
   const KvSide side{c.model, c.prefill_order, c.prefill_tp};
   ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions(c.provider)));
   Shards shards;
-  RETURN_IF_ERROR(shards.Init(*engine, side));
-  std::vector<uint8_t> aux(kAuxBytes * 64);
+  RETURN_IF_ERROR(shards.Init(*engine, side, c.pages_per_layer()));
+  const int total = c.decoders * c.requests_per_decoder;
+  std::vector<uint8_t> aux(kAuxBytes * total);
   ASSIGN_OR_RETURN(MemoryRegion aux_reg, engine->RegisterMemory(aux.data(), aux.size()));
   std::atomic<uint64_t> layers_done{0};
   std::mutex mu;
   std::deque<KvPrefill::Incoming> incoming;
   std::atomic<int> released{0}, failed{0};
   std::deque<int64_t> free_pages;
-  for (int p = 0; p < kPagesPerLayer; ++p) free_pages.push_back(p);
+  for (int p = 0; p < c.pages_per_layer(); ++p) free_pages.push_back(p);
   std::unordered_map<uint64_t, std::vector<int64_t>> held;
   KvPrefill::Callbacks cb;
   cb.on_request = [&](const KvPrefill::Incoming& in) {
@@ -109,7 +114,6 @@ Status RunPrefill(const Case& c, Bootstrap& b) {
   ASSIGN_OR_RETURN(auto prefill,
                    KvPrefill::Create(engine.get(), side, shards.regions, &aux_reg, &layers_done, cb));
   RETURN_IF_ERROR(b.AllGather(engine->Address(), 30s).status());
-  const int total = c.decoders * c.requests_per_decoder;
   int64_t aux_slot = 0;
   Deadline deadline = Deadline::After(60s);
   while (released.load() < total) {
@@ -118,10 +122,10 @@ Status RunPrefill(const Case& c, Bootstrap& b) {
     std::vector<KvPrefill::Incoming> batch;
     {
       std::lock_guard<std::mutex> l(mu);
-      while (!incoming.empty() && free_pages.size() >= kPagesPerRequest) {
+      while (!incoming.empty() && free_pages.size() >= size_t(c.pages_per_request)) {
         batch.push_back(incoming.front());
         incoming.pop_front();
-        for (int i = 0; i < kPagesPerRequest; ++i) {
+        for (int i = 0; i < c.pages_per_request; ++i) {
           held[batch.back().request_id].push_back(free_pages.front());
           free_pages.pop_front();
         }
@@ -132,14 +136,28 @@ Status RunPrefill(const Case& c, Bootstrap& b) {
       continue;
     }
     const uint64_t base = layers_done.load();
+    if (c.kill_prefill) {
+      // Die mid-transfer: after posting the first layer of the first pass.
+      for (const auto& in : batch) {
+        std::vector<int64_t> pages;
+        {
+          std::lock_guard<std::mutex> l(mu);
+          pages = held[in.request_id];
+        }
+        RETURN_IF_ERROR(prefill->Schedule(in.request_id, pages, 0, base));
+      }
+      layers_done.fetch_add(1);
+      std::this_thread::sleep_for(5ms);
+      raise(SIGKILL);
+    }
     for (const auto& in : batch) {
-      CHECK_OR_RETURN(in.num_pages == kPagesPerRequest, "page count");
+      CHECK_OR_RETURN(in.num_pages == c.pages_per_request, "page count");
       std::vector<int64_t> pages;
       {
         std::lock_guard<std::mutex> l(mu);
         pages = held[in.request_id];
       }
-      const int64_t aux_off = (aux_slot++ % 64) * kAuxBytes;
+      const int64_t aux_off = (aux_slot++ % total) * kAuxBytes;
       for (int64_t k = 0; k < kAuxBytes; ++k) aux[aux_off + k] = AuxByte(in.request_id, k);
       if (c.chunked) {
         // Chunked prefill: 2 + 2 + 1 pages, in three consecutive passes.
@@ -199,35 +217,46 @@ Status RunDecoder(const Case& c, Bootstrap& b) {
   const KvSide prefill_side{c.model, c.prefill_order, c.prefill_tp};
   ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions(c.provider)));
   Shards shards;
-  RETURN_IF_ERROR(shards.Init(*engine, side));
+  RETURN_IF_ERROR(shards.Init(*engine, side, c.pages_per_layer()));
   std::vector<uint8_t> aux(kAuxBytes * c.requests_per_decoder, 0);
   ASSIGN_OR_RETURN(MemoryRegion aux_reg, engine->RegisterMemory(aux.data(), aux.size()));
   ASSIGN_OR_RETURN(auto decoder, KvDecoder::Create(engine.get(), side, shards.regions, &aux_reg));
   ASSIGN_OR_RETURN(auto addresses, b.AllGather(engine->Address(), 30s));
   // Disjoint page sets per request, shuffled.
-  std::vector<int64_t> ids(kPagesPerLayer);
+  std::vector<int64_t> ids(c.pages_per_layer());
   std::iota(ids.begin(), ids.end(), 0);
   std::mt19937 rng(b.rank());
   std::shuffle(ids.begin(), ids.end(), rng);
   std::atomic<int> ready{0}, bad{0};
+  std::vector<std::atomic<int>> ready_mask(c.requests_per_decoder);
   std::vector<std::vector<int64_t>> pages(c.requests_per_decoder);
   for (int j = 0; j < c.requests_per_decoder; ++j) {
-    pages[j].assign(ids.begin() + j * kPagesPerRequest, ids.begin() + (j + 1) * kPagesPerRequest);
+    pages[j].assign(ids.begin() + j * c.pages_per_request,
+                    ids.begin() + (j + 1) * c.pages_per_request);
     KvDecoder::Request req;
     req.request_id = uint64_t(b.rank()) * 1000 + j;
     req.prefill_address = addresses[0];
     req.prefill = prefill_side;
     req.pages = pages[j];
-    req.num_tokens = kPagesPerRequest * c.model.page_tokens;
+    req.num_tokens = c.pages_per_request * c.model.page_tokens;
     req.aux_offset = j * kAuxBytes;
     req.aux_bytes = kAuxBytes;
-    RETURN_IF_ERROR(decoder->Submit(req, Deadline::After(60s), [&](const Status& s) {
-      if (!s.ok()) bad.fetch_add(1);
-      ready.fetch_add(1);
-    }));
+    // The caller owns back-pressure: a full send queue is ResourceExhausted, retry.
+    Status submitted;
+    for (int attempt = 0; attempt < 100000; ++attempt) {
+      submitted = decoder->Submit(req, Deadline::After(c.kill_prefill ? 3s : 60s),
+                                  [&, j](const Status& s) {
+                                    if (!s.ok()) bad.fetch_add(1);
+                                    ready_mask[j] = s.ok() ? 1 : 2;
+                                    ready.fetch_add(1);
+                                  });
+      if (submitted.code() != StatusCode::kResourceExhausted) break;
+      std::this_thread::sleep_for(100us);
+    }
+    RETURN_IF_ERROR(submitted);
   }
   // A request for a page outside our regions is refused before anything is sent.
-  std::vector<int64_t> outside = {kPagesPerLayer};
+  std::vector<int64_t> outside = {c.pages_per_layer()};
   KvDecoder::Request wrong;
   wrong.request_id = 77;
   wrong.prefill_address = addresses[0];
@@ -239,10 +268,18 @@ Status RunDecoder(const Case& c, Bootstrap& b) {
   while (ready.load() < c.requests_per_decoder && !deadline.Expired()) {
     std::this_thread::sleep_for(1ms);
   }
-  CHECK_OR_RETURN(ready.load() == c.requests_per_decoder && bad.load() == 0,
-                  "requests ready: " + std::to_string(ready.load()) + ", failed " +
-                      std::to_string(bad.load()));
+  CHECK_OR_RETURN(ready.load() == c.requests_per_decoder,
+                  "requests ended: " + std::to_string(ready.load()));
+  if (c.kill_prefill) {
+    // The prefill died during its first pass: every request fails at its deadline, none hangs.
+    CHECK_OR_RETURN(bad.load() == c.requests_per_decoder,
+                    "requests that did not fail although the prefill died: " +
+                        std::to_string(c.requests_per_decoder - bad.load()));
+  } else {
+    CHECK_OR_RETURN(bad.load() == 0, "failed requests: " + std::to_string(bad.load()));
+  }
   for (int j = 0; j < c.requests_per_decoder; ++j) {
+    if (ready_mask[j] != 1) continue;
     const uint64_t id = uint64_t(b.rank()) * 1000 + j;
     for (int64_t k = 0; k < kAuxBytes; ++k) {
       CHECK_OR_RETURN(aux[j * kAuxBytes + k] == AuxByte(id, k), "aux byte");
@@ -276,8 +313,16 @@ class KvMessengerTest : public ::testing::TestWithParam<Case> {};
 TEST_P(KvMessengerTest, OnePrefillFeedsDecodersPageForPage) {
   const Case c = GetParam();
   auto exits = RunLocalRanks(1 + c.decoders, [&](Bootstrap& b) -> Status {
-    return b.rank() == 0 ? RunPrefill(c, b) : RunDecoder(c, b);
+    if (b.rank() == 0) return RunPrefill(c, b);
+    Status s = RunDecoder(c, b);
+    // With a dead prefill the final barrier cannot complete; the decoders' checks are the test.
+    if (c.kill_prefill && s.code() == StatusCode::kUnavailable) return Status::Ok();
+    return s;
   }, 180s);
+  if (c.kill_prefill) {
+    EXPECT_EQ(exits[0].signal, SIGKILL);
+    exits.erase(exits.begin());
+  }
   for (size_t r = 0; r < exits.size(); ++r) {
     EXPECT_TRUE(exits[r].ok()) << (r == 0 ? "prefill" : "decoder ") << r << ": exit "
                                << exits[r].exit_code << " signal " << exits[r].signal
@@ -298,6 +343,11 @@ std::vector<Case> Cases() {
       {"shm", mla, hnd, hnd, 4, 2},
       {"tcp;ofi_rxm", gqa, hnd, hnd, 4, 2},
       {"tcp;ofi_rxm", mla, hnd, nhd, 2, 4},
+      // 201 requests in flight at once (67 per decoder, one page each).
+      {"shm", gqa, hnd, hnd, 4, 2, 3, 67, false, 1},
+      // The prefill dies mid-transfer.
+      {"shm", gqa, hnd, hnd, 4, 2, 3, 3, false, 5, true},
+      {"tcp;ofi_rxm", gqa, hnd, hnd, 4, 2, 3, 3, false, 5, true},
   };
   std::vector<Case> out;
   for (const Case& c : all) {

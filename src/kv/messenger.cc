@@ -191,7 +191,14 @@ class Decoder final : public KvDecoder {
     w.aux_bytes = req.aux_bytes;
     const uint64_t expected = static_cast<uint64_t>(plan.writes.size()) * regions_.num_layers +
                               (req.aux_bytes > 0 ? 1 : 0);
-    // Arm before sending: the first write may land before Send returns.
+    // Send, then arm: immediates that land first are counted all the same, and arming checks
+    // the count at once. A refused send (queue full) leaves nothing behind.
+    Status sent = engine_->Send(prefill, w.Serialize(), {});
+    if (!sent.ok()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      free_.push_back(slot);
+      return sent;
+    }
     Status s = engine_->NotifyImm(
         w.imm, expected, deadline,
         [this, slot, expected, cb = std::make_shared<DoneCallback>(std::move(ready))](
@@ -204,7 +211,6 @@ class Decoder final : public KvDecoder {
           }
           (*cb)(st);
         });
-    if (s.ok()) s = engine_->Send(prefill, w.Serialize(), {});
     return s;
   }
 
