@@ -4,13 +4,15 @@
 //   ferry-bench moe    [--provider P] [--ranks N] [--tokens T] [--hidden H] [--experts E]
 //                      [--topk K] [--dtype fp8|bf16] [--iters I] [--json]
 //                      [--once-per-rank] [--reduce-at-expert-rank] [--compare]
-//   ferry-bench demo   the main job of `make demo`: short fabric and moe runs on shm
+//   ferry-bench kv     [--provider P] [--tokens T] [--json]
+//   ferry-bench demo   the main job of `make demo`: short fabric, moe and kv runs on shm
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
 
 #include "tools/bench_fabric.h"
+#include "tools/bench_kv.h"
 #include "tools/bench_moe.h"
 
 namespace {
@@ -22,6 +24,7 @@ void Usage() {
                "                       [--experts E] [--topk K] [--dtype fp8|bf16] [--iters I]"
                " [--json]\n"
                "                       [--once-per-rank] [--reduce-at-expert-rank] [--compare]\n"
+               "       ferry-bench kv [--provider P] [--tokens T] [--json]\n"
                "       ferry-bench demo\n"
                "Provider from --provider, else FERRY_PROVIDER, else shm.\n");
 }
@@ -44,23 +47,25 @@ int main(int argc, char** argv) {
   const std::string command = argv[1];
   ferry::bench::FabricBenchOptions f;
   ferry::bench::MoeBenchOptions m;
-  if (const char* p = std::getenv("FERRY_PROVIDER")) f.provider = m.provider = p;
+  ferry::bench::KvBenchOptions kv;
+  if (const char* p = std::getenv("FERRY_PROVIDER")) f.provider = m.provider = kv.provider = p;
   for (int i = 2; i < argc; ++i) {
     const std::string a = argv[i];
     const bool has_value = i + 1 < argc;
     bool ok = true;
     if (a == "--provider" && has_value) {
-      f.provider = m.provider = argv[++i];
+      f.provider = m.provider = kv.provider = argv[++i];
     } else if (a == "--max-bytes" && has_value) {
       f.max_bytes = std::strtoull(argv[++i], nullptr, 10);
     } else if (a == "--quick") {
       f.quick = true;
     } else if (a == "--json") {
-      f.json = m.json = true;
+      f.json = m.json = kv.json = true;
     } else if (a == "--ranks" && has_value) {
       ok = ParseInt(argv[++i], &m.ranks);
     } else if (a == "--tokens" && has_value) {
-      ok = ParseInt(argv[++i], &m.tokens);
+      ok = ParseInt(argv[++i], &m.tokens) && m.tokens >= 1;
+      kv.tokens = m.tokens;
     } else if (a == "--hidden" && has_value) {
       ok = ParseInt(argv[++i], &m.hidden);
     } else if (a == "--experts" && has_value) {
@@ -98,13 +103,14 @@ int main(int argc, char** argv) {
   }
   if (command == "fabric") return ferry::bench::RunFabricBench(f);
   if (command == "moe") return ferry::bench::RunMoeBench(m);
+  if (command == "kv") return ferry::bench::RunKvBench(kv);
   if (command == "demo") {
-    std::printf("== ferry demo 1/2: TransferEngine vs raw libfabric, %s provider ==\n",
+    std::printf("== ferry demo 1/3: TransferEngine vs raw libfabric, %s provider ==\n",
                 f.provider.c_str());
     f.quick = true;
     f.max_bytes = 16u << 20;
     if (int rc = ferry::bench::RunFabricBench(f)) return rc;
-    std::printf("\n== ferry demo 2/2: MoE dispatch + combine, host device, 4 ranks ==\n");
+    std::printf("\n== ferry demo 2/3: MoE dispatch + combine, host device, 4 ranks ==\n");
     m.ranks = 4;
     m.tokens = 64;
     m.hidden = 2048;
@@ -112,7 +118,10 @@ int main(int argc, char** argv) {
     m.topk = 4;
     m.iters = 20;
     m.compare = true;
-    return ferry::bench::RunMoeBench(m);
+    if (int rc = ferry::bench::RunMoeBench(m)) return rc;
+    std::printf("\n== ferry demo 3/3: KV messenger, prefill -> decode, 1024-token prompt ==\n");
+    kv.tokens = 1024;
+    return ferry::bench::RunKvBench(kv);
   }
   Usage();
   return 2;

@@ -1,0 +1,252 @@
+// ferry-bench kv: the KV messenger moving one request's cache from a prefill process to a decode
+// process, next to a raw libfabric loop writing the same bytes in the same write sizes, in the
+// same run.
+//
+// The prefill "model" first runs the raw loop to learn the provider's rate, then paces its
+// layer counter at that rate (one layer per layer-transfer time, as if compute and transfer were
+// balanced), so the figures say both how fast the messenger moves bytes (GB/s against raw) and
+// how soon after the last layer the decoder is ready (against one layer's transfer time).
+#include "tools/bench_kv.h"
+
+#include <sys/prctl.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ferry/bootstrap.h"
+#include "ferry/fabric.h"
+#include "ferry/kv.h"
+#include "tools/raw_fabric.h"
+
+namespace ferry::bench {
+namespace {
+
+using namespace std::chrono_literals;
+
+double NowUs() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec * 1e6 + ts.tv_nsec * 1e-3;
+}
+
+struct Model {
+  const char* name;
+  KvModel model;
+  int layers;
+  int prefill_tp, decode_tp;
+};
+
+struct Result {
+  double bytes;            // per request, all layers and ranks
+  double ferry_us;         // first layer increment -> decode ready
+  double tail_us;          // last layer increment -> decode ready
+  double raw_us;           // raw loop, same bytes and write sizes
+  double layer_us;         // one layer's transfer time at the raw rate
+  int64_t writes_per_layer;
+};
+
+Status Run(const KvBenchOptions& o, const Model& m, Bootstrap& b, Result* out) {
+  const KvSide pre{m.model, KvOrder::kHND, m.prefill_tp};
+  const KvSide dec{m.model, KvOrder::kHND, m.decode_tp};
+  const int64_t pages = (o.tokens + m.model.page_tokens - 1) / m.model.page_tokens;
+  const bool prefill = b.rank() == 0;
+  const KvSide& side = prefill ? pre : dec;
+  const int64_t stride = side.page_bytes() * pages;
+  EngineOptions eo = EngineOptions::FromEnv();
+  eo.provider = o.provider;
+  if (o.provider.find("tcp") != std::string::npos && eo.node.empty()) eo.node = "127.0.0.1";
+  ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(eo));
+  std::vector<std::vector<uint8_t>> shards(side.tp, std::vector<uint8_t>(stride * m.layers, 1));
+  std::vector<MemoryRegion> regs;
+  KvRegions regions;
+  for (auto& s : shards) {
+    ASSIGN_OR_RETURN(MemoryRegion r, engine->RegisterMemory(s.data(), s.size()));
+    regs.push_back(std::move(r));
+  }
+  for (auto& r : regs) regions.ranks.push_back(&r);
+  regions.num_layers = m.layers;
+  regions.layer_stride = stride;
+  std::vector<int64_t> page_ids(pages);
+  std::iota(page_ids.begin(), page_ids.end(), 0);
+  ASSIGN_OR_RETURN(KvPlan plan, PlanKvTransfer(pre, dec, page_ids, page_ids, 1));
+  const double layer_bytes = std::accumulate(plan.writes.begin(), plan.writes.end(), 0.0,
+                                             [](double a, const KvWrite& w) { return a + w.length; });
+  out->bytes = layer_bytes * m.layers;
+  out->writes_per_layer = static_cast<int64_t>(plan.writes.size());
+
+  // Raw baseline: the same write sizes, one raw endpoint per process, region = shard 0 sized.
+  const int64_t largest = std::max_element(plan.writes.begin(), plan.writes.end(),
+                                           [](const KvWrite& a, const KvWrite& c) {
+                                             return a.length < c.length;
+                                           })->length;
+  std::vector<uint8_t> raw_buf(static_cast<size_t>(largest) * 64);
+  RawFabric raw;
+  RETURN_IF_ERROR(raw.Open(o.provider, eo.node, raw_buf.data(), raw_buf.size()));
+  ASSIGN_OR_RETURN(auto raws, b.AllGather(raw.Describe(), 60s));
+  RETURN_IF_ERROR(raw.Connect(raws[1 - b.rank()]));
+  ASSIGN_OR_RETURN(auto addresses, b.AllGather(engine->Address(), 60s));
+  RETURN_IF_ERROR(b.Barrier(60s));
+  uint64_t imms = 0;
+  uint32_t last = 0;
+  if (prefill) {
+    const uint64_t window = std::min<uint64_t>(64, raw.tx_depth());
+    uint64_t posted = 0, done = 0, total = plan.writes.size() * m.layers;
+    double t0 = NowUs();
+    while (done < total) {
+      while (posted < total && posted - done < window) {
+        const KvWrite& w = plan.writes[posted % plan.writes.size()];
+        const uint64_t off = (posted % 64) * largest;
+        if (!raw.Post(off, off, w.length, posted + 1 == total, 1)) break;
+        ++posted;
+      }
+      int r = raw.Poll(&imms, &last);
+      if (r < 0) return InternalError("raw completion error");
+      done += r;
+    }
+    out->raw_us = NowUs() - t0;
+  } else {
+    while (imms == 0) {
+      if (raw.Poll(&imms, &last) < 0) return InternalError("raw completion error");
+    }
+  }
+  RETURN_IF_ERROR(b.Barrier(60s));
+  // Share the raw time so both sides know the layer pacing.
+  std::vector<uint8_t> mine(sizeof(double));
+  std::memcpy(mine.data(), &out->raw_us, sizeof(double));
+  ASSIGN_OR_RETURN(auto raw_times, b.AllGather(mine, 60s));
+  std::memcpy(&out->raw_us, raw_times[0].data(), sizeof(double));
+  out->layer_us = out->raw_us / m.layers;
+
+  if (prefill) {
+    prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
+    std::atomic<uint64_t> layers_done{0};
+    std::atomic<bool> got{false}, released{false};
+    KvPrefill::Callbacks cb;
+    cb.on_request = [&](const KvPrefill::Incoming&) { got = true; };
+    cb.on_released = [&](uint64_t, const Status&) { released = true; };
+    ASSIGN_OR_RETURN(auto p, KvPrefill::Create(engine.get(), pre, regions, nullptr, &layers_done,
+                                               cb));
+    RETURN_IF_ERROR(b.Barrier(60s));
+    Deadline deadline = Deadline::After(60s);
+    while (!got && !deadline.Expired()) std::this_thread::sleep_for(50us);
+    RETURN_IF_ERROR(p->Schedule(1, page_ids, 0, 0));
+    // Layers at the raw transfer rate; the decoder timestamps the increments it sees through
+    // the shared start time below.
+    double start = NowUs();
+    for (int l = 0; l < m.layers; ++l) {
+      // Sleep, not spin: on small machines the engine's worker and the watcher need the cores.
+      const double wait_us = start + l * out->layer_us - NowUs();
+      if (wait_us > 0) {
+        timespec ts{0, static_cast<long>(wait_us * 1e3)};
+        nanosleep(&ts, nullptr);
+      }
+      layers_done.fetch_add(1, std::memory_order_release);
+    }
+    double last_inc = NowUs();
+    std::vector<uint8_t> times(2 * sizeof(double));
+    std::memcpy(times.data(), &start, sizeof start);
+    std::memcpy(times.data() + sizeof start, &last_inc, sizeof last_inc);
+    RETURN_IF_ERROR(b.AllGather(times, 60s).status());
+    while (!released && !deadline.Expired()) std::this_thread::sleep_for(50us);
+    return b.Barrier(60s);
+  }
+  ASSIGN_OR_RETURN(auto decoder, KvDecoder::Create(engine.get(), dec, regions, nullptr));
+  RETURN_IF_ERROR(b.Barrier(60s));
+  std::atomic<bool> ready{false};
+  std::atomic<double> ready_at{0};
+  Status result;
+  KvDecoder::Request req;
+  req.request_id = 1;
+  req.prefill_address = addresses[0];
+  req.prefill = pre;
+  req.pages = page_ids;
+  req.num_tokens = o.tokens;
+  RETURN_IF_ERROR(decoder->Submit(req, Deadline::After(60s), [&](const Status& s) {
+    ready_at = NowUs();  // same host: CLOCK_MONOTONIC is shared between the processes
+    result = s;
+    ready = true;
+  }));
+  ASSIGN_OR_RETURN(auto times, b.AllGather({}, 60s));
+  Deadline deadline = Deadline::After(60s);
+  while (!ready && !deadline.Expired()) std::this_thread::sleep_for(20us);
+  if (!ready) return DeadlineExceededError("decoder never ready");
+  RETURN_IF_ERROR(result);
+  double start, last_inc;
+  std::memcpy(&start, times[0].data(), sizeof start);
+  std::memcpy(&last_inc, times[0].data() + sizeof start, sizeof last_inc);
+  out->ferry_us = ready_at - start;
+  out->tail_us = ready_at - last_inc;
+  return b.Barrier(60s);
+}
+
+}  // namespace
+
+int RunKvBench(const KvBenchOptions& o) {
+  const Model models[] = {
+      {"deepseek-r1 mla", {1, 576, 2, true, 64}, 61, 1, 1},
+      {"qwen3-coder tp8>tp8", {8, 128, 2, false, 64}, 62, 8, 8},
+      {"qwen3-coder tp8>tp4", {8, 128, 2, false, 64}, 62, 8, 4},
+  };
+  if (!o.json) {
+    std::printf("ferry-bench kv  provider=%s prompt=%d tokens  (1 prefill -> 1 decode process)\n",
+                o.provider.c_str(), o.tokens);
+    std::printf("%-20s %9s %9s | %10s %10s %8s | %10s %10s %6s\n", "cache", "MB", "writes/l",
+                "ferry ms", "raw ms", "ratio", "tail us", "layer us", "tail/l");
+  }
+  bool first = true;
+  if (o.json) std::printf("{\"bench\":\"kv\",\"tokens\":%d,\"rows\":[", o.tokens);
+  for (const Model& m : models) {
+    int fds[2];
+    if (pipe(fds) != 0) return 1;
+    auto exits = RunLocalRanks(2, [&](Bootstrap& b) -> Status {
+      close(fds[0]);
+      Result r{};
+      RETURN_IF_ERROR(Run(o, m, b, &r));
+      if (b.rank() == 1 && write(fds[1], &r, sizeof r) != sizeof r) {
+        return InternalError("could not report");
+      }
+      return Status::Ok();
+    }, std::chrono::minutes(5));
+    close(fds[1]);
+    Result r{};
+    bool got = read(fds[0], &r, sizeof r) == sizeof r;
+    close(fds[0]);
+    for (const RankExit& e : exits) {
+      if (!e.ok()) {
+        std::fprintf(stderr, "ferry-bench kv: a rank failed (exit %d, signal %d%s)\n",
+                     e.exit_code, e.signal, e.timed_out ? ", timed out" : "");
+        return 1;
+      }
+    }
+    if (!got) return 1;
+    // Throughput: bytes over the time from the first layer to ready, against the raw loop's
+    // time for the same bytes. Pacing layers at the raw rate makes raw the lower bound.
+    const double ratio = r.raw_us / r.ferry_us;
+    if (o.json) {
+      std::printf("%s{\"cache\":\"%s\",\"bytes\":%.0f,\"writes_per_layer\":%lld,\"ferry_us\":%.1f,"
+                  "\"raw_us\":%.1f,\"ratio\":%.3f,\"tail_us\":%.1f,\"layer_us\":%.1f}",
+                  first ? "" : ",", m.name, r.bytes, (long long)r.writes_per_layer, r.ferry_us,
+                  r.raw_us, ratio, r.tail_us, r.layer_us);
+    } else {
+      std::printf("%-20s %9.1f %9lld | %10.2f %10.2f %8.3f | %10.1f %10.1f %6.2f\n", m.name,
+                  r.bytes / 1e6, (long long)r.writes_per_layer, r.ferry_us / 1e3, r.raw_us / 1e3,
+                  ratio, r.tail_us, r.layer_us, r.tail_us / r.layer_us);
+    }
+    first = false;
+  }
+  if (o.json) std::printf("]}\n");
+  else {
+    std::printf("ratio = raw time / ferry time for the same bytes (ferry's layers are paced at "
+                "the raw rate); tail = last layer increment -> decode ready\n");
+  }
+  return 0;
+}
+
+}  // namespace ferry::bench

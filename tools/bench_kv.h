@@ -1,0 +1,17 @@
+// ferry-bench kv: options and entry point.
+#pragma once
+
+#include <string>
+
+namespace ferry::bench {
+
+struct KvBenchOptions {
+  std::string provider = "shm";
+  int tokens = 4096;  // prompt length
+  bool json = false;
+};
+
+// Returns the process exit code.
+int RunKvBench(const KvBenchOptions& options);
+
+}  // namespace ferry::bench
