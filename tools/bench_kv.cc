@@ -63,11 +63,15 @@ Status Run(const KvBenchOptions& o, const Model& m, Bootstrap& b, Result* out) {
   eo.provider = o.provider;
   if (o.provider.find("tcp") != std::string::npos && eo.node.empty()) eo.node = "127.0.0.1";
   ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(eo));
-  std::vector<std::vector<uint8_t>> shards(side.tp, std::vector<uint8_t>(stride * m.layers, 1));
+  // All shards of this side in one allocation: the messenger registers one region per shard,
+  // the raw loop the whole, so both read and write exactly the same memory.
+  const int64_t shard_bytes = stride * m.layers;
+  std::vector<uint8_t> memory(static_cast<size_t>(shard_bytes) * side.tp, 1);
   std::vector<MemoryRegion> regs;
   KvRegions regions;
-  for (auto& s : shards) {
-    ASSIGN_OR_RETURN(MemoryRegion r, engine->RegisterMemory(s.data(), s.size()));
+  for (int s = 0; s < side.tp; ++s) {
+    ASSIGN_OR_RETURN(MemoryRegion r,
+                     engine->RegisterMemory(memory.data() + s * shard_bytes, shard_bytes));
     regs.push_back(std::move(r));
   }
   for (auto& r : regs) regions.ranks.push_back(&r);
@@ -81,14 +85,11 @@ Status Run(const KvBenchOptions& o, const Model& m, Bootstrap& b, Result* out) {
   out->bytes = layer_bytes * m.layers;
   out->writes_per_layer = static_cast<int64_t>(plan.writes.size());
 
-  // Raw baseline: the same write sizes, one raw endpoint per process, region = shard 0 sized.
-  const int64_t largest = std::max_element(plan.writes.begin(), plan.writes.end(),
-                                           [](const KvWrite& a, const KvWrite& c) {
-                                             return a.length < c.length;
-                                           })->length;
-  std::vector<uint8_t> raw_buf(static_cast<size_t>(largest) * 64);
+  // Raw baseline: the same writes (same offsets in the same memory), one raw endpoint.
+  const int64_t dst_shard_bytes = dec.page_bytes() * pages * m.layers;
+  const int64_t src_shard_bytes = pre.page_bytes() * pages * m.layers;
   RawFabric raw;
-  RETURN_IF_ERROR(raw.Open(o.provider, eo.node, raw_buf.data(), raw_buf.size()));
+  RETURN_IF_ERROR(raw.Open(o.provider, eo.node, memory.data(), memory.size()));
   ASSIGN_OR_RETURN(auto raws, b.AllGather(raw.Describe(), 60s));
   RETURN_IF_ERROR(raw.Connect(raws[1 - b.rank()]));
   ASSIGN_OR_RETURN(auto addresses, b.AllGather(engine->Address(), 60s));
@@ -102,8 +103,11 @@ Status Run(const KvBenchOptions& o, const Model& m, Bootstrap& b, Result* out) {
     while (done < total) {
       while (posted < total && posted - done < window) {
         const KvWrite& w = plan.writes[posted % plan.writes.size()];
-        const uint64_t off = (posted % 64) * largest;
-        if (!raw.Post(off, off, w.length, posted + 1 == total, 1)) break;
+        const int64_t layer = static_cast<int64_t>(posted / plan.writes.size());
+        const uint64_t src = w.src_rank * src_shard_bytes + layer * stride + w.src_offset;
+        const uint64_t dst = w.dst_rank * dst_shard_bytes + layer * dec.page_bytes() * pages +
+                             w.dst_offset;
+        if (!raw.Post(src, dst, w.length, posted + 1 == total, 1)) break;
         ++posted;
       }
       int r = raw.Poll(&imms, &last);

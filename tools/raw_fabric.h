@@ -100,6 +100,7 @@ class RawFabric {
   size_t tx_depth() const { return info_->tx_attr->size; }
 
   // Posts a write of [src_off, +len) to the peer at dst_off; false when the provider is full.
+  // Writes larger than the provider's message size are the caller's to split.
   bool Post(uint64_t src_off, uint64_t dst_off, uint64_t len, bool imm, uint32_t data) {
     fi_context2* ctx = &contexts_[next_ctx_++ % contexts_.size()];
     ssize_t ret = imm ? fi_writedata(ep_, buf_ + src_off, len, desc_, data, peer_,
