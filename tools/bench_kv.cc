@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <mutex>
 #include <numeric>
 #include <string>
 #include <thread>
@@ -91,7 +92,8 @@ Status Run(const KvBenchOptions& o, const Model& m, Bootstrap& b, Result* out) {
   RawFabric raw;
   RETURN_IF_ERROR(raw.Open(o.provider, eo.node, memory.data(), memory.size()));
   ASSIGN_OR_RETURN(auto raws, b.AllGather(raw.Describe(), 60s));
-  RETURN_IF_ERROR(raw.Connect(raws[1 - b.rank()]));
+  // The raw baseline runs between the prefill and the first decoder only.
+  if (b.rank() <= 1) RETURN_IF_ERROR(raw.Connect(raws[b.rank() == 0 ? 1 : 0]));
   ASSIGN_OR_RETURN(auto addresses, b.AllGather(engine->Address(), 60s));
   RETURN_IF_ERROR(b.Barrier(60s));
   uint64_t imms = 0;
@@ -115,7 +117,7 @@ Status Run(const KvBenchOptions& o, const Model& m, Bootstrap& b, Result* out) {
       done += r;
     }
     out->raw_us = NowUs() - t0;
-  } else {
+  } else if (b.rank() == 1) {
     while (imms == 0) {
       if (raw.Poll(&imms, &last) < 0) return InternalError("raw completion error");
     }
@@ -131,16 +133,33 @@ Status Run(const KvBenchOptions& o, const Model& m, Bootstrap& b, Result* out) {
   if (prefill) {
     prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
     std::atomic<uint64_t> layers_done{0};
-    std::atomic<bool> got{false}, released{false};
+    const int decoders = b.world_size() - 1;
+    std::mutex mu;
+    std::vector<uint64_t> arrived;
+    std::atomic<int> released{0}, failed{0};
     KvPrefill::Callbacks cb;
-    cb.on_request = [&](const KvPrefill::Incoming&) { got = true; };
-    cb.on_released = [&](uint64_t, const Status&) { released = true; };
+    cb.on_request = [&](const KvPrefill::Incoming& in) {
+      std::lock_guard<std::mutex> l(mu);
+      arrived.push_back(in.request_id);
+    };
+    cb.on_released = [&](uint64_t, const Status& s) {
+      if (!s.ok()) failed.fetch_add(1);
+      released.fetch_add(1);
+    };
     ASSIGN_OR_RETURN(auto p, KvPrefill::Create(engine.get(), pre, regions, nullptr, &layers_done,
                                                cb));
     RETURN_IF_ERROR(b.Barrier(60s));
     Deadline deadline = Deadline::After(60s);
-    while (!got && !deadline.Expired()) std::this_thread::sleep_for(50us);
-    RETURN_IF_ERROR(p->Schedule(1, page_ids, 0, 0));
+    // Every decoder's request in the same pass (the same source pages: one prompt, N decoders).
+    for (;;) {
+      {
+        std::lock_guard<std::mutex> l(mu);
+        if (static_cast<int>(arrived.size()) == decoders) break;
+      }
+      if (deadline.Expired()) return DeadlineExceededError("prefill: requests did not arrive");
+      std::this_thread::sleep_for(50us);
+    }
+    for (uint64_t id : arrived) RETURN_IF_ERROR(p->Schedule(id, page_ids, 0, 0));
     // Layers at the raw transfer rate; the decoder timestamps the increments it sees through
     // the shared start time below.
     double start = NowUs();
@@ -158,7 +177,12 @@ Status Run(const KvBenchOptions& o, const Model& m, Bootstrap& b, Result* out) {
     std::memcpy(times.data(), &start, sizeof start);
     std::memcpy(times.data() + sizeof start, &last_inc, sizeof last_inc);
     RETURN_IF_ERROR(b.AllGather(times, 60s).status());
-    while (!released && !deadline.Expired()) std::this_thread::sleep_for(50us);
+    while (released.load() < decoders && !deadline.Expired()) {
+      std::this_thread::sleep_for(50us);
+    }
+    if (released.load() < decoders || failed.load() > 0) {
+      return InternalError("prefill: requests not all released cleanly");
+    }
     return b.Barrier(60s);
   }
   ASSIGN_OR_RETURN(auto decoder, KvDecoder::Create(engine.get(), dec, regions, nullptr));
@@ -167,7 +191,7 @@ Status Run(const KvBenchOptions& o, const Model& m, Bootstrap& b, Result* out) {
   std::atomic<double> ready_at{0};
   Status result;
   KvDecoder::Request req;
-  req.request_id = 1;
+  req.request_id = static_cast<uint64_t>(b.rank());
   req.prefill_address = addresses[0];
   req.prefill = pre;
   req.pages = page_ids;
@@ -199,8 +223,9 @@ int RunKvBench(const KvBenchOptions& o) {
       {"qwen3-coder tp8>tp4", {8, 128, 2, false, 64}, 62, 8, 4},
   };
   if (!o.json) {
-    std::printf("ferry-bench kv  provider=%s prompt=%d tokens  (1 prefill -> 1 decode process)\n",
-                o.provider.c_str(), o.tokens);
+    std::printf("ferry-bench kv  provider=%s prompt=%d tokens  (1 prefill -> %d decode "
+                "process%s; figures of decoder 1; raw moves one decoder's bytes)\n",
+                o.provider.c_str(), o.tokens, o.decoders, o.decoders > 1 ? "es" : "");
     std::printf("%-20s %9s %9s | %10s %10s %8s | %10s %10s %6s\n", "cache", "MB", "writes/l",
                 "ferry ms", "raw ms", "ratio", "tail us", "layer us", "tail/l");
   }
@@ -209,7 +234,7 @@ int RunKvBench(const KvBenchOptions& o) {
   for (const Model& m : models) {
     int fds[2];
     if (pipe(fds) != 0) return 1;
-    auto exits = RunLocalRanks(2, [&](Bootstrap& b) -> Status {
+    auto exits = RunLocalRanks(1 + o.decoders, [&](Bootstrap& b) -> Status {
       close(fds[0]);
       Result r{};
       RETURN_IF_ERROR(Run(o, m, b, &r));

@@ -8,6 +8,7 @@ namespace ferry::bench {
 struct KvBenchOptions {
   std::string provider = "shm";
   int tokens = 4096;  // prompt length
+  int decoders = 1;   // decode processes fed by the one prefill
   bool json = false;
 };
 

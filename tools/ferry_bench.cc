@@ -4,7 +4,7 @@
 //   ferry-bench moe    [--provider P] [--ranks N] [--tokens T] [--hidden H] [--experts E]
 //                      [--topk K] [--dtype fp8|bf16] [--iters I] [--json]
 //                      [--once-per-rank] [--reduce-at-expert-rank] [--compare]
-//   ferry-bench kv     [--provider P] [--tokens T] [--json]
+//   ferry-bench kv     [--provider P] [--tokens T] [--decoders N] [--json]
 //   ferry-bench demo   the main job of `make demo`: short fabric, moe and kv runs on shm
 #include <cstdio>
 #include <cstdlib>
@@ -24,7 +24,7 @@ void Usage() {
                "                       [--experts E] [--topk K] [--dtype fp8|bf16] [--iters I]"
                " [--json]\n"
                "                       [--once-per-rank] [--reduce-at-expert-rank] [--compare]\n"
-               "       ferry-bench kv [--provider P] [--tokens T] [--json]\n"
+               "       ferry-bench kv [--provider P] [--tokens T] [--decoders N] [--json]\n"
                "       ferry-bench demo\n"
                "Provider from --provider, else FERRY_PROVIDER, else shm.\n");
 }
@@ -72,6 +72,8 @@ int main(int argc, char** argv) {
       ok = ParseInt(argv[++i], &m.experts);
     } else if (a == "--topk" && has_value) {
       ok = ParseInt(argv[++i], &m.topk);
+    } else if (a == "--decoders" && has_value) {
+      ok = ParseInt(argv[++i], &kv.decoders) && kv.decoders >= 1 && kv.decoders <= 16;
     } else if (a == "--iters" && has_value) {
       ok = ParseInt(argv[++i], &m.iters);
     } else if (a == "--once-per-rank") {
@@ -119,8 +121,9 @@ int main(int argc, char** argv) {
     m.iters = 20;
     m.compare = true;
     if (int rc = ferry::bench::RunMoeBench(m)) return rc;
-    std::printf("\n== ferry demo 3/3: KV messenger, prefill -> decode, 1024-token prompt ==\n");
+    std::printf("\n== ferry demo 3/3: KV messenger, 1 prefill -> 2 decoders, 1024-token prompt ==\n");
     kv.tokens = 1024;
+    kv.decoders = 2;
     return ferry::bench::RunKvBench(kv);
   }
   Usage();
