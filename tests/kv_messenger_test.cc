@@ -4,6 +4,7 @@
 // byte for byte.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <csignal>
 #include <cstring>
@@ -359,6 +360,116 @@ std::vector<Case> Cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, KvMessengerTest, ::testing::ValuesIn(Cases()), CaseName);
+
+// Cancellation, three ways: the decoder cancels mid-way, the decoder's deadline passes before the
+// prefill schedules, the prefill cancels mid-way. Each ends with one callback whose status says
+// which, after which no write lands in the request's pages (they are poisoned and watched).
+enum class Stop { kDecoderCancels, kDeadline, kPrefillCancels };
+
+Status CancelPrefill(Stop how, const std::string& provider, Bootstrap& b) {
+  const KvModel m{8, 16, 2, false, 4};
+  const KvSide side{m, KvOrder::kHND, 4};
+  ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions(provider)));
+  Shards shards;
+  RETURN_IF_ERROR(shards.Init(*engine, side, 24));
+  std::atomic<uint64_t> layers{0};
+  std::atomic<int> arrived{0}, released{0};
+  Status release_status;
+  KvPrefill::Callbacks cb;
+  cb.on_request = [&](const KvPrefill::Incoming&) { arrived.fetch_add(1); };
+  cb.on_released = [&](uint64_t, const Status& s) {
+    release_status = s;
+    released.fetch_add(1);
+  };
+  ASSIGN_OR_RETURN(auto prefill,
+                   KvPrefill::Create(engine.get(), side, shards.regions, nullptr, &layers, cb));
+  RETURN_IF_ERROR(b.AllGather(engine->Address(), 30s).status());
+  Deadline deadline = Deadline::After(30s);
+  while (arrived.load() == 0 && !deadline.Expired()) std::this_thread::sleep_for(1ms);
+  CHECK_OR_RETURN(arrived.load() == 1, "request never arrived");
+  std::vector<int64_t> pages = {0, 1, 2, 3, 4};
+  if (how != Stop::kDeadline) {
+    RETURN_IF_ERROR(prefill->Schedule(7, pages, 0, 0));
+    layers.fetch_add(1);  // layer 0 goes
+    std::this_thread::sleep_for(50ms);
+    if (how == Stop::kPrefillCancels) RETURN_IF_ERROR(prefill->Cancel(7));
+  }
+  RETURN_IF_ERROR(b.Barrier(30s));  // B1: the decoder cancels now (or its deadline passed)
+  RETURN_IF_ERROR(b.Barrier(30s));  // B2
+  std::this_thread::sleep_for(20ms);
+  layers.fetch_add(kLayers);  // the rest of the pass: a cancelled request must post nothing
+  while (released.load() == 0 && !deadline.Expired()) std::this_thread::sleep_for(1ms);
+  CHECK_OR_RETURN(released.load() == 1, "source pages never released");
+  CHECK_OR_RETURN(release_status.code() == StatusCode::kCancelled,
+                  "released with " + release_status.ToString());
+  return b.Barrier(30s);  // B3
+}
+
+Status CancelDecoder(Stop how, const std::string& provider, Bootstrap& b) {
+  const KvModel m{8, 16, 2, false, 4};
+  const KvSide side{m, KvOrder::kHND, 2};
+  ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions(provider)));
+  Shards shards;
+  RETURN_IF_ERROR(shards.Init(*engine, side, 24));
+  ASSIGN_OR_RETURN(auto decoder, KvDecoder::Create(engine.get(), side, shards.regions, nullptr));
+  ASSIGN_OR_RETURN(auto addresses, b.AllGather(engine->Address(), 30s));
+  std::vector<int64_t> pages = {9, 3, 5, 7, 11};
+  std::atomic<int> calls{0};
+  Status outcome;
+  KvDecoder::Request req;
+  req.request_id = 7;
+  req.prefill_address = addresses[0];
+  req.prefill = KvSide{m, KvOrder::kHND, 4};
+  req.pages = pages;
+  const auto deadline = how == Stop::kDeadline ? 300ms : 20s;
+  RETURN_IF_ERROR(decoder->Submit(req, Deadline::After(deadline), [&](const Status& s) {
+    outcome = s;
+    calls.fetch_add(1);
+  }));
+  if (how == Stop::kDeadline) std::this_thread::sleep_for(400ms);
+  RETURN_IF_ERROR(b.Barrier(30s));  // B1
+  if (how == Stop::kDecoderCancels) RETURN_IF_ERROR(decoder->Cancel(7));
+  RETURN_IF_ERROR(b.Barrier(30s));  // B2
+  Deadline wait = Deadline::After(20s);
+  while (calls.load() == 0 && !wait.Expired()) std::this_thread::sleep_for(1ms);
+  CHECK_OR_RETURN(calls.load() == 1, "no outcome");
+  const StatusCode want = how == Stop::kDeadline ? StatusCode::kDeadlineExceeded
+                                                 : StatusCode::kCancelled;
+  CHECK_OR_RETURN(outcome.code() == want, "outcome " + outcome.ToString());
+  // The pages are ours again: poison them and make sure nothing more lands.
+  for (auto& shard : shards.bytes) std::fill(shard.begin(), shard.end(), 0xEE);
+  std::this_thread::sleep_for(200ms);
+  for (auto& shard : shards.bytes) {
+    CHECK_OR_RETURN(std::all_of(shard.begin(), shard.end(), [](uint8_t v) { return v == 0xEE; }),
+                    "a write landed after the request ended");
+  }
+  CHECK_OR_RETURN(calls.load() == 1, "more than one outcome");
+  CHECK_OR_RETURN(decoder->Cancel(7).code() == StatusCode::kNotFound, "ended request cancellable");
+  return b.Barrier(30s);  // B3
+}
+
+class KvCancelTest : public ::testing::TestWithParam<std::tuple<Stop, std::string>> {};
+
+TEST_P(KvCancelTest, EndsOnceAndNothingLandsAfterwards) {
+  const auto [how, provider] = GetParam();
+  auto exits = RunLocalRanks(2, [&, how = how, provider = provider](Bootstrap& b) {
+    return b.rank() == 0 ? CancelPrefill(how, provider, b) : CancelDecoder(how, provider, b);
+  }, 120s);
+  for (auto& e : exits) EXPECT_TRUE(e.ok()) << e.exit_code << " " << e.signal;
+}
+
+std::string CancelName(const ::testing::TestParamInfo<std::tuple<Stop, std::string>>& info) {
+  static const char* const kHow[] = {"decoder_cancels", "deadline", "prefill_cancels"};
+  return std::string(kHow[static_cast<int>(std::get<0>(info.param))]) + "_" +
+         (std::get<1>(info.param) == "shm" ? "shm" : "tcp");
+}
+
+INSTANTIATE_TEST_SUITE_P(Ways, KvCancelTest,
+                         ::testing::Combine(::testing::Values(Stop::kDecoderCancels,
+                                                              Stop::kDeadline,
+                                                              Stop::kPrefillCancels),
+                                            ::testing::ValuesIn(testing_util::Providers())),
+                         CancelName);
 
 }  // namespace
 }  // namespace ferry

@@ -314,6 +314,9 @@ class TransferEngine {
   // One armed notification per counter at a time.
   virtual Status NotifyImm(uint32_t imm, uint64_t target, Deadline deadline,
                            DoneCallback done) = 0;
+  // Ends the counter's armed notification, if any, by calling it with Cancelled (on the worker,
+  // after the submissions before this one). Then a new NotifyImm may be armed.
+  virtual Status DisarmImm(uint32_t imm) = 0;
   // Subtracts n from the count so the counter can serve the next round; FailedPrecondition if
   // fewer than n arrived.
   virtual Status ConsumeImm(uint32_t imm, uint64_t n) = 0;

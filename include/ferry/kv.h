@@ -116,9 +116,15 @@ class KvDecoder {
     int64_t aux_offset = 0;                 // where in `aux` the prefill's aux bytes go
     int64_t aux_bytes = 0;                  // 0: no aux data
   };
-  // Sends the request and calls `ready` once every page of every layer and the aux data have
-  // landed, or with DeadlineExceeded at `deadline`.
+  // Sends the request and calls `ready` once: OK when every page of every layer and the aux
+  // data have landed. At `deadline` (or after Cancel, or when the prefill cancels) the decoder
+  // asks the prefill to stop and reports DeadlineExceeded (or Cancelled) only once every write
+  // the prefill acknowledges having posted has landed: the pages are then safe to reuse. If the
+  // prefill never acknowledges, Unavailable: its writes may still land, so remove the peer
+  // before reusing the pages.
   virtual Status Submit(const Request& request, Deadline deadline, DoneCallback ready) = 0;
+  // Asks the prefill to stop the request; `ready` reports the outcome as above.
+  virtual Status Cancel(uint64_t request_id) = 0;
 };
 
 // Prefill side: takes requests, follows the forward pass through a layer counter, writes each
@@ -143,6 +149,9 @@ class KvPrefill {
                                                      Callbacks callbacks);
   virtual ~KvPrefill() = default;
 
+  // Stops posting the request's writes; once those posted have completed, releases its source
+  // pages (on_released with Cancelled) and tells the decoder how many writes it posted.
+  virtual Status Cancel(uint64_t request_id) = 0;
   // Chunked prefill: the scheduler placed the request's pages [first_page, first_page +
   // src_pages.size()) in the pass that starts after layer count `pass_base`; layer l of those
   // pages goes once the counter reaches pass_base + l + 1. `src_pages` are our page ids for them.

@@ -165,7 +165,7 @@ Status PageOffset(const char* side, uint64_t base, uint32_t index, uint64_t stri
   return Status::Ok();
 }
 
-enum class Kind : uint8_t { kSingle, kPaged, kScatter, kBarrier, kImm, kSend, kNotify };
+enum class Kind : uint8_t { kSingle, kPaged, kScatter, kBarrier, kImm, kSend, kNotify, kDisarm };
 
 struct PeerEntry {
   uint64_t addr = 0;  // provider address (fi_addr_t)
@@ -664,6 +664,16 @@ class Engine final : public TransferEngine {
 
   Status ConsumeImm(uint32_t imm, uint64_t n) override { return counters_.Consume(imm, n); }
 
+  Status DisarmImm(uint32_t imm) override {
+    ImmCounterTable::Slot* slot = counters_.Find(imm);
+    if (!slot) return NotFoundError("no immediate counter " + std::to_string(imm));
+    Request r;
+    r.kind = Kind::kDisarm;
+    r.imm = imm;
+    r.slot = slot;
+    return Push(std::move(r), Completion());
+  }
+
   void SetUnmatchedImmHandler(UnmatchedImmHandler handler) override {
     auto s = RunOnWorker([this, handler = std::move(handler)](ControlResult&) -> Status {
       unmatched_handler_ = handler;
@@ -907,6 +917,10 @@ class Engine final : public TransferEngine {
         Arm(std::move(r));
         continue;
       }
+      if (r.kind == Kind::kDisarm) {
+        if (r.slot->armed) FireNotify(r.slot, CancelledError("notification disarmed"));
+        continue;
+      }
       Start(std::move(r));
     }
     return n;
@@ -1048,7 +1062,8 @@ class Engine final : public TransferEngine {
         break;
       case Kind::kSend:
         return domain_->PostSend(r.src, r.length, r.src_desc, r.peer_addr, &slot->ctx, error);
-      case Kind::kNotify: break;
+      case Kind::kNotify:
+      case Kind::kDisarm: break;
     }
     return domain_->PostWrite(wr, error);
   }
@@ -1111,8 +1126,8 @@ class Engine final : public TransferEngine {
   }
 
   std::string Describe(const Transfer* t) const {
-    static constexpr const char* kNames[] = {"write", "paged write", "scatter", "barrier",
-                                             "immediate", "send", "notify"};
+    static constexpr const char* kNames[] = {"write",     "paged write", "scatter", "barrier",
+                                             "immediate", "send",        "notify",  "disarm"};
     std::string s = kNames[static_cast<int>(t->req.kind)];
     switch (t->req.kind) {
       case Kind::kSingle:
@@ -1289,7 +1304,7 @@ class Engine final : public TransferEngine {
     Status cancelled = CancelledError("engine shut down");
     Request r;
     while (queue_.TryPop(r)) {
-      if (r.kind == Kind::kNotify) {
+      if (r.kind == Kind::kNotify || r.kind == Kind::kDisarm) {
         r.done.Finish(cancelled);
         continue;
       }
@@ -1479,6 +1494,7 @@ class EngineHandle final : public TransferEngine {
     return e_->NotifyImm(imm, target, deadline, std::move(done));
   }
   Status ConsumeImm(uint32_t imm, uint64_t n) override { return e_->ConsumeImm(imm, n); }
+  Status DisarmImm(uint32_t imm) override { return e_->DisarmImm(imm); }
   void SetUnmatchedImmHandler(UnmatchedImmHandler handler) override {
     e_->SetUnmatchedImmHandler(std::move(handler));
   }

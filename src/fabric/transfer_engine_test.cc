@@ -165,6 +165,23 @@ TEST_P(EnginePairTest, ImmediateOnlyAndNotify) {
   EXPECT_NE(late_status.message().find("expected 100, seen 3"), std::string::npos) << late_status;
   Status wait = b_->WaitImm(5, 4, Deadline::After(20ms));
   EXPECT_EQ(wait.code(), StatusCode::kDeadlineExceeded);
+  // Disarming ends an armed notification with Cancelled; then another can be armed.
+  std::atomic<int> disarmed{0};
+  Status disarm_status;
+  ASSERT_TRUE(b_->NotifyImm(5, 100, Deadline::After(10s), [&](const Status& s) {
+                    disarm_status = s;
+                    disarmed.fetch_add(1);
+                  }).ok());
+  ASSERT_TRUE(b_->DisarmImm(5).ok());
+  for (int i = 0; i < 10000 && disarmed.load() == 0; ++i) std::this_thread::sleep_for(1ms);
+  EXPECT_EQ(disarm_status.code(), StatusCode::kCancelled);
+  std::atomic<int> rearmed{0};
+  ASSERT_TRUE(b_->NotifyImm(5, 3, Deadline::After(10s), [&](const Status& s) {
+                    if (s.ok()) rearmed.fetch_add(1);
+                  }).ok());
+  for (int i = 0; i < 10000 && rearmed.load() == 0; ++i) std::this_thread::sleep_for(1ms);
+  EXPECT_EQ(rearmed.load(), 1);
+  EXPECT_EQ(b_->DisarmImm(12345).code(), StatusCode::kNotFound);
 }
 
 TEST_P(EnginePairTest, UnmatchedImmediatesGoToTheHandler) {

@@ -7,6 +7,7 @@
 // plans the same transfer with the same seed (the request id) to know how many writes to expect:
 // writes per layer x layers, plus one for the aux data. Every write carries the request's
 // immediate, so the decoder needs no other notification.
+#include <cstring>
 #include <deque>
 #include <mutex>
 #include <string>
@@ -137,6 +138,55 @@ Status CheckRegions(const KvSide& side, const KvRegions& regions) {
 
 // ---------------------------------------------------------------------------------------------
 
+// Cancel and its acknowledgement: [magic, version] request id, request immediate, writes posted
+// (0 in a cancel). The immediate names the decoder's slot, so an acknowledgement can never be
+// taken for a later request that reuses the id.
+constexpr uint32_t kCancelMagic = 0x4E43564B;  // "KVCN"
+constexpr uint32_t kAckMagic = 0x4143564B;     // "KVCA"
+
+std::vector<uint8_t> ControlMessage(uint32_t magic, uint64_t request_id, uint32_t imm,
+                                    uint64_t posted) {
+  fabric::ByteWriter w;
+  w.U32(magic);
+  w.U16(fabric::kWireVersion);
+  w.U16(0);
+  w.U64(request_id);
+  w.U32(imm);
+  w.U64(posted);
+  return w.Take();
+}
+
+struct ControlFields {
+  uint64_t request_id = 0;
+  uint32_t imm = 0;
+  uint64_t posted = 0;
+};
+
+StatusOr<ControlFields> ParseControl(uint32_t magic, std::span<const uint8_t> m) {
+  fabric::ByteReader r(m, "KV control message");
+  ControlFields f;
+  RETURN_IF_ERROR(r.Header(magic));
+  RETURN_IF_ERROR(r.U64(&f.request_id));
+  RETURN_IF_ERROR(r.U32(&f.imm));
+  RETURN_IF_ERROR(r.U64(&f.posted));
+  RETURN_IF_ERROR(r.Finish());
+  return f;
+}
+
+uint32_t MagicOf(std::span<const uint8_t> m) {
+  uint32_t magic = 0;
+  if (m.size() >= 4) std::memcpy(&magic, m.data(), 4);
+  return magic;
+}
+
+// Each request owns a slot: an immediate counter and the one notification armed on it. A slot is
+// only freed from that notification's callback, so a late notification can never reach the next
+// request using the slot:
+//   waiting    --all writes counted-->                       done (ready OK), slot freed
+//   waiting    --deadline or Cancel() or prefill's ack-->    cancelling (send cancel, await ack)
+//   cancelling --ack with `posted` and count >= posted-->    user told (Cancelled/Deadline)
+//   the notification armed at that time fires later (deadline or ack timer): the slot is freed
+//   if every acknowledged write landed, else retired for good (a write may still land).
 class Decoder final : public KvDecoder {
  public:
   Decoder(TransferEngine* engine, const KvSide& decode, const KvRegions& regions,
@@ -144,11 +194,19 @@ class Decoder final : public KvDecoder {
       : engine_(engine), decode_(decode), regions_(regions), aux_(aux),
         slots_(static_cast<size_t>(max_requests)) {}
 
+  ~Decoder() override { engine_->SetMessageHandler(nullptr); }
+
   Status Init() {
     for (size_t i = 0; i < slots_.size(); ++i) {
       RETURN_IF_ERROR(engine_->CreateImmCounter(kImmBase + static_cast<uint32_t>(i)));
       free_.push_back(static_cast<uint32_t>(i));
     }
+    // Runs on the worker: only lock-free engine calls and queue pushes from here.
+    engine_->SetMessageHandler([this](std::optional<PeerId>, std::span<const uint8_t> m) {
+      if (MagicOf(m) != kAckMagic) return;
+      auto f = ParseControl(kAckMagic, m);
+      if (f.ok()) OnAck(f->request_id, f->imm, f->posted);
+    });
     return Status::Ok();
   }
 
@@ -169,12 +227,26 @@ class Decoder final : public KvDecoder {
       return OutOfRangeError("KV request: aux slot outside the aux region");
     }
     ASSIGN_OR_RETURN(PeerId prefill, PeerFor(req.prefill_address));
+    const uint64_t expected = static_cast<uint64_t>(plan.writes.size()) * regions_.num_layers +
+                              (req.aux_bytes > 0 ? 1 : 0);
     uint32_t slot;
     {
       std::lock_guard<std::mutex> lock(mu_);
+      if (by_request_.count(req.request_id)) {
+        return AlreadyExistsError("KV request " + std::to_string(req.request_id) +
+                                  " is in flight");
+      }
       if (free_.empty()) return ResourceExhaustedError("KV decoder: all request slots in use");
       slot = free_.front();
       free_.pop_front();
+      Slot& st = slots_[slot];
+      st = Slot{};
+      st.state = State::kWaiting;
+      st.request_id = req.request_id;
+      st.prefill = prefill;
+      st.expected = expected;
+      st.ready = std::make_shared<DoneCallback>(std::move(ready));
+      by_request_[req.request_id] = slot;
     }
     WireRequest w;
     w.request_id = req.request_id;
@@ -189,32 +261,183 @@ class Decoder final : public KvDecoder {
     if (req.aux_bytes > 0) w.aux = aux_->remote();
     w.aux_offset = req.aux_offset;
     w.aux_bytes = req.aux_bytes;
-    const uint64_t expected = static_cast<uint64_t>(plan.writes.size()) * regions_.num_layers +
-                              (req.aux_bytes > 0 ? 1 : 0);
     // Send, then arm: immediates that land first are counted all the same, and arming checks
     // the count at once. A refused send (queue full) leaves nothing behind.
     Status sent = engine_->Send(prefill, w.Serialize(), {});
     if (!sent.ok()) {
       std::lock_guard<std::mutex> lock(mu_);
+      by_request_.erase(req.request_id);
+      slots_[slot].state = State::kFree;
       free_.push_back(slot);
       return sent;
     }
-    Status s = engine_->NotifyImm(
-        w.imm, expected, deadline,
-        [this, slot, expected, cb = std::make_shared<DoneCallback>(std::move(ready))](
-            const Status& st) mutable {
-          // A slot whose request failed is retired: a late write may still land in it.
-          if (st.ok()) {
-            (void)engine_->ConsumeImm(kImmBase + slot, expected);
-            std::lock_guard<std::mutex> lock(mu_);
-            free_.push_back(slot);
-          }
-          (*cb)(st);
-        });
-    return s;
+    return Arm(slot, expected, deadline);
+  }
+
+  Status Cancel(uint64_t request_id) override {
+    PeerId prefill;
+    uint32_t slot;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = by_request_.find(request_id);
+      if (it == by_request_.end()) {
+        return NotFoundError("KV decoder: no request " + std::to_string(request_id) +
+                             " in flight");
+      }
+      slot = it->second;
+      Slot& st = slots_[slot];
+      if (st.state != State::kWaiting) return Status::Ok();  // already ending
+      st.state = State::kCancelling;
+      st.outcome = CancelledError("KV request " + std::to_string(request_id) + " cancelled");
+      prefill = st.prefill;
+    }
+    return engine_->Send(prefill, ControlMessage(kCancelMagic, request_id, kImmBase + slot, 0),
+                         {});
   }
 
  private:
+  enum class State { kFree, kWaiting, kCancelling, kRetired };
+  struct Slot {
+    State state = State::kFree;
+    uint64_t request_id = 0;
+    PeerId prefill = 0;
+    uint64_t expected = 0;
+    std::shared_ptr<DoneCallback> ready;
+    bool told = false;       // the user's callback ran
+    bool acked = false;      // the prefill acknowledged a cancel
+    uint64_t posted = 0;     // writes the prefill posted before it stopped
+    Status outcome;          // what a cancelled request reports
+  };
+
+  // How long to wait for the prefill's acknowledgement of a cancel before giving up on it.
+  static constexpr auto kAckTimeout = std::chrono::seconds(5);
+
+  Status Arm(uint32_t slot, uint64_t target, Deadline deadline) {
+    return engine_->NotifyImm(kImmBase + slot, target, deadline,
+                              [this, slot](const Status& s) { OnNotify(slot, s); });
+  }
+
+  uint64_t Count(uint32_t slot) const {
+    auto c = engine_->ImmCount(kImmBase + slot);
+    return c.ok() ? *c : 0;
+  }
+
+  // Runs the user's callback once, outside the lock.
+  void Tell(const std::shared_ptr<DoneCallback>& cb, const Status& s) {
+    if (cb && *cb) (*cb)(s);
+  }
+
+  // The slot's armed notification fired (worker thread).
+  void OnNotify(uint32_t slot, const Status& s) {
+    std::shared_ptr<DoneCallback> tell;
+    Status tell_status;
+    bool rearm = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      Slot& st = slots_[slot];
+      if (s.ok() && !st.told) {
+        // Every write landed (even if a cancel was on its way): the request is complete.
+        (void)engine_->ConsumeImm(kImmBase + slot, st.expected);
+        tell = st.ready;
+        Free(slot);
+      } else if (st.state == State::kWaiting) {
+        // Deadline: ask the prefill to stop, and wait (bounded) for its acknowledgement.
+        st.state = State::kCancelling;
+        st.outcome = s.code() == StatusCode::kDeadlineExceeded
+                         ? DeadlineExceededError("KV request " + std::to_string(st.request_id) +
+                                                 " not ready by its deadline")
+                         : s;
+        (void)engine_->Send(
+            st.prefill, ControlMessage(kCancelMagic, st.request_id, kImmBase + slot, 0), {});
+        rearm = true;
+      } else if (st.state == State::kCancelling && !st.acked) {
+        rearm = !st.told && s.code() != StatusCode::kDeadlineExceeded;
+        if (!rearm) {
+          // No acknowledgement in time: the prefill may still write. Retire the slot for good.
+          st.state = State::kRetired;
+          Forget(slot);
+          if (!st.told) {
+            tell = st.ready;
+            tell_status = UnavailableError(
+                "KV request " + std::to_string(st.request_id) +
+                ": the prefill did not acknowledge the cancel; its writes may still land, so "
+                "remove the peer before reusing the pages");
+            st.told = true;
+          }
+        }
+      } else if (st.state == State::kCancelling && st.acked) {
+        const uint64_t seen = Count(slot);
+        if (seen >= st.posted) {
+          (void)engine_->ConsumeImm(kImmBase + slot, seen);
+          if (!st.told) {
+            tell = st.ready;
+            tell_status = st.outcome;
+          }
+          Free(slot);
+        } else {
+          st.state = State::kRetired;
+          Forget(slot);
+          if (!st.told) {
+            tell = st.ready;
+            tell_status = DataLossError("KV request " + std::to_string(st.request_id) + ": " +
+                                        std::to_string(st.posted - seen) +
+                                        " acknowledged writes never landed");
+            st.told = true;
+          }
+        }
+      }
+    }
+    if (rearm) {
+      // A timer: an unreachable target ends at the deadline; it also keeps the slot reserved.
+      (void)Arm(slot, ~uint64_t{0}, Deadline::After(kAckTimeout));
+    }
+    Tell(tell, tell_status);
+  }
+
+  // The prefill stopped the request after `posted` writes (worker thread).
+  void OnAck(uint64_t request_id, uint32_t imm, uint64_t posted) {
+    std::shared_ptr<DoneCallback> tell;
+    Status tell_status;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      const uint32_t slot = imm - kImmBase;
+      if (imm < kImmBase || slot >= slots_.size()) return;
+      Slot& st = slots_[slot];
+      if (st.request_id != request_id) return;
+      if (st.state == State::kWaiting) {  // the prefill cancelled on its own
+        st.state = State::kCancelling;
+        st.outcome = CancelledError("KV request " + std::to_string(request_id) +
+                                    " cancelled by the prefill");
+      }
+      if (st.state != State::kCancelling || st.acked) return;
+      st.acked = true;
+      st.posted = posted;
+      // Once every acknowledged write has landed the pages are ours again: tell the user now.
+      // The slot itself is freed when its armed notification fires.
+      if (Count(slot) >= posted && !st.told) {
+        tell = st.ready;
+        tell_status = st.outcome;
+        st.told = true;
+        Forget(slot);  // the id is free again; the slot waits for its notification
+      }
+    }
+    Tell(tell, tell_status);
+  }
+
+  // Drops the request id's mapping if it still names this slot (mu_ held).
+  void Forget(uint32_t slot) {
+    auto it = by_request_.find(slots_[slot].request_id);
+    if (it != by_request_.end() && it->second == slot) by_request_.erase(it);
+  }
+
+  void Free(uint32_t slot) {  // mu_ held
+    Slot& st = slots_[slot];
+    st.told = true;
+    Forget(slot);
+    st.state = State::kFree;
+    free_.push_back(slot);
+  }
+
   // The decoder only needs the prefill page count to plan; ids do not change the write count.
   static std::vector<int64_t> DummyPages(size_t n) {
     std::vector<int64_t> v(n);
@@ -236,9 +459,10 @@ class Decoder final : public KvDecoder {
   const KvSide decode_;
   const KvRegions regions_;
   const MemoryRegion* aux_;
-  std::vector<char> slots_;
   std::mutex mu_;
+  std::vector<Slot> slots_;
   std::deque<uint32_t> free_;
+  std::unordered_map<uint64_t, uint32_t> by_request_;
   std::mutex peers_mu_;
   std::unordered_map<std::string, PeerId> peers_;
 };
@@ -266,6 +490,15 @@ class Prefill final : public KvPrefill {
       inbox_.emplace_back(m.begin(), m.end());
     });
     watcher_ = std::thread([this] { Watch(); });
+    return Status::Ok();
+  }
+
+  Status Cancel(uint64_t request_id) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!pending_.count(request_id)) {
+      return NotFoundError("KV prefill: unknown request " + std::to_string(request_id));
+    }
+    CancelLocked(request_id);
     return Status::Ok();
   }
 
@@ -336,6 +569,7 @@ class Prefill final : public KvPrefill {
     int64_t pages_scheduled = 0;
     bool scheduled = false;  // every page is in some chunk
     bool aux_posted = false;
+    bool cancelled = false;  // post nothing more; acknowledge once the posted writes complete
     int64_t aux_src_offset = 0;
     Status failure;  // a post that could not be made; reported at release
     std::shared_ptr<TransferCounter> writes = std::make_shared<TransferCounter>();
@@ -363,6 +597,15 @@ class Prefill final : public KvPrefill {
       inbox.swap(inbox_);
     }
     for (auto& m : inbox) {
+      if (MagicOf(m) == kCancelMagic) {
+        auto f = ParseControl(kCancelMagic, m);
+        if (f.ok()) {
+          std::lock_guard<std::mutex> lock(mu_);
+          auto it = pending_.find(f->request_id);
+          if (it != pending_.end() && it->second.req.imm == f->imm) CancelLocked(f->request_id);
+        }
+        continue;
+      }
       auto req = WireRequest::Parse(m);
       if (!req.ok()) continue;  // a malformed request has nobody to answer; drop it
       auto peer = engine_->AddPeer(req->decoder_address);
@@ -387,6 +630,7 @@ class Prefill final : public KvPrefill {
     bool progress = false;
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [id, a] : pending_) {
+      if (a.cancelled) continue;
       bool all_posted = true;
       for (Chunk& chunk : a.chunks) {
         while (a.failure.ok() && chunk.next_layer < regions_.num_layers &&
@@ -438,6 +682,13 @@ class Prefill final : public KvPrefill {
     }
   }
 
+  // Stops a request (mu_ held). Unknown ids (already released) need no answer: a request that
+  // completed has told its decoder through the immediates.
+  void CancelLocked(uint64_t request_id) {
+    auto it = pending_.find(request_id);
+    if (it != pending_.end()) it->second.cancelled = true;
+  }
+
   // Requests whose writes all completed release their source pages.
   bool ReleaseFinished() {
     std::vector<std::pair<uint64_t, Status>> released;
@@ -446,7 +697,16 @@ class Prefill final : public KvPrefill {
       for (auto it = pending_.begin(); it != pending_.end();) {
         Active& a = it->second;
         const uint64_t ended = a.writes->done.load() + a.writes->failed.load();
-        if (a.scheduled && a.aux_posted && ended == a.submitted) {
+        if (a.cancelled && ended == a.submitted) {
+          // Every write we posted has completed: acknowledge with their number, so the decoder
+          // knows when the last one has landed.
+          (void)engine_->Send(a.peer, ControlMessage(kAckMagic, it->first, a.req.imm, a.submitted),
+                              {});
+          released.emplace_back(it->first,
+                                CancelledError("KV request " + std::to_string(it->first) +
+                                               " cancelled"));
+          it = pending_.erase(it);
+        } else if (a.scheduled && a.aux_posted && ended == a.submitted) {
           Status s = a.failure;
           if (s.ok() && a.writes->failed.load() > 0) {
             s = UnavailableError("KV prefill: " + std::to_string(a.writes->failed.load()) +
