@@ -153,6 +153,12 @@ Status RunPrefill(const Case& c, Bootstrap& b) {
     }
     for (const auto& in : batch) {
       CHECK_OR_RETURN(in.num_pages == c.pages_per_request, "page count");
+      // Odd requests ask for speculative mode: the prefill computes one token less.
+      const bool speculative = in.request_id % 2 == 1;
+      CHECK_OR_RETURN(in.speculative == speculative, "speculative flag lost");
+      CHECK_OR_RETURN(in.num_tokens == c.pages_per_request * c.model.page_tokens -
+                                           (speculative ? 1 : 0),
+                      "tokens to compute: " + std::to_string(in.num_tokens));
       std::vector<int64_t> pages;
       {
         std::lock_guard<std::mutex> l(mu);
@@ -160,6 +166,9 @@ Status RunPrefill(const Case& c, Bootstrap& b) {
       }
       const int64_t aux_off = (aux_slot++ % total) * kAuxBytes;
       for (int64_t k = 0; k < kAuxBytes; ++k) aux[aux_off + k] = AuxByte(in.request_id, k);
+      std::vector<int64_t> beyond(pages.size(), c.pages_per_layer());
+      CHECK_OR_RETURN(prefill->Schedule(in.request_id, beyond, aux_off, base).code() ==
+                          StatusCode::kOutOfRange, "source page beyond the region accepted");
       if (c.chunked) {
         // Chunked prefill: 2 + 2 + 1 pages, in three consecutive passes.
         const std::span<const int64_t> all(pages);
@@ -177,6 +186,7 @@ Status RunPrefill(const Case& c, Bootstrap& b) {
       // Bad schedules are refused without disturbing the request.
       CHECK_OR_RETURN(prefill->Schedule(in.request_id + 999999, pages, 0, base).code() ==
                           StatusCode::kNotFound, "unknown request accepted");
+
     }
     const int passes = c.chunked ? 3 : 1;
     for (int step = 0; step < passes * kLayers; ++step) {
@@ -242,6 +252,7 @@ Status RunDecoder(const Case& c, Bootstrap& b) {
     req.num_tokens = c.pages_per_request * c.model.page_tokens;
     req.aux_offset = j * kAuxBytes;
     req.aux_bytes = kAuxBytes;
+    req.speculative = req.request_id % 2 == 1;
     // The caller owns back-pressure: a full send queue is ResourceExhausted, retry.
     Status submitted;
     for (int attempt = 0; attempt < 100000; ++attempt) {
@@ -265,6 +276,11 @@ Status RunDecoder(const Case& c, Bootstrap& b) {
   wrong.pages = outside;
   CHECK_OR_RETURN(decoder->Submit(wrong, Deadline::After(1s), [](const Status&) {}).code() ==
                       StatusCode::kOutOfRange, "page outside the region accepted");
+  // A prefill layout that describes another cache is refused too.
+  wrong.pages = pages[0];
+  wrong.prefill.model.head_dim += 1;
+  CHECK_OR_RETURN(decoder->Submit(wrong, Deadline::After(1s), [](const Status&) {}).code() ==
+                      StatusCode::kInvalidArgument, "layout mismatch accepted");
   Deadline deadline = Deadline::After(60s);
   while (ready.load() < c.requests_per_decoder && !deadline.Expired()) {
     std::this_thread::sleep_for(1ms);

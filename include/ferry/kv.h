@@ -115,6 +115,10 @@ class KvDecoder {
     int64_t num_tokens = 0;                 // prompt tokens the prefill computes
     int64_t aux_offset = 0;                 // where in `aux` the prefill's aux bytes go
     int64_t aux_bytes = 0;                  // 0: no aux data
+    // Speculative decoding / structured output: the prefill leaves out the prompt's last token
+    // (the decoder runs it as its first step) and the aux bytes carry the hidden state / logits
+    // of the token before it.
+    bool speculative = false;
   };
   // Sends the request and calls `ready` once: OK when every page of every layer and the aux
   // data have landed. At `deadline` (or after Cancel, or when the prefill cancels) the decoder
@@ -134,7 +138,8 @@ class KvPrefill {
   struct Incoming {
     uint64_t request_id = 0;
     int64_t num_pages = 0;
-    int64_t num_tokens = 0;
+    int64_t num_tokens = 0;  // tokens to compute: the prompt, less its last in speculative mode
+    bool speculative = false;
   };
   struct Callbacks {
     std::function<void(const Incoming&)> on_request;                 // hand to the scheduler

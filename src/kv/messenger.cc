@@ -7,6 +7,7 @@
 // plans the same transfer with the same seed (the request id) to know how many writes to expect:
 // writes per layer x layers, plus one for the aux data. Every write carries the request's
 // immediate, so the decoder needs no other notification.
+#include <algorithm>
 #include <cstring>
 #include <deque>
 #include <mutex>
@@ -53,6 +54,7 @@ struct WireRequest {
   int64_t num_tokens = 0;
   RemoteRegion aux;
   int64_t aux_offset = 0, aux_bytes = 0;
+  bool speculative = false;
 
   std::vector<uint8_t> Serialize() const {
     fabric::ByteWriter w;
@@ -72,6 +74,7 @@ struct WireRequest {
     w.Bytes(aux.Serialize());
     w.U64(static_cast<uint64_t>(aux_offset));
     w.U64(static_cast<uint64_t>(aux_bytes));
+    w.U32(speculative ? 1 : 0);
     return w.Take();
   }
 
@@ -107,7 +110,11 @@ struct WireRequest {
     RETURN_IF_ERROR(r.Bytes(&aux, 256));
     RETURN_IF_ERROR(r.U64(&off));
     RETURN_IF_ERROR(r.U64(&len));
+    uint32_t speculative = 0;
+    RETURN_IF_ERROR(r.U32(&speculative));
     RETURN_IF_ERROR(r.Finish());
+    if (speculative > 1) return InvalidArgumentError("KV request: bad speculative flag");
+    q.speculative = speculative == 1;
     q.num_tokens = static_cast<int64_t>(tokens);
     q.aux_offset = static_cast<int64_t>(off);
     q.aux_bytes = static_cast<int64_t>(len);
@@ -261,6 +268,7 @@ class Decoder final : public KvDecoder {
     if (req.aux_bytes > 0) w.aux = aux_->remote();
     w.aux_offset = req.aux_offset;
     w.aux_bytes = req.aux_bytes;
+    w.speculative = req.speculative;
     // Send, then arm: immediates that land first are counted all the same, and arming checks
     // the count at once. A refused send (queue full) leaves nothing behind.
     Status sent = engine_->Send(prefill, w.Serialize(), {});
@@ -610,7 +618,9 @@ class Prefill final : public KvPrefill {
       if (!req.ok()) continue;  // a malformed request has nobody to answer; drop it
       auto peer = engine_->AddPeer(req->decoder_address);
       if (!peer.ok()) continue;
-      Incoming in{req->request_id, static_cast<int64_t>(req->pages.size()), req->num_tokens};
+      Incoming in{req->request_id, static_cast<int64_t>(req->pages.size()),
+                  req->speculative ? std::max<int64_t>(0, req->num_tokens - 1) : req->num_tokens,
+                  req->speculative};
       {
         std::lock_guard<std::mutex> lock(mu_);
         Active a;
