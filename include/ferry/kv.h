@@ -97,8 +97,9 @@ struct KvRegions {
   int64_t layer_stride = 0;  // bytes between consecutive layers in a rank's region
 };
 
-// Decode side: registers nothing itself; sends requests and counts the writes that land.
-// Thread safety: Submit from any one thread; callbacks run on the engine's worker.
+// Decode side: registers nothing itself; sends requests and counts the writes that land. It takes
+// the engine's message handler (an engine serves one messenger role). Destroy it before its
+// engine. Thread safety: Submit and Cancel from any thread; callbacks run on the engine's worker.
 class KvDecoder {
  public:
   static StatusOr<std::unique_ptr<KvDecoder>> Create(TransferEngine* engine, const KvSide& decode,
@@ -132,7 +133,9 @@ class KvDecoder {
 };
 
 // Prefill side: takes requests, follows the forward pass through a layer counter, writes each
-// finished layer's pages, then the aux data, and releases the source pages when done.
+// finished layer's pages, then the aux data, and releases the source pages when done. It takes
+// the engine's message handler and runs one watcher thread; destroy it before its engine.
+// Thread safety: Schedule* and Cancel from any thread; callbacks run on the watcher thread.
 class KvPrefill {
  public:
   struct Incoming {
