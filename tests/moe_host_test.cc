@@ -12,6 +12,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 
 #include "fabric/test_util.h"
 #include "ferry/bootstrap.h"
@@ -326,7 +327,9 @@ TEST(MoeHostBadInputTest, RefusesBadRoutesTooManyTokensAndMismatchedConfigs) {
 TEST(MoeHostFailureTest, ADeadPeerEndsTheReceiveHalfAtItsDeadline) {
   auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
     AllToAllConfig cfg{2, b.rank(), 1, 8, 2, 4, 128, DispatchDtype::kBf16, 2};
-    ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
+    EngineOptions options = testing_util::TestOptions("shm");
+    options.transfer_timeout_ms = 1000;  // writes to the dead peer end within a second
+    ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(options));
     ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(cfg, engine.get(), b));
     if (b.rank() == 1) {
       a2a.reset();
@@ -342,9 +345,11 @@ TEST(MoeHostFailureTest, ADeadPeerEndsTheReceiveHalfAtItsDeadline) {
     CHECK_OR_RETURN(s.code() == StatusCode::kDeadlineExceeded, "got " + s.ToString());
     CHECK_OR_RETURN(s.message().find("recv-ready of epoch 0") != std::string::npos, s.ToString());
     CHECK_OR_RETURN(Clock::now() - start < 5s, "deadline not kept");
+    // Teardown waits (bounded) for the writes to the dead peer to end before freeing buffers.
     start = Clock::now();
     a2a.reset();
     CHECK_OR_RETURN(Clock::now() - start < 5s, "teardown hung on the proxy");
+    std::this_thread::sleep_for(1500ms);  // had a write outlived the buffers, it would crash now
     return Status::Ok();
   }, 120s);
   EXPECT_TRUE(exits[0].ok()) << exits[0].exit_code;

@@ -201,7 +201,19 @@ class Decoder final : public KvDecoder {
       : engine_(engine), decode_(decode), regions_(regions), aux_(aux),
         slots_(static_cast<size_t>(max_requests)) {}
 
-  ~Decoder() override { engine_->SetMessageHandler(nullptr); }
+  // No callback may run into a destroyed decoder: stop taking acknowledgements, end every armed
+  // notification (their requests report Cancelled), and wait, bounded, for them to run.
+  ~Decoder() override {
+    engine_->SetMessageHandler(nullptr);
+    closing_.store(true, std::memory_order_release);
+    for (size_t i = 0; i < slots_.size(); ++i) {
+      (void)engine_->DisarmImm(kImmBase + static_cast<uint32_t>(i));
+    }
+    Deadline deadline = Deadline::After(std::chrono::seconds(10));
+    while (armed_.load(std::memory_order_acquire) > 0 && !deadline.Expired()) {
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+  }
 
   Status Init() {
     for (size_t i = 0; i < slots_.size(); ++i) {
@@ -321,8 +333,13 @@ class Decoder final : public KvDecoder {
   static constexpr auto kAckTimeout = std::chrono::seconds(5);
 
   Status Arm(uint32_t slot, uint64_t target, Deadline deadline) {
-    return engine_->NotifyImm(kImmBase + slot, target, deadline,
-                              [this, slot](const Status& s) { OnNotify(slot, s); });
+    armed_.fetch_add(1, std::memory_order_acq_rel);
+    Status s = engine_->NotifyImm(kImmBase + slot, target, deadline, [this, slot](const Status& st) {
+      OnNotify(slot, st);
+      armed_.fetch_sub(1, std::memory_order_acq_rel);
+    });
+    if (!s.ok()) armed_.fetch_sub(1, std::memory_order_acq_rel);
+    return s;
   }
 
   uint64_t Count(uint32_t slot) const {
@@ -343,7 +360,15 @@ class Decoder final : public KvDecoder {
     {
       std::lock_guard<std::mutex> lock(mu_);
       Slot& st = slots_[slot];
-      if (s.ok() && !st.told) {
+      if (closing_.load(std::memory_order_acquire)) {
+        // The decoder is going away: report what did not end, re-arm nothing.
+        if (!st.told && st.state != State::kFree && st.state != State::kRetired) {
+          tell = st.ready;
+          tell_status = s.ok() ? Status::Ok() : CancelledError("KV decoder destroyed");
+          st.told = true;
+        }
+        st.state = State::kRetired;
+      } else if (s.ok() && !st.told) {
         // Every write landed (even if a cancel was on its way): the request is complete.
         (void)engine_->ConsumeImm(kImmBase + slot, st.expected);
         tell = st.ready;
@@ -473,6 +498,8 @@ class Decoder final : public KvDecoder {
   std::unordered_map<uint64_t, uint32_t> by_request_;
   std::mutex peers_mu_;
   std::unordered_map<std::string, PeerId> peers_;
+  std::atomic<int> armed_{0};  // notifications armed and not yet run
+  std::atomic<bool> closing_{false};
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -484,10 +511,17 @@ class Prefill final : public KvPrefill {
       : engine_(engine), prefill_(prefill), regions_(regions), aux_(aux), counter_(layer_counter),
         cb_(std::move(cb)) {}
 
+  // Writes still in flight read the caller's regions and count into our counters: wait for them
+  // (the engine ends each within its transfer timeout); if some never end, leak their records.
   ~Prefill() override {
     stop_.store(true, std::memory_order_release);
     if (watcher_.joinable()) watcher_.join();
     engine_->SetMessageHandler(nullptr);
+    bool quiet = true;
+    for (auto& [id, a] : pending_) {
+      quiet &= a.writes->Wait(a.submitted, Deadline::After(std::chrono::seconds(30))).ok();
+    }
+    if (!quiet) new std::unordered_map<uint64_t, Active>(std::move(pending_));
   }
 
   Status Init() {

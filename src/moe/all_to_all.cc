@@ -20,7 +20,17 @@ class AllToAllImpl final : public AllToAll {
       : c_(c), layout_(c), engine_(engine), routing_(c) {}
 
   ~AllToAllImpl() override {
-    proxy_.reset();  // joins the proxy thread before the buffers go
+    if (!proxy_) return;
+    // Stop the proxy, then make sure no write still reads our buffers before they go. Writes to
+    // a dead peer end at the engine's transfer timeout; if some never end (a wedged provider),
+    // the buffers and registrations are leaked rather than freed under the NIC.
+    if (!proxy_->Quiesce()) {
+      new std::vector<uint8_t>(std::move(send_));
+      new std::vector<uint8_t>(std::move(recv_));
+      new MemoryRegion(std::move(send_reg_));
+      new MemoryRegion(std::move(recv_reg_));
+    }
+    proxy_.reset();
   }
 
   Status Init(Bootstrap& bootstrap) {

@@ -17,6 +17,18 @@ Proxy::~Proxy() {
   if (thread_.joinable()) thread_.join();
 }
 
+bool Proxy::Quiesce() {
+  stop_.store(true, std::memory_order_release);
+  if (thread_.joinable()) thread_.join();
+  // Writes still in flight read our targets and the send region. The engine ends every
+  // transfer within its transfer timeout (a dead peer's fail), so this wait is bounded.
+  Status s = writes_.Wait(submitted_, Deadline::After(std::chrono::milliseconds(
+                                          p_.peer_timeout_ms)));
+  if (s.ok()) return true;
+  new std::vector<std::vector<ScatterTarget>>(std::move(posted_));  // leaked: still read
+  return false;
+}
+
 void Proxy::Main() {
   for (uint64_t epoch = 0;; ++epoch) {
     Status s = Dispatch(epoch);

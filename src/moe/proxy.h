@@ -58,6 +58,10 @@ class Proxy {
  public:
   explicit Proxy(const ProxyParams& params);
   ~Proxy();  // stops and joins the thread
+
+  // Stops the thread, then waits for the writes it posted. False if some never ended: then
+  // their targets are leaked on purpose and the send region must be too.
+  bool Quiesce();
   Proxy(const Proxy&) = delete;
   Proxy& operator=(const Proxy&) = delete;
 
