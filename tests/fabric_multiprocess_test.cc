@@ -21,11 +21,6 @@ namespace {
 
 using namespace std::chrono_literals;
 
-#define EXPECT_OR_RETURN(cond, msg)                                                          \
-  do {                                                                                       \
-    if (!(cond)) return InternalError(std::string("line ") + std::to_string(__LINE__) + ": " + \
-                                      (msg));                                                \
-  } while (0)
 
 // The byte that rank `from` places at offset `i` of its source buffer.
 uint8_t Pattern(int from, uint64_t i) {
@@ -158,7 +153,7 @@ TEST_P(MultiProcessTest, EveryRequestKindAmongThreeRanks) {
     RETURN_IF_ERROR(e.Scatter({plan, targets, kImmScatter}, Completion::Counter(&c)));
     ++submitted;
     RETURN_IF_ERROR(c.Wait(submitted, Deadline::After(30s)));
-    EXPECT_OR_RETURN(c.failed.load() == 0, "a write failed");
+    CHECK_OR_RETURN(c.failed.load() == 0, "a write failed");
 
     // Everyone has written into everyone: check counts, then content.
     const uint64_t peers = static_cast<uint64_t>(n - 1);
@@ -169,10 +164,10 @@ TEST_P(MultiProcessTest, EveryRequestKindAmongThreeRanks) {
     RETURN_IF_ERROR(e.Barrier(group, kImmBarrier, Completion::Counter(&c)));
     RETURN_IF_ERROR(e.WaitImm(kImmBarrier, peers, Deadline::After(30s)));
     RETURN_IF_ERROR(b.Barrier(30s));  // nobody writes any more
-    EXPECT_OR_RETURN(*e.ImmCount(kImmSingle) == peers, "single immediates not exact");
-    EXPECT_OR_RETURN(*e.ImmCount(kImmPaged) == peers * 16, "paged immediates not exact");
-    EXPECT_OR_RETURN(*e.ImmCount(kImmScatter) == peers * 3, "scatter immediates not exact");
-    EXPECT_OR_RETURN(*e.ImmCount(kImmBarrier) == peers, "barrier immediates not exact");
+    CHECK_OR_RETURN(*e.ImmCount(kImmSingle) == peers, "single immediates not exact");
+    CHECK_OR_RETURN(*e.ImmCount(kImmPaged) == peers * 16, "paged immediates not exact");
+    CHECK_OR_RETURN(*e.ImmCount(kImmScatter) == peers * 3, "scatter immediates not exact");
+    CHECK_OR_RETURN(*e.ImmCount(kImmBarrier) == peers, "barrier immediates not exact");
 
     for (int from = 0; from < n; ++from) {
       if (from == me) continue;
@@ -181,11 +176,11 @@ TEST_P(MultiProcessTest, EveryRequestKindAmongThreeRanks) {
       std::iota(from_dst.begin(), from_dst.end(), 0);
       std::shuffle(from_dst.begin(), from_dst.end(), from_rng);
       for (uint64_t i = 0; i < kSeg - 3; ++i) {
-        EXPECT_OR_RETURN(m.dst[from * kSeg + i] == Pattern(from, 1000 + i), "single byte");
+        CHECK_OR_RETURN(m.dst[from * kSeg + i] == Pattern(from, 1000 + i), "single byte");
       }
       for (uint32_t p = 0; p < 16; ++p) {
         for (uint64_t i = 0; i < 4 * kKiB; ++i) {
-          EXPECT_OR_RETURN(m.dst[256 * kKiB + from * kSeg + from_dst[p] * 4 * kKiB + i] ==
+          CHECK_OR_RETURN(m.dst[256 * kKiB + from * kSeg + from_dst[p] * 4 * kKiB + i] ==
                                Pattern(from, 128 * kKiB + p * 4 * kKiB + i),
                            "paged byte");
         }
@@ -194,7 +189,7 @@ TEST_P(MultiProcessTest, EveryRequestKindAmongThreeRanks) {
       uint32_t k = static_cast<uint32_t>(me < from ? me : me - 1);
       for (uint64_t s = 0; s < 3; ++s) {
         for (uint64_t i = 0; i < 1000 + s * 3001; ++i) {
-          EXPECT_OR_RETURN(m.dst[512 * kKiB + from * kSeg + s * 20000 + i] ==
+          CHECK_OR_RETURN(m.dst[512 * kKiB + from * kSeg + s * 20000 + i] ==
                                Pattern(from, 300 * kKiB + s * 5000 + k * 7 + i),
                            "scatter byte");
         }
@@ -212,8 +207,8 @@ TEST_P(MultiProcessTest, EveryRequestKindAmongThreeRanks) {
       RETURN_IF_ERROR(e.Send(m.peer_of[r], msg, Completion::Counter(&c)));
     }
     for (int i = 0; i < 30000 && messages.load() < n - 1; ++i) std::this_thread::sleep_for(1ms);
-    EXPECT_OR_RETURN(messages.load() == n - 1, "messages missing");
-    EXPECT_OR_RETURN(!message_bad.load(), "a message had wrong bytes or sender");
+    CHECK_OR_RETURN(messages.load() == n - 1, "messages missing");
+    CHECK_OR_RETURN(!message_bad.load(), "a message had wrong bytes or sender");
     return b.Barrier(30s);
   }, 120s);
   ExpectAllRanksOk(exits);
@@ -239,21 +234,21 @@ TEST_P(MultiProcessTest, TenThousandTransfersManyInFlight) {
         RETURN_IF_ERROR(SubmitWithRetry([&] { return e.Write(w, Completion::Counter(&c)); }));
       }
       RETURN_IF_ERROR(c.Wait(kTransfers, Deadline::After(60s)));
-      EXPECT_OR_RETURN(c.failed.load() == 0, "writes failed");
-      EXPECT_OR_RETURN(e.stats().transfers_completed >= kTransfers, "stats disagree");
+      CHECK_OR_RETURN(c.failed.load() == 0, "writes failed");
+      CHECK_OR_RETURN(e.stats().transfers_completed >= kTransfers, "stats disagree");
     } else {
       RETURN_IF_ERROR(e.WaitImm(kImm, kTransfers, Deadline::After(60s)));
       for (uint64_t i = 0; i < kTransfers; ++i) {
         uint64_t len = 1 + (i * 37) % kSlot, src = (i * 61) % 4096;
         for (uint64_t k = 0; k < kSlot; ++k) {
           uint8_t want = k < len ? Pattern(0, src + k) : 0;
-          EXPECT_OR_RETURN(m.dst[i * kSlot + k] == want,
+          CHECK_OR_RETURN(m.dst[i * kSlot + k] == want,
                            "slot " + std::to_string(i) + " byte " + std::to_string(k));
         }
       }
     }
     RETURN_IF_ERROR(b.Barrier(30s));
-    EXPECT_OR_RETURN(*e.ImmCount(kImm) == (b.rank() == 1 ? kTransfers : 0), "count not exact");
+    CHECK_OR_RETURN(*e.ImmCount(kImm) == (b.rank() == 1 ? kTransfers : 0), "count not exact");
     return Status::Ok();
   }, 240s);
   ExpectAllRanksOk(exits);
@@ -303,12 +298,12 @@ TEST_P(MultiProcessTest, PeerKilledMidStreamFailsTransfersWithinTheDeadline) {
       }
       if (Clock::now() - last_ok_submit > 20s) return InternalError("submits stalled, no verdict");
     }
-    EXPECT_OR_RETURN(refused.code() == StatusCode::kUnavailable,
+    CHECK_OR_RETURN(refused.code() == StatusCode::kUnavailable,
                      "expected Unavailable after the peer died, got " + refused.ToString());
     // Everything submitted ends within a deadline (the transfer timeout plus slack).
     RETURN_IF_ERROR(c.Wait(submitted, Deadline::After(std::chrono::milliseconds(kTimeoutMs) + 10s)));
-    EXPECT_OR_RETURN(c.failed.load() > 0, "no transfer failed although the peer died");
-    EXPECT_OR_RETURN(c.done.load() >= 200, "the first writes should have completed");
+    CHECK_OR_RETURN(c.failed.load() > 0, "no transfer failed although the peer died");
+    CHECK_OR_RETURN(c.done.load() >= 200, "the first writes should have completed");
     return Status::Ok();
   }, 120s);
   EXPECT_TRUE(exits[0].ok()) << "survivor: exit " << exits[0].exit_code << " signal "

@@ -23,11 +23,6 @@ namespace {
 
 using namespace std::chrono_literals;
 
-#define CHECK_OR_RETURN(cond, msg)                                                             \
-  do {                                                                                         \
-    if (!(cond)) return InternalError(std::string("line ") + std::to_string(__LINE__) + ": " + \
-                                      (msg));                                                  \
-  } while (0)
 
 uint8_t Logical(uint64_t request, int layer, size_t page, int c, int h, int t, int64_t k) {
   uint64_t x = request * 0x100000001B3ull ^ (uint64_t(layer) << 48) ^ (uint64_t(page) << 32) ^

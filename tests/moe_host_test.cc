@@ -118,11 +118,6 @@ float Dequant(const AllToAllConfig& cfg, const uint8_t* row, const float* scales
   return DecodeE4M3(row[i]) * scales[i / 128];
 }
 
-#define CHECK_OR_RETURN(cond, msg)                                                             \
-  do {                                                                                         \
-    if (!(cond)) return InternalError(std::string("line ") + std::to_string(__LINE__) + ": " + \
-                                      (msg));                                                  \
-  } while (0)
 
 Status RunRank(const Case& c, Bootstrap& b) {
   AllToAllConfig cfg;

@@ -20,6 +20,7 @@
 
 #include "ferry/bootstrap.h"
 #include "ferry/fabric.h"
+#include "tools/bench_util.h"
 #include "tools/raw_fabric.h"
 
 namespace ferry::bench {
@@ -45,12 +46,6 @@ class Waiter {
  private:
   uint32_t spins_ = 0;
 };
-
-double NowUs() {
-  timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec * 1e6 + ts.tv_nsec * 1e-3;
-}
 
 struct Figures {
   double p50_us = 0, p99_us = 0, gbps = 0, mops = 0;

@@ -24,18 +24,13 @@
 #include "ferry/bootstrap.h"
 #include "ferry/fabric.h"
 #include "ferry/kv.h"
+#include "tools/bench_util.h"
 #include "tools/raw_fabric.h"
 
 namespace ferry::bench {
 namespace {
 
 using namespace std::chrono_literals;
-
-double NowUs() {
-  timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec * 1e6 + ts.tv_nsec * 1e-3;
-}
 
 struct Model {
   const char* name;
@@ -232,29 +227,13 @@ int RunKvBench(const KvBenchOptions& o) {
   bool first = true;
   if (o.json) std::printf("{\"bench\":\"kv\",\"tokens\":%d,\"rows\":[", o.tokens);
   for (const Model& m : models) {
-    int fds[2];
-    if (pipe(fds) != 0) return 1;
-    auto exits = RunLocalRanks(1 + o.decoders, [&](Bootstrap& b) -> Status {
-      close(fds[0]);
-      Result r{};
-      RETURN_IF_ERROR(Run(o, m, b, &r));
-      if (b.rank() == 1 && write(fds[1], &r, sizeof r) != sizeof r) {
-        return InternalError("could not report");
-      }
-      return Status::Ok();
-    }, std::chrono::minutes(5));
-    close(fds[1]);
     Result r{};
-    bool got = read(fds[0], &r, sizeof r) == sizeof r;
-    close(fds[0]);
-    for (const RankExit& e : exits) {
-      if (!e.ok()) {
-        std::fprintf(stderr, "ferry-bench kv: a rank failed (exit %d, signal %d%s)\n",
-                     e.exit_code, e.signal, e.timed_out ? ", timed out" : "");
-        return 1;
-      }
+    if (!RunRanksAndCollect<Result>(
+            "kv", 1 + o.decoders, 1,
+            [&](Bootstrap& b, Result* out) { return Run(o, m, b, out); }, &r,
+            std::chrono::minutes(5))) {
+      return 1;
     }
-    if (!got) return 1;
     // Throughput: bytes over the time from the first layer to ready, against the raw loop's
     // time for the same bytes. Pacing layers at the raw rate makes raw the lower bound.
     const double ratio = r.raw_us / r.ferry_us;

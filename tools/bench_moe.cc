@@ -20,17 +20,12 @@
 #include "ferry/bootstrap.h"
 #include "ferry/fabric.h"
 #include "ferry/moe.h"
+#include "tools/bench_util.h"
 
 namespace ferry::bench {
 namespace {
 
 using namespace std::chrono_literals;
-
-double NowUs() {
-  timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec * 1e6 + ts.tv_nsec * 1e-3;
-}
 
 double Percentile(std::vector<double> v, double q) {
   if (v.empty()) return 0;
@@ -191,30 +186,11 @@ Status RunRank(const MoeBenchOptions& o, Bootstrap& b, Result* result) {
 
 namespace {
 
-// Runs one variant across forked ranks; rank 0's figures come back through a pipe.
+// Runs one variant across forked ranks; rank 0's figures come back.
 bool RunVariant(const MoeBenchOptions& o, Result* out) {
-  int fds[2];
-  if (pipe(fds) != 0) return false;
-  auto exits = RunLocalRanks(o.ranks, [&](Bootstrap& b) -> Status {
-    close(fds[0]);
-    Result r{};
-    RETURN_IF_ERROR(RunRank(o, b, &r));
-    if (b.rank() == 0 && write(fds[1], &r, sizeof r) != sizeof r) {
-      return InternalError("could not report");
-    }
-    return Status::Ok();
-  }, std::chrono::minutes(10));
-  close(fds[1]);
-  bool got = read(fds[0], out, sizeof *out) == sizeof *out;
-  close(fds[0]);
-  for (const RankExit& e : exits) {
-    if (!e.ok()) {
-      std::fprintf(stderr, "ferry-bench moe: a rank failed (exit %d, signal %d%s)\n",
-                   e.exit_code, e.signal, e.timed_out ? ", timed out" : "");
-      return false;
-    }
-  }
-  return got;
+  return RunRanksAndCollect<Result>(
+      "moe", o.ranks, 0, [&](Bootstrap& b, Result* r) { return RunRank(o, b, r); }, out,
+      std::chrono::minutes(10));
 }
 
 const char* VariantName(const MoeBenchOptions& o) {

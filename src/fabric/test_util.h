@@ -8,6 +8,16 @@
 
 #include "ferry/fabric.h"
 
+// For code running in a forked rank, where gtest assertions do not reach the parent: returns an
+// Internal status naming the line when `cond` is false.
+#define CHECK_OR_RETURN(cond, msg)                                                              \
+  do {                                                                                          \
+    if (!(cond)) {                                                                              \
+      return ::ferry::InternalError(std::string("line ") + std::to_string(__LINE__) + ": " +     \
+                                    (msg));                                                     \
+    }                                                                                           \
+  } while (0)
+
 namespace ferry::testing_util {
 
 // The software providers every machine has. FERRY_TEST_PROVIDERS="shm" narrows the list.

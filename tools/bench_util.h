@@ -1,0 +1,55 @@
+// Helpers the ferry-bench benchmarks share: a microsecond clock and running forked ranks that
+// hand one fixed-size result back to the launcher.
+#pragma once
+
+#include <time.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <functional>
+#include <type_traits>
+
+#include "ferry/bootstrap.h"
+
+namespace ferry::bench {
+
+// CLOCK_MONOTONIC in microseconds: comparable between processes of one host.
+inline double NowUs() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec * 1e6 + ts.tv_nsec * 1e-3;
+}
+
+// Forks `ranks` ranks running `body`; the result `reporter` fills comes back through a pipe.
+// False (after printing why) if a rank failed or nothing came back.
+template <typename Result>
+bool RunRanksAndCollect(const char* bench, int ranks, int reporter,
+                        const std::function<Status(Bootstrap&, Result*)>& body, Result* out,
+                        std::chrono::milliseconds timeout) {
+  static_assert(std::is_trivially_copyable_v<Result>, "results cross a pipe as bytes");
+  int fds[2];
+  if (pipe(fds) != 0) return false;
+  auto exits = RunLocalRanks(ranks, [&](Bootstrap& b) -> Status {
+    close(fds[0]);
+    Result r{};
+    RETURN_IF_ERROR(body(b, &r));
+    if (b.rank() == reporter && write(fds[1], &r, sizeof r) != sizeof r) {
+      return InternalError("could not report the result");
+    }
+    return Status::Ok();
+  }, timeout);
+  close(fds[1]);
+  const bool got = read(fds[0], out, sizeof *out) == sizeof *out;
+  close(fds[0]);
+  for (const RankExit& e : exits) {
+    if (!e.ok()) {
+      std::fprintf(stderr, "ferry-bench %s: a rank failed (exit %d, signal %d%s)\n", bench,
+                   e.exit_code, e.signal, e.timed_out ? ", timed out" : "");
+      return false;
+    }
+  }
+  return got;
+}
+
+}  // namespace ferry::bench
