@@ -107,6 +107,9 @@ int main(int argc, char** argv) {
   if (command == "moe") return ferry::bench::RunMoeBench(m);
   if (command == "kv") return ferry::bench::RunKvBench(kv);
   if (command == "demo") {
+    std::printf("ferry demo: three short runs on local ranks. Ratios against the raw baselines "
+                "swing on machines with few cores (every rank polls); docs/PERFORMANCE.md has "
+                "figures from a 16-core host.\n\n");
     std::printf("== ferry demo 1/3: TransferEngine vs raw libfabric, %s provider ==\n",
                 f.provider.c_str());
     f.quick = true;
