@@ -44,6 +44,7 @@ struct Case {
   bool chunked = false;
   int pages_per_request = 5;
   bool kill_prefill = false;  // the prefill dies after taking the requests
+  uint32_t prefill_max_transfers = 0;  // >0: a small engine, so posting must pause and resume
   int pages_per_layer() const { return std::max(24, pages_per_request * requests_per_decoder); }
 };
 
@@ -54,7 +55,7 @@ std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
          (c.prefill_order == KvOrder::kHND ? "_hnd" : "_nhd") +
          (c.decode_order == KvOrder::kHND ? "_hnd" : "_nhd") + (c.chunked ? "_chunked" : "") +
          "_r" + std::to_string(c.decoders * c.requests_per_decoder) +
-         (c.kill_prefill ? "_killed" : "");
+         (c.kill_prefill ? "_killed" : "") + (c.prefill_max_transfers ? "_throttled" : "");
 }
 
 constexpr int kLayers = 3;
@@ -82,7 +83,9 @@ struct Shards {
 
 Status RunPrefill(const Case& c, Bootstrap& b) {
   const KvSide side{c.model, c.prefill_order, c.prefill_tp};
-  ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions(c.provider)));
+  EngineOptions options = testing_util::TestOptions(c.provider);
+  if (c.prefill_max_transfers > 0) options.max_transfers = c.prefill_max_transfers;
+  ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(options));
   Shards shards;
   RETURN_IF_ERROR(shards.Init(*engine, side, c.pages_per_layer()));
   const int total = c.decoders * c.requests_per_decoder;
@@ -357,6 +360,8 @@ std::vector<Case> Cases() {
       {"tcp;ofi_rxm", mla, hnd, nhd, 2, 4},
       // 201 requests in flight at once (67 per decoder, one page each).
       {"shm", gqa, hnd, hnd, 4, 2, 3, 67, false, 1},
+      // A prefill engine that admits 6 transfers at a time: posting pauses and resumes.
+      {"shm", gqa, hnd, hnd, 4, 2, 3, 3, false, 5, false, 6},
       // The prefill dies mid-transfer.
       {"shm", gqa, hnd, hnd, 4, 2, 3, 3, false, 5, true},
       {"tcp;ofi_rxm", gqa, hnd, hnd, 4, 2, 3, 3, false, 5, true},

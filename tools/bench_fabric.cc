@@ -368,6 +368,17 @@ class Runner {
   RemoteRegion dst_;
 };
 
+std::string Fmt(const char* format, double v) {
+  char buf[32];
+  snprintf(buf, sizeof buf, format, v);
+  return buf;
+}
+std::string Fmt(const char* format, const char* v) {
+  char buf[32];
+  snprintf(buf, sizeof buf, format, v);
+  return buf;
+}
+
 std::string Size(uint64_t b) {
   if (b == 0) return "-";
   if (b >= (1u << 20)) return std::to_string(b >> 20) + " MiB";
@@ -442,8 +453,14 @@ int RunFabricBench(const FabricBenchOptions& o) {
                   "\"worker_ns_per_wr\":%.1f}",
                   first ? "" : ",", kind, bytes, f50, f99, fg, fm, r50, r99, rg, rm, ratio, of, cpu);
     } else {
-      std::printf("%-8s %8s | %9.2f %9.2f %8.3f %8.4f | %9.2f %9.2f %8.3f %8.4f | %6.3f %4s | %9.0f\n",
-                  kind, Size(bytes).c_str(), f50, f99, fg, fm, r50, r99, rg, rm, ratio, of, cpu);
+      // Paged rows have no window-1 latency pass, and round trips no rate: print "-", not 0.
+      auto lat = [](double v) { return v > 0 ? Fmt("%9.2f", v) : Fmt("%9s", "-"); };
+      auto rate = [](double v, const char* f) { return v > 0 ? Fmt(f, v) : Fmt("%8s", "-"); };
+      std::printf("%-8s %8s | %s %s %s %s | %s %s %s %s | %6.3f %4s | %9.0f\n", kind,
+                  Size(bytes).c_str(), lat(f50).c_str(), lat(f99).c_str(),
+                  rate(fg, "%8.3f").c_str(), rate(fm, "%8.4f").c_str(), lat(r50).c_str(),
+                  lat(r99).c_str(), rate(rg, "%8.3f").c_str(), rate(rm, "%8.4f").c_str(), ratio,
+                  of, cpu);
     }
     first = false;
   }

@@ -629,14 +629,12 @@ class Engine final : public TransferEngine {
   Status CreateImmCounter(uint32_t imm) override { return counters_.Create(imm); }
 
   StatusOr<uint64_t> ImmCount(uint32_t imm) const override {
-    const ImmCounterTable::Slot* slot = counters_.Find(imm);
-    if (!slot) return NotFoundError("no immediate counter " + std::to_string(imm));
+    ASSIGN_OR_RETURN(const ImmCounterTable::Slot* slot, Counter(imm));
     return slot->count.load(std::memory_order_acquire);
   }
 
   Status WaitImm(uint32_t imm, uint64_t target, Deadline deadline) const override {
-    const ImmCounterTable::Slot* slot = counters_.Find(imm);
-    if (!slot) return NotFoundError("no immediate counter " + std::to_string(imm));
+    ASSIGN_OR_RETURN(const ImmCounterTable::Slot* slot, Counter(imm));
     Backoff backoff;
     for (;;) {
       uint64_t seen = slot->count.load(std::memory_order_acquire);
@@ -651,12 +649,7 @@ class Engine final : public TransferEngine {
 
   Status NotifyImm(uint32_t imm, uint64_t target, Deadline deadline,
                    DoneCallback done) override {
-    ImmCounterTable::Slot* slot = counters_.Find(imm);
-    if (!slot) return NotFoundError("no immediate counter " + std::to_string(imm));
-    Request r;
-    r.kind = Kind::kNotify;
-    r.imm = imm;
-    r.slot = slot;
+    ASSIGN_OR_RETURN(Request r, CounterRequest(Kind::kNotify, imm));
     r.target = target;
     r.deadline = deadline.at;
     return Push(std::move(r), Completion::Callback(std::move(done)));
@@ -665,13 +658,24 @@ class Engine final : public TransferEngine {
   Status ConsumeImm(uint32_t imm, uint64_t n) override { return counters_.Consume(imm, n); }
 
   Status DisarmImm(uint32_t imm) override {
+    ASSIGN_OR_RETURN(Request r, CounterRequest(Kind::kDisarm, imm));
+    return Push(std::move(r), Completion());
+  }
+
+  StatusOr<ImmCounterTable::Slot*> Counter(uint32_t imm) const {
     ImmCounterTable::Slot* slot = counters_.Find(imm);
     if (!slot) return NotFoundError("no immediate counter " + std::to_string(imm));
+    return slot;
+  }
+
+  // A request about counter `imm` for the worker (arm or disarm its notification).
+  StatusOr<Request> CounterRequest(Kind kind, uint32_t imm) const {
+    ASSIGN_OR_RETURN(ImmCounterTable::Slot* slot, Counter(imm));
     Request r;
-    r.kind = Kind::kDisarm;
+    r.kind = kind;
     r.imm = imm;
     r.slot = slot;
-    return Push(std::move(r), Completion());
+    return r;
   }
 
   void SetUnmatchedImmHandler(UnmatchedImmHandler handler) override {

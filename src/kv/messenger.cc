@@ -602,7 +602,8 @@ class Prefill final : public KvPrefill {
   struct Chunk {
     KvPlan plan;
     uint64_t pass_base = 0;
-    int next_layer = 0;  // layers posted so far
+    int next_layer = 0;     // layers fully posted so far
+    size_t next_write = 0;  // first write of next_layer not yet posted
   };
   struct Active {
     WireRequest req;
@@ -668,7 +669,9 @@ class Prefill final : public KvPrefill {
   }
 
   // Posts every layer the counter says is done, for every scheduled chunk; the aux bytes once
-  // every chunk of a fully scheduled request has posted its last layer.
+  // every chunk of a fully scheduled request has posted its last layer. When the engine's queues
+  // are full, posting stops where it is and resumes on the watcher's next pass: the lock is
+  // never held while waiting, and a busy engine never fails a request.
   bool PostReadyLayers() {
     const uint64_t done = counter_->load(std::memory_order_acquire);
     bool progress = false;
@@ -679,51 +682,53 @@ class Prefill final : public KvPrefill {
       for (Chunk& chunk : a.chunks) {
         while (a.failure.ok() && chunk.next_layer < regions_.num_layers &&
                done >= chunk.pass_base + chunk.next_layer + 1) {
-          Status s = PostLayer(a, chunk, chunk.next_layer);
-          if (!s.ok()) a.failure = s;
+          const uint64_t before = a.submitted;
+          const bool layer_done = PostLayer(a, chunk);
+          progress |= a.submitted != before;
+          if (!layer_done) break;
           ++chunk.next_layer;
-          progress = true;
         }
         if (a.failure.ok() && chunk.next_layer < regions_.num_layers) all_posted = false;
       }
-      if (a.scheduled && all_posted && !a.aux_posted) {
-        a.aux_posted = true;
-        if (a.req.aux_bytes > 0 && a.failure.ok()) {
-          SingleWrite w{aux_, static_cast<uint64_t>(a.aux_src_offset), a.peer, a.req.aux,
-                        static_cast<uint64_t>(a.req.aux_offset),
-                        static_cast<uint64_t>(a.req.aux_bytes), a.req.imm};
-          Status s = Submit([&] { return engine_->Write(w, Completion::Counter(a.writes.get())); });
-          if (s.ok()) ++a.submitted;
-          else a.failure = s;
-        }
-        progress = true;
+      if (!a.scheduled || !all_posted || a.aux_posted) continue;
+      if (a.req.aux_bytes > 0 && a.failure.ok()) {
+        SingleWrite w{aux_, static_cast<uint64_t>(a.aux_src_offset), a.peer, a.req.aux,
+                      static_cast<uint64_t>(a.req.aux_offset),
+                      static_cast<uint64_t>(a.req.aux_bytes), a.req.imm};
+        if (!Post(a, w)) continue;  // queues full: next pass
       }
+      a.aux_posted = true;
+      progress = true;
     }
     return progress;
   }
 
-  Status PostLayer(Active& a, const Chunk& chunk, int layer) {
-    const uint64_t src_base = uint64_t(layer) * regions_.layer_stride;
-    const uint64_t dst_base = uint64_t(layer) * a.req.layer_stride;
-    for (const KvWrite& kw : chunk.plan.writes) {
+  // Posts the rest of `chunk`'s current layer, from chunk.next_write. True when the whole layer
+  // is posted (or the request failed); false when the engine's queues are full.
+  bool PostLayer(Active& a, Chunk& chunk) {
+    const uint64_t src_base = uint64_t(chunk.next_layer) * regions_.layer_stride;
+    const uint64_t dst_base = uint64_t(chunk.next_layer) * a.req.layer_stride;
+    for (; chunk.next_write < chunk.plan.writes.size(); ++chunk.next_write) {
+      const KvWrite& kw = chunk.plan.writes[chunk.next_write];
       SingleWrite w{regions_.ranks[kw.src_rank], src_base + kw.src_offset, a.peer,
                     a.req.dst[kw.dst_rank], dst_base + kw.dst_offset,
                     static_cast<uint64_t>(kw.length), a.req.imm};
-      RETURN_IF_ERROR(Submit([&] { return engine_->Write(w, Completion::Counter(a.writes.get())); }));
-      ++a.submitted;
+      if (!Post(a, w)) return !a.failure.ok();
     }
-    return Status::Ok();
+    chunk.next_write = 0;
+    return true;
   }
 
-  // Submits, retrying while the engine's queues are full (bounded).
-  template <typename Fn>
-  Status Submit(Fn&& fn) {
-    Deadline deadline = Deadline::After(std::chrono::seconds(30));
-    for (;;) {
-      Status s = fn();
-      if (s.code() != StatusCode::kResourceExhausted || deadline.Expired()) return s;
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
+  // One write of a request. False when it was not posted: the queues are full (retry later) or
+  // the engine refused it (recorded as the request's failure).
+  bool Post(Active& a, const SingleWrite& w) {
+    Status s = engine_->Write(w, Completion::Counter(a.writes.get()));
+    if (s.ok()) {
+      ++a.submitted;
+      return true;
     }
+    if (s.code() != StatusCode::kResourceExhausted) a.failure = s;
+    return false;
   }
 
   // Stops a request (mu_ held). Unknown ids (already released) need no answer: a request that
