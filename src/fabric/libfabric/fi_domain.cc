@@ -16,8 +16,15 @@
 #include <rdma/fi_errno.h>
 #include <rdma/fi_rma.h>
 
+#include <dirent.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <atomic>
+#include <cerrno>
 #include <cstring>
+#include <random>
 #include <string>
 
 #include "fabric/domain.h"
@@ -121,6 +128,45 @@ StatusOr<InfoPtr> GetInfo(const std::string& provider, const std::string& node,
     }
   }
   return NotFoundError("no libfabric provider named '" + provider + "'");
+}
+
+// shm names its shared-memory file after the source address, "fi_shm://<pid>" by default, and
+// refuses (EBUSY) to reuse a file whose recorded owner is alive. A process killed before closing
+// its endpoint leaves its file behind; once the PID is reused, the new process's first endpoint
+// collides with that file and is refused. So ferry names shm endpoints itself, "ferry-<pid>-<random>",
+// and removes files of earlier ferry endpoints whose process is gone.
+constexpr std::string_view kShmNamePrefix = "ferry-";
+
+void RemoveStaleShmFiles() {
+  DIR* dir = opendir("/dev/shm");
+  if (!dir) return;
+  while (dirent* entry = readdir(dir)) {
+    std::string_view name(entry->d_name);
+    if (!name.starts_with(kShmNamePrefix)) continue;
+    name.remove_prefix(kShmNamePrefix.size());
+    long pid = 0;
+    size_t digits = 0;
+    while (digits < name.size() && digits < 10 && name[digits] >= '0' && name[digits] <= '9') {
+      pid = pid * 10 + (name[digits] - '0');
+      ++digits;
+    }
+    if (digits == 0 || pid <= 0) continue;
+    if (kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;  // alive or not ours to judge
+    shm_unlink(entry->d_name);  // best effort: another process may be removing it too
+  }
+  closedir(dir);
+}
+
+std::string UniqueShmNode() {
+  static std::atomic<bool> cleaned{false};
+  if (!cleaned.exchange(true)) RemoveStaleShmFiles();
+  std::random_device entropy;
+  uint64_t nonce = (uint64_t{entropy()} << 32) | entropy();
+  char buf[64];
+  snprintf(buf, sizeof buf, "%.*s%d-%016llx", static_cast<int>(kShmNamePrefix.size()),
+           kShmNamePrefix.data(), static_cast<int>(getpid()),
+           static_cast<unsigned long long>(nonce));
+  return buf;
 }
 
 class LibfabricDomain final : public Domain {
@@ -321,8 +367,10 @@ class LibfabricDomain final : public Domain {
     InfoPtr info;
     Status status;
     const uint64_t hmem = options.cuda_memory ? uint64_t{FI_HMEM} : 0;
+    const std::string node =
+        provider == "shm" && options.node.empty() ? UniqueShmNode() : options.node;
     for (uint64_t caps : {uint64_t{hmem | FI_SOURCE}, hmem, uint64_t{FI_SOURCE}, uint64_t{0}}) {
-      auto got = GetInfo(provider, options.node, caps);
+      auto got = GetInfo(provider, node, caps);
       if (got.ok()) {
         info = std::move(got).value();
         break;
