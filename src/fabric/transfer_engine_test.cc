@@ -5,11 +5,18 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <numeric>
 #include <random>
 #include <thread>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "fabric/engine_internal.h"
 #include "fabric/fault_domain.h"
@@ -469,6 +476,36 @@ TEST_P(FaultTest, AWedgedProviderCallNeverHangsTheCaller) {
   fault_->Unwedge();  // let the leaked worker run off before the peer goes away
   for (int i = 0; i < 5000 && fault_->InsideWedge(); ++i) std::this_thread::sleep_for(1ms);
   std::this_thread::sleep_for(50ms);
+}
+
+// A rank killed before closing its shm endpoint leaves its file in /dev/shm. libfabric's shm refuses
+// (EBUSY) to reuse a file whose recorded owner is alive, which is what a reused PID looks like;
+// CI once failed that way. Engines name their own files and sweep those of dead processes.
+TEST(ShmFilesTest, LeftoverFilesOfDeadProcessesAreRemovedAndNeverCollide) {
+  const auto providers = testing_util::Providers();
+  if (std::find(providers.begin(), providers.end(), "shm") == providers.end()) {
+    GTEST_SKIP() << "shm is not among FERRY_TEST_PROVIDERS";
+  }
+  pid_t child = fork();
+  if (child == 0) _exit(0);
+  ASSERT_GT(child, 0);
+  int wstatus = 0;
+  ASSERT_EQ(waitpid(child, &wstatus, 0), child);  // reaped: the PID is dead
+  const std::string dead = "ferry-" + std::to_string(child) + "-00000000deadbeef:0:0";
+  const std::string live = "ferry-" + std::to_string(getpid()) + "-00000000feedface:0:0";
+  for (const std::string& name : {dead, live}) {
+    int fd = shm_open(name.c_str(), O_RDWR | O_CREAT, S_IRUSR | S_IWUSR);
+    ASSERT_GE(fd, 0) << name;
+    close(fd);
+  }
+  auto engine = TransferEngine::Create(testing_util::TestOptions("shm"));
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  auto exists = [](const std::string& name) {
+    return access(("/dev/shm/" + name).c_str(), F_OK) == 0;
+  };
+  EXPECT_FALSE(exists(dead)) << "a dead process's file survived";
+  EXPECT_TRUE(exists(live)) << "a live process's file was removed";
+  shm_unlink(live.c_str());
 }
 
 INSTANTIATE_TEST_SUITE_P(Providers, FaultTest, ::testing::ValuesIn(testing_util::Providers()),

@@ -158,8 +158,7 @@ void RemoveStaleShmFiles() {
 }
 
 std::string UniqueShmNode() {
-  static std::atomic<bool> cleaned{false};
-  if (!cleaned.exchange(true)) RemoveStaleShmFiles();
+  RemoveStaleShmFiles();
   std::random_device entropy;
   uint64_t nonce = (uint64_t{entropy()} << 32) | entropy();
   char buf[64];
