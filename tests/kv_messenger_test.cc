@@ -146,7 +146,20 @@ Status RunPrefill(const Case& c, Bootstrap& b) {
         RETURN_IF_ERROR(prefill->Schedule(in.request_id, pages, 0, base));
       }
       layers_done.fetch_add(1);
-      std::this_thread::sleep_for(5ms);
+      // Die once the first layer's writes are out of the provider: shm peers spin forever on a
+      // shared-memory lock held by a process killed inside the provider (an shm limitation;
+      // EFA and verbs peers have no such lock), which would hang the decoders' engines instead
+      // of testing ferry's deadlines.
+      Deadline settle = Deadline::After(5s);
+      for (;;) {
+        EngineStats st = engine->stats();
+        const bool settled = st.transfers_submitted > 0 &&
+                             st.transfers_completed + st.transfers_failed >= st.transfers_submitted;
+        if (settled || settle.Expired()) {
+          break;
+        }
+        std::this_thread::sleep_for(1ms);
+      }
       raise(SIGKILL);
     }
     for (const auto& in : batch) {

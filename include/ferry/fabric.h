@@ -1,7 +1,9 @@
 // ferry fabric: the TransferEngine.
 //
-// A TransferEngine owns one NIC's endpoint (a libfabric domain: `efa`, `shm`, `tcp;ofi_rxm`) and
-// one worker thread that posts work requests and polls completions. Callers register memory,
+// A TransferEngine owns the endpoints of one to four NICs (libfabric domains: `efa`, `shm`,
+// `tcp;ofi_rxm`), a domain group serving one GPU, and one worker thread that posts work requests
+// and polls completions on all of them. Large single writes are sharded by bytes across the NICs;
+// paged writes stripe pages, and scatters and barriers shard peers across them. Callers register memory,
 // exchange addresses and remote descriptors as bytes (through any bootstrap they like), and submit
 // one-sided writes and two-sided messages from any thread. Every submit either returns an error at
 // once (nothing was posted) or later ends in exactly one completion: the callback runs, or the
@@ -21,6 +23,7 @@
 // provider; the engine adapts to what fi_getinfo returns and callers never see the difference.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
@@ -52,6 +55,9 @@ struct Deadline {
 
 enum class MemoryKind : uint8_t { kHost = 0, kCuda = 1 };
 
+// The most NICs one engine drives (a domain group).
+inline constexpr uint32_t kMaxNics = 4;
+
 struct EngineOptions {
   // libfabric provider: "shm", "tcp;ofi_rxm", "efa"; empty picks the first of efa, shm.
   // Environment: FERRY_PROVIDER.
@@ -59,6 +65,15 @@ struct EngineOptions {
   // Address to bind (tcp: "127.0.0.1" on loopback). Empty lets the provider choose.
   // Environment: FERRY_NODE.
   std::string node;
+  // The NICs of this engine's domain group: libfabric domain names (EFA: "rdmap79s0", ...), as
+  // the topology pairs them with a GPU. Empty: num_nics domains, the provider's first distinct
+  // ones (software providers have one domain; each entry is then its own endpoint on it).
+  // Environment: FERRY_NICS (comma-separated), FERRY_NUM_NICS.
+  std::vector<std::string> nics;
+  uint32_t num_nics = 1;
+  // Single writes of at least num_nics x this many bytes are split into one shard per NIC;
+  // smaller ones go whole to one NIC, taken in turn.
+  uint64_t nic_shard_min_bytes = 64 * 1024;
   // Allow registering CUDA device memory (asks the provider for FI_HMEM). Off by default: some
   // providers (shm) then lose their fastest path for host memory. Environment: FERRY_CUDA_MEMORY=1.
   bool cuda_memory = false;
@@ -131,13 +146,19 @@ class Completion {
   TransferCounter* counter_ = nullptr;
 };
 
+// One NIC's view of a registered region.
+struct NicKey {
+  uint64_t base = 0;  // provider address of byte 0: a virtual address or 0 (offset mode)
+  uint64_t key = 0;
+};
+
 // What a peer needs to write into one of our regions. Serialises to versioned bytes carrying the
-// owning engine's id, the region length, and the provider's address and key.
+// owning engine's id, the region length, and each NIC's provider address and key.
 struct RemoteRegion {
   uint64_t engine_id = 0;
-  uint64_t base = 0;    // provider address of byte 0: a virtual address or 0 (offset mode)
-  uint64_t key = 0;
   uint64_t length = 0;
+  uint32_t num_nics = 0;
+  std::array<NicKey, kMaxNics> nics{};
 
   std::vector<uint8_t> Serialize() const;
   // Full validation: InvalidArgument on a wrong size, magic, version or field.
@@ -164,7 +185,8 @@ class MemoryRegion {
   uint64_t length() const { return length_; }
   MemoryKind kind() const { return kind_; }
   const RemoteRegion& remote() const { return remote_; }
-  void* local_desc() const { return local_desc_; }  // provider descriptor (fi_mr_desc)
+  // Provider descriptor (fi_mr_desc) on one of the engine's NICs.
+  void* local_desc(uint32_t nic = 0) const { return nic < kMaxNics ? local_descs_[nic] : nullptr; }
 
  private:
   friend class TransferEngine;
@@ -174,7 +196,7 @@ class MemoryRegion {
   void* data_ = nullptr;
   uint64_t length_ = 0;
   MemoryKind kind_ = MemoryKind::kHost;
-  void* local_desc_ = nullptr;
+  std::array<void*, kMaxNics> local_descs_{};
   RemoteRegion remote_;
 };
 
@@ -231,6 +253,7 @@ struct EngineStats {
   uint64_t transfers_completed = 0;
   uint64_t transfers_failed = 0;
   uint64_t wrs_posted = 0;
+  std::array<uint64_t, kMaxNics> wrs_posted_per_nic{};
   uint64_t post_retries = 0;  // provider said EAGAIN
   uint64_t imms_received = 0;
   uint64_t imms_unmatched = 0;
@@ -241,7 +264,8 @@ struct EngineStats {
 // Provider facts the engine adapted to; for logs and benchmarks, never needed to use the API.
 struct FabricInfo {
   std::string provider;
-  std::string domain;
+  std::string domain;       // the NICs' domain names, comma-separated
+  uint32_t num_nics = 1;
   bool virt_addr = false;   // FI_MR_VIRT_ADDR: remote addresses are virtual addresses
   bool prov_key = false;    // FI_MR_PROV_KEY
   bool mr_local = false;    // FI_MR_LOCAL
@@ -330,7 +354,8 @@ class TransferEngine {
   virtual void Deregister(MemoryRegion& region) = 0;
   static void InitRegion(MemoryRegion& region, std::shared_ptr<RegistrationOwner> owner,
                          void* handle, void* data,
-                         uint64_t length, MemoryKind kind, void* local_desc,
+                         uint64_t length, MemoryKind kind,
+                         const std::array<void*, kMaxNics>& local_descs,
                          const RemoteRegion& remote);
   static void* RegionHandle(const MemoryRegion& region) { return region.handle_; }
 };

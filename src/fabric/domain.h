@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "ferry/fabric.h"
@@ -90,7 +91,12 @@ class Domain {
   virtual size_t Poll(std::span<DomainCompletion> out) = 0;
 };
 
-// Opens the libfabric provider named in options (or the first available of efa, shm).
-StatusOr<std::unique_ptr<Domain>> OpenLibfabricDomain(const EngineOptions& options);
+// Opens the libfabric provider named in options (or the first available of efa, shm), on the
+// named domain (NIC) or, when `domain` is empty, the provider's first.
+StatusOr<std::unique_ptr<Domain>> OpenLibfabricDomain(const EngineOptions& options,
+                                                      const std::string& domain);
+
+// The distinct domain (NIC) names a provider offers, in fi_getinfo's order; empty if none.
+std::vector<std::string> ListLibfabricDomains(const std::string& provider);
 
 }  // namespace ferry::fabric

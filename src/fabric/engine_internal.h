@@ -3,6 +3,7 @@
 #pragma once
 
 #include <memory>
+#include <vector>
 
 #include "fabric/domain.h"
 #include "ferry/fabric.h"
@@ -11,5 +12,10 @@ namespace ferry::fabric {
 
 StatusOr<std::unique_ptr<TransferEngine>> CreateEngineWithDomain(const EngineOptions& options,
                                                                  std::unique_ptr<Domain> domain);
+// A domain group: one Domain per NIC (1 to kMaxNics), all of one provider.
+StatusOr<std::unique_ptr<TransferEngine>> CreateEngineWithDomains(
+    const EngineOptions& options, std::vector<std::unique_ptr<Domain>> domains);
+// The libfabric domains options ask for (options.nics, or num_nics of the provider's).
+StatusOr<std::vector<std::unique_ptr<Domain>>> OpenDomains(const EngineOptions& options);
 
 }  // namespace ferry::fabric

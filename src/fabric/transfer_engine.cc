@@ -12,6 +12,15 @@
 //
 // Control operations (registration, peers, groups, handlers) are rare and run on the worker too,
 // because the provider is opened with FI_THREAD_DOMAIN: only the worker touches the Domain.
+//
+// Domain groups: the engine drives N NICs (1 to kMaxNics), each a Domain with its own queues.
+// Regions are registered on every NIC; a region descriptor and the engine's address carry one
+// entry per NIC. Local NIC k sends to the peer's NIC k mod M (M: the peer's NIC count). Which NIC
+// posts a work request: single writes of at least N x nic_shard_min_bytes are cut into N shards,
+// shard s on NIC (first + s) mod N, where `first` turns per transfer; paged writes stripe page i
+// to NIC (first + i) mod N; scatter and barrier give group member i to NIC i mod N; immediates
+// and messages go whole to NIC `first`. A transfer completes when all its WRs have, on whichever
+// NICs; the first error fails it, once.
 #include <linux/futex.h>
 #include <pthread.h>
 #include <sched.h>
@@ -95,7 +104,7 @@ MemoryRegion& MemoryRegion::operator=(MemoryRegion&& other) noexcept {
     data_ = other.data_;
     length_ = other.length_;
     kind_ = other.kind_;
-    local_desc_ = other.local_desc_;
+    local_descs_ = other.local_descs_;
     remote_ = other.remote_;
   }
   return *this;
@@ -105,13 +114,14 @@ MemoryRegion::~MemoryRegion() { Release(); }
 
 void TransferEngine::InitRegion(MemoryRegion& region, std::shared_ptr<RegistrationOwner> owner,
                                 void* handle, void* data, uint64_t length, MemoryKind kind,
-                                void* local_desc, const RemoteRegion& remote) {
+                                const std::array<void*, kMaxNics>& local_descs,
+                                const RemoteRegion& remote) {
   region.owner_ = std::move(owner);
   region.handle_ = handle;
   region.data_ = data;
   region.length_ = length;
   region.kind_ = kind;
-  region.local_desc_ = local_desc;
+  region.local_descs_ = local_descs;
   region.remote_ = remote;
 }
 
@@ -132,6 +142,15 @@ EngineOptions EngineOptions::FromEnv() {
   if (const char* c = std::getenv("FERRY_WORKER_CPU")) o.worker_cpu = std::atoi(c);
   if (const char* s = std::getenv("FERRY_SPIN_US")) o.spin_us = std::atoi(s);
   if (const char* c = std::getenv("FERRY_CUDA_MEMORY")) o.cuda_memory = std::atoi(c) != 0;
+  if (const char* n = std::getenv("FERRY_NICS")) {
+    std::string list(n);
+    for (size_t start = 0; start <= list.size();) {
+      size_t end = std::min(list.find(',', start), list.size());
+      if (end > start) o.nics.push_back(list.substr(start, end - start));
+      start = end + 1;
+    }
+  }
+  o.num_nics = EnvU32("FERRY_NUM_NICS", o.num_nics);
   o.max_transfers = EnvU32("FERRY_MAX_TRANSFERS", o.max_transfers);
   o.message_bytes = EnvU32("FERRY_MSG_BYTES", o.message_bytes);
   o.transfer_timeout_ms = EnvU32("FERRY_TRANSFER_TIMEOUT_MS", o.transfer_timeout_ms);
@@ -167,16 +186,21 @@ Status PageOffset(const char* side, uint64_t base, uint32_t index, uint64_t stri
 
 enum class Kind : uint8_t { kSingle, kPaged, kScatter, kBarrier, kImm, kSend, kNotify, kDisarm };
 
+using Descs = std::array<void*, kMaxNics>;
+
+// Indexed by local NIC k: what k sends to (the peer's NIC k mod remote_nics).
 struct PeerEntry {
-  uint64_t addr = 0;  // provider address (fi_addr_t)
+  std::array<uint64_t, kMaxNics> addr{};  // provider address (fi_addr_t) in domain k
+  std::array<NicKey, kMaxNics> sink{};    // the peer's immediate sink, as seen from NIC k
+  uint32_t remote_nics = 1;
   uint64_t engine_id = 0;
-  uint64_t sink_base = 0;
-  uint64_t sink_key = 0;
+  std::vector<std::pair<uint32_t, uint64_t>> inserted;  // (local NIC, address): all AV entries
   std::atomic<bool> lost{false};
 };
 
 struct ScatterMember {
   PeerId peer;
+  uint32_t nic;  // the local NIC that serves this member
   uint64_t addr;
   uint64_t base;
   uint64_t key;
@@ -186,7 +210,7 @@ struct ScatterMember {
 struct ScatterPlan {
   const uint8_t* src = nullptr;
   uint64_t src_length = 0;
-  void* src_desc = nullptr;
+  Descs src_desc{};
   std::vector<ScatterMember> members;
 };
 
@@ -200,12 +224,13 @@ struct Request {
   Kind kind = Kind::kSingle;
   bool has_imm = false;
   uint32_t imm = 0;
-  PeerId peer = 0;             // single-peer kinds
-  uint64_t peer_addr = 0;
+  PeerId peer = 0;                   // single-peer kinds
+  const PeerEntry* entry = nullptr;  // single-peer kinds
+  uint32_t first_nic = 0;            // see the file comment
   const uint8_t* src = nullptr;  // local bytes of offset 0 (after src_offset)
-  void* src_desc = nullptr;
-  uint64_t dst = 0;  // provider address of the destination's offset 0 (after dst_offset)
-  uint64_t key = 0;
+  Descs src_desc{};
+  // Per local NIC: provider address of the destination's offset 0 (after dst_offset), and key.
+  std::array<NicKey, kMaxNics> dst{};
   uint64_t length = 0;  // single: bytes; paged: page bytes; send: bytes
   uint64_t src_stride = 0;
   uint64_t dst_stride = 0;
@@ -239,6 +264,9 @@ struct Transfer {
   uint32_t next = 0;         // next WR to post
   uint32_t outstanding = 0;  // posted, not completed
   uint64_t chunk = 0;        // single: bytes per WR
+  uint32_t shards = 1;       // single: one per NIC when large enough
+  uint64_t shard_bytes = 0;  // single: bytes of every shard but the last
+  uint32_t shard_wrs = 0;    // single: WRs of every shard but the last
   bool finished = false;     // Completion already ran (a timed-out transfer may still own WRs)
   bool queued = false;       // on the pending-post list
   bool tail_deferred = false;  // single: the immediate-carrying last chunk waits for the others
@@ -252,6 +280,18 @@ struct Transfer {
 struct RecvSlot {
   OpContext ctx;
   uint32_t index = 0;
+  uint32_t nic = 0;
+};
+
+// One buffer registered on every NIC of the engine.
+struct MultiRegistration {
+  std::array<Registration, kMaxNics> per_nic{};
+  uint32_t nics = 0;
+  Descs descs() const {
+    Descs d{};
+    for (uint32_t k = 0; k < nics; ++k) d[k] = per_nic[k].local_desc;
+    return d;
+  }
 };
 
 class Futex {
@@ -270,9 +310,10 @@ class Futex {
 
 class Engine final : public TransferEngine {
  public:
-  Engine(const EngineOptions& options, std::unique_ptr<Domain> domain)
+  Engine(const EngineOptions& options, std::vector<std::unique_ptr<Domain>> domains)
       : options_(options),
-        domain_(std::move(domain)),
+        domains_(std::move(domains)),
+        nics_(static_cast<uint32_t>(domains_.size())),
         queue_(options.submit_queue_depth),
         free_send_buffers_(std::max<uint32_t>(options.num_send_buffers, 1)),
         counters_(options.max_imm_counters),
@@ -287,15 +328,23 @@ class Engine final : public TransferEngine {
 
   // Precondition: StopWorker() returned true.
   ~Engine() override {
-    // Close the endpoint while the WR contexts and buffers it may still reference exist.
-    domain_.reset();
+    // Close the endpoints while the WR contexts and buffers they may still reference exist.
+    domains_.clear();
   }
 
   Status Init() {
-    const FabricInfo& info = domain_->info();
-    max_chunk_ = std::min<uint64_t>(info.max_msg_size, uint64_t{1} << 30);
-    uint32_t wrs = options_.max_outstanding_wrs;
-    if (info.tx_size > 0) wrs = std::min<uint32_t>(wrs, static_cast<uint32_t>(info.tx_size));
+    info_ = domains_[0]->info();
+    info_.num_nics = nics_;
+    max_chunk_ = uint64_t{1} << 30;
+    uint64_t tx_total = 0;
+    for (uint32_t k = 0; k < nics_; ++k) {
+      const FabricInfo& info = domains_[k]->info();
+      if (k > 0) info_.domain += "," + info.domain;
+      max_chunk_ = std::min<uint64_t>(max_chunk_, info.max_msg_size);
+      tx_total += info.tx_size > 0 ? info.tx_size : options_.max_outstanding_wrs;
+    }
+    uint32_t wrs = static_cast<uint32_t>(
+        std::min<uint64_t>(options_.max_outstanding_wrs, std::max<uint64_t>(tx_total, 1)));
     wr_slots_ = std::make_unique<WrSlot[]>(wrs);
     free_wrs_.reserve(wrs);
     for (uint32_t i = wrs; i > 0; --i) free_wrs_.push_back(&wr_slots_[i - 1]);
@@ -314,23 +363,28 @@ class Engine final : public TransferEngine {
 
     // The sink receives immediate-only writes: zero bytes land there, the immediate is the point.
     sink_.resize(64);
-    ASSIGN_OR_RETURN(sink_reg_, domain_->Register(sink_.data(), sink_.size(), MemoryKind::kHost, 0));
+    ASSIGN_OR_RETURN(sink_reg_, RegisterAll(sink_.data(), sink_.size(), MemoryKind::kHost, 0));
 
+    // Every NIC gets its own receive buffers: a message may arrive on any of them.
     uint32_t rx = std::max<uint32_t>(options_.num_recv_buffers, 1);
-    if (info.rx_size > 0) rx = std::min<uint32_t>(rx, static_cast<uint32_t>(info.rx_size));
-    recv_buffers_.resize(uint64_t{rx} * options_.message_bytes);
-    ASSIGN_OR_RETURN(recv_reg_, domain_->Register(recv_buffers_.data(), recv_buffers_.size(),
-                                                  MemoryKind::kHost, 0));
-    recv_slots_ = std::make_unique<RecvSlot[]>(rx);
-    num_recv_slots_ = rx;
-    for (uint32_t i = 0; i < rx; ++i) {
+    for (uint32_t k = 0; k < nics_; ++k) {
+      size_t rx_size = domains_[k]->info().rx_size;
+      if (rx_size > 0) rx = std::min<uint32_t>(rx, static_cast<uint32_t>(rx_size));
+    }
+    num_recv_slots_ = rx * nics_;
+    recv_buffers_.resize(uint64_t{num_recv_slots_} * options_.message_bytes);
+    ASSIGN_OR_RETURN(recv_reg_, RegisterAll(recv_buffers_.data(), recv_buffers_.size(),
+                                            MemoryKind::kHost, 0));
+    recv_slots_ = std::make_unique<RecvSlot[]>(num_recv_slots_);
+    for (uint32_t i = 0; i < num_recv_slots_; ++i) {
       recv_slots_[i].index = i;
+      recv_slots_[i].nic = i / rx;
       RETURN_IF_ERROR(PostRecvSlot(i));
     }
     send_buffers_.resize(uint64_t{options_.num_send_buffers} * options_.message_bytes);
     if (!send_buffers_.empty()) {
-      ASSIGN_OR_RETURN(send_reg_, domain_->Register(send_buffers_.data(), send_buffers_.size(),
-                                                    MemoryKind::kHost, 0));
+      ASSIGN_OR_RETURN(send_reg_, RegisterAll(send_buffers_.data(), send_buffers_.size(),
+                                              MemoryKind::kHost, 0));
     }
     for (uint32_t i = 0; i < options_.num_send_buffers; ++i) {
       uint32_t index = i;
@@ -339,17 +393,18 @@ class Engine final : public TransferEngine {
 
     EngineAddress address;
     address.engine_id = id_;
-    address.provider = info.provider;
-    address.name = domain_->Name();
-    address.sink_base = sink_reg_.base;
-    address.sink_key = sink_reg_.key;
+    address.provider = info_.provider;
+    for (uint32_t k = 0; k < nics_; ++k) {
+      address.nics.push_back(
+          {domains_[k]->Name(), sink_reg_.per_nic[k].base, sink_reg_.per_nic[k].key});
+    }
     address_ = address.Serialize();
 
     worker_ = std::thread([this] { WorkerMain(); });
     return Status::Ok();
   }
 
-  const FabricInfo& info() const override { return domain_->info(); }
+  const FabricInfo& info() const override { return info_; }
   uint64_t id() const override { return id_; }
   std::vector<uint8_t> Address() const override { return address_; }
 
@@ -362,24 +417,65 @@ class Engine final : public TransferEngine {
     }
     ASSIGN_OR_RETURN(ControlResult done, RunOnWorker([this, data, length, kind, device](
                                                          ControlResult& out) -> Status {
-      ASSIGN_OR_RETURN(out.reg, domain_->Register(data, length, kind, device));
+      ASSIGN_OR_RETURN(out.reg, RegisterAll(data, length, kind, device));
       return Status::Ok();
     }));
-    const Registration& reg = done.reg;
+    // The region's handle is its MultiRegistration, which the engine keeps until Deregister.
+    MultiRegistration* reg;
+    {
+      auto owned = std::make_unique<MultiRegistration>(done.reg);
+      reg = owned.get();
+      std::lock_guard<std::mutex> lock(regs_mu_);
+      regs_.emplace(reg, std::move(owned));
+    }
     MemoryRegion region;
-    RemoteRegion remote{id_, reg.base, reg.key, length};
-    InitRegion(region, owner_, reg.handle, data, length, kind, reg.local_desc, remote);
+    RemoteRegion remote;
+    remote.engine_id = id_;
+    remote.length = length;
+    remote.num_nics = nics_;
+    for (uint32_t k = 0; k < nics_; ++k) {
+      remote.nics[k] = {reg->per_nic[k].base, reg->per_nic[k].key};
+    }
+    InitRegion(region, owner_, reg, data, length, kind, reg->descs(), remote);
     return region;
   }
 
   void Deregister(MemoryRegion& region) override {
-    void* handle = RegionHandle(region);
+    auto* handle = static_cast<MultiRegistration*>(RegionHandle(region));
     if (!handle) return;
-    auto s = RunOnWorker([this, handle](ControlResult&) -> Status {
-      domain_->Deregister(handle);
+    MultiRegistration copy;
+    {
+      std::lock_guard<std::mutex> lock(regs_mu_);
+      auto it = regs_.find(handle);
+      if (it == regs_.end()) return;
+      copy = *it->second;
+      regs_.erase(it);
+    }
+    auto s = RunOnWorker([this, copy](ControlResult&) -> Status {
+      DeregisterAll(copy);
       return Status::Ok();
     });
-    (void)s;  // if the worker is gone or wedged, the domain closes the registration itself
+    (void)s;  // if the worker is gone or wedged, the domains close their registrations themselves
+  }
+
+  // Registers [data, data + length) on every NIC; all or none.
+  StatusOr<MultiRegistration> RegisterAll(void* data, uint64_t length, MemoryKind kind,
+                                          int device) {
+    MultiRegistration reg;
+    for (uint32_t k = 0; k < nics_; ++k) {
+      auto got = domains_[k]->Register(data, length, kind, device);
+      if (!got.ok()) {
+        DeregisterAll(reg);
+        return nics_ > 1 ? got.status().WithContext("NIC " + std::to_string(k)) : got.status();
+      }
+      reg.per_nic[k] = *got;
+      reg.nics = k + 1;
+    }
+    return reg;
+  }
+
+  void DeregisterAll(const MultiRegistration& reg) {
+    for (uint32_t k = 0; k < reg.nics; ++k) domains_[k]->Deregister(reg.per_nic[k].handle);
   }
 
   // ----- peers ------------------------------------------------------------------------------
@@ -396,28 +492,56 @@ class Engine final : public TransferEngine {
       return ResourceExhaustedError("peer table full (" + std::to_string(options_.max_peers) +
                                     ")");
     }
+    const uint32_t remote = static_cast<uint32_t>(address.nics.size());
+    PeerEntry& e = peers_[n];
+    e.inserted.clear();
+    e.remote_nics = remote;
+    e.engine_id = address.engine_id;
+    for (uint32_t k = 0; k < nics_; ++k) {
+      const NicAddress& to = address.nics[k % remote];
+      e.sink[k] = {to.sink_base, to.sink_key};
+    }
+    // Domain k inserts the peer NIC it sends to (k mod M) and every peer NIC that sends to it
+    // (j mod N == k), so that messages name their sender.
+    std::vector<std::pair<uint32_t, uint32_t>> links;  // (local NIC, peer NIC)
+    for (uint32_t k = 0; k < nics_; ++k) links.push_back({k, k % remote});
+    for (uint32_t j = 0; j < remote; ++j) {
+      if ((j % nics_) % remote != j) links.push_back({j % nics_, j});
+    }
     ASSIGN_OR_RETURN(ControlResult inserted,
-                     RunOnWorker([this, name = address.name, n](ControlResult& out) -> Status {
-                       ASSIGN_OR_RETURN(out.value, domain_->InsertPeer(name));
-                       peer_by_addr_[out.value] = n;
+                     RunOnWorker([this, address, links, n](ControlResult& out) -> Status {
+                       for (auto [k, j] : links) {
+                         auto addr = domains_[k]->InsertPeer(address.nics[j].name);
+                         if (!addr.ok()) {
+                           for (auto [k2, a2] : out.inserted) (void)domains_[k2]->RemovePeer(a2);
+                           return addr.status();
+                         }
+                         out.inserted.push_back({k, *addr});
+                         peer_by_addr_[PeerKey(k, *addr)] = n;
+                       }
                        return Status::Ok();
                      }));
-    const uint64_t addr = inserted.value;
-    PeerEntry& e = peers_[n];
-    e.addr = addr;
-    e.engine_id = address.engine_id;
-    e.sink_base = address.sink_base;
-    e.sink_key = address.sink_key;
+    for (size_t i = 0; i < links.size(); ++i) {
+      if (i < nics_) e.addr[links[i].first] = inserted.inserted[i].second;
+    }
+    e.inserted = inserted.inserted;
     num_peers_.store(n + 1, std::memory_order_release);
     return PeerId{n};
   }
+
+  static uint64_t PeerKey(uint32_t nic, uint64_t addr) { return addr * kMaxNics + nic; }
 
   Status RemovePeer(PeerId peer) override {
     RETURN_IF_ERROR(CheckPeer(peer));
     return RunOnWorker([this, peer](ControlResult&) -> Status {
              MarkPeerLost(peer, UnavailableError(PeerName(peer) + " was removed"));
-             peer_by_addr_.erase(peers_[peer].addr);
-             return domain_->RemovePeer(peers_[peer].addr);
+             Status first;
+             for (auto [k, addr] : peers_[peer].inserted) {
+               peer_by_addr_.erase(PeerKey(k, addr));
+               Status s = domains_[k]->RemovePeer(addr);
+               if (first.ok()) first = s;
+             }
+             return first;
            })
         .status();
   }
@@ -448,11 +572,13 @@ class Engine final : public TransferEngine {
     auto plan = std::make_unique<ScatterPlan>();
     plan->src = static_cast<const uint8_t*>(src.data());
     plan->src_length = src.length();
-    plan->src_desc = src.local_desc();
+    plan->src_desc = LocalDescs(src);
     for (size_t i = 0; i < dst.size(); ++i) {
       PeerId p = g->members[i];
       RETURN_IF_ERROR(CheckOwner(p, dst[i]));
-      plan->members.push_back({p, peers_[p].addr, dst[i].base, dst[i].key, dst[i].length});
+      const uint32_t k = static_cast<uint32_t>(i % nics_);
+      const NicKey& to = dst[i].nics[k % peers_[p].remote_nics];
+      plan->members.push_back({p, k, peers_[p].addr[k], to.base, to.key, dst[i].length});
     }
     std::lock_guard<std::mutex> lock(add_mu_);
     uint32_t n = num_plans_.load(std::memory_order_relaxed);
@@ -477,9 +603,8 @@ class Engine final : public TransferEngine {
     r.kind = Kind::kSingle;
     SetPeer(r, w.peer);
     r.src = static_cast<const uint8_t*>(w.src->data()) + w.src_offset;
-    r.src_desc = w.src->local_desc();
-    r.dst = w.dst.base + w.dst_offset;
-    r.key = w.dst.key;
+    r.src_desc = LocalDescs(*w.src);
+    SetDst(r, w.dst, w.dst_offset);
     r.length = w.length;
     SetImm(r, w.imm);
     return Enqueue(std::move(r), std::move(done));
@@ -517,9 +642,8 @@ class Engine final : public TransferEngine {
     r.kind = Kind::kPaged;
     SetPeer(r, w.peer);
     r.src = static_cast<const uint8_t*>(w.src->data()) + w.src_offset;
-    r.src_desc = w.src->local_desc();
-    r.dst = w.dst.base + w.dst_offset;
-    r.key = w.dst.key;
+    r.src_desc = LocalDescs(*w.src);
+    SetDst(r, w.dst, w.dst_offset);
     r.length = w.page_bytes;
     r.src_stride = w.src_stride;
     r.dst_stride = w.dst_stride;
@@ -584,8 +708,6 @@ class Engine final : public TransferEngine {
     Request r;
     r.kind = Kind::kImm;
     SetPeer(r, peer);
-    r.dst = peers_[peer].sink_base;
-    r.key = peers_[peer].sink_key;
     SetImm(r, imm);
     return Enqueue(std::move(r), std::move(done));
   }
@@ -608,7 +730,7 @@ class Engine final : public TransferEngine {
     r.kind = Kind::kSend;
     SetPeer(r, peer);
     r.src = buf;
-    r.src_desc = send_reg_.local_desc;
+    r.src_desc = send_reg_.descs();
     r.length = message.size();
     r.send_buffer = index;
     Status s = Enqueue(std::move(r), std::move(done));
@@ -692,6 +814,9 @@ class Engine final : public TransferEngine {
     s.transfers_completed = stats_.completed.load(std::memory_order_relaxed);
     s.transfers_failed = stats_.failed.load(std::memory_order_relaxed);
     s.wrs_posted = stats_.wrs_posted.load(std::memory_order_relaxed);
+    for (uint32_t k = 0; k < kMaxNics; ++k) {
+      s.wrs_posted_per_nic[k] = stats_.wrs_per_nic[k].load(std::memory_order_relaxed);
+    }
     s.post_retries = stats_.post_retries.load(std::memory_order_relaxed);
     s.imms_received = stats_.imms.load(std::memory_order_relaxed);
     s.imms_unmatched = stats_.imms_unmatched.load(std::memory_order_relaxed);
@@ -739,7 +864,27 @@ class Engine final : public TransferEngine {
       return InvalidArgumentError("region descriptor belongs to another engine than " +
                                   PeerName(peer));
     }
+    if (region.num_nics != peers_[peer].remote_nics) {
+      return InvalidArgumentError("region descriptor has " + std::to_string(region.num_nics) +
+                                  " NIC entries but " + PeerName(peer) + " has " +
+                                  std::to_string(peers_[peer].remote_nics) + " NICs");
+    }
     return Status::Ok();
+  }
+
+  Descs LocalDescs(const MemoryRegion& region) const {
+    Descs d{};
+    for (uint32_t k = 0; k < nics_; ++k) d[k] = region.local_desc(k);
+    return d;
+  }
+
+  // The destination as each local NIC sees it (its paired peer NIC's address and key).
+  void SetDst(Request& r, const RemoteRegion& dst, uint64_t offset) const {
+    const uint32_t remote = peers_[r.peer].remote_nics;
+    for (uint32_t k = 0; k < nics_; ++k) {
+      const NicKey& to = dst.nics[k % remote];
+      r.dst[k] = {to.base + offset, to.key};
+    }
   }
 
   StatusOr<const PeerGroup*> FindGroup(GroupId group) const {
@@ -749,9 +894,16 @@ class Engine final : public TransferEngine {
     return groups_[group].get();
   }
 
-  void SetPeer(Request& r, PeerId peer) const {
+  void SetPeer(Request& r, PeerId peer) {
     r.peer = peer;
-    r.peer_addr = peers_[peer].addr;
+    r.entry = &peers_[peer];
+    r.first_nic = NextNic();
+  }
+
+  // The NIC that starts the next transfer: taken in turn so small transfers spread.
+  uint32_t NextNic() {
+    if (nics_ == 1) return 0;
+    return next_nic_.fetch_add(1, std::memory_order_relaxed) % nics_;
   }
   static void SetImm(Request& r, std::optional<uint32_t> imm) {
     r.has_imm = imm.has_value();
@@ -798,8 +950,8 @@ class Engine final : public TransferEngine {
 
   // What a control operation hands back to its caller.
   struct ControlResult {
-    Registration reg;
-    uint64_t value = 0;
+    MultiRegistration reg;
+    std::vector<std::pair<uint32_t, uint64_t>> inserted;  // AddPeer: (local NIC, address)
   };
   using ControlFn = std::function<Status(ControlResult&)>;
 
@@ -937,12 +1089,7 @@ class Engine final : public TransferEngine {
     t->req = std::move(r);
     t->deadline = Clock::now() + std::chrono::milliseconds(options_.transfer_timeout_ms);
     switch (t->req.kind) {
-      case Kind::kSingle:
-        t->chunk = max_chunk_;
-        t->total = t->req.length == 0 ? 1
-                                      : static_cast<uint32_t>((t->req.length + max_chunk_ - 1) /
-                                                              max_chunk_);
-        break;
+      case Kind::kSingle: PlanSingle(t); break;
       case Kind::kImm:
       case Kind::kSend: t->total = 1; break;
       default: t->total = t->req.count; break;
@@ -956,6 +1103,25 @@ class Engine final : public TransferEngine {
       return;
     }
     Enqueue(t);
+  }
+
+  // Cuts a single write into shards (one per NIC when it is large enough) and each shard into
+  // chunks of at most max_chunk_ bytes.
+  void PlanSingle(Transfer* t) {
+    const uint64_t length = t->req.length;
+    t->chunk = max_chunk_;
+    t->shards = 1;
+    if (nics_ > 1 && length >= nics_ * std::max<uint64_t>(options_.nic_shard_min_bytes, 1)) {
+      t->shards = nics_;
+    }
+    // Shards of whole 64-byte lines: NICs move cache lines, and the last shard takes the rest.
+    t->shard_bytes = t->shards == 1 ? length : (length / t->shards + 63) / 64 * 64;
+    t->shard_wrs = static_cast<uint32_t>(std::max<uint64_t>(
+        (t->shard_bytes + t->chunk - 1) / t->chunk, 1));
+    const uint64_t last = length - (t->shards - 1) * t->shard_bytes;
+    const uint32_t last_wrs =
+        static_cast<uint32_t>(std::max<uint64_t>((last + t->chunk - 1) / t->chunk, 1));
+    t->total = (t->shards - 1) * t->shard_wrs + last_wrs;
   }
 
   void Enqueue(Transfer* t) {
@@ -985,7 +1151,8 @@ class Engine final : public TransferEngine {
         WrSlot* slot = free_wrs_.back();
         slot->transfer = t;
         Status error;
-        PostResult res = PostOne(t, t->next, slot, &error);
+        uint32_t nic = 0;
+        PostResult res = PostOne(t, t->next, slot, &nic, &error);
         if (res == PostResult::kAgain) {
           stats_.post_retries.store(stats_.post_retries.load(std::memory_order_relaxed) + 1,
                                     std::memory_order_relaxed);
@@ -1000,6 +1167,8 @@ class Engine final : public TransferEngine {
         ++t->next;
         ++t->outstanding;
         ++posted;
+        auto& per_nic = stats_.wrs_per_nic[nic];
+        per_nic.store(per_nic.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
       }
       if (blocked) break;
       // Done posting (or deferred, or failed): off the pending list.
@@ -1015,72 +1184,87 @@ class Engine final : public TransferEngine {
     return posted;
   }
 
-  PostResult PostOne(Transfer* t, uint32_t i, WrSlot* slot, Status* error) {
+  // Posts WR i of transfer t on the NIC the file comment assigns it to; *nic says which.
+  PostResult PostOne(Transfer* t, uint32_t i, WrSlot* slot, uint32_t* nic, Status* error) {
     const Request& r = t->req;
     WriteWr wr;
     wr.context = &slot->ctx;
     wr.has_imm = r.has_imm;
     wr.imm = r.imm;
+    uint32_t k = r.first_nic;
     switch (r.kind) {
       case Kind::kSingle: {
-        uint64_t off = uint64_t{i} * t->chunk;
+        const uint32_t shard = std::min(i / t->shard_wrs, t->shards - 1);
+        const uint64_t shard_start = shard * t->shard_bytes;
+        const uint64_t shard_end = shard + 1 == t->shards ? r.length : shard_start + t->shard_bytes;
+        const uint64_t off = shard_start + uint64_t{i - shard * t->shard_wrs} * t->chunk;
+        k = (r.first_nic + shard) % nics_;
         wr.local = r.src + off;
-        wr.length = std::min(t->chunk, r.length - off);
-        wr.local_desc = r.src_desc;
-        wr.peer_addr = r.peer_addr;
-        wr.remote_addr = r.dst + off;
-        wr.key = r.key;
+        wr.length = std::min(t->chunk, shard_end - off);
+        wr.remote_addr = r.dst[k].base + off;
+        wr.key = r.dst[k].key;
         wr.has_imm = r.has_imm && i == t->total - 1;
         break;
       }
       case Kind::kPaged:
+        k = (r.first_nic + i) % nics_;
         wr.local = r.src + uint64_t{r.src_pages[i]} * r.src_stride;
         wr.length = r.length;
-        wr.local_desc = r.src_desc;
-        wr.peer_addr = r.peer_addr;
-        wr.remote_addr = r.dst + uint64_t{r.dst_pages[i]} * r.dst_stride;
-        wr.key = r.key;
+        wr.remote_addr = r.dst[k].base + uint64_t{r.dst_pages[i]} * r.dst_stride;
+        wr.key = r.dst[k].key;
         break;
       case Kind::kScatter: {
         const ScatterTarget& target = r.targets[i];
         const ScatterMember& m = r.plan->members[target.member];
+        k = m.nic;
         wr.local = r.plan->src + target.src_offset;
         wr.length = target.length;
-        wr.local_desc = r.plan->src_desc;
+        wr.local_desc = r.plan->src_desc[k];
         wr.peer_addr = m.addr;
         wr.remote_addr = m.base + target.dst_offset;
         wr.key = m.key;
-        break;
+        *nic = k;
+        return domains_[k]->PostWrite(wr, error);
       }
       case Kind::kBarrier: {
+        k = i % nics_;
         const PeerEntry& p = r.peers[r.group->members[i]];
-        wr.peer_addr = p.addr;
-        wr.remote_addr = p.sink_base;
-        wr.key = p.sink_key;
-        break;
+        wr.peer_addr = p.addr[k];
+        wr.remote_addr = p.sink[k].base;
+        wr.key = p.sink[k].key;
+        *nic = k;
+        return domains_[k]->PostWrite(wr, error);
       }
       case Kind::kImm:
-        wr.peer_addr = r.peer_addr;
-        wr.remote_addr = r.dst;
-        wr.key = r.key;
+        wr.remote_addr = r.entry->sink[k].base;
+        wr.key = r.entry->sink[k].key;
         break;
       case Kind::kSend:
-        return domain_->PostSend(r.src, r.length, r.src_desc, r.peer_addr, &slot->ctx, error);
+        *nic = k;
+        return domains_[k]->PostSend(r.src, r.length, r.src_desc[k], r.entry->addr[k],
+                                     &slot->ctx, error);
       case Kind::kNotify:
       case Kind::kDisarm: break;
     }
-    return domain_->PostWrite(wr, error);
+    // Single-peer writes.
+    wr.local_desc = r.src_desc[k];
+    wr.peer_addr = r.entry->addr[k];
+    *nic = k;
+    return domains_[k]->PostWrite(wr, error);
   }
 
   size_t PollCompletions() {
     DomainCompletion batch[32];
     size_t total = 0;
-    for (;;) {
-      size_t n = domain_->Poll(batch);
-      for (size_t i = 0; i < n; ++i) Complete(batch[i]);
-      total += n;
-      if (n < std::size(batch)) return total;
+    for (uint32_t k = 0; k < nics_; ++k) {
+      for (;;) {
+        size_t n = domains_[k]->Poll(batch);
+        for (size_t i = 0; i < n; ++i) Complete(batch[i], k);
+        total += n;
+        if (n < std::size(batch)) break;
+      }
     }
+    return total;
   }
 
   bool IsRecvSlot(const OpContext* ctx) const {
@@ -1088,14 +1272,14 @@ class Engine final : public TransferEngine {
     return p >= recv_slots_.get() && p < recv_slots_.get() + num_recv_slots_;
   }
 
-  void Complete(DomainCompletion& c) {
+  void Complete(DomainCompletion& c, uint32_t nic) {
     if (c.context && IsRecvSlot(c.context)) {
       auto* rs = reinterpret_cast<RecvSlot*>(c.context);
       if (c.error.ok()) {
         if (c.kind == CompletionKind::kRemoteImm) {
           CountImm(c.imm);
         } else {
-          OnMessage(c, rs->index);
+          OnMessage(c, rs->index, nic);
         }
       }
       if (!stop_.load(std::memory_order_relaxed)) {
@@ -1156,12 +1340,12 @@ class Engine final : public TransferEngine {
     if (slot->armed && now >= slot->target) FireNotify(slot, Status::Ok());
   }
 
-  void OnMessage(const DomainCompletion& c, uint32_t index) {
+  void OnMessage(const DomainCompletion& c, uint32_t index, uint32_t nic) {
     stats_.messages.store(stats_.messages.load(std::memory_order_relaxed) + 1,
                           std::memory_order_relaxed);
     if (!message_handler_) return;
     std::optional<PeerId> from;
-    auto it = peer_by_addr_.find(c.src_addr);
+    auto it = peer_by_addr_.find(PeerKey(nic, c.src_addr));
     if (c.src_addr != kNoPeerAddr && it != peer_by_addr_.end()) from = it->second;
     const uint8_t* data = recv_buffers_.data() + uint64_t{index} * options_.message_bytes;
     message_handler_(from, std::span<const uint8_t>(data, c.length));
@@ -1171,7 +1355,9 @@ class Engine final : public TransferEngine {
     uint8_t* data = recv_buffers_.data() + uint64_t{index} * options_.message_bytes;
     Status error;
     for (int attempt = 0;; ++attempt) {
-      PostResult r = domain_->PostRecv(data, options_.message_bytes, recv_reg_.local_desc,
+      const uint32_t nic = recv_slots_[index].nic;
+      PostResult r = domains_[nic]->PostRecv(data, options_.message_bytes,
+                                             recv_reg_.per_nic[nic].local_desc,
                                        &recv_slots_[index].ctx, &error);
       if (r == PostResult::kPosted) return Status::Ok();
       if (r == PostResult::kError || attempt > 1000) return error;
@@ -1366,7 +1552,10 @@ class Engine final : public TransferEngine {
   }
 
   const EngineOptions options_;
-  std::unique_ptr<Domain> domain_;
+  std::vector<std::unique_ptr<Domain>> domains_;  // the domain group: one per NIC
+  const uint32_t nics_;
+  FabricInfo info_;
+  std::atomic<uint32_t> next_nic_{0};
   uint64_t id_ = 0;
   uint64_t max_chunk_ = 0;
   std::vector<uint8_t> address_;
@@ -1389,13 +1578,16 @@ class Engine final : public TransferEngine {
 
   // Buffers for immediates and messages.
   std::vector<uint8_t> sink_;
-  Registration sink_reg_;
+  MultiRegistration sink_reg_;
   std::vector<uint8_t> recv_buffers_;
-  Registration recv_reg_;
+  MultiRegistration recv_reg_;
   std::unique_ptr<RecvSlot[]> recv_slots_;
   uint32_t num_recv_slots_ = 0;
   std::vector<uint8_t> send_buffers_;
-  Registration send_reg_;
+  MultiRegistration send_reg_;
+  // Registrations of user regions, keyed by the handle their MemoryRegion holds.
+  std::mutex regs_mu_;
+  std::unordered_map<MultiRegistration*, std::unique_ptr<MultiRegistration>> regs_;
   BoundedQueue<uint32_t> free_send_buffers_;
 
   ImmCounterTable counters_;
@@ -1419,6 +1611,7 @@ class Engine final : public TransferEngine {
   struct Stats {
     std::atomic<uint64_t> submitted{0}, completed{0}, failed{0}, wrs_posted{0}, post_retries{0},
         imms{0}, imms_unmatched{0}, messages{0};
+    std::array<std::atomic<uint64_t>, kMaxNics> wrs_per_nic{};
   } stats_;
 
   // Control operations for the worker.
@@ -1511,15 +1704,64 @@ class EngineHandle final : public TransferEngine {
   Engine* e_;  // owned; leaked on purpose when its worker cannot be stopped
 };
 
-StatusOr<std::unique_ptr<TransferEngine>> CreateEngineWithDomain(const EngineOptions& options,
-                                                                 std::unique_ptr<Domain> domain) {
-  auto engine = std::make_unique<Engine>(options, std::move(domain));
+StatusOr<std::unique_ptr<TransferEngine>> CreateEngineWithDomains(
+    const EngineOptions& options, std::vector<std::unique_ptr<Domain>> domains) {
+  if (domains.empty() || domains.size() > kMaxNics) {
+    return InvalidArgumentError("an engine drives 1 to " + std::to_string(kMaxNics) +
+                                " NICs, not " + std::to_string(domains.size()));
+  }
+  for (size_t k = 1; k < domains.size(); ++k) {
+    if (domains[k]->info().provider != domains[0]->info().provider) {
+      return InvalidArgumentError("the NICs of one engine must share a provider");
+    }
+  }
+  auto engine = std::make_unique<Engine>(options, std::move(domains));
   Status s = engine->Init();
   if (!s.ok()) {
     if (!engine->StopWorker()) (void)engine.release();
     return s;
   }
   return std::unique_ptr<TransferEngine>(new EngineHandle(std::move(engine)));
+}
+
+StatusOr<std::unique_ptr<TransferEngine>> CreateEngineWithDomain(const EngineOptions& options,
+                                                                 std::unique_ptr<Domain> domain) {
+  std::vector<std::unique_ptr<Domain>> domains;
+  domains.push_back(std::move(domain));
+  return CreateEngineWithDomains(options, std::move(domains));
+}
+
+StatusOr<std::vector<std::unique_ptr<Domain>>> OpenDomains(const EngineOptions& options) {
+  std::vector<std::string> names = options.nics;
+  if (names.empty()) {
+    if (options.num_nics == 0 || options.num_nics > kMaxNics) {
+      return InvalidArgumentError("EngineOptions.num_nics is " +
+                                  std::to_string(options.num_nics) + "; 1 to " +
+                                  std::to_string(kMaxNics) + " allowed");
+    }
+    // The provider's first distinct NICs; a provider with fewer (software ones have one), or a
+    // bound node address (which names one interface), gives each entry its own endpoint on one.
+    std::vector<std::string> offered;
+    if (options.num_nics > 1 && !options.provider.empty() && options.node.empty()) {
+      offered = ListLibfabricDomains(options.provider);
+    }
+    for (uint32_t k = 0; k < options.num_nics; ++k) {
+      names.push_back(offered.size() >= options.num_nics ? offered[k] : std::string());
+    }
+  }
+  if (names.size() > kMaxNics) {
+    return InvalidArgumentError(std::to_string(names.size()) + " NICs named; an engine drives " +
+                                "at most " + std::to_string(kMaxNics));
+  }
+  std::vector<std::unique_ptr<Domain>> domains;
+  for (const std::string& name : names) {
+    auto d = OpenLibfabricDomain(options, name);
+    if (!d.ok()) {
+      return names.size() > 1 ? d.status().WithContext("NIC '" + name + "'") : d.status();
+    }
+    domains.push_back(std::move(d).value());
+  }
+  return domains;
 }
 
 }  // namespace fabric
@@ -1529,8 +1771,8 @@ StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::Create(const EngineOpt
       options.max_outstanding_wrs == 0 || options.max_peers == 0 || options.message_bytes == 0) {
     return InvalidArgumentError("EngineOptions: queue depths, pools and message_bytes must be > 0");
   }
-  ASSIGN_OR_RETURN(std::unique_ptr<fabric::Domain> domain, fabric::OpenLibfabricDomain(options));
-  return fabric::CreateEngineWithDomain(options, std::move(domain));
+  ASSIGN_OR_RETURN(auto domains, fabric::OpenDomains(options));
+  return fabric::CreateEngineWithDomains(options, std::move(domains));
 }
 
 }  // namespace ferry

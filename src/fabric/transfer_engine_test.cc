@@ -384,7 +384,7 @@ class FaultTest : public ::testing::TestWithParam<std::string> {
     o.transfer_timeout_ms = 300;
     o.control_timeout_ms = 300;
     o.shutdown_timeout_ms = 300;
-    auto base = fabric::OpenLibfabricDomain(o);
+    auto base = fabric::OpenLibfabricDomain(o, "");
     ASSERT_TRUE(base.ok()) << base.status();
     auto fault = std::make_unique<fabric::FaultInjectionDomain>(std::move(base).value());
     fault_ = fault.get();
@@ -418,7 +418,7 @@ class FaultTest : public ::testing::TestWithParam<std::string> {
 };
 
 TEST_P(FaultTest, CompletionErrorFailsOnlyThatTransferWithTheProviderMessage) {
-  fault_->FailWritesToKey(dst1_reg_.remote().key);
+  fault_->FailWritesToKey(dst1_reg_.remote().nics[0].key);
   std::atomic<int> n{0};
   Status bad, good;
   ASSERT_TRUE(a_->Write(To(dst1_reg_), Completion::Callback([&](const Status& s) {
@@ -443,7 +443,7 @@ TEST_P(FaultTest, CompletionErrorFailsOnlyThatTransferWithTheProviderMessage) {
 }
 
 TEST_P(FaultTest, AWriteThatNeverCompletesFailsAtTheDeadlineAndMarksThePeerLost) {
-  fault_->SwallowWritesToKey(dst1_reg_.remote().key);
+  fault_->SwallowWritesToKey(dst1_reg_.remote().nics[0].key);
   TransferCounter c;
   auto start = Clock::now();
   ASSERT_TRUE(a_->Write(To(dst1_reg_), Completion::Counter(&c)).ok());

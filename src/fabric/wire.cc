@@ -68,9 +68,12 @@ std::vector<uint8_t> EngineAddress::Serialize() const {
   w.U16(0);
   w.U64(engine_id);
   w.Bytes({reinterpret_cast<const uint8_t*>(provider.data()), provider.size()});
-  w.Bytes(name);
-  w.U64(sink_base);
-  w.U64(sink_key);
+  w.U32(static_cast<uint32_t>(nics.size()));
+  for (const NicAddress& nic : nics) {
+    w.Bytes(nic.name);
+    w.U64(nic.sink_base);
+    w.U64(nic.sink_key);
+  }
   return w.Take();
 }
 
@@ -78,15 +81,25 @@ StatusOr<EngineAddress> EngineAddress::Parse(std::span<const uint8_t> bytes) {
   ByteReader r(bytes, "engine address");
   EngineAddress a;
   std::vector<uint8_t> provider;
+  uint32_t nics = 0;
   RETURN_IF_ERROR(r.Header(kAddressMagic));
   RETURN_IF_ERROR(r.U64(&a.engine_id));
   RETURN_IF_ERROR(r.Bytes(&provider, 64));
-  RETURN_IF_ERROR(r.Bytes(&a.name, kMaxNameBytes));
-  RETURN_IF_ERROR(r.U64(&a.sink_base));
-  RETURN_IF_ERROR(r.U64(&a.sink_key));
+  RETURN_IF_ERROR(r.U32(&nics));
+  if (nics == 0 || nics > kMaxNics) {
+    return InvalidArgumentError("engine address: " + std::to_string(nics) +
+                                " NICs (1 to " + std::to_string(kMaxNics) + " allowed)");
+  }
+  a.nics.resize(nics);
+  for (NicAddress& nic : a.nics) {
+    RETURN_IF_ERROR(r.Bytes(&nic.name, kMaxNameBytes));
+    RETURN_IF_ERROR(r.U64(&nic.sink_base));
+    RETURN_IF_ERROR(r.U64(&nic.sink_key));
+    if (nic.name.empty()) return InvalidArgumentError("engine address: empty NIC name");
+  }
   RETURN_IF_ERROR(r.Finish());
-  if (a.engine_id == 0 || a.name.empty() || provider.empty()) {
-    return InvalidArgumentError("engine address: empty id, name or provider");
+  if (a.engine_id == 0 || provider.empty()) {
+    return InvalidArgumentError("engine address: empty id or provider");
   }
   a.provider.assign(provider.begin(), provider.end());
   return a;
@@ -100,11 +113,13 @@ std::vector<uint8_t> RemoteRegion::Serialize() const {
   fabric::ByteWriter w;
   w.U32(fabric::kRegionMagic);
   w.U16(fabric::kWireVersion);
-  w.U16(1);  // NIC entries that follow
+  w.U16(static_cast<uint16_t>(num_nics));
   w.U64(engine_id);
   w.U64(length);
-  w.U64(base);
-  w.U64(key);
+  for (uint32_t i = 0; i < num_nics && i < kMaxNics; ++i) {
+    w.U64(nics[i].base);
+    w.U64(nics[i].key);
+  }
   return w.Take();
 }
 
@@ -121,19 +136,22 @@ StatusOr<RemoteRegion> RemoteRegion::Parse(std::span<const uint8_t> bytes) {
                                 ", this build reads " + std::to_string(fabric::kWireVersion));
   }
   RETURN_IF_ERROR(r.U16(&nics));
-  if (nics != 1) {
+  if (nics == 0 || nics > kMaxNics) {
     return InvalidArgumentError("region descriptor has " + std::to_string(nics) +
-                                " NIC entries; this engine uses 1");
+                                " NIC entries (1 to " + std::to_string(kMaxNics) + " allowed)");
   }
+  region.num_nics = nics;
   RETURN_IF_ERROR(r.U64(&region.engine_id));
   RETURN_IF_ERROR(r.U64(&region.length));
-  RETURN_IF_ERROR(r.U64(&region.base));
-  RETURN_IF_ERROR(r.U64(&region.key));
+  for (uint32_t i = 0; i < nics; ++i) {
+    RETURN_IF_ERROR(r.U64(&region.nics[i].base));
+    RETURN_IF_ERROR(r.U64(&region.nics[i].key));
+    if (region.nics[i].base + region.length < region.nics[i].base) {
+      return InvalidArgumentError("region descriptor: base + length overflows");
+    }
+  }
   RETURN_IF_ERROR(r.Finish());
   if (region.engine_id == 0) return InvalidArgumentError("region descriptor: engine id is 0");
-  if (region.base + region.length < region.base) {
-    return InvalidArgumentError("region descriptor: base + length overflows");
-  }
   return region;
 }
 

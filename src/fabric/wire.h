@@ -13,16 +13,21 @@
 
 namespace ferry::fabric {
 
-inline constexpr uint16_t kWireVersion = 1;
+inline constexpr uint16_t kWireVersion = 2;  // 2: one entry per NIC of a domain group
 
-// What AddPeer needs: who the engine is, which provider it speaks, its provider address, and the
-// small region that receives immediate-only writes.
-struct EngineAddress {
-  uint64_t engine_id = 0;
-  std::string provider;
+// One NIC of an engine: its provider endpoint name and the small region that receives
+// immediate-only writes.
+struct NicAddress {
   std::vector<uint8_t> name;  // provider endpoint name (fi_getname)
   uint64_t sink_base = 0;
   uint64_t sink_key = 0;
+};
+
+// What AddPeer needs: who the engine is, which provider it speaks, and its NICs (1 to kMaxNics).
+struct EngineAddress {
+  uint64_t engine_id = 0;
+  std::string provider;
+  std::vector<NicAddress> nics;
 
   std::vector<uint8_t> Serialize() const;
   static StatusOr<EngineAddress> Parse(std::span<const uint8_t> bytes);

@@ -21,6 +21,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -100,7 +101,8 @@ using InfoPtr = std::unique_ptr<fi_info, InfoDeleter>;
 constexpr uint64_t kMrModesWeHandle = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED |
                                       FI_MR_PROV_KEY | FI_MR_ENDPOINT | FI_MR_HMEM;
 
-StatusOr<InfoPtr> GetInfo(const std::string& provider, const std::string& node,
+StatusOr<InfoPtr> GetInfo(const std::string& provider, const std::string& domain,
+                          const std::string& node,
                           uint64_t optional_caps) {
   InfoPtr hints(fi_allocinfo());
   if (!hints) return ResourceExhaustedError("fi_allocinfo failed");
@@ -112,6 +114,7 @@ StatusOr<InfoPtr> GetInfo(const std::string& provider, const std::string& node,
   hints->domain_attr->data_progress = FI_PROGRESS_MANUAL;
   hints->addr_format = FI_FORMAT_UNSPEC;
   if (!provider.empty()) hints->fabric_attr->prov_name = strdup(provider.c_str());
+  if (!domain.empty()) hints->domain_attr->name = strdup(domain.c_str());
   fi_info* info = nullptr;
   const char* node_arg = node.empty() ? nullptr : node.c_str();
   uint64_t flags = node.empty() ? 0 : FI_SOURCE;
@@ -121,13 +124,16 @@ StatusOr<InfoPtr> GetInfo(const std::string& provider, const std::string& node,
   // A provider name match in fi_getinfo is by prefix of the layered name; take an exact match.
   InfoPtr all(info);
   for (fi_info* cur = info; cur; cur = cur->next) {
+    // Some providers (shm) ignore a domain name they do not have; we do not.
+    if (!domain.empty() && (!cur->domain_attr->name || domain != cur->domain_attr->name)) continue;
     if (provider.empty() || provider == cur->fabric_attr->prov_name) {
       InfoPtr picked(fi_dupinfo(cur));
       if (!picked) return ResourceExhaustedError("fi_dupinfo failed");
       return picked;
     }
   }
-  return NotFoundError("no libfabric provider named '" + provider + "'");
+  return NotFoundError("no libfabric provider named '" + provider + "'" +
+                       (domain.empty() ? "" : " with domain '" + domain + "'"));
 }
 
 // shm names its shared-memory file after the source address, "fi_shm://<pid>" by default, and
@@ -170,7 +176,8 @@ std::string UniqueShmNode() {
 
 class LibfabricDomain final : public Domain {
  public:
-  static StatusOr<std::unique_ptr<Domain>> Open(const EngineOptions& options) {
+  static StatusOr<std::unique_ptr<Domain>> Open(const EngineOptions& options,
+                                                const std::string& domain) {
     std::vector<std::string> candidates;
     if (options.provider.empty()) {
       candidates = {"efa", "shm"};
@@ -180,7 +187,7 @@ class LibfabricDomain final : public Domain {
     Status last;
     for (const std::string& provider : candidates) {
       auto d = std::unique_ptr<LibfabricDomain>(new LibfabricDomain());
-      Status s = d->Init(provider, options);
+      Status s = d->Init(provider, domain, options);
       if (s.ok()) return std::unique_ptr<Domain>(std::move(d));
       last = s;
     }
@@ -358,7 +365,8 @@ class LibfabricDomain final : public Domain {
     return 1;
   }
 
-  Status Init(const std::string& provider, const EngineOptions& options) {
+  Status Init(const std::string& provider, const std::string& domain,
+              const EngineOptions& options) {
     // Ask for the optional capabilities first (the sender's address on receives; CUDA memory
     // only when asked: shm with FI_HMEM gives up its single-copy path for large host writes and
     // runs at half the bandwidth), then settle for less: a provider without them still runs,
@@ -369,7 +377,7 @@ class LibfabricDomain final : public Domain {
     const std::string node =
         provider == "shm" && options.node.empty() ? UniqueShmNode() : options.node;
     for (uint64_t caps : {uint64_t{hmem | FI_SOURCE}, hmem, uint64_t{FI_SOURCE}, uint64_t{0}}) {
-      auto got = GetInfo(provider, node, caps);
+      auto got = GetInfo(provider, domain, node, caps);
       if (got.ok()) {
         info = std::move(got).value();
         break;
@@ -459,8 +467,32 @@ class LibfabricDomain final : public Domain {
 
 }  // namespace
 
-StatusOr<std::unique_ptr<Domain>> OpenLibfabricDomain(const EngineOptions& options) {
-  return LibfabricDomain::Open(options);
+StatusOr<std::unique_ptr<Domain>> OpenLibfabricDomain(const EngineOptions& options,
+                                                      const std::string& domain) {
+  return LibfabricDomain::Open(options, domain);
+}
+
+std::vector<std::string> ListLibfabricDomains(const std::string& provider) {
+  std::vector<std::string> names;
+  InfoPtr hints(fi_allocinfo());
+  if (!hints) return names;
+  hints->caps = FI_MSG | FI_RMA;
+  hints->ep_attr->type = FI_EP_RDM;
+  hints->domain_attr->mr_mode = kMrModesWeHandle;
+  hints->mode = FI_CONTEXT | FI_CONTEXT2 | FI_RX_CQ_DATA;
+  hints->fabric_attr->prov_name = strdup(provider.c_str());
+  fi_info* info = nullptr;
+  if (fi_getinfo(FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_VERSION), nullptr, nullptr, 0,
+                 hints.get(), &info) != 0) {
+    return names;
+  }
+  InfoPtr all(info);
+  for (fi_info* cur = info; cur; cur = cur->next) {
+    if (provider != cur->fabric_attr->prov_name || !cur->domain_attr->name) continue;
+    std::string name = cur->domain_attr->name;
+    if (std::find(names.begin(), names.end(), name) == names.end()) names.push_back(name);
+  }
+  return names;
 }
 
 }  // namespace ferry::fabric
