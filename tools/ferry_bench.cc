@@ -5,6 +5,7 @@
 //                      [--topk K] [--dtype fp8|bf16] [--iters I] [--json]
 //                      [--once-per-rank] [--reduce-at-expert-rank] [--compare]
 //   ferry-bench kv     [--provider P] [--tokens T] [--decoders N] [--json]
+//   ferry-bench topo   [--sysfs DIR] [--exclude NIC,...]: which NICs and core serve each GPU
 //   ferry-bench demo   the main job of `make demo`: short fabric, moe and kv runs on shm
 #include <cstdio>
 #include <cstdlib>
@@ -14,6 +15,7 @@
 #include "tools/bench_fabric.h"
 #include "tools/bench_kv.h"
 #include "tools/bench_moe.h"
+#include "ferry/topology.h"
 
 namespace {
 
@@ -25,6 +27,7 @@ void Usage() {
                " [--json]\n"
                "                       [--once-per-rank] [--reduce-at-expert-rank] [--compare]\n"
                "       ferry-bench kv [--provider P] [--tokens T] [--decoders N] [--json]\n"
+               "       ferry-bench topo [--sysfs DIR] [--exclude NIC,...]\n"
                "       ferry-bench demo\n"
                "Provider from --provider, else FERRY_PROVIDER, else shm.\n");
 }
@@ -48,6 +51,7 @@ int main(int argc, char** argv) {
   ferry::bench::FabricBenchOptions f;
   ferry::bench::MoeBenchOptions m;
   ferry::bench::KvBenchOptions kv;
+  ferry::TopologyOptions topo;
   if (const char* p = std::getenv("FERRY_PROVIDER")) f.provider = m.provider = kv.provider = p;
   for (int i = 2; i < argc; ++i) {
     const std::string a = argv[i];
@@ -76,6 +80,15 @@ int main(int argc, char** argv) {
       ok = ParseInt(argv[++i], &kv.decoders) && kv.decoders >= 1 && kv.decoders <= 16;
     } else if (a == "--iters" && has_value) {
       ok = ParseInt(argv[++i], &m.iters);
+    } else if (a == "--sysfs" && has_value) {
+      topo.sysfs_root = argv[++i];
+    } else if (a == "--exclude" && has_value) {
+      std::string list = argv[++i];
+      for (size_t start = 0; start <= list.size();) {
+        size_t end = std::min(list.find(',', start), list.size());
+        if (end > start) topo.exclude_nics.push_back(list.substr(start, end - start));
+        start = end + 1;
+      }
     } else if (a == "--once-per-rank") {
       m.once_per_rank = true;
     } else if (a == "--reduce-at-expert-rank") {
@@ -106,6 +119,15 @@ int main(int argc, char** argv) {
   if (command == "fabric") return ferry::bench::RunFabricBench(f);
   if (command == "moe") return ferry::bench::RunMoeBench(m);
   if (command == "kv") return ferry::bench::RunKvBench(kv);
+  if (command == "topo") {
+    auto t = ferry::Topology::Discover(topo);
+    if (!t.ok()) {
+      std::fprintf(stderr, "topology: %s\n", t.status().ToString().c_str());
+      return 1;
+    }
+    std::printf("%s", t->Describe().c_str());
+    return 0;
+  }
   if (command == "demo") {
     std::printf("ferry demo: three short runs on local ranks. Ratios against the raw baselines "
                 "swing on machines with few cores (every rank polls); docs/PERFORMANCE.md has "
