@@ -1,0 +1,144 @@
+// The decisions of the ConnectX-7 (ibverbs) backend, apart from the calls themselves:
+//
+// - VerbsConfig: port, GID index, PSNs, qkey, MTU, retry and timeout settings, traffic class and
+//   service level; every one configurable (FERRY_IB_*), none hard-coded into a call.
+// - Handshake: what two domains tell each other over their UD queue pairs to connect their RC
+//   queue pairs (two per peer: one for SEND/RECV messages, one for WRITE_WITH_IMM, whose
+//   immediates land in a shared receive queue). Versioned bytes, fully validated.
+// - RcSteps / UdSteps: the RESET -> INIT -> RTR -> RTS attribute sets and masks, applied in order
+//   by ApplySteps, which names the step and QP that failed.
+// - WrChain: several work requests linked into one ibv_post_send, every one signalled (the engine
+//   needs one completion per WR), small payloads inlined; a partial post says where it stopped.
+// - WcToStatus: a work completion's status as a ferry Status with peer, QP and WR in the message.
+// - RegisterWithFallback: GPU memory through ibv_reg_dmabuf_mr, else plain ibv_reg_mr (the
+//   nvidia-peermem path), relaxed PCIe ordering where the device allows.
+#pragma once
+
+#include <infiniband/verbs.h>
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "fabric/verbs/verbs_api.h"
+#include "ferry/status.h"
+
+namespace ferry::fabric::verbs {
+
+struct VerbsConfig {
+  uint8_t port = 1;            // FERRY_IB_PORT
+  int gid_index = 0;           // FERRY_IB_GID_INDEX (RoCE v2 often needs 3)
+  uint32_t qkey = 0x1ffe7e11;  // FERRY_IB_QKEY: UD handshake queue pairs
+  uint32_t psn = 0;            // FERRY_IB_PSN: starting PSN; 0 draws a random one per QP
+  uint32_t mtu_bytes = 4096;   // FERRY_IB_MTU: upper bound; the port's active MTU may lower it
+  uint8_t timeout = 14;        // FERRY_IB_TIMEOUT: 4.096 us * 2^timeout per retry
+  uint8_t retry_count = 7;     // FERRY_IB_RETRY
+  uint8_t rnr_retry = 7;       // FERRY_IB_RNR_RETRY (7: retry forever on receiver-not-ready)
+  uint8_t min_rnr_timer = 12;
+  uint8_t service_level = 0;   // FERRY_IB_SL
+  uint8_t traffic_class = 0;   // FERRY_IB_TC
+  uint8_t hop_limit = 64;
+  uint8_t max_rd_atomic = 16;
+  bool relaxed_ordering = true;  // FERRY_IB_RELAXED_ORDERING=0 turns it off
+  uint32_t max_chain = 16;       // WRs linked into one post
+
+  static VerbsConfig FromEnv();
+  Status Validate() const;
+};
+
+// The MTU enum for a byte count (256..4096); InvalidArgument otherwise.
+StatusOr<ibv_mtu> MtuFromBytes(uint32_t bytes);
+
+struct RcEndpoint {
+  uint32_t qpn = 0;
+  uint32_t psn = 0;  // 24 bits
+};
+
+// One domain's half of a connection, sent to the peer's UD queue pair (and re-sent until the
+// peer's reply says it has it: UD may drop).
+struct Handshake {
+  uint64_t token = 0;       // the sender domain's random id
+  uint64_t peer_token = 0;  // the domain it is meant for; 0 when not yet known
+  ibv_gid gid{};
+  uint16_t lid = 0;
+  uint8_t port = 1;
+  uint8_t mtu = IBV_MTU_4096;  // ibv_mtu
+  RcEndpoint msg;              // SEND/RECV queue pair
+  RcEndpoint write;            // WRITE_WITH_IMM queue pair
+  bool have_yours = false;     // the sender already holds the receiver's handshake
+
+  std::vector<uint8_t> Serialize() const;
+  static StatusOr<Handshake> Parse(std::span<const uint8_t> bytes);
+};
+
+struct QpStep {
+  const char* name;  // "INIT", "RTR", "RTS"
+  ibv_qp_attr attr;
+  int mask;
+};
+
+// What the local port says about itself.
+struct LocalPort {
+  uint8_t port = 1;
+  ibv_mtu active_mtu = IBV_MTU_4096;
+  uint8_t link_layer = IBV_LINK_LAYER_INFINIBAND;
+  int gid_index = 0;
+};
+
+// RC: RESET -> INIT -> RTR -> RTS towards `remote_ep` of the peer described by `remote`.
+StatusOr<std::vector<QpStep>> RcSteps(const VerbsConfig& config, const LocalPort& local,
+                                      uint32_t local_psn, const Handshake& remote,
+                                      const RcEndpoint& remote_ep);
+// UD (the handshake QP): RESET -> INIT -> RTR -> RTS.
+std::vector<QpStep> UdSteps(const VerbsConfig& config, uint32_t psn);
+
+// Applies the steps in order; the error names the QP, `what` it is for, and the failed step.
+Status ApplySteps(VerbsApi& api, ibv_qp* qp, std::span<const QpStep> steps,
+                  const std::string& what);
+
+// Work requests linked into one post. Storage is reserved once; Add* never allocates.
+class WrChain {
+ public:
+  WrChain(uint32_t max_wrs, uint32_t max_inline);
+  bool full() const { return count_ == wrs_.size(); }
+  bool empty() const { return count_ == 0; }
+  uint32_t size() const { return count_; }
+  // A write of [local, local + length) to remote_addr; with an immediate, WRITE_WITH_IMM (the
+  // immediate travels in network byte order, as verbs requires). length 0: the immediate alone.
+  void AddWrite(const void* local, uint32_t length, uint32_t lkey, uint64_t remote_addr,
+                uint32_t rkey, std::optional<uint32_t> imm, uint64_t wr_id);
+  void AddSend(const void* local, uint32_t length, uint32_t lkey, uint64_t wr_id);
+  // Posts the chain and empties it. Returns how many WRs, from the front, the device took; on a
+  // refusal `error` names the first WR refused (its id) and the errno.
+  uint32_t Post(VerbsApi& api, ibv_qp* qp, Status* error);
+  const ibv_send_wr& wr(uint32_t i) const { return wrs_[i]; }
+
+ private:
+  std::vector<ibv_send_wr> wrs_;
+  std::vector<ibv_sge> sges_;
+  uint32_t count_ = 0;
+  uint32_t max_inline_;
+};
+
+// A completion's status as a Status (Ok for success); the message carries the peer, the QP
+// number, the WR id and the vendor error.
+Status WcToStatus(const ibv_wc& wc, const std::string& peer);
+const char* WcStatusName(ibv_wc_status status);
+
+// Access flags for a registration: local write and remote write/read, plus relaxed ordering
+// when configured (a hint the device ignores if it cannot).
+int MrAccess(const VerbsConfig& config);
+
+// GPU memory: ibv_reg_dmabuf_mr on `dmabuf_fd` when there is one, then plain ibv_reg_mr (which
+// needs nvidia-peermem for device memory). The error names every attempt.
+StatusOr<ibv_mr*> RegisterWithFallback(VerbsApi& api, ibv_pd* pd, void* addr, size_t length,
+                                       int dmabuf_fd, int access);
+
+// The device to open: `wanted` if named (NotFound if absent), else the first. Unavailable
+// ("no RDMA device found") on a machine without any.
+StatusOr<std::string> PickDevice(const std::vector<std::string>& available,
+                                 const std::string& wanted);
+
+}  // namespace ferry::fabric::verbs
