@@ -59,8 +59,9 @@ enum class MemoryKind : uint8_t { kHost = 0, kCuda = 1 };
 inline constexpr uint32_t kMaxNics = 4;
 
 struct EngineOptions {
-  // libfabric provider: "shm", "tcp;ofi_rxm", "efa"; empty picks the first of efa, shm.
-  // Environment: FERRY_PROVIDER.
+  // Backend: a libfabric provider ("efa", "shm", "tcp;ofi_rxm") or "verbs" (libibverbs, for
+  // ConnectX NICs); empty picks the first that opens of efa, verbs, shm.
+  // Environment: FERRY_PROVIDER. Verbs settings: FERRY_IB_* (see src/fabric/verbs/verbs_logic.h).
   std::string provider;
   // Address to bind (tcp: "127.0.0.1" on loopback). Empty lets the provider choose.
   // Environment: FERRY_NODE.

@@ -21,7 +21,7 @@ RemoteRegion Region(uint64_t engine, uint64_t length, std::vector<NicKey> nics) 
 TEST(WireTest, RegionRoundTripsWithEveryNicCount) {
   for (uint32_t n = 1; n <= kMaxNics; ++n) {
     std::vector<NicKey> nics;
-    for (uint32_t i = 0; i < n; ++i) nics.push_back({0x7f0000001000 + i, 0xdeadbeef00 + i});
+    for (uint32_t i = 0; i < n; ++i) nics.push_back({0x7f0000001000ull + i, 0xdeadbeef00ull + i});
     RemoteRegion r = Region(0x1234, 1 << 20, nics);
     auto p = RemoteRegion::Parse(r.Serialize());
     ASSERT_TRUE(p.ok()) << p.status();

@@ -131,6 +131,19 @@ StatusOr<Handshake> Handshake::Parse(std::span<const uint8_t> bytes) {
   return h;
 }
 
+QpStep RcInitStep(uint8_t port) {
+  QpStep init;
+  init.name = "INIT";
+  init.attr = {};
+  init.attr.qp_state = IBV_QPS_INIT;
+  init.attr.pkey_index = 0;
+  init.attr.port_num = port;
+  init.attr.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE |
+                              IBV_ACCESS_REMOTE_READ;
+  init.mask = IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS;
+  return init;
+}
+
 StatusOr<std::vector<QpStep>> RcSteps(const VerbsConfig& config, const LocalPort& local,
                                       uint32_t local_psn, const Handshake& remote,
                                       const RcEndpoint& remote_ep) {
@@ -148,15 +161,7 @@ StatusOr<std::vector<QpStep>> RcSteps(const VerbsConfig& config, const LocalPort
     return InvalidArgumentError("verbs: the peer's handshake has neither LID nor GID");
   }
   std::vector<QpStep> steps(3);
-  QpStep& init = steps[0];
-  init.name = "INIT";
-  init.attr = {};
-  init.attr.qp_state = IBV_QPS_INIT;
-  init.attr.pkey_index = 0;
-  init.attr.port_num = local.port;
-  init.attr.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE |
-                              IBV_ACCESS_REMOTE_READ;
-  init.mask = IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS;
+  steps[0] = RcInitStep(local.port);
 
   QpStep& rtr = steps[1];
   rtr.name = "RTR";

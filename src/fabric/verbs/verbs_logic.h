@@ -87,6 +87,8 @@ struct LocalPort {
   int gid_index = 0;
 };
 
+// RC RESET -> INIT alone: a queue pair can wait in INIT for its peer's numbers.
+QpStep RcInitStep(uint8_t port);
 // RC: RESET -> INIT -> RTR -> RTS towards `remote_ep` of the peer described by `remote`.
 StatusOr<std::vector<QpStep>> RcSteps(const VerbsConfig& config, const LocalPort& local,
                                       uint32_t local_psn, const Handshake& remote,

@@ -1,0 +1,574 @@
+#include "fabric/verbs/verbs_domain.h"
+
+#include <arpa/inet.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <deque>
+#include <random>
+#include <unordered_map>
+
+#include "fabric/wire.h"
+
+namespace ferry::fabric::verbs {
+namespace {
+
+constexpr uint32_t kUdMagic = 0x55595246;  // "FRYU"
+constexpr size_t kGrhBytes = 40;  // UD receives start with the 40-byte GRH slot
+constexpr uint32_t kUdSlots = 32;
+constexpr uint32_t kUdMessageBytes = 128;
+constexpr uint32_t kImmRecvs = 1024;
+constexpr uint32_t kSendQueueDepth = 512;
+constexpr uint32_t kMaxInline = 64;
+constexpr auto kHelloInterval = std::chrono::milliseconds(20);
+
+// Work-request ids: the engine's OpContext pointers (16-byte aligned), or ours with bit 0 set:
+// (index << 3) | tag.
+enum Tag : uint64_t { kUdRecv = 1, kUdSend = 3, kImmRecv = 5 };
+uint64_t WrId(Tag tag, uint64_t index) { return (index << 3) | tag; }
+
+using Clock = std::chrono::steady_clock;
+
+struct Peer {
+  UdAddress addr;
+  ibv_ah* ah = nullptr;
+  ibv_qp* msg = nullptr;
+  ibv_qp* write = nullptr;
+  uint32_t msg_psn = 0, write_psn = 0;
+  bool have_theirs = false;  // our queue pairs are RTS towards theirs
+  bool they_have_ours = false;
+  bool removed = false;
+  Clock::time_point last_hello{};
+  WrChain write_chain{1, kMaxInline};
+  WrChain msg_chain{1, kMaxInline};
+  uint32_t outstanding = 0;  // WRs posted on both queue pairs, not completed
+
+  bool connected() const { return have_theirs && they_have_ours && !removed; }
+};
+
+}  // namespace
+
+std::vector<uint8_t> UdAddress::Serialize() const {
+  ByteWriter w;
+  w.U32(kUdMagic);
+  w.U16(kWireVersion);
+  w.U16(0);
+  w.U64(token);
+  w.Raw(gid.raw, sizeof gid.raw);
+  w.U16(lid);
+  w.Raw(&port, 1);
+  w.U32(qpn);
+  return w.Take();
+}
+
+StatusOr<UdAddress> UdAddress::Parse(std::span<const uint8_t> bytes) {
+  ByteReader r(bytes, "verbs address");
+  UdAddress a;
+  RETURN_IF_ERROR(r.Header(kUdMagic));
+  RETURN_IF_ERROR(r.U64(&a.token));
+  RETURN_IF_ERROR(r.Raw(a.gid.raw, sizeof a.gid.raw));
+  RETURN_IF_ERROR(r.U16(&a.lid));
+  RETURN_IF_ERROR(r.Raw(&a.port, 1));
+  RETURN_IF_ERROR(r.U32(&a.qpn));
+  RETURN_IF_ERROR(r.Finish());
+  if (a.token == 0 || a.port == 0 || a.qpn == 0 || a.qpn > 0xffffff) {
+    return InvalidArgumentError("verbs address: token, port or QP number out of range");
+  }
+  return a;
+}
+
+namespace {
+
+class VerbsDomain final : public Domain {
+ public:
+  VerbsDomain(std::shared_ptr<VerbsApi> api, const VerbsConfig& config, bool cuda_memory)
+      : api_(std::move(api)), config_(config), cuda_memory_(cuda_memory) {}
+
+  ~VerbsDomain() override {
+    for (auto& p : peers_) {
+      for (ibv_qp* qp : {p->msg, p->write}) {
+        if (qp) api_->DestroyQp(qp);
+      }
+      if (p->ah) api_->DestroyAh(p->ah);
+    }
+    if (ud_) api_->DestroyQp(ud_);
+    for (ibv_srq* srq : {srq_msg_, srq_imm_}) {
+      if (srq) api_->DestroySrq(srq);
+    }
+    if (cq_) api_->DestroyCq(cq_);
+    if (ud_mr_) api_->DeregMr(ud_mr_);
+    for (auto& [mr, unused] : live_mrs_) api_->DeregMr(mr);
+    if (pd_) api_->DeallocPd(pd_);
+    if (context_) api_->CloseDevice(context_);
+  }
+
+  Status Init(const EngineOptions& options, const std::string& device) {
+    RETURN_IF_ERROR(config_.Validate());
+    ASSIGN_OR_RETURN(std::string name, PickDevice(api_->DeviceNames(), device));
+    errno = 0;
+    context_ = api_->OpenDevice(name);
+    if (!context_) return ErrnoError("verbs: opening " + name, errno ? errno : ENODEV);
+    ibv_port_attr port{};
+    if (int rc = api_->QueryPort(context_, config_.port, &port)) {
+      return ErrnoError("verbs: querying port " + std::to_string(config_.port) + " of " + name,
+                        rc);
+    }
+    if (port.state != IBV_PORT_ACTIVE) {
+      return UnavailableError("verbs: port " + std::to_string(config_.port) + " of " + name +
+                              " is not active");
+    }
+    local_ = {config_.port, port.active_mtu, port.link_layer, config_.gid_index};
+    lid_ = port.lid;
+    if (int rc = api_->QueryGid(context_, config_.port, config_.gid_index, &gid_)) {
+      return ErrnoError("verbs: GID index " + std::to_string(config_.gid_index) + " of " + name,
+                        rc);
+    }
+    pd_ = api_->AllocPd(context_);
+    if (!pd_) return ErrnoError("verbs: ibv_alloc_pd", errno);
+    const uint32_t rx = std::max<uint32_t>(options.num_recv_buffers, 1);
+    cq_ = api_->CreateCq(context_, static_cast<int>(kImmRecvs + rx + kUdSlots * 2 +
+                                                    kSendQueueDepth * 4));
+    if (!cq_) return ErrnoError("verbs: ibv_create_cq", errno);
+    ibv_srq_init_attr srq_attr{};
+    srq_attr.attr.max_wr = rx;
+    srq_attr.attr.max_sge = 1;
+    srq_msg_ = api_->CreateSrq(pd_, &srq_attr);
+    srq_attr.attr.max_wr = kImmRecvs;
+    srq_imm_ = api_->CreateSrq(pd_, &srq_attr);
+    if (!srq_msg_ || !srq_imm_) return ErrnoError("verbs: ibv_create_srq", errno);
+    for (uint32_t i = 0; i < kImmRecvs; ++i) RETURN_IF_ERROR(PostImmRecv(i));
+
+    // The UD queue pair and its buffers: kUdSlots receives (GRH + message), kUdSlots sends.
+    ud_buffers_.assign(kUdSlots * (kGrhBytes + kUdMessageBytes) + kUdSlots * kUdMessageBytes, 0);
+    ud_mr_ = api_->RegMr(pd_, ud_buffers_.data(), ud_buffers_.size(), IBV_ACCESS_LOCAL_WRITE);
+    if (!ud_mr_) return ErrnoError("verbs: registering handshake buffers", errno);
+    ibv_qp_init_attr ud_attr{};
+    ud_attr.send_cq = cq_;
+    ud_attr.recv_cq = cq_;
+    ud_attr.qp_type = IBV_QPT_UD;
+    ud_attr.cap.max_send_wr = kUdSlots;
+    ud_attr.cap.max_recv_wr = kUdSlots;
+    ud_attr.cap.max_send_sge = 1;
+    ud_attr.cap.max_recv_sge = 1;
+    ud_ = api_->CreateQp(pd_, &ud_attr);
+    if (!ud_) return ErrnoError("verbs: creating the UD queue pair", errno);
+    RETURN_IF_ERROR(ApplySteps(*api_, ud_, UdSteps(config_, NewPsn()), "handshakes"));
+    for (uint32_t i = 0; i < kUdSlots; ++i) RETURN_IF_ERROR(PostUdRecv(i));
+    ud_send_busy_.assign(kUdSlots, false);
+
+    std::random_device rd;
+    token_ = ((uint64_t{rd()} << 32) | rd()) | 1;
+    UdAddress me{token_, gid_, lid_, config_.port, ud_->qp_num};
+    name_ = me.Serialize();
+
+    info_.provider = "verbs";
+    info_.domain = name;
+    info_.virt_addr = true;
+    info_.prov_key = true;
+    info_.mr_local = true;
+    info_.hmem = true;  // GPU memory through dmabuf or nvidia-peermem
+    info_.cq_data_size = 4;
+    info_.max_msg_size = port.max_msg_sz ? port.max_msg_sz : (uint64_t{1} << 30);
+    info_.inject_size = kMaxInline;
+    info_.tx_size = kSendQueueDepth;
+    info_.rx_size = rx;
+    return Status::Ok();
+  }
+
+  const FabricInfo& info() const override { return info_; }
+  std::vector<uint8_t> Name() const override { return name_; }
+
+  StatusOr<uint64_t> InsertPeer(std::span<const uint8_t> bytes) override {
+    ASSIGN_OR_RETURN(UdAddress addr, UdAddress::Parse(bytes));
+    auto peer = std::make_unique<Peer>();
+    peer->addr = addr;
+    peer->write_chain = WrChain(config_.max_chain, kMaxInline);
+    peer->msg_chain = WrChain(config_.max_chain, kMaxInline);
+    ibv_ah_attr ah{};
+    ah.dlid = addr.lid;
+    ah.sl = config_.service_level;
+    ah.port_num = config_.port;
+    if (local_.link_layer == IBV_LINK_LAYER_ETHERNET || addr.lid == 0) {
+      ah.is_global = 1;
+      ah.grh.dgid = addr.gid;
+      ah.grh.sgid_index = static_cast<uint8_t>(config_.gid_index);
+      ah.grh.hop_limit = config_.hop_limit;
+      ah.grh.traffic_class = config_.traffic_class;
+    }
+    peer->ah = api_->CreateAh(pd_, &ah);
+    if (!peer->ah) return ErrnoError("verbs: address handle for a peer", errno);
+    Peer* p = peer.get();
+    const uint64_t index = peers_.size();
+    peers_.push_back(std::move(peer));  // owns what follows, even on failure
+    ASSIGN_OR_RETURN(p->msg, CreateRc(srq_msg_));
+    ASSIGN_OR_RETURN(p->write, CreateRc(srq_imm_));
+    p->msg_psn = NewPsn();
+    p->write_psn = NewPsn();
+    const QpStep init = RcInitStep(config_.port);
+    RETURN_IF_ERROR(ApplySteps(*api_, p->msg, {&init, 1}, "messages to peer"));
+    RETURN_IF_ERROR(ApplySteps(*api_, p->write, {&init, 1}, "writes to peer"));
+    qp_peer_[p->msg->qp_num] = index;
+    qp_peer_[p->write->qp_num] = index;
+    token_peer_[addr.token] = index;
+    auto early = early_hellos_.find(addr.token);
+    if (early != early_hellos_.end()) {
+      Handshake h = early->second;
+      early_hellos_.erase(early);
+      RETURN_IF_ERROR(OnHandshake(index, h));
+    }
+    SendHello(*p);
+    return index;
+  }
+
+  Status RemovePeer(uint64_t peer_addr) override {
+    if (peer_addr >= peers_.size()) return NotFoundError("verbs: unknown peer address");
+    Peer& p = *peers_[peer_addr];
+    p.removed = true;
+    token_peer_.erase(p.addr.token);
+    ibv_qp_attr err{};
+    err.qp_state = IBV_QPS_ERR;  // flushes what is outstanding
+    for (ibv_qp* qp : {p.msg, p.write}) {
+      if (qp) api_->ModifyQp(qp, &err, IBV_QP_STATE);
+    }
+    return Status::Ok();
+  }
+
+  StatusOr<Registration> Register(void* data, uint64_t length, MemoryKind kind, int) override {
+    if (kind == MemoryKind::kCuda && !cuda_memory_) {
+      return FailedPreconditionError("CUDA memory needs an engine created with cuda_memory = true");
+    }
+    // No dmabuf file descriptor is taken from CUDA yet: device memory registers through
+    // nvidia-peermem (plain ibv_reg_mr on the device pointer).
+    ASSIGN_OR_RETURN(ibv_mr* mr,
+                     RegisterWithFallback(*api_, pd_, data, length, -1, MrAccess(config_)));
+    live_mrs_[mr] = true;
+    Registration r;
+    r.handle = mr;
+    r.local_desc = mr;
+    r.base = reinterpret_cast<uint64_t>(data);
+    r.key = mr->rkey;
+    return r;
+  }
+
+  void Deregister(void* handle) override {
+    auto* mr = static_cast<ibv_mr*>(handle);
+    if (live_mrs_.erase(mr)) api_->DeregMr(mr);
+  }
+
+  PostResult PostWrite(const WriteWr& wr, Status* error) override {
+    Peer* p = nullptr;
+    if (PostResult r = Ready(wr.peer_addr, &p, error); r != PostResult::kPosted) return r;
+    if (wr.length > UINT32_MAX) {
+      *error = InvalidArgumentError("verbs: a work request carries at most 4 GiB");
+      return PostResult::kError;
+    }
+    if (p->write_chain.full()) Flush(*p, p->write_chain, p->write);
+    const uint32_t lkey = wr.local_desc ? static_cast<ibv_mr*>(wr.local_desc)->lkey : 0;
+    p->write_chain.AddWrite(wr.local, static_cast<uint32_t>(wr.length), lkey, wr.remote_addr,
+                            static_cast<uint32_t>(wr.key),
+                            wr.has_imm ? std::optional<uint32_t>(wr.imm) : std::nullopt,
+                            reinterpret_cast<uint64_t>(wr.context));
+    return PostResult::kPosted;
+  }
+
+  PostResult PostSend(const void* data, uint64_t length, void* local_desc, uint64_t peer_addr,
+                      OpContext* context, Status* error) override {
+    Peer* p = nullptr;
+    if (PostResult r = Ready(peer_addr, &p, error); r != PostResult::kPosted) return r;
+    if (p->msg_chain.full()) Flush(*p, p->msg_chain, p->msg);
+    const uint32_t lkey = local_desc ? static_cast<ibv_mr*>(local_desc)->lkey : 0;
+    p->msg_chain.AddSend(data, static_cast<uint32_t>(length), lkey,
+                         reinterpret_cast<uint64_t>(context));
+    return PostResult::kPosted;
+  }
+
+  PostResult PostRecv(void* data, uint64_t length, void* local_desc, OpContext* context,
+                      Status* error) override {
+    ibv_sge sge{reinterpret_cast<uint64_t>(data), static_cast<uint32_t>(length),
+                local_desc ? static_cast<ibv_mr*>(local_desc)->lkey : 0};
+    ibv_recv_wr wr{};
+    wr.wr_id = reinterpret_cast<uint64_t>(context);
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    ibv_recv_wr* bad = nullptr;
+    int rc = api_->PostSrqRecv(srq_msg_, &wr, &bad);
+    if (rc == 0) return PostResult::kPosted;
+    if (rc == ENOMEM) return PostResult::kAgain;
+    *error = ErrnoError("verbs: posting a receive", rc);
+    return PostResult::kError;
+  }
+
+  size_t Poll(std::span<DomainCompletion> out) override {
+    for (auto& p : peers_) {
+      if (!p->write_chain.empty()) Flush(*p, p->write_chain, p->write);
+      if (!p->msg_chain.empty()) Flush(*p, p->msg_chain, p->msg);
+    }
+    DriveHandshakes();
+    size_t n = 0;
+    while (n < out.size() && !refused_.empty()) {
+      out[n++] = std::move(refused_.front());
+      refused_.pop_front();
+    }
+    ibv_wc wcs[32];
+    while (n < out.size()) {
+      int want = static_cast<int>(std::min<size_t>(std::size(wcs), out.size() - n));
+      int got = api_->PollCq(cq_, want, wcs);
+      if (got <= 0) break;
+      for (int i = 0; i < got; ++i) {
+        if (Translate(wcs[i], &out[n])) ++n;
+      }
+      if (got < want) break;
+    }
+    return n;
+  }
+
+ private:
+  uint32_t NewPsn() {
+    if (config_.psn) return config_.psn;
+    return std::uniform_int_distribution<uint32_t>(1, 0xffffff)(rng_);
+  }
+
+  StatusOr<ibv_qp*> CreateRc(ibv_srq* srq) {
+    ibv_qp_init_attr attr{};
+    attr.send_cq = cq_;
+    attr.recv_cq = cq_;
+    attr.srq = srq;
+    attr.qp_type = IBV_QPT_RC;
+    attr.cap.max_send_wr = kSendQueueDepth;
+    attr.cap.max_send_sge = 1;
+    attr.cap.max_inline_data = kMaxInline;
+    ibv_qp* qp = api_->CreateQp(pd_, &attr);
+    if (!qp) return ErrnoError("verbs: creating an RC queue pair", errno);
+    return qp;
+  }
+
+  // kPosted when the peer can take a WR now.
+  PostResult Ready(uint64_t peer_addr, Peer** out, Status* error) {
+    if (peer_addr >= peers_.size() || peers_[peer_addr]->removed) {
+      *error = UnavailableError("verbs: peer address " + std::to_string(peer_addr) +
+                                " is unknown or removed");
+      return PostResult::kError;
+    }
+    Peer* p = peers_[peer_addr].get();
+    if (!p->connected()) return PostResult::kAgain;  // the handshake is under way
+    if (p->outstanding + p->write_chain.size() + p->msg_chain.size() >= kSendQueueDepth) {
+      return PostResult::kAgain;
+    }
+    *out = p;
+    return PostResult::kPosted;
+  }
+
+  void Flush(Peer& p, WrChain& chain, ibv_qp* qp) {
+    const uint32_t count = chain.size();
+    Status error;
+    const uint32_t accepted = chain.Post(*api_, qp, &error);
+    p.outstanding += accepted;
+    for (uint32_t i = accepted; i < count; ++i) {
+      DomainCompletion c;
+      c.kind = CompletionKind::kLocal;
+      c.context = reinterpret_cast<OpContext*>(chain.wr(i).wr_id);
+      c.error = error;
+      refused_.push_back(std::move(c));  // rare path
+    }
+  }
+
+  Status PostImmRecv(uint32_t index) {
+    ibv_recv_wr wr{};
+    wr.wr_id = WrId(kImmRecv, index);
+    wr.num_sge = 0;  // WRITE_WITH_IMM: the immediate is all a receive carries
+    ibv_recv_wr* bad = nullptr;
+    int rc = api_->PostSrqRecv(srq_imm_, &wr, &bad);
+    return rc ? ErrnoError("verbs: posting an immediate receive", rc) : Status::Ok();
+  }
+
+  uint8_t* UdRecvBuffer(uint32_t i) { return ud_buffers_.data() + i * (kGrhBytes + kUdMessageBytes); }
+  uint8_t* UdSendBuffer(uint32_t i) {
+    return ud_buffers_.data() + kUdSlots * (kGrhBytes + kUdMessageBytes) + i * kUdMessageBytes;
+  }
+
+  Status PostUdRecv(uint32_t index) {
+    ibv_sge sge{reinterpret_cast<uint64_t>(UdRecvBuffer(index)),
+                static_cast<uint32_t>(kGrhBytes + kUdMessageBytes), ud_mr_->lkey};
+    ibv_recv_wr wr{};
+    wr.wr_id = WrId(kUdRecv, index);
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    ibv_recv_wr* bad = nullptr;
+    int rc = api_->PostRecv(ud_, &wr, &bad);
+    return rc ? ErrnoError("verbs: posting a handshake receive", rc) : Status::Ok();
+  }
+
+  void SendHello(Peer& p) {
+    p.last_hello = Clock::now();
+    uint32_t slot = kUdSlots;
+    for (uint32_t i = 0; i < kUdSlots; ++i) {
+      if (!ud_send_busy_[i]) {
+        slot = i;
+        break;
+      }
+    }
+    if (slot == kUdSlots) return;  // all in flight: the next round re-sends
+    Handshake h;
+    h.token = token_;
+    h.peer_token = p.addr.token;
+    h.gid = gid_;
+    h.lid = lid_;
+    h.port = config_.port;
+    h.mtu = static_cast<uint8_t>(local_.active_mtu);
+    h.msg = {p.msg->qp_num, p.msg_psn};
+    h.write = {p.write->qp_num, p.write_psn};
+    h.have_yours = p.have_theirs;
+    std::vector<uint8_t> bytes = h.Serialize();
+    std::memcpy(UdSendBuffer(slot), bytes.data(), bytes.size());
+    ibv_sge sge{reinterpret_cast<uint64_t>(UdSendBuffer(slot)),
+                static_cast<uint32_t>(bytes.size()), ud_mr_->lkey};
+    ibv_send_wr wr{};
+    wr.wr_id = WrId(kUdSend, slot);
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    wr.opcode = IBV_WR_SEND;
+    wr.send_flags = IBV_SEND_SIGNALED;
+    wr.wr.ud.ah = p.ah;
+    wr.wr.ud.remote_qpn = p.addr.qpn;
+    wr.wr.ud.remote_qkey = config_.qkey;
+    ibv_send_wr* bad = nullptr;
+    if (api_->PostSend(ud_, &wr, &bad) == 0) ud_send_busy_[slot] = true;
+  }
+
+  void DriveHandshakes() {
+    if (peers_connected_ == peers_.size()) return;
+    const Clock::time_point now = Clock::now();
+    size_t connected = 0;
+    for (auto& p : peers_) {
+      if (p->connected() || p->removed) {
+        ++connected;
+        continue;
+      }
+      if (now - p->last_hello >= kHelloInterval) SendHello(*p);
+    }
+    peers_connected_ = connected;
+  }
+
+  // The peer's numbers arrived: our queue pairs go to RTR and RTS towards theirs.
+  Status OnHandshake(uint64_t index, const Handshake& h) {
+    Peer& p = *peers_[index];
+    if (h.have_yours) p.they_have_ours = true;
+    if (p.have_theirs) return Status::Ok();
+    ASSIGN_OR_RETURN(auto msg_steps, RcSteps(config_, local_, p.msg_psn, h, h.msg));
+    ASSIGN_OR_RETURN(auto write_steps, RcSteps(config_, local_, p.write_psn, h, h.write));
+    RETURN_IF_ERROR(ApplySteps(*api_, p.msg, std::span(msg_steps).subspan(1), "messages"));
+    RETURN_IF_ERROR(ApplySteps(*api_, p.write, std::span(write_steps).subspan(1), "writes"));
+    p.have_theirs = true;
+    SendHello(p);  // tell them we hold theirs
+    return Status::Ok();
+  }
+
+  void OnUdMessage(const uint8_t* data, size_t length) {
+    auto h = Handshake::Parse({data, length});
+    if (!h.ok() || h->peer_token != token_) return;  // not for us: stale or foreign
+    auto it = token_peer_.find(h->token);
+    if (it == token_peer_.end()) {
+      early_hellos_[h->token] = *h;  // InsertPeer will take it
+      return;
+    }
+    Peer& p = *peers_[it->second];
+    const bool answer = !h->have_yours && p.have_theirs;
+    Status s = OnHandshake(it->second, *h);
+    (void)s;  // a failed transition leaves the peer unconnected: its transfers hit their deadline
+    if (answer) SendHello(p);  // our earlier reply was lost
+  }
+
+  // Returns true when `wc` becomes an engine completion in *out.
+  bool Translate(const ibv_wc& wc, DomainCompletion* out) {
+    auto peer_of = [&](uint32_t qpn) -> uint64_t {
+      auto it = qp_peer_.find(qpn);
+      return it == qp_peer_.end() ? kNoPeerAddr : it->second;
+    };
+    if (wc.wr_id & 1) {
+      const uint32_t index = static_cast<uint32_t>(wc.wr_id >> 3);
+      switch (static_cast<Tag>(wc.wr_id & 7)) {
+        case kUdRecv:
+          if (wc.status == IBV_WC_SUCCESS && wc.byte_len > kGrhBytes) {
+            OnUdMessage(UdRecvBuffer(index) + kGrhBytes, wc.byte_len - kGrhBytes);
+          }
+          if (wc.status != IBV_WC_WR_FLUSH_ERR) (void)PostUdRecv(index);
+          return false;
+        case kUdSend:
+          if (index < ud_send_busy_.size()) ud_send_busy_[index] = false;
+          return false;
+        case kImmRecv: {
+          if (wc.status != IBV_WC_WR_FLUSH_ERR) (void)PostImmRecv(index);
+          if (wc.status != IBV_WC_SUCCESS || !(wc.wc_flags & IBV_WC_WITH_IMM)) return false;
+          *out = DomainCompletion{};
+          out->kind = CompletionKind::kRemoteImm;
+          out->has_imm = true;
+          out->imm = ntohl(wc.imm_data);
+          out->src_addr = peer_of(wc.qp_num);
+          return true;
+        }
+      }
+      return false;
+    }
+    *out = DomainCompletion{};
+    out->context = reinterpret_cast<OpContext*>(wc.wr_id);
+    const uint64_t peer = peer_of(wc.qp_num);
+    const bool recv = wc.status == IBV_WC_SUCCESS && (wc.opcode & IBV_WC_RECV);
+    out->kind = recv ? CompletionKind::kRecv : CompletionKind::kLocal;
+    if (recv) {
+      out->length = wc.byte_len;
+      out->src_addr = peer;
+    } else if (peer != kNoPeerAddr && wc.qp_num != 0) {
+      // A send-side completion (or any error): the WR no longer occupies its queue pair.
+      Peer& p = *peers_[peer];
+      if (p.outstanding > 0 && (wc.status == IBV_WC_SUCCESS || !(wc.opcode & IBV_WC_RECV))) {
+        --p.outstanding;
+      }
+    }
+    out->error = WcToStatus(wc, peer == kNoPeerAddr ? std::string("an unknown peer")
+                                                    : "peer address " + std::to_string(peer));
+    return true;
+  }
+
+  std::shared_ptr<VerbsApi> api_;
+  VerbsConfig config_;
+  const bool cuda_memory_;
+  FabricInfo info_;
+  std::vector<uint8_t> name_;
+  uint64_t token_ = 0;
+  LocalPort local_;
+  uint16_t lid_ = 0;
+  ibv_gid gid_{};
+  std::mt19937 rng_{std::random_device{}()};
+
+  ibv_context* context_ = nullptr;
+  ibv_pd* pd_ = nullptr;
+  ibv_cq* cq_ = nullptr;
+  ibv_srq* srq_msg_ = nullptr;
+  ibv_srq* srq_imm_ = nullptr;
+  ibv_qp* ud_ = nullptr;
+  ibv_mr* ud_mr_ = nullptr;
+  std::vector<uint8_t> ud_buffers_;
+  std::vector<bool> ud_send_busy_;
+
+  std::vector<std::unique_ptr<Peer>> peers_;  // index = the peer address handed to the engine
+  size_t peers_connected_ = 0;
+  std::unordered_map<uint32_t, uint64_t> qp_peer_;
+  std::unordered_map<uint64_t, uint64_t> token_peer_;
+  std::unordered_map<uint64_t, Handshake> early_hellos_;
+  std::unordered_map<ibv_mr*, bool> live_mrs_;
+  std::deque<DomainCompletion> refused_;  // WRs the device refused after we said kPosted
+};
+
+}  // namespace
+
+StatusOr<std::unique_ptr<Domain>> OpenVerbsDomain(const EngineOptions& options,
+                                                  const std::string& device,
+                                                  std::shared_ptr<VerbsApi> api,
+                                                  const VerbsConfig& config) {
+  auto d = std::make_unique<VerbsDomain>(std::move(api), config, options.cuda_memory);
+  RETURN_IF_ERROR(d->Init(options, device));
+  return std::unique_ptr<Domain>(std::move(d));
+}
+
+}  // namespace ferry::fabric::verbs
