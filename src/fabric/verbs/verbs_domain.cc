@@ -1,6 +1,7 @@
 #include "fabric/verbs/verbs_domain.h"
 
 #include <arpa/inet.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <chrono>
@@ -238,10 +239,11 @@ class VerbsDomain final : public Domain {
     if (kind == MemoryKind::kCuda && !cuda_memory_) {
       return FailedPreconditionError("CUDA memory needs an engine created with cuda_memory = true");
     }
-    // No dmabuf file descriptor is taken from CUDA yet: device memory registers through
-    // nvidia-peermem (plain ibv_reg_mr on the device pointer).
-    ASSIGN_OR_RETURN(ibv_mr* mr,
-                     RegisterWithFallback(*api_, pd_, data, length, -1, MrAccess(config_)));
+    // Device memory: its dma-buf when the driver gives one, else nvidia-peermem's path.
+    Dmabuf dmabuf = kind == MemoryKind::kCuda ? CudaDmabuf(data, length) : Dmabuf{};
+    auto registered = RegisterWithFallback(*api_, pd_, data, length, dmabuf, MrAccess(config_));
+    if (dmabuf.fd >= 0) close(dmabuf.fd);  // the registration holds its own reference
+    ASSIGN_OR_RETURN(ibv_mr* mr, std::move(registered));
     live_mrs_[mr] = true;
     Registration r;
     r.handle = mr;

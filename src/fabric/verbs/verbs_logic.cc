@@ -1,6 +1,8 @@
 #include "fabric/verbs/verbs_logic.h"
 
 #include <arpa/inet.h>
+#include <dlfcn.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -345,12 +347,12 @@ int MrAccess(const VerbsConfig& config) {
 }
 
 StatusOr<ibv_mr*> RegisterWithFallback(VerbsApi& api, ibv_pd* pd, void* addr, size_t length,
-                                       int dmabuf_fd, int access) {
+                                       const Dmabuf& dmabuf, int access) {
   std::string attempts;
-  if (dmabuf_fd >= 0) {
+  if (dmabuf.fd >= 0) {
     errno = 0;
-    ibv_mr* mr = api.RegDmabufMr(pd, 0, length, reinterpret_cast<uint64_t>(addr), dmabuf_fd,
-                                 access);
+    ibv_mr* mr = api.RegDmabufMr(pd, dmabuf.offset, length, reinterpret_cast<uint64_t>(addr),
+                                 dmabuf.fd, access);
     if (mr) return mr;
     attempts = std::string("ibv_reg_dmabuf_mr: ") + std::strerror(errno) + "; ";
   }
@@ -360,6 +362,29 @@ StatusOr<ibv_mr*> RegisterWithFallback(VerbsApi& api, ibv_pd* pd, void* addr, si
   attempts += std::string("ibv_reg_mr: ") + std::strerror(errno);
   return InternalError("verbs: cannot register " + std::to_string(length) + " bytes at " +
                        Hex(reinterpret_cast<uint64_t>(addr)) + " (" + attempts + ")");
+}
+
+Dmabuf CudaDmabuf(void* addr, size_t length) {
+  // CUresult cuMemGetHandleForAddressRange(void* handle, CUdeviceptr dptr, size_t size,
+  //                                        CUmemRangeHandleType type, unsigned long long flags)
+  using GetHandle = int (*)(void*, uint64_t, size_t, int, unsigned long long);
+  constexpr int kDmabufFd = 1;  // CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD
+  static GetHandle get = [] {
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    return lib ? reinterpret_cast<GetHandle>(dlsym(lib, "cuMemGetHandleForAddressRange"))
+               : nullptr;
+  }();
+  Dmabuf out;
+  if (!get || !addr || length == 0) return out;
+  // The range must be page aligned; the registration then starts `offset` bytes into it.
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  const uint64_t start = reinterpret_cast<uint64_t>(addr) / page * page;
+  const uint64_t end = (reinterpret_cast<uint64_t>(addr) + length + page - 1) / page * page;
+  int fd = -1;
+  if (get(&fd, start, end - start, kDmabufFd, 0) != 0 || fd < 0) return out;
+  out.fd = fd;
+  out.offset = reinterpret_cast<uint64_t>(addr) - start;
+  return out;
 }
 
 StatusOr<std::string> PickDevice(const std::vector<std::string>& available,

@@ -133,10 +133,21 @@ const char* WcStatusName(ibv_wc_status status);
 // when configured (a hint the device ignores if it cannot).
 int MrAccess(const VerbsConfig& config);
 
-// GPU memory: ibv_reg_dmabuf_mr on `dmabuf_fd` when there is one, then plain ibv_reg_mr (which
+// A dma-buf for CUDA device memory: the descriptor and where `addr` sits inside it.
+struct Dmabuf {
+  int fd = -1;
+  uint64_t offset = 0;
+};
+
+// GPU memory: ibv_reg_dmabuf_mr on `dmabuf` when there is one, then plain ibv_reg_mr (which
 // needs nvidia-peermem for device memory). The error names every attempt.
 StatusOr<ibv_mr*> RegisterWithFallback(VerbsApi& api, ibv_pd* pd, void* addr, size_t length,
-                                       int dmabuf_fd, int access);
+                                       const Dmabuf& dmabuf, int access);
+
+// The dma-buf of a CUDA allocation range, through the driver's cuMemGetHandleForAddressRange
+// (libcuda loaded at run time: ferry needs no CUDA to build or run). fd -1 where the driver, the
+// kernel or the allocation cannot give one. The caller closes a returned fd.
+Dmabuf CudaDmabuf(void* addr, size_t length);
 
 // The device to open: `wanted` if named (NotFound if absent), else the first. Unavailable
 // ("no RDMA device found") on a machine without any.

@@ -40,8 +40,10 @@ class FakeVerbs final : public VerbsApi {
     ++reg_mr_calls;
     return &mr;
   }
-  ibv_mr* RegDmabufMr(ibv_pd*, uint64_t, size_t, uint64_t, int, int) override {
+  uint64_t last_dmabuf_offset = 0;
+  ibv_mr* RegDmabufMr(ibv_pd*, uint64_t offset, size_t, uint64_t, int, int) override {
     ++reg_dmabuf_calls;
+    last_dmabuf_offset = offset;
     if (dmabuf_works) return &mr;
     errno = EOPNOTSUPP;
     return nullptr;
@@ -268,15 +270,18 @@ TEST(VerbsLogicTest, GpuMemoryFallsBackFromDmabufToPlainRegistration) {
   strict.relaxed_ordering = false;
   EXPECT_FALSE(MrAccess(strict) & IBV_ACCESS_RELAXED_ORDERING);
   uint8_t buf[64];
-  ASSERT_TRUE(RegisterWithFallback(api, nullptr, buf, 64, 5, access).ok());
+  ASSERT_TRUE(RegisterWithFallback(api, nullptr, buf, 64, {5, 16}, access).ok());
   EXPECT_EQ(api.reg_dmabuf_calls, 1);
+  EXPECT_EQ(api.last_dmabuf_offset, 16u);
   EXPECT_EQ(api.reg_mr_calls, 0);
   api.dmabuf_works = false;
-  ASSERT_TRUE(RegisterWithFallback(api, nullptr, buf, 64, 5, access).ok());
+  ASSERT_TRUE(RegisterWithFallback(api, nullptr, buf, 64, {5, 0}, access).ok());
   EXPECT_EQ(api.reg_dmabuf_calls, 2);
   EXPECT_EQ(api.reg_mr_calls, 1);
-  ASSERT_TRUE(RegisterWithFallback(api, nullptr, buf, 64, -1, access).ok());  // no dmabuf fd
+  ASSERT_TRUE(RegisterWithFallback(api, nullptr, buf, 64, {}, access).ok());  // no dma-buf
   EXPECT_EQ(api.reg_dmabuf_calls, 2);
+  // Host memory has no dma-buf (and without a CUDA driver nothing has one).
+  EXPECT_EQ(CudaDmabuf(buf, sizeof buf).fd, -1);
 }
 
 TEST(VerbsLogicTest, DeviceChoiceAndConfigurationAreChecked) {
