@@ -17,13 +17,12 @@
 #include "fabric/test_util.h"
 #include "ferry/bootstrap.h"
 #include "ferry/moe.h"
+#include "moe_inputs.h"
 
 namespace ferry {
 namespace {
 
 using namespace std::chrono_literals;
-
-enum class Routing { kRandom, kAllToOneExpert };
 
 struct Case {
   std::string provider;
@@ -36,6 +35,10 @@ struct Case {
   bool once_per_rank = false;          // option (a)
   bool reduce_at_expert_rank = false;  // option (b)
 };
+
+InputSpec Spec(const Case& c) {
+  return {c.tokens, c.k, c.experts, c.dtype, c.routing, c.rank1_empty};
+}
 
 std::string Describe(const Case& c);
 void PrintTo(const Case& c, std::ostream* os) { *os << Describe(c); }
@@ -51,73 +54,6 @@ std::string Describe(const Case& c) {
          "_it" + std::to_string(c.iterations) + (c.once_per_rank ? "_a" : "") +
          (c.reduce_at_expert_rank ? "_b" : "");
 }
-
-float DecodeE4M3(uint8_t b) {
-  int sign = b >> 7, exp = (b >> 3) & 0xF, man = b & 7;
-  float v = exp == 0 ? std::ldexp(man / 8.0f, -6) : std::ldexp(1.0f + man / 8.0f, exp - 7);
-  return sign ? -v : v;
-}
-
-// One rank's inputs for one iteration, reproducible anywhere.
-struct Inputs {
-  int tokens = 0;
-  std::vector<uint8_t> x;  // [T, row bytes]
-  std::vector<float> scales;
-  std::vector<int32_t> indices;
-  std::vector<float> weights;
-};
-
-Inputs MakeInputs(const Case& c, const AllToAllConfig& cfg, int rank, int iteration) {
-  Inputs in;
-  in.tokens = (c.rank1_empty && rank == 1) ? 0 : c.tokens;
-  std::mt19937 rng(1000003u * rank + 7919u * iteration + 17);
-  const int64_t row = cfg.token_bytes();
-  in.x.resize(size_t(in.tokens) * row);
-  if (c.dtype == DispatchDtype::kBf16) {
-    std::uniform_real_distribution<float> val(-2.0f, 2.0f);
-    for (size_t i = 0; i < in.x.size(); i += 2) {
-      uint16_t b = FloatToBf16(val(rng));
-      std::memcpy(&in.x[i], &b, 2);
-    }
-  } else {
-    for (auto& b : in.x) {
-      b = static_cast<uint8_t>(rng());
-      if ((b & 0x7F) == 0x7F) b = 0;  // no NaNs
-    }
-    std::uniform_real_distribution<float> scale(0.01f, 1.0f);
-    in.scales.resize(size_t(in.tokens) * cfg.scales_per_token());
-    for (auto& s : in.scales) s = scale(rng);
-  }
-  in.indices.resize(size_t(in.tokens) * c.k);
-  in.weights.resize(size_t(in.tokens) * c.k);
-  std::vector<int32_t> experts(c.experts);
-  std::iota(experts.begin(), experts.end(), 0);
-  for (int t = 0; t < in.tokens; ++t) {
-    std::shuffle(experts.begin(), experts.end(), rng);
-    if (c.routing == Routing::kAllToOneExpert) {
-      auto it = std::find(experts.begin(), experts.end(), 0);
-      std::iter_swap(experts.begin(), it);
-    }
-    for (int j = 0; j < c.k; ++j) {
-      in.indices[size_t(t) * c.k + j] = experts[j];
-      in.weights[size_t(t) * c.k + j] = std::uniform_real_distribution<float>(0.0f, 1.0f)(rng);
-    }
-  }
-  return in;
-}
-
-// The expert function every rank applies: a per-expert scale of the dequantised row.
-float ExpertScale(int global_expert) { return 1.0f + 0.01f * static_cast<float>(global_expert); }
-
-float Dequant(const AllToAllConfig& cfg, const uint8_t* row, const float* scales, int i) {
-  if (cfg.dtype == DispatchDtype::kBf16) {
-    uint16_t b;
-    std::memcpy(&b, row + 2 * i, 2);
-    return Bf16ToFloat(b);
-  }
-  return DecodeE4M3(row[i]) * scales[i / 128];
-}
-
 
 Status RunRank(const Case& c, Bootstrap& b) {
   AllToAllConfig cfg;
@@ -141,7 +77,7 @@ Status RunRank(const Case& c, Bootstrap& b) {
   std::vector<uint16_t> expert_out(size_t(l) * cap * h, 0);
   for (int it = 0; it < c.iterations; ++it) {
     std::vector<Inputs> all;
-    for (int r = 0; r < n; ++r) all.push_back(MakeInputs(c, cfg, r, it));
+    for (int r = 0; r < n; ++r) all.push_back(MakeInputs(Spec(c), cfg, r, it));
     const Inputs& mine = all[b.rank()];
     DispatchInput in{mine.x.data(), mine.scales.empty() ? nullptr : mine.scales.data(),
                      mine.indices.data(), mine.weights.data(), mine.tokens};

@@ -39,6 +39,13 @@ enum class DispatchDtype : uint8_t {
   kFp8E4M3 = 1  // 1 byte per element, plus one fp32 scale per 128 columns
 };
 
+// Where the four steps run.
+enum class MoeDeviceKind : uint8_t {
+  kHost = 0,  // on the CPU; every pointer of the step calls is host memory
+  kCuda = 1,  // CUDA kernels on cuda_device; the step calls take device pointers (or mapped
+              // pinned memory) and return once their kernels finished
+};
+
 struct AllToAllConfig {
   int world_size = 0;
   int rank = 0;
@@ -57,6 +64,9 @@ struct AllToAllConfig {
   // (b) the expert rank sums its experts' outputs for a token in fp32, weights applied, and
   //     returns one bf16 row per token instead of one per expert.
   bool combine_reduce_at_expert_rank = false;
+  // Per rank, not part of what ranks must agree on: each may run its steps where it likes.
+  MoeDeviceKind device = MoeDeviceKind::kHost;
+  int cuda_device = 0;
 
   // InvalidArgument naming the first bad field.
   Status Validate() const;

@@ -7,6 +7,9 @@
 #include "moe/device.h"
 #include "moe/layout.h"
 #include "moe/proxy.h"
+#ifdef FERRY_HAVE_CUDA
+#include "moe/cuda/cuda_device.h"
+#endif
 
 namespace ferry {
 namespace {
@@ -27,18 +30,62 @@ class AllToAllImpl final : public AllToAll {
     if (!proxy_->Quiesce()) {
       new std::vector<uint8_t>(std::move(send_));
       new std::vector<uint8_t>(std::move(recv_));
+#ifdef FERRY_HAVE_CUDA
+      send_pinned_.Leak();
+      recv_pinned_.Leak();
+#endif
       new MemoryRegion(std::move(send_reg_));
       new MemoryRegion(std::move(recv_reg_));
     }
     proxy_.reset();
+    device_.reset();
+  }
+
+  // The send and receive regions: host memory for the host device, pinned host memory mapped
+  // into the GPU for the CUDA device (the NIC reads it, the kernels write it).
+  Status AllocateBuffers() {
+    if (c_.device == MoeDeviceKind::kHost) {
+      recv_.assign(layout_.recv_bytes, 0);
+      send_.assign(layout_.send_bytes, 0);
+      recv_ptr_ = recv_.data();
+      send_ptr_ = send_.data();
+      return Status::Ok();
+    }
+#ifdef FERRY_HAVE_CUDA
+    if (c_.cuda_device >= moe::CudaDeviceCount()) {
+      return FailedPreconditionError("AllToAll: CUDA device " + std::to_string(c_.cuda_device) +
+                                     " does not exist (" +
+                                     std::to_string(moe::CudaDeviceCount()) + " visible)");
+    }
+    ASSIGN_OR_RETURN(recv_pinned_, moe::PinnedBuffer::Allocate(layout_.recv_bytes));
+    ASSIGN_OR_RETURN(send_pinned_, moe::PinnedBuffer::Allocate(layout_.send_bytes));
+    recv_ptr_ = recv_pinned_.data();
+    send_ptr_ = send_pinned_.data();
+    return Status::Ok();
+#else
+    return UnimplementedError("AllToAll: ferry was built without CUDA; use the host device");
+#endif
+  }
+
+  Status NewDevice() {
+    const moe::DeviceParams params{c_, &channel_, &routing_, recv_ptr_, send_ptr_};
+    if (c_.device == MoeDeviceKind::kHost) {
+      device_ = moe::NewHostDevice(params);
+      return Status::Ok();
+    }
+#ifdef FERRY_HAVE_CUDA
+    ASSIGN_OR_RETURN(device_, moe::NewCudaDevice(params, c_.cuda_device));
+    return Status::Ok();
+#else
+    return UnimplementedError("AllToAll: ferry was built without CUDA; use the host device");
+#endif
   }
 
   Status Init(Bootstrap& bootstrap) {
     const int n = c_.world_size, me = c_.rank;
-    recv_.assign(layout_.recv_bytes, 0);
-    send_.assign(layout_.send_bytes, 0);
-    ASSIGN_OR_RETURN(recv_reg_, engine_->RegisterMemory(recv_.data(), recv_.size()));
-    ASSIGN_OR_RETURN(send_reg_, engine_->RegisterMemory(send_.data(), send_.size()));
+    RETURN_IF_ERROR(AllocateBuffers());
+    ASSIGN_OR_RETURN(recv_reg_, engine_->RegisterMemory(recv_ptr_, layout_.recv_bytes));
+    ASSIGN_OR_RETURN(send_reg_, engine_->RegisterMemory(send_ptr_, layout_.send_bytes));
     for (uint32_t kind = moe::kCounts; kind <= moe::kCombineConsumed; ++kind) {
       for (uint32_t epoch = 0; epoch < moe::kEpochs; ++epoch) {
         Status s = engine_->CreateImmCounter(moe::MoeImm(static_cast<moe::ImmKind>(kind), epoch));
@@ -82,10 +129,10 @@ class AllToAllImpl final : public AllToAll {
     pp.engine = engine_;
     pp.channel = &channel_;
     pp.routing = &routing_;
-    pp.recv = recv_.data();
-    pp.send = send_.data();
+    pp.recv = recv_ptr_;
+    pp.send = send_ptr_;
+    RETURN_IF_ERROR(NewDevice());
     proxy_ = std::make_unique<moe::Proxy>(pp);
-    device_ = moe::NewHostDevice({c_, &channel_, &routing_, recv_.data(), send_.data()});
     return Status::Ok();
   }
 
@@ -151,6 +198,8 @@ class AllToAllImpl final : public AllToAll {
     if (!in.x || !in.indices || !in.weights || (c_.scales_per_token() && !in.scales)) {
       return InvalidArgumentError("DispatchSend: null input buffer");
     }
+    // Device memory is not ours to read here: the CUDA device checks expert ids in its kernel.
+    if (c_.device != MoeDeviceKind::kHost) return Status::Ok();
     const int64_t copies = int64_t{in.num_tokens} * c_.experts_per_token;
     for (int64_t i = 0; i < copies; ++i) {
       if (in.indices[i] < 0 || in.indices[i] >= c_.num_experts) {
@@ -166,6 +215,11 @@ class AllToAllImpl final : public AllToAll {
   const MoeLayout layout_;
   TransferEngine* engine_;
   std::vector<uint8_t> recv_, send_;
+#ifdef FERRY_HAVE_CUDA
+  moe::PinnedBuffer recv_pinned_, send_pinned_;
+#endif
+  uint8_t* recv_ptr_ = nullptr;
+  uint8_t* send_ptr_ = nullptr;
   MemoryRegion recv_reg_, send_reg_;
   mutable Channel channel_;  // Error() takes its lock
   moe::Routing routing_;

@@ -35,6 +35,13 @@ Status AllToAllConfig::Validate() const {
   if (max_private_tokens < 0 || max_private_tokens > 65536) {
     return bad("max_private_tokens must be in [0, 65536]");
   }
+  if (device != MoeDeviceKind::kHost && device != MoeDeviceKind::kCuda) {
+    return bad("unknown device kind");
+  }
+  if (device == MoeDeviceKind::kCuda && (cuda_device < 0 || num_experts > 1024 ||
+                                         experts_per_token > 16)) {
+    return bad("the CUDA device takes cuda_device >= 0, up to 1024 experts and top-16");
+  }
   return Status::Ok();
 }
 
@@ -62,7 +69,8 @@ std::string AllToAllConfig::ToString() const {
          " dtype=" + (dtype == DispatchDtype::kBf16 ? "bf16" : "fp8_e4m3") +
          " max_private_tokens=" + std::to_string(max_private_tokens) +
          (dispatch_once_per_rank ? " once_per_rank" : "") +
-         (combine_reduce_at_expert_rank ? " reduce_at_expert_rank" : "");
+         (combine_reduce_at_expert_rank ? " reduce_at_expert_rank" : "") +
+         (device == MoeDeviceKind::kCuda ? " cuda:" + std::to_string(cuda_device) : "");
 }
 
 }  // namespace ferry

@@ -1,0 +1,93 @@
+// Inputs of the moe tests: every rank can regenerate every other rank's inputs from (seed, rank,
+// iteration), and the expert function they all apply.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "ferry/moe.h"
+
+namespace ferry {
+
+enum class Routing { kRandom, kAllToOneExpert };
+
+struct InputSpec {
+  int tokens = 0;
+  int k = 1;
+  int experts = 1;
+  DispatchDtype dtype = DispatchDtype::kBf16;
+  Routing routing = Routing::kRandom;
+  bool rank1_empty = false;  // rank 1 sends no tokens
+};
+
+inline float DecodeE4M3(uint8_t b) {
+  int sign = b >> 7, exp = (b >> 3) & 0xF, man = b & 7;
+  float v = exp == 0 ? std::ldexp(man / 8.0f, -6) : std::ldexp(1.0f + man / 8.0f, exp - 7);
+  return sign ? -v : v;
+}
+
+// One rank's inputs for one iteration, reproducible anywhere.
+struct Inputs {
+  int tokens = 0;
+  std::vector<uint8_t> x;  // [T, row bytes]
+  std::vector<float> scales;
+  std::vector<int32_t> indices;
+  std::vector<float> weights;
+};
+
+inline Inputs MakeInputs(const InputSpec& c, const AllToAllConfig& cfg, int rank, int iteration) {
+  Inputs in;
+  in.tokens = (c.rank1_empty && rank == 1) ? 0 : c.tokens;
+  std::mt19937 rng(1000003u * rank + 7919u * iteration + 17);
+  const int64_t row = cfg.token_bytes();
+  in.x.resize(size_t(in.tokens) * row);
+  if (c.dtype == DispatchDtype::kBf16) {
+    std::uniform_real_distribution<float> val(-2.0f, 2.0f);
+    for (size_t i = 0; i < in.x.size(); i += 2) {
+      uint16_t b = FloatToBf16(val(rng));
+      std::memcpy(&in.x[i], &b, 2);
+    }
+  } else {
+    for (auto& b : in.x) {
+      b = static_cast<uint8_t>(rng());
+      if ((b & 0x7F) == 0x7F) b = 0;  // no NaNs
+    }
+    std::uniform_real_distribution<float> scale(0.01f, 1.0f);
+    in.scales.resize(size_t(in.tokens) * cfg.scales_per_token());
+    for (auto& s : in.scales) s = scale(rng);
+  }
+  in.indices.resize(size_t(in.tokens) * c.k);
+  in.weights.resize(size_t(in.tokens) * c.k);
+  std::vector<int32_t> experts(c.experts);
+  std::iota(experts.begin(), experts.end(), 0);
+  for (int t = 0; t < in.tokens; ++t) {
+    std::shuffle(experts.begin(), experts.end(), rng);
+    if (c.routing == Routing::kAllToOneExpert) {
+      auto it = std::find(experts.begin(), experts.end(), 0);
+      std::iter_swap(experts.begin(), it);
+    }
+    for (int j = 0; j < c.k; ++j) {
+      in.indices[size_t(t) * c.k + j] = experts[j];
+      in.weights[size_t(t) * c.k + j] = std::uniform_real_distribution<float>(0.0f, 1.0f)(rng);
+    }
+  }
+  return in;
+}
+
+// The expert function every rank applies: a per-expert scale of the dequantised row.
+inline float ExpertScale(int global_expert) { return 1.0f + 0.01f * static_cast<float>(global_expert); }
+
+inline float Dequant(const AllToAllConfig& cfg, const uint8_t* row, const float* scales, int i) {
+  if (cfg.dtype == DispatchDtype::kBf16) {
+    uint16_t b;
+    std::memcpy(&b, row + 2 * i, 2);
+    return Bf16ToFloat(b);
+  }
+  return DecodeE4M3(row[i]) * scales[i / 128];
+}
+
+}  // namespace ferry
