@@ -1,4 +1,5 @@
-// ferry-bench moe: the AllToAll host device across forked local ranks.
+// ferry-bench moe: the AllToAll (host device, or the CUDA device with --device cuda) across
+// forked local ranks.
 //
 // Per step (dispatch send / recv, combine send / recv) it reports p50 and p99 over the
 // iterations, as seen by the slowest rank of each iteration, plus the bytes each rank put on the
@@ -21,6 +22,10 @@
 #include "ferry/fabric.h"
 #include "ferry/moe.h"
 #include "tools/bench_util.h"
+
+#ifdef FERRY_BENCH_CUDA
+#include <cuda_runtime.h>
+#endif
 
 namespace ferry::bench {
 namespace {
@@ -49,6 +54,40 @@ StatusOr<std::vector<double>> SlowestPerIteration(Bootstrap& b, const std::vecto
   return out;
 }
 
+// The step buffers: host vectors, or their copies in GPU memory for the CUDA device.
+struct StepBuffers {
+  DispatchInput in;
+  DispatchOutput out;
+  const uint16_t* expert_out = nullptr;
+  uint16_t* y = nullptr;
+  std::vector<void*> owned;  // device allocations
+  ~StepBuffers() {
+#ifdef FERRY_BENCH_CUDA
+    for (void* p : owned) cudaFree(p);
+#endif
+  }
+};
+
+// Points `b` at the host buffers, or (cuda) at device copies of them.
+template <typename T>
+StatusOr<T*> Place(StepBuffers& b, std::vector<T>& host, bool cuda) {
+  if (!cuda) return host.data();
+#ifdef FERRY_BENCH_CUDA
+  void* p = nullptr;
+  if (cudaMalloc(&p, std::max<size_t>(host.size(), 1) * sizeof(T)) != cudaSuccess ||
+      cudaMemcpy(p, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice) !=
+          cudaSuccess) {
+    return InternalError("bench: GPU buffer of " + std::to_string(host.size() * sizeof(T)) +
+                         " bytes");
+  }
+  b.owned.push_back(p);
+  return static_cast<T*>(p);
+#else
+  (void)b;
+  return UnimplementedError("ferry-bench was built without CUDA");
+#endif
+}
+
 struct Result {
   double p50[4], p99[4];
   double floor_dispatch_p50, floor_combine_p50;
@@ -67,6 +106,17 @@ Status RunRank(const MoeBenchOptions& o, Bootstrap& b, Result* result) {
   cfg.max_private_tokens = o.private_tokens;
   cfg.dispatch_once_per_rank = o.once_per_rank;
   cfg.combine_reduce_at_expert_rank = o.reduce_at_expert_rank;
+  if (o.cuda) {
+    cfg.device = MoeDeviceKind::kCuda;
+#ifdef FERRY_BENCH_CUDA
+    int gpus = 0;
+    if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus == 0) {
+      return FailedPreconditionError("bench: --device cuda, but no GPU");
+    }
+    cfg.cuda_device = b.rank() % gpus;
+    cudaSetDevice(cfg.cuda_device);
+#endif
+  }
   RETURN_IF_ERROR(cfg.Validate());
   EngineOptions eo = EngineOptions::FromEnv();
   eo.provider = o.provider;
@@ -93,19 +143,28 @@ Status RunRank(const MoeBenchOptions& o, Bootstrap& b, Result* result) {
   std::vector<int32_t> counts(l);
   std::vector<uint16_t> expert_out(size_t(l) * cap * o.hidden, FloatToBf16(1.0f));
   std::vector<uint16_t> y(size_t(o.tokens) * o.hidden);
+  StepBuffers sb;
+  ASSIGN_OR_RETURN(uint8_t* px, Place(sb, x, o.cuda));
+  ASSIGN_OR_RETURN(float* pscales, Place(sb, scales, o.cuda));
+  ASSIGN_OR_RETURN(int32_t* pidx, Place(sb, idx, o.cuda));
+  ASSIGN_OR_RETURN(float* pw, Place(sb, w, o.cuda));
+  ASSIGN_OR_RETURN(uint8_t* pout_x, Place(sb, out_x, o.cuda));
+  ASSIGN_OR_RETURN(float* pout_scales, Place(sb, out_scales, o.cuda));
+  ASSIGN_OR_RETURN(int32_t* pcounts, Place(sb, counts, o.cuda));
+  ASSIGN_OR_RETURN(uint16_t* pexpert_out, Place(sb, expert_out, o.cuda));
+  ASSIGN_OR_RETURN(uint16_t* py, Place(sb, y, o.cuda));
 
   std::vector<double> steps[4];
   for (int it = 0; it < o.warmup + o.iters; ++it) {
     RETURN_IF_ERROR(b.Barrier(60s));
     double t0 = NowUs();
-    RETURN_IF_ERROR(a2a->DispatchSend({x.data(), scales.data(), idx.data(), w.data(), o.tokens}));
+    RETURN_IF_ERROR(a2a->DispatchSend({px, pscales, pidx, pw, o.tokens}));
     double t1 = NowUs();
-    RETURN_IF_ERROR(a2a->DispatchRecv({out_x.data(), out_scales.data(), counts.data()},
-                                      Deadline::After(60s)));
+    RETURN_IF_ERROR(a2a->DispatchRecv({pout_x, pout_scales, pcounts}, Deadline::After(60s)));
     double t2 = NowUs();
-    RETURN_IF_ERROR(a2a->CombineSend(expert_out.data()));
+    RETURN_IF_ERROR(a2a->CombineSend(pexpert_out));
     double t3 = NowUs();
-    RETURN_IF_ERROR(a2a->CombineRecv(y.data(), false, Deadline::After(60s)));
+    RETURN_IF_ERROR(a2a->CombineRecv(py, false, Deadline::After(60s)));
     double t4 = NowUs();
     if (it >= o.warmup) {
       steps[0].push_back(t1 - t0);
@@ -213,19 +272,19 @@ int RunMoeBench(const MoeBenchOptions& options) {
   }
   const MoeBenchOptions& o = options;
   if (!o.json) {
-    std::printf("ferry-bench moe  device=host provider=%s ranks=%d tokens=%d hidden=%d "
+    std::printf("ferry-bench moe  device=%s provider=%s ranks=%d tokens=%d hidden=%d "
                 "experts=%d topk=%d dtype=%s  (slowest rank per iteration, %d iterations)\n",
-                o.provider.c_str(), o.ranks, o.tokens, o.hidden, o.experts, o.topk,
+                o.cuda ? "cuda" : "host", o.provider.c_str(), o.ranks, o.tokens, o.hidden, o.experts, o.topk,
                 o.fp8 ? "fp8" : "bf16", o.iters);
     std::printf("%-13s | %21s %21s | %21s %21s | %10s %10s | %9s %9s | %6s %6s\n", "variant",
                 "dispatch send p50/p99", "dispatch recv p50/p99", "combine send p50/p99",
                 "combine recv p50/p99", "disp bytes", "comb bytes", "floor d", "floor c",
                 "d/fl", "c/fl");
   } else {
-    std::printf("{\"bench\":\"moe\",\"device\":\"host\",\"provider\":\"%s\",\"ranks\":%d,"
+    std::printf("{\"bench\":\"moe\",\"device\":\"%s\",\"provider\":\"%s\",\"ranks\":%d,"
                 "\"tokens\":%d,\"hidden\":%d,\"experts\":%d,\"topk\":%d,\"dtype\":\"%s\","
                 "\"variants\":[",
-                o.provider.c_str(), o.ranks, o.tokens, o.hidden, o.experts, o.topk,
+                o.cuda ? "cuda" : "host", o.provider.c_str(), o.ranks, o.tokens, o.hidden, o.experts, o.topk,
                 o.fp8 ? "fp8" : "bf16");
   }
   for (size_t v = 0; v < variants.size(); ++v) {

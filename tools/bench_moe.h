@@ -20,6 +20,7 @@ struct MoeBenchOptions {
   int iters = 50;
   int warmup = 5;
   bool json = false;
+  bool cuda = false;  // --device cuda: the CUDA device, GPU buffers (rank r on GPU r mod count)
 };
 
 // Returns the process exit code.

@@ -4,6 +4,7 @@
 //   ferry-bench moe    [--provider P] [--ranks N] [--tokens T] [--hidden H] [--experts E]
 //                      [--topk K] [--dtype fp8|bf16] [--iters I] [--json]
 //                      [--once-per-rank] [--reduce-at-expert-rank] [--compare]
+//                      [--device host|cuda]
 //   ferry-bench kv     [--provider P] [--tokens T] [--decoders N] [--json]
 //   ferry-bench topo   [--sysfs DIR] [--exclude NIC,...]: which NICs and core serve each GPU
 //   ferry-bench demo   the main job of `make demo`: short fabric, moe and kv runs on shm
@@ -26,6 +27,7 @@ void Usage() {
                "                       [--experts E] [--topk K] [--dtype fp8|bf16] [--iters I]"
                " [--json]\n"
                "                       [--once-per-rank] [--reduce-at-expert-rank] [--compare]\n"
+               "                       [--device host|cuda]\n"
                "       ferry-bench kv [--provider P] [--tokens T] [--decoders N] [--json]\n"
                "       ferry-bench topo [--sysfs DIR] [--exclude NIC,...]\n"
                "       ferry-bench demo\n"
@@ -80,6 +82,10 @@ int main(int argc, char** argv) {
       ok = ParseInt(argv[++i], &kv.decoders) && kv.decoders >= 1 && kv.decoders <= 16;
     } else if (a == "--iters" && has_value) {
       ok = ParseInt(argv[++i], &m.iters);
+    } else if (a == "--device" && has_value) {
+      std::string d = argv[++i];
+      ok = d == "host" || d == "cuda";
+      m.cuda = d == "cuda";
     } else if (a == "--sysfs" && has_value) {
       topo.sysfs_root = argv[++i];
     } else if (a == "--exclude" && has_value) {
