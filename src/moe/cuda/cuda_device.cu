@@ -82,12 +82,6 @@ enum ErrorCode : int32_t {
   kRowOverrun = 3,    // detail: sender, slot
 };
 
-struct Route {
-  int32_t src;
-  int32_t row;
-  float weight;
-};
-
 __device__ inline float Bf16ToFloatD(uint16_t b) { return __uint_as_float(uint32_t{b} << 16); }
 
 __device__ inline uint16_t FloatToBf16D(float f) {
@@ -364,11 +358,11 @@ __global__ void RowsKernel(Shape s, RecvPlan p, const int32_t* token_of, const i
   }
 }
 
-// Block g: slot g's row into each of its experts' output rows, and where each copy returns.
-__global__ void UnpackKernel(Shape s, const uint8_t** slot_ptr, const int32_t* sender_of,
-                             const int32_t* entries_of, const SlotEntry* entries,
-                             const int32_t* pos, const int32_t* row_of, uint8_t* out_x,
-                             float* out_scales, Route* routes) {
+// Block g: slot g's row into each of its experts' output rows. (Where each copy returns is
+// read back from the slot metadata at combine time.)
+__global__ void UnpackKernel(Shape s, const uint8_t** slot_ptr, const int32_t* entries_of,
+                             const SlotEntry* entries, const int32_t* pos, uint8_t* out_x,
+                             float* out_scales) {
   const int64_t g = blockIdx.x;
   const uint8_t* body = slot_ptr[g] + s.meta_bytes;
   for (int i = 0; i < entries_of[g]; ++i) {
@@ -378,9 +372,6 @@ __global__ void UnpackKernel(Shape s, const uint8_t** slot_ptr, const int32_t* s
     if (s.spt) {
       CopyBytes(reinterpret_cast<uint8_t*>(out_scales + dst * s.spt), body + s.payload,
                 int64_t{s.spt} * 4);
-    }
-    if (threadIdx.x == 0) {
-      routes[dst] = Route{sender_of[g], s.reduce ? row_of[g] : row_of[g] + i, entry.weight};
     }
   }
 }
@@ -554,7 +545,6 @@ class CudaDevice final : public MoeDevice {
     RETURN_IF_ERROR(row_of_.Allocate(max_slots));
     RETURN_IF_ERROR(entries_.Allocate(size_t(max_slots) * k));
     RETURN_IF_ERROR(pos_.Allocate(size_t(max_slots) * k));
-    RETURN_IF_ERROR(routes_.Allocate(size_t(c.local_experts()) * c.expert_capacity()));
     return Status::Ok();
   }
 
@@ -624,8 +614,8 @@ class CudaDevice final : public MoeDevice {
                                                 row_of_.get(), error_.get());
     if (total_slots_ > 0) {
       UnpackKernel<<<total_slots_, kCopyThreads, 0, stream_>>>(
-          shape_, slot_ptr_.get(), sender_of_.get(), entries_of_.get(), entries_.get(),
-          pos_.get(), row_of_.get(), static_cast<uint8_t*>(out.x), out.scales, routes_.get());
+          shape_, slot_ptr_.get(), entries_of_.get(), entries_.get(), pos_.get(),
+          static_cast<uint8_t*>(out.x), out.scales);
     }
     RETURN_IF_ERROR(Finish("dispatch unpacking"));
     // Rows for sender s go after those of lower ranks in our combine send area.
@@ -720,7 +710,6 @@ class CudaDevice final : public MoeDevice {
   DeviceArray<const uint8_t*> rank_base_, slot_ptr_;
   DeviceArray<int32_t> sender_of_, token_of_, entries_of_, row_of_, pos_;
   DeviceArray<SlotEntry> entries_;
-  DeviceArray<Route> routes_;
 };
 
 }  // namespace
