@@ -500,5 +500,78 @@ INSTANTIATE_TEST_SUITE_P(Ways, KvCancelTest,
                                             ::testing::ValuesIn(testing_util::Providers())),
                          CancelName);
 
+// A cancel storm: a decoder with 4 request slots cancels round after round of requests the prefill
+// never schedules. Each slot comes back once the prefill acknowledges, not at the request's
+// deadline (60 s), so the rounds run back to back.
+Status StormPrefill(const std::string& provider, Bootstrap& b) {
+  const KvModel m{8, 16, 2, false, 4};
+  const KvSide side{m, KvOrder::kHND, 4};
+  ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions(provider)));
+  Shards shards;
+  RETURN_IF_ERROR(shards.Init(*engine, side, 24));
+  std::atomic<uint64_t> layers{0};
+  std::atomic<int> released{0};
+  KvPrefill::Callbacks cb;
+  cb.on_request = [](const KvPrefill::Incoming&) {};
+  cb.on_released = [&](uint64_t, const Status&) { released.fetch_add(1); };
+  ASSIGN_OR_RETURN(auto prefill,
+                   KvPrefill::Create(engine.get(), side, shards.regions, nullptr, &layers, cb));
+  RETURN_IF_ERROR(b.AllGather(engine->Address(), 30s).status());
+  RETURN_IF_ERROR(b.Barrier(60s));  // the decoder's rounds are over
+  CHECK_OR_RETURN(released.load() == 12, "released " + std::to_string(released.load()));
+  return Status::Ok();
+}
+
+Status StormDecoder(const std::string& provider, Bootstrap& b) {
+  const KvModel m{8, 16, 2, false, 4};
+  const KvSide side{m, KvOrder::kHND, 2};
+  ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions(provider)));
+  Shards shards;
+  RETURN_IF_ERROR(shards.Init(*engine, side, 24));
+  ASSIGN_OR_RETURN(auto decoder,
+                   KvDecoder::Create(engine.get(), side, shards.regions, nullptr, 4));
+  ASSIGN_OR_RETURN(auto addresses, b.AllGather(engine->Address(), 30s));
+  std::vector<int64_t> pages = {1, 2};
+  std::atomic<int> ended{0}, cancelled{0};
+  const auto start = std::chrono::steady_clock::now();
+  for (int round = 0; round < 3; ++round) {
+    for (int i = 0; i < 4; ++i) {
+      KvDecoder::Request req;
+      req.request_id = uint64_t(round) * 10 + i;
+      req.prefill_address = addresses[0];
+      req.prefill = KvSide{m, KvOrder::kHND, 4};
+      req.pages = pages;
+      Status s;
+      Deadline retry = Deadline::After(10s);  // a slot may come back just after its callback
+      do {
+        s = decoder->Submit(req, Deadline::After(60s), [&](const Status& st) {
+          if (st.code() == StatusCode::kCancelled) cancelled.fetch_add(1);
+          ended.fetch_add(1);
+        });
+        if (s.code() == StatusCode::kResourceExhausted) std::this_thread::sleep_for(1ms);
+      } while (s.code() == StatusCode::kResourceExhausted && !retry.Expired());
+      RETURN_IF_ERROR(s.WithContext("round " + std::to_string(round)));
+    }
+    for (int i = 0; i < 4; ++i) RETURN_IF_ERROR(decoder->Cancel(uint64_t(round) * 10 + i));
+    Deadline wait = Deadline::After(20s);
+    while (ended.load() < 4 * (round + 1) && !wait.Expired()) std::this_thread::sleep_for(1ms);
+    CHECK_OR_RETURN(ended.load() == 4 * (round + 1), "round " + std::to_string(round) +
+                                                         ": " + std::to_string(ended.load()) +
+                                                         " requests ended");
+  }
+  CHECK_OR_RETURN(cancelled.load() == 12, "cancelled " + std::to_string(cancelled.load()));
+  CHECK_OR_RETURN(std::chrono::steady_clock::now() - start < 30s,
+                  "slots were held until the requests' deadlines");
+  return b.Barrier(60s);
+}
+
+TEST(KvCancelStormTest, SlotsComeBackWhenThePrefillAcknowledges) {
+  const std::string provider = testing_util::Providers().front();
+  auto exits = RunLocalRanks(2, [&](Bootstrap& b) {
+    return b.rank() == 0 ? StormPrefill(provider, b) : StormDecoder(provider, b);
+  }, 120s);
+  for (auto& e : exits) EXPECT_TRUE(e.ok()) << e.exit_code << " " << e.signal;
+}
+
 }  // namespace
 }  // namespace ferry

@@ -192,8 +192,9 @@ uint32_t MagicOf(std::span<const uint8_t> m) {
 //   waiting    --all writes counted-->                       done (ready OK), slot freed
 //   waiting    --deadline or Cancel() or prefill's ack-->    cancelling (send cancel, await ack)
 //   cancelling --ack with `posted` and count >= posted-->    user told (Cancelled/Deadline)
-//   the notification armed at that time fires later (deadline or ack timer): the slot is freed
-//   if every acknowledged write landed, else retired for good (a write may still land).
+//   the ack also disarms the armed notification, which then fires at once: the slot is freed if
+//   every acknowledged write landed, else a last notification waits (bounded) for them, after
+//   which the slot is freed, or retired for good if some never landed (one may still land).
 class Decoder final : public KvDecoder {
  public:
   Decoder(TransferEngine* engine, const KvSide& decode, const KvRegions& regions,
@@ -326,6 +327,7 @@ class Decoder final : public KvDecoder {
     bool told = false;       // the user's callback ran
     bool acked = false;      // the prefill acknowledged a cancel
     uint64_t posted = 0;     // writes the prefill posted before it stopped
+    bool draining = false;   // armed to wait for the acknowledged writes still in flight
     Status outcome;          // what a cancelled request reports
   };
 
@@ -357,6 +359,7 @@ class Decoder final : public KvDecoder {
     std::shared_ptr<DoneCallback> tell;
     Status tell_status;
     bool rearm = false;
+    uint64_t rearm_target = ~uint64_t{0};  // a timer: unreachable, it ends at its deadline
     {
       std::lock_guard<std::mutex> lock(mu_);
       Slot& st = slots_[slot];
@@ -368,7 +371,7 @@ class Decoder final : public KvDecoder {
           st.told = true;
         }
         st.state = State::kRetired;
-      } else if (s.ok() && !st.told) {
+      } else if (s.ok() && !st.told && !st.draining) {
         // Every write landed (even if a cancel was on its way): the request is complete.
         (void)engine_->ConsumeImm(kImmBase + slot, st.expected);
         tell = st.ready;
@@ -407,6 +410,11 @@ class Decoder final : public KvDecoder {
             tell_status = st.outcome;
           }
           Free(slot);
+        } else if (!st.draining) {
+          // Acknowledged writes are still in flight: wait for them, bounded.
+          st.draining = true;
+          rearm = true;
+          rearm_target = st.posted;
         } else {
           st.state = State::kRetired;
           Forget(slot);
@@ -421,8 +429,8 @@ class Decoder final : public KvDecoder {
       }
     }
     if (rearm) {
-      // A timer: an unreachable target ends at the deadline; it also keeps the slot reserved.
-      (void)Arm(slot, ~uint64_t{0}, Deadline::After(kAckTimeout));
+      // Keeps the slot reserved until the target is reached or the timer ends.
+      (void)Arm(slot, rearm_target, Deadline::After(kAckTimeout));
     }
     Tell(tell, tell_status);
   }
@@ -445,6 +453,9 @@ class Decoder final : public KvDecoder {
       if (st.state != State::kCancelling || st.acked) return;
       st.acked = true;
       st.posted = posted;
+      // End the armed notification now (it would otherwise hold the slot until the request's
+      // deadline): it fires Cancelled, after this, and frees or drains the slot.
+      (void)engine_->DisarmImm(imm);
       // Once every acknowledged write has landed the pages are ours again: tell the user now.
       // The slot itself is freed when its armed notification fires.
       if (Count(slot) >= posted && !st.told) {
