@@ -136,6 +136,20 @@ class KvDecoder {
 // finished layer's pages, then the aux data, and releases the source pages when done. It takes
 // the engine's message handler and runs one watcher thread; destroy it before its engine.
 // Thread safety: Schedule* and Cancel from any thread; callbacks run on the watcher thread.
+// A layer counter for a model whose attention runs on a CUDA stream: a 64-bit word in pinned host
+// memory mapped into the GPU. Increment(stream) enqueues "counter += 1" behind the work already on
+// the stream, so the prefill's watcher (pass host() as its layer counter) never sees a layer
+// before the kernels that wrote its KV pages have finished. One stream increments a counter.
+// Unimplemented where ferry was built without CUDA; FailedPrecondition on a machine without GPU.
+class GpuLayerCounter {
+ public:
+  static StatusOr<std::unique_ptr<GpuLayerCounter>> Create();
+  virtual ~GpuLayerCounter() = default;
+  virtual const std::atomic<uint64_t>* host() const = 0;
+  // `cuda_stream` is a cudaStream_t; null is the legacy default stream.
+  virtual Status Increment(void* cuda_stream) = 0;
+};
+
 class KvPrefill {
  public:
   struct Incoming {

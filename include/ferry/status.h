@@ -107,7 +107,8 @@ class [[nodiscard]] StatusOr {
 
  private:
   void Check() {
-    if (status_.ok()) status_ = InternalError("StatusOr constructed from an OK status");
+    // (void): nvcc's front end warns on discarding operator='s result of a [[nodiscard]] type.
+    if (status_.ok()) (void)(status_ = InternalError("StatusOr constructed from an OK status"));
   }
   Status status_;
   std::optional<T> value_;

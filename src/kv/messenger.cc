@@ -829,4 +829,10 @@ StatusOr<std::unique_ptr<KvPrefill>> KvPrefill::Create(TransferEngine* engine,
   return std::unique_ptr<KvPrefill>(std::move(p));
 }
 
+#ifndef FERRY_HAVE_CUDA
+StatusOr<std::unique_ptr<GpuLayerCounter>> GpuLayerCounter::Create() {
+  return UnimplementedError("GpuLayerCounter: ferry was built without CUDA");
+}
+#endif
+
 }  // namespace ferry
