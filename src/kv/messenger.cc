@@ -11,6 +11,8 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <numeric>
+#include <optional>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -600,6 +602,7 @@ class Prefill final : public KvPrefill {
                                         .subspan(first_page, src_pages.size()),
                                     request_id));
     chunk.pass_base = pass_base;
+    chunk.batches = Batch::Group(chunk.plan.writes, engine_->info().max_msg_size);
     a.chunks.push_back(std::move(chunk));
     a.pages_scheduled += static_cast<int64_t>(src_pages.size());
     if (last) {
@@ -610,11 +613,71 @@ class Prefill final : public KvPrefill {
   }
 
  private:
+  // A run of a layer's writes with one source shard, one destination shard and one length:
+  // posted as one paged write (one submission and one completion instead of one per write),
+  // page i from src_index[i] * src_stride to dst_index[i] * dst_stride past the layer's base.
+  // Writes longer than the provider's message size go alone, as single writes (which split).
+  struct Batch {
+    int src_rank = 0, dst_rank = 0;
+    uint64_t length = 0, src_stride = 1, dst_stride = 1;
+    std::vector<uint32_t> src_index, dst_index;
+    std::optional<KvWrite> single;
+
+    // Consecutive writes of the plan (ordered by destination) that can share a paged write.
+    static std::vector<Batch> Group(const std::vector<KvWrite>& writes, uint64_t max_page) {
+      std::vector<Batch> out;
+      for (size_t i = 0; i < writes.size();) {
+        if (uint64_t(writes[i].length) > max_page) {
+          Batch alone;
+          alone.single = writes[i++];
+          out.push_back(std::move(alone));
+          continue;
+        }
+        size_t j = i + 1;
+        while (j < writes.size() && writes[j].src_rank == writes[i].src_rank &&
+               writes[j].dst_rank == writes[i].dst_rank && writes[j].length == writes[i].length) {
+          ++j;
+        }
+        uint64_t src_gcd = 0, dst_gcd = 0, src_max = 0, dst_max = 0;
+        for (size_t k = i; k < j; ++k) {
+          src_gcd = std::gcd(src_gcd, uint64_t(writes[k].src_offset));
+          dst_gcd = std::gcd(dst_gcd, uint64_t(writes[k].dst_offset));
+          src_max = std::max(src_max, uint64_t(writes[k].src_offset));
+          dst_max = std::max(dst_max, uint64_t(writes[k].dst_offset));
+        }
+        Batch b;
+        b.src_rank = writes[i].src_rank;
+        b.dst_rank = writes[i].dst_rank;
+        b.length = uint64_t(writes[i].length);
+        b.src_stride = std::max<uint64_t>(src_gcd, 1);
+        b.dst_stride = std::max<uint64_t>(dst_gcd, 1);
+        const bool fits = src_max / b.src_stride <= UINT32_MAX && dst_max / b.dst_stride <= UINT32_MAX;
+        // A run whose indices do not fit 32 bits goes write by write (batches of one).
+        const size_t step = fits ? j - i : 1;
+        for (size_t start = i; start < j; start += step) {
+          Batch part = b;
+          if (step == 1) part.src_stride = part.dst_stride = 1;
+          for (size_t k = start; k < start + step; ++k) {
+            if (step == 1) {
+              part.src_stride = std::max<uint64_t>(uint64_t(writes[k].src_offset), 1);
+              part.dst_stride = std::max<uint64_t>(uint64_t(writes[k].dst_offset), 1);
+            }
+            part.src_index.push_back(uint32_t(uint64_t(writes[k].src_offset) / part.src_stride));
+            part.dst_index.push_back(uint32_t(uint64_t(writes[k].dst_offset) / part.dst_stride));
+          }
+          out.push_back(std::move(part));
+        }
+        i = j;
+      }
+      return out;
+    }
+  };
   struct Chunk {
     KvPlan plan;
+    std::vector<Batch> batches;  // the plan's writes of one layer, grouped
     uint64_t pass_base = 0;
     int next_layer = 0;     // layers fully posted so far
-    size_t next_write = 0;  // first write of next_layer not yet posted
+    size_t next_batch = 0;  // first batch of next_layer not yet posted
   };
   struct Active {
     WireRequest req;
@@ -627,7 +690,8 @@ class Prefill final : public KvPrefill {
     int64_t aux_src_offset = 0;
     Status failure;  // a post that could not be made; reported at release
     std::shared_ptr<TransferCounter> writes = std::make_shared<TransferCounter>();
-    uint64_t submitted = 0;
+    uint64_t submitted = 0;  // transfers (each ends in one completion)
+    uint64_t posted = 0;     // writes (each carries one immediate)
   };
 
   void Watch() {
@@ -714,28 +778,42 @@ class Prefill final : public KvPrefill {
     return progress;
   }
 
-  // Posts the rest of `chunk`'s current layer, from chunk.next_write. True when the whole layer
+  // Posts the rest of `chunk`'s current layer, from chunk.next_batch. True when the whole layer
   // is posted (or the request failed); false when the engine's queues are full.
   bool PostLayer(Active& a, Chunk& chunk) {
     const uint64_t src_base = uint64_t(chunk.next_layer) * regions_.layer_stride;
     const uint64_t dst_base = uint64_t(chunk.next_layer) * a.req.layer_stride;
-    for (; chunk.next_write < chunk.plan.writes.size(); ++chunk.next_write) {
-      const KvWrite& kw = chunk.plan.writes[chunk.next_write];
-      SingleWrite w{regions_.ranks[kw.src_rank], src_base + kw.src_offset, a.peer,
-                    a.req.dst[kw.dst_rank], dst_base + kw.dst_offset,
-                    static_cast<uint64_t>(kw.length), a.req.imm};
-      if (!Post(a, w)) return !a.failure.ok();
+    for (; chunk.next_batch < chunk.batches.size(); ++chunk.next_batch) {
+      const Batch& b = chunk.batches[chunk.next_batch];
+      if (b.single) {
+        const KvWrite& kw = *b.single;
+        SingleWrite w{regions_.ranks[kw.src_rank], src_base + kw.src_offset, a.peer,
+                      a.req.dst[kw.dst_rank], dst_base + kw.dst_offset,
+                      static_cast<uint64_t>(kw.length), a.req.imm};
+        if (!Post(a, w)) return !a.failure.ok();
+        continue;
+      }
+      PagedWrite w{regions_.ranks[b.src_rank], a.peer, a.req.dst[b.dst_rank], b.length,
+                   b.src_stride, b.dst_stride, src_base, dst_base, b.src_index, b.dst_index,
+                   a.req.imm};
+      Status s = engine_->WritePaged(w, Completion::Counter(a.writes.get()));
+      if (!Counted(a, s, b.src_index.size())) return !a.failure.ok();
     }
-    chunk.next_write = 0;
+    chunk.next_batch = 0;
     return true;
   }
 
   // One write of a request. False when it was not posted: the queues are full (retry later) or
   // the engine refused it (recorded as the request's failure).
   bool Post(Active& a, const SingleWrite& w) {
-    Status s = engine_->Write(w, Completion::Counter(a.writes.get()));
+    return Counted(a, engine_->Write(w, Completion::Counter(a.writes.get())), 1);
+  }
+
+  // Books a submission of `writes` writes; false if it was refused.
+  bool Counted(Active& a, const Status& s, uint64_t writes) {
     if (s.ok()) {
       ++a.submitted;
+      a.posted += writes;
       return true;
     }
     if (s.code() != StatusCode::kResourceExhausted) a.failure = s;
@@ -760,7 +838,7 @@ class Prefill final : public KvPrefill {
         if (a.cancelled && ended == a.submitted) {
           // Every write we posted has completed: acknowledge with their number, so the decoder
           // knows when the last one has landed.
-          (void)engine_->Send(a.peer, ControlMessage(kAckMagic, it->first, a.req.imm, a.submitted),
+          (void)engine_->Send(a.peer, ControlMessage(kAckMagic, it->first, a.req.imm, a.posted),
                               {});
           released.emplace_back(it->first,
                                 CancelledError("KV request " + std::to_string(it->first) +
