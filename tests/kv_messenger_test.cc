@@ -48,8 +48,7 @@ struct Case {
   int pages_per_layer() const { return std::max(24, pages_per_request * requests_per_decoder); }
 };
 
-std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
-  const Case& c = info.param;
+std::string Describe(const Case& c) {
   return std::string(c.provider == "shm" ? "shm" : "tcp") + (c.model.mla ? "_mla" : "_gqa") +
          "_tp" + std::to_string(c.prefill_tp) + "_to_tp" + std::to_string(c.decode_tp) +
          (c.prefill_order == KvOrder::kHND ? "_hnd" : "_nhd") +
@@ -57,6 +56,9 @@ std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
          "_r" + std::to_string(c.decoders * c.requests_per_decoder) +
          (c.kill_prefill ? "_killed" : "") + (c.prefill_max_transfers ? "_throttled" : "");
 }
+
+std::string CaseName(const ::testing::TestParamInfo<Case>& info) { return Describe(info.param); }
+void PrintTo(const Case& c, std::ostream* os) { *os << Describe(c); }
 
 constexpr int kLayers = 3;
 constexpr int64_t kAuxBytes = 1000;
