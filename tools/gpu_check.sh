@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# One run on the lent GPU machine: build the CUDA parts for sm_90, run the GPU tests (and
+# compute-sanitizer memcheck/racecheck on small cases), run the CUDA moe benchmarks. Logs go to
+# $OUT (the device tool brings that folder back); a short table is printed last.
+#
+#   tools/gpu_check.sh            everything
+#   tools/gpu_check.sh tests      build and tests only
+set -u
+OUT=${OUT:-/tmp/ferry-gpu}
+mkdir -p "$OUT"
+: > "$OUT/summary.txt"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if [ -x .gpu-deps/prepare.sh ]; then eval "$(.gpu-deps/prepare.sh | grep ^export)"; fi
+NVCC=${NVCC:-/usr/local/cuda/bin/nvcc}
+SANITIZER=${SANITIZER:-/usr/local/cuda/bin/compute-sanitizer}
+nvidia-smi -L > "$OUT/gpus.txt" 2>&1
+
+step() {  # step NAME SECONDS COMMAND...: runs it, logs it, notes its exit status and time
+  local name=$1 limit=$2
+  shift 2
+  local start=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  printf '%-22s rc=%-3s %4ss\n' "$name" "$rc" "$((SECONDS - start))" >> "$OUT/summary.txt"
+  return $rc
+}
+
+generator=()
+if command -v ninja > /dev/null; then generator=(-G Ninja); fi
+step configure 120 cmake -S . -B build-gpu "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_CUDA_COMPILER="$NVCC" -DCMAKE_CUDA_ARCHITECTURES=90 || { cat "$OUT/configure.log"; exit 1; }
+step build 400 cmake --build build-gpu -j "$(nproc)" --target moe_cuda_test kv_cuda_test \
+  moe_host_test ferry-bench || { tail -60 "$OUT/build.log"; exit 1; }
+
+step kv_cuda_test 120 build-gpu/kv_cuda_test
+step moe_cuda_test 400 build-gpu/moe_cuda_test
+step memcheck 300 "$SANITIZER" --tool memcheck --target-processes all \
+  build-gpu/moe_cuda_test --gtest_filter='*n2_t7_h128_e8_k2_bf16*:*n3_t64*'
+step racecheck 300 "$SANITIZER" --tool racecheck --target-processes all \
+  build-gpu/moe_cuda_test --gtest_filter='*n2_t7_h128_e8_k2_bf16*'
+
+if [ "${1:-all}" = all ]; then
+  common=(--device cuda --ranks 2 --hidden 7168 --experts 256 --topk 8 --provider shm)
+  step bench_decode_fp8 300 build-gpu/ferry-bench moe "${common[@]}" --tokens 128 --dtype fp8 \
+    --iters 50
+  step bench_decode_bf16 300 build-gpu/ferry-bench moe "${common[@]}" --tokens 128 \
+    --dtype bf16 --iters 50
+  step bench_prefill 400 build-gpu/ferry-bench moe "${common[@]}" --tokens 4096 --dtype fp8 \
+    --iters 10
+fi
+
+for f in "$OUT"/moe_cuda_test.log "$OUT"/kv_cuda_test.log; do
+  [ -f "$f" ] && grep -E '^\[  (PASSED|FAILED|SKIPPED) |\[rank|Failure' "$f" | head -20
+done
+grep -h -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT"/memcheck.log "$OUT"/racecheck.log 2> /dev/null
+for b in "$OUT"/bench_*.log; do
+  [ -f "$b" ] && { echo "== $(basename "$b" .log)"; grep -E '^(plain|\(a|\(b|variant)' "$b"; }
+done
+cat "$OUT/summary.txt"
