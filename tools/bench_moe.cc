@@ -92,7 +92,61 @@ struct Result {
   double p50[4], p99[4];
   double floor_dispatch_p50, floor_combine_p50;
   uint64_t dispatch_bytes, combine_bytes;
+  // The NVLink floor (CUDA device, >= 2 GPUs): the fewest bytes that must leave this rank (each
+  // token once per other destination rank; one bf16 row per token per other expert rank) over
+  // the measured GPU-to-GPU copy bandwidth.
+  uint64_t min_dispatch_bytes, min_combine_bytes;
+  double p2p_gbps;
 };
+
+// Bytes that must leave `rank`: each token's row (and scales) once per other rank holding one
+// of its experts, and one bf16 row back from each of those ranks.
+void MinimalBytes(const AllToAllConfig& c, const std::vector<int32_t>& idx, int tokens,
+                  Result* r) {
+  const int64_t row = c.token_bytes() + int64_t{c.scales_per_token()} * 4;
+  r->min_dispatch_bytes = r->min_combine_bytes = 0;
+  std::vector<char> seen(c.world_size);
+  for (int t = 0; t < tokens; ++t) {
+    std::fill(seen.begin(), seen.end(), 0);
+    for (int j = 0; j < c.experts_per_token; ++j) {
+      const int dst = idx[size_t(t) * c.experts_per_token + j] / c.local_experts();
+      if (dst == c.rank || seen[dst]) continue;
+      seen[dst] = 1;
+      r->min_dispatch_bytes += row;
+      r->min_combine_bytes += uint64_t(c.hidden) * 2;
+    }
+  }
+}
+
+// GPU 0 -> GPU 1 copy bandwidth in GB/s, 0 without two GPUs (or without CUDA).
+double MeasurePeerBandwidth() {
+#ifdef FERRY_BENCH_CUDA
+  int gpus = 0;
+  if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus < 2) return 0;
+  constexpr size_t kBytes = size_t{256} << 20;
+  void *a = nullptr, *b = nullptr;
+  cudaSetDevice(1);
+  if (cudaMalloc(&b, kBytes) != cudaSuccess) return 0;
+  cudaSetDevice(0);
+  if (cudaMalloc(&a, kBytes) != cudaSuccess) return 0;
+  cudaDeviceEnablePeerAccess(1, 0);
+  cudaGetLastError();  // already enabled is fine
+  double best = 0;
+  for (int i = 0; i < 5; ++i) {
+    const double t0 = NowUs();
+    cudaMemcpyPeer(b, 1, a, 0, kBytes);
+    cudaDeviceSynchronize();
+    const double us = NowUs() - t0;
+    if (i > 0) best = std::max(best, kBytes / us / 1e3);
+  }
+  cudaFree(a);
+  cudaSetDevice(1);
+  cudaFree(b);
+  return best;
+#else
+  return 0;
+#endif
+}
 
 Status RunRank(const MoeBenchOptions& o, Bootstrap& b, Result* result) {
   AllToAllConfig cfg;
@@ -180,6 +234,14 @@ Status RunRank(const MoeBenchOptions& o, Bootstrap& b, Result* result) {
   }
   result->dispatch_bytes = a2a->dispatch_bytes_sent();
   result->combine_bytes = a2a->combine_bytes_sent();
+  MinimalBytes(cfg, idx, o.tokens, result);
+  result->p2p_gbps = 0;
+#ifdef FERRY_BENCH_CUDA
+  if (o.cuda && b.rank() == 0) {
+    result->p2p_gbps = MeasurePeerBandwidth();
+    cudaSetDevice(cfg.cuda_device);
+  }
+#endif
 
   // Floor: the same bytes per peer as one scatter with an immediate, awaited on every rank.
   const int n = b.world_size();
@@ -287,9 +349,11 @@ int RunMoeBench(const MoeBenchOptions& options) {
                 o.cuda ? "cuda" : "host", o.provider.c_str(), o.ranks, o.tokens, o.hidden, o.experts, o.topk,
                 o.fp8 ? "fp8" : "bf16");
   }
+  Result last{};  // the last variant's figures, for the NVLink floor line
   for (size_t v = 0; v < variants.size(); ++v) {
     Result r{};
     if (!RunVariant(variants[v], &r)) return 1;
+    last = r;
     const double dispatch = r.p50[0] + r.p50[1], combine = r.p50[2] + r.p50[3];
     const double d_ratio = r.floor_dispatch_p50 > 0 ? dispatch / r.floor_dispatch_p50 : 0;
     const double c_ratio = r.floor_combine_p50 > 0 ? combine / r.floor_combine_p50 : 0;
@@ -314,6 +378,21 @@ int RunMoeBench(const MoeBenchOptions& options) {
   else {
     std::printf("times in us; bytes = what rank 0 put on the wire; floor = the same bytes as one "
                 "scatter per peer\n");
+  }
+  if (o.cuda) {
+    // The NVLink floor of the last variant run (rank 0's bytes; routing is the same for all).
+    const Result& r = last;
+    if (r.p2p_gbps > 0) {
+      std::printf("NVLink floor (rank 0): dispatch %llu B, combine %llu B at %.1f GB/s (GPU0->GPU1 "
+                  "copy) = %.1f us / %.1f us\n",
+                  (unsigned long long)r.min_dispatch_bytes, (unsigned long long)r.min_combine_bytes,
+                  r.p2p_gbps, r.min_dispatch_bytes / (r.p2p_gbps * 1e3),
+                  r.min_combine_bytes / (r.p2p_gbps * 1e3));
+    } else {
+      std::printf("NVLink floor: needs two GPUs (minimal bytes: dispatch %llu, combine %llu)\n",
+                  (unsigned long long)r.min_dispatch_bytes,
+                  (unsigned long long)r.min_combine_bytes);
+    }
   }
   return 0;
 }
