@@ -73,17 +73,7 @@ struct Gpu {
 Status RunRank(const Case& c, Bootstrap& b) {
   int gpus = 0;
   CUDA_OR_RETURN(cudaGetDeviceCount(&gpus));
-  AllToAllConfig cfg;
-  cfg.world_size = b.world_size();
-  cfg.rank = b.rank();
-  cfg.num_experts = c.experts;
-  cfg.experts_per_token = c.k;
-  cfg.max_tokens_per_rank = std::max(c.tokens, 1);
-  cfg.hidden = c.hidden;
-  cfg.dtype = c.dtype;
-  cfg.max_private_tokens = c.private_tokens;
-  cfg.dispatch_once_per_rank = c.once_per_rank;
-  cfg.combine_reduce_at_expert_rank = c.reduce_at_expert_rank;
+  const AllToAllConfig cfg = ConfigFor(c, b.world_size(), b.rank());
   AllToAllConfig gpu_cfg = cfg;
   gpu_cfg.device = MoeDeviceKind::kCuda;
   gpu_cfg.cuda_device = b.rank() % gpus;

@@ -56,17 +56,7 @@ std::string Describe(const Case& c) {
 }
 
 Status RunRank(const Case& c, Bootstrap& b) {
-  AllToAllConfig cfg;
-  cfg.world_size = b.world_size();
-  cfg.rank = b.rank();
-  cfg.num_experts = c.experts;
-  cfg.experts_per_token = c.k;
-  cfg.max_tokens_per_rank = std::max(c.tokens, 1);
-  cfg.hidden = c.hidden;
-  cfg.dtype = c.dtype;
-  cfg.max_private_tokens = c.private_tokens;
-  cfg.dispatch_once_per_rank = c.once_per_rank;
-  cfg.combine_reduce_at_expert_rank = c.reduce_at_expert_rank;
+  const AllToAllConfig cfg = ConfigFor(c, b.world_size(), b.rank());
   ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions(c.provider)));
   ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(cfg, engine.get(), b));
   const int l = cfg.local_experts(), n = cfg.world_size, h = cfg.hidden;

@@ -90,4 +90,21 @@ inline float Dequant(const AllToAllConfig& cfg, const uint8_t* row, const float*
   return DecodeE4M3(row[i]) * scales[i / 128];
 }
 
+// The AllToAll configuration of a test case (any struct with the fields read here).
+template <typename Case>
+AllToAllConfig ConfigFor(const Case& c, int world_size, int rank) {
+  AllToAllConfig cfg;
+  cfg.world_size = world_size;
+  cfg.rank = rank;
+  cfg.num_experts = c.experts;
+  cfg.experts_per_token = c.k;
+  cfg.max_tokens_per_rank = std::max(c.tokens, 1);
+  cfg.hidden = c.hidden;
+  cfg.dtype = c.dtype;
+  cfg.max_private_tokens = c.private_tokens;
+  cfg.dispatch_once_per_rank = c.once_per_rank;
+  cfg.combine_reduce_at_expert_rank = c.reduce_at_expert_rank;
+  return cfg;
+}
+
 }  // namespace ferry

@@ -241,8 +241,8 @@ Status ApplySteps(VerbsApi& api, ibv_qp* qp, std::span<const QpStep> steps,
 WrChain::WrChain(uint32_t max_wrs, uint32_t max_inline)
     : wrs_(std::max<uint32_t>(max_wrs, 1)), sges_(wrs_.size()), max_inline_(max_inline) {}
 
-void WrChain::AddWrite(const void* local, uint32_t length, uint32_t lkey, uint64_t remote_addr,
-                       uint32_t rkey, std::optional<uint32_t> imm, uint64_t wr_id) {
+ibv_send_wr& WrChain::Append(const void* local, uint32_t length, uint32_t lkey, uint64_t wr_id,
+                            ibv_wr_opcode opcode) {
   ibv_send_wr& wr = wrs_[count_];
   ibv_sge& sge = sges_[count_];
   wr = {};
@@ -250,29 +250,25 @@ void WrChain::AddWrite(const void* local, uint32_t length, uint32_t lkey, uint64
   wr.wr_id = wr_id;
   wr.sg_list = length ? &sge : nullptr;
   wr.num_sge = length ? 1 : 0;
-  wr.opcode = imm ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE;
-  if (imm) wr.imm_data = htonl(*imm);
+  wr.opcode = opcode;
   wr.send_flags = IBV_SEND_SIGNALED;
   if (length > 0 && length <= max_inline_) wr.send_flags |= IBV_SEND_INLINE;
-  wr.wr.rdma.remote_addr = remote_addr;
-  wr.wr.rdma.rkey = rkey;
   if (count_ > 0) wrs_[count_ - 1].next = &wr;
   ++count_;
+  return wr;
+}
+
+void WrChain::AddWrite(const void* local, uint32_t length, uint32_t lkey, uint64_t remote_addr,
+                       uint32_t rkey, std::optional<uint32_t> imm, uint64_t wr_id) {
+  ibv_send_wr& wr = Append(local, length, lkey, wr_id,
+                           imm ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE);
+  if (imm) wr.imm_data = htonl(*imm);
+  wr.wr.rdma.remote_addr = remote_addr;
+  wr.wr.rdma.rkey = rkey;
 }
 
 void WrChain::AddSend(const void* local, uint32_t length, uint32_t lkey, uint64_t wr_id) {
-  ibv_send_wr& wr = wrs_[count_];
-  ibv_sge& sge = sges_[count_];
-  wr = {};
-  sge = {reinterpret_cast<uint64_t>(local), length, lkey};
-  wr.wr_id = wr_id;
-  wr.sg_list = length ? &sge : nullptr;
-  wr.num_sge = length ? 1 : 0;
-  wr.opcode = IBV_WR_SEND;
-  wr.send_flags = IBV_SEND_SIGNALED;
-  if (length > 0 && length <= max_inline_) wr.send_flags |= IBV_SEND_INLINE;
-  if (count_ > 0) wrs_[count_ - 1].next = &wr;
-  ++count_;
+  Append(local, length, lkey, wr_id, IBV_WR_SEND);
 }
 
 uint32_t WrChain::Post(VerbsApi& api, ibv_qp* qp, Status* error) {

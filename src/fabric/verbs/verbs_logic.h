@@ -118,6 +118,9 @@ class WrChain {
   const ibv_send_wr& wr(uint32_t i) const { return wrs_[i]; }
 
  private:
+  // The next WR, signalled, inlined when small, linked after the previous one.
+  ibv_send_wr& Append(const void* local, uint32_t length, uint32_t lkey, uint64_t wr_id,
+                      ibv_wr_opcode opcode);
   std::vector<ibv_send_wr> wrs_;
   std::vector<ibv_sge> sges_;
   uint32_t count_ = 0;
