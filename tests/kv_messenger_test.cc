@@ -244,7 +244,10 @@ Status RunDecoder(const Case& c, Bootstrap& b) {
   RETURN_IF_ERROR(shards.Init(*engine, side, c.pages_per_layer()));
   std::vector<uint8_t> aux(kAuxBytes * c.requests_per_decoder, 0);
   ASSIGN_OR_RETURN(MemoryRegion aux_reg, engine->RegisterMemory(aux.data(), aux.size()));
-  ASSIGN_OR_RETURN(auto decoder, KvDecoder::Create(engine.get(), side, shards.regions, &aux_reg));
+  // With a prefill that dies, exactly as many slots as requests: they must all come back.
+  ASSIGN_OR_RETURN(auto decoder,
+                   KvDecoder::Create(engine.get(), side, shards.regions, &aux_reg,
+                                     c.kill_prefill ? c.requests_per_decoder : 256));
   ASSIGN_OR_RETURN(auto addresses, b.AllGather(engine->Address(), 30s));
   // Disjoint page sets per request, shuffled.
   std::vector<int64_t> ids(c.pages_per_layer());
@@ -305,6 +308,16 @@ Status RunDecoder(const Case& c, Bootstrap& b) {
     CHECK_OR_RETURN(bad.load() == c.requests_per_decoder,
                     "requests that did not fail although the prefill died: " +
                         std::to_string(c.requests_per_decoder - bad.load()));
+    // The dead prefill was taken out of the engine before the slots were freed: a new request
+    // to it finds a slot and is refused at once as unreachable.
+    KvDecoder::Request again;
+    again.request_id = 999;
+    again.prefill_address = addresses[0];
+    again.prefill = prefill_side;
+    again.pages = pages[0];
+    Status s = decoder->Submit(again, Deadline::After(1s), [](const Status&) {});
+    CHECK_OR_RETURN(s.code() == StatusCode::kUnavailable,
+                    "a request to the removed prefill: " + s.ToString());
   } else {
     CHECK_OR_RETURN(bad.load() == 0, "failed requests: " + std::to_string(bad.load()));
   }

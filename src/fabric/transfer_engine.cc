@@ -534,12 +534,16 @@ class Engine final : public TransferEngine {
 
   static uint64_t PeerKey(uint32_t nic, uint64_t addr) { return addr * kMaxNics + nic; }
 
+  // A lost peer can be removed too (that is when it is needed most); removing twice is a no-op.
   Status RemovePeer(PeerId peer) override {
-    RETURN_IF_ERROR(CheckPeer(peer));
+    if (peer >= num_peers_.load(std::memory_order_acquire)) {
+      return NotFoundError("unknown " + PeerName(peer));
+    }
     return RunOnWorker([this, peer](ControlResult&) -> Status {
              MarkPeerLost(peer, UnavailableError(PeerName(peer) + " was removed"));
              Status first;
-             for (auto [k, addr] : peers_[peer].inserted) {
+             auto inserted = std::exchange(peers_[peer].inserted, {});
+             for (auto [k, addr] : inserted) {
                peer_by_addr_.erase(PeerKey(k, addr));
                Status s = domains_[k]->RemovePeer(addr);
                if (first.ok()) first = s;

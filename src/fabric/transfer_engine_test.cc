@@ -335,6 +335,24 @@ TEST_P(EnginePairTest, BadInputsAreRefusedWithTheRightCode) {
   EXPECT_EQ(0, std::memcmp(dst_.data(), src_.data(), 4096));
 }
 
+TEST_P(EnginePairTest, ARemovedPeerRefusesWorkAndCanBeRemovedAgain) {
+  TransferCounter done;
+  ASSERT_TRUE(a_->Write(Single(0, 0, 4096), Completion::Counter(&done)).ok());
+  ASSERT_TRUE(done.Wait(1, Deadline::After(5s)).ok());
+  ASSERT_TRUE(a_->RemovePeer(b_on_a_).ok());
+  Status s = a_->Write(Single(0, 0, 64), Completion());
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s;
+  EXPECT_EQ(a_->WriteImm(b_on_a_, 1, Completion()).code(), StatusCode::kUnavailable);
+  // Lost or removed already: removing again succeeds (a caller cleaning up need not know which).
+  EXPECT_TRUE(a_->RemovePeer(b_on_a_).ok());
+  EXPECT_EQ(a_->RemovePeer(12345).code(), StatusCode::kNotFound);
+  // The other direction is untouched.
+  TransferCounter back;
+  ASSERT_TRUE(b_->WriteImm(a_on_b_, 3, Completion::Counter(&back)).ok());
+  ASSERT_TRUE(back.Wait(1, Deadline::After(5s)).ok());
+  EXPECT_EQ(back.failed.load(), 0u);
+}
+
 TEST_P(EnginePairTest, ScatterAndBarrierOverAGroupOfOne) {
   std::vector<PeerId> members = {b_on_a_};
   auto group = a_->AddPeerGroup(members);

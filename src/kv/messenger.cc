@@ -8,6 +8,7 @@
 // writes per layer x layers, plus one for the aux data. Every write carries the request's
 // immediate, so the decoder needs no other notification.
 #include <algorithm>
+#include <condition_variable>
 #include <cstring>
 #include <deque>
 #include <mutex>
@@ -197,6 +198,9 @@ uint32_t MagicOf(std::span<const uint8_t> m) {
 //   the ack also disarms the armed notification, which then fires at once: the slot is freed if
 //   every acknowledged write landed, else a last notification waits (bounded) for them, after
 //   which the slot is freed, or retired for good if some never landed (one may still land).
+//   cancelling --no ack within kAckTimeout-->                removing: the remover thread takes
+//   the prefill out of the engine (its transfers fail, nothing more goes to it), then tells the
+//   user Unavailable and frees the slot; if the removal fails the slot is retired for good.
 class Decoder final : public KvDecoder {
  public:
   Decoder(TransferEngine* engine, const KvSide& decode, const KvRegions& regions,
@@ -209,6 +213,24 @@ class Decoder final : public KvDecoder {
   ~Decoder() override {
     engine_->SetMessageHandler(nullptr);
     closing_.store(true, std::memory_order_release);
+    {
+      std::lock_guard<std::mutex> lock(remove_mu_);
+      remover_stop_ = true;
+    }
+    remove_cv_.notify_all();
+    if (remover_.joinable()) remover_.join();
+    // Removals that never ran: their requests end Cancelled; their slots are not reused.
+    for (auto [peer, slot] : to_remove_) {
+      std::shared_ptr<DoneCallback> tell;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        Slot& st = slots_[slot];
+        if (!st.told) tell = st.ready;
+        st.told = true;
+        st.state = State::kRetired;
+      }
+      Tell(tell, CancelledError("KV decoder destroyed"));
+    }
     for (size_t i = 0; i < slots_.size(); ++i) {
       (void)engine_->DisarmImm(kImmBase + static_cast<uint32_t>(i));
     }
@@ -229,6 +251,9 @@ class Decoder final : public KvDecoder {
       auto f = ParseControl(kAckMagic, m);
       if (f.ok()) OnAck(f->request_id, f->imm, f->posted);
     });
+    // Engine control calls (RemovePeer) must not run on the engine's worker, where the
+    // notifications fire: a thread of our own takes unresponsive prefills out.
+    remover_ = std::thread([this] { RemoveUnresponsive(); });
     return Status::Ok();
   }
 
@@ -319,7 +344,7 @@ class Decoder final : public KvDecoder {
   }
 
  private:
-  enum class State { kFree, kWaiting, kCancelling, kRetired };
+  enum class State { kFree, kWaiting, kCancelling, kRemoving, kRetired };
   struct Slot {
     State state = State::kFree;
     uint64_t request_id = 0;
@@ -391,17 +416,15 @@ class Decoder final : public KvDecoder {
       } else if (st.state == State::kCancelling && !st.acked) {
         rearm = !st.told && s.code() != StatusCode::kDeadlineExceeded;
         if (!rearm) {
-          // No acknowledgement in time: the prefill may still write. Retire the slot for good.
-          st.state = State::kRetired;
+          // No acknowledgement in time: the prefill may still write. It goes out of the engine
+          // before the slot (and the request's pages) are given back.
+          st.state = State::kRemoving;
           Forget(slot);
-          if (!st.told) {
-            tell = st.ready;
-            tell_status = UnavailableError(
-                "KV request " + std::to_string(st.request_id) +
-                ": the prefill did not acknowledge the cancel; its writes may still land, so "
-                "remove the peer before reusing the pages");
-            st.told = true;
+          {
+            std::lock_guard<std::mutex> remove_lock(remove_mu_);
+            to_remove_.emplace_back(st.prefill, slot);
           }
+          remove_cv_.notify_one();
         }
       } else if (st.state == State::kCancelling && st.acked) {
         const uint64_t seen = Count(slot);
@@ -470,6 +493,48 @@ class Decoder final : public KvDecoder {
     Tell(tell, tell_status);
   }
 
+  // The remover thread: takes each unresponsive prefill out of the engine, then ends the requests
+  // waiting on that and frees their slots.
+  void RemoveUnresponsive() {
+    std::unordered_map<PeerId, Status> removed;  // peer -> how its removal went
+    for (;;) {
+      std::pair<PeerId, uint32_t> job;
+      {
+        std::unique_lock<std::mutex> lock(remove_mu_);
+        remove_cv_.wait(lock, [&] { return remover_stop_ || !to_remove_.empty(); });
+        if (remover_stop_) return;
+        job = to_remove_.front();
+        to_remove_.pop_front();
+      }
+      const auto [peer, slot] = job;
+      auto it = removed.find(peer);
+      if (it == removed.end()) it = removed.emplace(peer, engine_->RemovePeer(peer)).first;
+      std::shared_ptr<DoneCallback> tell;
+      Status tell_status;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        Slot& st = slots_[slot];
+        if (st.state != State::kRemoving) continue;
+        tell = st.told ? nullptr : st.ready;
+        if (it->second.ok()) {
+          tell_status = UnavailableError(
+              "KV request " + std::to_string(st.request_id) +
+              ": the prefill did not acknowledge the cancel; it was removed from the engine and "
+              "the request's pages are free");
+          Free(slot);
+        } else {
+          tell_status = UnavailableError(
+              "KV request " + std::to_string(st.request_id) +
+              ": the prefill did not acknowledge the cancel and could not be removed (" +
+              it->second.ToString() + "); the pages stay reserved");
+          st.told = true;
+          st.state = State::kRetired;
+        }
+      }
+      Tell(tell, tell_status);
+    }
+  }
+
   // Drops the request id's mapping if it still names this slot (mu_ held).
   void Forget(uint32_t slot) {
     auto it = by_request_.find(slots_[slot].request_id);
@@ -513,6 +578,12 @@ class Decoder final : public KvDecoder {
   std::unordered_map<std::string, PeerId> peers_;
   std::atomic<int> armed_{0};  // notifications armed and not yet run
   std::atomic<bool> closing_{false};
+  // Unresponsive prefills to take out of the engine: (peer, slot waiting on it).
+  std::mutex remove_mu_;
+  std::condition_variable remove_cv_;
+  std::deque<std::pair<PeerId, uint32_t>> to_remove_;
+  bool remover_stop_ = false;
+  std::thread remover_;  // last: starts in Init, once everything above exists
 };
 
 // ---------------------------------------------------------------------------------------------
