@@ -125,8 +125,11 @@ class KvDecoder {
   // data have landed. At `deadline` (or after Cancel, or when the prefill cancels) the decoder
   // asks the prefill to stop and reports DeadlineExceeded (or Cancelled) only once every write
   // the prefill acknowledges having posted has landed: the pages are then safe to reuse. If the
-  // prefill never acknowledges, Unavailable: its writes may still land, so remove the peer
-  // before reusing the pages.
+  // prefill never acknowledges (a few seconds), the decoder removes it from the engine, then
+  // reports Unavailable; later requests to it fail at once. (A removed peer's in-flight writes
+  // are fenced by the verbs backend, whose queue pairs go to the error state; a libfabric
+  // provider cannot fence a live peer, so a prefill that is slow rather than dead should be
+  // given a longer deadline, not cancelled.)
   virtual Status Submit(const Request& request, Deadline deadline, DoneCallback ready) = 0;
   // Asks the prefill to stop the request; `ready` reports the outcome as above.
   virtual Status Cancel(uint64_t request_id) = 0;
