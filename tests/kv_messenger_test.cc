@@ -83,6 +83,21 @@ struct Shards {
   }
 };
 
+// One side of the small cache the cancel tests use (8 KV heads of 16, 4-token pages, 24 pages a
+// layer): its engine and shards.
+const KvModel kSmallModel{8, 16, 2, false, 4};
+struct SmallEnd {
+  KvSide side;
+  std::unique_ptr<TransferEngine> engine;
+  Shards shards;
+
+  Status Open(const std::string& provider, int tp) {
+    side = KvSide{kSmallModel, KvOrder::kHND, tp};
+    ASSIGN_OR_RETURN(engine, TransferEngine::Create(testing_util::TestOptions(provider)));
+    return shards.Init(*engine, side, 24);
+  }
+};
+
 Status RunPrefill(const Case& c, Bootstrap& b) {
   const KvSide side{c.model, c.prefill_order, c.prefill_tp};
   EngineOptions options = testing_util::TestOptions(c.provider);
@@ -411,11 +426,8 @@ INSTANTIATE_TEST_SUITE_P(Cases, KvMessengerTest, ::testing::ValuesIn(Cases()), C
 enum class Stop { kDecoderCancels, kDeadline, kPrefillCancels };
 
 Status CancelPrefill(Stop how, const std::string& provider, Bootstrap& b) {
-  const KvModel m{8, 16, 2, false, 4};
-  const KvSide side{m, KvOrder::kHND, 4};
-  ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions(provider)));
-  Shards shards;
-  RETURN_IF_ERROR(shards.Init(*engine, side, 24));
+  SmallEnd e;
+  RETURN_IF_ERROR(e.Open(provider, 4));
   std::atomic<uint64_t> layers{0};
   std::atomic<int> arrived{0}, released{0};
   Status release_status;
@@ -426,8 +438,9 @@ Status CancelPrefill(Stop how, const std::string& provider, Bootstrap& b) {
     released.fetch_add(1);
   };
   ASSIGN_OR_RETURN(auto prefill,
-                   KvPrefill::Create(engine.get(), side, shards.regions, nullptr, &layers, cb));
-  RETURN_IF_ERROR(b.AllGather(engine->Address(), 30s).status());
+                   KvPrefill::Create(e.engine.get(), e.side, e.shards.regions, nullptr,
+                                     &layers, cb));
+  RETURN_IF_ERROR(b.AllGather(e.engine->Address(), 30s).status());
   Deadline deadline = Deadline::After(30s);
   while (arrived.load() == 0 && !deadline.Expired()) std::this_thread::sleep_for(1ms);
   CHECK_OR_RETURN(arrived.load() == 1, "request never arrived");
@@ -450,20 +463,18 @@ Status CancelPrefill(Stop how, const std::string& provider, Bootstrap& b) {
 }
 
 Status CancelDecoder(Stop how, const std::string& provider, Bootstrap& b) {
-  const KvModel m{8, 16, 2, false, 4};
-  const KvSide side{m, KvOrder::kHND, 2};
-  ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions(provider)));
-  Shards shards;
-  RETURN_IF_ERROR(shards.Init(*engine, side, 24));
-  ASSIGN_OR_RETURN(auto decoder, KvDecoder::Create(engine.get(), side, shards.regions, nullptr));
-  ASSIGN_OR_RETURN(auto addresses, b.AllGather(engine->Address(), 30s));
+  SmallEnd e;
+  RETURN_IF_ERROR(e.Open(provider, 2));
+  ASSIGN_OR_RETURN(auto decoder,
+                   KvDecoder::Create(e.engine.get(), e.side, e.shards.regions, nullptr));
+  ASSIGN_OR_RETURN(auto addresses, b.AllGather(e.engine->Address(), 30s));
   std::vector<int64_t> pages = {9, 3, 5, 7, 11};
   std::atomic<int> calls{0};
   Status outcome;
   KvDecoder::Request req;
   req.request_id = 7;
   req.prefill_address = addresses[0];
-  req.prefill = KvSide{m, KvOrder::kHND, 4};
+  req.prefill = KvSide{kSmallModel, KvOrder::kHND, 4};
   req.pages = pages;
   const auto deadline = how == Stop::kDeadline ? 300ms : 20s;
   RETURN_IF_ERROR(decoder->Submit(req, Deadline::After(deadline), [&](const Status& s) {
@@ -481,9 +492,9 @@ Status CancelDecoder(Stop how, const std::string& provider, Bootstrap& b) {
                                                  : StatusCode::kCancelled;
   CHECK_OR_RETURN(outcome.code() == want, "outcome " + outcome.ToString());
   // The pages are ours again: poison them and make sure nothing more lands.
-  for (auto& shard : shards.bytes) std::fill(shard.begin(), shard.end(), 0xEE);
+  for (auto& shard : e.shards.bytes) std::fill(shard.begin(), shard.end(), 0xEE);
   std::this_thread::sleep_for(200ms);
-  for (auto& shard : shards.bytes) {
+  for (auto& shard : e.shards.bytes) {
     CHECK_OR_RETURN(std::all_of(shard.begin(), shard.end(), [](uint8_t v) { return v == 0xEE; }),
                     "a write landed after the request ended");
   }
@@ -519,33 +530,28 @@ INSTANTIATE_TEST_SUITE_P(Ways, KvCancelTest,
 // never schedules. Each slot comes back once the prefill acknowledges, not at the request's
 // deadline (60 s), so the rounds run back to back.
 Status StormPrefill(const std::string& provider, Bootstrap& b) {
-  const KvModel m{8, 16, 2, false, 4};
-  const KvSide side{m, KvOrder::kHND, 4};
-  ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions(provider)));
-  Shards shards;
-  RETURN_IF_ERROR(shards.Init(*engine, side, 24));
+  SmallEnd e;
+  RETURN_IF_ERROR(e.Open(provider, 4));
   std::atomic<uint64_t> layers{0};
   std::atomic<int> released{0};
   KvPrefill::Callbacks cb;
   cb.on_request = [](const KvPrefill::Incoming&) {};
   cb.on_released = [&](uint64_t, const Status&) { released.fetch_add(1); };
   ASSIGN_OR_RETURN(auto prefill,
-                   KvPrefill::Create(engine.get(), side, shards.regions, nullptr, &layers, cb));
-  RETURN_IF_ERROR(b.AllGather(engine->Address(), 30s).status());
+                   KvPrefill::Create(e.engine.get(), e.side, e.shards.regions, nullptr,
+                                     &layers, cb));
+  RETURN_IF_ERROR(b.AllGather(e.engine->Address(), 30s).status());
   RETURN_IF_ERROR(b.Barrier(60s));  // the decoder's rounds are over
   CHECK_OR_RETURN(released.load() == 12, "released " + std::to_string(released.load()));
   return Status::Ok();
 }
 
 Status StormDecoder(const std::string& provider, Bootstrap& b) {
-  const KvModel m{8, 16, 2, false, 4};
-  const KvSide side{m, KvOrder::kHND, 2};
-  ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions(provider)));
-  Shards shards;
-  RETURN_IF_ERROR(shards.Init(*engine, side, 24));
+  SmallEnd e;
+  RETURN_IF_ERROR(e.Open(provider, 2));
   ASSIGN_OR_RETURN(auto decoder,
-                   KvDecoder::Create(engine.get(), side, shards.regions, nullptr, 4));
-  ASSIGN_OR_RETURN(auto addresses, b.AllGather(engine->Address(), 30s));
+                   KvDecoder::Create(e.engine.get(), e.side, e.shards.regions, nullptr, 4));
+  ASSIGN_OR_RETURN(auto addresses, b.AllGather(e.engine->Address(), 30s));
   std::vector<int64_t> pages = {1, 2};
   std::atomic<int> ended{0}, cancelled{0};
   const auto start = std::chrono::steady_clock::now();
@@ -554,7 +560,7 @@ Status StormDecoder(const std::string& provider, Bootstrap& b) {
       KvDecoder::Request req;
       req.request_id = uint64_t(round) * 10 + i;
       req.prefill_address = addresses[0];
-      req.prefill = KvSide{m, KvOrder::kHND, 4};
+      req.prefill = KvSide{kSmallModel, KvOrder::kHND, 4};
       req.pages = pages;
       Status s;
       Deadline retry = Deadline::After(10s);  // a slot may come back just after its callback

@@ -16,6 +16,7 @@
 #include "tools/bench_fabric.h"
 #include "tools/bench_kv.h"
 #include "tools/bench_moe.h"
+#include "common/strings.h"
 #include "ferry/topology.h"
 
 namespace {
@@ -89,12 +90,7 @@ int main(int argc, char** argv) {
     } else if (a == "--sysfs" && has_value) {
       topo.sysfs_root = argv[++i];
     } else if (a == "--exclude" && has_value) {
-      std::string list = argv[++i];
-      for (size_t start = 0; start <= list.size();) {
-        size_t end = std::min(list.find(',', start), list.size());
-        if (end > start) topo.exclude_nics.push_back(list.substr(start, end - start));
-        start = end + 1;
-      }
+      topo.exclude_nics = ferry::SplitCommaList(argv[++i]);
     } else if (a == "--once-per-rank") {
       m.once_per_rank = true;
     } else if (a == "--reduce-at-expert-rank") {

@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include "common/strings.h"
 #include "ferry/fabric.h"
 
 // For code running in a forked rank, where gtest assertions do not reach the parent: returns an
@@ -22,18 +23,7 @@ namespace ferry::testing_util {
 
 // The software providers every machine has. FERRY_TEST_PROVIDERS="shm" narrows the list.
 inline std::vector<std::string> Providers() {
-  if (const char* env = std::getenv("FERRY_TEST_PROVIDERS")) {
-    std::vector<std::string> out;
-    std::string s(env);
-    size_t start = 0;
-    while (start <= s.size()) {
-      size_t end = s.find(',', start);
-      if (end == std::string::npos) end = s.size();
-      if (end > start) out.push_back(s.substr(start, end - start));
-      start = end + 1;
-    }
-    return out;
-  }
+  if (const char* env = std::getenv("FERRY_TEST_PROVIDERS")) return SplitCommaList(env);
   return {"shm", "tcp;ofi_rxm"};
 }
 

@@ -14,6 +14,8 @@
 #include <map>
 #include <sstream>
 
+#include "common/strings.h"
+
 namespace ferry {
 namespace {
 
@@ -82,22 +84,12 @@ int Hops(const PciDevice& a, const PciDevice& b) {
   return static_cast<int>((a.path.size() - c) + (b.path.size() - c));
 }
 
-std::vector<std::string> SplitList(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream in(s);
-  std::string item;
-  while (std::getline(in, item, ',')) {
-    if (!item.empty()) out.push_back(item);
-  }
-  return out;
-}
-
 }  // namespace
 
 StatusOr<std::vector<int>> ParseCpuList(std::string_view list) {
   std::vector<int> cpus;
   std::string s(list);
-  for (const std::string& item : SplitList(s)) {
+  for (const std::string& item : SplitCommaList(s)) {
     size_t dash = item.find('-');
     char* end = nullptr;
     long lo = std::strtol(item.c_str(), &end, 10);
@@ -122,7 +114,7 @@ StatusOr<Topology> Topology::Discover(const TopologyOptions& options) {
   }
   std::vector<std::string> exclude = options.exclude_nics;
   if (const char* env = std::getenv("FERRY_TOPO_EXCLUDE")) {
-    for (std::string& n : SplitList(env)) exclude.push_back(std::move(n));
+    for (std::string& n : SplitCommaList(env)) exclude.push_back(std::move(n));
   }
 
   Topology topo;

@@ -43,6 +43,7 @@
 
 #include "common/backoff.h"
 #include "common/bounded_queue.h"
+#include "common/strings.h"
 #include "fabric/domain.h"
 #include "fabric/engine_internal.h"
 #include "fabric/imm_counters.h"
@@ -145,14 +146,7 @@ EngineOptions EngineOptions::FromEnv() {
   if (const char* c = std::getenv("FERRY_WORKER_CPU")) o.worker_cpu = std::atoi(c);
   if (const char* s = std::getenv("FERRY_SPIN_US")) o.spin_us = std::atoi(s);
   if (const char* c = std::getenv("FERRY_CUDA_MEMORY")) o.cuda_memory = std::atoi(c) != 0;
-  if (const char* n = std::getenv("FERRY_NICS")) {
-    std::string list(n);
-    for (size_t start = 0; start <= list.size();) {
-      size_t end = std::min(list.find(',', start), list.size());
-      if (end > start) o.nics.push_back(list.substr(start, end - start));
-      start = end + 1;
-    }
-  }
+  if (const char* n = std::getenv("FERRY_NICS")) o.nics = SplitCommaList(n);
   o.num_nics = EnvU32("FERRY_NUM_NICS", o.num_nics);
   o.max_transfers = EnvU32("FERRY_MAX_TRANSFERS", o.max_transfers);
   o.message_bytes = EnvU32("FERRY_MSG_BYTES", o.message_bytes);

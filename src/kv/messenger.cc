@@ -687,7 +687,7 @@ class Prefill final : public KvPrefill {
   // A run of a layer's writes with one source shard, one destination shard and one length:
   // posted as one paged write (one submission and one completion instead of one per write),
   // page i from src_index[i] * src_stride to dst_index[i] * dst_stride past the layer's base.
-  // Writes longer than the provider's message size go alone, as single writes (which split).
+  // Writes that cannot share one (see Group) go alone, as single writes (which split).
   struct Batch {
     int src_rank = 0, dst_rank = 0;
     uint64_t length = 0, src_stride = 1, dst_stride = 1;
@@ -695,48 +695,39 @@ class Prefill final : public KvPrefill {
     std::optional<KvWrite> single;
 
     // Consecutive writes of the plan (ordered by destination) that can share a paged write.
+    // A run longer than the message size, or whose offsets do not fit 32-bit page indices,
+    // goes write by write.
     static std::vector<Batch> Group(const std::vector<KvWrite>& writes, uint64_t max_page) {
       std::vector<Batch> out;
       for (size_t i = 0; i < writes.size();) {
-        if (uint64_t(writes[i].length) > max_page) {
-          Batch alone;
-          alone.single = writes[i++];
-          out.push_back(std::move(alone));
-          continue;
-        }
         size_t j = i + 1;
         while (j < writes.size() && writes[j].src_rank == writes[i].src_rank &&
                writes[j].dst_rank == writes[i].dst_rank && writes[j].length == writes[i].length) {
           ++j;
         }
-        uint64_t src_gcd = 0, dst_gcd = 0, src_max = 0, dst_max = 0;
-        for (size_t k = i; k < j; ++k) {
-          src_gcd = std::gcd(src_gcd, uint64_t(writes[k].src_offset));
-          dst_gcd = std::gcd(dst_gcd, uint64_t(writes[k].dst_offset));
-          src_max = std::max(src_max, uint64_t(writes[k].src_offset));
-          dst_max = std::max(dst_max, uint64_t(writes[k].dst_offset));
-        }
         Batch b;
         b.src_rank = writes[i].src_rank;
         b.dst_rank = writes[i].dst_rank;
         b.length = uint64_t(writes[i].length);
+        uint64_t src_gcd = 0, dst_gcd = 0;
+        for (size_t k = i; k < j; ++k) {
+          src_gcd = std::gcd(src_gcd, uint64_t(writes[k].src_offset));
+          dst_gcd = std::gcd(dst_gcd, uint64_t(writes[k].dst_offset));
+        }
         b.src_stride = std::max<uint64_t>(src_gcd, 1);
         b.dst_stride = std::max<uint64_t>(dst_gcd, 1);
-        const bool fits = src_max / b.src_stride <= UINT32_MAX && dst_max / b.dst_stride <= UINT32_MAX;
-        // A run whose indices do not fit 32 bits goes write by write (batches of one).
-        const size_t step = fits ? j - i : 1;
-        for (size_t start = i; start < j; start += step) {
-          Batch part = b;
-          if (step == 1) part.src_stride = part.dst_stride = 1;
-          for (size_t k = start; k < start + step; ++k) {
-            if (step == 1) {
-              part.src_stride = std::max<uint64_t>(uint64_t(writes[k].src_offset), 1);
-              part.dst_stride = std::max<uint64_t>(uint64_t(writes[k].dst_offset), 1);
-            }
-            part.src_index.push_back(uint32_t(uint64_t(writes[k].src_offset) / part.src_stride));
-            part.dst_index.push_back(uint32_t(uint64_t(writes[k].dst_offset) / part.dst_stride));
-          }
-          out.push_back(std::move(part));
+        bool paged = b.length <= max_page;
+        for (size_t k = i; k < j && paged; ++k) {
+          const uint64_t src = uint64_t(writes[k].src_offset) / b.src_stride;
+          const uint64_t dst = uint64_t(writes[k].dst_offset) / b.dst_stride;
+          paged = src <= UINT32_MAX && dst <= UINT32_MAX;
+          b.src_index.push_back(uint32_t(src));
+          b.dst_index.push_back(uint32_t(dst));
+        }
+        if (paged) {
+          out.push_back(std::move(b));
+        } else {
+          for (size_t k = i; k < j; ++k) out.push_back(Batch{.single = writes[k]});
         }
         i = j;
       }

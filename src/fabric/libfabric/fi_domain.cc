@@ -101,9 +101,10 @@ using InfoPtr = std::unique_ptr<fi_info, InfoDeleter>;
 constexpr uint64_t kMrModesWeHandle = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED |
                                       FI_MR_PROV_KEY | FI_MR_ENDPOINT | FI_MR_HMEM;
 
-StatusOr<InfoPtr> GetInfo(const std::string& provider, const std::string& domain,
-                          const std::string& node,
-                          uint64_t optional_caps) {
+// Every fi_info the provider offers for the endpoints ferry opens (RDM, manual progress, the
+// mr_modes and context modes we handle), optionally on one domain and bound to `node`.
+StatusOr<InfoPtr> QueryInfo(const std::string& provider, const std::string& domain,
+                            const std::string& node, uint64_t optional_caps) {
   InfoPtr hints(fi_allocinfo());
   if (!hints) return ResourceExhaustedError("fi_allocinfo failed");
   hints->caps = FI_MSG | FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_SEND | FI_RECV | optional_caps;
@@ -121,8 +122,15 @@ StatusOr<InfoPtr> GetInfo(const std::string& provider, const std::string& domain
   int ret = fi_getinfo(FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_VERSION), node_arg, nullptr, flags,
                        hints.get(), &info);
   if (ret != 0) return FiError("fi_getinfo(provider=" + provider + ")", ret);
+  return InfoPtr(info);
+}
+
+// The one fi_info to open: exactly `provider` (and `domain`, if named).
+StatusOr<InfoPtr> GetInfo(const std::string& provider, const std::string& domain,
+                          const std::string& node, uint64_t optional_caps) {
+  ASSIGN_OR_RETURN(InfoPtr all, QueryInfo(provider, domain, node, optional_caps));
+  fi_info* info = all.get();
   // A provider name match in fi_getinfo is by prefix of the layered name; take an exact match.
-  InfoPtr all(info);
   for (fi_info* cur = info; cur; cur = cur->next) {
     // Some providers (shm) ignore a domain name they do not have; we do not.
     if (!domain.empty() && (!cur->domain_attr->name || domain != cur->domain_attr->name)) continue;
@@ -139,8 +147,8 @@ StatusOr<InfoPtr> GetInfo(const std::string& provider, const std::string& domain
 // shm names its shared-memory file after the source address, "fi_shm://<pid>" by default, and
 // refuses (EBUSY) to reuse a file whose recorded owner is alive. A process killed before closing
 // its endpoint leaves its file behind; once the PID is reused, the new process's first endpoint
-// collides with that file and is refused. So ferry names shm endpoints itself, "ferry-<pid>-<random>",
-// and removes files of earlier ferry endpoints whose process is gone.
+// collides with that file and is refused. So ferry names shm endpoints itself,
+// "ferry-<pid>-<random>", and removes files of earlier ferry endpoints whose process is gone.
 constexpr std::string_view kShmNamePrefix = "ferry-";
 
 void RemoveStaleShmFiles() {
@@ -157,7 +165,8 @@ void RemoveStaleShmFiles() {
       ++digits;
     }
     if (digits == 0 || pid <= 0) continue;
-    if (kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;  // alive or not ours to judge
+    // Alive, or not ours to judge (EPERM): keep it.
+    if (kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;
     shm_unlink(entry->d_name);  // best effort: another process may be removing it too
   }
   closedir(dir);
@@ -474,20 +483,9 @@ StatusOr<std::unique_ptr<Domain>> OpenLibfabricDomain(const EngineOptions& optio
 
 std::vector<std::string> ListLibfabricDomains(const std::string& provider) {
   std::vector<std::string> names;
-  InfoPtr hints(fi_allocinfo());
-  if (!hints) return names;
-  hints->caps = FI_MSG | FI_RMA;
-  hints->ep_attr->type = FI_EP_RDM;
-  hints->domain_attr->mr_mode = kMrModesWeHandle;
-  hints->mode = FI_CONTEXT | FI_CONTEXT2 | FI_RX_CQ_DATA;
-  hints->fabric_attr->prov_name = strdup(provider.c_str());
-  fi_info* info = nullptr;
-  if (fi_getinfo(FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_VERSION), nullptr, nullptr, 0,
-                 hints.get(), &info) != 0) {
-    return names;
-  }
-  InfoPtr all(info);
-  for (fi_info* cur = info; cur; cur = cur->next) {
+  auto all = QueryInfo(provider, "", "", 0);
+  if (!all.ok()) return names;
+  for (fi_info* cur = all->get(); cur; cur = cur->next) {
     if (provider != cur->fabric_attr->prov_name || !cur->domain_attr->name) continue;
     std::string name = cur->domain_attr->name;
     if (std::find(names.begin(), names.end(), name) == names.end()) names.push_back(name);
