@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <functional>
 #include <string>
 
 #include "fabric/test_util.h"
@@ -33,6 +34,11 @@ struct Case {
   bool once_per_rank = false;
   bool reduce_at_expert_rank = false;
   int iterations = 3;
+  bool nvlink = false;  // one node: ranks_per_node = world_size (the NVLink path)
+  // NVLink path: the steps captured once in CUDA graphs (dispatch; combine with and without
+  // accumulate) with the token count in device memory, replayed with a different count each
+  // iteration; the last iteration's count on rank 0 is above the bound (nothing sent).
+  bool graph = false;
 };
 
 std::string Describe(const Case& c) {
@@ -40,7 +46,8 @@ std::string Describe(const Case& c) {
          std::to_string(c.hidden) + "_e" + std::to_string(c.experts) + "_k" +
          std::to_string(c.k) + (c.dtype == DispatchDtype::kBf16 ? "_bf16" : "_fp8") +
          (c.routing == Routing::kAllToOneExpert ? "_hot" : "") + (c.rank1_empty ? "_empty1" : "") +
-         (c.once_per_rank ? "_a" : "") + (c.reduce_at_expert_rank ? "_b" : "");
+         (c.once_per_rank ? "_a" : "") + (c.reduce_at_expert_rank ? "_b" : "") +
+         (c.nvlink ? "_nvlink" : "") + (c.graph ? "_graph" : "");
 }
 void PrintTo(const Case& c, std::ostream* os) { *os << Describe(c); }
 
@@ -70,10 +77,60 @@ struct Gpu {
   }
 };
 
+// The NVLink path's steps captured in graphs on a stream of their own.
+struct Graphs {
+  cudaStream_t stream = nullptr;
+  cudaGraphExec_t dispatch = nullptr, combine = nullptr, combine_accumulate = nullptr;
+  ~Graphs() {
+    for (cudaGraphExec_t g : {dispatch, combine, combine_accumulate}) {
+      if (g) cudaGraphExecDestroy(g);
+    }
+    if (stream) cudaStreamDestroy(stream);
+  }
+  static Status CaptureInto(cudaStream_t stream, cudaGraphExec_t* exec,
+                            const std::function<Status()>& steps) {
+    CUDA_OR_RETURN(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    const Status s = steps();
+    cudaGraph_t graph = nullptr;
+    CUDA_OR_RETURN(cudaStreamEndCapture(stream, &graph));
+    RETURN_IF_ERROR(s);
+    CUDA_OR_RETURN(cudaGraphInstantiate(exec, graph, 0));
+    cudaGraphDestroy(graph);
+    return Status::Ok();
+  }
+  // Dispatch, combine and combine-with-accumulate; the AllToAll is left on `stream`.
+  Status Capture(AllToAll& a2a, const DispatchInput& in,
+                 const DispatchOutput& out, const uint16_t* expert_out, uint16_t* y) {
+    CUDA_OR_RETURN(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    RETURN_IF_ERROR(a2a.SetStream(stream));
+    const Deadline later = Deadline::After(30s);
+    for (int i = 0; i < 2; ++i) {
+      RETURN_IF_ERROR(CaptureInto(stream, &dispatch, [&] {
+        RETURN_IF_ERROR(a2a.DispatchSend(in));
+        return a2a.DispatchRecv(out, later);
+      }));
+      if (i == 1) break;
+      // Two combine graphs need two dispatches captured before them (the steps run in order):
+      // the first dispatch graph is thrown away.
+      cudaGraphExecDestroy(dispatch);
+      dispatch = nullptr;
+      RETURN_IF_ERROR(CaptureInto(stream, &combine, [&] {
+        RETURN_IF_ERROR(a2a.CombineSend(expert_out));
+        return a2a.CombineRecv(y, false, later);
+      }));
+    }
+    return CaptureInto(stream, &combine_accumulate, [&] {
+      RETURN_IF_ERROR(a2a.CombineSend(expert_out));
+      return a2a.CombineRecv(y, true, later);
+    });
+  }
+};
+
 Status RunRank(const Case& c, Bootstrap& b) {
   int gpus = 0;
   CUDA_OR_RETURN(cudaGetDeviceCount(&gpus));
-  const AllToAllConfig cfg = ConfigFor(c, b.world_size(), b.rank());
+  AllToAllConfig cfg = ConfigFor(c, b.world_size(), b.rank());
+  if (c.nvlink) cfg.ranks_per_node = b.world_size();
   AllToAllConfig gpu_cfg = cfg;
   gpu_cfg.device = MoeDeviceKind::kCuda;
   gpu_cfg.cuda_device = b.rank() % gpus;
@@ -103,24 +160,49 @@ Status RunRank(const Case& c, Bootstrap& b) {
   RETURN_IF_ERROR(d_expert_out.Alloc(expert_out.size()));
   RETURN_IF_ERROR(d_y.Alloc(size_t(cfg.max_tokens_per_rank) * h));
 
+  Graphs graphs;
+  Gpu<int32_t> d_count;
+  RETURN_IF_ERROR(d_count.Alloc(1));
+  if (c.graph) {
+    RETURN_IF_ERROR(graphs.Capture(*gpu, {d_x.p, spt ? d_scales.p : nullptr, d_indices.p,
+                                               d_weights.p, cfg.max_tokens_per_rank, d_count.p},
+                                   {d_out_x.p, d_out_scales.p, d_counts.p}, d_expert_out.p, d_y.p));
+  }
+
   const InputSpec spec{c.tokens, c.k, c.experts, c.dtype, c.routing, c.rank1_empty};
   for (int it = 0; it < c.iterations; ++it) {
     const std::string at = " (iteration " + std::to_string(it) + ")";
     Inputs in = MakeInputs(spec, cfg, b.rank(), it);
     // Fewer tokens on later iterations: the same AllToAll serves any batch up to the maximum.
     if (it == 2 && in.tokens > 1) in.tokens /= 2;
+    if (c.graph) in.tokens = std::min(in.tokens, (it * 37 + 5 * b.rank()) % c.tokens + 1);
+    // The graph case's last iteration: rank 0's device count exceeds the bound; it sends
+    // nothing (the host reference gets 0 tokens from it) and Synchronize says why.
+    const bool over = c.graph && it == c.iterations - 1 && b.rank() == 0;
+    const int32_t device_count = over ? cfg.max_tokens_per_rank + 3 : in.tokens;
+    RETURN_IF_ERROR(d_count.Put({device_count}));
     RETURN_IF_ERROR(d_x.Put(in.x));
     RETURN_IF_ERROR(d_scales.Put(in.scales));
     RETURN_IF_ERROR(d_indices.Put(in.indices));
     RETURN_IF_ERROR(d_weights.Put(in.weights));
+    if (over) in.tokens = 0;
     RETURN_IF_ERROR(host->DispatchSend({in.x.data(), in.scales.empty() ? nullptr : in.scales.data(),
                                         in.indices.data(), in.weights.data(), in.tokens}));
-    RETURN_IF_ERROR(gpu->DispatchSend({d_x.p, spt ? d_scales.p : nullptr, d_indices.p,
-                                       d_weights.p, in.tokens}));
+    if (c.graph) {
+      CUDA_OR_RETURN(cudaGraphLaunch(graphs.dispatch, graphs.stream));
+      const Status s = gpu->Synchronize();
+      CHECK_OR_RETURN(over ? s.code() == StatusCode::kInvalidArgument : s.ok(),
+                      "dispatch replay: " + s.ToString() + at);
+    } else {
+      RETURN_IF_ERROR(gpu->DispatchSend({d_x.p, spt ? d_scales.p : nullptr, d_indices.p,
+                                         d_weights.p, in.tokens}));
+    }
     RETURN_IF_ERROR(host->DispatchRecv({out_x.data(), out_scales.data(), counts.data()},
                                        Deadline::After(30s)));
-    RETURN_IF_ERROR(gpu->DispatchRecv({d_out_x.p, d_out_scales.p, d_counts.p},
-                                      Deadline::After(30s)));
+    if (!c.graph) {
+      RETURN_IF_ERROR(gpu->DispatchRecv({d_out_x.p, d_out_scales.p, d_counts.p},
+                                        Deadline::After(30s)));
+    }
     RETURN_IF_ERROR(d_counts.Get(gpu_counts));
     RETURN_IF_ERROR(d_out_x.Get(gpu_out_x));
     RETURN_IF_ERROR(d_out_scales.Get(gpu_out_scales));
@@ -148,12 +230,18 @@ Status RunRank(const Case& c, Bootstrap& b) {
     }
     RETURN_IF_ERROR(d_expert_out.Put(expert_out));
     RETURN_IF_ERROR(host->CombineSend(expert_out.data()));
-    RETURN_IF_ERROR(gpu->CombineSend(d_expert_out.p));
     const bool accumulate = it % 2 == 1;
     std::vector<uint16_t> y(size_t(in.tokens) * h, FloatToBf16(0.5f)), gpu_y(y.size());
     RETURN_IF_ERROR(d_y.Put(y));
+    if (c.graph) {
+      CUDA_OR_RETURN(cudaGraphLaunch(accumulate ? graphs.combine_accumulate : graphs.combine,
+                                     graphs.stream));
+      RETURN_IF_ERROR(gpu->Synchronize());
+    } else {
+      RETURN_IF_ERROR(gpu->CombineSend(d_expert_out.p));
+      RETURN_IF_ERROR(gpu->CombineRecv(d_y.p, accumulate, Deadline::After(30s)));
+    }
     RETURN_IF_ERROR(host->CombineRecv(y.data(), accumulate, Deadline::After(30s)));
-    RETURN_IF_ERROR(gpu->CombineRecv(d_y.p, accumulate, Deadline::After(30s)));
     RETURN_IF_ERROR(d_y.Get(gpu_y));
     for (size_t i = 0; i < y.size(); ++i) {
       CHECK_OR_RETURN(gpu_y[i] == y[i], "combine output " + std::to_string(i) + ": GPU " +
@@ -201,6 +289,70 @@ TEST(MoeCudaConfigTest, AMissingGpuIsAFailedPrecondition) {
   EXPECT_TRUE(exits[0].ok()) << "exit " << exits[0].exit_code;
 }
 
+// NVLink path, two ranks: an expert id out of range fails DispatchSend with nothing sent (the
+// step can be retried); then a rank that stops taking part makes its peer's wait end at the
+// deadline, and the AllToAll stays failed.
+TEST(MoeNvlinkTest, BadExpertsAndALostPeer) {
+  if (!HaveGpu()) GTEST_SKIP() << "no GPU (/dev/nvidia0)";
+  auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
+    int gpus = 0;
+    CUDA_OR_RETURN(cudaGetDeviceCount(&gpus));
+    AllToAllConfig cfg{2, b.rank(), 2, 8, 2, 4, 128, DispatchDtype::kBf16, 2};
+    cfg.device = MoeDeviceKind::kCuda;
+    cfg.cuda_device = b.rank() % gpus;
+    CUDA_OR_RETURN(cudaSetDevice(cfg.cuda_device));
+    ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(cfg, nullptr, b));
+    const int tokens = 4;
+    Gpu<uint16_t> x, expert_out, y;
+    Gpu<int32_t> indices, counts;
+    Gpu<float> weights;
+    RETURN_IF_ERROR(x.Alloc(tokens * 128));
+    RETURN_IF_ERROR(indices.Alloc(tokens * 2));
+    RETURN_IF_ERROR(weights.Alloc(tokens * 2));
+    RETURN_IF_ERROR(counts.Alloc(4));
+    RETURN_IF_ERROR(expert_out.Alloc(size_t(4) * cfg.expert_capacity() * 128));
+    RETURN_IF_ERROR(y.Alloc(tokens * 128));
+    RETURN_IF_ERROR(weights.Put(std::vector<float>(tokens * 2, 0.5f)));
+    const DispatchInput in{x.p, nullptr, indices.p, weights.p, tokens};
+    if (b.rank() == 0) {
+      RETURN_IF_ERROR(indices.Put({0, 1, 2, 3, 4, 8, 6, 7}));
+      const Status bad = a2a->DispatchSend(in);
+      CHECK_OR_RETURN(bad.code() == StatusCode::kOutOfRange &&
+                          bad.message().find("expert 8") != std::string::npos,
+                      "bad expert: " + bad.ToString());
+      CHECK_OR_RETURN(a2a->DispatchRecv({x.p, nullptr, counts.p}, Deadline::After(1s)).code() ==
+                          StatusCode::kFailedPrecondition,
+                      "DispatchRecv ran after a refused DispatchSend");
+    }
+    RETURN_IF_ERROR(indices.Put({0, 1, 2, 3, 4, 5, 6, 7}));
+    RETURN_IF_ERROR(a2a->DispatchSend(in));
+    RETURN_IF_ERROR(a2a->DispatchRecv({expert_out.p, nullptr, counts.p}, Deadline::After(30s)));
+    std::vector<int32_t> got(4);
+    RETURN_IF_ERROR(counts.Get(got));
+    // Each rank's 4 tokens reach experts {0..7} once each: 2 rows per local expert per rank.
+    for (int e = 0; e < 4; ++e) CHECK_OR_RETURN(got[e] == 2, "expert rows " + std::to_string(got[e]));
+    RETURN_IF_ERROR(a2a->CombineSend(expert_out.p));
+    RETURN_IF_ERROR(a2a->CombineRecv(y.p, false, Deadline::After(30s)));
+    RETURN_IF_ERROR(b.Barrier(30s));
+    if (b.rank() == 1) {
+      sleep(4);  // stops taking part (its memory stays mapped in rank 0)
+      return Status::Ok();
+    }
+    RETURN_IF_ERROR(a2a->DispatchSend(in));
+    const auto start = Clock::now();
+    const Status lost = a2a->DispatchRecv({expert_out.p, nullptr, counts.p}, Deadline::After(1s));
+    const double waited = std::chrono::duration<double>(Clock::now() - start).count();
+    CHECK_OR_RETURN(lost.code() == StatusCode::kDeadlineExceeded &&
+                        lost.message().find("rank 1") != std::string::npos,
+                    "lost peer: " + lost.ToString());
+    CHECK_OR_RETURN(waited < 3.0, "the wait took " + std::to_string(waited) + " s");
+    CHECK_OR_RETURN(a2a->CombineSend(expert_out.p).code() == StatusCode::kDeadlineExceeded,
+                    "a later step ran after the peer was lost");
+    return Status::Ok();
+  }, 120s);
+  for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
+}
+
 const auto bf16 = DispatchDtype::kBf16, fp8 = DispatchDtype::kFp8E4M3;
 const auto rnd = Routing::kRandom, hot = Routing::kAllToOneExpert;
 
@@ -212,7 +364,21 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{2, 333, 2176, 64, 8, bf16, hot, 4, true},
                       Case{3, 64, 256, 48, 16, fp8, rnd, 4, false, true, false},
                       Case{4, 128, 128, 256, 8, bf16, rnd, 8, false, false, true},
-                      Case{2, 1024, 1024, 32, 4, fp8, rnd, 32}),
+                      Case{2, 1024, 1024, 32, 4, fp8, rnd, 32},
+                      // The NVLink path (both GPUs as one node; 3 and 4 ranks share them).
+                      Case{2, 7, 128, 8, 2, bf16, rnd, 4, false, false, false, 3, true},
+                      Case{2, 1, 128, 8, 1, fp8, rnd, 0, false, false, false, 3, true},
+                      Case{2, 128, 7168, 256, 8, fp8, rnd, 16, false, false, false, 3, true},
+                      Case{2, 128, 7168, 256, 8, bf16, rnd, 16, false, true, true, 3, true},
+                      Case{2, 333, 2176, 64, 8, bf16, hot, 4, true, false, false, 3, true},
+                      Case{3, 64, 256, 48, 16, fp8, rnd, 4, false, true, false, 3, true},
+                      Case{4, 128, 128, 256, 8, bf16, rnd, 8, false, false, true, 3, true},
+                      Case{2, 1024, 1024, 32, 4, fp8, rnd, 32, false, false, false, 3, true},
+                      Case{2, 2048, 128, 256, 16, fp8, rnd, 64, false, false, false, 2, true},
+                      Case{2, 64, 128, 1024, 16, bf16, rnd, 8, true, false, true, 2, true},
+                      // Graph capture and replay with device token counts.
+                      Case{2, 128, 7168, 256, 8, fp8, rnd, 16, false, false, false, 4, true, true},
+                      Case{2, 96, 256, 64, 4, bf16, rnd, 4, false, true, true, 4, true, true}),
     [](const ::testing::TestParamInfo<Case>& info) { return Describe(info.param); });
 
 }  // namespace

@@ -14,6 +14,8 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <functional>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -90,6 +92,7 @@ StatusOr<T*> Place(StepBuffers& b, std::vector<T>& host, bool cuda) {
 
 struct Result {
   double p50[4], p99[4];
+  double total_p50[2], total_p99[2];  // dispatch (send + recv), combine (send + recv)
   double floor_dispatch_p50, floor_combine_p50;
   uint64_t dispatch_bytes, combine_bytes;
   // The NVLink floor (CUDA device, >= 2 GPUs): the fewest bytes that must leave this rank (each
@@ -148,6 +151,68 @@ double MeasurePeerBandwidth() {
 #endif
 }
 
+#ifdef FERRY_BENCH_CUDA
+#define BENCH_CUDA(expr)                                                                    \
+  do {                                                                                      \
+    const cudaError_t e_ = (expr);                                                          \
+    if (e_ != cudaSuccess) return InternalError(std::string(#expr) + ": " + cudaGetErrorString(e_)); \
+  } while (0)
+
+// The NVLink path, timed on the GPU: each iteration replays a CUDA graph of two
+// dispatch + combine cycles. The first aligns the ranks (a CombineRecv waits for every rank's
+// CombineSend); events around each step of the second time it. samples[0..3] the steps,
+// [4] dispatch, [5] combine, in microseconds.
+Status TimeGraphCycles(const MoeBenchOptions& o, Bootstrap& b, AllToAll& a2a,
+                       const StepBuffers& sb, std::vector<double> (&samples)[6]) {
+  cudaStream_t stream = nullptr;
+  BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaEvent_t ev[5] = {};
+  for (auto& e : ev) BENCH_CUDA(cudaEventCreate(&e));
+  RETURN_IF_ERROR(a2a.SetStream(stream));
+  const Deadline later = Deadline::After(std::chrono::minutes(5));
+  BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  Status captured = Status::Ok();
+  for (int cycle = 0; cycle < 2 && captured.ok(); ++cycle) {
+    const bool timed = cycle == 1;
+    auto step = [&](int i, const std::function<Status()>& fn) {
+      if (timed && cudaEventRecord(ev[i], stream) != cudaSuccess) {
+        captured = InternalError("bench: event record in capture");
+      }
+      if (captured.ok()) captured = fn();
+    };
+    step(0, [&] { return a2a.DispatchSend(sb.in); });
+    step(1, [&] { return a2a.DispatchRecv(sb.out, later); });
+    step(2, [&] { return a2a.CombineSend(sb.expert_out); });
+    step(3, [&] { return a2a.CombineRecv(sb.y, false, later); });
+    if (timed && captured.ok() && cudaEventRecord(ev[4], stream) != cudaSuccess) {
+      captured = InternalError("bench: event record in capture");
+    }
+  }
+  cudaGraph_t graph = nullptr;
+  BENCH_CUDA(cudaStreamEndCapture(stream, &graph));
+  RETURN_IF_ERROR(captured);
+  cudaGraphExec_t exec = nullptr;
+  BENCH_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  for (int it = 0; it < o.warmup + o.iters; ++it) {
+    RETURN_IF_ERROR(b.Barrier(60s));
+    BENCH_CUDA(cudaGraphLaunch(exec, stream));
+    RETURN_IF_ERROR(a2a.Synchronize());
+    if (it < o.warmup) continue;
+    float ms[4];
+    for (int i = 0; i < 4; ++i) BENCH_CUDA(cudaEventElapsedTime(&ms[i], ev[i], ev[i + 1]));
+    for (int i = 0; i < 4; ++i) samples[i].push_back(ms[i] * 1e3);
+    samples[4].push_back((ms[0] + ms[1]) * 1e3);
+    samples[5].push_back((ms[2] + ms[3]) * 1e3);
+  }
+  RETURN_IF_ERROR(a2a.SetStream(nullptr));
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  for (auto& e : ev) cudaEventDestroy(e);
+  cudaStreamDestroy(stream);
+  return Status::Ok();
+}
+#endif
+
 Status RunRank(const MoeBenchOptions& o, Bootstrap& b, Result* result) {
   AllToAllConfig cfg;
   cfg.world_size = b.world_size();
@@ -160,6 +225,7 @@ Status RunRank(const MoeBenchOptions& o, Bootstrap& b, Result* result) {
   cfg.max_private_tokens = o.private_tokens;
   cfg.dispatch_once_per_rank = o.once_per_rank;
   cfg.combine_reduce_at_expert_rank = o.reduce_at_expert_rank;
+  cfg.ranks_per_node = o.nvlink ? b.world_size() : 1;
   if (o.cuda) {
     cfg.device = MoeDeviceKind::kCuda;
 #ifdef FERRY_BENCH_CUDA
@@ -175,7 +241,10 @@ Status RunRank(const MoeBenchOptions& o, Bootstrap& b, Result* result) {
   EngineOptions eo = EngineOptions::FromEnv();
   eo.provider = o.provider;
   if (o.provider.find("tcp") != std::string::npos && eo.node.empty()) eo.node = "127.0.0.1";
-  ASSIGN_OR_RETURN(auto a2a_engine, TransferEngine::Create(eo));
+  std::unique_ptr<TransferEngine> a2a_engine;  // the NVLink path needs none
+  if (!o.nvlink) {
+    ASSIGN_OR_RETURN(a2a_engine, TransferEngine::Create(eo));
+  }
   ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(cfg, a2a_engine.get(), b));
 
   const int l = cfg.local_experts();
@@ -208,8 +277,17 @@ Status RunRank(const MoeBenchOptions& o, Bootstrap& b, Result* result) {
   ASSIGN_OR_RETURN(uint16_t* pexpert_out, Place(sb, expert_out, o.cuda));
   ASSIGN_OR_RETURN(uint16_t* py, Place(sb, y, o.cuda));
 
-  std::vector<double> steps[4];
-  for (int it = 0; it < o.warmup + o.iters; ++it) {
+  sb.in = {px, pscales, pidx, pw, o.tokens};
+  sb.out = {pout_x, pout_scales, pcounts};
+  sb.expert_out = pexpert_out;
+  sb.y = py;
+  std::vector<double> steps[6];
+  if (o.nvlink) {
+#ifdef FERRY_BENCH_CUDA
+    RETURN_IF_ERROR(TimeGraphCycles(o, b, *a2a, sb, steps));
+#endif
+  }
+  for (int it = 0; !o.nvlink && it < o.warmup + o.iters; ++it) {
     RETURN_IF_ERROR(b.Barrier(60s));
     double t0 = NowUs();
     RETURN_IF_ERROR(a2a->DispatchSend({px, pscales, pidx, pw, o.tokens}));
@@ -225,12 +303,14 @@ Status RunRank(const MoeBenchOptions& o, Bootstrap& b, Result* result) {
       steps[1].push_back(t2 - t1);
       steps[2].push_back(t3 - t2);
       steps[3].push_back(t4 - t3);
+      steps[4].push_back(t2 - t0);
+      steps[5].push_back(t4 - t2);
     }
   }
-  for (int s = 0; s < 4; ++s) {
+  for (int s = 0; s < 6; ++s) {
     ASSIGN_OR_RETURN(steps[s], SlowestPerIteration(b, steps[s]));
-    result->p50[s] = Percentile(steps[s], 0.5);
-    result->p99[s] = Percentile(steps[s], 0.99);
+    (s < 4 ? result->p50[s] : result->total_p50[s - 4]) = Percentile(steps[s], 0.5);
+    (s < 4 ? result->p99[s] : result->total_p99[s - 4]) = Percentile(steps[s], 0.99);
   }
   result->dispatch_bytes = a2a->dispatch_bytes_sent();
   result->combine_bytes = a2a->combine_bytes_sent();
@@ -245,7 +325,7 @@ Status RunRank(const MoeBenchOptions& o, Bootstrap& b, Result* result) {
 
   // Floor: the same bytes per peer as one scatter with an immediate, awaited on every rank.
   const int n = b.world_size();
-  if (n > 1) {
+  if (n > 1 && !o.nvlink) {
     // A second engine, so the floor's peers and counters are its own.
     ASSIGN_OR_RETURN(auto floor_engine, TransferEngine::Create(eo));
     TransferEngine* engine = floor_engine.get();
@@ -338,10 +418,11 @@ int RunMoeBench(const MoeBenchOptions& options) {
                 "experts=%d topk=%d dtype=%s  (slowest rank per iteration, %d iterations)\n",
                 o.cuda ? "cuda" : "host", o.provider.c_str(), o.ranks, o.tokens, o.hidden, o.experts, o.topk,
                 o.fp8 ? "fp8" : "bf16", o.iters);
-    std::printf("%-13s | %21s %21s | %21s %21s | %10s %10s | %9s %9s | %6s %6s\n", "variant",
-                "dispatch send p50/p99", "dispatch recv p50/p99", "combine send p50/p99",
-                "combine recv p50/p99", "disp bytes", "comb bytes", "floor d", "floor c",
-                "d/fl", "c/fl");
+    std::printf("%-13s | %21s %21s | %21s %21s | %21s %21s | %10s %10s | %9s %9s | %6s %6s\n",
+                "variant", "dispatch send p50/p99", "dispatch recv p50/p99",
+                "combine send p50/p99", "combine recv p50/p99", "dispatch p50/p99",
+                "combine p50/p99", "disp bytes", "comb bytes", "floor d", "floor c", "d/fl",
+                "c/fl");
   } else {
     std::printf("{\"bench\":\"moe\",\"device\":\"%s\",\"provider\":\"%s\",\"ranks\":%d,"
                 "\"tokens\":%d,\"hidden\":%d,\"experts\":%d,\"topk\":%d,\"dtype\":\"%s\","
@@ -354,7 +435,11 @@ int RunMoeBench(const MoeBenchOptions& options) {
     Result r{};
     if (!RunVariant(variants[v], &r)) return 1;
     last = r;
-    const double dispatch = r.p50[0] + r.p50[1], combine = r.p50[2] + r.p50[3];
+    if (o.nvlink) {  // the floor is NVLink's: the fewest bytes at the measured bandwidth
+      r.floor_dispatch_p50 = r.p2p_gbps > 0 ? r.min_dispatch_bytes / (r.p2p_gbps * 1e3) : 0;
+      r.floor_combine_p50 = r.p2p_gbps > 0 ? r.min_combine_bytes / (r.p2p_gbps * 1e3) : 0;
+    }
+    const double dispatch = r.total_p50[0], combine = r.total_p50[1];
     const double d_ratio = r.floor_dispatch_p50 > 0 ? dispatch / r.floor_dispatch_p50 : 0;
     const double c_ratio = r.floor_combine_p50 > 0 ? combine / r.floor_combine_p50 : 0;
     if (o.json) {
@@ -366,18 +451,25 @@ int RunMoeBench(const MoeBenchOptions& options) {
                   r.p99[0], r.p99[1], r.p99[2], r.p99[3], (unsigned long long)r.dispatch_bytes,
                   (unsigned long long)r.combine_bytes, r.floor_dispatch_p50, r.floor_combine_p50);
     } else {
-      std::printf("%-13s | %10.1f %10.1f %10.1f %10.1f | %10.1f %10.1f %10.1f %10.1f | %10llu "
-                  "%10llu | %9.1f %9.1f | %6.2f %6.2f\n",
+      std::printf("%-13s | %10.1f %10.1f %10.1f %10.1f | %10.1f %10.1f %10.1f %10.1f | "
+                  "%10.1f %10.1f %10.1f %10.1f | %10llu %10llu | %9.1f %9.1f | %6.2f %6.2f\n",
                   VariantName(variants[v]), r.p50[0], r.p99[0], r.p50[1], r.p99[1], r.p50[2],
-                  r.p99[2], r.p50[3], r.p99[3], (unsigned long long)r.dispatch_bytes,
+                  r.p99[2], r.p50[3], r.p99[3], r.total_p50[0], r.total_p99[0], r.total_p50[1],
+                  r.total_p99[1], (unsigned long long)r.dispatch_bytes,
                   (unsigned long long)r.combine_bytes, r.floor_dispatch_p50,
                   r.floor_combine_p50, d_ratio, c_ratio);
     }
   }
   if (o.json) std::printf("]}\n");
   else {
-    std::printf("times in us; bytes = what rank 0 put on the wire; floor = the same bytes as one "
-                "scatter per peer\n");
+    if (o.nvlink) {
+      std::printf("times in us, GPU time between events (CUDA graph replays, a cycle before each "
+                  "timed one aligns the ranks); bytes = what rank 0 sent over NVLink; floor = "
+                  "the NVLink floor below\n");
+    } else {
+      std::printf("times in us; bytes = what rank 0 put on the wire; floor = the same bytes as "
+                  "one scatter per peer\n");
+    }
   }
   if (o.cuda) {
     // The NVLink floor of the last variant run (rank 0's bytes; routing is the same for all).

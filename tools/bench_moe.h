@@ -21,6 +21,9 @@ struct MoeBenchOptions {
   int warmup = 5;
   bool json = false;
   bool cuda = false;  // --device cuda: the CUDA device, GPU buffers (rank r on GPU r mod count)
+  // --nvlink: the ranks are one node (ranks_per_node = ranks): the CUDA NVLink path, timed on
+  // the GPU from CUDA graph replays, next to the NVLink floor.
+  bool nvlink = false;
 };
 
 // Returns the process exit code.

@@ -4,7 +4,7 @@
 //   ferry-bench moe    [--provider P] [--ranks N] [--tokens T] [--hidden H] [--experts E]
 //                      [--topk K] [--dtype fp8|bf16] [--iters I] [--json]
 //                      [--once-per-rank] [--reduce-at-expert-rank] [--compare]
-//                      [--device host|cuda]
+//                      [--device host|cuda] [--nvlink] [--private N]
 //   ferry-bench kv     [--provider P] [--tokens T] [--decoders N] [--json]
 //   ferry-bench topo   [--sysfs DIR] [--exclude NIC,...]: which NICs and core serve each GPU
 //   ferry-bench demo   the main job of `make demo`: short fabric, moe and kv runs on shm
@@ -28,7 +28,7 @@ void Usage() {
                "                       [--experts E] [--topk K] [--dtype fp8|bf16] [--iters I]"
                " [--json]\n"
                "                       [--once-per-rank] [--reduce-at-expert-rank] [--compare]\n"
-               "                       [--device host|cuda]\n"
+               "                       [--device host|cuda] [--nvlink] [--private N]\n"
                "       ferry-bench kv [--provider P] [--tokens T] [--decoders N] [--json]\n"
                "       ferry-bench topo [--sysfs DIR] [--exclude NIC,...]\n"
                "       ferry-bench demo\n"
@@ -86,11 +86,15 @@ int main(int argc, char** argv) {
     } else if (a == "--device" && has_value) {
       std::string d = argv[++i];
       ok = d == "host" || d == "cuda";
-      m.cuda = d == "cuda";
+      m.cuda = d == "cuda" || m.nvlink;
     } else if (a == "--sysfs" && has_value) {
       topo.sysfs_root = argv[++i];
     } else if (a == "--exclude" && has_value) {
       topo.exclude_nics = ferry::SplitCommaList(argv[++i]);
+    } else if (a == "--nvlink") {
+      m.nvlink = m.cuda = true;
+    } else if (a == "--private" && has_value) {
+      ok = ParseInt(argv[++i], &m.private_tokens) && m.private_tokens >= 0;
     } else if (a == "--once-per-rank") {
       m.once_per_rank = true;
     } else if (a == "--reduce-at-expert-rank") {

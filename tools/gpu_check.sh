@@ -5,6 +5,7 @@
 #
 #   tools/gpu_check.sh            everything
 #   tools/gpu_check.sh tests      build and tests only
+#   tools/gpu_check.sh nvlink     build, tests and the NVLink benchmarks only
 set -u
 OUT=${OUT:-/tmp/ferry-gpu}
 mkdir -p "$OUT"
@@ -30,15 +31,23 @@ if command -v ninja > /dev/null; then generator=(-G Ninja); fi
 step configure 120 cmake -S . -B build-gpu "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_CUDA_COMPILER="$NVCC" -DCMAKE_CUDA_ARCHITECTURES=90 || { cat "$OUT/configure.log"; exit 1; }
 step build 400 cmake --build build-gpu -j "$(nproc)" --target moe_cuda_test kv_cuda_test \
-  moe_host_test ferry-bench || { tail -60 "$OUT/build.log"; exit 1; }
+  moe_host_test fd_exchange_test ferry-bench || { tail -60 "$OUT/build.log"; exit 1; }
 
 step kv_cuda_test 120 build-gpu/kv_cuda_test
 step moe_cuda_test 400 build-gpu/moe_cuda_test
+step fd_exchange_test 60 build-gpu/fd_exchange_test
 step memcheck 300 "$SANITIZER" --tool memcheck --target-processes all \
   build-gpu/moe_cuda_test --gtest_filter='*n2_t7_h128_e8_k2_bf16*:*n3_t64*'
 step racecheck 300 "$SANITIZER" --tool racecheck --target-processes all \
   build-gpu/moe_cuda_test --gtest_filter='*n2_t7_h128_e8_k2_bf16*'
 
+if [ "${1:-all}" != tests ]; then
+  nv=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8)
+  step nvlink_decode 200 build-gpu/ferry-bench moe "${nv[@]}" --tokens 128 --iters 200 --compare
+  step nvlink_decode_push 200 build-gpu/ferry-bench moe "${nv[@]}" --tokens 128 --iters 200 \
+    --compare --private 1024
+  step nvlink_prefill 300 build-gpu/ferry-bench moe "${nv[@]}" --tokens 4096 --iters 20 --compare
+fi
 if [ "${1:-all}" = all ]; then
   common=(--device cuda --ranks 2 --hidden 7168 --experts 256 --topk 8 --provider shm)
   step bench_decode_fp8 300 build-gpu/ferry-bench moe "${common[@]}" --tokens 128 --dtype fp8 \
@@ -53,7 +62,7 @@ for f in "$OUT"/moe_cuda_test.log "$OUT"/kv_cuda_test.log; do
   [ -f "$f" ] && grep -E '^\[  (PASSED|FAILED|SKIPPED) |\[rank|Failure' "$f" | head -20
 done
 grep -h -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT"/memcheck.log "$OUT"/racecheck.log 2> /dev/null
-for b in "$OUT"/bench_*.log; do
-  [ -f "$b" ] && { echo "== $(basename "$b" .log)"; grep -E '^(plain|\(a|\(b|variant)' "$b"; }
+for b in "$OUT"/bench_*.log "$OUT"/nvlink_*.log; do
+  [ -f "$b" ] && { echo "== $(basename "$b" .log)"; grep -E '^(plain|\(a|\(b|variant|NVLink)' "$b"; }
 done
 cat "$OUT/summary.txt"

@@ -10,8 +10,16 @@
 //   a2a->CombineSend(expert_out);     // one write back per rank
 //   a2a->CombineRecv(y, deadline);    // weighted sum, fp32 accumulation, bf16 out
 //
-// This header's AllToAll is the host device: the four steps on host memory over a
-// TransferEngine. It is the reference for the CUDA kernels and runs the whole protocol in CI.
+// Where the steps run (AllToAllConfig::device, ranks_per_node):
+//   - host device: the four steps on host memory, everything over the TransferEngine. The
+//     reference for the CUDA kernels; runs the whole protocol in CI.
+//   - CUDA device, ranks_per_node == 1: kernels on pinned host buffers, a proxy thread moves them
+//     over the engine (RDMA between GPUs of different nodes).
+//   - CUDA device, ranks_per_node == world_size (one NVLink domain): kernels only. Each rank's
+//     buffers come from cuMemCreate, exported and mapped into every other rank of the node; the
+//     kernels push slots and rows into peers' memory and raise flags there; no host thread, no
+//     engine traffic. The steps can be enqueued on a stream (SetStream) and captured in a graph.
+//   Mixing the two (several nodes of several GPUs) is not built yet: Create says Unimplemented.
 //
 // Protocol (DESIGN.md §2.2): every rank sends its per-expert token counts to every rank (so all
 // ranks know the full routing); the first max_private_tokens tokens for each receiver go at once
@@ -90,6 +98,10 @@ struct DispatchInput {
   const int32_t* indices = nullptr; // [T, experts_per_token] global expert ids
   const float* weights = nullptr;   // [T, experts_per_token] combine weights
   int num_tokens = 0;
+  // CUDA NVLink path only: the token count in device memory, read by the kernels when they run,
+  // so that one captured graph serves any batch. num_tokens is then the most it may hold (the
+  // rows the buffers have); a larger device count sends nothing and reports InvalidArgument.
+  const int32_t* device_num_tokens = nullptr;
 };
 
 // Dispatch output: expert-major, the layout grouped GEMMs eat. Rows past num_tokens[e] are not
@@ -104,8 +116,8 @@ struct DispatchOutput {
 // DispatchRecv, CombineSend, CombineRecv, and again.
 class AllToAll {
  public:
-  // Collective: every rank calls it with the same configuration (but its own rank). Registers
-  // the buffers with `engine`, exchanges addresses and descriptors through `bootstrap`, and
+  // Collective: every rank calls it with the same configuration (but its own rank). `engine` may
+  // be null on the CUDA NVLink path, which does not use it. Registers the buffers with `engine`, exchanges addresses and descriptors through `bootstrap`, and
   // checks that the configurations agree (InvalidArgument naming the rank that differs).
   static StatusOr<std::unique_ptr<AllToAll>> Create(const AllToAllConfig& config,
                                                     TransferEngine* engine, Bootstrap& bootstrap);
@@ -119,6 +131,19 @@ class AllToAll {
   virtual Status CombineSend(const uint16_t* expert_out) = 0;
   // out: [T, hidden] bf16 for the T of the last DispatchSend; with accumulate, adds to it.
   virtual Status CombineRecv(uint16_t* out, bool accumulate, Deadline deadline) = 0;
+
+  // CUDA NVLink path: enqueue the steps on `stream` (a cudaStream_t; nullptr: back to waiting)
+  // and return at once. The four steps of one AllToAll must go on one stream, in order: the
+  // flags that make buffer reuse safe rely on it. Errors a kernel finds (expert ids out of range:
+  // those copies are dropped; a device token count above num_tokens: nothing is sent) surface at
+  // Synchronize; a peer that never raised its flag before the step's deadline also fails every
+  // later step. Graph capture works: the epoch the
+  // flags compare against lives in device memory; a captured wait keeps the deadline budget
+  // (from the kernel's start) it had when captured. Other paths: Unimplemented.
+  virtual Status SetStream(void* stream) = 0;
+  // Waits for the steps enqueued so far and reports what their kernels found. Without a stream
+  // the steps wait themselves and this returns OK.
+  virtual Status Synchronize() = 0;
 
   // Bytes this rank's last dispatch and combine put on the wire (payload and metadata).
   virtual uint64_t dispatch_bytes_sent() const = 0;

@@ -9,6 +9,7 @@
 #include "moe/proxy.h"
 #ifdef FERRY_HAVE_CUDA
 #include "moe/cuda/cuda_device.h"
+#include "moe/cuda/nvlink_all_to_all.h"
 #endif
 
 namespace ferry {
@@ -137,6 +138,12 @@ class AllToAllImpl final : public AllToAll {
   }
 
   const AllToAllConfig& config() const override { return c_; }
+  Status SetStream(void*) override {
+    return UnimplementedError(
+        "AllToAll::SetStream: stream-ordered steps need the CUDA device on one node "
+        "(ranks_per_node == world_size); these steps wait for their own work");
+  }
+  Status Synchronize() override { return Step(stage_, "Synchronize"); }
   uint64_t dispatch_bytes_sent() const override { return proxy_->dispatch_bytes(); }
   uint64_t combine_bytes_sent() const override { return proxy_->combine_bytes(); }
 
@@ -194,6 +201,11 @@ class AllToAllImpl final : public AllToAll {
                                   " tokens, configured maximum " +
                                   std::to_string(c_.max_tokens_per_rank));
     }
+    if (in.device_num_tokens) {
+      return InvalidArgumentError(
+          "DispatchSend: a device token count needs the CUDA device on one node "
+          "(ranks_per_node == world_size)");
+    }
     if (in.num_tokens == 0) return Status::Ok();
     if (!in.x || !in.indices || !in.weights || (c_.scales_per_token() && !in.scales)) {
       return InvalidArgumentError("DispatchSend: null input buffer");
@@ -234,13 +246,27 @@ class AllToAllImpl final : public AllToAll {
 StatusOr<std::unique_ptr<AllToAll>> AllToAll::Create(const AllToAllConfig& config,
                                                      TransferEngine* engine, Bootstrap& bootstrap) {
   RETURN_IF_ERROR(config.Validate());
-  if (!engine) return InvalidArgumentError("AllToAll: null engine");
+  const bool nvlink_only = config.device == MoeDeviceKind::kCuda && config.ranks_per_node > 1;
+  if (!engine && !nvlink_only) return InvalidArgumentError("AllToAll: null engine");
   if (bootstrap.world_size() != config.world_size || bootstrap.rank() != config.rank) {
     return InvalidArgumentError("AllToAll: bootstrap has rank " +
                                 std::to_string(bootstrap.rank()) + " of " +
                                 std::to_string(bootstrap.world_size()) + ", config says " +
                                 std::to_string(config.rank) + " of " +
                                 std::to_string(config.world_size));
+  }
+  if (config.device == MoeDeviceKind::kCuda && config.ranks_per_node > 1) {
+    if (config.ranks_per_node < config.world_size) {
+      return UnimplementedError(
+          "AllToAll: the CUDA device runs one node over NVLink (ranks_per_node == world_size) "
+          "or every rank over the engine (ranks_per_node == 1); NVLink inside nodes with RDMA "
+          "between them is not built yet");
+    }
+#ifdef FERRY_HAVE_CUDA
+    return moe::NewNvlinkAllToAll(config, bootstrap);
+#else
+    return UnimplementedError("AllToAll: ferry was built without CUDA; use the host device");
+#endif
   }
   auto a2a = std::make_unique<AllToAllImpl>(config, engine);
   RETURN_IF_ERROR(a2a->Init(bootstrap));

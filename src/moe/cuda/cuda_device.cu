@@ -22,17 +22,9 @@
 #include <vector>
 
 #include "moe/cuda/cuda_device.h"
+#include "moe/cuda/cuda_util.cuh"
 
 namespace ferry::moe {
-
-#define FERRY_CUDA(expr)                                                               \
-  do {                                                                                 \
-    cudaError_t ferry_err_ = (expr);                                                   \
-    if (ferry_err_ != cudaSuccess) {                                                   \
-      return InternalError(std::string("CUDA: ") + #expr + ": " +                      \
-                           cudaGetErrorString(ferry_err_));                            \
-    }                                                                                  \
-  } while (0)
 
 PinnedBuffer::PinnedBuffer(PinnedBuffer&& o) noexcept { *this = std::move(o); }
 
@@ -82,40 +74,10 @@ enum ErrorCode : int32_t {
   kRowOverrun = 3,    // detail: sender, slot
 };
 
-__device__ inline float Bf16ToFloatD(uint16_t b) { return __uint_as_float(uint32_t{b} << 16); }
-
-__device__ inline uint16_t FloatToBf16D(float f) {
-  uint32_t u = __float_as_uint(f);
-  if ((u & 0x7F800000u) == 0x7F800000u && (u & 0x007FFFFFu)) return 0x7FC0;
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
 __device__ inline void ReportError(int32_t* error, int32_t code, int32_t a, int32_t b) {
   if (atomicCAS(error, 0, code) == 0) {
     error[1] = a;
     error[2] = b;
-  }
-}
-
-// Copies n bytes with the widest access both pointers and n allow; the block's threads share it.
-__device__ inline void CopyBytes(uint8_t* dst, const uint8_t* src, int64_t n) {
-  const uintptr_t align = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
-                          static_cast<uintptr_t>(n);
-  if ((align & 15) == 0) {
-    for (int64_t i = threadIdx.x; i < n / 16; i += blockDim.x) {
-      reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
-    }
-  } else if ((align & 7) == 0) {
-    for (int64_t i = threadIdx.x; i < n / 8; i += blockDim.x) {
-      reinterpret_cast<uint2*>(dst)[i] = reinterpret_cast<const uint2*>(src)[i];
-    }
-  } else if ((align & 3) == 0) {
-    for (int64_t i = threadIdx.x; i < n / 4; i += blockDim.x) {
-      reinterpret_cast<uint32_t*>(dst)[i] = reinterpret_cast<const uint32_t*>(src)[i];
-    }
-  } else {
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
   }
 }
 
@@ -557,26 +519,6 @@ cudaError_t CombineSum(const SumView& v, cudaStream_t stream) {
 }
 
 // ---- the device -------------------------------------------------------------------------------
-
-template <typename T>
-class DeviceArray {
- public:
-  DeviceArray() = default;
-  DeviceArray(const DeviceArray&) = delete;
-  DeviceArray& operator=(const DeviceArray&) = delete;
-  ~DeviceArray() {
-    if (p_) cudaFree(p_);
-  }
-  Status Allocate(size_t count) {
-    count = std::max<size_t>(count, 1);
-    FERRY_CUDA(cudaMalloc(&p_, count * sizeof(T)));
-    return Status::Ok();
-  }
-  T* get() const { return p_; }
-
- private:
-  T* p_ = nullptr;
-};
 
 class CudaDevice final : public MoeDevice {
  public:

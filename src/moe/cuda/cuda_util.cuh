@@ -1,0 +1,86 @@
+// Small pieces both CUDA moe paths share: error checks, bf16 conversions, block copies, device
+// arrays. Included by .cu files only.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "ferry/status.h"
+
+namespace ferry::moe {
+
+#define FERRY_CUDA(expr)                                                               \
+  do {                                                                                 \
+    cudaError_t ferry_err_ = (expr);                                                   \
+    if (ferry_err_ != cudaSuccess) {                                                   \
+      return InternalError(std::string("CUDA: ") + #expr + ": " +                      \
+                           cudaGetErrorString(ferry_err_));                            \
+    }                                                                                  \
+  } while (0)
+
+__device__ inline float Bf16ToFloatD(uint16_t b) { return __uint_as_float(uint32_t{b} << 16); }
+
+__device__ inline uint16_t FloatToBf16D(float f) {
+  uint32_t u = __float_as_uint(f);
+  if ((u & 0x7F800000u) == 0x7F800000u && (u & 0x007FFFFFu)) return 0x7FC0;
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// Copies n bytes with the widest access the pointers and n allow; the block's threads share it.
+// With dst2, the same bytes go there too (a local copy and a peer's, read once). Loads bypass L1
+// (ld.global.cg): the source may be memory a peer wrote over NVLink.
+__device__ inline void CopyBytes(uint8_t* dst, const uint8_t* src, int64_t n,
+                                 uint8_t* dst2 = nullptr) {
+  const uintptr_t align = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
+                         reinterpret_cast<uintptr_t>(dst2) | static_cast<uintptr_t>(n);
+  if ((align & 15) == 0) {
+    for (int64_t i = threadIdx.x; i < n / 16; i += blockDim.x) {
+      const uint4 v = __ldcg(reinterpret_cast<const uint4*>(src) + i);
+      reinterpret_cast<uint4*>(dst)[i] = v;
+      if (dst2) reinterpret_cast<uint4*>(dst2)[i] = v;
+    }
+  } else if ((align & 7) == 0) {
+    for (int64_t i = threadIdx.x; i < n / 8; i += blockDim.x) {
+      const uint2 v = __ldcg(reinterpret_cast<const uint2*>(src) + i);
+      reinterpret_cast<uint2*>(dst)[i] = v;
+      if (dst2) reinterpret_cast<uint2*>(dst2)[i] = v;
+    }
+  } else if ((align & 3) == 0) {
+    for (int64_t i = threadIdx.x; i < n / 4; i += blockDim.x) {
+      const uint32_t v = __ldcg(reinterpret_cast<const uint32_t*>(src) + i);
+      reinterpret_cast<uint32_t*>(dst)[i] = v;
+      if (dst2) reinterpret_cast<uint32_t*>(dst2)[i] = v;
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+      dst[i] = src[i];
+      if (dst2) dst2[i] = src[i];
+    }
+  }
+}
+
+template <typename T>
+class DeviceArray {
+ public:
+  DeviceArray() = default;
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+  ~DeviceArray() {
+    if (p_) cudaFree(p_);
+  }
+  Status Allocate(size_t count) {
+    count = std::max<size_t>(count, 1);
+    FERRY_CUDA(cudaMalloc(&p_, count * sizeof(T)));
+    return Status::Ok();
+  }
+  T* get() const { return p_; }
+
+ private:
+  T* p_ = nullptr;
+};
+
+}  // namespace ferry::moe

@@ -1,0 +1,1072 @@
+// The NVLink AllToAll (design in nvlink_all_to_all.h): the driver calls that share memory
+// between the ranks of a node, the five kernels, and the AllToAll that enqueues them.
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <unistd.h>
+
+#include <cub/block/block_radix_sort.cuh>
+#include <cub/block/block_scan.cuh>
+
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "moe/cuda/cuda_device.h"
+#include "moe/cuda/cuda_util.cuh"
+#include "moe/cuda/nvlink_all_to_all.h"
+#include "moe/fd_exchange.h"
+#include "moe/layout.h"
+
+namespace ferry::moe {
+namespace {
+
+constexpr int kRouteThreads = 512;
+constexpr int kSortItems = 4;
+constexpr int kChunk = kRouteThreads * kSortItems;  // (token, k) entries per sort chunk
+constexpr int kCopyThreads = 256;
+constexpr int kMaxK = 16;                           // the CUDA device's top-k limit
+constexpr int kMaxExperts = 1024;
+
+// ---- what travels and what stays -------------------------------------------------------------
+
+struct NvHeader {
+  int32_t src_token;
+  int32_t entries;
+  int32_t row;    // the combine row of the first entry (plain) or of the token (summed)
+  int16_t part;   // which of the token's slots for this rank (one entry per slot), of
+  int16_t parts;  // how many
+};
+struct NvEntry {
+  int32_t local_expert;
+  int32_t k;
+  float weight;
+  int32_t pos;  // among the sender's copies for this expert, in (token, k) order
+};
+static_assert(sizeof(NvHeader) == 16 && sizeof(NvEntry) == 16, "slot metadata layout");
+
+// What Unpack learned about a received slot, for CombineSend.
+struct RecvSlot {
+  int32_t sender, row, entries, part, parts, pad[3];
+};
+struct RecvEntry {
+  int64_t out_row;  // local expert * capacity + row within it
+  float weight;
+  int32_t pad;
+};
+
+enum ErrorCode : int32_t {
+  kNoError = 0,
+  kBadExpert = 1,      // token, expert id
+  kTooManyTokens = 2,  // device count, bound
+  kBadSlot = 3,        // sender, slot
+  kRowOverrun = 4,     // -1, local expert
+  kPeerTimeout = 5,    // which flag (0 dispatch, 1 combine), rank
+};
+
+// Device-side state of one rank.
+struct Scratch {
+  uint64_t epoch;           // advanced by the last block of CombineRecv
+  int64_t rows_out;         // combine rows this rank returned to peers this epoch
+  int32_t tokens;           // T of this epoch (after the device count is checked)
+  int32_t total_recv;       // slots received this epoch
+  int32_t abort;            // a wait timed out: later waits give up at once
+  uint32_t tickets[3];      // last-block detection: Pack, CombineSend, CombineRecv
+};
+
+// Everything the kernels share; passed by value.
+struct Nv {
+  int n, me, e, l, k, t_max, hidden, spt, priv, chunks;
+  int64_t payload, slot_bytes, meta_bytes, row_bytes, capacity;
+  bool once, reduce;
+  int64_t counts_off, private_off, combine_off, send_off;  // flags at 0
+  uint8_t* const* base;  // [N] every rank's buffer as mapped here (ours included)
+  Scratch* scratch;
+  int32_t* error;        // [3] code, detail, detail: mapped pinned host memory
+  int32_t* indices;      // [t_max, K] our copy of the routing
+  float* weights;        // [t_max, K]
+  int32_t* slot_pos;     // [N, t_max] token t's first slot among ours for rank r
+  int32_t* row_pos;      // [N, t_max] token t's first combine row among those from rank r
+  int32_t* totals;       // [2N] slots per receiving rank, combine rows per expert rank
+  int32_t* erank;        // [t_max * K] a copy's rank within its chunk's copies for its expert
+  int32_t* chunk_counts; // [chunks, E]
+  RecvSlot* rslots;      // [N * slots_per_pair]
+  RecvEntry* rentries;   // [N * slots_per_pair, K]
+};
+
+struct SendArgs {
+  const uint8_t* x;
+  const float* scales;
+  const int32_t* indices;
+  const float* weights;
+  const int32_t* dev_tokens;
+  int bound;
+};
+struct RecvArgs {
+  uint8_t* out_x;
+  float* out_scales;
+  int32_t* num_tokens;
+  uint64_t timeout_ns;
+};
+struct CombineArgs {
+  const uint16_t* expert_out;
+  uint16_t* out;
+  bool accumulate;
+  uint64_t timeout_ns;
+};
+
+// ---- flags, fences, errors --------------------------------------------------------------------
+
+__device__ inline uint64_t LoadAcquire(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ inline void StoreRelease(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ inline uint64_t GlobalTimerNs() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ inline uint64_t* DispatchFlags(const Nv& v, int r) {
+  return reinterpret_cast<uint64_t*>(v.base[r]);
+}
+__device__ inline uint64_t* CombineFlags(const Nv& v, int r) {
+  return reinterpret_cast<uint64_t*>(v.base[r]) + v.n;
+}
+// Rank r's counts row from sender s.
+__device__ inline int32_t* CountsRow(const Nv& v, int r, int s) {
+  return reinterpret_cast<int32_t*>(v.base[r] + v.counts_off) + int64_t{s} * (v.l + 2);
+}
+
+__device__ inline void Report(const Nv& v, int32_t code, int32_t a, int32_t b) {
+  if (atomicCAS_system(v.error, 0, code) == 0) {
+    atomicExch_system(v.error + 1, a);
+    atomicExch_system(v.error + 2, b);
+  }
+}
+
+// Thread 0 of a block: until flags[r] >= want for every rank, another block gave up, or the
+// budget (from now) runs out, which is reported and makes every later wait give up.
+__device__ bool WaitAll(const Nv& v, const uint64_t* flags, uint64_t want, uint64_t budget_ns,
+                        int which) {
+  const uint64_t start = GlobalTimerNs();
+  for (int r = 0; r < v.n; ++r) {
+    while (LoadAcquire(flags + r) < want) {
+      if (*reinterpret_cast<volatile int32_t*>(&v.scratch->abort)) return false;
+      if (GlobalTimerNs() - start > budget_ns) {
+        atomicExch(&v.scratch->abort, 1);
+        Report(v, kPeerTimeout, which, r);
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+// True in the block that finishes last; every block's writes (peers' memory included) are
+// visible system-wide before it learns so. Resets the ticket for the next launch.
+__device__ bool LastBlock(uint32_t* ticket) {
+  __shared__ bool last;
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+    if (last) {
+      atomicExch(ticket, 0u);
+      __threadfence_system();
+    }
+  }
+  __syncthreads();
+  return last;
+}
+
+__device__ inline bool ValidExpert(const Nv& v, int32_t e) { return e >= 0 && e < v.e; }
+
+// ---- dispatch send ----------------------------------------------------------------------------
+
+using RouteScan = cub::BlockScan<int32_t, kRouteThreads>;
+using RouteSort = cub::BlockRadixSort<uint32_t, kRouteThreads, kSortItems, int32_t>;
+union RouteSmem {
+  typename RouteScan::TempStorage scan;
+  typename RouteSort::TempStorage sort;
+  uint32_t keys[kChunk];
+};
+
+// Rank r's block: for each token in order, its slots and combine rows on rank r as exclusive
+// prefix sums. Reports expert ids out of range (rank 0's block), which every step then skips.
+__device__ void RankScan(const Nv& v, const SendArgs& a, int tokens, int r, RouteSmem& smem) {
+  int32_t carry_slots = 0, carry_rows = 0;
+  for (int base = 0; base < tokens; base += kRouteThreads) {
+    const int t = base + threadIdx.x;
+    int32_t slots = 0, rows = 0;
+    if (t < tokens) {
+      int hits = 0;
+      for (int j = 0; j < v.k; ++j) {
+        const int32_t e = a.indices[int64_t{t} * v.k + j];
+        if (!ValidExpert(v, e)) {
+          if (r == 0) Report(v, kBadExpert, t, e);
+          continue;
+        }
+        hits += e / v.l == r;
+      }
+      slots = hits == 0 ? 0 : (v.once ? 1 : hits);
+      rows = hits == 0 ? 0 : (v.reduce ? 1 : hits);
+    }
+    int32_t slot_prefix, row_prefix, slot_sum, row_sum;
+    RouteScan(smem.scan).ExclusiveSum(slots, slot_prefix, slot_sum);
+    __syncthreads();
+    RouteScan(smem.scan).ExclusiveSum(rows, row_prefix, row_sum);
+    __syncthreads();
+    if (t < tokens) {
+      v.slot_pos[int64_t{r} * v.t_max + t] = carry_slots + slot_prefix;
+      v.row_pos[int64_t{r} * v.t_max + t] = carry_rows + row_prefix;
+    }
+    carry_slots += slot_sum;
+    carry_rows += row_sum;
+  }
+  if (threadIdx.x == 0) {
+    v.totals[r] = carry_slots;
+    v.totals[v.n + r] = carry_rows;
+  }
+}
+
+// Chunk c's block: entries [c * kChunk, (c + 1) * kChunk) of the (token, k) list. A stable
+// radix sort by expert gives each copy its rank among the chunk's copies for that expert, and
+// the chunk's count per expert. Also copies the routing for the later steps.
+__device__ void SortChunk(const Nv& v, const SendArgs& a, int tokens, int c, RouteSmem& smem) {
+  __shared__ int32_t head[kMaxExperts + 1];
+  const int64_t first = int64_t{c} * kChunk, entries = int64_t{tokens} * v.k;
+  uint32_t keys[kSortItems];
+  int32_t items[kSortItems];
+  for (int i = 0; i < kSortItems; ++i) {
+    const int p = threadIdx.x * kSortItems + i;
+    const int64_t f = first + p;
+    keys[i] = v.e;  // past the end, or an invalid id: sorts last, never counted
+    items[i] = p;
+    if (f < entries) {
+      const int32_t e = a.indices[f];
+      v.indices[f] = e;
+      v.weights[f] = a.weights[f];
+      if (ValidExpert(v, e)) keys[i] = e;
+    }
+  }
+  for (int e = threadIdx.x; e <= v.e; e += blockDim.x) head[e] = -1;
+  const int bits = 32 - __clz(v.e);
+  RouteSort(smem.sort).Sort(keys, items, 0, bits);
+  __syncthreads();
+  for (int i = 0; i < kSortItems; ++i) smem.keys[threadIdx.x * kSortItems + i] = keys[i];
+  __syncthreads();
+  for (int i = 0; i < kSortItems; ++i) {
+    const int p = threadIdx.x * kSortItems + i;
+    if (p == 0 || smem.keys[p - 1] != keys[i]) head[keys[i]] = p;
+  }
+  __syncthreads();
+  int32_t* counts = v.chunk_counts + int64_t{c} * v.e;
+  for (int i = 0; i < kSortItems; ++i) {
+    const int p = threadIdx.x * kSortItems + i;
+    const uint32_t key = keys[i];
+    if (key >= static_cast<uint32_t>(v.e)) continue;
+    const int32_t rank = p - head[key];
+    v.erank[first + items[i]] = rank;
+    if (p == kChunk - 1 || smem.keys[p + 1] != key) counts[key] = rank + 1;
+  }
+  for (int e = threadIdx.x; e < v.e; e += blockDim.x) {
+    if (head[e] < 0) counts[e] = 0;
+  }
+}
+
+// Blocks [0, N): RankScan; blocks [N, N + chunks): SortChunk.
+__global__ void __launch_bounds__(kRouteThreads) RouteKernel(Nv v, SendArgs a) {
+  __shared__ RouteSmem smem;
+  int tokens = a.bound;
+  if (a.dev_tokens) {
+    const int32_t d = *a.dev_tokens;
+    tokens = d >= 0 && d <= a.bound ? d : 0;
+    if (tokens != d && blockIdx.x == 0 && threadIdx.x == 0) {
+      Report(v, kTooManyTokens, d, a.bound);
+    }
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) v.scratch->tokens = tokens;
+  if (blockIdx.x < v.n) {
+    RankScan(v, a, tokens, blockIdx.x, smem);
+  } else {
+    SortChunk(v, a, tokens, blockIdx.x - v.n, smem);
+  }
+}
+
+// Block t: token t's slots, rank by rank, into our send area (grouped by receiving rank) and,
+// for the first P slots of each peer, into that peer's private region too. The last block writes
+// the counts rows into every rank and raises their dispatch flags.
+__global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
+  extern __shared__ int64_t starts[];  // [2N]: first slot per receiving rank, first row per
+                                       // expert rank
+  __shared__ int32_t hit_j[kMaxK], hit_pos[kMaxK];
+  __shared__ int hit_count;
+  const int tokens = v.scratch->tokens;
+  if (threadIdx.x == 0) {
+    int64_t slots = 0, rows = 0;
+    for (int r = 0; r < v.n; ++r) {
+      starts[r] = slots;
+      starts[v.n + r] = rows;
+      slots += v.totals[r];
+      rows += v.totals[v.n + r];
+    }
+  }
+  __syncthreads();
+  const int t = blockIdx.x;
+  for (int r = 0; t < tokens && r < v.n; ++r) {
+    if (threadIdx.x == 0) {
+      int hits = 0;
+      for (int j = 0; j < v.k; ++j) {
+        const int64_t f = int64_t{t} * v.k + j;
+        const int32_t e = v.indices[f];
+        if (!ValidExpert(v, e) || e / v.l != r) continue;
+        int32_t pos = v.erank[f];
+        for (int c = 0; c < f / kChunk; ++c) pos += v.chunk_counts[int64_t{c} * v.e + e];
+        hit_j[hits] = j;
+        hit_pos[hits] = pos;
+        ++hits;
+      }
+      hit_count = hits;
+    }
+    __syncthreads();
+    const int hits = hit_count;
+    const int slots = hits == 0 ? 0 : (v.once ? 1 : hits);
+    for (int o = 0; o < slots; ++o) {
+      const int64_t j = v.slot_pos[int64_t{r} * v.t_max + t] + o;
+      uint8_t* slot = v.base[v.me] + v.send_off + (starts[r] + j) * v.slot_bytes;
+      uint8_t* peer = r != v.me && j < v.priv
+                          ? v.base[r] + v.private_off + (int64_t{v.me} * v.priv + j) * v.slot_bytes
+                          : nullptr;
+      const int entries = v.once ? hits : 1;
+      if (threadIdx.x < entries) {
+        const int h = v.once ? threadIdx.x : o;
+        const int64_t f = int64_t{t} * v.k + hit_j[h];
+        const NvEntry entry{v.indices[f] % v.l, hit_j[h], v.weights[f], hit_pos[h]};
+        reinterpret_cast<NvEntry*>(slot + sizeof(NvHeader))[threadIdx.x] = entry;
+        if (peer) reinterpret_cast<NvEntry*>(peer + sizeof(NvHeader))[threadIdx.x] = entry;
+      }
+      if (threadIdx.x == 0) {
+        const int32_t row = static_cast<int32_t>(
+            starts[v.n + r] + v.row_pos[int64_t{r} * v.t_max + t] +
+            (v.once || v.reduce ? 0 : o));
+        const NvHeader header{t, entries, row, static_cast<int16_t>(v.once ? 0 : o),
+                              static_cast<int16_t>(slots)};
+        *reinterpret_cast<NvHeader*>(slot) = header;
+        if (peer) *reinterpret_cast<NvHeader*>(peer) = header;
+      }
+      CopyBytes(slot + v.meta_bytes, a.x + int64_t{t} * v.payload, v.payload,
+                peer ? peer + v.meta_bytes : nullptr);
+      if (v.spt) {
+        CopyBytes(slot + v.meta_bytes + v.payload,
+                  reinterpret_cast<const uint8_t*>(a.scales + int64_t{t} * v.spt),
+                  int64_t{v.spt} * 4, peer ? peer + v.meta_bytes + v.payload : nullptr);
+      }
+    }
+    __syncthreads();  // hit_j is rewritten for the next rank
+  }
+  if (!LastBlock(&v.scratch->tickets[0])) return;
+  const uint64_t epoch = v.scratch->epoch;
+  const int width = v.l + 2;
+  for (int i = threadIdx.x; i < v.n * width; i += blockDim.x) {
+    const int r = i / width, c = i % width;
+    int64_t value;
+    if (c < v.l) {
+      value = 0;
+      for (int ch = 0; ch < v.chunks; ++ch) value += v.chunk_counts[int64_t{ch} * v.e + r * v.l + c];
+    } else {
+      value = c == v.l ? v.totals[r] : starts[r];
+    }
+    CountsRow(v, r, v.me)[c] = static_cast<int32_t>(value);
+  }
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x < v.n) StoreRelease(DispatchFlags(v, threadIdx.x) + v.me, epoch + 1);
+}
+
+// ---- dispatch receive -------------------------------------------------------------------------
+
+__device__ inline int SenderOf(const int64_t* prefix, int n, int64_t g) {
+  int lo = 0, hi = n - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (prefix[mid] <= g) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// Every block waits for all dispatch flags, then takes received slots g = blockIdx.x, +grid...
+// (sender-major, each sender in its send order): checks the slot, copies its row to each entry's
+// output row, and remembers where the entries' combine rows go.
+__global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
+  extern __shared__ int64_t prefix[];  // [N + 1] slots before sender s; then [N] start[s]
+  int64_t* start = prefix + v.n + 1;
+  __shared__ bool ok, good;
+  __shared__ NvHeader header;
+  __shared__ NvEntry entry[kMaxK];
+  __shared__ int64_t out_row[kMaxK];
+  const uint64_t epoch = v.scratch->epoch;
+  if (threadIdx.x == 0) ok = WaitAll(v, DispatchFlags(v, v.me), epoch + 1, a.timeout_ns, 0);
+  __syncthreads();
+  if (!ok) return;
+  if (threadIdx.x == 0) {
+    prefix[0] = 0;
+    for (int s = 0; s < v.n; ++s) {
+      prefix[s + 1] = prefix[s] + __ldcg(CountsRow(v, v.me, s) + v.l);
+      start[s] = __ldcg(CountsRow(v, v.me, s) + v.l + 1);
+    }
+  }
+  __syncthreads();
+  const int64_t total = prefix[v.n];
+  if (blockIdx.x == 0) {
+    for (int e = threadIdx.x; e < v.l; e += blockDim.x) {
+      int64_t rows = 0;
+      for (int s = 0; s < v.n; ++s) rows += __ldcg(CountsRow(v, v.me, s) + e);
+      a.num_tokens[e] = static_cast<int32_t>(rows);
+      if (rows > v.capacity) Report(v, kRowOverrun, -1, e);
+    }
+    if (threadIdx.x == 0) {
+      v.scratch->total_recv = static_cast<int32_t>(total);
+      v.scratch->rows_out = 0;
+    }
+  }
+  for (int64_t g = blockIdx.x; g < total; g += gridDim.x) {
+    const int s = SenderOf(prefix, v.n, g);
+    const int64_t j = g - prefix[s];
+    const uint8_t* src =
+        s == v.me ? v.base[v.me] + v.send_off + (start[s] + j) * v.slot_bytes
+        : j < v.priv ? v.base[v.me] + v.private_off + (int64_t{s} * v.priv + j) * v.slot_bytes
+                     : v.base[s] + v.send_off + (start[s] + j) * v.slot_bytes;
+    if (threadIdx.x == 0) {
+      const int4 h = __ldcg(reinterpret_cast<const int4*>(src));
+      std::memcpy(&header, &h, sizeof header);
+    }
+    __syncthreads();
+    const int entries = min(max(header.entries, 0), v.k);
+    if (threadIdx.x < entries) {
+      const int4 e = __ldcg(reinterpret_cast<const int4*>(src + sizeof(NvHeader)) + threadIdx.x);
+      std::memcpy(&entry[threadIdx.x], &e, sizeof e);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      bool valid = header.entries >= 1 && header.entries <= v.k && header.src_token >= 0 &&
+                   header.src_token < v.t_max && header.row >= 0 && header.parts >= 1 &&
+                   header.part >= 0 && header.part < header.parts &&
+                   int64_t{header.row} + (v.reduce ? 1 : header.entries) <=
+                       int64_t{v.t_max} * v.k;
+      for (int i = 0; valid && i < entries; ++i) {
+        const int32_t le = entry[i].local_expert;
+        valid = le >= 0 && le < v.l && entry[i].pos >= 0 &&
+                entry[i].pos < __ldcg(CountsRow(v, v.me, s) + le);
+        if (!valid) break;
+        int64_t offset = 0;
+        for (int q = 0; q < s; ++q) offset += __ldcg(CountsRow(v, v.me, q) + le);
+        out_row[i] = int64_t{le} * v.capacity + offset + entry[i].pos;
+        valid = offset + entry[i].pos < v.capacity;
+      }
+      good = valid;
+      if (!valid) Report(v, kBadSlot, s, static_cast<int32_t>(j));
+      v.rslots[g] = RecvSlot{s, header.row, valid ? entries : 0, header.part, header.parts};
+      for (int i = 0; valid && i < entries; ++i) {
+        v.rentries[g * v.k + i] = RecvEntry{out_row[i], entry[i].weight};
+      }
+    }
+    __syncthreads();
+    for (int i = 0; good && i < entries; ++i) {
+      CopyBytes(a.out_x + out_row[i] * v.payload, src + v.meta_bytes, v.payload);
+      if (v.spt) {
+        CopyBytes(reinterpret_cast<uint8_t*>(a.out_scales + out_row[i] * v.spt),
+                  src + v.meta_bytes + v.payload, int64_t{v.spt} * 4);
+      }
+    }
+    __syncthreads();  // the shared slot is rewritten for the next one
+  }
+}
+
+// ---- combine ----------------------------------------------------------------------------------
+
+// Received slots again: each copy's expert output row (plain) or, summed at the expert rank, one
+// weighted fp32 sum per token taken in (local expert, position) order as the host device does,
+// pushed into the sender's combine region. The last block raises every rank's combine flag.
+__global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineArgs a) {
+  __shared__ int64_t src[kMaxK];
+  __shared__ float weight[kMaxK];
+  __shared__ int count;
+  const int64_t total = v.scratch->total_recv;
+  int64_t rows_out = 0;
+  for (int64_t g = blockIdx.x; g < total; g += gridDim.x) {
+    const RecvSlot slot = v.rslots[g];
+    uint8_t* dst = v.base[slot.sender] + v.combine_off + int64_t{slot.row} * v.row_bytes;
+    if (!v.reduce) {
+      for (int i = 0; i < slot.entries; ++i) {
+        const RecvEntry entry = v.rentries[g * v.k + i];
+        CopyBytes(dst + i * v.row_bytes,
+                  reinterpret_cast<const uint8_t*>(a.expert_out + entry.out_row * v.hidden),
+                  v.row_bytes);
+      }
+      if (slot.sender != v.me) rows_out += slot.entries;
+      continue;
+    }
+    if (slot.part != 0) continue;  // the token's first slot sums them all
+    if (threadIdx.x == 0) {
+      int c = 0;
+      for (int64_t h = g; h < total && h < g + slot.parts; ++h) {
+        const RecvSlot other = v.rslots[h];
+        if (other.sender != slot.sender || other.row != slot.row) break;
+        for (int i = 0; i < other.entries && c < kMaxK; ++i) {
+          const RecvEntry entry = v.rentries[h * v.k + i];
+          int q = c++;  // insertion sort by output row: (local expert, position) order
+          while (q > 0 && src[q - 1] > entry.out_row) {
+            src[q] = src[q - 1];
+            weight[q] = weight[q - 1];
+            --q;
+          }
+          src[q] = entry.out_row;
+          weight[q] = entry.weight;
+        }
+      }
+      count = c;
+    }
+    __syncthreads();
+    auto* out = reinterpret_cast<uint16_t*>(dst);
+    for (int col = threadIdx.x; col < v.hidden; col += blockDim.x) {
+      float acc = 0.0f;
+      for (int c = 0; c < count; ++c) {
+        acc = __fadd_rn(acc,
+                        __fmul_rn(weight[c], Bf16ToFloatD(a.expert_out[src[c] * v.hidden + col])));
+      }
+      out[col] = FloatToBf16D(acc);
+    }
+    if (slot.sender != v.me) ++rows_out;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0 && rows_out) atomicAdd(reinterpret_cast<unsigned long long*>(
+                                                  &v.scratch->rows_out),
+                                              static_cast<unsigned long long>(rows_out));
+  if (!LastBlock(&v.scratch->tickets[1])) return;
+  if (threadIdx.x < v.n) {
+    StoreRelease(CombineFlags(v, threadIdx.x) + v.me, v.scratch->epoch + 1);
+  }
+}
+
+// Block t: once every combine flag is up, token t's returned rows, rank by rank and k by k,
+// summed in fp32 (unfused, the host device's order) onto the previous output or zero. The last
+// block advances the epoch.
+__global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineArgs a) {
+  __shared__ bool ok;
+  __shared__ int64_t row_of[kMaxK];
+  __shared__ float weight_of[kMaxK];
+  __shared__ int rows;
+  const uint64_t epoch = v.scratch->epoch;
+  if (threadIdx.x == 0) ok = WaitAll(v, CombineFlags(v, v.me), epoch + 1, a.timeout_ns, 1);
+  __syncthreads();
+  if (!ok) return;
+  const int t = blockIdx.x;
+  if (t < v.scratch->tokens) {
+    if (threadIdx.x == 0) {
+      int c = 0;
+      int64_t rank_start = 0;
+      for (int r = 0; r < v.n; ++r) {
+        int hits = 0;
+        for (int j = 0; j < v.k; ++j) {
+          const int32_t e = v.indices[int64_t{t} * v.k + j];
+          if (!ValidExpert(v, e) || e / v.l != r) continue;
+          if (v.reduce && hits > 0) continue;  // one summed row per (token, rank)
+          row_of[c] = rank_start + v.row_pos[int64_t{r} * v.t_max + t] + hits;
+          weight_of[c] = v.reduce ? 1.0f : v.weights[int64_t{t} * v.k + j];
+          ++hits;
+          ++c;
+        }
+        rank_start += v.totals[v.n + r];
+      }
+      rows = c;
+    }
+    __syncthreads();
+    const uint8_t* region = v.base[v.me] + v.combine_off;
+    uint16_t* y = a.out + int64_t{t} * v.hidden;
+    for (int col = threadIdx.x; col < v.hidden; col += blockDim.x) {
+      float acc = a.accumulate ? Bf16ToFloatD(y[col]) : 0.0f;
+      for (int c = 0; c < rows; ++c) {
+        const uint16_t b =
+            __ldcg(reinterpret_cast<const unsigned short*>(region + row_of[c] * v.row_bytes) + col);
+        acc = __fadd_rn(acc, __fmul_rn(weight_of[c], Bf16ToFloatD(b)));
+      }
+      y[col] = FloatToBf16D(acc);
+    }
+  }
+  if (LastBlock(&v.scratch->tickets[2]) && threadIdx.x == 0) v.scratch->epoch = epoch + 1;
+}
+
+// ---- sharing memory between the ranks of a node -----------------------------------------------
+
+// The driver calls, found through the runtime (no link against libcuda).
+struct Driver {
+  decltype(&::cuMemCreate) MemCreate;
+  decltype(&::cuMemRelease) MemRelease;
+  decltype(&::cuMemGetAllocationGranularity) MemGetAllocationGranularity;
+  decltype(&::cuMemAddressReserve) MemAddressReserve;
+  decltype(&::cuMemAddressFree) MemAddressFree;
+  decltype(&::cuMemMap) MemMap;
+  decltype(&::cuMemUnmap) MemUnmap;
+  decltype(&::cuMemSetAccess) MemSetAccess;
+  decltype(&::cuMemExportToShareableHandle) MemExportToShareableHandle;
+  decltype(&::cuMemImportFromShareableHandle) MemImportFromShareableHandle;
+
+  static StatusOr<const Driver*> Get() {
+    static Driver driver;
+    static Status loaded = driver.Load();
+    if (!loaded.ok()) return loaded;
+    return &driver;
+  }
+
+ private:
+  template <typename F>
+  static Status Find(const char* name, F* fn) {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    if (cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess || !p) {
+      (void)cudaGetLastError();
+      return UnimplementedError(std::string("moe NVLink: the CUDA driver lacks ") + name);
+    }
+    *fn = reinterpret_cast<F>(p);
+    return Status::Ok();
+  }
+  Status Load() {
+    RETURN_IF_ERROR(Find("cuMemCreate", &MemCreate));
+    RETURN_IF_ERROR(Find("cuMemRelease", &MemRelease));
+    RETURN_IF_ERROR(Find("cuMemGetAllocationGranularity", &MemGetAllocationGranularity));
+    RETURN_IF_ERROR(Find("cuMemAddressReserve", &MemAddressReserve));
+    RETURN_IF_ERROR(Find("cuMemAddressFree", &MemAddressFree));
+    RETURN_IF_ERROR(Find("cuMemMap", &MemMap));
+    RETURN_IF_ERROR(Find("cuMemUnmap", &MemUnmap));
+    RETURN_IF_ERROR(Find("cuMemSetAccess", &MemSetAccess));
+    RETURN_IF_ERROR(Find("cuMemExportToShareableHandle", &MemExportToShareableHandle));
+    RETURN_IF_ERROR(Find("cuMemImportFromShareableHandle", &MemImportFromShareableHandle));
+    return Status::Ok();
+  }
+};
+
+Status DriverError(const char* what, CUresult r) {
+  return InternalError(std::string("moe NVLink: ") + what + " failed (CUresult " +
+                       std::to_string(static_cast<int>(r)) + ")");
+}
+#define FERRY_CU(what, expr)                          \
+  do {                                                \
+    const CUresult ferry_r_ = (expr);                 \
+    if (ferry_r_ != CUDA_SUCCESS) return DriverError(what, ferry_r_); \
+  } while (0)
+
+// One rank's buffer and its mappings of its node peers' buffers.
+class SharedBuffers {
+ public:
+  SharedBuffers() = default;
+  SharedBuffers(const SharedBuffers&) = delete;
+  SharedBuffers& operator=(const SharedBuffers&) = delete;
+  ~SharedBuffers() {
+    for (const Mapping& m : maps_) {
+      if (m.ptr) {
+        driver_->MemUnmap(m.ptr, size_);
+        driver_->MemAddressFree(m.ptr, size_);
+      }
+      driver_->MemRelease(m.handle);
+    }
+  }
+
+  // Our buffer of at least `bytes`, zeroed, exportable; its descriptor in *fd.
+  Status Create(int device, int64_t bytes, int* fd) {
+    ASSIGN_OR_RETURN(driver_, Driver::Get());
+    device_ = device;
+    CUmemAllocationProp prop{};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = device;
+    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    size_t granularity = 0;
+    FERRY_CU("cuMemGetAllocationGranularity",
+             driver_->MemGetAllocationGranularity(&granularity, &prop,
+                                                  CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
+    size_ = static_cast<size_t>(RoundUp(bytes, static_cast<int64_t>(granularity)));
+    CUmemGenericAllocationHandle handle;
+    FERRY_CU("cuMemCreate", driver_->MemCreate(&handle, size_, &prop, 0));
+    maps_.push_back({handle, 0});
+    ASSIGN_OR_RETURN(maps_.back().ptr, Map(handle));
+    FERRY_CUDA(cudaMemset(reinterpret_cast<void*>(maps_.back().ptr), 0, size_));
+    FERRY_CUDA(cudaDeviceSynchronize());
+    FERRY_CU("cuMemExportToShareableHandle",
+             driver_->MemExportToShareableHandle(fd, handle,
+                                                 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+    return Status::Ok();
+  }
+
+  // A peer's buffer from its descriptor (which stays the caller's to close).
+  StatusOr<uint8_t*> Import(int fd) {
+    CUmemGenericAllocationHandle handle;
+    FERRY_CU("cuMemImportFromShareableHandle",
+             driver_->MemImportFromShareableHandle(
+                 &handle, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),
+                 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
+    maps_.push_back({handle, 0});
+    ASSIGN_OR_RETURN(maps_.back().ptr, Map(handle));
+    return reinterpret_cast<uint8_t*>(maps_.back().ptr);
+  }
+
+  uint8_t* own() const { return reinterpret_cast<uint8_t*>(maps_.front().ptr); }
+
+ private:
+  struct Mapping {
+    CUmemGenericAllocationHandle handle;
+    CUdeviceptr ptr;
+  };
+
+  StatusOr<CUdeviceptr> Map(CUmemGenericAllocationHandle handle) {
+    CUdeviceptr ptr;
+    FERRY_CU("cuMemAddressReserve", driver_->MemAddressReserve(&ptr, size_, 0, 0, 0));
+    if (CUresult r = driver_->MemMap(ptr, size_, 0, handle, 0); r != CUDA_SUCCESS) {
+      driver_->MemAddressFree(ptr, size_);
+      return DriverError("cuMemMap", r);
+    }
+    CUmemAccessDesc access{};
+    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    access.location.id = device_;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    if (CUresult r = driver_->MemSetAccess(ptr, size_, &access, 1); r != CUDA_SUCCESS) {
+      driver_->MemUnmap(ptr, size_);
+      driver_->MemAddressFree(ptr, size_);
+      return DriverError("cuMemSetAccess (are the GPUs peers over NVLink or PCIe?)", r);
+    }
+    return ptr;
+  }
+
+  const Driver* driver_ = nullptr;
+  int device_ = 0;
+  size_t size_ = 0;
+  std::vector<Mapping> maps_;  // ours first
+};
+
+// ---- the AllToAll -----------------------------------------------------------------------------
+
+class NvlinkAllToAll final : public AllToAll {
+ public:
+  explicit NvlinkAllToAll(const AllToAllConfig& c) : c_(c), layout_(c) {}
+
+  ~NvlinkAllToAll() override {
+    cudaSetDevice(c_.cuda_device);
+    if (own_stream_) {
+      cudaStreamSynchronize(own_stream_);
+      cudaStreamDestroy(own_stream_);
+    }
+    if (stream_ && stream_ != own_stream_) cudaStreamSynchronize(stream_);
+    if (error_) cudaFreeHost(error_);
+  }
+
+  Status Init(Bootstrap& bootstrap) {
+    const int n = c_.world_size, k = c_.experts_per_token, t = c_.max_tokens_per_rank;
+    if (c_.cuda_device >= CudaDeviceCount()) {
+      return FailedPreconditionError("AllToAll: CUDA device " + std::to_string(c_.cuda_device) +
+                                     " does not exist (" + std::to_string(CudaDeviceCount()) +
+                                     " visible)");
+    }
+    FERRY_CUDA(cudaSetDevice(c_.cuda_device));
+    FERRY_CUDA(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking));
+    stream_ = own_stream_;
+    int sms = 0;
+    FERRY_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c_.cuda_device));
+
+    // The shared buffer's layout (see nvlink_all_to_all.h).
+    Nv& v = nv_;
+    v.n = n;
+    v.me = c_.rank;
+    v.e = c_.num_experts;
+    v.l = c_.local_experts();
+    v.k = k;
+    v.t_max = t;
+    v.hidden = c_.hidden;
+    v.spt = c_.scales_per_token();
+    v.priv = c_.max_private_tokens;
+    v.chunks = static_cast<int>((int64_t{t} * k + kChunk - 1) / kChunk);
+    v.payload = c_.token_bytes();
+    v.meta_bytes = sizeof(NvHeader) + int64_t{k} * sizeof(NvEntry);
+    v.slot_bytes = RoundUp(v.meta_bytes + v.payload + int64_t{v.spt} * 4, 16);
+    v.row_bytes = int64_t{c_.hidden} * 2;
+    v.capacity = c_.expert_capacity();
+    v.once = c_.dispatch_once_per_rank;
+    v.reduce = c_.combine_reduce_at_expert_rank;
+    v.counts_off = RoundUp(2 * n * 8, 128);
+    v.private_off = RoundUp(v.counts_off + int64_t{n} * (v.l + 2) * 4, 128);
+    v.combine_off = RoundUp(v.private_off + int64_t{n} * v.priv * v.slot_bytes, 128);
+    v.send_off = RoundUp(v.combine_off + int64_t{t} * k * v.row_bytes, 128);
+    const int64_t bytes = v.send_off + int64_t{t} * k * v.slot_bytes;
+    const int64_t max_recv = int64_t{n} * layout_.slots_per_pair;
+    recv_grid_ = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_recv, 4 * sms)));
+
+    // Exchange: the configuration, then the buffers.
+    const auto timeout = std::chrono::seconds(60);
+    ASSIGN_OR_RETURN(auto prints, bootstrap.AllGather(c_.Fingerprint(), timeout));
+    for (int r = 0; r < n; ++r) {
+      if (prints[r] != prints[c_.rank]) {
+        return InvalidArgumentError("AllToAll: rank " + std::to_string(r) +
+                                    " has a different configuration than rank " +
+                                    std::to_string(c_.rank) + " (" + c_.ToString() + ")");
+      }
+    }
+    int fd = -1;
+    RETURN_IF_ERROR(shared_.Create(c_.cuda_device, bytes, &fd));
+    std::vector<int> members(n);
+    for (int r = 0; r < n; ++r) members[r] = r;
+    auto fds = ExchangeFds(bootstrap, members, fd, timeout);
+    close(fd);
+    RETURN_IF_ERROR(fds.status());
+    std::vector<uint8_t*> bases(n);
+    Status imported = Status::Ok();
+    for (int r = 0; r < n; ++r) {
+      if (r == c_.rank) {
+        bases[r] = shared_.own();
+      } else if (imported.ok()) {
+        auto base = shared_.Import((*fds)[r]);
+        if (base.ok()) bases[r] = *base; else imported = base.status();
+      }
+      close((*fds)[r]);
+    }
+    RETURN_IF_ERROR(imported);
+
+    // Device state.
+    RETURN_IF_ERROR(bases_.Allocate(n));
+    FERRY_CUDA(cudaMemcpy(bases_.get(), bases.data(), n * sizeof(uint8_t*),
+                          cudaMemcpyHostToDevice));
+    RETURN_IF_ERROR(scratch_.Allocate(1));
+    FERRY_CUDA(cudaMemset(scratch_.get(), 0, sizeof(Scratch)));
+    RETURN_IF_ERROR(indices_.Allocate(size_t(t) * k));
+    RETURN_IF_ERROR(weights_.Allocate(size_t(t) * k));
+    RETURN_IF_ERROR(slot_pos_.Allocate(size_t(n) * t));
+    RETURN_IF_ERROR(row_pos_.Allocate(size_t(n) * t));
+    RETURN_IF_ERROR(totals_.Allocate(2 * size_t(n)));
+    RETURN_IF_ERROR(erank_.Allocate(size_t(t) * k));
+    RETURN_IF_ERROR(chunk_counts_.Allocate(size_t(v.chunks) * v.e));
+    RETURN_IF_ERROR(rslots_.Allocate(max_recv));
+    RETURN_IF_ERROR(rentries_.Allocate(size_t(max_recv) * k));
+    void* error = nullptr;
+    FERRY_CUDA(cudaHostAlloc(&error, 4 * sizeof(int32_t), cudaHostAllocMapped |
+                                                          cudaHostAllocPortable));
+    error_ = static_cast<int32_t*>(error);
+    std::memset(error_, 0, 4 * sizeof(int32_t));
+    void* error_dev = nullptr;
+    FERRY_CUDA(cudaHostGetDevicePointer(&error_dev, error, 0));
+    v.base = bases_.get();
+    v.scratch = scratch_.get();
+    v.error = static_cast<int32_t*>(error_dev);
+    v.indices = indices_.get();
+    v.weights = weights_.get();
+    v.slot_pos = slot_pos_.get();
+    v.row_pos = row_pos_.get();
+    v.totals = totals_.get();
+    v.erank = erank_.get();
+    v.chunk_counts = chunk_counts_.get();
+    v.rslots = rslots_.get();
+    v.rentries = rentries_.get();
+    FERRY_CUDA(cudaDeviceSynchronize());
+    // No rank writes into another before every buffer is zeroed and mapped.
+    return bootstrap.Barrier(timeout);
+  }
+
+  const AllToAllConfig& config() const override { return c_; }
+
+  Status SetStream(void* stream) override {
+    RETURN_IF_ERROR(Sticky());
+    if (stage_ != Stage::kIdle) {
+      return FailedPreconditionError("SetStream: only between a CombineRecv and a DispatchSend");
+    }
+    FERRY_CUDA(cudaSetDevice(c_.cuda_device));
+    FERRY_CUDA(cudaStreamSynchronize(stream_));
+    stream_ = stream ? static_cast<cudaStream_t>(stream) : own_stream_;
+    async_ = stream != nullptr;
+    return Status::Ok();
+  }
+
+  Status Synchronize() override {
+    FERRY_CUDA(cudaSetDevice(c_.cuda_device));
+    return Finish();
+  }
+
+  Status DispatchSend(const DispatchInput& in) override {
+    RETURN_IF_ERROR(Step(Stage::kIdle, "DispatchSend"));
+    if (in.num_tokens < 0 || in.num_tokens > c_.max_tokens_per_rank) {
+      return InvalidArgumentError("DispatchSend: " + std::to_string(in.num_tokens) +
+                                  " tokens, configured maximum " +
+                                  std::to_string(c_.max_tokens_per_rank));
+    }
+    if ((in.num_tokens > 0) &&
+        (!in.x || !in.indices || !in.weights || (nv_.spt && !in.scales))) {
+      return InvalidArgumentError("DispatchSend: null input buffer");
+    }
+    FERRY_CUDA(cudaSetDevice(c_.cuda_device));
+    const SendArgs args{static_cast<const uint8_t*>(in.x), in.scales, in.indices, in.weights,
+                        in.device_num_tokens, in.num_tokens};
+    RouteKernel<<<nv_.n + nv_.chunks, kRouteThreads, 0, stream_>>>(nv_, args);
+    FERRY_CUDA(cudaGetLastError());
+    if (!async_) RETURN_IF_ERROR(Finish());  // bad input: nothing sent, the step may be retried
+    PackKernel<<<std::max(1, in.num_tokens), kCopyThreads, 2 * nv_.n * sizeof(int64_t),
+                 stream_>>>(nv_, args);
+    FERRY_CUDA(cudaGetLastError());
+    token_bound_ = in.num_tokens;
+    stage_ = Stage::kDispatchSent;
+    return async_ ? Status::Ok() : Finish();
+  }
+
+  Status DispatchRecv(const DispatchOutput& out, Deadline deadline) override {
+    RETURN_IF_ERROR(Step(Stage::kDispatchSent, "DispatchRecv"));
+    if (!out.x || !out.num_tokens || (nv_.spt && !out.scales)) {
+      return InvalidArgumentError("DispatchRecv: null output buffer");
+    }
+    FERRY_CUDA(cudaSetDevice(c_.cuda_device));
+    const RecvArgs args{static_cast<uint8_t*>(out.x), out.scales, out.num_tokens,
+                        BudgetNs(deadline)};
+    UnpackKernel<<<recv_grid_, kCopyThreads, (2 * nv_.n + 1) * sizeof(int64_t), stream_>>>(
+        nv_, args);
+    FERRY_CUDA(cudaGetLastError());
+    stage_ = Stage::kDispatchDone;
+    return async_ ? Status::Ok() : Finish();
+  }
+
+  Status CombineSend(const uint16_t* expert_out) override {
+    RETURN_IF_ERROR(Step(Stage::kDispatchDone, "CombineSend"));
+    if (!expert_out) return InvalidArgumentError("CombineSend: null expert output");
+    FERRY_CUDA(cudaSetDevice(c_.cuda_device));
+    CombineSendKernel<<<recv_grid_, kCopyThreads, 0, stream_>>>(
+        nv_, CombineArgs{expert_out, nullptr, false, 0});
+    FERRY_CUDA(cudaGetLastError());
+    stage_ = Stage::kCombineSent;
+    return async_ ? Status::Ok() : Finish();
+  }
+
+  Status CombineRecv(uint16_t* out, bool accumulate, Deadline deadline) override {
+    RETURN_IF_ERROR(Step(Stage::kCombineSent, "CombineRecv"));
+    if (!out && token_bound_ > 0) return InvalidArgumentError("CombineRecv: null output");
+    FERRY_CUDA(cudaSetDevice(c_.cuda_device));
+    CombineRecvKernel<<<std::max(1, token_bound_), kCopyThreads, 0, stream_>>>(
+        nv_, CombineArgs{nullptr, out, accumulate, BudgetNs(deadline)});
+    FERRY_CUDA(cudaGetLastError());
+    stage_ = Stage::kIdle;
+    return async_ ? Status::Ok() : Finish();
+  }
+
+  // Read back after the steps ran (waits for them).
+  uint64_t dispatch_bytes_sent() const override {
+    std::vector<int32_t> totals(nv_.n, 0);
+    cudaSetDevice(c_.cuda_device);
+    cudaStreamSynchronize(stream_);
+    cudaMemcpy(totals.data(), nv_.totals, nv_.n * sizeof(int32_t), cudaMemcpyDeviceToHost);
+    uint64_t bytes = 0;
+    for (int r = 0; r < nv_.n; ++r) {
+      if (r != c_.rank) bytes += uint64_t(totals[r]) * nv_.slot_bytes + (nv_.l + 2) * 4;
+    }
+    return bytes;
+  }
+  uint64_t combine_bytes_sent() const override {
+    Scratch s{};
+    cudaSetDevice(c_.cuda_device);
+    cudaStreamSynchronize(stream_);
+    cudaMemcpy(&s, nv_.scratch, sizeof s, cudaMemcpyDeviceToHost);
+    return uint64_t(s.rows_out) * nv_.row_bytes;
+  }
+
+ private:
+  enum class Stage { kIdle, kDispatchSent, kDispatchDone, kCombineSent };
+
+  Status Step(Stage want, const char* name) {
+    RETURN_IF_ERROR(Sticky());
+    if (stage_ != want) {
+      return FailedPreconditionError(std::string(name) +
+                                     " out of order: the steps run DispatchSend, DispatchRecv, "
+                                     "CombineSend, CombineRecv");
+    }
+    return Status::Ok();
+  }
+
+  // A peer that missed a deadline ends this AllToAll (its flags can no longer be trusted).
+  Status Sticky() {
+    if (!failed_.ok()) return failed_;
+    if (reinterpret_cast<volatile int32_t*>(error_)[0] == kPeerTimeout) return Finish();
+    return Status::Ok();
+  }
+
+  static uint64_t BudgetNs(Deadline deadline) {
+    const auto left = deadline.at - Clock::now();
+    return left.count() <= 0
+               ? 0
+               : static_cast<uint64_t>(
+                     std::chrono::duration_cast<std::chrono::nanoseconds>(left).count());
+  }
+
+  // Waits for the stream; what a kernel reported becomes the Status (and is cleared, except a
+  // peer timeout, which stays).
+  Status Finish() {
+    FERRY_CUDA(cudaStreamSynchronize(stream_));
+    if (!failed_.ok()) return failed_;
+    volatile int32_t* e = error_;
+    const int32_t code = e[0], a = e[1], b = e[2];
+    if (code == kNoError) return Status::Ok();
+    e[1] = 0;
+    e[2] = 0;
+    e[0] = 0;
+    switch (code) {
+      case kBadExpert:
+        return OutOfRangeError("DispatchSend: token " + std::to_string(a) + " routes to expert " +
+                               std::to_string(b) + ", valid ids are [0, " +
+                               std::to_string(c_.num_experts) + ")");
+      case kTooManyTokens:
+        return InvalidArgumentError("DispatchSend: the device token count is " +
+                                    std::to_string(a) + ", above num_tokens " +
+                                    std::to_string(b) + " (nothing was sent)");
+      case kBadSlot:
+        return DataLossError("moe NVLink: malformed slot " + std::to_string(b) + " from rank " +
+                             std::to_string(a));
+      case kRowOverrun:
+        return DataLossError("moe NVLink: local expert " + std::to_string(b) +
+                             " received more rows than its capacity");
+      default:
+        (void)(failed_ = DeadlineExceededError(
+            std::string("moe NVLink: rank ") + std::to_string(b) + " did not raise its " +
+            (a == 0 ? "dispatch" : "combine") +
+            " flag before the deadline (a lost or stalled peer); this AllToAll is unusable"));
+        return failed_;
+    }
+  }
+
+  const AllToAllConfig c_;
+  const MoeLayout layout_;  // slots_per_pair: the most slots one sender routes to one receiver
+  Nv nv_{};
+  SharedBuffers shared_;
+  DeviceArray<uint8_t*> bases_;
+  DeviceArray<Scratch> scratch_;
+  DeviceArray<int32_t> indices_, slot_pos_, row_pos_, totals_, erank_, chunk_counts_;
+  DeviceArray<float> weights_;
+  DeviceArray<RecvSlot> rslots_;
+  DeviceArray<RecvEntry> rentries_;
+  int32_t* error_ = nullptr;  // pinned, mapped
+  cudaStream_t own_stream_ = nullptr, stream_ = nullptr;
+  bool async_ = false;
+  int recv_grid_ = 1;
+  int token_bound_ = 0;
+  Stage stage_ = Stage::kIdle;
+  Status failed_ = Status::Ok();
+};
+
+}  // namespace
+
+StatusOr<std::unique_ptr<AllToAll>> NewNvlinkAllToAll(const AllToAllConfig& config,
+                                                      Bootstrap& bootstrap) {
+  if (config.device != MoeDeviceKind::kCuda || config.ranks_per_node != config.world_size) {
+    return InvalidArgumentError("NVLink AllToAll: needs the CUDA device and one node");
+  }
+  auto a2a = std::make_unique<NvlinkAllToAll>(config);
+  RETURN_IF_ERROR(a2a->Init(bootstrap));
+  return std::unique_ptr<AllToAll>(std::move(a2a));
+}
+
+}  // namespace ferry::moe

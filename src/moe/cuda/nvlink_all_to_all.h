@@ -1,0 +1,59 @@
+// The NVLink AllToAll: dispatch and combine between the GPUs of one node, kernels only.
+//
+// Memory. Every rank allocates one buffer with cuMemCreate (exportable as a POSIX descriptor),
+// sends the descriptor to the other ranks of the node (ExchangeFds) and maps theirs; so each rank
+// can write (and read) every other rank's buffer. A rank's buffer (N ranks, L local experts,
+// T max tokens, K experts per token, P private slots per sender):
+//
+//   flags     dispatch[N], combine[N]  u64   "epoch + 1" once sender s's data for us landed
+//   counts    [N][L + 2] int32  sender s's copies per local expert of ours, its slots for us,
+//                               and where they start in its send area
+//   private   [N][P] slots      sender s's first P slots for us, pushed by s
+//   combine   [T * K] bf16 rows the rows returned to us, grouped by expert rank (pushed by them)
+//   send      [T * K] slots     our slots, grouped by receiving rank: peers pull the overflow
+//                               (slot P onwards) from here
+//
+// A slot is a 16-byte header (source token, entries, combine row, which of the token's slots),
+// K 16-byte entries (local expert, k, weight, position among the sender's copies for that
+// expert), the token row and its fp32 scales.
+//
+// Steps (one stream; kernels in order):
+//   DispatchSend: Route (per receiving rank: slot and combine-row positions of each token; per
+//                 chunk of (token, k) entries: each copy's rank among the copies for its expert,
+//                 by a stable block radix sort) -> Pack (block per token: its slots into our send
+//                 area, and into the receiver's private region when they fit; the last block
+//                 writes the counts rows into every peer and raises their dispatch flags).
+//   DispatchRecv: Unpack (every block waits for all dispatch flags; slot by slot, from our
+//                 private region, from the sender's send area over NVLink, or from our own send
+//                 area; rows into the expert-major output at the sender's offset for that expert
+//                 plus the copy's position; remembers where each combine row returns).
+//   CombineSend:  CombineSend (each received copy's expert output -- or, summed at the expert
+//                 rank, one row per token -- pushed into its sender's combine region; the last
+//                 block raises the combine flags).
+//   CombineRecv:  CombineRecv (every block waits for all combine flags; block per token: its
+//                 rows in rank then k order, fp32, unfused, as the host device sums them; the last
+//                 block advances the epoch).
+//
+// Reuse needs no extra barrier: every pair of ranks exchanges both flags every epoch, and each
+// rank's steps run in stream order, so a rank's DispatchSend of epoch i + 1 (which rewrites its
+// send area and peers' private regions and counts) runs after its CombineRecv of epoch i, which
+// waited for every peer's CombineSend of epoch i, which ran after that peer's DispatchRecv of
+// epoch i had read everything. The same chain with dispatch and combine swapped covers the
+// combine regions. Flags are stored with st.release.sys after a system-scope fence of the data
+// they announce and read with ld.acquire.sys; waits give up at a deadline (%globaltimer).
+//
+// Results are bit-identical to the host device (same rows, same order, same sums).
+#pragma once
+
+#include <memory>
+
+#include "ferry/bootstrap.h"
+#include "ferry/moe.h"
+
+namespace ferry::moe {
+
+// config.device == kCuda and config.ranks_per_node == config.world_size. Collective.
+StatusOr<std::unique_ptr<AllToAll>> NewNvlinkAllToAll(const AllToAllConfig& config,
+                                                      Bootstrap& bootstrap);
+
+}  // namespace ferry::moe
