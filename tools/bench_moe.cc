@@ -158,10 +158,11 @@ double MeasurePeerBandwidth() {
     if (e_ != cudaSuccess) return InternalError(std::string(#expr) + ": " + cudaGetErrorString(e_)); \
   } while (0)
 
-// The NVLink path, timed on the GPU: each iteration replays a CUDA graph of two
-// dispatch + combine cycles. The first aligns the ranks (a CombineRecv waits for every rank's
-// CombineSend); events around each step of the second time it. samples[0..3] the steps,
-// [4] dispatch, [5] combine, in microseconds.
+// The NVLink path, timed on the GPU. Captured once: a whole dispatch + combine cycle, and each
+// step as a graph of its own. Each iteration launches the cycle (it aligns the ranks: a
+// CombineRecv waits for every rank's CombineSend), then the four step graphs with events
+// between them. The host queues everything while the aligning cycle runs, so the events see GPU
+// time, not launch gaps. samples[0..3] the steps, [4] dispatch, [5] combine, in microseconds.
 Status TimeGraphCycles(const MoeBenchOptions& o, Bootstrap& b, AllToAll& a2a,
                        const StepBuffers& sb, std::vector<double> (&samples)[6]) {
   cudaStream_t stream = nullptr;
@@ -170,32 +171,33 @@ Status TimeGraphCycles(const MoeBenchOptions& o, Bootstrap& b, AllToAll& a2a,
   for (auto& e : ev) BENCH_CUDA(cudaEventCreate(&e));
   RETURN_IF_ERROR(a2a.SetStream(stream));
   const Deadline later = Deadline::After(std::chrono::minutes(5));
-  BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  Status captured = Status::Ok();
-  for (int cycle = 0; cycle < 2 && captured.ok(); ++cycle) {
-    const bool timed = cycle == 1;
-    auto step = [&](int i, const std::function<Status()>& fn) {
-      if (timed && cudaEventRecord(ev[i], stream) != cudaSuccess) {
-        captured = InternalError("bench: event record in capture");
-      }
-      if (captured.ok()) captured = fn();
-    };
-    step(0, [&] { return a2a.DispatchSend(sb.in); });
-    step(1, [&] { return a2a.DispatchRecv(sb.out, later); });
-    step(2, [&] { return a2a.CombineSend(sb.expert_out); });
-    step(3, [&] { return a2a.CombineRecv(sb.y, false, later); });
-    if (timed && captured.ok() && cudaEventRecord(ev[4], stream) != cudaSuccess) {
-      captured = InternalError("bench: event record in capture");
-    }
-  }
-  cudaGraph_t graph = nullptr;
-  BENCH_CUDA(cudaStreamEndCapture(stream, &graph));
-  RETURN_IF_ERROR(captured);
-  cudaGraphExec_t exec = nullptr;
-  BENCH_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  const std::function<Status()> steps[4] = {
+      [&] { return a2a.DispatchSend(sb.in); },
+      [&] { return a2a.DispatchRecv(sb.out, later); },
+      [&] { return a2a.CombineSend(sb.expert_out); },
+      [&] { return a2a.CombineRecv(sb.y, false, later); }};
+  auto capture = [&](int first, int last, cudaGraphExec_t* exec) -> Status {
+    BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    Status s = Status::Ok();
+    for (int i = first; i <= last && s.ok(); ++i) s = steps[i]();
+    cudaGraph_t graph = nullptr;
+    BENCH_CUDA(cudaStreamEndCapture(stream, &graph));
+    RETURN_IF_ERROR(s);
+    BENCH_CUDA(cudaGraphInstantiate(exec, graph, 0));
+    cudaGraphDestroy(graph);
+    return Status::Ok();
+  };
+  cudaGraphExec_t cycle = nullptr, step[4] = {};
+  RETURN_IF_ERROR(capture(0, 3, &cycle));
+  for (int i = 0; i < 4; ++i) RETURN_IF_ERROR(capture(i, i, &step[i]));
   for (int it = 0; it < o.warmup + o.iters; ++it) {
     RETURN_IF_ERROR(b.Barrier(60s));
-    BENCH_CUDA(cudaGraphLaunch(exec, stream));
+    BENCH_CUDA(cudaGraphLaunch(cycle, stream));
+    for (int i = 0; i < 4; ++i) {
+      BENCH_CUDA(cudaEventRecord(ev[i], stream));
+      BENCH_CUDA(cudaGraphLaunch(step[i], stream));
+    }
+    BENCH_CUDA(cudaEventRecord(ev[4], stream));
     RETURN_IF_ERROR(a2a.Synchronize());
     if (it < o.warmup) continue;
     float ms[4];
@@ -205,8 +207,7 @@ Status TimeGraphCycles(const MoeBenchOptions& o, Bootstrap& b, AllToAll& a2a,
     samples[5].push_back((ms[2] + ms[3]) * 1e3);
   }
   RETURN_IF_ERROR(a2a.SetStream(nullptr));
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
+  for (cudaGraphExec_t g : {cycle, step[0], step[1], step[2], step[3]}) cudaGraphExecDestroy(g);
   for (auto& e : ev) cudaEventDestroy(e);
   cudaStreamDestroy(stream);
   return Status::Ok();

@@ -755,13 +755,12 @@ class NvlinkAllToAll final : public AllToAll {
  public:
   explicit NvlinkAllToAll(const AllToAllConfig& c) : c_(c), layout_(c) {}
 
+  // Waits for the device: kernels on the caller's stream (which may be gone by now) may still
+  // use our memory.
   ~NvlinkAllToAll() override {
     cudaSetDevice(c_.cuda_device);
-    if (own_stream_) {
-      cudaStreamSynchronize(own_stream_);
-      cudaStreamDestroy(own_stream_);
-    }
-    if (stream_ && stream_ != own_stream_) cudaStreamSynchronize(stream_);
+    cudaDeviceSynchronize();
+    if (own_stream_) cudaStreamDestroy(own_stream_);
     if (error_) cudaFreeHost(error_);
   }
 
