@@ -299,14 +299,21 @@ __global__ void __launch_bounds__(kRouteThreads) RouteKernel(Nv v, SendArgs a) {
 }
 
 // Block t: token t's slots, rank by rank, into our send area (grouped by receiving rank) and,
-// for the first P slots of each peer, into that peer's private region too. The last block writes
+// for the first P slots of each peer, into that peer's private region too. Thread 0 lays the
+// slots out; then the token row is read once and stored into every slot. The last block writes
 // the counts rows into every rank and raises their dispatch flags.
 __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
   extern __shared__ int64_t starts[];  // [2N]: first slot per receiving rank, first row per
                                        // expert rank
-  __shared__ int32_t hit_j[kMaxK], hit_pos[kMaxK];
-  __shared__ int hit_count;
+  __shared__ uint8_t* dst[kMaxK];      // each slot in our send area
+  __shared__ uint8_t* peer[kMaxK];     // its copy in the receiver's private region, or null
+  __shared__ NvHeader header[kMaxK];
+  __shared__ NvEntry entry[kMaxK];     // in slot order
+  __shared__ int8_t slot_of[kMaxK];    // entry -> its slot, and its index there
+  __shared__ int8_t within_slot[kMaxK];
+  __shared__ int num_slots, num_entries;
   const int tokens = v.scratch->tokens;
+  const int t = blockIdx.x;
   if (threadIdx.x == 0) {
     int64_t slots = 0, rows = 0;
     for (int r = 0; r < v.n; ++r) {
@@ -315,12 +322,9 @@ __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
       slots += v.totals[r];
       rows += v.totals[v.n + r];
     }
-  }
-  __syncthreads();
-  const int t = blockIdx.x;
-  for (int r = 0; t < tokens && r < v.n; ++r) {
-    if (threadIdx.x == 0) {
-      int hits = 0;
+    int ns = 0, ne = 0;
+    for (int r = 0; t < tokens && r < v.n; ++r) {
+      int hits = 0, hit_j[kMaxK], hit_pos[kMaxK];
       for (int j = 0; j < v.k; ++j) {
         const int64_t f = int64_t{t} * v.k + j;
         const int32_t e = v.indices[f];
@@ -328,46 +332,72 @@ __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
         int32_t pos = v.erank[f];
         for (int c = 0; c < f / kChunk; ++c) pos += v.chunk_counts[int64_t{c} * v.e + e];
         hit_j[hits] = j;
-        hit_pos[hits] = pos;
-        ++hits;
+        hit_pos[hits++] = pos;
       }
-      hit_count = hits;
-    }
-    __syncthreads();
-    const int hits = hit_count;
-    const int slots = hits == 0 ? 0 : (v.once ? 1 : hits);
-    for (int o = 0; o < slots; ++o) {
-      const int64_t j = v.slot_pos[int64_t{r} * v.t_max + t] + o;
-      uint8_t* slot = v.base[v.me] + v.send_off + (starts[r] + j) * v.slot_bytes;
-      uint8_t* peer = r != v.me && j < v.priv
-                          ? v.base[r] + v.private_off + (int64_t{v.me} * v.priv + j) * v.slot_bytes
-                          : nullptr;
-      const int entries = v.once ? hits : 1;
-      if (threadIdx.x < entries) {
-        const int h = v.once ? threadIdx.x : o;
-        const int64_t f = int64_t{t} * v.k + hit_j[h];
-        const NvEntry entry{v.indices[f] % v.l, hit_j[h], v.weights[f], hit_pos[h]};
-        reinterpret_cast<NvEntry*>(slot + sizeof(NvHeader))[threadIdx.x] = entry;
-        if (peer) reinterpret_cast<NvEntry*>(peer + sizeof(NvHeader))[threadIdx.x] = entry;
-      }
-      if (threadIdx.x == 0) {
+      const int slots_here = hits == 0 ? 0 : (v.once ? 1 : hits);
+      for (int o = 0; o < slots_here; ++o, ++ns) {
+        const int64_t j = v.slot_pos[int64_t{r} * v.t_max + t] + o;
+        dst[ns] = v.base[v.me] + v.send_off + (starts[r] + j) * v.slot_bytes;
+        peer[ns] = r != v.me && j < v.priv
+                       ? v.base[r] + v.private_off + (int64_t{v.me} * v.priv + j) * v.slot_bytes
+                       : nullptr;
+        const int entries = v.once ? hits : 1;
         const int32_t row = static_cast<int32_t>(
-            starts[v.n + r] + v.row_pos[int64_t{r} * v.t_max + t] +
-            (v.once || v.reduce ? 0 : o));
-        const NvHeader header{t, entries, row, static_cast<int16_t>(v.once ? 0 : o),
-                              static_cast<int16_t>(slots)};
-        *reinterpret_cast<NvHeader*>(slot) = header;
-        if (peer) *reinterpret_cast<NvHeader*>(peer) = header;
-      }
-      CopyBytes(slot + v.meta_bytes, a.x + int64_t{t} * v.payload, v.payload,
-                peer ? peer + v.meta_bytes : nullptr);
-      if (v.spt) {
-        CopyBytes(slot + v.meta_bytes + v.payload,
-                  reinterpret_cast<const uint8_t*>(a.scales + int64_t{t} * v.spt),
-                  int64_t{v.spt} * 4, peer ? peer + v.meta_bytes + v.payload : nullptr);
+            starts[v.n + r] + v.row_pos[int64_t{r} * v.t_max + t] + (v.once || v.reduce ? 0 : o));
+        header[ns] = NvHeader{t, entries, row, static_cast<int16_t>(v.once ? 0 : o),
+                              static_cast<int16_t>(slots_here)};
+        for (int i = 0; i < entries; ++i, ++ne) {
+          const int h = v.once ? i : o;
+          const int64_t f = int64_t{t} * v.k + hit_j[h];
+          entry[ne] = NvEntry{v.indices[f] % v.l, hit_j[h], v.weights[f], hit_pos[h]};
+          slot_of[ne] = static_cast<int8_t>(ns);
+          within_slot[ne] = static_cast<int8_t>(i);
+        }
       }
     }
-    __syncthreads();  // hit_j is rewritten for the next rank
+    num_slots = ns;
+    num_entries = ne;
+  }
+  __syncthreads();
+  const int ns = num_slots;
+  for (int i = threadIdx.x; i < ns; i += blockDim.x) {
+    *reinterpret_cast<NvHeader*>(dst[i]) = header[i];
+    if (peer[i]) *reinterpret_cast<NvHeader*>(peer[i]) = header[i];
+  }
+  for (int i = threadIdx.x; i < num_entries; i += blockDim.x) {
+    const int slot = slot_of[i], within = within_slot[i];
+    reinterpret_cast<NvEntry*>(dst[slot] + sizeof(NvHeader))[within] = entry[i];
+    if (peer[slot]) reinterpret_cast<NvEntry*>(peer[slot] + sizeof(NvHeader))[within] = entry[i];
+  }
+  // The row: four vectors in flight per thread, each stored into every slot.
+  if (ns > 0) {
+    const auto* row = reinterpret_cast<const uint4*>(a.x + int64_t{t} * v.payload);
+    const int64_t vectors = v.payload / 16, meta = v.meta_bytes / 16;
+    for (int64_t base = threadIdx.x; base < vectors; base += 4 * int64_t{blockDim.x}) {
+      uint4 r[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int64_t i = base + u * int64_t{blockDim.x};
+        if (i < vectors) r[u] = __ldg(row + i);
+      }
+      for (int slot = 0; slot < ns; ++slot) {
+        uint4* d = reinterpret_cast<uint4*>(dst[slot]) + meta;
+        uint4* p = peer[slot] ? reinterpret_cast<uint4*>(peer[slot]) + meta : nullptr;
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = base + u * int64_t{blockDim.x};
+          if (i < vectors) {
+            d[i] = r[u];
+            if (p) p[i] = r[u];
+          }
+        }
+      }
+    }
+    for (int slot = 0; v.spt && slot < ns; ++slot) {
+      CopyBytes(dst[slot] + v.meta_bytes + v.payload,
+                reinterpret_cast<const uint8_t*>(a.scales + int64_t{t} * v.spt),
+                int64_t{v.spt} * 4, peer[slot] ? peer[slot] + v.meta_bytes + v.payload : nullptr);
+    }
   }
   if (!LastBlock(&v.scratch->tickets[0])) return;
   const uint64_t epoch = v.scratch->epoch;
@@ -405,10 +435,10 @@ __device__ inline int SenderOf(const int64_t* prefix, int n, int64_t g) {
 __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
   extern __shared__ int64_t prefix[];  // [N + 1] slots before sender s; then [N] start[s]
   int64_t* start = prefix + v.n + 1;
-  __shared__ bool ok, good;
-  __shared__ NvHeader header;
-  __shared__ NvEntry entry[kMaxK];
+  __shared__ bool ok;
+  __shared__ uint4 meta_v[1 + kMaxK];  // the slot's header and entries
   __shared__ int64_t out_row[kMaxK];
+  __shared__ int num_out;              // output rows of a valid slot (0 if malformed)
   const uint64_t epoch = v.scratch->epoch;
   if (threadIdx.x == 0) ok = WaitAll(v, DispatchFlags(v, v.me), epoch + 1, a.timeout_ns, 0);
   __syncthreads();
@@ -434,6 +464,8 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
       v.scratch->rows_out = 0;
     }
   }
+  const int64_t meta = v.meta_bytes / 16, body = meta + v.payload / 16;
+  const int64_t batch = 4 * int64_t{blockDim.x};
   for (int64_t g = blockIdx.x; g < total; g += gridDim.x) {
     const int s = SenderOf(prefix, v.n, g);
     const int64_t j = g - prefix[s];
@@ -441,59 +473,116 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
         s == v.me ? v.base[v.me] + v.send_off + (start[s] + j) * v.slot_bytes
         : j < v.priv ? v.base[v.me] + v.private_off + (int64_t{s} * v.priv + j) * v.slot_bytes
                      : v.base[s] + v.send_off + (start[s] + j) * v.slot_bytes;
-    if (threadIdx.x == 0) {
-      const int4 h = __ldcg(reinterpret_cast<const int4*>(src));
-      std::memcpy(&header, &h, sizeof header);
+    const auto* src4 = reinterpret_cast<const uint4*>(src);
+    // One round trip for the slot's first 16 KiB (metadata and, usually, the whole row).
+    uint4 r[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int64_t i = threadIdx.x + u * int64_t{blockDim.x};
+      if (i < body) r[u] = __ldcg(src4 + i);
+      if (i < meta) meta_v[i] = r[u];
     }
     __syncthreads();
-    const int entries = min(max(header.entries, 0), v.k);
-    if (threadIdx.x < entries) {
-      const int4 e = __ldcg(reinterpret_cast<const int4*>(src + sizeof(NvHeader)) + threadIdx.x);
-      std::memcpy(&entry[threadIdx.x], &e, sizeof e);
-    }
-    __syncthreads();
     if (threadIdx.x == 0) {
+      NvHeader header;
+      std::memcpy(&header, &meta_v[0], sizeof header);
+      const int entries = min(max(header.entries, 0), v.k);
       bool valid = header.entries >= 1 && header.entries <= v.k && header.src_token >= 0 &&
                    header.src_token < v.t_max && header.row >= 0 && header.parts >= 1 &&
                    header.part >= 0 && header.part < header.parts &&
                    int64_t{header.row} + (v.reduce ? 1 : header.entries) <=
                        int64_t{v.t_max} * v.k;
       for (int i = 0; valid && i < entries; ++i) {
-        const int32_t le = entry[i].local_expert;
-        valid = le >= 0 && le < v.l && entry[i].pos >= 0 &&
-                entry[i].pos < __ldcg(CountsRow(v, v.me, s) + le);
+        NvEntry entry;
+        std::memcpy(&entry, &meta_v[1 + i], sizeof entry);
+        const int32_t le = entry.local_expert;
+        valid = le >= 0 && le < v.l && entry.pos >= 0 &&
+                entry.pos < __ldcg(CountsRow(v, v.me, s) + le);
         if (!valid) break;
         int64_t offset = 0;
         for (int q = 0; q < s; ++q) offset += __ldcg(CountsRow(v, v.me, q) + le);
-        out_row[i] = int64_t{le} * v.capacity + offset + entry[i].pos;
-        valid = offset + entry[i].pos < v.capacity;
+        out_row[i] = int64_t{le} * v.capacity + offset + entry.pos;
+        valid = offset + entry.pos < v.capacity;
+        v.rentries[g * v.k + i] = RecvEntry{out_row[i], entry.weight};
       }
-      good = valid;
+      num_out = valid ? entries : 0;
       if (!valid) Report(v, kBadSlot, s, static_cast<int32_t>(j));
       v.rslots[g] = RecvSlot{s, header.row, valid ? entries : 0, header.part, header.parts};
-      for (int i = 0; valid && i < entries; ++i) {
-        v.rentries[g * v.k + i] = RecvEntry{out_row[i], entry[i].weight};
-      }
     }
     __syncthreads();
-    for (int i = 0; good && i < entries; ++i) {
-      CopyBytes(a.out_x + out_row[i] * v.payload, src + v.meta_bytes, v.payload);
-      if (v.spt) {
-        CopyBytes(reinterpret_cast<uint8_t*>(a.out_scales + out_row[i] * v.spt),
-                  src + v.meta_bytes + v.payload, int64_t{v.spt} * 4);
+    const int outs = num_out;
+    for (int e = 0; e < outs; ++e) {
+      auto* dst = reinterpret_cast<uint4*>(a.out_x + out_row[e] * v.payload);
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int64_t i = threadIdx.x + u * int64_t{blockDim.x};
+        if (i >= meta && i < body) dst[i - meta] = r[u];
       }
     }
-    __syncthreads();  // the shared slot is rewritten for the next one
+    // Rows longer than one batch: the rest, batch by batch.
+    for (int64_t base = threadIdx.x + batch; outs > 0 && base < body; base += batch) {
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int64_t i = base + u * int64_t{blockDim.x};
+        if (i < body) r[u] = __ldcg(src4 + i);
+      }
+      for (int e = 0; e < outs; ++e) {
+        auto* dst = reinterpret_cast<uint4*>(a.out_x + out_row[e] * v.payload);
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = base + u * int64_t{blockDim.x};
+          if (i < body) dst[i - meta] = r[u];
+        }
+      }
+    }
+    for (int e = 0; v.spt && e < outs; ++e) {
+      CopyBytes(reinterpret_cast<uint8_t*>(a.out_scales + out_row[e] * v.spt),
+                src + v.meta_bytes + v.payload, int64_t{v.spt} * 4);
+    }
+    __syncthreads();  // the shared slot metadata is rewritten for the next one
   }
 }
 
 // ---- combine ----------------------------------------------------------------------------------
+
+// Eight bf16 values as one 16-byte vector.
+__device__ inline float Bf16At(const uint4& v, int q) {
+  const uint32_t w = q < 2 ? v.x : q < 4 ? v.y : q < 6 ? v.z : v.w;
+  return Bf16ToFloatD(static_cast<uint16_t>(q % 2 ? w >> 16 : w & 0xFFFF));
+}
+__device__ inline uint4 PackBf16(const float (&acc)[8]) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    w[i] = uint32_t{FloatToBf16D(acc[2 * i])} | uint32_t{FloatToBf16D(acc[2 * i + 1])} << 16;
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// out[c8] (eight columns) = acc + sum over c < count of weight[c] * rows[c][c8], in c order,
+// fp32, unfused: the host device's arithmetic. All rows' loads are in flight at once.
+__device__ inline void WeightedSum8(float (&acc)[8], const uint4* const* rows, const float* weight,
+                                    int count, int64_t c8) {
+  uint4 vals[kMaxK];
+#pragma unroll
+  for (int c = 0; c < kMaxK; ++c) {
+    if (c < count) vals[c] = __ldcg(rows[c] + c8);
+  }
+#pragma unroll
+  for (int c = 0; c < kMaxK; ++c) {
+    if (c < count) {
+#pragma unroll
+      for (int q = 0; q < 8; ++q) acc[q] = __fadd_rn(acc[q], __fmul_rn(weight[c], Bf16At(vals[c], q)));
+    }
+  }
+}
 
 // Received slots again: each copy's expert output row (plain) or, summed at the expert rank, one
 // weighted fp32 sum per token taken in (local expert, position) order as the host device does,
 // pushed into the sender's combine region. The last block raises every rank's combine flag.
 __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineArgs a) {
   __shared__ int64_t src[kMaxK];
+  __shared__ const uint4* rows[kMaxK];
   __shared__ float weight[kMaxK];
   __shared__ int count;
   const int64_t total = v.scratch->total_recv;
@@ -530,16 +619,16 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
         }
       }
       count = c;
+      for (int i = 0; i < c; ++i) {
+        rows[i] = reinterpret_cast<const uint4*>(a.expert_out + src[i] * v.hidden);
+      }
     }
     __syncthreads();
-    auto* out = reinterpret_cast<uint16_t*>(dst);
-    for (int col = threadIdx.x; col < v.hidden; col += blockDim.x) {
-      float acc = 0.0f;
-      for (int c = 0; c < count; ++c) {
-        acc = __fadd_rn(acc,
-                        __fmul_rn(weight[c], Bf16ToFloatD(a.expert_out[src[c] * v.hidden + col])));
-      }
-      out[col] = FloatToBf16D(acc);
+    auto* out = reinterpret_cast<uint4*>(dst);
+    for (int64_t c8 = threadIdx.x; c8 < v.hidden / 8; c8 += blockDim.x) {
+      float acc[8] = {};
+      WeightedSum8(acc, rows, weight, count, c8);
+      out[c8] = PackBf16(acc);
     }
     if (slot.sender != v.me) ++rows_out;
     __syncthreads();
@@ -558,7 +647,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
 // block advances the epoch.
 __global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineArgs a) {
   __shared__ bool ok;
-  __shared__ int64_t row_of[kMaxK];
+  __shared__ const uint4* row_ptr[kMaxK];
   __shared__ float weight_of[kMaxK];
   __shared__ int rows;
   const uint64_t epoch = v.scratch->epoch;
@@ -576,7 +665,9 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineA
           const int32_t e = v.indices[int64_t{t} * v.k + j];
           if (!ValidExpert(v, e) || e / v.l != r) continue;
           if (v.reduce && hits > 0) continue;  // one summed row per (token, rank)
-          row_of[c] = rank_start + v.row_pos[int64_t{r} * v.t_max + t] + hits;
+          row_ptr[c] = reinterpret_cast<const uint4*>(
+              v.base[v.me] + v.combine_off +
+              (rank_start + v.row_pos[int64_t{r} * v.t_max + t] + hits) * v.row_bytes);
           weight_of[c] = v.reduce ? 1.0f : v.weights[int64_t{t} * v.k + j];
           ++hits;
           ++c;
@@ -586,16 +677,16 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineA
       rows = c;
     }
     __syncthreads();
-    const uint8_t* region = v.base[v.me] + v.combine_off;
-    uint16_t* y = a.out + int64_t{t} * v.hidden;
-    for (int col = threadIdx.x; col < v.hidden; col += blockDim.x) {
-      float acc = a.accumulate ? Bf16ToFloatD(y[col]) : 0.0f;
-      for (int c = 0; c < rows; ++c) {
-        const uint16_t b =
-            __ldcg(reinterpret_cast<const unsigned short*>(region + row_of[c] * v.row_bytes) + col);
-        acc = __fadd_rn(acc, __fmul_rn(weight_of[c], Bf16ToFloatD(b)));
+    auto* y = reinterpret_cast<uint4*>(a.out + int64_t{t} * v.hidden);
+    for (int64_t c8 = threadIdx.x; c8 < v.hidden / 8; c8 += blockDim.x) {
+      float acc[8] = {};
+      if (a.accumulate) {
+        const uint4 prev = y[c8];
+#pragma unroll
+        for (int q = 0; q < 8; ++q) acc[q] = Bf16At(prev, q);
       }
-      y[col] = FloatToBf16D(acc);
+      WeightedSum8(acc, row_ptr, weight_of, rows, c8);
+      y[c8] = PackBf16(acc);
     }
   }
   if (LastBlock(&v.scratch->tickets[2]) && threadIdx.x == 0) v.scratch->epoch = epoch + 1;
@@ -903,7 +994,7 @@ class NvlinkAllToAll final : public AllToAll {
         (!in.x || !in.indices || !in.weights || (nv_.spt && !in.scales))) {
       return InvalidArgumentError("DispatchSend: null input buffer");
     }
-    FERRY_CUDA(cudaSetDevice(c_.cuda_device));
+    RETURN_IF_ERROR(Aligned(in.x, "DispatchSend: x"));
     const SendArgs args{static_cast<const uint8_t*>(in.x), in.scales, in.indices, in.weights,
                         in.device_num_tokens, in.num_tokens};
     RouteKernel<<<nv_.n + nv_.chunks, kRouteThreads, 0, stream_>>>(nv_, args);
@@ -922,6 +1013,7 @@ class NvlinkAllToAll final : public AllToAll {
     if (!out.x || !out.num_tokens || (nv_.spt && !out.scales)) {
       return InvalidArgumentError("DispatchRecv: null output buffer");
     }
+    RETURN_IF_ERROR(Aligned(out.x, "DispatchRecv: x"));
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
     const RecvArgs args{static_cast<uint8_t*>(out.x), out.scales, out.num_tokens,
                         BudgetNs(deadline)};
@@ -935,6 +1027,7 @@ class NvlinkAllToAll final : public AllToAll {
   Status CombineSend(const uint16_t* expert_out) override {
     RETURN_IF_ERROR(Step(Stage::kDispatchDone, "CombineSend"));
     if (!expert_out) return InvalidArgumentError("CombineSend: null expert output");
+    RETURN_IF_ERROR(Aligned(expert_out, "CombineSend: expert output"));
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
     CombineSendKernel<<<recv_grid_, kCopyThreads, 0, stream_>>>(
         nv_, CombineArgs{expert_out, nullptr, false, 0});
@@ -946,6 +1039,7 @@ class NvlinkAllToAll final : public AllToAll {
   Status CombineRecv(uint16_t* out, bool accumulate, Deadline deadline) override {
     RETURN_IF_ERROR(Step(Stage::kCombineSent, "CombineRecv"));
     if (!out && token_bound_ > 0) return InvalidArgumentError("CombineRecv: null output");
+    RETURN_IF_ERROR(Aligned(out, "CombineRecv: output"));
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
     CombineRecvKernel<<<std::max(1, token_bound_), kCopyThreads, 0, stream_>>>(
         nv_, CombineArgs{nullptr, out, accumulate, BudgetNs(deadline)});
@@ -992,6 +1086,12 @@ class NvlinkAllToAll final : public AllToAll {
     if (!failed_.ok()) return failed_;
     if (reinterpret_cast<volatile int32_t*>(error_)[0] == kPeerTimeout) return Finish();
     return Status::Ok();
+  }
+
+  // The kernels move rows as 16-byte vectors.
+  static Status Aligned(const void* p, const char* what) {
+    if (reinterpret_cast<uintptr_t>(p) % 16 == 0) return Status::Ok();
+    return InvalidArgumentError(std::string(what) + " must be 16-byte aligned");
   }
 
   static uint64_t BudgetNs(Deadline deadline) {
