@@ -93,6 +93,7 @@ StatusOr<T*> Place(StepBuffers& b, std::vector<T>& host, bool cuda) {
 struct Result {
   double p50[4], p99[4];
   double total_p50[2], total_p99[2];  // dispatch (send + recv), combine (send + recv)
+  double empty_step_p50;              // NVLink timing: an empty step between the same events
   double floor_dispatch_p50, floor_combine_p50;
   uint64_t dispatch_bytes, combine_bytes;
   // The NVLink floor (CUDA device, >= 2 GPUs): the fewest bytes that must leave this rank (each
@@ -162,12 +163,13 @@ double MeasurePeerBandwidth() {
 // step as a graph of its own. Each iteration launches the cycle (it aligns the ranks: a
 // CombineRecv waits for every rank's CombineSend), then the four step graphs with events
 // between them. The host queues everything while the aligning cycle runs, so the events see GPU
-// time, not launch gaps. samples[0..3] the steps, [4] dispatch, [5] combine, in microseconds.
+// time, not launch gaps. samples[0..3] the steps, [4] dispatch, [5] combine, [6] the empty step, in
+// microseconds.
 Status TimeGraphCycles(const MoeBenchOptions& o, Bootstrap& b, AllToAll& a2a,
-                       const StepBuffers& sb, std::vector<double> (&samples)[6]) {
+                       const StepBuffers& sb, std::vector<double> (&samples)[7]) {
   cudaStream_t stream = nullptr;
   BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cudaEvent_t ev[5] = {};
+  cudaEvent_t ev[7] = {};
   for (auto& e : ev) BENCH_CUDA(cudaEventCreate(&e));
   RETURN_IF_ERROR(a2a.SetStream(stream));
   const Deadline later = Deadline::After(std::chrono::minutes(5));
@@ -187,9 +189,19 @@ Status TimeGraphCycles(const MoeBenchOptions& o, Bootstrap& b, AllToAll& a2a,
     cudaGraphDestroy(graph);
     return Status::Ok();
   };
-  cudaGraphExec_t cycle = nullptr, step[4] = {};
+  cudaGraphExec_t cycle = nullptr, step[4] = {}, empty = nullptr;
   RETURN_IF_ERROR(capture(0, 3, &cycle));
   for (int i = 0; i < 4; ++i) RETURN_IF_ERROR(capture(i, i, &step[i]));
+  // Baseline for the cost of a step boundary: a graph of one 4-byte memset between two events.
+  void* word = nullptr;
+  BENCH_CUDA(cudaMalloc(&word, 4));
+  BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  const cudaError_t memset = cudaMemsetAsync(word, 0, 4, stream);
+  cudaGraph_t empty_graph = nullptr;
+  BENCH_CUDA(cudaStreamEndCapture(stream, &empty_graph));
+  BENCH_CUDA(memset);
+  BENCH_CUDA(cudaGraphInstantiate(&empty, empty_graph, 0));
+  cudaGraphDestroy(empty_graph);
   for (int it = 0; it < o.warmup + o.iters; ++it) {
     RETURN_IF_ERROR(b.Barrier(60s));
     BENCH_CUDA(cudaGraphLaunch(cycle, stream));
@@ -198,6 +210,8 @@ Status TimeGraphCycles(const MoeBenchOptions& o, Bootstrap& b, AllToAll& a2a,
       BENCH_CUDA(cudaGraphLaunch(step[i], stream));
     }
     BENCH_CUDA(cudaEventRecord(ev[4], stream));
+    BENCH_CUDA(cudaGraphLaunch(empty, stream));
+    BENCH_CUDA(cudaEventRecord(ev[5], stream));
     RETURN_IF_ERROR(a2a.Synchronize());
     if (it < o.warmup) continue;
     float ms[4];
@@ -205,9 +219,15 @@ Status TimeGraphCycles(const MoeBenchOptions& o, Bootstrap& b, AllToAll& a2a,
     for (int i = 0; i < 4; ++i) samples[i].push_back(ms[i] * 1e3);
     samples[4].push_back((ms[0] + ms[1]) * 1e3);
     samples[5].push_back((ms[2] + ms[3]) * 1e3);
+    float empty_ms = 0;
+    BENCH_CUDA(cudaEventElapsedTime(&empty_ms, ev[4], ev[5]));
+    samples[6].push_back(empty_ms * 1e3);
   }
   RETURN_IF_ERROR(a2a.SetStream(nullptr));
-  for (cudaGraphExec_t g : {cycle, step[0], step[1], step[2], step[3]}) cudaGraphExecDestroy(g);
+  cudaFree(word);
+  for (cudaGraphExec_t g : {cycle, step[0], step[1], step[2], step[3], empty}) {
+    cudaGraphExecDestroy(g);
+  }
   for (auto& e : ev) cudaEventDestroy(e);
   cudaStreamDestroy(stream);
   return Status::Ok();
@@ -282,7 +302,7 @@ Status RunRank(const MoeBenchOptions& o, Bootstrap& b, Result* result) {
   sb.out = {pout_x, pout_scales, pcounts};
   sb.expert_out = pexpert_out;
   sb.y = py;
-  std::vector<double> steps[6];
+  std::vector<double> steps[7];
   if (o.nvlink) {
 #ifdef FERRY_BENCH_CUDA
     RETURN_IF_ERROR(TimeGraphCycles(o, b, *a2a, sb, steps));
@@ -307,6 +327,10 @@ Status RunRank(const MoeBenchOptions& o, Bootstrap& b, Result* result) {
       steps[4].push_back(t2 - t0);
       steps[5].push_back(t4 - t2);
     }
+  }
+  if (!steps[6].empty()) {
+    ASSIGN_OR_RETURN(steps[6], SlowestPerIteration(b, steps[6]));
+    result->empty_step_p50 = Percentile(steps[6], 0.5);
   }
   for (int s = 0; s < 6; ++s) {
     ASSIGN_OR_RETURN(steps[s], SlowestPerIteration(b, steps[s]));
@@ -466,7 +490,8 @@ int RunMoeBench(const MoeBenchOptions& options) {
     if (o.nvlink) {
       std::printf("times in us, GPU time between events (CUDA graph replays, a cycle before each "
                   "timed one aligns the ranks); bytes = what rank 0 sent over NVLink; floor = "
-                  "the NVLink floor below\n");
+                  "the NVLink floor below; an empty step (4-byte memset graph) between the same "
+                  "events takes %.1f us\n", last.empty_step_p50);
     } else {
       std::printf("times in us; bytes = what rank 0 put on the wire; floor = the same bytes as "
                   "one scatter per peer\n");

@@ -46,7 +46,7 @@ if [ "${1:-all}" != tests ]; then
   step nvlink_decode 200 build-gpu/ferry-bench moe "${nv[@]}" --tokens 128 --iters 200 --compare
   step nvlink_decode_push 200 build-gpu/ferry-bench moe "${nv[@]}" --tokens 128 --iters 200 \
     --compare --private 1024
-  step nvlink_prefill 300 build-gpu/ferry-bench moe "${nv[@]}" --tokens 4096 --iters 20 --compare
+  step nvlink_prefill 300 build-gpu/ferry-bench moe "${nv[@]}" --tokens 4096 --iters 10 --compare
 fi
 if [ "${1:-all}" = all ]; then
   common=(--device cuda --ranks 2 --hidden 7168 --experts 256 --topk 8 --provider shm)

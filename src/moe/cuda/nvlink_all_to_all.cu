@@ -169,11 +169,12 @@ __device__ bool WaitAll(const Nv& v, const uint64_t* flags, uint64_t want, uint6
 
 // True in the block that finishes last; every block's writes (peers' memory included) are
 // visible system-wide before it learns so. Resets the ticket for the next launch.
+// (The barrier orders the block's writes before thread 0's fence, which is cumulative.)
 __device__ bool LastBlock(uint32_t* ticket) {
   __shared__ bool last;
-  __threadfence_system();
   __syncthreads();
   if (threadIdx.x == 0) {
+    __threadfence_system();
     last = atomicAdd(ticket, 1u) == gridDim.x - 1;
     if (last) {
       atomicExch(ticket, 0u);
@@ -185,6 +186,63 @@ __device__ bool LastBlock(uint32_t* ticket) {
 }
 
 __device__ inline bool ValidExpert(const Nv& v, int32_t e) { return e >= 0 && e < v.e; }
+
+// One token's routing, worked out by warp 0: lane j < K holds the token's j-th copy.
+struct LaneRoute {
+  bool valid;         // expert id in range
+  int32_t e;          // the expert
+  int r;              // its rank
+  int within;         // this copy's index among the token's copies for rank r, in k order
+  int hits;           // the token's copies for rank r
+  int lanes_before;   // the token's valid copies for lower ranks
+  int ranks_before;   // distinct lower ranks the token goes to
+  bool first;         // within == 0
+  unsigned firsts;    // lanes that are first for their rank
+  unsigned valids;    // lanes with a valid copy
+};
+
+// Called by all 32 lanes of a warp; every lane loads its own index (one round trip).
+__device__ LaneRoute RouteLane(const Nv& v, const int32_t* row) {
+  const int lane = threadIdx.x % 32;
+  LaneRoute x{};
+  x.e = lane < v.k ? row[lane] : -1;
+  x.valid = lane < v.k && ValidExpert(v, x.e);
+  x.r = x.valid ? x.e / v.l : -1;
+  x.valids = __ballot_sync(~0u, x.valid);
+  unsigned same = 0;
+  for (int i = 0; i < v.k; ++i) {
+    const int ri = __shfl_sync(~0u, x.r, i);
+    if ((x.valids >> i & 1) && ri == x.r) same |= 1u << i;
+  }
+  const unsigned below = (1u << lane) - 1;
+  x.within = __popc(same & below);
+  x.hits = __popc(same);
+  x.first = x.valid && x.within == 0;
+  x.firsts = __ballot_sync(~0u, x.first);
+  for (int i = 0; i < v.k; ++i) {
+    const int ri = __shfl_sync(~0u, x.r, i);
+    if ((x.valids >> i & 1) && ri < x.r) {
+      ++x.lanes_before;
+      x.ranks_before += x.firsts >> i & 1;
+    }
+  }
+  return x;
+}
+
+// Exclusive prefix sums of totals[0, n) into out[0, n) (loads in parallel). Block-wide.
+__device__ void PrefixTotals(const int32_t* totals, int n, int64_t* out) {
+  for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = totals[i];
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int64_t sum = 0;
+    for (int i = 0; i < n; ++i) {
+      const int64_t here = out[i];
+      out[i] = sum;
+      sum += here;
+    }
+  }
+  __syncthreads();
+}
 
 // ---- dispatch send ----------------------------------------------------------------------------
 
@@ -303,72 +361,54 @@ __global__ void __launch_bounds__(kRouteThreads) RouteKernel(Nv v, SendArgs a) {
 // slots out; then the token row is read once and stored into every slot. The last block writes
 // the counts rows into every rank and raises their dispatch flags.
 __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
-  extern __shared__ int64_t starts[];  // [2N]: first slot per receiving rank, first row per
-                                       // expert rank
-  __shared__ uint8_t* dst[kMaxK];      // each slot in our send area
-  __shared__ uint8_t* peer[kMaxK];     // its copy in the receiver's private region, or null
-  __shared__ NvHeader header[kMaxK];
-  __shared__ NvEntry entry[kMaxK];     // in slot order
-  __shared__ int8_t slot_of[kMaxK];    // entry -> its slot, and its index there
-  __shared__ int8_t within_slot[kMaxK];
-  __shared__ int num_slots, num_entries;
+  extern __shared__ int64_t starts[];  // [2N]: first slot per receiving rank in our send area,
+                                       // first combine row per expert rank
+  __shared__ uint8_t* dst[kMaxK];      // the token's slots in our send area
+  __shared__ uint8_t* peer[kMaxK];     // their copies in receivers' private regions, or null
+  __shared__ int num_slots;
   const int tokens = v.scratch->tokens;
   const int t = blockIdx.x;
-  if (threadIdx.x == 0) {
-    int64_t slots = 0, rows = 0;
-    for (int r = 0; r < v.n; ++r) {
-      starts[r] = slots;
-      starts[v.n + r] = rows;
-      slots += v.totals[r];
-      rows += v.totals[v.n + r];
-    }
-    int ns = 0, ne = 0;
-    for (int r = 0; t < tokens && r < v.n; ++r) {
-      int hits = 0, hit_j[kMaxK], hit_pos[kMaxK];
-      for (int j = 0; j < v.k; ++j) {
-        const int64_t f = int64_t{t} * v.k + j;
-        const int32_t e = v.indices[f];
-        if (!ValidExpert(v, e) || e / v.l != r) continue;
-        int32_t pos = v.erank[f];
-        for (int c = 0; c < f / kChunk; ++c) pos += v.chunk_counts[int64_t{c} * v.e + e];
-        hit_j[hits] = j;
-        hit_pos[hits++] = pos;
-      }
-      const int slots_here = hits == 0 ? 0 : (v.once ? 1 : hits);
-      for (int o = 0; o < slots_here; ++o, ++ns) {
-        const int64_t j = v.slot_pos[int64_t{r} * v.t_max + t] + o;
-        dst[ns] = v.base[v.me] + v.send_off + (starts[r] + j) * v.slot_bytes;
-        peer[ns] = r != v.me && j < v.priv
+  int64_t* row_starts = starts + v.n;
+  PrefixTotals(v.totals, v.n, starts);
+  PrefixTotals(v.totals + v.n, v.n, row_starts);
+  // Warp 0: lane j places the token's j-th copy; its slot's first lane writes the header.
+  if (t < tokens && threadIdx.x < 32) {
+    const LaneRoute x = RouteLane(v, v.indices + int64_t{t} * v.k);
+    const int lane = threadIdx.x;
+    if (x.valid) {
+      const int64_t f = int64_t{t} * v.k + lane;
+      int32_t pos = v.erank[f];
+      for (int c = 0; c < f / kChunk; ++c) pos += v.chunk_counts[int64_t{c} * v.e + x.e];
+      const int r = x.r;
+      const int o = v.once ? 0 : x.within;  // which of the token's slots for rank r
+      const int64_t j = v.slot_pos[int64_t{r} * v.t_max + t] + o;
+      uint8_t* d = v.base[v.me] + v.send_off + (starts[r] + j) * v.slot_bytes;
+      uint8_t* p = r != v.me && j < v.priv
                        ? v.base[r] + v.private_off + (int64_t{v.me} * v.priv + j) * v.slot_bytes
                        : nullptr;
-        const int entries = v.once ? hits : 1;
-        const int32_t row = static_cast<int32_t>(
-            starts[v.n + r] + v.row_pos[int64_t{r} * v.t_max + t] + (v.once || v.reduce ? 0 : o));
-        header[ns] = NvHeader{t, entries, row, static_cast<int16_t>(v.once ? 0 : o),
-                              static_cast<int16_t>(slots_here)};
-        for (int i = 0; i < entries; ++i, ++ne) {
-          const int h = v.once ? i : o;
-          const int64_t f = int64_t{t} * v.k + hit_j[h];
-          entry[ne] = NvEntry{v.indices[f] % v.l, hit_j[h], v.weights[f], hit_pos[h]};
-          slot_of[ne] = static_cast<int8_t>(ns);
-          within_slot[ne] = static_cast<int8_t>(i);
-        }
+      const NvEntry entry{x.e % v.l, lane, v.weights[f], pos};
+      const int at = v.once ? x.within : 0;
+      reinterpret_cast<NvEntry*>(d + sizeof(NvHeader))[at] = entry;
+      if (p) reinterpret_cast<NvEntry*>(p + sizeof(NvHeader))[at] = entry;
+      if (!v.once || x.first) {
+        const int32_t row = static_cast<int32_t>(row_starts[r] +
+                                                 v.row_pos[int64_t{r} * v.t_max + t] +
+                                                 (v.once || v.reduce ? 0 : o));
+        const NvHeader header{t, v.once ? x.hits : 1, row, static_cast<int16_t>(o),
+                              static_cast<int16_t>(v.once ? 1 : x.hits)};
+        *reinterpret_cast<NvHeader*>(d) = header;
+        if (p) *reinterpret_cast<NvHeader*>(p) = header;
+        const int slot = v.once ? x.ranks_before : x.lanes_before + x.within;
+        dst[slot] = d;
+        peer[slot] = p;
       }
     }
-    num_slots = ns;
-    num_entries = ne;
+    if (lane == 0) num_slots = __popc(v.once ? x.firsts : x.valids);
+  } else if (threadIdx.x == 0) {
+    num_slots = 0;
   }
   __syncthreads();
   const int ns = num_slots;
-  for (int i = threadIdx.x; i < ns; i += blockDim.x) {
-    *reinterpret_cast<NvHeader*>(dst[i]) = header[i];
-    if (peer[i]) *reinterpret_cast<NvHeader*>(peer[i]) = header[i];
-  }
-  for (int i = threadIdx.x; i < num_entries; i += blockDim.x) {
-    const int slot = slot_of[i], within = within_slot[i];
-    reinterpret_cast<NvEntry*>(dst[slot] + sizeof(NvHeader))[within] = entry[i];
-    if (peer[slot]) reinterpret_cast<NvEntry*>(peer[slot] + sizeof(NvHeader))[within] = entry[i];
-  }
   // The row: four vectors in flight per thread, each stored into every slot.
   if (ns > 0) {
     const auto* row = reinterpret_cast<const uint4*>(a.x + int64_t{t} * v.payload);
@@ -413,7 +453,8 @@ __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
     }
     CountsRow(v, r, v.me)[c] = static_cast<int32_t>(value);
   }
-  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) __threadfence_system();
   __syncthreads();
   if (threadIdx.x < v.n) StoreRelease(DispatchFlags(v, threadIdx.x) + v.me, epoch + 1);
 }
@@ -433,30 +474,41 @@ __device__ inline int SenderOf(const int64_t* prefix, int n, int64_t g) {
 // (sender-major, each sender in its send order): checks the slot, copies its row to each entry's
 // output row, and remembers where the entries' combine rows go.
 __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
-  extern __shared__ int64_t prefix[];  // [N + 1] slots before sender s; then [N] start[s]
+  extern __shared__ int64_t prefix[];  // [N + 1] slots before sender s; [N] start[s] (where
+                                       // they start in its send area); then offset[N + 1][L]
   int64_t* start = prefix + v.n + 1;
+  // offset[s][e]: rows of local expert e from senders before s (offset[N][e]: all of them).
+  int32_t* offset = reinterpret_cast<int32_t*>(start + v.n);
   __shared__ bool ok;
   __shared__ uint4 meta_v[1 + kMaxK];  // the slot's header and entries
   __shared__ int64_t out_row[kMaxK];
-  __shared__ int num_out;              // output rows of a valid slot (0 if malformed)
   const uint64_t epoch = v.scratch->epoch;
   if (threadIdx.x == 0) ok = WaitAll(v, DispatchFlags(v, v.me), epoch + 1, a.timeout_ns, 0);
   __syncthreads();
   if (!ok) return;
+  for (int e = threadIdx.x; e < v.l; e += blockDim.x) {
+    int32_t rows = 0;
+    for (int s = 0; s < v.n; ++s) {
+      offset[s * v.l + e] = rows;
+      rows += __ldcg(CountsRow(v, v.me, s) + e);
+    }
+    offset[v.n * v.l + e] = rows;
+  }
+  for (int s = threadIdx.x; s < v.n; s += blockDim.x) {
+    prefix[s + 1] = __ldcg(CountsRow(v, v.me, s) + v.l);
+    start[s] = __ldcg(CountsRow(v, v.me, s) + v.l + 1);
+  }
+  __syncthreads();
   if (threadIdx.x == 0) {
     prefix[0] = 0;
-    for (int s = 0; s < v.n; ++s) {
-      prefix[s + 1] = prefix[s] + __ldcg(CountsRow(v, v.me, s) + v.l);
-      start[s] = __ldcg(CountsRow(v, v.me, s) + v.l + 1);
-    }
+    for (int s = 0; s < v.n; ++s) prefix[s + 1] += prefix[s];
   }
   __syncthreads();
   const int64_t total = prefix[v.n];
   if (blockIdx.x == 0) {
     for (int e = threadIdx.x; e < v.l; e += blockDim.x) {
-      int64_t rows = 0;
-      for (int s = 0; s < v.n; ++s) rows += __ldcg(CountsRow(v, v.me, s) + e);
-      a.num_tokens[e] = static_cast<int32_t>(rows);
+      const int32_t rows = offset[v.n * v.l + e];
+      a.num_tokens[e] = rows;
       if (rows > v.capacity) Report(v, kRowOverrun, -1, e);
     }
     if (threadIdx.x == 0) {
@@ -483,34 +535,32 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
       if (i < meta) meta_v[i] = r[u];
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-      NvHeader header;
-      std::memcpy(&header, &meta_v[0], sizeof header);
-      const int entries = min(max(header.entries, 0), v.k);
-      bool valid = header.entries >= 1 && header.entries <= v.k && header.src_token >= 0 &&
-                   header.src_token < v.t_max && header.row >= 0 && header.parts >= 1 &&
-                   header.part >= 0 && header.part < header.parts &&
-                   int64_t{header.row} + (v.reduce ? 1 : header.entries) <=
-                       int64_t{v.t_max} * v.k;
-      for (int i = 0; valid && i < entries; ++i) {
-        NvEntry entry;
-        std::memcpy(&entry, &meta_v[1 + i], sizeof entry);
-        const int32_t le = entry.local_expert;
-        valid = le >= 0 && le < v.l && entry.pos >= 0 &&
-                entry.pos < __ldcg(CountsRow(v, v.me, s) + le);
-        if (!valid) break;
-        int64_t offset = 0;
-        for (int q = 0; q < s; ++q) offset += __ldcg(CountsRow(v, v.me, q) + le);
-        out_row[i] = int64_t{le} * v.capacity + offset + entry.pos;
-        valid = offset + entry.pos < v.capacity;
-        v.rentries[g * v.k + i] = RecvEntry{out_row[i], entry.weight};
+    // Checks in parallel: the header by every thread, entry i by thread i.
+    NvHeader header;
+    std::memcpy(&header, &meta_v[0], sizeof header);
+    const int entries = min(max(header.entries, 0), v.k);
+    bool valid = header.entries >= 1 && header.entries <= v.k && header.src_token >= 0 &&
+                 header.src_token < v.t_max && header.row >= 0 && header.parts >= 1 &&
+                 header.part >= 0 && header.part < header.parts &&
+                 int64_t{header.row} + (v.reduce ? 1 : header.entries) <= int64_t{v.t_max} * v.k;
+    if (threadIdx.x < entries) {
+      NvEntry entry;
+      std::memcpy(&entry, &meta_v[1 + threadIdx.x], sizeof entry);
+      const int32_t le = entry.local_expert;
+      valid = valid && le >= 0 && le < v.l && entry.pos >= 0 &&
+              entry.pos < offset[(s + 1) * v.l + le] - offset[s * v.l + le] &&
+              offset[(s + 1) * v.l + le] <= v.capacity;
+      if (valid) {
+        out_row[threadIdx.x] = int64_t{le} * v.capacity + offset[s * v.l + le] + entry.pos;
+        v.rentries[g * v.k + threadIdx.x] = RecvEntry{out_row[threadIdx.x], entry.weight};
       }
-      num_out = valid ? entries : 0;
+    }
+    valid = __syncthreads_and(valid);
+    if (threadIdx.x == 0) {
       if (!valid) Report(v, kBadSlot, s, static_cast<int32_t>(j));
       v.rslots[g] = RecvSlot{s, header.row, valid ? entries : 0, header.part, header.parts};
     }
-    __syncthreads();
-    const int outs = num_out;
+    const int outs = valid ? entries : 0;
     for (int e = 0; e < outs; ++e) {
       auto* dst = reinterpret_cast<uint4*>(a.out_x + out_row[e] * v.payload);
 #pragma unroll
@@ -646,37 +696,33 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
 // summed in fp32 (unfused, the host device's order) onto the previous output or zero. The last
 // block advances the epoch.
 __global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineArgs a) {
+  extern __shared__ int64_t rank_start[];  // [N] our first combine row from each rank
   __shared__ bool ok;
   __shared__ const uint4* row_ptr[kMaxK];
   __shared__ float weight_of[kMaxK];
   __shared__ int rows;
   const uint64_t epoch = v.scratch->epoch;
+  const int t = blockIdx.x;
+  const bool mine = t < v.scratch->tokens;
+  // Where the token's rows will be, before waiting for them. Lane j: the token's j-th copy;
+  // rows in rank then k order (summed: the first copy of each rank stands for its row).
+  PrefixTotals(v.totals + v.n, v.n, rank_start);
+  if (mine && threadIdx.x < 32) {
+    const LaneRoute x = RouteLane(v, v.indices + int64_t{t} * v.k);
+    if (x.valid && (!v.reduce || x.first)) {
+      const int c = v.reduce ? x.ranks_before : x.lanes_before + x.within;
+      const int64_t row = rank_start[x.r] + v.row_pos[int64_t{x.r} * v.t_max + t] +
+                          (v.reduce ? 0 : x.within);
+      row_ptr[c] = reinterpret_cast<const uint4*>(v.base[v.me] + v.combine_off +
+                                                  row * v.row_bytes);
+      weight_of[c] = v.reduce ? 1.0f : v.weights[int64_t{t} * v.k + threadIdx.x];
+    }
+    if (threadIdx.x == 0) rows = __popc(v.reduce ? x.firsts : x.valids);
+  }
   if (threadIdx.x == 0) ok = WaitAll(v, CombineFlags(v, v.me), epoch + 1, a.timeout_ns, 1);
   __syncthreads();
   if (!ok) return;
-  const int t = blockIdx.x;
-  if (t < v.scratch->tokens) {
-    if (threadIdx.x == 0) {
-      int c = 0;
-      int64_t rank_start = 0;
-      for (int r = 0; r < v.n; ++r) {
-        int hits = 0;
-        for (int j = 0; j < v.k; ++j) {
-          const int32_t e = v.indices[int64_t{t} * v.k + j];
-          if (!ValidExpert(v, e) || e / v.l != r) continue;
-          if (v.reduce && hits > 0) continue;  // one summed row per (token, rank)
-          row_ptr[c] = reinterpret_cast<const uint4*>(
-              v.base[v.me] + v.combine_off +
-              (rank_start + v.row_pos[int64_t{r} * v.t_max + t] + hits) * v.row_bytes);
-          weight_of[c] = v.reduce ? 1.0f : v.weights[int64_t{t} * v.k + j];
-          ++hits;
-          ++c;
-        }
-        rank_start += v.totals[v.n + r];
-      }
-      rows = c;
-    }
-    __syncthreads();
+  if (mine) {
     auto* y = reinterpret_cast<uint4*>(a.out + int64_t{t} * v.hidden);
     for (int64_t c8 = threadIdx.x; c8 < v.hidden / 8; c8 += blockDim.x) {
       float acc[8] = {};
@@ -1017,8 +1063,9 @@ class NvlinkAllToAll final : public AllToAll {
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
     const RecvArgs args{static_cast<uint8_t*>(out.x), out.scales, out.num_tokens,
                         BudgetNs(deadline)};
-    UnpackKernel<<<recv_grid_, kCopyThreads, (2 * nv_.n + 1) * sizeof(int64_t), stream_>>>(
-        nv_, args);
+    const size_t shared = (2 * nv_.n + 1) * sizeof(int64_t) +
+                          size_t(nv_.n + 1) * nv_.l * sizeof(int32_t);
+    UnpackKernel<<<recv_grid_, kCopyThreads, shared, stream_>>>(nv_, args);
     FERRY_CUDA(cudaGetLastError());
     stage_ = Stage::kDispatchDone;
     return async_ ? Status::Ok() : Finish();
@@ -1041,7 +1088,8 @@ class NvlinkAllToAll final : public AllToAll {
     if (!out && token_bound_ > 0) return InvalidArgumentError("CombineRecv: null output");
     RETURN_IF_ERROR(Aligned(out, "CombineRecv: output"));
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
-    CombineRecvKernel<<<std::max(1, token_bound_), kCopyThreads, 0, stream_>>>(
+    CombineRecvKernel<<<std::max(1, token_bound_), kCopyThreads, nv_.n * sizeof(int64_t),
+                        stream_>>>(
         nv_, CombineArgs{nullptr, out, accumulate, BudgetNs(deadline)});
     FERRY_CUDA(cudaGetLastError());
     stage_ = Stage::kIdle;
