@@ -262,9 +262,14 @@ __device__ void RankScan(const Nv& v, const SendArgs& a, int tokens, int r, Rout
     const int t = base + threadIdx.x;
     int32_t slots = 0, rows = 0;
     if (t < tokens) {
+      int32_t ids[kMaxK];  // all of the token's loads in flight at once
+#pragma unroll
+      for (int j = 0; j < kMaxK; ++j) ids[j] = j < v.k ? a.indices[int64_t{t} * v.k + j] : 0;
       int hits = 0;
-      for (int j = 0; j < v.k; ++j) {
-        const int32_t e = a.indices[int64_t{t} * v.k + j];
+#pragma unroll
+      for (int j = 0; j < kMaxK; ++j) {
+        if (j >= v.k) break;
+        const int32_t e = ids[j];
         if (!ValidExpert(v, e)) {
           if (r == 0) Report(v, kBadExpert, t, e);
           continue;
@@ -631,7 +636,6 @@ __device__ inline void WeightedSum8(float (&acc)[8], const uint4* const* rows, c
 // weighted fp32 sum per token taken in (local expert, position) order as the host device does,
 // pushed into the sender's combine region. The last block raises every rank's combine flag.
 __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineArgs a) {
-  __shared__ int64_t src[kMaxK];
   __shared__ const uint4* rows[kMaxK];
   __shared__ float weight[kMaxK];
   __shared__ int count;
@@ -651,27 +655,34 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
       continue;
     }
     if (slot.part != 0) continue;  // the token's first slot sums them all
-    if (threadIdx.x == 0) {
-      int c = 0;
-      for (int64_t h = g; h < total && h < g + slot.parts; ++h) {
+    // Warp 0 gathers the token's copies (lane i: entry i of this slot, or with one entry per
+    // slot the token's i-th slot) and orders them by output row, i.e. (local expert, position),
+    // ties in arrival order, as the host device sums them.
+    if (threadIdx.x < 32) {
+      const int lane = threadIdx.x;
+      const int64_t h = v.once ? g : g + lane;
+      bool exists = false;
+      if (v.once) {
+        exists = lane < slot.entries;
+      } else if (lane < slot.parts && h < total) {
         const RecvSlot other = v.rslots[h];
-        if (other.sender != slot.sender || other.row != slot.row) break;
-        for (int i = 0; i < other.entries && c < kMaxK; ++i) {
-          const RecvEntry entry = v.rentries[h * v.k + i];
-          int q = c++;  // insertion sort by output row: (local expert, position) order
-          while (q > 0 && src[q - 1] > entry.out_row) {
-            src[q] = src[q - 1];
-            weight[q] = weight[q - 1];
-            --q;
-          }
-          src[q] = entry.out_row;
-          weight[q] = entry.weight;
+        exists = other.sender == slot.sender && other.row == slot.row && other.entries > 0;
+      }
+      RecvEntry entry{};
+      if (exists) entry = v.rentries[h * v.k + (v.once ? lane : 0)];
+      const unsigned present = __ballot_sync(~0u, exists);
+      int order = 0;
+      for (int i = 0; i < 32; ++i) {
+        const int64_t other = __shfl_sync(~0u, entry.out_row, i);
+        if ((present >> i & 1) && (other < entry.out_row || (other == entry.out_row && i < lane))) {
+          ++order;
         }
       }
-      count = c;
-      for (int i = 0; i < c; ++i) {
-        rows[i] = reinterpret_cast<const uint4*>(a.expert_out + src[i] * v.hidden);
+      if (exists && order < kMaxK) {
+        rows[order] = reinterpret_cast<const uint4*>(a.expert_out + entry.out_row * v.hidden);
+        weight[order] = entry.weight;
       }
+      if (lane == 0) count = min(__popc(present), kMaxK);
     }
     __syncthreads();
     auto* out = reinterpret_cast<uint4*>(dst);
