@@ -47,6 +47,14 @@ if [ "${1:-all}" != tests ]; then
   step nvlink_decode_push 200 build-gpu/ferry-bench moe "${nv[@]}" --tokens 128 --iters 200 \
     --compare --private 1024
   step nvlink_prefill 300 build-gpu/ferry-bench moe "${nv[@]}" --tokens 4096 --iters 10 --compare
+  # Per-kernel GPU time on one rank (ncu serialises kernels, so peers cannot be profiled).
+  NCU=${NCU:-/usr/local/cuda/bin/ncu}
+  if [ -x "$NCU" ]; then
+    step ncu_decode 300 "$NCU" --target-processes all --metrics gpu__time_duration.sum \
+      --print-summary per-kernel build-gpu/ferry-bench moe --nvlink --ranks 1 --hidden 7168 \
+      --experts 256 --topk 8 --dtype fp8 --tokens 128 --iters 5 --once-per-rank \
+      --reduce-at-expert-rank
+  fi
 fi
 if [ "${1:-all}" = all ]; then
   common=(--device cuda --ranks 2 --hidden 7168 --experts 256 --topk 8 --provider shm)
@@ -65,4 +73,8 @@ grep -h -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT"/memcheck.log "$OUT"/racechec
 for b in "$OUT"/bench_*.log "$OUT"/nvlink_*.log; do
   [ -f "$b" ] && { echo "== $(basename "$b" .log)"; grep -E '^(plain|\(a|\(b|variant|NVLink)' "$b"; }
 done
+if [ -f "$OUT/ncu_decode.log" ]; then
+  echo "== ncu_decode (one rank, (a)+(b)): kernel, gpu time"
+  grep -E '^  [A-Za-z_:<>]+.*\(|gpu__time_duration.sum' "$OUT/ncu_decode.log" | head -40
+fi
 cat "$OUT/summary.txt"
