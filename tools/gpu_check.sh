@@ -5,7 +5,8 @@
 #
 #   tools/gpu_check.sh            everything
 #   tools/gpu_check.sh tests      build and tests only
-#   tools/gpu_check.sh nvlink     build, tests and the NVLink benchmarks only
+#   tools/gpu_check.sh nvlink     build, tests, the NVLink benchmarks and profiles only
+#   tools/gpu_check.sh profile    build and the per-kernel profiles only
 set -u
 OUT=${OUT:-/tmp/ferry-gpu}
 mkdir -p "$OUT"
@@ -33,20 +34,24 @@ step configure 120 cmake -S . -B build-gpu "${generator[@]}" -DCMAKE_BUILD_TYPE=
 step build 400 cmake --build build-gpu -j "$(nproc)" --target moe_cuda_test kv_cuda_test \
   moe_host_test fd_exchange_test ferry-bench || { tail -60 "$OUT/build.log"; exit 1; }
 
-step kv_cuda_test 120 build-gpu/kv_cuda_test
-step moe_cuda_test 400 build-gpu/moe_cuda_test
-step fd_exchange_test 60 build-gpu/fd_exchange_test
-step memcheck 300 "$SANITIZER" --tool memcheck --target-processes all \
-  build-gpu/moe_cuda_test --gtest_filter='*n2_t7_h128_e8_k2_bf16*:*n3_t64*'
-step racecheck 300 "$SANITIZER" --tool racecheck --target-processes all \
-  build-gpu/moe_cuda_test --gtest_filter='*n2_t7_h128_e8_k2_bf16*'
-
-if [ "${1:-all}" != tests ]; then
+mode=${1:-all}
+if [ "$mode" != profile ]; then
+  step kv_cuda_test 120 build-gpu/kv_cuda_test
+  step moe_cuda_test 400 build-gpu/moe_cuda_test
+  step fd_exchange_test 60 build-gpu/fd_exchange_test
+  step memcheck 300 "$SANITIZER" --tool memcheck --target-processes all \
+    build-gpu/moe_cuda_test --gtest_filter='*n2_t7_h128_e8_k2_bf16*:*n3_t64*'
+  step racecheck 300 "$SANITIZER" --tool racecheck --target-processes all \
+    build-gpu/moe_cuda_test --gtest_filter='*n2_t7_h128_e8_k2_bf16*'
+fi
+if [ "$mode" = all ] || [ "$mode" = nvlink ]; then
   nv=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8)
   step nvlink_decode 200 build-gpu/ferry-bench moe "${nv[@]}" --tokens 128 --iters 200 --compare
   step nvlink_decode_push 200 build-gpu/ferry-bench moe "${nv[@]}" --tokens 128 --iters 200 \
     --compare --private 1024
   step nvlink_prefill 300 build-gpu/ferry-bench moe "${nv[@]}" --tokens 4096 --iters 10 --compare
+fi
+if [ "$mode" != tests ]; then
   # Per-kernel GPU time on one rank (ncu serialises kernels, so peers cannot be profiled).
   NCU=${NCU:-/usr/local/cuda/bin/ncu}
   if [ -x "$NCU" ]; then
@@ -54,9 +59,13 @@ if [ "${1:-all}" != tests ]; then
       --print-summary per-kernel build-gpu/ferry-bench moe --nvlink --ranks 1 --hidden 7168 \
       --experts 256 --topk 8 --dtype fp8 --tokens 128 --iters 5 --once-per-rank \
       --reduce-at-expert-rank
+    step ncu_prefill 300 "$NCU" --target-processes all --metrics gpu__time_duration.sum \
+      --print-summary per-kernel build-gpu/ferry-bench moe --nvlink --ranks 1 --hidden 7168 \
+      --experts 256 --topk 8 --dtype fp8 --tokens 4096 --iters 2 --once-per-rank \
+      --reduce-at-expert-rank
   fi
 fi
-if [ "${1:-all}" = all ]; then
+if [ "$mode" = all ]; then
   common=(--device cuda --ranks 2 --hidden 7168 --experts 256 --topk 8 --provider shm)
   step bench_decode_fp8 300 build-gpu/ferry-bench moe "${common[@]}" --tokens 128 --dtype fp8 \
     --iters 50
@@ -73,8 +82,9 @@ grep -h -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT"/memcheck.log "$OUT"/racechec
 for b in "$OUT"/bench_*.log "$OUT"/nvlink_*.log; do
   [ -f "$b" ] && { echo "== $(basename "$b" .log)"; grep -E '^(plain|\(a|\(b|variant|NVLink)' "$b"; }
 done
-if [ -f "$OUT/ncu_decode.log" ]; then
-  echo "== ncu_decode (one rank, (a)+(b)): kernel, gpu time"
-  grep -E '^  [A-Za-z_:<>]+.*\(|gpu__time_duration.sum' "$OUT/ncu_decode.log" | head -40
-fi
+for f in "$OUT"/ncu_*.log; do
+  [ -f "$f" ] || continue
+  echo "== $(basename "$f" .log) (one rank, (a)+(b)): kernel, gpu time"
+  grep -E '^  [A-Za-z_:<>]+.*\(|gpu__time_duration.sum' "$f" | head -30
+done
 cat "$OUT/summary.txt"

@@ -246,7 +246,9 @@ class AllToAllImpl final : public AllToAll {
 StatusOr<std::unique_ptr<AllToAll>> AllToAll::Create(const AllToAllConfig& config,
                                                      TransferEngine* engine, Bootstrap& bootstrap) {
   RETURN_IF_ERROR(config.Validate());
-  const bool nvlink_only = config.device == MoeDeviceKind::kCuda && config.ranks_per_node > 1;
+  // CUDA with every rank on one node (a single rank included): the NVLink path.
+  const bool nvlink_only = config.device == MoeDeviceKind::kCuda &&
+                           config.ranks_per_node == config.world_size;
   if (!engine && !nvlink_only) return InvalidArgumentError("AllToAll: null engine");
   if (bootstrap.world_size() != config.world_size || bootstrap.rank() != config.rank) {
     return InvalidArgumentError("AllToAll: bootstrap has rank " +
@@ -255,8 +257,8 @@ StatusOr<std::unique_ptr<AllToAll>> AllToAll::Create(const AllToAllConfig& confi
                                 std::to_string(config.rank) + " of " +
                                 std::to_string(config.world_size));
   }
-  if (config.device == MoeDeviceKind::kCuda && config.ranks_per_node > 1) {
-    if (config.ranks_per_node < config.world_size) {
+  if (config.device == MoeDeviceKind::kCuda && (nvlink_only || config.ranks_per_node > 1)) {
+    if (!nvlink_only) {
       return UnimplementedError(
           "AllToAll: the CUDA device runs one node over NVLink (ranks_per_node == world_size) "
           "or every rank over the engine (ranks_per_node == 1); NVLink inside nodes with RDMA "
