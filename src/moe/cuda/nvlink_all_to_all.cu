@@ -167,18 +167,18 @@ __device__ bool WaitAll(const Nv& v, const uint64_t* flags, uint64_t want, uint6
   return true;
 }
 
-// True in the block that finishes last; every block's writes (peers' memory included) are
-// visible system-wide before it learns so. Resets the ticket for the next launch.
+// True in the block that finishes last; every block's writes (peers' memory included, with
+// `system`) are visible before it learns so. Resets the ticket for the next launch.
 // (The barrier orders the block's writes before thread 0's fence, which is cumulative.)
-__device__ bool LastBlock(uint32_t* ticket) {
+__device__ bool LastBlock(uint32_t* ticket, bool system) {
   __shared__ bool last;
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence_system();
+    if (system) __threadfence_system(); else __threadfence();
     last = atomicAdd(ticket, 1u) == gridDim.x - 1;
     if (last) {
       atomicExch(ticket, 0u);
-      __threadfence_system();
+      if (system) __threadfence_system(); else __threadfence();
     }
   }
   __syncthreads();
@@ -361,7 +361,7 @@ __global__ void __launch_bounds__(kRouteThreads) RouteKernel(Nv v, SendArgs a) {
   }
 }
 
-// Block t: token t's slots, rank by rank, into our send area (grouped by receiving rank) and,
+// Tokens t = blockIdx.x, + grid...: token t's slots, rank by rank, into our send area (grouped by receiving rank) and,
 // for the first P slots of each peer, into that peer's private region too. Thread 0 lays the
 // slots out; then the token row is read once and stored into every slot. The last block writes
 // the counts rows into every rank and raises their dispatch flags.
@@ -372,79 +372,79 @@ __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
   __shared__ uint8_t* peer[kMaxK];     // their copies in receivers' private regions, or null
   __shared__ int num_slots;
   const int tokens = v.scratch->tokens;
-  const int t = blockIdx.x;
   int64_t* row_starts = starts + v.n;
   PrefixTotals(v.totals, v.n, starts);
   PrefixTotals(v.totals + v.n, v.n, row_starts);
-  // Warp 0: lane j places the token's j-th copy; its slot's first lane writes the header.
-  if (t < tokens && threadIdx.x < 32) {
-    const LaneRoute x = RouteLane(v, v.indices + int64_t{t} * v.k);
-    const int lane = threadIdx.x;
-    if (x.valid) {
-      const int64_t f = int64_t{t} * v.k + lane;
-      int32_t pos = v.erank[f];
-      for (int c = 0; c < f / kChunk; ++c) pos += v.chunk_counts[int64_t{c} * v.e + x.e];
-      const int r = x.r;
-      const int o = v.once ? 0 : x.within;  // which of the token's slots for rank r
-      const int64_t j = v.slot_pos[int64_t{r} * v.t_max + t] + o;
-      uint8_t* d = v.base[v.me] + v.send_off + (starts[r] + j) * v.slot_bytes;
-      uint8_t* p = r != v.me && j < v.priv
-                       ? v.base[r] + v.private_off + (int64_t{v.me} * v.priv + j) * v.slot_bytes
-                       : nullptr;
-      const NvEntry entry{x.e % v.l, lane, v.weights[f], pos};
-      const int at = v.once ? x.within : 0;
-      reinterpret_cast<NvEntry*>(d + sizeof(NvHeader))[at] = entry;
-      if (p) reinterpret_cast<NvEntry*>(p + sizeof(NvHeader))[at] = entry;
-      if (!v.once || x.first) {
-        const int32_t row = static_cast<int32_t>(row_starts[r] +
-                                                 v.row_pos[int64_t{r} * v.t_max + t] +
-                                                 (v.once || v.reduce ? 0 : o));
-        const NvHeader header{t, v.once ? x.hits : 1, row, static_cast<int16_t>(o),
-                              static_cast<int16_t>(v.once ? 1 : x.hits)};
-        *reinterpret_cast<NvHeader*>(d) = header;
-        if (p) *reinterpret_cast<NvHeader*>(p) = header;
-        const int slot = v.once ? x.ranks_before : x.lanes_before + x.within;
-        dst[slot] = d;
-        peer[slot] = p;
+  for (int t = blockIdx.x; t < tokens; t += gridDim.x) {
+    // Warp 0: lane j places the token's j-th copy; its slot's first lane writes the header.
+    if (threadIdx.x < 32) {
+      const LaneRoute x = RouteLane(v, v.indices + int64_t{t} * v.k);
+      const int lane = threadIdx.x;
+      if (x.valid) {
+        const int64_t f = int64_t{t} * v.k + lane;
+        int32_t pos = v.erank[f];
+        for (int c = 0; c < f / kChunk; ++c) pos += v.chunk_counts[int64_t{c} * v.e + x.e];
+        const int r = x.r;
+        const int o = v.once ? 0 : x.within;  // which of the token's slots for rank r
+        const int64_t j = v.slot_pos[int64_t{r} * v.t_max + t] + o;
+        uint8_t* d = v.base[v.me] + v.send_off + (starts[r] + j) * v.slot_bytes;
+        uint8_t* p = r != v.me && j < v.priv
+                         ? v.base[r] + v.private_off + (int64_t{v.me} * v.priv + j) * v.slot_bytes
+                         : nullptr;
+        const NvEntry entry{x.e % v.l, lane, v.weights[f], pos};
+        const int at = v.once ? x.within : 0;
+        reinterpret_cast<NvEntry*>(d + sizeof(NvHeader))[at] = entry;
+        if (p) reinterpret_cast<NvEntry*>(p + sizeof(NvHeader))[at] = entry;
+        if (!v.once || x.first) {
+          const int32_t row = static_cast<int32_t>(row_starts[r] +
+                                                   v.row_pos[int64_t{r} * v.t_max + t] +
+                                                   (v.once || v.reduce ? 0 : o));
+          const NvHeader header{t, v.once ? x.hits : 1, row, static_cast<int16_t>(o),
+                                static_cast<int16_t>(v.once ? 1 : x.hits)};
+          *reinterpret_cast<NvHeader*>(d) = header;
+          if (p) *reinterpret_cast<NvHeader*>(p) = header;
+          const int slot = v.once ? x.ranks_before : x.lanes_before + x.within;
+          dst[slot] = d;
+          peer[slot] = p;
+        }
       }
+      if (lane == 0) num_slots = __popc(v.once ? x.firsts : x.valids);
     }
-    if (lane == 0) num_slots = __popc(v.once ? x.firsts : x.valids);
-  } else if (threadIdx.x == 0) {
-    num_slots = 0;
-  }
-  __syncthreads();
-  const int ns = num_slots;
-  // The row: four vectors in flight per thread, each stored into every slot.
-  if (ns > 0) {
-    const auto* row = reinterpret_cast<const uint4*>(a.x + int64_t{t} * v.payload);
-    const int64_t vectors = v.payload / 16, meta = v.meta_bytes / 16;
-    for (int64_t base = threadIdx.x; base < vectors; base += 4 * int64_t{blockDim.x}) {
-      uint4 r[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int64_t i = base + u * int64_t{blockDim.x};
-        if (i < vectors) r[u] = __ldg(row + i);
-      }
-      for (int slot = 0; slot < ns; ++slot) {
-        uint4* d = reinterpret_cast<uint4*>(dst[slot]) + meta;
-        uint4* p = peer[slot] ? reinterpret_cast<uint4*>(peer[slot]) + meta : nullptr;
-#pragma unroll
+    __syncthreads();
+    const int ns = num_slots;
+    // The row: four vectors in flight per thread, each stored into every slot.
+    if (ns > 0) {
+      const auto* row = reinterpret_cast<const uint4*>(a.x + int64_t{t} * v.payload);
+      const int64_t vectors = v.payload / 16, meta = v.meta_bytes / 16;
+      for (int64_t base = threadIdx.x; base < vectors; base += 4 * int64_t{blockDim.x}) {
+        uint4 r[4];
+  #pragma unroll
         for (int u = 0; u < 4; ++u) {
           const int64_t i = base + u * int64_t{blockDim.x};
-          if (i < vectors) {
-            d[i] = r[u];
-            if (p) p[i] = r[u];
+          if (i < vectors) r[u] = __ldg(row + i);
+        }
+        for (int slot = 0; slot < ns; ++slot) {
+          uint4* d = reinterpret_cast<uint4*>(dst[slot]) + meta;
+          uint4* p = peer[slot] ? reinterpret_cast<uint4*>(peer[slot]) + meta : nullptr;
+  #pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            const int64_t i = base + u * int64_t{blockDim.x};
+            if (i < vectors) {
+              d[i] = r[u];
+              if (p) p[i] = r[u];
+            }
           }
         }
       }
+      for (int slot = 0; v.spt && slot < ns; ++slot) {
+        CopyBytes(dst[slot] + v.meta_bytes + v.payload,
+                  reinterpret_cast<const uint8_t*>(a.scales + int64_t{t} * v.spt),
+                  int64_t{v.spt} * 4, peer[slot] ? peer[slot] + v.meta_bytes + v.payload : nullptr);
+      }
     }
-    for (int slot = 0; v.spt && slot < ns; ++slot) {
-      CopyBytes(dst[slot] + v.meta_bytes + v.payload,
-                reinterpret_cast<const uint8_t*>(a.scales + int64_t{t} * v.spt),
-                int64_t{v.spt} * 4, peer[slot] ? peer[slot] + v.meta_bytes + v.payload : nullptr);
-    }
+    __syncthreads();  // dst, peer and num_slots are rewritten for the next token
   }
-  if (!LastBlock(&v.scratch->tickets[0])) return;
+  if (!LastBlock(&v.scratch->tickets[0], true)) return;
   const uint64_t epoch = v.scratch->epoch;
   const int width = v.l + 2;
   for (int i = threadIdx.x; i < v.n * width; i += blockDim.x) {
@@ -697,15 +697,15 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
   if (threadIdx.x == 0 && rows_out) atomicAdd(reinterpret_cast<unsigned long long*>(
                                                   &v.scratch->rows_out),
                                               static_cast<unsigned long long>(rows_out));
-  if (!LastBlock(&v.scratch->tickets[1])) return;
+  if (!LastBlock(&v.scratch->tickets[1], true)) return;
   if (threadIdx.x < v.n) {
     StoreRelease(CombineFlags(v, threadIdx.x) + v.me, v.scratch->epoch + 1);
   }
 }
 
-// Block t: once every combine flag is up, token t's returned rows, rank by rank and k by k,
-// summed in fp32 (unfused, the host device's order) onto the previous output or zero. The last
-// block advances the epoch.
+// Tokens t = blockIdx.x, + grid...: once every combine flag is up, token t's returned rows, rank
+// by rank and k by k, summed in fp32 (unfused, the host device's order) onto the previous output
+// or zero. The last block advances the epoch.
 __global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineArgs a) {
   extern __shared__ int64_t rank_start[];  // [N] our first combine row from each rank
   __shared__ bool ok;
@@ -713,40 +713,51 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineA
   __shared__ float weight_of[kMaxK];
   __shared__ int rows;
   const uint64_t epoch = v.scratch->epoch;
-  const int t = blockIdx.x;
-  const bool mine = t < v.scratch->tokens;
-  // Where the token's rows will be, before waiting for them. Lane j: the token's j-th copy;
-  // rows in rank then k order (summed: the first copy of each rank stands for its row).
+  const int tokens = v.scratch->tokens;
   PrefixTotals(v.totals + v.n, v.n, rank_start);
-  if (mine && threadIdx.x < 32) {
-    const LaneRoute x = RouteLane(v, v.indices + int64_t{t} * v.k);
-    if (x.valid && (!v.reduce || x.first)) {
-      const int c = v.reduce ? x.ranks_before : x.lanes_before + x.within;
-      const int64_t row = rank_start[x.r] + v.row_pos[int64_t{x.r} * v.t_max + t] +
-                          (v.reduce ? 0 : x.within);
-      row_ptr[c] = reinterpret_cast<const uint4*>(v.base[v.me] + v.combine_off +
-                                                  row * v.row_bytes);
-      weight_of[c] = v.reduce ? 1.0f : v.weights[int64_t{t} * v.k + threadIdx.x];
-    }
-    if (threadIdx.x == 0) rows = __popc(v.reduce ? x.firsts : x.valids);
-  }
-  if (threadIdx.x == 0) ok = WaitAll(v, CombineFlags(v, v.me), epoch + 1, a.timeout_ns, 1);
-  __syncthreads();
-  if (!ok) return;
-  if (mine) {
-    auto* y = reinterpret_cast<uint4*>(a.out + int64_t{t} * v.hidden);
-    for (int64_t c8 = threadIdx.x; c8 < v.hidden / 8; c8 += blockDim.x) {
-      float acc[8] = {};
-      if (a.accumulate) {
-        const uint4 prev = y[c8];
-#pragma unroll
-        for (int q = 0; q < 8; ++q) acc[q] = Bf16At(prev, q);
+  // Every block waits for every rank's combine flag, token or not: a rank's next DispatchSend
+  // may reuse its buffers only after this (see nvlink_all_to_all.h). The first token's rows are
+  // located before the wait.
+  bool waited = false;
+  for (int t = blockIdx.x; !waited || t < tokens; t += gridDim.x) {
+    const bool mine = t < tokens;
+    // Lane j: the token's j-th copy; rows in rank then k order (summed: the first copy of each
+    // rank stands for its row).
+    if (mine && threadIdx.x < 32) {
+      const LaneRoute x = RouteLane(v, v.indices + int64_t{t} * v.k);
+      if (x.valid && (!v.reduce || x.first)) {
+        const int c = v.reduce ? x.ranks_before : x.lanes_before + x.within;
+        const int64_t row = rank_start[x.r] + v.row_pos[int64_t{x.r} * v.t_max + t] +
+                            (v.reduce ? 0 : x.within);
+        row_ptr[c] = reinterpret_cast<const uint4*>(v.base[v.me] + v.combine_off +
+                                                    row * v.row_bytes);
+        weight_of[c] = v.reduce ? 1.0f : v.weights[int64_t{t} * v.k + threadIdx.x];
       }
-      WeightedSum8(acc, row_ptr, weight_of, rows, c8);
-      y[c8] = PackBf16(acc);
+      if (threadIdx.x == 0) rows = __popc(v.reduce ? x.firsts : x.valids);
     }
+    if (!waited) {
+      if (threadIdx.x == 0) ok = WaitAll(v, CombineFlags(v, v.me), epoch + 1, a.timeout_ns, 1);
+      waited = true;
+    }
+    __syncthreads();
+    if (!ok) return;
+    if (mine) {
+      auto* y = reinterpret_cast<uint4*>(a.out + int64_t{t} * v.hidden);
+      for (int64_t c8 = threadIdx.x; c8 < v.hidden / 8; c8 += blockDim.x) {
+        float acc[8] = {};
+        if (a.accumulate) {
+          const uint4 prev = y[c8];
+#pragma unroll
+          for (int q = 0; q < 8; ++q) acc[q] = Bf16At(prev, q);
+        }
+        WeightedSum8(acc, row_ptr, weight_of, rows, c8);
+        y[c8] = PackBf16(acc);
+      }
+    }
+    __syncthreads();  // the row table is rewritten for the next token
   }
-  if (LastBlock(&v.scratch->tickets[2]) && threadIdx.x == 0) v.scratch->epoch = epoch + 1;
+  // Only our own epoch word changes: a device-scope fence is enough.
+  if (LastBlock(&v.scratch->tickets[2], false) && threadIdx.x == 0) v.scratch->epoch = epoch + 1;
 }
 
 // ---- sharing memory between the ranks of a node -----------------------------------------------
@@ -951,6 +962,7 @@ class NvlinkAllToAll final : public AllToAll {
     const int64_t bytes = v.send_off + int64_t{t} * k * v.slot_bytes;
     const int64_t max_recv = int64_t{n} * layout_.slots_per_pair;
     recv_grid_ = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_recv, 4 * sms)));
+    recv_grid_limit_ = 4 * sms;
 
     // Exchange: the configuration, then the buffers.
     const auto timeout = std::chrono::seconds(60);
@@ -1057,7 +1069,7 @@ class NvlinkAllToAll final : public AllToAll {
     RouteKernel<<<nv_.n + nv_.chunks, kRouteThreads, 0, stream_>>>(nv_, args);
     FERRY_CUDA(cudaGetLastError());
     if (!async_) RETURN_IF_ERROR(Finish());  // bad input: nothing sent, the step may be retried
-    PackKernel<<<std::max(1, in.num_tokens), kCopyThreads, 2 * nv_.n * sizeof(int64_t),
+    PackKernel<<<TokenGrid(in.num_tokens), kCopyThreads, 2 * nv_.n * sizeof(int64_t),
                  stream_>>>(nv_, args);
     FERRY_CUDA(cudaGetLastError());
     token_bound_ = in.num_tokens;
@@ -1099,7 +1111,7 @@ class NvlinkAllToAll final : public AllToAll {
     if (!out && token_bound_ > 0) return InvalidArgumentError("CombineRecv: null output");
     RETURN_IF_ERROR(Aligned(out, "CombineRecv: output"));
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
-    CombineRecvKernel<<<std::max(1, token_bound_), kCopyThreads, nv_.n * sizeof(int64_t),
+    CombineRecvKernel<<<TokenGrid(token_bound_), kCopyThreads, nv_.n * sizeof(int64_t),
                         stream_>>>(
         nv_, CombineArgs{nullptr, out, accumulate, BudgetNs(deadline)});
     FERRY_CUDA(cudaGetLastError());
@@ -1146,6 +1158,9 @@ class NvlinkAllToAll final : public AllToAll {
     if (reinterpret_cast<volatile int32_t*>(error_)[0] == kPeerTimeout) return Finish();
     return Status::Ok();
   }
+
+  // Blocks of the per-token kernels: one per token up to four per SM (then they loop).
+  int TokenGrid(int tokens) const { return std::max(1, std::min(tokens, recv_grid_limit_)); }
 
   // The kernels move rows as 16-byte vectors.
   static Status Aligned(const void* p, const char* what) {
@@ -1210,6 +1225,7 @@ class NvlinkAllToAll final : public AllToAll {
   cudaStream_t own_stream_ = nullptr, stream_ = nullptr;
   bool async_ = false;
   int recv_grid_ = 1;
+  int recv_grid_limit_ = 1;
   int token_bound_ = 0;
   Stage stage_ = Stage::kIdle;
   Status failed_ = Status::Ok();
