@@ -80,7 +80,7 @@ for f in "$OUT"/moe_cuda_test.log "$OUT"/kv_cuda_test.log; do
 done
 grep -h -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT"/memcheck.log "$OUT"/racecheck.log 2> /dev/null
 for b in "$OUT"/bench_*.log "$OUT"/nvlink_*.log; do
-  [ -f "$b" ] && { echo "== $(basename "$b" .log)"; grep -E '^(plain|\(a|\(b|variant|NVLink)' "$b"; }
+  [ -f "$b" ] && { echo "== $(basename "$b" .log)"; grep -E '^(plain|\(a|\(b|variant|NVLink|times in)' "$b"; }
 done
 for f in "$OUT"/ncu_*.log; do
   [ -f "$f" ] || continue
