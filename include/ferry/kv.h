@@ -8,6 +8,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -15,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "ferry/bootstrap.h"
 #include "ferry/fabric.h"
 #include "ferry/status.h"
 
@@ -151,6 +153,27 @@ class GpuLayerCounter {
   virtual const std::atomic<uint64_t>* host() const = 0;
   // `cuda_stream` is a cudaStream_t; null is the legacy default stream.
   virtual Status Increment(void* cuda_stream) = 0;
+};
+
+// The caches of a node's TP ranks in GPU memory, seen by one leader process that owns the engine
+// (one engine serves every shard of a node). Each rank allocates its cache here (cuMemCreate,
+// exportable); the descriptors go to the leader over a Unix socket, and the leader maps every
+// rank's cache into its own address space: it registers those mappings with its engine
+// (EngineOptions::cuda_memory; a provider without CUDA memory says Unimplemented there) and
+// passes them to KvPrefill / KvDecoder as KvRegions. A rank that dies leaves its cache mapped
+// in the leader until the leader lets go, so writes still landing in it never fault.
+// Collective over `bootstrap` (the ranks of one node, the leader among them). FailedPrecondition
+// without a GPU; Unimplemented where ferry was built without CUDA.
+class KvCudaShards {
+ public:
+  static StatusOr<std::unique_ptr<KvCudaShards>> Create(Bootstrap& bootstrap, int leader,
+                                                        int cuda_device, int64_t bytes,
+                                                        std::chrono::milliseconds timeout);
+  virtual ~KvCudaShards() = default;
+  // This rank's cache: device memory of `cuda_device`, at least `bytes` long, zeroed.
+  virtual void* local() const = 0;
+  // Leader: every rank's cache as mapped here, indexed by rank (its own included). Others: empty.
+  virtual std::span<void* const> leader_view() const = 0;
 };
 
 class KvPrefill {

@@ -973,6 +973,10 @@ StatusOr<std::unique_ptr<KvPrefill>> KvPrefill::Create(TransferEngine* engine,
 StatusOr<std::unique_ptr<GpuLayerCounter>> GpuLayerCounter::Create() {
   return UnimplementedError("GpuLayerCounter: ferry was built without CUDA");
 }
+StatusOr<std::unique_ptr<KvCudaShards>> KvCudaShards::Create(Bootstrap&, int, int, int64_t,
+                                                             std::chrono::milliseconds) {
+  return UnimplementedError("KvCudaShards: ferry was built without CUDA");
+}
 #endif
 
 }  // namespace ferry

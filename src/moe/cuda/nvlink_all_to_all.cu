@@ -1,6 +1,5 @@
 // The NVLink AllToAll (design in nvlink_all_to_all.h): the driver calls that share memory
 // between the ranks of a node, the five kernels, and the AllToAll that enqueues them.
-#include <cuda.h>
 #include <cuda_runtime.h>
 #include <unistd.h>
 
@@ -15,7 +14,8 @@
 #include "moe/cuda/cuda_device.h"
 #include "moe/cuda/cuda_util.cuh"
 #include "moe/cuda/nvlink_all_to_all.h"
-#include "moe/fd_exchange.h"
+#include "common/cuda_shared_memory.h"
+#include "common/fd_exchange.h"
 #include "moe/layout.h"
 
 namespace ferry::moe {
@@ -762,152 +762,6 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineA
 
 // ---- sharing memory between the ranks of a node -----------------------------------------------
 
-// The driver calls, found through the runtime (no link against libcuda).
-struct Driver {
-  decltype(&::cuMemCreate) MemCreate;
-  decltype(&::cuMemRelease) MemRelease;
-  decltype(&::cuMemGetAllocationGranularity) MemGetAllocationGranularity;
-  decltype(&::cuMemAddressReserve) MemAddressReserve;
-  decltype(&::cuMemAddressFree) MemAddressFree;
-  decltype(&::cuMemMap) MemMap;
-  decltype(&::cuMemUnmap) MemUnmap;
-  decltype(&::cuMemSetAccess) MemSetAccess;
-  decltype(&::cuMemExportToShareableHandle) MemExportToShareableHandle;
-  decltype(&::cuMemImportFromShareableHandle) MemImportFromShareableHandle;
-
-  static StatusOr<const Driver*> Get() {
-    static Driver driver;
-    static Status loaded = driver.Load();
-    if (!loaded.ok()) return loaded;
-    return &driver;
-  }
-
- private:
-  template <typename F>
-  static Status Find(const char* name, F* fn) {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult found;
-    if (cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &found) !=
-            cudaSuccess ||
-        found != cudaDriverEntryPointSuccess || !p) {
-      (void)cudaGetLastError();
-      return UnimplementedError(std::string("moe NVLink: the CUDA driver lacks ") + name);
-    }
-    *fn = reinterpret_cast<F>(p);
-    return Status::Ok();
-  }
-  Status Load() {
-    RETURN_IF_ERROR(Find("cuMemCreate", &MemCreate));
-    RETURN_IF_ERROR(Find("cuMemRelease", &MemRelease));
-    RETURN_IF_ERROR(Find("cuMemGetAllocationGranularity", &MemGetAllocationGranularity));
-    RETURN_IF_ERROR(Find("cuMemAddressReserve", &MemAddressReserve));
-    RETURN_IF_ERROR(Find("cuMemAddressFree", &MemAddressFree));
-    RETURN_IF_ERROR(Find("cuMemMap", &MemMap));
-    RETURN_IF_ERROR(Find("cuMemUnmap", &MemUnmap));
-    RETURN_IF_ERROR(Find("cuMemSetAccess", &MemSetAccess));
-    RETURN_IF_ERROR(Find("cuMemExportToShareableHandle", &MemExportToShareableHandle));
-    RETURN_IF_ERROR(Find("cuMemImportFromShareableHandle", &MemImportFromShareableHandle));
-    return Status::Ok();
-  }
-};
-
-Status DriverError(const char* what, CUresult r) {
-  return InternalError(std::string("moe NVLink: ") + what + " failed (CUresult " +
-                       std::to_string(static_cast<int>(r)) + ")");
-}
-#define FERRY_CU(what, expr)                          \
-  do {                                                \
-    const CUresult ferry_r_ = (expr);                 \
-    if (ferry_r_ != CUDA_SUCCESS) return DriverError(what, ferry_r_); \
-  } while (0)
-
-// One rank's buffer and its mappings of its node peers' buffers.
-class SharedBuffers {
- public:
-  SharedBuffers() = default;
-  SharedBuffers(const SharedBuffers&) = delete;
-  SharedBuffers& operator=(const SharedBuffers&) = delete;
-  ~SharedBuffers() {
-    for (const Mapping& m : maps_) {
-      if (m.ptr) {
-        driver_->MemUnmap(m.ptr, size_);
-        driver_->MemAddressFree(m.ptr, size_);
-      }
-      driver_->MemRelease(m.handle);
-    }
-  }
-
-  // Our buffer of at least `bytes`, zeroed, exportable; its descriptor in *fd.
-  Status Create(int device, int64_t bytes, int* fd) {
-    ASSIGN_OR_RETURN(driver_, Driver::Get());
-    device_ = device;
-    CUmemAllocationProp prop{};
-    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    prop.location.id = device;
-    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-    size_t granularity = 0;
-    FERRY_CU("cuMemGetAllocationGranularity",
-             driver_->MemGetAllocationGranularity(&granularity, &prop,
-                                                  CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
-    size_ = static_cast<size_t>(RoundUp(bytes, static_cast<int64_t>(granularity)));
-    CUmemGenericAllocationHandle handle;
-    FERRY_CU("cuMemCreate", driver_->MemCreate(&handle, size_, &prop, 0));
-    maps_.push_back({handle, 0});
-    ASSIGN_OR_RETURN(maps_.back().ptr, Map(handle));
-    FERRY_CUDA(cudaMemset(reinterpret_cast<void*>(maps_.back().ptr), 0, size_));
-    FERRY_CUDA(cudaDeviceSynchronize());
-    FERRY_CU("cuMemExportToShareableHandle",
-             driver_->MemExportToShareableHandle(fd, handle,
-                                                 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
-    return Status::Ok();
-  }
-
-  // A peer's buffer from its descriptor (which stays the caller's to close).
-  StatusOr<uint8_t*> Import(int fd) {
-    CUmemGenericAllocationHandle handle;
-    FERRY_CU("cuMemImportFromShareableHandle",
-             driver_->MemImportFromShareableHandle(
-                 &handle, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),
-                 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
-    maps_.push_back({handle, 0});
-    ASSIGN_OR_RETURN(maps_.back().ptr, Map(handle));
-    return reinterpret_cast<uint8_t*>(maps_.back().ptr);
-  }
-
-  uint8_t* own() const { return reinterpret_cast<uint8_t*>(maps_.front().ptr); }
-
- private:
-  struct Mapping {
-    CUmemGenericAllocationHandle handle;
-    CUdeviceptr ptr;
-  };
-
-  StatusOr<CUdeviceptr> Map(CUmemGenericAllocationHandle handle) {
-    CUdeviceptr ptr;
-    FERRY_CU("cuMemAddressReserve", driver_->MemAddressReserve(&ptr, size_, 0, 0, 0));
-    if (CUresult r = driver_->MemMap(ptr, size_, 0, handle, 0); r != CUDA_SUCCESS) {
-      driver_->MemAddressFree(ptr, size_);
-      return DriverError("cuMemMap", r);
-    }
-    CUmemAccessDesc access{};
-    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    access.location.id = device_;
-    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    if (CUresult r = driver_->MemSetAccess(ptr, size_, &access, 1); r != CUDA_SUCCESS) {
-      driver_->MemUnmap(ptr, size_);
-      driver_->MemAddressFree(ptr, size_);
-      return DriverError("cuMemSetAccess (are the GPUs peers over NVLink or PCIe?)", r);
-    }
-    return ptr;
-  }
-
-  const Driver* driver_ = nullptr;
-  int device_ = 0;
-  size_t size_ = 0;
-  std::vector<Mapping> maps_;  // ours first
-};
-
 // ---- the AllToAll -----------------------------------------------------------------------------
 
 class NvlinkAllToAll final : public AllToAll {
@@ -1214,7 +1068,7 @@ class NvlinkAllToAll final : public AllToAll {
   const AllToAllConfig c_;
   const MoeLayout layout_;  // slots_per_pair: the most slots one sender routes to one receiver
   Nv nv_{};
-  SharedBuffers shared_;
+  SharedCudaMemory shared_;
   DeviceArray<uint8_t*> bases_;
   DeviceArray<Scratch> scratch_;
   DeviceArray<int32_t> indices_, slot_pos_, row_pos_, totals_, erank_, chunk_counts_;

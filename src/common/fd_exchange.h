@@ -15,7 +15,7 @@
 #include "ferry/bootstrap.h"
 #include "ferry/status.h"
 
-namespace ferry::moe {
+namespace ferry {
 
 // Collective over the whole bootstrap (every rank calls it, node members or not). `members` are
 // the ranks of the caller's node, the caller included, the same list on each of them. Returns,
@@ -24,4 +24,4 @@ namespace ferry::moe {
 StatusOr<std::vector<int>> ExchangeFds(Bootstrap& bootstrap, std::span<const int> members,
                                        int mine, std::chrono::milliseconds timeout);
 
-}  // namespace ferry::moe
+}  // namespace ferry

@@ -1,4 +1,4 @@
-#include "moe/fd_exchange.h"
+#include "common/fd_exchange.h"
 
 #include <gtest/gtest.h>
 #include <sys/mman.h>
@@ -11,7 +11,7 @@
 
 #include "ferry/bootstrap.h"
 
-namespace ferry::moe {
+namespace ferry {
 namespace {
 
 using namespace std::chrono_literals;
@@ -104,4 +104,4 @@ TEST(FdExchangeTest, AMissingMemberTimesOut) {
 }
 
 }  // namespace
-}  // namespace ferry::moe
+}  // namespace ferry

@@ -1,5 +1,5 @@
 // ExchangeFds: SCM_RIGHTS over abstract Unix-domain sockets (see fd_exchange.h).
-#include "moe/fd_exchange.h"
+#include "common/fd_exchange.h"
 
 #include <poll.h>
 #include <sys/socket.h>
@@ -12,7 +12,7 @@
 #include <random>
 #include <string>
 
-namespace ferry::moe {
+namespace ferry {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -179,4 +179,4 @@ StatusOr<std::vector<int>> ExchangeFds(Bootstrap& bootstrap, std::span<const int
   return out;
 }
 
-}  // namespace ferry::moe
+}  // namespace ferry
