@@ -217,6 +217,15 @@ TEST(MoeHostBadInputTest, RefusesBadRoutesTooManyTokensAndMismatchedConfigs) {
     bad = cfg;
     bad.hidden = 100;
     CHECK_OR_RETURN(bad.Validate().code() == StatusCode::kInvalidArgument, "hidden 100 accepted");
+    // What only the CUDA NVLink path offers is refused clearly on the host device.
+    int32_t device_count = 2;
+    DispatchInput counted{x.data(), nullptr, idx.data(), w.data(), 2};
+    counted.device_num_tokens = &device_count;
+    s = a2a->DispatchSend(counted);
+    CHECK_OR_RETURN(s.code() == StatusCode::kInvalidArgument, "device count: " + s.ToString());
+    s = a2a->SetStream(nullptr);
+    CHECK_OR_RETURN(s.code() == StatusCode::kUnimplemented, "SetStream: " + s.ToString());
+    RETURN_IF_ERROR(a2a->Synchronize());  // nothing enqueued: the steps wait themselves
     // A good iteration after the refusals.
     idx = {0, 5, 7, 2};
     std::vector<uint16_t> out_x(4 * 2 * 4 * 128), y(2 * 128), eo(4 * 2 * 4 * 128, 0);
@@ -227,6 +236,28 @@ TEST(MoeHostBadInputTest, RefusesBadRoutesTooManyTokensAndMismatchedConfigs) {
     RETURN_IF_ERROR(a2a->CombineRecv(y.data(), false, Deadline::After(30s)));
     return b.Barrier(30s);
   }, 120s);
+  for (auto& e : exits) EXPECT_TRUE(e.ok()) << e.exit_code;
+
+  // Setup refusals before any collective step: a null engine where one is needed, and CUDA on
+  // several nodes of several GPUs (NVLink inside, RDMA between: not built).
+  exits = RunLocalRanks(1, [](Bootstrap& b) -> Status {
+    AllToAllConfig cfg{1, 0, 1, 8, 2, 4, 128, DispatchDtype::kBf16, 2};
+    auto none = AllToAll::Create(cfg, nullptr, b);
+    CHECK_OR_RETURN(none.status().code() == StatusCode::kInvalidArgument,
+                    "null engine: " + none.status().ToString());
+    return Status::Ok();
+  }, 60s);
+  for (auto& e : exits) EXPECT_TRUE(e.ok()) << e.exit_code;
+  exits = RunLocalRanks(4, [](Bootstrap& b) -> Status {
+    AllToAllConfig cfg{4, b.rank(), 2, 8, 2, 4, 128, DispatchDtype::kBf16, 2};
+    cfg.device = MoeDeviceKind::kCuda;
+    ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
+    auto mixed = AllToAll::Create(cfg, engine.get(), b);
+    CHECK_OR_RETURN(mixed.status().code() == StatusCode::kUnimplemented &&
+                        mixed.status().message().find("not built yet") != std::string::npos,
+                    "2 nodes x 2 GPUs: " + mixed.status().ToString());
+    return Status::Ok();
+  }, 60s);
   for (auto& e : exits) EXPECT_TRUE(e.ok()) << e.exit_code;
 
   // Ranks that disagree on the configuration fail at setup, naming the problem.
