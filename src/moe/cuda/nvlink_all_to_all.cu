@@ -1,5 +1,5 @@
-// The NVLink AllToAll (design in nvlink_all_to_all.h): the driver calls that share memory
-// between the ranks of a node, the five kernels, and the AllToAll that enqueues them.
+// The NVLink AllToAll (design in nvlink_all_to_all.h): the five kernels and the AllToAll that
+// enqueues them. The memory they share comes from common/cuda_shared_memory.h.
 #include <cuda_runtime.h>
 #include <unistd.h>
 
@@ -11,11 +11,11 @@
 #include <string>
 #include <vector>
 
+#include "common/cuda_shared_memory.h"
+#include "common/fd_exchange.h"
 #include "moe/cuda/cuda_device.h"
 #include "moe/cuda/cuda_util.cuh"
 #include "moe/cuda/nvlink_all_to_all.h"
-#include "common/cuda_shared_memory.h"
-#include "common/fd_exchange.h"
 #include "moe/layout.h"
 
 namespace ferry::moe {

@@ -20,9 +20,10 @@
 // Steps (one stream; kernels in order):
 //   DispatchSend: Route (per receiving rank: slot and combine-row positions of each token; per
 //                 chunk of (token, k) entries: each copy's rank among the copies for its expert,
-//                 by a stable block radix sort) -> Pack (block per token: its slots into our send
-//                 area, and into the receiver's private region when they fit; the last block
-//                 writes the counts rows into every peer and raises their dispatch flags).
+//                 by a stable block radix sort) -> Pack (tokens spread over the blocks; warp 0
+//                 lays out a token's slots, lane per copy; the row is read once and stored into
+//                 our send area and, when the slot fits, the receiver's private region; the last
+//                 block writes the counts rows into every peer and raises their dispatch flags).
 //   DispatchRecv: Unpack (every block waits for all dispatch flags; slot by slot, from our
 //                 private region, from the sender's send area over NVLink, or from our own send
 //                 area; rows into the expert-major output at the sender's offset for that expert
@@ -30,9 +31,9 @@
 //   CombineSend:  CombineSend (each received copy's expert output -- or, summed at the expert
 //                 rank, one row per token -- pushed into its sender's combine region; the last
 //                 block raises the combine flags).
-//   CombineRecv:  CombineRecv (every block waits for all combine flags; block per token: its
-//                 rows in rank then k order, fp32, unfused, as the host device sums them; the last
-//                 block advances the epoch).
+//   CombineRecv:  CombineRecv (every block waits for all combine flags; per token, its rows in
+//                 rank then k order, fp32, unfused, as the host device sums them, eight columns
+//                 per thread; the last block advances the epoch).
 //
 // Reuse needs no extra barrier: every pair of ranks exchanges both flags every epoch, and each
 // rank's steps run in stream order, so a rank's DispatchSend of epoch i + 1 (which rewrites its
