@@ -145,7 +145,8 @@ class AllToAll {
   // the steps wait themselves and this returns OK.
   virtual Status Synchronize() = 0;
 
-  // Bytes this rank's last dispatch and combine put on the wire (payload and metadata).
+  // Bytes this rank's last dispatch and combine put on the wire (payload and metadata; on the
+  // NVLink path, over NVLink to other ranks, read back from the GPU after waiting for the stream).
   virtual uint64_t dispatch_bytes_sent() const = 0;
   virtual uint64_t combine_bytes_sent() const = 0;
 };
