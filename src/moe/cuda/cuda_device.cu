@@ -154,45 +154,25 @@ struct SumView {
 // Block r: for each token in order, the slots and combine rows it has on rank r, as exclusive
 // prefix sums (its positions among rank r's slots and rows). Counts copies per expert.
 __global__ void RouteKernel(SendView v) {
-  using Scan = cub::BlockScan<int32_t, kScanThreads>;
-  __shared__ typename Scan::TempStorage temp;
+  __shared__ typename cub::BlockScan<int32_t, kScanThreads>::TempStorage temp;
   const Shape& s = v.s;
   const int r = blockIdx.x;
-  int32_t carry_slots = 0, carry_rows = 0;
-  for (int base = 0; base < v.tokens; base += kScanThreads) {
-    const int t = base + threadIdx.x;
-    int32_t slots = 0, rows = 0;
-    if (t < v.tokens) {
-      int hits = 0;
-      for (int j = 0; j < s.k; ++j) {
-        const int32_t e = v.indices[int64_t{t} * s.k + j];
-        if (e < 0 || e >= s.e) {
-          if (r == 0) ReportError(v.error, kBadExpert, t, e);
-          continue;
-        }
-        if (e / s.l != r) continue;
-        ++hits;
-        atomicAdd(&v.expert_counts[e], 1);
+  auto count = [&](int t) {
+    int hits = 0;
+    for (int j = 0; j < s.k; ++j) {
+      const int32_t e = v.indices[int64_t{t} * s.k + j];
+      if (e < 0 || e >= s.e) {
+        if (r == 0) ReportError(v.error, kBadExpert, t, e);
+        continue;
       }
-      slots = hits == 0 ? 0 : (s.once ? 1 : hits);
-      rows = hits == 0 ? 0 : (s.reduce ? 1 : hits);
+      if (e / s.l != r) continue;
+      ++hits;
+      atomicAdd(&v.expert_counts[e], 1);
     }
-    int32_t slot_prefix, row_prefix, slot_sum, row_sum;
-    Scan(temp).ExclusiveSum(slots, slot_prefix, slot_sum);
-    __syncthreads();
-    Scan(temp).ExclusiveSum(rows, row_prefix, row_sum);
-    __syncthreads();
-    if (t < v.tokens) {
-      v.slot_pos[int64_t{r} * s.t_max + t] = carry_slots + slot_prefix;
-      v.row_pos[int64_t{r} * s.t_max + t] = carry_rows + row_prefix;
-    }
-    carry_slots += slot_sum;
-    carry_rows += row_sum;
-  }
-  if (threadIdx.x == 0) {
-    v.totals[r] = carry_slots;
-    v.totals[s.n + r] = carry_rows;
-  }
+    return make_int2(hits == 0 ? 0 : (s.once ? 1 : hits), hits == 0 ? 0 : (s.reduce ? 1 : hits));
+  };
+  ScanTokensForRank<kScanThreads>(r, s.n, v.tokens, s.t_max, count, v.slot_pos, v.row_pos,
+                                  v.totals, temp);
 }
 
 // The counts row (per expert, slots per rank, rows per rank) into the send region.
@@ -258,15 +238,6 @@ __global__ void PackKernel(SendView v) {
 }
 
 // ---- dispatch receive -------------------------------------------------------------------------
-
-__device__ inline int SenderOf(const int64_t* prefix, int n, int64_t g) {
-  int lo = 0, hi = n - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (prefix[mid] <= g) lo = mid; else hi = mid - 1;
-  }
-  return lo;
-}
 
 __device__ inline const uint8_t* SlotAddress(const RecvView& v, int sender, int64_t j) {
   const Shape& s = v.s;

@@ -257,44 +257,25 @@ union RouteSmem {
 // Rank r's block: for each token in order, its slots and combine rows on rank r as exclusive
 // prefix sums. Reports expert ids out of range (rank 0's block), which every step then skips.
 __device__ void RankScan(const Nv& v, const SendArgs& a, int tokens, int r, RouteSmem& smem) {
-  int32_t carry_slots = 0, carry_rows = 0;
-  for (int base = 0; base < tokens; base += kRouteThreads) {
-    const int t = base + threadIdx.x;
-    int32_t slots = 0, rows = 0;
-    if (t < tokens) {
-      int32_t ids[kMaxK];  // all of the token's loads in flight at once
+  auto count = [&](int t) {
+    int32_t ids[kMaxK];  // all of the token's loads in flight at once
 #pragma unroll
-      for (int j = 0; j < kMaxK; ++j) ids[j] = j < v.k ? a.indices[int64_t{t} * v.k + j] : 0;
-      int hits = 0;
+    for (int j = 0; j < kMaxK; ++j) ids[j] = j < v.k ? a.indices[int64_t{t} * v.k + j] : 0;
+    int hits = 0;
 #pragma unroll
-      for (int j = 0; j < kMaxK; ++j) {
-        if (j >= v.k) break;
-        const int32_t e = ids[j];
-        if (!ValidExpert(v, e)) {
-          if (r == 0) Report(v, kBadExpert, t, e);
-          continue;
-        }
-        hits += e / v.l == r;
+    for (int j = 0; j < kMaxK; ++j) {
+      if (j >= v.k) break;
+      const int32_t e = ids[j];
+      if (!ValidExpert(v, e)) {
+        if (r == 0) Report(v, kBadExpert, t, e);
+        continue;
       }
-      slots = hits == 0 ? 0 : (v.once ? 1 : hits);
-      rows = hits == 0 ? 0 : (v.reduce ? 1 : hits);
+      hits += e / v.l == r;
     }
-    int32_t slot_prefix, row_prefix, slot_sum, row_sum;
-    RouteScan(smem.scan).ExclusiveSum(slots, slot_prefix, slot_sum);
-    __syncthreads();
-    RouteScan(smem.scan).ExclusiveSum(rows, row_prefix, row_sum);
-    __syncthreads();
-    if (t < tokens) {
-      v.slot_pos[int64_t{r} * v.t_max + t] = carry_slots + slot_prefix;
-      v.row_pos[int64_t{r} * v.t_max + t] = carry_rows + row_prefix;
-    }
-    carry_slots += slot_sum;
-    carry_rows += row_sum;
-  }
-  if (threadIdx.x == 0) {
-    v.totals[r] = carry_slots;
-    v.totals[v.n + r] = carry_rows;
-  }
+    return make_int2(hits == 0 ? 0 : (v.once ? 1 : hits), hits == 0 ? 0 : (v.reduce ? 1 : hits));
+  };
+  ScanTokensForRank<kRouteThreads>(r, v.n, tokens, v.t_max, count, v.slot_pos, v.row_pos,
+                                   v.totals, smem.scan);
 }
 
 // Chunk c's block: entries [c * kChunk, (c + 1) * kChunk) of the (token, k) list. A stable
@@ -465,15 +446,6 @@ __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
 }
 
 // ---- dispatch receive -------------------------------------------------------------------------
-
-__device__ inline int SenderOf(const int64_t* prefix, int n, int64_t g) {
-  int lo = 0, hi = n - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (prefix[mid] <= g) lo = mid; else hi = mid - 1;
-  }
-  return lo;
-}
 
 // Every block waits for all dispatch flags, then takes received slots g = blockIdx.x, +grid...
 // (sender-major, each sender in its send order): checks the slot, copies its row to each entry's
