@@ -890,6 +890,7 @@ class NvlinkAllToAll final : public AllToAll {
       return InvalidArgumentError("DispatchSend: null input buffer");
     }
     RETURN_IF_ERROR(Aligned(in.x, "DispatchSend: x"));
+    FERRY_CUDA(cudaSetDevice(c_.cuda_device));
     const SendArgs args{static_cast<const uint8_t*>(in.x), in.scales, in.indices, in.weights,
                         in.device_num_tokens, in.num_tokens};
     RouteKernel<<<nv_.n + nv_.chunks, kRouteThreads, 0, stream_>>>(nv_, args);
