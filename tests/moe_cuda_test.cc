@@ -104,21 +104,20 @@ struct Graphs {
     CUDA_OR_RETURN(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     RETURN_IF_ERROR(a2a.SetStream(stream));
     const Deadline later = Deadline::After(30s);
-    for (int i = 0; i < 2; ++i) {
-      RETURN_IF_ERROR(CaptureInto(stream, &dispatch, [&] {
-        RETURN_IF_ERROR(a2a.DispatchSend(in));
-        return a2a.DispatchRecv(out, later);
-      }));
-      if (i == 1) break;
-      // Two combine graphs need two dispatches captured before them (the steps run in order):
-      // the first dispatch graph is thrown away.
-      cudaGraphExecDestroy(dispatch);
-      dispatch = nullptr;
-      RETURN_IF_ERROR(CaptureInto(stream, &combine, [&] {
-        RETURN_IF_ERROR(a2a.CombineSend(expert_out));
-        return a2a.CombineRecv(y, false, later);
-      }));
-    }
+    auto dispatch_steps = [&] {
+      RETURN_IF_ERROR(a2a.DispatchSend(in));
+      return a2a.DispatchRecv(out, later);
+    };
+    RETURN_IF_ERROR(CaptureInto(stream, &dispatch, dispatch_steps));
+    RETURN_IF_ERROR(CaptureInto(stream, &combine, [&] {
+      RETURN_IF_ERROR(a2a.CombineSend(expert_out));
+      return a2a.CombineRecv(y, false, later);
+    }));
+    // The steps are captured in their order, so the second combine graph needs a dispatch
+    // captured before it; that copy of the dispatch graph is not kept.
+    cudaGraphExec_t again = nullptr;
+    RETURN_IF_ERROR(CaptureInto(stream, &again, dispatch_steps));
+    cudaGraphExecDestroy(again);
     return CaptureInto(stream, &combine_accumulate, [&] {
       RETURN_IF_ERROR(a2a.CombineSend(expert_out));
       return a2a.CombineRecv(y, true, later);

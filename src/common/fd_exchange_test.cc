@@ -9,15 +9,13 @@
 #include <cstring>
 #include <string>
 
+#include "fabric/test_util.h"
 #include "ferry/bootstrap.h"
 
 namespace ferry {
 namespace {
 
 using namespace std::chrono_literals;
-
-#define OK_OR_RETURN(cond, what) \
-  if (!(cond)) return InternalError(what)
 
 // A memfd holding "rank R".
 int MemFdOf(int rank) {
@@ -43,13 +41,13 @@ void ExpectExchange(int world, int per_node) {
     std::vector<int> members;
     for (int r = node * per_node; r < (node + 1) * per_node; ++r) members.push_back(r);
     const int mine = MemFdOf(b.rank());
-    OK_OR_RETURN(mine >= 0, "memfd");
+    CHECK_OR_RETURN(mine >= 0, "memfd");
     ASSIGN_OR_RETURN(auto fds, ExchangeFds(b, members, mine, 20s));
     close(mine);
-    OK_OR_RETURN(fds.size() == members.size(), "wrong count");
+    CHECK_OR_RETURN(fds.size() == members.size(), "wrong count");
     for (size_t i = 0; i < fds.size(); ++i) {
       const std::string got = ContentOf(fds[i]);
-      OK_OR_RETURN(got == "rank " + std::to_string(members[i]),
+      CHECK_OR_RETURN(got == "rank " + std::to_string(members[i]),
                    "member " + std::to_string(members[i]) + " sent '" + got + "'");
       close(fds[i]);
     }
@@ -65,7 +63,7 @@ TEST(FdExchangeTest, ACallerOutsideItsMembersIsRefused) {
   auto exits = RunLocalRanks(1, [](Bootstrap& b) -> Status {
     const std::vector<int> members{1};
     auto fds = ExchangeFds(b, members, 0, 5s);
-    OK_OR_RETURN(fds.status().code() == StatusCode::kInvalidArgument, fds.status().ToString());
+    CHECK_OR_RETURN(fds.status().code() == StatusCode::kInvalidArgument, fds.status().ToString());
     return Status::Ok();
   }, 30s);
   ASSERT_EQ(exits.size(), 1u);
@@ -88,8 +86,8 @@ TEST(FdExchangeTest, AMissingMemberTimesOut) {
       std::memcpy(addr.sun_path + 1, name.data(), name.size());
       const int sock = socket(AF_UNIX, SOCK_STREAM, 0);
       const auto len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
-      OK_OR_RETURN(bind(sock, reinterpret_cast<sockaddr*>(&addr), len) == 0, "bind");
-      OK_OR_RETURN(listen(sock, 4) == 0, "listen");
+      CHECK_OR_RETURN(bind(sock, reinterpret_cast<sockaddr*>(&addr), len) == 0, "bind");
+      CHECK_OR_RETURN(listen(sock, 4) == 0, "listen");
       RETURN_IF_ERROR(b.Barrier(20s));
       sleep(3);
       close(sock);
@@ -97,7 +95,7 @@ TEST(FdExchangeTest, AMissingMemberTimesOut) {
     }
     const std::vector<int> members{0, 1};
     auto fds = ExchangeFds(b, members, mine, 1500ms);
-    OK_OR_RETURN(fds.status().code() == StatusCode::kDeadlineExceeded, fds.status().ToString());
+    CHECK_OR_RETURN(fds.status().code() == StatusCode::kDeadlineExceeded, fds.status().ToString());
     return Status::Ok();
   }, 30s);
   for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;

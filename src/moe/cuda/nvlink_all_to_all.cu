@@ -399,7 +399,7 @@ __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
       const int64_t vectors = v.payload / 16, meta = v.meta_bytes / 16;
       for (int64_t base = threadIdx.x; base < vectors; base += 4 * int64_t{blockDim.x}) {
         uint4 r[4];
-  #pragma unroll
+#pragma unroll
         for (int u = 0; u < 4; ++u) {
           const int64_t i = base + u * int64_t{blockDim.x};
           if (i < vectors) r[u] = __ldg(row + i);
@@ -407,7 +407,7 @@ __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
         for (int slot = 0; slot < ns; ++slot) {
           uint4* d = reinterpret_cast<uint4*>(dst[slot]) + meta;
           uint4* p = peer[slot] ? reinterpret_cast<uint4*>(peer[slot]) + meta : nullptr;
-  #pragma unroll
+#pragma unroll
           for (int u = 0; u < 4; ++u) {
             const int64_t i = base + u * int64_t{blockDim.x};
             if (i < vectors) {
