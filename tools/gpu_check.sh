@@ -7,6 +7,7 @@
 #   tools/gpu_check.sh tests      build and tests only
 #   tools/gpu_check.sh nvlink     build, tests, the NVLink benchmarks and profiles only
 #   tools/gpu_check.sh profile    build and the per-kernel profiles only
+#   tools/gpu_check.sh kv         build, tests and the kv benchmarks (CPU side of the host)
 set -u
 OUT=${OUT:-/tmp/ferry-gpu}
 mkdir -p "$OUT"
@@ -51,7 +52,11 @@ if [ "$mode" = all ] || [ "$mode" = nvlink ]; then
     --compare --private 1024
   step nvlink_prefill 300 build-gpu/ferry-bench moe "${nv[@]}" --tokens 4096 --iters 10 --compare
 fi
-if [ "$mode" != tests ]; then
+if [ "$mode" = all ] || [ "$mode" = kv ]; then
+  step kv_4k 300 build-gpu/ferry-bench kv --tokens 4096
+  step kv_32k 300 build-gpu/ferry-bench kv --tokens 32768
+fi
+if [ "$mode" = all ] || [ "$mode" = nvlink ] || [ "$mode" = profile ]; then
   # Per-kernel GPU time on one rank (ncu serialises kernels, so peers cannot be profiled).
   NCU=${NCU:-/usr/local/cuda/bin/ncu}
   if [ -x "$NCU" ]; then
@@ -81,6 +86,9 @@ done
 grep -h -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT"/memcheck.log "$OUT"/racecheck.log 2> /dev/null
 for b in "$OUT"/bench_*.log "$OUT"/nvlink_*.log; do
   [ -f "$b" ] && { echo "== $(basename "$b" .log)"; grep -E '^(plain|\(a|\(b|variant|NVLink|times in)' "$b"; }
+done
+for f in "$OUT"/kv_[0-9]*.log; do
+  [ -f "$f" ] && { echo "== $(basename "$f" .log)"; tail -12 "$f"; }
 done
 for f in "$OUT"/ncu_*.log; do
   [ -f "$f" ] || continue
