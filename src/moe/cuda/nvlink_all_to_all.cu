@@ -27,6 +27,12 @@ constexpr int kChunk = kRouteThreads * kSortItems;  // (token, k) entries per so
 constexpr int kCopyThreads = 256;
 constexpr int kMaxK = 16;                           // the CUDA device's top-k limit
 constexpr int kMaxExperts = 1024;
+// DispatchSend as one kernel (SendSmallKernel) when a rank's (token, k) entries fit in shared
+// memory: decode batches. Warp per token.
+constexpr int kSmallEntries = 2048;
+constexpr int kSmallWarps = 4;
+constexpr int kSmallThreads = 32 * kSmallWarps;
+constexpr int kLaneVectors = 16;  // 16-byte vectors a lane keeps in flight in the warp copies
 
 // ---- what travels and what stays -------------------------------------------------------------
 
@@ -101,6 +107,7 @@ struct SendArgs {
   const float* weights;
   const int32_t* dev_tokens;
   int bound;
+  bool strict;  // an input error (expert id, device count) sends nothing at all
 };
 struct RecvArgs {
   uint8_t* out_x;
@@ -187,6 +194,16 @@ __device__ bool LastBlock(uint32_t* ticket, bool system) {
 
 __device__ inline bool ValidExpert(const Nv& v, int32_t e) { return e >= 0 && e < v.e; }
 
+// Scales [first, first + 4) of a row of spt, as one 16-byte vector of the slot, into out (whose
+// rows need not be 16-byte aligned).
+__device__ inline void StoreScales(float* out, int64_t first, int spt, const uint4& value) {
+  const uint32_t words[4] = {value.x, value.y, value.z, value.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    if (first + q < spt) out[first + q] = __uint_as_float(words[q]);
+  }
+}
+
 // One token's routing, worked out by warp 0: lane j < K holds the token's j-th copy.
 struct LaneRoute {
   bool valid;         // expert id in range
@@ -242,6 +259,40 @@ __device__ void PrefixTotals(const int32_t* totals, int n, int64_t* out) {
     }
   }
   __syncthreads();
+}
+
+// This epoch's token count: the host's bound, or the device count when one is given (a count
+// above the bound is reported, and nothing is sent). Block 0 records it for the later steps.
+__device__ int SendTokens(const Nv& v, const SendArgs& a) {
+  int tokens = a.bound;
+  if (a.dev_tokens) {
+    const int32_t d = *a.dev_tokens;
+    tokens = d >= 0 && d <= a.bound ? d : 0;
+    if (tokens != d && blockIdx.x == 0 && threadIdx.x == 0) {
+      Report(v, kTooManyTokens, d, a.bound);
+    }
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) v.scratch->tokens = tokens;
+  return tokens;
+}
+
+// The last block of a DispatchSend: our counts row into every rank (value(r, c): column c of
+// rank r's row, see CountsRow), then, once they are visible system-wide, every rank's dispatch
+// flag for us.
+template <typename Value>
+__device__ void RaiseDispatchFlags(const Nv& v, Value value) {
+  const uint64_t epoch = v.scratch->epoch;
+  const int width = v.l + 2;
+  for (int i = threadIdx.x; i < v.n * width; i += blockDim.x) {
+    const int r = i / width, c = i % width;
+    CountsRow(v, r, v.me)[c] = static_cast<int32_t>(value(r, c));
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) __threadfence_system();
+  __syncthreads();
+  for (int r = threadIdx.x; r < v.n; r += blockDim.x) {
+    StoreRelease(DispatchFlags(v, r) + v.me, epoch + 1);
+  }
 }
 
 // ---- dispatch send ----------------------------------------------------------------------------
@@ -326,15 +377,7 @@ __device__ void SortChunk(const Nv& v, const SendArgs& a, int tokens, int c, Rou
 // Blocks [0, N): RankScan; blocks [N, N + chunks): SortChunk.
 __global__ void __launch_bounds__(kRouteThreads) RouteKernel(Nv v, SendArgs a) {
   __shared__ RouteSmem smem;
-  int tokens = a.bound;
-  if (a.dev_tokens) {
-    const int32_t d = *a.dev_tokens;
-    tokens = d >= 0 && d <= a.bound ? d : 0;
-    if (tokens != d && blockIdx.x == 0 && threadIdx.x == 0) {
-      Report(v, kTooManyTokens, d, a.bound);
-    }
-  }
-  if (blockIdx.x == 0 && threadIdx.x == 0) v.scratch->tokens = tokens;
+  const int tokens = SendTokens(v, a);
   if (blockIdx.x < v.n) {
     RankScan(v, a, tokens, blockIdx.x, smem);
   } else {
@@ -417,32 +460,278 @@ __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
           }
         }
       }
-      for (int slot = 0; v.spt && slot < ns; ++slot) {
-        CopyBytes(dst[slot] + v.meta_bytes + v.payload,
-                  reinterpret_cast<const uint8_t*>(a.scales + int64_t{t} * v.spt),
-                  int64_t{v.spt} * 4, peer[slot] ? peer[slot] + v.meta_bytes + v.payload : nullptr);
+      for (int i = threadIdx.x; i < v.spt; i += blockDim.x) {  // one load, every slot
+        const float scale = a.scales[int64_t{t} * v.spt + i];
+        for (int slot = 0; slot < ns; ++slot) {
+          reinterpret_cast<float*>(dst[slot] + v.meta_bytes + v.payload)[i] = scale;
+          if (peer[slot]) reinterpret_cast<float*>(peer[slot] + v.meta_bytes + v.payload)[i] = scale;
+        }
       }
     }
     __syncthreads();  // dst, peer and num_slots are rewritten for the next token
   }
   if (!LastBlock(&v.scratch->tickets[0], true)) return;
-  const uint64_t epoch = v.scratch->epoch;
-  const int width = v.l + 2;
-  for (int i = threadIdx.x; i < v.n * width; i += blockDim.x) {
-    const int r = i / width, c = i % width;
-    int64_t value;
-    if (c < v.l) {
-      value = 0;
-      for (int ch = 0; ch < v.chunks; ++ch) value += v.chunk_counts[int64_t{ch} * v.e + r * v.l + c];
-    } else {
-      value = c == v.l ? v.totals[r] : starts[r];
+  RaiseDispatchFlags(v, [&](int r, int c) {
+    if (c == v.l) return int64_t{v.totals[r]};
+    if (c == v.l + 1) return starts[r];
+    int64_t value = 0;
+    for (int ch = 0; ch < v.chunks; ++ch) value += v.chunk_counts[int64_t{ch} * v.e + r * v.l + c];
+    return value;
+  });
+}
+
+// ---- dispatch send in one kernel (small batches) ------------------------------------------------
+
+// Dynamic shared memory of SendSmallKernel.
+struct SmallSmem {
+  int64_t* starts;      // [N] first slot per receiving rank in our send area
+  int64_t* row_starts;  // [N] first combine row per expert rank
+  int32_t* slots;       // [N] our slots per receiving rank
+  int32_t* rows;        // [N] combine rows per expert rank
+  int32_t* tok_rank;    // [N] tokens with a copy for rank r
+  int32_t* hist;        // [E] copies per expert
+  int32_t* idx;         // [T * K] the routing, as given
+  int32_t* code;        // [T * K] rank * 2 + (first of the token's copies for it), or -1 (invalid)
+};
+__host__ __device__ inline size_t SmallSmemBytes(int n, int e, int64_t entries) {
+  return size_t(n) * (2 * sizeof(int64_t) + 3 * sizeof(int32_t)) +
+         (size_t(e) + 2 * size_t(entries)) * sizeof(int32_t);
+}
+__device__ inline SmallSmem CarveSmallSmem(void* raw, int n, int e, int64_t entries) {
+  SmallSmem m;
+  m.starts = static_cast<int64_t*>(raw);
+  m.row_starts = m.starts + n;
+  m.slots = reinterpret_cast<int32_t*>(m.row_starts + n);
+  m.rows = m.slots + n;
+  m.tok_rank = m.rows + n;
+  m.hist = m.tok_rank + n;
+  m.idx = m.hist + e;
+  m.code = m.idx + entries;
+  return m;
+}
+
+// Every block reads the whole routing into shared memory and derives what Route computes for
+// the tokens it sends: per expert and per rank totals (shared atomics), and per token, by
+// counting over the earlier entries, each copy's position among the copies for its expert and
+// the token's first slot and combine row on each rank. No grid-wide step between routing and
+// packing, so DispatchSend is one launch. Warp w of block b sends tokens b * W + w, + grid...:
+// the row's first batch is loaded before the counting, which hides its latency.
+__global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs a) {
+  extern __shared__ int64_t small_raw[];
+  __shared__ uint8_t* dst_of[kSmallWarps][kMaxK];   // a token's slots in our send area
+  __shared__ uint8_t* peer_of[kSmallWarps][kMaxK];  // their copies in receivers' private regions
+  const SmallSmem m = CarveSmallSmem(small_raw, v.n, v.e, int64_t{v.t_max} * v.k);
+  const int tokens = SendTokens(v, a);
+  const int entries = tokens * v.k;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+
+  // Totals, and the routing in shared memory.
+  for (int i = threadIdx.x; i < v.e; i += blockDim.x) m.hist[i] = 0;
+  for (int i = threadIdx.x; i < v.n; i += blockDim.x) m.tok_rank[i] = 0;
+  __syncthreads();
+  bool bad = a.dev_tokens && *a.dev_tokens != tokens;
+  for (int t = threadIdx.x; t < tokens; t += blockDim.x) {
+    int32_t ids[kMaxK];
+    int ranks[kMaxK];
+#pragma unroll
+    for (int j = 0; j < kMaxK; ++j) ids[j] = j < v.k ? a.indices[int64_t{t} * v.k + j] : -1;
+#pragma unroll
+    for (int j = 0; j < kMaxK; ++j) {
+      if (j >= v.k) break;
+      const int32_t e = ids[j];
+      const bool valid = ValidExpert(v, e);
+      ranks[j] = valid ? e / v.l : -1;
+      bool first = valid;
+#pragma unroll
+      for (int i = 0; i < j; ++i) first = first && ranks[i] != ranks[j];
+      m.idx[t * v.k + j] = e;
+      m.code[t * v.k + j] = valid ? ranks[j] * 2 + first : -1;
+      if (valid) atomicAdd(&m.hist[e], 1);
+      if (first) atomicAdd(&m.tok_rank[ranks[j]], 1);
+      if (!valid) {
+        bad = true;
+        if (blockIdx.x == 0) Report(v, kBadExpert, t, e);
+      }
     }
-    CountsRow(v, r, v.me)[c] = static_cast<int32_t>(value);
+  }
+  if (__syncthreads_or(bad) && a.strict) return;  // nothing sent; the step may be retried
+  if (blockIdx.x == 0) {  // the routing for the combine steps
+    for (int f = threadIdx.x; f < entries; f += blockDim.x) {
+      v.indices[f] = m.idx[f];
+      v.weights[f] = a.weights[f];
+    }
+  }
+  for (int r = warp; r < v.n; r += kSmallWarps) {
+    int32_t copies = 0;
+    for (int i = lane; i < v.l; i += 32) copies += m.hist[r * v.l + i];
+    copies = __reduce_add_sync(~0u, copies);
+    if (lane == 0) {
+      m.slots[r] = v.once ? m.tok_rank[r] : copies;
+      m.rows[r] = v.reduce ? m.tok_rank[r] : copies;
+    }
   }
   __syncthreads();
-  if (threadIdx.x == 0) __threadfence_system();
+  if (warp == 0) {  // exclusive prefix sums over the ranks, 32 at a time
+    int64_t carry_slots = 0, carry_rows = 0;
+    for (int b = 0; b < v.n; b += 32) {
+      const int r = b + lane;
+      const int64_t my_slots = r < v.n ? m.slots[r] : 0, my_rows = r < v.n ? m.rows[r] : 0;
+      int64_t slots = my_slots, rows = my_rows;
+      for (int d = 1; d < 32; d *= 2) {
+        const int64_t s2 = __shfl_up_sync(~0u, slots, d), r2 = __shfl_up_sync(~0u, rows, d);
+        if (lane >= d) {
+          slots += s2;
+          rows += r2;
+        }
+      }
+      if (r < v.n) {
+        m.starts[r] = carry_slots + slots - my_slots;
+        m.row_starts[r] = carry_rows + rows - my_rows;
+      }
+      carry_slots += __shfl_sync(~0u, slots, 31);
+      carry_rows += __shfl_sync(~0u, rows, 31);
+    }
+  }
   __syncthreads();
-  if (threadIdx.x < v.n) StoreRelease(DispatchFlags(v, threadIdx.x) + v.me, epoch + 1);
+
+  const int64_t vectors = v.payload / 16, meta = v.meta_bytes / 16;
+  for (int t = blockIdx.x * kSmallWarps + warp; t < tokens; t += gridDim.x * kSmallWarps) {
+    // The row's first batch and the token's weights, in flight during the counting.
+    const auto* row = reinterpret_cast<const uint4*>(a.x + int64_t{t} * v.payload);
+    uint4 batch[kLaneVectors];
+#pragma unroll
+    for (int u = 0; u < kLaneVectors; ++u) {
+      const int64_t i = lane + 32 * u;
+      if (i < vectors) batch[u] = __ldg(row + i);
+    }
+    const float weight = lane < v.k ? a.weights[int64_t{t} * v.k + lane] : 0.0f;
+
+    // Lane j: the token's j-th copy. Every lane counts, over its share of the earlier entries,
+    // the ones with each copy's expert (its position) and each copy's rank (all of them, and the
+    // first of each token: the token's first slot and combine row there).
+    const LaneRoute x = RouteLane(v, m.idx + t * v.k);
+    int32_t my_expert[kMaxK], my_rank[kMaxK];
+    uint32_t same_expert[kMaxK], same_rank[kMaxK], same_rank_first[kMaxK];
+#pragma unroll
+    for (int j = 0; j < kMaxK; ++j) {
+      my_expert[j] = __shfl_sync(~0u, x.valid ? x.e : -1, j);
+      my_rank[j] = __shfl_sync(~0u, x.valid ? x.r : -1, j);
+      same_expert[j] = same_rank[j] = same_rank_first[j] = 0;
+    }
+    const int before = t * v.k;
+    for (int f = lane; f < before + v.k; f += 32) {
+      const int32_t e = m.idx[f], c = m.code[f];
+      const bool earlier = f < before;
+#pragma unroll
+      for (int j = 0; j < kMaxK; ++j) {
+        if (j >= v.k) break;
+        same_expert[j] += e == my_expert[j] && f < before + j;
+        same_rank[j] += earlier && c >= 0 && c >> 1 == my_rank[j];
+        same_rank_first[j] += earlier && c == 2 * my_rank[j] + 1;
+      }
+    }
+    int32_t pos = 0, rank_copies = 0, rank_tokens = 0;
+#pragma unroll
+    for (int j = 0; j < kMaxK; ++j) {
+      if (j >= v.k) break;
+      const uint32_t p = __reduce_add_sync(~0u, same_expert[j]);
+      const uint32_t rc = __reduce_add_sync(~0u, same_rank[j]);
+      const uint32_t rt = __reduce_add_sync(~0u, same_rank_first[j]);
+      if (lane == j) {
+        pos = static_cast<int32_t>(p);
+        rank_copies = static_cast<int32_t>(rc);
+        rank_tokens = static_cast<int32_t>(rt);
+      }
+    }
+
+    // Lay out the token's slots (as PackKernel does).
+    if (x.valid) {
+      const int r = x.r;
+      const int o = v.once ? 0 : x.within;
+      const int64_t j = (v.once ? rank_tokens : rank_copies) + o;
+      uint8_t* d = v.base[v.me] + v.send_off + (m.starts[r] + j) * v.slot_bytes;
+      uint8_t* p = r != v.me && j < v.priv
+                       ? v.base[r] + v.private_off + (int64_t{v.me} * v.priv + j) * v.slot_bytes
+                       : nullptr;
+      const NvEntry entry{x.e % v.l, lane, weight, pos};
+      const int at = v.once ? x.within : 0;
+      reinterpret_cast<NvEntry*>(d + sizeof(NvHeader))[at] = entry;
+      if (p) reinterpret_cast<NvEntry*>(p + sizeof(NvHeader))[at] = entry;
+      if (!v.once || x.first) {
+        const int32_t row_pos = v.reduce ? rank_tokens : rank_copies;
+        const int32_t row = static_cast<int32_t>(m.row_starts[r] + row_pos +
+                                                 (v.once || v.reduce ? 0 : o));
+        const NvHeader header{t, v.once ? x.hits : 1, row, static_cast<int16_t>(o),
+                              static_cast<int16_t>(v.once ? 1 : x.hits)};
+        *reinterpret_cast<NvHeader*>(d) = header;
+        if (p) *reinterpret_cast<NvHeader*>(p) = header;
+        const int slot = v.once ? x.ranks_before : x.lanes_before + x.within;
+        dst_of[warp][slot] = d;
+        peer_of[warp][slot] = p;
+        if (x.first) {
+          v.slot_pos[int64_t{r} * v.t_max + t] = v.once ? rank_tokens : rank_copies;
+          v.row_pos[int64_t{r} * v.t_max + t] = row_pos;
+        }
+      }
+    }
+    const int ns = __popc(v.once ? x.firsts : x.valids);
+    __syncwarp();
+
+    // The row into every slot, batch by batch; then the scales.
+    for (int64_t first = 0; first < vectors; first += 32 * kLaneVectors) {
+      if (first > 0) {
+#pragma unroll
+        for (int u = 0; u < kLaneVectors; ++u) {
+          const int64_t i = first + lane + 32 * u;
+          if (i < vectors) batch[u] = __ldg(row + i);
+        }
+      }
+      for (int slot = 0; slot < ns; ++slot) {
+        uint4* d = reinterpret_cast<uint4*>(dst_of[warp][slot]) + meta + first;
+        uint4* p = peer_of[warp][slot] ? reinterpret_cast<uint4*>(peer_of[warp][slot]) + meta + first
+                                       : nullptr;
+#pragma unroll
+        for (int u = 0; u < kLaneVectors; ++u) {
+          const int64_t i = lane + 32 * u;
+          if (first + i < vectors) {
+            d[i] = batch[u];
+            if (p) p[i] = batch[u];
+          }
+        }
+      }
+    }
+    for (int base = 0; base < v.spt; base += 4 * 32) {
+      float scale[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int i = base + lane + 32 * u;
+        if (i < v.spt) scale[u] = a.scales[int64_t{t} * v.spt + i];
+      }
+      for (int slot = 0; slot < ns; ++slot) {
+        auto* d = reinterpret_cast<float*>(dst_of[warp][slot] + v.meta_bytes + v.payload);
+        auto* p = peer_of[warp][slot]
+                      ? reinterpret_cast<float*>(peer_of[warp][slot] + v.meta_bytes + v.payload)
+                      : nullptr;
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int i = base + lane + 32 * u;
+          if (i < v.spt) {
+            d[i] = scale[u];
+            if (p) p[i] = scale[u];
+          }
+        }
+      }
+    }
+    __syncwarp();  // dst_of / peer_of are rewritten for the warp's next token
+  }
+  if (!LastBlock(&v.scratch->tickets[0], true)) return;
+  for (int r = threadIdx.x; r < v.n; r += blockDim.x) {
+    v.totals[r] = m.slots[r];
+    v.totals[v.n + r] = m.rows[r];
+  }
+  RaiseDispatchFlags(v, [&](int r, int c) {
+    return c < v.l ? int64_t{m.hist[r * v.l + c]} : c == v.l ? int64_t{m.slots[r]} : m.starts[r];
+  });
 }
 
 // ---- dispatch receive -------------------------------------------------------------------------
@@ -493,7 +782,9 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
       v.scratch->rows_out = 0;
     }
   }
+  // Vectors [0, meta): header and entries; [meta, body): the row; [body, end): the scales.
   const int64_t meta = v.meta_bytes / 16, body = meta + v.payload / 16;
+  const int64_t end = (v.meta_bytes + v.payload + int64_t{v.spt} * 4 + 15) / 16;
   const int64_t batch = 4 * int64_t{blockDim.x};
   for (int64_t g = blockIdx.x; g < total; g += gridDim.x) {
     const int s = SenderOf(prefix, v.n, g);
@@ -503,12 +794,12 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
         : j < v.priv ? v.base[v.me] + v.private_off + (int64_t{s} * v.priv + j) * v.slot_bytes
                      : v.base[s] + v.send_off + (start[s] + j) * v.slot_bytes;
     const auto* src4 = reinterpret_cast<const uint4*>(src);
-    // One round trip for the slot's first 16 KiB (metadata and, usually, the whole row).
+    // One round trip for the slot's first 16 KiB (metadata and, usually, the whole slot).
     uint4 r[4];
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       const int64_t i = threadIdx.x + u * int64_t{blockDim.x};
-      if (i < body) r[u] = __ldcg(src4 + i);
+      if (i < end) r[u] = __ldcg(src4 + i);
       if (i < meta) meta_v[i] = r[u];
     }
     __syncthreads();
@@ -538,33 +829,28 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
       v.rslots[g] = RecvSlot{s, header.row, valid ? entries : 0, header.part, header.parts};
     }
     const int outs = valid ? entries : 0;
-    for (int e = 0; e < outs; ++e) {
-      auto* dst = reinterpret_cast<uint4*>(a.out_x + out_row[e] * v.payload);
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int64_t i = threadIdx.x + u * int64_t{blockDim.x};
-        if (i >= meta && i < body) dst[i - meta] = r[u];
+    // Vector i of the slot into every entry's output row (its row or its scales).
+    auto store = [&](int64_t i, const uint4& value) {
+      if (i < meta || i >= end) return;
+      for (int e = 0; e < outs; ++e) {
+        if (i < body) {
+          reinterpret_cast<uint4*>(a.out_x + out_row[e] * v.payload)[i - meta] = value;
+        } else {
+          StoreScales(a.out_scales + out_row[e] * v.spt, (i - body) * 4, v.spt, value);
+        }
       }
-    }
-    // Rows longer than one batch: the rest, batch by batch.
-    for (int64_t base = threadIdx.x + batch; outs > 0 && base < body; base += batch) {
+    };
+#pragma unroll
+    for (int u = 0; u < 4; ++u) store(threadIdx.x + u * int64_t{blockDim.x}, r[u]);
+    // Slots longer than one batch: the rest, batch by batch.
+    for (int64_t base = threadIdx.x + batch; outs > 0 && base < end; base += batch) {
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
         const int64_t i = base + u * int64_t{blockDim.x};
-        if (i < body) r[u] = __ldcg(src4 + i);
+        if (i < end) r[u] = __ldcg(src4 + i);
       }
-      for (int e = 0; e < outs; ++e) {
-        auto* dst = reinterpret_cast<uint4*>(a.out_x + out_row[e] * v.payload);
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = base + u * int64_t{blockDim.x};
-          if (i < body) dst[i - meta] = r[u];
-        }
-      }
-    }
-    for (int e = 0; v.spt && e < outs; ++e) {
-      CopyBytes(reinterpret_cast<uint8_t*>(a.out_scales + out_row[e] * v.spt),
-                src + v.meta_bytes + v.payload, int64_t{v.spt} * 4);
+      for (int u = 0; u < 4; ++u) store(base + u * int64_t{blockDim.x}, r[u]);
     }
     __syncthreads();  // the shared slot metadata is rewritten for the next one
   }
@@ -670,8 +956,8 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
                                                   &v.scratch->rows_out),
                                               static_cast<unsigned long long>(rows_out));
   if (!LastBlock(&v.scratch->tickets[1], true)) return;
-  if (threadIdx.x < v.n) {
-    StoreRelease(CombineFlags(v, threadIdx.x) + v.me, v.scratch->epoch + 1);
+  for (int r = threadIdx.x; r < v.n; r += blockDim.x) {
+    StoreRelease(CombineFlags(v, r) + v.me, v.scratch->epoch + 1);
   }
 }
 
@@ -789,6 +1075,9 @@ class NvlinkAllToAll final : public AllToAll {
     const int64_t max_recv = int64_t{n} * layout_.slots_per_pair;
     recv_grid_ = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_recv, 4 * sms)));
     recv_grid_limit_ = 4 * sms;
+    // Decode batches: DispatchSend in one kernel, its shared memory within the default limit.
+    const size_t small_smem = SmallSmemBytes(n, v.e, int64_t{t} * k);
+    if (int64_t{t} * k <= kSmallEntries && small_smem <= 48 * 1024) small_smem_ = small_smem;
 
     // Exchange: the configuration, then the buffers.
     const auto timeout = std::chrono::seconds(60);
@@ -891,14 +1180,23 @@ class NvlinkAllToAll final : public AllToAll {
     }
     RETURN_IF_ERROR(Aligned(in.x, "DispatchSend: x"));
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
+    // Synchronous steps are strict: bad input sends nothing, and the step may be retried.
     const SendArgs args{static_cast<const uint8_t*>(in.x), in.scales, in.indices, in.weights,
-                        in.device_num_tokens, in.num_tokens};
-    RouteKernel<<<nv_.n + nv_.chunks, kRouteThreads, 0, stream_>>>(nv_, args);
-    FERRY_CUDA(cudaGetLastError());
-    if (!async_) RETURN_IF_ERROR(Finish());  // bad input: nothing sent, the step may be retried
-    PackKernel<<<TokenGrid(in.num_tokens), kCopyThreads, 2 * nv_.n * sizeof(int64_t),
-                 stream_>>>(nv_, args);
-    FERRY_CUDA(cudaGetLastError());
+                        in.device_num_tokens, in.num_tokens, !async_};
+    if (small_smem_ > 0) {
+      const int grid = std::max(1, std::min((in.num_tokens + kSmallWarps - 1) / kSmallWarps,
+                                            recv_grid_limit_));
+      SendSmallKernel<<<grid, kSmallThreads, small_smem_, stream_>>>(nv_, args);
+      FERRY_CUDA(cudaGetLastError());
+      if (!async_) RETURN_IF_ERROR(Finish());
+    } else {
+      RouteKernel<<<nv_.n + nv_.chunks, kRouteThreads, 0, stream_>>>(nv_, args);
+      FERRY_CUDA(cudaGetLastError());
+      if (!async_) RETURN_IF_ERROR(Finish());
+      PackKernel<<<TokenGrid(in.num_tokens), kCopyThreads, 2 * nv_.n * sizeof(int64_t),
+                   stream_>>>(nv_, args);
+      FERRY_CUDA(cudaGetLastError());
+    }
     token_bound_ = in.num_tokens;
     stage_ = Stage::kDispatchSent;
     return async_ ? Status::Ok() : Finish();
@@ -1054,6 +1352,7 @@ class NvlinkAllToAll final : public AllToAll {
   int recv_grid_ = 1;
   int recv_grid_limit_ = 1;
   int token_bound_ = 0;
+  size_t small_smem_ = 0;  // SendSmallKernel's shared memory; 0: Route and Pack instead
   Stage stage_ = Stage::kIdle;
   Status failed_ = Status::Ok();
 };
