@@ -8,6 +8,7 @@
 #   tools/gpu_check.sh nvlink     build, tests, the NVLink benchmarks and profiles only
 #   tools/gpu_check.sh profile    build and the per-kernel profiles only
 #   tools/gpu_check.sh kv         build, tests and the kv benchmarks (CPU side of the host)
+#   tools/gpu_check.sh trace      build, the NVLink decode benchmark, then phase stamps per kernel
 set -u
 OUT=${OUT:-/tmp/ferry-gpu}
 mkdir -p "$OUT"
@@ -36,7 +37,7 @@ step build 400 cmake --build build-gpu -j "$(nproc)" --target moe_cuda_test kv_c
   moe_host_test fd_exchange_test ferry-bench || { tail -60 "$OUT/build.log"; exit 1; }
 
 mode=${1:-all}
-if [ "$mode" != profile ]; then
+if [ "$mode" != profile ] && [ "$mode" != trace ]; then
   step kv_cuda_test 120 build-gpu/kv_cuda_test
   step moe_cuda_test 400 build-gpu/moe_cuda_test
   step fd_exchange_test 60 build-gpu/fd_exchange_test
@@ -44,6 +45,16 @@ if [ "$mode" != profile ]; then
     build-gpu/moe_cuda_test --gtest_filter='*n2_t7_h128_e8_k2_bf16*:*n3_t64*'
   step racecheck 300 "$SANITIZER" --tool racecheck --target-processes all \
     build-gpu/moe_cuda_test --gtest_filter='*n2_t7_h128_e8_k2_bf16*'
+fi
+if [ "$mode" = trace ]; then
+  nv=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8)
+  step nvlink_decode 200 build-gpu/ferry-bench moe "${nv[@]}" --tokens 128 --iters 200 --compare
+  for t in 128 4096; do
+    FERRY_NV_TRACE=1 step trace_$t 200 build-gpu/ferry-bench moe "${nv[@]}" --tokens $t --iters 5 \
+      --once-per-rank --reduce-at-expert-rank
+    echo "== trace, $t tokens, (a)+(b): point slowest/mean us since block start (blocks)"
+    grep -h 'trace ' "$OUT/trace_$t.log"
+  done
 fi
 if [ "$mode" = all ] || [ "$mode" = nvlink ]; then
   nv=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8)

@@ -7,6 +7,8 @@
 #include <cub/block/block_scan.cuh>
 
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -98,6 +100,8 @@ struct Nv {
   int32_t* chunk_counts; // [chunks, E]
   RecvSlot* rslots;      // [N * slots_per_pair]
   RecvEntry* rentries;   // [N * slots_per_pair, K]
+  long long* trace;      // null, or [kTraceKernels][trace_blocks][kTracePoints] (see Mark)
+  int trace_blocks;
 };
 
 struct SendArgs {
@@ -138,6 +142,17 @@ __device__ inline uint64_t GlobalTimerNs() {
   return t;
 }
 
+// Phase timing for tuning (FERRY_NV_TRACE=1 in the environment): thread 0 of each block stamps
+// clock64() at numbered points of a kernel (0: its start); the AllToAll prints, when destroyed,
+// each point's slowest and mean block time since that block's start, for the last launch.
+enum TraceKernel { kTraceSend, kTraceUnpack, kTraceCombineSend, kTraceCombineRecv, kTraceKernels };
+constexpr int kTracePoints = 8;
+__device__ inline void Mark(const Nv& v, TraceKernel kernel, int point) {
+  if (v.trace && threadIdx.x == 0 && static_cast<int>(blockIdx.x) < v.trace_blocks) {
+    v.trace[(int64_t{kernel} * v.trace_blocks + blockIdx.x) * kTracePoints + point] = clock64();
+  }
+}
+
 __device__ inline uint64_t* DispatchFlags(const Nv& v, int r) {
   return reinterpret_cast<uint64_t*>(v.base[r]);
 }
@@ -174,19 +189,25 @@ __device__ bool WaitAll(const Nv& v, const uint64_t* flags, uint64_t want, uint6
   return true;
 }
 
-// True in the block that finishes last; every block's writes (peers' memory included, with
-// `system`) are visible before it learns so. Resets the ticket for the next launch.
-// (The barrier orders the block's writes before thread 0's fence, which is cumulative.)
+// Thread 0 of each block adds to the ticket with acquire-release semantics at the scope the
+// block's writes must reach (system: peers' memory): the release carries the block's writes
+// (ordered before it by the barrier), the acquire in the last block sees every block's. True in
+// the block that finishes last, which resets the ticket for the next launch.
+__device__ inline uint32_t TicketAdd(uint32_t* ticket, bool system) {
+  uint32_t old;
+  if (system) {
+    asm volatile("atom.acq_rel.sys.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(ticket) : "memory");
+  } else {
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(ticket) : "memory");
+  }
+  return old;
+}
 __device__ bool LastBlock(uint32_t* ticket, bool system) {
   __shared__ bool last;
   __syncthreads();
   if (threadIdx.x == 0) {
-    if (system) __threadfence_system(); else __threadfence();
-    last = atomicAdd(ticket, 1u) == gridDim.x - 1;
-    if (last) {
-      atomicExch(ticket, 0u);
-      if (system) __threadfence_system(); else __threadfence();
-    }
+    last = TicketAdd(ticket, system) == gridDim.x - 1;
+    if (last) atomicExch(ticket, 0u);
   }
   __syncthreads();
   return last;
@@ -276,20 +297,22 @@ __device__ int SendTokens(const Nv& v, const SendArgs& a) {
   return tokens;
 }
 
-// The last block of a DispatchSend: our counts row into every rank (value(r, c): column c of
-// rank r's row, see CountsRow), then, once they are visible system-wide, every rank's dispatch
-// flag for us.
+// Our counts row into every rank (value(r, c): column c of rank r's row, see CountsRow).
 template <typename Value>
-__device__ void RaiseDispatchFlags(const Nv& v, Value value) {
-  const uint64_t epoch = v.scratch->epoch;
+__device__ void WriteCountsRows(const Nv& v, Value value) {
   const int width = v.l + 2;
   for (int i = threadIdx.x; i < v.n * width; i += blockDim.x) {
     const int r = i / width, c = i % width;
     CountsRow(v, r, v.me)[c] = static_cast<int32_t>(value(r, c));
   }
+}
+
+// The last block of a DispatchSend: every rank's dispatch flag for us. The stores release what
+// every block wrote (LastBlock made it visible to this block; the barrier, to each storing
+// thread).
+__device__ void RaiseDispatchFlags(const Nv& v) {
   __syncthreads();
-  if (threadIdx.x == 0) __threadfence_system();
-  __syncthreads();
+  const uint64_t epoch = v.scratch->epoch;
   for (int r = threadIdx.x; r < v.n; r += blockDim.x) {
     StoreRelease(DispatchFlags(v, r) + v.me, epoch + 1);
   }
@@ -471,103 +494,139 @@ __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
     __syncthreads();  // dst, peer and num_slots are rewritten for the next token
   }
   if (!LastBlock(&v.scratch->tickets[0], true)) return;
-  RaiseDispatchFlags(v, [&](int r, int c) {
+  WriteCountsRows(v, [&](int r, int c) {
     if (c == v.l) return int64_t{v.totals[r]};
     if (c == v.l + 1) return starts[r];
     int64_t value = 0;
     for (int ch = 0; ch < v.chunks; ++ch) value += v.chunk_counts[int64_t{ch} * v.e + r * v.l + c];
     return value;
   });
+  RaiseDispatchFlags(v);
 }
 
 // ---- dispatch send in one kernel (small batches) ------------------------------------------------
 
-// Dynamic shared memory of SendSmallKernel.
+// Dynamic shared memory of SendSmallKernel. "Before": in the entries of tokens before the
+// block's first token.
 struct SmallSmem {
   int64_t* starts;      // [N] first slot per receiving rank in our send area
   int64_t* row_starts;  // [N] first combine row per expert rank
   int32_t* slots;       // [N] our slots per receiving rank
   int32_t* rows;        // [N] combine rows per expert rank
-  int32_t* tok_rank;    // [N] tokens with a copy for rank r
-  int32_t* hist;        // [E] copies per expert
-  int32_t* idx;         // [T * K] the routing, as given
-  int32_t* code;        // [T * K] rank * 2 + (first of the token's copies for it), or -1 (invalid)
+  int32_t* copies_before;  // [N] copies for rank r
+  int32_t* tokens_all;     // [N] tokens with a copy for rank r
+  int32_t* tokens_before;  // [N]
+  int32_t* hist;           // [E] copies per expert
+  int32_t* hist_before;    // [E]
+  int32_t* idx;            // [T * K] the routing, as given
 };
 __host__ __device__ inline size_t SmallSmemBytes(int n, int e, int64_t entries) {
-  return size_t(n) * (2 * sizeof(int64_t) + 3 * sizeof(int32_t)) +
-         (size_t(e) + 2 * size_t(entries)) * sizeof(int32_t);
+  return size_t(n) * (2 * sizeof(int64_t) + 5 * sizeof(int32_t)) + 2 * size_t(e) * sizeof(int32_t) +
+         size_t(entries) * sizeof(int32_t);
 }
-__device__ inline SmallSmem CarveSmallSmem(void* raw, int n, int e, int64_t entries) {
+__device__ inline SmallSmem CarveSmallSmem(void* raw, int n, int e) {
   SmallSmem m;
   m.starts = static_cast<int64_t*>(raw);
   m.row_starts = m.starts + n;
   m.slots = reinterpret_cast<int32_t*>(m.row_starts + n);
   m.rows = m.slots + n;
-  m.tok_rank = m.rows + n;
-  m.hist = m.tok_rank + n;
-  m.idx = m.hist + e;
-  m.code = m.idx + entries;
+  m.copies_before = m.rows + n;
+  m.tokens_all = m.copies_before + n;
+  m.tokens_before = m.tokens_all + n;
+  m.hist = m.tokens_before + n;
+  m.hist_before = m.hist + e;
+  m.idx = m.hist_before + e;
   return m;
 }
 
-// Every block reads the whole routing into shared memory and derives what Route computes for
-// the tokens it sends: per expert and per rank totals (shared atomics), and per token, by
-// counting over the earlier entries, each copy's position among the copies for its expert and
-// the token's first slot and combine row on each rank. No grid-wide step between routing and
-// packing, so DispatchSend is one launch. Warp w of block b sends tokens b * W + w, + grid...:
-// the row's first batch is loaded before the counting, which hides its latency.
+// Whether entry f (valid, rank r) is the first of its token's copies for rank r.
+__device__ inline bool FirstForRank(const Nv& v, const int32_t* idx, int f, int r) {
+  for (int i = f - f % v.k; i < f; ++i) {
+    if (ValidExpert(v, idx[i]) && idx[i] / v.l == r) return false;
+  }
+  return true;
+}
+
+// Block b sends tokens b * W + w (warp w), so each block needs positions only for its own W
+// tokens. It reads the whole routing into shared memory and counts, with shared atomics, copies
+// per expert and tokens per rank over all tokens (the totals: slot and combine-row starts per
+// rank) and over the tokens before its own; within its own tokens a warp counts with ballots.
+// That gives what Route computes -- each copy's position among the copies for its expert, each
+// token's first slot and combine row on each rank -- with no grid-wide step, so DispatchSend is
+// one launch. The row's first batch is loaded before the slots are laid out.
 __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs a) {
   extern __shared__ int64_t small_raw[];
   __shared__ uint8_t* dst_of[kSmallWarps][kMaxK];   // a token's slots in our send area
   __shared__ uint8_t* peer_of[kSmallWarps][kMaxK];  // their copies in receivers' private regions
-  const SmallSmem m = CarveSmallSmem(small_raw, v.n, v.e, int64_t{v.t_max} * v.k);
+  const SmallSmem m = CarveSmallSmem(small_raw, v.n, v.e);
+  Mark(v, kTraceSend, 0);
   const int tokens = SendTokens(v, a);
   const int entries = tokens * v.k;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int first_token = blockIdx.x * kSmallWarps;
 
-  // Totals, and the routing in shared memory.
-  for (int i = threadIdx.x; i < v.e; i += blockDim.x) m.hist[i] = 0;
-  for (int i = threadIdx.x; i < v.n; i += blockDim.x) m.tok_rank[i] = 0;
+  for (int i = threadIdx.x; i < v.e; i += blockDim.x) m.hist[i] = m.hist_before[i] = 0;
+  for (int i = threadIdx.x; i < v.n; i += blockDim.x) m.tokens_all[i] = m.tokens_before[i] = 0;
+  for (int base = 0; base < entries; base += 4 * blockDim.x) {  // four loads in flight
+    int32_t ids[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int f = base + threadIdx.x + u * blockDim.x;
+      if (f < entries) ids[u] = a.indices[f];
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int f = base + threadIdx.x + u * blockDim.x;
+      if (f < entries) m.idx[f] = ids[u];
+    }
+  }
   __syncthreads();
+  // Thread per token. Tokens per rank: up to 32 ranks, a rank mask per token and one ballot per
+  // rank and warp (same-address shared atomics from a whole warp serialise); beyond, atomics.
   bool bad = a.dev_tokens && *a.dev_tokens != tokens;
-  for (int t = threadIdx.x; t < tokens; t += blockDim.x) {
-    int32_t ids[kMaxK];
-    int ranks[kMaxK];
-#pragma unroll
-    for (int j = 0; j < kMaxK; ++j) ids[j] = j < v.k ? a.indices[int64_t{t} * v.k + j] : -1;
-#pragma unroll
-    for (int j = 0; j < kMaxK; ++j) {
-      if (j >= v.k) break;
-      const int32_t e = ids[j];
-      const bool valid = ValidExpert(v, e);
-      ranks[j] = valid ? e / v.l : -1;
-      bool first = valid;
-#pragma unroll
-      for (int i = 0; i < j; ++i) first = first && ranks[i] != ranks[j];
-      m.idx[t * v.k + j] = e;
-      m.code[t * v.k + j] = valid ? ranks[j] * 2 + first : -1;
-      if (valid) atomicAdd(&m.hist[e], 1);
-      if (first) atomicAdd(&m.tok_rank[ranks[j]], 1);
-      if (!valid) {
+  for (int base = 0; base < tokens; base += blockDim.x) {
+    const int t = base + threadIdx.x;
+    const bool before = t < first_token;
+    uint32_t ranks = 0;
+    for (int f = t * v.k; t < tokens && f < (t + 1) * v.k; ++f) {
+      const int32_t e = m.idx[f];
+      if (!ValidExpert(v, e)) {
         bad = true;
         if (blockIdx.x == 0) Report(v, kBadExpert, t, e);
+        continue;
       }
+      atomicAdd(&m.hist[e], 1);
+      if (before) atomicAdd(&m.hist_before[e], 1);
+      const int r = e / v.l;
+      if (v.n <= 32) {
+        ranks |= 1u << r;
+      } else if (FirstForRank(v, m.idx, f, r)) {
+        atomicAdd(&m.tokens_all[r], 1);
+        if (before) atomicAdd(&m.tokens_before[r], 1);
+      }
+    }
+    for (int r = 0; v.n <= 32 && r < v.n; ++r) {
+      const int all = __popc(__ballot_sync(~0u, ranks >> r & 1));
+      const int early = __popc(__ballot_sync(~0u, before && (ranks >> r & 1)));
+      if (lane == 0 && all) atomicAdd(&m.tokens_all[r], all);
+      if (lane == 0 && early) atomicAdd(&m.tokens_before[r], early);
     }
   }
   if (__syncthreads_or(bad) && a.strict) return;  // nothing sent; the step may be retried
-  if (blockIdx.x == 0) {  // the routing for the combine steps
-    for (int f = threadIdx.x; f < entries; f += blockDim.x) {
-      v.indices[f] = m.idx[f];
-      v.weights[f] = a.weights[f];
+  Mark(v, kTraceSend, 1);
+
+  for (int r = warp; r < v.n; r += kSmallWarps) {  // copies per rank, from the expert counts
+    int32_t all = 0, before = 0;
+    for (int i = lane; i < v.l; i += 32) {
+      all += m.hist[r * v.l + i];
+      before += m.hist_before[r * v.l + i];
     }
-  }
-  for (int r = warp; r < v.n; r += kSmallWarps) {
-    int32_t copies = 0;
-    for (int i = lane; i < v.l; i += 32) copies += m.hist[r * v.l + i];
-    copies = __reduce_add_sync(~0u, copies);
+    all = __reduce_add_sync(~0u, all);
+    before = __reduce_add_sync(~0u, before);
     if (lane == 0) {
-      m.slots[r] = v.once ? m.tok_rank[r] : copies;
-      m.rows[r] = v.reduce ? m.tok_rank[r] : copies;
+      m.slots[r] = v.once ? m.tokens_all[r] : all;
+      m.rows[r] = v.reduce ? m.tokens_all[r] : all;
+      m.copies_before[r] = before;
     }
   }
   __syncthreads();
@@ -593,10 +652,18 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
     }
   }
   __syncthreads();
+  // Block 0 writes our counts rows into every rank now; the last block only raises the flags.
+  if (blockIdx.x == 0) {
+    WriteCountsRows(v, [&](int r, int c) {
+      return c < v.l ? int64_t{m.hist[r * v.l + c]} : c == v.l ? int64_t{m.slots[r]} : m.starts[r];
+    });
+  }
+  Mark(v, kTraceSend, 2);
 
   const int64_t vectors = v.payload / 16, meta = v.meta_bytes / 16;
-  for (int t = blockIdx.x * kSmallWarps + warp; t < tokens; t += gridDim.x * kSmallWarps) {
-    // The row's first batch and the token's weights, in flight during the counting.
+  const int t = first_token + warp;
+  if (t < tokens) {
+    // The row's first batch and the token's weights, in flight while the slots are laid out.
     const auto* row = reinterpret_cast<const uint4*>(a.x + int64_t{t} * v.payload);
     uint4 batch[kLaneVectors];
 #pragma unroll
@@ -606,43 +673,36 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
     }
     const float weight = lane < v.k ? a.weights[int64_t{t} * v.k + lane] : 0.0f;
 
-    // Lane j: the token's j-th copy. Every lane counts, over its share of the earlier entries,
-    // the ones with each copy's expert (its position) and each copy's rank (all of them, and the
-    // first of each token: the token's first slot and combine row there).
+    // Lane j: the token's j-th copy. Counts over the block's earlier entries (its tokens before
+    // this one, and this token's copies before j), 32 entries per ballot.
     const LaneRoute x = RouteLane(v, m.idx + t * v.k);
-    int32_t my_expert[kMaxK], my_rank[kMaxK];
-    uint32_t same_expert[kMaxK], same_rank[kMaxK], same_rank_first[kMaxK];
-#pragma unroll
-    for (int j = 0; j < kMaxK; ++j) {
-      my_expert[j] = __shfl_sync(~0u, x.valid ? x.e : -1, j);
-      my_rank[j] = __shfl_sync(~0u, x.valid ? x.r : -1, j);
-      same_expert[j] = same_rank[j] = same_rank_first[j] = 0;
-    }
-    const int before = t * v.k;
-    for (int f = lane; f < before + v.k; f += 32) {
-      const int32_t e = m.idx[f], c = m.code[f];
-      const bool earlier = f < before;
+    const int own = t * v.k;
+    int32_t pos = x.valid ? m.hist_before[x.e] : 0;
+    int32_t rank_copies = x.valid ? m.copies_before[x.r] : 0;  // before token t, on its rank
+    int32_t rank_tokens = x.valid ? m.tokens_before[x.r] : 0;
+    for (int base = first_token * v.k; base < own + v.k; base += 32) {
+      const int f = base + lane;
+      const int32_t e = f < own + v.k ? m.idx[f] : -1;
+      const bool valid = ValidExpert(v, e);
+      const int r = valid ? e / v.l : -1;
+      const bool earlier = f < own;
+      const bool first = valid && earlier && FirstForRank(v, m.idx, f, r);
 #pragma unroll
       for (int j = 0; j < kMaxK; ++j) {
         if (j >= v.k) break;
-        same_expert[j] += e == my_expert[j] && f < before + j;
-        same_rank[j] += earlier && c >= 0 && c >> 1 == my_rank[j];
-        same_rank_first[j] += earlier && c == 2 * my_rank[j] + 1;
+        const int32_t ej = __shfl_sync(~0u, x.valid ? x.e : -1, j);
+        const int rj = __shfl_sync(~0u, x.r, j);
+        const int p = __popc(__ballot_sync(~0u, valid && e == ej && f < own + j));
+        const int c = __popc(__ballot_sync(~0u, valid && earlier && r == rj));
+        const int n = __popc(__ballot_sync(~0u, first && r == rj));
+        if (lane == j) {
+          pos += p;
+          rank_copies += c;
+          rank_tokens += n;
+        }
       }
     }
-    int32_t pos = 0, rank_copies = 0, rank_tokens = 0;
-#pragma unroll
-    for (int j = 0; j < kMaxK; ++j) {
-      if (j >= v.k) break;
-      const uint32_t p = __reduce_add_sync(~0u, same_expert[j]);
-      const uint32_t rc = __reduce_add_sync(~0u, same_rank[j]);
-      const uint32_t rt = __reduce_add_sync(~0u, same_rank_first[j]);
-      if (lane == j) {
-        pos = static_cast<int32_t>(p);
-        rank_copies = static_cast<int32_t>(rc);
-        rank_tokens = static_cast<int32_t>(rt);
-      }
-    }
+    Mark(v, kTraceSend, 3);
 
     // Lay out the token's slots (as PackKernel does).
     if (x.valid) {
@@ -722,16 +782,21 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
         }
       }
     }
-    __syncwarp();  // dst_of / peer_of are rewritten for the warp's next token
   }
+  // The routing for the combine steps, spread over the blocks (off the rows' critical path).
+  for (int f = blockIdx.x * blockDim.x + threadIdx.x; f < entries; f += gridDim.x * blockDim.x) {
+    v.indices[f] = m.idx[f];
+    v.weights[f] = a.weights[f];
+  }
+  Mark(v, kTraceSend, 4);
   if (!LastBlock(&v.scratch->tickets[0], true)) return;
+  Mark(v, kTraceSend, 5);
   for (int r = threadIdx.x; r < v.n; r += blockDim.x) {
     v.totals[r] = m.slots[r];
     v.totals[v.n + r] = m.rows[r];
   }
-  RaiseDispatchFlags(v, [&](int r, int c) {
-    return c < v.l ? int64_t{m.hist[r * v.l + c]} : c == v.l ? int64_t{m.slots[r]} : m.starts[r];
-  });
+  RaiseDispatchFlags(v);
+  Mark(v, kTraceSend, 6);
 }
 
 // ---- dispatch receive -------------------------------------------------------------------------
@@ -748,10 +813,12 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
   __shared__ bool ok;
   __shared__ uint4 meta_v[1 + kMaxK];  // the slot's header and entries
   __shared__ int64_t out_row[kMaxK];
+  Mark(v, kTraceUnpack, 0);
   const uint64_t epoch = v.scratch->epoch;
   if (threadIdx.x == 0) ok = WaitAll(v, DispatchFlags(v, v.me), epoch + 1, a.timeout_ns, 0);
   __syncthreads();
   if (!ok) return;
+  Mark(v, kTraceUnpack, 1);
   for (int e = threadIdx.x; e < v.l; e += blockDim.x) {
     int32_t rows = 0;
     for (int s = 0; s < v.n; ++s) {
@@ -786,6 +853,7 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
   const int64_t meta = v.meta_bytes / 16, body = meta + v.payload / 16;
   const int64_t end = (v.meta_bytes + v.payload + int64_t{v.spt} * 4 + 15) / 16;
   const int64_t batch = 4 * int64_t{blockDim.x};
+  Mark(v, kTraceUnpack, 2);
   for (int64_t g = blockIdx.x; g < total; g += gridDim.x) {
     const int s = SenderOf(prefix, v.n, g);
     const int64_t j = g - prefix[s];
@@ -824,6 +892,7 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
       }
     }
     valid = __syncthreads_and(valid);
+    if (g == blockIdx.x) Mark(v, kTraceUnpack, 3);
     if (threadIdx.x == 0) {
       if (!valid) Report(v, kBadSlot, s, static_cast<int32_t>(j));
       v.rslots[g] = RecvSlot{s, header.row, valid ? entries : 0, header.part, header.parts};
@@ -854,6 +923,7 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
     }
     __syncthreads();  // the shared slot metadata is rewritten for the next one
   }
+  Mark(v, kTraceUnpack, 4);
 }
 
 // ---- combine ----------------------------------------------------------------------------------
@@ -872,20 +942,30 @@ __device__ inline uint4 PackBf16(const float (&acc)[8]) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// out[c8] (eight columns) = acc + sum over c < count of weight[c] * rows[c][c8], in c order,
-// fp32, unfused: the host device's arithmetic. All rows' loads are in flight at once.
-__device__ inline void WeightedSum8(float (&acc)[8], const uint4* const* rows, const float* weight,
-                                    int count, int64_t c8) {
-  uint4 vals[kMaxK];
+// acc[u][c8[u]] (eight columns each, c8[u] < 0: none) += sum over c < count of weight[c] *
+// rows[c][c8[u]], in c order, fp32, unfused: the host device's arithmetic. Both groups' loads of
+// eight rows are in flight at once.
+__device__ inline void WeightedSum2x8(float (&acc)[2][8], const uint4* const* rows,
+                                      const float* weight, int count, const int64_t (&c8)[2]) {
+  for (int first = 0; first < count; first += 8) {
+    uint4 vals[2][8];
 #pragma unroll
-  for (int c = 0; c < kMaxK; ++c) {
-    if (c < count) vals[c] = __ldcg(rows[c] + c8);
-  }
+    for (int c = 0; c < 8; ++c) {
 #pragma unroll
-  for (int c = 0; c < kMaxK; ++c) {
-    if (c < count) {
+      for (int u = 0; u < 2; ++u) {
+        if (first + c < count && c8[u] >= 0) vals[u][c] = __ldcg(rows[first + c] + c8[u]);
+      }
+    }
 #pragma unroll
-      for (int q = 0; q < 8; ++q) acc[q] = __fadd_rn(acc[q], __fmul_rn(weight[c], Bf16At(vals[c], q)));
+    for (int c = 0; c < 8; ++c) {
+      if (first + c >= count) break;
+      const float w = weight[first + c];
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        if (c8[u] < 0) continue;
+#pragma unroll
+        for (int q = 0; q < 8; ++q) acc[u][q] = __fadd_rn(acc[u][q], __fmul_rn(w, Bf16At(vals[u][c], q)));
+      }
     }
   }
 }
@@ -897,6 +977,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
   __shared__ const uint4* rows[kMaxK];
   __shared__ float weight[kMaxK];
   __shared__ int count;
+  Mark(v, kTraceCombineSend, 0);
   const int64_t total = v.scratch->total_recv;
   int64_t rows_out = 0;
   for (int64_t g = blockIdx.x; g < total; g += gridDim.x) {
@@ -943,11 +1024,17 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
       if (lane == 0) count = min(__popc(present), kMaxK);
     }
     __syncthreads();
+    if (g == blockIdx.x) Mark(v, kTraceCombineSend, 1);
     auto* out = reinterpret_cast<uint4*>(dst);
-    for (int64_t c8 = threadIdx.x; c8 < v.hidden / 8; c8 += blockDim.x) {
-      float acc[8] = {};
-      WeightedSum8(acc, rows, weight, count, c8);
-      out[c8] = PackBf16(acc);
+    const int64_t groups = v.hidden / 8;
+    for (int64_t c = threadIdx.x; c < groups; c += 2 * int64_t{blockDim.x}) {
+      const int64_t c8[2] = {c, c + blockDim.x < groups ? c + blockDim.x : -1};
+      float acc[2][8] = {};
+      WeightedSum2x8(acc, rows, weight, count, c8);
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        if (c8[u] >= 0) out[c8[u]] = PackBf16(acc[u]);
+      }
     }
     if (slot.sender != v.me) ++rows_out;
     __syncthreads();
@@ -955,10 +1042,13 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
   if (threadIdx.x == 0 && rows_out) atomicAdd(reinterpret_cast<unsigned long long*>(
                                                   &v.scratch->rows_out),
                                               static_cast<unsigned long long>(rows_out));
+  Mark(v, kTraceCombineSend, 2);
   if (!LastBlock(&v.scratch->tickets[1], true)) return;
+  Mark(v, kTraceCombineSend, 3);
   for (int r = threadIdx.x; r < v.n; r += blockDim.x) {
     StoreRelease(CombineFlags(v, r) + v.me, v.scratch->epoch + 1);
   }
+  Mark(v, kTraceCombineSend, 4);
 }
 
 // Tokens t = blockIdx.x, + grid...: once every combine flag is up, token t's returned rows, rank
@@ -970,6 +1060,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineA
   __shared__ const uint4* row_ptr[kMaxK];
   __shared__ float weight_of[kMaxK];
   __shared__ int rows;
+  Mark(v, kTraceCombineRecv, 0);
   const uint64_t epoch = v.scratch->epoch;
   const int tokens = v.scratch->tokens;
   PrefixTotals(v.totals + v.n, v.n, rank_start);
@@ -999,23 +1090,33 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineA
     }
     __syncthreads();
     if (!ok) return;
+    if (t == static_cast<int>(blockIdx.x)) Mark(v, kTraceCombineRecv, 1);
     if (mine) {
       auto* y = reinterpret_cast<uint4*>(a.out + int64_t{t} * v.hidden);
-      for (int64_t c8 = threadIdx.x; c8 < v.hidden / 8; c8 += blockDim.x) {
-        float acc[8] = {};
-        if (a.accumulate) {
-          const uint4 prev = y[c8];
+      const int64_t groups = v.hidden / 8;
+      for (int64_t c = threadIdx.x; c < groups; c += 2 * int64_t{blockDim.x}) {
+        const int64_t c8[2] = {c, c + blockDim.x < groups ? c + blockDim.x : -1};
+        float acc[2][8] = {};
 #pragma unroll
-          for (int q = 0; q < 8; ++q) acc[q] = Bf16At(prev, q);
+        for (int u = 0; u < 2; ++u) {
+          if (!a.accumulate || c8[u] < 0) continue;
+          const uint4 prev = y[c8[u]];
+#pragma unroll
+          for (int q = 0; q < 8; ++q) acc[u][q] = Bf16At(prev, q);
         }
-        WeightedSum8(acc, row_ptr, weight_of, rows, c8);
-        y[c8] = PackBf16(acc);
+        WeightedSum2x8(acc, row_ptr, weight_of, rows, c8);
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          if (c8[u] >= 0) y[c8[u]] = PackBf16(acc[u]);
+        }
       }
     }
     __syncthreads();  // the row table is rewritten for the next token
   }
+  Mark(v, kTraceCombineRecv, 2);
   // Only our own epoch word changes: a device-scope fence is enough.
   if (LastBlock(&v.scratch->tickets[2], false) && threadIdx.x == 0) v.scratch->epoch = epoch + 1;
+  Mark(v, kTraceCombineRecv, 3);
 }
 
 // ---- sharing memory between the ranks of a node -----------------------------------------------
@@ -1031,6 +1132,7 @@ class NvlinkAllToAll final : public AllToAll {
   ~NvlinkAllToAll() override {
     cudaSetDevice(c_.cuda_device);
     cudaDeviceSynchronize();
+    if (nv_.trace) PrintTrace();
     if (own_stream_) cudaStreamDestroy(own_stream_);
     if (error_) cudaFreeHost(error_);
   }
@@ -1143,6 +1245,13 @@ class NvlinkAllToAll final : public AllToAll {
     v.chunk_counts = chunk_counts_.get();
     v.rslots = rslots_.get();
     v.rentries = rentries_.get();
+    if (const char* trace = std::getenv("FERRY_NV_TRACE"); trace && *trace && *trace != '0') {
+      v.trace_blocks = recv_grid_limit_;
+      RETURN_IF_ERROR(trace_.Allocate(size_t(kTraceKernels) * v.trace_blocks * kTracePoints));
+      FERRY_CUDA(cudaMemset(trace_.get(), 0,
+                            size_t(kTraceKernels) * v.trace_blocks * kTracePoints * 8));
+      v.trace = trace_.get();
+    }
     FERRY_CUDA(cudaDeviceSynchronize());
     // No rank writes into another before every buffer is zeroed and mapped.
     return bootstrap.Barrier(timeout);
@@ -1184,8 +1293,8 @@ class NvlinkAllToAll final : public AllToAll {
     const SendArgs args{static_cast<const uint8_t*>(in.x), in.scales, in.indices, in.weights,
                         in.device_num_tokens, in.num_tokens, !async_};
     if (small_smem_ > 0) {
-      const int grid = std::max(1, std::min((in.num_tokens + kSmallWarps - 1) / kSmallWarps,
-                                            recv_grid_limit_));
+      const int grid = std::max(1, (in.num_tokens + kSmallWarps - 1) / kSmallWarps);
+      RETURN_IF_ERROR(ResetTrace(kTraceSend));
       SendSmallKernel<<<grid, kSmallThreads, small_smem_, stream_>>>(nv_, args);
       FERRY_CUDA(cudaGetLastError());
       if (!async_) RETURN_IF_ERROR(Finish());
@@ -1193,6 +1302,7 @@ class NvlinkAllToAll final : public AllToAll {
       RouteKernel<<<nv_.n + nv_.chunks, kRouteThreads, 0, stream_>>>(nv_, args);
       FERRY_CUDA(cudaGetLastError());
       if (!async_) RETURN_IF_ERROR(Finish());
+      RETURN_IF_ERROR(ResetTrace(kTraceSend));
       PackKernel<<<TokenGrid(in.num_tokens), kCopyThreads, 2 * nv_.n * sizeof(int64_t),
                    stream_>>>(nv_, args);
       FERRY_CUDA(cudaGetLastError());
@@ -1213,6 +1323,7 @@ class NvlinkAllToAll final : public AllToAll {
                         BudgetNs(deadline)};
     const size_t shared = (2 * nv_.n + 1) * sizeof(int64_t) +
                           size_t(nv_.n + 1) * nv_.l * sizeof(int32_t);
+    RETURN_IF_ERROR(ResetTrace(kTraceUnpack));
     UnpackKernel<<<recv_grid_, kCopyThreads, shared, stream_>>>(nv_, args);
     FERRY_CUDA(cudaGetLastError());
     stage_ = Stage::kDispatchDone;
@@ -1224,6 +1335,7 @@ class NvlinkAllToAll final : public AllToAll {
     if (!expert_out) return InvalidArgumentError("CombineSend: null expert output");
     RETURN_IF_ERROR(Aligned(expert_out, "CombineSend: expert output"));
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
+    RETURN_IF_ERROR(ResetTrace(kTraceCombineSend));
     CombineSendKernel<<<recv_grid_, kCopyThreads, 0, stream_>>>(
         nv_, CombineArgs{expert_out, nullptr, false, 0});
     FERRY_CUDA(cudaGetLastError());
@@ -1236,6 +1348,7 @@ class NvlinkAllToAll final : public AllToAll {
     if (!out && token_bound_ > 0) return InvalidArgumentError("CombineRecv: null output");
     RETURN_IF_ERROR(Aligned(out, "CombineRecv: output"));
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
+    RETURN_IF_ERROR(ResetTrace(kTraceCombineRecv));
     CombineRecvKernel<<<TokenGrid(token_bound_), kCopyThreads, nv_.n * sizeof(int64_t),
                         stream_>>>(
         nv_, CombineArgs{nullptr, out, accumulate, BudgetNs(deadline)});
@@ -1282,6 +1395,48 @@ class NvlinkAllToAll final : public AllToAll {
     if (!failed_.ok()) return failed_;
     if (reinterpret_cast<volatile int32_t*>(error_)[0] == kPeerTimeout) return Finish();
     return Status::Ok();
+  }
+
+  // Clears a kernel's stamps before its launch (stream-ordered), so that the last launch shows.
+  Status ResetTrace(TraceKernel kernel) {
+    if (!nv_.trace) return Status::Ok();
+    const size_t per_kernel = size_t(nv_.trace_blocks) * kTracePoints;
+    FERRY_CUDA(cudaMemsetAsync(nv_.trace + kernel * per_kernel, 0, per_kernel * 8, stream_));
+    return Status::Ok();
+  }
+
+  // Per kernel and point: the slowest and the mean block's time from its start, in µs.
+  void PrintTrace() {
+    static const char* const kNames[kTraceKernels] = {"DispatchSend", "Unpack", "CombineSend",
+                                                      "CombineRecv"};
+    std::vector<long long> stamps(size_t(kTraceKernels) * nv_.trace_blocks * kTracePoints);
+    int khz = 0;
+    if (cudaMemcpy(stamps.data(), nv_.trace, stamps.size() * 8, cudaMemcpyDeviceToHost) !=
+            cudaSuccess ||
+        cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, c_.cuda_device) != cudaSuccess ||
+        khz <= 0) {
+      return;
+    }
+    for (int k = 0; k < kTraceKernels; ++k) {
+      std::string line = "[rank " + std::to_string(c_.rank) + "] trace " + kNames[k] + ":";
+      for (int p = 1; p < kTracePoints; ++p) {
+        double slowest = 0, sum = 0;
+        int blocks = 0;
+        for (int b = 0; b < nv_.trace_blocks; ++b) {
+          const long long* at = &stamps[(size_t(k) * nv_.trace_blocks + b) * kTracePoints];
+          if (at[0] == 0 || at[p] == 0) continue;
+          const double us = double(at[p] - at[0]) / khz * 1e3;
+          slowest = std::max(slowest, us);
+          sum += us;
+          ++blocks;
+        }
+        if (blocks == 0) continue;
+        char part[96];
+        std::snprintf(part, sizeof part, " p%d %.2f/%.2f (%d)", p, slowest, sum / blocks, blocks);
+        line += part;
+      }
+      std::fprintf(stderr, "%s\n", line.c_str());
+    }
   }
 
   // Blocks of the per-token kernels: one per token up to four per SM (then they loop).
@@ -1346,6 +1501,7 @@ class NvlinkAllToAll final : public AllToAll {
   DeviceArray<float> weights_;
   DeviceArray<RecvSlot> rslots_;
   DeviceArray<RecvEntry> rentries_;
+  DeviceArray<long long> trace_;
   int32_t* error_ = nullptr;  // pinned, mapped
   cudaStream_t own_stream_ = nullptr, stream_ = nullptr;
   bool async_ = false;
