@@ -159,17 +159,18 @@ double MeasurePeerBandwidth() {
     if (e_ != cudaSuccess) return InternalError(std::string(#expr) + ": " + cudaGetErrorString(e_)); \
   } while (0)
 
-// The NVLink path, timed on the GPU. Captured once: a whole dispatch + combine cycle, and each
-// step as a graph of its own. Each iteration launches the cycle (it aligns the ranks: a
-// CombineRecv waits for every rank's CombineSend), then the four step graphs with events
-// between them. The host queues everything while the aligning cycle runs, so the events see GPU
-// time, not launch gaps. samples[0..3] the steps, [4] dispatch, [5] combine, [6] the empty step, in
-// microseconds.
+// The NVLink path, timed on the GPU. Captured once: a whole dispatch + combine cycle, each step
+// as a graph of its own, and dispatch and combine as one graph each (send and receive back to
+// back, as a model's graph runs them). Each iteration launches the cycle (it aligns the ranks: a
+// CombineRecv waits for every rank's CombineSend), then the four step graphs with events between
+// them; then the cycle again and the dispatch and combine graphs between events. The host queues
+// everything while the aligning cycle runs, so the events see GPU time, not launch gaps.
+// samples[0..3] the steps, [4] dispatch, [5] combine, [6] the empty step, in microseconds.
 Status TimeGraphCycles(const MoeBenchOptions& o, Bootstrap& b, AllToAll& a2a,
                        const StepBuffers& sb, std::vector<double> (&samples)[7]) {
   cudaStream_t stream = nullptr;
   BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cudaEvent_t ev[7] = {};
+  cudaEvent_t ev[9] = {};
   for (auto& e : ev) BENCH_CUDA(cudaEventCreate(&e));
   RETURN_IF_ERROR(a2a.SetStream(stream));
   const Deadline later = Deadline::After(std::chrono::minutes(5));
@@ -189,9 +190,11 @@ Status TimeGraphCycles(const MoeBenchOptions& o, Bootstrap& b, AllToAll& a2a,
     cudaGraphDestroy(graph);
     return Status::Ok();
   };
-  cudaGraphExec_t cycle = nullptr, step[4] = {}, empty = nullptr;
+  cudaGraphExec_t cycle = nullptr, step[4] = {}, half[2] = {}, empty = nullptr;
   RETURN_IF_ERROR(capture(0, 3, &cycle));
   for (int i = 0; i < 4; ++i) RETURN_IF_ERROR(capture(i, i, &step[i]));
+  RETURN_IF_ERROR(capture(0, 1, &half[0]));
+  RETURN_IF_ERROR(capture(2, 3, &half[1]));
   // Baseline for the cost of a step boundary: a graph of one 4-byte memset between two events.
   void* word = nullptr;
   BENCH_CUDA(cudaMalloc(&word, 4));
@@ -212,20 +215,28 @@ Status TimeGraphCycles(const MoeBenchOptions& o, Bootstrap& b, AllToAll& a2a,
     BENCH_CUDA(cudaEventRecord(ev[4], stream));
     BENCH_CUDA(cudaGraphLaunch(empty, stream));
     BENCH_CUDA(cudaEventRecord(ev[5], stream));
+    BENCH_CUDA(cudaGraphLaunch(cycle, stream));
+    BENCH_CUDA(cudaEventRecord(ev[6], stream));
+    BENCH_CUDA(cudaGraphLaunch(half[0], stream));
+    BENCH_CUDA(cudaEventRecord(ev[7], stream));
+    BENCH_CUDA(cudaGraphLaunch(half[1], stream));
+    BENCH_CUDA(cudaEventRecord(ev[8], stream));
     RETURN_IF_ERROR(a2a.Synchronize());
     if (it < o.warmup) continue;
     float ms[4];
     for (int i = 0; i < 4; ++i) BENCH_CUDA(cudaEventElapsedTime(&ms[i], ev[i], ev[i + 1]));
     for (int i = 0; i < 4; ++i) samples[i].push_back(ms[i] * 1e3);
-    samples[4].push_back((ms[0] + ms[1]) * 1e3);
-    samples[5].push_back((ms[2] + ms[3]) * 1e3);
+    float half_ms[2];
+    for (int i = 0; i < 2; ++i) BENCH_CUDA(cudaEventElapsedTime(&half_ms[i], ev[6 + i], ev[7 + i]));
+    samples[4].push_back(half_ms[0] * 1e3);
+    samples[5].push_back(half_ms[1] * 1e3);
     float empty_ms = 0;
     BENCH_CUDA(cudaEventElapsedTime(&empty_ms, ev[4], ev[5]));
     samples[6].push_back(empty_ms * 1e3);
   }
   RETURN_IF_ERROR(a2a.SetStream(nullptr));
   cudaFree(word);
-  for (cudaGraphExec_t g : {cycle, step[0], step[1], step[2], step[3], empty}) {
+  for (cudaGraphExec_t g : {cycle, step[0], step[1], step[2], step[3], half[0], half[1], empty}) {
     cudaGraphExecDestroy(g);
   }
   for (auto& e : ev) cudaEventDestroy(e);
@@ -489,7 +500,8 @@ int RunMoeBench(const MoeBenchOptions& options) {
   else {
     if (o.nvlink) {
       std::printf("times in us, GPU time between events (CUDA graph replays, a cycle before each "
-                  "timed one aligns the ranks); bytes = what rank 0 sent over NVLink; floor = "
+                  "timed one aligns the ranks); each half is a graph of its own, dispatch and "
+                  "combine one graph of both halves; bytes = what rank 0 sent over NVLink; floor = "
                   "the NVLink floor below; an empty step (4-byte memset graph) between the same "
                   "events takes %.1f us\n", last.empty_step_p50);
     } else {
