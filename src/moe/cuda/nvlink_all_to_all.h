@@ -24,6 +24,11 @@
 //                 lays out a token's slots, lane per copy; the row is read once and stored into
 //                 our send area and, when the slot fits, the receiver's private region; the last
 //                 block writes the counts rows into every peer and raises their dispatch flags).
+//                 Decode batches (a rank's T * K routing entries fit in shared memory) take one
+//                 kernel instead, SendSmall: every block reads the whole routing and counts what
+//                 Route computes for its own four tokens (shared-memory histograms over all
+//                 tokens and over those before its own, warp ballots within), a warp per token
+//                 stores the row; block 0 writes the counts rows, the last block raises the flags.
 //   DispatchRecv: Unpack (every block waits for all dispatch flags; slot by slot, from our
 //                 private region, from the sender's send area over NVLink, or from our own send
 //                 area; rows into the expert-major output at the sender's offset for that expert
@@ -40,8 +45,10 @@
 // send area and peers' private regions and counts) runs after its CombineRecv of epoch i, which
 // waited for every peer's CombineSend of epoch i, which ran after that peer's DispatchRecv of
 // epoch i had read everything. The same chain with dispatch and combine swapped covers the
-// combine regions. Flags are stored with st.release.sys after a system-scope fence of the data
-// they announce and read with ld.acquire.sys; waits give up at a deadline (%globaltimer).
+// combine regions. A step's blocks meet at a ticket taken with atom.acq_rel.sys (the release
+// carries each block's stores, peers' memory included; the last block's acquire sees them all);
+// the last block stores the flags with st.release.sys, read with ld.acquire.sys; waits give up
+// at a deadline (%globaltimer).
 //
 // Results are bit-identical to the host device (same rows, same order, same sums).
 #pragma once
