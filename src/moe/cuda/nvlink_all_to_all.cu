@@ -93,7 +93,8 @@ struct Nv {
   int32_t* error;        // [3] code, detail, detail: mapped pinned host memory
   int32_t* indices;      // [t_max, K] our copy of the routing
   float* weights;        // [t_max, K]
-  int32_t* slot_pos;     // [N, t_max] token t's first slot among ours for rank r
+  int32_t* slot_pos;     // [N, t_max] token t's first slot among ours for rank r (Route -> Pack;
+                         // null when SendSmall serves every batch, as erank and chunk_counts)
   int32_t* row_pos;      // [N, t_max] token t's first combine row among those from rank r
   int32_t* totals;       // [2N] slots per receiving rank, combine rows per expert rank
   int32_t* erank;        // [t_max * K] a copy's rank within its chunk's copies for its expert
@@ -728,10 +729,7 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
         const int slot = v.once ? x.ranks_before : x.lanes_before + x.within;
         dst_of[warp][slot] = d;
         peer_of[warp][slot] = p;
-        if (x.first) {
-          v.slot_pos[int64_t{r} * v.t_max + t] = v.once ? rank_tokens : rank_copies;
-          v.row_pos[int64_t{r} * v.t_max + t] = row_pos;
-        }
+        if (x.first) v.row_pos[int64_t{r} * v.t_max + t] = row_pos;  // for CombineRecv
       }
     }
     const int ns = __popc(v.once ? x.firsts : x.valids);
@@ -1219,11 +1217,13 @@ class NvlinkAllToAll final : public AllToAll {
     FERRY_CUDA(cudaMemset(scratch_.get(), 0, sizeof(Scratch)));
     RETURN_IF_ERROR(indices_.Allocate(size_t(t) * k));
     RETURN_IF_ERROR(weights_.Allocate(size_t(t) * k));
-    RETURN_IF_ERROR(slot_pos_.Allocate(size_t(n) * t));
     RETURN_IF_ERROR(row_pos_.Allocate(size_t(n) * t));
     RETURN_IF_ERROR(totals_.Allocate(2 * size_t(n)));
-    RETURN_IF_ERROR(erank_.Allocate(size_t(t) * k));
-    RETURN_IF_ERROR(chunk_counts_.Allocate(size_t(v.chunks) * v.e));
+    if (small_smem_ == 0) {  // Route's output, read by Pack only
+      RETURN_IF_ERROR(slot_pos_.Allocate(size_t(n) * t));
+      RETURN_IF_ERROR(erank_.Allocate(size_t(t) * k));
+      RETURN_IF_ERROR(chunk_counts_.Allocate(size_t(v.chunks) * v.e));
+    }
     RETURN_IF_ERROR(rslots_.Allocate(max_recv));
     RETURN_IF_ERROR(rentries_.Allocate(size_t(max_recv) * k));
     void* error = nullptr;
