@@ -35,6 +35,8 @@ enum ImmKind : uint32_t {
   kCombine = 4,
   kDispatchConsumed = 5,
   kCombineConsumed = 6,
+  kRelayDispatch = 7,  // the relay of the NVLink AllToAll (relay.h): a counts row and its slots
+  kRelayCombine = 8,   // combine rows
 };
 inline constexpr uint32_t kImmBase = 0xE0000000u;
 inline constexpr uint32_t kEpochs = 4;

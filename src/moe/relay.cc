@@ -1,0 +1,226 @@
+#include "moe/relay.h"
+
+#include <string>
+
+#include "common/backoff.h"
+#include "moe/layout.h"
+#include "moe/proxy.h"
+
+namespace ferry::moe {
+
+RelayLayout::RelayLayout(const AllToAllConfig& c, int64_t slot_bytes_in)
+    : n(c.world_size), me(c.rank), ranks_per_node(c.ranks_per_node), slot_bytes(slot_bytes_in) {
+  const MoeLayout moe(c);
+  row_bytes = moe.row_bytes;
+  slots_per_pair = moe.slots_per_pair;
+  rows_per_pair = moe.rows_per_pair;
+  combine_rows = int64_t{c.max_tokens_per_rank} * c.experts_per_token;
+  counts_width = c.local_experts() + kCountsColumns;
+  counts_bytes = RoundUp(counts_width * 4, 16);
+  section_bytes = counts_bytes + slots_per_pair * slot_bytes;
+  for (int r = 0; r < n; ++r) {
+    if (Remote(r)) remotes.push_back(r);
+  }
+  const int64_t q = static_cast<int64_t>(remotes.size());
+  in_sections_off = RoundUp(2 * int64_t{n} * 8, 128);
+  in_combine_off = RoundUp(in_sections_off + q * section_bytes, 128);
+  inbox_bytes = in_combine_off + combine_rows * row_bytes;
+  out_peers_off = 128;
+  out_peer_bytes = RoundUp(section_bytes + rows_per_pair * row_bytes, 128);
+  outbox_bytes = out_peers_off + q * out_peer_bytes;
+}
+
+int RelayLayout::RemoteIndex(int of, int rank) const {
+  const int first = Node(of) * ranks_per_node;
+  if (rank >= first && rank < first + ranks_per_node) return -1;
+  return rank < first ? rank : rank - ranks_per_node;
+}
+
+Relay::Relay(const AllToAllConfig& config, const RelayLayout& layout, TransferEngine* engine,
+             uint8_t* inbox, uint8_t* outbox, uint32_t peer_timeout_ms)
+    : c_(config),
+      layout_(layout),
+      engine_(engine),
+      inbox_(inbox),
+      outbox_(outbox),
+      peer_timeout_ms_(peer_timeout_ms) {
+  targets_.reserve(layout_.remotes.size());
+}
+
+StatusOr<std::unique_ptr<Relay>> Relay::Create(const AllToAllConfig& config,
+                                               const RelayLayout& layout, TransferEngine* engine,
+                                               Bootstrap& bootstrap, uint8_t* inbox,
+                                               uint8_t* outbox, uint32_t peer_timeout_ms) {
+  if (!engine) {
+    return InvalidArgumentError(
+        "AllToAll: several nodes need an engine for the traffic between them");
+  }
+  if (layout.remotes.empty()) return InvalidArgumentError("Relay: no rank outside this node");
+  std::unique_ptr<Relay> relay(
+      new Relay(config, layout, engine, inbox, outbox, peer_timeout_ms));
+  RETURN_IF_ERROR(relay->Connect(bootstrap));
+  relay->thread_ = std::thread([r = relay.get()] { r->Main(); });
+  return relay;
+}
+
+Relay::~Relay() {
+  stop_.store(true, std::memory_order_release);
+  if (thread_.joinable()) thread_.join();
+  // Writes still in flight read the outbox and targets_; the engine ends each within its
+  // transfer timeout, so this wait is bounded. If one never ends, leak what it reads.
+  if (!writes_.Wait(submitted_, Deadline::After(std::chrono::milliseconds(peer_timeout_ms_)))
+           .ok()) {
+    new std::vector<ScatterTarget>(std::move(targets_));
+    new MemoryRegion(std::move(outbox_reg_));
+    new MemoryRegion(std::move(inbox_reg_));
+  }
+}
+
+Status Relay::Connect(Bootstrap& bootstrap) {
+  ASSIGN_OR_RETURN(inbox_reg_, engine_->RegisterMemory(inbox_, layout_.inbox_bytes));
+  ASSIGN_OR_RETURN(outbox_reg_, engine_->RegisterMemory(outbox_, layout_.outbox_bytes));
+  for (ImmKind kind : {kRelayDispatch, kRelayCombine}) {
+    for (uint32_t epoch = 0; epoch < kEpochs; ++epoch) {
+      Status s = engine_->CreateImmCounter(MoeImm(kind, epoch));
+      if (!s.ok()) return s.WithContext("AllToAll: one engine serves one AllToAll (counter taken)");
+    }
+  }
+  const auto timeout = std::chrono::seconds(60);
+  ASSIGN_OR_RETURN(auto addresses, bootstrap.AllGather(engine_->Address(), timeout));
+  ASSIGN_OR_RETURN(auto regions, bootstrap.AllGather(inbox_reg_.remote().Serialize(), timeout));
+  std::vector<PeerId> members;
+  std::vector<RemoteRegion> inboxes;
+  for (int r : layout_.remotes) {
+    ASSIGN_OR_RETURN(PeerId peer, engine_->AddPeer(addresses[r]));
+    ASSIGN_OR_RETURN(RemoteRegion region, RemoteRegion::Parse(regions[r]));
+    if (region.length != static_cast<uint64_t>(layout_.inbox_bytes)) {
+      return InvalidArgumentError("AllToAll: rank " + std::to_string(r) +
+                                  " registered an inbox of another size");
+    }
+    members.push_back(peer);
+    inboxes.push_back(region);
+  }
+  ASSIGN_OR_RETURN(group_, engine_->AddPeerGroup(members));
+  ASSIGN_OR_RETURN(plan_, engine_->PrepareScatter(group_, outbox_reg_, inboxes));
+  return bootstrap.Barrier(timeout);
+}
+
+Status Relay::error() const {
+  std::lock_guard<std::mutex> lock(error_mu_);
+  return error_;
+}
+
+void Relay::Fail(const Status& s) {
+  {
+    std::lock_guard<std::mutex> lock(error_mu_);
+    if (error_.ok()) error_ = s;
+  }
+  failed_.store(true, std::memory_order_release);
+}
+
+void Relay::Main() {
+  for (uint64_t epoch = 0;; ++epoch) {
+    Status s = Dispatch(epoch);
+    if (s.ok()) s = Combine(epoch);
+    if (!s.ok()) {
+      if (s.code() != StatusCode::kCancelled) {
+        Fail(s.WithContext("moe relay, rank " + std::to_string(c_.rank) + ", epoch " +
+                           std::to_string(epoch)));
+      }
+      return;
+    }
+  }
+}
+
+Status Relay::Dispatch(uint64_t epoch) {
+  const int l = c_.local_experts();
+  RETURN_IF_ERROR(WaitDevice(false, epoch));
+  targets_.clear();
+  for (size_t q = 0; q < layout_.remotes.size(); ++q) {
+    const int r = layout_.remotes[q];
+    const auto* counts = reinterpret_cast<const int32_t*>(outbox_ + layout_.OutSection(q));
+    const int64_t slots = counts[l + kColSlots];
+    if (slots < 0 || slots > layout_.slots_per_pair) {
+      return InternalError("our counts row for rank " + std::to_string(r) + " holds " +
+                           std::to_string(slots) + " slots, at most " +
+                           std::to_string(layout_.slots_per_pair) + " fit");
+    }
+    targets_.push_back({static_cast<uint32_t>(q), uint64_t(layout_.OutSection(q)),
+                        uint64_t(layout_.InSection(layout_.RemoteIndex(r, c_.rank))),
+                        uint64_t(layout_.counts_bytes + slots * layout_.slot_bytes)});
+  }
+  RETURN_IF_ERROR(Exchange(MoeImm(kRelayDispatch, epoch), dispatch_bytes_));
+  for (int s : layout_.remotes) {
+    std::atomic_ref<uint64_t>(*layout_.InboxFlag(inbox_, false, s))
+        .store(epoch + 1, std::memory_order_release);
+  }
+  return Status::Ok();
+}
+
+Status Relay::Combine(uint64_t epoch) {
+  const int l = c_.local_experts();
+  RETURN_IF_ERROR(WaitDevice(true, epoch));
+  targets_.clear();
+  for (size_t q = 0; q < layout_.remotes.size(); ++q) {
+    const int s = layout_.remotes[q];
+    // Sender s's counts row of this epoch names where our rows go; s rewrites it only after it
+    // got them (relay.h).
+    const auto* counts = reinterpret_cast<const int32_t*>(inbox_ + layout_.InSection(q));
+    const int64_t rows = counts[l + kColRows], start = counts[l + kColRowStart];
+    if (rows < 0 || rows > layout_.rows_per_pair || start < 0 ||
+        start + rows > layout_.combine_rows) {
+      return DataLossError("rank " + std::to_string(s) + " expects " + std::to_string(rows) +
+                           " combine rows at row " + std::to_string(start) +
+                           ", outside its combine region");
+    }
+    targets_.push_back({static_cast<uint32_t>(q), uint64_t(layout_.OutRows(q)),
+                        uint64_t(layout_.in_combine_off + start * layout_.row_bytes),
+                        uint64_t(rows * layout_.row_bytes)});
+  }
+  RETURN_IF_ERROR(Exchange(MoeImm(kRelayCombine, epoch), combine_bytes_));
+  for (int s : layout_.remotes) {
+    std::atomic_ref<uint64_t>(*layout_.InboxFlag(inbox_, true, s))
+        .store(epoch + 1, std::memory_order_release);
+  }
+  return Status::Ok();
+}
+
+Status Relay::WaitDevice(bool combine, uint64_t epoch) {
+  std::atomic_ref<uint64_t> flag(*layout_.OutboxFlag(outbox_, combine));
+  Backoff backoff(256, 1024, 20);
+  while (flag.load(std::memory_order_acquire) <= epoch) {
+    if (stop_.load(std::memory_order_acquire)) return CancelledError("relay stopped");
+    backoff.Pause();
+  }
+  return Status::Ok();
+}
+
+Status Relay::Exchange(uint32_t imm, std::atomic<uint64_t>& bytes) {
+  uint64_t sum = 0;
+  for (const ScatterTarget& t : targets_) sum += t.length;
+  bytes.store(sum, std::memory_order_relaxed);
+  ++submitted_;
+  RETURN_IF_ERROR(engine_->Scatter({plan_, targets_, imm}, Completion::Counter(&writes_)));
+  const auto count = static_cast<uint64_t>(layout_.remotes.size());
+  const Deadline deadline = Deadline::After(std::chrono::milliseconds(peer_timeout_ms_));
+  for (;;) {  // short slices, so that a stop request is seen promptly
+    Deadline slice = Deadline::After(std::chrono::milliseconds(20));
+    if (deadline.at < slice.at) slice = deadline;
+    Status s = engine_->WaitImm(imm, count, slice);
+    if (s.ok()) break;
+    if (s.code() != StatusCode::kDeadlineExceeded) return s;
+    if (stop_.load(std::memory_order_acquire)) return CancelledError("relay stopped");
+    if (deadline.Expired()) {
+      return s.WithContext("waiting for the " + std::to_string(count) +
+                           " remote ranks' writes (immediate " + std::to_string(imm) + ")");
+    }
+  }
+  RETURN_IF_ERROR(engine_->ConsumeImm(imm, count));
+  RETURN_IF_ERROR(writes_.Wait(submitted_, deadline));
+  if (writes_.failed.load() > 0) {
+    return UnavailableError(std::to_string(writes_.failed.load()) + " writes to peers failed");
+  }
+  return Status::Ok();
+}
+
+}  // namespace ferry::moe

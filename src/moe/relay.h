@@ -1,0 +1,150 @@
+// Relay: the host thread that carries the NVLink AllToAll's traffic between nodes.
+//
+// With several nodes of several GPUs (1 < ranks_per_node < world_size) the kernels treat every
+// rank alike: they write what a peer must receive (its counts row, its slots, the combine rows
+// it gets back) and raise a flag, and wait for flags before they read. For a rank of their own
+// node those addresses are the peer's memory over NVLink (nvlink_all_to_all.h). For a rank of
+// another node they are in this rank's outbox, pinned host memory the GPU maps; the relay
+// forwards each outbox section over the TransferEngine into that rank's inbox, and when a
+// peer's section has landed in our inbox it raises the flag our kernels wait for:
+//
+//   dispatch: GPU raises outbox.dispatch -> one write per remote rank (counts row and all the
+//             slots for it, contiguous) -> the immediates of every remote sender and our own
+//             writes -> inbox.dispatch[s] for each remote sender s
+//   combine:  GPU raises outbox.combine -> one write per remote rank (the rows we return to it,
+//             at the place its counts row named) -> immediates and own writes -> inbox.combine[s]
+//
+// Memory ordering: the GPU stores its outbox flag with st.release.sys after the data (the
+// kernels' ticket carries every block's stores to the storing thread); the relay loads it with
+// acquire before the NIC reads the data. The relay stores an inbox flag with release after its
+// engine saw the peer's immediate (the data is in our memory); the kernels load it with
+// ld.acquire.sys before they read the section. Remote pairs have no "private" limit and no
+// pull: every slot travels in the section.
+//
+// Reuse needs no barrier: the chain of flags that protects the NVLink buffers (see
+// nvlink_all_to_all.h) runs through the relay unchanged -- a rank rewrites its outbox (and, by
+// its writes, a peer's inbox) for epoch i + 1 only after its CombineRecv of epoch i, which waited
+// for every peer's combine rows of epoch i, sent after that peer had read our epoch-i slots.
+//
+// The relay needs no GPU: tests drive it with host memory standing for the kernels' side.
+// Thread safety: created and destroyed by the AllToAll's thread; its own thread owns the engine
+// traffic. error() may be called from any thread.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "ferry/bootstrap.h"
+#include "ferry/fabric.h"
+#include "ferry/moe.h"
+
+namespace ferry::moe {
+
+// The counts row one rank sends another (both transports): copies per local expert of the
+// receiver, then these columns.
+enum CountsColumn : int {
+  kColSlots = 0,      // slots for the receiver
+  kColSendStart = 1,  // where they start in the sender's send area
+  kColRowStart = 2,   // where the receiver's combine rows start in the sender's combine region
+  kColRows = 3,       // how many combine rows the sender expects back from the receiver
+  kCountsColumns = 4,
+};
+
+// Where everything lives in one rank's inbox and outbox. Nodes are blocks of ranks_per_node
+// consecutive ranks; "remote" ranks are those outside our node, in rank order.
+//
+//   inbox   flags     dispatch[N], combine[N] u64  raised by the relay, polled by the kernels
+//           sections  [remote senders] counts row + S slots, written by the peers' relays
+//           combine   [T * K] rows, rows from remote expert ranks at their place in our region
+//   outbox  flags     dispatch, combine u64         raised by the kernels, polled by the relay
+//           per remote rank q: section (counts row + S slots), then R combine rows for it
+struct RelayLayout {
+  RelayLayout(const AllToAllConfig& c, int64_t slot_bytes);
+
+  int Node(int rank) const { return rank / ranks_per_node; }
+  bool Remote(int rank) const { return Node(rank) != Node(me); }
+  // Index of `rank` among the ranks outside `of`'s node (-1 if it is in that node).
+  int RemoteIndex(int of, int rank) const;
+
+  int n, me, ranks_per_node;
+  int64_t slot_bytes, row_bytes;
+  int64_t slots_per_pair;  // S: the most slots one sender routes to one receiver
+  int64_t rows_per_pair;   // R: the most combine rows one rank returns to one sender
+  int64_t combine_rows;    // T * K: a rank's combine region
+  int64_t counts_width;    // int32 columns of a counts row: local experts + kCountsColumns
+  int64_t counts_bytes, section_bytes;
+  std::vector<int> remotes;
+  int64_t in_sections_off, in_combine_off, inbox_bytes;
+  int64_t out_peers_off, out_peer_bytes, outbox_bytes;
+
+  uint64_t* InboxFlag(uint8_t* inbox, bool combine, int sender) const {
+    return reinterpret_cast<uint64_t*>(inbox) + (combine ? n : 0) + sender;
+  }
+  uint64_t* OutboxFlag(uint8_t* outbox, bool combine) const {
+    return reinterpret_cast<uint64_t*>(outbox) + (combine ? 1 : 0);
+  }
+  int64_t InSection(int q) const { return in_sections_off + q * section_bytes; }
+  int64_t OutSection(int q) const { return out_peers_off + q * out_peer_bytes; }
+  int64_t OutRows(int q) const { return OutSection(q) + section_bytes; }
+};
+
+class Relay {
+ public:
+  // Collective over every rank (when there is more than one node). Registers `inbox` and
+  // `outbox` (host memory of inbox_bytes / outbox_bytes the caller keeps until the relay is
+  // gone; pinned and mapped into the GPU for the kernels), exchanges addresses, connects to the
+  // remote ranks and starts the thread. peer_timeout_ms bounds each wait for a peer.
+  static StatusOr<std::unique_ptr<Relay>> Create(const AllToAllConfig& config,
+                                                 const RelayLayout& layout,
+                                                 TransferEngine* engine, Bootstrap& bootstrap,
+                                                 uint8_t* inbox, uint8_t* outbox,
+                                                 uint32_t peer_timeout_ms = 60000);
+  ~Relay();  // stops the thread; leaks the regions if a write never ended (Quiesce)
+  Relay(const Relay&) = delete;
+  Relay& operator=(const Relay&) = delete;
+
+  // OK while the relay runs; then why it stopped (a peer lost, a malformed counts row).
+  Status error() const;
+  bool failed() const { return failed_.load(std::memory_order_acquire); }
+  // Bytes the last epoch's dispatch and combine writes carried.
+  uint64_t dispatch_bytes() const { return dispatch_bytes_.load(std::memory_order_relaxed); }
+  uint64_t combine_bytes() const { return combine_bytes_.load(std::memory_order_relaxed); }
+
+ private:
+  Relay(const AllToAllConfig& config, const RelayLayout& layout, TransferEngine* engine,
+        uint8_t* inbox, uint8_t* outbox, uint32_t peer_timeout_ms);
+  Status Connect(Bootstrap& bootstrap);
+  void Main();
+  Status Dispatch(uint64_t epoch);
+  Status Combine(uint64_t epoch);
+  // Until the kernels raised an outbox flag past epoch (no deadline: the GPU may idle).
+  Status WaitDevice(bool combine, uint64_t epoch);
+  // targets_ as one scatter with imm; then every remote rank's, then our writes.
+  Status Exchange(uint32_t imm, std::atomic<uint64_t>& bytes);
+  void Fail(const Status& s);
+
+  const AllToAllConfig c_;
+  const RelayLayout layout_;
+  TransferEngine* const engine_;
+  uint8_t* const inbox_;
+  uint8_t* const outbox_;
+  const uint32_t peer_timeout_ms_;
+  MemoryRegion inbox_reg_, outbox_reg_;
+  GroupId group_ = 0;
+  ScatterPlanId plan_ = 0;
+  std::vector<ScatterTarget> targets_;  // read by the engine until the writes complete
+  TransferCounter writes_;
+  uint64_t submitted_ = 0;
+  std::atomic<uint64_t> dispatch_bytes_{0}, combine_bytes_{0};
+  mutable std::mutex error_mu_;
+  Status error_;  // guarded by error_mu_
+  std::atomic<bool> failed_{false};
+  std::atomic<bool> stop_{false};
+  std::thread thread_;  // last: starts once everything above exists
+};
+
+}  // namespace ferry::moe

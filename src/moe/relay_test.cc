@@ -1,0 +1,199 @@
+// The relay without a GPU: each rank's "kernels" are the test body, writing its outbox and
+// raising the outbox flags as the CUDA kernels do, then reading what the relays put into its
+// inbox. Ranks run as processes over the shm provider.
+#include "moe/relay.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstring>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "common/backoff.h"
+#include "fabric/test_util.h"
+
+namespace ferry::moe {
+namespace {
+
+using namespace std::chrono_literals;
+
+AllToAllConfig Config(int world, int rank, int ranks_per_node) {
+  AllToAllConfig c;
+  c.world_size = world;
+  c.rank = rank;
+  c.ranks_per_node = ranks_per_node;
+  c.num_experts = 2 * world;
+  c.experts_per_token = 2;
+  c.max_tokens_per_rank = 5;
+  c.hidden = 128;
+  return c;
+}
+constexpr int64_t kSlotBytes = 304;  // the NVLink slot of this configuration: 16 + 2 * 16 + 256
+
+TEST(RelayLayoutTest, SectionsAndIndicesAgree) {
+  for (auto [world, per_node] : {std::pair{2, 1}, {4, 2}, {6, 3}, {8, 2}, {8, 4}}) {
+    for (int me = 0; me < world; ++me) {
+      const RelayLayout layout(Config(world, me, per_node), kSlotBytes);
+      ASSERT_EQ(layout.remotes.size(), size_t(world - per_node));
+      std::set<int> indices;
+      for (size_t q = 0; q < layout.remotes.size(); ++q) {
+        const int r = layout.remotes[q];
+        EXPECT_TRUE(layout.Remote(r));
+        // Our index among r's remote senders: distinct for distinct senders, in range.
+        const int at = layout.RemoteIndex(r, me);
+        EXPECT_GE(at, 0);
+        EXPECT_LT(at, world - per_node);
+        // And r's remotes, seen from r, list us at that index.
+        const RelayLayout theirs(Config(world, r, per_node), kSlotBytes);
+        EXPECT_EQ(theirs.remotes[at], me);
+        EXPECT_EQ(layout.RemoteIndex(me, r), static_cast<int>(q));
+        indices.insert(at);
+      }
+      EXPECT_EQ(layout.RemoteIndex(me, me), -1);
+      // Regions in order and inside the buffers.
+      EXPECT_LE(layout.InSection(static_cast<int>(layout.remotes.size())),
+                layout.in_combine_off);
+      EXPECT_GE(layout.in_sections_off, 2 * world * 8);
+      EXPECT_EQ(layout.OutSection(static_cast<int>(layout.remotes.size())), layout.outbox_bytes);
+      EXPECT_EQ(layout.counts_bytes % 16, 0);
+    }
+  }
+}
+
+uint8_t SlotByte(int from, int to, uint64_t epoch, int64_t i) {
+  return static_cast<uint8_t>(from * 31 + to * 7 + epoch * 13 + i * 5 + 1);
+}
+uint8_t RowByte(int from, int to, uint64_t epoch, int64_t i) {
+  return static_cast<uint8_t>(from * 11 + to * 3 + epoch * 17 + i * 3 + 2);
+}
+
+// What rank `from` asks of rank `to` in an epoch: slots it sends, combine rows it expects back,
+// and where they go in its combine region (disjoint per expert rank).
+struct Ask {
+  int64_t slots, rows, row_start;
+};
+Ask AskOf(const RelayLayout& from_layout, int from, int to, uint64_t epoch) {
+  const int q = from_layout.RemoteIndex(from, to);
+  const int64_t share = from_layout.combine_rows / int64_t(from_layout.remotes.size());
+  return {(from * 7 + to * 3 + int64_t(epoch)) % (from_layout.slots_per_pair + 1),
+          (from + 2 * to + int64_t(epoch)) % (share + 1), q * share};
+}
+
+Status WaitFlag(uint64_t* flag, uint64_t want, const std::string& what) {
+  const Deadline deadline = Deadline::After(20s);
+  Backoff backoff;
+  while (std::atomic_ref<uint64_t>(*flag).load(std::memory_order_acquire) < want) {
+    if (deadline.Expired()) return DeadlineExceededError("waiting for " + what);
+    backoff.Pause();
+  }
+  return Status::Ok();
+}
+
+Status RunRank(Bootstrap& b, int per_node) {
+  const AllToAllConfig c = Config(b.world_size(), b.rank(), per_node);
+  const int me = c.rank, l = c.local_experts();
+  const RelayLayout layout(c, kSlotBytes);
+  std::vector<uint8_t> inbox(layout.inbox_bytes), outbox(layout.outbox_bytes);
+  ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
+  ASSIGN_OR_RETURN(auto relay, Relay::Create(c, layout, engine.get(), b, inbox.data(),
+                                             outbox.data(), 10000));
+  for (uint64_t epoch = 0; epoch < 4; ++epoch) {
+    const std::string at = " (epoch " + std::to_string(epoch) + ")";
+    // Dispatch: a counts row and the slots for each remote rank, then the flag.
+    for (size_t q = 0; q < layout.remotes.size(); ++q) {
+      const int r = layout.remotes[q];
+      const Ask ask = AskOf(layout, me, r, epoch);
+      auto* counts = reinterpret_cast<int32_t*>(outbox.data() + layout.OutSection(q));
+      for (int e = 0; e < l; ++e) counts[e] = me * 100 + e;
+      counts[l + kColSlots] = static_cast<int32_t>(ask.slots);
+      counts[l + kColRowStart] = static_cast<int32_t>(ask.row_start);
+      counts[l + kColRows] = static_cast<int32_t>(ask.rows);
+      uint8_t* slots = outbox.data() + layout.OutSection(q) + layout.counts_bytes;
+      for (int64_t i = 0; i < ask.slots * kSlotBytes; ++i) slots[i] = SlotByte(me, r, epoch, i);
+    }
+    std::atomic_ref<uint64_t>(*layout.OutboxFlag(outbox.data(), false))
+        .store(epoch + 1, std::memory_order_release);
+    for (size_t q = 0; q < layout.remotes.size(); ++q) {
+      const int s = layout.remotes[q];
+      RETURN_IF_ERROR(WaitFlag(layout.InboxFlag(inbox.data(), false, s), epoch + 1,
+                               "dispatch flag of rank " + std::to_string(s) + at));
+      const RelayLayout theirs(Config(c.world_size, s, per_node), kSlotBytes);
+      const Ask ask = AskOf(theirs, s, me, epoch);
+      const auto* counts = reinterpret_cast<const int32_t*>(inbox.data() + layout.InSection(q));
+      CHECK_OR_RETURN(counts[0] == s * 100 && counts[l + kColSlots] == ask.slots &&
+                          counts[l + kColRows] == ask.rows,
+                      "counts row from rank " + std::to_string(s) + at);
+      const uint8_t* slots = inbox.data() + layout.InSection(q) + layout.counts_bytes;
+      for (int64_t i = 0; i < ask.slots * kSlotBytes; ++i) {
+        CHECK_OR_RETURN(slots[i] == SlotByte(s, me, epoch, i),
+                        "slot byte " + std::to_string(i) + " from rank " + std::to_string(s) + at);
+      }
+    }
+    // Combine: the rows each remote sender expects, where its counts row said.
+    for (size_t q = 0; q < layout.remotes.size(); ++q) {
+      const int s = layout.remotes[q];
+      const RelayLayout theirs(Config(c.world_size, s, per_node), kSlotBytes);
+      const Ask ask = AskOf(theirs, s, me, epoch);
+      uint8_t* rows = outbox.data() + layout.OutRows(q);
+      for (int64_t i = 0; i < ask.rows * layout.row_bytes; ++i) rows[i] = RowByte(me, s, epoch, i);
+    }
+    std::atomic_ref<uint64_t>(*layout.OutboxFlag(outbox.data(), true))
+        .store(epoch + 1, std::memory_order_release);
+    for (int r : layout.remotes) {
+      RETURN_IF_ERROR(WaitFlag(layout.InboxFlag(inbox.data(), true, r), epoch + 1,
+                               "combine flag of rank " + std::to_string(r) + at));
+      const Ask ask = AskOf(layout, me, r, epoch);
+      const uint8_t* rows = inbox.data() + layout.in_combine_off + ask.row_start * layout.row_bytes;
+      for (int64_t i = 0; i < ask.rows * layout.row_bytes; ++i) {
+        CHECK_OR_RETURN(rows[i] == RowByte(r, me, epoch, i),
+                        "combine byte " + std::to_string(i) + " from rank " + std::to_string(r) + at);
+      }
+    }
+    CHECK_OR_RETURN(!relay->failed(), relay->error().ToString());
+  }
+  return b.Barrier(30s);
+}
+
+TEST(RelayTest, FourEpochsBetweenTwoNodesOfTwo) {
+  auto exits = RunLocalRanks(4, [](Bootstrap& b) { return RunRank(b, 2); }, 120s);
+  for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
+}
+
+TEST(RelayTest, ThreeNodesOfOne) {
+  auto exits = RunLocalRanks(3, [](Bootstrap& b) { return RunRank(b, 1); }, 120s);
+  for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
+}
+
+// A remote rank that stops taking part: the survivor's relay fails within its peer timeout and
+// says which wait it gave up on.
+TEST(RelayTest, ALostPeerFailsTheRelay) {
+  auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
+    const AllToAllConfig c = Config(2, b.rank(), 1);
+    const RelayLayout layout(c, kSlotBytes);
+    std::vector<uint8_t> inbox(layout.inbox_bytes), outbox(layout.outbox_bytes);
+    ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
+    ASSIGN_OR_RETURN(auto relay, Relay::Create(c, layout, engine.get(), b, inbox.data(),
+                                               outbox.data(), 1000));
+    RETURN_IF_ERROR(b.Barrier(30s));
+    if (b.rank() == 1) return Status::Ok();  // leaves: its relay and engine go
+    std::this_thread::sleep_for(200ms);
+    const auto start = Clock::now();
+    std::atomic_ref<uint64_t>(*layout.OutboxFlag(outbox.data(), false))
+        .store(1, std::memory_order_release);
+    Backoff backoff;
+    while (!relay->failed() && Clock::now() - start < 10s) backoff.Pause();
+    const double waited = std::chrono::duration<double>(Clock::now() - start).count();
+    CHECK_OR_RETURN(relay->failed(), "the relay still waits after 10 s");
+    CHECK_OR_RETURN(waited < 7.0, "the relay failed after " + std::to_string(waited) + " s");
+    const Status s = relay->error();
+    CHECK_OR_RETURN(s.message().find("rank 0") != std::string::npos,
+                    "error names no rank: " + s.ToString());
+    return Status::Ok();
+  }, 60s);
+  for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
+}
+
+}  // namespace
+}  // namespace ferry::moe
