@@ -39,6 +39,9 @@ struct Case {
   // accumulate) with the token count in device memory, replayed with a different count each
   // iteration; the last iteration's count on rank 0 is above the bound (nothing sent).
   bool graph = false;
+  // With nvlink: nodes of this many ranks (NVLink inside, the relay over shm between them); 0:
+  // one node.
+  int node_ranks = 0;
 };
 
 std::string Describe(const Case& c) {
@@ -47,7 +50,8 @@ std::string Describe(const Case& c) {
          std::to_string(c.k) + (c.dtype == DispatchDtype::kBf16 ? "_bf16" : "_fp8") +
          (c.routing == Routing::kAllToOneExpert ? "_hot" : "") + (c.rank1_empty ? "_empty1" : "") +
          (c.once_per_rank ? "_a" : "") + (c.reduce_at_expert_rank ? "_b" : "") +
-         (c.nvlink ? "_nvlink" : "") + (c.graph ? "_graph" : "");
+         (c.nvlink ? "_nvlink" : "") + (c.graph ? "_graph" : "") +
+         (c.node_ranks ? "_nodes" + std::to_string(c.world_size / c.node_ranks) : "");
 }
 void PrintTo(const Case& c, std::ostream* os) { *os << Describe(c); }
 
@@ -129,7 +133,7 @@ Status RunRank(const Case& c, Bootstrap& b) {
   int gpus = 0;
   CUDA_OR_RETURN(cudaGetDeviceCount(&gpus));
   AllToAllConfig cfg = ConfigFor(c, b.world_size(), b.rank());
-  if (c.nvlink) cfg.ranks_per_node = b.world_size();
+  if (c.nvlink) cfg.ranks_per_node = c.node_ranks > 0 ? c.node_ranks : b.world_size();
   AllToAllConfig gpu_cfg = cfg;
   gpu_cfg.device = MoeDeviceKind::kCuda;
   gpu_cfg.cuda_device = b.rank() % gpus;
@@ -352,6 +356,60 @@ TEST(MoeNvlinkTest, BadExpertsAndALostPeer) {
   for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
 }
 
+// Two nodes of two ranks: after a good iteration rank 3 stops taking part. Every other rank's
+// DispatchRecv -- over NVLink in rank 3's node, through the relay in the other -- ends at its
+// deadline naming rank 3, and the AllToAll stays failed.
+TEST(MoeNvlinkTest, ALostRankOfAnotherNode) {
+  if (!HaveGpu()) GTEST_SKIP() << "no GPU (/dev/nvidia0)";
+  auto exits = RunLocalRanks(4, [](Bootstrap& b) -> Status {
+    int gpus = 0;
+    CUDA_OR_RETURN(cudaGetDeviceCount(&gpus));
+    AllToAllConfig cfg{4, b.rank(), 2, 8, 2, 4, 128, DispatchDtype::kBf16, 2};
+    cfg.device = MoeDeviceKind::kCuda;
+    cfg.cuda_device = b.rank() % gpus;
+    CUDA_OR_RETURN(cudaSetDevice(cfg.cuda_device));
+    ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
+    ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(cfg, engine.get(), b));
+    const int tokens = 4;
+    Gpu<uint16_t> x, expert_out, y;
+    Gpu<int32_t> indices, counts;
+    Gpu<float> weights;
+    RETURN_IF_ERROR(x.Alloc(tokens * 128));
+    RETURN_IF_ERROR(indices.Alloc(tokens * 2));
+    RETURN_IF_ERROR(weights.Alloc(tokens * 2));
+    RETURN_IF_ERROR(counts.Alloc(2));
+    RETURN_IF_ERROR(expert_out.Alloc(size_t(2) * cfg.expert_capacity() * 128));
+    RETURN_IF_ERROR(y.Alloc(tokens * 128));
+    RETURN_IF_ERROR(weights.Put(std::vector<float>(tokens * 2, 0.5f)));
+    RETURN_IF_ERROR(indices.Put({0, 1, 2, 3, 4, 5, 6, 7}));
+    const DispatchInput in{x.p, nullptr, indices.p, weights.p, tokens};
+    RETURN_IF_ERROR(a2a->DispatchSend(in));
+    RETURN_IF_ERROR(a2a->DispatchRecv({expert_out.p, nullptr, counts.p}, Deadline::After(30s)));
+    std::vector<int32_t> got(2);
+    RETURN_IF_ERROR(counts.Get(got));
+    // Each rank's 4 tokens reach experts {0..7} once each: 4 rows per local expert.
+    for (int e = 0; e < 2; ++e) CHECK_OR_RETURN(got[e] == 4, "expert rows " + std::to_string(got[e]));
+    RETURN_IF_ERROR(a2a->CombineSend(expert_out.p));
+    RETURN_IF_ERROR(a2a->CombineRecv(y.p, false, Deadline::After(30s)));
+    RETURN_IF_ERROR(b.Barrier(30s));
+    if (b.rank() == 3) {
+      sleep(4);  // stops taking part (its memory stays mapped in rank 2)
+      return Status::Ok();
+    }
+    RETURN_IF_ERROR(a2a->DispatchSend(in));
+    const auto start = Clock::now();
+    const Status lost = a2a->DispatchRecv({expert_out.p, nullptr, counts.p}, Deadline::After(1s));
+    const double waited = std::chrono::duration<double>(Clock::now() - start).count();
+    CHECK_OR_RETURN(lost.code() == StatusCode::kDeadlineExceeded &&
+                        lost.message().find("rank 3") != std::string::npos,
+                    "lost rank: " + lost.ToString());
+    CHECK_OR_RETURN(waited < 3.0, "the wait took " + std::to_string(waited) + " s");
+    CHECK_OR_RETURN(!a2a->CombineSend(expert_out.p).ok(), "a later step ran after a rank was lost");
+    return Status::Ok();
+  }, 120s);
+  for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
+}
+
 const auto bf16 = DispatchDtype::kBf16, fp8 = DispatchDtype::kFp8E4M3;
 const auto rnd = Routing::kRandom, hot = Routing::kAllToOneExpert;
 
@@ -377,7 +435,21 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{2, 64, 128, 1024, 16, bf16, rnd, 8, true, false, true, 2, true},
                       // Graph capture and replay with device token counts.
                       Case{2, 128, 7168, 256, 8, fp8, rnd, 16, false, false, false, 4, true, true},
-                      Case{2, 96, 256, 64, 4, bf16, rnd, 4, false, true, true, 4, true, true}),
+                      Case{2, 96, 256, 64, 4, bf16, rnd, 4, false, true, true, 4, true, true},
+                      // Several nodes of several GPUs: NVLink inside, the relay between (ranks
+                      // share the GPUs round-robin, so each node spans both).
+                      Case{4, 128, 7168, 256, 8, fp8, rnd, 16, false, false, false, 3, true,
+                           false, 2},
+                      Case{4, 128, 7168, 256, 8, bf16, rnd, 16, false, true, true, 3, true,
+                           false, 2},
+                      Case{4, 333, 2176, 64, 8, bf16, hot, 4, true, false, false, 3, true,
+                           false, 2},
+                      Case{6, 64, 256, 48, 16, fp8, rnd, 4, false, true, false, 3, true, false,
+                           2},
+                      Case{6, 33, 384, 96, 8, bf16, rnd, 4, true, false, true, 3, true, false, 3},
+                      Case{4, 1024, 1024, 32, 4, fp8, rnd, 32, false, false, false, 2, true,
+                           false, 2},
+                      Case{4, 96, 256, 64, 4, bf16, rnd, 4, false, true, true, 4, true, true, 2}),
     [](const ::testing::TestParamInfo<Case>& info) { return Describe(info.param); });
 
 }  // namespace

@@ -257,7 +257,7 @@ Status RunRank(const MoeBenchOptions& o, Bootstrap& b, Result* result) {
   cfg.max_private_tokens = o.private_tokens;
   cfg.dispatch_once_per_rank = o.once_per_rank;
   cfg.combine_reduce_at_expert_rank = o.reduce_at_expert_rank;
-  cfg.ranks_per_node = o.nvlink ? b.world_size() : 1;
+  cfg.ranks_per_node = !o.nvlink ? 1 : o.node_ranks > 0 ? o.node_ranks : b.world_size();
   if (o.cuda) {
     cfg.device = MoeDeviceKind::kCuda;
 #ifdef FERRY_BENCH_CUDA
@@ -273,8 +273,8 @@ Status RunRank(const MoeBenchOptions& o, Bootstrap& b, Result* result) {
   EngineOptions eo = EngineOptions::FromEnv();
   eo.provider = o.provider;
   if (o.provider.find("tcp") != std::string::npos && eo.node.empty()) eo.node = "127.0.0.1";
-  std::unique_ptr<TransferEngine> a2a_engine;  // the NVLink path needs none
-  if (!o.nvlink) {
+  std::unique_ptr<TransferEngine> a2a_engine;  // one node over NVLink needs none
+  if (cfg.ranks_per_node < cfg.world_size) {
     ASSIGN_OR_RETURN(a2a_engine, TransferEngine::Create(eo));
   }
   ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(cfg, a2a_engine.get(), b));
@@ -450,10 +450,11 @@ int RunMoeBench(const MoeBenchOptions& options) {
   }
   const MoeBenchOptions& o = options;
   if (!o.json) {
-    std::printf("ferry-bench moe  device=%s provider=%s ranks=%d tokens=%d hidden=%d "
+    std::printf("ferry-bench moe  device=%s provider=%s ranks=%d nodes=%d tokens=%d hidden=%d "
                 "experts=%d topk=%d dtype=%s  (slowest rank per iteration, %d iterations)\n",
-                o.cuda ? "cuda" : "host", o.provider.c_str(), o.ranks, o.tokens, o.hidden, o.experts, o.topk,
-                o.fp8 ? "fp8" : "bf16", o.iters);
+                o.cuda ? "cuda" : "host", o.provider.c_str(), o.ranks,
+                o.nvlink && o.node_ranks > 0 ? o.ranks / o.node_ranks : o.nvlink ? 1 : o.ranks,
+                o.tokens, o.hidden, o.experts, o.topk, o.fp8 ? "fp8" : "bf16", o.iters);
     std::printf("%-13s | %21s %21s | %21s %21s | %21s %21s | %10s %10s | %9s %9s | %6s %6s\n",
                 "variant", "dispatch send p50/p99", "dispatch recv p50/p99",
                 "combine send p50/p99", "combine recv p50/p99", "dispatch p50/p99",

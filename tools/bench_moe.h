@@ -24,6 +24,9 @@ struct MoeBenchOptions {
   // --nvlink: the ranks are one node (ranks_per_node = ranks): the CUDA NVLink path, timed on
   // the GPU from CUDA graph replays, next to the NVLink floor.
   bool nvlink = false;
+  // --node-ranks N (with --nvlink): nodes of N ranks, NVLink inside and the relay over the
+  // provider between them; 0: one node.
+  int node_ranks = 0;
 };
 
 // Returns the process exit code.

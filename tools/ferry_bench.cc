@@ -4,7 +4,7 @@
 //   ferry-bench moe    [--provider P] [--ranks N] [--tokens T] [--hidden H] [--experts E]
 //                      [--topk K] [--dtype fp8|bf16] [--iters I] [--json]
 //                      [--once-per-rank] [--reduce-at-expert-rank] [--compare]
-//                      [--device host|cuda] [--nvlink] [--private N]
+//                      [--device host|cuda] [--nvlink [--node-ranks N]] [--private N]
 //   ferry-bench kv     [--provider P] [--tokens T] [--decoders N] [--json]
 //   ferry-bench topo   [--sysfs DIR] [--exclude NIC,...]: which NICs and core serve each GPU
 //   ferry-bench demo   the main job of `make demo`: short fabric, moe and kv runs on shm
@@ -28,7 +28,7 @@ void Usage() {
                "                       [--experts E] [--topk K] [--dtype fp8|bf16] [--iters I]"
                " [--json]\n"
                "                       [--once-per-rank] [--reduce-at-expert-rank] [--compare]\n"
-               "                       [--device host|cuda] [--nvlink] [--private N]\n"
+               "                       [--device host|cuda] [--nvlink [--node-ranks N]] [--private N]\n"
                "       ferry-bench kv [--provider P] [--tokens T] [--decoders N] [--json]\n"
                "       ferry-bench topo [--sysfs DIR] [--exclude NIC,...]\n"
                "       ferry-bench demo\n"
@@ -93,6 +93,8 @@ int main(int argc, char** argv) {
       topo.exclude_nics = ferry::SplitCommaList(argv[++i]);
     } else if (a == "--nvlink") {
       m.nvlink = m.cuda = true;
+    } else if (a == "--node-ranks" && has_value) {
+      ok = ParseInt(argv[++i], &m.node_ranks) && m.node_ranks >= 1;
     } else if (a == "--private" && has_value) {
       ok = ParseInt(argv[++i], &m.private_tokens) && m.private_tokens >= 0;
     } else if (a == "--once-per-rank") {
@@ -120,6 +122,10 @@ int main(int argc, char** argv) {
   }
   if (m.ranks < 1 || m.iters < 1) {
     std::fprintf(stderr, "--ranks and --iters must be at least 1\n");
+    return 2;
+  }
+  if (m.node_ranks > 0 && (!m.nvlink || m.ranks % m.node_ranks != 0)) {
+    std::fprintf(stderr, "--node-ranks needs --nvlink and must divide --ranks\n");
     return 2;
   }
   if (command == "fabric") return ferry::bench::RunFabricBench(f);

@@ -9,6 +9,7 @@
 #   tools/gpu_check.sh profile    build and the per-kernel profiles only
 #   tools/gpu_check.sh kv         build, tests and the kv benchmarks (CPU side of the host)
 #   tools/gpu_check.sh trace      build, the NVLink decode benchmark, then phase stamps per kernel
+#   tools/gpu_check.sh hybrid     build, tests, EP4 as one node and as two nodes of two (relay)
 set -u
 OUT=${OUT:-/tmp/ferry-gpu}
 mkdir -p "$OUT"
@@ -42,9 +43,9 @@ if [ "$mode" != profile ] && [ "$mode" != trace ]; then
   step moe_cuda_test 400 build-gpu/moe_cuda_test
   step fd_exchange_test 60 build-gpu/fd_exchange_test
   step memcheck 300 "$SANITIZER" --tool memcheck --target-processes all \
-    build-gpu/moe_cuda_test --gtest_filter='*n2_t7_h128_e8_k2_bf16*:*n3_t64*'
+    build-gpu/moe_cuda_test --gtest_filter='*n2_t7_h128_e8_k2_bf16*:*n3_t64*:*n4_t96*nodes2'
   step racecheck 300 "$SANITIZER" --tool racecheck --target-processes all \
-    build-gpu/moe_cuda_test --gtest_filter='*n2_t7_h128_e8_k2_bf16*'
+    build-gpu/moe_cuda_test --gtest_filter='*n2_t7_h128_e8_k2_bf16*:*n4_t96*nodes2'
 fi
 if [ "$mode" = trace ]; then
   nv=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8)
@@ -62,6 +63,20 @@ if [ "$mode" = all ] || [ "$mode" = nvlink ]; then
   step nvlink_decode_push 200 build-gpu/ferry-bench moe "${nv[@]}" --tokens 128 --iters 200 \
     --compare --private 1024
   step nvlink_prefill 300 build-gpu/ferry-bench moe "${nv[@]}" --tokens 4096 --iters 10 --compare
+fi
+if [ "$mode" = all ] || [ "$mode" = nvlink ] || [ "$mode" = hybrid ]; then
+  # EP4 as one node, then as two nodes of two joined by the relay over shm. On 4 GPUs this is
+  # the relay's cost; on 2 GPUs two processes share each GPU and the figures measure the
+  # driver's time-slicing between their contexts (milliseconds), not the protocol.
+  ep4=(--nvlink --ranks 4 --hidden 7168 --experts 256 --topk 8 --dtype fp8 --once-per-rank
+       --reduce-at-expert-rank)
+  step ep4_one_node 200 build-gpu/ferry-bench moe "${ep4[@]}" --tokens 128 --iters 100
+  step ep4_two_nodes 200 build-gpu/ferry-bench moe "${ep4[@]}" --tokens 128 --iters 100 \
+    --node-ranks 2
+  step ep4_two_nodes_prefill 300 build-gpu/ferry-bench moe "${ep4[@]}" --tokens 4096 --iters 10 \
+    --node-ranks 2
+  echo "== EP4 decode: one node, then two nodes of two (relay over shm)"
+  grep -h '^(a)+(b)' "$OUT/ep4_one_node.log" "$OUT/ep4_two_nodes.log" "$OUT/ep4_two_nodes_prefill.log"
 fi
 if [ "$mode" = all ] || [ "$mode" = kv ]; then
   step kv_4k 300 build-gpu/ferry-bench kv --tokens 4096

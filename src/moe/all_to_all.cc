@@ -257,15 +257,10 @@ StatusOr<std::unique_ptr<AllToAll>> AllToAll::Create(const AllToAllConfig& confi
                                 std::to_string(config.rank) + " of " +
                                 std::to_string(config.world_size));
   }
+  // CUDA with nodes of several ranks: NVLink inside a node, the relay between nodes.
   if (config.device == MoeDeviceKind::kCuda && (nvlink_only || config.ranks_per_node > 1)) {
-    if (!nvlink_only) {
-      return UnimplementedError(
-          "AllToAll: the CUDA device runs one node over NVLink (ranks_per_node == world_size) "
-          "or every rank over the engine (ranks_per_node == 1); NVLink inside nodes with RDMA "
-          "between them is not built yet");
-    }
 #ifdef FERRY_HAVE_CUDA
-    return moe::NewNvlinkAllToAll(config, bootstrap);
+    return moe::NewNvlinkAllToAll(config, engine, bootstrap);
 #else
     return UnimplementedError("AllToAll: ferry was built without CUDA; use the host device");
 #endif

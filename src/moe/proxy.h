@@ -43,6 +43,10 @@ inline constexpr uint32_t kEpochs = 4;
 inline uint32_t MoeImm(ImmKind kind, uint64_t epoch) {
   return kImmBase | (uint32_t{kind} << 4) | static_cast<uint32_t>(epoch % kEpochs);
 }
+// The relay's immediates also carry the sending rank (bits 8..27; world sizes up to 2^20).
+inline uint32_t RelayImm(ImmKind kind, uint64_t epoch, int sender) {
+  return MoeImm(kind, epoch) | static_cast<uint32_t>(sender) << 8;
+}
 
 struct ProxyParams {
   AllToAllConfig config;

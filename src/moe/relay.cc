@@ -63,17 +63,23 @@ StatusOr<std::unique_ptr<Relay>> Relay::Create(const AllToAllConfig& config,
   return relay;
 }
 
-Relay::~Relay() {
+Relay::~Relay() { Stop(); }
+
+bool Relay::Stop() {
+  if (stopped_) return drained_;
+  stopped_ = true;
   stop_.store(true, std::memory_order_release);
   if (thread_.joinable()) thread_.join();
   // Writes still in flight read the outbox and targets_; the engine ends each within its
   // transfer timeout, so this wait is bounded. If one never ends, leak what it reads.
-  if (!writes_.Wait(submitted_, Deadline::After(std::chrono::milliseconds(peer_timeout_ms_)))
-           .ok()) {
+  drained_ = writes_.Wait(submitted_, Deadline::After(std::chrono::milliseconds(peer_timeout_ms_)))
+                 .ok();
+  if (!drained_) {
     new std::vector<ScatterTarget>(std::move(targets_));
     new MemoryRegion(std::move(outbox_reg_));
     new MemoryRegion(std::move(inbox_reg_));
   }
+  return drained_;
 }
 
 Status Relay::Connect(Bootstrap& bootstrap) {
@@ -81,8 +87,12 @@ Status Relay::Connect(Bootstrap& bootstrap) {
   ASSIGN_OR_RETURN(outbox_reg_, engine_->RegisterMemory(outbox_, layout_.outbox_bytes));
   for (ImmKind kind : {kRelayDispatch, kRelayCombine}) {
     for (uint32_t epoch = 0; epoch < kEpochs; ++epoch) {
-      Status s = engine_->CreateImmCounter(MoeImm(kind, epoch));
-      if (!s.ok()) return s.WithContext("AllToAll: one engine serves one AllToAll (counter taken)");
+      for (int r : layout_.remotes) {
+        Status s = engine_->CreateImmCounter(RelayImm(kind, epoch, r));
+        if (!s.ok()) {
+          return s.WithContext("AllToAll: one engine serves one AllToAll (counter taken)");
+        }
+      }
     }
   }
   const auto timeout = std::chrono::seconds(60);
@@ -149,12 +159,7 @@ Status Relay::Dispatch(uint64_t epoch) {
                         uint64_t(layout_.InSection(layout_.RemoteIndex(r, c_.rank))),
                         uint64_t(layout_.counts_bytes + slots * layout_.slot_bytes)});
   }
-  RETURN_IF_ERROR(Exchange(MoeImm(kRelayDispatch, epoch), dispatch_bytes_));
-  for (int s : layout_.remotes) {
-    std::atomic_ref<uint64_t>(*layout_.InboxFlag(inbox_, false, s))
-        .store(epoch + 1, std::memory_order_release);
-  }
-  return Status::Ok();
+  return Exchange(kRelayDispatch, epoch, dispatch_bytes_);
 }
 
 Status Relay::Combine(uint64_t epoch) {
@@ -177,12 +182,7 @@ Status Relay::Combine(uint64_t epoch) {
                         uint64_t(layout_.in_combine_off + start * layout_.row_bytes),
                         uint64_t(rows * layout_.row_bytes)});
   }
-  RETURN_IF_ERROR(Exchange(MoeImm(kRelayCombine, epoch), combine_bytes_));
-  for (int s : layout_.remotes) {
-    std::atomic_ref<uint64_t>(*layout_.InboxFlag(inbox_, true, s))
-        .store(epoch + 1, std::memory_order_release);
-  }
-  return Status::Ok();
+  return Exchange(kRelayCombine, epoch, combine_bytes_);
 }
 
 Status Relay::WaitDevice(bool combine, uint64_t epoch) {
@@ -195,27 +195,38 @@ Status Relay::WaitDevice(bool combine, uint64_t epoch) {
   return Status::Ok();
 }
 
-Status Relay::Exchange(uint32_t imm, std::atomic<uint64_t>& bytes) {
+Status Relay::Exchange(ImmKind kind, uint64_t epoch, std::atomic<uint64_t>& bytes) {
+  const bool combine = kind == kRelayCombine;
   uint64_t sum = 0;
   for (const ScatterTarget& t : targets_) sum += t.length;
   bytes.store(sum, std::memory_order_relaxed);
   ++submitted_;
-  RETURN_IF_ERROR(engine_->Scatter({plan_, targets_, imm}, Completion::Counter(&writes_)));
-  const auto count = static_cast<uint64_t>(layout_.remotes.size());
+  RETURN_IF_ERROR(engine_->Scatter({plan_, targets_, RelayImm(kind, epoch, c_.rank)},
+                                   Completion::Counter(&writes_)));
+  // Each sender's section as it lands: its flag goes up at once, so a lost rank is the one
+  // whose flag the kernels time out on.
   const Deadline deadline = Deadline::After(std::chrono::milliseconds(peer_timeout_ms_));
-  for (;;) {  // short slices, so that a stop request is seen promptly
-    Deadline slice = Deadline::After(std::chrono::milliseconds(20));
-    if (deadline.at < slice.at) slice = deadline;
-    Status s = engine_->WaitImm(imm, count, slice);
-    if (s.ok()) break;
-    if (s.code() != StatusCode::kDeadlineExceeded) return s;
-    if (stop_.load(std::memory_order_acquire)) return CancelledError("relay stopped");
-    if (deadline.Expired()) {
-      return s.WithContext("waiting for the " + std::to_string(count) +
-                           " remote ranks' writes (immediate " + std::to_string(imm) + ")");
+  for (int s : layout_.remotes) {
+    const uint32_t imm = RelayImm(kind, epoch, s);
+    for (;;) {  // short slices, so that a stop request is seen promptly
+      Deadline slice = Deadline::After(std::chrono::milliseconds(20));
+      if (deadline.at < slice.at) slice = deadline;
+      Status st = engine_->WaitImm(imm, 1, slice);
+      if (st.ok()) break;
+      if (st.code() != StatusCode::kDeadlineExceeded) return st;
+      if (stop_.load(std::memory_order_acquire)) return CancelledError("relay stopped");
+      if (deadline.Expired()) {
+        return DeadlineExceededError("rank " + std::to_string(s) + " sent no " +
+                                     (combine ? "combine rows" : "dispatch section") +
+                                     " within " + std::to_string(peer_timeout_ms_) + " ms");
+      }
     }
+    RETURN_IF_ERROR(engine_->ConsumeImm(imm, 1));
+    std::atomic_ref<uint64_t>(*layout_.InboxFlag(inbox_, combine, s))
+        .store(epoch + 1, std::memory_order_release);
   }
-  RETURN_IF_ERROR(engine_->ConsumeImm(imm, count));
+  // Our own writes, before the kernels may rewrite the outbox (relay.h says why they would not
+  // anyway) and before targets_ is reused.
   RETURN_IF_ERROR(writes_.Wait(submitted_, deadline));
   if (writes_.failed.load() > 0) {
     return UnavailableError(std::to_string(writes_.failed.load()) + " writes to peers failed");

@@ -9,10 +9,14 @@
 // peer's section has landed in our inbox it raises the flag our kernels wait for:
 //
 //   dispatch: GPU raises outbox.dispatch -> one write per remote rank (counts row and all the
-//             slots for it, contiguous) -> the immediates of every remote sender and our own
-//             writes -> inbox.dispatch[s] for each remote sender s
+//             slots for it, contiguous) -> as sender s's immediate arrives, inbox.dispatch[s] ->
+//             our own writes complete
 //   combine:  GPU raises outbox.combine -> one write per remote rank (the rows we return to it,
-//             at the place its counts row named) -> immediates and own writes -> inbox.combine[s]
+//             at the place its counts row named) -> inbox.combine[s] as each arrives -> our
+//             writes complete
+//
+// Immediates name their sender (RelayImm), so each flag goes up as its section lands and a lost
+// rank is the one whose flag never does.
 //
 // Memory ordering: the GPU stores its outbox flag with st.release.sys after the data (the
 // kernels' ticket carries every block's stores to the storing thread); the relay loads it with
@@ -41,6 +45,7 @@
 #include "ferry/bootstrap.h"
 #include "ferry/fabric.h"
 #include "ferry/moe.h"
+#include "moe/proxy.h"
 
 namespace ferry::moe {
 
@@ -103,9 +108,14 @@ class Relay {
                                                  TransferEngine* engine, Bootstrap& bootstrap,
                                                  uint8_t* inbox, uint8_t* outbox,
                                                  uint32_t peer_timeout_ms = 60000);
-  ~Relay();  // stops the thread; leaks the regions if a write never ended (Quiesce)
+  ~Relay();  // Stop()
   Relay(const Relay&) = delete;
   Relay& operator=(const Relay&) = delete;
+
+  // Stops the thread, then waits for the writes it posted (each ends within the engine's
+  // transfer timeout). False if some never ended: their registrations are leaked, and the
+  // outbox (which they read) must be too.
+  bool Stop();
 
   // OK while the relay runs; then why it stopped (a peer lost, a malformed counts row).
   Status error() const;
@@ -123,8 +133,9 @@ class Relay {
   Status Combine(uint64_t epoch);
   // Until the kernels raised an outbox flag past epoch (no deadline: the GPU may idle).
   Status WaitDevice(bool combine, uint64_t epoch);
-  // targets_ as one scatter with imm; then every remote rank's, then our writes.
-  Status Exchange(uint32_t imm, std::atomic<uint64_t>& bytes);
+  // targets_ as one scatter; then, as each remote rank's write lands, its inbox flag; then our
+  // writes.
+  Status Exchange(ImmKind kind, uint64_t epoch, std::atomic<uint64_t>& bytes);
   void Fail(const Status& s);
 
   const AllToAllConfig c_;
@@ -144,6 +155,8 @@ class Relay {
   Status error_;  // guarded by error_mu_
   std::atomic<bool> failed_{false};
   std::atomic<bool> stop_{false};
+  bool stopped_ = false;  // Stop ran
+  bool drained_ = true;   // what Stop found
   std::thread thread_;  // last: starts once everything above exists
 };
 

@@ -19,6 +19,7 @@
 #include "moe/cuda/cuda_util.cuh"
 #include "moe/cuda/nvlink_all_to_all.h"
 #include "moe/layout.h"
+#include "moe/relay.h"
 
 namespace ferry::moe {
 namespace {
@@ -79,18 +80,44 @@ struct Scratch {
   int32_t tokens;           // T of this epoch (after the device count is checked)
   int32_t total_recv;       // slots received this epoch
   int32_t abort;            // a wait timed out: later waits give up at once
+  int32_t error;            // an ErrorCode, claimed by the first Report (see Nv::error)
   uint32_t tickets[3];      // last-block detection: Pack, CombineSend, CombineRecv
+};
+
+// Rank r as our kernels see it: where what r must receive from us goes, and where what r sent
+// us is. A rank of our node: its buffer over NVLink, and ours. A rank of another node: our outbox
+// section for it and our inbox section from it, which the relay connects (relay.h).
+struct NvPeer {
+  // Sending to r.
+  uint64_t* dispatch_flag;  // "epoch + 1" once our counts row and slots for r are in place
+  uint64_t* combine_flag;   // the same for the combine rows we return to r
+  int32_t* counts;          // [L + kCountsColumns] our counts row for r
+  uint8_t* slots;           // [slot_cap] slots our kernels push for r (r's private region)
+  uint8_t* combine;         // rows we return to r: r's combine region (row: r's row), or our
+                            // outbox section (row: from the first one r expects from us)
+  // Receiving from r.
+  const uint64_t* dispatch_flag_in;
+  const uint64_t* combine_flag_in;
+  const int32_t* counts_in;  // [L + kCountsColumns] r's counts row for us
+  const uint8_t* slots_in;   // [slot_cap] the slots r pushed
+  const uint8_t* pull;       // r's send area, where we pull slots past slot_cap; null: none
+  const uint8_t* combine_in; // our combine region as r's rows land in it (row: our row)
+  int32_t slot_cap;          // slots pushed per pair: P in a node, all of them between nodes
+  int32_t row_cap;           // rows `combine` holds
+  int32_t remote;            // another node (combine rows rebased, see combine)
 };
 
 // Everything the kernels share; passed by value.
 struct Nv {
   int n, me, e, l, k, t_max, hidden, spt, priv, chunks;
-  int64_t payload, slot_bytes, meta_bytes, row_bytes, capacity;
+  int64_t payload, slot_bytes, meta_bytes, row_bytes, capacity, slots_per_pair;
   bool once, reduce;
   int64_t counts_off, private_off, combine_off, send_off;  // flags at 0
-  uint8_t* const* base;  // [N] every rank's buffer as mapped here (ours included)
+  uint8_t* own;          // our buffer (its send area holds the slots peers pull and our own)
+  const NvPeer* peer;    // [N] every rank, ours included
   Scratch* scratch;
-  int32_t* error;        // [3] code, detail, detail: mapped pinned host memory
+  int32_t* error;        // [3] code, detail, detail: mapped pinned host memory, the mirror of
+                         // scratch->error the host reads
   int32_t* indices;      // [t_max, K] our copy of the routing
   float* weights;        // [t_max, K]
   int32_t* slot_pos;     // [N, t_max] token t's first slot among ours for rank r (Route -> Pack;
@@ -154,31 +181,28 @@ __device__ inline void Mark(const Nv& v, TraceKernel kernel, int point) {
   }
 }
 
-__device__ inline uint64_t* DispatchFlags(const Nv& v, int r) {
-  return reinterpret_cast<uint64_t*>(v.base[r]);
-}
-__device__ inline uint64_t* CombineFlags(const Nv& v, int r) {
-  return reinterpret_cast<uint64_t*>(v.base[r]) + v.n;
-}
-// Rank r's counts row from sender s.
-__device__ inline int32_t* CountsRow(const Nv& v, int r, int s) {
-  return reinterpret_cast<int32_t*>(v.base[r] + v.counts_off) + int64_t{s} * (v.l + 2);
-}
 
+// The first error of a step wins the device word; its reporter mirrors it into the host's
+// mapped words (plain stores: atomics on host memory over PCIe are not atomic, and
+// compute-sanitizer rejects them), the code last.
 __device__ inline void Report(const Nv& v, int32_t code, int32_t a, int32_t b) {
-  if (atomicCAS_system(v.error, 0, code) == 0) {
-    atomicExch_system(v.error + 1, a);
-    atomicExch_system(v.error + 2, b);
+  if (atomicCAS(&v.scratch->error, 0, code) == 0) {
+    volatile int32_t* host = v.error;
+    host[1] = a;
+    host[2] = b;
+    __threadfence_system();
+    host[0] = code;
   }
 }
 
-// Thread 0 of a block: until flags[r] >= want for every rank, another block gave up, or the
-// budget (from now) runs out, which is reported and makes every later wait give up.
-__device__ bool WaitAll(const Nv& v, const uint64_t* flags, uint64_t want, uint64_t budget_ns,
-                        int which) {
+// Thread 0 of a block: until every rank's dispatch (which 0) or combine (1) flag for us is at
+// least want, another block gave up, or the budget (from now) runs out, which is reported and
+// makes every later wait give up.
+__device__ bool WaitAll(const Nv& v, uint64_t want, uint64_t budget_ns, int which) {
   const uint64_t start = GlobalTimerNs();
   for (int r = 0; r < v.n; ++r) {
-    while (LoadAcquire(flags + r) < want) {
+    const uint64_t* flag = which == 0 ? v.peer[r].dispatch_flag_in : v.peer[r].combine_flag_in;
+    while (LoadAcquire(flag) < want) {
       if (*reinterpret_cast<volatile int32_t*>(&v.scratch->abort)) return false;
       if (GlobalTimerNs() - start > budget_ns) {
         atomicExch(&v.scratch->abort, 1);
@@ -298,13 +322,14 @@ __device__ int SendTokens(const Nv& v, const SendArgs& a) {
   return tokens;
 }
 
-// Our counts row into every rank (value(r, c): column c of rank r's row, see CountsRow).
+// Our counts row into every rank (value(r, c): column c of our row for rank r: copies per
+// local expert of r, then the CountsColumn values).
 template <typename Value>
 __device__ void WriteCountsRows(const Nv& v, Value value) {
-  const int width = v.l + 2;
+  const int width = v.l + kCountsColumns;
   for (int i = threadIdx.x; i < v.n * width; i += blockDim.x) {
     const int r = i / width, c = i % width;
-    CountsRow(v, r, v.me)[c] = static_cast<int32_t>(value(r, c));
+    v.peer[r].counts[c] = static_cast<int32_t>(value(r, c));
   }
 }
 
@@ -314,9 +339,7 @@ __device__ void WriteCountsRows(const Nv& v, Value value) {
 __device__ void RaiseDispatchFlags(const Nv& v) {
   __syncthreads();
   const uint64_t epoch = v.scratch->epoch;
-  for (int r = threadIdx.x; r < v.n; r += blockDim.x) {
-    StoreRelease(DispatchFlags(v, r) + v.me, epoch + 1);
-  }
+  for (int r = threadIdx.x; r < v.n; r += blockDim.x) StoreRelease(v.peer[r].dispatch_flag, epoch + 1);
 }
 
 // ---- dispatch send ----------------------------------------------------------------------------
@@ -409,15 +432,22 @@ __global__ void __launch_bounds__(kRouteThreads) RouteKernel(Nv v, SendArgs a) {
   }
 }
 
-// Tokens t = blockIdx.x, + grid...: token t's slots, rank by rank, into our send area (grouped by receiving rank) and,
-// for the first P slots of each peer, into that peer's private region too. Thread 0 lays the
+// Where slot j of ours for rank r goes: pushed to r (its private region, or our outbox section
+// for it) while j < r's slot cap, else into our send area (grouped by receiving rank, at `start`
+// for r) for r to pull. Our own slots stay in the send area.
+__device__ inline uint8_t* SlotDst(const Nv& v, int r, int64_t j, int64_t start) {
+  const NvPeer& p = v.peer[r];
+  if (r != v.me && j < p.slot_cap) return p.slots + j * v.slot_bytes;
+  return v.own + v.send_off + (start + j) * v.slot_bytes;
+}
+
+// Tokens t = blockIdx.x, + grid...: token t's slots, rank by rank (SlotDst). Warp 0 lays the
 // slots out; then the token row is read once and stored into every slot. The last block writes
 // the counts rows into every rank and raises their dispatch flags.
 __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
   extern __shared__ int64_t starts[];  // [2N]: first slot per receiving rank in our send area,
                                        // first combine row per expert rank
-  __shared__ uint8_t* dst[kMaxK];      // the token's slots in our send area
-  __shared__ uint8_t* peer[kMaxK];     // their copies in receivers' private regions, or null
+  __shared__ uint8_t* dst[kMaxK];      // the token's slots
   __shared__ int num_slots;
   const int tokens = v.scratch->tokens;
   int64_t* row_starts = starts + v.n;
@@ -435,25 +465,17 @@ __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
         const int r = x.r;
         const int o = v.once ? 0 : x.within;  // which of the token's slots for rank r
         const int64_t j = v.slot_pos[int64_t{r} * v.t_max + t] + o;
-        uint8_t* d = v.base[v.me] + v.send_off + (starts[r] + j) * v.slot_bytes;
-        uint8_t* p = r != v.me && j < v.priv
-                         ? v.base[r] + v.private_off + (int64_t{v.me} * v.priv + j) * v.slot_bytes
-                         : nullptr;
+        uint8_t* d = SlotDst(v, r, j, starts[r]);
         const NvEntry entry{x.e % v.l, lane, v.weights[f], pos};
-        const int at = v.once ? x.within : 0;
-        reinterpret_cast<NvEntry*>(d + sizeof(NvHeader))[at] = entry;
-        if (p) reinterpret_cast<NvEntry*>(p + sizeof(NvHeader))[at] = entry;
+        reinterpret_cast<NvEntry*>(d + sizeof(NvHeader))[v.once ? x.within : 0] = entry;
         if (!v.once || x.first) {
           const int32_t row = static_cast<int32_t>(row_starts[r] +
                                                    v.row_pos[int64_t{r} * v.t_max + t] +
                                                    (v.once || v.reduce ? 0 : o));
-          const NvHeader header{t, v.once ? x.hits : 1, row, static_cast<int16_t>(o),
-                                static_cast<int16_t>(v.once ? 1 : x.hits)};
-          *reinterpret_cast<NvHeader*>(d) = header;
-          if (p) *reinterpret_cast<NvHeader*>(p) = header;
-          const int slot = v.once ? x.ranks_before : x.lanes_before + x.within;
-          dst[slot] = d;
-          peer[slot] = p;
+          *reinterpret_cast<NvHeader*>(d) =
+              NvHeader{t, v.once ? x.hits : 1, row, static_cast<int16_t>(o),
+                       static_cast<int16_t>(v.once ? 1 : x.hits)};
+          dst[v.once ? x.ranks_before : x.lanes_before + x.within] = d;
         }
       }
       if (lane == 0) num_slots = __popc(v.once ? x.firsts : x.valids);
@@ -473,14 +495,10 @@ __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
         }
         for (int slot = 0; slot < ns; ++slot) {
           uint4* d = reinterpret_cast<uint4*>(dst[slot]) + meta;
-          uint4* p = peer[slot] ? reinterpret_cast<uint4*>(peer[slot]) + meta : nullptr;
 #pragma unroll
           for (int u = 0; u < 4; ++u) {
             const int64_t i = base + u * int64_t{blockDim.x};
-            if (i < vectors) {
-              d[i] = r[u];
-              if (p) p[i] = r[u];
-            }
+            if (i < vectors) d[i] = r[u];
           }
         }
       }
@@ -488,16 +506,17 @@ __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
         const float scale = a.scales[int64_t{t} * v.spt + i];
         for (int slot = 0; slot < ns; ++slot) {
           reinterpret_cast<float*>(dst[slot] + v.meta_bytes + v.payload)[i] = scale;
-          if (peer[slot]) reinterpret_cast<float*>(peer[slot] + v.meta_bytes + v.payload)[i] = scale;
         }
       }
     }
-    __syncthreads();  // dst, peer and num_slots are rewritten for the next token
+    __syncthreads();  // dst and num_slots are rewritten for the next token
   }
   if (!LastBlock(&v.scratch->tickets[0], true)) return;
   WriteCountsRows(v, [&](int r, int c) {
-    if (c == v.l) return int64_t{v.totals[r]};
-    if (c == v.l + 1) return starts[r];
+    if (c == v.l + kColSlots) return int64_t{v.totals[r]};
+    if (c == v.l + kColSendStart) return starts[r];
+    if (c == v.l + kColRowStart) return row_starts[r];
+    if (c == v.l + kColRows) return int64_t{v.totals[v.n + r]};
     int64_t value = 0;
     for (int ch = 0; ch < v.chunks; ++ch) value += v.chunk_counts[int64_t{ch} * v.e + r * v.l + c];
     return value;
@@ -557,8 +576,7 @@ __device__ inline bool FirstForRank(const Nv& v, const int32_t* idx, int f, int 
 // one launch. The row's first batch is loaded before the slots are laid out.
 __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs a) {
   extern __shared__ int64_t small_raw[];
-  __shared__ uint8_t* dst_of[kSmallWarps][kMaxK];   // a token's slots in our send area
-  __shared__ uint8_t* peer_of[kSmallWarps][kMaxK];  // their copies in receivers' private regions
+  __shared__ uint8_t* dst_of[kSmallWarps][kMaxK];  // a token's slots (SlotDst)
   const SmallSmem m = CarveSmallSmem(small_raw, v.n, v.e);
   Mark(v, kTraceSend, 0);
   const int tokens = SendTokens(v, a);
@@ -656,7 +674,11 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
   // Block 0 writes our counts rows into every rank now; the last block only raises the flags.
   if (blockIdx.x == 0) {
     WriteCountsRows(v, [&](int r, int c) {
-      return c < v.l ? int64_t{m.hist[r * v.l + c]} : c == v.l ? int64_t{m.slots[r]} : m.starts[r];
+      if (c == v.l + kColSlots) return int64_t{m.slots[r]};
+      if (c == v.l + kColSendStart) return m.starts[r];
+      if (c == v.l + kColRowStart) return m.row_starts[r];
+      if (c == v.l + kColRows) return int64_t{m.rows[r]};
+      return int64_t{m.hist[r * v.l + c]};
     });
   }
   Mark(v, kTraceSend, 2);
@@ -710,25 +732,17 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
       const int r = x.r;
       const int o = v.once ? 0 : x.within;
       const int64_t j = (v.once ? rank_tokens : rank_copies) + o;
-      uint8_t* d = v.base[v.me] + v.send_off + (m.starts[r] + j) * v.slot_bytes;
-      uint8_t* p = r != v.me && j < v.priv
-                       ? v.base[r] + v.private_off + (int64_t{v.me} * v.priv + j) * v.slot_bytes
-                       : nullptr;
+      uint8_t* d = SlotDst(v, r, j, m.starts[r]);
       const NvEntry entry{x.e % v.l, lane, weight, pos};
-      const int at = v.once ? x.within : 0;
-      reinterpret_cast<NvEntry*>(d + sizeof(NvHeader))[at] = entry;
-      if (p) reinterpret_cast<NvEntry*>(p + sizeof(NvHeader))[at] = entry;
+      reinterpret_cast<NvEntry*>(d + sizeof(NvHeader))[v.once ? x.within : 0] = entry;
       if (!v.once || x.first) {
         const int32_t row_pos = v.reduce ? rank_tokens : rank_copies;
         const int32_t row = static_cast<int32_t>(m.row_starts[r] + row_pos +
                                                  (v.once || v.reduce ? 0 : o));
-        const NvHeader header{t, v.once ? x.hits : 1, row, static_cast<int16_t>(o),
-                              static_cast<int16_t>(v.once ? 1 : x.hits)};
-        *reinterpret_cast<NvHeader*>(d) = header;
-        if (p) *reinterpret_cast<NvHeader*>(p) = header;
-        const int slot = v.once ? x.ranks_before : x.lanes_before + x.within;
-        dst_of[warp][slot] = d;
-        peer_of[warp][slot] = p;
+        *reinterpret_cast<NvHeader*>(d) =
+            NvHeader{t, v.once ? x.hits : 1, row, static_cast<int16_t>(o),
+                     static_cast<int16_t>(v.once ? 1 : x.hits)};
+        dst_of[warp][v.once ? x.ranks_before : x.lanes_before + x.within] = d;
         if (x.first) v.row_pos[int64_t{r} * v.t_max + t] = row_pos;  // for CombineRecv
       }
     }
@@ -746,15 +760,10 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
       }
       for (int slot = 0; slot < ns; ++slot) {
         uint4* d = reinterpret_cast<uint4*>(dst_of[warp][slot]) + meta + first;
-        uint4* p = peer_of[warp][slot] ? reinterpret_cast<uint4*>(peer_of[warp][slot]) + meta + first
-                                       : nullptr;
 #pragma unroll
         for (int u = 0; u < kLaneVectors; ++u) {
           const int64_t i = lane + 32 * u;
-          if (first + i < vectors) {
-            d[i] = batch[u];
-            if (p) p[i] = batch[u];
-          }
+          if (first + i < vectors) d[i] = batch[u];
         }
       }
     }
@@ -767,16 +776,10 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
       }
       for (int slot = 0; slot < ns; ++slot) {
         auto* d = reinterpret_cast<float*>(dst_of[warp][slot] + v.meta_bytes + v.payload);
-        auto* p = peer_of[warp][slot]
-                      ? reinterpret_cast<float*>(peer_of[warp][slot] + v.meta_bytes + v.payload)
-                      : nullptr;
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
           const int i = base + lane + 32 * u;
-          if (i < v.spt) {
-            d[i] = scale[u];
-            if (p) p[i] = scale[u];
-          }
+          if (i < v.spt) d[i] = scale[u];
         }
       }
     }
@@ -804,16 +807,19 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
 // output row, and remembers where the entries' combine rows go.
 __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
   extern __shared__ int64_t prefix[];  // [N + 1] slots before sender s; [N] start[s] (where
-                                       // they start in its send area); then offset[N + 1][L]
+                                       // they start in its send area); [N] rebase[s] (the first
+                                       // combine row s expects from us, if remote); then
+                                       // offset[N + 1][L]
   int64_t* start = prefix + v.n + 1;
+  int64_t* rebase = start + v.n;
   // offset[s][e]: rows of local expert e from senders before s (offset[N][e]: all of them).
-  int32_t* offset = reinterpret_cast<int32_t*>(start + v.n);
+  int32_t* offset = reinterpret_cast<int32_t*>(rebase + v.n);
   __shared__ bool ok;
   __shared__ uint4 meta_v[1 + kMaxK];  // the slot's header and entries
   __shared__ int64_t out_row[kMaxK];
   Mark(v, kTraceUnpack, 0);
   const uint64_t epoch = v.scratch->epoch;
-  if (threadIdx.x == 0) ok = WaitAll(v, DispatchFlags(v, v.me), epoch + 1, a.timeout_ns, 0);
+  if (threadIdx.x == 0) ok = WaitAll(v, epoch + 1, a.timeout_ns, 0);
   __syncthreads();
   if (!ok) return;
   Mark(v, kTraceUnpack, 1);
@@ -821,13 +827,20 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
     int32_t rows = 0;
     for (int s = 0; s < v.n; ++s) {
       offset[s * v.l + e] = rows;
-      rows += __ldcg(CountsRow(v, v.me, s) + e);
+      rows += __ldcg(v.peer[s].counts_in + e);
     }
     offset[v.n * v.l + e] = rows;
   }
   for (int s = threadIdx.x; s < v.n; s += blockDim.x) {
-    prefix[s + 1] = __ldcg(CountsRow(v, v.me, s) + v.l);
-    start[s] = __ldcg(CountsRow(v, v.me, s) + v.l + 1);
+    const int32_t* counts = v.peer[s].counts_in;
+    int64_t slots = __ldcg(counts + v.l + kColSlots);
+    if (slots < 0 || slots > v.slots_per_pair) {  // none of them is taken
+      if (blockIdx.x == 0) Report(v, kBadSlot, s, static_cast<int32_t>(slots));
+      slots = 0;
+    }
+    prefix[s + 1] = slots;
+    start[s] = __ldcg(counts + v.l + kColSendStart);
+    rebase[s] = v.peer[s].remote ? __ldcg(counts + v.l + kColRowStart) : 0;
   }
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -855,10 +868,20 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
   for (int64_t g = blockIdx.x; g < total; g += gridDim.x) {
     const int s = SenderOf(prefix, v.n, g);
     const int64_t j = g - prefix[s];
-    const uint8_t* src =
-        s == v.me ? v.base[v.me] + v.send_off + (start[s] + j) * v.slot_bytes
-        : j < v.priv ? v.base[v.me] + v.private_off + (int64_t{s} * v.priv + j) * v.slot_bytes
-                     : v.base[s] + v.send_off + (start[s] + j) * v.slot_bytes;
+    const NvPeer& from = v.peer[s];
+    // Ours from our send area; then what s pushed; the rest pulled from s's send area (a slot
+    // past what s may push to a rank without a send area to pull from is malformed).
+    const uint8_t* src = s == v.me        ? v.own + v.send_off + (start[s] + j) * v.slot_bytes
+                         : j < from.slot_cap ? from.slots_in + j * v.slot_bytes
+                         : from.pull         ? from.pull + (start[s] + j) * v.slot_bytes
+                                             : nullptr;
+    if (!src) {
+      if (threadIdx.x == 0) {
+        Report(v, kBadSlot, s, static_cast<int32_t>(j));
+        v.rslots[g] = RecvSlot{s, 0, 0, 0, 1};
+      }
+      continue;
+    }
     const auto* src4 = reinterpret_cast<const uint4*>(src);
     // One round trip for the slot's first 16 KiB (metadata and, usually, the whole slot).
     uint4 r[4];
@@ -873,10 +896,12 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
     NvHeader header;
     std::memcpy(&header, &meta_v[0], sizeof header);
     const int entries = min(max(header.entries, 0), v.k);
+    // The combine row, counted from where our rows for s go (rebased for another node).
+    const int64_t row = header.row - rebase[s];
     bool valid = header.entries >= 1 && header.entries <= v.k && header.src_token >= 0 &&
-                 header.src_token < v.t_max && header.row >= 0 && header.parts >= 1 &&
+                 header.src_token < v.t_max && row >= 0 && header.parts >= 1 &&
                  header.part >= 0 && header.part < header.parts &&
-                 int64_t{header.row} + (v.reduce ? 1 : header.entries) <= int64_t{v.t_max} * v.k;
+                 row + (v.reduce ? 1 : header.entries) <= from.row_cap;
     if (threadIdx.x < entries) {
       NvEntry entry;
       std::memcpy(&entry, &meta_v[1 + threadIdx.x], sizeof entry);
@@ -893,7 +918,8 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
     if (g == blockIdx.x) Mark(v, kTraceUnpack, 3);
     if (threadIdx.x == 0) {
       if (!valid) Report(v, kBadSlot, s, static_cast<int32_t>(j));
-      v.rslots[g] = RecvSlot{s, header.row, valid ? entries : 0, header.part, header.parts};
+      v.rslots[g] = RecvSlot{s, static_cast<int32_t>(row), valid ? entries : 0, header.part,
+                             header.parts};
     }
     const int outs = valid ? entries : 0;
     // Vector i of the slot into every entry's output row (its row or its scales).
@@ -980,7 +1006,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
   int64_t rows_out = 0;
   for (int64_t g = blockIdx.x; g < total; g += gridDim.x) {
     const RecvSlot slot = v.rslots[g];
-    uint8_t* dst = v.base[slot.sender] + v.combine_off + int64_t{slot.row} * v.row_bytes;
+    uint8_t* dst = v.peer[slot.sender].combine + int64_t{slot.row} * v.row_bytes;
     if (!v.reduce) {
       for (int i = 0; i < slot.entries; ++i) {
         const RecvEntry entry = v.rentries[g * v.k + i];
@@ -1044,7 +1070,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
   if (!LastBlock(&v.scratch->tickets[1], true)) return;
   Mark(v, kTraceCombineSend, 3);
   for (int r = threadIdx.x; r < v.n; r += blockDim.x) {
-    StoreRelease(CombineFlags(v, r) + v.me, v.scratch->epoch + 1);
+    StoreRelease(v.peer[r].combine_flag, v.scratch->epoch + 1);
   }
   Mark(v, kTraceCombineSend, 4);
 }
@@ -1076,14 +1102,13 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineA
         const int c = v.reduce ? x.ranks_before : x.lanes_before + x.within;
         const int64_t row = rank_start[x.r] + v.row_pos[int64_t{x.r} * v.t_max + t] +
                             (v.reduce ? 0 : x.within);
-        row_ptr[c] = reinterpret_cast<const uint4*>(v.base[v.me] + v.combine_off +
-                                                    row * v.row_bytes);
+        row_ptr[c] = reinterpret_cast<const uint4*>(v.peer[x.r].combine_in + row * v.row_bytes);
         weight_of[c] = v.reduce ? 1.0f : v.weights[int64_t{t} * v.k + threadIdx.x];
       }
       if (threadIdx.x == 0) rows = __popc(v.reduce ? x.firsts : x.valids);
     }
     if (!waited) {
-      if (threadIdx.x == 0) ok = WaitAll(v, CombineFlags(v, v.me), epoch + 1, a.timeout_ns, 1);
+      if (threadIdx.x == 0) ok = WaitAll(v, epoch + 1, a.timeout_ns, 1);
       waited = true;
     }
     __syncthreads();
@@ -1131,11 +1156,16 @@ class NvlinkAllToAll final : public AllToAll {
     cudaSetDevice(c_.cuda_device);
     cudaDeviceSynchronize();
     if (nv_.trace) PrintTrace();
+    // A write the relay posted that never ended still reads the outbox: leak both boxes then.
+    if (relay_ && !relay_->Stop()) {
+      inbox_.Leak();
+      outbox_.Leak();
+    }
     if (own_stream_) cudaStreamDestroy(own_stream_);
     if (error_) cudaFreeHost(error_);
   }
 
-  Status Init(Bootstrap& bootstrap) {
+  Status Init(TransferEngine* engine, Bootstrap& bootstrap) {
     const int n = c_.world_size, k = c_.experts_per_token, t = c_.max_tokens_per_rank;
     if (c_.cuda_device >= CudaDeviceCount()) {
       return FailedPreconditionError("AllToAll: CUDA device " + std::to_string(c_.cuda_device) +
@@ -1167,8 +1197,9 @@ class NvlinkAllToAll final : public AllToAll {
     v.capacity = c_.expert_capacity();
     v.once = c_.dispatch_once_per_rank;
     v.reduce = c_.combine_reduce_at_expert_rank;
+    v.slots_per_pair = layout_.slots_per_pair;
     v.counts_off = RoundUp(2 * n * 8, 128);
-    v.private_off = RoundUp(v.counts_off + int64_t{n} * (v.l + 2) * 4, 128);
+    v.private_off = RoundUp(v.counts_off + int64_t{n} * (v.l + kCountsColumns) * 4, 128);
     v.combine_off = RoundUp(v.private_off + int64_t{n} * v.priv * v.slot_bytes, 128);
     v.send_off = RoundUp(v.combine_off + int64_t{t} * k * v.row_bytes, 128);
     const int64_t bytes = v.send_off + int64_t{t} * k * v.slot_bytes;
@@ -1189,30 +1220,53 @@ class NvlinkAllToAll final : public AllToAll {
                                     std::to_string(c_.rank) + " (" + c_.ToString() + ")");
       }
     }
+    // Within our node: every member's buffer mapped here.
     int fd = -1;
     RETURN_IF_ERROR(shared_.Create(c_.cuda_device, bytes, &fd));
-    std::vector<int> members(n);
-    for (int r = 0; r < n; ++r) members[r] = r;
+    const int per_node = c_.ranks_per_node, first = c_.rank / per_node * per_node;
+    std::vector<int> members(per_node);
+    for (int i = 0; i < per_node; ++i) members[i] = first + i;
     auto fds = ExchangeFds(bootstrap, members, fd, timeout);
     close(fd);
     RETURN_IF_ERROR(fds.status());
-    std::vector<uint8_t*> bases(n);
+    std::vector<uint8_t*> bases(n, nullptr);
     Status imported = Status::Ok();
-    for (int r = 0; r < n; ++r) {
+    for (int i = 0; i < per_node; ++i) {
+      const int r = members[i];
       if (r == c_.rank) {
         bases[r] = shared_.own();
       } else if (imported.ok()) {
-        auto base = shared_.Import((*fds)[r]);
+        auto base = shared_.Import((*fds)[i]);
         if (base.ok()) bases[r] = *base; else imported = base.status();
       }
-      close((*fds)[r]);
+      close((*fds)[i]);
     }
     RETURN_IF_ERROR(imported);
 
+    // Other nodes: the relay's inbox and outbox, pinned and mapped, and the relay.
+    const RelayLayout relay(c_, v.slot_bytes);
+    uint8_t* inbox = nullptr;
+    uint8_t* outbox = nullptr;
+    if (!relay.remotes.empty()) {
+      ASSIGN_OR_RETURN(inbox_, PinnedBuffer::Allocate(relay.inbox_bytes));
+      ASSIGN_OR_RETURN(outbox_, PinnedBuffer::Allocate(relay.outbox_bytes));
+      void* p = nullptr;
+      FERRY_CUDA(cudaHostGetDevicePointer(&p, inbox_.data(), 0));
+      inbox = static_cast<uint8_t*>(p);
+      FERRY_CUDA(cudaHostGetDevicePointer(&p, outbox_.data(), 0));
+      outbox = static_cast<uint8_t*>(p);
+      ASSIGN_OR_RETURN(relay_, Relay::Create(c_, relay, engine, bootstrap, inbox_.data(),
+                                             outbox_.data()));
+    }
+    std::vector<NvPeer> peers(n);
+    for (int r = 0; r < n; ++r) {
+      peers[r] = relay.Remote(r) ? RemotePeer(relay, inbox, outbox, r)
+                                 : NodePeer(bases[c_.rank], bases[r], r);
+    }
+
     // Device state.
-    RETURN_IF_ERROR(bases_.Allocate(n));
-    FERRY_CUDA(cudaMemcpy(bases_.get(), bases.data(), n * sizeof(uint8_t*),
-                          cudaMemcpyHostToDevice));
+    RETURN_IF_ERROR(peers_.Allocate(n));
+    FERRY_CUDA(cudaMemcpy(peers_.get(), peers.data(), n * sizeof(NvPeer), cudaMemcpyHostToDevice));
     RETURN_IF_ERROR(scratch_.Allocate(1));
     FERRY_CUDA(cudaMemset(scratch_.get(), 0, sizeof(Scratch)));
     RETURN_IF_ERROR(indices_.Allocate(size_t(t) * k));
@@ -1233,7 +1287,8 @@ class NvlinkAllToAll final : public AllToAll {
     std::memset(error_, 0, 4 * sizeof(int32_t));
     void* error_dev = nullptr;
     FERRY_CUDA(cudaHostGetDevicePointer(&error_dev, error, 0));
-    v.base = bases_.get();
+    v.own = bases[c_.rank];
+    v.peer = peers_.get();
     v.scratch = scratch_.get();
     v.error = static_cast<int32_t*>(error_dev);
     v.indices = indices_.get();
@@ -1321,7 +1376,7 @@ class NvlinkAllToAll final : public AllToAll {
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
     const RecvArgs args{static_cast<uint8_t*>(out.x), out.scales, out.num_tokens,
                         BudgetNs(deadline)};
-    const size_t shared = (2 * nv_.n + 1) * sizeof(int64_t) +
+    const size_t shared = (3 * nv_.n + 1) * sizeof(int64_t) +
                           size_t(nv_.n + 1) * nv_.l * sizeof(int32_t);
     RETURN_IF_ERROR(ResetTrace(kTraceUnpack));
     UnpackKernel<<<recv_grid_, kCopyThreads, shared, stream_>>>(nv_, args);
@@ -1390,9 +1445,11 @@ class NvlinkAllToAll final : public AllToAll {
     return Status::Ok();
   }
 
-  // A peer that missed a deadline ends this AllToAll (its flags can no longer be trusted).
+  // A peer that missed a deadline ends this AllToAll (its flags can no longer be trusted); so
+  // does a relay that stopped (a remote rank lost).
   Status Sticky() {
     if (!failed_.ok()) return failed_;
+    if (relay_ && relay_->failed()) return failed_ = relay_->error();
     if (reinterpret_cast<volatile int32_t*>(error_)[0] == kPeerTimeout) return Finish();
     return Status::Ok();
   }
@@ -1439,6 +1496,49 @@ class NvlinkAllToAll final : public AllToAll {
     }
   }
 
+  // Rank r of our node: its buffer `theirs` (mapped here) and ours, `own`.
+  NvPeer NodePeer(uint8_t* own, uint8_t* theirs, int r) const {
+    const Nv& v = nv_;
+    const int64_t width = v.l + kCountsColumns;
+    NvPeer p{};
+    p.dispatch_flag = reinterpret_cast<uint64_t*>(theirs) + v.me;
+    p.combine_flag = reinterpret_cast<uint64_t*>(theirs) + v.n + v.me;
+    p.counts = reinterpret_cast<int32_t*>(theirs + v.counts_off) + v.me * width;
+    p.slots = theirs + v.private_off + int64_t{v.me} * v.priv * v.slot_bytes;
+    p.combine = theirs + v.combine_off;
+    p.dispatch_flag_in = reinterpret_cast<uint64_t*>(own) + r;
+    p.combine_flag_in = reinterpret_cast<uint64_t*>(own) + v.n + r;
+    p.counts_in = reinterpret_cast<int32_t*>(own + v.counts_off) + r * width;
+    p.slots_in = own + v.private_off + int64_t{r} * v.priv * v.slot_bytes;
+    p.pull = theirs + v.send_off;
+    p.combine_in = own + v.combine_off;
+    p.slot_cap = v.priv;
+    p.row_cap = static_cast<int32_t>(int64_t{v.t_max} * v.k);
+    return p;
+  }
+
+  // Rank r of another node: our outbox section for it, our inbox section from it (device
+  // pointers of the mapped buffers).
+  static NvPeer RemotePeer(const RelayLayout& relay, uint8_t* inbox, uint8_t* outbox, int r) {
+    const int q = relay.RemoteIndex(relay.me, r);
+    NvPeer p{};
+    p.dispatch_flag = relay.OutboxFlag(outbox, false);
+    p.combine_flag = relay.OutboxFlag(outbox, true);
+    p.counts = reinterpret_cast<int32_t*>(outbox + relay.OutSection(q));
+    p.slots = outbox + relay.OutSection(q) + relay.counts_bytes;
+    p.combine = outbox + relay.OutRows(q);
+    p.dispatch_flag_in = relay.InboxFlag(inbox, false, r);
+    p.combine_flag_in = relay.InboxFlag(inbox, true, r);
+    p.counts_in = reinterpret_cast<int32_t*>(inbox + relay.InSection(q));
+    p.slots_in = inbox + relay.InSection(q) + relay.counts_bytes;
+    p.pull = nullptr;
+    p.combine_in = inbox + relay.in_combine_off;
+    p.slot_cap = static_cast<int32_t>(relay.slots_per_pair);
+    p.row_cap = static_cast<int32_t>(relay.rows_per_pair);
+    p.remote = 1;
+    return p;
+  }
+
   // Blocks of the per-token kernels: one per token up to four per SM (then they loop).
   int TokenGrid(int tokens) const { return std::max(1, std::min(tokens, recv_grid_limit_)); }
 
@@ -1467,6 +1567,7 @@ class NvlinkAllToAll final : public AllToAll {
     e[1] = 0;
     e[2] = 0;
     e[0] = 0;
+    FERRY_CUDA(cudaMemsetAsync(&nv_.scratch->error, 0, sizeof(int32_t), stream_));
     switch (code) {
       case kBadExpert:
         return OutOfRangeError("DispatchSend: token " + std::to_string(a) + " routes to expert " +
@@ -1495,7 +1596,9 @@ class NvlinkAllToAll final : public AllToAll {
   const MoeLayout layout_;  // slots_per_pair: the most slots one sender routes to one receiver
   Nv nv_{};
   SharedCudaMemory shared_;
-  DeviceArray<uint8_t*> bases_;
+  PinnedBuffer inbox_, outbox_;  // other nodes (relay.h); the relay reads and writes them
+  std::unique_ptr<Relay> relay_;
+  DeviceArray<NvPeer> peers_;
   DeviceArray<Scratch> scratch_;
   DeviceArray<int32_t> indices_, slot_pos_, row_pos_, totals_, erank_, chunk_counts_;
   DeviceArray<float> weights_;
@@ -1516,12 +1619,14 @@ class NvlinkAllToAll final : public AllToAll {
 }  // namespace
 
 StatusOr<std::unique_ptr<AllToAll>> NewNvlinkAllToAll(const AllToAllConfig& config,
+                                                      TransferEngine* engine,
                                                       Bootstrap& bootstrap) {
-  if (config.device != MoeDeviceKind::kCuda || config.ranks_per_node != config.world_size) {
-    return InvalidArgumentError("NVLink AllToAll: needs the CUDA device and one node");
+  if (config.device != MoeDeviceKind::kCuda || config.ranks_per_node < 2 &&
+                                                   config.world_size > 1) {
+    return InvalidArgumentError("NVLink AllToAll: needs the CUDA device and nodes of several ranks");
   }
   auto a2a = std::make_unique<NvlinkAllToAll>(config);
-  RETURN_IF_ERROR(a2a->Init(bootstrap));
+  RETURN_IF_ERROR(a2a->Init(engine, bootstrap));
   return std::unique_ptr<AllToAll>(std::move(a2a));
 }
 

@@ -56,12 +56,15 @@
 #include <memory>
 
 #include "ferry/bootstrap.h"
+#include "ferry/fabric.h"
 #include "ferry/moe.h"
 
 namespace ferry::moe {
 
-// config.device == kCuda and config.ranks_per_node == config.world_size. Collective.
+// config.device == kCuda and ranks_per_node > 1 (or a single rank). `engine` carries the traffic
+// between nodes and may be null when there is one node. Collective.
 StatusOr<std::unique_ptr<AllToAll>> NewNvlinkAllToAll(const AllToAllConfig& config,
+                                                      TransferEngine* engine,
                                                       Bootstrap& bootstrap);
 
 }  // namespace ferry::moe
