@@ -15,11 +15,14 @@
 //     reference for the CUDA kernels; runs the whole protocol in CI.
 //   - CUDA device, ranks_per_node == 1: kernels on pinned host buffers, a proxy thread moves them
 //     over the engine (RDMA between GPUs of different nodes).
-//   - CUDA device, ranks_per_node == world_size (one NVLink domain): kernels only. Each rank's
-//     buffers come from cuMemCreate, exported and mapped into every other rank of the node; the
-//     kernels push slots and rows into peers' memory and raise flags there; no host thread, no
-//     engine traffic. The steps can be enqueued on a stream (SetStream) and captured in a graph.
-//   Mixing the two (several nodes of several GPUs) is not built yet: Create says Unimplemented.
+//   - CUDA device, ranks_per_node > 1: kernels only. Each rank's buffers come from cuMemCreate,
+//     exported and mapped into every other rank of its node; the kernels push slots and rows
+//     into peers' memory and raise flags there. With several nodes, what goes to another node
+//     is staged in pinned host memory and a relay thread per rank carries it over the engine
+//     (RDMA between nodes), raising the receiver's flags as it lands; with one node there is no
+//     host thread and no engine traffic (engine may be null). Either way the steps can be
+//     enqueued on a stream (SetStream) and captured in a graph: the kernels and the relay
+//     meet through flags, never through the calling thread.
 //
 // Protocol (DESIGN.md §2.2): every rank sends its per-expert token counts to every rank (so all
 // ranks know the full routing); the first max_private_tokens tokens for each receiver go at once
@@ -98,8 +101,8 @@ struct DispatchInput {
   const int32_t* indices = nullptr; // [T, experts_per_token] global expert ids
   const float* weights = nullptr;   // [T, experts_per_token] combine weights
   int num_tokens = 0;
-  // CUDA NVLink path only: the token count in device memory, read by the kernels when they run,
-  // so that one captured graph serves any batch. num_tokens is then the most it may hold (the
+  // CUDA device with ranks_per_node > 1 only: the token count in device memory, read by the
+  // kernels when they run, so that one captured graph serves any batch. num_tokens is then the most it may hold (the
   // rows the buffers have); a larger device count sends nothing and reports InvalidArgument.
   const int32_t* device_num_tokens = nullptr;
 };
@@ -117,8 +120,10 @@ struct DispatchOutput {
 class AllToAll {
  public:
   // Collective: every rank calls it with the same configuration (but its own rank). `engine` may
-  // be null on the CUDA NVLink path, which does not use it. Registers the buffers with `engine`, exchanges addresses and descriptors through `bootstrap`, and
-  // checks that the configurations agree (InvalidArgument naming the rank that differs).
+  // be null on the CUDA device with one node (ranks_per_node == world_size), which does not use
+  // it. Registers the buffers with `engine`, exchanges addresses and descriptors through
+  // `bootstrap`, and checks that the configurations agree (InvalidArgument naming the rank that
+  // differs). One engine serves one AllToAll.
   static StatusOr<std::unique_ptr<AllToAll>> Create(const AllToAllConfig& config,
                                                     TransferEngine* engine, Bootstrap& bootstrap);
   virtual ~AllToAll() = default;
@@ -132,7 +137,8 @@ class AllToAll {
   // out: [T, hidden] bf16 for the T of the last DispatchSend; with accumulate, adds to it.
   virtual Status CombineRecv(uint16_t* out, bool accumulate, Deadline deadline) = 0;
 
-  // CUDA NVLink path: enqueue the steps on `stream` (a cudaStream_t; nullptr: back to waiting)
+  // CUDA device with ranks_per_node > 1: enqueue the steps on `stream` (a cudaStream_t;
+  // nullptr: back to waiting)
   // and return at once. The four steps of one AllToAll must go on one stream, in order: the
   // flags that make buffer reuse safe rely on it. Errors a kernel finds (expert ids out of range:
   // those copies are dropped; a device token count above num_tokens: nothing is sent) surface at
@@ -146,7 +152,8 @@ class AllToAll {
   virtual Status Synchronize() = 0;
 
   // Bytes this rank's last dispatch and combine put on the wire (payload and metadata; on the
-  // NVLink path, over NVLink to other ranks, read back from the GPU after waiting for the stream).
+  // CUDA device with ranks_per_node > 1, to other ranks over NVLink or the relay, read back from
+  // the GPU after waiting for the stream).
   virtual uint64_t dispatch_bytes_sent() const = 0;
   virtual uint64_t combine_bytes_sent() const = 0;
 };

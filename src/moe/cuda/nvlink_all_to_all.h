@@ -1,29 +1,40 @@
-// The NVLink AllToAll: dispatch and combine between the GPUs of one node, kernels only.
+// The NVLink AllToAll: dispatch and combine between GPUs, kernels only; inside a node over
+// NVLink, between nodes through the relay (relay.h).
 //
 // Memory. Every rank allocates one buffer with cuMemCreate (exportable as a POSIX descriptor),
-// sends the descriptor to the other ranks of the node (ExchangeFds) and maps theirs; so each rank
-// can write (and read) every other rank's buffer. A rank's buffer (N ranks, L local experts,
+// sends the descriptor to the other ranks of its node (ExchangeFds) and maps theirs; so each rank
+// can write (and read) the buffers of its node. A rank's buffer (N ranks, L local experts,
 // T max tokens, K experts per token, P private slots per sender):
 //
 //   flags     dispatch[N], combine[N]  u64   "epoch + 1" once sender s's data for us landed
-//   counts    [N][L + 2] int32  sender s's copies per local expert of ours, its slots for us,
-//                               and where they start in its send area
+//   counts    [N][L + 4] int32  sender s's copies per local expert of ours, then its slots for
+//                               us, where they start in its send area, where our combine rows
+//                               start in its combine region, how many it expects (CountsColumn)
 //   private   [N][P] slots      sender s's first P slots for us, pushed by s
 //   combine   [T * K] bf16 rows the rows returned to us, grouped by expert rank (pushed by them)
-//   send      [T * K] slots     our slots, grouped by receiving rank: peers pull the overflow
-//                               (slot P onwards) from here
+//   send      [T * K] slots     our slots past a peer's P, grouped by receiving rank: peers pull
+//                               them from here; and our slots for ourselves
+//
+// The kernels reach every rank through a table (NvPeer): for a rank of our node, the places
+// above in its buffer and ours; for a rank of another node, our outbox section for it and our
+// inbox section from it (pinned host memory the GPU maps), which the relay thread carries over
+// the TransferEngine. Between nodes every slot is pushed (no pull), and the combine rows for a
+// remote sender are rebased to the first one it expects from us. Flags look the same to the
+// kernels on both transports; the relay raises the inbox ones. With one node there is no relay
+// and no engine.
 //
 // A slot is a 16-byte header (source token, entries, combine row, which of the token's slots),
 // K 16-byte entries (local expert, k, weight, position among the sender's copies for that
-// expert), the token row and its fp32 scales.
+// expert), the token row and its fp32 scales. Each slot is written once: pushed to its receiver
+// (the first P for a peer of our node, all of them for another node) or kept in our send area.
 //
 // Steps (one stream; kernels in order):
 //   DispatchSend: Route (per receiving rank: slot and combine-row positions of each token; per
 //                 chunk of (token, k) entries: each copy's rank among the copies for its expert,
 //                 by a stable block radix sort) -> Pack (tokens spread over the blocks; warp 0
 //                 lays out a token's slots, lane per copy; the row is read once and stored into
-//                 our send area and, when the slot fits, the receiver's private region; the last
-//                 block writes the counts rows into every peer and raises their dispatch flags).
+//                 each slot; the last block writes the counts rows into every peer and raises
+//                 their dispatch flags).
 //                 Decode batches (a rank's T * K routing entries fit in shared memory) take one
 //                 kernel instead, SendSmall: every block reads the whole routing and counts what
 //                 Route computes for its own four tokens (shared-memory histograms over all
@@ -49,6 +60,9 @@
 // carries each block's stores, peers' memory included; the last block's acquire sees them all);
 // the last block stores the flags with st.release.sys, read with ld.acquire.sys; waits give up
 // at a deadline (%globaltimer).
+//
+// Errors a kernel finds are claimed in device memory (the first wins) and mirrored into pinned
+// host words the host reads; no atomics on host memory (not atomic over PCIe).
 //
 // Results are bit-identical to the host device (same rows, same order, same sums).
 #pragma once
