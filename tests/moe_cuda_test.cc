@@ -1,4 +1,6 @@
-// The CUDA moe device against the host device, on the same inputs, in the same ranks.
+// The CUDA moe device against the host device, on the same inputs, in the same ranks: as one
+// node (NVLink), as nodes of several ranks (NVLink inside, the relay between) and as one rank
+// per node (every peer through the relay).
 //
 // Every rank runs two AllToAlls side by side (each with its own engine): the host device on host
 // buffers and the CUDA device on GPU buffers. Dispatch outputs must be identical (counts, rows,
@@ -34,7 +36,7 @@ struct Case {
   bool once_per_rank = false;
   bool reduce_at_expert_rank = false;
   int iterations = 3;
-  bool nvlink = false;  // one node: ranks_per_node = world_size (the NVLink path)
+  bool nvlink = false;  // one node: ranks_per_node = world_size (else 1: one rank per node)
   // NVLink path: the steps captured once in CUDA graphs (dispatch; combine with and without
   // accumulate) with the token count in device memory, replayed with a different count each
   // iteration; the last iteration's count on rank 0 is above the bound (nothing sent).

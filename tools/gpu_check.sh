@@ -10,6 +10,7 @@
 #   tools/gpu_check.sh kv         build, tests and the kv benchmarks (CPU side of the host)
 #   tools/gpu_check.sh trace      build, the NVLink decode benchmark, then phase stamps per kernel
 #   tools/gpu_check.sh hybrid     build, tests, EP4 as one node and as two nodes of two (relay)
+#   tools/gpu_check.sh relay      build, tests, two nodes of one GPU (every peer through the relay)
 set -u
 OUT=${OUT:-/tmp/ferry-gpu}
 mkdir -p "$OUT"
@@ -57,12 +58,23 @@ if [ "$mode" = trace ]; then
     grep -h 'trace ' "$OUT/trace_$t.log"
   done
 fi
-if [ "$mode" = all ] || [ "$mode" = nvlink ]; then
+if [ "$mode" = all ] || [ "$mode" = nvlink ] || [ "$mode" = relay ]; then
   nv=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8)
   step nvlink_decode 200 build-gpu/ferry-bench moe "${nv[@]}" --tokens 128 --iters 200 --compare
   step nvlink_decode_push 200 build-gpu/ferry-bench moe "${nv[@]}" --tokens 128 --iters 200 \
     --compare --private 1024
   step nvlink_prefill 300 build-gpu/ferry-bench moe "${nv[@]}" --tokens 4096 --iters 10 --compare
+fi
+if [ "$mode" = all ] || [ "$mode" = relay ]; then
+  # Two nodes of one GPU each: every peer through the relay over shm, GPU-timed like the NVLink
+  # runs, next to the engine's own scatter of the same bytes (host-timed).
+  step relay_decode 200 build-gpu/ferry-bench moe --device cuda --ranks 2 --hidden 7168 \
+    --experts 256 --topk 8 --dtype fp8 --tokens 128 --iters 100 --compare
+  step relay_prefill 300 build-gpu/ferry-bench moe --device cuda --ranks 2 --hidden 7168 \
+    --experts 256 --topk 8 --dtype fp8 --tokens 4096 --iters 10 --once-per-rank \
+    --reduce-at-expert-rank
+  echo "== relay (2 nodes x 1 GPU, shm): decode --compare, prefill (a)+(b)"
+  grep -h -E '^(plain|\(a|\(b)' "$OUT/relay_decode.log" "$OUT/relay_prefill.log"
 fi
 if [ "$mode" = all ] || [ "$mode" = nvlink ] || [ "$mode" = hybrid ]; then
   # EP4 as one node, then as two nodes of two joined by the relay over shm. On 4 GPUs this is

@@ -1,4 +1,6 @@
-// AllToAll: buffers, the exchange at setup, and the glue between a device and its proxy.
+// AllToAll::Create, and the host device's AllToAll: buffers, the exchange at setup, and the glue
+// between the host device and its proxy. The CUDA device's AllToAll is in
+// cuda/nvlink_all_to_all.cu.
 #include <memory>
 #include <string>
 #include <vector>
@@ -8,7 +10,6 @@
 #include "moe/layout.h"
 #include "moe/proxy.h"
 #ifdef FERRY_HAVE_CUDA
-#include "moe/cuda/cuda_device.h"
 #include "moe/cuda/nvlink_all_to_all.h"
 #endif
 
@@ -31,10 +32,6 @@ class AllToAllImpl final : public AllToAll {
     if (!proxy_->Quiesce()) {
       new std::vector<uint8_t>(std::move(send_));
       new std::vector<uint8_t>(std::move(recv_));
-#ifdef FERRY_HAVE_CUDA
-      send_pinned_.Leak();
-      recv_pinned_.Leak();
-#endif
       new MemoryRegion(std::move(send_reg_));
       new MemoryRegion(std::move(recv_reg_));
     }
@@ -42,51 +39,12 @@ class AllToAllImpl final : public AllToAll {
     device_.reset();
   }
 
-  // The send and receive regions: host memory for the host device, pinned host memory mapped
-  // into the GPU for the CUDA device (the NIC reads it, the kernels write it).
-  Status AllocateBuffers() {
-    if (c_.device == MoeDeviceKind::kHost) {
-      recv_.assign(layout_.recv_bytes, 0);
-      send_.assign(layout_.send_bytes, 0);
-      recv_ptr_ = recv_.data();
-      send_ptr_ = send_.data();
-      return Status::Ok();
-    }
-#ifdef FERRY_HAVE_CUDA
-    if (c_.cuda_device >= moe::CudaDeviceCount()) {
-      return FailedPreconditionError("AllToAll: CUDA device " + std::to_string(c_.cuda_device) +
-                                     " does not exist (" +
-                                     std::to_string(moe::CudaDeviceCount()) + " visible)");
-    }
-    ASSIGN_OR_RETURN(recv_pinned_, moe::PinnedBuffer::Allocate(layout_.recv_bytes));
-    ASSIGN_OR_RETURN(send_pinned_, moe::PinnedBuffer::Allocate(layout_.send_bytes));
-    recv_ptr_ = recv_pinned_.data();
-    send_ptr_ = send_pinned_.data();
-    return Status::Ok();
-#else
-    return UnimplementedError("AllToAll: ferry was built without CUDA; use the host device");
-#endif
-  }
-
-  Status NewDevice() {
-    const moe::DeviceParams params{c_, &channel_, &routing_, recv_ptr_, send_ptr_};
-    if (c_.device == MoeDeviceKind::kHost) {
-      device_ = moe::NewHostDevice(params);
-      return Status::Ok();
-    }
-#ifdef FERRY_HAVE_CUDA
-    ASSIGN_OR_RETURN(device_, moe::NewCudaDevice(params, c_.cuda_device));
-    return Status::Ok();
-#else
-    return UnimplementedError("AllToAll: ferry was built without CUDA; use the host device");
-#endif
-  }
-
   Status Init(Bootstrap& bootstrap) {
     const int n = c_.world_size, me = c_.rank;
-    RETURN_IF_ERROR(AllocateBuffers());
-    ASSIGN_OR_RETURN(recv_reg_, engine_->RegisterMemory(recv_ptr_, layout_.recv_bytes));
-    ASSIGN_OR_RETURN(send_reg_, engine_->RegisterMemory(send_ptr_, layout_.send_bytes));
+    recv_.assign(layout_.recv_bytes, 0);
+    send_.assign(layout_.send_bytes, 0);
+    ASSIGN_OR_RETURN(recv_reg_, engine_->RegisterMemory(recv_.data(), layout_.recv_bytes));
+    ASSIGN_OR_RETURN(send_reg_, engine_->RegisterMemory(send_.data(), layout_.send_bytes));
     for (uint32_t kind = moe::kCounts; kind <= moe::kCombineConsumed; ++kind) {
       for (uint32_t epoch = 0; epoch < moe::kEpochs; ++epoch) {
         Status s = engine_->CreateImmCounter(moe::MoeImm(static_cast<moe::ImmKind>(kind), epoch));
@@ -130,9 +88,9 @@ class AllToAllImpl final : public AllToAll {
     pp.engine = engine_;
     pp.channel = &channel_;
     pp.routing = &routing_;
-    pp.recv = recv_ptr_;
-    pp.send = send_ptr_;
-    RETURN_IF_ERROR(NewDevice());
+    pp.recv = recv_.data();
+    pp.send = send_.data();
+    device_ = moe::NewHostDevice({c_, &channel_, &routing_, recv_.data(), send_.data()});
     proxy_ = std::make_unique<moe::Proxy>(pp);
     return Status::Ok();
   }
@@ -140,7 +98,7 @@ class AllToAllImpl final : public AllToAll {
   const AllToAllConfig& config() const override { return c_; }
   Status SetStream(void*) override {
     return UnimplementedError(
-        "AllToAll::SetStream: stream-ordered steps need the CUDA device on one node "
+        "AllToAll::SetStream: stream-ordered steps need the CUDA device "
         "(ranks_per_node == world_size); these steps wait for their own work");
   }
   Status Synchronize() override { return Step(stage_, "Synchronize"); }
@@ -202,16 +160,12 @@ class AllToAllImpl final : public AllToAll {
                                   std::to_string(c_.max_tokens_per_rank));
     }
     if (in.device_num_tokens) {
-      return InvalidArgumentError(
-          "DispatchSend: a device token count needs the CUDA device on one node "
-          "(ranks_per_node == world_size)");
+      return InvalidArgumentError("DispatchSend: a device token count needs the CUDA device");
     }
     if (in.num_tokens == 0) return Status::Ok();
     if (!in.x || !in.indices || !in.weights || (c_.scales_per_token() && !in.scales)) {
       return InvalidArgumentError("DispatchSend: null input buffer");
     }
-    // Device memory is not ours to read here: the CUDA device checks expert ids in its kernel.
-    if (c_.device != MoeDeviceKind::kHost) return Status::Ok();
     const int64_t copies = int64_t{in.num_tokens} * c_.experts_per_token;
     for (int64_t i = 0; i < copies; ++i) {
       if (in.indices[i] < 0 || in.indices[i] >= c_.num_experts) {
@@ -227,11 +181,6 @@ class AllToAllImpl final : public AllToAll {
   const MoeLayout layout_;
   TransferEngine* engine_;
   std::vector<uint8_t> recv_, send_;
-#ifdef FERRY_HAVE_CUDA
-  moe::PinnedBuffer recv_pinned_, send_pinned_;
-#endif
-  uint8_t* recv_ptr_ = nullptr;
-  uint8_t* send_ptr_ = nullptr;
   MemoryRegion recv_reg_, send_reg_;
   mutable Channel channel_;  // Error() takes its lock
   moe::Routing routing_;
@@ -246,10 +195,12 @@ class AllToAllImpl final : public AllToAll {
 StatusOr<std::unique_ptr<AllToAll>> AllToAll::Create(const AllToAllConfig& config,
                                                      TransferEngine* engine, Bootstrap& bootstrap) {
   RETURN_IF_ERROR(config.Validate());
-  // CUDA with every rank on one node (a single rank included): the NVLink path.
-  const bool nvlink_only = config.device == MoeDeviceKind::kCuda &&
-                           config.ranks_per_node == config.world_size;
-  if (!engine && !nvlink_only) return InvalidArgumentError("AllToAll: null engine");
+  // The CUDA device: kernels, NVLink inside a node, the relay between nodes. With one node
+  // (a single rank included) it needs no engine.
+  const bool one_node = config.ranks_per_node == config.world_size;
+  if (!engine && !(config.device == MoeDeviceKind::kCuda && one_node)) {
+    return InvalidArgumentError("AllToAll: null engine");
+  }
   if (bootstrap.world_size() != config.world_size || bootstrap.rank() != config.rank) {
     return InvalidArgumentError("AllToAll: bootstrap has rank " +
                                 std::to_string(bootstrap.rank()) + " of " +
@@ -257,8 +208,7 @@ StatusOr<std::unique_ptr<AllToAll>> AllToAll::Create(const AllToAllConfig& confi
                                 std::to_string(config.rank) + " of " +
                                 std::to_string(config.world_size));
   }
-  // CUDA with nodes of several ranks: NVLink inside a node, the relay between nodes.
-  if (config.device == MoeDeviceKind::kCuda && (nvlink_only || config.ranks_per_node > 1)) {
+  if (config.device == MoeDeviceKind::kCuda) {
 #ifdef FERRY_HAVE_CUDA
     return moe::NewNvlinkAllToAll(config, engine, bootstrap);
 #else

@@ -1,11 +1,10 @@
-// Channel: the flags between one rank's device (the four steps: CUDA kernels, or the host
-// device) and its proxy thread (the network state machine).
+// Channel: the flags between one rank's host device (the four steps) and its proxy thread (the
+// network state machine).
 //
 // Each flag holds "epoch + 1" once its event happened for that epoch, so a flag is never reset
 // and a waiter compares with the epoch it needs. Writers store with release after the data the
-// flag announces is in place; readers load with acquire before touching that data. On the GPU
-// these words live in pinned host memory mapped into the device (or behind GDRCopy), and the
-// same ordering holds with __threadfence_system() before a device-side store.
+// flag announces is in place; readers load with acquire before touching that data. (The CUDA
+// device's flags follow the same rule in GPU-visible memory: moe/relay.h.)
 #pragma once
 
 #include <atomic>

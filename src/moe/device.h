@@ -2,7 +2,8 @@
 //
 // A device packs and unpacks; it never talks to the network. It tells the proxy what is ready
 // through the Channel and waits on the proxy's flags. The host device (host/host_device.cc) does
-// the four steps on the CPU and is the reference; CUDA kernels implement the same contract.
+// the four steps on the CPU and is the reference. (The CUDA device does not use this interface:
+// its kernels and relay meet through flags in GPU-visible memory, cuda/nvlink_all_to_all.h.)
 #pragma once
 
 #include "ferry/moe.h"

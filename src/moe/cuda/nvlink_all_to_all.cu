@@ -15,7 +15,7 @@
 
 #include "common/cuda_shared_memory.h"
 #include "common/fd_exchange.h"
-#include "moe/cuda/cuda_device.h"
+#include "moe/cuda/pinned_buffer.h"
 #include "moe/cuda/cuda_util.cuh"
 #include "moe/cuda/nvlink_all_to_all.h"
 #include "moe/layout.h"
@@ -1621,9 +1621,8 @@ class NvlinkAllToAll final : public AllToAll {
 StatusOr<std::unique_ptr<AllToAll>> NewNvlinkAllToAll(const AllToAllConfig& config,
                                                       TransferEngine* engine,
                                                       Bootstrap& bootstrap) {
-  if (config.device != MoeDeviceKind::kCuda || config.ranks_per_node < 2 &&
-                                                   config.world_size > 1) {
-    return InvalidArgumentError("NVLink AllToAll: needs the CUDA device and nodes of several ranks");
+  if (config.device != MoeDeviceKind::kCuda) {
+    return InvalidArgumentError("CUDA AllToAll: config.device is not kCuda");
   }
   auto a2a = std::make_unique<NvlinkAllToAll>(config);
   RETURN_IF_ERROR(a2a->Init(engine, bootstrap));

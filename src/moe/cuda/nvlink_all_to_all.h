@@ -75,8 +75,8 @@
 
 namespace ferry::moe {
 
-// config.device == kCuda and ranks_per_node > 1 (or a single rank). `engine` carries the traffic
-// between nodes and may be null when there is one node. Collective.
+// config.device == kCuda, any ranks_per_node (1: every peer through the relay). `engine`
+// carries the traffic between nodes and may be null when there is one node. Collective.
 StatusOr<std::unique_ptr<AllToAll>> NewNvlinkAllToAll(const AllToAllConfig& config,
                                                       TransferEngine* engine,
                                                       Bootstrap& bootstrap);
