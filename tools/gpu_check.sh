@@ -70,11 +70,16 @@ if [ "$mode" = all ] || [ "$mode" = relay ]; then
   # runs, next to the engine's own scatter of the same bytes (host-timed).
   step relay_decode 200 build-gpu/ferry-bench moe --device cuda --ranks 2 --hidden 7168 \
     --experts 256 --topk 8 --dtype fp8 --tokens 128 --iters 100 --compare
+  # The same with engines that never idle (FERRY_SPIN_US=-1: production, pinned cores).
+  FERRY_SPIN_US=-1 step relay_decode_spin 200 build-gpu/ferry-bench moe --device cuda --ranks 2 \
+    --hidden 7168 --experts 256 --topk 8 --dtype fp8 --tokens 128 --iters 100 --once-per-rank \
+    --reduce-at-expert-rank
   step relay_prefill 300 build-gpu/ferry-bench moe --device cuda --ranks 2 --hidden 7168 \
     --experts 256 --topk 8 --dtype fp8 --tokens 4096 --iters 10 --once-per-rank \
     --reduce-at-expert-rank
-  echo "== relay (2 nodes x 1 GPU, shm): decode --compare, prefill (a)+(b)"
-  grep -h -E '^(plain|\(a|\(b)' "$OUT/relay_decode.log" "$OUT/relay_prefill.log"
+  echo "== relay (2 nodes x 1 GPU, shm): decode --compare, decode spinning engines, prefill (a)+(b)"
+  grep -h -E '^(plain|\(a|\(b)' "$OUT/relay_decode.log" "$OUT/relay_decode_spin.log" \
+    "$OUT/relay_prefill.log"
 fi
 if [ "$mode" = all ] || [ "$mode" = nvlink ] || [ "$mode" = hybrid ]; then
   # EP4 as one node, then as two nodes of two joined by the relay over shm. On 4 GPUs this is

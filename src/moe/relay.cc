@@ -7,6 +7,14 @@
 #include "moe/proxy.h"
 
 namespace ferry::moe {
+namespace {
+
+// How the relay thread waits (for the kernels' flags, for peers' sections): spin, then yield for
+// about ten milliseconds (it is a dedicated thread, and the next event is usually that close),
+// then sleep in short steps so an idle AllToAll costs no CPU.
+constexpr uint32_t kSpins = 256, kYields = 1u << 14, kSleepUs = 20;
+
+}  // namespace
 
 RelayLayout::RelayLayout(const AllToAllConfig& c, int64_t slot_bytes_in)
     : n(c.world_size), me(c.rank), ranks_per_node(c.ranks_per_node), slot_bytes(slot_bytes_in) {
@@ -187,7 +195,7 @@ Status Relay::Combine(uint64_t epoch) {
 
 Status Relay::WaitDevice(bool combine, uint64_t epoch) {
   std::atomic_ref<uint64_t> flag(*layout_.OutboxFlag(outbox_, combine));
-  Backoff backoff(256, 1024, 20);
+  Backoff backoff(kSpins, kYields, kSleepUs);
   while (flag.load(std::memory_order_acquire) <= epoch) {
     if (stop_.load(std::memory_order_acquire)) return CancelledError("relay stopped");
     backoff.Pause();
@@ -208,18 +216,19 @@ Status Relay::Exchange(ImmKind kind, uint64_t epoch, std::atomic<uint64_t>& byte
   const Deadline deadline = Deadline::After(std::chrono::milliseconds(peer_timeout_ms_));
   for (int s : layout_.remotes) {
     const uint32_t imm = RelayImm(kind, epoch, s);
-    for (;;) {  // short slices, so that a stop request is seen promptly
-      Deadline slice = Deadline::After(std::chrono::milliseconds(20));
-      if (deadline.at < slice.at) slice = deadline;
-      Status st = engine_->WaitImm(imm, 1, slice);
-      if (st.ok()) break;
-      if (st.code() != StatusCode::kDeadlineExceeded) return st;
+    // Polled with the relay's own patience: a section lands within microseconds to a
+    // millisecond, and the engine's WaitImm sleeps sooner than a dedicated thread should.
+    Backoff backoff(kSpins, kYields, kSleepUs);
+    for (;;) {
+      ASSIGN_OR_RETURN(const uint64_t count, engine_->ImmCount(imm));
+      if (count >= 1) break;
       if (stop_.load(std::memory_order_acquire)) return CancelledError("relay stopped");
       if (deadline.Expired()) {
         return DeadlineExceededError("rank " + std::to_string(s) + " sent no " +
                                      (combine ? "combine rows" : "dispatch section") +
                                      " within " + std::to_string(peer_timeout_ms_) + " ms");
       }
+      backoff.Pause();
     }
     RETURN_IF_ERROR(engine_->ConsumeImm(imm, 1));
     std::atomic_ref<uint64_t>(*layout_.InboxFlag(inbox_, combine, s))

@@ -823,14 +823,8 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
   __syncthreads();
   if (!ok) return;
   Mark(v, kTraceUnpack, 1);
-  for (int e = threadIdx.x; e < v.l; e += blockDim.x) {
-    int32_t rows = 0;
-    for (int s = 0; s < v.n; ++s) {
-      offset[s * v.l + e] = rows;
-      rows += __ldcg(v.peer[s].counts_in + e);
-    }
-    offset[v.n * v.l + e] = rows;
-  }
+  // Where each sender's slots are first (a few loads): the block's first slot is then in flight
+  // while the offsets table (L x N loads) is built.
   for (int s = threadIdx.x; s < v.n; s += blockDim.x) {
     const int32_t* counts = v.peer[s].counts_in;
     int64_t slots = __ldcg(counts + v.l + kColSlots);
@@ -849,6 +843,47 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
   }
   __syncthreads();
   const int64_t total = prefix[v.n];
+  // Vectors [0, meta): header and entries; [meta, body): the row; [body, end): the scales.
+  const int64_t meta = v.meta_bytes / 16, body = meta + v.payload / 16;
+  const int64_t end = (v.meta_bytes + v.payload + int64_t{v.spt} * 4 + 15) / 16;
+  const int64_t batch = 4 * int64_t{blockDim.x};
+  // Received slot g: its sender s, its index j among s's, where it is. Ours from our send area;
+  // then what s pushed; the rest pulled from s's send area (a slot past what s may push to a
+  // rank without a send area to pull from is malformed: null).
+  int s = 0;
+  int64_t j = 0;
+  auto locate = [&](int64_t g) -> const uint4* {
+    s = SenderOf(prefix, v.n, g);
+    j = g - prefix[s];
+    const NvPeer& from = v.peer[s];
+    const uint8_t* src = s == v.me        ? v.own + v.send_off + (start[s] + j) * v.slot_bytes
+                         : j < from.slot_cap ? from.slots_in + j * v.slot_bytes
+                         : from.pull         ? from.pull + (start[s] + j) * v.slot_bytes
+                                             : nullptr;
+    return reinterpret_cast<const uint4*>(src);
+  };
+  // One round trip for the slot's first 16 KiB (metadata and, usually, the whole slot).
+  uint4 r[4];
+  auto load = [&](const uint4* src4) {
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int64_t i = threadIdx.x + u * int64_t{blockDim.x};
+      if (i < end) r[u] = __ldcg(src4 + i);
+    }
+  };
+  int64_t g = blockIdx.x;
+  const uint4* src4 = g < total ? locate(g) : nullptr;
+  if (src4) load(src4);
+
+  for (int e = threadIdx.x; e < v.l; e += blockDim.x) {
+    int32_t rows = 0;
+    for (int q = 0; q < v.n; ++q) {
+      offset[q * v.l + e] = rows;
+      rows += __ldcg(v.peer[q].counts_in + e);
+    }
+    offset[v.n * v.l + e] = rows;
+  }
+  __syncthreads();
   if (blockIdx.x == 0) {
     for (int e = threadIdx.x; e < v.l; e += blockDim.x) {
       const int32_t rows = offset[v.n * v.l + e];
@@ -860,35 +895,23 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
       v.scratch->rows_out = 0;
     }
   }
-  // Vectors [0, meta): header and entries; [meta, body): the row; [body, end): the scales.
-  const int64_t meta = v.meta_bytes / 16, body = meta + v.payload / 16;
-  const int64_t end = (v.meta_bytes + v.payload + int64_t{v.spt} * 4 + 15) / 16;
-  const int64_t batch = 4 * int64_t{blockDim.x};
   Mark(v, kTraceUnpack, 2);
-  for (int64_t g = blockIdx.x; g < total; g += gridDim.x) {
-    const int s = SenderOf(prefix, v.n, g);
-    const int64_t j = g - prefix[s];
-    const NvPeer& from = v.peer[s];
-    // Ours from our send area; then what s pushed; the rest pulled from s's send area (a slot
-    // past what s may push to a rank without a send area to pull from is malformed).
-    const uint8_t* src = s == v.me        ? v.own + v.send_off + (start[s] + j) * v.slot_bytes
-                         : j < from.slot_cap ? from.slots_in + j * v.slot_bytes
-                         : from.pull         ? from.pull + (start[s] + j) * v.slot_bytes
-                                             : nullptr;
-    if (!src) {
+  for (; g < total; g += gridDim.x) {
+    if (g != blockIdx.x) {
+      src4 = locate(g);
+      if (src4) load(src4);
+    }
+    if (!src4) {
       if (threadIdx.x == 0) {
         Report(v, kBadSlot, s, static_cast<int32_t>(j));
         v.rslots[g] = RecvSlot{s, 0, 0, 0, 1};
       }
       continue;
     }
-    const auto* src4 = reinterpret_cast<const uint4*>(src);
-    // One round trip for the slot's first 16 KiB (metadata and, usually, the whole slot).
-    uint4 r[4];
+    const NvPeer& from = v.peer[s];
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       const int64_t i = threadIdx.x + u * int64_t{blockDim.x};
-      if (i < end) r[u] = __ldcg(src4 + i);
       if (i < meta) meta_v[i] = r[u];
     }
     __syncthreads();
