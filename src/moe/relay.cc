@@ -1,5 +1,8 @@
 #include "moe/relay.h"
 
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #include "common/backoff.h"
@@ -53,6 +56,8 @@ Relay::Relay(const AllToAllConfig& config, const RelayLayout& layout, TransferEn
       outbox_(outbox),
       peer_timeout_ms_(peer_timeout_ms) {
   targets_.reserve(layout_.remotes.size());
+  const char* trace = std::getenv("FERRY_RELAY_TRACE");
+  trace_ = trace && *trace && *trace != '0';
 }
 
 StatusOr<std::unique_ptr<Relay>> Relay::Create(const AllToAllConfig& config,
@@ -78,6 +83,15 @@ bool Relay::Stop() {
   stopped_ = true;
   stop_.store(true, std::memory_order_release);
   if (thread_.joinable()) thread_.join();
+  for (int step = 0; trace_ && step < 2; ++step) {
+    const double n = double(std::max<uint64_t>(trace_count_[step], 1));
+    std::fprintf(stderr,
+                 "[rank %d] relay %s (mean of %llu, us): kernels' flag %.1f, posted %.1f, "
+                 "sections landed %.1f, own writes done %.1f\n",
+                 c_.rank, step ? "combine" : "dispatch", (unsigned long long)trace_count_[step],
+                 trace_us_[step][0] / n, trace_us_[step][1] / n, trace_us_[step][2] / n,
+                 trace_us_[step][3] / n);
+  }
   // Writes still in flight read the outbox and targets_; the engine ends each within its
   // transfer timeout, so this wait is bounded. If one never ends, leak what it reads.
   drained_ = writes_.Wait(submitted_, Deadline::After(std::chrono::milliseconds(peer_timeout_ms_)))
@@ -152,6 +166,7 @@ void Relay::Main() {
 
 Status Relay::Dispatch(uint64_t epoch) {
   const int l = c_.local_experts();
+  phase_start_ = Clock::now();
   RETURN_IF_ERROR(WaitDevice(false, epoch));
   targets_.clear();
   for (size_t q = 0; q < layout_.remotes.size(); ++q) {
@@ -172,6 +187,7 @@ Status Relay::Dispatch(uint64_t epoch) {
 
 Status Relay::Combine(uint64_t epoch) {
   const int l = c_.local_experts();
+  phase_start_ = Clock::now();
   RETURN_IF_ERROR(WaitDevice(true, epoch));
   targets_.clear();
   for (size_t q = 0; q < layout_.remotes.size(); ++q) {
@@ -205,12 +221,15 @@ Status Relay::WaitDevice(bool combine, uint64_t epoch) {
 
 Status Relay::Exchange(ImmKind kind, uint64_t epoch, std::atomic<uint64_t>& bytes) {
   const bool combine = kind == kRelayCombine;
+  Clock::time_point stamps[4];
+  stamps[0] = Clock::now();
   uint64_t sum = 0;
   for (const ScatterTarget& t : targets_) sum += t.length;
   bytes.store(sum, std::memory_order_relaxed);
   ++submitted_;
   RETURN_IF_ERROR(engine_->Scatter({plan_, targets_, RelayImm(kind, epoch, c_.rank)},
                                    Completion::Counter(&writes_)));
+  stamps[1] = Clock::now();
   // Each sender's section as it lands: its flag goes up at once, so a lost rank is the one
   // whose flag the kernels time out on.
   const Deadline deadline = Deadline::After(std::chrono::milliseconds(peer_timeout_ms_));
@@ -236,9 +255,19 @@ Status Relay::Exchange(ImmKind kind, uint64_t epoch, std::atomic<uint64_t>& byte
   }
   // Our own writes, before the kernels may rewrite the outbox (relay.h says why they would not
   // anyway) and before targets_ is reused.
+  stamps[2] = Clock::now();
   RETURN_IF_ERROR(writes_.Wait(submitted_, deadline));
   if (writes_.failed.load() > 0) {
     return UnavailableError(std::to_string(writes_.failed.load()) + " writes to peers failed");
+  }
+  if (trace_) {
+    stamps[3] = Clock::now();
+    Clock::time_point from = phase_start_;
+    for (int i = 0; i < 4; ++i) {
+      trace_us_[combine][i] += std::chrono::duration<double, std::micro>(stamps[i] - from).count();
+      from = stamps[i];
+    }
+    ++trace_count_[combine];
   }
   return Status::Ok();
 }

@@ -154,6 +154,13 @@ class Relay {
   mutable std::mutex error_mu_;
   Status error_;  // guarded by error_mu_
   std::atomic<bool> failed_{false};
+  // FERRY_RELAY_TRACE=1: mean µs per phase of dispatch [0] and combine [1] -- waiting for the
+  // kernels' flag, posting, until every remote section landed, until our writes completed --
+  // printed by Stop (a tuning aid, like FERRY_NV_TRACE).
+  bool trace_ = false;
+  double trace_us_[2][4] = {};
+  uint64_t trace_count_[2] = {};
+  Clock::time_point phase_start_;
   std::atomic<bool> stop_{false};
   bool stopped_ = false;  // Stop ran
   bool drained_ = true;   // what Stop found

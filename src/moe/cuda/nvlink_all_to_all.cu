@@ -91,14 +91,14 @@ struct NvPeer {
   // Sending to r.
   uint64_t* dispatch_flag;  // "epoch + 1" once our counts row and slots for r are in place
   uint64_t* combine_flag;   // the same for the combine rows we return to r
-  int32_t* counts;          // [L + kCountsColumns] our counts row for r
+  int32_t* counts;          // [counts_stride] our counts row for r (L + kCountsColumns used)
   uint8_t* slots;           // [slot_cap] slots our kernels push for r (r's private region)
   uint8_t* combine;         // rows we return to r: r's combine region (row: r's row), or our
                             // outbox section (row: from the first one r expects from us)
   // Receiving from r.
   const uint64_t* dispatch_flag_in;
   const uint64_t* combine_flag_in;
-  const int32_t* counts_in;  // [L + kCountsColumns] r's counts row for us
+  const int32_t* counts_in;  // [counts_stride] r's counts row for us, 16-byte aligned
   const uint8_t* slots_in;   // [slot_cap] the slots r pushed
   const uint8_t* pull;       // r's send area, where we pull slots past slot_cap; null: none
   const uint8_t* combine_in; // our combine region as r's rows land in it (row: our row)
@@ -110,6 +110,7 @@ struct NvPeer {
 // Everything the kernels share; passed by value.
 struct Nv {
   int n, me, e, l, k, t_max, hidden, spt, priv, chunks;
+  int counts_stride;  // int32 per counts row: L + kCountsColumns, rounded up to 16 bytes
   int64_t payload, slot_bytes, meta_bytes, row_bytes, capacity, slots_per_pair;
   bool once, reduce;
   int64_t counts_off, private_off, combine_off, send_off;  // flags at 0
@@ -809,11 +810,13 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
   extern __shared__ int64_t prefix[];  // [N + 1] slots before sender s; [N] start[s] (where
                                        // they start in its send area); [N] rebase[s] (the first
                                        // combine row s expects from us, if remote); then
-                                       // offset[N + 1][L]
+                                       // counts[N][counts_stride]; then offset[N + 1][L]
   int64_t* start = prefix + v.n + 1;
   int64_t* rebase = start + v.n;
+  int32_t* counts = reinterpret_cast<int32_t*>(  // 16-byte aligned
+      reinterpret_cast<uint8_t*>(prefix) + ((3 * int64_t{v.n} + 1) * 8 + 15) / 16 * 16);
   // offset[s][e]: rows of local expert e from senders before s (offset[N][e]: all of them).
-  int32_t* offset = reinterpret_cast<int32_t*>(rebase + v.n);
+  int32_t* offset = counts + v.n * v.counts_stride;
   __shared__ bool ok;
   __shared__ uint4 meta_v[1 + kMaxK];  // the slot's header and entries
   __shared__ int64_t out_row[kMaxK];
@@ -823,18 +826,27 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
   __syncthreads();
   if (!ok) return;
   Mark(v, kTraceUnpack, 1);
-  // Where each sender's slots are first (a few loads): the block's first slot is then in flight
-  // while the offsets table (L x N loads) is built.
+  // Every sender's counts row in one round trip (16-byte vectors; from another node they are in
+  // host memory, where every small load is a PCIe transaction).
+  const int vectors = v.counts_stride / 4;
+  for (int i = threadIdx.x; i < v.n * vectors; i += blockDim.x) {
+    const int q = i / vectors;
+    reinterpret_cast<uint4*>(counts + q * v.counts_stride)[i % vectors] =
+        __ldcg(reinterpret_cast<const uint4*>(v.peer[q].counts_in) + i % vectors);
+  }
+  __syncthreads();
+  // Where each sender's slots are: the block's first slot is then in flight while the offsets
+  // table is built.
   for (int s = threadIdx.x; s < v.n; s += blockDim.x) {
-    const int32_t* counts = v.peer[s].counts_in;
-    int64_t slots = __ldcg(counts + v.l + kColSlots);
+    const int32_t* row = counts + s * v.counts_stride;
+    int64_t slots = row[v.l + kColSlots];
     if (slots < 0 || slots > v.slots_per_pair) {  // none of them is taken
       if (blockIdx.x == 0) Report(v, kBadSlot, s, static_cast<int32_t>(slots));
       slots = 0;
     }
     prefix[s + 1] = slots;
-    start[s] = __ldcg(counts + v.l + kColSendStart);
-    rebase[s] = v.peer[s].remote ? __ldcg(counts + v.l + kColRowStart) : 0;
+    start[s] = row[v.l + kColSendStart];
+    rebase[s] = v.peer[s].remote ? row[v.l + kColRowStart] : 0;
   }
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -879,7 +891,7 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
     int32_t rows = 0;
     for (int q = 0; q < v.n; ++q) {
       offset[q * v.l + e] = rows;
-      rows += __ldcg(v.peer[q].counts_in + e);
+      rows += counts[q * v.counts_stride + e];
     }
     offset[v.n * v.l + e] = rows;
   }
@@ -1222,13 +1234,22 @@ class NvlinkAllToAll final : public AllToAll {
     v.reduce = c_.combine_reduce_at_expert_rank;
     v.slots_per_pair = layout_.slots_per_pair;
     v.counts_off = RoundUp(2 * n * 8, 128);
-    v.private_off = RoundUp(v.counts_off + int64_t{n} * (v.l + kCountsColumns) * 4, 128);
+    v.counts_stride = static_cast<int>(RoundUp(v.l + kCountsColumns, 4));
+    v.private_off = RoundUp(v.counts_off + int64_t{n} * v.counts_stride * 4, 128);
     v.combine_off = RoundUp(v.private_off + int64_t{n} * v.priv * v.slot_bytes, 128);
     v.send_off = RoundUp(v.combine_off + int64_t{t} * k * v.row_bytes, 128);
     const int64_t bytes = v.send_off + int64_t{t} * k * v.slot_bytes;
     const int64_t max_recv = int64_t{n} * layout_.slots_per_pair;
     recv_grid_ = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_recv, 4 * sms)));
     recv_grid_limit_ = 4 * sms;
+    // Unpack's shared memory (see the kernel); above the default limit for very many ranks.
+    unpack_smem_ = size_t(RoundUp((3 * int64_t{n} + 1) * 8, 16)) +
+                   size_t(n) * v.counts_stride * sizeof(int32_t) +
+                   size_t(n + 1) * v.l * sizeof(int32_t);
+    if (unpack_smem_ > 48 * 1024) {
+      FERRY_CUDA(cudaFuncSetAttribute(UnpackKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(unpack_smem_)));
+    }
     // Decode batches: DispatchSend in one kernel, its shared memory within the default limit.
     const size_t small_smem = SmallSmemBytes(n, v.e, int64_t{t} * k);
     if (int64_t{t} * k <= kSmallEntries && small_smem <= 48 * 1024) small_smem_ = small_smem;
@@ -1268,6 +1289,9 @@ class NvlinkAllToAll final : public AllToAll {
 
     // Other nodes: the relay's inbox and outbox, pinned and mapped, and the relay.
     const RelayLayout relay(c_, v.slot_bytes);
+    if (relay.counts_bytes != int64_t{v.counts_stride} * 4) {
+      return InternalError("moe: the relay's counts row and the kernels' differ in size");
+    }
     uint8_t* inbox = nullptr;
     uint8_t* outbox = nullptr;
     if (!relay.remotes.empty()) {
@@ -1399,10 +1423,8 @@ class NvlinkAllToAll final : public AllToAll {
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
     const RecvArgs args{static_cast<uint8_t*>(out.x), out.scales, out.num_tokens,
                         BudgetNs(deadline)};
-    const size_t shared = (3 * nv_.n + 1) * sizeof(int64_t) +
-                          size_t(nv_.n + 1) * nv_.l * sizeof(int32_t);
     RETURN_IF_ERROR(ResetTrace(kTraceUnpack));
-    UnpackKernel<<<recv_grid_, kCopyThreads, shared, stream_>>>(nv_, args);
+    UnpackKernel<<<recv_grid_, kCopyThreads, unpack_smem_, stream_>>>(nv_, args);
     FERRY_CUDA(cudaGetLastError());
     stage_ = Stage::kDispatchDone;
     return async_ ? Status::Ok() : Finish();
@@ -1522,7 +1544,7 @@ class NvlinkAllToAll final : public AllToAll {
   // Rank r of our node: its buffer `theirs` (mapped here) and ours, `own`.
   NvPeer NodePeer(uint8_t* own, uint8_t* theirs, int r) const {
     const Nv& v = nv_;
-    const int64_t width = v.l + kCountsColumns;
+    const int64_t width = v.counts_stride;
     NvPeer p{};
     p.dispatch_flag = reinterpret_cast<uint64_t*>(theirs) + v.me;
     p.combine_flag = reinterpret_cast<uint64_t*>(theirs) + v.n + v.me;
@@ -1635,6 +1657,7 @@ class NvlinkAllToAll final : public AllToAll {
   int recv_grid_limit_ = 1;
   int token_bound_ = 0;
   size_t small_smem_ = 0;  // SendSmallKernel's shared memory; 0: Route and Pack instead
+  size_t unpack_smem_ = 0;
   Stage stage_ = Stage::kIdle;
   Status failed_ = Status::Ok();
 };
