@@ -81,6 +81,8 @@ struct Scratch {
   int32_t total_recv;       // slots received this epoch
   int32_t abort;            // a wait timed out: later waits give up at once
   int32_t error;            // an ErrorCode, claimed by the first Report (see Nv::error)
+  uint64_t seen[2];         // with remote peers: the dispatch [0] / combine [1] flags block 0 saw
+                            // all raised ("epoch + 1"), which the other blocks wait for
   uint32_t tickets[3];      // last-block detection: Pack, CombineSend, CombineRecv
 };
 
@@ -113,6 +115,7 @@ struct Nv {
   int counts_stride;  // int32 per counts row: L + kCountsColumns, rounded up to 16 bytes
   int64_t payload, slot_bytes, meta_bytes, row_bytes, capacity, slots_per_pair;
   bool once, reduce;
+  bool remote;  // some peers are in other nodes: their flags are in host memory (WaitStep)
   int64_t counts_off, private_off, combine_off, send_off;  // flags at 0
   uint8_t* own;          // our buffer (its send area holds the slots peers pull and our own)
   const NvPeer* peer;    // [N] every rank, ours included
@@ -213,6 +216,31 @@ __device__ bool WaitAll(const Nv& v, uint64_t want, uint64_t budget_ns, int whic
     }
   }
   return true;
+}
+
+// Thread 0 of a block, at the start of a receive step: WaitAll, but with peers in other nodes
+// only block 0 polls the flags (host memory: every poll is a PCIe read, and hundreds of blocks
+// polling slow the very copies they wait for); it then publishes what it saw in device memory
+// (release at GPU scope, after its system-scope acquires) and the other blocks wait for that.
+__device__ bool WaitStep(const Nv& v, uint64_t want, uint64_t budget_ns, int which) {
+  if (!v.remote) return WaitAll(v, want, budget_ns, which);
+  uint64_t* seen = &v.scratch->seen[which];
+  if (blockIdx.x == 0) {
+    if (!WaitAll(v, want, budget_ns, which)) return false;
+    asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(seen), "l"(want) : "memory");
+    return true;
+  }
+  const uint64_t start = GlobalTimerNs();
+  for (;;) {
+    uint64_t got;
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(got) : "l"(seen) : "memory");
+    if (got >= want) return true;
+    // Block 0 reports a timeout and raises abort; the budget check is a backstop.
+    if (*reinterpret_cast<volatile int32_t*>(&v.scratch->abort) ||
+        GlobalTimerNs() - start > budget_ns + 1000000) {
+      return false;
+    }
+  }
 }
 
 // Thread 0 of each block adds to the ticket with acquire-release semantics at the scope the
@@ -822,7 +850,7 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
   __shared__ int64_t out_row[kMaxK];
   Mark(v, kTraceUnpack, 0);
   const uint64_t epoch = v.scratch->epoch;
-  if (threadIdx.x == 0) ok = WaitAll(v, epoch + 1, a.timeout_ns, 0);
+  if (threadIdx.x == 0) ok = WaitStep(v, epoch + 1, a.timeout_ns, 0);
   __syncthreads();
   if (!ok) return;
   Mark(v, kTraceUnpack, 1);
@@ -1143,7 +1171,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineA
       if (threadIdx.x == 0) rows = __popc(v.reduce ? x.firsts : x.valids);
     }
     if (!waited) {
-      if (threadIdx.x == 0) ok = WaitAll(v, epoch + 1, a.timeout_ns, 1);
+      if (threadIdx.x == 0) ok = WaitStep(v, epoch + 1, a.timeout_ns, 1);
       waited = true;
     }
     __syncthreads();
@@ -1232,6 +1260,7 @@ class NvlinkAllToAll final : public AllToAll {
     v.capacity = c_.expert_capacity();
     v.once = c_.dispatch_once_per_rank;
     v.reduce = c_.combine_reduce_at_expert_rank;
+    v.remote = c_.ranks_per_node < n;
     v.slots_per_pair = layout_.slots_per_pair;
     v.counts_off = RoundUp(2 * n * 8, 128);
     v.counts_stride = static_cast<int>(RoundUp(v.l + kCountsColumns, 4));
