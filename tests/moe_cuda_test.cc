@@ -451,7 +451,10 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{6, 33, 384, 96, 8, bf16, rnd, 4, true, false, true, 3, true, false, 3},
                       Case{4, 1024, 1024, 32, 4, fp8, rnd, 32, false, false, false, 2, true,
                            false, 2},
-                      Case{4, 96, 256, 64, 4, bf16, rnd, 4, false, true, true, 4, true, true, 2}),
+                      Case{4, 96, 256, 64, 4, bf16, rnd, 4, false, true, true, 4, true, true, 2},
+                      // Eight ranks (four per GPU here): EP8 as one node and as two of four.
+                      Case{8, 32, 256, 64, 8, bf16, rnd, 4, false, false, false, 2, true},
+                      Case{8, 32, 256, 64, 8, fp8, rnd, 4, false, true, true, 2, true, false, 4}),
     [](const ::testing::TestParamInfo<Case>& info) { return Describe(info.param); });
 
 }  // namespace
