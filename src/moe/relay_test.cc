@@ -195,5 +195,43 @@ TEST(RelayTest, ALostPeerFailsTheRelay) {
   for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
 }
 
+// A counts row asking for more combine rows than a rank can return (a corrupt or hostile
+// peer): the relay that would send them refuses with DataLoss naming the rank, and writes
+// nothing outside the asker's combine region.
+TEST(RelayTest, AnImpossibleCombineRequestIsRefused) {
+  auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
+    const AllToAllConfig c = Config(2, b.rank(), 1);
+    const int l = c.local_experts();
+    const RelayLayout layout(c, kSlotBytes);
+    std::vector<uint8_t> inbox(layout.inbox_bytes), outbox(layout.outbox_bytes);
+    ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
+    ASSIGN_OR_RETURN(auto relay, Relay::Create(c, layout, engine.get(), b, inbox.data(),
+                                               outbox.data(), 1000));
+    auto* counts = reinterpret_cast<int32_t*>(outbox.data() + layout.OutSection(0));
+    counts[l + kColSlots] = 1;
+    counts[l + kColRowStart] = 0;
+    counts[l + kColRows] = b.rank() == 1 ? static_cast<int32_t>(layout.rows_per_pair + 1) : 1;
+    std::atomic_ref<uint64_t>(*layout.OutboxFlag(outbox.data(), false))
+        .store(1, std::memory_order_release);
+    RETURN_IF_ERROR(WaitFlag(layout.InboxFlag(inbox.data(), false, 1 - b.rank()), 1, "dispatch"));
+    std::atomic_ref<uint64_t>(*layout.OutboxFlag(outbox.data(), true))
+        .store(1, std::memory_order_release);
+    Backoff backoff;
+    const auto start = Clock::now();
+    while (!relay->failed() && Clock::now() - start < 10s) backoff.Pause();
+    const Status s = relay->error();
+    if (b.rank() == 0) {
+      CHECK_OR_RETURN(s.code() == StatusCode::kDataLoss &&
+                          s.message().find("rank 1 expects") != std::string::npos,
+                      "rank 0: " + s.ToString());
+    } else {
+      // Rank 1 never gets its rows: its relay gives up at the peer timeout.
+      CHECK_OR_RETURN(s.code() == StatusCode::kDeadlineExceeded, "rank 1: " + s.ToString());
+    }
+    return Status::Ok();
+  }, 60s);
+  for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
+}
+
 }  // namespace
 }  // namespace ferry::moe
