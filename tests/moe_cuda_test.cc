@@ -294,8 +294,62 @@ TEST(MoeCudaConfigTest, AMissingGpuIsAFailedPrecondition) {
   EXPECT_TRUE(exits[0].ok()) << "exit " << exits[0].exit_code;
 }
 
-// NVLink path, two ranks: an expert id out of range fails DispatchSend with nothing sent (the
-// step can be retried); then a rank that stops taking part makes its peer's wait end at the
+// The failure tests' run: four tokens per rank, routed to experts {0..7} (8 experts, top-2,
+// hidden 128, bf16).
+struct SmallRun {
+  static constexpr int kTokens = 4;
+  AllToAll* a2a = nullptr;
+  Gpu<uint16_t> x, expert_out, y;
+  Gpu<int32_t> indices, counts;
+  Gpu<float> weights;
+
+  Status Setup(AllToAll* all_to_all) {
+    a2a = all_to_all;
+    const AllToAllConfig& cfg = a2a->config();
+    RETURN_IF_ERROR(x.Alloc(kTokens * 128));
+    RETURN_IF_ERROR(indices.Alloc(kTokens * 2));
+    RETURN_IF_ERROR(weights.Alloc(kTokens * 2));
+    RETURN_IF_ERROR(counts.Alloc(cfg.local_experts()));
+    RETURN_IF_ERROR(expert_out.Alloc(size_t(cfg.local_experts()) * cfg.expert_capacity() * 128));
+    RETURN_IF_ERROR(y.Alloc(kTokens * 128));
+    RETURN_IF_ERROR(weights.Put(std::vector<float>(kTokens * 2, 0.5f)));
+    return indices.Put({0, 1, 2, 3, 4, 5, 6, 7});
+  }
+  DispatchInput In() const { return {x.p, nullptr, indices.p, weights.p, kTokens}; }
+
+  // One whole iteration; every rank's tokens reach each expert once, so a local expert gets one
+  // row per rank.
+  Status GoodIteration(Bootstrap& b) {
+    RETURN_IF_ERROR(a2a->DispatchSend(In()));
+    RETURN_IF_ERROR(a2a->DispatchRecv({expert_out.p, nullptr, counts.p}, Deadline::After(30s)));
+    std::vector<int32_t> got(a2a->config().local_experts());
+    RETURN_IF_ERROR(counts.Get(got));
+    for (int32_t rows : got) {
+      CHECK_OR_RETURN(rows == b.world_size(), "expert rows " + std::to_string(rows));
+    }
+    RETURN_IF_ERROR(a2a->CombineSend(expert_out.p));
+    RETURN_IF_ERROR(a2a->CombineRecv(y.p, false, Deadline::After(30s)));
+    return b.Barrier(30s);
+  }
+
+  // After rank `lost` stopped taking part: DispatchRecv ends at its 1 s deadline naming it, and
+  // later steps fail too.
+  Status ExpectLost(int lost) {
+    RETURN_IF_ERROR(a2a->DispatchSend(In()));
+    const auto start = Clock::now();
+    const Status s = a2a->DispatchRecv({expert_out.p, nullptr, counts.p}, Deadline::After(1s));
+    const double waited = std::chrono::duration<double>(Clock::now() - start).count();
+    CHECK_OR_RETURN(s.code() == StatusCode::kDeadlineExceeded &&
+                        s.message().find("rank " + std::to_string(lost)) != std::string::npos,
+                    "lost rank: " + s.ToString());
+    CHECK_OR_RETURN(waited < 3.0, "the wait took " + std::to_string(waited) + " s");
+    CHECK_OR_RETURN(!a2a->CombineSend(expert_out.p).ok(), "a later step ran after a rank was lost");
+    return Status::Ok();
+  }
+};
+
+// One node, two ranks: an expert id out of range fails DispatchSend with nothing sent (the step
+// can be retried); then a rank that stops taking part makes its peer's wait end at the
 // deadline, and the AllToAll stays failed.
 TEST(MoeNvlinkTest, BadExpertsAndALostPeer) {
   if (!HaveGpu()) GTEST_SKIP() << "no GPU (/dev/nvidia0)";
@@ -307,53 +361,25 @@ TEST(MoeNvlinkTest, BadExpertsAndALostPeer) {
     cfg.cuda_device = b.rank() % gpus;
     CUDA_OR_RETURN(cudaSetDevice(cfg.cuda_device));
     ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(cfg, nullptr, b));
-    const int tokens = 4;
-    Gpu<uint16_t> x, expert_out, y;
-    Gpu<int32_t> indices, counts;
-    Gpu<float> weights;
-    RETURN_IF_ERROR(x.Alloc(tokens * 128));
-    RETURN_IF_ERROR(indices.Alloc(tokens * 2));
-    RETURN_IF_ERROR(weights.Alloc(tokens * 2));
-    RETURN_IF_ERROR(counts.Alloc(4));
-    RETURN_IF_ERROR(expert_out.Alloc(size_t(4) * cfg.expert_capacity() * 128));
-    RETURN_IF_ERROR(y.Alloc(tokens * 128));
-    RETURN_IF_ERROR(weights.Put(std::vector<float>(tokens * 2, 0.5f)));
-    const DispatchInput in{x.p, nullptr, indices.p, weights.p, tokens};
+    SmallRun run;
+    RETURN_IF_ERROR(run.Setup(a2a.get()));
     if (b.rank() == 0) {
-      RETURN_IF_ERROR(indices.Put({0, 1, 2, 3, 4, 8, 6, 7}));
-      const Status bad = a2a->DispatchSend(in);
+      RETURN_IF_ERROR(run.indices.Put({0, 1, 2, 3, 4, 8, 6, 7}));
+      const Status bad = a2a->DispatchSend(run.In());
       CHECK_OR_RETURN(bad.code() == StatusCode::kOutOfRange &&
                           bad.message().find("expert 8") != std::string::npos,
                       "bad expert: " + bad.ToString());
-      CHECK_OR_RETURN(a2a->DispatchRecv({x.p, nullptr, counts.p}, Deadline::After(1s)).code() ==
-                          StatusCode::kFailedPrecondition,
+      CHECK_OR_RETURN(a2a->DispatchRecv({run.x.p, nullptr, run.counts.p}, Deadline::After(1s))
+                              .code() == StatusCode::kFailedPrecondition,
                       "DispatchRecv ran after a refused DispatchSend");
+      RETURN_IF_ERROR(run.indices.Put({0, 1, 2, 3, 4, 5, 6, 7}));
     }
-    RETURN_IF_ERROR(indices.Put({0, 1, 2, 3, 4, 5, 6, 7}));
-    RETURN_IF_ERROR(a2a->DispatchSend(in));
-    RETURN_IF_ERROR(a2a->DispatchRecv({expert_out.p, nullptr, counts.p}, Deadline::After(30s)));
-    std::vector<int32_t> got(4);
-    RETURN_IF_ERROR(counts.Get(got));
-    // Each rank's 4 tokens reach experts {0..7} once each: 2 rows per local expert per rank.
-    for (int e = 0; e < 4; ++e) CHECK_OR_RETURN(got[e] == 2, "expert rows " + std::to_string(got[e]));
-    RETURN_IF_ERROR(a2a->CombineSend(expert_out.p));
-    RETURN_IF_ERROR(a2a->CombineRecv(y.p, false, Deadline::After(30s)));
-    RETURN_IF_ERROR(b.Barrier(30s));
+    RETURN_IF_ERROR(run.GoodIteration(b));
     if (b.rank() == 1) {
       sleep(4);  // stops taking part (its memory stays mapped in rank 0)
       return Status::Ok();
     }
-    RETURN_IF_ERROR(a2a->DispatchSend(in));
-    const auto start = Clock::now();
-    const Status lost = a2a->DispatchRecv({expert_out.p, nullptr, counts.p}, Deadline::After(1s));
-    const double waited = std::chrono::duration<double>(Clock::now() - start).count();
-    CHECK_OR_RETURN(lost.code() == StatusCode::kDeadlineExceeded &&
-                        lost.message().find("rank 1") != std::string::npos,
-                    "lost peer: " + lost.ToString());
-    CHECK_OR_RETURN(waited < 3.0, "the wait took " + std::to_string(waited) + " s");
-    CHECK_OR_RETURN(a2a->CombineSend(expert_out.p).code() == StatusCode::kDeadlineExceeded,
-                    "a later step ran after the peer was lost");
-    return Status::Ok();
+    return run.ExpectLost(1);
   }, 120s);
   for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
 }
@@ -372,42 +398,14 @@ TEST(MoeNvlinkTest, ALostRankOfAnotherNode) {
     CUDA_OR_RETURN(cudaSetDevice(cfg.cuda_device));
     ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
     ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(cfg, engine.get(), b));
-    const int tokens = 4;
-    Gpu<uint16_t> x, expert_out, y;
-    Gpu<int32_t> indices, counts;
-    Gpu<float> weights;
-    RETURN_IF_ERROR(x.Alloc(tokens * 128));
-    RETURN_IF_ERROR(indices.Alloc(tokens * 2));
-    RETURN_IF_ERROR(weights.Alloc(tokens * 2));
-    RETURN_IF_ERROR(counts.Alloc(2));
-    RETURN_IF_ERROR(expert_out.Alloc(size_t(2) * cfg.expert_capacity() * 128));
-    RETURN_IF_ERROR(y.Alloc(tokens * 128));
-    RETURN_IF_ERROR(weights.Put(std::vector<float>(tokens * 2, 0.5f)));
-    RETURN_IF_ERROR(indices.Put({0, 1, 2, 3, 4, 5, 6, 7}));
-    const DispatchInput in{x.p, nullptr, indices.p, weights.p, tokens};
-    RETURN_IF_ERROR(a2a->DispatchSend(in));
-    RETURN_IF_ERROR(a2a->DispatchRecv({expert_out.p, nullptr, counts.p}, Deadline::After(30s)));
-    std::vector<int32_t> got(2);
-    RETURN_IF_ERROR(counts.Get(got));
-    // Each rank's 4 tokens reach experts {0..7} once each: 4 rows per local expert.
-    for (int e = 0; e < 2; ++e) CHECK_OR_RETURN(got[e] == 4, "expert rows " + std::to_string(got[e]));
-    RETURN_IF_ERROR(a2a->CombineSend(expert_out.p));
-    RETURN_IF_ERROR(a2a->CombineRecv(y.p, false, Deadline::After(30s)));
-    RETURN_IF_ERROR(b.Barrier(30s));
+    SmallRun run;
+    RETURN_IF_ERROR(run.Setup(a2a.get()));
+    RETURN_IF_ERROR(run.GoodIteration(b));
     if (b.rank() == 3) {
       sleep(4);  // stops taking part (its memory stays mapped in rank 2)
       return Status::Ok();
     }
-    RETURN_IF_ERROR(a2a->DispatchSend(in));
-    const auto start = Clock::now();
-    const Status lost = a2a->DispatchRecv({expert_out.p, nullptr, counts.p}, Deadline::After(1s));
-    const double waited = std::chrono::duration<double>(Clock::now() - start).count();
-    CHECK_OR_RETURN(lost.code() == StatusCode::kDeadlineExceeded &&
-                        lost.message().find("rank 3") != std::string::npos,
-                    "lost rank: " + lost.ToString());
-    CHECK_OR_RETURN(waited < 3.0, "the wait took " + std::to_string(waited) + " s");
-    CHECK_OR_RETURN(!a2a->CombineSend(expert_out.p).ok(), "a later step ran after a rank was lost");
-    return Status::Ok();
+    return run.ExpectLost(3);
   }, 120s);
   for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
 }
