@@ -199,8 +199,9 @@ Status Relay::Combine(uint64_t epoch) {
     if (rows < 0 || rows > layout_.rows_per_pair || start < 0 ||
         start + rows > layout_.combine_rows) {
       return DataLossError("rank " + std::to_string(s) + " expects " + std::to_string(rows) +
-                           " combine rows at row " + std::to_string(start) +
-                           ", outside its combine region");
+                           " combine rows at row " + std::to_string(start) + " (at most " +
+                           std::to_string(layout_.rows_per_pair) + ", within its " +
+                           std::to_string(layout_.combine_rows) + " rows)");
     }
     targets_.push_back({static_cast<uint32_t>(q), uint64_t(layout_.OutRows(q)),
                         uint64_t(layout_.in_combine_off + start * layout_.row_bytes),
