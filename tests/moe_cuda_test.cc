@@ -131,15 +131,22 @@ struct Graphs {
   }
 };
 
-Status RunRank(const Case& c, Bootstrap& b) {
+// cfg on the CUDA device: rank r on GPU r mod count, made current.
+Status UseGpu(Bootstrap& b, AllToAllConfig* cfg) {
   int gpus = 0;
   CUDA_OR_RETURN(cudaGetDeviceCount(&gpus));
+  CHECK_OR_RETURN(gpus > 0, "no GPU");
+  cfg->device = MoeDeviceKind::kCuda;
+  cfg->cuda_device = b.rank() % gpus;
+  CUDA_OR_RETURN(cudaSetDevice(cfg->cuda_device));
+  return Status::Ok();
+}
+
+Status RunRank(const Case& c, Bootstrap& b) {
   AllToAllConfig cfg = ConfigFor(c, b.world_size(), b.rank());
   if (c.nvlink) cfg.ranks_per_node = c.node_ranks > 0 ? c.node_ranks : b.world_size();
   AllToAllConfig gpu_cfg = cfg;
-  gpu_cfg.device = MoeDeviceKind::kCuda;
-  gpu_cfg.cuda_device = b.rank() % gpus;
-  CUDA_OR_RETURN(cudaSetDevice(gpu_cfg.cuda_device));
+  RETURN_IF_ERROR(UseGpu(b, &gpu_cfg));
   ASSIGN_OR_RETURN(auto host_engine, TransferEngine::Create(testing_util::TestOptions("shm")));
   ASSIGN_OR_RETURN(auto gpu_engine, TransferEngine::Create(testing_util::TestOptions("shm")));
   ASSIGN_OR_RETURN(auto host, AllToAll::Create(cfg, host_engine.get(), b));
@@ -354,12 +361,8 @@ struct SmallRun {
 TEST(MoeNvlinkTest, BadExpertsAndALostPeer) {
   if (!HaveGpu()) GTEST_SKIP() << "no GPU (/dev/nvidia0)";
   auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
-    int gpus = 0;
-    CUDA_OR_RETURN(cudaGetDeviceCount(&gpus));
     AllToAllConfig cfg{2, b.rank(), 2, 8, 2, 4, 128, DispatchDtype::kBf16, 2};
-    cfg.device = MoeDeviceKind::kCuda;
-    cfg.cuda_device = b.rank() % gpus;
-    CUDA_OR_RETURN(cudaSetDevice(cfg.cuda_device));
+    RETURN_IF_ERROR(UseGpu(b, &cfg));
     ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(cfg, nullptr, b));
     SmallRun run;
     RETURN_IF_ERROR(run.Setup(a2a.get()));
@@ -390,12 +393,8 @@ TEST(MoeNvlinkTest, BadExpertsAndALostPeer) {
 TEST(MoeNvlinkTest, ALostRankOfAnotherNode) {
   if (!HaveGpu()) GTEST_SKIP() << "no GPU (/dev/nvidia0)";
   auto exits = RunLocalRanks(4, [](Bootstrap& b) -> Status {
-    int gpus = 0;
-    CUDA_OR_RETURN(cudaGetDeviceCount(&gpus));
     AllToAllConfig cfg{4, b.rank(), 2, 8, 2, 4, 128, DispatchDtype::kBf16, 2};
-    cfg.device = MoeDeviceKind::kCuda;
-    cfg.cuda_device = b.rank() % gpus;
-    CUDA_OR_RETURN(cudaSetDevice(cfg.cuda_device));
+    RETURN_IF_ERROR(UseGpu(b, &cfg));
     ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
     ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(cfg, engine.get(), b));
     SmallRun run;

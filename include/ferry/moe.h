@@ -13,11 +13,10 @@
 // Where the steps run (AllToAllConfig::device, ranks_per_node):
 //   - host device: the four steps on host memory, everything over the TransferEngine. The
 //     reference for the CUDA kernels; runs the whole protocol in CI.
-//   - CUDA device, ranks_per_node == 1: kernels on pinned host buffers, a proxy thread moves them
-//     over the engine (RDMA between GPUs of different nodes).
-//   - CUDA device, ranks_per_node > 1: kernels only. Each rank's buffers come from cuMemCreate,
+//   - CUDA device, any ranks_per_node: kernels only. Each rank's buffers come from cuMemCreate,
 //     exported and mapped into every other rank of its node; the kernels push slots and rows
-//     into peers' memory and raise flags there. With several nodes, what goes to another node
+//     into peers' memory and raise flags there. With several nodes (ranks_per_node == 1
+//     included: every peer is then in another node), what goes to another node
 //     is staged in pinned host memory and a relay thread per rank carries it over the engine
 //     (RDMA between nodes), raising the receiver's flags as it lands; with one node there is no
 //     host thread and no engine traffic (engine may be null). Either way the steps can be

@@ -115,7 +115,7 @@ struct Nv {
   int counts_stride;  // int32 per counts row: L + kCountsColumns, rounded up to 16 bytes
   int64_t payload, slot_bytes, meta_bytes, row_bytes, capacity, slots_per_pair;
   bool once, reduce;
-  bool remote;  // some peers are in other nodes: their flags are in host memory (WaitStep)
+  int first_remote;  // the lowest rank of another node, -1 if none (WaitStep, RaiseFlags)
   int64_t counts_off, private_off, combine_off, send_off;  // flags at 0
   uint8_t* own;          // our buffer (its send area holds the slots peers pull and our own)
   const NvPeer* peer;    // [N] every rank, ours included
@@ -223,7 +223,7 @@ __device__ bool WaitAll(const Nv& v, uint64_t want, uint64_t budget_ns, int whic
 // polling slow the very copies they wait for); it then publishes what it saw in device memory
 // (release at GPU scope, after its system-scope acquires) and the other blocks wait for that.
 __device__ bool WaitStep(const Nv& v, uint64_t want, uint64_t budget_ns, int which) {
-  if (!v.remote) return WaitAll(v, want, budget_ns, which);
+  if (v.first_remote < 0) return WaitAll(v, want, budget_ns, which);
   uint64_t* seen = &v.scratch->seen[which];
   if (blockIdx.x == 0) {
     if (!WaitAll(v, want, budget_ns, which)) return false;
@@ -362,13 +362,17 @@ __device__ void WriteCountsRows(const Nv& v, Value value) {
   }
 }
 
-// The last block of a DispatchSend: every rank's dispatch flag for us. The stores release what
-// every block wrote (LastBlock made it visible to this block; the barrier, to each storing
-// thread).
-__device__ void RaiseDispatchFlags(const Nv& v) {
+// The last block of a send step: every rank's dispatch (or combine) flag for us. The stores
+// release what every block wrote (LastBlock made it visible to this block; the barrier, to each
+// storing thread). Ranks of other nodes share our one outbox flag: stored once.
+__device__ void RaiseFlags(const Nv& v, bool combine) {
   __syncthreads();
   const uint64_t epoch = v.scratch->epoch;
-  for (int r = threadIdx.x; r < v.n; r += blockDim.x) StoreRelease(v.peer[r].dispatch_flag, epoch + 1);
+  for (int r = threadIdx.x; r < v.n; r += blockDim.x) {
+    const NvPeer& p = v.peer[r];
+    if (p.remote && r != v.first_remote) continue;
+    StoreRelease(combine ? p.combine_flag : p.dispatch_flag, epoch + 1);
+  }
 }
 
 // ---- dispatch send ----------------------------------------------------------------------------
@@ -550,7 +554,7 @@ __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
     for (int ch = 0; ch < v.chunks; ++ch) value += v.chunk_counts[int64_t{ch} * v.e + r * v.l + c];
     return value;
   });
-  RaiseDispatchFlags(v);
+  RaiseFlags(v, false);
 }
 
 // ---- dispatch send in one kernel (small batches) ------------------------------------------------
@@ -825,7 +829,7 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
     v.totals[r] = m.slots[r];
     v.totals[v.n + r] = m.rows[r];
   }
-  RaiseDispatchFlags(v);
+  RaiseFlags(v, false);
   Mark(v, kTraceSend, 6);
 }
 
@@ -1132,9 +1136,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
   Mark(v, kTraceCombineSend, 2);
   if (!LastBlock(&v.scratch->tickets[1], true)) return;
   Mark(v, kTraceCombineSend, 3);
-  for (int r = threadIdx.x; r < v.n; r += blockDim.x) {
-    StoreRelease(v.peer[r].combine_flag, v.scratch->epoch + 1);
-  }
+  RaiseFlags(v, true);
   Mark(v, kTraceCombineSend, 4);
 }
 
@@ -1260,7 +1262,6 @@ class NvlinkAllToAll final : public AllToAll {
     v.capacity = c_.expert_capacity();
     v.once = c_.dispatch_once_per_rank;
     v.reduce = c_.combine_reduce_at_expert_rank;
-    v.remote = c_.ranks_per_node < n;
     v.slots_per_pair = layout_.slots_per_pair;
     v.counts_off = RoundUp(2 * n * 8, 128);
     v.counts_stride = static_cast<int>(RoundUp(v.l + kCountsColumns, 4));
@@ -1318,6 +1319,7 @@ class NvlinkAllToAll final : public AllToAll {
 
     // Other nodes: the relay's inbox and outbox, pinned and mapped, and the relay.
     const RelayLayout relay(c_, v.slot_bytes);
+    v.first_remote = relay.remotes.empty() ? -1 : relay.remotes.front();
     if (relay.counts_bytes != int64_t{v.counts_stride} * 4) {
       return InternalError("moe: the relay's counts row and the kernels' differ in size");
     }
