@@ -11,6 +11,9 @@
 #   tools/gpu_check.sh trace      build, the NVLink decode benchmark, then phase stamps per kernel
 #   tools/gpu_check.sh hybrid     build, tests, EP4 as one node and as two nodes of two (relay)
 #   tools/gpu_check.sh relay      build, tests, two nodes of one GPU (every peer through the relay)
+#   tools/gpu_check.sh pdl        build, tests, NVLink decode and prefill (a)+(b) with the receive
+#                                 kernels started early (default) and plainly (FERRY_NV_PDL=0),
+#                                 then the decode phase stamps
 set -u
 OUT=${OUT:-/tmp/ferry-gpu}
 mkdir -p "$OUT"
@@ -57,6 +60,22 @@ if [ "$mode" = trace ]; then
     echo "== trace, $t tokens, (a)+(b): point slowest/mean us since block start (blocks)"
     grep -h 'trace ' "$OUT/trace_$t.log"
   done
+fi
+if [ "$mode" = pdl ]; then
+  nv=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8 --once-per-rank
+      --reduce-at-expert-rank)
+  for t in 128 4096; do
+    iters=200; [ $t = 4096 ] && iters=20
+    step nvlink_pdl_$t 200 build-gpu/ferry-bench moe "${nv[@]}" --tokens $t --iters $iters
+    FERRY_NV_PDL=0 step nvlink_plain_$t 200 build-gpu/ferry-bench moe "${nv[@]}" --tokens $t \
+      --iters $iters
+  done
+  FERRY_NV_TRACE=1 step trace_128 200 build-gpu/ferry-bench moe "${nv[@]}" --tokens 128 --iters 5
+  echo "== trace, 128 tokens, (a)+(b): point slowest/mean us since block start (blocks)"
+  grep -h 'trace ' "$OUT/trace_128.log"
+  step relay_decode 200 build-gpu/ferry-bench moe --device cuda --ranks 2 --hidden 7168 \
+    --experts 256 --topk 8 --dtype fp8 --tokens 128 --iters 100 --once-per-rank \
+    --reduce-at-expert-rank
 fi
 if [ "$mode" = all ] || [ "$mode" = nvlink ] || [ "$mode" = relay ]; then
   nv=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8)
@@ -127,8 +146,8 @@ for f in "$OUT"/moe_cuda_test.log "$OUT"/kv_cuda_test.log; do
   [ -f "$f" ] && grep -E '^\[  (PASSED|FAILED|SKIPPED) |\[rank|Failure' "$f" | head -20
 done
 grep -h -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT"/memcheck.log "$OUT"/racecheck.log 2> /dev/null
-for b in "$OUT"/bench_*.log "$OUT"/nvlink_*.log; do
-  [ -f "$b" ] && { echo "== $(basename "$b" .log)"; grep -E '^(plain|\(a|\(b|variant|NVLink|times in)' "$b"; }
+for b in "$OUT"/bench_*.log "$OUT"/nvlink_*.log "$OUT"/relay_*.log; do
+  [ -f "$b" ] && { echo "== $(basename "$b" .log)"; grep -E '^(plain|\(a|\(b|variant|NVLink|times in)|in one graph' "$b"; }
 done
 for f in "$OUT"/kv_[0-9]*.log; do
   [ -f "$f" ] && { echo "== $(basename "$f" .log)"; tail -12 "$f"; }

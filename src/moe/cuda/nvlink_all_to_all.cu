@@ -107,6 +107,9 @@ struct NvPeer {
   int32_t slot_cap;          // slots pushed per pair: P in a node, all of them between nodes
   int32_t row_cap;           // rows `combine` holds
   int32_t remote;            // another node (combine rows rebased, see combine)
+  // What r's dispatch and combine flags for us gain per epoch: in our node every block of r's
+  // send kernel adds one (its grid); from another node the relay stores "epoch + 1" (1).
+  int32_t dispatch_step, combine_step;
 };
 
 // Everything the kernels share; passed by value.
@@ -115,7 +118,7 @@ struct Nv {
   int counts_stride;  // int32 per counts row: L + kCountsColumns, rounded up to 16 bytes
   int64_t payload, slot_bytes, meta_bytes, row_bytes, capacity, slots_per_pair;
   bool once, reduce;
-  int first_remote;  // the lowest rank of another node, -1 if none (WaitStep, RaiseFlags)
+  int first_remote;  // the lowest rank of another node, -1 if none (WaitStep, Arrive)
   int64_t counts_off, private_off, combine_off, send_off;  // flags at 0
   uint8_t* own;          // our buffer (its send area holds the slots peers pull and our own)
   const NvPeer* peer;    // [N] every rank, ours included
@@ -168,6 +171,26 @@ __device__ inline uint64_t LoadAcquire(const uint64_t* p) {
 __device__ inline void StoreRelease(uint64_t* p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
+__device__ inline void AddRelease(uint64_t* p, uint64_t v) {
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// Programmatic dependent launch (sm_90): a send kernel lets the receive kernel behind it start
+// at once (LaunchDependents); the receive kernel waits for its flags meanwhile and calls
+// WaitPrimary -- which returns once the kernel before it finished and its writes are visible --
+// before it touches memory the kernel before it (ours or the caller's) may still use: the
+// caller's outputs. Launched without the attribute, WaitPrimary returns at once.
+__device__ inline void LaunchDependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ inline void WaitPrimary() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 __device__ inline uint64_t GlobalTimerNs() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -199,13 +222,15 @@ __device__ inline void Report(const Nv& v, int32_t code, int32_t a, int32_t b) {
   }
 }
 
-// Thread 0 of a block: until every rank's dispatch (which 0) or combine (1) flag for us is at
-// least want, another block gave up, or the budget (from now) runs out, which is reported and
-// makes every later wait give up.
-__device__ bool WaitAll(const Nv& v, uint64_t want, uint64_t budget_ns, int which) {
+// Thread 0 of a block: until every rank's dispatch (which 0) or combine (1) flag for us shows
+// epoch `epoch` done (the rank's step per epoch times epoch + 1), another block gave up, or the
+// budget (from now) runs out, which is reported and makes every later wait give up.
+__device__ bool WaitAll(const Nv& v, uint64_t epoch, uint64_t budget_ns, int which) {
   const uint64_t start = GlobalTimerNs();
   for (int r = 0; r < v.n; ++r) {
-    const uint64_t* flag = which == 0 ? v.peer[r].dispatch_flag_in : v.peer[r].combine_flag_in;
+    const NvPeer& p = v.peer[r];
+    const uint64_t* flag = which == 0 ? p.dispatch_flag_in : p.combine_flag_in;
+    const uint64_t want = (epoch + 1) * uint64_t(which == 0 ? p.dispatch_step : p.combine_step);
     while (LoadAcquire(flag) < want) {
       if (*reinterpret_cast<volatile int32_t*>(&v.scratch->abort)) return false;
       if (GlobalTimerNs() - start > budget_ns) {
@@ -222,11 +247,12 @@ __device__ bool WaitAll(const Nv& v, uint64_t want, uint64_t budget_ns, int whic
 // only block 0 polls the flags (host memory: every poll is a PCIe read, and hundreds of blocks
 // polling slow the very copies they wait for); it then publishes what it saw in device memory
 // (release at GPU scope, after its system-scope acquires) and the other blocks wait for that.
-__device__ bool WaitStep(const Nv& v, uint64_t want, uint64_t budget_ns, int which) {
-  if (v.first_remote < 0) return WaitAll(v, want, budget_ns, which);
+__device__ bool WaitStep(const Nv& v, uint64_t epoch, uint64_t budget_ns, int which) {
+  if (v.first_remote < 0) return WaitAll(v, epoch, budget_ns, which);
   uint64_t* seen = &v.scratch->seen[which];
+  const uint64_t want = epoch + 1;
   if (blockIdx.x == 0) {
-    if (!WaitAll(v, want, budget_ns, which)) return false;
+    if (!WaitAll(v, epoch, budget_ns, which)) return false;
     asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(seen), "l"(want) : "memory");
     return true;
   }
@@ -362,16 +388,22 @@ __device__ void WriteCountsRows(const Nv& v, Value value) {
   }
 }
 
-// The last block of a send step: every rank's dispatch (or combine) flag for us. The stores
-// release what every block wrote (LastBlock made it visible to this block; the barrier, to each
-// storing thread). Ranks of other nodes share our one outbox flag: stored once.
-__device__ void RaiseFlags(const Nv& v, bool combine) {
+// Every block of a send step, once its writes are issued: for each rank of our node, one added
+// to its dispatch (or combine) flag for us, with release semantics at system scope (the barrier
+// orders the block's writes before it; the release carries them, peers' memory included); the
+// receiver waits for the sum over our grid. Ranks of other nodes share our one outbox flag,
+// which the relay watches: the last block through the ticket (whose acquire sees every block's
+// writes) stores "epoch + 1" there.
+__device__ void Arrive(const Nv& v, bool combine) {
   __syncthreads();
-  const uint64_t epoch = v.scratch->epoch;
   for (int r = threadIdx.x; r < v.n; r += blockDim.x) {
     const NvPeer& p = v.peer[r];
-    if (p.remote && r != v.first_remote) continue;
-    StoreRelease(combine ? p.combine_flag : p.dispatch_flag, epoch + 1);
+    if (!p.remote) AddRelease(combine ? p.combine_flag : p.dispatch_flag, 1);
+  }
+  if (v.first_remote < 0 || !LastBlock(&v.scratch->tickets[combine ? 1 : 0], true)) return;
+  if (threadIdx.x == 0) {
+    const NvPeer& p = v.peer[v.first_remote];
+    StoreRelease(combine ? p.combine_flag : p.dispatch_flag, v.scratch->epoch + 1);
   }
 }
 
@@ -482,10 +514,24 @@ __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
                                        // first combine row per expert rank
   __shared__ uint8_t* dst[kMaxK];      // the token's slots
   __shared__ int num_slots;
+  LaunchDependents();
   const int tokens = v.scratch->tokens;
   int64_t* row_starts = starts + v.n;
   PrefixTotals(v.totals, v.n, starts);
   PrefixTotals(v.totals + v.n, v.n, row_starts);
+  if (blockIdx.x == 0) {  // our counts row into every rank, before block 0 arrives
+    WriteCountsRows(v, [&](int r, int c) {
+      if (c == v.l + kColSlots) return int64_t{v.totals[r]};
+      if (c == v.l + kColSendStart) return starts[r];
+      if (c == v.l + kColRowStart) return row_starts[r];
+      if (c == v.l + kColRows) return int64_t{v.totals[v.n + r]};
+      int64_t value = 0;
+      for (int ch = 0; ch < v.chunks; ++ch) {
+        value += v.chunk_counts[int64_t{ch} * v.e + r * v.l + c];
+      }
+      return value;
+    });
+  }
   for (int t = blockIdx.x; t < tokens; t += gridDim.x) {
     // Warp 0: lane j places the token's j-th copy; its slot's first lane writes the header.
     if (threadIdx.x < 32) {
@@ -544,17 +590,7 @@ __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
     }
     __syncthreads();  // dst and num_slots are rewritten for the next token
   }
-  if (!LastBlock(&v.scratch->tickets[0], true)) return;
-  WriteCountsRows(v, [&](int r, int c) {
-    if (c == v.l + kColSlots) return int64_t{v.totals[r]};
-    if (c == v.l + kColSendStart) return starts[r];
-    if (c == v.l + kColRowStart) return row_starts[r];
-    if (c == v.l + kColRows) return int64_t{v.totals[v.n + r]};
-    int64_t value = 0;
-    for (int ch = 0; ch < v.chunks; ++ch) value += v.chunk_counts[int64_t{ch} * v.e + r * v.l + c];
-    return value;
-  });
-  RaiseFlags(v, false);
+  Arrive(v, false);
 }
 
 // ---- dispatch send in one kernel (small batches) ------------------------------------------------
@@ -611,6 +647,7 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
   extern __shared__ int64_t small_raw[];
   __shared__ uint8_t* dst_of[kSmallWarps][kMaxK];  // a token's slots (SlotDst)
   const SmallSmem m = CarveSmallSmem(small_raw, v.n, v.e);
+  LaunchDependents();
   Mark(v, kTraceSend, 0);
   const int tokens = SendTokens(v, a);
   const int entries = tokens * v.k;
@@ -706,6 +743,10 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
   __syncthreads();
   // Block 0 writes our counts rows into every rank now; the last block only raises the flags.
   if (blockIdx.x == 0) {
+    for (int r = threadIdx.x; r < v.n; r += blockDim.x) {  // for CombineRecv
+      v.totals[r] = m.slots[r];
+      v.totals[v.n + r] = m.rows[r];
+    }
     WriteCountsRows(v, [&](int r, int c) {
       if (c == v.l + kColSlots) return int64_t{m.slots[r]};
       if (c == v.l + kColSendStart) return m.starts[r];
@@ -823,14 +864,8 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
     v.weights[f] = a.weights[f];
   }
   Mark(v, kTraceSend, 4);
-  if (!LastBlock(&v.scratch->tickets[0], true)) return;
+  Arrive(v, false);
   Mark(v, kTraceSend, 5);
-  for (int r = threadIdx.x; r < v.n; r += blockDim.x) {
-    v.totals[r] = m.slots[r];
-    v.totals[v.n + r] = m.rows[r];
-  }
-  RaiseFlags(v, false);
-  Mark(v, kTraceSend, 6);
 }
 
 // ---- dispatch receive -------------------------------------------------------------------------
@@ -854,7 +889,7 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
   __shared__ int64_t out_row[kMaxK];
   Mark(v, kTraceUnpack, 0);
   const uint64_t epoch = v.scratch->epoch;
-  if (threadIdx.x == 0) ok = WaitStep(v, epoch + 1, a.timeout_ns, 0);
+  if (threadIdx.x == 0) ok = WaitStep(v, epoch, a.timeout_ns, 0);
   __syncthreads();
   if (!ok) return;
   Mark(v, kTraceUnpack, 1);
@@ -928,6 +963,7 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
     offset[v.n * v.l + e] = rows;
   }
   __syncthreads();
+  WaitPrimary();  // from here on the caller's memory: a.num_tokens, a.out_x, a.out_scales
   if (blockIdx.x == 0) {
     for (int e = threadIdx.x; e < v.l; e += blockDim.x) {
       const int32_t rows = offset[v.n * v.l + e];
@@ -1068,6 +1104,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
   __shared__ const uint4* rows[kMaxK];
   __shared__ float weight[kMaxK];
   __shared__ int count;
+  LaunchDependents();
   Mark(v, kTraceCombineSend, 0);
   const int64_t total = v.scratch->total_recv;
   int64_t rows_out = 0;
@@ -1134,10 +1171,8 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
                                                   &v.scratch->rows_out),
                                               static_cast<unsigned long long>(rows_out));
   Mark(v, kTraceCombineSend, 2);
-  if (!LastBlock(&v.scratch->tickets[1], true)) return;
+  Arrive(v, true);
   Mark(v, kTraceCombineSend, 3);
-  RaiseFlags(v, true);
-  Mark(v, kTraceCombineSend, 4);
 }
 
 // Tokens t = blockIdx.x, + grid...: once every combine flag is up, token t's returned rows, rank
@@ -1173,12 +1208,15 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineA
       if (threadIdx.x == 0) rows = __popc(v.reduce ? x.firsts : x.valids);
     }
     if (!waited) {
-      if (threadIdx.x == 0) ok = WaitStep(v, epoch + 1, a.timeout_ns, 1);
+      if (threadIdx.x == 0) ok = WaitStep(v, epoch, a.timeout_ns, 1);
       waited = true;
     }
     __syncthreads();
     if (!ok) return;
-    if (t == static_cast<int>(blockIdx.x)) Mark(v, kTraceCombineRecv, 1);
+    if (t == static_cast<int>(blockIdx.x)) {
+      WaitPrimary();  // a.out is the caller's memory
+      Mark(v, kTraceCombineRecv, 1);
+    }
     if (mine) {
       auto* y = reinterpret_cast<uint4*>(a.out + int64_t{t} * v.hidden);
       const int64_t groups = v.hidden / 8;
@@ -1283,6 +1321,10 @@ class NvlinkAllToAll final : public AllToAll {
     // Decode batches: DispatchSend in one kernel, its shared memory within the default limit.
     const size_t small_smem = SmallSmemBytes(n, v.e, int64_t{t} * k);
     if (int64_t{t} * k <= kSmallEntries && small_smem <= 48 * 1024) small_smem_ = small_smem;
+    // The send kernels' grids are fixed (peers count our blocks' arrivals, see Arrive).
+    send_grid_ = small_smem_ > 0 ? (t + kSmallWarps - 1) / kSmallWarps : TokenGrid(t);
+    send_grid_ = std::max(send_grid_, 1);
+    if (const char* pdl = std::getenv("FERRY_NV_PDL"); pdl && *pdl == '0') pdl_ = false;
 
     // Exchange: the configuration, then the buffers.
     const auto timeout = std::chrono::seconds(60);
@@ -1336,10 +1378,25 @@ class NvlinkAllToAll final : public AllToAll {
       ASSIGN_OR_RETURN(relay_, Relay::Create(c_, relay, engine, bootstrap, inbox_.data(),
                                              outbox_.data()));
     }
+    // Every rank's send grids: what its flags for us gain per epoch.
+    std::vector<uint8_t> grids(2 * sizeof(int32_t));
+    const int32_t mine[2] = {send_grid_, recv_grid_};
+    std::memcpy(grids.data(), mine, sizeof mine);
+    ASSIGN_OR_RETURN(auto all_grids, bootstrap.AllGather(grids, timeout));
     std::vector<NvPeer> peers(n);
     for (int r = 0; r < n; ++r) {
-      peers[r] = relay.Remote(r) ? RemotePeer(relay, inbox, outbox, r)
-                                 : NodePeer(bases[c_.rank], bases[r], r);
+      if (all_grids[r].size() != sizeof mine) {
+        return InternalError("AllToAll: rank " + std::to_string(r) + " sent malformed grids");
+      }
+      if (relay.Remote(r)) {
+        peers[r] = RemotePeer(relay, inbox, outbox, r);
+      } else {
+        peers[r] = NodePeer(bases[c_.rank], bases[r], r);
+        int32_t theirs[2];
+        std::memcpy(theirs, all_grids[r].data(), sizeof theirs);
+        peers[r].dispatch_step = theirs[0];
+        peers[r].combine_step = theirs[1];
+      }
     }
 
     // Device state.
@@ -1426,9 +1483,8 @@ class NvlinkAllToAll final : public AllToAll {
     const SendArgs args{static_cast<const uint8_t*>(in.x), in.scales, in.indices, in.weights,
                         in.device_num_tokens, in.num_tokens, !async_};
     if (small_smem_ > 0) {
-      const int grid = std::max(1, (in.num_tokens + kSmallWarps - 1) / kSmallWarps);
       RETURN_IF_ERROR(ResetTrace(kTraceSend));
-      SendSmallKernel<<<grid, kSmallThreads, small_smem_, stream_>>>(nv_, args);
+      SendSmallKernel<<<send_grid_, kSmallThreads, small_smem_, stream_>>>(nv_, args);
       FERRY_CUDA(cudaGetLastError());
       if (!async_) RETURN_IF_ERROR(Finish());
     } else {
@@ -1436,8 +1492,8 @@ class NvlinkAllToAll final : public AllToAll {
       FERRY_CUDA(cudaGetLastError());
       if (!async_) RETURN_IF_ERROR(Finish());
       RETURN_IF_ERROR(ResetTrace(kTraceSend));
-      PackKernel<<<TokenGrid(in.num_tokens), kCopyThreads, 2 * nv_.n * sizeof(int64_t),
-                   stream_>>>(nv_, args);
+      PackKernel<<<send_grid_, kCopyThreads, 2 * nv_.n * sizeof(int64_t), stream_>>>(nv_,
+                                                                                   args);
       FERRY_CUDA(cudaGetLastError());
     }
     token_bound_ = in.num_tokens;
@@ -1455,8 +1511,7 @@ class NvlinkAllToAll final : public AllToAll {
     const RecvArgs args{static_cast<uint8_t*>(out.x), out.scales, out.num_tokens,
                         BudgetNs(deadline)};
     RETURN_IF_ERROR(ResetTrace(kTraceUnpack));
-    UnpackKernel<<<recv_grid_, kCopyThreads, unpack_smem_, stream_>>>(nv_, args);
-    FERRY_CUDA(cudaGetLastError());
+    FERRY_CUDA(Launch(UnpackKernel, recv_grid_, unpack_smem_, args));
     stage_ = Stage::kDispatchDone;
     return async_ ? Status::Ok() : Finish();
   }
@@ -1480,10 +1535,8 @@ class NvlinkAllToAll final : public AllToAll {
     RETURN_IF_ERROR(Aligned(out, "CombineRecv: output"));
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
     RETURN_IF_ERROR(ResetTrace(kTraceCombineRecv));
-    CombineRecvKernel<<<TokenGrid(token_bound_), kCopyThreads, nv_.n * sizeof(int64_t),
-                        stream_>>>(
-        nv_, CombineArgs{nullptr, out, accumulate, BudgetNs(deadline)});
-    FERRY_CUDA(cudaGetLastError());
+    FERRY_CUDA(Launch(CombineRecvKernel, TokenGrid(token_bound_), nv_.n * sizeof(int64_t),
+                      CombineArgs{nullptr, out, accumulate, BudgetNs(deadline)}));
     stage_ = Stage::kIdle;
     return async_ ? Status::Ok() : Finish();
   }
@@ -1612,7 +1665,25 @@ class NvlinkAllToAll final : public AllToAll {
     p.slot_cap = static_cast<int32_t>(relay.slots_per_pair);
     p.row_cap = static_cast<int32_t>(relay.rows_per_pair);
     p.remote = 1;
+    p.dispatch_step = p.combine_step = 1;  // the relay stores "epoch + 1"
     return p;
+  }
+
+  // A receive kernel on our stream, allowed to start while the kernel before it runs (see
+  // LaunchDependents); FERRY_NV_PDL=0 launches it plainly.
+  template <typename Args>
+  cudaError_t Launch(void (*kernel)(Nv, Args), int grid, size_t smem, const Args& args) {
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(grid);
+    config.blockDim = dim3(kCopyThreads);
+    config.dynamicSmemBytes = smem;
+    config.stream = stream_;
+    cudaLaunchAttribute early{};
+    early.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    early.val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = &early;
+    config.numAttrs = pdl_ ? 1 : 0;
+    return cudaLaunchKernelEx(&config, kernel, nv_, args);
   }
 
   // Blocks of the per-token kernels: one per token up to four per SM (then they loop).
@@ -1684,8 +1755,10 @@ class NvlinkAllToAll final : public AllToAll {
   int32_t* error_ = nullptr;  // pinned, mapped
   cudaStream_t own_stream_ = nullptr, stream_ = nullptr;
   bool async_ = false;
-  int recv_grid_ = 1;
+  int send_grid_ = 1;  // DispatchSend's (SendSmall or Pack), fixed
+  int recv_grid_ = 1;  // Unpack's and CombineSend's
   int recv_grid_limit_ = 1;
+  bool pdl_ = true;    // receive kernels may start early (Launch)
   int token_bound_ = 0;
   size_t small_smem_ = 0;  // SendSmallKernel's shared memory; 0: Route and Pack instead
   size_t unpack_smem_ = 0;
