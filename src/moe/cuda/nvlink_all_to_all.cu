@@ -135,7 +135,7 @@ struct Nv {
   int32_t* chunk_counts; // [chunks, E]
   RecvSlot* rslots;      // [N * slots_per_pair]
   RecvEntry* rentries;   // [N * slots_per_pair, K]
-  long long* trace;      // null, or [kTraceKernels][trace_blocks][kTracePoints] (see Mark)
+  long long* trace;      // null, or [kTraceKernels][trace_blocks][kTraceSlots] (see Mark)
   int trace_blocks;
 };
 
@@ -198,16 +198,27 @@ __device__ inline uint64_t GlobalTimerNs() {
 }
 
 // Phase timing for tuning (FERRY_NV_TRACE=1 in the environment): thread 0 of each block stamps
-// clock64() at numbered points of a kernel (0: its start); the AllToAll prints, when destroyed,
-// each point's slowest and mean block time since that block's start, for the last launch.
+// clock64() at numbered points of a kernel (0: its start), and the global timer at its start and
+// at its latest point; the AllToAll prints, when destroyed, for the last epoch: each point's
+// slowest and mean block time since that block's start, and when the kernel's blocks started and
+// ended relative to the first DispatchSend block (the gaps between the kernels). No reset runs
+// between launches (it would sit between the kernels): stamps carry their epoch.
 enum TraceKernel { kTraceSend, kTraceUnpack, kTraceCombineSend, kTraceCombineRecv, kTraceKernels };
 constexpr int kTracePoints = 8;
+enum TraceSlot { kTraceEpoch = kTracePoints, kTraceStartNs, kTraceLastNs, kTraceSlots };
 __device__ inline void Mark(const Nv& v, TraceKernel kernel, int point) {
   if (v.trace && threadIdx.x == 0 && static_cast<int>(blockIdx.x) < v.trace_blocks) {
-    v.trace[(int64_t{kernel} * v.trace_blocks + blockIdx.x) * kTracePoints + point] = clock64();
+    long long* at = v.trace + (int64_t{kernel} * v.trace_blocks + blockIdx.x) * kTraceSlots;
+    const long long ns = static_cast<long long>(GlobalTimerNs());
+    if (point == 0) {
+      for (int p = 1; p < kTracePoints; ++p) at[p] = 0;
+      at[kTraceEpoch] = static_cast<long long>(v.scratch->epoch) + 1;
+      at[kTraceStartNs] = ns;
+    }
+    at[point] = clock64();
+    at[kTraceLastNs] = ns;
   }
 }
-
 
 // The first error of a step wins the device word; its reporter mirrors it into the host's
 // mapped words (plain stores: atomics on host memory over PCIe are not atomic, and
@@ -393,8 +404,9 @@ __device__ void WriteCountsRows(const Nv& v, Value value) {
 // orders the block's writes before it; the release carries them, peers' memory included); the
 // receiver waits for the sum over our grid. Ranks of other nodes share our one outbox flag,
 // which the relay watches: the last block through the ticket (whose acquire sees every block's
-// writes) stores "epoch + 1" there.
-__device__ void Arrive(const Nv& v, bool combine) {
+// writes) stores "epoch + 1" there -- the epoch each block read at its start: once every block
+// has arrived our own CombineRecv (started early) may advance the word.
+__device__ void Arrive(const Nv& v, bool combine, uint64_t epoch) {
   __syncthreads();
   for (int r = threadIdx.x; r < v.n; r += blockDim.x) {
     const NvPeer& p = v.peer[r];
@@ -403,7 +415,7 @@ __device__ void Arrive(const Nv& v, bool combine) {
   if (v.first_remote < 0 || !LastBlock(&v.scratch->tickets[combine ? 1 : 0], true)) return;
   if (threadIdx.x == 0) {
     const NvPeer& p = v.peer[v.first_remote];
-    StoreRelease(combine ? p.combine_flag : p.dispatch_flag, v.scratch->epoch + 1);
+    StoreRelease(combine ? p.combine_flag : p.dispatch_flag, epoch + 1);
   }
 }
 
@@ -515,6 +527,7 @@ __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
   __shared__ uint8_t* dst[kMaxK];      // the token's slots
   __shared__ int num_slots;
   LaunchDependents();
+  const uint64_t epoch = v.scratch->epoch;
   const int tokens = v.scratch->tokens;
   int64_t* row_starts = starts + v.n;
   PrefixTotals(v.totals, v.n, starts);
@@ -590,7 +603,7 @@ __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
     }
     __syncthreads();  // dst and num_slots are rewritten for the next token
   }
-  Arrive(v, false);
+  Arrive(v, false, epoch);
 }
 
 // ---- dispatch send in one kernel (small batches) ------------------------------------------------
@@ -648,6 +661,7 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
   __shared__ uint8_t* dst_of[kSmallWarps][kMaxK];  // a token's slots (SlotDst)
   const SmallSmem m = CarveSmallSmem(small_raw, v.n, v.e);
   LaunchDependents();
+  const uint64_t epoch = v.scratch->epoch;
   Mark(v, kTraceSend, 0);
   const int tokens = SendTokens(v, a);
   const int entries = tokens * v.k;
@@ -656,15 +670,15 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
 
   for (int i = threadIdx.x; i < v.e; i += blockDim.x) m.hist[i] = m.hist_before[i] = 0;
   for (int i = threadIdx.x; i < v.n; i += blockDim.x) m.tokens_all[i] = m.tokens_before[i] = 0;
-  for (int base = 0; base < entries; base += 4 * blockDim.x) {  // four loads in flight
-    int32_t ids[4];
+  for (int base = 0; base < entries; base += 8 * blockDim.x) {  // eight loads in flight
+    int32_t ids[8];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
+    for (int u = 0; u < 8; ++u) {
       const int f = base + threadIdx.x + u * blockDim.x;
       if (f < entries) ids[u] = a.indices[f];
     }
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
+    for (int u = 0; u < 8; ++u) {
       const int f = base + threadIdx.x + u * blockDim.x;
       if (f < entries) m.idx[f] = ids[u];
     }
@@ -864,7 +878,7 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
     v.weights[f] = a.weights[f];
   }
   Mark(v, kTraceSend, 4);
-  Arrive(v, false);
+  Arrive(v, false, epoch);
   Mark(v, kTraceSend, 5);
 }
 
@@ -963,19 +977,14 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
     offset[v.n * v.l + e] = rows;
   }
   __syncthreads();
-  WaitPrimary();  // from here on the caller's memory: a.num_tokens, a.out_x, a.out_scales
   if (blockIdx.x == 0) {
-    for (int e = threadIdx.x; e < v.l; e += blockDim.x) {
-      const int32_t rows = offset[v.n * v.l + e];
-      a.num_tokens[e] = rows;
-      if (rows > v.capacity) Report(v, kRowOverrun, -1, e);
-    }
     if (threadIdx.x == 0) {
       v.scratch->total_recv = static_cast<int32_t>(total);
       v.scratch->rows_out = 0;
     }
   }
   Mark(v, kTraceUnpack, 2);
+  bool primary_done = false;
   for (; g < total; g += gridDim.x) {
     if (g != blockIdx.x) {
       src4 = locate(g);
@@ -1025,6 +1034,10 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
                              header.parts};
     }
     const int outs = valid ? entries : 0;
+    if (!primary_done) {  // the caller's memory from here on (a.out_x, a.out_scales)
+      WaitPrimary();
+      primary_done = true;
+    }
     // Vector i of the slot into every entry's output row (its row or its scales).
     auto store = [&](int64_t i, const uint4& value) {
       if (i < meta || i >= end) return;
@@ -1049,6 +1062,14 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
       for (int u = 0; u < 4; ++u) store(base + u * int64_t{blockDim.x}, r[u]);
     }
     __syncthreads();  // the shared slot metadata is rewritten for the next one
+  }
+  if (blockIdx.x == 0) {
+    WaitPrimary();
+    for (int e = threadIdx.x; e < v.l; e += blockDim.x) {
+      const int32_t rows = offset[v.n * v.l + e];
+      a.num_tokens[e] = rows;
+      if (rows > v.capacity) Report(v, kRowOverrun, -1, e);
+    }
   }
   Mark(v, kTraceUnpack, 4);
 }
@@ -1105,6 +1126,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
   __shared__ float weight[kMaxK];
   __shared__ int count;
   LaunchDependents();
+  const uint64_t epoch = v.scratch->epoch;
   Mark(v, kTraceCombineSend, 0);
   const int64_t total = v.scratch->total_recv;
   int64_t rows_out = 0;
@@ -1171,7 +1193,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
                                                   &v.scratch->rows_out),
                                               static_cast<unsigned long long>(rows_out));
   Mark(v, kTraceCombineSend, 2);
-  Arrive(v, true);
+  Arrive(v, true, epoch);
   Mark(v, kTraceCombineSend, 3);
 }
 
@@ -1213,16 +1235,14 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineA
     }
     __syncthreads();
     if (!ok) return;
-    if (t == static_cast<int>(blockIdx.x)) {
-      WaitPrimary();  // a.out is the caller's memory
-      Mark(v, kTraceCombineRecv, 1);
-    }
+    if (t == static_cast<int>(blockIdx.x)) Mark(v, kTraceCombineRecv, 1);
     if (mine) {
       auto* y = reinterpret_cast<uint4*>(a.out + int64_t{t} * v.hidden);
       const int64_t groups = v.hidden / 8;
       for (int64_t c = threadIdx.x; c < groups; c += 2 * int64_t{blockDim.x}) {
         const int64_t c8[2] = {c, c + blockDim.x < groups ? c + blockDim.x : -1};
         float acc[2][8] = {};
+        if (a.accumulate) WaitPrimary();  // a.out is the caller's memory
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
           if (!a.accumulate || c8[u] < 0) continue;
@@ -1231,6 +1251,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineA
           for (int q = 0; q < 8; ++q) acc[u][q] = Bf16At(prev, q);
         }
         WeightedSum2x8(acc, row_ptr, weight_of, rows, c8);
+        WaitPrimary();
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
           if (c8[u] >= 0) y[c8[u]] = PackBf16(acc[u]);
@@ -1437,9 +1458,9 @@ class NvlinkAllToAll final : public AllToAll {
     v.rentries = rentries_.get();
     if (const char* trace = std::getenv("FERRY_NV_TRACE"); trace && *trace && *trace != '0') {
       v.trace_blocks = recv_grid_limit_;
-      RETURN_IF_ERROR(trace_.Allocate(size_t(kTraceKernels) * v.trace_blocks * kTracePoints));
+      RETURN_IF_ERROR(trace_.Allocate(size_t(kTraceKernels) * v.trace_blocks * kTraceSlots));
       FERRY_CUDA(cudaMemset(trace_.get(), 0,
-                            size_t(kTraceKernels) * v.trace_blocks * kTracePoints * 8));
+                            size_t(kTraceKernels) * v.trace_blocks * kTraceSlots * 8));
       v.trace = trace_.get();
     }
     FERRY_CUDA(cudaDeviceSynchronize());
@@ -1483,7 +1504,6 @@ class NvlinkAllToAll final : public AllToAll {
     const SendArgs args{static_cast<const uint8_t*>(in.x), in.scales, in.indices, in.weights,
                         in.device_num_tokens, in.num_tokens, !async_};
     if (small_smem_ > 0) {
-      RETURN_IF_ERROR(ResetTrace(kTraceSend));
       SendSmallKernel<<<send_grid_, kSmallThreads, small_smem_, stream_>>>(nv_, args);
       FERRY_CUDA(cudaGetLastError());
       if (!async_) RETURN_IF_ERROR(Finish());
@@ -1491,7 +1511,6 @@ class NvlinkAllToAll final : public AllToAll {
       RouteKernel<<<nv_.n + nv_.chunks, kRouteThreads, 0, stream_>>>(nv_, args);
       FERRY_CUDA(cudaGetLastError());
       if (!async_) RETURN_IF_ERROR(Finish());
-      RETURN_IF_ERROR(ResetTrace(kTraceSend));
       PackKernel<<<send_grid_, kCopyThreads, 2 * nv_.n * sizeof(int64_t), stream_>>>(nv_,
                                                                                    args);
       FERRY_CUDA(cudaGetLastError());
@@ -1510,7 +1529,6 @@ class NvlinkAllToAll final : public AllToAll {
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
     const RecvArgs args{static_cast<uint8_t*>(out.x), out.scales, out.num_tokens,
                         BudgetNs(deadline)};
-    RETURN_IF_ERROR(ResetTrace(kTraceUnpack));
     FERRY_CUDA(Launch(UnpackKernel, recv_grid_, unpack_smem_, args));
     stage_ = Stage::kDispatchDone;
     return async_ ? Status::Ok() : Finish();
@@ -1521,7 +1539,6 @@ class NvlinkAllToAll final : public AllToAll {
     if (!expert_out) return InvalidArgumentError("CombineSend: null expert output");
     RETURN_IF_ERROR(Aligned(expert_out, "CombineSend: expert output"));
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
-    RETURN_IF_ERROR(ResetTrace(kTraceCombineSend));
     CombineSendKernel<<<recv_grid_, kCopyThreads, 0, stream_>>>(
         nv_, CombineArgs{expert_out, nullptr, false, 0});
     FERRY_CUDA(cudaGetLastError());
@@ -1534,7 +1551,6 @@ class NvlinkAllToAll final : public AllToAll {
     if (!out && token_bound_ > 0) return InvalidArgumentError("CombineRecv: null output");
     RETURN_IF_ERROR(Aligned(out, "CombineRecv: output"));
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
-    RETURN_IF_ERROR(ResetTrace(kTraceCombineRecv));
     FERRY_CUDA(Launch(CombineRecvKernel, TokenGrid(token_bound_), nv_.n * sizeof(int64_t),
                       CombineArgs{nullptr, out, accumulate, BudgetNs(deadline)}));
     stage_ = Stage::kIdle;
@@ -1583,19 +1599,13 @@ class NvlinkAllToAll final : public AllToAll {
     return Status::Ok();
   }
 
-  // Clears a kernel's stamps before its launch (stream-ordered), so that the last launch shows.
-  Status ResetTrace(TraceKernel kernel) {
-    if (!nv_.trace) return Status::Ok();
-    const size_t per_kernel = size_t(nv_.trace_blocks) * kTracePoints;
-    FERRY_CUDA(cudaMemsetAsync(nv_.trace + kernel * per_kernel, 0, per_kernel * 8, stream_));
-    return Status::Ok();
-  }
-
-  // Per kernel and point: the slowest and the mean block's time from its start, in µs.
+  // For the last epoch, per kernel: each point's slowest and mean block time from the block's
+  // start (µs), then its blocks' first and last start and last end relative to the first
+  // DispatchSend block (µs, global timer).
   void PrintTrace() {
     static const char* const kNames[kTraceKernels] = {"DispatchSend", "Unpack", "CombineSend",
                                                       "CombineRecv"};
-    std::vector<long long> stamps(size_t(kTraceKernels) * nv_.trace_blocks * kTracePoints);
+    std::vector<long long> stamps(size_t(kTraceKernels) * nv_.trace_blocks * kTraceSlots);
     int khz = 0;
     if (cudaMemcpy(stamps.data(), nv_.trace, stamps.size() * 8, cudaMemcpyDeviceToHost) !=
             cudaSuccess ||
@@ -1603,14 +1613,23 @@ class NvlinkAllToAll final : public AllToAll {
         khz <= 0) {
       return;
     }
+    auto block = [&](int k, int b) { return &stamps[(size_t(k) * nv_.trace_blocks + b) * kTraceSlots]; };
+    long long epoch = 0, origin = 0;
+    for (int b = 0; b < nv_.trace_blocks; ++b) epoch = std::max(epoch, block(kTraceSend, b)[kTraceEpoch]);
+    for (int b = 0; b < nv_.trace_blocks; ++b) {
+      const long long* at = block(kTraceSend, b);
+      if (at[kTraceEpoch] == epoch && (origin == 0 || at[kTraceStartNs] < origin)) {
+        origin = at[kTraceStartNs];
+      }
+    }
     for (int k = 0; k < kTraceKernels; ++k) {
       std::string line = "[rank " + std::to_string(c_.rank) + "] trace " + kNames[k] + ":";
       for (int p = 1; p < kTracePoints; ++p) {
         double slowest = 0, sum = 0;
         int blocks = 0;
         for (int b = 0; b < nv_.trace_blocks; ++b) {
-          const long long* at = &stamps[(size_t(k) * nv_.trace_blocks + b) * kTracePoints];
-          if (at[0] == 0 || at[p] == 0) continue;
+          const long long* at = block(k, b);
+          if (at[kTraceEpoch] != epoch || at[p] == 0) continue;
           const double us = double(at[p] - at[0]) / khz * 1e3;
           slowest = std::max(slowest, us);
           sum += us;
@@ -1619,6 +1638,20 @@ class NvlinkAllToAll final : public AllToAll {
         if (blocks == 0) continue;
         char part[96];
         std::snprintf(part, sizeof part, " p%d %.2f/%.2f (%d)", p, slowest, sum / blocks, blocks);
+        line += part;
+      }
+      long long first = 0, last = 0, end = 0;
+      for (int b = 0; b < nv_.trace_blocks; ++b) {
+        const long long* at = block(k, b);
+        if (at[kTraceEpoch] != epoch) continue;
+        first = first == 0 ? at[kTraceStartNs] : std::min(first, at[kTraceStartNs]);
+        last = std::max(last, at[kTraceStartNs]);
+        end = std::max(end, at[kTraceLastNs]);
+      }
+      if (first != 0) {
+        char part[128];
+        std::snprintf(part, sizeof part, " | started %.2f..%.2f ended %.2f", (first - origin) / 1e3,
+                      (last - origin) / 1e3, (end - origin) / 1e3);
         line += part;
       }
       std::fprintf(stderr, "%s\n", line.c_str());
