@@ -512,10 +512,13 @@ __global__ void __launch_bounds__(kRouteThreads) RouteKernel(Nv v, SendArgs a) {
 // Where slot j of ours for rank r goes: pushed to r (its private region, or our outbox section
 // for it) while j < r's slot cap, else into our send area (grouped by receiving rank, at `start`
 // for r) for r to pull. Our own slots stay in the send area.
-__device__ inline uint8_t* SlotDst(const Nv& v, int r, int64_t j, int64_t start) {
-  const NvPeer& p = v.peer[r];
-  if (r != v.me && j < p.slot_cap) return p.slots + j * v.slot_bytes;
+__device__ inline uint8_t* SlotDst(const Nv& v, int r, int64_t j, int64_t start,
+                                   uint8_t* slots, int32_t slot_cap) {
+  if (r != v.me && j < slot_cap) return slots + j * v.slot_bytes;
   return v.own + v.send_off + (start + j) * v.slot_bytes;
+}
+__device__ inline uint8_t* SlotDst(const Nv& v, int r, int64_t j, int64_t start) {
+  return SlotDst(v, r, j, start, v.peer[r].slots, v.peer[r].slot_cap);
 }
 
 // Tokens t = blockIdx.x, + grid...: token t's slots, rank by rank (SlotDst). Warp 0 lays the
@@ -613,6 +616,8 @@ __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
 struct SmallSmem {
   int64_t* starts;      // [N] first slot per receiving rank in our send area
   int64_t* row_starts;  // [N] first combine row per expert rank
+  uint8_t** peer_slots; // [N] v.peer[r].slots, loaded at the start (SlotDst)
+  int32_t* peer_cap;    // [N] v.peer[r].slot_cap
   int32_t* slots;       // [N] our slots per receiving rank
   int32_t* rows;        // [N] combine rows per expert rank
   int32_t* copies_before;  // [N] copies for rank r
@@ -623,14 +628,16 @@ struct SmallSmem {
   int32_t* idx;            // [T * K] the routing, as given
 };
 __host__ __device__ inline size_t SmallSmemBytes(int n, int e, int64_t entries) {
-  return size_t(n) * (2 * sizeof(int64_t) + 5 * sizeof(int32_t)) + 2 * size_t(e) * sizeof(int32_t) +
+  return size_t(n) * (3 * sizeof(int64_t) + 6 * sizeof(int32_t)) + 2 * size_t(e) * sizeof(int32_t) +
          size_t(entries) * sizeof(int32_t);
 }
 __device__ inline SmallSmem CarveSmallSmem(void* raw, int n, int e) {
   SmallSmem m;
   m.starts = static_cast<int64_t*>(raw);
   m.row_starts = m.starts + n;
-  m.slots = reinterpret_cast<int32_t*>(m.row_starts + n);
+  m.peer_slots = reinterpret_cast<uint8_t**>(m.row_starts + n);
+  m.peer_cap = reinterpret_cast<int32_t*>(m.peer_slots + n);
+  m.slots = m.peer_cap + n;
   m.rows = m.slots + n;
   m.copies_before = m.rows + n;
   m.tokens_all = m.copies_before + n;
@@ -669,7 +676,11 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
   const int first_token = blockIdx.x * kSmallWarps;
 
   for (int i = threadIdx.x; i < v.e; i += blockDim.x) m.hist[i] = m.hist_before[i] = 0;
-  for (int i = threadIdx.x; i < v.n; i += blockDim.x) m.tokens_all[i] = m.tokens_before[i] = 0;
+  for (int i = threadIdx.x; i < v.n; i += blockDim.x) {
+    m.tokens_all[i] = m.tokens_before[i] = 0;
+    m.peer_slots[i] = v.peer[i].slots;
+    m.peer_cap[i] = v.peer[i].slot_cap;
+  }
   for (int base = 0; base < entries; base += 8 * blockDim.x) {  // eight loads in flight
     int32_t ids[8];
 #pragma unroll
@@ -820,7 +831,7 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
       const int r = x.r;
       const int o = v.once ? 0 : x.within;
       const int64_t j = (v.once ? rank_tokens : rank_copies) + o;
-      uint8_t* d = SlotDst(v, r, j, m.starts[r]);
+      uint8_t* d = SlotDst(v, r, j, m.starts[r], m.peer_slots[r], m.peer_cap[r]);
       const NvEntry entry{x.e % v.l, lane, weight, pos};
       reinterpret_cast<NvEntry*>(d + sizeof(NvHeader))[v.once ? x.within : 0] = entry;
       if (!v.once || x.first) {
@@ -872,26 +883,46 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
       }
     }
   }
-  // The routing for the combine steps, spread over the blocks (off the rows' critical path).
+  Mark(v, kTraceSend, 4);
+  Arrive(v, false, epoch);
+  Mark(v, kTraceSend, 5);
+  // The routing for the combine steps, spread over the blocks, after the arrival (off the
+  // critical path: only CombineSend and CombineRecv read it, behind this kernel in stream order).
   for (int f = blockIdx.x * blockDim.x + threadIdx.x; f < entries; f += gridDim.x * blockDim.x) {
     v.indices[f] = m.idx[f];
     v.weights[f] = a.weights[f];
   }
-  Mark(v, kTraceSend, 4);
-  Arrive(v, false, epoch);
-  Mark(v, kTraceSend, 5);
 }
 
 // ---- dispatch receive -------------------------------------------------------------------------
+
+// What Unpack needs of a sender's NvPeer, in shared memory.
+struct PeerIn {
+  const int32_t* counts;
+  const uint8_t* slots;
+  const uint8_t* pull;
+  int32_t slot_cap, remote, row_cap, pad[3];
+};
+static_assert(sizeof(PeerIn) % 16 == 0, "PeerIn keeps what follows it 16-byte aligned");
+
+__device__ inline void LoadPeersIn(const Nv& v, PeerIn* out) {
+  for (int q = threadIdx.x; q < v.n; q += blockDim.x) {
+    const NvPeer& p = v.peer[q];
+    out[q] = PeerIn{p.counts_in, p.slots_in, p.pull, p.slot_cap, p.remote, p.row_cap, {}};
+  }
+}
 
 // Every block waits for all dispatch flags, then takes received slots g = blockIdx.x, +grid...
 // (sender-major, each sender in its send order): checks the slot, copies its row to each entry's
 // output row, and remembers where the entries' combine rows go.
 __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
-  extern __shared__ int64_t prefix[];  // [N + 1] slots before sender s; [N] start[s] (where
-                                       // they start in its send area); [N] rebase[s] (the first
-                                       // combine row s expects from us, if remote); then
-                                       // counts[N][counts_stride]; then offset[N + 1][L]
+  extern __shared__ int64_t unpack_raw[];  // [N] PeerIn; [N + 1] slots before sender s; [N]
+                                           // start[s] (where they start in its send area); [N]
+                                           // rebase[s] (the first combine row s expects from
+                                           // us, if remote); then counts[N][counts_stride];
+                                           // then offset[N + 1][L]
+  PeerIn* from_of = reinterpret_cast<PeerIn*>(unpack_raw);
+  int64_t* prefix = unpack_raw + v.n * (sizeof(PeerIn) / 8);
   int64_t* start = prefix + v.n + 1;
   int64_t* rebase = start + v.n;
   int32_t* counts = reinterpret_cast<int32_t*>(  // 16-byte aligned
@@ -903,6 +934,7 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
   __shared__ int64_t out_row[kMaxK];
   Mark(v, kTraceUnpack, 0);
   const uint64_t epoch = v.scratch->epoch;
+  LoadPeersIn(v, from_of);  // while thread 0 waits: no table load on the path after the flags
   if (threadIdx.x == 0) ok = WaitStep(v, epoch, a.timeout_ns, 0);
   __syncthreads();
   if (!ok) return;
@@ -913,9 +945,10 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
   for (int i = threadIdx.x; i < v.n * vectors; i += blockDim.x) {
     const int q = i / vectors;
     reinterpret_cast<uint4*>(counts + q * v.counts_stride)[i % vectors] =
-        __ldcg(reinterpret_cast<const uint4*>(v.peer[q].counts_in) + i % vectors);
+        __ldcg(reinterpret_cast<const uint4*>(from_of[q].counts) + i % vectors);
   }
   __syncthreads();
+  Mark(v, kTraceUnpack, 2);
   // Where each sender's slots are: the block's first slot is then in flight while the offsets
   // table is built.
   for (int s = threadIdx.x; s < v.n; s += blockDim.x) {
@@ -927,7 +960,7 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
     }
     prefix[s + 1] = slots;
     start[s] = row[v.l + kColSendStart];
-    rebase[s] = v.peer[s].remote ? row[v.l + kColRowStart] : 0;
+    rebase[s] = from_of[s].remote ? row[v.l + kColRowStart] : 0;
   }
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -948,9 +981,9 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
   auto locate = [&](int64_t g) -> const uint4* {
     s = SenderOf(prefix, v.n, g);
     j = g - prefix[s];
-    const NvPeer& from = v.peer[s];
+    const PeerIn& from = from_of[s];
     const uint8_t* src = s == v.me        ? v.own + v.send_off + (start[s] + j) * v.slot_bytes
-                         : j < from.slot_cap ? from.slots_in + j * v.slot_bytes
+                         : j < from.slot_cap ? from.slots + j * v.slot_bytes
                          : from.pull         ? from.pull + (start[s] + j) * v.slot_bytes
                                              : nullptr;
     return reinterpret_cast<const uint4*>(src);
@@ -967,6 +1000,7 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
   int64_t g = blockIdx.x;
   const uint4* src4 = g < total ? locate(g) : nullptr;
   if (src4) load(src4);
+  Mark(v, kTraceUnpack, 3);
 
   for (int e = threadIdx.x; e < v.l; e += blockDim.x) {
     int32_t rows = 0;
@@ -983,7 +1017,7 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
       v.scratch->rows_out = 0;
     }
   }
-  Mark(v, kTraceUnpack, 2);
+  Mark(v, kTraceUnpack, 4);
   bool primary_done = false;
   for (; g < total; g += gridDim.x) {
     if (g != blockIdx.x) {
@@ -997,7 +1031,7 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
       }
       continue;
     }
-    const NvPeer& from = v.peer[s];
+    const PeerIn& from = from_of[s];
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       const int64_t i = threadIdx.x + u * int64_t{blockDim.x};
@@ -1027,7 +1061,7 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
       }
     }
     valid = __syncthreads_and(valid);
-    if (g == blockIdx.x) Mark(v, kTraceUnpack, 3);
+    if (g == blockIdx.x) Mark(v, kTraceUnpack, 5);
     if (threadIdx.x == 0) {
       if (!valid) Report(v, kBadSlot, s, static_cast<int32_t>(j));
       v.rslots[g] = RecvSlot{s, static_cast<int32_t>(row), valid ? entries : 0, header.part,
@@ -1071,7 +1105,7 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
       if (rows > v.capacity) Report(v, kRowOverrun, -1, e);
     }
   }
-  Mark(v, kTraceUnpack, 4);
+  Mark(v, kTraceUnpack, 6);
 }
 
 // ---- combine ----------------------------------------------------------------------------------
@@ -1332,7 +1366,7 @@ class NvlinkAllToAll final : public AllToAll {
     recv_grid_ = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_recv, 4 * sms)));
     recv_grid_limit_ = 4 * sms;
     // Unpack's shared memory (see the kernel); above the default limit for very many ranks.
-    unpack_smem_ = size_t(RoundUp((3 * int64_t{n} + 1) * 8, 16)) +
+    unpack_smem_ = size_t(n) * sizeof(PeerIn) + size_t(RoundUp((3 * int64_t{n} + 1) * 8, 16)) +
                    size_t(n) * v.counts_stride * sizeof(int32_t) +
                    size_t(n + 1) * v.l * sizeof(int32_t);
     if (unpack_smem_ > 48 * 1024) {
