@@ -13,7 +13,8 @@
 #   tools/gpu_check.sh relay      build, tests, two nodes of one GPU (every peer through the relay)
 #   tools/gpu_check.sh pdl        build, tests, NVLink decode and prefill (a)+(b) with the receive
 #                                 kernels started early (default) and plainly (FERRY_NV_PDL=0),
-#                                 then the decode phase stamps
+#                                 decode pushing every slot, decode --compare, then the decode
+#                                 phase stamps
 set -u
 OUT=${OUT:-/tmp/ferry-gpu}
 mkdir -p "$OUT"
@@ -70,6 +71,10 @@ if [ "$mode" = pdl ]; then
     FERRY_NV_PDL=0 step nvlink_plain_$t 200 build-gpu/ferry-bench moe "${nv[@]}" --tokens $t \
       --iters $iters
   done
+  step nvlink_push_128 200 build-gpu/ferry-bench moe "${nv[@]}" --tokens 128 --iters 200 \
+    --private 1024
+  step nvlink_compare_128 200 build-gpu/ferry-bench moe --nvlink --ranks 2 --hidden 7168 \
+    --experts 256 --topk 8 --dtype fp8 --tokens 128 --iters 200 --compare
   FERRY_NV_TRACE=1 step trace_128 200 build-gpu/ferry-bench moe "${nv[@]}" --tokens 128 --iters 5
   echo "== trace, 128 tokens, (a)+(b): point slowest/mean us since block start (blocks)"
   grep -h 'trace ' "$OUT/trace_128.log"

@@ -676,10 +676,14 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
   const int first_token = blockIdx.x * kSmallWarps;
 
   for (int i = threadIdx.x; i < v.e; i += blockDim.x) m.hist[i] = m.hist_before[i] = 0;
-  for (int i = threadIdx.x; i < v.n; i += blockDim.x) {
-    m.tokens_all[i] = m.tokens_before[i] = 0;
-    m.peer_slots[i] = v.peer[i].slots;
-    m.peer_cap[i] = v.peer[i].slot_cap;
+  for (int i = threadIdx.x; i < v.n; i += blockDim.x) m.tokens_all[i] = m.tokens_before[i] = 0;
+  // The peers' slot areas (SlotDst): loaded now, stored to shared memory once counted, so that
+  // no thread waits for them before its routing loads are out.
+  uint8_t* peer_slots = nullptr;
+  int32_t peer_cap = 0;
+  if (threadIdx.x < v.n) {
+    peer_slots = v.peer[threadIdx.x].slots;
+    peer_cap = v.peer[threadIdx.x].slot_cap;
   }
   for (int base = 0; base < entries; base += 8 * blockDim.x) {  // eight loads in flight
     int32_t ids[8];
@@ -695,6 +699,7 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
     }
   }
   __syncthreads();
+  Mark(v, kTraceSend, 1);
   // Thread per token. Tokens per rank: up to 32 ranks, a rank mask per token and one ballot per
   // rank and warp (same-address shared atomics from a whole warp serialise); beyond, atomics.
   bool bad = a.dev_tokens && *a.dev_tokens != tokens;
@@ -727,8 +732,12 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
     }
   }
   if (__syncthreads_or(bad) && a.strict) return;  // nothing sent; the step may be retried
-  Mark(v, kTraceSend, 1);
+  Mark(v, kTraceSend, 2);
 
+  for (int i = threadIdx.x; i < v.n; i += blockDim.x) {
+    m.peer_slots[i] = i == threadIdx.x ? peer_slots : v.peer[i].slots;
+    m.peer_cap[i] = i == threadIdx.x ? peer_cap : v.peer[i].slot_cap;
+  }
   for (int r = warp; r < v.n; r += kSmallWarps) {  // copies per rank, from the expert counts
     int32_t all = 0, before = 0;
     for (int i = lane; i < v.l; i += 32) {
@@ -780,7 +789,7 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
       return int64_t{m.hist[r * v.l + c]};
     });
   }
-  Mark(v, kTraceSend, 2);
+  Mark(v, kTraceSend, 3);
 
   const int64_t vectors = v.payload / 16, meta = v.meta_bytes / 16;
   const int t = first_token + warp;
@@ -824,7 +833,7 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
         }
       }
     }
-    Mark(v, kTraceSend, 3);
+    Mark(v, kTraceSend, 4);
 
     // Lay out the token's slots (as PackKernel does).
     if (x.valid) {
@@ -883,9 +892,9 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
       }
     }
   }
-  Mark(v, kTraceSend, 4);
-  Arrive(v, false, epoch);
   Mark(v, kTraceSend, 5);
+  Arrive(v, false, epoch);
+  Mark(v, kTraceSend, 6);
   // The routing for the combine steps, spread over the blocks, after the arrival (off the
   // critical path: only CombineSend and CombineRecv read it, behind this kernel in stream order).
   for (int f = blockIdx.x * blockDim.x + threadIdx.x; f < entries; f += gridDim.x * blockDim.x) {
