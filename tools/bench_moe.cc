@@ -96,7 +96,7 @@ struct Result {
   double p50[4], p99[4];
   double total_p50[2], total_p99[2];  // dispatch (send + recv), combine (send + recv)
   double empty_step_p50;              // NVLink timing: an empty step between the same events
-  double in_graph_p50[2], in_graph_p99[2];  // dispatch, combine inside one graph of many cycles
+  double cycle_in_graph_p50, cycle_in_graph_p99;  // dispatch + combine, one graph of many cycles
   double floor_dispatch_p50, floor_combine_p50;
   uint64_t dispatch_bytes, combine_bytes;
   // The NVLink floor (CUDA device, >= 2 GPUs): the fewest bytes that must leave this rank (each
@@ -162,34 +162,30 @@ double MeasurePeerBandwidth() {
     if (e_ != cudaSuccess) return InternalError(std::string(#expr) + ": " + cudaGetErrorString(e_)); \
   } while (0)
 
-// Dispatch and combine as a model's graph runs them, many layers in one graph: kInGraphCycles
-// cycles captured in one graph with an event node at each boundary, so no graph launch sits
-// between the events (GPU time of the kernels and the gaps between them). Each round: the
-// aligning cycle, then the graph; samples[7] dispatch, [8] combine, one per cycle.
+// Dispatch and combine as a model's graph runs them, one layer after another: kInGraphCycles
+// cycles captured in one graph, timed as a whole between events and divided by the cycles, so
+// neither a graph launch nor an event sits between the steps (only the gaps between kernels).
+// Each round: the aligning cycle, then the graph; samples[7]: one per round, microseconds per
+// cycle (dispatch + combine).
 Status TimeInGraph(const MoeBenchOptions& o, Bootstrap& b, cudaStream_t stream,
-                   cudaGraphExec_t cycle,
-                   const std::function<Status(std::vector<cudaEvent_t>&, cudaGraphExec_t*)>&
-                       capture_cycles,
-                   std::vector<double> (&samples)[9]) {
-  std::vector<cudaEvent_t> marks(2 * kInGraphCycles + 1);
-  for (auto& e : marks) BENCH_CUDA(cudaEventCreate(&e));
-  cudaGraphExec_t cycles = nullptr;
-  RETURN_IF_ERROR(capture_cycles(marks, &cycles));
-  const int rounds = 1 + std::max(2, (o.iters + kInGraphCycles - 1) / kInGraphCycles);
+                   cudaGraphExec_t cycle, cudaGraphExec_t cycles,
+                   std::vector<double> (&samples)[8]) {
+  cudaEvent_t ev[2] = {};
+  for (auto& e : ev) BENCH_CUDA(cudaEventCreate(&e));
+  const int rounds = 1 + std::max(10, o.iters / kInGraphCycles);
   for (int round = 0; round < rounds; ++round) {
     RETURN_IF_ERROR(b.Barrier(60s));
     BENCH_CUDA(cudaGraphLaunch(cycle, stream));
+    BENCH_CUDA(cudaEventRecord(ev[0], stream));
     BENCH_CUDA(cudaGraphLaunch(cycles, stream));
+    BENCH_CUDA(cudaEventRecord(ev[1], stream));
     BENCH_CUDA(cudaStreamSynchronize(stream));
     if (round == 0) continue;  // warm-up
-    for (int i = 0; i < 2 * kInGraphCycles; ++i) {
-      float ms = 0;
-      BENCH_CUDA(cudaEventElapsedTime(&ms, marks[i], marks[i + 1]));
-      samples[7 + i % 2].push_back(ms * 1e3);
-    }
+    float ms = 0;
+    BENCH_CUDA(cudaEventElapsedTime(&ms, ev[0], ev[1]));
+    samples[7].push_back(ms * 1e3 / kInGraphCycles);
   }
-  cudaGraphExecDestroy(cycles);
-  for (auto& e : marks) cudaEventDestroy(e);
+  for (auto& e : ev) cudaEventDestroy(e);
   return Status::Ok();
 }
 
@@ -199,10 +195,10 @@ Status TimeInGraph(const MoeBenchOptions& o, Bootstrap& b, cudaStream_t stream,
 // CombineRecv waits for every rank's CombineSend), then the four step graphs with events between
 // them; then the cycle again and the dispatch and combine graphs between events. The host queues
 // everything while the aligning cycle runs, so the events see GPU time, not launch gaps.
-// samples[0..3] the steps, [4] dispatch, [5] combine, [6] the empty step, [7..8] TimeInGraph,
-// in microseconds.
+// samples[0..3] the steps, [4] dispatch, [5] combine, [6] the empty step, [7] TimeInGraph, in
+// microseconds.
 Status TimeGraphCycles(const MoeBenchOptions& o, Bootstrap& b, AllToAll& a2a,
-                       const StepBuffers& sb, std::vector<double> (&samples)[9]) {
+                       const StepBuffers& sb, std::vector<double> (&samples)[8]) {
   cudaStream_t stream = nullptr;
   BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   cudaEvent_t ev[9] = {};
@@ -225,32 +221,19 @@ Status TimeGraphCycles(const MoeBenchOptions& o, Bootstrap& b, AllToAll& a2a,
     cudaGraphDestroy(graph);
     return Status::Ok();
   };
-  // kInGraphCycles cycles in one graph, an event node at every dispatch / combine boundary.
-  auto capture_cycles = [&](std::vector<cudaEvent_t>& marks, cudaGraphExec_t* exec) -> Status {
+  cudaGraphExec_t cycle = nullptr, step[4] = {}, half[2] = {}, empty = nullptr;
+  RETURN_IF_ERROR(capture(0, 3, &cycle));
+  cudaGraphExec_t cycles = nullptr;  // kInGraphCycles cycles back to back (TimeInGraph)
+  {
     BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
     Status s = Status::Ok();
-    for (int c = 0; c < kInGraphCycles && s.ok(); ++c) {
-      for (int half_index = 0; half_index < 2 && s.ok(); ++half_index) {
-        if (cudaEventRecordWithFlags(marks[2 * c + half_index], stream,
-                                     cudaEventRecordExternal) != cudaSuccess) {
-          s = InternalError("bench: event node in a capture");
-        }
-        for (int i = 2 * half_index; i <= 2 * half_index + 1 && s.ok(); ++i) s = steps[i]();
-      }
-    }
-    if (s.ok() && cudaEventRecordWithFlags(marks[2 * kInGraphCycles], stream,
-                                           cudaEventRecordExternal) != cudaSuccess) {
-      s = InternalError("bench: event node in a capture");
-    }
+    for (int c = 0; c < kInGraphCycles * 4 && s.ok(); ++c) s = steps[c % 4]();
     cudaGraph_t graph = nullptr;
     BENCH_CUDA(cudaStreamEndCapture(stream, &graph));
     RETURN_IF_ERROR(s);
-    BENCH_CUDA(cudaGraphInstantiate(exec, graph, 0));
+    BENCH_CUDA(cudaGraphInstantiate(&cycles, graph, 0));
     cudaGraphDestroy(graph);
-    return Status::Ok();
-  };
-  cudaGraphExec_t cycle = nullptr, step[4] = {}, half[2] = {}, empty = nullptr;
-  RETURN_IF_ERROR(capture(0, 3, &cycle));
+  }
   for (int i = 0; i < 4; ++i) RETURN_IF_ERROR(capture(i, i, &step[i]));
   RETURN_IF_ERROR(capture(0, 1, &half[0]));
   RETURN_IF_ERROR(capture(2, 3, &half[1]));
@@ -293,7 +276,8 @@ Status TimeGraphCycles(const MoeBenchOptions& o, Bootstrap& b, AllToAll& a2a,
     BENCH_CUDA(cudaEventElapsedTime(&empty_ms, ev[4], ev[5]));
     samples[6].push_back(empty_ms * 1e3);
   }
-  RETURN_IF_ERROR(TimeInGraph(o, b, stream, cycle, capture_cycles, samples));
+  RETURN_IF_ERROR(TimeInGraph(o, b, stream, cycle, cycles, samples));
+  cudaGraphExecDestroy(cycles);
   RETURN_IF_ERROR(a2a.SetStream(nullptr));
   cudaFree(word);
   for (cudaGraphExec_t g : {cycle, step[0], step[1], step[2], step[3], half[0], half[1], empty}) {
@@ -373,7 +357,7 @@ Status RunRank(const MoeBenchOptions& o, Bootstrap& b, Result* result) {
   sb.out = {pout_x, pout_scales, pcounts};
   sb.expert_out = pexpert_out;
   sb.y = py;
-  std::vector<double> steps[9];
+  std::vector<double> steps[8];
   if (o.cuda) {  // every CUDA AllToAll runs from a stream: timed on the GPU, in graphs
 #ifdef FERRY_BENCH_CUDA
     RETURN_IF_ERROR(TimeGraphCycles(o, b, *a2a, sb, steps));
@@ -403,11 +387,10 @@ Status RunRank(const MoeBenchOptions& o, Bootstrap& b, Result* result) {
     ASSIGN_OR_RETURN(steps[6], SlowestPerIteration(b, steps[6]));
     result->empty_step_p50 = Percentile(steps[6], 0.5);
   }
-  for (int s = 7; s < 9; ++s) {
-    if (steps[s].empty()) continue;
-    ASSIGN_OR_RETURN(steps[s], SlowestPerIteration(b, steps[s]));
-    result->in_graph_p50[s - 7] = Percentile(steps[s], 0.5);
-    result->in_graph_p99[s - 7] = Percentile(steps[s], 0.99);
+  if (!steps[7].empty()) {
+    ASSIGN_OR_RETURN(steps[7], SlowestPerIteration(b, steps[7]));
+    result->cycle_in_graph_p50 = Percentile(steps[7], 0.5);
+    result->cycle_in_graph_p99 = Percentile(steps[7], 0.99);
   }
   for (int s = 0; s < 6; ++s) {
     ASSIGN_OR_RETURN(steps[s], SlowestPerIteration(b, steps[s]));
@@ -549,11 +532,11 @@ int RunMoeBench(const MoeBenchOptions& options) {
       std::printf("%s{\"variant\":\"%s\",\"p50_us\":[%.2f,%.2f,%.2f,%.2f],"
                   "\"p99_us\":[%.2f,%.2f,%.2f,%.2f],\"dispatch_bytes\":%llu,"
                   "\"combine_bytes\":%llu,\"floor_dispatch_p50_us\":%.2f,"
-                  "\"floor_combine_p50_us\":%.2f,\"in_graph_p50_us\":[%.2f,%.2f]}",
+                  "\"floor_combine_p50_us\":%.2f,\"cycle_in_graph_p50_us\":%.2f}",
                   v ? "," : "", VariantName(variants[v]), r.p50[0], r.p50[1], r.p50[2], r.p50[3],
                   r.p99[0], r.p99[1], r.p99[2], r.p99[3], (unsigned long long)r.dispatch_bytes,
                   (unsigned long long)r.combine_bytes, r.floor_dispatch_p50, r.floor_combine_p50,
-                  r.in_graph_p50[0], r.in_graph_p50[1]);
+                  r.cycle_in_graph_p50);
     } else {
       std::printf("%-13s | %10.1f %10.1f %10.1f %10.1f | %10.1f %10.1f %10.1f %10.1f | "
                   "%10.1f %10.1f %10.1f %10.1f | %10llu %10llu | %9.1f %9.1f | %6.2f %6.2f\n",
@@ -563,10 +546,10 @@ int RunMoeBench(const MoeBenchOptions& options) {
                   (unsigned long long)r.combine_bytes, r.floor_dispatch_p50,
                   r.floor_combine_p50, d_ratio, c_ratio);
       if (o.cuda) {
-        std::printf("%-13s   in one graph of %d cycles: dispatch p50/p99 %.1f / %.1f us, combine "
-                    "p50/p99 %.1f / %.1f us\n",
-                    "", kInGraphCycles, r.in_graph_p50[0], r.in_graph_p99[0], r.in_graph_p50[1],
-                    r.in_graph_p99[1]);
+        std::printf("%-13s   per cycle in one graph of %d cycles: p50/p99 %.1f / %.1f us "
+                    "(dispatch + combine above: %.1f us)\n",
+                    "", kInGraphCycles, r.cycle_in_graph_p50, r.cycle_in_graph_p99,
+                    dispatch + combine);
       }
     }
   }
