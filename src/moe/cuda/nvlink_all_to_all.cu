@@ -6,7 +6,6 @@
 #include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_scan.cuh>
 
-#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -160,7 +159,6 @@ struct CombineArgs {
   uint16_t* out;
   bool accumulate;
   uint64_t timeout_ns;
-  int parts;  // CombineRecv: blocks per token (column ranges, see SplitParts)
 };
 
 // ---- flags, fences, errors --------------------------------------------------------------------
@@ -905,23 +903,6 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
   }
 }
 
-// Work items (received slots, returned rows, tokens) split into `parts` ranges of their 16-byte
-// vectors when the grid has blocks to spare (decode: a few hundred items on a grid of four
-// blocks per SM): part p of `parts` of `width` vectors.
-constexpr int kMaxParts = 4;
-__device__ inline int SplitParts(int64_t items, int grid) {
-  if (items <= 0) return 1;
-  const int64_t spare = grid / items;
-  return spare < 1 ? 1 : spare > kMaxParts ? kMaxParts : static_cast<int>(spare);
-}
-struct Range {
-  int64_t begin, end;
-};
-__device__ inline Range PartOf(int64_t width, int part, int parts) {
-  const int64_t per = (width + parts - 1) / parts;
-  return Range{min(width, part * per), min(width, (part + 1) * per)};
-}
-
 // ---- dispatch receive -------------------------------------------------------------------------
 
 // What Unpack needs of a sender's NvPeer, in shared memory.
@@ -1016,29 +997,17 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
                                              : nullptr;
     return reinterpret_cast<const uint4*>(src);
   };
-  // Work item w: part w % parts of slot w / parts (SplitParts: decode has blocks to spare). A
-  // part is the slot's metadata and its share [lo, hi) of the vectors after it; position q of
-  // the part is vector q below meta, lo + q - meta above.
-  const int parts = SplitParts(total, gridDim.x);
-  int64_t lo = meta, hi = end;
-  auto span_of = [&](int64_t w) {
-    const Range share = PartOf(end - meta, static_cast<int>(w % parts), parts);
-    lo = meta + share.begin;
-    hi = meta + share.end;
-  };
-  auto vector_at = [&](int64_t q) { return q < meta ? q : lo + q - meta; };  // < hi: in the part
-  // One round trip for the part's first 16 KiB (metadata and, usually, all of it).
+  // One round trip for the slot's first 16 KiB (metadata and, usually, the whole slot).
   uint4 r[4];
   auto load = [&](const uint4* src4) {
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
-      const int64_t i = vector_at(threadIdx.x + u * int64_t{blockDim.x});
-      if (i < hi) r[u] = __ldcg(src4 + i);
+      const int64_t i = threadIdx.x + u * int64_t{blockDim.x};
+      if (i < end) r[u] = __ldcg(src4 + i);
     }
   };
-  int64_t w = blockIdx.x;
-  span_of(w);
-  const uint4* src4 = w < total * parts ? locate(w / parts) : nullptr;
+  int64_t g = blockIdx.x;
+  const uint4* src4 = g < total ? locate(g) : nullptr;
   if (src4) load(src4);
   Mark(v, kTraceUnpack, 3);
 
@@ -1059,16 +1028,13 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
   }
   Mark(v, kTraceUnpack, 4);
   bool primary_done = false;
-  for (; w < total * parts; w += gridDim.x) {
-    const int64_t g = w / parts;
-    const bool first_part = w % parts == 0;  // records the slot and reports what is wrong
-    if (w != blockIdx.x) {
-      span_of(w);
+  for (; g < total; g += gridDim.x) {
+    if (g != blockIdx.x) {
       src4 = locate(g);
       if (src4) load(src4);
     }
     if (!src4) {
-      if (threadIdx.x == 0 && first_part) {
+      if (threadIdx.x == 0) {
         Report(v, kBadSlot, s, static_cast<int32_t>(j));
         v.rslots[g] = RecvSlot{s, 0, 0, 0, 1};
       }
@@ -1077,8 +1043,8 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
     const PeerIn& from = from_of[s];
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
-      const int64_t q = threadIdx.x + u * int64_t{blockDim.x};
-      if (q < meta) meta_v[q] = r[u];
+      const int64_t i = threadIdx.x + u * int64_t{blockDim.x};
+      if (i < meta) meta_v[i] = r[u];
     }
     __syncthreads();
     // Checks in parallel: the header by every thread, entry i by thread i.
@@ -1100,14 +1066,12 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
               offset[(s + 1) * v.l + le] <= v.capacity;
       if (valid) {
         out_row[threadIdx.x] = int64_t{le} * v.capacity + offset[s * v.l + le] + entry.pos;
-        if (first_part) {
-          v.rentries[g * v.k + threadIdx.x] = RecvEntry{out_row[threadIdx.x], entry.weight};
-        }
+        v.rentries[g * v.k + threadIdx.x] = RecvEntry{out_row[threadIdx.x], entry.weight};
       }
     }
     valid = __syncthreads_and(valid);
-    if (w == blockIdx.x) Mark(v, kTraceUnpack, 5);
-    if (threadIdx.x == 0 && first_part) {
+    if (g == blockIdx.x) Mark(v, kTraceUnpack, 5);
+    if (threadIdx.x == 0) {
       if (!valid) Report(v, kBadSlot, s, static_cast<int32_t>(j));
       v.rslots[g] = RecvSlot{s, static_cast<int32_t>(row), valid ? entries : 0, header.part,
                              header.parts};
@@ -1119,7 +1083,7 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
     }
     // Vector i of the slot into every entry's output row (its row or its scales).
     auto store = [&](int64_t i, const uint4& value) {
-      if (i < meta || i >= hi) return;
+      if (i < meta || i >= end) return;
       for (int e = 0; e < outs; ++e) {
         if (i < body) {
           reinterpret_cast<uint4*>(a.out_x + out_row[e] * v.payload)[i - meta] = value;
@@ -1129,16 +1093,16 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
       }
     };
 #pragma unroll
-    for (int u = 0; u < 4; ++u) store(vector_at(threadIdx.x + u * int64_t{blockDim.x}), r[u]);
-    // Parts longer than one batch: the rest, batch by batch.
-    for (int64_t base = threadIdx.x + batch; outs > 0 && vector_at(base) < hi; base += batch) {
+    for (int u = 0; u < 4; ++u) store(threadIdx.x + u * int64_t{blockDim.x}, r[u]);
+    // Slots longer than one batch: the rest, batch by batch.
+    for (int64_t base = threadIdx.x + batch; outs > 0 && base < end; base += batch) {
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
-        const int64_t i = vector_at(base + u * int64_t{blockDim.x});
-        if (i < hi) r[u] = __ldcg(src4 + i);
+        const int64_t i = base + u * int64_t{blockDim.x};
+        if (i < end) r[u] = __ldcg(src4 + i);
       }
 #pragma unroll
-      for (int u = 0; u < 4; ++u) store(vector_at(base + u * int64_t{blockDim.x}), r[u]);
+      for (int u = 0; u < 4; ++u) store(base + u * int64_t{blockDim.x}, r[u]);
     }
     __syncthreads();  // the shared slot metadata is rewritten for the next one
   }
@@ -1208,24 +1172,18 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
   const uint64_t epoch = v.scratch->epoch;
   Mark(v, kTraceCombineSend, 0);
   const int64_t total = v.scratch->total_recv;
-  const int parts = SplitParts(total, gridDim.x);
-  const int64_t groups = v.hidden / 8;  // 16-byte vectors of a row
   int64_t rows_out = 0;
-  for (int64_t w = blockIdx.x; w < total * parts; w += gridDim.x) {
-    const int64_t g = w / parts;
-    const int part = static_cast<int>(w % parts);
-    const Range cols = PartOf(groups, part, parts);
+  for (int64_t g = blockIdx.x; g < total; g += gridDim.x) {
     const RecvSlot slot = v.rslots[g];
     uint8_t* dst = v.peer[slot.sender].combine + int64_t{slot.row} * v.row_bytes;
     if (!v.reduce) {
       for (int i = 0; i < slot.entries; ++i) {
         const RecvEntry entry = v.rentries[g * v.k + i];
-        CopyBytes(dst + i * v.row_bytes + cols.begin * 16,
-                  reinterpret_cast<const uint8_t*>(a.expert_out + entry.out_row * v.hidden) +
-                      cols.begin * 16,
-                  (cols.end - cols.begin) * 16);
+        CopyBytes(dst + i * v.row_bytes,
+                  reinterpret_cast<const uint8_t*>(a.expert_out + entry.out_row * v.hidden),
+                  v.row_bytes);
       }
-      if (slot.sender != v.me && part == 0) rows_out += slot.entries;
+      if (slot.sender != v.me) rows_out += slot.entries;
       continue;
     }
     if (slot.part != 0) continue;  // the token's first slot sums them all
@@ -1259,10 +1217,11 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
       if (lane == 0) count = min(__popc(present), kMaxK);
     }
     __syncthreads();
-    if (w == blockIdx.x) Mark(v, kTraceCombineSend, 1);
+    if (g == blockIdx.x) Mark(v, kTraceCombineSend, 1);
     auto* out = reinterpret_cast<uint4*>(dst);
-    for (int64_t c = cols.begin + threadIdx.x; c < cols.end; c += 2 * int64_t{blockDim.x}) {
-      const int64_t c8[2] = {c, c + blockDim.x < cols.end ? c + blockDim.x : -1};
+    const int64_t groups = v.hidden / 8;
+    for (int64_t c = threadIdx.x; c < groups; c += 2 * int64_t{blockDim.x}) {
+      const int64_t c8[2] = {c, c + blockDim.x < groups ? c + blockDim.x : -1};
       float acc[2][8] = {};
       WeightedSum2x8(acc, rows, weight, count, c8);
 #pragma unroll
@@ -1270,7 +1229,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
         if (c8[u] >= 0) out[c8[u]] = PackBf16(acc[u]);
       }
     }
-    if (slot.sender != v.me && part == 0) ++rows_out;
+    if (slot.sender != v.me) ++rows_out;
     __syncthreads();
   }
   if (threadIdx.x == 0 && rows_out) atomicAdd(reinterpret_cast<unsigned long long*>(
@@ -1298,12 +1257,8 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineA
   // may reuse its buffers only after this (see nvlink_all_to_all.h). The first token's rows are
   // located before the wait.
   bool waited = false;
-  const int parts = max(a.parts, 1);
-  const int64_t groups = v.hidden / 8;
-  for (int64_t w = blockIdx.x; !waited || w < int64_t{tokens} * parts; w += gridDim.x) {
-    const bool mine = w < int64_t{tokens} * parts;
-    const int t = static_cast<int>(w / parts);
-    const Range cols = PartOf(groups, static_cast<int>(w % parts), parts);
+  for (int t = blockIdx.x; !waited || t < tokens; t += gridDim.x) {
+    const bool mine = t < tokens;
     // Lane j: the token's j-th copy; rows in rank then k order (summed: the first copy of each
     // rank stands for its row).
     if (mine && threadIdx.x < 32) {
@@ -1323,11 +1278,12 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineA
     }
     __syncthreads();
     if (!ok) return;
-    if (w == blockIdx.x) Mark(v, kTraceCombineRecv, 1);
+    if (t == static_cast<int>(blockIdx.x)) Mark(v, kTraceCombineRecv, 1);
     if (mine) {
       auto* y = reinterpret_cast<uint4*>(a.out + int64_t{t} * v.hidden);
-      for (int64_t c = cols.begin + threadIdx.x; c < cols.end; c += 2 * int64_t{blockDim.x}) {
-        const int64_t c8[2] = {c, c + blockDim.x < cols.end ? c + blockDim.x : -1};
+      const int64_t groups = v.hidden / 8;
+      for (int64_t c = threadIdx.x; c < groups; c += 2 * int64_t{blockDim.x}) {
+        const int64_t c8[2] = {c, c + blockDim.x < groups ? c + blockDim.x : -1};
         float acc[2][8] = {};
         if (a.accumulate) WaitPrimary();  // a.out is the caller's memory
 #pragma unroll
@@ -1627,7 +1583,7 @@ class NvlinkAllToAll final : public AllToAll {
     RETURN_IF_ERROR(Aligned(expert_out, "CombineSend: expert output"));
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
     CombineSendKernel<<<recv_grid_, kCopyThreads, 0, stream_>>>(
-        nv_, CombineArgs{expert_out, nullptr, false, 0, 1});
+        nv_, CombineArgs{expert_out, nullptr, false, 0});
     FERRY_CUDA(cudaGetLastError());
     stage_ = Stage::kCombineSent;
     return async_ ? Status::Ok() : Finish();
@@ -1638,11 +1594,8 @@ class NvlinkAllToAll final : public AllToAll {
     if (!out && token_bound_ > 0) return InvalidArgumentError("CombineRecv: null output");
     RETURN_IF_ERROR(Aligned(out, "CombineRecv: output"));
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
-    // Blocks to spare (decode): each token's columns split over up to kMaxParts blocks.
-    const int parts = std::clamp(recv_grid_limit_ / std::max(token_bound_, 1), 1, kMaxParts);
-    FERRY_CUDA(Launch(CombineRecvKernel, TokenGrid(token_bound_ * parts),
-                      nv_.n * sizeof(int64_t),
-                      CombineArgs{nullptr, out, accumulate, BudgetNs(deadline), parts}));
+    FERRY_CUDA(Launch(CombineRecvKernel, TokenGrid(token_bound_), nv_.n * sizeof(int64_t),
+                      CombineArgs{nullptr, out, accumulate, BudgetNs(deadline)}));
     stage_ = Stage::kIdle;
     return async_ ? Status::Ok() : Finish();
   }
