@@ -83,7 +83,8 @@ struct Scratch {
   int32_t error;            // an ErrorCode, claimed by the first Report (see Nv::error)
   uint64_t seen[2];         // with remote peers: the dispatch [0] / combine [1] flags block 0 saw
                             // all raised ("epoch + 1"), which the other blocks wait for
-  uint32_t tickets[3];      // last-block detection: Pack, CombineSend, CombineRecv
+  uint32_t tickets[3];      // last-block detection: the send steps' outbox flag (Arrive, with
+                            // peers in other nodes), CombineRecv's epoch
 };
 
 // Rank r as our kernels see it: where what r must receive from us goes, and where what r sent
@@ -522,8 +523,8 @@ __device__ inline uint8_t* SlotDst(const Nv& v, int r, int64_t j, int64_t start)
 }
 
 // Tokens t = blockIdx.x, + grid...: token t's slots, rank by rank (SlotDst). Warp 0 lays the
-// slots out; then the token row is read once and stored into every slot. The last block writes
-// the counts rows into every rank and raises their dispatch flags.
+// slots out; then the token row is read once and stored into every slot. Block 0 writes the
+// counts rows into every rank first; every block arrives at every rank's dispatch flag.
 __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
   extern __shared__ int64_t starts[];  // [2N]: first slot per receiving rank in our send area,
                                        // first combine row per expert rank
@@ -775,7 +776,7 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
     }
   }
   __syncthreads();
-  // Block 0 writes our counts rows into every rank now; the last block only raises the flags.
+  // Block 0 writes our counts rows into every rank now; every block arrives once its rows are out.
   if (blockIdx.x == 0) {
     for (int r = threadIdx.x; r < v.n; r += blockDim.x) {  // for CombineRecv
       v.totals[r] = m.slots[r];
@@ -1163,7 +1164,7 @@ __device__ inline void WeightedSum2x8(float (&acc)[2][8], const uint4* const* ro
 
 // Received slots again: each copy's expert output row (plain) or, summed at the expert rank, one
 // weighted fp32 sum per token taken in (local expert, position) order as the host device does,
-// pushed into the sender's combine region. The last block raises every rank's combine flag.
+// pushed into the sender's combine region. Every block arrives at every rank's combine flag.
 __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineArgs a) {
   __shared__ const uint4* rows[kMaxK];
   __shared__ float weight[kMaxK];

@@ -6,7 +6,8 @@
 // can write (and read) the buffers of its node. A rank's buffer (N ranks, L local experts,
 // T max tokens, K experts per token, P private slots per sender):
 //
-//   flags     dispatch[N], combine[N]  u64   "epoch + 1" once sender s's data for us landed
+//   flags     dispatch[N], combine[N]  u64   sender s's blocks arrived: its send grid added
+//                                            per epoch (see Arrive)
 //   counts    [N][L + 4] int32  sender s's copies per local expert of ours, then its slots for
 //                               us, where they start in its send area, where our combine rows
 //                               start in its combine region, how many it expects (CountsColumn)
@@ -19,9 +20,11 @@
 // above in its buffer and ours; for a rank of another node, our outbox section for it and our
 // inbox section from it (pinned host memory the GPU maps), which the relay thread carries over
 // the TransferEngine. Between nodes every slot is pushed (no pull), and the combine rows for a
-// remote sender are rebased to the first one it expects from us. Flags look the same to the
-// kernels on both transports; the relay raises the inbox ones. With one node there is no relay
-// and no engine.
+// remote sender are rebased to the first one it expects from us. A flag from a rank of our node
+// counts that rank's send blocks (each adds one when its writes are out); a flag from another
+// node holds "epoch + 1", which the relay stores in our inbox. The receiver waits for "epoch + 1"
+// times the sender's step per epoch (its grid, exchanged at creation; 1 through the relay). With
+// one node there is no relay and no engine.
 //
 // A slot is a 16-byte header (source token, entries, combine row, which of the token's slots),
 // K 16-byte entries (local expert, k, weight, position among the sender's copies for that
@@ -33,20 +36,20 @@
 //                 chunk of (token, k) entries: each copy's rank among the copies for its expert,
 //                 by a stable block radix sort) -> Pack (tokens spread over the blocks; warp 0
 //                 lays out a token's slots, lane per copy; the row is read once and stored into
-//                 each slot; the last block writes the counts rows into every peer and raises
-//                 their dispatch flags).
+//                 each slot; block 0 writes the counts rows into every peer; every block then
+//                 arrives at every peer's dispatch flag).
 //                 Decode batches (a rank's T * K routing entries fit in shared memory) take one
 //                 kernel instead, SendSmall: every block reads the whole routing and counts what
 //                 Route computes for its own four tokens (shared-memory histograms over all
 //                 tokens and over those before its own, warp ballots within), a warp per token
-//                 stores the row; block 0 writes the counts rows, the last block raises the flags.
+//                 stores the row; block 0 writes the counts rows; every block arrives.
 //   DispatchRecv: Unpack (every block waits for all dispatch flags; slot by slot, from our
 //                 private region, from the sender's send area over NVLink, or from our own send
 //                 area; rows into the expert-major output at the sender's offset for that expert
 //                 plus the copy's position; remembers where each combine row returns).
 //   CombineSend:  CombineSend (each received copy's expert output -- or, summed at the expert
-//                 rank, one row per token -- pushed into its sender's combine region; the last
-//                 block raises the combine flags).
+//                 rank, one row per token -- pushed into its sender's combine region; every
+//                 block arrives at every peer's combine flag).
 //   CombineRecv:  CombineRecv (every block waits for all combine flags; per token, its rows in
 //                 rank then k order, fp32, unfused, as the host device sums them, eight columns
 //                 per thread; the last block advances the epoch).
@@ -56,10 +59,17 @@
 // send area and peers' private regions and counts) runs after its CombineRecv of epoch i, which
 // waited for every peer's CombineSend of epoch i, which ran after that peer's DispatchRecv of
 // epoch i had read everything. The same chain with dispatch and combine swapped covers the
-// combine regions. A step's blocks meet at a ticket taken with atom.acq_rel.sys (the release
-// carries each block's stores, peers' memory included; the last block's acquire sees them all);
-// the last block stores the flags with st.release.sys, read with ld.acquire.sys; waits give up
-// at a deadline (%globaltimer).
+// combine regions. Each block of a send step arrives with red.release.sys.add on the flag of
+// every rank of our node (after a barrier: the release carries the block's stores, peers' memory
+// included), read with ld.acquire.sys; for other nodes the blocks meet at a ticket taken with
+// atom.acq_rel.sys and the last one stores the one outbox flag the relay watches (st.release.sys).
+// Waits give up at a deadline (%globaltimer).
+//
+// Early start: the receive kernels (Unpack, CombineRecv) are launched with programmatic
+// stream serialization and the send kernels let them start at once (griddepcontrol); a receive
+// kernel waits for its flags, reads counts and locates its first slot while the send kernel
+// runs, and waits for the kernel before it (griddepcontrol.wait) only before its first store
+// into the caller's memory. FERRY_NV_PDL=0 launches them plainly.
 //
 // Errors a kernel finds are claimed in device memory (the first wins) and mirrored into pinned
 // host words the host reads; no atomics on host memory (not atomic over PCIe).
