@@ -215,8 +215,11 @@ struct SingleWrite {
 };
 
 // Page i goes from src_offset + src_pages[i] * src_stride to dst_offset + dst_pages[i] *
-// dst_stride, page_bytes long; with an immediate, every page write carries it. The index spans,
-// like the memory, must stay valid until the transfer completes.
+// dst_stride, page_bytes long. With an immediate, every page write carries it (the receiver
+// counts one per page), or with imm_once only the last page's write, posted after every other
+// page's write completed (one per transfer, as a split SingleWrite; a weighted immediate, see
+// CreateWeightedImmCounter, can still count pages). The index spans, like the memory, must stay
+// valid until the transfer completes.
 struct PagedWrite {
   const MemoryRegion* src = nullptr;
   PeerId peer = 0;
@@ -229,7 +232,18 @@ struct PagedWrite {
   std::span<const uint32_t> src_pages;
   std::span<const uint32_t> dst_pages;
   std::optional<uint32_t> imm;
+  bool imm_once = false;
 };
+
+// The immediate that a counter created with CreateWeightedImmCounter(imm, weight_mask) counts as
+// `weight` arrivals: the weight in the mask's bits (contiguous, from its lowest set bit).
+// weight must be in [1, WeightLimit(weight_mask)].
+constexpr uint32_t WeightedImm(uint32_t imm, uint32_t weight_mask, uint32_t weight) {
+  return imm | (weight << __builtin_ctz(weight_mask) & weight_mask);
+}
+constexpr uint32_t WeightLimit(uint32_t weight_mask) {
+  return weight_mask >> __builtin_ctz(weight_mask);
+}
 
 // One slice of a scatter: bytes [src_offset, src_offset + length) of the plan's source region
 // go to member `member` of the plan's group at dst_offset in that member's region.
@@ -332,6 +346,11 @@ class TransferEngine {
   // Immediates with a counter are counted; others go to the unmatched handler. Create the counter
   // before any peer can send its immediate.
   virtual Status CreateImmCounter(uint32_t imm) = 0;
+  // A counter for imm that also counts WeightedImm(imm, weight_mask, w) as w arrivals: one
+  // immediate can stand for many writes (a paged write with imm_once). weight_mask: contiguous
+  // bits, none of them set in imm; at most four distinct masks per engine. An immediate that
+  // matches a counter exactly always counts one.
+  virtual Status CreateWeightedImmCounter(uint32_t imm, uint32_t weight_mask) = 0;
   virtual StatusOr<uint64_t> ImmCount(uint32_t imm) const = 0;
   // Blocks the calling thread until the count reaches `target`.
   virtual Status WaitImm(uint32_t imm, uint64_t target, Deadline deadline) const = 0;

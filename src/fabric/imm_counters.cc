@@ -11,7 +11,30 @@ ImmCounterTable::ImmCounterTable(uint32_t capacity) : capacity_(capacity) {
   slots_ = std::make_unique<Slot[]>(n);
 }
 
-Status ImmCounterTable::Create(uint32_t imm) {
+Status ImmCounterTable::Create(uint32_t imm, uint32_t weight_mask) {
+  if (weight_mask != 0) {
+    const uint32_t low = weight_mask & (~weight_mask + 1);
+    if (((weight_mask + low) & weight_mask) != 0 || (imm & weight_mask) != 0) {
+      return InvalidArgumentError("immediate counter " + std::to_string(imm) + ": weight mask " +
+                                  std::to_string(weight_mask) +
+                                  " must be contiguous bits that the immediate does not use");
+    }
+    bool registered = false;
+    for (auto& m : masks_) {
+      uint32_t cur = m.load(std::memory_order_acquire);
+      if (cur == 0 && m.compare_exchange_strong(cur, weight_mask, std::memory_order_acq_rel)) {
+        cur = weight_mask;
+      }
+      if (cur == weight_mask) {
+        registered = true;
+        break;
+      }
+    }
+    if (!registered) {
+      return ResourceExhaustedError("immediate counters: more than " +
+                                    std::to_string(kMaxMasks) + " distinct weight masks");
+    }
+  }
   if (size_.fetch_add(1, std::memory_order_relaxed) >= capacity_) {
     size_.fetch_sub(1, std::memory_order_relaxed);
     return ResourceExhaustedError("immediate counter table is full (" +
@@ -23,6 +46,7 @@ Status ImmCounterTable::Create(uint32_t imm) {
     uint64_t key = slot.key.load(std::memory_order_acquire);
     if (key == 0 && slot.key.compare_exchange_strong(key, want, std::memory_order_acq_rel)) {
       slot.imm = imm;  // readers find the slot by key and compare keys, never read imm before
+      slot.weight_mask.store(weight_mask, std::memory_order_release);
       return Status::Ok();
     }
     if (key == want) {
@@ -39,6 +63,25 @@ ImmCounterTable::Slot* ImmCounterTable::Find(uint32_t imm) const {
     uint64_t key = slot.key.load(std::memory_order_acquire);
     if (key == want) return &slot;
     if (key == 0) return nullptr;
+  }
+  return nullptr;
+}
+
+ImmCounterTable::Slot* ImmCounterTable::FindWeighted(uint32_t imm, uint64_t* weight) const {
+  if (Slot* exact = Find(imm)) {
+    *weight = 1;
+    return exact;
+  }
+  for (const auto& m : masks_) {
+    const uint32_t mask = m.load(std::memory_order_acquire);
+    if (mask == 0) break;
+    const uint32_t w = (imm & mask) >> __builtin_ctz(mask);
+    if (w == 0) continue;
+    Slot* slot = Find(imm & ~mask);
+    if (slot && slot->weight_mask.load(std::memory_order_acquire) == mask) {
+      *weight = w;
+      return slot;
+    }
   }
   return nullptr;
 }

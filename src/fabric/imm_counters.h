@@ -22,6 +22,9 @@ class ImmCounterTable {
     std::atomic<uint64_t> count{0};
     // Worker-owned: the armed notification, if any.
     uint32_t imm = 0;  // set once, before the key is published
+    // Immediates imm | w in these bits count w; stored once, right after the key is claimed
+    // (counters exist before their immediates can arrive, so no lookup races it).
+    std::atomic<uint32_t> weight_mask{0};
     bool armed = false;
     uint64_t target = 0;
     Clock::time_point deadline;
@@ -30,10 +33,16 @@ class ImmCounterTable {
 
   explicit ImmCounterTable(uint32_t capacity);
 
-  // AlreadyExists if the counter exists; ResourceExhausted past capacity.
-  Status Create(uint32_t imm);
+  // AlreadyExists if the counter exists; ResourceExhausted past capacity (or past kMaxMasks
+  // distinct weight masks); InvalidArgument for a mask that is not contiguous or overlaps imm.
+  Status Create(uint32_t imm, uint32_t weight_mask = 0);
   // Null if no counter exists for imm. Lock-free; any thread.
   Slot* Find(uint32_t imm) const;
+  // The counter an arriving immediate counts on, and as how many: the exact counter (1), else a
+  // weighted one whose mask holds a non-zero weight in imm. Lock-free; any thread.
+  Slot* FindWeighted(uint32_t imm, uint64_t* weight) const;
+
+  static constexpr int kMaxMasks = 4;
   // Subtracts n; FailedPrecondition if the count is below n.
   Status Consume(uint32_t imm, uint64_t n);
 
@@ -46,6 +55,7 @@ class ImmCounterTable {
   uint32_t mask_ = 0;
   uint32_t capacity_ = 0;
   std::atomic<uint32_t> size_{0};
+  std::atomic<uint32_t> masks_[kMaxMasks] = {};  // distinct weight masks in use; 0 = free
 };
 
 }  // namespace ferry::fabric

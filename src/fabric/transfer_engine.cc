@@ -220,6 +220,7 @@ struct PeerGroup {
 struct Request {
   Kind kind = Kind::kSingle;
   bool has_imm = false;
+  bool imm_once = false;  // paged: the immediate on the last page only (after the others)
   uint32_t imm = 0;
   PeerId peer = 0;                   // single-peer kinds
   const PeerEntry* entry = nullptr;  // single-peer kinds
@@ -652,6 +653,7 @@ class Engine final : public TransferEngine {
     r.dst_pages = w.dst_pages.data();
     r.count = static_cast<uint32_t>(w.src_pages.size());
     SetImm(r, w.imm);
+    r.imm_once = w.imm_once;
     return Enqueue(std::move(r), std::move(done));
   }
 
@@ -750,6 +752,10 @@ class Engine final : public TransferEngine {
   // ----- immediate counters -----------------------------------------------------------------
 
   Status CreateImmCounter(uint32_t imm) override { return counters_.Create(imm); }
+  Status CreateWeightedImmCounter(uint32_t imm, uint32_t weight_mask) override {
+    if (weight_mask == 0) return InvalidArgumentError("CreateWeightedImmCounter: empty mask");
+    return counters_.Create(imm, weight_mask);
+  }
 
   StatusOr<uint64_t> ImmCount(uint32_t imm) const override {
     ASSIGN_OR_RETURN(const ImmCounterTable::Slot* slot, Counter(imm));
@@ -1139,9 +1145,12 @@ class Engine final : public TransferEngine {
       Transfer* t = pending_[pending_head_];
       bool blocked = false;
       while (t->next < t->total && !t->finished) {
-        if (t->tail_deferred || (t->req.kind == Kind::kSingle && t->total > 1 &&
-                                 t->req.has_imm && t->next == t->total - 1 && t->outstanding)) {
-          // The immediate must not overtake the data: post the last chunk after the others.
+        const bool imm_last = t->req.kind == Kind::kSingle ||
+                              (t->req.kind == Kind::kPaged && t->req.imm_once);
+        if (t->tail_deferred || (imm_last && t->total > 1 && t->req.has_imm &&
+                                 t->next == t->total - 1 && t->outstanding)) {
+          // The immediate must not overtake the data: post the last chunk (or page) after the
+          // others completed.
           t->tail_deferred = true;
           break;
         }
@@ -1209,6 +1218,7 @@ class Engine final : public TransferEngine {
       }
       case Kind::kPaged:
         k = (r.first_nic + i) % nics_;
+        wr.has_imm = r.has_imm && (!r.imm_once || i == t->total - 1);
         wr.local = r.src + uint64_t{r.src_pages[i]} * r.src_stride;
         wr.length = r.length;
         wr.remote_addr = r.dst[k].base + uint64_t{r.dst_pages[i]} * r.dst_stride;
@@ -1330,14 +1340,15 @@ class Engine final : public TransferEngine {
 
   void CountImm(uint32_t imm) {
     stats_.imms.store(stats_.imms.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
-    ImmCounterTable::Slot* slot = counters_.Find(imm);
+    uint64_t weight = 1;
+    ImmCounterTable::Slot* slot = counters_.FindWeighted(imm, &weight);
     if (!slot) {
       stats_.imms_unmatched.store(stats_.imms_unmatched.load(std::memory_order_relaxed) + 1,
                                   std::memory_order_relaxed);
       if (unmatched_handler_) unmatched_handler_(imm);
       return;
     }
-    uint64_t now = slot->count.fetch_add(1, std::memory_order_acq_rel) + 1;
+    uint64_t now = slot->count.fetch_add(weight, std::memory_order_acq_rel) + weight;
     if (slot->armed && now >= slot->target) FireNotify(slot, Status::Ok());
   }
 
@@ -1683,6 +1694,9 @@ class EngineHandle final : public TransferEngine {
     e_->SetMessageHandler(std::move(handler));
   }
   Status CreateImmCounter(uint32_t imm) override { return e_->CreateImmCounter(imm); }
+  Status CreateWeightedImmCounter(uint32_t imm, uint32_t weight_mask) override {
+    return e_->CreateWeightedImmCounter(imm, weight_mask);
+  }
   StatusOr<uint64_t> ImmCount(uint32_t imm) const override { return e_->ImmCount(imm); }
   Status WaitImm(uint32_t imm, uint64_t target, Deadline deadline) const override {
     return e_->WaitImm(imm, target, deadline);

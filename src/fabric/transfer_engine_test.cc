@@ -144,6 +144,43 @@ TEST_P(EnginePairTest, PagedWritesPermutePagesAndCountEachPage) {
   EXPECT_EQ(*b_->ImmCount(0xABCD0001), kPages);
 }
 
+// imm_once: one immediate for the whole paged write, after every page landed; a weighted
+// immediate makes it count as the pages.
+TEST_P(EnginePairTest, PagedWriteWithOneWeightedImmediateCountsItsPages) {
+  constexpr uint32_t kImm = 0xAB000003, kMask = 0x00FFF000;
+  const uint32_t kPage = 4096, kPages = 200;
+  std::vector<uint32_t> src_pages(kPages), dst_pages(kPages);
+  std::iota(src_pages.begin(), src_pages.end(), 0);
+  std::iota(dst_pages.rbegin(), dst_pages.rend(), 0);  // reversed
+  ASSERT_TRUE(b_->CreateWeightedImmCounter(kImm, kMask).ok());
+  EXPECT_EQ(b_->CreateWeightedImmCounter(kImm + 1, 0).code(), StatusCode::kInvalidArgument);
+  const uint64_t imms_before = b_->stats().imms_received;
+  PagedWrite w;
+  w.src = &src_reg_;
+  w.peer = b_on_a_;
+  w.dst = dst_remote_;
+  w.page_bytes = kPage;
+  w.src_stride = kPage;
+  w.dst_stride = kPage;
+  w.src_pages = src_pages;
+  w.dst_pages = dst_pages;
+  w.imm = WeightedImm(kImm, kMask, kPages);
+  w.imm_once = true;
+  TransferCounter done;
+  ASSERT_TRUE(a_->WritePaged(w, Completion::Counter(&done)).ok());
+  ASSERT_TRUE(b_->WaitImm(kImm, kPages, Deadline::After(10s)).ok());
+  // The count jumps once, by the pages, after the last one landed: every page is there.
+  for (uint32_t i = 0; i < kPages; ++i) {
+    ASSERT_EQ(0, std::memcmp(dst_.data() + uint64_t{dst_pages[i]} * kPage,
+                             src_.data() + uint64_t{src_pages[i]} * kPage, kPage))
+        << "page " << i;
+  }
+  ASSERT_TRUE(done.Wait(1, Deadline::After(10s)).ok());
+  EXPECT_EQ(done.failed.load(), 0u);
+  EXPECT_EQ(*b_->ImmCount(kImm), kPages);
+  EXPECT_EQ(b_->stats().imms_received - imms_before, 1u);
+}
+
 TEST_P(EnginePairTest, ImmediateOnlyAndNotify) {
   ASSERT_TRUE(b_->CreateImmCounter(5).ok());
   std::atomic<int> fired{0};
