@@ -6,7 +6,10 @@
 // layer count and stride, page ids, token count, aux descriptor, offset and length. The decoder
 // plans the same transfer with the same seed (the request id) to know how many writes to expect:
 // writes per layer x layers, plus one for the aux data. Every write carries the request's
-// immediate, so the decoder needs no other notification.
+// immediate, so the decoder needs no other notification: a single write as it is, a paged write
+// (the writes of one layer that share a length and a source/destination pair, up to
+// kMaxBatchPages pages) once, on its last page after the others completed, weighted by its pages
+// (WeightedImm), so that it counts as that many writes.
 #include <algorithm>
 #include <condition_variable>
 #include <cstring>
@@ -27,6 +30,10 @@ namespace {
 
 constexpr uint32_t kRequestMagic = 0x5152564B;  // "KVRQ"
 constexpr uint32_t kImmBase = 0xC0000000u;       // request slot i counts immediate kImmBase + i
+// A paged write carries one immediate for all its pages (imm_once), weighted by their number in
+// these bits (slots use the low 20), so the decoder counts page writes whatever the batching.
+constexpr uint32_t kImmWeightMask = 0x3FF00000u;
+constexpr uint32_t kMaxBatchPages = WeightLimit(kImmWeightMask);
 
 void PutSide(fabric::ByteWriter& w, const KvSide& s) {
   for (int v : {s.model.kv_heads, s.model.head_dim, s.model.dtype_bytes, int{s.model.mla},
@@ -87,6 +94,10 @@ struct WireRequest {
     RETURN_IF_ERROR(r.Header(kRequestMagic));
     RETURN_IF_ERROR(r.U64(&q.request_id));
     RETURN_IF_ERROR(r.U32(&q.imm));
+    if ((q.imm & kImmWeightMask) != 0) {
+      return InvalidArgumentError("KV request: immediate " + std::to_string(q.imm) +
+                                  " uses the bits that carry a paged write's page count");
+    }
     RETURN_IF_ERROR(r.Bytes(&q.decoder_address, 4096));
     RETURN_IF_ERROR(GetSide(r, &q.decode));
     RETURN_IF_ERROR(r.U32(&q.num_layers));
@@ -242,7 +253,8 @@ class Decoder final : public KvDecoder {
 
   Status Init() {
     for (size_t i = 0; i < slots_.size(); ++i) {
-      RETURN_IF_ERROR(engine_->CreateImmCounter(kImmBase + static_cast<uint32_t>(i)));
+      RETURN_IF_ERROR(engine_->CreateWeightedImmCounter(kImmBase + static_cast<uint32_t>(i),
+                                                        kImmWeightMask));
       free_.push_back(static_cast<uint32_t>(i));
     }
     // Runs on the worker: only lock-free engine calls and queue pushes from here.
@@ -724,8 +736,14 @@ class Prefill final : public KvPrefill {
           b.src_index.push_back(uint32_t(src));
           b.dst_index.push_back(uint32_t(dst));
         }
-        if (paged) {
-          out.push_back(std::move(b));
+        if (paged) {  // in pieces of at most kMaxBatchPages pages (one weighted immediate each)
+          for (size_t first = 0; first < b.src_index.size(); first += kMaxBatchPages) {
+            const size_t last = std::min(b.src_index.size(), first + kMaxBatchPages);
+            Batch piece = b;
+            piece.src_index.assign(b.src_index.begin() + first, b.src_index.begin() + last);
+            piece.dst_index.assign(b.dst_index.begin() + first, b.dst_index.begin() + last);
+            out.push_back(std::move(piece));
+          }
         } else {
           for (size_t k = i; k < j; ++k) out.push_back(Batch{.single = writes[k]});
         }
@@ -857,7 +875,9 @@ class Prefill final : public KvPrefill {
       }
       PagedWrite w{regions_.ranks[b.src_rank], a.peer, a.req.dst[b.dst_rank], b.length,
                    b.src_stride, b.dst_stride, src_base, dst_base, b.src_index, b.dst_index,
-                   a.req.imm};
+                   WeightedImm(a.req.imm, kImmWeightMask,
+                               static_cast<uint32_t>(b.src_index.size())),
+                   /*imm_once=*/true};
       Status s = engine_->WritePaged(w, Completion::Counter(a.writes.get()));
       if (!Counted(a, s, b.src_index.size())) return !a.failure.ok();
     }
