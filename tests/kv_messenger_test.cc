@@ -335,6 +335,18 @@ Status RunDecoder(const Case& c, Bootstrap& b) {
                     "a request to the removed prefill: " + s.ToString());
   } else {
     CHECK_OR_RETURN(bad.load() == 0, "failed requests: " + std::to_string(bad.load()));
+    // A layer's writes that share a source/destination pair and a length travel as one paged
+    // write with one weighted immediate: fewer immediates than writes, at least one per layer.
+    uint64_t writes = 0;
+    for (int j = 0; j < c.requests_per_decoder; ++j) {
+      ASSIGN_OR_RETURN(KvPlan plan, PlanKvTransfer(prefill_side, side, pages[j], pages[j],
+                                                   uint64_t(b.rank()) * 1000 + j));
+      writes += plan.writes.size() * kLayers + 1;
+    }
+    const uint64_t imms = engine->stats().imms_received;
+    CHECK_OR_RETURN(imms < writes && imms >= uint64_t(c.requests_per_decoder) * (kLayers + 1),
+                    std::to_string(imms) + " immediates for " + std::to_string(writes) +
+                        " writes");
   }
   for (int j = 0; j < c.requests_per_decoder; ++j) {
     if (ready_mask[j] != 1) continue;

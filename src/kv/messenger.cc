@@ -14,11 +14,13 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <numeric>
 #include <optional>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <unordered_map>
 
 #include "common/backoff.h"
@@ -706,30 +708,36 @@ class Prefill final : public KvPrefill {
     std::vector<uint32_t> src_index, dst_index;
     std::optional<KvWrite> single;
 
-    // Consecutive writes of the plan (ordered by destination) that can share a paged write.
-    // A run longer than the message size, or whose offsets do not fit 32-bit page indices,
-    // goes write by write.
+    // The plan's writes grouped by (source rank, destination rank, length), in the order each
+    // group first appears: each group can be one paged write (a paged write takes any list of
+    // pages). A group whose write is longer than the message size, or whose offsets do not fit
+    // 32-bit page indices, goes write by write.
     static std::vector<Batch> Group(const std::vector<KvWrite>& writes, uint64_t max_page) {
+      std::vector<std::vector<size_t>> groups;
+      std::map<std::tuple<int, int, int64_t>, size_t> group_of;
+      for (size_t k = 0; k < writes.size(); ++k) {
+        const KvWrite& w = writes[k];
+        auto [it, fresh] = group_of.try_emplace({w.src_rank, w.dst_rank, w.length}, groups.size());
+        if (fresh) groups.emplace_back();
+        groups[it->second].push_back(k);
+      }
       std::vector<Batch> out;
-      for (size_t i = 0; i < writes.size();) {
-        size_t j = i + 1;
-        while (j < writes.size() && writes[j].src_rank == writes[i].src_rank &&
-               writes[j].dst_rank == writes[i].dst_rank && writes[j].length == writes[i].length) {
-          ++j;
-        }
+      for (const auto& members : groups) {
+        const KvWrite& first = writes[members.front()];
         Batch b;
-        b.src_rank = writes[i].src_rank;
-        b.dst_rank = writes[i].dst_rank;
-        b.length = uint64_t(writes[i].length);
+        b.src_rank = first.src_rank;
+        b.dst_rank = first.dst_rank;
+        b.length = uint64_t(first.length);
         uint64_t src_gcd = 0, dst_gcd = 0;
-        for (size_t k = i; k < j; ++k) {
+        for (size_t k : members) {
           src_gcd = std::gcd(src_gcd, uint64_t(writes[k].src_offset));
           dst_gcd = std::gcd(dst_gcd, uint64_t(writes[k].dst_offset));
         }
         b.src_stride = std::max<uint64_t>(src_gcd, 1);
         b.dst_stride = std::max<uint64_t>(dst_gcd, 1);
         bool paged = b.length <= max_page;
-        for (size_t k = i; k < j && paged; ++k) {
+        for (size_t k : members) {
+          if (!paged) break;
           const uint64_t src = uint64_t(writes[k].src_offset) / b.src_stride;
           const uint64_t dst = uint64_t(writes[k].dst_offset) / b.dst_stride;
           paged = src <= UINT32_MAX && dst <= UINT32_MAX;
@@ -737,17 +745,16 @@ class Prefill final : public KvPrefill {
           b.dst_index.push_back(uint32_t(dst));
         }
         if (paged) {  // in pieces of at most kMaxBatchPages pages (one weighted immediate each)
-          for (size_t first = 0; first < b.src_index.size(); first += kMaxBatchPages) {
-            const size_t last = std::min(b.src_index.size(), first + kMaxBatchPages);
+          for (size_t lo = 0; lo < b.src_index.size(); lo += kMaxBatchPages) {
+            const size_t hi = std::min(b.src_index.size(), lo + kMaxBatchPages);
             Batch piece = b;
-            piece.src_index.assign(b.src_index.begin() + first, b.src_index.begin() + last);
-            piece.dst_index.assign(b.dst_index.begin() + first, b.dst_index.begin() + last);
+            piece.src_index.assign(b.src_index.begin() + lo, b.src_index.begin() + hi);
+            piece.dst_index.assign(b.dst_index.begin() + lo, b.dst_index.begin() + hi);
             out.push_back(std::move(piece));
           }
         } else {
-          for (size_t k = i; k < j; ++k) out.push_back(Batch{.single = writes[k]});
+          for (size_t k : members) out.push_back(Batch{.single = writes[k]});
         }
-        i = j;
       }
       return out;
     }
