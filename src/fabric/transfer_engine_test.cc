@@ -77,6 +77,20 @@ class EnginePairTest : public ::testing::TestWithParam<std::string> {
     return w;
   }
 
+  PagedWrite Paged(std::span<const uint32_t> src_pages, std::span<const uint32_t> dst_pages,
+                   uint64_t page_bytes, uint64_t stride) {
+    PagedWrite w;
+    w.src = &src_reg_;
+    w.peer = b_on_a_;
+    w.dst = dst_remote_;
+    w.page_bytes = page_bytes;
+    w.src_stride = stride;
+    w.dst_stride = stride;
+    w.src_pages = src_pages;
+    w.dst_pages = dst_pages;
+    return w;
+  }
+
   static constexpr size_t kBytes = 4 << 20;
   std::unique_ptr<TransferEngine> a_, b_;
   PeerId b_on_a_ = 0, a_on_b_ = 0;
@@ -114,17 +128,9 @@ TEST_P(EnginePairTest, PagedWritesPermutePagesAndCountEachPage) {
   std::mt19937 rng(7);
   std::shuffle(dst_pages.begin(), dst_pages.end(), rng);
   ASSERT_TRUE(b_->CreateImmCounter(0xABCD0001).ok());
-  PagedWrite w;
-  w.src = &src_reg_;
-  w.peer = b_on_a_;
-  w.dst = dst_remote_;
-  w.page_bytes = kPage - 16;  // a page need not fill its stride
-  w.src_stride = kPage;
-  w.dst_stride = kPage;
+  PagedWrite w = Paged(src_pages, dst_pages, kPage - 16, kPage);  // pages need not fill strides
   w.src_offset = 8;
   w.dst_offset = 16;
-  w.src_pages = src_pages;
-  w.dst_pages = dst_pages;
   w.imm = 0xABCD0001;
   std::atomic<int> calls{0};
   Status result = InternalError("not called");
@@ -155,15 +161,7 @@ TEST_P(EnginePairTest, PagedWriteWithOneWeightedImmediateCountsItsPages) {
   ASSERT_TRUE(b_->CreateWeightedImmCounter(kImm, kMask).ok());
   EXPECT_EQ(b_->CreateWeightedImmCounter(kImm + 1, 0).code(), StatusCode::kInvalidArgument);
   const uint64_t imms_before = b_->stats().imms_received;
-  PagedWrite w;
-  w.src = &src_reg_;
-  w.peer = b_on_a_;
-  w.dst = dst_remote_;
-  w.page_bytes = kPage;
-  w.src_stride = kPage;
-  w.dst_stride = kPage;
-  w.src_pages = src_pages;
-  w.dst_pages = dst_pages;
+  PagedWrite w = Paged(src_pages, dst_pages, kPage, kPage);
   w.imm = WeightedImm(kImm, kMask, kPages);
   w.imm_once = true;
   TransferCounter done;
@@ -322,14 +320,7 @@ TEST_P(EnginePairTest, BadInputsAreRefusedWithTheRightCode) {
   // Page indices out of range, mismatched lists, zero pages bytes.
   std::vector<uint32_t> pages = {0, 1, 1024};
   std::vector<uint32_t> short_list = {0, 1};
-  PagedWrite p;
-  p.src = &src_reg_;
-  p.peer = b_on_a_;
-  p.dst = dst_remote_;
-  p.page_bytes = 4096;
-  p.src_stride = p.dst_stride = 4096;
-  p.src_pages = pages;
-  p.dst_pages = pages;
+  PagedWrite p = Paged(pages, pages, 4096, 4096);
   Status s = a_->WritePaged(p, {});
   EXPECT_EQ(s.code(), StatusCode::kOutOfRange);
   EXPECT_NE(s.message().find("page 2"), std::string::npos) << s;

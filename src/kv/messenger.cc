@@ -698,8 +698,8 @@ class Prefill final : public KvPrefill {
   }
 
  private:
-  // A run of a layer's writes with one source shard, one destination shard and one length:
-  // posted as one paged write (one submission and one completion instead of one per write),
+  // A layer's writes with one source shard, one destination shard and one length: posted as
+  // one paged write (one submission, one completion and one weighted immediate, not one each),
   // page i from src_index[i] * src_stride to dst_index[i] * dst_stride past the layer's base.
   // Writes that cannot share one (see Group) go alone, as single writes (which split).
   struct Batch {
