@@ -2,10 +2,11 @@
 // process, next to a raw libfabric loop writing the same bytes in the same write sizes, in the
 // same run.
 //
-// The prefill "model" first runs the raw loop to learn the provider's rate, then paces its
-// layer counter at that rate (one layer per layer-transfer time, as if compute and transfer were
-// balanced), so the figures say both how fast the messenger moves bytes (GB/s against raw) and
-// how soon after the last layer the decoder is ready (against one layer's transfer time).
+// In each round the prefill "model" first runs the raw loop to learn the provider's rate, then
+// paces its layer counter at that rate (one layer per layer-transfer time, as if compute and
+// transfer were balanced), so the figures say both how fast the messenger moves bytes (GB/s
+// against raw) and how soon after the last layer the decoder is ready (against one layer's
+// transfer time). Rounds alternate so that a noisy host shows as a spread, not as a verdict.
 #include "tools/bench_kv.h"
 
 #include <sys/prctl.h>
@@ -13,8 +14,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <numeric>
 #include <string>
@@ -46,6 +49,8 @@ struct Result {
   double raw_us;           // raw loop, same bytes and write sizes
   double layer_us;         // one layer's transfer time at the raw rate
   int64_t writes_per_layer;
+  double ratio_min, ratio_max;  // raw / ferry over the rounds (the figures above: the median)
+  int rounds;
 };
 
 Status Run(const KvBenchOptions& o, const Model& m, Bootstrap& b, Result* out) {
@@ -90,48 +95,17 @@ Status Run(const KvBenchOptions& o, const Model& m, Bootstrap& b, Result* out) {
   // The raw baseline runs between the prefill and the first decoder only.
   if (b.rank() <= 1) RETURN_IF_ERROR(raw.Connect(raws[b.rank() == 0 ? 1 : 0]));
   ASSIGN_OR_RETURN(auto addresses, b.AllGather(engine->Address(), 60s));
-  RETURN_IF_ERROR(b.Barrier(60s));
-  uint64_t imms = 0;
-  uint32_t last = 0;
-  if (prefill) {
-    const uint64_t window = std::min<uint64_t>(64, raw.tx_depth());
-    uint64_t posted = 0, done = 0, total = plan.writes.size() * m.layers;
-    double t0 = NowUs();
-    while (done < total) {
-      while (posted < total && posted - done < window) {
-        const KvWrite& w = plan.writes[posted % plan.writes.size()];
-        const int64_t layer = static_cast<int64_t>(posted / plan.writes.size());
-        const uint64_t src = w.src_rank * src_shard_bytes + layer * stride + w.src_offset;
-        const uint64_t dst = w.dst_rank * dst_shard_bytes + layer * dec.page_bytes() * pages +
-                             w.dst_offset;
-        if (!raw.Post(src, dst, w.length, posted + 1 == total, 1)) break;
-        ++posted;
-      }
-      int r = raw.Poll(&imms, &last);
-      if (r < 0) return InternalError("raw completion error");
-      done += r;
-    }
-    out->raw_us = NowUs() - t0;
-  } else if (b.rank() == 1) {
-    while (imms == 0) {
-      if (raw.Poll(&imms, &last) < 0) return InternalError("raw completion error");
-    }
-  }
-  RETURN_IF_ERROR(b.Barrier(60s));
-  // Share the raw time so both sides know the layer pacing.
-  std::vector<uint8_t> mine(sizeof(double));
-  std::memcpy(mine.data(), &out->raw_us, sizeof(double));
-  ASSIGN_OR_RETURN(auto raw_times, b.AllGather(mine, 60s));
-  std::memcpy(&out->raw_us, raw_times[0].data(), sizeof(double));
-  out->layer_us = out->raw_us / m.layers;
 
+  // The messenger's two sides, for every round.
+  const int decoders = b.world_size() - 1;
+  std::atomic<uint64_t> layers_done{0};
+  std::mutex mu;
+  std::vector<uint64_t> arrived;
+  std::atomic<int> released{0}, failed{0};
+  std::unique_ptr<KvPrefill> prefill_side;
+  std::unique_ptr<KvDecoder> decoder;
   if (prefill) {
     prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
-    std::atomic<uint64_t> layers_done{0};
-    const int decoders = b.world_size() - 1;
-    std::mutex mu;
-    std::vector<uint64_t> arrived;
-    std::atomic<int> released{0}, failed{0};
     KvPrefill::Callbacks cb;
     cb.on_request = [&](const KvPrefill::Incoming& in) {
       std::lock_guard<std::mutex> l(mu);
@@ -141,72 +115,137 @@ Status Run(const KvBenchOptions& o, const Model& m, Bootstrap& b, Result* out) {
       if (!s.ok()) failed.fetch_add(1);
       released.fetch_add(1);
     };
-    ASSIGN_OR_RETURN(auto p, KvPrefill::Create(engine.get(), pre, regions, nullptr, &layers_done,
-                                               cb));
-    RETURN_IF_ERROR(b.Barrier(60s));
-    Deadline deadline = Deadline::After(60s);
-    // Every decoder's request in the same pass (the same source pages: one prompt, N decoders).
-    for (;;) {
-      {
-        std::lock_guard<std::mutex> l(mu);
-        if (static_cast<int>(arrived.size()) == decoders) break;
-      }
-      if (deadline.Expired()) return DeadlineExceededError("prefill: requests did not arrive");
-      std::this_thread::sleep_for(50us);
-    }
-    for (uint64_t id : arrived) RETURN_IF_ERROR(p->Schedule(id, page_ids, 0, 0));
-    // Layers at the raw transfer rate; the decoder timestamps the increments it sees through
-    // the shared start time below.
-    double start = NowUs();
-    for (int l = 0; l < m.layers; ++l) {
-      // Sleep, not spin: on small machines the engine's worker and the watcher need the cores.
-      const double wait_us = start + l * out->layer_us - NowUs();
-      if (wait_us > 0) {
-        timespec ts{0, static_cast<long>(wait_us * 1e3)};
-        nanosleep(&ts, nullptr);
-      }
-      layers_done.fetch_add(1, std::memory_order_release);
-    }
-    double last_inc = NowUs();
-    std::vector<uint8_t> times(2 * sizeof(double));
-    std::memcpy(times.data(), &start, sizeof start);
-    std::memcpy(times.data() + sizeof start, &last_inc, sizeof last_inc);
-    RETURN_IF_ERROR(b.AllGather(times, 60s).status());
-    while (released.load() < decoders && !deadline.Expired()) {
-      std::this_thread::sleep_for(50us);
-    }
-    if (released.load() < decoders || failed.load() > 0) {
-      return InternalError("prefill: requests not all released cleanly");
-    }
-    return b.Barrier(60s);
+    ASSIGN_OR_RETURN(prefill_side, KvPrefill::Create(engine.get(), pre, regions, nullptr,
+                                                     &layers_done, cb));
+  } else {
+    ASSIGN_OR_RETURN(decoder, KvDecoder::Create(engine.get(), dec, regions, nullptr));
   }
-  ASSIGN_OR_RETURN(auto decoder, KvDecoder::Create(engine.get(), dec, regions, nullptr));
   RETURN_IF_ERROR(b.Barrier(60s));
-  std::atomic<bool> ready{false};
-  std::atomic<double> ready_at{0};
-  Status result;
-  KvDecoder::Request req;
-  req.request_id = static_cast<uint64_t>(b.rank());
-  req.prefill_address = addresses[0];
-  req.prefill = pre;
-  req.pages = page_ids;
-  req.num_tokens = o.tokens;
-  RETURN_IF_ERROR(decoder->Submit(req, Deadline::After(60s), [&](const Status& s) {
-    ready_at = NowUs();  // same host: CLOCK_MONOTONIC is shared between the processes
-    result = s;
-    ready = true;
-  }));
-  ASSIGN_OR_RETURN(auto times, b.AllGather({}, 60s));
-  Deadline deadline = Deadline::After(60s);
-  while (!ready && !deadline.Expired()) std::this_thread::sleep_for(20us);
-  if (!ready) return DeadlineExceededError("decoder never ready");
-  RETURN_IF_ERROR(result);
-  double start, last_inc;
-  std::memcpy(&start, times[0].data(), sizeof start);
-  std::memcpy(&last_inc, times[0].data() + sizeof start, sizeof last_inc);
-  out->ferry_us = ready_at - start;
-  out->tail_us = ready_at - last_inc;
-  return b.Barrier(60s);
+
+  // Rounds of (raw, messenger), alternating, so that both see the same host conditions; the
+  // messenger's layers in a round are paced at that round's raw rate. The round of median ratio
+  // is reported, with the lowest and highest ratio.
+  struct Round {
+    double raw_us, ferry_us, tail_us;
+  };
+  std::vector<Round> rounds;
+  uint64_t imms = 0;
+  uint32_t last = 0;
+  for (int round = 0; round < o.rounds; ++round) {
+    double raw_us = 0;
+    if (prefill) {
+      const uint64_t window = std::min<uint64_t>(64, raw.tx_depth());
+      uint64_t posted = 0, done = 0, total = plan.writes.size() * m.layers;
+      double t0 = NowUs();
+      while (done < total) {
+        while (posted < total && posted - done < window) {
+          const KvWrite& w = plan.writes[posted % plan.writes.size()];
+          const int64_t layer = static_cast<int64_t>(posted / plan.writes.size());
+          const uint64_t src = w.src_rank * src_shard_bytes + layer * stride + w.src_offset;
+          const uint64_t dst = w.dst_rank * dst_shard_bytes + layer * dec.page_bytes() * pages +
+                               w.dst_offset;
+          if (!raw.Post(src, dst, w.length, posted + 1 == total, 1)) break;
+          ++posted;
+        }
+        int r = raw.Poll(&imms, &last);
+        if (r < 0) return InternalError("raw completion error");
+        done += r;
+      }
+      raw_us = NowUs() - t0;
+    } else if (b.rank() == 1) {
+      while (imms <= static_cast<uint64_t>(round)) {  // one immediate per raw round
+        if (raw.Poll(&imms, &last) < 0) return InternalError("raw completion error");
+      }
+    }
+    RETURN_IF_ERROR(b.Barrier(60s));
+    // Share the raw time so both sides know the layer pacing.
+    std::vector<uint8_t> mine(sizeof(double));
+    std::memcpy(mine.data(), &raw_us, sizeof(double));
+    ASSIGN_OR_RETURN(auto raw_times, b.AllGather(mine, 60s));
+    std::memcpy(&raw_us, raw_times[0].data(), sizeof(double));
+    const double layer_us = raw_us / m.layers;
+
+    if (prefill) {
+      Deadline deadline = Deadline::After(60s);
+      // Every decoder's request in the same pass (the same source pages: one prompt, N decoders).
+      std::vector<uint64_t> ids;
+      for (;;) {
+        {
+          std::lock_guard<std::mutex> l(mu);
+          if (static_cast<int>(arrived.size()) == decoders * (round + 1)) {
+            ids.assign(arrived.end() - decoders, arrived.end());
+            break;
+          }
+        }
+        if (deadline.Expired()) return DeadlineExceededError("prefill: requests did not arrive");
+        std::this_thread::sleep_for(50us);
+      }
+      const uint64_t base = layers_done.load();
+      for (uint64_t id : ids) RETURN_IF_ERROR(prefill_side->Schedule(id, page_ids, 0, base));
+      // Layers at the raw transfer rate; the decoder timestamps the increments it sees through
+      // the shared start time below.
+      double start = NowUs();
+      for (int l = 0; l < m.layers; ++l) {
+        // Sleep, not spin: on small machines the engine's worker and the watcher need the cores.
+        const double wait_us = start + l * layer_us - NowUs();
+        if (wait_us > 0) {
+          timespec ts{0, static_cast<long>(wait_us * 1e3)};
+          nanosleep(&ts, nullptr);
+        }
+        layers_done.fetch_add(1, std::memory_order_release);
+      }
+      double last_inc = NowUs();
+      std::vector<uint8_t> times(2 * sizeof(double));
+      std::memcpy(times.data(), &start, sizeof start);
+      std::memcpy(times.data() + sizeof start, &last_inc, sizeof last_inc);
+      RETURN_IF_ERROR(b.AllGather(times, 60s).status());
+      while (released.load() < decoders * (round + 1) && !deadline.Expired()) {
+        std::this_thread::sleep_for(50us);
+      }
+      if (released.load() < decoders * (round + 1) || failed.load() > 0) {
+        return InternalError("prefill: requests not all released cleanly");
+      }
+    } else {
+      std::atomic<bool> ready{false};
+      std::atomic<double> ready_at{0};
+      Status result;
+      KvDecoder::Request req;
+      req.request_id = static_cast<uint64_t>(round) * 1000 + static_cast<uint64_t>(b.rank());
+      req.prefill_address = addresses[0];
+      req.prefill = pre;
+      req.pages = page_ids;
+      req.num_tokens = o.tokens;
+      RETURN_IF_ERROR(decoder->Submit(req, Deadline::After(60s), [&](const Status& s) {
+        ready_at = NowUs();  // same host: CLOCK_MONOTONIC is shared between the processes
+        result = s;
+        ready = true;
+      }));
+      ASSIGN_OR_RETURN(auto times, b.AllGather({}, 60s));
+      Deadline deadline = Deadline::After(60s);
+      while (!ready && !deadline.Expired()) std::this_thread::sleep_for(20us);
+      if (!ready) return DeadlineExceededError("decoder never ready");
+      RETURN_IF_ERROR(result);
+      double start, last_inc;
+      std::memcpy(&start, times[0].data(), sizeof start);
+      std::memcpy(&last_inc, times[0].data() + sizeof start, sizeof last_inc);
+      rounds.push_back({raw_us, ready_at - start, ready_at - last_inc});
+    }
+    RETURN_IF_ERROR(b.Barrier(60s));
+  }
+  if (!prefill) {
+    std::sort(rounds.begin(), rounds.end(), [](const Round& x, const Round& y) {
+      return x.raw_us / x.ferry_us < y.raw_us / y.ferry_us;
+    });
+    const Round& median = rounds[rounds.size() / 2];
+    out->raw_us = median.raw_us;
+    out->ferry_us = median.ferry_us;
+    out->tail_us = median.tail_us;
+    out->layer_us = median.raw_us / m.layers;
+    out->ratio_min = rounds.front().raw_us / rounds.front().ferry_us;
+    out->ratio_max = rounds.back().raw_us / rounds.back().ferry_us;
+    out->rounds = static_cast<int>(rounds.size());
+  }
+  return Status::Ok();
 }
 
 }  // namespace
@@ -221,8 +260,9 @@ int RunKvBench(const KvBenchOptions& o) {
     std::printf("ferry-bench kv  provider=%s prompt=%d tokens  (1 prefill -> %d decode "
                 "process%s; figures of decoder 1; raw moves one decoder's bytes)\n",
                 o.provider.c_str(), o.tokens, o.decoders, o.decoders > 1 ? "es" : "");
-    std::printf("%-20s %9s %9s | %10s %10s %8s | %10s %10s %6s\n", "cache", "MB", "writes/l",
-                "ferry ms", "raw ms", "ratio", "tail us", "layer us", "tail/l");
+    std::printf("%-20s %9s %9s | %10s %10s %8s %13s | %10s %10s %6s\n", "cache", "MB",
+                "writes/l", "ferry ms", "raw ms", "ratio", "(min..max)", "tail us", "layer us",
+                "tail/l");
   }
   bool first = true;
   if (o.json) std::printf("{\"bench\":\"kv\",\"tokens\":%d,\"rows\":[", o.tokens);
@@ -239,20 +279,25 @@ int RunKvBench(const KvBenchOptions& o) {
     const double ratio = r.raw_us / r.ferry_us;
     if (o.json) {
       std::printf("%s{\"cache\":\"%s\",\"bytes\":%.0f,\"writes_per_layer\":%lld,\"ferry_us\":%.1f,"
-                  "\"raw_us\":%.1f,\"ratio\":%.3f,\"tail_us\":%.1f,\"layer_us\":%.1f}",
+                  "\"raw_us\":%.1f,\"ratio\":%.3f,\"ratio_min\":%.3f,\"ratio_max\":%.3f,"
+                  "\"rounds\":%d,\"tail_us\":%.1f,\"layer_us\":%.1f}",
                   first ? "" : ",", m.name, r.bytes, (long long)r.writes_per_layer, r.ferry_us,
-                  r.raw_us, ratio, r.tail_us, r.layer_us);
+                  r.raw_us, ratio, r.ratio_min, r.ratio_max, r.rounds, r.tail_us, r.layer_us);
     } else {
-      std::printf("%-20s %9.1f %9lld | %10.2f %10.2f %8.3f | %10.1f %10.1f %6.2f\n", m.name,
-                  r.bytes / 1e6, (long long)r.writes_per_layer, r.ferry_us / 1e3, r.raw_us / 1e3,
-                  ratio, r.tail_us, r.layer_us, r.tail_us / r.layer_us);
+      std::printf("%-20s %9.1f %9lld | %10.2f %10.2f %8.3f  (%.3f..%.3f) | %10.1f %10.1f %6.2f\n",
+                  m.name, r.bytes / 1e6, (long long)r.writes_per_layer, r.ferry_us / 1e3,
+                  r.raw_us / 1e3, ratio, r.ratio_min, r.ratio_max, r.tail_us, r.layer_us,
+                  r.tail_us / r.layer_us);
     }
     first = false;
   }
   if (o.json) std::printf("]}\n");
   else {
-    std::printf("ratio = raw time / ferry time for the same bytes (ferry's layers are paced at "
-                "the raw rate); tail = last layer increment -> decode ready\n");
+    std::printf("%d rounds of (raw, ferry) alternating; the figures of the round of median ratio, "
+                "then the lowest and highest ratio; ratio = raw time / ferry time for the same "
+                "bytes (ferry's layers paced at that round's raw rate); tail = last layer "
+                "increment -> decode ready\n",
+                o.rounds);
   }
   return 0;
 }

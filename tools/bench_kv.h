@@ -9,6 +9,7 @@ struct KvBenchOptions {
   std::string provider = "shm";
   int tokens = 4096;  // prompt length
   int decoders = 1;   // decode processes fed by the one prefill
+  int rounds = 3;     // (raw, ferry) alternations; the median round is reported
   bool json = false;
 };
 

@@ -5,7 +5,7 @@
 //                      [--topk K] [--dtype fp8|bf16] [--iters I] [--json]
 //                      [--once-per-rank] [--reduce-at-expert-rank] [--compare]
 //                      [--device host|cuda] [--nvlink [--node-ranks N]] [--private N]
-//   ferry-bench kv     [--provider P] [--tokens T] [--decoders N] [--json]
+//   ferry-bench kv     [--provider P] [--tokens T] [--decoders N] [--rounds R] [--json]
 //   ferry-bench topo   [--sysfs DIR] [--exclude NIC,...]: which NICs and core serve each GPU
 //   ferry-bench demo   the main job of `make demo`: short fabric, moe and kv runs on shm
 #include <cstdio>
@@ -29,7 +29,8 @@ void Usage() {
                " [--json]\n"
                "                       [--once-per-rank] [--reduce-at-expert-rank] [--compare]\n"
                "                       [--device host|cuda] [--nvlink [--node-ranks N]] [--private N]\n"
-               "       ferry-bench kv [--provider P] [--tokens T] [--decoders N] [--json]\n"
+               "       ferry-bench kv [--provider P] [--tokens T] [--decoders N] [--rounds R]"
+               " [--json]\n"
                "       ferry-bench topo [--sysfs DIR] [--exclude NIC,...]\n"
                "       ferry-bench demo\n"
                "Provider from --provider, else FERRY_PROVIDER, else shm.\n");
@@ -81,6 +82,8 @@ int main(int argc, char** argv) {
       ok = ParseInt(argv[++i], &m.topk);
     } else if (a == "--decoders" && has_value) {
       ok = ParseInt(argv[++i], &kv.decoders) && kv.decoders >= 1 && kv.decoders <= 16;
+    } else if (a == "--rounds" && has_value) {
+      ok = ParseInt(argv[++i], &kv.rounds) && kv.rounds >= 1 && kv.rounds <= 100;
     } else if (a == "--iters" && has_value) {
       ok = ParseInt(argv[++i], &m.iters);
     } else if (a == "--device" && has_value) {
