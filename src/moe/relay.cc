@@ -48,13 +48,16 @@ int RelayLayout::RemoteIndex(int of, int rank) const {
 }
 
 Relay::Relay(const AllToAllConfig& config, const RelayLayout& layout, TransferEngine* engine,
-             uint8_t* inbox, uint8_t* outbox, uint32_t peer_timeout_ms)
+             uint8_t* inbox, uint8_t* outbox, uint32_t peer_timeout_ms, RelayFlags flags)
     : c_(config),
       layout_(layout),
       engine_(engine),
       inbox_(inbox),
       outbox_(outbox),
-      peer_timeout_ms_(peer_timeout_ms) {
+      peer_timeout_ms_(peer_timeout_ms),
+      inbox_flags_(flags.inbox_flags ? flags.inbox_flags
+                                     : layout.InboxFlag(inbox, /*combine=*/false, 0)),
+      device_flags_(flags.inbox_flags && flags.device_flags) {
   targets_.reserve(layout_.remotes.size());
   const char* trace = std::getenv("FERRY_RELAY_TRACE");
   trace_ = trace && *trace && *trace != '0';
@@ -63,20 +66,27 @@ Relay::Relay(const AllToAllConfig& config, const RelayLayout& layout, TransferEn
 StatusOr<std::unique_ptr<Relay>> Relay::Create(const AllToAllConfig& config,
                                                const RelayLayout& layout, TransferEngine* engine,
                                                Bootstrap& bootstrap, uint8_t* inbox,
-                                               uint8_t* outbox, uint32_t peer_timeout_ms) {
+                                               uint8_t* outbox, uint32_t peer_timeout_ms,
+                                               RelayFlags flags) {
   if (!engine) {
     return InvalidArgumentError(
         "AllToAll: several nodes need an engine for the traffic between them");
   }
   if (layout.remotes.empty()) return InvalidArgumentError("Relay: no rank outside this node");
   std::unique_ptr<Relay> relay(
-      new Relay(config, layout, engine, inbox, outbox, peer_timeout_ms));
+      new Relay(config, layout, engine, inbox, outbox, peer_timeout_ms, flags));
   RETURN_IF_ERROR(relay->Connect(bootstrap));
   relay->thread_ = std::thread([r = relay.get()] { r->Main(); });
   return relay;
 }
 
 Relay::~Relay() { Stop(); }
+
+void Relay::RaiseInboxFlag(bool combine, int s, uint64_t epoch) {
+  uint64_t* flag = inbox_flags_ + (combine ? layout_.n : 0) + s;
+  std::atomic_ref<uint64_t>(*flag).store(epoch + 1, std::memory_order_release);
+  if (device_flags_) std::atomic_thread_fence(std::memory_order_seq_cst);  // WC: out, in order
+}
 
 bool Relay::Stop() {
   if (stopped_) return drained_;
@@ -87,10 +97,10 @@ bool Relay::Stop() {
     const double n = double(std::max<uint64_t>(trace_count_[step], 1));
     std::fprintf(stderr,
                  "[rank %d] relay %s (mean of %llu, us): kernels' flag %.1f, posted %.1f, "
-                 "sections landed %.1f, own writes done %.1f\n",
+                 "sections landed %.1f, own writes done %.1f; inbox flags in %s\n",
                  c_.rank, step ? "combine" : "dispatch", (unsigned long long)trace_count_[step],
                  trace_us_[step][0] / n, trace_us_[step][1] / n, trace_us_[step][2] / n,
-                 trace_us_[step][3] / n);
+                 trace_us_[step][3] / n, device_flags_ ? "GPU memory (GDRCopy)" : "host memory");
   }
   // Writes still in flight read the outbox and targets_; the engine ends each within its
   // transfer timeout, so this wait is bounded. If one never ends, leak what it reads.
@@ -251,8 +261,7 @@ Status Relay::Exchange(ImmKind kind, uint64_t epoch, std::atomic<uint64_t>& byte
       backoff.Pause();
     }
     RETURN_IF_ERROR(engine_->ConsumeImm(imm, 1));
-    std::atomic_ref<uint64_t>(*layout_.InboxFlag(inbox_, combine, s))
-        .store(epoch + 1, std::memory_order_release);
+    RaiseInboxFlag(combine, s, epoch);
   }
   // Our own writes, before the kernels may rewrite the outbox (relay.h says why they would not
   // anyway) and before targets_ is reused.

@@ -22,7 +22,10 @@
 // kernels' ticket carries every block's stores to the storing thread); the relay loads it with
 // acquire before the NIC reads the data. The relay stores an inbox flag with release after its
 // engine saw the peer's immediate (the data is in our memory); the kernels load it with
-// ld.acquire.sys before they read the section. Remote pairs have no "private" limit and no
+// ld.acquire.sys before they read the section. With GDRCopy the inbox flags are GPU memory the
+// relay writes through a write-combining mapping: the store is followed by a full fence, which
+// sends it out of the CPU's write-combining buffers in order; the kernels then poll their own
+// memory. Remote pairs have no "private" limit and no
 // pull: every slot travels in the section.
 //
 // Reuse needs no barrier: the chain of flags that protects the NVLink buffers (see
@@ -63,6 +66,7 @@ enum CountsColumn : int {
 // consecutive ranks; "remote" ranks are those outside our node, in rank order.
 //
 //   inbox   flags     dispatch[N], combine[N] u64  raised by the relay, polled by the kernels
+//                     (unused when they live in GPU memory through GDRCopy: RelayFlags)
 //           sections  [remote senders] counts row + S slots, written by the peers' relays
 //           combine   [T * K] rows, rows from remote expert ranks at their place in our region
 //   outbox  flags     dispatch, combine u64         raised by the kernels, polled by the relay
@@ -97,6 +101,14 @@ struct RelayLayout {
   int64_t OutRows(int q) const { return OutSection(q) + section_bytes; }
 };
 
+// Where the relay raises the inbox flags (2N words, dispatch then combine) when they do not live
+// at the inbox's start: a GDRCopy mapping of GPU memory (gdr_flags.h), which device_flags says
+// (each store is then followed by a full fence).
+struct RelayFlags {
+  uint64_t* inbox_flags = nullptr;
+  bool device_flags = false;
+};
+
 class Relay {
  public:
   // Collective over every rank (when there is more than one node). Registers `inbox` and
@@ -107,7 +119,8 @@ class Relay {
                                                  const RelayLayout& layout,
                                                  TransferEngine* engine, Bootstrap& bootstrap,
                                                  uint8_t* inbox, uint8_t* outbox,
-                                                 uint32_t peer_timeout_ms = 60000);
+                                                 uint32_t peer_timeout_ms = 60000,
+                                                 RelayFlags flags = {});
   ~Relay();  // Stop()
   Relay(const Relay&) = delete;
   Relay& operator=(const Relay&) = delete;
@@ -126,7 +139,9 @@ class Relay {
 
  private:
   Relay(const AllToAllConfig& config, const RelayLayout& layout, TransferEngine* engine,
-        uint8_t* inbox, uint8_t* outbox, uint32_t peer_timeout_ms);
+        uint8_t* inbox, uint8_t* outbox, uint32_t peer_timeout_ms, RelayFlags flags);
+  // Raises sender s's dispatch or combine flag in our inbox to epoch + 1 (release).
+  void RaiseInboxFlag(bool combine, int s, uint64_t epoch);
   Status Connect(Bootstrap& bootstrap);
   void Main();
   Status Dispatch(uint64_t epoch);
@@ -144,6 +159,8 @@ class Relay {
   uint8_t* const inbox_;
   uint8_t* const outbox_;
   const uint32_t peer_timeout_ms_;
+  uint64_t* const inbox_flags_;  // [2N]: the inbox's start, or GPU memory (RelayFlags)
+  const bool device_flags_;
   MemoryRegion inbox_reg_, outbox_reg_;
   GroupId group_ = 0;
   ScatterPlanId plan_ = 0;

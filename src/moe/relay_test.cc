@@ -91,14 +91,22 @@ Status WaitFlag(uint64_t* flag, uint64_t want, const std::string& what) {
   return Status::Ok();
 }
 
-Status RunRank(Bootstrap& b, int per_node) {
+// separate_flags: the inbox flags in a buffer of their own, as with GDRCopy (where they are GPU
+// memory; here host memory stands for it).
+Status RunRank(Bootstrap& b, int per_node, bool separate_flags = false) {
   const AllToAllConfig c = Config(b.world_size(), b.rank(), per_node);
   const int me = c.rank, l = c.local_experts();
   const RelayLayout layout(c, kSlotBytes);
   std::vector<uint8_t> inbox(layout.inbox_bytes), outbox(layout.outbox_bytes);
+  std::vector<uint64_t> flags(2 * size_t(c.world_size), 0);
+  auto inbox_flag = [&](bool combine, int s) {
+    return separate_flags ? &flags[(combine ? c.world_size : 0) + s]
+                          : layout.InboxFlag(inbox.data(), combine, s);
+  };
   ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
+  const RelayFlags where = separate_flags ? RelayFlags{flags.data(), true} : RelayFlags{};
   ASSIGN_OR_RETURN(auto relay, Relay::Create(c, layout, engine.get(), b, inbox.data(),
-                                             outbox.data(), 10000));
+                                             outbox.data(), 10000, where));
   for (uint64_t epoch = 0; epoch < 4; ++epoch) {
     const std::string at = " (epoch " + std::to_string(epoch) + ")";
     // Dispatch: a counts row and the slots for each remote rank, then the flag.
@@ -117,7 +125,7 @@ Status RunRank(Bootstrap& b, int per_node) {
         .store(epoch + 1, std::memory_order_release);
     for (size_t q = 0; q < layout.remotes.size(); ++q) {
       const int s = layout.remotes[q];
-      RETURN_IF_ERROR(WaitFlag(layout.InboxFlag(inbox.data(), false, s), epoch + 1,
+      RETURN_IF_ERROR(WaitFlag(inbox_flag(false, s), epoch + 1,
                                "dispatch flag of rank " + std::to_string(s) + at));
       const RelayLayout theirs(Config(c.world_size, s, per_node), kSlotBytes);
       const Ask ask = AskOf(theirs, s, me, epoch);
@@ -142,7 +150,7 @@ Status RunRank(Bootstrap& b, int per_node) {
     std::atomic_ref<uint64_t>(*layout.OutboxFlag(outbox.data(), true))
         .store(epoch + 1, std::memory_order_release);
     for (int r : layout.remotes) {
-      RETURN_IF_ERROR(WaitFlag(layout.InboxFlag(inbox.data(), true, r), epoch + 1,
+      RETURN_IF_ERROR(WaitFlag(inbox_flag(true, r), epoch + 1,
                                "combine flag of rank " + std::to_string(r) + at));
       const Ask ask = AskOf(layout, me, r, epoch);
       const uint8_t* rows = inbox.data() + layout.in_combine_off + ask.row_start * layout.row_bytes;
@@ -153,11 +161,23 @@ Status RunRank(Bootstrap& b, int per_node) {
     }
     CHECK_OR_RETURN(!relay->failed(), relay->error().ToString());
   }
+  if (separate_flags) {  // nothing was raised at the inbox's start
+    for (int r = 0; r < c.world_size; ++r) {
+      CHECK_OR_RETURN(*layout.InboxFlag(inbox.data(), false, r) == 0 &&
+                          *layout.InboxFlag(inbox.data(), true, r) == 0,
+                      "a flag raised in the inbox although the flags live elsewhere");
+    }
+  }
   return b.Barrier(30s);
 }
 
 TEST(RelayTest, FourEpochsBetweenTwoNodesOfTwo) {
   auto exits = RunLocalRanks(4, [](Bootstrap& b) { return RunRank(b, 2); }, 120s);
+  for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
+}
+
+TEST(RelayTest, InboxFlagsInABufferOfTheirOwn) {
+  auto exits = RunLocalRanks(2, [](Bootstrap& b) { return RunRank(b, 1, true); }, 120s);
   for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
 }
 

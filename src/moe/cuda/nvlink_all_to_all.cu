@@ -15,6 +15,7 @@
 
 #include "common/cuda_shared_memory.h"
 #include "common/fd_exchange.h"
+#include "moe/cuda/gdr_flags.h"
 #include "moe/cuda/pinned_buffer.h"
 #include "moe/cuda/cuda_util.cuh"
 #include "moe/cuda/nvlink_all_to_all.h"
@@ -1440,8 +1441,21 @@ class NvlinkAllToAll final : public AllToAll {
       inbox = static_cast<uint8_t*>(p);
       FERRY_CUDA(cudaHostGetDevicePointer(&p, outbox_.data(), 0));
       outbox = static_cast<uint8_t*>(p);
+      // The inbox flags in our GPU's memory when GDRCopy is there (FERRY_GDRCOPY=0: never).
+      RelayFlags flags;
+      const char* gdr_env = std::getenv("FERRY_GDRCOPY");
+      if (!(gdr_env && *gdr_env == '0')) {
+        auto gdr = GdrFlags::Open(2 * size_t(n), c_.cuda_device);
+        if (gdr.ok()) {
+          gdr_ = std::move(gdr).value();
+          flags = {gdr_->host_words(), true};
+        } else if (const char* t = std::getenv("FERRY_RELAY_TRACE"); t && *t && *t != '0') {
+          std::fprintf(stderr, "[rank %d] relay: inbox flags in host memory: %s\n", c_.rank,
+                       gdr.status().ToString().c_str());
+        }
+      }
       ASSIGN_OR_RETURN(relay_, Relay::Create(c_, relay, engine, bootstrap, inbox_.data(),
-                                             outbox_.data()));
+                                             outbox_.data(), 60000, flags));
     }
     // Every rank's send grids: what its flags for us gain per epoch.
     std::vector<uint8_t> grids(2 * sizeof(int32_t));
@@ -1455,6 +1469,10 @@ class NvlinkAllToAll final : public AllToAll {
       }
       if (relay.Remote(r)) {
         peers[r] = RemotePeer(relay, inbox, outbox, r);
+        if (gdr_) {  // the relay raises them in our GPU's memory
+          peers[r].dispatch_flag_in = gdr_->device_words() + r;
+          peers[r].combine_flag_in = gdr_->device_words() + n + r;
+        }
       } else {
         peers[r] = NodePeer(bases[c_.rank], bases[r], r);
         int32_t theirs[2];
@@ -1821,6 +1839,7 @@ class NvlinkAllToAll final : public AllToAll {
   Nv nv_{};
   SharedCudaMemory shared_;
   PinnedBuffer inbox_, outbox_;  // other nodes (relay.h); the relay reads and writes them
+  std::unique_ptr<GdrFlags> gdr_;  // the inbox flags in GPU memory, when GDRCopy is there
   std::unique_ptr<Relay> relay_;
   DeviceArray<NvPeer> peers_;
   DeviceArray<Scratch> scratch_;

@@ -19,8 +19,11 @@
 // The kernels reach every rank through a table (NvPeer): for a rank of our node, the places
 // above in its buffer and ours; for a rank of another node, our outbox section for it and our
 // inbox section from it (pinned host memory the GPU maps), which the relay thread carries over
-// the TransferEngine. Between nodes every slot is pushed (no pull), and the combine rows for a
-// remote sender are rebased to the first one it expects from us. A flag from a rank of our node
+// the TransferEngine. Where GDRCopy is installed (/dev/gdrdrv and libgdrapi, found at run time;
+// FERRY_GDRCOPY=0 turns it off) the inbox flags live in our GPU's memory instead and the relay
+// writes them through the GDRCopy mapping, so the kernels poll local memory (gdr_flags.h).
+// Between nodes every slot is pushed (no pull), and the combine rows for a remote sender are
+// rebased to the first one it expects from us. A flag from a rank of our node
 // counts that rank's send blocks (each adds one when its writes are out); a flag from another
 // node holds "epoch + 1", which the relay stores in our inbox. The receiver waits for "epoch + 1"
 // times the sender's step per epoch (its grid, exchanged at creation; 1 through the relay). With

@@ -1,0 +1,50 @@
+// GdrFlags: a few words of GPU memory that the host writes through a GDRCopy mapping (the GPU's
+// BAR1, mapped into this process), for the flags the relay raises and the kernels poll: the
+// kernels then poll their own memory instead of reading host memory over PCIe on every poll.
+//
+// GDRCopy is optional and loaded at run time (dlopen of libgdrapi); without the library, without
+// /dev/gdrdrv, or when pinning fails, Open says Unavailable and why, and the caller keeps its
+// flags in pinned host memory. Only the host -> GPU direction uses it: the GPU's own flags for
+// the relay stay in pinned host memory, where the CPU polls its cache instead of reading the BAR
+// (uncached, about a microsecond per read).
+//
+// Memory ordering: the mapping is write-combining. A host store there is not guaranteed to leave
+// the CPU soon, nor ordered with later stores, until a fence: the writer stores, then fences
+// (the relay: std::atomic_thread_fence(seq_cst), an mfence on x86).
+// Compiles without CUDA (pinned_buffer.h's rule); the implementation is in gdr_flags.cu.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "ferry/status.h"
+
+namespace ferry::moe {
+
+class GdrFlags {
+ public:
+  // `words` zeroed 64-bit words on CUDA device `device`, mapped for the host.
+  static StatusOr<std::unique_ptr<GdrFlags>> Open(size_t words, int device);
+  ~GdrFlags();
+  GdrFlags(const GdrFlags&) = delete;
+  GdrFlags& operator=(const GdrFlags&) = delete;
+
+  uint64_t* device_words() const { return device_; }  // for the kernels
+  uint64_t* host_words() const { return host_; }      // for the host: store, then fence
+
+ private:
+  struct Api;
+  GdrFlags() = default;
+  std::unique_ptr<Api> api_;
+  void* gdr_ = nullptr;       // gdr_t
+  unsigned long handle_ = 0;  // gdr_mh_t
+  bool pinned_ = false;
+  void* map_ = nullptr;       // the mapping of the pinned range
+  size_t map_bytes_ = 0;
+  void* allocation_ = nullptr;  // cudaMalloc'ed, over-allocated for the 64 KiB alignment
+  uint64_t* device_ = nullptr;
+  uint64_t* host_ = nullptr;
+};
+
+}  // namespace ferry::moe
