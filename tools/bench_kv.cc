@@ -92,8 +92,13 @@ Status Run(const KvBenchOptions& o, const Model& m, Bootstrap& b, Result* out) {
   RawFabric raw;
   RETURN_IF_ERROR(raw.Open(o.provider, eo.node, memory.data(), memory.size()));
   ASSIGN_OR_RETURN(auto raws, b.AllGather(raw.Describe(), 60s));
-  // The raw baseline runs between the prefill and the first decoder only.
-  if (b.rank() <= 1) RETURN_IF_ERROR(raw.Connect(raws[b.rank() == 0 ? 1 : 0]));
+  // The raw baseline writes every decoder's bytes, as the messenger does: the prefill connects
+  // to every decoder, each decoder to the prefill.
+  if (prefill) {
+    for (int r = 1; r < b.world_size(); ++r) RETURN_IF_ERROR(raw.Connect(raws[r]));
+  } else {
+    RETURN_IF_ERROR(raw.Connect(raws[0]));
+  }
   ASSIGN_OR_RETURN(auto addresses, b.AllGather(engine->Address(), 60s));
 
   // The messenger's two sides, for every round.
@@ -134,17 +139,21 @@ Status Run(const KvBenchOptions& o, const Model& m, Bootstrap& b, Result* out) {
   for (int round = 0; round < o.rounds; ++round) {
     double raw_us = 0;
     if (prefill) {
+      // Write i goes to decoder i % decoders: the plan's writes layer by layer, each to every
+      // decoder in turn; the last write to each decoder carries its one immediate.
       const uint64_t window = std::min<uint64_t>(64, raw.tx_depth());
-      uint64_t posted = 0, done = 0, total = plan.writes.size() * m.layers;
+      const uint64_t per_decoder = plan.writes.size() * m.layers;
+      uint64_t posted = 0, done = 0, total = per_decoder * decoders;
       double t0 = NowUs();
       while (done < total) {
         while (posted < total && posted - done < window) {
-          const KvWrite& w = plan.writes[posted % plan.writes.size()];
-          const int64_t layer = static_cast<int64_t>(posted / plan.writes.size());
+          const uint64_t k = posted / decoders;
+          const KvWrite& w = plan.writes[k % plan.writes.size()];
+          const int64_t layer = static_cast<int64_t>(k / plan.writes.size());
           const uint64_t src = w.src_rank * src_shard_bytes + layer * stride + w.src_offset;
           const uint64_t dst = w.dst_rank * dst_shard_bytes + layer * dec.page_bytes() * pages +
                                w.dst_offset;
-          if (!raw.Post(src, dst, w.length, posted + 1 == total, 1)) break;
+          if (!raw.Post(posted % decoders, src, dst, w.length, k + 1 == per_decoder, 1)) break;
           ++posted;
         }
         int r = raw.Poll(&imms, &last);
@@ -152,7 +161,7 @@ Status Run(const KvBenchOptions& o, const Model& m, Bootstrap& b, Result* out) {
         done += r;
       }
       raw_us = NowUs() - t0;
-    } else if (b.rank() == 1) {
+    } else {
       while (imms <= static_cast<uint64_t>(round)) {  // one immediate per raw round
         if (raw.Poll(&imms, &last) < 0) return InternalError("raw completion error");
       }
@@ -258,7 +267,7 @@ int RunKvBench(const KvBenchOptions& o) {
   };
   if (!o.json) {
     std::printf("ferry-bench kv  provider=%s prompt=%d tokens  (1 prefill -> %d decode "
-                "process%s; figures of decoder 1; raw moves one decoder's bytes)\n",
+                "process%s; figures of decoder 1; raw writes every decoder's bytes)\n",
                 o.provider.c_str(), o.tokens, o.decoders, o.decoders > 1 ? "es" : "");
     std::printf("%-20s %9s %9s | %10s %10s %8s %13s | %10s %10s %6s\n", "cache", "MB",
                 "writes/l", "ferry ms", "raw ms", "ratio", "(min..max)", "tail us", "layer us",

@@ -89,25 +89,35 @@ class RawFabric {
     return out;
   }
 
+  // Adds a peer (its Describe()); Post names peers by the order they were connected.
   Status Connect(const std::vector<uint8_t>& peer) {
-    size_t name_len = peer.size() - 16;
-    std::memcpy(&peer_base_, peer.data() + name_len, 8);
-    std::memcpy(&peer_key_, peer.data() + name_len + 8, 8);
-    int ret = fi_av_insert(av_, peer.data(), 1, &peer_, 0, nullptr);
-    return ret == 1 ? Status::Ok() : Err("fi_av_insert", ret);
+    if (peer.size() <= 16) return InvalidArgumentError("raw: malformed peer description");
+    const size_t name_len = peer.size() - 16;
+    Peer p;
+    std::memcpy(&p.base, peer.data() + name_len, 8);
+    std::memcpy(&p.key, peer.data() + name_len + 8, 8);
+    int ret = fi_av_insert(av_, peer.data(), 1, &p.addr, 0, nullptr);
+    if (ret != 1) return Err("fi_av_insert", ret);
+    peers_.push_back(p);
+    return Status::Ok();
   }
 
   size_t tx_depth() const { return info_->tx_attr->size; }
 
-  // Posts a write of [src_off, +len) to the peer at dst_off; false when the provider is full.
+  // Posts a write of [src_off, +len) to peer `peer` at dst_off; false when the provider is full.
   // Writes larger than the provider's message size are the caller's to split.
-  bool Post(uint64_t src_off, uint64_t dst_off, uint64_t len, bool imm, uint32_t data) {
+  bool Post(size_t peer, uint64_t src_off, uint64_t dst_off, uint64_t len, bool imm,
+            uint32_t data) {
+    const Peer& p = peers_[peer];
     fi_context2* ctx = &contexts_[next_ctx_++ % contexts_.size()];
-    ssize_t ret = imm ? fi_writedata(ep_, buf_ + src_off, len, desc_, data, peer_,
-                                     peer_base_ + dst_off, peer_key_, ctx)
-                      : fi_write(ep_, buf_ + src_off, len, desc_, peer_, peer_base_ + dst_off,
-                                 peer_key_, ctx);
+    ssize_t ret = imm ? fi_writedata(ep_, buf_ + src_off, len, desc_, data, p.addr,
+                                     p.base + dst_off, p.key, ctx)
+                      : fi_write(ep_, buf_ + src_off, len, desc_, p.addr, p.base + dst_off,
+                                 p.key, ctx);
     return ret == 0;
+  }
+  bool Post(uint64_t src_off, uint64_t dst_off, uint64_t len, bool imm, uint32_t data) {
+    return Post(0, src_off, dst_off, len, imm, data);
   }
 
   // Reads completions; returns local completions and counts remote immediates in *imms
@@ -147,8 +157,11 @@ class RawFabric {
   uint8_t* buf_ = nullptr;
   void* desc_ = nullptr;
   bool virt_addr_ = false;
-  fi_addr_t peer_ = 0;
-  uint64_t peer_base_ = 0, peer_key_ = 0;
+  struct Peer {
+    fi_addr_t addr = 0;
+    uint64_t base = 0, key = 0;
+  };
+  std::vector<Peer> peers_;
   std::vector<fi_context2> contexts_;
   uint64_t next_ctx_ = 0;
 };
