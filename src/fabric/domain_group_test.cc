@@ -163,6 +163,38 @@ TEST_P(DomainGroupTest, PagedWritesStripePagesOverTheNics) {
   for (uint32_t k = 0; k < n; ++k) EXPECT_EQ(d[k], kPages / n + (k < kPages % n)) << "NIC " << k;
 }
 
+// imm_once across NICs: the pages stripe as before, and the one weighted immediate (on the last
+// page's NIC, after every NIC completed its pages) finds every page in place.
+TEST_P(DomainGroupTest, APagedWriteWithOneImmediateStripesAndCountsItsPages) {
+  const uint32_t n = GetParam().sender_nics;
+  constexpr uint32_t kPages = 60, kPage = 4096, kImm = 0x11000000, kMask = 0x000FF000;
+  std::vector<uint32_t> src_pages(kPages), dst_pages(kPages);
+  std::iota(src_pages.begin(), src_pages.end(), 0);
+  std::iota(dst_pages.begin(), dst_pages.end(), 0);
+  std::shuffle(dst_pages.begin(), dst_pages.end(), std::mt19937(5));
+  ASSERT_TRUE(b_[1]->CreateWeightedImmCounter(kImm, kMask).ok());
+  auto before = a_->stats().wrs_posted_per_nic;
+  const uint64_t imms_before = b_[1]->stats().imms_received;
+  TransferCounter done;
+  PagedWrite w{.src = &src_reg_, .peer = peers_[1], .dst = dst_reg_[1].remote(),
+               .page_bytes = kPage, .src_stride = kPage, .dst_stride = kPage,
+               .src_pages = src_pages, .dst_pages = dst_pages,
+               .imm = WeightedImm(kImm, kMask, kPages), .imm_once = true};
+  ASSERT_TRUE(a_->WritePaged(w, Completion::Counter(&done)).ok());
+  ASSERT_TRUE(b_[1]->WaitImm(kImm, kPages, Deadline::After(10s)).ok());
+  for (uint32_t i = 0; i < kPages; ++i) {
+    ASSERT_EQ(0, std::memcmp(dst_[1].data() + uint64_t{dst_pages[i]} * kPage,
+                             src_.data() + uint64_t{src_pages[i]} * kPage, kPage))
+        << "page " << i;
+  }
+  ASSERT_TRUE(done.Wait(1, Deadline::After(10s)).ok());
+  EXPECT_EQ(done.failed.load(), 0u);
+  EXPECT_EQ(*b_[1]->ImmCount(kImm), kPages);
+  EXPECT_EQ(b_[1]->stats().imms_received - imms_before, 1u);
+  auto d = Delta(a_->stats().wrs_posted_per_nic, before);
+  for (uint32_t k = 0; k < n; ++k) EXPECT_EQ(d[k], kPages / n + (k < kPages % n)) << "NIC " << k;
+}
+
 TEST_P(DomainGroupTest, ScatterAndBarrierShardPeersOverTheNics) {
   const uint32_t n = GetParam().sender_nics;
   auto group = a_->AddPeerGroup(peers_);
