@@ -1,6 +1,10 @@
 // The NVLink AllToAll: dispatch and combine between GPUs, kernels only; inside a node over
 // NVLink, between nodes through the relay (relay.h).
 //
+// Files: nvlink_protocol.cuh (what kernels and host share: the slot format, the peer table,
+// device state, flags and waits), nvlink_kernels.cuh (the kernels, step by step),
+// nvlink_all_to_all.cu (the host side: memory, peers, relay, launches).
+//
 // Memory. Every rank allocates one buffer with cuMemCreate (exportable as a POSIX descriptor),
 // sends the descriptor to the other ranks of its node (ExchangeFds) and maps theirs; so each rank
 // can write (and read) the buffers of its node. A rank's buffer (N ranks, L local experts,

@@ -1,0 +1,907 @@
+// The NVLink AllToAll's kernels, step by step: DispatchSend (Route + Pack, or SendSmall for
+// decode batches), DispatchRecv (Unpack), CombineSend, CombineRecv. What they share with the host
+// side is in nvlink_protocol.cuh; design in nvlink_all_to_all.h. Included by
+// nvlink_all_to_all.cu only.
+#pragma once
+
+#include <cub/block/block_radix_sort.cuh>
+#include <cub/block/block_scan.cuh>
+
+#include <cstdint>
+#include <cstring>
+
+#include "moe/cuda/nvlink_protocol.cuh"
+
+namespace ferry::moe::nv {
+
+// ---- dispatch send ----------------------------------------------------------------------------
+
+using RouteScan = cub::BlockScan<int32_t, kRouteThreads>;
+using RouteSort = cub::BlockRadixSort<uint32_t, kRouteThreads, kSortItems, int32_t>;
+union RouteSmem {
+  typename RouteScan::TempStorage scan;
+  typename RouteSort::TempStorage sort;
+  uint32_t keys[kChunk];
+};
+
+// Rank r's block: for each token in order, its slots and combine rows on rank r as exclusive
+// prefix sums. Reports expert ids out of range (rank 0's block), which every step then skips.
+__device__ void RankScan(const Nv& v, const SendArgs& a, int tokens, int r, RouteSmem& smem) {
+  auto count = [&](int t) {
+    int32_t ids[kMaxK];  // all of the token's loads in flight at once
+#pragma unroll
+    for (int j = 0; j < kMaxK; ++j) ids[j] = j < v.k ? a.indices[int64_t{t} * v.k + j] : 0;
+    int hits = 0;
+#pragma unroll
+    for (int j = 0; j < kMaxK; ++j) {
+      if (j >= v.k) break;
+      const int32_t e = ids[j];
+      if (!ValidExpert(v, e)) {
+        if (r == 0) Report(v, kBadExpert, t, e);
+        continue;
+      }
+      hits += e / v.l == r;
+    }
+    return make_int2(hits == 0 ? 0 : (v.once ? 1 : hits), hits == 0 ? 0 : (v.reduce ? 1 : hits));
+  };
+  ScanTokensForRank<kRouteThreads>(r, v.n, tokens, v.t_max, count, v.slot_pos, v.row_pos,
+                                   v.totals, smem.scan);
+}
+
+// Chunk c's block: entries [c * kChunk, (c + 1) * kChunk) of the (token, k) list. A stable
+// radix sort by expert gives each copy its rank among the chunk's copies for that expert, and
+// the chunk's count per expert. Also copies the routing for the later steps.
+__device__ void SortChunk(const Nv& v, const SendArgs& a, int tokens, int c, RouteSmem& smem) {
+  __shared__ int32_t head[kMaxExperts + 1];
+  const int64_t first = int64_t{c} * kChunk, entries = int64_t{tokens} * v.k;
+  uint32_t keys[kSortItems];
+  int32_t items[kSortItems];
+  for (int i = 0; i < kSortItems; ++i) {
+    const int p = threadIdx.x * kSortItems + i;
+    const int64_t f = first + p;
+    keys[i] = v.e;  // past the end, or an invalid id: sorts last, never counted
+    items[i] = p;
+    if (f < entries) {
+      const int32_t e = a.indices[f];
+      v.indices[f] = e;
+      v.weights[f] = a.weights[f];
+      if (ValidExpert(v, e)) keys[i] = e;
+    }
+  }
+  for (int e = threadIdx.x; e <= v.e; e += blockDim.x) head[e] = -1;
+  const int bits = 32 - __clz(v.e);
+  RouteSort(smem.sort).Sort(keys, items, 0, bits);
+  __syncthreads();
+  for (int i = 0; i < kSortItems; ++i) smem.keys[threadIdx.x * kSortItems + i] = keys[i];
+  __syncthreads();
+  for (int i = 0; i < kSortItems; ++i) {
+    const int p = threadIdx.x * kSortItems + i;
+    if (p == 0 || smem.keys[p - 1] != keys[i]) head[keys[i]] = p;
+  }
+  __syncthreads();
+  int32_t* counts = v.chunk_counts + int64_t{c} * v.e;
+  for (int i = 0; i < kSortItems; ++i) {
+    const int p = threadIdx.x * kSortItems + i;
+    const uint32_t key = keys[i];
+    if (key >= static_cast<uint32_t>(v.e)) continue;
+    const int32_t rank = p - head[key];
+    v.erank[first + items[i]] = rank;
+    if (p == kChunk - 1 || smem.keys[p + 1] != key) counts[key] = rank + 1;
+  }
+  for (int e = threadIdx.x; e < v.e; e += blockDim.x) {
+    if (head[e] < 0) counts[e] = 0;
+  }
+}
+
+// Blocks [0, N): RankScan; blocks [N, N + chunks): SortChunk.
+__global__ void __launch_bounds__(kRouteThreads) RouteKernel(Nv v, SendArgs a) {
+  __shared__ RouteSmem smem;
+  const int tokens = SendTokens(v, a);
+  if (blockIdx.x < v.n) {
+    RankScan(v, a, tokens, blockIdx.x, smem);
+  } else {
+    SortChunk(v, a, tokens, blockIdx.x - v.n, smem);
+  }
+}
+
+// Where slot j of ours for rank r goes: pushed to r (its private region, or our outbox section
+// for it) while j < r's slot cap, else into our send area (grouped by receiving rank, at `start`
+// for r) for r to pull. Our own slots stay in the send area.
+__device__ inline uint8_t* SlotDst(const Nv& v, int r, int64_t j, int64_t start,
+                                   uint8_t* slots, int32_t slot_cap) {
+  if (r != v.me && j < slot_cap) return slots + j * v.slot_bytes;
+  return v.own + v.send_off + (start + j) * v.slot_bytes;
+}
+__device__ inline uint8_t* SlotDst(const Nv& v, int r, int64_t j, int64_t start) {
+  return SlotDst(v, r, j, start, v.peer[r].slots, v.peer[r].slot_cap);
+}
+
+// Tokens t = blockIdx.x, + grid...: token t's slots, rank by rank (SlotDst). Warp 0 lays the
+// slots out; then the token row is read once and stored into every slot. Block 0 writes the
+// counts rows into every rank first; every block arrives at every rank's dispatch flag.
+__global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
+  extern __shared__ int64_t starts[];  // [2N]: first slot per receiving rank in our send area,
+                                       // first combine row per expert rank
+  __shared__ uint8_t* dst[kMaxK];      // the token's slots
+  __shared__ int num_slots;
+  LaunchDependents();
+  const uint64_t epoch = v.scratch->epoch;
+  const int tokens = v.scratch->tokens;
+  int64_t* row_starts = starts + v.n;
+  PrefixTotals(v.totals, v.n, starts);
+  PrefixTotals(v.totals + v.n, v.n, row_starts);
+  if (blockIdx.x == 0) {  // our counts row into every rank, before block 0 arrives
+    WriteCountsRows(v, [&](int r, int c) {
+      if (c == v.l + kColSlots) return int64_t{v.totals[r]};
+      if (c == v.l + kColSendStart) return starts[r];
+      if (c == v.l + kColRowStart) return row_starts[r];
+      if (c == v.l + kColRows) return int64_t{v.totals[v.n + r]};
+      int64_t value = 0;
+      for (int ch = 0; ch < v.chunks; ++ch) {
+        value += v.chunk_counts[int64_t{ch} * v.e + r * v.l + c];
+      }
+      return value;
+    });
+  }
+  for (int t = blockIdx.x; t < tokens; t += gridDim.x) {
+    // Warp 0: lane j places the token's j-th copy; its slot's first lane writes the header.
+    if (threadIdx.x < 32) {
+      const LaneRoute x = RouteLane(v, v.indices + int64_t{t} * v.k);
+      const int lane = threadIdx.x;
+      if (x.valid) {
+        const int64_t f = int64_t{t} * v.k + lane;
+        int32_t pos = v.erank[f];
+        for (int c = 0; c < f / kChunk; ++c) pos += v.chunk_counts[int64_t{c} * v.e + x.e];
+        const int r = x.r;
+        const int o = v.once ? 0 : x.within;  // which of the token's slots for rank r
+        const int64_t j = v.slot_pos[int64_t{r} * v.t_max + t] + o;
+        uint8_t* d = SlotDst(v, r, j, starts[r]);
+        const NvEntry entry{x.e % v.l, lane, v.weights[f], pos};
+        reinterpret_cast<NvEntry*>(d + sizeof(NvHeader))[v.once ? x.within : 0] = entry;
+        if (!v.once || x.first) {
+          const int32_t row = static_cast<int32_t>(row_starts[r] +
+                                                   v.row_pos[int64_t{r} * v.t_max + t] +
+                                                   (v.once || v.reduce ? 0 : o));
+          *reinterpret_cast<NvHeader*>(d) =
+              NvHeader{t, v.once ? x.hits : 1, row, static_cast<int16_t>(o),
+                       static_cast<int16_t>(v.once ? 1 : x.hits)};
+          dst[v.once ? x.ranks_before : x.lanes_before + x.within] = d;
+        }
+      }
+      if (lane == 0) num_slots = __popc(v.once ? x.firsts : x.valids);
+    }
+    __syncthreads();
+    const int ns = num_slots;
+    // The row: four vectors in flight per thread, each stored into every slot.
+    if (ns > 0) {
+      const auto* row = reinterpret_cast<const uint4*>(a.x + int64_t{t} * v.payload);
+      const int64_t vectors = v.payload / 16, meta = v.meta_bytes / 16;
+      for (int64_t base = threadIdx.x; base < vectors; base += 4 * int64_t{blockDim.x}) {
+        uint4 r[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int64_t i = base + u * int64_t{blockDim.x};
+          if (i < vectors) r[u] = __ldg(row + i);
+        }
+        for (int slot = 0; slot < ns; ++slot) {
+          uint4* d = reinterpret_cast<uint4*>(dst[slot]) + meta;
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            const int64_t i = base + u * int64_t{blockDim.x};
+            if (i < vectors) d[i] = r[u];
+          }
+        }
+      }
+      for (int i = threadIdx.x; i < v.spt; i += blockDim.x) {  // one load, every slot
+        const float scale = a.scales[int64_t{t} * v.spt + i];
+        for (int slot = 0; slot < ns; ++slot) {
+          reinterpret_cast<float*>(dst[slot] + v.meta_bytes + v.payload)[i] = scale;
+        }
+      }
+    }
+    __syncthreads();  // dst and num_slots are rewritten for the next token
+  }
+  Arrive(v, false, epoch);
+}
+
+// ---- dispatch send in one kernel (small batches) ------------------------------------------------
+
+// Dynamic shared memory of SendSmallKernel. "Before": in the entries of tokens before the
+// block's first token.
+struct SmallSmem {
+  int64_t* starts;      // [N] first slot per receiving rank in our send area
+  int64_t* row_starts;  // [N] first combine row per expert rank
+  uint8_t** peer_slots; // [N] v.peer[r].slots, loaded at the start (SlotDst)
+  int32_t* peer_cap;    // [N] v.peer[r].slot_cap
+  int32_t* slots;       // [N] our slots per receiving rank
+  int32_t* rows;        // [N] combine rows per expert rank
+  int32_t* copies_before;  // [N] copies for rank r
+  int32_t* tokens_all;     // [N] tokens with a copy for rank r
+  int32_t* tokens_before;  // [N]
+  int32_t* hist;           // [E] copies per expert
+  int32_t* hist_before;    // [E]
+  int32_t* idx;            // [T * K] the routing, as given
+};
+__host__ __device__ inline size_t SmallSmemBytes(int n, int e, int64_t entries) {
+  return size_t(n) * (3 * sizeof(int64_t) + 6 * sizeof(int32_t)) + 2 * size_t(e) * sizeof(int32_t) +
+         size_t(entries) * sizeof(int32_t);
+}
+__device__ inline SmallSmem CarveSmallSmem(void* raw, int n, int e) {
+  SmallSmem m;
+  m.starts = static_cast<int64_t*>(raw);
+  m.row_starts = m.starts + n;
+  m.peer_slots = reinterpret_cast<uint8_t**>(m.row_starts + n);
+  m.peer_cap = reinterpret_cast<int32_t*>(m.peer_slots + n);
+  m.slots = m.peer_cap + n;
+  m.rows = m.slots + n;
+  m.copies_before = m.rows + n;
+  m.tokens_all = m.copies_before + n;
+  m.tokens_before = m.tokens_all + n;
+  m.hist = m.tokens_before + n;
+  m.hist_before = m.hist + e;
+  m.idx = m.hist_before + e;
+  return m;
+}
+
+// Whether entry f (valid, rank r) is the first of its token's copies for rank r.
+__device__ inline bool FirstForRank(const Nv& v, const int32_t* idx, int f, int r) {
+  for (int i = f - f % v.k; i < f; ++i) {
+    if (ValidExpert(v, idx[i]) && idx[i] / v.l == r) return false;
+  }
+  return true;
+}
+
+// Block b sends tokens b * W + w (warp w), so each block needs positions only for its own W
+// tokens. It reads the whole routing into shared memory and counts, with shared atomics, copies
+// per expert and tokens per rank over all tokens (the totals: slot and combine-row starts per
+// rank) and over the tokens before its own; within its own tokens a warp counts with ballots.
+// That gives what Route computes -- each copy's position among the copies for its expert, each
+// token's first slot and combine row on each rank -- with no grid-wide step, so DispatchSend is
+// one launch. The row's first batch is loaded before the slots are laid out.
+__global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs a) {
+  extern __shared__ int64_t small_raw[];
+  __shared__ uint8_t* dst_of[kSmallWarps][kMaxK];  // a token's slots (SlotDst)
+  const SmallSmem m = CarveSmallSmem(small_raw, v.n, v.e);
+  LaunchDependents();
+  const uint64_t epoch = v.scratch->epoch;
+  Mark(v, kTraceSend, 0);
+  const int tokens = SendTokens(v, a);
+  const int entries = tokens * v.k;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int first_token = blockIdx.x * kSmallWarps;
+
+  for (int i = threadIdx.x; i < v.e; i += blockDim.x) m.hist[i] = m.hist_before[i] = 0;
+  for (int i = threadIdx.x; i < v.n; i += blockDim.x) m.tokens_all[i] = m.tokens_before[i] = 0;
+  // The peers' slot areas (SlotDst): loaded now, stored to shared memory once counted, so that
+  // no thread waits for them before its routing loads are out.
+  uint8_t* peer_slots = nullptr;
+  int32_t peer_cap = 0;
+  if (threadIdx.x < v.n) {
+    peer_slots = v.peer[threadIdx.x].slots;
+    peer_cap = v.peer[threadIdx.x].slot_cap;
+  }
+  for (int base = 0; base < entries; base += 8 * blockDim.x) {  // eight loads in flight
+    int32_t ids[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int f = base + threadIdx.x + u * blockDim.x;
+      if (f < entries) ids[u] = a.indices[f];
+    }
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int f = base + threadIdx.x + u * blockDim.x;
+      if (f < entries) m.idx[f] = ids[u];
+    }
+  }
+  __syncthreads();
+  Mark(v, kTraceSend, 1);
+  // Thread per token. Tokens per rank: up to 32 ranks, a rank mask per token and one ballot per
+  // rank and warp (same-address shared atomics from a whole warp serialise); beyond, atomics.
+  bool bad = a.dev_tokens && *a.dev_tokens != tokens;
+  for (int base = 0; base < tokens; base += blockDim.x) {
+    const int t = base + threadIdx.x;
+    const bool before = t < first_token;
+    uint32_t ranks = 0;
+    for (int f = t * v.k; t < tokens && f < (t + 1) * v.k; ++f) {
+      const int32_t e = m.idx[f];
+      if (!ValidExpert(v, e)) {
+        bad = true;
+        if (blockIdx.x == 0) Report(v, kBadExpert, t, e);
+        continue;
+      }
+      atomicAdd(&m.hist[e], 1);
+      if (before) atomicAdd(&m.hist_before[e], 1);
+      const int r = e / v.l;
+      if (v.n <= 32) {
+        ranks |= 1u << r;
+      } else if (FirstForRank(v, m.idx, f, r)) {
+        atomicAdd(&m.tokens_all[r], 1);
+        if (before) atomicAdd(&m.tokens_before[r], 1);
+      }
+    }
+    for (int r = 0; v.n <= 32 && r < v.n; ++r) {
+      const int all = __popc(__ballot_sync(~0u, ranks >> r & 1));
+      const int early = __popc(__ballot_sync(~0u, before && (ranks >> r & 1)));
+      if (lane == 0 && all) atomicAdd(&m.tokens_all[r], all);
+      if (lane == 0 && early) atomicAdd(&m.tokens_before[r], early);
+    }
+  }
+  if (__syncthreads_or(bad) && a.strict) return;  // nothing sent; the step may be retried
+  Mark(v, kTraceSend, 2);
+
+  for (int i = threadIdx.x; i < v.n; i += blockDim.x) {
+    m.peer_slots[i] = i == threadIdx.x ? peer_slots : v.peer[i].slots;
+    m.peer_cap[i] = i == threadIdx.x ? peer_cap : v.peer[i].slot_cap;
+  }
+  for (int r = warp; r < v.n; r += kSmallWarps) {  // copies per rank, from the expert counts
+    int32_t all = 0, before = 0;
+    for (int i = lane; i < v.l; i += 32) {
+      all += m.hist[r * v.l + i];
+      before += m.hist_before[r * v.l + i];
+    }
+    all = __reduce_add_sync(~0u, all);
+    before = __reduce_add_sync(~0u, before);
+    if (lane == 0) {
+      m.slots[r] = v.once ? m.tokens_all[r] : all;
+      m.rows[r] = v.reduce ? m.tokens_all[r] : all;
+      m.copies_before[r] = before;
+    }
+  }
+  __syncthreads();
+  if (warp == 0) {  // exclusive prefix sums over the ranks, 32 at a time
+    int64_t carry_slots = 0, carry_rows = 0;
+    for (int b = 0; b < v.n; b += 32) {
+      const int r = b + lane;
+      const int64_t my_slots = r < v.n ? m.slots[r] : 0, my_rows = r < v.n ? m.rows[r] : 0;
+      int64_t slots = my_slots, rows = my_rows;
+      for (int d = 1; d < 32; d *= 2) {
+        const int64_t s2 = __shfl_up_sync(~0u, slots, d), r2 = __shfl_up_sync(~0u, rows, d);
+        if (lane >= d) {
+          slots += s2;
+          rows += r2;
+        }
+      }
+      if (r < v.n) {
+        m.starts[r] = carry_slots + slots - my_slots;
+        m.row_starts[r] = carry_rows + rows - my_rows;
+      }
+      carry_slots += __shfl_sync(~0u, slots, 31);
+      carry_rows += __shfl_sync(~0u, rows, 31);
+    }
+  }
+  __syncthreads();
+  // Block 0 writes our counts rows into every rank now; every block arrives once its rows are out.
+  if (blockIdx.x == 0) {
+    for (int r = threadIdx.x; r < v.n; r += blockDim.x) {  // for CombineRecv
+      v.totals[r] = m.slots[r];
+      v.totals[v.n + r] = m.rows[r];
+    }
+    WriteCountsRows(v, [&](int r, int c) {
+      if (c == v.l + kColSlots) return int64_t{m.slots[r]};
+      if (c == v.l + kColSendStart) return m.starts[r];
+      if (c == v.l + kColRowStart) return m.row_starts[r];
+      if (c == v.l + kColRows) return int64_t{m.rows[r]};
+      return int64_t{m.hist[r * v.l + c]};
+    });
+  }
+  Mark(v, kTraceSend, 3);
+
+  const int64_t vectors = v.payload / 16, meta = v.meta_bytes / 16;
+  const int t = first_token + warp;
+  if (t < tokens) {
+    // The row's first batch and the token's weights, in flight while the slots are laid out.
+    const auto* row = reinterpret_cast<const uint4*>(a.x + int64_t{t} * v.payload);
+    uint4 batch[kLaneVectors];
+#pragma unroll
+    for (int u = 0; u < kLaneVectors; ++u) {
+      const int64_t i = lane + 32 * u;
+      if (i < vectors) batch[u] = __ldg(row + i);
+    }
+    const float weight = lane < v.k ? a.weights[int64_t{t} * v.k + lane] : 0.0f;
+
+    // Lane j: the token's j-th copy. Counts over the block's earlier entries (its tokens before
+    // this one, and this token's copies before j), 32 entries per ballot.
+    const LaneRoute x = RouteLane(v, m.idx + t * v.k);
+    const int own = t * v.k;
+    int32_t pos = x.valid ? m.hist_before[x.e] : 0;
+    int32_t rank_copies = x.valid ? m.copies_before[x.r] : 0;  // before token t, on its rank
+    int32_t rank_tokens = x.valid ? m.tokens_before[x.r] : 0;
+    for (int base = first_token * v.k; base < own + v.k; base += 32) {
+      const int f = base + lane;
+      const int32_t e = f < own + v.k ? m.idx[f] : -1;
+      const bool valid = ValidExpert(v, e);
+      const int r = valid ? e / v.l : -1;
+      const bool earlier = f < own;
+      const bool first = valid && earlier && FirstForRank(v, m.idx, f, r);
+#pragma unroll
+      for (int j = 0; j < kMaxK; ++j) {
+        if (j >= v.k) break;
+        const int32_t ej = __shfl_sync(~0u, x.valid ? x.e : -1, j);
+        const int rj = __shfl_sync(~0u, x.r, j);
+        const int p = __popc(__ballot_sync(~0u, valid && e == ej && f < own + j));
+        const int c = __popc(__ballot_sync(~0u, valid && earlier && r == rj));
+        const int n = __popc(__ballot_sync(~0u, first && r == rj));
+        if (lane == j) {
+          pos += p;
+          rank_copies += c;
+          rank_tokens += n;
+        }
+      }
+    }
+    Mark(v, kTraceSend, 4);
+
+    // Lay out the token's slots (as PackKernel does).
+    if (x.valid) {
+      const int r = x.r;
+      const int o = v.once ? 0 : x.within;
+      const int64_t j = (v.once ? rank_tokens : rank_copies) + o;
+      uint8_t* d = SlotDst(v, r, j, m.starts[r], m.peer_slots[r], m.peer_cap[r]);
+      const NvEntry entry{x.e % v.l, lane, weight, pos};
+      reinterpret_cast<NvEntry*>(d + sizeof(NvHeader))[v.once ? x.within : 0] = entry;
+      if (!v.once || x.first) {
+        const int32_t row_pos = v.reduce ? rank_tokens : rank_copies;
+        const int32_t row = static_cast<int32_t>(m.row_starts[r] + row_pos +
+                                                 (v.once || v.reduce ? 0 : o));
+        *reinterpret_cast<NvHeader*>(d) =
+            NvHeader{t, v.once ? x.hits : 1, row, static_cast<int16_t>(o),
+                     static_cast<int16_t>(v.once ? 1 : x.hits)};
+        dst_of[warp][v.once ? x.ranks_before : x.lanes_before + x.within] = d;
+        if (x.first) v.row_pos[int64_t{r} * v.t_max + t] = row_pos;  // for CombineRecv
+      }
+    }
+    const int ns = __popc(v.once ? x.firsts : x.valids);
+    __syncwarp();
+
+    // The row into every slot, batch by batch; then the scales.
+    for (int64_t first = 0; first < vectors; first += 32 * kLaneVectors) {
+      if (first > 0) {
+#pragma unroll
+        for (int u = 0; u < kLaneVectors; ++u) {
+          const int64_t i = first + lane + 32 * u;
+          if (i < vectors) batch[u] = __ldg(row + i);
+        }
+      }
+      for (int slot = 0; slot < ns; ++slot) {
+        uint4* d = reinterpret_cast<uint4*>(dst_of[warp][slot]) + meta + first;
+#pragma unroll
+        for (int u = 0; u < kLaneVectors; ++u) {
+          const int64_t i = lane + 32 * u;
+          if (first + i < vectors) d[i] = batch[u];
+        }
+      }
+    }
+    for (int base = 0; base < v.spt; base += 4 * 32) {
+      float scale[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int i = base + lane + 32 * u;
+        if (i < v.spt) scale[u] = a.scales[int64_t{t} * v.spt + i];
+      }
+      for (int slot = 0; slot < ns; ++slot) {
+        auto* d = reinterpret_cast<float*>(dst_of[warp][slot] + v.meta_bytes + v.payload);
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int i = base + lane + 32 * u;
+          if (i < v.spt) d[i] = scale[u];
+        }
+      }
+    }
+  }
+  Mark(v, kTraceSend, 5);
+  Arrive(v, false, epoch);
+  Mark(v, kTraceSend, 6);
+  // The routing for the combine steps, spread over the blocks, after the arrival (off the
+  // critical path: only CombineSend and CombineRecv read it, behind this kernel in stream order).
+  for (int f = blockIdx.x * blockDim.x + threadIdx.x; f < entries; f += gridDim.x * blockDim.x) {
+    v.indices[f] = m.idx[f];
+    v.weights[f] = a.weights[f];
+  }
+}
+
+// ---- dispatch receive -------------------------------------------------------------------------
+
+// What Unpack needs of a sender's NvPeer, in shared memory.
+struct PeerIn {
+  const int32_t* counts;
+  const uint8_t* slots;
+  const uint8_t* pull;
+  int32_t slot_cap, remote, row_cap, pad[3];
+};
+static_assert(sizeof(PeerIn) % 16 == 0, "PeerIn keeps what follows it 16-byte aligned");
+
+__device__ inline void LoadPeersIn(const Nv& v, PeerIn* out) {
+  for (int q = threadIdx.x; q < v.n; q += blockDim.x) {
+    const NvPeer& p = v.peer[q];
+    out[q] = PeerIn{p.counts_in, p.slots_in, p.pull, p.slot_cap, p.remote, p.row_cap, {}};
+  }
+}
+
+// Every block waits for all dispatch flags, then takes received slots g = blockIdx.x, +grid...
+// (sender-major, each sender in its send order): checks the slot, copies its row to each entry's
+// output row, and remembers where the entries' combine rows go.
+__global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
+  extern __shared__ int64_t unpack_raw[];  // [N] PeerIn; [N + 1] slots before sender s; [N]
+                                           // start[s] (where they start in its send area); [N]
+                                           // rebase[s] (the first combine row s expects from
+                                           // us, if remote); then counts[N][counts_stride];
+                                           // then offset[N + 1][L]
+  PeerIn* from_of = reinterpret_cast<PeerIn*>(unpack_raw);
+  int64_t* prefix = unpack_raw + v.n * (sizeof(PeerIn) / 8);
+  int64_t* start = prefix + v.n + 1;
+  int64_t* rebase = start + v.n;
+  int32_t* counts = reinterpret_cast<int32_t*>(  // 16-byte aligned
+      reinterpret_cast<uint8_t*>(prefix) + ((3 * int64_t{v.n} + 1) * 8 + 15) / 16 * 16);
+  // offset[s][e]: rows of local expert e from senders before s (offset[N][e]: all of them).
+  int32_t* offset = counts + v.n * v.counts_stride;
+  __shared__ bool ok;
+  __shared__ uint4 meta_v[1 + kMaxK];  // the slot's header and entries
+  __shared__ int64_t out_row[kMaxK];
+  Mark(v, kTraceUnpack, 0);
+  const uint64_t epoch = v.scratch->epoch;
+  LoadPeersIn(v, from_of);  // while thread 0 waits: no table load on the path after the flags
+  if (threadIdx.x == 0) ok = WaitStep(v, epoch, a.timeout_ns, 0);
+  __syncthreads();
+  if (!ok) return;
+  Mark(v, kTraceUnpack, 1);
+  // Every sender's counts row in one round trip (16-byte vectors; from another node they are in
+  // host memory, where every small load is a PCIe transaction).
+  const int vectors = v.counts_stride / 4;
+  for (int i = threadIdx.x; i < v.n * vectors; i += blockDim.x) {
+    const int q = i / vectors;
+    reinterpret_cast<uint4*>(counts + q * v.counts_stride)[i % vectors] =
+        __ldcg(reinterpret_cast<const uint4*>(from_of[q].counts) + i % vectors);
+  }
+  __syncthreads();
+  Mark(v, kTraceUnpack, 2);
+  // Where each sender's slots are: the block's first slot is then in flight while the offsets
+  // table is built.
+  for (int s = threadIdx.x; s < v.n; s += blockDim.x) {
+    const int32_t* row = counts + s * v.counts_stride;
+    int64_t slots = row[v.l + kColSlots];
+    if (slots < 0 || slots > v.slots_per_pair) {  // none of them is taken
+      if (blockIdx.x == 0) Report(v, kBadSlot, s, static_cast<int32_t>(slots));
+      slots = 0;
+    }
+    prefix[s + 1] = slots;
+    start[s] = row[v.l + kColSendStart];
+    rebase[s] = from_of[s].remote ? row[v.l + kColRowStart] : 0;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    prefix[0] = 0;
+    for (int s = 0; s < v.n; ++s) prefix[s + 1] += prefix[s];
+  }
+  __syncthreads();
+  const int64_t total = prefix[v.n];
+  // Vectors [0, meta): header and entries; [meta, body): the row; [body, end): the scales.
+  const int64_t meta = v.meta_bytes / 16, body = meta + v.payload / 16;
+  const int64_t end = (v.meta_bytes + v.payload + int64_t{v.spt} * 4 + 15) / 16;
+  const int64_t batch = 4 * int64_t{blockDim.x};
+  // Received slot g: its sender s, its index j among s's, where it is. Ours from our send area;
+  // then what s pushed; the rest pulled from s's send area (a slot past what s may push to a
+  // rank without a send area to pull from is malformed: null).
+  int s = 0;
+  int64_t j = 0;
+  auto locate = [&](int64_t g) -> const uint4* {
+    s = SenderOf(prefix, v.n, g);
+    j = g - prefix[s];
+    const PeerIn& from = from_of[s];
+    const uint8_t* src = s == v.me        ? v.own + v.send_off + (start[s] + j) * v.slot_bytes
+                         : j < from.slot_cap ? from.slots + j * v.slot_bytes
+                         : from.pull         ? from.pull + (start[s] + j) * v.slot_bytes
+                                             : nullptr;
+    return reinterpret_cast<const uint4*>(src);
+  };
+  // One round trip for the slot's first 16 KiB (metadata and, usually, the whole slot).
+  uint4 r[4];
+  auto load = [&](const uint4* src4) {
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int64_t i = threadIdx.x + u * int64_t{blockDim.x};
+      if (i < end) r[u] = __ldcg(src4 + i);
+    }
+  };
+  int64_t g = blockIdx.x;
+  const uint4* src4 = g < total ? locate(g) : nullptr;
+  if (src4) load(src4);
+  Mark(v, kTraceUnpack, 3);
+
+  for (int e = threadIdx.x; e < v.l; e += blockDim.x) {
+    int32_t rows = 0;
+    for (int q = 0; q < v.n; ++q) {
+      offset[q * v.l + e] = rows;
+      rows += counts[q * v.counts_stride + e];
+    }
+    offset[v.n * v.l + e] = rows;
+  }
+  __syncthreads();
+  if (blockIdx.x == 0) {
+    if (threadIdx.x == 0) {
+      v.scratch->total_recv = static_cast<int32_t>(total);
+      v.scratch->rows_out = 0;
+    }
+  }
+  Mark(v, kTraceUnpack, 4);
+  bool primary_done = false;
+  for (; g < total; g += gridDim.x) {
+    if (g != blockIdx.x) {
+      src4 = locate(g);
+      if (src4) load(src4);
+    }
+    if (!src4) {
+      if (threadIdx.x == 0) {
+        Report(v, kBadSlot, s, static_cast<int32_t>(j));
+        v.rslots[g] = RecvSlot{s, 0, 0, 0, 1};
+      }
+      continue;
+    }
+    const PeerIn& from = from_of[s];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int64_t i = threadIdx.x + u * int64_t{blockDim.x};
+      if (i < meta) meta_v[i] = r[u];
+    }
+    __syncthreads();
+    // Checks in parallel: the header by every thread, entry i by thread i.
+    NvHeader header;
+    std::memcpy(&header, &meta_v[0], sizeof header);
+    const int entries = min(max(header.entries, 0), v.k);
+    // The combine row, counted from where our rows for s go (rebased for another node).
+    const int64_t row = header.row - rebase[s];
+    bool valid = header.entries >= 1 && header.entries <= v.k && header.src_token >= 0 &&
+                 header.src_token < v.t_max && row >= 0 && header.parts >= 1 &&
+                 header.part >= 0 && header.part < header.parts &&
+                 row + (v.reduce ? 1 : header.entries) <= from.row_cap;
+    if (threadIdx.x < entries) {
+      NvEntry entry;
+      std::memcpy(&entry, &meta_v[1 + threadIdx.x], sizeof entry);
+      const int32_t le = entry.local_expert;
+      valid = valid && le >= 0 && le < v.l && entry.pos >= 0 &&
+              entry.pos < offset[(s + 1) * v.l + le] - offset[s * v.l + le] &&
+              offset[(s + 1) * v.l + le] <= v.capacity;
+      if (valid) {
+        out_row[threadIdx.x] = int64_t{le} * v.capacity + offset[s * v.l + le] + entry.pos;
+        v.rentries[g * v.k + threadIdx.x] = RecvEntry{out_row[threadIdx.x], entry.weight};
+      }
+    }
+    valid = __syncthreads_and(valid);
+    if (g == blockIdx.x) Mark(v, kTraceUnpack, 5);
+    if (threadIdx.x == 0) {
+      if (!valid) Report(v, kBadSlot, s, static_cast<int32_t>(j));
+      v.rslots[g] = RecvSlot{s, static_cast<int32_t>(row), valid ? entries : 0, header.part,
+                             header.parts};
+    }
+    const int outs = valid ? entries : 0;
+    if (!primary_done) {  // the caller's memory from here on (a.out_x, a.out_scales)
+      WaitPrimary();
+      primary_done = true;
+    }
+    // Vector i of the slot into every entry's output row (its row or its scales).
+    auto store = [&](int64_t i, const uint4& value) {
+      if (i < meta || i >= end) return;
+      for (int e = 0; e < outs; ++e) {
+        if (i < body) {
+          reinterpret_cast<uint4*>(a.out_x + out_row[e] * v.payload)[i - meta] = value;
+        } else {
+          StoreScales(a.out_scales + out_row[e] * v.spt, (i - body) * 4, v.spt, value);
+        }
+      }
+    };
+#pragma unroll
+    for (int u = 0; u < 4; ++u) store(threadIdx.x + u * int64_t{blockDim.x}, r[u]);
+    // Slots longer than one batch: the rest, batch by batch.
+    for (int64_t base = threadIdx.x + batch; outs > 0 && base < end; base += batch) {
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int64_t i = base + u * int64_t{blockDim.x};
+        if (i < end) r[u] = __ldcg(src4 + i);
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) store(base + u * int64_t{blockDim.x}, r[u]);
+    }
+    __syncthreads();  // the shared slot metadata is rewritten for the next one
+  }
+  if (blockIdx.x == 0) {
+    WaitPrimary();
+    for (int e = threadIdx.x; e < v.l; e += blockDim.x) {
+      const int32_t rows = offset[v.n * v.l + e];
+      a.num_tokens[e] = rows;
+      if (rows > v.capacity) Report(v, kRowOverrun, -1, e);
+    }
+  }
+  Mark(v, kTraceUnpack, 6);
+}
+
+// ---- combine ----------------------------------------------------------------------------------
+
+// Eight bf16 values as one 16-byte vector.
+__device__ inline float Bf16At(const uint4& v, int q) {
+  const uint32_t w = q < 2 ? v.x : q < 4 ? v.y : q < 6 ? v.z : v.w;
+  return Bf16ToFloatD(static_cast<uint16_t>(q % 2 ? w >> 16 : w & 0xFFFF));
+}
+__device__ inline uint4 PackBf16(const float (&acc)[8]) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    w[i] = uint32_t{FloatToBf16D(acc[2 * i])} | uint32_t{FloatToBf16D(acc[2 * i + 1])} << 16;
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// acc[u][c8[u]] (eight columns each, c8[u] < 0: none) += sum over c < count of weight[c] *
+// rows[c][c8[u]], in c order, fp32, unfused: the host device's arithmetic. Both groups' loads of
+// eight rows are in flight at once.
+__device__ inline void WeightedSum2x8(float (&acc)[2][8], const uint4* const* rows,
+                                      const float* weight, int count, const int64_t (&c8)[2]) {
+  for (int first = 0; first < count; first += 8) {
+    uint4 vals[2][8];
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        if (first + c < count && c8[u] >= 0) vals[u][c] = __ldcg(rows[first + c] + c8[u]);
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      if (first + c >= count) break;
+      const float w = weight[first + c];
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        if (c8[u] < 0) continue;
+#pragma unroll
+        for (int q = 0; q < 8; ++q) acc[u][q] = __fadd_rn(acc[u][q], __fmul_rn(w, Bf16At(vals[u][c], q)));
+      }
+    }
+  }
+}
+
+// Received slots again: each copy's expert output row (plain) or, summed at the expert rank, one
+// weighted fp32 sum per token taken in (local expert, position) order as the host device does,
+// pushed into the sender's combine region. Every block arrives at every rank's combine flag.
+__global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineArgs a) {
+  __shared__ const uint4* rows[kMaxK];
+  __shared__ float weight[kMaxK];
+  __shared__ int count;
+  LaunchDependents();
+  const uint64_t epoch = v.scratch->epoch;
+  Mark(v, kTraceCombineSend, 0);
+  const int64_t total = v.scratch->total_recv;
+  int64_t rows_out = 0;
+  for (int64_t g = blockIdx.x; g < total; g += gridDim.x) {
+    const RecvSlot slot = v.rslots[g];
+    uint8_t* dst = v.peer[slot.sender].combine + int64_t{slot.row} * v.row_bytes;
+    if (!v.reduce) {
+      for (int i = 0; i < slot.entries; ++i) {
+        const RecvEntry entry = v.rentries[g * v.k + i];
+        CopyBytes(dst + i * v.row_bytes,
+                  reinterpret_cast<const uint8_t*>(a.expert_out + entry.out_row * v.hidden),
+                  v.row_bytes);
+      }
+      if (slot.sender != v.me) rows_out += slot.entries;
+      continue;
+    }
+    if (slot.part != 0) continue;  // the token's first slot sums them all
+    // Warp 0 gathers the token's copies (lane i: entry i of this slot, or with one entry per
+    // slot the token's i-th slot) and orders them by output row, i.e. (local expert, position),
+    // ties in arrival order, as the host device sums them.
+    if (threadIdx.x < 32) {
+      const int lane = threadIdx.x;
+      const int64_t h = v.once ? g : g + lane;
+      bool exists = false;
+      if (v.once) {
+        exists = lane < slot.entries;
+      } else if (lane < slot.parts && h < total) {
+        const RecvSlot other = v.rslots[h];
+        exists = other.sender == slot.sender && other.row == slot.row && other.entries > 0;
+      }
+      RecvEntry entry{};
+      if (exists) entry = v.rentries[h * v.k + (v.once ? lane : 0)];
+      const unsigned present = __ballot_sync(~0u, exists);
+      int order = 0;
+      for (int i = 0; i < 32; ++i) {
+        const int64_t other = __shfl_sync(~0u, entry.out_row, i);
+        if ((present >> i & 1) && (other < entry.out_row || (other == entry.out_row && i < lane))) {
+          ++order;
+        }
+      }
+      if (exists && order < kMaxK) {
+        rows[order] = reinterpret_cast<const uint4*>(a.expert_out + entry.out_row * v.hidden);
+        weight[order] = entry.weight;
+      }
+      if (lane == 0) count = min(__popc(present), kMaxK);
+    }
+    __syncthreads();
+    if (g == blockIdx.x) Mark(v, kTraceCombineSend, 1);
+    auto* out = reinterpret_cast<uint4*>(dst);
+    const int64_t groups = v.hidden / 8;
+    for (int64_t c = threadIdx.x; c < groups; c += 2 * int64_t{blockDim.x}) {
+      const int64_t c8[2] = {c, c + blockDim.x < groups ? c + blockDim.x : -1};
+      float acc[2][8] = {};
+      WeightedSum2x8(acc, rows, weight, count, c8);
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        if (c8[u] >= 0) out[c8[u]] = PackBf16(acc[u]);
+      }
+    }
+    if (slot.sender != v.me) ++rows_out;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0 && rows_out) atomicAdd(reinterpret_cast<unsigned long long*>(
+                                                  &v.scratch->rows_out),
+                                              static_cast<unsigned long long>(rows_out));
+  Mark(v, kTraceCombineSend, 2);
+  Arrive(v, true, epoch);
+  Mark(v, kTraceCombineSend, 3);
+}
+
+// Tokens t = blockIdx.x, + grid...: once every combine flag is up, token t's returned rows, rank
+// by rank and k by k, summed in fp32 (unfused, the host device's order) onto the previous output
+// or zero. The last block advances the epoch.
+__global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineArgs a) {
+  extern __shared__ int64_t rank_start[];  // [N] our first combine row from each rank
+  __shared__ bool ok;
+  __shared__ const uint4* row_ptr[kMaxK];
+  __shared__ float weight_of[kMaxK];
+  __shared__ int rows;
+  Mark(v, kTraceCombineRecv, 0);
+  const uint64_t epoch = v.scratch->epoch;
+  const int tokens = v.scratch->tokens;
+  PrefixTotals(v.totals + v.n, v.n, rank_start);
+  // Every block waits for every rank's combine flag, token or not: a rank's next DispatchSend
+  // may reuse its buffers only after this (see nvlink_all_to_all.h). The first token's rows are
+  // located before the wait.
+  bool waited = false;
+  for (int t = blockIdx.x; !waited || t < tokens; t += gridDim.x) {
+    const bool mine = t < tokens;
+    // Lane j: the token's j-th copy; rows in rank then k order (summed: the first copy of each
+    // rank stands for its row).
+    if (mine && threadIdx.x < 32) {
+      const LaneRoute x = RouteLane(v, v.indices + int64_t{t} * v.k);
+      if (x.valid && (!v.reduce || x.first)) {
+        const int c = v.reduce ? x.ranks_before : x.lanes_before + x.within;
+        const int64_t row = rank_start[x.r] + v.row_pos[int64_t{x.r} * v.t_max + t] +
+                            (v.reduce ? 0 : x.within);
+        row_ptr[c] = reinterpret_cast<const uint4*>(v.peer[x.r].combine_in + row * v.row_bytes);
+        weight_of[c] = v.reduce ? 1.0f : v.weights[int64_t{t} * v.k + threadIdx.x];
+      }
+      if (threadIdx.x == 0) rows = __popc(v.reduce ? x.firsts : x.valids);
+    }
+    if (!waited) {
+      if (threadIdx.x == 0) ok = WaitStep(v, epoch, a.timeout_ns, 1);
+      waited = true;
+    }
+    __syncthreads();
+    if (!ok) return;
+    if (t == static_cast<int>(blockIdx.x)) Mark(v, kTraceCombineRecv, 1);
+    if (mine) {
+      auto* y = reinterpret_cast<uint4*>(a.out + int64_t{t} * v.hidden);
+      const int64_t groups = v.hidden / 8;
+      for (int64_t c = threadIdx.x; c < groups; c += 2 * int64_t{blockDim.x}) {
+        const int64_t c8[2] = {c, c + blockDim.x < groups ? c + blockDim.x : -1};
+        float acc[2][8] = {};
+        if (a.accumulate) WaitPrimary();  // a.out is the caller's memory
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          if (!a.accumulate || c8[u] < 0) continue;
+          const uint4 prev = y[c8[u]];
+#pragma unroll
+          for (int q = 0; q < 8; ++q) acc[u][q] = Bf16At(prev, q);
+        }
+        WeightedSum2x8(acc, row_ptr, weight_of, rows, c8);
+        WaitPrimary();
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          if (c8[u] >= 0) y[c8[u]] = PackBf16(acc[u]);
+        }
+      }
+    }
+    __syncthreads();  // the row table is rewritten for the next token
+  }
+  Mark(v, kTraceCombineRecv, 2);
+  // Only our own epoch word changes: a device-scope fence is enough.
+  if (LastBlock(&v.scratch->tickets[2], false) && threadIdx.x == 0) v.scratch->epoch = epoch + 1;
+  Mark(v, kTraceCombineRecv, 3);
+}
+
+}  // namespace ferry::moe::nv

@@ -1,0 +1,415 @@
+// What the NVLink AllToAll's kernels share with its host side (nvlink_all_to_all.cu): launch
+// shapes, the slot format, the per-rank device state (Scratch), the peer table (NvPeer), the
+// argument structs, and the device helpers every kernel uses -- flags, waits, arrivals, errors,
+// trace stamps, a token's routing. Design in nvlink_all_to_all.h; the kernels are in
+// nvlink_kernels.cuh. Included by nvlink_all_to_all.cu only.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "moe/cuda/cuda_util.cuh"
+#include "moe/layout.h"
+#include "moe/relay.h"
+
+namespace ferry::moe::nv {
+
+constexpr int kRouteThreads = 512;
+constexpr int kSortItems = 4;
+constexpr int kChunk = kRouteThreads * kSortItems;  // (token, k) entries per sort chunk
+constexpr int kCopyThreads = 256;
+constexpr int kMaxK = 16;                           // the CUDA device's top-k limit
+constexpr int kMaxExperts = 1024;
+// DispatchSend as one kernel (SendSmallKernel) when a rank's (token, k) entries fit in shared
+// memory: decode batches. Warp per token.
+constexpr int kSmallEntries = 2048;
+constexpr int kSmallWarps = 4;
+constexpr int kSmallThreads = 32 * kSmallWarps;
+constexpr int kLaneVectors = 16;  // 16-byte vectors a lane keeps in flight in the warp copies
+
+// ---- what travels and what stays -------------------------------------------------------------
+
+struct NvHeader {
+  int32_t src_token;
+  int32_t entries;
+  int32_t row;    // the combine row of the first entry (plain) or of the token (summed)
+  int16_t part;   // which of the token's slots for this rank (one entry per slot), of
+  int16_t parts;  // how many
+};
+struct NvEntry {
+  int32_t local_expert;
+  int32_t k;
+  float weight;
+  int32_t pos;  // among the sender's copies for this expert, in (token, k) order
+};
+static_assert(sizeof(NvHeader) == 16 && sizeof(NvEntry) == 16, "slot metadata layout");
+
+// What Unpack learned about a received slot, for CombineSend.
+struct RecvSlot {
+  int32_t sender, row, entries, part, parts, pad[3];
+};
+struct RecvEntry {
+  int64_t out_row;  // local expert * capacity + row within it
+  float weight;
+  int32_t pad;
+};
+
+enum ErrorCode : int32_t {
+  kNoError = 0,
+  kBadExpert = 1,      // token, expert id
+  kTooManyTokens = 2,  // device count, bound
+  kBadSlot = 3,        // sender, slot
+  kRowOverrun = 4,     // -1, local expert
+  kPeerTimeout = 5,    // which flag (0 dispatch, 1 combine), rank
+};
+
+// Device-side state of one rank.
+struct Scratch {
+  uint64_t epoch;           // advanced by the last block of CombineRecv
+  int64_t rows_out;         // combine rows this rank returned to peers this epoch
+  int32_t tokens;           // T of this epoch (after the device count is checked)
+  int32_t total_recv;       // slots received this epoch
+  int32_t abort;            // a wait timed out: later waits give up at once
+  int32_t error;            // an ErrorCode, claimed by the first Report (see Nv::error)
+  uint64_t seen[2];         // with remote peers: the dispatch [0] / combine [1] flags block 0 saw
+                            // all raised ("epoch + 1"), which the other blocks wait for
+  uint32_t tickets[3];      // last-block detection: the send steps' outbox flag (Arrive, with
+                            // peers in other nodes), CombineRecv's epoch
+};
+
+// Rank r as our kernels see it: where what r must receive from us goes, and where what r sent
+// us is. A rank of our node: its buffer over NVLink, and ours. A rank of another node: our outbox
+// section for it and our inbox section from it, which the relay connects (relay.h).
+struct NvPeer {
+  // Sending to r.
+  uint64_t* dispatch_flag;  // "epoch + 1" once our counts row and slots for r are in place
+  uint64_t* combine_flag;   // the same for the combine rows we return to r
+  int32_t* counts;          // [counts_stride] our counts row for r (L + kCountsColumns used)
+  uint8_t* slots;           // [slot_cap] slots our kernels push for r (r's private region)
+  uint8_t* combine;         // rows we return to r: r's combine region (row: r's row), or our
+                            // outbox section (row: from the first one r expects from us)
+  // Receiving from r.
+  const uint64_t* dispatch_flag_in;
+  const uint64_t* combine_flag_in;
+  const int32_t* counts_in;  // [counts_stride] r's counts row for us, 16-byte aligned
+  const uint8_t* slots_in;   // [slot_cap] the slots r pushed
+  const uint8_t* pull;       // r's send area, where we pull slots past slot_cap; null: none
+  const uint8_t* combine_in; // our combine region as r's rows land in it (row: our row)
+  int32_t slot_cap;          // slots pushed per pair: P in a node, all of them between nodes
+  int32_t row_cap;           // rows `combine` holds
+  int32_t remote;            // another node (combine rows rebased, see combine)
+  // What r's dispatch and combine flags for us gain per epoch: in our node every block of r's
+  // send kernel adds one (its grid); from another node the relay stores "epoch + 1" (1).
+  int32_t dispatch_step, combine_step;
+};
+
+// Everything the kernels share; passed by value.
+struct Nv {
+  int n, me, e, l, k, t_max, hidden, spt, priv, chunks;
+  int counts_stride;  // int32 per counts row: L + kCountsColumns, rounded up to 16 bytes
+  int64_t payload, slot_bytes, meta_bytes, row_bytes, capacity, slots_per_pair;
+  bool once, reduce;
+  int first_remote;  // the lowest rank of another node, -1 if none (WaitStep, Arrive)
+  int64_t counts_off, private_off, combine_off, send_off;  // flags at 0
+  uint8_t* own;          // our buffer (its send area holds the slots peers pull and our own)
+  const NvPeer* peer;    // [N] every rank, ours included
+  Scratch* scratch;
+  int32_t* error;        // [3] code, detail, detail: mapped pinned host memory, the mirror of
+                         // scratch->error the host reads
+  int32_t* indices;      // [t_max, K] our copy of the routing
+  float* weights;        // [t_max, K]
+  int32_t* slot_pos;     // [N, t_max] token t's first slot among ours for rank r (Route -> Pack;
+                         // null when SendSmall serves every batch, as erank and chunk_counts)
+  int32_t* row_pos;      // [N, t_max] token t's first combine row among those from rank r
+  int32_t* totals;       // [2N] slots per receiving rank, combine rows per expert rank
+  int32_t* erank;        // [t_max * K] a copy's rank within its chunk's copies for its expert
+  int32_t* chunk_counts; // [chunks, E]
+  RecvSlot* rslots;      // [N * slots_per_pair]
+  RecvEntry* rentries;   // [N * slots_per_pair, K]
+  long long* trace;      // null, or [kTraceKernels][trace_blocks][kTraceSlots] (see Mark)
+  int trace_blocks;
+};
+
+struct SendArgs {
+  const uint8_t* x;
+  const float* scales;
+  const int32_t* indices;
+  const float* weights;
+  const int32_t* dev_tokens;
+  int bound;
+  bool strict;  // an input error (expert id, device count) sends nothing at all
+};
+struct RecvArgs {
+  uint8_t* out_x;
+  float* out_scales;
+  int32_t* num_tokens;
+  uint64_t timeout_ns;
+};
+struct CombineArgs {
+  const uint16_t* expert_out;
+  uint16_t* out;
+  bool accumulate;
+  uint64_t timeout_ns;
+};
+
+// ---- flags, fences, errors --------------------------------------------------------------------
+
+__device__ inline uint64_t LoadAcquire(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ inline void StoreRelease(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ inline void AddRelease(uint64_t* p, uint64_t v) {
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// Programmatic dependent launch (sm_90): a send kernel lets the receive kernel behind it start
+// at once (LaunchDependents); the receive kernel waits for its flags meanwhile and calls
+// WaitPrimary -- which returns once the kernel before it finished and its writes are visible --
+// before it touches memory the kernel before it (ours or the caller's) may still use: the
+// caller's outputs. Launched without the attribute, WaitPrimary returns at once.
+__device__ inline void LaunchDependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ inline void WaitPrimary() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ inline uint64_t GlobalTimerNs() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Phase timing for tuning (FERRY_NV_TRACE=1 in the environment): thread 0 of each block stamps
+// clock64() at numbered points of a kernel (0: its start), and the global timer at its start and
+// at its latest point; the AllToAll prints, when destroyed, for the last epoch: each point's
+// slowest and mean block time since that block's start, and when the kernel's blocks started and
+// ended relative to the first DispatchSend block (the gaps between the kernels). No reset runs
+// between launches (it would sit between the kernels): stamps carry their epoch.
+enum TraceKernel { kTraceSend, kTraceUnpack, kTraceCombineSend, kTraceCombineRecv, kTraceKernels };
+constexpr int kTracePoints = 8;
+enum TraceSlot { kTraceEpoch = kTracePoints, kTraceStartNs, kTraceLastNs, kTraceSlots };
+__device__ inline void Mark(const Nv& v, TraceKernel kernel, int point) {
+  if (v.trace && threadIdx.x == 0 && static_cast<int>(blockIdx.x) < v.trace_blocks) {
+    long long* at = v.trace + (int64_t{kernel} * v.trace_blocks + blockIdx.x) * kTraceSlots;
+    const long long ns = static_cast<long long>(GlobalTimerNs());
+    if (point == 0) {
+      for (int p = 1; p < kTracePoints; ++p) at[p] = 0;
+      at[kTraceEpoch] = static_cast<long long>(v.scratch->epoch) + 1;
+      at[kTraceStartNs] = ns;
+    }
+    at[point] = clock64();
+    at[kTraceLastNs] = ns;
+  }
+}
+
+// The first error of a step wins the device word; its reporter mirrors it into the host's
+// mapped words (plain stores: atomics on host memory over PCIe are not atomic, and
+// compute-sanitizer rejects them), the code last.
+__device__ inline void Report(const Nv& v, int32_t code, int32_t a, int32_t b) {
+  if (atomicCAS(&v.scratch->error, 0, code) == 0) {
+    volatile int32_t* host = v.error;
+    host[1] = a;
+    host[2] = b;
+    __threadfence_system();
+    host[0] = code;
+  }
+}
+
+// Thread 0 of a block: until every rank's dispatch (which 0) or combine (1) flag for us shows
+// epoch `epoch` done (the rank's step per epoch times epoch + 1), another block gave up, or the
+// budget (from now) runs out, which is reported and makes every later wait give up.
+__device__ bool WaitAll(const Nv& v, uint64_t epoch, uint64_t budget_ns, int which) {
+  const uint64_t start = GlobalTimerNs();
+  for (int r = 0; r < v.n; ++r) {
+    const NvPeer& p = v.peer[r];
+    const uint64_t* flag = which == 0 ? p.dispatch_flag_in : p.combine_flag_in;
+    const uint64_t want = (epoch + 1) * uint64_t(which == 0 ? p.dispatch_step : p.combine_step);
+    while (LoadAcquire(flag) < want) {
+      if (*reinterpret_cast<volatile int32_t*>(&v.scratch->abort)) return false;
+      if (GlobalTimerNs() - start > budget_ns) {
+        atomicExch(&v.scratch->abort, 1);
+        Report(v, kPeerTimeout, which, r);
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+// Thread 0 of a block, at the start of a receive step: WaitAll, but with peers in other nodes
+// only block 0 polls the flags (host memory: every poll is a PCIe read, and hundreds of blocks
+// polling slow the very copies they wait for); it then publishes what it saw in device memory
+// (release at GPU scope, after its system-scope acquires) and the other blocks wait for that.
+__device__ bool WaitStep(const Nv& v, uint64_t epoch, uint64_t budget_ns, int which) {
+  if (v.first_remote < 0) return WaitAll(v, epoch, budget_ns, which);
+  uint64_t* seen = &v.scratch->seen[which];
+  const uint64_t want = epoch + 1;
+  if (blockIdx.x == 0) {
+    if (!WaitAll(v, epoch, budget_ns, which)) return false;
+    asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(seen), "l"(want) : "memory");
+    return true;
+  }
+  const uint64_t start = GlobalTimerNs();
+  for (;;) {
+    uint64_t got;
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(got) : "l"(seen) : "memory");
+    if (got >= want) return true;
+    // Block 0 reports a timeout and raises abort; the budget check is a backstop.
+    if (*reinterpret_cast<volatile int32_t*>(&v.scratch->abort) ||
+        GlobalTimerNs() - start > budget_ns + 1000000) {
+      return false;
+    }
+  }
+}
+
+// Thread 0 of each block adds to the ticket with acquire-release semantics at the scope the
+// block's writes must reach (system: peers' memory): the release carries the block's writes
+// (ordered before it by the barrier), the acquire in the last block sees every block's. True in
+// the block that finishes last, which resets the ticket for the next launch.
+__device__ inline uint32_t TicketAdd(uint32_t* ticket, bool system) {
+  uint32_t old;
+  if (system) {
+    asm volatile("atom.acq_rel.sys.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(ticket) : "memory");
+  } else {
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(ticket) : "memory");
+  }
+  return old;
+}
+__device__ bool LastBlock(uint32_t* ticket, bool system) {
+  __shared__ bool last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last = TicketAdd(ticket, system) == gridDim.x - 1;
+    if (last) atomicExch(ticket, 0u);
+  }
+  __syncthreads();
+  return last;
+}
+
+__device__ inline bool ValidExpert(const Nv& v, int32_t e) { return e >= 0 && e < v.e; }
+
+// Scales [first, first + 4) of a row of spt, as one 16-byte vector of the slot, into out (whose
+// rows need not be 16-byte aligned).
+__device__ inline void StoreScales(float* out, int64_t first, int spt, const uint4& value) {
+  const uint32_t words[4] = {value.x, value.y, value.z, value.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    if (first + q < spt) out[first + q] = __uint_as_float(words[q]);
+  }
+}
+
+// One token's routing, worked out by warp 0: lane j < K holds the token's j-th copy.
+struct LaneRoute {
+  bool valid;         // expert id in range
+  int32_t e;          // the expert
+  int r;              // its rank
+  int within;         // this copy's index among the token's copies for rank r, in k order
+  int hits;           // the token's copies for rank r
+  int lanes_before;   // the token's valid copies for lower ranks
+  int ranks_before;   // distinct lower ranks the token goes to
+  bool first;         // within == 0
+  unsigned firsts;    // lanes that are first for their rank
+  unsigned valids;    // lanes with a valid copy
+};
+
+// Called by all 32 lanes of a warp; every lane loads its own index (one round trip).
+__device__ LaneRoute RouteLane(const Nv& v, const int32_t* row) {
+  const int lane = threadIdx.x % 32;
+  LaneRoute x{};
+  x.e = lane < v.k ? row[lane] : -1;
+  x.valid = lane < v.k && ValidExpert(v, x.e);
+  x.r = x.valid ? x.e / v.l : -1;
+  x.valids = __ballot_sync(~0u, x.valid);
+  unsigned same = 0;
+  for (int i = 0; i < v.k; ++i) {
+    const int ri = __shfl_sync(~0u, x.r, i);
+    if ((x.valids >> i & 1) && ri == x.r) same |= 1u << i;
+  }
+  const unsigned below = (1u << lane) - 1;
+  x.within = __popc(same & below);
+  x.hits = __popc(same);
+  x.first = x.valid && x.within == 0;
+  x.firsts = __ballot_sync(~0u, x.first);
+  for (int i = 0; i < v.k; ++i) {
+    const int ri = __shfl_sync(~0u, x.r, i);
+    if ((x.valids >> i & 1) && ri < x.r) {
+      ++x.lanes_before;
+      x.ranks_before += x.firsts >> i & 1;
+    }
+  }
+  return x;
+}
+
+// Exclusive prefix sums of totals[0, n) into out[0, n) (loads in parallel). Block-wide.
+__device__ void PrefixTotals(const int32_t* totals, int n, int64_t* out) {
+  for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = totals[i];
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int64_t sum = 0;
+    for (int i = 0; i < n; ++i) {
+      const int64_t here = out[i];
+      out[i] = sum;
+      sum += here;
+    }
+  }
+  __syncthreads();
+}
+
+// This epoch's token count: the host's bound, or the device count when one is given (a count
+// above the bound is reported, and nothing is sent). Block 0 records it for the later steps.
+__device__ int SendTokens(const Nv& v, const SendArgs& a) {
+  int tokens = a.bound;
+  if (a.dev_tokens) {
+    const int32_t d = *a.dev_tokens;
+    tokens = d >= 0 && d <= a.bound ? d : 0;
+    if (tokens != d && blockIdx.x == 0 && threadIdx.x == 0) {
+      Report(v, kTooManyTokens, d, a.bound);
+    }
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) v.scratch->tokens = tokens;
+  return tokens;
+}
+
+// Our counts row into every rank (value(r, c): column c of our row for rank r: copies per
+// local expert of r, then the CountsColumn values).
+template <typename Value>
+__device__ void WriteCountsRows(const Nv& v, Value value) {
+  const int width = v.l + kCountsColumns;
+  for (int i = threadIdx.x; i < v.n * width; i += blockDim.x) {
+    const int r = i / width, c = i % width;
+    v.peer[r].counts[c] = static_cast<int32_t>(value(r, c));
+  }
+}
+
+// Every block of a send step, once its writes are issued: for each rank of our node, one added
+// to its dispatch (or combine) flag for us, with release semantics at system scope (the barrier
+// orders the block's writes before it; the release carries them, peers' memory included); the
+// receiver waits for the sum over our grid. Ranks of other nodes share our one outbox flag,
+// which the relay watches: the last block through the ticket (whose acquire sees every block's
+// writes) stores "epoch + 1" there -- the epoch each block read at its start: once every block
+// has arrived our own CombineRecv (started early) may advance the word.
+__device__ void Arrive(const Nv& v, bool combine, uint64_t epoch) {
+  __syncthreads();
+  for (int r = threadIdx.x; r < v.n; r += blockDim.x) {
+    const NvPeer& p = v.peer[r];
+    if (!p.remote) AddRelease(combine ? p.combine_flag : p.dispatch_flag, 1);
+  }
+  if (v.first_remote < 0 || !LastBlock(&v.scratch->tickets[combine ? 1 : 0], true)) return;
+  if (threadIdx.x == 0) {
+    const NvPeer& p = v.peer[v.first_remote];
+    StoreRelease(combine ? p.combine_flag : p.dispatch_flag, epoch + 1);
+  }
+}
+
+}  // namespace ferry::moe::nv
