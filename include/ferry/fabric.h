@@ -349,7 +349,8 @@ class TransferEngine {
   // A counter for imm that also counts WeightedImm(imm, weight_mask, w) as w arrivals: one
   // immediate can stand for many writes (a paged write with imm_once). weight_mask: contiguous
   // bits, none of them set in imm; at most four distinct masks per engine. An immediate that
-  // matches a counter exactly always counts one.
+  // matches a counter exactly always counts one. The counter claims every immediate of that
+  // form that no exact counter takes: keep the family apart from other senders' immediates.
   virtual Status CreateWeightedImmCounter(uint32_t imm, uint32_t weight_mask) = 0;
   virtual StatusOr<uint64_t> ImmCount(uint32_t imm) const = 0;
   // Blocks the calling thread until the count reaches `target`.

@@ -34,7 +34,9 @@ constexpr uint32_t kRequestMagic = 0x5152564B;  // "KVRQ"
 constexpr uint32_t kImmBase = 0xC0000000u;       // request slot i counts immediate kImmBase + i
 // A paged write carries one immediate for all its pages (imm_once), weighted by their number in
 // these bits (slots use the low 20), so the decoder counts page writes whatever the batching.
-constexpr uint32_t kImmWeightMask = 0x3FF00000u;
+// Bit 29 stays out of the mask: the moe immediates (0xE0000000 | ...) set it, so none of them
+// can ever read as a weighted KV immediate on an engine both use.
+constexpr uint32_t kImmWeightMask = 0x1FF00000u;
 constexpr uint32_t kMaxBatchPages = WeightLimit(kImmWeightMask);
 
 void PutSide(fabric::ByteWriter& w, const KvSide& s) {
