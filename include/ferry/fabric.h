@@ -216,10 +216,13 @@ struct SingleWrite {
 
 // Page i goes from src_offset + src_pages[i] * src_stride to dst_offset + dst_pages[i] *
 // dst_stride, page_bytes long. With an immediate, every page write carries it (the receiver
-// counts one per page), or with imm_once only the last page's write, posted after every other
-// page's write completed (one per transfer, as a split SingleWrite; a weighted immediate, see
-// CreateWeightedImmCounter, can still count pages). The index spans, like the memory, must stay
-// valid until the transfer completes.
+// counts one per page), or with imm_once only the last page on each NIC the pages stripe over,
+// posted after every other page's write completed and weighted by the pages its NIC carried
+// (WeightedImm with imm_weight_mask, required): a counter from CreateWeightedImmCounter(imm,
+// imm_weight_mask) then counts the transfer's pages with one immediate per NIC. (One per NIC:
+// a NIC's connection delivers in order, two NICs' connections need not -- over tcp a write's
+// local completion does not mean it landed.) The index spans, like the memory, must stay valid
+// until the transfer completes.
 struct PagedWrite {
   const MemoryRegion* src = nullptr;
   PeerId peer = 0;
@@ -233,6 +236,7 @@ struct PagedWrite {
   std::span<const uint32_t> dst_pages;
   std::optional<uint32_t> imm;
   bool imm_once = false;
+  uint32_t imm_weight_mask = 0;  // imm_once: where each immediate carries its NIC's pages
 };
 
 // The immediate that a counter created with CreateWeightedImmCounter(imm, weight_mask) counts as

@@ -52,6 +52,9 @@ struct WriteWr {
   uint64_t key = 0;
   bool has_imm = false;
   uint32_t imm = 0;
+  // Complete only once the bytes are in the target's memory (FI_DELIVERY_COMPLETE), not when
+  // they left: a write whose completion lets an immediate go out on another NIC needs it.
+  bool deliver = false;
   OpContext* context = nullptr;
 };
 

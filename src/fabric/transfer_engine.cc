@@ -220,7 +220,8 @@ struct PeerGroup {
 struct Request {
   Kind kind = Kind::kSingle;
   bool has_imm = false;
-  bool imm_once = false;  // paged: the immediate on the last page only (after the others)
+  bool imm_once = false;        // paged: the immediate on each NIC's last page (PostPending)
+  uint32_t imm_weight_mask = 0;  // imm_once: those immediates carry their NIC's pages here
   uint32_t imm = 0;
   PeerId peer = 0;                   // single-peer kinds
   const PeerEntry* entry = nullptr;  // single-peer kinds
@@ -653,7 +654,18 @@ class Engine final : public TransferEngine {
     r.dst_pages = w.dst_pages.data();
     r.count = static_cast<uint32_t>(w.src_pages.size());
     SetImm(r, w.imm);
-    r.imm_once = w.imm_once;
+    if (w.imm_once) {
+      const uint32_t m = w.imm_weight_mask;
+      const uint64_t per_nic = (w.src_pages.size() + nics_ - 1) / nics_;
+      if (!w.imm || m == 0 || ((m + (m & (~m + 1))) & m) != 0 || (*w.imm & m) != 0 ||
+          per_nic > WeightLimit(m)) {
+        return InvalidArgumentError(
+            "WritePaged: imm_once needs an immediate and a contiguous imm_weight_mask outside it "
+            "that holds the pages of one NIC (" + std::to_string(per_nic) + ")");
+      }
+      r.imm_once = true;
+      r.imm_weight_mask = m;
+    }
     return Enqueue(std::move(r), std::move(done));
   }
 
@@ -1138,6 +1150,16 @@ class Engine final : public TransferEngine {
     ++pending_size_;
   }
 
+  // How many of a transfer's last WRs carry its immediate and wait for all the others to
+  // complete: the last chunk of a split single write; each NIC's last page of a paged write with
+  // imm_once (the last min(NICs, pages) WRs, since page i goes to NIC first + i).
+  uint32_t TailWrs(const Transfer& t) const {
+    if (!t.req.has_imm) return 0;
+    if (t.req.kind == Kind::kSingle) return 1;
+    if (t.req.kind == Kind::kPaged && t.req.imm_once) return std::min<uint32_t>(nics_, t.total);
+    return 0;
+  }
+
   // Posts WRs of pending transfers, oldest first, while WR contexts and provider space last.
   size_t PostPending() {
     size_t posted = 0;
@@ -1145,12 +1167,11 @@ class Engine final : public TransferEngine {
       Transfer* t = pending_[pending_head_];
       bool blocked = false;
       while (t->next < t->total && !t->finished) {
-        const bool imm_last = t->req.kind == Kind::kSingle ||
-                              (t->req.kind == Kind::kPaged && t->req.imm_once);
-        if (t->tail_deferred || (imm_last && t->total > 1 && t->req.has_imm &&
-                                 t->next == t->total - 1 && t->outstanding)) {
-          // The immediate must not overtake the data: post the last chunk (or page) after the
-          // others completed.
+        const uint32_t tails = TailWrs(*t);
+        if (t->tail_deferred || (tails && t->total > tails && t->next == t->total - tails &&
+                                 t->outstanding)) {
+          // The immediate must not overtake the data: post the immediate-carrying last WRs
+          // after the others completed.
           t->tail_deferred = true;
           break;
         }
@@ -1201,6 +1222,11 @@ class Engine final : public TransferEngine {
     wr.context = &slot->ctx;
     wr.has_imm = r.has_imm;
     wr.imm = r.imm;
+    // A WR whose completion releases the immediate-carrying tail: with several NICs the tail
+    // travels on another connection than some of these bytes, so it may go out only once they
+    // are in the target's memory, not merely sent (tcp completes a write when it is sent).
+    const uint32_t tails = TailWrs(*t);
+    wr.deliver = nics_ > 1 && tails > 0 && i < t->total - tails;
     uint32_t k = r.first_nic;
     switch (r.kind) {
       case Kind::kSingle: {
@@ -1218,7 +1244,10 @@ class Engine final : public TransferEngine {
       }
       case Kind::kPaged:
         k = (r.first_nic + i) % nics_;
-        wr.has_imm = r.has_imm && (!r.imm_once || i == t->total - 1);
+        if (r.imm_once) {  // each NIC's last page: the pages that NIC carried (i / nics_ + 1)
+          wr.has_imm = r.has_imm && i >= t->total - TailWrs(*t);
+          wr.imm = WeightedImm(r.imm, r.imm_weight_mask, i / nics_ + 1);
+        }
         wr.local = r.src + uint64_t{r.src_pages[i]} * r.src_stride;
         wr.length = r.length;
         wr.remote_addr = r.dst[k].base + uint64_t{r.dst_pages[i]} * r.dst_stride;

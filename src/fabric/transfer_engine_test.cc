@@ -150,8 +150,8 @@ TEST_P(EnginePairTest, PagedWritesPermutePagesAndCountEachPage) {
   EXPECT_EQ(*b_->ImmCount(0xABCD0001), kPages);
 }
 
-// imm_once: one immediate for the whole paged write, after every page landed; a weighted
-// immediate makes it count as the pages.
+// imm_once: one weighted immediate (one NIC here) for the whole paged write, after every page
+// landed: it counts as the pages.
 TEST_P(EnginePairTest, PagedWriteWithOneWeightedImmediateCountsItsPages) {
   constexpr uint32_t kImm = 0xAB000003, kMask = 0x00FFF000;
   const uint32_t kPage = 4096, kPages = 200;
@@ -162,8 +162,14 @@ TEST_P(EnginePairTest, PagedWriteWithOneWeightedImmediateCountsItsPages) {
   EXPECT_EQ(b_->CreateWeightedImmCounter(kImm + 1, 0).code(), StatusCode::kInvalidArgument);
   const uint64_t imms_before = b_->stats().imms_received;
   PagedWrite w = Paged(src_pages, dst_pages, kPage, kPage);
-  w.imm = WeightedImm(kImm, kMask, kPages);
+  w.imm = kImm;
   w.imm_once = true;
+  EXPECT_EQ(a_->WritePaged(w, {}).code(), StatusCode::kInvalidArgument);  // no weight mask
+  w.imm_weight_mask = 0x0F000000;  // overlaps the immediate
+  EXPECT_EQ(a_->WritePaged(w, {}).code(), StatusCode::kInvalidArgument);
+  w.imm_weight_mask = 0x00000F00 << 4;  // 4 bits: 15 pages, fewer than one NIC carries
+  EXPECT_EQ(a_->WritePaged(w, {}).code(), StatusCode::kInvalidArgument);
+  w.imm_weight_mask = kMask;
   TransferCounter done;
   ASSERT_TRUE(a_->WritePaged(w, Completion::Counter(&done)).ok());
   ASSERT_TRUE(b_->WaitImm(kImm, kPages, Deadline::After(10s)).ok());

@@ -8,8 +8,8 @@
 // writes per layer x layers, plus one for the aux data. Every write carries the request's
 // immediate, so the decoder needs no other notification: a single write as it is, a paged write
 // (the writes of one layer that share a length and a source/destination pair, up to
-// kMaxBatchPages pages) once, on its last page after the others completed, weighted by its pages
-// (WeightedImm), so that it counts as that many writes.
+// kMaxBatchPages pages) once per NIC, on that NIC's last page after the others completed,
+// weighted by that NIC's pages (WeightedImm), so that together they count as the writes.
 #include <algorithm>
 #include <condition_variable>
 #include <cstring>
@@ -32,8 +32,9 @@ namespace {
 
 constexpr uint32_t kRequestMagic = 0x5152564B;  // "KVRQ"
 constexpr uint32_t kImmBase = 0xC0000000u;       // request slot i counts immediate kImmBase + i
-// A paged write carries one immediate for all its pages (imm_once), weighted by their number in
-// these bits (slots use the low 20), so the decoder counts page writes whatever the batching.
+// A paged write carries one immediate per NIC for all its pages (imm_once), weighted by the
+// pages in these bits (slots use the low 20), so the decoder counts page writes whatever the
+// batching.
 // Bit 29 stays out of the mask: the moe immediates (0xE0000000 | ...) set it, so none of them
 // can ever read as a weighted KV immediate on an engine both use.
 constexpr uint32_t kImmWeightMask = 0x1FF00000u;
@@ -884,9 +885,7 @@ class Prefill final : public KvPrefill {
       }
       PagedWrite w{regions_.ranks[b.src_rank], a.peer, a.req.dst[b.dst_rank], b.length,
                    b.src_stride, b.dst_stride, src_base, dst_base, b.src_index, b.dst_index,
-                   WeightedImm(a.req.imm, kImmWeightMask,
-                               static_cast<uint32_t>(b.src_index.size())),
-                   /*imm_once=*/true};
+                   a.req.imm, /*imm_once=*/true, kImmWeightMask};
       Status s = engine_->WritePaged(w, Completion::Counter(a.writes.get()));
       if (!Counted(a, s, b.src_index.size())) return !a.failure.ok();
     }

@@ -289,7 +289,23 @@ class LibfabricDomain final : public Domain {
 
   PostResult PostWrite(const WriteWr& wr, Status* error) override {
     ssize_t ret;
-    if (wr.has_imm) {
+    if (wr.deliver) {
+      iovec iov{const_cast<void*>(wr.local), wr.length};
+      void* desc = wr.local_desc;
+      fi_rma_iov rma{wr.remote_addr, wr.length, wr.key};
+      fi_msg_rma msg{};
+      msg.msg_iov = &iov;
+      msg.desc = &desc;
+      msg.iov_count = 1;
+      msg.addr = wr.peer_addr;
+      msg.rma_iov = &rma;
+      msg.rma_iov_count = 1;
+      msg.context = wr.context;
+      msg.data = wr.imm;
+      const uint64_t flags =
+          FI_COMPLETION | FI_DELIVERY_COMPLETE | (wr.has_imm ? FI_REMOTE_CQ_DATA : 0);
+      ret = fi_writemsg(ep_.get(), &msg, flags);
+    } else if (wr.has_imm) {
       ret = fi_writedata(ep_.get(), wr.local, wr.length, wr.local_desc, wr.imm, wr.peer_addr,
                          wr.remote_addr, wr.key, wr.context);
     } else {
