@@ -203,7 +203,9 @@ class MemoryRegion {
 
 // One contiguous write, optionally carrying a 32-bit immediate that the receiver counts once the
 // bytes have landed. Writes larger than the provider's message size are split; the immediate
-// travels with the last piece, posted after the others completed.
+// travels with the last piece, posted after the others completed (with several NICs: after they
+// were delivered into the target's memory, FI_DELIVERY_COMPLETE, since the pieces travel on
+// different connections).
 struct SingleWrite {
   const MemoryRegion* src = nullptr;
   uint64_t src_offset = 0;
