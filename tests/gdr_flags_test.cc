@@ -37,8 +37,9 @@ TEST(GdrFlagsTest, OpensOrSaysWhyNot) {
   for (int i = 0; i < 8; ++i) EXPECT_EQ(back[i], uint64_t(1000 + i)) << i;
 }
 
-TEST(GdrFlagsTest, NoWordsIsRefused) {
+TEST(GdrFlagsTest, NoWordsOrMoreThanOnePageIsRefused) {
   EXPECT_EQ(GdrFlags::Open(0, 0).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(GdrFlags::Open(8193, 0).status().code(), StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -107,7 +107,7 @@ Status Run(const KvBenchOptions& o, const Model& m, Bootstrap& b, Result* out) {
   std::mutex mu;
   std::vector<uint64_t> arrived;
   std::atomic<int> released{0}, failed{0};
-  std::unique_ptr<KvPrefill> prefill_side;
+  std::unique_ptr<KvPrefill> prefill_messenger;
   std::unique_ptr<KvDecoder> decoder;
   if (prefill) {
     prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
@@ -120,7 +120,7 @@ Status Run(const KvBenchOptions& o, const Model& m, Bootstrap& b, Result* out) {
       if (!s.ok()) failed.fetch_add(1);
       released.fetch_add(1);
     };
-    ASSIGN_OR_RETURN(prefill_side, KvPrefill::Create(engine.get(), pre, regions, nullptr,
+    ASSIGN_OR_RETURN(prefill_messenger, KvPrefill::Create(engine.get(), pre, regions, nullptr,
                                                      &layers_done, cb));
   } else {
     ASSIGN_OR_RETURN(decoder, KvDecoder::Create(engine.get(), dec, regions, nullptr));
@@ -190,7 +190,7 @@ Status Run(const KvBenchOptions& o, const Model& m, Bootstrap& b, Result* out) {
         std::this_thread::sleep_for(50us);
       }
       const uint64_t base = layers_done.load();
-      for (uint64_t id : ids) RETURN_IF_ERROR(prefill_side->Schedule(id, page_ids, 0, base));
+      for (uint64_t id : ids) RETURN_IF_ERROR(prefill_messenger->Schedule(id, page_ids, 0, base));
       // Layers at the raw transfer rate; the decoder timestamps the increments it sees through
       // the shared start time below.
       double start = NowUs();

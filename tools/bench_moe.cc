@@ -210,10 +210,13 @@ Status TimeGraphCycles(const MoeBenchOptions& o, Bootstrap& b, AllToAll& a2a,
       [&] { return a2a.DispatchRecv(sb.out, later); },
       [&] { return a2a.CombineSend(sb.expert_out); },
       [&] { return a2a.CombineRecv(sb.y, false, later); }};
-  auto capture = [&](int first, int last, cudaGraphExec_t* exec) -> Status {
+  // Steps first..last, `repeats` times over, as one graph.
+  auto capture = [&](int first, int last, cudaGraphExec_t* exec, int repeats = 1) -> Status {
     BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
     Status s = Status::Ok();
-    for (int i = first; i <= last && s.ok(); ++i) s = steps[i]();
+    for (int k = 0; k < repeats; ++k) {
+      for (int i = first; i <= last && s.ok(); ++i) s = steps[i]();
+    }
     cudaGraph_t graph = nullptr;
     BENCH_CUDA(cudaStreamEndCapture(stream, &graph));
     RETURN_IF_ERROR(s);
@@ -224,16 +227,7 @@ Status TimeGraphCycles(const MoeBenchOptions& o, Bootstrap& b, AllToAll& a2a,
   cudaGraphExec_t cycle = nullptr, step[4] = {}, half[2] = {}, empty = nullptr;
   RETURN_IF_ERROR(capture(0, 3, &cycle));
   cudaGraphExec_t cycles = nullptr;  // kInGraphCycles cycles back to back (TimeInGraph)
-  {
-    BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    Status s = Status::Ok();
-    for (int c = 0; c < kInGraphCycles * 4 && s.ok(); ++c) s = steps[c % 4]();
-    cudaGraph_t graph = nullptr;
-    BENCH_CUDA(cudaStreamEndCapture(stream, &graph));
-    RETURN_IF_ERROR(s);
-    BENCH_CUDA(cudaGraphInstantiate(&cycles, graph, 0));
-    cudaGraphDestroy(graph);
-  }
+  RETURN_IF_ERROR(capture(0, 3, &cycles, kInGraphCycles));
   for (int i = 0; i < 4; ++i) RETURN_IF_ERROR(capture(i, i, &step[i]));
   RETURN_IF_ERROR(capture(0, 1, &half[0]));
   RETURN_IF_ERROR(capture(2, 3, &half[1]));

@@ -203,9 +203,9 @@ class MemoryRegion {
 
 // One contiguous write, optionally carrying a 32-bit immediate that the receiver counts once the
 // bytes have landed. Writes larger than the provider's message size are split; the immediate
-// travels with the last piece, posted after the others completed (with several NICs: after they
-// were delivered into the target's memory, FI_DELIVERY_COMPLETE, since the pieces travel on
-// different connections).
+// travels with the last piece, posted after the others completed (pieces on other NICs than the
+// last one's: after they were delivered into the target's memory, FI_DELIVERY_COMPLETE, since
+// they travel on other connections).
 struct SingleWrite {
   const MemoryRegion* src = nullptr;
   uint64_t src_offset = 0;
@@ -249,6 +249,10 @@ constexpr uint32_t WeightedImm(uint32_t imm, uint32_t weight_mask, uint32_t weig
 }
 constexpr uint32_t WeightLimit(uint32_t weight_mask) {
   return weight_mask >> __builtin_ctz(weight_mask);
+}
+// A usable weight mask: non-zero, its bits contiguous.
+constexpr bool IsWeightMask(uint32_t weight_mask) {
+  return weight_mask != 0 && ((weight_mask + (weight_mask & (~weight_mask + 1))) & weight_mask) == 0;
 }
 
 // One slice of a scatter: bytes [src_offset, src_offset + length) of the plan's source region

@@ -53,7 +53,8 @@ struct WriteWr {
   bool has_imm = false;
   uint32_t imm = 0;
   // Complete only once the bytes are in the target's memory (FI_DELIVERY_COMPLETE), not when
-  // they left: a write whose completion lets an immediate go out on another NIC needs it.
+  // they left: a write whose completion lets an immediate go out on another NIC needs it (a
+  // NIC's own immediate follows its bytes on the same, ordered connection).
   bool deliver = false;
   OpContext* context = nullptr;
 };

@@ -12,33 +12,20 @@ ImmCounterTable::ImmCounterTable(uint32_t capacity) : capacity_(capacity) {
 }
 
 Status ImmCounterTable::Create(uint32_t imm, uint32_t weight_mask) {
-  if (weight_mask != 0) {
-    const uint32_t low = weight_mask & (~weight_mask + 1);
-    if (((weight_mask + low) & weight_mask) != 0 || (imm & weight_mask) != 0) {
-      return InvalidArgumentError("immediate counter " + std::to_string(imm) + ": weight mask " +
-                                  std::to_string(weight_mask) +
-                                  " must be contiguous bits that the immediate does not use");
-    }
-    bool registered = false;
-    for (auto& m : masks_) {
-      uint32_t cur = m.load(std::memory_order_acquire);
-      if (cur == 0 && m.compare_exchange_strong(cur, weight_mask, std::memory_order_acq_rel)) {
-        cur = weight_mask;
-      }
-      if (cur == weight_mask) {
-        registered = true;
-        break;
-      }
-    }
-    if (!registered) {
-      return ResourceExhaustedError("immediate counters: more than " +
-                                    std::to_string(kMaxMasks) + " distinct weight masks");
-    }
+  if (weight_mask != 0 && (!IsWeightMask(weight_mask) || (imm & weight_mask) != 0)) {
+    return InvalidArgumentError("immediate counter " + std::to_string(imm) + ": weight mask " +
+                                std::to_string(weight_mask) +
+                                " must be contiguous bits that the immediate does not use");
   }
   if (size_.fetch_add(1, std::memory_order_relaxed) >= capacity_) {
     size_.fetch_sub(1, std::memory_order_relaxed);
     return ResourceExhaustedError("immediate counter table is full (" +
                                   std::to_string(capacity_) + " counters)");
+  }
+  if (weight_mask != 0 && !RegisterMask(weight_mask)) {
+    size_.fetch_sub(1, std::memory_order_relaxed);
+    return ResourceExhaustedError("immediate counters: more than " + std::to_string(kMaxMasks) +
+                                  " distinct weight masks");
   }
   const uint64_t want = uint64_t{imm} + 1;
   for (uint32_t i = Hash(imm);; ++i) {
@@ -65,6 +52,17 @@ ImmCounterTable::Slot* ImmCounterTable::Find(uint32_t imm) const {
     if (key == 0) return nullptr;
   }
   return nullptr;
+}
+
+bool ImmCounterTable::RegisterMask(uint32_t weight_mask) {
+  for (auto& m : masks_) {  // filled in order, so lookups stop at the first free entry
+    uint32_t cur = m.load(std::memory_order_acquire);
+    if (cur == 0 && m.compare_exchange_strong(cur, weight_mask, std::memory_order_acq_rel)) {
+      return true;
+    }
+    if (cur == weight_mask) return true;
+  }
+  return false;
 }
 
 ImmCounterTable::Slot* ImmCounterTable::FindWeighted(uint32_t imm, uint64_t* weight) const {

@@ -47,6 +47,8 @@ class ImmCounterTable {
   Status Consume(uint32_t imm, uint64_t n);
 
  private:
+  // Adds weight_mask to masks_ unless there; false when kMaxMasks others are.
+  bool RegisterMask(uint32_t weight_mask);
   static uint32_t Hash(uint32_t imm) {
     uint32_t h = imm * 0x9E3779B1u;
     return h ^ (h >> 16);

@@ -657,8 +657,7 @@ class Engine final : public TransferEngine {
     if (w.imm_once) {
       const uint32_t m = w.imm_weight_mask;
       const uint64_t per_nic = (w.src_pages.size() + nics_ - 1) / nics_;
-      if (!w.imm || m == 0 || ((m + (m & (~m + 1))) & m) != 0 || (*w.imm & m) != 0 ||
-          per_nic > WeightLimit(m)) {
+      if (!w.imm || !IsWeightMask(m) || (*w.imm & m) != 0 || per_nic > WeightLimit(m)) {
         return InvalidArgumentError(
             "WritePaged: imm_once needs an immediate and a contiguous imm_weight_mask outside it "
             "that holds the pages of one NIC (" + std::to_string(per_nic) + ")");
@@ -1150,6 +1149,11 @@ class Engine final : public TransferEngine {
     ++pending_size_;
   }
 
+  // The shard (hence NIC: first_nic + shard) of a single write's WR i.
+  static uint32_t ShardOf(const Transfer& t, uint32_t i) {
+    return std::min(i / t.shard_wrs, t.shards - 1);
+  }
+
   // How many of a transfer's last WRs carry its immediate and wait for all the others to
   // complete: the last chunk of a split single write; each NIC's last page of a paged write with
   // imm_once (the last min(NICs, pages) WRs, since page i goes to NIC first + i).
@@ -1222,15 +1226,10 @@ class Engine final : public TransferEngine {
     wr.context = &slot->ctx;
     wr.has_imm = r.has_imm;
     wr.imm = r.imm;
-    // A WR whose completion releases the immediate-carrying tail: with several NICs the tail
-    // travels on another connection than some of these bytes, so it may go out only once they
-    // are in the target's memory, not merely sent (tcp completes a write when it is sent).
-    const uint32_t tails = TailWrs(*t);
-    wr.deliver = nics_ > 1 && tails > 0 && i < t->total - tails;
     uint32_t k = r.first_nic;
     switch (r.kind) {
       case Kind::kSingle: {
-        const uint32_t shard = std::min(i / t->shard_wrs, t->shards - 1);
+        const uint32_t shard = ShardOf(*t, i);
         const uint64_t shard_start = shard * t->shard_bytes;
         const uint64_t shard_end = shard + 1 == t->shards ? r.length : shard_start + t->shard_bytes;
         const uint64_t off = shard_start + uint64_t{i - shard * t->shard_wrs} * t->chunk;
@@ -1240,6 +1239,10 @@ class Engine final : public TransferEngine {
         wr.remote_addr = r.dst[k].base + off;
         wr.key = r.dst[k].key;
         wr.has_imm = r.has_imm && i == t->total - 1;
+        // A piece on another NIC than the immediate-carrying last one: that NIC's connection
+        // is not ordered with the last one's, so this piece must be in the target's memory,
+        // not merely sent (tcp completes a write when it is sent), before the last goes out.
+        wr.deliver = r.has_imm && i + 1 < t->total && shard != ShardOf(*t, t->total - 1);
         break;
       }
       case Kind::kPaged:

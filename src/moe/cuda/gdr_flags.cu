@@ -38,6 +38,9 @@ struct GdrFlags::Api {
 
 StatusOr<std::unique_ptr<GdrFlags>> GdrFlags::Open(size_t words, int device) {
   if (words == 0) return InvalidArgumentError("GdrFlags: no words");
+  if (words * sizeof(uint64_t) > kGpuPage) {
+    return InvalidArgumentError("GdrFlags: more than 64 KiB of flags");
+  }
   if (access("/dev/gdrdrv", R_OK | W_OK) != 0) {
     return UnavailableError("GDRCopy: /dev/gdrdrv is absent (gdrdrv module not loaded)");
   }
@@ -69,10 +72,8 @@ StatusOr<std::unique_ptr<GdrFlags>> GdrFlags::Open(size_t words, int device) {
     return UnavailableError("GDRCopy: no device memory for the flags on GPU " +
                             std::to_string(device));
   }
-  const size_t bytes = words * sizeof(uint64_t);
   const uintptr_t base = reinterpret_cast<uintptr_t>(f->allocation_);
   const uintptr_t aligned = (base + kGpuPage - 1) & ~(uintptr_t{kGpuPage} - 1);
-  if (bytes > kGpuPage) return InvalidArgumentError("GdrFlags: more than 64 KiB of flags");
   if (cudaMemset(reinterpret_cast<void*>(aligned), 0, kGpuPage) != cudaSuccess ||
       cudaDeviceSynchronize() != cudaSuccess) {
     return UnavailableError("GDRCopy: cannot zero the flags");
