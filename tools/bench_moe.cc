@@ -97,6 +97,7 @@ struct Result {
   double total_p50[2], total_p99[2];  // dispatch (send + recv), combine (send + recv)
   double empty_step_p50;              // NVLink timing: an empty step between the same events
   double cycle_in_graph_p50, cycle_in_graph_p99;  // dispatch + combine, one graph of many cycles
+  double step_in_graph_p50[2], step_in_graph_p99[2];  // the same with event nodes between steps
   double floor_dispatch_p50, floor_combine_p50;
   uint64_t dispatch_bytes, combine_bytes;
   // The NVLink floor (CUDA device, >= 2 GPUs): the fewest bytes that must leave this rank (each
@@ -166,10 +167,13 @@ double MeasurePeerBandwidth() {
 // cycles captured in one graph, timed as a whole between events and divided by the cycles, so
 // neither a graph launch nor an event sits between the steps (only the gaps between kernels).
 // Each round: the aligning cycle, then the graph; samples[7]: one per round, microseconds per
-// cycle (dispatch + combine).
+// cycle (dispatch + combine). Then the same cycles with an event node before each dispatch and
+// each combine (`marks`, 2 * kInGraphCycles + 1 events recorded inside the graph): samples[8]
+// and [9], each cycle's dispatch and combine as a model's graph sees them -- from the end of
+// the step before to the end of the step, the event node included.
 Status TimeInGraph(const MoeBenchOptions& o, Bootstrap& b, cudaStream_t stream,
-                   cudaGraphExec_t cycle, cudaGraphExec_t cycles,
-                   std::vector<double> (&samples)[8]) {
+                   cudaGraphExec_t cycle, cudaGraphExec_t cycles, cudaGraphExec_t marked,
+                   const std::vector<cudaEvent_t>& marks, std::vector<double> (&samples)[10]) {
   cudaEvent_t ev[2] = {};
   for (auto& e : ev) BENCH_CUDA(cudaEventCreate(&e));
   const int rounds = 1 + std::max(10, o.iters / kInGraphCycles);
@@ -179,11 +183,20 @@ Status TimeInGraph(const MoeBenchOptions& o, Bootstrap& b, cudaStream_t stream,
     BENCH_CUDA(cudaEventRecord(ev[0], stream));
     BENCH_CUDA(cudaGraphLaunch(cycles, stream));
     BENCH_CUDA(cudaEventRecord(ev[1], stream));
+    BENCH_CUDA(cudaGraphLaunch(cycle, stream));
+    BENCH_CUDA(cudaGraphLaunch(marked, stream));
     BENCH_CUDA(cudaStreamSynchronize(stream));
     if (round == 0) continue;  // warm-up
     float ms = 0;
     BENCH_CUDA(cudaEventElapsedTime(&ms, ev[0], ev[1]));
     samples[7].push_back(ms * 1e3 / kInGraphCycles);
+    for (int k = 0; k < kInGraphCycles; ++k) {
+      float step_ms[2];
+      for (int h = 0; h < 2; ++h) {
+        BENCH_CUDA(cudaEventElapsedTime(&step_ms[h], marks[2 * k + h], marks[2 * k + h + 1]));
+        samples[8 + h].push_back(step_ms[h] * 1e3);
+      }
+    }
   }
   for (auto& e : ev) cudaEventDestroy(e);
   return Status::Ok();
@@ -195,10 +208,10 @@ Status TimeInGraph(const MoeBenchOptions& o, Bootstrap& b, cudaStream_t stream,
 // CombineRecv waits for every rank's CombineSend), then the four step graphs with events between
 // them; then the cycle again and the dispatch and combine graphs between events. The host queues
 // everything while the aligning cycle runs, so the events see GPU time, not launch gaps.
-// samples[0..3] the steps, [4] dispatch, [5] combine, [6] the empty step, [7] TimeInGraph, in
-// microseconds.
+// samples[0..3] the steps, [4] dispatch, [5] combine, [6] the empty step, [7..9] TimeInGraph,
+// in microseconds.
 Status TimeGraphCycles(const MoeBenchOptions& o, Bootstrap& b, AllToAll& a2a,
-                       const StepBuffers& sb, std::vector<double> (&samples)[8]) {
+                       const StepBuffers& sb, std::vector<double> (&samples)[10]) {
   cudaStream_t stream = nullptr;
   BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   cudaEvent_t ev[9] = {};
@@ -210,13 +223,26 @@ Status TimeGraphCycles(const MoeBenchOptions& o, Bootstrap& b, AllToAll& a2a,
       [&] { return a2a.DispatchRecv(sb.out, later); },
       [&] { return a2a.CombineSend(sb.expert_out); },
       [&] { return a2a.CombineRecv(sb.y, false, later); }};
-  // Steps first..last, `repeats` times over, as one graph.
-  auto capture = [&](int first, int last, cudaGraphExec_t* exec, int repeats = 1) -> Status {
+  // Steps first..last, `repeats` times over, as one graph; with `marks`, an event node before
+  // each dispatch and each combine and one at the end.
+  auto capture = [&](int first, int last, cudaGraphExec_t* exec, int repeats = 1,
+                     const std::vector<cudaEvent_t>* marks = nullptr) -> Status {
     BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
     Status s = Status::Ok();
+    int marked = 0;
+    auto mark = [&] {
+      if (!marks || !s.ok()) return;
+      const cudaError_t e = cudaEventRecordWithFlags((*marks)[marked++], stream,
+                                                     cudaEventRecordExternal);
+      if (e != cudaSuccess) s = InternalError(std::string("event node: ") + cudaGetErrorString(e));
+    };
     for (int k = 0; k < repeats; ++k) {
-      for (int i = first; i <= last && s.ok(); ++i) s = steps[i]();
+      for (int i = first; i <= last && s.ok(); ++i) {
+        if (i % 2 == 0) mark();
+        s = steps[i]();
+      }
     }
+    mark();
     cudaGraph_t graph = nullptr;
     BENCH_CUDA(cudaStreamEndCapture(stream, &graph));
     RETURN_IF_ERROR(s);
@@ -226,8 +252,11 @@ Status TimeGraphCycles(const MoeBenchOptions& o, Bootstrap& b, AllToAll& a2a,
   };
   cudaGraphExec_t cycle = nullptr, step[4] = {}, half[2] = {}, empty = nullptr;
   RETURN_IF_ERROR(capture(0, 3, &cycle));
-  cudaGraphExec_t cycles = nullptr;  // kInGraphCycles cycles back to back (TimeInGraph)
+  cudaGraphExec_t cycles = nullptr, marked = nullptr;  // kInGraphCycles cycles (TimeInGraph)
   RETURN_IF_ERROR(capture(0, 3, &cycles, kInGraphCycles));
+  std::vector<cudaEvent_t> marks(2 * kInGraphCycles + 1);
+  for (auto& e : marks) BENCH_CUDA(cudaEventCreate(&e));
+  RETURN_IF_ERROR(capture(0, 3, &marked, kInGraphCycles, &marks));
   for (int i = 0; i < 4; ++i) RETURN_IF_ERROR(capture(i, i, &step[i]));
   RETURN_IF_ERROR(capture(0, 1, &half[0]));
   RETURN_IF_ERROR(capture(2, 3, &half[1]));
@@ -270,8 +299,10 @@ Status TimeGraphCycles(const MoeBenchOptions& o, Bootstrap& b, AllToAll& a2a,
     BENCH_CUDA(cudaEventElapsedTime(&empty_ms, ev[4], ev[5]));
     samples[6].push_back(empty_ms * 1e3);
   }
-  RETURN_IF_ERROR(TimeInGraph(o, b, stream, cycle, cycles, samples));
+  RETURN_IF_ERROR(TimeInGraph(o, b, stream, cycle, cycles, marked, marks, samples));
   cudaGraphExecDestroy(cycles);
+  cudaGraphExecDestroy(marked);
+  for (auto& e : marks) cudaEventDestroy(e);
   RETURN_IF_ERROR(a2a.SetStream(nullptr));
   cudaFree(word);
   for (cudaGraphExec_t g : {cycle, step[0], step[1], step[2], step[3], half[0], half[1], empty}) {
@@ -351,7 +382,7 @@ Status RunRank(const MoeBenchOptions& o, Bootstrap& b, Result* result) {
   sb.out = {pout_x, pout_scales, pcounts};
   sb.expert_out = pexpert_out;
   sb.y = py;
-  std::vector<double> steps[8];
+  std::vector<double> steps[10];
   if (o.cuda) {  // every CUDA AllToAll runs from a stream: timed on the GPU, in graphs
 #ifdef FERRY_BENCH_CUDA
     RETURN_IF_ERROR(TimeGraphCycles(o, b, *a2a, sb, steps));
@@ -385,6 +416,12 @@ Status RunRank(const MoeBenchOptions& o, Bootstrap& b, Result* result) {
     ASSIGN_OR_RETURN(steps[7], SlowestPerIteration(b, steps[7]));
     result->cycle_in_graph_p50 = Percentile(steps[7], 0.5);
     result->cycle_in_graph_p99 = Percentile(steps[7], 0.99);
+  }
+  for (int h = 0; h < 2; ++h) {
+    if (steps[8 + h].empty()) continue;
+    ASSIGN_OR_RETURN(steps[8 + h], SlowestPerIteration(b, steps[8 + h]));
+    result->step_in_graph_p50[h] = Percentile(steps[8 + h], 0.5);
+    result->step_in_graph_p99[h] = Percentile(steps[8 + h], 0.99);
   }
   for (int s = 0; s < 6; ++s) {
     ASSIGN_OR_RETURN(steps[s], SlowestPerIteration(b, steps[s]));
@@ -526,11 +563,12 @@ int RunMoeBench(const MoeBenchOptions& options) {
       std::printf("%s{\"variant\":\"%s\",\"p50_us\":[%.2f,%.2f,%.2f,%.2f],"
                   "\"p99_us\":[%.2f,%.2f,%.2f,%.2f],\"dispatch_bytes\":%llu,"
                   "\"combine_bytes\":%llu,\"floor_dispatch_p50_us\":%.2f,"
-                  "\"floor_combine_p50_us\":%.2f,\"cycle_in_graph_p50_us\":%.2f}",
+                  "\"floor_combine_p50_us\":%.2f,\"cycle_in_graph_p50_us\":%.2f,"
+                  "\"step_in_graph_p50_us\":[%.2f,%.2f]}",
                   v ? "," : "", VariantName(variants[v]), r.p50[0], r.p50[1], r.p50[2], r.p50[3],
                   r.p99[0], r.p99[1], r.p99[2], r.p99[3], (unsigned long long)r.dispatch_bytes,
                   (unsigned long long)r.combine_bytes, r.floor_dispatch_p50, r.floor_combine_p50,
-                  r.cycle_in_graph_p50);
+                  r.cycle_in_graph_p50, r.step_in_graph_p50[0], r.step_in_graph_p50[1]);
     } else {
       std::printf("%-13s | %10.1f %10.1f %10.1f %10.1f | %10.1f %10.1f %10.1f %10.1f | "
                   "%10.1f %10.1f %10.1f %10.1f | %10llu %10llu | %9.1f %9.1f | %6.2f %6.2f\n",
@@ -541,9 +579,11 @@ int RunMoeBench(const MoeBenchOptions& options) {
                   r.floor_combine_p50, d_ratio, c_ratio);
       if (o.cuda) {
         std::printf("%-13s   per cycle in one graph of %d cycles: p50/p99 %.1f / %.1f us "
-                    "(dispatch + combine above: %.1f us)\n",
+                    "(dispatch + combine above: %.1f us); in that graph with an event node "
+                    "before each step: dispatch %.1f / %.1f, combine %.1f / %.1f us\n",
                     "", kInGraphCycles, r.cycle_in_graph_p50, r.cycle_in_graph_p99,
-                    dispatch + combine);
+                    dispatch + combine, r.step_in_graph_p50[0], r.step_in_graph_p99[0],
+                    r.step_in_graph_p50[1], r.step_in_graph_p99[1]);
       }
     }
   }

@@ -15,6 +15,9 @@
 #                                 kernels started early (default) and plainly (FERRY_NV_PDL=0),
 #                                 decode pushing every slot, decode --compare, then the decode
 #                                 phase stamps
+#   tools/gpu_check.sh push       build, tests (also with FERRY_NV_EARLY_PUSH=0), NVLink decode
+#                                 (a)+(b) and --compare with the early row push and without,
+#                                 alternating twice, then the decode phase stamps
 set -u
 OUT=${OUT:-/tmp/ferry-gpu}
 mkdir -p "$OUT"
@@ -82,6 +85,23 @@ if [ "$mode" = pdl ]; then
     --experts 256 --topk 8 --dtype fp8 --tokens 128 --iters 100 --once-per-rank \
     --reduce-at-expert-rank
 fi
+if [ "$mode" = push ]; then
+  FERRY_NV_EARLY_PUSH=0 step moe_cuda_test_late 400 build-gpu/moe_cuda_test
+  nv=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8 --tokens 128
+      --iters 200)
+  for round in 1 2; do
+    step nvlink_early_$round 200 build-gpu/ferry-bench moe "${nv[@]}" --once-per-rank \
+      --reduce-at-expert-rank
+    FERRY_NV_EARLY_PUSH=0 step nvlink_late_$round 200 build-gpu/ferry-bench moe "${nv[@]}" \
+      --once-per-rank --reduce-at-expert-rank
+  done
+  step nvlink_compare_early 200 build-gpu/ferry-bench moe "${nv[@]}" --compare
+  FERRY_NV_EARLY_PUSH=0 step nvlink_compare_late 200 build-gpu/ferry-bench moe "${nv[@]}" --compare
+  FERRY_NV_TRACE=1 step trace_128 200 build-gpu/ferry-bench moe "${nv[@]}" --iters 5 \
+    --once-per-rank --reduce-at-expert-rank
+  echo "== trace, 128 tokens, (a)+(b): point slowest/mean us since block start (blocks)"
+  grep -h 'trace ' "$OUT/trace_128.log"
+fi
 if [ "$mode" = all ] || [ "$mode" = nvlink ] || [ "$mode" = relay ]; then
   nv=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8)
   step nvlink_decode 200 build-gpu/ferry-bench moe "${nv[@]}" --tokens 128 --iters 200 --compare
@@ -147,7 +167,7 @@ if [ "$mode" = all ]; then
     --iters 10
 fi
 
-for f in "$OUT"/moe_cuda_test.log "$OUT"/kv_cuda_test.log; do
+for f in "$OUT"/moe_cuda_test.log "$OUT"/moe_cuda_test_late.log "$OUT"/kv_cuda_test.log; do
   [ -f "$f" ] && grep -E '^\[  (PASSED|FAILED|SKIPPED) |\[rank|Failure' "$f" | head -20
 done
 grep -h -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT"/memcheck.log "$OUT"/racecheck.log 2> /dev/null

@@ -111,6 +111,7 @@ struct Nv {
   int counts_stride;  // int32 per counts row: L + kCountsColumns, rounded up to 16 bytes
   int64_t payload, slot_bytes, meta_bytes, row_bytes, capacity, slots_per_pair;
   bool once, reduce;
+  bool early_push;   // SendSmall pushes a row before the per-expert counting (needs once)
   int first_remote;  // the lowest rank of another node, -1 if none (WaitStep, Arrive)
   int64_t counts_off, private_off, combine_off, send_off;  // flags at 0
   uint8_t* own;          // our buffer (its send area holds the slots peers pull and our own)
@@ -367,12 +368,14 @@ __device__ void PrefixTotals(const int32_t* totals, int n, int64_t* out) {
 }
 
 // This epoch's token count: the host's bound, or the device count when one is given (a count
-// above the bound is reported, and nothing is sent). Block 0 records it for the later steps.
-__device__ int SendTokens(const Nv& v, const SendArgs& a) {
+// above the bound is reported, and nothing is sent; *refused says so). Block 0 records it for
+// the later steps.
+__device__ int SendTokens(const Nv& v, const SendArgs& a, bool* refused = nullptr) {
   int tokens = a.bound;
   if (a.dev_tokens) {
     const int32_t d = *a.dev_tokens;
     tokens = d >= 0 && d <= a.bound ? d : 0;
+    if (refused) *refused = tokens != d;
     if (tokens != d && blockIdx.x == 0 && threadIdx.x == 0) {
       Report(v, kTooManyTokens, d, a.bound);
     }
