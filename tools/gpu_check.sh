@@ -97,10 +97,15 @@ if [ "$mode" = push ]; then
   done
   step nvlink_compare_early 200 build-gpu/ferry-bench moe "${nv[@]}" --compare
   FERRY_NV_EARLY_PUSH=0 step nvlink_compare_late 200 build-gpu/ferry-bench moe "${nv[@]}" --compare
+  step nvlink_prefill 300 build-gpu/ferry-bench moe "${nv[@]}" --tokens 4096 --iters 20 \
+    --once-per-rank --reduce-at-expert-rank
   FERRY_NV_TRACE=1 step trace_128 200 build-gpu/ferry-bench moe "${nv[@]}" --iters 5 \
     --once-per-rank --reduce-at-expert-rank
   echo "== trace, 128 tokens, (a)+(b): point slowest/mean us since block start (blocks)"
   grep -h 'trace ' "$OUT/trace_128.log"
+  obj=build-gpu/CMakeFiles/ferry.dir/src/moe/cuda/nvlink_all_to_all.cu.o
+  { /usr/local/cuda/bin/cuobjdump -res-usage "$obj"; /usr/local/cuda/bin/cuobjdump -sass "$obj"; } \
+    2>&1 | gzip > "$OUT/sass.txt.gz"
 fi
 if [ "$mode" = all ] || [ "$mode" = nvlink ] || [ "$mode" = relay ]; then
   nv=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8)
