@@ -15,9 +15,9 @@
 #                                 kernels started early (default) and plainly (FERRY_NV_PDL=0),
 #                                 decode pushing every slot, decode --compare, then the decode
 #                                 phase stamps
-#   tools/gpu_check.sh push       build, tests (also with FERRY_NV_EARLY_PUSH=0), NVLink decode
-#                                 (a)+(b) and --compare with the early row push and without,
-#                                 alternating twice, then the decode phase stamps
+#   tools/gpu_check.sh ab         build, tests, then NVLink decode (a)+(b) (16 and 1024 private
+#                                 slots) and prefill next to a baseline built from .baseline.tgz
+#                                 (git archive of an earlier commit), alternating; phase stamps
 set -u
 OUT=${OUT:-/tmp/ferry-gpu}
 mkdir -p "$OUT"
@@ -85,27 +85,30 @@ if [ "$mode" = pdl ]; then
     --experts 256 --topk 8 --dtype fp8 --tokens 128 --iters 100 --once-per-rank \
     --reduce-at-expert-rank
 fi
-if [ "$mode" = push ]; then
-  FERRY_NV_EARLY_PUSH=0 step moe_cuda_test_late 400 build-gpu/moe_cuda_test
+if [ "$mode" = ab ]; then
+  # The baseline: .baseline.tgz (git archive of an earlier commit, carried) built beside.
+  mkdir -p /tmp/base && tar xzf .baseline.tgz -C /tmp/base
+  step base_configure 120 cmake -S /tmp/base -B /tmp/base/build "${generator[@]}" \
+    -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_COMPILER="$NVCC" -DCMAKE_CUDA_ARCHITECTURES=90
+  step base_build 400 cmake --build /tmp/base/build -j "$(nproc)" --target ferry-bench
   nv=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8 --tokens 128
-      --iters 200)
+      --iters 200 --once-per-rank --reduce-at-expert-rank)
   for round in 1 2; do
-    step nvlink_early_$round 200 build-gpu/ferry-bench moe "${nv[@]}" --once-per-rank \
-      --reduce-at-expert-rank
-    FERRY_NV_EARLY_PUSH=0 step nvlink_late_$round 200 build-gpu/ferry-bench moe "${nv[@]}" \
-      --once-per-rank --reduce-at-expert-rank
+    for p in 16 1024; do
+      step nvlink_base_p${p}_$round 200 /tmp/base/build/ferry-bench moe "${nv[@]}" --private $p
+      step nvlink_new_p${p}_$round 200 build-gpu/ferry-bench moe "${nv[@]}" --private $p
+    done
   done
-  step nvlink_compare_early 200 build-gpu/ferry-bench moe "${nv[@]}" --compare
-  FERRY_NV_EARLY_PUSH=0 step nvlink_compare_late 200 build-gpu/ferry-bench moe "${nv[@]}" --compare
-  step nvlink_prefill 300 build-gpu/ferry-bench moe "${nv[@]}" --tokens 4096 --iters 20 \
-    --once-per-rank --reduce-at-expert-rank
-  FERRY_NV_TRACE=1 step trace_128 200 build-gpu/ferry-bench moe "${nv[@]}" --iters 5 \
-    --once-per-rank --reduce-at-expert-rank
-  echo "== trace, 128 tokens, (a)+(b): point slowest/mean us since block start (blocks)"
-  grep -h 'trace ' "$OUT/trace_128.log"
-  obj=build-gpu/CMakeFiles/ferry.dir/src/moe/cuda/nvlink_all_to_all.cu.o
-  { /usr/local/cuda/bin/cuobjdump -res-usage "$obj"; /usr/local/cuda/bin/cuobjdump -sass "$obj"; } \
-    2>&1 | gzip > "$OUT/sass.txt.gz"
+  pf=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8 --tokens 4096
+      --iters 20 --once-per-rank --reduce-at-expert-rank)
+  step nvlink_base_prefill 300 /tmp/base/build/ferry-bench moe "${pf[@]}"
+  step nvlink_new_prefill 300 build-gpu/ferry-bench moe "${pf[@]}"
+  step nvlink_compare_new 200 build-gpu/ferry-bench moe "${nv[@]:0:15}" --compare --private 1024
+  for p in 16 1024; do
+    FERRY_NV_TRACE=1 step trace_p$p 200 build-gpu/ferry-bench moe "${nv[@]}" --iters 5 --private $p
+    echo "== trace, 128 tokens, (a)+(b), --private $p: point slowest/mean us since block start"
+    grep -h 'trace ' "$OUT/trace_p$p.log"
+  done
 fi
 if [ "$mode" = all ] || [ "$mode" = nvlink ] || [ "$mode" = relay ]; then
   nv=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8)
@@ -172,7 +175,7 @@ if [ "$mode" = all ]; then
     --iters 10
 fi
 
-for f in "$OUT"/moe_cuda_test.log "$OUT"/moe_cuda_test_late.log "$OUT"/kv_cuda_test.log; do
+for f in "$OUT"/moe_cuda_test.log "$OUT"/kv_cuda_test.log; do
   [ -f "$f" ] && grep -E '^\[  (PASSED|FAILED|SKIPPED) |\[rank|Failure' "$f" | head -20
 done
 grep -h -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT"/memcheck.log "$OUT"/racecheck.log 2> /dev/null

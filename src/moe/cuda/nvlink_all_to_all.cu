@@ -78,8 +78,6 @@ class NvlinkAllToAll final : public AllToAll {
     v.row_bytes = int64_t{c_.hidden} * 2;
     v.capacity = c_.expert_capacity();
     v.once = c_.dispatch_once_per_rank;
-    const char* early = std::getenv("FERRY_NV_EARLY_PUSH");
-    v.early_push = v.once && !(early && *early == '0');
     v.reduce = c_.combine_reduce_at_expert_rank;
     v.slots_per_pair = layout_.slots_per_pair;
     v.counts_off = RoundUp(2 * n * 8, 128);

@@ -81,11 +81,7 @@
 // kernel waits for its flags, reads counts and locates its first slot while the send kernel
 // runs, and waits for the kernel before it (griddepcontrol.wait) only before its first store
 // into the caller's memory. FERRY_NV_PDL=0 launches them plainly.
-//
-// Decode batches with one slot per token and rank: where a token's slots go depends only on
-// which ranks the tokens go to, so SendSmall pushes the row as soon as those are counted and
-// counts per expert (the slot's entries, the counts rows) while it crosses; the entries follow
-// into the same slots before the block arrives. FERRY_NV_EARLY_PUSH=0 counts first (baseline).
+
 //
 // Errors a kernel finds are claimed in device memory (the first wins) and mirrored into pinned
 // host words the host reads; no atomics on host memory (not atomic over PCIe).

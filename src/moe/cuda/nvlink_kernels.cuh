@@ -271,12 +271,12 @@ __device__ inline void WarpScanRanks(const int32_t* in, int n, int64_t* out) {
 
 // What lane j of token t's warp (copy j, x) counts over the block's entries before copy j (its
 // tokens before t, and t's copies before j), 32 entries per ballot: tokens with a copy for x's
-// rank, and with `experts` also copies for x's expert and copies for x's rank.
+// rank, copies for x's expert and copies for x's rank.
 struct Earlier {
   int32_t tokens, pos, copies;
 };
 __device__ Earlier CountEarlier(const Nv& v, const int32_t* idx, int first_token, int t,
-                                const LaneRoute& x, bool experts) {
+                                const LaneRoute& x) {
   const int lane = threadIdx.x % 32;
   const int own = t * v.k;
   Earlier c{};
@@ -291,13 +291,10 @@ __device__ Earlier CountEarlier(const Nv& v, const int32_t* idx, int first_token
     for (int j = 0; j < kMaxK; ++j) {
       if (j >= v.k) break;
       const int rj = __shfl_sync(~0u, x.r, j);
+      const int32_t ej = __shfl_sync(~0u, x.valid ? x.e : -1, j);
       const int n = __popc(__ballot_sync(~0u, first && r == rj));
-      int p = 0, copies = 0;
-      if (experts) {
-        const int32_t ej = __shfl_sync(~0u, x.valid ? x.e : -1, j);
-        p = __popc(__ballot_sync(~0u, valid && e == ej && f < own + j));
-        copies = __popc(__ballot_sync(~0u, valid && earlier && r == rj));
-      }
+      const int p = __popc(__ballot_sync(~0u, valid && e == ej && f < own + j));
+      const int copies = __popc(__ballot_sync(~0u, valid && earlier && r == rj));
       if (lane == j) {
         c.tokens += n;
         c.pos += p;
@@ -313,11 +310,9 @@ __device__ Earlier CountEarlier(const Nv& v, const int32_t* idx, int first_token
 // slot and combine-row starts per rank) and over the tokens before its own; within its own
 // tokens a warp counts with ballots. That gives what Route computes -- each copy's position among
 // the copies for its expert, each token's first slot and combine row on each rank -- with no
-// grid-wide step, so DispatchSend is one launch. With one slot per token and rank (v.once) where
-// a slot goes depends only on which ranks the tokens go to: the row is pushed as soon as those
-// are counted, and the per-expert counting (the slot's entries, the counts rows) runs while it
-// crosses NVLink. Otherwise (or with FERRY_NV_EARLY_PUSH=0, the baseline) the row follows the
-// counting.
+// grid-wide step, so DispatchSend is one launch. (Pushing a row before the per-expert counting,
+// where its slot depends only on the ranks counted, was measured slower: the warp's stores
+// drain at NVLink speed before the counting behind them can issue.)
 __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs a) {
   extern __shared__ int64_t small_raw[];
   __shared__ uint8_t* dst_of[kSmallWarps][kMaxK];  // a token's slots (SlotDst)
@@ -453,15 +448,6 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
       }
     }
   };
-  if (v.early_push) {  // slots per rank = tokens per rank: the row goes now
-    WarpScanRanks(m.tokens_all, v.n, m.starts);
-    __syncthreads();
-    if (has_token) {
-      const Earlier c = CountEarlier(v, m.idx, first_token, t, x, false);
-      if (x.valid) place(m.tokens_before[x.r] + c.tokens);
-      push();
-    }
-  }
   Mark(v, kTraceSend, 3);
 
   // Copies per expert, over all tokens and over the tokens before the block's.
@@ -487,7 +473,7 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
     }
   }
   __syncthreads();
-  if (!v.early_push) WarpScanRanks(m.slots, v.n, m.starts);
+  WarpScanRanks(m.slots, v.n, m.starts);
   WarpScanRanks(m.rows, v.n, m.row_starts);
   __syncthreads();
   // Block 0 writes our counts rows into every rank now; every block arrives once its rows are out.
@@ -509,12 +495,12 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
   if (has_token) {
     // Lane j: the token's j-th copy, its position among its expert's copies and its slot's
     // header (as PackKernel writes them).
-    const Earlier c = CountEarlier(v, m.idx, first_token, t, x, true);
+    const Earlier c = CountEarlier(v, m.idx, first_token, t, x);
     if (x.valid) {
       const int r = x.r;
       const int32_t rank_copies = m.copies_before[r] + c.copies;  // before token t, on rank r
       const int32_t rank_tokens = m.tokens_before[r] + c.tokens;
-      if (!v.early_push) place(v.once ? rank_tokens : rank_copies);
+      place(v.once ? rank_tokens : rank_copies);
       const NvEntry entry{x.e % v.l, lane, weight, m.hist_before[x.e] + c.pos};
       reinterpret_cast<NvEntry*>(d + sizeof(NvHeader))[v.once ? x.within : 0] = entry;
       if (!v.once || x.first) {
@@ -527,7 +513,7 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
         if (x.first) v.row_pos[int64_t{r} * v.t_max + t] = row_pos;  // for CombineRecv
       }
     }
-    if (!v.early_push) push();
+    push();
   }
   Mark(v, kTraceSend, 5);
   Arrive(v, false, epoch);
@@ -563,7 +549,9 @@ __device__ inline void LoadPeersIn(const Nv& v, PeerIn* out) {
 // checks each slot, copies its row to each entry's output row, and remembers where the entries'
 // combine rows go (received slot g: sender-major, each sender in its send order). A pushed slot's
 // place does not depend on the counts, so the block's first slot is loaded with them.
-__global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
+// Three blocks per SM at most 80 registers: all of a decode batch's blocks (two per SM) fit
+// beside SendSmall's, so each starts early and waits for its flags (PDL).
+__global__ void __launch_bounds__(kCopyThreads, 3) UnpackKernel(Nv v, RecvArgs a) {
   extern __shared__ int64_t unpack_raw[];  // [N] PeerIn; [N + 1] slots before sender s; [N]
                                            // start[s] (where they start in its send area); [N]
                                            // rebase[s] (the first combine row s expects from

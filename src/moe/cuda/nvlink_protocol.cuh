@@ -111,7 +111,6 @@ struct Nv {
   int counts_stride;  // int32 per counts row: L + kCountsColumns, rounded up to 16 bytes
   int64_t payload, slot_bytes, meta_bytes, row_bytes, capacity, slots_per_pair;
   bool once, reduce;
-  bool early_push;   // SendSmall pushes a row before the per-expert counting (needs once)
   int first_remote;  // the lowest rank of another node, -1 if none (WaitStep, Arrive)
   int64_t counts_off, private_off, combine_off, send_off;  // flags at 0
   uint8_t* own;          // our buffer (its send area holds the slots peers pull and our own)
