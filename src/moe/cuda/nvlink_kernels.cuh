@@ -251,68 +251,13 @@ __device__ inline bool FirstForRank(const Nv& v, const int32_t* idx, int f, int 
   return true;
 }
 
-// Exclusive prefix sums of in[0, n) into out[0, n), by warp 0 (the other warps return at once).
-__device__ inline void WarpScanRanks(const int32_t* in, int n, int64_t* out) {
-  if (threadIdx.x >= 32) return;
-  const int lane = threadIdx.x;
-  int64_t carry = 0;
-  for (int b = 0; b < n; b += 32) {
-    const int r = b + lane;
-    const int64_t mine = r < n ? in[r] : 0;
-    int64_t sum = mine;
-    for (int d = 1; d < 32; d *= 2) {
-      const int64_t up = __shfl_up_sync(~0u, sum, d);
-      if (lane >= d) sum += up;
-    }
-    if (r < n) out[r] = carry + sum - mine;
-    carry += __shfl_sync(~0u, sum, 31);
-  }
-}
-
-// What lane j of token t's warp (copy j, x) counts over the block's entries before copy j (its
-// tokens before t, and t's copies before j), 32 entries per ballot: tokens with a copy for x's
-// rank, copies for x's expert and copies for x's rank.
-struct Earlier {
-  int32_t tokens, pos, copies;
-};
-__device__ Earlier CountEarlier(const Nv& v, const int32_t* idx, int first_token, int t,
-                                const LaneRoute& x) {
-  const int lane = threadIdx.x % 32;
-  const int own = t * v.k;
-  Earlier c{};
-  for (int base = first_token * v.k; base < own + v.k; base += 32) {
-    const int f = base + lane;
-    const int32_t e = f < own + v.k ? idx[f] : -1;
-    const bool valid = ValidExpert(v, e);
-    const int r = valid ? e / v.l : -1;
-    const bool earlier = f < own;
-    const bool first = valid && earlier && FirstForRank(v, idx, f, r);
-#pragma unroll
-    for (int j = 0; j < kMaxK; ++j) {
-      if (j >= v.k) break;
-      const int rj = __shfl_sync(~0u, x.r, j);
-      const int32_t ej = __shfl_sync(~0u, x.valid ? x.e : -1, j);
-      const int n = __popc(__ballot_sync(~0u, first && r == rj));
-      const int p = __popc(__ballot_sync(~0u, valid && e == ej && f < own + j));
-      const int copies = __popc(__ballot_sync(~0u, valid && earlier && r == rj));
-      if (lane == j) {
-        c.tokens += n;
-        c.pos += p;
-        c.copies += copies;
-      }
-    }
-  }
-  return c;
-}
-
 // Block b sends tokens b * W + w (warp w), so each block needs positions only for its own W
-// tokens. It reads the whole routing into shared memory and counts over all tokens (the totals:
-// slot and combine-row starts per rank) and over the tokens before its own; within its own
-// tokens a warp counts with ballots. That gives what Route computes -- each copy's position among
-// the copies for its expert, each token's first slot and combine row on each rank -- with no
-// grid-wide step, so DispatchSend is one launch. (Pushing a row before the per-expert counting,
-// where its slot depends only on the ranks counted, was measured slower: the warp's stores
-// drain at NVLink speed before the counting behind them can issue.)
+// tokens. It reads the whole routing into shared memory and counts, with shared atomics, copies
+// per expert and tokens per rank over all tokens (the totals: slot and combine-row starts per
+// rank) and over the tokens before its own; within its own tokens a warp counts with ballots.
+// That gives what Route computes -- each copy's position among the copies for its expert, each
+// token's first slot and combine row on each rank -- with no grid-wide step, so DispatchSend is
+// one launch. The row's first batch is loaded before the slots are laid out.
 __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs a) {
   extern __shared__ int64_t small_raw[];
   __shared__ uint8_t* dst_of[kSmallWarps][kMaxK];  // a token's slots (SlotDst)
@@ -320,26 +265,10 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
   LaunchDependents();
   const uint64_t epoch = v.scratch->epoch;
   Mark(v, kTraceSend, 0);
-  bool bad = false;
-  const int tokens = SendTokens(v, a, &bad);
+  const int tokens = SendTokens(v, a);
   const int entries = tokens * v.k;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int first_token = blockIdx.x * kSmallWarps;
-  const int t = first_token + warp;  // the warp's token
-  const bool has_token = t < tokens;
-
-  // The row's first batch and the token's weights, in flight with the routing loads.
-  const int64_t vectors = v.payload / 16, meta = v.meta_bytes / 16;
-  const auto* row = reinterpret_cast<const uint4*>(a.x + int64_t{t} * v.payload);
-  uint4 batch[kLaneVectors];
-  if (has_token) {
-#pragma unroll
-    for (int u = 0; u < kLaneVectors; ++u) {
-      const int64_t i = lane + 32 * u;
-      if (i < vectors) batch[u] = __ldg(row + i);
-    }
-  }
-  const float weight = has_token && lane < v.k ? a.weights[int64_t{t} * v.k + lane] : 0.0f;
 
   for (int i = threadIdx.x; i < v.e; i += blockDim.x) m.hist[i] = m.hist_before[i] = 0;
   for (int i = threadIdx.x; i < v.n; i += blockDim.x) m.tokens_all[i] = m.tokens_before[i] = 0;
@@ -366,19 +295,22 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
   }
   __syncthreads();
   Mark(v, kTraceSend, 1);
-  // Tokens per rank, thread per token: up to 32 ranks a rank mask per token and one ballot per
+  // Thread per token. Tokens per rank: up to 32 ranks, a rank mask per token and one ballot per
   // rank and warp (same-address shared atomics from a whole warp serialise); beyond, atomics.
+  bool bad = a.dev_tokens && *a.dev_tokens != tokens;
   for (int base = 0; base < tokens; base += blockDim.x) {
-    const int u = base + threadIdx.x;
-    const bool before = u < first_token;
+    const int t = base + threadIdx.x;
+    const bool before = t < first_token;
     uint32_t ranks = 0;
-    for (int f = u * v.k; u < tokens && f < (u + 1) * v.k; ++f) {
+    for (int f = t * v.k; t < tokens && f < (t + 1) * v.k; ++f) {
       const int32_t e = m.idx[f];
       if (!ValidExpert(v, e)) {
         bad = true;
-        if (blockIdx.x == 0) Report(v, kBadExpert, u, e);
+        if (blockIdx.x == 0) Report(v, kBadExpert, t, e);
         continue;
       }
+      atomicAdd(&m.hist[e], 1);
+      if (before) atomicAdd(&m.hist_before[e], 1);
       const int r = e / v.l;
       if (v.n <= 32) {
         ranks |= 1u << r;
@@ -401,63 +333,6 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
     m.peer_slots[i] = i == threadIdx.x ? peer_slots : v.peer[i].slots;
     m.peer_cap[i] = i == threadIdx.x ? peer_cap : v.peer[i].slot_cap;
   }
-  LaneRoute x{};
-  if (has_token) x = RouteLane(v, m.idx + t * v.k);
-  const int ns = __popc(v.once ? x.firsts : x.valids);  // the token's slots
-  uint8_t* d = nullptr;  // the lane's slot: its copy's, or (v.once) the token's for its rank
-  auto place = [&](int64_t j) {
-    if (!x.valid) return;
-    d = SlotDst(v, x.r, j + (v.once ? 0 : x.within), m.starts[x.r], m.peer_slots[x.r],
-                m.peer_cap[x.r]);
-    if (!v.once || x.first) dst_of[warp][v.once ? x.ranks_before : x.lanes_before + x.within] = d;
-  };
-  // The row into every slot of the token, batch by batch; then the scales.
-  auto push = [&] {
-    __syncwarp();
-    for (int64_t first = 0; first < vectors; first += 32 * kLaneVectors) {
-      if (first > 0) {
-#pragma unroll
-        for (int u = 0; u < kLaneVectors; ++u) {
-          const int64_t i = first + lane + 32 * u;
-          if (i < vectors) batch[u] = __ldg(row + i);
-        }
-      }
-      for (int slot = 0; slot < ns; ++slot) {
-        uint4* to = reinterpret_cast<uint4*>(dst_of[warp][slot]) + meta + first;
-#pragma unroll
-        for (int u = 0; u < kLaneVectors; ++u) {
-          const int64_t i = lane + 32 * u;
-          if (first + i < vectors) to[i] = batch[u];
-        }
-      }
-    }
-    for (int base = 0; base < v.spt; base += 4 * 32) {
-      float scale[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int i = base + lane + 32 * u;
-        if (i < v.spt) scale[u] = a.scales[int64_t{t} * v.spt + i];
-      }
-      for (int slot = 0; slot < ns; ++slot) {
-        auto* to = reinterpret_cast<float*>(dst_of[warp][slot] + v.meta_bytes + v.payload);
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          const int i = base + lane + 32 * u;
-          if (i < v.spt) to[i] = scale[u];
-        }
-      }
-    }
-  };
-  Mark(v, kTraceSend, 3);
-
-  // Copies per expert, over all tokens and over the tokens before the block's.
-  for (int f = threadIdx.x; f < entries; f += blockDim.x) {
-    const int32_t e = m.idx[f];
-    if (!ValidExpert(v, e)) continue;
-    atomicAdd(&m.hist[e], 1);
-    if (f < first_token * v.k) atomicAdd(&m.hist_before[e], 1);
-  }
-  __syncthreads();
   for (int r = warp; r < v.n; r += kSmallWarps) {  // copies per rank, from the expert counts
     int32_t all = 0, before = 0;
     for (int i = lane; i < v.l; i += 32) {
@@ -473,8 +348,27 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
     }
   }
   __syncthreads();
-  WarpScanRanks(m.slots, v.n, m.starts);
-  WarpScanRanks(m.rows, v.n, m.row_starts);
+  if (warp == 0) {  // exclusive prefix sums over the ranks, 32 at a time
+    int64_t carry_slots = 0, carry_rows = 0;
+    for (int b = 0; b < v.n; b += 32) {
+      const int r = b + lane;
+      const int64_t my_slots = r < v.n ? m.slots[r] : 0, my_rows = r < v.n ? m.rows[r] : 0;
+      int64_t slots = my_slots, rows = my_rows;
+      for (int d = 1; d < 32; d *= 2) {
+        const int64_t s2 = __shfl_up_sync(~0u, slots, d), r2 = __shfl_up_sync(~0u, rows, d);
+        if (lane >= d) {
+          slots += s2;
+          rows += r2;
+        }
+      }
+      if (r < v.n) {
+        m.starts[r] = carry_slots + slots - my_slots;
+        m.row_starts[r] = carry_rows + rows - my_rows;
+      }
+      carry_slots += __shfl_sync(~0u, slots, 31);
+      carry_rows += __shfl_sync(~0u, rows, 31);
+    }
+  }
   __syncthreads();
   // Block 0 writes our counts rows into every rank now; every block arrives once its rows are out.
   if (blockIdx.x == 0) {
@@ -490,30 +384,108 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
       return int64_t{m.hist[r * v.l + c]};
     });
   }
-  Mark(v, kTraceSend, 4);
+  Mark(v, kTraceSend, 3);
 
-  if (has_token) {
-    // Lane j: the token's j-th copy, its position among its expert's copies and its slot's
-    // header (as PackKernel writes them).
-    const Earlier c = CountEarlier(v, m.idx, first_token, t, x);
+  const int64_t vectors = v.payload / 16, meta = v.meta_bytes / 16;
+  const int t = first_token + warp;
+  if (t < tokens) {
+    // The row's first batch and the token's weights, in flight while the slots are laid out.
+    const auto* row = reinterpret_cast<const uint4*>(a.x + int64_t{t} * v.payload);
+    uint4 batch[kLaneVectors];
+#pragma unroll
+    for (int u = 0; u < kLaneVectors; ++u) {
+      const int64_t i = lane + 32 * u;
+      if (i < vectors) batch[u] = __ldg(row + i);
+    }
+    const float weight = lane < v.k ? a.weights[int64_t{t} * v.k + lane] : 0.0f;
+
+    // Lane j: the token's j-th copy. Counts over the block's earlier entries (its tokens before
+    // this one, and this token's copies before j), 32 entries per ballot.
+    const LaneRoute x = RouteLane(v, m.idx + t * v.k);
+    const int own = t * v.k;
+    int32_t pos = x.valid ? m.hist_before[x.e] : 0;
+    int32_t rank_copies = x.valid ? m.copies_before[x.r] : 0;  // before token t, on its rank
+    int32_t rank_tokens = x.valid ? m.tokens_before[x.r] : 0;
+    for (int base = first_token * v.k; base < own + v.k; base += 32) {
+      const int f = base + lane;
+      const int32_t e = f < own + v.k ? m.idx[f] : -1;
+      const bool valid = ValidExpert(v, e);
+      const int r = valid ? e / v.l : -1;
+      const bool earlier = f < own;
+      const bool first = valid && earlier && FirstForRank(v, m.idx, f, r);
+#pragma unroll
+      for (int j = 0; j < kMaxK; ++j) {
+        if (j >= v.k) break;
+        const int32_t ej = __shfl_sync(~0u, x.valid ? x.e : -1, j);
+        const int rj = __shfl_sync(~0u, x.r, j);
+        const int p = __popc(__ballot_sync(~0u, valid && e == ej && f < own + j));
+        const int c = __popc(__ballot_sync(~0u, valid && earlier && r == rj));
+        const int n = __popc(__ballot_sync(~0u, first && r == rj));
+        if (lane == j) {
+          pos += p;
+          rank_copies += c;
+          rank_tokens += n;
+        }
+      }
+    }
+    Mark(v, kTraceSend, 4);
+
+    // Lay out the token's slots (as PackKernel does).
     if (x.valid) {
       const int r = x.r;
-      const int32_t rank_copies = m.copies_before[r] + c.copies;  // before token t, on rank r
-      const int32_t rank_tokens = m.tokens_before[r] + c.tokens;
-      place(v.once ? rank_tokens : rank_copies);
-      const NvEntry entry{x.e % v.l, lane, weight, m.hist_before[x.e] + c.pos};
+      const int o = v.once ? 0 : x.within;
+      const int64_t j = (v.once ? rank_tokens : rank_copies) + o;
+      uint8_t* d = SlotDst(v, r, j, m.starts[r], m.peer_slots[r], m.peer_cap[r]);
+      const NvEntry entry{x.e % v.l, lane, weight, pos};
       reinterpret_cast<NvEntry*>(d + sizeof(NvHeader))[v.once ? x.within : 0] = entry;
       if (!v.once || x.first) {
         const int32_t row_pos = v.reduce ? rank_tokens : rank_copies;
-        const int32_t row_at = static_cast<int32_t>(m.row_starts[r] + row_pos +
-                                                    (v.once || v.reduce ? 0 : x.within));
+        const int32_t row = static_cast<int32_t>(m.row_starts[r] + row_pos +
+                                                 (v.once || v.reduce ? 0 : o));
         *reinterpret_cast<NvHeader*>(d) =
-            NvHeader{t, v.once ? x.hits : 1, row_at, static_cast<int16_t>(v.once ? 0 : x.within),
+            NvHeader{t, v.once ? x.hits : 1, row, static_cast<int16_t>(o),
                      static_cast<int16_t>(v.once ? 1 : x.hits)};
+        dst_of[warp][v.once ? x.ranks_before : x.lanes_before + x.within] = d;
         if (x.first) v.row_pos[int64_t{r} * v.t_max + t] = row_pos;  // for CombineRecv
       }
     }
-    push();
+    const int ns = __popc(v.once ? x.firsts : x.valids);
+    __syncwarp();
+
+    // The row into every slot, batch by batch; then the scales.
+    for (int64_t first = 0; first < vectors; first += 32 * kLaneVectors) {
+      if (first > 0) {
+#pragma unroll
+        for (int u = 0; u < kLaneVectors; ++u) {
+          const int64_t i = first + lane + 32 * u;
+          if (i < vectors) batch[u] = __ldg(row + i);
+        }
+      }
+      for (int slot = 0; slot < ns; ++slot) {
+        uint4* d = reinterpret_cast<uint4*>(dst_of[warp][slot]) + meta + first;
+#pragma unroll
+        for (int u = 0; u < kLaneVectors; ++u) {
+          const int64_t i = lane + 32 * u;
+          if (first + i < vectors) d[i] = batch[u];
+        }
+      }
+    }
+    for (int base = 0; base < v.spt; base += 4 * 32) {
+      float scale[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int i = base + lane + 32 * u;
+        if (i < v.spt) scale[u] = a.scales[int64_t{t} * v.spt + i];
+      }
+      for (int slot = 0; slot < ns; ++slot) {
+        auto* d = reinterpret_cast<float*>(dst_of[warp][slot] + v.meta_bytes + v.payload);
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int i = base + lane + 32 * u;
+          if (i < v.spt) d[i] = scale[u];
+        }
+      }
+    }
   }
   Mark(v, kTraceSend, 5);
   Arrive(v, false, epoch);
@@ -545,10 +517,11 @@ __device__ inline void LoadPeersIn(const Nv& v, PeerIn* out) {
 }
 
 // Every block waits for all dispatch flags, then takes its senders' slots: with G blocks and N
-// senders, sender b % N's slots j = b / N, + G / N... (G < N: senders b, + G..., every slot). It
-// checks each slot, copies its row to each entry's output row, and remembers where the entries'
-// combine rows go (received slot g: sender-major, each sender in its send order). A pushed slot's
-// place does not depend on the counts, so the block's first slot is loaded with them.
+// senders, block b takes sender b / (G / N)'s slots j = b % (G / N), + G / N... (G < N: senders
+// b, + G..., every slot). It checks each slot, copies its row to each entry's output row, and
+// remembers where the entries' combine rows go (received slot g: sender-major, each sender in its
+// send order). A pushed slot's place does not depend on the counts, so the block's first slot is
+// loaded with them.
 // Three blocks per SM at most 80 registers: all of a decode batch's blocks (two per SM) fit
 // beside SendSmall's, so each starts early and waits for its flags (PDL).
 __global__ void __launch_bounds__(kCopyThreads, 3) UnpackKernel(Nv v, RecvArgs a) {
@@ -591,8 +564,8 @@ __global__ void __launch_bounds__(kCopyThreads, 3) UnpackKernel(Nv v, RecvArgs a
   const int groups = min(static_cast<int>(gridDim.x), v.n);
   const int per = max(static_cast<int>(gridDim.x) / v.n, 1);  // blocks per sender
   const bool active = static_cast<int>(blockIdx.x) < groups * per;
-  const int s0 = blockIdx.x % groups;
-  const int64_t j0 = blockIdx.x / groups;
+  const int s0 = blockIdx.x / per;  // sender-major, as the received slots are numbered
+  const int64_t j0 = blockIdx.x % per;
   // Slot j of sender s: pushed, or in s's send area to pull (a slot past what s may push to a
   // rank without a send area to pull from is malformed: null).
   auto locate = [&](int s, int64_t j) -> const uint4* {

@@ -367,14 +367,12 @@ __device__ void PrefixTotals(const int32_t* totals, int n, int64_t* out) {
 }
 
 // This epoch's token count: the host's bound, or the device count when one is given (a count
-// above the bound is reported, and nothing is sent; *refused says so). Block 0 records it for
-// the later steps.
-__device__ int SendTokens(const Nv& v, const SendArgs& a, bool* refused = nullptr) {
+// above the bound is reported, and nothing is sent). Block 0 records it for the later steps.
+__device__ int SendTokens(const Nv& v, const SendArgs& a) {
   int tokens = a.bound;
   if (a.dev_tokens) {
     const int32_t d = *a.dev_tokens;
     tokens = d >= 0 && d <= a.bound ? d : 0;
-    if (refused) *refused = tokens != d;
     if (tokens != d && blockIdx.x == 0 && threadIdx.x == 0) {
       Report(v, kTooManyTokens, d, a.bound);
     }
