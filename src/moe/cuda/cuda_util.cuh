@@ -81,6 +81,16 @@ __device__ inline void CopyBytes(uint8_t* dst, const uint8_t* src, int64_t n,
   }
 }
 
+// The sender of received slot g, given prefix[s] = slots received before sender s (n senders).
+__device__ inline int SenderOf(const int64_t* prefix, int n, int64_t g) {
+  int lo = 0, hi = n - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (prefix[mid] <= g) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
 // Rank r's pass over the tokens, in order, by one block of kThreads threads: count(t) gives
 // token t's slots and combine rows on rank r (an int2); their exclusive prefix sums go to
 // slot_pos / row_pos [r][t] (rows of t_max), the totals to totals[r] and totals[n + r].

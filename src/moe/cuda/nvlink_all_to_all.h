@@ -15,11 +15,10 @@
 //   counts    [N][L + 4] int32  sender s's copies per local expert of ours, then its slots for
 //                               us, where they start in its send area, where our combine rows
 //                               start in its combine region, how many it expects (CountsColumn)
-//   private   [N][P] slots      sender s's first P slots for us, pushed by s (ours for
-//                               ourselves stored there too)
+//   private   [N][P] slots      sender s's first P slots for us, pushed by s
 //   combine   [T * K] bf16 rows the rows returned to us, grouped by expert rank (pushed by them)
-//   send      [T * K] slots     our slots past a rank's P, grouped by receiving rank: peers pull
-//                               them from here
+//   send      [T * K] slots     our slots past a peer's P, grouped by receiving rank: peers pull
+//                               them from here; and our slots for ourselves
 //
 // The kernels reach every rank through a table (NvPeer): for a rank of our node, the places
 // above in its buffer and ours; for a rank of another node, our outbox section for it and our
@@ -37,8 +36,7 @@
 // A slot is a 16-byte header (source token, entries, combine row, which of the token's slots),
 // K 16-byte entries (local expert, k, weight, position among the sender's copies for that
 // expert), the token row and its fp32 scales. Each slot is written once: pushed to its receiver
-// (the first P for a rank of our node, ourselves included; all of them for another node) or kept
-// in our send area.
+// (the first P for a peer of our node, all of them for another node) or kept in our send area.
 //
 // Steps (one stream; kernels in order):
 //   DispatchSend: Route (per receiving rank: slot and combine-row positions of each token; per
@@ -52,12 +50,10 @@
 //                 Route computes for its own four tokens (shared-memory histograms over all
 //                 tokens and over those before its own, warp ballots within), a warp per token
 //                 stores the row; block 0 writes the counts rows; every block arrives.
-//   DispatchRecv: Unpack (every block waits for all dispatch flags; blocks split among the
-//                 senders, each takes its first slot -- whose place needs no counts when pushed
-//                 -- with the counts rows; slot by slot, from our private region or from the
-//                 sender's send area; rows into the expert-major output at the sender's offset
-//                 for that expert plus the copy's position; remembers where each combine row
-//                 returns).
+//   DispatchRecv: Unpack (every block waits for all dispatch flags; slot by slot, from our
+//                 private region, from the sender's send area over NVLink, or from our own send
+//                 area; rows into the expert-major output at the sender's offset for that expert
+//                 plus the copy's position; remembers where each combine row returns).
 //   CombineSend:  CombineSend (each received copy's expert output -- or, summed at the expert
 //                 rank, one row per token -- pushed into its sender's combine region; every
 //                 block arrives at every peer's combine flag).
@@ -81,7 +77,6 @@
 // kernel waits for its flags, reads counts and locates its first slot while the send kernel
 // runs, and waits for the kernel before it (griddepcontrol.wait) only before its first store
 // into the caller's memory. FERRY_NV_PDL=0 launches them plainly.
-
 //
 // Errors a kernel finds are claimed in device memory (the first wins) and mirrored into pinned
 // host words the host reads; no atomics on host memory (not atomic over PCIe).

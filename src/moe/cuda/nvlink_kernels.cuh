@@ -105,11 +105,11 @@ __global__ void __launch_bounds__(kRouteThreads) RouteKernel(Nv v, SendArgs a) {
 }
 
 // Where slot j of ours for rank r goes: pushed to r (its private region, or our outbox section
-// for it; for ourselves our own private region) while j < r's slot cap, else into our send area
-// (grouped by receiving rank, at `start` for r) for r to pull.
+// for it) while j < r's slot cap, else into our send area (grouped by receiving rank, at `start`
+// for r) for r to pull. Our own slots stay in the send area.
 __device__ inline uint8_t* SlotDst(const Nv& v, int r, int64_t j, int64_t start,
                                    uint8_t* slots, int32_t slot_cap) {
-  if (j < slot_cap) return slots + j * v.slot_bytes;
+  if (r != v.me && j < slot_cap) return slots + j * v.slot_bytes;
   return v.own + v.send_off + (start + j) * v.slot_bytes;
 }
 __device__ inline uint8_t* SlotDst(const Nv& v, int r, int64_t j, int64_t start) {
@@ -516,15 +516,10 @@ __device__ inline void LoadPeersIn(const Nv& v, PeerIn* out) {
   }
 }
 
-// Every block waits for all dispatch flags, then takes its senders' slots: with G blocks and N
-// senders, block b takes sender b / (G / N)'s slots j = b % (G / N), + G / N... (G < N: senders
-// b, + G..., every slot). It checks each slot, copies its row to each entry's output row, and
-// remembers where the entries' combine rows go (received slot g: sender-major, each sender in its
-// send order). A pushed slot's place does not depend on the counts, so the block's first slot is
-// loaded with them.
-// Three blocks per SM at most 80 registers: all of a decode batch's blocks (two per SM) fit
-// beside SendSmall's, so each starts early and waits for its flags (PDL).
-__global__ void __launch_bounds__(kCopyThreads, 3) UnpackKernel(Nv v, RecvArgs a) {
+// Every block waits for all dispatch flags, then takes received slots g = blockIdx.x, +grid...
+// (sender-major, each sender in its send order): checks the slot, copies its row to each entry's
+// output row, and remembers where the entries' combine rows go.
+__global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
   extern __shared__ int64_t unpack_raw[];  // [N] PeerIn; [N + 1] slots before sender s; [N]
                                            // start[s] (where they start in its send area); [N]
                                            // rebase[s] (the first combine row s expects from
@@ -548,35 +543,6 @@ __global__ void __launch_bounds__(kCopyThreads, 3) UnpackKernel(Nv v, RecvArgs a
   __syncthreads();
   if (!ok) return;
   Mark(v, kTraceUnpack, 1);
-  // Vectors [0, meta): header and entries; [meta, body): the row; [body, end): the scales.
-  const int64_t meta = v.meta_bytes / 16, body = meta + v.payload / 16;
-  const int64_t end = (v.meta_bytes + v.payload + int64_t{v.spt} * 4 + 15) / 16;
-  const int64_t batch = 4 * int64_t{blockDim.x};
-  // One round trip for the slot's first 16 KiB (metadata and, usually, the whole slot).
-  uint4 r[4];
-  auto load = [&](const uint4* src4) {
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int64_t i = threadIdx.x + u * int64_t{blockDim.x};
-      if (i < end) r[u] = __ldcg(src4 + i);
-    }
-  };
-  const int groups = min(static_cast<int>(gridDim.x), v.n);
-  const int per = max(static_cast<int>(gridDim.x) / v.n, 1);  // blocks per sender
-  const bool active = static_cast<int>(blockIdx.x) < groups * per;
-  const int s0 = blockIdx.x / per;  // sender-major, as the received slots are numbered
-  const int64_t j0 = blockIdx.x % per;
-  // Slot j of sender s: pushed, or in s's send area to pull (a slot past what s may push to a
-  // rank without a send area to pull from is malformed: null).
-  auto locate = [&](int s, int64_t j) -> const uint4* {
-    const PeerIn& from = from_of[s];
-    const uint8_t* src = j < from.slot_cap ? from.slots + j * v.slot_bytes
-                         : from.pull       ? from.pull + (start[s] + j) * v.slot_bytes
-                                           : nullptr;
-    return reinterpret_cast<const uint4*>(src);
-  };
-  const bool early = active && j0 < from_of[s0].slot_cap;  // the first slot's place is known
-  if (early) load(locate(s0, j0));
   // Every sender's counts row in one round trip (16-byte vectors; from another node they are in
   // host memory, where every small load is a PCIe transaction).
   const int vectors = v.counts_stride / 4;
@@ -587,7 +553,8 @@ __global__ void __launch_bounds__(kCopyThreads, 3) UnpackKernel(Nv v, RecvArgs a
   }
   __syncthreads();
   Mark(v, kTraceUnpack, 2);
-  // How many slots each sender has and where they start in its send area.
+  // Where each sender's slots are: the block's first slot is then in flight while the offsets
+  // table is built.
   for (int s = threadIdx.x; s < v.n; s += blockDim.x) {
     const int32_t* row = counts + s * v.counts_stride;
     int64_t slots = row[v.l + kColSlots];
@@ -606,6 +573,37 @@ __global__ void __launch_bounds__(kCopyThreads, 3) UnpackKernel(Nv v, RecvArgs a
   }
   __syncthreads();
   const int64_t total = prefix[v.n];
+  // Vectors [0, meta): header and entries; [meta, body): the row; [body, end): the scales.
+  const int64_t meta = v.meta_bytes / 16, body = meta + v.payload / 16;
+  const int64_t end = (v.meta_bytes + v.payload + int64_t{v.spt} * 4 + 15) / 16;
+  const int64_t batch = 4 * int64_t{blockDim.x};
+  // Received slot g: its sender s, its index j among s's, where it is. Ours from our send area;
+  // then what s pushed; the rest pulled from s's send area (a slot past what s may push to a
+  // rank without a send area to pull from is malformed: null).
+  int s = 0;
+  int64_t j = 0;
+  auto locate = [&](int64_t g) -> const uint4* {
+    s = SenderOf(prefix, v.n, g);
+    j = g - prefix[s];
+    const PeerIn& from = from_of[s];
+    const uint8_t* src = s == v.me        ? v.own + v.send_off + (start[s] + j) * v.slot_bytes
+                         : j < from.slot_cap ? from.slots + j * v.slot_bytes
+                         : from.pull         ? from.pull + (start[s] + j) * v.slot_bytes
+                                             : nullptr;
+    return reinterpret_cast<const uint4*>(src);
+  };
+  // One round trip for the slot's first 16 KiB (metadata and, usually, the whole slot).
+  uint4 r[4];
+  auto load = [&](const uint4* src4) {
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int64_t i = threadIdx.x + u * int64_t{blockDim.x};
+      if (i < end) r[u] = __ldcg(src4 + i);
+    }
+  };
+  int64_t g = blockIdx.x;
+  const uint4* src4 = g < total ? locate(g) : nullptr;
+  if (src4) load(src4);
   Mark(v, kTraceUnpack, 3);
 
   for (int e = threadIdx.x; e < v.l; e += blockDim.x) {
@@ -625,85 +623,83 @@ __global__ void __launch_bounds__(kCopyThreads, 3) UnpackKernel(Nv v, RecvArgs a
   }
   Mark(v, kTraceUnpack, 4);
   bool primary_done = false;
-  for (int s = s0; active && s < v.n; s += groups) {
-    for (int64_t j = j0; j < prefix[s + 1] - prefix[s]; j += per) {
-      const int64_t g = prefix[s] + j;
-      const uint4* src4 = locate(s, j);
-      const bool first = s == s0 && j == j0;
-      if (!(first && early) && src4) load(src4);
-      if (!src4) {
-        if (threadIdx.x == 0) {
-          Report(v, kBadSlot, s, static_cast<int32_t>(j));
-          v.rslots[g] = RecvSlot{s, 0, 0, 0, 1};
-        }
-        continue;
+  for (; g < total; g += gridDim.x) {
+    if (g != blockIdx.x) {
+      src4 = locate(g);
+      if (src4) load(src4);
+    }
+    if (!src4) {
+      if (threadIdx.x == 0) {
+        Report(v, kBadSlot, s, static_cast<int32_t>(j));
+        v.rslots[g] = RecvSlot{s, 0, 0, 0, 1};
       }
-      const PeerIn& from = from_of[s];
+      continue;
+    }
+    const PeerIn& from = from_of[s];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int64_t i = threadIdx.x + u * int64_t{blockDim.x};
+      if (i < meta) meta_v[i] = r[u];
+    }
+    __syncthreads();
+    // Checks in parallel: the header by every thread, entry i by thread i.
+    NvHeader header;
+    std::memcpy(&header, &meta_v[0], sizeof header);
+    const int entries = min(max(header.entries, 0), v.k);
+    // The combine row, counted from where our rows for s go (rebased for another node).
+    const int64_t row = header.row - rebase[s];
+    bool valid = header.entries >= 1 && header.entries <= v.k && header.src_token >= 0 &&
+                 header.src_token < v.t_max && row >= 0 && header.parts >= 1 &&
+                 header.part >= 0 && header.part < header.parts &&
+                 row + (v.reduce ? 1 : header.entries) <= from.row_cap;
+    if (threadIdx.x < entries) {
+      NvEntry entry;
+      std::memcpy(&entry, &meta_v[1 + threadIdx.x], sizeof entry);
+      const int32_t le = entry.local_expert;
+      valid = valid && le >= 0 && le < v.l && entry.pos >= 0 &&
+              entry.pos < offset[(s + 1) * v.l + le] - offset[s * v.l + le] &&
+              offset[(s + 1) * v.l + le] <= v.capacity;
+      if (valid) {
+        out_row[threadIdx.x] = int64_t{le} * v.capacity + offset[s * v.l + le] + entry.pos;
+        v.rentries[g * v.k + threadIdx.x] = RecvEntry{out_row[threadIdx.x], entry.weight};
+      }
+    }
+    valid = __syncthreads_and(valid);
+    if (g == blockIdx.x) Mark(v, kTraceUnpack, 5);
+    if (threadIdx.x == 0) {
+      if (!valid) Report(v, kBadSlot, s, static_cast<int32_t>(j));
+      v.rslots[g] = RecvSlot{s, static_cast<int32_t>(row), valid ? entries : 0, header.part,
+                             header.parts};
+    }
+    const int outs = valid ? entries : 0;
+    if (!primary_done) {  // the caller's memory from here on (a.out_x, a.out_scales)
+      WaitPrimary();
+      primary_done = true;
+    }
+    // Vector i of the slot into every entry's output row (its row or its scales).
+    auto store = [&](int64_t i, const uint4& value) {
+      if (i < meta || i >= end) return;
+      for (int e = 0; e < outs; ++e) {
+        if (i < body) {
+          reinterpret_cast<uint4*>(a.out_x + out_row[e] * v.payload)[i - meta] = value;
+        } else {
+          StoreScales(a.out_scales + out_row[e] * v.spt, (i - body) * 4, v.spt, value);
+        }
+      }
+    };
+#pragma unroll
+    for (int u = 0; u < 4; ++u) store(threadIdx.x + u * int64_t{blockDim.x}, r[u]);
+    // Slots longer than one batch: the rest, batch by batch.
+    for (int64_t base = threadIdx.x + batch; outs > 0 && base < end; base += batch) {
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
-        const int64_t i = threadIdx.x + u * int64_t{blockDim.x};
-        if (i < meta) meta_v[i] = r[u];
+        const int64_t i = base + u * int64_t{blockDim.x};
+        if (i < end) r[u] = __ldcg(src4 + i);
       }
-      __syncthreads();
-      // Checks in parallel: the header by every thread, entry i by thread i.
-      NvHeader header;
-      std::memcpy(&header, &meta_v[0], sizeof header);
-      const int entries = min(max(header.entries, 0), v.k);
-      // The combine row, counted from where our rows for s go (rebased for another node).
-      const int64_t row = header.row - rebase[s];
-      bool valid = header.entries >= 1 && header.entries <= v.k && header.src_token >= 0 &&
-                   header.src_token < v.t_max && row >= 0 && header.parts >= 1 &&
-                   header.part >= 0 && header.part < header.parts &&
-                   row + (v.reduce ? 1 : header.entries) <= from.row_cap;
-      if (threadIdx.x < entries) {
-        NvEntry entry;
-        std::memcpy(&entry, &meta_v[1 + threadIdx.x], sizeof entry);
-        const int32_t le = entry.local_expert;
-        valid = valid && le >= 0 && le < v.l && entry.pos >= 0 &&
-                entry.pos < offset[(s + 1) * v.l + le] - offset[s * v.l + le] &&
-                offset[(s + 1) * v.l + le] <= v.capacity;
-        if (valid) {
-          out_row[threadIdx.x] = int64_t{le} * v.capacity + offset[s * v.l + le] + entry.pos;
-          v.rentries[g * v.k + threadIdx.x] = RecvEntry{out_row[threadIdx.x], entry.weight};
-        }
-      }
-      valid = __syncthreads_and(valid);
-      if (first) Mark(v, kTraceUnpack, 5);
-      if (threadIdx.x == 0) {
-        if (!valid) Report(v, kBadSlot, s, static_cast<int32_t>(j));
-        v.rslots[g] = RecvSlot{s, static_cast<int32_t>(row), valid ? entries : 0, header.part,
-                               header.parts};
-      }
-      const int outs = valid ? entries : 0;
-      if (!primary_done) {  // the caller's memory from here on (a.out_x, a.out_scales)
-        WaitPrimary();
-        primary_done = true;
-      }
-      // Vector i of the slot into every entry's output row (its row or its scales).
-      auto store = [&](int64_t i, const uint4& value) {
-        if (i < meta || i >= end) return;
-        for (int e = 0; e < outs; ++e) {
-          if (i < body) {
-            reinterpret_cast<uint4*>(a.out_x + out_row[e] * v.payload)[i - meta] = value;
-          } else {
-            StoreScales(a.out_scales + out_row[e] * v.spt, (i - body) * 4, v.spt, value);
-          }
-        }
-      };
 #pragma unroll
-      for (int u = 0; u < 4; ++u) store(threadIdx.x + u * int64_t{blockDim.x}, r[u]);
-      // Slots longer than one batch: the rest, batch by batch.
-      for (int64_t base = threadIdx.x + batch; outs > 0 && base < end; base += batch) {
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = base + u * int64_t{blockDim.x};
-          if (i < end) r[u] = __ldcg(src4 + i);
-        }
-#pragma unroll
-        for (int u = 0; u < 4; ++u) store(base + u * int64_t{blockDim.x}, r[u]);
-      }
-      __syncthreads();  // the shared slot metadata is rewritten for the next one
+      for (int u = 0; u < 4; ++u) store(base + u * int64_t{blockDim.x}, r[u]);
     }
+    __syncthreads();  // the shared slot metadata is rewritten for the next one
   }
   if (blockIdx.x == 0) {
     WaitPrimary();
