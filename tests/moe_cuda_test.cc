@@ -409,6 +409,31 @@ TEST(MoeNvlinkTest, ALostRankOfAnotherNode) {
   for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
 }
 
+// Between nodes, buffers in GPU memory need an engine that registers it: asked for (kDevice)
+// with an engine without EngineOptions::cuda_memory, Create fails on every rank and says why;
+// kAuto then takes pinned host memory and an iteration runs.
+TEST(MoeNvlinkTest, GpuBuffersBetweenNodesNeedAnEngineForThem) {
+  if (!HaveGpu()) GTEST_SKIP() << "no GPU (/dev/nvidia0)";
+  auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
+    AllToAllConfig cfg{2, b.rank(), 1, 8, 2, 4, 128, DispatchDtype::kBf16, 2};
+    RETURN_IF_ERROR(UseGpu(b, &cfg));
+    EngineOptions options = testing_util::TestOptions("shm");
+    options.cuda_memory = false;
+    ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(options));
+    cfg.rdma_buffers = RdmaBuffers::kDevice;
+    auto refused = AllToAll::Create(cfg, engine.get(), b);
+    CHECK_OR_RETURN(!refused.ok() && refused.status().message().find("rdma_buffers is kDevice") !=
+                                         std::string::npos,
+                    "kDevice without CUDA registration: " + refused.status().ToString());
+    cfg.rdma_buffers = RdmaBuffers::kAuto;
+    ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(cfg, engine.get(), b));
+    SmallRun run;
+    RETURN_IF_ERROR(run.Setup(a2a.get()));
+    return run.GoodIteration(b);
+  }, 120s);
+  for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
+}
+
 const auto bf16 = DispatchDtype::kBf16, fp8 = DispatchDtype::kFp8E4M3;
 const auto rnd = Routing::kRandom, hot = Routing::kAllToOneExpert;
 

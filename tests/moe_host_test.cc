@@ -217,6 +217,9 @@ TEST(MoeHostBadInputTest, RefusesBadRoutesTooManyTokensAndMismatchedConfigs) {
     bad = cfg;
     bad.hidden = 100;
     CHECK_OR_RETURN(bad.Validate().code() == StatusCode::kInvalidArgument, "hidden 100 accepted");
+    bad = cfg;
+    bad.rdma_buffers = static_cast<RdmaBuffers>(3);
+    CHECK_OR_RETURN(bad.Validate().code() == StatusCode::kInvalidArgument, "placement 3 accepted");
     // What only the CUDA NVLink path offers is refused clearly on the host device.
     int32_t device_count = 2;
     DispatchInput counted{x.data(), nullptr, idx.data(), w.data(), 2};

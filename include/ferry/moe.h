@@ -56,6 +56,13 @@ enum class MoeDeviceKind : uint8_t {
               // pinned memory) and return once their kernels finished
 };
 
+// CUDA device with several nodes: where the buffers the NIC reads and writes between nodes live.
+enum class RdmaBuffers : uint8_t {
+  kAuto = 0,    // GPU memory when the engine registers CUDA memory (GPUDirect RDMA), else host
+  kHost = 1,    // pinned host memory the GPU maps (what a provider without FI_HMEM needs)
+  kDevice = 2,  // GPU memory, or AllToAll::Create fails saying why
+};
+
 struct AllToAllConfig {
   int world_size = 0;
   int rank = 0;
@@ -77,6 +84,7 @@ struct AllToAllConfig {
   // Per rank, not part of what ranks must agree on: each may run its steps where it likes.
   MoeDeviceKind device = MoeDeviceKind::kHost;
   int cuda_device = 0;
+  RdmaBuffers rdma_buffers = RdmaBuffers::kAuto;  // CUDA device, several nodes
 
   // InvalidArgument naming the first bad field.
   Status Validate() const;

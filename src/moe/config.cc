@@ -38,6 +38,10 @@ Status AllToAllConfig::Validate() const {
   if (device != MoeDeviceKind::kHost && device != MoeDeviceKind::kCuda) {
     return bad("unknown device kind");
   }
+  if (rdma_buffers != RdmaBuffers::kAuto && rdma_buffers != RdmaBuffers::kHost &&
+      rdma_buffers != RdmaBuffers::kDevice) {
+    return bad("unknown rdma_buffers placement");
+  }
   if (device == MoeDeviceKind::kCuda && (cuda_device < 0 || num_experts > 1024 ||
                                          experts_per_token > 16)) {
     return bad("the CUDA device takes cuda_device >= 0, up to 1024 experts and top-16");

@@ -33,12 +33,13 @@ RelayLayout::RelayLayout(const AllToAllConfig& c, int64_t slot_bytes_in)
     if (Remote(r)) remotes.push_back(r);
   }
   const int64_t q = static_cast<int64_t>(remotes.size());
-  in_sections_off = RoundUp(2 * int64_t{n} * 8, 128);
-  in_combine_off = RoundUp(in_sections_off + q * section_bytes, 128);
+  in_combine_off = RoundUp(q * section_bytes, 128);
   inbox_bytes = in_combine_off + combine_rows * row_bytes;
-  out_peers_off = 128;
   out_peer_bytes = RoundUp(section_bytes + rows_per_pair * row_bytes, 128);
-  outbox_bytes = out_peers_off + q * out_peer_bytes;
+  outbox_bytes = q * out_peer_bytes;
+  out_slots_off = (2 * int64_t{n} + 2) * 8;
+  in_rows_off = out_slots_off + q * 8;
+  control_bytes = RoundUp(in_rows_off + q * 16, 128);
 }
 
 int RelayLayout::RemoteIndex(int of, int rank) const {
@@ -48,15 +49,14 @@ int RelayLayout::RemoteIndex(int of, int rank) const {
 }
 
 Relay::Relay(const AllToAllConfig& config, const RelayLayout& layout, TransferEngine* engine,
-             uint8_t* inbox, uint8_t* outbox, uint32_t peer_timeout_ms, RelayFlags flags)
+             RelayBuffers buffers, uint32_t peer_timeout_ms, RelayFlags flags)
     : c_(config),
       layout_(layout),
       engine_(engine),
-      inbox_(inbox),
-      outbox_(outbox),
+      buffers_(buffers),
       peer_timeout_ms_(peer_timeout_ms),
       inbox_flags_(flags.inbox_flags ? flags.inbox_flags
-                                     : layout.InboxFlag(inbox, /*combine=*/false, 0)),
+                                     : layout.InboxFlag(buffers.control, /*combine=*/false, 0)),
       device_flags_(flags.inbox_flags && flags.device_flags) {
   targets_.reserve(layout_.remotes.size());
   const char* trace = std::getenv("FERRY_RELAY_TRACE");
@@ -65,16 +65,17 @@ Relay::Relay(const AllToAllConfig& config, const RelayLayout& layout, TransferEn
 
 StatusOr<std::unique_ptr<Relay>> Relay::Create(const AllToAllConfig& config,
                                                const RelayLayout& layout, TransferEngine* engine,
-                                               Bootstrap& bootstrap, uint8_t* inbox,
-                                               uint8_t* outbox, uint32_t peer_timeout_ms,
-                                               RelayFlags flags) {
+                                               Bootstrap& bootstrap, RelayBuffers buffers,
+                                               uint32_t peer_timeout_ms, RelayFlags flags) {
   if (!engine) {
     return InvalidArgumentError(
         "AllToAll: several nodes need an engine for the traffic between them");
   }
   if (layout.remotes.empty()) return InvalidArgumentError("Relay: no rank outside this node");
-  std::unique_ptr<Relay> relay(
-      new Relay(config, layout, engine, inbox, outbox, peer_timeout_ms, flags));
+  if (!buffers.inbox || !buffers.outbox || !buffers.control) {
+    return InvalidArgumentError("Relay: inbox, outbox and control block are all needed");
+  }
+  std::unique_ptr<Relay> relay(new Relay(config, layout, engine, buffers, peer_timeout_ms, flags));
   RETURN_IF_ERROR(relay->Connect(bootstrap));
   relay->thread_ = std::thread([r = relay.get()] { r->Main(); });
   return relay;
@@ -115,8 +116,10 @@ bool Relay::Stop() {
 }
 
 Status Relay::Connect(Bootstrap& bootstrap) {
-  ASSIGN_OR_RETURN(inbox_reg_, engine_->RegisterMemory(inbox_, layout_.inbox_bytes));
-  ASSIGN_OR_RETURN(outbox_reg_, engine_->RegisterMemory(outbox_, layout_.outbox_bytes));
+  ASSIGN_OR_RETURN(inbox_reg_,
+                   engine_->RegisterMemory(buffers_.inbox, layout_.inbox_bytes, buffers_.boxes));
+  ASSIGN_OR_RETURN(outbox_reg_,
+                   engine_->RegisterMemory(buffers_.outbox, layout_.outbox_bytes, buffers_.boxes));
   for (ImmKind kind : {kRelayDispatch, kRelayCombine}) {
     for (uint32_t epoch = 0; epoch < kEpochs; ++epoch) {
       for (int r : layout_.remotes) {
@@ -175,14 +178,12 @@ void Relay::Main() {
 }
 
 Status Relay::Dispatch(uint64_t epoch) {
-  const int l = c_.local_experts();
   phase_start_ = Clock::now();
   RETURN_IF_ERROR(WaitDevice(false, epoch));
   targets_.clear();
   for (size_t q = 0; q < layout_.remotes.size(); ++q) {
     const int r = layout_.remotes[q];
-    const auto* counts = reinterpret_cast<const int32_t*>(outbox_ + layout_.OutSection(q));
-    const int64_t slots = counts[l + kColSlots];
+    const int64_t slots = *layout_.OutSlots(buffers_.control, static_cast<int>(q));
     if (slots < 0 || slots > layout_.slots_per_pair) {
       return InternalError("our counts row for rank " + std::to_string(r) + " holds " +
                            std::to_string(slots) + " slots, at most " +
@@ -196,16 +197,15 @@ Status Relay::Dispatch(uint64_t epoch) {
 }
 
 Status Relay::Combine(uint64_t epoch) {
-  const int l = c_.local_experts();
   phase_start_ = Clock::now();
   RETURN_IF_ERROR(WaitDevice(true, epoch));
   targets_.clear();
   for (size_t q = 0; q < layout_.remotes.size(); ++q) {
     const int s = layout_.remotes[q];
-    // Sender s's counts row of this epoch names where our rows go; s rewrites it only after it
-    // got them (relay.h).
-    const auto* counts = reinterpret_cast<const int32_t*>(inbox_ + layout_.InSection(q));
-    const int64_t rows = counts[l + kColRows], start = counts[l + kColRowStart];
+    // Sender s's counts row of this epoch names where our rows go (copied into the control
+    // block by the receive kernel); s rewrites it only after it got them (relay.h).
+    const int64_t* in_rows = layout_.InRows(buffers_.control, static_cast<int>(q));
+    const int64_t start = in_rows[0], rows = in_rows[1];
     if (rows < 0 || rows > layout_.rows_per_pair || start < 0 ||
         start + rows > layout_.combine_rows) {
       return DataLossError("rank " + std::to_string(s) + " expects " + std::to_string(rows) +
@@ -221,7 +221,7 @@ Status Relay::Combine(uint64_t epoch) {
 }
 
 Status Relay::WaitDevice(bool combine, uint64_t epoch) {
-  std::atomic_ref<uint64_t> flag(*layout_.OutboxFlag(outbox_, combine));
+  std::atomic_ref<uint64_t> flag(*layout_.OutboxFlag(buffers_.control, combine));
   Backoff backoff(kSpins, kYields, kSleepUs);
   while (flag.load(std::memory_order_acquire) <= epoch) {
     if (stop_.load(std::memory_order_acquire)) return CancelledError("relay stopped");

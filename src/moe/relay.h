@@ -4,23 +4,28 @@
 // rank alike: they write what a peer must receive (its counts row, its slots, the combine rows
 // it gets back) and raise a flag, and wait for flags before they read. For a rank of their own
 // node those addresses are the peer's memory over NVLink (nvlink_all_to_all.h). For a rank of
-// another node they are in this rank's outbox, pinned host memory the GPU maps; the relay
-// forwards each outbox section over the TransferEngine into that rank's inbox, and when a
-// peer's section has landed in our inbox it raises the flag our kernels wait for:
+// another node they are in this rank's outbox; the relay forwards each outbox section over the
+// TransferEngine into that rank's inbox, and when a peer's section has landed in our inbox it
+// raises the flag our kernels wait for. The boxes are GPU memory the NIC reads and writes
+// directly (GPUDirect RDMA, where the engine registers CUDA memory) or pinned host memory the GPU
+// maps (RdmaBuffers in ferry/moe.h). Whatever the relay's CPU reads or writes -- the flags, and
+// the two numbers it needs of each counts row -- is in a control block of pinned host memory the
+// kernels also write:
 //
-//   dispatch: GPU raises outbox.dispatch -> one write per remote rank (counts row and all the
-//             slots for it, contiguous) -> as sender s's immediate arrives, inbox.dispatch[s] ->
-//             our own writes complete
-//   combine:  GPU raises outbox.combine -> one write per remote rank (the rows we return to it,
-//             at the place its counts row named) -> inbox.combine[s] as each arrives -> our
-//             writes complete
+//   dispatch: GPU raises control.outbox.dispatch -> one write per remote rank (counts row and all
+//             the slots for it, contiguous; how many slots: control.out_slots) -> as sender s's
+//             immediate arrives, control.inbox.dispatch[s] -> our own writes complete
+//   combine:  GPU raises control.outbox.combine -> one write per remote rank (the rows we return
+//             to it, at the place its counts row named: control.in_rows, copied there by the
+//             receive kernel) -> control.inbox.combine[s] as each arrives -> our writes complete
 //
 // Immediates name their sender (RelayImm), so each flag goes up as its section lands and a lost
 // rank is the one whose flag never does.
 //
-// Memory ordering: the GPU stores its outbox flag with st.release.sys after the data (the
-// kernels' ticket carries every block's stores to the storing thread); the relay loads it with
-// acquire before the NIC reads the data. The relay stores an inbox flag with release after its
+// Memory ordering: the GPU stores its outbox flag with st.release.sys after the data and the
+// control words (the kernels' ticket carries every block's stores to the storing thread; the
+// receive kernel that copies control.in_rows fences at system scope and ends before the combine
+// send kernel starts); the relay loads it with acquire before it reads them and the NIC the data. The relay stores an inbox flag with release after its
 // engine saw the peer's immediate (the data is in our memory); the kernels load it with
 // ld.acquire.sys before they read the section. With GDRCopy the inbox flags are GPU memory the
 // relay writes through a write-combining mapping: the store is followed by a full fence, which
@@ -62,15 +67,18 @@ enum CountsColumn : int {
   kCountsColumns = 4,
 };
 
-// Where everything lives in one rank's inbox and outbox. Nodes are blocks of ranks_per_node
-// consecutive ranks; "remote" ranks are those outside our node, in rank order.
+// Where everything lives in one rank's inbox, outbox and control block. Nodes are blocks of
+// ranks_per_node consecutive ranks; "remote" ranks are those outside our node, in rank order.
 //
-//   inbox   flags     dispatch[N], combine[N] u64  raised by the relay, polled by the kernels
-//                     (unused when they live in GPU memory through GDRCopy: RelayFlags)
-//           sections  [remote senders] counts row + S slots, written by the peers' relays
-//           combine   [T * K] rows, rows from remote expert ranks at their place in our region
-//   outbox  flags     dispatch, combine u64         raised by the kernels, polled by the relay
-//           per remote rank q: section (counts row + S slots), then R combine rows for it
+//   inbox    sections  [remote senders] counts row + S slots, written by the peers' relays
+//            combine   [T * K] rows, rows from remote expert ranks at their place in our region
+//   outbox   per remote rank q: section (counts row + S slots), then R combine rows for it
+//   control  inbox flags   dispatch[N], combine[N] u64  raised by the relay, polled by the
+//                          kernels (unused when they live in GPU memory through GDRCopy)
+//            outbox flags  dispatch, combine u64        raised by the kernels, polled by the relay
+//            out_slots     [remote receivers] i64       our slots for q (the send kernel)
+//            in_rows       [remote senders] {start, rows} i64: where sender q's combine rows go
+//                          in its region and how many (the receive kernel, from q's counts row)
 struct RelayLayout {
   RelayLayout(const AllToAllConfig& c, int64_t slot_bytes);
 
@@ -87,38 +95,54 @@ struct RelayLayout {
   int64_t counts_width;    // int32 columns of a counts row: local experts + kCountsColumns
   int64_t counts_bytes, section_bytes;
   std::vector<int> remotes;
-  int64_t in_sections_off, in_combine_off, inbox_bytes;
-  int64_t out_peers_off, out_peer_bytes, outbox_bytes;
+  int64_t in_combine_off, inbox_bytes;
+  int64_t out_peer_bytes, outbox_bytes;
+  int64_t out_slots_off, in_rows_off, control_bytes;
 
-  uint64_t* InboxFlag(uint8_t* inbox, bool combine, int sender) const {
-    return reinterpret_cast<uint64_t*>(inbox) + (combine ? n : 0) + sender;
+  uint64_t* InboxFlag(uint8_t* control, bool combine, int sender) const {
+    return reinterpret_cast<uint64_t*>(control) + (combine ? n : 0) + sender;
   }
-  uint64_t* OutboxFlag(uint8_t* outbox, bool combine) const {
-    return reinterpret_cast<uint64_t*>(outbox) + (combine ? 1 : 0);
+  uint64_t* OutboxFlag(uint8_t* control, bool combine) const {
+    return reinterpret_cast<uint64_t*>(control) + 2 * n + (combine ? 1 : 0);
   }
-  int64_t InSection(int q) const { return in_sections_off + q * section_bytes; }
-  int64_t OutSection(int q) const { return out_peers_off + q * out_peer_bytes; }
+  int64_t* OutSlots(uint8_t* control, int q) const {
+    return reinterpret_cast<int64_t*>(control + out_slots_off) + q;
+  }
+  int64_t* InRows(uint8_t* control, int q) const {  // {start, rows}
+    return reinterpret_cast<int64_t*>(control + in_rows_off) + 2 * q;
+  }
+  int64_t InSection(int q) const { return q * section_bytes; }
+  int64_t OutSection(int q) const { return q * out_peer_bytes; }
   int64_t OutRows(int q) const { return OutSection(q) + section_bytes; }
 };
 
 // Where the relay raises the inbox flags (2N words, dispatch then combine) when they do not live
-// at the inbox's start: a GDRCopy mapping of GPU memory (gdr_flags.h), which device_flags says
+// in the control block: a GDRCopy mapping of GPU memory (gdr_flags.h), which device_flags says
 // (each store is then followed by a full fence).
 struct RelayFlags {
   uint64_t* inbox_flags = nullptr;
   bool device_flags = false;
 };
 
+// The relay's memory (RelayLayout's sizes), the caller's until the relay is gone: inbox and
+// outbox in GPU memory (boxes = kCuda, registered as such: GPUDirect RDMA) or host memory;
+// control always host memory.
+struct RelayBuffers {
+  uint8_t* inbox = nullptr;
+  uint8_t* outbox = nullptr;
+  uint8_t* control = nullptr;
+  MemoryKind boxes = MemoryKind::kHost;
+};
+
 class Relay {
  public:
-  // Collective over every rank (when there is more than one node). Registers `inbox` and
-  // `outbox` (host memory of inbox_bytes / outbox_bytes the caller keeps until the relay is
-  // gone; pinned and mapped into the GPU for the kernels), exchanges addresses, connects to the
-  // remote ranks and starts the thread. peer_timeout_ms bounds each wait for a peer.
+  // Collective over every rank (when there is more than one node). Registers the inbox and
+  // outbox (as buffers.boxes says), exchanges addresses, connects to the remote ranks and starts
+  // the thread. peer_timeout_ms bounds each wait for a peer.
   static StatusOr<std::unique_ptr<Relay>> Create(const AllToAllConfig& config,
                                                  const RelayLayout& layout,
                                                  TransferEngine* engine, Bootstrap& bootstrap,
-                                                 uint8_t* inbox, uint8_t* outbox,
+                                                 RelayBuffers buffers,
                                                  uint32_t peer_timeout_ms = 60000,
                                                  RelayFlags flags = {});
   ~Relay();  // Stop()
@@ -139,7 +163,7 @@ class Relay {
 
  private:
   Relay(const AllToAllConfig& config, const RelayLayout& layout, TransferEngine* engine,
-        uint8_t* inbox, uint8_t* outbox, uint32_t peer_timeout_ms, RelayFlags flags);
+        RelayBuffers buffers, uint32_t peer_timeout_ms, RelayFlags flags);
   // Raises sender s's dispatch or combine flag in our inbox to epoch + 1 (release).
   void RaiseInboxFlag(bool combine, int s, uint64_t epoch);
   Status Connect(Bootstrap& bootstrap);
@@ -156,10 +180,9 @@ class Relay {
   const AllToAllConfig c_;
   const RelayLayout layout_;
   TransferEngine* const engine_;
-  uint8_t* const inbox_;
-  uint8_t* const outbox_;
+  const RelayBuffers buffers_;
   const uint32_t peer_timeout_ms_;
-  uint64_t* const inbox_flags_;  // [2N]: the inbox's start, or GPU memory (RelayFlags)
+  uint64_t* const inbox_flags_;  // [2N]: in the control block, or GPU memory (RelayFlags)
   const bool device_flags_;
   MemoryRegion inbox_reg_, outbox_reg_;
   GroupId group_ = 0;

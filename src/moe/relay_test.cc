@@ -55,9 +55,19 @@ TEST(RelayLayoutTest, SectionsAndIndicesAgree) {
       // Regions in order and inside the buffers.
       EXPECT_LE(layout.InSection(static_cast<int>(layout.remotes.size())),
                 layout.in_combine_off);
-      EXPECT_GE(layout.in_sections_off, 2 * world * 8);
       EXPECT_EQ(layout.OutSection(static_cast<int>(layout.remotes.size())), layout.outbox_bytes);
       EXPECT_EQ(layout.counts_bytes % 16, 0);
+      // The control block: flags, then out_slots, then in_rows, inside it and apart.
+      std::vector<uint8_t> control(layout.control_bytes);
+      uint8_t* base = control.data();
+      const int q = static_cast<int>(layout.remotes.size());
+      EXPECT_EQ(reinterpret_cast<uint8_t*>(layout.InboxFlag(base, true, world - 1)) + 8,
+                reinterpret_cast<uint8_t*>(layout.OutboxFlag(base, false)));
+      EXPECT_LE(reinterpret_cast<uint8_t*>(layout.OutboxFlag(base, true)) + 8,
+                reinterpret_cast<uint8_t*>(layout.OutSlots(base, 0)));
+      EXPECT_LE(reinterpret_cast<uint8_t*>(layout.OutSlots(base, q)),
+                reinterpret_cast<uint8_t*>(layout.InRows(base, 0)));
+      EXPECT_LE(reinterpret_cast<uint8_t*>(layout.InRows(base, q)), base + layout.control_bytes);
     }
   }
 }
@@ -81,6 +91,31 @@ Ask AskOf(const RelayLayout& from_layout, int from, int to, uint64_t epoch) {
           (from + 2 * to + int64_t(epoch)) % (share + 1), q * share};
 }
 
+// The relay's memory, host memory standing for the kernels' side.
+struct Boxes {
+  explicit Boxes(const RelayLayout& layout)
+      : inbox(layout.inbox_bytes), outbox(layout.outbox_bytes), control(layout.control_bytes) {}
+  RelayBuffers buffers() { return {inbox.data(), outbox.data(), control.data()}; }
+  // What the send kernel writes for remote rank q: the counts row, and its slot count again in
+  // the control block.
+  void SetCounts(const RelayLayout& layout, int q, const int32_t* row) {
+    std::memcpy(outbox.data() + layout.OutSection(q), row, layout.counts_width * 4);
+    *layout.OutSlots(control.data(), q) = row[layout.counts_width - kCountsColumns + kColSlots];
+  }
+  // What the receive kernel copies of remote sender q's counts row into the control block.
+  void CopyInRows(const RelayLayout& layout, int q) {
+    const auto* row = reinterpret_cast<const int32_t*>(inbox.data() + layout.InSection(q));
+    const int l = static_cast<int>(layout.counts_width) - kCountsColumns;
+    layout.InRows(control.data(), q)[0] = row[l + kColRowStart];
+    layout.InRows(control.data(), q)[1] = row[l + kColRows];
+  }
+  void RaiseOutbox(const RelayLayout& layout, bool combine, uint64_t value) {
+    std::atomic_ref<uint64_t>(*layout.OutboxFlag(control.data(), combine))
+        .store(value, std::memory_order_release);
+  }
+  std::vector<uint8_t> inbox, outbox, control;
+};
+
 Status WaitFlag(uint64_t* flag, uint64_t want, const std::string& what) {
   const Deadline deadline = Deadline::After(20s);
   Backoff backoff;
@@ -97,32 +132,34 @@ Status RunRank(Bootstrap& b, int per_node, bool separate_flags = false) {
   const AllToAllConfig c = Config(b.world_size(), b.rank(), per_node);
   const int me = c.rank, l = c.local_experts();
   const RelayLayout layout(c, kSlotBytes);
-  std::vector<uint8_t> inbox(layout.inbox_bytes), outbox(layout.outbox_bytes);
+  Boxes boxes(layout);
+  std::vector<uint8_t>& inbox = boxes.inbox;
+  std::vector<uint8_t>& outbox = boxes.outbox;
   std::vector<uint64_t> flags(2 * size_t(c.world_size), 0);
   auto inbox_flag = [&](bool combine, int s) {
     return separate_flags ? &flags[(combine ? c.world_size : 0) + s]
-                          : layout.InboxFlag(inbox.data(), combine, s);
+                          : layout.InboxFlag(boxes.control.data(), combine, s);
   };
   ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
   const RelayFlags where = separate_flags ? RelayFlags{flags.data(), true} : RelayFlags{};
-  ASSIGN_OR_RETURN(auto relay, Relay::Create(c, layout, engine.get(), b, inbox.data(),
-                                             outbox.data(), 10000, where));
+  ASSIGN_OR_RETURN(auto relay,
+                   Relay::Create(c, layout, engine.get(), b, boxes.buffers(), 10000, where));
   for (uint64_t epoch = 0; epoch < 4; ++epoch) {
     const std::string at = " (epoch " + std::to_string(epoch) + ")";
     // Dispatch: a counts row and the slots for each remote rank, then the flag.
     for (size_t q = 0; q < layout.remotes.size(); ++q) {
       const int r = layout.remotes[q];
       const Ask ask = AskOf(layout, me, r, epoch);
-      auto* counts = reinterpret_cast<int32_t*>(outbox.data() + layout.OutSection(q));
+      std::vector<int32_t> counts(layout.counts_width);
       for (int e = 0; e < l; ++e) counts[e] = me * 100 + e;
       counts[l + kColSlots] = static_cast<int32_t>(ask.slots);
       counts[l + kColRowStart] = static_cast<int32_t>(ask.row_start);
       counts[l + kColRows] = static_cast<int32_t>(ask.rows);
+      boxes.SetCounts(layout, static_cast<int>(q), counts.data());
       uint8_t* slots = outbox.data() + layout.OutSection(q) + layout.counts_bytes;
       for (int64_t i = 0; i < ask.slots * kSlotBytes; ++i) slots[i] = SlotByte(me, r, epoch, i);
     }
-    std::atomic_ref<uint64_t>(*layout.OutboxFlag(outbox.data(), false))
-        .store(epoch + 1, std::memory_order_release);
+    boxes.RaiseOutbox(layout, false, epoch + 1);
     for (size_t q = 0; q < layout.remotes.size(); ++q) {
       const int s = layout.remotes[q];
       RETURN_IF_ERROR(WaitFlag(inbox_flag(false, s), epoch + 1,
@@ -138,6 +175,7 @@ Status RunRank(Bootstrap& b, int per_node, bool separate_flags = false) {
         CHECK_OR_RETURN(slots[i] == SlotByte(s, me, epoch, i),
                         "slot byte " + std::to_string(i) + " from rank " + std::to_string(s) + at);
       }
+      boxes.CopyInRows(layout, static_cast<int>(q));
     }
     // Combine: the rows each remote sender expects, where its counts row said.
     for (size_t q = 0; q < layout.remotes.size(); ++q) {
@@ -147,8 +185,7 @@ Status RunRank(Bootstrap& b, int per_node, bool separate_flags = false) {
       uint8_t* rows = outbox.data() + layout.OutRows(q);
       for (int64_t i = 0; i < ask.rows * layout.row_bytes; ++i) rows[i] = RowByte(me, s, epoch, i);
     }
-    std::atomic_ref<uint64_t>(*layout.OutboxFlag(outbox.data(), true))
-        .store(epoch + 1, std::memory_order_release);
+    boxes.RaiseOutbox(layout, true, epoch + 1);
     for (int r : layout.remotes) {
       RETURN_IF_ERROR(WaitFlag(inbox_flag(true, r), epoch + 1,
                                "combine flag of rank " + std::to_string(r) + at));
@@ -161,11 +198,11 @@ Status RunRank(Bootstrap& b, int per_node, bool separate_flags = false) {
     }
     CHECK_OR_RETURN(!relay->failed(), relay->error().ToString());
   }
-  if (separate_flags) {  // nothing was raised at the inbox's start
+  if (separate_flags) {  // nothing was raised in the control block
     for (int r = 0; r < c.world_size; ++r) {
-      CHECK_OR_RETURN(*layout.InboxFlag(inbox.data(), false, r) == 0 &&
-                          *layout.InboxFlag(inbox.data(), true, r) == 0,
-                      "a flag raised in the inbox although the flags live elsewhere");
+      CHECK_OR_RETURN(*layout.InboxFlag(boxes.control.data(), false, r) == 0 &&
+                          *layout.InboxFlag(boxes.control.data(), true, r) == 0,
+                      "a flag raised in the control block although the flags live elsewhere");
     }
   }
   return b.Barrier(30s);
@@ -192,16 +229,14 @@ TEST(RelayTest, ALostPeerFailsTheRelay) {
   auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
     const AllToAllConfig c = Config(2, b.rank(), 1);
     const RelayLayout layout(c, kSlotBytes);
-    std::vector<uint8_t> inbox(layout.inbox_bytes), outbox(layout.outbox_bytes);
+    Boxes boxes(layout);
     ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
-    ASSIGN_OR_RETURN(auto relay, Relay::Create(c, layout, engine.get(), b, inbox.data(),
-                                               outbox.data(), 1000));
+    ASSIGN_OR_RETURN(auto relay, Relay::Create(c, layout, engine.get(), b, boxes.buffers(), 1000));
     RETURN_IF_ERROR(b.Barrier(30s));
     if (b.rank() == 1) return Status::Ok();  // leaves: its relay and engine go
     std::this_thread::sleep_for(200ms);
     const auto start = Clock::now();
-    std::atomic_ref<uint64_t>(*layout.OutboxFlag(outbox.data(), false))
-        .store(1, std::memory_order_release);
+    boxes.RaiseOutbox(layout, false, 1);
     Backoff backoff;
     while (!relay->failed() && Clock::now() - start < 10s) backoff.Pause();
     const double waited = std::chrono::duration<double>(Clock::now() - start).count();
@@ -223,19 +258,19 @@ TEST(RelayTest, AnImpossibleCombineRequestIsRefused) {
     const AllToAllConfig c = Config(2, b.rank(), 1);
     const int l = c.local_experts();
     const RelayLayout layout(c, kSlotBytes);
-    std::vector<uint8_t> inbox(layout.inbox_bytes), outbox(layout.outbox_bytes);
+    Boxes boxes(layout);
     ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
-    ASSIGN_OR_RETURN(auto relay, Relay::Create(c, layout, engine.get(), b, inbox.data(),
-                                               outbox.data(), 1000));
-    auto* counts = reinterpret_cast<int32_t*>(outbox.data() + layout.OutSection(0));
+    ASSIGN_OR_RETURN(auto relay, Relay::Create(c, layout, engine.get(), b, boxes.buffers(), 1000));
+    std::vector<int32_t> counts(layout.counts_width);
     counts[l + kColSlots] = 1;
     counts[l + kColRowStart] = 0;
     counts[l + kColRows] = b.rank() == 1 ? static_cast<int32_t>(layout.rows_per_pair + 1) : 1;
-    std::atomic_ref<uint64_t>(*layout.OutboxFlag(outbox.data(), false))
-        .store(1, std::memory_order_release);
-    RETURN_IF_ERROR(WaitFlag(layout.InboxFlag(inbox.data(), false, 1 - b.rank()), 1, "dispatch"));
-    std::atomic_ref<uint64_t>(*layout.OutboxFlag(outbox.data(), true))
-        .store(1, std::memory_order_release);
+    boxes.SetCounts(layout, 0, counts.data());
+    boxes.RaiseOutbox(layout, false, 1);
+    RETURN_IF_ERROR(
+        WaitFlag(layout.InboxFlag(boxes.control.data(), false, 1 - b.rank()), 1, "dispatch"));
+    boxes.CopyInRows(layout, 0);
+    boxes.RaiseOutbox(layout, true, 1);
     Backoff backoff;
     const auto start = Clock::now();
     while (!relay->failed() && Clock::now() - start < 10s) backoff.Pause();
@@ -247,6 +282,25 @@ TEST(RelayTest, AnImpossibleCombineRequestIsRefused) {
     } else {
       // Rank 1 never gets its rows: its relay gives up at the peer timeout.
       CHECK_OR_RETURN(s.code() == StatusCode::kDeadlineExceeded, "rank 1: " + s.ToString());
+    }
+    return Status::Ok();
+  }, 60s);
+  for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
+}
+
+// Every buffer is needed: a missing one is refused before any registration or exchange.
+TEST(RelayTest, AMissingBufferIsRefused) {
+  auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
+    const AllToAllConfig c = Config(2, b.rank(), 1);
+    const RelayLayout layout(c, kSlotBytes);
+    Boxes boxes(layout);
+    ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
+    for (int missing = 0; missing < 3; ++missing) {
+      RelayBuffers buffers = boxes.buffers();
+      (missing == 0 ? buffers.inbox : missing == 1 ? buffers.outbox : buffers.control) = nullptr;
+      auto relay = Relay::Create(c, layout, engine.get(), b, buffers, 1000);
+      CHECK_OR_RETURN(relay.status().code() == StatusCode::kInvalidArgument,
+                      "buffer " + std::to_string(missing) + ": " + relay.status().ToString());
     }
     return Status::Ok();
   }, 60s);

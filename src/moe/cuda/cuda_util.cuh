@@ -136,6 +136,12 @@ class DeviceArray {
     return Status::Ok();
   }
   T* get() const { return p_; }
+  void Free() {
+    if (p_) cudaFree(p_);
+    p_ = nullptr;
+  }
+  // Leaks the memory (a NIC may still read it).
+  void Leak() { p_ = nullptr; }
 
  private:
   T* p_ = nullptr;

@@ -42,6 +42,8 @@ class NvlinkAllToAll final : public AllToAll {
     if (relay_ && !relay_->Stop()) {
       inbox_.Leak();
       outbox_.Leak();
+      device_inbox_.Leak();
+      device_outbox_.Leak();
     }
     if (own_stream_) cudaStreamDestroy(own_stream_);
     if (error_) cudaFreeHost(error_);
@@ -138,22 +140,26 @@ class NvlinkAllToAll final : public AllToAll {
     }
     RETURN_IF_ERROR(imported);
 
-    // Other nodes: the relay's inbox and outbox, pinned and mapped, and the relay.
+    // Other nodes: the relay's inbox and outbox (GPU or pinned host memory), its control block
+    // (pinned host memory), and the relay.
     const RelayLayout relay(c_, v.slot_bytes);
     v.first_remote = relay.remotes.empty() ? -1 : relay.remotes.front();
     if (relay.counts_bytes != int64_t{v.counts_stride} * 4) {
       return InternalError("moe: the relay's counts row and the kernels' differ in size");
     }
-    uint8_t* inbox = nullptr;
-    uint8_t* outbox = nullptr;
+    RelayBuffers boxes;     // what the relay's CPU and NIC use
+    RelayBuffers mapped;    // the same as the kernels address them
     if (!relay.remotes.empty()) {
-      ASSIGN_OR_RETURN(inbox_, PinnedBuffer::Allocate(relay.inbox_bytes));
-      ASSIGN_OR_RETURN(outbox_, PinnedBuffer::Allocate(relay.outbox_bytes));
-      void* p = nullptr;
-      FERRY_CUDA(cudaHostGetDevicePointer(&p, inbox_.data(), 0));
-      inbox = static_cast<uint8_t*>(p);
-      FERRY_CUDA(cudaHostGetDevicePointer(&p, outbox_.data(), 0));
-      outbox = static_cast<uint8_t*>(p);
+      ASSIGN_OR_RETURN(control_, PinnedBuffer::Allocate(relay.control_bytes));
+      boxes.control = control_.data();
+      ASSIGN_OR_RETURN(mapped.control, MappedPointer(control_.data()));
+      RETURN_IF_ERROR(PlaceBoxes(relay, engine, &boxes));
+      mapped.inbox = boxes.inbox;
+      mapped.outbox = boxes.outbox;
+      if (boxes.boxes == MemoryKind::kHost) {
+        ASSIGN_OR_RETURN(mapped.inbox, MappedPointer(boxes.inbox));
+        ASSIGN_OR_RETURN(mapped.outbox, MappedPointer(boxes.outbox));
+      }
       // The inbox flags in our GPU's memory when GDRCopy is there (FERRY_GDRCOPY=0: never).
       RelayFlags flags;
       const char* gdr_env = std::getenv("FERRY_GDRCOPY");
@@ -167,8 +173,7 @@ class NvlinkAllToAll final : public AllToAll {
                        gdr.status().ToString().c_str());
         }
       }
-      ASSIGN_OR_RETURN(relay_, Relay::Create(c_, relay, engine, bootstrap, inbox_.data(),
-                                             outbox_.data(), 60000, flags));
+      ASSIGN_OR_RETURN(relay_, Relay::Create(c_, relay, engine, bootstrap, boxes, 60000, flags));
     }
     // Every rank's send grids: what its flags for us gain per epoch.
     std::vector<uint8_t> grids(2 * sizeof(int32_t));
@@ -181,7 +186,7 @@ class NvlinkAllToAll final : public AllToAll {
         return InternalError("AllToAll: rank " + std::to_string(r) + " sent malformed grids");
       }
       if (relay.Remote(r)) {
-        peers[r] = RemotePeer(relay, inbox, outbox, r);
+        peers[r] = RemotePeer(relay, mapped, r);
         if (gdr_) {  // the relay raises them in our GPU's memory
           peers[r].dispatch_flag_in = gdr_->device_words() + r;
           peers[r].combine_flag_in = gdr_->device_words() + n + r;
@@ -454,18 +459,20 @@ class NvlinkAllToAll final : public AllToAll {
     return p;
   }
 
-  // Rank r of another node: our outbox section for it, our inbox section from it (device
-  // pointers of the mapped buffers).
-  static NvPeer RemotePeer(const RelayLayout& relay, uint8_t* inbox, uint8_t* outbox, int r) {
+  // Rank r of another node: our outbox section for it, our inbox section from it, the relay's
+  // control words (device pointers: `mapped` as the kernels address the relay's buffers).
+  static NvPeer RemotePeer(const RelayLayout& relay, const RelayBuffers& mapped, int r) {
     const int q = relay.RemoteIndex(relay.me, r);
+    uint8_t* const inbox = mapped.inbox;
+    uint8_t* const outbox = mapped.outbox;
     NvPeer p{};
-    p.dispatch_flag = relay.OutboxFlag(outbox, false);
-    p.combine_flag = relay.OutboxFlag(outbox, true);
+    p.dispatch_flag = relay.OutboxFlag(mapped.control, false);
+    p.combine_flag = relay.OutboxFlag(mapped.control, true);
     p.counts = reinterpret_cast<int32_t*>(outbox + relay.OutSection(q));
     p.slots = outbox + relay.OutSection(q) + relay.counts_bytes;
     p.combine = outbox + relay.OutRows(q);
-    p.dispatch_flag_in = relay.InboxFlag(inbox, false, r);
-    p.combine_flag_in = relay.InboxFlag(inbox, true, r);
+    p.dispatch_flag_in = relay.InboxFlag(mapped.control, false, r);
+    p.combine_flag_in = relay.InboxFlag(mapped.control, true, r);
     p.counts_in = reinterpret_cast<int32_t*>(inbox + relay.InSection(q));
     p.slots_in = inbox + relay.InSection(q) + relay.counts_bytes;
     p.pull = nullptr;
@@ -474,7 +481,56 @@ class NvlinkAllToAll final : public AllToAll {
     p.row_cap = static_cast<int32_t>(relay.rows_per_pair);
     p.remote = 1;
     p.dispatch_step = p.combine_step = 1;  // the relay stores "epoch + 1"
+    p.relay_slots = relay.OutSlots(mapped.control, q);
+    p.relay_rows = relay.InRows(mapped.control, q);
     return p;
+  }
+
+  // The device address of mapped pinned host memory.
+  static StatusOr<uint8_t*> MappedPointer(uint8_t* host) {
+    void* p = nullptr;
+    FERRY_CUDA(cudaHostGetDevicePointer(&p, host, 0));
+    return static_cast<uint8_t*>(p);
+  }
+
+  // The relay's inbox and outbox into b (zeroed): GPU memory unless c_.rdma_buffers is kHost,
+  // when the engine registers it (tried with the inbox: GPUDirect RDMA needs
+  // EngineOptions::cuda_memory and a provider with FI_HMEM_CUDA); else pinned host memory, or,
+  // for kDevice, the registration's error.
+  Status PlaceBoxes(const RelayLayout& relay, TransferEngine* engine, RelayBuffers* b) {
+    const bool trace = [] {
+      const char* t = std::getenv("FERRY_RELAY_TRACE");
+      return t && *t && *t != '0';
+    }();
+    if (c_.rdma_buffers != RdmaBuffers::kHost && engine) {
+      const Status placed = [&]() -> Status {
+        RETURN_IF_ERROR(device_inbox_.Allocate(relay.inbox_bytes));
+        RETURN_IF_ERROR(device_outbox_.Allocate(relay.outbox_bytes));
+        FERRY_CUDA(cudaMemset(device_inbox_.get(), 0, relay.inbox_bytes));
+        FERRY_CUDA(cudaMemset(device_outbox_.get(), 0, relay.outbox_bytes));
+        return engine->RegisterMemory(device_inbox_.get(), relay.inbox_bytes, MemoryKind::kCuda)
+            .status();  // the probe's registration ends here; the relay makes its own
+      }();
+      if (placed.ok()) {
+        *b = {device_inbox_.get(), device_outbox_.get(), b->control, MemoryKind::kCuda};
+        if (trace) std::fprintf(stderr, "[rank %d] relay: buffers in GPU memory\n", c_.rank);
+        return Status::Ok();
+      }
+      device_inbox_.Free();
+      device_outbox_.Free();
+      if (c_.rdma_buffers == RdmaBuffers::kDevice) {
+        return placed.WithContext("AllToAll: rdma_buffers is kDevice, but the engine cannot "
+                                  "register GPU memory for the traffic between nodes");
+      }
+      if (trace) {
+        std::fprintf(stderr, "[rank %d] relay: buffers in host memory: %s\n", c_.rank,
+                     placed.ToString().c_str());
+      }
+    }
+    ASSIGN_OR_RETURN(inbox_, PinnedBuffer::Allocate(relay.inbox_bytes));
+    ASSIGN_OR_RETURN(outbox_, PinnedBuffer::Allocate(relay.outbox_bytes));
+    *b = {inbox_.data(), outbox_.data(), b->control, MemoryKind::kHost};
+    return Status::Ok();
   }
 
   // A receive kernel on our stream, allowed to start while the kernel before it runs (see
@@ -551,7 +607,9 @@ class NvlinkAllToAll final : public AllToAll {
   const MoeLayout layout_;  // slots_per_pair: the most slots one sender routes to one receiver
   Nv nv_{};
   SharedCudaMemory shared_;
-  PinnedBuffer inbox_, outbox_;  // other nodes (relay.h); the relay reads and writes them
+  PinnedBuffer inbox_, outbox_;  // other nodes (relay.h), in host memory; the NIC uses them
+  DeviceArray<uint8_t> device_inbox_, device_outbox_;  // or in GPU memory (GPUDirect RDMA)
+  PinnedBuffer control_;  // the relay's flags and counts (relay.h)
   std::unique_ptr<GdrFlags> gdr_;  // the inbox flags in GPU memory, when GDRCopy is there
   std::unique_ptr<Relay> relay_;
   DeviceArray<NvPeer> peers_;

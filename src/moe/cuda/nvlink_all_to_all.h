@@ -22,8 +22,12 @@
 //
 // The kernels reach every rank through a table (NvPeer): for a rank of our node, the places
 // above in its buffer and ours; for a rank of another node, our outbox section for it and our
-// inbox section from it (pinned host memory the GPU maps), which the relay thread carries over
-// the TransferEngine. Where GDRCopy is installed (/dev/gdrdrv and libgdrapi, found at run time;
+// inbox section from it, which the relay thread carries over the TransferEngine: GPU memory the
+// NIC reads and writes directly where the engine registers CUDA memory (GPUDirect RDMA), else
+// pinned host memory the GPU maps (AllToAllConfig::rdma_buffers; FERRY_RELAY_TRACE=1 says which
+// and why). The relay's flags and the two numbers of each counts row it needs stay in a control
+// block of pinned host memory: the send kernel's block 0 stores our slot count for each remote
+// rank there, Unpack's block 0 copies each remote sender's {first row, rows} there (relay.h). Where GDRCopy is installed (/dev/gdrdrv and libgdrapi, found at run time;
 // FERRY_GDRCOPY=0 turns it off) the inbox flags live in our GPU's memory instead and the relay
 // writes them through the GDRCopy mapping, so the kernels poll local memory (gdr_flags.h).
 // Between nodes every slot is pushed (no pull), and the combine rows for a remote sender are

@@ -505,14 +505,16 @@ struct PeerIn {
   const int32_t* counts;
   const uint8_t* slots;
   const uint8_t* pull;
-  int32_t slot_cap, remote, row_cap, pad[3];
+  int64_t* relay_rows;
+  int32_t slot_cap, remote, row_cap, pad;
 };
 static_assert(sizeof(PeerIn) % 16 == 0, "PeerIn keeps what follows it 16-byte aligned");
 
 __device__ inline void LoadPeersIn(const Nv& v, PeerIn* out) {
   for (int q = threadIdx.x; q < v.n; q += blockDim.x) {
     const NvPeer& p = v.peer[q];
-    out[q] = PeerIn{p.counts_in, p.slots_in, p.pull, p.slot_cap, p.remote, p.row_cap, {}};
+    out[q] = PeerIn{p.counts_in, p.slots_in, p.pull, p.relay_rows, p.slot_cap, p.remote,
+                    p.row_cap, 0};
   }
 }
 
@@ -565,6 +567,11 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
     prefix[s + 1] = slots;
     start[s] = row[v.l + kColSendStart];
     rebase[s] = from_of[s].remote ? row[v.l + kColRowStart] : 0;
+    if (blockIdx.x == 0 && from_of[s].relay_rows) {  // for the relay's combine write (relay.h)
+      from_of[s].relay_rows[0] = row[v.l + kColRowStart];
+      from_of[s].relay_rows[1] = row[v.l + kColRows];
+      __threadfence_system();
+    }
   }
   __syncthreads();
   if (threadIdx.x == 0) {

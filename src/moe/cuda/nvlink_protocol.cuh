@@ -103,6 +103,11 @@ struct NvPeer {
   // What r's dispatch and combine flags for us gain per epoch: in our node every block of r's
   // send kernel adds one (its grid); from another node the relay stores "epoch + 1" (1).
   int32_t dispatch_step, combine_step;
+  // Another node: the relay's control words (relay.h) -- our slot count for r, which the send
+  // kernel's block 0 stores with our counts row, and {start, rows} of r's counts row for us,
+  // which Unpack's block 0 copies there; the relay reads them in host memory. Null in our node.
+  int64_t* relay_slots;
+  int64_t* relay_rows;
 };
 
 // Everything the kernels share; passed by value.
@@ -389,6 +394,9 @@ __device__ void WriteCountsRows(const Nv& v, Value value) {
   for (int i = threadIdx.x; i < v.n * width; i += blockDim.x) {
     const int r = i / width, c = i % width;
     v.peer[r].counts[c] = static_cast<int32_t>(value(r, c));
+  }
+  for (int r = threadIdx.x; r < v.n; r += blockDim.x) {  // the relay sizes its write by this
+    if (v.peer[r].relay_slots) *v.peer[r].relay_slots = value(r, v.l + kColSlots);
   }
 }
 
