@@ -17,7 +17,9 @@
 //     exported and mapped into every other rank of its node; the kernels push slots and rows
 //     into peers' memory and raise flags there. With several nodes (ranks_per_node == 1
 //     included: every peer is then in another node), what goes to another node
-//     is staged in pinned host memory and a relay thread per rank carries it over the engine
+//     is staged in GPU memory the NIC reads (GPUDirect RDMA, where the engine registers CUDA
+//     memory) or in pinned host memory (rdma_buffers), and a relay thread per rank carries it
+//     over the engine
 //     (RDMA between nodes), raising the receiver's flags as it lands; with one node there is no
 //     host thread and no engine traffic (engine may be null). Either way the steps can be
 //     enqueued on a stream (SetStream) and captured in a graph: the kernels and the relay
