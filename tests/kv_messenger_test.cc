@@ -413,6 +413,9 @@ std::vector<Case> Cases() {
       {"shm", mla, hnd, hnd, 4, 2},
       {"tcp;ofi_rxm", gqa, hnd, hnd, 4, 2},
       {"tcp;ofi_rxm", mla, hnd, nhd, 2, 4},
+      // 600 pages a layer between one pair: each layer's paged write goes in two weighted
+      // pieces (at most 511 pages each).
+      {"shm", mla, hnd, hnd, 1, 1, 1, 1, false, 600},
       // 201 requests in flight at once (67 per decoder, one page each).
       {"shm", gqa, hnd, hnd, 4, 2, 3, 67, false, 1},
       // A prefill engine that admits 6 transfers at a time: posting pauses and resumes.

@@ -747,9 +747,13 @@ class Prefill final : public KvPrefill {
           b.src_index.push_back(uint32_t(src));
           b.dst_index.push_back(uint32_t(dst));
         }
-        if (paged) {  // in pieces of at most kMaxBatchPages pages (one weighted immediate each)
-          for (size_t lo = 0; lo < b.src_index.size(); lo += kMaxBatchPages) {
-            const size_t hi = std::min(b.src_index.size(), lo + kMaxBatchPages);
+        if (paged) {  // in even pieces of at most kMaxBatchPages pages (one weighted immediate
+                      // each): 512 pages go as 256 + 256, not 511 + a straggler of 1
+          const size_t pages = b.src_index.size();
+          const size_t pieces = (pages + kMaxBatchPages - 1) / kMaxBatchPages;
+          const size_t per = (pages + pieces - 1) / pieces;
+          for (size_t lo = 0; lo < pages; lo += per) {
+            const size_t hi = std::min(pages, lo + per);
             Batch piece = b;
             piece.src_index.assign(b.src_index.begin() + lo, b.src_index.begin() + hi);
             piece.dst_index.assign(b.dst_index.begin() + lo, b.dst_index.begin() + hi);
