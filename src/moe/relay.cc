@@ -116,10 +116,10 @@ bool Relay::Stop() {
 }
 
 Status Relay::Connect(Bootstrap& bootstrap) {
-  ASSIGN_OR_RETURN(inbox_reg_,
-                   engine_->RegisterMemory(buffers_.inbox, layout_.inbox_bytes, buffers_.boxes));
-  ASSIGN_OR_RETURN(outbox_reg_,
-                   engine_->RegisterMemory(buffers_.outbox, layout_.outbox_bytes, buffers_.boxes));
+  ASSIGN_OR_RETURN(inbox_reg_, engine_->RegisterMemory(buffers_.inbox, layout_.inbox_bytes,
+                                                       buffers_.boxes, buffers_.device));
+  ASSIGN_OR_RETURN(outbox_reg_, engine_->RegisterMemory(buffers_.outbox, layout_.outbox_bytes,
+                                                        buffers_.boxes, buffers_.device));
   for (ImmKind kind : {kRelayDispatch, kRelayCombine}) {
     for (uint32_t epoch = 0; epoch < kEpochs; ++epoch) {
       for (int r : layout_.remotes) {
@@ -261,6 +261,10 @@ Status Relay::Exchange(ImmKind kind, uint64_t epoch, std::atomic<uint64_t>& byte
       backoff.Pause();
     }
     RETURN_IF_ERROR(engine_->ConsumeImm(imm, 1));
+    if (buffers_.flush_landed) {
+      RETURN_IF_ERROR(buffers_.flush_landed().WithContext("making rank " + std::to_string(s) +
+                                                          "'s section visible to the GPU"));
+    }
     RaiseInboxFlag(combine, s, epoch);
   }
   // Our own writes, before the kernels may rewrite the outbox (relay.h says why they would not

@@ -45,6 +45,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -125,13 +126,18 @@ struct RelayFlags {
 };
 
 // The relay's memory (RelayLayout's sizes), the caller's until the relay is gone: inbox and
-// outbox in GPU memory (boxes = kCuda, registered as such: GPUDirect RDMA) or host memory;
-// control always host memory.
+// outbox in GPU memory (boxes = kCuda on CUDA device `device`, registered as such: GPUDirect
+// RDMA) or host memory; control always host memory.
 struct RelayBuffers {
   uint8_t* inbox = nullptr;
   uint8_t* outbox = nullptr;
   uint8_t* control = nullptr;
   MemoryKind boxes = MemoryKind::kHost;
+  int device = 0;
+  // Called on the relay's thread after a peer's section landed in the inbox and before its flag
+  // goes up, where the NIC's writes into GPU memory need a flush to be visible to the kernels
+  // (cudaDeviceFlushGPUDirectRDMAWrites); empty where they need none. An error fails the relay.
+  std::function<Status()> flush_landed;
 };
 
 class Relay {

@@ -127,8 +127,9 @@ Status WaitFlag(uint64_t* flag, uint64_t want, const std::string& what) {
 }
 
 // separate_flags: the inbox flags in a buffer of their own, as with GDRCopy (where they are GPU
-// memory; here host memory stands for it).
-Status RunRank(Bootstrap& b, int per_node, bool separate_flags = false) {
+// memory; here host memory stands for it). flush: a flush_landed hook (as for GPU-memory
+// boxes), which must run once per landed section, before that section's flag goes up.
+Status RunRank(Bootstrap& b, int per_node, bool separate_flags = false, bool flush = false) {
   const AllToAllConfig c = Config(b.world_size(), b.rank(), per_node);
   const int me = c.rank, l = c.local_experts();
   const RelayLayout layout(c, kSlotBytes);
@@ -142,8 +143,22 @@ Status RunRank(Bootstrap& b, int per_node, bool separate_flags = false) {
   };
   ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
   const RelayFlags where = separate_flags ? RelayFlags{flags.data(), true} : RelayFlags{};
-  ASSIGN_OR_RETURN(auto relay,
-                   Relay::Create(c, layout, engine.get(), b, boxes.buffers(), 10000, where));
+  RelayBuffers buffers = boxes.buffers();
+  std::atomic<uint64_t> flushes{0};
+  if (flush) {
+    buffers.flush_landed = [&]() -> Status {
+      // Raises so far (each raise adds one to a flag): one per earlier flush, none for this one.
+      uint64_t up = 0;
+      for (int s : layout.remotes) {
+        for (bool combine : {false, true}) {
+          up += std::atomic_ref<uint64_t>(*inbox_flag(combine, s)).load(std::memory_order_acquire);
+        }
+      }
+      CHECK_OR_RETURN(up == flushes.fetch_add(1), "a flag went up before its flush");
+      return Status::Ok();
+    };
+  }
+  ASSIGN_OR_RETURN(auto relay, Relay::Create(c, layout, engine.get(), b, buffers, 10000, where));
   for (uint64_t epoch = 0; epoch < 4; ++epoch) {
     const std::string at = " (epoch " + std::to_string(epoch) + ")";
     // Dispatch: a counts row and the slots for each remote rank, then the flag.
@@ -198,6 +213,11 @@ Status RunRank(Bootstrap& b, int per_node, bool separate_flags = false) {
     }
     CHECK_OR_RETURN(!relay->failed(), relay->error().ToString());
   }
+  if (flush) {
+    const uint64_t want = 4 * 2 * layout.remotes.size();
+    CHECK_OR_RETURN(flushes.load() == want, std::to_string(flushes.load()) + " flushes, want " +
+                                                std::to_string(want));
+  }
   if (separate_flags) {  // nothing was raised in the control block
     for (int r = 0; r < c.world_size; ++r) {
       CHECK_OR_RETURN(*layout.InboxFlag(boxes.control.data(), false, r) == 0 &&
@@ -218,8 +238,38 @@ TEST(RelayTest, InboxFlagsInABufferOfTheirOwn) {
   for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
 }
 
-TEST(RelayTest, ThreeNodesOfOne) {
-  auto exits = RunLocalRanks(3, [](Bootstrap& b) { return RunRank(b, 1); }, 120s);
+TEST(RelayTest, ThreeNodesOfOneFlushingWhatLands) {
+  auto exits = RunLocalRanks(3, [](Bootstrap& b) { return RunRank(b, 1, false, true); }, 120s);
+  for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
+}
+
+// A flush that fails (the GPU cannot be shown what landed) fails the relay, naming the rank
+// whose section it was, and no flag goes up for it.
+TEST(RelayTest, AFailedFlushFailsTheRelay) {
+  auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
+    const AllToAllConfig c = Config(2, b.rank(), 1);
+    const RelayLayout layout(c, kSlotBytes);
+    Boxes boxes(layout);
+    RelayBuffers buffers = boxes.buffers();
+    buffers.flush_landed = [] { return InternalError("flush refused"); };
+    ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
+    ASSIGN_OR_RETURN(auto relay, Relay::Create(c, layout, engine.get(), b, buffers, 2000));
+    std::vector<int32_t> counts(layout.counts_width);
+    boxes.SetCounts(layout, 0, counts.data());
+    boxes.RaiseOutbox(layout, false, 1);
+    Backoff backoff;
+    const auto start = Clock::now();
+    while (!relay->failed() && Clock::now() - start < 10s) backoff.Pause();
+    const Status s = relay->error();
+    const int peer = 1 - b.rank();
+    CHECK_OR_RETURN(s.message().find("flush refused") != std::string::npos &&
+                        s.message().find("rank " + std::to_string(peer) + "'s section") !=
+                            std::string::npos,
+                    s.ToString());
+    CHECK_OR_RETURN(*layout.InboxFlag(boxes.control.data(), false, peer) == 0,
+                    "a flag went up without its flush");
+    return b.Barrier(30s);
+  }, 60s);
   for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
 }
 

@@ -486,6 +486,28 @@ class NvlinkAllToAll final : public AllToAll {
     return p;
   }
 
+  // What makes a NIC's writes into GPU memory of `device` visible to its kernels once the CPU
+  // saw them land: nothing where the GPU orders them already (at least for itself), else
+  // cudaDeviceFlushGPUDirectRDMAWrites on the caller's thread; FailedPrecondition where it can
+  // do neither.
+  static StatusOr<std::function<Status()>> LandedWritesFlush(int device) {
+    int ordering = 0, options = 0;
+    FERRY_CUDA(cudaDeviceGetAttribute(&ordering, cudaDevAttrGPUDirectRDMAWritesOrdering, device));
+    if (ordering >= cudaGPUDirectRDMAWritesOrderingOwner) return std::function<Status()>();
+    FERRY_CUDA(
+        cudaDeviceGetAttribute(&options, cudaDevAttrGPUDirectRDMAFlushWritesOptions, device));
+    if (!(options & cudaFlushGPUDirectRDMAWritesOptionHost)) {
+      return FailedPreconditionError("CUDA device " + std::to_string(device) +
+                                     " neither orders GPUDirect RDMA writes nor flushes them");
+    }
+    return std::function<Status()>([device]() -> Status {
+      FERRY_CUDA(cudaSetDevice(device));
+      FERRY_CUDA(cudaDeviceFlushGPUDirectRDMAWrites(cudaFlushGPUDirectRDMAWritesTargetCurrentDevice,
+                                                    cudaFlushGPUDirectRDMAWritesToOwner));
+      return Status::Ok();
+    });
+  }
+
   // The device address of mapped pinned host memory.
   static StatusOr<uint8_t*> MappedPointer(uint8_t* host) {
     void* p = nullptr;
@@ -495,24 +517,30 @@ class NvlinkAllToAll final : public AllToAll {
 
   // The relay's inbox and outbox into b (zeroed): GPU memory unless c_.rdma_buffers is kHost,
   // when the engine registers it (tried with the inbox: GPUDirect RDMA needs
-  // EngineOptions::cuda_memory and a provider with FI_HMEM_CUDA); else pinned host memory, or,
-  // for kDevice, the registration's error.
+  // EngineOptions::cuda_memory and a provider with FI_HMEM_CUDA) and the NIC's writes can be
+  // made visible to the kernels before a flag goes up; else pinned host memory, or, for
+  // kDevice, why not.
   Status PlaceBoxes(const RelayLayout& relay, TransferEngine* engine, RelayBuffers* b) {
     const bool trace = [] {
       const char* t = std::getenv("FERRY_RELAY_TRACE");
       return t && *t && *t != '0';
     }();
     if (c_.rdma_buffers != RdmaBuffers::kHost && engine) {
+      std::function<Status()> flush;
       const Status placed = [&]() -> Status {
+        ASSIGN_OR_RETURN(flush, LandedWritesFlush(c_.cuda_device));
         RETURN_IF_ERROR(device_inbox_.Allocate(relay.inbox_bytes));
         RETURN_IF_ERROR(device_outbox_.Allocate(relay.outbox_bytes));
         FERRY_CUDA(cudaMemset(device_inbox_.get(), 0, relay.inbox_bytes));
         FERRY_CUDA(cudaMemset(device_outbox_.get(), 0, relay.outbox_bytes));
-        return engine->RegisterMemory(device_inbox_.get(), relay.inbox_bytes, MemoryKind::kCuda)
-            .status();  // the probe's registration ends here; the relay makes its own
+        return engine  // the probe's registration ends here; the relay makes its own
+            ->RegisterMemory(device_inbox_.get(), relay.inbox_bytes, MemoryKind::kCuda,
+                             c_.cuda_device)
+            .status();
       }();
       if (placed.ok()) {
-        *b = {device_inbox_.get(), device_outbox_.get(), b->control, MemoryKind::kCuda};
+        *b = {device_inbox_.get(), device_outbox_.get(), b->control, MemoryKind::kCuda,
+              c_.cuda_device, std::move(flush)};
         if (trace) std::fprintf(stderr, "[rank %d] relay: buffers in GPU memory\n", c_.rank);
         return Status::Ok();
       }
