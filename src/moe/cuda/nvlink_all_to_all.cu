@@ -528,15 +528,17 @@ class NvlinkAllToAll final : public AllToAll {
     if (c_.rdma_buffers != RdmaBuffers::kHost && engine) {
       std::function<Status()> flush;
       const Status placed = [&]() -> Status {
-        ASSIGN_OR_RETURN(flush, LandedWritesFlush(c_.cuda_device));
         RETURN_IF_ERROR(device_inbox_.Allocate(relay.inbox_bytes));
         RETURN_IF_ERROR(device_outbox_.Allocate(relay.outbox_bytes));
         FERRY_CUDA(cudaMemset(device_inbox_.get(), 0, relay.inbox_bytes));
         FERRY_CUDA(cudaMemset(device_outbox_.get(), 0, relay.outbox_bytes));
-        return engine  // the probe's registration ends here; the relay makes its own
-            ->RegisterMemory(device_inbox_.get(), relay.inbox_bytes, MemoryKind::kCuda,
-                             c_.cuda_device)
-            .status();
+        // The probe's registration ends here; the relay makes its own.
+        RETURN_IF_ERROR(engine
+                            ->RegisterMemory(device_inbox_.get(), relay.inbox_bytes,
+                                             MemoryKind::kCuda, c_.cuda_device)
+                            .status());
+        ASSIGN_OR_RETURN(flush, LandedWritesFlush(c_.cuda_device));
+        return Status::Ok();
       }();
       if (placed.ok()) {
         *b = {device_inbox_.get(), device_outbox_.get(), b->control, MemoryKind::kCuda,
