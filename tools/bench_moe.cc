@@ -535,11 +535,12 @@ int RunMoeBench(const MoeBenchOptions& options) {
                 o.cuda ? "cuda" : "host", o.provider.c_str(), o.ranks,
                 o.nvlink && o.node_ranks > 0 ? o.ranks / o.node_ranks : o.nvlink ? 1 : o.ranks,
                 o.tokens, o.hidden, o.experts, o.topk, o.fp8 ? "fp8" : "bf16", o.iters);
-    std::printf("%-13s | %21s %21s | %21s %21s | %21s %21s | %10s %10s | %9s %9s | %6s %6s\n",
+    std::printf("%-13s | %21s %21s | %21s %21s | %21s %21s | %10s %10s | %7s %7s | %9s %9s | "
+                "%6s %6s\n",
                 "variant", "dispatch send p50/p99", "dispatch recv p50/p99",
                 "combine send p50/p99", "combine recv p50/p99", "dispatch p50/p99",
-                "combine p50/p99", "disp bytes", "comb bytes", "floor d", "floor c", "d/fl",
-                "c/fl");
+                "combine p50/p99", "disp bytes", "comb bytes", "d GB/s", "c GB/s", "floor d",
+                "floor c", "d/fl", "c/fl");
   } else {
     std::printf("{\"bench\":\"moe\",\"device\":\"%s\",\"provider\":\"%s\",\"ranks\":%d,"
                 "\"tokens\":%d,\"hidden\":%d,\"experts\":%d,\"topk\":%d,\"dtype\":\"%s\","
@@ -557,25 +558,31 @@ int RunMoeBench(const MoeBenchOptions& options) {
       r.floor_combine_p50 = r.p2p_gbps > 0 ? r.min_combine_bytes / (r.p2p_gbps * 1e3) : 0;
     }
     const double dispatch = r.total_p50[0], combine = r.total_p50[1];
+    // What crossed to other ranks over the p50 step time (bytes per µs / 1e3 = GB/s).
+    const double d_gbps = dispatch > 0 ? r.dispatch_bytes / (dispatch * 1e3) : 0;
+    const double c_gbps = combine > 0 ? r.combine_bytes / (combine * 1e3) : 0;
     const double d_ratio = r.floor_dispatch_p50 > 0 ? dispatch / r.floor_dispatch_p50 : 0;
     const double c_ratio = r.floor_combine_p50 > 0 ? combine / r.floor_combine_p50 : 0;
     if (o.json) {
       std::printf("%s{\"variant\":\"%s\",\"p50_us\":[%.2f,%.2f,%.2f,%.2f],"
                   "\"p99_us\":[%.2f,%.2f,%.2f,%.2f],\"dispatch_bytes\":%llu,"
-                  "\"combine_bytes\":%llu,\"floor_dispatch_p50_us\":%.2f,"
+                  "\"combine_bytes\":%llu,\"dispatch_gbps\":%.3f,\"combine_gbps\":%.3f,"
+                  "\"floor_dispatch_p50_us\":%.2f,"
                   "\"floor_combine_p50_us\":%.2f,\"cycle_in_graph_p50_us\":%.2f,"
                   "\"step_in_graph_p50_us\":[%.2f,%.2f]}",
                   v ? "," : "", VariantName(variants[v]), r.p50[0], r.p50[1], r.p50[2], r.p50[3],
                   r.p99[0], r.p99[1], r.p99[2], r.p99[3], (unsigned long long)r.dispatch_bytes,
-                  (unsigned long long)r.combine_bytes, r.floor_dispatch_p50, r.floor_combine_p50,
+                  (unsigned long long)r.combine_bytes, d_gbps, c_gbps, r.floor_dispatch_p50,
+                  r.floor_combine_p50,
                   r.cycle_in_graph_p50, r.step_in_graph_p50[0], r.step_in_graph_p50[1]);
     } else {
       std::printf("%-13s | %10.1f %10.1f %10.1f %10.1f | %10.1f %10.1f %10.1f %10.1f | "
-                  "%10.1f %10.1f %10.1f %10.1f | %10llu %10llu | %9.1f %9.1f | %6.2f %6.2f\n",
+                  "%10.1f %10.1f %10.1f %10.1f | %10llu %10llu | %7.2f %7.2f | %9.1f %9.1f | "
+                  "%6.2f %6.2f\n",
                   VariantName(variants[v]), r.p50[0], r.p99[0], r.p50[1], r.p99[1], r.p50[2],
                   r.p99[2], r.p50[3], r.p99[3], r.total_p50[0], r.total_p99[0], r.total_p50[1],
                   r.total_p99[1], (unsigned long long)r.dispatch_bytes,
-                  (unsigned long long)r.combine_bytes, r.floor_dispatch_p50,
+                  (unsigned long long)r.combine_bytes, d_gbps, c_gbps, r.floor_dispatch_p50,
                   r.floor_combine_p50, d_ratio, c_ratio);
       if (o.cuda) {
         std::printf("%-13s   per cycle in one graph of %d cycles: p50/p99 %.1f / %.1f us "
