@@ -3,10 +3,22 @@
 #pragma once
 
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "fabric/domain.h"
 #include "ferry/fabric.h"
+
+namespace ferry {
+
+// Ties memory regions to their engine (fabric.h): a region releases its registration through
+// it while the engine lives, and only forgets its handle once the engine is gone.
+struct RegistrationOwner {
+  std::mutex mu;
+  TransferEngine* engine = nullptr;  // null once the engine is gone
+};
+
+}  // namespace ferry
 
 namespace ferry::fabric {
 

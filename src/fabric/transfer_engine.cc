@@ -21,6 +21,9 @@
 // to NIC (first + i) mod N; scatter and barrier give group member i to NIC i mod N; immediates
 // and messages go whole to NIC `first`. A transfer completes when all its WRs have, on whichever
 // NICs; the first error fails it, once.
+//
+// Beside this file: fabric_types.cc (completions, regions, options from the environment) and
+// domain_group.cc (opening the NICs an engine drives).
 #include <linux/futex.h>
 #include <pthread.h>
 #include <sched.h>
@@ -43,117 +46,13 @@
 
 #include "common/backoff.h"
 #include "common/bounded_queue.h"
-#include "common/strings.h"
 #include "fabric/domain.h"
 #include "fabric/engine_internal.h"
 #include "fabric/imm_counters.h"
 #include "fabric/wire.h"
 #include "ferry/fabric.h"
-#ifdef FERRY_HAVE_VERBS
-#include "fabric/verbs/verbs_domain.h"
-#endif
 
 namespace ferry {
-
-// ---------------------------------------------------------------------------------------------
-// Public helpers declared in fabric.h.
-
-void Completion::Finish(const Status& status) {
-  if (counter_) {
-    (status.ok() ? counter_->done : counter_->failed).fetch_add(1, std::memory_order_acq_rel);
-    counter_ = nullptr;
-  }
-  if (callback_) {
-    callback_(status);
-    callback_.Reset();
-  }
-}
-
-Status TransferCounter::Wait(uint64_t n, Deadline deadline) const {
-  Backoff backoff;
-  for (;;) {
-    uint64_t seen = done.load(std::memory_order_acquire) + failed.load(std::memory_order_acquire);
-    if (seen >= n) return Status::Ok();
-    if (deadline.Expired()) {
-      return DeadlineExceededError("transfer counter: waited for " + std::to_string(n) +
-                                   " completions, saw " + std::to_string(seen) + " (" +
-                                   std::to_string(failed.load()) + " failed)");
-    }
-    backoff.Pause();
-  }
-}
-
-struct RegistrationOwner {
-  std::mutex mu;
-  TransferEngine* engine = nullptr;  // null once the engine is gone
-};
-
-void MemoryRegion::Release() {
-  if (!owner_) return;
-  {
-    std::lock_guard<std::mutex> lock(owner_->mu);
-    if (owner_->engine) owner_->engine->Deregister(*this);
-  }
-  owner_.reset();
-  handle_ = nullptr;
-}
-
-MemoryRegion::MemoryRegion(MemoryRegion&& other) noexcept { *this = std::move(other); }
-
-MemoryRegion& MemoryRegion::operator=(MemoryRegion&& other) noexcept {
-  if (this != &other) {
-    Release();
-    owner_ = std::move(other.owner_);
-    handle_ = std::exchange(other.handle_, nullptr);
-    data_ = other.data_;
-    length_ = other.length_;
-    kind_ = other.kind_;
-    local_descs_ = other.local_descs_;
-    remote_ = other.remote_;
-  }
-  return *this;
-}
-
-MemoryRegion::~MemoryRegion() { Release(); }
-
-void TransferEngine::InitRegion(MemoryRegion& region, std::shared_ptr<RegistrationOwner> owner,
-                                void* handle, void* data, uint64_t length, MemoryKind kind,
-                                const std::array<void*, kMaxNics>& local_descs,
-                                const RemoteRegion& remote) {
-  region.owner_ = std::move(owner);
-  region.handle_ = handle;
-  region.data_ = data;
-  region.length_ = length;
-  region.kind_ = kind;
-  region.local_descs_ = local_descs;
-  region.remote_ = remote;
-}
-
-namespace {
-
-uint32_t EnvU32(const char* name, uint32_t fallback) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return fallback;
-  return static_cast<uint32_t>(std::strtoul(v, nullptr, 10));
-}
-
-}  // namespace
-
-EngineOptions EngineOptions::FromEnv() {
-  EngineOptions o;
-  if (const char* p = std::getenv("FERRY_PROVIDER")) o.provider = p;
-  if (const char* n = std::getenv("FERRY_NODE")) o.node = n;
-  if (const char* c = std::getenv("FERRY_WORKER_CPU")) o.worker_cpu = std::atoi(c);
-  if (const char* s = std::getenv("FERRY_SPIN_US")) o.spin_us = std::atoi(s);
-  if (const char* c = std::getenv("FERRY_CUDA_MEMORY")) o.cuda_memory = std::atoi(c) != 0;
-  if (const char* n = std::getenv("FERRY_NICS")) o.nics = SplitCommaList(n);
-  o.num_nics = EnvU32("FERRY_NUM_NICS", o.num_nics);
-  o.max_transfers = EnvU32("FERRY_MAX_TRANSFERS", o.max_transfers);
-  o.message_bytes = EnvU32("FERRY_MSG_BYTES", o.message_bytes);
-  o.transfer_timeout_ms = EnvU32("FERRY_TRANSFER_TIMEOUT_MS", o.transfer_timeout_ms);
-  o.idle_sleep_us = EnvU32("FERRY_IDLE_SLEEP_US", o.idle_sleep_us);
-  return o;
-}
 
 namespace fabric {
 namespace {
@@ -1776,80 +1675,6 @@ StatusOr<std::unique_ptr<TransferEngine>> CreateEngineWithDomain(const EngineOpt
   std::vector<std::unique_ptr<Domain>> domains;
   domains.push_back(std::move(domain));
   return CreateEngineWithDomains(options, std::move(domains));
-}
-
-namespace {
-
-StatusOr<std::unique_ptr<Domain>> OpenVerbs(const EngineOptions& options, const std::string& nic) {
-#ifdef FERRY_HAVE_VERBS
-  return verbs::OpenVerbsDomain(options, nic, verbs::NewRealVerbsApi(),
-                                verbs::VerbsConfig::FromEnv());
-#else
-  (void)options;
-  (void)nic;
-  return UnimplementedError("verbs: ferry was built without rdma-core (libibverbs-dev)");
-#endif
-}
-
-std::vector<std::string> ListNics(const std::string& provider) {
-#ifdef FERRY_HAVE_VERBS
-  if (provider == "verbs") return verbs::NewRealVerbsApi()->DeviceNames();
-#endif
-  return ListLibfabricDomains(provider);
-}
-
-}  // namespace
-
-// The backend for one NIC: the named provider ("verbs" is libibverbs, others libfabric's), or
-// when none is named the first that opens of EFA, verbs, shm.
-StatusOr<std::unique_ptr<Domain>> OpenDomain(const EngineOptions& options, const std::string& nic) {
-  if (options.provider == "verbs") return OpenVerbs(options, nic);
-  if (!options.provider.empty()) return OpenLibfabricDomain(options, nic);
-  EngineOptions efa = options;
-  efa.provider = "efa";
-  auto d = OpenLibfabricDomain(efa, nic);
-  if (d.ok()) return d;
-  Status why = d.status();
-  d = OpenVerbs(options, nic);
-  if (d.ok()) return d;
-  EngineOptions shm = options;
-  shm.provider = "shm";
-  d = OpenLibfabricDomain(shm, nic);
-  if (d.ok()) return d;
-  return d.status().WithContext("no backend opened (efa: " + std::string(why.message()) + ")");
-}
-
-StatusOr<std::vector<std::unique_ptr<Domain>>> OpenDomains(const EngineOptions& options) {
-  std::vector<std::string> names = options.nics;
-  if (names.empty()) {
-    if (options.num_nics == 0 || options.num_nics > kMaxNics) {
-      return InvalidArgumentError("EngineOptions.num_nics is " +
-                                  std::to_string(options.num_nics) + "; 1 to " +
-                                  std::to_string(kMaxNics) + " allowed");
-    }
-    // The provider's first distinct NICs; a provider with fewer (software ones have one), or a
-    // bound node address (which names one interface), gives each entry its own endpoint on one.
-    std::vector<std::string> offered;
-    if (options.num_nics > 1 && !options.provider.empty() && options.node.empty()) {
-      offered = ListNics(options.provider);
-    }
-    for (uint32_t k = 0; k < options.num_nics; ++k) {
-      names.push_back(offered.size() >= options.num_nics ? offered[k] : std::string());
-    }
-  }
-  if (names.size() > kMaxNics) {
-    return InvalidArgumentError(std::to_string(names.size()) + " NICs named; an engine drives " +
-                                "at most " + std::to_string(kMaxNics));
-  }
-  std::vector<std::unique_ptr<Domain>> domains;
-  for (const std::string& name : names) {
-    auto d = OpenDomain(options, name);
-    if (!d.ok()) {
-      return names.size() > 1 ? d.status().WithContext("NIC '" + name + "'") : d.status();
-    }
-    domains.push_back(std::move(d).value());
-  }
-  return domains;
 }
 
 }  // namespace fabric

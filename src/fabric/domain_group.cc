@@ -1,0 +1,90 @@
+// The domain group an engine drives: one Domain per NIC, opened from EngineOptions (the named
+// NICs, or the provider's first num_nics), each from the named backend or the first that opens
+// of EFA, verbs and shm.
+#include <string>
+#include <vector>
+
+#include "fabric/domain.h"
+#include "fabric/engine_internal.h"
+#include "ferry/fabric.h"
+#ifdef FERRY_HAVE_VERBS
+#include "fabric/verbs/verbs_domain.h"
+#endif
+
+namespace ferry::fabric {
+
+namespace {
+
+StatusOr<std::unique_ptr<Domain>> OpenVerbs(const EngineOptions& options, const std::string& nic) {
+#ifdef FERRY_HAVE_VERBS
+  return verbs::OpenVerbsDomain(options, nic, verbs::NewRealVerbsApi(),
+                                verbs::VerbsConfig::FromEnv());
+#else
+  (void)options;
+  (void)nic;
+  return UnimplementedError("verbs: ferry was built without rdma-core (libibverbs-dev)");
+#endif
+}
+
+std::vector<std::string> ListNics(const std::string& provider) {
+#ifdef FERRY_HAVE_VERBS
+  if (provider == "verbs") return verbs::NewRealVerbsApi()->DeviceNames();
+#endif
+  return ListLibfabricDomains(provider);
+}
+
+// The backend for one NIC: the named provider ("verbs" is libibverbs, others libfabric's), or
+// when none is named the first that opens of EFA, verbs, shm.
+StatusOr<std::unique_ptr<Domain>> OpenDomain(const EngineOptions& options, const std::string& nic) {
+  if (options.provider == "verbs") return OpenVerbs(options, nic);
+  if (!options.provider.empty()) return OpenLibfabricDomain(options, nic);
+  EngineOptions efa = options;
+  efa.provider = "efa";
+  auto d = OpenLibfabricDomain(efa, nic);
+  if (d.ok()) return d;
+  Status why = d.status();
+  d = OpenVerbs(options, nic);
+  if (d.ok()) return d;
+  EngineOptions shm = options;
+  shm.provider = "shm";
+  d = OpenLibfabricDomain(shm, nic);
+  if (d.ok()) return d;
+  return d.status().WithContext("no backend opened (efa: " + std::string(why.message()) + ")");
+}
+
+}  // namespace
+
+StatusOr<std::vector<std::unique_ptr<Domain>>> OpenDomains(const EngineOptions& options) {
+  std::vector<std::string> names = options.nics;
+  if (names.empty()) {
+    if (options.num_nics == 0 || options.num_nics > kMaxNics) {
+      return InvalidArgumentError("EngineOptions.num_nics is " +
+                                  std::to_string(options.num_nics) + "; 1 to " +
+                                  std::to_string(kMaxNics) + " allowed");
+    }
+    // The provider's first distinct NICs; a provider with fewer (software ones have one), or a
+    // bound node address (which names one interface), gives each entry its own endpoint on one.
+    std::vector<std::string> offered;
+    if (options.num_nics > 1 && !options.provider.empty() && options.node.empty()) {
+      offered = ListNics(options.provider);
+    }
+    for (uint32_t k = 0; k < options.num_nics; ++k) {
+      names.push_back(offered.size() >= options.num_nics ? offered[k] : std::string());
+    }
+  }
+  if (names.size() > kMaxNics) {
+    return InvalidArgumentError(std::to_string(names.size()) + " NICs named; an engine drives " +
+                                "at most " + std::to_string(kMaxNics));
+  }
+  std::vector<std::unique_ptr<Domain>> domains;
+  for (const std::string& name : names) {
+    auto d = OpenDomain(options, name);
+    if (!d.ok()) {
+      return names.size() > 1 ? d.status().WithContext("NIC '" + name + "'") : d.status();
+    }
+    domains.push_back(std::move(d).value());
+  }
+  return domains;
+}
+
+}  // namespace ferry::fabric

@@ -1,0 +1,109 @@
+// The public value types of ferry/fabric.h that are not the engine: completions and their
+// counters, memory regions (which outlive their engine through a RegistrationOwner), and the
+// engine's options from the environment.
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include "common/backoff.h"
+#include "common/strings.h"
+#include "fabric/engine_internal.h"
+#include "ferry/fabric.h"
+
+namespace ferry {
+
+void Completion::Finish(const Status& status) {
+  if (counter_) {
+    (status.ok() ? counter_->done : counter_->failed).fetch_add(1, std::memory_order_acq_rel);
+    counter_ = nullptr;
+  }
+  if (callback_) {
+    callback_(status);
+    callback_.Reset();
+  }
+}
+
+Status TransferCounter::Wait(uint64_t n, Deadline deadline) const {
+  Backoff backoff;
+  for (;;) {
+    uint64_t seen = done.load(std::memory_order_acquire) + failed.load(std::memory_order_acquire);
+    if (seen >= n) return Status::Ok();
+    if (deadline.Expired()) {
+      return DeadlineExceededError("transfer counter: waited for " + std::to_string(n) +
+                                   " completions, saw " + std::to_string(seen) + " (" +
+                                   std::to_string(failed.load()) + " failed)");
+    }
+    backoff.Pause();
+  }
+}
+
+void MemoryRegion::Release() {
+  if (!owner_) return;
+  {
+    std::lock_guard<std::mutex> lock(owner_->mu);
+    if (owner_->engine) owner_->engine->Deregister(*this);
+  }
+  owner_.reset();
+  handle_ = nullptr;
+}
+
+MemoryRegion::MemoryRegion(MemoryRegion&& other) noexcept { *this = std::move(other); }
+
+MemoryRegion& MemoryRegion::operator=(MemoryRegion&& other) noexcept {
+  if (this != &other) {
+    Release();
+    owner_ = std::move(other.owner_);
+    handle_ = std::exchange(other.handle_, nullptr);
+    data_ = other.data_;
+    length_ = other.length_;
+    kind_ = other.kind_;
+    local_descs_ = other.local_descs_;
+    remote_ = other.remote_;
+  }
+  return *this;
+}
+
+MemoryRegion::~MemoryRegion() { Release(); }
+
+void TransferEngine::InitRegion(MemoryRegion& region, std::shared_ptr<RegistrationOwner> owner,
+                                void* handle, void* data, uint64_t length, MemoryKind kind,
+                                const std::array<void*, kMaxNics>& local_descs,
+                                const RemoteRegion& remote) {
+  region.owner_ = std::move(owner);
+  region.handle_ = handle;
+  region.data_ = data;
+  region.length_ = length;
+  region.kind_ = kind;
+  region.local_descs_ = local_descs;
+  region.remote_ = remote;
+}
+
+namespace {
+
+uint32_t EnvU32(const char* name, uint32_t fallback) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  return static_cast<uint32_t>(std::strtoul(v, nullptr, 10));
+}
+
+}  // namespace
+
+EngineOptions EngineOptions::FromEnv() {
+  EngineOptions o;
+  if (const char* p = std::getenv("FERRY_PROVIDER")) o.provider = p;
+  if (const char* n = std::getenv("FERRY_NODE")) o.node = n;
+  if (const char* c = std::getenv("FERRY_WORKER_CPU")) o.worker_cpu = std::atoi(c);
+  if (const char* s = std::getenv("FERRY_SPIN_US")) o.spin_us = std::atoi(s);
+  if (const char* c = std::getenv("FERRY_CUDA_MEMORY")) o.cuda_memory = std::atoi(c) != 0;
+  if (const char* n = std::getenv("FERRY_NICS")) o.nics = SplitCommaList(n);
+  o.num_nics = EnvU32("FERRY_NUM_NICS", o.num_nics);
+  o.max_transfers = EnvU32("FERRY_MAX_TRANSFERS", o.max_transfers);
+  o.message_bytes = EnvU32("FERRY_MSG_BYTES", o.message_bytes);
+  o.transfer_timeout_ms = EnvU32("FERRY_TRANSFER_TIMEOUT_MS", o.transfer_timeout_ms);
+  o.idle_sleep_us = EnvU32("FERRY_IDLE_SLEEP_US", o.idle_sleep_us);
+  return o;
+}
+
+}  // namespace ferry
