@@ -116,6 +116,14 @@ struct Boxes {
   std::vector<uint8_t> inbox, outbox, control;
 };
 
+// Until the relay fails or 10 s pass; the seconds waited.
+double WaitForFailure(const Relay& relay) {
+  const auto start = Clock::now();
+  Backoff backoff;
+  while (!relay.failed() && Clock::now() - start < 10s) backoff.Pause();
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
 Status WaitFlag(uint64_t* flag, uint64_t want, const std::string& what) {
   const Deadline deadline = Deadline::After(20s);
   Backoff backoff;
@@ -257,9 +265,7 @@ TEST(RelayTest, AFailedFlushFailsTheRelay) {
     std::vector<int32_t> counts(layout.counts_width);
     boxes.SetCounts(layout, 0, counts.data());
     boxes.RaiseOutbox(layout, false, 1);
-    Backoff backoff;
-    const auto start = Clock::now();
-    while (!relay->failed() && Clock::now() - start < 10s) backoff.Pause();
+    WaitForFailure(*relay);
     const Status s = relay->error();
     const int peer = 1 - b.rank();
     CHECK_OR_RETURN(s.message().find("flush refused") != std::string::npos &&
@@ -285,11 +291,8 @@ TEST(RelayTest, ALostPeerFailsTheRelay) {
     RETURN_IF_ERROR(b.Barrier(30s));
     if (b.rank() == 1) return Status::Ok();  // leaves: its relay and engine go
     std::this_thread::sleep_for(200ms);
-    const auto start = Clock::now();
     boxes.RaiseOutbox(layout, false, 1);
-    Backoff backoff;
-    while (!relay->failed() && Clock::now() - start < 10s) backoff.Pause();
-    const double waited = std::chrono::duration<double>(Clock::now() - start).count();
+    const double waited = WaitForFailure(*relay);
     CHECK_OR_RETURN(relay->failed(), "the relay still waits after 10 s");
     CHECK_OR_RETURN(waited < 7.0, "the relay failed after " + std::to_string(waited) + " s");
     const Status s = relay->error();
@@ -321,9 +324,7 @@ TEST(RelayTest, AnImpossibleCombineRequestIsRefused) {
         WaitFlag(layout.InboxFlag(boxes.control.data(), false, 1 - b.rank()), 1, "dispatch"));
     boxes.CopyInRows(layout, 0);
     boxes.RaiseOutbox(layout, true, 1);
-    Backoff backoff;
-    const auto start = Clock::now();
-    while (!relay->failed() && Clock::now() - start < 10s) backoff.Pause();
+    WaitForFailure(*relay);
     const Status s = relay->error();
     if (b.rank() == 0) {
       CHECK_OR_RETURN(s.code() == StatusCode::kDataLoss &&
