@@ -91,8 +91,9 @@ if [ "$mode" = ab ]; then
   step base_configure 120 cmake -S /tmp/base -B /tmp/base/build "${generator[@]}" \
     -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_COMPILER="$NVCC" -DCMAKE_CUDA_ARCHITECTURES=90
   step base_build 400 cmake --build /tmp/base/build -j "$(nproc)" --target ferry-bench
-  nv=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8 --tokens 128
-      --iters 200 --once-per-rank --reduce-at-expert-rank)
+  decode=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8 --tokens 128
+          --iters 200)
+  nv=("${decode[@]}" --once-per-rank --reduce-at-expert-rank)
   for round in 1 2; do
     for p in 16 1024; do
       step nvlink_base_p${p}_$round 200 /tmp/base/build/ferry-bench moe "${nv[@]}" --private $p
@@ -103,7 +104,7 @@ if [ "$mode" = ab ]; then
       --iters 20 --once-per-rank --reduce-at-expert-rank)
   step nvlink_base_prefill 300 /tmp/base/build/ferry-bench moe "${pf[@]}"
   step nvlink_new_prefill 300 build-gpu/ferry-bench moe "${pf[@]}"
-  step nvlink_compare_new 200 build-gpu/ferry-bench moe "${nv[@]:0:15}" --compare --private 1024
+  step nvlink_compare_new 200 build-gpu/ferry-bench moe "${decode[@]}" --compare --private 1024
   for p in 16 1024; do
     FERRY_NV_TRACE=1 step trace_p$p 200 build-gpu/ferry-bench moe "${nv[@]}" --iters 5 --private $p
     echo "== trace, 128 tokens, (a)+(b), --private $p: point slowest/mean us since block start"

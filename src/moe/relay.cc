@@ -49,24 +49,28 @@ int RelayLayout::RemoteIndex(int of, int rank) const {
 }
 
 Relay::Relay(const AllToAllConfig& config, const RelayLayout& layout, TransferEngine* engine,
-             RelayBuffers buffers, uint32_t peer_timeout_ms, RelayFlags flags)
+             RelayBuffers buffers, uint32_t peer_timeout_ms)
     : c_(config),
       layout_(layout),
       engine_(engine),
       buffers_(buffers),
       peer_timeout_ms_(peer_timeout_ms),
-      inbox_flags_(flags.inbox_flags ? flags.inbox_flags
-                                     : layout.InboxFlag(buffers.control, /*combine=*/false, 0)),
-      device_flags_(flags.inbox_flags && flags.device_flags) {
+      inbox_flags_(buffers.inbox_flags ? buffers.inbox_flags
+                                       : layout.InboxFlag(buffers.control, /*combine=*/false, 0)),
+      device_flags_(buffers.inbox_flags && buffers.device_flags),
+      trace_(RelayTraceOn()) {
   targets_.reserve(layout_.remotes.size());
-  const char* trace = std::getenv("FERRY_RELAY_TRACE");
-  trace_ = trace && *trace && *trace != '0';
+}
+
+bool RelayTraceOn() {
+  const char* t = std::getenv("FERRY_RELAY_TRACE");
+  return t && *t && *t != '0';
 }
 
 StatusOr<std::unique_ptr<Relay>> Relay::Create(const AllToAllConfig& config,
                                                const RelayLayout& layout, TransferEngine* engine,
                                                Bootstrap& bootstrap, RelayBuffers buffers,
-                                               uint32_t peer_timeout_ms, RelayFlags flags) {
+                                               uint32_t peer_timeout_ms) {
   if (!engine) {
     return InvalidArgumentError(
         "AllToAll: several nodes need an engine for the traffic between them");
@@ -75,7 +79,7 @@ StatusOr<std::unique_ptr<Relay>> Relay::Create(const AllToAllConfig& config,
   if (!buffers.inbox || !buffers.outbox || !buffers.control) {
     return InvalidArgumentError("Relay: inbox, outbox and control block are all needed");
   }
-  std::unique_ptr<Relay> relay(new Relay(config, layout, engine, buffers, peer_timeout_ms, flags));
+  std::unique_ptr<Relay> relay(new Relay(config, layout, engine, buffers, peer_timeout_ms));
   RETURN_IF_ERROR(relay->Connect(bootstrap));
   relay->thread_ = std::thread([r = relay.get()] { r->Main(); });
   return relay;

@@ -117,14 +117,6 @@ struct RelayLayout {
   int64_t OutRows(int q) const { return OutSection(q) + section_bytes; }
 };
 
-// Where the relay raises the inbox flags (2N words, dispatch then combine) when they do not live
-// in the control block: a GDRCopy mapping of GPU memory (gdr_flags.h), which device_flags says
-// (each store is then followed by a full fence).
-struct RelayFlags {
-  uint64_t* inbox_flags = nullptr;
-  bool device_flags = false;
-};
-
 // The relay's memory (RelayLayout's sizes), the caller's until the relay is gone: inbox and
 // outbox in GPU memory (boxes = kCuda on CUDA device `device`, registered as such: GPUDirect
 // RDMA) or host memory; control always host memory.
@@ -138,7 +130,16 @@ struct RelayBuffers {
   // goes up, where the NIC's writes into GPU memory need a flush to be visible to the kernels
   // (cudaDeviceFlushGPUDirectRDMAWrites); empty where they need none. An error fails the relay.
   std::function<Status()> flush_landed;
+  // Where the relay raises the inbox flags (2N words, dispatch then combine) when not in the
+  // control block: a GDRCopy mapping of GPU memory (gdr_flags.h), which device_flags says (each
+  // store is then followed by a full fence).
+  uint64_t* inbox_flags = nullptr;
+  bool device_flags = false;
 };
+
+// FERRY_RELAY_TRACE=1: the relay and the AllToAll say where their memory went and why, and the
+// relay prints its phases when stopped.
+bool RelayTraceOn();
 
 class Relay {
  public:
@@ -149,8 +150,7 @@ class Relay {
                                                  const RelayLayout& layout,
                                                  TransferEngine* engine, Bootstrap& bootstrap,
                                                  RelayBuffers buffers,
-                                                 uint32_t peer_timeout_ms = 60000,
-                                                 RelayFlags flags = {});
+                                                 uint32_t peer_timeout_ms = 60000);
   ~Relay();  // Stop()
   Relay(const Relay&) = delete;
   Relay& operator=(const Relay&) = delete;
@@ -169,7 +169,7 @@ class Relay {
 
  private:
   Relay(const AllToAllConfig& config, const RelayLayout& layout, TransferEngine* engine,
-        RelayBuffers buffers, uint32_t peer_timeout_ms, RelayFlags flags);
+        RelayBuffers buffers, uint32_t peer_timeout_ms);
   // Raises sender s's dispatch or combine flag in our inbox to epoch + 1 (release).
   void RaiseInboxFlag(bool combine, int s, uint64_t epoch);
   Status Connect(Bootstrap& bootstrap);
@@ -188,7 +188,7 @@ class Relay {
   TransferEngine* const engine_;
   const RelayBuffers buffers_;
   const uint32_t peer_timeout_ms_;
-  uint64_t* const inbox_flags_;  // [2N]: in the control block, or GPU memory (RelayFlags)
+  uint64_t* const inbox_flags_;  // [2N]: in the control block, or buffers.inbox_flags
   const bool device_flags_;
   MemoryRegion inbox_reg_, outbox_reg_;
   GroupId group_ = 0;

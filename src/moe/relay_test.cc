@@ -150,8 +150,11 @@ Status RunRank(Bootstrap& b, int per_node, bool separate_flags = false, bool flu
                           : layout.InboxFlag(boxes.control.data(), combine, s);
   };
   ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
-  const RelayFlags where = separate_flags ? RelayFlags{flags.data(), true} : RelayFlags{};
   RelayBuffers buffers = boxes.buffers();
+  if (separate_flags) {
+    buffers.inbox_flags = flags.data();
+    buffers.device_flags = true;
+  }
   std::atomic<uint64_t> flushes{0};
   if (flush) {
     buffers.flush_landed = [&]() -> Status {
@@ -166,7 +169,7 @@ Status RunRank(Bootstrap& b, int per_node, bool separate_flags = false, bool flu
       return Status::Ok();
     };
   }
-  ASSIGN_OR_RETURN(auto relay, Relay::Create(c, layout, engine.get(), b, buffers, 10000, where));
+  ASSIGN_OR_RETURN(auto relay, Relay::Create(c, layout, engine.get(), b, buffers, 10000));
   for (uint64_t epoch = 0; epoch < 4; ++epoch) {
     const std::string at = " (epoch " + std::to_string(epoch) + ")";
     // Dispatch: a counts row and the slots for each remote rank, then the flag.

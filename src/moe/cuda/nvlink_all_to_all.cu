@@ -161,19 +161,19 @@ class NvlinkAllToAll final : public AllToAll {
         ASSIGN_OR_RETURN(mapped.outbox, MappedPointer(boxes.outbox));
       }
       // The inbox flags in our GPU's memory when GDRCopy is there (FERRY_GDRCOPY=0: never).
-      RelayFlags flags;
       const char* gdr_env = std::getenv("FERRY_GDRCOPY");
       if (!(gdr_env && *gdr_env == '0')) {
         auto gdr = GdrFlags::Open(2 * size_t(n), c_.cuda_device);
         if (gdr.ok()) {
           gdr_ = std::move(gdr).value();
-          flags = {gdr_->host_words(), true};
-        } else if (const char* t = std::getenv("FERRY_RELAY_TRACE"); t && *t && *t != '0') {
+          boxes.inbox_flags = gdr_->host_words();
+          boxes.device_flags = true;
+        } else if (RelayTraceOn()) {
           std::fprintf(stderr, "[rank %d] relay: inbox flags in host memory: %s\n", c_.rank,
                        gdr.status().ToString().c_str());
         }
       }
-      ASSIGN_OR_RETURN(relay_, Relay::Create(c_, relay, engine, bootstrap, boxes, 60000, flags));
+      ASSIGN_OR_RETURN(relay_, Relay::Create(c_, relay, engine, bootstrap, boxes, 60000));
     }
     // Every rank's send grids: what its flags for us gain per epoch.
     std::vector<uint8_t> grids(2 * sizeof(int32_t));
@@ -521,10 +521,7 @@ class NvlinkAllToAll final : public AllToAll {
   // made visible to the kernels before a flag goes up; else pinned host memory, or, for
   // kDevice, why not.
   Status PlaceBoxes(const RelayLayout& relay, TransferEngine* engine, RelayBuffers* b) {
-    const bool trace = [] {
-      const char* t = std::getenv("FERRY_RELAY_TRACE");
-      return t && *t && *t != '0';
-    }();
+    const bool trace = RelayTraceOn();
     if (c_.rdma_buffers != RdmaBuffers::kHost && engine) {
       std::function<Status()> flush;
       const Status placed = [&]() -> Status {
