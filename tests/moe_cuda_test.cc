@@ -44,6 +44,7 @@ struct Case {
   // With nvlink: nodes of this many ranks (NVLink inside, the relay over shm between them); 0:
   // one node.
   int node_ranks = 0;
+  bool token_major = false;  // DispatchLayout::kTokenMajor on both devices
 };
 
 std::string Describe(const Case& c) {
@@ -53,7 +54,8 @@ std::string Describe(const Case& c) {
          (c.routing == Routing::kAllToOneExpert ? "_hot" : "") + (c.rank1_empty ? "_empty1" : "") +
          (c.once_per_rank ? "_a" : "") + (c.reduce_at_expert_rank ? "_b" : "") +
          (c.nvlink ? "_nvlink" : "") + (c.graph ? "_graph" : "") +
-         (c.node_ranks ? "_nodes" + std::to_string(c.world_size / c.node_ranks) : "");
+         (c.node_ranks ? "_nodes" + std::to_string(c.world_size / c.node_ranks) : "") +
+         (c.token_major ? "_tokmajor" : "");
 }
 void PrintTo(const Case& c, std::ostream* os) { *os << Describe(c); }
 
@@ -142,8 +144,30 @@ Status UseGpu(Bootstrap& b, AllToAllConfig* cfg) {
   return Status::Ok();
 }
 
+// Token-major outputs: the GPU's rows, scales, experts, weights and per-expert copies equal the
+// host device's, row for row.
+Status CompareTokenMajor(const AllToAllConfig& cfg, const DispatchOutput& host, int32_t rows,
+                         int32_t gpu_rows, const std::vector<uint8_t>& x,
+                         const std::vector<float>& scales, const std::vector<int32_t>& experts,
+                         const std::vector<float>& weights, const std::vector<int32_t>& counts) {
+  const int64_t row = cfg.token_bytes(), spt = cfg.scales_per_token(), k = cfg.experts_per_token;
+  CHECK_OR_RETURN(gpu_rows == rows, "GPU " + std::to_string(gpu_rows) + " rows, host " +
+                                        std::to_string(rows));
+  CHECK_OR_RETURN(std::memcmp(x.data(), host.x, size_t(rows) * row) == 0, "rows differ");
+  CHECK_OR_RETURN(std::memcmp(scales.data(), host.scales, size_t(rows) * spt * 4) == 0,
+                  "scales differ");
+  CHECK_OR_RETURN(std::equal(experts.begin(), experts.begin() + rows * k, host.token_experts),
+                  "token experts differ");
+  CHECK_OR_RETURN(std::equal(weights.begin(), weights.begin() + rows * k, host.token_weights),
+                  "token weights differ");
+  CHECK_OR_RETURN(std::equal(counts.begin(), counts.end(), host.num_tokens),
+                  "copies per expert differ");
+  return Status::Ok();
+}
+
 Status RunRank(const Case& c, Bootstrap& b) {
   AllToAllConfig cfg = ConfigFor(c, b.world_size(), b.rank());
+  if (c.token_major) cfg.dispatch_layout = DispatchLayout::kTokenMajor;
   if (c.nvlink) cfg.ranks_per_node = c.node_ranks > 0 ? c.node_ranks : b.world_size();
   AllToAllConfig gpu_cfg = cfg;
   RETURN_IF_ERROR(UseGpu(b, &gpu_cfg));
@@ -171,6 +195,25 @@ Status RunRank(const Case& c, Bootstrap& b) {
   RETURN_IF_ERROR(d_counts.Alloc(l));
   RETURN_IF_ERROR(d_expert_out.Alloc(expert_out.size()));
   RETURN_IF_ERROR(d_y.Alloc(size_t(cfg.max_tokens_per_rank) * h));
+  // Token-major: rows, and each row's experts and weights.
+  int32_t rows = 0;
+  std::vector<int32_t> gpu_rows(1), experts(size_t(cap) * c.k), gpu_experts(experts.size());
+  std::vector<float> weights(experts.size()), gpu_weights(experts.size());
+  Gpu<int32_t> d_rows, d_experts;
+  Gpu<float> d_token_weights;
+  RETURN_IF_ERROR(d_rows.Alloc(1));
+  RETURN_IF_ERROR(d_experts.Alloc(experts.size()));
+  RETURN_IF_ERROR(d_token_weights.Alloc(weights.size()));
+  DispatchOutput host_out{out_x.data(), out_scales.data(), counts.data()};
+  DispatchOutput gpu_out{d_out_x.p, d_out_scales.p, d_counts.p};
+  if (c.token_major) {
+    host_out.num_rows = &rows;
+    host_out.token_experts = experts.data();
+    host_out.token_weights = weights.data();
+    gpu_out.num_rows = d_rows.p;
+    gpu_out.token_experts = d_experts.p;
+    gpu_out.token_weights = d_token_weights.p;
+  }
 
   Graphs graphs;
   Gpu<int32_t> d_count;
@@ -178,7 +221,7 @@ Status RunRank(const Case& c, Bootstrap& b) {
   if (c.graph) {
     RETURN_IF_ERROR(graphs.Capture(*gpu, {d_x.p, spt ? d_scales.p : nullptr, d_indices.p,
                                                d_weights.p, cfg.max_tokens_per_rank, d_count.p},
-                                   {d_out_x.p, d_out_scales.p, d_counts.p}, d_expert_out.p, d_y.p));
+                                   gpu_out, d_expert_out.p, d_y.p));
   }
 
   const InputSpec spec{c.tokens, c.k, c.experts, c.dtype, c.routing, c.rank1_empty};
@@ -209,16 +252,21 @@ Status RunRank(const Case& c, Bootstrap& b) {
       RETURN_IF_ERROR(gpu->DispatchSend({d_x.p, spt ? d_scales.p : nullptr, d_indices.p,
                                          d_weights.p, in.tokens}));
     }
-    RETURN_IF_ERROR(host->DispatchRecv({out_x.data(), out_scales.data(), counts.data()},
-                                       Deadline::After(30s)));
-    if (!c.graph) {
-      RETURN_IF_ERROR(gpu->DispatchRecv({d_out_x.p, d_out_scales.p, d_counts.p},
-                                        Deadline::After(30s)));
-    }
+    RETURN_IF_ERROR(host->DispatchRecv(host_out, Deadline::After(30s)));
+    if (!c.graph) RETURN_IF_ERROR(gpu->DispatchRecv(gpu_out, Deadline::After(30s)));
     RETURN_IF_ERROR(d_counts.Get(gpu_counts));
     RETURN_IF_ERROR(d_out_x.Get(gpu_out_x));
     RETURN_IF_ERROR(d_out_scales.Get(gpu_out_scales));
-    for (int e = 0; e < l; ++e) {
+    if (c.token_major) {
+      RETURN_IF_ERROR(d_rows.Get(gpu_rows));
+      RETURN_IF_ERROR(d_experts.Get(gpu_experts));
+      RETURN_IF_ERROR(d_token_weights.Get(gpu_weights));
+      RETURN_IF_ERROR(CompareTokenMajor(cfg, host_out, rows, gpu_rows[0], gpu_out_x,
+                                        gpu_out_scales, gpu_experts, gpu_weights, gpu_counts));
+      SumTokenMajorExperts(cfg, out_x.data(), out_scales.data(), experts.data(), weights.data(),
+                           rows, expert_out.data());
+    }
+    for (int e = 0; e < l && !c.token_major; ++e) {
       CHECK_OR_RETURN(gpu_counts[e] == counts[e],
                       "expert " + std::to_string(e) + ": GPU " + std::to_string(gpu_counts[e]) +
                           " rows, host " + std::to_string(counts[e]) + at);
@@ -474,6 +522,18 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{4, 1024, 1024, 32, 4, fp8, rnd, 32, false, false, false, 2, true,
                            false, 2},
                       Case{4, 96, 256, 64, 4, bf16, rnd, 4, false, true, true, 4, true, true, 2},
+                      // The token-major layout: one node, graphs, nodes of two, one rank per
+                      // node.
+                      Case{2, 128, 7168, 256, 8, fp8, rnd, 16, false, true, true, 3, true,
+                           false, 0, true},
+                      Case{3, 333, 2176, 48, 8, bf16, hot, 4, true, true, true, 3, true, false, 0,
+                           true},
+                      Case{2, 96, 256, 64, 4, bf16, rnd, 4, false, true, true, 4, true, true, 0,
+                           true},
+                      Case{4, 64, 256, 48, 16, fp8, rnd, 4, false, true, true, 3, true, false, 2,
+                           true},
+                      Case{2, 128, 1024, 64, 8, fp8, rnd, 4, false, true, true, 3, false, false,
+                           0, true},
                       // Eight ranks (four per GPU here): EP8 as one node and as two of four.
                       Case{8, 32, 256, 64, 8, bf16, rnd, 4, false, false, false, 2, true},
                       Case{8, 32, 256, 64, 8, fp8, rnd, 4, false, true, true, 2, true, false, 4}),

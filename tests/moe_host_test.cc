@@ -24,6 +24,9 @@ namespace {
 
 using namespace std::chrono_literals;
 
+// The dispatch layout each rank takes (a rank's own choice: the wire is the same).
+enum class Layouts { kExpertMajor, kTokenMajor, kMixed /* odd ranks token-major */ };
+
 struct Case {
   std::string provider;
   int world_size, tokens, hidden, experts, k;
@@ -34,6 +37,7 @@ struct Case {
   int iterations = 2;
   bool once_per_rank = false;          // option (a)
   bool reduce_at_expert_rank = false;  // option (b)
+  Layouts layouts = Layouts::kExpertMajor;
 };
 
 InputSpec Spec(const Case& c) {
@@ -52,11 +56,68 @@ std::string Describe(const Case& c) {
          std::to_string(c.k) + (c.dtype == DispatchDtype::kBf16 ? "_bf16" : "_fp8") +
          (c.routing == Routing::kAllToOneExpert ? "_hot" : "") + (c.rank1_empty ? "_empty1" : "") +
          "_it" + std::to_string(c.iterations) + (c.once_per_rank ? "_a" : "") +
-         (c.reduce_at_expert_rank ? "_b" : "");
+         (c.reduce_at_expert_rank ? "_b" : "") +
+         (c.layouts == Layouts::kTokenMajor ? "_tokmajor"
+          : c.layouts == Layouts::kMixed    ? "_mixedlayout"
+                                            : "");
+}
+
+bool TokenMajor(const Case& c, int rank) {
+  return c.layouts == Layouts::kTokenMajor || (c.layouts == Layouts::kMixed && rank % 2 == 1);
+}
+
+// The token-major output, checked against its definition: every token routed to us once, in
+// (sender rank, token) order, with its payload, scales, and column k naming the local expert of
+// its k-th copy (or -1) and that copy's weight (or 0). Then the caller's side of combine into
+// `expert_out` (SumTokenMajorExperts).
+Status CheckTokenMajor(const Case& c, const AllToAllConfig& cfg, const std::vector<Inputs>& all,
+                       const DispatchOutput& out, std::vector<uint16_t>& expert_out) {
+  const int l = cfg.local_experts(), k = c.k, me = cfg.rank;
+  const int64_t row = cfg.token_bytes(), spt = cfg.scales_per_token();
+  std::vector<int32_t> copies(l, 0);
+  int32_t i = 0;
+  for (const Inputs& src : all) {
+    for (int t = 0; t < src.tokens; ++t) {
+      std::vector<int32_t> experts(k, -1);
+      std::vector<float> weights(k, 0.0f);
+      for (int j = 0; j < k; ++j) {
+        const int32_t g = src.indices[size_t(t) * k + j];
+        if (g / l != me) continue;
+        experts[j] = g % l;
+        weights[j] = src.weights[size_t(t) * k + j];
+        ++copies[g % l];
+      }
+      if (std::all_of(experts.begin(), experts.end(), [](int32_t e) { return e < 0; })) continue;
+      const std::string at = "row " + std::to_string(i);
+      CHECK_OR_RETURN(i < *out.num_rows, at + " missing (" + std::to_string(*out.num_rows) + ")");
+      const auto* x = static_cast<const uint8_t*>(out.x) + i * row;
+      CHECK_OR_RETURN(std::memcmp(x, src.x.data() + t * row, row) == 0, at + ": other payload");
+      CHECK_OR_RETURN(!spt || std::memcmp(out.scales + i * spt, &src.scales[t * spt],
+                                          spt * 4) == 0,
+                      at + ": other scales");
+      CHECK_OR_RETURN(std::equal(experts.begin(), experts.end(), out.token_experts + i * k) &&
+                          std::equal(weights.begin(), weights.end(), out.token_weights + i * k),
+                      at + ": other experts or weights");
+      ++i;
+    }
+  }
+  CHECK_OR_RETURN(*out.num_rows == i, std::to_string(*out.num_rows) + " rows, expected " +
+                                          std::to_string(i));
+  SumTokenMajorExperts(cfg, static_cast<const uint8_t*>(out.x), out.scales, out.token_experts,
+                       out.token_weights, i, expert_out.data());
+  for (int e = 0; e < l; ++e) {
+    CHECK_OR_RETURN(out.num_tokens[e] == copies[e], "expert " + std::to_string(e) + ": " +
+                                                        std::to_string(out.num_tokens[e]) +
+                                                        " copies, expected " +
+                                                        std::to_string(copies[e]));
+  }
+  return Status::Ok();
 }
 
 Status RunRank(const Case& c, Bootstrap& b) {
-  const AllToAllConfig cfg = ConfigFor(c, b.world_size(), b.rank());
+  AllToAllConfig cfg = ConfigFor(c, b.world_size(), b.rank());
+  const bool token_major = TokenMajor(c, b.rank());
+  if (token_major) cfg.dispatch_layout = DispatchLayout::kTokenMajor;
   ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions(c.provider)));
   ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(cfg, engine.get(), b));
   const int l = cfg.local_experts(), n = cfg.world_size, h = cfg.hidden;
@@ -65,6 +126,15 @@ Status RunRank(const Case& c, Bootstrap& b) {
   std::vector<float> out_scales(size_t(l) * cap * spt, -1.0f);
   std::vector<int32_t> out_counts(l, -1);
   std::vector<uint16_t> expert_out(size_t(l) * cap * h, 0);
+  int32_t num_rows = -1;
+  std::vector<int32_t> token_experts(size_t(cap) * c.k, -2);
+  std::vector<float> token_weights(size_t(cap) * c.k, -1.0f);
+  DispatchOutput out{out_x.data(), out_scales.data(), out_counts.data()};
+  if (token_major) {
+    out.num_rows = &num_rows;
+    out.token_experts = token_experts.data();
+    out.token_weights = token_weights.data();
+  }
   for (int it = 0; it < c.iterations; ++it) {
     std::vector<Inputs> all;
     for (int r = 0; r < n; ++r) all.push_back(MakeInputs(Spec(c), cfg, r, it));
@@ -72,10 +142,10 @@ Status RunRank(const Case& c, Bootstrap& b) {
     DispatchInput in{mine.x.data(), mine.scales.empty() ? nullptr : mine.scales.data(),
                      mine.indices.data(), mine.weights.data(), mine.tokens};
     RETURN_IF_ERROR(a2a->DispatchSend(in));
-    RETURN_IF_ERROR(a2a->DispatchRecv({out_x.data(), out_scales.data(), out_counts.data()},
-                                      Deadline::After(30s)));
+    RETURN_IF_ERROR(a2a->DispatchRecv(out, Deadline::After(30s)));
+    if (token_major) RETURN_IF_ERROR(CheckTokenMajor(c, cfg, all, out, expert_out));
     // Exact multiset per local expert: payload bytes and scales of every copy routed to it.
-    for (int e = 0; e < l; ++e) {
+    for (int e = 0; e < l && !token_major; ++e) {
       const int g = b.rank() * l + e;
       std::vector<std::string> want, got;
       for (int r = 0; r < n; ++r) {
@@ -185,6 +255,12 @@ std::vector<Case> Cases() {
   }
   out.push_back({"tcp;ofi_rxm", 3, 128, 128, 48, 8, fp8, rnd, 4, true, 2, true, true});
   out.push_back({"shm", 2, 7, 128, 8, 2, bf16, rnd, 2, false, 1000, true, true});
+  // The token-major layout, and ranks that differ in the layout they take.
+  const auto token = Layouts::kTokenMajor, mixed = Layouts::kMixed;
+  out.push_back({"shm", 2, 128, 128, 64, 8, fp8, rnd, 4, false, 3, true, true, token});
+  out.push_back({"shm", 3, 333, 2176, 48, 8, bf16, hot, 16, true, 2, true, true, token});
+  out.push_back({"shm", 4, 7, 128, 8, 2, bf16, rnd, 0, false, 2, true, true, mixed});
+  out.push_back({"tcp;ofi_rxm", 3, 64, 128, 48, 16, fp8, rnd, 4, false, 2, true, true, mixed});
   std::vector<Case> filtered;
   for (const Case& c : out) {
     for (const std::string& p : testing_util::Providers()) {
@@ -220,6 +296,14 @@ TEST(MoeHostBadInputTest, RefusesBadRoutesTooManyTokensAndMismatchedConfigs) {
     bad = cfg;
     bad.rdma_buffers = static_cast<RdmaBuffers>(3);
     CHECK_OR_RETURN(bad.Validate().code() == StatusCode::kInvalidArgument, "placement 3 accepted");
+    bad = cfg;
+    bad.dispatch_layout = DispatchLayout::kTokenMajor;  // needs options (a) and (b)
+    s = bad.Validate();
+    CHECK_OR_RETURN(s.code() == StatusCode::kInvalidArgument &&
+                        s.message().find("token-major") != std::string::npos,
+                    "token-major without (a)+(b): " + s.ToString());
+    bad.dispatch_once_per_rank = bad.combine_reduce_at_expert_rank = true;
+    RETURN_IF_ERROR(bad.Validate());
     // What only the CUDA NVLink path offers is refused clearly on the host device.
     int32_t device_count = 2;
     DispatchInput counted{x.data(), nullptr, idx.data(), w.data(), 2};
@@ -234,6 +318,14 @@ TEST(MoeHostBadInputTest, RefusesBadRoutesTooManyTokensAndMismatchedConfigs) {
     std::vector<uint16_t> out_x(4 * 2 * 4 * 128), y(2 * 128), eo(4 * 2 * 4 * 128, 0);
     std::vector<int32_t> counts(4);
     RETURN_IF_ERROR(a2a->DispatchSend({x.data(), nullptr, idx.data(), w.data(), 2}));
+    // The token-major outputs given to an expert-major AllToAll: refused, the step can be retried.
+    int32_t rows = 0;
+    DispatchOutput mixed_up{out_x.data(), nullptr, counts.data()};
+    mixed_up.num_rows = &rows;
+    s = a2a->DispatchRecv(mixed_up, Deadline::After(30s));
+    CHECK_OR_RETURN(s.code() == StatusCode::kInvalidArgument &&
+                        s.message().find("expert-major") != std::string::npos,
+                    "token-major outputs: " + s.ToString());
     RETURN_IF_ERROR(a2a->DispatchRecv({out_x.data(), nullptr, counts.data()}, Deadline::After(30s)));
     RETURN_IF_ERROR(a2a->CombineSend(eo.data()));
     RETURN_IF_ERROR(a2a->CombineRecv(y.data(), false, Deadline::After(30s)));

@@ -90,6 +90,28 @@ inline float Dequant(const AllToAllConfig& cfg, const uint8_t* row, const float*
   return DecodeE4M3(row[i]) * scales[i / 128];
 }
 
+// The caller's side of a token-major combine: row i of expert_out ([rows, hidden]) is the
+// weighted fp32 sum, in k order, of row i's local experts applied to it (each expert's output
+// rounded to bf16 first, as an expert-major caller's would be). experts / weights: [rows, K].
+inline void SumTokenMajorExperts(const AllToAllConfig& cfg, const uint8_t* x, const float* scales,
+                                 const int32_t* experts, const float* weights, int rows,
+                                 uint16_t* expert_out) {
+  const int k = cfg.experts_per_token, h = cfg.hidden, first = cfg.rank * cfg.local_experts();
+  const int64_t row = cfg.token_bytes(), spt = cfg.scales_per_token();
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int col = 0; col < h; ++col) {
+      float sum = 0.0f;
+      for (int j = 0; j < k; ++j) {
+        const int32_t e = experts[i * k + j];
+        if (e < 0) continue;
+        const float y = Dequant(cfg, x + i * row, scales + i * spt, col) * ExpertScale(first + e);
+        sum += weights[i * k + j] * Bf16ToFloat(FloatToBf16(y));
+      }
+      expert_out[i * h + col] = FloatToBf16(sum);
+    }
+  }
+}
+
 // The AllToAll configuration of a test case (any struct with the fields read here).
 template <typename Case>
 AllToAllConfig ConfigFor(const Case& c, int world_size, int rank) {

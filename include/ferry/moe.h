@@ -58,6 +58,19 @@ enum class MoeDeviceKind : uint8_t {
               // pinned memory) and return once their kernels finished
 };
 
+// What DispatchRecv hands the caller, and so what CombineSend takes back.
+enum class DispatchLayout : uint8_t {
+  // One row per (token, local expert), grouped by expert: the layout grouped GEMMs eat. The
+  // receiver writes a token once for each of its local experts.
+  kExpertMajor = 0,
+  // Each received token once, with its local experts and weights beside it (DeepEP's
+  // high-throughput layout): the receiver writes a token once, the caller permutes or gathers for
+  // its GEMMs and returns one row per token -- its experts' outputs already weighted and summed.
+  // Needs dispatch_once_per_rank and combine_reduce_at_expert_rank (what then crosses: one row
+  // each way per token and rank).
+  kTokenMajor = 1,
+};
+
 // CUDA device with several nodes: where the buffers the NIC reads and writes between nodes live.
 enum class RdmaBuffers : uint8_t {
   kAuto = 0,    // GPU memory when the engine registers CUDA memory (GPUDirect RDMA), else host
@@ -83,7 +96,9 @@ struct AllToAllConfig {
   // (b) the expert rank sums its experts' outputs for a token in fp32, weights applied, and
   //     returns one bf16 row per token instead of one per expert.
   bool combine_reduce_at_expert_rank = false;
-  // Per rank, not part of what ranks must agree on: each may run its steps where it likes.
+  // Per rank, not part of what ranks must agree on: each may run its steps where it likes, and
+  // take its output in either layout (the bytes that cross are the same).
+  DispatchLayout dispatch_layout = DispatchLayout::kExpertMajor;
   MoeDeviceKind device = MoeDeviceKind::kHost;
   int cuda_device = 0;
   RdmaBuffers rdma_buffers = RdmaBuffers::kAuto;  // CUDA device, several nodes
@@ -116,12 +131,22 @@ struct DispatchInput {
   const int32_t* device_num_tokens = nullptr;
 };
 
-// Dispatch output: expert-major, the layout grouped GEMMs eat. Rows past num_tokens[e] are not
-// written.
+// Dispatch output. Expert-major (the default): x holds [local_experts, expert_capacity] rows,
+// expert e's first num_tokens[e] filled. Token-major: x holds [expert_capacity] rows, the first
+// num_rows[0] filled -- every sender's tokens in rank order, each sender's in its token order --
+// and row i's copies are described by token_experts / token_weights. Rows past the counts are
+// not written.
 struct DispatchOutput {
-  void* x = nullptr;             // [local_experts, expert_capacity, hidden] bf16 or fp8
-  float* scales = nullptr;       // [local_experts, expert_capacity, hidden / 128]; fp8 only
-  int32_t* num_tokens = nullptr; // [local_experts]
+  void* x = nullptr;             // [local_experts, expert_capacity, hidden] bf16 or fp8;
+                                 // token-major: [expert_capacity, hidden]
+  float* scales = nullptr;       // the same rows, hidden / 128 fp32 each; fp8 only
+  int32_t* num_tokens = nullptr; // [local_experts] copies each local expert received
+  // Token-major only (null otherwise):
+  int32_t* num_rows = nullptr;       // [1] rows received
+  int32_t* token_experts = nullptr;  // [expert_capacity, experts_per_token] column k: the local
+                                     // expert of the token's k-th copy, -1 if not ours
+  float* token_weights = nullptr;    // [expert_capacity, experts_per_token] column k: its
+                                     // combine weight, 0 if not ours
 };
 
 // Thread safety: one thread drives an AllToAll; the steps run in order DispatchSend,
@@ -141,7 +166,8 @@ class AllToAll {
 
   virtual Status DispatchSend(const DispatchInput& in) = 0;
   virtual Status DispatchRecv(const DispatchOutput& out, Deadline deadline) = 0;
-  // expert_out: [local_experts, expert_capacity, hidden] bf16, rows as DispatchRecv laid them out.
+  // expert_out: [local_experts, expert_capacity, hidden] bf16, rows as DispatchRecv laid them out;
+  // token-major: [expert_capacity, hidden], row i the weighted sum of row i's experts' outputs.
   virtual Status CombineSend(const uint16_t* expert_out) = 0;
   // out: [T, hidden] bf16 for the T of the last DispatchSend; with accumulate, adds to it.
   virtual Status CombineRecv(uint16_t* out, bool accumulate, Deadline deadline) = 0;

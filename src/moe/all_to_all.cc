@@ -115,9 +115,7 @@ class AllToAllImpl final : public AllToAll {
 
   Status DispatchRecv(const DispatchOutput& out, Deadline deadline) override {
     RETURN_IF_ERROR(Step(Stage::kDispatchSent, "DispatchRecv"));
-    if (!out.x || !out.num_tokens || (c_.scales_per_token() && !out.scales)) {
-      return InvalidArgumentError("DispatchRecv: null output buffer");
-    }
+    RETURN_IF_ERROR(moe::CheckDispatchOutput(c_, out));
     RETURN_IF_ERROR(device_->DispatchRecv(out, epoch_, deadline));
     stage_ = Stage::kDispatchDone;
     return Status::Ok();

@@ -4,6 +4,7 @@
 
 #include "fabric/wire.h"
 #include "ferry/moe.h"
+#include "moe/layout.h"
 
 namespace ferry {
 
@@ -34,6 +35,15 @@ Status AllToAllConfig::Validate() const {
   }
   if (max_private_tokens < 0 || max_private_tokens > 65536) {
     return bad("max_private_tokens must be in [0, 65536]");
+  }
+  if (dispatch_layout != DispatchLayout::kExpertMajor &&
+      dispatch_layout != DispatchLayout::kTokenMajor) {
+    return bad("unknown dispatch layout");
+  }
+  if (dispatch_layout == DispatchLayout::kTokenMajor &&
+      !(dispatch_once_per_rank && combine_reduce_at_expert_rank)) {
+    return bad("the token-major layout needs dispatch_once_per_rank and "
+               "combine_reduce_at_expert_rank");
   }
   if (device != MoeDeviceKind::kHost && device != MoeDeviceKind::kCuda) {
     return bad("unknown device kind");
@@ -74,7 +84,29 @@ std::string AllToAllConfig::ToString() const {
          " max_private_tokens=" + std::to_string(max_private_tokens) +
          (dispatch_once_per_rank ? " once_per_rank" : "") +
          (combine_reduce_at_expert_rank ? " reduce_at_expert_rank" : "") +
+         (dispatch_layout == DispatchLayout::kTokenMajor ? " token_major" : "") +
          (device == MoeDeviceKind::kCuda ? " cuda:" + std::to_string(cuda_device) : "");
 }
 
+namespace moe {
+
+Status CheckDispatchOutput(const AllToAllConfig& c, const DispatchOutput& out) {
+  if (!out.x || !out.num_tokens || (c.scales_per_token() && !out.scales)) {
+    return InvalidArgumentError("DispatchRecv: null output buffer");
+  }
+  const bool token_major = c.dispatch_layout == DispatchLayout::kTokenMajor;
+  const bool has_token_fields = out.num_rows || out.token_experts || out.token_weights;
+  if (token_major && !(out.num_rows && out.token_experts && out.token_weights)) {
+    return InvalidArgumentError(
+        "DispatchRecv: the token-major layout needs num_rows, token_experts and token_weights");
+  }
+  if (!token_major && has_token_fields) {
+    return InvalidArgumentError(
+        "DispatchRecv: num_rows, token_experts and token_weights are outputs of the token-major "
+        "layout; this AllToAll is expert-major");
+  }
+  return Status::Ok();
+}
+
+}  // namespace moe
 }  // namespace ferry

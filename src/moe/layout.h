@@ -43,6 +43,10 @@ struct SlotEntry {
 };
 static_assert(sizeof(SlotHeader) == 8 && sizeof(SlotEntry) == 12, "slot metadata wire layout");
 
+// InvalidArgument when `out` lacks a buffer the configuration's layout fills, or has one it
+// does not (a caller mixing up the layouts). Both devices' DispatchRecv start with it.
+Status CheckDispatchOutput(const AllToAllConfig& c, const DispatchOutput& out);
+
 inline int64_t RoundUp(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
 
 struct MoeLayout {

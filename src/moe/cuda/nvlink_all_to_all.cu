@@ -81,6 +81,7 @@ class NvlinkAllToAll final : public AllToAll {
     v.capacity = c_.expert_capacity();
     v.once = c_.dispatch_once_per_rank;
     v.reduce = c_.combine_reduce_at_expert_rank;
+    v.token_major = c_.dispatch_layout == DispatchLayout::kTokenMajor;
     v.slots_per_pair = layout_.slots_per_pair;
     v.counts_off = RoundUp(2 * n * 8, 128);
     v.counts_stride = static_cast<int>(RoundUp(v.l + kCountsColumns, 4));
@@ -302,13 +303,12 @@ class NvlinkAllToAll final : public AllToAll {
 
   Status DispatchRecv(const DispatchOutput& out, Deadline deadline) override {
     RETURN_IF_ERROR(Step(Stage::kDispatchSent, "DispatchRecv"));
-    if (!out.x || !out.num_tokens || (nv_.spt && !out.scales)) {
-      return InvalidArgumentError("DispatchRecv: null output buffer");
-    }
+    RETURN_IF_ERROR(CheckDispatchOutput(c_, out));
     RETURN_IF_ERROR(Aligned(out.x, "DispatchRecv: x"));
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
-    const RecvArgs args{static_cast<uint8_t*>(out.x), out.scales, out.num_tokens,
-                        BudgetNs(deadline)};
+    const RecvArgs args{static_cast<uint8_t*>(out.x), out.scales,        out.num_tokens,
+                        BudgetNs(deadline),           out.num_rows,      out.token_experts,
+                        out.token_weights};
     FERRY_CUDA(Launch(UnpackKernel, recv_grid_, unpack_smem_, args));
     stage_ = Stage::kDispatchDone;
     return async_ ? Status::Ok() : Finish();

@@ -667,8 +667,9 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
               entry.pos < offset[(s + 1) * v.l + le] - offset[s * v.l + le] &&
               offset[(s + 1) * v.l + le] <= v.capacity;
       if (valid) {
-        out_row[threadIdx.x] = int64_t{le} * v.capacity + offset[s * v.l + le] + entry.pos;
-        v.rentries[g * v.k + threadIdx.x] = RecvEntry{out_row[threadIdx.x], entry.weight};
+        const int64_t expert_row = int64_t{le} * v.capacity + offset[s * v.l + le] + entry.pos;
+        out_row[threadIdx.x] = v.token_major ? g : expert_row;
+        v.rentries[g * v.k + threadIdx.x] = RecvEntry{expert_row, entry.weight};
       }
     }
     valid = __syncthreads_and(valid);
@@ -678,10 +679,26 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
       v.rslots[g] = RecvSlot{s, static_cast<int32_t>(row), valid ? entries : 0, header.part,
                              header.parts};
     }
-    const int outs = valid ? entries : 0;
-    if (!primary_done) {  // the caller's memory from here on (a.out_x, a.out_scales)
+    // Token-major: the slot is one output row, and column c of its experts and weights is the
+    // entry whose k is c (thread c looks for it), or none.
+    const int outs = valid ? (v.token_major ? 1 : entries) : 0;
+    if (!primary_done) {  // the caller's memory from here on (a.out_x, a.out_scales, ...)
       WaitPrimary();
       primary_done = true;
+    }
+    if (v.token_major && valid && threadIdx.x < v.k) {
+      int32_t expert = -1;
+      float weight = 0.0f;
+      for (int i = 0; i < entries; ++i) {
+        NvEntry entry;
+        std::memcpy(&entry, &meta_v[1 + i], sizeof entry);
+        if (entry.k == static_cast<int32_t>(threadIdx.x)) {
+          expert = entry.local_expert;
+          weight = entry.weight;
+        }
+      }
+      a.token_experts[g * v.k + threadIdx.x] = expert;
+      a.token_weights[g * v.k + threadIdx.x] = weight;
     }
     // Vector i of the slot into every entry's output row (its row or its scales).
     auto store = [&](int64_t i, const uint4& value) {
@@ -710,6 +727,7 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
   }
   if (blockIdx.x == 0) {
     WaitPrimary();
+    if (v.token_major && threadIdx.x == 0) *a.num_rows = static_cast<int32_t>(total);
     for (int e = threadIdx.x; e < v.l; e += blockDim.x) {
       const int32_t rows = offset[v.n * v.l + e];
       a.num_tokens[e] = rows;
@@ -765,7 +783,7 @@ __device__ inline void WeightedSum2x8(float (&acc)[2][8], const uint4* const* ro
 
 // Received slots again: each copy's expert output row (plain) or, summed at the expert rank, one
 // weighted fp32 sum per token taken in (local expert, position) order as the host device does,
-// pushed into the sender's combine region. Every block arrives at every rank's combine flag.
+// or (token-major) the caller's row for the token, pushed into the sender's combine region. Every block arrives at every rank's combine flag.
 __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineArgs a) {
   __shared__ const uint4* rows[kMaxK];
   __shared__ float weight[kMaxK];
@@ -778,6 +796,11 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
   for (int64_t g = blockIdx.x; g < total; g += gridDim.x) {
     const RecvSlot slot = v.rslots[g];
     uint8_t* dst = v.peer[slot.sender].combine + int64_t{slot.row} * v.row_bytes;
+    if (v.token_major) {  // the caller summed the token's experts into row g
+      CopyBytes(dst, reinterpret_cast<const uint8_t*>(a.expert_out + g * v.hidden), v.row_bytes);
+      if (slot.sender != v.me) ++rows_out;
+      continue;
+    }
     if (!v.reduce) {
       for (int i = 0; i < slot.entries; ++i) {
         const RecvEntry entry = v.rentries[g * v.k + i];

@@ -116,6 +116,7 @@ struct Nv {
   int counts_stride;  // int32 per counts row: L + kCountsColumns, rounded up to 16 bytes
   int64_t payload, slot_bytes, meta_bytes, row_bytes, capacity, slots_per_pair;
   bool once, reduce;
+  bool token_major;  // DispatchLayout::kTokenMajor: received slot g is output row g
   int first_remote;  // the lowest rank of another node, -1 if none (WaitStep, Arrive)
   int64_t counts_off, private_off, combine_off, send_off;  // flags at 0
   uint8_t* own;          // our buffer (its send area holds the slots peers pull and our own)
@@ -147,10 +148,13 @@ struct SendArgs {
   bool strict;  // an input error (expert id, device count) sends nothing at all
 };
 struct RecvArgs {
-  uint8_t* out_x;
-  float* out_scales;
-  int32_t* num_tokens;
+  uint8_t* out_x;        // [L * capacity] rows, or token-major [capacity] rows
+  float* out_scales;     // the same rows' scales; fp8 only
+  int32_t* num_tokens;   // [L]
   uint64_t timeout_ns;
+  int32_t* num_rows;       // token-major: [1]
+  int32_t* token_experts;  // token-major: [capacity, K]
+  float* token_weights;    // token-major: [capacity, K]
 };
 struct CombineArgs {
   const uint16_t* expert_out;

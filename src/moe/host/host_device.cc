@@ -95,8 +95,14 @@ class HostDevice final : public MoeDevice {
     RETURN_IF_ERROR(WaitForProxy(*p_.channel, p_.channel->recv_ready, "recv-ready", epoch,
                                  deadline));
     const Routing& routing = *p_.routing;
+    const bool token_major = c.dispatch_layout == DispatchLayout::kTokenMajor;
     std::fill(out.num_tokens, out.num_tokens + l, 0);
-    routes_.assign(size_t(l) * c.expert_capacity(), Route{});
+    if (token_major) {
+      token_routes_.assign(size_t(c.expert_capacity()), Route{});
+    } else {
+      routes_.assign(size_t(l) * c.expert_capacity(), Route{});
+    }
+    int32_t num_rows = 0;
     const int64_t payload = c.token_bytes(), spt = c.scales_per_token();
     const int64_t own_start = routing.SlotStart(me, me);
     // Sender by sender, each in its send order; our own slots straight from the send area.
@@ -122,18 +128,33 @@ class HostDevice final : public MoeDevice {
                                std::to_string(s));
         }
         const uint8_t* body = slot + layout_.meta_bytes;
+        // Token-major: the slot is one output row, whatever its entries.
+        const int64_t token_row = token_major ? int64_t{num_rows++} : -1;
+        if (token_major) {
+          std::memcpy(static_cast<uint8_t*>(out.x) + token_row * payload, body, payload);
+          if (spt) std::memcpy(out.scales + token_row * spt, body + payload, spt * 4);
+          std::fill_n(out.token_experts + token_row * k, k, -1);
+          std::fill_n(out.token_weights + token_row * k, k, 0.0f);
+        }
         for (int i = 0; i < header.entries; ++i) {
           SlotEntry entry;
           std::memcpy(&entry, slot + sizeof header + i * sizeof(SlotEntry), sizeof entry);
           // The combine row this copy feeds: its own, or its token's when the expert rank sums.
           if (!c.combine_reduce_at_expert_rank || header.src_token != last_token) ++row;
           last_token = header.src_token;
-          if (entry.local_expert < 0 || entry.local_expert >= l || row >= rows) {
+          if (entry.local_expert < 0 || entry.local_expert >= l || entry.k < 0 || entry.k >= k ||
+              row >= rows) {
             return DataLossError("moe: slot " + std::to_string(j) + " from rank " +
                                  std::to_string(s) + " names local expert " +
                                  std::to_string(entry.local_expert) + " or overruns its rows");
           }
           const int32_t pos = out.num_tokens[entry.local_expert]++;
+          if (token_major) {
+            out.token_experts[token_row * k + entry.k] = entry.local_expert;
+            out.token_weights[token_row * k + entry.k] = entry.weight;
+            token_routes_[token_row] = Route{s, row, 1.0f};
+            continue;
+          }
           const int64_t dst = int64_t{entry.local_expert} * c.expert_capacity() + pos;
           std::memcpy(static_cast<uint8_t*>(out.x) + dst * payload, body, payload);
           if (spt) std::memcpy(out.scales + dst * spt, body + payload, spt * 4);
@@ -141,7 +162,9 @@ class HostDevice final : public MoeDevice {
         }
       }
     }
+    if (token_major) *out.num_rows = num_rows;
     expert_rows_.assign(out.num_tokens, out.num_tokens + l);
+    token_rows_ = num_rows;
     p_.channel->recv_consumed.store(epoch + 1, std::memory_order_release);
     return Status::Ok();
   }
@@ -154,7 +177,14 @@ class HostDevice final : public MoeDevice {
     row_start_.assign(n + 1, 0);
     for (int s = 0; s < n; ++s) row_start_[s + 1] = row_start_[s] + routing.Rows(s, me);
     uint8_t* area = p_.send + layout_.send_combine_off;
-    if (c.combine_reduce_at_expert_rank) {
+    if (c.dispatch_layout == DispatchLayout::kTokenMajor) {
+      // The caller summed each token's experts: its rows go back as they are.
+      for (int32_t i = 0; i < token_rows_; ++i) {
+        const Route& route = token_routes_[i];
+        std::memcpy(area + (row_start_[route.src] + route.row) * layout_.row_bytes,
+                    expert_out + int64_t{i} * h, layout_.row_bytes);
+      }
+    } else if (c.combine_reduce_at_expert_rank) {
       // Each returned row is the weighted fp32 sum of our experts' outputs for one token.
       partial_.assign(size_t(row_start_[n]) * h, 0.0f);
       for (int e = 0; e < l; ++e) {
@@ -238,6 +268,8 @@ class HostDevice final : public MoeDevice {
   std::vector<SlotEntry> entries_;          // what the slots carry
   std::vector<Route> routes_;               // [L, capacity] where each received row came from
   std::vector<int32_t> expert_rows_;        // [L]
+  std::vector<Route> token_routes_;         // token-major: [capacity] the same per output row
+  int32_t token_rows_ = 0;                  // token-major: rows of the last DispatchRecv
   std::vector<int64_t> row_start_;          // [N + 1] combine rows per sender, in our send area
   std::vector<float> partial_;              // [rows, hidden] fp32 sums at the expert rank
   std::vector<float> acc_;                  // [T, hidden] fp32 accumulator
