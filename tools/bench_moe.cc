@@ -326,6 +326,7 @@ Status RunRank(const MoeBenchOptions& o, Bootstrap& b, Result* result) {
   cfg.max_private_tokens = o.private_tokens;
   cfg.dispatch_once_per_rank = o.once_per_rank;
   cfg.combine_reduce_at_expert_rank = o.reduce_at_expert_rank;
+  if (o.token_major) cfg.dispatch_layout = DispatchLayout::kTokenMajor;
   cfg.ranks_per_node = !o.nvlink ? 1 : o.node_ranks > 0 ? o.node_ranks : b.world_size();
   if (o.cuda) {
     cfg.device = MoeDeviceKind::kCuda;
@@ -367,6 +368,8 @@ Status RunRank(const MoeBenchOptions& o, Bootstrap& b, Result* result) {
   std::vector<int32_t> counts(l);
   std::vector<uint16_t> expert_out(size_t(l) * cap * o.hidden, FloatToBf16(1.0f));
   std::vector<uint16_t> y(size_t(o.tokens) * o.hidden);
+  std::vector<int32_t> num_rows(1), token_experts(size_t(cap) * o.topk);
+  std::vector<float> token_weights(token_experts.size());
   StepBuffers sb;
   ASSIGN_OR_RETURN(uint8_t* px, Place(sb, x, o.cuda));
   ASSIGN_OR_RETURN(float* pscales, Place(sb, scales, o.cuda));
@@ -380,6 +383,11 @@ Status RunRank(const MoeBenchOptions& o, Bootstrap& b, Result* result) {
 
   sb.in = {px, pscales, pidx, pw, o.tokens};
   sb.out = {pout_x, pout_scales, pcounts};
+  if (o.token_major) {
+    ASSIGN_OR_RETURN(sb.out.num_rows, Place(sb, num_rows, o.cuda));
+    ASSIGN_OR_RETURN(sb.out.token_experts, Place(sb, token_experts, o.cuda));
+    ASSIGN_OR_RETURN(sb.out.token_weights, Place(sb, token_weights, o.cuda));
+  }
   sb.expert_out = pexpert_out;
   sb.y = py;
   std::vector<double> steps[10];
@@ -393,7 +401,7 @@ Status RunRank(const MoeBenchOptions& o, Bootstrap& b, Result* result) {
     double t0 = NowUs();
     RETURN_IF_ERROR(a2a->DispatchSend({px, pscales, pidx, pw, o.tokens}));
     double t1 = NowUs();
-    RETURN_IF_ERROR(a2a->DispatchRecv({pout_x, pout_scales, pcounts}, Deadline::After(60s)));
+    RETURN_IF_ERROR(a2a->DispatchRecv(sb.out, Deadline::After(60s)));
     double t2 = NowUs();
     RETURN_IF_ERROR(a2a->CombineSend(pexpert_out));
     double t3 = NowUs();
@@ -511,6 +519,7 @@ bool RunVariant(const MoeBenchOptions& o, Result* out) {
 }
 
 const char* VariantName(const MoeBenchOptions& o) {
+  if (o.token_major) return "(a)+(b) tok";
   if (o.once_per_rank && o.reduce_at_expert_rank) return "(a)+(b)";
   if (o.once_per_rank) return "(a) once/rank";
   if (o.reduce_at_expert_rank) return "(b) reduce";
@@ -527,6 +536,12 @@ int RunMoeBench(const MoeBenchOptions& options) {
     variants[2].reduce_at_expert_rank = true;
     variants[3].once_per_rank = variants[3].reduce_at_expert_rank = true;
     variants[0].once_per_rank = variants[0].reduce_at_expert_rank = false;
+  }
+  for (MoeBenchOptions& v : variants) v.token_major = false;
+  if (options.token_major) {
+    MoeBenchOptions token = options;
+    token.once_per_rank = token.reduce_at_expert_rank = true;
+    variants.push_back(token);
   }
   const MoeBenchOptions& o = options;
   if (!o.json) {

@@ -17,6 +17,9 @@ struct MoeBenchOptions {
   bool once_per_rank = false;          // option (a)
   bool reduce_at_expert_rank = false;  // option (b)
   bool compare = false;                // plain, (a), (b), (a)+(b) in one invocation
+  // --token-major: after the variants above, (a)+(b) once more with the token-major dispatch
+  // layout (DispatchLayout::kTokenMajor), in the same invocation.
+  bool token_major = false;
   int iters = 50;
   int warmup = 5;
   bool json = false;

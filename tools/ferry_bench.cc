@@ -3,7 +3,7 @@
 //   ferry-bench fabric [--provider P] [--max-bytes N] [--quick] [--json]
 //   ferry-bench moe    [--provider P] [--ranks N] [--tokens T] [--hidden H] [--experts E]
 //                      [--topk K] [--dtype fp8|bf16] [--iters I] [--json]
-//                      [--once-per-rank] [--reduce-at-expert-rank] [--compare]
+//                      [--once-per-rank] [--reduce-at-expert-rank] [--compare] [--token-major]
 //                      [--device host|cuda] [--nvlink [--node-ranks N]] [--private N]
 //   ferry-bench kv     [--provider P] [--tokens T] [--decoders N] [--rounds R] [--json]
 //   ferry-bench topo   [--sysfs DIR] [--exclude NIC,...]: which NICs and core serve each GPU
@@ -27,7 +27,8 @@ void Usage() {
                "       ferry-bench moe [--provider P] [--ranks N] [--tokens T] [--hidden H]\n"
                "                       [--experts E] [--topk K] [--dtype fp8|bf16] [--iters I]"
                " [--json]\n"
-               "                       [--once-per-rank] [--reduce-at-expert-rank] [--compare]\n"
+               "                       [--once-per-rank] [--reduce-at-expert-rank] [--compare]"
+               " [--token-major]\n"
                "                       [--device host|cuda] [--nvlink [--node-ranks N]] [--private N]\n"
                "       ferry-bench kv [--provider P] [--tokens T] [--decoders N] [--rounds R]"
                " [--json]\n"
@@ -106,6 +107,8 @@ int main(int argc, char** argv) {
       m.reduce_at_expert_rank = true;
     } else if (a == "--compare") {
       m.compare = true;
+    } else if (a == "--token-major") {
+      m.token_major = true;
     } else if (a == "--dtype" && has_value) {
       std::string d = argv[++i];
       ok = d == "fp8" || d == "bf16";

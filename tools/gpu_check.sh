@@ -18,6 +18,10 @@
 #   tools/gpu_check.sh ab         build, tests, then NVLink decode (a)+(b) (16 and 1024 private
 #                                 slots) and prefill next to a baseline built from .baseline.tgz
 #                                 (git archive of an earlier commit), alternating; phase stamps
+#   tools/gpu_check.sh layout     build, tests, then NVLink decode and prefill (a)+(b) in both
+#                                 dispatch layouts (--token-major: expert-major and token-major
+#                                 rows of one invocation), twice; prefill pushing every slot;
+#                                 phase stamps of token-major prefill
 set -u
 OUT=${OUT:-/tmp/ferry-gpu}
 mkdir -p "$OUT"
@@ -51,9 +55,10 @@ if [ "$mode" != profile ] && [ "$mode" != trace ]; then
   step moe_cuda_test 400 build-gpu/moe_cuda_test
   step fd_exchange_test 60 build-gpu/fd_exchange_test
   step memcheck 300 "$SANITIZER" --tool memcheck --target-processes all \
-    build-gpu/moe_cuda_test --gtest_filter='*n2_t7_h128_e8_k2_bf16*:*n3_t64*:*n4_t96*nodes2'
+    build-gpu/moe_cuda_test \
+    --gtest_filter='*n2_t7_h128_e8_k2_bf16*:*n3_t64*:*n4_t96*nodes2:*t96*tokmajor'
   step racecheck 300 "$SANITIZER" --tool racecheck --target-processes all \
-    build-gpu/moe_cuda_test --gtest_filter='*n2_t7_h128_e8_k2_bf16*:*n4_t96*nodes2'
+    build-gpu/moe_cuda_test --gtest_filter='*n2_t7_h128_e8_k2_bf16*:*n4_t96*nodes2:*t96*tokmajor'
 fi
 if [ "$mode" = trace ]; then
   nv=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8)
@@ -110,6 +115,24 @@ if [ "$mode" = ab ]; then
     echo "== trace, 128 tokens, (a)+(b), --private $p: point slowest/mean us since block start"
     grep -h 'trace ' "$OUT/trace_p$p.log"
   done
+fi
+if [ "$mode" = layout ]; then
+  nv=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8 --once-per-rank
+      --reduce-at-expert-rank --token-major)
+  for round in 1 2; do
+    for p in 16 1024; do
+      step nvlink_layout_p${p}_$round 200 build-gpu/ferry-bench moe "${nv[@]}" --tokens 128 \
+        --iters 200 --private $p
+    done
+    step nvlink_layout_prefill_$round 300 build-gpu/ferry-bench moe "${nv[@]}" --tokens 4096 \
+      --iters 20
+  done
+  step nvlink_layout_prefill_push 300 build-gpu/ferry-bench moe "${nv[@]}" --tokens 4096 \
+    --iters 20 --private 4096
+  FERRY_NV_TRACE=1 step trace_prefill_tok 200 build-gpu/ferry-bench moe "${nv[@]}" --tokens 4096 \
+    --iters 5
+  echo "== trace, 4096 tokens, (a)+(b) token-major (last variant): point slowest/mean us"
+  grep -h 'trace ' "$OUT/trace_prefill_tok.log"
 fi
 if [ "$mode" = all ] || [ "$mode" = nvlink ] || [ "$mode" = relay ]; then
   nv=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8)
