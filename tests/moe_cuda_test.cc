@@ -44,7 +44,9 @@ struct Case {
   // With nvlink: nodes of this many ranks (NVLink inside, the relay over shm between them); 0:
   // one node.
   int node_ranks = 0;
-  bool token_major = false;  // DispatchLayout::kTokenMajor on both devices
+  // DispatchLayout::kTokenMajor on both devices: 1 on every rank, 2 on odd ranks only (a rank's
+  // own choice; the bytes that cross are the same).
+  int token_major = 0;
 };
 
 std::string Describe(const Case& c) {
@@ -55,7 +57,7 @@ std::string Describe(const Case& c) {
          (c.once_per_rank ? "_a" : "") + (c.reduce_at_expert_rank ? "_b" : "") +
          (c.nvlink ? "_nvlink" : "") + (c.graph ? "_graph" : "") +
          (c.node_ranks ? "_nodes" + std::to_string(c.world_size / c.node_ranks) : "") +
-         (c.token_major ? "_tokmajor" : "");
+         (c.token_major == 1 ? "_tokmajor" : c.token_major == 2 ? "_mixedlayout" : "");
 }
 void PrintTo(const Case& c, std::ostream* os) { *os << Describe(c); }
 
@@ -167,7 +169,8 @@ Status CompareTokenMajor(const AllToAllConfig& cfg, const DispatchOutput& host, 
 
 Status RunRank(const Case& c, Bootstrap& b) {
   AllToAllConfig cfg = ConfigFor(c, b.world_size(), b.rank());
-  if (c.token_major) cfg.dispatch_layout = DispatchLayout::kTokenMajor;
+  const bool token_major = c.token_major == 1 || (c.token_major == 2 && b.rank() % 2 == 1);
+  if (token_major) cfg.dispatch_layout = DispatchLayout::kTokenMajor;
   if (c.nvlink) cfg.ranks_per_node = c.node_ranks > 0 ? c.node_ranks : b.world_size();
   AllToAllConfig gpu_cfg = cfg;
   RETURN_IF_ERROR(UseGpu(b, &gpu_cfg));
@@ -206,7 +209,7 @@ Status RunRank(const Case& c, Bootstrap& b) {
   RETURN_IF_ERROR(d_token_weights.Alloc(weights.size()));
   DispatchOutput host_out{out_x.data(), out_scales.data(), counts.data()};
   DispatchOutput gpu_out{d_out_x.p, d_out_scales.p, d_counts.p};
-  if (c.token_major) {
+  if (token_major) {
     host_out.num_rows = &rows;
     host_out.token_experts = experts.data();
     host_out.token_weights = weights.data();
@@ -257,7 +260,7 @@ Status RunRank(const Case& c, Bootstrap& b) {
     RETURN_IF_ERROR(d_counts.Get(gpu_counts));
     RETURN_IF_ERROR(d_out_x.Get(gpu_out_x));
     RETURN_IF_ERROR(d_out_scales.Get(gpu_out_scales));
-    if (c.token_major) {
+    if (token_major) {
       RETURN_IF_ERROR(d_rows.Get(gpu_rows));
       RETURN_IF_ERROR(d_experts.Get(gpu_experts));
       RETURN_IF_ERROR(d_token_weights.Get(gpu_weights));
@@ -266,7 +269,7 @@ Status RunRank(const Case& c, Bootstrap& b) {
       SumTokenMajorExperts(cfg, out_x.data(), out_scales.data(), experts.data(), weights.data(),
                            rows, expert_out.data());
     }
-    for (int e = 0; e < l && !c.token_major; ++e) {
+    for (int e = 0; e < l && !token_major; ++e) {
       CHECK_OR_RETURN(gpu_counts[e] == counts[e],
                       "expert " + std::to_string(e) + ": GPU " + std::to_string(gpu_counts[e]) +
                           " rows, host " + std::to_string(counts[e]) + at);
@@ -403,6 +406,38 @@ struct SmallRun {
   }
 };
 
+// One node, two ranks: after a good iteration and a dispatch, rank 1 never returns its combine
+// rows. Rank 0's CombineRecv ends at its 1 s deadline naming rank 1 and the combine step.
+TEST(MoeNvlinkTest, APeerLostBeforeCombine) {
+  if (!HaveGpu()) GTEST_SKIP() << "no GPU (/dev/nvidia0)";
+  auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
+    AllToAllConfig cfg{2, b.rank(), 2, 8, 2, 4, 128, DispatchDtype::kBf16, 2};
+    RETURN_IF_ERROR(UseGpu(b, &cfg));
+    ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(cfg, nullptr, b));
+    SmallRun run;
+    RETURN_IF_ERROR(run.Setup(a2a.get()));
+    RETURN_IF_ERROR(run.GoodIteration(b));
+    RETURN_IF_ERROR(a2a->DispatchSend(run.In()));
+    RETURN_IF_ERROR(a2a->DispatchRecv({run.expert_out.p, nullptr, run.counts.p},
+                                      Deadline::After(30s)));
+    if (b.rank() == 1) {
+      sleep(4);  // never sends its combine rows
+      return Status::Ok();
+    }
+    RETURN_IF_ERROR(a2a->CombineSend(run.expert_out.p));
+    const auto start = Clock::now();
+    const Status s = a2a->CombineRecv(run.y.p, false, Deadline::After(1s));
+    const double waited = std::chrono::duration<double>(Clock::now() - start).count();
+    CHECK_OR_RETURN(s.code() == StatusCode::kDeadlineExceeded &&
+                        s.message().find("rank 1") != std::string::npos &&
+                        s.message().find("combine") != std::string::npos,
+                    "lost rank: " + s.ToString());
+    CHECK_OR_RETURN(waited < 3.0, "the wait took " + std::to_string(waited) + " s");
+    return Status::Ok();
+  }, 120s);
+  for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
+}
+
 // One node, two ranks: an expert id out of range fails DispatchSend with nothing sent (the step
 // can be retried); then a rank that stops taking part makes its peer's wait end at the
 // deadline, and the AllToAll stays failed.
@@ -523,17 +558,21 @@ INSTANTIATE_TEST_SUITE_P(
                            false, 2},
                       Case{4, 96, 256, 64, 4, bf16, rnd, 4, false, true, true, 4, true, true, 2},
                       // The token-major layout: one node, graphs, nodes of two, one rank per
-                      // node.
+                      // node; then ranks of both layouts in one node and in nodes of two.
                       Case{2, 128, 7168, 256, 8, fp8, rnd, 16, false, true, true, 3, true,
-                           false, 0, true},
+                           false, 0, 1},
                       Case{3, 333, 2176, 48, 8, bf16, hot, 4, true, true, true, 3, true, false, 0,
-                           true},
+                           1},
                       Case{2, 96, 256, 64, 4, bf16, rnd, 4, false, true, true, 4, true, true, 0,
-                           true},
+                           1},
                       Case{4, 64, 256, 48, 16, fp8, rnd, 4, false, true, true, 3, true, false, 2,
-                           true},
+                           1},
                       Case{2, 128, 1024, 64, 8, fp8, rnd, 4, false, true, true, 3, false, false,
-                           0, true},
+                           0, 1},
+                      Case{2, 128, 7168, 256, 8, bf16, rnd, 16, false, true, true, 3, true, false,
+                           0, 2},
+                      Case{4, 64, 256, 48, 8, fp8, rnd, 4, false, true, true, 3, true, false, 2,
+                           2},
                       // Eight ranks (four per GPU here): EP8 as one node and as two of four.
                       Case{8, 32, 256, 64, 8, bf16, rnd, 4, false, false, false, 2, true},
                       Case{8, 32, 256, 64, 8, fp8, rnd, 4, false, true, true, 2, true, false, 4}),

@@ -15,8 +15,8 @@
 #                                 kernels started early (default) and plainly (FERRY_NV_PDL=0),
 #                                 decode pushing every slot, decode --compare, then the decode
 #                                 phase stamps
-#   tools/gpu_check.sh ab         build, tests, then NVLink decode (a)+(b) (16 and 1024 private
-#                                 slots) and prefill next to a baseline built from .baseline.tgz
+#   tools/gpu_check.sh ab         build, tests, then NVLink decode (a)+(b), both layouts (16 and
+#                                 1024 private slots) and prefill next to a baseline built from .baseline.tgz
 #                                 (git archive of an earlier commit), alternating; phase stamps
 #   tools/gpu_check.sh layout     build, tests, then NVLink decode and prefill (a)+(b) in both
 #                                 dispatch layouts (--token-major: expert-major and token-major
@@ -98,7 +98,7 @@ if [ "$mode" = ab ]; then
   step base_build 400 cmake --build /tmp/base/build -j "$(nproc)" --target ferry-bench
   decode=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8 --tokens 128
           --iters 200)
-  nv=("${decode[@]}" --once-per-rank --reduce-at-expert-rank)
+  nv=("${decode[@]}" --once-per-rank --reduce-at-expert-rank --token-major)
   for round in 1 2; do
     for p in 16 1024; do
       step nvlink_base_p${p}_$round 200 /tmp/base/build/ferry-bench moe "${nv[@]}" --private $p
@@ -106,7 +106,7 @@ if [ "$mode" = ab ]; then
     done
   done
   pf=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8 --tokens 4096
-      --iters 20 --once-per-rank --reduce-at-expert-rank)
+      --iters 20 --once-per-rank --reduce-at-expert-rank --token-major)
   step nvlink_base_prefill 300 /tmp/base/build/ferry-bench moe "${pf[@]}"
   step nvlink_new_prefill 300 build-gpu/ferry-bench moe "${pf[@]}"
   step nvlink_compare_new 200 build-gpu/ferry-bench moe "${decode[@]}" --compare --private 1024
@@ -215,3 +215,5 @@ for f in "$OUT"/ncu_*.log; do
   grep -E '^  [A-Za-z_:<>]+.*\(|gpu__time_duration.sum' "$f" | head -30
 done
 cat "$OUT/summary.txt"
+# The device tool brings back only so many files: the logs travel as one archive.
+(cd "$OUT" && tar czf logs.tgz ./*.log && rm -f ./*.log)

@@ -92,6 +92,11 @@ class NvlinkAllToAll final : public AllToAll {
     const int64_t max_recv = int64_t{n} * layout_.slots_per_pair;
     recv_grid_ = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_recv, 4 * sms)));
     recv_grid_limit_ = 4 * sms;
+    // Token-major CombineSend only copies. Its copy-only instance (32 registers, not 124) is
+    // faster when every received row has a block of its own (decode: 17.5 against 19.0 us), but
+    // slower when blocks loop over many rows (prefill: 195-200 against 185 us, with 528 or 264
+    // blocks; not explained yet), so it serves batches that fit the grid.
+    combine_copy_only_ = v.token_major && max_recv <= recv_grid_;
     // Unpack's shared memory (see the kernel); above the default limit for very many ranks.
     unpack_smem_ = size_t(n) * sizeof(PeerIn) + size_t(RoundUp((3 * int64_t{n} + 1) * 8, 16)) +
                    size_t(n) * v.counts_stride * sizeof(int32_t) +
@@ -319,8 +324,12 @@ class NvlinkAllToAll final : public AllToAll {
     if (!expert_out) return InvalidArgumentError("CombineSend: null expert output");
     RETURN_IF_ERROR(Aligned(expert_out, "CombineSend: expert output"));
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
-    CombineSendKernel<<<recv_grid_, kCopyThreads, 0, stream_>>>(
-        nv_, CombineArgs{expert_out, nullptr, false, 0});
+    const CombineArgs args{expert_out, nullptr, false, 0};
+    if (combine_copy_only_) {
+      CombineSendKernel<true><<<recv_grid_, kCopyThreads, 0, stream_>>>(nv_, args);
+    } else {
+      CombineSendKernel<false><<<recv_grid_, kCopyThreads, 0, stream_>>>(nv_, args);
+    }
     FERRY_CUDA(cudaGetLastError());
     stage_ = Stage::kCombineSent;
     return async_ ? Status::Ok() : Finish();
@@ -651,6 +660,7 @@ class NvlinkAllToAll final : public AllToAll {
   bool async_ = false;
   int send_grid_ = 1;  // DispatchSend's (SendSmall or Pack), fixed
   int recv_grid_ = 1;  // Unpack's and CombineSend's
+  bool combine_copy_only_ = false;  // CombineSend's copy-only instance (token-major, small batches)
   int recv_grid_limit_ = 1;
   bool pdl_ = true;    // receive kernels may start early (Launch)
   int token_bound_ = 0;

@@ -783,7 +783,10 @@ __device__ inline void WeightedSum2x8(float (&acc)[2][8], const uint4* const* ro
 
 // Received slots again: each copy's expert output row (plain) or, summed at the expert rank, one
 // weighted fp32 sum per token taken in (local expert, position) order as the host device does,
-// or (token-major) the caller's row for the token, pushed into the sender's combine region. Every block arrives at every rank's combine flag.
+// pushed into the sender's combine region. Every block arrives at every rank's combine flag.
+// Token-major, the caller summed each token's experts into row g of expert_out, which is copied
+// as it is; kCopyOnly: an instance that only does that (few registers; see its launch).
+template <bool kCopyOnly>
 __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineArgs a) {
   __shared__ const uint4* rows[kMaxK];
   __shared__ float weight[kMaxK];
@@ -796,7 +799,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
   for (int64_t g = blockIdx.x; g < total; g += gridDim.x) {
     const RecvSlot slot = v.rslots[g];
     uint8_t* dst = v.peer[slot.sender].combine + int64_t{slot.row} * v.row_bytes;
-    if (v.token_major) {  // the caller summed the token's experts into row g
+    if (kCopyOnly || v.token_major) {
       CopyBytes(dst, reinterpret_cast<const uint8_t*>(a.expert_out + g * v.hidden), v.row_bytes);
       if (slot.sender != v.me) ++rows_out;
       continue;
