@@ -663,7 +663,7 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
       NvEntry entry;
       std::memcpy(&entry, &meta_v[1 + threadIdx.x], sizeof entry);
       const int32_t le = entry.local_expert;
-      valid = valid && le >= 0 && le < v.l && entry.pos >= 0 &&
+      valid = valid && le >= 0 && le < v.l && entry.k >= 0 && entry.k < v.k && entry.pos >= 0 &&
               entry.pos < offset[(s + 1) * v.l + le] - offset[s * v.l + le] &&
               offset[(s + 1) * v.l + le] <= v.capacity;
       if (valid) {
