@@ -258,6 +258,8 @@ std::vector<Case> Cases() {
   // The token-major layout, and ranks that differ in the layout they take.
   const auto token = Layouts::kTokenMajor, mixed = Layouts::kMixed;
   out.push_back({"shm", 2, 128, 128, 64, 8, fp8, rnd, 4, false, 3, true, true, token});
+  out.push_back({"shm", 2, 0, 128, 8, 1, bf16, rnd, 0, false, 2, true, true, token});
+  out.push_back({"shm", 3, 1, 128, 48, 1, fp8, rnd, 0, true, 2, true, true, mixed});
   out.push_back({"shm", 3, 333, 2176, 48, 8, bf16, hot, 16, true, 2, true, true, token});
   out.push_back({"shm", 4, 7, 128, 8, 2, bf16, rnd, 0, false, 2, true, true, mixed});
   out.push_back({"tcp;ofi_rxm", 3, 64, 128, 48, 16, fp8, rnd, 4, false, 2, true, true, mixed});
