@@ -163,6 +163,7 @@ int main(int argc, char** argv) {
     m.topk = 4;
     m.iters = 20;
     m.compare = true;
+    m.token_major = true;  // and (a)+(b) in the token-major layout
     if (int rc = ferry::bench::RunMoeBench(m)) return rc;
     std::printf("\n== ferry demo 3/3: KV messenger, 1 prefill -> 2 decoders, 1024-token prompt ==\n");
     kv.tokens = 1024;
