@@ -418,16 +418,23 @@ struct SmallRun {
   }
 };
 
+// The failure tests' AllToAll on one node of two ranks (8 experts, top-2, hidden 128, bf16) and
+// its run.
+Status OpenOneNode(Bootstrap& b, std::unique_ptr<AllToAll>* a2a, SmallRun* run) {
+  AllToAllConfig cfg{2, b.rank(), 2, 8, 2, 4, 128, DispatchDtype::kBf16, 2};
+  RETURN_IF_ERROR(UseGpu(b, &cfg));
+  ASSIGN_OR_RETURN(*a2a, AllToAll::Create(cfg, nullptr, b));
+  return run->Setup(a2a->get());
+}
+
 // One node, two ranks: after a good iteration and a dispatch, rank 1 never returns its combine
 // rows. Rank 0's CombineRecv ends at its 1 s deadline naming rank 1 and the combine step.
 TEST(MoeNvlinkTest, APeerLostBeforeCombine) {
   if (!HaveGpu()) GTEST_SKIP() << "no GPU (/dev/nvidia0)";
   auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
-    AllToAllConfig cfg{2, b.rank(), 2, 8, 2, 4, 128, DispatchDtype::kBf16, 2};
-    RETURN_IF_ERROR(UseGpu(b, &cfg));
-    ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(cfg, nullptr, b));
+    std::unique_ptr<AllToAll> a2a;
     SmallRun run;
-    RETURN_IF_ERROR(run.Setup(a2a.get()));
+    RETURN_IF_ERROR(OpenOneNode(b, &a2a, &run));
     RETURN_IF_ERROR(run.GoodIteration(b));
     RETURN_IF_ERROR(a2a->DispatchSend(run.In()));
     RETURN_IF_ERROR(a2a->DispatchRecv({run.expert_out.p, nullptr, run.counts.p},
@@ -450,11 +457,9 @@ TEST(MoeNvlinkTest, APeerLostBeforeCombine) {
 TEST(MoeNvlinkTest, BadExpertsAndALostPeer) {
   if (!HaveGpu()) GTEST_SKIP() << "no GPU (/dev/nvidia0)";
   auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
-    AllToAllConfig cfg{2, b.rank(), 2, 8, 2, 4, 128, DispatchDtype::kBf16, 2};
-    RETURN_IF_ERROR(UseGpu(b, &cfg));
-    ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(cfg, nullptr, b));
+    std::unique_ptr<AllToAll> a2a;
     SmallRun run;
-    RETURN_IF_ERROR(run.Setup(a2a.get()));
+    RETURN_IF_ERROR(OpenOneNode(b, &a2a, &run));
     if (b.rank() == 0) {
       RETURN_IF_ERROR(run.indices.Put({0, 1, 2, 3, 4, 8, 6, 7}));
       const Status bad = a2a->DispatchSend(run.In());

@@ -669,7 +669,10 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
       if (valid) {
         const int64_t expert_row = int64_t{le} * v.capacity + offset[s * v.l + le] + entry.pos;
         out_row[threadIdx.x] = v.token_major ? g : expert_row;
-        v.rentries[g * v.k + threadIdx.x] = RecvEntry{expert_row, entry.weight};
+        // CombineSend's entries; token-major it copies row g and reads none.
+        if (!v.token_major) {
+          v.rentries[g * v.k + threadIdx.x] = RecvEntry{expert_row, entry.weight};
+        }
       }
     }
     valid = __syncthreads_and(valid);

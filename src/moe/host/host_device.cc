@@ -129,8 +129,9 @@ class HostDevice final : public MoeDevice {
         }
         const uint8_t* body = slot + layout_.meta_bytes;
         // Token-major: the slot is one output row, whatever its entries.
-        const int64_t token_row = token_major ? int64_t{num_rows++} : -1;
+        const int64_t token_row = num_rows;
         if (token_major) {
+          ++num_rows;
           std::memcpy(static_cast<uint8_t*>(out.x) + token_row * payload, body, payload);
           if (spt) std::memcpy(out.scales + token_row * spt, body + payload, spt * 4);
           std::fill_n(out.token_experts + token_row * k, k, -1);
@@ -152,7 +153,6 @@ class HostDevice final : public MoeDevice {
           if (token_major) {
             out.token_experts[token_row * k + entry.k] = entry.local_expert;
             out.token_weights[token_row * k + entry.k] = entry.weight;
-            token_routes_[token_row] = Route{s, row, 1.0f};
             continue;
           }
           const int64_t dst = int64_t{entry.local_expert} * c.expert_capacity() + pos;
@@ -160,6 +160,8 @@ class HostDevice final : public MoeDevice {
           if (spt) std::memcpy(out.scales + dst * spt, body + payload, spt * 4);
           routes_[dst] = Route{s, row, entry.weight};
         }
+        // One combine row per slot (options (a) and (b)): the one its entries counted.
+        if (token_major) token_routes_[token_row] = Route{s, row, 1.0f};
       }
     }
     if (token_major) *out.num_rows = num_rows;
