@@ -173,6 +173,7 @@ Status Run(const KvBenchOptions& o, const Model& m, Bootstrap& b, Result* out) {
     ASSIGN_OR_RETURN(auto raw_times, b.AllGather(mine, 60s));
     std::memcpy(&raw_us, raw_times[0].data(), sizeof(double));
     const double layer_us = raw_us / m.layers;
+    const double spacing_us = o.pace * layer_us;  // the model's time per layer
 
     if (prefill) {
       Deadline deadline = Deadline::After(60s);
@@ -191,12 +192,12 @@ Status Run(const KvBenchOptions& o, const Model& m, Bootstrap& b, Result* out) {
       }
       const uint64_t base = layers_done.load();
       for (uint64_t id : ids) RETURN_IF_ERROR(prefill_messenger->Schedule(id, page_ids, 0, base));
-      // Layers at the raw transfer rate; the decoder timestamps the increments it sees through
-      // the shared start time below.
+      // Layers at the raw transfer rate (times the pace); the decoder timestamps the increments
+      // it sees through the shared start time below.
       double start = NowUs();
       for (int l = 0; l < m.layers; ++l) {
         // Sleep, not spin: on small machines the engine's worker and the watcher need the cores.
-        const double wait_us = start + l * layer_us - NowUs();
+        const double wait_us = start + l * spacing_us - NowUs();
         if (wait_us > 0) {
           timespec ts{0, static_cast<long>(wait_us * 1e3)};
           nanosleep(&ts, nullptr);
@@ -267,14 +268,17 @@ int RunKvBench(const KvBenchOptions& o) {
   };
   if (!o.json) {
     std::printf("ferry-bench kv  provider=%s prompt=%d tokens  (1 prefill -> %d decode "
-                "process%s; figures of decoder 1; raw writes every decoder's bytes)\n",
-                o.provider.c_str(), o.tokens, o.decoders, o.decoders > 1 ? "es" : "");
+                "process%s; figures of decoder 1; raw writes every decoder's bytes; layers "
+                "%.2f x one layer's raw transfer time apart)\n",
+                o.provider.c_str(), o.tokens, o.decoders, o.decoders > 1 ? "es" : "", o.pace);
     std::printf("%-20s %9s %9s | %10s %10s %8s %13s | %10s %10s %6s\n", "cache", "MB",
                 "writes/l", "ferry ms", "raw ms", "ratio", "(min..max)", "tail us", "layer us",
                 "tail/l");
   }
   bool first = true;
-  if (o.json) std::printf("{\"bench\":\"kv\",\"tokens\":%d,\"rows\":[", o.tokens);
+  if (o.json) {
+    std::printf("{\"bench\":\"kv\",\"tokens\":%d,\"pace\":%.2f,\"rows\":[", o.tokens, o.pace);
+  }
   for (const Model& m : models) {
     Result r{};
     if (!RunRanksAndCollect<Result>(
@@ -304,9 +308,9 @@ int RunKvBench(const KvBenchOptions& o) {
   else {
     std::printf("%d rounds of (raw, ferry) alternating; the figures of the round of median ratio, "
                 "then the lowest and highest ratio; ratio = raw time / ferry time for the same "
-                "bytes (ferry's layers paced at that round's raw rate); tail = last layer "
-                "increment -> decode ready\n",
-                o.rounds);
+                "bytes (ferry's layers paced at %.2f x that round's raw rate%s); tail = last "
+                "layer increment -> decode ready; layer = one layer's raw transfer time\n",
+                o.rounds, o.pace, o.pace > 1 ? ", so the ratio is at most 1 / pace" : "");
   }
   return 0;
 }

@@ -18,6 +18,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "ferry/bootstrap.h"
@@ -27,6 +28,8 @@
 
 #ifdef FERRY_BENCH_CUDA
 #include <cuda_runtime.h>
+
+#include "tools/bench_moe_caller.h"
 #endif
 
 namespace ferry::bench {
@@ -65,6 +68,10 @@ struct StepBuffers {
   const uint16_t* expert_out = nullptr;
   uint16_t* y = nullptr;
   std::vector<void*> owned;  // device allocations
+#ifdef FERRY_BENCH_CUDA
+  TokenMajorCaller caller;  // MoeBenchOptions::caller: the caller's kernels around the GEMM
+  bool with_caller = false;
+#endif
   ~StepBuffers() {
 #ifdef FERRY_BENCH_CUDA
     for (void* p : owned) cudaFree(p);
@@ -218,10 +225,19 @@ Status TimeGraphCycles(const MoeBenchOptions& o, Bootstrap& b, AllToAll& a2a,
   for (auto& e : ev) BENCH_CUDA(cudaEventCreate(&e));
   RETURN_IF_ERROR(a2a.SetStream(stream));
   const Deadline later = Deadline::After(std::chrono::minutes(5));
+  // With the caller's side (MoeBenchOptions::caller), the permute ends the dispatch receive
+  // step and the un-permute starts the combine send step.
   const std::function<Status()> steps[4] = {
       [&] { return a2a.DispatchSend(sb.in); },
-      [&] { return a2a.DispatchRecv(sb.out, later); },
-      [&] { return a2a.CombineSend(sb.expert_out); },
+      [&] {
+        RETURN_IF_ERROR(a2a.DispatchRecv(sb.out, later));
+        if (sb.with_caller) BENCH_CUDA(LaunchPermute(sb.caller, stream));
+        return Status::Ok();
+      },
+      [&] {
+        if (sb.with_caller) BENCH_CUDA(LaunchUnpermute(sb.caller, stream));
+        return a2a.CombineSend(sb.expert_out);
+      },
       [&] { return a2a.CombineRecv(sb.y, false, later); }};
   // Steps first..last, `repeats` times over, as one graph; with `marks`, an event node before
   // each dispatch and each combine and one at the end.
@@ -314,6 +330,94 @@ Status TimeGraphCycles(const MoeBenchOptions& o, Bootstrap& b, AllToAll& a2a,
 }
 #endif
 
+#ifdef FERRY_BENCH_CUDA
+// The token-major caller's buffers (MoeBenchOptions::caller): expert groups for the permuted
+// rows, where each copy went, the un-permuted rows CombineSend then takes. The GEMM's output is
+// the expert-major expert_out the other variants hand CombineSend.
+Status SetUpCaller(const AllToAllConfig& cfg, StepBuffers& sb) {
+  TokenMajorCaller& c = sb.caller;
+  const int64_t cap = cfg.expert_capacity();
+  c.k = cfg.experts_per_token;
+  c.local_experts = cfg.local_experts();
+  c.expert_capacity = cap;
+  c.row_bytes = cfg.token_bytes();
+  c.scales_per_row = cfg.scales_per_token();
+  c.hidden = cfg.hidden;
+  c.num_rows = sb.out.num_rows;
+  c.token_experts = sb.out.token_experts;
+  c.token_weights = sb.out.token_weights;
+  c.rows = static_cast<const uint8_t*>(sb.out.x);
+  c.row_scales = sb.out.scales;
+  auto alloc = [&](int64_t bytes, auto** p) -> Status {
+    void* raw = nullptr;
+    BENCH_CUDA(cudaMalloc(&raw, std::max<int64_t>(bytes, 16)));
+    BENCH_CUDA(cudaMemset(raw, 0, std::max<int64_t>(bytes, 16)));
+    sb.owned.push_back(raw);
+    *p = static_cast<std::remove_pointer_t<decltype(p)>>(raw);
+    return Status::Ok();
+  };
+  RETURN_IF_ERROR(alloc(c.local_experts * cap * c.row_bytes, &c.grouped));
+  RETURN_IF_ERROR(alloc(c.local_experts * cap * c.scales_per_row * 4, &c.grouped_scales));
+  RETURN_IF_ERROR(alloc(int64_t{c.local_experts} * 4, &c.fill));
+  RETURN_IF_ERROR(alloc(cap * c.k * 4, &c.where));
+  uint16_t* combined = nullptr;
+  RETURN_IF_ERROR(alloc(cap * c.hidden * 2, &combined));
+  c.combined = combined;
+  c.gemm_out = sb.expert_out;
+  sb.expert_out = combined;
+  sb.with_caller = true;
+  return Status::Ok();
+}
+
+// After the timed cycles (the last one ran DispatchRecv, the permute, the un-permute and
+// CombineSend): every received copy sits in its expert's group, byte for byte (up to 2048 copies
+// checked, spread over the rows), no two copies in one place, and each un-permuted row is the sum
+// of its copies' weights (the GEMM output the bench hands over is 1.0 everywhere).
+Status CheckCaller(const TokenMajorCaller& c) {
+  int32_t rows = 0;
+  BENCH_CUDA(cudaMemcpy(&rows, c.num_rows, 4, cudaMemcpyDeviceToHost));
+  if (rows < 0 || rows > c.expert_capacity) return InternalError("caller check: row count");
+  std::vector<int32_t> experts(size_t(rows) * c.k), where(experts.size());
+  std::vector<float> weights(experts.size());
+  BENCH_CUDA(cudaMemcpy(experts.data(), c.token_experts, experts.size() * 4, cudaMemcpyDeviceToHost));
+  BENCH_CUDA(cudaMemcpy(where.data(), c.where, where.size() * 4, cudaMemcpyDeviceToHost));
+  BENCH_CUDA(cudaMemcpy(weights.data(), c.token_weights, weights.size() * 4, cudaMemcpyDeviceToHost));
+  std::vector<std::vector<char>> taken(c.local_experts, std::vector<char>(c.expert_capacity));
+  const int64_t copies = std::count_if(experts.begin(), experts.end(), [](int32_t e) { return e >= 0; });
+  const int64_t every = std::max<int64_t>(1, copies / 2048);
+  std::vector<uint8_t> want(c.row_bytes), got(c.row_bytes);
+  std::vector<uint16_t> sum(c.hidden);
+  int64_t seen = 0;
+  for (int64_t g = 0; g < rows; ++g) {
+    float total = 0;
+    for (int k = 0; k < c.k; ++k) {
+      const int32_t e = experts[g * c.k + k], pos = where[g * c.k + k];
+      if (e < 0) continue;
+      if (e >= c.local_experts || pos < 0 || pos >= c.expert_capacity || taken[e][pos]) {
+        return InternalError("caller check: row " + std::to_string(g) + " copy " +
+                             std::to_string(k) + " placed at " + std::to_string(pos));
+      }
+      taken[e][pos] = 1;
+      total += weights[g * c.k + k];
+      if (seen++ % every != 0) continue;
+      BENCH_CUDA(cudaMemcpy(want.data(), c.rows + g * c.row_bytes, c.row_bytes, cudaMemcpyDeviceToHost));
+      BENCH_CUDA(cudaMemcpy(got.data(), c.grouped + (e * c.expert_capacity + pos) * c.row_bytes,
+                            c.row_bytes, cudaMemcpyDeviceToHost));
+      if (want != got) return InternalError("caller check: row " + std::to_string(g) + " permuted wrong");
+    }
+    if (g % every != 0) continue;
+    BENCH_CUDA(cudaMemcpy(sum.data(), c.combined + g * c.hidden, c.hidden * 2, cudaMemcpyDeviceToHost));
+    for (uint16_t v : sum) {
+      if (v != FloatToBf16(total)) {
+        return InternalError("caller check: row " + std::to_string(g) + " summed to " +
+                             std::to_string(Bf16ToFloat(v)) + ", not " + std::to_string(total));
+      }
+    }
+  }
+  return Status::Ok();
+}
+#endif
+
 Status RunRank(const MoeBenchOptions& o, Bootstrap& b, Result* result) {
   AllToAllConfig cfg;
   cfg.world_size = b.world_size();
@@ -390,10 +494,14 @@ Status RunRank(const MoeBenchOptions& o, Bootstrap& b, Result* result) {
   }
   sb.expert_out = pexpert_out;
   sb.y = py;
+#ifdef FERRY_BENCH_CUDA
+  if (o.caller) RETURN_IF_ERROR(SetUpCaller(cfg, sb));
+#endif
   std::vector<double> steps[10];
   if (o.cuda) {  // every CUDA AllToAll runs from a stream: timed on the GPU, in graphs
 #ifdef FERRY_BENCH_CUDA
     RETURN_IF_ERROR(TimeGraphCycles(o, b, *a2a, sb, steps));
+    if (sb.with_caller) RETURN_IF_ERROR(CheckCaller(sb.caller));
 #endif
   }
   for (int it = 0; !o.cuda && it < o.warmup + o.iters; ++it) {
@@ -519,6 +627,7 @@ bool RunVariant(const MoeBenchOptions& o, Result* out) {
 }
 
 const char* VariantName(const MoeBenchOptions& o) {
+  if (o.caller) return "tok+permute";
   if (o.token_major) return "(a)+(b) tok";
   if (o.once_per_rank && o.reduce_at_expert_rank) return "(a)+(b)";
   if (o.once_per_rank) return "(a) once/rank";
@@ -542,6 +651,12 @@ int RunMoeBench(const MoeBenchOptions& options) {
     MoeBenchOptions token = options;
     token.once_per_rank = token.reduce_at_expert_rank = true;
     variants.push_back(token);
+#ifdef FERRY_BENCH_CUDA
+    if (options.cuda) {  // and with the caller's permute and un-permute timed in
+      token.caller = true;
+      variants.push_back(token);
+    }
+#endif
   }
   const MoeBenchOptions& o = options;
   if (!o.json) {

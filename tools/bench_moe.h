@@ -20,6 +20,10 @@ struct MoeBenchOptions {
   // --token-major: after the variants above, (a)+(b) once more with the token-major dispatch
   // layout (DispatchLayout::kTokenMajor), in the same invocation.
   bool token_major = false;
+  // The token-major variant once more with the caller's side timed in: a permute into expert
+  // groups after DispatchRecv and the weighted un-permute before CombineSend
+  // (bench_moe_caller.h). Added by --token-major on the CUDA device; not an option of its own.
+  bool caller = false;
   int iters = 50;
   int warmup = 5;
   bool json = false;

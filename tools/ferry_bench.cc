@@ -5,7 +5,8 @@
 //                      [--topk K] [--dtype fp8|bf16] [--iters I] [--json]
 //                      [--once-per-rank] [--reduce-at-expert-rank] [--compare] [--token-major]
 //                      [--device host|cuda] [--nvlink [--node-ranks N]] [--private N]
-//   ferry-bench kv     [--provider P] [--tokens T] [--decoders N] [--rounds R] [--json]
+//   ferry-bench kv     [--provider P] [--tokens T] [--decoders N] [--rounds R] [--pace F]
+//                      [--json]
 //   ferry-bench topo   [--sysfs DIR] [--exclude NIC,...]: which NICs and core serve each GPU
 //   ferry-bench demo   the main job of `make demo`: short fabric, moe and kv runs on shm
 #include <cstdio>
@@ -31,6 +32,7 @@ void Usage() {
                " [--token-major]\n"
                "                       [--device host|cuda] [--nvlink [--node-ranks N]] [--private N]\n"
                "       ferry-bench kv [--provider P] [--tokens T] [--decoders N] [--rounds R]"
+               " [--pace F]"
                " [--json]\n"
                "       ferry-bench topo [--sysfs DIR] [--exclude NIC,...]\n"
                "       ferry-bench demo\n"
@@ -85,6 +87,10 @@ int main(int argc, char** argv) {
       ok = ParseInt(argv[++i], &kv.decoders) && kv.decoders >= 1 && kv.decoders <= 16;
     } else if (a == "--rounds" && has_value) {
       ok = ParseInt(argv[++i], &kv.rounds) && kv.rounds >= 1 && kv.rounds <= 100;
+    } else if (a == "--pace" && has_value) {
+      char* end = nullptr;
+      kv.pace = std::strtod(argv[++i], &end);
+      ok = end && *end == '\0' && kv.pace >= 1.0 && kv.pace <= 10.0;
     } else if (a == "--iters" && has_value) {
       ok = ParseInt(argv[++i], &m.iters);
     } else if (a == "--device" && has_value) {

@@ -22,6 +22,11 @@
 #                                 dispatch layouts (--token-major: expert-major and token-major
 #                                 rows of one invocation), twice; prefill pushing every slot;
 #                                 phase stamps of token-major prefill
+#   tools/gpu_check.sh caller     build, tests, then NVLink decode and prefill (a)+(b) in both
+#                                 layouts with token-major's caller side timed in (the
+#                                 tok+permute row), twice; then the kv benchmarks with layers at
+#                                 the raw rate and 1.25x slower (--pace 1.25)
+# SANITIZERS=0 skips memcheck and racecheck.
 set -u
 OUT=${OUT:-/tmp/ferry-gpu}
 mkdir -p "$OUT"
@@ -54,6 +59,8 @@ if [ "$mode" != profile ] && [ "$mode" != trace ]; then
   step kv_cuda_test 120 build-gpu/kv_cuda_test
   step moe_cuda_test 400 build-gpu/moe_cuda_test
   step fd_exchange_test 60 build-gpu/fd_exchange_test
+fi
+if [ "$mode" != profile ] && [ "$mode" != trace ] && [ "${SANITIZERS:-1}" != 0 ]; then
   step memcheck 300 "$SANITIZER" --tool memcheck --target-processes all \
     build-gpu/moe_cuda_test \
     --gtest_filter='*n2_t7_h128_e8_k2_bf16*:*n3_t64*:*n4_t96*nodes2:*t96*tokmajor'
@@ -134,6 +141,25 @@ if [ "$mode" = layout ]; then
   echo "== trace, 4096 tokens, (a)+(b) token-major (last variant): point slowest/mean us"
   grep -h 'trace ' "$OUT/trace_prefill_tok.log"
 fi
+if [ "$mode" = caller ]; then
+  nv=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8 --once-per-rank
+      --reduce-at-expert-rank --token-major)
+  for round in 1 2; do
+    for p in 16 1024; do
+      step nvlink_caller_p${p}_$round 200 build-gpu/ferry-bench moe "${nv[@]}" --tokens 128 \
+        --iters 200 --private $p
+    done
+    step nvlink_caller_prefill_$round 300 build-gpu/ferry-bench moe "${nv[@]}" --tokens 4096 \
+      --iters 20
+  done
+  for t in 4096 32768; do
+    for pace in 1 1.25; do
+      step kv_pace${pace}_$t 300 build-gpu/ferry-bench kv --tokens $t --pace $pace
+      echo "== kv, $t tokens, layers $pace x raw apart"
+      tail -5 "$OUT/kv_pace${pace}_$t.log"
+    done
+  done
+fi
 if [ "$mode" = all ] || [ "$mode" = nvlink ] || [ "$mode" = relay ]; then
   nv=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8)
   step nvlink_decode 200 build-gpu/ferry-bench moe "${nv[@]}" --tokens 128 --iters 200 --compare
@@ -204,7 +230,7 @@ for f in "$OUT"/moe_cuda_test.log "$OUT"/kv_cuda_test.log; do
 done
 grep -h -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT"/memcheck.log "$OUT"/racecheck.log 2> /dev/null
 for b in "$OUT"/bench_*.log "$OUT"/nvlink_*.log "$OUT"/relay_*.log; do
-  [ -f "$b" ] && { echo "== $(basename "$b" .log)"; grep -E '^(plain|\(a|\(b|variant|NVLink|times in)|in one graph' "$b"; }
+  [ -f "$b" ] && { echo "== $(basename "$b" .log)"; grep -E '^(plain|\(a|\(b|tok|variant|NVLink|times in)|in one graph' "$b"; }
 done
 for f in "$OUT"/kv_[0-9]*.log; do
   [ -f "$f" ] && { echo "== $(basename "$f" .log)"; tail -12 "$f"; }
