@@ -10,7 +10,7 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxK = 16;       // ferry's top-k limit
-constexpr int kBatch = 8;       // vectors in flight per lane (Permute)
+constexpr int kBatch = 4;       // vectors per lane in one Permute task
 constexpr int kSegment = 2;     // vectors per lane and copy in one Unpermute task
 constexpr int kCopies = 8;      // copies loaded at once (Unpermute)
 
@@ -21,42 +21,49 @@ int Grid() {
   return 4 * std::max(sms, 1);
 }
 
-// One warp per row: lane j places copy j (an atomic on its group's fill), then the row goes
-// into every copy's place, kBatch vectors per lane loaded at a time.
+// Thread per (row, copy): the copy's place in its expert's group (an atomic on the group's
+// fill), recorded in `where`.
+__global__ void __launch_bounds__(kThreads) PlaceKernel(TokenMajorCaller c) {
+  const int64_t entries = int64_t{*c.num_rows} * c.k;
+  for (int64_t f = blockIdx.x * int64_t{kThreads} + threadIdx.x; f < entries;
+       f += int64_t{gridDim.x} * kThreads) {
+    const int32_t e = c.token_experts[f];
+    c.where[f] = e >= 0 && e < c.local_experts ? atomicAdd(&c.fill[e], 1) : -1;
+  }
+}
+
+// One warp per (row, segment of 32 * kBatch vectors): the segment loaded once and stored into
+// every copy's place; the first segment's warp also copies the scales.
 __global__ void __launch_bounds__(kThreads) PermuteKernel(TokenMajorCaller c) {
   const int lane = threadIdx.x % 32;
   const int64_t rows = *c.num_rows;
   const int64_t vectors = c.row_bytes / 16;
-  for (int64_t g = blockIdx.x * int64_t{kWarps} + threadIdx.x / 32; g < rows;
-       g += int64_t{gridDim.x} * kWarps) {
-    const int32_t e = lane < c.k ? c.token_experts[g * c.k + lane] : -1;
-    const bool ours = e >= 0 && e < c.local_experts;
-    int64_t dst_row = -1;
-    if (ours) dst_row = e * c.expert_capacity + atomicAdd(&c.fill[e], 1);
-    if (lane < c.k) {
-      c.where[g * c.k + lane] = ours ? static_cast<int32_t>(dst_row % c.expert_capacity) : -1;
-    }
-    const uint32_t copies = __ballot_sync(~0u, ours);
+  const int64_t segments = (vectors + 32 * kBatch - 1) / (32 * kBatch);
+  for (int64_t task = blockIdx.x * int64_t{kWarps} + threadIdx.x / 32; task < rows * segments;
+       task += int64_t{gridDim.x} * kWarps) {
+    const int64_t g = task / segments, first = task % segments * 32 * kBatch;
+    const int32_t pos = lane < c.k ? c.where[g * c.k + lane] : -1;
+    const int64_t dst_row = pos >= 0 ? c.token_experts[g * c.k + lane] * c.expert_capacity + pos : -1;
+    const uint32_t copies = __ballot_sync(~0u, pos >= 0);
     const auto* src = reinterpret_cast<const uint4*>(c.rows + g * c.row_bytes);
-    for (int64_t first = 0; first < vectors; first += 32 * kBatch) {
-      uint4 v[kBatch];
+    uint4 v[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int64_t i = first + lane + 32 * u;
+      if (i < vectors) v[u] = src[i];
+    }
+    for (uint32_t m = copies; m; m &= m - 1) {
+      const int64_t row = __shfl_sync(~0u, dst_row, __ffs(m) - 1);
+      auto* dst = reinterpret_cast<uint4*>(c.grouped + row * c.row_bytes);
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
         const int64_t i = first + lane + 32 * u;
-        if (i < vectors) v[u] = src[i];
-      }
-      for (uint32_t m = copies; m; m &= m - 1) {
-        const int64_t row = __shfl_sync(~0u, dst_row, __ffs(m) - 1);
-        auto* dst = reinterpret_cast<uint4*>(c.grouped + row * c.row_bytes);
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-          const int64_t i = first + lane + 32 * u;
-          if (i < vectors) dst[i] = v[u];
-        }
+        if (i < vectors) dst[i] = v[u];
       }
     }
-    for (int first = 0; first < c.scales_per_row; first += 32) {
-      const int i = first + lane;
+    if (first != 0) continue;
+    for (int base = 0; base < c.scales_per_row; base += 32) {
+      const int i = base + lane;
       const float scale = i < c.scales_per_row ? c.row_scales[g * c.scales_per_row + i] : 0.0f;
       for (uint32_t m = copies; m; m &= m - 1) {
         const int64_t row = __shfl_sync(~0u, dst_row, __ffs(m) - 1);
@@ -148,6 +155,7 @@ bool Valid(const TokenMajorCaller& c) {
 
 cudaError_t LaunchPermute(const TokenMajorCaller& c, cudaStream_t stream) {
   if (!Valid(c)) return cudaErrorInvalidValue;
+  PlaceKernel<<<Grid(), kThreads, 0, stream>>>(c);
   PermuteKernel<<<Grid(), kThreads, 0, stream>>>(c);
   return cudaGetLastError();
 }

@@ -38,8 +38,8 @@ struct TokenMajorCaller {
   uint16_t* combined = nullptr;        // [capacity, hidden]
 };
 
-// Each received row into a free row of each of its local experts' groups (with its scales);
-// records where in `where`. Needs `fill` zero: the first call after Unpermute (which zeroes it
+// Each received row into a free row of each of its local experts' groups (with its scales):
+// one kernel places the copies (recording `where`), a second copies the rows. Needs `fill` zero: the first call after Unpermute (which zeroes it
 // once it has read `where`) or after setup.
 cudaError_t LaunchPermute(const TokenMajorCaller& c, cudaStream_t stream);
 // Row g of `combined` = sum over its copies of weight * gemm_out[expert][where], fp32 sums,

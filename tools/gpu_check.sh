@@ -25,7 +25,9 @@
 #   tools/gpu_check.sh caller     build, tests, then NVLink decode and prefill (a)+(b) in both
 #                                 layouts with token-major's caller side timed in (the
 #                                 tok+permute row), twice; then the kv benchmarks with layers at
-#                                 the raw rate and 1.25x slower (--pace 1.25)
+#                                 the raw rate and 1.25x slower (--pace 1.25); ROUNDS (2),
+#                                 PACES ("1 1.25"), KV_SPIN=1 (each kv run again with
+#                                 FERRY_SPIN_US=-1)
 # SANITIZERS=0 skips memcheck and racecheck.
 set -u
 OUT=${OUT:-/tmp/ferry-gpu}
@@ -144,7 +146,7 @@ fi
 if [ "$mode" = caller ]; then
   nv=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8 --once-per-rank
       --reduce-at-expert-rank --token-major)
-  for round in 1 2; do
+  for round in $(seq "${ROUNDS:-2}"); do
     for p in 16 1024; do
       step nvlink_caller_p${p}_$round 200 build-gpu/ferry-bench moe "${nv[@]}" --tokens 128 \
         --iters 200 --private $p
@@ -152,11 +154,20 @@ if [ "$mode" = caller ]; then
     step nvlink_caller_prefill_$round 300 build-gpu/ferry-bench moe "${nv[@]}" --tokens 4096 \
       --iters 20
   done
+  # KV_SPIN=1: each kv run once more with engines that never idle (FERRY_SPIN_US=-1).
   for t in 4096 32768; do
-    for pace in 1 1.25; do
-      step kv_pace${pace}_$t 300 build-gpu/ferry-bench kv --tokens $t --pace $pace
-      echo "== kv, $t tokens, layers $pace x raw apart"
-      tail -5 "$OUT/kv_pace${pace}_$t.log"
+    for pace in ${PACES:-1 1.25}; do
+      for spin in 0 ${KV_SPIN:+1}; do
+        name=kv_pace${pace}_$t label=""
+        [ "$spin" = 1 ] && name=${name}_spin label=", spinning engines"
+        if [ "$spin" = 1 ]; then
+          FERRY_SPIN_US=-1 step "$name" 300 build-gpu/ferry-bench kv --tokens $t --pace $pace
+        else
+          step "$name" 300 build-gpu/ferry-bench kv --tokens $t --pace $pace
+        fi
+        echo "== kv, $t tokens, layers $pace x raw apart$label"
+        sed -n 3,5p "$OUT/$name.log"
+      done
     done
   done
 fi
