@@ -22,6 +22,7 @@
 #                                 dispatch layouts (--token-major: expert-major and token-major
 #                                 rows of one invocation), twice; prefill pushing every slot;
 #                                 phase stamps of token-major prefill
+#   tools/gpu_check.sh kvpace     build, then the kv benchmarks (4k, 32k) at PACES ("1.25 1")
 #   tools/gpu_check.sh caller     build, tests, then NVLink decode and prefill (a)+(b) in both
 #                                 layouts with token-major's caller side timed in (the
 #                                 tok+permute row), twice; then the kv benchmarks with layers at
@@ -57,12 +58,13 @@ step build 400 cmake --build build-gpu -j "$(nproc)" --target moe_cuda_test kv_c
   moe_host_test fd_exchange_test ferry-bench || { tail -60 "$OUT/build.log"; exit 1; }
 
 mode=${1:-all}
-if [ "$mode" != profile ] && [ "$mode" != trace ]; then
+if [ "$mode" != profile ] && [ "$mode" != trace ] && [ "$mode" != kvpace ]; then
   step kv_cuda_test 120 build-gpu/kv_cuda_test
   step moe_cuda_test 400 build-gpu/moe_cuda_test
   step fd_exchange_test 60 build-gpu/fd_exchange_test
 fi
-if [ "$mode" != profile ] && [ "$mode" != trace ] && [ "${SANITIZERS:-1}" != 0 ]; then
+if [ "$mode" != profile ] && [ "$mode" != trace ] && [ "$mode" != kvpace ] &&
+   [ "${SANITIZERS:-1}" != 0 ]; then
   step memcheck 300 "$SANITIZER" --tool memcheck --target-processes all \
     build-gpu/moe_cuda_test \
     --gtest_filter='*n2_t7_h128_e8_k2_bf16*:*n3_t64*:*n4_t96*nodes2:*t96*tokmajor'
@@ -142,6 +144,15 @@ if [ "$mode" = layout ]; then
     --iters 5
   echo "== trace, 4096 tokens, (a)+(b) token-major (last variant): point slowest/mean us"
   grep -h 'trace ' "$OUT/trace_prefill_tok.log"
+fi
+if [ "$mode" = kvpace ]; then
+  for t in 4096 32768; do
+    for pace in ${PACES:-1.25 1}; do
+      step kv_pace${pace}_$t 300 build-gpu/ferry-bench kv --tokens $t --pace $pace
+      echo "== kv, $t tokens, layers $pace x raw apart"
+      sed -n 3,5p "$OUT/kv_pace${pace}_$t.log"
+    done
+  done
 fi
 if [ "$mode" = caller ]; then
   nv=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8 --once-per-rank
