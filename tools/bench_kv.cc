@@ -2,8 +2,8 @@
 // process, next to a raw libfabric loop writing the same bytes in the same write sizes, in the
 // same run.
 //
-// In each round the prefill "model" first runs the raw loop to learn the provider's rate (and
-// times the raw loop moving the last layer alone), then paces its layer counter at that rate (one layer per layer-transfer time, as if compute and
+// In each round the prefill "model" first runs the raw loop to learn the provider's rate, then
+// paces its layer counter at that rate (one layer per layer-transfer time, as if compute and
 // transfer were balanced), so the figures say both how fast the messenger moves bytes (GB/s
 // against raw) and how soon after the last layer the decoder is ready (against one layer's
 // transfer time). Rounds alternate so that a noisy host shows as a spread, not as a verdict.
@@ -35,8 +35,6 @@ namespace {
 
 using namespace std::chrono_literals;
 
-constexpr int kAloneRuns = 3;  // raw runs of the last layer alone per round (the median counts)
-
 struct Model {
   const char* name;
   KvModel model;
@@ -50,7 +48,6 @@ struct Result {
   double tail_us;          // last layer increment -> decode ready
   double raw_us;           // raw loop, same bytes and write sizes
   double layer_us;         // one layer's transfer time at the raw rate
-  double alone_us;         // the raw loop's time for the last layer alone (median of three)
   int64_t writes_per_layer;
   double ratio_min, ratio_max;  // raw / ferry over the rounds (the figures above: the median)
   int rounds;
@@ -134,66 +131,47 @@ Status Run(const KvBenchOptions& o, const Model& m, Bootstrap& b, Result* out) {
   // messenger's layers in a round are paced at that round's raw rate. The round of median ratio
   // is reported, with the lowest and highest ratio.
   struct Round {
-    double raw_us, ferry_us, tail_us, alone_us;
+    double raw_us, ferry_us, tail_us;
   };
   std::vector<Round> rounds;
   uint64_t imms = 0;
   uint32_t last = 0;
-  // The raw loop over layers [first, first + count): the plan's writes layer by layer, write i to
-  // decoder i % decoders; with `imm`, the last write to each decoder carries one immediate.
-  // Returns the microseconds from the first post to the last local completion.
-  auto raw_layers = [&](int64_t first, int64_t count, bool imm) -> StatusOr<double> {
-    const uint64_t window = std::min<uint64_t>(64, raw.tx_depth());
-    const uint64_t per_decoder = plan.writes.size() * count;
-    uint64_t posted = 0, done = 0, total = per_decoder * decoders;
-    const double t0 = NowUs();
-    while (done < total) {
-      while (posted < total && posted - done < window) {
-        const uint64_t k = posted / decoders;
-        const KvWrite& w = plan.writes[k % plan.writes.size()];
-        const int64_t layer = first + static_cast<int64_t>(k / plan.writes.size());
-        const uint64_t src = w.src_rank * src_shard_bytes + layer * stride + w.src_offset;
-        const uint64_t dst = w.dst_rank * dst_shard_bytes + layer * dec.page_bytes() * pages +
-                             w.dst_offset;
-        if (!raw.Post(posted % decoders, src, dst, w.length, imm && k + 1 == per_decoder, 1)) {
-          break;
-        }
-        ++posted;
-      }
-      const int r = raw.Poll(&imms, &last);
-      if (r < 0) return InternalError("raw completion error");
-      done += r;
-    }
-    return NowUs() - t0;
-  };
   for (int round = 0; round < o.rounds; ++round) {
-    double raw_us = 0, alone_us = 0;
+    double raw_us = 0;
     if (prefill) {
-      ASSIGN_OR_RETURN(raw_us, raw_layers(0, m.layers, true));
-      // The last layer alone, kAloneRuns times: what one layer's transfer takes with nothing
-      // before or after it to overlap with. Each ends with its immediate too (the decoders poll
-      // for them: shm moves large writes only while the target makes progress).
-      std::vector<double> alone;
-      for (int i = 0; i < kAloneRuns; ++i) {
-        ASSIGN_OR_RETURN(double us, raw_layers(m.layers - 1, 1, true));
-        alone.push_back(us);
+      // Write i goes to decoder i % decoders: the plan's writes layer by layer, each to every
+      // decoder in turn; the last write to each decoder carries its one immediate.
+      const uint64_t window = std::min<uint64_t>(64, raw.tx_depth());
+      const uint64_t per_decoder = plan.writes.size() * m.layers;
+      uint64_t posted = 0, done = 0, total = per_decoder * decoders;
+      double t0 = NowUs();
+      while (done < total) {
+        while (posted < total && posted - done < window) {
+          const uint64_t k = posted / decoders;
+          const KvWrite& w = plan.writes[k % plan.writes.size()];
+          const int64_t layer = static_cast<int64_t>(k / plan.writes.size());
+          const uint64_t src = w.src_rank * src_shard_bytes + layer * stride + w.src_offset;
+          const uint64_t dst = w.dst_rank * dst_shard_bytes + layer * dec.page_bytes() * pages +
+                               w.dst_offset;
+          if (!raw.Post(posted % decoders, src, dst, w.length, k + 1 == per_decoder, 1)) break;
+          ++posted;
+        }
+        int r = raw.Poll(&imms, &last);
+        if (r < 0) return InternalError("raw completion error");
+        done += r;
       }
-      std::sort(alone.begin(), alone.end());
-      alone_us = alone[kAloneRuns / 2];
+      raw_us = NowUs() - t0;
     } else {
-      // One immediate per raw loop: the whole, then the last layer alone kAloneRuns times.
-      while (imms < static_cast<uint64_t>(round + 1) * (1 + kAloneRuns)) {
+      while (imms <= static_cast<uint64_t>(round)) {  // one immediate per raw round
         if (raw.Poll(&imms, &last) < 0) return InternalError("raw completion error");
       }
     }
     RETURN_IF_ERROR(b.Barrier(60s));
     // Share the raw time so both sides know the layer pacing.
-    std::vector<uint8_t> mine(2 * sizeof(double));
+    std::vector<uint8_t> mine(sizeof(double));
     std::memcpy(mine.data(), &raw_us, sizeof(double));
-    std::memcpy(mine.data() + sizeof(double), &alone_us, sizeof(double));
     ASSIGN_OR_RETURN(auto raw_times, b.AllGather(mine, 60s));
     std::memcpy(&raw_us, raw_times[0].data(), sizeof(double));
-    std::memcpy(&alone_us, raw_times[0].data() + sizeof(double), sizeof(double));
     const double layer_us = raw_us / m.layers;
     const double spacing_us = o.pace * layer_us;  // the model's time per layer
 
@@ -260,7 +238,7 @@ Status Run(const KvBenchOptions& o, const Model& m, Bootstrap& b, Result* out) {
       double start, last_inc;
       std::memcpy(&start, times[0].data(), sizeof start);
       std::memcpy(&last_inc, times[0].data() + sizeof start, sizeof last_inc);
-      rounds.push_back({raw_us, ready_at - start, ready_at - last_inc, alone_us});
+      rounds.push_back({raw_us, ready_at - start, ready_at - last_inc});
     }
     RETURN_IF_ERROR(b.Barrier(60s));
   }
@@ -273,7 +251,6 @@ Status Run(const KvBenchOptions& o, const Model& m, Bootstrap& b, Result* out) {
     out->ferry_us = median.ferry_us;
     out->tail_us = median.tail_us;
     out->layer_us = median.raw_us / m.layers;
-    out->alone_us = median.alone_us;
     out->ratio_min = rounds.front().raw_us / rounds.front().ferry_us;
     out->ratio_max = rounds.back().raw_us / rounds.back().ferry_us;
     out->rounds = static_cast<int>(rounds.size());
@@ -294,9 +271,9 @@ int RunKvBench(const KvBenchOptions& o) {
                 "process%s; figures of decoder 1; raw writes every decoder's bytes; layers "
                 "%.2f x one layer's raw transfer time apart)\n",
                 o.provider.c_str(), o.tokens, o.decoders, o.decoders > 1 ? "es" : "", o.pace);
-    std::printf("%-20s %9s %9s | %10s %10s %8s %13s | %10s %10s %6s | %10s %7s\n", "cache",
-                "MB", "writes/l", "ferry ms", "raw ms", "ratio", "(min..max)", "tail us",
-                "layer us", "tail/l", "alone us", "tail/a");
+    std::printf("%-20s %9s %9s | %10s %10s %8s %13s | %10s %10s %6s\n", "cache", "MB",
+                "writes/l", "ferry ms", "raw ms", "ratio", "(min..max)", "tail us", "layer us",
+                "tail/l");
   }
   bool first = true;
   if (o.json) {
@@ -316,16 +293,14 @@ int RunKvBench(const KvBenchOptions& o) {
     if (o.json) {
       std::printf("%s{\"cache\":\"%s\",\"bytes\":%.0f,\"writes_per_layer\":%lld,\"ferry_us\":%.1f,"
                   "\"raw_us\":%.1f,\"ratio\":%.3f,\"ratio_min\":%.3f,\"ratio_max\":%.3f,"
-                  "\"rounds\":%d,\"tail_us\":%.1f,\"layer_us\":%.1f,\"alone_us\":%.1f}",
+                  "\"rounds\":%d,\"tail_us\":%.1f,\"layer_us\":%.1f}",
                   first ? "" : ",", m.name, r.bytes, (long long)r.writes_per_layer, r.ferry_us,
-                  r.raw_us, ratio, r.ratio_min, r.ratio_max, r.rounds, r.tail_us, r.layer_us,
-                  r.alone_us);
+                  r.raw_us, ratio, r.ratio_min, r.ratio_max, r.rounds, r.tail_us, r.layer_us);
     } else {
-      std::printf("%-20s %9.1f %9lld | %10.2f %10.2f %8.3f  (%.3f..%.3f) | %10.1f %10.1f %6.2f | "
-                  "%10.1f %7.2f\n",
+      std::printf("%-20s %9.1f %9lld | %10.2f %10.2f %8.3f  (%.3f..%.3f) | %10.1f %10.1f %6.2f\n",
                   m.name, r.bytes / 1e6, (long long)r.writes_per_layer, r.ferry_us / 1e3,
                   r.raw_us / 1e3, ratio, r.ratio_min, r.ratio_max, r.tail_us, r.layer_us,
-                  r.tail_us / r.layer_us, r.alone_us, r.tail_us / r.alone_us);
+                  r.tail_us / r.layer_us);
     }
     first = false;
   }
@@ -334,9 +309,7 @@ int RunKvBench(const KvBenchOptions& o) {
     std::printf("%d rounds of (raw, ferry) alternating; the figures of the round of median ratio, "
                 "then the lowest and highest ratio; ratio = raw time / ferry time for the same "
                 "bytes (ferry's layers paced at %.2f x that round's raw rate%s); tail = last "
-                "layer increment -> decode ready; layer = one layer's raw transfer time (the raw "
-                "loop's average); alone = the raw loop moving the last layer by itself (median "
-                "of three), tail/a = tail / alone\n",
+                "layer increment -> decode ready; layer = one layer's raw transfer time\n",
                 o.rounds, o.pace, o.pace > 1 ? ", so the ratio is at most 1 / pace" : "");
   }
   return 0;
