@@ -267,10 +267,11 @@ int RunKvBench(const KvBenchOptions& o) {
       {"qwen3-coder tp8>tp4", {8, 128, 2, false, 64}, 62, 8, 4},
   };
   if (!o.json) {
-    std::printf("ferry-bench kv  provider=%s prompt=%d tokens  (1 prefill -> %d decode "
-                "process%s; figures of decoder 1; raw writes every decoder's bytes; layers "
-                "%.2f x one layer's raw transfer time apart)\n",
-                o.provider.c_str(), o.tokens, o.decoders, o.decoders > 1 ? "es" : "", o.pace);
+    std::printf(
+        "ferry-bench kv  provider=%s prompt=%d tokens  (1 prefill -> %d decode "
+        "process%s; figures of decoder 1; raw writes every decoder's bytes; layers "
+        "%.2f x one layer's raw transfer time apart)\n",
+        o.provider.c_str(), o.tokens, o.decoders, o.decoders > 1 ? "es" : "", o.pace);
     std::printf("%-20s %9s %9s | %10s %10s %8s %13s | %10s %10s %6s\n", "cache", "MB",
                 "writes/l", "ferry ms", "raw ms", "ratio", "(min..max)", "tail us", "layer us",
                 "tail/l");
@@ -306,11 +307,12 @@ int RunKvBench(const KvBenchOptions& o) {
   }
   if (o.json) std::printf("]}\n");
   else {
-    std::printf("%d rounds of (raw, ferry) alternating; the figures of the round of median ratio, "
-                "then the lowest and highest ratio; ratio = raw time / ferry time for the same "
-                "bytes (ferry's layers paced at %.2f x that round's raw rate%s); tail = last "
-                "layer increment -> decode ready; layer = one layer's raw transfer time\n",
-                o.rounds, o.pace, o.pace > 1 ? ", so the ratio is at most 1 / pace" : "");
+    std::printf(
+        "%d rounds of (raw, ferry) alternating; the figures of the round of median ratio, "
+        "then the lowest and highest ratio; ratio = raw time / ferry time for the same "
+        "bytes (ferry's layers paced at %.2f x that round's raw rate%s); tail = last "
+        "layer increment -> decode ready; layer = one layer's raw transfer time\n",
+        o.rounds, o.pace, o.pace > 1 ? ", so the ratio is at most 1 / pace" : "");
   }
   return 0;
 }

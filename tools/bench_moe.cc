@@ -227,18 +227,19 @@ Status TimeGraphCycles(const MoeBenchOptions& o, Bootstrap& b, AllToAll& a2a,
   const Deadline later = Deadline::After(std::chrono::minutes(5));
   // With the caller's side (MoeBenchOptions::caller), the permute ends the dispatch receive
   // step and the un-permute starts the combine send step.
-  const std::function<Status()> steps[4] = {
-      [&] { return a2a.DispatchSend(sb.in); },
-      [&] {
-        RETURN_IF_ERROR(a2a.DispatchRecv(sb.out, later));
-        if (sb.with_caller) BENCH_CUDA(LaunchPermute(sb.caller, stream));
-        return Status::Ok();
-      },
-      [&] {
-        if (sb.with_caller) BENCH_CUDA(LaunchUnpermute(sb.caller, stream));
-        return a2a.CombineSend(sb.expert_out);
-      },
-      [&] { return a2a.CombineRecv(sb.y, false, later); }};
+  const std::function<Status()> steps[4] = {[&] { return a2a.DispatchSend(sb.in); },
+                                            [&] {
+                                              RETURN_IF_ERROR(a2a.DispatchRecv(sb.out, later));
+                                              if (sb.with_caller)
+                                                BENCH_CUDA(LaunchPermute(sb.caller, stream));
+                                              return Status::Ok();
+                                            },
+                                            [&] {
+                                              if (sb.with_caller)
+                                                BENCH_CUDA(LaunchUnpermute(sb.caller, stream));
+                                              return a2a.CombineSend(sb.expert_out);
+                                            },
+                                            [&] { return a2a.CombineRecv(sb.y, false, later); }};
   // Steps first..last, `repeats` times over, as one graph; with `marks`, an event node before
   // each dispatch and each combine and one at the end.
   auto capture = [&](int first, int last, cudaGraphExec_t* exec, int repeats = 1,
@@ -379,11 +380,14 @@ Status CheckCaller(const TokenMajorCaller& c) {
   if (rows < 0 || rows > c.expert_capacity) return InternalError("caller check: row count");
   std::vector<int32_t> experts(size_t(rows) * c.k), where(experts.size());
   std::vector<float> weights(experts.size());
-  BENCH_CUDA(cudaMemcpy(experts.data(), c.token_experts, experts.size() * 4, cudaMemcpyDeviceToHost));
+  BENCH_CUDA(
+      cudaMemcpy(experts.data(), c.token_experts, experts.size() * 4, cudaMemcpyDeviceToHost));
   BENCH_CUDA(cudaMemcpy(where.data(), c.where, where.size() * 4, cudaMemcpyDeviceToHost));
-  BENCH_CUDA(cudaMemcpy(weights.data(), c.token_weights, weights.size() * 4, cudaMemcpyDeviceToHost));
+  BENCH_CUDA(
+      cudaMemcpy(weights.data(), c.token_weights, weights.size() * 4, cudaMemcpyDeviceToHost));
   std::vector<std::vector<char>> taken(c.local_experts, std::vector<char>(c.expert_capacity));
-  const int64_t copies = std::count_if(experts.begin(), experts.end(), [](int32_t e) { return e >= 0; });
+  const int64_t copies =
+      std::count_if(experts.begin(), experts.end(), [](int32_t e) { return e >= 0; });
   const int64_t every = std::max<int64_t>(1, copies / 2048);
   std::vector<uint8_t> want(c.row_bytes), got(c.row_bytes);
   std::vector<uint16_t> sum(c.hidden);
@@ -400,13 +404,16 @@ Status CheckCaller(const TokenMajorCaller& c) {
       taken[e][pos] = 1;
       total += weights[g * c.k + k];
       if (seen++ % every != 0) continue;
-      BENCH_CUDA(cudaMemcpy(want.data(), c.rows + g * c.row_bytes, c.row_bytes, cudaMemcpyDeviceToHost));
+      BENCH_CUDA(
+          cudaMemcpy(want.data(), c.rows + g * c.row_bytes, c.row_bytes, cudaMemcpyDeviceToHost));
       BENCH_CUDA(cudaMemcpy(got.data(), c.grouped + (e * c.expert_capacity + pos) * c.row_bytes,
                             c.row_bytes, cudaMemcpyDeviceToHost));
-      if (want != got) return InternalError("caller check: row " + std::to_string(g) + " permuted wrong");
+      if (want != got)
+        return InternalError("caller check: row " + std::to_string(g) + " permuted wrong");
     }
     if (g % every != 0) continue;
-    BENCH_CUDA(cudaMemcpy(sum.data(), c.combined + g * c.hidden, c.hidden * 2, cudaMemcpyDeviceToHost));
+    BENCH_CUDA(
+        cudaMemcpy(sum.data(), c.combined + g * c.hidden, c.hidden * 2, cudaMemcpyDeviceToHost));
     for (uint16_t v : sum) {
       if (v != FloatToBf16(total)) {
         return InternalError("caller check: row " + std::to_string(g) + " summed to " +

@@ -1,18 +1,17 @@
 // The token-major caller's permute and un-permute (bench_moe_caller.h): warps striding over the
 // rows the device count says arrived.
-#include "tools/bench_moe_caller.h"
-
 #include "moe/cuda/cuda_util.cuh"
+#include "tools/bench_moe_caller.h"
 
 namespace ferry::bench {
 namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kMaxK = 16;       // ferry's top-k limit
-constexpr int kBatch = 4;       // vectors per lane in one Permute task
-constexpr int kSegment = 2;     // vectors per lane and copy in one Unpermute task
-constexpr int kCopies = 8;      // copies loaded at once (Unpermute)
+constexpr int kMaxK = 16;    // ferry's top-k limit
+constexpr int kBatch = 4;    // vectors per lane in one Permute task
+constexpr int kSegment = 2;  // vectors per lane and copy in one Unpermute task
+constexpr int kCopies = 8;   // copies loaded at once (Unpermute)
 
 int Grid() {
   int device = 0, sms = 0;
@@ -43,7 +42,8 @@ __global__ void __launch_bounds__(kThreads) PermuteKernel(TokenMajorCaller c) {
        task += int64_t{gridDim.x} * kWarps) {
     const int64_t g = task / segments, first = task % segments * 32 * kBatch;
     const int32_t pos = lane < c.k ? c.where[g * c.k + lane] : -1;
-    const int64_t dst_row = pos >= 0 ? c.token_experts[g * c.k + lane] * c.expert_capacity + pos : -1;
+    const int64_t dst_row =
+        pos >= 0 ? c.token_experts[g * c.k + lane] * c.expert_capacity + pos : -1;
     const uint32_t copies = __ballot_sync(~0u, pos >= 0);
     const auto* src = reinterpret_cast<const uint4*>(c.rows + g * c.row_bytes);
     uint4 v[kBatch];
@@ -120,7 +120,8 @@ __global__ void __launch_bounds__(kThreads) UnpermuteKernel(TokenMajorCaller c) 
 #pragma unroll
           for (int h = 0; h < 4; ++h) {
             acc[s][2 * h] += weight[j] * moe::Bf16ToFloatD(static_cast<uint16_t>(words[h]));
-            acc[s][2 * h + 1] += weight[j] * moe::Bf16ToFloatD(static_cast<uint16_t>(words[h] >> 16));
+            acc[s][2 * h + 1] +=
+                weight[j] * moe::Bf16ToFloatD(static_cast<uint16_t>(words[h] >> 16));
           }
         }
       }

@@ -16,7 +16,7 @@
 namespace ferry::bench {
 
 struct TokenMajorCaller {
-  int k = 0;                // experts per token
+  int k = 0;  // experts per token
   int local_experts = 0;
   int64_t expert_capacity = 0;  // rows per expert group, and token-major rows at most
   int64_t row_bytes = 0;        // dispatched payload per row (a multiple of 16)
@@ -29,18 +29,18 @@ struct TokenMajorCaller {
   const uint8_t* rows = nullptr;           // [capacity, row_bytes]
   const float* row_scales = nullptr;       // [capacity, scales_per_row]
   // The permuted rows, grouped by local expert: the GEMM's input.
-  uint8_t* grouped = nullptr;        // [local_experts, capacity, row_bytes]
-  float* grouped_scales = nullptr;   // [local_experts, capacity, scales_per_row]
-  int32_t* fill = nullptr;           // [local_experts] rows placed per group; zero between cycles
-  int32_t* where = nullptr;          // [capacity, k] where each copy went, -1 if not ours
+  uint8_t* grouped = nullptr;       // [local_experts, capacity, row_bytes]
+  float* grouped_scales = nullptr;  // [local_experts, capacity, scales_per_row]
+  int32_t* fill = nullptr;          // [local_experts] rows placed per group; zero between cycles
+  int32_t* where = nullptr;         // [capacity, k] where each copy went, -1 if not ours
   // The GEMM's output (expert-major, bf16) and the un-permuted rows CombineSend takes.
   const uint16_t* gemm_out = nullptr;  // [local_experts, capacity, hidden]
   uint16_t* combined = nullptr;        // [capacity, hidden]
 };
 
 // Each received row into a free row of each of its local experts' groups (with its scales):
-// one kernel places the copies (recording `where`), a second copies the rows. Needs `fill` zero: the first call after Unpermute (which zeroes it
-// once it has read `where`) or after setup.
+// one kernel places the copies (recording `where`), a second copies the rows. Needs `fill` zero:
+// the first call after Unpermute (which zeroes it once it has read `where`) or after setup.
 cudaError_t LaunchPermute(const TokenMajorCaller& c, cudaStream_t stream);
 // Row g of `combined` = sum over its copies of weight * gemm_out[expert][where], fp32 sums,
 // bf16 out; then zeroes `fill` for the next Permute.

@@ -23,20 +23,21 @@
 namespace {
 
 void Usage() {
-  std::fprintf(stderr,
-               "usage: ferry-bench fabric [--provider P] [--max-bytes N] [--quick] [--json]\n"
-               "       ferry-bench moe [--provider P] [--ranks N] [--tokens T] [--hidden H]\n"
-               "                       [--experts E] [--topk K] [--dtype fp8|bf16] [--iters I]"
-               " [--json]\n"
-               "                       [--once-per-rank] [--reduce-at-expert-rank] [--compare]"
-               " [--token-major]\n"
-               "                       [--device host|cuda] [--nvlink [--node-ranks N]] [--private N]\n"
-               "       ferry-bench kv [--provider P] [--tokens T] [--decoders N] [--rounds R]"
-               " [--pace F]"
-               " [--json]\n"
-               "       ferry-bench topo [--sysfs DIR] [--exclude NIC,...]\n"
-               "       ferry-bench demo\n"
-               "Provider from --provider, else FERRY_PROVIDER, else shm.\n");
+  std::fprintf(
+      stderr,
+      "usage: ferry-bench fabric [--provider P] [--max-bytes N] [--quick] [--json]\n"
+      "       ferry-bench moe [--provider P] [--ranks N] [--tokens T] [--hidden H]\n"
+      "                       [--experts E] [--topk K] [--dtype fp8|bf16] [--iters I]"
+      " [--json]\n"
+      "                       [--once-per-rank] [--reduce-at-expert-rank] [--compare]"
+      " [--token-major]\n"
+      "                       [--device host|cuda] [--nvlink [--node-ranks N]] [--private N]\n"
+      "       ferry-bench kv [--provider P] [--tokens T] [--decoders N] [--rounds R]"
+      " [--pace F]"
+      " [--json]\n"
+      "       ferry-bench topo [--sysfs DIR] [--exclude NIC,...]\n"
+      "       ferry-bench demo\n"
+      "Provider from --provider, else FERRY_PROVIDER, else shm.\n");
 }
 
 bool ParseInt(const char* s, int* out) {
