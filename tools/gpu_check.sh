@@ -127,47 +127,27 @@ if [ "$mode" = ab ]; then
     grep -h 'trace ' "$OUT/trace_p$p.log"
   done
 fi
-if [ "$mode" = layout ]; then
-  nv=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8 --once-per-rank
-      --reduce-at-expert-rank --token-major)
-  for round in 1 2; do
+# NVLink decode (16 and 1024 private slots) and prefill, (a)+(b) in both layouts: with
+# --token-major the bench runs expert-major, token-major, and token-major with the caller's
+# permute and un-permute timed in (tok+permute). layout_rounds LOG_PREFIX ROUNDS
+tok=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8 --once-per-rank
+     --reduce-at-expert-rank --token-major)
+layout_rounds() {
+  local round p
+  for round in $(seq "$2"); do
     for p in 16 1024; do
-      step nvlink_layout_p${p}_$round 200 build-gpu/ferry-bench moe "${nv[@]}" --tokens 128 \
-        --iters 200 --private $p
+      step "$1_p${p}_$round" 200 build-gpu/ferry-bench moe "${tok[@]}" --tokens 128 --iters 200 \
+        --private $p
     done
-    step nvlink_layout_prefill_$round 300 build-gpu/ferry-bench moe "${nv[@]}" --tokens 4096 \
-      --iters 20
+    step "$1_prefill_$round" 300 build-gpu/ferry-bench moe "${tok[@]}" --tokens 4096 --iters 20
   done
-  step nvlink_layout_prefill_push 300 build-gpu/ferry-bench moe "${nv[@]}" --tokens 4096 \
-    --iters 20 --private 4096
-  FERRY_NV_TRACE=1 step trace_prefill_tok 200 build-gpu/ferry-bench moe "${nv[@]}" --tokens 4096 \
-    --iters 5
-  echo "== trace, 4096 tokens, (a)+(b) token-major (last variant): point slowest/mean us"
-  grep -h 'trace ' "$OUT/trace_prefill_tok.log"
-fi
-if [ "$mode" = kvpace ]; then
+}
+# The kv benchmarks, 4k and 32k prompts, at each pace of $1; KV_SPIN=1: each once more with
+# engines that never idle (FERRY_SPIN_US=-1).
+kv_paces() {
+  local t pace spin name label
   for t in 4096 32768; do
-    for pace in ${PACES:-1.25 1}; do
-      step kv_pace${pace}_$t 300 build-gpu/ferry-bench kv --tokens $t --pace $pace
-      echo "== kv, $t tokens, layers $pace x raw apart"
-      sed -n 3,5p "$OUT/kv_pace${pace}_$t.log"
-    done
-  done
-fi
-if [ "$mode" = caller ]; then
-  nv=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8 --once-per-rank
-      --reduce-at-expert-rank --token-major)
-  for round in $(seq "${ROUNDS:-2}"); do
-    for p in 16 1024; do
-      step nvlink_caller_p${p}_$round 200 build-gpu/ferry-bench moe "${nv[@]}" --tokens 128 \
-        --iters 200 --private $p
-    done
-    step nvlink_caller_prefill_$round 300 build-gpu/ferry-bench moe "${nv[@]}" --tokens 4096 \
-      --iters 20
-  done
-  # KV_SPIN=1: each kv run once more with engines that never idle (FERRY_SPIN_US=-1).
-  for t in 4096 32768; do
-    for pace in ${PACES:-1 1.25}; do
+    for pace in $1; do
       for spin in 0 ${KV_SPIN:+1}; do
         name=kv_pace${pace}_$t label=""
         [ "$spin" = 1 ] && name=${name}_spin label=", spinning engines"
@@ -181,6 +161,20 @@ if [ "$mode" = caller ]; then
       done
     done
   done
+}
+if [ "$mode" = layout ]; then
+  layout_rounds nvlink_layout 2
+  step nvlink_layout_prefill_push 300 build-gpu/ferry-bench moe "${tok[@]}" --tokens 4096 \
+    --iters 20 --private 4096
+  FERRY_NV_TRACE=1 step trace_prefill_tok 200 build-gpu/ferry-bench moe "${tok[@]}" \
+    --tokens 4096 --iters 5
+  echo "== trace, 4096 tokens, (a)+(b) token-major (its variants last): point slowest/mean us"
+  grep -h 'trace ' "$OUT/trace_prefill_tok.log"
+fi
+[ "$mode" = kvpace ] && kv_paces "${PACES:-1.25 1}"
+if [ "$mode" = caller ]; then
+  layout_rounds nvlink_caller "${ROUNDS:-2}"
+  kv_paces "${PACES:-1 1.25}"
 fi
 if [ "$mode" = all ] || [ "$mode" = nvlink ] || [ "$mode" = relay ]; then
   nv=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8)
