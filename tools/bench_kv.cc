@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -239,6 +240,10 @@ Status Run(const KvBenchOptions& o, const Model& m, Bootstrap& b, Result* out) {
       std::memcpy(&start, times[0].data(), sizeof start);
       std::memcpy(&last_inc, times[0].data() + sizeof start, sizeof last_inc);
       rounds.push_back({raw_us, ready_at - start, ready_at - last_inc});
+      if (const char* t = std::getenv("FERRY_KV_TRACE"); t && *t && *t != '0') {
+        std::fprintf(stderr, "kv trace decoder %d: last layer marked at %.1f us, ready +%.1f\n",
+                     b.rank(), last_inc, ready_at - last_inc);
+      }
     }
     RETURN_IF_ERROR(b.Barrier(60s));
   }

@@ -12,7 +12,10 @@
 // weighted by that NIC's pages (WeightedImm), so that together they count as the writes.
 #include <algorithm>
 #include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <deque>
 #include <map>
 #include <mutex>
@@ -610,7 +613,7 @@ class Prefill final : public KvPrefill {
   Prefill(TransferEngine* engine, const KvSide& prefill, const KvRegions& regions,
           const MemoryRegion* aux, const std::atomic<uint64_t>* layer_counter, Callbacks cb)
       : engine_(engine), prefill_(prefill), regions_(regions), aux_(aux), counter_(layer_counter),
-        cb_(std::move(cb)) {}
+        cb_(std::move(cb)), trace_(TraceOn()) {}
 
   // Writes still in flight read the caller's regions and count into our counters: wait for them
   // (the engine ends each within its transfer timeout); if some never end, leak their records.
@@ -786,7 +789,23 @@ class Prefill final : public KvPrefill {
     std::shared_ptr<TransferCounter> writes = std::make_shared<TransferCounter>();
     uint64_t submitted = 0;  // transfers (each ends in one completion)
     uint64_t posted = 0;     // writes (each carries one immediate)
+    // FERRY_KV_TRACE: when the watcher first saw a chunk's last layer counted, had posted
+    // every chunk's last layer, and saw all writes complete (CLOCK_MONOTONIC µs; 0 until then).
+    double last_seen_us = 0, last_posted_us = 0, done_us = 0;
   };
+
+  // FERRY_KV_TRACE=1: each released request prints its last layer's phases to stderr -- the
+  // watcher seeing the count, its writes posted, all writes complete -- on CLOCK_MONOTONIC, the
+  // clock of the caller's own stamps (ferry-bench kv prints when it bumped the last layer).
+  static bool TraceOn() {
+    const char* t = std::getenv("FERRY_KV_TRACE");
+    return t && *t && *t != '0';
+  }
+  static double MonotonicUs() {
+    timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e6 + ts.tv_nsec * 1e-3;
+  }
 
   void Watch() {
     Backoff backoff(64, 256, 50);
@@ -849,6 +868,9 @@ class Prefill final : public KvPrefill {
       if (a.cancelled) continue;
       bool all_posted = true;
       for (Chunk& chunk : a.chunks) {
+        if (trace_ && a.last_seen_us == 0 && done >= chunk.pass_base + regions_.num_layers) {
+          a.last_seen_us = MonotonicUs();
+        }
         while (a.failure.ok() && chunk.next_layer < regions_.num_layers &&
                done >= chunk.pass_base + chunk.next_layer + 1) {
           const uint64_t before = a.submitted;
@@ -858,6 +880,9 @@ class Prefill final : public KvPrefill {
           ++chunk.next_layer;
         }
         if (a.failure.ok() && chunk.next_layer < regions_.num_layers) all_posted = false;
+      }
+      if (trace_ && a.scheduled && all_posted && a.last_posted_us == 0) {
+        a.last_posted_us = MonotonicUs();
       }
       if (!a.scheduled || !all_posted || a.aux_posted) continue;
       if (a.req.aux_bytes > 0 && a.failure.ok()) {
@@ -929,6 +954,9 @@ class Prefill final : public KvPrefill {
       for (auto it = pending_.begin(); it != pending_.end();) {
         Active& a = it->second;
         const uint64_t ended = a.writes->done.load() + a.writes->failed.load();
+        if (trace_ && a.last_posted_us != 0 && a.done_us == 0 && ended == a.submitted) {
+          a.done_us = MonotonicUs();
+        }
         if (a.cancelled && ended == a.submitted) {
           // Every write we posted has completed: acknowledge with their number, so the decoder
           // knows when the last one has landed.
@@ -940,6 +968,14 @@ class Prefill final : public KvPrefill {
           it = pending_.erase(it);
         } else if (a.scheduled && a.aux_posted && ended == a.submitted) {
           Status s = a.failure;
+          if (trace_) {
+            std::fprintf(stderr,
+                         "kv trace request %llu: last layer seen at %.1f us, posted +%.1f, "
+                         "writes complete +%.1f (%llu writes)\n",
+                         (unsigned long long)it->first, a.last_seen_us,
+                         a.last_posted_us - a.last_seen_us, a.done_us - a.last_seen_us,
+                         (unsigned long long)a.posted);
+          }
           if (s.ok() && a.writes->failed.load() > 0) {
             s = UnavailableError("KV prefill: " + std::to_string(a.writes->failed.load()) +
                                  " writes of request " + std::to_string(it->first) + " failed");
@@ -966,6 +1002,7 @@ class Prefill final : public KvPrefill {
   std::mutex mu_;
   std::deque<std::vector<uint8_t>> inbox_;
   std::unordered_map<uint64_t, Active> pending_;
+  const bool trace_;
   std::atomic<bool> stop_{false};
   std::thread watcher_;
 };
