@@ -119,6 +119,8 @@ __device__ inline uint8_t* SlotDst(const Nv& v, int r, int64_t j, int64_t start)
 // Tokens t = blockIdx.x, + grid...: token t's slots, rank by rank (SlotDst). Warp 0 lays the
 // slots out; then the token row is read once and stored into every slot. Block 0 writes the
 // counts rows into every rank first; every block arrives at every rank's dispatch flag.
+// FERRY_NV_TRACE points (as DispatchSend): 1 offsets, 2 counts rows out, 3 and 4 the block's
+// laying out and copying summed over its tokens (spans, not times), 5 loop done, 6 arrived.
 __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
   extern __shared__ int64_t starts[];  // [2N]: first slot per receiving rank in our send area,
                                        // first combine row per expert rank
@@ -126,10 +128,12 @@ __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
   __shared__ int num_slots;
   LaunchDependents();
   const uint64_t epoch = v.scratch->epoch;
+  Mark(v, kTraceSend, 0);
   const int tokens = v.scratch->tokens;
   int64_t* row_starts = starts + v.n;
   PrefixTotals(v.totals, v.n, starts);
   PrefixTotals(v.totals + v.n, v.n, row_starts);
+  Mark(v, kTraceSend, 1);
   if (blockIdx.x == 0) {  // our counts row into every rank, before block 0 arrives
     WriteCountsRows(v, [&](int r, int c) {
       if (c == v.l + kColSlots) return int64_t{v.totals[r]};
@@ -143,7 +147,10 @@ __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
       return value;
     });
   }
+  Mark(v, kTraceSend, 2);
+  long long route_cycles = 0, copy_cycles = 0;  // FERRY_NV_TRACE: summed over the tokens
   for (int t = blockIdx.x; t < tokens; t += gridDim.x) {
+    const long long loop_start = v.trace ? clock64() : 0;
     // Warp 0: lane j places the token's j-th copy; its slot's first lane writes the header.
     if (threadIdx.x < 32) {
       const LaneRoute x = RouteLane(v, v.indices + int64_t{t} * v.k);
@@ -171,6 +178,8 @@ __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
       if (lane == 0) num_slots = __popc(v.once ? x.firsts : x.valids);
     }
     __syncthreads();
+    const long long copy_start = v.trace ? clock64() : 0;
+    route_cycles += copy_start - loop_start;
     const int ns = num_slots;
     // The row: four vectors in flight per thread, each stored into every slot.
     if (ns > 0) {
@@ -200,8 +209,13 @@ __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
       }
     }
     __syncthreads();  // dst and num_slots are rewritten for the next token
+    if (v.trace) copy_cycles += clock64() - copy_start;
   }
+  MarkSpan(v, kTraceSend, 3, route_cycles);
+  MarkSpan(v, kTraceSend, 4, copy_cycles);
+  Mark(v, kTraceSend, 5);
   Arrive(v, false, epoch);
+  Mark(v, kTraceSend, 6);
 }
 
 // ---- dispatch send in one kernel (small batches) ------------------------------------------------

@@ -221,6 +221,14 @@ __device__ inline void Mark(const Nv& v, TraceKernel kernel, int point) {
     at[kTraceLastNs] = ns;
   }
 }
+// A point that reports `cycles` (a span the block summed, e.g. over its loop) as its time since
+// the block's start.
+__device__ inline void MarkSpan(const Nv& v, TraceKernel kernel, int point, long long cycles) {
+  if (v.trace && threadIdx.x == 0 && static_cast<int>(blockIdx.x) < v.trace_blocks) {
+    long long* at = v.trace + (int64_t{kernel} * v.trace_blocks + blockIdx.x) * kTraceSlots;
+    at[point] = at[0] + cycles;
+  }
+}
 
 // The first error of a step wins the device word; its reporter mirrors it into the host's
 // mapped words (plain stores: atomics on host memory over PCIe are not atomic, and
