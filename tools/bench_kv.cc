@@ -198,11 +198,7 @@ Status Run(const KvBenchOptions& o, const Model& m, Bootstrap& b, Result* out) {
       double start = NowUs();
       for (int l = 0; l < m.layers; ++l) {
         // Sleep, not spin: on small machines the engine's worker and the watcher need the cores.
-        const double wait_us = start + l * spacing_us - NowUs();
-        if (wait_us > 0) {
-          timespec ts{0, static_cast<long>(wait_us * 1e3)};
-          nanosleep(&ts, nullptr);
-        }
+        SleepUntilUs(start + l * spacing_us);
         layers_done.fetch_add(1, std::memory_order_release);
       }
       double last_inc = NowUs();

@@ -2,6 +2,7 @@
 // hand one fixed-size result back to the launcher.
 #pragma once
 
+#include <errno.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -19,6 +20,15 @@ inline double NowUs() {
   timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return ts.tv_sec * 1e6 + ts.tv_nsec * 1e-3;
+}
+
+// Sleeps until NowUs() reaches `until_us` (any length; an interrupted sleep resumes).
+inline void SleepUntilUs(double until_us) {
+  if (until_us <= 0) return;
+  const auto ns = static_cast<long long>(until_us * 1e3);
+  const timespec at{static_cast<time_t>(ns / 1000000000), static_cast<long>(ns % 1000000000)};
+  while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &at, nullptr) == EINTR) {
+  }
 }
 
 // Forks `ranks` ranks running `body`; the result `reporter` fills comes back through a pipe.
