@@ -63,13 +63,16 @@ if [ "$mode" != profile ] && [ "$mode" != trace ] && [ "$mode" != kvpace ]; then
   step moe_cuda_test 400 build-gpu/moe_cuda_test
   step fd_exchange_test 60 build-gpu/fd_exchange_test
 fi
+# NVLink cases above SendSmall's bound (tokens x k > 2048): their send half is Route and Pack.
+pack_cases='*n2_t333_h2176_e64_k8_bf16_hot_empty1_nvlink:*n2_t2048_h128_e256_k16_fp8_nvlink'
 if [ "$mode" != profile ] && [ "$mode" != trace ] && [ "$mode" != kvpace ] &&
    [ "${SANITIZERS:-1}" != 0 ]; then
   step memcheck 300 "$SANITIZER" --tool memcheck --target-processes all \
     build-gpu/moe_cuda_test \
-    --gtest_filter='*n2_t7_h128_e8_k2_bf16*:*n3_t64*:*n4_t96*nodes2:*t96*tokmajor'
+    --gtest_filter="*n2_t7_h128_e8_k2_bf16*:*n3_t64*:*n4_t96*nodes2:*t96*tokmajor:$pack_cases"
   step racecheck 300 "$SANITIZER" --tool racecheck --target-processes all \
-    build-gpu/moe_cuda_test --gtest_filter='*n2_t7_h128_e8_k2_bf16*:*n4_t96*nodes2:*t96*tokmajor'
+    build-gpu/moe_cuda_test \
+    --gtest_filter="*n2_t7_h128_e8_k2_bf16*:*n4_t96*nodes2:*t96*tokmajor:$pack_cases"
 fi
 if [ "$mode" = trace ]; then
   nv=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8)
@@ -118,13 +121,22 @@ if [ "$mode" = ab ]; then
   done
   pf=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8 --tokens 4096
       --iters 20 --once-per-rank --reduce-at-expert-rank --token-major)
-  step nvlink_base_prefill 300 /tmp/base/build/ferry-bench moe "${pf[@]}"
-  step nvlink_new_prefill 300 build-gpu/ferry-bench moe "${pf[@]}"
+  for round in 1 2; do
+    step nvlink_base_prefill_$round 300 /tmp/base/build/ferry-bench moe "${pf[@]}"
+    step nvlink_new_prefill_$round 300 build-gpu/ferry-bench moe "${pf[@]}"
+  done
   step nvlink_compare_new 200 build-gpu/ferry-bench moe "${decode[@]}" --compare --private 1024
   for p in 16 1024; do
     FERRY_NV_TRACE=1 step trace_p$p 200 build-gpu/ferry-bench moe "${nv[@]}" --iters 5 --private $p
     echo "== trace, 128 tokens, (a)+(b), --private $p: point slowest/mean us since block start"
     grep -h 'trace ' "$OUT/trace_p$p.log"
+  done
+  for side in base new; do
+    bench=build-gpu/ferry-bench
+    [ $side = base ] && bench=/tmp/base/build/ferry-bench
+    FERRY_NV_TRACE=1 step trace_prefill_$side 200 $bench moe "${pf[@]}" --iters 5
+    echo "== trace, 4096 tokens, (a)+(b) token-major, $side: point slowest/mean us"
+    grep -h 'trace ' "$OUT/trace_prefill_$side.log"
   done
 fi
 # NVLink decode (16 and 1024 private slots) and prefill, (a)+(b) in both layouts: with
