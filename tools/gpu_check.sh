@@ -16,8 +16,9 @@
 #                                 decode pushing every slot, decode --compare, then the decode
 #                                 phase stamps
 #   tools/gpu_check.sh ab         build, tests, then NVLink decode (a)+(b), both layouts (16 and
-#                                 1024 private slots) and prefill next to a baseline built from .baseline.tgz
-#                                 (git archive of an earlier commit), alternating; phase stamps
+#                                 1024 private slots) and prefill (16 and 4096) next to a baseline
+#                                 built from .baseline.tgz (git archive of an earlier commit),
+#                                 alternating; phase stamps
 #   tools/gpu_check.sh layout     build, tests, then NVLink decode and prefill (a)+(b) in both
 #                                 dispatch layouts (--token-major: expert-major and token-major
 #                                 rows of one invocation), twice; prefill pushing every slot;
@@ -121,9 +122,9 @@ if [ "$mode" = ab ]; then
   done
   pf=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8 --tokens 4096
       --iters 20 --once-per-rank --reduce-at-expert-rank --token-major)
-  for round in 1 2; do
-    step nvlink_base_prefill_$round 300 /tmp/base/build/ferry-bench moe "${pf[@]}"
-    step nvlink_new_prefill_$round 300 build-gpu/ferry-bench moe "${pf[@]}"
+  for p in 16 4096; do  # slots pulled by the receiver, then every slot pushed
+    step nvlink_base_prefill_p$p 300 /tmp/base/build/ferry-bench moe "${pf[@]}" --private $p
+    step nvlink_new_prefill_p$p 300 build-gpu/ferry-bench moe "${pf[@]}" --private $p
   done
   step nvlink_compare_new 200 build-gpu/ferry-bench moe "${decode[@]}" --compare --private 1024
   for p in 16 1024; do
@@ -131,13 +132,9 @@ if [ "$mode" = ab ]; then
     echo "== trace, 128 tokens, (a)+(b), --private $p: point slowest/mean us since block start"
     grep -h 'trace ' "$OUT/trace_p$p.log"
   done
-  for side in base new; do
-    bench=build-gpu/ferry-bench
-    [ $side = base ] && bench=/tmp/base/build/ferry-bench
-    FERRY_NV_TRACE=1 step trace_prefill_$side 200 $bench moe "${pf[@]}" --iters 5
-    echo "== trace, 4096 tokens, (a)+(b) token-major, $side: point slowest/mean us"
-    grep -h 'trace ' "$OUT/trace_prefill_$side.log"
-  done
+  FERRY_NV_TRACE=1 step trace_prefill 200 build-gpu/ferry-bench moe "${pf[@]}" --iters 5
+  echo "== trace, 4096 tokens, (a)+(b) token-major: point slowest/mean us"
+  grep -h 'trace ' "$OUT/trace_prefill.log"
 fi
 # NVLink decode (16 and 1024 private slots) and prefill, (a)+(b) in both layouts: with
 # --token-major the bench runs expert-major, token-major, and token-major with the caller's
