@@ -30,7 +30,7 @@
 #                                 the raw rate and 1.25x slower (--pace 1.25); ROUNDS (2),
 #                                 PACES ("1 1.25"), KV_SPIN=1 (each kv run again with
 #                                 FERRY_SPIN_US=-1)
-# SANITIZERS=0 skips memcheck and racecheck.
+# SANITIZERS=0 skips memcheck and racecheck; AB_DECODE_ROUNDS=0 runs ab's prefill pairs only.
 set -u
 OUT=${OUT:-/tmp/ferry-gpu}
 mkdir -p "$OUT"
@@ -114,7 +114,7 @@ if [ "$mode" = ab ]; then
   decode=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8 --tokens 128
           --iters 200)
   nv=("${decode[@]}" --once-per-rank --reduce-at-expert-rank --token-major)
-  for round in 1 2; do
+  for round in $(seq "${AB_DECODE_ROUNDS:-2}"); do
     for p in 16 1024; do
       step nvlink_base_p${p}_$round 200 /tmp/base/build/ferry-bench moe "${nv[@]}" --private $p
       step nvlink_new_p${p}_$round 200 build-gpu/ferry-bench moe "${nv[@]}" --private $p
@@ -126,8 +126,9 @@ if [ "$mode" = ab ]; then
     step nvlink_base_prefill_p$p 300 /tmp/base/build/ferry-bench moe "${pf[@]}" --private $p
     step nvlink_new_prefill_p$p 300 build-gpu/ferry-bench moe "${pf[@]}" --private $p
   done
-  step nvlink_compare_new 200 build-gpu/ferry-bench moe "${decode[@]}" --compare --private 1024
-  for p in 16 1024; do
+  [ "${AB_DECODE_ROUNDS:-2}" = 0 ] ||
+    step nvlink_compare_new 200 build-gpu/ferry-bench moe "${decode[@]}" --compare --private 1024
+  for p in $([ "${AB_DECODE_ROUNDS:-2}" = 0 ] || echo 16 1024); do
     FERRY_NV_TRACE=1 step trace_p$p 200 build-gpu/ferry-bench moe "${nv[@]}" --iters 5 --private $p
     echo "== trace, 128 tokens, (a)+(b), --private $p: point slowest/mean us since block start"
     grep -h 'trace ' "$OUT/trace_p$p.log"
