@@ -116,16 +116,64 @@ __device__ inline uint8_t* SlotDst(const Nv& v, int r, int64_t j, int64_t start)
   return SlotDst(v, r, j, start, v.peer[r].slots, v.peer[r].slot_cap);
 }
 
-// Tokens t = blockIdx.x, + grid...: token t's slots, rank by rank (SlotDst). Warp 0 lays the
-// slots out; then the token row is read once and stored into every slot. Block 0 writes the
-// counts rows into every rank first; every block arrives at every rank's dispatch flag.
-// FERRY_NV_TRACE points (as DispatchSend): 1 offsets, 2 counts rows out, 3 and 4 the block's
-// laying out and copying summed over its tokens (spans, not times), 5 loop done, 6 arrived.
+// A warp's token row: LoadRowBatch loads 32 * kLaneVectors 16-byte vectors from `first`;
+// StoreRowWarp stores the row into each of the token's ns slots (`dst`), batch by batch (the
+// first already in `batch`), then its scales.
+__device__ inline void LoadRowBatch(const Nv& v, const SendArgs& a, int t, int64_t first,
+                                    uint4 (&batch)[kLaneVectors]) {
+  const auto* row = reinterpret_cast<const uint4*>(a.x + int64_t{t} * v.payload);
+  const int64_t vectors = v.payload / 16;
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int u = 0; u < kLaneVectors; ++u) {
+    const int64_t i = first + lane + 32 * u;
+    if (i < vectors) batch[u] = __ldg(row + i);
+  }
+}
+__device__ inline void StoreRowWarp(const Nv& v, const SendArgs& a, int t, uint8_t* const* dst,
+                                    int ns, uint4 (&batch)[kLaneVectors]) {
+  const int lane = threadIdx.x % 32;
+  const int64_t vectors = v.payload / 16, meta = v.meta_bytes / 16;
+  for (int64_t first = 0; first < vectors; first += 32 * kLaneVectors) {
+    if (first > 0) LoadRowBatch(v, a, t, first, batch);
+    for (int slot = 0; slot < ns; ++slot) {
+      uint4* d = reinterpret_cast<uint4*>(dst[slot]) + meta + first;
+#pragma unroll
+      for (int u = 0; u < kLaneVectors; ++u) {
+        const int64_t i = lane + 32 * u;
+        if (first + i < vectors) d[i] = batch[u];
+      }
+    }
+  }
+  for (int base = 0; base < v.spt; base += 4 * 32) {
+    float scale[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int i = base + lane + 32 * u;
+      if (i < v.spt) scale[u] = a.scales[int64_t{t} * v.spt + i];
+    }
+    for (int slot = 0; slot < ns; ++slot) {
+      auto* d = reinterpret_cast<float*>(dst[slot] + v.meta_bytes + v.payload);
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int i = base + lane + 32 * u;
+        if (i < v.spt) d[i] = scale[u];
+      }
+    }
+  }
+}
+
+// A warp per token: token t goes to warp t / grid of block t % grid (consecutive tokens on
+// different SMs), which loads the row's first batch, lays out the token's slots rank by rank
+// (SlotDst; lane j places the token's j-th copy, its slot's first lane writes the header), then
+// stores the row into every slot. Block 0 writes the counts rows into every rank first; every
+// block arrives at every rank's dispatch flag.
+// FERRY_NV_TRACE points (as DispatchSend): 1 offsets, 2 counts rows out, 3 and 4 warp 0's laying
+// out and copying summed over its tokens (spans, not times), 5 loop done, 6 arrived.
 __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
   extern __shared__ int64_t starts[];  // [2N]: first slot per receiving rank in our send area,
                                        // first combine row per expert rank
-  __shared__ uint8_t* dst[kMaxK];      // the token's slots
-  __shared__ int num_slots;
+  __shared__ uint8_t* dst_of[kCopyThreads / 32][kMaxK];  // each warp's token's slots
   LaunchDependents();
   const uint64_t epoch = v.scratch->epoch;
   Mark(v, kTraceSend, 0);
@@ -148,67 +196,40 @@ __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
     });
   }
   Mark(v, kTraceSend, 2);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  uint8_t** dst = dst_of[warp];
   long long route_cycles = 0, copy_cycles = 0;  // FERRY_NV_TRACE: summed over the tokens
-  for (int t = blockIdx.x; t < tokens; t += gridDim.x) {
+  for (int t = blockIdx.x + warp * gridDim.x; t < tokens; t += gridDim.x * (kCopyThreads / 32)) {
     const long long loop_start = v.trace ? clock64() : 0;
-    // Warp 0: lane j places the token's j-th copy; its slot's first lane writes the header.
-    if (threadIdx.x < 32) {
-      const LaneRoute x = RouteLane(v, v.indices + int64_t{t} * v.k);
-      const int lane = threadIdx.x;
-      if (x.valid) {
-        const int64_t f = int64_t{t} * v.k + lane;
-        int32_t pos = v.erank[f];
-        for (int c = 0; c < f / kChunk; ++c) pos += v.chunk_counts[int64_t{c} * v.e + x.e];
-        const int r = x.r;
-        const int o = v.once ? 0 : x.within;  // which of the token's slots for rank r
-        const int64_t j = v.slot_pos[int64_t{r} * v.t_max + t] + o;
-        uint8_t* d = SlotDst(v, r, j, starts[r]);
-        const NvEntry entry{x.e % v.l, lane, v.weights[f], pos};
-        reinterpret_cast<NvEntry*>(d + sizeof(NvHeader))[v.once ? x.within : 0] = entry;
-        if (!v.once || x.first) {
-          const int32_t row = static_cast<int32_t>(row_starts[r] +
-                                                   v.row_pos[int64_t{r} * v.t_max + t] +
-                                                   (v.once || v.reduce ? 0 : o));
-          *reinterpret_cast<NvHeader*>(d) =
-              NvHeader{t, v.once ? x.hits : 1, row, static_cast<int16_t>(o),
-                       static_cast<int16_t>(v.once ? 1 : x.hits)};
-          dst[v.once ? x.ranks_before : x.lanes_before + x.within] = d;
-        }
+    uint4 batch[kLaneVectors];
+    LoadRowBatch(v, a, t, 0, batch);  // in flight while the slots are laid out
+    const LaneRoute x = RouteLane(v, v.indices + int64_t{t} * v.k);
+    if (x.valid) {
+      const int64_t f = int64_t{t} * v.k + lane;
+      int32_t pos = v.erank[f];
+      for (int c = 0; c < f / kChunk; ++c) pos += v.chunk_counts[int64_t{c} * v.e + x.e];
+      const int r = x.r;
+      const int o = v.once ? 0 : x.within;  // which of the token's slots for rank r
+      const int64_t j = v.slot_pos[int64_t{r} * v.t_max + t] + o;
+      uint8_t* d = SlotDst(v, r, j, starts[r]);
+      const NvEntry entry{x.e % v.l, lane, v.weights[f], pos};
+      reinterpret_cast<NvEntry*>(d + sizeof(NvHeader))[v.once ? x.within : 0] = entry;
+      if (!v.once || x.first) {
+        const int32_t row = static_cast<int32_t>(row_starts[r] +
+                                                 v.row_pos[int64_t{r} * v.t_max + t] +
+                                                 (v.once || v.reduce ? 0 : o));
+        *reinterpret_cast<NvHeader*>(d) =
+            NvHeader{t, v.once ? x.hits : 1, row, static_cast<int16_t>(o),
+                     static_cast<int16_t>(v.once ? 1 : x.hits)};
+        dst[v.once ? x.ranks_before : x.lanes_before + x.within] = d;
       }
-      if (lane == 0) num_slots = __popc(v.once ? x.firsts : x.valids);
     }
-    __syncthreads();
+    const int ns = __popc(v.once ? x.firsts : x.valids);
+    __syncwarp();
     const long long copy_start = v.trace ? clock64() : 0;
     route_cycles += copy_start - loop_start;
-    const int ns = num_slots;
-    // The row: four vectors in flight per thread, each stored into every slot.
-    if (ns > 0) {
-      const auto* row = reinterpret_cast<const uint4*>(a.x + int64_t{t} * v.payload);
-      const int64_t vectors = v.payload / 16, meta = v.meta_bytes / 16;
-      for (int64_t base = threadIdx.x; base < vectors; base += 4 * int64_t{blockDim.x}) {
-        uint4 r[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          const int64_t i = base + u * int64_t{blockDim.x};
-          if (i < vectors) r[u] = __ldg(row + i);
-        }
-        for (int slot = 0; slot < ns; ++slot) {
-          uint4* d = reinterpret_cast<uint4*>(dst[slot]) + meta;
-#pragma unroll
-          for (int u = 0; u < 4; ++u) {
-            const int64_t i = base + u * int64_t{blockDim.x};
-            if (i < vectors) d[i] = r[u];
-          }
-        }
-      }
-      for (int i = threadIdx.x; i < v.spt; i += blockDim.x) {  // one load, every slot
-        const float scale = a.scales[int64_t{t} * v.spt + i];
-        for (int slot = 0; slot < ns; ++slot) {
-          reinterpret_cast<float*>(dst[slot] + v.meta_bytes + v.payload)[i] = scale;
-        }
-      }
-    }
-    __syncthreads();  // dst and num_slots are rewritten for the next token
+    StoreRowWarp(v, a, t, dst, ns, batch);
+    __syncwarp();  // dst is rewritten for the warp's next token
     if (v.trace) copy_cycles += clock64() - copy_start;
   }
   MarkSpan(v, kTraceSend, 3, route_cycles);
@@ -400,17 +421,11 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
   }
   Mark(v, kTraceSend, 3);
 
-  const int64_t vectors = v.payload / 16, meta = v.meta_bytes / 16;
   const int t = first_token + warp;
   if (t < tokens) {
     // The row's first batch and the token's weights, in flight while the slots are laid out.
-    const auto* row = reinterpret_cast<const uint4*>(a.x + int64_t{t} * v.payload);
     uint4 batch[kLaneVectors];
-#pragma unroll
-    for (int u = 0; u < kLaneVectors; ++u) {
-      const int64_t i = lane + 32 * u;
-      if (i < vectors) batch[u] = __ldg(row + i);
-    }
+    LoadRowBatch(v, a, t, 0, batch);
     const float weight = lane < v.k ? a.weights[int64_t{t} * v.k + lane] : 0.0f;
 
     // Lane j: the token's j-th copy. Counts over the block's earlier entries (its tokens before
@@ -466,40 +481,7 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
     const int ns = __popc(v.once ? x.firsts : x.valids);
     __syncwarp();
 
-    // The row into every slot, batch by batch; then the scales.
-    for (int64_t first = 0; first < vectors; first += 32 * kLaneVectors) {
-      if (first > 0) {
-#pragma unroll
-        for (int u = 0; u < kLaneVectors; ++u) {
-          const int64_t i = first + lane + 32 * u;
-          if (i < vectors) batch[u] = __ldg(row + i);
-        }
-      }
-      for (int slot = 0; slot < ns; ++slot) {
-        uint4* d = reinterpret_cast<uint4*>(dst_of[warp][slot]) + meta + first;
-#pragma unroll
-        for (int u = 0; u < kLaneVectors; ++u) {
-          const int64_t i = lane + 32 * u;
-          if (first + i < vectors) d[i] = batch[u];
-        }
-      }
-    }
-    for (int base = 0; base < v.spt; base += 4 * 32) {
-      float scale[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int i = base + lane + 32 * u;
-        if (i < v.spt) scale[u] = a.scales[int64_t{t} * v.spt + i];
-      }
-      for (int slot = 0; slot < ns; ++slot) {
-        auto* d = reinterpret_cast<float*>(dst_of[warp][slot] + v.meta_bytes + v.payload);
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          const int i = base + lane + 32 * u;
-          if (i < v.spt) d[i] = scale[u];
-        }
-      }
-    }
+    StoreRowWarp(v, a, t, dst_of[warp], ns, batch);
   }
   Mark(v, kTraceSend, 5);
   Arrive(v, false, epoch);
@@ -532,9 +514,199 @@ __device__ inline void LoadPeersIn(const Nv& v, PeerIn* out) {
   }
 }
 
-// Every block waits for all dispatch flags, then takes received slots g = blockIdx.x, +grid...
-// (sender-major, each sender in its send order): checks the slot, copies its row to each entry's
-// output row, and remembers where the entries' combine rows go.
+// Unpack's tables in shared memory (see the kernel).
+struct SlotTables {
+  const PeerIn* from_of;
+  const int64_t *prefix, *start, *rebase;
+  const int32_t* counts;
+  int32_t* offset;
+};
+
+// A group of kGroup threads (a warp or the block) waits for itself: the slot metadata it shares.
+template <int kGroup>
+__device__ inline void GroupSync() {
+  if constexpr (kGroup == 32) {
+    __syncwarp();
+  } else {
+    __syncthreads();
+  }
+}
+template <int kGroup>
+__device__ inline bool GroupAll(bool value) {
+  if constexpr (kGroup == 32) {
+    return __all_sync(~0u, value);
+  } else {
+    return __syncthreads_and(value);
+  }
+}
+
+// Unpack's received slots g = blockIdx.x + group * grid, + grid * groups... for groups of kGroup
+// threads, each thread keeping kVec 16-byte vectors in flight: checks each slot, copies its row
+// to each entry's output row, remembers where the entries' combine rows go. Also builds the
+// offsets table (the whole block, while each group's first slot loads).
+template <int kGroup, int kVec>
+__device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
+                            int64_t total) {
+  constexpr int kGroups = kCopyThreads / kGroup;
+  __shared__ uint4 meta_of[kGroups][1 + kMaxK];  // each group's slot header and entries
+  __shared__ int64_t out_row_of[kGroups][kMaxK];
+  const int tid = threadIdx.x % kGroup, group = threadIdx.x / kGroup;
+  uint4* meta_v = meta_of[group];
+  int64_t* out_row = out_row_of[group];
+  const PeerIn* from_of = t.from_of;
+  const int64_t *prefix = t.prefix, *start = t.start, *rebase = t.rebase;
+  const int32_t* counts = t.counts;
+  int32_t* offset = t.offset;
+  // Vectors [0, meta): header and entries; [meta, body): the row; [body, end): the scales.
+  const int64_t meta = v.meta_bytes / 16, body = meta + v.payload / 16;
+  const int64_t end = (v.meta_bytes + v.payload + int64_t{v.spt} * 4 + 15) / 16;
+  const int64_t batch = int64_t{kVec} * kGroup;
+  // Received slot g: its sender s, its index j among s's, where it is. Ours from our send area;
+  // then what s pushed; the rest pulled from s's send area (a slot past what s may push to a
+  // rank without a send area to pull from is malformed: null).
+  int s = 0;
+  int64_t j = 0;
+  auto locate = [&](int64_t g) -> const uint4* {
+    s = SenderOf(prefix, v.n, g);
+    j = g - prefix[s];
+    const PeerIn& from = from_of[s];
+    const uint8_t* src = s == v.me        ? v.own + v.send_off + (start[s] + j) * v.slot_bytes
+                         : j < from.slot_cap ? from.slots + j * v.slot_bytes
+                         : from.pull         ? from.pull + (start[s] + j) * v.slot_bytes
+                                             : nullptr;
+    return reinterpret_cast<const uint4*>(src);
+  };
+  // One round trip for the slot's first batch (metadata and, usually, the whole slot).
+  uint4 r[kVec];
+  auto load = [&](const uint4* src4, int64_t first) {
+#pragma unroll
+    for (int u = 0; u < kVec; ++u) {
+      const int64_t i = first + tid + u * int64_t{kGroup};
+      if (i < end) r[u] = __ldcg(src4 + i);
+    }
+  };
+  const int64_t first_g = blockIdx.x + int64_t{group} * gridDim.x;
+  const int64_t step = int64_t{gridDim.x} * kGroups;
+  int64_t g = first_g;
+  const uint4* src4 = g < total ? locate(g) : nullptr;
+  if (src4) load(src4, 0);
+  Mark(v, kTraceUnpack, 3);
+
+  for (int e = threadIdx.x; e < v.l; e += blockDim.x) {
+    int32_t rows = 0;
+    for (int q = 0; q < v.n; ++q) {
+      offset[q * v.l + e] = rows;
+      rows += counts[q * v.counts_stride + e];
+    }
+    offset[v.n * v.l + e] = rows;
+  }
+  __syncthreads();
+  if (blockIdx.x == 0) {
+    if (threadIdx.x == 0) {
+      v.scratch->total_recv = static_cast<int32_t>(total);
+      v.scratch->rows_out = 0;
+    }
+  }
+  Mark(v, kTraceUnpack, 4);
+  bool primary_done = false;
+  for (; g < total; g += step) {
+    if (g != first_g) {
+      src4 = locate(g);
+      if (src4) load(src4, 0);
+    }
+    if (!src4) {
+      if (tid == 0) {
+        Report(v, kBadSlot, s, static_cast<int32_t>(j));
+        v.rslots[g] = RecvSlot{s, 0, 0, 0, 1};
+      }
+      continue;
+    }
+    const PeerIn& from = from_of[s];
+#pragma unroll
+    for (int u = 0; u < kVec; ++u) {
+      const int64_t i = tid + u * int64_t{kGroup};
+      if (i < meta) meta_v[i] = r[u];
+    }
+    GroupSync<kGroup>();
+    // Checks in parallel: the header by every thread, entry i by thread i.
+    NvHeader header;
+    std::memcpy(&header, &meta_v[0], sizeof header);
+    const int entries = min(max(header.entries, 0), v.k);
+    // The combine row, counted from where our rows for s go (rebased for another node).
+    const int64_t row = header.row - rebase[s];
+    bool valid = header.entries >= 1 && header.entries <= v.k && header.src_token >= 0 &&
+                 header.src_token < v.t_max && row >= 0 && header.parts >= 1 &&
+                 header.part >= 0 && header.part < header.parts &&
+                 row + (v.reduce ? 1 : header.entries) <= from.row_cap;
+    if (tid < entries) {
+      NvEntry entry;
+      std::memcpy(&entry, &meta_v[1 + tid], sizeof entry);
+      const int32_t le = entry.local_expert;
+      valid = valid && le >= 0 && le < v.l && entry.k >= 0 && entry.k < v.k && entry.pos >= 0 &&
+              entry.pos < offset[(s + 1) * v.l + le] - offset[s * v.l + le] &&
+              offset[(s + 1) * v.l + le] <= v.capacity;
+      if (valid) {
+        const int64_t expert_row = int64_t{le} * v.capacity + offset[s * v.l + le] + entry.pos;
+        out_row[tid] = v.token_major ? g : expert_row;
+        // CombineSend's entries; token-major it copies row g and reads none.
+        if (!v.token_major) {
+          v.rentries[g * v.k + tid] = RecvEntry{expert_row, entry.weight};
+        }
+      }
+    }
+    valid = GroupAll<kGroup>(valid);
+    if (g == first_g) Mark(v, kTraceUnpack, 5);
+    if (tid == 0) {
+      if (!valid) Report(v, kBadSlot, s, static_cast<int32_t>(j));
+      v.rslots[g] = RecvSlot{s, static_cast<int32_t>(row), valid ? entries : 0, header.part,
+                             header.parts};
+    }
+    // Token-major: the slot is one output row, and column c of its experts and weights is the
+    // entry whose k is c (thread c looks for it), or none.
+    const int outs = valid ? (v.token_major ? 1 : entries) : 0;
+    if (!primary_done) {  // the caller's memory from here on (a.out_x, a.out_scales, ...)
+      WaitPrimary();
+      primary_done = true;
+    }
+    if (v.token_major && valid && tid < v.k) {
+      int32_t expert = -1;
+      float weight = 0.0f;
+      for (int i = 0; i < entries; ++i) {
+        NvEntry entry;
+        std::memcpy(&entry, &meta_v[1 + i], sizeof entry);
+        if (entry.k == tid) {
+          expert = entry.local_expert;
+          weight = entry.weight;
+        }
+      }
+      a.token_experts[g * v.k + tid] = expert;
+      a.token_weights[g * v.k + tid] = weight;
+    }
+    // The slot's vectors into every entry's output row (the row, then its scales), batch by
+    // batch for slots longer than one.
+    for (int64_t first = 0; outs > 0 && first < end; first += batch) {
+      if (first > 0) load(src4, first);
+      for (int e = 0; e < outs; ++e) {
+        uint4* x = reinterpret_cast<uint4*>(a.out_x + out_row[e] * v.payload);
+        float* scales = a.out_scales + out_row[e] * v.spt;
+#pragma unroll
+        for (int u = 0; u < kVec; ++u) {
+          const int64_t i = first + tid + u * int64_t{kGroup};
+          if (i < meta || i >= end) continue;
+          if (i < body) {
+            x[i - meta] = r[u];
+          } else {
+            StoreScales(scales, (i - body) * 4, v.spt, r[u]);
+          }
+        }
+      }
+    }
+    GroupSync<kGroup>();  // the shared slot metadata is rewritten for the next one
+  }
+}
+
+// Every block waits for all dispatch flags, reads every sender's counts row, then takes its share
+// of the received slots (sender-major, each sender in its send order; UnpackSlots).
 __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
   extern __shared__ int64_t unpack_raw[];  // [N] PeerIn; [N + 1] slots before sender s; [N]
                                            // start[s] (where they start in its send area); [N]
@@ -550,8 +722,6 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
   // offset[s][e]: rows of local expert e from senders before s (offset[N][e]: all of them).
   int32_t* offset = counts + v.n * v.counts_stride;
   __shared__ bool ok;
-  __shared__ uint4 meta_v[1 + kMaxK];  // the slot's header and entries
-  __shared__ int64_t out_row[kMaxK];
   Mark(v, kTraceUnpack, 0);
   const uint64_t epoch = v.scratch->epoch;
   LoadPeersIn(v, from_of);  // while thread 0 waits: no table load on the path after the flags
@@ -594,153 +764,15 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
   }
   __syncthreads();
   const int64_t total = prefix[v.n];
-  // Vectors [0, meta): header and entries; [meta, body): the row; [body, end): the scales.
-  const int64_t meta = v.meta_bytes / 16, body = meta + v.payload / 16;
-  const int64_t end = (v.meta_bytes + v.payload + int64_t{v.spt} * 4 + 15) / 16;
-  const int64_t batch = 4 * int64_t{blockDim.x};
-  // Received slot g: its sender s, its index j among s's, where it is. Ours from our send area;
-  // then what s pushed; the rest pulled from s's send area (a slot past what s may push to a
-  // rank without a send area to pull from is malformed: null).
-  int s = 0;
-  int64_t j = 0;
-  auto locate = [&](int64_t g) -> const uint4* {
-    s = SenderOf(prefix, v.n, g);
-    j = g - prefix[s];
-    const PeerIn& from = from_of[s];
-    const uint8_t* src = s == v.me        ? v.own + v.send_off + (start[s] + j) * v.slot_bytes
-                         : j < from.slot_cap ? from.slots + j * v.slot_bytes
-                         : from.pull         ? from.pull + (start[s] + j) * v.slot_bytes
-                                             : nullptr;
-    return reinterpret_cast<const uint4*>(src);
-  };
-  // One round trip for the slot's first 16 KiB (metadata and, usually, the whole slot).
-  uint4 r[4];
-  auto load = [&](const uint4* src4) {
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int64_t i = threadIdx.x + u * int64_t{blockDim.x};
-      if (i < end) r[u] = __ldcg(src4 + i);
-    }
-  };
-  int64_t g = blockIdx.x;
-  const uint4* src4 = g < total ? locate(g) : nullptr;
-  if (src4) load(src4);
-  Mark(v, kTraceUnpack, 3);
-
-  for (int e = threadIdx.x; e < v.l; e += blockDim.x) {
-    int32_t rows = 0;
-    for (int q = 0; q < v.n; ++q) {
-      offset[q * v.l + e] = rows;
-      rows += counts[q * v.counts_stride + e];
-    }
-    offset[v.n * v.l + e] = rows;
-  }
-  __syncthreads();
-  if (blockIdx.x == 0) {
-    if (threadIdx.x == 0) {
-      v.scratch->total_recv = static_cast<int32_t>(total);
-      v.scratch->rows_out = 0;
-    }
-  }
-  Mark(v, kTraceUnpack, 4);
-  bool primary_done = false;
-  for (; g < total; g += gridDim.x) {
-    if (g != blockIdx.x) {
-      src4 = locate(g);
-      if (src4) load(src4);
-    }
-    if (!src4) {
-      if (threadIdx.x == 0) {
-        Report(v, kBadSlot, s, static_cast<int32_t>(j));
-        v.rslots[g] = RecvSlot{s, 0, 0, 0, 1};
-      }
-      continue;
-    }
-    const PeerIn& from = from_of[s];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int64_t i = threadIdx.x + u * int64_t{blockDim.x};
-      if (i < meta) meta_v[i] = r[u];
-    }
-    __syncthreads();
-    // Checks in parallel: the header by every thread, entry i by thread i.
-    NvHeader header;
-    std::memcpy(&header, &meta_v[0], sizeof header);
-    const int entries = min(max(header.entries, 0), v.k);
-    // The combine row, counted from where our rows for s go (rebased for another node).
-    const int64_t row = header.row - rebase[s];
-    bool valid = header.entries >= 1 && header.entries <= v.k && header.src_token >= 0 &&
-                 header.src_token < v.t_max && row >= 0 && header.parts >= 1 &&
-                 header.part >= 0 && header.part < header.parts &&
-                 row + (v.reduce ? 1 : header.entries) <= from.row_cap;
-    if (threadIdx.x < entries) {
-      NvEntry entry;
-      std::memcpy(&entry, &meta_v[1 + threadIdx.x], sizeof entry);
-      const int32_t le = entry.local_expert;
-      valid = valid && le >= 0 && le < v.l && entry.k >= 0 && entry.k < v.k && entry.pos >= 0 &&
-              entry.pos < offset[(s + 1) * v.l + le] - offset[s * v.l + le] &&
-              offset[(s + 1) * v.l + le] <= v.capacity;
-      if (valid) {
-        const int64_t expert_row = int64_t{le} * v.capacity + offset[s * v.l + le] + entry.pos;
-        out_row[threadIdx.x] = v.token_major ? g : expert_row;
-        // CombineSend's entries; token-major it copies row g and reads none.
-        if (!v.token_major) {
-          v.rentries[g * v.k + threadIdx.x] = RecvEntry{expert_row, entry.weight};
-        }
-      }
-    }
-    valid = __syncthreads_and(valid);
-    if (g == blockIdx.x) Mark(v, kTraceUnpack, 5);
-    if (threadIdx.x == 0) {
-      if (!valid) Report(v, kBadSlot, s, static_cast<int32_t>(j));
-      v.rslots[g] = RecvSlot{s, static_cast<int32_t>(row), valid ? entries : 0, header.part,
-                             header.parts};
-    }
-    // Token-major: the slot is one output row, and column c of its experts and weights is the
-    // entry whose k is c (thread c looks for it), or none.
-    const int outs = valid ? (v.token_major ? 1 : entries) : 0;
-    if (!primary_done) {  // the caller's memory from here on (a.out_x, a.out_scales, ...)
-      WaitPrimary();
-      primary_done = true;
-    }
-    if (v.token_major && valid && threadIdx.x < v.k) {
-      int32_t expert = -1;
-      float weight = 0.0f;
-      for (int i = 0; i < entries; ++i) {
-        NvEntry entry;
-        std::memcpy(&entry, &meta_v[1 + i], sizeof entry);
-        if (entry.k == static_cast<int32_t>(threadIdx.x)) {
-          expert = entry.local_expert;
-          weight = entry.weight;
-        }
-      }
-      a.token_experts[g * v.k + threadIdx.x] = expert;
-      a.token_weights[g * v.k + threadIdx.x] = weight;
-    }
-    // Vector i of the slot into every entry's output row (its row or its scales).
-    auto store = [&](int64_t i, const uint4& value) {
-      if (i < meta || i >= end) return;
-      for (int e = 0; e < outs; ++e) {
-        if (i < body) {
-          reinterpret_cast<uint4*>(a.out_x + out_row[e] * v.payload)[i - meta] = value;
-        } else {
-          StoreScales(a.out_scales + out_row[e] * v.spt, (i - body) * 4, v.spt, value);
-        }
-      }
-    };
-#pragma unroll
-    for (int u = 0; u < 4; ++u) store(threadIdx.x + u * int64_t{blockDim.x}, r[u]);
-    // Slots longer than one batch: the rest, batch by batch.
-    for (int64_t base = threadIdx.x + batch; outs > 0 && base < end; base += batch) {
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int64_t i = base + u * int64_t{blockDim.x};
-        if (i < end) r[u] = __ldcg(src4 + i);
-      }
-#pragma unroll
-      for (int u = 0; u < 4; ++u) store(base + u * int64_t{blockDim.x}, r[u]);
-    }
-    __syncthreads();  // the shared slot metadata is rewritten for the next one
+  // Few slots (decode): a block per slot, the slot's vectors spread over the block. More slots
+  // than blocks (prefill): a warp per slot, eight slots in flight per block, a lane's eight
+  // vectors loaded at once -- one block copying slot after slot waits on each slot's load.
+  // (Sixteen per lane take the kernel past 128 registers, one block per SM, or spill.)
+  const SlotTables tables{from_of, prefix, start, rebase, counts, offset};
+  if (total > gridDim.x) {
+    UnpackSlots<32, 8>(v, a, tables, total);
+  } else {
+    UnpackSlots<kCopyThreads, 4>(v, a, tables, total);
   }
   if (blockIdx.x == 0) {
     WaitPrimary();
