@@ -393,7 +393,7 @@ class NvlinkAllToAll final : public AllToAll {
   // DispatchSend block (µs, global timer).
   void PrintTrace() {
     static const char* const kNames[kTraceKernels] = {"DispatchSend", "Unpack", "CombineSend",
-                                                      "CombineRecv"};
+                                                      "CombineRecv", "Route"};
     std::vector<long long> stamps(size_t(kTraceKernels) * nv_.trace_blocks * kTraceSlots);
     int khz = 0;
     if (cudaMemcpy(stamps.data(), nv_.trace, stamps.size() * 8, cudaMemcpyDeviceToHost) !=
@@ -437,13 +437,11 @@ class NvlinkAllToAll final : public AllToAll {
         last = std::max(last, at[kTraceStartNs]);
         end = std::max(end, at[kTraceLastNs]);
       }
-      if (first != 0) {
-        char part[128];
-        std::snprintf(part, sizeof part, " | started %.2f..%.2f ended %.2f", (first - origin) / 1e3,
-                      (last - origin) / 1e3, (end - origin) / 1e3);
-        line += part;
-      }
-      std::fprintf(stderr, "%s\n", line.c_str());
+      if (first == 0) continue;  // not run this step (Route: decode batches)
+      char part[128];
+      std::snprintf(part, sizeof part, " | started %.2f..%.2f ended %.2f", (first - origin) / 1e3,
+                    (last - origin) / 1e3, (end - origin) / 1e3);
+      std::fprintf(stderr, "%s%s\n", line.c_str(), part);
     }
   }
 

@@ -93,14 +93,18 @@ __device__ void SortChunk(const Nv& v, const SendArgs& a, int tokens, int c, Rou
   }
 }
 
-// Blocks [0, N): RankScan; blocks [N, N + chunks): SortChunk.
+// Blocks [0, N): RankScan; blocks [N, N + chunks): SortChunk. FERRY_NV_TRACE points: 1 a rank
+// scanned, 2 a chunk sorted (times relative to the first Pack block in the printout).
 __global__ void __launch_bounds__(kRouteThreads) RouteKernel(Nv v, SendArgs a) {
   __shared__ RouteSmem smem;
+  Mark(v, kTraceRoute, 0);
   const int tokens = SendTokens(v, a);
   if (blockIdx.x < v.n) {
     RankScan(v, a, tokens, blockIdx.x, smem);
+    Mark(v, kTraceRoute, 1);
   } else {
     SortChunk(v, a, tokens, blockIdx.x - v.n, smem);
+    Mark(v, kTraceRoute, 2);
   }
 }
 

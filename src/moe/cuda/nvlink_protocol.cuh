@@ -205,7 +205,14 @@ __device__ inline uint64_t GlobalTimerNs() {
 // slowest and mean block time since that block's start, and when the kernel's blocks started and
 // ended relative to the first DispatchSend block (the gaps between the kernels). No reset runs
 // between launches (it would sit between the kernels): stamps carry their epoch.
-enum TraceKernel { kTraceSend, kTraceUnpack, kTraceCombineSend, kTraceCombineRecv, kTraceKernels };
+enum TraceKernel {
+  kTraceSend,
+  kTraceUnpack,
+  kTraceCombineSend,
+  kTraceCombineRecv,
+  kTraceRoute,
+  kTraceKernels
+};
 constexpr int kTracePoints = 8;
 enum TraceSlot { kTraceEpoch = kTracePoints, kTraceStartNs, kTraceLastNs, kTraceSlots };
 __device__ inline void Mark(const Nv& v, TraceKernel kernel, int point) {
