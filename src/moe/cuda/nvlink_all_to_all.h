@@ -45,19 +45,21 @@
 // Steps (one stream; kernels in order):
 //   DispatchSend: Route (per receiving rank: slot and combine-row positions of each token; per
 //                 chunk of (token, k) entries: each copy's rank among the copies for its expert,
-//                 by a stable block radix sort) -> Pack (tokens spread over the blocks; warp 0
-//                 lays out a token's slots, lane per copy; the row is read once and stored into
-//                 each slot; block 0 writes the counts rows into every peer; every block then
-//                 arrives at every peer's dispatch flag).
+//                 by a stable block radix sort) -> Pack (a warp per token, tokens spread over
+//                 the blocks; the warp lays out a token's slots, lane per copy; the row is read
+//                 once and stored into each slot; block 0 writes the counts rows into every
+//                 peer; every block then arrives at every peer's dispatch flag).
 //                 Decode batches (a rank's T * K routing entries fit in shared memory) take one
 //                 kernel instead, SendSmall: every block reads the whole routing and counts what
 //                 Route computes for its own four tokens (shared-memory histograms over all
 //                 tokens and over those before its own, warp ballots within), a warp per token
 //                 stores the row; block 0 writes the counts rows; every block arrives.
-//   DispatchRecv: Unpack (every block waits for all dispatch flags; slot by slot, from our
-//                 private region, from the sender's send area over NVLink, or from our own send
-//                 area; rows into the expert-major output at the sender's offset for that expert
-//                 plus the copy's position; remembers where each combine row returns).
+//   DispatchRecv: Unpack (every block waits for all dispatch flags; slot by slot -- a block
+//                 per slot when they fit the grid, a warp per slot when they outnumber it --
+//                 from our private region, from the sender's send area over NVLink, or from our
+//                 own send area; rows into the expert-major output at the sender's offset for
+//                 that expert plus the copy's position (token-major: row g for slot g);
+//                 remembers where each combine row returns).
 //   CombineSend:  CombineSend (each received copy's expert output -- or, summed at the expert
 //                 rank, one row per token -- pushed into its sender's combine region; every
 //                 block arrives at every peer's combine flag).
