@@ -6,7 +6,9 @@
 // paces its layer counter at that rate (one layer per layer-transfer time, as if compute and
 // transfer were balanced), so the figures say both how fast the messenger moves bytes (GB/s
 // against raw) and how soon after the last layer the decoder is ready (against one layer's
-// transfer time). Rounds alternate so that a noisy host shows as a spread, not as a verdict.
+// transfer time). The raw loop runs twice per round: pipelined (its rate paces the layers) and
+// layer by layer, each layer alone as the last one moves (its mean is the second baseline for
+// the tail). Rounds alternate so that a noisy host shows as a spread, not as a verdict.
 #include "tools/bench_kv.h"
 
 #include <sys/prctl.h>
@@ -49,6 +51,7 @@ struct Result {
   double tail_us;          // last layer increment -> decode ready
   double raw_us;           // raw loop, same bytes and write sizes
   double layer_us;         // one layer's transfer time at the raw rate
+  double alone_us;         // one layer moved alone by the raw loop (mean over the layers)
   int64_t writes_per_layer;
   double ratio_min, ratio_max;  // raw / ferry over the rounds (the figures above: the median)
   int rounds;
@@ -132,47 +135,67 @@ Status Run(const KvBenchOptions& o, const Model& m, Bootstrap& b, Result* out) {
   // messenger's layers in a round are paced at that round's raw rate. The round of median ratio
   // is reported, with the lowest and highest ratio.
   struct Round {
-    double raw_us, ferry_us, tail_us;
+    double raw_us, alone_us, ferry_us, tail_us;
   };
   std::vector<Round> rounds;
   uint64_t imms = 0;
   uint32_t last = 0;
-  for (int round = 0; round < o.rounds; ++round) {
-    double raw_us = 0;
-    if (prefill) {
-      // Write i goes to decoder i % decoders: the plan's writes layer by layer, each to every
-      // decoder in turn; the last write to each decoder carries its one immediate.
-      const uint64_t window = std::min<uint64_t>(64, raw.tx_depth());
-      const uint64_t per_decoder = plan.writes.size() * m.layers;
-      uint64_t posted = 0, done = 0, total = per_decoder * decoders;
-      double t0 = NowUs();
-      while (done < total) {
-        while (posted < total && posted - done < window) {
-          const uint64_t k = posted / decoders;
-          const KvWrite& w = plan.writes[k % plan.writes.size()];
-          const int64_t layer = static_cast<int64_t>(k / plan.writes.size());
-          const uint64_t src = w.src_rank * src_shard_bytes + layer * stride + w.src_offset;
-          const uint64_t dst = w.dst_rank * dst_shard_bytes + layer * dec.page_bytes() * pages +
-                               w.dst_offset;
-          if (!raw.Post(posted % decoders, src, dst, w.length, k + 1 == per_decoder, 1)) break;
-          ++posted;
-        }
-        int r = raw.Poll(&imms, &last);
-        if (r < 0) return InternalError("raw completion error");
-        done += r;
+  // One raw pass over every layer's writes. Pipelined: the window of writes in flight spans
+  // layers (the raw rate the layers are paced at). Layer by layer: each layer's writes complete
+  // before the next layer's are posted, so each layer moves alone as the last one must; the mean
+  // of those times is one layer's transfer time by itself. Write i goes to decoder i % decoders:
+  // the plan's writes layer by layer, each to every decoder in turn; the last write to each
+  // decoder carries its one immediate per pass.
+  const uint64_t per_decoder = plan.writes.size() * m.layers;
+  const uint64_t per_layer = plan.writes.size() * decoders;
+  auto raw_pass = [&](bool by_layer, double* alone_us) -> StatusOr<double> {
+    const uint64_t window = std::min<uint64_t>(64, raw.tx_depth());
+    const uint64_t total = per_decoder * decoders;
+    uint64_t posted = 0, done = 0;
+    const double t0 = NowUs();
+    double layer_start = t0, alone_sum = 0;
+    while (done < total) {
+      const uint64_t bound = by_layer ? (done / per_layer + 1) * per_layer : total;
+      while (posted < bound && posted - done < window) {
+        const uint64_t k = posted / decoders;
+        const KvWrite& w = plan.writes[k % plan.writes.size()];
+        const int64_t layer = static_cast<int64_t>(k / plan.writes.size());
+        const uint64_t src = w.src_rank * src_shard_bytes + layer * stride + w.src_offset;
+        const uint64_t dst = w.dst_rank * dst_shard_bytes + layer * dec.page_bytes() * pages +
+                             w.dst_offset;
+        if (!raw.Post(posted % decoders, src, dst, w.length, k + 1 == per_decoder, 1)) break;
+        ++posted;
       }
-      raw_us = NowUs() - t0;
+      int r = raw.Poll(&imms, &last);
+      if (r < 0) return InternalError("raw completion error");
+      done += r;
+      if (by_layer && r > 0 && done % per_layer == 0) {
+        const double now = NowUs();
+        alone_sum += now - layer_start;
+        layer_start = now;
+      }
+    }
+    if (alone_us) *alone_us = alone_sum / m.layers;
+    return NowUs() - t0;
+  };
+  for (int round = 0; round < o.rounds; ++round) {
+    double raw_us = 0, alone_us = 0;
+    if (prefill) {
+      ASSIGN_OR_RETURN(raw_us, raw_pass(false, nullptr));
+      RETURN_IF_ERROR(raw_pass(true, &alone_us).status());
     } else {
-      while (imms <= static_cast<uint64_t>(round)) {  // one immediate per raw round
+      while (imms < 2 * static_cast<uint64_t>(round + 1)) {  // one immediate per raw pass
         if (raw.Poll(&imms, &last) < 0) return InternalError("raw completion error");
       }
     }
     RETURN_IF_ERROR(b.Barrier(60s));
-    // Share the raw time so both sides know the layer pacing.
-    std::vector<uint8_t> mine(sizeof(double));
+    // Share the raw times so both sides know the layer pacing.
+    std::vector<uint8_t> mine(2 * sizeof(double));
     std::memcpy(mine.data(), &raw_us, sizeof(double));
+    std::memcpy(mine.data() + sizeof(double), &alone_us, sizeof(double));
     ASSIGN_OR_RETURN(auto raw_times, b.AllGather(mine, 60s));
     std::memcpy(&raw_us, raw_times[0].data(), sizeof(double));
+    std::memcpy(&alone_us, raw_times[0].data() + sizeof(double), sizeof(double));
     const double layer_us = raw_us / m.layers;
     const double spacing_us = o.pace * layer_us;  // the model's time per layer
 
@@ -235,7 +258,7 @@ Status Run(const KvBenchOptions& o, const Model& m, Bootstrap& b, Result* out) {
       double start, last_inc;
       std::memcpy(&start, times[0].data(), sizeof start);
       std::memcpy(&last_inc, times[0].data() + sizeof start, sizeof last_inc);
-      rounds.push_back({raw_us, ready_at - start, ready_at - last_inc});
+      rounds.push_back({raw_us, alone_us, ready_at - start, ready_at - last_inc});
       if (const char* t = std::getenv("FERRY_KV_TRACE"); t && *t && *t != '0') {
         std::fprintf(stderr, "kv trace decoder %d: last layer marked at %.1f us, ready +%.1f\n",
                      b.rank(), last_inc, ready_at - last_inc);
@@ -252,6 +275,7 @@ Status Run(const KvBenchOptions& o, const Model& m, Bootstrap& b, Result* out) {
     out->ferry_us = median.ferry_us;
     out->tail_us = median.tail_us;
     out->layer_us = median.raw_us / m.layers;
+    out->alone_us = median.alone_us;
     out->ratio_min = rounds.front().raw_us / rounds.front().ferry_us;
     out->ratio_max = rounds.back().raw_us / rounds.back().ferry_us;
     out->rounds = static_cast<int>(rounds.size());
@@ -273,9 +297,9 @@ int RunKvBench(const KvBenchOptions& o) {
         "process%s; figures of decoder 1; raw writes every decoder's bytes; layers "
         "%.2f x one layer's raw transfer time apart)\n",
         o.provider.c_str(), o.tokens, o.decoders, o.decoders > 1 ? "es" : "", o.pace);
-    std::printf("%-20s %9s %9s | %10s %10s %8s %13s | %10s %10s %6s\n", "cache", "MB",
-                "writes/l", "ferry ms", "raw ms", "ratio", "(min..max)", "tail us", "layer us",
-                "tail/l");
+    std::printf("%-20s %9s %9s | %10s %10s %8s %13s | %10s %10s %6s %10s %6s\n", "cache",
+                "MB", "writes/l", "ferry ms", "raw ms", "ratio", "(min..max)", "tail us",
+                "layer us", "tail/l", "alone us", "tail/a");
   }
   bool first = true;
   if (o.json) {
@@ -295,14 +319,17 @@ int RunKvBench(const KvBenchOptions& o) {
     if (o.json) {
       std::printf("%s{\"cache\":\"%s\",\"bytes\":%.0f,\"writes_per_layer\":%lld,\"ferry_us\":%.1f,"
                   "\"raw_us\":%.1f,\"ratio\":%.3f,\"ratio_min\":%.3f,\"ratio_max\":%.3f,"
-                  "\"rounds\":%d,\"tail_us\":%.1f,\"layer_us\":%.1f}",
+                  "\"rounds\":%d,\"tail_us\":%.1f,\"layer_us\":%.1f,\"alone_us\":%.1f}",
                   first ? "" : ",", m.name, r.bytes, (long long)r.writes_per_layer, r.ferry_us,
-                  r.raw_us, ratio, r.ratio_min, r.ratio_max, r.rounds, r.tail_us, r.layer_us);
+                  r.raw_us, ratio, r.ratio_min, r.ratio_max, r.rounds, r.tail_us, r.layer_us,
+                  r.alone_us);
     } else {
-      std::printf("%-20s %9.1f %9lld | %10.2f %10.2f %8.3f  (%.3f..%.3f) | %10.1f %10.1f %6.2f\n",
-                  m.name, r.bytes / 1e6, (long long)r.writes_per_layer, r.ferry_us / 1e3,
-                  r.raw_us / 1e3, ratio, r.ratio_min, r.ratio_max, r.tail_us, r.layer_us,
-                  r.tail_us / r.layer_us);
+      std::printf(
+          "%-20s %9.1f %9lld | %10.2f %10.2f %8.3f  (%.3f..%.3f) | %10.1f %10.1f %6.2f %10.1f "
+          "%6.2f\n",
+          m.name, r.bytes / 1e6, (long long)r.writes_per_layer, r.ferry_us / 1e3, r.raw_us / 1e3,
+          ratio, r.ratio_min, r.ratio_max, r.tail_us, r.layer_us, r.tail_us / r.layer_us,
+          r.alone_us, r.tail_us / r.alone_us);
     }
     first = false;
   }
@@ -312,7 +339,10 @@ int RunKvBench(const KvBenchOptions& o) {
         "%d rounds of (raw, ferry) alternating; the figures of the round of median ratio, "
         "then the lowest and highest ratio; ratio = raw time / ferry time for the same "
         "bytes (ferry's layers paced at %.2f x that round's raw rate%s); tail = last "
-        "layer increment -> decode ready; layer = one layer's raw transfer time\n",
+        "layer increment -> decode ready; layer = one layer's raw transfer time (the "
+        "pipelined raw loop's time / layers); alone = one layer's time when the raw loop "
+        "moves the layers one after another, each waiting for the last (mean; what the last "
+        "layer, which has nothing to overlap with, costs at best)\n",
         o.rounds, o.pace, o.pace > 1 ? ", so the ratio is at most 1 / pace" : "");
   }
   return 0;
