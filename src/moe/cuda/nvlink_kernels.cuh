@@ -535,10 +535,14 @@ __device__ inline void GroupSync() {
     __syncthreads();
   }
 }
+// Also orders the group's shared-memory writes before it with its reads after it, as
+// __syncthreads_and does for a block (a warp vote alone does not promise that; __syncwarp does).
 template <int kGroup>
 __device__ inline bool GroupAll(bool value) {
   if constexpr (kGroup == 32) {
-    return __all_sync(~0u, value);
+    const bool all = __all_sync(~0u, value);
+    __syncwarp();
+    return all;
   } else {
     return __syncthreads_and(value);
   }
