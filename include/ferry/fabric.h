@@ -110,6 +110,11 @@ struct EngineOptions {
   int spin_us = 50;
   uint32_t idle_yield_us = 1000;
   uint32_t idle_sleep_us = 100;
+  // Post an immediate right behind the writes it counts when they share its connection and the
+  // provider places writes in order (FabricInfo::ordered_write_bytes); false: always wait for
+  // their completions first (a round trip more per transfer). Environment:
+  // FERRY_TRUST_WRITE_ORDER=0.
+  bool trust_write_order = true;
 
   // Defaults overridden by the FERRY_* environment variables named above.
   static EngineOptions FromEnv();
@@ -280,6 +285,9 @@ struct EngineStats {
   uint64_t wrs_posted = 0;
   std::array<uint64_t, kMaxNics> wrs_posted_per_nic{};
   uint64_t post_retries = 0;  // provider said EAGAIN
+  // Immediate-carrying last WRs held back until the transfer's other WRs completed (the
+  // provider's connection does not place writes in order, or the others went on other NICs).
+  uint64_t imm_waits = 0;
   uint64_t imms_received = 0;
   uint64_t imms_unmatched = 0;
   uint64_t messages_received = 0;
@@ -302,6 +310,11 @@ struct FabricInfo {
   size_t inject_size = 0;
   size_t tx_size = 0;
   size_t rx_size = 0;
+  // Writes of up to this many bytes on one connection are placed in the target's memory in the
+  // order they were posted, so an immediate posted after them is counted after their bytes
+  // landed (libfabric: FI_ORDER_RMA_WAW with ep_attr max_order_waw_size; verbs: an RC queue
+  // pair). 0: no such promise (shm, efa): the immediate waits for the others' completions.
+  uint64_t ordered_write_bytes = 0;
 };
 
 // Thread safety: every method may be called from any thread, concurrently. Callbacks run on the

@@ -103,6 +103,9 @@ EngineOptions EngineOptions::FromEnv() {
   o.message_bytes = EnvU32("FERRY_MSG_BYTES", o.message_bytes);
   o.transfer_timeout_ms = EnvU32("FERRY_TRANSFER_TIMEOUT_MS", o.transfer_timeout_ms);
   o.idle_sleep_us = EnvU32("FERRY_IDLE_SLEEP_US", o.idle_sleep_us);
+  if (const char* t = std::getenv("FERRY_TRUST_WRITE_ORDER")) {
+    o.trust_write_order = std::atoi(t) != 0;
+  }
   return o;
 }
 

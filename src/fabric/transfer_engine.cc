@@ -239,6 +239,7 @@ class Engine final : public TransferEngine {
       const FabricInfo& info = domains_[k]->info();
       if (k > 0) info_.domain += "," + info.domain;
       max_chunk_ = std::min<uint64_t>(max_chunk_, info.max_msg_size);
+      info_.ordered_write_bytes = std::min(info_.ordered_write_bytes, info.ordered_write_bytes);
       tx_total += info.tx_size > 0 ? info.tx_size : options_.max_outstanding_wrs;
     }
     uint32_t wrs = static_cast<uint32_t>(
@@ -735,6 +736,7 @@ class Engine final : public TransferEngine {
       s.wrs_posted_per_nic[k] = stats_.wrs_per_nic[k].load(std::memory_order_relaxed);
     }
     s.post_retries = stats_.post_retries.load(std::memory_order_relaxed);
+    s.imm_waits = stats_.imm_waits.load(std::memory_order_relaxed);
     s.imms_received = stats_.imms.load(std::memory_order_relaxed);
     s.imms_unmatched = stats_.imms_unmatched.load(std::memory_order_relaxed);
     s.messages_received = stats_.messages.load(std::memory_order_relaxed);
@@ -1053,14 +1055,26 @@ class Engine final : public TransferEngine {
     return std::min(i / t.shard_wrs, t.shards - 1);
   }
 
-  // How many of a transfer's last WRs carry its immediate and wait for all the others to
-  // complete: the last chunk of a split single write; each NIC's last page of a paged write with
-  // imm_once (the last min(NICs, pages) WRs, since page i goes to NIC first + i).
+  // How many of a transfer's last WRs carry its immediate: the last chunk of a split single
+  // write; each NIC's last page of a paged write with imm_once (the last min(NICs, pages) WRs,
+  // since page i goes to NIC first + i).
   uint32_t TailWrs(const Transfer& t) const {
     if (!t.req.has_imm) return 0;
     if (t.req.kind == Kind::kSingle) return 1;
     if (t.req.kind == Kind::kPaged && t.req.imm_once) return std::min<uint32_t>(nics_, t.total);
     return 0;
+  }
+
+  // Whether those WRs wait for all the others to complete. Not when each immediate only counts
+  // WRs posted before it on its own connection and that connection places writes in order
+  // (FabricInfo::ordered_write_bytes): a paged write's pages (each NIC's immediate counts that
+  // NIC's pages), a single write in one shard. A single write over several NICs still waits:
+  // its one immediate counts the other NICs' shards too.
+  bool TailWaits(const Transfer& t) const {
+    if (!options_.trust_write_order) return true;
+    const uint64_t wr_bytes = t.req.kind == Kind::kPaged ? t.req.length : t.chunk;
+    if (wr_bytes > info_.ordered_write_bytes) return true;
+    return t.req.kind == Kind::kSingle && t.shards > 1;
   }
 
   // Posts WRs of pending transfers, oldest first, while WR contexts and provider space last.
@@ -1072,9 +1086,13 @@ class Engine final : public TransferEngine {
       while (t->next < t->total && !t->finished) {
         const uint32_t tails = TailWrs(*t);
         if (t->tail_deferred || (tails && t->total > tails && t->next == t->total - tails &&
-                                 t->outstanding)) {
+                                 t->outstanding && TailWaits(*t))) {
           // The immediate must not overtake the data: post the immediate-carrying last WRs
           // after the others completed.
+          if (!t->tail_deferred) {
+            stats_.imm_waits.store(stats_.imm_waits.load(std::memory_order_relaxed) + 1,
+                                   std::memory_order_relaxed);
+          }
           t->tail_deferred = true;
           break;
         }
@@ -1553,7 +1571,7 @@ class Engine final : public TransferEngine {
 
   struct Stats {
     std::atomic<uint64_t> submitted{0}, completed{0}, failed{0}, wrs_posted{0}, post_retries{0},
-        imms{0}, imms_unmatched{0}, messages{0};
+        imm_waits{0}, imms{0}, imms_unmatched{0}, messages{0};
     std::array<std::atomic<uint64_t>, kMaxNics> wrs_per_nic{};
   } stats_;
 

@@ -185,6 +185,59 @@ TEST_P(EnginePairTest, PagedWriteWithOneWeightedImmediateCountsItsPages) {
   EXPECT_EQ(b_->stats().imms_received - imms_before, 1u);
 }
 
+// The weighted immediate goes right behind its pages where the provider places writes on a
+// connection in order (FabricInfo::ordered_write_bytes; tcp;ofi_rxm does), and waits for their
+// completions where it does not (shm) or where the engine is told not to trust the order. Either
+// way every page is in place once the count jumps.
+TEST_P(EnginePairTest, AnImmediateWaitsForItsPagesOnlyWhereWritesAreUnordered) {
+  constexpr uint32_t kImm = 0xAB000005, kMask = 0x00FFF000;
+  const uint32_t kPage = 4096, kPages = 200;
+  std::vector<uint32_t> src_pages(kPages), dst_pages(kPages);
+  std::iota(src_pages.begin(), src_pages.end(), 0);
+  std::iota(dst_pages.rbegin(), dst_pages.rend(), 0);
+  ASSERT_TRUE(b_->CreateWeightedImmCounter(kImm, kMask).ok());
+
+  // Writers: a_ (trusts the order, the default) and c, which does not.
+  EngineOptions o = testing_util::TestOptions(GetParam());
+  o.trust_write_order = false;
+  auto c = TransferEngine::Create(o);
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto b_on_c = (*c)->AddPeer(b_->Address());
+  ASSERT_TRUE(b_on_c.ok()) << b_on_c.status();
+  auto c_src = (*c)->RegisterMemory(src_.data(), src_.size());
+  ASSERT_TRUE(c_src.ok()) << c_src.status();
+
+  const bool ordered = a_->info().ordered_write_bytes >= kPage;
+  std::printf("%s: writes placed in order up to %llu bytes\n", GetParam().c_str(),
+              static_cast<unsigned long long>(a_->info().ordered_write_bytes));
+  TransferEngine* writers[] = {a_.get(), c->get()};
+  const MemoryRegion* sources[] = {&src_reg_, &*c_src};
+  const PeerId peers[] = {b_on_a_, *b_on_c};
+  for (int w = 0; w < 2; ++w) {
+    std::fill(dst_.begin(), dst_.end(), 0);
+    PagedWrite pw = Paged(src_pages, dst_pages, kPage, kPage);
+    pw.src = sources[w];
+    pw.peer = peers[w];
+    pw.imm = kImm;
+    pw.imm_once = true;
+    pw.imm_weight_mask = kMask;
+    const uint64_t waits_before = writers[w]->stats().imm_waits;
+    TransferCounter done;
+    ASSERT_TRUE(writers[w]->WritePaged(pw, Completion::Counter(&done)).ok());
+    ASSERT_TRUE(b_->WaitImm(kImm, uint64_t{kPages} * (w + 1), Deadline::After(10s)).ok());
+    for (uint32_t i = 0; i < kPages; ++i) {
+      ASSERT_EQ(0, std::memcmp(dst_.data() + uint64_t{dst_pages[i]} * kPage,
+                               src_.data() + uint64_t{src_pages[i]} * kPage, kPage))
+          << "writer " << w << ", page " << i;
+    }
+    ASSERT_TRUE(done.Wait(1, Deadline::After(10s)).ok());
+    EXPECT_EQ(done.failed.load(), 0u);
+    // 200 pages are posted before any completion is polled, so a waiting immediate always waits.
+    const uint64_t waits = writers[w]->stats().imm_waits - waits_before;
+    EXPECT_EQ(waits, w == 0 && ordered ? 0u : 1u) << "writer " << w;
+  }
+}
+
 TEST_P(EnginePairTest, ImmediateOnlyAndNotify) {
   ASSERT_TRUE(b_->CreateImmCounter(5).ok());
   std::atomic<int> fired{0};

@@ -432,6 +432,9 @@ class LibfabricDomain final : public Domain {
     info_.max_msg_size = info->ep_attr->max_msg_size;
     info_.inject_size = info->tx_attr->inject_size;
     info_.tx_size = info->tx_attr->size;
+    if (info->tx_attr->msg_order & FI_ORDER_RMA_WAW) {
+      info_.ordered_write_bytes = info->ep_attr->max_order_waw_size;
+    }
     info_.rx_size = info->rx_attr->size;
 
     int ret = fi_fabric(info->fabric_attr, fabric_.out(), nullptr);

@@ -173,6 +173,9 @@ class VerbsDomain final : public Domain {
     info_.max_msg_size = port.max_msg_sz ? port.max_msg_sz : (uint64_t{1} << 30);
     info_.inject_size = kMaxInline;
     info_.tx_size = kSendQueueDepth;
+    // An RC queue pair executes requests in order, and a write with immediate completes at the
+    // responder only after the writes before it were placed (what NCCL's IB transport relies on).
+    info_.ordered_write_bytes = UINT64_MAX;
     info_.rx_size = rx;
     return Status::Ok();
   }
