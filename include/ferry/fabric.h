@@ -208,9 +208,10 @@ class MemoryRegion {
 
 // One contiguous write, optionally carrying a 32-bit immediate that the receiver counts once the
 // bytes have landed. Writes larger than the provider's message size are split; the immediate
-// travels with the last piece, posted after the others completed (pieces on other NICs than the
-// last one's: after they were delivered into the target's memory, FI_DELIVERY_COMPLETE, since
-// they travel on other connections).
+// travels with the last piece: right behind the others where they share its connection and the
+// provider places writes in order (FabricInfo::ordered_write_bytes), else posted after the
+// others completed (pieces on other NICs than the last one's: after they were delivered into
+// the target's memory, FI_DELIVERY_COMPLETE, since they travel on other connections).
 struct SingleWrite {
   const MemoryRegion* src = nullptr;
   uint64_t src_offset = 0;
@@ -224,12 +225,13 @@ struct SingleWrite {
 // Page i goes from src_offset + src_pages[i] * src_stride to dst_offset + dst_pages[i] *
 // dst_stride, page_bytes long. With an immediate, every page write carries it (the receiver
 // counts one per page), or with imm_once only the last page on each NIC the pages stripe over,
-// posted after every other page's write completed and weighted by the pages its NIC carried
-// (WeightedImm with imm_weight_mask, required): a counter from CreateWeightedImmCounter(imm,
-// imm_weight_mask) then counts the transfer's pages with one immediate per NIC. (One per NIC:
-// a NIC's connection delivers in order, two NICs' connections need not -- over tcp a write's
-// local completion does not mean it landed.) The index spans, like the memory, must stay valid
-// until the transfer completes.
+// weighted by the pages its NIC carried (WeightedImm with imm_weight_mask, required): a counter
+// from CreateWeightedImmCounter(imm, imm_weight_mask) then counts the transfer's pages with one
+// immediate per NIC. Those last pages go right behind the others where the provider places
+// writes on a connection in order (FabricInfo::ordered_write_bytes: tcp, verbs), else after
+// every other page's write completed (shm, efa). (One immediate per NIC: two NICs' connections
+// are not ordered with each other -- and over tcp a write's local completion does not mean it
+// landed.) The index spans, like the memory, must stay valid until the transfer completes.
 struct PagedWrite {
   const MemoryRegion* src = nullptr;
   PeerId peer = 0;
