@@ -105,8 +105,10 @@ struct EngineOptions {
   uint32_t control_timeout_ms = 10000;
   uint32_t shutdown_timeout_ms = 10000;
   // Worker idling: spin this long after the last event, then yield until idle_yield_us, then
-  // sleep in steps of at most idle_sleep_us (a submit wakes it at once). spin_us < 0: never idle
-  // (production, pinned cores). Environment: FERRY_SPIN_US, FERRY_IDLE_SLEEP_US.
+  // sleep in steps of at most idle_sleep_us (a submit wakes it at once) -- but only yield while
+  // writes are outstanding or a notification is armed: libfabric moves bytes and acknowledgements
+  // only inside polls (tcp on both sides). spin_us < 0: never idle (production, pinned cores).
+  // Environment: FERRY_SPIN_US, FERRY_IDLE_SLEEP_US.
   int spin_us = 50;
   uint32_t idle_yield_us = 1000;
   uint32_t idle_sleep_us = 100;
@@ -294,6 +296,9 @@ struct EngineStats {
   uint64_t imms_unmatched = 0;
   uint64_t messages_received = 0;
   uint64_t worker_cpu_ns = 0;  // CPU time the worker thread has used
+  // Times the idle worker went to sleep (never while WRs are outstanding or a notification is
+  // armed: transfers move only inside its polls).
+  uint64_t worker_sleeps = 0;
 };
 
 // Provider facts the engine adapted to; for logs and benchmarks, never needed to use the API.

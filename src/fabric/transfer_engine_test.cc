@@ -238,6 +238,34 @@ TEST_P(EnginePairTest, AnImmediateWaitsForItsPagesOnlyWhereWritesAreUnordered) {
   }
 }
 
+// An idle worker sleeps, but not while a notification is armed: the writes it waits for move
+// only inside the worker's polls. Once it fired, the worker sleeps again.
+TEST_P(EnginePairTest, AWorkerWithANotificationArmedDoesNotSleep) {
+  auto sleeps = [&] { return b_->stats().worker_sleeps; };
+  const uint64_t idle_start = sleeps();
+  std::this_thread::sleep_for(30ms);
+  EXPECT_GT(sleeps(), idle_start) << "an idle engine never slept";
+  ASSERT_TRUE(b_->CreateImmCounter(7).ok());
+  std::atomic<bool> fired{false};
+  ASSERT_TRUE(b_->NotifyImm(7, 1, Deadline::After(10s), [&](const Status& s) {
+    EXPECT_TRUE(s.ok()) << s;
+    fired = true;
+  }).ok());
+  std::this_thread::sleep_for(5ms);  // the worker has taken the notification by now
+  const uint64_t armed_start = sleeps();
+  std::this_thread::sleep_for(30ms);
+  EXPECT_LE(sleeps(), armed_start + 1) << "slept while a notification was armed";
+  TransferCounter c;
+  ASSERT_TRUE(a_->WriteImm(b_on_a_, 7, Completion::Counter(&c)).ok());
+  ASSERT_TRUE(c.Wait(1, Deadline::After(10s)).ok());
+  const Deadline deadline = Deadline::After(10s);
+  while (!fired && !deadline.Expired()) std::this_thread::sleep_for(1ms);
+  ASSERT_TRUE(fired);
+  const uint64_t fired_at = sleeps();
+  std::this_thread::sleep_for(30ms);
+  EXPECT_GT(sleeps(), fired_at) << "the worker never slept again";
+}
+
 TEST_P(EnginePairTest, ImmediateOnlyAndNotify) {
   ASSERT_TRUE(b_->CreateImmCounter(5).ok());
   std::atomic<int> fired{0};
