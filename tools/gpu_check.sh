@@ -114,7 +114,8 @@ if [ "$mode" = ab ]; then
   decode=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8 --tokens 128
           --iters 200)
   nv=("${decode[@]}" --once-per-rank --reduce-at-expert-rank --token-major)
-  for round in $(seq "${AB_DECODE_ROUNDS:-2}"); do
+  decode_rounds=${AB_DECODE_ROUNDS:-2}
+  for round in $(seq "$decode_rounds"); do
     for p in 16 1024; do
       step nvlink_base_p${p}_$round 200 /tmp/base/build/ferry-bench moe "${nv[@]}" --private $p
       step nvlink_new_p${p}_$round 200 build-gpu/ferry-bench moe "${nv[@]}" --private $p
@@ -126,13 +127,15 @@ if [ "$mode" = ab ]; then
     step nvlink_base_prefill_p$p 300 /tmp/base/build/ferry-bench moe "${pf[@]}" --private $p
     step nvlink_new_prefill_p$p 300 build-gpu/ferry-bench moe "${pf[@]}" --private $p
   done
-  [ "${AB_DECODE_ROUNDS:-2}" = 0 ] ||
+  if [ "$decode_rounds" != 0 ]; then
     step nvlink_compare_new 200 build-gpu/ferry-bench moe "${decode[@]}" --compare --private 1024
-  for p in $([ "${AB_DECODE_ROUNDS:-2}" = 0 ] || echo 16 1024); do
-    FERRY_NV_TRACE=1 step trace_p$p 200 build-gpu/ferry-bench moe "${nv[@]}" --iters 5 --private $p
-    echo "== trace, 128 tokens, (a)+(b), --private $p: point slowest/mean us since block start"
-    grep -h 'trace ' "$OUT/trace_p$p.log"
-  done
+    for p in 16 1024; do
+      FERRY_NV_TRACE=1 step trace_p$p 200 build-gpu/ferry-bench moe "${nv[@]}" --iters 5 \
+        --private $p
+      echo "== trace, 128 tokens, (a)+(b), --private $p: point slowest/mean us since block start"
+      grep -h 'trace ' "$OUT/trace_p$p.log"
+    done
+  fi
   FERRY_NV_TRACE=1 step trace_prefill 200 build-gpu/ferry-bench moe "${pf[@]}" --iters 5
   echo "== trace, 4096 tokens, (a)+(b) token-major: point slowest/mean us"
   grep -h 'trace ' "$OUT/trace_prefill.log"

@@ -971,11 +971,10 @@ class Engine final : public TransferEngine {
     } else {
       uint32_t seen = wake_word_.load(std::memory_order_acquire);
       sleeping_.store(true, std::memory_order_relaxed);
-      stats_.sleeps.store(stats_.sleeps.load(std::memory_order_relaxed) + 1,
-                          std::memory_order_relaxed);
       std::atomic_thread_fence(std::memory_order_seq_cst);
       if (queue_.ApproxEmpty() && !control_pending_.load(std::memory_order_relaxed) &&
           !stop_.load(std::memory_order_relaxed)) {
+        Stats::Add(stats_.sleeps);
         Futex::Wait(&wake_word_, seen, options_.idle_sleep_us);
       }
       sleeping_.store(false, std::memory_order_relaxed);
@@ -1099,8 +1098,7 @@ class Engine final : public TransferEngine {
           // The immediate must not overtake the data: post the immediate-carrying last WRs
           // after the others completed.
           if (!t->tail_deferred) {
-            stats_.imm_waits.store(stats_.imm_waits.load(std::memory_order_relaxed) + 1,
-                                   std::memory_order_relaxed);
+            Stats::Add(stats_.imm_waits);
           }
           t->tail_deferred = true;
           break;
@@ -1115,8 +1113,7 @@ class Engine final : public TransferEngine {
         uint32_t nic = 0;
         PostResult res = PostOne(t, t->next, slot, &nic, &error);
         if (res == PostResult::kAgain) {
-          stats_.post_retries.store(stats_.post_retries.load(std::memory_order_relaxed) + 1,
-                                    std::memory_order_relaxed);
+          Stats::Add(stats_.post_retries);
           blocked = true;
           break;
         }
@@ -1129,7 +1126,7 @@ class Engine final : public TransferEngine {
         ++t->outstanding;
         ++posted;
         auto& per_nic = stats_.wrs_per_nic[nic];
-        per_nic.store(per_nic.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+        Stats::Add(per_nic);
       }
       if (blocked) break;
       // Done posting (or deferred, or failed): off the pending list.
@@ -1139,8 +1136,7 @@ class Engine final : public TransferEngine {
       MaybeFinish(t);
     }
     if (posted) {
-      stats_.wrs_posted.store(stats_.wrs_posted.load(std::memory_order_relaxed) + posted,
-                              std::memory_order_relaxed);
+      Stats::Add(stats_.wrs_posted, posted);
     }
     return posted;
   }
@@ -1297,12 +1293,11 @@ class Engine final : public TransferEngine {
   }
 
   void CountImm(uint32_t imm) {
-    stats_.imms.store(stats_.imms.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+    Stats::Add(stats_.imms);
     uint64_t weight = 1;
     ImmCounterTable::Slot* slot = counters_.FindWeighted(imm, &weight);
     if (!slot) {
-      stats_.imms_unmatched.store(stats_.imms_unmatched.load(std::memory_order_relaxed) + 1,
-                                  std::memory_order_relaxed);
+      Stats::Add(stats_.imms_unmatched);
       if (unmatched_handler_) unmatched_handler_(imm);
       return;
     }
@@ -1311,8 +1306,7 @@ class Engine final : public TransferEngine {
   }
 
   void OnMessage(const DomainCompletion& c, uint32_t index, uint32_t nic) {
-    stats_.messages.store(stats_.messages.load(std::memory_order_relaxed) + 1,
-                          std::memory_order_relaxed);
+    Stats::Add(stats_.messages);
     if (!message_handler_) return;
     std::optional<PeerId> from;
     auto it = peer_by_addr_.find(PeerKey(nic, c.src_addr));
@@ -1386,11 +1380,9 @@ class Engine final : public TransferEngine {
     t->finished = true;
     t->next = t->total;
     if (status.ok()) {
-      stats_.completed.store(stats_.completed.load(std::memory_order_relaxed) + 1,
-                             std::memory_order_relaxed);
+      Stats::Add(stats_.completed);
     } else {
-      stats_.failed.store(stats_.failed.load(std::memory_order_relaxed) + 1,
-                          std::memory_order_relaxed);
+      Stats::Add(stats_.failed);
     }
     t->req.done.Finish(status);
     if (t->outstanding == 0 && !t->queued) Release(t);
@@ -1468,14 +1460,14 @@ class Engine final : public TransferEngine {
         r.done.Finish(cancelled);
         continue;
       }
-      stats_.failed.fetch_add(1, std::memory_order_relaxed);
+      Stats::Add(stats_.failed);
       r.done.Finish(cancelled);
       inflight_.fetch_sub(1, std::memory_order_acq_rel);
     }
     for (Transfer* t = active_; t; t = t->active_next) {
       if (!t->finished) {
         t->finished = true;
-        stats_.failed.fetch_add(1, std::memory_order_relaxed);
+        Stats::Add(stats_.failed);
         t->req.done.Finish(cancelled);
       }
     }
@@ -1583,6 +1575,10 @@ class Engine final : public TransferEngine {
     std::atomic<uint64_t> submitted{0}, completed{0}, failed{0}, wrs_posted{0}, post_retries{0},
         imm_waits{0}, imms{0}, imms_unmatched{0}, messages{0}, sleeps{0};
     std::array<std::atomic<uint64_t>, kMaxNics> wrs_per_nic{};
+    // The worker's own counters: one writer, so a load and a store, not an atomic add.
+    static void Add(std::atomic<uint64_t>& counter, uint64_t n = 1) {
+      counter.store(counter.load(std::memory_order_relaxed) + n, std::memory_order_relaxed);
+    }
   } stats_;
 
   // Control operations for the worker.
