@@ -77,8 +77,13 @@ struct Gpu {
     CUDA_OR_RETURN(cudaMalloc(&p, std::max<size_t>(count, 1) * sizeof(T)));
     return Status::Ok();
   }
+  // cudaMemcpy from pageable memory may return before its last bytes land, and the AllToAll's
+  // kernels run on a stream that does not wait for the legacy one: synchronize first (without
+  // it, CombineRecv with accumulate read the tail of a stale output now and then).
   Status Put(const std::vector<T>& v) {
-    if (!v.empty()) CUDA_OR_RETURN(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+    if (v.empty()) return Status::Ok();
+    CUDA_OR_RETURN(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+    CUDA_OR_RETURN(cudaDeviceSynchronize());
     return Status::Ok();
   }
   Status Get(std::vector<T>& v) const {
@@ -551,6 +556,10 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{2, 1024, 1024, 32, 4, fp8, rnd, 32, false, false, false, 3, true},
                       Case{2, 2048, 128, 256, 16, fp8, rnd, 64, false, false, false, 2, true},
                       Case{2, 64, 128, 1024, 16, bf16, rnd, 8, true, false, true, 2, true},
+                      // Route's scan over several token chunks with a device count (graph
+                      // replays leave chunks empty), and over two groups of ranks.
+                      Case{2, 700, 256, 64, 4, bf16, rnd, 4, false, true, false, 4, true, true},
+                      Case{6, 600, 128, 48, 8, fp8, rnd, 4, false, true, false, 2, true},
                       // Graph capture and replay with device token counts.
                       Case{2, 128, 7168, 256, 8, fp8, rnd, 16, false, false, false, 4, true, true},
                       Case{2, 96, 256, 64, 4, bf16, rnd, 4, false, true, true, 4, true, true},

@@ -87,7 +87,8 @@ StatusOr<T*> Place(StepBuffers& b, std::vector<T>& host, bool cuda) {
   void* p = nullptr;
   if (cudaMalloc(&p, std::max<size_t>(host.size(), 1) * sizeof(T)) != cudaSuccess ||
       cudaMemcpy(p, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice) !=
-          cudaSuccess) {
+          cudaSuccess ||
+      cudaDeviceSynchronize() != cudaSuccess) {  // pageable copies may land after returning
     return InternalError("bench: GPU buffer of " + std::to_string(host.size() * sizeof(T)) +
                          " bytes");
   }

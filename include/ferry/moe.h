@@ -55,7 +55,11 @@ enum class DispatchDtype : uint8_t {
 enum class MoeDeviceKind : uint8_t {
   kHost = 0,  // on the CPU; every pointer of the step calls is host memory
   kCuda = 1,  // CUDA kernels on cuda_device; the step calls take device pointers (or mapped
-              // pinned memory) and return once their kernels finished
+              // pinned memory) and return once their kernels finished. The kernels run on the
+              // AllToAll's own non-blocking stream (or SetStream's), which waits for no other:
+              // inputs written on another stream, or by cudaMemcpy from pageable host memory
+              // (which may return before its last bytes land), must be complete first
+              // (synchronize).
 };
 
 // What DispatchRecv hands the caller, and so what CombineSend takes back.

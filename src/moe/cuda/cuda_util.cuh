@@ -4,8 +4,6 @@
 
 #include <cuda_runtime.h>
 
-#include <cub/block/block_scan.cuh>
-
 #include <algorithm>
 #include <cstdint>
 #include <string>
@@ -89,36 +87,6 @@ __device__ inline int SenderOf(const int64_t* prefix, int n, int64_t g) {
     if (prefix[mid] <= g) lo = mid; else hi = mid - 1;
   }
   return lo;
-}
-
-// Rank r's pass over the tokens, in order, by one block of kThreads threads: count(t) gives
-// token t's slots and combine rows on rank r (an int2); their exclusive prefix sums go to
-// slot_pos / row_pos [r][t] (rows of t_max), the totals to totals[r] and totals[n + r].
-template <int kThreads, typename Count>
-__device__ void ScanTokensForRank(int r, int n, int tokens, int t_max, Count count,
-                                  int32_t* slot_pos, int32_t* row_pos, int32_t* totals,
-                                  typename cub::BlockScan<int32_t, kThreads>::TempStorage& temp) {
-  using Scan = cub::BlockScan<int32_t, kThreads>;
-  int32_t carry_slots = 0, carry_rows = 0;
-  for (int base = 0; base < tokens; base += kThreads) {
-    const int t = base + threadIdx.x;
-    const int2 mine = t < tokens ? count(t) : make_int2(0, 0);
-    int32_t slot_prefix, row_prefix, slot_sum, row_sum;
-    Scan(temp).ExclusiveSum(mine.x, slot_prefix, slot_sum);
-    __syncthreads();
-    Scan(temp).ExclusiveSum(mine.y, row_prefix, row_sum);
-    __syncthreads();
-    if (t < tokens) {
-      slot_pos[int64_t{r} * t_max + t] = carry_slots + slot_prefix;
-      row_pos[int64_t{r} * t_max + t] = carry_rows + row_prefix;
-    }
-    carry_slots += slot_sum;
-    carry_rows += row_sum;
-  }
-  if (threadIdx.x == 0) {
-    totals[r] = carry_slots;
-    totals[n + r] = carry_rows;
-  }
 }
 
 template <typename T>

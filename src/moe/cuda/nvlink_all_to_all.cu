@@ -74,6 +74,7 @@ class NvlinkAllToAll final : public AllToAll {
     v.spt = c_.scales_per_token();
     v.priv = c_.max_private_tokens;
     v.chunks = static_cast<int>((int64_t{t} * k + kChunk - 1) / kChunk);
+    v.scan_blocks = ((t + kRouteThreads - 1) / kRouteThreads) * ((n + kScanRanks - 1) / kScanRanks);
     v.payload = c_.token_bytes();
     v.meta_bytes = sizeof(NvHeader) + int64_t{k} * sizeof(NvEntry);
     v.slot_bytes = RoundUp(v.meta_bytes + v.payload + int64_t{v.spt} * 4, 16);
@@ -219,6 +220,7 @@ class NvlinkAllToAll final : public AllToAll {
       RETURN_IF_ERROR(slot_pos_.Allocate(size_t(n) * t));
       RETURN_IF_ERROR(erank_.Allocate(size_t(t) * k));
       RETURN_IF_ERROR(chunk_counts_.Allocate(size_t(v.chunks) * v.e));
+      RETURN_IF_ERROR(scan_carry_.Allocate(size_t(t + kRouteThreads - 1) / kRouteThreads * n));
     }
     RETURN_IF_ERROR(rslots_.Allocate(max_recv));
     RETURN_IF_ERROR(rentries_.Allocate(size_t(max_recv) * k));
@@ -240,6 +242,7 @@ class NvlinkAllToAll final : public AllToAll {
     v.totals = totals_.get();
     v.erank = erank_.get();
     v.chunk_counts = chunk_counts_.get();
+    v.scan_carry = scan_carry_.get();
     v.rslots = rslots_.get();
     v.rentries = rentries_.get();
     if (const char* trace = std::getenv("FERRY_NV_TRACE"); trace && *trace && *trace != '0') {
@@ -294,7 +297,7 @@ class NvlinkAllToAll final : public AllToAll {
       FERRY_CUDA(cudaGetLastError());
       if (!async_) RETURN_IF_ERROR(Finish());
     } else {
-      RouteKernel<<<nv_.n + nv_.chunks, kRouteThreads, 0, stream_>>>(nv_, args);
+      RouteKernel<<<nv_.scan_blocks + nv_.chunks, kRouteThreads, 0, stream_>>>(nv_, args);
       FERRY_CUDA(cudaGetLastError());
       if (!async_) RETURN_IF_ERROR(Finish());
       PackKernel<<<send_grid_, kCopyThreads, 2 * nv_.n * sizeof(int64_t), stream_>>>(nv_,
@@ -649,6 +652,7 @@ class NvlinkAllToAll final : public AllToAll {
   DeviceArray<NvPeer> peers_;
   DeviceArray<Scratch> scratch_;
   DeviceArray<int32_t> indices_, slot_pos_, row_pos_, totals_, erank_, chunk_counts_;
+  DeviceArray<int64_t> scan_carry_;
   DeviceArray<float> weights_;
   DeviceArray<RecvSlot> rslots_;
   DeviceArray<RecvEntry> rentries_;

@@ -16,7 +16,21 @@ namespace ferry::moe::nv {
 
 // ---- dispatch send ----------------------------------------------------------------------------
 
-using RouteScan = cub::BlockScan<int32_t, kRouteThreads>;
+// Slots and combine rows a token takes on kScanRanks ranks at once, as Route's block scans sum
+// them: per rank, slots in the low 16 bits, rows in the high 16 (a chunk's sums are at most
+// kRouteThreads * kMaxK = 8192 each).
+struct RankCounts {
+  uint32_t v[kScanRanks];
+  __device__ RankCounts operator+(const RankCounts& o) const {
+    RankCounts s;
+#pragma unroll
+    for (int q = 0; q < kScanRanks; ++q) s.v[q] = v[q] + o.v[q];
+    return s;
+  }
+};
+static_assert(kRouteThreads * kMaxK < (1 << 16), "a chunk's sums must fit 16 bits");
+
+using RouteScan = cub::BlockScan<RankCounts, kRouteThreads>;
 using RouteSort = cub::BlockRadixSort<uint32_t, kRouteThreads, kSortItems, int32_t>;
 union RouteSmem {
   typename RouteScan::TempStorage scan;
@@ -24,28 +38,78 @@ union RouteSmem {
   uint32_t keys[kChunk];
 };
 
-// Rank r's block: for each token in order, its slots and combine rows on rank r as exclusive
-// prefix sums. Reports expert ids out of range (rank 0's block), which every step then skips.
-__device__ void RankScan(const Nv& v, const SendArgs& a, int tokens, int r, RouteSmem& smem) {
-  auto count = [&](int t) {
-    int32_t ids[kMaxK];  // all of the token's loads in flight at once
+// Scan block b: tokens [c * kRouteThreads, (c + 1) * kRouteThreads), a token per thread, for
+// ranks [r0, r0 + kScanRanks) (c = b / groups, r0 = (b % groups) * kScanRanks). Each token's
+// slots and combine rows on those ranks, as exclusive prefix sums within the chunk, go to
+// slot_pos and row_pos; the chunk's sums to scan_carry. The scan block that finishes last turns
+// scan_carry into each chunk's carry (what the chunks before it hold, which Pack adds) and
+// writes totals. The blocks of ranks [0, kScanRanks) report expert ids out of range, which every
+// step then skips.
+__device__ void ScanChunk(const Nv& v, const SendArgs& a, int tokens, int b, RouteSmem& smem) {
+  const int groups = (v.n + kScanRanks - 1) / kScanRanks;
+  const int c = b / groups, r0 = (b % groups) * kScanRanks;
+  const int t = c * kRouteThreads + threadIdx.x;
+  int rank_of[kMaxK];  // each copy's rank, -1 past k or for an id out of range
 #pragma unroll
-    for (int j = 0; j < kMaxK; ++j) ids[j] = j < v.k ? a.indices[int64_t{t} * v.k + j] : 0;
-    int hits = 0;
+  for (int i = 0; i < kMaxK; ++i) rank_of[i] = -1;
+  if (t < tokens) {
+    int32_t e[kMaxK];
 #pragma unroll
-    for (int j = 0; j < kMaxK; ++j) {
-      if (j >= v.k) break;
-      const int32_t e = ids[j];
-      if (!ValidExpert(v, e)) {
-        if (r == 0) Report(v, kBadExpert, t, e);
-        continue;
-      }
-      hits += e / v.l == r;
+    for (int i = 0; i < kMaxK; ++i) {
+      if (i < v.k) e[i] = a.indices[int64_t{t} * v.k + i];
     }
-    return make_int2(hits == 0 ? 0 : (v.once ? 1 : hits), hits == 0 ? 0 : (v.reduce ? 1 : hits));
-  };
-  ScanTokensForRank<kRouteThreads>(r, v.n, tokens, v.t_max, count, v.slot_pos, v.row_pos,
-                                   v.totals, smem.scan);
+#pragma unroll
+    for (int i = 0; i < kMaxK; ++i) {
+      if (i >= v.k) break;
+      if (ValidExpert(v, e[i])) {
+        rank_of[i] = e[i] / v.l;
+      } else if (r0 == 0) {
+        Report(v, kBadExpert, t, e[i]);
+      }
+    }
+  }
+  RankCounts mine, chunk;
+#pragma unroll
+  for (int q = 0; q < kScanRanks; ++q) {
+    int h = 0;
+#pragma unroll
+    for (int i = 0; i < kMaxK; ++i) h += rank_of[i] == r0 + q;
+    const uint32_t slots = h == 0 ? 0 : (v.once ? 1 : h), rows = h == 0 ? 0 : (v.reduce ? 1 : h);
+    mine.v[q] = slots | rows << 16;
+  }
+  RouteScan(smem.scan).ExclusiveSum(mine, mine, chunk);
+#pragma unroll
+  for (int q = 0; q < kScanRanks; ++q) {
+    const int r = r0 + q;
+    if (r >= v.n) break;
+    if (t < tokens) {
+      v.slot_pos[int64_t{r} * v.t_max + t] = static_cast<int32_t>(mine.v[q] & 0xFFFF);
+      v.row_pos[int64_t{r} * v.t_max + t] = static_cast<int32_t>(mine.v[q] >> 16);
+    }
+    if (threadIdx.x == 0) {
+      v.scan_carry[int64_t{c} * v.n + r] = (chunk.v[q] & 0xFFFF) | int64_t{chunk.v[q] >> 16} << 32;
+    }
+  }
+  if (!LastBlock(&v.scratch->tickets[3], false, v.scan_blocks)) return;
+  const int chunks = v.scan_blocks / groups;
+  for (int r = threadIdx.x; r < v.n; r += blockDim.x) {
+    int64_t sum = 0;
+    for (int c0 = 0; c0 < chunks; c0 += 8) {  // eight chunks' sums loaded at once
+      int64_t here[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        if (c0 + u < chunks) here[u] = __ldcg(&v.scan_carry[int64_t{c0 + u} * v.n + r]);
+      }
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        if (c0 + u >= chunks) break;
+        v.scan_carry[int64_t{c0 + u} * v.n + r] = sum;
+        sum += here[u];
+      }
+    }
+    v.totals[r] = static_cast<int32_t>(sum & 0xFFFFFFFF);
+    v.totals[v.n + r] = static_cast<int32_t>(sum >> 32);
+  }
 }
 
 // Chunk c's block: entries [c * kChunk, (c + 1) * kChunk) of the (token, k) list. A stable
@@ -93,17 +157,18 @@ __device__ void SortChunk(const Nv& v, const SendArgs& a, int tokens, int c, Rou
   }
 }
 
-// Blocks [0, N): RankScan; blocks [N, N + chunks): SortChunk. FERRY_NV_TRACE points: 1 a rank
-// scanned, 2 a chunk sorted (times relative to the first Pack block in the printout).
+// Blocks [0, scan_blocks): ScanChunk; the next v.chunks: SortChunk. FERRY_NV_TRACE points: 1 a
+// token chunk scanned, 2 a chunk sorted (times relative to the first Pack block in the
+// printout).
 __global__ void __launch_bounds__(kRouteThreads) RouteKernel(Nv v, SendArgs a) {
   __shared__ RouteSmem smem;
   Mark(v, kTraceRoute, 0);
   const int tokens = SendTokens(v, a);
-  if (blockIdx.x < v.n) {
-    RankScan(v, a, tokens, blockIdx.x, smem);
+  if (blockIdx.x < v.scan_blocks) {
+    ScanChunk(v, a, tokens, blockIdx.x, smem);
     Mark(v, kTraceRoute, 1);
   } else {
-    SortChunk(v, a, tokens, blockIdx.x - v.n, smem);
+    SortChunk(v, a, tokens, blockIdx.x - v.scan_blocks, smem);
     Mark(v, kTraceRoute, 2);
   }
 }
@@ -208,20 +273,22 @@ __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
     uint4 batch[kLaneVectors];
     LoadRowBatch(v, a, t, 0, batch);  // in flight while the slots are laid out
     const LaneRoute x = RouteLane(v, v.indices + int64_t{t} * v.k);
+    int32_t row_pos = 0;  // the token's first combine row among those from rank x.r
     if (x.valid) {
       const int64_t f = int64_t{t} * v.k + lane;
       int32_t pos = v.erank[f];
       for (int c = 0; c < f / kChunk; ++c) pos += v.chunk_counts[int64_t{c} * v.e + x.e];
       const int r = x.r;
       const int o = v.once ? 0 : x.within;  // which of the token's slots for rank r
-      const int64_t j = v.slot_pos[int64_t{r} * v.t_max + t] + o;
+      const int64_t carry = v.scan_carry[int64_t{t / kRouteThreads} * v.n + r];
+      const int64_t j = v.slot_pos[int64_t{r} * v.t_max + t] + (carry & 0xFFFFFFFF) + o;
+      row_pos = static_cast<int32_t>(v.row_pos[int64_t{r} * v.t_max + t] + (carry >> 32));
       uint8_t* d = SlotDst(v, r, j, starts[r]);
       const NvEntry entry{x.e % v.l, lane, v.weights[f], pos};
       reinterpret_cast<NvEntry*>(d + sizeof(NvHeader))[v.once ? x.within : 0] = entry;
       if (!v.once || x.first) {
-        const int32_t row = static_cast<int32_t>(row_starts[r] +
-                                                 v.row_pos[int64_t{r} * v.t_max + t] +
-                                                 (v.once || v.reduce ? 0 : o));
+        const int32_t row =
+            static_cast<int32_t>(row_starts[r] + row_pos + (v.once || v.reduce ? 0 : o));
         *reinterpret_cast<NvHeader*>(d) =
             NvHeader{t, v.once ? x.hits : 1, row, static_cast<int16_t>(o),
                      static_cast<int16_t>(v.once ? 1 : x.hits)};
@@ -229,7 +296,8 @@ __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
       }
     }
     const int ns = __popc(v.once ? x.firsts : x.valids);
-    __syncwarp();
+    __syncwarp();  // every lane read row_pos before it is completed for CombineRecv
+    if (x.first) v.row_pos[int64_t{x.r} * v.t_max + t] = row_pos;
     const long long copy_start = v.trace ? clock64() : 0;
     route_cycles += copy_start - loop_start;
     StoreRowWarp(v, a, t, dst, ns, batch);

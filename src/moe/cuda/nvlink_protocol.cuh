@@ -19,6 +19,7 @@ namespace ferry::moe::nv {
 constexpr int kRouteThreads = 512;
 constexpr int kSortItems = 4;
 constexpr int kChunk = kRouteThreads * kSortItems;  // (token, k) entries per sort chunk
+constexpr int kScanRanks = 4;  // ranks one Route scan block counts (tokens: kRouteThreads)
 constexpr int kCopyThreads = 256;
 constexpr int kMaxK = 16;                           // the CUDA device's top-k limit
 constexpr int kMaxExperts = 1024;
@@ -75,8 +76,8 @@ struct Scratch {
   int32_t error;            // an ErrorCode, claimed by the first Report (see Nv::error)
   uint64_t seen[2];         // with remote peers: the dispatch [0] / combine [1] flags block 0 saw
                             // all raised ("epoch + 1"), which the other blocks wait for
-  uint32_t tickets[3];      // last-block detection: the send steps' outbox flag (Arrive, with
-                            // peers in other nodes), CombineRecv's epoch
+  uint32_t tickets[4];      // last-block detection: the send steps' outbox flag (Arrive, with
+                            // peers in other nodes), CombineRecv's epoch, Route's carries
 };
 
 // Rank r as our kernels see it: where what r must receive from us goes, and where what r sent
@@ -113,6 +114,7 @@ struct NvPeer {
 // Everything the kernels share; passed by value.
 struct Nv {
   int n, me, e, l, k, t_max, hidden, spt, priv, chunks;
+  int scan_blocks;  // Route's token chunks x rank groups (ScanChunk)
   int counts_stride;  // int32 per counts row: L + kCountsColumns, rounded up to 16 bytes
   int64_t payload, slot_bytes, meta_bytes, row_bytes, capacity, slots_per_pair;
   bool once, reduce;
@@ -126,10 +128,14 @@ struct Nv {
                          // scratch->error the host reads
   int32_t* indices;      // [t_max, K] our copy of the routing
   float* weights;        // [t_max, K]
-  int32_t* slot_pos;     // [N, t_max] token t's first slot among ours for rank r (Route -> Pack;
-                         // null when SendSmall serves every batch, as erank and chunk_counts)
-  int32_t* row_pos;      // [N, t_max] token t's first combine row among those from rank r
+  int32_t* slot_pos;     // [N, t_max] token t's first slot among ours for rank r, less its
+                         // token chunk's carry (Route -> Pack; null when SendSmall serves every
+                         // batch, as erank, chunk_counts and scan_carry)
+  int32_t* row_pos;      // [N, t_max] token t's first combine row among those from rank r (Route
+                         // leaves the carry out, Pack adds it; CombineRecv reads the sum)
   int32_t* totals;       // [2N] slots per receiving rank, combine rows per expert rank
+  int64_t* scan_carry;   // [t_max / kRouteThreads rounded up, N] what the token chunks before
+                         // chunk c take on rank r: slots, rows << 32 (Route -> Pack)
   int32_t* erank;        // [t_max * K] a copy's rank within its chunk's copies for its expert
   int32_t* chunk_counts; // [chunks, E]
   RecvSlot* rslots;      // [N * slots_per_pair]
@@ -310,11 +316,12 @@ __device__ inline uint32_t TicketAdd(uint32_t* ticket, bool system) {
   }
   return old;
 }
-__device__ bool LastBlock(uint32_t* ticket, bool system) {
+// `blocks`: how many blocks take part (the first ones of the grid; default all).
+__device__ bool LastBlock(uint32_t* ticket, bool system, int blocks = 0) {
   __shared__ bool last;
   __syncthreads();
   if (threadIdx.x == 0) {
-    last = TicketAdd(ticket, system) == gridDim.x - 1;
+    last = TicketAdd(ticket, system) == (blocks > 0 ? blocks : gridDim.x) - 1;
     if (last) atomicExch(ticket, 0u);
   }
   __syncthreads();
