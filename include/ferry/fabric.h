@@ -85,6 +85,7 @@ struct EngineOptions {
   // Transfers in flight at once (submitted, not yet completed). Environment: FERRY_MAX_TRANSFERS.
   uint32_t max_transfers = 4096;
   // Work requests outstanding at the provider at once; capped by the provider's tx size.
+  // Environment: FERRY_MAX_WRS.
   uint32_t max_outstanding_wrs = 1024;
   // Two-sided messages: receive bounce buffers (re-posted automatically) and their size, which is
   // also the largest message Send accepts. Environment: FERRY_MSG_BYTES.

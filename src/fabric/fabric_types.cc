@@ -100,6 +100,7 @@ EngineOptions EngineOptions::FromEnv() {
   if (const char* n = std::getenv("FERRY_NICS")) o.nics = SplitCommaList(n);
   o.num_nics = EnvU32("FERRY_NUM_NICS", o.num_nics);
   o.max_transfers = EnvU32("FERRY_MAX_TRANSFERS", o.max_transfers);
+  o.max_outstanding_wrs = EnvU32("FERRY_MAX_WRS", o.max_outstanding_wrs);
   o.message_bytes = EnvU32("FERRY_MSG_BYTES", o.message_bytes);
   o.transfer_timeout_ms = EnvU32("FERRY_TRANSFER_TIMEOUT_MS", o.transfer_timeout_ms);
   o.idle_sleep_us = EnvU32("FERRY_IDLE_SLEEP_US", o.idle_sleep_us);
