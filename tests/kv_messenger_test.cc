@@ -45,6 +45,7 @@ struct Case {
   int pages_per_request = 5;
   bool kill_prefill = false;  // the prefill dies after taking the requests
   uint32_t prefill_max_transfers = 0;  // >0: a small engine, so posting must pause and resume
+  bool never_idle = false;  // the prefill's engine with spin_us < 0, so its watcher never sleeps
   int pages_per_layer() const { return std::max(24, pages_per_request * requests_per_decoder); }
 };
 
@@ -54,7 +55,8 @@ std::string Describe(const Case& c) {
          (c.prefill_order == KvOrder::kHND ? "_hnd" : "_nhd") +
          (c.decode_order == KvOrder::kHND ? "_hnd" : "_nhd") + (c.chunked ? "_chunked" : "") +
          "_r" + std::to_string(c.decoders * c.requests_per_decoder) +
-         (c.kill_prefill ? "_killed" : "") + (c.prefill_max_transfers ? "_throttled" : "");
+         (c.kill_prefill ? "_killed" : "") + (c.prefill_max_transfers ? "_throttled" : "") +
+         (c.never_idle ? "_neveridle" : "");
 }
 
 std::string CaseName(const ::testing::TestParamInfo<Case>& info) { return Describe(info.param); }
@@ -102,7 +104,9 @@ Status RunPrefill(const Case& c, Bootstrap& b) {
   const KvSide side{c.model, c.prefill_order, c.prefill_tp};
   EngineOptions options = testing_util::TestOptions(c.provider);
   if (c.prefill_max_transfers > 0) options.max_transfers = c.prefill_max_transfers;
+  if (c.never_idle) options.spin_us = -1;
   ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(options));
+  CHECK_OR_RETURN(engine->options().spin_us == options.spin_us, "options() differs");
   Shards shards;
   RETURN_IF_ERROR(shards.Init(*engine, side, c.pages_per_layer()));
   const int total = c.decoders * c.requests_per_decoder;
@@ -420,6 +424,8 @@ std::vector<Case> Cases() {
       {"shm", gqa, hnd, hnd, 4, 2, 3, 67, false, 1},
       // A prefill engine that admits 6 transfers at a time: posting pauses and resumes.
       {"shm", gqa, hnd, hnd, 4, 2, 3, 3, false, 5, false, 6},
+      // Chunked, with a prefill engine (and so a layer watcher) that never idles.
+      {"shm", gqa, hnd, hnd, 4, 2, 1, 3, true, 5, false, 0, true},
       // The prefill dies mid-transfer.
       {"shm", gqa, hnd, hnd, 4, 2, 3, 3, false, 5, true},
       {"tcp;ofi_rxm", gqa, hnd, hnd, 4, 2, 3, 3, false, 5, true},

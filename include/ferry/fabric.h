@@ -334,6 +334,8 @@ class TransferEngine {
   virtual ~TransferEngine() = default;
 
   virtual const FabricInfo& info() const = 0;
+  // The options the engine was created with (after FromEnv, when the caller used it).
+  virtual const EngineOptions& options() const = 0;
   // A random id that tells this engine's descriptors from any other's.
   virtual uint64_t id() const = 0;
   // Our address, as bytes a peer passes to AddPeer.

@@ -22,13 +22,16 @@ inline void CpuRelax() {
 
 class Backoff {
  public:
+  // kYieldForever as `yields`: never sleeps (a thread on a core of its own).
+  static constexpr uint32_t kYieldForever = UINT32_MAX;
+
   explicit Backoff(uint32_t spins = 64, uint32_t yields = 256, uint32_t sleep_us = 50)
       : spins_(spins), yields_(yields), sleep_us_(sleep_us) {}
 
   void Pause() {
     if (round_ < spins_) {
       CpuRelax();
-    } else if (round_ < spins_ + yields_) {
+    } else if (yields_ == kYieldForever || round_ - spins_ < yields_) {
       sched_yield();
     } else {
       std::this_thread::sleep_for(std::chrono::microseconds(sleep_us_));

@@ -305,6 +305,7 @@ class Engine final : public TransferEngine {
   }
 
   const FabricInfo& info() const override { return info_; }
+  const EngineOptions& options() const override { return options_; }
   uint64_t id() const override { return id_; }
   std::vector<uint8_t> Address() const override { return address_; }
 
@@ -1610,6 +1611,7 @@ class EngineHandle final : public TransferEngine {
     if (e_->StopWorker()) delete e_;
   }
   const FabricInfo& info() const override { return e_->info(); }
+  const EngineOptions& options() const override { return e_->options(); }
   uint64_t id() const override { return e_->id(); }
   std::vector<uint8_t> Address() const override { return e_->Address(); }
   StatusOr<MemoryRegion> RegisterMemory(void* data, uint64_t length, MemoryKind kind,
