@@ -23,7 +23,8 @@
 #                                 dispatch layouts (--token-major: expert-major and token-major
 #                                 rows of one invocation), twice; prefill pushing every slot;
 #                                 phase stamps of token-major prefill
-#   tools/gpu_check.sh kvpace     build, then the kv benchmarks (4k, 32k) at PACES ("1.25 1")
+#   tools/gpu_check.sh kvpace     build, then the kv benchmarks (4k, 32k) at PACES ("1.25 1");
+#                                 KV_SPIN=1 and KV_WRS="1024 64" as in kv_paces below
 #   tools/gpu_check.sh caller     build, tests, then NVLink decode and prefill (a)+(b) in both
 #                                 layouts with token-major's caller side timed in (the
 #                                 tok+permute row), twice; then the kv benchmarks with layers at
@@ -157,21 +158,25 @@ layout_rounds() {
   done
 }
 # The kv benchmarks, 4k and 32k prompts, at each pace of $1; KV_SPIN=1: each once more with
-# engines that never idle (FERRY_SPIN_US=-1).
+# engines (and the prefill's layer watcher) that never idle (FERRY_SPIN_US=-1); KV_WRS="A B":
+# each once per cap on the engine's outstanding work requests (FERRY_MAX_WRS), in that order.
 kv_paces() {
-  local t pace spin name label
+  local t pace spin wrs name label
   for t in 4096 32768; do
     for pace in $1; do
       for spin in 0 ${KV_SPIN:+1}; do
-        name=kv_pace${pace}_$t label=""
-        [ "$spin" = 1 ] && name=${name}_spin label=", spinning engines"
-        if [ "$spin" = 1 ]; then
-          FERRY_SPIN_US=-1 step "$name" 300 build-gpu/ferry-bench kv --tokens $t --pace $pace
-        else
-          step "$name" 300 build-gpu/ferry-bench kv --tokens $t --pace $pace
-        fi
-        echo "== kv, $t tokens, layers $pace x raw apart$label"
-        sed -n 3,5p "$OUT/$name.log"
+        for wrs in ${KV_WRS:-1024}; do
+          name=kv_pace${pace}_$t label=""
+          [ "$spin" = 1 ] && name=${name}_spin label=", spinning engines"
+          [ -n "${KV_WRS:-}" ] && name=${name}_wrs$wrs label="$label, FERRY_MAX_WRS=$wrs"
+          (
+            [ "$spin" = 1 ] && export FERRY_SPIN_US=-1
+            [ -n "${KV_WRS:-}" ] && export FERRY_MAX_WRS=$wrs
+            step "$name" 300 build-gpu/ferry-bench kv --tokens $t --pace $pace
+          )
+          echo "== kv, $t tokens, layers $pace x raw apart$label"
+          sed -n 3,5p "$OUT/$name.log"
+        done
       done
     done
   done
