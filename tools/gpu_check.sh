@@ -31,6 +31,10 @@
 #                                 the raw rate and 1.25x slower (--pace 1.25); ROUNDS (2),
 #                                 PACES ("1 1.25"), KV_SPIN=1 (each kv run again with
 #                                 FERRY_SPIN_US=-1)
+#   tools/gpu_check.sh ep         build, tests, then EP4 and EP8 over as many GPUs (those the
+#                                 machine has): decode fp8 and bf16, prefill, (a)+(b) and plain,
+#                                 as one node and as two nodes (the relay over shm between them);
+#                                 EP_SIZES ("4 8"); with SANITIZERS=0 it fits one 10-minute call
 # SANITIZERS=0 skips memcheck and racecheck; AB_DECODE_ROUNDS=0 runs ab's prefill pairs only.
 set -u
 OUT=${OUT:-/tmp/ferry-gpu}
@@ -231,6 +235,26 @@ if [ "$mode" = all ] || [ "$mode" = nvlink ] || [ "$mode" = hybrid ]; then
     --node-ranks 2
   echo "== EP4 decode: one node, then two nodes of two (relay over shm)"
   grep -h '^(a)+(b)' "$OUT/ep4_one_node.log" "$OUT/ep4_two_nodes.log" "$OUT/ep4_two_nodes_prefill.log"
+fi
+if [ "$mode" = ep ]; then
+  # One rank per GPU (issue "EP4 and EP8"): only the sizes the machine's GPUs cover.
+  gpus=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU')
+  for n in ${EP_SIZES:-4 8}; do
+    [ "$gpus" -ge "$n" ] || continue
+    ep=(--nvlink --ranks $n --hidden 7168 --experts 256 --topk 8 --compare)
+    step ep${n}_decode_fp8 300 build-gpu/ferry-bench moe "${ep[@]}" --dtype fp8 --tokens 128 \
+      --iters 200
+    step ep${n}_decode_bf16 300 build-gpu/ferry-bench moe "${ep[@]}" --dtype bf16 --tokens 128 \
+      --iters 200
+    step ep${n}_prefill 400 build-gpu/ferry-bench moe "${ep[@]}" --dtype fp8 --tokens 4096 \
+      --iters 10
+    step ep${n}_two_nodes_decode 300 build-gpu/ferry-bench moe "${ep[@]}" --dtype fp8 \
+      --tokens 128 --iters 100 --node-ranks $((n / 2))
+    echo "== EP$n: decode fp8, bf16, prefill (one node), decode as two nodes of $((n / 2))"
+    grep -h -E '^(variant|plain|\(a\)\+\(b\)) ' "$OUT"/ep${n}_decode_fp8.log \
+      "$OUT"/ep${n}_decode_bf16.log "$OUT"/ep${n}_prefill.log "$OUT"/ep${n}_two_nodes_decode.log
+  done
+  [ "$gpus" -ge 4 ] || echo "== ep: $gpus GPUs here; EP4 needs 4, EP8 needs 8"
 fi
 if [ "$mode" = all ] || [ "$mode" = kv ]; then
   step kv_4k 300 build-gpu/ferry-bench kv --tokens 4096
