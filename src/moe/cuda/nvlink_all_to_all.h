@@ -43,9 +43,11 @@
 // (the first P for a peer of our node, all of them for another node) or kept in our send area.
 //
 // Steps (one stream; kernels in order):
-//   DispatchSend: Route (per receiving rank: slot and combine-row positions of each token; per
-//                 chunk of (token, k) entries: each copy's rank among the copies for its expert,
-//                 by a stable block radix sort) -> Pack (a warp per token, tokens spread over
+//   DispatchSend: Route (per chunk of 512 tokens: each token's slot and combine-row positions
+//                 on every receiving rank within the chunk, by block scans, and the chunks'
+//                 carries from the scan block that ends last; per chunk of (token, k) entries:
+//                 each copy's rank among the chunk's copies for its expert, by a stable block
+//                 radix sort) -> Pack (adds the carries; a warp per token, tokens spread over
 //                 the blocks; the warp lays out a token's slots, lane per copy; the row is read
 //                 once and stored into each slot; block 0 writes the counts rows into every
 //                 peer; every block then arrives at every peer's dispatch flag).
