@@ -27,7 +27,8 @@ struct Channel {
                                           // dispatch writes complete (send area free)
   std::atomic<uint64_t> combine_done{0};  // all combine rows landed, our combine writes complete
 
-  // A proxy failure: the state machine stops; every later step returns this.
+  // A proxy failure, or malformed data the device found (a peer's slot): the state machine
+  // stops; every later step returns this.
   std::atomic<bool> failed{false};
   std::mutex error_mu;
   Status error;

@@ -90,6 +90,20 @@ std::string AllToAllConfig::ToString() const {
 
 namespace moe {
 
+Status CheckCountsRow(const AllToAllConfig& c, const MoeLayout& layout, const Routing& routing,
+                      int s, int r) {
+  const int64_t slots = routing.Slots(s, r), rows = routing.Rows(s, r);
+  if (slots < 0 || slots > layout.slots_per_pair || rows < 0 || rows > layout.rows_per_pair) {
+    return DataLossError("moe: rank " + std::to_string(s) + "'s counts row announces " +
+                         std::to_string(slots) + " dispatch slots and " + std::to_string(rows) +
+                         " combine rows for rank " + std::to_string(r) + " (at most " +
+                         std::to_string(layout.slots_per_pair) + " and " +
+                         std::to_string(layout.rows_per_pair) + " fit; " +
+                         std::to_string(c.world_size) + " ranks)");
+  }
+  return Status::Ok();
+}
+
 Status CheckDispatchOutput(const AllToAllConfig& c, const DispatchOutput& out) {
   if (!out.x || !out.num_tokens || (c.scales_per_token() && !out.scales)) {
     return InvalidArgumentError("DispatchRecv: null output buffer");

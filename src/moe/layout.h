@@ -114,4 +114,11 @@ class Routing {
   std::vector<int32_t> counts_;
 };
 
+// DataLoss when sender s's counts row, as it arrived, announces a negative number of dispatch
+// slots or combine rows for receiver r, or more than one sender can route to one receiver (a
+// corrupt or hostile peer). Every offset into the overflow and combine regions is computed from
+// these counts, so the proxy checks each peer's row before using it.
+Status CheckCountsRow(const AllToAllConfig& c, const MoeLayout& layout, const Routing& routing,
+                      int s, int r);
+
 }  // namespace ferry::moe

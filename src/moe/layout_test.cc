@@ -35,6 +35,36 @@ TEST(RoutingTest, OverflowAndSendOffsets) {
   EXPECT_EQ(r.RowStart(2, 2), 5 + 2);
 }
 
+// A peer's counts row is checked before any offset is computed from it: at most S slots and R
+// rows for one receiver, none negative; the limits themselves pass.
+TEST(RoutingTest, CountsRowsBeyondWhatFitsAreDataLoss) {
+  AllToAllConfig c{3, 0, 1, 6, 2, 8, 128, DispatchDtype::kBf16, 2};
+  c.dispatch_once_per_rank = true;  // S = T = 8; rows: R = T * min(K, L) = 16
+  ASSERT_TRUE(c.Validate().ok());
+  const MoeLayout l(c);
+  ASSERT_EQ(l.slots_per_pair, 8);
+  ASSERT_EQ(l.rows_per_pair, 16);
+  Routing r(c);
+  auto set = [&](int32_t slots, int32_t rows) {  // sender 2's counts for receiver 1
+    r.row(2)[6 + 1] = slots;
+    r.row(2)[9 + 1] = rows;
+  };
+  set(8, 16);
+  EXPECT_TRUE(CheckCountsRow(c, l, r, 2, 1).ok());
+  set(0, 0);
+  EXPECT_TRUE(CheckCountsRow(c, l, r, 2, 1).ok());
+  const int32_t bad[][2] = {{9, 16}, {8, 17}, {-1, 0}, {0, -1}, {std::numeric_limits<int32_t>::max(), 0}};
+  for (const auto& b : bad) {
+    set(b[0], b[1]);
+    const Status s = CheckCountsRow(c, l, r, 2, 1);
+    EXPECT_EQ(s.code(), StatusCode::kDataLoss) << b[0] << " " << b[1];
+    EXPECT_NE(s.message().find("rank 2's counts row"), std::string::npos) << s.ToString();
+    EXPECT_NE(s.message().find("for rank 1"), std::string::npos) << s.ToString();
+  }
+  // Only the pair asked about: sender 2's counts for receiver 0 are still fine.
+  EXPECT_TRUE(CheckCountsRow(c, l, r, 2, 0).ok());
+}
+
 TEST(MoeLayoutTest, RegionsDoNotOverlapAndHoldTheWorstCase) {
   AllToAllConfig c{4, 1, 1, 256, 8, 128, 7168, DispatchDtype::kFp8E4M3, 16};
   ASSERT_TRUE(c.Validate().ok());

@@ -83,6 +83,7 @@ Status Proxy::Dispatch(uint64_t epoch) {
     if (s == me) continue;
     std::memcpy(routing.row(s), p_.recv + layout_.counts_off + int64_t{s} * row_bytes,
                 row_bytes);
+    RETURN_IF_ERROR(CheckCountsRow(c, layout_, routing, s, me));
   }
   targets_.clear();
   uint64_t overflow_in = 0;

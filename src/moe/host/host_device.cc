@@ -124,8 +124,8 @@ class HostDevice final : public MoeDevice {
         std::memcpy(&header, slot, sizeof header);
         if (header.entries < 1 || header.entries > k || header.src_token < 0 ||
             header.src_token >= c.max_tokens_per_rank) {
-          return DataLossError("moe: malformed slot " + std::to_string(j) + " from rank " +
-                               std::to_string(s));
+          return Malformed(DataLossError("moe: malformed slot " + std::to_string(j) +
+                                         " from rank " + std::to_string(s)));
         }
         const uint8_t* body = slot + layout_.meta_bytes;
         // Token-major: the slot is one output row, whatever its entries.
@@ -145,9 +145,11 @@ class HostDevice final : public MoeDevice {
           last_token = header.src_token;
           if (entry.local_expert < 0 || entry.local_expert >= l || entry.k < 0 || entry.k >= k ||
               row >= rows) {
-            return DataLossError("moe: slot " + std::to_string(j) + " from rank " +
-                                 std::to_string(s) + " names local expert " +
-                                 std::to_string(entry.local_expert) + " or overruns its rows");
+            return Malformed(DataLossError("moe: slot " + std::to_string(j) + " from rank " +
+                                           std::to_string(s) + " names local expert " +
+                                           std::to_string(entry.local_expert) + ", copy " +
+                                           std::to_string(entry.k) + " or overruns its " +
+                                           std::to_string(rows) + " rows"));
           }
           const int32_t pos = out.num_tokens[entry.local_expert]++;
           if (token_major) {
@@ -246,6 +248,13 @@ class HostDevice final : public MoeDevice {
   }
 
  private:
+  // A slot that cannot have come from a well-behaved peer: the epoch cannot be finished (its
+  // combine rows would go to the wrong places), so every later step reports it too.
+  Status Malformed(const Status& s) {
+    p_.channel->Fail(s);
+    return s;
+  }
+
   struct OutSlot {
     int32_t token;
     int32_t first_entry;  // into entries_
