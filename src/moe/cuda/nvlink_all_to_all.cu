@@ -109,8 +109,18 @@ class NvlinkAllToAll final : public AllToAll {
     // Decode batches: DispatchSend in one kernel, its shared memory within the default limit.
     const size_t small_smem = SmallSmemBytes(n, v.e, int64_t{t} * k);
     if (int64_t{t} * k <= kSmallEntries && small_smem <= 48 * 1024) small_smem_ = small_smem;
-    // The send kernels' grids are fixed (peers count our blocks' arrivals, see Arrive).
-    send_grid_ = small_smem_ > 0 ? (t + kSmallWarps - 1) / kSmallWarps : TokenGrid(t);
+    // The send kernels' grids are fixed (peers count our blocks' arrivals, see Arrive). Pack's is
+    // what is resident at once: its warps stream rows one after another, and a second wave of
+    // blocks only repeats the prologue (session 10 measured 2.5 us of 31 for it; Unpack, whose
+    // warps wait on pulled slots, keeps four blocks per SM).
+    if (small_smem_ > 0) {
+      send_grid_ = (t + kSmallWarps - 1) / kSmallWarps;
+    } else {
+      int resident = 0;
+      FERRY_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+          &resident, PackKernel, kCopyThreads, 2 * size_t(n) * sizeof(int64_t)));
+      send_grid_ = std::min(t, std::max(resident, 1) * sms);
+    }
     send_grid_ = std::max(send_grid_, 1);
     if (const char* pdl = std::getenv("FERRY_NV_PDL"); pdl && *pdl == '0') pdl_ = false;
 
@@ -300,9 +310,7 @@ class NvlinkAllToAll final : public AllToAll {
       RouteKernel<<<nv_.scan_blocks + nv_.chunks, kRouteThreads, 0, stream_>>>(nv_, args);
       FERRY_CUDA(cudaGetLastError());
       if (!async_) RETURN_IF_ERROR(Finish());
-      PackKernel<<<send_grid_, kCopyThreads, 2 * nv_.n * sizeof(int64_t), stream_>>>(nv_,
-                                                                                   args);
-      FERRY_CUDA(cudaGetLastError());
+      FERRY_CUDA(Launch(PackKernel, send_grid_, 2 * nv_.n * sizeof(int64_t), args));
     }
     token_bound_ = in.num_tokens;
     stage_ = Stage::kDispatchSent;
@@ -570,8 +578,9 @@ class NvlinkAllToAll final : public AllToAll {
     return Status::Ok();
   }
 
-  // A receive kernel on our stream, allowed to start while the kernel before it runs (see
-  // LaunchDependents); FERRY_NV_PDL=0 launches it plainly.
+  // A kernel on our stream allowed to start while the kernel before it runs (see
+  // LaunchDependents): the receive kernels, and Pack behind Route; FERRY_NV_PDL=0 launches them
+  // plainly.
   template <typename Args>
   cudaError_t Launch(void (*kernel)(Nv, Args), int grid, size_t smem, const Args& args) {
     cudaLaunchConfig_t config{};

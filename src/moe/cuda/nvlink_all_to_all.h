@@ -46,11 +46,12 @@
 //   DispatchSend: Route (per chunk of 512 tokens: each token's slot and combine-row positions
 //                 on every receiving rank within the chunk, by block scans, and the chunks'
 //                 carries from the scan block that ends last; per chunk of (token, k) entries:
-//                 each copy's rank among the chunk's copies for its expert, by a stable block
-//                 radix sort) -> Pack (adds the carries; a warp per token, tokens spread over
-//                 the blocks; the warp lays out a token's slots, lane per copy; the row is read
-//                 once and stored into each slot; block 0 writes the counts rows into every
-//                 peer; every block then arrives at every peer's dispatch flag).
+//                 each copy's rank among the chunk's copies for its expert, by warp matches and
+//                 per-warp counts) -> Pack (the grid what is resident at once, started behind
+//                 Route; adds the carries; a warp per token, tokens spread over the blocks; the
+//                 warp lays out a token's slots, lane per copy; the row is read once and stored
+//                 into each slot; block 0 writes the counts rows into every peer; every block
+//                 then arrives at every peer's dispatch flag).
 //                 Decode batches (a rank's T * K routing entries fit in shared memory) take one
 //                 kernel instead, SendSmall: every block reads the whole routing and counts what
 //                 Route computes for its own four tokens (shared-memory histograms over all

@@ -4,7 +4,6 @@
 // nvlink_all_to_all.cu only.
 #pragma once
 
-#include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_scan.cuh>
 
 #include <cstdint>
@@ -31,12 +30,13 @@ struct RankCounts {
 static_assert(kRouteThreads * kMaxK < (1 << 16), "a chunk's sums must fit 16 bits");
 
 using RouteScan = cub::BlockScan<RankCounts, kRouteThreads>;
-using RouteSort = cub::BlockRadixSort<uint32_t, kRouteThreads, kSortItems, int32_t>;
+constexpr int kRouteWarps = kRouteThreads / 32;
 union RouteSmem {
   typename RouteScan::TempStorage scan;
-  typename RouteSort::TempStorage sort;
-  uint32_t keys[kChunk];
+  uint16_t per_warp[kRouteWarps][kMaxExperts];  // CountChunk: copies per (warp, expert)
 };
+static_assert(kChunk / kRouteWarps == 32 * kSortItems, "a warp's entries: kSortItems rounds");
+static_assert(kChunk < (1 << 16), "a chunk's counts must fit 16 bits");
 
 // Scan block b: tokens [c * kRouteThreads, (c + 1) * kRouteThreads), a token per thread, for
 // ranks [r0, r0 + kScanRanks) (c = b / groups, r0 = (b % groups) * kScanRanks). Each token's
@@ -112,63 +112,71 @@ __device__ void ScanChunk(const Nv& v, const SendArgs& a, int tokens, int b, Rou
   }
 }
 
-// Chunk c's block: entries [c * kChunk, (c + 1) * kChunk) of the (token, k) list. A stable
-// radix sort by expert gives each copy its rank among the chunk's copies for that expert, and
-// the chunk's count per expert. Also copies the routing for the later steps.
-__device__ void SortChunk(const Nv& v, const SendArgs& a, int tokens, int c, RouteSmem& smem) {
-  __shared__ int32_t head[kMaxExperts + 1];
+// Chunk c's block: entries [c * kChunk, (c + 1) * kChunk) of the (token, k) list. Gives each
+// copy its rank among the chunk's copies for its expert, in entry order, and the chunk's count
+// per expert. Warp w takes entries [w, w + 1) * 32 * kSortItems of the chunk, 32 at a time:
+// copies of one expert within 32 entries find each other with one match, and a warp's running
+// count per expert lives in shared memory (per_warp); then a prefix over the warps per expert
+// turns those into each warp's start. Also copies the routing for the later steps.
+__device__ void CountChunk(const Nv& v, const SendArgs& a, int tokens, int c, RouteSmem& smem) {
   const int64_t first = int64_t{c} * kChunk, entries = int64_t{tokens} * v.k;
-  uint32_t keys[kSortItems];
-  int32_t items[kSortItems];
-  for (int i = 0; i < kSortItems; ++i) {
-    const int p = threadIdx.x * kSortItems + i;
-    const int64_t f = first + p;
-    keys[i] = v.e;  // past the end, or an invalid id: sorts last, never counted
-    items[i] = p;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  uint16_t* mine = smem.per_warp[warp];
+  for (int i = threadIdx.x; i < kRouteWarps * v.e; i += blockDim.x) {
+    smem.per_warp[i / v.e][i % v.e] = 0;
+  }
+  __syncthreads();
+  int32_t key[kSortItems];   // the expert, -1 past the end or for an id out of range
+  int32_t rank[kSortItems];  // among the warp's copies of that expert so far
+#pragma unroll
+  for (int j = 0; j < kSortItems; ++j) {
+    const int64_t f = first + (warp * kSortItems + j) * 32 + lane;
+    key[j] = -1;
     if (f < entries) {
       const int32_t e = a.indices[f];
       v.indices[f] = e;
       v.weights[f] = a.weights[f];
-      if (ValidExpert(v, e)) keys[i] = e;
+      if (ValidExpert(v, e)) key[j] = e;
     }
-  }
-  for (int e = threadIdx.x; e <= v.e; e += blockDim.x) head[e] = -1;
-  const int bits = 32 - __clz(v.e);
-  RouteSort(smem.sort).Sort(keys, items, 0, bits);
-  __syncthreads();
-  for (int i = 0; i < kSortItems; ++i) smem.keys[threadIdx.x * kSortItems + i] = keys[i];
-  __syncthreads();
-  for (int i = 0; i < kSortItems; ++i) {
-    const int p = threadIdx.x * kSortItems + i;
-    if (p == 0 || smem.keys[p - 1] != keys[i]) head[keys[i]] = p;
+    const unsigned same = __match_any_sync(~0u, key[j]);
+    const int before = key[j] >= 0 ? mine[key[j]] : 0;
+    rank[j] = before + __popc(same & ((1u << lane) - 1));
+    __syncwarp();  // every lane read its count before the group's first lane moves it on
+    if (key[j] >= 0 && lane == __ffs(same) - 1) mine[key[j]] = before + __popc(same);
+    __syncwarp();
   }
   __syncthreads();
   int32_t* counts = v.chunk_counts + int64_t{c} * v.e;
-  for (int i = 0; i < kSortItems; ++i) {
-    const int p = threadIdx.x * kSortItems + i;
-    const uint32_t key = keys[i];
-    if (key >= static_cast<uint32_t>(v.e)) continue;
-    const int32_t rank = p - head[key];
-    v.erank[first + items[i]] = rank;
-    if (p == kChunk - 1 || smem.keys[p + 1] != key) counts[key] = rank + 1;
+  for (int e = threadIdx.x; e < v.e; e += blockDim.x) {  // each warp's start per expert
+    int32_t sum = 0;
+    for (int w = 0; w < kRouteWarps; ++w) {
+      const int32_t here = smem.per_warp[w][e];
+      smem.per_warp[w][e] = static_cast<uint16_t>(sum);
+      sum += here;
+    }
+    counts[e] = sum;
   }
-  for (int e = threadIdx.x; e < v.e; e += blockDim.x) {
-    if (head[e] < 0) counts[e] = 0;
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < kSortItems; ++j) {
+    const int64_t f = first + (warp * kSortItems + j) * 32 + lane;
+    if (key[j] >= 0) v.erank[f] = mine[key[j]] + rank[j];
   }
 }
 
-// Blocks [0, scan_blocks): ScanChunk; the next v.chunks: SortChunk. FERRY_NV_TRACE points: 1 a
-// token chunk scanned, 2 a chunk sorted (times relative to the first Pack block in the
+// Blocks [0, scan_blocks): ScanChunk; the next v.chunks: CountChunk. FERRY_NV_TRACE points: 1 a
+// token chunk scanned, 2 a chunk counted (times relative to the first Pack block in the
 // printout).
 __global__ void __launch_bounds__(kRouteThreads) RouteKernel(Nv v, SendArgs a) {
   __shared__ RouteSmem smem;
+  LaunchDependents();  // Pack's blocks take their SMs and wait for us there
   Mark(v, kTraceRoute, 0);
   const int tokens = SendTokens(v, a);
   if (blockIdx.x < v.scan_blocks) {
     ScanChunk(v, a, tokens, blockIdx.x, smem);
     Mark(v, kTraceRoute, 1);
   } else {
-    SortChunk(v, a, tokens, blockIdx.x - v.scan_blocks, smem);
+    CountChunk(v, a, tokens, blockIdx.x - v.scan_blocks, smem);
     Mark(v, kTraceRoute, 2);
   }
 }
@@ -244,8 +252,9 @@ __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
                                        // first combine row per expert rank
   __shared__ uint8_t* dst_of[kCopyThreads / 32][kMaxK];  // each warp's token's slots
   LaunchDependents();
-  const uint64_t epoch = v.scratch->epoch;
+  const uint64_t epoch = v.scratch->epoch;  // Route started after the epoch's last step ended
   Mark(v, kTraceSend, 0);
+  WaitPrimary();  // Route's output
   const int tokens = v.scratch->tokens;
   int64_t* row_starts = starts + v.n;
   PrefixTotals(v.totals, v.n, starts);

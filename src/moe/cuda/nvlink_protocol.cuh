@@ -17,8 +17,8 @@
 namespace ferry::moe::nv {
 
 constexpr int kRouteThreads = 512;
-constexpr int kSortItems = 4;
-constexpr int kChunk = kRouteThreads * kSortItems;  // (token, k) entries per sort chunk
+constexpr int kSortItems = 4;                       // entries per thread in Route's CountChunk
+constexpr int kChunk = kRouteThreads * kSortItems;  // (token, k) entries per CountChunk block
 constexpr int kScanRanks = 4;  // ranks one Route scan block counts (tokens: kRouteThreads)
 constexpr int kCopyThreads = 256;
 constexpr int kMaxK = 16;                           // the CUDA device's top-k limit
@@ -187,7 +187,8 @@ __device__ inline void AddRelease(uint64_t* p, uint64_t v) {
 // at once (LaunchDependents); the receive kernel waits for its flags meanwhile and calls
 // WaitPrimary -- which returns once the kernel before it finished and its writes are visible --
 // before it touches memory the kernel before it (ours or the caller's) may still use: the
-// caller's outputs. Launched without the attribute, WaitPrimary returns at once.
+// caller's outputs. Route lets Pack start the same way; Pack waits before reading Route's
+// output. Launched without the attribute, WaitPrimary returns at once.
 __device__ inline void LaunchDependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
