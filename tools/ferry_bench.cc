@@ -8,6 +8,7 @@
 //   ferry-bench kv     [--provider P] [--tokens T] [--decoders N] [--rounds R] [--pace F]
 //                      [--json]
 //   ferry-bench topo   [--sysfs DIR] [--exclude NIC,...]: which NICs and core serve each GPU
+//   ferry-bench p2p    [--bytes N]: GPU 0 <-> 1 bandwidth (copy engine, SM stores and loads)
 //   ferry-bench demo   the main job of `make demo`: short fabric, moe and kv runs on shm
 #include <cstdio>
 #include <cstdlib>
@@ -17,6 +18,9 @@
 #include "tools/bench_fabric.h"
 #include "tools/bench_kv.h"
 #include "tools/bench_moe.h"
+#ifdef FERRY_BENCH_CUDA
+#include "tools/bench_p2p.h"
+#endif
 #include "common/strings.h"
 #include "ferry/topology.h"
 
@@ -36,6 +40,7 @@ void Usage() {
       " [--pace F]"
       " [--json]\n"
       "       ferry-bench topo [--sysfs DIR] [--exclude NIC,...]\n"
+      "       ferry-bench p2p [--bytes N]   (GPU 0 <-> 1: copy engine, SM stores and loads)\n"
       "       ferry-bench demo\n"
       "Provider from --provider, else FERRY_PROVIDER, else shm.\n");
 }
@@ -59,6 +64,7 @@ int main(int argc, char** argv) {
   ferry::bench::FabricBenchOptions f;
   ferry::bench::MoeBenchOptions m;
   ferry::bench::KvBenchOptions kv;
+  int64_t p2p_bytes = int64_t{256} << 20;
   ferry::TopologyOptions topo;
   if (const char* p = std::getenv("FERRY_PROVIDER")) f.provider = m.provider = kv.provider = p;
   for (int i = 2; i < argc; ++i) {
@@ -102,6 +108,10 @@ int main(int argc, char** argv) {
       topo.sysfs_root = argv[++i];
     } else if (a == "--exclude" && has_value) {
       topo.exclude_nics = ferry::SplitCommaList(argv[++i]);
+    } else if (a == "--bytes" && has_value) {
+      char* end = nullptr;
+      p2p_bytes = std::strtoll(argv[++i], &end, 10);
+      ok = end && *end == '\0' && p2p_bytes > 0;
     } else if (a == "--nvlink") {
       m.nvlink = m.cuda = true;
     } else if (a == "--node-ranks" && has_value) {
@@ -144,6 +154,14 @@ int main(int argc, char** argv) {
   if (command == "fabric") return ferry::bench::RunFabricBench(f);
   if (command == "moe") return ferry::bench::RunMoeBench(m);
   if (command == "kv") return ferry::bench::RunKvBench(kv);
+  if (command == "p2p") {
+#ifdef FERRY_BENCH_CUDA
+    return ferry::bench::RunP2pBench(p2p_bytes);
+#else
+    std::fprintf(stderr, "ferry-bench p2p: built without CUDA\n");
+    return 1;
+#endif
+  }
   if (command == "topo") {
     auto t = ferry::Topology::Discover(topo);
     if (!t.ok()) {
