@@ -76,8 +76,13 @@ class NvlinkAllToAll final : public AllToAll {
     v.chunks = static_cast<int>((int64_t{t} * k + kChunk - 1) / kChunk);
     v.scan_blocks = ((t + kRouteThreads - 1) / kRouteThreads) * ((n + kScanRanks - 1) / kScanRanks);
     v.payload = c_.token_bytes();
-    v.meta_bytes = sizeof(NvHeader) + int64_t{k} * sizeof(NvEntry);
-    v.slot_bytes = RoundUp(v.meta_bytes + v.payload + int64_t{v.spt} * 4, 16);
+    // The row starts on a 128-byte line, and so does every slot: a warp's 512 contiguous bytes
+    // then fill four lines, not five of which two in part (`ferry-bench p2p`: SM stores into
+    // the peer 6-7 % faster so, loads 2-3 %). The header and entries take the first
+    // meta_used bytes; the rest of the metadata is padding nobody writes or reads.
+    v.meta_used = sizeof(NvHeader) + int64_t{k} * sizeof(NvEntry);
+    v.meta_bytes = RoundUp(v.meta_used, 128);
+    v.slot_bytes = RoundUp(v.meta_bytes + v.payload + int64_t{v.spt} * 4, 128);
     v.row_bytes = int64_t{c_.hidden} * 2;
     v.capacity = c_.expert_capacity();
     v.once = c_.dispatch_once_per_rank;
@@ -363,9 +368,12 @@ class NvlinkAllToAll final : public AllToAll {
     cudaSetDevice(c_.cuda_device);
     cudaStreamSynchronize(stream_);
     cudaMemcpy(totals.data(), nv_.totals, nv_.n * sizeof(int32_t), cudaMemcpyDeviceToHost);
+    // What crosses per slot: its header and entries, row and scales (not the padding that puts
+    // the row and the next slot on a line, which nobody writes).
+    const uint64_t slot = nv_.meta_used + nv_.payload + int64_t{nv_.spt} * 4;
     uint64_t bytes = 0;
     for (int r = 0; r < nv_.n; ++r) {
-      if (r != c_.rank) bytes += uint64_t(totals[r]) * nv_.slot_bytes + (nv_.l + 2) * 4;
+      if (r != c_.rank) bytes += uint64_t(totals[r]) * slot + (nv_.l + 2) * 4;
     }
     return bytes;
   }

@@ -642,8 +642,9 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
   const int64_t *prefix = t.prefix, *start = t.start, *rebase = t.rebase;
   const int32_t* counts = t.counts;
   int32_t* offset = t.offset;
-  // Vectors [0, meta): header and entries; [meta, body): the row; [body, end): the scales.
-  const int64_t meta = v.meta_bytes / 16, body = meta + v.payload / 16;
+  // Vectors [0, used): header and entries; [used, meta): padding, not loaded; [meta, body):
+  // the row; [body, end): the scales.
+  const int64_t used = v.meta_used / 16, meta = v.meta_bytes / 16, body = meta + v.payload / 16;
   const int64_t end = (v.meta_bytes + v.payload + int64_t{v.spt} * 4 + 15) / 16;
   const int64_t batch = int64_t{kVec} * kGroup;
   // Received slot g: its sender s, its index j among s's, where it is. Ours from our send area;
@@ -667,7 +668,7 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
 #pragma unroll
     for (int u = 0; u < kVec; ++u) {
       const int64_t i = first + tid + u * int64_t{kGroup};
-      if (i < end) r[u] = __ldcg(src4 + i);
+      if (i < end && (i < used || i >= meta)) r[u] = __ldcg(src4 + i);
     }
   };
   const int64_t first_g = blockIdx.x + int64_t{group} * gridDim.x;
@@ -710,7 +711,7 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
 #pragma unroll
     for (int u = 0; u < kVec; ++u) {
       const int64_t i = tid + u * int64_t{kGroup};
-      if (i < meta) meta_v[i] = r[u];
+      if (i < used) meta_v[i] = r[u];
     }
     GroupSync<kGroup>();
     // Checks in parallel: the header by every thread, entry i by thread i.

@@ -117,6 +117,7 @@ struct Nv {
   int scan_blocks;  // Route's token chunks x rank groups (ScanChunk)
   int counts_stride;  // int32 per counts row: L + kCountsColumns, rounded up to 16 bytes
   int64_t payload, slot_bytes, meta_bytes, row_bytes, capacity, slots_per_pair;
+  int64_t meta_used;  // header and entries; meta_bytes rounds it up to a 128-byte line
   bool once, reduce;
   bool token_major;  // DispatchLayout::kTokenMajor: received slot g is output row g
   int first_remote;  // the lowest rank of another node, -1 if none (WaitStep, Arrive)
