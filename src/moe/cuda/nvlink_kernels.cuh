@@ -720,17 +720,13 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
     const int entries = min(max(header.entries, 0), v.k);
     // The combine row, counted from where our rows for s go (rebased for another node).
     const int64_t row = header.row - rebase[s];
-    bool valid = header.entries >= 1 && header.entries <= v.k && header.src_token >= 0 &&
-                 header.src_token < v.t_max && row >= 0 && header.parts >= 1 &&
-                 header.part >= 0 && header.part < header.parts &&
-                 row + (v.reduce ? 1 : header.entries) <= from.row_cap;
+    const SlotLimits limits{v.k, v.l, v.t_max, v.reduce, from.row_cap, v.capacity};
+    bool valid = SlotHeaderValid(header, row, limits);
     if (tid < entries) {
       NvEntry entry;
       std::memcpy(&entry, &meta_v[1 + tid], sizeof entry);
       const int32_t le = entry.local_expert;
-      valid = valid && le >= 0 && le < v.l && entry.k >= 0 && entry.k < v.k && entry.pos >= 0 &&
-              entry.pos < offset[(s + 1) * v.l + le] - offset[s * v.l + le] &&
-              offset[(s + 1) * v.l + le] <= v.capacity;
+      valid = valid && SlotEntryValid(entry, offset, s, limits);
       if (valid) {
         const int64_t expert_row = int64_t{le} * v.capacity + offset[s * v.l + le] + entry.pos;
         out_row[tid] = v.token_major ? g : expert_row;

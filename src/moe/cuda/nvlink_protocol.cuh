@@ -47,6 +47,33 @@ struct NvEntry {
 };
 static_assert(sizeof(NvHeader) == 16 && sizeof(NvEntry) == 16, "slot metadata layout");
 
+// A received slot's metadata is checked before anything is taken from it, so that a corrupt or
+// hostile sender cannot make Unpack write outside its output (Unpack reports kBadSlot and takes
+// none of the slot). The header: entries in [1, K], a source token below the most a rank sends,
+// a part among its parts, and its combine rows -- from `row`, the header's row rebased to the
+// first one the sender expects from us -- within the `row_cap` it expects. Each entry: local
+// expert and k in range, its position among sender s's copies for that expert, and that
+// expert's rows from senders up to s within capacity; `offset` is Unpack's table,
+// offset[s * L + e] the rows of local expert e from senders before s.
+struct SlotLimits {
+  int k, l, t_max;
+  bool reduce;  // one combine row per token (summed at the expert rank), else one per entry
+  int64_t row_cap, capacity;
+};
+__host__ __device__ inline bool SlotHeaderValid(const NvHeader& h, int64_t row,
+                                                const SlotLimits& lim) {
+  return h.entries >= 1 && h.entries <= lim.k && h.src_token >= 0 && h.src_token < lim.t_max &&
+         row >= 0 && h.parts >= 1 && h.part >= 0 && h.part < h.parts &&
+         row + (lim.reduce ? 1 : h.entries) <= lim.row_cap;
+}
+__host__ __device__ inline bool SlotEntryValid(const NvEntry& e, const int32_t* offset, int s,
+                                               const SlotLimits& lim) {
+  const int32_t le = e.local_expert;
+  return le >= 0 && le < lim.l && e.k >= 0 && e.k < lim.k && e.pos >= 0 &&
+         e.pos < offset[(s + 1) * lim.l + le] - offset[s * lim.l + le] &&
+         offset[(s + 1) * lim.l + le] <= lim.capacity;
+}
+
 // What Unpack learned about a received slot, for CombineSend.
 struct RecvSlot {
   int32_t sender, row, entries, part, parts, pad[3];

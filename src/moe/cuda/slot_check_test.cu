@@ -1,0 +1,95 @@
+// The NVLink Unpack's slot checks (SlotHeaderValid, SlotEntryValid in nvlink_protocol.cuh), run
+// on the host: the same functions the kernel calls, so CI checks what a corrupt slot must not get
+// past without a GPU. (That the kernel reports kBadSlot and takes nothing is left to the GPU.)
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "moe/cuda/nvlink_protocol.cuh"
+
+namespace ferry::moe::nv {
+namespace {
+
+// Top-4, 3 local experts, at most 8 tokens per rank, 2 senders; sender 1 expects at most 6
+// combine rows from us; expert capacity 16.
+constexpr SlotLimits kPlain{4, 3, 8, false, 6, 16};
+
+// offset[s * L + e]: rows of local expert e from senders before s. Sender 0 sent 2 / 0 / 5
+// copies to experts 0 / 1 / 2, sender 1 sent 3 / 1 / 0; in all 5 / 1 / 5.
+const std::vector<int32_t> kOffset = {0, 0, 0, 2, 0, 5, 5, 1, 5};
+
+TEST(SlotCheckTest, AWellFormedSlotPasses) {
+  EXPECT_TRUE(SlotHeaderValid(NvHeader{7, 4, 0, 0, 1}, 2, kPlain));  // rows 2..5 of 6
+  EXPECT_TRUE(SlotHeaderValid(NvHeader{0, 1, 5, 1, 2}, 5, kPlain));  // the last row
+  SlotLimits reduce = kPlain;
+  reduce.reduce = true;  // one row per token: 4 entries, row 5 of 6 still fits
+  EXPECT_TRUE(SlotHeaderValid(NvHeader{0, 4, 5, 0, 1}, 5, reduce));
+  EXPECT_TRUE(SlotEntryValid(NvEntry{0, 3, 0.5f, 2}, kOffset.data(), 1, kPlain));  // 3rd of 3
+  EXPECT_TRUE(SlotEntryValid(NvEntry{2, 0, 0.5f, 4}, kOffset.data(), 0, kPlain));  // 5th of 5
+}
+
+struct BadHeader {
+  const char* name;
+  NvHeader header;
+  int64_t row;
+  bool reduce;
+};
+void PrintTo(const BadHeader& b, std::ostream* os) { *os << b.name; }
+
+class SlotHeaderCheckTest : public ::testing::TestWithParam<BadHeader> {};
+
+TEST_P(SlotHeaderCheckTest, IsRefused) {
+  SlotLimits limits = kPlain;
+  limits.reduce = GetParam().reduce;
+  EXPECT_FALSE(SlotHeaderValid(GetParam().header, GetParam().row, limits));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Headers, SlotHeaderCheckTest,
+    ::testing::Values(BadHeader{"no_entries", {1, 0, 0, 0, 1}, 0, false},
+                      BadHeader{"more_entries_than_top_k", {1, 5, 0, 0, 1}, 0, false},
+                      BadHeader{"negative_token", {-1, 1, 0, 0, 1}, 0, false},
+                      BadHeader{"token_past_the_maximum", {8, 1, 0, 0, 1}, 0, false},
+                      BadHeader{"row_below_those_for_us", {1, 1, 0, 0, 1}, -1, false},
+                      BadHeader{"rows_past_what_the_sender_expects", {1, 2, 5, 0, 1}, 5, false},
+                      BadHeader{"summed_row_past_it", {1, 1, 6, 0, 1}, 6, true},
+                      BadHeader{"no_parts", {1, 1, 0, 0, 0}, 0, false},
+                      BadHeader{"part_past_its_parts", {1, 1, 0, 2, 2}, 0, false},
+                      BadHeader{"negative_part", {1, 1, 0, -1, 2}, 0, false}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+struct BadEntry {
+  const char* name;
+  NvEntry entry;
+  int sender;
+  int64_t capacity;
+};
+void PrintTo(const BadEntry& b, std::ostream* os) { *os << b.name; }
+
+class SlotEntryCheckTest : public ::testing::TestWithParam<BadEntry> {};
+
+TEST_P(SlotEntryCheckTest, IsRefused) {
+  SlotLimits limits = kPlain;
+  limits.capacity = GetParam().capacity;
+  EXPECT_FALSE(SlotEntryValid(GetParam().entry, kOffset.data(), GetParam().sender, limits));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Entries, SlotEntryCheckTest,
+    ::testing::Values(BadEntry{"expert_not_local", {3, 0, 0.5f, 0}, 0, 16},
+                      BadEntry{"negative_expert", {-1, 0, 0.5f, 0}, 0, 16},
+                      BadEntry{"k_past_top_k", {0, 4, 0.5f, 0}, 0, 16},
+                      BadEntry{"negative_k", {0, -1, 0.5f, 0}, 0, 16},
+                      BadEntry{"negative_position", {0, 0, 0.5f, -1}, 0, 16},
+                      // Sender 1 sent expert 0 three copies and expert 2 none.
+                      BadEntry{"position_past_the_senders_copies", {0, 0, 0.5f, 3}, 1, 16},
+                      BadEntry{"a_copy_the_sender_never_counted", {2, 0, 0.5f, 0}, 1, 16},
+                      // Expert 2 receives 5 rows in all: more than a capacity of 4.
+                      BadEntry{"expert_rows_past_capacity", {2, 0, 0.5f, 0}, 0, 4}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+}  // namespace
+}  // namespace ferry::moe::nv
