@@ -169,6 +169,11 @@ class AllToAll {
   virtual const AllToAllConfig& config() const = 0;
 
   virtual Status DispatchSend(const DispatchInput& in) = 0;
+  // What peers sent is checked before it is used: a counts row announcing more slots or combine
+  // rows than one rank can route to another, or a slot naming a token, expert, copy or combine
+  // row out of range, is DataLoss naming the sender; nothing is written outside `out`. On the
+  // host device that stops the AllToAll (every later step reports it); on the CUDA device the
+  // slot is dropped and the error surfaces as kernel errors do (see SetStream).
   virtual Status DispatchRecv(const DispatchOutput& out, Deadline deadline) = 0;
   // expert_out: [local_experts, expert_capacity, hidden] bf16, rows as DispatchRecv laid them out;
   // token-major: [expert_capacity, hidden], row i the weighted sum of row i's experts' outputs.
