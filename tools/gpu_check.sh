@@ -24,7 +24,7 @@
 #                                 rows of one invocation), twice; prefill pushing every slot;
 #                                 phase stamps of token-major prefill
 #   tools/gpu_check.sh kvpace     build, then the kv benchmarks (4k, 32k) at PACES ("1.25 1");
-#                                 KV_SPIN=1 and KV_WRS="1024 64" as in kv_paces below
+#                                 KV_SPIN=1, KV_WRS="1024 64" and KV_ROUNDS as in kv_paces below
 #   tools/gpu_check.sh caller     build, tests, then NVLink decode and prefill (a)+(b) in both
 #                                 layouts with token-major's caller side timed in (the
 #                                 tok+permute row), twice; then the kv benchmarks with layers at
@@ -163,7 +163,8 @@ layout_rounds() {
 }
 # The kv benchmarks, 4k and 32k prompts, at each pace of $1; KV_SPIN=1: each once more with
 # engines (and the prefill's layer watcher) that never idle (FERRY_SPIN_US=-1); KV_WRS="A B":
-# each once per cap on the engine's outstanding work requests (FERRY_MAX_WRS), in that order.
+# each once per cap on the engine's outstanding work requests (FERRY_MAX_WRS), in that order;
+# KV_ROUNDS: rounds per run (the bench's default, 3; the t/a p50 column is their median).
 kv_paces() {
   local t pace spin wrs name label
   for t in 4096 32768; do
@@ -176,7 +177,8 @@ kv_paces() {
           (
             [ "$spin" = 1 ] && export FERRY_SPIN_US=-1
             [ -n "${KV_WRS:-}" ] && export FERRY_MAX_WRS=$wrs
-            step "$name" 300 build-gpu/ferry-bench kv --tokens $t --pace $pace
+            step "$name" 300 build-gpu/ferry-bench kv --tokens $t --pace $pace \
+              ${KV_ROUNDS:+--rounds $KV_ROUNDS}
           )
           echo "== kv, $t tokens, layers $pace x raw apart$label"
           sed -n 3,5p "$OUT/$name.log"
