@@ -31,6 +31,8 @@
 #                                 the raw rate and 1.25x slower (--pace 1.25); ROUNDS (2),
 #                                 PACES ("1 1.25"), KV_SPIN=1 (each kv run again with
 #                                 FERRY_SPIN_US=-1)
+#   tools/gpu_check.sh p2p        build, tests, then ferry-bench p2p (GPU 0 <-> 1: copy engine,
+#                                 SM stores and loads, one and both ways)
 #   tools/gpu_check.sh ep         build, tests, then EP4 and EP8 over as many GPUs (those the
 #                                 machine has): decode fp8 and bf16, prefill, (a)+(b) and plain,
 #                                 as one node and as two nodes (the relay over shm between them);
@@ -200,6 +202,14 @@ fi
 if [ "$mode" = caller ]; then
   layout_rounds nvlink_caller "${ROUNDS:-2}"
   kv_paces "${PACES:-1 1.25}"
+fi
+if [ "$mode" = all ] || [ "$mode" = nvlink ] || [ "$mode" = p2p ]; then
+  # What the link carries (copy engine, SM stores and loads), at a prefill dispatch's size and
+  # at 256 MiB.
+  for b in 30762496 268435456; do
+    step p2p_$b 120 build-gpu/ferry-bench p2p --bytes $b
+    cat "$OUT/p2p_$b.log"
+  done
 fi
 if [ "$mode" = all ] || [ "$mode" = nvlink ] || [ "$mode" = relay ]; then
   nv=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8)
