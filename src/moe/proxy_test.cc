@@ -18,11 +18,13 @@ namespace {
 
 using namespace std::chrono_literals;
 
-// The buffers, counters, peers and scatter plan AllToAll's Init sets up, and a proxy on them.
+// One of two ranks (4 experts, top-2, 4 tokens, hidden 128, P = 2): the buffers, counters,
+// peers and scatter plan AllToAll's Init sets up, and a proxy on them (peer timeout 1 s).
 struct Rank {
-  Status Open(Bootstrap& b, const AllToAllConfig& config, uint32_t peer_timeout_ms) {
-    c = config;
-    const MoeLayout layout(c);
+  explicit Rank(int rank)
+      : c{2, rank, 1, 4, 2, 4, 128, DispatchDtype::kBf16, 2}, layout(c), peer(1 - rank) {}
+
+  Status Open(Bootstrap& b) {
     recv.assign(size_t(layout.recv_bytes), 0);
     send.assign(size_t(layout.send_bytes), 0);
     ASSIGN_OR_RETURN(engine, TransferEngine::Create(testing_util::TestOptions("shm")));
@@ -55,9 +57,18 @@ struct Rank {
     pp.routing = routing.get();
     pp.recv = recv.data();
     pp.send = send.data();
-    pp.peer_timeout_ms = peer_timeout_ms;
+    pp.peer_timeout_ms = 1000;
     proxy = std::make_unique<Proxy>(pp);
     return Status::Ok();
+  }
+
+  // The device's part of epoch 0: no copies for anyone, `rows` combine rows expected back from
+  // the peer; then route-ready and send-ready.
+  void Announce(int32_t rows) {
+    auto* counts = reinterpret_cast<int32_t*>(send.data() + layout.send_counts_off);
+    counts[c.num_experts + c.world_size + peer] = rows;
+    channel.route_ready.store(1, std::memory_order_release);
+    channel.send_ready.store(1, std::memory_order_release);
   }
 
   // Waits (at most `limit`) for the proxy to fail; its error, or Ok if it did not.
@@ -80,7 +91,9 @@ struct Rank {
     return InternalError("no recv-ready: " + channel.Error().ToString());
   }
 
-  AllToAllConfig c;
+  const AllToAllConfig c;
+  const MoeLayout layout;
+  const int peer;
   std::vector<uint8_t> recv, send;
   std::unique_ptr<TransferEngine> engine;
   MemoryRegion recv_reg, send_reg;
@@ -95,22 +108,15 @@ struct Rank {
 // step of the AllToAll reports. Rank 1, whose routing is fine, gets everything it waits for.
 TEST(ProxyTest, APeersImpossibleCountsRowIsDataLoss) {
   auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
-    AllToAllConfig c{2, b.rank(), 1, 4, 2, 4, 128, DispatchDtype::kBf16, 2};
-    const MoeLayout layout(c);
-    Rank rank;
-    RETURN_IF_ERROR(rank.Open(b, c, 1000));
-    // The device's part: no copies for anyone, and rank 1's impossible combine rows.
-    auto* counts = reinterpret_cast<int32_t*>(rank.send.data() + layout.send_counts_off);
-    if (b.rank() == 1) {
-      counts[c.num_experts + c.world_size + 0] = static_cast<int32_t>(layout.rows_per_pair + 1);
-    }
-    rank.channel.route_ready.store(1, std::memory_order_release);
-    rank.channel.send_ready.store(1, std::memory_order_release);
+    Rank rank(b.rank());
+    RETURN_IF_ERROR(rank.Open(b));
+    const int64_t too_many = rank.layout.rows_per_pair + 1;
+    rank.Announce(b.rank() == 1 ? static_cast<int32_t>(too_many) : 0);
     if (b.rank() == 0) {
       const Status s = rank.AwaitFailure(10s);
       CHECK_OR_RETURN(s.code() == StatusCode::kDataLoss &&
                           s.message().find("rank 1's counts row announces 0 dispatch slots and " +
-                                           std::to_string(layout.rows_per_pair + 1) +
+                                           std::to_string(too_many) +
                                            " combine rows for rank 0") != std::string::npos,
                       "rank 0: " + s.ToString());
     } else {
@@ -125,20 +131,14 @@ TEST(ProxyTest, APeersImpossibleCountsRowIsDataLoss) {
 // the routing (recv-ready), with the peer's row as it sent it.
 TEST(ProxyTest, CountsRowsThatFitArePublished) {
   auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
-    AllToAllConfig c{2, b.rank(), 1, 4, 2, 4, 128, DispatchDtype::kBf16, 2};
-    const MoeLayout layout(c);
-    Rank rank;
-    RETURN_IF_ERROR(rank.Open(b, c, 1000));
-    auto* counts = reinterpret_cast<int32_t*>(rank.send.data() + layout.send_counts_off);
-    counts[c.num_experts + c.world_size + (1 - b.rank())] =
-        static_cast<int32_t>(layout.rows_per_pair);  // the most that fits
-    rank.channel.route_ready.store(1, std::memory_order_release);
-    rank.channel.send_ready.store(1, std::memory_order_release);
+    Rank rank(b.rank());
+    RETURN_IF_ERROR(rank.Open(b));
+    const int64_t most = rank.layout.rows_per_pair;
+    rank.Announce(static_cast<int32_t>(most));
     RETURN_IF_ERROR(rank.AwaitRecvReady(10s));
-    const int peer = 1 - b.rank();
-    CHECK_OR_RETURN(rank.routing->Rows(peer, b.rank()) == layout.rows_per_pair,
+    CHECK_OR_RETURN(rank.routing->Rows(rank.peer, b.rank()) == most,
                     "the peer's row as published: " +
-                        std::to_string(rank.routing->Rows(peer, b.rank())));
+                        std::to_string(rank.routing->Rows(rank.peer, b.rank())));
     // Both consumed the epoch's dispatch before either leaves (the proxies' barrier).
     rank.channel.recv_consumed.store(1, std::memory_order_release);
     return b.Barrier(30s);

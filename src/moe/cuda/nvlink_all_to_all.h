@@ -39,7 +39,8 @@
 //
 // A slot is a 16-byte header (source token, entries, combine row, which of the token's slots),
 // K 16-byte entries (local expert, k, weight, position among the sender's copies for that
-// expert), the token row and its fp32 scales. Each slot is written once: pushed to its receiver
+// expert), padding to a 128-byte line (never written or read), the token row and its fp32
+// scales; slots are a whole number of lines. Each slot is written once: pushed to its receiver
 // (the first P for a peer of our node, all of them for another node) or kept in our send area.
 //
 // Steps (one stream; kernels in order):
