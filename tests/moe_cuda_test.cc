@@ -47,6 +47,9 @@ struct Case {
   // DispatchLayout::kTokenMajor on both devices: 1 on every rank, 2 on odd ranks only (a rank's
   // own choice; the bytes that cross are the same).
   int token_major = 0;
+  // One node: the dispatch streamed (the default) or, false, the receiver waiting for every
+  // send block's flag (FERRY_NV_STREAM=0 in the ranks).
+  bool streamed = true;
 };
 
 std::string Describe(const Case& c) {
@@ -57,7 +60,8 @@ std::string Describe(const Case& c) {
          (c.once_per_rank ? "_a" : "") + (c.reduce_at_expert_rank ? "_b" : "") +
          (c.nvlink ? "_nvlink" : "") + (c.graph ? "_graph" : "") +
          (c.node_ranks ? "_nodes" + std::to_string(c.world_size / c.node_ranks) : "") +
-         (c.token_major == 1 ? "_tokmajor" : c.token_major == 2 ? "_mixedlayout" : "");
+         (c.token_major == 1 ? "_tokmajor" : c.token_major == 2 ? "_mixedlayout" : "") +
+         (c.streamed ? "" : "_flagged");
 }
 void PrintTo(const Case& c, std::ostream* os) { *os << Describe(c); }
 
@@ -179,6 +183,7 @@ Status RunRank(const Case& c, Bootstrap& b) {
   if (c.nvlink) cfg.ranks_per_node = c.node_ranks > 0 ? c.node_ranks : b.world_size();
   AllToAllConfig gpu_cfg = cfg;
   RETURN_IF_ERROR(UseGpu(b, &gpu_cfg));
+  if (!c.streamed) setenv("FERRY_NV_STREAM", "0", 1);  // this rank's process only
   ASSIGN_OR_RETURN(auto host_engine, TransferEngine::Create(testing_util::TestOptions("shm")));
   ASSIGN_OR_RETURN(auto gpu_engine, TransferEngine::Create(testing_util::TestOptions("shm")));
   ASSIGN_OR_RETURN(auto host, AllToAll::Create(cfg, host_engine.get(), b));
@@ -460,10 +465,11 @@ TEST(MoeNvlinkTest, APeerLostBeforeCombine) {
 
 // One node, two ranks: an expert id out of range fails DispatchSend with nothing sent (the step
 // can be retried); then a rank that stops taking part makes its peer's wait end at the
-// deadline, and the AllToAll stays failed.
-TEST(MoeNvlinkTest, BadExpertsAndALostPeer) {
-  if (!HaveGpu()) GTEST_SKIP() << "no GPU (/dev/nvidia0)";
-  auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
+// deadline, and the AllToAll stays failed. `streamed`: the dispatch streamed (the peer waits for
+// the lost rank's counts row) or not (for its flag).
+void BadExpertsAndALostPeer(bool streamed) {
+  auto exits = RunLocalRanks(2, [&](Bootstrap& b) -> Status {
+    if (!streamed) setenv("FERRY_NV_STREAM", "0", 1);
     std::unique_ptr<AllToAll> a2a;
     SmallRun run;
     RETURN_IF_ERROR(OpenOneNode(b, &a2a, &run));
@@ -484,6 +490,32 @@ TEST(MoeNvlinkTest, BadExpertsAndALostPeer) {
       return Status::Ok();
     }
     return run.ExpectLost(1);
+  }, 120s);
+  for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
+}
+TEST(MoeNvlinkTest, BadExpertsAndALostPeer) {
+  if (!HaveGpu()) GTEST_SKIP() << "no GPU (/dev/nvidia0)";
+  BadExpertsAndALostPeer(true);
+}
+TEST(MoeNvlinkTest, BadExpertsAndALostPeerFlagged) {
+  if (!HaveGpu()) GTEST_SKIP() << "no GPU (/dev/nvidia0)";
+  BadExpertsAndALostPeer(false);
+}
+
+// Ranks of one node that disagree on streaming the dispatch (FERRY_NV_STREAM=0 on rank 1 only)
+// fail Create on every rank, saying so.
+TEST(MoeNvlinkTest, RanksThatDisagreeOnStreamingFailCreate) {
+  if (!HaveGpu()) GTEST_SKIP() << "no GPU (/dev/nvidia0)";
+  auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
+    if (b.rank() == 1) setenv("FERRY_NV_STREAM", "0", 1);
+    AllToAllConfig cfg{2, b.rank(), 2, 8, 2, 4, 128, DispatchDtype::kBf16, 2};
+    RETURN_IF_ERROR(UseGpu(b, &cfg));
+    auto a2a = AllToAll::Create(cfg, nullptr, b);
+    CHECK_OR_RETURN(a2a.status().code() == StatusCode::kFailedPrecondition &&
+                        a2a.status().message().find("FERRY_NV_STREAM must agree") !=
+                            std::string::npos,
+                    "disagreeing ranks: " + a2a.status().ToString());
+    return Status::Ok();
   }, 120s);
   for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
 }
@@ -533,6 +565,12 @@ TEST(MoeNvlinkTest, GpuBuffersBetweenNodesNeedAnEngineForThem) {
     return run.GoodIteration(b);
   }, 120s);
   for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
+}
+
+// The same case with the dispatch not streamed.
+Case Flagged(Case c) {
+  c.streamed = false;
+  return c;
 }
 
 const auto bf16 = DispatchDtype::kBf16, fp8 = DispatchDtype::kFp8E4M3;
@@ -597,7 +635,24 @@ INSTANTIATE_TEST_SUITE_P(
                            2},
                       // Eight ranks (four per GPU here): EP8 as one node and as two of four.
                       Case{8, 32, 256, 64, 8, bf16, rnd, 4, false, false, false, 2, true},
-                      Case{8, 32, 256, 64, 8, fp8, rnd, 4, false, true, true, 2, true, false, 4}),
+                      Case{8, 32, 256, 64, 8, fp8, rnd, 4, false, true, true, 2, true, false, 4},
+                      // Streamed with every slot pushed (private slots for all a rank may send
+                      // a peer): SendSmall, Pack, Pack with (a)+(b).
+                      Case{2, 128, 1024, 64, 8, fp8, rnd, 1024, false, false, false, 2, true},
+                      Case{2, 600, 256, 64, 8, bf16, rnd, 4800, false, false, false, 2, true},
+                      Case{2, 700, 512, 64, 8, fp8, rnd, 700, false, true, true, 2, true},
+                      // One node, not streamed: every receiver waits for its senders' flags.
+                      Flagged(Case{2, 7, 128, 8, 2, bf16, rnd, 4, false, false, false, 3, true}),
+                      Flagged(Case{2, 128, 7168, 256, 8, fp8, rnd, 16, false, false, false, 3,
+                                   true}),
+                      Flagged(Case{2, 128, 7168, 256, 8, bf16, rnd, 16, false, true, true, 3,
+                                   true}),
+                      Flagged(Case{2, 2048, 128, 256, 16, fp8, rnd, 64, false, false, false, 2,
+                                   true}),
+                      Flagged(Case{2, 700, 256, 64, 4, bf16, rnd, 4, false, true, false, 4, true,
+                                   true}),
+                      Flagged(Case{3, 333, 2176, 48, 8, bf16, hot, 4, true, true, true, 3, true,
+                                   false, 0, 1})),
     [](const ::testing::TestParamInfo<Case>& info) { return Describe(info.param); });
 
 }  // namespace

@@ -81,7 +81,14 @@ class NvlinkAllToAll final : public AllToAll {
     // the peer 6-7 % faster so, loads 2-3 %). The header and entries take the first
     // meta_used bytes; the rest of the metadata is padding nobody writes or reads.
     v.meta_used = sizeof(NvHeader) + int64_t{k} * sizeof(NvEntry);
-    v.meta_bytes = RoundUp(v.meta_used, 128);
+    // Streamed dispatch: one node (no relay), unless FERRY_NV_STREAM=0; every rank must agree
+    // (checked below). Its slot tag follows the entries, within the metadata's line.
+    v.stream = c_.ranks_per_node == n;
+    if (const char* env = std::getenv("FERRY_NV_STREAM"); env && *env) {
+      v.stream = v.stream && *env != '0';
+    }
+    v.tag_off = v.meta_used;
+    v.meta_bytes = RoundUp(v.meta_used + (v.stream ? 8 : 0), 128);
     v.slot_bytes = RoundUp(v.meta_bytes + v.payload + int64_t{v.spt} * 4, 128);
     v.row_bytes = int64_t{c_.hidden} * 2;
     v.capacity = c_.expert_capacity();
@@ -90,7 +97,8 @@ class NvlinkAllToAll final : public AllToAll {
     v.token_major = c_.dispatch_layout == DispatchLayout::kTokenMajor;
     v.slots_per_pair = layout_.slots_per_pair;
     v.counts_off = RoundUp(2 * n * 8, 128);
-    v.counts_stride = static_cast<int>(RoundUp(v.l + kCountsColumns, 4));
+    v.counts_tag = v.l + kCountsColumns;  // streamed only
+    v.counts_stride = static_cast<int>(RoundUp(v.l + kCountsColumns + (v.stream ? 1 : 0), 4));
     v.private_off = RoundUp(v.counts_off + int64_t{n} * v.counts_stride * 4, 128);
     v.combine_off = RoundUp(v.private_off + int64_t{n} * v.priv * v.slot_bytes, 128);
     v.send_off = RoundUp(v.combine_off + int64_t{t} * k * v.row_bytes, 128);
@@ -108,8 +116,10 @@ class NvlinkAllToAll final : public AllToAll {
                    size_t(n) * v.counts_stride * sizeof(int32_t) +
                    size_t(n + 1) * v.l * sizeof(int32_t);
     if (unpack_smem_ > 48 * 1024) {
-      FERRY_CUDA(cudaFuncSetAttribute(UnpackKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(unpack_smem_)));
+      for (auto* kernel : {UnpackKernel<false>, UnpackKernel<true>}) {
+        FERRY_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(unpack_smem_)));
+      }
     }
     // Decode batches: DispatchSend in one kernel, its shared memory within the default limit.
     const size_t small_smem = SmallSmemBytes(n, v.e, int64_t{t} * k);
@@ -120,6 +130,11 @@ class NvlinkAllToAll final : public AllToAll {
     // warps wait on pulled slots, keeps four blocks per SM).
     if (small_smem_ > 0) {
       send_grid_ = (t + kSmallWarps - 1) / kSmallWarps;
+    } else if (v.stream) {
+      // Streamed, Unpack runs beside Pack: a block of each per SM (one block per SM already
+      // stores into a peer at the link's rate: `ferry-bench p2p`).
+      send_grid_ = std::min(t, sms);
+      unpack_grid_ = static_cast<int>(std::min<int64_t>(recv_grid_, sms));
     } else {
       int resident = 0;
       FERRY_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
@@ -127,6 +142,7 @@ class NvlinkAllToAll final : public AllToAll {
       send_grid_ = std::min(t, std::max(resident, 1) * sms);
     }
     send_grid_ = std::max(send_grid_, 1);
+    if (unpack_grid_ == 0) unpack_grid_ = recv_grid_;
     if (const char* pdl = std::getenv("FERRY_NV_PDL"); pdl && *pdl == '0') pdl_ = false;
 
     // Exchange: the configuration, then the buffers.
@@ -166,7 +182,7 @@ class NvlinkAllToAll final : public AllToAll {
     // (pinned host memory), and the relay.
     const RelayLayout relay(c_, v.slot_bytes);
     v.first_remote = relay.remotes.empty() ? -1 : relay.remotes.front();
-    if (relay.counts_bytes != int64_t{v.counts_stride} * 4) {
+    if (!relay.remotes.empty() && relay.counts_bytes != int64_t{v.counts_stride} * 4) {
       return InternalError("moe: the relay's counts row and the kernels' differ in size");
     }
     RelayBuffers boxes;     // what the relay's CPU and NIC use
@@ -197,15 +213,23 @@ class NvlinkAllToAll final : public AllToAll {
       }
       ASSIGN_OR_RETURN(relay_, Relay::Create(c_, relay, engine, bootstrap, boxes, 60000));
     }
-    // Every rank's send grids: what its flags for us gain per epoch.
-    std::vector<uint8_t> grids(2 * sizeof(int32_t));
-    const int32_t mine[2] = {send_grid_, recv_grid_};
+    // Every rank's send grids (what its flags for us gain per epoch) and whether it streams.
+    std::vector<uint8_t> grids(3 * sizeof(int32_t));
+    const int32_t mine[3] = {send_grid_, recv_grid_, v.stream ? 1 : 0};
     std::memcpy(grids.data(), mine, sizeof mine);
     ASSIGN_OR_RETURN(auto all_grids, bootstrap.AllGather(grids, timeout));
     std::vector<NvPeer> peers(n);
     for (int r = 0; r < n; ++r) {
       if (all_grids[r].size() != sizeof mine) {
         return InternalError("AllToAll: rank " + std::to_string(r) + " sent malformed grids");
+      }
+      int32_t theirs[3];
+      std::memcpy(theirs, all_grids[r].data(), sizeof theirs);
+      if (theirs[2] != mine[2]) {
+        return FailedPreconditionError(
+            "AllToAll: rank " + std::to_string(r) + (theirs[2] ? " streams" : " does not stream") +
+            " its dispatch and rank " + std::to_string(c_.rank) +
+            (mine[2] ? " does" : " does not") + ": FERRY_NV_STREAM must agree on every rank");
       }
       if (relay.Remote(r)) {
         peers[r] = RemotePeer(relay, mapped, r);
@@ -215,8 +239,6 @@ class NvlinkAllToAll final : public AllToAll {
         }
       } else {
         peers[r] = NodePeer(bases[c_.rank], bases[r], r);
-        int32_t theirs[2];
-        std::memcpy(theirs, all_grids[r].data(), sizeof theirs);
         peers[r].dispatch_step = theirs[0];
         peers[r].combine_step = theirs[1];
       }
@@ -330,7 +352,8 @@ class NvlinkAllToAll final : public AllToAll {
     const RecvArgs args{static_cast<uint8_t*>(out.x), out.scales,        out.num_tokens,
                         BudgetNs(deadline),           out.num_rows,      out.token_experts,
                         out.token_weights};
-    FERRY_CUDA(Launch(UnpackKernel, recv_grid_, unpack_smem_, args));
+    FERRY_CUDA(Launch(nv_.stream ? UnpackKernel<true> : UnpackKernel<false>, unpack_grid_,
+                      unpack_smem_, args));
     stage_ = Stage::kDispatchDone;
     return async_ ? Status::Ok() : Finish();
   }
@@ -368,9 +391,10 @@ class NvlinkAllToAll final : public AllToAll {
     cudaSetDevice(c_.cuda_device);
     cudaStreamSynchronize(stream_);
     cudaMemcpy(totals.data(), nv_.totals, nv_.n * sizeof(int32_t), cudaMemcpyDeviceToHost);
-    // What crosses per slot: its header and entries, row and scales (not the padding that puts
-    // the row and the next slot on a line, which nobody writes).
-    const uint64_t slot = nv_.meta_used + nv_.payload + int64_t{nv_.spt} * 4;
+    // What crosses per slot: its header and entries (and tag, streamed), row and scales (not
+    // the padding that puts the row and the next slot on a line, which nobody writes).
+    const uint64_t slot =
+        nv_.meta_used + (nv_.stream ? 8 : 0) + nv_.payload + int64_t{nv_.spt} * 4;
     uint64_t bytes = 0;
     for (int r = 0; r < nv_.n; ++r) {
       if (r != c_.rank) bytes += uint64_t(totals[r]) * slot + (nv_.l + 2) * 4;
@@ -650,9 +674,9 @@ class NvlinkAllToAll final : public AllToAll {
                              " received more rows than its capacity");
       default:
         (void)(failed_ = DeadlineExceededError(
-            std::string("moe NVLink: rank ") + std::to_string(b) + " did not raise its " +
+            std::string("moe NVLink: rank ") + std::to_string(b) + " did not deliver its " +
             (a == 0 ? "dispatch" : "combine") +
-            " flag before the deadline (a lost or stalled peer); this AllToAll is unusable"));
+            " before the deadline (a lost or stalled peer); this AllToAll is unusable"));
         return failed_;
     }
   }
@@ -678,7 +702,8 @@ class NvlinkAllToAll final : public AllToAll {
   cudaStream_t own_stream_ = nullptr, stream_ = nullptr;
   bool async_ = false;
   int send_grid_ = 1;  // DispatchSend's (SendSmall or Pack), fixed
-  int recv_grid_ = 1;  // Unpack's and CombineSend's
+  int recv_grid_ = 1;  // CombineSend's, and Unpack's unless streamed
+  int unpack_grid_ = 0;  // Unpack's
   bool combine_copy_only_ = false;  // CombineSend's copy-only instance (token-major, small batches)
   int recv_grid_limit_ = 1;
   bool pdl_ = true;    // receive kernels may start early (Launch)

@@ -82,6 +82,18 @@
 // atom.acq_rel.sys and the last one stores the one outbox flag the relay watches (st.release.sys).
 // Waits give up at a deadline (%globaltimer).
 //
+// Streamed dispatch (one node, the default; FERRY_NV_STREAM=0 turns it off, and every rank must
+// agree): the receiver does not wait for every send block before it takes a slot. Each slot
+// carries a 64-bit tag after its entries, stored "epoch + 1" with st.release.sys by a lane of
+// the warp that wrote the slot once its lanes met at __syncwarp; each counts row a 32-bit tag
+// (column counts_tag, after the CountsColumn values), released by block 0 once the rows are out.
+// Unpack waits for every sender's counts-row tag (ld.acquire.sys, a thread per sender), then per
+// slot its group's first thread waits for the slot's tag -- or, for a slot it pulls from the
+// sender's send area, for that sender's dispatch flag, which the send blocks still raise -- and
+// a vote hands it to the group. Pack and Unpack then run side by side, a block of each per SM
+// (Route/Pack path), so the rows are unpacked while the link still carries the rest. Unpack
+// then skips griddepcontrol.wait (see UnpackKernel).
+//
 // Early start: the receive kernels (Unpack, CombineRecv) are launched with programmatic
 // stream serialization and the send kernels let them start at once (griddepcontrol); a receive
 // kernel waits for its flags, reads counts and locates its first slot while the send kernel

@@ -261,7 +261,7 @@ __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
   PrefixTotals(v.totals + v.n, v.n, row_starts);
   Mark(v, kTraceSend, 1);
   if (blockIdx.x == 0) {  // our counts row into every rank, before block 0 arrives
-    WriteCountsRows(v, [&](int r, int c) {
+    WriteCountsRows(v, epoch, [&](int r, int c) {
       if (c == v.l + kColSlots) return int64_t{v.totals[r]};
       if (c == v.l + kColSendStart) return starts[r];
       if (c == v.l + kColRowStart) return row_starts[r];
@@ -310,6 +310,7 @@ __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
     const long long copy_start = v.trace ? clock64() : 0;
     route_cycles += copy_start - loop_start;
     StoreRowWarp(v, a, t, dst, ns, batch);
+    TagSlots(v, dst, ns, epoch);
     __syncwarp();  // dst is rewritten for the warp's next token
     if (v.trace) copy_cycles += clock64() - copy_start;
   }
@@ -492,7 +493,7 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
       v.totals[r] = m.slots[r];
       v.totals[v.n + r] = m.rows[r];
     }
-    WriteCountsRows(v, [&](int r, int c) {
+    WriteCountsRows(v, epoch, [&](int r, int c) {
       if (c == v.l + kColSlots) return int64_t{m.slots[r]};
       if (c == v.l + kColSendStart) return m.starts[r];
       if (c == v.l + kColRowStart) return m.row_starts[r];
@@ -563,6 +564,7 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
     __syncwarp();
 
     StoreRowWarp(v, a, t, dst_of[warp], ns, batch);
+    TagSlots(v, dst_of[warp], ns, epoch);
   }
   Mark(v, kTraceSend, 5);
   Arrive(v, false, epoch);
@@ -583,24 +585,27 @@ struct PeerIn {
   const uint8_t* slots;
   const uint8_t* pull;
   int64_t* relay_rows;
-  int32_t slot_cap, remote, row_cap, pad;
+  const uint64_t* dispatch_flag;  // streamed: what a pulled slot waits for
+  int32_t slot_cap, remote, row_cap, dispatch_step;
+  int64_t pad;
 };
 static_assert(sizeof(PeerIn) % 16 == 0, "PeerIn keeps what follows it 16-byte aligned");
 
 __device__ inline void LoadPeersIn(const Nv& v, PeerIn* out) {
   for (int q = threadIdx.x; q < v.n; q += blockDim.x) {
     const NvPeer& p = v.peer[q];
-    out[q] = PeerIn{p.counts_in, p.slots_in, p.pull, p.relay_rows, p.slot_cap, p.remote,
-                    p.row_cap, 0};
+    out[q] = PeerIn{p.counts_in, p.slots_in,    p.pull,       p.relay_rows, p.dispatch_flag_in,
+                    p.slot_cap,  p.remote,      p.row_cap,    p.dispatch_step, 0};
   }
 }
 
-// Unpack's tables in shared memory (see the kernel).
+// Unpack's tables in shared memory (see the kernel), and, streamed, what its waits need.
 struct SlotTables {
   const PeerIn* from_of;
   const int64_t *prefix, *start, *rebase;
   const int32_t* counts;
   int32_t* offset;
+  uint64_t epoch, wait_start, budget_ns;
 };
 
 // A group of kGroup threads (a warp or the block) waits for itself: the slot metadata it shares.
@@ -629,7 +634,7 @@ __device__ inline bool GroupAll(bool value) {
 // threads, each thread keeping kVec 16-byte vectors in flight: checks each slot, copies its row
 // to each entry's output row, remembers where the entries' combine rows go. Also builds the
 // offsets table (the whole block, while each group's first slot loads).
-template <int kGroup, int kVec>
+template <int kGroup, int kVec, bool kStream>
 __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
                             int64_t total) {
   constexpr int kGroups = kCopyThreads / kGroup;
@@ -662,6 +667,25 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
                                              : nullptr;
     return reinterpret_cast<const uint4*>(src);
   };
+  // Streamed: the group's first thread waits until the slot is there -- its tag, or for a
+  // pulled slot (in its sender's send area, no tag waited on over NVLink per slot) every send
+  // block of its sender arrived -- and the vote hands that to the group (the barrier orders
+  // the acquire before the group's loads). False: the wait gave up (reported; later waits give
+  // up at once).
+  auto ready = [&](const uint4* src4) -> bool {
+    bool ok = true;
+    if (tid == 0 && src4) {
+      const PeerIn& from = from_of[s];
+      const bool pulled = s != v.me && j >= from.slot_cap;
+      const uint64_t* word =
+          pulled ? from.dispatch_flag
+                 : reinterpret_cast<const uint64_t*>(reinterpret_cast<const uint8_t*>(src4) +
+                                                     v.tag_off);
+      const uint64_t want = (t.epoch + 1) * uint64_t(pulled ? from.dispatch_step : 1);
+      ok = AwaitWord(v, word, want, t.wait_start, t.budget_ns, 0, s);
+    }
+    return GroupAll<kGroup>(ok);
+  };
   // One round trip for the slot's first batch (metadata and, usually, the whole slot).
   uint4 r[kVec];
   auto load = [&](const uint4* src4, int64_t first) {
@@ -674,7 +698,9 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
   const int64_t first_g = blockIdx.x + int64_t{group} * gridDim.x;
   const int64_t step = int64_t{gridDim.x} * kGroups;
   int64_t g = first_g;
-  const uint4* src4 = g < total ? locate(g) : nullptr;
+  // The first slot in flight while the offsets table is built (streamed: once it is there,
+  // after the table).
+  const uint4* src4 = g < total && !kStream ? locate(g) : nullptr;
   if (src4) load(src4, 0);
   Mark(v, kTraceUnpack, 3);
 
@@ -696,8 +722,9 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
   Mark(v, kTraceUnpack, 4);
   bool primary_done = false;
   for (; g < total; g += step) {
-    if (g != first_g) {
+    if (g != first_g || kStream) {
       src4 = locate(g);
+      if (kStream && !ready(src4)) return;
       if (src4) load(src4, 0);
     }
     if (!src4) {
@@ -747,7 +774,7 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
     // entry whose k is c (thread c looks for it), or none.
     const int outs = valid ? (v.token_major ? 1 : entries) : 0;
     if (!primary_done) {  // the caller's memory from here on (a.out_x, a.out_scales, ...)
-      WaitPrimary();
+      if (!kStream) WaitPrimary();  // streamed: see UnpackKernel
       primary_done = true;
     }
     if (v.token_major && valid && tid < v.k) {
@@ -789,7 +816,17 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
 
 // Every block waits for all dispatch flags, reads every sender's counts row, then takes its share
 // of the received slots (sender-major, each sender in its send order; UnpackSlots).
-__global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
+// Streamed, it waits for each sender's counts row instead, and for each slot as it takes it,
+// and it does not wait for the kernel before it (our send kernel, which may still be storing
+// slots) to end before writing the caller's outputs: what made WaitPrimary needed -- a kernel of
+// the caller's that still reads them -- ended before our send kernel started (Route and
+// SendSmall launch plainly), and every block saw our own counts row, which that kernel stored.
+// A kernel the caller enqueues between DispatchSend and DispatchRecv ends before this one starts
+// unless it lets dependents start early itself.
+// Two blocks per SM (128 registers): one beside a Pack block when streamed, and otherwise two
+// of Unpack's own.
+template <bool kStream>
+__global__ void __launch_bounds__(kCopyThreads, 2) UnpackKernel(Nv v, RecvArgs a) {
   extern __shared__ int64_t unpack_raw[];  // [N] PeerIn; [N + 1] slots before sender s; [N]
                                            // start[s] (where they start in its send area); [N]
                                            // rebase[s] (the first combine row s expects from
@@ -806,10 +843,21 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
   __shared__ bool ok;
   Mark(v, kTraceUnpack, 0);
   const uint64_t epoch = v.scratch->epoch;
+  const uint64_t wait_start = GlobalTimerNs();
   LoadPeersIn(v, from_of);  // while thread 0 waits: no table load on the path after the flags
-  if (threadIdx.x == 0) ok = WaitStep(v, epoch, a.timeout_ns, 0);
-  __syncthreads();
-  if (!ok) return;
+  if (kStream) {  // every sender's counts row, a thread per sender waiting for its tag
+    bool there = true;
+    for (int q = threadIdx.x; q < v.n; q += blockDim.x) {
+      const NvPeer& p = v.peer[q];
+      there = there && AwaitWord(v, reinterpret_cast<const uint32_t*>(p.counts_in + v.counts_tag),
+                                 static_cast<uint32_t>(epoch + 1), wait_start, a.timeout_ns, 0, q);
+    }
+    if (!__syncthreads_and(there)) return;
+  } else {
+    if (threadIdx.x == 0) ok = WaitStep(v, epoch, a.timeout_ns, 0);
+    __syncthreads();
+    if (!ok) return;
+  }
   Mark(v, kTraceUnpack, 1);
   // Every sender's counts row in one round trip (16-byte vectors; from another node they are in
   // host memory, where every small load is a PCIe transaction).
@@ -850,14 +898,15 @@ __global__ void __launch_bounds__(kCopyThreads) UnpackKernel(Nv v, RecvArgs a) {
   // than blocks (prefill): a warp per slot, eight slots in flight per block, a lane's eight
   // vectors loaded at once -- one block copying slot after slot waits on each slot's load.
   // (Sixteen per lane take the kernel past 128 registers, one block per SM, or spill.)
-  const SlotTables tables{from_of, prefix, start, rebase, counts, offset};
+  const SlotTables tables{from_of, prefix, start, rebase, counts, offset,
+                          epoch,   wait_start, a.timeout_ns};
   if (total > gridDim.x) {
-    UnpackSlots<32, 8>(v, a, tables, total);
+    UnpackSlots<32, 8, kStream>(v, a, tables, total);
   } else {
-    UnpackSlots<kCopyThreads, 4>(v, a, tables, total);
+    UnpackSlots<kCopyThreads, 4, kStream>(v, a, tables, total);
   }
   if (blockIdx.x == 0) {
-    WaitPrimary();
+    if (!kStream) WaitPrimary();
     if (v.token_major && threadIdx.x == 0) *a.num_rows = static_cast<int32_t>(total);
     for (int e = threadIdx.x; e < v.l; e += blockDim.x) {
       const int32_t rows = offset[v.n * v.l + e];

@@ -146,6 +146,13 @@ struct Nv {
   int64_t payload, slot_bytes, meta_bytes, row_bytes, capacity, slots_per_pair;
   int64_t meta_used;  // header and entries; meta_bytes rounds it up to a 128-byte line
   bool once, reduce;
+  // Streamed dispatch (one node; see nvlink_all_to_all.h): each slot carries a 64-bit tag,
+  // "epoch + 1" once its bytes are in place, at tag_off (right after the entries), and each
+  // counts row a 32-bit one in column counts_tag; Unpack takes each slot as its tag comes up
+  // instead of waiting for every send block's arrival.
+  bool stream;
+  int64_t tag_off;
+  int counts_tag;
   bool token_major;  // DispatchLayout::kTokenMajor: received slot g is output row g
   int first_remote;  // the lowest rank of another node, -1 if none (WaitStep, Arrive)
   int64_t counts_off, private_off, combine_off, send_off;  // flags at 0
@@ -206,6 +213,14 @@ __device__ inline uint64_t LoadAcquire(const uint64_t* p) {
 }
 __device__ inline void StoreRelease(uint64_t* p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ inline uint32_t LoadAcquire(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ inline void StoreRelease(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 __device__ inline void AddRelease(uint64_t* p, uint64_t v) {
   asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
@@ -285,23 +300,38 @@ __device__ inline void Report(const Nv& v, int32_t code, int32_t a, int32_t b) {
   }
 }
 
+// One thread: until the word at `p` reaches `want` (acquire at system scope: what its writer
+// released before it is visible to this thread, and to the threads this one then meets at a
+// barrier), another wait gave up, or the budget from `start` runs out -- then reported as rank
+// r's missing `which` flag (0 dispatch, 1 combine), and every later wait gives up at once.
+// A 64-bit word counts up and is there at `want` or beyond; a 32-bit tag is there when it
+// equals `want` (it wraps: "epoch + 1" modulo 2^32, whose previous value is want - 1).
+__device__ inline bool Reached(uint64_t got, uint64_t want) { return got >= want; }
+__device__ inline bool Reached(uint32_t got, uint32_t want) { return got == want; }
+template <typename Word>
+__device__ bool AwaitWord(const Nv& v, const Word* p, Word want, uint64_t start,
+                          uint64_t budget_ns, int which, int r) {
+  while (!Reached(LoadAcquire(p), want)) {
+    if (*reinterpret_cast<volatile int32_t*>(&v.scratch->abort)) return false;
+    if (GlobalTimerNs() - start > budget_ns) {
+      atomicExch(&v.scratch->abort, 1);
+      Report(v, kPeerTimeout, which, r);
+      return false;
+    }
+  }
+  return true;
+}
+
 // Thread 0 of a block: until every rank's dispatch (which 0) or combine (1) flag for us shows
 // epoch `epoch` done (the rank's step per epoch times epoch + 1), another block gave up, or the
-// budget (from now) runs out, which is reported and makes every later wait give up.
+// budget (from now) runs out (AwaitWord).
 __device__ bool WaitAll(const Nv& v, uint64_t epoch, uint64_t budget_ns, int which) {
   const uint64_t start = GlobalTimerNs();
   for (int r = 0; r < v.n; ++r) {
     const NvPeer& p = v.peer[r];
     const uint64_t* flag = which == 0 ? p.dispatch_flag_in : p.combine_flag_in;
     const uint64_t want = (epoch + 1) * uint64_t(which == 0 ? p.dispatch_step : p.combine_step);
-    while (LoadAcquire(flag) < want) {
-      if (*reinterpret_cast<volatile int32_t*>(&v.scratch->abort)) return false;
-      if (GlobalTimerNs() - start > budget_ns) {
-        atomicExch(&v.scratch->abort, 1);
-        Report(v, kPeerTimeout, which, r);
-        return false;
-      }
-    }
+    if (!AwaitWord(v, flag, want, start, budget_ns, which, r)) return false;
   }
   return true;
 }
@@ -442,9 +472,10 @@ __device__ int SendTokens(const Nv& v, const SendArgs& a) {
 }
 
 // Our counts row into every rank (value(r, c): column c of our row for rank r: copies per
-// local expert of r, then the CountsColumn values).
+// local expert of r, then the CountsColumn values). Streamed, each row's tag follows, released
+// once the block's stores of every row are out (the barrier orders them before it).
 template <typename Value>
-__device__ void WriteCountsRows(const Nv& v, Value value) {
+__device__ void WriteCountsRows(const Nv& v, uint64_t epoch, Value value) {
   const int width = v.l + kCountsColumns;
   for (int i = threadIdx.x; i < v.n * width; i += blockDim.x) {
     const int r = i / width, c = i % width;
@@ -453,6 +484,23 @@ __device__ void WriteCountsRows(const Nv& v, Value value) {
   for (int r = threadIdx.x; r < v.n; r += blockDim.x) {  // the relay sizes its write by this
     if (v.peer[r].relay_slots) *v.peer[r].relay_slots = value(r, v.l + kColSlots);
   }
+  if (!v.stream) return;
+  __syncthreads();
+  for (int r = threadIdx.x; r < v.n; r += blockDim.x) {
+    StoreRelease(reinterpret_cast<uint32_t*>(v.peer[r].counts + v.counts_tag),
+                 static_cast<uint32_t>(epoch + 1));
+  }
+}
+
+// Streamed: a warp's token, once its lanes stored the token's ns slots (dst), tags each slot
+// "epoch + 1", a lane per slot, with release at system scope -- __syncwarp orders every lane's
+// stores of the slot before it, and the release carries them to the receiver that acquires the
+// tag.
+__device__ inline void TagSlots(const Nv& v, uint8_t* const* dst, int ns, uint64_t epoch) {
+  if (!v.stream) return;
+  __syncwarp();
+  const int lane = threadIdx.x % 32;
+  if (lane < ns) StoreRelease(reinterpret_cast<uint64_t*>(dst[lane] + v.tag_off), epoch + 1);
 }
 
 // Every block of a send step, once its writes are issued: for each rank of our node, one added
