@@ -47,9 +47,9 @@ struct Case {
   // DispatchLayout::kTokenMajor on both devices: 1 on every rank, 2 on odd ranks only (a rank's
   // own choice; the bytes that cross are the same).
   int token_major = 0;
-  // One node: the dispatch streamed (the default) or, false, the receiver waiting for every
-  // send block's flag (FERRY_NV_STREAM=0 in the ranks).
-  bool streamed = true;
+  // One node: the dispatch streamed (FERRY_NV_STREAM=1 in the ranks), or, by default, the
+  // receiver waiting for every send block's flag.
+  bool streamed = false;
 };
 
 std::string Describe(const Case& c) {
@@ -61,7 +61,7 @@ std::string Describe(const Case& c) {
          (c.nvlink ? "_nvlink" : "") + (c.graph ? "_graph" : "") +
          (c.node_ranks ? "_nodes" + std::to_string(c.world_size / c.node_ranks) : "") +
          (c.token_major == 1 ? "_tokmajor" : c.token_major == 2 ? "_mixedlayout" : "") +
-         (c.streamed ? "" : "_flagged");
+         (c.streamed ? "_streamed" : "");
 }
 void PrintTo(const Case& c, std::ostream* os) { *os << Describe(c); }
 
@@ -183,7 +183,7 @@ Status RunRank(const Case& c, Bootstrap& b) {
   if (c.nvlink) cfg.ranks_per_node = c.node_ranks > 0 ? c.node_ranks : b.world_size();
   AllToAllConfig gpu_cfg = cfg;
   RETURN_IF_ERROR(UseGpu(b, &gpu_cfg));
-  if (!c.streamed) setenv("FERRY_NV_STREAM", "0", 1);  // this rank's process only
+  if (c.streamed) setenv("FERRY_NV_STREAM", "1", 1);  // this rank's process only
   ASSIGN_OR_RETURN(auto host_engine, TransferEngine::Create(testing_util::TestOptions("shm")));
   ASSIGN_OR_RETURN(auto gpu_engine, TransferEngine::Create(testing_util::TestOptions("shm")));
   ASSIGN_OR_RETURN(auto host, AllToAll::Create(cfg, host_engine.get(), b));
@@ -469,7 +469,7 @@ TEST(MoeNvlinkTest, APeerLostBeforeCombine) {
 // the lost rank's counts row) or not (for its flag).
 void BadExpertsAndALostPeer(bool streamed) {
   auto exits = RunLocalRanks(2, [&](Bootstrap& b) -> Status {
-    if (!streamed) setenv("FERRY_NV_STREAM", "0", 1);
+    if (streamed) setenv("FERRY_NV_STREAM", "1", 1);
     std::unique_ptr<AllToAll> a2a;
     SmallRun run;
     RETURN_IF_ERROR(OpenOneNode(b, &a2a, &run));
@@ -495,19 +495,19 @@ void BadExpertsAndALostPeer(bool streamed) {
 }
 TEST(MoeNvlinkTest, BadExpertsAndALostPeer) {
   if (!HaveGpu()) GTEST_SKIP() << "no GPU (/dev/nvidia0)";
-  BadExpertsAndALostPeer(true);
-}
-TEST(MoeNvlinkTest, BadExpertsAndALostPeerFlagged) {
-  if (!HaveGpu()) GTEST_SKIP() << "no GPU (/dev/nvidia0)";
   BadExpertsAndALostPeer(false);
 }
+TEST(MoeNvlinkTest, BadExpertsAndALostPeerStreamed) {
+  if (!HaveGpu()) GTEST_SKIP() << "no GPU (/dev/nvidia0)";
+  BadExpertsAndALostPeer(true);
+}
 
-// Ranks of one node that disagree on streaming the dispatch (FERRY_NV_STREAM=0 on rank 1 only)
+// Ranks of one node that disagree on streaming the dispatch (FERRY_NV_STREAM=1 on rank 1 only)
 // fail Create on every rank, saying so.
 TEST(MoeNvlinkTest, RanksThatDisagreeOnStreamingFailCreate) {
   if (!HaveGpu()) GTEST_SKIP() << "no GPU (/dev/nvidia0)";
   auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
-    if (b.rank() == 1) setenv("FERRY_NV_STREAM", "0", 1);
+    if (b.rank() == 1) setenv("FERRY_NV_STREAM", "1", 1);
     AllToAllConfig cfg{2, b.rank(), 2, 8, 2, 4, 128, DispatchDtype::kBf16, 2};
     RETURN_IF_ERROR(UseGpu(b, &cfg));
     auto a2a = AllToAll::Create(cfg, nullptr, b);
@@ -567,9 +567,9 @@ TEST(MoeNvlinkTest, GpuBuffersBetweenNodesNeedAnEngineForThem) {
   for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
 }
 
-// The same case with the dispatch not streamed.
-Case Flagged(Case c) {
-  c.streamed = false;
+// The same case with the dispatch streamed.
+Case Streamed(Case c) {
+  c.streamed = true;
   return c;
 }
 
@@ -638,20 +638,24 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{8, 32, 256, 64, 8, fp8, rnd, 4, false, true, true, 2, true, false, 4},
                       // Streamed with every slot pushed (private slots for all a rank may send
                       // a peer): SendSmall, Pack, Pack with (a)+(b).
-                      Case{2, 128, 1024, 64, 8, fp8, rnd, 1024, false, false, false, 2, true},
-                      Case{2, 600, 256, 64, 8, bf16, rnd, 4800, false, false, false, 2, true},
-                      Case{2, 700, 512, 64, 8, fp8, rnd, 700, false, true, true, 2, true},
-                      // One node, not streamed: every receiver waits for its senders' flags.
-                      Flagged(Case{2, 7, 128, 8, 2, bf16, rnd, 4, false, false, false, 3, true}),
-                      Flagged(Case{2, 128, 7168, 256, 8, fp8, rnd, 16, false, false, false, 3,
+                      Streamed(Case{2, 128, 1024, 64, 8, fp8, rnd, 1024, false, false, false, 2,
+                                    true}),
+                      Streamed(Case{2, 600, 256, 64, 8, bf16, rnd, 4800, false, false, false, 2,
+                                    true}),
+                      Streamed(Case{2, 700, 512, 64, 8, fp8, rnd, 700, false, true, true, 2,
+                                    true}),
+                      // Streamed with pulled slots too: each receiver waits for each slot's tag
+                      // (pulled: for its sender's flag).
+                      Streamed(Case{2, 7, 128, 8, 2, bf16, rnd, 4, false, false, false, 3, true}),
+                      Streamed(Case{2, 128, 7168, 256, 8, fp8, rnd, 16, false, false, false, 3,
                                    true}),
-                      Flagged(Case{2, 128, 7168, 256, 8, bf16, rnd, 16, false, true, true, 3,
+                      Streamed(Case{2, 128, 7168, 256, 8, bf16, rnd, 16, false, true, true, 3,
                                    true}),
-                      Flagged(Case{2, 2048, 128, 256, 16, fp8, rnd, 64, false, false, false, 2,
+                      Streamed(Case{2, 2048, 128, 256, 16, fp8, rnd, 64, false, false, false, 2,
                                    true}),
-                      Flagged(Case{2, 700, 256, 64, 4, bf16, rnd, 4, false, true, false, 4, true,
+                      Streamed(Case{2, 700, 256, 64, 4, bf16, rnd, 4, false, true, false, 4, true,
                                    true}),
-                      Flagged(Case{3, 333, 2176, 48, 8, bf16, hot, 4, true, true, true, 3, true,
+                      Streamed(Case{3, 333, 2176, 48, 8, bf16, hot, 4, true, true, true, 3, true,
                                    false, 0, 1})),
     [](const ::testing::TestParamInfo<Case>& info) { return Describe(info.param); });
 

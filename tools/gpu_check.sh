@@ -38,8 +38,8 @@
 #                                 as one node and as two nodes (the relay over shm between them);
 #                                 EP_SIZES ("4 8"); with SANITIZERS=0 it fits one 10-minute call
 #   tools/gpu_check.sh stream     build, tests, then NVLink decode and prefill (a)+(b) in both
-#                                 layouts with the dispatch streamed (the default) and not
-#                                 (FERRY_NV_STREAM=0), alternating, STREAM_ROUNDS (1) times:
+#                                 layouts with the dispatch not streamed (the default) and
+#                                 streamed (FERRY_NV_STREAM=1), alternating, STREAM_ROUNDS (1) times:
 #                                 decode at 16 and 1024 private slots, prefill at 16 and 4096;
 #                                 then streamed prefill's phase stamps
 # SANITIZERS=0 skips memcheck and racecheck; AB_DECODE_ROUNDS=0 runs ab's prefill pairs only.
@@ -79,8 +79,8 @@ fi
 # NVLink cases above SendSmall's bound (tokens x k > 2048): their send half is Route and Pack
 # (the graph case replays with device counts that leave token chunks empty).
 pack_cases='*n2_t333_h2176_e64_k8_bf16_hot_empty1_nvlink:*n2_t2048_h128_e256_k16_fp8_nvlink:*n2_t700*graph'
-# ... and the streamed dispatch with every slot pushed, and not streamed (flagged).
-pack_cases="$pack_cases:*n2_t600_h256_e64_k8_bf16_nvlink:*n2_t7_h128_e8_k2_bf16_nvlink_flagged"
+# ... and the streamed dispatch: every slot pushed (Pack), and small (SendSmall).
+pack_cases="$pack_cases:*n2_t600_h256_e64_k8_bf16_nvlink_streamed:*n2_t7_h128_e8_k2_bf16_nvlink_streamed"
 if [ "$mode" != profile ] && [ "$mode" != trace ] && [ "$mode" != kvpace ] &&
    [ "${SANITIZERS:-1}" != 0 ]; then
   step memcheck 300 "$SANITIZER" --tool memcheck --target-processes all \
@@ -220,8 +220,8 @@ if [ "$mode" = stream ]; then
     done
   done
   for p in 16 4096; do
-    FERRY_NV_TRACE=1 step trace_stream_prefill_p$p 200 build-gpu/ferry-bench moe "${tok[@]}" \
-      --tokens 4096 --iters 5 --private $p
+    FERRY_NV_STREAM=1 FERRY_NV_TRACE=1 step trace_stream_prefill_p$p 200 build-gpu/ferry-bench \
+      moe "${tok[@]}" --tokens 4096 --iters 5 --private $p
     echo "== trace, 4096 tokens, (a)+(b), streamed, --private $p: point slowest/mean us"
     grep -h 'trace ' "$OUT/trace_stream_prefill_p$p.log"
   done

@@ -82,8 +82,8 @@
 // atom.acq_rel.sys and the last one stores the one outbox flag the relay watches (st.release.sys).
 // Waits give up at a deadline (%globaltimer).
 //
-// Streamed dispatch (one node, the default; FERRY_NV_STREAM=0 turns it off, and every rank must
-// agree): the receiver does not wait for every send block before it takes a slot. Each slot
+// Streamed dispatch (one node, FERRY_NV_STREAM=1 on every rank: ranks that disagree fail
+// Create): the receiver does not wait for every send block before it takes a slot. Each slot
 // carries a 64-bit tag after its entries, stored "epoch + 1" with st.release.sys by a lane of
 // the warp that wrote the slot once its lanes met at __syncwarp; each counts row a 32-bit tag
 // (column counts_tag, after the CountsColumn values), released by block 0 once the rows are out.
