@@ -28,10 +28,11 @@ class Backoff {
   explicit Backoff(uint32_t spins = 64, uint32_t yields = 256, uint32_t sleep_us = 50)
       : spins_(spins), yields_(yields), sleep_us_(sleep_us) {}
 
-  void Pause() {
+  // may_sleep false: yields where it would sleep (something is due soon).
+  void Pause(bool may_sleep = true) {
     if (round_ < spins_) {
       CpuRelax();
-    } else if (yields_ == kYieldForever || round_ - spins_ < yields_) {
+    } else if (yields_ == kYieldForever || round_ - spins_ < yields_ || !may_sleep) {
       sched_yield();
     } else {
       std::this_thread::sleep_for(std::chrono::microseconds(sleep_us_));

@@ -810,7 +810,10 @@ class Prefill final : public KvPrefill {
   void Watch() {
     // The engine's idle policy: with an engine that never idles (spin_us < 0: production, cores
     // of their own) the watcher never sleeps either, and sees a layer counted at once instead of
-    // up to a 50 us sleep later (session 9's trace: 1-54 us of the tail).
+    // up to a 50 us sleep later (session 9's trace: 1-54 us of the tail). An idling engine's
+    // watcher still never sleeps while a scheduled chunk awaits a layer (as the engine's worker
+    // never sleeps while a notification is armed): it yields, and sees the layer within
+    // microseconds; it sleeps only with no layer to wait for.
     const bool never_idle = engine_->options().spin_us < 0;
     Backoff backoff(64, never_idle ? Backoff::kYieldForever : 256, 50);
     while (!stop_.load(std::memory_order_acquire)) {
@@ -820,7 +823,7 @@ class Prefill final : public KvPrefill {
       if (progress) {
         backoff.Reset();
       } else {
-        backoff.Pause();
+        backoff.Pause(!awaiting_layers_);
       }
     }
   }
@@ -867,6 +870,7 @@ class Prefill final : public KvPrefill {
   bool PostReadyLayers() {
     const uint64_t done = counter_->load(std::memory_order_acquire);
     bool progress = false;
+    awaiting_layers_ = false;
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [id, a] : pending_) {
       if (a.cancelled) continue;
@@ -883,7 +887,11 @@ class Prefill final : public KvPrefill {
           if (!layer_done) break;
           ++chunk.next_layer;
         }
-        if (a.failure.ok() && chunk.next_layer < regions_.num_layers) all_posted = false;
+        if (a.failure.ok() && chunk.next_layer < regions_.num_layers) {
+          all_posted = false;
+          // Not yet counted (rather than waiting for room in the engine's queues).
+          awaiting_layers_ |= done < chunk.pass_base + chunk.next_layer + 1;
+        }
       }
       if (trace_ && a.scheduled && all_posted && a.last_posted_us == 0) {
         a.last_posted_us = MonotonicUs();
@@ -1007,6 +1015,7 @@ class Prefill final : public KvPrefill {
   std::deque<std::vector<uint8_t>> inbox_;
   std::unordered_map<uint64_t, Active> pending_;
   const bool trace_;
+  bool awaiting_layers_ = false;  // the watcher's last pass: a scheduled chunk awaits a layer
   std::atomic<bool> stop_{false};
   std::thread watcher_;
 };
