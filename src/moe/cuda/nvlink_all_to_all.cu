@@ -131,9 +131,10 @@ class NvlinkAllToAll final : public AllToAll {
       send_grid_ = (t + kSmallWarps - 1) / kSmallWarps;
     } else if (v.stream) {
       // Streamed, Unpack runs beside Pack: a block of each per SM (one block per SM already
-      // stores into a peer at the link's rate: `ferry-bench p2p`).
+      // stores into a peer at the link's rate: `ferry-bench p2p`), and Unpack's second block
+      // per SM once Pack's leaves it (its groups claim slots as they come, see ClaimSlot).
       send_grid_ = std::min(t, sms);
-      unpack_grid_ = static_cast<int>(std::min<int64_t>(recv_grid_, sms));
+      unpack_grid_ = static_cast<int>(std::min<int64_t>(recv_grid_, 2 * sms));
     } else {
       int resident = 0;
       FERRY_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(

@@ -630,10 +630,29 @@ __device__ inline bool GroupAll(bool value) {
   }
 }
 
-// Unpack's received slots g = blockIdx.x + group * grid, + grid * groups... for groups of kGroup
-// threads, each thread keeping kVec 16-byte vectors in flight: checks each slot, copies its row
-// to each entry's output row, remembers where the entries' combine rows go. Also builds the
-// offsets table (the whole block, while each group's first slot loads).
+// Streamed: the next received slot a group takes, claimed from a counter, so that slots are
+// taken in order by whichever groups are running -- those beside the send kernel first, then
+// also those that start once its blocks leave their SMs.
+template <int kGroup>
+__device__ inline int64_t ClaimSlot(const Nv& v) {
+  if constexpr (kGroup == 32) {
+    uint32_t c = 0;
+    if (threadIdx.x % 32 == 0) c = atomicAdd(&v.scratch->claimed, 1u);
+    return __shfl_sync(~0u, c, 0);
+  } else {
+    __shared__ uint32_t claim;
+    __syncthreads();  // every thread read the last claim
+    if (threadIdx.x == 0) claim = atomicAdd(&v.scratch->claimed, 1u);
+    __syncthreads();
+    return claim;
+  }
+}
+
+// Unpack's received slots g = blockIdx.x + group * grid, + grid * groups... (streamed: as
+// claimed) for groups of kGroup threads, each thread keeping kVec 16-byte vectors in flight:
+// checks each slot, copies its row to each entry's output row, remembers where the entries'
+// combine rows go. Also builds the offsets table (the whole block, while each group's first
+// slot loads).
 template <int kGroup, int kVec, bool kStream>
 __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
                             int64_t total) {
@@ -720,8 +739,9 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
     }
   }
   Mark(v, kTraceUnpack, 4);
-  bool primary_done = false;
-  for (; g < total; g += step) {
+  bool primary_done = false, marked = false;
+  if constexpr (kStream) g = ClaimSlot<kGroup>(v);
+  for (; g < total; g = kStream ? ClaimSlot<kGroup>(v) : g + step) {
     if (g != first_g || kStream) {
       src4 = locate(g);
       if (kStream && !ready(src4)) return;
@@ -764,7 +784,8 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
       }
     }
     valid = GroupAll<kGroup>(valid);
-    if (g == first_g) Mark(v, kTraceUnpack, 5);
+    if (!marked) Mark(v, kTraceUnpack, 5);
+    marked = true;
     if (tid == 0) {
       if (!valid) Report(v, kBadSlot, s, static_cast<int32_t>(j));
       v.rslots[g] = RecvSlot{s, static_cast<int32_t>(row), valid ? entries : 0, header.part,
@@ -1113,7 +1134,10 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineA
   }
   Mark(v, kTraceCombineRecv, 2);
   // Only our own epoch word changes: a device-scope fence is enough.
-  if (LastBlock(&v.scratch->tickets[2], false) && threadIdx.x == 0) v.scratch->epoch = epoch + 1;
+  if (LastBlock(&v.scratch->tickets[2], false) && threadIdx.x == 0) {
+    v.scratch->claimed = 0;  // Unpack ended before this step began
+    v.scratch->epoch = epoch + 1;
+  }
   Mark(v, kTraceCombineRecv, 3);
 }
 

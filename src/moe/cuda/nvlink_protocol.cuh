@@ -105,6 +105,8 @@ struct Scratch {
                             // all raised ("epoch + 1"), which the other blocks wait for
   uint32_t tickets[4];      // last-block detection: the send steps' outbox flag (Arrive, with
                             // peers in other nodes), CombineRecv's epoch, Route's carries
+  uint32_t claimed;         // streamed: received slots Unpack's groups took so far (reset by
+                            // CombineRecv's last block)
 };
 
 // Rank r as our kernels see it: where what r must receive from us goes, and where what r sent
