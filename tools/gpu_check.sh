@@ -37,11 +37,12 @@
 #                                 machine has): decode fp8 and bf16, prefill, (a)+(b) and plain,
 #                                 as one node and as two nodes (the relay over shm between them);
 #                                 EP_SIZES ("4 8"); with SANITIZERS=0 it fits one 10-minute call
-#   tools/gpu_check.sh stream     build, tests, then NVLink decode and prefill (a)+(b) in both
-#                                 layouts with the dispatch not streamed (the default) and
-#                                 streamed (FERRY_NV_STREAM=1), alternating, STREAM_ROUNDS (1) times:
-#                                 decode at 16 and 1024 private slots, prefill at 16 and 4096;
-#                                 then streamed prefill's phase stamps
+#   tools/gpu_check.sh stream     build, tests, then NVLink (a)+(b) with the dispatch not
+#                                 streamed (the default) and streamed (FERRY_NV_STREAM=1),
+#                                 alternating, STREAM_ROUNDS (1) times: decode pushing every
+#                                 slot, prefill pushing every slot (both layouts), prefill with
+#                                 16 private slots; STREAM_TRACE=1: then streamed prefill's phase
+#                                 stamps. SANITIZERS=0 STREAM_ROUNDS=1 fits ~5 minutes
 # SANITIZERS=0 skips memcheck and racecheck; AB_DECODE_ROUNDS=0 runs ab's prefill pairs only.
 set -u
 OUT=${OUT:-/tmp/ferry-gpu}
@@ -207,24 +208,24 @@ if [ "$mode" = layout ]; then
 fi
 [ "$mode" = kvpace ] && kv_paces "${PACES:-1.25 1}"
 if [ "$mode" = stream ]; then
+  nv=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8 --once-per-rank
+      --reduce-at-expert-rank)
   for round in $(seq "${STREAM_ROUNDS:-1}"); do
     for s in 0 1; do
-      for p in 16 1024; do
-        FERRY_NV_STREAM=$s step "stream${s}_p${p}_$round" 200 build-gpu/ferry-bench moe \
-          "${tok[@]}" --tokens 128 --iters 200 --private $p
-      done
-      for p in 16 4096; do
-        FERRY_NV_STREAM=$s step "stream${s}_prefill_p${p}_$round" 300 build-gpu/ferry-bench moe \
-          "${tok[@]}" --tokens 4096 --iters 20 --private $p
-      done
+      FERRY_NV_STREAM=$s step "stream${s}_decode_$round" 200 build-gpu/ferry-bench moe "${nv[@]}" \
+        --tokens 128 --iters 200 --private 1024
+      FERRY_NV_STREAM=$s step "stream${s}_prefill_push_$round" 300 build-gpu/ferry-bench moe \
+        "${nv[@]}" --tokens 4096 --iters 20 --private 4096 --token-major
+      FERRY_NV_STREAM=$s step "stream${s}_prefill_pull_$round" 300 build-gpu/ferry-bench moe \
+        "${nv[@]}" --tokens 4096 --iters 20 --private 16
     done
   done
-  for p in 16 4096; do
-    FERRY_NV_STREAM=1 FERRY_NV_TRACE=1 step trace_stream_prefill_p$p 200 build-gpu/ferry-bench \
-      moe "${tok[@]}" --tokens 4096 --iters 5 --private $p
-    echo "== trace, 4096 tokens, (a)+(b), streamed, --private $p: point slowest/mean us"
-    grep -h 'trace ' "$OUT/trace_stream_prefill_p$p.log"
-  done
+  if [ "${STREAM_TRACE:-0}" = 1 ]; then
+    FERRY_NV_STREAM=1 FERRY_NV_TRACE=1 step trace_stream_prefill 200 build-gpu/ferry-bench moe \
+      "${nv[@]}" --tokens 4096 --iters 5 --private 4096
+    echo "== trace, 4096 tokens, (a)+(b), streamed, every slot pushed: point slowest/mean us"
+    grep -h 'trace ' "$OUT/trace_stream_prefill.log"
+  fi
   for f in "$OUT"/stream*_1.log; do
     echo "== $(basename "$f" .log)"
     grep -h -E '^(variant|\(a\)\+\(b\))' "$f"
