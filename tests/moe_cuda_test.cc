@@ -47,9 +47,9 @@ struct Case {
   // DispatchLayout::kTokenMajor on both devices: 1 on every rank, 2 on odd ranks only (a rank's
   // own choice; the bytes that cross are the same).
   int token_major = 0;
-  // One node: the dispatch streamed (FERRY_NV_STREAM=1 in the ranks), or, by default, the
-  // receiver waiting for every send block's flag.
-  bool streamed = false;
+  // One node: FERRY_NV_STREAM in the ranks, a mask -- 1 the dispatch streamed, 2 the combine,
+  // 3 both; 0 (the default): neither, every receiver waits for its senders' flags.
+  int stream = 0;
 };
 
 std::string Describe(const Case& c) {
@@ -61,7 +61,8 @@ std::string Describe(const Case& c) {
          (c.nvlink ? "_nvlink" : "") + (c.graph ? "_graph" : "") +
          (c.node_ranks ? "_nodes" + std::to_string(c.world_size / c.node_ranks) : "") +
          (c.token_major == 1 ? "_tokmajor" : c.token_major == 2 ? "_mixedlayout" : "") +
-         (c.streamed ? "_streamed" : "");
+         (c.stream == 1 ? "_streamed" : c.stream == 2 ? "_combstreamed"
+                          : c.stream == 3 ? "_allstreamed" : "");
 }
 void PrintTo(const Case& c, std::ostream* os) { *os << Describe(c); }
 
@@ -183,7 +184,7 @@ Status RunRank(const Case& c, Bootstrap& b) {
   if (c.nvlink) cfg.ranks_per_node = c.node_ranks > 0 ? c.node_ranks : b.world_size();
   AllToAllConfig gpu_cfg = cfg;
   RETURN_IF_ERROR(UseGpu(b, &gpu_cfg));
-  if (c.streamed) setenv("FERRY_NV_STREAM", "1", 1);  // this rank's process only
+  if (c.stream) setenv("FERRY_NV_STREAM", std::to_string(c.stream).c_str(), 1);  // this rank only
   ASSIGN_OR_RETURN(auto host_engine, TransferEngine::Create(testing_util::TestOptions("shm")));
   ASSIGN_OR_RETURN(auto gpu_engine, TransferEngine::Create(testing_util::TestOptions("shm")));
   ASSIGN_OR_RETURN(auto host, AllToAll::Create(cfg, host_engine.get(), b));
@@ -441,9 +442,10 @@ Status OpenOneNode(Bootstrap& b, std::unique_ptr<AllToAll>* a2a, SmallRun* run) 
 
 // One node, two ranks: after a good iteration and a dispatch, rank 1 never returns its combine
 // rows. Rank 0's CombineRecv ends at its 1 s deadline naming rank 1 and the combine step.
-TEST(MoeNvlinkTest, APeerLostBeforeCombine) {
-  if (!HaveGpu()) GTEST_SKIP() << "no GPU (/dev/nvidia0)";
-  auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
+// `stream`: FERRY_NV_STREAM (3: rank 0 waits for rank 1's row tags, not its flag).
+void APeerLostBeforeCombine(int stream) {
+  auto exits = RunLocalRanks(2, [&](Bootstrap& b) -> Status {
+    if (stream) setenv("FERRY_NV_STREAM", std::to_string(stream).c_str(), 1);
     std::unique_ptr<AllToAll> a2a;
     SmallRun run;
     RETURN_IF_ERROR(OpenOneNode(b, &a2a, &run));
@@ -461,6 +463,14 @@ TEST(MoeNvlinkTest, APeerLostBeforeCombine) {
     });
   }, 120s);
   for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
+}
+TEST(MoeNvlinkTest, APeerLostBeforeCombine) {
+  if (!HaveGpu()) GTEST_SKIP() << "no GPU (/dev/nvidia0)";
+  APeerLostBeforeCombine(0);
+}
+TEST(MoeNvlinkTest, APeerLostBeforeCombineStreamed) {
+  if (!HaveGpu()) GTEST_SKIP() << "no GPU (/dev/nvidia0)";
+  APeerLostBeforeCombine(3);
 }
 
 // One node, two ranks: an expert id out of range fails DispatchSend with nothing sent (the step
@@ -567,9 +577,9 @@ TEST(MoeNvlinkTest, GpuBuffersBetweenNodesNeedAnEngineForThem) {
   for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
 }
 
-// The same case with the dispatch streamed.
-Case Streamed(Case c) {
-  c.streamed = true;
+// The same case streamed: the dispatch (1), the combine (2) or both (3).
+Case Streamed(Case c, int mask = 1) {
+  c.stream = mask;
   return c;
 }
 
@@ -656,7 +666,23 @@ INSTANTIATE_TEST_SUITE_P(
                       Streamed(Case{2, 700, 256, 64, 4, bf16, rnd, 4, false, true, false, 4, true,
                                    true}),
                       Streamed(Case{3, 333, 2176, 48, 8, bf16, hot, 4, true, true, true, 3, true,
-                                   false, 0, 1})),
+                                   false, 0, 1}),
+                      // The combine streamed: rows summed at the expert rank, copied per entry,
+                      // copied per token-major row; graphs; with the dispatch streamed too.
+                      Streamed(Case{2, 128, 7168, 256, 8, bf16, rnd, 16, false, true, true, 3,
+                                    true}, 2),
+                      Streamed(Case{2, 128, 7168, 256, 8, fp8, rnd, 16, false, false, false, 3,
+                                    true}, 3),
+                      Streamed(Case{2, 96, 256, 64, 4, bf16, rnd, 4, false, true, true, 4, true,
+                                    true, 0, 1}, 3),
+                      Streamed(Case{2, 700, 256, 64, 4, bf16, rnd, 4, false, true, false, 4, true,
+                                    true}, 2),
+                      Streamed(Case{2, 2048, 128, 256, 16, fp8, rnd, 64, false, false, true, 2,
+                                    true}, 3),
+                      Streamed(Case{3, 333, 2176, 48, 8, bf16, hot, 4, true, true, true, 3, true},
+                               3),
+                      Streamed(Case{4, 128, 128, 256, 8, bf16, rnd, 8, false, false, true, 3,
+                                    true}, 3)),
     [](const ::testing::TestParamInfo<Case>& info) { return Describe(info.param); });
 
 }  // namespace

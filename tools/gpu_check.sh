@@ -37,9 +37,9 @@
 #                                 machine has): decode fp8 and bf16, prefill, (a)+(b) and plain,
 #                                 as one node and as two nodes (the relay over shm between them);
 #                                 EP_SIZES ("4 8"); with SANITIZERS=0 it fits one 10-minute call
-#   tools/gpu_check.sh stream     build, tests, then NVLink (a)+(b) with the dispatch not
-#                                 streamed (the default) and streamed (FERRY_NV_STREAM=1),
-#                                 alternating, STREAM_ROUNDS (1) times: decode pushing every
+#   tools/gpu_check.sh stream     build, tests, then NVLink (a)+(b) with nothing streamed (the
+#                                 default), the dispatch streamed (FERRY_NV_STREAM=1) and both
+#                                 steps (3), alternating, STREAM_ROUNDS (1) times: decode pushing every
 #                                 slot, prefill pushing every slot (both layouts), prefill with
 #                                 16 private slots; STREAM_TRACE=1: then streamed prefill's phase
 #                                 stamps. SANITIZERS=0 STREAM_ROUNDS=1 fits ~5 minutes
@@ -80,8 +80,10 @@ fi
 # NVLink cases above SendSmall's bound (tokens x k > 2048): their send half is Route and Pack
 # (the graph case replays with device counts that leave token chunks empty).
 pack_cases='*n2_t333_h2176_e64_k8_bf16_hot_empty1_nvlink:*n2_t2048_h128_e256_k16_fp8_nvlink:*n2_t700*graph'
-# ... and the streamed dispatch: every slot pushed (Pack), and small (SendSmall).
+# ... and the streamed dispatch: every slot pushed (Pack), and small (SendSmall); the streamed
+# combine, summed at the expert rank and copied token-major.
 pack_cases="$pack_cases:*n2_t600_h256_e64_k8_bf16_nvlink_streamed:*n2_t7_h128_e8_k2_bf16_nvlink_streamed"
+pack_cases="$pack_cases:*n2_t2048_h128_e256_k16_fp8_b_nvlink_allstreamed:*n2_t96*tokmajor_allstreamed"
 if [ "$mode" != profile ] && [ "$mode" != trace ] && [ "$mode" != kvpace ] &&
    [ "${SANITIZERS:-1}" != 0 ]; then
   step memcheck 300 "$SANITIZER" --tool memcheck --target-processes all \
@@ -211,7 +213,7 @@ if [ "$mode" = stream ]; then
   nv=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8 --once-per-rank
       --reduce-at-expert-rank)
   for round in $(seq "${STREAM_ROUNDS:-1}"); do
-    for s in 0 1; do
+    for s in 0 1 3; do
       FERRY_NV_STREAM=$s step "stream${s}_decode_$round" 200 build-gpu/ferry-bench moe "${nv[@]}" \
         --tokens 128 --iters 200 --private 1024
       FERRY_NV_STREAM=$s step "stream${s}_prefill_push_$round" 300 build-gpu/ferry-bench moe \

@@ -81,11 +81,17 @@ class NvlinkAllToAll final : public AllToAll {
     // the peer 6-7 % faster so, loads 2-3 %). The header and entries take the first
     // meta_used bytes; the rest of the metadata is padding nobody writes or reads.
     v.meta_used = sizeof(NvHeader) + int64_t{k} * sizeof(NvEntry);
-    // Streamed dispatch: one node (no relay) and FERRY_NV_STREAM=1 (not yet the default: not
-    // yet measured on two GPUs); every rank must agree (checked below). Its slot tag follows the
-    // entries, within the metadata's line.
+    // Streaming (one node, no relay): FERRY_NV_STREAM is a mask, 1 the dispatch, 2 the
+    // combine, 3 both (not yet the default: not yet measured on two GPUs); every rank must agree
+    // (checked below). The dispatch's slot tag follows the entries, within the metadata's line.
     const char* stream_env = std::getenv("FERRY_NV_STREAM");
-    v.stream = c_.ranks_per_node == n && stream_env && *stream_env == '1';
+    const int stream_mask = stream_env ? std::atoi(stream_env) : 0;
+    if (stream_mask < 0 || stream_mask > 3) {
+      return InvalidArgumentError("FERRY_NV_STREAM=" + std::string(stream_env) +
+                                  ": 0 (none), 1 (dispatch), 2 (combine) or 3 (both)");
+    }
+    v.stream = c_.ranks_per_node == n && (stream_mask & 1);
+    v.stream_combine = c_.ranks_per_node == n && (stream_mask & 2);
     v.tag_off = v.meta_used;
     v.meta_bytes = RoundUp(v.meta_used + (v.stream ? 8 : 0), 128);
     v.slot_bytes = RoundUp(v.meta_bytes + v.payload + int64_t{v.spt} * 4, 128);
@@ -100,7 +106,9 @@ class NvlinkAllToAll final : public AllToAll {
     v.counts_stride = static_cast<int>(RoundUp(v.l + kCountsColumns + (v.stream ? 1 : 0), 4));
     v.private_off = RoundUp(v.counts_off + int64_t{n} * v.counts_stride * 4, 128);
     v.combine_off = RoundUp(v.private_off + int64_t{n} * v.priv * v.slot_bytes, 128);
-    v.send_off = RoundUp(v.combine_off + int64_t{t} * k * v.row_bytes, 128);
+    v.combine_tag_off = RoundUp(v.combine_off + int64_t{t} * k * v.row_bytes, 128);
+    v.send_off =
+        RoundUp(v.combine_tag_off + (v.stream_combine ? int64_t{t} * k * 8 : 0), 128);
     const int64_t bytes = v.send_off + int64_t{t} * k * v.slot_bytes;
     const int64_t max_recv = int64_t{n} * layout_.slots_per_pair;
     recv_grid_ = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_recv, 4 * sms)));
@@ -215,7 +223,8 @@ class NvlinkAllToAll final : public AllToAll {
     }
     // Every rank's send grids (what its flags for us gain per epoch) and whether it streams.
     std::vector<uint8_t> grids(3 * sizeof(int32_t));
-    const int32_t mine[3] = {send_grid_, recv_grid_, v.stream ? 1 : 0};
+    const int32_t mine[3] = {send_grid_, recv_grid_,
+                             (v.stream ? 1 : 0) | (v.stream_combine ? 2 : 0)};
     std::memcpy(grids.data(), mine, sizeof mine);
     ASSIGN_OR_RETURN(auto all_grids, bootstrap.AllGather(grids, timeout));
     std::vector<NvPeer> peers(n);
@@ -227,9 +236,9 @@ class NvlinkAllToAll final : public AllToAll {
       std::memcpy(theirs, all_grids[r].data(), sizeof theirs);
       if (theirs[2] != mine[2]) {
         return FailedPreconditionError(
-            "AllToAll: rank " + std::to_string(r) + (theirs[2] ? " streams" : " does not stream") +
-            " its dispatch and rank " + std::to_string(c_.rank) +
-            (mine[2] ? " does" : " does not") + ": FERRY_NV_STREAM must agree on every rank");
+            "AllToAll: rank " + std::to_string(r) + " streams " + StreamedSteps(theirs[2]) +
+            ", rank " + std::to_string(c_.rank) + " streams " + StreamedSteps(mine[2]) +
+            ": FERRY_NV_STREAM must agree on every rank");
       }
       if (relay.Remote(r)) {
         peers[r] = RemotePeer(relay, mapped, r);
@@ -379,7 +388,8 @@ class NvlinkAllToAll final : public AllToAll {
     if (!out && token_bound_ > 0) return InvalidArgumentError("CombineRecv: null output");
     RETURN_IF_ERROR(Aligned(out, "CombineRecv: output"));
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
-    FERRY_CUDA(Launch(CombineRecvKernel, TokenGrid(token_bound_), nv_.n * sizeof(int64_t),
+    FERRY_CUDA(Launch(nv_.stream_combine ? CombineRecvStreamedKernel : CombineRecvKernel,
+                      TokenGrid(token_bound_), nv_.n * sizeof(int64_t),
                       CombineArgs{nullptr, out, accumulate, BudgetNs(deadline)}));
     stage_ = Stage::kIdle;
     return async_ ? Status::Ok() : Finish();
@@ -488,6 +498,12 @@ class NvlinkAllToAll final : public AllToAll {
     }
   }
 
+  static std::string StreamedSteps(int mask) {
+    static const char* const kSteps[4] = {"nothing", "the dispatch", "the combine",
+                                          "the dispatch and the combine"};
+    return kSteps[mask & 3];
+  }
+
   // Rank r of our node: its buffer `theirs` (mapped here) and ours, `own`.
   NvPeer NodePeer(uint8_t* own, uint8_t* theirs, int r) const {
     const Nv& v = nv_;
@@ -498,6 +514,7 @@ class NvlinkAllToAll final : public AllToAll {
     p.counts = reinterpret_cast<int32_t*>(theirs + v.counts_off) + v.me * width;
     p.slots = theirs + v.private_off + int64_t{v.me} * v.priv * v.slot_bytes;
     p.combine = theirs + v.combine_off;
+    if (v.stream_combine) p.combine_tags = reinterpret_cast<uint64_t*>(theirs + v.combine_tag_off);
     p.dispatch_flag_in = reinterpret_cast<uint64_t*>(own) + r;
     p.combine_flag_in = reinterpret_cast<uint64_t*>(own) + v.n + r;
     p.counts_in = reinterpret_cast<int32_t*>(own + v.counts_off) + r * width;

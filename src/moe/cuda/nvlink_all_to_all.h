@@ -82,8 +82,10 @@
 // atom.acq_rel.sys and the last one stores the one outbox flag the relay watches (st.release.sys).
 // Waits give up at a deadline (%globaltimer).
 //
-// Streamed dispatch (one node, FERRY_NV_STREAM=1 on every rank: ranks that disagree fail
-// Create): the receiver does not wait for every send block before it takes a slot. Each slot
+// Streaming (one node; FERRY_NV_STREAM, a mask alike on every rank -- ranks that disagree fail
+// Create: 1 the dispatch, 2 the combine, 3 both; 0, the default, neither).
+//
+// Streamed dispatch: the receiver does not wait for every send block before it takes a slot. Each slot
 // carries a 64-bit tag after its entries, stored "epoch + 1" with st.release.sys by a lane of
 // the warp that wrote the slot once its lanes met at __syncwarp; each counts row a 32-bit tag
 // (column counts_tag, after the CountsColumn values), released by block 0 once the rows are out.
@@ -92,7 +94,16 @@
 // sender's send area, for that sender's dispatch flag, which the send blocks still raise -- and
 // a vote hands it to the group. Pack and Unpack then run side by side, a block of each per SM
 // (Route/Pack path), so the rows are unpacked while the link still carries the rest. Unpack
-// then skips griddepcontrol.wait (see UnpackKernel).
+// then skips griddepcontrol.wait (see UnpackKernel); its groups claim slots from a counter, and
+// its second block per SM starts once Pack's leaves.
+//
+// Streamed combine: every returned row has a 64-bit tag in the receiver's buffer (combine_tags,
+// [T * K] after the combine region), "epoch + 1" released by the CombineSend block once its
+// threads stored the row. CombineRecv's blocks claim tokens in order and sum each once the tags
+// of its rows are up (a lane per row waits), instead of waiting for every CombineSend block of
+// every rank first. The reuse chain above still needs every peer's CombineSend done before our
+// next DispatchSend (a rank may need no row from a peer, and so see nothing of it): the block
+// of CombineRecv that ends last waits for every combine flag before it advances the epoch.
 //
 // Early start: the receive kernels (Unpack, CombineRecv) are launched with programmatic
 // stream serialization and the send kernels let them start at once (griddepcontrol); a receive

@@ -982,6 +982,16 @@ __device__ inline void WeightedSum2x8(float (&acc)[2][8], const uint4* const* ro
   }
 }
 
+// Streamed combine: once the block stored rows [row, row + rows) of rank r's combine region,
+// their tags "epoch + 1" (the barrier orders every thread's stores before the releases).
+__device__ inline void TagRows(const Nv& v, int r, int64_t row, int rows, uint64_t epoch) {
+  if (!v.stream_combine) return;
+  __syncthreads();
+  for (int i = threadIdx.x; i < rows; i += blockDim.x) {
+    StoreRelease(v.peer[r].combine_tags + row + i, epoch + 1);
+  }
+}
+
 // Received slots again: each copy's expert output row (plain) or, summed at the expert rank, one
 // weighted fp32 sum per token taken in (local expert, position) order as the host device does,
 // pushed into the sender's combine region. Every block arrives at every rank's combine flag.
@@ -999,9 +1009,13 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
   int64_t rows_out = 0;
   for (int64_t g = blockIdx.x; g < total; g += gridDim.x) {
     const RecvSlot slot = v.rslots[g];
+    // A malformed slot (Unpack reported it and kept no entry) returns nothing: its row is not
+    // one we checked, and a row written there could land on another token's.
+    if (slot.entries == 0) continue;
     uint8_t* dst = v.peer[slot.sender].combine + int64_t{slot.row} * v.row_bytes;
     if (kCopyOnly || v.token_major) {
       CopyBytes(dst, reinterpret_cast<const uint8_t*>(a.expert_out + g * v.hidden), v.row_bytes);
+      TagRows(v, slot.sender, slot.row, 1, epoch);
       if (slot.sender != v.me) ++rows_out;
       continue;
     }
@@ -1012,6 +1026,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
                   reinterpret_cast<const uint8_t*>(a.expert_out + entry.out_row * v.hidden),
                   v.row_bytes);
       }
+      TagRows(v, slot.sender, slot.row, slot.entries, epoch);
       if (slot.sender != v.me) rows_out += slot.entries;
       continue;
     }
@@ -1058,6 +1073,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
         if (c8[u] >= 0) out[c8[u]] = PackBf16(acc[u]);
       }
     }
+    TagRows(v, slot.sender, slot.row, 1, epoch);
     if (slot.sender != v.me) ++rows_out;
     __syncthreads();
   }
@@ -1067,6 +1083,101 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
   Mark(v, kTraceCombineSend, 2);
   Arrive(v, true, epoch);
   Mark(v, kTraceCombineSend, 3);
+}
+
+// Streamed combine: the tokens CombineRecv takes, one at a time per block, in order (see
+// ClaimSlot).
+__device__ inline int ClaimToken(const Nv& v) {
+  __shared__ int claim;
+  __syncthreads();  // every thread read the last claim (and the row table may be rewritten)
+  if (threadIdx.x == 0) claim = static_cast<int>(atomicAdd(&v.scratch->claimed_tokens, 1u));
+  __syncthreads();
+  return claim;
+}
+
+// Token t's returned rows, rank by rank and k by k, summed in fp32 (unfused, the host device's
+// order) onto the previous output or zero, into y (eight columns per thread, two groups at a
+// time). Block-wide.
+__device__ inline void SumToken(const Nv& v, const CombineArgs& a, int t, const uint4* const* rows,
+                                const float* weight, int count, bool wait_primary) {
+  auto* y = reinterpret_cast<uint4*>(a.out + int64_t{t} * v.hidden);
+  const int64_t groups = v.hidden / 8;
+  for (int64_t c = threadIdx.x; c < groups; c += 2 * int64_t{blockDim.x}) {
+    const int64_t c8[2] = {c, c + blockDim.x < groups ? c + blockDim.x : -1};
+    float acc[2][8] = {};
+    if (a.accumulate && wait_primary) WaitPrimary();  // a.out is the caller's memory
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      if (!a.accumulate || c8[u] < 0) continue;
+      const uint4 prev = y[c8[u]];
+#pragma unroll
+      for (int q = 0; q < 8; ++q) acc[u][q] = Bf16At(prev, q);
+    }
+    WeightedSum2x8(acc, rows, weight, count, c8);
+    if (wait_primary) WaitPrimary();
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      if (c8[u] >= 0) y[c8[u]] = PackBf16(acc[u]);
+    }
+  }
+}
+
+// Warp 0: token t's returned rows in rank then k order (lane j: the token's j-th copy; summed at
+// the expert rank, the first copy of each rank stands for its row) into rows / weight, their
+// count into count; returns the lane's row index in our combine region, -1 for none.
+__device__ inline int64_t LocateRows(const Nv& v, int t, const int64_t* rank_start,
+                                     const uint4** rows, float* weight, int* count) {
+  const LaneRoute x = RouteLane(v, v.indices + int64_t{t} * v.k);
+  int64_t row = -1;
+  if (x.valid && (!v.reduce || x.first)) {
+    const int c = v.reduce ? x.ranks_before : x.lanes_before + x.within;
+    row = rank_start[x.r] + v.row_pos[int64_t{x.r} * v.t_max + t] + (v.reduce ? 0 : x.within);
+    rows[c] = reinterpret_cast<const uint4*>(v.peer[x.r].combine_in + row * v.row_bytes);
+    weight[c] = v.reduce ? 1.0f : v.weights[int64_t{t} * v.k + threadIdx.x];
+  }
+  if (threadIdx.x == 0) *count = __popc(v.reduce ? x.firsts : x.valids);
+  return row;
+}
+
+// Streamed combine: tokens as claimed; each once its rows' tags are up (a lane per row waits),
+// summed as CombineRecvKernel does. It does not wait for the kernel before it (our CombineSend)
+// before writing the caller's output: see UnpackKernel. The block that finishes last waits for
+// every rank's combine flag -- every peer's CombineSend done, so its Unpack done reading what we
+// sent it, before our next DispatchSend rewrites it (nvlink_all_to_all.h) -- then advances the
+// epoch.
+__global__ void __launch_bounds__(kCopyThreads) CombineRecvStreamedKernel(Nv v, CombineArgs a) {
+  extern __shared__ int64_t rank_start[];  // [N] our first combine row from each rank
+  __shared__ const uint4* row_ptr[kMaxK];
+  __shared__ float weight_of[kMaxK];
+  __shared__ int rows;
+  Mark(v, kTraceCombineRecv, 0);
+  const uint64_t epoch = v.scratch->epoch;
+  const uint64_t start = GlobalTimerNs();
+  const int tokens = v.scratch->tokens;
+  PrefixTotals(v.totals + v.n, v.n, rank_start);
+  const uint64_t* tags = reinterpret_cast<const uint64_t*>(v.own + v.combine_tag_off);
+  bool first = true;
+  for (int t = ClaimToken(v); t < tokens; t = ClaimToken(v)) {
+    bool there = true;
+    if (threadIdx.x < 32) {
+      const int64_t row = LocateRows(v, t, rank_start, row_ptr, weight_of, &rows);
+      if (row >= 0) {
+        const int r = v.indices[int64_t{t} * v.k + threadIdx.x] / v.l;
+        there = AwaitWord(v, tags + row, epoch + 1, start, a.timeout_ns, 1, r);
+      }
+    }
+    if (!__syncthreads_and(there)) return;
+    if (first) Mark(v, kTraceCombineRecv, 1);
+    first = false;
+    SumToken(v, a, t, row_ptr, weight_of, rows, false);
+  }
+  Mark(v, kTraceCombineRecv, 2);
+  if (!LastBlock(&v.scratch->tickets[2], false) || threadIdx.x != 0) return;
+  if (!WaitAll(v, epoch, a.timeout_ns, 1)) return;
+  v.scratch->claimed = 0;  // Unpack ended before this step began
+  v.scratch->claimed_tokens = 0;
+  v.scratch->epoch = epoch + 1;
+  Mark(v, kTraceCombineRecv, 3);
 }
 
 // Tokens t = blockIdx.x, + grid...: once every combine flag is up, token t's returned rows, rank
@@ -1088,19 +1199,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineA
   bool waited = false;
   for (int t = blockIdx.x; !waited || t < tokens; t += gridDim.x) {
     const bool mine = t < tokens;
-    // Lane j: the token's j-th copy; rows in rank then k order (summed: the first copy of each
-    // rank stands for its row).
-    if (mine && threadIdx.x < 32) {
-      const LaneRoute x = RouteLane(v, v.indices + int64_t{t} * v.k);
-      if (x.valid && (!v.reduce || x.first)) {
-        const int c = v.reduce ? x.ranks_before : x.lanes_before + x.within;
-        const int64_t row = rank_start[x.r] + v.row_pos[int64_t{x.r} * v.t_max + t] +
-                            (v.reduce ? 0 : x.within);
-        row_ptr[c] = reinterpret_cast<const uint4*>(v.peer[x.r].combine_in + row * v.row_bytes);
-        weight_of[c] = v.reduce ? 1.0f : v.weights[int64_t{t} * v.k + threadIdx.x];
-      }
-      if (threadIdx.x == 0) rows = __popc(v.reduce ? x.firsts : x.valids);
-    }
+    if (mine && threadIdx.x < 32) LocateRows(v, t, rank_start, row_ptr, weight_of, &rows);
     if (!waited) {
       if (threadIdx.x == 0) ok = WaitStep(v, epoch, a.timeout_ns, 1);
       waited = true;
@@ -1108,28 +1207,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineA
     __syncthreads();
     if (!ok) return;
     if (t == static_cast<int>(blockIdx.x)) Mark(v, kTraceCombineRecv, 1);
-    if (mine) {
-      auto* y = reinterpret_cast<uint4*>(a.out + int64_t{t} * v.hidden);
-      const int64_t groups = v.hidden / 8;
-      for (int64_t c = threadIdx.x; c < groups; c += 2 * int64_t{blockDim.x}) {
-        const int64_t c8[2] = {c, c + blockDim.x < groups ? c + blockDim.x : -1};
-        float acc[2][8] = {};
-        if (a.accumulate) WaitPrimary();  // a.out is the caller's memory
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          if (!a.accumulate || c8[u] < 0) continue;
-          const uint4 prev = y[c8[u]];
-#pragma unroll
-          for (int q = 0; q < 8; ++q) acc[u][q] = Bf16At(prev, q);
-        }
-        WeightedSum2x8(acc, row_ptr, weight_of, rows, c8);
-        WaitPrimary();
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          if (c8[u] >= 0) y[c8[u]] = PackBf16(acc[u]);
-        }
-      }
-    }
+    if (mine) SumToken(v, a, t, row_ptr, weight_of, rows, true);
     __syncthreads();  // the row table is rewritten for the next token
   }
   Mark(v, kTraceCombineRecv, 2);

@@ -107,6 +107,8 @@ struct Scratch {
                             // peers in other nodes), CombineRecv's epoch, Route's carries
   uint32_t claimed;         // streamed: received slots Unpack's groups took so far (reset by
                             // CombineRecv's last block)
+  uint32_t claimed_tokens;  // streamed combine: tokens CombineRecv's blocks took so far (the
+                            // same)
 };
 
 // Rank r as our kernels see it: where what r must receive from us goes, and where what r sent
@@ -120,6 +122,7 @@ struct NvPeer {
   uint8_t* slots;           // [slot_cap] slots our kernels push for r (r's private region)
   uint8_t* combine;         // rows we return to r: r's combine region (row: r's row), or our
                             // outbox section (row: from the first one r expects from us)
+  uint64_t* combine_tags;   // streamed combine: r's row tags (row: r's row); null otherwise
   // Receiving from r.
   const uint64_t* dispatch_flag_in;
   const uint64_t* combine_flag_in;
@@ -155,6 +158,11 @@ struct Nv {
   bool stream;
   int64_t tag_off;
   int counts_tag;
+  // Streamed combine (one node): each returned row's 64-bit tag, "epoch + 1" once the row is in
+  // place, at combine_tag_off + row * 8 in the receiver's buffer; CombineRecv sums each token as
+  // its rows' tags come up and waits for the combine flags only before the epoch ends.
+  bool stream_combine;
+  int64_t combine_tag_off;
   bool token_major;  // DispatchLayout::kTokenMajor: received slot g is output row g
   int first_remote;  // the lowest rank of another node, -1 if none (WaitStep, Arrive)
   int64_t counts_off, private_off, combine_off, send_off;  // flags at 0
