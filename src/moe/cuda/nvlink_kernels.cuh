@@ -630,23 +630,19 @@ __device__ inline bool GroupAll(bool value) {
   }
 }
 
-// Streamed: the received slots a group takes, claimed from a counter, so that slots are taken
-// in order by whichever groups are running -- those beside the send kernel first, then also
-// those that start once its blocks leave their SMs. A group claims its next slot when it starts
-// on one (ClaimIssue: the group's first thread's atomic, its result not yet waited for) and takes
-// it when done (ClaimTake), so the atomic's round trip hides under the slot's work.
+// Streamed: the next received slot a group takes, claimed from a counter, so that slots are
+// taken in order by whichever groups are running -- those beside the send kernel first, then
+// also those that start once its blocks leave their SMs.
 template <int kGroup>
-__device__ inline uint32_t ClaimIssue(uint32_t* counter) {
-  return threadIdx.x % kGroup == 0 ? atomicAdd(counter, 1u) : 0u;
-}
-template <int kGroup>
-__device__ inline uint32_t ClaimTake(uint32_t issued) {
+__device__ inline int64_t ClaimSlot(const Nv& v) {
   if constexpr (kGroup == 32) {
-    return __shfl_sync(~0u, issued, 0);
+    uint32_t c = 0;
+    if (threadIdx.x % 32 == 0) c = atomicAdd(&v.scratch->claimed, 1u);
+    return __shfl_sync(~0u, c, 0);
   } else {
     __shared__ uint32_t claim;
-    __syncthreads();  // every thread read the last claim (and whatever else it shares)
-    if (threadIdx.x == 0) claim = issued;
+    __syncthreads();  // every thread read the last claim
+    if (threadIdx.x == 0) claim = atomicAdd(&v.scratch->claimed, 1u);
     __syncthreads();
     return claim;
   }
@@ -744,10 +740,8 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
   }
   Mark(v, kTraceUnpack, 4);
   bool primary_done = false, marked = false;
-  uint32_t ahead = 0;  // streamed: the slot claimed next
-  if constexpr (kStream) g = ClaimTake<kGroup>(ClaimIssue<kGroup>(&v.scratch->claimed));
-  for (; g < total; g = kStream ? ClaimTake<kGroup>(ahead) : g + step) {
-    if constexpr (kStream) ahead = ClaimIssue<kGroup>(&v.scratch->claimed);
+  if constexpr (kStream) g = ClaimSlot<kGroup>(v);
+  for (; g < total; g = kStream ? ClaimSlot<kGroup>(v) : g + step) {
     if (g != first_g || kStream) {
       src4 = locate(g);
       if (kStream && !ready(src4)) return;
@@ -1091,6 +1085,16 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
   Mark(v, kTraceCombineSend, 3);
 }
 
+// Streamed combine: the tokens CombineRecv takes, one at a time per block, in order (see
+// ClaimSlot).
+__device__ inline int ClaimToken(const Nv& v) {
+  __shared__ int claim;
+  __syncthreads();  // every thread read the last claim (and the row table may be rewritten)
+  if (threadIdx.x == 0) claim = static_cast<int>(atomicAdd(&v.scratch->claimed_tokens, 1u));
+  __syncthreads();
+  return claim;
+}
+
 // Token t's returned rows, rank by rank and k by k, summed in fp32 (unfused, the host device's
 // order) onto the previous output or zero, into y (eight columns per thread, two groups at a
 // time). Block-wide.
@@ -1135,7 +1139,7 @@ __device__ inline int64_t LocateRows(const Nv& v, int t, const int64_t* rank_sta
   return row;
 }
 
-// Streamed combine: tokens as claimed (ClaimIssue); each once its rows' tags are up (a lane per row waits),
+// Streamed combine: tokens as claimed; each once its rows' tags are up (a lane per row waits),
 // summed as CombineRecvKernel does. It does not wait for the kernel before it (our CombineSend)
 // before writing the caller's output: see UnpackKernel. The block that finishes last waits for
 // every rank's combine flag -- every peer's CombineSend done, so its Unpack done reading what we
@@ -1153,11 +1157,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvStreamedKernel(Nv v, 
   PrefixTotals(v.totals + v.n, v.n, rank_start);
   const uint64_t* tags = reinterpret_cast<const uint64_t*>(v.own + v.combine_tag_off);
   bool first = true;
-  uint32_t ahead = 0;  // the token claimed next (see ClaimIssue)
-  uint32_t* counter = &v.scratch->claimed_tokens;
-  for (int t = ClaimTake<kCopyThreads>(ClaimIssue<kCopyThreads>(counter)); t < tokens;
-       t = ClaimTake<kCopyThreads>(ahead)) {
-    ahead = ClaimIssue<kCopyThreads>(counter);
+  for (int t = ClaimToken(v); t < tokens; t = ClaimToken(v)) {
     bool there = true;
     if (threadIdx.x < 32) {
       const int64_t row = LocateRows(v, t, rank_start, row_ptr, weight_of, &rows);
