@@ -512,14 +512,21 @@ TEST(MoeNvlinkTest, BadExpertsAndALostPeerStreamed) {
   BadExpertsAndALostPeer(true);
 }
 
-// Ranks of one node that disagree on streaming the dispatch (FERRY_NV_STREAM=1 on rank 1 only)
+// A FERRY_NV_STREAM that is not a mask of the two steps fails Create (before anything
+// collective); ranks of one node that disagree on streaming (FERRY_NV_STREAM=1 on rank 1 only)
 // fail Create on every rank, saying so.
 TEST(MoeNvlinkTest, RanksThatDisagreeOnStreamingFailCreate) {
   if (!HaveGpu()) GTEST_SKIP() << "no GPU (/dev/nvidia0)";
   auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
-    if (b.rank() == 1) setenv("FERRY_NV_STREAM", "1", 1);
     AllToAllConfig cfg{2, b.rank(), 2, 8, 2, 4, 128, DispatchDtype::kBf16, 2};
     RETURN_IF_ERROR(UseGpu(b, &cfg));
+    setenv("FERRY_NV_STREAM", "7", 1);
+    auto bad = AllToAll::Create(cfg, nullptr, b);
+    CHECK_OR_RETURN(bad.status().code() == StatusCode::kInvalidArgument &&
+                        bad.status().message().find("FERRY_NV_STREAM=7") != std::string::npos,
+                    "FERRY_NV_STREAM=7: " + bad.status().ToString());
+    unsetenv("FERRY_NV_STREAM");
+    if (b.rank() == 1) setenv("FERRY_NV_STREAM", "1", 1);
     auto a2a = AllToAll::Create(cfg, nullptr, b);
     CHECK_OR_RETURN(a2a.status().code() == StatusCode::kFailedPrecondition &&
                         a2a.status().message().find("FERRY_NV_STREAM must agree") !=

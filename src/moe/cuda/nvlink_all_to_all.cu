@@ -85,8 +85,9 @@ class NvlinkAllToAll final : public AllToAll {
     // combine, 3 both (not yet the default: not yet measured on two GPUs); every rank must agree
     // (checked below). The dispatch's slot tag follows the entries, within the metadata's line.
     const char* stream_env = std::getenv("FERRY_NV_STREAM");
-    const int stream_mask = stream_env ? std::atoi(stream_env) : 0;
-    if (stream_mask < 0 || stream_mask > 3) {
+    const std::string stream_value = stream_env ? stream_env : "";
+    const int stream_mask = stream_value.empty() ? 0 : stream_value[0] - '0';
+    if (stream_value.size() > 1 || stream_mask < 0 || stream_mask > 3) {
       return InvalidArgumentError("FERRY_NV_STREAM=" + std::string(stream_env) +
                                   ": 0 (none), 1 (dispatch), 2 (combine) or 3 (both)");
     }
