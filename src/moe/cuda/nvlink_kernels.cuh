@@ -1173,7 +1173,8 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvStreamedKernel(Nv v, 
   }
   Mark(v, kTraceCombineRecv, 2);
   if (!LastBlock(&v.scratch->tickets[2], false) || threadIdx.x != 0) return;
-  if (!WaitAll(v, epoch, a.timeout_ns, 1)) return;
+  const uint64_t spent = GlobalTimerNs() - start;  // the deadline counts from the step's start
+  if (!WaitAll(v, epoch, spent < a.timeout_ns ? a.timeout_ns - spent : 0, 1)) return;
   v.scratch->claimed = 0;  // Unpack ended before this step began
   v.scratch->claimed_tokens = 0;
   v.scratch->epoch = epoch + 1;
