@@ -417,7 +417,8 @@ class NvlinkAllToAll final : public AllToAll {
     cudaSetDevice(c_.cuda_device);
     cudaStreamSynchronize(stream_);
     cudaMemcpy(&s, nv_.scratch, sizeof s, cudaMemcpyDeviceToHost);
-    return uint64_t(s.rows_out) * nv_.row_bytes;
+    // Each row, and its tag when streamed.
+    return uint64_t(s.rows_out) * (nv_.row_bytes + (nv_.stream_combine ? 8 : 0));
   }
 
  private:
