@@ -140,6 +140,9 @@ class KvDecoder {
 // Prefill side: takes requests, follows the forward pass through a layer counter, writes each
 // finished layer's pages, then the aux data, and releases the source pages when done. It takes
 // the engine's message handler and runs one watcher thread; destroy it before its engine.
+// While a scheduled chunk awaits a layer the watcher polls the counter without sleeping (a core
+// for the forward pass's length: it sees each layer within microseconds); with nothing to wait
+// for it idles as the engine does (EngineOptions::spin_us).
 // Thread safety: Schedule* and Cancel from any thread; callbacks run on the watcher thread.
 // A layer counter for a model whose attention runs on a CUDA stream: a 64-bit word in pinned host
 // memory mapped into the GPU. Increment(stream) enqueues "counter += 1" behind the work already on
