@@ -36,7 +36,8 @@
 #   tools/gpu_check.sh ep         build, tests, then EP4 and EP8 over as many GPUs (those the
 #                                 machine has): decode fp8 and bf16, prefill, (a)+(b) and plain,
 #                                 as one node and as two nodes (the relay over shm between them);
-#                                 EP_SIZES ("4 8"); with SANITIZERS=0 it fits one 10-minute call
+#                                 EP_SIZES ("4 8"); with SANITIZERS=0 it fits one 10-minute call;
+#                                 EP_STREAM="1 3" adds (a)+(b) with those FERRY_NV_STREAM masks
 #   tools/gpu_check.sh stream     build, tests, then NVLink (a)+(b) with nothing streamed (the
 #                                 default), the dispatch streamed (FERRY_NV_STREAM=1) and both
 #                                 steps (3), alternating, STREAM_ROUNDS (1) times: decode pushing every
@@ -287,6 +288,17 @@ if [ "$mode" = ep ]; then
   gpus=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU')
   for n in ${EP_SIZES:-4 8}; do
     [ "$gpus" -ge "$n" ] || continue
+    # EP_STREAM="1 3": one-node decode and prefill again with those FERRY_NV_STREAM masks.
+    for s in ${EP_STREAM:-}; do
+      FERRY_NV_STREAM=$s step ep${n}_stream${s}_decode 300 build-gpu/ferry-bench moe --nvlink \
+        --ranks $n --hidden 7168 --experts 256 --topk 8 --dtype fp8 --tokens 128 --iters 200 \
+        --once-per-rank --reduce-at-expert-rank
+      FERRY_NV_STREAM=$s step ep${n}_stream${s}_prefill 400 build-gpu/ferry-bench moe --nvlink \
+        --ranks $n --hidden 7168 --experts 256 --topk 8 --dtype fp8 --tokens 4096 --iters 10 \
+        --once-per-rank --reduce-at-expert-rank
+      echo "== EP$n, FERRY_NV_STREAM=$s: decode, prefill (a)+(b)"
+      grep -h -E '^(variant|\(a\)\+\(b\)) ' "$OUT"/ep${n}_stream${s}_*.log
+    done
     ep=(--nvlink --ranks $n --hidden 7168 --experts 256 --topk 8 --compare)
     step ep${n}_decode_fp8 300 build-gpu/ferry-bench moe "${ep[@]}" --dtype fp8 --tokens 128 \
       --iters 200
