@@ -110,7 +110,7 @@ class Runner {
     raw_buf_.assign(kBuf, static_cast<uint8_t>(b_.rank() + 1));
 
     prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
-    EngineOptions eo = EngineOptions::FromEnv();
+    ASSIGN_OR_RETURN(EngineOptions eo, EngineOptions::FromEnv());
     // Like the raw loop, the worker keeps polling; it yields rather than sleeps when idle so
     // that on small machines the measuring thread still gets a core.
     if (!std::getenv("FERRY_SPIN_US")) eo.idle_yield_us = 10'000'000;

@@ -452,7 +452,7 @@ Status RunRank(const MoeBenchOptions& o, Bootstrap& b, Result* result) {
 #endif
   }
   RETURN_IF_ERROR(cfg.Validate());
-  EngineOptions eo = EngineOptions::FromEnv();
+  ASSIGN_OR_RETURN(EngineOptions eo, EngineOptions::FromEnv());
   eo.provider = o.provider;
   if (o.provider.find("tcp") != std::string::npos && eo.node.empty()) eo.node = "127.0.0.1";
   std::unique_ptr<TransferEngine> a2a_engine;  // one node over NVLink needs none

@@ -9,7 +9,7 @@
 // once (nothing was posted) or later ends in exactly one completion: the callback runs, or the
 // counter moves.
 //
-//   auto engine = TransferEngine::Create(EngineOptions::FromEnv()).value();
+//   auto engine = TransferEngine::Create(EngineOptions::FromEnv().value()).value();
 //   MemoryRegion buf = engine->RegisterMemory(ptr, len).value();
 //   std::vector<uint8_t> my_address = engine->Address();       // send to peers
 //   std::vector<uint8_t> my_region = buf.remote().Serialize();  // send to peers
@@ -119,8 +119,10 @@ struct EngineOptions {
   // FERRY_TRUST_WRITE_ORDER=0.
   bool trust_write_order = true;
 
-  // Defaults overridden by the FERRY_* environment variables named above.
-  static EngineOptions FromEnv();
+  // Defaults overridden by the FERRY_* environment variables named above; a value that is not
+  // what its field takes (a number that does not parse or is out of range, a flag not 0 or 1)
+  // is InvalidArgument naming the variable, never a silent default.
+  static StatusOr<EngineOptions> FromEnv();
 };
 
 // How a submitted transfer reports its end. Exactly one of done / error happens per submit.

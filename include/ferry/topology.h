@@ -10,7 +10,7 @@
 //
 //   ferry::Topology topo = ferry::Topology::Discover().value();
 //   const ferry::GpuPlacement& p = topo.gpus()[local_rank];
-//   EngineOptions o = EngineOptions::FromEnv();
+//   EngineOptions o = EngineOptions::FromEnv().value();
 //   topo.Apply(local_rank, "efa", o);  // fills o.nics and o.worker_cpu unless already set
 #pragma once
 

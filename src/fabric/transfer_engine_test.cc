@@ -632,5 +632,43 @@ INSTANTIATE_TEST_SUITE_P(Providers, FaultTest, ::testing::ValuesIn(testing_util:
 INSTANTIATE_TEST_SUITE_P(Providers, EnginePairTest, ::testing::ValuesIn(testing_util::Providers()),
                          testing_util::ProviderTestName);
 
+// EngineOptions::FromEnv takes what the FERRY_* variables say and refuses what they cannot mean,
+// naming the variable; unset or empty variables leave the defaults.
+TEST(EngineOptionsTest, FromEnvTakesTheVariablesAndRefusesGarbage) {
+  const char* const kVars[] = {"FERRY_SPIN_US", "FERRY_MAX_WRS", "FERRY_CUDA_MEMORY",
+                               "FERRY_WORKER_CPU", "FERRY_NUM_NICS"};
+  for (const char* v : kVars) unsetenv(v);
+  const EngineOptions defaults;
+  auto plain = EngineOptions::FromEnv();
+  ASSERT_TRUE(plain.ok()) << plain.status().ToString();
+  EXPECT_EQ(plain->spin_us, defaults.spin_us);
+  EXPECT_EQ(plain->max_outstanding_wrs, defaults.max_outstanding_wrs);
+
+  setenv("FERRY_SPIN_US", "-1", 1);
+  setenv("FERRY_MAX_WRS", "64", 1);
+  setenv("FERRY_CUDA_MEMORY", "1", 1);
+  setenv("FERRY_WORKER_CPU", "", 1);  // empty: the default
+  auto set = EngineOptions::FromEnv();
+  ASSERT_TRUE(set.ok()) << set.status().ToString();
+  EXPECT_EQ(set->spin_us, -1);
+  EXPECT_EQ(set->max_outstanding_wrs, 64u);
+  EXPECT_TRUE(set->cuda_memory);
+  EXPECT_EQ(set->worker_cpu, defaults.worker_cpu);
+
+  const std::pair<const char*, const char*> kBad[] = {
+      {"FERRY_MAX_WRS", "lots"},     {"FERRY_MAX_WRS", "64k"},  {"FERRY_MAX_WRS", "-1"},
+      {"FERRY_MAX_WRS", "99999999999"}, {"FERRY_CUDA_MEMORY", "2"}, {"FERRY_WORKER_CPU", "-2"},
+      {"FERRY_NUM_NICS", "two"}};
+  for (const auto& [name, value] : kBad) {
+    setenv(name, value, 1);
+    auto bad = EngineOptions::FromEnv();
+    EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument) << name << "=" << value;
+    EXPECT_NE(bad.status().message().find(std::string(name) + "=" + value), std::string::npos)
+        << bad.status().ToString();
+    unsetenv(name);
+  }
+  for (const char* v : kVars) unsetenv(v);
+}
+
 }  // namespace
 }  // namespace ferry
