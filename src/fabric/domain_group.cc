@@ -17,8 +17,8 @@ namespace {
 
 StatusOr<std::unique_ptr<Domain>> OpenVerbs(const EngineOptions& options, const std::string& nic) {
 #ifdef FERRY_HAVE_VERBS
-  return verbs::OpenVerbsDomain(options, nic, verbs::NewRealVerbsApi(),
-                                verbs::VerbsConfig::FromEnv());
+  ASSIGN_OR_RETURN(verbs::VerbsConfig config, verbs::VerbsConfig::FromEnv());
+  return verbs::OpenVerbsDomain(options, nic, verbs::NewRealVerbsApi(), config);
 #else
   (void)options;
   (void)nic;

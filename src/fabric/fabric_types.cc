@@ -1,8 +1,6 @@
 // The public value types of ferry/fabric.h that are not the engine: completions and their
 // counters, memory regions (which outlive their engine through a RegistrationOwner), and the
 // engine's options from the environment.
-#include <cerrno>
-#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -10,6 +8,7 @@
 #include <utility>
 
 #include "common/backoff.h"
+#include "common/env.h"
 #include "common/strings.h"
 #include "fabric/engine_internal.h"
 #include "ferry/fabric.h"
@@ -82,49 +81,21 @@ void TransferEngine::InitRegion(MemoryRegion& region, std::shared_ptr<Registrati
   region.remote_ = remote;
 }
 
-namespace {
-
-// The environment variable `name` as an integer in [lo, hi] into *out; unset or empty leaves
-// *out. Anything else (not a whole decimal number, out of range) is an error naming it.
-Status EnvInt(const char* name, int64_t lo, int64_t hi, int64_t* out) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return Status::Ok();
-  errno = 0;
-  char* end = nullptr;
-  const long long value = std::strtoll(v, &end, 10);
-  if (errno != 0 || *end != '\0' || value < lo || value > hi) {
-    return InvalidArgumentError(std::string(name) + "=" + v + ": expected an integer in [" +
-                                std::to_string(lo) + ", " + std::to_string(hi) + "]");
-  }
-  *out = value;
-  return Status::Ok();
-}
-template <typename T>
-Status EnvNumber(const char* name, int64_t lo, int64_t hi, T* out) {
-  int64_t value = static_cast<int64_t>(*out);
-  RETURN_IF_ERROR(EnvInt(name, lo, hi, &value));
-  *out = static_cast<T>(value);
-  return Status::Ok();
-}
-Status EnvU32(const char* name, uint32_t* out) { return EnvNumber(name, 0, UINT32_MAX, out); }
-
-}  // namespace
-
 StatusOr<EngineOptions> EngineOptions::FromEnv() {
   EngineOptions o;
   if (const char* p = std::getenv("FERRY_PROVIDER")) o.provider = p;
   if (const char* n = std::getenv("FERRY_NODE")) o.node = n;
-  RETURN_IF_ERROR(EnvNumber("FERRY_WORKER_CPU", -1, INT32_MAX, &o.worker_cpu));
-  RETURN_IF_ERROR(EnvNumber("FERRY_SPIN_US", INT32_MIN, INT32_MAX, &o.spin_us));
-  RETURN_IF_ERROR(EnvNumber("FERRY_CUDA_MEMORY", 0, 1, &o.cuda_memory));
+  RETURN_IF_ERROR(EnvNumber("FERRY_WORKER_CPU", &o.worker_cpu, -1));
+  RETURN_IF_ERROR(EnvNumber("FERRY_SPIN_US", &o.spin_us));
+  RETURN_IF_ERROR(EnvNumber("FERRY_CUDA_MEMORY", &o.cuda_memory));
   if (const char* n = std::getenv("FERRY_NICS")) o.nics = SplitCommaList(n);
-  RETURN_IF_ERROR(EnvU32("FERRY_NUM_NICS", &o.num_nics));
-  RETURN_IF_ERROR(EnvU32("FERRY_MAX_TRANSFERS", &o.max_transfers));
-  RETURN_IF_ERROR(EnvU32("FERRY_MAX_WRS", &o.max_outstanding_wrs));
-  RETURN_IF_ERROR(EnvU32("FERRY_MSG_BYTES", &o.message_bytes));
-  RETURN_IF_ERROR(EnvU32("FERRY_TRANSFER_TIMEOUT_MS", &o.transfer_timeout_ms));
-  RETURN_IF_ERROR(EnvU32("FERRY_IDLE_SLEEP_US", &o.idle_sleep_us));
-  RETURN_IF_ERROR(EnvNumber("FERRY_TRUST_WRITE_ORDER", 0, 1, &o.trust_write_order));
+  RETURN_IF_ERROR(EnvNumber("FERRY_NUM_NICS", &o.num_nics));
+  RETURN_IF_ERROR(EnvNumber("FERRY_MAX_TRANSFERS", &o.max_transfers));
+  RETURN_IF_ERROR(EnvNumber("FERRY_MAX_WRS", &o.max_outstanding_wrs));
+  RETURN_IF_ERROR(EnvNumber("FERRY_MSG_BYTES", &o.message_bytes));
+  RETURN_IF_ERROR(EnvNumber("FERRY_TRANSFER_TIMEOUT_MS", &o.transfer_timeout_ms));
+  RETURN_IF_ERROR(EnvNumber("FERRY_IDLE_SLEEP_US", &o.idle_sleep_us));
+  RETURN_IF_ERROR(EnvNumber("FERRY_TRUST_WRITE_ORDER", &o.trust_write_order));
   return o;
 }
 

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <random>
 
+#include "common/env.h"
 #include "fabric/wire.h"
 
 namespace ferry::fabric::verbs {
@@ -19,11 +20,6 @@ constexpr uint32_t kHandshakeMagic = 0x56595246;  // "FRYV"
 constexpr uint16_t kHandshakeVersion = 1;
 constexpr uint32_t kPsnMask = 0xffffff;
 
-template <typename T>
-void EnvInto(const char* name, T* out) {
-  if (const char* v = std::getenv(name); v && *v) *out = static_cast<T>(std::strtoul(v, nullptr, 0));
-}
-
 std::string Hex(uint64_t v) {
   char buf[24];
   std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(v));
@@ -32,19 +28,20 @@ std::string Hex(uint64_t v) {
 
 }  // namespace
 
-VerbsConfig VerbsConfig::FromEnv() {
+StatusOr<VerbsConfig> VerbsConfig::FromEnv() {
   VerbsConfig c;
-  EnvInto("FERRY_IB_PORT", &c.port);
-  EnvInto("FERRY_IB_GID_INDEX", &c.gid_index);
-  EnvInto("FERRY_IB_QKEY", &c.qkey);
-  EnvInto("FERRY_IB_PSN", &c.psn);
-  EnvInto("FERRY_IB_MTU", &c.mtu_bytes);
-  EnvInto("FERRY_IB_TIMEOUT", &c.timeout);
-  EnvInto("FERRY_IB_RETRY", &c.retry_count);
-  EnvInto("FERRY_IB_RNR_RETRY", &c.rnr_retry);
-  EnvInto("FERRY_IB_SL", &c.service_level);
-  EnvInto("FERRY_IB_TC", &c.traffic_class);
-  if (const char* v = std::getenv("FERRY_IB_RELAXED_ORDERING")) c.relaxed_ordering = *v != '0';
+  // Base 0: hex (0x...) as well, for keys and PSNs.
+  RETURN_IF_ERROR(EnvNumber("FERRY_IB_PORT", &c.port, 0, 255, 0));
+  RETURN_IF_ERROR(EnvNumber("FERRY_IB_GID_INDEX", &c.gid_index, INT32_MIN, INT32_MAX, 0));
+  RETURN_IF_ERROR(EnvNumber("FERRY_IB_QKEY", &c.qkey, 0, UINT32_MAX, 0));
+  RETURN_IF_ERROR(EnvNumber("FERRY_IB_PSN", &c.psn, 0, UINT32_MAX, 0));
+  RETURN_IF_ERROR(EnvNumber("FERRY_IB_MTU", &c.mtu_bytes, 0, UINT32_MAX, 0));
+  RETURN_IF_ERROR(EnvNumber("FERRY_IB_TIMEOUT", &c.timeout, 0, 255, 0));
+  RETURN_IF_ERROR(EnvNumber("FERRY_IB_RETRY", &c.retry_count, 0, 255, 0));
+  RETURN_IF_ERROR(EnvNumber("FERRY_IB_RNR_RETRY", &c.rnr_retry, 0, 255, 0));
+  RETURN_IF_ERROR(EnvNumber("FERRY_IB_SL", &c.service_level, 0, 255, 0));
+  RETURN_IF_ERROR(EnvNumber("FERRY_IB_TC", &c.traffic_class, 0, 255, 0));
+  RETURN_IF_ERROR(EnvNumber("FERRY_IB_RELAXED_ORDERING", &c.relaxed_ordering));
   return c;
 }
 

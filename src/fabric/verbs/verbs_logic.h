@@ -44,7 +44,10 @@ struct VerbsConfig {
   bool relaxed_ordering = true;  // FERRY_IB_RELAXED_ORDERING=0 turns it off
   uint32_t max_chain = 16;       // WRs linked into one post
 
-  static VerbsConfig FromEnv();
+  // The defaults with the FERRY_IB_* variables above applied; a value that is not a number the
+  // field holds (decimal or 0x hex; the flag 0 or 1) is InvalidArgument naming it. Validate()
+  // then checks what the numbers mean.
+  static StatusOr<VerbsConfig> FromEnv();
   Status Validate() const;
 };
 

@@ -303,5 +303,37 @@ TEST(VerbsLogicTest, DeviceChoiceAndConfigurationAreChecked) {
   EXPECT_FALSE(c.Validate().ok());
 }
 
+// VerbsConfig::FromEnv takes decimal and 0x hex, and refuses what a field cannot hold, naming
+// the variable; unset variables leave the defaults.
+TEST(VerbsConfigTest, FromEnvTakesNumbersAndRefusesGarbage) {
+  const char* const kVars[] = {"FERRY_IB_QKEY", "FERRY_IB_PORT", "FERRY_IB_RELAXED_ORDERING",
+                               "FERRY_IB_TIMEOUT"};
+  for (const char* v : kVars) unsetenv(v);
+  auto plain = VerbsConfig::FromEnv();
+  ASSERT_TRUE(plain.ok()) << plain.status().ToString();
+  EXPECT_EQ(plain->qkey, VerbsConfig{}.qkey);
+  setenv("FERRY_IB_QKEY", "0x11", 1);
+  setenv("FERRY_IB_PORT", "2", 1);
+  setenv("FERRY_IB_RELAXED_ORDERING", "0", 1);
+  auto set = VerbsConfig::FromEnv();
+  ASSERT_TRUE(set.ok()) << set.status().ToString();
+  EXPECT_EQ(set->qkey, 0x11u);
+  EXPECT_EQ(set->port, 2);
+  EXPECT_FALSE(set->relaxed_ordering);
+  const std::pair<const char*, const char*> kBad[] = {{"FERRY_IB_PORT", "300"},
+                                                      {"FERRY_IB_PORT", "one"},
+                                                      {"FERRY_IB_RELAXED_ORDERING", "yes"},
+                                                      {"FERRY_IB_TIMEOUT", "14us"}};
+  for (const auto& [name, value] : kBad) {
+    setenv(name, value, 1);
+    auto bad = VerbsConfig::FromEnv();
+    EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument) << name << "=" << value;
+    EXPECT_NE(bad.status().message().find(std::string(name) + "=" + value), std::string::npos)
+        << bad.status().ToString();
+    unsetenv(name);
+  }
+  for (const char* v : kVars) unsetenv(v);
+}
+
 }  // namespace
 }  // namespace ferry::fabric::verbs
