@@ -1,7 +1,10 @@
 // Shared helpers for fabric tests: which providers to run over and how to configure them.
 #pragma once
 
+#include <cstdlib>
+#include <initializer_list>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -31,6 +34,21 @@ inline std::string ProviderTestName(const ::testing::TestParamInfo<std::string>&
   std::string name;
   for (char c : info.param) name += std::isalnum(static_cast<unsigned char>(c)) ? c : '_';
   return name;
+}
+
+// Each environment variable set in turn to a value its field cannot take: `parse` (a FromEnv)
+// must refuse it with InvalidArgument naming "NAME=value". Unsets each variable after.
+template <typename Parse>
+void ExpectEnvRefused(Parse parse,
+                      std::initializer_list<std::pair<const char*, const char*>> bad) {
+  for (const auto& [name, value] : bad) {
+    setenv(name, value, 1);
+    const auto parsed = parse();
+    EXPECT_EQ(parsed.status().code(), StatusCode::kInvalidArgument) << name << "=" << value;
+    EXPECT_NE(parsed.status().message().find(std::string(name) + "=" + value), std::string::npos)
+        << parsed.status().ToString();
+    unsetenv(name);
+  }
 }
 
 // Small pools and gentle idling: tests run many engines on two cores.

@@ -93,7 +93,6 @@ class NvlinkAllToAll final : public AllToAll {
     }
     v.stream = c_.ranks_per_node == n && (stream_mask & 1);
     v.stream_combine = c_.ranks_per_node == n && (stream_mask & 2);
-    v.tag_off = v.meta_used;
     v.meta_bytes = RoundUp(v.meta_used + (v.stream ? 8 : 0), 128);
     v.slot_bytes = RoundUp(v.meta_bytes + v.payload + int64_t{v.spt} * 4, 128);
     v.row_bytes = int64_t{c_.hidden} * 2;
@@ -103,7 +102,6 @@ class NvlinkAllToAll final : public AllToAll {
     v.token_major = c_.dispatch_layout == DispatchLayout::kTokenMajor;
     v.slots_per_pair = layout_.slots_per_pair;
     v.counts_off = RoundUp(2 * n * 8, 128);
-    v.counts_tag = v.l + kCountsColumns;  // streamed only
     v.counts_stride = static_cast<int>(RoundUp(v.l + kCountsColumns + (v.stream ? 1 : 0), 4));
     v.private_off = RoundUp(v.counts_off + int64_t{n} * v.counts_stride * 4, 128);
     v.combine_off = RoundUp(v.private_off + int64_t{n} * v.priv * v.slot_bytes, 128);

@@ -88,7 +88,7 @@
 // Streamed dispatch: the receiver does not wait for every send block before it takes a slot. Each slot
 // carries a 64-bit tag after its entries, stored "epoch + 1" with st.release.sys by a lane of
 // the warp that wrote the slot once its lanes met at __syncwarp; each counts row a 32-bit tag
-// (column counts_tag, after the CountsColumn values), released by block 0 once the rows are out.
+// (the column after the CountsColumn values), released by block 0 once the rows are out.
 // Unpack waits for every sender's counts-row tag (ld.acquire.sys, a thread per sender), then per
 // slot its group's first thread waits for the slot's tag -- or, for a slot it pulls from the
 // sender's send area, for that sender's dispatch flag, which the send blocks still raise -- and

@@ -699,7 +699,7 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
       const uint64_t* word =
           pulled ? from.dispatch_flag
                  : reinterpret_cast<const uint64_t*>(reinterpret_cast<const uint8_t*>(src4) +
-                                                     v.tag_off);
+                                                     SlotTagOffset(v));
       const uint64_t want = (t.epoch + 1) * uint64_t(pulled ? from.dispatch_step : 1);
       ok = AwaitWord(v, word, want, t.wait_start, t.budget_ns, 0, s);
     }
@@ -870,7 +870,7 @@ __global__ void __launch_bounds__(kCopyThreads, 2) UnpackKernel(Nv v, RecvArgs a
     bool there = true;
     for (int q = threadIdx.x; q < v.n; q += blockDim.x) {
       const NvPeer& p = v.peer[q];
-      there = there && AwaitWord(v, reinterpret_cast<const uint32_t*>(p.counts_in + v.counts_tag),
+      there = there && AwaitWord(v, reinterpret_cast<const uint32_t*>(p.counts_in + CountsTagColumn(v)),
                                  static_cast<uint32_t>(epoch + 1), wait_start, a.timeout_ns, 0, q);
     }
     if (!__syncthreads_and(there)) return;
@@ -1122,21 +1122,34 @@ __device__ inline void SumToken(const Nv& v, const CombineArgs& a, int t, const 
   }
 }
 
+// The last block of CombineRecv, once every step of the epoch is done: the streamed steps'
+// claim counters start again (Unpack ended before this step began), and the epoch moves on.
+__device__ inline void AdvanceEpoch(const Nv& v, uint64_t epoch) {
+  v.scratch->claimed = 0;
+  v.scratch->claimed_tokens = 0;
+  v.scratch->epoch = epoch + 1;
+}
+
 // Warp 0: token t's returned rows in rank then k order (lane j: the token's j-th copy; summed at
 // the expert rank, the first copy of each rank stands for its row) into rows / weight, their
-// count into count; returns the lane's row index in our combine region, -1 for none.
-__device__ inline int64_t LocateRows(const Nv& v, int t, const int64_t* rank_start,
+// count into count; returns the lane's row (its index in our combine region, -1 for none) and
+// the rank that returns it.
+struct LaneRow {
+  int64_t row;
+  int rank;
+};
+__device__ inline LaneRow LocateRows(const Nv& v, int t, const int64_t* rank_start,
                                      const uint4** rows, float* weight, int* count) {
   const LaneRoute x = RouteLane(v, v.indices + int64_t{t} * v.k);
-  int64_t row = -1;
+  LaneRow mine{-1, x.r};
   if (x.valid && (!v.reduce || x.first)) {
     const int c = v.reduce ? x.ranks_before : x.lanes_before + x.within;
-    row = rank_start[x.r] + v.row_pos[int64_t{x.r} * v.t_max + t] + (v.reduce ? 0 : x.within);
-    rows[c] = reinterpret_cast<const uint4*>(v.peer[x.r].combine_in + row * v.row_bytes);
+    mine.row = rank_start[x.r] + v.row_pos[int64_t{x.r} * v.t_max + t] + (v.reduce ? 0 : x.within);
+    rows[c] = reinterpret_cast<const uint4*>(v.peer[x.r].combine_in + mine.row * v.row_bytes);
     weight[c] = v.reduce ? 1.0f : v.weights[int64_t{t} * v.k + threadIdx.x];
   }
   if (threadIdx.x == 0) *count = __popc(v.reduce ? x.firsts : x.valids);
-  return row;
+  return mine;
 }
 
 // Streamed combine: tokens as claimed; each once its rows' tags are up (a lane per row waits),
@@ -1160,10 +1173,9 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvStreamedKernel(Nv v, 
   for (int t = ClaimToken(v); t < tokens; t = ClaimToken(v)) {
     bool there = true;
     if (threadIdx.x < 32) {
-      const int64_t row = LocateRows(v, t, rank_start, row_ptr, weight_of, &rows);
-      if (row >= 0) {
-        const int r = v.indices[int64_t{t} * v.k + threadIdx.x] / v.l;
-        there = AwaitWord(v, tags + row, epoch + 1, start, a.timeout_ns, 1, r);
+      const LaneRow mine = LocateRows(v, t, rank_start, row_ptr, weight_of, &rows);
+      if (mine.row >= 0) {
+        there = AwaitWord(v, tags + mine.row, epoch + 1, start, a.timeout_ns, 1, mine.rank);
       }
     }
     if (!__syncthreads_and(there)) return;
@@ -1175,9 +1187,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvStreamedKernel(Nv v, 
   if (!LastBlock(&v.scratch->tickets[2], false) || threadIdx.x != 0) return;
   const uint64_t spent = GlobalTimerNs() - start;  // the deadline counts from the step's start
   if (!WaitAll(v, epoch, spent < a.timeout_ns ? a.timeout_ns - spent : 0, 1)) return;
-  v.scratch->claimed = 0;  // Unpack ended before this step began
-  v.scratch->claimed_tokens = 0;
-  v.scratch->epoch = epoch + 1;
+  AdvanceEpoch(v, epoch);
   Mark(v, kTraceCombineRecv, 3);
 }
 
@@ -1213,10 +1223,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineA
   }
   Mark(v, kTraceCombineRecv, 2);
   // Only our own epoch word changes: a device-scope fence is enough.
-  if (LastBlock(&v.scratch->tickets[2], false) && threadIdx.x == 0) {
-    v.scratch->claimed = 0;  // Unpack ended before this step began
-    v.scratch->epoch = epoch + 1;
-  }
+  if (LastBlock(&v.scratch->tickets[2], false) && threadIdx.x == 0) AdvanceEpoch(v, epoch);
   Mark(v, kTraceCombineRecv, 3);
 }
 

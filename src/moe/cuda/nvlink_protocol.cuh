@@ -152,12 +152,10 @@ struct Nv {
   int64_t meta_used;  // header and entries; meta_bytes rounds it up to a 128-byte line
   bool once, reduce;
   // Streamed dispatch (one node; see nvlink_all_to_all.h): each slot carries a 64-bit tag,
-  // "epoch + 1" once its bytes are in place, at tag_off (right after the entries), and each
-  // counts row a 32-bit one in column counts_tag; Unpack takes each slot as its tag comes up
-  // instead of waiting for every send block's arrival.
+  // "epoch + 1" once its bytes are in place, at SlotTagOffset (right after the entries), and
+  // each counts row a 32-bit one in column CountsTagColumn; Unpack takes each slot as its tag
+  // comes up instead of waiting for every send block's arrival.
   bool stream;
-  int64_t tag_off;
-  int counts_tag;
   // Streamed combine (one node): each returned row's 64-bit tag, "epoch + 1" once the row is in
   // place, at combine_tag_off + row * 8 in the receiver's buffer; CombineRecv sums each token as
   // its rows' tags come up and waits for the combine flags only before the epoch ends.
@@ -188,6 +186,12 @@ struct Nv {
   long long* trace;      // null, or [kTraceKernels][trace_blocks][kTraceSlots] (see Mark)
   int trace_blocks;
 };
+
+// Streamed dispatch: where a slot's tag is (the bytes right after its header and entries,
+// within the metadata's line), and which int32 of a counts row is the row's tag (the one after
+// the CountsColumn values).
+__host__ __device__ inline int64_t SlotTagOffset(const Nv& v) { return v.meta_used; }
+__host__ __device__ inline int CountsTagColumn(const Nv& v) { return v.l + kCountsColumns; }
 
 struct SendArgs {
   const uint8_t* x;
@@ -497,7 +501,7 @@ __device__ void WriteCountsRows(const Nv& v, uint64_t epoch, Value value) {
   if (!v.stream) return;
   __syncthreads();
   for (int r = threadIdx.x; r < v.n; r += blockDim.x) {
-    StoreRelease(reinterpret_cast<uint32_t*>(v.peer[r].counts + v.counts_tag),
+    StoreRelease(reinterpret_cast<uint32_t*>(v.peer[r].counts + CountsTagColumn(v)),
                  static_cast<uint32_t>(epoch + 1));
   }
 }
@@ -510,7 +514,7 @@ __device__ inline void TagSlots(const Nv& v, uint8_t* const* dst, int ns, uint64
   if (!v.stream) return;
   __syncwarp();
   const int lane = threadIdx.x % 32;
-  if (lane < ns) StoreRelease(reinterpret_cast<uint64_t*>(dst[lane] + v.tag_off), epoch + 1);
+  if (lane < ns) StoreRelease(reinterpret_cast<uint64_t*>(dst[lane] + SlotTagOffset(v)), epoch + 1);
 }
 
 // Every block of a send step, once its writes are issued: for each rank of our node, one added
