@@ -537,6 +537,31 @@ TEST(MoeNvlinkTest, RanksThatDisagreeOnStreamingFailCreate) {
   for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
 }
 
+// FERRY_NV_SPREAD=0: received slots visited in order (not SpreadOrder) -- the same bits, with
+// pulled and pushed slots and more of them than Unpack's and CombineSend's blocks. FERRY_NV_SPREAD
+// and FERRY_NV_PDL other than 0 or 1 fail Create, naming the variable.
+TEST(MoeNvlinkTest, SlotsVisitedInOrderMatchTheHostDeviceToo) {
+  if (!HaveGpu()) GTEST_SKIP() << "no GPU (/dev/nvidia0)";
+  const Case c{2, 2048, 128, 256, 16, DispatchDtype::kFp8E4M3, Routing::kRandom, 64, false, false,
+               true, 2, true};
+  auto exits = RunLocalRanks(2, [&](Bootstrap& b) -> Status {
+    for (const char* name : {"FERRY_NV_SPREAD", "FERRY_NV_PDL"}) {
+      AllToAllConfig cfg{2, b.rank(), 2, 8, 2, 4, 128, DispatchDtype::kBf16, 2};
+      RETURN_IF_ERROR(UseGpu(b, &cfg));
+      setenv(name, "2", 1);
+      auto bad = AllToAll::Create(cfg, nullptr, b);
+      unsetenv(name);
+      CHECK_OR_RETURN(bad.status().code() == StatusCode::kInvalidArgument &&
+                          bad.status().message().find(std::string(name) + "=2") !=
+                              std::string::npos,
+                      std::string(name) + "=2: " + bad.status().ToString());
+    }
+    setenv("FERRY_NV_SPREAD", "0", 1);
+    return RunRank(c, b);
+  }, 240s);
+  for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
+}
+
 // Two nodes of two ranks: after a good iteration rank 3 stops taking part. Every other rank's
 // DispatchRecv -- over NVLink in rank 3's node, through the relay in the other -- ends at its
 // deadline naming rank 3, and the AllToAll stays failed.

@@ -44,6 +44,11 @@
 #                                 slot, prefill pushing every slot (both layouts), prefill with
 #                                 16 private slots; STREAM_TRACE=1: then streamed prefill's phase
 #                                 stamps. SANITIZERS=0 STREAM_ROUNDS=1 fits ~5 minutes
+#   tools/gpu_check.sh spread     build, tests, then NVLink prefill (a)+(b) in both layouts,
+#                                 16 private slots (the rest pulled) and every slot pushed,
+#                                 received slots spread over their senders (the default) and
+#                                 in order (FERRY_NV_SPREAD=0), alternating, SPREAD_ROUNDS (2)
+#                                 times; SPREAD_RANKS (2)
 # SANITIZERS=0 skips memcheck and racecheck; AB_DECODE_ROUNDS=0 runs ab's prefill pairs only.
 set -u
 OUT=${OUT:-/tmp/ferry-gpu}
@@ -230,6 +235,22 @@ if [ "$mode" = stream ]; then
     grep -h 'trace ' "$OUT/trace_stream_prefill.log"
   fi
   for f in "$OUT"/stream*_1.log; do
+    echo "== $(basename "$f" .log)"
+    grep -h -E '^(variant|\(a\)\+\(b\))' "$f"
+  done
+fi
+if [ "$mode" = spread ]; then
+  pf=(--nvlink --ranks "${SPREAD_RANKS:-2}" --hidden 7168 --experts 256 --topk 8 --dtype fp8
+      --tokens 4096 --iters 20 --once-per-rank --reduce-at-expert-rank --token-major)
+  for round in $(seq "${SPREAD_ROUNDS:-2}"); do
+    for p in 16 4096; do
+      for s in 1 0; do
+        FERRY_NV_SPREAD=$s step "spread${s}_p${p}_$round" 300 build-gpu/ferry-bench moe "${pf[@]}" \
+          --private $p
+      done
+    done
+  done
+  for f in "$OUT"/spread*_p*_*.log; do
     echo "== $(basename "$f" .log)"
     grep -h -E '^(variant|\(a\)\+\(b\))' "$f"
   done

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common/cuda_shared_memory.h"
+#include "common/env.h"
 #include "common/fd_exchange.h"
 #include "moe/cuda/gdr_flags.h"
 #include "moe/cuda/nvlink_all_to_all.h"
@@ -150,7 +151,13 @@ class NvlinkAllToAll final : public AllToAll {
     }
     send_grid_ = std::max(send_grid_, 1);
     if (unpack_grid_ == 0) unpack_grid_ = recv_grid_;
-    if (const char* pdl = std::getenv("FERRY_NV_PDL"); pdl && *pdl == '0') pdl_ = false;
+    // FERRY_NV_PDL=0: the receive kernels launched plainly; FERRY_NV_SPREAD=0: received slots
+    // visited in order (both for measuring what they gain).
+    int pdl = 1, spread = 1;
+    RETURN_IF_ERROR(EnvNumber("FERRY_NV_PDL", &pdl, 0, 1));
+    RETURN_IF_ERROR(EnvNumber("FERRY_NV_SPREAD", &spread, 0, 1));
+    pdl_ = pdl != 0;
+    v.spread = spread != 0;
 
     // Exchange: the configuration, then the buffers.
     const auto timeout = std::chrono::seconds(60);

@@ -605,6 +605,7 @@ struct SlotTables {
   const int64_t *prefix, *start, *rebase;
   const int32_t* counts;
   int32_t* offset;
+  const SlotOrder* order;  // the order visits take slots in (UnpackSlots)
   uint64_t epoch, wait_start, budget_ns;
 };
 
@@ -648,11 +649,12 @@ __device__ inline int64_t ClaimSlot(const Nv& v) {
   }
 }
 
-// Unpack's received slots g = blockIdx.x + group * grid, + grid * groups... (streamed: as
-// claimed) for groups of kGroup threads, each thread keeping kVec 16-byte vectors in flight:
-// checks each slot, copies its row to each entry's output row, remembers where the entries'
-// combine rows go. Also builds the offsets table (the whole block, while each group's first
-// slot loads).
+// Unpack's received slots for groups of kGroup threads, each thread keeping kVec 16-byte
+// vectors in flight: a group's visits are blockIdx.x + group * grid, + grid * groups ..., each
+// taking slot order(visit) (SpreadOrder when slots outnumber blocks; streamed: every slot in
+// order, as claimed). Checks each slot, copies its row to each entry's output row, remembers
+// where the entries' combine rows go. Also builds the offsets table (the whole block, while
+// each group's first slot loads).
 template <int kGroup, int kVec, bool kStream>
 __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
                             int64_t total) {
@@ -714,12 +716,13 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
       if (i < end && (i < used || i >= meta)) r[u] = __ldcg(src4 + i);
     }
   };
-  const int64_t first_g = blockIdx.x + int64_t{group} * gridDim.x;
+  const SlotOrder& order = *t.order;
+  const int64_t first_visit = blockIdx.x + int64_t{group} * gridDim.x;
   const int64_t step = int64_t{gridDim.x} * kGroups;
-  int64_t g = first_g;
+  int64_t visit = first_visit;
   // The first slot in flight while the offsets table is built (streamed: once it is there,
   // after the table).
-  const uint4* src4 = g < total && !kStream ? locate(g) : nullptr;
+  const uint4* src4 = visit < total && !kStream ? locate(order(visit)) : nullptr;
   if (src4) load(src4, 0);
   Mark(v, kTraceUnpack, 3);
 
@@ -740,9 +743,10 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
   }
   Mark(v, kTraceUnpack, 4);
   bool primary_done = false, marked = false;
-  if constexpr (kStream) g = ClaimSlot<kGroup>(v);
-  for (; g < total; g = kStream ? ClaimSlot<kGroup>(v) : g + step) {
-    if (g != first_g || kStream) {
+  if constexpr (kStream) visit = ClaimSlot<kGroup>(v);
+  for (; visit < total; visit = kStream ? ClaimSlot<kGroup>(v) : visit + step) {
+    const int64_t g = kStream ? visit : order(visit);
+    if (visit != first_visit || kStream) {
       src4 = locate(g);
       if (kStream && !ready(src4)) return;
       if (src4) load(src4, 0);
@@ -836,7 +840,7 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
 }
 
 // Every block waits for all dispatch flags, reads every sender's counts row, then takes its share
-// of the received slots (sender-major, each sender in its send order; UnpackSlots).
+// of the received slots (UnpackSlots).
 // Streamed, it waits for each sender's counts row instead, and for each slot as it takes it,
 // and it does not wait for the kernel before it (our send kernel, which may still be storing
 // slots) to end before writing the caller's outputs: what made WaitPrimary needed -- a kernel of
@@ -862,6 +866,7 @@ __global__ void __launch_bounds__(kCopyThreads, 2) UnpackKernel(Nv v, RecvArgs a
   // offset[s][e]: rows of local expert e from senders before s (offset[N][e]: all of them).
   int32_t* offset = counts + v.n * v.counts_stride;
   __shared__ bool ok;
+  __shared__ SlotOrder order;
   Mark(v, kTraceUnpack, 0);
   const uint64_t epoch = v.scratch->epoch;
   const uint64_t wait_start = GlobalTimerNs();
@@ -912,6 +917,8 @@ __global__ void __launch_bounds__(kCopyThreads, 2) UnpackKernel(Nv v, RecvArgs a
   if (threadIdx.x == 0) {
     prefix[0] = 0;
     for (int s = 0; s < v.n; ++s) prefix[s + 1] += prefix[s];
+    // Spread when groups loop (a block per slot otherwise); streamed, slots go as claimed.
+    order = SpreadOrder(prefix[v.n], v.spread && !kStream && prefix[v.n] > gridDim.x);
   }
   __syncthreads();
   const int64_t total = prefix[v.n];
@@ -919,8 +926,8 @@ __global__ void __launch_bounds__(kCopyThreads, 2) UnpackKernel(Nv v, RecvArgs a
   // than blocks (prefill): a warp per slot, eight slots in flight per block, a lane's eight
   // vectors loaded at once -- one block copying slot after slot waits on each slot's load.
   // (Sixteen per lane take the kernel past 128 registers, one block per SM, or spill.)
-  const SlotTables tables{from_of, prefix, start, rebase, counts, offset,
-                          epoch,   wait_start, a.timeout_ns};
+  const SlotTables tables{from_of, prefix,     start,       rebase, counts, offset,
+                          &order,  epoch,      wait_start,  a.timeout_ns};
   if (total > gridDim.x) {
     UnpackSlots<32, 8, kStream>(v, a, tables, total);
   } else {
@@ -995,6 +1002,8 @@ __device__ inline void TagRows(const Nv& v, int r, int64_t row, int rows, uint64
 // Received slots again: each copy's expert output row (plain) or, summed at the expert rank, one
 // weighted fp32 sum per token taken in (local expert, position) order as the host device does,
 // pushed into the sender's combine region. Every block arrives at every rank's combine flag.
+// Blocks looping over slots take them in SpreadOrder (streamed combine: in order, the order
+// CombineRecv claims tokens in).
 // Token-major, the caller summed each token's experts into row g of expert_out, which is copied
 // as it is; kCopyOnly: an instance that only does that (few registers; see its launch).
 template <bool kCopyOnly>
@@ -1007,7 +1016,9 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
   Mark(v, kTraceCombineSend, 0);
   const int64_t total = v.scratch->total_recv;
   int64_t rows_out = 0;
-  for (int64_t g = blockIdx.x; g < total; g += gridDim.x) {
+  const SlotOrder order = SpreadOrder(total, v.spread && !v.stream_combine && total > gridDim.x);
+  for (int64_t visit = blockIdx.x; visit < total; visit += gridDim.x) {
+    const int64_t g = order(visit);
     const RecvSlot slot = v.rslots[g];
     // A malformed slot (Unpack reported it and kept no entry) returns nothing: its row is not
     // one we checked, and a row written there could land on another token's.
@@ -1061,7 +1072,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
       if (lane == 0) count = min(__popc(present), kMaxK);
     }
     __syncthreads();
-    if (g == blockIdx.x) Mark(v, kTraceCombineSend, 1);
+    if (visit == blockIdx.x) Mark(v, kTraceCombineSend, 1);
     auto* out = reinterpret_cast<uint4*>(dst);
     const int64_t groups = v.hidden / 8;
     for (int64_t c = threadIdx.x; c < groups; c += 2 * int64_t{blockDim.x}) {

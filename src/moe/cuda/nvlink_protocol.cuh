@@ -84,6 +84,42 @@ struct RecvEntry {
   int32_t pad;
 };
 
+// The order Unpack (pulled slots) and CombineSend visit received slots in when there are more
+// of them than blocks. A sender's slots are contiguous (sender-major), so visiting them in
+// order puts the blocks in flight on one sender at a time: on two GPUs, first every pulled slot
+// crosses NVLink while the HBM idles, then the local copies run while the link idles (in
+// CombineSend: the rows summed for our own tokens at HBM speed, then those for the peer's at
+// the link's). Visit i takes slot i * stride mod total instead, stride coprime with total and
+// near 0.618 total (a golden-ratio sequence): any run of consecutive visits takes each sender's
+// slots about in proportion to their number, so both the link and the HBM stay busy.
+struct SlotOrder {
+  int64_t total, stride;
+  double inverse;  // 1 / total
+  // i * stride mod total for i < total, without a 64-bit division (a subroutine on the GPU): the
+  // quotient from doubles is within one of the true one, as i * stride < total^2 < 2^62.
+  __host__ __device__ int64_t operator()(int64_t i) const {
+    const int64_t p = i * stride;
+    const int64_t r = p - static_cast<int64_t>(static_cast<double>(p) * inverse) * total;
+    return r < 0 ? r + total : r >= total ? r - total : r;
+  }
+};
+__host__ __device__ inline uint32_t Gcd(uint32_t a, uint32_t b) {
+  while (b != 0) {
+    const uint32_t r = a % b;
+    a = b;
+    b = r;
+  }
+  return a;
+}
+// `spread` false, or too few slots to spread: in order. total < 2^31 (slots are int32-counted).
+__host__ __device__ inline SlotOrder SpreadOrder(int64_t total, bool spread) {
+  const int64_t n = total > 0 ? total : 1;
+  if (!spread || n < 3) return SlotOrder{n, 1, 1.0 / static_cast<double>(n)};
+  uint32_t stride = static_cast<uint32_t>(n * 618034 / 1000000);
+  while (Gcd(stride, static_cast<uint32_t>(n)) != 1) ++stride;
+  return SlotOrder{n, stride, 1.0 / static_cast<double>(n)};
+}
+
 enum ErrorCode : int32_t {
   kNoError = 0,
   kBadExpert = 1,      // token, expert id
@@ -151,6 +187,7 @@ struct Nv {
   int64_t payload, slot_bytes, meta_bytes, row_bytes, capacity, slots_per_pair;
   int64_t meta_used;  // header and entries; meta_bytes rounds it up to a 128-byte line
   bool once, reduce;
+  bool spread;  // Unpack's pulled slots and CombineSend's in SpreadOrder (FERRY_NV_SPREAD=0: not)
   // Streamed dispatch (one node; see nvlink_all_to_all.h): each slot carries a 64-bit tag,
   // "epoch + 1" once its bytes are in place, at SlotTagOffset (right after the entries), and
   // each counts row a 32-bit one in column CountsTagColumn; Unpack takes each slot as its tag
