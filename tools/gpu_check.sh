@@ -45,10 +45,11 @@
 #                                 16 private slots; STREAM_TRACE=1: then streamed prefill's phase
 #                                 stamps. SANITIZERS=0 STREAM_ROUNDS=1 fits ~5 minutes
 #   tools/gpu_check.sh spread     build, tests, then NVLink prefill (a)+(b) in both layouts,
-#                                 16 private slots (the rest pulled) and every slot pushed,
-#                                 received slots spread over their senders (the default) and
-#                                 in order (FERRY_NV_SPREAD=0), alternating, SPREAD_ROUNDS (2)
-#                                 times; SPREAD_RANKS (2)
+#                                 SPREAD_PRIVATE ("16 4096") private slots (16: the rest
+#                                 pulled), with each FERRY_NV_SPREAD of SPREAD_VALUES ("1 0":
+#                                 received slots spread over their senders, then in order,
+#                                 the default), alternating, SPREAD_ROUNDS (2) times;
+#                                 SPREAD_RANKS (2)
 # SANITIZERS=0 skips memcheck and racecheck; AB_DECODE_ROUNDS=0 runs ab's prefill pairs only.
 set -u
 OUT=${OUT:-/tmp/ferry-gpu}
@@ -90,6 +91,8 @@ pack_cases='*n2_t333_h2176_e64_k8_bf16_hot_empty1_nvlink:*n2_t2048_h128_e256_k16
 # combine, summed at the expert rank and copied token-major.
 pack_cases="$pack_cases:*n2_t600_h256_e64_k8_bf16_nvlink_streamed:*n2_t7_h128_e8_k2_bf16_nvlink_streamed"
 pack_cases="$pack_cases:*n2_t2048_h128_e256_k16_fp8_b_nvlink_allstreamed:*n2_t96*tokmajor_allstreamed"
+# ... and received slots spread over their senders (pulled and pushed).
+pack_cases="$pack_cases:*n2_t2048_h128_e256_k16_fp8_b_nvlink_spread"
 if [ "$mode" != profile ] && [ "$mode" != trace ] && [ "$mode" != kvpace ] &&
    [ "${SANITIZERS:-1}" != 0 ]; then
   step memcheck 300 "$SANITIZER" --tool memcheck --target-processes all \
@@ -243,8 +246,8 @@ if [ "$mode" = spread ]; then
   pf=(--nvlink --ranks "${SPREAD_RANKS:-2}" --hidden 7168 --experts 256 --topk 8 --dtype fp8
       --tokens 4096 --iters 20 --once-per-rank --reduce-at-expert-rank --token-major)
   for round in $(seq "${SPREAD_ROUNDS:-2}"); do
-    for p in 16 4096; do
-      for s in 1 0; do
+    for p in ${SPREAD_PRIVATE:-16 4096}; do
+      for s in ${SPREAD_VALUES:-1 0}; do
         FERRY_NV_SPREAD=$s step "spread${s}_p${p}_$round" 300 build-gpu/ferry-bench moe "${pf[@]}" \
           --private $p
       done

@@ -151,9 +151,11 @@ class NvlinkAllToAll final : public AllToAll {
     }
     send_grid_ = std::max(send_grid_, 1);
     if (unpack_grid_ == 0) unpack_grid_ = recv_grid_;
-    // FERRY_NV_PDL=0: the receive kernels launched plainly; FERRY_NV_SPREAD=0: received slots
-    // visited in order (both for measuring what they gain).
-    int pdl = 1, spread = 1;
+    // FERRY_NV_PDL=0: the receive kernels launched plainly (for measuring what starting them
+    // early gains). FERRY_NV_SPREAD=1: received slots visited spread over their senders
+    // (SpreadOrder; opt-in until measured on two GPUs: on one it costs 1-4 %, see
+    // docs/PERFORMANCE.md).
+    int pdl = 1, spread = 0;
     RETURN_IF_ERROR(EnvNumber("FERRY_NV_PDL", &pdl, 0, 1));
     RETURN_IF_ERROR(EnvNumber("FERRY_NV_SPREAD", &spread, 0, 1));
     pdl_ = pdl != 0;

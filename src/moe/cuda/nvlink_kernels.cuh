@@ -651,10 +651,10 @@ __device__ inline int64_t ClaimSlot(const Nv& v) {
 
 // Unpack's received slots for groups of kGroup threads, each thread keeping kVec 16-byte
 // vectors in flight: a group's visits are blockIdx.x + group * grid, + grid * groups ..., each
-// taking slot order(visit) (SpreadOrder when slots outnumber blocks; streamed: every slot in
-// order, as claimed). Checks each slot, copies its row to each entry's output row, remembers
-// where the entries' combine rows go. Also builds the offsets table (the whole block, while
-// each group's first slot loads).
+// taking slot order(visit) (with v.spread, SpreadOrder when slots outnumber blocks; else every
+// slot in order; streamed, in order as claimed). Checks each slot, copies its row to each
+// entry's output row, remembers where the entries' combine rows go. Also builds the offsets
+// table (the whole block, while each group's first slot loads).
 template <int kGroup, int kVec, bool kStream>
 __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
                             int64_t total) {
@@ -917,7 +917,8 @@ __global__ void __launch_bounds__(kCopyThreads, 2) UnpackKernel(Nv v, RecvArgs a
   if (threadIdx.x == 0) {
     prefix[0] = 0;
     for (int s = 0; s < v.n; ++s) prefix[s + 1] += prefix[s];
-    // Spread when groups loop (a block per slot otherwise); streamed, slots go as claimed.
+    // Spread (v.spread) when groups loop (a block per slot otherwise); streamed, slots go as
+    // claimed.
     order = SpreadOrder(prefix[v.n], v.spread && !kStream && prefix[v.n] > gridDim.x);
   }
   __syncthreads();
@@ -1002,8 +1003,8 @@ __device__ inline void TagRows(const Nv& v, int r, int64_t row, int rows, uint64
 // Received slots again: each copy's expert output row (plain) or, summed at the expert rank, one
 // weighted fp32 sum per token taken in (local expert, position) order as the host device does,
 // pushed into the sender's combine region. Every block arrives at every rank's combine flag.
-// Blocks looping over slots take them in SpreadOrder (streamed combine: in order, the order
-// CombineRecv claims tokens in).
+// With v.spread, blocks looping over slots take them in SpreadOrder (streamed combine: in
+// order, the order CombineRecv claims tokens in).
 // Token-major, the caller summed each token's experts into row g of expert_out, which is copied
 // as it is; kCopyOnly: an instance that only does that (few registers; see its launch).
 template <bool kCopyOnly>

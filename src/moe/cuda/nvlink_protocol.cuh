@@ -187,7 +187,7 @@ struct Nv {
   int64_t payload, slot_bytes, meta_bytes, row_bytes, capacity, slots_per_pair;
   int64_t meta_used;  // header and entries; meta_bytes rounds it up to a 128-byte line
   bool once, reduce;
-  bool spread;  // Unpack's pulled slots and CombineSend's in SpreadOrder (FERRY_NV_SPREAD=0: not)
+  bool spread;  // Unpack's and CombineSend's slots in SpreadOrder (FERRY_NV_SPREAD=1)
   // Streamed dispatch (one node; see nvlink_all_to_all.h): each slot carries a 64-bit tag,
   // "epoch + 1" once its bytes are in place, at SlotTagOffset (right after the entries), and
   // each counts row a 32-bit one in column CountsTagColumn; Unpack takes each slot as its tag
