@@ -963,25 +963,26 @@ __device__ inline uint4 PackBf16(const float (&acc)[8]) {
 }
 
 // acc[u][c8[u]] (eight columns each, c8[u] < 0: none) += sum over c < count of weight[c] *
-// rows[c][c8[u]], in c order, fp32, unfused: the host device's arithmetic. Both groups' loads of
-// eight rows are in flight at once.
-__device__ inline void WeightedSum2x8(float (&acc)[2][8], const uint4* const* rows,
-                                      const float* weight, int count, const int64_t (&c8)[2]) {
-  for (int first = 0; first < count; first += 8) {
-    uint4 vals[2][8];
+// rows[c][c8[u]], in c order, fp32, unfused: the host device's arithmetic. The loads of kR rows
+// of all kG column groups are in flight at once.
+template <int kG, int kR>
+__device__ inline void WeightedSum(float (&acc)[kG][8], const uint4* const* rows,
+                                   const float* weight, int count, const int64_t (&c8)[kG]) {
+  for (int first = 0; first < count; first += kR) {
+    uint4 vals[kG][kR];
 #pragma unroll
-    for (int c = 0; c < 8; ++c) {
+    for (int c = 0; c < kR; ++c) {
 #pragma unroll
-      for (int u = 0; u < 2; ++u) {
+      for (int u = 0; u < kG; ++u) {
         if (first + c < count && c8[u] >= 0) vals[u][c] = __ldcg(rows[first + c] + c8[u]);
       }
     }
 #pragma unroll
-    for (int c = 0; c < 8; ++c) {
+    for (int c = 0; c < kR; ++c) {
       if (first + c >= count) break;
       const float w = weight[first + c];
 #pragma unroll
-      for (int u = 0; u < 2; ++u) {
+      for (int u = 0; u < kG; ++u) {
         if (c8[u] < 0) continue;
 #pragma unroll
         for (int q = 0; q < 8; ++q) acc[u][q] = __fadd_rn(acc[u][q], __fmul_rn(w, Bf16At(vals[u][c], q)));
@@ -1079,7 +1080,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
     for (int64_t c = threadIdx.x; c < groups; c += 2 * int64_t{blockDim.x}) {
       const int64_t c8[2] = {c, c + blockDim.x < groups ? c + blockDim.x : -1};
       float acc[2][8] = {};
-      WeightedSum2x8(acc, rows, weight, count, c8);
+      WeightedSum<2, 8>(acc, rows, weight, count, c8);
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
         if (c8[u] >= 0) out[c8[u]] = PackBf16(acc[u]);
@@ -1108,27 +1109,31 @@ __device__ inline int ClaimToken(const Nv& v) {
 }
 
 // Token t's returned rows, rank by rank and k by k, summed in fp32 (unfused, the host device's
-// order) onto the previous output or zero, into y (eight columns per thread, two groups at a
-// time). Block-wide.
+// order) onto the previous output or zero, into y, by a group of kGroup threads (the block or
+// a warp): eight columns per thread, kG groups of them at a time with kR rows' loads in flight
+// (WeightedSum).
+template <int kGroup, int kG, int kR>
 __device__ inline void SumToken(const Nv& v, const CombineArgs& a, int t, const uint4* const* rows,
                                 const float* weight, int count, bool wait_primary) {
   auto* y = reinterpret_cast<uint4*>(a.out + int64_t{t} * v.hidden);
   const int64_t groups = v.hidden / 8;
-  for (int64_t c = threadIdx.x; c < groups; c += 2 * int64_t{blockDim.x}) {
-    const int64_t c8[2] = {c, c + blockDim.x < groups ? c + blockDim.x : -1};
-    float acc[2][8] = {};
+  for (int64_t c = threadIdx.x % kGroup; c < groups; c += int64_t{kG} * kGroup) {
+    int64_t c8[kG];
+#pragma unroll
+    for (int u = 0; u < kG; ++u) c8[u] = c + u * kGroup < groups ? c + u * kGroup : -1;
+    float acc[kG][8] = {};
     if (a.accumulate && wait_primary) WaitPrimary();  // a.out is the caller's memory
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
+    for (int u = 0; u < kG; ++u) {
       if (!a.accumulate || c8[u] < 0) continue;
       const uint4 prev = y[c8[u]];
 #pragma unroll
       for (int q = 0; q < 8; ++q) acc[u][q] = Bf16At(prev, q);
     }
-    WeightedSum2x8(acc, rows, weight, count, c8);
+    WeightedSum<kG, kR>(acc, rows, weight, count, c8);
     if (wait_primary) WaitPrimary();
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
+    for (int u = 0; u < kG; ++u) {
       if (c8[u] >= 0) y[c8[u]] = PackBf16(acc[u]);
     }
   }
@@ -1142,7 +1147,7 @@ __device__ inline void AdvanceEpoch(const Nv& v, uint64_t epoch) {
   v.scratch->epoch = epoch + 1;
 }
 
-// Warp 0: token t's returned rows in rank then k order (lane j: the token's j-th copy; summed at
+// A warp: token t's returned rows in rank then k order (lane j: the token's j-th copy; summed at
 // the expert rank, the first copy of each rank stands for its row) into rows / weight, their
 // count into count; returns the lane's row (its index in our combine region, -1 for none) and
 // the rank that returns it.
@@ -1158,9 +1163,9 @@ __device__ inline LaneRow LocateRows(const Nv& v, int t, const int64_t* rank_sta
     const int c = v.reduce ? x.ranks_before : x.lanes_before + x.within;
     mine.row = rank_start[x.r] + v.row_pos[int64_t{x.r} * v.t_max + t] + (v.reduce ? 0 : x.within);
     rows[c] = reinterpret_cast<const uint4*>(v.peer[x.r].combine_in + mine.row * v.row_bytes);
-    weight[c] = v.reduce ? 1.0f : v.weights[int64_t{t} * v.k + threadIdx.x];
+    weight[c] = v.reduce ? 1.0f : v.weights[int64_t{t} * v.k + threadIdx.x % 32];
   }
-  if (threadIdx.x == 0) *count = __popc(v.reduce ? x.firsts : x.valids);
+  if (threadIdx.x % 32 == 0) *count = __popc(v.reduce ? x.firsts : x.valids);
   return mine;
 }
 
@@ -1193,7 +1198,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvStreamedKernel(Nv v, 
     if (!__syncthreads_and(there)) return;
     if (first) Mark(v, kTraceCombineRecv, 1);
     first = false;
-    SumToken(v, a, t, row_ptr, weight_of, rows, false);
+    SumToken<kCopyThreads, 2, 8>(v, a, t, row_ptr, weight_of, rows, false);
   }
   Mark(v, kTraceCombineRecv, 2);
   if (!LastBlock(&v.scratch->tickets[2], false) || threadIdx.x != 0) return;
@@ -1203,15 +1208,19 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvStreamedKernel(Nv v, 
   Mark(v, kTraceCombineRecv, 3);
 }
 
-// Tokens t = blockIdx.x, + grid...: once every combine flag is up, token t's returned rows, rank
-// by rank and k by k, summed in fp32 (unfused, the host device's order) onto the previous output
-// or zero. The last block advances the epoch.
+// Once every combine flag is up, each token's returned rows, rank by rank and k by k, summed in
+// fp32 (unfused, the host device's order) onto the previous output or zero: tokens t =
+// blockIdx.x, + grid ... a block each, or, when tokens outnumber blocks (prefill), a warp each
+// (eight tokens in flight per block, each warp locating its next token itself: a block per
+// token waits on each token's routing loads and then its rows' loads, one after the other). The
+// last block advances the epoch.
 __global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineArgs a) {
+  constexpr int kWarps = kCopyThreads / 32;
   extern __shared__ int64_t rank_start[];  // [N] our first combine row from each rank
   __shared__ bool ok;
-  __shared__ const uint4* row_ptr[kMaxK];
-  __shared__ float weight_of[kMaxK];
-  __shared__ int rows;
+  __shared__ const uint4* row_ptr[kWarps][kMaxK];  // a block per token: [0] only
+  __shared__ float weight_of[kWarps][kMaxK];
+  __shared__ int rows[kWarps];
   Mark(v, kTraceCombineRecv, 0);
   const uint64_t epoch = v.scratch->epoch;
   const int tokens = v.scratch->tokens;
@@ -1219,19 +1228,38 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineA
   // Every block waits for every rank's combine flag, token or not: a rank's next DispatchSend
   // may reuse its buffers only after this (see nvlink_all_to_all.h). The first token's rows are
   // located before the wait.
-  bool waited = false;
-  for (int t = blockIdx.x; !waited || t < tokens; t += gridDim.x) {
-    const bool mine = t < tokens;
-    if (mine && threadIdx.x < 32) LocateRows(v, t, rank_start, row_ptr, weight_of, &rows);
-    if (!waited) {
-      if (threadIdx.x == 0) ok = WaitStep(v, epoch, a.timeout_ns, 1);
-      waited = true;
+  const bool warps = tokens > static_cast<int>(gridDim.x);
+  const int w = warps ? threadIdx.x / 32 : 0;
+  int t = warps ? blockIdx.x + w * gridDim.x : blockIdx.x;
+  const int step = warps ? gridDim.x * kWarps : gridDim.x;
+  auto locate = [&] {
+    if (t < tokens && (warps || threadIdx.x < 32)) {
+      LocateRows(v, t, rank_start, row_ptr[w], weight_of[w], &rows[w]);
     }
-    __syncthreads();
-    if (!ok) return;
-    if (t == static_cast<int>(blockIdx.x)) Mark(v, kTraceCombineRecv, 1);
-    if (mine) SumToken(v, a, t, row_ptr, weight_of, rows, true);
-    __syncthreads();  // the row table is rewritten for the next token
+  };
+  locate();
+  if (threadIdx.x == 0) ok = WaitStep(v, epoch, a.timeout_ns, 1);
+  __syncthreads();
+  if (!ok) return;
+  Mark(v, kTraceCombineRecv, 1);
+  if (warps) {
+    for (; t < tokens; t += step) {
+      if (t != static_cast<int>(blockIdx.x + w * gridDim.x)) {
+        __syncwarp();  // every lane read the last token's rows
+        locate();
+      }
+      __syncwarp();
+      SumToken<32, 4, 2>(v, a, t, row_ptr[w], weight_of[w], rows[w], true);
+    }
+  } else {
+    for (; t < tokens; t += step) {
+      if (t != static_cast<int>(blockIdx.x)) {
+        __syncthreads();  // the row table is rewritten for the next token
+        locate();
+        __syncthreads();
+      }
+      SumToken<kCopyThreads, 2, 8>(v, a, t, row_ptr[0], weight_of[0], rows[0], true);
+    }
   }
   Mark(v, kTraceCombineRecv, 2);
   // Only our own epoch word changes: a device-scope fence is enough.
