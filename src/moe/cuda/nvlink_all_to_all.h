@@ -63,11 +63,13 @@
 //                 from our private region, from the sender's send area over NVLink, or from our
 //                 own send area; rows into the expert-major output at the sender's offset for
 //                 that expert plus the copy's position (token-major: row g for slot g);
-//                 remembers where each combine row returns).
+//                 remembers where each combine row returns; FERRY_NV_SPREAD=1: slots visited
+//                 spread over their senders, see SpreadOrder).
 //   CombineSend:  CombineSend (each received copy's expert output -- or, summed at the expert
 //                 rank, one row per token -- pushed into its sender's combine region; every
 //                 block arrives at every peer's combine flag).
-//   CombineRecv:  CombineRecv (every block waits for all combine flags; per token, its rows in
+//   CombineRecv:  CombineRecv (every block waits for all combine flags; per token -- a block
+//                 each when they fit the grid, a warp each when they outnumber it -- its rows in
 //                 rank then k order, fp32, unfused, as the host device sums them, eight columns
 //                 per thread; the last block advances the epoch).
 //
