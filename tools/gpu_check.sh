@@ -37,7 +37,8 @@
 #                                 machine has): decode fp8 and bf16, prefill, (a)+(b) and plain,
 #                                 as one node and as two nodes (the relay over shm between them);
 #                                 EP_SIZES ("4 8"); with SANITIZERS=0 it fits one 10-minute call;
-#                                 EP_STREAM="1 3" adds (a)+(b) with those FERRY_NV_STREAM masks
+#                                 EP_STREAM="1 3" adds (a)+(b) with those FERRY_NV_STREAM masks;
+#                                 prefill (a)+(b) also with FERRY_NV_SPREAD=1
 #   tools/gpu_check.sh stream     build, tests, then NVLink (a)+(b) with nothing streamed (the
 #                                 default), the dispatch streamed (FERRY_NV_STREAM=1) and both
 #                                 steps (3), alternating, STREAM_ROUNDS (1) times: decode pushing every
@@ -330,11 +331,18 @@ if [ "$mode" = ep ]; then
       --iters 200
     step ep${n}_prefill 400 build-gpu/ferry-bench moe "${ep[@]}" --dtype fp8 --tokens 4096 \
       --iters 10
+    # Received slots in order, every rank pulls from (and returns rows to) the same sender at
+    # once; spread, each sender serves every rank a share at a time.
+    FERRY_NV_SPREAD=1 step ep${n}_prefill_spread 400 build-gpu/ferry-bench moe --nvlink \
+      --ranks $n --hidden 7168 --experts 256 --topk 8 --dtype fp8 --tokens 4096 --iters 10 \
+      --once-per-rank --reduce-at-expert-rank
     step ep${n}_two_nodes_decode 300 build-gpu/ferry-bench moe "${ep[@]}" --dtype fp8 \
       --tokens 128 --iters 100 --node-ranks $((n / 2))
-    echo "== EP$n: decode fp8, bf16, prefill (one node), decode as two nodes of $((n / 2))"
+    echo "== EP$n: decode fp8, bf16, prefill (one node), decode as two nodes of $((n / 2))," \
+      "prefill (a)+(b) spread"
     grep -h -E '^(variant|plain|\(a\)\+\(b\)) ' "$OUT"/ep${n}_decode_fp8.log \
-      "$OUT"/ep${n}_decode_bf16.log "$OUT"/ep${n}_prefill.log "$OUT"/ep${n}_two_nodes_decode.log
+      "$OUT"/ep${n}_decode_bf16.log "$OUT"/ep${n}_prefill.log "$OUT"/ep${n}_two_nodes_decode.log \
+      "$OUT"/ep${n}_prefill_spread.log
   done
   [ "$gpus" -ge 4 ] || echo "== ep: $gpus GPUs here; EP4 needs 4, EP8 needs 8"
 fi
