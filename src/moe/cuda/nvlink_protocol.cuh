@@ -98,6 +98,7 @@ struct SlotOrder {
   // i * stride mod total for i < total, without a 64-bit division (a subroutine on the GPU): the
   // quotient from doubles is within one of the true one, as i * stride < total^2 < 2^62.
   __host__ __device__ int64_t operator()(int64_t i) const {
+    if (stride == 1) return i;  // in order (and i < total)
     const int64_t p = i * stride;
     const int64_t r = p - static_cast<int64_t>(static_cast<double>(p) * inverse) * total;
     return r < 0 ? r + total : r >= total ? r - total : r;
