@@ -51,7 +51,8 @@
 #                                 received slots spread over their senders, then in order,
 #                                 the default), alternating, SPREAD_ROUNDS (2) times;
 #                                 SPREAD_RANKS (2)
-# SANITIZERS=0 skips memcheck and racecheck; AB_DECODE_ROUNDS=0 runs ab's prefill pairs only.
+# SANITIZERS=0 skips memcheck and racecheck; TESTS=0 the tests and the sanitizers (a second
+# call after one that ran them); AB_DECODE_ROUNDS=0 runs ab's prefill pairs only.
 set -u
 OUT=${OUT:-/tmp/ferry-gpu}
 mkdir -p "$OUT"
@@ -80,7 +81,9 @@ step build 400 cmake --build build-gpu -j "$(nproc)" --target moe_cuda_test kv_c
   moe_host_test fd_exchange_test ferry-bench || { tail -60 "$OUT/build.log"; exit 1; }
 
 mode=${1:-all}
-if [ "$mode" != profile ] && [ "$mode" != trace ] && [ "$mode" != kvpace ]; then
+tests=${TESTS:-1}
+case $mode in profile | trace | kvpace) tests=0 ;; esac  # they build and measure only
+if [ "$tests" != 0 ]; then
   step kv_cuda_test 120 build-gpu/kv_cuda_test
   step moe_cuda_test 400 build-gpu/moe_cuda_test
   step fd_exchange_test 60 build-gpu/fd_exchange_test
@@ -94,8 +97,7 @@ pack_cases="$pack_cases:*n2_t600_h256_e64_k8_bf16_nvlink_streamed:*n2_t7_h128_e8
 pack_cases="$pack_cases:*n2_t2048_h128_e256_k16_fp8_b_nvlink_allstreamed:*n2_t96*tokmajor_allstreamed"
 # ... and received slots spread over their senders (pulled and pushed).
 pack_cases="$pack_cases:*n2_t2048_h128_e256_k16_fp8_b_nvlink_spread"
-if [ "$mode" != profile ] && [ "$mode" != trace ] && [ "$mode" != kvpace ] &&
-   [ "${SANITIZERS:-1}" != 0 ]; then
+if [ "$tests" != 0 ] && [ "${SANITIZERS:-1}" != 0 ]; then
   step memcheck 300 "$SANITIZER" --tool memcheck --target-processes all \
     build-gpu/moe_cuda_test \
     --gtest_filter="*n2_t7_h128_e8_k2_bf16*:*n3_t64*:*n4_t96*nodes2:*t96*tokmajor:$pack_cases"
