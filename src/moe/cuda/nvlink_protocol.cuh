@@ -84,8 +84,8 @@ struct RecvEntry {
   int32_t pad;
 };
 
-// The order Unpack (pulled slots) and CombineSend visit received slots in when there are more
-// of them than blocks. A sender's slots are contiguous (sender-major), so visiting them in
+// The order Unpack and CombineSend visit received slots in when there are more of them than
+// blocks and FERRY_NV_SPREAD=1 (Nv::spread; opt-in until measured on two GPUs). A sender's slots are contiguous (sender-major), so visiting them in
 // order puts the blocks in flight on one sender at a time: on two GPUs, first every pulled slot
 // crosses NVLink while the HBM idles, then the local copies run while the link idles (in
 // CombineSend: the rows summed for our own tokens at HBM speed, then those for the peer's at
