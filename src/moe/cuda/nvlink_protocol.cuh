@@ -85,13 +85,15 @@ struct RecvEntry {
 };
 
 // The order Unpack and CombineSend visit received slots in when there are more of them than
-// blocks and FERRY_NV_SPREAD=1 (Nv::spread; opt-in until measured on two GPUs). A sender's slots are contiguous (sender-major), so visiting them in
-// order puts the blocks in flight on one sender at a time: on two GPUs, first every pulled slot
-// crosses NVLink while the HBM idles, then the local copies run while the link idles (in
-// CombineSend: the rows summed for our own tokens at HBM speed, then those for the peer's at
-// the link's). Visit i takes slot i * stride mod total instead, stride coprime with total and
-// near 0.618 total (a golden-ratio sequence): any run of consecutive visits takes each sender's
-// slots about in proportion to their number, so both the link and the HBM stay busy.
+// blocks and FERRY_NV_SPREAD=1 (Nv::spread; opt-in until measured on two GPUs). A sender's
+// slots are contiguous (sender-major), so visiting them in order puts the blocks in flight on
+// one sender at a time: on two GPUs, first every pulled slot crosses NVLink while the HBM idles,
+// then the local copies run while the link idles (in CombineSend: the rows summed for our own
+// tokens at HBM speed, then those for the peer's at the link's); with more ranks, every rank
+// starts on the same sender. Visit i takes slot i * stride mod total instead, stride coprime
+// with total and near 0.618 total (a golden-ratio sequence): any run of consecutive visits takes
+// each sender's slots about in proportion to their number, so both the link and the HBM stay
+// busy.
 struct SlotOrder {
   int64_t total, stride;
   double inverse;  // 1 / total
