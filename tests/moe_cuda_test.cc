@@ -14,6 +14,7 @@
 
 #include <functional>
 #include <string>
+#include <utility>
 
 #include "fabric/test_util.h"
 #include "ferry/bootstrap.h"
@@ -516,20 +517,13 @@ TEST(MoeNvlinkTest, BadExpertsAndALostPeerStreamed) {
   BadExpertsAndALostPeer(true);
 }
 
-// A FERRY_NV_STREAM that is not a mask of the two steps fails Create (before anything
-// collective); ranks of one node that disagree on streaming (FERRY_NV_STREAM=1 on rank 1 only)
-// fail Create on every rank, saying so.
+// Ranks of one node that disagree on streaming (FERRY_NV_STREAM=1 on rank 1 only) fail Create
+// on every rank, saying so.
 TEST(MoeNvlinkTest, RanksThatDisagreeOnStreamingFailCreate) {
   if (!HaveGpu()) GTEST_SKIP() << "no GPU (/dev/nvidia0)";
   auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
     AllToAllConfig cfg{2, b.rank(), 2, 8, 2, 4, 128, DispatchDtype::kBf16, 2};
     RETURN_IF_ERROR(UseGpu(b, &cfg));
-    setenv("FERRY_NV_STREAM", "7", 1);
-    auto bad = AllToAll::Create(cfg, nullptr, b);
-    CHECK_OR_RETURN(bad.status().code() == StatusCode::kInvalidArgument &&
-                        bad.status().message().find("FERRY_NV_STREAM=7") != std::string::npos,
-                    "FERRY_NV_STREAM=7: " + bad.status().ToString());
-    unsetenv("FERRY_NV_STREAM");
     if (b.rank() == 1) setenv("FERRY_NV_STREAM", "1", 1);
     auto a2a = AllToAll::Create(cfg, nullptr, b);
     CHECK_OR_RETURN(a2a.status().code() == StatusCode::kFailedPrecondition &&
@@ -541,20 +535,25 @@ TEST(MoeNvlinkTest, RanksThatDisagreeOnStreamingFailCreate) {
   for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
 }
 
-// FERRY_NV_SPREAD and FERRY_NV_PDL other than 0 or 1 fail Create, naming the variable.
-TEST(MoeNvlinkTest, SwitchesOtherThanZeroOrOneFailCreate) {
+// A switch its kernels cannot take -- FERRY_NV_STREAM not a mask of the two steps,
+// FERRY_NV_SPREAD or FERRY_NV_PDL not 0 or 1, or not a number -- fails Create before anything
+// collective, naming the variable.
+TEST(MoeNvlinkTest, BadSwitchesFailCreate) {
   if (!HaveGpu()) GTEST_SKIP() << "no GPU (/dev/nvidia0)";
   auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
-    for (const char* name : {"FERRY_NV_SPREAD", "FERRY_NV_PDL"}) {
+    const std::pair<const char*, const char*> bad_values[] = {
+        {"FERRY_NV_STREAM", "7"}, {"FERRY_NV_STREAM", "1x"}, {"FERRY_NV_SPREAD", "2"},
+        {"FERRY_NV_PDL", "2"}};
+    for (const auto& [name, value] : bad_values) {
       AllToAllConfig cfg{2, b.rank(), 2, 8, 2, 4, 128, DispatchDtype::kBf16, 2};
       RETURN_IF_ERROR(UseGpu(b, &cfg));
-      setenv(name, "2", 1);
+      setenv(name, value, 1);
       auto bad = AllToAll::Create(cfg, nullptr, b);
       unsetenv(name);
+      const std::string setting = std::string(name) + "=" + value;
       CHECK_OR_RETURN(bad.status().code() == StatusCode::kInvalidArgument &&
-                          bad.status().message().find(std::string(name) + "=2") !=
-                              std::string::npos,
-                      std::string(name) + "=2: " + bad.status().ToString());
+                          bad.status().message().find(setting) != std::string::npos,
+                      setting + ": " + bad.status().ToString());
     }
     return Status::Ok();
   }, 120s);

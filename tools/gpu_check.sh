@@ -18,7 +18,8 @@
 #   tools/gpu_check.sh ab         build, tests, then NVLink decode (a)+(b), both layouts (16 and
 #                                 1024 private slots) and prefill (16 and 4096) next to a baseline
 #                                 built from .baseline.tgz (git archive of an earlier commit),
-#                                 alternating; phase stamps
+#                                 alternating; phase stamps; AB_RANKS (2): 1 measures the
+#                                 local kernels on one GPU
 #   tools/gpu_check.sh layout     build, tests, then NVLink decode and prefill (a)+(b) in both
 #                                 dispatch layouts (--token-major: expert-major and token-major
 #                                 rows of one invocation), twice; prefill pushing every slot;
@@ -141,8 +142,8 @@ if [ "$mode" = ab ]; then
   step base_configure 120 cmake -S /tmp/base -B /tmp/base/build "${generator[@]}" \
     -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_COMPILER="$NVCC" -DCMAKE_CUDA_ARCHITECTURES=90
   step base_build 400 cmake --build /tmp/base/build -j "$(nproc)" --target ferry-bench
-  decode=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8 --tokens 128
-          --iters 200)
+  decode=(--nvlink --ranks "${AB_RANKS:-2}" --hidden 7168 --experts 256 --topk 8 --dtype fp8
+          --tokens 128 --iters 200)
   nv=("${decode[@]}" --once-per-rank --reduce-at-expert-rank --token-major)
   decode_rounds=${AB_DECODE_ROUNDS:-2}
   for round in $(seq "$decode_rounds"); do
@@ -151,8 +152,8 @@ if [ "$mode" = ab ]; then
       step nvlink_new_p${p}_$round 200 build-gpu/ferry-bench moe "${nv[@]}" --private $p
     done
   done
-  pf=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8 --tokens 4096
-      --iters 20 --once-per-rank --reduce-at-expert-rank --token-major)
+  pf=(--nvlink --ranks "${AB_RANKS:-2}" --hidden 7168 --experts 256 --topk 8 --dtype fp8
+      --tokens 4096 --iters 20 --once-per-rank --reduce-at-expert-rank --token-major)
   for p in 16 4096; do  # slots pulled by the receiver, then every slot pushed
     step nvlink_base_prefill_p$p 300 /tmp/base/build/ferry-bench moe "${pf[@]}" --private $p
     step nvlink_new_prefill_p$p 300 build-gpu/ferry-bench moe "${pf[@]}" --private $p

@@ -85,13 +85,8 @@ class NvlinkAllToAll final : public AllToAll {
     // Streaming (one node, no relay): FERRY_NV_STREAM is a mask, 1 the dispatch, 2 the
     // combine, 3 both (not yet the default: not yet measured on two GPUs); every rank must agree
     // (checked below). The dispatch's slot tag follows the entries, within the metadata's line.
-    const char* stream_env = std::getenv("FERRY_NV_STREAM");
-    const std::string stream_value = stream_env ? stream_env : "";
-    const int stream_mask = stream_value.empty() ? 0 : stream_value[0] - '0';
-    if (stream_value.size() > 1 || stream_mask < 0 || stream_mask > 3) {
-      return InvalidArgumentError("FERRY_NV_STREAM=" + std::string(stream_env) +
-                                  ": 0 (none), 1 (dispatch), 2 (combine) or 3 (both)");
-    }
+    int stream_mask = 0;
+    RETURN_IF_ERROR(EnvNumber("FERRY_NV_STREAM", &stream_mask, 0, 3));
     v.stream = c_.ranks_per_node == n && (stream_mask & 1);
     v.stream_combine = c_.ranks_per_node == n && (stream_mask & 2);
     v.meta_bytes = RoundUp(v.meta_used + (v.stream ? 8 : 0), 128);
@@ -153,7 +148,8 @@ class NvlinkAllToAll final : public AllToAll {
     if (unpack_grid_ == 0) unpack_grid_ = recv_grid_;
     // FERRY_NV_PDL=0: the receive kernels launched plainly (for measuring what starting them
     // early gains). FERRY_NV_SPREAD=1: received slots visited spread over their senders
-    // (SpreadOrder; opt-in until measured on two GPUs: on one it costs 1-4 %, see
+    // (SpreadOrder; opt-in until measured on two GPUs: on one rank of one GPU, where it can
+    // gain nothing, it costs 1-2 % of a prefill step expert-major, 1-8 % token-major; see
     // docs/PERFORMANCE.md).
     int pdl = 1, spread = 0;
     RETURN_IF_ERROR(EnvNumber("FERRY_NV_PDL", &pdl, 0, 1));
