@@ -517,20 +517,25 @@ TEST(MoeNvlinkTest, BadExpertsAndALostPeerStreamed) {
   BadExpertsAndALostPeer(true);
 }
 
+// A one-node AllToAll of two ranks on the GPU fails Create with `code`, its message naming
+// `text` (what the environment set up for it says).
+Status CreateFails(Bootstrap& b, StatusCode code, const std::string& text) {
+  AllToAllConfig cfg{2, b.rank(), 2, 8, 2, 4, 128, DispatchDtype::kBf16, 2};
+  RETURN_IF_ERROR(UseGpu(b, &cfg));
+  auto a2a = AllToAll::Create(cfg, nullptr, b);
+  CHECK_OR_RETURN(a2a.status().code() == code &&
+                      a2a.status().message().find(text) != std::string::npos,
+                  text + ": " + a2a.status().ToString());
+  return Status::Ok();
+}
+
 // Ranks of one node that disagree on streaming (FERRY_NV_STREAM=1 on rank 1 only) fail Create
 // on every rank, saying so.
 TEST(MoeNvlinkTest, RanksThatDisagreeOnStreamingFailCreate) {
   if (!HaveGpu()) GTEST_SKIP() << "no GPU (/dev/nvidia0)";
   auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
-    AllToAllConfig cfg{2, b.rank(), 2, 8, 2, 4, 128, DispatchDtype::kBf16, 2};
-    RETURN_IF_ERROR(UseGpu(b, &cfg));
     if (b.rank() == 1) setenv("FERRY_NV_STREAM", "1", 1);
-    auto a2a = AllToAll::Create(cfg, nullptr, b);
-    CHECK_OR_RETURN(a2a.status().code() == StatusCode::kFailedPrecondition &&
-                        a2a.status().message().find("FERRY_NV_STREAM must agree") !=
-                            std::string::npos,
-                    "disagreeing ranks: " + a2a.status().ToString());
-    return Status::Ok();
+    return CreateFails(b, StatusCode::kFailedPrecondition, "FERRY_NV_STREAM must agree");
   }, 120s);
   for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
 }
@@ -545,15 +550,11 @@ TEST(MoeNvlinkTest, BadSwitchesFailCreate) {
         {"FERRY_NV_STREAM", "7"}, {"FERRY_NV_STREAM", "1x"}, {"FERRY_NV_SPREAD", "2"},
         {"FERRY_NV_PDL", "2"}};
     for (const auto& [name, value] : bad_values) {
-      AllToAllConfig cfg{2, b.rank(), 2, 8, 2, 4, 128, DispatchDtype::kBf16, 2};
-      RETURN_IF_ERROR(UseGpu(b, &cfg));
       setenv(name, value, 1);
-      auto bad = AllToAll::Create(cfg, nullptr, b);
+      const Status refused = CreateFails(b, StatusCode::kInvalidArgument,
+                                         std::string(name) + "=" + value);
       unsetenv(name);
-      const std::string setting = std::string(name) + "=" + value;
-      CHECK_OR_RETURN(bad.status().code() == StatusCode::kInvalidArgument &&
-                          bad.status().message().find(setting) != std::string::npos,
-                      setting + ": " + bad.status().ToString());
+      RETURN_IF_ERROR(refused);
     }
     return Status::Ok();
   }, 120s);
