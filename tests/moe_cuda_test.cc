@@ -370,11 +370,11 @@ TEST(MoeCudaConfigTest, AMissingGpuIsAFailedPrecondition) {
   EXPECT_TRUE(exits[0].ok()) << "exit " << exits[0].exit_code;
 }
 
-// The failure tests' run: four tokens per rank, routed to experts {0..7} (8 experts, top-2,
-// hidden 128, bf16).
+// The failure tests' run: the configured tokens per rank (four, unless a test needs more),
+// token i routed to experts 2i and 2i + 1 (mod 8; 8 experts, top-2, hidden 128, bf16).
 struct SmallRun {
-  static constexpr int kTokens = 4;
   AllToAll* a2a = nullptr;
+  int tokens = 0;
   Gpu<uint16_t> x, expert_out, y;
   Gpu<int32_t> indices, counts;
   Gpu<float> weights;
@@ -382,26 +382,29 @@ struct SmallRun {
   Status Setup(AllToAll* all_to_all) {
     a2a = all_to_all;
     const AllToAllConfig& cfg = a2a->config();
-    RETURN_IF_ERROR(x.Alloc(kTokens * 128));
-    RETURN_IF_ERROR(indices.Alloc(kTokens * 2));
-    RETURN_IF_ERROR(weights.Alloc(kTokens * 2));
+    tokens = cfg.max_tokens_per_rank;
+    RETURN_IF_ERROR(x.Alloc(size_t(tokens) * 128));
+    RETURN_IF_ERROR(indices.Alloc(size_t(tokens) * 2));
+    RETURN_IF_ERROR(weights.Alloc(size_t(tokens) * 2));
     RETURN_IF_ERROR(counts.Alloc(cfg.local_experts()));
     RETURN_IF_ERROR(expert_out.Alloc(size_t(cfg.local_experts()) * cfg.expert_capacity() * 128));
-    RETURN_IF_ERROR(y.Alloc(kTokens * 128));
-    RETURN_IF_ERROR(weights.Put(std::vector<float>(kTokens * 2, 0.5f)));
-    return indices.Put({0, 1, 2, 3, 4, 5, 6, 7});
+    RETURN_IF_ERROR(y.Alloc(size_t(tokens) * 128));
+    RETURN_IF_ERROR(weights.Put(std::vector<float>(size_t(tokens) * 2, 0.5f)));
+    std::vector<int32_t> experts(size_t(tokens) * 2);
+    for (size_t i = 0; i < experts.size(); ++i) experts[i] = static_cast<int32_t>(i % 8);
+    return indices.Put(experts);
   }
-  DispatchInput In() const { return {x.p, nullptr, indices.p, weights.p, kTokens}; }
+  DispatchInput In() const { return {x.p, nullptr, indices.p, weights.p, tokens}; }
 
-  // One whole iteration; every rank's tokens reach each expert once, so a local expert gets one
-  // row per rank.
+  // One whole iteration; every rank's tokens reach each expert tokens / 4 times, so a local
+  // expert gets that many rows per rank.
   Status GoodIteration(Bootstrap& b) {
     RETURN_IF_ERROR(a2a->DispatchSend(In()));
     RETURN_IF_ERROR(a2a->DispatchRecv({expert_out.p, nullptr, counts.p}, Deadline::After(30s)));
     std::vector<int32_t> got(a2a->config().local_experts());
     RETURN_IF_ERROR(counts.Get(got));
     for (int32_t rows : got) {
-      CHECK_OR_RETURN(rows == b.world_size(), "expert rows " + std::to_string(rows));
+      CHECK_OR_RETURN(rows == b.world_size() * tokens / 4, "expert rows " + std::to_string(rows));
     }
     RETURN_IF_ERROR(a2a->CombineSend(expert_out.p));
     RETURN_IF_ERROR(a2a->CombineRecv(y.p, false, Deadline::After(30s)));
@@ -436,10 +439,11 @@ struct SmallRun {
   }
 };
 
-// The failure tests' AllToAll on one node of two ranks (8 experts, top-2, hidden 128, bf16) and
-// its run.
-Status OpenOneNode(Bootstrap& b, std::unique_ptr<AllToAll>* a2a, SmallRun* run) {
-  AllToAllConfig cfg{2, b.rank(), 2, 8, 2, 4, 128, DispatchDtype::kBf16, 2};
+// The failure tests' AllToAll on one node of two ranks (8 experts, top-2, `tokens` per rank,
+// hidden 128, bf16) and its run.
+Status OpenOneNode(Bootstrap& b, std::unique_ptr<AllToAll>* a2a, SmallRun* run,
+                   int tokens = 4) {
+  AllToAllConfig cfg{2, b.rank(), 2, 8, 2, tokens, 128, DispatchDtype::kBf16, 2};
   RETURN_IF_ERROR(UseGpu(b, &cfg));
   ASSIGN_OR_RETURN(*a2a, AllToAll::Create(cfg, nullptr, b));
   return run->Setup(a2a->get());
@@ -447,13 +451,14 @@ Status OpenOneNode(Bootstrap& b, std::unique_ptr<AllToAll>* a2a, SmallRun* run) 
 
 // One node, two ranks: after a good iteration and a dispatch, rank 1 never returns its combine
 // rows. Rank 0's CombineRecv ends at its 1 s deadline naming rank 1 and the combine step.
-// `stream`: FERRY_NV_STREAM (3: rank 0 waits for rank 1's row tags, not its flag).
-void APeerLostBeforeCombine(int stream) {
+// `stream`: FERRY_NV_STREAM (3: rank 0 waits for rank 1's row tags, not its flag); `tokens`
+// per rank (more than CombineRecv's blocks: a warp per token).
+void APeerLostBeforeCombine(int stream, int tokens = 4) {
   auto exits = RunLocalRanks(2, [&](Bootstrap& b) -> Status {
     if (stream) setenv("FERRY_NV_STREAM", std::to_string(stream).c_str(), 1);
     std::unique_ptr<AllToAll> a2a;
     SmallRun run;
-    RETURN_IF_ERROR(OpenOneNode(b, &a2a, &run));
+    RETURN_IF_ERROR(OpenOneNode(b, &a2a, &run, tokens));
     RETURN_IF_ERROR(run.GoodIteration(b));
     RETURN_IF_ERROR(a2a->DispatchSend(run.In()));
     RETURN_IF_ERROR(a2a->DispatchRecv({run.expert_out.p, nullptr, run.counts.p},
@@ -476,6 +481,10 @@ TEST(MoeNvlinkTest, APeerLostBeforeCombine) {
 TEST(MoeNvlinkTest, APeerLostBeforeCombineStreamed) {
   if (!HaveGpu()) GTEST_SKIP() << "no GPU (/dev/nvidia0)";
   APeerLostBeforeCombine(3);
+}
+TEST(MoeNvlinkTest, APeerLostBeforeCombineStreamedManyTokens) {
+  if (!HaveGpu()) GTEST_SKIP() << "no GPU (/dev/nvidia0)";
+  APeerLostBeforeCombine(3, 2048);
 }
 
 // One node, two ranks: an expert id out of range fails DispatchSend with nothing sent (the step

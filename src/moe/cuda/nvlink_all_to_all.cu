@@ -135,7 +135,7 @@ class NvlinkAllToAll final : public AllToAll {
     } else if (v.stream) {
       // Streamed, Unpack runs beside Pack: a block of each per SM (one block per SM already
       // stores into a peer at the link's rate: `ferry-bench p2p`), and Unpack's second block
-      // per SM once Pack's leaves it (its groups claim slots as they come, see ClaimSlot).
+      // per SM once Pack's leaves it (its groups claim slots as they come, see Claim).
       send_grid_ = std::min(t, sms);
       unpack_grid_ = static_cast<int>(std::min<int64_t>(recv_grid_, 2 * sms));
     } else {

@@ -631,19 +631,20 @@ __device__ inline bool GroupAll(bool value) {
   }
 }
 
-// Streamed: the next received slot a group takes, claimed from a counter, so that slots are
-// taken in order by whichever groups are running -- those beside the send kernel first, then
-// also those that start once its blocks leave their SMs.
+// Streamed: the next item (a received slot for Unpack, a token for CombineRecv) a group of
+// kGroup threads (a warp or the block) takes, claimed from a counter, so that items are taken in
+// order by whichever groups are running -- those beside the send kernel first, then also those
+// that start once its blocks leave their SMs.
 template <int kGroup>
-__device__ inline int64_t ClaimSlot(const Nv& v) {
+__device__ inline uint32_t Claim(uint32_t* counter) {
   if constexpr (kGroup == 32) {
     uint32_t c = 0;
-    if (threadIdx.x % 32 == 0) c = atomicAdd(&v.scratch->claimed, 1u);
+    if (threadIdx.x % 32 == 0) c = atomicAdd(counter, 1u);
     return __shfl_sync(~0u, c, 0);
   } else {
     __shared__ uint32_t claim;
-    __syncthreads();  // every thread read the last claim
-    if (threadIdx.x == 0) claim = atomicAdd(&v.scratch->claimed, 1u);
+    __syncthreads();  // every thread read the last claim (and the group's tables may be rewritten)
+    if (threadIdx.x == 0) claim = atomicAdd(counter, 1u);
     __syncthreads();
     return claim;
   }
@@ -743,8 +744,8 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
   }
   Mark(v, kTraceUnpack, 4);
   bool primary_done = false, marked = false;
-  if constexpr (kStream) visit = ClaimSlot<kGroup>(v);
-  for (; visit < total; visit = kStream ? ClaimSlot<kGroup>(v) : visit + step) {
+  if constexpr (kStream) visit = Claim<kGroup>(&v.scratch->claimed);
+  for (; visit < total; visit = kStream ? Claim<kGroup>(&v.scratch->claimed) : visit + step) {
     const int64_t g = kStream ? visit : order(visit);
     if (visit != first_visit || kStream) {
       src4 = locate(g);
@@ -1098,16 +1099,6 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
   Mark(v, kTraceCombineSend, 3);
 }
 
-// Streamed combine: the tokens CombineRecv takes, one at a time per block, in order (see
-// ClaimSlot).
-__device__ inline int ClaimToken(const Nv& v) {
-  __shared__ int claim;
-  __syncthreads();  // every thread read the last claim (and the row table may be rewritten)
-  if (threadIdx.x == 0) claim = static_cast<int>(atomicAdd(&v.scratch->claimed_tokens, 1u));
-  __syncthreads();
-  return claim;
-}
-
 // Token t's returned rows, rank by rank and k by k, summed in fp32 (unfused, the host device's
 // order) onto the previous output or zero, into y, by a group of kGroup threads (the block or
 // a warp): eight columns per thread, kG groups of them at a time with kR rows' loads in flight
@@ -1169,36 +1160,53 @@ __device__ inline LaneRow LocateRows(const Nv& v, int t, const int64_t* rank_sta
   return mine;
 }
 
-// Streamed combine: tokens as claimed; each once its rows' tags are up (a lane per row waits),
-// summed as CombineRecvKernel does. It does not wait for the kernel before it (our CombineSend)
-// before writing the caller's output: see UnpackKernel. The block that finishes last waits for
-// every rank's combine flag -- every peer's CombineSend done, so its Unpack done reading what we
-// sent it, before our next DispatchSend rewrites it (nvlink_all_to_all.h) -- then advances the
-// epoch.
+// Streamed combine: tokens as claimed, by the block or, when tokens outnumber blocks
+// (prefill), by each warp (as CombineRecvKernel); each token once its rows' tags are up (a lane
+// per row waits), then summed as CombineRecvKernel does. It does not wait for the kernel before
+// it (our CombineSend) before writing the caller's output: see UnpackKernel. The block that
+// finishes last waits for every rank's combine flag -- every peer's CombineSend done, so its
+// Unpack done reading what we sent it, before our next DispatchSend rewrites it
+// (nvlink_all_to_all.h) -- then advances the epoch.
 __global__ void __launch_bounds__(kCopyThreads) CombineRecvStreamedKernel(Nv v, CombineArgs a) {
+  constexpr int kWarps = kCopyThreads / 32;
   extern __shared__ int64_t rank_start[];  // [N] our first combine row from each rank
-  __shared__ const uint4* row_ptr[kMaxK];
-  __shared__ float weight_of[kMaxK];
-  __shared__ int rows;
+  __shared__ const uint4* row_ptr[kWarps][kMaxK];  // the block per token: [0] only
+  __shared__ float weight_of[kWarps][kMaxK];
+  __shared__ int rows[kWarps];
   Mark(v, kTraceCombineRecv, 0);
   const uint64_t epoch = v.scratch->epoch;
   const uint64_t start = GlobalTimerNs();
   const int tokens = v.scratch->tokens;
   PrefixTotals(v.totals + v.n, v.n, rank_start);
   const uint64_t* tags = reinterpret_cast<const uint64_t*>(v.own + v.combine_tag_off);
-  bool first = true;
-  for (int t = ClaimToken(v); t < tokens; t = ClaimToken(v)) {
-    bool there = true;
-    if (threadIdx.x < 32) {
-      const LaneRow mine = LocateRows(v, t, rank_start, row_ptr, weight_of, &rows);
-      if (mine.row >= 0) {
-        there = AwaitWord(v, tags + mine.row, epoch + 1, start, a.timeout_ns, 1, mine.rank);
-      }
+  // Token t's rows located by a warp into table w and awaited: false if a wait gave up.
+  auto arrived = [&](int t, int w) {
+    const LaneRow mine = LocateRows(v, t, rank_start, row_ptr[w], weight_of[w], &rows[w]);
+    return mine.row < 0 ||
+           AwaitWord(v, tags + mine.row, epoch + 1, start, a.timeout_ns, 1, mine.rank);
+  };
+  bool ok = true, first = true;
+  if (tokens > static_cast<int>(gridDim.x)) {
+    const int w = threadIdx.x / 32;
+    for (int t = Claim<32>(&v.scratch->claimed_tokens); t < tokens;
+         t = Claim<32>(&v.scratch->claimed_tokens)) {
+      ok = __all_sync(~0u, arrived(t, w));
+      __syncwarp();  // the rows' acquires and the table, before every lane reads them
+      if (!ok) break;
+      if (first) Mark(v, kTraceCombineRecv, 1);
+      first = false;
+      SumToken<32, 4, 2>(v, a, t, row_ptr[w], weight_of[w], rows[w], false);
+      __syncwarp();  // every lane read the token's rows before the next token's are located
     }
-    if (!__syncthreads_and(there)) return;
-    if (first) Mark(v, kTraceCombineRecv, 1);
-    first = false;
-    SumToken<kCopyThreads, 2, 8>(v, a, t, row_ptr, weight_of, rows, false);
+    if (__syncthreads_or(!ok)) return;
+  } else {
+    for (int t = Claim<kCopyThreads>(&v.scratch->claimed_tokens); t < tokens;
+         t = Claim<kCopyThreads>(&v.scratch->claimed_tokens)) {
+      if (!__syncthreads_and(threadIdx.x >= 32 || arrived(t, 0))) return;
+      if (first) Mark(v, kTraceCombineRecv, 1);
+      first = false;
+      SumToken<kCopyThreads, 2, 8>(v, a, t, row_ptr[0], weight_of[0], rows[0], false);
+    }
   }
   Mark(v, kTraceCombineRecv, 2);
   if (!LastBlock(&v.scratch->tickets[2], false) || threadIdx.x != 0) return;
