@@ -141,7 +141,7 @@ class NvlinkAllToAll final : public AllToAll {
     } else {
       int resident = 0;
       FERRY_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-          &resident, PackKernel, kCopyThreads, PackSmemBytes(n)));
+          &resident, PackKernel, kCopyThreads, 2 * size_t(n) * sizeof(int64_t)));
       send_grid_ = std::min(t, std::max(resident, 1) * sms);
     }
     send_grid_ = std::max(send_grid_, 1);
@@ -269,7 +269,7 @@ class NvlinkAllToAll final : public AllToAll {
     if (small_smem_ == 0) {  // Route's output, read by Pack only
       RETURN_IF_ERROR(slot_pos_.Allocate(size_t(n) * t));
       RETURN_IF_ERROR(erank_.Allocate(size_t(t) * k));
-      RETURN_IF_ERROR(chunk_counts_.Allocate(size_t(v.chunks + 1) * v.e));
+      RETURN_IF_ERROR(chunk_counts_.Allocate(size_t(v.chunks) * v.e));
       RETURN_IF_ERROR(scan_carry_.Allocate(size_t(t + kRouteThreads - 1) / kRouteThreads * n));
     }
     RETURN_IF_ERROR(rslots_.Allocate(max_recv));
@@ -350,7 +350,7 @@ class NvlinkAllToAll final : public AllToAll {
       RouteKernel<<<nv_.scan_blocks + nv_.chunks, kRouteThreads, 0, stream_>>>(nv_, args);
       FERRY_CUDA(cudaGetLastError());
       if (!async_) RETURN_IF_ERROR(Finish());
-      FERRY_CUDA(Launch(PackKernel, send_grid_, PackSmemBytes(nv_.n), args));
+      FERRY_CUDA(Launch(PackKernel, send_grid_, 2 * nv_.n * sizeof(int64_t), args));
     }
     token_bound_ = in.num_tokens;
     stage_ = Stage::kDispatchSent;

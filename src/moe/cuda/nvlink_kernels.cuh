@@ -41,8 +41,10 @@ static_assert(kChunk < (1 << 16), "a chunk's counts must fit 16 bits");
 // Scan block b: tokens [c * kRouteThreads, (c + 1) * kRouteThreads), a token per thread, for
 // ranks [r0, r0 + kScanRanks) (c = b / groups, r0 = (b % groups) * kScanRanks). Each token's
 // slots and combine rows on those ranks, as exclusive prefix sums within the chunk, go to
-// slot_pos and row_pos; the chunk's sums to scan_carry (FinishRoute makes them carries). The
-// blocks of ranks [0, kScanRanks) report expert ids out of range, which every step then skips.
+// slot_pos and row_pos; the chunk's sums to scan_carry. The scan block that finishes last turns
+// scan_carry into each chunk's carry (what the chunks before it hold, which Pack adds) and
+// writes totals. The blocks of ranks [0, kScanRanks) report expert ids out of range, which every
+// step then skips.
 __device__ void ScanChunk(const Nv& v, const SendArgs& a, int tokens, int b, RouteSmem& smem) {
   const int groups = (v.n + kScanRanks - 1) / kScanRanks;
   const int c = b / groups, r0 = (b % groups) * kScanRanks;
@@ -87,6 +89,26 @@ __device__ void ScanChunk(const Nv& v, const SendArgs& a, int tokens, int b, Rou
     if (threadIdx.x == 0) {
       v.scan_carry[int64_t{c} * v.n + r] = (chunk.v[q] & 0xFFFF) | int64_t{chunk.v[q] >> 16} << 32;
     }
+  }
+  if (!LastBlock(&v.scratch->tickets[3], false, v.scan_blocks)) return;
+  const int chunks = v.scan_blocks / groups;
+  for (int r = threadIdx.x; r < v.n; r += blockDim.x) {
+    int64_t sum = 0;
+    for (int c0 = 0; c0 < chunks; c0 += 8) {  // eight chunks' sums loaded at once
+      int64_t here[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        if (c0 + u < chunks) here[u] = __ldcg(&v.scan_carry[int64_t{c0 + u} * v.n + r]);
+      }
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        if (c0 + u >= chunks) break;
+        v.scan_carry[int64_t{c0 + u} * v.n + r] = sum;
+        sum += here[u];
+      }
+    }
+    v.totals[r] = static_cast<int32_t>(sum & 0xFFFFFFFF);
+    v.totals[v.n + r] = static_cast<int32_t>(sum >> 32);
   }
 }
 
@@ -142,48 +164,9 @@ __device__ void CountChunk(const Nv& v, const SendArgs& a, int tokens, int c, Ro
   }
 }
 
-// Column `col` of a [rows, stride] table turned into its exclusive prefix sums (each row: what
-// the rows before it hold), eight rows' loads in flight; returns the column's sum.
-template <typename T>
-__device__ inline T ExclusiveColumn(T* table, int64_t stride, int rows, int64_t col) {
-  T sum = 0;
-  for (int r0 = 0; r0 < rows; r0 += 8) {
-    T here[8];
-#pragma unroll
-    for (int u = 0; u < 8; ++u) {
-      if (r0 + u < rows) here[u] = __ldcg(&table[(r0 + u) * stride + col]);
-    }
-#pragma unroll
-    for (int u = 0; u < 8; ++u) {
-      if (r0 + u >= rows) break;
-      table[(r0 + u) * stride + col] = sum;
-      sum += here[u];
-    }
-  }
-  return sum;
-}
-
-// The Route block that finishes last, a thread per rank and per expert: scan_carry becomes each
-// token chunk's carry (what the chunks before it take on each rank, which Pack adds) and totals
-// the sums; chunk_counts becomes what the entry chunks before each hold per expert (Pack adds it
-// to a copy's erank), its row `chunks` the copies per expert (the counts rows).
-__device__ void FinishRoute(const Nv& v) {
-  const int chunks = v.scan_blocks / ((v.n + kScanRanks - 1) / kScanRanks);
-  for (int i = threadIdx.x; i < v.n + v.e; i += blockDim.x) {
-    if (i < v.n) {
-      const int64_t sum = ExclusiveColumn(v.scan_carry, v.n, chunks, i);
-      v.totals[i] = static_cast<int32_t>(sum & 0xFFFFFFFF);
-      v.totals[v.n + i] = static_cast<int32_t>(sum >> 32);
-    } else {
-      const int e = i - v.n;
-      v.chunk_counts[int64_t{v.chunks} * v.e + e] = ExclusiveColumn(v.chunk_counts, v.e, v.chunks, e);
-    }
-  }
-}
-
-// Blocks [0, scan_blocks): ScanChunk; the next v.chunks: CountChunk; the last to finish:
-// FinishRoute. FERRY_NV_TRACE points: 1 a token chunk scanned, 2 a chunk counted, 3 finished
-// (times relative to the first Pack block in the printout).
+// Blocks [0, scan_blocks): ScanChunk; the next v.chunks: CountChunk. FERRY_NV_TRACE points: 1 a
+// token chunk scanned, 2 a chunk counted (times relative to the first Pack block in the
+// printout).
 __global__ void __launch_bounds__(kRouteThreads) RouteKernel(Nv v, SendArgs a) {
   __shared__ RouteSmem smem;
   LaunchDependents();  // Pack's blocks take their SMs and wait for us there
@@ -196,9 +179,6 @@ __global__ void __launch_bounds__(kRouteThreads) RouteKernel(Nv v, SendArgs a) {
     CountChunk(v, a, tokens, blockIdx.x - v.scan_blocks, smem);
     Mark(v, kTraceRoute, 2);
   }
-  if (!LastBlock(&v.scratch->tickets[3], false)) return;
-  FinishRoute(v);
-  Mark(v, kTraceRoute, 3);
 }
 
 // Where slot j of ours for rank r goes: pushed to r (its private region, or our outbox section
@@ -208,6 +188,9 @@ __device__ inline uint8_t* SlotDst(const Nv& v, int r, int64_t j, int64_t start,
                                    uint8_t* slots, int32_t slot_cap) {
   if (r != v.me && j < slot_cap) return slots + j * v.slot_bytes;
   return v.own + v.send_off + (start + j) * v.slot_bytes;
+}
+__device__ inline uint8_t* SlotDst(const Nv& v, int r, int64_t j, int64_t start) {
+  return SlotDst(v, r, j, start, v.peer[r].slots, v.peer[r].slot_cap);
 }
 
 // A warp's token row: LoadRowBatch loads 32 * kLaneVectors 16-byte vectors from `first`;
@@ -264,24 +247,16 @@ __device__ inline void StoreRowWarp(const Nv& v, const SendArgs& a, int t, uint8
 // block arrives at every rank's dispatch flag.
 // FERRY_NV_TRACE points (as DispatchSend): 1 offsets, 2 counts rows out, 3 and 4 warp 0's laying
 // out and copying summed over its tokens (spans, not times), 5 loop done, 6 arrived.
-__host__ __device__ inline size_t PackSmemBytes(int n) {
-  return size_t(n) * (3 * sizeof(int64_t) + sizeof(int32_t));
-}
 __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
-  extern __shared__ int64_t starts[];  // [N] first slot per receiving rank in our send area,
-  int64_t* row_starts = starts + v.n;  // [N] first combine row per expert rank,
-  auto** peer_slots = reinterpret_cast<uint8_t**>(row_starts + v.n);  // [N] (SlotDst)
-  auto* peer_cap = reinterpret_cast<int32_t*>(peer_slots + v.n);      // [N]
+  extern __shared__ int64_t starts[];  // [2N]: first slot per receiving rank in our send area,
+                                       // first combine row per expert rank
   __shared__ uint8_t* dst_of[kCopyThreads / 32][kMaxK];  // each warp's token's slots
   LaunchDependents();
   const uint64_t epoch = v.scratch->epoch;  // Route started after the epoch's last step ended
   Mark(v, kTraceSend, 0);
-  for (int r = threadIdx.x; r < v.n; r += blockDim.x) {  // while Route runs
-    peer_slots[r] = v.peer[r].slots;
-    peer_cap[r] = v.peer[r].slot_cap;
-  }
   WaitPrimary();  // Route's output
   const int tokens = v.scratch->tokens;
+  int64_t* row_starts = starts + v.n;
   PrefixTotals(v.totals, v.n, starts);
   PrefixTotals(v.totals + v.n, v.n, row_starts);
   Mark(v, kTraceSend, 1);
@@ -291,7 +266,11 @@ __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
       if (c == v.l + kColSendStart) return starts[r];
       if (c == v.l + kColRowStart) return row_starts[r];
       if (c == v.l + kColRows) return int64_t{v.totals[v.n + r]};
-      return int64_t{v.chunk_counts[int64_t{v.chunks} * v.e + r * v.l + c]};
+      int64_t value = 0;
+      for (int ch = 0; ch < v.chunks; ++ch) {
+        value += v.chunk_counts[int64_t{ch} * v.e + r * v.l + c];
+      }
+      return value;
     });
   }
   Mark(v, kTraceSend, 2);
@@ -306,13 +285,14 @@ __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
     int32_t row_pos = 0;  // the token's first combine row among those from rank x.r
     if (x.valid) {
       const int64_t f = int64_t{t} * v.k + lane;
-      const int32_t pos = v.erank[f] + v.chunk_counts[f / kChunk * v.e + x.e];
+      int32_t pos = v.erank[f];
+      for (int c = 0; c < f / kChunk; ++c) pos += v.chunk_counts[int64_t{c} * v.e + x.e];
       const int r = x.r;
       const int o = v.once ? 0 : x.within;  // which of the token's slots for rank r
       const int64_t carry = v.scan_carry[int64_t{t / kRouteThreads} * v.n + r];
       const int64_t j = v.slot_pos[int64_t{r} * v.t_max + t] + (carry & 0xFFFFFFFF) + o;
       row_pos = static_cast<int32_t>(v.row_pos[int64_t{r} * v.t_max + t] + (carry >> 32));
-      uint8_t* d = SlotDst(v, r, j, starts[r], peer_slots[r], peer_cap[r]);
+      uint8_t* d = SlotDst(v, r, j, starts[r]);
       const NvEntry entry{x.e % v.l, lane, v.weights[f], pos};
       reinterpret_cast<NvEntry*>(d + sizeof(NvHeader))[v.once ? x.within : 0] = entry;
       if (!v.once || x.first) {

@@ -220,8 +220,7 @@ struct Nv {
   int64_t* scan_carry;   // [t_max / kRouteThreads rounded up, N] what the token chunks before
                          // chunk c take on rank r: slots, rows << 32 (Route -> Pack)
   int32_t* erank;        // [t_max * K] a copy's rank within its chunk's copies for its expert
-  int32_t* chunk_counts; // [chunks + 1, E] per expert, a chunk's copies, then (FinishRoute)
-                         // what the chunks before it hold; row `chunks`: all copies
+  int32_t* chunk_counts; // [chunks, E]
   RecvSlot* rslots;      // [N * slots_per_pair]
   RecvEntry* rentries;   // [N * slots_per_pair, K]
   long long* trace;      // null, or [kTraceKernels][trace_blocks][kTraceSlots] (see Mark)
