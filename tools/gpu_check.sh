@@ -45,7 +45,9 @@
 #                                 steps (3), alternating, STREAM_ROUNDS (1) times: decode pushing every
 #                                 slot, prefill pushing every slot (both layouts), prefill with
 #                                 16 private slots; STREAM_TRACE=1: then streamed prefill's phase
-#                                 stamps. SANITIZERS=0 STREAM_ROUNDS=1 fits ~5 minutes
+#                                 stamps. SANITIZERS=0 STREAM_ROUNDS=1 fits ~5 minutes;
+#                                 STREAM_RANKS (2): 1 measures what streaming costs locally
+#                                 (no pulled case: one rank pulls nothing)
 #   tools/gpu_check.sh spread     build, tests, then NVLink prefill (a)+(b) in both layouts,
 #                                 SPREAD_PRIVATE ("16 4096") private slots (16: the rest
 #                                 pulled), with each FERRY_NV_SPREAD of SPREAD_VALUES ("1 0":
@@ -223,7 +225,8 @@ if [ "$mode" = layout ]; then
 fi
 [ "$mode" = kvpace ] && kv_paces "${PACES:-1.25 1}"
 if [ "$mode" = stream ]; then
-  nv=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8 --once-per-rank
+  ranks=${STREAM_RANKS:-2}
+  nv=(--nvlink --ranks "$ranks" --hidden 7168 --experts 256 --topk 8 --dtype fp8 --once-per-rank
       --reduce-at-expert-rank)
   for round in $(seq "${STREAM_ROUNDS:-1}"); do
     for s in 0 1 3; do
@@ -231,6 +234,7 @@ if [ "$mode" = stream ]; then
         --tokens 128 --iters 200 --private 1024
       FERRY_NV_STREAM=$s step "stream${s}_prefill_push_$round" 300 build-gpu/ferry-bench moe \
         "${nv[@]}" --tokens 4096 --iters 20 --private 4096 --token-major
+      [ "$ranks" = 1 ] && continue  # one rank pulls nothing
       FERRY_NV_STREAM=$s step "stream${s}_prefill_pull_$round" 300 build-gpu/ferry-bench moe \
         "${nv[@]}" --tokens 4096 --iters 20 --private 16
     done
