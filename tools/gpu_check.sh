@@ -55,7 +55,8 @@
 #                                 the default), alternating, SPREAD_ROUNDS (2) times;
 #                                 SPREAD_RANKS (2)
 # SANITIZERS=0 skips memcheck and racecheck; TESTS=0 the tests and the sanitizers (a second
-# call after one that ran them); AB_DECODE_ROUNDS=0 runs ab's prefill pairs only.
+# call after one that ran them); AB_DECODE_ROUNDS=0 runs ab's prefill pairs only, AB_PREFILL=0
+# its decode pairs only.
 set -u
 OUT=${OUT:-/tmp/ferry-gpu}
 mkdir -p "$OUT"
@@ -157,6 +158,7 @@ if [ "$mode" = ab ]; then
   pf=(--nvlink --ranks "${AB_RANKS:-2}" --hidden 7168 --experts 256 --topk 8 --dtype fp8
       --tokens 4096 --iters 20 --once-per-rank --reduce-at-expert-rank --token-major)
   for p in 16 4096; do  # slots pulled by the receiver, then every slot pushed
+    [ "${AB_PREFILL:-1}" = 0 ] && break
     step nvlink_base_prefill_p$p 300 /tmp/base/build/ferry-bench moe "${pf[@]}" --private $p
     step nvlink_new_prefill_p$p 300 build-gpu/ferry-bench moe "${pf[@]}" --private $p
   done
@@ -169,9 +171,11 @@ if [ "$mode" = ab ]; then
       grep -h 'trace ' "$OUT/trace_p$p.log"
     done
   fi
-  FERRY_NV_TRACE=1 step trace_prefill 200 build-gpu/ferry-bench moe "${pf[@]}" --iters 5
-  echo "== trace, 4096 tokens, (a)+(b) token-major: point slowest/mean us"
-  grep -h 'trace ' "$OUT/trace_prefill.log"
+  if [ "${AB_PREFILL:-1}" != 0 ]; then
+    FERRY_NV_TRACE=1 step trace_prefill 200 build-gpu/ferry-bench moe "${pf[@]}" --iters 5
+    echo "== trace, 4096 tokens, (a)+(b) token-major: point slowest/mean us"
+    grep -h 'trace ' "$OUT/trace_prefill.log"
+  fi
 fi
 # NVLink decode (16 and 1024 private slots) and prefill, (a)+(b) in both layouts: with
 # --token-major the bench runs expert-major, token-major, and token-major with the caller's

@@ -131,7 +131,7 @@ class NvlinkAllToAll final : public AllToAll {
     // blocks only repeats the prologue (session 10 measured 2.5 us of 31 for it; Unpack, whose
     // warps wait on pulled slots, keeps four blocks per SM).
     if (small_smem_ > 0) {
-      send_grid_ = (t + kSmallWarps - 1) / kSmallWarps;
+      send_grid_ = 1 + (t + kSmallWarps - 1) / kSmallWarps;  // block 0: the counts rows
     } else if (v.stream) {
       // Streamed, Unpack runs beside Pack: a block of each per SM (one block per SM already
       // stores into a peer at the link's rate: `ferry-bench p2p`), and Unpack's second block

@@ -368,8 +368,8 @@ __device__ inline bool FirstForRank(const Nv& v, const int32_t* idx, int f, int 
   return true;
 }
 
-// Block b sends tokens b * W + w (warp w), so each block needs positions only for its own W
-// tokens. It reads the whole routing into shared memory and counts, with shared atomics, copies
+// Block b > 0 sends tokens (b - 1) * W + w (warp w), so each block needs positions only for its
+// own W tokens; block 0 writes the counts rows. It reads the whole routing into shared memory and counts, with shared atomics, copies
 // per expert and tokens per rank over all tokens (the totals: slot and combine-row starts per
 // rank) and over the tokens before its own; within its own tokens a warp counts with ballots.
 // That gives what Route computes -- each copy's position among the copies for its expert, each
@@ -385,7 +385,8 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
   const int tokens = SendTokens(v, a);
   const int entries = tokens * v.k;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int first_token = blockIdx.x * kSmallWarps;
+  // Block 0 writes the counts rows and sends no token (its tokens would wait behind them).
+  const int first_token = (static_cast<int>(blockIdx.x) - 1) * kSmallWarps;
 
   for (int i = threadIdx.x; i < v.e; i += blockDim.x) m.hist[i] = m.hist_before[i] = 0;
   for (int i = threadIdx.x; i < v.n; i += blockDim.x) m.tokens_all[i] = m.tokens_before[i] = 0;
@@ -504,7 +505,7 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
   Mark(v, kTraceSend, 3);
 
   const int t = first_token + warp;
-  if (t < tokens) {
+  if (blockIdx.x > 0 && t < tokens) {
     // The row's first batch and the token's weights, in flight while the slots are laid out.
     uint4 batch[kLaneVectors];
     LoadRowBatch(v, a, t, 0, batch);
