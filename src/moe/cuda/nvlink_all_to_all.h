@@ -57,7 +57,7 @@
 //                 kernel instead, SendSmall: every block reads the whole routing and counts what
 //                 Route computes for its own four tokens (shared-memory histograms over all
 //                 tokens and over those before its own, warp ballots within), a warp per token
-//                 stores the row; block 0 writes the counts rows; every block arrives.
+//                 stores the row; block 0 only writes the counts rows; every block arrives.
 //   DispatchRecv: Unpack (every block waits for all dispatch flags; slot by slot -- a block
 //                 per slot when they fit the grid, a warp per slot when they outnumber it --
 //                 from our private region, from the sender's send area over NVLink, or from our
