@@ -369,9 +369,11 @@ __device__ inline bool FirstForRank(const Nv& v, const int32_t* idx, int f, int 
 }
 
 // Block b > 0 sends tokens (b - 1) * W + w (warp w), so each block needs positions only for its
-// own W tokens; block 0 writes the counts rows. It reads the whole routing into shared memory and counts, with shared atomics, copies
-// per expert and tokens per rank over all tokens (the totals: slot and combine-row starts per
-// rank) and over the tokens before its own; within its own tokens a warp counts with ballots.
+// own W tokens; block 0 writes the counts rows (and so sends no token: its tokens would wait
+// behind them). Each block reads the whole routing into shared memory and counts, with shared
+// atomics, copies per expert and tokens per rank over all tokens (the totals: slot and
+// combine-row starts per rank) and over the tokens before its own; within its own tokens a warp
+// counts with ballots.
 // That gives what Route computes -- each copy's position among the copies for its expert, each
 // token's first slot and combine row on each rank -- with no grid-wide step, so DispatchSend is
 // one launch. The row's first batch is loaded before the slots are laid out.
@@ -385,7 +387,6 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
   const int tokens = SendTokens(v, a);
   const int entries = tokens * v.k;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  // Block 0 writes the counts rows and sends no token (its tokens would wait behind them).
   const int first_token = (static_cast<int>(blockIdx.x) - 1) * kSmallWarps;
 
   for (int i = threadIdx.x; i < v.e; i += blockDim.x) m.hist[i] = m.hist_before[i] = 0;
