@@ -1,6 +1,7 @@
 // The NVLink AllToAll (design in nvlink_all_to_all.h): the host side that sets up the shared
-// memory, the peer table and the relay, and enqueues the kernels (nvlink_kernels.cuh) step by
-// step. The memory the ranks of a node share comes from common/cuda_shared_memory.h.
+// memory, the peer table and the relay, and enqueues the kernels (nvlink_send.cuh,
+// nvlink_recv.cuh, nvlink_combine.cuh) step by step. The memory the ranks of a node share comes
+// from common/cuda_shared_memory.h.
 #include <cuda_runtime.h>
 #include <unistd.h>
 
@@ -17,7 +18,9 @@
 #include "common/fd_exchange.h"
 #include "moe/cuda/gdr_flags.h"
 #include "moe/cuda/nvlink_all_to_all.h"
-#include "moe/cuda/nvlink_kernels.cuh"
+#include "moe/cuda/nvlink_send.cuh"     // the kernels, in step order
+#include "moe/cuda/nvlink_recv.cuh"
+#include "moe/cuda/nvlink_combine.cuh"
 #include "moe/cuda/pinned_buffer.h"
 #include "moe/layout.h"
 #include "moe/relay.h"

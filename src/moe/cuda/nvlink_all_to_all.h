@@ -2,8 +2,10 @@
 // NVLink, between nodes through the relay (relay.h).
 //
 // Files: nvlink_protocol.cuh (what kernels and host share: the slot format, the peer table,
-// device state, flags and waits), nvlink_kernels.cuh (the kernels, step by step),
-// nvlink_all_to_all.cu (the host side: memory, peers, relay, launches).
+// device state, flags and waits), the kernels step by step -- nvlink_send.cuh (DispatchSend:
+// Route, Pack, SendSmall), nvlink_recv.cuh (DispatchRecv: Unpack), nvlink_combine.cuh
+// (CombineSend, CombineRecv) -- and nvlink_all_to_all.cu (the host side: memory, peers, relay,
+// launches).
 //
 // Memory. Every rank allocates one buffer with cuMemCreate (exportable as a POSIX descriptor),
 // sends the descriptor to the other ranks of its node (ExchangeFds) and maps theirs; so each rank

@@ -1,8 +1,9 @@
 // What the NVLink AllToAll's kernels share with its host side (nvlink_all_to_all.cu): launch
 // shapes, the slot format, the per-rank device state (Scratch), the peer table (NvPeer), the
 // argument structs, and the device helpers every kernel uses -- flags, waits, arrivals, errors,
-// trace stamps, a token's routing. Design in nvlink_all_to_all.h; the kernels are in
-// nvlink_kernels.cuh. Included by nvlink_all_to_all.cu only.
+// trace stamps, a token's routing, claims. Design in nvlink_all_to_all.h; the kernels are in
+// nvlink_send.cuh, nvlink_recv.cuh and nvlink_combine.cuh. Included by nvlink_all_to_all.cu
+// only.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -574,6 +575,25 @@ __device__ void Arrive(const Nv& v, bool combine, uint64_t epoch) {
   if (threadIdx.x == 0) {
     const NvPeer& p = v.peer[v.first_remote];
     StoreRelease(combine ? p.combine_flag : p.dispatch_flag, epoch + 1);
+  }
+}
+
+// Streamed: the next item (a received slot for Unpack, a token for CombineRecv) a group of
+// kGroup threads (a warp or the block) takes, claimed from a counter, so that items are taken in
+// order by whichever groups are running -- those beside the send kernel first, then also those
+// that start once its blocks leave their SMs.
+template <int kGroup>
+__device__ inline uint32_t Claim(uint32_t* counter) {
+  if constexpr (kGroup == 32) {
+    uint32_t c = 0;
+    if (threadIdx.x % 32 == 0) c = atomicAdd(counter, 1u);
+    return __shfl_sync(~0u, c, 0);
+  } else {
+    __shared__ uint32_t claim;
+    __syncthreads();  // every thread read the last claim (and the group's tables may be rewritten)
+    if (threadIdx.x == 0) claim = atomicAdd(counter, 1u);
+    __syncthreads();
+    return claim;
   }
 }
 

@@ -1,0 +1,339 @@
+// The combine's kernels: CombineSend (each received copy's expert output, or one weighted sum
+// per token, pushed back into its sender's combine region) and CombineRecv (each token's
+// returned rows summed into the caller's output), each also streamed. Shared parts in
+// nvlink_protocol.cuh; the design in nvlink_all_to_all.h. Included by nvlink_all_to_all.cu only.
+#pragma once
+
+#include <cstdint>
+
+#include "moe/cuda/nvlink_protocol.cuh"
+
+namespace ferry::moe::nv {
+
+// Eight bf16 values as one 16-byte vector.
+__device__ inline float Bf16At(const uint4& v, int q) {
+  const uint32_t w = q < 2 ? v.x : q < 4 ? v.y : q < 6 ? v.z : v.w;
+  return Bf16ToFloatD(static_cast<uint16_t>(q % 2 ? w >> 16 : w & 0xFFFF));
+}
+__device__ inline uint4 PackBf16(const float (&acc)[8]) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    w[i] = uint32_t{FloatToBf16D(acc[2 * i])} | uint32_t{FloatToBf16D(acc[2 * i + 1])} << 16;
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// acc[u][c8[u]] (eight columns each, c8[u] < 0: none) += sum over c < count of weight[c] *
+// rows[c][c8[u]], in c order, fp32, unfused: the host device's arithmetic. The loads of kR rows
+// of all kG column groups are in flight at once.
+template <int kG, int kR>
+__device__ inline void WeightedSum(float (&acc)[kG][8], const uint4* const* rows,
+                                   const float* weight, int count, const int64_t (&c8)[kG]) {
+  for (int first = 0; first < count; first += kR) {
+    uint4 vals[kG][kR];
+#pragma unroll
+    for (int c = 0; c < kR; ++c) {
+#pragma unroll
+      for (int u = 0; u < kG; ++u) {
+        if (first + c < count && c8[u] >= 0) vals[u][c] = __ldcg(rows[first + c] + c8[u]);
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < kR; ++c) {
+      if (first + c >= count) break;
+      const float w = weight[first + c];
+#pragma unroll
+      for (int u = 0; u < kG; ++u) {
+        if (c8[u] < 0) continue;
+#pragma unroll
+        for (int q = 0; q < 8; ++q) acc[u][q] = __fadd_rn(acc[u][q], __fmul_rn(w, Bf16At(vals[u][c], q)));
+      }
+    }
+  }
+}
+
+// Streamed combine: once the block stored rows [row, row + rows) of rank r's combine region,
+// their tags "epoch + 1" (the barrier orders every thread's stores before the releases).
+__device__ inline void TagRows(const Nv& v, int r, int64_t row, int rows, uint64_t epoch) {
+  if (!v.stream_combine) return;
+  __syncthreads();
+  for (int i = threadIdx.x; i < rows; i += blockDim.x) {
+    StoreRelease(v.peer[r].combine_tags + row + i, epoch + 1);
+  }
+}
+
+// Received slots again: each copy's expert output row (plain) or, summed at the expert rank, one
+// weighted fp32 sum per token taken in (local expert, position) order as the host device does,
+// pushed into the sender's combine region. Every block arrives at every rank's combine flag.
+// With v.spread, blocks looping over slots take them in SpreadOrder (streamed combine: in
+// order, the order CombineRecv claims tokens in).
+// Token-major, the caller summed each token's experts into row g of expert_out, which is copied
+// as it is; kCopyOnly: an instance that only does that (few registers; see its launch).
+template <bool kCopyOnly>
+__global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineArgs a) {
+  __shared__ const uint4* rows[kMaxK];
+  __shared__ float weight[kMaxK];
+  __shared__ int count;
+  LaunchDependents();
+  const uint64_t epoch = v.scratch->epoch;
+  Mark(v, kTraceCombineSend, 0);
+  const int64_t total = v.scratch->total_recv;
+  int64_t rows_out = 0;
+  const SlotOrder order = SpreadOrder(total, v.spread && !v.stream_combine && total > gridDim.x);
+  for (int64_t visit = blockIdx.x; visit < total; visit += gridDim.x) {
+    const int64_t g = order(visit);
+    const RecvSlot slot = v.rslots[g];
+    // A malformed slot (Unpack reported it and kept no entry) returns nothing: its row is not
+    // one we checked, and a row written there could land on another token's.
+    if (slot.entries == 0) continue;
+    uint8_t* dst = v.peer[slot.sender].combine + int64_t{slot.row} * v.row_bytes;
+    if (kCopyOnly || v.token_major) {
+      CopyBytes(dst, reinterpret_cast<const uint8_t*>(a.expert_out + g * v.hidden), v.row_bytes);
+      TagRows(v, slot.sender, slot.row, 1, epoch);
+      if (slot.sender != v.me) ++rows_out;
+      continue;
+    }
+    if (!v.reduce) {
+      for (int i = 0; i < slot.entries; ++i) {
+        const RecvEntry entry = v.rentries[g * v.k + i];
+        CopyBytes(dst + i * v.row_bytes,
+                  reinterpret_cast<const uint8_t*>(a.expert_out + entry.out_row * v.hidden),
+                  v.row_bytes);
+      }
+      TagRows(v, slot.sender, slot.row, slot.entries, epoch);
+      if (slot.sender != v.me) rows_out += slot.entries;
+      continue;
+    }
+    if (slot.part != 0) continue;  // the token's first slot sums them all
+    // Warp 0 gathers the token's copies (lane i: entry i of this slot, or with one entry per
+    // slot the token's i-th slot) and orders them by output row, i.e. (local expert, position),
+    // ties in arrival order, as the host device sums them.
+    if (threadIdx.x < 32) {
+      const int lane = threadIdx.x;
+      const int64_t h = v.once ? g : g + lane;
+      bool exists = false;
+      if (v.once) {
+        exists = lane < slot.entries;
+      } else if (lane < slot.parts && h < total) {
+        const RecvSlot other = v.rslots[h];
+        exists = other.sender == slot.sender && other.row == slot.row && other.entries > 0;
+      }
+      RecvEntry entry{};
+      if (exists) entry = v.rentries[h * v.k + (v.once ? lane : 0)];
+      const unsigned present = __ballot_sync(~0u, exists);
+      int order = 0;
+      for (int i = 0; i < 32; ++i) {
+        const int64_t other = __shfl_sync(~0u, entry.out_row, i);
+        if ((present >> i & 1) && (other < entry.out_row || (other == entry.out_row && i < lane))) {
+          ++order;
+        }
+      }
+      if (exists && order < kMaxK) {
+        rows[order] = reinterpret_cast<const uint4*>(a.expert_out + entry.out_row * v.hidden);
+        weight[order] = entry.weight;
+      }
+      if (lane == 0) count = min(__popc(present), kMaxK);
+    }
+    __syncthreads();
+    if (visit == blockIdx.x) Mark(v, kTraceCombineSend, 1);
+    auto* out = reinterpret_cast<uint4*>(dst);
+    const int64_t groups = v.hidden / 8;
+    for (int64_t c = threadIdx.x; c < groups; c += 2 * int64_t{blockDim.x}) {
+      const int64_t c8[2] = {c, c + blockDim.x < groups ? c + blockDim.x : -1};
+      float acc[2][8] = {};
+      WeightedSum<2, 8>(acc, rows, weight, count, c8);
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        if (c8[u] >= 0) out[c8[u]] = PackBf16(acc[u]);
+      }
+    }
+    TagRows(v, slot.sender, slot.row, 1, epoch);
+    if (slot.sender != v.me) ++rows_out;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0 && rows_out) atomicAdd(reinterpret_cast<unsigned long long*>(
+                                                  &v.scratch->rows_out),
+                                              static_cast<unsigned long long>(rows_out));
+  Mark(v, kTraceCombineSend, 2);
+  Arrive(v, true, epoch);
+  Mark(v, kTraceCombineSend, 3);
+}
+
+// Token t's returned rows, rank by rank and k by k, summed in fp32 (unfused, the host device's
+// order) onto the previous output or zero, into y, by a group of kGroup threads (the block or
+// a warp): eight columns per thread, kG groups of them at a time with kR rows' loads in flight
+// (WeightedSum).
+template <int kGroup, int kG, int kR>
+__device__ inline void SumToken(const Nv& v, const CombineArgs& a, int t, const uint4* const* rows,
+                                const float* weight, int count, bool wait_primary) {
+  auto* y = reinterpret_cast<uint4*>(a.out + int64_t{t} * v.hidden);
+  const int64_t groups = v.hidden / 8;
+  for (int64_t c = threadIdx.x % kGroup; c < groups; c += int64_t{kG} * kGroup) {
+    int64_t c8[kG];
+#pragma unroll
+    for (int u = 0; u < kG; ++u) c8[u] = c + u * kGroup < groups ? c + u * kGroup : -1;
+    float acc[kG][8] = {};
+    if (a.accumulate && wait_primary) WaitPrimary();  // a.out is the caller's memory
+#pragma unroll
+    for (int u = 0; u < kG; ++u) {
+      if (!a.accumulate || c8[u] < 0) continue;
+      const uint4 prev = y[c8[u]];
+#pragma unroll
+      for (int q = 0; q < 8; ++q) acc[u][q] = Bf16At(prev, q);
+    }
+    WeightedSum<kG, kR>(acc, rows, weight, count, c8);
+    if (wait_primary) WaitPrimary();
+#pragma unroll
+    for (int u = 0; u < kG; ++u) {
+      if (c8[u] >= 0) y[c8[u]] = PackBf16(acc[u]);
+    }
+  }
+}
+
+// The last block of CombineRecv, once every step of the epoch is done: the streamed steps'
+// claim counters start again (Unpack ended before this step began), and the epoch moves on.
+__device__ inline void AdvanceEpoch(const Nv& v, uint64_t epoch) {
+  v.scratch->claimed = 0;
+  v.scratch->claimed_tokens = 0;
+  v.scratch->epoch = epoch + 1;
+}
+
+// A warp: token t's returned rows in rank then k order (lane j: the token's j-th copy; summed at
+// the expert rank, the first copy of each rank stands for its row) into rows / weight, their
+// count into count; returns the lane's row (its index in our combine region, -1 for none) and
+// the rank that returns it.
+struct LaneRow {
+  int64_t row;
+  int rank;
+};
+__device__ inline LaneRow LocateRows(const Nv& v, int t, const int64_t* rank_start,
+                                     const uint4** rows, float* weight, int* count) {
+  const LaneRoute x = RouteLane(v, v.indices + int64_t{t} * v.k);
+  LaneRow mine{-1, x.r};
+  if (x.valid && (!v.reduce || x.first)) {
+    const int c = v.reduce ? x.ranks_before : x.lanes_before + x.within;
+    mine.row = rank_start[x.r] + v.row_pos[int64_t{x.r} * v.t_max + t] + (v.reduce ? 0 : x.within);
+    rows[c] = reinterpret_cast<const uint4*>(v.peer[x.r].combine_in + mine.row * v.row_bytes);
+    weight[c] = v.reduce ? 1.0f : v.weights[int64_t{t} * v.k + threadIdx.x % 32];
+  }
+  if (threadIdx.x % 32 == 0) *count = __popc(v.reduce ? x.firsts : x.valids);
+  return mine;
+}
+
+// Streamed combine: tokens as claimed, by the block or, when tokens outnumber blocks
+// (prefill), by each warp (as CombineRecvKernel); each token once its rows' tags are up (a lane
+// per row waits), then summed as CombineRecvKernel does. It does not wait for the kernel before
+// it (our CombineSend) before writing the caller's output: see UnpackKernel. The block that
+// finishes last waits for every rank's combine flag -- every peer's CombineSend done, so its
+// Unpack done reading what we sent it, before our next DispatchSend rewrites it
+// (nvlink_all_to_all.h) -- then advances the epoch.
+__global__ void __launch_bounds__(kCopyThreads) CombineRecvStreamedKernel(Nv v, CombineArgs a) {
+  constexpr int kWarps = kCopyThreads / 32;
+  extern __shared__ int64_t rank_start[];  // [N] our first combine row from each rank
+  __shared__ const uint4* row_ptr[kWarps][kMaxK];  // the block per token: [0] only
+  __shared__ float weight_of[kWarps][kMaxK];
+  __shared__ int rows[kWarps];
+  Mark(v, kTraceCombineRecv, 0);
+  const uint64_t epoch = v.scratch->epoch;
+  const uint64_t start = GlobalTimerNs();
+  const int tokens = v.scratch->tokens;
+  PrefixTotals(v.totals + v.n, v.n, rank_start);
+  const uint64_t* tags = reinterpret_cast<const uint64_t*>(v.own + v.combine_tag_off);
+  // Token t's rows located by a warp into table w and awaited: false if a wait gave up.
+  auto arrived = [&](int t, int w) {
+    const LaneRow mine = LocateRows(v, t, rank_start, row_ptr[w], weight_of[w], &rows[w]);
+    return mine.row < 0 ||
+           AwaitWord(v, tags + mine.row, epoch + 1, start, a.timeout_ns, 1, mine.rank);
+  };
+  bool ok = true, first = true;
+  if (tokens > static_cast<int>(gridDim.x)) {
+    const int w = threadIdx.x / 32;
+    for (int t = Claim<32>(&v.scratch->claimed_tokens); t < tokens;
+         t = Claim<32>(&v.scratch->claimed_tokens)) {
+      ok = __all_sync(~0u, arrived(t, w));
+      __syncwarp();  // the rows' acquires and the table, before every lane reads them
+      if (!ok) break;
+      if (first) Mark(v, kTraceCombineRecv, 1);
+      first = false;
+      SumToken<32, 4, 2>(v, a, t, row_ptr[w], weight_of[w], rows[w], false);
+      __syncwarp();  // every lane read the token's rows before the next token's are located
+    }
+    if (__syncthreads_or(!ok)) return;
+  } else {
+    for (int t = Claim<kCopyThreads>(&v.scratch->claimed_tokens); t < tokens;
+         t = Claim<kCopyThreads>(&v.scratch->claimed_tokens)) {
+      if (!__syncthreads_and(threadIdx.x >= 32 || arrived(t, 0))) return;
+      if (first) Mark(v, kTraceCombineRecv, 1);
+      first = false;
+      SumToken<kCopyThreads, 2, 8>(v, a, t, row_ptr[0], weight_of[0], rows[0], false);
+    }
+  }
+  Mark(v, kTraceCombineRecv, 2);
+  if (!LastBlock(&v.scratch->tickets[2], false) || threadIdx.x != 0) return;
+  const uint64_t spent = GlobalTimerNs() - start;  // the deadline counts from the step's start
+  if (!WaitAll(v, epoch, spent < a.timeout_ns ? a.timeout_ns - spent : 0, 1)) return;
+  AdvanceEpoch(v, epoch);
+  Mark(v, kTraceCombineRecv, 3);
+}
+
+// Once every combine flag is up, each token's returned rows, rank by rank and k by k, summed in
+// fp32 (unfused, the host device's order) onto the previous output or zero: tokens t =
+// blockIdx.x, + grid ... a block each, or, when tokens outnumber blocks (prefill), a warp each
+// (eight tokens in flight per block, each warp locating its next token itself: a block per
+// token waits on each token's routing loads and then its rows' loads, one after the other). The
+// last block advances the epoch.
+__global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineArgs a) {
+  constexpr int kWarps = kCopyThreads / 32;
+  extern __shared__ int64_t rank_start[];  // [N] our first combine row from each rank
+  __shared__ bool ok;
+  __shared__ const uint4* row_ptr[kWarps][kMaxK];  // a block per token: [0] only
+  __shared__ float weight_of[kWarps][kMaxK];
+  __shared__ int rows[kWarps];
+  Mark(v, kTraceCombineRecv, 0);
+  const uint64_t epoch = v.scratch->epoch;
+  const int tokens = v.scratch->tokens;
+  PrefixTotals(v.totals + v.n, v.n, rank_start);
+  // Every block waits for every rank's combine flag, token or not: a rank's next DispatchSend
+  // may reuse its buffers only after this (see nvlink_all_to_all.h). The first token's rows are
+  // located before the wait.
+  const bool warps = tokens > static_cast<int>(gridDim.x);
+  const int w = warps ? threadIdx.x / 32 : 0;
+  int t = warps ? blockIdx.x + w * gridDim.x : blockIdx.x;
+  const int step = warps ? gridDim.x * kWarps : gridDim.x;
+  auto locate = [&] {
+    if (t < tokens && (warps || threadIdx.x < 32)) {
+      LocateRows(v, t, rank_start, row_ptr[w], weight_of[w], &rows[w]);
+    }
+  };
+  locate();
+  if (threadIdx.x == 0) ok = WaitStep(v, epoch, a.timeout_ns, 1);
+  __syncthreads();
+  if (!ok) return;
+  Mark(v, kTraceCombineRecv, 1);
+  if (warps) {
+    for (; t < tokens; t += step) {
+      if (t != static_cast<int>(blockIdx.x + w * gridDim.x)) {
+        __syncwarp();  // every lane read the last token's rows
+        locate();
+      }
+      __syncwarp();
+      SumToken<32, 4, 2>(v, a, t, row_ptr[w], weight_of[w], rows[w], true);
+    }
+  } else {
+    for (; t < tokens; t += step) {
+      if (t != static_cast<int>(blockIdx.x)) {
+        __syncthreads();  // the row table is rewritten for the next token
+        locate();
+        __syncthreads();
+      }
+      SumToken<kCopyThreads, 2, 8>(v, a, t, row_ptr[0], weight_of[0], rows[0], true);
+    }
+  }
+  Mark(v, kTraceCombineRecv, 2);
+  // Only our own epoch word changes: a device-scope fence is enough.
+  if (LastBlock(&v.scratch->tickets[2], false) && threadIdx.x == 0) AdvanceEpoch(v, epoch);
+  Mark(v, kTraceCombineRecv, 3);
+}
+
+}  // namespace ferry::moe::nv

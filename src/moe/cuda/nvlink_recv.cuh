@@ -1,0 +1,362 @@
+// DispatchRecv's kernel, Unpack: each received slot (pushed into our private region, pulled from
+// its sender's send area, or our own) into the caller's expert-major or token-major rows, and
+// where each combine row returns. Shared parts in nvlink_protocol.cuh; the design in
+// nvlink_all_to_all.h. Included by nvlink_all_to_all.cu only.
+#pragma once
+
+#include <cstdint>
+
+#include "moe/cuda/nvlink_protocol.cuh"
+
+namespace ferry::moe::nv {
+
+// What Unpack needs of a sender's NvPeer, in shared memory.
+struct PeerIn {
+  const int32_t* counts;
+  const uint8_t* slots;
+  const uint8_t* pull;
+  int64_t* relay_rows;
+  const uint64_t* dispatch_flag;  // streamed: what a pulled slot waits for
+  int32_t slot_cap, remote, row_cap, dispatch_step;
+  int64_t pad;
+};
+static_assert(sizeof(PeerIn) % 16 == 0, "PeerIn keeps what follows it 16-byte aligned");
+
+__device__ inline void LoadPeersIn(const Nv& v, PeerIn* out) {
+  for (int q = threadIdx.x; q < v.n; q += blockDim.x) {
+    const NvPeer& p = v.peer[q];
+    out[q] = PeerIn{p.counts_in, p.slots_in,    p.pull,       p.relay_rows, p.dispatch_flag_in,
+                    p.slot_cap,  p.remote,      p.row_cap,    p.dispatch_step, 0};
+  }
+}
+
+// Unpack's tables in shared memory (see the kernel), and, streamed, what its waits need.
+struct SlotTables {
+  const PeerIn* from_of;
+  const int64_t *prefix, *start, *rebase;
+  const int32_t* counts;
+  int32_t* offset;
+  const SlotOrder* order;  // the order visits take slots in (UnpackSlots)
+  uint64_t epoch, wait_start, budget_ns;
+};
+
+// A group of kGroup threads (a warp or the block) waits for itself: the slot metadata it shares.
+template <int kGroup>
+__device__ inline void GroupSync() {
+  if constexpr (kGroup == 32) {
+    __syncwarp();
+  } else {
+    __syncthreads();
+  }
+}
+// Also orders the group's shared-memory writes before it with its reads after it, as
+// __syncthreads_and does for a block (a warp vote alone does not promise that; __syncwarp does).
+template <int kGroup>
+__device__ inline bool GroupAll(bool value) {
+  if constexpr (kGroup == 32) {
+    const bool all = __all_sync(~0u, value);
+    __syncwarp();
+    return all;
+  } else {
+    return __syncthreads_and(value);
+  }
+}
+
+// Unpack's received slots for groups of kGroup threads, each thread keeping kVec 16-byte
+// vectors in flight: a group's visits are blockIdx.x + group * grid, + grid * groups ..., each
+// taking slot order(visit) (with v.spread, SpreadOrder when slots outnumber blocks; else every
+// slot in order; streamed, in order as claimed). Checks each slot, copies its row to each
+// entry's output row, remembers where the entries' combine rows go. Also builds the offsets
+// table (the whole block, while each group's first slot loads).
+template <int kGroup, int kVec, bool kStream>
+__device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
+                            int64_t total) {
+  constexpr int kGroups = kCopyThreads / kGroup;
+  __shared__ uint4 meta_of[kGroups][1 + kMaxK];  // each group's slot header and entries
+  __shared__ int64_t out_row_of[kGroups][kMaxK];
+  const int tid = threadIdx.x % kGroup, group = threadIdx.x / kGroup;
+  uint4* meta_v = meta_of[group];
+  int64_t* out_row = out_row_of[group];
+  const PeerIn* from_of = t.from_of;
+  const int64_t *prefix = t.prefix, *start = t.start, *rebase = t.rebase;
+  const int32_t* counts = t.counts;
+  int32_t* offset = t.offset;
+  // Vectors [0, used): header and entries; [used, meta): padding, not loaded; [meta, body):
+  // the row; [body, end): the scales.
+  const int64_t used = v.meta_used / 16, meta = v.meta_bytes / 16, body = meta + v.payload / 16;
+  const int64_t end = (v.meta_bytes + v.payload + int64_t{v.spt} * 4 + 15) / 16;
+  const int64_t batch = int64_t{kVec} * kGroup;
+  // Received slot g: its sender s, its index j among s's, where it is. Ours from our send area;
+  // then what s pushed; the rest pulled from s's send area (a slot past what s may push to a
+  // rank without a send area to pull from is malformed: null).
+  int s = 0;
+  int64_t j = 0;
+  auto locate = [&](int64_t g) -> const uint4* {
+    s = SenderOf(prefix, v.n, g);
+    j = g - prefix[s];
+    const PeerIn& from = from_of[s];
+    const uint8_t* src = s == v.me        ? v.own + v.send_off + (start[s] + j) * v.slot_bytes
+                         : j < from.slot_cap ? from.slots + j * v.slot_bytes
+                         : from.pull         ? from.pull + (start[s] + j) * v.slot_bytes
+                                             : nullptr;
+    return reinterpret_cast<const uint4*>(src);
+  };
+  // Streamed: the group's first thread waits until the slot is there -- its tag, or for a
+  // pulled slot (in its sender's send area, no tag waited on over NVLink per slot) every send
+  // block of its sender arrived -- and the vote hands that to the group (the barrier orders
+  // the acquire before the group's loads). False: the wait gave up (reported; later waits give
+  // up at once).
+  auto ready = [&](const uint4* src4) -> bool {
+    bool ok = true;
+    if (tid == 0 && src4) {
+      const PeerIn& from = from_of[s];
+      const bool pulled = s != v.me && j >= from.slot_cap;
+      const uint64_t* word =
+          pulled ? from.dispatch_flag
+                 : reinterpret_cast<const uint64_t*>(reinterpret_cast<const uint8_t*>(src4) +
+                                                     SlotTagOffset(v));
+      const uint64_t want = (t.epoch + 1) * uint64_t(pulled ? from.dispatch_step : 1);
+      ok = AwaitWord(v, word, want, t.wait_start, t.budget_ns, 0, s);
+    }
+    return GroupAll<kGroup>(ok);
+  };
+  // One round trip for the slot's first batch (metadata and, usually, the whole slot).
+  uint4 r[kVec];
+  auto load = [&](const uint4* src4, int64_t first) {
+#pragma unroll
+    for (int u = 0; u < kVec; ++u) {
+      const int64_t i = first + tid + u * int64_t{kGroup};
+      if (i < end && (i < used || i >= meta)) r[u] = __ldcg(src4 + i);
+    }
+  };
+  const SlotOrder& order = *t.order;
+  const int64_t first_visit = blockIdx.x + int64_t{group} * gridDim.x;
+  const int64_t step = int64_t{gridDim.x} * kGroups;
+  int64_t visit = first_visit;
+  // The first slot in flight while the offsets table is built (streamed: once it is there,
+  // after the table).
+  const uint4* src4 = visit < total && !kStream ? locate(order(visit)) : nullptr;
+  if (src4) load(src4, 0);
+  Mark(v, kTraceUnpack, 3);
+
+  for (int e = threadIdx.x; e < v.l; e += blockDim.x) {
+    int32_t rows = 0;
+    for (int q = 0; q < v.n; ++q) {
+      offset[q * v.l + e] = rows;
+      rows += counts[q * v.counts_stride + e];
+    }
+    offset[v.n * v.l + e] = rows;
+  }
+  __syncthreads();
+  if (blockIdx.x == 0) {
+    if (threadIdx.x == 0) {
+      v.scratch->total_recv = static_cast<int32_t>(total);
+      v.scratch->rows_out = 0;
+    }
+  }
+  Mark(v, kTraceUnpack, 4);
+  bool primary_done = false, marked = false;
+  if constexpr (kStream) visit = Claim<kGroup>(&v.scratch->claimed);
+  for (; visit < total; visit = kStream ? Claim<kGroup>(&v.scratch->claimed) : visit + step) {
+    const int64_t g = kStream ? visit : order(visit);
+    if (visit != first_visit || kStream) {
+      src4 = locate(g);
+      if (kStream && !ready(src4)) return;
+      if (src4) load(src4, 0);
+    }
+    if (!src4) {
+      if (tid == 0) {
+        Report(v, kBadSlot, s, static_cast<int32_t>(j));
+        v.rslots[g] = RecvSlot{s, 0, 0, 0, 1};
+      }
+      continue;
+    }
+    const PeerIn& from = from_of[s];
+#pragma unroll
+    for (int u = 0; u < kVec; ++u) {
+      const int64_t i = tid + u * int64_t{kGroup};
+      if (i < used) meta_v[i] = r[u];
+    }
+    GroupSync<kGroup>();
+    // Checks in parallel: the header by every thread, entry i by thread i.
+    NvHeader header;
+    std::memcpy(&header, &meta_v[0], sizeof header);
+    const int entries = min(max(header.entries, 0), v.k);
+    // The combine row, counted from where our rows for s go (rebased for another node).
+    const int64_t row = header.row - rebase[s];
+    const SlotLimits limits{v.k, v.l, v.t_max, v.reduce, from.row_cap, v.capacity};
+    bool valid = SlotHeaderValid(header, row, limits);
+    if (tid < entries) {
+      NvEntry entry;
+      std::memcpy(&entry, &meta_v[1 + tid], sizeof entry);
+      const int32_t le = entry.local_expert;
+      valid = valid && SlotEntryValid(entry, offset, s, limits);
+      if (valid) {
+        const int64_t expert_row = int64_t{le} * v.capacity + offset[s * v.l + le] + entry.pos;
+        out_row[tid] = v.token_major ? g : expert_row;
+        // CombineSend's entries; token-major it copies row g and reads none.
+        if (!v.token_major) {
+          v.rentries[g * v.k + tid] = RecvEntry{expert_row, entry.weight};
+        }
+      }
+    }
+    valid = GroupAll<kGroup>(valid);
+    if (!marked) Mark(v, kTraceUnpack, 5);
+    marked = true;
+    if (tid == 0) {
+      if (!valid) Report(v, kBadSlot, s, static_cast<int32_t>(j));
+      v.rslots[g] = RecvSlot{s, static_cast<int32_t>(row), valid ? entries : 0, header.part,
+                             header.parts};
+    }
+    // Token-major: the slot is one output row, and column c of its experts and weights is the
+    // entry whose k is c (thread c looks for it), or none.
+    const int outs = valid ? (v.token_major ? 1 : entries) : 0;
+    if (!primary_done) {  // the caller's memory from here on (a.out_x, a.out_scales, ...)
+      if (!kStream) WaitPrimary();  // streamed: see UnpackKernel
+      primary_done = true;
+    }
+    if (v.token_major && valid && tid < v.k) {
+      int32_t expert = -1;
+      float weight = 0.0f;
+      for (int i = 0; i < entries; ++i) {
+        NvEntry entry;
+        std::memcpy(&entry, &meta_v[1 + i], sizeof entry);
+        if (entry.k == tid) {
+          expert = entry.local_expert;
+          weight = entry.weight;
+        }
+      }
+      a.token_experts[g * v.k + tid] = expert;
+      a.token_weights[g * v.k + tid] = weight;
+    }
+    // The slot's vectors into every entry's output row (the row, then its scales), batch by
+    // batch for slots longer than one.
+    for (int64_t first = 0; outs > 0 && first < end; first += batch) {
+      if (first > 0) load(src4, first);
+      for (int e = 0; e < outs; ++e) {
+        uint4* x = reinterpret_cast<uint4*>(a.out_x + out_row[e] * v.payload);
+        float* scales = a.out_scales + out_row[e] * v.spt;
+#pragma unroll
+        for (int u = 0; u < kVec; ++u) {
+          const int64_t i = first + tid + u * int64_t{kGroup};
+          if (i < meta || i >= end) continue;
+          if (i < body) {
+            x[i - meta] = r[u];
+          } else {
+            StoreScales(scales, (i - body) * 4, v.spt, r[u]);
+          }
+        }
+      }
+    }
+    GroupSync<kGroup>();  // the shared slot metadata is rewritten for the next one
+  }
+}
+
+// Every block waits for all dispatch flags, reads every sender's counts row, then takes its share
+// of the received slots (UnpackSlots).
+// Streamed, it waits for each sender's counts row instead, and for each slot as it takes it,
+// and it does not wait for the kernel before it (our send kernel, which may still be storing
+// slots) to end before writing the caller's outputs: what made WaitPrimary needed -- a kernel of
+// the caller's that still reads them -- ended before our send kernel started (Route and
+// SendSmall launch plainly), and every block saw our own counts row, which that kernel stored.
+// A kernel the caller enqueues between DispatchSend and DispatchRecv ends before this one starts
+// unless it lets dependents start early itself.
+// Two blocks per SM (128 registers): one beside a Pack block when streamed, and otherwise two
+// of Unpack's own.
+template <bool kStream>
+__global__ void __launch_bounds__(kCopyThreads, 2) UnpackKernel(Nv v, RecvArgs a) {
+  extern __shared__ int64_t unpack_raw[];  // [N] PeerIn; [N + 1] slots before sender s; [N]
+                                           // start[s] (where they start in its send area); [N]
+                                           // rebase[s] (the first combine row s expects from
+                                           // us, if remote); then counts[N][counts_stride];
+                                           // then offset[N + 1][L]
+  PeerIn* from_of = reinterpret_cast<PeerIn*>(unpack_raw);
+  int64_t* prefix = unpack_raw + v.n * (sizeof(PeerIn) / 8);
+  int64_t* start = prefix + v.n + 1;
+  int64_t* rebase = start + v.n;
+  int32_t* counts = reinterpret_cast<int32_t*>(  // 16-byte aligned
+      reinterpret_cast<uint8_t*>(prefix) + ((3 * int64_t{v.n} + 1) * 8 + 15) / 16 * 16);
+  // offset[s][e]: rows of local expert e from senders before s (offset[N][e]: all of them).
+  int32_t* offset = counts + v.n * v.counts_stride;
+  __shared__ bool ok;
+  __shared__ SlotOrder order;
+  Mark(v, kTraceUnpack, 0);
+  const uint64_t epoch = v.scratch->epoch;
+  const uint64_t wait_start = GlobalTimerNs();
+  LoadPeersIn(v, from_of);  // while thread 0 waits: no table load on the path after the flags
+  if (kStream) {  // every sender's counts row, a thread per sender waiting for its tag
+    bool there = true;
+    for (int q = threadIdx.x; q < v.n; q += blockDim.x) {
+      const NvPeer& p = v.peer[q];
+      there = there && AwaitWord(v, reinterpret_cast<const uint32_t*>(p.counts_in + CountsTagColumn(v)),
+                                 static_cast<uint32_t>(epoch + 1), wait_start, a.timeout_ns, 0, q);
+    }
+    if (!__syncthreads_and(there)) return;
+  } else {
+    if (threadIdx.x == 0) ok = WaitStep(v, epoch, a.timeout_ns, 0);
+    __syncthreads();
+    if (!ok) return;
+  }
+  Mark(v, kTraceUnpack, 1);
+  // Every sender's counts row in one round trip (16-byte vectors; from another node they are in
+  // host memory, where every small load is a PCIe transaction).
+  const int vectors = v.counts_stride / 4;
+  for (int i = threadIdx.x; i < v.n * vectors; i += blockDim.x) {
+    const int q = i / vectors;
+    reinterpret_cast<uint4*>(counts + q * v.counts_stride)[i % vectors] =
+        __ldcg(reinterpret_cast<const uint4*>(from_of[q].counts) + i % vectors);
+  }
+  __syncthreads();
+  Mark(v, kTraceUnpack, 2);
+  // Where each sender's slots are: the block's first slot is then in flight while the offsets
+  // table is built.
+  for (int s = threadIdx.x; s < v.n; s += blockDim.x) {
+    const int32_t* row = counts + s * v.counts_stride;
+    int64_t slots = row[v.l + kColSlots];
+    if (slots < 0 || slots > v.slots_per_pair) {  // none of them is taken
+      if (blockIdx.x == 0) Report(v, kBadSlot, s, static_cast<int32_t>(slots));
+      slots = 0;
+    }
+    prefix[s + 1] = slots;
+    start[s] = row[v.l + kColSendStart];
+    rebase[s] = from_of[s].remote ? row[v.l + kColRowStart] : 0;
+    if (blockIdx.x == 0 && from_of[s].relay_rows) {  // for the relay's combine write (relay.h)
+      from_of[s].relay_rows[0] = row[v.l + kColRowStart];
+      from_of[s].relay_rows[1] = row[v.l + kColRows];
+      __threadfence_system();
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    prefix[0] = 0;
+    for (int s = 0; s < v.n; ++s) prefix[s + 1] += prefix[s];
+    // Spread (v.spread) when groups loop (a block per slot otherwise); streamed, slots go as
+    // claimed.
+    order = SpreadOrder(prefix[v.n], v.spread && !kStream && prefix[v.n] > gridDim.x);
+  }
+  __syncthreads();
+  const int64_t total = prefix[v.n];
+  // Few slots (decode): a block per slot, the slot's vectors spread over the block. More slots
+  // than blocks (prefill): a warp per slot, eight slots in flight per block, a lane's eight
+  // vectors loaded at once -- one block copying slot after slot waits on each slot's load.
+  // (Sixteen per lane take the kernel past 128 registers, one block per SM, or spill.)
+  const SlotTables tables{from_of, prefix,     start,       rebase, counts, offset,
+                          &order,  epoch,      wait_start,  a.timeout_ns};
+  if (total > gridDim.x) {
+    UnpackSlots<32, 8, kStream>(v, a, tables, total);
+  } else {
+    UnpackSlots<kCopyThreads, 4, kStream>(v, a, tables, total);
+  }
+  if (blockIdx.x == 0) {
+    if (!kStream) WaitPrimary();
+    if (v.token_major && threadIdx.x == 0) *a.num_rows = static_cast<int32_t>(total);
+    for (int e = threadIdx.x; e < v.l; e += blockDim.x) {
+      const int32_t rows = offset[v.n * v.l + e];
+      a.num_tokens[e] = rows;
+      if (rows > v.capacity) Report(v, kRowOverrun, -1, e);
+    }
+  }
+  Mark(v, kTraceUnpack, 6);
+}
+
+}  // namespace ferry::moe::nv

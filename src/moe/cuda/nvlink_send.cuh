@@ -1,0 +1,580 @@
+// DispatchSend's kernels: Route + Pack (prefill batches: Route counts and scans the routing,
+// Pack lays out each token's slots and stores its row into them) and SendSmall (decode batches:
+// both in one kernel). What every step shares with the host side is in nvlink_protocol.cuh; the
+// design in nvlink_all_to_all.h. Included by nvlink_all_to_all.cu only.
+#pragma once
+
+#include <cub/block/block_scan.cuh>
+
+#include <cstdint>
+#include <cstring>
+
+#include "moe/cuda/nvlink_protocol.cuh"
+
+namespace ferry::moe::nv {
+
+// Slots and combine rows a token takes on kScanRanks ranks at once, as Route's block scans sum
+// them: per rank, slots in the low 16 bits, rows in the high 16 (a chunk's sums are at most
+// kRouteThreads * kMaxK = 8192 each).
+struct RankCounts {
+  uint32_t v[kScanRanks];
+  __device__ RankCounts operator+(const RankCounts& o) const {
+    RankCounts s;
+#pragma unroll
+    for (int q = 0; q < kScanRanks; ++q) s.v[q] = v[q] + o.v[q];
+    return s;
+  }
+};
+static_assert(kRouteThreads * kMaxK < (1 << 16), "a chunk's sums must fit 16 bits");
+
+using RouteScan = cub::BlockScan<RankCounts, kRouteThreads>;
+constexpr int kRouteWarps = kRouteThreads / 32;
+union RouteSmem {
+  typename RouteScan::TempStorage scan;
+  uint16_t per_warp[kRouteWarps][kMaxExperts];  // CountChunk: copies per (warp, expert)
+};
+static_assert(kChunk / kRouteWarps == 32 * kSortItems, "a warp's entries: kSortItems rounds");
+static_assert(kChunk < (1 << 16), "a chunk's counts must fit 16 bits");
+
+// Scan block b: tokens [c * kRouteThreads, (c + 1) * kRouteThreads), a token per thread, for
+// ranks [r0, r0 + kScanRanks) (c = b / groups, r0 = (b % groups) * kScanRanks). Each token's
+// slots and combine rows on those ranks, as exclusive prefix sums within the chunk, go to
+// slot_pos and row_pos; the chunk's sums to scan_carry. The scan block that finishes last turns
+// scan_carry into each chunk's carry (what the chunks before it hold, which Pack adds) and
+// writes totals. The blocks of ranks [0, kScanRanks) report expert ids out of range, which every
+// step then skips.
+__device__ void ScanChunk(const Nv& v, const SendArgs& a, int tokens, int b, RouteSmem& smem) {
+  const int groups = (v.n + kScanRanks - 1) / kScanRanks;
+  const int c = b / groups, r0 = (b % groups) * kScanRanks;
+  const int t = c * kRouteThreads + threadIdx.x;
+  int rank_of[kMaxK];  // each copy's rank, -1 past k or for an id out of range
+#pragma unroll
+  for (int i = 0; i < kMaxK; ++i) rank_of[i] = -1;
+  if (t < tokens) {
+    int32_t e[kMaxK];
+#pragma unroll
+    for (int i = 0; i < kMaxK; ++i) {
+      if (i < v.k) e[i] = a.indices[int64_t{t} * v.k + i];
+    }
+#pragma unroll
+    for (int i = 0; i < kMaxK; ++i) {
+      if (i >= v.k) break;
+      if (ValidExpert(v, e[i])) {
+        rank_of[i] = e[i] / v.l;
+      } else if (r0 == 0) {
+        Report(v, kBadExpert, t, e[i]);
+      }
+    }
+  }
+  RankCounts mine, chunk;
+#pragma unroll
+  for (int q = 0; q < kScanRanks; ++q) {
+    int h = 0;
+#pragma unroll
+    for (int i = 0; i < kMaxK; ++i) h += rank_of[i] == r0 + q;
+    const uint32_t slots = h == 0 ? 0 : (v.once ? 1 : h), rows = h == 0 ? 0 : (v.reduce ? 1 : h);
+    mine.v[q] = slots | rows << 16;
+  }
+  RouteScan(smem.scan).ExclusiveSum(mine, mine, chunk);
+#pragma unroll
+  for (int q = 0; q < kScanRanks; ++q) {
+    const int r = r0 + q;
+    if (r >= v.n) break;
+    if (t < tokens) {
+      v.slot_pos[int64_t{r} * v.t_max + t] = static_cast<int32_t>(mine.v[q] & 0xFFFF);
+      v.row_pos[int64_t{r} * v.t_max + t] = static_cast<int32_t>(mine.v[q] >> 16);
+    }
+    if (threadIdx.x == 0) {
+      v.scan_carry[int64_t{c} * v.n + r] = (chunk.v[q] & 0xFFFF) | int64_t{chunk.v[q] >> 16} << 32;
+    }
+  }
+  if (!LastBlock(&v.scratch->tickets[3], false, v.scan_blocks)) return;
+  const int chunks = v.scan_blocks / groups;
+  for (int r = threadIdx.x; r < v.n; r += blockDim.x) {
+    int64_t sum = 0;
+    for (int c0 = 0; c0 < chunks; c0 += 8) {  // eight chunks' sums loaded at once
+      int64_t here[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        if (c0 + u < chunks) here[u] = __ldcg(&v.scan_carry[int64_t{c0 + u} * v.n + r]);
+      }
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        if (c0 + u >= chunks) break;
+        v.scan_carry[int64_t{c0 + u} * v.n + r] = sum;
+        sum += here[u];
+      }
+    }
+    v.totals[r] = static_cast<int32_t>(sum & 0xFFFFFFFF);
+    v.totals[v.n + r] = static_cast<int32_t>(sum >> 32);
+  }
+}
+
+// Chunk c's block: entries [c * kChunk, (c + 1) * kChunk) of the (token, k) list. Gives each
+// copy its rank among the chunk's copies for its expert, in entry order, and the chunk's count
+// per expert. Warp w takes entries [w, w + 1) * 32 * kSortItems of the chunk, 32 at a time:
+// copies of one expert within 32 entries find each other with one match, and a warp's running
+// count per expert lives in shared memory (per_warp); then a prefix over the warps per expert
+// turns those into each warp's start. Also copies the routing for the later steps.
+__device__ void CountChunk(const Nv& v, const SendArgs& a, int tokens, int c, RouteSmem& smem) {
+  const int64_t first = int64_t{c} * kChunk, entries = int64_t{tokens} * v.k;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  uint16_t* mine = smem.per_warp[warp];
+  for (int i = threadIdx.x; i < kRouteWarps * v.e; i += blockDim.x) {
+    smem.per_warp[i / v.e][i % v.e] = 0;
+  }
+  __syncthreads();
+  int32_t key[kSortItems];   // the expert, -1 past the end or for an id out of range
+  int32_t rank[kSortItems];  // among the warp's copies of that expert so far
+#pragma unroll
+  for (int j = 0; j < kSortItems; ++j) {
+    const int64_t f = first + (warp * kSortItems + j) * 32 + lane;
+    key[j] = -1;
+    if (f < entries) {
+      const int32_t e = a.indices[f];
+      v.indices[f] = e;
+      v.weights[f] = a.weights[f];
+      if (ValidExpert(v, e)) key[j] = e;
+    }
+    const unsigned same = __match_any_sync(~0u, key[j]);
+    const int before = key[j] >= 0 ? mine[key[j]] : 0;
+    rank[j] = before + __popc(same & ((1u << lane) - 1));
+    __syncwarp();  // every lane read its count before the group's first lane moves it on
+    if (key[j] >= 0 && lane == __ffs(same) - 1) mine[key[j]] = before + __popc(same);
+    __syncwarp();
+  }
+  __syncthreads();
+  int32_t* counts = v.chunk_counts + int64_t{c} * v.e;
+  for (int e = threadIdx.x; e < v.e; e += blockDim.x) {  // each warp's start per expert
+    int32_t sum = 0;
+    for (int w = 0; w < kRouteWarps; ++w) {
+      const int32_t here = smem.per_warp[w][e];
+      smem.per_warp[w][e] = static_cast<uint16_t>(sum);
+      sum += here;
+    }
+    counts[e] = sum;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < kSortItems; ++j) {
+    const int64_t f = first + (warp * kSortItems + j) * 32 + lane;
+    if (key[j] >= 0) v.erank[f] = mine[key[j]] + rank[j];
+  }
+}
+
+// Blocks [0, scan_blocks): ScanChunk; the next v.chunks: CountChunk. FERRY_NV_TRACE points: 1 a
+// token chunk scanned, 2 a chunk counted (times relative to the first Pack block in the
+// printout).
+__global__ void __launch_bounds__(kRouteThreads) RouteKernel(Nv v, SendArgs a) {
+  __shared__ RouteSmem smem;
+  LaunchDependents();  // Pack's blocks take their SMs and wait for us there
+  Mark(v, kTraceRoute, 0);
+  const int tokens = SendTokens(v, a);
+  if (blockIdx.x < v.scan_blocks) {
+    ScanChunk(v, a, tokens, blockIdx.x, smem);
+    Mark(v, kTraceRoute, 1);
+  } else {
+    CountChunk(v, a, tokens, blockIdx.x - v.scan_blocks, smem);
+    Mark(v, kTraceRoute, 2);
+  }
+}
+
+// Where slot j of ours for rank r goes: pushed to r (its private region, or our outbox section
+// for it) while j < r's slot cap, else into our send area (grouped by receiving rank, at `start`
+// for r) for r to pull. Our own slots stay in the send area.
+__device__ inline uint8_t* SlotDst(const Nv& v, int r, int64_t j, int64_t start,
+                                   uint8_t* slots, int32_t slot_cap) {
+  if (r != v.me && j < slot_cap) return slots + j * v.slot_bytes;
+  return v.own + v.send_off + (start + j) * v.slot_bytes;
+}
+__device__ inline uint8_t* SlotDst(const Nv& v, int r, int64_t j, int64_t start) {
+  return SlotDst(v, r, j, start, v.peer[r].slots, v.peer[r].slot_cap);
+}
+
+// A warp's token row: LoadRowBatch loads 32 * kLaneVectors 16-byte vectors from `first`;
+// StoreRowWarp stores the row into each of the token's ns slots (`dst`), batch by batch (the
+// first already in `batch`), then its scales.
+__device__ inline void LoadRowBatch(const Nv& v, const SendArgs& a, int t, int64_t first,
+                                    uint4 (&batch)[kLaneVectors]) {
+  const auto* row = reinterpret_cast<const uint4*>(a.x + int64_t{t} * v.payload);
+  const int64_t vectors = v.payload / 16;
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int u = 0; u < kLaneVectors; ++u) {
+    const int64_t i = first + lane + 32 * u;
+    if (i < vectors) batch[u] = __ldg(row + i);
+  }
+}
+__device__ inline void StoreRowWarp(const Nv& v, const SendArgs& a, int t, uint8_t* const* dst,
+                                    int ns, uint4 (&batch)[kLaneVectors]) {
+  const int lane = threadIdx.x % 32;
+  const int64_t vectors = v.payload / 16, meta = v.meta_bytes / 16;
+  for (int64_t first = 0; first < vectors; first += 32 * kLaneVectors) {
+    if (first > 0) LoadRowBatch(v, a, t, first, batch);
+    for (int slot = 0; slot < ns; ++slot) {
+      uint4* d = reinterpret_cast<uint4*>(dst[slot]) + meta + first;
+#pragma unroll
+      for (int u = 0; u < kLaneVectors; ++u) {
+        const int64_t i = lane + 32 * u;
+        if (first + i < vectors) d[i] = batch[u];
+      }
+    }
+  }
+  for (int base = 0; base < v.spt; base += 4 * 32) {
+    float scale[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int i = base + lane + 32 * u;
+      if (i < v.spt) scale[u] = a.scales[int64_t{t} * v.spt + i];
+    }
+    for (int slot = 0; slot < ns; ++slot) {
+      auto* d = reinterpret_cast<float*>(dst[slot] + v.meta_bytes + v.payload);
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int i = base + lane + 32 * u;
+        if (i < v.spt) d[i] = scale[u];
+      }
+    }
+  }
+}
+
+// A warp per token: token t goes to warp t / grid of block t % grid (consecutive tokens on
+// different SMs), which loads the row's first batch, lays out the token's slots rank by rank
+// (SlotDst; lane j places the token's j-th copy, its slot's first lane writes the header), then
+// stores the row into every slot. Block 0 writes the counts rows into every rank first; every
+// block arrives at every rank's dispatch flag.
+// FERRY_NV_TRACE points (as DispatchSend): 1 offsets, 2 counts rows out, 3 and 4 warp 0's laying
+// out and copying summed over its tokens (spans, not times), 5 loop done, 6 arrived.
+__global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
+  extern __shared__ int64_t starts[];  // [2N]: first slot per receiving rank in our send area,
+                                       // first combine row per expert rank
+  __shared__ uint8_t* dst_of[kCopyThreads / 32][kMaxK];  // each warp's token's slots
+  LaunchDependents();
+  const uint64_t epoch = v.scratch->epoch;  // Route started after the epoch's last step ended
+  Mark(v, kTraceSend, 0);
+  WaitPrimary();  // Route's output
+  const int tokens = v.scratch->tokens;
+  int64_t* row_starts = starts + v.n;
+  PrefixTotals(v.totals, v.n, starts);
+  PrefixTotals(v.totals + v.n, v.n, row_starts);
+  Mark(v, kTraceSend, 1);
+  if (blockIdx.x == 0) {  // our counts row into every rank, before block 0 arrives
+    WriteCountsRows(v, epoch, [&](int r, int c) {
+      if (c == v.l + kColSlots) return int64_t{v.totals[r]};
+      if (c == v.l + kColSendStart) return starts[r];
+      if (c == v.l + kColRowStart) return row_starts[r];
+      if (c == v.l + kColRows) return int64_t{v.totals[v.n + r]};
+      int64_t value = 0;
+      for (int ch = 0; ch < v.chunks; ++ch) {
+        value += v.chunk_counts[int64_t{ch} * v.e + r * v.l + c];
+      }
+      return value;
+    });
+  }
+  Mark(v, kTraceSend, 2);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  uint8_t** dst = dst_of[warp];
+  long long route_cycles = 0, copy_cycles = 0;  // FERRY_NV_TRACE: summed over the tokens
+  for (int t = blockIdx.x + warp * gridDim.x; t < tokens; t += gridDim.x * (kCopyThreads / 32)) {
+    const long long loop_start = v.trace ? clock64() : 0;
+    uint4 batch[kLaneVectors];
+    LoadRowBatch(v, a, t, 0, batch);  // in flight while the slots are laid out
+    const LaneRoute x = RouteLane(v, v.indices + int64_t{t} * v.k);
+    int32_t row_pos = 0;  // the token's first combine row among those from rank x.r
+    if (x.valid) {
+      const int64_t f = int64_t{t} * v.k + lane;
+      int32_t pos = v.erank[f];
+      for (int c = 0; c < f / kChunk; ++c) pos += v.chunk_counts[int64_t{c} * v.e + x.e];
+      const int r = x.r;
+      const int o = v.once ? 0 : x.within;  // which of the token's slots for rank r
+      const int64_t carry = v.scan_carry[int64_t{t / kRouteThreads} * v.n + r];
+      const int64_t j = v.slot_pos[int64_t{r} * v.t_max + t] + (carry & 0xFFFFFFFF) + o;
+      row_pos = static_cast<int32_t>(v.row_pos[int64_t{r} * v.t_max + t] + (carry >> 32));
+      uint8_t* d = SlotDst(v, r, j, starts[r]);
+      const NvEntry entry{x.e % v.l, lane, v.weights[f], pos};
+      reinterpret_cast<NvEntry*>(d + sizeof(NvHeader))[v.once ? x.within : 0] = entry;
+      if (!v.once || x.first) {
+        const int32_t row =
+            static_cast<int32_t>(row_starts[r] + row_pos + (v.once || v.reduce ? 0 : o));
+        *reinterpret_cast<NvHeader*>(d) =
+            NvHeader{t, v.once ? x.hits : 1, row, static_cast<int16_t>(o),
+                     static_cast<int16_t>(v.once ? 1 : x.hits)};
+        dst[v.once ? x.ranks_before : x.lanes_before + x.within] = d;
+      }
+    }
+    const int ns = __popc(v.once ? x.firsts : x.valids);
+    __syncwarp();  // every lane read row_pos before it is completed for CombineRecv
+    if (x.first) v.row_pos[int64_t{x.r} * v.t_max + t] = row_pos;
+    const long long copy_start = v.trace ? clock64() : 0;
+    route_cycles += copy_start - loop_start;
+    StoreRowWarp(v, a, t, dst, ns, batch);
+    TagSlots(v, dst, ns, epoch);
+    __syncwarp();  // dst is rewritten for the warp's next token
+    if (v.trace) copy_cycles += clock64() - copy_start;
+  }
+  MarkSpan(v, kTraceSend, 3, route_cycles);
+  MarkSpan(v, kTraceSend, 4, copy_cycles);
+  Mark(v, kTraceSend, 5);
+  Arrive(v, false, epoch);
+  Mark(v, kTraceSend, 6);
+}
+
+// ---- dispatch send in one kernel (small batches) ------------------------------------------------
+
+// Dynamic shared memory of SendSmallKernel. "Before": in the entries of tokens before the
+// block's first token.
+struct SmallSmem {
+  int64_t* starts;      // [N] first slot per receiving rank in our send area
+  int64_t* row_starts;  // [N] first combine row per expert rank
+  uint8_t** peer_slots; // [N] v.peer[r].slots, loaded at the start (SlotDst)
+  int32_t* peer_cap;    // [N] v.peer[r].slot_cap
+  int32_t* slots;       // [N] our slots per receiving rank
+  int32_t* rows;        // [N] combine rows per expert rank
+  int32_t* copies_before;  // [N] copies for rank r
+  int32_t* tokens_all;     // [N] tokens with a copy for rank r
+  int32_t* tokens_before;  // [N]
+  int32_t* hist;           // [E] copies per expert
+  int32_t* hist_before;    // [E]
+  int32_t* idx;            // [T * K] the routing, as given
+};
+__host__ __device__ inline size_t SmallSmemBytes(int n, int e, int64_t entries) {
+  return size_t(n) * (3 * sizeof(int64_t) + 6 * sizeof(int32_t)) + 2 * size_t(e) * sizeof(int32_t) +
+         size_t(entries) * sizeof(int32_t);
+}
+__device__ inline SmallSmem CarveSmallSmem(void* raw, int n, int e) {
+  SmallSmem m;
+  m.starts = static_cast<int64_t*>(raw);
+  m.row_starts = m.starts + n;
+  m.peer_slots = reinterpret_cast<uint8_t**>(m.row_starts + n);
+  m.peer_cap = reinterpret_cast<int32_t*>(m.peer_slots + n);
+  m.slots = m.peer_cap + n;
+  m.rows = m.slots + n;
+  m.copies_before = m.rows + n;
+  m.tokens_all = m.copies_before + n;
+  m.tokens_before = m.tokens_all + n;
+  m.hist = m.tokens_before + n;
+  m.hist_before = m.hist + e;
+  m.idx = m.hist_before + e;
+  return m;
+}
+
+// Whether entry f (valid, rank r) is the first of its token's copies for rank r.
+__device__ inline bool FirstForRank(const Nv& v, const int32_t* idx, int f, int r) {
+  for (int i = f - f % v.k; i < f; ++i) {
+    if (ValidExpert(v, idx[i]) && idx[i] / v.l == r) return false;
+  }
+  return true;
+}
+
+// Block b > 0 sends tokens (b - 1) * W + w (warp w), so each block needs positions only for its
+// own W tokens; block 0 writes the counts rows (and so sends no token: its tokens would wait
+// behind them). Each block reads the whole routing into shared memory and counts, with shared
+// atomics, copies per expert and tokens per rank over all tokens (the totals: slot and
+// combine-row starts per rank) and over the tokens before its own; within its own tokens a warp
+// counts with ballots.
+// That gives what Route computes -- each copy's position among the copies for its expert, each
+// token's first slot and combine row on each rank -- with no grid-wide step, so DispatchSend is
+// one launch. The row's first batch is loaded before the slots are laid out.
+__global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs a) {
+  extern __shared__ int64_t small_raw[];
+  __shared__ uint8_t* dst_of[kSmallWarps][kMaxK];  // a token's slots (SlotDst)
+  const SmallSmem m = CarveSmallSmem(small_raw, v.n, v.e);
+  LaunchDependents();
+  const uint64_t epoch = v.scratch->epoch;
+  Mark(v, kTraceSend, 0);
+  const int tokens = SendTokens(v, a);
+  const int entries = tokens * v.k;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int first_token = (static_cast<int>(blockIdx.x) - 1) * kSmallWarps;
+
+  for (int i = threadIdx.x; i < v.e; i += blockDim.x) m.hist[i] = m.hist_before[i] = 0;
+  for (int i = threadIdx.x; i < v.n; i += blockDim.x) m.tokens_all[i] = m.tokens_before[i] = 0;
+  // The peers' slot areas (SlotDst): loaded now, stored to shared memory once counted, so that
+  // no thread waits for them before its routing loads are out.
+  uint8_t* peer_slots = nullptr;
+  int32_t peer_cap = 0;
+  if (threadIdx.x < v.n) {
+    peer_slots = v.peer[threadIdx.x].slots;
+    peer_cap = v.peer[threadIdx.x].slot_cap;
+  }
+  for (int base = 0; base < entries; base += 8 * blockDim.x) {  // eight loads in flight
+    int32_t ids[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int f = base + threadIdx.x + u * blockDim.x;
+      if (f < entries) ids[u] = a.indices[f];
+    }
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int f = base + threadIdx.x + u * blockDim.x;
+      if (f < entries) m.idx[f] = ids[u];
+    }
+  }
+  __syncthreads();
+  Mark(v, kTraceSend, 1);
+  // Thread per token. Tokens per rank: up to 32 ranks, a rank mask per token and one ballot per
+  // rank and warp (same-address shared atomics from a whole warp serialise); beyond, atomics.
+  bool bad = a.dev_tokens && *a.dev_tokens != tokens;
+  for (int base = 0; base < tokens; base += blockDim.x) {
+    const int t = base + threadIdx.x;
+    const bool before = t < first_token;
+    uint32_t ranks = 0;
+    for (int f = t * v.k; t < tokens && f < (t + 1) * v.k; ++f) {
+      const int32_t e = m.idx[f];
+      if (!ValidExpert(v, e)) {
+        bad = true;
+        if (blockIdx.x == 0) Report(v, kBadExpert, t, e);
+        continue;
+      }
+      atomicAdd(&m.hist[e], 1);
+      if (before) atomicAdd(&m.hist_before[e], 1);
+      const int r = e / v.l;
+      if (v.n <= 32) {
+        ranks |= 1u << r;
+      } else if (FirstForRank(v, m.idx, f, r)) {
+        atomicAdd(&m.tokens_all[r], 1);
+        if (before) atomicAdd(&m.tokens_before[r], 1);
+      }
+    }
+    for (int r = 0; v.n <= 32 && r < v.n; ++r) {
+      const int all = __popc(__ballot_sync(~0u, ranks >> r & 1));
+      const int early = __popc(__ballot_sync(~0u, before && (ranks >> r & 1)));
+      if (lane == 0 && all) atomicAdd(&m.tokens_all[r], all);
+      if (lane == 0 && early) atomicAdd(&m.tokens_before[r], early);
+    }
+  }
+  if (__syncthreads_or(bad) && a.strict) return;  // nothing sent; the step may be retried
+  Mark(v, kTraceSend, 2);
+
+  for (int i = threadIdx.x; i < v.n; i += blockDim.x) {
+    m.peer_slots[i] = i == threadIdx.x ? peer_slots : v.peer[i].slots;
+    m.peer_cap[i] = i == threadIdx.x ? peer_cap : v.peer[i].slot_cap;
+  }
+  for (int r = warp; r < v.n; r += kSmallWarps) {  // copies per rank, from the expert counts
+    int32_t all = 0, before = 0;
+    for (int i = lane; i < v.l; i += 32) {
+      all += m.hist[r * v.l + i];
+      before += m.hist_before[r * v.l + i];
+    }
+    all = __reduce_add_sync(~0u, all);
+    before = __reduce_add_sync(~0u, before);
+    if (lane == 0) {
+      m.slots[r] = v.once ? m.tokens_all[r] : all;
+      m.rows[r] = v.reduce ? m.tokens_all[r] : all;
+      m.copies_before[r] = before;
+    }
+  }
+  __syncthreads();
+  if (warp == 0) {  // exclusive prefix sums over the ranks, 32 at a time
+    int64_t carry_slots = 0, carry_rows = 0;
+    for (int b = 0; b < v.n; b += 32) {
+      const int r = b + lane;
+      const int64_t my_slots = r < v.n ? m.slots[r] : 0, my_rows = r < v.n ? m.rows[r] : 0;
+      int64_t slots = my_slots, rows = my_rows;
+      for (int d = 1; d < 32; d *= 2) {
+        const int64_t s2 = __shfl_up_sync(~0u, slots, d), r2 = __shfl_up_sync(~0u, rows, d);
+        if (lane >= d) {
+          slots += s2;
+          rows += r2;
+        }
+      }
+      if (r < v.n) {
+        m.starts[r] = carry_slots + slots - my_slots;
+        m.row_starts[r] = carry_rows + rows - my_rows;
+      }
+      carry_slots += __shfl_sync(~0u, slots, 31);
+      carry_rows += __shfl_sync(~0u, rows, 31);
+    }
+  }
+  __syncthreads();
+  // Block 0 writes our counts rows into every rank now; every block arrives once its rows are out.
+  if (blockIdx.x == 0) {
+    for (int r = threadIdx.x; r < v.n; r += blockDim.x) {  // for CombineRecv
+      v.totals[r] = m.slots[r];
+      v.totals[v.n + r] = m.rows[r];
+    }
+    WriteCountsRows(v, epoch, [&](int r, int c) {
+      if (c == v.l + kColSlots) return int64_t{m.slots[r]};
+      if (c == v.l + kColSendStart) return m.starts[r];
+      if (c == v.l + kColRowStart) return m.row_starts[r];
+      if (c == v.l + kColRows) return int64_t{m.rows[r]};
+      return int64_t{m.hist[r * v.l + c]};
+    });
+  }
+  Mark(v, kTraceSend, 3);
+
+  const int t = first_token + warp;
+  if (blockIdx.x > 0 && t < tokens) {
+    // The row's first batch and the token's weights, in flight while the slots are laid out.
+    uint4 batch[kLaneVectors];
+    LoadRowBatch(v, a, t, 0, batch);
+    const float weight = lane < v.k ? a.weights[int64_t{t} * v.k + lane] : 0.0f;
+
+    // Lane j: the token's j-th copy. Counts over the block's earlier entries (its tokens before
+    // this one, and this token's copies before j), 32 entries per ballot.
+    const LaneRoute x = RouteLane(v, m.idx + t * v.k);
+    const int own = t * v.k;
+    int32_t pos = x.valid ? m.hist_before[x.e] : 0;
+    int32_t rank_copies = x.valid ? m.copies_before[x.r] : 0;  // before token t, on its rank
+    int32_t rank_tokens = x.valid ? m.tokens_before[x.r] : 0;
+    for (int base = first_token * v.k; base < own + v.k; base += 32) {
+      const int f = base + lane;
+      const int32_t e = f < own + v.k ? m.idx[f] : -1;
+      const bool valid = ValidExpert(v, e);
+      const int r = valid ? e / v.l : -1;
+      const bool earlier = f < own;
+      const bool first = valid && earlier && FirstForRank(v, m.idx, f, r);
+#pragma unroll
+      for (int j = 0; j < kMaxK; ++j) {
+        if (j >= v.k) break;
+        const int32_t ej = __shfl_sync(~0u, x.valid ? x.e : -1, j);
+        const int rj = __shfl_sync(~0u, x.r, j);
+        const int p = __popc(__ballot_sync(~0u, valid && e == ej && f < own + j));
+        const int c = __popc(__ballot_sync(~0u, valid && earlier && r == rj));
+        const int n = __popc(__ballot_sync(~0u, first && r == rj));
+        if (lane == j) {
+          pos += p;
+          rank_copies += c;
+          rank_tokens += n;
+        }
+      }
+    }
+    Mark(v, kTraceSend, 4);
+
+    // Lay out the token's slots (as PackKernel does).
+    if (x.valid) {
+      const int r = x.r;
+      const int o = v.once ? 0 : x.within;
+      const int64_t j = (v.once ? rank_tokens : rank_copies) + o;
+      uint8_t* d = SlotDst(v, r, j, m.starts[r], m.peer_slots[r], m.peer_cap[r]);
+      const NvEntry entry{x.e % v.l, lane, weight, pos};
+      reinterpret_cast<NvEntry*>(d + sizeof(NvHeader))[v.once ? x.within : 0] = entry;
+      if (!v.once || x.first) {
+        const int32_t row_pos = v.reduce ? rank_tokens : rank_copies;
+        const int32_t row = static_cast<int32_t>(m.row_starts[r] + row_pos +
+                                                 (v.once || v.reduce ? 0 : o));
+        *reinterpret_cast<NvHeader*>(d) =
+            NvHeader{t, v.once ? x.hits : 1, row, static_cast<int16_t>(o),
+                     static_cast<int16_t>(v.once ? 1 : x.hits)};
+        dst_of[warp][v.once ? x.ranks_before : x.lanes_before + x.within] = d;
+        if (x.first) v.row_pos[int64_t{r} * v.t_max + t] = row_pos;  // for CombineRecv
+      }
+    }
+    const int ns = __popc(v.once ? x.firsts : x.valids);
+    __syncwarp();
+
+    StoreRowWarp(v, a, t, dst_of[warp], ns, batch);
+    TagSlots(v, dst_of[warp], ns, epoch);
+  }
+  Mark(v, kTraceSend, 5);
+  Arrive(v, false, epoch);
+  Mark(v, kTraceSend, 6);
+  // The routing for the combine steps, spread over the blocks, after the arrival (off the
+  // critical path: only CombineSend and CombineRecv read it, behind this kernel in stream order).
+  for (int f = blockIdx.x * blockDim.x + threadIdx.x; f < entries; f += gridDim.x * blockDim.x) {
+    v.indices[f] = m.idx[f];
+    v.weights[f] = a.weights[f];
+  }
+}
+
+}  // namespace ferry::moe::nv
