@@ -1,4 +1,5 @@
-// GdrFlags (gdr_flags.h): GDRCopy's C API, resolved with dlsym, over a cudaMalloc'ed range.
+// GdrFlags (gdr_flags.h): GDRCopy's C API, resolved with dlsym, over a cudaMalloc'ed range (or
+// whatever memory the caller's Env gives).
 #include "moe/cuda/gdr_flags.h"
 
 #include <cuda_runtime.h>
@@ -37,18 +38,41 @@ struct GdrFlags::Api {
 };
 
 StatusOr<std::unique_ptr<GdrFlags>> GdrFlags::Open(size_t words, int device) {
+  Env env;
+  env.where = "GPU " + std::to_string(device);
+  env.alloc = [device](size_t bytes) -> void* {
+    void* p = nullptr;
+    if (cudaSetDevice(device) != cudaSuccess || cudaMalloc(&p, bytes) != cudaSuccess) {
+      cudaGetLastError();
+      return nullptr;
+    }
+    return p;
+  };
+  env.zero = [](void* p, size_t bytes) {
+    return cudaMemset(p, 0, bytes) == cudaSuccess && cudaDeviceSynchronize() == cudaSuccess;
+  };
+  env.free = [](void* p) { cudaFree(p); };
+  return Open(words, std::move(env));
+}
+
+StatusOr<std::unique_ptr<GdrFlags>> GdrFlags::Open(size_t words, Env env) {
   if (words == 0) return InvalidArgumentError("GdrFlags: no words");
   if (words * sizeof(uint64_t) > kGpuPage) {
     return InvalidArgumentError("GdrFlags: more than 64 KiB of flags");
   }
-  if (access("/dev/gdrdrv", R_OK | W_OK) != 0) {
-    return UnavailableError("GDRCopy: /dev/gdrdrv is absent (gdrdrv module not loaded)");
+  if (access(env.device_node.c_str(), R_OK | W_OK) != 0) {
+    return UnavailableError("GDRCopy: " + env.device_node +
+                            " is absent (gdrdrv module not loaded)");
   }
   auto api = std::make_unique<Api>();
-  for (const char* name : {"libgdrapi.so.2", "libgdrapi.so"}) {
-    if ((api->lib = dlopen(name, RTLD_NOW | RTLD_LOCAL))) break;
+  for (const std::string& name : env.libraries) {
+    if ((api->lib = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL))) break;
   }
-  if (!api->lib) return UnavailableError("GDRCopy: libgdrapi.so.2 not found");
+  if (!api->lib) {
+    return UnavailableError("GDRCopy: " +
+                            (env.libraries.empty() ? std::string("no library") : env.libraries[0]) +
+                            " not found");
+  }
   auto sym = [&](const char* name) { return dlsym(api->lib, name); };
   api->open = reinterpret_cast<decltype(api->open)>(sym("gdr_open"));
   api->close = reinterpret_cast<decltype(api->close)>(sym("gdr_close"));
@@ -63,19 +87,17 @@ StatusOr<std::unique_ptr<GdrFlags>> GdrFlags::Open(size_t words, int device) {
     return UnavailableError("GDRCopy: libgdrapi lacks the gdr_* calls ferry uses");
   }
 
+  // From here each step's resource is the object's, released by its destructor on failure.
   std::unique_ptr<GdrFlags> f(new GdrFlags());
+  f->env_ = std::move(env);
   f->api_ = std::move(api);
   Api& a = *f->api_;
-  if (cudaSetDevice(device) != cudaSuccess ||
-      cudaMalloc(&f->allocation_, 2 * kGpuPage) != cudaSuccess) {
-    cudaGetLastError();
-    return UnavailableError("GDRCopy: no device memory for the flags on GPU " +
-                            std::to_string(device));
+  if (!(f->allocation_ = f->env_.alloc(2 * kGpuPage))) {
+    return UnavailableError("GDRCopy: no device memory for the flags on " + f->env_.where);
   }
   const uintptr_t base = reinterpret_cast<uintptr_t>(f->allocation_);
   const uintptr_t aligned = (base + kGpuPage - 1) & ~(uintptr_t{kGpuPage} - 1);
-  if (cudaMemset(reinterpret_cast<void*>(aligned), 0, kGpuPage) != cudaSuccess ||
-      cudaDeviceSynchronize() != cudaSuccess) {
+  if (!f->env_.zero(reinterpret_cast<void*>(aligned), kGpuPage)) {
     return UnavailableError("GDRCopy: cannot zero the flags");
   }
   if (!(f->gdr_ = a.open())) return UnavailableError("GDRCopy: gdr_open failed");
@@ -89,8 +111,9 @@ StatusOr<std::unique_ptr<GdrFlags>> GdrFlags::Open(size_t words, int device) {
   }
   f->map_bytes_ = kGpuPage;
   GdrInfoPrefix i{};
-  if (a.info(f->gdr_, f->handle_, &i) != 0 || aligned < i.va || aligned - i.va >= kGpuPage) {
-    return UnavailableError("GDRCopy: gdr_get_info failed");
+  if (a.info(f->gdr_, f->handle_, &i) != 0) return UnavailableError("GDRCopy: gdr_get_info failed");
+  if (aligned < i.va || aligned - i.va >= kGpuPage) {
+    return UnavailableError("GDRCopy: gdr_get_info gives a mapping that does not hold the flags");
   }
   f->device_ = reinterpret_cast<uint64_t*>(aligned);
   f->host_ = reinterpret_cast<uint64_t*>(static_cast<uint8_t*>(f->map_) + (aligned - i.va));
@@ -103,7 +126,7 @@ GdrFlags::~GdrFlags() {
     if (pinned_) api_->unpin(gdr_, handle_);
     if (gdr_) api_->close(gdr_);
   }
-  if (allocation_) cudaFree(allocation_);
+  if (allocation_) env_.free(allocation_);
 }
 
 }  // namespace ferry::moe

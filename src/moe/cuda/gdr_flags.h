@@ -16,7 +16,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "ferry/status.h"
 
@@ -24,8 +27,21 @@ namespace ferry::moe {
 
 class GdrFlags {
  public:
+  // What Open touches outside the process, so that a test can stand in for each (gdr_flags_test
+  // runs a fake libgdrapi over host memory): the driver's device node, the library, and the GPU
+  // memory the words live in.
+  struct Env {
+    std::string device_node = "/dev/gdrdrv";
+    std::vector<std::string> libraries = {"libgdrapi.so.2", "libgdrapi.so"};  // tried in order
+    std::function<void*(size_t bytes)> alloc;  // device memory (null: none to be had)
+    std::function<bool(void* p, size_t bytes)> zero;  // done before Open returns
+    std::function<void(void* p)> free;
+    std::string where;  // the memory, for messages ("GPU 0")
+  };
   // `words` zeroed 64-bit words on CUDA device `device`, mapped for the host.
   static StatusOr<std::unique_ptr<GdrFlags>> Open(size_t words, int device);
+  // The same over `env`: `words` zeroed words inside memory from env.alloc.
+  static StatusOr<std::unique_ptr<GdrFlags>> Open(size_t words, Env env);
   ~GdrFlags();
   GdrFlags(const GdrFlags&) = delete;
   GdrFlags& operator=(const GdrFlags&) = delete;
@@ -36,13 +52,14 @@ class GdrFlags {
  private:
   struct Api;
   GdrFlags() = default;
+  Env env_;
   std::unique_ptr<Api> api_;
   void* gdr_ = nullptr;       // gdr_t
   unsigned long handle_ = 0;  // gdr_mh_t
   bool pinned_ = false;
   void* map_ = nullptr;       // the mapping of the pinned range
   size_t map_bytes_ = 0;
-  void* allocation_ = nullptr;  // cudaMalloc'ed, over-allocated for the 64 KiB alignment
+  void* allocation_ = nullptr;  // from env_.alloc, over-allocated for the 64 KiB alignment
   uint64_t* device_ = nullptr;
   uint64_t* host_ = nullptr;
 };
