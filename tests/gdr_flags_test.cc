@@ -163,6 +163,10 @@ TEST_F(FakeGdrTest, NoNodeNoLibraryOrNoMemorySaysSo) {
   EXPECT_NE(flags.status().message().find("lacks"), std::string::npos) << flags.status();
 
   env = Env();
+  env.free = nullptr;
+  EXPECT_EQ(GdrFlags::Open(8, env).status().code(), StatusCode::kInvalidArgument);
+
+  env = Env();
   env.alloc = [](size_t) -> void* { return nullptr; };
   flags = GdrFlags::Open(8, env);
   EXPECT_EQ(flags.status().code(), StatusCode::kUnavailable);

@@ -57,6 +57,9 @@ StatusOr<std::unique_ptr<GdrFlags>> GdrFlags::Open(size_t words, int device) {
 
 StatusOr<std::unique_ptr<GdrFlags>> GdrFlags::Open(size_t words, Env env) {
   if (words == 0) return InvalidArgumentError("GdrFlags: no words");
+  if (!env.alloc || !env.zero || !env.free) {
+    return InvalidArgumentError("GdrFlags: the Env lacks alloc, zero or free");
+  }
   if (words * sizeof(uint64_t) > kGpuPage) {
     return InvalidArgumentError("GdrFlags: more than 64 KiB of flags");
   }
