@@ -32,10 +32,18 @@ inline Status EnvInt(const char* name, int64_t lo, int64_t hi, int64_t* out, int
 template <typename T>
 Status EnvNumber(const char* name, T* out, int64_t lo = std::numeric_limits<T>::min(),
                  int64_t hi = std::numeric_limits<T>::max(), int base = 10) {
+  static_assert(std::numeric_limits<T>::max() <= std::numeric_limits<int64_t>::max(),
+                "the default range must fit int64_t");
   int64_t value = static_cast<int64_t>(*out);
   RETURN_IF_ERROR(EnvInt(name, lo, hi, &value, base));
   *out = static_cast<T>(value);
   return Status::Ok();
+}
+
+// EnvNumber over everything T holds, in C's notation as well (0x hex, 0 octal): keys, PSNs.
+template <typename T>
+Status EnvNumberAnyBase(const char* name, T* out) {
+  return EnvNumber(name, out, std::numeric_limits<T>::min(), std::numeric_limits<T>::max(), 0);
 }
 
 }  // namespace ferry

@@ -30,17 +30,16 @@ std::string Hex(uint64_t v) {
 
 StatusOr<VerbsConfig> VerbsConfig::FromEnv() {
   VerbsConfig c;
-  // Base 0: hex (0x...) as well, for keys and PSNs.
-  RETURN_IF_ERROR(EnvNumber("FERRY_IB_PORT", &c.port, 0, 255, 0));
-  RETURN_IF_ERROR(EnvNumber("FERRY_IB_GID_INDEX", &c.gid_index, INT32_MIN, INT32_MAX, 0));
-  RETURN_IF_ERROR(EnvNumber("FERRY_IB_QKEY", &c.qkey, 0, UINT32_MAX, 0));
-  RETURN_IF_ERROR(EnvNumber("FERRY_IB_PSN", &c.psn, 0, UINT32_MAX, 0));
-  RETURN_IF_ERROR(EnvNumber("FERRY_IB_MTU", &c.mtu_bytes, 0, UINT32_MAX, 0));
-  RETURN_IF_ERROR(EnvNumber("FERRY_IB_TIMEOUT", &c.timeout, 0, 255, 0));
-  RETURN_IF_ERROR(EnvNumber("FERRY_IB_RETRY", &c.retry_count, 0, 255, 0));
-  RETURN_IF_ERROR(EnvNumber("FERRY_IB_RNR_RETRY", &c.rnr_retry, 0, 255, 0));
-  RETURN_IF_ERROR(EnvNumber("FERRY_IB_SL", &c.service_level, 0, 255, 0));
-  RETURN_IF_ERROR(EnvNumber("FERRY_IB_TC", &c.traffic_class, 0, 255, 0));
+  RETURN_IF_ERROR(EnvNumberAnyBase("FERRY_IB_PORT", &c.port));
+  RETURN_IF_ERROR(EnvNumberAnyBase("FERRY_IB_GID_INDEX", &c.gid_index));
+  RETURN_IF_ERROR(EnvNumberAnyBase("FERRY_IB_QKEY", &c.qkey));
+  RETURN_IF_ERROR(EnvNumberAnyBase("FERRY_IB_PSN", &c.psn));
+  RETURN_IF_ERROR(EnvNumberAnyBase("FERRY_IB_MTU", &c.mtu_bytes));
+  RETURN_IF_ERROR(EnvNumberAnyBase("FERRY_IB_TIMEOUT", &c.timeout));
+  RETURN_IF_ERROR(EnvNumberAnyBase("FERRY_IB_RETRY", &c.retry_count));
+  RETURN_IF_ERROR(EnvNumberAnyBase("FERRY_IB_RNR_RETRY", &c.rnr_retry));
+  RETURN_IF_ERROR(EnvNumberAnyBase("FERRY_IB_SL", &c.service_level));
+  RETURN_IF_ERROR(EnvNumberAnyBase("FERRY_IB_TC", &c.traffic_class));
   RETURN_IF_ERROR(EnvNumber("FERRY_IB_RELAXED_ORDERING", &c.relaxed_ordering));
   return c;
 }

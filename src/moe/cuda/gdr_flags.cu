@@ -72,9 +72,9 @@ StatusOr<std::unique_ptr<GdrFlags>> GdrFlags::Open(size_t words, Env env) {
     if ((api->lib = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL))) break;
   }
   if (!api->lib) {
-    return UnavailableError("GDRCopy: " +
-                            (env.libraries.empty() ? std::string("no library") : env.libraries[0]) +
-                            " not found");
+    std::string tried;
+    for (const std::string& name : env.libraries) tried += (tried.empty() ? "" : ", ") + name;
+    return UnavailableError("GDRCopy: no library found (tried: " + tried + ")");
   }
   auto sym = [&](const char* name) { return dlsym(api->lib, name); };
   api->open = reinterpret_cast<decltype(api->open)>(sym("gdr_open"));

@@ -288,8 +288,9 @@ __global__ void __launch_bounds__(kCopyThreads, 2) UnpackKernel(Nv v, RecvArgs a
     bool there = true;
     for (int q = threadIdx.x; q < v.n; q += blockDim.x) {
       const NvPeer& p = v.peer[q];
-      there = there && AwaitWord(v, reinterpret_cast<const uint32_t*>(p.counts_in + CountsTagColumn(v)),
-                                 static_cast<uint32_t>(epoch + 1), wait_start, a.timeout_ns, 0, q);
+      there = there &&
+              AwaitWord(v, reinterpret_cast<const uint32_t*>(p.counts_in + CountsTagColumn(v)),
+                        static_cast<uint32_t>(epoch + 1), wait_start, a.timeout_ns, 0, q);
     }
     if (!__syncthreads_and(there)) return;
   } else {
