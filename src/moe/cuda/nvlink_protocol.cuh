@@ -526,23 +526,35 @@ __device__ int SendTokens(const Nv& v, const SendArgs& a) {
   return tokens;
 }
 
+// Where our counts row for rank r goes: r's counts row for us, and (another node) the relay's
+// slot count for r. SendSmall's block 0 loads them at its start (shared memory); Pack's reads
+// them from the peer table when it writes.
+struct CountsDst {
+  int32_t* counts;
+  int64_t* relay_slots;
+};
+__device__ inline CountsDst PeerCountsDst(const Nv& v, int r) {
+  return CountsDst{v.peer[r].counts, v.peer[r].relay_slots};
+}
+
 // Our counts row into every rank (value(r, c): column c of our row for rank r: copies per
-// local expert of r, then the CountsColumn values). Streamed, each row's tag follows, released
-// once the block's stores of every row are out (the barrier orders them before it).
-template <typename Value>
-__device__ void WriteCountsRows(const Nv& v, uint64_t epoch, Value value) {
+// local expert of r, then the CountsColumn values; dst(r): where it goes). Streamed, each row's
+// tag follows, released once the block's stores of every row are out (the barrier orders them
+// before it).
+template <typename Value, typename Dst>
+__device__ void WriteCountsRows(const Nv& v, uint64_t epoch, Value value, Dst dst) {
   const int width = v.l + kCountsColumns;
   for (int i = threadIdx.x; i < v.n * width; i += blockDim.x) {
     const int r = i / width, c = i % width;
-    v.peer[r].counts[c] = static_cast<int32_t>(value(r, c));
+    dst(r).counts[c] = static_cast<int32_t>(value(r, c));
   }
   for (int r = threadIdx.x; r < v.n; r += blockDim.x) {  // the relay sizes its write by this
-    if (v.peer[r].relay_slots) *v.peer[r].relay_slots = value(r, v.l + kColSlots);
+    if (int64_t* relay_slots = dst(r).relay_slots) *relay_slots = value(r, v.l + kColSlots);
   }
   if (!v.stream) return;
   __syncthreads();
   for (int r = threadIdx.x; r < v.n; r += blockDim.x) {
-    StoreRelease(reinterpret_cast<uint32_t*>(v.peer[r].counts + CountsTagColumn(v)),
+    StoreRelease(reinterpret_cast<uint32_t*>(dst(r).counts + CountsTagColumn(v)),
                  static_cast<uint32_t>(epoch + 1));
   }
 }

@@ -269,7 +269,7 @@ __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
         value += v.chunk_counts[int64_t{ch} * v.e + r * v.l + c];
       }
       return value;
-    });
+    }, [&](int r) { return PeerCountsDst(v, r); });
   }
   Mark(v, kTraceSend, 2);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -327,6 +327,7 @@ struct SmallSmem {
   int64_t* starts;      // [N] first slot per receiving rank in our send area
   int64_t* row_starts;  // [N] first combine row per expert rank
   uint8_t** peer_slots; // [N] v.peer[r].slots, loaded at the start (SlotDst)
+  CountsDst* peer_counts;  // [N] block 0: where its counts rows go, loaded at the start
   int32_t* peer_cap;    // [N] v.peer[r].slot_cap
   int32_t* slots;       // [N] our slots per receiving rank
   int32_t* rows;        // [N] combine rows per expert rank
@@ -338,7 +339,8 @@ struct SmallSmem {
   int32_t* idx;            // [T * K] the routing, as given
 };
 __host__ __device__ inline size_t SmallSmemBytes(int n, int e, int64_t entries) {
-  return size_t(n) * (3 * sizeof(int64_t) + 6 * sizeof(int32_t)) + 2 * size_t(e) * sizeof(int32_t) +
+  return size_t(n) * (3 * sizeof(int64_t) + sizeof(CountsDst) + 6 * sizeof(int32_t)) +
+         2 * size_t(e) * sizeof(int32_t) +
          size_t(entries) * sizeof(int32_t);
 }
 __device__ inline SmallSmem CarveSmallSmem(void* raw, int n, int e) {
@@ -346,7 +348,8 @@ __device__ inline SmallSmem CarveSmallSmem(void* raw, int n, int e) {
   m.starts = static_cast<int64_t*>(raw);
   m.row_starts = m.starts + n;
   m.peer_slots = reinterpret_cast<uint8_t**>(m.row_starts + n);
-  m.peer_cap = reinterpret_cast<int32_t*>(m.peer_slots + n);
+  m.peer_counts = reinterpret_cast<CountsDst*>(m.peer_slots + n);
+  m.peer_cap = reinterpret_cast<int32_t*>(m.peer_counts + n);
   m.slots = m.peer_cap + n;
   m.rows = m.slots + n;
   m.copies_before = m.rows + n;
@@ -391,9 +394,13 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
   for (int i = threadIdx.x; i < v.n; i += blockDim.x) m.tokens_all[i] = m.tokens_before[i] = 0;
   // The peers' slot areas (SlotDst): loaded now, stored to shared memory once counted, so that
   // no thread waits for them before its routing loads are out.
+  // Block 0 loads where its counts rows go instead.
   uint8_t* peer_slots = nullptr;
   int32_t peer_cap = 0;
-  if (threadIdx.x < v.n) {
+  CountsDst peer_counts{};
+  if (threadIdx.x < v.n && blockIdx.x == 0) {
+    peer_counts = PeerCountsDst(v, threadIdx.x);
+  } else if (threadIdx.x < v.n) {
     peer_slots = v.peer[threadIdx.x].slots;
     peer_cap = v.peer[threadIdx.x].slot_cap;
   }
@@ -447,8 +454,12 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
   Mark(v, kTraceSend, 2);
 
   for (int i = threadIdx.x; i < v.n; i += blockDim.x) {
-    m.peer_slots[i] = i == threadIdx.x ? peer_slots : v.peer[i].slots;
-    m.peer_cap[i] = i == threadIdx.x ? peer_cap : v.peer[i].slot_cap;
+    if (blockIdx.x == 0) {
+      m.peer_counts[i] = i == threadIdx.x ? peer_counts : PeerCountsDst(v, i);
+    } else {
+      m.peer_slots[i] = i == threadIdx.x ? peer_slots : v.peer[i].slots;
+      m.peer_cap[i] = i == threadIdx.x ? peer_cap : v.peer[i].slot_cap;
+    }
   }
   for (int r = warp; r < v.n; r += kSmallWarps) {  // copies per rank, from the expert counts
     int32_t all = 0, before = 0;
@@ -499,7 +510,7 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
       if (c == v.l + kColRowStart) return m.row_starts[r];
       if (c == v.l + kColRows) return int64_t{m.rows[r]};
       return int64_t{m.hist[r * v.l + c]};
-    });
+    }, [&](int r) { return m.peer_counts[r]; });
   }
   Mark(v, kTraceSend, 3);
 
