@@ -651,6 +651,12 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{2, 1024, 1024, 32, 4, fp8, rnd, 32, false, false, false, 3, true},
                       Case{2, 2048, 128, 256, 16, fp8, rnd, 64, false, false, false, 2, true},
                       Case{2, 64, 128, 1024, 16, bf16, rnd, 8, true, false, true, 2, true},
+                      // Top-k that does not divide a warp (SendSmall counts whole tokens per
+                      // warp pass, lanes past them idle): plain, (a)+(b) over three ranks,
+                      // graphs with device counts.
+                      Case{2, 77, 128, 40, 3, fp8, rnd, 4, false, false, false, 3, true},
+                      Case{3, 90, 256, 48, 6, bf16, rnd, 4, false, true, true, 3, true},
+                      Case{2, 96, 256, 60, 5, bf16, rnd, 4, false, true, true, 4, true, true},
                       // Route's scan under graph replays with device counts (chunks left
                       // empty, then a count across two chunks), and over two groups of ranks.
                       Case{2, 700, 256, 64, 4, bf16, rnd, 4, false, true, false, 4, true, true},
