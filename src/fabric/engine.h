@@ -290,6 +290,9 @@ class Engine final : public TransferEngine {
   // value: after a timeout the caller is gone while the op may still be queued (it is then
   // skipped) or running inside a wedged provider call (it then owns only its own copies).
   StatusOr<ControlResult> RunOnWorker(ControlFn fn);
+  // A handler the worker calls (messages, unmatched immediates), set on the worker.
+  template <typename Handler>
+  void SetOnWorker(Handler Engine::*field, Handler handler);
 
   // ----- worker -------------------------------------------------------------------------------
 

@@ -476,11 +476,7 @@ Status Engine::Send(PeerId peer, std::span<const uint8_t> message, Completion do
 }
 
 void Engine::SetMessageHandler(MessageHandler handler) {
-  auto s = RunOnWorker([this, handler = std::move(handler)](ControlResult&) -> Status {
-    message_handler_ = handler;
-    return Status::Ok();
-  });
-  (void)s;
+  SetOnWorker(&Engine::message_handler_, std::move(handler));
 }
 
 // ----- immediate counters ------------------------------------------------------------------------
@@ -537,11 +533,7 @@ StatusOr<Request> Engine::CounterRequest(Kind kind, uint32_t imm) const {
 }
 
 void Engine::SetUnmatchedImmHandler(UnmatchedImmHandler handler) {
-  auto s = RunOnWorker([this, handler = std::move(handler)](ControlResult&) -> Status {
-    unmatched_handler_ = handler;
-    return Status::Ok();
-  });
-  (void)s;
+  SetOnWorker(&Engine::unmatched_handler_, std::move(handler));
 }
 
 EngineStats Engine::stats() const {
@@ -719,6 +711,16 @@ StatusOr<Engine::ControlResult> Engine::RunOnWorker(ControlFn fn) {
   }
   if (!op->result.ok()) return op->result;
   return op->out;
+}
+
+template <typename Handler>
+void Engine::SetOnWorker(Handler Engine::*field, Handler handler) {
+  // The interface returns nothing: a worker that is not running calls no handler, and one wedged
+  // in a provider call past control_timeout_ms skips the change (RunOnWorker).
+  (void)RunOnWorker([this, field, handler = std::move(handler)](ControlResult&) -> Status {
+    this->*field = handler;
+    return Status::Ok();
+  });
 }
 
 // What Create hands out: forwards to the Engine and decides, at destruction, whether the Engine
