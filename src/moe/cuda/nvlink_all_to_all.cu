@@ -153,7 +153,7 @@ class NvlinkAllToAll final : public AllToAll {
     // early gains). FERRY_NV_SPREAD=1: received slots visited spread over their senders
     // (SpreadOrder; opt-in until measured on two GPUs: on one rank of one GPU, where it can
     // gain nothing, it costs 1-2 % of a prefill step expert-major, 1-8 % token-major; see
-    // docs/PERFORMANCE.md).
+    // docs/perf/moe_cuda_nvlink.md).
     int pdl = 1, spread = 0;
     RETURN_IF_ERROR(EnvNumber("FERRY_NV_PDL", &pdl, 0, 1));
     RETURN_IF_ERROR(EnvNumber("FERRY_NV_SPREAD", &spread, 0, 1));
