@@ -324,13 +324,13 @@ __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
 // Dynamic shared memory of SendSmallKernel. "Before": in the entries of tokens before the
 // block's first token.
 struct SmallSmem {
-  int64_t* starts;      // [N] first slot per receiving rank in our send area
-  int64_t* row_starts;  // [N] first combine row per expert rank
-  uint8_t** peer_slots; // [N] v.peer[r].slots, loaded at the start (SlotDst)
+  int64_t* starts;         // [N] first slot per receiving rank in our send area
+  int64_t* row_starts;     // [N] first combine row per expert rank
+  uint8_t** peer_slots;    // [N] v.peer[r].slots, loaded at the start (SlotDst)
   CountsDst* peer_counts;  // [N] block 0: where its counts rows go, loaded at the start
-  int32_t* peer_cap;    // [N] v.peer[r].slot_cap
-  int32_t* slots;       // [N] our slots per receiving rank
-  int32_t* rows;        // [N] combine rows per expert rank
+  int32_t* peer_cap;       // [N] v.peer[r].slot_cap
+  int32_t* slots;          // [N] our slots per receiving rank
+  int32_t* rows;           // [N] combine rows per expert rank
   int32_t* copies_before;  // [N] copies for rank r
   int32_t* tokens_all;     // [N] tokens with a copy for rank r
   int32_t* tokens_before;  // [N]
@@ -340,8 +340,7 @@ struct SmallSmem {
 };
 __host__ __device__ inline size_t SmallSmemBytes(int n, int e, int64_t entries) {
   return size_t(n) * (3 * sizeof(int64_t) + sizeof(CountsDst) + 6 * sizeof(int32_t)) +
-         2 * size_t(e) * sizeof(int32_t) +
-         size_t(entries) * sizeof(int32_t);
+         (2 * size_t(e) + size_t(entries)) * sizeof(int32_t);
 }
 __device__ inline SmallSmem CarveSmallSmem(void* raw, int n, int e) {
   SmallSmem m;
@@ -392,9 +391,8 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
 
   for (int i = threadIdx.x; i < v.e; i += blockDim.x) m.hist[i] = m.hist_before[i] = 0;
   for (int i = threadIdx.x; i < v.n; i += blockDim.x) m.tokens_all[i] = m.tokens_before[i] = 0;
-  // The peers' slot areas (SlotDst): loaded now, stored to shared memory once counted, so that
-  // no thread waits for them before its routing loads are out.
-  // Block 0 loads where its counts rows go instead.
+  // The peers' slot areas (SlotDst), or in block 0 where its counts rows go: loaded now, stored
+  // to shared memory once counted, so that no thread waits for them before its routing loads.
   uint8_t* peer_slots = nullptr;
   int32_t peer_cap = 0;
   CountsDst peer_counts{};
