@@ -261,6 +261,15 @@ class Engine final : public TransferEngine {
   // The descriptor must come from the engine we are writing to.
   Status CheckOwner(PeerId peer, const RemoteRegion& region) const;
 
+  // A SingleWrite's or PagedWrite's ends: its source region, its peer, and a destination of
+  // that peer's engine.
+  template <typename W>
+  Status CheckEnds(const W& w) const;
+  // The Request of a SingleWrite or PagedWrite: its peer, its ends at their offsets, `length`
+  // (bytes, or page bytes), its immediate.
+  template <typename W>
+  Request WriteRequest(Kind kind, const W& w, uint64_t length);
+
   Descs LocalDescs(const MemoryRegion& region) const;
 
   // The destination as each local NIC sees it (its paired peer NIC's address and key).

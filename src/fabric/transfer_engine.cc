@@ -317,29 +317,17 @@ StatusOr<ScatterPlanId> Engine::PrepareScatter(GroupId group, const MemoryRegion
 // ----- submission --------------------------------------------------------------------------------
 
 Status Engine::Write(const SingleWrite& w, Completion done) {
-  RETURN_IF_ERROR(CheckLocal(w.src));
-  RETURN_IF_ERROR(CheckPeer(w.peer));
-  RETURN_IF_ERROR(CheckOwner(w.peer, w.dst));
+  RETURN_IF_ERROR(CheckEnds(w));
   if (w.length == 0 && !w.imm) {
     return InvalidArgumentError("Write: zero length and no immediate");
   }
   RETURN_IF_ERROR(CheckRange("src", w.src_offset, w.length, w.src->length()));
   RETURN_IF_ERROR(CheckRange("dst", w.dst_offset, w.length, w.dst.length));
-  Request r;
-  r.kind = Kind::kSingle;
-  SetPeer(r, w.peer);
-  r.src = static_cast<const uint8_t*>(w.src->data()) + w.src_offset;
-  r.src_desc = LocalDescs(*w.src);
-  SetDst(r, w.dst, w.dst_offset);
-  r.length = w.length;
-  SetImm(r, w.imm);
-  return Enqueue(std::move(r), std::move(done));
+  return Enqueue(WriteRequest(Kind::kSingle, w, w.length), std::move(done));
 }
 
 Status Engine::WritePaged(const PagedWrite& w, Completion done) {
-  RETURN_IF_ERROR(CheckLocal(w.src));
-  RETURN_IF_ERROR(CheckPeer(w.peer));
-  RETURN_IF_ERROR(CheckOwner(w.peer, w.dst));
+  RETURN_IF_ERROR(CheckEnds(w));
   if (w.src_pages.size() != w.dst_pages.size()) {
     return InvalidArgumentError("WritePaged: " + std::to_string(w.src_pages.size()) +
                                 " source pages but " + std::to_string(w.dst_pages.size()) +
@@ -364,19 +352,12 @@ Status Engine::WritePaged(const PagedWrite& w, Completion done) {
                            std::to_string(w.dst_pages[i]) + ")");
     }
   }
-  Request r;
-  r.kind = Kind::kPaged;
-  SetPeer(r, w.peer);
-  r.src = static_cast<const uint8_t*>(w.src->data()) + w.src_offset;
-  r.src_desc = LocalDescs(*w.src);
-  SetDst(r, w.dst, w.dst_offset);
-  r.length = w.page_bytes;
+  Request r = WriteRequest(Kind::kPaged, w, w.page_bytes);
   r.src_stride = w.src_stride;
   r.dst_stride = w.dst_stride;
   r.src_pages = w.src_pages.data();
   r.dst_pages = w.dst_pages.data();
   r.count = static_cast<uint32_t>(w.src_pages.size());
-  SetImm(r, w.imm);
   if (w.imm_once) {
     const uint32_t m = w.imm_weight_mask;
     const uint64_t per_nic = (w.src_pages.size() + nics_ - 1) / nics_;
@@ -598,6 +579,26 @@ Status Engine::CheckOwner(PeerId peer, const RemoteRegion& region) const {
                                 std::to_string(peers_[peer].remote_nics) + " NICs");
   }
   return Status::Ok();
+}
+
+template <typename W>
+Status Engine::CheckEnds(const W& w) const {
+  RETURN_IF_ERROR(CheckLocal(w.src));
+  RETURN_IF_ERROR(CheckPeer(w.peer));
+  return CheckOwner(w.peer, w.dst);
+}
+
+template <typename W>
+Request Engine::WriteRequest(Kind kind, const W& w, uint64_t length) {
+  Request r;
+  r.kind = kind;
+  SetPeer(r, w.peer);
+  r.src = static_cast<const uint8_t*>(w.src->data()) + w.src_offset;
+  r.src_desc = LocalDescs(*w.src);
+  SetDst(r, w.dst, w.dst_offset);
+  r.length = length;
+  SetImm(r, w.imm);
+  return r;
 }
 
 Descs Engine::LocalDescs(const MemoryRegion& region) const {
