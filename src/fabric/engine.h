@@ -71,6 +71,8 @@ struct PeerEntry {
   std::atomic<bool> lost{false};
 };
 
+// One member of a prepared scatter: its slice of the source, where it goes, the local NIC
+// that posts it.
 struct ScatterMember {
   PeerId peer;
   uint32_t nic;  // the local NIC that serves this member
@@ -80,6 +82,7 @@ struct ScatterMember {
   uint64_t length;
 };
 
+// A scatter prepared once (PrepareScatter) and replayed by each Scatter on it.
 struct ScatterPlan {
   const uint8_t* src = nullptr;
   uint64_t src_length = 0;
@@ -87,6 +90,7 @@ struct ScatterPlan {
   std::vector<ScatterMember> members;
 };
 
+// A group of peers (AddPeerGroup), for Scatter and Barrier.
 struct PeerGroup {
   std::vector<PeerId> members;
 };
@@ -133,6 +137,8 @@ struct WrSlot {
 };
 static_assert(offsetof(WrSlot, ctx) == 0, "the provider context must be WrSlot's first member");
 
+// A Request in flight on the worker: its work requests posted and outstanding, its deadline,
+// its first error.
 struct Transfer {
   Request req;
   uint32_t total = 0;        // WRs this transfer posts
@@ -152,6 +158,7 @@ struct Transfer {
   Transfer* active_next = nullptr;
 };
 
+// A receive buffer posted for two-sided messages: its index in the receive buffers, its NIC.
 struct RecvSlot {
   OpContext ctx;
   uint32_t index = 0;
@@ -169,6 +176,7 @@ struct MultiRegistration {
   }
 };
 
+// Where the idle worker sleeps: a futex on a word that WakeWorker and Stop advance.
 class Futex {
  public:
   static void Wait(std::atomic<uint32_t>* word, uint32_t expected, uint32_t timeout_us) {
