@@ -71,8 +71,8 @@ struct PeerEntry {
   std::atomic<bool> lost{false};
 };
 
-// One member of a prepared scatter: its slice of the source, where it goes, the local NIC
-// that posts it.
+// One member of a prepared scatter: its peer, the local NIC that posts to it, and its
+// destination region as that NIC sees it (provider address, base, key, length).
 struct ScatterMember {
   PeerId peer;
   uint32_t nic;  // the local NIC that serves this member
