@@ -54,6 +54,7 @@
 #                                 received slots spread over their senders, then in order,
 #                                 the default), alternating, SPREAD_ROUNDS (2) times;
 #                                 SPREAD_RANKS (2)
+# SASS=1 (any mode): the kernels' machine code, see below.
 # SANITIZERS=0 skips memcheck and racecheck; TESTS=0 the tests and the sanitizers (a second
 # call after one that ran them); AB_DECODE_ROUNDS=0 runs ab's prefill pairs only, AB_PREFILL=0
 # its decode pairs only.
@@ -83,6 +84,27 @@ step configure 120 cmake -S . -B build-gpu "${generator[@]}" -DCMAKE_BUILD_TYPE=
   -DCMAKE_CUDA_COMPILER="$NVCC" -DCMAKE_CUDA_ARCHITECTURES=90 || { cat "$OUT/configure.log"; exit 1; }
 step build 400 cmake --build build-gpu -j "$(nproc)" --target moe_cuda_test kv_cuda_test \
   moe_host_test fd_exchange_test ferry-bench || { tail -60 "$OUT/build.log"; exit 1; }
+
+# SASS=1: the machine code of the NVLink kernels whose names contain one of SASS_FUNCS
+# ("SendSmall Unpack") into sass.log, and per kernel its instruction count and local-memory
+# loads and stores (spills, arrays indexed at run time) -- where the toolkit has cuobjdump.
+if [ "${SASS:-0}" != 0 ]; then
+  obj=$(find build-gpu -name 'nvlink_all_to_all.cu.o' | head -1)
+  dump=$(dirname "$NVCC")/cuobjdump
+  if [ -x "$dump" ] && [ -n "$obj" ]; then
+    "$dump" -sass "$obj" 2>&1 | awk -v want="${SASS_FUNCS:-SendSmall Unpack}" '
+      /Function :/ { keep = 0; n = split(want, w, " ")
+                     for (i = 1; i <= n; ++i) if (index($3, w[i])) keep = 1
+                     if (keep) name = $3 }
+      keep { print > "/dev/stdout" }
+      keep && /\/\*[0-9a-f][0-9a-f][0-9a-f][0-9a-f]\*\// { ins[name]++ }
+      keep && /[ \t](STL|LDL)[ .]/ { loc[name]++ }
+      END { for (f in ins) printf "sass %-72s %6d instructions %4d local\n", f, ins[f], loc[f] > "/dev/stderr" }
+    ' > "$OUT/sass.log"
+  else
+    echo "SASS=1: no cuobjdump beside $NVCC (has: $(ls "$(dirname "$NVCC")" | tr '\n' ' '))"
+  fi
+fi
 
 mode=${1:-all}
 tests=${TESTS:-1}
