@@ -24,8 +24,10 @@
 // and messages go whole to NIC `first`. A transfer completes when all its WRs have, on whichever
 // NICs; the first error fails it, once.
 //
-// Beside these: fabric_types.cc (completions, regions, options from the environment) and
-// domain_group.cc (opening the NICs an engine drives).
+// Beside these: fabric_types.cc (completions, regions, options from the environment),
+// domain_group.cc (opening the NICs an engine drives) and engine_internal.h (creating an engine
+// over given Domains, as tests do: what needs no more of the engine than that includes it, not
+// this header).
 #pragma once
 
 #include <linux/futex.h>
