@@ -73,6 +73,8 @@ class NvlinkAllToAll final : public AllToAll {
     v.e = c_.num_experts;
     v.l = c_.local_experts();
     v.k = k;
+    v.div_l = FastDiv::Of(v.l);
+    v.div_k = FastDiv::Of(k);
     v.t_max = t;
     v.hidden = c_.hidden;
     v.spt = c_.scales_per_token();

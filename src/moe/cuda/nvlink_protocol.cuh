@@ -186,6 +186,7 @@ struct NvPeer {
 // Everything the kernels share; passed by value.
 struct Nv {
   int n, me, e, l, k, t_max, hidden, spt, priv, chunks;
+  FastDiv div_l, div_k;  // by l and by k, without a runtime division (RankOf, LocalOf)
   int scan_blocks;  // Route's token chunks x rank groups (ScanChunk)
   int counts_stride;  // int32 per counts row: L + kCountsColumns, rounded up to 16 bytes
   int64_t payload, slot_bytes, meta_bytes, row_bytes, capacity, slots_per_pair;
@@ -443,6 +444,9 @@ __device__ bool LastBlock(uint32_t* ticket, bool system, int blocks = 0) {
 }
 
 __device__ inline bool ValidExpert(const Nv& v, int32_t e) { return e >= 0 && e < v.e; }
+// A valid expert's rank, and its index among that rank's experts.
+__device__ inline int RankOf(const Nv& v, int32_t e) { return v.div_l.Div(e); }
+__device__ inline int LocalOf(const Nv& v, int32_t e) { return v.div_l.Mod(e); }
 
 // Scales [first, first + 4) of a row of spt, as one 16-byte vector of the slot, into out (whose
 // rows need not be 16-byte aligned).
@@ -452,6 +456,21 @@ __device__ inline void StoreScales(float* out, int64_t first, int spt, const uin
   for (int q = 0; q < 4; ++q) {
     if (first + q < spt) out[first + q] = __uint_as_float(words[q]);
   }
+}
+
+// A 32 x 32 bit transpose over a warp: lane r gets bit i = lane i's bit r (five exchanges, each
+// swapping the off-diagonal blocks of half the size). With a rank mask per lane, __popc of lane
+// r's result counts the lanes that go to rank r: five shuffles for up to 32 ranks, where a
+// ballot per rank costs one each.
+__device__ inline uint32_t TransposeBits(uint32_t x) {
+  const int lane = threadIdx.x % 32;
+  uint32_t keep = 0x0000FFFFu;  // the bits whose index has bit s clear
+#pragma unroll
+  for (int s = 16; s >= 1; s >>= 1, keep ^= keep << s) {
+    const uint32_t y = __shfl_xor_sync(~0u, x, s);
+    x = lane & s ? (x & ~keep) | ((y & ~keep) >> s) : (x & keep) | ((y & keep) << s);
+  }
+  return x;
 }
 
 // One token's routing, worked out by warp 0: lane j < K holds the token's j-th copy.
@@ -474,7 +493,7 @@ __device__ LaneRoute RouteLane(const Nv& v, const int32_t* row) {
   LaneRoute x{};
   x.e = lane < v.k ? row[lane] : -1;
   x.valid = lane < v.k && ValidExpert(v, x.e);
-  x.r = x.valid ? x.e / v.l : -1;
+  x.r = x.valid ? RankOf(v, x.e) : -1;
   x.valids = __ballot_sync(~0u, x.valid);
   unsigned same = 0;
   for (int i = 0; i < v.k; ++i) {
@@ -544,8 +563,15 @@ __device__ inline CountsDst PeerCountsDst(const Nv& v, int r) {
 template <typename Value, typename Dst>
 __device__ void WriteCountsRows(const Nv& v, uint64_t epoch, Value value, Dst dst) {
   const int width = v.l + kCountsColumns;
-  for (int i = threadIdx.x; i < v.n * width; i += blockDim.x) {
-    const int r = i / width, c = i % width;
+  // Element i = r * width + c, i stepping by the block: r and c step along (one division each,
+  // at the start, not one per element).
+  const int step_r = blockDim.x / width, step_c = blockDim.x % width;
+  for (int r = threadIdx.x / width, c = threadIdx.x % width; r < v.n; r += step_r, c += step_c) {
+    if (c >= width) {
+      c -= width;
+      ++r;
+      if (r >= v.n) break;
+    }
     dst(r).counts[c] = static_cast<int32_t>(value(r, c));
   }
   for (int r = threadIdx.x; r < v.n; r += blockDim.x) {  // the relay sizes its write by this

@@ -60,7 +60,7 @@ __device__ void ScanChunk(const Nv& v, const SendArgs& a, int tokens, int b, Rou
     for (int i = 0; i < kMaxK; ++i) {
       if (i >= v.k) break;
       if (ValidExpert(v, e[i])) {
-        rank_of[i] = e[i] / v.l;
+        rank_of[i] = RankOf(v, e[i]);
       } else if (r0 == 0) {
         Report(v, kBadExpert, t, e[i]);
       }
@@ -291,7 +291,7 @@ __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
       const int64_t j = v.slot_pos[int64_t{r} * v.t_max + t] + (carry & 0xFFFFFFFF) + o;
       row_pos = static_cast<int32_t>(v.row_pos[int64_t{r} * v.t_max + t] + (carry >> 32));
       uint8_t* d = SlotDst(v, r, j, starts[r]);
-      const NvEntry entry{x.e % v.l, lane, v.weights[f], pos};
+      const NvEntry entry{LocalOf(v, x.e), lane, v.weights[f], pos};
       reinterpret_cast<NvEntry*>(d + sizeof(NvHeader))[v.once ? x.within : 0] = entry;
       if (!v.once || x.first) {
         const int32_t row =
@@ -362,8 +362,8 @@ __device__ inline SmallSmem CarveSmallSmem(void* raw, int n, int e) {
 
 // Whether entry f (valid, rank r) is the first of its token's copies for rank r.
 __device__ inline bool FirstForRank(const Nv& v, const int32_t* idx, int f, int r) {
-  for (int i = f - f % v.k; i < f; ++i) {
-    if (ValidExpert(v, idx[i]) && idx[i] / v.l == r) return false;
+  for (int i = f - v.div_k.Mod(f); i < f; ++i) {
+    if (ValidExpert(v, idx[i]) && RankOf(v, idx[i]) == r) return false;
   }
   return true;
 }
@@ -417,8 +417,9 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
   }
   __syncthreads();
   Mark(v, kTraceSend, 1);
-  // Thread per token. Tokens per rank: up to 32 ranks, a rank mask per token and one ballot per
-  // rank and warp (same-address shared atomics from a whole warp serialise); beyond, atomics.
+  // Thread per token. Tokens per rank: up to 32 ranks, a rank mask per token, transposed over
+  // the warp so that lane r counts rank r's tokens (same-address shared atomics from a whole
+  // warp serialise); beyond, atomics.
   bool bad = a.dev_tokens && *a.dev_tokens != tokens;
   for (int base = 0; base < tokens; base += blockDim.x) {
     const int t = base + threadIdx.x;
@@ -433,7 +434,7 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
       }
       atomicAdd(&m.hist[e], 1);
       if (before) atomicAdd(&m.hist_before[e], 1);
-      const int r = e / v.l;
+      const int r = RankOf(v, e);
       if (v.n <= 32) {
         ranks |= 1u << r;
       } else if (FirstForRank(v, m.idx, f, r)) {
@@ -441,11 +442,13 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
         if (before) atomicAdd(&m.tokens_before[r], 1);
       }
     }
-    for (int r = 0; v.n <= 32 && r < v.n; ++r) {
-      const int all = __popc(__ballot_sync(~0u, ranks >> r & 1));
-      const int early = __popc(__ballot_sync(~0u, before && (ranks >> r & 1)));
-      if (lane == 0 && all) atomicAdd(&m.tokens_all[r], all);
-      if (lane == 0 && early) atomicAdd(&m.tokens_before[r], early);
+    if (v.n <= 32) {
+      const uint32_t of_rank = TransposeBits(ranks);  // bit i: the warp's token i goes to `lane`
+      const int early = min(max(first_token - (t - lane), 0), 32);  // its tokens before ours
+      const int all = __popc(of_rank);
+      const int all_early = __popc(of_rank & (early == 32 ? ~0u : (1u << early) - 1));
+      if (lane < v.n && all) atomicAdd(&m.tokens_all[lane], all);
+      if (lane < v.n && all_early) atomicAdd(&m.tokens_before[lane], all_early);
     }
   }
   if (__syncthreads_or(bad) && a.strict) return;  // nothing sent; the step may be retried
@@ -530,7 +533,7 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
       const int f = base + lane;
       const int32_t e = f < own + v.k ? m.idx[f] : -1;
       const bool valid = ValidExpert(v, e);
-      const int r = valid ? e / v.l : -1;
+      const int r = valid ? RankOf(v, e) : -1;
       const bool earlier = f < own;
       const bool first = valid && earlier && FirstForRank(v, m.idx, f, r);
 #pragma unroll
@@ -556,7 +559,7 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
       const int o = v.once ? 0 : x.within;
       const int64_t j = (v.once ? rank_tokens : rank_copies) + o;
       uint8_t* d = SlotDst(v, r, j, m.starts[r], m.peer_slots[r], m.peer_cap[r]);
-      const NvEntry entry{x.e % v.l, lane, weight, pos};
+      const NvEntry entry{LocalOf(v, x.e), lane, weight, pos};
       reinterpret_cast<NvEntry*>(d + sizeof(NvHeader))[v.once ? x.within : 0] = entry;
       if (!v.once || x.first) {
         const int32_t row_pos = v.reduce ? rank_tokens : rank_copies;

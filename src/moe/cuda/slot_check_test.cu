@@ -145,5 +145,27 @@ TEST(SpreadOrderTest, NotSpreadIsInOrder) {
   EXPECT_EQ(SpreadOrder(2, true)(1), 1);  // too few to spread
 }
 
+// FastDiv (cuda_util.cuh) divides as the kernels do, by a multiply and a shift: every divisor
+// up to 1024 (local experts, top-k) against `/` and `%` over the dividends up to 2^16, and the
+// edges up to 2^31 - 1.
+TEST(FastDivTest, MatchesIntegerDivision) {
+  std::vector<int> edges = {(1 << 30) - 1, 1 << 30, (1 << 30) + 1, 0x7FFFFFFE, 0x7FFFFFFF};
+  for (int d = 1; d <= 1024; ++d) {
+    const FastDiv f = FastDiv::Of(d);
+    for (int x = 0; x < (1 << 16); ++x) {
+      if (f.Div(x) != x / d || f.Mod(x) != x % d) {
+        ADD_FAILURE() << x << " / " << d << ": " << f.Div(x) << " rem " << f.Mod(x);
+        return;
+      }
+    }
+    for (int base : edges) {
+      for (int x = base; x >= base - d && x >= 0; x -= 1 + d / 7) {
+        ASSERT_EQ(f.Div(x), x / d) << x << " / " << d;
+        ASSERT_EQ(f.Mod(x), x % d) << x << " % " << d;
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace ferry::moe::nv
