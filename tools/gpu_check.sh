@@ -48,6 +48,9 @@
 #                                 stamps. SANITIZERS=0 STREAM_ROUNDS=1 fits ~5 minutes;
 #                                 STREAM_RANKS (2): 1 measures what streaming costs locally
 #                                 (no pulled case: one rank pulls nothing)
+#   tools/gpu_check.sh stalls     build, then ncu's sampled warp stalls per instruction of the
+#                                 decode kernels (STALL_KERNELS, "SendSmall|UnpackKernel"), one
+#                                 rank: stalls_source.csv, stalls_details.log
 #   tools/gpu_check.sh spread     build, tests, then NVLink prefill (a)+(b) in both layouts,
 #                                 SPREAD_PRIVATE ("16 4096") private slots (16: the rest
 #                                 pulled), with each FERRY_NV_SPREAD of SPREAD_VALUES ("1 0":
@@ -108,7 +111,7 @@ fi
 
 mode=${1:-all}
 tests=${TESTS:-1}
-case $mode in profile | trace | kvpace) tests=0 ;; esac  # they build and measure only
+case $mode in profile | trace | kvpace | stalls) tests=0 ;; esac  # they build and measure only
 if [ "$tests" != 0 ]; then
   step kv_cuda_test 120 build-gpu/kv_cuda_test
   step moe_cuda_test 400 build-gpu/moe_cuda_test
@@ -379,19 +382,40 @@ if [ "$mode" = ep ]; then
   done
   [ "$gpus" -ge 4 ] || echo "== ep: $gpus GPUs here; EP4 needs 4, EP8 needs 8"
 fi
+if [ "$mode" = stalls ]; then
+  # Where the decode kernels' warps wait, per machine instruction: ncu's sampled warp states
+  # (SourceCounters) for STALL_KERNELS on one rank, (a)+(b), T=128, after the warm-up launches;
+  # caches and clocks left as they are. stalls_source.csv: one row per instruction (its address,
+  # the SASS, samples per stall reason); the details page per kernel in stalls_details.log.
+  NCU=${NCU:-/usr/local/cuda/bin/ncu}
+  step stalls_profile 300 "$NCU" --target-processes all --clock-control none --cache-control none \
+    -k "regex:${STALL_KERNELS:-SendSmall|UnpackKernel}" --launch-skip 40 --launch-count 2 \
+    --section SourceCounters --section WarpStateStats --warp-sampling-interval 0 \
+    -f -o "$OUT/stalls" build-gpu/ferry-bench moe --nvlink --ranks 1 --hidden 7168 \
+    --experts 256 --topk 8 --dtype fp8 --tokens 128 --iters 20 --once-per-rank \
+    --reduce-at-expert-rank
+  "$NCU" -i "$OUT/stalls.ncu-rep" --page details > "$OUT/stalls_details.log" 2>&1
+  "$NCU" -i "$OUT/stalls.ncu-rep" --page source --csv --print-source sass \
+    > "$OUT/stalls_source.csv" 2> "$OUT/stalls_source.log"
+  rm -f "$OUT/stalls.ncu-rep"
+  grep -E 'Warp Cycles Per Issued|Avg. Active Threads|^  [A-Za-z_:]+.*\(' "$OUT/stalls_details.log"
+fi
 if [ "$mode" = all ] || [ "$mode" = kv ]; then
   step kv_4k 300 build-gpu/ferry-bench kv --tokens 4096
   step kv_32k 300 build-gpu/ferry-bench kv --tokens 32768
 fi
 if [ "$mode" = all ] || [ "$mode" = nvlink ] || [ "$mode" = profile ]; then
-  # Per-kernel GPU time on one rank (ncu serialises kernels, so peers cannot be profiled).
+  # Per-kernel GPU time on one rank (ncu serialises kernels, so peers cannot be profiled); the
+  # clocks as they are (ncu would otherwise lock them to base for the run).
   NCU=${NCU:-/usr/local/cuda/bin/ncu}
   if [ -x "$NCU" ]; then
-    step ncu_decode 300 "$NCU" --target-processes all --metrics gpu__time_duration.sum \
+    step ncu_decode 300 "$NCU" --target-processes all --clock-control none \
+      --metrics gpu__time_duration.sum \
       --print-summary per-kernel build-gpu/ferry-bench moe --nvlink --ranks 1 --hidden 7168 \
       --experts 256 --topk 8 --dtype fp8 --tokens 128 --iters 5 --once-per-rank \
       --reduce-at-expert-rank
-    step ncu_prefill 300 "$NCU" --target-processes all --metrics gpu__time_duration.sum \
+    step ncu_prefill 300 "$NCU" --target-processes all --clock-control none \
+      --metrics gpu__time_duration.sum \
       --print-summary per-kernel build-gpu/ferry-bench moe --nvlink --ranks 1 --hidden 7168 \
       --experts 256 --topk 8 --dtype fp8 --tokens 4096 --iters 2 --once-per-rank \
       --reduce-at-expert-rank
