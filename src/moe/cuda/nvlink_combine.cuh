@@ -228,16 +228,13 @@ __device__ inline LaneRow LocateRows(const Nv& v, int t, const int64_t* rank_sta
 // finishes last waits for every rank's combine flag -- every peer's CombineSend done, so its
 // Unpack done reading what we sent it, before our next DispatchSend rewrites it
 // (nvlink_all_to_all.h) -- then advances the epoch.
-__global__ void __launch_bounds__(kCopyThreads)
-    CombineRecvStreamedKernel(const __grid_constant__ Nv v, const __grid_constant__ CombineArgs a) {
+__global__ void __launch_bounds__(kCopyThreads) CombineRecvStreamedKernel(Nv v, CombineArgs a) {
   constexpr int kWarps = kCopyThreads / 32;
   extern __shared__ int64_t rank_start[];  // [N] our first combine row from each rank
   __shared__ const uint4* row_ptr[kWarps][kMaxK];  // the block per token: [0] only
   __shared__ float weight_of[kWarps][kMaxK];
   __shared__ int rows[kWarps];
   Mark(v, kTraceCombineRecv, 0);
-  WarmParams(v);
-  WarmParams(a);
   const uint64_t epoch = v.scratch->epoch;
   const uint64_t start = GlobalTimerNs();
   const int tokens = v.scratch->tokens;
@@ -286,8 +283,7 @@ __global__ void __launch_bounds__(kCopyThreads)
 // (eight tokens in flight per block, each warp locating its next token itself: a block per
 // token waits on each token's routing loads and then its rows' loads, one after the other). The
 // last block advances the epoch.
-__global__ void __launch_bounds__(kCopyThreads)
-    CombineRecvKernel(const __grid_constant__ Nv v, const __grid_constant__ CombineArgs a) {
+__global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineArgs a) {
   constexpr int kWarps = kCopyThreads / 32;
   extern __shared__ int64_t rank_start[];  // [N] our first combine row from each rank
   __shared__ bool ok;
@@ -295,8 +291,6 @@ __global__ void __launch_bounds__(kCopyThreads)
   __shared__ float weight_of[kWarps][kMaxK];
   __shared__ int rows[kWarps];
   Mark(v, kTraceCombineRecv, 0);
-  WarmParams(v);
-  WarmParams(a);
   const uint64_t epoch = v.scratch->epoch;
   const int tokens = v.scratch->tokens;
   PrefixTotals(v.totals + v.n, v.n, rank_start);

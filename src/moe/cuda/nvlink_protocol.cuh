@@ -118,8 +118,8 @@ __host__ __device__ inline uint32_t Gcd(uint32_t a, uint32_t b) {
 // `spread` false, or too few slots to spread: in order. total < 2^31 (slots are int32-counted).
 __host__ __device__ inline SlotOrder SpreadOrder(int64_t total, bool spread) {
   const int64_t n = total > 0 ? total : 1;
-  // In order: no inverse (a double division is a subroutine: ~0.2 us of thread 0's, which the
-  // whole block waits for, in Unpack's setup).
+  // In order: no inverse (a double division is a subroutine call, in Unpack's thread 0 while
+  // its block waits, and in every thread of CombineSend).
   if (!spread || n < 3) return SlotOrder{n, 1, 0.0};
   uint32_t stride = static_cast<uint32_t>(n * 618034 / 1000000);
   while (Gcd(stride, static_cast<uint32_t>(n)) != 1) ++stride;
@@ -457,21 +457,6 @@ __device__ inline void StoreScales(float* out, int64_t first, int spt, const uin
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
     if (first + q < spt) out[first + q] = __uint_as_float(words[q]);
-  }
-}
-
-// Kernel parameters are read from constant memory, and the first read of each line on an SM
-// misses to L2 (ncu's "imc" stalls: 7 % of Unpack's warp time at decode, several after its wait
-// for the senders). A kernel that starts early and waits for its peers reads one word of every
-// 64 bytes of its parameters before the wait, so that the reads after it hit. `param` must be
-// a __grid_constant__ kernel parameter: the address of any other is that of a local copy.
-template <typename T>
-__device__ inline void WarmParams(const T& param) {
-  const auto* words = reinterpret_cast<const uint32_t*>(&param);
-#pragma unroll
-  for (size_t i = 0; i < sizeof(T) / 4; i += 16) {
-    const uint32_t word = words[i];
-    asm volatile("" ::"r"(word));
   }
 }
 

@@ -264,8 +264,7 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
 // Two blocks per SM (128 registers): one beside a Pack block when streamed, and otherwise two
 // of Unpack's own.
 template <bool kStream>
-__global__ void __launch_bounds__(kCopyThreads, 2)
-    UnpackKernel(const __grid_constant__ Nv v, const __grid_constant__ RecvArgs a) {
+__global__ void __launch_bounds__(kCopyThreads, 2) UnpackKernel(Nv v, RecvArgs a) {
   extern __shared__ int64_t unpack_raw[];  // [N] PeerIn; [N + 1] slots before sender s; [N]
                                            // start[s] (where they start in its send area); [N]
                                            // rebase[s] (the first combine row s expects from
@@ -282,8 +281,6 @@ __global__ void __launch_bounds__(kCopyThreads, 2)
   __shared__ bool ok;
   __shared__ SlotOrder order;
   Mark(v, kTraceUnpack, 0);
-  WarmParams(v);
-  WarmParams(a);
   const uint64_t epoch = v.scratch->epoch;
   const uint64_t wait_start = GlobalTimerNs();
   LoadPeersIn(v, from_of);  // while thread 0 waits: no table load on the path after the flags
