@@ -568,13 +568,14 @@ __device__ void WriteCountsRows(const Nv& v, uint64_t epoch, Value value, Dst ds
   // Element i = r * width + c, i stepping by the block: r and c step along (one division each,
   // at the start, not one per element).
   const int step_r = blockDim.x / width, step_c = blockDim.x % width;
-  for (int r = threadIdx.x / width, c = threadIdx.x % width; r < v.n; r += step_r, c += step_c) {
-    if (c >= width) {
+  for (int r = threadIdx.x / width, c = threadIdx.x % width; r < v.n;) {
+    dst(r).counts[c] = static_cast<int32_t>(value(r, c));
+    r += step_r;
+    c += step_c;
+    if (c >= width) {  // step_c < width: one carry at most
       c -= width;
       ++r;
-      if (r >= v.n) break;
     }
-    dst(r).counts[c] = static_cast<int32_t>(value(r, c));
   }
   for (int r = threadIdx.x; r < v.n; r += blockDim.x) {  // the relay sizes its write by this
     if (int64_t* relay_slots = dst(r).relay_slots) *relay_slots = value(r, v.l + kColSlots);
