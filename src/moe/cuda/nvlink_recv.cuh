@@ -82,12 +82,10 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
   const int32_t* counts = t.counts;
   int32_t* offset = t.offset;
   // Vectors [0, used): header and entries; [used, meta): padding, not loaded; [meta, body):
-  // the row; [body, end): the scales. 32-bit: a slot is far below 2^31 vectors, and the bounds
-  // are tested per vector.
-  const int used = static_cast<int>(v.meta_used / 16), meta = static_cast<int>(v.meta_bytes / 16);
-  const int body = meta + static_cast<int>(v.payload / 16);
-  const int end = static_cast<int>((v.meta_bytes + v.payload + int64_t{v.spt} * 4 + 15) / 16);
-  constexpr int kBatch = kVec * kGroup;
+  // the row; [body, end): the scales.
+  const int64_t used = v.meta_used / 16, meta = v.meta_bytes / 16, body = meta + v.payload / 16;
+  const int64_t end = (v.meta_bytes + v.payload + int64_t{v.spt} * 4 + 15) / 16;
+  const int64_t batch = int64_t{kVec} * kGroup;
   // Received slot g: its sender s, its index j among s's, where it is. Ours from our send area;
   // then what s pushed; the rest pulled from s's send area (a slot past what s may push to a
   // rank without a send area to pull from is malformed: null).
@@ -124,10 +122,10 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
   };
   // One round trip for the slot's first batch (metadata and, usually, the whole slot).
   uint4 r[kVec];
-  auto load = [&](const uint4* src4, int first) {
+  auto load = [&](const uint4* src4, int64_t first) {
 #pragma unroll
     for (int u = 0; u < kVec; ++u) {
-      const int i = first + tid + u * kGroup;
+      const int64_t i = first + tid + u * int64_t{kGroup};
       if (i < end && (i < used || i >= meta)) r[u] = __ldcg(src4 + i);
     }
   };
@@ -176,7 +174,7 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
     const PeerIn& from = from_of[s];
 #pragma unroll
     for (int u = 0; u < kVec; ++u) {
-      const int i = tid + u * kGroup;
+      const int64_t i = tid + u * int64_t{kGroup};
       if (i < used) meta_v[i] = r[u];
     }
     GroupSync<kGroup>();
@@ -235,18 +233,19 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
     // batch for slots longer than one. Which of a thread's vectors belong to the row and which
     // to the scales is the same for every entry: bit masks, decided once per batch (tested per
     // entry and vector, the 64-bit bounds were most of the loop's instructions).
-    for (int first = 0; outs > 0 && first < end; first += kBatch) {
+    for (int64_t first = 0; outs > 0 && first < end; first += batch) {
       if (first > 0) load(src4, first);
       uint32_t in_row = 0, in_scales = 0;
 #pragma unroll
       for (int u = 0; u < kVec; ++u) {
-        const int i = first + tid + u * kGroup;
+        const int64_t i = first + tid + u * int64_t{kGroup};
         if (i >= meta && i < body) in_row |= 1u << u;
         if (i >= body && i < end) in_scales |= 1u << u;
       }
       // Vector u's index in the row, and its first scale (either may be negative for a vector
       // that is neither).
-      const int at = first + tid - meta, scale_at = (first + tid - body) * 4;
+      const int at = static_cast<int>(first + tid - meta);
+      const int scale_at = static_cast<int>(first + tid - body) * 4;
       for (int e = 0; e < outs; ++e) {
         uint4* x = reinterpret_cast<uint4*>(a.out_x + out_row[e] * v.payload);
 #pragma unroll
@@ -357,13 +356,8 @@ __global__ void __launch_bounds__(kCopyThreads, 2) UnpackKernel(Nv v, RecvArgs a
   // (Sixteen per lane take the kernel past 128 registers, one block per SM, or spill.)
   const SlotTables tables{from_of, prefix,     start,       rebase, counts, offset,
                           &order,  epoch,      wait_start,  a.timeout_ns};
-  // A block per slot keeps two vectors per thread in flight where the slot fits (fp8 rows of
-  // hidden 7168: 470 vectors), four otherwise: vectors past the slot's end still cost their
-  // bounds tests, on a path that waits on every instruction (one block of 8 warps per SM).
   if (total > gridDim.x) {
     UnpackSlots<32, 8, kStream>(v, a, tables, total);
-  } else if ((v.slot_bytes + 15) / 16 <= 2 * kCopyThreads) {
-    UnpackSlots<kCopyThreads, 2, kStream>(v, a, tables, total);
   } else {
     UnpackSlots<kCopyThreads, 4, kStream>(v, a, tables, total);
   }
