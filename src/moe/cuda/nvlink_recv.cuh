@@ -230,33 +230,20 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
       a.token_weights[g * v.k + tid] = weight;
     }
     // The slot's vectors into every entry's output row (the row, then its scales), batch by
-    // batch for slots longer than one. Which of a thread's vectors belong to the row and which
-    // to the scales is the same for every entry: bit masks, decided once per batch (tested per
-    // entry and vector, the 64-bit bounds were most of the loop's instructions).
+    // batch for slots longer than one.
     for (int64_t first = 0; outs > 0 && first < end; first += batch) {
       if (first > 0) load(src4, first);
-      uint32_t in_row = 0, in_scales = 0;
-#pragma unroll
-      for (int u = 0; u < kVec; ++u) {
-        const int64_t i = first + tid + u * int64_t{kGroup};
-        if (i >= meta && i < body) in_row |= 1u << u;
-        if (i >= body && i < end) in_scales |= 1u << u;
-      }
-      // Vector u's index in the row, and its first scale (either may be negative for a vector
-      // that is neither).
-      const int at = static_cast<int>(first + tid - meta);
-      const int scale_at = static_cast<int>(first + tid - body) * 4;
       for (int e = 0; e < outs; ++e) {
         uint4* x = reinterpret_cast<uint4*>(a.out_x + out_row[e] * v.payload);
+        float* scales = a.out_scales + out_row[e] * v.spt;
 #pragma unroll
         for (int u = 0; u < kVec; ++u) {
-          if (in_row & (1u << u)) x[at + u * kGroup] = r[u];
-        }
-        if (in_scales) {
-          float* scales = a.out_scales + out_row[e] * v.spt;
-#pragma unroll
-          for (int u = 0; u < kVec; ++u) {
-            if (in_scales & (1u << u)) StoreScales(scales, scale_at + u * kGroup * 4, v.spt, r[u]);
+          const int64_t i = first + tid + u * int64_t{kGroup};
+          if (i < meta || i >= end) continue;
+          if (i < body) {
+            x[i - meta] = r[u];
+          } else {
+            StoreScales(scales, (i - body) * 4, v.spt, r[u]);
           }
         }
       }
