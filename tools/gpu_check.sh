@@ -398,6 +398,9 @@ if [ "$mode" = stalls ]; then
   "$NCU" -i "$OUT/stalls.ncu-rep" --page source --csv --print-source sass \
     > "$OUT/stalls_source.csv" 2> "$OUT/stalls_source.log"
   rm -f "$OUT/stalls.ncu-rep"
+  if command -v python3 > /dev/null; then  # the samples summed between trace points
+    python3 tools/stall_regions.py "$OUT/stalls_source.csv" > "$OUT/stall_regions.log" 2>&1
+  fi
   grep -E 'Warp Cycles Per Issued|Avg. Active Threads|^  [A-Za-z_:]+.*\(' "$OUT/stalls_details.log"
 fi
 if [ "$mode" = all ] || [ "$mode" = kv ]; then
