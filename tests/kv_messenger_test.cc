@@ -479,11 +479,11 @@ Status CancelPrefill(Stop how, const std::string& provider, Bootstrap& b) {
   // once with tcp;ofi_rxm on a loaded machine).
   while (released.load() == 0 && !deadline.Expired()) std::this_thread::sleep_for(1ms);
   CHECK_OR_RETURN(released.load() == 1, "source pages never released");
-  std::this_thread::sleep_for(20ms);
-  layers.fetch_add(kLayers);  // the rest of the pass: a cancelled request must post nothing
   CHECK_OR_RETURN(release_status.code() == StatusCode::kCancelled,
                   "released with " + release_status.ToString());
-  return b.Barrier(30s);  // B3
+  RETURN_IF_ERROR(b.Barrier(30s));  // B3: the decoder poisoned its pages and watches them
+  layers.fetch_add(kLayers);  // the rest of the pass: a cancelled request must post nothing
+  return b.Barrier(30s);  // B4
 }
 
 Status CancelDecoder(Stop how, const std::string& provider, Bootstrap& b) {
@@ -515,8 +515,10 @@ Status CancelDecoder(Stop how, const std::string& provider, Bootstrap& b) {
   const StatusCode want = how == Stop::kDeadline ? StatusCode::kDeadlineExceeded
                                                  : StatusCode::kCancelled;
   CHECK_OR_RETURN(outcome.code() == want, "outcome " + outcome.ToString());
-  // The pages are ours again: poison them and make sure nothing more lands.
+  // The pages are ours again: poison them and make sure nothing more lands while the prefill
+  // runs the rest of its pass.
   for (auto& shard : e.shards.bytes) std::fill(shard.begin(), shard.end(), 0xEE);
+  RETURN_IF_ERROR(b.Barrier(30s));  // B3
   std::this_thread::sleep_for(200ms);
   for (auto& shard : e.shards.bytes) {
     CHECK_OR_RETURN(std::all_of(shard.begin(), shard.end(), [](uint8_t v) { return v == 0xEE; }),
@@ -524,7 +526,7 @@ Status CancelDecoder(Stop how, const std::string& provider, Bootstrap& b) {
   }
   CHECK_OR_RETURN(calls.load() == 1, "more than one outcome");
   CHECK_OR_RETURN(decoder->Cancel(7).code() == StatusCode::kNotFound, "ended request cancellable");
-  return b.Barrier(30s);  // B3
+  return b.Barrier(30s);  // B4
 }
 
 class KvCancelTest : public ::testing::TestWithParam<std::tuple<Stop, std::string>> {};
