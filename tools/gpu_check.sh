@@ -19,7 +19,8 @@
 #                                 1024 private slots) and prefill (16 and 4096) next to a baseline
 #                                 built from .baseline.tgz (git archive of an earlier commit),
 #                                 alternating; phase stamps; AB_RANKS (2): 1 measures the
-#                                 local kernels on one GPU
+#                                 local kernels on one GPU; each .ab-NAME.tgz carried is one
+#                                 more variant, run between the baseline and new
 #   tools/gpu_check.sh layout     build, tests, then NVLink decode and prefill (a)+(b) in both
 #                                 dispatch layouts (--token-major: expert-major and token-major
 #                                 rows of one invocation), twice; prefill pushing every slot;
@@ -165,27 +166,43 @@ if [ "$mode" = pdl ]; then
     --reduce-at-expert-rank
 fi
 if [ "$mode" = ab ]; then
-  # The baseline: .baseline.tgz (git archive of an earlier commit, carried) built beside.
-  mkdir -p /tmp/base && tar xzf .baseline.tgz -C /tmp/base
-  step base_configure 120 cmake -S /tmp/base -B /tmp/base/build "${generator[@]}" \
-    -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_COMPILER="$NVCC" -DCMAKE_CUDA_ARCHITECTURES=90
-  step base_build 400 cmake --build /tmp/base/build -j "$(nproc)" --target ferry-bench
+  # The baseline: .baseline.tgz (git archive of an earlier commit, carried) built beside; and
+  # each .ab-NAME.tgz carried (another variant, "NAME" in the logs) built beside too. Every
+  # pair below runs base, the variants, then new.
+  variants=(base)
+  for tgz in .ab-*.tgz; do
+    [ -e "$tgz" ] && variants+=("$(basename "$tgz" .tgz | sed 's/^\.ab-//')")
+  done
+  for var in "${variants[@]}"; do
+    tgz=.ab-$var.tgz
+    [ "$var" = base ] && tgz=.baseline.tgz
+    mkdir -p "/tmp/$var" && tar xzf "$tgz" -C "/tmp/$var"
+    step "${var}_configure" 120 cmake -S "/tmp/$var" -B "/tmp/$var/build" "${generator[@]}" \
+      -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_COMPILER="$NVCC" -DCMAKE_CUDA_ARCHITECTURES=90
+    step "${var}_build" 400 cmake --build "/tmp/$var/build" -j "$(nproc)" --target ferry-bench
+  done
+  each_variant() {  # each_variant NAME ARGS...: NAME_VAR for every variant, then NAME_new
+    local name=$1 var
+    shift
+    for var in "${variants[@]}"; do
+      step "${name/@/$var}" 300 "/tmp/$var/build/ferry-bench" "$@"
+    done
+    step "${name/@/new}" 300 build-gpu/ferry-bench "$@"
+  }
   decode=(--nvlink --ranks "${AB_RANKS:-2}" --hidden 7168 --experts 256 --topk 8 --dtype fp8
           --tokens 128 --iters 200)
   nv=("${decode[@]}" --once-per-rank --reduce-at-expert-rank --token-major)
   decode_rounds=${AB_DECODE_ROUNDS:-2}
   for round in $(seq "$decode_rounds"); do
     for p in 16 1024; do
-      step nvlink_base_p${p}_$round 200 /tmp/base/build/ferry-bench moe "${nv[@]}" --private $p
-      step nvlink_new_p${p}_$round 200 build-gpu/ferry-bench moe "${nv[@]}" --private $p
+      each_variant "nvlink_@_p${p}_$round" moe "${nv[@]}" --private $p
     done
   done
   pf=(--nvlink --ranks "${AB_RANKS:-2}" --hidden 7168 --experts 256 --topk 8 --dtype fp8
       --tokens 4096 --iters 20 --once-per-rank --reduce-at-expert-rank --token-major)
   for p in 16 4096; do  # slots pulled by the receiver, then every slot pushed
     [ "${AB_PREFILL:-1}" = 0 ] && break
-    step nvlink_base_prefill_p$p 300 /tmp/base/build/ferry-bench moe "${pf[@]}" --private $p
-    step nvlink_new_prefill_p$p 300 build-gpu/ferry-bench moe "${pf[@]}" --private $p
+    each_variant "nvlink_@_prefill_p$p" moe "${pf[@]}" --private $p
   done
   if [ "$decode_rounds" != 0 ]; then
     step nvlink_compare_new 200 build-gpu/ferry-bench moe "${decode[@]}" --compare --private 1024

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "moe/cuda/nvlink_protocol.cuh"
 
@@ -82,10 +83,16 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
   const int32_t* counts = t.counts;
   int32_t* offset = t.offset;
   // Vectors [0, used): header and entries; [used, meta): padding, not loaded; [meta, body):
-  // the row; [body, end): the scales.
-  const int64_t used = v.meta_used / 16, meta = v.meta_bytes / 16, body = meta + v.payload / 16;
-  const int64_t end = (v.meta_bytes + v.payload + int64_t{v.spt} * 4 + 15) / 16;
-  const int64_t batch = int64_t{kVec} * kGroup;
+  // the row; [body, end): the scales. A block per slot (decode: one block of 8 warps per SM,
+  // every dependent instruction's latency shows) tests them in 32 bits, a slot being far below
+  // 2^31 vectors; a warp per slot keeps 64 bits (32 measured 12 % slower in prefill, session 18).
+  constexpr bool kBlock = kGroup == kCopyThreads;
+  using Index = std::conditional_t<kBlock, int32_t, int64_t>;
+  const Index used = static_cast<Index>(v.meta_used / 16);
+  const Index meta = static_cast<Index>(v.meta_bytes / 16);
+  const Index body = meta + static_cast<Index>(v.payload / 16);
+  const Index end = static_cast<Index>((v.meta_bytes + v.payload + int64_t{v.spt} * 4 + 15) / 16);
+  constexpr Index kBatch = Index{kVec} * kGroup;
   // Received slot g: its sender s, its index j among s's, where it is. Ours from our send area;
   // then what s pushed; the rest pulled from s's send area (a slot past what s may push to a
   // rank without a send area to pull from is malformed: null).
@@ -122,10 +129,10 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
   };
   // One round trip for the slot's first batch (metadata and, usually, the whole slot).
   uint4 r[kVec];
-  auto load = [&](const uint4* src4, int64_t first) {
+  auto load = [&](const uint4* src4, Index first) {
 #pragma unroll
     for (int u = 0; u < kVec; ++u) {
-      const int64_t i = first + tid + u * int64_t{kGroup};
+      const Index i = first + tid + u * Index{kGroup};
       if (i < end && (i < used || i >= meta)) r[u] = __ldcg(src4 + i);
     }
   };
@@ -174,7 +181,7 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
     const PeerIn& from = from_of[s];
 #pragma unroll
     for (int u = 0; u < kVec; ++u) {
-      const int64_t i = tid + u * int64_t{kGroup};
+      const Index i = tid + u * Index{kGroup};
       if (i < used) meta_v[i] = r[u];
     }
     GroupSync<kGroup>();
@@ -230,20 +237,39 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
       a.token_weights[g * v.k + tid] = weight;
     }
     // The slot's vectors into every entry's output row (the row, then its scales), batch by
-    // batch for slots longer than one.
-    for (int64_t first = 0; outs > 0 && first < end; first += batch) {
+    // batch for slots longer than one. A block per slot decides which of a thread's vectors
+    // are row and which scales once per batch, as bit masks (tested per entry and vector, the
+    // bounds were most of its loop's instructions); a warp per slot tests them per entry.
+    for (Index first = 0; outs > 0 && first < end; first += kBatch) {
       if (first > 0) load(src4, first);
+      uint32_t in_row = 0, in_scales = 0;
+      if constexpr (kBlock) {
+#pragma unroll
+        for (int u = 0; u < kVec; ++u) {
+          const Index i = first + tid + u * kGroup;
+          if (i >= meta && i < body) in_row |= 1u << u;
+          if (i >= body && i < end) in_scales |= 1u << u;
+        }
+      }
+      // Vector u's index in the row, and its first scale (either negative for a vector that is
+      // neither).
+      const Index at = first + tid - meta, scale_at = (first + tid - body) * 4;
       for (int e = 0; e < outs; ++e) {
         uint4* x = reinterpret_cast<uint4*>(a.out_x + out_row[e] * v.payload);
         float* scales = a.out_scales + out_row[e] * v.spt;
 #pragma unroll
         for (int u = 0; u < kVec; ++u) {
-          const int64_t i = first + tid + u * int64_t{kGroup};
-          if (i < meta || i >= end) continue;
-          if (i < body) {
-            x[i - meta] = r[u];
+          if constexpr (kBlock) {
+            if (in_row & (1u << u)) x[at + u * kGroup] = r[u];
+            if (in_scales & (1u << u)) StoreScales(scales, scale_at + u * kGroup * 4, v.spt, r[u]);
           } else {
-            StoreScales(scales, (i - body) * 4, v.spt, r[u]);
+            const Index i = first + tid + u * Index{kGroup};
+            if (i < meta || i >= end) continue;
+            if (i < body) {
+              x[i - meta] = r[u];
+            } else {
+              StoreScales(scales, (i - body) * 4, v.spt, r[u]);
+            }
           }
         }
       }
@@ -343,10 +369,14 @@ __global__ void __launch_bounds__(kCopyThreads, 2) UnpackKernel(Nv v, RecvArgs a
   // (Sixteen per lane take the kernel past 128 registers, one block per SM, or spill.)
   const SlotTables tables{from_of, prefix,     start,       rebase, counts, offset,
                           &order,  epoch,      wait_start,  a.timeout_ns};
+  // A block per slot keeps two vectors per thread in flight (fp8 rows of hidden 7168, 470
+  // vectors, fit in one batch; longer slots take more): four cost their bounds tests on
+  // vectors past the slot's end, and a third instance, four where two do not fit, made the
+  // kernel spill and a warp per slot 20 % slower (session 19).
   if (total > gridDim.x) {
     UnpackSlots<32, 8, kStream>(v, a, tables, total);
   } else {
-    UnpackSlots<kCopyThreads, 4, kStream>(v, a, tables, total);
+    UnpackSlots<kCopyThreads, 2, kStream>(v, a, tables, total);
   }
   if (blockIdx.x == 0) {
     if (!kStream) WaitPrimary();
