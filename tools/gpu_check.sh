@@ -72,10 +72,22 @@ NVCC=${NVCC:-/usr/local/cuda/bin/nvcc}
 SANITIZER=${SANITIZER:-/usr/local/cuda/bin/compute-sanitizer}
 nvidia-smi -L > "$OUT/gpus.txt" 2>&1
 
+# The device tool ends a call at 600 s and then brings back only so many files: steps stop at
+# DEADLINE seconds from the start (570; one running then is cut short, later ones skipped) so
+# that the summary prints and the logs are packed; a TERM or INT packs them too.
+deadline=${DEADLINE:-570}
+pack_logs() { (cd "$OUT" && tar czf logs.tgz ./*.log && rm -f ./*.log); }
+trap 'pack_logs; exit 124' TERM INT
+
 step() {  # step NAME SECONDS COMMAND...: runs it, logs it, notes its exit status and time
   local name=$1 limit=$2
   shift 2
-  local start=$SECONDS
+  local start=$SECONDS left=$((deadline - SECONDS))
+  if [ "$left" -lt 5 ]; then
+    printf '%-22s skipped (DEADLINE %ss)\n' "$name" "$deadline" >> "$OUT/summary.txt"
+    return 124
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   printf '%-22s rc=%-3s %4ss\n' "$name" "$rc" "$((SECONDS - start))" >> "$OUT/summary.txt"
@@ -85,7 +97,8 @@ step() {  # step NAME SECONDS COMMAND...: runs it, logs it, notes its exit statu
 generator=()
 if command -v ninja > /dev/null; then generator=(-G Ninja); fi
 step configure 120 cmake -S . -B build-gpu "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
-  -DCMAKE_CUDA_COMPILER="$NVCC" -DCMAKE_CUDA_ARCHITECTURES=90 || { cat "$OUT/configure.log"; exit 1; }
+  -DCMAKE_CUDA_COMPILER="$NVCC" -DCMAKE_CUDA_ARCHITECTURES=90 ||
+  { cat "$OUT/configure.log" 2> /dev/null; exit 1; }
 step build 400 cmake --build build-gpu -j "$(nproc)" --target moe_cuda_test kv_cuda_test \
   moe_host_test fd_exchange_test ferry-bench || { tail -60 "$OUT/build.log"; exit 1; }
 
@@ -468,4 +481,4 @@ for f in "$OUT"/ncu_*.log; do
 done
 cat "$OUT/summary.txt"
 # The device tool brings back only so many files: the logs travel as one archive.
-(cd "$OUT" && tar czf logs.tgz ./*.log && rm -f ./*.log)
+pack_logs
