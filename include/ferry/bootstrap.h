@@ -13,12 +13,13 @@
 #include <span>
 #include <vector>
 
+#include "ferry/export.h"
 #include "ferry/status.h"
 
 namespace ferry {
 
 // Thread safety: one thread per rank at a time.
-class Bootstrap {
+class FERRY_API Bootstrap {
  public:
   virtual ~Bootstrap() = default;
   virtual int rank() const = 0;
@@ -30,7 +31,7 @@ class Bootstrap {
   Status Barrier(std::chrono::milliseconds timeout);
 };
 
-struct RankExit {
+struct FERRY_API RankExit {
   int exit_code = -1;  // valid when signal == 0
   int signal = 0;      // the signal that killed the rank, or 0
   bool timed_out = false;
@@ -40,8 +41,8 @@ struct RankExit {
 // Forks `world_size` ranks; each runs `body(bootstrap)` and exits 0 if it returned OK (its
 // status is printed to stderr otherwise). Ranks still running after `timeout` are killed.
 // Call it from a process with no other threads running (fork copies only the caller's thread).
-std::vector<RankExit> RunLocalRanks(int world_size,
-                                    const std::function<Status(Bootstrap&)>& body,
-                                    std::chrono::milliseconds timeout);
+FERRY_API std::vector<RankExit> RunLocalRanks(int world_size,
+                                              const std::function<Status(Bootstrap&)>& body,
+                                              std::chrono::milliseconds timeout);
 
 }  // namespace ferry

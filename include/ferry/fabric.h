@@ -35,6 +35,7 @@
 #include <string>
 #include <vector>
 
+#include "ferry/export.h"
 #include "ferry/inline_function.h"
 #include "ferry/status.h"
 
@@ -47,7 +48,7 @@ using ScatterPlanId = uint32_t;
 using Clock = std::chrono::steady_clock;
 
 // A point in time after which a wait gives up with DeadlineExceeded.
-struct Deadline {
+struct FERRY_API Deadline {
   Clock::time_point at;
   static Deadline After(Clock::duration d) { return {Clock::now() + d}; }
   bool Expired(Clock::time_point now = Clock::now()) const { return now >= at; }
@@ -58,7 +59,7 @@ enum class MemoryKind : uint8_t { kHost = 0, kCuda = 1 };
 // The most NICs one engine drives (a domain group).
 inline constexpr uint32_t kMaxNics = 4;
 
-struct EngineOptions {
+struct FERRY_API EngineOptions {
   // Backend: a libfabric provider ("efa", "shm", "tcp;ofi_rxm") or "verbs" (libibverbs, for
   // ConnectX NICs); empty picks the first that opens of efa, verbs, shm.
   // Environment: FERRY_PROVIDER. Verbs settings: FERRY_IB_* (see src/fabric/verbs/verbs_logic.h).
@@ -126,7 +127,7 @@ struct EngineOptions {
 };
 
 // How a submitted transfer reports its end. Exactly one of done / error happens per submit.
-struct TransferCounter {
+struct FERRY_API TransferCounter {
   std::atomic<uint64_t> done{0};
   std::atomic<uint64_t> failed{0};
   // Waits until done + failed >= n. DeadlineExceeded says how many were seen.
@@ -135,7 +136,7 @@ struct TransferCounter {
 
 using DoneCallback = InlineFunction<void(const Status&), 48>;
 
-class Completion {
+class FERRY_API Completion {
  public:
   Completion() = default;  // fire and forget
   // Runs on the engine's worker thread: keep it short, never block in it.
@@ -158,14 +159,14 @@ class Completion {
 };
 
 // One NIC's view of a registered region.
-struct NicKey {
+struct FERRY_API NicKey {
   uint64_t base = 0;  // provider address of byte 0: a virtual address or 0 (offset mode)
   uint64_t key = 0;
 };
 
 // What a peer needs to write into one of our regions. Serialises to versioned bytes carrying the
 // owning engine's id, the region length, and each NIC's provider address and key.
-struct RemoteRegion {
+struct FERRY_API RemoteRegion {
   uint64_t engine_id = 0;
   uint64_t length = 0;
   uint32_t num_nics = 0;
@@ -182,7 +183,7 @@ struct RegistrationOwner;  // ties regions to their engine; outlives both
 // A registered local buffer. Move-only; deregisters when destroyed (a no-op once its engine is
 // gone: the engine closes its registrations). Must outlive every transfer that reads from or
 // lands in it.
-class MemoryRegion {
+class FERRY_API MemoryRegion {
  public:
   MemoryRegion() = default;
   MemoryRegion(MemoryRegion&& other) noexcept;
@@ -217,7 +218,7 @@ class MemoryRegion {
 // provider places writes in order (FabricInfo::ordered_write_bytes), else posted after the
 // others completed (pieces on other NICs than the last one's: after they were delivered into
 // the target's memory, FI_DELIVERY_COMPLETE, since they travel on other connections).
-struct SingleWrite {
+struct FERRY_API SingleWrite {
   const MemoryRegion* src = nullptr;
   uint64_t src_offset = 0;
   PeerId peer = 0;
@@ -237,7 +238,7 @@ struct SingleWrite {
 // every other page's write completed (shm, efa). (One immediate per NIC: two NICs' connections
 // are not ordered with each other -- and over tcp a write's local completion does not mean it
 // landed.) The index spans, like the memory, must stay valid until the transfer completes.
-struct PagedWrite {
+struct FERRY_API PagedWrite {
   const MemoryRegion* src = nullptr;
   PeerId peer = 0;
   RemoteRegion dst;
@@ -269,7 +270,7 @@ constexpr bool IsWeightMask(uint32_t weight_mask) {
 
 // One slice of a scatter: bytes [src_offset, src_offset + length) of the plan's source region
 // go to member `member` of the plan's group at dst_offset in that member's region.
-struct ScatterTarget {
+struct FERRY_API ScatterTarget {
   uint32_t member = 0;
   uint64_t src_offset = 0;
   uint64_t dst_offset = 0;
@@ -278,14 +279,14 @@ struct ScatterTarget {
 
 // A scatter posted from a plan made by PrepareScatter. The target span must stay valid until the
 // transfer completes. With an immediate, every slice carries it.
-struct ScatterWrite {
+struct FERRY_API ScatterWrite {
   ScatterPlanId plan = 0;
   std::span<const ScatterTarget> targets;
   std::optional<uint32_t> imm;
 };
 
 // Engine counters for diagnostics and benchmarks. Monotonic.
-struct EngineStats {
+struct FERRY_API EngineStats {
   uint64_t transfers_submitted = 0;
   uint64_t transfers_completed = 0;
   uint64_t transfers_failed = 0;
@@ -305,7 +306,7 @@ struct EngineStats {
 };
 
 // Provider facts the engine adapted to; for logs and benchmarks, never needed to use the API.
-struct FabricInfo {
+struct FERRY_API FabricInfo {
   std::string provider;
   std::string domain;       // the NICs' domain names, comma-separated
   uint32_t num_nics = 1;
@@ -330,7 +331,7 @@ struct FabricInfo {
 // Thread safety: every method may be called from any thread, concurrently. Callbacks run on the
 // worker thread. Destroying the engine completes transfers still in flight with Cancelled and joins
 // the worker; it must not race with other calls on the same engine.
-class TransferEngine {
+class FERRY_API TransferEngine {
  public:
   static StatusOr<std::unique_ptr<TransferEngine>> Create(const EngineOptions& options);
   virtual ~TransferEngine() = default;

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "ferry/bootstrap.h"
+#include "ferry/export.h"
 #include "ferry/fabric.h"
 #include "ferry/status.h"
 
@@ -28,7 +29,7 @@ enum class KvOrder : uint8_t {
 };
 
 // The model's cache, independent of sharding.
-struct KvModel {
+struct FERRY_API KvModel {
   int kv_heads = 0;     // KV heads (1 for MLA)
   int head_dim = 0;     // elements per head (MLA: the latent width, e.g. 576)
   int dtype_bytes = 2;  // bf16
@@ -40,7 +41,7 @@ struct KvModel {
 };
 
 // How one side (prefill or decode) lays out and shards the cache.
-struct KvSide {
+struct FERRY_API KvSide {
   KvModel model;
   KvOrder order = KvOrder::kHND;
   int tp = 1;  // tensor-parallel ranks
@@ -61,7 +62,7 @@ struct KvSide {
 };
 
 // One contiguous write of the plan: bytes of a prefill rank's layer region to a decode rank's.
-struct KvWrite {
+struct FERRY_API KvWrite {
   int src_rank = 0;
   int64_t src_offset = 0;
   int dst_rank = 0;
@@ -69,7 +70,7 @@ struct KvWrite {
   int64_t length = 0;
 };
 
-struct KvPlan {
+struct FERRY_API KvPlan {
   std::vector<KvWrite> writes;           // per layer; ordered by (dst rank, dst offset)
   std::vector<int64_t> writes_per_dst;   // [decode tp] writes each decode rank receives per layer
   std::vector<int> source_replica;       // [decode replicas] prefill replica set feeding each
@@ -80,9 +81,9 @@ struct KvPlan {
 // replica set feeds each decode replica set (a different seed per request spreads the NICs).
 // InvalidArgument when the sides disagree on the model, a side cannot shard it, or page lists
 // differ in length or hold negative ids.
-StatusOr<KvPlan> PlanKvTransfer(const KvSide& prefill, const KvSide& decode,
-                                std::span<const int64_t> src_pages,
-                                std::span<const int64_t> dst_pages, uint64_t seed);
+FERRY_API StatusOr<KvPlan> PlanKvTransfer(const KvSide& prefill, const KvSide& decode,
+                                          std::span<const int64_t> src_pages,
+                                          std::span<const int64_t> dst_pages, uint64_t seed);
 
 }  // namespace ferry
 
@@ -93,7 +94,7 @@ StatusOr<KvPlan> PlanKvTransfer(const KvSide& prefill, const KvSide& decode,
 
 namespace ferry {
 
-struct KvRegions {
+struct FERRY_API KvRegions {
   std::vector<const MemoryRegion*> ranks;  // [tp] one region per TP rank
   int num_layers = 0;
   int64_t layer_stride = 0;  // bytes between consecutive layers in a rank's region
@@ -102,7 +103,7 @@ struct KvRegions {
 // Decode side: registers nothing itself; sends requests and counts the writes that land. It takes
 // the engine's message handler (an engine serves one messenger role). Destroy it before its
 // engine. Thread safety: Submit and Cancel from any thread; callbacks run on the engine's worker.
-class KvDecoder {
+class FERRY_API KvDecoder {
  public:
   static StatusOr<std::unique_ptr<KvDecoder>> Create(TransferEngine* engine, const KvSide& decode,
                                                      const KvRegions& regions,
@@ -149,7 +150,7 @@ class KvDecoder {
 // the stream, so the prefill's watcher (pass host() as its layer counter) never sees a layer
 // before the kernels that wrote its KV pages have finished. One stream increments a counter.
 // Unimplemented where ferry was built without CUDA; FailedPrecondition on a machine without GPU.
-class GpuLayerCounter {
+class FERRY_API GpuLayerCounter {
  public:
   static StatusOr<std::unique_ptr<GpuLayerCounter>> Create();
   virtual ~GpuLayerCounter() = default;
@@ -167,7 +168,7 @@ class GpuLayerCounter {
 // in the leader until the leader lets go, so writes still landing in it never fault.
 // Collective over `bootstrap` (the ranks of one node, the leader among them). FailedPrecondition
 // without a GPU; Unimplemented where ferry was built without CUDA.
-class KvCudaShards {
+class FERRY_API KvCudaShards {
  public:
   static StatusOr<std::unique_ptr<KvCudaShards>> Create(Bootstrap& bootstrap, int leader,
                                                         int cuda_device, int64_t bytes,
@@ -179,7 +180,7 @@ class KvCudaShards {
   virtual std::span<void* const> leader_view() const = 0;
 };
 
-class KvPrefill {
+class FERRY_API KvPrefill {
  public:
   struct Incoming {
     uint64_t request_id = 0;

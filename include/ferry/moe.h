@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "ferry/bootstrap.h"
+#include "ferry/export.h"
 #include "ferry/fabric.h"
 #include "ferry/status.h"
 
@@ -82,7 +83,7 @@ enum class RdmaBuffers : uint8_t {
   kDevice = 2,  // GPU memory, or AllToAll::Create fails saying why
 };
 
-struct AllToAllConfig {
+struct FERRY_API AllToAllConfig {
   int world_size = 0;
   int rank = 0;
   int ranks_per_node = 1;  // the NVLink domain; the host device moves everything over the engine
@@ -123,7 +124,7 @@ struct AllToAllConfig {
 };
 
 // Dispatch input of one rank. Shapes in the comments; T = num_tokens <= max_tokens_per_rank.
-struct DispatchInput {
+struct FERRY_API DispatchInput {
   const void* x = nullptr;          // [T, hidden] bf16 or fp8 e4m3, row-major
   const float* scales = nullptr;    // [T, hidden / 128] fp32; fp8 only
   const int32_t* indices = nullptr; // [T, experts_per_token] global expert ids
@@ -140,7 +141,7 @@ struct DispatchInput {
 // num_rows[0] filled -- every sender's tokens in rank order, each sender's in its token order --
 // and row i's copies are described by token_experts / token_weights. Rows past the counts are
 // not written.
-struct DispatchOutput {
+struct FERRY_API DispatchOutput {
   void* x = nullptr;             // [local_experts, expert_capacity, hidden] bf16 or fp8;
                                  // token-major: [expert_capacity, hidden]
   float* scales = nullptr;       // the same rows, hidden / 128 fp32 each; fp8 only
@@ -155,7 +156,7 @@ struct DispatchOutput {
 
 // Thread safety: one thread drives an AllToAll; the steps run in order DispatchSend,
 // DispatchRecv, CombineSend, CombineRecv, and again.
-class AllToAll {
+class FERRY_API AllToAll {
  public:
   // Collective: every rank calls it with the same configuration (but its own rank). `engine` may
   // be null on the CUDA device with one node (ranks_per_node == world_size), which does not use

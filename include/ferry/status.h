@@ -13,6 +13,8 @@
 #include <string_view>
 #include <utility>
 
+#include "ferry/export.h"
+
 namespace ferry {
 
 enum class StatusCode : uint8_t {
@@ -31,9 +33,9 @@ enum class StatusCode : uint8_t {
   kDataLoss,
 };
 
-std::string_view StatusCodeName(StatusCode code);
+FERRY_API std::string_view StatusCodeName(StatusCode code);
 
-class [[nodiscard]] Status {
+class [[nodiscard]] FERRY_API Status {
  public:
   Status() = default;
   Status(StatusCode code, std::string_view message);
@@ -68,21 +70,21 @@ class [[nodiscard]] Status {
 
 inline std::ostream& operator<<(std::ostream& os, const Status& s) { return os << s.ToString(); }
 
-Status CancelledError(std::string_view message);
-Status InvalidArgumentError(std::string_view message);
-Status OutOfRangeError(std::string_view message);
-Status NotFoundError(std::string_view message);
-Status AlreadyExistsError(std::string_view message);
-Status DeadlineExceededError(std::string_view message);
-Status ResourceExhaustedError(std::string_view message);
-Status UnavailableError(std::string_view message);
-Status UnimplementedError(std::string_view message);
-Status FailedPreconditionError(std::string_view message);
-Status InternalError(std::string_view message);
-Status DataLossError(std::string_view message);
+FERRY_API Status CancelledError(std::string_view message);
+FERRY_API Status InvalidArgumentError(std::string_view message);
+FERRY_API Status OutOfRangeError(std::string_view message);
+FERRY_API Status NotFoundError(std::string_view message);
+FERRY_API Status AlreadyExistsError(std::string_view message);
+FERRY_API Status DeadlineExceededError(std::string_view message);
+FERRY_API Status ResourceExhaustedError(std::string_view message);
+FERRY_API Status UnavailableError(std::string_view message);
+FERRY_API Status UnimplementedError(std::string_view message);
+FERRY_API Status FailedPreconditionError(std::string_view message);
+FERRY_API Status InternalError(std::string_view message);
+FERRY_API Status DataLossError(std::string_view message);
 
 // Converts an errno value: "context: strerror(errno)". Codes map to the nearest StatusCode.
-Status ErrnoError(std::string_view context, int errno_value);
+FERRY_API Status ErrnoError(std::string_view context, int errno_value);
 
 template <typename T>
 class [[nodiscard]] StatusOr {

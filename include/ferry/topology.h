@@ -18,12 +18,13 @@
 #include <string>
 #include <vector>
 
+#include "ferry/export.h"
 #include "ferry/fabric.h"
 #include "ferry/status.h"
 
 namespace ferry {
 
-struct PciDevice {
+struct FERRY_API PciDevice {
   std::string address;   // "0000:53:00.0"
   std::vector<std::string> path;  // PCI addresses from the root port down to the device
   std::string root;      // the host bridge ("pci0000:00")
@@ -33,13 +34,13 @@ struct PciDevice {
   int numa_node = -1;
 };
 
-struct RdmaNic {
+struct FERRY_API RdmaNic {
   std::string name;  // RDMA device name: "rdmap79s0" (EFA), "mlx5_0" (ConnectX)
   PciDevice pci;
   bool efa = false;
 };
 
-struct GpuPlacement {
+struct FERRY_API GpuPlacement {
   int index = 0;  // CUDA ordinal under CUDA_DEVICE_ORDER=PCI_BUS_ID: GPUs sorted by PCI address
   PciDevice pci;
   std::vector<std::string> nics;  // RDMA device names, nearest first
@@ -48,7 +49,7 @@ struct GpuPlacement {
   int cpu = -1;                   // worker core; -1 when the NUMA node's cores are unknown
 };
 
-struct TopologyOptions {
+struct FERRY_API TopologyOptions {
   std::string sysfs_root = "/sys";
   // RDMA devices never to pick (a storage or management NIC). Environment: FERRY_TOPO_EXCLUDE.
   std::vector<std::string> exclude_nics;
@@ -56,7 +57,7 @@ struct TopologyOptions {
   uint32_t max_nics_per_gpu = kMaxNics;
 };
 
-class Topology {
+class FERRY_API Topology {
  public:
   static StatusOr<Topology> Discover(const TopologyOptions& options = {});
 
@@ -83,6 +84,6 @@ class Topology {
 };
 
 // "0-3,8,10-11" -> {0,1,2,3,8,10,11}; InvalidArgument on malformed input.
-StatusOr<std::vector<int>> ParseCpuList(std::string_view list);
+FERRY_API StatusOr<std::vector<int>> ParseCpuList(std::string_view list);
 
 }  // namespace ferry
