@@ -304,8 +304,8 @@ Status RunRank(const Case& c, Bootstrap& b) {
       for (int i = 0; i < counts[e]; ++i) {
         const int64_t r = int64_t{e} * cap + i;
         for (int col = 0; col < h; ++col) {
-          expert_out[r * h + col] = FloatToBf16(
-              Dequant(cfg, out_x.data() + r * row, &out_scales[r * spt], col) * ExpertScale(g));
+          const float x = Dequant(cfg, out_x.data() + r * row, out_scales.data() + r * spt, col);
+          expert_out[r * h + col] = FloatToBf16(x * ExpertScale(g));
         }
       }
     }

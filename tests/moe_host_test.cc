@@ -169,8 +169,8 @@ Status RunRank(const Case& c, Bootstrap& b) {
         got.push_back(std::move(key));
         // The expert computes; its output goes back through combine.
         for (int col = 0; col < h; ++col) {
-          expert_out[r * h + col] = FloatToBf16(
-              Dequant(cfg, out_x.data() + r * row, &out_scales[r * spt], col) * ExpertScale(g));
+          const float x = Dequant(cfg, out_x.data() + r * row, out_scales.data() + r * spt, col);
+          expert_out[r * h + col] = FloatToBf16(x * ExpertScale(g));
         }
       }
       std::sort(want.begin(), want.end());

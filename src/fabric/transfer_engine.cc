@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common/backoff.h"
+#include "common/leak.h"
 #include "fabric/engine.h"
 #include "fabric/wire.h"
 
@@ -730,7 +731,11 @@ class EngineHandle final : public TransferEngine {
  public:
   explicit EngineHandle(std::unique_ptr<Engine> engine) : e_(engine.release()) {}
   ~EngineHandle() override {
-    if (e_->StopWorker()) delete e_;
+    if (e_->StopWorker()) {
+      delete e_;
+    } else {
+      LeakOnPurpose(e_);  // its worker is still inside the provider
+    }
   }
   const FabricInfo& info() const override { return e_->info(); }
   const EngineOptions& options() const override { return e_->options(); }

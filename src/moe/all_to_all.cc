@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "common/leak.h"
 #include "ferry/moe.h"
 #include "moe/device.h"
 #include "moe/layout.h"
@@ -30,10 +31,10 @@ class AllToAllImpl final : public AllToAll {
     // a dead peer end at the engine's transfer timeout; if some never end (a wedged provider),
     // the buffers and registrations are leaked rather than freed under the NIC.
     if (!proxy_->Quiesce()) {
-      new std::vector<uint8_t>(std::move(send_));
-      new std::vector<uint8_t>(std::move(recv_));
-      new MemoryRegion(std::move(send_reg_));
-      new MemoryRegion(std::move(recv_reg_));
+      LeakOnPurpose(new std::vector<uint8_t>(std::move(send_)));
+      LeakOnPurpose(new std::vector<uint8_t>(std::move(recv_)));
+      LeakOnPurpose(new MemoryRegion(std::move(send_reg_)));
+      LeakOnPurpose(new MemoryRegion(std::move(recv_reg_)));
     }
     proxy_.reset();
     device_.reset();

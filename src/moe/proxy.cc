@@ -4,6 +4,7 @@
 #include <string>
 
 #include "common/backoff.h"
+#include "common/leak.h"
 
 namespace ferry::moe {
 
@@ -12,20 +13,19 @@ Proxy::Proxy(const ProxyParams& params) : p_(params), layout_(params.config) {
   thread_ = std::thread([this] { Main(); });
 }
 
-Proxy::~Proxy() {
-  stop_.store(true, std::memory_order_release);
-  if (thread_.joinable()) thread_.join();
-}
+Proxy::~Proxy() { Quiesce(); }
 
 bool Proxy::Quiesce() {
   stop_.store(true, std::memory_order_release);
   if (thread_.joinable()) thread_.join();
+  if (!writes_) return false;  // an earlier call leaked it
   // Writes still in flight read our targets and the send region. The engine ends every
   // transfer within its transfer timeout (a dead peer's fail), so this wait is bounded.
-  Status s = writes_.Wait(submitted_, Deadline::After(std::chrono::milliseconds(
+  Status s = writes_->Wait(submitted_, Deadline::After(std::chrono::milliseconds(
                                           p_.peer_timeout_ms)));
   if (s.ok()) return true;
-  new std::vector<std::vector<ScatterTarget>>(std::move(posted_));  // leaked: still read
+  LeakOnPurpose(new std::vector<std::vector<ScatterTarget>>(std::move(posted_)));  // still read
+  LeakOnPurpose(writes_.release());  // and counted into
   return false;
 }
 
@@ -179,20 +179,20 @@ Status Proxy::Post(ImmKind kind, uint64_t epoch) {
   posted_.push_back(targets_);  // the engine reads the targets until the scatter completes
   ++submitted_;
   return p_.engine->Scatter({p_.plan, posted_.back(), MoeImm(kind, epoch)},
-                            Completion::Counter(&writes_));
+                            Completion::Counter(writes_.get()));
 }
 
 Status Proxy::Barrier(ImmKind kind, uint64_t epoch) {
   if (p_.config.world_size == 1) return Status::Ok();
   ++submitted_;
-  return p_.engine->Barrier(p_.group, MoeImm(kind, epoch), Completion::Counter(&writes_));
+  return p_.engine->Barrier(p_.group, MoeImm(kind, epoch), Completion::Counter(writes_.get()));
 }
 
 Status Proxy::WaitOwnWrites() {
-  RETURN_IF_ERROR(writes_.Wait(submitted_, Deadline::After(
+  RETURN_IF_ERROR(writes_->Wait(submitted_, Deadline::After(
                                                std::chrono::milliseconds(p_.peer_timeout_ms))));
-  if (writes_.failed.load() > 0) {
-    return UnavailableError(std::to_string(writes_.failed.load()) + " writes to peers failed");
+  if (writes_->failed.load() > 0) {
+    return UnavailableError(std::to_string(writes_->failed.load()) + " writes to peers failed");
   }
   posted_.clear();
   return Status::Ok();

@@ -19,6 +19,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -63,10 +64,11 @@ struct ProxyParams {
 class Proxy {
  public:
   explicit Proxy(const ProxyParams& params);
-  ~Proxy();  // stops and joins the thread
+  ~Proxy();  // Quiesce()
 
   // Stops the thread, then waits for the writes it posted. False if some never ended: then
-  // their targets are leaked on purpose and the send region must be too.
+  // their targets and counter are leaked on purpose and the send region must be too (and on
+  // every later call).
   bool Quiesce();
   Proxy(const Proxy&) = delete;
   Proxy& operator=(const Proxy&) = delete;
@@ -93,7 +95,8 @@ class Proxy {
   const MoeLayout layout_;
   std::vector<ScatterTarget> targets_;  // reused; valid until WaitOwnWrites
   std::vector<std::vector<ScatterTarget>> posted_;
-  TransferCounter writes_;
+  // Our writes' ends; leaked with what the writes read when they outlive us (Quiesce).
+  std::unique_ptr<TransferCounter> writes_ = std::make_unique<TransferCounter>();
   uint64_t submitted_ = 0;
   std::atomic<uint64_t> dispatch_bytes_{0}, combine_bytes_{0};
   std::atomic<bool> stop_{false};

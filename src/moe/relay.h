@@ -194,7 +194,8 @@ class Relay {
   GroupId group_ = 0;
   ScatterPlanId plan_ = 0;
   std::vector<ScatterTarget> targets_;  // read by the engine until the writes complete
-  TransferCounter writes_;
+  // Our writes' ends; leaked with what the writes read when they outlive us (Stop).
+  std::unique_ptr<TransferCounter> writes_ = std::make_unique<TransferCounter>();
   uint64_t submitted_ = 0;
   std::atomic<uint64_t> dispatch_bytes_{0}, combine_bytes_{0};
   mutable std::mutex error_mu_;
