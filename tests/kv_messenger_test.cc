@@ -223,17 +223,22 @@ Status RunPrefill(const Case& c, Bootstrap& b) {
     const int passes = c.chunked ? 3 : 1;
     for (int step = 0; step < passes * kLayers; ++step) {
       const int layer = step % kLayers;
-      // "Attention" for this layer: fill every scheduled request's pages on every shard (for a
-      // chunked request, the pass's pages would do; filling all is the same content).
+      // "Attention" for this layer: fill every scheduled request's pages of this pass on every
+      // shard (a chunked request's 2 + 2 + 1 pages in three passes: refilling an earlier pass's
+      // pages would write under the writes still reading them).
+      const size_t kChunks[] = {0, 2, 4, 5};
       for (const auto& in : batch) {
         std::vector<int64_t> pages;
         {
           std::lock_guard<std::mutex> l(mu);
           pages = held[in.request_id];
         }
+        const int pass = step / kLayers;
+        const size_t first = c.chunked ? kChunks[pass] : 0;
+        const size_t last = c.chunked ? kChunks[pass + 1] : pages.size();
         for (int s = 0; s < side.tp; ++s) {
           uint8_t* base_ptr = shards.bytes[s].data() + layer * shards.regions.layer_stride;
-          for (size_t i = 0; i < pages.size(); ++i) {
+          for (size_t i = first; i < last; ++i) {
             for (int comp = 0; comp < c.model.components(); ++comp) {
               for (int hl = 0; hl < side.heads_per_rank(); ++hl) {
                 for (int t = 0; t < c.model.page_tokens; ++t) {
