@@ -85,7 +85,8 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
   // Vectors [0, used): header and entries; [used, meta): padding, not loaded; [meta, body):
   // the row; [body, end): the scales. A block per slot (decode: one block of 8 warps per SM,
   // every dependent instruction's latency shows) tests them in 32 bits, a slot being far below
-  // 2^31 vectors; a warp per slot keeps 64 bits (32 measured 12 % slower in prefill, session 18).
+  // 2^31 vectors; a warp per slot keeps 64 bits (32 there is not measured on its own: session
+  // 18's prefill loss with both was a spill, session 19).
   constexpr bool kBlock = kGroup == kCopyThreads;
   using Index = std::conditional_t<kBlock, int32_t, int64_t>;
   const Index used = static_cast<Index>(v.meta_used / 16);
