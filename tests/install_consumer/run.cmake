@@ -22,7 +22,8 @@ endif()
 # The same program built without CMake: the compiler and linker flags from pkg-config's
 # ferry.pc, run against the staged library.
 find_program(PKG_CONFIG pkg-config REQUIRED)
-file(GLOB pc_file ${WORK_DIR}/prefix/lib*/pkgconfig/ferry.pc ${WORK_DIR}/prefix/lib/*/pkgconfig/ferry.pc)
+file(GLOB pc_file ${WORK_DIR}/prefix/lib*/pkgconfig/ferry.pc
+     ${WORK_DIR}/prefix/lib/*/pkgconfig/ferry.pc)
 if(NOT pc_file)
   message(FATAL_ERROR "no ferry.pc under ${WORK_DIR}/prefix")
 endif()
