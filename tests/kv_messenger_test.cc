@@ -63,6 +63,9 @@ std::string CaseName(const ::testing::TestParamInfo<Case>& info) { return Descri
 void PrintTo(const Case& c, std::ostream* os) { *os << Describe(c); }
 
 constexpr int kLayers = 3;
+// A chunked request's passes: pages [0, 2), [2, 4), [4, 5) of its 5.
+constexpr size_t kChunkStarts[] = {0, 2, 4, 5};
+constexpr int kChunkPasses = 3;
 constexpr int64_t kAuxBytes = 1000;
 
 // One side's memory on this node: one region per TP rank, layers back to back.
@@ -202,16 +205,20 @@ Status RunPrefill(const Case& c, Bootstrap& b) {
       CHECK_OR_RETURN(prefill->Schedule(in.request_id, beyond, aux_off, base).code() ==
                           StatusCode::kOutOfRange, "source page beyond the region accepted");
       if (c.chunked) {
-        // Chunked prefill: 2 + 2 + 1 pages, in three consecutive passes.
+        // Chunked prefill: kChunkStarts' pages in consecutive passes, the aux data with the
+        // last; a chunk that skips pages is refused.
         const std::span<const int64_t> all(pages);
-        RETURN_IF_ERROR(prefill->ScheduleChunk(in.request_id, 0, all.subspan(0, 2), base, 0));
-        CHECK_OR_RETURN(prefill->ScheduleChunk(in.request_id, 3, all.subspan(3, 2), base, 0)
-                                .code() == StatusCode::kFailedPrecondition,
-                        "out-of-order chunk accepted");
-        RETURN_IF_ERROR(
-            prefill->ScheduleChunk(in.request_id, 2, all.subspan(2, 2), base + kLayers, 0));
-        RETURN_IF_ERROR(prefill->ScheduleChunk(in.request_id, 4, all.subspan(4, 1),
-                                               base + 2 * kLayers, aux_off));
+        for (int pass = 0; pass < kChunkPasses; ++pass) {
+          const size_t first = kChunkStarts[pass], n = kChunkStarts[pass + 1] - first;
+          const bool last = pass + 1 == kChunkPasses;
+          RETURN_IF_ERROR(prefill->ScheduleChunk(in.request_id, first, all.subspan(first, n),
+                                                 base + pass * kLayers, last ? aux_off : 0));
+          if (pass == 0) {
+            CHECK_OR_RETURN(prefill->ScheduleChunk(in.request_id, 3, all.subspan(3, 2), base, 0)
+                                    .code() == StatusCode::kFailedPrecondition,
+                            "out-of-order chunk accepted");
+          }
+        }
       } else {
         RETURN_IF_ERROR(prefill->Schedule(in.request_id, pages, aux_off, base));
       }
@@ -220,13 +227,12 @@ Status RunPrefill(const Case& c, Bootstrap& b) {
                           StatusCode::kNotFound, "unknown request accepted");
 
     }
-    const int passes = c.chunked ? 3 : 1;
+    const int passes = c.chunked ? kChunkPasses : 1;
     for (int step = 0; step < passes * kLayers; ++step) {
       const int layer = step % kLayers;
       // "Attention" for this layer: fill every scheduled request's pages of this pass on every
-      // shard (a chunked request's 2 + 2 + 1 pages in three passes: refilling an earlier pass's
-      // pages would write under the writes still reading them).
-      const size_t kChunks[] = {0, 2, 4, 5};
+      // shard (refilling an earlier chunk's pages would write under the writes still reading
+      // them).
       for (const auto& in : batch) {
         std::vector<int64_t> pages;
         {
@@ -234,8 +240,8 @@ Status RunPrefill(const Case& c, Bootstrap& b) {
           pages = held[in.request_id];
         }
         const int pass = step / kLayers;
-        const size_t first = c.chunked ? kChunks[pass] : 0;
-        const size_t last = c.chunked ? kChunks[pass + 1] : pages.size();
+        const size_t first = c.chunked ? kChunkStarts[pass] : 0;
+        const size_t last = c.chunked ? kChunkStarts[pass + 1] : pages.size();
         for (int s = 0; s < side.tp; ++s) {
           uint8_t* base_ptr = shards.bytes[s].data() + layer * shards.regions.layer_stride;
           for (size_t i = first; i < last; ++i) {

@@ -18,14 +18,9 @@ Proxy::~Proxy() { Quiesce(); }
 bool Proxy::Quiesce() {
   stop_.store(true, std::memory_order_release);
   if (thread_.joinable()) thread_.join();
-  if (!writes_) return false;  // an earlier call leaked it
-  // Writes still in flight read our targets and the send region. The engine ends every
-  // transfer within its transfer timeout (a dead peer's fail), so this wait is bounded.
-  Status s = writes_->Wait(submitted_, Deadline::After(std::chrono::milliseconds(
-                                          p_.peer_timeout_ms)));
-  if (s.ok()) return true;
+  // Writes still in flight read our targets and the send region.
+  if (writes_.Drain(std::chrono::milliseconds(p_.peer_timeout_ms))) return true;
   LeakOnPurpose(new std::vector<std::vector<ScatterTarget>>(std::move(posted_)));  // still read
-  LeakOnPurpose(writes_.release());  // and counted into
   return false;
 }
 
@@ -177,23 +172,20 @@ Status Proxy::Post(ImmKind kind, uint64_t epoch) {
   for (const ScatterTarget& t : targets_) bytes += t.length;
   (kind == kCombine ? combine_bytes_ : dispatch_bytes_).fetch_add(bytes, std::memory_order_relaxed);
   posted_.push_back(targets_);  // the engine reads the targets until the scatter completes
-  ++submitted_;
-  return p_.engine->Scatter({p_.plan, posted_.back(), MoeImm(kind, epoch)},
-                            Completion::Counter(writes_.get()));
+  return writes_.Post([&](Completion done) {
+    return p_.engine->Scatter({p_.plan, posted_.back(), MoeImm(kind, epoch)}, std::move(done));
+  });
 }
 
 Status Proxy::Barrier(ImmKind kind, uint64_t epoch) {
   if (p_.config.world_size == 1) return Status::Ok();
-  ++submitted_;
-  return p_.engine->Barrier(p_.group, MoeImm(kind, epoch), Completion::Counter(writes_.get()));
+  return writes_.Post([&](Completion done) {
+    return p_.engine->Barrier(p_.group, MoeImm(kind, epoch), std::move(done));
+  });
 }
 
 Status Proxy::WaitOwnWrites() {
-  RETURN_IF_ERROR(writes_->Wait(submitted_, Deadline::After(
-                                               std::chrono::milliseconds(p_.peer_timeout_ms))));
-  if (writes_->failed.load() > 0) {
-    return UnavailableError(std::to_string(writes_->failed.load()) + " writes to peers failed");
-  }
+  RETURN_IF_ERROR(writes_.Wait(Deadline::After(std::chrono::milliseconds(p_.peer_timeout_ms))));
   posted_.clear();
   return Status::Ok();
 }

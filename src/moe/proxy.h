@@ -19,13 +19,13 @@
 
 #include <atomic>
 #include <cstdint>
-#include <memory>
 #include <thread>
 #include <vector>
 
 #include "ferry/fabric.h"
 #include "moe/channel.h"
 #include "moe/layout.h"
+#include "moe/own_writes.h"
 
 namespace ferry::moe {
 
@@ -67,8 +67,7 @@ class Proxy {
   ~Proxy();  // Quiesce()
 
   // Stops the thread, then waits for the writes it posted. False if some never ended: then
-  // their targets and counter are leaked on purpose and the send region must be too (and on
-  // every later call).
+  // their targets are leaked on purpose and the send region must be too (OwnWrites::Drain).
   bool Quiesce();
   Proxy(const Proxy&) = delete;
   Proxy& operator=(const Proxy&) = delete;
@@ -95,9 +94,7 @@ class Proxy {
   const MoeLayout layout_;
   std::vector<ScatterTarget> targets_;  // reused; valid until WaitOwnWrites
   std::vector<std::vector<ScatterTarget>> posted_;
-  // Our writes' ends; leaked with what the writes read when they outlive us (Quiesce).
-  std::unique_ptr<TransferCounter> writes_ = std::make_unique<TransferCounter>();
-  uint64_t submitted_ = 0;
+  OwnWrites writes_;
   std::atomic<uint64_t> dispatch_bytes_{0}, combine_bytes_{0};
   std::atomic<bool> stop_{false};
   std::thread thread_;  // last: starts once everything above exists

@@ -110,13 +110,11 @@ bool Relay::Stop() {
   }
   // Writes still in flight read the outbox and targets_; the engine ends each within its
   // transfer timeout, so this wait is bounded. If one never ends, leak what it reads.
-  drained_ = writes_->Wait(submitted_, Deadline::After(std::chrono::milliseconds(peer_timeout_ms_)))
-                 .ok();
+  drained_ = writes_.Drain(std::chrono::milliseconds(peer_timeout_ms_));
   if (!drained_) {
     LeakOnPurpose(new std::vector<ScatterTarget>(std::move(targets_)));
     LeakOnPurpose(new MemoryRegion(std::move(outbox_reg_)));
     LeakOnPurpose(new MemoryRegion(std::move(inbox_reg_)));
-    LeakOnPurpose(writes_.release());  // the writes still count into it
   }
   return drained_;
 }
@@ -243,9 +241,9 @@ Status Relay::Exchange(ImmKind kind, uint64_t epoch, std::atomic<uint64_t>& byte
   uint64_t sum = 0;
   for (const ScatterTarget& t : targets_) sum += t.length;
   bytes.store(sum, std::memory_order_relaxed);
-  ++submitted_;
-  RETURN_IF_ERROR(engine_->Scatter({plan_, targets_, RelayImm(kind, epoch, c_.rank)},
-                                   Completion::Counter(writes_.get())));
+  RETURN_IF_ERROR(writes_.Post([&](Completion done) {
+    return engine_->Scatter({plan_, targets_, RelayImm(kind, epoch, c_.rank)}, std::move(done));
+  }));
   stamps[1] = Clock::now();
   // Each sender's section as it lands: its flag goes up at once, so a lost rank is the one
   // whose flag the kernels time out on.
@@ -276,10 +274,7 @@ Status Relay::Exchange(ImmKind kind, uint64_t epoch, std::atomic<uint64_t>& byte
   // Our own writes, before the kernels may rewrite the outbox (relay.h says why they would not
   // anyway) and before targets_ is reused.
   stamps[2] = Clock::now();
-  RETURN_IF_ERROR(writes_->Wait(submitted_, deadline));
-  if (writes_->failed.load() > 0) {
-    return UnavailableError(std::to_string(writes_->failed.load()) + " writes to peers failed");
-  }
+  RETURN_IF_ERROR(writes_.Wait(deadline));
   if (trace_) {
     stamps[3] = Clock::now();
     Clock::time_point from = phase_start_;

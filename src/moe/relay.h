@@ -54,6 +54,7 @@
 #include "ferry/bootstrap.h"
 #include "ferry/fabric.h"
 #include "ferry/moe.h"
+#include "moe/own_writes.h"
 #include "moe/proxy.h"
 
 namespace ferry::moe {
@@ -194,9 +195,7 @@ class Relay {
   GroupId group_ = 0;
   ScatterPlanId plan_ = 0;
   std::vector<ScatterTarget> targets_;  // read by the engine until the writes complete
-  // Our writes' ends; leaked with what the writes read when they outlive us (Stop).
-  std::unique_ptr<TransferCounter> writes_ = std::make_unique<TransferCounter>();
-  uint64_t submitted_ = 0;
+  OwnWrites writes_;
   std::atomic<uint64_t> dispatch_bytes_{0}, combine_bytes_{0};
   mutable std::mutex error_mu_;
   Status error_;  // guarded by error_mu_
