@@ -83,12 +83,10 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
   const int32_t* counts = t.counts;
   int32_t* offset = t.offset;
   // Vectors [0, used): header and entries; [used, meta): padding, not loaded; [meta, body):
-  // the row; [body, end): the scales. A block per slot (decode: one block of 8 warps per SM,
-  // every dependent instruction's latency shows) tests them in 32 bits, a slot being far below
-  // 2^31 vectors; a warp per slot keeps 64 bits (32 there is not measured on its own: session
-  // 18's prefill loss with both was a spill, session 19).
-  constexpr bool kBlock = kGroup == kCopyThreads;
-  using Index = std::conditional_t<kBlock, int32_t, int64_t>;
+  // the row; [body, end): the scales. Tested in 32 bits, a slot being far below 2^31 vectors
+  // (with a block per slot, one block of 8 warps per SM in decode, every dependent
+  // instruction's latency shows).
+  using Index = int32_t;
   const Index used = static_cast<Index>(v.meta_used / 16);
   const Index meta = static_cast<Index>(v.meta_bytes / 16);
   const Index body = meta + static_cast<Index>(v.payload / 16);
@@ -238,19 +236,17 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
       a.token_weights[g * v.k + tid] = weight;
     }
     // The slot's vectors into every entry's output row (the row, then its scales), batch by
-    // batch for slots longer than one. A block per slot decides which of a thread's vectors
-    // are row and which scales once per batch, as bit masks (tested per entry and vector, the
-    // bounds were most of its loop's instructions); a warp per slot tests them per entry.
+    // batch for slots longer than one. Which of a thread's vectors are row and which scales
+    // is decided once per batch, as bit masks (tested per entry and vector, the bounds were
+    // most of the loop's instructions).
     for (Index first = 0; outs > 0 && first < end; first += kBatch) {
       if (first > 0) load(src4, first);
       uint32_t in_row = 0, in_scales = 0;
-      if constexpr (kBlock) {
 #pragma unroll
-        for (int u = 0; u < kVec; ++u) {
-          const Index i = first + tid + u * kGroup;
-          if (i >= meta && i < body) in_row |= 1u << u;
-          if (i >= body && i < end) in_scales |= 1u << u;
-        }
+      for (int u = 0; u < kVec; ++u) {
+        const Index i = first + tid + u * kGroup;
+        if (i >= meta && i < body) in_row |= 1u << u;
+        if (i >= body && i < end) in_scales |= 1u << u;
       }
       // Vector u's index in the row, and its first scale (either negative for a vector that is
       // neither).
@@ -260,18 +256,8 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
         float* scales = a.out_scales + out_row[e] * v.spt;
 #pragma unroll
         for (int u = 0; u < kVec; ++u) {
-          if constexpr (kBlock) {
-            if (in_row & (1u << u)) x[at + u * kGroup] = r[u];
-            if (in_scales & (1u << u)) StoreScales(scales, scale_at + u * kGroup * 4, v.spt, r[u]);
-          } else {
-            const Index i = first + tid + u * Index{kGroup};
-            if (i < meta || i >= end) continue;
-            if (i < body) {
-              x[i - meta] = r[u];
-            } else {
-              StoreScales(scales, (i - body) * 4, v.spt, r[u]);
-            }
-          }
+          if (in_row & (1u << u)) x[at + u * kGroup] = r[u];
+          if (in_scales & (1u << u)) StoreScales(scales, scale_at + u * kGroup * 4, v.spt, r[u]);
         }
       }
     }
