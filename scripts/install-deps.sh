@@ -4,7 +4,7 @@
 set -euo pipefail
 
 packages=(build-essential cmake pkg-config libfabric-dev libfabric-bin libgtest-dev
-          libibverbs-dev libhwloc-dev)
+          libibverbs-dev libhwloc-dev python3-dev pybind11-dev)
 
 missing=()
 for p in "${packages[@]}"; do

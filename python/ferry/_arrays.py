@@ -1,0 +1,66 @@
+"""Arrays as ferry sees them: a pointer, a size, where the bytes live, the element type.
+
+ferry takes any C-contiguous array: torch tensors (CPU or CUDA), objects with
+__cuda_array_interface__ (CuPy, Numba), and host objects with the buffer protocol (NumPy,
+array.array, bytearray, memoryview). bf16 data may come as torch.bfloat16 or as 2-byte integers
+(NumPy has no bf16), fp8 e4m3 as torch.float8_e4m3fn or bytes.
+"""
+
+import math
+
+from . import _ferry
+from ._errors import InvalidArgument
+
+
+def _c_strides(shape, item_bytes):
+    strides, step = [], item_bytes
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+def _torch_kind(tensor):
+    if tensor.dtype.is_floating_point:
+        return "f"
+    if tensor.dtype.is_complex:
+        return "c"
+    name = str(tensor.dtype)
+    if name == "torch.bool":
+        return "b"
+    return "u" if name.startswith("torch.uint") else "i"
+
+
+def as_array(obj, device=None):
+    """A ferry.Array describing obj (kept alive by it).
+
+    device: the CUDA ordinal of a __cuda_array_interface__ object that does not say its own
+    (ferry.CUDA_UNKNOWN_DEVICE otherwise); ignored for other objects.
+    """
+    if isinstance(obj, _ferry.Array):
+        return obj
+    if hasattr(obj, "data_ptr") and hasattr(obj, "is_contiguous"):  # torch.Tensor
+        if not obj.is_contiguous():
+            raise InvalidArgument("expected a contiguous tensor (call .contiguous())")
+        on_gpu = obj.device.type == "cuda"
+        if not on_gpu and obj.device.type != "cpu":
+            raise InvalidArgument(f"tensors on {obj.device.type} are not supported")
+        index = obj.device.index if obj.device.index is not None else 0
+        return _ferry.Array(obj.data_ptr(), obj.numel() * obj.element_size(),
+                            index if on_gpu else _ferry.HOST_MEMORY, _torch_kind(obj),
+                            obj.element_size(), False, list(obj.shape), obj)
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if cai is not None:
+        shape = tuple(cai["shape"])
+        typestr = cai["typestr"]
+        item_bytes = int(typestr[2:])
+        strides = cai.get("strides")
+        if strides is not None and tuple(strides) != _c_strides(shape, item_bytes):
+            raise InvalidArgument("expected a C-contiguous CUDA array")
+        pointer, readonly = cai["data"]
+        if device is None:
+            own = getattr(getattr(obj, "device", None), "id", None)  # CuPy
+            device = own if isinstance(own, int) else _ferry.CUDA_UNKNOWN_DEVICE
+        return _ferry.Array(pointer, math.prod(shape) * item_bytes, device, typestr[1],
+                            item_bytes, bool(readonly), list(shape), obj)
+    return _ferry.host_array(obj)

@@ -1,0 +1,101 @@
+// The binding layer's shared pieces: Status -> Python exceptions, deadlines from seconds, and the
+// array views the Python side hands in (python/ferry/_arrays.py builds them from NumPy arrays,
+// buffer-protocol objects, torch tensors and __cuda_array_interface__ objects). The C++ core
+// never sees a Python type; this layer checks every array against what a call needs before a
+// pointer goes further.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ferry/fabric.h"
+#include "ferry/status.h"
+
+namespace ferry::python {
+
+namespace py = pybind11;
+
+// Raises the exception class of status's code (ferry.InvalidArgument, ...; all subclasses of
+// ferry.Error) carrying its message, unless status is OK.
+void ThrowIfError(const Status& status);
+
+template <typename T>
+T ValueOrThrow(StatusOr<T> result) {
+  ThrowIfError(result.status());
+  return std::move(result).value();
+}
+
+// Raises InvalidArgument for negative, NaN or infinite seconds: every wait is bounded.
+void CheckTimeout(double seconds);
+// `seconds` from now (checked as above).
+Deadline DeadlineIn(double seconds);
+
+// Where an array's bytes live.
+inline constexpr int kHostMemory = -1;
+inline constexpr int kCudaUnknownDevice = -2;  // CUDA memory whose device the object did not say
+
+// One contiguous array as the Python side described it. `owner` is the object the bytes belong
+// to: whoever keeps the pointer keeps the owner.
+struct Array {
+  uint64_t data = 0;
+  uint64_t num_bytes = 0;
+  int device = kHostMemory;  // kHostMemory, a CUDA ordinal, or kCudaUnknownDevice
+  char kind = 'V';           // NumPy typestr kind: 'i', 'u', 'f', 'b'; 'V' unknown
+  int item_bytes = 1;
+  bool readonly = false;
+  std::vector<int64_t> shape;
+  py::object owner;
+
+  bool on_host() const { return device == kHostMemory; }
+  // The first dimension of an array of two or more; -1 for a flat one.
+  int64_t rows() const { return shape.size() >= 2 ? shape.front() : -1; }
+  void* pointer() const { return reinterpret_cast<void*>(static_cast<uintptr_t>(data)); }
+};
+
+// What a call needs of one array argument.
+struct ArrayNeed {
+  const char* name;
+  uint64_t num_bytes = 0;   // at least
+  bool writable = false;
+  char kind = 0;            // 0: any
+  int item_bytes = 0;       // 0: any
+};
+
+// InvalidArgument naming the argument when `array` is missing, too small, read-only where
+// written, of the wrong element type, or not in the memory `device` names (kHostMemory, or the
+// CUDA ordinal the call runs on).
+Status CheckArray(const Array* array, const ArrayNeed& need, int device);
+
+void BindBootstrap(py::module_& m);
+void BindFabric(py::module_& m);
+void BindMoe(py::module_& m);
+
+}  // namespace ferry::python
+
+namespace ferry::python {
+
+// `object` as an Array: an Array as is, anything else through ferry._arrays.as_array (NumPy,
+// buffer protocol, torch tensors, __cuda_array_interface__).
+Array ToArray(const py::handle& object);
+
+}  // namespace ferry::python
+
+namespace ferry::python {
+
+// The TransferEngine of a ferry.TransferEngine object (None: null), which refuses to close until
+// as many ReleaseEngine calls: what uses an engine (an AllToAll) holds it this way.
+TransferEngine* AcquireEngine(const py::handle& engine);
+void ReleaseEngine(const py::handle& engine);
+
+// Sets each keyword argument as an attribute of `target` (a bound options struct); an unknown
+// name is a TypeError.
+void SetFields(py::object& target, const py::kwargs& fields);
+
+// "TypeError: message" of the Python exception being handled, without its traceback.
+std::string Summary(const py::error_already_set& e);
+
+}  // namespace ferry::python

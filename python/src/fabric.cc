@@ -1,0 +1,487 @@
+// TransferEngine bindings. Transfers complete on the engine's worker thread, which never runs
+// Python: a completion only records its status in the transfer's shared state, and Python
+// waits on that (Transfer.wait) with the GIL released. Messages are queued the same way and
+// taken with recv(). Whatever the engine may still read or write for a transfer -- its local
+// region, its page lists -- stays referenced by the engine until the transfer has ended, so
+// dropping a Transfer or a Region early cannot pull memory from under the NIC.
+#include <pybind11/stl.h>
+
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <optional>
+
+#include "binding.h"
+
+namespace ferry::python {
+namespace {
+
+// One submitted transfer: the completion (worker thread) and Python (any thread) meet here.
+struct TransferState {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  Status status;
+  // What the engine reads until the end: a paged write's page lists, a scatter's targets.
+  std::vector<uint32_t> src_pages, dst_pages;
+  std::vector<ScatterTarget> targets;
+
+  void Finish(const Status& s) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      status = s;
+      done = true;
+    }
+    cv.notify_all();
+  }
+  bool Done() {
+    std::lock_guard<std::mutex> lock(mu);
+    return done;
+  }
+  Status Wait(Deadline deadline) {
+    std::unique_lock<std::mutex> lock(mu);
+    if (!cv.wait_until(lock, deadline.at, [&] { return done; })) {
+      return DeadlineExceededError("transfer still in flight at the deadline");
+    }
+    return status;
+  }
+};
+
+class Transfer {
+ public:
+  Transfer(std::shared_ptr<TransferState> state, py::tuple keep)
+      : state_(std::move(state)), keep_(std::move(keep)) {}
+  bool done() const { return state_->Done(); }
+  // Raises the transfer's error, or DeadlineExceeded if it has not ended by then (it may still
+  // end later).
+  void Wait(double timeout) {
+    const Deadline deadline = DeadlineIn(timeout);
+    Status s;
+    {
+      py::gil_scoped_release release;
+      s = state_->Wait(deadline);
+    }
+    ThrowIfError(s);
+  }
+
+ private:
+  std::shared_ptr<TransferState> state_;
+  py::tuple keep_;  // the local regions it reads (or that a peer's bytes land in)
+};
+
+// A registered array; keeps the array's owner alive while registered.
+struct Region {
+  MemoryRegion region;
+  Array array;
+};
+
+// Received two-sided messages, waiting for recv(). Bounded: past kCapacity the newest are
+// dropped and counted, and the next recv() reports how many.
+class MessageQueue {
+ public:
+  static constexpr size_t kCapacity = 4096;
+  using Message = std::pair<std::optional<PeerId>, std::vector<uint8_t>>;
+
+  void Push(std::optional<PeerId> from, std::span<const uint8_t> bytes) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (queue_.size() >= kCapacity) {
+        ++dropped_;
+        return;
+      }
+      queue_.emplace_back(from, std::vector<uint8_t>(bytes.begin(), bytes.end()));
+    }
+    cv_.notify_one();
+  }
+  StatusOr<Message> Pop(Deadline deadline) {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (dropped_ > 0) {
+      const uint64_t n = dropped_;
+      dropped_ = 0;
+      return ResourceExhaustedError(std::to_string(n) + " messages dropped: more than " +
+                                    std::to_string(kCapacity) + " waited for recv()");
+    }
+    if (!cv_.wait_until(lock, deadline.at, [&] { return !queue_.empty(); })) {
+      return DeadlineExceededError("no message before the deadline");
+    }
+    Message m = std::move(queue_.front());
+    queue_.pop_front();
+    return m;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Message> queue_;
+  uint64_t dropped_ = 0;
+};
+
+RemoteRegion ToRemote(const py::handle& object) {
+  if (py::isinstance<RemoteRegion>(object)) return py::cast<RemoteRegion>(object);
+  if (!PyBytes_Check(object.ptr())) {
+    ThrowIfError(InvalidArgumentError(
+        "dst must be a ferry.RemoteRegion or the bytes of Region.descriptor"));
+  }
+  const auto* data = reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(object.ptr()));
+  return ValueOrThrow(RemoteRegion::Parse({data, static_cast<size_t>(PyBytes_GET_SIZE(object.ptr()))}));
+}
+
+std::span<const uint8_t> BytesOf(const py::bytes& bytes) {
+  char* data = nullptr;
+  Py_ssize_t size = 0;
+  PyBytes_AsStringAndSize(bytes.ptr(), &data, &size);
+  return {reinterpret_cast<const uint8_t*>(data), static_cast<size_t>(size)};
+}
+
+py::bytes ToBytes(const std::vector<uint8_t>& v) {
+  return py::bytes(reinterpret_cast<const char*>(v.data()), v.size());
+}
+
+class Engine {
+ public:
+  explicit Engine(const EngineOptions& options)
+      : engine_(ValueOrThrow(TransferEngine::Create(options))),
+        messages_(std::make_shared<MessageQueue>()) {
+    engine_->SetMessageHandler(
+        [messages = messages_](std::optional<PeerId> from, std::span<const uint8_t> bytes) {
+          messages->Push(from, bytes);
+        });
+  }
+  ~Engine() { Close(); }
+
+  // Ends every transfer still in flight (Cancelled) and stops the worker; refused while an
+  // AllToAll uses the engine.
+  void Close() {
+    if (users_ > 0) {
+      ThrowIfError(FailedPreconditionError(
+          "TransferEngine.close: " + std::to_string(users_) +
+          " AllToAll objects still use this engine; close them first"));
+    }
+    if (engine_) {
+      py::gil_scoped_release release;
+      engine_.reset();
+    }
+    inflight_.clear();
+    scatter_sources_.clear();
+  }
+
+  TransferEngine& engine() {
+    if (!engine_) ThrowIfError(FailedPreconditionError("the TransferEngine is closed"));
+    return *engine_;
+  }
+  TransferEngine* Acquire() {
+    TransferEngine* e = &engine();
+    ++users_;
+    return e;
+  }
+  void Release() { --users_; }
+
+  Region Register(const py::handle& object) {
+    Array array = ToArray(object);
+    if (array.readonly) {
+      ThrowIfError(InvalidArgumentError(
+          "register: the array is read-only, and peers may write into a registered region"));
+    }
+    if (array.device == kCudaUnknownDevice) {
+      ThrowIfError(InvalidArgumentError(
+          "register: the array is CUDA memory of no known device; pass "
+          "ferry.as_array(obj, device=N)"));
+    }
+    const MemoryKind kind = array.on_host() ? MemoryKind::kHost : MemoryKind::kCuda;
+    Region r;
+    r.region = ValueOrThrow(engine().RegisterMemory(array.pointer(), array.num_bytes, kind,
+                                                    array.on_host() ? 0 : array.device));
+    r.array = std::move(array);
+    return r;
+  }
+
+  py::object Write(const py::object& src, PeerId peer, const py::handle& dst, uint64_t src_offset,
+                   uint64_t dst_offset, std::optional<uint64_t> length,
+                   std::optional<uint32_t> imm) {
+    const Region& region = py::cast<const Region&>(src);
+    SingleWrite w;
+    w.src = &region.region;
+    w.src_offset = src_offset;
+    w.peer = peer;
+    w.dst = ToRemote(dst);
+    w.dst_offset = dst_offset;
+    w.length = length ? *length : region.region.length() - std::min(src_offset, region.region.length());
+    w.imm = imm;
+    auto state = std::make_shared<TransferState>();
+    return Track(state, py::make_tuple(src), engine().Write(w, Done(state)));
+  }
+
+  py::object WritePaged(const py::object& src, PeerId peer, const py::handle& dst,
+                        uint64_t page_bytes, std::vector<uint32_t> src_pages,
+                        std::vector<uint32_t> dst_pages, std::optional<uint64_t> src_stride,
+                        std::optional<uint64_t> dst_stride, uint64_t src_offset,
+                        uint64_t dst_offset, std::optional<uint32_t> imm, bool imm_once,
+                        uint32_t imm_weight_mask) {
+    const Region& region = py::cast<const Region&>(src);
+    auto state = std::make_shared<TransferState>();
+    state->src_pages = std::move(src_pages);
+    state->dst_pages = std::move(dst_pages);
+    PagedWrite w;
+    w.src = &region.region;
+    w.peer = peer;
+    w.dst = ToRemote(dst);
+    w.page_bytes = page_bytes;
+    w.src_stride = src_stride.value_or(page_bytes);
+    w.dst_stride = dst_stride.value_or(page_bytes);
+    w.src_offset = src_offset;
+    w.dst_offset = dst_offset;
+    w.src_pages = state->src_pages;
+    w.dst_pages = state->dst_pages;
+    w.imm = imm;
+    w.imm_once = imm_once;
+    w.imm_weight_mask = imm_weight_mask;
+    return Track(state, py::make_tuple(src), engine().WritePaged(w, Done(state)));
+  }
+
+  ScatterPlanId PrepareScatter(GroupId group, const py::object& src, const py::list& dst) {
+    std::vector<RemoteRegion> regions;
+    for (py::handle d : dst) regions.push_back(ToRemote(d));
+    const Region& region = py::cast<const Region&>(src);
+    const ScatterPlanId plan = ValueOrThrow(engine().PrepareScatter(group, region.region, regions));
+    scatter_sources_[plan] = src;
+    return plan;
+  }
+
+  py::object Scatter(ScatterPlanId plan, const std::vector<std::tuple<uint32_t, uint64_t, uint64_t,
+                                                                      uint64_t>>& targets,
+                     std::optional<uint32_t> imm) {
+    auto state = std::make_shared<TransferState>();
+    for (const auto& [member, src_offset, dst_offset, length] : targets) {
+      state->targets.push_back({member, src_offset, dst_offset, length});
+    }
+    auto source = scatter_sources_.find(plan);
+    py::tuple keep = source == scatter_sources_.end() ? py::tuple() : py::make_tuple(source->second);
+    return Track(state, keep, engine().Scatter({plan, state->targets, imm}, Done(state)));
+  }
+
+  py::object Barrier(GroupId group, uint32_t imm) {
+    auto state = std::make_shared<TransferState>();
+    return Track(state, py::tuple(), engine().Barrier(group, imm, Done(state)));
+  }
+
+  py::object WriteImm(PeerId peer, uint32_t imm) {
+    auto state = std::make_shared<TransferState>();
+    return Track(state, py::tuple(), engine().WriteImm(peer, imm, Done(state)));
+  }
+
+  py::object Send(PeerId peer, const py::bytes& message) {
+    auto state = std::make_shared<TransferState>();
+    return Track(state, py::tuple(), engine().Send(peer, BytesOf(message), Done(state)));
+  }
+
+  py::tuple Recv(double timeout) {
+    const Deadline deadline = DeadlineIn(timeout);
+    StatusOr<MessageQueue::Message> m = [&] {
+      py::gil_scoped_release release;
+      return messages_->Pop(deadline);
+    }();
+    auto [from, bytes] = ValueOrThrow(std::move(m));
+    return py::make_tuple(from ? py::cast(*from) : py::none(), ToBytes(bytes));
+  }
+
+  void WaitImm(uint32_t imm, uint64_t target, double timeout) {
+    const Deadline deadline = DeadlineIn(timeout);
+    TransferEngine& e = engine();
+    Status s;
+    {
+      py::gil_scoped_release release;
+      s = e.WaitImm(imm, target, deadline);
+    }
+    ThrowIfError(s);
+  }
+
+ private:
+  static Completion Done(const std::shared_ptr<TransferState>& state) {
+    return Completion::Callback([state](const Status& s) { state->Finish(s); });
+  }
+
+  // A submit that failed posted nothing: raise. Otherwise the Transfer stays in inflight_ (and
+  // with it what it keeps) until seen done.
+  py::object Track(const std::shared_ptr<TransferState>& state, py::tuple keep,
+                   const Status& submitted) {
+    ThrowIfError(submitted);
+    std::erase_if(inflight_, [](const py::object& t) { return py::cast<Transfer&>(t).done(); });
+    py::object transfer = py::cast(Transfer(state, std::move(keep)));
+    inflight_.push_back(transfer);
+    return transfer;
+  }
+
+  std::unique_ptr<TransferEngine> engine_;
+  std::shared_ptr<MessageQueue> messages_;
+  std::vector<py::object> inflight_;
+  std::map<ScatterPlanId, py::object> scatter_sources_;
+  int users_ = 0;  // AllToAll objects using the engine (the GIL guards it)
+};
+
+}  // namespace
+
+TransferEngine* AcquireEngine(const py::handle& engine) {
+  if (engine.is_none()) return nullptr;
+  if (!py::isinstance<Engine>(engine)) {
+    ThrowIfError(InvalidArgumentError("engine must be a ferry.TransferEngine or None"));
+  }
+  return py::cast<Engine&>(engine).Acquire();
+}
+
+void ReleaseEngine(const py::handle& engine) {
+  if (!engine.is_none()) py::cast<Engine&>(engine).Release();
+}
+
+void BindFabric(py::module_& m) {
+  py::class_<EngineOptions>(m, "EngineOptions",
+                            "TransferEngine settings (EngineOptions in include/ferry/fabric.h)")
+      .def(py::init([](const py::kwargs& fields) {
+             py::object o = py::cast(EngineOptions{});
+             SetFields(o, fields);
+             return o.cast<EngineOptions>();
+           }),
+           "The defaults, with any field given as a keyword argument")
+      .def_static("from_env",
+                  [](const py::kwargs& fields) {
+                    py::object o = py::cast(ValueOrThrow(EngineOptions::FromEnv()));
+                    SetFields(o, fields);
+                    return o.cast<EngineOptions>();
+                  },
+                  "Defaults overridden by the FERRY_* environment variables, then by any field "
+                  "given as a keyword argument")
+      .def_readwrite("provider", &EngineOptions::provider)
+      .def_readwrite("node", &EngineOptions::node)
+      .def_readwrite("nics", &EngineOptions::nics)
+      .def_readwrite("num_nics", &EngineOptions::num_nics)
+      .def_readwrite("nic_shard_min_bytes", &EngineOptions::nic_shard_min_bytes)
+      .def_readwrite("cuda_memory", &EngineOptions::cuda_memory)
+      .def_readwrite("worker_cpu", &EngineOptions::worker_cpu)
+      .def_readwrite("submit_queue_depth", &EngineOptions::submit_queue_depth)
+      .def_readwrite("max_transfers", &EngineOptions::max_transfers)
+      .def_readwrite("max_outstanding_wrs", &EngineOptions::max_outstanding_wrs)
+      .def_readwrite("num_recv_buffers", &EngineOptions::num_recv_buffers)
+      .def_readwrite("num_send_buffers", &EngineOptions::num_send_buffers)
+      .def_readwrite("message_bytes", &EngineOptions::message_bytes)
+      .def_readwrite("max_peers", &EngineOptions::max_peers)
+      .def_readwrite("max_groups", &EngineOptions::max_groups)
+      .def_readwrite("max_scatter_plans", &EngineOptions::max_scatter_plans)
+      .def_readwrite("max_imm_counters", &EngineOptions::max_imm_counters)
+      .def_readwrite("transfer_timeout_ms", &EngineOptions::transfer_timeout_ms)
+      .def_readwrite("control_timeout_ms", &EngineOptions::control_timeout_ms)
+      .def_readwrite("shutdown_timeout_ms", &EngineOptions::shutdown_timeout_ms)
+      .def_readwrite("spin_us", &EngineOptions::spin_us)
+      .def_readwrite("idle_yield_us", &EngineOptions::idle_yield_us)
+      .def_readwrite("idle_sleep_us", &EngineOptions::idle_sleep_us)
+      .def_readwrite("trust_write_order", &EngineOptions::trust_write_order);
+
+  py::class_<FabricInfo>(m, "FabricInfo", "Provider facts the engine adapted to")
+      .def_readonly("provider", &FabricInfo::provider)
+      .def_readonly("domain", &FabricInfo::domain)
+      .def_readonly("num_nics", &FabricInfo::num_nics)
+      .def_readonly("virt_addr", &FabricInfo::virt_addr)
+      .def_readonly("hmem", &FabricInfo::hmem)
+      .def_readonly("cq_data_size", &FabricInfo::cq_data_size)
+      .def_readonly("max_msg_size", &FabricInfo::max_msg_size)
+      .def_readonly("ordered_write_bytes", &FabricInfo::ordered_write_bytes);
+
+  py::class_<RemoteRegion>(m, "RemoteRegion",
+                           "A peer's registered region, parsed once from its descriptor bytes")
+      .def_static("parse", [](const py::bytes& b) { return ToRemote(b); }, py::arg("descriptor"))
+      .def_readonly("length", &RemoteRegion::length)
+      .def_readonly("engine_id", &RemoteRegion::engine_id)
+      .def("serialize", [](const RemoteRegion& r) { return ToBytes(r.Serialize()); });
+
+  py::class_<Region>(m, "Region", "A registered array; deregistered when dropped")
+      .def_property_readonly("descriptor",
+                             [](const Region& r) { return ToBytes(r.region.remote().Serialize()); },
+                             "Bytes a peer passes as dst (RemoteRegion.parse)")
+      .def_property_readonly("length", [](const Region& r) { return r.region.length(); })
+      .def_property_readonly("device", [](const Region& r) { return r.array.device; })
+      .def_property_readonly("array", [](const Region& r) { return r.array.owner; });
+
+  py::class_<Transfer>(m, "Transfer", "A submitted transfer")
+      .def_property_readonly("done", &Transfer::done)
+      .def("wait", &Transfer::Wait, py::arg("timeout") = 30.0,
+           "Returns once the transfer ended well; raises its error, or DeadlineExceeded");
+
+  py::class_<Engine>(m, "TransferEngine",
+                     "One-sided writes and two-sided messages over libfabric or verbs; every "
+                     "method may be called from any thread")
+      .def(py::init([](std::optional<EngineOptions> options) {
+             return std::make_unique<Engine>(
+                 options ? *options : ValueOrThrow(EngineOptions::FromEnv()));
+           }),
+           py::arg("options") = py::none())
+      .def("close", &Engine::Close)
+      .def("__enter__", [](py::object self) { return self; })
+      .def("__exit__", [](Engine& e, py::args) { e.Close(); })
+      .def_property_readonly("info", [](Engine& e) { return e.engine().info(); })
+      .def_property_readonly("id", [](Engine& e) { return e.engine().id(); })
+      .def_property_readonly("address", [](Engine& e) { return ToBytes(e.engine().Address()); })
+      .def("register", &Engine::Register, py::arg("array"),
+           "Registers an array (host, or CUDA with options.cuda_memory); the Region keeps it")
+      .def("add_peer",
+           [](Engine& e, const py::bytes& address) {
+             return ValueOrThrow(e.engine().AddPeer(BytesOf(address)));
+           },
+           py::arg("address"))
+      .def("remove_peer", [](Engine& e, PeerId p) { ThrowIfError(e.engine().RemovePeer(p)); },
+           py::arg("peer"))
+      .def("add_peer_group",
+           [](Engine& e, const std::vector<PeerId>& members) {
+             return ValueOrThrow(e.engine().AddPeerGroup(members));
+           },
+           py::arg("members"))
+      .def("write", &Engine::Write, py::arg("src"), py::arg("peer"), py::arg("dst"),
+           py::arg("src_offset") = 0, py::arg("dst_offset") = 0, py::arg("length") = py::none(),
+           py::arg("imm") = py::none(),
+           "Writes src[src_offset:src_offset+length] (default: the rest of src) into dst at "
+           "dst_offset; imm is counted by the peer once the bytes landed")
+      .def("write_paged", &Engine::WritePaged, py::arg("src"), py::arg("peer"), py::arg("dst"),
+           py::arg("page_bytes"), py::arg("src_pages"), py::arg("dst_pages"),
+           py::arg("src_stride") = py::none(), py::arg("dst_stride") = py::none(),
+           py::arg("src_offset") = 0, py::arg("dst_offset") = 0, py::arg("imm") = py::none(),
+           py::arg("imm_once") = false, py::arg("imm_weight_mask") = 0)
+      .def("prepare_scatter", &Engine::PrepareScatter, py::arg("group"), py::arg("src"),
+           py::arg("dst"))
+      .def("scatter", &Engine::Scatter, py::arg("plan"), py::arg("targets"),
+           py::arg("imm") = py::none(),
+           "targets: (member, src_offset, dst_offset, length) tuples")
+      .def("barrier", &Engine::Barrier, py::arg("group"), py::arg("imm"))
+      .def("write_imm", &Engine::WriteImm, py::arg("peer"), py::arg("imm"))
+      .def("send", &Engine::Send, py::arg("peer"), py::arg("message"))
+      .def("recv", &Engine::Recv, py::arg("timeout") = 30.0,
+           "(peer or None, bytes) of the next message received")
+      .def("create_imm_counter",
+           [](Engine& e, uint32_t imm, uint32_t weight_mask) {
+             ThrowIfError(weight_mask ? e.engine().CreateWeightedImmCounter(imm, weight_mask)
+                                      : e.engine().CreateImmCounter(imm));
+           },
+           py::arg("imm"), py::arg("weight_mask") = 0)
+      .def("imm_count",
+           [](Engine& e, uint32_t imm) { return ValueOrThrow(e.engine().ImmCount(imm)); },
+           py::arg("imm"))
+      .def("wait_imm", &Engine::WaitImm, py::arg("imm"), py::arg("target"),
+           py::arg("timeout") = 30.0)
+      .def("consume_imm",
+           [](Engine& e, uint32_t imm, uint64_t n) { ThrowIfError(e.engine().ConsumeImm(imm, n)); },
+           py::arg("imm"), py::arg("n"))
+      .def("stats", [](Engine& e) {
+        const EngineStats s = e.engine().stats();
+        py::dict d;
+        d["transfers_submitted"] = s.transfers_submitted;
+        d["transfers_completed"] = s.transfers_completed;
+        d["transfers_failed"] = s.transfers_failed;
+        d["wrs_posted"] = s.wrs_posted;
+        d["post_retries"] = s.post_retries;
+        d["imm_waits"] = s.imm_waits;
+        d["imms_received"] = s.imms_received;
+        d["imms_unmatched"] = s.imms_unmatched;
+        d["messages_received"] = s.messages_received;
+        d["worker_cpu_ns"] = s.worker_cpu_ns;
+        return d;
+      });
+}
+
+}  // namespace ferry::python

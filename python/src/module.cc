@@ -1,0 +1,169 @@
+// ferry._ferry: the extension module. This file holds what every part of the binding shares
+// (errors, deadlines, array checks, host arrays from the buffer protocol) and the module's entry
+// point; the bootstrap, fabric and moe bindings sit in files of their own.
+#include <pybind11/stl.h>
+
+#include <cmath>
+#include <string>
+
+#include "binding.h"
+
+namespace ferry::python {
+
+void ThrowIfError(const Status& status) {
+  if (status.ok()) return;
+  // ferry._errors defines one class per code, named as StatusCodeName names it.
+  py::object errors = py::module_::import("ferry._errors");
+  const std::string name(StatusCodeName(status.code()));
+  py::object cls = py::hasattr(errors, name.c_str()) ? errors.attr(name.c_str())
+                                                     : errors.attr("Error");
+  PyErr_SetString(cls.ptr(), std::string(status.message()).c_str());
+  throw py::error_already_set();
+}
+
+void CheckTimeout(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) {
+    ThrowIfError(InvalidArgumentError("timeout must be a finite number of seconds >= 0, got " +
+                                      std::to_string(seconds)));
+  }
+}
+
+Deadline DeadlineIn(double seconds) {
+  CheckTimeout(seconds);
+  return Deadline::After(std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double>(seconds)));
+}
+
+namespace {
+
+std::string DeviceName(int device) {
+  if (device == kHostMemory) return "host memory";
+  if (device == kCudaUnknownDevice) return "CUDA memory";
+  return "CUDA memory of device " + std::to_string(device);
+}
+
+// A host array from any object with the buffer protocol (NumPy, array.array, bytearray,
+// memoryview): C-contiguous only. Read-only ones too: CheckArray refuses them as outputs,
+// naming the argument.
+Array HostArray(const py::object& object) {
+  Py_buffer view;
+  if (PyObject_GetBuffer(object.ptr(), &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0) {
+    PyErr_Clear();
+    ThrowIfError(InvalidArgumentError(
+        "expected a C-contiguous array (NumPy, torch tensor, __cuda_array_interface__ or "
+        "buffer protocol), got " + std::string(py::str(py::type::of(object).attr("__name__")))));
+  }
+  Array a;
+  a.data = reinterpret_cast<uintptr_t>(view.buf);
+  a.num_bytes = static_cast<uint64_t>(view.len);
+  a.item_bytes = static_cast<int>(view.itemsize);
+  a.readonly = view.readonly != 0;
+  const std::string format = view.format ? view.format : "B";
+  // struct-module format codes, byte order prefix dropped.
+  const char code = format.empty() ? 'B' : format.back();
+  if (std::string("bhilq").find(code) != std::string::npos) a.kind = 'i';
+  if (std::string("BHILQ").find(code) != std::string::npos) a.kind = 'u';
+  if (std::string("efd").find(code) != std::string::npos) a.kind = 'f';
+  if (code == '?') a.kind = 'b';
+  for (int i = 0; i < view.ndim; ++i) a.shape.push_back(view.shape[i]);
+  a.owner = object;
+  PyBuffer_Release(&view);  // the owner keeps the memory; `a` keeps the owner
+  return a;
+}
+
+}  // namespace
+
+Array ToArray(const py::handle& object) {
+  if (py::isinstance<Array>(object)) return py::cast<Array>(object);
+  return py::cast<Array>(py::module_::import("ferry._arrays").attr("as_array")(object));
+}
+
+std::string Summary(const py::error_already_set& e) {
+  return std::string(py::str(e.type().attr("__name__"))) + ": " + std::string(py::str(e.value()));
+}
+
+void SetFields(py::object& target, const py::kwargs& fields) {
+  for (auto [name, value] : fields) {
+    const std::string key = py::str(name);
+    if (!py::hasattr(target, key.c_str())) {
+      throw py::type_error(std::string(py::str(py::type::of(target).attr("__name__"))) +
+                           " has no field '" + key + "'");
+    }
+    py::setattr(target, key.c_str(), value);
+  }
+}
+
+Status CheckArray(const Array* array, const ArrayNeed& need, int device) {
+  const std::string name = need.name;
+  if (array == nullptr) return InvalidArgumentError(name + ": required");
+  if (array->data == 0 && need.num_bytes > 0) return InvalidArgumentError(name + ": null data");
+  const bool want_host = device == kHostMemory;
+  const bool device_ok = want_host ? array->on_host()
+                                   : !array->on_host() && (array->device == kCudaUnknownDevice ||
+                                                           array->device == device);
+  if (!device_ok) {
+    return InvalidArgumentError(name + ": in " + DeviceName(array->device) + ", the call needs " +
+                                DeviceName(device));
+  }
+  if (array->num_bytes < need.num_bytes) {
+    return InvalidArgumentError(name + ": " + std::to_string(array->num_bytes) +
+                                " bytes, the call needs at least " +
+                                std::to_string(need.num_bytes));
+  }
+  if (need.writable && array->readonly) return InvalidArgumentError(name + ": read-only");
+  const bool kind_ok = need.kind == 0 || array->kind == 'V' || array->kind == need.kind;
+  const bool size_ok = need.item_bytes == 0 || array->item_bytes == need.item_bytes;
+  if (!kind_ok || !size_ok) {
+    return InvalidArgumentError(name + ": elements of kind '" + std::string(1, array->kind) +
+                                "', " + std::to_string(array->item_bytes) + " bytes; expected '" +
+                                std::string(1, need.kind ? need.kind : '?') + "', " +
+                                std::to_string(need.item_bytes) + " bytes");
+  }
+  return Status::Ok();
+}
+
+}  // namespace ferry::python
+
+PYBIND11_MODULE(_ferry, m) {
+  using namespace ferry::python;
+  m.doc() = "ferry: RDMA transfers, MoE dispatch/combine and KV streaming (C++ core bindings)";
+
+  py::class_<Array>(m, "Array",
+                    "One contiguous array as ferry sees it (build with ferry.as_array)")
+      .def(py::init([](uint64_t data, uint64_t num_bytes, int device, const std::string& kind,
+                       int item_bytes, bool readonly, std::vector<int64_t> shape,
+                       py::object owner) {
+             Array a;
+             a.data = data;
+             a.num_bytes = num_bytes;
+             a.device = device;
+             a.kind = kind.empty() ? 'V' : kind[0];
+             a.item_bytes = item_bytes;
+             a.readonly = readonly;
+             a.shape = std::move(shape);
+             a.owner = std::move(owner);
+             return a;
+           }),
+           py::arg("data"), py::arg("num_bytes"), py::arg("device"), py::arg("kind"),
+           py::arg("item_bytes"), py::arg("readonly"), py::arg("shape"), py::arg("owner"))
+      .def_readonly("data", &Array::data)
+      .def_readonly("num_bytes", &Array::num_bytes)
+      .def_readonly("device", &Array::device)
+      .def_readonly("item_bytes", &Array::item_bytes)
+      .def_readonly("readonly", &Array::readonly)
+      .def_readonly("shape", &Array::shape)
+      .def_readonly("owner", &Array::owner)
+      .def_property_readonly("kind", [](const Array& a) { return std::string(1, a.kind); })
+      .def("__repr__", [](const Array& a) {
+        return "<ferry.Array " + std::to_string(a.num_bytes) + " bytes in " +
+               DeviceName(a.device) + ">";
+      });
+  m.def("host_array", &HostArray, py::arg("object"),
+        "A host Array from a buffer-protocol object (C-contiguous)");
+  m.attr("HOST_MEMORY") = kHostMemory;
+  m.attr("CUDA_UNKNOWN_DEVICE") = kCudaUnknownDevice;
+
+  BindBootstrap(m);
+  BindFabric(m);
+  BindMoe(m);
+}

@@ -1,0 +1,291 @@
+// AllToAll bindings. Each step checks its arrays against the configuration (size, element type,
+// host or the configured GPU, writable outputs) before a pointer reaches the core, and runs with
+// the GIL released. With a stream set (CUDA), steps return once enqueued: the arrays of every
+// step enqueued since the last synchronize() stay referenced until it returns.
+#include <pybind11/stl.h>
+
+#include "binding.h"
+#include "ferry/moe.h"
+
+namespace ferry::python {
+namespace {
+
+class PyAllToAll {
+ public:
+  PyAllToAll(const AllToAllConfig& config, py::object engine, Bootstrap& bootstrap)
+      : engine_(std::move(engine)) {
+    TransferEngine* e = AcquireEngine(engine_);
+    StatusOr<std::unique_ptr<AllToAll>> created = [&] {
+      py::gil_scoped_release release;
+      return AllToAll::Create(config, e, bootstrap);
+    }();
+    if (!created.ok()) ReleaseEngine(engine_);
+    a2a_ = ValueOrThrow(std::move(created));
+  }
+  ~PyAllToAll() { Close(); }
+
+  void Close() {
+    if (!a2a_) return;
+    {
+      py::gil_scoped_release release;
+      a2a_.reset();
+    }
+    ReleaseEngine(engine_);
+    keep_.clear();
+  }
+
+  const AllToAllConfig& config() const { return a2a().config(); }
+
+  void DispatchSend(const py::handle& x, const py::handle& indices, const py::handle& weights,
+                    const py::handle& scales, std::optional<int> num_tokens,
+                    const py::handle& device_num_tokens) {
+    const AllToAllConfig& c = config();
+    const Array xa = ToArray(x);
+    if (!num_tokens && xa.rows() < 0) {
+      ThrowIfError(InvalidArgumentError("dispatch_send: num_tokens is required with a flat x"));
+    }
+    const int64_t tokens = num_tokens ? *num_tokens : xa.rows();
+    if (tokens < 0 || tokens > c.max_tokens_per_rank) {
+      ThrowIfError(InvalidArgumentError("dispatch_send: " + std::to_string(tokens) +
+                                        " tokens, configured maximum " +
+                                        std::to_string(c.max_tokens_per_rank)));
+    }
+    const uint64_t copies = static_cast<uint64_t>(tokens) * c.experts_per_token;
+    const Array ia = ToArray(indices), wa = ToArray(weights);
+    Check(&xa, {"x", tokens * static_cast<uint64_t>(c.token_bytes()), false, 0, ItemBytes(c)});
+    Check(&ia, {"indices", copies * 4, false, 'i', 4});
+    Check(&wa, {"weights", copies * 4, false, 'f', 4});
+    DispatchInput in;
+    in.x = xa.pointer();
+    in.indices = static_cast<const int32_t*>(ia.pointer());
+    in.weights = static_cast<const float*>(wa.pointer());
+    in.num_tokens = static_cast<int>(tokens);
+    Keep({xa, ia, wa});
+    if (auto sa = Optional(scales, "scales", c.scales_per_token() > 0)) {
+      Check(&*sa, {"scales", tokens * static_cast<uint64_t>(c.scales_per_token()) * 4, false, 'f', 4});
+      in.scales = static_cast<const float*>(sa->pointer());
+      Keep({*sa});
+    }
+    if (!device_num_tokens.is_none()) {
+      const Array da = ToArray(device_num_tokens);
+      Check(&da, {"device_num_tokens", 4, false, 'i', 4});
+      in.device_num_tokens = static_cast<const int32_t*>(da.pointer());
+      Keep({da});
+    }
+    last_tokens_ = tokens;
+    Run([&] { return a2a_->DispatchSend(in); });
+  }
+
+  void DispatchRecv(const py::handle& x, const py::handle& num_tokens, const py::handle& scales,
+                    const py::handle& num_rows, const py::handle& token_experts,
+                    const py::handle& token_weights, double timeout) {
+    const AllToAllConfig& c = config();
+    const Deadline deadline = DeadlineIn(timeout);
+    const bool token_major = c.dispatch_layout == DispatchLayout::kTokenMajor;
+    const uint64_t rows = static_cast<uint64_t>(c.expert_capacity()) *
+                          (token_major ? 1 : static_cast<uint64_t>(c.local_experts()));
+    const Array xa = ToArray(x), na = ToArray(num_tokens);
+    Check(&xa, {"x", rows * c.token_bytes(), true, 0, ItemBytes(c)});
+    Check(&na, {"num_tokens", static_cast<uint64_t>(c.local_experts()) * 4, true, 'i', 4});
+    DispatchOutput out;
+    out.x = xa.pointer();
+    out.num_tokens = static_cast<int32_t*>(na.pointer());
+    Keep({xa, na});
+    if (auto sa = Optional(scales, "scales", c.scales_per_token() > 0)) {
+      Check(&*sa, {"scales", rows * c.scales_per_token() * 4, true, 'f', 4});
+      out.scales = static_cast<float*>(sa->pointer());
+      Keep({*sa});
+    }
+    const uint64_t entries = static_cast<uint64_t>(c.expert_capacity()) * c.experts_per_token;
+    auto ra = Optional(num_rows, "num_rows", token_major);
+    auto ea = Optional(token_experts, "token_experts", token_major);
+    auto wa = Optional(token_weights, "token_weights", token_major);
+    if (token_major) {
+      Check(&*ra, {"num_rows", 4, true, 'i', 4});
+      Check(&*ea, {"token_experts", entries * 4, true, 'i', 4});
+      Check(&*wa, {"token_weights", entries * 4, true, 'f', 4});
+      out.num_rows = static_cast<int32_t*>(ra->pointer());
+      out.token_experts = static_cast<int32_t*>(ea->pointer());
+      out.token_weights = static_cast<float*>(wa->pointer());
+      Keep({*ra, *ea, *wa});
+    }
+    Run([&] { return a2a_->DispatchRecv(out, deadline); });
+  }
+
+  void CombineSend(const py::handle& expert_out) {
+    const AllToAllConfig& c = config();
+    const uint64_t rows = static_cast<uint64_t>(c.expert_capacity()) *
+                          (c.dispatch_layout == DispatchLayout::kTokenMajor
+                               ? 1
+                               : static_cast<uint64_t>(c.local_experts()));
+    const Array ea = ToArray(expert_out);
+    Check(&ea, {"expert_out", rows * c.hidden * 2, false, 0, 2});
+    Keep({ea});
+    Run([&] { return a2a_->CombineSend(static_cast<const uint16_t*>(ea.pointer())); });
+  }
+
+  void CombineRecv(const py::handle& out, bool accumulate, double timeout) {
+    const AllToAllConfig& c = config();
+    const Deadline deadline = DeadlineIn(timeout);
+    const Array oa = ToArray(out);
+    Check(&oa, {"out", static_cast<uint64_t>(last_tokens_) * c.hidden * 2, true, 0, 2});
+    Keep({oa});
+    Run([&] { return a2a_->CombineRecv(static_cast<uint16_t*>(oa.pointer()), accumulate, deadline); });
+  }
+
+  void SetStream(const py::handle& stream) {
+    void* s = nullptr;
+    if (!stream.is_none()) {
+      // An int (a cudaStream_t's address), or a stream object that carries one: torch's
+      // .cuda_stream, CuPy's .ptr.
+      py::object handle = py::hasattr(stream, "cuda_stream") ? stream.attr("cuda_stream")
+                          : py::hasattr(stream, "ptr")       ? stream.attr("ptr")
+                                                             : py::reinterpret_borrow<py::object>(stream);
+      s = reinterpret_cast<void*>(static_cast<uintptr_t>(py::cast<uint64_t>(handle)));
+    }
+    ThrowIfError(a2a().SetStream(s));
+    streamed_ = s != nullptr;
+  }
+
+  void Synchronize() {
+    Status s;
+    {
+      py::gil_scoped_release release;
+      s = a2a().Synchronize();
+    }
+    keep_.clear();
+    ThrowIfError(s);
+  }
+
+  uint64_t dispatch_bytes_sent() const { return a2a().dispatch_bytes_sent(); }
+  uint64_t combine_bytes_sent() const { return a2a().combine_bytes_sent(); }
+
+ private:
+  AllToAll& a2a() const {
+    if (!a2a_) ThrowIfError(FailedPreconditionError("the AllToAll is closed"));
+    return *a2a_;
+  }
+  int Device(const AllToAllConfig& c) const {
+    return c.device == MoeDeviceKind::kHost ? kHostMemory : c.cuda_device;
+  }
+  static int ItemBytes(const AllToAllConfig& c) {
+    return c.dtype == DispatchDtype::kBf16 ? 2 : 1;
+  }
+  void Check(const Array* array, const ArrayNeed& need) const {
+    ThrowIfError(CheckArray(array, need, Device(config())));
+  }
+  // An optional argument: None where not `wanted` (else InvalidArgument: the configuration has
+  // no use for it), an Array where wanted (else InvalidArgument: required).
+  std::optional<Array> Optional(const py::handle& object, const char* name,
+                                bool wanted) const {
+    if (object.is_none()) {
+      if (wanted) ThrowIfError(InvalidArgumentError(std::string(name) + ": required"));
+      return std::nullopt;
+    }
+    if (!wanted) {
+      ThrowIfError(InvalidArgumentError(std::string(name) +
+                                        ": this configuration takes none (" +
+                                        config().ToString() + ")"));
+    }
+    return ToArray(object);
+  }
+  // Steps that wait for themselves end before they return: what earlier steps used may go.
+  void Keep(std::initializer_list<Array> arrays) {
+    for (const Array& a : arrays) keep_.push_back(a.owner);
+  }
+  template <typename Step>
+  void Run(Step step) {
+    Status s;
+    {
+      py::gil_scoped_release release;
+      s = step();
+    }
+    if (!streamed_) keep_.clear();
+    ThrowIfError(s);
+  }
+
+  py::object engine_;
+  std::unique_ptr<AllToAll> a2a_;
+  std::vector<py::object> keep_;
+  int64_t last_tokens_ = 0;
+  bool streamed_ = false;
+};
+
+}  // namespace
+
+void BindMoe(py::module_& m) {
+  py::enum_<DispatchDtype>(m, "DispatchDtype")
+      .value("BF16", DispatchDtype::kBf16)
+      .value("FP8_E4M3", DispatchDtype::kFp8E4M3);
+  py::enum_<MoeDeviceKind>(m, "MoeDevice")
+      .value("HOST", MoeDeviceKind::kHost)
+      .value("CUDA", MoeDeviceKind::kCuda);
+  py::enum_<DispatchLayout>(m, "DispatchLayout")
+      .value("EXPERT_MAJOR", DispatchLayout::kExpertMajor)
+      .value("TOKEN_MAJOR", DispatchLayout::kTokenMajor);
+  py::enum_<RdmaBuffers>(m, "RdmaBuffers")
+      .value("AUTO", RdmaBuffers::kAuto)
+      .value("HOST", RdmaBuffers::kHost)
+      .value("DEVICE", RdmaBuffers::kDevice);
+
+  py::class_<AllToAllConfig>(m, "AllToAllConfig",
+                             "What an AllToAll moves (AllToAllConfig in include/ferry/moe.h)")
+      .def(py::init([](const py::kwargs& fields) {
+             py::object o = py::cast(AllToAllConfig{});
+             SetFields(o, fields);
+             return o.cast<AllToAllConfig>();
+           }))
+      .def_readwrite("world_size", &AllToAllConfig::world_size)
+      .def_readwrite("rank", &AllToAllConfig::rank)
+      .def_readwrite("ranks_per_node", &AllToAllConfig::ranks_per_node)
+      .def_readwrite("num_experts", &AllToAllConfig::num_experts)
+      .def_readwrite("experts_per_token", &AllToAllConfig::experts_per_token)
+      .def_readwrite("max_tokens_per_rank", &AllToAllConfig::max_tokens_per_rank)
+      .def_readwrite("hidden", &AllToAllConfig::hidden)
+      .def_readwrite("dtype", &AllToAllConfig::dtype)
+      .def_readwrite("max_private_tokens", &AllToAllConfig::max_private_tokens)
+      .def_readwrite("dispatch_once_per_rank", &AllToAllConfig::dispatch_once_per_rank)
+      .def_readwrite("combine_reduce_at_expert_rank",
+                     &AllToAllConfig::combine_reduce_at_expert_rank)
+      .def_readwrite("dispatch_layout", &AllToAllConfig::dispatch_layout)
+      .def_readwrite("device", &AllToAllConfig::device)
+      .def_readwrite("cuda_device", &AllToAllConfig::cuda_device)
+      .def_readwrite("rdma_buffers", &AllToAllConfig::rdma_buffers)
+      .def("validate", [](const AllToAllConfig& c) { ThrowIfError(c.Validate()); })
+      .def_property_readonly("local_experts", &AllToAllConfig::local_experts)
+      .def_property_readonly("token_bytes", &AllToAllConfig::token_bytes)
+      .def_property_readonly("scales_per_token", &AllToAllConfig::scales_per_token)
+      .def_property_readonly("expert_capacity", &AllToAllConfig::expert_capacity)
+      .def("__repr__", &AllToAllConfig::ToString);
+
+  py::class_<PyAllToAll>(m, "AllToAll",
+                         "Expert-parallel dispatch and combine, each a send and a receive half; "
+                         "one thread drives an AllToAll")
+      .def(py::init<const AllToAllConfig&, py::object, Bootstrap&>(), py::arg("config"),
+           py::arg("engine"), py::arg("bootstrap"),
+           "Collective: every rank with the same config (its own rank); engine may be None on "
+           "the CUDA device with one node")
+      .def("close", &PyAllToAll::Close)
+      .def("__enter__", [](py::object self) { return self; })
+      .def("__exit__", [](PyAllToAll& a, py::args) { a.Close(); })
+      .def_property_readonly("config", &PyAllToAll::config)
+      .def("dispatch_send", &PyAllToAll::DispatchSend, py::arg("x"), py::arg("indices"),
+           py::arg("weights"), py::arg("scales") = py::none(), py::arg("num_tokens") = py::none(),
+           py::arg("device_num_tokens") = py::none(),
+           "x [T, hidden] (bf16 as 2-byte or fp8 as 1-byte elements), indices [T, k] int32, "
+           "weights [T, k] float32, scales [T, hidden/128] float32 (fp8); T = num_tokens or "
+           "x's first dimension (num_tokens is required for a flat x)")
+      .def("dispatch_recv", &PyAllToAll::DispatchRecv, py::arg("x"), py::arg("num_tokens"),
+           py::arg("scales") = py::none(), py::arg("num_rows") = py::none(),
+           py::arg("token_experts") = py::none(), py::arg("token_weights") = py::none(),
+           py::arg("timeout") = 30.0)
+      .def("combine_send", &PyAllToAll::CombineSend, py::arg("expert_out"))
+      .def("combine_recv", &PyAllToAll::CombineRecv, py::arg("out"),
+           py::arg("accumulate") = false, py::arg("timeout") = 30.0)
+      .def("set_stream", &PyAllToAll::SetStream, py::arg("stream"))
+      .def("synchronize", &PyAllToAll::Synchronize)
+      .def_property_readonly("dispatch_bytes_sent", &PyAllToAll::dispatch_bytes_sent)
+      .def_property_readonly("combine_bytes_sent", &PyAllToAll::combine_bytes_sent);
+}
+
+}  // namespace ferry::python

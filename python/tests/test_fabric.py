@@ -1,0 +1,124 @@
+"""ferry.TransferEngine from Python: two ranks over libfabric's shm provider."""
+
+import unittest
+
+import ferry
+from ranks import run_ranks, shm_engine
+
+PAGE = 256
+
+
+def pattern(n, seed):
+    return bytes((i * 7 + seed) % 251 for i in range(n))
+
+
+def connect(bootstrap, engine, region):
+    """The peer's id on our engine and its region's descriptor (two ranks)."""
+    other = 1 - bootstrap.rank
+    addresses = bootstrap.all_gather(engine.address)
+    descriptors = bootstrap.all_gather(region.descriptor)
+    return engine.add_peer(addresses[other]), descriptors[other]
+
+
+def writes_body(b):
+    with shm_engine() as engine:
+        buf = bytearray(16 * PAGE)
+        region = engine.register(buf)
+        peer, dst = connect(b, engine, region)
+        engine.create_imm_counter(7)
+        engine.create_imm_counter(8)
+        b.barrier()
+        if b.rank == 0:
+            buf[:] = pattern(len(buf), 1)
+            # Bytes [PAGE, 3 PAGE) to [5 PAGE, 7 PAGE) of the peer, counted by imm 7.
+            engine.write(region, peer, dst, src_offset=PAGE, dst_offset=5 * PAGE,
+                         length=2 * PAGE, imm=7).wait(10)
+            # Pages 3, 0, 2 to the peer's pages 10, 11, 9; each page counted by imm 8.
+            engine.write_paged(region, peer, ferry.RemoteRegion.parse(dst), PAGE,
+                               [3, 0, 2], [10, 11, 9], imm=8).wait(10)
+            engine.write_imm(peer, 8).wait(10)
+        else:
+            engine.wait_imm(7, 1, timeout=10)
+            sent = pattern(len(buf), 1)
+            assert buf[5 * PAGE:7 * PAGE] == sent[PAGE:3 * PAGE]
+            engine.wait_imm(8, 4, timeout=10)  # three pages and one bare immediate
+            for src_page, dst_page in ((3, 10), (0, 11), (2, 9)):
+                assert buf[dst_page * PAGE:(dst_page + 1) * PAGE] == \
+                    sent[src_page * PAGE:(src_page + 1) * PAGE], (src_page, dst_page)
+            assert buf[:5 * PAGE] == bytes(5 * PAGE)  # nothing else written
+            assert engine.imm_count(8) == 4
+            engine.consume_imm(8, 4)
+            assert engine.imm_count(8) == 0
+        b.barrier()
+
+
+def messages_and_errors_body(b):
+    with shm_engine() as engine:
+        buf = bytearray(4 * PAGE)
+        region = engine.register(buf)
+        peer, dst = connect(b, engine, region)
+        b.barrier()
+        if b.rank == 0:
+            engine.send(peer, b"hello from rank 0").wait(10)
+        else:
+            sender, message = engine.recv(timeout=10)
+            assert (sender, message) == (peer, b"hello from rank 0"), (sender, message)
+        # Bad input fails at submit, naming what is wrong; nothing is posted.
+        try:
+            engine.write(region, peer, dst, dst_offset=4 * PAGE - 8, length=16)
+            raise AssertionError("a write past the peer's region was accepted")
+        except ferry.OutOfRange as e:
+            assert "exceeds" in str(e), e
+        try:
+            engine.write(region, 999, dst, length=16)
+            raise AssertionError("a write to an unknown peer was accepted")
+        except ferry.Error as e:
+            assert "peer" in str(e), e
+        try:
+            engine.write(region, peer, b"not a descriptor", length=16)
+            raise AssertionError("a malformed descriptor was accepted")
+        except ferry.InvalidArgument:
+            pass
+        # Bounded waits: nobody sends imm 99 or a second message.
+        engine.create_imm_counter(99)
+        try:
+            engine.wait_imm(99, 1, timeout=0.05)
+            raise AssertionError("wait_imm returned without an immediate")
+        except TimeoutError:  # ferry.DeadlineExceeded is one
+            pass
+        try:
+            engine.recv(timeout=0.05)
+            raise AssertionError("recv returned without a message")
+        except ferry.DeadlineExceeded:
+            pass
+        b.barrier()
+
+
+class TransferEngineTest(unittest.TestCase):
+    def test_write_paged_and_imm(self):
+        run_ranks(self, 2, writes_body)
+
+    def test_messages_and_bad_input(self):
+        run_ranks(self, 2, messages_and_errors_body)
+
+    def test_options(self):
+        options = ferry.EngineOptions(provider="shm", transfer_timeout_ms=250)
+        self.assertEqual((options.provider, options.transfer_timeout_ms), ("shm", 250))
+        with self.assertRaises(TypeError):
+            ferry.EngineOptions(no_such_field=1)
+
+    def test_closed_engine_and_bad_timeout(self):
+        engine = shm_engine()
+        region = engine.register(bytearray(64))
+        with self.assertRaises(ValueError):  # ferry.InvalidArgument
+            engine.wait_imm(1, 1, timeout=-1)
+        with self.assertRaises(ferry.InvalidArgument):  # peers could write into it
+            engine.register(b"immutable")
+        engine.close()
+        with self.assertRaises(ferry.FailedPrecondition):
+            engine.register(bytearray(64))
+        self.assertEqual(region.length, 64)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,238 @@
+"""ferry.AllToAll from Python on the host device: two ranks over shm, checked against what the
+routing says each rank must receive and sum. Plain Python arrays (array.array): bf16 rows are
+2-byte integers, and every value is a small integer times a power of two, so bf16 holds each
+input and each weighted sum exactly and the checks compare for equality."""
+
+import array
+import random
+import struct
+import unittest
+
+import ferry
+from ranks import run_ranks, shm_engine
+
+WORLD, EXPERTS, K, HIDDEN, MAX_TOKENS = 2, 8, 2, 128, 8
+TOKENS = (5, 8)  # per rank
+WEIGHTS = (0.5, 0.25)
+
+
+def bf16(value):
+    return struct.unpack("<I", struct.pack("<f", value))[0] >> 16
+
+
+def from_bf16(bits):
+    return struct.unpack("<f", struct.pack("<I", bits << 16))[0]
+
+
+def inputs(rank):
+    """Rank's tokens: rows of small integers unique to (rank, token), two distinct experts each."""
+    rng = random.Random(rank)
+    rows = [[float((rank * 37 + t * 11 + h) % 15 - 7) for h in range(HIDDEN)]
+            for t in range(TOKENS[rank])]
+    experts = [rng.sample(range(EXPERTS), K) for _ in rows]
+    return rows, experts
+
+
+def config(rank, **fields):
+    return ferry.AllToAllConfig(world_size=WORLD, rank=rank, num_experts=EXPERTS,
+                                experts_per_token=K, max_tokens_per_rank=MAX_TOKENS,
+                                hidden=HIDDEN, **fields)
+
+
+def send_arrays(rank):
+    rows, experts = inputs(rank)
+    x = array.array("H", [bf16(v) for row in rows for v in row])
+    indices = array.array("i", [e for pair in experts for e in pair])
+    weights = array.array("f", [w for _ in rows for w in WEIGHTS])
+    return x, indices, weights
+
+
+def row_of(x, i):
+    return tuple(x[i * HIDDEN:(i + 1) * HIDDEN])
+
+
+def expert_major_body(b):
+    c = config(b.rank)
+    local = c.local_experts
+    x, indices, weights = send_arrays(b.rank)
+    with shm_engine() as engine, ferry.AllToAll(c, engine, b) as a2a:
+        out = array.array("H", bytes(2 * local * c.expert_capacity * HIDDEN))
+        counts = array.array("i", [0] * local)
+        y = array.array("H", bytes(2 * TOKENS[b.rank] * HIDDEN))
+        for _ in range(2):  # the second round reuses every buffer
+            a2a.dispatch_send(x, indices, weights, num_tokens=TOKENS[b.rank])
+            a2a.dispatch_recv(out, counts, timeout=10)
+            # Each local expert got exactly the rows routed to it, from every rank.
+            for e in range(local):
+                want = sorted(tuple(bf16(v) for v in rows[t])
+                              for s in range(WORLD)
+                              for rows, experts in [inputs(s)]
+                              for t in range(len(rows)) if b.rank * local + e in experts[t])
+                got = sorted(row_of(out, e * c.expert_capacity + i) for i in range(counts[e]))
+                assert got == want, (b.rank, e, counts[e], len(want))
+            # Experts that return their input: each token comes back as its weights' sum times
+            # itself.
+            a2a.combine_send(out)
+            a2a.combine_recv(y, timeout=10)
+            rows, _ = inputs(b.rank)
+            for t, row in enumerate(rows):
+                want = tuple(bf16(v * sum(WEIGHTS)) for v in row)
+                assert row_of(y, t) == want, (b.rank, t)
+        assert a2a.dispatch_bytes_sent > 0
+
+
+def token_major_body(b):
+    c = config(b.rank, dispatch_once_per_rank=True, combine_reduce_at_expert_rank=True,
+               dispatch_layout=ferry.DispatchLayout.TOKEN_MAJOR)
+    local, cap = c.local_experts, c.expert_capacity
+    x, indices, weights = send_arrays(b.rank)
+    with shm_engine() as engine, ferry.AllToAll(c, engine, b) as a2a:
+        out = array.array("H", bytes(2 * cap * HIDDEN))
+        counts = array.array("i", [0] * local)
+        num_rows = array.array("i", [0])
+        token_experts = array.array("i", [0] * cap * K)
+        token_weights = array.array("f", [0.0] * cap * K)
+        a2a.dispatch_send(x, indices, weights, num_tokens=TOKENS[b.rank])
+        a2a.dispatch_recv(out, counts, num_rows=num_rows, token_experts=token_experts,
+                          token_weights=token_weights, timeout=10)
+        # Each token that has an expert here arrives once, in (sender, token) order, with its
+        # local experts and weights in the columns of its copies.
+        want = []
+        for s in range(WORLD):
+            rows, experts = inputs(s)
+            for t, row in enumerate(rows):
+                ours = [(e - b.rank * local if e // local == b.rank else -1) for e in experts[t]]
+                if any(e >= 0 for e in ours):
+                    want.append((tuple(bf16(v) for v in row), ours,
+                                 [w if e >= 0 else 0.0 for e, w in zip(ours, WEIGHTS)]))
+        assert num_rows[0] == len(want), (num_rows[0], len(want))
+        for i, (row, experts, ws) in enumerate(want):
+            assert row_of(out, i) == row, i
+            assert list(token_experts[i * K:(i + 1) * K]) == experts, i
+            assert list(token_weights[i * K:(i + 1) * K]) == ws, i
+        # Each rank returns its received rows as they came: a token sums to itself once per
+        # rank that holds one of its experts.
+        a2a.combine_send(out)
+        y = array.array("H", bytes(2 * TOKENS[b.rank] * HIDDEN))
+        a2a.combine_recv(y, timeout=10)
+        rows, experts = inputs(b.rank)
+        for t, row in enumerate(rows):
+            holders = len({e // local for e in experts[t]})
+            assert row_of(y, t) == tuple(bf16(v * holders) for v in row), (b.rank, t)
+
+
+def fp8_body(b):
+    c = config(b.rank, dtype=ferry.DispatchDtype.FP8_E4M3)
+    local, cap, spt = c.local_experts, c.expert_capacity, c.scales_per_token
+    rows, experts = inputs(b.rank)
+    x = bytes((b.rank * 61 + i) % 256 for i in range(len(rows) * HIDDEN))
+    scales = array.array("f", [float(b.rank * 100 + t) for t in range(len(rows))])
+    indices = array.array("i", [e for pair in experts for e in pair])
+    weights = array.array("f", [w for _ in rows for w in WEIGHTS])
+    with shm_engine() as engine, ferry.AllToAll(c, engine, b) as a2a:
+        out = bytearray(local * cap * HIDDEN)
+        out_scales = array.array("f", [0.0] * local * cap * spt)
+        counts = array.array("i", [0] * local)
+        a2a.dispatch_send(x, indices, weights, scales=scales, num_tokens=len(rows))
+        a2a.dispatch_recv(out, counts, scales=out_scales, timeout=10)
+        for e in range(local):
+            want = sorted((bytes((s * 61 + t * HIDDEN + h) % 256 for h in range(HIDDEN)),
+                           float(s * 100 + t))
+                          for s in range(WORLD) for t, ex in enumerate(inputs(s)[1])
+                          if b.rank * local + e in ex)
+            got = sorted((bytes(out[(e * cap + i) * HIDDEN:(e * cap + i + 1) * HIDDEN]),
+                          out_scales[e * cap + i]) for i in range(counts[e]))
+            assert got == want, (b.rank, e)
+
+
+def bad_input_body(b):
+    c = ferry.AllToAllConfig(world_size=1, rank=0, num_experts=EXPERTS, experts_per_token=K,
+                             max_tokens_per_rank=MAX_TOKENS, hidden=HIDDEN)
+    with shm_engine() as engine, ferry.AllToAll(c, engine, b) as a2a:
+        x, indices, weights = send_arrays(0)
+
+        def fails(error, text, step, *args, **kwargs):
+            try:
+                step(*args, **kwargs)
+            except error as e:
+                assert text in str(e), (text, str(e))
+                return
+            raise AssertionError(f"bad input taken ({text})")
+
+        def send(x, indices, weights, num_tokens=TOKENS[0], **kwargs):
+            a2a.dispatch_send(x, indices, weights, num_tokens=num_tokens, **kwargs)
+
+        fails(ferry.InvalidArgument, "9 tokens", send, x, indices, weights, num_tokens=9)
+        fails(ferry.InvalidArgument, "num_tokens is required", a2a.dispatch_send, x, indices,
+              weights)
+        fails(ferry.InvalidArgument, "x:", send, x[:HIDDEN], indices, weights)
+        fails(ferry.InvalidArgument, "indices:", send, x, array.array("f", indices), weights)
+        fails(ferry.InvalidArgument, "scales:", send, x, indices, weights,
+              scales=array.array("f", [1.0] * TOKENS[0]))
+        bad = array.array("i", indices)
+        bad[3] = EXPERTS
+        fails(ferry.OutOfRange, "expert 8", send, x, bad, weights)
+        # CUDA memory where the host device needs host memory.
+        gpu = ferry.Array(0x1000, 1 << 20, 0, "u", 2, False, [MAX_TOKENS, HIDDEN], None)
+        fails(ferry.InvalidArgument, "CUDA memory of device 0", send, gpu, indices, weights)
+        fails(ferry.FailedPrecondition, "out of order", a2a.combine_send,
+              array.array("H", bytes(2 * c.local_experts * c.expert_capacity * HIDDEN)))
+        out = array.array("H", bytes(2 * c.local_experts * c.expert_capacity * HIDDEN))
+        counts = array.array("i", [0] * c.local_experts)
+        a2a.dispatch_send(x, indices, weights, num_tokens=TOKENS[b.rank])
+        fails(ferry.InvalidArgument, "read-only", a2a.dispatch_recv, bytes(len(out) * 2),
+              counts)
+        a2a.dispatch_recv(out, counts, timeout=10)
+        assert sum(counts) == TOKENS[0] * K
+
+
+class FakeDist:
+    """What torch_bootstrap needs of torch.distributed, over a ferry bootstrap."""
+
+    def __init__(self, bootstrap):
+        self.b = bootstrap
+
+    def get_rank(self, group=None):
+        return self.b.rank
+
+    def get_world_size(self, group=None):
+        return self.b.world_size
+
+    def all_gather_object(self, out, obj, group=None):
+        out[:] = self.b.all_gather(obj)
+
+
+def torch_bootstrap_body(b):
+    bootstrap = ferry.torch_bootstrap(dist=FakeDist(b))
+    assert (bootstrap.rank, bootstrap.world_size) == (b.rank, WORLD)
+    expert_major_body(bootstrap)
+
+
+class AllToAllTest(unittest.TestCase):
+    def test_expert_major_bf16(self):
+        run_ranks(self, WORLD, expert_major_body)
+
+    def test_token_major_once_per_rank_reduced(self):
+        run_ranks(self, WORLD, token_major_body)
+
+    def test_fp8_with_scales(self):
+        run_ranks(self, WORLD, fp8_body)
+
+    def test_bad_input(self):
+        run_ranks(self, 1, bad_input_body)
+
+    def test_over_a_torch_style_bootstrap(self):
+        run_ranks(self, WORLD, torch_bootstrap_body)
+
+    def test_config(self):
+        c = config(1)
+        self.assertEqual((c.local_experts, c.token_bytes, c.expert_capacity), (4, 256, 16))
+        with self.assertRaises(ferry.InvalidArgument):
+            ferry.AllToAllConfig(world_size=2, num_experts=8, experts_per_token=2,
+                                 max_tokens_per_rank=8, hidden=100).validate()
+        with self.assertRaises(TypeError):
+            config(0, hiden=128)
+
+
+if __name__ == "__main__":
+    unittest.main()
