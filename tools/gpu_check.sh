@@ -4,7 +4,8 @@
 # $OUT (the device tool brings that folder back); a short table is printed last.
 #
 #   tools/gpu_check.sh            everything
-#   tools/gpu_check.sh tests      build and tests only
+#   tools/gpu_check.sh tests      build and tests only (the Python tests too where .pydeps
+#                                 carries pybind11, see below)
 #   tools/gpu_check.sh nvlink     build, tests, the NVLink benchmarks and profiles only
 #   tools/gpu_check.sh profile    build and the per-kernel profiles only
 #   tools/gpu_check.sh kv         build, tests and the kv benchmarks (CPU side of the host)
@@ -96,11 +97,20 @@ step() {  # step NAME SECONDS COMMAND...: runs it, logs it, notes its exit statu
 
 generator=()
 if command -v ninja > /dev/null; then generator=(-G Ninja); fi
+# The Python bindings where pybind11's headers and CMake package are carried in .pydeps
+# (a copy of /usr/include/pybind11 and /usr/lib/cmake/pybind11 under .pydeps/usr; the lent
+# machine has Python's headers but no pybind11).
+python=()
+targets=(moe_cuda_test kv_cuda_test moe_host_test fd_exchange_test ferry-bench)
+if [ -d .pydeps/usr/lib/cmake/pybind11 ]; then
+  python=(-Dpybind11_DIR="$PWD/.pydeps/usr/lib/cmake/pybind11")
+  targets+=(_ferry)
+fi
 step configure 120 cmake -S . -B build-gpu "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
-  -DCMAKE_CUDA_COMPILER="$NVCC" -DCMAKE_CUDA_ARCHITECTURES=90 ||
+  -DCMAKE_CUDA_COMPILER="$NVCC" -DCMAKE_CUDA_ARCHITECTURES=90 "${python[@]}" ||
   { cat "$OUT/configure.log" 2> /dev/null; exit 1; }
-step build 400 cmake --build build-gpu -j "$(nproc)" --target moe_cuda_test kv_cuda_test \
-  moe_host_test fd_exchange_test ferry-bench || { tail -60 "$OUT/build.log"; exit 1; }
+step build 400 cmake --build build-gpu -j "$(nproc)" --target "${targets[@]}" ||
+  { tail -60 "$OUT/build.log"; exit 1; }
 
 # SASS=1: the machine code of the NVLink kernels whose names contain one of SASS_FUNCS
 # ("SendSmall Unpack") into sass.log, and per kernel its instruction count and local-memory
@@ -130,6 +140,10 @@ if [ "$tests" != 0 ]; then
   step kv_cuda_test 120 build-gpu/kv_cuda_test
   step moe_cuda_test 400 build-gpu/moe_cuda_test
   step fd_exchange_test 60 build-gpu/fd_exchange_test
+  if [ ${#python[@]} -gt 0 ]; then  # python/tests, test_moe_cuda among them
+    PYTHONPATH=$PWD/build-gpu/python step python_tests 200 python3 -m unittest discover -v \
+      -s python/tests
+  fi
 fi
 # NVLink cases above SendSmall's bound (tokens x k > 2048): their send half is Route and Pack
 # (the graph case replays with device counts that leave token chunks empty).
