@@ -73,10 +73,20 @@ Status CheckArray(const Array* array, const ArrayNeed& need, int device);
 void BindBootstrap(py::module_& m);
 void BindFabric(py::module_& m);
 void BindMoe(py::module_& m);
+void BindKv(py::module_& m);
+
+// The exception object (not raised) of a failed status, None for OK.
+py::object ErrorObject(const Status& status);
 
 }  // namespace ferry::python
 
 namespace ferry::python {
+
+// A registered array (ferry.Region); keeps the array's owner alive while registered.
+struct Region {
+  MemoryRegion region;
+  Array array;
+};
 
 // `object` as an Array: an Array as is, anything else through ferry._arrays.as_array (NumPy,
 // buffer protocol, torch tensors, __cuda_array_interface__).
@@ -87,7 +97,8 @@ Array ToArray(const py::handle& object);
 namespace ferry::python {
 
 // The TransferEngine of a ferry.TransferEngine object (None: null), which refuses to close until
-// as many ReleaseEngine calls: what uses an engine (an AllToAll) holds it this way.
+// as many ReleaseEngine calls: what uses an engine (an AllToAll, a KV messenger) holds it this
+// way. When the last lets go, received messages go to the engine's recv() again.
 TransferEngine* AcquireEngine(const py::handle& engine);
 void ReleaseEngine(const py::handle& engine);
 

@@ -6,116 +6,16 @@
 // dropping a Transfer or a Region early cannot pull memory from under the NIC.
 #include <pybind11/stl.h>
 
-#include <condition_variable>
-#include <deque>
 #include <map>
-#include <mutex>
 #include <optional>
 
-#include "binding.h"
+#include "completion.h"
 
 namespace ferry::python {
 namespace {
 
-// One submitted transfer: the completion (worker thread) and Python (any thread) meet here.
-struct TransferState {
-  std::mutex mu;
-  std::condition_variable cv;
-  bool done = false;
-  Status status;
-  // What the engine reads until the end: a paged write's page lists, a scatter's targets.
-  std::vector<uint32_t> src_pages, dst_pages;
-  std::vector<ScatterTarget> targets;
-
-  void Finish(const Status& s) {
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      status = s;
-      done = true;
-    }
-    cv.notify_all();
-  }
-  bool Done() {
-    std::lock_guard<std::mutex> lock(mu);
-    return done;
-  }
-  Status Wait(Deadline deadline) {
-    std::unique_lock<std::mutex> lock(mu);
-    if (!cv.wait_until(lock, deadline.at, [&] { return done; })) {
-      return DeadlineExceededError("transfer still in flight at the deadline");
-    }
-    return status;
-  }
-};
-
-class Transfer {
- public:
-  Transfer(std::shared_ptr<TransferState> state, py::tuple keep)
-      : state_(std::move(state)), keep_(std::move(keep)) {}
-  bool done() const { return state_->Done(); }
-  // Raises the transfer's error, or DeadlineExceeded if it has not ended by then (it may still
-  // end later).
-  void Wait(double timeout) {
-    const Deadline deadline = DeadlineIn(timeout);
-    Status s;
-    {
-      py::gil_scoped_release release;
-      s = state_->Wait(deadline);
-    }
-    ThrowIfError(s);
-  }
-
- private:
-  std::shared_ptr<TransferState> state_;
-  py::tuple keep_;  // the local regions it reads (or that a peer's bytes land in)
-};
-
-// A registered array; keeps the array's owner alive while registered.
-struct Region {
-  MemoryRegion region;
-  Array array;
-};
-
-// Received two-sided messages, waiting for recv(). Bounded: past kCapacity the newest are
-// dropped and counted, and the next recv() reports how many.
-class MessageQueue {
- public:
-  static constexpr size_t kCapacity = 4096;
-  using Message = std::pair<std::optional<PeerId>, std::vector<uint8_t>>;
-
-  void Push(std::optional<PeerId> from, std::span<const uint8_t> bytes) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (queue_.size() >= kCapacity) {
-        ++dropped_;
-        return;
-      }
-      queue_.emplace_back(from, std::vector<uint8_t>(bytes.begin(), bytes.end()));
-    }
-    cv_.notify_one();
-  }
-  StatusOr<Message> Pop(Deadline deadline) {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (dropped_ > 0) {
-      const uint64_t n = dropped_;
-      dropped_ = 0;
-      return ResourceExhaustedError(std::to_string(n) + " messages dropped: more than " +
-                                    std::to_string(kCapacity) + " waited for recv()");
-    }
-    if (!cv_.wait_until(lock, deadline.at, [&] { return !queue_.empty(); })) {
-      return DeadlineExceededError("no message before the deadline");
-    }
-    Message m = std::move(queue_.front());
-    queue_.pop_front();
-    return m;
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Message> queue_;
-  uint64_t dropped_ = 0;
-};
+using Message = std::pair<std::optional<PeerId>, std::vector<uint8_t>>;
+using MessageQueue = WaitQueue<Message>;
 
 RemoteRegion ToRemote(const py::handle& object) {
   if (py::isinstance<RemoteRegion>(object)) return py::cast<RemoteRegion>(object);
@@ -142,10 +42,15 @@ class Engine {
  public:
   explicit Engine(const EngineOptions& options)
       : engine_(ValueOrThrow(TransferEngine::Create(options))),
-        messages_(std::make_shared<MessageQueue>()) {
-    engine_->SetMessageHandler(
+        messages_(std::make_shared<MessageQueue>("messages", 4096)) {
+    RestoreMessageHandler();
+  }
+
+  // Received messages go to recv() (again, after a KV messenger that took them has gone).
+  void RestoreMessageHandler() {
+    engine().SetMessageHandler(
         [messages = messages_](std::optional<PeerId> from, std::span<const uint8_t> bytes) {
-          messages->Push(from, bytes);
+          messages->Push({from, std::vector<uint8_t>(bytes.begin(), bytes.end())});
         });
   }
   ~Engine() { Close(); }
@@ -176,6 +81,8 @@ class Engine {
     return e;
   }
   void Release() { --users_; }
+  bool open() const { return engine_ != nullptr; }
+  int users() const { return users_; }
 
   Region Register(const py::handle& object) {
     Array array = ToArray(object);
@@ -208,7 +115,7 @@ class Engine {
     w.dst_offset = dst_offset;
     w.length = length ? *length : region.region.length() - std::min(src_offset, region.region.length());
     w.imm = imm;
-    auto state = std::make_shared<TransferState>();
+    auto state = std::make_shared<Pending>();
     return Track(state, py::make_tuple(src), engine().Write(w, Done(state)));
   }
 
@@ -219,7 +126,7 @@ class Engine {
                         uint64_t dst_offset, std::optional<uint32_t> imm, bool imm_once,
                         uint32_t imm_weight_mask) {
     const Region& region = py::cast<const Region&>(src);
-    auto state = std::make_shared<TransferState>();
+    auto state = std::make_shared<Pending>();
     state->src_pages = std::move(src_pages);
     state->dst_pages = std::move(dst_pages);
     PagedWrite w;
@@ -251,7 +158,7 @@ class Engine {
   py::object Scatter(ScatterPlanId plan, const std::vector<std::tuple<uint32_t, uint64_t, uint64_t,
                                                                       uint64_t>>& targets,
                      std::optional<uint32_t> imm) {
-    auto state = std::make_shared<TransferState>();
+    auto state = std::make_shared<Pending>();
     for (const auto& [member, src_offset, dst_offset, length] : targets) {
       state->targets.push_back({member, src_offset, dst_offset, length});
     }
@@ -261,27 +168,22 @@ class Engine {
   }
 
   py::object Barrier(GroupId group, uint32_t imm) {
-    auto state = std::make_shared<TransferState>();
+    auto state = std::make_shared<Pending>();
     return Track(state, py::tuple(), engine().Barrier(group, imm, Done(state)));
   }
 
   py::object WriteImm(PeerId peer, uint32_t imm) {
-    auto state = std::make_shared<TransferState>();
+    auto state = std::make_shared<Pending>();
     return Track(state, py::tuple(), engine().WriteImm(peer, imm, Done(state)));
   }
 
   py::object Send(PeerId peer, const py::bytes& message) {
-    auto state = std::make_shared<TransferState>();
+    auto state = std::make_shared<Pending>();
     return Track(state, py::tuple(), engine().Send(peer, BytesOf(message), Done(state)));
   }
 
   py::tuple Recv(double timeout) {
-    const Deadline deadline = DeadlineIn(timeout);
-    StatusOr<MessageQueue::Message> m = [&] {
-      py::gil_scoped_release release;
-      return messages_->Pop(deadline);
-    }();
-    auto [from, bytes] = ValueOrThrow(std::move(m));
+    auto [from, bytes] = messages_->PopForPython(timeout);
     return py::make_tuple(from ? py::cast(*from) : py::none(), ToBytes(bytes));
   }
 
@@ -297,13 +199,13 @@ class Engine {
   }
 
  private:
-  static Completion Done(const std::shared_ptr<TransferState>& state) {
-    return Completion::Callback([state](const Status& s) { state->Finish(s); });
+  static Completion Done(const std::shared_ptr<Pending>& state) {
+    return Completion::Callback(Pending::Callback(state));
   }
 
   // A submit that failed posted nothing: raise. Otherwise the Transfer stays in inflight_ (and
   // with it what it keeps) until seen done.
-  py::object Track(const std::shared_ptr<TransferState>& state, py::tuple keep,
+  py::object Track(const std::shared_ptr<Pending>& state, py::tuple keep,
                    const Status& submitted) {
     ThrowIfError(submitted);
     std::erase_if(inflight_, [](const py::object& t) { return py::cast<Transfer&>(t).done(); });
@@ -330,7 +232,10 @@ TransferEngine* AcquireEngine(const py::handle& engine) {
 }
 
 void ReleaseEngine(const py::handle& engine) {
-  if (!engine.is_none()) py::cast<Engine&>(engine).Release();
+  if (engine.is_none()) return;
+  Engine& e = py::cast<Engine&>(engine);
+  e.Release();
+  if (e.open() && e.users() == 0) e.RestoreMessageHandler();
 }
 
 void BindFabric(py::module_& m) {

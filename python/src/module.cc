@@ -10,15 +10,26 @@
 
 namespace ferry::python {
 
+namespace {
+
+// ferry._errors defines one class per code, named as StatusCodeName names it.
+py::object ErrorClass(StatusCode code) {
+  py::object errors = py::module_::import("ferry._errors");
+  const std::string name(StatusCodeName(code));
+  return py::hasattr(errors, name.c_str()) ? errors.attr(name.c_str()) : errors.attr("Error");
+}
+
+}  // namespace
+
 void ThrowIfError(const Status& status) {
   if (status.ok()) return;
-  // ferry._errors defines one class per code, named as StatusCodeName names it.
-  py::object errors = py::module_::import("ferry._errors");
-  const std::string name(StatusCodeName(status.code()));
-  py::object cls = py::hasattr(errors, name.c_str()) ? errors.attr(name.c_str())
-                                                     : errors.attr("Error");
-  PyErr_SetString(cls.ptr(), std::string(status.message()).c_str());
+  PyErr_SetString(ErrorClass(status.code()).ptr(), std::string(status.message()).c_str());
   throw py::error_already_set();
+}
+
+py::object ErrorObject(const Status& status) {
+  if (status.ok()) return py::none();
+  return ErrorClass(status.code())(std::string(status.message()));
 }
 
 void CheckTimeout(double seconds) {
@@ -166,4 +177,5 @@ PYBIND11_MODULE(_ferry, m) {
   BindBootstrap(m);
   BindFabric(m);
   BindMoe(m);
+  BindKv(m);
 }

@@ -1,0 +1,278 @@
+// KV messenger bindings: the layouts and the planner, layer counters, and the two roles. Each
+// role keeps what its C++ object points to -- the engine (held open), the regions of every TP
+// rank and the aux region, the layer counter -- for as long as it lives. Its callbacks only
+// record: a decoder's request ends in a ferry.Transfer; a prefill's incoming requests and
+// released pages queue for next_request() and next_release().
+#include <pybind11/stl.h>
+
+#include "completion.h"
+#include "ferry/kv.h"
+
+namespace ferry::python {
+namespace {
+
+// The layer counter a prefill follows from the host: the model's loop calls increment() once
+// per layer's attention output (ferry.GpuLayerCounter when that runs on a CUDA stream).
+struct LayerCounter {
+  std::atomic<uint64_t> value{0};
+};
+
+KvRegions RegionsOf(const std::vector<py::object>& ranks, int num_layers, int64_t layer_stride) {
+  KvRegions r;
+  for (const py::object& rank : ranks) r.ranks.push_back(&py::cast<const Region&>(rank).region);
+  r.num_layers = num_layers;
+  r.layer_stride = layer_stride;
+  return r;
+}
+
+const MemoryRegion* AuxOf(const py::object& aux) {
+  return aux.is_none() ? nullptr : &py::cast<const Region&>(aux).region;
+}
+
+// What a role holds: the engine, released once the role is gone.
+class Role {
+ public:
+  explicit Role(py::object engine) : engine_(std::move(engine)) {}
+  TransferEngine* Acquire() { return AcquireEngine(engine_); }
+  void Release() { ReleaseEngine(engine_); }
+
+ protected:
+  py::object engine_;
+};
+
+class Decoder : public Role {
+ public:
+  Decoder(py::object engine, const KvSide& decode, std::vector<py::object> regions,
+          int num_layers, int64_t layer_stride, py::object aux, int max_requests)
+      : Role(std::move(engine)), regions_(std::move(regions)), aux_(std::move(aux)) {
+    TransferEngine* e = Acquire();
+    StatusOr<std::unique_ptr<KvDecoder>> created = KvDecoder::Create(
+        e, decode, RegionsOf(regions_, num_layers, layer_stride), AuxOf(aux_), max_requests);
+    if (!created.ok()) Release();
+    decoder_ = ValueOrThrow(std::move(created));
+  }
+  ~Decoder() { Close(); }
+
+  void Close() {
+    if (!decoder_) return;
+    {
+      py::gil_scoped_release release;
+      decoder_.reset();  // ends every request still waiting (Cancelled)
+    }
+    Release();
+  }
+
+  Transfer Submit(uint64_t request_id, const py::bytes& prefill_address, const KvSide& prefill,
+                  const std::vector<int64_t>& pages, int64_t num_tokens, int64_t aux_offset,
+                  int64_t aux_bytes, bool speculative, double timeout) {
+    const Deadline deadline = DeadlineIn(timeout);
+    const std::string address = prefill_address;
+    KvDecoder::Request r;
+    r.request_id = request_id;
+    r.prefill_address = {reinterpret_cast<const uint8_t*>(address.data()), address.size()};
+    r.prefill = prefill;
+    r.pages = pages;
+    r.num_tokens = num_tokens;
+    r.aux_offset = aux_offset;
+    r.aux_bytes = aux_bytes;
+    r.speculative = speculative;
+    auto pending = std::make_shared<Pending>();
+    ThrowIfError(decoder().Submit(r, deadline, Pending::Callback(pending)));
+    return Transfer(pending, py::make_tuple());  // the regions stay with the decoder
+  }
+  void Cancel(uint64_t request_id) { ThrowIfError(decoder().Cancel(request_id)); }
+
+ private:
+  KvDecoder& decoder() {
+    if (!decoder_) ThrowIfError(FailedPreconditionError("the KvDecoder is closed"));
+    return *decoder_;
+  }
+  std::vector<py::object> regions_;
+  py::object aux_;
+  std::unique_ptr<KvDecoder> decoder_;  // last: destroyed first
+};
+
+class Prefill : public Role {
+ public:
+  using Released = std::pair<uint64_t, Status>;
+
+  Prefill(py::object engine, const KvSide& prefill, std::vector<py::object> regions,
+          int num_layers, int64_t layer_stride, py::object aux, py::object layer_counter)
+      : Role(std::move(engine)), regions_(std::move(regions)), aux_(std::move(aux)),
+        counter_(std::move(layer_counter)),
+        requests_(std::make_shared<WaitQueue<KvPrefill::Incoming>>("requests", 4096)),
+        released_(std::make_shared<WaitQueue<Released>>("releases", 4096)) {
+    const std::atomic<uint64_t>* counter = nullptr;
+    if (py::isinstance<LayerCounter>(counter_)) {
+      counter = &py::cast<const LayerCounter&>(counter_).value;
+    } else if (py::isinstance<GpuLayerCounter>(counter_)) {
+      counter = py::cast<const GpuLayerCounter&>(counter_).host();
+    } else {
+      ThrowIfError(InvalidArgumentError(
+          "layer_counter must be a ferry.LayerCounter or a ferry.GpuLayerCounter"));
+    }
+    KvPrefill::Callbacks callbacks;
+    callbacks.on_request = [q = requests_](const KvPrefill::Incoming& in) { q->Push(in); };
+    callbacks.on_released = [q = released_](uint64_t id, const Status& s) { q->Push({id, s}); };
+    TransferEngine* e = Acquire();
+    StatusOr<std::unique_ptr<KvPrefill>> created =
+        KvPrefill::Create(e, prefill, RegionsOf(regions_, num_layers, layer_stride), AuxOf(aux_),
+                          counter, std::move(callbacks));
+    if (!created.ok()) Release();
+    prefill_ = ValueOrThrow(std::move(created));
+  }
+  ~Prefill() { Close(); }
+
+  void Close() {
+    if (!prefill_) return;
+    {
+      py::gil_scoped_release release;
+      prefill_.reset();  // waits, bounded, for the writes still in flight
+    }
+    Release();
+  }
+
+  py::dict NextRequest(double timeout) {
+    const KvPrefill::Incoming in = requests_->PopForPython(timeout);
+    py::dict d;
+    d["request_id"] = in.request_id;
+    d["num_pages"] = in.num_pages;
+    d["num_tokens"] = in.num_tokens;
+    d["speculative"] = in.speculative;
+    return d;
+  }
+  py::tuple NextRelease(double timeout) {
+    auto [id, status] = released_->PopForPython(timeout);
+    return py::make_tuple(id, ErrorObject(status));
+  }
+  void ScheduleChunk(uint64_t request_id, int64_t first_page, const std::vector<int64_t>& pages,
+                     uint64_t pass_base, int64_t aux_offset) {
+    ThrowIfError(prefill().ScheduleChunk(request_id, first_page, pages, pass_base, aux_offset));
+  }
+  void Cancel(uint64_t request_id) { ThrowIfError(prefill().Cancel(request_id)); }
+
+ private:
+  KvPrefill& prefill() {
+    if (!prefill_) ThrowIfError(FailedPreconditionError("the KvPrefill is closed"));
+    return *prefill_;
+  }
+  std::vector<py::object> regions_;
+  py::object aux_;
+  py::object counter_;
+  std::shared_ptr<WaitQueue<KvPrefill::Incoming>> requests_;
+  std::shared_ptr<WaitQueue<Released>> released_;
+  std::unique_ptr<KvPrefill> prefill_;  // last: destroyed first
+};
+
+template <typename T>
+T FromFields(const py::kwargs& fields) {
+  py::object o = py::cast(T{});
+  SetFields(o, fields);
+  return o.cast<T>();
+}
+
+}  // namespace
+
+void BindKv(py::module_& m) {
+  py::enum_<KvOrder>(m, "KvOrder").value("NHD", KvOrder::kNHD).value("HND", KvOrder::kHND);
+
+  py::class_<KvModel>(m, "KvModel", "The model's cache, independent of sharding")
+      .def(py::init(&FromFields<KvModel>))
+      .def_readwrite("kv_heads", &KvModel::kv_heads)
+      .def_readwrite("head_dim", &KvModel::head_dim)
+      .def_readwrite("dtype_bytes", &KvModel::dtype_bytes)
+      .def_readwrite("mla", &KvModel::mla)
+      .def_readwrite("page_tokens", &KvModel::page_tokens)
+      .def("validate", [](const KvModel& k) { ThrowIfError(k.Validate()); });
+
+  py::class_<KvSide>(m, "KvSide", "How one side (prefill or decode) lays out and shards the cache")
+      .def(py::init(&FromFields<KvSide>))
+      .def_readwrite("model", &KvSide::model)
+      .def_readwrite("order", &KvSide::order)
+      .def_readwrite("tp", &KvSide::tp)
+      .def("validate", [](const KvSide& s) { ThrowIfError(s.Validate()); })
+      .def_property_readonly("heads_per_rank", &KvSide::heads_per_rank)
+      .def_property_readonly("page_bytes", &KvSide::page_bytes)
+      .def("offset", &KvSide::Offset, py::arg("page"), py::arg("component"),
+           py::arg("local_head"), py::arg("token"),
+           "Byte offset, in one rank's layer region, of that head_dim vector");
+
+  py::class_<KvWrite>(m, "KvWrite")
+      .def_readonly("src_rank", &KvWrite::src_rank)
+      .def_readonly("src_offset", &KvWrite::src_offset)
+      .def_readonly("dst_rank", &KvWrite::dst_rank)
+      .def_readonly("dst_offset", &KvWrite::dst_offset)
+      .def_readonly("length", &KvWrite::length);
+  py::class_<KvPlan>(m, "KvPlan")
+      .def_readonly("writes", &KvPlan::writes)
+      .def_readonly("writes_per_dst", &KvPlan::writes_per_dst)
+      .def_readonly("source_replica", &KvPlan::source_replica);
+  m.def(
+      "plan_kv_transfer",
+      [](const KvSide& prefill, const KvSide& decode, const std::vector<int64_t>& src_pages,
+         const std::vector<int64_t>& dst_pages, uint64_t seed) {
+        return ValueOrThrow(PlanKvTransfer(prefill, decode, src_pages, dst_pages, seed));
+      },
+      py::arg("prefill"), py::arg("decode"), py::arg("src_pages"), py::arg("dst_pages"),
+      py::arg("seed") = 0, "One layer's writes that rebuild the decode ranks' pages");
+
+  py::class_<LayerCounter>(m, "LayerCounter", "A host layer counter for KvPrefill")
+      .def(py::init<>())
+      .def("increment",
+           [](LayerCounter& c, uint64_t n) { c.value.fetch_add(n, std::memory_order_release); },
+           py::arg("n") = 1, "After the layer's KV pages are written")
+      .def_property_readonly("value", [](const LayerCounter& c) { return c.value.load(); });
+  py::class_<GpuLayerCounter>(m, "GpuLayerCounter",
+                              "A layer counter the model's CUDA stream increments")
+      .def(py::init([] { return ValueOrThrow(GpuLayerCounter::Create()); }))
+      .def(
+          "increment",
+          [](GpuLayerCounter& c, uint64_t stream) {
+            ThrowIfError(c.Increment(reinterpret_cast<void*>(static_cast<uintptr_t>(stream))));
+          },
+          py::arg("stream") = 0, "Enqueues counter += 1 on the stream (a cudaStream_t)")
+      .def_property_readonly("value", [](const GpuLayerCounter& c) { return c.host()->load(); });
+
+  py::class_<Decoder>(m, "KvDecoder",
+                      "Decode side: sends requests, counts the pages that land. Takes the "
+                      "engine's messages while it lives")
+      .def(py::init<py::object, const KvSide&, std::vector<py::object>, int, int64_t, py::object,
+                    int>(),
+           py::arg("engine"), py::arg("decode"), py::arg("regions"), py::arg("num_layers"),
+           py::arg("layer_stride"), py::arg("aux") = py::none(), py::arg("max_requests") = 256)
+      .def("close", &Decoder::Close)
+      .def("__enter__", [](py::object self) { return self; })
+      .def("__exit__", [](Decoder& d, py::args) { d.Close(); })
+      .def("submit", &Decoder::Submit, py::arg("request_id"), py::arg("prefill_address"),
+           py::arg("prefill"), py::arg("pages"), py::arg("num_tokens"),
+           py::arg("aux_offset") = 0, py::arg("aux_bytes") = 0, py::arg("speculative") = false,
+           py::arg("timeout") = 30.0,
+           "A ferry.Transfer that ends once every page of every layer and the aux bytes landed")
+      .def("cancel", &Decoder::Cancel, py::arg("request_id"));
+
+  py::class_<Prefill>(m, "KvPrefill",
+                      "Prefill side: writes each finished layer's pages to the decoders. Takes "
+                      "the engine's messages while it lives")
+      .def(py::init<py::object, const KvSide&, std::vector<py::object>, int, int64_t, py::object,
+                    py::object>(),
+           py::arg("engine"), py::arg("prefill"), py::arg("regions"), py::arg("num_layers"),
+           py::arg("layer_stride"), py::arg("aux"), py::arg("layer_counter"))
+      .def("close", &Prefill::Close)
+      .def("__enter__", [](py::object self) { return self; })
+      .def("__exit__", [](Prefill& p, py::args) { p.Close(); })
+      .def("next_request", &Prefill::NextRequest, py::arg("timeout") = 30.0,
+           "The next request a decoder sent: {request_id, num_pages, num_tokens, speculative}")
+      .def("next_release", &Prefill::NextRelease, py::arg("timeout") = 30.0,
+           "(request_id, None or the ferry.Error it ended with) once its source pages are free")
+      .def("schedule",
+           [](Prefill& p, uint64_t id, const std::vector<int64_t>& pages, int64_t aux_offset,
+              uint64_t pass_base) { p.ScheduleChunk(id, 0, pages, pass_base, aux_offset); },
+           py::arg("request_id"), py::arg("src_pages"), py::arg("aux_offset") = 0,
+           py::arg("pass_base") = 0)
+      .def("schedule_chunk", &Prefill::ScheduleChunk, py::arg("request_id"),
+           py::arg("first_page"), py::arg("src_pages"), py::arg("pass_base"),
+           py::arg("aux_offset") = 0)
+      .def("cancel", &Prefill::Cancel, py::arg("request_id"));
+}
+
+}  // namespace ferry::python

@@ -1,0 +1,131 @@
+"""The KV messenger from Python: a prefill process holding two TP ranks' caches (HND) streams a
+request's pages layer by layer to a decoder holding one (NHD), over shm; every byte of every
+page and the aux data is checked where the decode layout puts it."""
+
+import unittest
+
+import ferry
+from ranks import run_ranks, shm_engine
+
+MODEL = dict(kv_heads=2, head_dim=8, dtype_bytes=2, page_tokens=4)
+LAYERS, PAGES_PER_LAYER, AUX_BYTES = 3, 8, 40
+SRC_PAGES, DST_PAGES = [5, 1, 6], [2, 7, 0]
+
+
+def side(tp, order):
+    return ferry.KvSide(model=ferry.KvModel(**MODEL), order=order, tp=tp)
+
+
+PREFILL, DECODE = side(2, ferry.KvOrder.HND), side(1, ferry.KvOrder.NHD)
+
+
+def value(layer, i, component, head, token, k):
+    """Byte k of the head_dim vector of (layer, the request's page i, component, head, token)."""
+    return (layer * 131 + i * 61 + component * 29 + head * 17 + token * 7 + k) % 251
+
+
+def vector_bytes():
+    return MODEL["head_dim"] * MODEL["dtype_bytes"]
+
+
+def write_layer(caches, layer, stride):
+    """The prefill's forward pass for one layer: each TP rank writes its heads' vectors."""
+    per_rank = PREFILL.heads_per_rank
+    for rank, cache in enumerate(caches):
+        for i, page in enumerate(SRC_PAGES):
+            for c in range(2):
+                for h in range(per_rank):
+                    for t in range(MODEL["page_tokens"]):
+                        at = layer * stride + PREFILL.offset(page, c, h, t)
+                        cache[at:at + vector_bytes()] = bytes(
+                            value(layer, i, c, rank * per_rank + h, t, k)
+                            for k in range(vector_bytes()))
+
+
+def prefill_body(b):
+    stride = PREFILL.page_bytes * PAGES_PER_LAYER
+    with shm_engine() as engine:
+        caches = [bytearray(stride * LAYERS) for _ in range(PREFILL.tp)]
+        regions = [engine.register(c) for c in caches]
+        aux = bytearray(bytes(range(AUX_BYTES)))
+        counter = ferry.LayerCounter()
+        with ferry.KvPrefill(engine, PREFILL, regions, LAYERS, stride,
+                             engine.register(aux), counter) as prefill:
+            b.all_gather(engine.address)
+            request = prefill.next_request(timeout=20)
+            assert request == {"request_id": 42, "num_pages": 3, "num_tokens": 12,
+                               "speculative": False}, request
+            prefill.schedule(42, SRC_PAGES, aux_offset=0, pass_base=counter.value)
+            for layer in range(LAYERS):
+                write_layer(caches, layer, stride)
+                counter.increment()
+            assert prefill.next_release(timeout=20) == (42, None)
+            # Request 43 is never scheduled: the decoder gives up at its deadline.
+            assert prefill.next_request(timeout=20)["request_id"] == 43
+            released, error = prefill.next_release(timeout=20)
+            assert released == 43 and isinstance(error, ferry.Error), (released, error)
+            b.barrier()
+
+
+def decoder_body(b):
+    stride = DECODE.page_bytes * PAGES_PER_LAYER
+    with shm_engine() as engine:
+        cache = bytearray(stride * LAYERS)
+        aux = bytearray(64)
+        with ferry.KvDecoder(engine, DECODE, [engine.register(cache)], LAYERS, stride,
+                             aux=engine.register(aux)) as decoder:
+            prefill_address = b.all_gather(engine.address)[0]
+            try:  # a page past the layer
+                decoder.submit(41, prefill_address, PREFILL, [PAGES_PER_LAYER], num_tokens=4)
+                raise AssertionError("a page outside the cache was accepted")
+            except ferry.OutOfRange:
+                pass
+            decoder.submit(42, prefill_address, PREFILL, DST_PAGES, num_tokens=12,
+                           aux_offset=8, aux_bytes=AUX_BYTES).wait(timeout=20)
+            for layer in range(LAYERS):
+                for i, page in enumerate(DST_PAGES):
+                    for c in range(2):
+                        for h in range(MODEL["kv_heads"]):
+                            for t in range(MODEL["page_tokens"]):
+                                at = layer * stride + DECODE.offset(page, c, h, t)
+                                want = bytes(value(layer, i, c, h, t, k)
+                                             for k in range(vector_bytes()))
+                                assert cache[at:at + vector_bytes()] == want, (layer, i, c, h, t)
+            assert aux[8:8 + AUX_BYTES] == bytes(range(AUX_BYTES))
+            late = decoder.submit(43, prefill_address, PREFILL, DST_PAGES, num_tokens=12,
+                                  timeout=0.3)
+            try:
+                late.wait(timeout=20)
+                raise AssertionError("an unscheduled request completed")
+            except ferry.DeadlineExceeded:
+                pass
+            b.barrier()
+
+
+def kv_body(b):
+    (prefill_body if b.rank == 0 else decoder_body)(b)
+
+
+class KvTest(unittest.TestCase):
+    def test_prefill_to_decoder_tp2_to_tp1(self):
+        run_ranks(self, 2, kv_body)
+
+    def test_plan(self):
+        plan = ferry.plan_kv_transfer(PREFILL, DECODE, SRC_PAGES, DST_PAGES, seed=1)
+        # HND heads to NHD: one write per (page, component, head, token) vector.
+        self.assertEqual(len(plan.writes), 3 * 2 * 2 * MODEL["page_tokens"])
+        self.assertEqual(plan.writes_per_dst, [len(plan.writes)])
+        self.assertEqual({w.src_rank for w in plan.writes}, {0, 1})
+        self.assertTrue(all(w.length == vector_bytes() for w in plan.writes))
+        with self.assertRaises(ferry.InvalidArgument):
+            ferry.plan_kv_transfer(PREFILL, DECODE, SRC_PAGES, DST_PAGES[:2])
+
+    def test_layer_counter(self):
+        c = ferry.LayerCounter()
+        c.increment()
+        c.increment(2)
+        self.assertEqual(c.value, 3)
+
+
+if __name__ == "__main__":
+    unittest.main()
