@@ -59,10 +59,10 @@ struct Array {
 // What a call needs of one array argument.
 struct ArrayNeed {
   const char* name;
-  uint64_t num_bytes = 0;   // at least
+  uint64_t num_bytes = 0;  // at least
   bool writable = false;
-  char kind = 0;            // 0: any
-  int item_bytes = 0;       // 0: any
+  char kind = 0;       // 0: any
+  int item_bytes = 0;  // 0: any
 };
 
 // InvalidArgument naming the argument when `array` is missing, too small, read-only where

@@ -1,6 +1,8 @@
 // Bootstrap bindings: ferry.Bootstrap (what AllToAll.create and friends take), CallbackBootstrap
 // (an all-gather written in Python: torch.distributed, a store, MPI), and run_local_ranks (the
 // embedded launcher: forked ranks joined by socketpairs, what the tests and examples use).
+#include "ferry/bootstrap.h"
+
 #include <pybind11/functional.h>
 #include <pybind11/stl.h>
 
@@ -8,7 +10,6 @@
 #include <string>
 
 #include "binding.h"
-#include "ferry/bootstrap.h"
 
 namespace ferry::python {
 namespace {
@@ -39,9 +40,9 @@ class CallbackBootstrap final : public Bootstrap {
                                                         Millis timeout) override {
     py::gil_scoped_acquire gil;
     try {
-      py::object result = all_gather_(
-          py::bytes(reinterpret_cast<const char*>(mine.data()), mine.size()),
-          std::chrono::duration<double>(timeout).count());
+      py::object result =
+          all_gather_(py::bytes(reinterpret_cast<const char*>(mine.data()), mine.size()),
+                      std::chrono::duration<double>(timeout).count());
       std::vector<std::vector<uint8_t>> all;
       for (py::handle item : result) {
         if (!PyBytes_Check(item.ptr())) {
@@ -136,9 +137,8 @@ void BindBootstrap(py::module_& m) {
                                            "A Bootstrap whose all-gather is a Python callable")
       .def(py::init([](int rank, int world_size, py::function all_gather) {
              if (world_size < 1 || rank < 0 || rank >= world_size) {
-               ThrowIfError(InvalidArgumentError(
-                   "CallbackBootstrap: rank " + std::to_string(rank) + " of world_size " +
-                   std::to_string(world_size)));
+               ThrowIfError(InvalidArgumentError("CallbackBootstrap: rank " + std::to_string(rank) +
+                                                 " of world_size " + std::to_string(world_size)));
              }
              return std::make_unique<CallbackBootstrap>(rank, world_size, std::move(all_gather));
            }),
@@ -151,8 +151,7 @@ void BindBootstrap(py::module_& m) {
       .def_property_readonly("ok", &RankExit::ok)
       .def("__repr__", [](const RankExit& r) {
         return "<ferry.RankExit exit_code=" + std::to_string(r.exit_code) +
-               " signal=" + std::to_string(r.signal) +
-               (r.timed_out ? " timed_out" : "") + ">";
+               " signal=" + std::to_string(r.signal) + (r.timed_out ? " timed_out" : "") + ">";
       });
   m.def("run_local_ranks", &RunRanks, py::arg("world_size"), py::arg("fn"),
         py::arg("timeout") = 120.0,

@@ -20,11 +20,12 @@ using MessageQueue = WaitQueue<Message>;
 RemoteRegion ToRemote(const py::handle& object) {
   if (py::isinstance<RemoteRegion>(object)) return py::cast<RemoteRegion>(object);
   if (!PyBytes_Check(object.ptr())) {
-    ThrowIfError(InvalidArgumentError(
-        "dst must be a ferry.RemoteRegion or the bytes of Region.descriptor"));
+    ThrowIfError(
+        InvalidArgumentError("dst must be a ferry.RemoteRegion or the bytes of Region.descriptor"));
   }
   const auto* data = reinterpret_cast<const uint8_t*>(PyBytes_AS_STRING(object.ptr()));
-  return ValueOrThrow(RemoteRegion::Parse({data, static_cast<size_t>(PyBytes_GET_SIZE(object.ptr()))}));
+  return ValueOrThrow(
+      RemoteRegion::Parse({data, static_cast<size_t>(PyBytes_GET_SIZE(object.ptr()))}));
 }
 
 std::span<const uint8_t> BytesOf(const py::bytes& bytes) {
@@ -58,10 +59,14 @@ class Engine {
   // Ends every transfer still in flight (Cancelled) and stops the worker; refused while an
   // AllToAll uses the engine.
   void Close() {
-    if (users_ > 0) {
+    if (waiting_ > 0) {
       ThrowIfError(FailedPreconditionError(
-          "TransferEngine.close: " + std::to_string(users_) +
-          " AllToAll objects still use this engine; close them first"));
+          "TransferEngine.close: another thread is waiting on this engine (wait_imm)"));
+    }
+    if (users_ > 0) {
+      ThrowIfError(
+          FailedPreconditionError("TransferEngine.close: " + std::to_string(users_) +
+                                  " AllToAll objects still use this engine; close them first"));
     }
     if (engine_) {
       py::gil_scoped_release release;
@@ -91,9 +96,9 @@ class Engine {
           "register: the array is read-only, and peers may write into a registered region"));
     }
     if (array.device == kCudaUnknownDevice) {
-      ThrowIfError(InvalidArgumentError(
-          "register: the array is CUDA memory of no known device; pass "
-          "ferry.as_array(obj, device=N)"));
+      ThrowIfError(
+          InvalidArgumentError("register: the array is CUDA memory of no known device; pass "
+                               "ferry.as_array(obj, device=N)"));
     }
     const MemoryKind kind = array.on_host() ? MemoryKind::kHost : MemoryKind::kCuda;
     Region r;
@@ -113,7 +118,8 @@ class Engine {
     w.peer = peer;
     w.dst = ToRemote(dst);
     w.dst_offset = dst_offset;
-    w.length = length ? *length : region.region.length() - std::min(src_offset, region.region.length());
+    w.length =
+        length ? *length : region.region.length() - std::min(src_offset, region.region.length());
     w.imm = imm;
     auto state = std::make_shared<Pending>();
     return Track(state, py::make_tuple(src), engine().Write(w, Done(state)));
@@ -155,15 +161,16 @@ class Engine {
     return plan;
   }
 
-  py::object Scatter(ScatterPlanId plan, const std::vector<std::tuple<uint32_t, uint64_t, uint64_t,
-                                                                      uint64_t>>& targets,
+  py::object Scatter(ScatterPlanId plan,
+                     const std::vector<std::tuple<uint32_t, uint64_t, uint64_t, uint64_t>>& targets,
                      std::optional<uint32_t> imm) {
     auto state = std::make_shared<Pending>();
     for (const auto& [member, src_offset, dst_offset, length] : targets) {
       state->targets.push_back({member, src_offset, dst_offset, length});
     }
     auto source = scatter_sources_.find(plan);
-    py::tuple keep = source == scatter_sources_.end() ? py::tuple() : py::make_tuple(source->second);
+    py::tuple keep =
+        source == scatter_sources_.end() ? py::tuple() : py::make_tuple(source->second);
     return Track(state, keep, engine().Scatter({plan, state->targets, imm}, Done(state)));
   }
 
@@ -191,10 +198,12 @@ class Engine {
     const Deadline deadline = DeadlineIn(timeout);
     TransferEngine& e = engine();
     Status s;
+    ++waiting_;  // close() refuses meanwhile (the GIL guards the count)
     {
       py::gil_scoped_release release;
       s = e.WaitImm(imm, target, deadline);
     }
+    --waiting_;
     ThrowIfError(s);
   }
 
@@ -205,8 +214,7 @@ class Engine {
 
   // A submit that failed posted nothing: raise. Otherwise the Transfer stays in inflight_ (and
   // with it what it keeps) until seen done.
-  py::object Track(const std::shared_ptr<Pending>& state, py::tuple keep,
-                   const Status& submitted) {
+  py::object Track(const std::shared_ptr<Pending>& state, py::tuple keep, const Status& submitted) {
     ThrowIfError(submitted);
     std::erase_if(inflight_, [](const py::object& t) { return py::cast<Transfer&>(t).done(); });
     py::object transfer = py::cast(Transfer(state, std::move(keep)));
@@ -218,7 +226,8 @@ class Engine {
   std::shared_ptr<MessageQueue> messages_;
   std::vector<py::object> inflight_;
   std::map<ScatterPlanId, py::object> scatter_sources_;
-  int users_ = 0;  // AllToAll objects using the engine (the GIL guards it)
+  int users_ = 0;    // AllToAll and KV objects using the engine (the GIL guards both counts)
+  int waiting_ = 0;  // calls waiting with the GIL released
 };
 
 }  // namespace
@@ -247,14 +256,15 @@ void BindFabric(py::module_& m) {
              return o.cast<EngineOptions>();
            }),
            "The defaults, with any field given as a keyword argument")
-      .def_static("from_env",
-                  [](const py::kwargs& fields) {
-                    py::object o = py::cast(ValueOrThrow(EngineOptions::FromEnv()));
-                    SetFields(o, fields);
-                    return o.cast<EngineOptions>();
-                  },
-                  "Defaults overridden by the FERRY_* environment variables, then by any field "
-                  "given as a keyword argument")
+      .def_static(
+          "from_env",
+          [](const py::kwargs& fields) {
+            py::object o = py::cast(ValueOrThrow(EngineOptions::FromEnv()));
+            SetFields(o, fields);
+            return o.cast<EngineOptions>();
+          },
+          "Defaults overridden by the FERRY_* environment variables, then by any field "
+          "given as a keyword argument")
       .def_readwrite("provider", &EngineOptions::provider)
       .def_readwrite("node", &EngineOptions::node)
       .def_readwrite("nics", &EngineOptions::nics)
@@ -292,15 +302,16 @@ void BindFabric(py::module_& m) {
 
   py::class_<RemoteRegion>(m, "RemoteRegion",
                            "A peer's registered region, parsed once from its descriptor bytes")
-      .def_static("parse", [](const py::bytes& b) { return ToRemote(b); }, py::arg("descriptor"))
+      .def_static(
+          "parse", [](const py::bytes& b) { return ToRemote(b); }, py::arg("descriptor"))
       .def_readonly("length", &RemoteRegion::length)
       .def_readonly("engine_id", &RemoteRegion::engine_id)
       .def("serialize", [](const RemoteRegion& r) { return ToBytes(r.Serialize()); });
 
   py::class_<Region>(m, "Region", "A registered array; deregistered when dropped")
-      .def_property_readonly("descriptor",
-                             [](const Region& r) { return ToBytes(r.region.remote().Serialize()); },
-                             "Bytes a peer passes as dst (RemoteRegion.parse)")
+      .def_property_readonly(
+          "descriptor", [](const Region& r) { return ToBytes(r.region.remote().Serialize()); },
+          "Bytes a peer passes as dst (RemoteRegion.parse)")
       .def_property_readonly("length", [](const Region& r) { return r.region.length(); })
       .def_property_readonly("device", [](const Region& r) { return r.array.device; })
       .def_property_readonly("array", [](const Region& r) { return r.array.owner; });
@@ -314,8 +325,8 @@ void BindFabric(py::module_& m) {
                      "One-sided writes and two-sided messages over libfabric or verbs; every "
                      "method may be called from any thread")
       .def(py::init([](std::optional<EngineOptions> options) {
-             return std::make_unique<Engine>(
-                 options ? *options : ValueOrThrow(EngineOptions::FromEnv()));
+             return std::make_unique<Engine>(options ? *options
+                                                     : ValueOrThrow(EngineOptions::FromEnv()));
            }),
            py::arg("options") = py::none())
       .def("close", &Engine::Close)
@@ -326,18 +337,21 @@ void BindFabric(py::module_& m) {
       .def_property_readonly("address", [](Engine& e) { return ToBytes(e.engine().Address()); })
       .def("register", &Engine::Register, py::arg("array"),
            "Registers an array (host, or CUDA with options.cuda_memory); the Region keeps it")
-      .def("add_peer",
-           [](Engine& e, const py::bytes& address) {
-             return ValueOrThrow(e.engine().AddPeer(BytesOf(address)));
-           },
-           py::arg("address"))
-      .def("remove_peer", [](Engine& e, PeerId p) { ThrowIfError(e.engine().RemovePeer(p)); },
-           py::arg("peer"))
-      .def("add_peer_group",
-           [](Engine& e, const std::vector<PeerId>& members) {
-             return ValueOrThrow(e.engine().AddPeerGroup(members));
-           },
-           py::arg("members"))
+      .def(
+          "add_peer",
+          [](Engine& e, const py::bytes& address) {
+            return ValueOrThrow(e.engine().AddPeer(BytesOf(address)));
+          },
+          py::arg("address"))
+      .def(
+          "remove_peer", [](Engine& e, PeerId p) { ThrowIfError(e.engine().RemovePeer(p)); },
+          py::arg("peer"))
+      .def(
+          "add_peer_group",
+          [](Engine& e, const std::vector<PeerId>& members) {
+            return ValueOrThrow(e.engine().AddPeerGroup(members));
+          },
+          py::arg("members"))
       .def("write", &Engine::Write, py::arg("src"), py::arg("peer"), py::arg("dst"),
            py::arg("src_offset") = 0, py::arg("dst_offset") = 0, py::arg("length") = py::none(),
            py::arg("imm") = py::none(),
@@ -351,27 +365,29 @@ void BindFabric(py::module_& m) {
       .def("prepare_scatter", &Engine::PrepareScatter, py::arg("group"), py::arg("src"),
            py::arg("dst"))
       .def("scatter", &Engine::Scatter, py::arg("plan"), py::arg("targets"),
-           py::arg("imm") = py::none(),
-           "targets: (member, src_offset, dst_offset, length) tuples")
+           py::arg("imm") = py::none(), "targets: (member, src_offset, dst_offset, length) tuples")
       .def("barrier", &Engine::Barrier, py::arg("group"), py::arg("imm"))
       .def("write_imm", &Engine::WriteImm, py::arg("peer"), py::arg("imm"))
       .def("send", &Engine::Send, py::arg("peer"), py::arg("message"))
       .def("recv", &Engine::Recv, py::arg("timeout") = 30.0,
            "(peer or None, bytes) of the next message received")
-      .def("create_imm_counter",
-           [](Engine& e, uint32_t imm, uint32_t weight_mask) {
-             ThrowIfError(weight_mask ? e.engine().CreateWeightedImmCounter(imm, weight_mask)
-                                      : e.engine().CreateImmCounter(imm));
-           },
-           py::arg("imm"), py::arg("weight_mask") = 0)
-      .def("imm_count",
-           [](Engine& e, uint32_t imm) { return ValueOrThrow(e.engine().ImmCount(imm)); },
-           py::arg("imm"))
+      .def(
+          "create_imm_counter",
+          [](Engine& e, uint32_t imm, uint32_t weight_mask) {
+            ThrowIfError(weight_mask ? e.engine().CreateWeightedImmCounter(imm, weight_mask)
+                                     : e.engine().CreateImmCounter(imm));
+          },
+          py::arg("imm"), py::arg("weight_mask") = 0)
+      .def(
+          "imm_count",
+          [](Engine& e, uint32_t imm) { return ValueOrThrow(e.engine().ImmCount(imm)); },
+          py::arg("imm"))
       .def("wait_imm", &Engine::WaitImm, py::arg("imm"), py::arg("target"),
            py::arg("timeout") = 30.0)
-      .def("consume_imm",
-           [](Engine& e, uint32_t imm, uint64_t n) { ThrowIfError(e.engine().ConsumeImm(imm, n)); },
-           py::arg("imm"), py::arg("n"))
+      .def(
+          "consume_imm",
+          [](Engine& e, uint32_t imm, uint64_t n) { ThrowIfError(e.engine().ConsumeImm(imm, n)); },
+          py::arg("imm"), py::arg("n"))
       .def("stats", [](Engine& e) {
         const EngineStats s = e.engine().stats();
         py::dict d;

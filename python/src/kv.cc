@@ -3,10 +3,11 @@
 // rank and the aux region, the layer counter -- for as long as it lives. Its callbacks only
 // record: a decoder's request ends in a ferry.Transfer; a prefill's incoming requests and
 // released pages queue for next_request() and next_release().
+#include "ferry/kv.h"
+
 #include <pybind11/stl.h>
 
 #include "completion.h"
-#include "ferry/kv.h"
 
 namespace ferry::python {
 namespace {
@@ -42,8 +43,8 @@ class Role {
 
 class Decoder : public Role {
  public:
-  Decoder(py::object engine, const KvSide& decode, std::vector<py::object> regions,
-          int num_layers, int64_t layer_stride, py::object aux, int max_requests)
+  Decoder(py::object engine, const KvSide& decode, std::vector<py::object> regions, int num_layers,
+          int64_t layer_stride, py::object aux, int max_requests)
       : Role(std::move(engine)), regions_(std::move(regions)), aux_(std::move(aux)) {
     TransferEngine* e = Acquire();
     StatusOr<std::unique_ptr<KvDecoder>> created = KvDecoder::Create(
@@ -96,9 +97,11 @@ class Prefill : public Role {
  public:
   using Released = std::pair<uint64_t, Status>;
 
-  Prefill(py::object engine, const KvSide& prefill, std::vector<py::object> regions,
-          int num_layers, int64_t layer_stride, py::object aux, py::object layer_counter)
-      : Role(std::move(engine)), regions_(std::move(regions)), aux_(std::move(aux)),
+  Prefill(py::object engine, const KvSide& prefill, std::vector<py::object> regions, int num_layers,
+          int64_t layer_stride, py::object aux, py::object layer_counter)
+      : Role(std::move(engine)),
+        regions_(std::move(regions)),
+        aux_(std::move(aux)),
         counter_(std::move(layer_counter)),
         requests_(std::make_shared<WaitQueue<KvPrefill::Incoming>>("requests", 4096)),
         released_(std::make_shared<WaitQueue<Released>>("releases", 4096)) {
@@ -193,9 +196,8 @@ void BindKv(py::module_& m) {
       .def("validate", [](const KvSide& s) { ThrowIfError(s.Validate()); })
       .def_property_readonly("heads_per_rank", &KvSide::heads_per_rank)
       .def_property_readonly("page_bytes", &KvSide::page_bytes)
-      .def("offset", &KvSide::Offset, py::arg("page"), py::arg("component"),
-           py::arg("local_head"), py::arg("token"),
-           "Byte offset, in one rank's layer region, of that head_dim vector");
+      .def("offset", &KvSide::Offset, py::arg("page"), py::arg("component"), py::arg("local_head"),
+           py::arg("token"), "Byte offset, in one rank's layer region, of that head_dim vector");
 
   py::class_<KvWrite>(m, "KvWrite")
       .def_readonly("src_rank", &KvWrite::src_rank)
@@ -218,9 +220,10 @@ void BindKv(py::module_& m) {
 
   py::class_<LayerCounter>(m, "LayerCounter", "A host layer counter for KvPrefill")
       .def(py::init<>())
-      .def("increment",
-           [](LayerCounter& c, uint64_t n) { c.value.fetch_add(n, std::memory_order_release); },
-           py::arg("n") = 1, "After the layer's KV pages are written")
+      .def(
+          "increment",
+          [](LayerCounter& c, uint64_t n) { c.value.fetch_add(n, std::memory_order_release); },
+          py::arg("n") = 1, "After the layer's KV pages are written")
       .def_property_readonly("value", [](const LayerCounter& c) { return c.value.load(); });
   py::class_<GpuLayerCounter>(m, "GpuLayerCounter",
                               "A layer counter the model's CUDA stream increments")
@@ -244,9 +247,8 @@ void BindKv(py::module_& m) {
       .def("__enter__", [](py::object self) { return self; })
       .def("__exit__", [](Decoder& d, py::args) { d.Close(); })
       .def("submit", &Decoder::Submit, py::arg("request_id"), py::arg("prefill_address"),
-           py::arg("prefill"), py::arg("pages"), py::arg("num_tokens"),
-           py::arg("aux_offset") = 0, py::arg("aux_bytes") = 0, py::arg("speculative") = false,
-           py::arg("timeout") = 30.0,
+           py::arg("prefill"), py::arg("pages"), py::arg("num_tokens"), py::arg("aux_offset") = 0,
+           py::arg("aux_bytes") = 0, py::arg("speculative") = false, py::arg("timeout") = 30.0,
            "A ferry.Transfer that ends once every page of every layer and the aux bytes landed")
       .def("cancel", &Decoder::Cancel, py::arg("request_id"));
 
@@ -264,14 +266,14 @@ void BindKv(py::module_& m) {
            "The next request a decoder sent: {request_id, num_pages, num_tokens, speculative}")
       .def("next_release", &Prefill::NextRelease, py::arg("timeout") = 30.0,
            "(request_id, None or the ferry.Error it ended with) once its source pages are free")
-      .def("schedule",
-           [](Prefill& p, uint64_t id, const std::vector<int64_t>& pages, int64_t aux_offset,
-              uint64_t pass_base) { p.ScheduleChunk(id, 0, pages, pass_base, aux_offset); },
-           py::arg("request_id"), py::arg("src_pages"), py::arg("aux_offset") = 0,
-           py::arg("pass_base") = 0)
-      .def("schedule_chunk", &Prefill::ScheduleChunk, py::arg("request_id"),
-           py::arg("first_page"), py::arg("src_pages"), py::arg("pass_base"),
-           py::arg("aux_offset") = 0)
+      .def(
+          "schedule",
+          [](Prefill& p, uint64_t id, const std::vector<int64_t>& pages, int64_t aux_offset,
+             uint64_t pass_base) { p.ScheduleChunk(id, 0, pages, pass_base, aux_offset); },
+          py::arg("request_id"), py::arg("src_pages"), py::arg("aux_offset") = 0,
+          py::arg("pass_base") = 0)
+      .def("schedule_chunk", &Prefill::ScheduleChunk, py::arg("request_id"), py::arg("first_page"),
+           py::arg("src_pages"), py::arg("pass_base"), py::arg("aux_offset") = 0)
       .def("cancel", &Prefill::Cancel, py::arg("request_id"));
 }
 

@@ -41,8 +41,8 @@ void CheckTimeout(double seconds) {
 
 Deadline DeadlineIn(double seconds) {
   CheckTimeout(seconds);
-  return Deadline::After(std::chrono::duration_cast<Clock::duration>(
-      std::chrono::duration<double>(seconds)));
+  return Deadline::After(
+      std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds)));
 }
 
 namespace {
@@ -62,7 +62,8 @@ Array HostArray(const py::object& object) {
     PyErr_Clear();
     ThrowIfError(InvalidArgumentError(
         "expected a C-contiguous array (NumPy, torch tensor, __cuda_array_interface__ or "
-        "buffer protocol), got " + std::string(py::str(py::type::of(object).attr("__name__")))));
+        "buffer protocol), got " +
+        std::string(py::str(py::type::of(object).attr("__name__")))));
   }
   Array a;
   a.data = reinterpret_cast<uintptr_t>(view.buf);
@@ -139,24 +140,23 @@ PYBIND11_MODULE(_ferry, m) {
   using namespace ferry::python;
   m.doc() = "ferry: RDMA transfers, MoE dispatch/combine and KV streaming (C++ core bindings)";
 
-  py::class_<Array>(m, "Array",
-                    "One contiguous array as ferry sees it (build with ferry.as_array)")
-      .def(py::init([](uint64_t data, uint64_t num_bytes, int device, const std::string& kind,
-                       int item_bytes, bool readonly, std::vector<int64_t> shape,
-                       py::object owner) {
-             Array a;
-             a.data = data;
-             a.num_bytes = num_bytes;
-             a.device = device;
-             a.kind = kind.empty() ? 'V' : kind[0];
-             a.item_bytes = item_bytes;
-             a.readonly = readonly;
-             a.shape = std::move(shape);
-             a.owner = std::move(owner);
-             return a;
-           }),
-           py::arg("data"), py::arg("num_bytes"), py::arg("device"), py::arg("kind"),
-           py::arg("item_bytes"), py::arg("readonly"), py::arg("shape"), py::arg("owner"))
+  py::class_<Array>(m, "Array", "One contiguous array as ferry sees it (build with ferry.as_array)")
+      .def(
+          py::init([](uint64_t data, uint64_t num_bytes, int device, const std::string& kind,
+                      int item_bytes, bool readonly, std::vector<int64_t> shape, py::object owner) {
+            Array a;
+            a.data = data;
+            a.num_bytes = num_bytes;
+            a.device = device;
+            a.kind = kind.empty() ? 'V' : kind[0];
+            a.item_bytes = item_bytes;
+            a.readonly = readonly;
+            a.shape = std::move(shape);
+            a.owner = std::move(owner);
+            return a;
+          }),
+          py::arg("data"), py::arg("num_bytes"), py::arg("device"), py::arg("kind"),
+          py::arg("item_bytes"), py::arg("readonly"), py::arg("shape"), py::arg("owner"))
       .def_readonly("data", &Array::data)
       .def_readonly("num_bytes", &Array::num_bytes)
       .def_readonly("device", &Array::device)
@@ -166,8 +166,8 @@ PYBIND11_MODULE(_ferry, m) {
       .def_readonly("owner", &Array::owner)
       .def_property_readonly("kind", [](const Array& a) { return std::string(1, a.kind); })
       .def("__repr__", [](const Array& a) {
-        return "<ferry.Array " + std::to_string(a.num_bytes) + " bytes in " +
-               DeviceName(a.device) + ">";
+        return "<ferry.Array " + std::to_string(a.num_bytes) + " bytes in " + DeviceName(a.device) +
+               ">";
       });
   m.def("host_array", &HostArray, py::arg("object"),
         "A host Array from a buffer-protocol object (C-contiguous)");

@@ -2,10 +2,11 @@
 // host or the configured GPU, writable outputs) before a pointer reaches the core, and runs with
 // the GIL released. With a stream set (CUDA), steps return once enqueued: the arrays of every
 // step enqueued since the last synchronize() stay referenced until it returns.
+#include "ferry/moe.h"
+
 #include <pybind11/stl.h>
 
 #include "binding.h"
-#include "ferry/moe.h"
 
 namespace ferry::python {
 namespace {
@@ -24,7 +25,12 @@ class PyAllToAll {
   }
   ~PyAllToAll() { Close(); }
 
+  // Refused while a step runs on another thread (it has released the GIL); the destructor
+  // cannot meet one (a running step holds a reference to this object).
   void Close() {
+    if (busy_ > 0) {
+      ThrowIfError(FailedPreconditionError("AllToAll.close: a step is running on another thread"));
+    }
     if (!a2a_) return;
     {
       py::gil_scoped_release release;
@@ -62,7 +68,8 @@ class PyAllToAll {
     in.num_tokens = static_cast<int>(tokens);
     Keep({xa, ia, wa});
     if (auto sa = Optional(scales, "scales", c.scales_per_token() > 0)) {
-      Check(&*sa, {"scales", tokens * static_cast<uint64_t>(c.scales_per_token()) * 4, false, 'f', 4});
+      Check(&*sa,
+            {"scales", tokens * static_cast<uint64_t>(c.scales_per_token()) * 4, false, 'f', 4});
       in.scales = static_cast<const float*>(sa->pointer());
       Keep({*sa});
     }
@@ -73,7 +80,7 @@ class PyAllToAll {
       Keep({da});
     }
     last_tokens_ = tokens;
-    Run([&] { return a2a_->DispatchSend(in); });
+    Run([&](AllToAll& a) { return a.DispatchSend(in); });
   }
 
   void DispatchRecv(const py::handle& x, const py::handle& num_tokens, const py::handle& scales,
@@ -109,7 +116,7 @@ class PyAllToAll {
       out.token_weights = static_cast<float*>(wa->pointer());
       Keep({*ra, *ea, *wa});
     }
-    Run([&] { return a2a_->DispatchRecv(out, deadline); });
+    Run([&](AllToAll& a) { return a.DispatchRecv(out, deadline); });
   }
 
   void CombineSend(const py::handle& expert_out) {
@@ -121,7 +128,7 @@ class PyAllToAll {
     const Array ea = ToArray(expert_out);
     Check(&ea, {"expert_out", rows * c.hidden * 2, false, 0, 2});
     Keep({ea});
-    Run([&] { return a2a_->CombineSend(static_cast<const uint16_t*>(ea.pointer())); });
+    Run([&](AllToAll& a) { return a.CombineSend(static_cast<const uint16_t*>(ea.pointer())); });
   }
 
   void CombineRecv(const py::handle& out, bool accumulate, double timeout) {
@@ -130,7 +137,9 @@ class PyAllToAll {
     const Array oa = ToArray(out);
     Check(&oa, {"out", static_cast<uint64_t>(last_tokens_) * c.hidden * 2, true, 0, 2});
     Keep({oa});
-    Run([&] { return a2a_->CombineRecv(static_cast<uint16_t*>(oa.pointer()), accumulate, deadline); });
+    Run([&](AllToAll& a) {
+      return a.CombineRecv(static_cast<uint16_t*>(oa.pointer()), accumulate, deadline);
+    });
   }
 
   void SetStream(const py::handle& stream) {
@@ -140,7 +149,7 @@ class PyAllToAll {
       // .cuda_stream, CuPy's .ptr.
       py::object handle = py::hasattr(stream, "cuda_stream") ? stream.attr("cuda_stream")
                           : py::hasattr(stream, "ptr")       ? stream.attr("ptr")
-                                                             : py::reinterpret_borrow<py::object>(stream);
+                                                       : py::reinterpret_borrow<py::object>(stream);
       s = reinterpret_cast<void*>(static_cast<uintptr_t>(py::cast<uint64_t>(handle)));
     }
     ThrowIfError(a2a().SetStream(s));
@@ -148,11 +157,7 @@ class PyAllToAll {
   }
 
   void Synchronize() {
-    Status s;
-    {
-      py::gil_scoped_release release;
-      s = a2a().Synchronize();
-    }
+    const Status s = Unlocked([](AllToAll& a) { return a.Synchronize(); });
     keep_.clear();
     ThrowIfError(s);
   }
@@ -168,23 +173,19 @@ class PyAllToAll {
   int Device(const AllToAllConfig& c) const {
     return c.device == MoeDeviceKind::kHost ? kHostMemory : c.cuda_device;
   }
-  static int ItemBytes(const AllToAllConfig& c) {
-    return c.dtype == DispatchDtype::kBf16 ? 2 : 1;
-  }
+  static int ItemBytes(const AllToAllConfig& c) { return c.dtype == DispatchDtype::kBf16 ? 2 : 1; }
   void Check(const Array* array, const ArrayNeed& need) const {
     ThrowIfError(CheckArray(array, need, Device(config())));
   }
   // An optional argument: None where not `wanted` (else InvalidArgument: the configuration has
   // no use for it), an Array where wanted (else InvalidArgument: required).
-  std::optional<Array> Optional(const py::handle& object, const char* name,
-                                bool wanted) const {
+  std::optional<Array> Optional(const py::handle& object, const char* name, bool wanted) const {
     if (object.is_none()) {
       if (wanted) ThrowIfError(InvalidArgumentError(std::string(name) + ": required"));
       return std::nullopt;
     }
     if (!wanted) {
-      ThrowIfError(InvalidArgumentError(std::string(name) +
-                                        ": this configuration takes none (" +
+      ThrowIfError(InvalidArgumentError(std::string(name) + ": this configuration takes none (" +
                                         config().ToString() + ")"));
     }
     return ToArray(object);
@@ -193,13 +194,22 @@ class PyAllToAll {
   void Keep(std::initializer_list<Array> arrays) {
     for (const Array& a : arrays) keep_.push_back(a.owner);
   }
+  // step(AllToAll&) with the GIL released.
   template <typename Step>
-  void Run(Step step) {
+  Status Unlocked(Step step) {
+    AllToAll& a = a2a();
     Status s;
+    ++busy_;
     {
       py::gil_scoped_release release;
-      s = step();
+      s = step(a);
     }
+    --busy_;
+    return s;
+  }
+  template <typename Step>
+  void Run(Step step) {
+    const Status s = Unlocked(step);
     if (!streamed_) keep_.clear();
     ThrowIfError(s);
   }
@@ -209,6 +219,7 @@ class PyAllToAll {
   std::vector<py::object> keep_;
   int64_t last_tokens_ = 0;
   bool streamed_ = false;
+  int busy_ = 0;  // steps running with the GIL released (the GIL guards the count)
 };
 
 }  // namespace
@@ -231,10 +242,10 @@ void BindMoe(py::module_& m) {
   py::class_<AllToAllConfig>(m, "AllToAllConfig",
                              "What an AllToAll moves (AllToAllConfig in include/ferry/moe.h)")
       .def(py::init([](const py::kwargs& fields) {
-             py::object o = py::cast(AllToAllConfig{});
-             SetFields(o, fields);
-             return o.cast<AllToAllConfig>();
-           }))
+        py::object o = py::cast(AllToAllConfig{});
+        SetFields(o, fields);
+        return o.cast<AllToAllConfig>();
+      }))
       .def_readwrite("world_size", &AllToAllConfig::world_size)
       .def_readwrite("rank", &AllToAllConfig::rank)
       .def_readwrite("ranks_per_node", &AllToAllConfig::ranks_per_node)
@@ -280,8 +291,8 @@ void BindMoe(py::module_& m) {
            py::arg("token_experts") = py::none(), py::arg("token_weights") = py::none(),
            py::arg("timeout") = 30.0)
       .def("combine_send", &PyAllToAll::CombineSend, py::arg("expert_out"))
-      .def("combine_recv", &PyAllToAll::CombineRecv, py::arg("out"),
-           py::arg("accumulate") = false, py::arg("timeout") = 30.0)
+      .def("combine_recv", &PyAllToAll::CombineRecv, py::arg("out"), py::arg("accumulate") = false,
+           py::arg("timeout") = 30.0)
       .def("set_stream", &PyAllToAll::SetStream, py::arg("stream"))
       .def("synchronize", &PyAllToAll::Synchronize)
       .def_property_readonly("dispatch_bytes_sent", &PyAllToAll::dispatch_bytes_sent)

@@ -1,5 +1,7 @@
 """ferry.TransferEngine from Python: two ranks over libfabric's shm provider."""
 
+import threading
+import time
 import unittest
 
 import ferry
@@ -118,6 +120,26 @@ class TransferEngineTest(unittest.TestCase):
         with self.assertRaises(ferry.FailedPrecondition):
             engine.register(bytearray(64))
         self.assertEqual(region.length, 64)
+
+    def test_close_refused_while_another_thread_waits(self):
+        engine = shm_engine()
+        engine.create_imm_counter(5)
+        outcome = []
+
+        def wait():
+            try:
+                engine.wait_imm(5, 1, timeout=1.0)
+            except ferry.DeadlineExceeded:
+                outcome.append("deadline")
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        time.sleep(0.2)
+        with self.assertRaises(ferry.FailedPrecondition):
+            engine.close()
+        waiter.join()
+        self.assertEqual(outcome, ["deadline"])
+        engine.close()
 
 
 if __name__ == "__main__":
