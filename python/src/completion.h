@@ -4,6 +4,9 @@
 // into a bounded WaitQueue that Python drains.
 #pragma once
 
+#include <sched.h>
+
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <memory>
@@ -19,7 +22,8 @@ namespace ferry::python {
 struct Pending {
   std::mutex mu;
   std::condition_variable cv;
-  bool done = false;
+  bool done = false;  // guarded by mu
+  std::atomic<bool> ended{false};  // set with done, read without the lock by Wait's polls
   Status status;
   // What the engine reads until the end: a paged write's page lists, a scatter's targets.
   std::vector<uint32_t> src_pages, dst_pages;
@@ -30,6 +34,7 @@ struct Pending {
       std::lock_guard<std::mutex> lock(mu);
       status = s;
       done = true;
+      ended.store(true, std::memory_order_release);
     }
     cv.notify_all();
   }
@@ -37,13 +42,26 @@ struct Pending {
     std::lock_guard<std::mutex> lock(mu);
     return done;
   }
+  // A short transfer ends within microseconds, sooner than a sleeping thread wakes: Wait polls
+  // first (spinning, then yielding the core), and only then sleeps on the condition variable.
   Status Wait(Deadline deadline) {
+    for (int i = 0; i < kSpins + kYields && !ended.load(std::memory_order_acquire); ++i) {
+      if (i < kSpins) {
+#if defined(__x86_64__)
+        __builtin_ia32_pause();
+#endif
+      } else {
+        sched_yield();
+      }
+    }
     std::unique_lock<std::mutex> lock(mu);
     if (!cv.wait_until(lock, deadline.at, [&] { return done; })) {
       return DeadlineExceededError("still in flight at the deadline");
     }
     return status;
   }
+  static constexpr int kSpins = 2000, kYields = 200;
+
   // The callback that ends it (fits DoneCallback's inline storage).
   static DoneCallback Callback(std::shared_ptr<Pending> pending) {
     return [pending = std::move(pending)](const Status& s) { pending->Finish(s); };
