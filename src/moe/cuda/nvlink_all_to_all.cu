@@ -92,6 +92,7 @@ class NvlinkAllToAll final : public AllToAll {
     // (checked below). The dispatch's slot tag follows the entries, within the metadata's line.
     int stream_mask = 0;
     RETURN_IF_ERROR(EnvNumber("FERRY_NV_STREAM", &stream_mask, 0, 3));
+    v.counts_tagged = c_.ranks_per_node == n;
     v.stream = c_.ranks_per_node == n && (stream_mask & 1);
     v.stream_combine = c_.ranks_per_node == n && (stream_mask & 2);
     v.meta_bytes = RoundUp(v.meta_used + (v.stream ? 8 : 0), 128);
@@ -103,7 +104,8 @@ class NvlinkAllToAll final : public AllToAll {
     v.token_major = c_.dispatch_layout == DispatchLayout::kTokenMajor;
     v.slots_per_pair = layout_.slots_per_pair;
     v.counts_off = RoundUp(2 * n * 8, 128);
-    v.counts_stride = static_cast<int>(RoundUp(v.l + kCountsColumns + (v.stream ? 1 : 0), 4));
+    v.counts_stride =
+        static_cast<int>(RoundUp(v.l + kCountsColumns + (v.counts_tagged ? 1 : 0), 4));
     v.private_off = RoundUp(v.counts_off + int64_t{n} * v.counts_stride * 4, 128);
     v.combine_off = RoundUp(v.private_off + int64_t{n} * v.priv * v.slot_bytes, 128);
     v.combine_tag_off = RoundUp(v.combine_off + int64_t{t} * k * v.row_bytes, 128);

@@ -195,10 +195,14 @@ struct Nv {
   int64_t meta_used;  // header and entries; meta_bytes rounds it up to a 128-byte line
   bool once, reduce;
   bool spread;  // Unpack's and CombineSend's slots in SpreadOrder (FERRY_NV_SPREAD=1)
+  // One node (no relay): each counts row carries a 32-bit tag, "epoch + 1" once the row is in
+  // place, in column CountsTagColumn; Unpack reads the rows and builds its offsets table as
+  // soon as the tags are up, while the send blocks still store slots, and only then waits for
+  // their arrivals (or, streamed, for each slot's tag).
+  bool counts_tagged;
   // Streamed dispatch (one node; see nvlink_all_to_all.h): each slot carries a 64-bit tag,
-  // "epoch + 1" once its bytes are in place, at SlotTagOffset (right after the entries), and
-  // each counts row a 32-bit one in column CountsTagColumn; Unpack takes each slot as its tag
-  // comes up instead of waiting for every send block's arrival.
+  // "epoch + 1" once its bytes are in place, at SlotTagOffset (right after the entries); Unpack
+  // takes each slot as its tag comes up instead of waiting for every send block's arrival.
   bool stream;
   // Streamed combine (one node): each returned row's 64-bit tag, "epoch + 1" once the row is in
   // place, at combine_tag_off + row * 8 in the receiver's buffer; CombineRecv sums each token as
@@ -559,9 +563,9 @@ __device__ inline CountsDst PeerCountsDst(const Nv& v, int r) {
 }
 
 // Our counts row into every rank (value(r, c): column c of our row for rank r: copies per
-// local expert of r, then the CountsColumn values; dst(r): where it goes). Streamed, each row's
-// tag follows, released once the block's stores of every row are out (the barrier orders them
-// before it).
+// local expert of r, then the CountsColumn values; dst(r): where it goes). In one node, each
+// row's tag follows, released once the block's stores of every row are out (the barrier orders
+// them before it).
 template <typename Value, typename Dst>
 __device__ void WriteCountsRows(const Nv& v, uint64_t epoch, Value value, Dst dst) {
   const int width = v.l + kCountsColumns;
@@ -580,7 +584,7 @@ __device__ void WriteCountsRows(const Nv& v, uint64_t epoch, Value value, Dst ds
   for (int r = threadIdx.x; r < v.n; r += blockDim.x) {  // the relay sizes its write by this
     if (int64_t* relay_slots = dst(r).relay_slots) *relay_slots = value(r, v.l + kColSlots);
   }
-  if (!v.stream) return;
+  if (!v.counts_tagged) return;
   __syncthreads();
   for (int r = threadIdx.x; r < v.n; r += blockDim.x) {
     StoreRelease(reinterpret_cast<uint32_t*>(dst(r).counts + CountsTagColumn(v)),

@@ -39,7 +39,28 @@ struct SlotTables {
   int32_t* offset;
   const SlotOrder* order;  // the order visits take slots in (UnpackSlots)
   uint64_t epoch, wait_start, budget_ns;
+  bool table_built;  // offset[] filled before UnpackSlots (from tagged counts rows)
 };
+
+// offset[s][e]: rows of local expert e from senders before s (offset[N][e]: all of them), from
+// every sender's counts row; block 0 also notes the epoch's received slots for CombineSend.
+// Ends with a block barrier.
+__device__ inline void BuildOffsets(const Nv& v, const int32_t* counts, int32_t* offset,
+                                    int64_t total) {
+  for (int e = threadIdx.x; e < v.l; e += blockDim.x) {
+    int32_t rows = 0;
+    for (int q = 0; q < v.n; ++q) {
+      offset[q * v.l + e] = rows;
+      rows += counts[q * v.counts_stride + e];
+    }
+    offset[v.n * v.l + e] = rows;
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    v.scratch->total_recv = static_cast<int32_t>(total);
+    v.scratch->rows_out = 0;
+  }
+  __syncthreads();
+}
 
 // A group of kGroup threads (a warp or the block) waits for itself: the slot metadata it shares.
 template <int kGroup>
@@ -67,8 +88,8 @@ __device__ inline bool GroupAll(bool value) {
 // vectors in flight: a group's visits are blockIdx.x + group * grid, + grid * groups ..., each
 // taking slot order(visit) (with v.spread, SpreadOrder when slots outnumber blocks; else every
 // slot in order; streamed, in order as claimed). Checks each slot, copies its row to each
-// entry's output row, remembers where the entries' combine rows go. Also builds the offsets
-// table (the whole block, while each group's first slot loads).
+// entry's output row, remembers where the entries' combine rows go. Builds the offsets table
+// first where the kernel has not (the whole block, while each group's first slot loads).
 template <int kGroup, int kVec, bool kStream>
 __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
                             int64_t total) {
@@ -80,7 +101,6 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
   int64_t* out_row = out_row_of[group];
   const PeerIn* from_of = t.from_of;
   const int64_t *prefix = t.prefix, *start = t.start, *rebase = t.rebase;
-  const int32_t* counts = t.counts;
   int32_t* offset = t.offset;
   // Vectors [0, used): header and entries; [used, meta): padding, not loaded; [meta, body):
   // the row; [body, end): the scales. Tested in 32 bits, a slot being far below 2^31 vectors
@@ -139,28 +159,16 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
   const int64_t first_visit = blockIdx.x + int64_t{group} * gridDim.x;
   const int64_t step = int64_t{gridDim.x} * kGroups;
   int64_t visit = first_visit;
-  // The first slot in flight while the offsets table is built (streamed: once it is there,
-  // after the table).
+  // The first slot in flight while the offsets table is built, if not yet (streamed: once it
+  // is there, after the table).
   const uint4* src4 = visit < total && !kStream ? locate(order(visit)) : nullptr;
   if (src4) load(src4, 0);
   Mark(v, kTraceUnpack, 3);
 
-  for (int e = threadIdx.x; e < v.l; e += blockDim.x) {
-    int32_t rows = 0;
-    for (int q = 0; q < v.n; ++q) {
-      offset[q * v.l + e] = rows;
-      rows += counts[q * v.counts_stride + e];
-    }
-    offset[v.n * v.l + e] = rows;
+  if (!t.table_built) {
+    BuildOffsets(v, t.counts, t.offset, total);
+    Mark(v, kTraceUnpack, 4);
   }
-  __syncthreads();
-  if (blockIdx.x == 0) {
-    if (threadIdx.x == 0) {
-      v.scratch->total_recv = static_cast<int32_t>(total);
-      v.scratch->rows_out = 0;
-    }
-  }
-  Mark(v, kTraceUnpack, 4);
   bool primary_done = false, marked = false;
   if constexpr (kStream) visit = Claim<kGroup>(&v.scratch->claimed);
   for (; visit < total; visit = kStream ? Claim<kGroup>(&v.scratch->claimed) : visit + step) {
@@ -265,9 +273,11 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
   }
 }
 
-// Every block waits for all dispatch flags, reads every sender's counts row, then takes its share
-// of the received slots (UnpackSlots).
-// Streamed, it waits for each sender's counts row instead, and for each slot as it takes it,
+// Every block reads every sender's counts row once its tag is up (one node; with other nodes,
+// once every dispatch flag is), builds the offsets table, waits for all dispatch flags, then
+// takes its share of the received slots (UnpackSlots). Trace points: 1 counts rows there, 2 read,
+// 4 offsets built, 7 flags seen (one node), 3 first slot's loads issued, 5 it is checked.
+// Streamed, it waits for each slot as it takes it instead of for the flags,
 // and it does not wait for the kernel before it (our send kernel, which may still be storing
 // slots) to end before writing the caller's outputs: what made WaitPrimary needed -- a kernel of
 // the caller's that still reads them -- ended before our send kernel started (Route and
@@ -297,7 +307,7 @@ __global__ void __launch_bounds__(kCopyThreads, 2) UnpackKernel(Nv v, RecvArgs a
   const uint64_t epoch = v.scratch->epoch;
   const uint64_t wait_start = GlobalTimerNs();
   LoadPeersIn(v, from_of);  // while thread 0 waits: no table load on the path after the flags
-  if (kStream) {  // every sender's counts row, a thread per sender waiting for its tag
+  if (v.counts_tagged) {  // every sender's counts row, a thread per sender waiting for its tag
     bool there = true;
     for (int q = threadIdx.x; q < v.n; q += blockDim.x) {
       const NvPeer& p = v.peer[q];
@@ -350,12 +360,25 @@ __global__ void __launch_bounds__(kCopyThreads, 2) UnpackKernel(Nv v, RecvArgs a
   }
   __syncthreads();
   const int64_t total = prefix[v.n];
+  // Counts rows from their tags: the offsets table now, then (not streamed) every send block's
+  // arrival -- the table no longer waits behind the senders' last slots.
+  if (v.counts_tagged) {
+    BuildOffsets(v, counts, offset, total);
+    Mark(v, kTraceUnpack, 4);
+    if (!kStream) {
+      if (threadIdx.x == 0) ok = WaitStep(v, epoch, a.timeout_ns, 0);
+      __syncthreads();
+      if (!ok) return;
+      Mark(v, kTraceUnpack, 7);
+    }
+  }
   // Few slots (decode): a block per slot, the slot's vectors spread over the block. More slots
   // than blocks (prefill): a warp per slot, eight slots in flight per block, a lane's eight
   // vectors loaded at once -- one block copying slot after slot waits on each slot's load.
   // (Sixteen per lane take the kernel past 128 registers, one block per SM, or spill.)
-  const SlotTables tables{from_of, prefix,     start,       rebase, counts, offset,
-                          &order,  epoch,      wait_start,  a.timeout_ns};
+  const SlotTables tables{from_of,    prefix,       start,         rebase, counts,
+                          offset,     &order,       epoch,         wait_start,
+                          a.timeout_ns, v.counts_tagged};
   // A block per slot keeps two vectors per thread in flight (fp8 rows of hidden 7168, 470
   // vectors, fit in one batch; longer slots take more): four cost their bounds tests on
   // vectors past the slot's end, and a third instance, four where two do not fit, made the
