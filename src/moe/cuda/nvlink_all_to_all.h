@@ -60,7 +60,12 @@
 //                 Route computes for its own four tokens (shared-memory histograms over all
 //                 tokens and over those before its own, warp ballots within), a warp per token
 //                 stores the row; block 0 only writes the counts rows; every block arrives.
-//   DispatchRecv: Unpack (every block waits for all dispatch flags; slot by slot -- a block
+//   DispatchRecv: Unpack (every block reads the counts rows as soon as they are there -- in one
+//                 node each carries a 32-bit tag, "epoch + 1", in the column after the
+//                 CountsColumn values, released by the sender's block 0 once the rows are out
+//                 (ld.acquire.sys, a thread per sender); across nodes once every flag is up --
+//                 and builds its offsets table from them while the send blocks still store
+//                 slots; then waits for all dispatch flags; slot by slot -- a block
 //                 per slot when they fit the grid, a warp per slot when they outnumber it --
 //                 from our private region, from the sender's send area over NVLink, or from our
 //                 own send area; rows into the expert-major output at the sender's offset for
@@ -91,10 +96,9 @@
 //
 // Streamed dispatch: the receiver does not wait for every send block before it takes a slot. Each slot
 // carries a 64-bit tag after its entries, stored "epoch + 1" with st.release.sys by a lane of
-// the warp that wrote the slot once its lanes met at __syncwarp; each counts row a 32-bit tag
-// (the column after the CountsColumn values), released by block 0 once the rows are out.
-// Unpack waits for every sender's counts-row tag (ld.acquire.sys, a thread per sender), then per
-// slot its group's first thread waits for the slot's tag -- or, for a slot it pulls from the
+// the warp that wrote the slot once its lanes met at __syncwarp. Unpack, once the counts rows'
+// tags are up (as unstreamed), does not wait for the flags: per slot its group's first thread
+// waits for the slot's tag -- or, for a slot it pulls from the
 // sender's send area, for that sender's dispatch flag, which the send blocks still raise -- and
 // a vote hands it to the group. Pack and Unpack then run side by side, a block of each per SM
 // (Route/Pack path), so the rows are unpacked while the link still carries the rest. Unpack
