@@ -118,8 +118,12 @@ class Engine {
     w.peer = peer;
     w.dst = ToRemote(dst);
     w.dst_offset = dst_offset;
-    w.length =
-        length ? *length : region.region.length() - std::min(src_offset, region.region.length());
+    if (!length && src_offset > region.region.length()) {
+      ThrowIfError(OutOfRangeError("write: src_offset " + std::to_string(src_offset) +
+                                   " is past the region's " +
+                                   std::to_string(region.region.length()) + " bytes"));
+    }
+    w.length = length ? *length : region.region.length() - src_offset;
     w.imm = imm;
     auto state = std::make_shared<Pending>();
     return Track(state, py::make_tuple(src), engine().Write(w, Done(state)));

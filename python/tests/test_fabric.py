@@ -54,6 +54,31 @@ def writes_body(b):
         b.barrier()
 
 
+def scatter_and_barrier_body(b):
+    with shm_engine() as engine:
+        buf = bytearray(4 * PAGE)
+        region = engine.register(buf)
+        peer, dst = connect(b, engine, region)
+        group = engine.add_peer_group([peer])
+        engine.create_imm_counter(9)
+        engine.create_imm_counter(10)
+        b.barrier()
+        if b.rank == 0:
+            buf[:] = pattern(len(buf), 3)
+            plan = engine.prepare_scatter(group, region, [dst])
+            # Two slices to the group's one member, each carrying imm 9; then a barrier (imm 10).
+            engine.scatter(plan, [(0, 0, 100, 50), (0, 2 * PAGE, 3 * PAGE, 24)], imm=9).wait(10)
+            engine.barrier(group, 10).wait(10)
+        else:
+            engine.wait_imm(9, 2, timeout=10)
+            engine.wait_imm(10, 1, timeout=10)
+            sent = pattern(len(buf), 3)
+            assert buf[100:150] == sent[:50]
+            assert buf[3 * PAGE:3 * PAGE + 24] == sent[2 * PAGE:2 * PAGE + 24]
+            assert buf[:100] == bytes(100) and buf[150:3 * PAGE] == bytes(3 * PAGE - 150)
+        b.barrier()
+
+
 def messages_and_errors_body(b):
     with shm_engine() as engine:
         buf = bytearray(4 * PAGE)
@@ -71,6 +96,11 @@ def messages_and_errors_body(b):
             raise AssertionError("a write past the peer's region was accepted")
         except ferry.OutOfRange as e:
             assert "exceeds" in str(e), e
+        try:
+            engine.write(region, peer, dst, src_offset=4 * PAGE + 1)
+            raise AssertionError("a write from past the source region was accepted")
+        except ferry.OutOfRange:
+            pass
         try:
             engine.write(region, 999, dst, length=16)
             raise AssertionError("a write to an unknown peer was accepted")
@@ -99,6 +129,9 @@ def messages_and_errors_body(b):
 class TransferEngineTest(unittest.TestCase):
     def test_write_paged_and_imm(self):
         run_ranks(self, 2, writes_body)
+
+    def test_scatter_and_barrier(self):
+        run_ranks(self, 2, scatter_and_barrier_body)
 
     def test_messages_and_bad_input(self):
         run_ranks(self, 2, messages_and_errors_body)

@@ -2,6 +2,8 @@
 request's pages layer by layer to a decoder holding one (NHD), over shm; every byte of every
 page and the aux data is checked where the decode layout puts it."""
 
+import os
+import time
 import unittest
 
 import ferry
@@ -10,6 +12,7 @@ from ranks import run_ranks, shm_engine
 MODEL = dict(kv_heads=2, head_dim=8, dtype_bytes=2, page_tokens=4)
 LAYERS, PAGES_PER_LAYER, AUX_BYTES = 3, 8, 40
 SRC_PAGES, DST_PAGES = [5, 1, 6], [2, 7, 0]
+NO_GPU = 3  # exit code of a rank that found no GPU
 
 
 def side(tp, order):
@@ -125,6 +128,26 @@ class KvTest(unittest.TestCase):
         c.increment()
         c.increment(2)
         self.assertEqual(c.value, 3)
+
+    def test_gpu_layer_counter(self):
+        """Without a GPU (or a CUDA build) it says so; with one (in a forked rank: this process
+        must not initialise CUDA before later tests fork), the stream's increments show up."""
+        def body(b):
+            try:
+                counter = ferry.GpuLayerCounter()
+            except (ferry.FailedPrecondition, ferry.Unimplemented):
+                os._exit(NO_GPU)
+            counter.increment(0)
+            counter.increment(0)
+            deadline = time.monotonic() + 10
+            while counter.value < 2 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert counter.value == 2, counter.value
+
+        exits = ferry.run_local_ranks(1, body, timeout=60)
+        if exits[0].exit_code == NO_GPU:
+            self.skipTest("no GPU here (GpuLayerCounter said so)")
+        self.assertTrue(exits[0].ok, exits)
 
 
 if __name__ == "__main__":
