@@ -1,5 +1,6 @@
 """ferry.TransferEngine from Python: two ranks over libfabric's shm provider."""
 
+import os
 import threading
 import time
 import unittest
@@ -79,6 +80,35 @@ def scatter_and_barrier_body(b):
         b.barrier()
 
 
+def lost_peer_body(b):
+    """Rank 1 dies without a word; rank 0's writes to it fail within the transfer timeout, and
+    later ones at once."""
+    options = ferry.EngineOptions.from_env(provider="shm", transfer_timeout_ms=500)
+    with ferry.TransferEngine(options) as engine:
+        buf = bytearray(PAGE)
+        region = engine.register(buf)
+        peer, dst = connect(b, engine, region)
+        b.barrier()
+        if b.rank == 1:
+            os._exit(0)
+        # Writes may still land while rank 1 is on its way out; the first to fail does so
+        # within its timeout, and every later one at once.
+        start = time.monotonic()
+        while True:
+            try:
+                engine.write(region, peer, dst, imm=1).wait(timeout=5)
+            except (ferry.DeadlineExceeded, ferry.Unavailable):
+                break
+            assert time.monotonic() - start < 3, "writes to a dead peer kept completing"
+        failed_at = time.monotonic()
+        try:
+            engine.write(region, peer, dst, imm=1).wait(timeout=5)
+            raise AssertionError("a write to a lost peer completed")
+        except ConnectionError:  # ferry.Unavailable
+            pass
+        assert time.monotonic() - failed_at < 0.5, time.monotonic() - failed_at
+
+
 def messages_and_errors_body(b):
     with shm_engine() as engine:
         buf = bytearray(4 * PAGE)
@@ -132,6 +162,9 @@ class TransferEngineTest(unittest.TestCase):
 
     def test_scatter_and_barrier(self):
         run_ranks(self, 2, scatter_and_barrier_body)
+
+    def test_lost_peer_fails_within_the_deadline(self):
+        run_ranks(self, 2, lost_peer_body)
 
     def test_messages_and_bad_input(self):
         run_ranks(self, 2, messages_and_errors_body)
