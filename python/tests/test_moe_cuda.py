@@ -64,7 +64,8 @@ def cuda_config(rank, **fields):
                        **fields)
 
 
-def expert_major_cuda_body(b):
+def expert_major_cuda_body(b, streamed=False):
+    """streamed: the steps enqueued on a stream of ours (set_stream), then synchronize()."""
     import array
     c = cuda_config(b.rank)
     local, cap = c.local_experts, c.expert_capacity
@@ -87,8 +88,14 @@ def expert_major_cuda_body(b):
             raise AssertionError("host arrays taken by the CUDA device")
         except ferry.InvalidArgument as e:
             assert "the call needs CUDA memory of device 0" in str(e), e
+        if streamed:
+            stream = ctypes.c_void_p()
+            assert mem.rt.cudaStreamCreateWithFlags(ctypes.byref(stream), 1) == 0  # non-blocking
+            a2a.set_stream(stream.value)
         a2a.dispatch_send(dx, di, dw)
         a2a.dispatch_recv(dout, dcounts, timeout=30)
+        if streamed:
+            a2a.synchronize()
         out = array.array("H", bytes(dout.num_bytes))
         counts = array.array("i", bytes(dcounts.num_bytes))
         mem.read(dout, out)
@@ -101,6 +108,9 @@ def expert_major_cuda_body(b):
             assert got == want, (b.rank, e, counts[e], len(want))
         a2a.combine_send(dout)
         a2a.combine_recv(dy, timeout=30)
+        if streamed:
+            a2a.synchronize()
+            a2a.set_stream(None)
         y = array.array("H", bytes(dy.num_bytes))
         mem.read(dy, y)
         rows, _ = inputs(b.rank)
@@ -115,11 +125,17 @@ class CudaAllToAllTest(unittest.TestCase):
         if code == NO_GPU:
             self.skipTest("no CUDA GPU here")
 
-    def test_expert_major_bf16_one_node(self):
-        exits = ferry.run_local_ranks(WORLD, expert_major_cuda_body, timeout=120)
+    def run_cuda(self, body):
+        exits = ferry.run_local_ranks(WORLD, body, timeout=120)
         if all(e.exit_code == NO_CUDA_BUILD for e in exits):
             self.skipTest("ferry was built without CUDA")
         self.assertTrue(all(e.ok for e in exits), exits)
+
+    def test_expert_major_bf16_one_node(self):
+        self.run_cuda(expert_major_cuda_body)
+
+    def test_expert_major_bf16_one_node_on_a_stream(self):
+        self.run_cuda(lambda b: expert_major_cuda_body(b, streamed=True))
 
 
 if __name__ == "__main__":
