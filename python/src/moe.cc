@@ -89,8 +89,7 @@ class PyAllToAll {
     const AllToAllConfig& c = config();
     const Deadline deadline = DeadlineIn(timeout);
     const bool token_major = c.dispatch_layout == DispatchLayout::kTokenMajor;
-    const uint64_t rows = static_cast<uint64_t>(c.expert_capacity()) *
-                          (token_major ? 1 : static_cast<uint64_t>(c.local_experts()));
+    const uint64_t rows = OutputRows(c);
     const Array xa = ToArray(x), na = ToArray(num_tokens);
     Check(&xa, {"x", rows * c.token_bytes(), true, 0, ItemBytes(c)});
     Check(&na, {"num_tokens", static_cast<uint64_t>(c.local_experts()) * 4, true, 'i', 4});
@@ -121,12 +120,8 @@ class PyAllToAll {
 
   void CombineSend(const py::handle& expert_out) {
     const AllToAllConfig& c = config();
-    const uint64_t rows = static_cast<uint64_t>(c.expert_capacity()) *
-                          (c.dispatch_layout == DispatchLayout::kTokenMajor
-                               ? 1
-                               : static_cast<uint64_t>(c.local_experts()));
     const Array ea = ToArray(expert_out);
-    Check(&ea, {"expert_out", rows * c.hidden * 2, false, 0, 2});
+    Check(&ea, {"expert_out", OutputRows(c) * c.hidden * 2, false, 0, 2});
     Keep({ea});
     Run([&](AllToAll& a) { return a.CombineSend(static_cast<const uint16_t*>(ea.pointer())); });
   }
@@ -172,6 +167,12 @@ class PyAllToAll {
   }
   int Device(const AllToAllConfig& c) const {
     return c.device == MoeDeviceKind::kHost ? kHostMemory : c.cuda_device;
+  }
+  // Rows of DispatchRecv's output, and so of CombineSend's input.
+  static uint64_t OutputRows(const AllToAllConfig& c) {
+    const bool token_major = c.dispatch_layout == DispatchLayout::kTokenMajor;
+    return static_cast<uint64_t>(c.expert_capacity()) *
+           (token_major ? 1 : static_cast<uint64_t>(c.local_experts()));
   }
   static int ItemBytes(const AllToAllConfig& c) { return c.dtype == DispatchDtype::kBf16 ? 2 : 1; }
   void Check(const Array* array, const ArrayNeed& need) const {
