@@ -66,7 +66,8 @@ class Engine {
     if (users_ > 0) {
       ThrowIfError(
           FailedPreconditionError("TransferEngine.close: " + std::to_string(users_) +
-                                  " AllToAll objects still use this engine; close them first"));
+                                  " objects (AllToAll, KvPrefill, KvDecoder) still use this "
+                                  "engine; close them first"));
     }
     if (engine_) {
       py::gil_scoped_release release;

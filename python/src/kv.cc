@@ -30,38 +30,53 @@ const MemoryRegion* AuxOf(const py::object& aux) {
   return aux.is_none() ? nullptr : &py::cast<const Region&>(aux).region;
 }
 
-// What a role holds: the engine, released once the role is gone.
+// A messenger role's C++ object (KvDecoder, KvPrefill) and the engine it is made on, held open
+// while the object lives. The derived class's destructor calls Close(): the object goes before
+// the regions and counter the derived class keeps for it.
+template <typename T>
 class Role {
  public:
   explicit Role(py::object engine) : engine_(std::move(engine)) {}
-  TransferEngine* Acquire() { return AcquireEngine(engine_); }
-  void Release() { ReleaseEngine(engine_); }
+
+  void Close() {
+    if (!role_) return;
+    {
+      py::gil_scoped_release release;
+      role_.reset();  // the role ends what is in flight (bounded), see include/ferry/kv.h
+    }
+    ReleaseEngine(engine_);
+  }
 
  protected:
+  // create(TransferEngine*) -> StatusOr<std::unique_ptr<T>>; the engine is let go again when
+  // it fails.
+  template <typename Create>
+  void Open(Create create) {
+    StatusOr<std::unique_ptr<T>> created = create(AcquireEngine(engine_));
+    if (!created.ok()) ReleaseEngine(engine_);
+    role_ = ValueOrThrow(std::move(created));
+  }
+  T& role() {
+    if (!role_) ThrowIfError(FailedPreconditionError("the KV messenger role is closed"));
+    return *role_;
+  }
+
+ private:
   py::object engine_;
+  std::unique_ptr<T> role_;
 };
 
-class Decoder : public Role {
+class Decoder : public Role<KvDecoder> {
  public:
   Decoder(py::object engine, const KvSide& decode, std::vector<py::object> regions, int num_layers,
           int64_t layer_stride, py::object aux, int max_requests)
       : Role(std::move(engine)), regions_(std::move(regions)), aux_(std::move(aux)) {
-    TransferEngine* e = Acquire();
-    StatusOr<std::unique_ptr<KvDecoder>> created = KvDecoder::Create(
-        e, decode, RegionsOf(regions_, num_layers, layer_stride), AuxOf(aux_), max_requests);
-    if (!created.ok()) Release();
-    decoder_ = ValueOrThrow(std::move(created));
+    Open([&](TransferEngine* e) {
+      return KvDecoder::Create(e, decode, RegionsOf(regions_, num_layers, layer_stride),
+                               AuxOf(aux_), max_requests);
+    });
   }
   ~Decoder() { Close(); }
-
-  void Close() {
-    if (!decoder_) return;
-    {
-      py::gil_scoped_release release;
-      decoder_.reset();  // ends every request still waiting (Cancelled)
-    }
-    Release();
-  }
 
   Transfer Submit(uint64_t request_id, const py::bytes& prefill_address, const KvSide& prefill,
                   const std::vector<int64_t>& pages, int64_t num_tokens, int64_t aux_offset,
@@ -78,22 +93,17 @@ class Decoder : public Role {
     r.aux_bytes = aux_bytes;
     r.speculative = speculative;
     auto pending = std::make_shared<Pending>();
-    ThrowIfError(decoder().Submit(r, deadline, Pending::Callback(pending)));
+    ThrowIfError(role().Submit(r, deadline, Pending::Callback(pending)));
     return Transfer(pending, py::make_tuple());  // the regions stay with the decoder
   }
-  void Cancel(uint64_t request_id) { ThrowIfError(decoder().Cancel(request_id)); }
+  void Cancel(uint64_t request_id) { ThrowIfError(role().Cancel(request_id)); }
 
  private:
-  KvDecoder& decoder() {
-    if (!decoder_) ThrowIfError(FailedPreconditionError("the KvDecoder is closed"));
-    return *decoder_;
-  }
   std::vector<py::object> regions_;
   py::object aux_;
-  std::unique_ptr<KvDecoder> decoder_;  // last: destroyed first
 };
 
-class Prefill : public Role {
+class Prefill : public Role<KvPrefill> {
  public:
   using Released = std::pair<uint64_t, Status>;
 
@@ -117,23 +127,12 @@ class Prefill : public Role {
     KvPrefill::Callbacks callbacks;
     callbacks.on_request = [q = requests_](const KvPrefill::Incoming& in) { q->Push(in); };
     callbacks.on_released = [q = released_](uint64_t id, const Status& s) { q->Push({id, s}); };
-    TransferEngine* e = Acquire();
-    StatusOr<std::unique_ptr<KvPrefill>> created =
-        KvPrefill::Create(e, prefill, RegionsOf(regions_, num_layers, layer_stride), AuxOf(aux_),
-                          counter, std::move(callbacks));
-    if (!created.ok()) Release();
-    prefill_ = ValueOrThrow(std::move(created));
+    Open([&](TransferEngine* e) {
+      return KvPrefill::Create(e, prefill, RegionsOf(regions_, num_layers, layer_stride),
+                               AuxOf(aux_), counter, std::move(callbacks));
+    });
   }
   ~Prefill() { Close(); }
-
-  void Close() {
-    if (!prefill_) return;
-    {
-      py::gil_scoped_release release;
-      prefill_.reset();  // waits, bounded, for the writes still in flight
-    }
-    Release();
-  }
 
   py::dict NextRequest(double timeout) {
     const KvPrefill::Incoming in = requests_->PopForPython(timeout);
@@ -150,21 +149,16 @@ class Prefill : public Role {
   }
   void ScheduleChunk(uint64_t request_id, int64_t first_page, const std::vector<int64_t>& pages,
                      uint64_t pass_base, int64_t aux_offset) {
-    ThrowIfError(prefill().ScheduleChunk(request_id, first_page, pages, pass_base, aux_offset));
+    ThrowIfError(role().ScheduleChunk(request_id, first_page, pages, pass_base, aux_offset));
   }
-  void Cancel(uint64_t request_id) { ThrowIfError(prefill().Cancel(request_id)); }
+  void Cancel(uint64_t request_id) { ThrowIfError(role().Cancel(request_id)); }
 
  private:
-  KvPrefill& prefill() {
-    if (!prefill_) ThrowIfError(FailedPreconditionError("the KvPrefill is closed"));
-    return *prefill_;
-  }
   std::vector<py::object> regions_;
   py::object aux_;
   py::object counter_;
   std::shared_ptr<WaitQueue<KvPrefill::Incoming>> requests_;
   std::shared_ptr<WaitQueue<Released>> released_;
-  std::unique_ptr<KvPrefill> prefill_;  // last: destroyed first
 };
 
 template <typename T>

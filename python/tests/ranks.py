@@ -12,3 +12,15 @@ def run_ranks(test, world_size, body, timeout=60.0):
 
 def shm_engine():
     return ferry.TransferEngine(ferry.EngineOptions.from_env(provider="shm"))
+
+
+def expect_error(error, text, call, *args, **kwargs):
+    """call(*args, **kwargs) must raise `error` with `text` in its message (inside a rank, where
+    unittest's assertRaises is not at hand)."""
+    try:
+        call(*args, **kwargs)
+    except error as e:
+        assert text in str(e), (text, str(e))
+        return
+    raise AssertionError(f"{getattr(call, '__name__', call)} did not raise {error.__name__} "
+                         f"({text})")

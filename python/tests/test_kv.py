@@ -7,7 +7,7 @@ import time
 import unittest
 
 import ferry
-from ranks import run_ranks, shm_engine
+from ranks import expect_error, run_ranks, shm_engine
 
 MODEL = dict(kv_heads=2, head_dim=8, dtype_bytes=2, page_tokens=4)
 LAYERS, PAGES_PER_LAYER, AUX_BYTES = 3, 8, 40
@@ -78,11 +78,8 @@ def decoder_body(b):
         with ferry.KvDecoder(engine, DECODE, [engine.register(cache)], LAYERS, stride,
                              aux=engine.register(aux)) as decoder:
             prefill_address = b.all_gather(engine.address)[0]
-            try:  # a page past the layer
-                decoder.submit(41, prefill_address, PREFILL, [PAGES_PER_LAYER], num_tokens=4)
-                raise AssertionError("a page outside the cache was accepted")
-            except ferry.OutOfRange:
-                pass
+            expect_error(ferry.OutOfRange, "outside the layer", decoder.submit, 41,
+                         prefill_address, PREFILL, [PAGES_PER_LAYER], num_tokens=4)
             decoder.submit(42, prefill_address, PREFILL, DST_PAGES, num_tokens=12,
                            aux_offset=8, aux_bytes=AUX_BYTES).wait(timeout=20)
             for layer in range(LAYERS):
@@ -97,11 +94,7 @@ def decoder_body(b):
             assert aux[8:8 + AUX_BYTES] == bytes(range(AUX_BYTES))
             late = decoder.submit(43, prefill_address, PREFILL, DST_PAGES, num_tokens=12,
                                   timeout=0.3)
-            try:
-                late.wait(timeout=20)
-                raise AssertionError("an unscheduled request completed")
-            except ferry.DeadlineExceeded:
-                pass
+            expect_error(ferry.DeadlineExceeded, "", late.wait, timeout=20)
             b.barrier()
 
 
@@ -122,6 +115,21 @@ class KvTest(unittest.TestCase):
         self.assertTrue(all(w.length == vector_bytes() for w in plan.writes))
         with self.assertRaises(ferry.InvalidArgument):
             ferry.plan_kv_transfer(PREFILL, DECODE, SRC_PAGES, DST_PAGES[:2])
+
+    def test_a_role_holds_its_engine(self):
+        stride = DECODE.page_bytes * PAGES_PER_LAYER
+        with shm_engine() as engine:
+            decoder = ferry.KvDecoder(engine, DECODE, [engine.register(bytearray(stride))], 1,
+                                      stride)
+            with self.assertRaises(ferry.FailedPrecondition):
+                engine.close()
+            decoder.close()
+            with self.assertRaises(ferry.FailedPrecondition):
+                decoder.cancel(1)
+            # The engine's messages are recv()'s again (here, one sent to itself).
+            me = engine.add_peer(engine.address)
+            engine.send(me, b"back").wait(timeout=10)
+            self.assertEqual(engine.recv(timeout=10), (me, b"back"))
 
     def test_layer_counter(self):
         c = ferry.LayerCounter()

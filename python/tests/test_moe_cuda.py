@@ -11,6 +11,7 @@ import unittest
 
 import ferry
 import test_moe as host
+from ranks import expect_error
 from test_moe import HIDDEN, K, TOKENS, WEIGHTS, WORLD, bf16, inputs, row_of, send_arrays
 
 NO_GPU, NO_CUDA_BUILD = 3, 4  # exit codes of the probe rank
@@ -83,11 +84,9 @@ def expert_major_cuda_body(b, streamed=False):
         dout = mem.array(bytes(2 * local * cap * HIDDEN), "u", 2, [local, cap, HIDDEN])
         dcounts = mem.array(bytes(4 * local), "i", 4, [local])
         dy = mem.array(bytes(2 * T * HIDDEN), "u", 2, [T, HIDDEN])
-        try:  # host memory where the CUDA device needs its GPU's
-            a2a.dispatch_send(x, indices, weights, num_tokens=T)
-            raise AssertionError("host arrays taken by the CUDA device")
-        except ferry.InvalidArgument as e:
-            assert "the call needs CUDA memory of device 0" in str(e), e
+        # Host memory where the CUDA device needs its GPU's.
+        expect_error(ferry.InvalidArgument, "the call needs CUDA memory of device 0",
+                     a2a.dispatch_send, x, indices, weights, num_tokens=T)
         if streamed:
             stream = ctypes.c_void_p()
             assert mem.rt.cudaStreamCreateWithFlags(ctypes.byref(stream), 1) == 0  # non-blocking
