@@ -87,7 +87,10 @@ Array HostArray(const py::object& object) {
 
 Array ToArray(const py::handle& object) {
   if (py::isinstance<Array>(object)) return py::cast<Array>(object);
-  return py::cast<Array>(py::module_::import("ferry._arrays").attr("as_array")(object));
+  // Looked up once (every step converts several arrays); kept for the interpreter's life.
+  static const py::handle as_array =
+      py::object(py::module_::import("ferry._arrays").attr("as_array")).release();
+  return py::cast<Array>(as_array(object));
 }
 
 std::string Summary(const py::error_already_set& e) {
