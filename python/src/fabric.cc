@@ -54,10 +54,19 @@ class Engine {
           messages->Push({from, std::vector<uint8_t>(bytes.begin(), bytes.end())});
         });
   }
-  ~Engine() { Close(); }
+  // Nothing that uses the engine can outlive this object (each holds a reference to it), but a
+  // destructor must not raise: should one still, the engine is left running, never freed under
+  // it.
+  ~Engine() {
+    if (users_ > 0 || waiting_ > 0) {
+      (void)engine_.release();
+      return;
+    }
+    Close();
+  }
 
   // Ends every transfer still in flight (Cancelled) and stops the worker; refused while an
-  // AllToAll uses the engine.
+  // AllToAll or a KV role uses the engine, or another thread waits on it.
   void Close() {
     if (waiting_ > 0) {
       ThrowIfError(FailedPreconditionError(
