@@ -27,8 +27,11 @@ build: configure
 test: build
 	cd $(BUILD) && ctest --output-on-failure --timeout 900
 
+# The main job, then the same engine from Python (two ranks, one write; where the bindings built).
 demo: build
 	$(BUILD)/ferry-bench demo
+	if [ -f $(BUILD)/python/interpreter ]; then \
+	  PYTHONPATH=$(BUILD)/python $$(cat $(BUILD)/python/interpreter) python/examples/write.py; fi
 
 # Every CPU test under ASan + UBSan in build-asan (about twice make test's build and test time
 # on 2 cores). What ferry leaks on purpose is marked (src/common/leak.h). The install consumer
