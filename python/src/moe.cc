@@ -280,7 +280,8 @@ void BindMoe(py::module_& m) {
       .def("close", &PyAllToAll::Close)
       .def("__enter__", [](py::object self) { return self; })
       .def("__exit__", [](PyAllToAll& a, py::args) { a.Close(); })
-      .def_property_readonly("config", &PyAllToAll::config)
+      .def_property_readonly(  // a copy: the AllToAll's own goes with it at close()
+          "config", [](const PyAllToAll& a) { return AllToAllConfig(a.config()); })
       .def("dispatch_send", &PyAllToAll::DispatchSend, py::arg("x"), py::arg("indices"),
            py::arg("weights"), py::arg("scales") = py::none(), py::arg("num_tokens") = py::none(),
            py::arg("device_num_tokens") = py::none(),

@@ -176,6 +176,8 @@ def bad_input_body(b):
               counts)
         a2a.dispatch_recv(out, counts, timeout=10)
         assert sum(counts) == TOKENS[0] * K
+        kept = a2a.config
+    assert (kept.hidden, kept.num_experts) == (HIDDEN, EXPERTS)  # a copy, valid after close
 
 
 class FakeDist:
