@@ -131,6 +131,23 @@ class KvTest(unittest.TestCase):
             engine.send(me, b"back").wait(timeout=10)
             self.assertEqual(engine.recv(timeout=10), (me, b"back"))
 
+    def test_unknown_requests_and_bad_input(self):
+        stride = PREFILL.page_bytes * PAGES_PER_LAYER
+        with shm_engine() as engine:
+            caches = [engine.register(bytearray(stride)) for _ in range(PREFILL.tp)]
+            with self.assertRaises(ferry.InvalidArgument):
+                ferry.KvPrefill(engine, PREFILL, caches, 1, stride, None, "not a counter")
+            with ferry.KvPrefill(engine, PREFILL, caches, 1, stride, None,
+                                 ferry.LayerCounter()) as prefill:
+                with self.assertRaises(ferry.NotFound):
+                    prefill.schedule(7, [0])
+                with self.assertRaises(ferry.NotFound):
+                    prefill.cancel(7)
+                with self.assertRaises(ferry.DeadlineExceeded):
+                    prefill.next_request(timeout=0.05)
+                with self.assertRaises(ferry.DeadlineExceeded):
+                    prefill.next_release(timeout=0.05)
+
     def test_layer_counter(self):
         c = ferry.LayerCounter()
         c.increment()
