@@ -121,6 +121,8 @@ class KvTest(unittest.TestCase):
         with shm_engine() as engine:
             decoder = ferry.KvDecoder(engine, DECODE, [engine.register(bytearray(stride))], 1,
                                       stride)
+            with self.assertRaises(ferry.NotFound):
+                decoder.cancel(5)
             with self.assertRaises(ferry.FailedPrecondition):
                 engine.close()
             decoder.close()
