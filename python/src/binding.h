@@ -106,6 +106,25 @@ void ReleaseEngine(const py::handle& engine);
 // name is a TypeError.
 void SetFields(py::object& target, const py::kwargs& fields);
 
+// `base` with each keyword argument set as a field (the constructors of the bound config
+// structs: EngineOptions(**fields), AllToAllConfig(**fields), ...).
+template <typename T>
+T WithFields(T base, const py::kwargs& fields) {
+  py::object o = py::cast(std::move(base));
+  SetFields(o, fields);
+  return o.cast<T>();
+}
+
+// close() on a bound class, and the context-manager protocol around it (`with ... as x:`).
+template <typename PyClass>
+PyClass BindClose(PyClass c) {
+  using Class = typename PyClass::type;
+  c.def("close", [](Class& o) { o.Close(); })
+      .def("__enter__", [](py::object self) { return self; })
+      .def("__exit__", [](Class& o, const py::args&) { o.Close(); });
+  return c;
+}
+
 // "TypeError: message" of the Python exception being handled, without its traceback.
 std::string Summary(const py::error_already_set& e);
 

@@ -22,8 +22,9 @@ namespace ferry::python {
 struct Pending {
   std::mutex mu;
   std::condition_variable cv;
-  bool done = false;  // guarded by mu
-  std::atomic<bool> ended{false};  // set with done, read without the lock by Wait's polls
+  // Set under mu (so that a waiter on cv cannot miss it) after `status`, with release: a
+  // reader that sees it true, with or without the lock, sees the status.
+  std::atomic<bool> ended{false};
   Status status;
   // What the engine reads until the end: a paged write's page lists, a scatter's targets.
   std::vector<uint32_t> src_pages, dst_pages;
@@ -33,15 +34,11 @@ struct Pending {
     {
       std::lock_guard<std::mutex> lock(mu);
       status = s;
-      done = true;
       ended.store(true, std::memory_order_release);
     }
     cv.notify_all();
   }
-  bool Done() {
-    std::lock_guard<std::mutex> lock(mu);
-    return done;
-  }
+  bool Done() const { return ended.load(std::memory_order_acquire); }
   // A short transfer ends within microseconds, sooner than a sleeping thread wakes: Wait polls
   // first (spinning, then yielding the core), and only then sleeps on the condition variable.
   Status Wait(Deadline deadline) {
@@ -55,7 +52,7 @@ struct Pending {
       }
     }
     std::unique_lock<std::mutex> lock(mu);
-    if (!cv.wait_until(lock, deadline.at, [&] { return done; })) {
+    if (!cv.wait_until(lock, deadline.at, [&] { return Done(); })) {
       return DeadlineExceededError("still in flight at the deadline");
     }
     return status;

@@ -264,19 +264,11 @@ void ReleaseEngine(const py::handle& engine) {
 void BindFabric(py::module_& m) {
   py::class_<EngineOptions>(m, "EngineOptions",
                             "TransferEngine settings (EngineOptions in include/ferry/fabric.h)")
-      .def(py::init([](const py::kwargs& fields) {
-             py::object o = py::cast(EngineOptions{});
-             SetFields(o, fields);
-             return o.cast<EngineOptions>();
-           }),
+      .def(py::init([](const py::kwargs& f) { return WithFields(EngineOptions{}, f); }),
            "The defaults, with any field given as a keyword argument")
       .def_static(
           "from_env",
-          [](const py::kwargs& fields) {
-            py::object o = py::cast(ValueOrThrow(EngineOptions::FromEnv()));
-            SetFields(o, fields);
-            return o.cast<EngineOptions>();
-          },
+          [](const py::kwargs& f) { return WithFields(ValueOrThrow(EngineOptions::FromEnv()), f); },
           "Defaults overridden by the FERRY_* environment variables, then by any field "
           "given as a keyword argument")
       .def_readwrite("provider", &EngineOptions::provider)
@@ -335,17 +327,15 @@ void BindFabric(py::module_& m) {
       .def("wait", &Transfer::Wait, py::arg("timeout") = 30.0,
            "Returns once the transfer ended well; raises its error, or DeadlineExceeded");
 
-  py::class_<Engine>(m, "TransferEngine",
-                     "One-sided writes and two-sided messages over libfabric or verbs; every "
-                     "method may be called from any thread")
+  BindClose(
+      py::class_<Engine>(m, "TransferEngine",
+                         "One-sided writes and two-sided messages over libfabric or verbs; every "
+                         "method may be called from any thread"))
       .def(py::init([](std::optional<EngineOptions> options) {
              return std::make_unique<Engine>(options ? *options
                                                      : ValueOrThrow(EngineOptions::FromEnv()));
            }),
            py::arg("options") = py::none())
-      .def("close", &Engine::Close)
-      .def("__enter__", [](py::object self) { return self; })
-      .def("__exit__", [](Engine& e, py::args) { e.Close(); })
       .def_property_readonly("info", [](Engine& e) { return e.engine().info(); })
       .def_property_readonly("id", [](Engine& e) { return e.engine().id(); })
       .def_property_readonly("address", [](Engine& e) { return ToBytes(e.engine().Address()); })

@@ -161,20 +161,13 @@ class Prefill : public Role<KvPrefill> {
   std::shared_ptr<WaitQueue<Released>> released_;
 };
 
-template <typename T>
-T FromFields(const py::kwargs& fields) {
-  py::object o = py::cast(T{});
-  SetFields(o, fields);
-  return o.cast<T>();
-}
-
 }  // namespace
 
 void BindKv(py::module_& m) {
   py::enum_<KvOrder>(m, "KvOrder").value("NHD", KvOrder::kNHD).value("HND", KvOrder::kHND);
 
   py::class_<KvModel>(m, "KvModel", "The model's cache, independent of sharding")
-      .def(py::init(&FromFields<KvModel>))
+      .def(py::init([](const py::kwargs& f) { return WithFields(KvModel{}, f); }))
       .def_readwrite("kv_heads", &KvModel::kv_heads)
       .def_readwrite("head_dim", &KvModel::head_dim)
       .def_readwrite("dtype_bytes", &KvModel::dtype_bytes)
@@ -183,7 +176,7 @@ void BindKv(py::module_& m) {
       .def("validate", [](const KvModel& k) { ThrowIfError(k.Validate()); });
 
   py::class_<KvSide>(m, "KvSide", "How one side (prefill or decode) lays out and shards the cache")
-      .def(py::init(&FromFields<KvSide>))
+      .def(py::init([](const py::kwargs& f) { return WithFields(KvSide{}, f); }))
       .def_readwrite("model", &KvSide::model)
       .def_readwrite("order", &KvSide::order)
       .def_readwrite("tp", &KvSide::tp)
@@ -230,32 +223,28 @@ void BindKv(py::module_& m) {
           py::arg("stream") = 0, "Enqueues counter += 1 on the stream (a cudaStream_t)")
       .def_property_readonly("value", [](const GpuLayerCounter& c) { return c.host()->load(); });
 
-  py::class_<Decoder>(m, "KvDecoder",
-                      "Decode side: sends requests, counts the pages that land. Takes the "
-                      "engine's messages while it lives")
+  BindClose(
+      py::class_<Decoder>(m, "KvDecoder",
+                          "Decode side: sends requests, counts the pages that land. Takes the "
+                          "engine's messages while it lives"))
       .def(py::init<py::object, const KvSide&, std::vector<py::object>, int, int64_t, py::object,
                     int>(),
            py::arg("engine"), py::arg("decode"), py::arg("regions"), py::arg("num_layers"),
            py::arg("layer_stride"), py::arg("aux") = py::none(), py::arg("max_requests") = 256)
-      .def("close", &Decoder::Close)
-      .def("__enter__", [](py::object self) { return self; })
-      .def("__exit__", [](Decoder& d, py::args) { d.Close(); })
       .def("submit", &Decoder::Submit, py::arg("request_id"), py::arg("prefill_address"),
            py::arg("prefill"), py::arg("pages"), py::arg("num_tokens"), py::arg("aux_offset") = 0,
            py::arg("aux_bytes") = 0, py::arg("speculative") = false, py::arg("timeout") = 30.0,
            "A ferry.Transfer that ends once every page of every layer and the aux bytes landed")
       .def("cancel", &Decoder::Cancel, py::arg("request_id"));
 
-  py::class_<Prefill>(m, "KvPrefill",
-                      "Prefill side: writes each finished layer's pages to the decoders. Takes "
-                      "the engine's messages while it lives")
+  BindClose(
+      py::class_<Prefill>(m, "KvPrefill",
+                          "Prefill side: writes each finished layer's pages to the decoders. Takes "
+                          "the engine's messages while it lives"))
       .def(py::init<py::object, const KvSide&, std::vector<py::object>, int, int64_t, py::object,
                     py::object>(),
            py::arg("engine"), py::arg("prefill"), py::arg("regions"), py::arg("num_layers"),
            py::arg("layer_stride"), py::arg("aux"), py::arg("layer_counter"))
-      .def("close", &Prefill::Close)
-      .def("__enter__", [](py::object self) { return self; })
-      .def("__exit__", [](Prefill& p, py::args) { p.Close(); })
       .def("next_request", &Prefill::NextRequest, py::arg("timeout") = 30.0,
            "The next request a decoder sent: {request_id, num_pages, num_tokens, speculative}")
       .def("next_release", &Prefill::NextRelease, py::arg("timeout") = 30.0,

@@ -51,6 +51,7 @@ class PyAllToAll {
       ThrowIfError(InvalidArgumentError("dispatch_send: num_tokens is required with a flat x"));
     }
     const int64_t tokens = num_tokens ? *num_tokens : xa.rows();
+    // The core checks this too, but the array sizes below follow from it.
     if (tokens < 0 || tokens > c.max_tokens_per_rank) {
       ThrowIfError(InvalidArgumentError("dispatch_send: " + std::to_string(tokens) +
                                         " tokens, configured maximum " +
@@ -66,21 +67,21 @@ class PyAllToAll {
     in.indices = static_cast<const int32_t*>(ia.pointer());
     in.weights = static_cast<const float*>(wa.pointer());
     in.num_tokens = static_cast<int>(tokens);
-    Keep({xa, ia, wa});
+    Owners used{xa.owner, ia.owner, wa.owner};
     if (auto sa = Optional(scales, "scales", c.scales_per_token() > 0)) {
       Check(&*sa,
             {"scales", tokens * static_cast<uint64_t>(c.scales_per_token()) * 4, false, 'f', 4});
       in.scales = static_cast<const float*>(sa->pointer());
-      Keep({*sa});
+      used.push_back(sa->owner);
     }
     if (!device_num_tokens.is_none()) {
       const Array da = ToArray(device_num_tokens);
       Check(&da, {"device_num_tokens", 4, false, 'i', 4});
       in.device_num_tokens = static_cast<const int32_t*>(da.pointer());
-      Keep({da});
+      used.push_back(da.owner);
     }
+    Run(std::move(used), [&](AllToAll& a) { return a.DispatchSend(in); });
     last_tokens_ = tokens;
-    Run([&](AllToAll& a) { return a.DispatchSend(in); });
   }
 
   void DispatchRecv(const py::handle& x, const py::handle& num_tokens, const py::handle& scales,
@@ -96,11 +97,11 @@ class PyAllToAll {
     DispatchOutput out;
     out.x = xa.pointer();
     out.num_tokens = static_cast<int32_t*>(na.pointer());
-    Keep({xa, na});
+    Owners used{xa.owner, na.owner};
     if (auto sa = Optional(scales, "scales", c.scales_per_token() > 0)) {
       Check(&*sa, {"scales", rows * c.scales_per_token() * 4, true, 'f', 4});
       out.scales = static_cast<float*>(sa->pointer());
-      Keep({*sa});
+      used.push_back(sa->owner);
     }
     const uint64_t entries = static_cast<uint64_t>(c.expert_capacity()) * c.experts_per_token;
     auto ra = Optional(num_rows, "num_rows", token_major);
@@ -113,17 +114,17 @@ class PyAllToAll {
       out.num_rows = static_cast<int32_t*>(ra->pointer());
       out.token_experts = static_cast<int32_t*>(ea->pointer());
       out.token_weights = static_cast<float*>(wa->pointer());
-      Keep({*ra, *ea, *wa});
+      used.insert(used.end(), {ra->owner, ea->owner, wa->owner});
     }
-    Run([&](AllToAll& a) { return a.DispatchRecv(out, deadline); });
+    Run(std::move(used), [&](AllToAll& a) { return a.DispatchRecv(out, deadline); });
   }
 
   void CombineSend(const py::handle& expert_out) {
     const AllToAllConfig& c = config();
     const Array ea = ToArray(expert_out);
     Check(&ea, {"expert_out", OutputRows(c) * c.hidden * 2, false, 0, 2});
-    Keep({ea});
-    Run([&](AllToAll& a) { return a.CombineSend(static_cast<const uint16_t*>(ea.pointer())); });
+    Run({ea.owner},
+        [&](AllToAll& a) { return a.CombineSend(static_cast<const uint16_t*>(ea.pointer())); });
   }
 
   void CombineRecv(const py::handle& out, bool accumulate, double timeout) {
@@ -131,8 +132,7 @@ class PyAllToAll {
     const Deadline deadline = DeadlineIn(timeout);
     const Array oa = ToArray(out);
     Check(&oa, {"out", static_cast<uint64_t>(last_tokens_) * c.hidden * 2, true, 0, 2});
-    Keep({oa});
-    Run([&](AllToAll& a) {
+    Run({oa.owner}, [&](AllToAll& a) {
       return a.CombineRecv(static_cast<uint16_t*>(oa.pointer()), accumulate, deadline);
     });
   }
@@ -191,10 +191,8 @@ class PyAllToAll {
     }
     return ToArray(object);
   }
-  // Steps that wait for themselves end before they return: what earlier steps used may go.
-  void Keep(std::initializer_list<Array> arrays) {
-    for (const Array& a : arrays) keep_.push_back(a.owner);
-  }
+  // The arrays a step reads or writes (their owners).
+  using Owners = std::vector<py::object>;
   // step(AllToAll&) with the GIL released.
   template <typename Step>
   Status Unlocked(Step step) {
@@ -208,11 +206,12 @@ class PyAllToAll {
     --busy_;
     return s;
   }
+  // A step that waits for itself is done with its arrays when it returns (the caller's
+  // arguments hold them meanwhile); a step enqueued on a stream keeps them until synchronize().
   template <typename Step>
-  void Run(Step step) {
-    const Status s = Unlocked(step);
-    if (!streamed_) keep_.clear();
-    ThrowIfError(s);
+  void Run(Owners used, Step step) {
+    if (streamed_) keep_.insert(keep_.end(), used.begin(), used.end());
+    ThrowIfError(Unlocked(step));
   }
 
   py::object engine_;
@@ -242,11 +241,7 @@ void BindMoe(py::module_& m) {
 
   py::class_<AllToAllConfig>(m, "AllToAllConfig",
                              "What an AllToAll moves (AllToAllConfig in include/ferry/moe.h)")
-      .def(py::init([](const py::kwargs& fields) {
-        py::object o = py::cast(AllToAllConfig{});
-        SetFields(o, fields);
-        return o.cast<AllToAllConfig>();
-      }))
+      .def(py::init([](const py::kwargs& f) { return WithFields(AllToAllConfig{}, f); }))
       .def_readwrite("world_size", &AllToAllConfig::world_size)
       .def_readwrite("rank", &AllToAllConfig::rank)
       .def_readwrite("ranks_per_node", &AllToAllConfig::ranks_per_node)
@@ -270,16 +265,14 @@ void BindMoe(py::module_& m) {
       .def_property_readonly("expert_capacity", &AllToAllConfig::expert_capacity)
       .def("__repr__", &AllToAllConfig::ToString);
 
-  py::class_<PyAllToAll>(m, "AllToAll",
-                         "Expert-parallel dispatch and combine, each a send and a receive half; "
-                         "one thread drives an AllToAll")
+  BindClose(py::class_<PyAllToAll>(
+                m, "AllToAll",
+                "Expert-parallel dispatch and combine, each a send and a receive half; "
+                "one thread drives an AllToAll"))
       .def(py::init<const AllToAllConfig&, py::object, Bootstrap&>(), py::arg("config"),
            py::arg("engine"), py::arg("bootstrap"),
            "Collective: every rank with the same config (its own rank); engine may be None on "
            "the CUDA device with one node")
-      .def("close", &PyAllToAll::Close)
-      .def("__enter__", [](py::object self) { return self; })
-      .def("__exit__", [](PyAllToAll& a, py::args) { a.Close(); })
       .def_property_readonly(  // a copy: the AllToAll's own goes with it at close()
           "config", [](const PyAllToAll& a) { return AllToAllConfig(a.config()); })
       .def("dispatch_send", &PyAllToAll::DispatchSend, py::arg("x"), py::arg("indices"),

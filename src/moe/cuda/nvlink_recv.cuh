@@ -39,7 +39,6 @@ struct SlotTables {
   int32_t* offset;
   const SlotOrder* order;  // the order visits take slots in (UnpackSlots)
   uint64_t epoch, wait_start, budget_ns;
-  bool table_built;  // offset[] filled before UnpackSlots (from tagged counts rows)
 };
 
 // offset[s][e]: rows of local expert e from senders before s (offset[N][e]: all of them), from
@@ -165,7 +164,7 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
   if (src4) load(src4, 0);
   Mark(v, kTraceUnpack, 3);
 
-  if (!t.table_built) {
+  if (!v.counts_tagged) {  // tagged, the kernel built it from the rows before the flags
     BuildOffsets(v, t.counts, t.offset, total);
     Mark(v, kTraceUnpack, 4);
   }
@@ -376,9 +375,8 @@ __global__ void __launch_bounds__(kCopyThreads, 2) UnpackKernel(Nv v, RecvArgs a
   // than blocks (prefill): a warp per slot, eight slots in flight per block, a lane's eight
   // vectors loaded at once -- one block copying slot after slot waits on each slot's load.
   // (Sixteen per lane take the kernel past 128 registers, one block per SM, or spill.)
-  const SlotTables tables{from_of,    prefix,       start,         rebase, counts,
-                          offset,     &order,       epoch,         wait_start,
-                          a.timeout_ns, v.counts_tagged};
+  const SlotTables tables{from_of, prefix, start,      rebase,      counts,
+                          offset,  &order, epoch,      wait_start,  a.timeout_ns};
   // A block per slot keeps two vectors per thread in flight (fp8 rows of hidden 7168, 470
   // vectors, fit in one batch; longer slots take more): four cost their bounds tests on
   // vectors past the slot's end, and a third instance, four where two do not fit, made the
