@@ -49,7 +49,9 @@ struct Case {
   // own choice; the bytes that cross are the same).
   int token_major = 0;
   // One node: FERRY_NV_STREAM in the ranks, a mask -- 1 the dispatch streamed, 2 the combine,
-  // 3 both; 0 (the default): neither, every receiver waits for its senders' flags.
+  // 3 both; 0: neither, every receiver waits for its senders' flags. Always set, so that a case
+  // takes the path it names whichever the default is (unset: the dispatch streamed where
+  // SendSmall serves it, StreamingByDefault).
   int stream = 0;
   // FERRY_NV_SPREAD=1 in the ranks: received slots visited spread over their senders.
   bool spread = false;
@@ -188,7 +190,7 @@ Status RunRank(const Case& c, Bootstrap& b) {
   if (c.nvlink) cfg.ranks_per_node = c.node_ranks > 0 ? c.node_ranks : b.world_size();
   AllToAllConfig gpu_cfg = cfg;
   RETURN_IF_ERROR(UseGpu(b, &gpu_cfg));
-  if (c.stream) setenv("FERRY_NV_STREAM", std::to_string(c.stream).c_str(), 1);  // this rank only
+  setenv("FERRY_NV_STREAM", std::to_string(c.stream).c_str(), 1);  // this rank only
   if (c.spread) setenv("FERRY_NV_SPREAD", "1", 1);
   ASSIGN_OR_RETURN(auto host_engine, TransferEngine::Create(testing_util::TestOptions("shm")));
   ASSIGN_OR_RETURN(auto gpu_engine, TransferEngine::Create(testing_util::TestOptions("shm")));
@@ -439,13 +441,18 @@ struct SmallRun {
   }
 };
 
-// The failure tests' AllToAll on one node of two ranks (8 experts, top-2, `tokens` per rank,
-// hidden 128, bf16) and its run.
-Status OpenOneNode(Bootstrap& b, std::unique_ptr<AllToAll>* a2a, SmallRun* run,
-                   int tokens = 4) {
+// A one-node AllToAll of two ranks on the GPU (top-2 of 8 experts, hidden 128, `tokens` per
+// rank), created with what the environment set up for it.
+StatusOr<std::unique_ptr<AllToAll>> CreateOneNode(Bootstrap& b, int tokens = 4) {
   AllToAllConfig cfg{2, b.rank(), 2, 8, 2, tokens, 128, DispatchDtype::kBf16, 2};
   RETURN_IF_ERROR(UseGpu(b, &cfg));
-  ASSIGN_OR_RETURN(*a2a, AllToAll::Create(cfg, nullptr, b));
+  return AllToAll::Create(cfg, nullptr, b);
+}
+
+// The failure tests' AllToAll (CreateOneNode) and its run.
+Status OpenOneNode(Bootstrap& b, std::unique_ptr<AllToAll>* a2a, SmallRun* run,
+                   int tokens = 4) {
+  ASSIGN_OR_RETURN(*a2a, CreateOneNode(b, tokens));
   return run->Setup(a2a->get());
 }
 
@@ -455,7 +462,7 @@ Status OpenOneNode(Bootstrap& b, std::unique_ptr<AllToAll>* a2a, SmallRun* run,
 // per rank (more than CombineRecv's blocks: a warp per token).
 void APeerLostBeforeCombine(int stream, int tokens = 4) {
   auto exits = RunLocalRanks(2, [&](Bootstrap& b) -> Status {
-    if (stream) setenv("FERRY_NV_STREAM", std::to_string(stream).c_str(), 1);
+    setenv("FERRY_NV_STREAM", std::to_string(stream).c_str(), 1);
     std::unique_ptr<AllToAll> a2a;
     SmallRun run;
     RETURN_IF_ERROR(OpenOneNode(b, &a2a, &run, tokens));
@@ -493,7 +500,7 @@ TEST(MoeNvlinkTest, APeerLostBeforeCombineStreamedManyTokens) {
 // the lost rank's counts row) or not (for its flag).
 void BadExpertsAndALostPeer(bool streamed) {
   auto exits = RunLocalRanks(2, [&](Bootstrap& b) -> Status {
-    if (streamed) setenv("FERRY_NV_STREAM", "1", 1);
+    setenv("FERRY_NV_STREAM", streamed ? "1" : "0", 1);
     std::unique_ptr<AllToAll> a2a;
     SmallRun run;
     RETURN_IF_ERROR(OpenOneNode(b, &a2a, &run));
@@ -526,25 +533,54 @@ TEST(MoeNvlinkTest, BadExpertsAndALostPeerStreamed) {
   BadExpertsAndALostPeer(true);
 }
 
-// A one-node AllToAll of two ranks on the GPU fails Create with `code`, its message naming
-// `text` (what the environment set up for it says).
-Status CreateFails(Bootstrap& b, StatusCode code, const std::string& text) {
-  AllToAllConfig cfg{2, b.rank(), 2, 8, 2, 4, 128, DispatchDtype::kBf16, 2};
-  RETURN_IF_ERROR(UseGpu(b, &cfg));
-  auto a2a = AllToAll::Create(cfg, nullptr, b);
+// CreateOneNode fails with `code`, its message naming `text`.
+Status CreateFails(Bootstrap& b, StatusCode code, const std::string& text, int tokens = 4) {
+  auto a2a = CreateOneNode(b, tokens);
   CHECK_OR_RETURN(a2a.status().code() == code &&
                       a2a.status().message().find(text) != std::string::npos,
                   text + ": " + a2a.status().ToString());
   return Status::Ok();
 }
 
-// Ranks of one node that disagree on streaming (FERRY_NV_STREAM=1 on rank 1 only) fail Create
-// on every rank, saying so.
+// Ranks of one node that disagree on streaming (FERRY_NV_STREAM=2 on rank 1 only, the other
+// streaming the dispatch by default) fail Create on every rank, saying so.
 TEST(MoeNvlinkTest, RanksThatDisagreeOnStreamingFailCreate) {
   if (!HaveGpu()) GTEST_SKIP() << "no GPU (/dev/nvidia0)";
   auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
-    if (b.rank() == 1) setenv("FERRY_NV_STREAM", "1", 1);
+    if (b.rank() == 1) setenv("FERRY_NV_STREAM", "2", 1);
     return CreateFails(b, StatusCode::kFailedPrecondition, "FERRY_NV_STREAM must agree");
+  }, 120s);
+  for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
+}
+
+// FERRY_NV_STREAM unset: the dispatch is streamed where SendSmall serves it (a rank setting 1
+// agrees, one setting 0 does not) and not where Route and Pack do (1025 tokens of top-2, past
+// SendSmall's 2048 entries: then 0 agrees and 1 does not); the combine never.
+TEST(MoeNvlinkTest, StreamingByDefault) {
+  if (!HaveGpu()) GTEST_SKIP() << "no GPU (/dev/nvidia0)";
+  auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
+    const char* disagree = "FERRY_NV_STREAM must agree";
+    const struct {
+      int tokens;
+      const char* rank1;  // FERRY_NV_STREAM on rank 1
+      bool agree;
+    } cases[] = {{4, "1", true},    {4, "0", false},    {4, "3", false},
+                 {1025, "0", true}, {1025, "1", false}, {1025, "2", false}};
+    for (const auto& c : cases) {
+      if (b.rank() == 1) setenv("FERRY_NV_STREAM", c.rank1, 1);
+      Status result = Status::Ok();
+      if (c.agree) {
+        result = CreateOneNode(b, c.tokens).status();
+      } else {
+        result = CreateFails(b, StatusCode::kFailedPrecondition, disagree, c.tokens);
+      }
+      unsetenv("FERRY_NV_STREAM");
+      if (!result.ok()) {
+        return InternalError(std::to_string(c.tokens) + " tokens, rank 1 FERRY_NV_STREAM=" +
+                             c.rank1 + ": " + result.ToString());
+      }
+    }
+    return Status::Ok();
   }, 120s);
   for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
 }

@@ -42,11 +42,12 @@
 #                                 EP_SIZES ("4 8"); with SANITIZERS=0 it fits one 10-minute call;
 #                                 EP_STREAM="1 3" adds (a)+(b) with those FERRY_NV_STREAM masks;
 #                                 prefill (a)+(b) also with FERRY_NV_SPREAD=1
-#   tools/gpu_check.sh stream     build, tests, then NVLink (a)+(b) with nothing streamed (the
-#                                 default), the dispatch streamed (FERRY_NV_STREAM=1) and both
-#                                 steps (3), alternating, STREAM_ROUNDS (1) times: decode pushing every
-#                                 slot, prefill pushing every slot (both layouts), prefill with
-#                                 16 private slots; STREAM_TRACE=1: then streamed prefill's phase
+#   tools/gpu_check.sh stream     build, tests, then NVLink (a)+(b) with nothing streamed (0;
+#                                 the default before session 21), the dispatch streamed
+#                                 (FERRY_NV_STREAM=1) and both steps (3), alternating,
+#                                 STREAM_ROUNDS (1) times: decode pushing every slot, prefill
+#                                 pushing every slot (both layouts), prefill with 16 private
+#                                 slots; STREAM_TRACE=1: then streamed prefill's phase
 #                                 stamps. SANITIZERS=0 STREAM_ROUNDS=1 fits ~5 minutes;
 #                                 STREAM_RANKS (2): 1 measures what streaming costs locally
 #                                 (no pulled case: one rank pulls nothing)

@@ -12,19 +12,19 @@ from ._errors import (AlreadyExists, Cancelled, DataLoss, DeadlineExceeded, Erro
                       ResourceExhausted, Unavailable, Unimplemented)
 from ._ferry import (CUDA_UNKNOWN_DEVICE, HOST_MEMORY, AllToAll, AllToAllConfig, Array,
                      Bootstrap, CallbackBootstrap, DispatchDtype, DispatchLayout, EngineOptions,
-                     FabricInfo, GpuLayerCounter, KvDecoder, KvModel, KvOrder, KvPlan,
-                     KvPrefill, KvSide, KvWrite, LayerCounter, MoeDevice, RankExit, RdmaBuffers,
-                     Region, RemoteRegion, Transfer, TransferEngine, plan_kv_transfer,
-                     run_local_ranks)
+                     FabricInfo, GpuLayerCounter, KvCudaShards, KvDecoder, KvModel, KvOrder,
+                     KvPlan, KvPrefill, KvSide, KvWrite, LayerCounter, MoeDevice, RankExit,
+                     RdmaBuffers, Region, RemoteRegion, Transfer, TransferEngine,
+                     plan_kv_transfer, run_local_ranks)
 from ._torch import torch_bootstrap
 
 __all__ = [
     "AllToAll", "AllToAllConfig", "AlreadyExists", "Array", "Bootstrap", "CallbackBootstrap",
     "CUDA_UNKNOWN_DEVICE", "Cancelled", "DataLoss", "DeadlineExceeded", "DispatchDtype",
     "DispatchLayout", "EngineOptions", "Error", "FabricInfo", "FailedPrecondition",
-    "GpuLayerCounter", "HOST_MEMORY", "Internal", "InvalidArgument", "KvDecoder", "KvModel",
-    "KvOrder", "KvPlan", "KvPrefill", "KvSide", "KvWrite", "LayerCounter", "MoeDevice",
-    "NotFound", "OutOfRange", "RankExit", "RdmaBuffers", "Region", "RemoteRegion",
-    "ResourceExhausted", "Transfer", "TransferEngine", "Unavailable", "Unimplemented",
-    "as_array", "plan_kv_transfer", "run_local_ranks", "torch_bootstrap",
+    "GpuLayerCounter", "HOST_MEMORY", "Internal", "InvalidArgument", "KvCudaShards",
+    "KvDecoder", "KvModel", "KvOrder", "KvPlan", "KvPrefill", "KvSide", "KvWrite",
+    "LayerCounter", "MoeDevice", "NotFound", "OutOfRange", "RankExit", "RdmaBuffers", "Region",
+    "RemoteRegion", "ResourceExhausted", "Transfer", "TransferEngine", "Unavailable",
+    "Unimplemented", "as_array", "plan_kv_transfer", "run_local_ranks", "torch_bootstrap",
 ]

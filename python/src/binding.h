@@ -33,6 +33,12 @@ T ValueOrThrow(StatusOr<T> result) {
 void CheckTimeout(double seconds);
 // `seconds` from now (checked as above).
 Deadline DeadlineIn(double seconds);
+// A bootstrap's timeout of `seconds` (checked as above).
+using Millis = std::chrono::milliseconds;
+inline Millis ToMillis(double seconds) {
+  CheckTimeout(seconds);
+  return Millis(static_cast<int64_t>(seconds * 1000.0));
+}
 
 // Where an array's bytes live.
 inline constexpr int kHostMemory = -1;

@@ -14,13 +14,6 @@
 namespace ferry::python {
 namespace {
 
-using Millis = std::chrono::milliseconds;
-
-Millis ToMillis(double seconds) {
-  CheckTimeout(seconds);
-  return Millis(static_cast<int64_t>(seconds * 1000.0));
-}
-
 // Ranks whose all-gather is a Python callable: all_gather(data: bytes, timeout: float) ->
 // sequence of world_size bytes objects, indexed by rank. Called from whichever thread runs the
 // collective (it takes the GIL).

@@ -161,6 +161,50 @@ class Prefill : public Role<KvPrefill> {
   std::shared_ptr<WaitQueue<Released>> released_;
 };
 
+// A node's TP caches in GPU memory (KvCudaShards). `local` and `leader_view` are flat byte
+// Arrays on cuda_device owned by this object: whoever keeps one (a Region registered from it, a
+// torch tensor made from its __cuda_array_interface__) keeps the mappings.
+class CudaShards {
+ public:
+  CudaShards(Bootstrap& bootstrap, int leader, int cuda_device, int64_t num_bytes,
+             double timeout)
+      : device_(cuda_device), num_bytes_(num_bytes) {
+    const Millis limit = ToMillis(timeout);
+    StatusOr<std::unique_ptr<KvCudaShards>> created = [&] {
+      py::gil_scoped_release release;  // a CallbackBootstrap's all-gather takes it back
+      return KvCudaShards::Create(bootstrap, leader, cuda_device, num_bytes, limit);
+    }();
+    shards_ = ValueOrThrow(std::move(created));
+  }
+
+  static Array Local(const py::object& self) {
+    const CudaShards& s = py::cast<const CudaShards&>(self);
+    return s.View(s.shards_->local(), self);
+  }
+  static py::list LeaderView(const py::object& self) {
+    const CudaShards& s = py::cast<const CudaShards&>(self);
+    py::list views;
+    for (void* cache : s.shards_->leader_view()) views.append(s.View(cache, self));
+    return views;
+  }
+
+ private:
+  Array View(void* cache, const py::object& self) const {
+    Array a;
+    a.data = reinterpret_cast<uintptr_t>(cache);
+    a.num_bytes = static_cast<uint64_t>(num_bytes_);
+    a.device = device_;
+    a.kind = 'u';
+    a.shape = {num_bytes_};
+    a.owner = self;
+    return a;
+  }
+
+  int device_;
+  int64_t num_bytes_;
+  std::unique_ptr<KvCudaShards> shards_;
+};
+
 }  // namespace
 
 void BindKv(py::module_& m) {
@@ -222,6 +266,16 @@ void BindKv(py::module_& m) {
           },
           py::arg("stream") = 0, "Enqueues counter += 1 on the stream (a cudaStream_t)")
       .def_property_readonly("value", [](const GpuLayerCounter& c) { return c.host()->load(); });
+  py::class_<CudaShards>(m, "KvCudaShards",
+                         "A node's TP caches in GPU memory, mapped into the leader rank "
+                         "(collective over the node's ranks)")
+      .def(py::init<Bootstrap&, int, int, int64_t, double>(), py::arg("bootstrap"),
+           py::arg("leader"), py::arg("cuda_device"), py::arg("num_bytes"),
+           py::arg("timeout") = 60.0)
+      .def_property_readonly("local", &CudaShards::Local,
+                             "This rank's cache: a ferry.Array of num_bytes on cuda_device, zeroed")
+      .def_property_readonly("leader_view", &CudaShards::LeaderView,
+                             "Leader: every rank's cache as mapped here, by rank; others: []");
 
   BindClose(
       py::class_<Decoder>(m, "KvDecoder",

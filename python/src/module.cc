@@ -137,6 +137,24 @@ Status CheckArray(const Array* array, const ArrayNeed& need, int device) {
   return Status::Ok();
 }
 
+namespace {
+
+// CUDA memory described for torch.as_tensor, CuPy and Numba (version 3, C-contiguous); host
+// memory has none (AttributeError, so hasattr says False).
+py::dict CudaArrayInterface(const Array& a) {
+  if (a.on_host()) throw py::attribute_error("a host ferry.Array has no __cuda_array_interface__");
+  py::dict d;
+  py::tuple shape(a.shape.size());
+  for (size_t i = 0; i < a.shape.size(); ++i) shape[i] = a.shape[i];
+  d["shape"] = shape;
+  d["typestr"] = std::string(a.item_bytes == 1 ? "|" : "<") + a.kind + std::to_string(a.item_bytes);
+  d["data"] = py::make_tuple(a.data, a.readonly);
+  d["strides"] = py::none();
+  d["version"] = 3;
+  return d;
+}
+
+}  // namespace
 }  // namespace ferry::python
 
 PYBIND11_MODULE(_ferry, m) {
@@ -168,6 +186,7 @@ PYBIND11_MODULE(_ferry, m) {
       .def_readonly("shape", &Array::shape)
       .def_readonly("owner", &Array::owner)
       .def_property_readonly("kind", [](const Array& a) { return std::string(1, a.kind); })
+      .def_property_readonly("__cuda_array_interface__", &CudaArrayInterface)
       .def("__repr__", [](const Array& a) {
         return "<ferry.Array " + std::to_string(a.num_bytes) + " bytes in " + DeviceName(a.device) +
                ">";

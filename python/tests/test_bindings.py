@@ -83,6 +83,19 @@ class ArrayTest(unittest.TestCase):
         with self.assertRaises(ferry.InvalidArgument):  # column-major
             ferry.as_array(FakeCudaArray((4, 8), "<f4", (4, 16)))
 
+    def test_an_array_describes_cuda_memory_back(self):
+        """A ferry.Array of CUDA memory (KvCudaShards hands those out) is itself a
+        __cuda_array_interface__ object, torch.as_tensor's and CuPy's way in; host memory's
+        is not (hasattr says so)."""
+        a = ferry.Array(0xDEF000, 128, 0, "f", 4, True, [4, 8], None)
+        self.assertEqual(a.__cuda_array_interface__,
+                         {"shape": (4, 8), "typestr": "<f4", "data": (0xDEF000, True),
+                          "strides": None, "version": 3})
+        self.assertEqual(ferry.as_array(a).data, 0xDEF000)
+        again = ferry.as_array(FakeCudaArray((16,), "|u1"))
+        self.assertEqual(again.__cuda_array_interface__["typestr"], "|u1")
+        self.assertFalse(hasattr(ferry.as_array(bytearray(8)), "__cuda_array_interface__"))
+
 
 class ErrorTest(unittest.TestCase):
     def test_classes(self):

@@ -176,6 +176,50 @@ class KvTest(unittest.TestCase):
             self.skipTest("no GPU here (GpuLayerCounter said so)")
         self.assertTrue(exits[0].ok, exits)
 
+    def test_cuda_shards(self):
+        """Two TP ranks' caches on this machine's first GPU, mapped into the leader (rank 0):
+        each rank fills its own with its byte, the leader reads both through leader_view. Bad
+        input is refused before anything collective; without a GPU (or a CUDA build) it says
+        so."""
+        size = 1 << 16
+
+        def body(b):
+            expect_error(ferry.InvalidArgument, "leader 2", ferry.KvCudaShards, b, 2, 0, size)
+            expect_error(ferry.InvalidArgument, "positive", ferry.KvCudaShards, b, 0, 0, 0)
+            expect_error(ferry.InvalidArgument, "timeout", ferry.KvCudaShards, b, 0, 0, size,
+                         timeout=-1.0)
+            try:
+                shards = ferry.KvCudaShards(b, leader=0, cuda_device=0, num_bytes=size)
+            except (ferry.FailedPrecondition, ferry.Unimplemented):
+                os._exit(NO_GPU)
+            import ctypes
+            from test_moe_cuda import cudart
+            rt = cudart()
+            local = shards.local
+            assert (local.device, local.num_bytes, local.owner) == (0, size, shards), local
+            cai = local.__cuda_array_interface__
+            assert cai["shape"] == (size,) and cai["typestr"] == "|u1", cai
+            assert cai["data"] == (local.data, False) and cai["version"] == 3, cai
+            assert rt.cudaMemset(ctypes.c_void_p(local.data), b.rank + 1, size) == 0
+            assert rt.cudaDeviceSynchronize() == 0
+            b.barrier()
+            views = shards.leader_view
+            if b.rank != 0:
+                assert views == [], views
+            else:
+                assert len(views) == 2 and all(v.num_bytes == size for v in views), views
+                for rank, view in enumerate(views):
+                    got = bytearray(size)
+                    buf = (ctypes.c_char * size).from_buffer(got)
+                    assert rt.cudaMemcpy(buf, ctypes.c_void_p(view.data), size, 2) == 0
+                    assert got == bytes([rank + 1]) * size, (rank, got[:8])
+            b.barrier()  # the leader has read before any rank lets its cache go
+
+        exits = ferry.run_local_ranks(2, body, timeout=120)
+        if all(e.exit_code == NO_GPU for e in exits):
+            self.skipTest("no GPU here (KvCudaShards said so)")
+        self.assertTrue(all(e.ok for e in exits), exits)
+
 
 if __name__ == "__main__":
     unittest.main()

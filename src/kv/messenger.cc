@@ -29,6 +29,7 @@
 #include "common/backoff.h"
 #include "fabric/wire.h"
 #include "ferry/kv.h"
+#include "kv/shards_args.h"
 
 namespace ferry {
 namespace {
@@ -1055,8 +1056,10 @@ StatusOr<std::unique_ptr<KvPrefill>> KvPrefill::Create(TransferEngine* engine,
 StatusOr<std::unique_ptr<GpuLayerCounter>> GpuLayerCounter::Create() {
   return UnimplementedError("GpuLayerCounter: ferry was built without CUDA");
 }
-StatusOr<std::unique_ptr<KvCudaShards>> KvCudaShards::Create(Bootstrap&, int, int, int64_t,
+StatusOr<std::unique_ptr<KvCudaShards>> KvCudaShards::Create(Bootstrap& bootstrap, int leader,
+                                                             int, int64_t bytes,
                                                              std::chrono::milliseconds) {
+  RETURN_IF_ERROR(CheckCudaShardsArgs(bootstrap, leader, bytes));
   return UnimplementedError("KvCudaShards: ferry was built without CUDA");
 }
 #endif

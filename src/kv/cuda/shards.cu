@@ -8,6 +8,7 @@
 #include "common/cuda_shared_memory.h"
 #include "common/fd_exchange.h"
 #include "ferry/kv.h"
+#include "kv/shards_args.h"
 
 namespace ferry {
 namespace {
@@ -54,11 +55,7 @@ class CudaShards final : public KvCudaShards {
 StatusOr<std::unique_ptr<KvCudaShards>> KvCudaShards::Create(Bootstrap& bootstrap, int leader,
                                                              int cuda_device, int64_t bytes,
                                                              std::chrono::milliseconds timeout) {
-  if (leader < 0 || leader >= bootstrap.world_size()) {
-    return InvalidArgumentError("KvCudaShards: leader " + std::to_string(leader) +
-                                " is not a rank of the bootstrap");
-  }
-  if (bytes <= 0) return InvalidArgumentError("KvCudaShards: bytes must be positive");
+  RETURN_IF_ERROR(CheckCudaShardsArgs(bootstrap, leader, bytes));
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     (void)cudaGetLastError();

@@ -87,11 +87,18 @@ class NvlinkAllToAll final : public AllToAll {
     // the peer 6-7 % faster so, loads 2-3 %). The header and entries take the first
     // meta_used bytes; the rest of the metadata is padding nobody writes or reads.
     v.meta_used = sizeof(NvHeader) + int64_t{k} * sizeof(NvEntry);
+    // Decode batches: DispatchSend in one kernel, its shared memory within the default limit.
+    const size_t small_smem = SmallSmemBytes(n, v.e, int64_t{t} * k);
+    if (int64_t{t} * k <= kSmallEntries && small_smem <= 48 * 1024) small_smem_ = small_smem;
     // Streaming (one node, no relay): FERRY_NV_STREAM is a mask, 1 the dispatch, 2 the
-    // combine, 3 both (not yet the default: not yet measured on two GPUs); every rank must agree
-    // (checked below). The dispatch's slot tag follows the entries, within the metadata's line.
-    int stream_mask = 0;
+    // combine, 3 both; every rank must agree (checked below). Unset: the dispatch is streamed
+    // where SendSmall serves it (decode batches: one rank of one H200, 15.4-15.6 -> 14.0-14.1
+    // us), not where Pack does (prefill: expert-major +2.3 %, token-major -1 %) and the combine
+    // not at all (nothing gained in decode, prefill +3-7 %); session 21, docs/perf. The
+    // dispatch's slot tag follows the entries, within the metadata's line.
+    int stream_mask = -1;
     RETURN_IF_ERROR(EnvNumber("FERRY_NV_STREAM", &stream_mask, 0, 3));
+    if (stream_mask < 0) stream_mask = small_smem_ > 0 ? 1 : 0;
     v.counts_tagged = c_.ranks_per_node == n;
     v.stream = c_.ranks_per_node == n && (stream_mask & 1);
     v.stream_combine = c_.ranks_per_node == n && (stream_mask & 2);
@@ -130,9 +137,6 @@ class NvlinkAllToAll final : public AllToAll {
                                         static_cast<int>(unpack_smem_)));
       }
     }
-    // Decode batches: DispatchSend in one kernel, its shared memory within the default limit.
-    const size_t small_smem = SmallSmemBytes(n, v.e, int64_t{t} * k);
-    if (int64_t{t} * k <= kSmallEntries && small_smem <= 48 * 1024) small_smem_ = small_smem;
     // The send kernels' grids are fixed (peers count our blocks' arrivals, see Arrive). Pack's is
     // what is resident at once: its warps stream rows one after another, and a second wave of
     // blocks only repeats the prologue (session 10 measured 2.5 us of 31 for it; Unpack, whose

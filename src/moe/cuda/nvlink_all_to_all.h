@@ -92,7 +92,8 @@
 // Waits give up at a deadline (%globaltimer).
 //
 // Streaming (one node; FERRY_NV_STREAM, a mask alike on every rank -- ranks that disagree fail
-// Create: 1 the dispatch, 2 the combine, 3 both; 0, the default, neither).
+// Create: 1 the dispatch, 2 the combine, 3 both, 0 neither; unset, the dispatch where SendSmall
+// serves it, decode batches, and nothing else).
 //
 // Streamed dispatch: the receiver does not wait for every send block before it takes a slot. Each slot
 // carries a 64-bit tag after its entries, stored "epoch + 1" with st.release.sys by a lane of
