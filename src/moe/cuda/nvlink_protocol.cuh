@@ -287,6 +287,10 @@ __device__ inline void StoreRelease(uint32_t* p, uint32_t v) {
 __device__ inline void AddRelease(uint64_t* p, uint64_t v) {
   asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
+// For a word only threads of this GPU acquire: the release need not wait for the system.
+__device__ inline void StoreReleaseGpu(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
 
 // Programmatic dependent launch (sm_90): a send kernel lets the receive kernel behind it start
 // at once (LaunchDependents); the receive kernel waits for its flags meanwhile and calls
@@ -593,14 +597,23 @@ __device__ void WriteCountsRows(const Nv& v, uint64_t epoch, Value value, Dst ds
 }
 
 // Streamed: a warp's token, once its lanes stored the token's ns slots (dst), tags each slot
-// "epoch + 1", a lane per slot, with release at system scope -- __syncwarp orders every lane's
-// stores of the slot before it, and the release carries them to the receiver that acquires the
-// tag.
+// "epoch + 1", a lane per slot, with release -- __syncwarp orders every lane's stores of the
+// slot before it, and the release carries them to the receiver that acquires the tag. At
+// system scope into a peer; at GPU scope in our own send area, whose tags only our own Unpack
+// waits for (a peer pulling a slot from there waits for our dispatch flag instead).
 __device__ inline void TagSlots(const Nv& v, uint8_t* const* dst, int ns, uint64_t epoch) {
   if (!v.stream) return;
   __syncwarp();
   const int lane = threadIdx.x % 32;
-  if (lane < ns) StoreRelease(reinterpret_cast<uint64_t*>(dst[lane] + SlotTagOffset(v)), epoch + 1);
+  if (lane >= ns) return;
+  const uintptr_t area = reinterpret_cast<uintptr_t>(v.own + v.send_off);
+  const uintptr_t at = reinterpret_cast<uintptr_t>(dst[lane]);
+  auto* tag = reinterpret_cast<uint64_t*>(dst[lane] + SlotTagOffset(v));
+  if (at >= area && at < area + uint64_t(v.t_max) * v.k * v.slot_bytes) {
+    StoreReleaseGpu(tag, epoch + 1);
+  } else {
+    StoreRelease(tag, epoch + 1);
+  }
 }
 
 // Every block of a send step, once its writes are issued: for each rank of our node, one added
