@@ -193,6 +193,25 @@ if [ "$mode" = pdl ]; then
     --experts 256 --topk 8 --dtype fp8 --tokens 128 --iters 100 --once-per-rank \
     --reduce-at-expert-rank
 fi
+# p50_table LOG...: each log's variant rows as p50 (/ p99) of dispatch and combine and p50 of
+# each half, read by position within the bench's |-separated groups (counting fields over a
+# whole line miscounts: a variant's name may be one word or two).
+p50_table() {
+  local f
+  printf '%-26s %-14s %11s %11s | %10s %10s | %10s %10s\n' log variant "disp p50/99" \
+    "comb p50/99" "d-send p50" "d-recv p50" "c-send p50" "c-recv p50"
+  for f in "$@"; do
+    awk -F'|' -v name="$(basename "$f" .log)" '
+      NF >= 4 {
+        n2 = split($2, d, " "); n3 = split($3, c, " "); n4 = split($4, s, " ")
+        if (n2 < 4 || n3 < 4 || n4 < 4 || d[1] !~ /^[0-9.]+$/) next
+        v = $1; gsub(/^ +| +$/, "", v)
+        printf "%-26s %-14s %5s/%-5s %5s/%-5s | %10s %10s | %10s %10s\n", name, v, s[1], s[2],
+               s[3], s[4], d[1], d[3], c[1], c[3]
+      }' "$f"
+  done
+}
+
 if [ "$mode" = ab ]; then
   # The baseline: .baseline.tgz (git archive of an earlier commit, carried) built beside; and
   # each .ab-NAME.tgz carried (another variant, "NAME" in the logs) built beside too. Every
@@ -246,6 +265,8 @@ if [ "$mode" = ab ]; then
     echo "== trace, 4096 tokens, (a)+(b) token-major: point slowest/mean us"
     grep -h 'trace ' "$OUT/trace_prefill.log"
   fi
+  echo "== the pairs in order (us)"
+  p50_table $(ls -tr "$OUT"/nvlink_*_p*.log 2>/dev/null | grep -v compare)
 fi
 # NVLink decode (16 and 1024 private slots) and prefill, (a)+(b) in both layouts: with
 # --token-major the bench runs expert-major, token-major, and token-major with the caller's
