@@ -7,6 +7,7 @@ other. Errors are ferry.Error subclasses, one per status code.
 """
 
 from ._arrays import as_array
+from ._async import transfer_future
 from ._errors import (AlreadyExists, Cancelled, DataLoss, DeadlineExceeded, Error,
                       FailedPrecondition, Internal, InvalidArgument, NotFound, OutOfRange,
                       ResourceExhausted, Unavailable, Unimplemented)
@@ -27,4 +28,5 @@ __all__ = [
     "LayerCounter", "MoeDevice", "NotFound", "OutOfRange", "RankExit", "RdmaBuffers", "Region",
     "RemoteRegion", "ResourceExhausted", "Transfer", "TransferEngine", "Unavailable",
     "Unimplemented", "as_array", "plan_kv_transfer", "run_local_ranks", "torch_bootstrap",
+    "transfer_future",
 ]

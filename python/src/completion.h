@@ -1,10 +1,13 @@
 // How completions reach Python: the engine's worker (and the KV messenger's threads) never run
 // Python. A completion records its status in a Pending that Python waits on with the GIL
-// released (ferry.Transfer); events -- received messages, KV requests, released pages -- go
-// into a bounded WaitQueue that Python drains.
+// released (ferry.Transfer) or that hands it to ferry's callback thread, which runs the
+// transfer's done callbacks with the GIL (Transfer.add_done_callback, and through it `await`);
+// events -- received messages, KV requests, released pages -- go into a bounded WaitQueue that
+// Python drains.
 #pragma once
 
 #include <sched.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <condition_variable>
@@ -18,6 +21,26 @@
 
 namespace ferry::python {
 
+struct Pending;
+
+// ferry's callback thread (one per process, started by the first callback added; a forked child
+// starts its own): runs ended transfers' done callbacks with the GIL, in the order they ended,
+// so that neither the engine's worker nor the KV messenger's threads ever wait for Python.
+class CallbackThread {
+ public:
+  // The thread of this process (it is never destroyed: at exit it may still wait for work).
+  static CallbackThread& Get();
+  void Push(std::shared_ptr<Pending> pending);
+
+ private:
+  CallbackThread();
+  void Run();
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<Pending>> ended_;
+};
+
 // One submitted operation's end, shared by its ferry.Transfer and the callback that ends it.
 struct Pending {
   std::mutex mu;
@@ -29,14 +52,22 @@ struct Pending {
   // What the engine reads until the end: a paged write's page lists, a scatter's targets.
   std::vector<uint32_t> src_pages, dst_pages;
   std::vector<ScatterTarget> targets;
+  // Done callbacks added while in flight, each with the ferry.Transfer it is called with: Python
+  // objects, touched only with the GIL (and, where `ended` may change meanwhile, under mu).
+  std::vector<std::pair<py::object, py::object>> callbacks;
 
-  void Finish(const Status& s) {
+  ~Pending();
+
+  static void Finish(const std::shared_ptr<Pending>& p, const Status& s) {
+    bool hand_over = false;
     {
-      std::lock_guard<std::mutex> lock(mu);
-      status = s;
-      ended.store(true, std::memory_order_release);
+      std::lock_guard<std::mutex> lock(p->mu);
+      p->status = s;
+      p->ended.store(true, std::memory_order_release);
+      hand_over = !p->callbacks.empty();  // reads the vector's size only: no Python touched
     }
-    cv.notify_all();
+    p->cv.notify_all();
+    if (hand_over) CallbackThread::Get().Push(p);
   }
   bool Done() const { return ended.load(std::memory_order_acquire); }
   // A short transfer ends within microseconds, sooner than a sleeping thread wakes: Wait polls
@@ -61,7 +92,7 @@ struct Pending {
 
   // The callback that ends it (fits DoneCallback's inline storage).
   static DoneCallback Callback(std::shared_ptr<Pending> pending) {
-    return [pending = std::move(pending)](const Status& s) { pending->Finish(s); };
+    return [pending = std::move(pending)](const Status& s) { Pending::Finish(pending, s); };
   }
 };
 
@@ -71,6 +102,13 @@ class Transfer {
   Transfer(std::shared_ptr<Pending> pending, py::tuple keep)
       : pending_(std::move(pending)), keep_(std::move(keep)) {}
   bool done() const { return pending_->Done(); }
+  // The ferry.Error it ended with (not raised); None while in flight or after success.
+  py::object Error() const {
+    return pending_->Done() ? ErrorObject(pending_->status) : py::object(py::none());
+  }
+  // fn(transfer) once it has ended: at once on this thread if it has, else on ferry's callback
+  // thread (with the GIL). An exception fn raises is reported (sys.unraisablehook) and ignored.
+  static void AddDoneCallback(const py::object& self, py::function fn);
   // Raises the operation's error, or DeadlineExceeded if it has not ended by then (it may
   // still end later).
   void Wait(double timeout) {

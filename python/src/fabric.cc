@@ -324,8 +324,15 @@ void BindFabric(py::module_& m) {
 
   py::class_<Transfer>(m, "Transfer", "A submitted transfer")
       .def_property_readonly("done", &Transfer::done)
+      .def_property_readonly("error", &Transfer::Error,
+                             "The ferry.Error it ended with; None while in flight or after success")
       .def("wait", &Transfer::Wait, py::arg("timeout") = 30.0,
-           "Returns once the transfer ended well; raises its error, or DeadlineExceeded");
+           "Returns once the transfer ended well; raises its error, or DeadlineExceeded")
+      .def("add_done_callback", &Transfer::AddDoneCallback, py::arg("fn"),
+           "fn(transfer) once it has ended: at once if it has, else on ferry's callback thread")
+      .def("__await__", [](const py::object& self) {
+        return py::module_::import("ferry._async").attr("transfer_future")(self).attr("__await__")();
+      });
 
   BindClose(
       py::class_<Engine>(m, "TransferEngine",

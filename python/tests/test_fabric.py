@@ -80,6 +80,86 @@ def scatter_and_barrier_body(b):
         b.barrier()
 
 
+def callbacks_and_await_body(b):
+    """Done callbacks: each runs once, at once on the calling thread for a transfer that has
+    ended and on ferry's callback thread for one in flight; one that raises does not stop the
+    next. `await` (asyncio) ends with the transfer. A write to a peer that is gone hands its
+    error to both."""
+    import asyncio
+    options = ferry.EngineOptions.from_env(provider="shm", transfer_timeout_ms=500)
+    with ferry.TransferEngine(options) as engine:
+        buf = bytearray(PAGE)
+        region = engine.register(buf)
+        peer, dst = connect(b, engine, region)
+        engine.create_imm_counter(3)
+        b.barrier()
+        if b.rank == 1:
+            engine.wait_imm(3, 3, timeout=10)
+            assert buf == pattern(PAGE, 5)
+            b.barrier()
+            os._exit(0)  # gone without a word: rank 0's later writes fail
+        buf[:] = pattern(PAGE, 5)
+        main = threading.get_ident()
+
+        def add_callbacks(transfer, settle=0.05):
+            """A raising callback, then one recording (thread, done, error); waits for it and
+            checks it ran once (`settle` seconds later), where it should have. Returns (error,
+            ran at once)."""
+            seen, ran = [], threading.Event()
+
+            def boom(t):
+                raise RuntimeError("a done callback that raises (this report is expected)")
+
+            def record(t):
+                seen.append((threading.get_ident(), t.done, t.error))
+                ran.set()
+
+            transfer.add_done_callback(boom)
+            transfer.add_done_callback(record)
+            at_once = bool(seen)  # ended before it was added: run on this thread
+            assert ran.wait(10), "the done callback never ran"
+            time.sleep(settle)
+            assert len(seen) == 1, seen
+            thread, done, error = seen[0]
+            assert done and (thread == main) == at_once, (seen, at_once)
+            return error, at_once
+
+        t = engine.write(region, peer, dst, imm=3)
+        assert add_callbacks(t)[0] is None and t.error is None
+        assert add_callbacks(t) == (None, True)  # ended: at once, here
+
+        async def awaited():
+            await engine.write(region, peer, dst, imm=3)
+            await ferry.transfer_future(engine.write(region, peer, dst, imm=3))
+
+        asyncio.run(awaited())
+        b.barrier()  # rank 1 saw three writes, and leaves
+
+        async def until_a_write_fails():
+            """Writes (awaited, with callbacks) until one fails in flight: writes may still
+            land while rank 1 is on its way out (shm's queue)."""
+            start = time.monotonic()
+            while True:
+                t = engine.write(region, peer, dst, imm=3)
+                future = ferry.transfer_future(t)
+                error, at_once = add_callbacks(t, settle=0)
+                if error is not None:
+                    try:
+                        await future
+                        raise AssertionError("awaiting a failed write returned")
+                    except (ferry.DeadlineExceeded, ferry.Unavailable) as e:
+                        assert type(e) is type(error), (e, error)
+                    return error, at_once
+                await future
+                assert time.monotonic() - start < 3, "writes to a gone peer kept completing"
+
+        error, at_once = asyncio.run(until_a_write_fails())
+        assert isinstance(error, (ferry.DeadlineExceeded, ferry.Unavailable)), error
+        # The first write that fails is in flight for the transfer timeout (500 ms): its
+        # callbacks ran on ferry's callback thread.
+        assert not at_once
+
+
 def lost_peer_body(b):
     """Rank 1 dies without a word; rank 0's writes to it fail within the transfer timeout (500
     ms), and so does the next one."""
@@ -145,6 +225,9 @@ class TransferEngineTest(unittest.TestCase):
 
     def test_scatter_and_barrier(self):
         run_ranks(self, 2, scatter_and_barrier_body)
+
+    def test_done_callbacks_and_await(self):
+        run_ranks(self, 2, callbacks_and_await_body)
 
     def test_lost_peer_fails_within_the_deadline(self):
         run_ranks(self, 2, lost_peer_body)
