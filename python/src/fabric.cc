@@ -1,6 +1,7 @@
 // TransferEngine bindings. Transfers complete on the engine's worker thread, which never runs
 // Python: a completion only records its status in the transfer's shared state, and Python
-// waits on that (Transfer.wait) with the GIL released. Messages are queued the same way and
+// waits on that (Transfer.wait) with the GIL released, or has ferry's callback thread run the
+// transfer's done callbacks (add_done_callback; `await` goes through one). Messages are queued the same way and
 // taken with recv(). Whatever the engine may still read or write for a transfer -- its local
 // region, its page lists -- stays referenced by the engine until the transfer has ended, so
 // dropping a Transfer or a Region early cannot pull memory from under the NIC.
