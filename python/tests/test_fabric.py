@@ -93,8 +93,9 @@ def callbacks_and_await_body(b):
         peer, dst = connect(b, engine, region)
         engine.create_imm_counter(3)
         b.barrier()
+        many = 64
         if b.rank == 1:
-            engine.wait_imm(3, 3, timeout=10)
+            engine.wait_imm(3, 3 + many, timeout=10)
             assert buf == pattern(PAGE, 5)
             b.barrier()
             os._exit(0)  # gone without a word: rank 0's later writes fail
@@ -133,7 +134,25 @@ def callbacks_and_await_body(b):
             await ferry.transfer_future(engine.write(region, peer, dst, imm=3))
 
         asyncio.run(awaited())
-        b.barrier()  # rank 1 saw three writes, and leaves
+
+        # Many in flight at once, a callback each: every one runs exactly once.
+        counts, lock, all_ran = {}, threading.Lock(), threading.Event()
+
+        def count(i):
+            def done(t):
+                assert t.error is None, t.error
+                with lock:
+                    counts[i] = counts.get(i, 0) + 1
+                    if len(counts) == many:
+                        all_ran.set()
+            return done
+
+        for i, t in enumerate([engine.write(region, peer, dst, imm=3) for _ in range(many)]):
+            t.add_done_callback(count(i))
+        assert all_ran.wait(10), f"{len(counts)} of {many} callbacks ran"
+        time.sleep(0.05)
+        assert counts == {i: 1 for i in range(many)}, counts
+        b.barrier()  # rank 1 saw every write, and leaves
 
         async def until_a_write_fails():
             """Writes (awaited, with callbacks) until one fails in flight: writes may still
