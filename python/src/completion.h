@@ -23,9 +23,11 @@ namespace ferry::python {
 
 struct Pending;
 
-// ferry's callback thread (one per process, started by the first callback added; a forked child
-// starts its own): runs ended transfers' done callbacks with the GIL, in the order they ended,
-// so that neither the engine's worker nor the KV messenger's threads ever wait for Python.
+// ferry's callback thread (one per process, started when the first transfer with callbacks
+// ends; a forked child starts its own): runs ended transfers' done callbacks with the GIL, in
+// the order they ended, so that neither the engine's worker nor the KV messenger's threads ever
+// wait for Python. Lock order: the GIL, then a Pending's mu (nothing waits for the GIL while
+// holding mu).
 class CallbackThread {
  public:
   // The thread of this process (it is never destroyed: at exit it may still wait for work).
