@@ -515,6 +515,12 @@ for f in "$OUT"/ncu_*.log; do
   echo "== $(basename "$f" .log) (one rank, (a)+(b)): kernel, gpu time"
   grep -E '^  [A-Za-z_:<>]+.*\(|gpu__time_duration.sum' "$f" | head -30
 done
+# Every moe benchmark of the call as one compact table (last, where the tool's output tail
+# keeps it; ab printed its pairs already).
+if [ "$mode" != ab ]; then
+  benches=$(grep -l -E '^variant +\|' "$OUT"/*.log 2> /dev/null)
+  [ -n "$benches" ] && { echo "== p50 (/ p99) of every moe benchmark, us"; p50_table $benches; }
+fi
 cat "$OUT/summary.txt"
 # The device tool brings back only so many files: the logs travel as one archive.
 pack_logs
