@@ -148,18 +148,23 @@ class WaitQueue {
   }
   StatusOr<T> Pop(Deadline deadline) {
     std::unique_lock<std::mutex> lock(mu_);
-    if (dropped_ > 0) {
-      const uint64_t n = dropped_;
-      dropped_ = 0;
-      return ResourceExhaustedError(std::to_string(n) + " " + what_ + " dropped: more than " +
-                                    std::to_string(capacity_) + " waited to be taken");
-    }
+    if (dropped_ > 0) return DroppedError();
     if (!cv_.wait_until(lock, deadline.at, [&] { return !queue_.empty(); })) {
       return DeadlineExceededError("no " + what_ + " before the deadline");
     }
     T item = std::move(queue_.front());
     queue_.pop_front();
     return item;
+  }
+  // Everything queued now, without waiting (empty if nothing is): for a scheduler that polls
+  // once per step. Drops are reported first, as Pop does.
+  StatusOr<std::vector<T>> PopAll() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (dropped_ > 0) return DroppedError();
+    std::vector<T> items(std::make_move_iterator(queue_.begin()),
+                         std::make_move_iterator(queue_.end()));
+    queue_.clear();
+    return items;
   }
   // Pop with the GIL released.
   T PopForPython(double timeout) {
@@ -172,6 +177,14 @@ class WaitQueue {
   }
 
  private:
+  // ResourceExhausted saying how many were dropped since the last report (resets the count).
+  Status DroppedError() {
+    const uint64_t n = dropped_;
+    dropped_ = 0;
+    return ResourceExhaustedError(std::to_string(n) + " " + what_ + " dropped: more than " +
+                                  std::to_string(capacity_) + " waited to be taken");
+  }
+
   const std::string what_;
   const size_t capacity_;
   std::mutex mu_;

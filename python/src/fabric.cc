@@ -204,9 +204,11 @@ class Engine {
     return Track(state, py::tuple(), engine().Send(peer, BytesOf(message), Done(state)));
   }
 
-  py::tuple Recv(double timeout) {
-    auto [from, bytes] = messages_->PopForPython(timeout);
-    return py::make_tuple(from ? py::cast(*from) : py::none(), ToBytes(bytes));
+  py::tuple Recv(double timeout) { return MessageTuple(messages_->PopForPython(timeout)); }
+  py::list PollMessages() {
+    py::list out;
+    for (const Message& m : ValueOrThrow(messages_->PopAll())) out.append(MessageTuple(m));
+    return out;
   }
 
   void WaitImm(uint32_t imm, uint64_t target, double timeout) {
@@ -223,6 +225,10 @@ class Engine {
   }
 
  private:
+  static py::tuple MessageTuple(const Message& m) {
+    const auto& [from, bytes] = m;
+    return py::make_tuple(from ? py::cast(*from) : py::none(), ToBytes(bytes));
+  }
   static Completion Done(const std::shared_ptr<Pending>& state) {
     return Completion::Callback(Pending::Callback(state));
   }
@@ -383,6 +389,8 @@ void BindFabric(py::module_& m) {
       .def("send", &Engine::Send, py::arg("peer"), py::arg("message"))
       .def("recv", &Engine::Recv, py::arg("timeout") = 30.0,
            "(peer or None, bytes) of the next message received")
+      .def("poll_messages", &Engine::PollMessages,
+           "Every message received and not yet taken, as recv gives them, without waiting")
       .def(
           "create_imm_counter",
           [](Engine& e, uint32_t imm, uint32_t weight_mask) {

@@ -134,18 +134,20 @@ class Prefill : public Role<KvPrefill> {
   }
   ~Prefill() { Close(); }
 
-  py::dict NextRequest(double timeout) {
-    const KvPrefill::Incoming in = requests_->PopForPython(timeout);
-    py::dict d;
-    d["request_id"] = in.request_id;
-    d["num_pages"] = in.num_pages;
-    d["num_tokens"] = in.num_tokens;
-    d["speculative"] = in.speculative;
-    return d;
+  py::dict NextRequest(double timeout) { return RequestDict(requests_->PopForPython(timeout)); }
+  py::tuple NextRelease(double timeout) { return ReleaseTuple(released_->PopForPython(timeout)); }
+  // What the next_* calls would give, all of it, without waiting.
+  py::list PollRequests() {
+    py::list out;
+    for (const KvPrefill::Incoming& in : ValueOrThrow(requests_->PopAll())) {
+      out.append(RequestDict(in));
+    }
+    return out;
   }
-  py::tuple NextRelease(double timeout) {
-    auto [id, status] = released_->PopForPython(timeout);
-    return py::make_tuple(id, ErrorObject(status));
+  py::list PollReleases() {
+    py::list out;
+    for (const Released& r : ValueOrThrow(released_->PopAll())) out.append(ReleaseTuple(r));
+    return out;
   }
   void ScheduleChunk(uint64_t request_id, int64_t first_page, const std::vector<int64_t>& pages,
                      uint64_t pass_base, int64_t aux_offset) {
@@ -154,6 +156,18 @@ class Prefill : public Role<KvPrefill> {
   void Cancel(uint64_t request_id) { ThrowIfError(role().Cancel(request_id)); }
 
  private:
+  static py::dict RequestDict(const KvPrefill::Incoming& in) {
+    py::dict d;
+    d["request_id"] = in.request_id;
+    d["num_pages"] = in.num_pages;
+    d["num_tokens"] = in.num_tokens;
+    d["speculative"] = in.speculative;
+    return d;
+  }
+  static py::tuple ReleaseTuple(const Released& r) {
+    return py::make_tuple(r.first, ErrorObject(r.second));
+  }
+
   std::vector<py::object> regions_;
   py::object aux_;
   py::object counter_;
@@ -303,6 +317,10 @@ void BindKv(py::module_& m) {
            "The next request a decoder sent: {request_id, num_pages, num_tokens, speculative}")
       .def("next_release", &Prefill::NextRelease, py::arg("timeout") = 30.0,
            "(request_id, None or the ferry.Error it ended with) once its source pages are free")
+      .def("poll_requests", &Prefill::PollRequests,
+           "Every request queued now, as next_request gives them, without waiting")
+      .def("poll_releases", &Prefill::PollReleases,
+           "Every release queued now, as next_release gives them, without waiting")
       .def(
           "schedule",
           [](Prefill& p, uint64_t id, const std::vector<int64_t>& pages, int64_t aux_offset,

@@ -218,10 +218,17 @@ def messages_and_errors_body(b):
         peer, dst = connect(b, engine, region)
         b.barrier()
         if b.rank == 0:
-            engine.send(peer, b"hello from rank 0").wait(10)
+            for i in range(3):
+                engine.send(peer, b"hello %d from rank 0" % i).wait(10)
         else:
             sender, message = engine.recv(timeout=10)
-            assert (sender, message) == (peer, b"hello from rank 0"), (sender, message)
+            assert (sender, message) == (peer, b"hello 0 from rank 0"), (sender, message)
+            polled, deadline = [], time.monotonic() + 10  # the rest, polled
+            while len(polled) < 2 and time.monotonic() < deadline:
+                polled += engine.poll_messages()
+            assert polled == [(peer, b"hello 1 from rank 0"), (peer, b"hello 2 from rank 0")], \
+                polled
+            assert engine.poll_messages() == []
         # Bad input fails at submit, naming what is wrong; nothing is posted.
         expect_error(ferry.OutOfRange, "exceeds", engine.write, region, peer, dst,
                      dst_offset=4 * PAGE - 8, length=16)

@@ -45,6 +45,15 @@ def write_layer(caches, layer, stride):
                             for k in range(vector_bytes()))
 
 
+def poll(take, timeout=20):
+    """take() until it gives something (a non-empty list), at most `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (items := take()):
+        assert time.monotonic() < deadline, f"{take.__name__}: nothing within {timeout} s"
+        time.sleep(0.005)
+    return items
+
+
 def prefill_body(b):
     stride = PREFILL.page_bytes * PAGES_PER_LAYER
     with shm_engine() as engine:
@@ -63,10 +72,13 @@ def prefill_body(b):
                 write_layer(caches, layer, stride)
                 counter.increment()
             assert prefill.next_release(timeout=20) == (42, None)
-            # Request 43 is never scheduled: the decoder gives up at its deadline.
-            assert prefill.next_request(timeout=20)["request_id"] == 43
-            released, error = prefill.next_release(timeout=20)
+            # Request 43 is never scheduled: the decoder gives up at its deadline. Taken by
+            # polling, as a scheduler does once per step.
+            requests = poll(prefill.poll_requests)
+            assert [r["request_id"] for r in requests] == [43], requests
+            [(released, error)] = poll(prefill.poll_releases)
             assert released == 43 and isinstance(error, ferry.Error), (released, error)
+            assert prefill.poll_requests() == [] and prefill.poll_releases() == []
             b.barrier()
 
 
@@ -149,6 +161,7 @@ class KvTest(unittest.TestCase):
                     prefill.next_request(timeout=0.05)
                 with self.assertRaises(ferry.DeadlineExceeded):
                     prefill.next_release(timeout=0.05)
+                self.assertEqual((prefill.poll_requests(), prefill.poll_releases()), ([], []))
 
     def test_layer_counter(self):
         c = ferry.LayerCounter()
