@@ -7,15 +7,18 @@ through ferry's Python API, next to the C++ engine and a raw libfabric loop meas
         [--ferry-bench build/ferry-bench] [--quick]
 
 Prints one row per case: p50 / p99 µs through Python, the C++ engine's and raw's p50, and
-python ÷ C++ (latency: above 1 is the Python layer's cost).
+python ÷ C++ (latency: above 1 is the Python layer's cost); then the same single write awaited
+in asyncio and ended through a done callback, each ÷ the .wait() row.
 """
 
 import argparse
+import asyncio
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import ferry
@@ -26,6 +29,15 @@ PING, PONG, DONE = 1, 2, 3
 def percentile(samples, q):
     s = sorted(samples)
     return s[min(len(s) - 1, int(q * len(s)))]
+
+
+async def awaited_writes(engine, region, peer, dst, write_bytes, iters):
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter_ns()
+        await engine.write(region, peer, dst, length=write_bytes)
+        times.append((time.perf_counter_ns() - t0) / 1000)
+    return times
 
 
 def python_side(provider, iters, write_bytes, out_path):
@@ -59,9 +71,21 @@ def python_side(provider, iters, write_bytes, out_path):
                 t0 = time.perf_counter_ns()
                 engine.write(region, peer, dst, length=write_bytes).wait(timeout=10)
                 write.append((time.perf_counter_ns() - t0) / 1000)
+            # The same write awaited in asyncio, and ended through a done callback (the
+            # callback thread sets an event this thread waits on).
+            awaited = asyncio.run(awaited_writes(engine, region, peer, dst, write_bytes, iters))
+            called = []
+            for _ in range(iters):
+                ended = threading.Event()
+                t0 = time.perf_counter_ns()
+                engine.write(region, peer, dst, length=write_bytes).add_done_callback(
+                    lambda t: ended.set())
+                assert ended.wait(10)
+                called.append((time.perf_counter_ns() - t0) / 1000)
             engine.write_imm(peer, DONE).wait(timeout=10)
             with open(out_path, "w") as f:
-                json.dump({"imm-rtt": rtt, "single": write}, f)
+                json.dump({"imm-rtt": rtt, "single": write, "awaited": awaited,
+                           "callback": called}, f)
         b.barrier()
         engine.close()
 
@@ -104,6 +128,13 @@ def main():
         p50, p99 = percentile(py[kind], 0.5), percentile(py[kind], 0.99)
         print(f"{label:<28} {p50:>10.2f} {p99:>9.2f} {c['ferry']['p50_us']:>9.2f} "
               f"{c['raw']['p50_us']:>9.2f} {p50 / c['ferry']['p50_us']:>10.2f}")
+    # The same write ended other ways, against .wait() in the same Python run.
+    waited = percentile(py["single"], 0.5)
+    print(f"{'':<28} {'p50':>10} {'p99':>9} {'÷ .wait()':>9}")
+    for kind, label in (("awaited", "  awaited (asyncio), µs"),
+                        ("callback", "  done callback + event, µs")):
+        p50, p99 = percentile(py[kind], 0.5), percentile(py[kind], 0.99)
+        print(f"{label:<28} {p50:>10.2f} {p99:>9.2f} {p50 / waited:>9.2f}")
 
 
 if __name__ == "__main__":
