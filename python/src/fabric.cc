@@ -350,9 +350,14 @@ void BindFabric(py::module_& m) {
                                                      : ValueOrThrow(EngineOptions::FromEnv()));
            }),
            py::arg("options") = py::none())
-      .def_property_readonly("info", [](Engine& e) { return e.engine().info(); })
-      .def_property_readonly("id", [](Engine& e) { return e.engine().id(); })
-      .def_property_readonly("address", [](Engine& e) { return ToBytes(e.engine().Address()); })
+      .def_property_readonly(
+          "info", [](Engine& e) { return e.engine().info(); },
+          "What the provider offers (ferry.FabricInfo)")
+      .def_property_readonly(
+          "id", [](Engine& e) { return e.engine().id(); }, "This engine's id (in descriptors)")
+      .def_property_readonly(
+          "address", [](Engine& e) { return ToBytes(e.engine().Address()); },
+          "Bytes a peer passes to add_peer")
       .def("register", &Engine::Register, py::arg("array"),
            "Registers an array (host, or CUDA with options.cuda_memory); the Region keeps it")
       .def(
@@ -360,16 +365,17 @@ void BindFabric(py::module_& m) {
           [](Engine& e, const py::bytes& address) {
             return ValueOrThrow(e.engine().AddPeer(BytesOf(address)));
           },
-          py::arg("address"))
+          py::arg("address"), "The peer at `address` (a peer's engine.address): its id")
       .def(
           "remove_peer", [](Engine& e, PeerId p) { ThrowIfError(e.engine().RemovePeer(p)); },
-          py::arg("peer"))
+          py::arg("peer"),
+          "Forgets a peer: its pending transfers fail with Unavailable, later submits are refused")
       .def(
           "add_peer_group",
           [](Engine& e, const std::vector<PeerId>& members) {
             return ValueOrThrow(e.engine().AddPeerGroup(members));
           },
-          py::arg("members"))
+          py::arg("members"), "A group of peers (ids) for prepare_scatter and barrier: its id")
       .def("write", &Engine::Write, py::arg("src"), py::arg("peer"), py::arg("dst"),
            py::arg("src_offset") = 0, py::arg("dst_offset") = 0, py::arg("length") = py::none(),
            py::arg("imm") = py::none(),
@@ -379,14 +385,23 @@ void BindFabric(py::module_& m) {
            py::arg("page_bytes"), py::arg("src_pages"), py::arg("dst_pages"),
            py::arg("src_stride") = py::none(), py::arg("dst_stride") = py::none(),
            py::arg("src_offset") = 0, py::arg("dst_offset") = 0, py::arg("imm") = py::none(),
-           py::arg("imm_once") = false, py::arg("imm_weight_mask") = 0)
+           py::arg("imm_once") = false, py::arg("imm_weight_mask") = 0,
+           "Page i from src_offset + src_pages[i] * src_stride to dst_offset + dst_pages[i] * "
+           "dst_stride, page_bytes long (strides default to page_bytes). imm: counted once per "
+           "page, or with imm_once once per NIC weighted by its pages (a counter made with "
+           "create_imm_counter(imm, weight_mask=imm_weight_mask) then counts every page)")
       .def("prepare_scatter", &Engine::PrepareScatter, py::arg("group"), py::arg("src"),
-           py::arg("dst"))
+           py::arg("dst"),
+           "A scatter plan from the Region src to dst[i] (descriptors) of the group's member i, "
+           "built once and used by scatter()")
       .def("scatter", &Engine::Scatter, py::arg("plan"), py::arg("targets"),
            py::arg("imm") = py::none(), "targets: (member, src_offset, dst_offset, length) tuples")
-      .def("barrier", &Engine::Barrier, py::arg("group"), py::arg("imm"))
-      .def("write_imm", &Engine::WriteImm, py::arg("peer"), py::arg("imm"))
-      .def("send", &Engine::Send, py::arg("peer"), py::arg("message"))
+      .def("barrier", &Engine::Barrier, py::arg("group"), py::arg("imm"),
+           "An immediate to every member of the group (a ferry.Transfer)")
+      .def("write_imm", &Engine::WriteImm, py::arg("peer"), py::arg("imm"),
+           "An immediate alone (a ferry.Transfer)")
+      .def("send", &Engine::Send, py::arg("peer"), py::arg("message"),
+           "A message (bytes, at most options.message_bytes) the peer takes with recv()")
       .def("recv", &Engine::Recv, py::arg("timeout") = 30.0,
            "(peer or None, bytes) of the next message received")
       .def("poll_messages", &Engine::PollMessages,
@@ -397,17 +412,22 @@ void BindFabric(py::module_& m) {
             ThrowIfError(weight_mask ? e.engine().CreateWeightedImmCounter(imm, weight_mask)
                                      : e.engine().CreateImmCounter(imm));
           },
-          py::arg("imm"), py::arg("weight_mask") = 0)
+          py::arg("imm"), py::arg("weight_mask") = 0,
+          "Counts the immediates `imm` that arrive; with weight_mask, also those carrying a "
+          "weight in weight_mask's bits (write_paged's imm_once)")
       .def(
           "imm_count",
           [](Engine& e, uint32_t imm) { return ValueOrThrow(e.engine().ImmCount(imm)); },
-          py::arg("imm"))
+          py::arg("imm"), "Immediates `imm` counted so far (less those consumed)")
       .def("wait_imm", &Engine::WaitImm, py::arg("imm"), py::arg("target"),
-           py::arg("timeout") = 30.0)
+           py::arg("timeout") = 30.0,
+           "Returns once imm_count(imm) reaches target (GIL released); DeadlineExceeded after "
+           "timeout seconds")
       .def(
           "consume_imm",
           [](Engine& e, uint32_t imm, uint64_t n) { ThrowIfError(e.engine().ConsumeImm(imm, n)); },
-          py::arg("imm"), py::arg("n"))
+          py::arg("imm"), py::arg("n"),
+          "Subtracts n from the count for the next round; FailedPrecondition if fewer arrived")
       .def("stats", [](Engine& e) {
         const EngineStats s = e.engine().stats();
         py::dict d;
@@ -422,7 +442,7 @@ void BindFabric(py::module_& m) {
         d["messages_received"] = s.messages_received;
         d["worker_cpu_ns"] = s.worker_cpu_ns;
         return d;
-      });
+      }, "The engine's counters (transfers, work requests, immediates, messages, worker CPU)");
 }
 
 }  // namespace ferry::python

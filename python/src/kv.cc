@@ -285,7 +285,9 @@ void BindKv(py::module_& m) {
                          "(collective over the node's ranks)")
       .def(py::init<Bootstrap&, int, int, int64_t, double>(), py::arg("bootstrap"),
            py::arg("leader"), py::arg("cuda_device"), py::arg("num_bytes"),
-           py::arg("timeout") = 60.0)
+           py::arg("timeout") = 60.0,
+           "Every rank of the node calls it: each gets num_bytes of cache on cuda_device, the "
+           "leader maps them all (register leader_view with its engine)")
       .def_property_readonly("local", &CudaShards::Local,
                              "This rank's cache: a ferry.Array of num_bytes on cuda_device, zeroed")
       .def_property_readonly("leader_view", &CudaShards::LeaderView,
@@ -298,12 +300,17 @@ void BindKv(py::module_& m) {
       .def(py::init<py::object, const KvSide&, std::vector<py::object>, int, int64_t, py::object,
                     int>(),
            py::arg("engine"), py::arg("decode"), py::arg("regions"), py::arg("num_layers"),
-           py::arg("layer_stride"), py::arg("aux") = py::none(), py::arg("max_requests") = 256)
+           py::arg("layer_stride"), py::arg("aux") = py::none(), py::arg("max_requests") = 256,
+           "regions: this node's TP ranks' cache Regions (engine.register); layer l of page p "
+           "at l * layer_stride + decode.offset(p, ...); aux: the Region the prefill's aux "
+           "bytes land in")
       .def("submit", &Decoder::Submit, py::arg("request_id"), py::arg("prefill_address"),
            py::arg("prefill"), py::arg("pages"), py::arg("num_tokens"), py::arg("aux_offset") = 0,
            py::arg("aux_bytes") = 0, py::arg("speculative") = false, py::arg("timeout") = 30.0,
            "A ferry.Transfer that ends once every page of every layer and the aux bytes landed")
-      .def("cancel", &Decoder::Cancel, py::arg("request_id"));
+      .def("cancel", &Decoder::Cancel, py::arg("request_id"),
+           "Asks the prefill to stop the request; its Transfer ends Cancelled once every write "
+           "the prefill posted has landed (the pages are then safe to reuse)");
 
   BindClose(
       py::class_<Prefill>(m, "KvPrefill",
@@ -312,7 +319,10 @@ void BindKv(py::module_& m) {
       .def(py::init<py::object, const KvSide&, std::vector<py::object>, int, int64_t, py::object,
                     py::object>(),
            py::arg("engine"), py::arg("prefill"), py::arg("regions"), py::arg("num_layers"),
-           py::arg("layer_stride"), py::arg("aux"), py::arg("layer_counter"))
+           py::arg("layer_stride"), py::arg("aux"), py::arg("layer_counter"),
+           "regions: this node's TP ranks' cache Regions; aux: a Region (or None) the aux bytes "
+           "are read from; layer_counter: a ferry.LayerCounter or ferry.GpuLayerCounter, "
+           "counting attention output projections finished over every pass")
       .def("next_request", &Prefill::NextRequest, py::arg("timeout") = 30.0,
            "The next request a decoder sent: {request_id, num_pages, num_tokens, speculative}")
       .def("next_release", &Prefill::NextRelease, py::arg("timeout") = 30.0,
@@ -326,10 +336,17 @@ void BindKv(py::module_& m) {
           [](Prefill& p, uint64_t id, const std::vector<int64_t>& pages, int64_t aux_offset,
              uint64_t pass_base) { p.ScheduleChunk(id, 0, pages, pass_base, aux_offset); },
           py::arg("request_id"), py::arg("src_pages"), py::arg("aux_offset") = 0,
-          py::arg("pass_base") = 0)
+          py::arg("pass_base") = 0,
+          "The whole request in the pass after layer count pass_base: layer l of src_pages (our "
+          "page ids) goes once the counter reaches pass_base + l + 1, then the aux bytes at "
+          "aux_offset")
       .def("schedule_chunk", &Prefill::ScheduleChunk, py::arg("request_id"), py::arg("first_page"),
-           py::arg("src_pages"), py::arg("pass_base"), py::arg("aux_offset") = 0)
-      .def("cancel", &Prefill::Cancel, py::arg("request_id"));
+           py::arg("src_pages"), py::arg("pass_base"), py::arg("aux_offset") = 0,
+           "Chunked prefill: the request's pages [first_page, first_page + len(src_pages)) in "
+           "the pass after pass_base; chunks in page order, the last one also sends the aux bytes")
+      .def("cancel", &Prefill::Cancel, py::arg("request_id"),
+           "Stops posting the request's writes; once those posted completed, its source pages "
+           "are released (next_release: Cancelled)");
 }
 
 }  // namespace ferry::python

@@ -284,14 +284,28 @@ void BindMoe(py::module_& m) {
       .def("dispatch_recv", &PyAllToAll::DispatchRecv, py::arg("x"), py::arg("num_tokens"),
            py::arg("scales") = py::none(), py::arg("num_rows") = py::none(),
            py::arg("token_experts") = py::none(), py::arg("token_weights") = py::none(),
-           py::arg("timeout") = 30.0)
-      .def("combine_send", &PyAllToAll::CombineSend, py::arg("expert_out"))
+           py::arg("timeout") = 30.0,
+           "Expert-major: x [local_experts, expert_capacity, hidden], num_tokens [local_experts] "
+           "int32 (copies per expert); token-major also num_rows [1], token_experts and "
+           "token_weights [expert_capacity, k]; scales as x's rows (fp8). Peers' data is checked "
+           "before it is used (DataLoss naming the sender)")
+      .def("combine_send", &PyAllToAll::CombineSend, py::arg("expert_out"),
+           "expert_out: bf16 rows as dispatch_recv laid them out (token-major: one per row, "
+           "its experts' outputs already weighted and summed)")
       .def("combine_recv", &PyAllToAll::CombineRecv, py::arg("out"), py::arg("accumulate") = false,
-           py::arg("timeout") = 30.0)
-      .def("set_stream", &PyAllToAll::SetStream, py::arg("stream"))
-      .def("synchronize", &PyAllToAll::Synchronize)
-      .def_property_readonly("dispatch_bytes_sent", &PyAllToAll::dispatch_bytes_sent)
-      .def_property_readonly("combine_bytes_sent", &PyAllToAll::combine_bytes_sent);
+           py::arg("timeout") = 30.0,
+           "out [T, hidden] bf16 for the T of the last dispatch_send: each token's weighted sum "
+           "(added to out with accumulate)")
+      .def("set_stream", &PyAllToAll::SetStream, py::arg("stream"),
+           "CUDA device, several ranks: enqueue the steps on `stream` (a torch or CuPy stream, or "
+           "a cudaStream_t as an int; None: back to waiting) and return at once; the arrays stay "
+           "referenced until synchronize()")
+      .def("synchronize", &PyAllToAll::Synchronize,
+           "Waits for the steps enqueued so far and raises what their kernels found")
+      .def_property_readonly("dispatch_bytes_sent", &PyAllToAll::dispatch_bytes_sent,
+                             "Bytes the last dispatch put on the wire (payload and metadata)")
+      .def_property_readonly("combine_bytes_sent", &PyAllToAll::combine_bytes_sent,
+                             "Bytes the last combine put on the wire");
 }
 
 }  // namespace ferry::python
