@@ -211,6 +211,15 @@ class Engine {
     return out;
   }
 
+  // A Transfer that ends once imm's count reaches target (DeadlineExceeded at the timeout,
+  // Cancelled by disarm_imm): wait_imm without a thread, for await and callbacks.
+  py::object NotifyImm(uint32_t imm, uint64_t target, double timeout) {
+    const Deadline deadline = DeadlineIn(timeout);
+    auto state = std::make_shared<Pending>();
+    return Track(state, py::tuple(),
+                 engine().NotifyImm(imm, target, deadline, Pending::Callback(state)));
+  }
+
   void WaitImm(uint32_t imm, uint64_t target, double timeout) {
     const Deadline deadline = DeadlineIn(timeout);
     TransferEngine& e = engine();
@@ -423,6 +432,15 @@ void BindFabric(py::module_& m) {
            py::arg("timeout") = 30.0,
            "Returns once imm_count(imm) reaches target (GIL released); DeadlineExceeded after "
            "timeout seconds")
+      .def("notify_imm", &Engine::NotifyImm, py::arg("imm"), py::arg("target"),
+           py::arg("timeout") = 30.0,
+           "A ferry.Transfer that ends once imm_count(imm) reaches target (DeadlineExceeded "
+           "after timeout seconds, Cancelled by disarm_imm): await it, or add callbacks. One "
+           "armed per counter at a time")
+      .def(
+          "disarm_imm",
+          [](Engine& e, uint32_t imm) { ThrowIfError(e.engine().DisarmImm(imm)); },
+          py::arg("imm"), "Ends the counter's armed notify_imm, if any, with Cancelled")
       .def(
           "consume_imm",
           [](Engine& e, uint32_t imm, uint64_t n) { ThrowIfError(e.engine().ConsumeImm(imm, n)); },

@@ -179,6 +179,49 @@ def callbacks_and_await_body(b):
         assert not at_once
 
 
+def notify_imm_body(b):
+    """notify_imm: a Transfer that ends when the count reaches its target -- awaited, or with a
+    callback; DeadlineExceeded when it does not in time, Cancelled by disarm_imm, refused while
+    another is armed on the counter, NotFound for an unknown counter."""
+    import asyncio
+    with shm_engine() as engine:
+        region = engine.register(bytearray(PAGE))
+        peer, _ = connect(b, engine, region)
+        engine.create_imm_counter(9)
+        engine.create_imm_counter(10)
+        b.barrier()
+        if b.rank == 0:
+            b.barrier()  # rank 1 has armed its notification
+            for _ in range(2):
+                engine.write_imm(peer, 9).wait(10)
+            b.barrier()
+            return
+
+        async def reached():
+            await engine.notify_imm(9, 2, timeout=10)
+            return engine.imm_count(9)
+
+        reached_task = engine.notify_imm(9, 2, timeout=10)
+        b.barrier()
+        reached_task.wait(10)
+        assert engine.imm_count(9) == 2
+        assert asyncio.run(reached()) == 2  # reached already: ends at once
+        b.barrier()
+
+        late = engine.notify_imm(10, 1, timeout=0.1)
+        seen = threading.Event()
+        errors = []
+        late.add_done_callback(lambda t: (errors.append(t.error), seen.set()))
+        assert seen.wait(10) and isinstance(errors[0], ferry.DeadlineExceeded), errors
+
+        armed = engine.notify_imm(10, 1, timeout=10)
+        second = engine.notify_imm(10, 1, timeout=10)
+        expect_error(ferry.FailedPrecondition, "already has a notification", second.wait, 10)
+        engine.disarm_imm(10)
+        expect_error(ferry.Cancelled, "disarmed", armed.wait, 10)
+        expect_error(ferry.NotFound, "no immediate counter", engine.notify_imm, 77, 1)
+
+
 def lost_peer_body(b):
     """Rank 1 dies without a word; rank 0's writes to it fail within the transfer timeout (500
     ms), and so does the next one."""
@@ -254,6 +297,9 @@ class TransferEngineTest(unittest.TestCase):
 
     def test_done_callbacks_and_await(self):
         run_ranks(self, 2, callbacks_and_await_body)
+
+    def test_notify_imm(self):
+        run_ranks(self, 2, notify_imm_body)
 
     def test_lost_peer_fails_within_the_deadline(self):
         run_ranks(self, 2, lost_peer_body)
