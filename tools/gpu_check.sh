@@ -60,6 +60,13 @@
 #                                 received slots spread over their senders, then in order,
 #                                 the default), alternating, SPREAD_ROUNDS (2) times;
 #                                 SPREAD_RANKS (2)
+#   tools/gpu_check.sh targets    build, tests, then what issue 5's targets need on two GPUs in
+#                                 one call: decode T=128 (a)+(b) in both layouts with 16 and
+#                                 1024 private slots, the default (the dispatch streamed) and
+#                                 FERRY_NV_STREAM=0 alternating, TARGET_ROUNDS (2) times; prefill
+#                                 T=4096 (a)+(b), 16 and 4096 private slots, FERRY_NV_SPREAD 0
+#                                 and 1; the closing p50_table has the floor ratios (d/fl, c/fl).
+#                                 SANITIZERS=0 fits one call (~6 minutes)
 # SASS=1 (any mode): the kernels' machine code, see below.
 # SANITIZERS=0 skips memcheck and racecheck; TESTS=0 the tests and the sanitizers (a second
 # call after one that ran them); AB_DECODE_ROUNDS=0 runs ab's prefill pairs only, AB_PREFILL=0
@@ -198,16 +205,17 @@ fi
 # whole line miscounts: a variant's name may be one word or two).
 p50_table() {
   local f
-  printf '%-26s %-14s %11s %11s | %10s %10s | %10s %10s\n' log variant "disp p50/99" \
-    "comb p50/99" "d-send p50" "d-recv p50" "c-send p50" "c-recv p50"
+  printf '%-26s %-14s %11s %11s | %10s %10s | %10s %10s | %5s %5s\n' log variant \
+    "disp p50/99" "comb p50/99" "d-send p50" "d-recv p50" "c-send p50" "c-recv p50" "d/fl" "c/fl"
   for f in "$@"; do
     awk -F'|' -v name="$(basename "$f" .log)" '
       NF >= 4 {
         n2 = split($2, d, " "); n3 = split($3, c, " "); n4 = split($4, s, " ")
         if (n2 < 4 || n3 < 4 || n4 < 4 || d[1] !~ /^[0-9.]+$/) next
+        if (split($8, fl, " ") < 2) { fl[1] = "-"; fl[2] = "-" }  # p50 over the NVLink floor
         v = $1; gsub(/^ +| +$/, "", v)
-        printf "%-26s %-14s %5s/%-5s %5s/%-5s | %10s %10s | %10s %10s\n", name, v, s[1], s[2],
-               s[3], s[4], d[1], d[3], c[1], c[3]
+        printf "%-26s %-14s %5s/%-5s %5s/%-5s | %10s %10s | %10s %10s | %5s %5s\n", name, v,
+               s[1], s[2], s[3], s[4], d[1], d[3], c[1], c[3], fl[1], fl[2]
       }' "$f"
   done
 }
@@ -344,6 +352,26 @@ if [ "$mode" = stream ]; then
     echo "== $(basename "$f" .log)"
     grep -h -E '^(variant|\(a\)\+\(b\))' "$f"
   done
+fi
+if [ "$mode" = targets ]; then
+  nv=(--nvlink --ranks "${TARGET_RANKS:-2}" --hidden 7168 --experts 256 --topk 8 --dtype fp8
+      --once-per-rank --reduce-at-expert-rank --token-major)
+  for round in $(seq "${TARGET_ROUNDS:-2}"); do
+    for p in 16 1024; do
+      step "target_decode_p${p}_default_$round" 200 build-gpu/ferry-bench moe "${nv[@]}" \
+        --tokens 128 --iters 200 --private $p
+      FERRY_NV_STREAM=0 step "target_decode_p${p}_stream0_$round" 200 build-gpu/ferry-bench moe \
+        "${nv[@]}" --tokens 128 --iters 200 --private $p
+    done
+  done
+  for p in 16 4096; do
+    for spread in 0 1; do
+      FERRY_NV_SPREAD=$spread step "target_prefill_p${p}_spread$spread" 300 \
+        build-gpu/ferry-bench moe "${nv[@]}" --tokens 4096 --iters 20 --private $p
+    done
+  done
+  echo "== issue 5's targets (EP2, one node): decode dispatch p50 <= 15 us and combine <= 20 us;"
+  echo "   prefill dispatch and combine <= 1.3 x the NVLink floor (d/fl, c/fl): the table below"
 fi
 if [ "$mode" = spread ]; then
   pf=(--nvlink --ranks "${SPREAD_RANKS:-2}" --hidden 7168 --experts 256 --topk 8 --dtype fp8
