@@ -61,6 +61,7 @@ class Engine {
   ~Engine() {
     if (users_ > 0 || waiting_ > 0) {
       (void)engine_.release();
+      (void)new auto(std::move(mirrors_));  // words it may still write: kept with it
       return;
     }
     Close();
@@ -85,6 +86,7 @@ class Engine {
     }
     inflight_.clear();
     scatter_sources_.clear();
+    mirrors_.clear();
   }
 
   TransferEngine& engine() {
@@ -211,6 +213,32 @@ class Engine {
     return out;
   }
 
+  // MirrorImm into the first 8 bytes of `word` (a writable host array: a NumPy uint64, a
+  // pinned torch tensor a CUDA kernel reads mapped); None stops it. The array stays referenced
+  // while the engine may write it.
+  void MirrorImm(uint32_t imm, const py::handle& word) {
+    uint64_t* at = nullptr;
+    py::object keep;
+    if (!word.is_none()) {
+      const Array array = ToArray(word);
+      ThrowIfError(CheckArray(&array, {"mirror_imm: word", 8, true}, kHostMemory));
+      at = static_cast<uint64_t*>(array.pointer());
+      keep = array.owner;
+    }
+    TransferEngine& e = engine();
+    Status s;
+    {
+      py::gil_scoped_release release;
+      s = e.MirrorImm(imm, at);
+    }
+    ThrowIfError(s);
+    if (at) {
+      mirrors_[imm] = std::move(keep);
+    } else {
+      mirrors_.erase(imm);
+    }
+  }
+
   // A Transfer that ends once imm's count reaches target (DeadlineExceeded at the timeout,
   // Cancelled by disarm_imm): wait_imm without a thread, for await and callbacks.
   py::object NotifyImm(uint32_t imm, uint64_t target, double timeout) {
@@ -256,6 +284,7 @@ class Engine {
   std::shared_ptr<MessageQueue> messages_;
   std::vector<py::object> inflight_;
   std::map<ScatterPlanId, py::object> scatter_sources_;
+  std::map<uint32_t, py::object> mirrors_;  // mirror_imm's words, by counter
   int users_ = 0;    // AllToAll and KV objects using the engine (the GIL guards both counts)
   int waiting_ = 0;  // calls waiting with the GIL released
 };
@@ -437,6 +466,10 @@ void BindFabric(py::module_& m) {
            "A ferry.Transfer that ends once imm_count(imm) reaches target (DeadlineExceeded "
            "after timeout seconds, Cancelled by disarm_imm): await it, or add callbacks. One "
            "armed per counter at a time")
+      .def("mirror_imm", &Engine::MirrorImm, py::arg("imm"), py::arg("word"),
+           "Keeps the counter's total (every arrival, weighted; consume_imm does not lower it) in "
+           "the first 8 bytes of `word`, a writable 8-byte aligned host array -- pinned memory "
+           "a CUDA kernel can read mapped -- updated after each arrival; None stops it")
       .def(
           "disarm_imm",
           [](Engine& e, uint32_t imm) { ThrowIfError(e.engine().DisarmImm(imm)); },

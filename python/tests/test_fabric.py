@@ -222,6 +222,49 @@ def notify_imm_body(b):
         expect_error(ferry.NotFound, "no immediate counter", engine.notify_imm, 77, 1)
 
 
+def mirror_imm_body(b):
+    """mirror_imm keeps a host word at the counter's total (what a CUDA kernel would read through
+    a mapping): at once, after each arrival, not lowered by consume_imm; None stops it; a word
+    too small, read-only or not in host memory is refused."""
+    import array
+    with shm_engine() as engine:
+        region = engine.register(bytearray(PAGE))
+        peer, _ = connect(b, engine, region)
+        engine.create_imm_counter(11)
+        b.barrier()
+        if b.rank == 0:
+            for _ in range(3):
+                engine.write_imm(peer, 11).wait(10)
+            b.barrier()  # rank 1 mirrors and consumes
+            engine.write_imm(peer, 11).wait(10)
+            b.barrier()  # rank 1 stops the mirror
+            engine.write_imm(peer, 11).wait(10)
+            b.barrier()
+            return
+        engine.wait_imm(11, 3, timeout=10)
+        word = array.array("Q", [7])
+        engine.mirror_imm(11, word)
+        assert word[0] == 3, word
+        engine.consume_imm(11, 3)
+        b.barrier()
+        deadline = time.monotonic() + 10
+        while word[0] != 4 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert word[0] == 4 and engine.imm_count(11) == 1, (word, engine.imm_count(11))
+        engine.mirror_imm(11, None)
+        b.barrier()
+        engine.wait_imm(11, 2, timeout=10)
+        assert word[0] == 4, word
+        b.barrier()
+        expect_error(ferry.InvalidArgument, "at least 8", engine.mirror_imm, 11, bytearray(4))
+        expect_error(ferry.InvalidArgument, "8-byte aligned", engine.mirror_imm, 11,
+                     memoryview(bytearray(16))[4:12])
+        expect_error(ferry.InvalidArgument, "read-only", engine.mirror_imm, 11, bytes(8))
+        expect_error(ferry.InvalidArgument, "the call needs host memory", engine.mirror_imm, 11,
+                     ferry.Array(0x1000, 8, 0, "u", 8, False, [1], None))
+        expect_error(ferry.NotFound, "no immediate counter", engine.mirror_imm, 78, word)
+
+
 def lost_peer_body(b):
     """Rank 1 dies without a word; rank 0's writes to it fail within the transfer timeout (500
     ms), and so does the next one."""
@@ -300,6 +343,9 @@ class TransferEngineTest(unittest.TestCase):
 
     def test_notify_imm(self):
         run_ranks(self, 2, notify_imm_body)
+
+    def test_mirror_imm(self):
+        run_ranks(self, 2, mirror_imm_body)
 
     def test_lost_peer_fails_within_the_deadline(self):
         run_ranks(self, 2, lost_peer_body)

@@ -254,6 +254,7 @@ class Engine final : public TransferEngine {
   Status ConsumeImm(uint32_t imm, uint64_t n) override { return counters_.Consume(imm, n); }
 
   Status DisarmImm(uint32_t imm) override;
+  Status MirrorImm(uint32_t imm, uint64_t* word) override;
   StatusOr<ImmCounterTable::Slot*> Counter(uint32_t imm) const;
 
   // A request about counter `imm` for the worker (arm or disarm its notification).
@@ -353,6 +354,8 @@ class Engine final : public TransferEngine {
   void Complete(DomainCompletion& c, uint32_t nic);
   std::string Describe(const Transfer* t) const;
   void CountImm(uint32_t imm);
+  // The slot's total into its MirrorImm word.
+  void StoreMirror(ImmCounterTable::Slot* slot);
   void OnMessage(const DomainCompletion& c, uint32_t index, uint32_t nic);
   Status PostRecvSlot(uint32_t index);
   void Arm(Request&& r);

@@ -384,7 +384,15 @@ void Engine::CountImm(uint32_t imm) {
     return;
   }
   uint64_t now = slot->count.fetch_add(weight, std::memory_order_acq_rel) + weight;
+  slot->total += weight;
+  if (slot->mirror) StoreMirror(slot);
   if (slot->armed && now >= slot->target) FireNotify(slot, Status::Ok());
+}
+
+void Engine::StoreMirror(ImmCounterTable::Slot* slot) {
+  // Release: what the immediate announced (the bytes its write landed) is visible before the
+  // total that counts it, to a reader that acquires the word.
+  std::atomic_ref<uint64_t>(*slot->mirror).store(slot->total, std::memory_order_release);
 }
 
 void Engine::OnMessage(const DomainCompletion& c, uint32_t index, uint32_t nic) {

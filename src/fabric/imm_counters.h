@@ -29,6 +29,10 @@ class ImmCounterTable {
     uint64_t target = 0;
     Clock::time_point deadline;
     Completion on_reached;
+    // Worker-owned: every arrival's weight summed (Consume does not lower it), and the word
+    // MirrorImm keeps it in (null: none).
+    uint64_t total = 0;
+    uint64_t* mirror = nullptr;
   };
 
   explicit ImmCounterTable(uint32_t capacity);

@@ -494,6 +494,20 @@ Status Engine::NotifyImm(uint32_t imm, uint64_t target, Deadline deadline, DoneC
   return Push(std::move(r), Completion::Callback(std::move(done)));
 }
 
+Status Engine::MirrorImm(uint32_t imm, uint64_t* word) {
+  if (reinterpret_cast<uintptr_t>(word) % alignof(uint64_t) != 0) {
+    return InvalidArgumentError("MirrorImm: the word must be 8-byte aligned");
+  }
+  ASSIGN_OR_RETURN(ImmCounterTable::Slot* slot, Counter(imm));
+  // On the worker, which owns the slot's mirror: once this returns, the old word is left alone.
+  return RunOnWorker([this, slot, word](ControlResult&) -> Status {
+           slot->mirror = word;
+           if (word) StoreMirror(slot);
+           return Status::Ok();
+         })
+      .status();
+}
+
 Status Engine::DisarmImm(uint32_t imm) {
   ASSIGN_OR_RETURN(Request r, CounterRequest(Kind::kDisarm, imm));
   return Push(std::move(r), Completion());
@@ -791,6 +805,7 @@ class EngineHandle final : public TransferEngine {
   }
   Status ConsumeImm(uint32_t imm, uint64_t n) override { return e_->ConsumeImm(imm, n); }
   Status DisarmImm(uint32_t imm) override { return e_->DisarmImm(imm); }
+  Status MirrorImm(uint32_t imm, uint64_t* word) override { return e_->MirrorImm(imm, word); }
   void SetUnmatchedImmHandler(UnmatchedImmHandler handler) override {
     e_->SetUnmatchedImmHandler(std::move(handler));
   }

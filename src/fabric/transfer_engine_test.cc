@@ -314,6 +314,54 @@ TEST_P(EnginePairTest, ImmediateOnlyAndNotify) {
   EXPECT_EQ(b_->DisarmImm(12345).code(), StatusCode::kNotFound);
 }
 
+// MirrorImm keeps a word at the counter's total: set at once to what arrived so far, raised by
+// each arrival (weighted ones by their weight), not lowered by ConsumeImm; another word replaces
+// it, null stops it (nothing written after the call returns); a misaligned word or an unknown
+// counter is refused.
+TEST_P(EnginePairTest, MirrorImmKeepsAWordAtTheCountersTotal) {
+  constexpr uint32_t kImm = 0xAB000004, kMask = 0x00FFF000;
+  ASSERT_TRUE(b_->CreateWeightedImmCounter(kImm, kMask).ok());
+  auto send = [&](uint32_t imm, int times) {
+    TransferCounter c;
+    for (int i = 0; i < times; ++i) {
+      ASSERT_TRUE(a_->WriteImm(b_on_a_, imm, Completion::Counter(&c)).ok());
+    }
+    ASSERT_TRUE(c.Wait(times, Deadline::After(10s)).ok());
+    EXPECT_EQ(c.failed.load(), 0u);
+  };
+  auto reaches = [](const uint64_t& word, uint64_t want) {
+    for (int i = 0; i < 10000; ++i) {
+      if (std::atomic_ref<const uint64_t>(word).load(std::memory_order_acquire) == want) return true;
+      std::this_thread::sleep_for(1ms);
+    }
+    return false;
+  };
+  send(kImm, 2);
+  ASSERT_TRUE(b_->WaitImm(kImm, 2, Deadline::After(10s)).ok());
+  alignas(8) uint64_t first = 99, second = 0;
+  ASSERT_TRUE(b_->MirrorImm(kImm, &first).ok());
+  EXPECT_EQ(first, 2u);  // what arrived before, stored before MirrorImm returned
+  send(kImm, 3);
+  send(WeightedImm(kImm, kMask, 10), 1);
+  EXPECT_TRUE(reaches(first, 15)) << first;
+  ASSERT_TRUE(b_->ConsumeImm(kImm, 15).ok());
+  EXPECT_EQ(*b_->ImmCount(kImm), 0u);
+  ASSERT_TRUE(b_->MirrorImm(kImm, &second).ok());  // replaces the first word
+  EXPECT_EQ(second, 15u);  // the total: consumed arrivals stay counted
+  send(kImm, 1);
+  EXPECT_TRUE(reaches(second, 16)) << second;
+  EXPECT_EQ(first, 15u);
+  ASSERT_TRUE(b_->MirrorImm(kImm, nullptr).ok());
+  send(kImm, 1);
+  ASSERT_TRUE(b_->WaitImm(kImm, 2, Deadline::After(10s)).ok());
+  EXPECT_EQ(second, 16u);  // stopped
+  uint64_t words[2] = {};
+  EXPECT_EQ(b_->MirrorImm(kImm, reinterpret_cast<uint64_t*>(
+                                    reinterpret_cast<uint8_t*>(words) + 4)).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(b_->MirrorImm(12345, words).code(), StatusCode::kNotFound);
+}
+
 TEST_P(EnginePairTest, UnmatchedImmediatesGoToTheHandler) {
   std::atomic<uint32_t> got{0};
   b_->SetUnmatchedImmHandler([&](uint32_t imm) { got.store(imm); });
