@@ -26,7 +26,9 @@ CallbackThread& CallbackThread::Get() {
   return *o->thread;
 }
 
-CallbackThread::CallbackThread() { std::thread([this] { Run(); }).detach(); }
+CallbackThread::CallbackThread() {
+  std::thread([this] { Run(); }).detach();
+}
 
 void CallbackThread::Push(std::shared_ptr<Pending> pending) {
   {

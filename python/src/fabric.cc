@@ -1,9 +1,9 @@
 // TransferEngine bindings. Transfers complete on the engine's worker thread, which never runs
 // Python: a completion only records its status in the transfer's shared state, and Python
 // waits on that (Transfer.wait) with the GIL released, or has ferry's callback thread run the
-// transfer's done callbacks (add_done_callback; `await` goes through one). Messages are queued the same way and
-// taken with recv(). Whatever the engine may still read or write for a transfer -- its local
-// region, its page lists -- stays referenced by the engine until the transfer has ended, so
+// transfer's done callbacks (add_done_callback; `await` goes through one). Messages are queued the
+// same way and taken with recv(). Whatever the engine may still read or write for a transfer -- its
+// local region, its page lists -- stays referenced by the engine until the transfer has ended, so
 // dropping a Transfer or a Region early cannot pull memory from under the NIC.
 #include <pybind11/stl.h>
 
@@ -376,7 +376,9 @@ void BindFabric(py::module_& m) {
       .def("add_done_callback", &Transfer::AddDoneCallback, py::arg("fn"),
            "fn(transfer) once it has ended: at once if it has, else on ferry's callback thread")
       .def("__await__", [](const py::object& self) {
-        return py::module_::import("ferry._async").attr("transfer_future")(self).attr("__await__")();
+        return py::module_::import("ferry._async")
+            .attr("transfer_future")(self)
+            .attr("__await__")();
       });
 
   BindClose(
@@ -471,29 +473,31 @@ void BindFabric(py::module_& m) {
            "the first 8 bytes of `word`, a writable 8-byte aligned host array -- pinned memory "
            "a CUDA kernel can read mapped -- updated after each arrival; None stops it")
       .def(
-          "disarm_imm",
-          [](Engine& e, uint32_t imm) { ThrowIfError(e.engine().DisarmImm(imm)); },
+          "disarm_imm", [](Engine& e, uint32_t imm) { ThrowIfError(e.engine().DisarmImm(imm)); },
           py::arg("imm"), "Ends the counter's armed notify_imm, if any, with Cancelled")
       .def(
           "consume_imm",
           [](Engine& e, uint32_t imm, uint64_t n) { ThrowIfError(e.engine().ConsumeImm(imm, n)); },
           py::arg("imm"), py::arg("n"),
           "Subtracts n from the count for the next round; FailedPrecondition if fewer arrived")
-      .def("stats", [](Engine& e) {
-        const EngineStats s = e.engine().stats();
-        py::dict d;
-        d["transfers_submitted"] = s.transfers_submitted;
-        d["transfers_completed"] = s.transfers_completed;
-        d["transfers_failed"] = s.transfers_failed;
-        d["wrs_posted"] = s.wrs_posted;
-        d["post_retries"] = s.post_retries;
-        d["imm_waits"] = s.imm_waits;
-        d["imms_received"] = s.imms_received;
-        d["imms_unmatched"] = s.imms_unmatched;
-        d["messages_received"] = s.messages_received;
-        d["worker_cpu_ns"] = s.worker_cpu_ns;
-        return d;
-      }, "The engine's counters (transfers, work requests, immediates, messages, worker CPU)");
+      .def(
+          "stats",
+          [](Engine& e) {
+            const EngineStats s = e.engine().stats();
+            py::dict d;
+            d["transfers_submitted"] = s.transfers_submitted;
+            d["transfers_completed"] = s.transfers_completed;
+            d["transfers_failed"] = s.transfers_failed;
+            d["wrs_posted"] = s.wrs_posted;
+            d["post_retries"] = s.post_retries;
+            d["imm_waits"] = s.imm_waits;
+            d["imms_received"] = s.imms_received;
+            d["imms_unmatched"] = s.imms_unmatched;
+            d["messages_received"] = s.messages_received;
+            d["worker_cpu_ns"] = s.worker_cpu_ns;
+            return d;
+          },
+          "The engine's counters (transfers, work requests, immediates, messages, worker CPU)");
 }
 
 }  // namespace ferry::python

@@ -180,8 +180,7 @@ class Prefill : public Role<KvPrefill> {
 // torch tensor made from its __cuda_array_interface__) keeps the mappings.
 class CudaShards {
  public:
-  CudaShards(Bootstrap& bootstrap, int leader, int cuda_device, int64_t num_bytes,
-             double timeout)
+  CudaShards(Bootstrap& bootstrap, int leader, int cuda_device, int64_t num_bytes, double timeout)
       : device_(cuda_device), num_bytes_(num_bytes) {
     const Millis limit = ToMillis(timeout);
     StatusOr<std::unique_ptr<KvCudaShards>> created = [&] {

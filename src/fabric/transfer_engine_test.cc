@@ -331,7 +331,8 @@ TEST_P(EnginePairTest, MirrorImmKeepsAWordAtTheCountersTotal) {
   };
   auto reaches = [](const uint64_t& word, uint64_t want) {
     for (int i = 0; i < 10000; ++i) {
-      if (std::atomic_ref<const uint64_t>(word).load(std::memory_order_acquire) == want) return true;
+      const uint64_t now = std::atomic_ref<const uint64_t>(word).load(std::memory_order_acquire);
+      if (now == want) return true;
       std::this_thread::sleep_for(1ms);
     }
     return false;
@@ -356,9 +357,8 @@ TEST_P(EnginePairTest, MirrorImmKeepsAWordAtTheCountersTotal) {
   ASSERT_TRUE(b_->WaitImm(kImm, 2, Deadline::After(10s)).ok());
   EXPECT_EQ(second, 16u);  // stopped
   uint64_t words[2] = {};
-  EXPECT_EQ(b_->MirrorImm(kImm, reinterpret_cast<uint64_t*>(
-                                    reinterpret_cast<uint8_t*>(words) + 4)).code(),
-            StatusCode::kInvalidArgument);
+  auto* misaligned = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(words) + 4);
+  EXPECT_EQ(b_->MirrorImm(kImm, misaligned).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(b_->MirrorImm(12345, words).code(), StatusCode::kNotFound);
 }
 

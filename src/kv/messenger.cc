@@ -1056,8 +1056,8 @@ StatusOr<std::unique_ptr<KvPrefill>> KvPrefill::Create(TransferEngine* engine,
 StatusOr<std::unique_ptr<GpuLayerCounter>> GpuLayerCounter::Create() {
   return UnimplementedError("GpuLayerCounter: ferry was built without CUDA");
 }
-StatusOr<std::unique_ptr<KvCudaShards>> KvCudaShards::Create(Bootstrap& bootstrap, int leader,
-                                                             int, int64_t bytes,
+StatusOr<std::unique_ptr<KvCudaShards>> KvCudaShards::Create(Bootstrap& bootstrap, int leader, int,
+                                                             int64_t bytes,
                                                              std::chrono::milliseconds) {
   RETURN_IF_ERROR(CheckCudaShardsArgs(bootstrap, leader, bytes));
   return UnimplementedError("KvCudaShards: ferry was built without CUDA");
