@@ -406,8 +406,9 @@ class FERRY_API TransferEngine {
   // on device memory through a GDRCopy mapping: the worker stores the counter's total (every
   // arrival since the counter was created, weighted; ConsumeImm does not lower it) into the
   // 8-byte aligned `word` with release ordering, now and after each arrival. One word per
-  // counter; another replaces it. Null stops the mirror: once this returns OK the worker writes
-  // the old word no more (DeadlineExceeded, a wedged worker: keep the word alive).
+  // counter; another replaces it. Keep the word alive until null stops the mirror -- once that
+  // returns OK the worker writes the old word no more (DeadlineExceeded, a wedged worker: keep
+  // it) -- or until the engine is destroyed.
   virtual Status MirrorImm(uint32_t imm, uint64_t* word) = 0;
   using UnmatchedImmHandler = std::function<void(uint32_t imm)>;
   virtual void SetUnmatchedImmHandler(UnmatchedImmHandler handler) = 0;
