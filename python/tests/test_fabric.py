@@ -174,9 +174,10 @@ def callbacks_and_await_body(b):
 
         error, at_once = asyncio.run(until_a_write_fails())
         assert isinstance(error, (ferry.DeadlineExceeded, ferry.Unavailable)), error
-        # The first write that fails is in flight for the transfer timeout (500 ms): its
-        # callbacks ran on ferry's callback thread.
-        assert not at_once
+        # A write that fails at the transfer timeout was in flight for 500 ms: its callbacks
+        # ran on ferry's callback thread. (Over shm the first failure is that one.)
+        if isinstance(error, ferry.DeadlineExceeded):
+            assert not at_once
 
 
 def notify_imm_body(b):
