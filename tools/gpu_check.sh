@@ -220,6 +220,29 @@ p50_table() {
   done
 }
 
+# targets_verdict LOG...: each (a)+(b) row of the targets mode's logs against issue 5's targets
+# (decode: dispatch p50 <= 15 us, combine <= 20; prefill: each <= 1.3 x the NVLink floor).
+targets_verdict() {
+  p50_table "$@" | awk '
+    NR == 1 || $2 != "(a)+(b)" { next }
+    {
+      layout = ($3 == "tok") ? "TOK" : "EM"
+      n = (layout == "TOK") ? 4 : 3  # the name is one word or two
+      split($n, d, "/"); split($(n + 1), c, "/")
+      df = $(NF - 1); cf = $NF
+      if ($1 ~ /decode/) {
+        ok = (d[1] <= 15 && c[1] <= 20) ? "met" : "not met"
+        if (df + 0 == 0) ok = ok " (one GPU: not the targets\047 two)"
+        printf "%-34s %-3s dispatch %6s combine %6s us: %s\n", $1, layout, d[1], c[1], ok
+      } else if (df + 0 > 0) {
+        ok = (df <= 1.3 && cf <= 1.3) ? "met" : "not met"
+        printf "%-34s %-3s dispatch %5s x floor, combine %5s x floor: %s\n", $1, layout, df, cf, ok
+      } else {
+        printf "%-34s %-3s no floor (one GPU): not measured\n", $1, layout
+      }
+    }'
+}
+
 if [ "$mode" = ab ]; then
   # The baseline: .baseline.tgz (git archive of an earlier commit, carried) built beside; and
   # each .ab-NAME.tgz carried (another variant, "NAME" in the logs) built beside too. Every
@@ -371,7 +394,8 @@ if [ "$mode" = targets ]; then
     done
   done
   echo "== issue 5's targets (EP2, one node): decode dispatch p50 <= 15 us and combine <= 20 us;"
-  echo "   prefill dispatch and combine <= 1.3 x the NVLink floor (d/fl, c/fl): the table below"
+  echo "   prefill dispatch and combine <= 1.3 x the NVLink floor (d/fl, c/fl)"
+  targets_verdict "$OUT"/target_*.log
 fi
 if [ "$mode" = spread ]; then
   pf=(--nvlink --ranks "${SPREAD_RANKS:-2}" --hidden 7168 --experts 256 --topk 8 --dtype fp8
