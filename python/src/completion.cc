@@ -4,6 +4,19 @@
 #include <thread>
 
 namespace ferry::python {
+namespace {
+
+// A done callback, with the GIL: an exception it raises is reported (sys.unraisablehook) and
+// ignored, as concurrent.futures does.
+void CallDone(const py::object& fn, const py::object& transfer) {
+  try {
+    fn(transfer);
+  } catch (py::error_already_set& e) {
+    e.discard_as_unraisable(fn);
+  }
+}
+
+}  // namespace
 
 CallbackThread& CallbackThread::Get() {
   // One per process: a forked child starts its own (its parent's, copied without its thread,
@@ -53,13 +66,7 @@ void CallbackThread::Run() {
       std::lock_guard<std::mutex> lock(pending->mu);
       callbacks.swap(pending->callbacks);
     }
-    for (auto& [fn, transfer] : callbacks) {
-      try {
-        fn(transfer);
-      } catch (py::error_already_set& e) {
-        e.discard_as_unraisable(fn);
-      }
-    }
+    for (const auto& [fn, transfer] : callbacks) CallDone(fn, transfer);
     callbacks.clear();  // with the GIL
     pending.reset();
   }
@@ -86,12 +93,7 @@ void Transfer::AddDoneCallback(const py::object& self, py::function fn) {
       return;
     }
   }
-  // Ended already: here and now, as concurrent.futures does, an exception reported alike.
-  try {
-    fn(self);
-  } catch (py::error_already_set& e) {
-    e.discard_as_unraisable(fn);
-  }
+  CallDone(fn, self);  // ended already: here and now, as concurrent.futures does
 }
 
 }  // namespace ferry::python

@@ -166,6 +166,13 @@ class WaitQueue {
     queue_.clear();
     return items;
   }
+  // PopAll as a Python list, each item through to_python.
+  template <typename ToPython>
+  py::list PopAllForPython(ToPython to_python) {
+    py::list out;
+    for (const T& item : ValueOrThrow(PopAll())) out.append(to_python(item));
+    return out;
+  }
   // Pop with the GIL released.
   T PopForPython(double timeout) {
     const Deadline deadline = DeadlineIn(timeout);

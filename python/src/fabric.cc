@@ -62,6 +62,7 @@ class Engine {
     if (users_ > 0 || waiting_ > 0) {
       (void)engine_.release();
       (void)new auto(std::move(mirrors_));  // words it may still write: kept with it
+      (void)new auto(std::move(mirrors_left_));
       return;
     }
     Close();
@@ -87,6 +88,7 @@ class Engine {
     inflight_.clear();
     scatter_sources_.clear();
     mirrors_.clear();
+    mirrors_left_.clear();
   }
 
   TransferEngine& engine() {
@@ -207,11 +209,7 @@ class Engine {
   }
 
   py::tuple Recv(double timeout) { return MessageTuple(messages_->PopForPython(timeout)); }
-  py::list PollMessages() {
-    py::list out;
-    for (const Message& m : ValueOrThrow(messages_->PopAll())) out.append(MessageTuple(m));
-    return out;
-  }
+  py::list PollMessages() { return messages_->PopAllForPython(MessageTuple); }
 
   // MirrorImm into the first 8 bytes of `word` (a writable host array: a NumPy uint64, a
   // pinned torch tensor a CUDA kernel reads mapped); None stops it. The array stays referenced
@@ -231,6 +229,9 @@ class Engine {
       py::gil_scoped_release release;
       s = e.MirrorImm(imm, at);
     }
+    // A wedged worker (DeadlineExceeded) may still take up the new word later, or keep the old:
+    // both stay referenced.
+    if (s.code() == StatusCode::kDeadlineExceeded && keep) mirrors_left_.push_back(keep);
     ThrowIfError(s);
     if (at) {
       mirrors_[imm] = std::move(keep);
@@ -285,6 +286,7 @@ class Engine {
   std::vector<py::object> inflight_;
   std::map<ScatterPlanId, py::object> scatter_sources_;
   std::map<uint32_t, py::object> mirrors_;  // mirror_imm's words, by counter
+  std::vector<py::object> mirrors_left_;     // words a timed-out mirror_imm may have handed over
   int users_ = 0;    // AllToAll and KV objects using the engine (the GIL guards both counts)
   int waiting_ = 0;  // calls waiting with the GIL released
 };

@@ -137,18 +137,8 @@ class Prefill : public Role<KvPrefill> {
   py::dict NextRequest(double timeout) { return RequestDict(requests_->PopForPython(timeout)); }
   py::tuple NextRelease(double timeout) { return ReleaseTuple(released_->PopForPython(timeout)); }
   // What the next_* calls would give, all of it, without waiting.
-  py::list PollRequests() {
-    py::list out;
-    for (const KvPrefill::Incoming& in : ValueOrThrow(requests_->PopAll())) {
-      out.append(RequestDict(in));
-    }
-    return out;
-  }
-  py::list PollReleases() {
-    py::list out;
-    for (const Released& r : ValueOrThrow(released_->PopAll())) out.append(ReleaseTuple(r));
-    return out;
-  }
+  py::list PollRequests() { return requests_->PopAllForPython(RequestDict); }
+  py::list PollReleases() { return released_->PopAllForPython(ReleaseTuple); }
   void ScheduleChunk(uint64_t request_id, int64_t first_page, const std::vector<int64_t>& pages,
                      uint64_t pass_base, int64_t aux_offset) {
     ThrowIfError(role().ScheduleChunk(request_id, first_page, pages, pass_base, aux_offset));
