@@ -65,7 +65,8 @@
 #                                 1024 private slots, the default (the dispatch streamed) and
 #                                 FERRY_NV_STREAM=0 alternating, TARGET_ROUNDS (2) times; prefill
 #                                 T=4096 (a)+(b), 16 and 4096 private slots, FERRY_NV_SPREAD 0
-#                                 and 1; the closing p50_table has the floor ratios (d/fl, c/fl).
+#                                 and 1, and 4096 private with FERRY_NV_STREAM 1 and 3; the
+#                                 closing p50_table has the floor ratios (d/fl, c/fl).
 #                                 SANITIZERS=0 fits one call (~6 minutes)
 # SASS=1 (any mode): the kernels' machine code, see below.
 # SANITIZERS=0 skips memcheck and racecheck; TESTS=0 the tests and the sanitizers (a second
@@ -392,6 +393,12 @@ if [ "$mode" = targets ]; then
       FERRY_NV_SPREAD=$spread step "target_prefill_p${p}_spread$spread" 300 \
         build-gpu/ferry-bench moe "${nv[@]}" --tokens 4096 --iters 20 --private $p
     done
+  done
+  # Prefill streamed: the receive half copies each slot as its flag rises, under the pushes
+  # (one GPU could not show what that overlap is worth: nothing crosses there).
+  for stream in 1 3; do
+    FERRY_NV_STREAM=$stream step "target_prefill_p4096_stream$stream" 300 \
+      build-gpu/ferry-bench moe "${nv[@]}" --tokens 4096 --iters 20 --private 4096
   done
   echo "== issue 5's targets (EP2, one node): decode dispatch p50 <= 15 us and combine <= 20 us;"
   echo "   prefill dispatch and combine <= 1.3 x the NVLink floor (d/fl, c/fl)"
