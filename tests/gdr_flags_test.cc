@@ -4,7 +4,7 @@
 // libgdrapi over host memory (tests/fake_gdrapi.cc): the alignment, the host pointer from
 // gdr_get_info, both info versions, and each step's failure releasing what the steps before it
 // took.
-#include "moe/cuda/gdr_flags.h"
+#include "common/gdr_flags.h"
 
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
@@ -19,7 +19,7 @@
 #include <map>
 #include <vector>
 
-namespace ferry::moe {
+namespace ferry {
 namespace {
 
 TEST(GdrFlagsTest, OpensOrSaysWhyNot) {
@@ -179,4 +179,4 @@ TEST_F(FakeGdrTest, NoNodeNoLibraryOrNoMemorySaysSo) {
 }
 
 }  // namespace
-}  // namespace ferry::moe
+}  // namespace ferry

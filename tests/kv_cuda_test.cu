@@ -1,7 +1,6 @@
 // The GPU-visible layer counter: increments enqueued on a stream reach the host in order, after
 // the work before them. The leader's view of every TP rank's GPU cache (KvCudaShards). Without a
-// GPU, both say so at Create. A kernel waiting on an immediate counter mirrored into mapped
-// pinned memory (TransferEngine::MirrorImm).
+// GPU, both say so at Create.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -126,52 +125,6 @@ TEST(GpuLayerCounterTest, IncrementsFollowTheStreamsWork) {
   EXPECT_EQ(word->load(), kLayers);
   cudaStreamDestroy(stream);
   cudaFreeHost(pages);
-}
-
-// A kernel waits on a mirrored immediate counter (TransferEngine::MirrorImm into pinned host
-// memory mapped into the GPU): it spins, acquiring at system scope, until the total reaches
-// `target` or `budget_ns` pass, and records what it saw (0 if it gave up).
-__global__ void WaitForTotal(const uint64_t* word, uint64_t target, uint64_t budget_ns,
-                             uint64_t* seen) {
-  uint64_t start = 0, now = 0, value = 0;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-  do {
-    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(word) : "memory");
-    if (value >= target) {
-      *seen = value;
-      return;
-    }
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-  } while (now - start < budget_ns);
-  *seen = 0;
-}
-
-TEST(MirrorImmTest, AKernelWaitsOnTheMirroredCount) {
-  if (access("/dev/nvidia0", F_OK) != 0) GTEST_SKIP() << "no GPU (/dev/nvidia0)";
-  const EngineOptions options = testing_util::TestOptions("shm");
-  auto a = TransferEngine::Create(options);
-  auto b = TransferEngine::Create(options);
-  ASSERT_TRUE(a.ok() && b.ok()) << a.status() << " " << b.status();
-  auto b_on_a = (*a)->AddPeer((*b)->Address());
-  ASSERT_TRUE(b_on_a.ok()) << b_on_a.status();
-  ASSERT_TRUE((*b)->CreateImmCounter(21).ok());
-  uint64_t* words = nullptr;  // [0] the mirror, [1] what the kernel saw
-  ASSERT_EQ(cudaHostAlloc(reinterpret_cast<void**>(&words), 16, cudaHostAllocMapped), cudaSuccess);
-  words[0] = words[1] = 0;
-  uint64_t* on_gpu = nullptr;
-  ASSERT_EQ(cudaHostGetDevicePointer(reinterpret_cast<void**>(&on_gpu), words, 0), cudaSuccess);
-  ASSERT_TRUE((*b)->MirrorImm(21, &words[0]).ok());
-  WaitForTotal<<<1, 1>>>(on_gpu, 3, 10'000'000'000ull, on_gpu + 1);
-  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
-  TransferCounter sent;
-  for (int i = 0; i < 3; ++i) {
-    ASSERT_TRUE((*a)->WriteImm(*b_on_a, 21, Completion::Counter(&sent)).ok());
-  }
-  ASSERT_TRUE(sent.Wait(3, Deadline::After(10s)).ok());
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  EXPECT_EQ(words[1], 3u) << "the kernel gave up (0) or saw another total";
-  ASSERT_TRUE((*b)->MirrorImm(21, nullptr).ok());  // before the word goes
-  cudaFreeHost(words);
 }
 
 }  // namespace

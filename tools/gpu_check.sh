@@ -110,7 +110,7 @@ if command -v ninja > /dev/null; then generator=(-G Ninja); fi
 # (a copy of /usr/include/pybind11 and /usr/lib/cmake/pybind11 under .pydeps/usr; the lent
 # machine has Python's headers but no pybind11).
 python=()
-targets=(moe_cuda_test kv_cuda_test moe_host_test fd_exchange_test ferry-bench)
+targets=(moe_cuda_test kv_cuda_test gpu_words_test moe_host_test fd_exchange_test ferry-bench)
 if [ -d .pydeps/usr/lib/cmake/pybind11 ]; then
   python=(-Dpybind11_DIR="$PWD/.pydeps/usr/lib/cmake/pybind11")
   targets+=(_ferry)
@@ -147,6 +147,7 @@ tests=${TESTS:-1}
 case $mode in profile | trace | kvpace | stalls) tests=0 ;; esac  # they build and measure only
 if [ "$tests" != 0 ]; then
   step kv_cuda_test 120 build-gpu/kv_cuda_test
+  step gpu_words_test 60 build-gpu/gpu_words_test
   step moe_cuda_test 400 build-gpu/moe_cuda_test
   step fd_exchange_test 60 build-gpu/fd_exchange_test
   if [ ${#python[@]} -gt 0 ]; then  # python/tests, test_moe_cuda among them
@@ -559,7 +560,7 @@ if [ "$mode" = all ]; then
     --iters 10
 fi
 
-for f in "$OUT"/moe_cuda_test.log "$OUT"/kv_cuda_test.log; do
+for f in "$OUT"/moe_cuda_test.log "$OUT"/kv_cuda_test.log "$OUT"/gpu_words_test.log; do
   [ -f "$f" ] && grep -E '^\[  (PASSED|FAILED|SKIPPED) |\[rank|Failure' "$f" | head -20
 done
 grep -h -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT"/memcheck.log "$OUT"/racecheck.log 2> /dev/null

@@ -402,13 +402,14 @@ class FERRY_API TransferEngine {
   // fewer than n arrived.
   virtual Status ConsumeImm(uint32_t imm, uint64_t n) = 0;
   // Mirrors the counter into `word` for a waiter that cannot call WaitImm -- a GPU kernel
-  // spinning on pinned host memory mapped into the GPU (cudaHostAlloc, cudaHostAllocMapped), or
-  // on device memory through a GDRCopy mapping: the worker stores the counter's total (every
-  // arrival since the counter was created, weighted; ConsumeImm does not lower it) into the
-  // 8-byte aligned `word` with release ordering, now and after each arrival. One word per
-  // counter; another replaces it. Keep the word alive until null stops the mirror -- once that
-  // returns OK the worker writes the old word no more (DeadlineExceeded, a wedged worker: keep
-  // it) -- or until the engine is destroyed.
+  // spinning on a word of GpuWords (ferry/gpu_words.h: GPU memory through GDRCopy where it is
+  // there, else pinned host memory mapped into the GPU): the worker stores the counter's total
+  // (every arrival since the counter was created, weighted; ConsumeImm does not lower it) into
+  // the 8-byte aligned `word` with release ordering, then fences, now and after each arrival.
+  // The kernel's side of the ordering: gpu_words.h. One word per counter; another replaces it.
+  // Keep the word alive until null stops the mirror -- once that returns OK the worker writes
+  // the old word no more (DeadlineExceeded, a wedged worker: keep it) -- or until the engine is
+  // destroyed.
   virtual Status MirrorImm(uint32_t imm, uint64_t* word) = 0;
   using UnmatchedImmHandler = std::function<void(uint32_t imm)>;
   virtual void SetUnmatchedImmHandler(UnmatchedImmHandler handler) = 0;

@@ -13,7 +13,7 @@ from ._errors import (AlreadyExists, Cancelled, DataLoss, DeadlineExceeded, Erro
                       ResourceExhausted, Unavailable, Unimplemented)
 from ._ferry import (CUDA_UNKNOWN_DEVICE, HOST_MEMORY, AllToAll, AllToAllConfig, Array,
                      Bootstrap, CallbackBootstrap, DispatchDtype, DispatchLayout, EngineOptions,
-                     FabricInfo, GpuLayerCounter, KvCudaShards, KvDecoder, KvModel, KvOrder,
+                     FabricInfo, GpuLayerCounter, GpuWords, KvCudaShards, KvDecoder, KvModel, KvOrder,
                      KvPlan, KvPrefill, KvSide, KvWrite, LayerCounter, MoeDevice, RankExit,
                      RdmaBuffers, Region, RemoteRegion, Transfer, TransferEngine,
                      plan_kv_transfer, run_local_ranks)
@@ -23,7 +23,7 @@ __all__ = [
     "AllToAll", "AllToAllConfig", "AlreadyExists", "Array", "Bootstrap", "CallbackBootstrap",
     "CUDA_UNKNOWN_DEVICE", "Cancelled", "DataLoss", "DeadlineExceeded", "DispatchDtype",
     "DispatchLayout", "EngineOptions", "Error", "FabricInfo", "FailedPrecondition",
-    "GpuLayerCounter", "HOST_MEMORY", "Internal", "InvalidArgument", "KvCudaShards",
+    "GpuLayerCounter", "GpuWords", "HOST_MEMORY", "Internal", "InvalidArgument", "KvCudaShards",
     "KvDecoder", "KvModel", "KvOrder", "KvPlan", "KvPrefill", "KvSide", "KvWrite",
     "LayerCounter", "MoeDevice", "NotFound", "OutOfRange", "RankExit", "RdmaBuffers", "Region",
     "RemoteRegion", "ResourceExhausted", "Transfer", "TransferEngine", "Unavailable",

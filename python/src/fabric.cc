@@ -11,6 +11,7 @@
 #include <optional>
 
 #include "completion.h"
+#include "ferry/gpu_words.h"
 
 namespace ferry::python {
 namespace {
@@ -293,6 +294,47 @@ class Engine {
 
 }  // namespace
 
+// GpuWords: `host` and `device` are Arrays of the words owned by this object (whoever keeps one
+// keeps the words); word(i) is word i alone as a host Array, for mirror_imm.
+class Words {
+ public:
+  Words(int cuda_device, size_t count, bool gdrcopy)
+      : words_(ValueOrThrow(GpuWords::Create(cuda_device, count, gdrcopy))) {}
+
+  const GpuWords& words() const { return *words_; }
+  static Array Host(const py::object& self) {
+    const GpuWords& w = py::cast<const Words&>(self).words();
+    return View(w.host_words(), w.size(), kHostMemory, self);
+  }
+  static Array Device(const py::object& self) {
+    const GpuWords& w = py::cast<const Words&>(self).words();
+    return View(w.device_words(), w.size(), w.cuda_device(), self);
+  }
+  static Array Word(const py::object& self, size_t i) {
+    const GpuWords& w = py::cast<const Words&>(self).words();
+    if (i >= w.size()) {
+      ThrowIfError(InvalidArgumentError("GpuWords.word: word " + std::to_string(i) + " of " +
+                                        std::to_string(w.size())));
+    }
+    return View(w.host_words() + i, 1, kHostMemory, self);
+  }
+
+ private:
+  static Array View(uint64_t* words, size_t count, int device, const py::object& owner) {
+    Array a;
+    a.data = reinterpret_cast<uintptr_t>(words);
+    a.num_bytes = count * sizeof(uint64_t);
+    a.device = device;
+    a.kind = 'u';
+    a.item_bytes = sizeof(uint64_t);
+    a.shape = {static_cast<int64_t>(count)};
+    a.owner = owner;
+    return a;
+  }
+
+  std::unique_ptr<GpuWords> words_;
+};
+
 TransferEngine* AcquireEngine(const py::handle& engine) {
   if (engine.is_none()) return nullptr;
   if (!py::isinstance<Engine>(engine)) {
@@ -353,6 +395,35 @@ void BindFabric(py::module_& m) {
       .def_readonly("max_msg_size", &FabricInfo::max_msg_size)
       .def_readonly("ordered_write_bytes", &FabricInfo::ordered_write_bytes);
 
+  py::class_<Words>(m, "GpuWords",
+                    "64-bit words the host writes and CUDA kernels poll (mirror_imm's words): in "
+                    "the GPU's memory through GDRCopy where it is there, else pinned host memory "
+                    "mapped into the GPU. Zeroed")
+      .def(py::init<int, size_t, bool>(), py::arg("cuda_device"), py::arg("count"),
+           py::arg("gdrcopy") = true,
+           "count (1 to 8192) words for kernels on cuda_device; gdrcopy=False keeps them in "
+           "host memory")
+      .def_property_readonly("size", [](const Words& w) { return w.words().size(); })
+      .def_property_readonly("cuda_device", [](const Words& w) { return w.words().cuda_device(); })
+      .def_property_readonly(
+          "placement",
+          [](const Words& w) {
+            return w.words().placement() == GpuWords::Placement::kGpuMemory ? "gpu_memory"
+                                                                            : "mapped_host";
+          },
+          "'gpu_memory' (GDRCopy) or 'mapped_host'")
+      .def_property_readonly(
+          "gdrcopy_status", [](const Words& w) { return w.words().gdrcopy_status(); },
+          "Why the words are not in GPU memory; '' when they are")
+      .def_property_readonly("host", &Words::Host,
+                             "The words as the host writes them: a uint64 ferry.Array")
+      .def_property_readonly("device", &Words::Device,
+                             "The words as kernels read them: a uint64 ferry.Array on "
+                             "cuda_device (__cuda_array_interface__)")
+      .def("word", &Words::Word, py::arg("i"), "Word i alone as a host ferry.Array (mirror_imm)")
+      .def(
+          "load", [](const Words& w, size_t i) { return ValueOrThrow(w.words().Load(i)); },
+          py::arg("i"), "Word i as the host reads it now");
   py::class_<RemoteRegion>(m, "RemoteRegion",
                            "A peer's registered region, parsed once from its descriptor bytes")
       .def_static(
@@ -472,8 +543,9 @@ void BindFabric(py::module_& m) {
            "armed per counter at a time")
       .def("mirror_imm", &Engine::MirrorImm, py::arg("imm"), py::arg("word"),
            "Keeps the counter's total (every arrival, weighted; consume_imm does not lower it) in "
-           "the first 8 bytes of `word`, a writable 8-byte aligned host array -- pinned memory "
-           "a CUDA kernel can read mapped -- updated after each arrival; None stops it")
+           "the first 8 bytes of `word`, a writable 8-byte aligned host array -- a "
+           "ferry.GpuWords word(i), which a CUDA kernel polls -- updated after each arrival; "
+           "None stops it")
       .def(
           "disarm_imm", [](Engine& e, uint32_t imm) { ThrowIfError(e.engine().DisarmImm(imm)); },
           py::arg("imm"), "Ends the counter's armed notify_imm, if any, with Cancelled")

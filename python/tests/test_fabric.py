@@ -266,6 +266,48 @@ def mirror_imm_body(b):
         expect_error(ferry.NotFound, "no immediate counter", engine.mirror_imm, 78, word)
 
 
+NO_GPU = 3  # exit code of a rank that found no GPU
+
+
+def gpu_words_body(b):
+    """ferry.GpuWords as mirror_imm's word: the count shows up in word 1 (read back by load);
+    host and device views of the words; out-of-range words refused. Without a GPU (or a CUDA
+    build) both ranks exit NO_GPU before anything collective."""
+    try:
+        words = ferry.GpuWords(0, 2)
+    except (ferry.FailedPrecondition, ferry.Unimplemented):
+        os._exit(NO_GPU)
+    assert words.placement in ("gpu_memory", "mapped_host"), words.placement
+    assert (words.placement == "gpu_memory") == (words.gdrcopy_status == ""), words.gdrcopy_status
+    assert words.size == 2 and words.cuda_device == 0
+    assert words.host.device == ferry.HOST_MEMORY and words.host.num_bytes == 16
+    assert words.device.device == 0 and words.device.__cuda_array_interface__["shape"] == (2,)
+    assert words.load(0) == 0 and words.load(1) == 0
+    expect_error(ferry.InvalidArgument, "word 2 of 2", words.word, 2)
+    expect_error(ferry.InvalidArgument, "word 5 of 2", words.load, 5)
+    expect_error(ferry.InvalidArgument, "0 words", ferry.GpuWords, 0, 0)
+    expect_error(ferry.InvalidArgument, "CUDA device 4096", ferry.GpuWords, 4096, 1)
+    host = ferry.GpuWords(0, 1, gdrcopy=False)
+    assert host.placement == "mapped_host" and host.gdrcopy_status == "GDRCopy not asked for"
+    with shm_engine() as engine:
+        region = engine.register(bytearray(PAGE))
+        peer, _ = connect(b, engine, region)
+        engine.create_imm_counter(12)
+        if b.rank == 1:
+            engine.mirror_imm(12, words.word(1))
+        b.barrier()
+        if b.rank == 0:
+            for _ in range(2):
+                engine.write_imm(peer, 12).wait(10)
+        else:
+            deadline = time.monotonic() + 10
+            while words.load(1) != 2 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert words.load(1) == 2 and words.load(0) == 0, (words.load(0), words.load(1))
+            engine.mirror_imm(12, None)
+        b.barrier()
+
+
 def lost_peer_body(b):
     """Rank 1 dies without a word; rank 0's writes to it fail within the transfer timeout (500
     ms), and so does the next one."""
@@ -347,6 +389,12 @@ class TransferEngineTest(unittest.TestCase):
 
     def test_mirror_imm(self):
         run_ranks(self, 2, mirror_imm_body)
+
+    def test_gpu_words(self):
+        exits = ferry.run_local_ranks(2, gpu_words_body, 60)
+        if all(e.exit_code == NO_GPU for e in exits):
+            self.skipTest("no GPU here (GpuWords said so)")
+        self.assertTrue(all(e.ok for e in exits), exits)
 
     def test_lost_peer_fails_within_the_deadline(self):
         run_ranks(self, 2, lost_peer_body)

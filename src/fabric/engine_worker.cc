@@ -393,6 +393,9 @@ void Engine::StoreMirror(ImmCounterTable::Slot* slot) {
   // Release: what the immediate announced (the bytes its write landed) is visible before the
   // total that counts it, to a reader that acquires the word.
   std::atomic_ref<uint64_t>(*slot->mirror).store(slot->total, std::memory_order_release);
+  // A word in GPU memory behind GDRCopy's write-combining mapping (GpuWords): the store leaves
+  // the CPU's write-combining buffer at the fence, not at some later one.
+  std::atomic_thread_fence(std::memory_order_seq_cst);
 }
 
 void Engine::OnMessage(const DomainCompletion& c, uint32_t index, uint32_t nic) {

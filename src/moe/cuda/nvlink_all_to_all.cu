@@ -16,7 +16,7 @@
 #include "common/cuda_shared_memory.h"
 #include "common/env.h"
 #include "common/fd_exchange.h"
-#include "moe/cuda/gdr_flags.h"
+#include "common/gdr_flags.h"
 #include "moe/cuda/nvlink_all_to_all.h"
 #include "moe/cuda/nvlink_send.cuh"     // the kernels, in step order
 #include "moe/cuda/nvlink_recv.cuh"

@@ -1,6 +1,6 @@
 // GdrFlags (gdr_flags.h): GDRCopy's C API, resolved with dlsym, over a cudaMalloc'ed range (or
 // whatever memory the caller's Env gives).
-#include "moe/cuda/gdr_flags.h"
+#include "common/gdr_flags.h"
 
 #include <cuda_runtime.h>
 #include <dlfcn.h>
@@ -8,7 +8,7 @@
 
 #include <string>
 
-namespace ferry::moe {
+namespace ferry {
 namespace {
 
 constexpr size_t kGpuPage = size_t{1} << 16;  // GDRCopy pins whole 64 KiB GPU pages
@@ -132,4 +132,4 @@ GdrFlags::~GdrFlags() {
   if (allocation_) env_.free(allocation_);
 }
 
-}  // namespace ferry::moe
+}  // namespace ferry
