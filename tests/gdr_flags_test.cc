@@ -17,6 +17,7 @@
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <string>
 #include <vector>
 
 namespace ferry {
@@ -57,7 +58,9 @@ TEST(GdrFlagsTest, NoWordsOrMoreThanOnePageIsRefused) {
 class FakeGdrTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    node_ = ::testing::TempDir() + "fake_gdrdrv";
+    // A node of this process's own: ctest runs each test as a process, several at once, and
+    // one's TearDown must not remove another's node.
+    node_ = ::testing::TempDir() + "fake_gdrdrv." + std::to_string(getpid());
     std::ofstream(node_).put('\n');
     // Both versions held for the test, so that the library GdrFlags loads is the one whose
     // counter we read (and the counter lives on when GdrFlags unloads it).
