@@ -9,6 +9,8 @@
 //                      [--json]
 //   ferry-bench topo   [--sysfs DIR] [--exclude NIC,...]: which NICs and core serve each GPU
 //   ferry-bench p2p    [--bytes N]: GPU 0 <-> 1 bandwidth (copy engine, SM stores and loads)
+//   ferry-bench mirror [--provider P] [--iters I] [--rounds R]: a kernel waiting on a mirrored
+//                      immediate counter (GpuWords) next to a host thread in WaitImm
 //   ferry-bench demo   the main job of `make demo`: short fabric, moe and kv runs on shm
 #include <cstdio>
 #include <cstdlib>
@@ -19,6 +21,7 @@
 #include "tools/bench_kv.h"
 #include "tools/bench_moe.h"
 #ifdef FERRY_BENCH_CUDA
+#include "tools/bench_mirror.h"
 #include "tools/bench_p2p.h"
 #endif
 #include "common/strings.h"
@@ -41,6 +44,8 @@ void Usage() {
       " [--json]\n"
       "       ferry-bench topo [--sysfs DIR] [--exclude NIC,...]\n"
       "       ferry-bench p2p [--bytes N]   (GPU 0 <-> 1: copy engine, SM stores and loads)\n"
+      "       ferry-bench mirror [--provider P] [--iters I] [--rounds R]   (a kernel waiting"
+      " on MirrorImm)\n"
       "       ferry-bench demo\n"
       "Provider from --provider, else FERRY_PROVIDER, else shm.\n");
 }
@@ -65,6 +70,7 @@ int main(int argc, char** argv) {
   ferry::bench::MoeBenchOptions m;
   ferry::bench::KvBenchOptions kv;
   int64_t p2p_bytes = int64_t{256} << 20;
+  bool iters_given = false, rounds_given = false;  // mirror's own defaults otherwise
   ferry::TopologyOptions topo;
   if (const char* p = std::getenv("FERRY_PROVIDER")) f.provider = m.provider = kv.provider = p;
   for (int i = 2; i < argc; ++i) {
@@ -94,12 +100,14 @@ int main(int argc, char** argv) {
       ok = ParseInt(argv[++i], &kv.decoders) && kv.decoders >= 1 && kv.decoders <= 16;
     } else if (a == "--rounds" && has_value) {
       ok = ParseInt(argv[++i], &kv.rounds) && kv.rounds >= 1 && kv.rounds <= 100;
+      rounds_given = true;
     } else if (a == "--pace" && has_value) {
       char* end = nullptr;
       kv.pace = std::strtod(argv[++i], &end);
       ok = end && *end == '\0' && kv.pace >= 1.0 && kv.pace <= 10.0;
     } else if (a == "--iters" && has_value) {
       ok = ParseInt(argv[++i], &m.iters);
+      iters_given = true;
     } else if (a == "--device" && has_value) {
       std::string d = argv[++i];
       ok = d == "host" || d == "cuda";
@@ -159,6 +167,18 @@ int main(int argc, char** argv) {
     return ferry::bench::RunP2pBench(p2p_bytes);
 #else
     std::fprintf(stderr, "ferry-bench p2p: built without CUDA\n");
+    return 1;
+#endif
+  }
+  if (command == "mirror") {
+#ifdef FERRY_BENCH_CUDA
+    ferry::bench::MirrorBenchOptions mo;
+    mo.provider = f.provider;
+    if (iters_given) mo.iters = m.iters;
+    if (rounds_given) mo.rounds = kv.rounds;
+    return ferry::bench::RunMirrorBench(mo);
+#else
+    std::fprintf(stderr, "ferry-bench mirror: built without CUDA\n");
     return 1;
 #endif
   }

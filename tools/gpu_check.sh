@@ -68,6 +68,9 @@
 #                                 and 1, and 4096 private with FERRY_NV_STREAM 1 and 3; the
 #                                 closing p50_table has the floor ratios (d/fl, c/fl).
 #                                 SANITIZERS=0 fits one call (~6 minutes)
+#   tools/gpu_check.sh mirror     build, tests, then ferry-bench mirror over shm and tcp: a
+#                                 kernel waiting on a mirrored immediate counter (GpuWords)
+#                                 beside a host thread in WaitImm
 # SASS=1 (any mode): the kernels' machine code, see below.
 # SANITIZERS=0 skips memcheck and racecheck; TESTS=0 the tests and the sanitizers (a second
 # call after one that ran them); AB_DECODE_ROUNDS=0 runs ab's prefill pairs only, AB_PREFILL=0
@@ -431,6 +434,13 @@ if [ "$mode" = all ] || [ "$mode" = nvlink ] || [ "$mode" = p2p ]; then
   for b in 30762496 268435456; do
     step p2p_$b 120 build-gpu/ferry-bench p2p --bytes $b
     cat "$OUT/p2p_$b.log"
+  done
+fi
+if [ "$mode" = mirror ]; then
+  # A kernel waiting on a mirrored immediate counter (GpuWords) beside a host thread in WaitImm.
+  for provider in shm "tcp;ofi_rxm"; do
+    step "mirror_${provider%%;*}" 120 build-gpu/ferry-bench mirror --provider "$provider"
+    cat "$OUT/mirror_${provider%%;*}.log"
   done
 fi
 if [ "$mode" = all ] || [ "$mode" = nvlink ] || [ "$mode" = relay ]; then
