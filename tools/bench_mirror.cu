@@ -23,11 +23,20 @@ constexpr int kWarmup = 100;          // round trips left out of each sample set
 constexpr double kAnswerUs = 1e6;     // a waiter that takes longer has failed
 constexpr uint32_t kFirstImm = 0x40;  // one counter per (round, waiter)
 
+constexpr int kMaxPollers = 32;
+
 // Answers each of `n` immediates: waits (acquire, system scope) until the mirrored total
-// reaches the round trip's, then stores its number into *answer (release, system scope). Gives
-// up, setting *failed, if one wait outlasts budget_ns.
-__global__ void Echo(const uint64_t* mirror, uint64_t* answer, int n, uint64_t budget_ns,
-                     int* failed) {
+// reaches the round trip's, then stores its number into its answer word (release, system
+// scope). One lane per warp polls; warp w starts w * stagger_ns late, so that with several
+// warps their reads (each a PCIe round trip where the word is in host memory) are spread over
+// that round trip rather than in flight together. Gives up, setting *failed, if one wait
+// outlasts budget_ns.
+__global__ void Echo(const uint64_t* mirror, uint64_t* answers, int n, uint64_t budget_ns,
+                     unsigned stagger_ns, int* failed) {
+  if (threadIdx.x % 32 != 0) return;
+  const unsigned warp = threadIdx.x / 32;
+  uint64_t* answer = answers + warp;
+  for (unsigned i = 0; i < warp; ++i) __nanosleep(stagger_ns);
   for (uint64_t want = 1; want <= uint64_t(n); ++want) {
     uint64_t start = 0, now = 0, value = 0;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
@@ -71,7 +80,7 @@ class Runner {
     ASSIGN_OR_RETURN(a_, TransferEngine::Create(eo));
     ASSIGN_OR_RETURN(b_, TransferEngine::Create(eo));
     ASSIGN_OR_RETURN(b_on_a_, a_->AddPeer(b_->Address()));
-    ASSIGN_OR_RETURN(answer_, GpuWords::Create(0, 1, /*gdrcopy=*/false));
+    ASSIGN_OR_RETURN(answers_, GpuWords::Create(0, kMaxPollers, /*gdrcopy=*/false));
     if (cudaMalloc(&failed_, sizeof(int)) != cudaSuccess) return InternalError("cudaMalloc");
     return Status::Ok();
   }
@@ -96,18 +105,25 @@ class Runner {
     return lat;
   }
 
-  // Round trips answered by the Echo kernel polling `mirror` (word 0).
-  StatusOr<std::vector<double>> KernelWaiter(GpuWords& mirror) {
+  // Round trips answered by the Echo kernel polling `mirror` (word 0) from `pollers` warps.
+  StatusOr<std::vector<double>> KernelWaiter(GpuWords& mirror, int pollers) {
     const uint32_t imm = NextImm();
     RETURN_IF_ERROR(b_->CreateImmCounter(imm));
     RETURN_IF_ERROR(b_->MirrorImm(imm, mirror.host_words()));
-    std::atomic_ref<uint64_t>(*answer_->host_words()).store(0, std::memory_order_release);
+    uint64_t* answers = answers_->host_words();
+    for (int w = 0; w < pollers; ++w) {
+      std::atomic_ref<uint64_t>(answers[w]).store(0, std::memory_order_release);
+    }
     cudaMemset(failed_, 0, sizeof(int));
-    Echo<<<1, 1>>>(mirror.device_words(), answer_->device_words(), o_.iters, 2'000'000'000ull,
-                   failed_);
+    Echo<<<1, 32 * pollers>>>(mirror.device_words(), answers_->device_words(), o_.iters,
+                              2'000'000'000ull, 1000 / pollers, failed_);
     if (cudaGetLastError() != cudaSuccess) return InternalError("launching Echo");
     auto lat = RoundTrips(imm, [&] {
-      return std::atomic_ref<uint64_t>(*answer_->host_words()).load(std::memory_order_acquire);
+      uint64_t most = 0;
+      for (int w = 0; w < pollers; ++w) {
+        most = std::max(most, std::atomic_ref<uint64_t>(answers[w]).load(std::memory_order_acquire));
+      }
+      return most;
     });
     const cudaError_t e = cudaDeviceSynchronize();
     int failed = 0;
@@ -142,7 +158,7 @@ class Runner {
   const MirrorBenchOptions o_;
   std::unique_ptr<TransferEngine> a_, b_;
   PeerId b_on_a_{};
-  std::unique_ptr<GpuWords> answer_;  // the kernel's answers, in host memory A polls
+  std::unique_ptr<GpuWords> answers_;  // the kernel's answers (a word per warp), in host memory
   int* failed_ = nullptr;
   uint32_t next_ = 0;
 };
@@ -162,28 +178,34 @@ int RunMirrorBench(const MirrorBenchOptions& o) {
   }
   struct Waiter {
     std::string name;
-    std::unique_ptr<GpuWords> mirror;  // null: the host thread
+    std::shared_ptr<GpuWords> mirror;  // null: the host thread
+    int pollers = 1;                   // warps polling the word
     std::vector<double> p50s, p99s;
   };
   std::vector<Waiter> waiters;
-  waiters.push_back({"host thread (WaitImm)", nullptr, {}, {}});
+  waiters.push_back({"host thread (WaitImm)", nullptr});
   auto mapped = GpuWords::Create(0, 1, /*gdrcopy=*/false);
   if (!mapped.ok()) {
     std::fprintf(stderr, "ferry-bench mirror: %s\n", mapped.status().ToString().c_str());
     return 1;
   }
-  waiters.push_back({"kernel, mapped host word", std::move(mapped).value(), {}, {}});
+  std::shared_ptr<GpuWords> host_word = std::move(mapped).value();
+  for (int pollers : {1, 4, 16}) {
+    waiters.push_back({"kernel, mapped host word, " + std::to_string(pollers) +
+                           (pollers == 1 ? " warp" : " warps"),
+                       host_word, pollers});
+  }
   std::string no_gdr;
   if (auto gdr = GpuWords::Create(0, 1); gdr.ok() &&
                                          (*gdr)->placement() == GpuWords::Placement::kGpuMemory) {
-    waiters.push_back({"kernel, GPU memory word", std::move(gdr).value(), {}, {}});
+    waiters.push_back({"kernel, GPU memory word, 1 warp", std::move(gdr).value(), 1});
   } else {
     no_gdr = gdr.ok() ? (*gdr)->gdrcopy_status() : gdr.status().ToString();
   }
 
   for (int round = 0; round < o.rounds; ++round) {
     for (Waiter& w : waiters) {
-      auto lat = w.mirror ? runner.KernelWaiter(*w.mirror) : runner.HostWaiter();
+      auto lat = w.mirror ? runner.KernelWaiter(*w.mirror, w.pollers) : runner.HostWaiter();
       if (!lat.ok()) {
         std::fprintf(stderr, "ferry-bench mirror: %s: %s\n", w.name.c_str(),
                      lat.status().ToString().c_str());
@@ -197,14 +219,16 @@ int RunMirrorBench(const MirrorBenchOptions& o) {
   std::printf("ferry-bench mirror: immediate -> waiter -> answer, provider %s, %d round trips "
               "per waiter and round (first %d left out), median of %d rounds\n",
               o.provider.c_str(), o.iters, kWarmup, o.rounds);
-  std::printf("%-28s %8s %8s %12s\n", "waiter", "p50 us", "p99 us", "p50 / host");
+  std::printf("%-36s %8s %8s %12s\n", "waiter", "p50 us", "p99 us", "p50 / host");
   const double host_p50 = MedianOf(waiters[0].p50s);
   for (const Waiter& w : waiters) {
     const double p50 = MedianOf(w.p50s);
-    std::printf("%-28s %8.2f %8.2f %12.2f\n", w.name.c_str(), p50, MedianOf(w.p99s),
+    std::printf("%-36s %8.2f %8.2f %12.2f\n", w.name.c_str(), p50, MedianOf(w.p99s),
                 host_p50 > 0 ? p50 / host_p50 : 0.0);
   }
-  if (!no_gdr.empty()) std::printf("%-28s not here: %s\n", "kernel, GPU memory word", no_gdr.c_str());
+  if (!no_gdr.empty()) {
+    std::printf("%-36s not here: %s\n", "kernel, GPU memory word", no_gdr.c_str());
+  }
   return 0;
 }
 

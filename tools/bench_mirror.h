@@ -4,9 +4,11 @@
 //
 // Two engines of one process (B receives, A sends), one immediate at a time: A writes it and
 // spins until the waiter answers through a word in host memory; the round trip is the sample.
-// The waiter is a host thread in WaitImm (baseline), or a one-thread kernel spinning on the
-// mirrored word, in each placement GpuWords has here (mapped host memory; GPU memory through
-// GDRCopy where /dev/gdrdrv is). Rounds alternate the waiters.
+// The waiter is a host thread in WaitImm (baseline), or a kernel spinning on the mirrored word,
+// in each placement GpuWords has here (mapped host memory, polled by 1, 4 or 16 warps whose
+// reads are staggered; GPU memory through GDRCopy where /dev/gdrdrv is). The kernel answers
+// through a word in mapped host memory, so its rows hold one GPU store to host memory that a
+// kernel acting on the count would not pay. Rounds alternate the waiters.
 #pragma once
 
 #include <string>
