@@ -45,8 +45,8 @@ TEST(GpuWordsTest, WithoutAGpuCreateSaysSo) {
 
 // Spins, acquiring at system scope, until *word reaches `target` or `budget_ns` pass; records
 // what it saw in *seen (0 if it gave up).
-__global__ void WaitForTotal(const uint64_t* word, uint64_t target, uint64_t budget_ns,
-                             uint64_t* seen) {
+__global__ void WaitForTotalKernel(const uint64_t* word, uint64_t target, uint64_t budget_ns,
+                                   uint64_t* seen) {
   uint64_t start = 0, now = 0, value = 0;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
   do {
@@ -72,7 +72,7 @@ void KernelWaitsOnTheMirroredCount(GpuWords& words) {
   ASSERT_TRUE((*b)->CreateImmCounter(21).ok());
   ASSERT_TRUE((*b)->MirrorImm(21, &words.host_words()[0]).ok());
   uint64_t* on_gpu = words.device_words();
-  WaitForTotal<<<1, 1>>>(on_gpu, 3, 10'000'000'000ull, on_gpu + 1);
+  WaitForTotalKernel<<<1, 1>>>(on_gpu, 3, 10'000'000'000ull, on_gpu + 1);
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
   TransferCounter sent;
   for (int i = 0; i < 3; ++i) {

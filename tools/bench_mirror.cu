@@ -1,17 +1,16 @@
 // ferry-bench mirror (bench_mirror.h).
-#include "tools/bench_mirror.h"
-
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
-#include <memory>
 #include <future>
+#include <memory>
 #include <vector>
 
 #include "ferry/fabric.h"
 #include "ferry/gpu_words.h"
+#include "tools/bench_mirror.h"
 #include "tools/bench_util.h"
 
 namespace ferry::bench {
@@ -31,8 +30,8 @@ constexpr int kMaxPollers = 32;
 // warps their reads (each a PCIe round trip where the word is in host memory) are spread over
 // that round trip rather than in flight together. Gives up, setting *failed, if one wait
 // outlasts budget_ns.
-__global__ void Echo(const uint64_t* mirror, uint64_t* answers, int n, uint64_t budget_ns,
-                     unsigned stagger_ns, int* failed) {
+__global__ void EchoKernel(const uint64_t* mirror, uint64_t* answers, int n, uint64_t budget_ns,
+                           unsigned stagger_ns, int* failed) {
   if (threadIdx.x % 32 != 0) return;
   const unsigned warp = threadIdx.x / 32;
   uint64_t* answer = answers + warp;
@@ -105,7 +104,7 @@ class Runner {
     return lat;
   }
 
-  // Round trips answered by the Echo kernel polling `mirror` (word 0) from `pollers` warps.
+  // Round trips answered by EchoKernel polling `mirror` (word 0) from `pollers` warps.
   StatusOr<std::vector<double>> KernelWaiter(GpuWords& mirror, int pollers) {
     const uint32_t imm = NextImm();
     RETURN_IF_ERROR(b_->CreateImmCounter(imm));
@@ -115,13 +114,14 @@ class Runner {
       std::atomic_ref<uint64_t>(answers[w]).store(0, std::memory_order_release);
     }
     cudaMemset(failed_, 0, sizeof(int));
-    Echo<<<1, 32 * pollers>>>(mirror.device_words(), answers_->device_words(), o_.iters,
-                              2'000'000'000ull, 1000 / pollers, failed_);
-    if (cudaGetLastError() != cudaSuccess) return InternalError("launching Echo");
+    EchoKernel<<<1, 32 * pollers>>>(mirror.device_words(), answers_->device_words(), o_.iters,
+                                    2'000'000'000ull, 1000 / pollers, failed_);
+    if (cudaGetLastError() != cudaSuccess) return InternalError("launching EchoKernel");
     auto lat = RoundTrips(imm, [&] {
       uint64_t most = 0;
       for (int w = 0; w < pollers; ++w) {
-        most = std::max(most, std::atomic_ref<uint64_t>(answers[w]).load(std::memory_order_acquire));
+        most =
+            std::max(most, std::atomic_ref<uint64_t>(answers[w]).load(std::memory_order_acquire));
       }
       return most;
     });
@@ -129,8 +129,8 @@ class Runner {
     int failed = 0;
     cudaMemcpy(&failed, failed_, sizeof failed, cudaMemcpyDeviceToHost);
     RETURN_IF_ERROR(b_->MirrorImm(imm, nullptr));
-    if (e != cudaSuccess) return InternalError(std::string("Echo: ") + cudaGetErrorString(e));
-    if (failed) return DeadlineExceededError("Echo: the mirrored total stopped short");
+    if (e != cudaSuccess) return InternalError(std::string("EchoKernel: ") + cudaGetErrorString(e));
+    if (failed) return DeadlineExceededError("EchoKernel: the mirrored total stopped short");
     return lat;
   }
 
@@ -167,8 +167,7 @@ class Runner {
 
 int RunMirrorBench(const MirrorBenchOptions& o) {
   if (o.iters <= kWarmup || o.rounds < 1) {
-    std::fprintf(stderr, "ferry-bench mirror: --iters must exceed %d, --rounds be >= 1\n",
-                 kWarmup);
+    std::fprintf(stderr, "ferry-bench mirror: --iters must exceed %d, --rounds be >= 1\n", kWarmup);
     return 2;
   }
   Runner runner(o);
@@ -196,8 +195,8 @@ int RunMirrorBench(const MirrorBenchOptions& o) {
                        host_word, pollers});
   }
   std::string no_gdr;
-  if (auto gdr = GpuWords::Create(0, 1); gdr.ok() &&
-                                         (*gdr)->placement() == GpuWords::Placement::kGpuMemory) {
+  if (auto gdr = GpuWords::Create(0, 1);
+      gdr.ok() && (*gdr)->placement() == GpuWords::Placement::kGpuMemory) {
     waiters.push_back({"kernel, GPU memory word, 1 warp", std::move(gdr).value(), 1});
   } else {
     no_gdr = gdr.ok() ? (*gdr)->gdrcopy_status() : gdr.status().ToString();
@@ -216,9 +215,10 @@ int RunMirrorBench(const MirrorBenchOptions& o) {
       w.p99s.push_back(f.p99);
     }
   }
-  std::printf("ferry-bench mirror: immediate -> waiter -> answer, provider %s, %d round trips "
-              "per waiter and round (first %d left out), median of %d rounds\n",
-              o.provider.c_str(), o.iters, kWarmup, o.rounds);
+  std::printf(
+      "ferry-bench mirror: immediate -> waiter -> answer, provider %s, %d round trips "
+      "per waiter and round (first %d left out), median of %d rounds\n",
+      o.provider.c_str(), o.iters, kWarmup, o.rounds);
   std::printf("%-36s %8s %8s %12s\n", "waiter", "p50 us", "p99 us", "p50 / host");
   const double host_p50 = MedianOf(waiters[0].p50s);
   for (const Waiter& w : waiters) {

@@ -16,6 +16,9 @@
 // and a store there may linger in the CPU until a fence. MirrorImm does both. A kernel reads the
 // word volatile (or ld.acquire.sys) and, once it holds the value awaited, runs
 // __threadfence_system() before it reads what the value announces.
+//
+// Thread safety: fixed once created; any thread may call any method. Destroy it after whatever
+// writes the words (MirrorImm(imm, nullptr) first) and after the kernels that read them.
 #pragma once
 
 #include <cstddef>

@@ -5,8 +5,6 @@
 #include <atomic>
 #include <string>
 
-#include "common/env.h"
-
 #if FERRY_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
@@ -62,8 +60,8 @@ class CudaGpuWords final : public GpuWords {
     void* p = nullptr;
     // Portable: mapped into every GPU, so the pointer serves whichever device the caller's
     // current one is when it frees us.
-    cudaError_t e = cudaHostAlloc(&p, count_ * sizeof(uint64_t),
-                                  cudaHostAllocPortable | cudaHostAllocMapped);
+    cudaError_t e =
+        cudaHostAlloc(&p, count_ * sizeof(uint64_t), cudaHostAllocPortable | cudaHostAllocMapped);
     if (e != cudaSuccess) return CudaError("cudaHostAlloc", e);
     pinned_ = static_cast<uint64_t*>(p);
     for (size_t i = 0; i < count_; ++i) {
@@ -88,8 +86,7 @@ class CudaGpuWords final : public GpuWords {
 
 }  // namespace
 
-StatusOr<std::unique_ptr<GpuWords>> GpuWords::Create(int cuda_device, size_t count,
-                                                    bool gdrcopy) {
+StatusOr<std::unique_ptr<GpuWords>> GpuWords::Create(int cuda_device, size_t count, bool gdrcopy) {
   if (count == 0 || count > kMaxWords) {
     return InvalidArgumentError("GpuWords: " + std::to_string(count) + " words (1 to " +
                                 std::to_string(kMaxWords) + ")");
@@ -97,8 +94,7 @@ StatusOr<std::unique_ptr<GpuWords>> GpuWords::Create(int cuda_device, size_t cou
   if (cuda_device < 0) {
     return InvalidArgumentError("GpuWords: CUDA device " + std::to_string(cuda_device));
   }
-  int64_t allowed = 1;
-  RETURN_IF_ERROR(EnvInt("FERRY_GDRCOPY", 0, 1, &allowed));
+  ASSIGN_OR_RETURN(const bool allowed, GdrCopyAllowed());
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     (void)cudaGetLastError();
@@ -113,9 +109,9 @@ StatusOr<std::unique_ptr<GpuWords>> GpuWords::Create(int cuda_device, size_t cou
   cudaError_t e = cudaGetDevice(&current);
   if (e != cudaSuccess) return CudaError("cudaGetDevice", e);
   auto words = std::make_unique<CudaGpuWords>(cuda_device, count);
-  Status placed = words->Place(!gdrcopy      ? "GDRCopy not asked for"
-                               : allowed == 0 ? "GDRCopy turned off (FERRY_GDRCOPY=0)"
-                                              : "");
+  Status placed = words->Place(!gdrcopy   ? "GDRCopy not asked for"
+                               : !allowed ? "GDRCopy turned off (FERRY_GDRCOPY=0)"
+                                          : "");
   cudaSetDevice(current);
   RETURN_IF_ERROR(placed);
   return std::unique_ptr<GpuWords>(std::move(words));

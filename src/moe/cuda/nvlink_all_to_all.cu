@@ -222,8 +222,8 @@ class NvlinkAllToAll final : public AllToAll {
         ASSIGN_OR_RETURN(mapped.outbox, MappedPointer(boxes.outbox));
       }
       // The inbox flags in our GPU's memory when GDRCopy is there (FERRY_GDRCOPY=0: never).
-      const char* gdr_env = std::getenv("FERRY_GDRCOPY");
-      if (!(gdr_env && *gdr_env == '0')) {
+      ASSIGN_OR_RETURN(const bool gdrcopy, GdrCopyAllowed());
+      if (gdrcopy) {
         auto gdr = GdrFlags::Open(2 * size_t(n), c_.cuda_device);
         if (gdr.ok()) {
           gdr_ = std::move(gdr).value();
