@@ -118,7 +118,7 @@ class NvlinkAllToAll final : public AllToAll {
     v.combine_tag_off = RoundUp(v.combine_off + int64_t{t} * k * v.row_bytes, 128);
     v.send_off =
         RoundUp(v.combine_tag_off + (v.stream_combine ? int64_t{t} * k * 8 : 0), 128);
-    const int64_t bytes = v.send_off + int64_t{t} * k * v.slot_bytes;
+    const int64_t bytes = v.send_off + SendAreaBytes(v);
     const int64_t max_recv = int64_t{n} * layout_.slots_per_pair;
     recv_grid_ = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_recv, 4 * sms)));
     recv_grid_limit_ = 4 * sms;

@@ -239,6 +239,10 @@ struct Nv {
 // within the metadata's line), and which int32 of a counts row is the row's tag (the one after
 // the CountsColumn values).
 __host__ __device__ inline int64_t SlotTagOffset(const Nv& v) { return v.meta_used; }
+// The send area at send_off: a slot for each of our t_max * K copies (the most we can send).
+__host__ __device__ inline int64_t SendAreaBytes(const Nv& v) {
+  return int64_t{v.t_max} * v.k * v.slot_bytes;
+}
 __host__ __device__ inline int CountsTagColumn(const Nv& v) { return v.l + kCountsColumns; }
 
 struct SendArgs {
@@ -609,7 +613,7 @@ __device__ inline void TagSlots(const Nv& v, uint8_t* const* dst, int ns, uint64
   const uintptr_t area = reinterpret_cast<uintptr_t>(v.own + v.send_off);
   const uintptr_t at = reinterpret_cast<uintptr_t>(dst[lane]);
   auto* tag = reinterpret_cast<uint64_t*>(dst[lane] + SlotTagOffset(v));
-  if (at >= area && at < area + uint64_t(v.t_max) * v.k * v.slot_bytes) {
+  if (at >= area && at < area + SendAreaBytes(v)) {
     StoreReleaseGpu(tag, epoch + 1);
   } else {
     StoreRelease(tag, epoch + 1);
