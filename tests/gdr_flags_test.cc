@@ -2,8 +2,8 @@
 // says Unavailable and why, touching no GPU; where it is there, words the host writes through the
 // mapping (then fences) are what the GPU's memory holds. The same logic runs here against a fake
 // libgdrapi over host memory (tests/fake_gdrapi.cc): the alignment, the host pointer from
-// gdr_get_info, both info versions, and each step's failure releasing what the steps before it
-// took.
+// gdr_get_info, both info versions, each step's failure releasing what the steps before it
+// took, and GpuWords in that memory as an immediate counter's mirror (MirrorImm).
 #include "common/gdr_flags.h"
 
 #include <cuda_runtime_api.h>
@@ -19,6 +19,9 @@
 #include <map>
 #include <string>
 #include <vector>
+
+#include "common/gpu_words_internal.h"
+#include "fabric/test_util.h"
 
 namespace ferry {
 namespace {
@@ -140,6 +143,45 @@ TEST_F(FakeGdrTest, HostWritesShowInTheDeviceWords) {
     EXPECT_EQ(Live(library), 0) << library;
     EXPECT_TRUE(ranges_.empty()) << library;
   }
+}
+
+// GpuWords in "GPU memory" (the fake's) as MirrorImm's word: the engine's worker stores the
+// counter's total through the write-combining host mapping, and the device side holds it.
+TEST_F(FakeGdrTest, MirrorImmReachesTheDeviceWordsThroughTheMapping) {
+  using namespace std::chrono_literals;
+  {
+    auto flags = GdrFlags::Open(4, Env());
+    ASSERT_TRUE(flags.ok()) << flags.status();
+    std::unique_ptr<GpuWords> words = GpuWordsOver(std::move(flags).value(), 0, 4);
+    EXPECT_EQ(words->placement(), GpuWords::Placement::kGpuMemory);
+    EXPECT_TRUE(words->gdrcopy_status().empty()) << words->gdrcopy_status();
+    EXPECT_NE(words->host_words(), words->device_words());
+
+    const EngineOptions options = testing_util::TestOptions("shm");
+    auto a = TransferEngine::Create(options);
+    auto b = TransferEngine::Create(options);
+    ASSERT_TRUE(a.ok() && b.ok()) << a.status() << " " << b.status();
+    auto b_on_a = (*a)->AddPeer((*b)->Address());
+    ASSERT_TRUE(b_on_a.ok()) << b_on_a.status();
+    ASSERT_TRUE((*b)->CreateImmCounter(31).ok());
+    ASSERT_TRUE((*b)->MirrorImm(31, &words->host_words()[2]).ok());
+    TransferCounter sent;
+    for (int i = 0; i < 3; ++i) {
+      ASSERT_TRUE((*a)->WriteImm(*b_on_a, 31, Completion::Counter(&sent)).ok());
+    }
+    ASSERT_TRUE(sent.Wait(3, Deadline::After(10s)).ok());
+    ASSERT_TRUE((*b)->WaitImm(31, 3, Deadline::After(10s)).ok());
+    const Deadline deadline = Deadline::After(10s);
+    std::atomic_ref<uint64_t> on_device(words->device_words()[2]);
+    while (on_device.load(std::memory_order_acquire) != 3 && !deadline.Expired()) {
+    }
+    EXPECT_EQ(on_device.load(std::memory_order_acquire), 3u);
+    EXPECT_EQ(*words->Load(2), 3u);
+    EXPECT_EQ(*words->Load(1), 0u) << "a neighbour written";
+    ASSERT_TRUE((*b)->MirrorImm(31, nullptr).ok());  // before the words go
+  }
+  EXPECT_EQ(Live(), 0);
+  EXPECT_TRUE(ranges_.empty());
 }
 
 TEST_F(FakeGdrTest, EachFailingStepSaysWhichAndReleasesTheOthers) {

@@ -9,6 +9,7 @@
 #include <cuda_runtime_api.h>
 
 #include "common/gdr_flags.h"
+#include "common/gpu_words_internal.h"
 #endif
 
 namespace ferry {
@@ -44,13 +45,16 @@ class CudaGpuWords final : public GpuWords {
   uint64_t* host_words() const override { return gdr_ ? gdr_->host_words() : pinned_; }
   uint64_t* device_words() const override { return gdr_ ? gdr_->device_words() : mapped_; }
 
+  // The words in GPU memory, written through `gdr`.
+  void UseGdr(std::unique_ptr<GdrFlags> gdr) { gdr_ = std::move(gdr); }
+
   // In GPU memory through GDRCopy unless `not_asked` says why not to try; else (or where
   // GDRCopy fails) in mapped host memory.
   Status Place(std::string not_asked) {
     if (not_asked.empty()) {
       auto gdr = GdrFlags::Open(count_, device_);
       if (gdr.ok()) {
-        gdr_ = std::move(gdr).value();
+        UseGdr(std::move(gdr).value());
         return Status::Ok();
       }
       gdrcopy_status_ = gdr.status().ToString();
@@ -85,6 +89,13 @@ class CudaGpuWords final : public GpuWords {
 };
 
 }  // namespace
+
+std::unique_ptr<GpuWords> GpuWordsOver(std::unique_ptr<GdrFlags> gdr, int cuda_device,
+                                       size_t count) {
+  auto words = std::make_unique<CudaGpuWords>(cuda_device, count);
+  words->UseGdr(std::move(gdr));
+  return words;
+}
 
 StatusOr<std::unique_ptr<GpuWords>> GpuWords::Create(int cuda_device, size_t count, bool gdrcopy) {
   if (count == 0 || count > kMaxWords) {
