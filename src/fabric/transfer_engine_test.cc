@@ -624,6 +624,8 @@ TEST_P(FaultTest, AWriteThatNeverCompletesFailsAtTheDeadlineAndMarksThePeerLost)
 // A provider call that never returns (shm does this when a peer dies holding its lock) must not
 // hang the engine's callers: control operations time out, destruction abandons the engine.
 TEST_P(FaultTest, AWedgedProviderCallNeverHangsTheCaller) {
+  constexpr uint32_t kMirrored = 41;
+  ASSERT_TRUE(a_->CreateImmCounter(kMirrored).ok());
   fault_->Wedge();
   TransferCounter c;
   ASSERT_TRUE(a_->Write(To(dst2_reg_), Completion::Counter(&c)).ok());
@@ -634,6 +636,11 @@ TEST_P(FaultTest, AWedgedProviderCallNeverHangsTheCaller) {
   auto reg = a_->RegisterMemory(more.data(), more.size());
   EXPECT_EQ(reg.status().code(), StatusCode::kDeadlineExceeded) << reg.status();
   EXPECT_LT(Clock::now() - start, 5s);
+  uint64_t word = 7;  // MirrorImm runs on the worker too
+  start = Clock::now();
+  Status mirrored = a_->MirrorImm(kMirrored, &word);
+  EXPECT_EQ(mirrored.code(), StatusCode::kDeadlineExceeded) << mirrored;
+  EXPECT_LT(Clock::now() - start, 5s);
   src_reg_ = MemoryRegion();  // releasing a region of a wedged engine returns too
   start = Clock::now();
   a_.reset();  // abandons the engine: returns after shutdown_timeout_ms
@@ -642,6 +649,7 @@ TEST_P(FaultTest, AWedgedProviderCallNeverHangsTheCaller) {
   fault_->Unwedge();  // let the leaked worker run off before the peer goes away
   for (int i = 0; i < 5000 && fault_->InsideWedge(); ++i) std::this_thread::sleep_for(1ms);
   std::this_thread::sleep_for(50ms);
+  EXPECT_EQ(word, 7u) << "the worker took up the word of a MirrorImm that had timed out";
 }
 
 // A rank killed before closing its shm endpoint leaves its file in /dev/shm. libfabric's shm refuses
