@@ -157,20 +157,17 @@ TEST_F(FakeGdrTest, MirrorImmReachesTheDeviceWordsThroughTheMapping) {
     EXPECT_TRUE(words->gdrcopy_status().empty()) << words->gdrcopy_status();
     EXPECT_NE(words->host_words(), words->device_words());
 
-    const EngineOptions options = testing_util::TestOptions("shm");
-    auto a = TransferEngine::Create(options);
-    auto b = TransferEngine::Create(options);
-    ASSERT_TRUE(a.ok() && b.ok()) << a.status() << " " << b.status();
-    auto b_on_a = (*a)->AddPeer((*b)->Address());
-    ASSERT_TRUE(b_on_a.ok()) << b_on_a.status();
-    ASSERT_TRUE((*b)->CreateImmCounter(31).ok());
-    ASSERT_TRUE((*b)->MirrorImm(31, &words->host_words()[2]).ok());
+    auto engines = testing_util::MakeEnginePair("shm");
+    ASSERT_TRUE(engines.ok()) << engines.status();
+    auto& [a, b, b_on_a] = *engines;
+    ASSERT_TRUE(b->CreateImmCounter(31).ok());
+    ASSERT_TRUE(b->MirrorImm(31, &words->host_words()[2]).ok());
     TransferCounter sent;
     for (int i = 0; i < 3; ++i) {
-      ASSERT_TRUE((*a)->WriteImm(*b_on_a, 31, Completion::Counter(&sent)).ok());
+      ASSERT_TRUE(a->WriteImm(b_on_a, 31, Completion::Counter(&sent)).ok());
     }
     ASSERT_TRUE(sent.Wait(3, Deadline::After(10s)).ok());
-    ASSERT_TRUE((*b)->WaitImm(31, 3, Deadline::After(10s)).ok());
+    ASSERT_TRUE(b->WaitImm(31, 3, Deadline::After(10s)).ok());
     const Deadline deadline = Deadline::After(10s);
     std::atomic_ref<uint64_t> on_device(words->device_words()[2]);
     while (on_device.load(std::memory_order_acquire) != 3 && !deadline.Expired()) {
@@ -178,7 +175,7 @@ TEST_F(FakeGdrTest, MirrorImmReachesTheDeviceWordsThroughTheMapping) {
     EXPECT_EQ(on_device.load(std::memory_order_acquire), 3u);
     EXPECT_EQ(*words->Load(2), 3u);
     EXPECT_EQ(*words->Load(1), 0u) << "a neighbour written";
-    ASSERT_TRUE((*b)->MirrorImm(31, nullptr).ok());  // before the words go
+    ASSERT_TRUE(b->MirrorImm(31, nullptr).ok());  // before the words go
   }
   EXPECT_EQ(Live(), 0);
   EXPECT_TRUE(ranges_.empty());

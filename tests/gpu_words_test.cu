@@ -63,20 +63,17 @@ __global__ void WaitForTotalKernel(const uint64_t* word, uint64_t target, uint64
 // Three immediates over shm raise counter 21's total to 3 while a kernel waits on word 0 of
 // `words` (word 1 takes what the kernel saw).
 void KernelWaitsOnTheMirroredCount(GpuWords& words) {
-  const EngineOptions options = testing_util::TestOptions("shm");
-  auto a = TransferEngine::Create(options);
-  auto b = TransferEngine::Create(options);
-  ASSERT_TRUE(a.ok() && b.ok()) << a.status() << " " << b.status();
-  auto b_on_a = (*a)->AddPeer((*b)->Address());
-  ASSERT_TRUE(b_on_a.ok()) << b_on_a.status();
-  ASSERT_TRUE((*b)->CreateImmCounter(21).ok());
-  ASSERT_TRUE((*b)->MirrorImm(21, &words.host_words()[0]).ok());
+  auto engines = testing_util::MakeEnginePair("shm");
+  ASSERT_TRUE(engines.ok()) << engines.status();
+  auto& [a, b, b_on_a] = *engines;
+  ASSERT_TRUE(b->CreateImmCounter(21).ok());
+  ASSERT_TRUE(b->MirrorImm(21, &words.host_words()[0]).ok());
   uint64_t* on_gpu = words.device_words();
   WaitForTotalKernel<<<1, 1>>>(on_gpu, 3, 10'000'000'000ull, on_gpu + 1);
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
   TransferCounter sent;
   for (int i = 0; i < 3; ++i) {
-    ASSERT_TRUE((*a)->WriteImm(*b_on_a, 21, Completion::Counter(&sent)).ok());
+    ASSERT_TRUE(a->WriteImm(b_on_a, 21, Completion::Counter(&sent)).ok());
   }
   ASSERT_TRUE(sent.Wait(3, Deadline::After(10s)).ok());
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -84,7 +81,7 @@ void KernelWaitsOnTheMirroredCount(GpuWords& words) {
   ASSERT_TRUE(seen.ok()) << seen.status();
   EXPECT_EQ(*seen, 3u) << "the kernel gave up (0) or saw another total";
   EXPECT_EQ(*words.Load(0), 3u);
-  ASSERT_TRUE((*b)->MirrorImm(21, nullptr).ok());  // before the words go
+  ASSERT_TRUE(b->MirrorImm(21, nullptr).ok());  // before the words go
 }
 
 TEST(GpuWordsTest, AKernelWaitsOnAMirroredCountInMappedHostMemory) {

@@ -3,6 +3,7 @@
 
 #include <cstdlib>
 #include <initializer_list>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -61,6 +62,19 @@ inline EngineOptions TestOptions(const std::string& provider) {
   o.idle_sleep_us = 200;
   o.transfer_timeout_ms = 5000;
   return o;
+}
+
+// Two engines of this process over `provider` (TestOptions), A knowing B.
+struct EnginePair {
+  std::unique_ptr<TransferEngine> a, b;
+  PeerId b_on_a = 0;
+};
+inline StatusOr<EnginePair> MakeEnginePair(const std::string& provider) {
+  EnginePair p;
+  ASSIGN_OR_RETURN(p.a, TransferEngine::Create(TestOptions(provider)));
+  ASSIGN_OR_RETURN(p.b, TransferEngine::Create(TestOptions(provider)));
+  ASSIGN_OR_RETURN(p.b_on_a, p.a->AddPeer(p.b->Address()));
+  return StatusOr<EnginePair>(std::move(p));
 }
 
 }  // namespace ferry::testing_util
