@@ -3,7 +3,8 @@
 // released (ferry.Transfer) or that hands it to ferry's callback thread, which runs the
 // transfer's done callbacks with the GIL (Transfer.add_done_callback, and through it `await`);
 // events -- received messages, KV requests, released pages -- go into a bounded WaitQueue that
-// Python drains.
+// Python drains: waiting (with the GIL released), polling, or awaiting a Transfer that ends when
+// something is there.
 #pragma once
 
 #include <sched.h>
@@ -136,15 +137,49 @@ class WaitQueue {
   WaitQueue(std::string what, size_t capacity) : what_(std::move(what)), capacity_(capacity) {}
 
   void Push(T item) {
+    std::shared_ptr<Pending> ready;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (queue_.size() >= capacity_) {
         ++dropped_;
-        return;
+      } else {
+        queue_.push_back(std::move(item));
       }
-      queue_.push_back(std::move(item));
+      ready = std::move(ready_);
     }
     cv_.notify_one();
+    if (ready) Pending::Finish(ready, Status::Ok());
+  }
+  // What a ferry.Transfer of "something to take" waits on: it ends OK once something is queued
+  // (at once if something is, or a drop waits to be reported), or with Close's status once the
+  // queue is closed and empty. Then take what is queued without waiting (PopAll). The waiters
+  // of one moment share one Pending.
+  std::shared_ptr<Pending> Ready() {
+    Status ended = Status::Ok();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (queue_.empty() && dropped_ == 0) {
+        if (closed_.ok()) {
+          if (!ready_) ready_ = std::make_shared<Pending>();
+          return ready_;
+        }
+        ended = closed_;
+      }
+    }
+    auto p = std::make_shared<Pending>();
+    Pending::Finish(p, ended);
+    return p;
+  }
+  // No more items will come (`why`: the engine or role closed): ends the waiting Ready(), and
+  // every later one once the queue is empty, with `why`.
+  void Close(Status why) {
+    std::shared_ptr<Pending> ready;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      closed_ = why;
+      ready = std::move(ready_);
+    }
+    if (ready) Pending::Finish(ready, why);
   }
   StatusOr<T> Pop(Deadline deadline) {
     std::unique_lock<std::mutex> lock(mu_);
@@ -198,6 +233,8 @@ class WaitQueue {
   std::condition_variable cv_;
   std::deque<T> queue_;
   uint64_t dropped_ = 0;
+  std::shared_ptr<Pending> ready_;  // what Ready() handed out since the last Push
+  Status closed_;                   // not OK once closed
 };
 
 }  // namespace ferry::python

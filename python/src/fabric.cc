@@ -86,6 +86,7 @@ class Engine {
       py::gil_scoped_release release;
       engine_.reset();
     }
+    messages_->Close(CancelledError("the TransferEngine is closed"));
     inflight_.clear();
     scatter_sources_.clear();
     mirrors_.clear();
@@ -211,6 +212,7 @@ class Engine {
 
   py::tuple Recv(double timeout) { return MessageTuple(messages_->PopForPython(timeout)); }
   py::list PollMessages() { return messages_->PopAllForPython(MessageTuple); }
+  py::object MessageReady() { return py::cast(Transfer(messages_->Ready(), py::tuple())); }
 
   // MirrorImm into the first 8 bytes of `word` (a writable host array: a NumPy uint64, a
   // pinned torch tensor a CUDA kernel reads mapped); None stops it. The array stays referenced
@@ -519,6 +521,10 @@ void BindFabric(py::module_& m) {
            "(peer or None, bytes) of the next message received")
       .def("poll_messages", &Engine::PollMessages,
            "Every message received and not yet taken, as recv gives them, without waiting")
+      .def("message_ready", &Engine::MessageReady,
+           "A ferry.Transfer that ends once a message waits to be taken (at once if one does; "
+           "Cancelled when the engine closes): `await engine.message_ready()`, then "
+           "poll_messages(). Messages a KV role takes never count")
       .def(
           "create_imm_counter",
           [](Engine& e, uint32_t imm, uint32_t weight_mask) {

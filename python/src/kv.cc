@@ -138,6 +138,15 @@ class Prefill : public Role<KvPrefill> {
   py::tuple NextRelease(double timeout) { return ReleaseTuple(released_->PopForPython(timeout)); }
   // What the next_* calls would give, all of it, without waiting.
   py::list PollRequests() { return requests_->PopAllForPython(RequestDict); }
+  // Transfers that end once something waits in either queue (asyncio: await, then poll_*).
+  py::object RequestReady() { return py::cast(Transfer(requests_->Ready(), py::tuple())); }
+  py::object ReleaseReady() { return py::cast(Transfer(released_->Ready(), py::tuple())); }
+  // The role ends what is in flight (its releases still queue), then the queues close.
+  void Close() {
+    Role::Close();
+    requests_->Close(CancelledError("the KvPrefill is closed"));
+    released_->Close(CancelledError("the KvPrefill is closed"));
+  }
   py::list PollReleases() { return released_->PopAllForPython(ReleaseTuple); }
   void ScheduleChunk(uint64_t request_id, int64_t first_page, const std::vector<int64_t>& pages,
                      uint64_t pass_base, int64_t aux_offset) {
@@ -320,6 +329,12 @@ void BindKv(py::module_& m) {
            "Every request queued now, as next_request gives them, without waiting")
       .def("poll_releases", &Prefill::PollReleases,
            "Every release queued now, as next_release gives them, without waiting")
+      .def("request_ready", &Prefill::RequestReady,
+           "A ferry.Transfer that ends once a request waits to be taken (at once if one does; "
+           "Cancelled once closed and empty): `await prefill.request_ready()`, then "
+           "poll_requests()")
+      .def("release_ready", &Prefill::ReleaseReady,
+           "The same for releases: await it, then poll_releases()")
       .def(
           "schedule",
           [](Prefill& p, uint64_t id, const std::vector<int64_t>& pages, int64_t aux_offset,

@@ -2,6 +2,7 @@
 request's pages layer by layer to a decoder holding one (NHD), over shm; every byte of every
 page and the aux data is checked where the decode layout puts it."""
 
+import asyncio
 import os
 import time
 import unittest
@@ -72,14 +73,22 @@ def prefill_body(b):
                 write_layer(caches, layer, stride)
                 counter.increment()
             assert prefill.next_release(timeout=20) == (42, None)
-            # Request 43 is never scheduled: the decoder gives up at its deadline. Taken by
-            # polling, as a scheduler does once per step.
+            # Request 43 is never scheduled: the decoder gives up at its deadline. Its request
+            # taken by polling, as a scheduler does once per step; its release awaited, as an
+            # asyncio one would, then polled.
             requests = poll(prefill.poll_requests)
             assert [r["request_id"] for r in requests] == [43], requests
-            [(released, error)] = poll(prefill.poll_releases)
+
+            async def released_ones():
+                await asyncio.wait_for(prefill.release_ready(), 20)
+                return prefill.poll_releases()
+
+            [(released, error)] = asyncio.run(released_ones())
             assert released == 43 and isinstance(error, ferry.Error), (released, error)
             assert prefill.poll_requests() == [] and prefill.poll_releases() == []
+            assert not prefill.request_ready().done
             b.barrier()
+        expect_error(ferry.Cancelled, "KvPrefill is closed", prefill.request_ready().wait, 1)
 
 
 def decoder_body(b):
