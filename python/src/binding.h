@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ferry/fabric.h"
@@ -61,6 +62,21 @@ struct Array {
   int64_t rows() const { return shape.size() >= 2 ? shape.front() : -1; }
   void* pointer() const { return reinterpret_cast<void*>(static_cast<uintptr_t>(data)); }
 };
+
+// A flat array of `count` unsigned items of `item_bytes` at `data` (host memory or a CUDA
+// ordinal), writable, that `owner` keeps: the views ferry's own objects hand out of memory they
+// own (GpuWords' words, KvCudaShards' caches).
+inline Array OwnedView(void* data, uint64_t count, int item_bytes, int device, py::object owner) {
+  Array a;
+  a.data = reinterpret_cast<uintptr_t>(data);
+  a.num_bytes = count * static_cast<uint64_t>(item_bytes);
+  a.device = device;
+  a.kind = 'u';
+  a.item_bytes = item_bytes;
+  a.shape = {static_cast<int64_t>(count)};
+  a.owner = std::move(owner);
+  return a;
+}
 
 // What a call needs of one array argument.
 struct ArrayNeed {

@@ -306,11 +306,11 @@ class Words {
   const GpuWords& words() const { return *words_; }
   static Array Host(const py::object& self) {
     const GpuWords& w = py::cast<const Words&>(self).words();
-    return View(w.host_words(), w.size(), kHostMemory, self);
+    return OwnedView(w.host_words(), w.size(), sizeof(uint64_t), kHostMemory, self);
   }
   static Array Device(const py::object& self) {
     const GpuWords& w = py::cast<const Words&>(self).words();
-    return View(w.device_words(), w.size(), w.cuda_device(), self);
+    return OwnedView(w.device_words(), w.size(), sizeof(uint64_t), w.cuda_device(), self);
   }
   static Array Word(const py::object& self, size_t i) {
     const GpuWords& w = py::cast<const Words&>(self).words();
@@ -318,22 +318,10 @@ class Words {
       ThrowIfError(InvalidArgumentError("GpuWords.word: word " + std::to_string(i) + " of " +
                                         std::to_string(w.size())));
     }
-    return View(w.host_words() + i, 1, kHostMemory, self);
+    return OwnedView(w.host_words() + i, 1, sizeof(uint64_t), kHostMemory, self);
   }
 
  private:
-  static Array View(uint64_t* words, size_t count, int device, const py::object& owner) {
-    Array a;
-    a.data = reinterpret_cast<uintptr_t>(words);
-    a.num_bytes = count * sizeof(uint64_t);
-    a.device = device;
-    a.kind = 'u';
-    a.item_bytes = sizeof(uint64_t);
-    a.shape = {static_cast<int64_t>(count)};
-    a.owner = owner;
-    return a;
-  }
-
   std::unique_ptr<GpuWords> words_;
 };
 

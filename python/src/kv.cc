@@ -202,14 +202,7 @@ class CudaShards {
 
  private:
   Array View(void* cache, const py::object& self) const {
-    Array a;
-    a.data = reinterpret_cast<uintptr_t>(cache);
-    a.num_bytes = static_cast<uint64_t>(num_bytes_);
-    a.device = device_;
-    a.kind = 'u';
-    a.shape = {num_bytes_};
-    a.owner = self;
-    return a;
+    return OwnedView(cache, static_cast<uint64_t>(num_bytes_), 1, device_, self);
   }
 
   int device_;
