@@ -38,9 +38,10 @@ struct Case {
   bool reduce_at_expert_rank = false;
   int iterations = 3;
   bool nvlink = false;  // one node: ranks_per_node = world_size (else 1: one rank per node)
-  // NVLink path: the steps captured once in CUDA graphs (dispatch; combine with and without
-  // accumulate) with the token count in device memory, replayed with a different count each
-  // iteration; the last iteration's count on rank 0 is above the bound (nothing sent).
+  // The steps captured once in CUDA graphs (dispatch; combine with and without accumulate)
+  // with the token count in device memory, replayed with a different count each iteration; the
+  // last iteration's count on rank 0 is above the bound (nothing sent). Any topology: one node,
+  // nodes of several ranks, one rank per node (every peer through the relay).
   bool graph = false;
   // With nvlink: nodes of this many ranks (NVLink inside, the relay over shm between them); 0:
   // one node.
@@ -697,9 +698,14 @@ INSTANTIATE_TEST_SUITE_P(
                       // empty, then a count across two chunks), and over two groups of ranks.
                       Case{2, 700, 256, 64, 4, bf16, rnd, 4, false, true, false, 4, true, true},
                       Case{6, 600, 128, 48, 8, fp8, rnd, 4, false, true, false, 2, true},
-                      // Graph capture and replay with device token counts.
+                      // Graph capture and replay with device token counts: one node, then
+                      // one rank per node (the relay carries every step; its thread waits on
+                      // the replayed kernels' flags).
                       Case{2, 128, 7168, 256, 8, fp8, rnd, 16, false, false, false, 4, true, true},
                       Case{2, 96, 256, 64, 4, bf16, rnd, 4, false, true, true, 4, true, true},
+                      Case{2, 128, 7168, 256, 8, fp8, rnd, 16, false, false, false, 4, false,
+                           true},
+                      Case{3, 96, 256, 48, 4, bf16, rnd, 4, false, true, true, 4, false, true},
                       // Several nodes of several GPUs: NVLink inside, the relay between (ranks
                       // share the GPUs round-robin, so each node spans both).
                       Case{4, 128, 7168, 256, 8, fp8, rnd, 16, false, false, false, 3, true,

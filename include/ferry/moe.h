@@ -130,9 +130,10 @@ struct FERRY_API DispatchInput {
   const int32_t* indices = nullptr; // [T, experts_per_token] global expert ids
   const float* weights = nullptr;   // [T, experts_per_token] combine weights
   int num_tokens = 0;
-  // CUDA device with ranks_per_node > 1 only: the token count in device memory, read by the
-  // kernels when they run, so that one captured graph serves any batch. num_tokens is then the most it may hold (the
-  // rows the buffers have); a larger device count sends nothing and reports InvalidArgument.
+  // CUDA device only (any ranks_per_node): the token count in device memory, read by the
+  // kernels when they run, so that one captured graph serves any batch. num_tokens is then the
+  // most it may hold (the rows the buffers have); a larger device count sends nothing (peers
+  // receive no token from this rank) and reports InvalidArgument.
   const int32_t* device_num_tokens = nullptr;
 };
 
@@ -182,22 +183,21 @@ class FERRY_API AllToAll {
   // out: [T, hidden] bf16 for the T of the last DispatchSend; with accumulate, adds to it.
   virtual Status CombineRecv(uint16_t* out, bool accumulate, Deadline deadline) = 0;
 
-  // CUDA device with ranks_per_node > 1: enqueue the steps on `stream` (a cudaStream_t;
-  // nullptr: back to waiting)
-  // and return at once. The four steps of one AllToAll must go on one stream, in order: the
-  // flags that make buffer reuse safe rely on it. Errors a kernel finds (expert ids out of range:
-  // those copies are dropped; a device token count above num_tokens: nothing is sent) surface at
-  // Synchronize; a peer that never raised its flag before the step's deadline also fails every
-  // later step. Graph capture works: the epoch the
-  // flags compare against lives in device memory; a captured wait keeps the deadline budget
-  // (from the kernel's start) it had when captured. Other paths: Unimplemented.
+  // CUDA device (any ranks_per_node): enqueue the steps on `stream` (a cudaStream_t; nullptr:
+  // back to waiting) and return at once. The four steps of one AllToAll must go on one stream,
+  // in order: the flags that make buffer reuse safe rely on it. Errors a kernel finds (expert ids
+  // out of range: those copies are dropped; a device token count above num_tokens: nothing is
+  // sent) surface at Synchronize; a peer that never raised its flag before the step's deadline
+  // also fails every later step. Graph capture works: the epoch the flags compare against lives
+  // in device memory; a captured wait keeps the deadline budget (from the kernel's start) it had
+  // when captured. The host device: Unimplemented.
   virtual Status SetStream(void* stream) = 0;
   // Waits for the steps enqueued so far and reports what their kernels found. Without a stream
   // the steps wait themselves and this returns OK.
   virtual Status Synchronize() = 0;
 
   // Bytes this rank's last dispatch and combine put on the wire (payload and metadata; on the
-  // CUDA device with ranks_per_node > 1, to other ranks over NVLink or the relay, read back from
+  // CUDA device, to other ranks over NVLink or the relay, read back from
   // the GPU after waiting for the stream).
   virtual uint64_t dispatch_bytes_sent() const = 0;
   virtual uint64_t combine_bytes_sent() const = 0;

@@ -99,8 +99,8 @@ class AllToAllImpl final : public AllToAll {
   const AllToAllConfig& config() const override { return c_; }
   Status SetStream(void*) override {
     return UnimplementedError(
-        "AllToAll::SetStream: stream-ordered steps need the CUDA device "
-        "(ranks_per_node == world_size); these steps wait for their own work");
+        "AllToAll::SetStream: stream-ordered steps need the CUDA device; the host device's "
+        "steps wait for their own work");
   }
   Status Synchronize() override { return Step(stage_, "Synchronize"); }
   uint64_t dispatch_bytes_sent() const override { return proxy_->dispatch_bytes(); }
