@@ -1,7 +1,7 @@
 // GdrFlags: a few words of GPU memory that the host writes through a GDRCopy mapping (the GPU's
-// BAR1, mapped into this process), for flags the host raises and kernels poll (the moe relay's
-// inbox flags, GpuWords): the kernels then poll their own memory instead of reading host memory
-// over PCIe on every poll.
+// BAR1, mapped into this process), for flags the host raises and kernels poll: GpuWords' GPU
+// memory placement (the moe relay's inbox flags and MirrorImm's words are GpuWords). The kernels
+// then poll their own memory instead of reading host memory over PCIe on every poll.
 //
 // GDRCopy is optional and loaded at run time (dlopen of libgdrapi); without the library, without
 // /dev/gdrdrv, or when pinning fails, Open says Unavailable and why, and the caller keeps its
@@ -11,7 +11,7 @@
 //
 // Memory ordering: the mapping is write-combining. A host store there is not guaranteed to leave
 // the CPU soon, nor ordered with later stores, until a fence: the writer stores, then fences
-// (the relay: std::atomic_thread_fence(seq_cst), an mfence on x86).
+// (std::atomic_thread_fence(seq_cst), an mfence on x86: the relay and MirrorImm do).
 // Compiles without CUDA; the implementation is in gdr_flags.cu, built only with CUDA.
 #pragma once
 

@@ -76,7 +76,7 @@ enum CountsColumn : int {
 //            combine   [T * K] rows, rows from remote expert ranks at their place in our region
 //   outbox   per remote rank q: section (counts row + S slots), then R combine rows for it
 //   control  inbox flags   dispatch[N], combine[N] u64  raised by the relay, polled by the
-//                          kernels (unused when they live in GPU memory through GDRCopy)
+//                          kernels (unused where RelayBuffers::inbox_flags names others)
 //            outbox flags  dispatch, combine u64        raised by the kernels, polled by the relay
 //            out_slots     [remote receivers] i64       our slots for q (the send kernel)
 //            in_rows       [remote senders] {start, rows} i64: where sender q's combine rows go
@@ -132,8 +132,9 @@ struct RelayBuffers {
   // (cudaDeviceFlushGPUDirectRDMAWrites); empty where they need none. An error fails the relay.
   std::function<Status()> flush_landed;
   // Where the relay raises the inbox flags (2N words, dispatch then combine) when not in the
-  // control block: a GDRCopy mapping of GPU memory (gdr_flags.h), which device_flags says (each
-  // store is then followed by a full fence).
+  // control block: the CUDA AllToAll's GpuWords (gpu_words.h) -- GPU memory written through
+  // GDRCopy's mapping, which device_flags says (each store is then followed by a full fence),
+  // or pinned host memory mapped into the GPU.
   uint64_t* inbox_flags = nullptr;
   bool device_flags = false;
 };

@@ -16,7 +16,6 @@
 #include "common/cuda_shared_memory.h"
 #include "common/env.h"
 #include "common/fd_exchange.h"
-#include "common/gdr_flags.h"
 #include "moe/cuda/nvlink_all_to_all.h"
 #include "moe/cuda/nvlink_send.cuh"     // the kernels, in step order
 #include "moe/cuda/nvlink_recv.cuh"
@@ -24,6 +23,7 @@
 #include "moe/cuda/pinned_buffer.h"
 #include "moe/layout.h"
 #include "moe/relay.h"
+#include "ferry/gpu_words.h"
 
 namespace ferry::moe {
 namespace {
@@ -53,269 +53,22 @@ class NvlinkAllToAll final : public AllToAll {
     if (error_) cudaFreeHost(error_);
   }
 
+  // Collective; the stages below, in this order.
   Status Init(TransferEngine* engine, Bootstrap& bootstrap) {
-    const int n = c_.world_size, k = c_.experts_per_token, t = c_.max_tokens_per_rank;
-    if (c_.cuda_device >= CudaDeviceCount()) {
-      return FailedPreconditionError("AllToAll: CUDA device " + std::to_string(c_.cuda_device) +
-                                     " does not exist (" + std::to_string(CudaDeviceCount()) +
-                                     " visible)");
-    }
-    FERRY_CUDA(cudaSetDevice(c_.cuda_device));
-    FERRY_CUDA(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking));
-    stream_ = own_stream_;
     int sms = 0;
-    FERRY_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, c_.cuda_device));
-
-    // The shared buffer's layout (see nvlink_all_to_all.h).
-    Nv& v = nv_;
-    v.n = n;
-    v.me = c_.rank;
-    v.e = c_.num_experts;
-    v.l = c_.local_experts();
-    v.k = k;
-    v.div_l = FastDiv::Of(v.l);
-    v.div_k = FastDiv::Of(k);
-    v.t_max = t;
-    v.hidden = c_.hidden;
-    v.spt = c_.scales_per_token();
-    v.priv = c_.max_private_tokens;
-    v.chunks = static_cast<int>((int64_t{t} * k + kChunk - 1) / kChunk);
-    v.scan_blocks = ((t + kRouteThreads - 1) / kRouteThreads) * ((n + kScanRanks - 1) / kScanRanks);
-    v.payload = c_.token_bytes();
-    // The row starts on a 128-byte line, and so does every slot: a warp's 512 contiguous bytes
-    // then fill four lines, not five of which two in part (`ferry-bench p2p`: SM stores into
-    // the peer 6-7 % faster so, loads 2-3 %). The header and entries take the first
-    // meta_used bytes; the rest of the metadata is padding nobody writes or reads.
-    v.meta_used = sizeof(NvHeader) + int64_t{k} * sizeof(NvEntry);
-    // Decode batches: DispatchSend in one kernel, its shared memory within the default limit.
-    const size_t small_smem = SmallSmemBytes(n, v.e, int64_t{t} * k);
-    if (int64_t{t} * k <= kSmallEntries && small_smem <= 48 * 1024) small_smem_ = small_smem;
-    // Streaming (one node, no relay): FERRY_NV_STREAM is a mask, 1 the dispatch, 2 the
-    // combine, 3 both; every rank must agree (checked below). Unset: the dispatch is streamed
-    // where SendSmall serves it (decode batches: one rank of one H200, 15.4-15.6 -> 14.0-14.1
-    // us), not where Pack does (prefill: expert-major +2.3 %, token-major -1 %) and the combine
-    // not at all (nothing gained in decode, prefill +3-7 %); session 21, docs/perf. The
-    // dispatch's slot tag follows the entries, within the metadata's line.
-    int stream_mask = -1;
-    RETURN_IF_ERROR(EnvNumber("FERRY_NV_STREAM", &stream_mask, 0, 3));
-    if (stream_mask < 0) stream_mask = small_smem_ > 0 ? 1 : 0;
-    v.counts_tagged = c_.ranks_per_node == n;
-    v.stream = c_.ranks_per_node == n && (stream_mask & 1);
-    v.stream_combine = c_.ranks_per_node == n && (stream_mask & 2);
-    v.meta_bytes = RoundUp(v.meta_used + (v.stream ? 8 : 0), 128);
-    v.slot_bytes = RoundUp(v.meta_bytes + v.payload + int64_t{v.spt} * 4, 128);
-    v.row_bytes = int64_t{c_.hidden} * 2;
-    v.capacity = c_.expert_capacity();
-    v.once = c_.dispatch_once_per_rank;
-    v.reduce = c_.combine_reduce_at_expert_rank;
-    v.token_major = c_.dispatch_layout == DispatchLayout::kTokenMajor;
-    v.slots_per_pair = layout_.slots_per_pair;
-    v.counts_off = RoundUp(2 * n * 8, 128);
-    v.counts_stride =
-        static_cast<int>(RoundUp(v.l + kCountsColumns + (v.counts_tagged ? 1 : 0), 4));
-    v.private_off = RoundUp(v.counts_off + int64_t{n} * v.counts_stride * 4, 128);
-    v.combine_off = RoundUp(v.private_off + int64_t{n} * v.priv * v.slot_bytes, 128);
-    v.combine_tag_off = RoundUp(v.combine_off + int64_t{t} * k * v.row_bytes, 128);
-    v.send_off =
-        RoundUp(v.combine_tag_off + (v.stream_combine ? int64_t{t} * k * 8 : 0), 128);
-    const int64_t bytes = v.send_off + SendAreaBytes(v);
-    const int64_t max_recv = int64_t{n} * layout_.slots_per_pair;
-    recv_grid_ = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_recv, 4 * sms)));
-    recv_grid_limit_ = 4 * sms;
-    // Token-major CombineSend only copies. Its copy-only instance (32 registers, not 124) is
-    // faster when every received row has a block of its own (decode: 17.5 against 19.0 us), but
-    // slower when blocks loop over many rows (prefill: 195-200 against 185 us, with 528 or 264
-    // blocks; not explained yet), so it serves batches that fit the grid.
-    combine_copy_only_ = v.token_major && max_recv <= recv_grid_;
-    // Unpack's shared memory (see the kernel); above the default limit for very many ranks.
-    unpack_smem_ = size_t(n) * sizeof(PeerIn) + size_t(RoundUp((3 * int64_t{n} + 1) * 8, 16)) +
-                   size_t(n) * v.counts_stride * sizeof(int32_t) +
-                   size_t(n + 1) * v.l * sizeof(int32_t);
-    if (unpack_smem_ > 48 * 1024) {
-      for (auto* kernel : {UnpackKernel<false>, UnpackKernel<true>}) {
-        FERRY_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(unpack_smem_)));
-      }
-    }
-    // The send kernels' grids are fixed (peers count our blocks' arrivals, see Arrive). Pack's is
-    // what is resident at once: its warps stream rows one after another, and a second wave of
-    // blocks only repeats the prologue (session 10 measured 2.5 us of 31 for it; Unpack, whose
-    // warps wait on pulled slots, keeps four blocks per SM).
-    if (small_smem_ > 0) {
-      send_grid_ = 1 + (t + kSmallWarps - 1) / kSmallWarps;  // block 0: the counts rows
-    } else if (v.stream) {
-      // Streamed, Unpack runs beside Pack: a block of each per SM (one block per SM already
-      // stores into a peer at the link's rate: `ferry-bench p2p`), and Unpack's second block
-      // per SM once Pack's leaves it (its groups claim slots as they come, see Claim).
-      send_grid_ = std::min(t, sms);
-      unpack_grid_ = static_cast<int>(std::min<int64_t>(recv_grid_, 2 * sms));
-    } else {
-      int resident = 0;
-      FERRY_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-          &resident, PackKernel, kCopyThreads, 2 * size_t(n) * sizeof(int64_t)));
-      send_grid_ = std::min(t, std::max(resident, 1) * sms);
-    }
-    send_grid_ = std::max(send_grid_, 1);
-    if (unpack_grid_ == 0) unpack_grid_ = recv_grid_;
-    // FERRY_NV_PDL=0: the receive kernels launched plainly (for measuring what starting them
-    // early gains). FERRY_NV_SPREAD=1: received slots visited spread over their senders
-    // (SpreadOrder; opt-in until measured on two GPUs: on one rank of one GPU, where it can
-    // gain nothing, it costs 1-2 % of a prefill step expert-major, 1-8 % token-major; see
-    // docs/perf/moe_cuda_nvlink.md).
-    int pdl = 1, spread = 0;
-    RETURN_IF_ERROR(EnvNumber("FERRY_NV_PDL", &pdl, 0, 1));
-    RETURN_IF_ERROR(EnvNumber("FERRY_NV_SPREAD", &spread, 0, 1));
-    pdl_ = pdl != 0;
-    v.spread = spread != 0;
-
-    // Exchange: the configuration, then the buffers.
-    const auto timeout = std::chrono::seconds(60);
-    ASSIGN_OR_RETURN(auto prints, bootstrap.AllGather(c_.Fingerprint(), timeout));
-    for (int r = 0; r < n; ++r) {
-      if (prints[r] != prints[c_.rank]) {
-        return InvalidArgumentError("AllToAll: rank " + std::to_string(r) +
-                                    " has a different configuration than rank " +
-                                    std::to_string(c_.rank) + " (" + c_.ToString() + ")");
-      }
-    }
-    // Within our node: every member's buffer mapped here.
-    int fd = -1;
-    RETURN_IF_ERROR(shared_.Create(c_.cuda_device, bytes, &fd));
-    const int per_node = c_.ranks_per_node, first = c_.rank / per_node * per_node;
-    std::vector<int> members(per_node);
-    for (int i = 0; i < per_node; ++i) members[i] = first + i;
-    auto fds = ExchangeFds(bootstrap, members, fd, timeout);
-    close(fd);
-    RETURN_IF_ERROR(fds.status());
-    std::vector<uint8_t*> bases(n, nullptr);
-    Status imported = Status::Ok();
-    for (int i = 0; i < per_node; ++i) {
-      const int r = members[i];
-      if (r == c_.rank) {
-        bases[r] = shared_.own();
-      } else if (imported.ok()) {
-        auto base = shared_.Import((*fds)[i]);
-        if (base.ok()) bases[r] = *base; else imported = base.status();
-      }
-      close((*fds)[i]);
-    }
-    RETURN_IF_ERROR(imported);
-
-    // Other nodes: the relay's inbox and outbox (GPU or pinned host memory), its control block
-    // (pinned host memory), and the relay.
-    const RelayLayout relay(c_, v.slot_bytes);
-    v.first_remote = relay.remotes.empty() ? -1 : relay.remotes.front();
-    if (!relay.remotes.empty() && relay.counts_bytes != int64_t{v.counts_stride} * 4) {
-      return InternalError("moe: the relay's counts row and the kernels' differ in size");
-    }
-    RelayBuffers boxes;     // what the relay's CPU and NIC use
-    RelayBuffers mapped;    // the same as the kernels address them
-    if (!relay.remotes.empty()) {
-      ASSIGN_OR_RETURN(control_, PinnedBuffer::Allocate(relay.control_bytes));
-      boxes.control = control_.data();
-      ASSIGN_OR_RETURN(mapped.control, MappedPointer(control_.data()));
-      RETURN_IF_ERROR(PlaceBoxes(relay, engine, &boxes));
-      mapped.inbox = boxes.inbox;
-      mapped.outbox = boxes.outbox;
-      if (boxes.boxes == MemoryKind::kHost) {
-        ASSIGN_OR_RETURN(mapped.inbox, MappedPointer(boxes.inbox));
-        ASSIGN_OR_RETURN(mapped.outbox, MappedPointer(boxes.outbox));
-      }
-      // The inbox flags in our GPU's memory when GDRCopy is there (FERRY_GDRCOPY=0: never).
-      ASSIGN_OR_RETURN(const bool gdrcopy, GdrCopyAllowed());
-      if (gdrcopy) {
-        auto gdr = GdrFlags::Open(2 * size_t(n), c_.cuda_device);
-        if (gdr.ok()) {
-          gdr_ = std::move(gdr).value();
-          boxes.inbox_flags = gdr_->host_words();
-          boxes.device_flags = true;
-        } else if (RelayTraceOn()) {
-          std::fprintf(stderr, "[rank %d] relay: inbox flags in host memory: %s\n", c_.rank,
-                       gdr.status().ToString().c_str());
-        }
-      }
-      ASSIGN_OR_RETURN(relay_, Relay::Create(c_, relay, engine, bootstrap, boxes, 60000));
-    }
-    // Every rank's send grids (what its flags for us gain per epoch) and whether it streams.
-    std::vector<uint8_t> grids(3 * sizeof(int32_t));
-    const int32_t mine[3] = {send_grid_, recv_grid_,
-                             (v.stream ? 1 : 0) | (v.stream_combine ? 2 : 0)};
-    std::memcpy(grids.data(), mine, sizeof mine);
-    ASSIGN_OR_RETURN(auto all_grids, bootstrap.AllGather(grids, timeout));
-    std::vector<NvPeer> peers(n);
-    for (int r = 0; r < n; ++r) {
-      if (all_grids[r].size() != sizeof mine) {
-        return InternalError("AllToAll: rank " + std::to_string(r) + " sent malformed grids");
-      }
-      int32_t theirs[3];
-      std::memcpy(theirs, all_grids[r].data(), sizeof theirs);
-      if (theirs[2] != mine[2]) {
-        return FailedPreconditionError(
-            "AllToAll: rank " + std::to_string(r) + " streams " + StreamedSteps(theirs[2]) +
-            ", rank " + std::to_string(c_.rank) + " streams " + StreamedSteps(mine[2]) +
-            ": FERRY_NV_STREAM must agree on every rank");
-      }
-      if (relay.Remote(r)) {
-        peers[r] = RemotePeer(relay, mapped, r);
-        if (gdr_) {  // the relay raises them in our GPU's memory
-          peers[r].dispatch_flag_in = gdr_->device_words() + r;
-          peers[r].combine_flag_in = gdr_->device_words() + n + r;
-        }
-      } else {
-        peers[r] = NodePeer(bases[c_.rank], bases[r], r);
-        peers[r].dispatch_step = theirs[0];
-        peers[r].combine_step = theirs[1];
-      }
-    }
-
-    // Device state.
-    RETURN_IF_ERROR(peers_.Allocate(n));
-    FERRY_CUDA(cudaMemcpy(peers_.get(), peers.data(), n * sizeof(NvPeer), cudaMemcpyHostToDevice));
-    RETURN_IF_ERROR(scratch_.Allocate(1));
-    FERRY_CUDA(cudaMemset(scratch_.get(), 0, sizeof(Scratch)));
-    RETURN_IF_ERROR(indices_.Allocate(size_t(t) * k));
-    RETURN_IF_ERROR(weights_.Allocate(size_t(t) * k));
-    RETURN_IF_ERROR(row_pos_.Allocate(size_t(n) * t));
-    RETURN_IF_ERROR(totals_.Allocate(2 * size_t(n)));
-    if (small_smem_ == 0) {  // Route's output, read by Pack only
-      RETURN_IF_ERROR(slot_pos_.Allocate(size_t(n) * t));
-      RETURN_IF_ERROR(erank_.Allocate(size_t(t) * k));
-      RETURN_IF_ERROR(chunk_counts_.Allocate(size_t(v.chunks) * v.e));
-      RETURN_IF_ERROR(scan_carry_.Allocate(size_t(t + kRouteThreads - 1) / kRouteThreads * n));
-    }
-    RETURN_IF_ERROR(rslots_.Allocate(max_recv));
-    RETURN_IF_ERROR(rentries_.Allocate(size_t(max_recv) * k));
-    void* error = nullptr;
-    FERRY_CUDA(cudaHostAlloc(&error, 4 * sizeof(int32_t), cudaHostAllocMapped |
-                                                          cudaHostAllocPortable));
-    error_ = static_cast<int32_t*>(error);
-    std::memset(error_, 0, 4 * sizeof(int32_t));
-    void* error_dev = nullptr;
-    FERRY_CUDA(cudaHostGetDevicePointer(&error_dev, error, 0));
-    v.own = bases[c_.rank];
-    v.peer = peers_.get();
-    v.scratch = scratch_.get();
-    v.error = static_cast<int32_t*>(error_dev);
-    v.indices = indices_.get();
-    v.weights = weights_.get();
-    v.slot_pos = slot_pos_.get();
-    v.row_pos = row_pos_.get();
-    v.totals = totals_.get();
-    v.erank = erank_.get();
-    v.chunk_counts = chunk_counts_.get();
-    v.scan_carry = scan_carry_.get();
-    v.rslots = rslots_.get();
-    v.rentries = rentries_.get();
-    if (const char* trace = std::getenv("FERRY_NV_TRACE"); trace && *trace && *trace != '0') {
-      v.trace_blocks = recv_grid_limit_;
-      RETURN_IF_ERROR(trace_.Allocate(size_t(kTraceKernels) * v.trace_blocks * kTraceSlots));
-      FERRY_CUDA(cudaMemset(trace_.get(), 0,
-                            size_t(kTraceKernels) * v.trace_blocks * kTraceSlots * 8));
-      v.trace = trace_.get();
-    }
+    RETURN_IF_ERROR(OpenDevice(&sms));
+    ASSIGN_OR_RETURN(const int64_t bytes, PlanBuffer());
+    RETURN_IF_ERROR(PlanGrids(sms));
+    RETURN_IF_ERROR(CheckConfigurationsAgree(bootstrap));
+    ASSIGN_OR_RETURN(const std::vector<uint8_t*> bases, MapNodeBuffers(bootstrap, bytes));
+    const RelayLayout relay(c_, nv_.slot_bytes);
+    ASSIGN_OR_RETURN(const RelayBuffers mapped, StartRelay(relay, engine, bootstrap));
+    ASSIGN_OR_RETURN(const std::vector<NvPeer> peers,
+                     ExchangePeers(bootstrap, relay, mapped, bases));
+    RETURN_IF_ERROR(AllocateDeviceState(peers, bases[c_.rank]));
     FERRY_CUDA(cudaDeviceSynchronize());
     // No rank writes into another before every buffer is zeroed and mapped.
-    return bootstrap.Barrier(timeout);
+    return bootstrap.Barrier(kExchangeTimeout);
   }
 
   const AllToAllConfig& config() const override { return c_; }
@@ -520,6 +273,311 @@ class NvlinkAllToAll final : public AllToAll {
     return kSteps[mask & 3];
   }
 
+  // ---- set-up stages (Init) ----
+
+  static constexpr auto kExchangeTimeout = std::chrono::seconds(60);
+
+  // Slots a rank may receive in one step: the receive grids and tables are sized by it.
+  int64_t MaxReceived() const { return int64_t{c_.world_size} * layout_.slots_per_pair; }
+
+  // The device and our own stream; its SM count into *sms.
+  Status OpenDevice(int* sms) {
+    if (c_.cuda_device >= CudaDeviceCount()) {
+      return FailedPreconditionError("AllToAll: CUDA device " + std::to_string(c_.cuda_device) +
+                                     " does not exist (" + std::to_string(CudaDeviceCount()) +
+                                     " visible)");
+    }
+    FERRY_CUDA(cudaSetDevice(c_.cuda_device));
+    FERRY_CUDA(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking));
+    stream_ = own_stream_;
+    FERRY_CUDA(cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, c_.cuda_device));
+    return Status::Ok();
+  }
+
+  // The shared buffer's layout (see nvlink_all_to_all.h) into nv_, with what decides it: which
+  // DispatchSend kernels serve (SendSmall or Route + Pack) and which steps are streamed. Its
+  // size in bytes.
+  StatusOr<int64_t> PlanBuffer() {
+    const int n = c_.world_size, k = c_.experts_per_token, t = c_.max_tokens_per_rank;
+    Nv& v = nv_;
+    v.n = n;
+    v.me = c_.rank;
+    v.e = c_.num_experts;
+    v.l = c_.local_experts();
+    v.k = k;
+    v.div_l = FastDiv::Of(v.l);
+    v.div_k = FastDiv::Of(k);
+    v.t_max = t;
+    v.hidden = c_.hidden;
+    v.spt = c_.scales_per_token();
+    v.priv = c_.max_private_tokens;
+    v.chunks = static_cast<int>((int64_t{t} * k + kChunk - 1) / kChunk);
+    v.scan_blocks = ((t + kRouteThreads - 1) / kRouteThreads) * ((n + kScanRanks - 1) / kScanRanks);
+    v.payload = c_.token_bytes();
+    // The row starts on a 128-byte line, and so does every slot: a warp's 512 contiguous bytes
+    // then fill four lines, not five of which two in part (`ferry-bench p2p`: SM stores into
+    // the peer 6-7 % faster so, loads 2-3 %). The header and entries take the first
+    // meta_used bytes; the rest of the metadata is padding nobody writes or reads.
+    v.meta_used = sizeof(NvHeader) + int64_t{k} * sizeof(NvEntry);
+    // Decode batches: DispatchSend in one kernel, its shared memory within the default limit.
+    const size_t small_smem = SmallSmemBytes(n, v.e, int64_t{t} * k);
+    if (int64_t{t} * k <= kSmallEntries && small_smem <= 48 * 1024) small_smem_ = small_smem;
+    // Streaming (one node, no relay): FERRY_NV_STREAM is a mask, 1 the dispatch, 2 the
+    // combine, 3 both; every rank must agree (ExchangePeers). Unset: the dispatch is streamed
+    // where SendSmall serves it (decode batches: one rank of one H200, 15.4-15.6 -> 14.0-14.1
+    // us), not where Pack does (prefill: expert-major +2.3 %, token-major -1 %) and the combine
+    // not at all (nothing gained in decode, prefill +3-7 %); session 21, docs/perf. The
+    // dispatch's slot tag follows the entries, within the metadata's line.
+    int stream_mask = -1;
+    RETURN_IF_ERROR(EnvNumber("FERRY_NV_STREAM", &stream_mask, 0, 3));
+    if (stream_mask < 0) stream_mask = small_smem_ > 0 ? 1 : 0;
+    v.counts_tagged = c_.ranks_per_node == n;
+    v.stream = c_.ranks_per_node == n && (stream_mask & 1);
+    v.stream_combine = c_.ranks_per_node == n && (stream_mask & 2);
+    v.meta_bytes = RoundUp(v.meta_used + (v.stream ? 8 : 0), 128);
+    v.slot_bytes = RoundUp(v.meta_bytes + v.payload + int64_t{v.spt} * 4, 128);
+    v.row_bytes = int64_t{c_.hidden} * 2;
+    v.capacity = c_.expert_capacity();
+    v.once = c_.dispatch_once_per_rank;
+    v.reduce = c_.combine_reduce_at_expert_rank;
+    v.token_major = c_.dispatch_layout == DispatchLayout::kTokenMajor;
+    v.slots_per_pair = layout_.slots_per_pair;
+    v.counts_off = RoundUp(2 * n * 8, 128);
+    v.counts_stride =
+        static_cast<int>(RoundUp(v.l + kCountsColumns + (v.counts_tagged ? 1 : 0), 4));
+    v.private_off = RoundUp(v.counts_off + int64_t{n} * v.counts_stride * 4, 128);
+    v.combine_off = RoundUp(v.private_off + int64_t{n} * v.priv * v.slot_bytes, 128);
+    v.combine_tag_off = RoundUp(v.combine_off + int64_t{t} * k * v.row_bytes, 128);
+    v.send_off =
+        RoundUp(v.combine_tag_off + (v.stream_combine ? int64_t{t} * k * 8 : 0), 128);
+    return v.send_off + SendAreaBytes(v);
+  }
+
+  // Every kernel's grid and shared memory, and the launch settings (FERRY_NV_PDL,
+  // FERRY_NV_SPREAD).
+  Status PlanGrids(int sms) {
+    Nv& v = nv_;
+    const int n = c_.world_size, t = c_.max_tokens_per_rank;
+    const int64_t max_recv = MaxReceived();
+    recv_grid_ = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_recv, 4 * sms)));
+    recv_grid_limit_ = 4 * sms;
+    // Token-major CombineSend only copies. Its copy-only instance (32 registers, not 124) is
+    // faster when every received row has a block of its own (decode: 17.5 against 19.0 us), but
+    // slower when blocks loop over many rows (prefill: 195-200 against 185 us, with 528 or 264
+    // blocks; not explained yet), so it serves batches that fit the grid.
+    combine_copy_only_ = v.token_major && max_recv <= recv_grid_;
+    // Unpack's shared memory (see the kernel); above the default limit for very many ranks.
+    unpack_smem_ = size_t(n) * sizeof(PeerIn) + size_t(RoundUp((3 * int64_t{n} + 1) * 8, 16)) +
+                   size_t(n) * v.counts_stride * sizeof(int32_t) +
+                   size_t(n + 1) * v.l * sizeof(int32_t);
+    if (unpack_smem_ > 48 * 1024) {
+      for (auto* kernel : {UnpackKernel<false>, UnpackKernel<true>}) {
+        FERRY_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(unpack_smem_)));
+      }
+    }
+    // The send kernels' grids are fixed (peers count our blocks' arrivals, see Arrive). Pack's is
+    // what is resident at once: its warps stream rows one after another, and a second wave of
+    // blocks only repeats the prologue (session 10 measured 2.5 us of 31 for it; Unpack, whose
+    // warps wait on pulled slots, keeps four blocks per SM).
+    if (small_smem_ > 0) {
+      send_grid_ = 1 + (t + kSmallWarps - 1) / kSmallWarps;  // block 0: the counts rows
+    } else if (v.stream) {
+      // Streamed, Unpack runs beside Pack: a block of each per SM (one block per SM already
+      // stores into a peer at the link's rate: `ferry-bench p2p`), and Unpack's second block
+      // per SM once Pack's leaves it (its groups claim slots as they come, see Claim).
+      send_grid_ = std::min(t, sms);
+      unpack_grid_ = static_cast<int>(std::min<int64_t>(recv_grid_, 2 * sms));
+    } else {
+      int resident = 0;
+      FERRY_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+          &resident, PackKernel, kCopyThreads, 2 * size_t(n) * sizeof(int64_t)));
+      send_grid_ = std::min(t, std::max(resident, 1) * sms);
+    }
+    send_grid_ = std::max(send_grid_, 1);
+    if (unpack_grid_ == 0) unpack_grid_ = recv_grid_;
+    // FERRY_NV_PDL=0: the receive kernels launched plainly (for measuring what starting them
+    // early gains). FERRY_NV_SPREAD=1: received slots visited spread over their senders
+    // (SpreadOrder; opt-in until measured on two GPUs: on one rank of one GPU, where it can
+    // gain nothing, it costs 1-2 % of a prefill step expert-major, 1-8 % token-major; see
+    // docs/perf/moe_cuda_nvlink.md).
+    int pdl = 1, spread = 0;
+    RETURN_IF_ERROR(EnvNumber("FERRY_NV_PDL", &pdl, 0, 1));
+    RETURN_IF_ERROR(EnvNumber("FERRY_NV_SPREAD", &spread, 0, 1));
+    pdl_ = pdl != 0;
+    v.spread = spread != 0;
+    return Status::Ok();
+  }
+
+  // InvalidArgument naming a rank whose configuration differs from ours.
+  Status CheckConfigurationsAgree(Bootstrap& bootstrap) {
+    const int n = c_.world_size;
+    ASSIGN_OR_RETURN(auto prints, bootstrap.AllGather(c_.Fingerprint(), kExchangeTimeout));
+    for (int r = 0; r < n; ++r) {
+      if (prints[r] != prints[c_.rank]) {
+        return InvalidArgumentError("AllToAll: rank " + std::to_string(r) +
+                                    " has a different configuration than rank " +
+                                    std::to_string(c_.rank) + " (" + c_.ToString() + ")");
+      }
+    }
+    return Status::Ok();
+  }
+
+  // Our buffer (cuMemCreate, exported) and every other member's of our node, mapped here; by
+  // rank, null outside our node.
+  StatusOr<std::vector<uint8_t*>> MapNodeBuffers(Bootstrap& bootstrap, int64_t bytes) {
+    const int n = c_.world_size;
+    int fd = -1;
+    RETURN_IF_ERROR(shared_.Create(c_.cuda_device, bytes, &fd));
+    const int per_node = c_.ranks_per_node, first = c_.rank / per_node * per_node;
+    std::vector<int> members(per_node);
+    for (int i = 0; i < per_node; ++i) members[i] = first + i;
+    auto fds = ExchangeFds(bootstrap, members, fd, kExchangeTimeout);
+    close(fd);
+    RETURN_IF_ERROR(fds.status());
+    std::vector<uint8_t*> bases(n, nullptr);
+    Status imported = Status::Ok();
+    for (int i = 0; i < per_node; ++i) {
+      const int r = members[i];
+      if (r == c_.rank) {
+        bases[r] = shared_.own();
+      } else if (imported.ok()) {
+        auto base = shared_.Import((*fds)[i]);
+        if (base.ok()) bases[r] = *base; else imported = base.status();
+      }
+      close((*fds)[i]);
+    }
+    RETURN_IF_ERROR(imported);
+    return bases;
+  }
+
+  // Other nodes: the relay's inbox and outbox (GPU or pinned host memory), its control block
+  // (pinned host memory), and the relay. The buffers as the kernels address them (nothing
+  // where every rank is in our node).
+  StatusOr<RelayBuffers> StartRelay(const RelayLayout& relay, TransferEngine* engine,
+                                    Bootstrap& bootstrap) {
+    Nv& v = nv_;
+    const int n = c_.world_size;
+    v.first_remote = relay.remotes.empty() ? -1 : relay.remotes.front();
+    if (!relay.remotes.empty() && relay.counts_bytes != int64_t{v.counts_stride} * 4) {
+      return InternalError("moe: the relay's counts row and the kernels' differ in size");
+    }
+    RelayBuffers mapped;  // as the kernels address the relay's buffers
+    if (relay.remotes.empty()) return mapped;
+    RelayBuffers boxes;  // as the relay's CPU and NIC use them
+    ASSIGN_OR_RETURN(control_, PinnedBuffer::Allocate(relay.control_bytes));
+    boxes.control = control_.data();
+    ASSIGN_OR_RETURN(mapped.control, MappedPointer(control_.data()));
+    RETURN_IF_ERROR(PlaceBoxes(relay, engine, &boxes));
+    mapped.inbox = boxes.inbox;
+    mapped.outbox = boxes.outbox;
+    if (boxes.boxes == MemoryKind::kHost) {
+      ASSIGN_OR_RETURN(mapped.inbox, MappedPointer(boxes.inbox));
+      ASSIGN_OR_RETURN(mapped.outbox, MappedPointer(boxes.outbox));
+    }
+    // The inbox flags: in our GPU's memory, written through GDRCopy, where it is there; else
+    // pinned host memory mapped into the GPU (FERRY_GDRCOPY=0: always). GpuWords says which.
+    ASSIGN_OR_RETURN(inbox_flags_, GpuWords::Create(c_.cuda_device, 2 * size_t(n)));
+    boxes.inbox_flags = inbox_flags_->host_words();
+    boxes.device_flags = inbox_flags_->placement() == GpuWords::Placement::kGpuMemory;
+    if (!boxes.device_flags && RelayTraceOn()) {
+      std::fprintf(stderr, "[rank %d] relay: inbox flags in host memory: %s\n", c_.rank,
+                   inbox_flags_->gdrcopy_status().c_str());
+    }
+    ASSIGN_OR_RETURN(relay_, Relay::Create(c_, relay, engine, bootstrap, boxes, 60000));
+    return mapped;
+  }
+
+  // Every rank as the kernels reach it: NodePeer in our node, RemotePeer (the relay) outside;
+  // with what each rank's send grid adds to its flags (exchanged) and the check that every rank
+  // streams the same steps.
+  StatusOr<std::vector<NvPeer>> ExchangePeers(Bootstrap& bootstrap, const RelayLayout& relay,
+                                              const RelayBuffers& mapped,
+                                              const std::vector<uint8_t*>& bases) {
+    const Nv& v = nv_;
+    const int n = c_.world_size;
+    // Every rank's send grids (what its flags for us gain per epoch) and whether it streams.
+    std::vector<uint8_t> grids(3 * sizeof(int32_t));
+    const int32_t mine[3] = {send_grid_, recv_grid_,
+                             (v.stream ? 1 : 0) | (v.stream_combine ? 2 : 0)};
+    std::memcpy(grids.data(), mine, sizeof mine);
+    ASSIGN_OR_RETURN(auto all_grids, bootstrap.AllGather(grids, kExchangeTimeout));
+    std::vector<NvPeer> peers(n);
+    for (int r = 0; r < n; ++r) {
+      if (all_grids[r].size() != sizeof mine) {
+        return InternalError("AllToAll: rank " + std::to_string(r) + " sent malformed grids");
+      }
+      int32_t theirs[3];
+      std::memcpy(theirs, all_grids[r].data(), sizeof theirs);
+      if (theirs[2] != mine[2]) {
+        return FailedPreconditionError(
+            "AllToAll: rank " + std::to_string(r) + " streams " + StreamedSteps(theirs[2]) +
+            ", rank " + std::to_string(c_.rank) + " streams " + StreamedSteps(mine[2]) +
+            ": FERRY_NV_STREAM must agree on every rank");
+      }
+      if (relay.Remote(r)) {
+        peers[r] = RemotePeer(relay, mapped, inbox_flags_->device_words(), r);
+      } else {
+        peers[r] = NodePeer(bases[c_.rank], bases[r], r);
+        peers[r].dispatch_step = theirs[0];
+        peers[r].combine_step = theirs[1];
+      }
+    }
+    return peers;
+  }
+
+  // The kernels' device state (peers, scratch, routing copies, receive tables, the error words,
+  // FERRY_NV_TRACE's stamps) and nv_'s pointers to it.
+  Status AllocateDeviceState(const std::vector<NvPeer>& peers, uint8_t* own) {
+    Nv& v = nv_;
+    const int n = c_.world_size, k = c_.experts_per_token, t = c_.max_tokens_per_rank;
+    RETURN_IF_ERROR(peers_.Allocate(n));
+    FERRY_CUDA(cudaMemcpy(peers_.get(), peers.data(), n * sizeof(NvPeer), cudaMemcpyHostToDevice));
+    RETURN_IF_ERROR(scratch_.Allocate(1));
+    FERRY_CUDA(cudaMemset(scratch_.get(), 0, sizeof(Scratch)));
+    RETURN_IF_ERROR(indices_.Allocate(size_t(t) * k));
+    RETURN_IF_ERROR(weights_.Allocate(size_t(t) * k));
+    RETURN_IF_ERROR(row_pos_.Allocate(size_t(n) * t));
+    RETURN_IF_ERROR(totals_.Allocate(2 * size_t(n)));
+    if (small_smem_ == 0) {  // Route's output, read by Pack only
+      RETURN_IF_ERROR(slot_pos_.Allocate(size_t(n) * t));
+      RETURN_IF_ERROR(erank_.Allocate(size_t(t) * k));
+      RETURN_IF_ERROR(chunk_counts_.Allocate(size_t(v.chunks) * v.e));
+      RETURN_IF_ERROR(scan_carry_.Allocate(size_t(t + kRouteThreads - 1) / kRouteThreads * n));
+    }
+    RETURN_IF_ERROR(rslots_.Allocate(MaxReceived()));
+    RETURN_IF_ERROR(rentries_.Allocate(size_t(MaxReceived()) * k));
+    void* error = nullptr;
+    FERRY_CUDA(cudaHostAlloc(&error, 4 * sizeof(int32_t), cudaHostAllocMapped |
+                                                          cudaHostAllocPortable));
+    error_ = static_cast<int32_t*>(error);
+    std::memset(error_, 0, 4 * sizeof(int32_t));
+    void* error_dev = nullptr;
+    FERRY_CUDA(cudaHostGetDevicePointer(&error_dev, error, 0));
+    v.own = own;
+    v.peer = peers_.get();
+    v.scratch = scratch_.get();
+    v.error = static_cast<int32_t*>(error_dev);
+    v.indices = indices_.get();
+    v.weights = weights_.get();
+    v.slot_pos = slot_pos_.get();
+    v.row_pos = row_pos_.get();
+    v.totals = totals_.get();
+    v.erank = erank_.get();
+    v.chunk_counts = chunk_counts_.get();
+    v.scan_carry = scan_carry_.get();
+    v.rslots = rslots_.get();
+    v.rentries = rentries_.get();
+    if (const char* trace = std::getenv("FERRY_NV_TRACE"); trace && *trace && *trace != '0') {
+      v.trace_blocks = recv_grid_limit_;
+      RETURN_IF_ERROR(trace_.Allocate(size_t(kTraceKernels) * v.trace_blocks * kTraceSlots));
+      FERRY_CUDA(cudaMemset(trace_.get(), 0,
+                            size_t(kTraceKernels) * v.trace_blocks * kTraceSlots * 8));
+      v.trace = trace_.get();
+    }
+    return Status::Ok();
+  }
+
   // Rank r of our node: its buffer `theirs` (mapped here) and ours, `own`.
   NvPeer NodePeer(uint8_t* own, uint8_t* theirs, int r) const {
     const Nv& v = nv_;
@@ -543,8 +601,10 @@ class NvlinkAllToAll final : public AllToAll {
   }
 
   // Rank r of another node: our outbox section for it, our inbox section from it, the relay's
-  // control words (device pointers: `mapped` as the kernels address the relay's buffers).
-  static NvPeer RemotePeer(const RelayLayout& relay, const RelayBuffers& mapped, int r) {
+  // control words and the flags it raises for us (device pointers: `mapped` as the kernels
+  // address the relay's buffers, `flags_in` the inbox flags, [2N] dispatch then combine).
+  static NvPeer RemotePeer(const RelayLayout& relay, const RelayBuffers& mapped,
+                           uint64_t* flags_in, int r) {
     const int q = relay.RemoteIndex(relay.me, r);
     uint8_t* const inbox = mapped.inbox;
     uint8_t* const outbox = mapped.outbox;
@@ -554,8 +614,8 @@ class NvlinkAllToAll final : public AllToAll {
     p.counts = reinterpret_cast<int32_t*>(outbox + relay.OutSection(q));
     p.slots = outbox + relay.OutSection(q) + relay.counts_bytes;
     p.combine = outbox + relay.OutRows(q);
-    p.dispatch_flag_in = relay.InboxFlag(mapped.control, false, r);
-    p.combine_flag_in = relay.InboxFlag(mapped.control, true, r);
+    p.dispatch_flag_in = flags_in + r;
+    p.combine_flag_in = flags_in + relay.n + r;
     p.counts_in = reinterpret_cast<int32_t*>(inbox + relay.InSection(q));
     p.slots_in = inbox + relay.InSection(q) + relay.counts_bytes;
     p.pull = nullptr;
@@ -721,7 +781,7 @@ class NvlinkAllToAll final : public AllToAll {
   PinnedBuffer inbox_, outbox_;  // other nodes (relay.h), in host memory; the NIC uses them
   DeviceArray<uint8_t> device_inbox_, device_outbox_;  // or in GPU memory (GPUDirect RDMA)
   PinnedBuffer control_;  // the relay's flags and counts (relay.h)
-  std::unique_ptr<GdrFlags> gdr_;  // the inbox flags in GPU memory, when GDRCopy is there
+  std::unique_ptr<GpuWords> inbox_flags_;  // the flags the relay raises for our kernels
   std::unique_ptr<Relay> relay_;
   DeviceArray<NvPeer> peers_;
   DeviceArray<Scratch> scratch_;
