@@ -114,83 +114,106 @@ Status CheckTokenMajor(const Case& c, const AllToAllConfig& cfg, const std::vect
   return Status::Ok();
 }
 
-Status RunRank(const Case& c, Bootstrap& b) {
-  AllToAllConfig cfg = ConfigFor(c, b.world_size(), b.rank());
-  const bool token_major = TokenMajor(c, b.rank());
-  if (token_major) cfg.dispatch_layout = DispatchLayout::kTokenMajor;
-  ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions(c.provider)));
-  ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(cfg, engine.get(), b));
-  const int l = cfg.local_experts(), n = cfg.world_size, h = cfg.hidden;
-  const int64_t cap = cfg.expert_capacity(), row = cfg.token_bytes(), spt = cfg.scales_per_token();
-  std::vector<uint8_t> out_x(size_t(l) * cap * row, 0xCD);  // poisoned
-  std::vector<float> out_scales(size_t(l) * cap * spt, -1.0f);
-  std::vector<int32_t> out_counts(l, -1);
-  std::vector<uint16_t> expert_out(size_t(l) * cap * h, 0);
-  int32_t num_rows = -1;
-  std::vector<int32_t> token_experts(size_t(cap) * c.k, -2);
-  std::vector<float> token_weights(size_t(cap) * c.k, -1.0f);
-  DispatchOutput out{out_x.data(), out_scales.data(), out_counts.data()};
-  if (token_major) {
-    out.num_rows = &num_rows;
-    out.token_experts = token_experts.data();
-    out.token_weights = token_weights.data();
+// One rank's AllToAll driven through the four steps of each iteration, each step a call of its
+// own so that two AllToAlls on one engine can interleave theirs; every check of this file's
+// header runs as its step ends.
+class RankRun {
+ public:
+  RankRun(const Case& c, Bootstrap& b) : c_(c), b_(b) {}
+
+  Status Create(TransferEngine* engine, int instance = 0) {
+    cfg_ = ConfigFor(c_, b_.world_size(), b_.rank());
+    cfg_.instance = instance;
+    token_major_ = TokenMajor(c_, b_.rank());
+    if (token_major_) cfg_.dispatch_layout = DispatchLayout::kTokenMajor;
+    ASSIGN_OR_RETURN(a2a_, AllToAll::Create(cfg_, engine, b_));
+    const int64_t l = cfg_.local_experts(), cap = cfg_.expert_capacity();
+    out_x_.assign(size_t(l * cap * cfg_.token_bytes()), 0xCD);  // poisoned
+    out_scales_.assign(size_t(l * cap * cfg_.scales_per_token()), -1.0f);
+    out_counts_.assign(size_t(l), -1);
+    expert_out_.assign(size_t(l * cap * cfg_.hidden), 0);
+    token_experts_.assign(size_t(cap) * c_.k, -2);
+    token_weights_.assign(size_t(cap) * c_.k, -1.0f);
+    return Status::Ok();
   }
-  for (int it = 0; it < c.iterations; ++it) {
-    std::vector<Inputs> all;
-    for (int r = 0; r < n; ++r) all.push_back(MakeInputs(Spec(c), cfg, r, it));
-    const Inputs& mine = all[b.rank()];
-    DispatchInput in{mine.x.data(), mine.scales.empty() ? nullptr : mine.scales.data(),
-                     mine.indices.data(), mine.weights.data(), mine.tokens};
-    RETURN_IF_ERROR(a2a->DispatchSend(in));
-    RETURN_IF_ERROR(a2a->DispatchRecv(out, Deadline::After(30s)));
-    if (token_major) RETURN_IF_ERROR(CheckTokenMajor(c, cfg, all, out, expert_out));
+
+  Status DispatchSend(int it) {
+    all_.clear();
+    for (int r = 0; r < cfg_.world_size; ++r) all_.push_back(MakeInputs(Spec(c_), cfg_, r, it));
+    const Inputs& mine = all_[b_.rank()];
+    return a2a_->DispatchSend({mine.x.data(), mine.scales.empty() ? nullptr : mine.scales.data(),
+                               mine.indices.data(), mine.weights.data(), mine.tokens});
+  }
+
+  // The received rows checked, and the experts' outputs computed from them for CombineSend.
+  Status DispatchRecv() {
+    DispatchOutput out{out_x_.data(), out_scales_.data(), out_counts_.data()};
+    if (token_major_) {
+      out.num_rows = &num_rows_;
+      out.token_experts = token_experts_.data();
+      out.token_weights = token_weights_.data();
+    }
+    RETURN_IF_ERROR(a2a_->DispatchRecv(out, Deadline::After(30s)));
+    if (token_major_) return CheckTokenMajor(c_, cfg_, all_, out, expert_out_);
+    const int l = cfg_.local_experts(), n = cfg_.world_size, h = cfg_.hidden;
+    const int64_t cap = cfg_.expert_capacity(), row = cfg_.token_bytes();
+    const int64_t spt = cfg_.scales_per_token();
     // Exact multiset per local expert: payload bytes and scales of every copy routed to it.
-    for (int e = 0; e < l && !token_major; ++e) {
-      const int g = b.rank() * l + e;
+    for (int e = 0; e < l; ++e) {
+      const int g = b_.rank() * l + e;
       std::vector<std::string> want, got;
       for (int r = 0; r < n; ++r) {
-        const Inputs& src = all[r];
+        const Inputs& src = all_[r];
         for (int t = 0; t < src.tokens; ++t) {
-          for (int j = 0; j < c.k; ++j) {
-            if (src.indices[size_t(t) * c.k + j] != g) continue;
+          for (int j = 0; j < c_.k; ++j) {
+            if (src.indices[size_t(t) * c_.k + j] != g) continue;
             std::string key(reinterpret_cast<const char*>(src.x.data() + t * row), row);
             if (spt) key.append(reinterpret_cast<const char*>(&src.scales[t * spt]), spt * 4);
             want.push_back(std::move(key));
           }
         }
       }
-      CHECK_OR_RETURN(out_counts[e] == static_cast<int32_t>(want.size()),
-                      "expert " + std::to_string(g) + " got " + std::to_string(out_counts[e]) +
+      CHECK_OR_RETURN(out_counts_[e] == static_cast<int32_t>(want.size()),
+                      "expert " + std::to_string(g) + " got " + std::to_string(out_counts_[e]) +
                           " rows, expected " + std::to_string(want.size()));
-      for (int i = 0; i < out_counts[e]; ++i) {
+      for (int i = 0; i < out_counts_[e]; ++i) {
         int64_t r = int64_t{e} * cap + i;
-        std::string key(reinterpret_cast<const char*>(out_x.data() + r * row), row);
-        if (spt) key.append(reinterpret_cast<const char*>(&out_scales[r * spt]), spt * 4);
+        std::string key(reinterpret_cast<const char*>(out_x_.data() + r * row), row);
+        if (spt) key.append(reinterpret_cast<const char*>(&out_scales_[r * spt]), spt * 4);
         got.push_back(std::move(key));
         // The expert computes; its output goes back through combine.
         for (int col = 0; col < h; ++col) {
-          const float x = Dequant(cfg, out_x.data() + r * row, out_scales.data() + r * spt, col);
-          expert_out[r * h + col] = FloatToBf16(x * ExpertScale(g));
+          const float x = Dequant(cfg_, out_x_.data() + r * row, out_scales_.data() + r * spt, col);
+          expert_out_[r * h + col] = FloatToBf16(x * ExpertScale(g));
         }
       }
       std::sort(want.begin(), want.end());
       std::sort(got.begin(), got.end());
       CHECK_OR_RETURN(want == got, "expert " + std::to_string(g) + " received other rows");
     }
-    RETURN_IF_ERROR(a2a->CombineSend(expert_out.data()));
+    return Status::Ok();
+  }
+
+  Status CombineSend() { return a2a_->CombineSend(expert_out_.data()); }
+
+  // The combined output against a float64 reference; odd iterations add to what y holds.
+  Status CombineRecv(int it) {
+    const Inputs& mine = all_[b_.rank()];
+    const int h = cfg_.hidden;
+    const int64_t row = cfg_.token_bytes(), spt = cfg_.scales_per_token();
     std::vector<uint16_t> y(size_t(mine.tokens) * h, FloatToBf16(0.5f));
-    const bool accumulate = it % 2 == 1;  // odd iterations add to what y holds
-    RETURN_IF_ERROR(a2a->CombineRecv(y.data(), accumulate, Deadline::After(30s)));
+    const bool accumulate = it % 2 == 1;
+    RETURN_IF_ERROR(a2a_->CombineRecv(y.data(), accumulate, Deadline::After(30s)));
     for (int t = 0; t < mine.tokens; ++t) {
       const uint8_t* xr = mine.x.data() + t * row;
       const float* sr = spt ? &mine.scales[t * spt] : nullptr;
       double norm = 0, err = 0;
       for (int col = 0; col < h; ++col) {
         double ref = accumulate ? 0.5 : 0.0;
-        for (int j = 0; j < c.k; ++j) {
-          int g = mine.indices[size_t(t) * c.k + j];
-          float expert = Bf16ToFloat(FloatToBf16(Dequant(cfg, xr, sr, col) * ExpertScale(g)));
-          ref += double(mine.weights[size_t(t) * c.k + j]) * expert;
+        for (int j = 0; j < c_.k; ++j) {
+          int g = mine.indices[size_t(t) * c_.k + j];
+          float expert = Bf16ToFloat(FloatToBf16(Dequant(cfg_, xr, sr, col) * ExpertScale(g)));
+          ref += double(mine.weights[size_t(t) * c_.k + j]) * expert;
         }
         double got = Bf16ToFloat(y[size_t(t) * h + col]);
         norm += ref * ref;
@@ -200,7 +223,39 @@ Status RunRank(const Case& c, Bootstrap& b) {
                       "token " + std::to_string(t) + " combine relative error " +
                           std::to_string(std::sqrt(err / std::max(norm, 1e-30))));
     }
+    return Status::Ok();
   }
+
+  Status Iteration(int it) {
+    RETURN_IF_ERROR(DispatchSend(it));
+    RETURN_IF_ERROR(DispatchRecv());
+    RETURN_IF_ERROR(CombineSend());
+    return CombineRecv(it);
+  }
+
+  void Destroy() { a2a_.reset(); }
+
+ private:
+  const Case c_;
+  Bootstrap& b_;
+  AllToAllConfig cfg_;
+  bool token_major_ = false;
+  std::unique_ptr<AllToAll> a2a_;
+  std::vector<Inputs> all_;  // every rank's inputs of the current iteration
+  std::vector<uint8_t> out_x_;
+  std::vector<float> out_scales_;
+  std::vector<int32_t> out_counts_;
+  std::vector<uint16_t> expert_out_;
+  int32_t num_rows_ = -1;
+  std::vector<int32_t> token_experts_;
+  std::vector<float> token_weights_;
+};
+
+Status RunRank(const Case& c, Bootstrap& b) {
+  ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions(c.provider)));
+  RankRun run(c, b);
+  RETURN_IF_ERROR(run.Create(engine.get()));
+  for (int it = 0; it < c.iterations; ++it) RETURN_IF_ERROR(run.Iteration(it));
   return b.Barrier(30s);
 }
 
@@ -274,6 +329,53 @@ std::vector<Case> Cases() {
 
 INSTANTIATE_TEST_SUITE_P(Cases, MoeHostTest, ::testing::ValuesIn(Cases()), CaseName);
 
+// Several AllToAlls on one engine (two micro-batches overlapped): each takes an instance of its
+// own and their steps interleave; an instance once taken on an engine stays taken (its counters
+// outlive the AllToAll: AlreadyExists), another still serves; ranks that differ in the instance
+// are told so at Create.
+TEST(MoeHostInstancesTest, TwoAllToAllsShareAnEngineTheirStepsInterleaved) {
+  const auto bf16 = DispatchDtype::kBf16, fp8 = DispatchDtype::kFp8E4M3;
+  const Case first{"shm", 3, 33, 128, 48, 4, bf16, Routing::kRandom, 4};
+  const Case second{"shm", 3, 20, 256, 48, 2, fp8, Routing::kRandom, 2, false, 2, true, true,
+                    Layouts::kMixed};
+  auto exits = RunLocalRanks(3, [&](Bootstrap& b) -> Status {
+    ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
+    RankRun one(first, b), two(second, b);
+    RETURN_IF_ERROR(one.Create(engine.get(), 0));
+    RETURN_IF_ERROR(two.Create(engine.get(), 1));
+    for (int it = 0; it < 3; ++it) {
+      // The second micro-batch's dispatch in flight while the first's experts run, and so on.
+      RETURN_IF_ERROR(one.DispatchSend(it));
+      RETURN_IF_ERROR(two.DispatchSend(it));
+      RETURN_IF_ERROR(one.DispatchRecv());
+      RETURN_IF_ERROR(one.CombineSend());
+      RETURN_IF_ERROR(two.DispatchRecv());
+      RETURN_IF_ERROR(two.CombineSend());
+      RETURN_IF_ERROR(one.CombineRecv(it));
+      RETURN_IF_ERROR(two.CombineRecv(it));
+    }
+    RankRun again(second, b);
+    Status s = again.Create(engine.get(), 1);
+    CHECK_OR_RETURN(s.code() == StatusCode::kAlreadyExists, "instance 1 twice: " + s.ToString());
+    two.Destroy();
+    s = again.Create(engine.get(), 1);
+    CHECK_OR_RETURN(s.code() == StatusCode::kAlreadyExists,
+                    "instance 1 after its AllToAll is gone: " + s.ToString());
+    RETURN_IF_ERROR(again.Create(engine.get(), 2));
+    RETURN_IF_ERROR(again.Iteration(0));
+    RETURN_IF_ERROR(one.Iteration(3));
+    RankRun differ(first, b);
+    s = differ.Create(engine.get(), 3 + b.rank() % 2);
+    CHECK_OR_RETURN(s.code() == StatusCode::kInvalidArgument,
+                    "instances 3 and 4 in one AllToAll: " + s.ToString());
+    return b.Barrier(30s);
+  }, 120s);
+  for (size_t r = 0; r < exits.size(); ++r) {
+    EXPECT_TRUE(exits[r].ok()) << "rank " << r << ": exit " << exits[r].exit_code << " signal "
+                               << exits[r].signal << (exits[r].timed_out ? " (timed out)" : "");
+  }
+}
+
 // Bad inputs: clear errors, and the protocol still works afterwards.
 TEST(MoeHostBadInputTest, RefusesBadRoutesTooManyTokensAndMismatchedConfigs) {
   auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
@@ -295,6 +397,9 @@ TEST(MoeHostBadInputTest, RefusesBadRoutesTooManyTokensAndMismatchedConfigs) {
     bad = cfg;
     bad.hidden = 100;
     CHECK_OR_RETURN(bad.Validate().code() == StatusCode::kInvalidArgument, "hidden 100 accepted");
+    bad = cfg;
+    bad.instance = AllToAllConfig::kMaxInstances;
+    CHECK_OR_RETURN(bad.Validate().code() == StatusCode::kInvalidArgument, "instance 16 accepted");
     bad = cfg;
     bad.rdma_buffers = static_cast<RdmaBuffers>(3);
     CHECK_OR_RETURN(bad.Validate().code() == StatusCode::kInvalidArgument, "placement 3 accepted");

@@ -107,6 +107,13 @@ struct FERRY_API AllToAllConfig {
   MoeDeviceKind device = MoeDeviceKind::kHost;
   int cuda_device = 0;
   RdmaBuffers rdma_buffers = RdmaBuffers::kAuto;  // CUDA device, several nodes
+  // Several AllToAlls on one engine (two micro-batches overlapped, or one created after
+  // another) each take an instance of their own, 0 to kMaxInstances - 1, the same on every
+  // rank: it keeps their immediates apart. An engine's immediate counters outlive the AllToAll
+  // that made them, so an instance serves once per engine.
+  int instance = 0;
+  static constexpr int kMaxInstances = 16;
+  static constexpr int kMaxWorldSize = 1 << 16;
 
   // InvalidArgument naming the first bad field.
   Status Validate() const;
@@ -163,7 +170,8 @@ class FERRY_API AllToAll {
   // be null on the CUDA device with one node (ranks_per_node == world_size), which does not use
   // it. Registers the buffers with `engine`, exchanges addresses and descriptors through
   // `bootstrap`, and checks that the configurations agree (InvalidArgument naming the rank that
-  // differs). One engine serves one AllToAll.
+  // differs). An engine serves one AllToAll per instance (AllToAllConfig::instance); another
+  // with an instance already taken on it is AlreadyExists.
   static StatusOr<std::unique_ptr<AllToAll>> Create(const AllToAllConfig& config,
                                                     TransferEngine* engine, Bootstrap& bootstrap);
   virtual ~AllToAll() = default;

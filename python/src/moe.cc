@@ -245,6 +245,7 @@ void BindMoe(py::module_& m) {
       .def_readwrite("world_size", &AllToAllConfig::world_size)
       .def_readwrite("rank", &AllToAllConfig::rank)
       .def_readwrite("ranks_per_node", &AllToAllConfig::ranks_per_node)
+      .def_readwrite("instance", &AllToAllConfig::instance)
       .def_readwrite("num_experts", &AllToAllConfig::num_experts)
       .def_readwrite("experts_per_token", &AllToAllConfig::experts_per_token)
       .def_readwrite("max_tokens_per_rank", &AllToAllConfig::max_tokens_per_rank)

@@ -177,6 +177,11 @@ def bad_input_body(b):
         a2a.dispatch_recv(out, counts, timeout=10)
         assert sum(counts) == TOKENS[0] * K
         kept = a2a.config
+        # One engine serves one AllToAll per instance.
+        expect_error(ferry.AlreadyExists, "instance 0 is taken", ferry.AllToAll, c, engine, b)
+        c.instance = 1
+        with ferry.AllToAll(c, engine, b) as second:
+            assert second.config.instance == 1
     assert (kept.hidden, kept.num_experts) == (HIDDEN, EXPERTS)  # a copy, valid after close
 
 

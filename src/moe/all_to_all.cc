@@ -48,10 +48,9 @@ class AllToAllImpl final : public AllToAll {
     ASSIGN_OR_RETURN(send_reg_, engine_->RegisterMemory(send_.data(), layout_.send_bytes));
     for (uint32_t kind = moe::kCounts; kind <= moe::kCombineConsumed; ++kind) {
       for (uint32_t epoch = 0; epoch < moe::kEpochs; ++epoch) {
-        Status s = engine_->CreateImmCounter(moe::MoeImm(static_cast<moe::ImmKind>(kind), epoch));
-        if (!s.ok()) {
-          return s.WithContext("AllToAll: one engine serves one AllToAll (counter taken)");
-        }
+        Status s = engine_->CreateImmCounter(
+            moe::MoeImm(static_cast<moe::ImmKind>(kind), epoch, c_.instance));
+        if (!s.ok()) return moe::CounterError(s, c_.instance);
       }
     }
     // Exchange: configuration fingerprint, engine address, receive-region descriptor.

@@ -12,7 +12,12 @@ Status AllToAllConfig::Validate() const {
   auto bad = [&](const std::string& what) {
     return InvalidArgumentError("AllToAllConfig: " + what + " (" + ToString() + ")");
   };
-  if (world_size < 1) return bad("world_size must be >= 1");
+  if (world_size < 1 || world_size > kMaxWorldSize) {
+    return bad("world_size must be in [1, " + std::to_string(kMaxWorldSize) + "]");
+  }
+  if (instance < 0 || instance >= kMaxInstances) {
+    return bad("instance must be in [0, " + std::to_string(kMaxInstances) + ")");
+  }
   if (rank < 0 || rank >= world_size) return bad("rank out of [0, world_size)");
   if (ranks_per_node < 1 || world_size % ranks_per_node != 0) {
     return bad("ranks_per_node must divide world_size");
@@ -67,7 +72,7 @@ std::vector<uint8_t> AllToAllConfig::Fingerprint() const {
   fabric::ByteWriter w;
   for (int v : {world_size, ranks_per_node, num_experts, experts_per_token, max_tokens_per_rank,
                 hidden, static_cast<int>(dtype), max_private_tokens,
-                int{dispatch_once_per_rank}, int{combine_reduce_at_expert_rank}}) {
+                int{dispatch_once_per_rank}, int{combine_reduce_at_expert_rank}, instance}) {
     w.U32(static_cast<uint32_t>(v));
   }
   return w.Take();
@@ -85,7 +90,8 @@ std::string AllToAllConfig::ToString() const {
          (dispatch_once_per_rank ? " once_per_rank" : "") +
          (combine_reduce_at_expert_rank ? " reduce_at_expert_rank" : "") +
          (dispatch_layout == DispatchLayout::kTokenMajor ? " token_major" : "") +
-         (device == MoeDeviceKind::kCuda ? " cuda:" + std::to_string(cuda_device) : "");
+         (device == MoeDeviceKind::kCuda ? " cuda:" + std::to_string(cuda_device) : "") +
+         (instance ? " instance=" + std::to_string(instance) : "");
 }
 
 namespace moe {

@@ -148,7 +148,7 @@ Status Proxy::WaitDevice(const std::atomic<uint64_t>& flag, uint64_t epoch) {
 
 Status Proxy::AwaitPeers(ImmKind kind, uint64_t epoch, uint64_t count) {
   if (count == 0) return Status::Ok();
-  const uint32_t imm = MoeImm(kind, epoch);
+  const uint32_t imm = MoeImm(kind, epoch, p_.config.instance);
   const Deadline deadline = Deadline::After(std::chrono::milliseconds(p_.peer_timeout_ms));
   // Short slices, so that a stop request is seen promptly.
   for (;;) {
@@ -173,14 +173,15 @@ Status Proxy::Post(ImmKind kind, uint64_t epoch) {
   (kind == kCombine ? combine_bytes_ : dispatch_bytes_).fetch_add(bytes, std::memory_order_relaxed);
   posted_.push_back(targets_);  // the engine reads the targets until the scatter completes
   return writes_.Post([&](Completion done) {
-    return p_.engine->Scatter({p_.plan, posted_.back(), MoeImm(kind, epoch)}, std::move(done));
+    return p_.engine->Scatter({p_.plan, posted_.back(), MoeImm(kind, epoch, p_.config.instance)},
+                              std::move(done));
   });
 }
 
 Status Proxy::Barrier(ImmKind kind, uint64_t epoch) {
   if (p_.config.world_size == 1) return Status::Ok();
   return writes_.Post([&](Completion done) {
-    return p_.engine->Barrier(p_.group, MoeImm(kind, epoch), std::move(done));
+    return p_.engine->Barrier(p_.group, MoeImm(kind, epoch, p_.config.instance), std::move(done));
   });
 }
 

@@ -19,10 +19,12 @@
 
 #include <atomic>
 #include <cstdint>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "ferry/fabric.h"
+#include "ferry/moe.h"
 #include "moe/channel.h"
 #include "moe/layout.h"
 #include "moe/own_writes.h"
@@ -41,12 +43,26 @@ enum ImmKind : uint32_t {
 };
 inline constexpr uint32_t kImmBase = 0xE0000000u;
 inline constexpr uint32_t kEpochs = 4;
-inline uint32_t MoeImm(ImmKind kind, uint64_t epoch) {
-  return kImmBase | (uint32_t{kind} << 4) | static_cast<uint32_t>(epoch % kEpochs);
+// Bits 0..1 the epoch, 4..7 the kind, 24..27 the AllToAll's instance (AllToAllConfig::instance:
+// AllToAlls on one engine count apart), 29..31 kImmBase.
+inline uint32_t MoeImm(ImmKind kind, uint64_t epoch, int instance) {
+  static_assert(AllToAllConfig::kMaxInstances <= 16, "the instance has four bits");
+  return kImmBase | static_cast<uint32_t>(instance) << 24 | (uint32_t{kind} << 4) |
+         static_cast<uint32_t>(epoch % kEpochs);
 }
-// The relay's immediates also carry the sending rank (bits 8..27; world sizes up to 2^20).
-inline uint32_t RelayImm(ImmKind kind, uint64_t epoch, int sender) {
-  return MoeImm(kind, epoch) | static_cast<uint32_t>(sender) << 8;
+// The relay's immediates also carry the sending rank (bits 8..23).
+inline uint32_t RelayImm(ImmKind kind, uint64_t epoch, int instance, int sender) {
+  static_assert(AllToAllConfig::kMaxWorldSize <= 1 << 16, "the sender has sixteen bits");
+  return MoeImm(kind, epoch, instance) | static_cast<uint32_t>(sender) << 8;
+}
+
+// Why an AllToAll could not create one of its immediate counters: AlreadyExists naming the
+// instance when another AllToAll on the engine has it; else the engine's reason.
+inline Status CounterError(const Status& s, int instance) {
+  if (s.code() != StatusCode::kAlreadyExists) return s.WithContext("AllToAll: immediate counter");
+  return AlreadyExistsError("AllToAll: instance " + std::to_string(instance) +
+                            " is taken on this engine (an AllToAll's immediate counters outlive "
+                            "it): give each AllToAll on one engine an instance of its own");
 }
 
 struct ProxyParams {

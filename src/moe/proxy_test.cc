@@ -32,7 +32,7 @@ struct Rank {
     ASSIGN_OR_RETURN(send_reg, engine->RegisterMemory(send.data(), send.size()));
     for (uint32_t kind = kCounts; kind <= kCombineConsumed; ++kind) {
       for (uint32_t epoch = 0; epoch < kEpochs; ++epoch) {
-        RETURN_IF_ERROR(engine->CreateImmCounter(MoeImm(static_cast<ImmKind>(kind), epoch)));
+        RETURN_IF_ERROR(engine->CreateImmCounter(MoeImm(static_cast<ImmKind>(kind), epoch, 0)));
       }
     }
     ASSIGN_OR_RETURN(auto addresses, b.AllGather(engine->Address(), 30s));

@@ -127,10 +127,8 @@ Status Relay::Connect(Bootstrap& bootstrap) {
   for (ImmKind kind : {kRelayDispatch, kRelayCombine}) {
     for (uint32_t epoch = 0; epoch < kEpochs; ++epoch) {
       for (int r : layout_.remotes) {
-        Status s = engine_->CreateImmCounter(RelayImm(kind, epoch, r));
-        if (!s.ok()) {
-          return s.WithContext("AllToAll: one engine serves one AllToAll (counter taken)");
-        }
+        Status s = engine_->CreateImmCounter(RelayImm(kind, epoch, c_.instance, r));
+        if (!s.ok()) return CounterError(s, c_.instance);
       }
     }
   }
@@ -242,14 +240,15 @@ Status Relay::Exchange(ImmKind kind, uint64_t epoch, std::atomic<uint64_t>& byte
   for (const ScatterTarget& t : targets_) sum += t.length;
   bytes.store(sum, std::memory_order_relaxed);
   RETURN_IF_ERROR(writes_.Post([&](Completion done) {
-    return engine_->Scatter({plan_, targets_, RelayImm(kind, epoch, c_.rank)}, std::move(done));
+    return engine_->Scatter({plan_, targets_, RelayImm(kind, epoch, c_.instance, c_.rank)},
+                            std::move(done));
   }));
   stamps[1] = Clock::now();
   // Each sender's section as it lands: its flag goes up at once, so a lost rank is the one
   // whose flag the kernels time out on.
   const Deadline deadline = Deadline::After(std::chrono::milliseconds(peer_timeout_ms_));
   for (int s : layout_.remotes) {
-    const uint32_t imm = RelayImm(kind, epoch, s);
+    const uint32_t imm = RelayImm(kind, epoch, c_.instance, s);
     // Polled with the relay's own patience: a section lands within microseconds to a
     // millisecond, and the engine's WaitImm sleeps sooner than a dedicated thread should.
     Backoff backoff(kSpins, kYields, kSleepUs);

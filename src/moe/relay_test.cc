@@ -134,108 +134,153 @@ Status WaitFlag(uint64_t* flag, uint64_t want, const std::string& what) {
   return Status::Ok();
 }
 
-// separate_flags: the inbox flags in a buffer of their own, as with GDRCopy (where they are GPU
-// memory; here host memory stands for it). flush: a flush_landed hook (as for GPU-memory
-// boxes), which must run once per landed section, before that section's flag goes up.
-Status RunRank(Bootstrap& b, int per_node, bool separate_flags = false, bool flush = false) {
-  const AllToAllConfig c = Config(b.world_size(), b.rank(), per_node);
-  const int me = c.rank, l = c.local_experts();
-  const RelayLayout layout(c, kSlotBytes);
-  Boxes boxes(layout);
-  std::vector<uint8_t>& inbox = boxes.inbox;
-  std::vector<uint8_t>& outbox = boxes.outbox;
-  std::vector<uint64_t> flags(2 * size_t(c.world_size), 0);
-  auto inbox_flag = [&](bool combine, int s) {
-    return separate_flags ? &flags[(combine ? c.world_size : 0) + s]
-                          : layout.InboxFlag(boxes.control.data(), combine, s);
-  };
-  ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
-  RelayBuffers buffers = boxes.buffers();
-  if (separate_flags) {
-    buffers.inbox_flags = flags.data();
-    buffers.device_flags = true;
-  }
-  std::atomic<uint64_t> flushes{0};
-  if (flush) {
-    buffers.flush_landed = [&]() -> Status {
-      // Raises so far (each raise adds one to a flag): one per earlier flush, none for this one.
-      uint64_t up = 0;
-      for (int s : layout.remotes) {
-        for (bool combine : {false, true}) {
-          up += std::atomic_ref<uint64_t>(*inbox_flag(combine, s)).load(std::memory_order_acquire);
+// One rank's relay, host memory standing for the kernels' side, driven epoch by epoch (so that
+// two relays on one engine can alternate theirs). separate_flags: the inbox flags in a buffer
+// of their own, as the CUDA AllToAll's GpuWords (GPU memory with GDRCopy; host memory here).
+// flush: a flush_landed hook (as for GPU-memory boxes), which must run once per landed section,
+// before that section's flag goes up. instance: AllToAllConfig::instance.
+class RelayRank {
+ public:
+  RelayRank(Bootstrap& b, int per_node, bool separate_flags = false, bool flush = false,
+            int instance = 0)
+      : c_(WithInstance(Config(b.world_size(), b.rank(), per_node), instance)),
+        per_node_(per_node),
+        separate_flags_(separate_flags),
+        flush_(flush),
+        layout_(c_, kSlotBytes),
+        boxes_(layout_),
+        flags_(2 * size_t(c_.world_size), 0) {}
+
+  Status Create(TransferEngine* engine, Bootstrap& b) {
+    RelayBuffers buffers = boxes_.buffers();
+    if (separate_flags_) {
+      buffers.inbox_flags = flags_.data();
+      buffers.device_flags = true;
+    }
+    if (flush_) {
+      buffers.flush_landed = [this]() -> Status {
+        // Raises so far (each raise adds one to a flag): one per earlier flush, none for this one.
+        uint64_t up = 0;
+        for (int s : layout_.remotes) {
+          for (bool combine : {false, true}) {
+            up += std::atomic_ref<uint64_t>(*InboxFlag(combine, s)).load(std::memory_order_acquire);
+          }
         }
-      }
-      CHECK_OR_RETURN(up == flushes.fetch_add(1), "a flag went up before its flush");
-      return Status::Ok();
-    };
+        CHECK_OR_RETURN(up == flushes_.fetch_add(1), "a flag went up before its flush");
+        return Status::Ok();
+      };
+    }
+    ASSIGN_OR_RETURN(relay_, Relay::Create(c_, layout_, engine, b, buffers, 10000));
+    return Status::Ok();
   }
-  ASSIGN_OR_RETURN(auto relay, Relay::Create(c, layout, engine.get(), b, buffers, 10000));
-  for (uint64_t epoch = 0; epoch < 4; ++epoch) {
-    const std::string at = " (epoch " + std::to_string(epoch) + ")";
+
+  Status Epoch(uint64_t epoch) {
+    const int me = c_.rank, l = c_.local_experts();
+    std::vector<uint8_t>& inbox = boxes_.inbox;
+    std::vector<uint8_t>& outbox = boxes_.outbox;
+    const std::string at = " (epoch " + std::to_string(epoch) + ", instance " +
+                           std::to_string(c_.instance) + ")";
     // Dispatch: a counts row and the slots for each remote rank, then the flag.
-    for (size_t q = 0; q < layout.remotes.size(); ++q) {
-      const int r = layout.remotes[q];
-      const Ask ask = AskOf(layout, me, r, epoch);
-      std::vector<int32_t> counts(layout.counts_width);
-      for (int e = 0; e < l; ++e) counts[e] = me * 100 + e;
+    for (size_t q = 0; q < layout_.remotes.size(); ++q) {
+      const int r = layout_.remotes[q];
+      const Ask ask = AskOf(layout_, me, r, epoch);
+      std::vector<int32_t> counts(layout_.counts_width);
+      for (int e = 0; e < l; ++e) counts[e] = me * 100 + e + c_.instance;
       counts[l + kColSlots] = static_cast<int32_t>(ask.slots);
       counts[l + kColRowStart] = static_cast<int32_t>(ask.row_start);
       counts[l + kColRows] = static_cast<int32_t>(ask.rows);
-      boxes.SetCounts(layout, static_cast<int>(q), counts.data());
-      uint8_t* slots = outbox.data() + layout.OutSection(q) + layout.counts_bytes;
-      for (int64_t i = 0; i < ask.slots * kSlotBytes; ++i) slots[i] = SlotByte(me, r, epoch, i);
+      boxes_.SetCounts(layout_, static_cast<int>(q), counts.data());
+      uint8_t* slots = outbox.data() + layout_.OutSection(q) + layout_.counts_bytes;
+      for (int64_t i = 0; i < ask.slots * kSlotBytes; ++i) {
+        slots[i] = SlotByte(me, r, epoch, i) ^ static_cast<uint8_t>(c_.instance);
+      }
     }
-    boxes.RaiseOutbox(layout, false, epoch + 1);
-    for (size_t q = 0; q < layout.remotes.size(); ++q) {
-      const int s = layout.remotes[q];
-      RETURN_IF_ERROR(WaitFlag(inbox_flag(false, s), epoch + 1,
+    boxes_.RaiseOutbox(layout_, false, epoch + 1);
+    for (size_t q = 0; q < layout_.remotes.size(); ++q) {
+      const int s = layout_.remotes[q];
+      RETURN_IF_ERROR(WaitFlag(InboxFlag(false, s), epoch + 1,
                                "dispatch flag of rank " + std::to_string(s) + at));
-      const RelayLayout theirs(Config(c.world_size, s, per_node), kSlotBytes);
+      const RelayLayout theirs(Config(c_.world_size, s, per_node_), kSlotBytes);
       const Ask ask = AskOf(theirs, s, me, epoch);
-      const auto* counts = reinterpret_cast<const int32_t*>(inbox.data() + layout.InSection(q));
-      CHECK_OR_RETURN(counts[0] == s * 100 && counts[l + kColSlots] == ask.slots &&
+      const auto* counts = reinterpret_cast<const int32_t*>(inbox.data() + layout_.InSection(q));
+      CHECK_OR_RETURN(counts[0] == s * 100 + c_.instance && counts[l + kColSlots] == ask.slots &&
                           counts[l + kColRows] == ask.rows,
                       "counts row from rank " + std::to_string(s) + at);
-      const uint8_t* slots = inbox.data() + layout.InSection(q) + layout.counts_bytes;
+      const uint8_t* slots = inbox.data() + layout_.InSection(q) + layout_.counts_bytes;
       for (int64_t i = 0; i < ask.slots * kSlotBytes; ++i) {
-        CHECK_OR_RETURN(slots[i] == SlotByte(s, me, epoch, i),
+        CHECK_OR_RETURN(slots[i] == (SlotByte(s, me, epoch, i) ^ static_cast<uint8_t>(c_.instance)),
                         "slot byte " + std::to_string(i) + " from rank " + std::to_string(s) + at);
       }
-      boxes.CopyInRows(layout, static_cast<int>(q));
+      boxes_.CopyInRows(layout_, static_cast<int>(q));
     }
     // Combine: the rows each remote sender expects, where its counts row said.
-    for (size_t q = 0; q < layout.remotes.size(); ++q) {
-      const int s = layout.remotes[q];
-      const RelayLayout theirs(Config(c.world_size, s, per_node), kSlotBytes);
+    for (size_t q = 0; q < layout_.remotes.size(); ++q) {
+      const int s = layout_.remotes[q];
+      const RelayLayout theirs(Config(c_.world_size, s, per_node_), kSlotBytes);
       const Ask ask = AskOf(theirs, s, me, epoch);
-      uint8_t* rows = outbox.data() + layout.OutRows(q);
-      for (int64_t i = 0; i < ask.rows * layout.row_bytes; ++i) rows[i] = RowByte(me, s, epoch, i);
+      uint8_t* rows = outbox.data() + layout_.OutRows(q);
+      for (int64_t i = 0; i < ask.rows * layout_.row_bytes; ++i) rows[i] = RowByte(me, s, epoch, i);
     }
-    boxes.RaiseOutbox(layout, true, epoch + 1);
-    for (int r : layout.remotes) {
-      RETURN_IF_ERROR(WaitFlag(inbox_flag(true, r), epoch + 1,
+    boxes_.RaiseOutbox(layout_, true, epoch + 1);
+    for (int r : layout_.remotes) {
+      RETURN_IF_ERROR(WaitFlag(InboxFlag(true, r), epoch + 1,
                                "combine flag of rank " + std::to_string(r) + at));
-      const Ask ask = AskOf(layout, me, r, epoch);
-      const uint8_t* rows = inbox.data() + layout.in_combine_off + ask.row_start * layout.row_bytes;
-      for (int64_t i = 0; i < ask.rows * layout.row_bytes; ++i) {
+      const Ask ask = AskOf(layout_, me, r, epoch);
+      const uint8_t* rows =
+          inbox.data() + layout_.in_combine_off + ask.row_start * layout_.row_bytes;
+      for (int64_t i = 0; i < ask.rows * layout_.row_bytes; ++i) {
         CHECK_OR_RETURN(rows[i] == RowByte(r, me, epoch, i),
                         "combine byte " + std::to_string(i) + " from rank " + std::to_string(r) + at);
       }
     }
-    CHECK_OR_RETURN(!relay->failed(), relay->error().ToString());
+    CHECK_OR_RETURN(!relay_->failed(), relay_->error().ToString());
+    return Status::Ok();
   }
-  if (flush) {
-    const uint64_t want = 4 * 2 * layout.remotes.size();
-    CHECK_OR_RETURN(flushes.load() == want, std::to_string(flushes.load()) + " flushes, want " +
-                                                std::to_string(want));
-  }
-  if (separate_flags) {  // nothing was raised in the control block
-    for (int r = 0; r < c.world_size; ++r) {
-      CHECK_OR_RETURN(*layout.InboxFlag(boxes.control.data(), false, r) == 0 &&
-                          *layout.InboxFlag(boxes.control.data(), true, r) == 0,
-                      "a flag raised in the control block although the flags live elsewhere");
+
+  // After `epochs` epochs: every flush ran, and no flag went up in the control block when the
+  // flags live elsewhere.
+  Status Check(uint64_t epochs) {
+    if (flush_) {
+      const uint64_t want = epochs * 2 * layout_.remotes.size();
+      CHECK_OR_RETURN(flushes_.load() == want, std::to_string(flushes_.load()) + " flushes, want " +
+                                                   std::to_string(want));
     }
+    if (separate_flags_) {
+      for (int r = 0; r < c_.world_size; ++r) {
+        CHECK_OR_RETURN(*layout_.InboxFlag(boxes_.control.data(), false, r) == 0 &&
+                            *layout_.InboxFlag(boxes_.control.data(), true, r) == 0,
+                        "a flag raised in the control block although the flags live elsewhere");
+      }
+    }
+    return Status::Ok();
   }
+
+ private:
+  static AllToAllConfig WithInstance(AllToAllConfig c, int instance) {
+    c.instance = instance;
+    return c;
+  }
+  uint64_t* InboxFlag(bool combine, int s) {
+    return separate_flags_ ? &flags_[(combine ? c_.world_size : 0) + s]
+                           : layout_.InboxFlag(boxes_.control.data(), combine, s);
+  }
+
+  const AllToAllConfig c_;
+  const int per_node_;
+  const bool separate_flags_, flush_;
+  const RelayLayout layout_;
+  Boxes boxes_;
+  std::vector<uint64_t> flags_;
+  std::atomic<uint64_t> flushes_{0};
+  std::unique_ptr<Relay> relay_;  // last: stopped before the memory it uses goes
+};
+
+Status RunRank(Bootstrap& b, int per_node, bool separate_flags = false, bool flush = false) {
+  ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
+  RelayRank rank(b, per_node, separate_flags, flush);
+  RETURN_IF_ERROR(rank.Create(engine.get(), b));
+  for (uint64_t epoch = 0; epoch < 4; ++epoch) RETURN_IF_ERROR(rank.Epoch(epoch));
+  RETURN_IF_ERROR(rank.Check(4));
   return b.Barrier(30s);
 }
 
@@ -251,6 +296,25 @@ TEST(RelayTest, InboxFlagsInABufferOfTheirOwn) {
 
 TEST(RelayTest, ThreeNodesOfOneFlushingWhatLands) {
   auto exits = RunLocalRanks(3, [](Bootstrap& b) { return RunRank(b, 1, false, true); }, 120s);
+  for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
+}
+
+// Two relays on one engine (two AllToAlls: instances 0 and 1), their epochs alternating: each
+// sender's immediates reach its own relay's counters and flags only.
+TEST(RelayTest, TwoInstancesShareAnEngine) {
+  auto exits = RunLocalRanks(4, [](Bootstrap& b) -> Status {
+    ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
+    RelayRank first(b, 2, false, false, 0), second(b, 1, true, false, 1);
+    RETURN_IF_ERROR(first.Create(engine.get(), b));
+    RETURN_IF_ERROR(second.Create(engine.get(), b));
+    for (uint64_t epoch = 0; epoch < 6; ++epoch) {
+      RETURN_IF_ERROR(first.Epoch(epoch));
+      RETURN_IF_ERROR(second.Epoch(epoch));
+    }
+    RETURN_IF_ERROR(first.Check(6));
+    RETURN_IF_ERROR(second.Check(6));
+    return b.Barrier(30s);
+  }, 120s);
   for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
 }
 
