@@ -96,9 +96,11 @@ struct SmallEnd {
   std::unique_ptr<TransferEngine> engine;
   Shards shards;
 
-  Status Open(const std::string& provider, int tp) {
+  Status Open(const std::string& provider, int tp, uint32_t max_peers = 1024) {
     side = KvSide{kSmallModel, KvOrder::kHND, tp};
-    ASSIGN_OR_RETURN(engine, TransferEngine::Create(testing_util::TestOptions(provider)));
+    EngineOptions options = testing_util::TestOptions(provider);
+    options.max_peers = max_peers;
+    ASSIGN_OR_RETURN(engine, TransferEngine::Create(options));
     return shards.Init(*engine, side, 24);
   }
 };
@@ -566,9 +568,11 @@ INSTANTIATE_TEST_SUITE_P(Ways, KvCancelTest,
 // A cancel storm: a decoder with 4 request slots cancels round after round of requests the prefill
 // never schedules. Each slot comes back once the prefill acknowledges, not at the request's
 // deadline (60 s), so the rounds run back to back.
-Status StormPrefill(const std::string& provider, Bootstrap& b) {
+// max_peers: the prefill engine's peer table, smaller than the requests its one decoder sends
+// (a decoder is one peer however many requests it sends).
+Status StormPrefill(const std::string& provider, Bootstrap& b, uint32_t max_peers = 1024) {
   SmallEnd e;
-  RETURN_IF_ERROR(e.Open(provider, 4));
+  RETURN_IF_ERROR(e.Open(provider, 4, max_peers));
   std::atomic<uint64_t> layers{0};
   std::atomic<int> released{0};
   KvPrefill::Callbacks cb;
@@ -627,6 +631,14 @@ TEST(KvCancelStormTest, SlotsComeBackWhenThePrefillAcknowledges) {
   const std::string provider = testing_util::Providers().front();
   auto exits = RunLocalRanks(2, [&](Bootstrap& b) {
     return b.rank() == 0 ? StormPrefill(provider, b) : StormDecoder(provider, b);
+  }, 120s);
+  for (auto& e : exits) EXPECT_TRUE(e.ok()) << e.exit_code << " " << e.signal;
+}
+
+TEST(KvCancelStormTest, APrefillServesMoreRequestsThanItsEngineHoldsPeers) {
+  const std::string provider = testing_util::Providers().front();
+  auto exits = RunLocalRanks(2, [&](Bootstrap& b) {
+    return b.rank() == 0 ? StormPrefill(provider, b, 2) : StormDecoder(provider, b);
   }, 120s);
   for (auto& e : exits) EXPECT_TRUE(e.ok()) << e.exit_code << " " << e.signal;
 }

@@ -355,6 +355,10 @@ class FERRY_API TransferEngine {
   virtual StatusOr<PeerId> AddPeer(std::span<const uint8_t> address) = 0;
   // Forgets a peer: its pending transfers fail with Unavailable, later submits are refused.
   virtual Status RemovePeer(PeerId peer) = 0;
+  // Whether `peer` is lost: a transfer to it outlived its deadline (transfer_timeout_ms), or
+  // RemovePeer forgot it. Every later submit to it fails with Unavailable; a peer that is back
+  // is added again (AddPeer gives it a new PeerId). NotFound for an unknown peer.
+  virtual StatusOr<bool> PeerLost(PeerId peer) const = 0;
   virtual StatusOr<GroupId> AddPeerGroup(std::span<const PeerId> members) = 0;
   // Pre-builds the work-request templates of a scatter from `src` to one region per group member.
   virtual StatusOr<ScatterPlanId> PrepareScatter(GroupId group, const MemoryRegion& src,

@@ -474,6 +474,11 @@ void BindFabric(py::module_& m) {
           py::arg("peer"),
           "Forgets a peer: its pending transfers fail with Unavailable, later submits are refused")
       .def(
+          "peer_lost", [](Engine& e, PeerId p) { return ValueOrThrow(e.engine().PeerLost(p)); },
+          py::arg("peer"),
+          "Whether the peer is lost (a transfer to it outlived its deadline, or remove_peer): "
+          "later submits to it fail; add it again once it is back")
+      .def(
           "add_peer_group",
           [](Engine& e, const std::vector<PeerId>& members) {
             return ValueOrThrow(e.engine().AddPeerGroup(members));

@@ -319,6 +319,7 @@ def lost_peer_body(b):
         buf = bytearray(PAGE)
         region = engine.register(buf)
         peer, dst = connect(b, engine, region)
+        assert not engine.peer_lost(peer)
         b.barrier()
         if b.rank == 1:
             time.sleep(0.05)  # the worker, idle since connecting, goes to sleep
@@ -343,6 +344,8 @@ def lost_peer_body(b):
         except (ferry.DeadlineExceeded, ferry.Unavailable):
             pass
         assert time.monotonic() - failed_at < 1.5, time.monotonic() - failed_at
+        assert engine.peer_lost(peer)
+        expect_error(ferry.NotFound, "unknown", engine.peer_lost, peer + 100)
 
 
 def messages_and_errors_body(b):

@@ -228,6 +228,7 @@ class Engine final : public TransferEngine {
 
   // A lost peer can be removed too (that is when it is needed most); removing twice is a no-op.
   Status RemovePeer(PeerId peer) override;
+  StatusOr<bool> PeerLost(PeerId peer) const override;
 
   StatusOr<GroupId> AddPeerGroup(std::span<const PeerId> members) override;
   StatusOr<ScatterPlanId> PrepareScatter(GroupId group, const MemoryRegion& src,

@@ -273,6 +273,13 @@ Status Engine::RemovePeer(PeerId peer) {
       .status();
 }
 
+StatusOr<bool> Engine::PeerLost(PeerId peer) const {
+  if (peer >= num_peers_.load(std::memory_order_acquire)) {
+    return NotFoundError("unknown " + PeerName(peer));
+  }
+  return peers_[peer].lost.load(std::memory_order_acquire);
+}
+
 StatusOr<GroupId> Engine::AddPeerGroup(std::span<const PeerId> members) {
   if (members.empty()) return InvalidArgumentError("AddPeerGroup: no members");
   for (PeerId p : members) {
@@ -763,6 +770,7 @@ class EngineHandle final : public TransferEngine {
     return e_->AddPeer(address);
   }
   Status RemovePeer(PeerId peer) override { return e_->RemovePeer(peer); }
+  StatusOr<bool> PeerLost(PeerId peer) const override { return e_->PeerLost(peer); }
   StatusOr<GroupId> AddPeerGroup(std::span<const PeerId> members) override {
     return e_->AddPeerGroup(members);
   }

@@ -610,6 +610,8 @@ TEST_P(FaultTest, CompletionErrorFailsOnlyThatTransferWithTheProviderMessage) {
 
 TEST_P(FaultTest, AWriteThatNeverCompletesFailsAtTheDeadlineAndMarksThePeerLost) {
   fault_->SwallowWritesToKey(dst1_reg_.remote().nics[0].key);
+  EXPECT_FALSE(*a_->PeerLost(peer_));
+  EXPECT_EQ(a_->PeerLost(peer_ + 1).status().code(), StatusCode::kNotFound);
   TransferCounter c;
   auto start = Clock::now();
   ASSERT_TRUE(a_->Write(To(dst1_reg_), Completion::Counter(&c)).ok());
@@ -619,6 +621,17 @@ TEST_P(FaultTest, AWriteThatNeverCompletesFailsAtTheDeadlineAndMarksThePeerLost)
   EXPECT_GE(waited, 300ms);
   EXPECT_LT(waited, 5s);
   EXPECT_EQ(a_->Write(To(dst2_reg_), {}).code(), StatusCode::kUnavailable);
+  EXPECT_TRUE(*a_->PeerLost(peer_));
+  // Added again, the peer it was is a new one that carries writes.
+  auto again = a_->AddPeer(b_->Address());
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_NE(*again, peer_);
+  EXPECT_FALSE(*a_->PeerLost(*again));
+  peer_ = *again;
+  TransferCounter d;
+  ASSERT_TRUE(a_->Write(To(dst2_reg_), Completion::Counter(&d)).ok());
+  ASSERT_TRUE(d.Wait(1, Deadline::After(10s)).ok());
+  EXPECT_EQ(d.done.load(), 1u);
 }
 
 // A provider call that never returns (shm does this when a peer dies holding its lock) must not
