@@ -352,6 +352,10 @@ class FERRY_API TransferEngine {
                                                 int device = 0) = 0;
 
   // --- peers ---
+  // The engine at `address` as a peer. An engine that is already a peer, and not lost, keeps
+  // its PeerId: whatever shares this engine (several AllToAlls, an AllToAll and a KV messenger)
+  // shares its peers, and RemovePeer forgets one for all of them. (A second connection to one
+  // engine would be wasted, and over verbs its handshake would cross the first.)
   virtual StatusOr<PeerId> AddPeer(std::span<const uint8_t> address) = 0;
   // Forgets a peer: its pending transfers fail with Unavailable, later submits are refused.
   virtual Status RemovePeer(PeerId peer) = 0;

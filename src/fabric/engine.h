@@ -407,6 +407,7 @@ class Engine final : public TransferEngine {
 
   // Peers, groups and plans: append-only tables, entries immutable once published by the count.
   std::mutex add_mu_;  // serialises appends
+  std::unordered_map<uint64_t, PeerId> peer_by_engine_;  // engine id -> latest PeerId (add_mu_)
   std::unique_ptr<PeerEntry[]> peers_;
   std::atomic<uint32_t> num_peers_{0};
   std::vector<std::unique_ptr<PeerGroup>> groups_;

@@ -213,6 +213,9 @@ StatusOr<PeerId> Engine::AddPeer(std::span<const uint8_t> address_bytes) {
                                 "', this engine uses '" + info().provider + "'");
   }
   std::lock_guard<std::mutex> lock(add_mu_);
+  if (auto known = peer_by_engine_.find(address.engine_id); known != peer_by_engine_.end()) {
+    if (!peers_[known->second].lost.load(std::memory_order_acquire)) return known->second;
+  }
   uint32_t n = num_peers_.load(std::memory_order_relaxed);
   if (n >= options_.max_peers) {
     return ResourceExhaustedError("peer table full (" + std::to_string(options_.max_peers) +
@@ -251,6 +254,7 @@ StatusOr<PeerId> Engine::AddPeer(std::span<const uint8_t> address_bytes) {
     if (i < nics_) e.addr[links[i].first] = inserted.inserted[i].second;
   }
   e.inserted = inserted.inserted;
+  peer_by_engine_[address.engine_id] = n;
   num_peers_.store(n + 1, std::memory_order_release);
   return PeerId{n};
 }

@@ -503,7 +503,12 @@ TEST_P(EnginePairTest, ARemovedPeerRefusesWorkAndCanBeRemovedAgain) {
   TransferCounter done;
   ASSERT_TRUE(a_->Write(Single(0, 0, 4096), Completion::Counter(&done)).ok());
   ASSERT_TRUE(done.Wait(1, Deadline::After(5s)).ok());
+  // An engine that is a peer already keeps its PeerId (what shares this engine shares it).
+  auto same = a_->AddPeer(b_->Address());
+  ASSERT_TRUE(same.ok()) << same.status();
+  EXPECT_EQ(*same, b_on_a_);
   ASSERT_TRUE(a_->RemovePeer(b_on_a_).ok());
+  EXPECT_TRUE(*a_->PeerLost(b_on_a_));
   Status s = a_->Write(Single(0, 0, 64), Completion());
   EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s;
   EXPECT_EQ(a_->WriteImm(b_on_a_, 1, Completion()).code(), StatusCode::kUnavailable);
@@ -515,6 +520,11 @@ TEST_P(EnginePairTest, ARemovedPeerRefusesWorkAndCanBeRemovedAgain) {
   ASSERT_TRUE(b_->WriteImm(a_on_b_, 3, Completion::Counter(&back)).ok());
   ASSERT_TRUE(back.Wait(1, Deadline::After(5s)).ok());
   EXPECT_EQ(back.failed.load(), 0u);
+  // Removed, the engine is a new peer when added again.
+  auto again = a_->AddPeer(b_->Address());
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_NE(*again, b_on_a_);
+  EXPECT_FALSE(*a_->PeerLost(*again));
 }
 
 TEST_P(EnginePairTest, ScatterAndBarrierOverAGroupOfOne) {

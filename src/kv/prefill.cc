@@ -266,7 +266,9 @@ class Prefill final : public KvPrefill {
       }
       auto req = WireRequest::Parse(m);
       if (!req.ok()) continue;  // a malformed request has nobody to answer; drop it
-      auto peer = DecoderPeer(req->decoder_address);
+      // One PeerId per decoder however many requests it sends (AddPeer keeps an engine's PeerId
+      // until the engine loses it; per request, the peer table once filled up).
+      auto peer = engine_->AddPeer(req->decoder_address);
       if (!peer.ok()) continue;
       Incoming in{req->request_id, static_cast<int64_t>(req->pages.size()),
                   req->speculative ? std::max<int64_t>(0, req->num_tokens - 1) : req->num_tokens,
@@ -281,21 +283,6 @@ class Prefill final : public KvPrefill {
       if (cb_.on_request) cb_.on_request(in);
     }
     return !inbox.empty();
-  }
-
-  // The decoder at `address` as our peer: one PeerId however many requests it sends (the
-  // engine's peer table is finite; adding the decoder per request filled it), added again once
-  // the engine has lost it (its transfers outlived their deadline). Watcher thread only.
-  StatusOr<PeerId> DecoderPeer(std::span<const uint8_t> address) {
-    std::string key(address.begin(), address.end());
-    auto it = decoders_.find(key);
-    if (it != decoders_.end()) {
-      auto lost = engine_->PeerLost(it->second);
-      if (lost.ok() && !*lost) return it->second;
-    }
-    ASSIGN_OR_RETURN(PeerId peer, engine_->AddPeer(address));
-    decoders_[key] = peer;
-    return peer;
   }
 
   // Posts every layer the counter says is done, for every scheduled chunk; the aux bytes once
@@ -449,7 +436,6 @@ class Prefill final : public KvPrefill {
   std::mutex mu_;
   std::deque<std::vector<uint8_t>> inbox_;
   std::unordered_map<uint64_t, Active> pending_;
-  std::unordered_map<std::string, PeerId> decoders_;  // by address (DecoderPeer); the watcher's
   const bool trace_;
   bool awaiting_layers_ = false;  // the watcher's last pass: a scheduled chunk awaits a layer
   std::atomic<bool> stop_{false};
