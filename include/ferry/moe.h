@@ -205,8 +205,8 @@ class FERRY_API AllToAll {
   virtual Status Synchronize() = 0;
 
   // Bytes this rank's last dispatch and combine put on the wire (payload and metadata; on the
-  // CUDA device, to other ranks over NVLink or the relay, read back from
-  // the GPU after waiting for the stream).
+  // CUDA device, to other ranks over NVLink or the relay, read back from the GPU after waiting
+  // for the stream).
   virtual uint64_t dispatch_bytes_sent() const = 0;
   virtual uint64_t combine_bytes_sent() const = 0;
 };
