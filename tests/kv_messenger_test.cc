@@ -635,6 +635,89 @@ TEST(KvCancelStormTest, SlotsComeBackWhenThePrefillAcknowledges) {
   for (auto& e : exits) EXPECT_TRUE(e.ok()) << e.exit_code << " " << e.signal;
 }
 
+// Two decoders send one prefill requests with the same id (ids must be unique among in-flight
+// requests): the first goes on and completes, the second is cancelled by the prefill at once
+// (not at its deadline), and the prefill's scheduler hears of the first only.
+Status DuplicatePrefill(const std::string& provider, Bootstrap& b) {
+  SmallEnd e;
+  RETURN_IF_ERROR(e.Open(provider, 4));
+  std::atomic<uint64_t> layers{0};
+  std::atomic<int> arrived{0}, released{0};
+  Status release_status;
+  KvPrefill::Callbacks cb;
+  cb.on_request = [&](const KvPrefill::Incoming&) { arrived.fetch_add(1); };
+  cb.on_released = [&](uint64_t, const Status& s) {
+    release_status = s;
+    released.fetch_add(1);
+  };
+  ASSIGN_OR_RETURN(auto prefill,
+                   KvPrefill::Create(e.engine.get(), e.side, e.shards.regions, nullptr,
+                                     &layers, cb));
+  RETURN_IF_ERROR(b.AllGather(e.engine->Address(), 30s).status());
+  Deadline deadline = Deadline::After(30s);
+  while (arrived.load() == 0 && !deadline.Expired()) std::this_thread::sleep_for(1ms);
+  CHECK_OR_RETURN(arrived.load() == 1, "the first request never arrived");
+  RETURN_IF_ERROR(b.Barrier(30s));  // B1: the second decoder sends its request now
+  RETURN_IF_ERROR(b.Barrier(30s));  // B2: the second decoder's request has ended
+  CHECK_OR_RETURN(arrived.load() == 1, "the scheduler heard of the duplicate");
+  std::vector<int64_t> pages = {0, 1, 2, 3, 4};
+  RETURN_IF_ERROR(prefill->Schedule(7, pages, 0, 0));
+  layers.fetch_add(kLayers);
+  while (released.load() == 0 && !deadline.Expired()) std::this_thread::sleep_for(1ms);
+  CHECK_OR_RETURN(released.load() == 1 && release_status.ok(),
+                  "the first request released with " + release_status.ToString());
+  return b.Barrier(30s);  // B3
+}
+
+Status DuplicateDecoder(const std::string& provider, Bootstrap& b) {
+  SmallEnd e;
+  RETURN_IF_ERROR(e.Open(provider, 2));
+  ASSIGN_OR_RETURN(auto decoder,
+                   KvDecoder::Create(e.engine.get(), e.side, e.shards.regions, nullptr));
+  ASSIGN_OR_RETURN(auto addresses, b.AllGather(e.engine->Address(), 30s));
+  const bool first = b.rank() == 1;
+  std::vector<int64_t> pages = {9, 3, 5, 7, 11};
+  std::atomic<int> calls{0};
+  Status outcome;
+  KvDecoder::Request req;
+  req.request_id = 7;
+  req.prefill_address = addresses[0];
+  req.prefill = KvSide{kSmallModel, KvOrder::kHND, 4};
+  req.pages = pages;
+  auto submit = [&] {
+    return decoder->Submit(req, Deadline::After(20s), [&](const Status& s) {
+      outcome = s;
+      calls.fetch_add(1);
+    });
+  };
+  if (first) RETURN_IF_ERROR(submit());
+  RETURN_IF_ERROR(b.Barrier(30s));  // B1
+  const auto start = Clock::now();
+  if (!first) {
+    RETURN_IF_ERROR(submit());
+    Deadline wait = Deadline::After(10s);
+    while (calls.load() == 0 && !wait.Expired()) std::this_thread::sleep_for(1ms);
+    CHECK_OR_RETURN(calls.load() == 1 && outcome.code() == StatusCode::kCancelled,
+                    "the duplicate ended with " + outcome.ToString());
+    CHECK_OR_RETURN(Clock::now() - start < 5s, "the duplicate waited for its deadline");
+  }
+  RETURN_IF_ERROR(b.Barrier(30s));  // B2
+  if (first) {
+    Deadline wait = Deadline::After(20s);
+    while (calls.load() == 0 && !wait.Expired()) std::this_thread::sleep_for(1ms);
+    CHECK_OR_RETURN(calls.load() == 1 && outcome.ok(), "the first ended with " + outcome.ToString());
+  }
+  return b.Barrier(30s);  // B3
+}
+
+TEST(KvDuplicateTest, ARequestIdInFlightAtThePrefillCancelsTheNewcomer) {
+  const std::string provider = testing_util::Providers().front();
+  auto exits = RunLocalRanks(3, [&](Bootstrap& b) {
+    return b.rank() == 0 ? DuplicatePrefill(provider, b) : DuplicateDecoder(provider, b);
+  }, 120s);
+  for (auto& e : exits) EXPECT_TRUE(e.ok()) << e.exit_code << " " << e.signal;
+}
+
 TEST(KvCancelStormTest, APrefillServesMoreRequestsThanItsEngineHoldsPeers) {
   const std::string provider = testing_util::Providers().front();
   auto exits = RunLocalRanks(2, [&](Bootstrap& b) {

@@ -112,7 +112,8 @@ class FERRY_API KvDecoder {
   virtual ~KvDecoder() = default;
 
   struct Request {
-    uint64_t request_id = 0;                // unique among in-flight requests; seeds the plan
+    uint64_t request_id = 0;  // unique among in-flight requests (a prefill that has one with
+                              // this id in flight cancels the newcomer); seeds the plan
     std::span<const uint8_t> prefill_address;
     KvSide prefill;                         // the prefill side's layout, to count the writes
     std::span<const int64_t> pages;         // our page ids, in prompt order

@@ -273,12 +273,24 @@ class Prefill final : public KvPrefill {
       Incoming in{req->request_id, static_cast<int64_t>(req->pages.size()),
                   req->speculative ? std::max<int64_t>(0, req->num_tokens - 1) : req->num_tokens,
                   req->speculative};
+      bool taken = false;
       {
         std::lock_guard<std::mutex> lock(mu_);
-        Active a;
-        a.req = std::move(req).value();
-        a.peer = *peer;
-        pending_.emplace(in.request_id, std::move(a));
+        taken = pending_.count(in.request_id) > 0;
+        if (!taken) {
+          Active a;
+          a.req = std::move(*req);
+          a.peer = *peer;
+          pending_.emplace(in.request_id, std::move(a));
+        }
+      }
+      if (taken) {
+        // Another request with this id is in flight here (ids must be unique among in-flight
+        // requests): the one in flight goes on, the newcomer is refused as a prefill cancels --
+        // an acknowledgement of no writes, which ends it at its decoder at once (Cancelled)
+        // instead of at its deadline. The scheduler never hears of it.
+        (void)engine_->Send(*peer, ControlMessage(kAckMagic, req->request_id, req->imm, 0), {});
+        continue;
       }
       if (cb_.on_request) cb_.on_request(in);
     }
