@@ -105,6 +105,39 @@ struct SmallEnd {
   }
 };
 
+// A small prefill whose callbacks count what arrives and what is released (the last release's
+// status kept), its address given to every rank.
+struct WatchedPrefill {
+  SmallEnd e;
+  std::atomic<uint64_t> layers{0};
+  std::atomic<int> arrived{0}, released{0};
+  Status release_status;
+  std::unique_ptr<KvPrefill> prefill;
+
+  Status Open(const std::string& provider, Bootstrap& b, uint32_t max_peers = 1024) {
+    RETURN_IF_ERROR(e.Open(provider, 4, max_peers));
+    KvPrefill::Callbacks cb;
+    cb.on_request = [this](const KvPrefill::Incoming&) { arrived.fetch_add(1); };
+    cb.on_released = [this](uint64_t, const Status& s) {
+      release_status = s;
+      released.fetch_add(1);
+    };
+    ASSIGN_OR_RETURN(prefill, KvPrefill::Create(e.engine.get(), e.side, e.shards.regions,
+                                                nullptr, &layers, cb));
+    return b.AllGather(e.engine->Address(), 30s).status();
+  }
+  // Until `n` requests arrived or the deadline passed.
+  Status AwaitArrivals(int n, Deadline deadline) {
+    while (arrived.load() < n && !deadline.Expired()) std::this_thread::sleep_for(1ms);
+    CHECK_OR_RETURN(arrived.load() == n, std::to_string(arrived.load()) + " requests arrived, " +
+                                             "expected " + std::to_string(n));
+    return Status::Ok();
+  }
+  void AwaitRelease(Deadline deadline) {
+    while (released.load() == 0 && !deadline.Expired()) std::this_thread::sleep_for(1ms);
+  }
+};
+
 Status RunPrefill(const Case& c, Bootstrap& b) {
   const KvSide side{c.model, c.prefill_order, c.prefill_tp};
   EngineOptions options = testing_util::TestOptions(c.provider);
@@ -460,42 +493,28 @@ INSTANTIATE_TEST_SUITE_P(Cases, KvMessengerTest, ::testing::ValuesIn(Cases()), C
 enum class Stop { kDecoderCancels, kDeadline, kPrefillCancels };
 
 Status CancelPrefill(Stop how, const std::string& provider, Bootstrap& b) {
-  SmallEnd e;
-  RETURN_IF_ERROR(e.Open(provider, 4));
-  std::atomic<uint64_t> layers{0};
-  std::atomic<int> arrived{0}, released{0};
-  Status release_status;
-  KvPrefill::Callbacks cb;
-  cb.on_request = [&](const KvPrefill::Incoming&) { arrived.fetch_add(1); };
-  cb.on_released = [&](uint64_t, const Status& s) {
-    release_status = s;
-    released.fetch_add(1);
-  };
-  ASSIGN_OR_RETURN(auto prefill,
-                   KvPrefill::Create(e.engine.get(), e.side, e.shards.regions, nullptr,
-                                     &layers, cb));
-  RETURN_IF_ERROR(b.AllGather(e.engine->Address(), 30s).status());
+  WatchedPrefill w;
+  RETURN_IF_ERROR(w.Open(provider, b));
   Deadline deadline = Deadline::After(30s);
-  while (arrived.load() == 0 && !deadline.Expired()) std::this_thread::sleep_for(1ms);
-  CHECK_OR_RETURN(arrived.load() == 1, "request never arrived");
+  RETURN_IF_ERROR(w.AwaitArrivals(1, deadline));
   std::vector<int64_t> pages = {0, 1, 2, 3, 4};
   if (how != Stop::kDeadline) {
-    RETURN_IF_ERROR(prefill->Schedule(7, pages, 0, 0));
-    layers.fetch_add(1);  // layer 0 goes
+    RETURN_IF_ERROR(w.prefill->Schedule(7, pages, 0, 0));
+    w.layers.fetch_add(1);  // layer 0 goes
     std::this_thread::sleep_for(50ms);
-    if (how == Stop::kPrefillCancels) RETURN_IF_ERROR(prefill->Cancel(7));
+    if (how == Stop::kPrefillCancels) RETURN_IF_ERROR(w.prefill->Cancel(7));
   }
   RETURN_IF_ERROR(b.Barrier(30s));  // B1: the decoder cancels now (or its deadline passed)
   RETURN_IF_ERROR(b.Barrier(30s));  // B2
   // The decoder's cancel message may trail the barrier (another channel): released first, or
   // every write could land before it -- a request then rightly ends OK (the test ran into that
   // once with tcp;ofi_rxm on a loaded machine).
-  while (released.load() == 0 && !deadline.Expired()) std::this_thread::sleep_for(1ms);
-  CHECK_OR_RETURN(released.load() == 1, "source pages never released");
-  CHECK_OR_RETURN(release_status.code() == StatusCode::kCancelled,
-                  "released with " + release_status.ToString());
+  w.AwaitRelease(deadline);
+  CHECK_OR_RETURN(w.released.load() == 1, "source pages never released");
+  CHECK_OR_RETURN(w.release_status.code() == StatusCode::kCancelled,
+                  "released with " + w.release_status.ToString());
   RETURN_IF_ERROR(b.Barrier(30s));  // B3: the decoder poisoned its pages and watches them
-  layers.fetch_add(kLayers);  // the rest of the pass: a cancelled request must post nothing
+  w.layers.fetch_add(kLayers);  // the rest of the pass: a cancelled request must post nothing
   return b.Barrier(30s);  // B4
 }
 
@@ -571,19 +590,10 @@ INSTANTIATE_TEST_SUITE_P(Ways, KvCancelTest,
 // max_peers: the prefill engine's peer table, smaller than the requests its one decoder sends
 // (a decoder is one peer however many requests it sends).
 Status StormPrefill(const std::string& provider, Bootstrap& b, uint32_t max_peers = 1024) {
-  SmallEnd e;
-  RETURN_IF_ERROR(e.Open(provider, 4, max_peers));
-  std::atomic<uint64_t> layers{0};
-  std::atomic<int> released{0};
-  KvPrefill::Callbacks cb;
-  cb.on_request = [](const KvPrefill::Incoming&) {};
-  cb.on_released = [&](uint64_t, const Status&) { released.fetch_add(1); };
-  ASSIGN_OR_RETURN(auto prefill,
-                   KvPrefill::Create(e.engine.get(), e.side, e.shards.regions, nullptr,
-                                     &layers, cb));
-  RETURN_IF_ERROR(b.AllGather(e.engine->Address(), 30s).status());
+  WatchedPrefill w;
+  RETURN_IF_ERROR(w.Open(provider, b, max_peers));
   RETURN_IF_ERROR(b.Barrier(60s));  // the decoder's rounds are over
-  CHECK_OR_RETURN(released.load() == 12, "released " + std::to_string(released.load()));
+  CHECK_OR_RETURN(w.released.load() == 12, "released " + std::to_string(w.released.load()));
   return Status::Ok();
 }
 
@@ -639,33 +649,19 @@ TEST(KvCancelStormTest, SlotsComeBackWhenThePrefillAcknowledges) {
 // requests): the first goes on and completes, the second is cancelled by the prefill at once
 // (not at its deadline), and the prefill's scheduler hears of the first only.
 Status DuplicatePrefill(const std::string& provider, Bootstrap& b) {
-  SmallEnd e;
-  RETURN_IF_ERROR(e.Open(provider, 4));
-  std::atomic<uint64_t> layers{0};
-  std::atomic<int> arrived{0}, released{0};
-  Status release_status;
-  KvPrefill::Callbacks cb;
-  cb.on_request = [&](const KvPrefill::Incoming&) { arrived.fetch_add(1); };
-  cb.on_released = [&](uint64_t, const Status& s) {
-    release_status = s;
-    released.fetch_add(1);
-  };
-  ASSIGN_OR_RETURN(auto prefill,
-                   KvPrefill::Create(e.engine.get(), e.side, e.shards.regions, nullptr,
-                                     &layers, cb));
-  RETURN_IF_ERROR(b.AllGather(e.engine->Address(), 30s).status());
+  WatchedPrefill w;
+  RETURN_IF_ERROR(w.Open(provider, b));
   Deadline deadline = Deadline::After(30s);
-  while (arrived.load() == 0 && !deadline.Expired()) std::this_thread::sleep_for(1ms);
-  CHECK_OR_RETURN(arrived.load() == 1, "the first request never arrived");
+  RETURN_IF_ERROR(w.AwaitArrivals(1, deadline));
   RETURN_IF_ERROR(b.Barrier(30s));  // B1: the second decoder sends its request now
   RETURN_IF_ERROR(b.Barrier(30s));  // B2: the second decoder's request has ended
-  CHECK_OR_RETURN(arrived.load() == 1, "the scheduler heard of the duplicate");
+  CHECK_OR_RETURN(w.arrived.load() == 1, "the scheduler heard of the duplicate");
   std::vector<int64_t> pages = {0, 1, 2, 3, 4};
-  RETURN_IF_ERROR(prefill->Schedule(7, pages, 0, 0));
-  layers.fetch_add(kLayers);
-  while (released.load() == 0 && !deadline.Expired()) std::this_thread::sleep_for(1ms);
-  CHECK_OR_RETURN(released.load() == 1 && release_status.ok(),
-                  "the first request released with " + release_status.ToString());
+  RETURN_IF_ERROR(w.prefill->Schedule(7, pages, 0, 0));
+  w.layers.fetch_add(kLayers);
+  w.AwaitRelease(deadline);
+  CHECK_OR_RETURN(w.released.load() == 1 && w.release_status.ok(),
+                  "the first request released with " + w.release_status.ToString());
   return b.Barrier(30s);  // B3
 }
 
