@@ -138,6 +138,38 @@ struct WatchedPrefill {
   }
 };
 
+// A small decoder that asks the prefill (rank 0) for request 7 (five pages) and keeps its
+// outcome and how many times it was told.
+struct WatchedDecoder {
+  SmallEnd e;
+  std::unique_ptr<KvDecoder> decoder;
+  std::vector<std::vector<uint8_t>> addresses;
+  std::vector<int64_t> pages = {9, 3, 5, 7, 11};
+  std::atomic<int> calls{0};
+  Status outcome;
+
+  Status Open(const std::string& provider, Bootstrap& b) {
+    RETURN_IF_ERROR(e.Open(provider, 2));
+    ASSIGN_OR_RETURN(decoder, KvDecoder::Create(e.engine.get(), e.side, e.shards.regions, nullptr));
+    ASSIGN_OR_RETURN(addresses, b.AllGather(e.engine->Address(), 30s));
+    return Status::Ok();
+  }
+  Status Submit(Deadline deadline) {
+    KvDecoder::Request req;
+    req.request_id = 7;
+    req.prefill_address = addresses[0];
+    req.prefill = KvSide{kSmallModel, KvOrder::kHND, 4};
+    req.pages = pages;
+    return decoder->Submit(req, deadline, [this](const Status& s) {
+      outcome = s;
+      calls.fetch_add(1);
+    });
+  }
+  void AwaitOutcome(Deadline deadline) {
+    while (calls.load() == 0 && !deadline.Expired()) std::this_thread::sleep_for(1ms);
+  }
+};
+
 Status RunPrefill(const Case& c, Bootstrap& b) {
   const KvSide side{c.model, c.prefill_order, c.prefill_tp};
   EngineOptions options = testing_util::TestOptions(c.provider);
@@ -519,45 +551,30 @@ Status CancelPrefill(Stop how, const std::string& provider, Bootstrap& b) {
 }
 
 Status CancelDecoder(Stop how, const std::string& provider, Bootstrap& b) {
-  SmallEnd e;
-  RETURN_IF_ERROR(e.Open(provider, 2));
-  ASSIGN_OR_RETURN(auto decoder,
-                   KvDecoder::Create(e.engine.get(), e.side, e.shards.regions, nullptr));
-  ASSIGN_OR_RETURN(auto addresses, b.AllGather(e.engine->Address(), 30s));
-  std::vector<int64_t> pages = {9, 3, 5, 7, 11};
-  std::atomic<int> calls{0};
-  Status outcome;
-  KvDecoder::Request req;
-  req.request_id = 7;
-  req.prefill_address = addresses[0];
-  req.prefill = KvSide{kSmallModel, KvOrder::kHND, 4};
-  req.pages = pages;
-  const auto deadline = how == Stop::kDeadline ? 300ms : 20s;
-  RETURN_IF_ERROR(decoder->Submit(req, Deadline::After(deadline), [&](const Status& s) {
-    outcome = s;
-    calls.fetch_add(1);
-  }));
+  WatchedDecoder w;
+  RETURN_IF_ERROR(w.Open(provider, b));
+  RETURN_IF_ERROR(w.Submit(Deadline::After(how == Stop::kDeadline ? 300ms : 20s)));
   if (how == Stop::kDeadline) std::this_thread::sleep_for(400ms);
   RETURN_IF_ERROR(b.Barrier(30s));  // B1
-  if (how == Stop::kDecoderCancels) RETURN_IF_ERROR(decoder->Cancel(7));
+  if (how == Stop::kDecoderCancels) RETURN_IF_ERROR(w.decoder->Cancel(7));
   RETURN_IF_ERROR(b.Barrier(30s));  // B2
-  Deadline wait = Deadline::After(20s);
-  while (calls.load() == 0 && !wait.Expired()) std::this_thread::sleep_for(1ms);
-  CHECK_OR_RETURN(calls.load() == 1, "no outcome");
+  w.AwaitOutcome(Deadline::After(20s));
+  CHECK_OR_RETURN(w.calls.load() == 1, "no outcome");
   const StatusCode want = how == Stop::kDeadline ? StatusCode::kDeadlineExceeded
                                                  : StatusCode::kCancelled;
-  CHECK_OR_RETURN(outcome.code() == want, "outcome " + outcome.ToString());
+  CHECK_OR_RETURN(w.outcome.code() == want, "outcome " + w.outcome.ToString());
   // The pages are ours again: poison them and make sure nothing more lands while the prefill
   // runs the rest of its pass.
-  for (auto& shard : e.shards.bytes) std::fill(shard.begin(), shard.end(), 0xEE);
+  for (auto& shard : w.e.shards.bytes) std::fill(shard.begin(), shard.end(), 0xEE);
   RETURN_IF_ERROR(b.Barrier(30s));  // B3
   std::this_thread::sleep_for(200ms);
-  for (auto& shard : e.shards.bytes) {
+  for (auto& shard : w.e.shards.bytes) {
     CHECK_OR_RETURN(std::all_of(shard.begin(), shard.end(), [](uint8_t v) { return v == 0xEE; }),
                     "a write landed after the request ended");
   }
-  CHECK_OR_RETURN(calls.load() == 1, "more than one outcome");
-  CHECK_OR_RETURN(decoder->Cancel(7).code() == StatusCode::kNotFound, "ended request cancellable");
+  CHECK_OR_RETURN(w.calls.load() == 1, "more than one outcome");
+  CHECK_OR_RETURN(w.decoder->Cancel(7).code() == StatusCode::kNotFound,
+                  "ended request cancellable");
   return b.Barrier(30s);  // B4
 }
 
@@ -666,42 +683,24 @@ Status DuplicatePrefill(const std::string& provider, Bootstrap& b) {
 }
 
 Status DuplicateDecoder(const std::string& provider, Bootstrap& b) {
-  SmallEnd e;
-  RETURN_IF_ERROR(e.Open(provider, 2));
-  ASSIGN_OR_RETURN(auto decoder,
-                   KvDecoder::Create(e.engine.get(), e.side, e.shards.regions, nullptr));
-  ASSIGN_OR_RETURN(auto addresses, b.AllGather(e.engine->Address(), 30s));
+  WatchedDecoder w;
+  RETURN_IF_ERROR(w.Open(provider, b));
   const bool first = b.rank() == 1;
-  std::vector<int64_t> pages = {9, 3, 5, 7, 11};
-  std::atomic<int> calls{0};
-  Status outcome;
-  KvDecoder::Request req;
-  req.request_id = 7;
-  req.prefill_address = addresses[0];
-  req.prefill = KvSide{kSmallModel, KvOrder::kHND, 4};
-  req.pages = pages;
-  auto submit = [&] {
-    return decoder->Submit(req, Deadline::After(20s), [&](const Status& s) {
-      outcome = s;
-      calls.fetch_add(1);
-    });
-  };
-  if (first) RETURN_IF_ERROR(submit());
+  if (first) RETURN_IF_ERROR(w.Submit(Deadline::After(20s)));
   RETURN_IF_ERROR(b.Barrier(30s));  // B1
   const auto start = Clock::now();
   if (!first) {
-    RETURN_IF_ERROR(submit());
-    Deadline wait = Deadline::After(10s);
-    while (calls.load() == 0 && !wait.Expired()) std::this_thread::sleep_for(1ms);
-    CHECK_OR_RETURN(calls.load() == 1 && outcome.code() == StatusCode::kCancelled,
-                    "the duplicate ended with " + outcome.ToString());
+    RETURN_IF_ERROR(w.Submit(Deadline::After(20s)));
+    w.AwaitOutcome(Deadline::After(10s));
+    CHECK_OR_RETURN(w.calls.load() == 1 && w.outcome.code() == StatusCode::kCancelled,
+                    "the duplicate ended with " + w.outcome.ToString());
     CHECK_OR_RETURN(Clock::now() - start < 5s, "the duplicate waited for its deadline");
   }
   RETURN_IF_ERROR(b.Barrier(30s));  // B2
   if (first) {
-    Deadline wait = Deadline::After(20s);
-    while (calls.load() == 0 && !wait.Expired()) std::this_thread::sleep_for(1ms);
-    CHECK_OR_RETURN(calls.load() == 1 && outcome.ok(), "the first ended with " + outcome.ToString());
+    w.AwaitOutcome(Deadline::After(20s));
+    CHECK_OR_RETURN(w.calls.load() == 1 && w.outcome.ok(),
+                    "the first ended with " + w.outcome.ToString());
   }
   return b.Barrier(30s);  // B3
 }
