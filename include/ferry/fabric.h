@@ -361,9 +361,8 @@ class FERRY_API TransferEngine {
   virtual Status RemovePeer(PeerId peer) = 0;
   // Whether `peer` is lost: a transfer to it outlived its deadline (transfer_timeout_ms), or
   // RemovePeer forgot it. Every later submit to it fails with Unavailable; a peer that is back
-  // is added again (AddPeer gives it a new PeerId) -- over libfabric. Over verbs a connection is
-  // a pair of queue pairs the other side still holds, and a new one does not replace it yet:
-  // there a lost peer stays lost for the engine's life. NotFound for an unknown peer.
+  // is added again (AddPeer gives it a new PeerId; over verbs the new connection replaces the
+  // old one on the other side too, which keeps its PeerId). NotFound for an unknown peer.
   virtual StatusOr<bool> PeerLost(PeerId peer) const = 0;
   virtual StatusOr<GroupId> AddPeerGroup(std::span<const PeerId> members) = 0;
   // Pre-builds the work-request templates of a scatter from `src` to one region per group member.

@@ -381,9 +381,11 @@ class FakeVerbs final : public VerbsApi {
     };
     const bool rnr_forever = qp.rnr_retry == 7;
     auto it = net_->qps.find(qp.dest_qpn);
+    // A reliable connection is a pair: a queue pair connected to another one than ours answers
+    // nothing we can use (its PSNs are not ours), and we retry until we give up.
     if (it == net_->qps.end() || net_->dead.count(it->second->device) ||
         net_->dead.count(qp.device) || it->second->qp.state < IBV_QPS_RTR ||
-        it->second->qp.state == IBV_QPS_ERR) {
+        it->second->qp.state == IBV_QPS_ERR || it->second->dest_qpn != qp.qp.qp_num) {
       return fail(IBV_WC_RETRY_EXC_ERR);
     }
     FakeNet::Qp& dst = *it->second;

@@ -39,6 +39,8 @@ struct Peer {
   uint32_t msg_psn = 0, write_psn = 0;
   bool have_theirs = false;  // our queue pairs are RTS towards theirs
   bool they_have_ours = false;
+  uint32_t incarnation = 0;        // of our connection to them (Handshake::incarnation)
+  uint32_t their_incarnation = 0;  // of theirs that our queue pairs are connected to
   bool removed = false;
   Clock::time_point last_hello{};
   WrChain write_chain{1, kMaxInline};
@@ -93,6 +95,7 @@ class VerbsDomain final : public Domain {
       }
       if (p->ah) api_->DestroyAh(p->ah);
     }
+    for (ibv_qp* qp : retired_qps_) api_->DestroyQp(qp);
     if (ud_) api_->DestroyQp(ud_);
     for (ibv_srq* srq : {srq_msg_, srq_imm_}) {
       if (srq) api_->DestroySrq(srq);
@@ -203,6 +206,7 @@ class VerbsDomain final : public Domain {
     peer->ah = api_->CreateAh(pd_, &ah);
     if (!peer->ah) return ErrnoError("verbs: address handle for a peer", errno);
     Peer* p = peer.get();
+    p->incarnation = next_incarnation_++;
     const uint64_t index = peers_.size();
     peers_.push_back(std::move(peer));  // owns what follows, even on failure
     ASSIGN_OR_RETURN(p->msg, CreateRc(srq_msg_));
@@ -424,6 +428,7 @@ class VerbsDomain final : public Domain {
     h.msg = {p.msg->qp_num, p.msg_psn};
     h.write = {p.write->qp_num, p.write_psn};
     h.have_yours = p.have_theirs;
+    h.incarnation = p.incarnation;
     std::vector<uint8_t> bytes = h.Serialize();
     std::memcpy(UdSendBuffer(slot), bytes.data(), bytes.size());
     ibv_sge sge{reinterpret_cast<uint64_t>(UdSendBuffer(slot)),
@@ -465,7 +470,36 @@ class VerbsDomain final : public Domain {
     RETURN_IF_ERROR(ApplySteps(*api_, p.msg, std::span(msg_steps).subspan(1), "messages"));
     RETURN_IF_ERROR(ApplySteps(*api_, p.write, std::span(write_steps).subspan(1), "writes"));
     p.have_theirs = true;
+    p.their_incarnation = h.incarnation;
     SendHello(p);  // tell them we hold theirs
+    return Status::Ok();
+  }
+
+  // The other side lost our connection and made a new one: the queue pairs of the old one go
+  // to the error state -- what is chained or outstanding on them completes in error -- and stay
+  // until the domain closes (their completions may still come); new ones wait in INIT for the
+  // new connection's numbers, which the caller applies. Our PeerId stays.
+  Status Reconnect(uint64_t index) {
+    Peer& p = *peers_[index];
+    if (!p.write_chain.empty()) Flush(p, p.write_chain, p.write);
+    if (!p.msg_chain.empty()) Flush(p, p.msg_chain, p.msg);
+    ibv_qp_attr err{};
+    err.qp_state = IBV_QPS_ERR;
+    for (ibv_qp** qp : {&p.msg, &p.write}) {
+      api_->ModifyQp(*qp, &err, IBV_QP_STATE);
+      retired_qps_.push_back(std::exchange(*qp, nullptr));
+    }
+    p.have_theirs = p.they_have_ours = false;
+    peers_connected_ = 0;  // DriveHandshakes counts again
+    ASSIGN_OR_RETURN(p.msg, CreateRc(srq_msg_));
+    ASSIGN_OR_RETURN(p.write, CreateRc(srq_imm_));
+    p.msg_psn = NewPsn();
+    p.write_psn = NewPsn();
+    const QpStep init = RcInitStep(config_.port);
+    RETURN_IF_ERROR(ApplySteps(*api_, p.msg, {&init, 1}, "messages to peer"));
+    RETURN_IF_ERROR(ApplySteps(*api_, p.write, {&init, 1}, "writes to peer"));
+    qp_peer_[p.msg->qp_num] = index;
+    qp_peer_[p.write->qp_num] = index;
     return Status::Ok();
   }
 
@@ -478,6 +512,15 @@ class VerbsDomain final : public Domain {
       return;
     }
     Peer& p = *peers_[it->second];
+    if (p.removed) return;
+    if (p.have_theirs && h->incarnation > p.their_incarnation) {
+      // The other side lost our connection and made a new one (it added us again).
+      Status s = Reconnect(it->second);
+      if (!s.ok()) {
+        p.removed = true;  // its transfers fail (Ready says why), as a lost peer's do
+        return;
+      }
+    }
     const bool answer = !h->have_yours && p.have_theirs;
     Status s = OnHandshake(it->second, *h);
     (void)s;  // a failed transition leaves the peer unconnected: its transfers hit their deadline
@@ -561,6 +604,8 @@ class VerbsDomain final : public Domain {
   std::unordered_map<uint32_t, uint64_t> qp_peer_;
   std::unordered_map<uint64_t, uint64_t> token_peer_;
   std::unordered_map<uint64_t, Handshake> early_hellos_;
+  uint32_t next_incarnation_ = 1;  // Handshake::incarnation of our next connection
+  std::vector<ibv_qp*> retired_qps_;  // of connections the other side replaced (Reconnect)
   std::unordered_map<ibv_mr*, bool> live_mrs_;
   std::deque<DomainCompletion> refused_;  // WRs the device refused after we said kPosted
 };

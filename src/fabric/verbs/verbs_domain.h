@@ -10,6 +10,10 @@
 // until the peer's handshake arrives and says it holds ours, then moves both queue pairs to RTR
 // and RTS. Until then posts to that peer answer kAgain; the engine retries them within the
 // transfer deadline. A handshake that arrives before we know its sender waits for InsertPeer.
+// Each connection a domain makes carries a larger incarnation than the last: a peer that lost
+// us and adds us again sends a newer one, and we move our side over to it (Reconnect: the old
+// queue pairs to the error state, new ones connected to its), keeping the peer's address; a
+// late handshake of an older connection is ignored.
 //
 // Posts are chained: PostWrite/PostSend link WRs per queue pair and Poll rings the doorbell once
 // per chain (or sooner when a chain fills). A WR the device refuses completes with the error.

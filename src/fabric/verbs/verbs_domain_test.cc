@@ -115,6 +115,46 @@ TEST_F(VerbsEngineTest, WritesImmediatesAndMessagesFlowAfterTheHandshake) {
   EXPECT_EQ(at_a.load(), 1);
 }
 
+// A peer this engine lost (here: removed) and added again, while the other side still holds
+// the old connection's queue pairs: the new connection replaces them there, and writes flow
+// both ways again (the other side keeps its PeerId).
+TEST_F(VerbsEngineTest, ALostPeerAddedAgainReconnectsBothWays) {
+  auto a = Engine({"mlx5_0"});
+  auto b = Engine({"mlx5_1"});
+  ASSERT_TRUE(a && b);
+  const PeerId pb = *a->AddPeer(b->Address());
+  const PeerId pa = *b->AddPeer(a->Address());
+  std::vector<uint8_t> src(4096, 7), dst(4096, 0);
+  MemoryRegion src_reg = *a->RegisterMemory(src.data(), src.size());
+  MemoryRegion dst_reg = *b->RegisterMemory(dst.data(), dst.size());
+  ASSERT_TRUE(b->CreateImmCounter(1).ok());
+  ASSERT_TRUE(a->CreateImmCounter(2).ok());
+  auto write = [&](PeerId peer) {
+    TransferCounter done;
+    Status s = a->Write({.src = &src_reg, .peer = peer, .dst = dst_reg.remote(), .length = 4096,
+                         .imm = 1u},
+                        Completion::Counter(&done));
+    if (s.ok()) s = done.Wait(1, Deadline::After(10s));
+    return s.ok() && done.failed.load() == 0;
+  };
+  auto answer = [&] {
+    TransferCounter done;
+    Status s = b->WriteImm(pa, 2, Completion::Counter(&done));
+    if (s.ok()) s = done.Wait(1, Deadline::After(10s));
+    return s.ok() && done.failed.load() == 0;
+  };
+  ASSERT_TRUE(write(pb));
+  ASSERT_TRUE(answer());
+  ASSERT_TRUE(a->RemovePeer(pb).ok());
+  const PeerId again = *a->AddPeer(b->Address());
+  EXPECT_NE(again, pb);
+  EXPECT_TRUE(write(again)) << "a write over the new connection";
+  EXPECT_TRUE(answer()) << "the other side's write over the new connection";
+  EXPECT_TRUE(b->WaitImm(1, 2, Deadline::After(5s)).ok());
+  EXPECT_TRUE(a->WaitImm(2, 2, Deadline::After(5s)).ok());
+  EXPECT_FALSE(*b->PeerLost(pa));
+}
+
 TEST_F(VerbsEngineTest, ScatterBarrierAndATwoNicGroupShardOverQueuePairs) {
   auto a = Engine({"mlx5_0", "mlx5_1"});
   std::vector<std::unique_ptr<TransferEngine>> bs;

@@ -93,6 +93,7 @@ Handshake Remote() {
   h.msg = {0x1234, 0x111};
   h.write = {0x1235, 0x222};
   h.have_yours = true;
+  h.incarnation = 0x9abcdef;
   return h;
 }
 
@@ -109,6 +110,7 @@ TEST(VerbsLogicTest, HandshakesRoundTripAndMalformedOnesAreRefused) {
   EXPECT_EQ(p->msg.qpn, 0x1234u);
   EXPECT_EQ(p->write.psn, 0x222u);
   EXPECT_TRUE(p->have_yours);
+  EXPECT_EQ(p->incarnation, 0x9abcdefu);
   for (size_t n = 0; n < bytes.size(); ++n) {
     EXPECT_EQ(Handshake::Parse(std::span(bytes).first(n)).status().code(),
               StatusCode::kInvalidArgument);
