@@ -56,6 +56,9 @@ struct Case {
   int stream = 0;
   // FERRY_NV_SPREAD=1 in the ranks: received slots visited spread over their senders.
   bool spread = false;
+  // The CUDA AllToAll on the host reference's engine (instance 1 beside its 0), their steps
+  // interleaved as RunRank runs them: two AllToAlls sharing one engine through the relay.
+  bool shared_engine = false;
 };
 
 std::string Describe(const Case& c) {
@@ -69,7 +72,7 @@ std::string Describe(const Case& c) {
          (c.token_major == 1 ? "_tokmajor" : c.token_major == 2 ? "_mixedlayout" : "") +
          (c.stream == 1 ? "_streamed" : c.stream == 2 ? "_combstreamed"
                           : c.stream == 3 ? "_allstreamed" : "") +
-         (c.spread ? "_spread" : "");
+         (c.spread ? "_spread" : "") + (c.shared_engine ? "_sharedengine" : "");
 }
 void PrintTo(const Case& c, std::ostream* os) { *os << Describe(c); }
 
@@ -194,9 +197,15 @@ Status RunRank(const Case& c, Bootstrap& b) {
   setenv("FERRY_NV_STREAM", std::to_string(c.stream).c_str(), 1);  // this rank only
   if (c.spread) setenv("FERRY_NV_SPREAD", "1", 1);
   ASSIGN_OR_RETURN(auto host_engine, TransferEngine::Create(testing_util::TestOptions("shm")));
-  ASSIGN_OR_RETURN(auto gpu_engine, TransferEngine::Create(testing_util::TestOptions("shm")));
+  std::unique_ptr<TransferEngine> own_engine;
+  if (!c.shared_engine) {
+    ASSIGN_OR_RETURN(own_engine, TransferEngine::Create(testing_util::TestOptions("shm")));
+  } else {
+    gpu_cfg.instance = 1;
+  }
+  TransferEngine* gpu_engine = c.shared_engine ? host_engine.get() : own_engine.get();
   ASSIGN_OR_RETURN(auto host, AllToAll::Create(cfg, host_engine.get(), b));
-  ASSIGN_OR_RETURN(auto gpu, AllToAll::Create(gpu_cfg, gpu_engine.get(), b));
+  ASSIGN_OR_RETURN(auto gpu, AllToAll::Create(gpu_cfg, gpu_engine, b));
 
   const int l = cfg.local_experts(), h = cfg.hidden;
   const int64_t cap = cfg.expert_capacity(), row = cfg.token_bytes(), spt = cfg.scales_per_token();
@@ -664,6 +673,11 @@ Case Spread(Case c) {
   c.spread = true;
   return c;
 }
+// The same case with the CUDA AllToAll on the host reference's engine (Case::shared_engine).
+Case SharedEngine(Case c) {
+  c.shared_engine = true;
+  return c;
+}
 
 const auto bf16 = DispatchDtype::kBf16, fp8 = DispatchDtype::kFp8E4M3;
 const auto rnd = Routing::kRandom, hot = Routing::kAllToOneExpert;
@@ -789,7 +803,12 @@ INSTANTIATE_TEST_SUITE_P(
                       Spread(Case{2, 1024, 1024, 32, 4, fp8, rnd, 32, false, true, true, 2, true,
                                   false, 0, 1}),
                       Spread(Case{4, 1024, 1024, 32, 4, fp8, rnd, 32, false, false, false, 2,
-                                  true, false, 2})),
+                                  true, false, 2}),
+                      // Two AllToAlls on one engine: one rank per node (every peer through the
+                      // relay), and nodes of two with graphs.
+                      SharedEngine(Case{2, 128, 7168, 256, 8, fp8, rnd, 16, false, true, true, 3}),
+                      SharedEngine(Case{4, 96, 256, 64, 4, bf16, rnd, 4, false, true, true, 4,
+                                        true, true, 2})),
     [](const ::testing::TestParamInfo<Case>& info) { return Describe(info.param); });
 
 }  // namespace
