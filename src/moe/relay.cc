@@ -38,7 +38,7 @@ RelayLayout::RelayLayout(const AllToAllConfig& c, int64_t slot_bytes_in)
   inbox_bytes = in_combine_off + combine_rows * row_bytes;
   out_peer_bytes = RoundUp(section_bytes + rows_per_pair * row_bytes, 128);
   outbox_bytes = q * out_peer_bytes;
-  out_slots_off = (2 * int64_t{n} + 2) * 8;
+  out_slots_off = 2 * 8;  // after the outbox flags
   in_rows_off = out_slots_off + q * 8;
   control_bytes = RoundUp(in_rows_off + q * 16, 128);
 }
@@ -56,9 +56,6 @@ Relay::Relay(const AllToAllConfig& config, const RelayLayout& layout, TransferEn
       engine_(engine),
       buffers_(buffers),
       peer_timeout_ms_(peer_timeout_ms),
-      inbox_flags_(buffers.inbox_flags ? buffers.inbox_flags
-                                       : layout.InboxFlag(buffers.control, /*combine=*/false, 0)),
-      device_flags_(buffers.inbox_flags && buffers.device_flags),
       trace_(RelayTraceOn()) {
   targets_.reserve(layout_.remotes.size());
 }
@@ -77,8 +74,9 @@ StatusOr<std::unique_ptr<Relay>> Relay::Create(const AllToAllConfig& config,
         "AllToAll: several nodes need an engine for the traffic between them");
   }
   if (layout.remotes.empty()) return InvalidArgumentError("Relay: no rank outside this node");
-  if (!buffers.inbox || !buffers.outbox || !buffers.control) {
-    return InvalidArgumentError("Relay: inbox, outbox and control block are all needed");
+  if (!buffers.inbox || !buffers.outbox || !buffers.control || !buffers.inbox_flags) {
+    return InvalidArgumentError(
+        "Relay: inbox, outbox, control block and inbox flags are all needed");
   }
   std::unique_ptr<Relay> relay(new Relay(config, layout, engine, buffers, peer_timeout_ms));
   RETURN_IF_ERROR(relay->Connect(bootstrap));
@@ -89,9 +87,10 @@ StatusOr<std::unique_ptr<Relay>> Relay::Create(const AllToAllConfig& config,
 Relay::~Relay() { Stop(); }
 
 void Relay::RaiseInboxFlag(bool combine, int s, uint64_t epoch) {
-  uint64_t* flag = inbox_flags_ + (combine ? layout_.n : 0) + s;
+  uint64_t* flag = buffers_.inbox_flags + (combine ? layout_.n : 0) + s;
   std::atomic_ref<uint64_t>(*flag).store(epoch + 1, std::memory_order_release);
-  if (device_flags_) std::atomic_thread_fence(std::memory_order_seq_cst);  // WC: out, in order
+  // Out of a write-combining buffer (GDRCopy's mapping), in order; a few per step.
+  std::atomic_thread_fence(std::memory_order_seq_cst);
 }
 
 bool Relay::Stop() {
@@ -103,10 +102,10 @@ bool Relay::Stop() {
     const double n = double(std::max<uint64_t>(trace_count_[step], 1));
     std::fprintf(stderr,
                  "[rank %d] relay %s (mean of %llu, us): kernels' flag %.1f, posted %.1f, "
-                 "sections landed %.1f, own writes done %.1f; inbox flags in %s\n",
+                 "sections landed %.1f, own writes done %.1f\n",
                  c_.rank, step ? "combine" : "dispatch", (unsigned long long)trace_count_[step],
                  trace_us_[step][0] / n, trace_us_[step][1] / n, trace_us_[step][2] / n,
-                 trace_us_[step][3] / n, device_flags_ ? "GPU memory (GDRCopy)" : "host memory");
+                 trace_us_[step][3] / n);
   }
   // Writes still in flight read the outbox and targets_; the engine ends each within its
   // transfer timeout, so this wait is bounded. If one never ends, leak what it reads.

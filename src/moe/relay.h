@@ -8,16 +8,16 @@
 // TransferEngine into that rank's inbox, and when a peer's section has landed in our inbox it
 // raises the flag our kernels wait for. The boxes are GPU memory the NIC reads and writes
 // directly (GPUDirect RDMA, where the engine registers CUDA memory) or pinned host memory the GPU
-// maps (RdmaBuffers in ferry/moe.h). Whatever the relay's CPU reads or writes -- the flags, and
+// maps (RdmaBuffers in ferry/moe.h). What the relay's CPU reads -- the kernels' outbox flags and
 // the two numbers it needs of each counts row -- is in a control block of pinned host memory the
-// kernels also write:
+// kernels write; the flags it raises for the kernels are the caller's inbox_flags (GpuWords):
 //
 //   dispatch: GPU raises control.outbox.dispatch -> one write per remote rank (counts row and all
 //             the slots for it, contiguous; how many slots: control.out_slots) -> as sender s's
-//             immediate arrives, control.inbox.dispatch[s] -> our own writes complete
+//             immediate arrives, inbox_flags.dispatch[s] -> our own writes complete
 //   combine:  GPU raises control.outbox.combine -> one write per remote rank (the rows we return
 //             to it, at the place its counts row named: control.in_rows, copied there by the
-//             receive kernel) -> control.inbox.combine[s] as each arrives -> our writes complete
+//             receive kernel) -> inbox_flags.combine[s] as each arrives -> our writes complete
 //
 // Immediates name their sender (RelayImm), so each flag goes up as its section lands and a lost
 // rank is the one whose flag never does.
@@ -27,11 +27,11 @@
 // receive kernel that copies control.in_rows fences at system scope and ends before the combine
 // send kernel starts); the relay loads it with acquire before it reads them and the NIC the data. The relay stores an inbox flag with release after its
 // engine saw the peer's immediate (the data is in our memory); the kernels load it with
-// ld.acquire.sys before they read the section. With GDRCopy the inbox flags are GPU memory the
-// relay writes through a write-combining mapping: the store is followed by a full fence, which
-// sends it out of the CPU's write-combining buffers in order; the kernels then poll their own
-// memory. Remote pairs have no "private" limit and no
-// pull: every slot travels in the section.
+// ld.acquire.sys before they read the section. The inbox flags are the caller's (the CUDA
+// AllToAll's GpuWords): GPU memory behind GDRCopy's write-combining mapping, or pinned host
+// memory; each store is followed by a full fence, which sends it out of the CPU's
+// write-combining buffers in order where there are any. Remote pairs have no "private" limit
+// and no pull: every slot travels in the section.
 //
 // Reuse needs no barrier: the chain of flags that protects the NVLink buffers (see
 // nvlink_all_to_all.h) runs through the relay unchanged -- a rank rewrites its outbox (and, by
@@ -75,9 +75,7 @@ enum CountsColumn : int {
 //   inbox    sections  [remote senders] counts row + S slots, written by the peers' relays
 //            combine   [T * K] rows, rows from remote expert ranks at their place in our region
 //   outbox   per remote rank q: section (counts row + S slots), then R combine rows for it
-//   control  inbox flags   dispatch[N], combine[N] u64  raised by the relay, polled by the
-//                          kernels (unused where RelayBuffers::inbox_flags names others)
-//            outbox flags  dispatch, combine u64        raised by the kernels, polled by the relay
+//   control  outbox flags  dispatch, combine u64        raised by the kernels, polled by the relay
 //            out_slots     [remote receivers] i64       our slots for q (the send kernel)
 //            in_rows       [remote senders] {start, rows} i64: where sender q's combine rows go
 //                          in its region and how many (the receive kernel, from q's counts row)
@@ -101,11 +99,8 @@ struct RelayLayout {
   int64_t out_peer_bytes, outbox_bytes;
   int64_t out_slots_off, in_rows_off, control_bytes;
 
-  uint64_t* InboxFlag(uint8_t* control, bool combine, int sender) const {
-    return reinterpret_cast<uint64_t*>(control) + (combine ? n : 0) + sender;
-  }
   uint64_t* OutboxFlag(uint8_t* control, bool combine) const {
-    return reinterpret_cast<uint64_t*>(control) + 2 * n + (combine ? 1 : 0);
+    return reinterpret_cast<uint64_t*>(control) + (combine ? 1 : 0);
   }
   int64_t* OutSlots(uint8_t* control, int q) const {
     return reinterpret_cast<int64_t*>(control + out_slots_off) + q;
@@ -131,12 +126,9 @@ struct RelayBuffers {
   // goes up, where the NIC's writes into GPU memory need a flush to be visible to the kernels
   // (cudaDeviceFlushGPUDirectRDMAWrites); empty where they need none. An error fails the relay.
   std::function<Status()> flush_landed;
-  // Where the relay raises the inbox flags (2N words, dispatch then combine) when not in the
-  // control block: the CUDA AllToAll's GpuWords (gpu_words.h) -- GPU memory written through
-  // GDRCopy's mapping, which device_flags says (each store is then followed by a full fence),
-  // or pinned host memory mapped into the GPU.
+  // [2N] the inbox flags the relay raises for the kernels, dispatch then combine, as the host
+  // writes them: the CUDA AllToAll's GpuWords (gpu_words.h).
   uint64_t* inbox_flags = nullptr;
-  bool device_flags = false;
 };
 
 // FERRY_RELAY_TRACE=1: the relay and the AllToAll say where their memory went and why, and the
@@ -190,8 +182,6 @@ class Relay {
   TransferEngine* const engine_;
   const RelayBuffers buffers_;
   const uint32_t peer_timeout_ms_;
-  uint64_t* const inbox_flags_;  // [2N]: in the control block, or buffers.inbox_flags
-  const bool device_flags_;
   MemoryRegion inbox_reg_, outbox_reg_;
   GroupId group_ = 0;
   ScatterPlanId plan_ = 0;

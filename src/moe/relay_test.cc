@@ -61,8 +61,7 @@ TEST(RelayLayoutTest, SectionsAndIndicesAgree) {
       std::vector<uint8_t> control(layout.control_bytes);
       uint8_t* base = control.data();
       const int q = static_cast<int>(layout.remotes.size());
-      EXPECT_EQ(reinterpret_cast<uint8_t*>(layout.InboxFlag(base, true, world - 1)) + 8,
-                reinterpret_cast<uint8_t*>(layout.OutboxFlag(base, false)));
+      EXPECT_EQ(reinterpret_cast<uint8_t*>(layout.OutboxFlag(base, false)), base);
       EXPECT_LE(reinterpret_cast<uint8_t*>(layout.OutboxFlag(base, true)) + 8,
                 reinterpret_cast<uint8_t*>(layout.OutSlots(base, 0)));
       EXPECT_LE(reinterpret_cast<uint8_t*>(layout.OutSlots(base, q)),
@@ -94,8 +93,19 @@ Ask AskOf(const RelayLayout& from_layout, int from, int to, uint64_t epoch) {
 // The relay's memory, host memory standing for the kernels' side.
 struct Boxes {
   explicit Boxes(const RelayLayout& layout)
-      : inbox(layout.inbox_bytes), outbox(layout.outbox_bytes), control(layout.control_bytes) {}
-  RelayBuffers buffers() { return {inbox.data(), outbox.data(), control.data()}; }
+      : inbox(layout.inbox_bytes),
+        outbox(layout.outbox_bytes),
+        control(layout.control_bytes),
+        flags(2 * size_t(layout.n), 0) {}
+  RelayBuffers buffers() {
+    RelayBuffers b{inbox.data(), outbox.data(), control.data()};
+    b.inbox_flags = flags.data();
+    return b;
+  }
+  // The flag the relay raises for sender s's dispatch or combine section.
+  uint64_t* InboxFlag(const RelayLayout& layout, bool combine, int s) {
+    return &flags[(combine ? layout.n : 0) + s];
+  }
   // What the send kernel writes for remote rank q: the counts row, and its slot count again in
   // the control block.
   void SetCounts(const RelayLayout& layout, int q, const int32_t* row) {
@@ -114,6 +124,7 @@ struct Boxes {
         .store(value, std::memory_order_release);
   }
   std::vector<uint8_t> inbox, outbox, control;
+  std::vector<uint64_t> flags;  // [2N] host memory standing for the kernels' GpuWords
 };
 
 // Until the relay fails or 10 s pass; the seconds waited.
@@ -135,28 +146,19 @@ Status WaitFlag(uint64_t* flag, uint64_t want, const std::string& what) {
 }
 
 // One rank's relay, host memory standing for the kernels' side, driven epoch by epoch (so that
-// two relays on one engine can alternate theirs). separate_flags: the inbox flags in a buffer
-// of their own, as the CUDA AllToAll's GpuWords (GPU memory with GDRCopy; host memory here).
-// flush: a flush_landed hook (as for GPU-memory boxes), which must run once per landed section,
+// two relays on one engine can alternate theirs). flush: a flush_landed hook (as for GPU-memory boxes), which must run once per landed section,
 // before that section's flag goes up. instance: AllToAllConfig::instance.
 class RelayRank {
  public:
-  RelayRank(Bootstrap& b, int per_node, bool separate_flags = false, bool flush = false,
-            int instance = 0)
+  RelayRank(Bootstrap& b, int per_node, bool flush = false, int instance = 0)
       : c_(WithInstance(Config(b.world_size(), b.rank(), per_node), instance)),
         per_node_(per_node),
-        separate_flags_(separate_flags),
         flush_(flush),
         layout_(c_, kSlotBytes),
-        boxes_(layout_),
-        flags_(2 * size_t(c_.world_size), 0) {}
+        boxes_(layout_) {}
 
   Status Create(TransferEngine* engine, Bootstrap& b) {
     RelayBuffers buffers = boxes_.buffers();
-    if (separate_flags_) {
-      buffers.inbox_flags = flags_.data();
-      buffers.device_flags = true;
-    }
     if (flush_) {
       buffers.flush_landed = [this]() -> Status {
         // Raises so far (each raise adds one to a flag): one per earlier flush, none for this one.
@@ -237,21 +239,12 @@ class RelayRank {
     return Status::Ok();
   }
 
-  // After `epochs` epochs: every flush ran, and no flag went up in the control block when the
-  // flags live elsewhere.
+  // After `epochs` epochs: every flush ran.
   Status Check(uint64_t epochs) {
-    if (flush_) {
-      const uint64_t want = epochs * 2 * layout_.remotes.size();
-      CHECK_OR_RETURN(flushes_.load() == want, std::to_string(flushes_.load()) + " flushes, want " +
-                                                   std::to_string(want));
-    }
-    if (separate_flags_) {
-      for (int r = 0; r < c_.world_size; ++r) {
-        CHECK_OR_RETURN(*layout_.InboxFlag(boxes_.control.data(), false, r) == 0 &&
-                            *layout_.InboxFlag(boxes_.control.data(), true, r) == 0,
-                        "a flag raised in the control block although the flags live elsewhere");
-      }
-    }
+    if (!flush_) return Status::Ok();
+    const uint64_t want = epochs * 2 * layout_.remotes.size();
+    CHECK_OR_RETURN(flushes_.load() == want, std::to_string(flushes_.load()) + " flushes, want " +
+                                                 std::to_string(want));
     return Status::Ok();
   }
 
@@ -260,24 +253,20 @@ class RelayRank {
     c.instance = instance;
     return c;
   }
-  uint64_t* InboxFlag(bool combine, int s) {
-    return separate_flags_ ? &flags_[(combine ? c_.world_size : 0) + s]
-                           : layout_.InboxFlag(boxes_.control.data(), combine, s);
-  }
+  uint64_t* InboxFlag(bool combine, int s) { return boxes_.InboxFlag(layout_, combine, s); }
 
   const AllToAllConfig c_;
   const int per_node_;
-  const bool separate_flags_, flush_;
+  const bool flush_;
   const RelayLayout layout_;
   Boxes boxes_;
-  std::vector<uint64_t> flags_;
   std::atomic<uint64_t> flushes_{0};
   std::unique_ptr<Relay> relay_;  // last: stopped before the memory it uses goes
 };
 
-Status RunRank(Bootstrap& b, int per_node, bool separate_flags = false, bool flush = false) {
+Status RunRank(Bootstrap& b, int per_node, bool flush = false) {
   ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
-  RelayRank rank(b, per_node, separate_flags, flush);
+  RelayRank rank(b, per_node, flush);
   RETURN_IF_ERROR(rank.Create(engine.get(), b));
   for (uint64_t epoch = 0; epoch < 4; ++epoch) RETURN_IF_ERROR(rank.Epoch(epoch));
   RETURN_IF_ERROR(rank.Check(4));
@@ -289,13 +278,8 @@ TEST(RelayTest, FourEpochsBetweenTwoNodesOfTwo) {
   for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
 }
 
-TEST(RelayTest, InboxFlagsInABufferOfTheirOwn) {
-  auto exits = RunLocalRanks(2, [](Bootstrap& b) { return RunRank(b, 1, true); }, 120s);
-  for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
-}
-
 TEST(RelayTest, ThreeNodesOfOneFlushingWhatLands) {
-  auto exits = RunLocalRanks(3, [](Bootstrap& b) { return RunRank(b, 1, false, true); }, 120s);
+  auto exits = RunLocalRanks(3, [](Bootstrap& b) { return RunRank(b, 1, true); }, 120s);
   for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
 }
 
@@ -304,7 +288,7 @@ TEST(RelayTest, ThreeNodesOfOneFlushingWhatLands) {
 TEST(RelayTest, TwoInstancesShareAnEngine) {
   auto exits = RunLocalRanks(4, [](Bootstrap& b) -> Status {
     ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
-    RelayRank first(b, 2, false, false, 0), second(b, 1, true, false, 1);
+    RelayRank first(b, 2, false, 0), second(b, 1, false, 1);
     RETURN_IF_ERROR(first.Create(engine.get(), b));
     RETURN_IF_ERROR(second.Create(engine.get(), b));
     for (uint64_t epoch = 0; epoch < 6; ++epoch) {
@@ -339,7 +323,7 @@ TEST(RelayTest, AFailedFlushFailsTheRelay) {
                         s.message().find("rank " + std::to_string(peer) + "'s section") !=
                             std::string::npos,
                     s.ToString());
-    CHECK_OR_RETURN(*layout.InboxFlag(boxes.control.data(), false, peer) == 0,
+    CHECK_OR_RETURN(*boxes.InboxFlag(layout, false, peer) == 0,
                     "a flag went up without its flush");
     return b.Barrier(30s);
   }, 60s);
@@ -388,7 +372,7 @@ TEST(RelayTest, AnImpossibleCombineRequestIsRefused) {
     boxes.SetCounts(layout, 0, counts.data());
     boxes.RaiseOutbox(layout, false, 1);
     RETURN_IF_ERROR(
-        WaitFlag(layout.InboxFlag(boxes.control.data(), false, 1 - b.rank()), 1, "dispatch"));
+        WaitFlag(boxes.InboxFlag(layout, false, 1 - b.rank()), 1, "dispatch"));
     boxes.CopyInRows(layout, 0);
     boxes.RaiseOutbox(layout, true, 1);
     WaitForFailure(*relay);
@@ -413,9 +397,13 @@ TEST(RelayTest, AMissingBufferIsRefused) {
     const RelayLayout layout(c, kSlotBytes);
     Boxes boxes(layout);
     ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
-    for (int missing = 0; missing < 3; ++missing) {
+    for (int missing = 0; missing < 4; ++missing) {
       RelayBuffers buffers = boxes.buffers();
-      (missing == 0 ? buffers.inbox : missing == 1 ? buffers.outbox : buffers.control) = nullptr;
+      if (missing == 3) {
+        buffers.inbox_flags = nullptr;
+      } else {
+        (missing == 0 ? buffers.inbox : missing == 1 ? buffers.outbox : buffers.control) = nullptr;
+      }
       auto relay = Relay::Create(c, layout, engine.get(), b, buffers, 1000);
       CHECK_OR_RETURN(relay.status().code() == StatusCode::kInvalidArgument,
                       "buffer " + std::to_string(missing) + ": " + relay.status().ToString());

@@ -479,8 +479,7 @@ class NvlinkAllToAll final : public AllToAll {
     // pinned host memory mapped into the GPU (FERRY_GDRCOPY=0: always). GpuWords says which.
     ASSIGN_OR_RETURN(inbox_flags_, GpuWords::Create(c_.cuda_device, 2 * size_t(n)));
     boxes.inbox_flags = inbox_flags_->host_words();
-    boxes.device_flags = inbox_flags_->placement() == GpuWords::Placement::kGpuMemory;
-    if (!boxes.device_flags && RelayTraceOn()) {
+    if (inbox_flags_->placement() != GpuWords::Placement::kGpuMemory && RelayTraceOn()) {
       std::fprintf(stderr, "[rank %d] relay: inbox flags in host memory: %s\n", c_.rank,
                    inbox_flags_->gdrcopy_status().c_str());
     }
