@@ -9,6 +9,7 @@
 #include <csignal>
 #include <cstring>
 #include <deque>
+#include <limits>
 #include <mutex>
 #include <numeric>
 #include <random>
@@ -17,6 +18,7 @@
 #include "fabric/test_util.h"
 #include "ferry/bootstrap.h"
 #include "ferry/kv.h"
+#include "kv/messages.h"
 
 namespace ferry {
 namespace {
@@ -389,6 +391,21 @@ Status RunDecoder(const Case& c, Bootstrap& b) {
   wrong.pages = outside;
   CHECK_OR_RETURN(decoder->Submit(wrong, Deadline::After(1s), [](const Status&) {}).code() ==
                       StatusCode::kOutOfRange, "page outside the region accepted");
+  // Pages and aux slots whose byte offsets would overflow: refused, not wrapped (UBSan watches
+  // under `make sanitize`).
+  for (int64_t huge : {int64_t{1} << 62, std::numeric_limits<int64_t>::max()}) {
+    const std::vector<int64_t> one = {huge};
+    wrong.pages = one;
+    CHECK_OR_RETURN(decoder->Submit(wrong, Deadline::After(1s), [](const Status&) {}).code() ==
+                        StatusCode::kOutOfRange, "page " + std::to_string(huge) + " accepted");
+  }
+  wrong.pages = pages[0];
+  wrong.aux_offset = std::numeric_limits<int64_t>::max();
+  wrong.aux_bytes = 2;
+  CHECK_OR_RETURN(decoder->Submit(wrong, Deadline::After(1s), [](const Status&) {}).code() ==
+                      StatusCode::kOutOfRange, "an aux slot past 2^63 accepted");
+  wrong.aux_offset = 0;
+  wrong.aux_bytes = 0;
   // A prefill layout that describes another cache is refused too.
   wrong.pages = pages[0];
   wrong.prefill.model.head_dim += 1;
@@ -709,6 +726,109 @@ TEST(KvDuplicateTest, ARequestIdInFlightAtThePrefillCancelsTheNewcomer) {
   const std::string provider = testing_util::Providers().front();
   auto exits = RunLocalRanks(3, [&](Bootstrap& b) {
     return b.rank() == 0 ? DuplicatePrefill(provider, b) : DuplicateDecoder(provider, b);
+  }, 120s);
+  for (auto& e : exits) EXPECT_TRUE(e.ok()) << e.exit_code << " " << e.signal;
+}
+
+// A peer that sends a prefill garbage: random bytes, every truncation of a request, requests
+// whose fields would overflow the prefill's arithmetic, a request from an address no engine has,
+// control messages for nothing. The prefill drops each without a crash and without telling its
+// scheduler, and serves the next decoder's request as if nothing had come before.
+Status HostilePrefill(const std::string& provider, Bootstrap& b) {
+  WatchedPrefill w;
+  RETURN_IF_ERROR(w.Open(provider, b));
+  RETURN_IF_ERROR(b.Barrier(60s));  // B1: every hostile message has been delivered
+  Deadline deadline = Deadline::After(30s);
+  RETURN_IF_ERROR(w.AwaitArrivals(1, deadline));
+  std::vector<int64_t> pages = {0, 1, 2, 3, 4};
+  RETURN_IF_ERROR(w.prefill->Schedule(7, pages, 0, 0));
+  w.layers.fetch_add(kLayers);
+  w.AwaitRelease(deadline);
+  CHECK_OR_RETURN(w.released.load() == 1 && w.release_status.ok(),
+                  "the request released with " + w.release_status.ToString());
+  RETURN_IF_ERROR(b.Barrier(60s));  // B2: the decoder has its outcome
+  // Delivered before the decoder's request, so drained before it: none reached the scheduler.
+  CHECK_OR_RETURN(w.arrived.load() == 1,
+                  std::to_string(w.arrived.load()) + " requests reached the scheduler");
+  return Status::Ok();
+}
+
+Status HostileSender(const std::string& provider, Bootstrap& b) {
+  SmallEnd e;
+  RETURN_IF_ERROR(e.Open(provider, 2));
+  ASSIGN_OR_RETURN(auto addresses, b.AllGather(e.engine->Address(), 30s));
+  ASSIGN_OR_RETURN(PeerId prefill, e.engine->AddPeer(addresses[0]));
+  std::vector<std::vector<uint8_t>> messages;
+  std::mt19937 rng(11);
+  for (int i = 0; i < 64; ++i) {
+    std::vector<uint8_t> m(1 + rng() % 600);
+    for (auto& v : m) v = static_cast<uint8_t>(rng());
+    const uint32_t magic = i % 3 == 0 ? kv::kRequestMagic : i % 3 == 1 ? kv::kCancelMagic : 0;
+    if (magic != 0 && m.size() >= 4) std::memcpy(m.data(), &magic, 4);
+    messages.push_back(std::move(m));
+  }
+  kv::WireRequest q;
+  q.request_id = 100;
+  q.imm = kv::kImmBase;
+  q.decoder_address = e.engine->Address();
+  q.decode = e.side;
+  q.num_layers = kLayers;
+  q.layer_stride = static_cast<uint64_t>(e.shards.regions.layer_stride);
+  for (const MemoryRegion& r : e.shards.regs) q.dst.push_back(r.remote());
+  q.pages = {1, 2, 3, 4, 5};
+  const std::vector<uint8_t> whole = q.Serialize();
+  for (size_t n = 1; n < whole.size(); ++n) messages.emplace_back(whole.begin(), whole.begin() + n);
+  auto hostile = [&](auto change) {
+    kv::WireRequest h = q;
+    change(h);
+    messages.push_back(h.Serialize());
+  };
+  hostile([](kv::WireRequest& h) { h.pages[0] = int64_t{1} << 62; });
+  hostile([](kv::WireRequest& h) { h.pages[0] = 24; });
+  hostile([](kv::WireRequest& h) { h.num_tokens = -1; });
+  hostile([](kv::WireRequest& h) { h.layer_stride = ~uint64_t{0}; });
+  hostile([](kv::WireRequest& h) { h.aux_bytes = -1; });
+  hostile([](kv::WireRequest& h) { h.decode.model.head_dim = 1 << 30; });
+  hostile([](kv::WireRequest& h) { h.decoder_address.assign(40, 0xAB); });  // no engine's address
+  messages.push_back(kv::ControlMessage(kv::kCancelMagic, 555, kv::kImmBase, 0));
+  messages.push_back(kv::ControlMessage(kv::kAckMagic, 100, kv::kImmBase, 3));
+  const std::vector<uint8_t> cancel = kv::ControlMessage(kv::kCancelMagic, 7, kv::kImmBase, 0);
+  messages.emplace_back(cancel.begin(), cancel.end() - 1);
+
+  TransferCounter sent;
+  for (const auto& m : messages) {
+    Status s;
+    Deadline retry = Deadline::After(10s);
+    do {
+      s = e.engine->Send(prefill, m, Completion::Counter(&sent));
+      if (s.code() == StatusCode::kResourceExhausted) std::this_thread::sleep_for(1ms);
+    } while (s.code() == StatusCode::kResourceExhausted && !retry.Expired());
+    RETURN_IF_ERROR(s);
+  }
+  RETURN_IF_ERROR(sent.Wait(messages.size(), Deadline::After(30s)));
+  CHECK_OR_RETURN(sent.failed.load() == 0, std::to_string(sent.failed.load()) + " sends failed");
+  RETURN_IF_ERROR(b.Barrier(60s));  // B1
+  return b.Barrier(60s);            // B2
+}
+
+Status HostileDecoder(const std::string& provider, Bootstrap& b) {
+  WatchedDecoder w;
+  RETURN_IF_ERROR(w.Open(provider, b));
+  RETURN_IF_ERROR(b.Barrier(60s));  // B1
+  RETURN_IF_ERROR(w.Submit(Deadline::After(30s)));
+  w.AwaitOutcome(Deadline::After(30s));
+  CHECK_OR_RETURN(w.calls.load() == 1 && w.outcome.ok(), "ended with " + w.outcome.ToString());
+  return b.Barrier(60s);  // B2
+}
+
+TEST(KvHostilePeerTest, APrefillDropsWhatIsMalformedAndServesTheNextRequest) {
+  const std::string provider = testing_util::Providers().front();
+  auto exits = RunLocalRanks(3, [&](Bootstrap& b) {
+    switch (b.rank()) {
+      case 0: return HostilePrefill(provider, b);
+      case 1: return HostileSender(provider, b);
+      default: return HostileDecoder(provider, b);
+    }
   }, 120s);
   for (auto& e : exits) EXPECT_TRUE(e.ok()) << e.exit_code << " " << e.signal;
 }

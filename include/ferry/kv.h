@@ -28,7 +28,11 @@ enum class KvOrder : uint8_t {
   kHND = 1,  // [heads][tokens][head_dim]: a head-shard of a page is contiguous
 };
 
-// The model's cache, independent of sharding.
+// The model's cache, independent of sharding. Validate bounds each dimension (far above any
+// model), so that no page's byte offset overflows whatever a peer's request says.
+constexpr int kMaxKvHeads = 1 << 16;
+constexpr int kMaxHeadDim = 1 << 16;
+constexpr int kMaxPageTokens = 1 << 20;
 struct FERRY_API KvModel {
   int kv_heads = 0;     // KV heads (1 for MLA)
   int head_dim = 0;     // elements per head (MLA: the latent width, e.g. 576)
@@ -80,7 +84,7 @@ struct FERRY_API KvPlan {
 // (decode page id); every rank of a side uses the same page ids. `seed` picks which prefill
 // replica set feeds each decode replica set (a different seed per request spreads the NICs).
 // InvalidArgument when the sides disagree on the model, a side cannot shard it, or page lists
-// differ in length or hold negative ids.
+// differ in length or hold negative ids or ids whose byte offsets overflow 64 bits.
 FERRY_API StatusOr<KvPlan> PlanKvTransfer(const KvSide& prefill, const KvSide& decode,
                                           std::span<const int64_t> src_pages,
                                           std::span<const int64_t> dst_pages, uint64_t seed);

@@ -90,19 +90,18 @@ class Decoder final : public KvDecoder {
   }
 
   Status Submit(const Request& req, Deadline deadline, DoneCallback ready) override {
-    ASSIGN_OR_RETURN(KvPlan plan, PlanKvTransfer(req.prefill, decode_, DummyPages(req.pages.size()),
-                                                 req.pages, req.request_id));
     const int64_t page_bytes = decode_.page_bytes();
     for (int64_t p : req.pages) {
-      if ((p + 1) * page_bytes > regions_.layer_stride) {
+      if (!PageInLayer(p, page_bytes, static_cast<uint64_t>(regions_.layer_stride))) {
         return OutOfRangeError("KV request: page " + std::to_string(p) +
                                " lies outside the layer of " +
                                std::to_string(regions_.layer_stride) + " bytes");
       }
     }
+    ASSIGN_OR_RETURN(KvPlan plan, PlanKvTransfer(req.prefill, decode_, DummyPages(req.pages.size()),
+                                                 req.pages, req.request_id));
     if (req.aux_bytes > 0 &&
-        (!aux_ || req.aux_offset < 0 ||
-         static_cast<uint64_t>(req.aux_offset + req.aux_bytes) > aux_->length())) {
+        (!aux_ || !SliceInside(req.aux_offset, req.aux_bytes, aux_->length()))) {
       return OutOfRangeError("KV request: aux slot outside the aux region");
     }
     ASSIGN_OR_RETURN(PeerId prefill, PeerFor(req.prefill_address));

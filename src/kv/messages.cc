@@ -2,6 +2,7 @@
 #include "kv/messages.h"
 
 #include <cstring>
+#include <limits>
 #include <string>
 
 #include "fabric/wire.h"
@@ -94,6 +95,22 @@ StatusOr<WireRequest> WireRequest::Parse(std::span<const uint8_t> bytes) {
   q.num_tokens = static_cast<int64_t>(tokens);
   q.aux_offset = static_cast<int64_t>(off);
   q.aux_bytes = static_cast<int64_t>(len);
+  // What the prefill computes from: every page within the decoder's layer, every count and
+  // offset non-negative (a peer's bytes, checked here once for all the arithmetic after).
+  if (q.num_layers < 1 || q.layer_stride < 1 ||
+      q.layer_stride > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+    return InvalidArgumentError("KV request: bad layer count or stride");
+  }
+  const int64_t page_bytes = q.decode.page_bytes();
+  for (int64_t p : q.pages) {
+    if (!PageInLayer(p, page_bytes, q.layer_stride)) {
+      return InvalidArgumentError("KV request: page " + std::to_string(p) +
+                                  " outside the decoder's layer");
+    }
+  }
+  if (q.num_tokens < 0 || q.aux_offset < 0 || q.aux_bytes < 0) {
+    return InvalidArgumentError("KV request: negative token count or aux slot");
+  }
   if (q.aux_bytes > 0) {
     ASSIGN_OR_RETURN(q.aux, RemoteRegion::Parse(aux));
   }

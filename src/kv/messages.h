@@ -56,6 +56,17 @@ struct WireRequest {
   static StatusOr<WireRequest> Parse(std::span<const uint8_t> bytes);
 };
 
+// Whether page `page` of `page_bytes` lies within a layer of `layer_stride` bytes, and whether
+// [offset, offset + bytes) lies within `length` bytes: the checks on a request's pages and aux
+// slot, written so that no operand a peer sends can overflow them.
+inline bool PageInLayer(int64_t page, int64_t page_bytes, uint64_t layer_stride) {
+  return page >= 0 && page_bytes > 0 && static_cast<uint64_t>(page) < layer_stride / page_bytes;
+}
+inline bool SliceInside(int64_t offset, int64_t bytes, uint64_t length) {
+  return offset >= 0 && bytes >= 0 && static_cast<uint64_t>(bytes) <= length &&
+         static_cast<uint64_t>(offset) <= length - static_cast<uint64_t>(bytes);
+}
+
 // A side's layout against its regions: one registered region per TP rank, each holding
 // num_layers layers layer_stride apart.
 Status CheckRegions(const KvSide& side, const KvRegions& regions);

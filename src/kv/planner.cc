@@ -5,6 +5,7 @@
 // head, token), and merges runs that are contiguous on both sides into one write. Same layout
 // and sharding on both sides gives one write per page; HND head shards give one write per
 // (page, component, head run); NHD to HND falls back to one write per vector.
+#include <limits>
 #include <random>
 #include <string>
 
@@ -20,6 +21,13 @@ Status KvModel::Validate() const {
     return InvalidArgumentError("KvModel: dtype_bytes must be 1, 2 or 4");
   }
   if (mla && kv_heads != 1) return InvalidArgumentError("KvModel: MLA has one latent head");
+  // Bounds far above any model, so that a page's bytes (at most 2^55) and every offset within
+  // a page fit 64 bits whatever a peer's request says.
+  if (kv_heads > kMaxKvHeads || head_dim > kMaxHeadDim || page_tokens > kMaxPageTokens) {
+    return InvalidArgumentError("KvModel: kv_heads above " + std::to_string(kMaxKvHeads) +
+                                ", head_dim above " + std::to_string(kMaxHeadDim) +
+                                " or page_tokens above " + std::to_string(kMaxPageTokens));
+  }
   return Status::Ok();
 }
 
@@ -79,10 +87,17 @@ StatusOr<KvPlan> PlanKvTransfer(const KvSide& prefill, const KvSide& decode,
                                 " prefill pages for " + std::to_string(dst_pages.size()) +
                                 " decode pages");
   }
+  // Every byte offset of a page below these fits int64_t.
+  const int64_t src_limit = std::numeric_limits<int64_t>::max() / prefill.page_bytes();
+  const int64_t dst_limit = std::numeric_limits<int64_t>::max() / decode.page_bytes();
   for (size_t i = 0; i < src_pages.size(); ++i) {
     if (src_pages[i] < 0 || dst_pages[i] < 0) {
       return InvalidArgumentError("PlanKvTransfer: negative page id at position " +
                                   std::to_string(i));
+    }
+    if (src_pages[i] >= src_limit || dst_pages[i] >= dst_limit) {
+      return InvalidArgumentError("PlanKvTransfer: page id at position " + std::to_string(i) +
+                                  " overflows a 64-bit byte offset");
     }
   }
   KvPlan plan;

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <random>
 
@@ -175,6 +176,20 @@ TEST(KvPlannerTest, BadRequestsAreRefused) {
   EXPECT_EQ(PlanKvTransfer(a, a, neg, p1, 0).status().code(), StatusCode::kInvalidArgument);
   KvSide three{m, KvOrder::kHND, 3};
   EXPECT_EQ(PlanKvTransfer(a, three, p1, p1, 0).status().code(), StatusCode::kInvalidArgument);
+  // A page id whose byte offset overflows 64 bits (pages of a.page_bytes() = 64 KiB): refused,
+  // on either side, where it used to wrap.
+  const int64_t limit = std::numeric_limits<int64_t>::max() / a.page_bytes();
+  std::vector<int64_t> last = {limit - 1}, over = {limit};
+  EXPECT_TRUE(PlanKvTransfer(a, a, last, p1, 0).ok());
+  EXPECT_EQ(PlanKvTransfer(a, a, over, p1, 0).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(PlanKvTransfer(a, a, p1, over, 0).status().code(), StatusCode::kInvalidArgument);
+  // A model too large for 64-bit offsets.
+  KvModel huge = m;
+  huge.head_dim = kMaxHeadDim + 1;
+  EXPECT_EQ(huge.Validate().code(), StatusCode::kInvalidArgument);
+  huge.head_dim = kMaxHeadDim;
+  huge.page_tokens = kMaxPageTokens;
+  EXPECT_TRUE(huge.Validate().ok());  // the largest dimensions allowed
 }
 
 }  // namespace

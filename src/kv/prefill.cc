@@ -91,14 +91,13 @@ class Prefill final : public KvPrefill {
     }
     const int64_t page_bytes = prefill_.page_bytes();
     for (int64_t p : src_pages) {
-      if (p < 0 || (p + 1) * page_bytes > regions_.layer_stride) {
+      if (!PageInLayer(p, page_bytes, static_cast<uint64_t>(regions_.layer_stride))) {
         return OutOfRangeError("KV prefill: source page " + std::to_string(p) + " out of range");
       }
     }
     const bool last = first_page + static_cast<int64_t>(src_pages.size()) == total;
     if (last && a.req.aux_bytes > 0 &&
-        (!aux_ || aux_offset < 0 ||
-         static_cast<uint64_t>(aux_offset + a.req.aux_bytes) > aux_->length())) {
+        (!aux_ || !SliceInside(aux_offset, a.req.aux_bytes, aux_->length()))) {
       return OutOfRangeError("KV prefill: aux source outside the aux region");
     }
     if (a.req.num_layers != static_cast<uint32_t>(regions_.num_layers)) {
