@@ -68,6 +68,12 @@
 #                                 and 1, and 4096 private with FERRY_NV_STREAM 1 and 3; the
 #                                 closing p50_table has the floor ratios (d/fl, c/fl).
 #                                 SANITIZERS=0 fits one call (~6 minutes)
+#   tools/gpu_check.sh mps        build, tests, then two ranks of one node on the one GPU as
+#                                 clients of an MPS server (their kernels side by side; peer
+#                                 memory in the same HBM) beside one rank: decode T=128 (16
+#                                 and 1024 private slots), MPS_ROUNDS (2) times, and prefill
+#                                 T=4096, token-major; a proxy for the two-rank protocol's cost
+#                                 without NVLink; each client on MPS_PERCENT (50) of the SMs
 #   tools/gpu_check.sh mirror     build, tests, then ferry-bench mirror over shm and tcp: a
 #                                 kernel waiting on a mirrored immediate counter (GpuWords)
 #                                 beside a host thread in WaitImm
@@ -407,6 +413,43 @@ if [ "$mode" = targets ]; then
   echo "== issue 5's targets (EP2, one node): decode dispatch p50 <= 15 us and combine <= 20 us;"
   echo "   prefill dispatch and combine <= 1.3 x the NVLink floor (d/fl, c/fl)"
   targets_verdict "$OUT"/target_*.log
+fi
+if [ "$mode" = mps ]; then
+  # Two ranks of one node sharing the one GPU as clients of an MPS server (its own pipe and log
+  # folders, quit at the end; the GPU's settings are not touched): their kernels run side by
+  # side, as on two GPUs, but peer memory is the same HBM, not across NVLink. A proxy for what
+  # the two-rank protocol costs over one rank (counts rows from a peer, waits on a peer's
+  # flags, the ranks' skew), without NVLink's latency or bandwidth. Without MPS two processes
+  # on one GPU are time-sliced (milliseconds a step), which is why one GPU measured one rank.
+  # MPS_PERCENT (50): each client's share of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), so
+  # that each rank has SMs of its own, as on two GPUs -- sharing them all, the prefill (a)+(b)
+  # deadlocked (session 24: one rank's resident, spinning receive blocks left no SM for the
+  # other's send blocks; MPS does not preempt). One rank runs on the same share.
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/ferry-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/ferry-mps/log
+  [ "${MPS_PERCENT:-50}" != 100 ] && export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=${MPS_PERCENT:-50}
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if command -v nvidia-cuda-mps-control > /dev/null && nvidia-cuda-mps-control -d; then
+    nv=(--nvlink --hidden 7168 --experts 256 --topk 8 --dtype fp8 --once-per-rank
+        --reduce-at-expert-rank --token-major)
+    for round in $(seq "${MPS_ROUNDS:-2}"); do
+      for r in 1 2; do
+        step "mps_decode_r${r}_p16_$round" 200 build-gpu/ferry-bench moe "${nv[@]}" --ranks $r \
+          --tokens 128 --iters 200 --private 16
+        step "mps_decode_r${r}_p1024_$round" 200 build-gpu/ferry-bench moe "${nv[@]}" \
+          --ranks $r --tokens 128 --iters 200 --private 1024
+      done
+    done
+    for r in 1 2; do
+      step "mps_prefill_r${r}_p4096" 120 build-gpu/ferry-bench moe "${nv[@]}" --ranks $r \
+        --tokens 4096 --iters 20 --private 4096
+    done
+    echo quit | nvidia-cuda-mps-control
+    cp "$CUDA_MPS_LOG_DIRECTORY"/*.log "$OUT/" 2> /dev/null
+    echo "== two ranks on one GPU under MPS (r2) beside one rank (r1), p50 us"
+    p50_table $(ls -tr "$OUT"/mps_*.log)
+  else
+    echo "mps: nvidia-cuda-mps-control missing or would not start" | tee -a "$OUT/summary.txt"
+  fi
 fi
 if [ "$mode" = spread ]; then
   pf=(--nvlink --ranks "${SPREAD_RANKS:-2}" --hidden 7168 --experts 256 --topk 8 --dtype fp8

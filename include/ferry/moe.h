@@ -199,6 +199,15 @@ class FERRY_API AllToAll {
   // also fails every later step. Graph capture works: the epoch the flags compare against lives
   // in device memory; a captured wait keeps the deadline budget (from the kernel's start) it had
   // when captured. The host device: Unimplemented.
+  // The receive kernels wait on the GPU, their blocks resident and polling flags, for what
+  // peers' send kernels write. A rank's own send kernel always finds room beside them (stream
+  // order and their grids see to it), but kernels of other streams on the same GPU get only the
+  // SMs left: two AllToAlls overlapped on two streams must be enqueued in the same order on
+  // every rank (else each rank's waiting blocks can hold off the send kernel its peer waits for),
+  // and ranks that share one GPU as MPS clients need SMs of their own
+  // (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; seen: prefill steps that all waited out their deadline
+  // with every client on every SM). Without MPS, ranks sharing a GPU are time-sliced: correct,
+  // milliseconds a step.
   virtual Status SetStream(void* stream) = 0;
   // Waits for the steps enqueued so far and reports what their kernels found. Without a stream
   // the steps wait themselves and this returns OK.
