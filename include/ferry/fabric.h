@@ -93,6 +93,7 @@ struct FERRY_API EngineOptions {
   uint32_t num_recv_buffers = 64;
   uint32_t num_send_buffers = 64;
   uint32_t message_bytes = 16384;
+  // Peers at once (at most 65536): RemovePeer frees an entry for the next AddPeer.
   uint32_t max_peers = 1024;
   uint32_t max_groups = 256;
   uint32_t max_scatter_plans = 256;
@@ -356,13 +357,17 @@ class FERRY_API TransferEngine {
   // its PeerId: whatever shares this engine (several AllToAlls, an AllToAll and a KV messenger)
   // shares its peers, and RemovePeer forgets one for all of them. (A second connection to one
   // engine would be wasted, and over verbs its handshake would cross the first.)
+  // ResourceExhausted when max_peers peers are in the table.
   virtual StatusOr<PeerId> AddPeer(std::span<const uint8_t> address) = 0;
-  // Forgets a peer: its pending transfers fail with Unavailable, later submits are refused.
+  // Forgets a peer: its pending transfers fail with Unavailable, later submits are refused, and
+  // its table entry serves a later AddPeer under another PeerId (a PeerId is never given out
+  // twice: an old one stays Unavailable whoever holds its entry now).
   virtual Status RemovePeer(PeerId peer) = 0;
   // Whether `peer` is lost: a transfer to it outlived its deadline (transfer_timeout_ms), or
   // RemovePeer forgot it. Every later submit to it fails with Unavailable; a peer that is back
-  // is added again (AddPeer gives it a new PeerId; over verbs the new connection replaces the
-  // old one on the other side too, which keeps its PeerId). NotFound for an unknown peer.
+  // is added again (AddPeer gives it a new PeerId and removes the lost one; over verbs the new
+  // connection replaces the old one on the other side too, which keeps its PeerId). NotFound
+  // for an unknown peer.
   virtual StatusOr<bool> PeerLost(PeerId peer) const = 0;
   virtual StatusOr<GroupId> AddPeerGroup(std::span<const PeerId> members) = 0;
   // Pre-builds the work-request templates of a scatter from `src` to one region per group member.

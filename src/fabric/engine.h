@@ -59,26 +59,40 @@ namespace ferry::fabric {
 
 inline std::string PeerName(PeerId peer) { return "peer " + std::to_string(peer); }
 
+// A PeerId is a slot of the peer table (low 16 bits) and that slot's generation (high 16): a
+// removed peer's slot serves the next AddPeer with the generation one up, so the table holds
+// the peers of now (max_peers), not every peer there ever was, and an old PeerId never reaches
+// the slot's new peer. A slot whose generation would wrap is retired instead.
+constexpr uint32_t kPeerSlotBits = 16;
+constexpr uint32_t kMaxPeerSlots = 1u << kPeerSlotBits;
+constexpr uint32_t kMaxPeerGeneration = (1u << (32 - kPeerSlotBits)) - 1;
+inline uint32_t PeerSlot(PeerId peer) { return peer & (kMaxPeerSlots - 1); }
+inline uint32_t PeerGeneration(PeerId peer) { return peer >> kPeerSlotBits; }
+
 enum class Kind : uint8_t { kSingle, kPaged, kScatter, kBarrier, kImm, kSend, kNotify, kDisarm };
 
 using Descs = std::array<void*, kMaxNics>;
 
 // Indexed by local NIC k: what k sends to (the peer's NIC k mod remote_nics).
+// One slot of the peer table. Written on the worker only (AddPeer and RemovePeer run there),
+// `id` last: a caller thread that reads a field for a PeerId checks `id` (acquire) first, and
+// the worker checks it again before it posts anything (a slot may be reused in between).
 struct PeerEntry {
+  std::atomic<PeerId> id{0};              // the PeerId now in this slot
   std::array<uint64_t, kMaxNics> addr{};  // provider address (fi_addr_t) in domain k
   std::array<NicKey, kMaxNics> sink{};    // the peer's immediate sink, as seen from NIC k
-  uint32_t remote_nics = 1;
-  uint64_t engine_id = 0;
+  std::atomic<uint32_t> remote_nics{1};
+  std::atomic<uint64_t> engine_id{0};
   std::vector<std::pair<uint32_t, uint64_t>> inserted;  // (local NIC, address): all AV entries
   std::atomic<bool> lost{false};
+  bool removed = false;  // add_mu_: RemovePeer ran (the slot is free or retired)
 };
 
 // One member of a prepared scatter: its peer, the local NIC that posts to it, and its
 // destination region as that NIC sees it (provider address, base, key, length).
 struct ScatterMember {
   PeerId peer;
-  uint32_t nic;  // the local NIC that serves this member
-  uint64_t addr;
+  uint32_t nic;  // the local NIC that serves this member (its address: the peer's entry)
   uint64_t base;
   uint64_t key;
   uint64_t length;
@@ -228,6 +242,7 @@ class Engine final : public TransferEngine {
 
   // A lost peer can be removed too (that is when it is needed most); removing twice is a no-op.
   Status RemovePeer(PeerId peer) override;
+  Status RemovePeerLocked(PeerId peer);  // add_mu_ held
   StatusOr<bool> PeerLost(PeerId peer) const override;
 
   StatusOr<GroupId> AddPeerGroup(std::span<const PeerId> members) override;
@@ -269,6 +284,11 @@ class Engine final : public TransferEngine {
 
   Status CheckLocal(const MemoryRegion* region) const;
   Status CheckPeer(PeerId peer) const;
+  // OK when `peer` is the PeerId now in its slot; else NotFound (never added) or Unavailable
+  // (removed: its slot is free or serves a later peer). Any thread.
+  Status CheckCurrent(PeerId peer) const;
+  // The worker's check before it posts to a peer: still in its slot and not lost.
+  bool Usable(PeerId peer) const;
 
   // The descriptor must come from the engine we are writing to.
   Status CheckOwner(PeerId peer, const RemoteRegion& region) const;
@@ -405,11 +425,13 @@ class Engine final : public TransferEngine {
   std::atomic<bool> sleeping_{false};
   std::atomic<uint32_t> wake_word_{0};
 
-  // Peers, groups and plans: append-only tables, entries immutable once published by the count.
-  std::mutex add_mu_;  // serialises appends
+  // Groups and plans: append-only tables, entries immutable once published by the count. Peers:
+  // slots published by num_slots_ and reused after RemovePeer (PeerEntry).
+  std::mutex add_mu_;  // serialises appends, and AddPeer / RemovePeer
   std::unordered_map<uint64_t, PeerId> peer_by_engine_;  // engine id -> latest PeerId (add_mu_)
   std::unique_ptr<PeerEntry[]> peers_;
-  std::atomic<uint32_t> num_peers_{0};
+  std::atomic<uint32_t> num_slots_{0};
+  std::vector<uint32_t> free_slots_;  // add_mu_: removed peers' slots, reused first
   std::vector<std::unique_ptr<PeerGroup>> groups_;
   std::atomic<uint32_t> num_groups_{0};
   std::vector<std::unique_ptr<ScatterPlan>> plans_;

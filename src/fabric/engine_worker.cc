@@ -124,6 +124,12 @@ void Engine::Start(Request&& r) {
     Finish(t, Status::Ok());
     return;
   }
+  // Checked at submit, but the peer may have been lost or removed (its slot even reused) while
+  // the request waited in the queue.
+  if (SinglePeer(t) && !Usable(t->req.peer)) {
+    Fail(t, UnavailableError(PeerName(t->req.peer) + " is lost or was removed"));
+    return;
+  }
   Enqueue(t);
 }
 
@@ -263,11 +269,15 @@ PostResult Engine::PostOne(Transfer* t, uint32_t i, WrSlot* slot, uint32_t* nic,
     case Kind::kScatter: {
       const ScatterTarget& target = r.targets[i];
       const ScatterMember& m = r.plan->members[target.member];
+      if (!Usable(m.peer)) {
+        *error = UnavailableError(PeerName(m.peer) + " is lost or was removed");
+        return PostResult::kError;
+      }
       k = m.nic;
       wr.local = r.plan->src + target.src_offset;
       wr.length = target.length;
       wr.local_desc = r.plan->src_desc[k];
-      wr.peer_addr = m.addr;
+      wr.peer_addr = peers_[PeerSlot(m.peer)].addr[k];
       wr.remote_addr = m.base + target.dst_offset;
       wr.key = m.key;
       *nic = k;
@@ -275,7 +285,12 @@ PostResult Engine::PostOne(Transfer* t, uint32_t i, WrSlot* slot, uint32_t* nic,
     }
     case Kind::kBarrier: {
       k = i % nics_;
-      const PeerEntry& p = r.peers[r.group->members[i]];
+      const PeerId member = r.group->members[i];
+      if (!Usable(member)) {
+        *error = UnavailableError(PeerName(member) + " is lost or was removed");
+        return PostResult::kError;
+      }
+      const PeerEntry& p = r.peers[PeerSlot(member)];
       wr.peer_addr = p.addr[k];
       wr.remote_addr = p.sink[k].base;
       wr.key = p.sink[k].key;
@@ -506,7 +521,9 @@ void Engine::FailCollected(const Status& why) {
 }
 
 void Engine::MarkPeerLost(PeerId peer, const Status& why) {
-  peers_[peer].lost.store(true, std::memory_order_release);
+  PeerEntry& e = peers_[PeerSlot(peer)];
+  if (e.id.load(std::memory_order_relaxed) != peer) return;  // its slot serves another now
+  e.lost.store(true, std::memory_order_release);
   for (Transfer* t = active_; t; t = t->active_next) {
     if (!t->finished && SinglePeer(t) && t->req.peer == peer) scratch_.push_back(t);
   }

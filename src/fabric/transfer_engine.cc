@@ -214,22 +214,27 @@ StatusOr<PeerId> Engine::AddPeer(std::span<const uint8_t> address_bytes) {
   }
   std::lock_guard<std::mutex> lock(add_mu_);
   if (auto known = peer_by_engine_.find(address.engine_id); known != peer_by_engine_.end()) {
-    if (!peers_[known->second].lost.load(std::memory_order_acquire)) return known->second;
+    const PeerId old = known->second;
+    if (!peers_[PeerSlot(old)].lost.load(std::memory_order_acquire)) return old;
+    // Lost, and back: the old entry goes first (its slot may serve the new one), so that no
+    // provider address of the old connection outlives it beside the new one's.
+    (void)RemovePeerLocked(old);
   }
-  uint32_t n = num_peers_.load(std::memory_order_relaxed);
-  if (n >= options_.max_peers) {
-    return ResourceExhaustedError("peer table full (" + std::to_string(options_.max_peers) +
-                                  ")");
+  uint32_t slot;
+  PeerId id;
+  const bool reuse = !free_slots_.empty();
+  if (reuse) {
+    slot = free_slots_.back();
+    id = peers_[slot].id.load(std::memory_order_relaxed) + kMaxPeerSlots;  // generation + 1
+  } else {
+    slot = num_slots_.load(std::memory_order_relaxed);
+    if (slot >= options_.max_peers) {
+      return ResourceExhaustedError("peer table full (" + std::to_string(options_.max_peers) +
+                                    " peers; RemovePeer frees an entry)");
+    }
+    id = slot;
   }
   const uint32_t remote = static_cast<uint32_t>(address.nics.size());
-  PeerEntry& e = peers_[n];
-  e.inserted.clear();
-  e.remote_nics = remote;
-  e.engine_id = address.engine_id;
-  for (uint32_t k = 0; k < nics_; ++k) {
-    const NicAddress& to = address.nics[k % remote];
-    e.sink[k] = {to.sink_base, to.sink_key};
-  }
   // Domain k inserts the peer NIC it sends to (k mod M) and every peer NIC that sends to it
   // (j mod N == k), so that messages name their sender.
   std::vector<std::pair<uint32_t, uint32_t>> links;  // (local NIC, peer NIC)
@@ -237,60 +242,82 @@ StatusOr<PeerId> Engine::AddPeer(std::span<const uint8_t> address_bytes) {
   for (uint32_t j = 0; j < remote; ++j) {
     if ((j % nics_) % remote != j) links.push_back({j % nics_, j});
   }
-  ASSIGN_OR_RETURN(ControlResult inserted,
-                   RunOnWorker([this, address, links, n](ControlResult& out) -> Status {
-                     for (auto [k, j] : links) {
-                       auto addr = domains_[k]->InsertPeer(address.nics[j].name);
-                       if (!addr.ok()) {
-                         for (auto [k2, a2] : out.inserted) (void)domains_[k2]->RemovePeer(a2);
-                         return addr.status();
-                       }
-                       out.inserted.push_back({k, *addr});
-                       peer_by_addr_[PeerKey(k, *addr)] = n;
-                     }
-                     return Status::Ok();
-                   }));
-  for (size_t i = 0; i < links.size(); ++i) {
-    if (i < nics_) e.addr[links[i].first] = inserted.inserted[i].second;
+  RETURN_IF_ERROR(
+      RunOnWorker([this, &address, &links, slot, id, remote](ControlResult& out) -> Status {
+        for (auto [k, j] : links) {
+          auto addr = domains_[k]->InsertPeer(address.nics[j].name);
+          if (!addr.ok()) {
+            for (auto [k2, a2] : out.inserted) (void)domains_[k2]->RemovePeer(a2);
+            return addr.status();
+          }
+          out.inserted.push_back({k, *addr});
+        }
+        PeerEntry& e = peers_[slot];
+        for (auto [k, a] : out.inserted) peer_by_addr_[PeerKey(k, a)] = id;
+        for (uint32_t k = 0; k < nics_; ++k) {
+          e.addr[k] = out.inserted[k].second;  // the first nics_ links: (k, k mod remote)
+          const NicAddress& to = address.nics[k % remote];
+          e.sink[k] = {to.sink_base, to.sink_key};
+        }
+        e.inserted = out.inserted;
+        e.remote_nics.store(remote, std::memory_order_relaxed);
+        e.engine_id.store(address.engine_id, std::memory_order_relaxed);
+        e.lost.store(false, std::memory_order_relaxed);
+        e.id.store(id, std::memory_order_release);
+        return Status::Ok();
+      }).status());
+  peers_[slot].removed = false;
+  if (reuse) {
+    free_slots_.pop_back();
+  } else {
+    num_slots_.store(slot + 1, std::memory_order_release);
   }
-  e.inserted = inserted.inserted;
-  peer_by_engine_[address.engine_id] = n;
-  num_peers_.store(n + 1, std::memory_order_release);
-  return PeerId{n};
+  peer_by_engine_[address.engine_id] = id;
+  return id;
 }
 
 Status Engine::RemovePeer(PeerId peer) {
-  if (peer >= num_peers_.load(std::memory_order_acquire)) {
-    return NotFoundError("unknown " + PeerName(peer));
+  std::lock_guard<std::mutex> lock(add_mu_);
+  return RemovePeerLocked(peer);
+}
+
+Status Engine::RemovePeerLocked(PeerId peer) {
+  Status current = CheckCurrent(peer);
+  if (current.code() == StatusCode::kUnavailable) return Status::Ok();  // removed already
+  RETURN_IF_ERROR(current);
+  const uint32_t slot = PeerSlot(peer);
+  PeerEntry& e = peers_[slot];
+  if (e.removed) return Status::Ok();
+  Status first = RunOnWorker([this, peer, &e](ControlResult&) -> Status {
+                   MarkPeerLost(peer, UnavailableError(PeerName(peer) + " was removed"));
+                   Status first;
+                   auto inserted = std::exchange(e.inserted, {});
+                   for (auto [k, addr] : inserted) {
+                     peer_by_addr_.erase(PeerKey(k, addr));
+                     Status s = domains_[k]->RemovePeer(addr);
+                     if (first.ok()) first = s;
+                   }
+                   return first;
+                 }).status();
+  e.removed = true;
+  const uint64_t engine = e.engine_id.load(std::memory_order_relaxed);
+  if (auto it = peer_by_engine_.find(engine); it != peer_by_engine_.end() && it->second == peer) {
+    peer_by_engine_.erase(it);
   }
-  return RunOnWorker([this, peer](ControlResult&) -> Status {
-           MarkPeerLost(peer, UnavailableError(PeerName(peer) + " was removed"));
-           Status first;
-           auto inserted = std::exchange(peers_[peer].inserted, {});
-           for (auto [k, addr] : inserted) {
-             peer_by_addr_.erase(PeerKey(k, addr));
-             Status s = domains_[k]->RemovePeer(addr);
-             if (first.ok()) first = s;
-           }
-           return first;
-         })
-      .status();
+  if (PeerGeneration(peer) < kMaxPeerGeneration) free_slots_.push_back(slot);
+  return first;
 }
 
 StatusOr<bool> Engine::PeerLost(PeerId peer) const {
-  if (peer >= num_peers_.load(std::memory_order_acquire)) {
-    return NotFoundError("unknown " + PeerName(peer));
-  }
-  return peers_[peer].lost.load(std::memory_order_acquire);
+  Status current = CheckCurrent(peer);
+  if (current.code() == StatusCode::kUnavailable) return true;  // removed: its slot moved on
+  RETURN_IF_ERROR(current);
+  return peers_[PeerSlot(peer)].lost.load(std::memory_order_acquire);
 }
 
 StatusOr<GroupId> Engine::AddPeerGroup(std::span<const PeerId> members) {
   if (members.empty()) return InvalidArgumentError("AddPeerGroup: no members");
-  for (PeerId p : members) {
-    if (p >= num_peers_.load(std::memory_order_acquire)) {
-      return NotFoundError("AddPeerGroup: unknown " + PeerName(p));
-    }
-  }
+  for (PeerId p : members) RETURN_IF_ERROR(CheckCurrent(p).WithContext("AddPeerGroup"));
   std::lock_guard<std::mutex> lock(add_mu_);
   uint32_t n = num_groups_.load(std::memory_order_relaxed);
   if (n >= options_.max_groups) return ResourceExhaustedError("peer group table full");
@@ -315,8 +342,8 @@ StatusOr<ScatterPlanId> Engine::PrepareScatter(GroupId group, const MemoryRegion
     PeerId p = g->members[i];
     RETURN_IF_ERROR(CheckOwner(p, dst[i]));
     const uint32_t k = static_cast<uint32_t>(i % nics_);
-    const NicKey& to = dst[i].nics[k % peers_[p].remote_nics];
-    plan->members.push_back({p, k, peers_[p].addr[k], to.base, to.key, dst[i].length});
+    const NicKey& to = dst[i].nics[k % dst[i].num_nics];  // CheckOwner: the peer's NIC count
+    plan->members.push_back({p, k, to.base, to.key, dst[i].length});
   }
   std::lock_guard<std::mutex> lock(add_mu_);
   uint32_t n = num_plans_.load(std::memory_order_relaxed);
@@ -581,28 +608,43 @@ Status Engine::CheckLocal(const MemoryRegion* region) const {
   return Status::Ok();
 }
 
-Status Engine::CheckPeer(PeerId peer) const {
-  if (peer >= num_peers_.load(std::memory_order_acquire)) {
-    return NotFoundError("unknown " + PeerName(peer));
+Status Engine::CheckCurrent(PeerId peer) const {
+  const uint32_t slot = PeerSlot(peer);
+  if (slot < num_slots_.load(std::memory_order_acquire)) {
+    const PeerId now = peers_[slot].id.load(std::memory_order_acquire);
+    if (now == peer) return Status::Ok();
+    if (PeerGeneration(peer) < PeerGeneration(now)) {
+      return UnavailableError(PeerName(peer) + " was removed");
+    }
   }
-  if (peers_[peer].lost.load(std::memory_order_acquire)) {
+  return NotFoundError("unknown " + PeerName(peer));
+}
+
+Status Engine::CheckPeer(PeerId peer) const {
+  RETURN_IF_ERROR(CheckCurrent(peer));
+  if (peers_[PeerSlot(peer)].lost.load(std::memory_order_acquire)) {
     return UnavailableError(PeerName(peer) + " is lost");
   }
   return Status::Ok();
 }
 
+bool Engine::Usable(PeerId peer) const {
+  const PeerEntry& e = peers_[PeerSlot(peer)];
+  return e.id.load(std::memory_order_relaxed) == peer && !e.lost.load(std::memory_order_relaxed);
+}
+
 Status Engine::CheckOwner(PeerId peer, const RemoteRegion& region) const {
-  if (peer >= num_peers_.load(std::memory_order_acquire)) {
-    return NotFoundError("unknown " + PeerName(peer));
-  }
-  if (region.engine_id != peers_[peer].engine_id) {
+  RETURN_IF_ERROR(CheckCurrent(peer));
+  const PeerEntry& e = peers_[PeerSlot(peer)];
+  if (region.engine_id != e.engine_id.load(std::memory_order_relaxed)) {
     return InvalidArgumentError("region descriptor belongs to another engine than " +
                                 PeerName(peer));
   }
-  if (region.num_nics != peers_[peer].remote_nics) {
+  const uint32_t remote = e.remote_nics.load(std::memory_order_relaxed);
+  if (region.num_nics != remote) {
     return InvalidArgumentError("region descriptor has " + std::to_string(region.num_nics) +
                                 " NIC entries but " + PeerName(peer) + " has " +
-                                std::to_string(peers_[peer].remote_nics) + " NICs");
+                                std::to_string(remote) + " NICs");
   }
   return Status::Ok();
 }
@@ -634,7 +676,7 @@ Descs Engine::LocalDescs(const MemoryRegion& region) const {
 }
 
 void Engine::SetDst(Request& r, const RemoteRegion& dst, uint64_t offset) const {
-  const uint32_t remote = peers_[r.peer].remote_nics;
+  const uint32_t remote = dst.num_nics;  // CheckOwner: the peer's NIC count
   for (uint32_t k = 0; k < nics_; ++k) {
     const NicKey& to = dst.nics[k % remote];
     r.dst[k] = {to.base + offset, to.key};
@@ -650,7 +692,7 @@ StatusOr<const PeerGroup*> Engine::FindGroup(GroupId group) const {
 
 void Engine::SetPeer(Request& r, PeerId peer) {
   r.peer = peer;
-  r.entry = &peers_[peer];
+  r.entry = &peers_[PeerSlot(peer)];
   r.first_nic = NextNic();
 }
 
@@ -841,6 +883,10 @@ StatusOr<std::unique_ptr<TransferEngine>> CreateEngineWithDomains(
       return InvalidArgumentError("the NICs of one engine must share a provider");
     }
   }
+  if (options.max_peers == 0 || options.max_peers > kMaxPeerSlots) {
+    return InvalidArgumentError("EngineOptions: max_peers must be in [1, " +
+                                std::to_string(kMaxPeerSlots) + "]");
+  }
   auto engine = std::make_unique<Engine>(options, std::move(domains));
   Status s = engine->Init();
   if (!s.ok()) {
@@ -863,6 +909,10 @@ StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::Create(const EngineOpt
   if (options.max_transfers == 0 || options.submit_queue_depth == 0 ||
       options.max_outstanding_wrs == 0 || options.max_peers == 0 || options.message_bytes == 0) {
     return InvalidArgumentError("EngineOptions: queue depths, pools and message_bytes must be > 0");
+  }
+  if (options.max_peers > fabric::kMaxPeerSlots) {  // before the NICs open
+    return InvalidArgumentError("EngineOptions: max_peers above " +
+                                std::to_string(fabric::kMaxPeerSlots));
   }
   ASSIGN_OR_RETURN(auto domains, fabric::OpenDomains(options));
   return fabric::CreateEngineWithDomains(options, std::move(domains));

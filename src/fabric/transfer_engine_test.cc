@@ -527,6 +527,89 @@ TEST_P(EnginePairTest, ARemovedPeerRefusesWorkAndCanBeRemovedAgain) {
   EXPECT_FALSE(*a_->PeerLost(*again));
 }
 
+// The peer table holds the peers of now: a removed peer's slot serves the next AddPeer, so an
+// engine of two slots can add and remove peers without end, and a PeerId of a removed peer never
+// reaches whoever holds its slot later.
+TEST_P(EnginePairTest, RemovedPeersFreeTheirSlotsAndTheirIdsStayDead) {
+  EngineOptions o = testing_util::TestOptions(GetParam());
+  o.max_peers = 2;
+  auto small = TransferEngine::Create(o);
+  ASSERT_TRUE(small.ok()) << small.status();
+  TransferEngine& c = **small;
+  auto third = TransferEngine::Create(testing_util::TestOptions(GetParam()));
+  ASSERT_TRUE(third.ok()) << third.status();
+  ASSERT_TRUE(b_->CreateImmCounter(77).ok());
+  ASSERT_TRUE((*third)->CreateImmCounter(77).ok());
+
+  std::vector<PeerId> old;
+  uint64_t landed_on_b = 0;
+  for (int round = 0; round < 6; ++round) {
+    // Two engines fill the table; a third does not fit until one is removed.
+    auto pb = c.AddPeer(b_->Address());
+    ASSERT_TRUE(pb.ok()) << "round " << round << ": " << pb.status();
+    auto pa = c.AddPeer(a_->Address());
+    ASSERT_TRUE(pa.ok()) << pa.status();
+    EXPECT_EQ(c.AddPeer((*third)->Address()).status().code(), StatusCode::kResourceExhausted);
+    for (PeerId p : old) EXPECT_NE(p, *pb) << "a PeerId came back";
+    TransferCounter sent;
+    ASSERT_TRUE(c.WriteImm(*pb, 77, Completion::Counter(&sent)).ok());
+    ASSERT_TRUE(sent.Wait(1, Deadline::After(10s)).ok());
+    EXPECT_EQ(sent.failed.load(), 0u);
+    ++landed_on_b;
+    ASSERT_TRUE(c.RemovePeer(*pb).ok());
+    ASSERT_TRUE(c.RemovePeer(*pa).ok());
+    old.push_back(*pb);
+    old.push_back(*pa);
+    // The slots are now the third engine's (and then b's again): every old PeerId is refused
+    // as removed, reports lost, and removing it again touches nobody.
+    auto p3 = c.AddPeer((*third)->Address());
+    ASSERT_TRUE(p3.ok()) << p3.status();
+    for (PeerId p : old) {
+      EXPECT_EQ(c.WriteImm(p, 77, Completion()).code(), StatusCode::kUnavailable) << p;
+      EXPECT_TRUE(*c.PeerLost(p));
+      EXPECT_TRUE(c.RemovePeer(p).ok());
+    }
+    EXPECT_FALSE(*c.PeerLost(*p3));
+    std::vector<PeerId> stale_group = {old.back()};
+    EXPECT_EQ(c.AddPeerGroup(stale_group).status().code(), StatusCode::kUnavailable);
+    ASSERT_TRUE(c.WriteImm(*p3, 77, Completion::Counter(&sent)).ok());
+    ASSERT_TRUE(sent.Wait(2, Deadline::After(10s)).ok());
+    EXPECT_EQ(sent.failed.load(), 0u);
+    ASSERT_TRUE(c.RemovePeer(*p3).ok());
+  }
+  // Only what went to each engine's current PeerId arrived: the stale submits were refused.
+  ASSERT_TRUE(b_->WaitImm(77, landed_on_b, Deadline::After(10s)).ok());
+  EXPECT_EQ(*b_->ImmCount(77), landed_on_b);
+  ASSERT_TRUE((*third)->WaitImm(77, 6, Deadline::After(10s)).ok());
+  EXPECT_EQ(*(*third)->ImmCount(77), 6u);
+  // A PeerId whose slot was never used, or of a generation not yet reached, is unknown.
+  EXPECT_EQ(c.WriteImm(old.back() + (1u << 16) * 100, 77, Completion()).code(),
+            StatusCode::kNotFound);
+  o.max_peers = 1u << 17;
+  EXPECT_EQ(TransferEngine::Create(o).status().code(), StatusCode::kInvalidArgument);
+}
+
+// A group member removed after the group was made: scatters and barriers that name it fail
+// (Unavailable), at submit and, for one already queued, when the worker reaches it.
+TEST_P(EnginePairTest, AGroupWithARemovedMemberFailsItsWrites) {
+  std::vector<PeerId> members = {b_on_a_};
+  auto group = a_->AddPeerGroup(members);
+  ASSERT_TRUE(group.ok()) << group.status();
+  std::vector<RemoteRegion> dsts = {dst_remote_};
+  auto plan = a_->PrepareScatter(*group, src_reg_, dsts);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  std::vector<ScatterTarget> targets = {{0, 0, 0, 4096}};
+  ASSERT_TRUE(a_->RemovePeer(b_on_a_).ok());
+  EXPECT_EQ(a_->Scatter({*plan, targets, std::nullopt}, {}).code(), StatusCode::kUnavailable);
+  EXPECT_EQ(a_->Barrier(*group, 5, {}).code(), StatusCode::kUnavailable);
+  // Added again (into the same slot, a new generation): the old group still names the old
+  // PeerId, and stays refused.
+  auto again = a_->AddPeer(b_->Address());
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(a_->Scatter({*plan, targets, std::nullopt}, {}).code(), StatusCode::kUnavailable);
+  EXPECT_EQ(a_->Barrier(*group, 5, {}).code(), StatusCode::kUnavailable);
+}
+
 TEST_P(EnginePairTest, ScatterAndBarrierOverAGroupOfOne) {
   std::vector<PeerId> members = {b_on_a_};
   auto group = a_->AddPeerGroup(members);
