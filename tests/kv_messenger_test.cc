@@ -833,6 +833,75 @@ TEST(KvHostilePeerTest, APrefillDropsWhatIsMalformedAndServesTheNextRequest) {
   for (auto& e : exits) EXPECT_TRUE(e.ok()) << e.exit_code << " " << e.signal;
 }
 
+// A prefill that schedules each request as it arrives (pages 0..n-1, the model's layers done
+// at once) and expects `expect` releases, all OK, before the decoder's last barrier.
+Status ServingPrefill(const std::string& provider, Bootstrap& b, int expect) {
+  SmallEnd e;
+  RETURN_IF_ERROR(e.Open(provider, 4));
+  std::atomic<uint64_t> layers{0};
+  std::atomic<int> released{0}, bad{0};
+  std::unique_ptr<KvPrefill> prefill;
+  KvPrefill::Callbacks cb;
+  cb.on_request = [&](const KvPrefill::Incoming& in) {
+    std::vector<int64_t> pages(static_cast<size_t>(in.num_pages));
+    std::iota(pages.begin(), pages.end(), 0);
+    if (!prefill->Schedule(in.request_id, pages, 0, layers.load()).ok()) bad.fetch_add(1);
+    layers.fetch_add(kLayers);
+  };
+  cb.on_released = [&](uint64_t, const Status& s) {
+    if (!s.ok()) bad.fetch_add(1);
+    released.fetch_add(1);
+  };
+  ASSIGN_OR_RETURN(prefill, KvPrefill::Create(e.engine.get(), e.side, e.shards.regions, nullptr,
+                                              &layers, cb));
+  RETURN_IF_ERROR(b.AllGather(e.engine->Address(), 30s).status());
+  RETURN_IF_ERROR(b.Barrier(60s));  // the decoder is done
+  CHECK_OR_RETURN(released.load() == expect && bad.load() == 0,
+                  std::to_string(released.load()) + " released, " + std::to_string(bad.load()) +
+                      " failed or refused, expected " + std::to_string(expect));
+  return Status::Ok();
+}
+
+// A decoder whose engine holds two peers asks three prefills in turn, then the first again:
+// each new prefill takes the entry of the least recently used idle one (before, the third
+// request failed ResourceExhausted at Submit, for good).
+Status RotatingDecoder(const std::string& provider, Bootstrap& b) {
+  SmallEnd e;
+  RETURN_IF_ERROR(e.Open(provider, 2, /*max_peers=*/2));
+  ASSIGN_OR_RETURN(auto decoder, KvDecoder::Create(e.engine.get(), e.side, e.shards.regions,
+                                                   nullptr));
+  ASSIGN_OR_RETURN(auto addresses, b.AllGather(e.engine->Address(), 30s));
+  const int order[] = {0, 1, 2, 0};
+  const std::vector<int64_t> pages = {1, 2, 3};
+  for (int i = 0; i < 4; ++i) {
+    KvDecoder::Request req;
+    req.request_id = 100 + i;
+    req.prefill_address = addresses[order[i]];
+    req.prefill = KvSide{kSmallModel, KvOrder::kHND, 4};
+    req.pages = pages;
+    std::atomic<int> calls{0};
+    Status outcome;
+    RETURN_IF_ERROR(decoder->Submit(req, Deadline::After(20s), [&](const Status& s) {
+      outcome = s;
+      calls.fetch_add(1);
+    }).WithContext("request to prefill " + std::to_string(order[i])));
+    Deadline wait = Deadline::After(30s);
+    while (calls.load() == 0 && !wait.Expired()) std::this_thread::sleep_for(1ms);
+    CHECK_OR_RETURN(calls.load() == 1 && outcome.ok(),
+                    "request " + std::to_string(i) + " ended with " + outcome.ToString());
+  }
+  return b.Barrier(60s);
+}
+
+TEST(KvPeerTableTest, ADecoderReusesTheEntriesOfIdlePrefills) {
+  const std::string provider = testing_util::Providers().front();
+  auto exits = RunLocalRanks(4, [&](Bootstrap& b) {
+    if (b.rank() == 3) return RotatingDecoder(provider, b);
+    return ServingPrefill(provider, b, b.rank() == 0 ? 2 : 1);
+  }, 120s);
+  for (auto& e : exits) EXPECT_TRUE(e.ok()) << e.exit_code << " " << e.signal;
+}
+
 TEST(KvCancelStormTest, APrefillServesMoreRequestsThanItsEngineHoldsPeers) {
   const std::string provider = testing_util::Providers().front();
   auto exits = RunLocalRanks(2, [&](Bootstrap& b) {

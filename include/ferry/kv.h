@@ -107,6 +107,9 @@ struct FERRY_API KvRegions {
 // Decode side: registers nothing itself; sends requests and counts the writes that land. It takes
 // the engine's message handler (an engine serves one messenger role). Destroy it before its
 // engine. Thread safety: Submit and Cancel from any thread; callbacks run on the engine's worker.
+// Prefills are added to the engine as requests name them; when its peer table is full
+// (EngineOptions::max_peers), the least recently used prefill no request waits on is removed to
+// make room (added again when a request names it).
 class FERRY_API KvDecoder {
  public:
   static StatusOr<std::unique_ptr<KvDecoder>> Create(TransferEngine* engine, const KvSide& decode,

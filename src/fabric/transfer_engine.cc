@@ -243,7 +243,7 @@ StatusOr<PeerId> Engine::AddPeer(std::span<const uint8_t> address_bytes) {
     if ((j % nics_) % remote != j) links.push_back({j % nics_, j});
   }
   RETURN_IF_ERROR(
-      RunOnWorker([this, &address, &links, slot, id, remote](ControlResult& out) -> Status {
+      RunOnWorker([this, address, links, slot, id, remote](ControlResult& out) -> Status {
         for (auto [k, j] : links) {
           auto addr = domains_[k]->InsertPeer(address.nics[j].name);
           if (!addr.ok()) {

@@ -1,5 +1,6 @@
 // The KV messenger's decode side (KvDecoder, kv.h): sends requests, counts the writes that land
 // on one immediate counter per request slot, and cancels. The wire format: messages.h.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -391,10 +392,41 @@ class Decoder final : public KvDecoder {
     std::string key(address.begin(), address.end());
     std::lock_guard<std::mutex> lock(peers_mu_);
     auto it = peers_.find(key);
-    if (it != peers_.end()) return it->second;
-    ASSIGN_OR_RETURN(PeerId p, engine_->AddPeer(address));
-    peers_[key] = p;
-    return p;
+    if (it != peers_.end()) {
+      it->second.last_use = ++uses_;
+      return it->second.peer;
+    }
+    StatusOr<PeerId> p = engine_->AddPeer(address);
+    // A full peer table (prefills come and go over a decoder's life, each restart a new engine):
+    // the least recently used prefill no request of ours waits on makes room.
+    if (p.status().code() == StatusCode::kResourceExhausted && EvictIdlePrefill()) {
+      p = engine_->AddPeer(address);
+    }
+    RETURN_IF_ERROR(p.status());
+    peers_[key] = {*p, ++uses_};
+    return *p;
+  }
+
+  // Removes the least recently used prefill that no request slot names from the engine (and
+  // from peers_, so that a later request to it adds it again). Over verbs its connection goes;
+  // the prefill moves to the new one when we add it again. peers_mu_ held.
+  bool EvictIdlePrefill() {
+    std::vector<PeerId> busy;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const Slot& st : slots_) {
+        if (st.state != State::kFree) busy.push_back(st.prefill);
+      }
+    }
+    auto victim = peers_.end();
+    for (auto it = peers_.begin(); it != peers_.end(); ++it) {
+      if (std::find(busy.begin(), busy.end(), it->second.peer) != busy.end()) continue;
+      if (victim == peers_.end() || it->second.last_use < victim->second.last_use) victim = it;
+    }
+    if (victim == peers_.end()) return false;
+    Status s = engine_->RemovePeer(victim->second.peer);
+    peers_.erase(victim);
+    return s.ok();
   }
 
   TransferEngine* engine_;
@@ -406,7 +438,12 @@ class Decoder final : public KvDecoder {
   std::deque<uint32_t> free_;
   std::unordered_map<uint64_t, uint32_t> by_request_;
   std::mutex peers_mu_;
-  std::unordered_map<std::string, PeerId> peers_;
+  struct KnownPrefill {
+    PeerId peer = 0;
+    uint64_t last_use = 0;  // uses_ when a request last named it
+  };
+  std::unordered_map<std::string, KnownPrefill> peers_;  // by engine address
+  uint64_t uses_ = 0;                                     // peers_mu_
   std::atomic<int> armed_{0};  // notifications armed and not yet run
   std::atomic<bool> closing_{false};
   // Unresponsive prefills to take out of the engine: (peer, slot waiting on it).
