@@ -42,6 +42,7 @@ struct Peer {
   uint32_t incarnation = 0;        // of our connection to them (Handshake::incarnation)
   uint32_t their_incarnation = 0;  // of theirs that our queue pairs are connected to
   bool removed = false;
+  bool passive = false;  // made for a hello from a peer we were not given; InsertPeer claims it
   Clock::time_point last_hello{};
   WrChain write_chain{1, kMaxInline};
   WrChain msg_chain{1, kMaxInline};
@@ -188,6 +189,20 @@ class VerbsDomain final : public Domain {
 
   StatusOr<uint64_t> InsertPeer(std::span<const uint8_t> bytes) override {
     ASSIGN_OR_RETURN(UdAddress addr, UdAddress::Parse(bytes));
+    // A peer that reached us first (its hello made the connection, OnUdMessage): ours now.
+    if (auto it = token_peer_.find(addr.token); it != token_peer_.end()) {
+      Peer& p = *peers_[it->second];
+      if (p.passive && !p.removed) {
+        p.passive = false;
+        --passive_peers_;
+        return it->second;
+      }
+    }
+    return CreatePeer(addr);
+  }
+
+  // A peer's queue pairs (INIT), its address handle and our first hello to it.
+  StatusOr<uint64_t> CreatePeer(const UdAddress& addr) {
     auto peer = std::make_unique<Peer>();
     peer->addr = addr;
     peer->write_chain = WrChain(config_.max_chain, kMaxInline);
@@ -429,6 +444,7 @@ class VerbsDomain final : public Domain {
     h.write = {p.write->qp_num, p.write_psn};
     h.have_yours = p.have_theirs;
     h.incarnation = p.incarnation;
+    h.ud_qpn = ud_->qp_num;
     std::vector<uint8_t> bytes = h.Serialize();
     std::memcpy(UdSendBuffer(slot), bytes.data(), bytes.size());
     ibv_sge sge{reinterpret_cast<uint64_t>(UdSendBuffer(slot)),
@@ -508,7 +524,18 @@ class VerbsDomain final : public Domain {
     if (!h.ok() || h->peer_token != token_) return;  // not for us: stale or foreign
     auto it = token_peer_.find(h->token);
     if (it == token_peer_.end()) {
-      early_hellos_[h->token] = *h;  // InsertPeer will take it
+      early_hellos_[h->token] = *h;  // CreatePeer takes it
+      // A peer we were not given reaches us: connect now, so that what it sends arrives (its
+      // messages name no PeerId until the engine adds it, which then claims this connection).
+      // Without this a one-sided AddPeer never connected: KvPrefill adds a decoder only when
+      // its first request arrives. Bounded: hellos of unclaimed peers beyond that wait.
+      if (h->ud_qpn != 0 && passive_peers_ < kMaxPassivePeers) {
+        auto index = CreatePeer(UdAddress{h->token, h->gid, h->lid, h->port, h->ud_qpn});
+        if (index.ok()) {
+          peers_[*index]->passive = true;
+          ++passive_peers_;
+        }
+      }
       return;
     }
     Peer& p = *peers_[it->second];
@@ -604,6 +631,8 @@ class VerbsDomain final : public Domain {
   std::unordered_map<uint32_t, uint64_t> qp_peer_;
   std::unordered_map<uint64_t, uint64_t> token_peer_;
   std::unordered_map<uint64_t, Handshake> early_hellos_;
+  static constexpr uint32_t kMaxPassivePeers = 1024;
+  uint32_t passive_peers_ = 0;  // connections made for hellos, not yet claimed by InsertPeer
   uint32_t next_incarnation_ = 1;  // Handshake::incarnation of our next connection
   std::vector<ibv_qp*> retired_qps_;  // of connections the other side replaced (Reconnect)
   std::unordered_map<ibv_mr*, bool> live_mrs_;

@@ -9,7 +9,9 @@
 // peer's queue pairs (INIT) and sends our handshake to the peer's UD queue pair; Poll re-sends it
 // until the peer's handshake arrives and says it holds ours, then moves both queue pairs to RTR
 // and RTS. Until then posts to that peer answer kAgain; the engine retries them within the
-// transfer deadline. A handshake that arrives before we know its sender waits for InsertPeer.
+// transfer deadline. A handshake from a peer we were not given connects at once (its hello
+// carries its whole UD address): what it sends arrives before our engine adds it (KvPrefill
+// adds a decoder on its first request), and InsertPeer of that peer then claims the connection.
 // Each connection a domain makes carries a larger incarnation than the last: a peer that lost
 // us and adds us again sends a newer one, and we move our side over to it (Reconnect: the old
 // queue pairs to the error state, new ones connected to its), keeping the peer's address; a

@@ -6,13 +6,16 @@
 
 #include <gtest/gtest.h>
 
+#include <mutex>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <thread>
 
 #include "fabric/engine_internal.h"
 #include "fabric/test_util.h"
 #include "fabric/verbs/fake_verbs.h"
+#include "ferry/kv.h"
 
 namespace ferry::fabric::verbs {
 namespace {
@@ -241,14 +244,135 @@ TEST_F(VerbsEngineTest, CompletionErrorsFailTheirTransferWithContext) {
   EXPECT_EQ(seen.code(), StatusCode::kUnavailable) << seen;
 }
 
+// Only one side adds the other: the other's domain connects when the hello arrives, so writes
+// and messages flow at once; the messages arrive naming no PeerId until the receiver adds the
+// sender, which then takes over that connection (one connection, not two: replies flow too).
+TEST_F(VerbsEngineTest, APeerAddedOnOneSideOnlyConnectsAndIsClaimedWhenAddedBack) {
+  auto a = Engine({"mlx5_0"});
+  auto b = Engine({"mlx5_1"});
+  ASSERT_TRUE(a && b);
+  std::mutex mu;
+  std::vector<std::optional<PeerId>> from;
+  b->SetMessageHandler([&](std::optional<PeerId> f, std::span<const uint8_t>) {
+    std::lock_guard<std::mutex> lock(mu);
+    from.push_back(f);
+  });
+  PeerId pb = *a->AddPeer(b->Address());  // b has not added a
+  ASSERT_TRUE(b->CreateImmCounter(9).ok());
+  std::vector<uint8_t> src(4096), dst(4096, 0);
+  std::iota(src.begin(), src.end(), 0);
+  MemoryRegion src_reg = *a->RegisterMemory(src.data(), src.size());
+  MemoryRegion dst_reg = *b->RegisterMemory(dst.data(), dst.size());
+  TransferCounter done;
+  const std::vector<uint8_t> hello = {1, 2, 3};
+  ASSERT_TRUE(a->Send(pb, hello, Completion::Counter(&done)).ok());
+  ASSERT_TRUE(a->Write({.src = &src_reg, .peer = pb, .dst = dst_reg.remote(), .length = 4096,
+                        .imm = 9},
+                       Completion::Counter(&done))
+                  .ok());
+  ASSERT_TRUE(done.Wait(2, Deadline::After(10s)).ok());
+  EXPECT_EQ(done.failed.load(), 0u);
+  ASSERT_TRUE(b->WaitImm(9, 1, Deadline::After(10s)).ok());
+  EXPECT_EQ(dst, src);
+  // Now b adds a (as KvPrefill does on a's request): the connection a made is b's too.
+  auto pa = b->AddPeer(a->Address());
+  ASSERT_TRUE(pa.ok()) << pa.status();
+  ASSERT_TRUE(a->CreateImmCounter(10).ok());
+  TransferCounter back;
+  ASSERT_TRUE(b->WriteImm(*pa, 10, Completion::Counter(&back)).ok());
+  ASSERT_TRUE(back.Wait(1, Deadline::After(10s)).ok());
+  EXPECT_EQ(back.failed.load(), 0u);
+  ASSERT_TRUE(a->WaitImm(10, 1, Deadline::After(10s)).ok());
+  ASSERT_TRUE(a->Send(pb, hello, Completion::Counter(&done)).ok());
+  ASSERT_TRUE(done.Wait(3, Deadline::After(10s)).ok());
+  EXPECT_EQ(done.failed.load(), 0u);
+  Deadline wait = Deadline::After(10s);
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (from.size() == 2 || wait.Expired()) break;
+    }
+    std::this_thread::sleep_for(1ms);
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  ASSERT_EQ(from.size(), 2u);
+  EXPECT_FALSE(from[0].has_value());  // before b knew a
+  EXPECT_EQ(from[1], std::optional<PeerId>(*pa));
+}
+
+// The KV messenger over verbs: the prefill adds a decoder only once its request has arrived,
+// which needs the connection the decoder's hello makes on the prefill's side.
+TEST_F(VerbsEngineTest, AKvRequestReachesAPrefillThatNeverAddedItsDecoder) {
+  auto pe = Engine({"mlx5_0"});
+  auto de = Engine({"mlx5_1"});
+  ASSERT_TRUE(pe && de);
+  const KvSide side{KvModel{8, 16, 2, false, 4}, KvOrder::kHND, 2};
+  constexpr int kLayers = 2, kPages = 8;
+  const int64_t stride = side.page_bytes() * kPages;
+  std::vector<std::vector<uint8_t>> src(2, std::vector<uint8_t>(stride * kLayers));
+  std::vector<std::vector<uint8_t>> dst(2, std::vector<uint8_t>(stride * kLayers, 0));
+  std::vector<MemoryRegion> regs;
+  KvRegions pre{{}, kLayers, stride}, dec{{}, kLayers, stride};
+  std::mt19937 rng(5);
+  for (auto& b : src) {
+    for (auto& v : b) v = static_cast<uint8_t>(rng());
+  }
+  for (int r = 0; r < 2; ++r) {
+    regs.push_back(*pe->RegisterMemory(src[r].data(), src[r].size()));
+    regs.push_back(*de->RegisterMemory(dst[r].data(), dst[r].size()));
+  }
+  pre.ranks = {&regs[0], &regs[2]};
+  dec.ranks = {&regs[1], &regs[3]};
+  std::atomic<uint64_t> layers{0};
+  std::unique_ptr<KvPrefill> prefill;
+  const std::vector<int64_t> src_pages = {5, 1, 6};
+  KvPrefill::Callbacks cb;
+  cb.on_request = [&](const KvPrefill::Incoming& in) {
+    EXPECT_TRUE(prefill->Schedule(in.request_id, src_pages, 0, 0).ok());
+    layers.store(kLayers);
+  };
+  auto p = KvPrefill::Create(pe.get(), side, pre, nullptr, &layers, cb);
+  ASSERT_TRUE(p.ok()) << p.status();
+  prefill = std::move(p).value();
+  auto d = KvDecoder::Create(de.get(), side, dec, nullptr);
+  ASSERT_TRUE(d.ok()) << d.status();
+  const std::vector<uint8_t> address = pe->Address();
+  const std::vector<int64_t> dst_pages = {2, 7, 0};
+  std::atomic<int> calls{0};
+  Status outcome;
+  KvDecoder::Request req{.request_id = 3, .prefill_address = address, .prefill = side,
+                         .pages = dst_pages};
+  ASSERT_TRUE((*d)->Submit(req, Deadline::After(10s), [&](const Status& s) {
+    outcome = s;
+    calls.fetch_add(1);
+  }).ok());
+  Deadline wait = Deadline::After(15s);
+  while (calls.load() == 0 && !wait.Expired()) std::this_thread::sleep_for(1ms);
+  ASSERT_EQ(calls.load(), 1);
+  ASSERT_TRUE(outcome.ok()) << outcome;
+  const int64_t page = side.page_bytes();
+  for (int r = 0; r < 2; ++r) {
+    for (int l = 0; l < kLayers; ++l) {
+      for (size_t i = 0; i < dst_pages.size(); ++i) {
+        EXPECT_EQ(0, std::memcmp(dst[r].data() + l * stride + dst_pages[i] * page,
+                                 src[r].data() + l * stride + src_pages[i] * page, page))
+            << "rank " << r << " layer " << l << " page " << i;
+      }
+    }
+  }
+  d->reset();
+  prefill.reset();
+}
+
 TEST_F(VerbsEngineTest, AnUnansweredHandshakeEndsInTheTransferDeadline) {
   auto a = Engine({"mlx5_0"});
   auto b = Engine({"mlx5_1"});
   ASSERT_TRUE(a && b);
-  PeerId pb = *a->AddPeer(b->Address());  // b never adds a
   std::vector<uint8_t> src(64, 1), dst(64, 0);
   MemoryRegion src_reg = *a->RegisterMemory(src.data(), src.size());
   MemoryRegion dst_reg = *b->RegisterMemory(dst.data(), dst.size());
+  net_->KillDevice("mlx5_1");  // b never answers
+  PeerId pb = *a->AddPeer(b->Address());
   TransferCounter done;
   auto start = std::chrono::steady_clock::now();
   ASSERT_TRUE(a->Write({.src = &src_reg, .peer = pb, .dst = dst_reg.remote(), .length = 64},

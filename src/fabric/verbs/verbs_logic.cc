@@ -17,7 +17,7 @@ namespace ferry::fabric::verbs {
 namespace {
 
 constexpr uint32_t kHandshakeMagic = 0x56595246;  // "FRYV"
-constexpr uint16_t kHandshakeVersion = 2;
+constexpr uint16_t kHandshakeVersion = 3;  // 3: the sender's UD queue pair
 constexpr uint32_t kPsnMask = 0xffffff;
 
 std::string Hex(uint64_t v) {
@@ -86,6 +86,7 @@ std::vector<uint8_t> Handshake::Serialize() const {
   uint8_t flags = have_yours ? 1 : 0;
   w.Raw(&flags, 1);
   w.U32(incarnation);
+  w.U32(ud_qpn);
   return w.Take();
 }
 
@@ -115,6 +116,7 @@ StatusOr<Handshake> Handshake::Parse(std::span<const uint8_t> bytes) {
   RETURN_IF_ERROR(r.U32(&h.write.psn));
   RETURN_IF_ERROR(r.Raw(&flags, 1));
   RETURN_IF_ERROR(r.U32(&h.incarnation));
+  RETURN_IF_ERROR(r.U32(&h.ud_qpn));
   RETURN_IF_ERROR(r.Finish());
   if (h.token == 0) return InvalidArgumentError("verbs handshake: token is 0");
   if (h.port == 0) return InvalidArgumentError("verbs handshake: port 0");

@@ -75,6 +75,10 @@ struct Handshake {
   // larger number than the last (it added the receiver again after losing it), so a receiver
   // that holds an older one moves over and a late hello of an older one is ignored.
   uint32_t incarnation = 0;
+  // The sender's UD queue pair: with token, gid, lid and port, its whole address, so that a
+  // domain can answer a peer it was never given (KvPrefill adds a decoder only once the
+  // decoder's first request has arrived).
+  uint32_t ud_qpn = 0;
 
   std::vector<uint8_t> Serialize() const;
   static StatusOr<Handshake> Parse(std::span<const uint8_t> bytes);
