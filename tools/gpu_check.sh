@@ -10,6 +10,7 @@
 #   tools/gpu_check.sh profile    build and the per-kernel profiles only
 #   tools/gpu_check.sh kv         build, tests and the kv benchmarks (CPU side of the host)
 #   tools/gpu_check.sh trace      build, the NVLink decode benchmark, then phase stamps per kernel
+#                                 (TRACE_TOKENS, "128 4096"; TRACE_COMPARE=0 skips the benchmark)
 #   tools/gpu_check.sh hybrid     build, tests, EP4 as one node and as two nodes of two (relay)
 #   tools/gpu_check.sh relay      build, tests, two nodes of one GPU (every peer through the relay)
 #   tools/gpu_check.sh pdl        build, tests, NVLink decode and prefill (a)+(b) with the receive
@@ -73,7 +74,8 @@
 #                                 memory in the same HBM) beside one rank: decode T=128 (16
 #                                 and 1024 private slots), MPS_ROUNDS (2) times, and prefill
 #                                 T=4096, token-major; a proxy for the two-rank protocol's cost
-#                                 without NVLink; each client on MPS_PERCENT (50) of the SMs
+#                                 without NVLink; each client on MPS_PERCENT (50) of the SMs.
+#                                 MPS=1 runs any mode's measurements so (TESTS=0 with it)
 #   tools/gpu_check.sh mirror     build, tests, then ferry-bench mirror over shm and tcp: a
 #                                 kernel waiting on a mirrored immediate counter (GpuWords)
 #                                 beside a host thread in WaitImm
@@ -181,10 +183,35 @@ if [ "$tests" != 0 ] && [ "${SANITIZERS:-1}" != 0 ]; then
     build-gpu/moe_cuda_test \
     --gtest_filter="*n2_t7_h128_e8_k2_bf16*:*n4_t96*nodes2:*t96*tokmajor:$pack_cases"
 fi
+# mps mode, or MPS=1 with any mode: what follows runs as clients of an MPS server, so that
+# ranks sharing the one GPU run side by side (see the mps mode above; off again at the end).
+mps_up=0
+if [ "$mode" = mps ] || [ "${MPS:-0}" = 1 ]; then
+  # Two ranks of one node sharing the one GPU as clients of an MPS server (its own pipe and log
+  # folders, quit at the end; the GPU's settings are not touched): their kernels run side by
+  # side, as on two GPUs, but peer memory is the same HBM, not across NVLink. A proxy for what
+  # the two-rank protocol costs over one rank (counts rows from a peer, waits on a peer's
+  # flags, the ranks' skew), without NVLink's latency or bandwidth. Without MPS two processes
+  # on one GPU are time-sliced (milliseconds a step), which is why one GPU measured one rank.
+  # MPS_PERCENT (50): each client's share of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), so
+  # that each rank has SMs of its own, as on two GPUs -- sharing them all, the prefill (a)+(b)
+  # deadlocked (session 24: one rank's resident, spinning receive blocks left no SM for the
+  # other's send blocks; MPS does not preempt). One rank runs on the same share.
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/ferry-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/ferry-mps/log
+  [ "${MPS_PERCENT:-50}" != 100 ] && export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=${MPS_PERCENT:-50}
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  if command -v nvidia-cuda-mps-control > /dev/null && nvidia-cuda-mps-control -d; then
+    mps_up=1
+  else
+    echo "mps: nvidia-cuda-mps-control missing or would not start" | tee -a "$OUT/summary.txt"
+  fi
+fi
 if [ "$mode" = trace ]; then
   nv=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8)
-  step nvlink_decode 200 build-gpu/ferry-bench moe "${nv[@]}" --tokens 128 --iters 200 --compare
-  for t in 128 4096; do
+  if [ "${TRACE_COMPARE:-1}" != 0 ]; then
+    step nvlink_decode 200 build-gpu/ferry-bench moe "${nv[@]}" --tokens 128 --iters 200 --compare
+  fi
+  for t in ${TRACE_TOKENS:-128 4096}; do
     FERRY_NV_TRACE=1 step trace_$t 200 build-gpu/ferry-bench moe "${nv[@]}" --tokens $t --iters 5 \
       --once-per-rank --reduce-at-expert-rank
     echo "== trace, $t tokens, (a)+(b): point slowest/mean us since block start (blocks)"
@@ -414,42 +441,23 @@ if [ "$mode" = targets ]; then
   echo "   prefill dispatch and combine <= 1.3 x the NVLink floor (d/fl, c/fl)"
   targets_verdict "$OUT"/target_*.log
 fi
-if [ "$mode" = mps ]; then
-  # Two ranks of one node sharing the one GPU as clients of an MPS server (its own pipe and log
-  # folders, quit at the end; the GPU's settings are not touched): their kernels run side by
-  # side, as on two GPUs, but peer memory is the same HBM, not across NVLink. A proxy for what
-  # the two-rank protocol costs over one rank (counts rows from a peer, waits on a peer's
-  # flags, the ranks' skew), without NVLink's latency or bandwidth. Without MPS two processes
-  # on one GPU are time-sliced (milliseconds a step), which is why one GPU measured one rank.
-  # MPS_PERCENT (50): each client's share of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), so
-  # that each rank has SMs of its own, as on two GPUs -- sharing them all, the prefill (a)+(b)
-  # deadlocked (session 24: one rank's resident, spinning receive blocks left no SM for the
-  # other's send blocks; MPS does not preempt). One rank runs on the same share.
-  export CUDA_MPS_PIPE_DIRECTORY=/tmp/ferry-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/ferry-mps/log
-  [ "${MPS_PERCENT:-50}" != 100 ] && export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=${MPS_PERCENT:-50}
-  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  if command -v nvidia-cuda-mps-control > /dev/null && nvidia-cuda-mps-control -d; then
-    nv=(--nvlink --hidden 7168 --experts 256 --topk 8 --dtype fp8 --once-per-rank
-        --reduce-at-expert-rank --token-major)
-    for round in $(seq "${MPS_ROUNDS:-2}"); do
-      for r in 1 2; do
-        step "mps_decode_r${r}_p16_$round" 200 build-gpu/ferry-bench moe "${nv[@]}" --ranks $r \
-          --tokens 128 --iters 200 --private 16
-        step "mps_decode_r${r}_p1024_$round" 200 build-gpu/ferry-bench moe "${nv[@]}" \
-          --ranks $r --tokens 128 --iters 200 --private 1024
-      done
-    done
+if [ "$mode" = mps ] && [ "$mps_up" = 1 ]; then
+  nv=(--nvlink --hidden 7168 --experts 256 --topk 8 --dtype fp8 --once-per-rank
+      --reduce-at-expert-rank --token-major)
+  for round in $(seq "${MPS_ROUNDS:-2}"); do
     for r in 1 2; do
-      step "mps_prefill_r${r}_p4096" 120 build-gpu/ferry-bench moe "${nv[@]}" --ranks $r \
-        --tokens 4096 --iters 20 --private 4096
+      step "mps_decode_r${r}_p16_$round" 200 build-gpu/ferry-bench moe "${nv[@]}" --ranks $r \
+        --tokens 128 --iters 200 --private 16
+      step "mps_decode_r${r}_p1024_$round" 200 build-gpu/ferry-bench moe "${nv[@]}" \
+        --ranks $r --tokens 128 --iters 200 --private 1024
     done
-    echo quit | nvidia-cuda-mps-control
-    cp "$CUDA_MPS_LOG_DIRECTORY"/*.log "$OUT/" 2> /dev/null
-    echo "== two ranks on one GPU under MPS (r2) beside one rank (r1), p50 us"
-    p50_table $(ls -tr "$OUT"/mps_*.log)
-  else
-    echo "mps: nvidia-cuda-mps-control missing or would not start" | tee -a "$OUT/summary.txt"
-  fi
+  done
+  for r in 1 2; do
+    step "mps_prefill_r${r}_p4096" 120 build-gpu/ferry-bench moe "${nv[@]}" --ranks $r \
+      --tokens 4096 --iters 20 --private 4096
+  done
+  echo "== two ranks on one GPU under MPS (r2) beside one rank (r1), p50 us"
+  p50_table $(ls -tr "$OUT"/mps_*.log)
 fi
 if [ "$mode" = spread ]; then
   pf=(--nvlink --ranks "${SPREAD_RANKS:-2}" --hidden 7168 --experts 256 --topk 8 --dtype fp8
@@ -611,6 +619,11 @@ if [ "$mode" = all ]; then
     --dtype bf16 --iters 50
   step bench_prefill 400 build-gpu/ferry-bench moe "${common[@]}" --tokens 4096 --dtype fp8 \
     --iters 10
+fi
+
+if [ "$mps_up" = 1 ]; then
+  echo quit | nvidia-cuda-mps-control
+  cp "$CUDA_MPS_LOG_DIRECTORY"/*.log "$OUT/" 2> /dev/null
 fi
 
 for f in "$OUT"/moe_cuda_test.log "$OUT"/kv_cuda_test.log "$OUT"/gpu_words_test.log; do
