@@ -138,6 +138,17 @@ struct WatchedPrefill {
   void AwaitRelease(Deadline deadline) {
     while (released.load() == 0 && !deadline.Expired()) std::this_thread::sleep_for(1ms);
   }
+  // Schedules WatchedDecoder's request 7 (pages 0..4), runs the model's layers and expects the
+  // request released OK.
+  Status ServeRequest7(Deadline deadline) {
+    std::vector<int64_t> pages = {0, 1, 2, 3, 4};
+    RETURN_IF_ERROR(prefill->Schedule(7, pages, 0, 0));
+    layers.fetch_add(kLayers);
+    AwaitRelease(deadline);
+    CHECK_OR_RETURN(released.load() == 1 && release_status.ok(),
+                    "request 7 released with " + release_status.ToString());
+    return Status::Ok();
+  }
 };
 
 // A small decoder that asks the prefill (rank 0) for request 7 (five pages) and keeps its
@@ -690,12 +701,7 @@ Status DuplicatePrefill(const std::string& provider, Bootstrap& b) {
   RETURN_IF_ERROR(b.Barrier(30s));  // B1: the second decoder sends its request now
   RETURN_IF_ERROR(b.Barrier(30s));  // B2: the second decoder's request has ended
   CHECK_OR_RETURN(w.arrived.load() == 1, "the scheduler heard of the duplicate");
-  std::vector<int64_t> pages = {0, 1, 2, 3, 4};
-  RETURN_IF_ERROR(w.prefill->Schedule(7, pages, 0, 0));
-  w.layers.fetch_add(kLayers);
-  w.AwaitRelease(deadline);
-  CHECK_OR_RETURN(w.released.load() == 1 && w.release_status.ok(),
-                  "the first request released with " + w.release_status.ToString());
+  RETURN_IF_ERROR(w.ServeRequest7(deadline));
   return b.Barrier(30s);  // B3
 }
 
@@ -740,12 +746,7 @@ Status HostilePrefill(const std::string& provider, Bootstrap& b) {
   RETURN_IF_ERROR(b.Barrier(60s));  // B1: every hostile message has been delivered
   Deadline deadline = Deadline::After(30s);
   RETURN_IF_ERROR(w.AwaitArrivals(1, deadline));
-  std::vector<int64_t> pages = {0, 1, 2, 3, 4};
-  RETURN_IF_ERROR(w.prefill->Schedule(7, pages, 0, 0));
-  w.layers.fetch_add(kLayers);
-  w.AwaitRelease(deadline);
-  CHECK_OR_RETURN(w.released.load() == 1 && w.release_status.ok(),
-                  "the request released with " + w.release_status.ToString());
+  RETURN_IF_ERROR(w.ServeRequest7(deadline));
   RETURN_IF_ERROR(b.Barrier(60s));  // B2: the decoder has its outcome
   // Delivered before the decoder's request, so drained before it: none reached the scheduler.
   CHECK_OR_RETURN(w.arrived.load() == 1,

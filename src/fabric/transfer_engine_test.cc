@@ -91,6 +91,18 @@ class EnginePairTest : public ::testing::TestWithParam<std::string> {
     return w;
   }
 
+  // A group of b alone and a scatter plan from our source to b's destination.
+  void GroupOfB(GroupId* group, ScatterPlanId* plan) {
+    std::vector<PeerId> members = {b_on_a_};
+    auto g = a_->AddPeerGroup(members);
+    ASSERT_TRUE(g.ok()) << g.status();
+    std::vector<RemoteRegion> dsts = {dst_remote_};
+    auto p = a_->PrepareScatter(*g, src_reg_, dsts);
+    ASSERT_TRUE(p.ok()) << p.status();
+    *group = *g;
+    *plan = *p;
+  }
+
   static constexpr size_t kBytes = 4 << 20;
   std::unique_ptr<TransferEngine> a_, b_;
   PeerId b_on_a_ = 0, a_on_b_ = 0;
@@ -592,37 +604,31 @@ TEST_P(EnginePairTest, RemovedPeersFreeTheirSlotsAndTheirIdsStayDead) {
 // A group member removed after the group was made: scatters and barriers that name it fail
 // (Unavailable), at submit and, for one already queued, when the worker reaches it.
 TEST_P(EnginePairTest, AGroupWithARemovedMemberFailsItsWrites) {
-  std::vector<PeerId> members = {b_on_a_};
-  auto group = a_->AddPeerGroup(members);
-  ASSERT_TRUE(group.ok()) << group.status();
-  std::vector<RemoteRegion> dsts = {dst_remote_};
-  auto plan = a_->PrepareScatter(*group, src_reg_, dsts);
-  ASSERT_TRUE(plan.ok()) << plan.status();
+  GroupId group = 0;
+  ScatterPlanId plan = 0;
+  ASSERT_NO_FATAL_FAILURE(GroupOfB(&group, &plan));
   std::vector<ScatterTarget> targets = {{0, 0, 0, 4096}};
   ASSERT_TRUE(a_->RemovePeer(b_on_a_).ok());
-  EXPECT_EQ(a_->Scatter({*plan, targets, std::nullopt}, {}).code(), StatusCode::kUnavailable);
-  EXPECT_EQ(a_->Barrier(*group, 5, {}).code(), StatusCode::kUnavailable);
+  EXPECT_EQ(a_->Scatter({plan, targets, std::nullopt}, {}).code(), StatusCode::kUnavailable);
+  EXPECT_EQ(a_->Barrier(group, 5, {}).code(), StatusCode::kUnavailable);
   // Added again (into the same slot, a new generation): the old group still names the old
   // PeerId, and stays refused.
   auto again = a_->AddPeer(b_->Address());
   ASSERT_TRUE(again.ok()) << again.status();
-  EXPECT_EQ(a_->Scatter({*plan, targets, std::nullopt}, {}).code(), StatusCode::kUnavailable);
-  EXPECT_EQ(a_->Barrier(*group, 5, {}).code(), StatusCode::kUnavailable);
+  EXPECT_EQ(a_->Scatter({plan, targets, std::nullopt}, {}).code(), StatusCode::kUnavailable);
+  EXPECT_EQ(a_->Barrier(group, 5, {}).code(), StatusCode::kUnavailable);
 }
 
 TEST_P(EnginePairTest, ScatterAndBarrierOverAGroupOfOne) {
-  std::vector<PeerId> members = {b_on_a_};
-  auto group = a_->AddPeerGroup(members);
-  ASSERT_TRUE(group.ok()) << group.status();
-  std::vector<RemoteRegion> dsts = {dst_remote_};
-  auto plan = a_->PrepareScatter(*group, src_reg_, dsts);
-  ASSERT_TRUE(plan.ok()) << plan.status();
+  GroupId group = 0;
+  ScatterPlanId plan = 0;
+  ASSERT_NO_FATAL_FAILURE(GroupOfB(&group, &plan));
   ASSERT_TRUE(b_->CreateImmCounter(42).ok());
   std::vector<ScatterTarget> targets = {
       {0, 0, 1000, 100}, {0, 5000, 3000, 1}, {0, 9000, 20000, 65536}};
   TransferCounter c;
-  ASSERT_TRUE(a_->Scatter({*plan, targets, 42}, Completion::Counter(&c)).ok());
-  ASSERT_TRUE(a_->Barrier(*group, 42, Completion::Counter(&c)).ok());
+  ASSERT_TRUE(a_->Scatter({plan, targets, 42}, Completion::Counter(&c)).ok());
+  ASSERT_TRUE(a_->Barrier(group, 42, Completion::Counter(&c)).ok());
   ASSERT_TRUE(c.Wait(2, Deadline::After(10s)).ok());
   EXPECT_EQ(c.failed.load(), 0u);
   ASSERT_TRUE(b_->WaitImm(42, 4, Deadline::After(10s)).ok());
@@ -630,9 +636,9 @@ TEST_P(EnginePairTest, ScatterAndBarrierOverAGroupOfOne) {
     EXPECT_EQ(0, std::memcmp(dst_.data() + t.dst_offset, src_.data() + t.src_offset, t.length));
   }
   std::vector<ScatterTarget> bad = {{1, 0, 0, 8}};
-  EXPECT_EQ(a_->Scatter({*plan, bad, 42}, {}).code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(a_->Scatter({plan, bad, 42}, {}).code(), StatusCode::kOutOfRange);
   bad = {{0, 0, kBytes - 4, 8}};
-  EXPECT_EQ(a_->Scatter({*plan, bad, 42}, {}).code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(a_->Scatter({plan, bad, 42}, {}).code(), StatusCode::kOutOfRange);
 }
 
 // Engines whose sender sits on a fault-injecting Domain.
