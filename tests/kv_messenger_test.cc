@@ -836,9 +836,11 @@ TEST(KvHostilePeerTest, APrefillDropsWhatIsMalformedAndServesTheNextRequest) {
 
 // A prefill that schedules each request as it arrives (pages 0..n-1, the model's layers done
 // at once) and expects `expect` releases, all OK, before the decoder's last barrier.
-Status ServingPrefill(const std::string& provider, Bootstrap& b, int expect) {
+// `turns`: barriers the decoders hold before their last (one per turn of TakingTurns).
+Status ServingPrefill(const std::string& provider, Bootstrap& b, int expect,
+                      uint32_t max_peers = 1024, int turns = 0) {
   SmallEnd e;
-  RETURN_IF_ERROR(e.Open(provider, 4));
+  RETURN_IF_ERROR(e.Open(provider, 4, max_peers));
   std::atomic<uint64_t> layers{0};
   std::atomic<int> released{0}, bad{0};
   std::unique_ptr<KvPrefill> prefill;
@@ -856,7 +858,8 @@ Status ServingPrefill(const std::string& provider, Bootstrap& b, int expect) {
   ASSIGN_OR_RETURN(prefill, KvPrefill::Create(e.engine.get(), e.side, e.shards.regions, nullptr,
                                               &layers, cb));
   RETURN_IF_ERROR(b.AllGather(e.engine->Address(), 30s).status());
-  RETURN_IF_ERROR(b.Barrier(60s));  // the decoder is done
+  for (int turn = 0; turn < turns; ++turn) RETURN_IF_ERROR(b.Barrier(60s));
+  RETURN_IF_ERROR(b.Barrier(60s));  // the decoders are done
   CHECK_OR_RETURN(released.load() == expect && bad.load() == 0,
                   std::to_string(released.load()) + " released, " + std::to_string(bad.load()) +
                       " failed or refused, expected " + std::to_string(expect));
@@ -899,6 +902,46 @@ TEST(KvPeerTableTest, ADecoderReusesTheEntriesOfIdlePrefills) {
   auto exits = RunLocalRanks(4, [&](Bootstrap& b) {
     if (b.rank() == 3) return RotatingDecoder(provider, b);
     return ServingPrefill(provider, b, b.rank() == 0 ? 2 : 1);
+  }, 120s);
+  for (auto& e : exits) EXPECT_TRUE(e.ok()) << e.exit_code << " " << e.signal;
+}
+
+// A prefill whose engine holds one peer serves two decoders taking turns (1, 2, 1, 2): each
+// newcomer takes the entry of the idle one, which is added again on its next request.
+Status TakingTurns(const std::string& provider, Bootstrap& b) {
+  SmallEnd e;
+  RETURN_IF_ERROR(e.Open(provider, 2));
+  ASSIGN_OR_RETURN(auto decoder, KvDecoder::Create(e.engine.get(), e.side, e.shards.regions,
+                                                   nullptr));
+  ASSIGN_OR_RETURN(auto addresses, b.AllGather(e.engine->Address(), 30s));
+  const std::vector<int64_t> pages = {4, 5};
+  for (int turn = 0; turn < 4; ++turn) {
+    RETURN_IF_ERROR(b.Barrier(60s));  // one barrier per turn: the turn's decoder sends
+    if (turn % 2 != b.rank() - 1) continue;
+    KvDecoder::Request req;
+    req.request_id = 200 + turn;
+    req.prefill_address = addresses[0];
+    req.prefill = KvSide{kSmallModel, KvOrder::kHND, 4};
+    req.pages = pages;
+    std::atomic<int> calls{0};
+    Status outcome;
+    RETURN_IF_ERROR(decoder->Submit(req, Deadline::After(20s), [&](const Status& s) {
+      outcome = s;
+      calls.fetch_add(1);
+    }));
+    Deadline wait = Deadline::After(30s);
+    while (calls.load() == 0 && !wait.Expired()) std::this_thread::sleep_for(1ms);
+    CHECK_OR_RETURN(calls.load() == 1 && outcome.ok(),
+                    "turn " + std::to_string(turn) + " ended with " + outcome.ToString());
+  }
+  return b.Barrier(60s);
+}
+
+TEST(KvPeerTableTest, APrefillOfOnePeerEntryServesDecodersTakingTurns) {
+  const std::string provider = testing_util::Providers().front();
+  auto exits = RunLocalRanks(3, [&](Bootstrap& b) {
+    return b.rank() == 0 ? ServingPrefill(provider, b, 4, /*max_peers=*/1, /*turns=*/4)
+                         : TakingTurns(provider, b);
   }, 120s);
   for (auto& e : exits) EXPECT_TRUE(e.ok()) << e.exit_code << " " << e.signal;
 }

@@ -361,7 +361,9 @@ class FERRY_API TransferEngine {
   virtual StatusOr<PeerId> AddPeer(std::span<const uint8_t> address) = 0;
   // Forgets a peer: its pending transfers fail with Unavailable, later submits are refused, and
   // its table entry serves a later AddPeer under another PeerId (a PeerId is never given out
-  // twice: an old one stays Unavailable whoever holds its entry now).
+  // twice: an old one stays Unavailable whoever holds its entry now). Over verbs the peer hears
+  // a goodbye and marks us lost (PeerLost), so that it adds us again to talk to us; connectionless
+  // providers need none: a peer's later messages still arrive.
   virtual Status RemovePeer(PeerId peer) = 0;
   // Whether `peer` is lost: a transfer to it outlived its deadline (transfer_timeout_ms), or
   // RemovePeer forgot it. Every later submit to it fails with Unavailable; a peer that is back

@@ -140,7 +140,10 @@ class FERRY_API KvDecoder {
   // reports Unavailable; later requests to it fail at once. (A removed peer's in-flight writes
   // are fenced by the verbs backend, whose queue pairs go to the error state; a libfabric
   // provider cannot fence a live peer, so a prefill that is slow rather than dead should be
-  // given a longer deadline, not cancelled.)
+  // given a longer deadline, not cancelled.) A request whose message never reached the prefill
+  // -- sent just as the prefill removed us to make room in its peer table -- reports
+  // Unavailable at once; sent again, it adds the prefill again (over verbs the prefill's
+  // goodbye has by then marked it lost here, and the new connection replaces the old).
   virtual Status Submit(const Request& request, Deadline deadline, DoneCallback ready) = 0;
   // Asks the prefill to stop the request; `ready` reports the outcome as above.
   virtual Status Cancel(uint64_t request_id) = 0;
@@ -188,6 +191,9 @@ class FERRY_API KvCudaShards {
   virtual std::span<void* const> leader_view() const = 0;
 };
 
+// Prefill side. Decoders are added to the engine as their requests arrive; when its peer table
+// is full (EngineOptions::max_peers) the least recently used decoder no request is being served
+// for is removed to make room (it adds us again with its next request).
 class FERRY_API KvPrefill {
  public:
   struct Incoming {

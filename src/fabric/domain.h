@@ -31,6 +31,7 @@ enum class CompletionKind : uint8_t {
   kLocal,      // one of our posted writes or sends finished (or failed)
   kRecv,       // a message landed in one of our receive buffers (or the receive failed)
   kRemoteImm,  // a peer's write carrying an immediate landed in our memory
+  kPeerGone,   // the peer at src_addr removed us (verbs: its goodbye): its connection is over
 };
 
 struct DomainCompletion {

@@ -335,6 +335,13 @@ bool Engine::IsRecvSlot(const OpContext* ctx) const {
 }
 
 void Engine::Complete(DomainCompletion& c, uint32_t nic) {
+  if (c.kind == CompletionKind::kPeerGone) {
+    auto it = peer_by_addr_.find(PeerKey(nic, c.src_addr));
+    if (it != peer_by_addr_.end()) {
+      MarkPeerLost(it->second, UnavailableError(PeerName(it->second) + " removed us"));
+    }
+    return;
+  }
   if (c.context && IsRecvSlot(c.context)) {
     auto* rs = reinterpret_cast<RecvSlot*>(c.context);
     if (c.error.ok()) {

@@ -11,6 +11,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -143,7 +144,14 @@ class Decoder final : public KvDecoder {
     w.speculative = req.speculative;
     // Send, then arm: immediates that land first are counted all the same, and arming checks
     // the count at once. A refused send (queue full) leaves nothing behind.
-    Status sent = engine_->Send(prefill, w.Serialize(), {});
+    // A request that never reaches the prefill (its connection ended under it: the prefill
+    // removed us to make room) ends at once, Unavailable, not at its deadline.
+    const uint32_t imm = kImmBase + slot;
+    const uint64_t id = req.request_id;
+    Status sent = engine_->Send(prefill, w.Serialize(),
+                                Completion::Callback([this, id, imm](const Status& s) {
+                                  if (!s.ok()) OnUndelivered(id, imm, s);
+                                }));
     if (!sent.ok()) {
       std::lock_guard<std::mutex> lock(mu_);
       by_request_.erase(req.request_id);
@@ -294,6 +302,23 @@ class Decoder final : public KvDecoder {
 
   // The prefill stopped the request after `posted` writes (worker thread).
   void OnAck(uint64_t request_id, uint32_t imm, uint64_t posted) {
+    Stopped(request_id, imm, posted,
+            CancelledError("KV request " + std::to_string(request_id) +
+                           " cancelled by the prefill"));
+  }
+
+  // The request's message never reached the prefill: nothing of it will land, so the slot ends
+  // as if the prefill had acknowledged no writes (worker thread).
+  void OnUndelivered(uint64_t request_id, uint32_t imm, const Status& why) {
+    Stopped(request_id, imm, 0,
+            UnavailableError("KV request " + std::to_string(request_id) +
+                             " did not reach the prefill (" + why.ToString() +
+                             "); a request sent again adds it again"));
+  }
+
+  // The request stopped at the prefill after `posted` writes; `outcome` is what a request still
+  // waiting reports.
+  void Stopped(uint64_t request_id, uint32_t imm, uint64_t posted, const Status& outcome) {
     std::shared_ptr<DoneCallback> tell;
     Status tell_status;
     {
@@ -302,10 +327,9 @@ class Decoder final : public KvDecoder {
       if (imm < kImmBase || slot >= slots_.size()) return;
       Slot& st = slots_[slot];
       if (st.request_id != request_id) return;
-      if (st.state == State::kWaiting) {  // the prefill cancelled on its own
+      if (st.state == State::kWaiting) {
         st.state = State::kCancelling;
-        st.outcome = CancelledError("KV request " + std::to_string(request_id) +
-                                    " cancelled by the prefill");
+        st.outcome = outcome;
       }
       if (st.state != State::kCancelling || st.acked) return;
       st.acked = true;
@@ -340,7 +364,13 @@ class Decoder final : public KvDecoder {
       }
       const auto [peer, slot] = job;
       auto it = removed.find(peer);
-      if (it == removed.end()) it = removed.emplace(peer, engine_->RemovePeer(peer)).first;
+      if (it == removed.end()) {
+        {
+          std::lock_guard<std::mutex> lock(peers_mu_);
+          unresponsive_.insert(peer);
+        }
+        it = removed.emplace(peer, engine_->RemovePeer(peer)).first;
+      }
       std::shared_ptr<DoneCallback> tell;
       Status tell_status;
       {
@@ -393,8 +423,15 @@ class Decoder final : public KvDecoder {
     std::lock_guard<std::mutex> lock(peers_mu_);
     auto it = peers_.find(key);
     if (it != peers_.end()) {
-      it->second.last_use = ++uses_;
-      return it->second.peer;
+      // A prefill we took out as unresponsive stays out; one the engine lost otherwise (over
+      // verbs: it removed us, say to make room) is added again, which reconnects.
+      const PeerId known = it->second.peer;
+      const StatusOr<bool> lost = engine_->PeerLost(known);
+      if (unresponsive_.count(known) || (lost.ok() && !*lost)) {
+        it->second.last_use = ++uses_;
+        return known;
+      }
+      peers_.erase(it);
     }
     StatusOr<PeerId> p = engine_->AddPeer(address);
     // A full peer table (prefills come and go over a decoder's life, each restart a new engine):
@@ -444,6 +481,7 @@ class Decoder final : public KvDecoder {
   };
   std::unordered_map<std::string, KnownPrefill> peers_;  // by engine address
   uint64_t uses_ = 0;                                     // peers_mu_
+  std::unordered_set<PeerId> unresponsive_;  // peers_mu_: prefills the remover took out
   std::atomic<int> armed_{0};  // notifications armed and not yet run
   std::atomic<bool> closing_{false};
   // Unresponsive prefills to take out of the engine: (peer, slot waiting on it).

@@ -253,7 +253,17 @@ class Prefill final : public KvPrefill {
       std::lock_guard<std::mutex> lock(mu_);
       inbox.swap(inbox_);
     }
+    const bool fresh = !inbox.empty();
+    // Requests put off for want of a peer entry go first, in their order.
+    std::deque<Deferred> waiting;
+    waiting.swap(deferred_);
+    const auto now = std::chrono::steady_clock::now();
+    for (auto it = waiting.rbegin(); it != waiting.rend(); ++it) inbox.push_front(std::move(it->m));
+    size_t index = 0;
     for (auto& m : inbox) {
+      const bool was_deferred = index < waiting.size();
+      const auto first_seen = was_deferred ? waiting[index].since : now;
+      ++index;
       if (MagicOf(m) == kCancelMagic) {
         auto f = ParseControl(kCancelMagic, m);
         if (f.ok()) {
@@ -268,7 +278,18 @@ class Prefill final : public KvPrefill {
       // One PeerId per decoder however many requests it sends (AddPeer keeps an engine's PeerId
       // until the engine loses it; per request, the peer table once filled up).
       auto peer = engine_->AddPeer(req->decoder_address);
+      if (peer.status().code() == StatusCode::kResourceExhausted) {
+        if (EvictIdleDecoder()) {
+          peer = engine_->AddPeer(req->decoder_address);
+        } else if (now - first_seen < kDeferLimit) {
+          // Every entry serves a request still in flight (one ending now releases its entry in
+          // a moment): try again on a later pass rather than drop it.
+          deferred_.push_back({std::move(m), first_seen});
+          continue;
+        }
+      }
       if (!peer.ok()) continue;
+      decoder_use_[*peer] = ++uses_;
       Incoming in{req->request_id, static_cast<int64_t>(req->pages.size()),
                   req->speculative ? std::max<int64_t>(0, req->num_tokens - 1) : req->num_tokens,
                   req->speculative};
@@ -293,7 +314,28 @@ class Prefill final : public KvPrefill {
       }
       if (cb_.on_request) cb_.on_request(in);
     }
-    return !inbox.empty();
+    return fresh;  // (a deferred request alone does not keep the watcher spinning)
+  }
+
+  // A full peer table (decoders come and go over a prefill's life, each restart a new engine):
+  // the least recently used decoder no request of ours is serving leaves the engine. It adds us
+  // again when it next needs us -- over verbs our goodbye marks us lost there, and re-adding
+  // reconnects. Watcher thread.
+  bool EvictIdleDecoder() {
+    std::vector<PeerId> busy;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& [id, a] : pending_) busy.push_back(a.peer);
+    }
+    auto victim = decoder_use_.end();
+    for (auto it = decoder_use_.begin(); it != decoder_use_.end(); ++it) {
+      if (std::find(busy.begin(), busy.end(), it->first) != busy.end()) continue;
+      if (victim == decoder_use_.end() || it->second < victim->second) victim = it;
+    }
+    if (victim == decoder_use_.end()) return false;
+    Status s = engine_->RemovePeer(victim->first);
+    decoder_use_.erase(victim);
+    return s.ok();
   }
 
   // Posts every layer the counter says is done, for every scheduled chunk; the aux bytes once
@@ -447,6 +489,15 @@ class Prefill final : public KvPrefill {
   std::mutex mu_;
   std::deque<std::vector<uint8_t>> inbox_;
   std::unordered_map<uint64_t, Active> pending_;
+  std::unordered_map<PeerId, uint64_t> decoder_use_;  // watcher: each decoder's last request
+  // Requests waiting for a peer entry (watcher), at most kDeferLimit from their arrival.
+  struct Deferred {
+    std::vector<uint8_t> m;
+    std::chrono::steady_clock::time_point since;
+  };
+  static constexpr auto kDeferLimit = std::chrono::seconds(2);
+  std::deque<Deferred> deferred_;
+  uint64_t uses_ = 0;                                // watcher
   const bool trace_;
   bool awaiting_layers_ = false;  // the watcher's last pass: a scheduled chunk awaits a layer
   std::atomic<bool> stop_{false};

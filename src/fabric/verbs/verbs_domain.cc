@@ -43,6 +43,7 @@ struct Peer {
   uint32_t their_incarnation = 0;  // of theirs that our queue pairs are connected to
   bool removed = false;
   bool passive = false;  // made for a hello from a peer we were not given; InsertPeer claims it
+  bool gone = false;     // the peer said goodbye: this connection is over, its token freed
   Clock::time_point last_hello{};
   WrChain write_chain{1, kMaxInline};
   WrChain msg_chain{1, kMaxInline};
@@ -247,8 +248,14 @@ class VerbsDomain final : public Domain {
   Status RemovePeer(uint64_t peer_addr) override {
     if (peer_addr >= peers_.size()) return NotFoundError("verbs: unknown peer address");
     Peer& p = *peers_[peer_addr];
+    // Tell the peer (best effort: UD may drop it), so that it knows this connection is over
+    // and connects again when it next needs us, instead of writing into queue pairs that are
+    // gone until its transfers time out.
+    if (!p.removed && !p.gone && p.msg && p.write) SendHello(p, /*goodbye=*/true);
     p.removed = true;
-    token_peer_.erase(p.addr.token);
+    if (auto t = token_peer_.find(p.addr.token); t != token_peer_.end() && t->second == peer_addr) {
+      token_peer_.erase(t);  // (after a goodbye it may name the peer's new connection)
+    }
     ibv_qp_attr err{};
     err.qp_state = IBV_QPS_ERR;  // flushes what is outstanding
     for (ibv_qp* qp : {p.msg, p.write}) {
@@ -423,7 +430,7 @@ class VerbsDomain final : public Domain {
     return rc ? ErrnoError("verbs: posting a handshake receive", rc) : Status::Ok();
   }
 
-  void SendHello(Peer& p) {
+  void SendHello(Peer& p, bool goodbye = false) {
     p.last_hello = Clock::now();
     uint32_t slot = kUdSlots;
     for (uint32_t i = 0; i < kUdSlots; ++i) {
@@ -445,6 +452,7 @@ class VerbsDomain final : public Domain {
     h.have_yours = p.have_theirs;
     h.incarnation = p.incarnation;
     h.ud_qpn = ud_->qp_num;
+    h.goodbye = goodbye;
     std::vector<uint8_t> bytes = h.Serialize();
     std::memcpy(UdSendBuffer(slot), bytes.data(), bytes.size());
     ibv_sge sge{reinterpret_cast<uint64_t>(UdSendBuffer(slot)),
@@ -467,7 +475,7 @@ class VerbsDomain final : public Domain {
     const Clock::time_point now = Clock::now();
     size_t connected = 0;
     for (auto& p : peers_) {
-      if (p->connected() || p->removed) {
+      if (p->connected() || p->removed || p->gone) {
         ++connected;
         continue;
       }
@@ -540,6 +548,21 @@ class VerbsDomain final : public Domain {
     }
     Peer& p = *peers_[it->second];
     if (p.removed) return;
+    if (h->goodbye) {
+      // The peer removed us. Only its current connection's goodbye counts (an older one's is
+      // late news). The engine marks the peer lost; its token is free, so that its next hello
+      // (it adds us again) makes a new connection, which our engine claims when it adds the
+      // peer again -- the old one is removed then, without a goodbye of ours.
+      if (p.have_theirs && h->incarnation == p.their_incarnation && !p.gone) {
+        p.gone = true;
+        DomainCompletion gone;
+        gone.kind = CompletionKind::kPeerGone;
+        gone.src_addr = it->second;
+        refused_.push_back(std::move(gone));
+        token_peer_.erase(it);
+      }
+      return;
+    }
     if (p.have_theirs && h->incarnation > p.their_incarnation) {
       // The other side lost our connection and made a new one (it added us again).
       Status s = Reconnect(it->second);

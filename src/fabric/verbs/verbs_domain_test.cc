@@ -29,8 +29,10 @@ class VerbsEngineTest : public ::testing::Test {
     for (const char* d : {"mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3"}) net_->AddDevice(d);
   }
 
-  std::unique_ptr<TransferEngine> Engine(std::vector<std::string> devices) {
+  std::unique_ptr<TransferEngine> Engine(std::vector<std::string> devices,
+                                         uint32_t max_peers = 1024) {
     EngineOptions o = testing_util::TestOptions("verbs");
+    o.max_peers = max_peers;
     o.transfer_timeout_ms = 3000;
     o.num_recv_buffers = 16;
     o.nic_shard_min_bytes = 4096;
@@ -118,9 +120,10 @@ TEST_F(VerbsEngineTest, WritesImmediatesAndMessagesFlowAfterTheHandshake) {
   EXPECT_EQ(at_a.load(), 1);
 }
 
-// A peer this engine lost (here: removed) and added again, while the other side still holds
-// the old connection's queue pairs: the new connection replaces them there, and writes flow
-// both ways again (the other side keeps its PeerId).
+// A peer this engine lost (here: removed, its goodbye lost on the way) and added again, while
+// the other side still holds the old connection's queue pairs: the new connection replaces
+// them there, and writes flow both ways again (the other side keeps its PeerId). With the
+// goodbye heard, see ARemovedPeerHearsGoodbyeAndReconnectsWhenItAddsUsAgain.
 TEST_F(VerbsEngineTest, ALostPeerAddedAgainReconnectsBothWays) {
   auto a = Engine({"mlx5_0"});
   auto b = Engine({"mlx5_1"});
@@ -148,6 +151,7 @@ TEST_F(VerbsEngineTest, ALostPeerAddedAgainReconnectsBothWays) {
   };
   ASSERT_TRUE(write(pb));
   ASSERT_TRUE(answer());
+  net_->DropUdMessages(1);  // the goodbye
   ASSERT_TRUE(a->RemovePeer(pb).ok());
   const PeerId again = *a->AddPeer(b->Address());
   EXPECT_NE(again, pb);
@@ -300,68 +304,167 @@ TEST_F(VerbsEngineTest, APeerAddedOnOneSideOnlyConnectsAndIsClaimedWhenAddedBack
   EXPECT_EQ(from[1], std::optional<PeerId>(*pa));
 }
 
+// One side of the KV tests over verbs: TP 2 shards of a small cache (8 heads of 16, 4-token
+// pages), kKvPages pages a layer, kKvLayers layers, random bytes.
+constexpr int kKvLayers = 2, kKvPages = 8;
+const KvSide kKvSide{KvModel{8, 16, 2, false, 4}, KvOrder::kHND, 2};
+struct KvShards {
+  std::vector<std::vector<uint8_t>> bytes;
+  std::vector<MemoryRegion> regs;
+  KvRegions regions;
+  int64_t stride = kKvSide.page_bytes() * kKvPages;
+
+  explicit KvShards(TransferEngine& e, uint32_t seed) {
+    std::mt19937 rng(seed);
+    bytes.assign(2, std::vector<uint8_t>(stride * kKvLayers));
+    for (auto& b : bytes) {
+      for (auto& v : b) v = static_cast<uint8_t>(rng());
+      regs.push_back(*e.RegisterMemory(b.data(), b.size()));
+    }
+    regions = {{&regs[0], &regs[1]}, kKvLayers, stride};
+  }
+  // Whether our pages `mine` hold `from`'s pages `theirs`, every rank and layer.
+  bool Holds(const KvShards& from, std::span<const int64_t> mine,
+             std::span<const int64_t> theirs) const {
+    const int64_t page = kKvSide.page_bytes();
+    for (int r = 0; r < 2; ++r) {
+      for (int l = 0; l < kKvLayers; ++l) {
+        for (size_t i = 0; i < mine.size(); ++i) {
+          if (std::memcmp(bytes[r].data() + l * stride + mine[i] * page,
+                          from.bytes[r].data() + l * stride + theirs[i] * page, page) != 0) {
+            return false;
+          }
+        }
+      }
+    }
+    return true;
+  }
+};
+
+// A prefill that schedules source pages {5, 1, 6} for every request as it arrives.
+struct KvServer {
+  std::atomic<uint64_t> layers{0};
+  std::unique_ptr<KvPrefill> prefill;
+  const std::vector<int64_t> pages = {5, 1, 6};
+
+  Status Open(TransferEngine* e, const KvShards& shards) {
+    KvPrefill::Callbacks cb;
+    cb.on_request = [this](const KvPrefill::Incoming& in) {
+      EXPECT_TRUE(prefill->Schedule(in.request_id, pages, 0, 0).ok());
+      layers.store(kKvLayers);
+    };
+    ASSIGN_OR_RETURN(prefill, KvPrefill::Create(e, kKvSide, shards.regions, nullptr, &layers, cb));
+    return Status::Ok();
+  }
+};
+
+// Asks the prefill at `address` for request `id` into pages {2, 7, 0} and waits for its end.
+Status KvAskOnce(KvDecoder& decoder, std::span<const uint8_t> address, uint64_t id) {
+  const std::vector<int64_t> pages = {2, 7, 0};
+  std::atomic<int> calls{0};
+  Status outcome;
+  KvDecoder::Request req{.request_id = id, .prefill_address = address, .prefill = kKvSide,
+                         .pages = pages};
+  RETURN_IF_ERROR(decoder.Submit(req, Deadline::After(10s), [&](const Status& s) {
+    outcome = s;
+    calls.fetch_add(1);
+  }));
+  Deadline wait = Deadline::After(15s);
+  while (calls.load() == 0 && !wait.Expired()) std::this_thread::sleep_for(1ms);
+  if (calls.load() == 0) return DeadlineExceededError("request never ended");
+  return outcome;
+}
+// The same, asking again once when the request did not reach the prefill (sent as the prefill
+// removed us: Unavailable at once); `undelivered` counts those.
+Status KvAsk(KvDecoder& decoder, std::span<const uint8_t> address, uint64_t id,
+             int* undelivered = nullptr) {
+  Status s = KvAskOnce(decoder, address, id);
+  if (s.code() != StatusCode::kUnavailable) return s;
+  if (undelivered) ++*undelivered;
+  return KvAskOnce(decoder, address, id);
+}
+
 // The KV messenger over verbs: the prefill adds a decoder only once its request has arrived,
 // which needs the connection the decoder's hello makes on the prefill's side.
 TEST_F(VerbsEngineTest, AKvRequestReachesAPrefillThatNeverAddedItsDecoder) {
   auto pe = Engine({"mlx5_0"});
   auto de = Engine({"mlx5_1"});
   ASSERT_TRUE(pe && de);
-  const KvSide side{KvModel{8, 16, 2, false, 4}, KvOrder::kHND, 2};
-  constexpr int kLayers = 2, kPages = 8;
-  const int64_t stride = side.page_bytes() * kPages;
-  std::vector<std::vector<uint8_t>> src(2, std::vector<uint8_t>(stride * kLayers));
-  std::vector<std::vector<uint8_t>> dst(2, std::vector<uint8_t>(stride * kLayers, 0));
-  std::vector<MemoryRegion> regs;
-  KvRegions pre{{}, kLayers, stride}, dec{{}, kLayers, stride};
-  std::mt19937 rng(5);
-  for (auto& b : src) {
-    for (auto& v : b) v = static_cast<uint8_t>(rng());
-  }
-  for (int r = 0; r < 2; ++r) {
-    regs.push_back(*pe->RegisterMemory(src[r].data(), src[r].size()));
-    regs.push_back(*de->RegisterMemory(dst[r].data(), dst[r].size()));
-  }
-  pre.ranks = {&regs[0], &regs[2]};
-  dec.ranks = {&regs[1], &regs[3]};
-  std::atomic<uint64_t> layers{0};
-  std::unique_ptr<KvPrefill> prefill;
-  const std::vector<int64_t> src_pages = {5, 1, 6};
-  KvPrefill::Callbacks cb;
-  cb.on_request = [&](const KvPrefill::Incoming& in) {
-    EXPECT_TRUE(prefill->Schedule(in.request_id, src_pages, 0, 0).ok());
-    layers.store(kLayers);
-  };
-  auto p = KvPrefill::Create(pe.get(), side, pre, nullptr, &layers, cb);
-  ASSERT_TRUE(p.ok()) << p.status();
-  prefill = std::move(p).value();
-  auto d = KvDecoder::Create(de.get(), side, dec, nullptr);
+  KvShards src(*pe, 5), dst(*de, 6);
+  KvServer server;
+  ASSERT_TRUE(server.Open(pe.get(), src).ok());
+  auto d = KvDecoder::Create(de.get(), kKvSide, dst.regions, nullptr);
   ASSERT_TRUE(d.ok()) << d.status();
   const std::vector<uint8_t> address = pe->Address();
-  const std::vector<int64_t> dst_pages = {2, 7, 0};
-  std::atomic<int> calls{0};
-  Status outcome;
-  KvDecoder::Request req{.request_id = 3, .prefill_address = address, .prefill = side,
-                         .pages = dst_pages};
-  ASSERT_TRUE((*d)->Submit(req, Deadline::After(10s), [&](const Status& s) {
-    outcome = s;
-    calls.fetch_add(1);
-  }).ok());
-  Deadline wait = Deadline::After(15s);
-  while (calls.load() == 0 && !wait.Expired()) std::this_thread::sleep_for(1ms);
-  ASSERT_EQ(calls.load(), 1);
-  ASSERT_TRUE(outcome.ok()) << outcome;
-  const int64_t page = side.page_bytes();
-  for (int r = 0; r < 2; ++r) {
-    for (int l = 0; l < kLayers; ++l) {
-      for (size_t i = 0; i < dst_pages.size(); ++i) {
-        EXPECT_EQ(0, std::memcmp(dst[r].data() + l * stride + dst_pages[i] * page,
-                                 src[r].data() + l * stride + src_pages[i] * page, page))
-            << "rank " << r << " layer " << l << " page " << i;
-      }
-    }
-  }
+  Status s = KvAsk(**d, address, 3);
+  ASSERT_TRUE(s.ok()) << s;
+  const std::vector<int64_t> mine = {2, 7, 0};
+  EXPECT_TRUE(dst.Holds(src, mine, server.pages));
   d->reset();
-  prefill.reset();
+}
+
+// A prefill whose engine holds one peer, two decoders taking turns over verbs: each newcomer
+// takes the entry of the idle decoder, whose engine gets our goodbye and marks the prefill
+// lost; its next request adds the prefill again, which reconnects.
+TEST_F(VerbsEngineTest, APrefillOfOnePeerEntryServesTwoDecodersTakingTurns) {
+  auto pe = Engine({"mlx5_0"}, /*max_peers=*/1);
+  auto d1e = Engine({"mlx5_1"});
+  auto d2e = Engine({"mlx5_2"});
+  ASSERT_TRUE(pe && d1e && d2e);
+  KvShards src(*pe, 5), dst1(*d1e, 6), dst2(*d2e, 7);
+  KvServer server;
+  ASSERT_TRUE(server.Open(pe.get(), src).ok());
+  auto d1 = KvDecoder::Create(d1e.get(), kKvSide, dst1.regions, nullptr);
+  auto d2 = KvDecoder::Create(d2e.get(), kKvSide, dst2.regions, nullptr);
+  ASSERT_TRUE(d1.ok() && d2.ok());
+  const std::vector<uint8_t> address = pe->Address();
+  const std::vector<int64_t> mine = {2, 7, 0};
+  int undelivered = 0;
+  for (int turn = 0; turn < 4; ++turn) {
+    KvDecoder& d = turn % 2 ? **d2 : **d1;
+    const auto start = std::chrono::steady_clock::now();
+    Status s = KvAsk(d, address, 10 + turn, &undelivered);
+    ASSERT_TRUE(s.ok()) << "turn " << turn << ": " << s;
+    EXPECT_LT(std::chrono::steady_clock::now() - start, 5s) << "turn " << turn;
+  }
+  EXPECT_LE(undelivered, 2);  // at most once per returning decoder
+  EXPECT_TRUE(dst1.Holds(src, mine, server.pages));
+  EXPECT_TRUE(dst2.Holds(src, mine, server.pages));
+  d1->reset();
+  d2->reset();
+}
+
+// RemovePeer says goodbye: the other side marks us lost at once (not when its next transfer
+// times out), and adding us again reconnects both ways.
+TEST_F(VerbsEngineTest, ARemovedPeerHearsGoodbyeAndReconnectsWhenItAddsUsAgain) {
+  auto a = Engine({"mlx5_0"});
+  auto b = Engine({"mlx5_1"});
+  ASSERT_TRUE(a && b);
+  PeerId pb = *a->AddPeer(b->Address());
+  PeerId pa = *b->AddPeer(a->Address());
+  ASSERT_TRUE(b->CreateImmCounter(4).ok());
+  TransferCounter done;
+  ASSERT_TRUE(a->WriteImm(pb, 4, Completion::Counter(&done)).ok());
+  ASSERT_TRUE(done.Wait(1, Deadline::After(10s)).ok());
+  ASSERT_EQ(done.failed.load(), 0u);
+  ASSERT_TRUE(b->RemovePeer(pa).ok());
+  Deadline wait = Deadline::After(5s);
+  while (!*a->PeerLost(pb) && !wait.Expired()) std::this_thread::sleep_for(1ms);
+  ASSERT_TRUE(*a->PeerLost(pb));
+  EXPECT_EQ(a->WriteImm(pb, 4, Completion()).code(), StatusCode::kUnavailable);
+  auto again = a->AddPeer(b->Address());  // b has not added a again: its domain connects
+  ASSERT_TRUE(again.ok()) << again.status();
+  ASSERT_TRUE(a->WriteImm(*again, 4, Completion::Counter(&done)).ok());
+  ASSERT_TRUE(done.Wait(2, Deadline::After(10s)).ok());
+  EXPECT_EQ(done.failed.load(), 0u);
+  ASSERT_TRUE(b->WaitImm(4, 2, Deadline::After(10s)).ok());
+  auto back = b->AddPeer(a->Address());
+  ASSERT_TRUE(back.ok()) << back.status();
+  ASSERT_TRUE(a->CreateImmCounter(5).ok());
+  TransferCounter returned;
+  ASSERT_TRUE(b->WriteImm(*back, 5, Completion::Counter(&returned)).ok());
+  ASSERT_TRUE(returned.Wait(1, Deadline::After(10s)).ok());
+  EXPECT_EQ(returned.failed.load(), 0u);
 }
 
 TEST_F(VerbsEngineTest, AnUnansweredHandshakeEndsInTheTransferDeadline) {

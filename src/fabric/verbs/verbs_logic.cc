@@ -83,7 +83,7 @@ std::vector<uint8_t> Handshake::Serialize() const {
   w.U32(msg.psn);
   w.U32(write.qpn);
   w.U32(write.psn);
-  uint8_t flags = have_yours ? 1 : 0;
+  uint8_t flags = (have_yours ? 1 : 0) | (goodbye ? 2 : 0);
   w.Raw(&flags, 1);
   w.U32(incarnation);
   w.U32(ud_qpn);
@@ -123,13 +123,14 @@ StatusOr<Handshake> Handshake::Parse(std::span<const uint8_t> bytes) {
   if (h.mtu < IBV_MTU_256 || h.mtu > IBV_MTU_4096) {
     return InvalidArgumentError("verbs handshake: MTU code " + std::to_string(h.mtu));
   }
-  if (flags > 1) return InvalidArgumentError("verbs handshake: unknown flags");
+  if (flags > 3) return InvalidArgumentError("verbs handshake: unknown flags");
   for (const RcEndpoint* ep : {&h.msg, &h.write}) {
     if (ep->qpn == 0 || ep->qpn > kPsnMask || ep->psn > kPsnMask) {
       return InvalidArgumentError("verbs handshake: QP number or PSN out of 24 bits");
     }
   }
   h.have_yours = flags & 1;
+  h.goodbye = flags & 2;
   return h;
 }
 

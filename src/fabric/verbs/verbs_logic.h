@@ -71,6 +71,7 @@ struct Handshake {
   RcEndpoint msg;              // SEND/RECV queue pair
   RcEndpoint write;            // WRITE_WITH_IMM queue pair
   bool have_yours = false;     // the sender already holds the receiver's handshake
+  bool goodbye = false;        // the sender removed the receiver: this connection is over
   // Which of the sender's connections to the receiver this is: each one the sender makes gets a
   // larger number than the last (it added the receiver again after losing it), so a receiver
   // that holds an older one moves over and a late hello of an older one is ignored.
