@@ -866,6 +866,26 @@ Status ServingPrefill(const std::string& provider, Bootstrap& b, int expect,
   return Status::Ok();
 }
 
+// Asks the small prefill at `address` for request `id` into `pages`; OK once it ended OK.
+Status AskSmall(KvDecoder& decoder, std::span<const uint8_t> address, uint64_t id,
+                std::span<const int64_t> pages) {
+  KvDecoder::Request req;
+  req.request_id = id;
+  req.prefill_address = address;
+  req.prefill = KvSide{kSmallModel, KvOrder::kHND, 4};
+  req.pages = pages;
+  std::atomic<int> calls{0};
+  Status outcome;
+  RETURN_IF_ERROR(decoder.Submit(req, Deadline::After(20s), [&](const Status& s) {
+    outcome = s;
+    calls.fetch_add(1);
+  }));
+  Deadline wait = Deadline::After(30s);
+  while (calls.load() == 0 && !wait.Expired()) std::this_thread::sleep_for(1ms);
+  CHECK_OR_RETURN(calls.load() == 1, "request " + std::to_string(id) + " never ended");
+  return outcome;
+}
+
 // A decoder whose engine holds two peers asks three prefills in turn, then the first again:
 // each new prefill takes the entry of the least recently used idle one (before, the third
 // request failed ResourceExhausted at Submit, for good).
@@ -878,21 +898,8 @@ Status RotatingDecoder(const std::string& provider, Bootstrap& b) {
   const int order[] = {0, 1, 2, 0};
   const std::vector<int64_t> pages = {1, 2, 3};
   for (int i = 0; i < 4; ++i) {
-    KvDecoder::Request req;
-    req.request_id = 100 + i;
-    req.prefill_address = addresses[order[i]];
-    req.prefill = KvSide{kSmallModel, KvOrder::kHND, 4};
-    req.pages = pages;
-    std::atomic<int> calls{0};
-    Status outcome;
-    RETURN_IF_ERROR(decoder->Submit(req, Deadline::After(20s), [&](const Status& s) {
-      outcome = s;
-      calls.fetch_add(1);
-    }).WithContext("request to prefill " + std::to_string(order[i])));
-    Deadline wait = Deadline::After(30s);
-    while (calls.load() == 0 && !wait.Expired()) std::this_thread::sleep_for(1ms);
-    CHECK_OR_RETURN(calls.load() == 1 && outcome.ok(),
-                    "request " + std::to_string(i) + " ended with " + outcome.ToString());
+    RETURN_IF_ERROR(AskSmall(*decoder, addresses[order[i]], 100 + i, pages)
+                        .WithContext("request to prefill " + std::to_string(order[i])));
   }
   return b.Barrier(60s);
 }
@@ -918,21 +925,8 @@ Status TakingTurns(const std::string& provider, Bootstrap& b) {
   for (int turn = 0; turn < 4; ++turn) {
     RETURN_IF_ERROR(b.Barrier(60s));  // one barrier per turn: the turn's decoder sends
     if (turn % 2 != b.rank() - 1) continue;
-    KvDecoder::Request req;
-    req.request_id = 200 + turn;
-    req.prefill_address = addresses[0];
-    req.prefill = KvSide{kSmallModel, KvOrder::kHND, 4};
-    req.pages = pages;
-    std::atomic<int> calls{0};
-    Status outcome;
-    RETURN_IF_ERROR(decoder->Submit(req, Deadline::After(20s), [&](const Status& s) {
-      outcome = s;
-      calls.fetch_add(1);
-    }));
-    Deadline wait = Deadline::After(30s);
-    while (calls.load() == 0 && !wait.Expired()) std::this_thread::sleep_for(1ms);
-    CHECK_OR_RETURN(calls.load() == 1 && outcome.ok(),
-                    "turn " + std::to_string(turn) + " ended with " + outcome.ToString());
+    RETURN_IF_ERROR(AskSmall(*decoder, addresses[0], 200 + turn, pages)
+                        .WithContext("turn " + std::to_string(turn)));
   }
   return b.Barrier(60s);
 }
