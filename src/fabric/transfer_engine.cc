@@ -304,7 +304,8 @@ Status Engine::RemovePeerLocked(PeerId peer) {
   if (auto it = peer_by_engine_.find(engine); it != peer_by_engine_.end() && it->second == peer) {
     peer_by_engine_.erase(it);
   }
-  if (PeerGeneration(peer) < kMaxPeerGeneration) free_slots_.push_back(slot);
+  // A slot whose removal failed (its provider addresses may be left) is not used again.
+  if (first.ok() && PeerGeneration(peer) < kMaxPeerGeneration) free_slots_.push_back(slot);
   return first;
 }
 

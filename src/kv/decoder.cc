@@ -436,7 +436,8 @@ class Decoder final : public KvDecoder {
     StatusOr<PeerId> p = engine_->AddPeer(address);
     // A full peer table (prefills come and go over a decoder's life, each restart a new engine):
     // the least recently used prefill no request of ours waits on makes room.
-    if (p.status().code() == StatusCode::kResourceExhausted && EvictIdlePrefill()) {
+    // (Each eviction forgets one prefill; one already gone frees no entry, so go on.)
+    while (p.status().code() == StatusCode::kResourceExhausted && EvictIdlePrefill()) {
       p = engine_->AddPeer(address);
     }
     RETURN_IF_ERROR(p.status());
@@ -445,8 +446,8 @@ class Decoder final : public KvDecoder {
   }
 
   // Removes the least recently used prefill that no request slot names from the engine (and
-  // from peers_, so that a later request to it adds it again). Over verbs its connection goes;
-  // the prefill moves to the new one when we add it again. peers_mu_ held.
+  // from peers_, so that a later request to it adds it again; over verbs the prefill hears our
+  // goodbye, and that request connects anew). False when every prefill is busy. peers_mu_ held.
   bool EvictIdlePrefill() {
     std::vector<PeerId> busy;
     {
@@ -461,9 +462,9 @@ class Decoder final : public KvDecoder {
       if (victim == peers_.end() || it->second.last_use < victim->second.last_use) victim = it;
     }
     if (victim == peers_.end()) return false;
-    Status s = engine_->RemovePeer(victim->second.peer);
+    (void)engine_->RemovePeer(victim->second.peer);  // a no-op for one already let go
     peers_.erase(victim);
-    return s.ok();
+    return true;
   }
 
   TransferEngine* engine_;

@@ -278,10 +278,12 @@ class Prefill final : public KvPrefill {
       // One PeerId per decoder however many requests it sends (AddPeer keeps an engine's PeerId
       // until the engine loses it; per request, the peer table once filled up).
       auto peer = engine_->AddPeer(req->decoder_address);
+      // (Each eviction forgets one decoder; one already gone frees no entry, so go on.)
+      while (peer.status().code() == StatusCode::kResourceExhausted && EvictIdleDecoder()) {
+        peer = engine_->AddPeer(req->decoder_address);
+      }
       if (peer.status().code() == StatusCode::kResourceExhausted) {
-        if (EvictIdleDecoder()) {
-          peer = engine_->AddPeer(req->decoder_address);
-        } else if (now - first_seen < kDeferLimit) {
+        if (now - first_seen < kDeferLimit) {
           // Every entry serves a request still in flight (one ending now releases its entry in
           // a moment): try again on a later pass rather than drop it.
           deferred_.push_back({std::move(m), first_seen});
@@ -333,9 +335,9 @@ class Prefill final : public KvPrefill {
       if (victim == decoder_use_.end() || it->second < victim->second) victim = it;
     }
     if (victim == decoder_use_.end()) return false;
-    Status s = engine_->RemovePeer(victim->first);
+    (void)engine_->RemovePeer(victim->first);  // a no-op for one the engine already let go
     decoder_use_.erase(victim);
-    return s.ok();
+    return true;
   }
 
   // Posts every layer the counter says is done, for every scheduled chunk; the aux bytes once
