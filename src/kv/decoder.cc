@@ -17,6 +17,7 @@
 
 #include "ferry/kv.h"
 #include "kv/messages.h"
+#include "kv/peer_lru.h"
 
 namespace ferry {
 namespace kv {
@@ -42,7 +43,8 @@ class Decoder final : public KvDecoder {
         slots_(static_cast<size_t>(max_requests)) {}
 
   // No callback may run into a destroyed decoder: stop taking acknowledgements, end every armed
-  // notification (their requests report Cancelled), and wait, bounded, for them to run.
+  // notification (their requests report Cancelled), and wait, bounded, for them and for the
+  // completions of requests' messages still in flight to run.
   ~Decoder() override {
     engine_->SetMessageHandler(nullptr);
     closing_.store(true, std::memory_order_release);
@@ -68,7 +70,9 @@ class Decoder final : public KvDecoder {
       (void)engine_->DisarmImm(kImmBase + static_cast<uint32_t>(i));
     }
     Deadline deadline = Deadline::After(std::chrono::seconds(10));
-    while (armed_.load(std::memory_order_acquire) > 0 && !deadline.Expired()) {
+    while ((armed_.load(std::memory_order_acquire) > 0 ||
+            sending_.load(std::memory_order_acquire) > 0) &&
+           !deadline.Expired()) {
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
   }
@@ -148,11 +152,16 @@ class Decoder final : public KvDecoder {
     // removed us to make room) ends at once, Unavailable, not at its deadline.
     const uint32_t imm = kImmBase + slot;
     const uint64_t id = req.request_id;
+    sending_.fetch_add(1, std::memory_order_acq_rel);
     Status sent = engine_->Send(prefill, w.Serialize(),
                                 Completion::Callback([this, id, imm](const Status& s) {
-                                  if (!s.ok()) OnUndelivered(id, imm, s);
+                                  if (!s.ok() && !closing_.load(std::memory_order_acquire)) {
+                                    OnUndelivered(id, imm, s);
+                                  }
+                                  sending_.fetch_sub(1, std::memory_order_acq_rel);
                                 }));
     if (!sent.ok()) {
+      sending_.fetch_sub(1, std::memory_order_acq_rel);  // refused: its callback never runs
       std::lock_guard<std::mutex> lock(mu_);
       by_request_.erase(req.request_id);
       slots_[slot].state = State::kFree;
@@ -425,46 +434,32 @@ class Decoder final : public KvDecoder {
     if (it != peers_.end()) {
       // A prefill we took out as unresponsive stays out; one the engine lost otherwise (over
       // verbs: it removed us, say to make room) is added again, which reconnects.
-      const PeerId known = it->second.peer;
+      const PeerId known = it->second;
       const StatusOr<bool> lost = engine_->PeerLost(known);
       if (unresponsive_.count(known) || (lost.ok() && !*lost)) {
-        it->second.last_use = ++uses_;
+        lru_.Touch(known);
         return known;
       }
+      lru_.Forget(known);
       peers_.erase(it);
     }
-    StatusOr<PeerId> p = engine_->AddPeer(address);
-    // A full peer table (prefills come and go over a decoder's life, each restart a new engine):
-    // the least recently used prefill no request of ours waits on makes room.
-    // (Each eviction forgets one prefill; one already gone frees no entry, so go on.)
-    while (p.status().code() == StatusCode::kResourceExhausted && EvictIdlePrefill()) {
-      p = engine_->AddPeer(address);
-    }
-    RETURN_IF_ERROR(p.status());
-    peers_[key] = {*p, ++uses_};
-    return *p;
-  }
-
-  // Removes the least recently used prefill that no request slot names from the engine (and
-  // from peers_, so that a later request to it adds it again; over verbs the prefill hears our
-  // goodbye, and that request connects anew). False when every prefill is busy. peers_mu_ held.
-  bool EvictIdlePrefill() {
-    std::vector<PeerId> busy;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (const Slot& st : slots_) {
-        if (st.state != State::kFree) busy.push_back(st.prefill);
-      }
-    }
-    auto victim = peers_.end();
-    for (auto it = peers_.begin(); it != peers_.end(); ++it) {
-      if (std::find(busy.begin(), busy.end(), it->second.peer) != busy.end()) continue;
-      if (victim == peers_.end() || it->second.last_use < victim->second.last_use) victim = it;
-    }
-    if (victim == peers_.end()) return false;
-    (void)engine_->RemovePeer(victim->second.peer);  // a no-op for one already let go
-    peers_.erase(victim);
-    return true;
+    ASSIGN_OR_RETURN(
+        PeerId p,
+        lru_.AddMakingRoom(
+            *engine_, address,
+            [this] {  // the prefills a request slot names
+              std::vector<PeerId> busy;
+              std::lock_guard<std::mutex> slots_lock(mu_);
+              for (const Slot& st : slots_) {
+                if (st.state != State::kFree) busy.push_back(st.prefill);
+              }
+              return busy;
+            },
+            [this](PeerId gone) {
+              std::erase_if(peers_, [gone](const auto& kv) { return kv.second == gone; });
+            }));
+    peers_[key] = p;
+    return p;
   }
 
   TransferEngine* engine_;
@@ -476,14 +471,11 @@ class Decoder final : public KvDecoder {
   std::deque<uint32_t> free_;
   std::unordered_map<uint64_t, uint32_t> by_request_;
   std::mutex peers_mu_;
-  struct KnownPrefill {
-    PeerId peer = 0;
-    uint64_t last_use = 0;  // uses_ when a request last named it
-  };
-  std::unordered_map<std::string, KnownPrefill> peers_;  // by engine address
-  uint64_t uses_ = 0;                                     // peers_mu_
-  std::unordered_set<PeerId> unresponsive_;  // peers_mu_: prefills the remover took out
-  std::atomic<int> armed_{0};  // notifications armed and not yet run
+  std::unordered_map<std::string, PeerId> peers_;  // by engine address (peers_mu_)
+  PeerLru lru_;                                    // peers_mu_
+  std::unordered_set<PeerId> unresponsive_;        // peers_mu_: prefills the remover took out
+  std::atomic<int> armed_{0};    // notifications armed and not yet run
+  std::atomic<int> sending_{0};  // requests' messages whose completion has not yet run
   std::atomic<bool> closing_{false};
   // Unresponsive prefills to take out of the engine: (peer, slot waiting on it).
   std::mutex remove_mu_;

@@ -22,6 +22,7 @@
 #include "common/backoff.h"
 #include "ferry/kv.h"
 #include "kv/messages.h"
+#include "kv/peer_lru.h"
 #include "kv/shards_args.h"
 
 namespace ferry {
@@ -255,15 +256,11 @@ class Prefill final : public KvPrefill {
     }
     const bool fresh = !inbox.empty();
     // Requests put off for want of a peer entry go first, in their order.
-    std::deque<Deferred> waiting;
-    waiting.swap(deferred_);
     const auto now = std::chrono::steady_clock::now();
-    for (auto it = waiting.rbegin(); it != waiting.rend(); ++it) inbox.push_front(std::move(it->m));
-    size_t index = 0;
-    for (auto& m : inbox) {
-      const bool was_deferred = index < waiting.size();
-      const auto first_seen = was_deferred ? waiting[index].since : now;
-      ++index;
+    std::deque<Deferred> work;
+    work.swap(deferred_);
+    for (auto& m : inbox) work.push_back({std::move(m), now});
+    for (auto& [m, first_seen] : work) {
       if (MagicOf(m) == kCancelMagic) {
         auto f = ParseControl(kCancelMagic, m);
         if (f.ok()) {
@@ -277,21 +274,22 @@ class Prefill final : public KvPrefill {
       if (!req.ok()) continue;  // a malformed request has nobody to answer; drop it
       // One PeerId per decoder however many requests it sends (AddPeer keeps an engine's PeerId
       // until the engine loses it; per request, the peer table once filled up).
-      auto peer = engine_->AddPeer(req->decoder_address);
-      // (Each eviction forgets one decoder; one already gone frees no entry, so go on.)
-      while (peer.status().code() == StatusCode::kResourceExhausted && EvictIdleDecoder()) {
-        peer = engine_->AddPeer(req->decoder_address);
-      }
-      if (peer.status().code() == StatusCode::kResourceExhausted) {
-        if (now - first_seen < kDeferLimit) {
-          // Every entry serves a request still in flight (one ending now releases its entry in
-          // a moment): try again on a later pass rather than drop it.
-          deferred_.push_back({std::move(m), first_seen});
-          continue;
-        }
+      // A full table: the least recently used decoder no request here is being served for
+      // leaves the engine (it adds us again with its next request).
+      auto peer = decoders_.AddMakingRoom(*engine_, req->decoder_address, [this] {
+        std::vector<PeerId> busy;
+        std::lock_guard<std::mutex> lock(mu_);
+        for (const auto& [id, a] : pending_) busy.push_back(a.peer);
+        return busy;
+      });
+      const bool full = peer.status().code() == StatusCode::kResourceExhausted;
+      if (full && now - first_seen < kDeferLimit) {
+        // Every entry serves a request still in flight (one ending now releases its entry in a
+        // moment): try again on a later pass rather than drop it.
+        deferred_.push_back({std::move(m), first_seen});
+        continue;
       }
       if (!peer.ok()) continue;
-      decoder_use_[*peer] = ++uses_;
       Incoming in{req->request_id, static_cast<int64_t>(req->pages.size()),
                   req->speculative ? std::max<int64_t>(0, req->num_tokens - 1) : req->num_tokens,
                   req->speculative};
@@ -317,27 +315,6 @@ class Prefill final : public KvPrefill {
       if (cb_.on_request) cb_.on_request(in);
     }
     return fresh;  // (a deferred request alone does not keep the watcher spinning)
-  }
-
-  // A full peer table (decoders come and go over a prefill's life, each restart a new engine):
-  // the least recently used decoder no request of ours is serving leaves the engine. It adds us
-  // again when it next needs us -- over verbs our goodbye marks us lost there, and re-adding
-  // reconnects. Watcher thread.
-  bool EvictIdleDecoder() {
-    std::vector<PeerId> busy;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (const auto& [id, a] : pending_) busy.push_back(a.peer);
-    }
-    auto victim = decoder_use_.end();
-    for (auto it = decoder_use_.begin(); it != decoder_use_.end(); ++it) {
-      if (std::find(busy.begin(), busy.end(), it->first) != busy.end()) continue;
-      if (victim == decoder_use_.end() || it->second < victim->second) victim = it;
-    }
-    if (victim == decoder_use_.end()) return false;
-    (void)engine_->RemovePeer(victim->first);  // a no-op for one the engine already let go
-    decoder_use_.erase(victim);
-    return true;
   }
 
   // Posts every layer the counter says is done, for every scheduled chunk; the aux bytes once
@@ -491,7 +468,7 @@ class Prefill final : public KvPrefill {
   std::mutex mu_;
   std::deque<std::vector<uint8_t>> inbox_;
   std::unordered_map<uint64_t, Active> pending_;
-  std::unordered_map<PeerId, uint64_t> decoder_use_;  // watcher: each decoder's last request
+  PeerLru decoders_;  // watcher: the decoders we added, by their last request
   // Requests waiting for a peer entry (watcher), at most kDeferLimit from their arrival.
   struct Deferred {
     std::vector<uint8_t> m;
@@ -499,7 +476,6 @@ class Prefill final : public KvPrefill {
   };
   static constexpr auto kDeferLimit = std::chrono::seconds(2);
   std::deque<Deferred> deferred_;
-  uint64_t uses_ = 0;                                // watcher
   const bool trace_;
   bool awaiting_layers_ = false;  // the watcher's last pass: a scheduled chunk awaits a layer
   std::atomic<bool> stop_{false};

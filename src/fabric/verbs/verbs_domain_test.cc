@@ -48,6 +48,16 @@ class VerbsEngineTest : public ::testing::Test {
     return e.ok() ? std::move(e).value() : nullptr;
   }
 
+  // `from` writes immediate `imm` to `peer`, the engine `to`: true once the write completed
+  // without error and `to` has counted `count` of that immediate in all.
+  static bool ImmLands(TransferEngine& from, PeerId peer, TransferEngine& to, uint32_t imm,
+                       uint64_t count) {
+    TransferCounter done;
+    if (!from.WriteImm(peer, imm, Completion::Counter(&done)).ok()) return false;
+    if (!done.Wait(1, Deadline::After(10s)).ok() || done.failed.load() != 0) return false;
+    return to.WaitImm(imm, count, Deadline::After(10s)).ok();
+  }
+
   std::shared_ptr<FakeNet> net_;
 };
 
@@ -282,11 +292,7 @@ TEST_F(VerbsEngineTest, APeerAddedOnOneSideOnlyConnectsAndIsClaimedWhenAddedBack
   auto pa = b->AddPeer(a->Address());
   ASSERT_TRUE(pa.ok()) << pa.status();
   ASSERT_TRUE(a->CreateImmCounter(10).ok());
-  TransferCounter back;
-  ASSERT_TRUE(b->WriteImm(*pa, 10, Completion::Counter(&back)).ok());
-  ASSERT_TRUE(back.Wait(1, Deadline::After(10s)).ok());
-  EXPECT_EQ(back.failed.load(), 0u);
-  ASSERT_TRUE(a->WaitImm(10, 1, Deadline::After(10s)).ok());
+  ASSERT_TRUE(ImmLands(*b, *pa, *a, 10, 1));
   ASSERT_TRUE(a->Send(pb, hello, Completion::Counter(&done)).ok());
   ASSERT_TRUE(done.Wait(3, Deadline::After(10s)).ok());
   EXPECT_EQ(done.failed.load(), 0u);
@@ -443,10 +449,7 @@ TEST_F(VerbsEngineTest, ARemovedPeerHearsGoodbyeAndReconnectsWhenItAddsUsAgain) 
   PeerId pb = *a->AddPeer(b->Address());
   PeerId pa = *b->AddPeer(a->Address());
   ASSERT_TRUE(b->CreateImmCounter(4).ok());
-  TransferCounter done;
-  ASSERT_TRUE(a->WriteImm(pb, 4, Completion::Counter(&done)).ok());
-  ASSERT_TRUE(done.Wait(1, Deadline::After(10s)).ok());
-  ASSERT_EQ(done.failed.load(), 0u);
+  ASSERT_TRUE(ImmLands(*a, pb, *b, 4, 1));
   ASSERT_TRUE(b->RemovePeer(pa).ok());
   Deadline wait = Deadline::After(5s);
   while (!*a->PeerLost(pb) && !wait.Expired()) std::this_thread::sleep_for(1ms);
@@ -454,17 +457,11 @@ TEST_F(VerbsEngineTest, ARemovedPeerHearsGoodbyeAndReconnectsWhenItAddsUsAgain) 
   EXPECT_EQ(a->WriteImm(pb, 4, Completion()).code(), StatusCode::kUnavailable);
   auto again = a->AddPeer(b->Address());  // b has not added a again: its domain connects
   ASSERT_TRUE(again.ok()) << again.status();
-  ASSERT_TRUE(a->WriteImm(*again, 4, Completion::Counter(&done)).ok());
-  ASSERT_TRUE(done.Wait(2, Deadline::After(10s)).ok());
-  EXPECT_EQ(done.failed.load(), 0u);
-  ASSERT_TRUE(b->WaitImm(4, 2, Deadline::After(10s)).ok());
+  EXPECT_TRUE(ImmLands(*a, *again, *b, 4, 2));
   auto back = b->AddPeer(a->Address());
   ASSERT_TRUE(back.ok()) << back.status();
   ASSERT_TRUE(a->CreateImmCounter(5).ok());
-  TransferCounter returned;
-  ASSERT_TRUE(b->WriteImm(*back, 5, Completion::Counter(&returned)).ok());
-  ASSERT_TRUE(returned.Wait(1, Deadline::After(10s)).ok());
-  EXPECT_EQ(returned.failed.load(), 0u);
+  EXPECT_TRUE(ImmLands(*b, *back, *a, 5, 1));
 }
 
 TEST_F(VerbsEngineTest, AnUnansweredHandshakeEndsInTheTransferDeadline) {
