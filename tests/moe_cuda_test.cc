@@ -778,6 +778,11 @@ INSTANTIATE_TEST_SUITE_P(
                       // captured graphs replayed with device token counts.
                       Streamed(Case{2, 128, 7168, 256, 8, fp8, rnd, 16, false, true, true, 3,
                                     true, true}),
+                      // ... with more received slots (~460 a rank) than Unpack's streamed grid
+                      // (what fits at once: 264 blocks on an H200) and at most twice it: a
+                      // block per slot, each block claiming slots one after another.
+                      Streamed(Case{4, 128, 128, 256, 8, bf16, rnd, 8, false, true, true, 3,
+                                    true}),
                       // The combine streamed: rows summed at the expert rank, copied per entry,
                       // copied per token-major row; graphs; with the dispatch streamed too.
                       Streamed(Case{2, 128, 7168, 256, 8, bf16, rnd, 16, false, true, true, 3,

@@ -10,7 +10,8 @@
 #   tools/gpu_check.sh profile    build and the per-kernel profiles only
 #   tools/gpu_check.sh kv         build, tests and the kv benchmarks (CPU side of the host)
 #   tools/gpu_check.sh trace      build, the NVLink decode benchmark, then phase stamps per kernel
-#                                 (TRACE_TOKENS, "128 4096"; TRACE_COMPARE=0 skips the benchmark)
+#                                 (TRACE_TOKENS, "128 4096"; TRACE_RANKS, "2"; TRACE_ARGS, more
+#                                 bench flags; TRACE_COMPARE=0 skips the benchmark)
 #   tools/gpu_check.sh hybrid     build, tests, EP4 as one node and as two nodes of two (relay)
 #   tools/gpu_check.sh relay      build, tests, two nodes of one GPU (every peer through the relay)
 #   tools/gpu_check.sh pdl        build, tests, NVLink decode and prefill (a)+(b) with the receive
@@ -211,11 +212,18 @@ if [ "$mode" = trace ]; then
   if [ "${TRACE_COMPARE:-1}" != 0 ]; then
     step nvlink_decode 200 build-gpu/ferry-bench moe "${nv[@]}" --tokens 128 --iters 200 --compare
   fi
-  for t in ${TRACE_TOKENS:-128 4096}; do
-    FERRY_NV_TRACE=1 step trace_$t 200 build-gpu/ferry-bench moe "${nv[@]}" --tokens $t --iters 5 \
-      --once-per-rank --reduce-at-expert-rank
-    echo "== trace, $t tokens, (a)+(b): point slowest/mean us since block start (blocks)"
-    grep -h 'trace ' "$OUT/trace_$t.log"
+  # TRACE_RANKS ("2"; 1 too under MPS, for the same share of SMs alone), TRACE_ARGS (more
+  # bench flags, e.g. --token-major).
+  for r in ${TRACE_RANKS:-2}; do
+    for t in ${TRACE_TOKENS:-128 4096}; do
+      name=trace_$t; [ "$r" != 2 ] && name=trace_r${r}_$t
+      # shellcheck disable=SC2086  # TRACE_ARGS: flags, split on purpose
+      FERRY_NV_TRACE=1 step $name 200 build-gpu/ferry-bench moe "${nv[@]}" --ranks $r \
+        --tokens $t --iters 5 --once-per-rank --reduce-at-expert-rank ${TRACE_ARGS:-}
+      echo "== $name, (a)+(b) ${TRACE_ARGS:-}: point slowest/mean us since block start" \
+        "@ last block's, us from the first DispatchSend block (blocks)"
+      grep -h 'trace ' "$OUT/$name.log"
+    done
   done
 fi
 if [ "$mode" = pdl ]; then

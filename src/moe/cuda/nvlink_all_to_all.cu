@@ -211,8 +211,9 @@ class NvlinkAllToAll final : public AllToAll {
   }
 
   // For the last epoch, per kernel: each point's slowest and mean block time from the block's
-  // start (µs), then its blocks' first and last start and last end relative to the first
-  // DispatchSend block (µs, global timer).
+  // start (µs) and, after @, when its last block reached it relative to the first DispatchSend
+  // block (µs; the block's global-timer start plus its clock cycles at the nominal rate); then
+  // its blocks' first and last start and last end relative to that block (µs, global timer).
   void PrintTrace() {
     static const char* const kNames[kTraceKernels] = {"DispatchSend", "Unpack", "CombineSend",
                                                       "CombineRecv", "Route"};
@@ -233,22 +234,27 @@ class NvlinkAllToAll final : public AllToAll {
         origin = at[kTraceStartNs];
       }
     }
+    // The origin itself, so that ranks sharing one GPU's timer (MPS) can be lined up.
+    std::fprintf(stderr, "[rank %d] trace origin %lld ns; grids: send %d, unpack %d; %d SMs\n",
+                 c_.rank, origin, send_grid_, unpack_grid_, recv_grid_limit_ / 4);
     for (int k = 0; k < kTraceKernels; ++k) {
       std::string line = "[rank " + std::to_string(c_.rank) + "] trace " + kNames[k] + ":";
       for (int p = 1; p < kTracePoints; ++p) {
-        double slowest = 0, sum = 0;
+        double slowest = 0, sum = 0, latest = 0;  // latest: from the origin, global timer
         int blocks = 0;
         for (int b = 0; b < nv_.trace_blocks; ++b) {
           const long long* at = block(k, b);
           if (at[kTraceEpoch] != epoch || at[p] == 0) continue;
           const double us = double(at[p] - at[0]) / khz * 1e3;
           slowest = std::max(slowest, us);
+          latest = std::max(latest, (at[kTraceStartNs] - origin) / 1e3 + us);
           sum += us;
           ++blocks;
         }
         if (blocks == 0) continue;
         char part[96];
-        std::snprintf(part, sizeof part, " p%d %.2f/%.2f (%d)", p, slowest, sum / blocks, blocks);
+        std::snprintf(part, sizeof part, " p%d %.2f/%.2f@%.2f (%d)", p, slowest, sum / blocks,
+                      latest, blocks);
         line += part;
       }
       long long first = 0, last = 0, end = 0;
@@ -387,7 +393,6 @@ class NvlinkAllToAll final : public AllToAll {
       // stores into a peer at the link's rate: `ferry-bench p2p`), and Unpack's second block
       // per SM once Pack's leaves it (its groups claim slots as they come, see Claim).
       send_grid_ = std::min(t, sms);
-      unpack_grid_ = static_cast<int>(std::min<int64_t>(recv_grid_, 2 * sms));
     } else {
       int resident = 0;
       FERRY_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
@@ -395,7 +400,19 @@ class NvlinkAllToAll final : public AllToAll {
       send_grid_ = std::min(t, std::max(resident, 1) * sms);
     }
     send_grid_ = std::max(send_grid_, 1);
-    if (unpack_grid_ == 0) unpack_grid_ = recv_grid_;
+    unpack_grid_ = recv_grid_;
+    if (v.stream) {
+      // Streamed, Unpack's groups claim slots until none is left (Claim), so no more blocks
+      // than fit at once: a block past those starts only when one leaves, and blocks leave only
+      // once every slot is claimed -- it would add its prologue (counts rows, offsets table,
+      // ~2.4 us) to the step's end and take no slot (session 25's trace: 256 blocks for 255
+      // slots on 66 SMs, the last started 16-18 us in; EP8 decode: 528 blocks, 2 per SM fit).
+      int resident = 0;
+      FERRY_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, UnpackKernel<true>,
+                                                               kCopyThreads, unpack_smem_));
+      unpack_grid_ = static_cast<int>(
+          std::min<int64_t>(recv_grid_, int64_t{std::max(resident, 1)} * sms));
+    }
     // FERRY_NV_PDL=0: the receive kernels launched plainly (for measuring what starting them
     // early gains). FERRY_NV_SPREAD=1: received slots visited spread over their senders
     // (SpreadOrder; opt-in until measured on two GPUs: on one rank of one GPU, where it can

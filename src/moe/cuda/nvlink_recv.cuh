@@ -381,7 +381,10 @@ __global__ void __launch_bounds__(kCopyThreads, 2) UnpackKernel(Nv v, RecvArgs a
   // vectors, fit in one batch; longer slots take more): four cost their bounds tests on
   // vectors past the slot's end, and a third instance, four where two do not fit, made the
   // kernel spill and a warp per slot 20 % slower (session 19).
-  if (total > gridDim.x) {
+  // Streamed, the grid is what fits at once (PlanGrids) and blocks claim slot after slot: a
+  // block per slot up to two slots a block (two ranks on half a GPU's SMs each: a warp per slot
+  // was 2.5-3 us slower expert-major, eight output rows a slot).
+  if (total > (kStream ? 2 : 1) * int64_t{gridDim.x}) {
     UnpackSlots<32, 8, kStream>(v, a, tables, total);
   } else {
     UnpackSlots<kCopyThreads, 2, kStream>(v, a, tables, total);
