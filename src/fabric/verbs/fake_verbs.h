@@ -42,6 +42,8 @@ class FakeNet {
     std::lock_guard<std::mutex> lock(mu);
     return dropped;
   }
+  // RC queue pairs that exist on `device`, in any state (destroyed ones are gone).
+  int LiveRcQps(const std::string& device);
 
   struct Cq {
     ibv_cq cq{};
@@ -88,6 +90,13 @@ class FakeNet {
   int drop_ud = 0;
   int dropped = 0;
 };
+
+inline int FakeNet::LiveRcQps(const std::string& device) {
+  std::lock_guard<std::mutex> lock(mu);
+  int n = 0;
+  for (const auto& [num, qp] : qps) n += qp->device == device && qp->qp.qp_type == IBV_QPT_RC;
+  return n;
+}
 
 class FakeVerbs final : public VerbsApi {
  public:

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstring>
 #include <deque>
+#include <map>
 #include <random>
 #include <unordered_map>
 
@@ -42,7 +43,9 @@ struct Peer {
   uint32_t incarnation = 0;        // of our connection to them (Handshake::incarnation)
   uint32_t their_incarnation = 0;  // of theirs that our queue pairs are connected to
   bool removed = false;
+  Clock::time_point removed_at{};  // when its queue pairs went to the error state (Close)
   bool passive = false;  // made for a hello from a peer we were not given; InsertPeer claims it
+  uint64_t passive_seq = 0;  // its key in unclaimed_ (oldest first) while passive
   bool gone = false;     // the peer said goodbye: this connection is over, its token freed
   Clock::time_point last_hello{};
   WrChain write_chain{1, kMaxInline};
@@ -195,7 +198,7 @@ class VerbsDomain final : public Domain {
       Peer& p = *peers_[it->second];
       if (p.passive && !p.removed) {
         p.passive = false;
-        --passive_peers_;
+        unclaimed_.erase(p.passive_seq);
         return it->second;
       }
     }
@@ -223,8 +226,16 @@ class VerbsDomain final : public Domain {
     if (!peer->ah) return ErrnoError("verbs: address handle for a peer", errno);
     Peer* p = peer.get();
     p->incarnation = next_incarnation_++;
-    const uint64_t index = peers_.size();
-    peers_.push_back(std::move(peer));  // owns what follows, even on failure
+    // A released peer's index first (ReleaseClosed): the table holds the peers of now.
+    uint64_t index = peers_.size();
+    if (!free_indices_.empty()) {
+      index = free_indices_.back();
+      free_indices_.pop_back();
+      peers_[index] = std::move(peer);  // owns what follows, even on failure
+    } else {
+      peers_.push_back(std::move(peer));
+    }
+    peers_connected_ = 0;  // DriveHandshakes counts again (the table may not have grown)
     ASSIGN_OR_RETURN(p->msg, CreateRc(srq_msg_));
     ASSIGN_OR_RETURN(p->write, CreateRc(srq_imm_));
     p->msg_psn = NewPsn();
@@ -247,20 +258,7 @@ class VerbsDomain final : public Domain {
 
   Status RemovePeer(uint64_t peer_addr) override {
     if (peer_addr >= peers_.size()) return NotFoundError("verbs: unknown peer address");
-    Peer& p = *peers_[peer_addr];
-    // Tell the peer (best effort: UD may drop it), so that it knows this connection is over
-    // and connects again when it next needs us, instead of writing into queue pairs that are
-    // gone until its transfers time out.
-    if (!p.removed && !p.gone && p.msg && p.write) SendHello(p, /*goodbye=*/true);
-    p.removed = true;
-    if (auto t = token_peer_.find(p.addr.token); t != token_peer_.end() && t->second == peer_addr) {
-      token_peer_.erase(t);  // (after a goodbye it may name the peer's new connection)
-    }
-    ibv_qp_attr err{};
-    err.qp_state = IBV_QPS_ERR;  // flushes what is outstanding
-    for (ibv_qp* qp : {p.msg, p.write}) {
-      if (qp) api_->ModifyQp(qp, &err, IBV_QP_STATE);
-    }
+    Close(peer_addr, /*goodbye=*/true);
     return Status::Ok();
   }
 
@@ -336,6 +334,7 @@ class VerbsDomain final : public Domain {
       if (!p->msg_chain.empty()) Flush(*p, p->msg_chain, p->msg);
     }
     DriveHandshakes();
+    if (!closing_.empty()) ReleaseClosed();
     size_t n = 0;
     while (n < out.size() && !refused_.empty()) {
       out[n++] = std::move(refused_.front());
@@ -355,6 +354,64 @@ class VerbsDomain final : public Domain {
   }
 
  private:
+  // The end of a connection: RemovePeer's, an unclaimed one's whose peer said goodbye, or the
+  // oldest unclaimed one's when a new peer needs room. With `goodbye`, the peer hears it (best
+  // effort: UD may drop it), so that it knows this connection is over and connects again when
+  // it next needs us, instead of writing into queue pairs that are gone until its transfers
+  // time out. The queue pairs go to the error state (what is outstanding on them completes in
+  // error) and are destroyed later (ReleaseClosed).
+  void Close(uint64_t index, bool goodbye) {
+    Peer& p = *peers_[index];
+    if (p.removed) return;
+    if (goodbye && !p.gone && p.msg && p.write) SendHello(p, /*goodbye=*/true);
+    p.removed = true;
+    p.removed_at = Clock::now();
+    if (p.passive) {
+      p.passive = false;
+      unclaimed_.erase(p.passive_seq);
+    }
+    if (auto t = token_peer_.find(p.addr.token); t != token_peer_.end() && t->second == index) {
+      token_peer_.erase(t);  // (after a goodbye it may name the peer's new connection)
+    }
+    ibv_qp_attr err{};
+    err.qp_state = IBV_QPS_ERR;  // flushes what is outstanding
+    for (ibv_qp* qp : {p.msg, p.write}) {
+      if (qp) api_->ModifyQp(qp, &err, IBV_QP_STATE);
+    }
+    closing_.push_back(index);
+  }
+
+  // Closed peers with nothing chained or outstanding, closed at least release_delay_ms ago:
+  // their queue pairs and address handle destroyed, their index free for the next peer (no
+  // completion can name it any more). Without this every peer a long-lived engine ever had kept
+  // two queue pairs on the device, and every Poll walked them all.
+  void ReleaseClosed() {
+    const Clock::time_point now = Clock::now();
+    const auto delay = std::chrono::milliseconds(config_.release_delay_ms);
+    for (size_t i = 0; i < closing_.size();) {
+      const uint64_t index = closing_[i];
+      Peer& p = *peers_[index];
+      if (p.outstanding > 0 || !p.write_chain.empty() || !p.msg_chain.empty() ||
+          now - p.removed_at < delay) {
+        ++i;
+        continue;
+      }
+      for (ibv_qp* qp : {p.msg, p.write}) {
+        if (!qp) continue;
+        if (auto q = qp_peer_.find(qp->qp_num); q != qp_peer_.end() && q->second == index) {
+          qp_peer_.erase(q);
+        }
+        api_->DestroyQp(qp);
+      }
+      if (p.ah) api_->DestroyAh(p.ah);
+      peers_[index] = std::make_unique<Peer>();
+      peers_[index]->removed = true;  // until CreatePeer takes the index again
+      free_indices_.push_back(index);
+      closing_[i] = closing_.back();
+      closing_.pop_back();
+    }
+  }
+
   uint32_t NewPsn() {
     if (config_.psn) return config_.psn;
     return std::uniform_int_distribution<uint32_t>(1, 0xffffff)(rng_);
@@ -532,22 +589,37 @@ class VerbsDomain final : public Domain {
     if (!h.ok() || h->peer_token != token_) return;  // not for us: stale or foreign
     auto it = token_peer_.find(h->token);
     if (it == token_peer_.end()) {
-      early_hellos_[h->token] = *h;  // CreatePeer takes it
+      if (h->goodbye) return;  // of a connection we no longer have
+      // CreatePeer takes it (bounded: a peer's hellos come again while it is not connected).
+      if (early_hellos_.size() < kMaxEarlyHellos || early_hellos_.count(h->token)) {
+        early_hellos_[h->token] = *h;
+      }
       // A peer we were not given reaches us: connect now, so that what it sends arrives (its
       // messages name no PeerId until the engine adds it, which then claims this connection).
       // Without this a one-sided AddPeer never connected: KvPrefill adds a decoder only when
-      // its first request arrives. Bounded: hellos of unclaimed peers beyond that wait.
-      if (h->ud_qpn != 0 && passive_peers_ < kMaxPassivePeers) {
+      // its first request arrives. Bounded: at max_unclaimed_peers the oldest unclaimed
+      // connection ends (its peer hears goodbye, and connects again when it next adds us).
+      if (h->ud_qpn != 0) {
+        if (unclaimed_.size() >= config_.max_unclaimed_peers) {
+          Close(unclaimed_.begin()->second, /*goodbye=*/true);
+        }
         auto index = CreatePeer(UdAddress{h->token, h->gid, h->lid, h->port, h->ud_qpn});
         if (index.ok()) {
-          peers_[*index]->passive = true;
-          ++passive_peers_;
+          Peer& made = *peers_[*index];
+          made.passive = true;
+          made.passive_seq = next_passive_seq_++;
+          unclaimed_[made.passive_seq] = *index;
         }
       }
       return;
     }
     Peer& p = *peers_[it->second];
     if (p.removed) return;
+    if (h->goodbye && p.passive) {
+      // An unclaimed connection's peer removed us: nobody here knows it; it ends.
+      if (p.have_theirs && h->incarnation == p.their_incarnation) Close(it->second, false);
+      return;
+    }
     if (h->goodbye) {
       // The peer removed us. Only its current connection's goodbye counts (an older one's is
       // late news). The engine marks the peer lost; its token is free, so that its next hello
@@ -596,7 +668,9 @@ class VerbsDomain final : public Domain {
           if (index < ud_send_busy_.size()) ud_send_busy_[index] = false;
           return false;
         case kImmRecv: {
-          if (wc.status != IBV_WC_WR_FLUSH_ERR) (void)PostImmRecv(index);
+          // Flushed too (a queue pair closed while it held the receive): the shared queue
+          // would lose it for good otherwise.
+          (void)PostImmRecv(index);
           if (wc.status != IBV_WC_SUCCESS || !(wc.wc_flags & IBV_WC_WITH_IMM)) return false;
           *out = DomainCompletion{};
           out->kind = CompletionKind::kRemoteImm;
@@ -654,8 +728,12 @@ class VerbsDomain final : public Domain {
   std::unordered_map<uint32_t, uint64_t> qp_peer_;
   std::unordered_map<uint64_t, uint64_t> token_peer_;
   std::unordered_map<uint64_t, Handshake> early_hellos_;
-  static constexpr uint32_t kMaxPassivePeers = 1024;
-  uint32_t passive_peers_ = 0;  // connections made for hellos, not yet claimed by InsertPeer
+  static constexpr size_t kMaxEarlyHellos = 4096;
+  std::map<uint64_t, uint64_t> unclaimed_;  // Peer::passive_seq -> index: connections made
+                                            // for hellos, not yet claimed by InsertPeer
+  uint64_t next_passive_seq_ = 0;
+  std::vector<uint64_t> closing_;       // closed peers whose queue pairs are not yet destroyed
+  std::vector<uint64_t> free_indices_;  // released peers' indices, for the next CreatePeer
   uint32_t next_incarnation_ = 1;  // Handshake::incarnation of our next connection
   std::vector<ibv_qp*> retired_qps_;  // of connections the other side replaced (Reconnect)
   std::unordered_map<ibv_mr*, bool> live_mrs_;

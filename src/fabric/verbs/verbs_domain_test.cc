@@ -30,7 +30,7 @@ class VerbsEngineTest : public ::testing::Test {
   }
 
   std::unique_ptr<TransferEngine> Engine(std::vector<std::string> devices,
-                                         uint32_t max_peers = 1024) {
+                                         uint32_t max_peers = 1024, VerbsConfig config = {}) {
     EngineOptions o = testing_util::TestOptions("verbs");
     o.max_peers = max_peers;
     o.transfer_timeout_ms = 3000;
@@ -38,7 +38,7 @@ class VerbsEngineTest : public ::testing::Test {
     o.nic_shard_min_bytes = 4096;
     std::vector<std::unique_ptr<Domain>> domains;
     for (const std::string& d : devices) {
-      auto domain = OpenVerbsDomain(o, d, std::make_shared<FakeVerbs>(net_), VerbsConfig{});
+      auto domain = OpenVerbsDomain(o, d, std::make_shared<FakeVerbs>(net_), config);
       EXPECT_TRUE(domain.ok()) << domain.status();
       if (!domain.ok()) return nullptr;
       domains.push_back(std::move(domain).value());
@@ -56,6 +56,21 @@ class VerbsEngineTest : public ::testing::Test {
     if (!from.WriteImm(peer, imm, Completion::Counter(&done)).ok()) return false;
     if (!done.Wait(1, Deadline::After(10s)).ok() || done.failed.load() != 0) return false;
     return to.WaitImm(imm, count, Deadline::After(10s)).ok();
+  }
+
+  // True once `device` holds exactly `n` RC queue pairs (within 5 s: the engines' workers
+  // release closed ones as they poll).
+  bool RcQpsBecome(const std::string& device, int n) {
+    Deadline wait = Deadline::After(5s);
+    while (net_->LiveRcQps(device) != n && !wait.Expired()) std::this_thread::sleep_for(1ms);
+    return net_->LiveRcQps(device) == n;
+  }
+
+  // Closed connections released after 20 ms instead of a second.
+  static VerbsConfig FastRelease() {
+    VerbsConfig c;
+    c.release_delay_ms = 20;
+    return c;
   }
 
   std::shared_ptr<FakeNet> net_;
@@ -462,6 +477,72 @@ TEST_F(VerbsEngineTest, ARemovedPeerHearsGoodbyeAndReconnectsWhenItAddsUsAgain) 
   ASSERT_TRUE(back.ok()) << back.status();
   ASSERT_TRUE(a->CreateImmCounter(5).ok());
   EXPECT_TRUE(ImmLands(*b, *back, *a, 5, 1));
+}
+
+// A long-lived engine's peers come and go (a KV prefill's decoders): a removed peer's queue
+// pairs are destroyed once drained, and its table index serves the next peer. Before, every
+// peer ever added kept two queue pairs on the device (and a table entry every Poll walked).
+TEST_F(VerbsEngineTest, RemovedPeersReleaseTheirQueuePairs) {
+  auto a = Engine({"mlx5_0"}, 1024, FastRelease());
+  auto b = Engine({"mlx5_1"}, 1024, FastRelease());
+  ASSERT_TRUE(a && b);
+  ASSERT_TRUE(b->CreateImmCounter(4).ok());
+  ASSERT_TRUE(a->CreateImmCounter(5).ok());
+  for (int round = 1; round <= 6; ++round) {
+    SCOPED_TRACE(round);
+    PeerId pb = *a->AddPeer(b->Address());
+    PeerId pa = *b->AddPeer(a->Address());
+    ASSERT_TRUE(ImmLands(*a, pb, *b, 4, round));
+    ASSERT_TRUE(ImmLands(*b, pa, *a, 5, round));
+    EXPECT_EQ(net_->LiveRcQps("mlx5_0"), 2);
+    EXPECT_EQ(net_->LiveRcQps("mlx5_1"), 2);
+    ASSERT_TRUE(a->RemovePeer(pb).ok());
+    ASSERT_TRUE(b->RemovePeer(pa).ok());
+    EXPECT_TRUE(RcQpsBecome("mlx5_0", 0));
+    EXPECT_TRUE(RcQpsBecome("mlx5_1", 0));
+  }
+}
+
+// Connections a domain made for peers its engine never added: one whose peer removes us ends
+// with the peer's goodbye, and at max_unclaimed_peers the oldest one ends to make room (its
+// peer hears goodbye: lost at once, not at its transfers' deadline). Before, an unclaimed
+// connection lived until the domain closed and counted against the bound for good: past it,
+// no new peer could reach an engine that had not added it (a KV prefill, which adds a decoder
+// only once its first request has arrived, stopped serving new decoders).
+TEST_F(VerbsEngineTest, UnclaimedConnectionsEndWithAGoodbyeOrMakeRoomOldestFirst) {
+  VerbsConfig one = FastRelease();
+  one.max_unclaimed_peers = 1;
+  auto b = Engine({"mlx5_1"}, 1024, one);
+  auto a = Engine({"mlx5_0"}, 1024, FastRelease());
+  auto c = Engine({"mlx5_2"}, 1024, FastRelease());
+  auto d = Engine({"mlx5_3"}, 1024, FastRelease());
+  ASSERT_TRUE(a && b && c && d);
+  ASSERT_TRUE(b->CreateImmCounter(7).ok());
+  PeerId ab = *a->AddPeer(b->Address());  // b never adds a
+  ASSERT_TRUE(ImmLands(*a, ab, *b, 7, 1));
+  ASSERT_TRUE(a->RemovePeer(ab).ok());
+  EXPECT_TRUE(RcQpsBecome("mlx5_1", 0));  // a's goodbye ended b's connection for it
+  PeerId cb = *c->AddPeer(b->Address());  // ... whose room serves the next peer
+  ASSERT_TRUE(ImmLands(*c, cb, *b, 7, 2));
+  PeerId db = *d->AddPeer(b->Address());  // b is at its bound: c's connection makes room
+  ASSERT_TRUE(ImmLands(*d, db, *b, 7, 3));
+  Deadline wait = Deadline::After(5s);
+  while (!*c->PeerLost(cb) && !wait.Expired()) std::this_thread::sleep_for(1ms);
+  EXPECT_TRUE(*c->PeerLost(cb));
+  EXPECT_EQ(c->WriteImm(cb, 7, Completion()).code(), StatusCode::kUnavailable);
+  EXPECT_TRUE(RcQpsBecome("mlx5_1", 2));  // d's alone
+  // b adds d: it claims d's connection (no new queue pairs), which is then no longer at risk.
+  auto bd = b->AddPeer(d->Address());
+  ASSERT_TRUE(bd.ok()) << bd.status();
+  ASSERT_TRUE(d->CreateImmCounter(8).ok());
+  EXPECT_TRUE(ImmLands(*b, *bd, *d, 8, 1));
+  EXPECT_EQ(net_->LiveRcQps("mlx5_1"), 2);
+  // c adds b again: a new unclaimed connection, d's claimed one untouched.
+  auto again = c->AddPeer(b->Address());
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_TRUE(ImmLands(*c, *again, *b, 7, 4));
+  EXPECT_TRUE(ImmLands(*b, *bd, *d, 8, 2));
+  EXPECT_TRUE(RcQpsBecome("mlx5_1", 4));
 }
 
 TEST_F(VerbsEngineTest, AnUnansweredHandshakeEndsInTheTransferDeadline) {

@@ -52,6 +52,9 @@ Status VerbsConfig::Validate() const {
   if (retry_count > 7 || rnr_retry > 7) return InvalidArgumentError("verbs: retry counts 0..7");
   if (service_level > 15) return InvalidArgumentError("verbs: service level 0..15");
   if (max_chain == 0) return InvalidArgumentError("verbs: max_chain must be at least 1");
+  if (max_unclaimed_peers == 0) {
+    return InvalidArgumentError("verbs: max_unclaimed_peers must be at least 1");
+  }
   return MtuFromBytes(mtu_bytes).status();
 }
 
