@@ -3,6 +3,7 @@
 #include <arpa/inet.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -100,7 +101,9 @@ class VerbsDomain final : public Domain {
       }
       if (p->ah) api_->DestroyAh(p->ah);
     }
-    for (ibv_qp* qp : retired_qps_) api_->DestroyQp(qp);
+    for (const Replaced& r : replaced_) {
+      for (ibv_qp* qp : r.qps) api_->DestroyQp(qp);
+    }
     if (ud_) api_->DestroyQp(ud_);
     for (ibv_srq* srq : {srq_msg_, srq_imm_}) {
       if (srq) api_->DestroySrq(srq);
@@ -334,7 +337,7 @@ class VerbsDomain final : public Domain {
       if (!p->msg_chain.empty()) Flush(*p, p->msg_chain, p->msg);
     }
     DriveHandshakes();
-    if (!closing_.empty()) ReleaseClosed();
+    if (!closing_.empty() || !replaced_.empty()) ReleaseClosed();
     size_t n = 0;
     while (n < out.size() && !refused_.empty()) {
       out[n++] = std::move(refused_.front());
@@ -388,20 +391,35 @@ class VerbsDomain final : public Domain {
   void ReleaseClosed() {
     const Clock::time_point now = Clock::now();
     const auto delay = std::chrono::milliseconds(config_.release_delay_ms);
+    auto destroy = [&](ibv_qp* qp, uint64_t index) {
+      if (auto q = qp_peer_.find(qp->qp_num); q != qp_peer_.end() && q->second == index) {
+        qp_peer_.erase(q);
+      }
+      api_->DestroyQp(qp);
+    };
+    for (size_t i = 0; i < replaced_.size();) {
+      Replaced& r = replaced_[i];
+      if (r.outstanding > 0 || now - r.at < delay) {
+        ++i;
+        continue;
+      }
+      for (ibv_qp* qp : r.qps) destroy(qp, r.index);
+      r = replaced_.back();
+      replaced_.pop_back();
+    }
     for (size_t i = 0; i < closing_.size();) {
       const uint64_t index = closing_[i];
       Peer& p = *peers_[index];
-      if (p.outstanding > 0 || !p.write_chain.empty() || !p.msg_chain.empty() ||
+      // (An index whose replaced queue pairs remain stays: their completions name it.)
+      const bool replaced = std::any_of(replaced_.begin(), replaced_.end(),
+                                        [&](const Replaced& r) { return r.index == index; });
+      if (p.outstanding > 0 || !p.write_chain.empty() || !p.msg_chain.empty() || replaced ||
           now - p.removed_at < delay) {
         ++i;
         continue;
       }
       for (ibv_qp* qp : {p.msg, p.write}) {
-        if (!qp) continue;
-        if (auto q = qp_peer_.find(qp->qp_num); q != qp_peer_.end() && q->second == index) {
-          qp_peer_.erase(q);
-        }
-        api_->DestroyQp(qp);
+        if (qp) destroy(qp, index);
       }
       if (p.ah) api_->DestroyAh(p.ah);
       peers_[index] = std::make_unique<Peer>();
@@ -557,19 +575,21 @@ class VerbsDomain final : public Domain {
   }
 
   // The other side lost our connection and made a new one: the queue pairs of the old one go
-  // to the error state -- what is chained or outstanding on them completes in error -- and stay
-  // until the domain closes (their completions may still come); new ones wait in INIT for the
-  // new connection's numbers, which the caller applies. Our PeerId stays.
+  // to the error state -- what is chained or outstanding on them completes in error -- and are
+  // destroyed as a closed peer's are, once those completions came (ReleaseClosed); new ones
+  // wait in INIT for the new connection's numbers, which the caller applies. Our PeerId stays.
   Status Reconnect(uint64_t index) {
     Peer& p = *peers_[index];
     if (!p.write_chain.empty()) Flush(p, p.write_chain, p.write);
     if (!p.msg_chain.empty()) Flush(p, p.msg_chain, p.msg);
     ibv_qp_attr err{};
     err.qp_state = IBV_QPS_ERR;
+    Replaced old{{p.msg, p.write}, index, std::exchange(p.outstanding, 0), Clock::now()};
     for (ibv_qp** qp : {&p.msg, &p.write}) {
       api_->ModifyQp(*qp, &err, IBV_QP_STATE);
-      retired_qps_.push_back(std::exchange(*qp, nullptr));
+      *qp = nullptr;
     }
+    replaced_.push_back(old);
     p.have_theirs = p.they_have_ours = false;
     peers_connected_ = 0;  // DriveHandshakes counts again
     ASSIGN_OR_RETURN(p.msg, CreateRc(srq_msg_));
@@ -639,7 +659,7 @@ class VerbsDomain final : public Domain {
       // The other side lost our connection and made a new one (it added us again).
       Status s = Reconnect(it->second);
       if (!s.ok()) {
-        p.removed = true;  // its transfers fail (Ready says why), as a lost peer's do
+        Close(it->second, /*goodbye=*/false);  // its transfers fail (Ready says why)
         return;
       }
     }
@@ -690,12 +710,16 @@ class VerbsDomain final : public Domain {
     if (recv) {
       out->length = wc.byte_len;
       out->src_addr = peer;
-    } else if (peer != kNoPeerAddr && wc.qp_num != 0) {
+    } else if (peer != kNoPeerAddr && wc.qp_num != 0 &&
+               (wc.status == IBV_WC_SUCCESS || !(wc.opcode & IBV_WC_RECV))) {
       // A send-side completion (or any error): the WR no longer occupies its queue pair.
-      Peer& p = *peers_[peer];
-      if (p.outstanding > 0 && (wc.status == IBV_WC_SUCCESS || !(wc.opcode & IBV_WC_RECV))) {
-        --p.outstanding;
+      uint32_t* outstanding = &peers_[peer]->outstanding;
+      for (Replaced& r : replaced_) {
+        if (r.qps[0]->qp_num == wc.qp_num || r.qps[1]->qp_num == wc.qp_num) {
+          outstanding = &r.outstanding;
+        }
       }
+      if (*outstanding > 0) --*outstanding;
     }
     out->error = WcToStatus(wc, peer == kNoPeerAddr ? std::string("an unknown peer")
                                                     : "peer address " + std::to_string(peer));
@@ -735,7 +759,15 @@ class VerbsDomain final : public Domain {
   std::vector<uint64_t> closing_;       // closed peers whose queue pairs are not yet destroyed
   std::vector<uint64_t> free_indices_;  // released peers' indices, for the next CreatePeer
   uint32_t next_incarnation_ = 1;  // Handshake::incarnation of our next connection
-  std::vector<ibv_qp*> retired_qps_;  // of connections the other side replaced (Reconnect)
+  // Queue pairs of connections the other side replaced (Reconnect), with the WRs still
+  // outstanding on them, until ReleaseClosed destroys them.
+  struct Replaced {
+    ibv_qp* qps[2];
+    uint64_t index;
+    uint32_t outstanding;
+    Clock::time_point at;
+  };
+  std::vector<Replaced> replaced_;
   std::unordered_map<ibv_mr*, bool> live_mrs_;
   std::deque<DomainCompletion> refused_;  // WRs the device refused after we said kPosted
 };

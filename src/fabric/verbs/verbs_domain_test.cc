@@ -150,8 +150,8 @@ TEST_F(VerbsEngineTest, WritesImmediatesAndMessagesFlowAfterTheHandshake) {
 // them there, and writes flow both ways again (the other side keeps its PeerId). With the
 // goodbye heard, see ARemovedPeerHearsGoodbyeAndReconnectsWhenItAddsUsAgain.
 TEST_F(VerbsEngineTest, ALostPeerAddedAgainReconnectsBothWays) {
-  auto a = Engine({"mlx5_0"});
-  auto b = Engine({"mlx5_1"});
+  auto a = Engine({"mlx5_0"}, 1024, FastRelease());
+  auto b = Engine({"mlx5_1"}, 1024, FastRelease());
   ASSERT_TRUE(a && b);
   const PeerId pb = *a->AddPeer(b->Address());
   const PeerId pa = *b->AddPeer(a->Address());
@@ -185,6 +185,11 @@ TEST_F(VerbsEngineTest, ALostPeerAddedAgainReconnectsBothWays) {
   EXPECT_TRUE(b->WaitImm(1, 2, Deadline::After(5s)).ok());
   EXPECT_TRUE(a->WaitImm(2, 2, Deadline::After(5s)).ok());
   EXPECT_FALSE(*b->PeerLost(pa));
+  // The replaced queue pairs (b) and the removed peer's (a) are destroyed: each side holds the
+  // new connection's two.
+  EXPECT_TRUE(RcQpsBecome("mlx5_0", 2));
+  EXPECT_TRUE(RcQpsBecome("mlx5_1", 2));
+  EXPECT_TRUE(answer()) << "and the connection still carries writes";
 }
 
 TEST_F(VerbsEngineTest, ScatterBarrierAndATwoNicGroupShardOverQueuePairs) {
