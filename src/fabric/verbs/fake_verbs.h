@@ -356,7 +356,9 @@ class FakeVerbs final : public VerbsApi {
     ibv_wc wc{};
     wc.wr_id = wr_id;
     wc.status = status;
-    wc.opcode = op;
+    // A failed completion's opcode is undefined (man ibv_poll_cq): the fake gives the one most
+    // likely to mislead, a receive's.
+    wc.opcode = status == IBV_WC_SUCCESS ? op : IBV_WC_RECV_RDMA_WITH_IMM;
     wc.qp_num = qpn;
     wc.byte_len = length;
     cq->wcs.push_back(wc);

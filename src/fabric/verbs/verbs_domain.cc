@@ -26,9 +26,11 @@ constexpr uint32_t kSendQueueDepth = 512;
 constexpr uint32_t kMaxInline = 64;
 constexpr auto kHelloInterval = std::chrono::milliseconds(20);
 
-// Work-request ids: the engine's OpContext pointers (16-byte aligned), or ours with bit 0 set:
-// (index << 3) | tag.
+// Work-request ids: the engine's OpContext pointers (16-byte aligned), with bit 1 set for a
+// message receive (a failed completion's opcode is undefined: the id alone says whether it was
+// a receive or took a send queue slot); or ours with bit 0 set: (index << 3) | tag.
 enum Tag : uint64_t { kUdRecv = 1, kUdSend = 3, kImmRecv = 5 };
+constexpr uint64_t kMessageRecv = 2;
 uint64_t WrId(Tag tag, uint64_t index) { return (index << 3) | tag; }
 
 using Clock = std::chrono::steady_clock;
@@ -320,7 +322,7 @@ class VerbsDomain final : public Domain {
     ibv_sge sge{reinterpret_cast<uint64_t>(data), static_cast<uint32_t>(length),
                 local_desc ? static_cast<ibv_mr*>(local_desc)->lkey : 0};
     ibv_recv_wr wr{};
-    wr.wr_id = reinterpret_cast<uint64_t>(context);
+    wr.wr_id = reinterpret_cast<uint64_t>(context) | kMessageRecv;
     wr.sg_list = &sge;
     wr.num_sge = 1;
     ibv_recv_wr* bad = nullptr;
@@ -703,16 +705,16 @@ class VerbsDomain final : public Domain {
       return false;
     }
     *out = DomainCompletion{};
-    out->context = reinterpret_cast<OpContext*>(wc.wr_id);
+    out->context = reinterpret_cast<OpContext*>(wc.wr_id & ~kMessageRecv);
     const uint64_t peer = peer_of(wc.qp_num);
-    const bool recv = wc.status == IBV_WC_SUCCESS && (wc.opcode & IBV_WC_RECV);
+    const bool receive = wc.wr_id & kMessageRecv;
+    const bool recv = wc.status == IBV_WC_SUCCESS && receive;
     out->kind = recv ? CompletionKind::kRecv : CompletionKind::kLocal;
     if (recv) {
       out->length = wc.byte_len;
       out->src_addr = peer;
-    } else if (peer != kNoPeerAddr && wc.qp_num != 0 &&
-               (wc.status == IBV_WC_SUCCESS || !(wc.opcode & IBV_WC_RECV))) {
-      // A send-side completion (or any error): the WR no longer occupies its queue pair.
+    } else if (!receive && peer != kNoPeerAddr && wc.qp_num != 0) {
+      // A send-side completion (or its error): the WR no longer occupies its queue pair.
       uint32_t* outstanding = &peers_[peer]->outstanding;
       for (Replaced& r : replaced_) {
         if (r.qps[0]->qp_num == wc.qp_num || r.qps[1]->qp_num == wc.qp_num) {

@@ -241,7 +241,7 @@ TEST_F(VerbsEngineTest, ScatterBarrierAndATwoNicGroupShardOverQueuePairs) {
 }
 
 TEST_F(VerbsEngineTest, CompletionErrorsFailTheirTransferWithContext) {
-  auto a = Engine({"mlx5_0"});
+  auto a = Engine({"mlx5_0"}, 1024, FastRelease());
   auto b = Engine({"mlx5_1"});
   ASSERT_TRUE(a && b);
   PeerId pb = *a->AddPeer(b->Address());
@@ -276,6 +276,10 @@ TEST_F(VerbsEngineTest, CompletionErrorsFailTheirTransferWithContext) {
   net_->KillDevice("mlx5_1");
   seen = outcome(dst_reg.remote());
   EXPECT_EQ(seen.code(), StatusCode::kUnavailable) << seen;
+  // Failed WRs left the send queue too (their opcode undefined, their id says so): once
+  // removed, the peer's queue pairs are destroyed.
+  ASSERT_TRUE(a->RemovePeer(pb).ok());
+  EXPECT_TRUE(RcQpsBecome("mlx5_0", 0));
 }
 
 // Only one side adds the other: the other's domain connects when the hello arrives, so writes
