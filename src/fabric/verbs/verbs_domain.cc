@@ -241,24 +241,35 @@ class VerbsDomain final : public Domain {
       peers_.push_back(std::move(peer));
     }
     peers_connected_ = 0;  // DriveHandshakes counts again (the table may not have grown)
-    ASSIGN_OR_RETURN(p->msg, CreateRc(srq_msg_));
-    ASSIGN_OR_RETURN(p->write, CreateRc(srq_imm_));
-    p->msg_psn = NewPsn();
-    p->write_psn = NewPsn();
-    const QpStep init = RcInitStep(config_.port);
-    RETURN_IF_ERROR(ApplySteps(*api_, p->msg, {&init, 1}, "messages to peer"));
-    RETURN_IF_ERROR(ApplySteps(*api_, p->write, {&init, 1}, "writes to peer"));
-    qp_peer_[p->msg->qp_num] = index;
-    qp_peer_[p->write->qp_num] = index;
-    token_peer_[addr.token] = index;
-    auto early = early_hellos_.find(addr.token);
-    if (early != early_hellos_.end()) {
-      Handshake h = early->second;
-      early_hellos_.erase(early);
-      RETURN_IF_ERROR(OnHandshake(index, h));
+    Status made = NewQueuePairs(*p, index);
+    if (made.ok()) {
+      token_peer_[addr.token] = index;
+      auto early = early_hellos_.find(addr.token);
+      if (early != early_hellos_.end()) {
+        Handshake h = early->second;
+        early_hellos_.erase(early);
+        made = OnHandshake(index, h);
+      }
+    }
+    if (!made.ok()) {
+      Close(index, /*goodbye=*/false);  // what was made of it is released
+      return made;
     }
     SendHello(*p);
     return index;
+  }
+
+  // The peer's two RC queue pairs, in INIT, waiting for its numbers.
+  Status NewQueuePairs(Peer& p, uint64_t index) {
+    ASSIGN_OR_RETURN(p.msg, CreateRc(srq_msg_));
+    ASSIGN_OR_RETURN(p.write, CreateRc(srq_imm_));
+    p.msg_psn = NewPsn();
+    p.write_psn = NewPsn();
+    qp_peer_[p.msg->qp_num] = index;
+    qp_peer_[p.write->qp_num] = index;
+    const QpStep init = RcInitStep(config_.port);
+    RETURN_IF_ERROR(ApplySteps(*api_, p.msg, {&init, 1}, "messages to peer"));
+    return ApplySteps(*api_, p.write, {&init, 1}, "writes to peer");
   }
 
   Status RemovePeer(uint64_t peer_addr) override {
@@ -594,16 +605,7 @@ class VerbsDomain final : public Domain {
     replaced_.push_back(old);
     p.have_theirs = p.they_have_ours = false;
     peers_connected_ = 0;  // DriveHandshakes counts again
-    ASSIGN_OR_RETURN(p.msg, CreateRc(srq_msg_));
-    ASSIGN_OR_RETURN(p.write, CreateRc(srq_imm_));
-    p.msg_psn = NewPsn();
-    p.write_psn = NewPsn();
-    const QpStep init = RcInitStep(config_.port);
-    RETURN_IF_ERROR(ApplySteps(*api_, p.msg, {&init, 1}, "messages to peer"));
-    RETURN_IF_ERROR(ApplySteps(*api_, p.write, {&init, 1}, "writes to peer"));
-    qp_peer_[p.msg->qp_num] = index;
-    qp_peer_[p.write->qp_num] = index;
-    return Status::Ok();
+    return NewQueuePairs(p, index);
   }
 
   void OnUdMessage(const uint8_t* data, size_t length) {
