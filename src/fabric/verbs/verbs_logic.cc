@@ -41,6 +41,8 @@ StatusOr<VerbsConfig> VerbsConfig::FromEnv() {
   RETURN_IF_ERROR(EnvNumberAnyBase("FERRY_IB_SL", &c.service_level));
   RETURN_IF_ERROR(EnvNumberAnyBase("FERRY_IB_TC", &c.traffic_class));
   RETURN_IF_ERROR(EnvNumber("FERRY_IB_RELAXED_ORDERING", &c.relaxed_ordering));
+  RETURN_IF_ERROR(EnvNumberAnyBase("FERRY_IB_MAX_UNCLAIMED", &c.max_unclaimed_peers));
+  RETURN_IF_ERROR(EnvNumberAnyBase("FERRY_IB_RELEASE_MS", &c.release_delay_ms));
   return c;
 }
 

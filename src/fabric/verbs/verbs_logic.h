@@ -43,12 +43,13 @@ struct VerbsConfig {
   uint8_t max_rd_atomic = 16;
   bool relaxed_ordering = true;  // FERRY_IB_RELAXED_ORDERING=0 turns it off
   uint32_t max_chain = 16;       // WRs linked into one post
-  // Connections made for peers that reached us before the engine added them (it claims them
-  // when it does); past this many the oldest unclaimed one is closed to make room.
+  // FERRY_IB_MAX_UNCLAIMED: connections made for peers that reached us before the engine added
+  // them (it claims them when it does); past this many the oldest unclaimed one is closed.
   uint32_t max_unclaimed_peers = 1024;
-  // How long a removed peer's queue pairs stay in the error state, nothing outstanding on
-  // them, before they are destroyed: the receives they had taken from a shared queue complete
-  // (flushed) and are posted again first (a stand-in for IBV_EVENT_QP_LAST_WQE_REACHED).
+  // FERRY_IB_RELEASE_MS: how long a removed peer's queue pairs stay in the error state, nothing
+  // outstanding on them, before they are destroyed: the receives they had taken from a shared
+  // queue complete (flushed) and are posted again first (a stand-in for
+  // IBV_EVENT_QP_LAST_WQE_REACHED).
   uint32_t release_delay_ms = 1000;
 
   // The defaults with the FERRY_IB_* variables above applied; a value that is not a number the
