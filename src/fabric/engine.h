@@ -73,10 +73,10 @@ enum class Kind : uint8_t { kSingle, kPaged, kScatter, kBarrier, kImm, kSend, kN
 
 using Descs = std::array<void*, kMaxNics>;
 
-// Indexed by local NIC k: what k sends to (the peer's NIC k mod remote_nics).
-// One slot of the peer table. Written on the worker only (AddPeer and RemovePeer run there),
-// `id` last: a caller thread that reads a field for a PeerId checks `id` (acquire) first, and
-// the worker checks it again before it posts anything (a slot may be reused in between).
+// One slot of the peer table; addr and sink indexed by local NIC k: what k sends to (the peer's
+// NIC k mod remote_nics). Written on the worker only (AddPeer and RemovePeer run there), `id`
+// last: a caller thread that reads a field for a PeerId checks `id` (acquire) first, and the
+// worker checks it again before it posts anything (a slot may be reused in between).
 struct PeerEntry {
   std::atomic<PeerId> id{0};              // the PeerId now in this slot
   std::array<uint64_t, kMaxNics> addr{};  // provider address (fi_addr_t) in domain k

@@ -639,24 +639,23 @@ class VerbsDomain final : public Domain {
     }
     Peer& p = *peers_[it->second];
     if (p.removed) return;
-    if (h->goodbye && p.passive) {
-      // An unclaimed connection's peer removed us: nobody here knows it; it ends.
-      if (p.have_theirs && h->incarnation == p.their_incarnation) Close(it->second, false);
-      return;
-    }
     if (h->goodbye) {
       // The peer removed us. Only its current connection's goodbye counts (an older one's is
-      // late news). The engine marks the peer lost; its token is free, so that its next hello
-      // (it adds us again) makes a new connection, which our engine claims when it adds the
-      // peer again -- the old one is removed then, without a goodbye of ours.
-      if (p.have_theirs && h->incarnation == p.their_incarnation && !p.gone) {
-        p.gone = true;
-        DomainCompletion gone;
-        gone.kind = CompletionKind::kPeerGone;
-        gone.src_addr = it->second;
-        refused_.push_back(std::move(gone));
-        token_peer_.erase(it);
+      // late news). Unclaimed, nobody here knows the connection: it ends. Otherwise the engine
+      // marks the peer lost; its token is free, so that its next hello (it adds us again) makes
+      // a new connection, which our engine claims when it adds the peer again -- the old one is
+      // removed then, without a goodbye of ours.
+      if (!p.have_theirs || h->incarnation != p.their_incarnation || p.gone) return;
+      if (p.passive) {
+        Close(it->second, /*goodbye=*/false);
+        return;
       }
+      p.gone = true;
+      DomainCompletion gone;
+      gone.kind = CompletionKind::kPeerGone;
+      gone.src_addr = it->second;
+      refused_.push_back(std::move(gone));
+      token_peer_.erase(it);
       return;
     }
     if (p.have_theirs && h->incarnation > p.their_incarnation) {
