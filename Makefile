@@ -1,5 +1,5 @@
 # ferry: the two set-up commands.
-#   make demo   installs dependencies, builds, and runs the main job on libfabric's shm provider
+#   make demo   installs dependencies, builds, and serves a small MoE model disaggregated over shm
 #   make test   installs dependencies, builds, and runs every test
 #   make sanitize  the same tests built with AddressSanitizer and UBSan (not part of make test)
 BUILD ?= build
@@ -9,6 +9,12 @@ CMAKE_FLAGS ?=
 NVCC := $(firstword $(wildcard /usr/local/cuda/bin/nvcc) $(shell command -v nvcc 2>/dev/null))
 ifneq ($(NVCC),)
 CMAKE_FLAGS += -DCMAKE_CUDA_COMPILER=$(NVCC)
+endif
+# The bindings are built for Debian's interpreter, which Debian's python3-torch serves (the
+# python3 first on PATH may be another).
+PYTHON := $(firstword $(wildcard /usr/bin/python3) $(shell command -v python3 2>/dev/null))
+ifneq ($(PYTHON),)
+CMAKE_FLAGS += -DPython_EXECUTABLE=$(PYTHON)
 endif
 
 .PHONY: all deps configure build test demo sanitize clean
@@ -27,11 +33,11 @@ build: configure
 test: build
 	cd $(BUILD) && ctest --output-on-failure --timeout 900
 
-# The main job, then the same engine from Python (two ranks, one write; where the bindings built).
+# The main job: a small MoE model served disaggregated (prefill TP 2, decode EP 2, a router) on
+# shm, every prompt's tokens checked against the model run colocated (examples/serve). The
+# fabric / moe / kv benchmark demo is `build/ferry-bench demo`.
 demo: build
-	$(BUILD)/ferry-bench demo
-	if [ -f $(BUILD)/python/interpreter ]; then \
-	  PYTHONPATH=$(BUILD)/python $$(cat $(BUILD)/python/interpreter) python/examples/write.py; fi
+	PYTHONPATH=$(BUILD)/python $$(cat $(BUILD)/python/interpreter) examples/serve/demo.py
 
 # Every CPU test under ASan + UBSan in build-asan (about twice make test's build and test time
 # on 2 cores). What ferry leaks on purpose is marked (src/common/leak.h). The install consumer

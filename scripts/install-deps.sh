@@ -4,7 +4,7 @@
 set -euo pipefail
 
 packages=(build-essential cmake pkg-config libfabric-dev libfabric-bin libgtest-dev
-          libibverbs-dev libhwloc-dev python3-dev pybind11-dev)
+          libibverbs-dev libhwloc-dev python3-dev pybind11-dev python3-torch python3-numpy)
 
 missing=()
 for p in "${packages[@]}"; do

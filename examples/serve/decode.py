@@ -1,0 +1,317 @@
+"""A decode instance: continuous batching over --ep ranks. Attention is data-parallel over
+ep / tp groups of --tp ranks (a group holds its requests' KV cache, heads split over its ranks);
+the MoE layers are expert-parallel over all ep ranks through ferry's AllToAll.
+
+The ferry calls:
+  decoder = ferry.KvDecoder(engine, side, regions, layers, layer_stride, aux=...)  group leader
+  decoder.submit(id, prefill_address, prefill_side, pages, num_tokens, ...)  -> ferry.Transfer:
+      the request's KV pages stream in layer by layer while other requests decode; it joins
+      the batch at the step after the Transfer ends
+  a2a = ferry.AllToAll(config, engine, bootstrap)                             every rank
+  a2a.dispatch_send(...); <shared expert>; a2a.dispatch_recv(...); <experts>;
+  a2a.combine_send(...); a2a.combine_recv(...)                                every MoE layer
+
+Each step, every rank shares its plan in one all-gather: rank 0 the requests the router sent
+(assigned to the least loaded group), each group leader its batch (requests join and leave
+between steps) and what finished. Every rank then runs the same layers, an empty batch
+included, since the AllToAll is collective.
+
+Run by hand:  python3 decode.py --model model.pt --ep 2 --control 0.0.0.0:7101
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import threading
+import time
+
+import torch
+
+import ferry
+import model as mdl
+import ranks
+from control import ControlServer, parse_address
+
+RETRYABLE = (ferry.Unavailable, ferry.DeadlineExceeded, ferry.Cancelled)
+IDLE_S = 0.01  # with nothing to decode, an idle rank looks again this often
+
+
+class Sequence:
+    def __init__(self, msg):
+        self.id = msg["id"]
+        self.prompt_len, self.token = msg["prompt_len"], msg["last_token"]
+        self.max_new = msg["max_new_tokens"]
+        self.prefill_address = bytes.fromhex(msg.get("prefill_address", ""))
+        self.prefill_tp = msg.get("prefill_tp", 1)
+        self.pages = self.slot = self.transfer = None
+        self.pos = self.prompt_len - 1  # the last prompt token runs first
+        self.out, self.times = [], []
+        self.t_kv = None
+
+
+class GroupLeader:
+    """The first rank of an attention group: its KvDecoder, page pool and batch."""
+
+    def __init__(self, args, config, caches, tp):
+        c = self.config = config
+        self.args = args
+        self.engine = ranks.engine(args.provider)
+        regions = [self.engine.register(v) for v in caches.views]
+        self.aux = torch.zeros(args.max_requests, c.hidden, dtype=mdl.F32)
+        self.side = ranks.kv_side(c, tp)
+        self.page_bytes = self.side.page_bytes * tp
+        self.decoder = ferry.KvDecoder(self.engine, self.side, regions, c.layers,
+                                       caches.local[0].numel() * 4,
+                                       aux=self.engine.register(self.aux),
+                                       max_requests=args.max_requests)
+        self.pool = mdl.PagePool(args.pages)
+        self.free_slots = list(range(args.max_requests))
+        self.backlog, self.waiting, self.active = [], {}, {}
+        self.events = []
+        self.wake = None  # set when a request's KV has landed
+
+    def load(self):
+        return len(self.backlog) + len(self.waiting) + len(self.active)
+
+    def _free(self, s):
+        self.pool.give(s.pages)
+        self.free_slots.append(s.slot)
+
+    def admit(self, msgs):
+        """New requests from the router, then those that waited for pages."""
+        c = self.config
+        self.backlog.extend(Sequence(m) for m in msgs)
+        keep = []
+        for s in self.backlog:
+            pages = self.pool.take(mdl.pages_for(c, s.prompt_len + s.max_new - 1))
+            if pages is None or not self.free_slots:
+                if pages is not None:
+                    self.pool.give(pages)
+                keep.append(s)
+                continue
+            s.pages, s.slot = pages, self.free_slots.pop()
+            if s.prompt_len == 1:  # nothing to prefill
+                self.active[s.id] = s
+                continue
+            try:
+                s.transfer = self.decoder.submit(
+                    s.id, s.prefill_address, ranks.kv_side(c, s.prefill_tp),
+                    s.pages[:mdl.pages_for(c, s.prompt_len - 1)], num_tokens=s.prompt_len,
+                    aux_offset=s.slot * c.hidden * 4, aux_bytes=c.hidden * 4, speculative=True,
+                    timeout=self.args.kv_timeout)
+            except ferry.Error as e:
+                self._fail(s, e)
+                continue
+            s.transfer.add_done_callback(lambda _t, s=s: self._landed(s))
+            self.waiting[s.id] = s
+        self.backlog = keep
+
+    def _landed(self, s):  # on ferry's callback thread
+        s.t_kv = time.time()
+        self.wake.set()
+
+    def _fail(self, s, error):
+        self._free(s)
+        self.events.append({"op": "failed", "id": s.id, "error": str(error),
+                            "retryable": isinstance(error, RETRYABLE)})
+
+    def check_waiting(self):
+        """Requests whose KV has landed join the batch; those whose transfer failed are
+        reported (their pages are free to reuse once the Transfer has ended)."""
+        for rid in [rid for rid, s in self.waiting.items() if s.transfer.done]:
+            s = self.waiting.pop(rid)
+            if s.transfer.error is not None:
+                self._fail(s, s.transfer.error)
+            else:
+                self.active[rid] = s
+
+    def batch(self):
+        ids = sorted(self.active)[:self.args.max_batch]
+        return [(rid, self.active[rid].pos, self.active[rid].token, self.active[rid].pages)
+                for rid in ids]
+
+    def step_done(self, batch, next_tokens, now):
+        c = self.config
+        for (rid, _, _, _), token in zip(batch, next_tokens):
+            s = self.active[rid]
+            s.out.append(token)
+            s.times.append(now)
+            s.pos, s.token = s.pos + 1, token
+            if len(s.out) < s.max_new:
+                continue
+            del self.active[rid]
+            kv_pages = mdl.pages_for(c, s.prompt_len - 1)
+            aux = self.aux[s.slot].numpy().tobytes() if s.prompt_len > 1 else b""
+            self.events.append({
+                "op": "result", "id": rid, "tokens": s.out, "t_kv_done": s.t_kv,
+                "token_times": s.times,
+                "kv_bytes": (kv_pages * c.layers * self.page_bytes + len(aux)) if aux else 0,
+                "aux_sha256": hashlib.sha256(aux).hexdigest() if aux else None})
+            self._free(s)
+
+    def take_events(self):
+        out, self.events = self.events, []
+        return out
+
+    def close(self):
+        self.decoder.close()
+        self.engine.close()
+
+
+def moe_layer(bootstrap, a2a, model, bufs, members, tp_rank):
+    """moe(l, xn, ids, weights, shared) for Model.forward: this rank's share of the group's
+    tokens through the AllToAll, the shared expert between its send and receive halves."""
+    cfg = a2a.config
+    first_expert = cfg.rank * cfg.local_experts
+
+    def moe(l, xn, ids, weights, shared):
+        lo, hi = split(xn.shape[0], len(members), tp_rank)
+        n = hi - lo
+        bufs["x"][:n] = xn[lo:hi].to(mdl.BF16)
+        bufs["ids"][:n] = ids[lo:hi].to(torch.int32)
+        bufs["w"][:n] = weights[lo:hi]
+        a2a.dispatch_send(bufs["x"], bufs["ids"], bufs["w"], num_tokens=n)
+        shared()
+        a2a.dispatch_recv(bufs["recv"], bufs["counts"])
+        for e in range(cfg.local_experts):
+            count = int(bufs["counts"][e])
+            if count:
+                bufs["out"][e, :count] = model.expert(l, first_expert + e, bufs["recv"][e, :count])
+        a2a.combine_send(bufs["out"])
+        a2a.combine_recv(bufs["y"])
+        return ranks.group_cat(bootstrap, bufs["y"][:n].clone(), members)
+
+    return moe
+
+
+def split(n, parts, i):
+    """Rows [lo, hi) of part i when n rows split over `parts` as evenly as can be."""
+    base, extra = divmod(n, parts)
+    lo = i * base + min(i, extra)
+    return lo, lo + base + (i < extra)
+
+
+def rank_main(bootstrap, args):
+    torch.set_num_threads(1)
+    config, weights = mdl.load(args.model)
+    c = config
+    ep, me, tp = bootstrap.world_size, bootstrap.rank, args.tp
+    group, tp_rank = divmod(me, tp)
+    members = list(range(group * tp, group * tp + tp))
+    model = mdl.Model(config, weights, tp_rank=tp_rank, tp_size=tp)
+    caches = ranks.SharedCaches(bootstrap, args.tag,
+                                mdl.cache_shape(c, args.pages, model.kv_local), members,
+                                leader=members[0])
+    moe_engine = ranks.engine(args.provider)
+    per_rank = -(-args.max_batch // tp)
+    a2a = ferry.AllToAll(ferry.AllToAllConfig(
+        world_size=ep, rank=me, num_experts=c.experts, experts_per_token=c.top_k,
+        max_tokens_per_rank=per_rank, hidden=c.hidden, dtype=ferry.DispatchDtype.BF16),
+        moe_engine, bootstrap)
+    cfg = a2a.config
+    bufs = {"x": torch.zeros(per_rank, c.hidden, dtype=mdl.BF16),
+            "ids": torch.zeros(per_rank, c.top_k, dtype=torch.int32),
+            "w": torch.zeros(per_rank, c.top_k, dtype=mdl.F32),
+            "recv": torch.zeros(cfg.local_experts, cfg.expert_capacity, c.hidden, dtype=mdl.BF16),
+            "counts": torch.zeros(cfg.local_experts, dtype=torch.int32),
+            "out": torch.zeros(cfg.local_experts, cfg.expert_capacity, c.hidden, dtype=mdl.BF16),
+            "y": torch.zeros(per_rank, c.hidden, dtype=mdl.BF16)}
+    moe = moe_layer(bootstrap, a2a, model, bufs, members, tp_rank)
+    leader = GroupLeader(args, config, caches, tp) if tp_rank == 0 else None
+    control, stop, loads = None, False, [0] * (ep // tp)
+    if me == 0:
+        host, port = parse_address(args.control)
+        hello = {"op": "hello", "role": "decode", "ep": ep, "tp": tp,
+                 "max_tokens": args.pages * c.page_tokens, "max_batch": args.max_batch,
+                 "vocab": c.vocab}
+        control = ControlServer(host, port, on_connect=lambda cid: control.send(cid, hello))
+        print(json.dumps({"ready": "decode", "control": control.address}), flush=True)
+    wake = control.wake if control is not None else None
+    if leader is not None:
+        wake = leader.wake = wake or threading.Event()
+    assigned = []
+    while True:
+        state = {"load": leader.load() if leader else 0}
+        if me == 0:
+            per_group = [[] for _ in loads]
+            for cid, msg in control.drain():
+                op = msg and msg.get("op")
+                if op == "generate":
+                    g = min(range(len(loads)), key=lambda i: loads[i])
+                    per_group[g].append(msg)
+                    loads[g] += 1
+                elif op == "stats":
+                    control.send(cid, {"op": "stats", "loads": loads})
+                elif op == "stop":
+                    stop = True
+            state.update(assign=per_group, stop=stop)
+        if leader is not None:
+            leader.admit(assigned)
+            leader.check_waiting()
+            state.update(batch=leader.batch(), events=leader.take_events(),
+                         load=leader.load())
+        everyone = ranks.gather(bootstrap, state)
+        if me == 0:
+            loads = [everyone[g * tp]["load"] for g in range(len(loads))]
+            for s in everyone:
+                for event in s.get("events", ()):
+                    control.broadcast(event)
+        if everyone[0]["stop"]:
+            break
+        assigned = everyone[0]["assign"][group] if leader is not None else []
+        batch = everyone[members[0]]["batch"]
+        if not any(everyone[g * tp]["batch"] for g in range(len(loads))):
+            if wake is not None:  # until a message or a landed KV may change the plan
+                wake.wait(IDLE_S)
+                wake.clear()
+            continue
+        seqs = [mdl.Seq(pages, pos, 1) for _, pos, _, pages in batch]
+        hidden = model.forward([token for _, _, token, _ in batch], seqs, caches.local,
+                               all_reduce=lambda t: ranks.group_sum(bootstrap, t, members),
+                               moe=moe)
+        next_tokens = model.logits(hidden).argmax(-1).tolist() if batch else []
+        if leader is not None:
+            leader.step_done(batch, next_tokens, time.time())
+    a2a.close()
+    moe_engine.close()
+    if leader is not None:
+        leader.close()
+    if control is not None:
+        control.close()
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="weights file (model.py's save)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (forked here)")
+    p.add_argument("--tp", type=int, default=1, help="attention tensor-parallel ranks per group")
+    p.add_argument("--control", default="127.0.0.1:0", help="HOST:PORT the router connects to")
+    p.add_argument("--pages", type=int, default=512, help="KV pages per rank")
+    p.add_argument("--max-batch", type=int, default=32, help="sequences per group and step")
+    p.add_argument("--max-requests", type=int, default=64, help="requests a group holds at once")
+    p.add_argument("--kv-timeout", type=float, default=20.0,
+                   help="seconds a request's KV may take to land")
+    p.add_argument("--provider", default=os.environ.get("FERRY_PROVIDER", "shm"))
+    args = p.parse_args(argv)
+    args.tag = f"decode-{os.getpid()}"
+    return args
+
+
+def main(argv=None):
+    # One thread per rank, set before the ranks fork: an OpenMP pool made in this process
+    # would not exist in the forked ranks, whose parallel torch ops could then stall.
+    torch.set_num_threads(1)
+    args = parse_args(argv)
+    config, _ = mdl.load(args.model)
+    if args.tp < 1 or args.ep % args.tp or config.kv_heads % args.tp:
+        sys.exit(f"--tp {args.tp} must divide --ep {args.ep} and {config.kv_heads} KV heads")
+    if config.experts % args.ep:
+        sys.exit(f"--ep {args.ep} must divide {config.experts} experts")
+    exits = ferry.run_local_ranks(args.ep, lambda b: rank_main(b, args), timeout=10 ** 7)
+    sys.exit(0 if all(e.ok for e in exits) else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""What the ranks of one instance share: the collectives their tensor parallelism needs and the
+KV cache memory a leader registers with its engine.
+
+An instance's ranks meet through a ferry.Bootstrap: forked on one host by ferry.run_local_ranks
+(what the launcher does), or ferry.torch_bootstrap() where torchrun or Slurm starts them. Its
+all-gather carries both the step plans and, in this example, the tensor-parallel sums (a
+deployment on GPUs would use NCCL for those). Every sum adds the ranks' parts in rank order, so
+every rank of a group holds the same bits.
+
+On a CPU host each rank's cache is a file in /dev/shm mapped by the rank and by its leader: the
+leader registers every rank's cache with its engine, as KvCudaShards maps GPU caches into it.
+"""
+
+import os
+import pickle
+
+import torch
+
+import ferry
+from model import F32
+
+COLLECTIVE_TIMEOUT = 3600.0  # a rank waits this long for its peers' next step
+
+
+def gather(bootstrap, obj):
+    """Every rank's obj, by rank."""
+    return [pickle.loads(b) for b in bootstrap.all_gather(pickle.dumps(obj), COLLECTIVE_TIMEOUT)]
+
+
+def group_sum(bootstrap, tensor, members):
+    """The sum over `members` (global ranks, this one among them) of their `tensor`s, in rank
+    order. Collective over every rank of the bootstrap: each passes its own group."""
+    if len(members) == 1:
+        return tensor
+    data = tensor.detach().cpu().contiguous()
+    parts = bootstrap.all_gather(data.numpy().tobytes(), COLLECTIVE_TIMEOUT)
+    total = None
+    for r in members:
+        part = torch.frombuffer(bytearray(parts[r]), dtype=data.dtype).view(data.shape)
+        total = part if total is None else total + part
+    return total.to(tensor.device)
+
+
+def group_cat(bootstrap, tensor, members):
+    """The members' tensors concatenated along dim 0, in rank order (their row counts may
+    differ). Collective over every rank, as group_sum."""
+    if len(members) == 1:
+        return tensor
+    data = tensor.detach().cpu().contiguous()
+    raw = data.view(torch.int16) if data.dtype == torch.bfloat16 else data  # numpy has no bf16
+    parts = gather(bootstrap, (tuple(raw.shape), raw.numpy().tobytes()))
+    rows = [torch.frombuffer(bytearray(parts[r][1]), dtype=raw.dtype).view(parts[r][0])
+            if parts[r][0][0] else torch.zeros(parts[r][0], dtype=raw.dtype) for r in members]
+    return torch.cat(rows).view(data.dtype).to(tensor.device)
+
+
+class SharedCaches:
+    """Every rank of a TP group makes its cache here (zeroed float32 of `shape`, in /dev/shm);
+    the group's leader also maps every member's. Collective over the bootstrap."""
+
+    def __init__(self, bootstrap, tag, shape, members, leader):
+        numel = 1
+        for n in shape:
+            numel *= n
+        path = lambda r: f"/dev/shm/ferry-serve-{tag}-{r}"  # noqa: E731
+        me = bootstrap.rank
+        if me in members:
+            with open(path(me), "wb") as f:
+                f.truncate(numel * 4)
+            self.local = torch.from_file(path(me), shared=True, size=numel, dtype=F32).view(shape)
+        bootstrap.barrier(COLLECTIVE_TIMEOUT)
+        self.views = []
+        if me == leader:
+            self.views = [self.local if r == me else
+                          torch.from_file(path(r), shared=True, size=numel,
+                                          dtype=F32).view(shape) for r in members]
+        bootstrap.barrier(COLLECTIVE_TIMEOUT)
+        if me in members:
+            os.unlink(path(me))  # the mappings stay; nothing is left behind in /dev/shm
+
+
+def engine(provider):
+    """An engine on `provider` (FERRY_PROVIDER's value; its other settings from FERRY_*)."""
+    return ferry.TransferEngine(ferry.EngineOptions.from_env(provider=provider))
+
+
+def kv_side(config, tp):
+    """How a side of tensor-parallel size tp lays out this model's cache for ferry: HND pages of
+    float32, each rank holding kv_heads / tp heads."""
+    model = ferry.KvModel(kv_heads=config.kv_heads, head_dim=config.head_dim, dtype_bytes=4,
+                          page_tokens=config.page_tokens)
+    return ferry.KvSide(model=model, order=ferry.KvOrder.HND, tp=tp)

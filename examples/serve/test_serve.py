@@ -1,0 +1,264 @@
+"""The serving example end to end on this host (ferry's host device over shm): every prompt's
+generated tokens must equal the colocated reference's (model.generate: one process, plain torch),
+and every failure must end in the answer the router documents.
+
+Run: PYTHONPATH=build/python /usr/bin/python3 -m unittest discover -s examples/serve
+"""
+
+import hashlib
+import os
+import random
+import sys
+import tempfile
+import time
+import unittest
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ferry  # noqa: E402
+import model as mdl  # noqa: E402
+from control import Client  # noqa: E402
+from deploy import Deployment, ask  # noqa: E402
+
+torch.set_num_threads(1)
+TMP = tempfile.mkdtemp(prefix="ferry-serve-test-")
+MODEL_PATH = os.path.join(TMP, "model.pt")
+CONFIG, WEIGHTS = mdl.load_or_make(MODEL_PATH, seed=7)
+REFERENCE = mdl.Model(CONFIG, WEIGHTS)
+
+
+def prompt(seed, length):
+    rng = random.Random(seed)
+    return [rng.randrange(CONFIG.vocab) for _ in range(length)]
+
+
+def reference(p, new):
+    """(tokens, sha256 of the aux hidden state's float32 bytes) of the colocated run."""
+    tokens, aux = mdl.generate(REFERENCE, p, new)
+    return tokens, (hashlib.sha256(aux.numpy().tobytes()).hexdigest() if aux is not None
+                    else None)
+
+
+def kv_bytes(p):
+    """What a request's KV moves into the decode side: every layer of its prompt pages but the
+    last token's, on every decode rank together, and the aux hidden state."""
+    if len(p) < 2:
+        return 0
+    page = 2 * CONFIG.kv_heads * CONFIG.page_tokens * CONFIG.head_dim * 4
+    return mdl.pages_for(CONFIG, len(p) - 1) * CONFIG.layers * page + CONFIG.hidden * 4
+
+
+class ServeTest(unittest.TestCase):
+    def deployment(self, **kw):
+        d = Deployment(MODEL_PATH, log_dir=os.path.join(TMP, self.id().rsplit(".", 1)[1]), **kw)
+        d.__enter__()
+        self.addCleanup(d.__exit__, None, None, None)
+        return d
+
+    def check_answers(self, requests, answers, d):
+        for r in requests:
+            a = answers[r["id"]]
+            self.assertNotIn("error", a, f"request {r['id']}: {a}\n{d.logs()}")
+            tokens, aux_sha = reference(r["prompt"], r["max_new_tokens"])
+            self.assertEqual(a["tokens"], tokens, f"request {r['id']} of {len(r['prompt'])}")
+            self.assertEqual(a["aux_sha256"], aux_sha, f"request {r['id']}: aux differs")
+            self.assertEqual(a["kv_bytes"], kv_bytes(r["prompt"]))
+
+    def wait_pages_free(self, client, prefill_names=None, timeout=30.0):
+        """Polls the router's stats until every live prefill's pool is whole again."""
+        deadline = time.monotonic() + timeout
+        while True:
+            client.send({"op": "stats", "id": "stats"})
+            stats = client.recv(timeout=10)["stats"]
+            pools = {n: s for n, s in stats.items() if n.startswith("prefill") and s["alive"]}
+            if all(s["free_pages"] == s["pages"] for s in pools.values()):
+                return pools
+            self.assertLess(time.monotonic(), deadline, f"pages still held: {pools}")
+            time.sleep(0.2)
+
+    def test_tp2_prefill_into_ep2_decode_tokens_equal_colocated(self):
+        """Prefill TP 2 (chunks of 32) into decode EP 2 (attention DP 2, TP 1): 10 prompts of
+        1 to 120 tokens, one shorter than a page, several longer than a chunk; the second half
+        arrives while the first decodes."""
+        d = self.deployment(prefills=[{"tp": 2}], decodes=[{"ep": 2}],
+                            prefill_args=["--chunk", "32", "--batch-tokens", "64"])
+        lengths = [70, 1, 9, 33, 2, 120, 16, 17, 48, 5]
+        requests = [{"id": i, "prompt": prompt(i, n), "max_new_tokens": 12 if i < 5 else 6}
+                    for i, n in enumerate(lengths)]
+        with d.client() as c:
+            for r in requests[:5]:
+                c.send(r)
+            first = c.recv(timeout=120)  # one has finished: the others are decoding
+            answers = ask(c, requests[5:])
+            answers[first["id"]] = first
+            while len(answers) < len(requests):
+                a = c.recv(timeout=120)
+                answers[a["id"]] = a
+            self.check_answers(requests, answers, d)
+            self.assertTrue(any(a["attempts"] == 1 and "queue_ms" in a for a in answers.values()))
+            self.wait_pages_free(c)
+
+    def test_two_decode_instances_share_a_prefill_tp1_into_tp2(self):
+        """One prefill of TP 1 feeds two decode instances: one of EP 2 whose attention is TP 2
+        (a page rebuilt from halves of the prefill's), one of EP 1."""
+        d = self.deployment(prefills=[{"tp": 1}], decodes=[{"ep": 2, "tp": 2}, {"ep": 1}])
+        requests = [{"id": i, "prompt": prompt(100 + i, n), "max_new_tokens": 8}
+                    for i, n in enumerate([40, 3, 65, 18, 1, 29])]
+        with d.client() as c:
+            answers = ask(c, requests)
+            self.check_answers(requests, answers, d)
+            used = {a["decode"] for a in answers.values()}
+            self.assertEqual(len(used), 2, f"both decode instances serve: {used}")
+
+    def test_a_decode_killed_mid_stream(self):
+        """The decode instance receiving a long prompt's KV is killed while it streams: its
+        request is answered with an error, the prefill frees the pages once its writes have
+        ended and serves the other decode instance, before and after."""
+        d = self.deployment(prefills=[{"tp": 1, "args": ["--layer-delay-ms", "150"]}],
+                            decodes=[{"ep": 1}, {"ep": 1}])
+        long_a, long_b = prompt(200, 90), prompt(201, 90)
+        with d.client() as c:
+            c.send({"id": "a", "prompt": long_a, "max_new_tokens": 4})
+            c.send({"id": "b", "prompt": long_b, "max_new_tokens": 4})
+            time.sleep(0.35)  # both are in the prefill's pass, their layers streaming
+            d.kill("decode", 0)
+            answers = {}
+            while len(answers) < 2:
+                a = c.recv(timeout=60)
+                answers[a["id"]] = a
+            failed = [a for a in answers.values() if "error" in a]
+            served = [a for a in answers.values() if "error" not in a]
+            self.assertEqual(len(failed), 1, answers)
+            self.assertIn("lost", failed[0]["error"])
+            want = reference(long_a if served[0]["id"] == "a" else long_b, 4)[0]
+            self.assertEqual(served[0]["tokens"], want)
+            self.wait_pages_free(c)
+            r = {"id": "after", "prompt": prompt(202, 40), "max_new_tokens": 5}
+            self.check_answers([r], ask(c, [r]), d)
+
+    def test_a_prefill_killed_its_requests_retried_on_another(self):
+        """Two prefills; one is killed in the middle of a pass. Its request's KV transfer ends
+        (Unavailable or DeadlineExceeded) within the decoder's deadline and the router tries
+        the other prefill: every prompt is answered, tokens equal to colocated."""
+        kv_timeout = 3.0
+        d = self.deployment(prefills=[{"tp": 1, "args": ["--layer-delay-ms", "400"]},
+                                      {"tp": 1, "args": ["--layer-delay-ms", "5"]}],
+                            decodes=[{"ep": 1, "args": ["--kv-timeout", str(kv_timeout)]}])
+        requests = [{"id": i, "prompt": prompt(300 + i, 50), "max_new_tokens": 4}
+                    for i in range(2)]
+        with d.client() as c:
+            t0 = time.monotonic()
+            for r in requests:
+                c.send(r)
+            time.sleep(0.6)  # the slow prefill is in its pass
+            d.kill("prefill", 0)
+            answers = ask(c, [])
+            while len(answers) < 2:
+                a = c.recv(timeout=60)
+                answers[a["id"]] = a
+            elapsed = time.monotonic() - t0
+            self.check_answers(requests, answers, d)
+            self.assertEqual(sorted(a["attempts"] for a in answers.values()), [1, 2])
+            # The deadline, the decoder's wait for the prefill's acknowledgement (a few
+            # seconds), the retry itself: well under 20 s.
+            self.assertLess(elapsed, 20.0)
+
+    def test_malformed_and_oversized_prompts_are_refused_clearly(self):
+        d = self.deployment(prefills=[{"tp": 1}], decodes=[{"ep": 1}],
+                            router_args=["--max-prompt", "200"])
+        good = {"id": "good", "prompt": prompt(400, 30), "max_new_tokens": 5}
+        with Client(d.router_address) as c:
+            c.send(b"this is not json\n")
+            self.assertIn("not JSON", c.recv(timeout=30)["error"])
+            c.send(b"[" + b"1," * (600 << 10) + b"1]\n")  # over the router's 1 MiB line
+            self.assertIn("over", c.recv(timeout=30)["error"])
+            bad = [({"id": 1, "prompt": []}, "non-empty"),
+                   ({"id": 2, "prompt": "hello"}, "non-empty"),
+                   ({"id": 3, "prompt": [1, 2, CONFIG.vocab]}, "not an id"),
+                   ({"id": 4, "prompt": [1, -1]}, "not an id"),
+                   ({"id": 5, "prompt": [1, 2.5]}, "not an id"),
+                   ({"id": 6, "prompt": list(range(201))}, "at most 200"),
+                   ({"id": 7, "prompt": [1, 2], "max_new_tokens": 0}, "max_new_tokens"),
+                   ({"id": 8, "prompt": [1, 2], "max_new_tokens": True}, "max_new_tokens")]
+            answers = ask(c, [b for b, _ in bad] + [good])
+            for request, text in bad:
+                self.assertIn(text, answers[request["id"]].get("error", ""), answers)
+            self.check_answers([good], answers, d)
+
+
+class ModelFileTest(unittest.TestCase):
+    def test_save_load_round_trip_and_refusals(self):
+        path = os.path.join(TMP, "m2.pt")
+        mdl.save(path, CONFIG, WEIGHTS)
+        config, weights = mdl.load(path)
+        self.assertEqual(config, CONFIG)
+        self.assertTrue(all(torch.equal(weights[k], WEIGHTS[k]) for k in WEIGHTS))
+        broken = dict(WEIGHTS)
+        del broken["layers.1.wq"]
+        mdl.save(path, CONFIG, broken)
+        with self.assertRaisesRegex(ValueError, "missing.*layers.1.wq"):
+            mdl.load(path)
+        broken = dict(WEIGHTS, **{"lm_head": torch.zeros(3, 3)})
+        mdl.save(path, CONFIG, broken)
+        with self.assertRaisesRegex(ValueError, "lm_head"):
+            mdl.load(path)
+        with open(path, "wb") as f:
+            f.write(b"not a model")
+        with self.assertRaises(Exception):
+            mdl.load(path)
+
+    def test_cache_layout_is_ferrys_hnd(self):
+        """model.cache_shape's pages are where ferry's KvSide says (HND, float32)."""
+        from ranks import kv_side
+        for tp in (1, 2):
+            side = kv_side(CONFIG, tp)
+            pages = 3
+            cache = torch.arange(torch.Size(mdl.cache_shape(CONFIG, pages, CONFIG.kv_heads // tp))
+                                 .numel(), dtype=torch.int64).view(
+                mdl.cache_shape(CONFIG, pages, CONFIG.kv_heads // tp))
+            for page, comp, head, token in [(0, 0, 0, 0), (2, 1, side.heads_per_rank - 1, 15),
+                                            (1, 0, 0, 7)]:
+                element = int(cache[0, page, comp, head, token, 0])
+                self.assertEqual(element * 4, side.offset(page, comp, head, token))
+            self.assertEqual(cache[0].numel() * 4, side.page_bytes * pages)
+
+    def test_the_combine_is_ferrys_sum_bit_for_bit(self):
+        """Model.combine against ferry's AllToAll (host device, EP 2) on the same routed bf16
+        outputs: the same bits, which is what lets served tokens equal colocated ones."""
+        tokens = 13
+
+        def body(b):
+            rank = b.rank
+            g = torch.Generator().manual_seed(rank)
+            h = torch.randn(tokens, CONFIG.hidden, generator=g, dtype=torch.float64)
+            xn, ids, weights = REFERENCE.route(0, h)
+            engine = ferry.TransferEngine(ferry.EngineOptions.from_env(provider="shm"))
+            cfg = ferry.AllToAllConfig(world_size=2, rank=rank, num_experts=CONFIG.experts,
+                                       experts_per_token=CONFIG.top_k,
+                                       max_tokens_per_rank=tokens, hidden=CONFIG.hidden,
+                                       dtype=ferry.DispatchDtype.BF16)
+            with engine, ferry.AllToAll(cfg, engine, b) as a2a:
+                x = xn.to(mdl.BF16)
+                a2a.dispatch_send(x, ids.to(torch.int32), weights, num_tokens=tokens)
+                recv = torch.zeros(cfg.local_experts, cfg.expert_capacity, CONFIG.hidden,
+                                   dtype=mdl.BF16)
+                counts = torch.zeros(cfg.local_experts, dtype=torch.int32)
+                a2a.dispatch_recv(recv, counts)
+                out = torch.zeros_like(recv)
+                for e in range(cfg.local_experts):
+                    n = int(counts[e])
+                    out[e, :n] = REFERENCE.expert(0, rank * cfg.local_experts + e, recv[e, :n])
+                a2a.combine_send(out)
+                y = torch.zeros(tokens, CONFIG.hidden, dtype=mdl.BF16)
+                a2a.combine_recv(y)
+            want = REFERENCE.combine(REFERENCE.local_moe(0, xn, ids, weights), weights)
+            assert torch.equal(y.view(torch.int16), want.view(torch.int16)), \
+                (y - want).abs().max()
+
+        exits = ferry.run_local_ranks(2, body, 120)
+        self.assertTrue(all(e.ok for e in exits), exits)
+
+
+if __name__ == "__main__":
+    unittest.main()
