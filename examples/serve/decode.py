@@ -11,6 +11,10 @@ The ferry calls:
   a2a.dispatch_send(...); <shared expert>; a2a.dispatch_recv(...); <experts>;
   a2a.combine_send(...); a2a.combine_recv(...)                                every MoE layer
 
+With --colocated requests (the router's --colocated) the instance also prefills: a request
+brings its prompt, whose chunks run mixed into the decode steps (the baseline of
+tools/bench_serve.py: what the documents call prefill stalling decode).
+
 Each step, every rank shares its plan in one all-gather: rank 0 the requests the router sent
 (assigned to the least loaded group), each group leader its batch (requests join and leave
 between steps) and what finished. Every rank then runs the same layers, an empty batch
@@ -45,8 +49,11 @@ class Sequence:
         self.max_new = msg["max_new_tokens"]
         self.prefill_address = bytes.fromhex(msg.get("prefill_address", ""))
         self.prefill_tp = msg.get("prefill_tp", 1)
+        # Colocated mode: the prompt comes along and this instance prefills it itself, in
+        # chunks mixed into the decode steps; `pos` counts the prompt tokens done so far.
+        self.prompt = msg.get("prompt")
         self.pages = self.slot = self.transfer = None
-        self.pos = self.prompt_len - 1  # the last prompt token runs first
+        self.pos = 0 if self.prompt else self.prompt_len - 1  # the last prompt token runs first
         self.out, self.times = [], []
         self.t_kv = None
 
@@ -92,7 +99,7 @@ class GroupLeader:
                 keep.append(s)
                 continue
             s.pages, s.slot = pages, self.free_slots.pop()
-            if s.prompt_len == 1:  # nothing to prefill
+            if s.prompt_len == 1 or s.prompt:  # nothing to fetch
                 self.active[s.id] = s
                 continue
             try:
@@ -109,7 +116,7 @@ class GroupLeader:
         self.backlog = keep
 
     def _landed(self, s):  # on ferry's callback thread
-        s.t_kv = time.time()
+        s.t_kv = s.transfer.ended_at
         self.wake.set()
 
     def _fail(self, s, error):
@@ -128,14 +135,34 @@ class GroupLeader:
                 self.active[rid] = s
 
     def batch(self):
-        ids = sorted(self.active)[:self.args.max_batch]
-        return [(rid, self.active[rid].pos, self.active[rid].token, self.active[rid].pages)
-                for rid in ids]
-
-    def step_done(self, batch, next_tokens, now):
-        c = self.config
-        for (rid, _, _, _), token in zip(batch, next_tokens):
+        """This step's rows: one token of each decoding sequence (up to --max-batch), then in
+        colocated mode chunks of prompts still to prefill, up to --chunk tokens in all."""
+        rows, budget = [], self.args.chunk
+        for rid in sorted(self.active):
             s = self.active[rid]
+            if s.prompt and s.pos < s.prompt_len - 1:
+                n = min(budget, s.prompt_len - 1 - s.pos)
+                if n > 0:
+                    rows.append({"id": rid, "start": s.pos, "tokens": s.prompt[s.pos:s.pos + n],
+                                 "pages": s.pages, "sample": False})
+                    budget -= n
+            elif sum(r["sample"] for r in rows) < self.args.max_batch:
+                rows.append({"id": rid, "start": s.pos, "tokens": [s.token], "pages": s.pages,
+                             "sample": True})
+        return rows
+
+    def step_done(self, batch, hidden, next_tokens, now):
+        c, row = self.config, 0
+        for entry in batch:
+            row += len(entry["tokens"])
+            s = self.active[entry["id"]]
+            if not entry["sample"]:  # a prefill chunk
+                s.pos += len(entry["tokens"])
+                if s.pos == s.prompt_len - 1:
+                    self.aux[s.slot] = hidden[row - 1].to(mdl.F32)
+                    s.t_kv = now
+                continue
+            rid, token = entry["id"], next_tokens[row - 1]
             s.out.append(token)
             s.times.append(now)
             s.pos, s.token = s.pos + 1, token
@@ -147,7 +174,8 @@ class GroupLeader:
             self.events.append({
                 "op": "result", "id": rid, "tokens": s.out, "t_kv_done": s.t_kv,
                 "token_times": s.times,
-                "kv_bytes": (kv_pages * c.layers * self.page_bytes + len(aux)) if aux else 0,
+                "kv_bytes": (kv_pages * c.layers * self.page_bytes + len(aux))
+                if aux and not s.prompt else 0,
                 "aux_sha256": hashlib.sha256(aux).hexdigest() if aux else None})
             self._free(s)
 
@@ -205,7 +233,7 @@ def rank_main(bootstrap, args):
                                 mdl.cache_shape(c, args.pages, model.kv_local), members,
                                 leader=members[0])
     moe_engine = ranks.engine(args.provider)
-    per_rank = -(-args.max_batch // tp)
+    per_rank = -(-(args.max_batch + args.chunk) // tp)
     a2a = ferry.AllToAll(ferry.AllToAllConfig(
         world_size=ep, rank=me, num_experts=c.experts, experts_per_token=c.top_k,
         max_tokens_per_rank=per_rank, hidden=c.hidden, dtype=ferry.DispatchDtype.BF16),
@@ -267,13 +295,13 @@ def rank_main(bootstrap, args):
                 wake.wait(IDLE_S)
                 wake.clear()
             continue
-        seqs = [mdl.Seq(pages, pos, 1) for _, pos, _, pages in batch]
-        hidden = model.forward([token for _, _, token, _ in batch], seqs, caches.local,
+        seqs = [mdl.Seq(r["pages"], r["start"], len(r["tokens"])) for r in batch]
+        hidden = model.forward([t for r in batch for t in r["tokens"]], seqs, caches.local,
                                all_reduce=lambda t: ranks.group_sum(bootstrap, t, members),
                                moe=moe)
-        next_tokens = model.logits(hidden).argmax(-1).tolist() if batch else []
         if leader is not None:
-            leader.step_done(batch, next_tokens, time.time())
+            next_tokens = model.logits(hidden).argmax(-1).tolist() if batch else []
+            leader.step_done(batch, hidden, next_tokens, time.time())
     a2a.close()
     moe_engine.close()
     if leader is not None:
@@ -291,6 +319,8 @@ def parse_args(argv):
     p.add_argument("--pages", type=int, default=512, help="KV pages per rank")
     p.add_argument("--max-batch", type=int, default=32, help="sequences per group and step")
     p.add_argument("--max-requests", type=int, default=64, help="requests a group holds at once")
+    p.add_argument("--chunk", type=int, default=64,
+                   help="colocated mode: prompt tokens prefilled here per step")
     p.add_argument("--kv-timeout", type=float, default=20.0,
                    help="seconds a request's KV may take to land")
     p.add_argument("--provider", default=os.environ.get("FERRY_PROVIDER", "shm"))

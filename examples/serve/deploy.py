@@ -9,6 +9,8 @@ busy 2-core host (its tensor-parallel ranks meet at every layer, so each waits f
     with Deployment(model_path, prefills=[{"tp": 2}], decodes=[{"ep": 2}]) as d:
         with d.client() as c: ...
         d.kill("decode", 0)          # SIGKILL the instance's every rank
+    A spec may pin its role's processes: {"ep": 1, "cpus": {0}}; with no prefills the decode
+    instances prefill their own prompts (the router's --colocated).
 """
 
 import json
@@ -27,12 +29,13 @@ START_TIMEOUT_S = 90.0
 
 
 class Role:
-    def __init__(self, kind, argv, log_path, env):
+    def __init__(self, kind, argv, log_path, env, cpus=None):
         self.kind = kind
         self.log = open(log_path, "ab")
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
         self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, f"{kind}.py"), *argv],
                                      stdout=subprocess.PIPE, stderr=self.log, cwd=HERE, env=env,
-                                     process_group=0)
+                                     process_group=0, preexec_fn=pin)
         self.ready = queue.Queue()
         self._drainer = threading.Thread(target=self._drain, daemon=True)
         self._drainer.start()
@@ -100,8 +103,8 @@ class Deployment:
     def __exit__(self, *exc):
         self.close()
 
-    def _start(self, kind, argv, i):
-        role = Role(kind, argv, os.path.join(self.log_dir, f"{kind}{i}.log"), self.env)
+    def _start(self, kind, argv, i, cpus=None):
+        role = Role(kind, argv, os.path.join(self.log_dir, f"{kind}{i}.log"), self.env, cpus)
         self.roles[kind].append(role)
         return role
 
@@ -110,15 +113,18 @@ class Deployment:
         deadline = time.monotonic() + START_TIMEOUT_S
         for i, spec in enumerate(self.prefill_specs):
             self._start("prefill", ["--model", self.model_path, "--tp", str(spec.get("tp", 1)),
-                                    *spec.get("args", ()), *self.prefill_args], i)
+                                    *spec.get("args", ()), *self.prefill_args], i,
+                        spec.get("cpus"))
         for i, spec in enumerate(self.decode_specs):
             self._start("decode", ["--model", self.model_path, "--ep", str(spec.get("ep", 1)),
                                    "--tp", str(spec.get("tp", 1)), *spec.get("args", ()),
-                                   *self.decode_args], i)
+                                   *self.decode_args], i, spec.get("cpus"))
         argv = list(self.router_args)
         for kind in ("prefill", "decode"):
             for role in self.roles[kind]:
                 argv += [f"--{kind}", role.wait_ready(deadline)["control"]]
+        if not self.prefill_specs:
+            argv.append("--colocated")
         router = self._start("router", argv, 0)
         self.router_address = router.wait_ready(deadline)["listen"]
 

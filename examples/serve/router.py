@@ -151,13 +151,16 @@ class Router:
         t_received, rid, tried, last_error = time.time(), next(self.ids), [], None
         for attempt in range(self.args.attempts):
             decode = self._least_busy(self.decodes)
-            prefill = self._least_busy(self.prefills, tried) if len(prompt) > 1 else None
-            if decode is None or (prefill is None and len(prompt) > 1):
+            remote = len(prompt) > 1 and not self.args.colocated
+            prefill = self._least_busy(self.prefills, tried) if remote else None
+            if decode is None or (prefill is None and remote):
                 break
             kv_id = rid * 16 + attempt
             a = self.attempts[kv_id] = Attempt(prefill, decode)
             msg = {"op": "generate", "id": kv_id, "prompt_len": len(prompt),
                    "last_token": prompt[-1], "max_new_tokens": new}
+            if self.args.colocated:
+                msg["prompt"] = prompt
             if prefill is not None:
                 tried.append(prefill)
                 prefill.outstanding.add(kv_id)
@@ -182,6 +185,7 @@ class Router:
     async def _answer(self, a, result, t_received, attempts):
         times = result["token_times"]
         out = {"tokens": result["tokens"], "ttft_ms": (times[0] - t_received) * 1e3,
+               "t_first_token": times[0],
                "kv_bytes": result["kv_bytes"], "aux_sha256": result["aux_sha256"],
                "itl_ms": [(b - a_) * 1e3 for a_, b in zip(times, times[1:])],
                "decode_ms_per_token": ((times[-1] - times[0]) / (len(times) - 1) * 1e3
@@ -283,9 +287,11 @@ def parse_args(argv):
     p.add_argument("--max-new", type=int, default=256)
     p.add_argument("--attempts", type=int, default=3, help="prefills a request may try")
     p.add_argument("--connect-timeout", type=float, default=60.0)
+    p.add_argument("--colocated", action="store_true",
+                   help="no prefill instances: each decode instance prefills its own prompts")
     args = p.parse_args(argv)
-    if not args.prefill or not args.decode:
-        p.error("at least one --prefill and one --decode")
+    if not args.decode or not (args.prefill or args.colocated):
+        p.error("at least one --decode, and one --prefill unless --colocated")
     return args
 
 

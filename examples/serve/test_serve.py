@@ -111,6 +111,20 @@ class ServeTest(unittest.TestCase):
             used = {a["decode"] for a in answers.values()}
             self.assertEqual(len(used), 2, f"both decode instances serve: {used}")
 
+    def test_colocated_baseline_tokens_equal(self):
+        """The benchmark's baseline: no prefill instances, the decode instance (EP 2) prefills
+        prompts in chunks mixed into its decode steps -- the same tokens."""
+        d = self.deployment(prefills=[], decodes=[{"ep": 2, "args": ["--chunk", "32"]}])
+        requests = [{"id": i, "prompt": prompt(500 + i, n), "max_new_tokens": 10}
+                    for i, n in enumerate([1, 70, 12, 40])]
+        with d.client() as c:
+            answers = ask(c, requests)
+        for r in requests:
+            a = answers[r["id"]]
+            self.assertNotIn("error", a, d.logs())
+            tokens, aux_sha = reference(r["prompt"], r["max_new_tokens"])
+            self.assertEqual((a["tokens"], a["aux_sha256"], a["kv_bytes"]), (tokens, aux_sha, 0))
+
     def test_a_decode_killed_mid_stream(self):
         """The decode instance receiving a long prompt's KV is killed while it streams: its
         request is answered with an error, the prefill frees the pages once its writes have

@@ -11,10 +11,12 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -52,6 +54,9 @@ struct Pending {
   // reader that sees it true, with or without the lock, sees the status.
   std::atomic<bool> ended{false};
   Status status;
+  // When it ended, on the system clock (time.time()'s), set with `status`: the moment itself,
+  // which a Python callback (it waits for the GIL) would see only later.
+  double ended_at = 0;
   // What the engine reads until the end: a paged write's page lists, a scatter's targets.
   std::vector<uint32_t> src_pages, dst_pages;
   std::vector<ScatterTarget> targets;
@@ -66,6 +71,9 @@ struct Pending {
     {
       std::lock_guard<std::mutex> lock(p->mu);
       p->status = s;
+      p->ended_at = std::chrono::duration<double>(
+                        std::chrono::system_clock::now().time_since_epoch())
+                        .count();
       p->ended.store(true, std::memory_order_release);
       hand_over = !p->callbacks.empty();  // reads the vector's size only: no Python touched
     }
@@ -105,6 +113,10 @@ class Transfer {
   Transfer(std::shared_ptr<Pending> pending, py::tuple keep)
       : pending_(std::move(pending)), keep_(std::move(keep)) {}
   bool done() const { return pending_->Done(); }
+  std::optional<double> ended_at() const {
+    if (!pending_->Done()) return std::nullopt;
+    return pending_->ended_at;
+  }
   // The ferry.Error it ended with (not raised); None while in flight or after success.
   py::object Error() const {
     return pending_->Done() ? ErrorObject(pending_->status) : py::object(py::none());

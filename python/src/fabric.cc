@@ -434,6 +434,9 @@ void BindFabric(py::module_& m) {
       .def_property_readonly("done", &Transfer::done)
       .def_property_readonly("error", &Transfer::Error,
                              "The ferry.Error it ended with; None while in flight or after success")
+      .def_property_readonly("ended_at", &Transfer::ended_at,
+                             "When it ended, in time.time()'s seconds (taken as it ended, not "
+                             "when Python heard of it); None while in flight")
       .def("wait", &Transfer::Wait, py::arg("timeout") = 30.0,
            "Returns once the transfer ended well; raises its error, or DeadlineExceeded")
       .def("add_done_callback", &Transfer::AddDoneCallback, py::arg("fn"),

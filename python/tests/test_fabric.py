@@ -424,6 +424,21 @@ class TransferEngineTest(unittest.TestCase):
     def test_messages_and_bad_input(self):
         run_ranks(self, 2, messages_and_errors_body)
 
+    def test_ended_at_is_when_a_transfer_ended(self):
+        """Transfer.ended_at: None in flight; once ended, a time.time() taken between the
+        submit and the wait's return."""
+        with shm_engine() as engine:
+            me = engine.add_peer(engine.address)
+            before = time.time()
+            t = engine.send(me, b"x")
+            t.wait(timeout=10)
+            after = time.time()
+            self.assertIsNotNone(t.ended_at)
+            self.assertTrue(before <= t.ended_at <= after, (before, t.ended_at, after))
+            self.assertEqual(engine.recv(timeout=10), (me, b"x"))
+            ready = engine.message_ready()
+            self.assertIsNone(ready.ended_at)  # nothing queued: still in flight
+
     def test_options(self):
         options = ferry.EngineOptions(provider="shm", transfer_timeout_ms=250)
         self.assertEqual((options.provider, options.transfer_timeout_ms), ("shm", 250))
