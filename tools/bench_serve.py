@@ -4,7 +4,7 @@ and the long prompts' TTFT. The baseline is the same model on the same number of
 rank prefilling chunks mixed into its decode steps (the router's --colocated): the stall the
 source documents describe.
 
-  disaggregated: 1 prefill rank (pinned to CPU 1) + 1 decode rank (CPU 0)
+  disaggregated: 1 prefill rank + 1 decode rank, each pinned to half the host's CPUs
   colocated:     1 decode instance of EP 2 (its two ranks prefill and decode)
 
 Targets: disaggregated p99 ITL with arrivals <= 1.2 x without; the KV tail after the prefill's
@@ -98,8 +98,12 @@ def itls(background, window):
 
 def measure_mode(name, model_path, args, vocab):
     if name == "disaggregated":
-        spec = dict(prefills=[{"tp": 1, "cpus": {1}, "args": ["--chunk", str(args.chunk)]}],
-                    decodes=[{"ep": 1, "cpus": {0}}])
+        # Each side on half the host's CPUs, as on machines of their own (on 2 CPUs: one each).
+        cpus = sorted(os.sched_getaffinity(0))
+        half = max(1, len(cpus) // 2)
+        spec = dict(prefills=[{"tp": 1, "cpus": set(cpus[half:]) or set(cpus),
+                               "args": ["--chunk", str(args.chunk)]}],
+                    decodes=[{"ep": 1, "cpus": set(cpus[:half])}])
     else:
         spec = dict(prefills=[], decodes=[{"ep": 2, "args": ["--chunk", str(args.chunk)]}])
     with Deployment(model_path, log_dir=os.path.join(args.logs, name), **spec) as d:

@@ -77,6 +77,8 @@
 #                                 T=4096, token-major; a proxy for the two-rank protocol's cost
 #                                 without NVLink; each client on MPS_PERCENT (50) of the SMs.
 #                                 MPS=1 runs any mode's measurements so (TESTS=0 with it)
+#   tools/gpu_check.sh serve      the bindings only, then examples/serve's tests and
+#                                 tools/bench_serve.py on this host's cores (SERVE_ARGS)
 #   tools/gpu_check.sh mirror     build, tests, then ferry-bench mirror over shm and tcp: a
 #                                 kernel waiting on a mirrored immediate counter (GpuWords)
 #                                 beside a host thread in WaitImm
@@ -127,6 +129,8 @@ if [ -d .pydeps/usr/lib/cmake/pybind11 ]; then
   python=(-Dpybind11_DIR="$PWD/.pydeps/usr/lib/cmake/pybind11")
   targets+=(_ferry)
 fi
+# serve: the bindings alone (the served example runs on the host device, on this host's cores).
+[ "${1:-all}" = serve ] && targets=(_ferry)
 step configure 120 cmake -S . -B build-gpu "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_CUDA_COMPILER="$NVCC" -DCMAKE_CUDA_ARCHITECTURES=90 "${python[@]}" ||
   { cat "$OUT/configure.log" 2> /dev/null; exit 1; }
@@ -156,7 +160,7 @@ fi
 
 mode=${1:-all}
 tests=${TESTS:-1}
-case $mode in profile | trace | kvpace | stalls) tests=0 ;; esac  # they build and measure only
+case $mode in profile | trace | kvpace | stalls | serve) tests=0 ;; esac  # they build and measure only
 if [ "$tests" != 0 ]; then
   step kv_cuda_test 120 build-gpu/kv_cuda_test
   step gpu_words_test 60 build-gpu/gpu_words_test
@@ -576,6 +580,19 @@ if [ "$mode" = ep ]; then
       "$OUT"/ep${n}_prefill_spread.log
   done
   [ "$gpus" -ge 4 ] || echo "== ep: $gpus GPUs here; EP4 needs 4, EP8 needs 8"
+fi
+# The served model (examples/serve) on this host's cores, ferry's host device over shm: its
+# end-to-end tests, then tools/bench_serve.py (disaggregated vs colocated decode ITL with long
+# prompts arriving, and the KV tail against one layer's raw write), where the polling threads
+# have cores of their own (on 2 cores they share one with the compute).
+if [ "$mode" = serve ]; then
+  PYTHONPATH=$PWD/build-gpu/python step serve_tests 240 python3 -m unittest discover -v \
+    -s examples/serve
+  PYTHONPATH=$PWD/build-gpu/python step bench_serve 240 python3 tools/bench_serve.py \
+    --json "$OUT/bench_serve.json" ${SERVE_ARGS:-}
+  for f in "$OUT"/serve_tests.log "$OUT"/bench_serve.log; do
+    [ -f "$f" ] && { echo "== $(basename "$f" .log)"; tail -8 "$f"; }
+  done
 fi
 if [ "$mode" = stalls ]; then
   # Where the decode kernels' warps wait, per machine instruction: ncu's sampled warp states

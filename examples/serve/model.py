@@ -120,7 +120,10 @@ def load(path):
     with open(path, "rb") as f:
         magic = f.read(8)
     if magic[:2] == b"PK" or magic[:1] == b"\x80":  # torch.save: a zip (or a legacy pickle)
-        blob = torch.load(path, map_location="cpu")
+        try:  # tensors and strings only: nothing in the file runs code
+            blob = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # torch raises what its unpickler met, of several types
+            raise ValueError(f"{path}: not a model file ({type(e).__name__}: {e})") from None
         if not isinstance(blob, dict) or "tensors" not in blob or "metadata" not in blob:
             raise ValueError(f"{path}: not a model file (no tensors / metadata)")
         meta, weights = blob["metadata"], blob["tensors"]

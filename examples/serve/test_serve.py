@@ -210,17 +210,17 @@ class ModelFileTest(unittest.TestCase):
         self.assertTrue(all(torch.equal(weights[k], WEIGHTS[k]) for k in WEIGHTS))
         broken = dict(WEIGHTS)
         del broken["layers.1.wq"]
-        mdl.save(path, CONFIG, broken)
+        mdl.save(path + ".missing", CONFIG, broken)
         with self.assertRaisesRegex(ValueError, "missing.*layers.1.wq"):
-            mdl.load(path)
+            mdl.load(path + ".missing")
         broken = dict(WEIGHTS, **{"lm_head": torch.zeros(3, 3)})
-        mdl.save(path, CONFIG, broken)
+        mdl.save(path + ".shape", CONFIG, broken)
         with self.assertRaisesRegex(ValueError, "lm_head"):
-            mdl.load(path)
-        with open(path, "wb") as f:
-            f.write(b"not a model")
-        with self.assertRaises(Exception):
-            mdl.load(path)
+            mdl.load(path + ".shape")
+        with open(path + ".junk", "wb") as f:
+            f.write(b"\x80not a model")
+        with self.assertRaisesRegex(ValueError, "not a model file"):
+            mdl.load(path + ".junk")
 
     def test_cache_layout_is_ferrys_hnd(self):
         """model.cache_shape's pages are where ferry's KvSide says (HND, float32)."""
