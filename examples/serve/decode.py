@@ -26,7 +26,6 @@ Run by hand:  python3 decode.py --model model.pt --ep 2 --control 0.0.0.0:7101
 import argparse
 import hashlib
 import json
-import os
 import sys
 import threading
 import time
@@ -312,21 +311,16 @@ def rank_main(bootstrap, args):
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="weights file (model.py's save)")
+    ranks.instance_args(p, "decode")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (forked here)")
     p.add_argument("--tp", type=int, default=1, help="attention tensor-parallel ranks per group")
-    p.add_argument("--control", default="127.0.0.1:0", help="HOST:PORT the router connects to")
-    p.add_argument("--pages", type=int, default=512, help="KV pages per rank")
     p.add_argument("--max-batch", type=int, default=32, help="sequences per group and step")
     p.add_argument("--max-requests", type=int, default=64, help="requests a group holds at once")
     p.add_argument("--chunk", type=int, default=64,
                    help="colocated mode: prompt tokens prefilled here per step")
     p.add_argument("--kv-timeout", type=float, default=20.0,
                    help="seconds a request's KV may take to land")
-    p.add_argument("--provider", default=os.environ.get("FERRY_PROVIDER", "shm"))
-    args = p.parse_args(argv)
-    args.tag = f"decode-{os.getpid()}"
-    return args
+    return p.parse_args(argv)
 
 
 def main(argv=None):
@@ -339,8 +333,7 @@ def main(argv=None):
         sys.exit(f"--tp {args.tp} must divide --ep {args.ep} and {config.kv_heads} KV heads")
     if config.experts % args.ep:
         sys.exit(f"--ep {args.ep} must divide {config.experts} experts")
-    exits = ferry.run_local_ranks(args.ep, lambda b: rank_main(b, args), timeout=10 ** 7)
-    sys.exit(0 if all(e.ok for e in exits) else 1)
+    ranks.run_instance(args.ep, lambda b: rank_main(b, args))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ Run by hand:  python3 prefill.py --model model.pt --tp 2 --control 0.0.0.0:7001
 import argparse
 import collections
 import json
-import os
 import sys
 import time
 
@@ -244,19 +243,14 @@ def rank_main(bootstrap, args):
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="weights file (model.py's save)")
+    ranks.instance_args(p, "prefill")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (forked here)")
-    p.add_argument("--control", default="127.0.0.1:0", help="HOST:PORT the router connects to")
-    p.add_argument("--pages", type=int, default=512, help="KV pages per rank")
     p.add_argument("--chunk", type=int, default=64, help="chunk tokens (a multiple of a page)")
     p.add_argument("--batch-tokens", type=int, default=128, help="prompt tokens per pass")
     p.add_argument("--max-requests", type=int, default=64, help="aux slots: requests at once")
     p.add_argument("--layer-delay-ms", type=float, default=0.0,
                    help="extra time per layer (stands for a larger model's compute)")
-    p.add_argument("--provider", default=os.environ.get("FERRY_PROVIDER", "shm"))
-    args = p.parse_args(argv)
-    args.tag = f"prefill-{os.getpid()}"
-    return args
+    return p.parse_args(argv)
 
 
 def main(argv=None):
@@ -269,8 +263,7 @@ def main(argv=None):
         sys.exit(f"--chunk {args.chunk} is not a positive multiple of {config.page_tokens}")
     if args.batch_tokens < args.chunk:
         sys.exit("--batch-tokens must hold at least one chunk")
-    exits = ferry.run_local_ranks(args.tp, lambda b: rank_main(b, args), timeout=10 ** 7)
-    sys.exit(0 if all(e.ok for e in exits) else 1)
+    ranks.run_instance(args.tp, lambda b: rank_main(b, args))
 
 
 if __name__ == "__main__":

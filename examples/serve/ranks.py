@@ -90,3 +90,19 @@ def kv_side(config, tp):
     model = ferry.KvModel(kv_heads=config.kv_heads, head_dim=config.head_dim, dtype_bytes=4,
                           page_tokens=config.page_tokens)
     return ferry.KvSide(model=model, order=ferry.KvOrder.HND, tp=tp)
+
+
+def instance_args(parser, role):
+    """The flags every instance takes."""
+    parser.add_argument("--model", required=True, help="weights file (model.py's save)")
+    parser.add_argument("--control", default="127.0.0.1:0",
+                        help="HOST:PORT the router connects to")
+    parser.add_argument("--pages", type=int, default=512, help="KV pages per rank")
+    parser.add_argument("--provider", default=os.environ.get("FERRY_PROVIDER", "shm"))
+    parser.set_defaults(tag=f"{role}-{os.getpid()}")  # names its caches in /dev/shm
+
+
+def run_instance(world_size, body):
+    """body(bootstrap) in world_size ranks forked here; exits 0 once all ended well."""
+    exits = ferry.run_local_ranks(world_size, body, timeout=10 ** 7)
+    raise SystemExit(0 if all(e.ok for e in exits) else 1)
