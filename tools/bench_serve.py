@@ -177,7 +177,7 @@ def main():
     if args.quick:
         args.background, args.background_tokens, args.arrivals, args.long_tokens = 3, 60, 2, 128
     torch.set_num_threads(1)
-    model_path = os.path.join(tempfile.gettempdir(), "ferry-serve-model.pt")
+    model_path = os.path.join(tempfile.gettempdir(), "ferry-serve-model.safetensors")
     config, _ = mdl.load_or_make(model_path)
     results = [measure_mode(m, model_path, args, config.vocab)
                for m in ("disaggregated", "colocated")]

@@ -20,7 +20,7 @@ Each step, every rank shares its plan in one all-gather: rank 0 the requests the
 between steps) and what finished. Every rank then runs the same layers, an empty batch
 included, since the AllToAll is collective.
 
-Run by hand:  python3 decode.py --model model.pt --ep 2 --control 0.0.0.0:7101
+Run by hand:  python3 decode.py --model model.safetensors --ep 2 --control 0.0.0.0:7101
 """
 
 import argparse

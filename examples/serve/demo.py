@@ -33,7 +33,7 @@ def fmt(v):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=os.path.join(tempfile.gettempdir(), "ferry-serve-model.pt"))
+    p.add_argument("--model", default=os.path.join(tempfile.gettempdir(), "ferry-serve-model.safetensors"))
     p.add_argument("--provider", default=os.environ.get("FERRY_PROVIDER", "shm"))
     args = p.parse_args()
     torch.set_num_threads(1)

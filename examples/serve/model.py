@@ -103,35 +103,69 @@ def expected_shapes(config):
     return shapes
 
 
+_DTYPES = {"F32": F32, "F64": F64, "BF16": BF16, "I64": torch.int64}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
 def save(path, config, weights):
-    """safetensors where the machine has it, else torch's own format; the config goes along."""
-    meta = {"config": json.dumps(dataclasses.asdict(config))}
+    """The safetensors format (an 8-byte little-endian header length, a JSON header naming each
+    tensor's dtype, shape and byte range, then the bytes), written here so that no pickle is
+    involved and any safetensors reader takes the file; the config goes in its metadata."""
+    header, offset, blobs = {"__metadata__": {"config": json.dumps(dataclasses.asdict(config))}}, \
+        0, []
+    for name in sorted(weights):
+        t = weights[name].detach().cpu().contiguous()
+        raw = (t.view(torch.int16) if t.dtype == BF16 else t).numpy().tobytes()
+        header[name] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb") as f:
+        f.write(len(head).to_bytes(8, "little"))
+        f.write(head)
+        for raw in blobs:
+            f.write(raw)
+
+
+def _read(path):
+    """(metadata, tensors) of a safetensors file, every range checked against the file."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if len(data) < 8:
+        raise ValueError(f"{path}: not a model file ({len(data)} bytes)")
+    n = int.from_bytes(data[:8], "little")
+    if n > len(data) - 8 or n > 100 << 20:
+        raise ValueError(f"{path}: not a model file (header of {n} bytes)")
     try:
-        from safetensors.torch import save_file
-    except ImportError:
-        torch.save({"metadata": meta, "tensors": weights}, path)
-        return
-    save_file(weights, path, metadata=meta)
+        header = json.loads(data[8:8 + n])
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a model file ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: not a model file (header is not an object)")
+    meta, body, tensors = header.pop("__metadata__", {}), data[8 + n:], {}
+    for name, spec in header.items():
+        try:
+            dtype, shape, (lo, hi) = _DTYPES[spec["dtype"]], spec["shape"], spec["data_offsets"]
+            numel = math.prod(shape)
+            item = torch.tensor([], dtype=dtype).element_size()
+            ok = 0 <= lo <= hi <= len(body) and hi - lo == numel * item
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(f"{path}: tensor {name}: bad entry {spec}")
+        raw = torch.frombuffer(bytearray(body[lo:hi]), dtype=torch.int16 if dtype == BF16
+                               else dtype) if hi > lo else torch.zeros(0, dtype=dtype)
+        tensors[name] = (raw.view(BF16) if dtype == BF16 else raw).reshape(shape)
+    return meta, tensors
 
 
 def load(path):
-    """(config, weights) from a file `save` wrote. Every tensor is checked against the config's
-    shapes: a missing, extra or misshapen tensor is a ValueError naming it."""
-    with open(path, "rb") as f:
-        magic = f.read(8)
-    if magic[:2] == b"PK" or magic[:1] == b"\x80":  # torch.save: a zip (or a legacy pickle)
-        try:  # tensors and strings only: nothing in the file runs code
-            blob = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # torch raises what its unpickler met, of several types
-            raise ValueError(f"{path}: not a model file ({type(e).__name__}: {e})") from None
-        if not isinstance(blob, dict) or "tensors" not in blob or "metadata" not in blob:
-            raise ValueError(f"{path}: not a model file (no tensors / metadata)")
-        meta, weights = blob["metadata"], blob["tensors"]
-    else:
-        from safetensors import safe_open
-        with safe_open(path, framework="pt") as f:
-            meta = f.metadata()
-            weights = {k: f.get_tensor(k) for k in f.keys()}
+    """(config, weights) from a file `save` wrote (or any safetensors file holding these
+    tensors). Every tensor is checked against the config's shapes: a missing, extra or
+    misshapen tensor is a ValueError naming it."""
+    meta, weights = _read(path)
     try:
         config = Config(**json.loads(meta["config"]))
     except (KeyError, TypeError, json.JSONDecodeError) as e:

@@ -14,7 +14,7 @@ from the decoder (ferry). Once both are here it is prefilled in chunks of --chun
 requests' chunks to a pass up to --batch-tokens. The prompt's last token is left out: the decoder
 runs it as its first step, and the final hidden state of the token before it goes as aux data.
 
-Run by hand:  python3 prefill.py --model model.pt --tp 2 --control 0.0.0.0:7001
+Run by hand:  python3 prefill.py --model model.safetensors --tp 2 --control 0.0.0.0:7001
               (FERRY_PROVIDER picks the fabric; its engine address goes to the router)
 """
 

@@ -23,7 +23,7 @@ from deploy import Deployment, ask  # noqa: E402
 
 torch.set_num_threads(1)
 TMP = tempfile.mkdtemp(prefix="ferry-serve-test-")
-MODEL_PATH = os.path.join(TMP, "model.pt")
+MODEL_PATH = os.path.join(TMP, "model.safetensors")
 CONFIG, WEIGHTS = mdl.load_or_make(MODEL_PATH, seed=7)
 REFERENCE = mdl.Model(CONFIG, WEIGHTS)
 
@@ -203,7 +203,7 @@ class ServeTest(unittest.TestCase):
 
 class ModelFileTest(unittest.TestCase):
     def test_save_load_round_trip_and_refusals(self):
-        path = os.path.join(TMP, "m2.pt")
+        path = os.path.join(TMP, "m2.safetensors")
         mdl.save(path, CONFIG, WEIGHTS)
         config, weights = mdl.load(path)
         self.assertEqual(config, CONFIG)
@@ -217,10 +217,19 @@ class ModelFileTest(unittest.TestCase):
         mdl.save(path + ".shape", CONFIG, broken)
         with self.assertRaisesRegex(ValueError, "lm_head"):
             mdl.load(path + ".shape")
-        with open(path + ".junk", "wb") as f:
-            f.write(b"\x80not a model")
-        with self.assertRaisesRegex(ValueError, "not a model file"):
-            mdl.load(path + ".junk")
+        for junk in (b"\x80not a model", b"", (1 << 40).to_bytes(8, "little"),
+                     (4).to_bytes(8, "little") + b"[1] "):
+            with open(path + ".junk", "wb") as f:
+                f.write(junk)
+            with self.assertRaisesRegex(ValueError, "not a model file"):
+                mdl.load(path + ".junk")
+        # A byte range past the file's end.
+        with open(path, "rb") as f:
+            data = bytearray(f.read())
+        with open(path + ".short", "wb") as f:
+            f.write(data[:-100])
+        with self.assertRaisesRegex(ValueError, "bad entry"):
+            mdl.load(path + ".short")
 
     def test_cache_layout_is_ferrys_hnd(self):
         """model.cache_shape's pages are where ferry's KvSide says (HND, float32)."""
