@@ -77,8 +77,10 @@
 #                                 T=4096, token-major; a proxy for the two-rank protocol's cost
 #                                 without NVLink; each client on MPS_PERCENT (50) of the SMs.
 #                                 MPS=1 runs any mode's measurements so (TESTS=0 with it)
-#   tools/gpu_check.sh serve      the bindings only, then examples/serve's tests and
-#                                 tools/bench_serve.py on this host's cores (SERVE_ARGS)
+#   tools/gpu_check.sh serve      the bindings only, then examples/serve's tests (its GPU
+#                                 cases too), its demo with --device cuda, and
+#                                 tools/bench_serve.py on this host's cores (SERVE_ARGS;
+#                                 SERVE_BENCH=0 skips it)
 #   tools/gpu_check.sh mirror     build, tests, then ferry-bench mirror over shm and tcp: a
 #                                 kernel waiting on a mirrored immediate counter (GpuWords)
 #                                 beside a host thread in WaitImm
@@ -586,11 +588,15 @@ fi
 # prompts arriving, and the KV tail against one layer's raw write), where the polling threads
 # have cores of their own (on 2 cores they share one with the compute).
 if [ "$mode" = serve ]; then
-  PYTHONPATH=$PWD/build-gpu/python step serve_tests 240 python3 -m unittest discover -v \
+  PYTHONPATH=$PWD/build-gpu/python step serve_tests 300 python3 -m unittest discover -v \
     -s examples/serve
-  PYTHONPATH=$PWD/build-gpu/python step bench_serve 240 python3 tools/bench_serve.py \
-    --json "$OUT/bench_serve.json" ${SERVE_ARGS:-}
-  for f in "$OUT"/serve_tests.log "$OUT"/bench_serve.log; do
+  PYTHONPATH=$PWD/build-gpu/python step serve_demo_cuda 120 python3 examples/serve/demo.py \
+    --device cuda
+  if [ "${SERVE_BENCH:-1}" != 0 ]; then
+    PYTHONPATH=$PWD/build-gpu/python step bench_serve 240 python3 tools/bench_serve.py \
+      --json "$OUT/bench_serve.json" ${SERVE_ARGS:-}
+  fi
+  for f in "$OUT"/serve_tests.log "$OUT"/serve_demo_cuda.log "$OUT"/bench_serve.log; do
     [ -f "$f" ] && { echo "== $(basename "$f" .log)"; tail -8 "$f"; }
   done
 fi

@@ -202,8 +202,7 @@ def moe_layer(bootstrap, a2a, model, bufs, members, tp_rank):
         a2a.dispatch_send(bufs["x"], bufs["ids"], bufs["w"], num_tokens=n)
         shared()
         a2a.dispatch_recv(bufs["recv"], bufs["counts"])
-        for e in range(cfg.local_experts):
-            count = int(bufs["counts"][e])
+        for e, count in enumerate(bufs["counts"].tolist()):  # (waits for the receive)
             if count:
                 bufs["out"][e, :count] = model.expert(l, first_expert + e, bufs["recv"][e, :count])
         a2a.combine_send(bufs["out"])
@@ -227,24 +226,37 @@ def rank_main(bootstrap, args):
     ep, me, tp = bootstrap.world_size, bootstrap.rank, args.tp
     group, tp_rank = divmod(me, tp)
     members = list(range(group * tp, group * tp + tp))
-    model = mdl.Model(config, weights, tp_rank=tp_rank, tp_size=tp)
+    cuda = args.device == "cuda"
+    device = f"cuda:{ranks.cuda_device(me)}" if cuda else "cpu"
+    model = mdl.Model(config, weights, tp_rank=tp_rank, tp_size=tp, device=device)
     caches = ranks.SharedCaches(bootstrap, args.tag,
                                 mdl.cache_shape(c, args.pages, model.kv_local), members,
-                                leader=members[0])
-    moe_engine = ranks.engine(args.provider)
+                                leader=members[0], device=args.device)
     per_rank = -(-(args.max_batch + args.chunk) // tp)
-    a2a = ferry.AllToAll(ferry.AllToAllConfig(
+    moe_config = ferry.AllToAllConfig(
         world_size=ep, rank=me, num_experts=c.experts, experts_per_token=c.top_k,
-        max_tokens_per_rank=per_rank, hidden=c.hidden, dtype=ferry.DispatchDtype.BF16),
-        moe_engine, bootstrap)
+        max_tokens_per_rank=per_rank, hidden=c.hidden, dtype=ferry.DispatchDtype.BF16)
+    if cuda:  # one node: the NVLink kernels, no engine; the steps go on torch's stream
+        moe_config.device, moe_config.ranks_per_node = ferry.MoeDevice.CUDA, ep
+        moe_config.cuda_device = torch.cuda.current_device()
+        moe_engine = None
+    else:
+        moe_engine = ranks.engine(args.provider)
+    a2a = ferry.AllToAll(moe_config, moe_engine, bootstrap)
+    if cuda:
+        a2a.set_stream(torch.cuda.current_stream())
     cfg = a2a.config
-    bufs = {"x": torch.zeros(per_rank, c.hidden, dtype=mdl.BF16),
-            "ids": torch.zeros(per_rank, c.top_k, dtype=torch.int32),
-            "w": torch.zeros(per_rank, c.top_k, dtype=mdl.F32),
-            "recv": torch.zeros(cfg.local_experts, cfg.expert_capacity, c.hidden, dtype=mdl.BF16),
-            "counts": torch.zeros(cfg.local_experts, dtype=torch.int32),
-            "out": torch.zeros(cfg.local_experts, cfg.expert_capacity, c.hidden, dtype=mdl.BF16),
-            "y": torch.zeros(per_rank, c.hidden, dtype=mdl.BF16)}
+
+    def zeros(*shape, dtype):
+        return torch.zeros(*shape, dtype=dtype, device=device)
+
+    bufs = {"x": zeros(per_rank, c.hidden, dtype=mdl.BF16),
+            "ids": zeros(per_rank, c.top_k, dtype=torch.int32),
+            "w": zeros(per_rank, c.top_k, dtype=mdl.F32),
+            "recv": zeros(cfg.local_experts, cfg.expert_capacity, c.hidden, dtype=mdl.BF16),
+            "counts": zeros(cfg.local_experts, dtype=torch.int32),
+            "out": zeros(cfg.local_experts, cfg.expert_capacity, c.hidden, dtype=mdl.BF16),
+            "y": zeros(per_rank, c.hidden, dtype=mdl.BF16)}
     moe = moe_layer(bootstrap, a2a, model, bufs, members, tp_rank)
     leader = GroupLeader(args, config, caches, tp) if tp_rank == 0 else None
     control, stop, loads = None, False, [0] * (ep // tp)
@@ -295,14 +307,17 @@ def rank_main(bootstrap, args):
                 wake.clear()
             continue
         seqs = [mdl.Seq(r["pages"], r["start"], len(r["tokens"])) for r in batch]
-        hidden = model.forward([t for r in batch for t in r["tokens"]], seqs, caches.local,
+        hidden = model.forward([t for r in batch for t in r["tokens"]], seqs, caches.compute,
                                all_reduce=lambda t: ranks.group_sum(bootstrap, t, members),
                                moe=moe)
         if leader is not None:
             next_tokens = model.logits(hidden).argmax(-1).tolist() if batch else []
             leader.step_done(batch, hidden, next_tokens, time.time())
+        if cuda:
+            a2a.synchronize()  # what its kernels found; the step's arrays let go
     a2a.close()
-    moe_engine.close()
+    if moe_engine is not None:
+        moe_engine.close()
     if leader is not None:
         leader.close()
     if control is not None:

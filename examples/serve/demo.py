@@ -35,6 +35,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=os.path.join(tempfile.gettempdir(), "ferry-serve-model.safetensors"))
     p.add_argument("--provider", default=os.environ.get("FERRY_PROVIDER", "shm"))
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cuda: the instances' model on the GPU, the MoE on ferry's CUDA device "
+                        "(the decode instance then has one rank per GPU)")
     args = p.parse_args()
     torch.set_num_threads(1)
     t0 = time.monotonic()
@@ -44,10 +47,19 @@ def main():
           f"vocab {config.vocab} ({args.model})", flush=True)
     prompts = [prompt(i, n, config.vocab) for i, n in enumerate(LENGTHS)]
     requests = [{"id": i, "prompt": p, "max_new_tokens": NEW_TOKENS} for i, p in enumerate(prompts)]
-    print("starting: prefill TP 2, decode EP 2, router (provider " + args.provider + ")",
-          flush=True)
-    with Deployment(args.model, prefills=[{"tp": 2}], decodes=[{"ep": 2}],
-                    prefill_args=["--chunk", "32"], provider=args.provider) as d:
+    ep = 2
+    if args.device == "cuda":
+        import subprocess  # counted in a child: ranks fork from this process
+        ep = min(2, int(subprocess.run([sys.executable, "-c", "import torch; print("
+                                        "torch.cuda.device_count())"], capture_output=True,
+                                       text=True).stdout or 0))
+        if ep == 0:
+            sys.exit("--device cuda: no GPU here")
+    print(f"starting: prefill TP 2, decode EP {ep}, router (provider {args.provider}, "
+          f"{args.device})", flush=True)
+    with Deployment(args.model, prefills=[{"tp": 2}], decodes=[{"ep": ep}],
+                    prefill_args=["--chunk", "32"], provider=args.provider,
+                    device=args.device) as d:
         print(f"up in {time.monotonic() - t0:.1f} s; router at {d.router_address}", flush=True)
         answers = {}
         with d.client() as c:

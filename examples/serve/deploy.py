@@ -78,10 +78,11 @@ class Role:
 class Deployment:
     def __init__(self, model_path, prefills=({"tp": 2},), decodes=({"ep": 2},),
                  prefill_args=(), decode_args=(), router_args=(), log_dir=None,
-                 provider="shm"):
+                 provider="shm", device="cpu"):
         self.model_path, self.log_dir = model_path, log_dir or os.path.join(HERE, ".logs")
         self.prefill_specs, self.decode_specs = list(prefills), list(decodes)
-        self.prefill_args, self.decode_args = list(prefill_args), list(decode_args)
+        self.prefill_args = ["--device", device, *prefill_args]
+        self.decode_args = ["--device", device, *decode_args]
         self.router_args = list(router_args)
         # The roles import the ferry this process imported, wherever it came from.
         import ferry

@@ -53,7 +53,12 @@ class Leader:
         self.regions = [self.engine.register(v) for v in caches.views]
         self.aux = torch.zeros(args.max_requests, c.hidden, dtype=mdl.F32)
         self.aux_bytes = c.hidden * 4
-        self.counter = ferry.LayerCounter()
+        # The layer counter: bumped by the host, or on a CUDA device enqueued on the model's
+        # stream behind the kernels that wrote the layer's KV. `counted` is how many bumps
+        # have been issued: the counter's value once they ran, which the next pass starts from.
+        self.cuda = args.device == "cuda"
+        self.counter = ferry.GpuLayerCounter() if self.cuda else ferry.LayerCounter()
+        self.counted = 0
         layer_stride = caches.local[0].numel() * 4
         self.prefill = ferry.KvPrefill(self.engine, ranks.kv_side(c, tp), self.regions, c.layers,
                                        layer_stride, self.engine.register(self.aux),
@@ -166,7 +171,7 @@ class Leader:
             first = r.done // c.page_tokens
             last = r.done + n == len(r.tokens)
             pages = r.pages[first:mdl.pages_for(c, r.done + n)]
-            self.prefill.schedule_chunk(r.id, first, pages, pass_base=self.counter.value,
+            self.prefill.schedule_chunk(r.id, first, pages, pass_base=self.counted,
                                         aux_offset=r.slot * self.aux_bytes if last else 0)
             chunks.append({"id": r.id, "tokens": r.tokens[r.done:r.done + n], "pages": r.pages,
                            "start": r.done, "last": last})
@@ -174,9 +179,16 @@ class Leader:
             budget -= n
         return chunks
 
+    def _count_layer(self):
+        if self.cuda:
+            self.counter.increment(torch.cuda.current_stream().cuda_stream)
+        else:
+            self.counter.increment()
+        self.counted += 1
+
     def after_layer(self, l):
         if l < self.config.layers - 1:
-            self.counter.increment()
+            self._count_layer()
 
     def after_pass(self, chunks, hidden, t_start):
         """The last layer counts once the final hidden states are known, so that the aux bytes
@@ -189,7 +201,7 @@ class Leader:
                 r.t_start = t_start
             if ch["last"] and r is not None:
                 self.aux[r.slot] = hidden[row - 1].to(mdl.F32)
-        self.counter.increment()
+        self._count_layer()
         t_end = time.time()
         for ch in chunks:
             r = self.running.get(ch["id"])
@@ -207,11 +219,12 @@ def rank_main(bootstrap, args):
     torch.set_num_threads(1)
     config, weights = mdl.load(args.model)
     tp, me = bootstrap.world_size, bootstrap.rank
-    model = mdl.Model(config, weights, tp_rank=me, tp_size=tp)
+    device = f"cuda:{ranks.cuda_device(me)}" if args.device == "cuda" else "cpu"
+    model = mdl.Model(config, weights, tp_rank=me, tp_size=tp, device=device)
     members = list(range(tp))
     caches = ranks.SharedCaches(bootstrap, args.tag, mdl.cache_shape(config, args.pages,
                                                                       model.kv_local),
-                                members, leader=0)
+                                members, leader=0, device=args.device)
     leader = Leader(args, config, caches, tp, model.kv_local) if me == 0 else None
     delay = args.layer_delay_ms / 1000.0
 
@@ -230,7 +243,7 @@ def rank_main(bootstrap, args):
         t_start = time.time()
         seqs = [mdl.Seq(ch["pages"], ch["start"], len(ch["tokens"])) for ch in chunks]
         tokens = [t for ch in chunks for t in ch["tokens"]]
-        hidden = model.forward(tokens, seqs, caches.local,
+        hidden = model.forward(tokens, seqs, caches.compute,
                                all_reduce=lambda t: ranks.group_sum(bootstrap, t, members),
                                after_attention=after_attention)
         if leader is not None:

@@ -54,11 +54,33 @@ def group_cat(bootstrap, tensor, members):
     return torch.cat(rows).view(data.dtype).to(tensor.device)
 
 
+def cuda_view(tensor):
+    """A CUDA tensor over a host tensor's memory: the memory is registered with CUDA (mapped;
+    with unified addressing the GPU reaches it at the same address), so that kernels read and
+    write it over PCIe while ferry's engine registers the host tensor. This is where a KV cache
+    lives on a machine whose fabric cannot register GPU memory (no GPUDirect RDMA); with it, the
+    caches would be GPU memory from ferry.KvCudaShards."""
+    num_bytes = tensor.numel() * tensor.element_size()
+    err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), num_bytes, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {num_bytes} bytes failed ({err})")
+
+    class Mapped:  # what torch.as_tensor takes as CUDA memory
+        __cuda_array_interface__ = {
+            "shape": tuple(tensor.shape), "typestr": "<f4", "data": (tensor.data_ptr(), False),
+            "version": 3, "strides": None}
+
+    view = torch.as_tensor(Mapped(), device=f"cuda:{torch.cuda.current_device()}")
+    view._ferry_host = tensor  # the mapping lives as long as the view
+    return view
+
+
 class SharedCaches:
     """Every rank of a TP group makes its cache here (zeroed float32 of `shape`, in /dev/shm);
-    the group's leader also maps every member's. Collective over the bootstrap."""
+    the group's leader also maps every member's. Collective over the bootstrap. `compute` is
+    the rank's cache as its model uses it: the host tensor, or on a CUDA device a view of it."""
 
-    def __init__(self, bootstrap, tag, shape, members, leader):
+    def __init__(self, bootstrap, tag, shape, members, leader, device="cpu"):
         numel = 1
         for n in shape:
             numel *= n
@@ -77,6 +99,7 @@ class SharedCaches:
         bootstrap.barrier(COLLECTIVE_TIMEOUT)
         if me in members:
             os.unlink(path(me))  # the mappings stay; nothing is left behind in /dev/shm
+            self.compute = cuda_view(self.local) if device != "cpu" else self.local
 
 
 def engine(provider):
@@ -99,6 +122,8 @@ def instance_args(parser, role):
                         help="HOST:PORT the router connects to")
     parser.add_argument("--pages", type=int, default=512, help="KV pages per rank")
     parser.add_argument("--provider", default=os.environ.get("FERRY_PROVIDER", "shm"))
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where the model runs (the MoE layers on ferry's CUDA device)")
     parser.set_defaults(tag=f"{role}-{os.getpid()}")  # names its caches in /dev/shm
 
 
@@ -106,3 +131,14 @@ def run_instance(world_size, body):
     """body(bootstrap) in world_size ranks forked here; exits 0 once all ended well."""
     exits = ferry.run_local_ranks(world_size, body, timeout=10 ** 7)
     raise SystemExit(0 if all(e.ok for e in exits) else 1)
+
+
+def cuda_device(rank):
+    """The GPU a rank of this host uses (ranks share GPUs round robin where there are fewer),
+    made current, with a stream of the rank's own made torch's current one: ferry's steps and
+    the layer counter go on that stream, in order with the model's kernels. (Not the legacy
+    default stream: its handle is 0, which ferry's set_stream takes as "no stream".)"""
+    index = rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    torch.cuda.set_stream(torch.cuda.Stream(index))
+    return index

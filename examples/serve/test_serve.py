@@ -201,6 +201,56 @@ class ServeTest(unittest.TestCase):
             self.check_answers([good], answers, d)
 
 
+def gpus():
+    """GPUs torch sees, asked in a child process: this one forks ranks later, and a process
+    must not fork once it has initialised CUDA."""
+    import subprocess
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+                           capture_output=True, text=True)
+    return int(probe.stdout.strip() or 0) if probe.returncode == 0 else 0
+
+
+class ServeCudaTest(ServeTest):
+    """The same deployments with the model on the GPU: the decode's MoE layers on ferry's CUDA
+    device (NVLink kernels), the prefill's layer counter a GpuLayerCounter on torch's stream,
+    the caches host memory mapped into the GPU (the lent machine's fabric registers no GPU
+    memory). Tokens must still equal the colocated CPU reference's."""
+
+    def setUp(self):
+        self.gpus = gpus()
+        if self.gpus == 0:
+            self.skipTest("no CUDA GPU here")
+
+    def deployment(self, **kw):
+        return super().deployment(device="cuda", **kw)
+
+    def test_tp2_prefill_into_ep1_decode_on_the_gpu(self):
+        d = self.deployment(prefills=[{"tp": 2}], decodes=[{"ep": 1}],
+                            prefill_args=["--chunk", "32"])
+        requests = [{"id": i, "prompt": prompt(600 + i, n), "max_new_tokens": 8}
+                    for i, n in enumerate([70, 1, 9, 33, 120, 2])]
+        with d.client() as c:
+            self.check_answers(requests, ask(c, requests), d)
+
+    def test_tp1_prefill_into_ep2_tp2_decode_on_the_gpus(self):
+        if self.gpus < 2:
+            self.skipTest("EP 2 on the CUDA device wants two GPUs (here one: its receive "
+                          "kernels would wait resident for each other's time slices)")
+        d = self.deployment(prefills=[{"tp": 1}], decodes=[{"ep": 2, "tp": 2}])
+        requests = [{"id": i, "prompt": prompt(700 + i, n), "max_new_tokens": 8}
+                    for i, n in enumerate([40, 3, 65])]
+        with d.client() as c:
+            self.check_answers(requests, ask(c, requests), d)
+
+    # The CPU cases' other tests are not repeated on the GPU.
+    test_tp2_prefill_into_ep2_decode_tokens_equal_colocated = None
+    test_two_decode_instances_share_a_prefill_tp1_into_tp2 = None
+    test_colocated_baseline_tokens_equal = None
+    test_a_decode_killed_mid_stream = None
+    test_a_prefill_killed_its_requests_retried_on_another = None
+    test_malformed_and_oversized_prompts_are_refused_clearly = None
+
+
 class ModelFileTest(unittest.TestCase):
     def test_save_load_round_trip_and_refusals(self):
         path = os.path.join(TMP, "m2.safetensors")
