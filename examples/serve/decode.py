@@ -72,7 +72,7 @@ class GroupLeader:
                                        caches.local[0].numel() * 4,
                                        aux=self.engine.register(self.aux),
                                        max_requests=args.max_requests)
-        self.pool = mdl.PagePool(args.pages)
+        self.pool = mdl.PagePool(args.pages - (1 if args.cuda_graph else 0))
         self.free_slots = list(range(args.max_requests))
         self.backlog, self.waiting, self.active = [], {}, {}
         self.events = []
@@ -91,6 +91,10 @@ class GroupLeader:
         self.backlog.extend(Sequence(m) for m in msgs)
         keep = []
         for s in self.backlog:
+            if s.prompt and self.args.cuda_graph:
+                self.events.append({"op": "failed", "id": s.id, "retryable": False, "error":
+                                    "colocated prefill does not run in a captured graph"})
+                continue
             pages = self.pool.take(mdl.pages_for(c, s.prompt_len + s.max_new - 1))
             if pages is None or not self.free_slots:
                 if pages is not None:
@@ -212,6 +216,66 @@ def moe_layer(bootstrap, a2a, model, bufs, members, tp_rank):
     return moe
 
 
+class GraphStep:
+    """A decode step captured once as a CUDA graph (--cuda-graph; attention TP 1): up to
+    `rows` sequences of one new token each, their count, positions, tokens and page tables in
+    device tensors the graph reads when it replays, the AllToAll told the count on the device
+    (device_num_tokens), so that one graph serves every batch. Rows past the count attend over
+    the page kept for them and are not dispatched. Every rank captures and replays together:
+    the AllToAll inside is collective."""
+
+    def __init__(self, model, a2a, bufs, cache, rows, width, spare_page):
+        device = model.device
+        self.rows, self.width, self.spare = rows, width, spare_page
+        self.tokens = torch.zeros(rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.table = torch.full((rows, width), spare_page, dtype=torch.long, device=device)
+        self.count = torch.zeros(1, dtype=torch.int32, device=device)
+        first = a2a.config.rank * a2a.config.local_experts
+
+        def moe(l, xn, ids, weights, shared):
+            bufs["x"][:rows] = xn.to(mdl.BF16)
+            bufs["ids"][:rows] = ids.to(torch.int32)
+            bufs["w"][:rows] = weights
+            a2a.dispatch_send(bufs["x"], bufs["ids"], bufs["w"], num_tokens=rows,
+                              device_num_tokens=self.count)
+            shared()
+            a2a.dispatch_recv(bufs["recv"], bufs["counts"])
+            for e in range(a2a.config.local_experts):  # every slot: the counts stay on the GPU
+                bufs["out"][e] = model.expert(l, first + e, bufs["recv"][e])
+            a2a.combine_send(bufs["out"])
+            a2a.combine_recv(bufs["y"])
+            return bufs["y"][:rows]
+
+        def step():
+            hidden = model.forward(self.tokens, None, cache, moe=moe, attend=lambda l, h:
+                                   model.attention_static(l, h, self.positions, self.table,
+                                                          cache))
+            return model.logits(hidden).argmax(-1)
+
+        step()  # once eagerly (every rank: a dispatch of no tokens), then captured
+        a2a.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, stream=torch.cuda.current_stream()):
+            self.next_tokens = step()
+        a2a.synchronize()
+
+    def run(self, batch):
+        """The batch's next tokens (rows as GroupLeader.batch gives them; [] replays too)."""
+        n = len(batch)
+        tokens, positions = [0] * self.rows, [0] * self.rows
+        table = [[self.spare] * self.width for _ in range(self.rows)]
+        for i, r in enumerate(batch):
+            tokens[i], positions[i] = r["tokens"][0], r["start"]
+            table[i][:len(r["pages"])] = r["pages"]
+        self.tokens.copy_(torch.tensor(tokens), non_blocking=False)
+        self.positions.copy_(torch.tensor(positions))
+        self.table.copy_(torch.tensor(table))
+        self.count.fill_(n)
+        self.graph.replay()
+        return self.next_tokens[:n].tolist()
+
+
 def split(n, parts, i):
     """Rows [lo, hi) of part i when n rows split over `parts` as evenly as can be."""
     base, extra = divmod(n, parts)
@@ -258,12 +322,17 @@ def rank_main(bootstrap, args):
             "out": zeros(cfg.local_experts, cfg.expert_capacity, c.hidden, dtype=mdl.BF16),
             "y": zeros(per_rank, c.hidden, dtype=mdl.BF16)}
     moe = moe_layer(bootstrap, a2a, model, bufs, members, tp_rank)
+    graph = None
+    if args.cuda_graph:  # the last page of each rank's pool is kept for the graph's idle rows
+        graph = GraphStep(model, a2a, bufs, caches.compute, args.max_batch,
+                          mdl.pages_for(c, args.graph_tokens), args.pages - 1)
     leader = GroupLeader(args, config, caches, tp) if tp_rank == 0 else None
     control, stop, loads = None, False, [0] * (ep // tp)
     if me == 0:
         host, port = parse_address(args.control)
         hello = {"op": "hello", "role": "decode", "ep": ep, "tp": tp,
-                 "max_tokens": args.pages * c.page_tokens, "max_batch": args.max_batch,
+                 "max_tokens": min(args.graph_tokens, (args.pages - 1) * c.page_tokens)
+                 if args.cuda_graph else args.pages * c.page_tokens, "max_batch": args.max_batch,
                  "vocab": c.vocab}
         control = ControlServer(host, port, on_connect=lambda cid: control.send(cid, hello))
         print(json.dumps({"ready": "decode", "control": control.address}), flush=True)
@@ -306,6 +375,12 @@ def rank_main(bootstrap, args):
                 wake.wait(IDLE_S)
                 wake.clear()
             continue
+        if graph is not None:
+            next_tokens = graph.run(batch)
+            if leader is not None:
+                leader.step_done(batch, None, next_tokens, time.time())
+            a2a.synchronize()
+            continue
         seqs = [mdl.Seq(r["pages"], r["start"], len(r["tokens"])) for r in batch]
         hidden = model.forward([t for r in batch for t in r["tokens"]], seqs, caches.compute,
                                all_reduce=lambda t: ranks.group_sum(bootstrap, t, members),
@@ -333,6 +408,10 @@ def parse_args(argv):
     p.add_argument("--max-requests", type=int, default=64, help="requests a group holds at once")
     p.add_argument("--chunk", type=int, default=64,
                    help="colocated mode: prompt tokens prefilled here per step")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="--device cuda, --tp 1: the decode step captured once as a CUDA graph")
+    p.add_argument("--graph-tokens", type=int, default=1024,
+                   help="with --cuda-graph: the longest sequence a graph's page table holds")
     p.add_argument("--kv-timeout", type=float, default=20.0,
                    help="seconds a request's KV may take to land")
     return p.parse_args(argv)
@@ -348,6 +427,8 @@ def main(argv=None):
         sys.exit(f"--tp {args.tp} must divide --ep {args.ep} and {config.kv_heads} KV heads")
     if config.experts % args.ep:
         sys.exit(f"--ep {args.ep} must divide {config.experts} experts")
+    if args.cuda_graph and (args.device != "cuda" or args.tp != 1):
+        sys.exit("--cuda-graph wants --device cuda and --tp 1 (TP sums leave the GPU)")
     ranks.run_instance(args.ep, lambda b: rank_main(b, args))
 
 

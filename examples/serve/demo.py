@@ -36,8 +36,8 @@ def main():
     p.add_argument("--model", default=os.path.join(tempfile.gettempdir(), "ferry-serve-model.safetensors"))
     p.add_argument("--provider", default=os.environ.get("FERRY_PROVIDER", "shm"))
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                   help="cuda: the instances' model on the GPU, the MoE on ferry's CUDA device "
-                        "(the decode instance then has one rank per GPU)")
+                   help="cuda: the instances' model on the GPU, the MoE on ferry's CUDA device, "
+                        "the decode step a CUDA graph (one decode rank per GPU)")
     args = p.parse_args()
     torch.set_num_threads(1)
     t0 = time.monotonic()
@@ -58,8 +58,8 @@ def main():
     print(f"starting: prefill TP 2, decode EP {ep}, router (provider {args.provider}, "
           f"{args.device})", flush=True)
     with Deployment(args.model, prefills=[{"tp": 2}], decodes=[{"ep": ep}],
-                    prefill_args=["--chunk", "32"], provider=args.provider,
-                    device=args.device) as d:
+                    prefill_args=["--chunk", "32"], provider=args.provider, device=args.device,
+                    decode_args=["--cuda-graph"] if args.device == "cuda" else []) as d:
         print(f"up in {time.monotonic() - t0:.1f} s; router at {d.router_address}", flush=True)
         answers = {}
         with d.client() as c:

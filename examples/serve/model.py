@@ -334,6 +334,37 @@ class Model:
             row += s.num_new
         return torch.cat(outs) @ w["wo"]
 
+    def attention_static(self, l, x, positions, table, cache):
+        """attention() for one new token per row in shapes fixed ahead (what a CUDA graph
+        replays): positions [B] and table [B, W] (each row's page ids, padded) are device
+        tensors. A row attends over W pages with the positions past its own masked out, which
+        adds exact zeros to its softmax; padding rows should point at a page kept for them."""
+        c, w = self.config, self.layers[l]
+        rows = x.shape[0]
+        xn = _rms_norm(x, w["attn_norm"], c.norm_eps)
+        q = self._rope((xn @ w["wq"]).view(rows, self.q_local, c.head_dim), positions)
+        k = self._rope((xn @ w["wk"]).view(rows, self.kv_local, c.head_dim), positions)
+        v = (xn @ w["wv"]).view(rows, self.kv_local, c.head_dim)
+        layer_cache = cache[l]
+        page = table.gather(1, (positions // c.page_tokens)[:, None]).squeeze(1)
+        slot = positions % c.page_tokens
+        layer_cache[page, 0, :, slot] = k.to(F32)
+        layer_cache[page, 1, :, slot] = v.to(F32)
+        span = table.shape[1] * c.page_tokens
+        group = self.q_local // self.kv_local
+
+        def gathered(component):  # [B, q heads, span, head_dim]
+            t = layer_cache[table, component].permute(0, 2, 1, 3, 4)
+            return t.reshape(rows, self.kv_local, span, c.head_dim).to(F64).repeat_interleave(
+                group, dim=1)
+
+        scores = (q[:, :, None, :] @ gathered(0).transpose(2, 3)).squeeze(2) / math.sqrt(
+            c.head_dim)
+        mask = torch.arange(span, device=x.device)[None, :] > positions[:, None]
+        scores = scores.masked_fill(mask[:, None, :], float("-inf"))
+        out = (scores.softmax(-1)[:, :, None, :] @ gathered(1)).squeeze(2)
+        return out.reshape(rows, -1) @ w["wo"]
+
     # -- the MoE FFN --
 
     def route(self, l, h):
@@ -382,6 +413,8 @@ class Model:
     # -- the whole --
 
     def embed(self, tokens):
+        if isinstance(tokens, torch.Tensor):
+            return self.embed_w[tokens]
         return self.embed_w[torch.as_tensor(tokens, dtype=torch.long, device=self.device)]
 
     def final_hidden(self, h):
@@ -391,7 +424,7 @@ class Model:
         return hidden @ self.lm_head
 
     def forward(self, tokens, seqs, cache, all_reduce=lambda t: t, moe=None,
-                after_attention=None):
+                after_attention=None, attend=None):
         """Every layer over the rows of `seqs` (tokens: their ids, concatenated): the final
         hidden states [T, hidden] float64.
 
@@ -399,11 +432,13 @@ class Model:
         moe(l, xn, ids, weights, shared): the routed experts' combined output [T, hidden] bf16
         (local_moe + combine by default), where shared() computes the shared expert between
         the send and receive halves; after_attention(l): called once layer l's output
-        projection is summed (its K and V are in the cache then).
+        projection is summed (its K and V are in the cache then); attend(l, h): the attention
+        to use instead of attention(l, h, seqs, cache) (attention_static's).
         """
         h = self.embed(tokens)
         for l in range(self.config.layers):
-            h = h + all_reduce(self.attention(l, h, seqs, cache))
+            part = attend(l, h) if attend is not None else self.attention(l, h, seqs, cache)
+            h = h + all_reduce(part)
             if after_attention is not None:
                 after_attention(l)
             xn, ids, weights = self.route(l, h)

@@ -232,6 +232,16 @@ class ServeCudaTest(ServeTest):
         with d.client() as c:
             self.check_answers(requests, ask(c, requests), d)
 
+    def test_the_decode_step_as_a_cuda_graph(self):
+        """--cuda-graph: the decode step captured once, replayed for every batch size (the
+        AllToAll reads the token count on the GPU); requests join and leave between steps."""
+        d = self.deployment(prefills=[{"tp": 1}],
+                            decodes=[{"ep": 1, "args": ["--cuda-graph", "--max-batch", "8"]}])
+        requests = [{"id": i, "prompt": prompt(800 + i, n), "max_new_tokens": 6 + 2 * i}
+                    for i, n in enumerate([50, 1, 17, 90, 4])]
+        with d.client() as c:
+            self.check_answers(requests, ask(c, requests), d)
+
     def test_tp1_prefill_into_ep2_tp2_decode_on_the_gpus(self):
         if self.gpus < 2:
             self.skipTest("EP 2 on the CUDA device wants two GPUs (here one: its receive "
