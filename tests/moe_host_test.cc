@@ -38,10 +38,11 @@ struct Case {
   bool once_per_rank = false;          // option (a)
   bool reduce_at_expert_rank = false;  // option (b)
   Layouts layouts = Layouts::kExpertMajor;
+  bool unrouted = false;  // some copies' expert id is -1 (see InputSpec)
 };
 
 InputSpec Spec(const Case& c) {
-  return {c.tokens, c.k, c.experts, c.dtype, c.routing, c.rank1_empty};
+  return {c.tokens, c.k, c.experts, c.dtype, c.routing, c.rank1_empty, c.unrouted};
 }
 
 std::string Describe(const Case& c);
@@ -59,7 +60,8 @@ std::string Describe(const Case& c) {
          (c.reduce_at_expert_rank ? "_b" : "") +
          (c.layouts == Layouts::kTokenMajor ? "_tokmajor"
           : c.layouts == Layouts::kMixed    ? "_mixedlayout"
-                                            : "");
+                                            : "") +
+         (c.unrouted ? "_unrouted" : "");
 }
 
 bool TokenMajor(const Case& c, int rank) {
@@ -82,7 +84,7 @@ Status CheckTokenMajor(const Case& c, const AllToAllConfig& cfg, const std::vect
       std::vector<float> weights(k, 0.0f);
       for (int j = 0; j < k; ++j) {
         const int32_t g = src.indices[size_t(t) * k + j];
-        if (g / l != me) continue;
+        if (g < 0 || g / l != me) continue;
         experts[j] = g % l;
         weights[j] = src.weights[size_t(t) * k + j];
         ++copies[g % l];
@@ -212,6 +214,7 @@ class RankRun {
         double ref = accumulate ? 0.5 : 0.0;
         for (int j = 0; j < c_.k; ++j) {
           int g = mine.indices[size_t(t) * c_.k + j];
+          if (g < 0) continue;  // no expert: the copy adds nothing
           float expert = Bf16ToFloat(FloatToBf16(Dequant(cfg_, xr, sr, col) * ExpertScale(g)));
           ref += double(mine.weights[size_t(t) * c_.k + j]) * expert;
         }
@@ -318,6 +321,12 @@ std::vector<Case> Cases() {
   out.push_back({"shm", 3, 333, 2176, 48, 8, bf16, hot, 16, true, 2, true, true, token});
   out.push_back({"shm", 4, 7, 128, 8, 2, bf16, rnd, 0, false, 2, true, true, mixed});
   out.push_back({"tcp;ofi_rxm", 3, 64, 128, 48, 16, fp8, rnd, 4, false, 2, true, true, mixed});
+  // Copies routed to no expert (-1), in each layout, with and without the options.
+  const auto expert = Layouts::kExpertMajor;
+  out.push_back({"shm", 2, 19, 128, 8, 2, bf16, rnd, 4, false, 2, false, false, expert, true});
+  out.push_back({"shm", 3, 99, 128, 48, 4, fp8, rnd, 4, true, 2, true, false, expert, true});
+  out.push_back({"shm", 4, 33, 128, 64, 8, bf16, hot, 2, false, 2, true, true, token, true});
+  out.push_back({"shm", 3, 7, 128, 48, 2, bf16, rnd, 0, false, 2, true, true, mixed, true});
   std::vector<Case> filtered;
   for (const Case& c : out) {
     for (const std::string& p : testing_util::Providers()) {

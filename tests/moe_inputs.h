@@ -22,6 +22,9 @@ struct InputSpec {
   DispatchDtype dtype = DispatchDtype::kBf16;
   Routing routing = Routing::kRandom;
   bool rank1_empty = false;  // rank 1 sends no tokens
+  // Copies routed to no expert (id -1), as a router that picked fewer experts leaves them: the
+  // last copy of every third token, and every copy of every seventh (host device only).
+  bool unrouted = false;
 };
 
 inline float DecodeE4M3(uint8_t b) {
@@ -71,7 +74,8 @@ inline Inputs MakeInputs(const InputSpec& c, const AllToAllConfig& cfg, int rank
       std::iter_swap(experts.begin(), it);
     }
     for (int j = 0; j < c.k; ++j) {
-      in.indices[size_t(t) * c.k + j] = experts[j];
+      const bool none = c.unrouted && (t % 7 == 3 || (t % 3 == 1 && j == c.k - 1));
+      in.indices[size_t(t) * c.k + j] = none ? -1 : experts[j];
       in.weights[size_t(t) * c.k + j] = std::uniform_real_distribution<float>(0.0f, 1.0f)(rng);
     }
   }

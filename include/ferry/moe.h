@@ -134,7 +134,9 @@ struct FERRY_API AllToAllConfig {
 struct FERRY_API DispatchInput {
   const void* x = nullptr;          // [T, hidden] bf16 or fp8 e4m3, row-major
   const float* scales = nullptr;    // [T, hidden / 128] fp32; fp8 only
-  const int32_t* indices = nullptr; // [T, experts_per_token] global expert ids
+  const int32_t* indices = nullptr; // [T, experts_per_token] global expert ids; -1: none (the
+                                    // copy goes nowhere and adds nothing; host device only so
+                                    // far: the CUDA device reports it as a bad id)
   const float* weights = nullptr;   // [T, experts_per_token] combine weights
   int num_tokens = 0;
   // CUDA device only (any ranks_per_node): the token count in device memory, read by the

@@ -279,7 +279,8 @@ void BindMoe(py::module_& m) {
       .def("dispatch_send", &PyAllToAll::DispatchSend, py::arg("x"), py::arg("indices"),
            py::arg("weights"), py::arg("scales") = py::none(), py::arg("num_tokens") = py::none(),
            py::arg("device_num_tokens") = py::none(),
-           "x [T, hidden] (bf16 as 2-byte or fp8 as 1-byte elements), indices [T, k] int32, "
+           "x [T, hidden] (bf16 as 2-byte or fp8 as 1-byte elements), indices [T, k] int32 "
+           "(-1: no expert, on the host device), "
            "weights [T, k] float32, scales [T, hidden/128] float32 (fp8); T = num_tokens or "
            "x's first dimension (num_tokens is required for a flat x)")
       .def("dispatch_recv", &PyAllToAll::DispatchRecv, py::arg("x"), py::arg("num_tokens"),

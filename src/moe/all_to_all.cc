@@ -166,10 +166,11 @@ class AllToAllImpl final : public AllToAll {
     }
     const int64_t copies = int64_t{in.num_tokens} * c_.experts_per_token;
     for (int64_t i = 0; i < copies; ++i) {
-      if (in.indices[i] < 0 || in.indices[i] >= c_.num_experts) {
+      if (in.indices[i] < -1 || in.indices[i] >= c_.num_experts) {
         return OutOfRangeError("DispatchSend: token " + std::to_string(i / c_.experts_per_token) +
                                " routes to expert " + std::to_string(in.indices[i]) +
-                               ", valid ids are [0, " + std::to_string(c_.num_experts) + ")");
+                               ", valid ids are [0, " + std::to_string(c_.num_experts) +
+                               ") and -1 (none)");
       }
     }
     return Status::Ok();

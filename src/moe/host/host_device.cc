@@ -52,7 +52,7 @@ class HostDevice final : public MoeDevice {
         bool first = true;
         for (int j = 0; j < k; ++j) {
           const int32_t e = in.indices[size_t(t) * k + j];
-          if (e / l != r) continue;
+          if (e < 0 || e / l != r) continue;  // -1: no expert, nothing sent or summed
           ++counts[e];
           if (first || !c.dispatch_once_per_rank) {
             slots_[r].push_back({t, static_cast<int32_t>(entries_.size()), 0});
