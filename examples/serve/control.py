@@ -19,6 +19,23 @@ def encode(msg):
     return (json.dumps(msg, separators=(",", ":")) + "\n").encode()
 
 
+def token_list(value, vocab):
+    """True when value is a list of token ids in [0, vocab) (bools are not ids)."""
+    return isinstance(value, list) and all(type(t) is int and 0 <= t < vocab for t in value)
+
+
+def check_fields(msg, fields):
+    """None when msg has every field of `fields` ({name: type or (types)}) with a value of that
+    type (bools are not ints), else what is wrong: a message from the wire is checked before
+    anything is computed from it."""
+    for name, kind in fields.items():
+        value = msg.get(name)
+        if value is None or (type(value) is bool and kind is not bool) or \
+                not isinstance(value, kind):
+            return f"field {name!r} missing or not {getattr(kind, '__name__', kind)}"
+    return None
+
+
 def parse_address(text):
     host, _, port = text.rpartition(":")
     if not host or not port.isdigit():

@@ -35,7 +35,7 @@ import torch
 import ferry
 import model as mdl
 import ranks
-from control import ControlServer, parse_address
+from control import ControlServer, check_fields, parse_address, token_list
 
 RETRYABLE = (ferry.Unavailable, ferry.DeadlineExceeded, ferry.Cancelled)
 IDLE_S = 0.01  # with nothing to decode, an idle rank looks again this often
@@ -276,6 +276,34 @@ class GraphStep:
         return self.next_tokens[:n].tolist()
 
 
+def check_generate(msg, config, args):
+    """None for a well-formed generate message, else what is wrong with it."""
+    problem = check_fields(msg, {"id": int, "prompt_len": int, "last_token": int,
+                                 "max_new_tokens": int})
+    if problem is not None:
+        return problem
+    if msg["prompt_len"] < 1 or msg["max_new_tokens"] < 1:
+        return "prompt_len and max_new_tokens must be positive"
+    if not token_list([msg["last_token"]], config.vocab):
+        return "last_token is not a token id"
+    if msg["prompt_len"] + msg["max_new_tokens"] - 1 > args.pages * config.page_tokens:
+        return "the sequence does not fit this instance's pages"
+    if "prompt" in msg:
+        if not token_list(msg["prompt"], config.vocab) or len(msg["prompt"]) != msg["prompt_len"]:
+            return "prompt must hold prompt_len token ids"
+    elif msg["prompt_len"] > 1:
+        problem = check_fields(msg, {"prefill_address": str, "prefill_tp": int})
+        if problem is not None:
+            return problem
+        try:
+            bytes.fromhex(msg["prefill_address"])
+        except ValueError:
+            return "prefill_address is not hex"
+        if msg["prefill_tp"] < 1:
+            return "prefill_tp must be positive"
+    return None
+
+
 def split(n, parts, i):
     """Rows [lo, hi) of part i when n rows split over `parts` as evenly as can be."""
     base, extra = divmod(n, parts)
@@ -347,6 +375,11 @@ def rank_main(bootstrap, args):
             for cid, msg in control.drain():
                 op = msg and msg.get("op")
                 if op == "generate":
+                    problem = check_generate(msg, c, args)
+                    if problem is not None:
+                        control.send(cid, {"op": "failed", "id": msg.get("id"),
+                                           "retryable": False, "error": problem})
+                        continue
                     g = min(range(len(loads)), key=lambda i: loads[i])
                     per_group[g].append(msg)
                     loads[g] += 1

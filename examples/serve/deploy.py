@@ -59,6 +59,7 @@ class Role:
             msg = None
         if msg is None:
             raise RuntimeError(f"{self.kind} did not start (log: {self.log.name})")
+        self.address = msg.get("control") or msg.get("listen")
         return msg
 
     def kill(self, sig=signal.SIGKILL):

@@ -29,7 +29,7 @@ import torch
 import ferry
 import model as mdl
 import ranks
-from control import ControlServer, parse_address
+from control import ControlServer, check_fields, parse_address, token_list
 
 UNMATCHED_S = 30.0  # a prompt or KV request whose other half has not come by then is dropped
 IDLE_S = 0.05       # an idle leader looks again this often (unmatched halves age out)
@@ -85,6 +85,12 @@ class Leader:
         for cid, msg in self.control.drain():
             op = msg and msg.get("op")
             if op == "prompt":
+                problem = check_fields(msg, {"id": int, "tokens": list})
+                if problem is None and not token_list(msg["tokens"], self.config.vocab):
+                    problem = "tokens must be ids in [0, vocab)"
+                if problem is not None:  # its KV request, if one comes, ages out refused
+                    print(f"prefill: a prompt message refused: {problem}", file=sys.stderr)
+                    continue
                 self.prompts[msg["id"]] = (msg["tokens"], now)
             elif op == "stats":
                 self.control.send(cid, {"op": "stats", "free_pages": self.pool.free,

@@ -24,7 +24,7 @@ import json
 import sys
 import time
 
-from control import encode, parse_address
+from control import encode, parse_address, token_list
 
 MAX_LINE_BYTES = 1 << 20
 PREFILLED_WAIT_S = 2.0  # how long a result waits for its prefill's timings (they come first)
@@ -131,9 +131,8 @@ class Router:
             raise ValueError("prompt must be a non-empty list of token ids")
         if len(prompt) > self.args.max_prompt:
             raise ValueError(f"prompt of {len(prompt)} tokens; at most {self.args.max_prompt}")
-        bad = next((t for t in prompt if type(t) is not int or not 0 <= t < hello["vocab"]),
-                   None)
-        if bad is not None or any(type(t) is not int for t in prompt):
+        if not token_list(prompt, hello["vocab"]):
+            bad = next(t for t in prompt if not token_list([t], hello["vocab"]))
             raise ValueError(f"token {bad!r} is not an id in [0, {hello['vocab']})")
         if type(new) is not int or not 1 <= new <= self.args.max_new:
             raise ValueError(f"max_new_tokens must be an integer in [1, {self.args.max_new}]")
@@ -187,7 +186,7 @@ class Router:
         out = {"tokens": result["tokens"], "ttft_ms": (times[0] - t_received) * 1e3,
                "t_first_token": times[0],
                "kv_bytes": result["kv_bytes"], "aux_sha256": result["aux_sha256"],
-               "itl_ms": [(b - a_) * 1e3 for a_, b in zip(times, times[1:])],
+               "itl_ms": [(t1 - t0) * 1e3 for t0, t1 in zip(times, times[1:])],
                "decode_ms_per_token": ((times[-1] - times[0]) / (len(times) - 1) * 1e3
                                        if len(times) > 1 else None),
                "decode": a.decode.name, "attempts": attempts}

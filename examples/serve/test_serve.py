@@ -49,7 +49,10 @@ def kv_bytes(p):
     return mdl.pages_for(CONFIG, len(p) - 1) * CONFIG.layers * page + CONFIG.hidden * 4
 
 
-class ServeTest(unittest.TestCase):
+class DeploymentCase(unittest.TestCase):
+    """What the end-to-end tests share: a deployment per test, answers checked against the
+    colocated reference, the prefills' page pools watched until whole."""
+
     def deployment(self, **kw):
         d = Deployment(MODEL_PATH, log_dir=os.path.join(TMP, self.id().rsplit(".", 1)[1]), **kw)
         d.__enter__()
@@ -77,6 +80,9 @@ class ServeTest(unittest.TestCase):
             self.assertLess(time.monotonic(), deadline, f"pages still held: {pools}")
             time.sleep(0.2)
 
+
+
+class ServeTest(DeploymentCase):
     def test_tp2_prefill_into_ep2_decode_tokens_equal_colocated(self):
         """Prefill TP 2 (chunks of 32) into decode EP 2 (attention DP 2, TP 1): 10 prompts of
         1 to 120 tokens, one shorter than a page, several longer than a chunk; the second half
@@ -210,7 +216,7 @@ def gpus():
     return int(probe.stdout.strip() or 0) if probe.returncode == 0 else 0
 
 
-class ServeCudaTest(ServeTest):
+class ServeCudaTest(DeploymentCase):
     """The same deployments with the model on the GPU: the decode's MoE layers on ferry's CUDA
     device (NVLink kernels), the prefill's layer counter a GpuLayerCounter on torch's stream,
     the caches host memory mapped into the GPU (the lent machine's fabric registers no GPU
@@ -252,13 +258,43 @@ class ServeCudaTest(ServeTest):
         with d.client() as c:
             self.check_answers(requests, ask(c, requests), d)
 
-    # The CPU cases' other tests are not repeated on the GPU.
-    test_tp2_prefill_into_ep2_decode_tokens_equal_colocated = None
-    test_two_decode_instances_share_a_prefill_tp1_into_tp2 = None
-    test_colocated_baseline_tokens_equal = None
-    test_a_decode_killed_mid_stream = None
-    test_a_prefill_killed_its_requests_retried_on_another = None
-    test_malformed_and_oversized_prompts_are_refused_clearly = None
+
+
+class HostileControlTest(DeploymentCase):
+    """Messages on an instance's control socket that no router would send: each is refused
+    (a generate answered `failed`), the instance goes on serving the router's requests."""
+
+    def test_malformed_control_messages_leave_instances_serving(self):
+        d = self.deployment(prefills=[{"tp": 1}], decodes=[{"ep": 1}])
+        with Client(d.roles["decode"][0].address) as c:
+            self.assertEqual(c.recv(timeout=30)["role"], "decode")  # its hello
+            bad = [{"op": "generate"}, {"op": "generate", "id": 1, "prompt_len": "3",
+                                        "last_token": 1, "max_new_tokens": 2},
+                   {"op": "generate", "id": 2, "prompt_len": 3, "last_token": -1,
+                    "max_new_tokens": 2},
+                   {"op": "generate", "id": 3, "prompt_len": 3, "last_token": 1,
+                    "max_new_tokens": 2, "prefill_address": "zz", "prefill_tp": 1},
+                   {"op": "generate", "id": 4, "prompt_len": 1 << 30, "last_token": 1,
+                    "max_new_tokens": 2},
+                   {"op": "generate", "id": 5, "prompt_len": 2, "last_token": 1,
+                    "max_new_tokens": True, "prompt": [1, 2]}]
+            c.send(b"not json\n")
+            c.send(b"[1, 2]\n")
+            for m in bad:
+                c.send(m)
+            for m in bad:
+                reply = c.recv(timeout=30)
+                self.assertEqual((reply["op"], reply["retryable"]), ("failed", False), reply)
+        with Client(d.roles["prefill"][0].address) as c:
+            self.assertEqual(c.recv(timeout=30)["role"], "prefill")
+            c.send({"op": "prompt", "id": 9, "tokens": [1, -5]})
+            c.send({"op": "prompt", "id": "x", "tokens": [1]})
+            c.send({"op": "stats"})
+            self.assertEqual(c.recv(timeout=30)["op"], "stats")  # still answering
+        r = {"id": "after", "prompt": prompt(900, 30), "max_new_tokens": 5}
+        with d.client() as c:
+            self.check_answers([r], ask(c, [r]), d)
+
 
 
 class ModelFileTest(unittest.TestCase):
