@@ -60,11 +60,10 @@ class PyAllToAll {
     const uint64_t copies = static_cast<uint64_t>(tokens) * c.experts_per_token;
     const Array ia = ToArray(indices), wa = ToArray(weights);
     Check(&xa, {"x", tokens * static_cast<uint64_t>(c.token_bytes()), false, 0, ItemBytes(c)});
-    Check(&ia, {"indices", copies * 4, false, 'i', 4});
     Check(&wa, {"weights", copies * 4, false, 'f', 4});
     DispatchInput in;
     in.x = xa.pointer();
-    in.indices = static_cast<const int32_t*>(ia.pointer());
+    in.indices = Indices(ia, copies);
     in.weights = static_cast<const float*>(wa.pointer());
     in.num_tokens = static_cast<int>(tokens);
     Owners used{xa.owner, ia.owner, wa.owner};
@@ -175,6 +174,39 @@ class PyAllToAll {
            (token_major ? 1 : static_cast<uint64_t>(c.local_experts()));
   }
   static int ItemBytes(const AllToAllConfig& c) { return c.dtype == DispatchDtype::kBf16 ? 2 : 1; }
+  // The expert ids as the core takes them (int32). int64 (what torch.topk gives) and uint32 ids
+  // are copied into int32 on the host device, each checked to be an id or -1 first; on the CUDA
+  // device they are refused (a copy there would need a kernel of its own: pass int32).
+  const int32_t* Indices(const Array& ia, uint64_t copies) {
+    if (ia.kind == 'i' && ia.item_bytes == 4) {
+      Check(&ia, {"indices", copies * 4, false, 'i', 4});
+      return static_cast<const int32_t*>(ia.pointer());
+    }
+    const bool wide = ia.kind == 'i' && ia.item_bytes == 8,
+               unsigned32 = ia.kind == 'u' && ia.item_bytes == 4;
+    if (!wide && !unsigned32) {
+      Check(&ia, {"indices", copies * 4, false, 'i', 4});  // names what it is and what we take
+    }
+    if (config().device != MoeDeviceKind::kHost) {
+      ThrowIfError(InvalidArgumentError(
+          "indices: int32 on the CUDA device (int64 and uint32 ids are taken on the host device)"));
+    }
+    Check(&ia, {"indices", copies * ia.item_bytes, false, ia.kind, ia.item_bytes});
+    const int64_t experts = config().num_experts;
+    narrowed_.resize(copies);
+    for (uint64_t i = 0; i < copies; ++i) {
+      const int64_t e = wide ? static_cast<const int64_t*>(ia.pointer())[i]
+                             : int64_t{static_cast<const uint32_t*>(ia.pointer())[i]};
+      if (e < -1 || e >= experts) {
+        ThrowIfError(OutOfRangeError(
+            "dispatch_send: token " + std::to_string(i / config().experts_per_token) +
+            " routes to expert " + std::to_string(e) + ", valid ids are [0, " +
+            std::to_string(experts) + ") and -1 (none)"));
+      }
+      narrowed_[i] = static_cast<int32_t>(e);
+    }
+    return narrowed_.data();
+  }
   void Check(const Array* array, const ArrayNeed& need) const {
     ThrowIfError(CheckArray(array, need, Device(config())));
   }
@@ -217,6 +249,7 @@ class PyAllToAll {
   py::object engine_;
   std::unique_ptr<AllToAll> a2a_;
   std::vector<py::object> keep_;
+  std::vector<int32_t> narrowed_;  // int64 / uint32 ids as int32 (host device, during the step)
   int64_t last_tokens_ = 0;
   bool streamed_ = false;
   int busy_ = 0;  // steps running with the GIL released (the GIL guards the count)
@@ -280,7 +313,7 @@ void BindMoe(py::module_& m) {
            py::arg("weights"), py::arg("scales") = py::none(), py::arg("num_tokens") = py::none(),
            py::arg("device_num_tokens") = py::none(),
            "x [T, hidden] (bf16 as 2-byte or fp8 as 1-byte elements), indices [T, k] int32 "
-           "(-1: no expert, on the host device), "
+           "(the host device also takes int64 and uint32; -1: no expert, host device), "
            "weights [T, k] float32, scales [T, hidden/128] float32 (fp8); T = num_tokens or "
            "x's first dimension (num_tokens is required for a flat x)")
       .def("dispatch_recv", &PyAllToAll::DispatchRecv, py::arg("x"), py::arg("num_tokens"),

@@ -185,6 +185,34 @@ def bad_input_body(b):
     assert (kept.hidden, kept.num_experts) == (HIDDEN, EXPERTS)  # a copy, valid after close
 
 
+def id_types_body(b):
+    """int64 ids (what torch.topk gives) and uint32 ids route as int32 ones do on the host device;
+    -1 is a copy routed nowhere; an int64 id out of range is refused before anything is sent."""
+    c = config(b.rank)
+    x, indices, weights = send_arrays(b.rank)
+    rows, _ = inputs(b.rank)
+    with shm_engine() as engine, ferry.AllToAll(c, engine, b) as a2a:
+        out = array.array("H", bytes(2 * c.local_experts * c.expert_capacity * HIDDEN))
+        counts = array.array("i", [0] * c.local_experts)
+        y = array.array("H", bytes(2 * TOKENS[b.rank] * HIDDEN))
+        huge = array.array("q", indices)
+        huge[1] = 1 << 40
+        expect_error(ferry.OutOfRange, f"expert {1 << 40}", a2a.dispatch_send, x, huge, weights,
+                     num_tokens=TOKENS[b.rank])
+        none = array.array("q", indices)
+        none[1] = -1  # token 0's second copy
+        for ids, first_weight in ((array.array("q", indices), sum(WEIGHTS)),
+                                  (array.array("I", indices), sum(WEIGHTS)),
+                                  (none, WEIGHTS[0])):
+            a2a.dispatch_send(x, ids, weights, num_tokens=TOKENS[b.rank])
+            a2a.dispatch_recv(out, counts, timeout=10)
+            a2a.combine_send(out)  # experts that return their input
+            a2a.combine_recv(y, timeout=10)
+            for t, row in enumerate(rows):
+                w = first_weight if t == 0 else sum(WEIGHTS)
+                assert row_of(y, t) == tuple(bf16(v * w) for v in row), (ids.typecode, t)
+
+
 class FakeDist:
     """What torch_bootstrap needs of torch.distributed, over a ferry bootstrap."""
 
@@ -216,6 +244,9 @@ class AllToAllTest(unittest.TestCase):
 
     def test_fp8_with_scales(self):
         run_ranks(self, WORLD, fp8_body)
+
+    def test_int64_and_uint32_ids_and_unrouted_copies(self):
+        run_ranks(self, WORLD, id_types_body)
 
     def test_bad_input(self):
         run_ranks(self, 1, bad_input_body)
