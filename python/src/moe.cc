@@ -145,6 +145,14 @@ class PyAllToAll {
                           : py::hasattr(stream, "ptr")       ? stream.attr("ptr")
                                                        : py::reinterpret_borrow<py::object>(stream);
       s = reinterpret_cast<void*>(static_cast<uintptr_t>(py::cast<uint64_t>(handle)));
+      // Handle 0 is the legacy default stream (torch's current stream unless one was set): taken
+      // as "no stream" the steps would go back to waiting, unordered with the caller's kernels
+      // on that stream, and read inputs not yet written.
+      if (s == nullptr) {
+        ThrowIfError(InvalidArgumentError(
+            "set_stream: stream handle 0 (the legacy default stream) cannot order the steps; "
+            "pass a stream of your own (torch.cuda.Stream()), or None to wait"));
+      }
     }
     ThrowIfError(a2a().SetStream(s));
     streamed_ = s != nullptr;
@@ -333,8 +341,8 @@ void BindMoe(py::module_& m) {
            "(added to out with accumulate)")
       .def("set_stream", &PyAllToAll::SetStream, py::arg("stream"),
            "CUDA device, several ranks: enqueue the steps on `stream` (a torch or CuPy stream, or "
-           "a cudaStream_t as an int; None: back to waiting) and return at once; the arrays stay "
-           "referenced until synchronize()")
+           "a cudaStream_t as an int, not the legacy default stream 0; None: back to waiting) and "
+           "return at once; the arrays stay referenced until synchronize()")
       .def("synchronize", &PyAllToAll::Synchronize,
            "Waits for the steps enqueued so far and raises what their kernels found")
       .def_property_readonly("dispatch_bytes_sent", &PyAllToAll::dispatch_bytes_sent,

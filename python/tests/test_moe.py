@@ -185,6 +185,20 @@ def bad_input_body(b):
     assert (kept.hidden, kept.num_experts) == (HIDDEN, EXPERTS)  # a copy, valid after close
 
 
+class LegacyDefaultStream:
+    cuda_stream = 0  # what torch.cuda.current_stream() has unless a stream was set
+
+
+def legacy_stream_body(b):
+    """The legacy default stream is refused by name (taken as "no stream" it would leave the
+    steps unordered with the kernels on it); None stays "back to waiting"."""
+    with shm_engine() as engine, ferry.AllToAll(config(b.rank), engine, b) as a2a:
+        expect_error(ferry.InvalidArgument, "legacy default stream", a2a.set_stream,
+                     LegacyDefaultStream())
+        expect_error(ferry.InvalidArgument, "legacy default stream", a2a.set_stream, 0)
+        expect_error(ferry.Unimplemented, "need the CUDA device", a2a.set_stream, None)
+
+
 def id_types_body(b):
     """int64 ids (what torch.topk gives) and uint32 ids route as int32 ones do on the host device;
     -1 is a copy routed nowhere; an int64 id out of range is refused before anything is sent."""
@@ -244,6 +258,9 @@ class AllToAllTest(unittest.TestCase):
 
     def test_fp8_with_scales(self):
         run_ranks(self, WORLD, fp8_body)
+
+    def test_set_stream_refuses_the_legacy_default_stream(self):
+        run_ranks(self, WORLD, legacy_stream_body)
 
     def test_int64_and_uint32_ids_and_unrouted_copies(self):
         run_ranks(self, WORLD, id_types_body)
