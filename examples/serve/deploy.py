@@ -2,9 +2,10 @@
 instances and the router, started as one would start them by hand on several machines
 (README: examples/serve). The demo, the tests and the benchmark use it.
 
-The roles stay in this session: with the kernel's autogroup scheduling, each session shares the
-CPU as one, and a prefill in a session of its own was seen to wait seconds for its turn on a
-busy 2-core host (its tensor-parallel ranks meet at every layer, so each waits for the other's).
+The roles stay in this Unix session (no setsid): under the kernel's autogroup scheduling each
+session shares the CPU as one, and a prefill in a session of its own was seen to wait seconds
+for its turn on a busy 2-core host (its tensor-parallel ranks meet at every layer, so each
+waits for the other's).
 
     with Deployment(model_path, prefills=[{"tp": 2}], decodes=[{"ep": 2}]) as d:
         with d.client() as c: ...
