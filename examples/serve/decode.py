@@ -15,6 +15,9 @@ With --colocated requests (the router's --colocated) the instance also prefills:
 brings its prompt, whose chunks run mixed into the decode steps (the baseline of
 tools/bench_serve.py: what the documents call prefill stalling decode).
 
+With --device cuda the model runs on the GPU and the AllToAll on ferry's CUDA device (one node,
+on the rank's stream); --cuda-graph captures the decode step once as a CUDA graph (GraphStep).
+
 Each step, every rank shares its plan in one all-gather: rank 0 the requests the router sent
 (assigned to the least loaded group), each group leader its batch (requests join and leave
 between steps) and what finished. Every rank then runs the same layers, an empty batch
