@@ -39,6 +39,7 @@ struct Case {
   bool reduce_at_expert_rank = false;  // option (b)
   Layouts layouts = Layouts::kExpertMajor;
   bool unrouted = false;  // some copies' expert id is -1 (see InputSpec)
+  bool late_weights = false;  // the combine weights given at CombineRecv, not at DispatchSend
 };
 
 InputSpec Spec(const Case& c) {
@@ -61,7 +62,7 @@ std::string Describe(const Case& c) {
          (c.layouts == Layouts::kTokenMajor ? "_tokmajor"
           : c.layouts == Layouts::kMixed    ? "_mixedlayout"
                                             : "") +
-         (c.unrouted ? "_unrouted" : "");
+         (c.unrouted ? "_unrouted" : "") + (c.late_weights ? "_lateweights" : "");
 }
 
 bool TokenMajor(const Case& c, int rank) {
@@ -205,7 +206,14 @@ class RankRun {
     const int64_t row = cfg_.token_bytes(), spt = cfg_.scales_per_token();
     std::vector<uint16_t> y(size_t(mine.tokens) * h, FloatToBf16(0.5f));
     const bool accumulate = it % 2 == 1;
-    RETURN_IF_ERROR(a2a_->CombineRecv(y.data(), accumulate, Deadline::After(30s)));
+    // Late weights: others than the dispatch's, which the sums must then ignore.
+    std::vector<float> weights = mine.weights;
+    if (c_.late_weights) {
+      for (float& w : weights) w = 0.25f + 0.5f * w;
+    }
+    RETURN_IF_ERROR(a2a_->CombineRecv(
+        CombineOutput{y.data(), accumulate, c_.late_weights ? weights.data() : nullptr},
+        Deadline::After(30s)));
     for (int t = 0; t < mine.tokens; ++t) {
       const uint8_t* xr = mine.x.data() + t * row;
       const float* sr = spt ? &mine.scales[t * spt] : nullptr;
@@ -216,7 +224,7 @@ class RankRun {
           int g = mine.indices[size_t(t) * c_.k + j];
           if (g < 0) continue;  // no expert: the copy adds nothing
           float expert = Bf16ToFloat(FloatToBf16(Dequant(cfg_, xr, sr, col) * ExpertScale(g)));
-          ref += double(mine.weights[size_t(t) * c_.k + j]) * expert;
+          ref += double(weights[size_t(t) * c_.k + j]) * expert;
         }
         double got = Bf16ToFloat(y[size_t(t) * h + col]);
         norm += ref * ref;
@@ -327,6 +335,10 @@ std::vector<Case> Cases() {
   out.push_back({"shm", 3, 99, 128, 48, 4, fp8, rnd, 4, true, 2, true, false, expert, true});
   out.push_back({"shm", 4, 33, 128, 64, 8, bf16, hot, 2, false, 2, true, true, token, true});
   out.push_back({"shm", 3, 7, 128, 48, 2, bf16, rnd, 0, false, 2, true, true, mixed, true});
+  // Combine weights given at CombineRecv (the sums taken at the origin).
+  out.push_back({"shm", 2, 19, 128, 8, 2, bf16, rnd, 4, false, 2, false, false, expert, false,
+                 true});
+  out.push_back({"shm", 3, 33, 128, 48, 4, fp8, rnd, 4, true, 3, true, false, expert, true, true});
   std::vector<Case> filtered;
   for (const Case& c : out) {
     for (const std::string& p : testing_util::Providers()) {

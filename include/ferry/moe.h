@@ -132,12 +132,12 @@ struct FERRY_API AllToAllConfig {
 
 // Dispatch input of one rank. Shapes in the comments; T = num_tokens <= max_tokens_per_rank.
 struct FERRY_API DispatchInput {
-  const void* x = nullptr;          // [T, hidden] bf16 or fp8 e4m3, row-major
-  const float* scales = nullptr;    // [T, hidden / 128] fp32; fp8 only
-  const int32_t* indices = nullptr; // [T, experts_per_token] global expert ids; -1: none (the
-                                    // copy goes nowhere and adds nothing; host device only so
-                                    // far: the CUDA device reports it as a bad id)
-  const float* weights = nullptr;   // [T, experts_per_token] combine weights
+  const void* x = nullptr;           // [T, hidden] bf16 or fp8 e4m3, row-major
+  const float* scales = nullptr;     // [T, hidden / 128] fp32; fp8 only
+  const int32_t* indices = nullptr;  // [T, experts_per_token] global expert ids; -1: none (the
+                                     // copy goes nowhere and adds nothing; host device only so
+                                     // far: the CUDA device reports it as a bad id)
+  const float* weights = nullptr;    // [T, experts_per_token] combine weights
   int num_tokens = 0;
   // CUDA device only (any ranks_per_node): the token count in device memory, read by the
   // kernels when they run, so that one captured graph serves any batch. num_tokens is then the
@@ -152,16 +152,27 @@ struct FERRY_API DispatchInput {
 // and row i's copies are described by token_experts / token_weights. Rows past the counts are
 // not written.
 struct FERRY_API DispatchOutput {
-  void* x = nullptr;             // [local_experts, expert_capacity, hidden] bf16 or fp8;
-                                 // token-major: [expert_capacity, hidden]
-  float* scales = nullptr;       // the same rows, hidden / 128 fp32 each; fp8 only
-  int32_t* num_tokens = nullptr; // [local_experts] copies each local expert received
+  void* x = nullptr;              // [local_experts, expert_capacity, hidden] bf16 or fp8;
+                                  // token-major: [expert_capacity, hidden]
+  float* scales = nullptr;        // the same rows, hidden / 128 fp32 each; fp8 only
+  int32_t* num_tokens = nullptr;  // [local_experts] copies each local expert received
   // Token-major only (null otherwise):
   int32_t* num_rows = nullptr;       // [1] rows received
   int32_t* token_experts = nullptr;  // [expert_capacity, experts_per_token] column k: the local
                                      // expert of the token's k-th copy, -1 if not ours
   float* token_weights = nullptr;    // [expert_capacity, experts_per_token] column k: its
                                      // combine weight, 0 if not ours
+};
+
+// Combine output of one rank.
+struct FERRY_API CombineOutput {
+  uint16_t* out = nullptr;  // [T, hidden] bf16, T of the last DispatchSend
+  bool accumulate = false;  // add the sums to what out holds
+  // [T, experts_per_token] fp32: the combine weights given now rather than at DispatchSend (as
+  // DeepEP's and pplx's combine take them); null: DispatchInput::weights. Host device, with the
+  // sums taken here (not combine_reduce_at_expert_rank: its expert ranks weighted the rows
+  // already, InvalidArgument); the CUDA device does not take them yet (Unimplemented).
+  const float* weights = nullptr;
 };
 
 // Thread safety: one thread drives an AllToAll; the steps run in order DispatchSend,
@@ -191,7 +202,10 @@ class FERRY_API AllToAll {
   // token-major: [expert_capacity, hidden], row i the weighted sum of row i's experts' outputs.
   virtual Status CombineSend(const uint16_t* expert_out) = 0;
   // out: [T, hidden] bf16 for the T of the last DispatchSend; with accumulate, adds to it.
-  virtual Status CombineRecv(uint16_t* out, bool accumulate, Deadline deadline) = 0;
+  virtual Status CombineRecv(const CombineOutput& out, Deadline deadline) = 0;
+  Status CombineRecv(uint16_t* out, bool accumulate, Deadline deadline) {
+    return CombineRecv(CombineOutput{out, accumulate}, deadline);
+  }
 
   // CUDA device (any ranks_per_node): enqueue the steps on `stream` (a cudaStream_t; nullptr:
   // back to waiting) and return at once. The four steps of one AllToAll must go on one stream,

@@ -126,14 +126,22 @@ class PyAllToAll {
         [&](AllToAll& a) { return a.CombineSend(static_cast<const uint16_t*>(ea.pointer())); });
   }
 
-  void CombineRecv(const py::handle& out, bool accumulate, double timeout) {
+  void CombineRecv(const py::handle& out, bool accumulate, double timeout,
+                   const py::handle& weights) {
     const AllToAllConfig& c = config();
     const Deadline deadline = DeadlineIn(timeout);
     const Array oa = ToArray(out);
     Check(&oa, {"out", static_cast<uint64_t>(last_tokens_) * c.hidden * 2, true, 0, 2});
-    Run({oa.owner}, [&](AllToAll& a) {
-      return a.CombineRecv(static_cast<uint16_t*>(oa.pointer()), accumulate, deadline);
-    });
+    CombineOutput to{static_cast<uint16_t*>(oa.pointer()), accumulate};
+    Owners used{oa.owner};
+    if (!weights.is_none()) {
+      const Array wa = ToArray(weights);
+      Check(&wa, {"weights", static_cast<uint64_t>(last_tokens_) * c.experts_per_token * 4, false,
+                  'f', 4});
+      to.weights = static_cast<const float*>(wa.pointer());
+      used.push_back(wa.owner);
+    }
+    Run(std::move(used), [&](AllToAll& a) { return a.CombineRecv(to, deadline); });
   }
 
   void SetStream(const py::handle& stream) {
@@ -336,9 +344,10 @@ void BindMoe(py::module_& m) {
            "expert_out: bf16 rows as dispatch_recv laid them out (token-major: one per row, "
            "its experts' outputs already weighted and summed)")
       .def("combine_recv", &PyAllToAll::CombineRecv, py::arg("out"), py::arg("accumulate") = false,
-           py::arg("timeout") = 30.0,
+           py::arg("timeout") = 30.0, py::arg("weights") = py::none(),
            "out [T, hidden] bf16 for the T of the last dispatch_send: each token's weighted sum "
-           "(added to out with accumulate)")
+           "(added to out with accumulate); weights [T, k] float32: the combine weights given "
+           "now instead of dispatch_send's (host device, sums not taken at the expert rank)")
       .def("set_stream", &PyAllToAll::SetStream, py::arg("stream"),
            "CUDA device, several ranks: enqueue the steps on `stream` (a torch or CuPy stream, or "
            "a cudaStream_t as an int, not the legacy default stream 0; None: back to waiting) and "

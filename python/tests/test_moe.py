@@ -185,6 +185,36 @@ def bad_input_body(b):
     assert (kept.hidden, kept.num_experts) == (HIDDEN, EXPERTS)  # a copy, valid after close
 
 
+def combine_weights_body(b):
+    """Weights given at combine time take the dispatch's place (the dispatch's are ignored);
+    with the sums taken at the expert rank they are refused."""
+    c = config(b.rank)
+    x, indices, _ = send_arrays(b.rank)
+    rows, _ = inputs(b.rank)
+    ignored = array.array("f", [9.0] * len(indices))
+    late = array.array("f", [w for _ in rows for w in (0.125, 2.0)])
+    with shm_engine() as engine, ferry.AllToAll(c, engine, b) as a2a:
+        out = array.array("H", bytes(2 * c.local_experts * c.expert_capacity * HIDDEN))
+        counts = array.array("i", [0] * c.local_experts)
+        y = array.array("H", bytes(2 * TOKENS[b.rank] * HIDDEN))
+        a2a.dispatch_send(x, indices, ignored, num_tokens=TOKENS[b.rank])
+        a2a.dispatch_recv(out, counts, timeout=10)
+        a2a.combine_send(out)
+        expect_error(ferry.InvalidArgument, "weights:", a2a.combine_recv, y,
+                     weights=array.array("f", [1.0]))
+        a2a.combine_recv(y, timeout=10, weights=late)
+        for t, row in enumerate(rows):
+            assert row_of(y, t) == tuple(bf16(v * 2.125) for v in row), t
+    reduced = config(b.rank, combine_reduce_at_expert_rank=True)
+    with shm_engine() as engine, ferry.AllToAll(reduced, engine, b) as a2a:
+        a2a.dispatch_send(x, indices, ignored, num_tokens=TOKENS[b.rank])
+        a2a.dispatch_recv(out, counts, timeout=10)
+        a2a.combine_send(out)
+        expect_error(ferry.InvalidArgument, "combine_reduce_at_expert_rank", a2a.combine_recv, y,
+                     weights=late)
+        a2a.combine_recv(y, timeout=10)  # the step still ends, with the dispatch's weights
+
+
 class LegacyDefaultStream:
     cuda_stream = 0  # what torch.cuda.current_stream() has unless a stream was set
 
@@ -258,6 +288,9 @@ class AllToAllTest(unittest.TestCase):
 
     def test_fp8_with_scales(self):
         run_ranks(self, WORLD, fp8_body)
+
+    def test_weights_given_at_combine_time(self):
+        run_ranks(self, WORLD, combine_weights_body)
 
     def test_set_stream_refuses_the_legacy_default_stream(self):
         run_ranks(self, WORLD, legacy_stream_body)

@@ -129,9 +129,14 @@ class AllToAllImpl final : public AllToAll {
     return Status::Ok();
   }
 
-  Status CombineRecv(uint16_t* out, bool accumulate, Deadline deadline) override {
+  Status CombineRecv(const CombineOutput& out, Deadline deadline) override {
     RETURN_IF_ERROR(Step(Stage::kCombineSent, "CombineRecv"));
-    RETURN_IF_ERROR(device_->CombineRecv(out, accumulate, epoch_, deadline));
+    if (out.weights && c_.combine_reduce_at_expert_rank) {
+      return InvalidArgumentError(
+          "CombineRecv: combine-time weights with combine_reduce_at_expert_rank (the expert "
+          "ranks weighted each row with the dispatch's weights)");
+    }
+    RETURN_IF_ERROR(device_->CombineRecv(out, epoch_, deadline));
     stage_ = Stage::kIdle;
     ++epoch_;
     return Status::Ok();
@@ -201,9 +206,8 @@ StatusOr<std::unique_ptr<AllToAll>> AllToAll::Create(const AllToAllConfig& confi
     return InvalidArgumentError("AllToAll: null engine");
   }
   if (bootstrap.world_size() != config.world_size || bootstrap.rank() != config.rank) {
-    return InvalidArgumentError("AllToAll: bootstrap has rank " +
-                                std::to_string(bootstrap.rank()) + " of " +
-                                std::to_string(bootstrap.world_size()) + ", config says " +
+    return InvalidArgumentError("AllToAll: bootstrap has rank " + std::to_string(bootstrap.rank()) +
+                                " of " + std::to_string(bootstrap.world_size()) + ", config says " +
                                 std::to_string(config.rank) + " of " +
                                 std::to_string(config.world_size));
   }

@@ -32,9 +32,9 @@ class MoeDevice {
   virtual Status DispatchRecv(const DispatchOutput& out, uint64_t epoch, Deadline deadline) = 0;
   // Packs expert outputs grouped by the rank they return to (combine-ready).
   virtual Status CombineSend(const uint16_t* expert_out, uint64_t epoch) = 0;
-  // Waits for combine-done, takes the weighted sums, then signals combine-consumed.
-  virtual Status CombineRecv(uint16_t* out, bool accumulate, uint64_t epoch,
-                             Deadline deadline) = 0;
+  // Waits for combine-done, takes the weighted sums (out.weights, else the dispatch's), then
+  // signals combine-consumed.
+  virtual Status CombineRecv(const CombineOutput& out, uint64_t epoch, Deadline deadline) = 0;
 };
 
 std::unique_ptr<MoeDevice> NewHostDevice(const DeviceParams& params);

@@ -151,7 +151,13 @@ class NvlinkAllToAll final : public AllToAll {
     return async_ ? Status::Ok() : Finish();
   }
 
-  Status CombineRecv(uint16_t* out, bool accumulate, Deadline deadline) override {
+  Status CombineRecv(const CombineOutput& to, Deadline deadline) override {
+    uint16_t* out = to.out;
+    const bool accumulate = to.accumulate;
+    if (to.weights) {
+      return UnimplementedError(
+          "CombineRecv: combine-time weights on the CUDA device (give them at DispatchSend)");
+    }
     RETURN_IF_ERROR(Step(Stage::kCombineSent, "CombineRecv"));
     if (!out && token_bound_ > 0) return InvalidArgumentError("CombineRecv: null output");
     RETURN_IF_ERROR(Aligned(out, "CombineRecv: output"));

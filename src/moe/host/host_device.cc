@@ -92,8 +92,8 @@ class HostDevice final : public MoeDevice {
     const AllToAllConfig& c = p_.config;
     const int n = c.world_size, me = c.rank, l = c.local_experts(), k = c.experts_per_token;
     const int64_t priv = c.max_private_tokens, slot_bytes = layout_.slot_bytes;
-    RETURN_IF_ERROR(WaitForProxy(*p_.channel, p_.channel->recv_ready, "recv-ready", epoch,
-                                 deadline));
+    RETURN_IF_ERROR(
+        WaitForProxy(*p_.channel, p_.channel->recv_ready, "recv-ready", epoch, deadline));
     const Routing& routing = *p_.routing;
     const bool token_major = c.dispatch_layout == DispatchLayout::kTokenMajor;
     std::fill(out.num_tokens, out.num_tokens + l, 0);
@@ -145,11 +145,10 @@ class HostDevice final : public MoeDevice {
           last_token = header.src_token;
           if (entry.local_expert < 0 || entry.local_expert >= l || entry.k < 0 || entry.k >= k ||
               row >= rows) {
-            return Malformed(DataLossError("moe: slot " + std::to_string(j) + " from rank " +
-                                           std::to_string(s) + " names local expert " +
-                                           std::to_string(entry.local_expert) + ", copy " +
-                                           std::to_string(entry.k) + " or overruns its " +
-                                           std::to_string(rows) + " rows"));
+            return Malformed(DataLossError(
+                "moe: slot " + std::to_string(j) + " from rank " + std::to_string(s) +
+                " names local expert " + std::to_string(entry.local_expert) + ", copy " +
+                std::to_string(entry.k) + " or overruns its " + std::to_string(rows) + " rows"));
           }
           const int32_t pos = out.num_tokens[entry.local_expert]++;
           if (token_major) {
@@ -216,11 +215,14 @@ class HostDevice final : public MoeDevice {
     return Status::Ok();
   }
 
-  Status CombineRecv(uint16_t* out, bool accumulate, uint64_t epoch, Deadline deadline) override {
+  Status CombineRecv(const CombineOutput& to, uint64_t epoch, Deadline deadline) override {
+    uint16_t* out = to.out;
+    const bool accumulate = to.accumulate;
+    const float* weights = to.weights ? to.weights : weights_.data();
     const AllToAllConfig& c = p_.config;
     const int n = c.world_size, me = c.rank, k = c.experts_per_token, h = c.hidden;
-    RETURN_IF_ERROR(WaitForProxy(*p_.channel, p_.channel->combine_done, "combine-done", epoch,
-                                 deadline));
+    RETURN_IF_ERROR(
+        WaitForProxy(*p_.channel, p_.channel->combine_done, "combine-done", epoch, deadline));
     const Routing& routing = *p_.routing;
     acc_.assign(size_t(num_tokens_) * h, 0.0f);
     if (accumulate) {
@@ -234,9 +236,8 @@ class HostDevice final : public MoeDevice {
       for (size_t j = 0; j < rows_[r].size(); ++j) {
         const OutRow& row_of = rows_[r][j];
         // A summed row already carries its weights.
-        const float w = c.combine_reduce_at_expert_rank
-                            ? 1.0f
-                            : weights_[size_t(row_of.token) * k + row_of.k];
+        const float w =
+            c.combine_reduce_at_expert_rank ? 1.0f : weights[size_t(row_of.token) * k + row_of.k];
         const auto* row = reinterpret_cast<const uint16_t*>(base + j * layout_.row_bytes);
         float* dst = acc_.data() + size_t(row_of.token) * h;
         for (int i = 0; i < h; ++i) dst[i] += w * Bf16ToFloat(row[i]);
@@ -265,25 +266,25 @@ class HostDevice final : public MoeDevice {
     int32_t k;  // the first k of the token for this rank when the expert rank sums
   };
   struct Route {
-    int32_t src = -1;   // sending rank
-    int64_t row = -1;   // combine row, in that sender's order
-    float weight = 0;   // used when the expert rank sums
+    int32_t src = -1;  // sending rank
+    int64_t row = -1;  // combine row, in that sender's order
+    float weight = 0;  // used when the expert rank sums
   };
 
   const DeviceParams p_;
   const MoeLayout layout_;
   int num_tokens_ = 0;
-  std::vector<float> weights_;              // [T, K] of the current iteration
-  std::vector<std::vector<OutSlot>> slots_; // per receiving rank, in send order
-  std::vector<std::vector<OutRow>> rows_;   // per expert rank, the rows it returns, in order
-  std::vector<SlotEntry> entries_;          // what the slots carry
-  std::vector<Route> routes_;               // [L, capacity] where each received row came from
-  std::vector<int32_t> expert_rows_;        // [L]
-  std::vector<Route> token_routes_;         // token-major: [capacity] the same per output row
-  int32_t token_rows_ = 0;                  // token-major: rows of the last DispatchRecv
-  std::vector<int64_t> row_start_;          // [N + 1] combine rows per sender, in our send area
-  std::vector<float> partial_;              // [rows, hidden] fp32 sums at the expert rank
-  std::vector<float> acc_;                  // [T, hidden] fp32 accumulator
+  std::vector<float> weights_;               // [T, K] of the current iteration
+  std::vector<std::vector<OutSlot>> slots_;  // per receiving rank, in send order
+  std::vector<std::vector<OutRow>> rows_;    // per expert rank, the rows it returns, in order
+  std::vector<SlotEntry> entries_;           // what the slots carry
+  std::vector<Route> routes_;                // [L, capacity] where each received row came from
+  std::vector<int32_t> expert_rows_;         // [L]
+  std::vector<Route> token_routes_;          // token-major: [capacity] the same per output row
+  int32_t token_rows_ = 0;                   // token-major: rows of the last DispatchRecv
+  std::vector<int64_t> row_start_;           // [N + 1] combine rows per sender, in our send area
+  std::vector<float> partial_;               // [rows, hidden] fp32 sums at the expert rank
+  std::vector<float> acc_;                   // [T, hidden] fp32 accumulator
 };
 
 }  // namespace
