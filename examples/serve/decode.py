@@ -454,9 +454,6 @@ def parse_args(argv):
 
 
 def main(argv=None):
-    # One thread per rank, set before the ranks fork: an OpenMP pool made in this process
-    # would not exist in the forked ranks, whose parallel torch ops could then stall.
-    torch.set_num_threads(1)
     args = parse_args(argv)
     config, _ = mdl.load(args.model)
     if args.tp < 1 or args.ep % args.tp or config.kv_heads % args.tp:

@@ -69,6 +69,7 @@ class Leader:
         self.queue = collections.deque()           # ids with both halves, not yet started
         self.running = {}                          # id -> Request, until released
         self.stopping = False
+        self.armed = [None, None]  # the request and release readiness _wait listens to
         host, port = parse_address(args.control)
         self.control = ControlServer(host, port, on_connect=self._hello)
         print(json.dumps({"ready": "prefill", "control": self.control.address}), flush=True)
@@ -141,10 +142,15 @@ class Leader:
             self._wait()
 
     def _wait(self):
-        """Until a message, a request or a release may be there (at most IDLE_S)."""
+        """Until a message, a request or a release may be there (at most IDLE_S). A queue's
+        readiness is armed once and again only after it fired: while nothing comes,
+        request_ready() hands back the same pending Transfer, and arming it every pass would
+        pile up callbacks for as long as the leader idles."""
         wake = self.control.wake
-        for ready in (self.prefill.request_ready(), self.prefill.release_ready()):
-            ready.add_done_callback(lambda _t: wake.set())
+        for i, make in enumerate((self.prefill.request_ready, self.prefill.release_ready)):
+            if self.armed[i] is None or self.armed[i].done:
+                self.armed[i] = make()
+                self.armed[i].add_done_callback(lambda _t: wake.set())
         wake.wait(IDLE_S)
         wake.clear()
 
@@ -273,9 +279,6 @@ def parse_args(argv):
 
 
 def main(argv=None):
-    # One thread per rank, set before the ranks fork: an OpenMP pool made in this process
-    # would not exist in the forked ranks, whose parallel torch ops could then stall.
-    torch.set_num_threads(1)
     args = parse_args(argv)
     config, _ = mdl.load(args.model)
     if args.chunk <= 0 or args.chunk % config.page_tokens:

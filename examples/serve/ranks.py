@@ -129,6 +129,9 @@ def instance_args(parser, role):
 
 def run_instance(world_size, body):
     """body(bootstrap) in world_size ranks forked here; exits 0 once all ended well."""
+    # One torch thread, set before the ranks fork: an OpenMP pool made in this process would
+    # not exist in the forked ranks, whose parallel torch ops could then stall.
+    torch.set_num_threads(1)
     exits = ferry.run_local_ranks(world_size, body, timeout=10 ** 7)
     raise SystemExit(0 if all(e.ok for e in exits) else 1)
 
