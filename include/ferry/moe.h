@@ -33,8 +33,10 @@
 // never mix; a barrier after each receive half tells senders the buffers may be reused.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <span>
 #include <string>
@@ -130,13 +132,22 @@ struct FERRY_API AllToAllConfig {
   std::string ToString() const;
 };
 
+// How DispatchSend turns bf16 rows into fp8 e4m3 (DispatchInput::x_bf16): each row's columns
+// in groups of 128, each group with one fp32 scale s, element q = e4m3(x / s) (round to nearest
+// even, saturated at +-448), so that x ~ q * s. amax is the group's largest |x|, at least 1e-4
+// (an all-zero group keeps a finite scale).
+enum class Fp8Scaling : uint8_t {
+  kAmax = 0,        // s = amax / 448: the group's largest element maps to e4m3's largest
+  kPowerOfTwo = 1,  // s = amax / 448 rounded up to a power of two (a UE8M0 exponent, what
+                    // DeepGEMM's scaled GEMMs on Blackwell take)
+};
+
 // Dispatch input of one rank. Shapes in the comments; T = num_tokens <= max_tokens_per_rank.
 struct FERRY_API DispatchInput {
   const void* x = nullptr;           // [T, hidden] bf16 or fp8 e4m3, row-major
   const float* scales = nullptr;     // [T, hidden / 128] fp32; fp8 only
   const int32_t* indices = nullptr;  // [T, experts_per_token] global expert ids; -1: none (the
-                                     // copy goes nowhere and adds nothing; host device only so
-                                     // far: the CUDA device reports it as a bad id)
+                                     // copy goes nowhere and adds nothing)
   const float* weights = nullptr;    // [T, experts_per_token] combine weights
   int num_tokens = 0;
   // CUDA device only (any ranks_per_node): the token count in device memory, read by the
@@ -144,6 +155,11 @@ struct FERRY_API DispatchInput {
   // most it may hold (the rows the buffers have); a larger device count sends nothing (peers
   // receive no token from this rank) and reports InvalidArgument.
   const int32_t* device_num_tokens = nullptr;
+  // fp8 configurations: bf16 rows [T, hidden] that the device quantises as it sends (see
+  // Fp8Scaling), given instead of x and scales; the receiver gets fp8 rows and fp32 scales as
+  // if the caller had quantised them.
+  const uint16_t* x_bf16 = nullptr;
+  Fp8Scaling scaling = Fp8Scaling::kAmax;
 };
 
 // Dispatch output. Expert-major (the default): x holds [local_experts, expert_capacity] rows,
@@ -169,9 +185,10 @@ struct FERRY_API CombineOutput {
   uint16_t* out = nullptr;  // [T, hidden] bf16, T of the last DispatchSend
   bool accumulate = false;  // add the sums to what out holds
   // [T, experts_per_token] fp32: the combine weights given now rather than at DispatchSend (as
-  // DeepEP's and pplx's combine take them); null: DispatchInput::weights. Host device, with the
-  // sums taken here (not combine_reduce_at_expert_rank: its expert ranks weighted the rows
-  // already, InvalidArgument); the CUDA device does not take them yet (Unimplemented).
+  // DeepEP's and pplx's combine take them); null: DispatchInput::weights. Only with the sums
+  // taken here (not combine_reduce_at_expert_rank: its expert ranks weighted the rows already,
+  // InvalidArgument). On the CUDA device, memory the kernels read (device or mapped), read when
+  // the step runs.
   const float* weights = nullptr;
 };
 
@@ -251,5 +268,63 @@ inline float Bf16ToFloat(uint16_t b) {
   std::memcpy(&f, &u, 4);
   return f;
 }
+
+// fp8 e4m3 (the "fn" variant: no infinities, 0x7F / 0xFF NaN, largest finite 448) from a float:
+// round to nearest even, saturated at +-448, NaN kept. What the CUDA device's
+// __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3) gives.
+inline uint8_t FloatToE4M3(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80);
+  const uint32_t a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return sign | 0x7F;  // NaN
+  if (a > 0x43E00000u) return sign | 0x7E;  // beyond 448 (infinity too): saturated
+  const int exponent = static_cast<int>(a >> 23) - 127;
+  if (exponent < -6) {  // e4m3 subnormals: multiples of 2^-9 (code 8 is the smallest normal)
+    float magnitude;
+    std::memcpy(&magnitude, &a, 4);
+    const float units = magnitude * 512.0f;  // exact: a power-of-two multiple
+    uint32_t q = static_cast<uint32_t>(units);
+    const float rest = units - static_cast<float>(q);
+    if (rest > 0.5f || (rest == 0.5f && (q & 1u))) ++q;
+    return sign | static_cast<uint8_t>(q);
+  }
+  // Normal: three of float's 23 mantissa bits, rounded to nearest even; a carry out of the
+  // mantissa moves the exponent on (448 is the largest reached: larger values saturated above).
+  uint32_t code = static_cast<uint32_t>(exponent + 7) << 3 | ((a >> 20) & 7u);
+  const uint32_t rest = a & 0xFFFFFu;
+  if (rest > 0x80000u || (rest == 0x80000u && (code & 1u))) ++code;
+  return sign | static_cast<uint8_t>(code);
+}
+inline float E4M3ToFloat(uint8_t q) {
+  const float sign = (q & 0x80) ? -1.0f : 1.0f;
+  const int exponent = (q >> 3) & 0xF, mantissa = q & 7;
+  if (exponent == 0xF && mantissa == 7) return std::numeric_limits<float>::quiet_NaN();
+  if (exponent == 0) return sign * std::ldexp(static_cast<float>(mantissa), -9);
+  return sign * std::ldexp(1.0f + mantissa / 8.0f, exponent - 7);
+}
+
+// One 128-column group's fp8 scale (Fp8Scaling), from its largest |x|. Shared by the host and
+// the CUDA device's quantisers, so that both give the same bits.
+#if defined(__CUDACC__)
+#define FERRY_HOST_DEVICE __host__ __device__
+#else
+#define FERRY_HOST_DEVICE
+#endif
+FERRY_HOST_DEVICE inline float Fp8GroupScale(float amax, Fp8Scaling scaling) {
+  const float s = (amax > 1e-4f ? amax : 1e-4f) / 448.0f;
+  if (scaling == Fp8Scaling::kAmax) return s;
+  uint32_t u;
+  std::memcpy(&u, &s, 4);
+  if (u & 0x007FFFFFu) u = (u & 0xFF800000u) + 0x00800000u;  // up to the next power of two
+  float p;
+  std::memcpy(&p, &u, 4);
+  return p;
+}
+
+// rows [rows, hidden] bf16 -> out [rows, hidden] e4m3 and scales [rows, hidden / 128] fp32, as
+// DispatchSend quantises x_bf16 (hidden a multiple of 128).
+FERRY_API void QuantizeFp8Rows(const uint16_t* rows, int64_t num_rows, int hidden,
+                               Fp8Scaling scaling, uint8_t* out, float* scales);
 
 }  // namespace ferry

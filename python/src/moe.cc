@@ -44,7 +44,7 @@ class PyAllToAll {
 
   void DispatchSend(const py::handle& x, const py::handle& indices, const py::handle& weights,
                     const py::handle& scales, std::optional<int> num_tokens,
-                    const py::handle& device_num_tokens) {
+                    const py::handle& device_num_tokens, Fp8Scaling scaling) {
     const AllToAllConfig& c = config();
     const Array xa = ToArray(x);
     if (!num_tokens && xa.rows() < 0) {
@@ -59,15 +59,24 @@ class PyAllToAll {
     }
     const uint64_t copies = static_cast<uint64_t>(tokens) * c.experts_per_token;
     const Array ia = ToArray(indices), wa = ToArray(weights);
-    Check(&xa, {"x", tokens * static_cast<uint64_t>(c.token_bytes()), false, 0, ItemBytes(c)});
+    // An fp8 AllToAll given bf16 rows (2-byte elements) and no scales quantises them itself.
+    const bool quantize = c.dtype == DispatchDtype::kFp8E4M3 && xa.item_bytes == 2 &&
+                          scales.is_none();
+    Check(&xa, {"x", tokens * static_cast<uint64_t>(c.hidden) * (quantize ? 2 : ItemBytes(c)),
+                false, 0, quantize ? 2 : ItemBytes(c)});
     Check(&wa, {"weights", copies * 4, false, 'f', 4});
     DispatchInput in;
-    in.x = xa.pointer();
+    if (quantize) {
+      in.x_bf16 = static_cast<const uint16_t*>(xa.pointer());
+      in.scaling = scaling;
+    } else {
+      in.x = xa.pointer();
+    }
     in.indices = Indices(ia, copies);
     in.weights = static_cast<const float*>(wa.pointer());
     in.num_tokens = static_cast<int>(tokens);
     Owners used{xa.owner, ia.owner, wa.owner};
-    if (auto sa = Optional(scales, "scales", c.scales_per_token() > 0)) {
+    if (auto sa = Optional(scales, "scales", c.scales_per_token() > 0 && !quantize)) {
       Check(&*sa,
             {"scales", tokens * static_cast<uint64_t>(c.scales_per_token()) * 4, false, 'f', 4});
       in.scales = static_cast<const float*>(sa->pointer());
@@ -116,12 +125,29 @@ class PyAllToAll {
       used.insert(used.end(), {ra->owner, ea->owner, wa->owner});
     }
     Run(std::move(used), [&](AllToAll& a) { return a.DispatchRecv(out, deadline); });
+    // The rows received, where the host can read them (the CUDA device's count is on the GPU).
+    received_rows_ = token_major && c.device == MoeDeviceKind::kHost ? *out.num_rows : -1;
   }
 
-  void CombineSend(const py::handle& expert_out) {
+  void CombineSend(const py::handle& expert_out, std::optional<int64_t> num_rows) {
     const AllToAllConfig& c = config();
     const Array ea = ToArray(expert_out);
-    Check(&ea, {"expert_out", OutputRows(c) * c.hidden * 2, false, 0, 2});
+    uint64_t rows = OutputRows(c);
+    if (num_rows) {
+      // Token-major: the caller's rows may stop at those received (the step reads no more).
+      if (c.dispatch_layout != DispatchLayout::kTokenMajor) {
+        ThrowIfError(InvalidArgumentError("combine_send: num_rows is for the token-major layout"));
+      }
+      if (*num_rows < 0 || *num_rows > c.expert_capacity() ||
+          (received_rows_ >= 0 && *num_rows < received_rows_)) {
+        ThrowIfError(InvalidArgumentError(
+            "combine_send: num_rows " + std::to_string(*num_rows) + ", dispatch_recv wrote " +
+            (received_rows_ >= 0 ? std::to_string(received_rows_) : std::string("its num_rows")) +
+            " (at most " + std::to_string(c.expert_capacity()) + ")"));
+      }
+      rows = static_cast<uint64_t>(*num_rows);
+    }
+    Check(&ea, {"expert_out", rows * c.hidden * 2, false, 0, 2});
     Run({ea.owner},
         [&](AllToAll& a) { return a.CombineSend(static_cast<const uint16_t*>(ea.pointer())); });
   }
@@ -267,6 +293,7 @@ class PyAllToAll {
   std::vector<py::object> keep_;
   std::vector<int32_t> narrowed_;  // int64 / uint32 ids as int32 (host device, during the step)
   int64_t last_tokens_ = 0;
+  int64_t received_rows_ = -1;  // token-major rows of the last dispatch_recv; -1: not known here
   bool streamed_ = false;
   int busy_ = 0;  // steps running with the GIL released (the GIL guards the count)
 };
@@ -277,6 +304,9 @@ void BindMoe(py::module_& m) {
   py::enum_<DispatchDtype>(m, "DispatchDtype")
       .value("BF16", DispatchDtype::kBf16)
       .value("FP8_E4M3", DispatchDtype::kFp8E4M3);
+  py::enum_<Fp8Scaling>(m, "Fp8Scaling", "How dispatch_send makes fp8 from bf16 rows")
+      .value("AMAX", Fp8Scaling::kAmax)
+      .value("POWER_OF_TWO", Fp8Scaling::kPowerOfTwo);
   py::enum_<MoeDeviceKind>(m, "MoeDevice")
       .value("HOST", MoeDeviceKind::kHost)
       .value("CUDA", MoeDeviceKind::kCuda);
@@ -327,11 +357,12 @@ void BindMoe(py::module_& m) {
           "config", [](const PyAllToAll& a) { return AllToAllConfig(a.config()); })
       .def("dispatch_send", &PyAllToAll::DispatchSend, py::arg("x"), py::arg("indices"),
            py::arg("weights"), py::arg("scales") = py::none(), py::arg("num_tokens") = py::none(),
-           py::arg("device_num_tokens") = py::none(),
+           py::arg("device_num_tokens") = py::none(), py::arg("scaling") = Fp8Scaling::kAmax,
            "x [T, hidden] (bf16 as 2-byte or fp8 as 1-byte elements), indices [T, k] int32 "
-           "(the host device also takes int64 and uint32; -1: no expert, host device), "
-           "weights [T, k] float32, scales [T, hidden/128] float32 (fp8); T = num_tokens or "
-           "x's first dimension (num_tokens is required for a flat x)")
+           "(the host device also takes int64 and uint32; -1: no expert), weights [T, k] "
+           "float32, scales [T, hidden/128] float32 (fp8); T = num_tokens or x's first "
+           "dimension (num_tokens is required for a flat x). An fp8 AllToAll given bf16 x and "
+           "no scales quantises x as it sends, its scales as `scaling` says (Fp8Scaling)")
       .def("dispatch_recv", &PyAllToAll::DispatchRecv, py::arg("x"), py::arg("num_tokens"),
            py::arg("scales") = py::none(), py::arg("num_rows") = py::none(),
            py::arg("token_experts") = py::none(), py::arg("token_weights") = py::none(),
@@ -341,8 +372,10 @@ void BindMoe(py::module_& m) {
            "token_weights [expert_capacity, k]; scales as x's rows (fp8). Peers' data is checked "
            "before it is used (DataLoss naming the sender)")
       .def("combine_send", &PyAllToAll::CombineSend, py::arg("expert_out"),
+           py::arg("num_rows") = py::none(),
            "expert_out: bf16 rows as dispatch_recv laid them out (token-major: one per row, "
-           "its experts' outputs already weighted and summed)")
+           "its experts' outputs already weighted and summed; num_rows: expert_out holds only "
+           "that many, at least the rows received)")
       .def("combine_recv", &PyAllToAll::CombineRecv, py::arg("out"), py::arg("accumulate") = false,
            py::arg("timeout") = 30.0, py::arg("weights") = py::none(),
            "out [T, hidden] bf16 for the T of the last dispatch_send: each token's weighted sum "

@@ -105,8 +105,20 @@ class AllToAllImpl final : public AllToAll {
   uint64_t dispatch_bytes_sent() const override { return proxy_->dispatch_bytes(); }
   uint64_t combine_bytes_sent() const override { return proxy_->combine_bytes(); }
 
-  Status DispatchSend(const DispatchInput& in) override {
+  Status DispatchSend(const DispatchInput& given) override {
     RETURN_IF_ERROR(Step(Stage::kIdle, "DispatchSend"));
+    RETURN_IF_ERROR(moe::CheckQuantizedInput(c_, given));
+    DispatchInput in = given;
+    if (in.x_bf16 && in.num_tokens > 0 && in.num_tokens <= c_.max_tokens_per_rank) {
+      // Quantised here, then sent as if the caller had: the rows stay ours until the next
+      // DispatchSend (the device reads them while sending).
+      fp8_x_.resize(size_t(in.num_tokens) * c_.hidden);
+      fp8_scales_.resize(size_t(in.num_tokens) * c_.scales_per_token());
+      QuantizeFp8Rows(in.x_bf16, in.num_tokens, c_.hidden, in.scaling, fp8_x_.data(),
+                      fp8_scales_.data());
+      in.x = fp8_x_.data();
+      in.scales = fp8_scales_.data();
+    }
     RETURN_IF_ERROR(CheckInput(in));
     RETURN_IF_ERROR(device_->DispatchSend(in, epoch_));
     stage_ = Stage::kDispatchSent;
@@ -192,6 +204,8 @@ class AllToAllImpl final : public AllToAll {
   std::unique_ptr<moe::Proxy> proxy_;
   Stage stage_ = Stage::kIdle;
   uint64_t epoch_ = 0;
+  std::vector<uint8_t> fp8_x_;  // DispatchInput::x_bf16 quantised
+  std::vector<float> fp8_scales_;
 };
 
 }  // namespace

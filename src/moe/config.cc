@@ -128,5 +128,38 @@ Status CheckDispatchOutput(const AllToAllConfig& c, const DispatchOutput& out) {
   return Status::Ok();
 }
 
+Status CheckQuantizedInput(const AllToAllConfig& c, const DispatchInput& in) {
+  if (!in.x_bf16) return Status::Ok();
+  if (c.dtype != DispatchDtype::kFp8E4M3) {
+    return InvalidArgumentError(
+        "DispatchSend: x_bf16 is quantised to fp8, and this AllToAll moves bf16 (pass x)");
+  }
+  if (in.x || in.scales) {
+    return InvalidArgumentError(
+        "DispatchSend: x_bf16 is quantised into x and scales: give it or them, not both");
+  }
+  if (in.scaling != Fp8Scaling::kAmax && in.scaling != Fp8Scaling::kPowerOfTwo) {
+    return InvalidArgumentError("DispatchSend: unknown Fp8Scaling " +
+                                std::to_string(static_cast<int>(in.scaling)));
+  }
+  return Status::Ok();
+}
+
 }  // namespace moe
+
+void QuantizeFp8Rows(const uint16_t* rows, int64_t num_rows, int hidden, Fp8Scaling scaling,
+                     uint8_t* out, float* scales) {
+  const int groups = hidden / 128;
+  for (int64_t r = 0; r < num_rows; ++r) {
+    for (int g = 0; g < groups; ++g) {
+      const int64_t first = r * hidden + g * 128;
+      float amax = 0.0f;
+      for (int i = 0; i < 128; ++i) amax = std::fmax(amax, std::fabs(Bf16ToFloat(rows[first + i])));
+      const float s = Fp8GroupScale(amax, scaling);
+      scales[r * groups + g] = s;
+      for (int i = 0; i < 128; ++i) out[first + i] = FloatToE4M3(Bf16ToFloat(rows[first + i]) / s);
+    }
+  }
+}
+
 }  // namespace ferry

@@ -90,19 +90,40 @@ class NvlinkAllToAll final : public AllToAll {
     return Finish();
   }
 
-  Status DispatchSend(const DispatchInput& in) override {
+  Status DispatchSend(const DispatchInput& given) override {
     RETURN_IF_ERROR(Step(Stage::kIdle, "DispatchSend"));
+    RETURN_IF_ERROR(CheckQuantizedInput(c_, given));
+    DispatchInput in = given;
     if (in.num_tokens < 0 || in.num_tokens > c_.max_tokens_per_rank) {
       return InvalidArgumentError("DispatchSend: " + std::to_string(in.num_tokens) +
                                   " tokens, configured maximum " +
                                   std::to_string(c_.max_tokens_per_rank));
     }
     if ((in.num_tokens > 0) &&
-        (!in.x || !in.indices || !in.weights || (nv_.spt && !in.scales))) {
+        ((!in.x && !in.x_bf16) || !in.indices || !in.weights ||
+         (nv_.spt && !in.scales && !in.x_bf16))) {
       return InvalidArgumentError("DispatchSend: null input buffer");
     }
-    RETURN_IF_ERROR(Aligned(in.x, "DispatchSend: x"));
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
+    if (in.x_bf16 && in.num_tokens > 0) {
+      // Quantised on the stream into rows of ours, which the send kernels then read as the
+      // caller's fp8 input (the next DispatchSend rewrites them only after this one's kernels,
+      // in stream order).
+      RETURN_IF_ERROR(Aligned(in.x_bf16, "DispatchSend: x_bf16"));
+      if (!fp8_x_.get()) {
+        RETURN_IF_ERROR(fp8_x_.Allocate(size_t(c_.max_tokens_per_rank) * c_.hidden));
+        RETURN_IF_ERROR(fp8_scales_.Allocate(size_t(c_.max_tokens_per_rank) * nv_.spt));
+      }
+      const int64_t warps = int64_t{in.num_tokens} * nv_.spt;
+      const int blocks = static_cast<int>((warps * 32 + kQuantizeThreads - 1) / kQuantizeThreads);
+      QuantizeKernel<<<blocks, kQuantizeThreads, 0, stream_>>>(
+          in.x_bf16, in.num_tokens, c_.hidden, in.device_num_tokens, in.scaling, fp8_x_.get(),
+          fp8_scales_.get());
+      FERRY_CUDA(cudaGetLastError());
+      in.x = fp8_x_.get();
+      in.scales = fp8_scales_.get();
+    }
+    RETURN_IF_ERROR(Aligned(in.x, "DispatchSend: x"));
     // Synchronous steps are strict: bad input sends nothing, and the step may be retried.
     const SendArgs args{static_cast<const uint8_t*>(in.x), in.scales, in.indices, in.weights,
                         in.device_num_tokens, in.num_tokens, !async_};
@@ -140,7 +161,7 @@ class NvlinkAllToAll final : public AllToAll {
     if (!expert_out) return InvalidArgumentError("CombineSend: null expert output");
     RETURN_IF_ERROR(Aligned(expert_out, "CombineSend: expert output"));
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
-    const CombineArgs args{expert_out, nullptr, false, 0};
+    const CombineArgs args{expert_out, nullptr, false, 0, nullptr};
     if (combine_copy_only_) {
       CombineSendKernel<true><<<recv_grid_, kCopyThreads, 0, stream_>>>(nv_, args);
     } else {
@@ -154,17 +175,18 @@ class NvlinkAllToAll final : public AllToAll {
   Status CombineRecv(const CombineOutput& to, Deadline deadline) override {
     uint16_t* out = to.out;
     const bool accumulate = to.accumulate;
-    if (to.weights) {
-      return UnimplementedError(
-          "CombineRecv: combine-time weights on the CUDA device (give them at DispatchSend)");
-    }
     RETURN_IF_ERROR(Step(Stage::kCombineSent, "CombineRecv"));
+    if (to.weights && c_.combine_reduce_at_expert_rank) {
+      return InvalidArgumentError(
+          "CombineRecv: combine-time weights with combine_reduce_at_expert_rank (the expert "
+          "ranks weighted the rows already)");
+    }
     if (!out && token_bound_ > 0) return InvalidArgumentError("CombineRecv: null output");
     RETURN_IF_ERROR(Aligned(out, "CombineRecv: output"));
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
     FERRY_CUDA(Launch(nv_.stream_combine ? CombineRecvStreamedKernel : CombineRecvKernel,
                       TokenGrid(token_bound_), nv_.n * sizeof(int64_t),
-                      CombineArgs{nullptr, out, accumulate, BudgetNs(deadline)}));
+                      CombineArgs{nullptr, out, accumulate, BudgetNs(deadline), to.weights}));
     stage_ = Stage::kIdle;
     return async_ ? Status::Ok() : Finish();
   }
@@ -810,6 +832,8 @@ class NvlinkAllToAll final : public AllToAll {
   DeviceArray<int32_t> indices_, slot_pos_, row_pos_, totals_, erank_, chunk_counts_;
   DeviceArray<int64_t> scan_carry_;
   DeviceArray<float> weights_;
+  DeviceArray<uint8_t> fp8_x_;  // DispatchInput::x_bf16 quantised (allocated at its first use)
+  DeviceArray<float> fp8_scales_;
   DeviceArray<RecvSlot> rslots_;
   DeviceArray<RecvEntry> rentries_;
   DeviceArray<long long> trace_;

@@ -207,15 +207,17 @@ struct LaneRow {
   int64_t row;
   int rank;
 };
-__device__ inline LaneRow LocateRows(const Nv& v, int t, const int64_t* rank_start,
-                                     const uint4** rows, float* weight, int* count) {
+__device__ inline LaneRow LocateRows(const Nv& v, const CombineArgs& a, int t,
+                                     const int64_t* rank_start, const uint4** rows, float* weight,
+                                     int* count) {
   const LaneRoute x = RouteLane(v, v.indices + int64_t{t} * v.k);
   LaneRow mine{-1, x.r};
   if (x.valid && (!v.reduce || x.first)) {
     const int c = v.reduce ? x.ranks_before : x.lanes_before + x.within;
     mine.row = rank_start[x.r] + v.row_pos[int64_t{x.r} * v.t_max + t] + (v.reduce ? 0 : x.within);
     rows[c] = reinterpret_cast<const uint4*>(v.peer[x.r].combine_in + mine.row * v.row_bytes);
-    weight[c] = v.reduce ? 1.0f : v.weights[int64_t{t} * v.k + threadIdx.x % 32];
+    const float* weights = a.weights ? a.weights : v.weights;
+    weight[c] = v.reduce ? 1.0f : weights[int64_t{t} * v.k + threadIdx.x % 32];
   }
   if (threadIdx.x % 32 == 0) *count = __popc(v.reduce ? x.firsts : x.valids);
   return mine;
@@ -242,7 +244,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvStreamedKernel(Nv v, 
   const uint64_t* tags = reinterpret_cast<const uint64_t*>(v.own + v.combine_tag_off);
   // Token t's rows located by a warp into table w and awaited: false if a wait gave up.
   auto arrived = [&](int t, int w) {
-    const LaneRow mine = LocateRows(v, t, rank_start, row_ptr[w], weight_of[w], &rows[w]);
+    const LaneRow mine = LocateRows(v, a, t, rank_start, row_ptr[w], weight_of[w], &rows[w]);
     return mine.row < 0 ||
            AwaitWord(v, tags + mine.row, epoch + 1, start, a.timeout_ns, 1, mine.rank);
   };
@@ -303,7 +305,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineA
   const int step = warps ? gridDim.x * kWarps : gridDim.x;
   auto locate = [&] {
     if (t < tokens && (warps || threadIdx.x < 32)) {
-      LocateRows(v, t, rank_start, row_ptr[w], weight_of[w], &rows[w]);
+      LocateRows(v, a, t, rank_start, row_ptr[w], weight_of[w], &rows[w]);
     }
   };
   locate();

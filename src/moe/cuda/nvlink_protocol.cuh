@@ -268,6 +268,7 @@ struct CombineArgs {
   uint16_t* out;
   bool accumulate;
   uint64_t timeout_ns;
+  const float* weights;  // [T, K] given at CombineRecv; null: the dispatch's copy (Nv::weights)
 };
 
 // ---- flags, fences, errors --------------------------------------------------------------------
@@ -458,6 +459,8 @@ __device__ bool LastBlock(uint32_t* ticket, bool system, int blocks = 0) {
 }
 
 __device__ inline bool ValidExpert(const Nv& v, int32_t e) { return e >= 0 && e < v.e; }
+// -1 is "no expert" (a token that chose fewer than K): skipped like a bad id, but not an error.
+__device__ inline bool BadExpert(const Nv& v, int32_t e) { return e != -1 && !ValidExpert(v, e); }
 // A valid expert's rank, and its index among that rank's experts.
 __device__ inline int RankOf(const Nv& v, int32_t e) { return v.div_l.Div(e); }
 __device__ inline int LocalOf(const Nv& v, int32_t e) { return v.div_l.Mod(e); }

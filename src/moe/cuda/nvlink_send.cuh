@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cub/block/block_scan.cuh>
+#include <cuda_fp8.h>
 
 #include <cstdint>
 #include <cstring>
@@ -61,7 +62,7 @@ __device__ void ScanChunk(const Nv& v, const SendArgs& a, int tokens, int b, Rou
       if (i >= v.k) break;
       if (ValidExpert(v, e[i])) {
         rank_of[i] = RankOf(v, e[i]);
-      } else if (r0 == 0) {
+      } else if (r0 == 0 && BadExpert(v, e[i])) {
         Report(v, kBadExpert, t, e[i]);
       }
     }
@@ -428,8 +429,10 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
     for (int f = t * v.k; t < tokens && f < (t + 1) * v.k; ++f) {
       const int32_t e = m.idx[f];
       if (!ValidExpert(v, e)) {
-        bad = true;
-        if (blockIdx.x == 0) Report(v, kBadExpert, t, e);
+        if (BadExpert(v, e)) {
+          bad = true;
+          if (blockIdx.x == 0) Report(v, kBadExpert, t, e);
+        }
         continue;
       }
       atomicAdd(&m.hist[e], 1);
@@ -587,6 +590,42 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
     v.indices[f] = m.idx[f];
     v.weights[f] = a.weights[f];
   }
+}
+
+// ---- fp8 made from bf16 as DispatchSend sends (DispatchInput::x_bf16) ----------------------------
+
+// A warp per 128-column group of a row, four columns a lane: the group's largest |x| by shuffle,
+// its scale as the host's QuantizeFp8Rows takes it (Fp8GroupScale), each element divided by it
+// with round-to-nearest (__fdiv_rn: the host's IEEE division) and converted as FloatToE4M3 does.
+// Rows past the device token count (when one is given) are left alone: nobody reads them.
+constexpr int kQuantizeThreads = 256;
+__global__ void __launch_bounds__(kQuantizeThreads)
+    QuantizeKernel(const uint16_t* x, int rows, int hidden, const int32_t* dev_tokens,
+                   Fp8Scaling scaling, uint8_t* out, float* scales) {
+  const int groups = hidden / 128, lane = threadIdx.x % 32;
+  const int64_t group = (int64_t{blockIdx.x} * blockDim.x + threadIdx.x) / 32;
+  const int row = static_cast<int>(group / groups), g = static_cast<int>(group % groups);
+  const int limit = dev_tokens ? min(rows, *dev_tokens) : rows;
+  if (row >= limit) return;  // whole warps: a group's lanes share row and g
+  const int64_t first = int64_t{row} * hidden + g * 128 + lane * 4;
+  const uint2 packed = *reinterpret_cast<const uint2*>(x + first);
+  float v[4];
+  v[0] = __uint_as_float(packed.x << 16);
+  v[1] = __uint_as_float(packed.x & 0xFFFF0000u);
+  v[2] = __uint_as_float(packed.y << 16);
+  v[3] = __uint_as_float(packed.y & 0xFFFF0000u);
+  float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+#pragma unroll
+  for (int d = 16; d > 0; d /= 2) amax = fmaxf(amax, __shfl_xor_sync(~0u, amax, d));
+  const float s = Fp8GroupScale(amax, scaling);
+  uint32_t q = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t byte = __nv_cvt_float_to_fp8(__fdiv_rn(v[i], s), __NV_SATFINITE, __NV_E4M3);
+    q |= byte << (8 * i);
+  }
+  *reinterpret_cast<uint32_t*>(out + first) = q;
+  if (lane == 0) scales[int64_t{row} * groups + g] = s;
 }
 
 }  // namespace ferry::moe::nv

@@ -1,0 +1,211 @@
+// fp8 e4m3 made inside the dispatch (DispatchInput::x_bf16): the conversion against a search
+// over all 256 codes, the scales' two rules, and the host device's dispatch delivering exactly
+// what quantising the sender's rows gives, while refusing inputs that mix the two forms.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "fabric/test_util.h"
+#include "ferry/bootstrap.h"
+#include "ferry/moe.h"
+
+namespace ferry {
+namespace {
+
+using namespace std::chrono_literals;
+
+// The e4m3 code nearest to f by exhaustive search: ties to the even code (the one whose lowest
+// bit is clear), values beyond 448 to 448, NaN to NaN.
+uint8_t NearestE4M3(float f) {
+  if (std::isnan(f)) return std::signbit(f) ? 0xFF : 0x7F;
+  const float a = std::fmin(std::fabs(f), 448.0f);
+  int best = 0;
+  double best_gap = 1e30;
+  for (int q = 0; q < 0x7F; ++q) {  // 0x7F is NaN
+    const double gap = std::fabs(double(E4M3ToFloat(uint8_t(q))) - a);
+    if (gap < best_gap || (gap == best_gap && (q & 1) == 0)) best = q, best_gap = gap;
+  }
+  return uint8_t(best | (std::signbit(f) ? 0x80 : 0));
+}
+
+TEST(Fp8Test, ConversionIsRoundToNearestEvenSaturatedAndRoundTrips) {
+  for (int q = 0; q < 256; ++q) {  // every code decodes and encodes back (NaN to a NaN code)
+    if ((q & 0x7F) == 0x7F) {
+      EXPECT_TRUE(std::isnan(E4M3ToFloat(uint8_t(q))));
+      continue;
+    }
+    EXPECT_EQ(FloatToE4M3(E4M3ToFloat(uint8_t(q))), q) << q;
+  }
+  EXPECT_EQ(E4M3ToFloat(0x7E), 448.0f);
+  EXPECT_EQ(E4M3ToFloat(0x01), std::ldexp(1.0f, -9));
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> exponent(-14.0f, 10.0f);
+  for (int i = 0; i < 200000; ++i) {
+    const float f = (rng() & 1 ? -1.0f : 1.0f) * std::exp2(exponent(rng));
+    ASSERT_EQ(FloatToE4M3(f), NearestE4M3(f)) << f;
+  }
+  // Midpoints between neighbouring codes go to the even one.
+  for (int q = 0; q + 1 < 0x7F; ++q) {
+    const float mid = (E4M3ToFloat(uint8_t(q)) + E4M3ToFloat(uint8_t(q + 1))) / 2;
+    EXPECT_EQ(FloatToE4M3(mid), (q & 1) ? q + 1 : q) << mid;
+  }
+  EXPECT_EQ(FloatToE4M3(1e9f), 0x7E);
+  EXPECT_EQ(FloatToE4M3(-INFINITY), 0xFE);
+  EXPECT_EQ(FloatToE4M3(NAN) & 0x7F, 0x7F);
+}
+
+std::vector<uint16_t> RandomRows(int rows, int hidden, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<uint16_t> x(size_t(rows) * hidden);
+  for (size_t i = 0; i < x.size(); ++i) {
+    // Groups of very different magnitudes, and an all-zero group in row 0.
+    const int group = int(i % hidden) / 128;
+    x[i] = FloatToBf16(i < 128 ? 0.0f : normal(rng) * std::exp2(float(group * 5 - 6)));
+  }
+  return x;
+}
+
+TEST(Fp8Test, GroupScalesFollowTheirRuleAndBoundTheError) {
+  const int rows = 5, hidden = 512;
+  const std::vector<uint16_t> x = RandomRows(rows, hidden, 3);
+  for (Fp8Scaling scaling : {Fp8Scaling::kAmax, Fp8Scaling::kPowerOfTwo}) {
+    std::vector<uint8_t> q(x.size());
+    std::vector<float> s(size_t(rows) * hidden / 128);
+    QuantizeFp8Rows(x.data(), rows, hidden, scaling, q.data(), s.data());
+    for (int r = 0; r < rows; ++r) {
+      for (int g = 0; g < hidden / 128; ++g) {
+        float amax = 0;
+        for (int i = 0; i < 128; ++i) {
+          amax = std::fmax(amax, std::fabs(Bf16ToFloat(x[size_t(r) * hidden + g * 128 + i])));
+        }
+        const float scale = s[size_t(r) * hidden / 128 + g], floor = std::fmax(amax, 1e-4f) / 448;
+        if (scaling == Fp8Scaling::kAmax) {
+          EXPECT_EQ(scale, floor);
+        } else {  // the smallest power of two at or above amax / 448
+          int e;
+          EXPECT_EQ(std::frexp(scale, &e), 0.5f) << scale;
+          EXPECT_GE(scale, floor);
+          EXPECT_LT(scale / 2, floor);
+        }
+        for (int i = 0; i < 128; ++i) {
+          const size_t at = size_t(r) * hidden + g * 128 + i;
+          const float v = Bf16ToFloat(x[at]), back = E4M3ToFloat(q[at]) * scale;
+          // Half a step of e4m3's 3-bit mantissa, or of its subnormal spacing.
+          EXPECT_LE(std::fabs(back - v), std::fmax(std::fabs(v) / 16, scale * 0x1p-10f))
+              << r << " " << g << " " << i;
+          EXPECT_EQ(q[at], FloatToE4M3(v / scale));
+        }
+      }
+    }
+  }
+}
+
+// Two ranks of an fp8 AllToAll: each sends bf16 rows through x_bf16 (rank 1 with power-of-two
+// scales); every row a rank receives is the quantised sender row, bit for bit, with its scales.
+TEST(Fp8Test, DispatchQuantisesBf16RowsAsItSends) {
+  auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
+    const int tokens = 9, hidden = 256, experts = 4, k = 2, spt = hidden / 128;
+    AllToAllConfig cfg{2, b.rank(), 1, experts, k, 16, hidden, DispatchDtype::kFp8E4M3, 4};
+    ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
+    ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(cfg, engine.get(), b));
+    const auto scaling_of = [](int rank) {
+      return rank == 1 ? Fp8Scaling::kPowerOfTwo : Fp8Scaling::kAmax;
+    };
+    // Token t of rank s goes to experts (t + s) % 4 and, unless t is 0 mod 3, (t + s + 1) % 4.
+    const auto route = [&](int s) {
+      std::vector<int32_t> idx(size_t(tokens) * k);
+      for (int t = 0; t < tokens; ++t) {
+        idx[t * k] = (t + s) % experts;
+        idx[t * k + 1] = t % 3 == 0 ? -1 : (t + s + 1) % experts;
+      }
+      return idx;
+    };
+    const std::vector<uint16_t> x = RandomRows(tokens, hidden, 11 + b.rank());
+    const std::vector<int32_t> idx = route(b.rank());
+    const std::vector<float> w(idx.size(), 0.5f);
+    DispatchInput in{nullptr, nullptr, idx.data(), w.data(), tokens};
+    in.x_bf16 = x.data();
+    in.scaling = scaling_of(b.rank());
+    // Both forms at once, and x_bf16 on a bf16 AllToAll, are refused.
+    DispatchInput both = in;
+    std::vector<uint8_t> fp8(x.size());
+    both.x = fp8.data();
+    Status s = a2a->DispatchSend(both);
+    CHECK_OR_RETURN(s.code() == StatusCode::kInvalidArgument, "x and x_bf16: " + s.ToString());
+    RETURN_IF_ERROR(a2a->DispatchSend(in));
+    const int local = cfg.local_experts();
+    const int64_t capacity = cfg.expert_capacity();
+    std::vector<uint8_t> out(size_t(local) * capacity * hidden);
+    std::vector<float> scales(size_t(local) * capacity * spt);
+    std::vector<int32_t> counts(local);
+    DispatchOutput o{out.data(), scales.data(), counts.data()};
+    RETURN_IF_ERROR(a2a->DispatchRecv(o, Deadline::After(30s)));
+    for (int e = 0; e < local; ++e) {
+      // What expert e must hold: each sender's quantised rows routed to it.
+      std::vector<std::vector<uint8_t>> want, got;
+      for (int src = 0; src < 2; ++src) {
+        const std::vector<uint16_t> sx = RandomRows(tokens, hidden, 11 + src);
+        std::vector<uint8_t> q(sx.size());
+        std::vector<float> qs(size_t(tokens) * spt);
+        QuantizeFp8Rows(sx.data(), tokens, hidden, scaling_of(src), q.data(), qs.data());
+        const std::vector<int32_t> sidx = route(src);
+        for (int t = 0; t < tokens; ++t) {
+          for (int j = 0; j < k; ++j) {
+            if (sidx[t * k + j] != b.rank() * local + e) continue;
+            std::vector<uint8_t> row(q.begin() + t * hidden, q.begin() + (t + 1) * hidden);
+            const auto* sb = reinterpret_cast<const uint8_t*>(&qs[size_t(t) * spt]);
+            row.insert(row.end(), sb, sb + spt * 4);
+            want.push_back(row);
+          }
+        }
+      }
+      for (int i = 0; i < counts[e]; ++i) {
+        const size_t r = size_t(e) * capacity + i;
+        std::vector<uint8_t> row(out.begin() + r * hidden, out.begin() + (r + 1) * hidden);
+        const auto* sb = reinterpret_cast<const uint8_t*>(&scales[r * spt]);
+        row.insert(row.end(), sb, sb + spt * 4);
+        got.push_back(row);
+      }
+      std::sort(want.begin(), want.end());
+      std::sort(got.begin(), got.end());
+      CHECK_OR_RETURN(got == want, "expert " + std::to_string(e) + ": " +
+                                       std::to_string(got.size()) + " rows, " +
+                                       std::to_string(want.size()) + " expected, or other bytes");
+    }
+    std::vector<uint16_t> expert_out(size_t(local) * capacity * hidden, 0);
+    RETURN_IF_ERROR(a2a->CombineSend(expert_out.data()));
+    std::vector<uint16_t> y(size_t(tokens) * hidden);
+    RETURN_IF_ERROR(a2a->CombineRecv(y.data(), false, Deadline::After(30s)));
+    return b.Barrier(30s);
+  }, 120s);
+  for (size_t r = 0; r < exits.size(); ++r) {
+    EXPECT_TRUE(exits[r].ok()) << "rank " << r << ": exit " << exits[r].exit_code;
+  }
+}
+
+TEST(Fp8Test, Bf16ConfigurationRefusesRowsToQuantise) {
+  auto exits = RunLocalRanks(1, [](Bootstrap& b) -> Status {
+    AllToAllConfig cfg{1, 0, 1, 2, 1, 4, 128, DispatchDtype::kBf16, 4};
+    ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
+    ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(cfg, engine.get(), b));
+    std::vector<uint16_t> x(128);
+    std::vector<int32_t> idx = {0};
+    std::vector<float> w = {1.0f};
+    DispatchInput in{nullptr, nullptr, idx.data(), w.data(), 1};
+    in.x_bf16 = x.data();
+    const Status s = a2a->DispatchSend(in);
+    CHECK_OR_RETURN(s.code() == StatusCode::kInvalidArgument && s.ToString().find("x_bf16") !=
+                                                                     std::string::npos,
+                    "x_bf16 on bf16: " + s.ToString());
+    return Status::Ok();
+  }, 60s);
+  EXPECT_TRUE(exits[0].ok());
+}
+
+}  // namespace
+}  // namespace ferry
