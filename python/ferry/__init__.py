@@ -3,7 +3,9 @@
 The parts of the C++ library (include/ferry): the TransferEngine (one-sided writes and two-sided
 messages over libfabric or verbs), AllToAll (MoE dispatch and combine), the KV messenger
 (KvPrefill, KvDecoder and the reshard planner) and the bootstrap that ranks use to find each
-other. Errors are ferry.Error subclasses, one per status code.
+other. Errors are ferry.Error subclasses, one per status code. ferry.deep_ep and ferry.pplx
+(imported on their own; they need torch) are DeepEP's and pplx-garden's Python APIs over
+AllToAll.
 """
 
 from ._arrays import as_array
@@ -13,18 +15,18 @@ from ._errors import (AlreadyExists, Cancelled, DataLoss, DeadlineExceeded, Erro
                       ResourceExhausted, Unavailable, Unimplemented)
 from ._ferry import (CUDA_UNKNOWN_DEVICE, HOST_MEMORY, AllToAll, AllToAllConfig, Array,
                      Bootstrap, CallbackBootstrap, DispatchDtype, DispatchLayout, EngineOptions,
-                     FabricInfo, GpuLayerCounter, GpuWords, KvCudaShards, KvDecoder, KvModel, KvOrder,
-                     KvPlan, KvPrefill, KvSide, KvWrite, LayerCounter, MoeDevice, RankExit,
-                     RdmaBuffers, Region, RemoteRegion, Transfer, TransferEngine,
-                     plan_kv_transfer, run_local_ranks)
+                     FabricInfo, Fp8Scaling, GpuLayerCounter, GpuWords, KvCudaShards, KvDecoder,
+                     KvModel, KvOrder, KvPlan, KvPrefill, KvSide, KvWrite, LayerCounter,
+                     MoeDevice, RankExit, RdmaBuffers, Region, RemoteRegion, Transfer,
+                     TransferEngine, plan_kv_transfer, run_local_ranks)
 from ._torch import torch_bootstrap
 
 __all__ = [
     "AllToAll", "AllToAllConfig", "AlreadyExists", "Array", "Bootstrap", "CallbackBootstrap",
     "CUDA_UNKNOWN_DEVICE", "Cancelled", "DataLoss", "DeadlineExceeded", "DispatchDtype",
     "DispatchLayout", "EngineOptions", "Error", "FabricInfo", "FailedPrecondition",
-    "GpuLayerCounter", "GpuWords", "HOST_MEMORY", "Internal", "InvalidArgument", "KvCudaShards",
-    "KvDecoder", "KvModel", "KvOrder", "KvPlan", "KvPrefill", "KvSide", "KvWrite",
+    "Fp8Scaling", "GpuLayerCounter", "GpuWords", "HOST_MEMORY", "Internal", "InvalidArgument",
+    "KvCudaShards", "KvDecoder", "KvModel", "KvOrder", "KvPlan", "KvPrefill", "KvSide", "KvWrite",
     "LayerCounter", "MoeDevice", "NotFound", "OutOfRange", "RankExit", "RdmaBuffers", "Region",
     "RemoteRegion", "ResourceExhausted", "Transfer", "TransferEngine", "Unavailable",
     "Unimplemented", "as_array", "plan_kv_transfer", "run_local_ranks", "torch_bootstrap",

@@ -1,0 +1,135 @@
+"""What ferry.deep_ep and ferry.pplx share: the process group a layer was given, the AllToAlls
+it creates as the calls reveal their shapes, and the checks on the tensors it is handed.
+
+A layer's AllToAlls are collective to create, and both APIs learn a shape (hidden, top-k, the
+dtype) only from a call's tensors, so an AllToAll is made at the first call of each shape: every
+rank makes that call in the same order (the APIs require it of their own buffers), so every rank
+creates the same AllToAll, with the same instance number, at the same point. Two calls of one
+shape may overlap (two micro-batches, each dispatched before either is combined): each
+call takes the first idle AllToAll of its shape and holds it until its combine's receive half.
+"""
+
+import os
+import socket
+
+import torch
+
+from . import _ferry
+from ._errors import InvalidArgument, ResourceExhausted, Unimplemented
+from ._torch import torch_bootstrap
+
+
+MAX_INSTANCES = 16  # AllToAllConfig::kMaxInstances: the AllToAlls one engine serves
+
+
+def fp8_dtype():
+    """torch's e4m3 dtype, or uint8 (the same bytes) where torch has none (before 2.1)."""
+    return getattr(torch, "float8_e4m3fn", torch.uint8)
+
+
+def check_tensor(name, t, dtype=None, dims=None, device=None):
+    """InvalidArgument unless t is a contiguous tensor of that dtype, rank and device."""
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArgument(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if dtype is not None and t.dtype not in (dtype if isinstance(dtype, tuple) else (dtype,)):
+        raise InvalidArgument(f"{name}: dtype {t.dtype}, expected {dtype}")
+    if dims is not None and t.dim() != dims:
+        raise InvalidArgument(f"{name}: {t.dim()} dimensions {tuple(t.shape)}, expected {dims}")
+    if device is not None and t.device != device:
+        raise InvalidArgument(f"{name}: on {t.device}, the others on {device}")
+    if not t.is_contiguous():
+        raise InvalidArgument(f"{name}: not contiguous (call .contiguous())")
+
+
+def refuse(name, value, default, why):
+    """Unimplemented naming an argument ferry cannot honour, unless it is left at its default."""
+    if value is not default and not (default is not None and value == default):
+        raise Unimplemented(f"{name}={value!r}: {why}")
+
+
+class Group:
+    """A layer's ranks: a torch.distributed process group (None: the default group) or a
+    ferry.Bootstrap, and the engine its AllToAlls share."""
+
+    def __init__(self, group, engine=None, ranks_per_node=None):
+        if isinstance(group, _ferry.Bootstrap):
+            self.bootstrap = group
+            self.rank, self.world_size = group.rank, group.world_size
+        else:
+            import torch.distributed as dist
+            if not dist.is_available() or not dist.is_initialized():
+                raise InvalidArgument("group: torch.distributed is not initialised (or pass a "
+                                      "ferry.Bootstrap)")
+            self.bootstrap = torch_bootstrap(group)
+            self.rank, self.world_size = self.bootstrap.rank, self.bootstrap.world_size
+        self._engine = engine
+        self._own_engine = engine is None
+        self._ranks_per_node = ranks_per_node
+        self._next_instance = 0
+        self._pools = {}  # key -> [_Pooled]
+
+    def ranks_per_node(self):
+        """Ranks that share this rank's host (its NVLink domain), from the ranks' host names:
+        consecutive and the same on every host, as ferry's CUDA device needs."""
+        if self._ranks_per_node is None:
+            names = self.bootstrap.all_gather(socket.gethostname().encode(), 60.0)
+            per = names.count(names[0])
+            if self.world_size % per or any(names[i] != names[i - i % per]
+                                            for i in range(self.world_size)):
+                raise InvalidArgument(f"ranks per host differ or are not consecutive: {names}")
+            self._ranks_per_node = per
+        return self._ranks_per_node
+
+    def engine(self, needed):
+        if self._engine is None and needed:
+            self._engine = _ferry.TransferEngine(_ferry.EngineOptions.from_env())
+        return self._engine
+
+    def acquire(self, key, make_config):
+        """The first idle AllToAll of `key`, created (collectively) when none is idle."""
+        pool = self._pools.setdefault(key, [])
+        for p in pool:
+            if not p.busy:
+                p.busy = True
+                return p
+        if self._next_instance >= MAX_INSTANCES:
+            raise ResourceExhausted(
+                f"a layer holds at most {MAX_INSTANCES} AllToAlls (one per shape and overlapped "
+                f"call) and has {self._next_instance}: combine a call before dispatching more")
+        config = make_config()
+        config.world_size, config.rank = self.world_size, self.rank
+        config.instance = self._next_instance
+        config.validate()
+        one_node = (config.device == _ferry.MoeDevice.CUDA
+                    and config.ranks_per_node == self.world_size)
+        a2a = _ferry.AllToAll(config, self.engine(not one_node), self.bootstrap)
+        self._next_instance += 1
+        p = _Pooled(a2a)
+        p.busy = True
+        pool.append(p)
+        return p
+
+    def close(self):
+        for pool in self._pools.values():
+            for p in pool:
+                p.a2a.close()
+        self._pools.clear()
+        if self._own_engine and self._engine is not None:
+            self._engine.close()
+            self._engine = None
+
+
+class _Pooled:
+    __slots__ = ("a2a", "busy", "stream_set")
+
+    def __init__(self, a2a):
+        self.a2a, self.busy, self.stream_set = a2a, False, None
+
+
+def device_kind(tensor):
+    return _ferry.MoeDevice.CUDA if tensor.device.type == "cuda" else _ferry.MoeDevice.HOST
+
+
+def env_timeout(default=30.0):
+    """Seconds a receive half waits for its peers (FERRY_MOE_TIMEOUT)."""
+    return float(os.environ.get("FERRY_MOE_TIMEOUT", default))

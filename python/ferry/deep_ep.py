@@ -1,0 +1,630 @@
+"""DeepEP's Python API (deep_ep.Buffer, its V1 interface) over ferry's AllToAll.
+
+A DeepEP user changes `import deep_ep` to `from ferry import deep_ep`. The calls take and return
+what DeepEP's do, in its shapes, dtypes and strides:
+
+- low-latency mode: `low_latency_dispatch` hands back `[num_local_experts, num_ranks *
+  num_max_dispatch_tokens_per_rank, hidden]` (bf16, or e4m3 with fp32 scales whose last two
+  dimensions are column-major, or UE8M0 exponents packed four to an int32), the per-expert
+  counts and a handle; `low_latency_combine` takes that layout back with the top-k weights and
+  returns each token's weighted sum. Both map onto an expert-major AllToAll whose combine
+  weights are given at the combine.
+- normal mode: `get_dispatch_layout`, `dispatch` (each token once per rank that holds any of its
+  experts, with `recv_topk_idx` local to the rank, -1 elsewhere) and `combine` (an unweighted
+  sum over the ranks) map onto a token-major AllToAll with both of ferry's options (a token once
+  per rank; its experts' outputs summed at the expert rank).
+
+Tensors on the CPU run on ferry's host device; CUDA tensors on its CUDA device, on a stream of
+the Buffer's own that waits for the caller's current stream (or `previous_event`), as DeepEP's
+communication stream does. An argument ferry cannot honour raises Unimplemented naming it
+(ferry.Error); a bad tensor raises InvalidArgument. Tuning knobs that change no result (`Config`,
+`num_sms`, `num_qps_per_rank`, `allocate_on_comm_stream`) are taken and kept.
+"""
+
+import torch
+
+from . import _ferry
+from ._engine_api import (Group, check_tensor, device_kind, env_timeout, fp8_dtype,
+                          refuse)
+from ._errors import InvalidArgument, ResourceExhausted, Unimplemented
+
+__all__ = ["Buffer", "Config", "EventOverlap"]
+
+
+class Config:
+    """DeepEP's performance configuration. ferry sizes its own grids and chunks, so these are
+    kept, not used."""
+
+    def __init__(self, num_sms=20, num_max_nvl_chunked_send_tokens=6,
+                 num_max_nvl_chunked_recv_tokens=256, num_max_rdma_chunked_send_tokens=6,
+                 num_max_rdma_chunked_recv_tokens=256):
+        self.num_sms = num_sms
+        self.num_max_nvl_chunked_send_tokens = num_max_nvl_chunked_send_tokens
+        self.num_max_nvl_chunked_recv_tokens = num_max_nvl_chunked_recv_tokens
+        self.num_max_rdma_chunked_send_tokens = num_max_rdma_chunked_send_tokens
+        self.num_max_rdma_chunked_recv_tokens = num_max_rdma_chunked_recv_tokens
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes, num_ranks):
+        return _round_up(2 * num_ranks * self.num_max_nvl_chunked_recv_tokens * hidden_bytes, 128)
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes, num_ranks):
+        return _round_up(2 * num_ranks * self.num_max_rdma_chunked_recv_tokens * hidden_bytes,
+                         128)
+
+
+class EventOverlap:
+    """A CUDA event (None on the CPU, where every call has finished when it returns) and the
+    tensors that must live until it fires. `with event:` and current_stream_wait() make the
+    current stream wait for it."""
+
+    def __init__(self, event=None, extra_tensors=None):
+        self.event = event
+        self.extra_tensors = extra_tensors
+
+    def current_stream_wait(self):
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.current_stream_wait()
+
+
+def _round_up(n, to):
+    return (n + to - 1) // to * to
+
+
+class _Handle:
+    """What a combine needs of its dispatch: the AllToAll that carried it (held until the
+    combine's receive half) and the shapes it checks against."""
+
+    __slots__ = ("pooled", "tokens", "k", "hidden", "num_experts", "max_tokens", "topk_idx",
+                 "topk_weights", "rows", "combine_buffer", "fp8")
+
+    def __init__(self, **fields):
+        for name in self.__slots__:
+            setattr(self, name, fields.get(name))
+
+
+class Buffer:
+    """DeepEP's communication buffer: dispatch and combine among the ranks of `group`.
+
+    group: a torch.distributed ProcessGroup (gloo or NCCL; None for the default group), or a
+    ferry.Bootstrap. num_nvl_bytes + num_rdma_bytes bound the tokens a normal-mode dispatch
+    takes per rank (ferry's buffers for `num_ranks` ranks' tokens of that hidden size must fit);
+    the low-latency mode sizes its buffers from each call's num_max_dispatch_tokens_per_rank.
+    engine: a ferry.TransferEngine to use (default: one from the FERRY_* environment, made when
+    an AllToAll first needs one). ranks_per_node: the NVLink domain (default: ranks on one host).
+    """
+
+    num_sms = 20
+
+    def __init__(self, group=None, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False,
+                 num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False,
+                 explicitly_destroy=False, enable_shrink=False, *, engine=None,
+                 ranks_per_node=None, timeout=None):
+        if num_nvl_bytes < 0 or num_rdma_bytes < 0:
+            raise InvalidArgument("num_nvl_bytes and num_rdma_bytes: at least 0")
+        refuse("allow_mnnvl", allow_mnnvl, False, "multi-node NVLink domains are not supported")
+        refuse("enable_shrink", enable_shrink, False,
+               "masking lost ranks out of the low-latency kernels is not supported yet")
+        self._group = Group(group, engine, ranks_per_node)
+        self.rank, self.group_size = self._group.rank, self._group.world_size
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+        self.low_latency_mode = low_latency_mode
+        self.num_qps_per_rank = num_qps_per_rank
+        self.explicitly_destroy = explicitly_destroy
+        self._timeout = env_timeout() if timeout is None else float(timeout)
+        self._ones = {}        # (device, rows, k) -> float32 ones: dispatch-time weights unused
+        self._stream = None    # the communication stream (CUDA)
+        self._destroyed = False
+
+    # ---- DeepEP's static helpers ------------------------------------------------------------
+
+    @staticmethod
+    def set_num_sms(new_num_sms):
+        if new_num_sms % 2:
+            raise InvalidArgument("set_num_sms: an even number of SMs")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def get_dispatch_config(num_ranks):
+        return Config(Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks):
+        return Config(Buffer.num_sms)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
+                                       num_experts):
+        """Bytes of what ferry's expert-major AllToAll keeps per rank for these shapes (its send
+        rows, receive rows and counts), as DeepEP's hint sizes num_rdma_bytes."""
+        m = num_max_dispatch_tokens_per_rank
+        row = hidden * 2 + hidden // 128 * 4 + 16
+        dispatch = num_ranks * m * row + (num_experts // max(num_ranks, 1)) * num_ranks * m * row
+        combine = 2 * num_ranks * m * hidden * 2
+        return _round_up(dispatch + combine + num_ranks * num_experts * 8, 128)
+
+    def get_local_buffer_tensor(self, *args, **kwargs):
+        raise Unimplemented("get_local_buffer_tensor: ferry's buffers are not one tensor")
+
+    def destroy(self):
+        if not self.explicitly_destroy:
+            raise InvalidArgument("destroy: the Buffer was made with explicitly_destroy=False")
+        self._close()
+
+    def _close(self):
+        if not self._destroyed:
+            self._destroyed = True
+            self._group.close()
+
+    def __del__(self):
+        try:
+            if not self.explicitly_destroy:
+                self._close()
+        except Exception:  # noqa: BLE001 -- interpreter shutdown
+            pass
+
+    # ---- what both modes share ------------------------------------------------------------
+
+    def _check_open(self, call):
+        if self._destroyed:
+            raise InvalidArgument(f"{call}: the Buffer was destroyed")
+
+    def _ones_for(self, device, rows, k):
+        key = (device, rows, k)
+        w = self._ones.get(key)
+        if w is None:
+            w = self._ones[key] = torch.ones(rows, k, dtype=torch.float32, device=device)
+        return w
+
+    def _acquire(self, key, x, fields):
+        device = device_kind(x)
+
+        def make():
+            c = _ferry.AllToAllConfig(**fields)
+            c.device = device
+            if device == _ferry.MoeDevice.CUDA:
+                c.cuda_device = x.device.index or 0
+                c.ranks_per_node = self._group.ranks_per_node()
+            return c
+
+        pooled = self._group.acquire((device,) + key, make)
+        if device == _ferry.MoeDevice.CUDA:
+            self._stream_for(pooled)
+        return pooled
+
+    def _stream_for(self, pooled):
+        """The AllToAll on the communication stream; what it enqueued before is known done
+        here (its arrays released, its kernels' errors raised) except under graph capture."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        if pooled.stream_set is None:
+            pooled.a2a.set_stream(self._stream)
+            pooled.stream_set = self._stream
+        elif not torch.cuda.is_current_stream_capturing():
+            pooled.a2a.synchronize()
+
+    def _begin(self, x, previous_event):
+        """CUDA: the communication stream waits for the caller's work (or previous_event)."""
+        if x.device.type != "cuda":
+            return
+        if previous_event is not None and previous_event.event is not None:
+            self._stream.wait_event(previous_event.event)
+        else:
+            self._stream.wait_stream(torch.cuda.current_stream())
+
+    def _end(self, x, async_finish, tensors):
+        """DeepEP's finish: the caller's stream waits for the communication stream, or (with
+        async_finish) gets an event to wait on; the tensors live until then."""
+        if x.device.type != "cuda":
+            return EventOverlap(None, tensors if async_finish else None)
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                t.record_stream(self._stream)
+        if not async_finish:
+            torch.cuda.current_stream().wait_event(event)
+        return EventOverlap(event, tensors if async_finish else None)
+
+    def _ids(self, topk_idx, device):
+        """Expert ids as ferry's CUDA device takes them (int32); the host device takes int64."""
+        if device.type == "cuda" and topk_idx.dtype != torch.int32:
+            return topk_idx.to(torch.int32)
+        return topk_idx
+
+    # ---- low-latency mode ------------------------------------------------------------------
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
+        """Nothing to clean: ferry's flags carry an epoch, so no buffer needs zeroing between
+        the modes."""
+        self._check_open("clean_low_latency_buffer")
+
+    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                             cumulative_local_expert_recv_stats=None,
+                             dispatch_wait_recv_cost_stats=None, use_fp8=True, round_scale=False,
+                             use_ue8m0=False, async_finish=False, return_recv_hook=False):
+        self._check_open("low_latency_dispatch")
+        refuse("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, None,
+               "per-rank wait times are not measured")
+        check_tensor("x", x, torch.bfloat16, 2)
+        check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), 2, x.device)
+        tokens, hidden = x.shape
+        m, world = num_max_dispatch_tokens_per_rank, self.group_size
+        if topk_idx.shape[0] != tokens:
+            raise InvalidArgument(f"topk_idx: {topk_idx.shape[0]} rows, x has {tokens}")
+        if tokens > m:
+            raise InvalidArgument(f"x: {tokens} tokens, more than "
+                                  f"num_max_dispatch_tokens_per_rank {m}")
+        if num_experts % world:
+            raise InvalidArgument(f"num_experts {num_experts}: not divisible by {world} ranks")
+        if hidden % 128:
+            raise InvalidArgument(f"x: hidden {hidden} is not a multiple of 128")
+        if use_ue8m0 and not round_scale:
+            raise InvalidArgument("use_ue8m0 needs round_scale (UE8M0 holds powers of two)")
+        if (round_scale or use_ue8m0) and not use_fp8:
+            raise InvalidArgument("round_scale and use_ue8m0 need use_fp8")
+        if use_ue8m0 and hidden % 512:
+            raise InvalidArgument(f"use_ue8m0: hidden {hidden} is not a multiple of 512")
+        local = num_experts // world
+        if cumulative_local_expert_recv_stats is not None:
+            check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
+                         torch.int32, 1, x.device)
+            if cumulative_local_expert_recv_stats.numel() != local:
+                raise InvalidArgument(f"cumulative_local_expert_recv_stats: {local} entries")
+        k = topk_idx.shape[1]
+        dtype = _ferry.DispatchDtype.FP8_E4M3 if use_fp8 else _ferry.DispatchDtype.BF16
+        pooled = self._acquire(("ll", m, hidden, num_experts, k, use_fp8), x, dict(
+            num_experts=num_experts, experts_per_token=k, max_tokens_per_rank=m, hidden=hidden,
+            dtype=dtype))
+        a2a = pooled.a2a
+        try:
+            self._begin(x, None)
+            cuda = x.device.type == "cuda"
+            with torch.cuda.stream(self._stream) if cuda else _nothing():
+                ids = self._ids(topk_idx, x.device)
+                scaling = (_ferry.Fp8Scaling.POWER_OF_TWO if round_scale
+                           else _ferry.Fp8Scaling.AMAX)
+                a2a.dispatch_send(x, ids, self._ones_for(x.device, m, k)[:tokens],
+                                  num_tokens=tokens, scaling=scaling)
+                rows = world * m
+                recv_x = torch.empty(local, rows, hidden, device=x.device,
+                                     dtype=fp8_dtype() if use_fp8 else torch.bfloat16)
+                recv_count = torch.empty(local, dtype=torch.int32, device=x.device)
+                scales = (torch.empty(local, rows, hidden // 128, dtype=torch.float32,
+                                      device=x.device) if use_fp8 else None)
+        except BaseException:
+            pooled.busy = False
+            raise
+        handle = _Handle(pooled=pooled, tokens=tokens, k=k, hidden=hidden,
+                         num_experts=num_experts, max_tokens=m, topk_idx=topk_idx, fp8=use_fp8)
+        if use_fp8:
+            # DeepEP's scale layouts: the last two dimensions column-major (the storage is
+            # [local, groups, rows]); UE8M0: each scale's exponent byte, four groups per int32.
+            if use_ue8m0:
+                packed = torch.empty(local, hidden // 512, rows, dtype=torch.int32,
+                                     device=x.device).transpose(1, 2)
+            else:
+                packed = torch.empty(local, hidden // 128, rows, dtype=torch.float32,
+                                     device=x.device).transpose(1, 2)
+        else:
+            packed = None
+
+        def receive():
+            cuda = x.device.type == "cuda"
+            with torch.cuda.stream(self._stream) if cuda else _nothing():
+                a2a.dispatch_recv(recv_x, recv_count, scales, timeout=self._timeout)
+                if packed is not None:
+                    if use_ue8m0:
+                        exponents = (scales.view(torch.int32) >> 23).to(torch.uint8)
+                        packed.copy_(exponents.view(local, rows, hidden // 128)
+                                     .contiguous().view(torch.int32))
+                    else:
+                        packed.copy_(scales)
+                if cumulative_local_expert_recv_stats is not None:
+                    cumulative_local_expert_recv_stats.add_(recv_count)
+            return self._end(x, async_finish, (x, topk_idx, recv_x, recv_count, packed))
+
+        out_x = (recv_x, packed) if use_fp8 else recv_x
+        if return_recv_hook:
+            event = self._end(x, async_finish, (x, topk_idx))
+
+            def hook():
+                receive().current_stream_wait()
+            return out_x, recv_count, handle, event, hook
+        return out_x, recv_count, handle, receive(), None
+
+    def get_next_low_latency_combine_buffer(self, handle):
+        """The tensor a zero-copy low_latency_combine sends from: [num_local_experts,
+        num_ranks * num_max_dispatch_tokens_per_rank, hidden] bf16."""
+        if not isinstance(handle, _Handle):
+            raise InvalidArgument("handle: not one low_latency_dispatch returned")
+        if handle.combine_buffer is None:
+            local = handle.num_experts // self.group_size
+            handle.combine_buffer = torch.empty(
+                local, self.group_size * handle.max_tokens, handle.hidden, dtype=torch.bfloat16,
+                device=handle.topk_idx.device)
+        return handle.combine_buffer
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False,
+                            zero_copy=False, async_finish=False, return_recv_hook=False,
+                            out=None, combine_wait_recv_cost_stats=None):
+        self._check_open("low_latency_combine")
+        refuse("use_logfmt", use_logfmt, False, "LogFMT-encoded combine is not supported")
+        refuse("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, None,
+               "per-rank wait times are not measured")
+        h = self._live_handle(handle, "low_latency_combine")
+        if h.max_tokens is None or h.rows is not None:
+            raise InvalidArgument("handle: from a normal-mode dispatch (use combine)")
+        if zero_copy:
+            if h.combine_buffer is None:
+                raise InvalidArgument("zero_copy: call get_next_low_latency_combine_buffer first")
+            x = h.combine_buffer
+        local = h.num_experts // self.group_size
+        check_tensor("x", x, torch.bfloat16, 3, h.topk_idx.device)
+        want = (local, self.group_size * h.max_tokens, h.hidden)
+        if tuple(x.shape) != want:
+            raise InvalidArgument(f"x: shape {tuple(x.shape)}, the dispatch gave {want}")
+        check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), 2, x.device)
+        check_tensor("topk_weights", topk_weights, torch.float32, 2, x.device)
+        if tuple(topk_idx.shape) != (h.tokens, h.k) or tuple(topk_weights.shape) != (h.tokens,
+                                                                                     h.k):
+            raise InvalidArgument(f"topk_idx / topk_weights: shapes {tuple(topk_idx.shape)} / "
+                                  f"{tuple(topk_weights.shape)}, the dispatch had "
+                                  f"{(h.tokens, h.k)}")
+        if out is None:
+            out = torch.empty(h.tokens, h.hidden, dtype=torch.bfloat16, device=x.device)
+        else:
+            check_tensor("out", out, torch.bfloat16, 2, x.device)
+            if tuple(out.shape) != (h.tokens, h.hidden):
+                raise InvalidArgument(f"out: shape {tuple(out.shape)}, expected "
+                                      f"{(h.tokens, h.hidden)}")
+        a2a = h.pooled.a2a
+        cuda = x.device.type == "cuda"
+        self._begin(x, None)
+        with torch.cuda.stream(self._stream) if cuda else _nothing():
+            a2a.combine_send(x)
+
+        def receive():
+            try:
+                with torch.cuda.stream(self._stream) if cuda else _nothing():
+                    a2a.combine_recv(out, timeout=self._timeout, weights=topk_weights)
+            finally:
+                self._release(h)
+            return self._end(x, async_finish, (x, topk_idx, topk_weights, out))
+
+        if return_recv_hook:
+            event = self._end(x, async_finish, (x,))
+
+            def hook():
+                receive().current_stream_wait()
+            return out, event, hook
+        return out, receive(), None
+
+    def _live_handle(self, handle, call):
+        if not isinstance(handle, _Handle):
+            raise InvalidArgument(f"{call}: handle is not one this Buffer's dispatch returned")
+        if handle.pooled is None or not handle.pooled.busy:
+            raise InvalidArgument(f"{call}: the handle's dispatch was combined already")
+        return handle
+
+    def _release(self, h):
+        h.pooled.busy = False
+        if h.rows is None:  # low-latency: one combine per dispatch
+            h.pooled = None
+
+    # ---- normal (high-throughput) mode ------------------------------------------------------
+
+    def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None, async_finish=False,
+                            allocate_on_comm_stream=False):
+        """(num_tokens_per_rank [ranks] int32, num_tokens_per_rdma_rank [nodes] int32 or None
+        within one node, num_tokens_per_expert [experts] int32, is_token_in_rank [tokens, ranks]
+        bool, event), computed with torch on topk_idx's device."""
+        self._check_open("get_dispatch_layout")
+        check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), 2)
+        world = self.group_size
+        if num_experts % world:
+            raise InvalidArgument(f"num_experts {num_experts}: not divisible by {world} ranks")
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+        ids = topk_idx.long()
+        valid = ids >= 0
+        per_expert = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
+        per_expert.scatter_add_(0, torch.where(valid, ids, num_experts).flatten(),
+                                torch.ones(ids.numel(), dtype=torch.int64, device=ids.device))
+        num_tokens_per_expert = per_expert[:num_experts].int()
+        rank_of = torch.where(valid, ids // (num_experts // world), world)
+        in_rank = torch.zeros(ids.shape[0], world + 1, dtype=torch.bool, device=ids.device)
+        in_rank.scatter_(1, rank_of, True)
+        is_token_in_rank = in_rank[:, :world].contiguous()
+        num_tokens_per_rank = is_token_in_rank.sum(0).int()
+        nodes = world // self._group.ranks_per_node() if ids.device.type == "cuda" else 1
+        per_rdma = None
+        if nodes > 1:
+            per_rdma = is_token_in_rank.view(-1, nodes, world // nodes).any(2).sum(0).int()
+        return (num_tokens_per_rank, per_rdma, num_tokens_per_expert, is_token_in_rank,
+                EventOverlap(None))
+
+    def _normal_capacity(self, hidden):
+        """Tokens per rank a normal-mode dispatch takes: what num_nvl_bytes + num_rdma_bytes
+        hold of every rank's rows of this hidden size (at least one)."""
+        per_token = self.group_size * (hidden * 2 + hidden // 128 * 4 + 16)
+        return max(1, (self.num_nvl_bytes + self.num_rdma_bytes) // per_token)
+
+    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None,
+                 topk_weights=None, expert_alignment=1, num_worst_tokens=0, config=None,
+                 previous_event=None, async_finish=False, allocate_on_comm_stream=False):
+        """(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle,
+        event); with a handle (a cached dispatch: the routing of that dispatch again), (recv_x,
+        None, None, None, None, event). x: [tokens, hidden] bf16, or (x e4m3, scales [tokens,
+        hidden / 128] fp32). The layout arguments must be get_dispatch_layout's for topk_idx;
+        ferry routes from topk_idx itself."""
+        self._check_open("dispatch")
+        x, x_scales = x if isinstance(x, tuple) else (x, None)
+        fp8 = x_scales is not None
+        check_tensor("x", x, (fp8_dtype(), torch.uint8) if fp8 else torch.bfloat16, 2)
+        tokens, hidden = x.shape
+        if hidden % 128:
+            raise InvalidArgument(f"x: hidden {hidden} is not a multiple of 128")
+        if fp8:
+            check_tensor("x scales", x_scales, torch.float32, 2, x.device)
+            if tuple(x_scales.shape) != (tokens, hidden // 128):
+                raise InvalidArgument(f"x scales: shape {tuple(x_scales.shape)}, expected "
+                                      f"{(tokens, hidden // 128)}")
+        if expert_alignment < 1:
+            raise InvalidArgument(f"expert_alignment {expert_alignment}: at least 1")
+        if handle is not None:
+            if topk_idx is not None or topk_weights is not None:
+                raise InvalidArgument("a cached dispatch (handle) takes no topk_idx / "
+                                      "topk_weights: the handle's are used")
+            cached = self._normal_handle(handle, "dispatch")
+            if cached.pooled is not None and cached.pooled.busy:
+                raise InvalidArgument("dispatch: the handle's dispatch is not combined yet")
+            topk_idx, topk_weights = cached.topk_idx, cached.topk_weights
+            num_experts = cached.num_experts
+            if tokens != cached.tokens or hidden != cached.hidden:
+                raise InvalidArgument(f"x: shape {(tokens, hidden)}, the handle's dispatch had "
+                                      f"{(cached.tokens, cached.hidden)}")
+        else:
+            if topk_idx is None:
+                raise InvalidArgument("topk_idx: required (ferry routes tokens by their experts)")
+            if num_tokens_per_expert is None:
+                raise InvalidArgument("num_tokens_per_expert: required (get_dispatch_layout's)")
+            check_tensor("num_tokens_per_expert", num_tokens_per_expert, None, 1)
+            num_experts = num_tokens_per_expert.numel()
+            for name, t, n in (("num_tokens_per_rank", num_tokens_per_rank, self.group_size),
+                               ("is_token_in_rank", is_token_in_rank, None)):
+                if t is None:
+                    raise InvalidArgument(f"{name}: required (get_dispatch_layout's)")
+                if n is not None and t.numel() != n:
+                    raise InvalidArgument(f"{name}: {t.numel()} entries, expected {n}")
+        check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), 2, x.device)
+        if topk_idx.shape[0] != tokens:
+            raise InvalidArgument(f"topk_idx: {topk_idx.shape[0]} rows, x has {tokens}")
+        if topk_weights is not None:
+            check_tensor("topk_weights", topk_weights, torch.float32, 2, x.device)
+            if topk_weights.shape != topk_idx.shape:
+                raise InvalidArgument(f"topk_weights: shape {tuple(topk_weights.shape)}, "
+                                      f"topk_idx {tuple(topk_idx.shape)}")
+        if num_experts % self.group_size:
+            raise InvalidArgument(f"num_experts {num_experts}: not divisible by "
+                                  f"{self.group_size} ranks")
+        capacity = self._normal_capacity(hidden)
+        if tokens > capacity:
+            raise ResourceExhausted(
+                f"dispatch: {tokens} tokens, the Buffer's num_nvl_bytes + num_rdma_bytes hold "
+                f"{capacity} per rank at hidden {hidden} ({self.group_size} ranks): make it larger")
+        k = topk_idx.shape[1]
+        local = num_experts // self.group_size
+        dtype = _ferry.DispatchDtype.FP8_E4M3 if fp8 else _ferry.DispatchDtype.BF16
+        pooled = self._acquire(("normal", capacity, hidden, num_experts, k, fp8), x, dict(
+            num_experts=num_experts, experts_per_token=k, max_tokens_per_rank=capacity,
+            hidden=hidden, dtype=dtype, dispatch_once_per_rank=True,
+            combine_reduce_at_expert_rank=True, dispatch_layout=_ferry.DispatchLayout.TOKEN_MAJOR))
+        a2a = pooled.a2a
+        cuda = x.device.type == "cuda"
+        try:
+            self._begin(x, previous_event)
+            with torch.cuda.stream(self._stream) if cuda else _nothing():
+                weights = (topk_weights if topk_weights is not None
+                           else self._ones_for(x.device, capacity, k)[:tokens])
+                a2a.dispatch_send(x, self._ids(topk_idx, x.device), weights,
+                                  scales=x_scales, num_tokens=tokens)
+                rows = self.group_size * capacity
+                dev = x.device
+                recv = torch.empty(rows, hidden, dtype=x.dtype, device=dev)
+                recv_scales = (torch.empty(rows, hidden // 128, dtype=torch.float32, device=dev)
+                               if fp8 else None)
+                counts = torch.empty(local, dtype=torch.int32, device=dev)
+                num_rows = torch.empty(1, dtype=torch.int32, device=dev)
+                experts = torch.empty(rows, k, dtype=torch.int32, device=dev)
+                weights_out = torch.empty(rows, k, dtype=torch.float32, device=dev)
+                a2a.dispatch_recv(recv, counts, recv_scales, num_rows, experts, weights_out,
+                                  timeout=self._timeout)
+        except BaseException:
+            pooled.busy = False
+            raise
+        event = self._end(x, async_finish, (x, x_scales, recv, counts, experts, weights_out))
+        if num_worst_tokens > 0:
+            # No wait for the count: rows past it hold no token (experts -1, weights 0).
+            if num_worst_tokens > rows:
+                raise InvalidArgument(f"num_worst_tokens {num_worst_tokens}: more than the "
+                                      f"{rows} rows ranks can send here")
+            r = num_worst_tokens
+            live = torch.arange(r, device=x.device) < num_rows.to(torch.int64)
+            experts[:r].masked_fill_(~live[:, None], -1)
+            weights_out[:r].masked_fill_(~live[:, None], 0.0)
+            per_expert_list = []
+        else:
+            event.current_stream_wait()
+            r = int(num_rows.item())
+            per_expert_list = [_round_up(int(c), expert_alignment) for c in counts.tolist()]
+        recv_x = recv[:r]
+        out_x = (recv_x, recv_scales[:r]) if fp8 else recv_x
+        if handle is not None:
+            cached.pooled, cached.rows = pooled, r
+            return out_x, None, None, None, None, event
+        new = _Handle(pooled=pooled, tokens=tokens, k=k, hidden=hidden, num_experts=num_experts,
+                      topk_idx=topk_idx, topk_weights=topk_weights, rows=r)
+        recv_topk_idx = experts[:r].long()
+        recv_topk_weights = weights_out[:r] if topk_weights is not None else None
+        return out_x, recv_topk_idx, recv_topk_weights, per_expert_list, new, event
+
+    def _normal_handle(self, handle, call):
+        if not isinstance(handle, _Handle) or handle.rows is None:
+            raise InvalidArgument(f"{call}: handle is not one this Buffer's dispatch returned")
+        return handle
+
+    def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
+                async_finish=False, allocate_on_comm_stream=False):
+        """(combined_x [tokens, hidden] bf16: each token's rows from every rank that got it,
+        summed without weights, None, event)."""
+        self._check_open("combine")
+        h = self._normal_handle(handle, "combine")
+        if h.pooled is None or not h.pooled.busy:
+            raise InvalidArgument("combine: the handle's dispatch was combined already")
+        refuse("topk_weights", topk_weights, None,
+               "combined top-k weights are not returned (ferry's combine moves bf16 rows only)")
+        refuse("bias", bias, None, "a bias added in the combine is not supported")
+        check_tensor("x", x, torch.bfloat16, 2)
+        if tuple(x.shape) != (h.rows, h.hidden):
+            raise InvalidArgument(f"x: shape {tuple(x.shape)}, the dispatch received "
+                                  f"{(h.rows, h.hidden)}")
+        a2a = h.pooled.a2a
+        cuda = x.device.type == "cuda"
+        out = torch.empty(h.tokens, h.hidden, dtype=torch.bfloat16, device=x.device)
+        try:
+            self._begin(x, previous_event)
+            with torch.cuda.stream(self._stream) if cuda else _nothing():
+                a2a.combine_send(x, num_rows=h.rows)
+                a2a.combine_recv(out, timeout=self._timeout)
+        finally:
+            h.pooled.busy = False
+        return out, None, self._end(x, async_finish, (x, out))
+
+    # ---- rank masks (DeepEP's elastic low-latency mode) -------------------------------------
+
+    def low_latency_update_mask_buffer(self, rank_to_mask, mask=False):
+        raise Unimplemented("low_latency_update_mask_buffer: masking ranks out is not "
+                            "supported yet (a lost rank fails the call at its deadline)")
+
+    def low_latency_query_mask_buffer(self, mask_status):
+        raise Unimplemented("low_latency_query_mask_buffer: masking ranks out is not "
+                            "supported yet (a lost rank fails the call at its deadline)")
+
+    def low_latency_clean_mask_buffer(self):
+        raise Unimplemented("low_latency_clean_mask_buffer: masking ranks out is not "
+                            "supported yet")
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

@@ -1,0 +1,284 @@
+"""pplx-garden's AllToAllKernel protocol (its P2PAllToAll) over ferry's AllToAll.
+
+A pplx user constructs `ferry.pplx.AllToAll(...)` with P2PAllToAll's keyword arguments where
+they constructed P2PAllToAll; `dispatch` and `combine` take the same tensors:
+
+- dispatch(out_expert_num_tokens [local experts] int32, out_expert_x [rows, hidden],
+  out_expert_x_scale, dp_x [tokens, hidden], dp_x_scale, indices [tokens, k], weights [tokens,
+  k] fp32, bound_m, do_send, do_recv): each local expert's tokens land contiguously in
+  out_expert_x, expert e's block starting where the blocks before it end, each block's rows
+  rounded up to expert_padding (the layout grouped GEMMs take); out_expert_num_tokens holds the
+  unpadded counts.
+- combine(out_tokens [tokens, hidden] bf16, indices, weights, expert_y (out_expert_x's layout),
+  bound_m, do_send, do_recv, accumulate): each token's weighted sum of its experts' rows.
+
+do_send / do_recv split each call into its send and receive halves (ferry's four steps, in
+order). CPU tensors run on ferry's host device, CUDA tensors on its CUDA device on the current
+torch stream (which must not be the legacy default stream: use a torch.cuda.Stream).
+Arguments ferry cannot honour raise Unimplemented naming them; bad tensors InvalidArgument.
+"""
+
+import torch
+
+from . import _ferry
+from ._engine_api import Group, check_tensor, env_timeout, fp8_dtype, refuse
+from ._errors import FailedPrecondition, InvalidArgument
+
+__all__ = ["AllToAll"]
+
+_ID_DTYPES = tuple(d for d in (torch.int32, torch.int64, getattr(torch, "uint32", None)) if d)
+
+
+class AllToAll:
+    """Expert-parallel dispatch and combine among global_group's ranks (a torch.distributed
+    group, or a ferry.Bootstrap), one shape fixed at construction as P2PAllToAll's is."""
+
+    def __init__(self, *, max_num_tokens, num_experts, expert_padding, hidden_dim,
+                 hidden_dim_scale, in_dtype, out_dtype, scale_dtype, num_experts_per_token,
+                 nets_per_gpu=1, max_private_tokens=None, device=None, dp_group=None,
+                 node_group=None, global_group=None, imm_base=0x80000000, transfer_engine=None,
+                 worker_cpu=None, max_tokens_per_expert=None, timeout=None):
+        device = torch.device(device if device is not None else "cpu")
+        if out_dtype != torch.bfloat16:
+            raise InvalidArgument(f"out_dtype {out_dtype}: ferry's combine returns bfloat16")
+        fp8 = in_dtype in (fp8_dtype(), torch.uint8) and in_dtype != torch.bfloat16
+        if in_dtype != torch.bfloat16 and not fp8:
+            raise InvalidArgument(f"in_dtype {in_dtype}: bfloat16 or float8_e4m3fn")
+        if fp8 and (scale_dtype != torch.float32 or hidden_dim_scale != hidden_dim // 128):
+            raise InvalidArgument(
+                f"fp8 input: scale_dtype float32 and hidden_dim_scale {hidden_dim // 128} "
+                f"(one scale per 128 columns), got {scale_dtype} and {hidden_dim_scale}")
+        if not fp8 and (scale_dtype is not None or hidden_dim_scale is not None):
+            raise InvalidArgument("bfloat16 input takes no scale_dtype / hidden_dim_scale")
+        if expert_padding < 1:
+            raise InvalidArgument(f"expert_padding {expert_padding}: at least 1")
+        if dp_group is not None and _size(dp_group) > 1:
+            refuse("dp_group", "size > 1", None,
+                   "ranks of a data-parallel group sharing their tokens are not supported")
+        refuse("max_tokens_per_expert", max_tokens_per_expert, None,
+               "a cap on one expert's tokens is not supported (ferry sizes for the worst case)")
+        self._group = Group(global_group, transfer_engine,
+                            _size(node_group) if node_group is not None else None)
+        self.world_size, self.rank = self._group.world_size, self._group.rank
+        if num_experts % self.world_size:
+            raise InvalidArgument(f"num_experts {num_experts}: not divisible by "
+                                  f"{self.world_size} ranks")
+        self.num_local_experts = num_experts // self.world_size
+        self._device, self._fp8, self._padding = device, fp8, expert_padding
+        self._hidden, self._k, self._max_tokens = hidden_dim, num_experts_per_token, max_num_tokens
+        self._in_dtype = in_dtype
+        self._timeout = env_timeout() if timeout is None else float(timeout)
+        cuda = device.type == "cuda"
+        fields = dict(num_experts=num_experts, experts_per_token=num_experts_per_token,
+                      max_tokens_per_rank=max_num_tokens, hidden=hidden_dim,
+                      dtype=_ferry.DispatchDtype.FP8_E4M3 if fp8 else _ferry.DispatchDtype.BF16)
+        if max_private_tokens is not None:
+            fields["max_private_tokens"] = max_private_tokens
+
+        def make():
+            c = _ferry.AllToAllConfig(**fields)
+            c.device = _ferry.MoeDevice.CUDA if cuda else _ferry.MoeDevice.HOST
+            if cuda:
+                c.cuda_device = device.index or 0
+                c.ranks_per_node = self._group.ranks_per_node()
+            return c
+
+        self._a2a = self._group.acquire(("pplx",), make).a2a
+        local, cap = self.num_local_experts, self._a2a.config.expert_capacity
+        # ferry's expert-major rows, between ferry and the caller's padded layout.
+        self._rows = torch.empty(local, cap, hidden_dim, device=device,
+                                 dtype=in_dtype if fp8 else torch.bfloat16)
+        self._scales = (torch.empty(local, cap, hidden_dim // 128, device=device,
+                                    dtype=torch.float32) if fp8 else None)
+        self._counts = torch.zeros(local, dtype=torch.int32, device=device)
+        self._y = torch.empty(local, cap, hidden_dim, device=device, dtype=torch.bfloat16)
+        self._stage = "idle"
+        self._stream = None
+        self._map = None  # the last dispatch's (expert, row) per padded row
+
+    @property
+    def max_recv_tokens(self):
+        """Rows out_expert_x needs at most: every copy of every rank's tokens that can land
+        here (each token at most min(k, local experts) times), and every block's padding."""
+        copies = self._a2a.config.expert_capacity * min(self._k, self.num_local_experts)
+        return copies + self.num_local_experts * (self._padding - 1)
+
+    def destroy(self):
+        self._group.close()
+
+    # ---- the protocol --------------------------------------------------------------------
+
+    def dispatch(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale,
+                 indices, weights, bound_m=None, do_send=True, do_recv=True):
+        if not (do_send or do_recv):
+            raise InvalidArgument("dispatch: do_send or do_recv (or both)")
+        if do_send:
+            self._expect("idle", "dispatch(do_send)")
+            self._check_tokens(dp_x, dp_x_scale, indices, weights)
+            tokens = self._bound(dp_x, bound_m)
+            with self._on_stream():
+                ids = indices
+                if ids.dtype != torch.int64 and ids.dtype != torch.int32:  # uint32: same bits
+                    ids = ids.view(torch.int32)
+                elif self._cuda and ids.dtype == torch.int64:
+                    ids = ids.to(torch.int32)
+                self._a2a.dispatch_send(dp_x, ids, weights, scales=dp_x_scale,
+                                        num_tokens=tokens, device_num_tokens=self._dev_bound(
+                                            bound_m))
+            self._stage = "dispatched"
+        if do_recv:
+            self._expect("dispatched", "dispatch(do_recv)")
+            check_tensor("out_expert_num_tokens", out_expert_num_tokens, torch.int32, 1,
+                         self._device)
+            if out_expert_num_tokens.numel() != self.num_local_experts:
+                raise InvalidArgument(f"out_expert_num_tokens: {self.num_local_experts} "
+                                      f"entries, got {out_expert_num_tokens.numel()}")
+            check_tensor("out_expert_x", out_expert_x, self._in_dtype, 2, self._device)
+            if out_expert_x.shape[1] != self._hidden:
+                raise InvalidArgument(f"out_expert_x: hidden {out_expert_x.shape[1]}, "
+                                      f"configured {self._hidden}")
+            if self._fp8:
+                check_tensor("out_expert_x_scale", out_expert_x_scale, torch.float32, 2,
+                             self._device)
+                if tuple(out_expert_x_scale.shape) != (out_expert_x.shape[0], self._hidden // 128):
+                    raise InvalidArgument(f"out_expert_x_scale: shape "
+                                          f"{tuple(out_expert_x_scale.shape)}, expected "
+                                          f"{(out_expert_x.shape[0], self._hidden // 128)}")
+            elif out_expert_x_scale is not None:
+                raise InvalidArgument("out_expert_x_scale: bfloat16 input has no scales")
+            with self._on_stream():
+                self._a2a.dispatch_recv(self._rows, self._counts, self._scales,
+                                        timeout=self._timeout)
+                self._map = self._padded_map(out_expert_x.shape[0])
+                expert, row, live = self._map
+                out_expert_x[live] = self._rows[expert[live], row[live]]
+                if self._fp8:
+                    out_expert_x_scale[live] = self._scales[expert[live], row[live]]
+                out_expert_num_tokens.copy_(self._counts)
+            self._stage = "received"
+
+    def combine(self, out_tokens, indices, weights, expert_y, bound_m=None, do_send=True,
+                do_recv=True, accumulate=False):
+        if not (do_send or do_recv):
+            raise InvalidArgument("combine: do_send or do_recv (or both)")
+        if do_send:
+            self._expect("received", "combine(do_send)")
+            check_tensor("expert_y", expert_y, torch.bfloat16, 2, self._device)
+            if tuple(expert_y.shape) != (self._map[0].numel(), self._hidden):
+                raise InvalidArgument(f"expert_y: shape {tuple(expert_y.shape)}, out_expert_x "
+                                      f"was {(self._map[0].numel(), self._hidden)}")
+            with self._on_stream():
+                expert, row, live = self._map
+                self._y[expert[live], row[live]] = expert_y[live]
+                self._a2a.combine_send(self._y)
+            self._stage = "combining"
+        if do_recv:
+            self._expect("combining", "combine(do_recv)")
+            check_tensor("out_tokens", out_tokens, torch.bfloat16, 2, self._device)
+            check_tensor("weights", weights, torch.float32, 2, self._device)
+            with self._on_stream():
+                self._a2a.combine_recv(out_tokens, accumulate=accumulate, timeout=self._timeout,
+                                       weights=weights)
+            self._stage = "idle"
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    @property
+    def _cuda(self):
+        return self._device.type == "cuda"
+
+    def _expect(self, stage, call):
+        if self._stage != stage:
+            raise FailedPrecondition(
+                f"{call} out of order: the halves run dispatch send, dispatch receive, combine "
+                f"send, combine receive (this AllToAll is at '{self._stage}')")
+
+    def _check_tokens(self, dp_x, dp_x_scale, indices, weights):
+        check_tensor("dp_x", dp_x, self._in_dtype, 2, self._device)
+        tokens, hidden = dp_x.shape
+        if hidden != self._hidden or tokens > self._max_tokens:
+            raise InvalidArgument(f"dp_x: shape {tuple(dp_x.shape)}, at most "
+                                  f"{(self._max_tokens, self._hidden)}")
+        if self._fp8:
+            check_tensor("dp_x_scale", dp_x_scale, torch.float32, 2, self._device)
+            if tuple(dp_x_scale.shape) != (tokens, hidden // 128):
+                raise InvalidArgument(f"dp_x_scale: shape {tuple(dp_x_scale.shape)}, expected "
+                                      f"{(tokens, hidden // 128)}")
+        elif dp_x_scale is not None:
+            raise InvalidArgument("dp_x_scale: bfloat16 input has no scales")
+        check_tensor("indices", indices, _ID_DTYPES, 2, self._device)
+        check_tensor("weights", weights, torch.float32, 2, self._device)
+        for name, t in (("indices", indices), ("weights", weights)):
+            if tuple(t.shape) != (tokens, self._k):
+                raise InvalidArgument(f"{name}: shape {tuple(t.shape)}, expected "
+                                      f"{(tokens, self._k)}")
+
+    def _bound(self, dp_x, bound_m):
+        """The tokens sent: bound_m's value (read here on the host device; on the GPU the
+        kernels read it, dp_x's rows being the most it may hold)."""
+        if bound_m is None:
+            return dp_x.shape[0]
+        check_tensor("bound_m", bound_m, torch.int32, None, self._device)
+        if bound_m.numel() != 1:
+            raise InvalidArgument(f"bound_m: one int32, got {bound_m.numel()}")
+        if self._cuda:
+            return dp_x.shape[0]
+        m = int(bound_m.item())
+        if not 0 <= m <= dp_x.shape[0]:
+            raise InvalidArgument(f"bound_m {m}: dp_x has {dp_x.shape[0]} rows")
+        return m
+
+    def _dev_bound(self, bound_m):
+        return bound_m if bound_m is not None and self._cuda else None
+
+    def _padded_map(self, rows):
+        """For each of out_expert_x's rows: its expert, its row in that expert's block, and
+        whether it holds a token (False in a block's padding and past the last block)."""
+        counts = self._counts.to(torch.int64)
+        padded = (counts + self._padding - 1) // self._padding * self._padding
+        ends = torch.cumsum(padded, 0)
+        r = torch.arange(rows, device=self._device)
+        expert = torch.searchsorted(ends, r, right=True)
+        inside = expert < self.num_local_experts
+        expert = torch.where(inside, expert, torch.zeros_like(expert))
+        row = r - (ends[expert] - padded[expert])
+        live = inside & (row < counts[expert])
+        if not self._cuda and int(ends[-1]) > rows:
+            raise InvalidArgument(f"out_expert_x: {rows} rows, the experts' padded blocks take "
+                                  f"{int(ends[-1])} (max_recv_tokens is {self.max_recv_tokens})")
+        return expert, row, live
+
+    def _on_stream(self):
+        if not self._cuda:
+            return _nothing()
+        stream = torch.cuda.current_stream(self._device)
+        if stream.cuda_stream == 0:
+            raise InvalidArgument("the current stream is the legacy default stream, which "
+                                  "cannot order ferry's steps: run under torch.cuda.stream(s)")
+        if self._stream != stream.cuda_stream:
+            self._a2a.set_stream(stream)
+            self._stream = stream.cuda_stream
+        elif self._stage == "idle" and not torch.cuda.is_current_stream_capturing():
+            # The last round's arrays released and its kernels' errors raised.
+            self._a2a.synchronize()
+        return _nothing()
+
+
+def _size(group):
+    if isinstance(group, _ferry.Bootstrap):
+        return group.world_size
+    size = getattr(group, "size", None)
+    if callable(size):
+        return size()
+    if isinstance(size, int):
+        return size
+    import torch.distributed as dist
+    return dist.get_world_size(group=group)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

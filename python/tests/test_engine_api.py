@@ -1,0 +1,438 @@
+"""ferry.deep_ep and ferry.pplx on the host device (torch CPU tensors), each call checked against
+a plain torch reference written here: random bf16 rows, ids with -1, tokens with several experts
+on one rank, a rank with no tokens, world sizes 1, 2 and 4, with and without the receive hooks,
+over a torch.distributed gloo group and over ferry's own bootstrap.
+
+Every rank regenerates every rank's inputs from (seed, rank), so each checks what it received on
+its own. The experts multiply their rows by a power of two; dispatched rows are compared
+exactly (fp8 against a quantiser written here), the combine's weighted sums within bf16's
+rounding of a float64 reference."""
+
+import os
+import tempfile
+import unittest
+
+import ferry
+from ranks import expect_error, run_ranks
+
+try:
+    import torch
+except ImportError:  # the bindings' other tests run without torch
+    torch = None
+
+HIDDEN, EXPERTS_PER_RANK, K, MAX_TOKENS = 512, 4, 4, 12
+
+
+def tokens_of(world, rank):
+    """Rank 1 sends nothing (when there are two ranks or more); the others differ."""
+    return 0 if (world > 1 and rank == 1) else (5 + 3 * rank) % MAX_TOKENS + 1
+
+
+def inputs(world, rank):
+    """Rank's rows (random bf16, each 128-column group of its own magnitude) and top-k ids: -1
+    in some entries, and a token whose ids include two experts of one rank."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    t, e = tokens_of(world, rank), EXPERTS_PER_RANK * world
+    scale = 2.0 ** torch.arange(-3, HIDDEN // 128 - 3, dtype=torch.float32).repeat_interleave(128)
+    x = (torch.randn(t, HIDDEN, generator=g) * scale).to(torch.bfloat16)
+    rows = []
+    for i in range(t):
+        perm = torch.randperm(e, generator=g).tolist()
+        if i == 0:  # two experts of rank 0 first
+            perm = [0, 1] + [v for v in perm if v not in (0, 1)]
+        rows.append(perm[:K])
+    idx = torch.tensor(rows, dtype=torch.int64).view(t, K)
+    idx[1::3, K - 1] = -1
+    w = torch.rand(t, K, generator=g).to(torch.float32)
+    return x, idx.to(torch.int64), w
+
+
+def expert_factor(global_expert):
+    return 2.0 ** (global_expert % 3 - 1)
+
+
+def weighted_reference(x, idx, w):
+    """Each token's sum over its experts of weight * factor * row, in float64, to bf16."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(K):
+            e = int(idx[t, j])
+            if e >= 0:
+                out[t] += float(w[t, j]) * expert_factor(e) * x[t].double()
+    return out.to(torch.bfloat16)
+
+
+# ---- fp8, as a reference independent of ferry's: torch ops on float32 --------------------------
+
+E4M3 = None
+
+
+def e4m3_table():
+    """The 256 e4m3fn codes' values (NaN for 0x7F / 0xFF)."""
+    global E4M3
+    if E4M3 is None:
+        values = []
+        for q in range(256):
+            sign = -1.0 if q & 0x80 else 1.0
+            exp, man = (q >> 3) & 0xF, q & 7
+            if exp == 0xF and man == 7:
+                values.append(float("nan"))
+            elif exp == 0:
+                values.append(sign * man * 2.0 ** -9)
+            else:
+                values.append(sign * (1 + man / 8) * 2.0 ** (exp - 7))
+        E4M3 = torch.tensor(values, dtype=torch.float32)
+    return E4M3
+
+
+def quantize_reference(x, power_of_two):
+    """(values e4m3 holds for x / scale, scales) per 128-column group: scale = max(amax, 1e-4) /
+    448, rounded up to a power of two if asked; values rounded to nearest even on e4m3's grid."""
+    v = x.float().view(x.shape[0], x.shape[1] // 128, 128)
+    amax = v.abs().amax(dim=2, keepdim=True).clamp(min=1e-4)
+    s = amax / 448.0
+    if power_of_two:
+        s = torch.where(torch.frexp(s).mantissa == 0.5, s,
+                        torch.ldexp(torch.ones_like(s), torch.frexp(s).exponent))
+    y = (v / s).clamp(-448, 448)
+    _, e = torch.frexp(y)
+    step = torch.ldexp(torch.ones_like(y), torch.clamp(e - 4, min=-9))  # 3 mantissa bits
+    q = torch.round(y / step) * step  # torch.round: half to even
+    return q.view(x.shape), s.view(x.shape[0], x.shape[1] // 128)
+
+
+def decode_e4m3(t):
+    return e4m3_table()[t.view(torch.uint8).long()]
+
+
+# ---- ranks ----------------------------------------------------------------------------------------
+
+def gloo(b, path):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=b.rank,
+                            world_size=b.world_size)
+    return dist.group.WORLD
+
+
+def rows_of(t):
+    return sorted(tuple(r.view(torch.int16).tolist()) for r in t)
+
+
+class Case(unittest.TestCase):
+    def setUp(self):
+        if torch is None:
+            self.skipTest("no torch for this interpreter")
+        os.environ.setdefault("FERRY_PROVIDER", "shm")
+
+    def ranks(self, world, body, timeout=120.0):
+        with tempfile.TemporaryDirectory() as d:
+            run_ranks(self, world, lambda b: (torch.set_num_threads(1),
+                                              body(b, os.path.join(d, "store")))[1], timeout)
+
+
+# ---- deep_ep ----------------------------------------------------------------------------------------
+
+def check_low_latency(buf, world, rank, use_fp8, round_scale, use_ue8m0, hook):
+    from ferry import deep_ep  # noqa: F401 -- the module under test
+    x, idx, w = inputs(world, rank)
+    e = EXPERTS_PER_RANK * world
+    stats = torch.zeros(EXPERTS_PER_RANK, dtype=torch.int32)
+    recv, count, handle, event, recv_hook = buf.low_latency_dispatch(
+        x, idx, MAX_TOKENS, e, cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8,
+        round_scale=round_scale, use_ue8m0=use_ue8m0, return_recv_hook=hook)
+    assert (recv_hook is not None) == hook
+    if hook:
+        recv_hook()
+    event.current_stream_wait()
+    rows = world * MAX_TOKENS
+    recv_x, scales = recv if use_fp8 else (recv, None)
+    assert tuple(recv_x.shape) == (EXPERTS_PER_RANK, rows, HIDDEN), recv_x.shape
+    assert tuple(count.shape) == (EXPERTS_PER_RANK,) and count.dtype == torch.int32
+    if use_fp8:
+        groups = HIDDEN // 512 if use_ue8m0 else HIDDEN // 128
+        assert tuple(scales.shape) == (EXPERTS_PER_RANK, rows, groups), scales.shape
+        assert scales.stride() == (groups * rows, 1, rows), scales.stride()  # column-major
+        assert scales.dtype == (torch.int32 if use_ue8m0 else torch.float32)
+    expert_y = torch.zeros(EXPERTS_PER_RANK, rows, HIDDEN, dtype=torch.bfloat16)
+    for le in range(EXPERTS_PER_RANK):
+        g = rank * EXPERTS_PER_RANK + le
+        want, want_q, want_s = [], [], []
+        for s in range(world):
+            sx, sidx, _ = inputs(world, s)
+            q, qs = quantize_reference(sx, round_scale) if use_fp8 else (None, None)
+            for t in range(sx.shape[0]):
+                for j in range(K):
+                    if int(sidx[t, j]) == g:
+                        want.append(sx[t])
+                        if use_fp8:
+                            want_q.append(q[t])
+                            want_s.append(qs[t])
+        n = int(count[le])
+        assert n == len(want), (rank, le, n, len(want))
+        if use_fp8:
+            got_q = decode_e4m3(recv_x[le, :n].contiguous())
+            if use_ue8m0:  # four exponent bytes per int32, group c at byte c % 4
+                b = torch.tensor(scales[le, :n].tolist(), dtype=torch.int32).view(torch.uint8).long()
+                got_s = torch.ldexp(torch.ones(b.shape), (b - 127).int())
+            else:
+                got_s = scales[le, :n]
+            got = sorted(tuple(qq.tolist()) + tuple(ss.tolist()) for qq, ss in zip(got_q, got_s))
+            ref = sorted(tuple(qq.tolist()) + tuple(ss.tolist())
+                         for qq, ss in zip(want_q, want_s))
+            assert got == ref, (rank, le, "fp8 rows or scales differ from the reference")
+        else:
+            assert rows_of(recv_x[le, :n]) == rows_of(want), (rank, le)
+        if not use_fp8:  # the expert: its rows times its factor
+            expert_y[le, :n] = (recv_x[le, :n].double() * expert_factor(g)).to(torch.bfloat16)
+        else:  # each received row traced back to its sender's bf16 row by its quantised form
+            sources = {}
+            for row in want:
+                sources.setdefault(tuple(quantize_reference(row[None], round_scale)[0][0]
+                                         .tolist()), []).append(row)
+            got_q = decode_e4m3(recv_x[le, :n].contiguous())
+            for r in range(n):
+                src = sources[tuple(got_q[r].tolist())].pop()
+                expert_y[le, r] = (src.double() * expert_factor(g)).to(torch.bfloat16)
+    assert torch.equal(stats, count), (stats, count)
+    out, event, combine_hook = buf.low_latency_combine(expert_y, idx, w, handle,
+                                                       return_recv_hook=hook)
+    if hook:
+        combine_hook()
+    event.current_stream_wait()
+    assert out.shape == x.shape and out.dtype == torch.bfloat16
+    ref = weighted_reference(x, idx, w)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=2 ** -6)
+
+
+def check_normal(buf, world, rank, fp8):
+    x, idx, w = inputs(world, rank)
+    e = EXPERTS_PER_RANK * world
+    per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, e)
+    # The layout against its definition.
+    want_in_rank = torch.zeros(x.shape[0], world, dtype=torch.bool)
+    want_per_expert = torch.zeros(e, dtype=torch.int32)
+    for t in range(x.shape[0]):
+        for j in range(K):
+            if int(idx[t, j]) >= 0:
+                want_in_rank[t, int(idx[t, j]) // EXPERTS_PER_RANK] = True
+                want_per_expert[int(idx[t, j])] += 1
+    assert per_rdma is None
+    assert torch.equal(in_rank, want_in_rank) and torch.equal(per_expert, want_per_expert)
+    assert torch.equal(per_rank, want_in_rank.sum(0).int())
+    if fp8:
+        q, s = quantize_reference(x, False)
+        table = e4m3_table()
+        codes = (q[..., None] == table[None, None, :]).float().argmax(-1).to(torch.uint8)
+        xin = (codes, s.contiguous())
+    else:
+        xin = x
+    recv, recv_idx, recv_w, per_expert_list, handle, event = buf.dispatch(
+        xin, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w, expert_alignment=4)
+    recv_x = recv[0] if fp8 else recv
+    # DeepEP's order: every sender's tokens in rank order, each sender's in token order; the
+    # ids local to this rank (-1 for others'), their weights (0 for others').
+    want_x, want_idx, want_w = [], [], []
+    counts = [0] * EXPERTS_PER_RANK
+    for s in range(world):
+        sx, sidx, sw = inputs(world, s)
+        for t in range(sx.shape[0]):
+            mine = [(j, int(sidx[t, j]) - rank * EXPERTS_PER_RANK) for j in range(K)
+                    if int(sidx[t, j]) // EXPERTS_PER_RANK == rank and int(sidx[t, j]) >= 0]
+            if not mine:
+                continue
+            want_x.append(quantize_reference(sx[t][None], False)[0][0] if fp8 else sx[t])
+            ids, ws = [-1] * K, [0.0] * K
+            for j, le in mine:
+                ids[j], ws[j] = le, float(sw[t, j])
+                counts[le] += 1
+            want_idx.append(ids)
+            want_w.append(ws)
+    n = len(want_x)
+    assert recv_x.shape == (n, HIDDEN), (recv_x.shape, n)
+    if fp8:
+        assert torch.equal(decode_e4m3(recv_x), torch.stack(want_x) if n else
+                           torch.empty(0, HIDDEN))
+    else:
+        assert torch.equal(recv_x.view(torch.int16), torch.stack(want_x).view(torch.int16)
+                           if n else torch.empty(0, HIDDEN, dtype=torch.int16))
+    assert recv_idx.dtype == torch.int64
+    assert recv_idx.tolist() == want_idx and recv_w.tolist() == want_w
+    assert per_expert_list == [(c + 3) // 4 * 4 for c in counts], (per_expert_list, counts)
+    # Combine: every rank returns twice its rows; each token comes back as twice itself times
+    # the number of ranks that held any of its experts.
+    if fp8:  # the fp8 dispatch's combine is the bf16 one's (combine moves bf16 rows)
+        buf.combine(torch.zeros(n, HIDDEN, dtype=torch.bfloat16), handle)
+        return
+    back = x.double()
+    out, weights_back, _ = buf.combine((recv_x.double() * 2).to(torch.bfloat16), handle)
+    assert weights_back is None
+    holders = want_in_rank.sum(1, keepdim=True).double()
+    assert torch.equal(out.view(torch.int16),
+                       (back * 2 * holders).to(torch.bfloat16).view(torch.int16))
+    # A cached dispatch (the handle's routing again), then its combine.
+    again, none_idx, none_w, none_list, none_handle, _ = buf.dispatch(x, handle=handle)
+    assert none_idx is None and none_w is None and none_list is None and none_handle is None
+    assert torch.equal(again.view(torch.int16), recv_x.view(torch.int16))
+    out2, _, _ = buf.combine(again, handle)
+    assert torch.equal(out2.view(torch.int16),
+                       (back * holders).to(torch.bfloat16).view(torch.int16))
+    # Refused: a handle combined already, the combine's top-k weights.
+    expect_error(ferry.InvalidArgument, "combined already", buf.combine, again, handle)
+
+
+def deep_ep_body(world, group_kind):
+    def body(b, store):
+        from ferry import deep_ep
+        group = gloo(b, store) if group_kind == "gloo" else b
+        buf = deep_ep.Buffer(group, num_nvl_bytes=1 << 22, num_rdma_bytes=0,
+                             low_latency_mode=True, explicitly_destroy=True)
+        assert buf.group_size == world and buf.rank == b.rank
+        for use_fp8, round_scale, ue8m0 in ((False, False, False), (True, False, False),
+                                            (True, True, True)):
+            for hook in (False, True):
+                check_low_latency(buf, world, b.rank, use_fp8, round_scale, ue8m0, hook)
+        check_normal(buf, world, b.rank, fp8=False)
+        check_normal(buf, world, b.rank, fp8=True)
+        # Refusals name what is not honoured.
+        x, idx, _ = inputs(world, b.rank)
+        e = EXPERTS_PER_RANK * world
+        expect_error(ferry.InvalidArgument, "num_max_dispatch_tokens_per_rank",
+                     buf.low_latency_dispatch, torch.zeros(MAX_TOKENS + 1, HIDDEN,
+                                                           dtype=torch.bfloat16),
+                     torch.zeros(MAX_TOKENS + 1, K, dtype=torch.int64), MAX_TOKENS, e)
+        expect_error(ferry.InvalidArgument, "use_ue8m0 needs round_scale",
+                     buf.low_latency_dispatch, x, idx, MAX_TOKENS, e, use_ue8m0=True)
+        expect_error(ferry.Unimplemented, "dispatch_wait_recv_cost_stats",
+                     buf.low_latency_dispatch, x, idx, MAX_TOKENS, e,
+                     dispatch_wait_recv_cost_stats=torch.zeros(world, dtype=torch.int64))
+        expect_error(ferry.InvalidArgument, "dtype", buf.low_latency_dispatch, x.float(), idx,
+                     MAX_TOKENS, e)
+        expect_error(ferry.Unimplemented, "low_latency_update_mask_buffer",
+                     buf.low_latency_update_mask_buffer, 0, True)
+        _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, MAX_TOKENS, e, use_fp8=False)
+        y = torch.zeros(EXPERTS_PER_RANK, world * MAX_TOKENS, HIDDEN, dtype=torch.bfloat16)
+        expect_error(ferry.InvalidArgument, "shape", buf.low_latency_combine, y[:, :1].contiguous(), idx,
+                     torch.ones(idx.shape), handle)
+        buf.low_latency_combine(y, idx, torch.ones(idx.shape), handle)
+        expect_error(ferry.InvalidArgument, "combined already", buf.low_latency_combine, y, idx,
+                     torch.ones(idx.shape), handle)
+        buf.destroy()
+    return body
+
+
+class DeepEpTest(Case):
+    def test_world_1_over_ferrys_bootstrap(self):
+        self.ranks(1, deep_ep_body(1, "ferry"))
+
+    def test_world_2_over_gloo(self):
+        self.ranks(2, deep_ep_body(2, "gloo"))
+
+    def test_world_4_over_ferrys_bootstrap(self):
+        self.ranks(4, deep_ep_body(4, "ferry"), timeout=240.0)
+
+
+# ---- pplx ---------------------------------------------------------------------------------------
+
+PADDING = 4
+
+
+def pplx_body(world, group_kind):
+    def body(b, store):
+        from ferry import pplx
+        group = gloo(b, store) if group_kind == "gloo" else b
+        e = EXPERTS_PER_RANK * world
+        a2a = pplx.AllToAll(max_num_tokens=MAX_TOKENS, num_experts=e, expert_padding=PADDING,
+                            hidden_dim=HIDDEN, hidden_dim_scale=None, in_dtype=torch.bfloat16,
+                            out_dtype=torch.bfloat16, scale_dtype=None, num_experts_per_token=K,
+                            nets_per_gpu=1, max_private_tokens=None, device=torch.device("cpu"),
+                            dp_group=None, node_group=None, global_group=group)
+        x, idx, w = inputs(world, b.rank)
+        ids = idx.to(torch.int32)
+        rows = a2a.max_recv_tokens
+        for split in (False, True):
+            counts = torch.empty(EXPERTS_PER_RANK, dtype=torch.int32)
+            out_x = torch.zeros(rows, HIDDEN, dtype=torch.bfloat16)
+            if split:
+                a2a.dispatch(counts, out_x, None, x, None, ids, w, do_recv=False)
+                expect_error(ferry.FailedPrecondition, "out of order", a2a.combine,
+                             torch.empty_like(x), ids, w, out_x)
+                a2a.dispatch(counts, out_x, None, x, None, ids, w, do_send=False)
+            else:
+                a2a.dispatch(counts, out_x, None, x, None, ids, w)
+            # Expert le's block starts where the padded blocks before it end.
+            start = 0
+            y = torch.zeros_like(out_x)
+            for le in range(EXPERTS_PER_RANK):
+                g = b.rank * EXPERTS_PER_RANK + le
+                want = [sx[t] for s in range(world) for sx, sidx, _ in [inputs(world, s)]
+                        for t in range(sx.shape[0]) for j in range(K) if int(sidx[t, j]) == g]
+                n = int(counts[le])
+                assert n == len(want), (b.rank, le, n, len(want))
+                assert rows_of(out_x[start:start + n]) == rows_of(want), (b.rank, le)
+                pad = out_x[start + n:start + (n + PADDING - 1) // PADDING * PADDING]
+                assert not pad.any(), "padding rows written"
+                y[start:start + n] = (out_x[start:start + n].double() *
+                                      expert_factor(g)).to(torch.bfloat16)
+                start += (n + PADDING - 1) // PADDING * PADDING
+            out = torch.empty_like(x)
+            if split:
+                a2a.combine(out, ids, w, y, do_recv=False)
+                a2a.combine(out, ids, w, y, do_send=False)
+            else:
+                a2a.combine(out, ids, w, y)
+            torch.testing.assert_close(out.float(), weighted_reference(x, idx, w).float(),
+                                       rtol=2 ** -7, atol=2 ** -6)
+        # bound_m: the first tokens only; accumulate adds to what out holds.
+        m = min(2, x.shape[0])
+        bound = torch.tensor([m], dtype=torch.int32)
+        counts = torch.empty(EXPERTS_PER_RANK, dtype=torch.int32)
+        out_x = torch.zeros(rows, HIDDEN, dtype=torch.bfloat16)
+        a2a.dispatch(counts, out_x, None, x, None, ids, w, bound_m=bound)
+        y = torch.zeros_like(out_x)
+        start = 0
+        for le in range(EXPERTS_PER_RANK):
+            n = int(counts[le])
+            g = b.rank * EXPERTS_PER_RANK + le
+            y[start:start + n] = (out_x[start:start + n].double() *
+                                  expert_factor(g)).to(torch.bfloat16)
+            start += (n + PADDING - 1) // PADDING * PADDING
+        out = torch.ones(m, HIDDEN, dtype=torch.bfloat16)
+        a2a.combine(out, ids[:m], w[:m], y, bound_m=bound, accumulate=True)
+        ref = (weighted_reference(x[:m], idx[:m], w[:m]).double() + 1).to(torch.bfloat16)
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=2 ** -6)
+        expect_error(ferry.InvalidArgument, "dtype", a2a.dispatch, counts, out_x, None,
+                     x.float(), None, ids, w)
+        a2a.destroy()
+    return body
+
+
+class PplxTest(Case):
+    def test_world_1_over_ferrys_bootstrap(self):
+        self.ranks(1, pplx_body(1, "ferry"))
+
+    def test_world_2_over_gloo(self):
+        self.ranks(2, pplx_body(2, "gloo"))
+
+    def test_world_4_over_ferrys_bootstrap(self):
+        self.ranks(4, pplx_body(4, "ferry"), timeout=240.0)
+
+    def test_refuses_what_it_cannot_honour(self):
+        from ferry import pplx
+
+        def body(b, store):
+            common = dict(max_num_tokens=4, num_experts=2, expert_padding=1, hidden_dim=128,
+                          hidden_dim_scale=None, in_dtype=torch.bfloat16,
+                          out_dtype=torch.bfloat16, scale_dtype=None, num_experts_per_token=1,
+                          global_group=b)
+            expect_error(ferry.InvalidArgument, "out_dtype", pplx.AllToAll,
+                         **{**common, "out_dtype": torch.float32})
+            expect_error(ferry.Unimplemented, "max_tokens_per_expert", pplx.AllToAll,
+                         **common, max_tokens_per_expert=8)
+            expect_error(ferry.InvalidArgument, "hidden_dim_scale", pplx.AllToAll,
+                         **{**common, "in_dtype": torch.uint8, "scale_dtype": torch.float32})
+        self.ranks(1, body)
+
+
+if __name__ == "__main__":
+    unittest.main()
