@@ -127,6 +127,13 @@ struct FERRY_API AllToAllConfig {
   // Rows of the expert-major dispatch output per local expert: the worst case, every token of
   // every rank routed to one expert.
   int64_t expert_capacity() const { return int64_t{world_size} * max_tokens_per_rank; }
+  // Rows of the expert-major output with DispatchOutput::expert_padding p >= 1: every copy that
+  // can land on one rank (each token of every rank at most min(k, local experts) times) and
+  // each expert's block rounded up to a multiple of p.
+  int64_t padded_rows(int p) const {
+    const int64_t l = local_experts(), per_token = experts_per_token < l ? experts_per_token : l;
+    return expert_capacity() * per_token + l * (p - 1);
+  }
   // What must agree between ranks, as bytes (rank excluded).
   std::vector<uint8_t> Fingerprint() const;
   std::string ToString() const;
@@ -163,7 +170,7 @@ struct FERRY_API DispatchInput {
 };
 
 // Dispatch output. Expert-major (the default): x holds [local_experts, expert_capacity] rows,
-// expert e's first num_tokens[e] filled. Token-major: x holds [expert_capacity] rows, the first
+// expert e's first num_tokens[e] filled (or, with expert_padding, blocks back to back). Token-major: x holds [expert_capacity] rows, the first
 // num_rows[0] filled -- every sender's tokens in rank order, each sender's in its token order --
 // and row i's copies are described by token_experts / token_weights. Rows past the counts are
 // not written.
@@ -178,6 +185,12 @@ struct FERRY_API DispatchOutput {
                                      // expert of the token's k-th copy, -1 if not ours
   float* token_weights = nullptr;    // [expert_capacity, experts_per_token] column k: its
                                      // combine weight, 0 if not ours
+  // Expert-major only. 0: x is [local_experts, expert_capacity] rows. p >= 1: the experts'
+  // rows back to back in x's padded_rows(p) rows, expert e's block starting where the blocks
+  // before it end, each block rounded up to a multiple of p (pplx-garden's layout: what a
+  // contiguous grouped GEMM reads in tiles of p rows). Padding rows are not written;
+  // num_tokens holds the unpadded counts. CombineSend then takes its rows in the same layout.
+  int expert_padding = 0;
 };
 
 // Combine output of one rank.
@@ -215,8 +228,9 @@ class FERRY_API AllToAll {
   // host device that stops the AllToAll (every later step reports it); on the CUDA device the
   // slot is dropped and the error surfaces as kernel errors do (see SetStream).
   virtual Status DispatchRecv(const DispatchOutput& out, Deadline deadline) = 0;
-  // expert_out: [local_experts, expert_capacity, hidden] bf16, rows as DispatchRecv laid them out;
-  // token-major: [expert_capacity, hidden], row i the weighted sum of row i's experts' outputs.
+  // expert_out: [local_experts, expert_capacity, hidden] bf16, rows as DispatchRecv laid them out
+  // (padded_rows(p) rows after a DispatchRecv with expert_padding p); token-major:
+  // [expert_capacity, hidden], row i the weighted sum of row i's experts' outputs.
   virtual Status CombineSend(const uint16_t* expert_out) = 0;
   // out: [T, hidden] bf16 for the T of the last DispatchSend; with accumulate, adds to it.
   virtual Status CombineRecv(const CombineOutput& out, Deadline deadline) = 0;

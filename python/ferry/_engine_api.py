@@ -20,6 +20,7 @@ from ._torch import torch_bootstrap
 
 
 MAX_INSTANCES = 16  # AllToAllConfig::kMaxInstances: the AllToAlls one engine serves
+_ENGINE_INSTANCES = {}  # id(engine) -> instances taken on it by the layers
 
 
 def fp8_dtype():
@@ -65,7 +66,7 @@ class Group:
         self._engine = engine
         self._own_engine = engine is None
         self._ranks_per_node = ranks_per_node
-        self._next_instance = 0
+        self._instances = 0  # AllToAlls made
         self._pools = {}  # key -> [_Pooled]
 
     def ranks_per_node(self):
@@ -92,18 +93,24 @@ class Group:
             if not p.busy:
                 p.busy = True
                 return p
-        if self._next_instance >= MAX_INSTANCES:
-            raise ResourceExhausted(
-                f"a layer holds at most {MAX_INSTANCES} AllToAlls (one per shape and overlapped "
-                f"call) and has {self._next_instance}: combine a call before dispatching more")
         config = make_config()
         config.world_size, config.rank = self.world_size, self.rank
-        config.instance = self._next_instance
-        config.validate()
         one_node = (config.device == _ferry.MoeDevice.CUDA
                     and config.ranks_per_node == self.world_size)
-        a2a = _ferry.AllToAll(config, self.engine(not one_node), self.bootstrap)
-        self._next_instance += 1
+        engine = self.engine(not one_node)
+        # Instances are numbered per engine (layers given one engine share its numbers); the
+        # ranks make the same calls in the same order, so they agree on each number.
+        taken = _ENGINE_INSTANCES.get(id(engine), 0) if engine is not None else self._instances
+        if taken >= MAX_INSTANCES:
+            raise ResourceExhausted(
+                f"an engine serves at most {MAX_INSTANCES} AllToAlls (one per shape and "
+                f"overlapped call), all taken: combine a call before dispatching more")
+        config.instance = taken
+        config.validate()
+        a2a = _ferry.AllToAll(config, engine, self.bootstrap)
+        if engine is not None:
+            _ENGINE_INSTANCES[id(engine)] = taken + 1
+        self._instances += 1
         p = _Pooled(a2a)
         p.busy = True
         pool.append(p)
@@ -115,6 +122,7 @@ class Group:
                 p.a2a.close()
         self._pools.clear()
         if self._own_engine and self._engine is not None:
+            _ENGINE_INSTANCES.pop(id(self._engine), None)
             self._engine.close()
             self._engine = None
 

@@ -118,6 +118,7 @@ class Buffer:
         self.explicitly_destroy = explicitly_destroy
         self._timeout = env_timeout() if timeout is None else float(timeout)
         self._ones = {}        # (device, rows, k) -> float32 ones: dispatch-time weights unused
+        self._outputs = {}     # (AllToAll, fp8 form) -> the low-latency outputs (_ll_outputs)
         self._stream = None    # the communication stream (CUDA)
         self._destroyed = False
 
@@ -292,27 +293,13 @@ class Buffer:
                 a2a.dispatch_send(x, ids, self._ones_for(x.device, m, k)[:tokens],
                                   num_tokens=tokens, scaling=scaling)
                 rows = world * m
-                recv_x = torch.empty(local, rows, hidden, device=x.device,
-                                     dtype=fp8_dtype() if use_fp8 else torch.bfloat16)
-                recv_count = torch.empty(local, dtype=torch.int32, device=x.device)
-                scales = (torch.empty(local, rows, hidden // 128, dtype=torch.float32,
-                                      device=x.device) if use_fp8 else None)
+                recv_x, recv_count, scales, packed = self._ll_outputs(
+                    pooled, x.device, local, rows, hidden, use_fp8, use_ue8m0)
         except BaseException:
             pooled.busy = False
             raise
         handle = _Handle(pooled=pooled, tokens=tokens, k=k, hidden=hidden,
                          num_experts=num_experts, max_tokens=m, topk_idx=topk_idx, fp8=use_fp8)
-        if use_fp8:
-            # DeepEP's scale layouts: the last two dimensions column-major (the storage is
-            # [local, groups, rows]); UE8M0: each scale's exponent byte, four groups per int32.
-            if use_ue8m0:
-                packed = torch.empty(local, hidden // 512, rows, dtype=torch.int32,
-                                     device=x.device).transpose(1, 2)
-            else:
-                packed = torch.empty(local, hidden // 128, rows, dtype=torch.float32,
-                                     device=x.device).transpose(1, 2)
-        else:
-            packed = None
 
         def receive():
             cuda = x.device.type == "cuda"
@@ -337,6 +324,35 @@ class Buffer:
                 receive().current_stream_wait()
             return out_x, recv_count, handle, event, hook
         return out_x, recv_count, handle, receive(), None
+
+    def _ll_outputs(self, pooled, device, local, rows, hidden, use_fp8, use_ue8m0):
+        """The output tensors of a low-latency dispatch: two sets per AllToAll, taken in turn,
+        so that (as DeepEP's buffers are) a result stays valid until the second dispatch after
+        it on the same AllToAll. Made once: a fresh allocation each call costs more than the
+        dispatch on the CPU, where torch caches no large blocks."""
+        key = (use_fp8, use_ue8m0)
+        sets = self._outputs.setdefault((id(pooled), key), [])
+        if len(sets) < 2:
+            recv_x = torch.empty(local, rows, hidden, device=device,
+                                 dtype=fp8_dtype() if use_fp8 else torch.bfloat16)
+            recv_count = torch.empty(local, dtype=torch.int32, device=device)
+            scales = packed = None
+            if use_fp8:
+                scales = torch.empty(local, rows, hidden // 128, dtype=torch.float32,
+                                     device=device)
+                # DeepEP's scale layouts: the last two dimensions column-major (the storage is
+                # [local, groups, rows]); UE8M0: each scale's exponent byte, four groups per
+                # int32.
+                if use_ue8m0:
+                    packed = torch.empty(local, hidden // 512, rows, dtype=torch.int32,
+                                         device=device).transpose(1, 2)
+                else:
+                    packed = torch.empty(local, hidden // 128, rows, dtype=torch.float32,
+                                         device=device).transpose(1, 2)
+            sets.append((recv_x, recv_count, scales, packed))
+            return sets[-1]
+        sets.append(sets.pop(0))
+        return sets[-1]
 
     def get_next_low_latency_combine_buffer(self, handle):
         """The tensor a zero-copy low_latency_combine sends from: [num_local_experts,

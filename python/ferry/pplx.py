@@ -84,24 +84,15 @@ class AllToAll:
             return c
 
         self._a2a = self._group.acquire(("pplx",), make).a2a
-        local, cap = self.num_local_experts, self._a2a.config.expert_capacity
-        # ferry's expert-major rows, between ferry and the caller's padded layout.
-        self._rows = torch.empty(local, cap, hidden_dim, device=device,
-                                 dtype=in_dtype if fp8 else torch.bfloat16)
-        self._scales = (torch.empty(local, cap, hidden_dim // 128, device=device,
-                                    dtype=torch.float32) if fp8 else None)
-        self._counts = torch.zeros(local, dtype=torch.int32, device=device)
-        self._y = torch.empty(local, cap, hidden_dim, device=device, dtype=torch.bfloat16)
         self._stage = "idle"
         self._stream = None
-        self._map = None  # the last dispatch's (expert, row) per padded row
+        self._recv_rows = 0  # out_expert_x's rows at the last dispatch (expert_y's at combine)
 
     @property
     def max_recv_tokens(self):
         """Rows out_expert_x needs at most: every copy of every rank's tokens that can land
         here (each token at most min(k, local experts) times), and every block's padding."""
-        copies = self._a2a.config.expert_capacity * min(self._k, self.num_local_experts)
-        return copies + self.num_local_experts * (self._padding - 1)
+        return self._a2a.config.padded_rows(self._padding)
 
     def destroy(self):
         self._group.close()
@@ -134,9 +125,11 @@ class AllToAll:
                 raise InvalidArgument(f"out_expert_num_tokens: {self.num_local_experts} "
                                       f"entries, got {out_expert_num_tokens.numel()}")
             check_tensor("out_expert_x", out_expert_x, self._in_dtype, 2, self._device)
-            if out_expert_x.shape[1] != self._hidden:
-                raise InvalidArgument(f"out_expert_x: hidden {out_expert_x.shape[1]}, "
-                                      f"configured {self._hidden}")
+            if out_expert_x.shape[1] != self._hidden or out_expert_x.shape[0] < \
+                    self.max_recv_tokens:
+                raise InvalidArgument(f"out_expert_x: shape {tuple(out_expert_x.shape)}, needs "
+                                      f"at least {(self.max_recv_tokens, self._hidden)} "
+                                      f"(max_recv_tokens: the worst routing's padded blocks)")
             if self._fp8:
                 check_tensor("out_expert_x_scale", out_expert_x_scale, torch.float32, 2,
                              self._device)
@@ -147,14 +140,10 @@ class AllToAll:
             elif out_expert_x_scale is not None:
                 raise InvalidArgument("out_expert_x_scale: bfloat16 input has no scales")
             with self._on_stream():
-                self._a2a.dispatch_recv(self._rows, self._counts, self._scales,
-                                        timeout=self._timeout)
-                self._map = self._padded_map(out_expert_x.shape[0])
-                expert, row, live = self._map
-                out_expert_x[live] = self._rows[expert[live], row[live]]
-                if self._fp8:
-                    out_expert_x_scale[live] = self._scales[expert[live], row[live]]
-                out_expert_num_tokens.copy_(self._counts)
+                # ferry lays the padded blocks out itself (DispatchOutput::expert_padding).
+                self._a2a.dispatch_recv(out_expert_x, out_expert_num_tokens, out_expert_x_scale,
+                                        timeout=self._timeout, expert_padding=self._padding)
+            self._recv_rows = out_expert_x.shape[0]
             self._stage = "received"
 
     def combine(self, out_tokens, indices, weights, expert_y, bound_m=None, do_send=True,
@@ -164,13 +153,11 @@ class AllToAll:
         if do_send:
             self._expect("received", "combine(do_send)")
             check_tensor("expert_y", expert_y, torch.bfloat16, 2, self._device)
-            if tuple(expert_y.shape) != (self._map[0].numel(), self._hidden):
+            if tuple(expert_y.shape) != (self._recv_rows, self._hidden):
                 raise InvalidArgument(f"expert_y: shape {tuple(expert_y.shape)}, out_expert_x "
-                                      f"was {(self._map[0].numel(), self._hidden)}")
+                                      f"was {(self._recv_rows, self._hidden)}")
             with self._on_stream():
-                expert, row, live = self._map
-                self._y[expert[live], row[live]] = expert_y[live]
-                self._a2a.combine_send(self._y)
+                self._a2a.combine_send(expert_y)
             self._stage = "combining"
         if do_recv:
             self._expect("combining", "combine(do_recv)")
@@ -230,23 +217,6 @@ class AllToAll:
 
     def _dev_bound(self, bound_m):
         return bound_m if bound_m is not None and self._cuda else None
-
-    def _padded_map(self, rows):
-        """For each of out_expert_x's rows: its expert, its row in that expert's block, and
-        whether it holds a token (False in a block's padding and past the last block)."""
-        counts = self._counts.to(torch.int64)
-        padded = (counts + self._padding - 1) // self._padding * self._padding
-        ends = torch.cumsum(padded, 0)
-        r = torch.arange(rows, device=self._device)
-        expert = torch.searchsorted(ends, r, right=True)
-        inside = expert < self.num_local_experts
-        expert = torch.where(inside, expert, torch.zeros_like(expert))
-        row = r - (ends[expert] - padded[expert])
-        live = inside & (row < counts[expert])
-        if not self._cuda and int(ends[-1]) > rows:
-            raise InvalidArgument(f"out_expert_x: {rows} rows, the experts' padded blocks take "
-                                  f"{int(ends[-1])} (max_recv_tokens is {self.max_recv_tokens})")
-        return expert, row, live
 
     def _on_stream(self):
         if not self._cuda:

@@ -22,6 +22,7 @@ class PyAllToAll {
     }();
     if (!created.ok()) ReleaseEngine(engine_);
     a2a_ = ValueOrThrow(std::move(created));
+    output_rows_ = OutputRows(a2a_->config());
   }
   ~PyAllToAll() { Close(); }
 
@@ -94,17 +95,23 @@ class PyAllToAll {
 
   void DispatchRecv(const py::handle& x, const py::handle& num_tokens, const py::handle& scales,
                     const py::handle& num_rows, const py::handle& token_experts,
-                    const py::handle& token_weights, double timeout) {
+                    const py::handle& token_weights, double timeout, int expert_padding) {
     const AllToAllConfig& c = config();
     const Deadline deadline = DeadlineIn(timeout);
     const bool token_major = c.dispatch_layout == DispatchLayout::kTokenMajor;
-    const uint64_t rows = OutputRows(c);
+    if (expert_padding < 0 || (token_major && expert_padding != 0)) {
+      ThrowIfError(InvalidArgumentError(
+          "dispatch_recv: expert_padding " + std::to_string(expert_padding) +
+          (token_major ? " (the token-major layout has no expert blocks)" : " (at least 0)")));
+    }
+    const uint64_t rows = expert_padding ? c.padded_rows(expert_padding) : OutputRows(c);
     const Array xa = ToArray(x), na = ToArray(num_tokens);
     Check(&xa, {"x", rows * c.token_bytes(), true, 0, ItemBytes(c)});
     Check(&na, {"num_tokens", static_cast<uint64_t>(c.local_experts()) * 4, true, 'i', 4});
     DispatchOutput out;
     out.x = xa.pointer();
     out.num_tokens = static_cast<int32_t*>(na.pointer());
+    out.expert_padding = expert_padding;
     Owners used{xa.owner, na.owner};
     if (auto sa = Optional(scales, "scales", c.scales_per_token() > 0)) {
       Check(&*sa, {"scales", rows * c.scales_per_token() * 4, true, 'f', 4});
@@ -127,12 +134,13 @@ class PyAllToAll {
     Run(std::move(used), [&](AllToAll& a) { return a.DispatchRecv(out, deadline); });
     // The rows received, where the host can read them (the CUDA device's count is on the GPU).
     received_rows_ = token_major && c.device == MoeDeviceKind::kHost ? *out.num_rows : -1;
+    output_rows_ = rows;
   }
 
   void CombineSend(const py::handle& expert_out, std::optional<int64_t> num_rows) {
     const AllToAllConfig& c = config();
     const Array ea = ToArray(expert_out);
-    uint64_t rows = OutputRows(c);
+    uint64_t rows = output_rows_;  // as the last dispatch_recv laid them out
     if (num_rows) {
       // Token-major: the caller's rows may stop at those received (the step reads no more).
       if (c.dispatch_layout != DispatchLayout::kTokenMajor) {
@@ -294,6 +302,7 @@ class PyAllToAll {
   std::vector<int32_t> narrowed_;  // int64 / uint32 ids as int32 (host device, during the step)
   int64_t last_tokens_ = 0;
   int64_t received_rows_ = -1;  // token-major rows of the last dispatch_recv; -1: not known here
+  uint64_t output_rows_ = 0;    // rows the last dispatch_recv's x held (its padding's)
   bool streamed_ = false;
   int busy_ = 0;  // steps running with the GIL released (the GIL guards the count)
 };
@@ -343,6 +352,8 @@ void BindMoe(py::module_& m) {
       .def_property_readonly("token_bytes", &AllToAllConfig::token_bytes)
       .def_property_readonly("scales_per_token", &AllToAllConfig::scales_per_token)
       .def_property_readonly("expert_capacity", &AllToAllConfig::expert_capacity)
+      .def("padded_rows", &AllToAllConfig::padded_rows, py::arg("expert_padding"),
+           "Rows of the expert-major output with that expert padding")
       .def("__repr__", &AllToAllConfig::ToString);
 
   BindClose(py::class_<PyAllToAll>(
@@ -366,11 +377,12 @@ void BindMoe(py::module_& m) {
       .def("dispatch_recv", &PyAllToAll::DispatchRecv, py::arg("x"), py::arg("num_tokens"),
            py::arg("scales") = py::none(), py::arg("num_rows") = py::none(),
            py::arg("token_experts") = py::none(), py::arg("token_weights") = py::none(),
-           py::arg("timeout") = 30.0,
+           py::arg("timeout") = 30.0, py::arg("expert_padding") = 0,
            "Expert-major: x [local_experts, expert_capacity, hidden], num_tokens [local_experts] "
-           "int32 (copies per expert); token-major also num_rows [1], token_experts and "
-           "token_weights [expert_capacity, k]; scales as x's rows (fp8). Peers' data is checked "
-           "before it is used (DataLoss naming the sender)")
+           "int32 (copies per expert); with expert_padding p the experts' blocks back to back "
+           "in x's config.padded_rows(p) rows, each rounded up to p rows; token-major also "
+           "num_rows [1], token_experts and token_weights [expert_capacity, k]; scales as x's "
+           "rows (fp8). Peers' data is checked before it is used (DataLoss naming the sender)")
       .def("combine_send", &PyAllToAll::CombineSend, py::arg("expert_out"),
            py::arg("num_rows") = py::none(),
            "expert_out: bf16 rows as dispatch_recv laid them out (token-major: one per row, "

@@ -21,6 +21,19 @@ except ImportError:  # the bindings' other tests run without torch
     torch = None
 
 HIDDEN, EXPERTS_PER_RANK, K, MAX_TOKENS = 512, 4, 4, 12
+DEV = "cpu"  # where the layers' tensors live (test_engine_api_cuda sets "cuda" in its ranks)
+
+
+def dv(t):
+    return t.to(DEV)
+
+
+def hv(t):
+    return t.cpu()
+
+
+def fp8_dtype():
+    return getattr(torch, "float8_e4m3fn", torch.uint8)
 
 
 def tokens_of(world, rank):
@@ -136,16 +149,21 @@ def check_low_latency(buf, world, rank, use_fp8, round_scale, use_ue8m0, hook):
     from ferry import deep_ep  # noqa: F401 -- the module under test
     x, idx, w = inputs(world, rank)
     e = EXPERTS_PER_RANK * world
-    stats = torch.zeros(EXPERTS_PER_RANK, dtype=torch.int32)
+    stats = dv(torch.zeros(EXPERTS_PER_RANK, dtype=torch.int32))
     recv, count, handle, event, recv_hook = buf.low_latency_dispatch(
-        x, idx, MAX_TOKENS, e, cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8,
-        round_scale=round_scale, use_ue8m0=use_ue8m0, return_recv_hook=hook)
+        dv(x), dv(idx), MAX_TOKENS, e, cumulative_local_expert_recv_stats=stats,
+        use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0, return_recv_hook=hook)
     assert (recv_hook is not None) == hook
     if hook:
         recv_hook()
     event.current_stream_wait()
     rows = world * MAX_TOKENS
     recv_x, scales = recv if use_fp8 else (recv, None)
+    if use_fp8:  # the layout on the device; the values here (strides kept: copied as they are)
+        assert scales.stride() == ((HIDDEN // 512 if use_ue8m0 else HIDDEN // 128) * rows, 1,
+                                   rows), scales.stride()
+    recv_x, count, stats = hv(recv_x), hv(count), hv(stats)
+    scales = hv(scales) if use_fp8 else None
     assert tuple(recv_x.shape) == (EXPERTS_PER_RANK, rows, HIDDEN), recv_x.shape
     assert tuple(count.shape) == (EXPERTS_PER_RANK,) and count.dtype == torch.int32
     if use_fp8:
@@ -194,11 +212,12 @@ def check_low_latency(buf, world, rank, use_fp8, round_scale, use_ue8m0, hook):
                 src = sources[tuple(got_q[r].tolist())].pop()
                 expert_y[le, r] = (src.double() * expert_factor(g)).to(torch.bfloat16)
     assert torch.equal(stats, count), (stats, count)
-    out, event, combine_hook = buf.low_latency_combine(expert_y, idx, w, handle,
+    out, event, combine_hook = buf.low_latency_combine(dv(expert_y), dv(idx), dv(w), handle,
                                                        return_recv_hook=hook)
     if hook:
         combine_hook()
     event.current_stream_wait()
+    out = hv(out)
     assert out.shape == x.shape and out.dtype == torch.bfloat16
     ref = weighted_reference(x, idx, w)
     torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=2 ** -6)
@@ -207,7 +226,9 @@ def check_low_latency(buf, world, rank, use_fp8, round_scale, use_ue8m0, hook):
 def check_normal(buf, world, rank, fp8):
     x, idx, w = inputs(world, rank)
     e = EXPERTS_PER_RANK * world
-    per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, e)
+    layout = buf.get_dispatch_layout(dv(idx), e)
+    per_rank, per_rdma, per_expert, in_rank = hv(layout[0]), layout[1], hv(layout[2]), hv(
+        layout[3])
     # The layout against its definition.
     want_in_rank = torch.zeros(x.shape[0], world, dtype=torch.bool)
     want_per_expert = torch.zeros(e, dtype=torch.int32)
@@ -223,13 +244,15 @@ def check_normal(buf, world, rank, fp8):
         q, s = quantize_reference(x, False)
         table = e4m3_table()
         codes = (q[..., None] == table[None, None, :]).float().argmax(-1).to(torch.uint8)
-        xin = (codes, s.contiguous())
+        xin = (dv(codes).view(fp8_dtype()), dv(s.contiguous()))
     else:
-        xin = x
+        xin = dv(x)
     recv, recv_idx, recv_w, per_expert_list, handle, event = buf.dispatch(
-        xin, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w, expert_alignment=4)
-    recv_x = recv[0] if fp8 else recv
+        xin, num_tokens_per_rank=dv(per_rank), is_token_in_rank=dv(in_rank),
+        num_tokens_per_expert=dv(per_expert), topk_idx=dv(idx), topk_weights=dv(w),
+        expert_alignment=4)
+    recv_x = hv(recv[0] if fp8 else recv)
+    recv_idx, recv_w = hv(recv_idx), hv(recv_w)
     # DeepEP's order: every sender's tokens in rank order, each sender's in token order; the
     # ids local to this rank (-1 for others'), their weights (0 for others').
     want_x, want_idx, want_w = [], [], []
@@ -262,19 +285,21 @@ def check_normal(buf, world, rank, fp8):
     # Combine: every rank returns twice its rows; each token comes back as twice itself times
     # the number of ranks that held any of its experts.
     if fp8:  # the fp8 dispatch's combine is the bf16 one's (combine moves bf16 rows)
-        buf.combine(torch.zeros(n, HIDDEN, dtype=torch.bfloat16), handle)
+        buf.combine(dv(torch.zeros(n, HIDDEN, dtype=torch.bfloat16)), handle)
         return
     back = x.double()
-    out, weights_back, _ = buf.combine((recv_x.double() * 2).to(torch.bfloat16), handle)
+    out, weights_back, _ = buf.combine(dv((recv_x.double() * 2).to(torch.bfloat16)), handle)
+    out = hv(out)
     assert weights_back is None
     holders = want_in_rank.sum(1, keepdim=True).double()
     assert torch.equal(out.view(torch.int16),
                        (back * 2 * holders).to(torch.bfloat16).view(torch.int16))
     # A cached dispatch (the handle's routing again), then its combine.
-    again, none_idx, none_w, none_list, none_handle, _ = buf.dispatch(x, handle=handle)
+    again, none_idx, none_w, none_list, none_handle, _ = buf.dispatch(dv(x), handle=handle)
     assert none_idx is None and none_w is None and none_list is None and none_handle is None
-    assert torch.equal(again.view(torch.int16), recv_x.view(torch.int16))
+    assert torch.equal(hv(again).view(torch.int16), recv_x.view(torch.int16))
     out2, _, _ = buf.combine(again, handle)
+    out2 = hv(out2)
     assert torch.equal(out2.view(torch.int16),
                        (back * holders).to(torch.bfloat16).view(torch.int16))
     # Refused: a handle combined already, the combine's top-k weights.
@@ -296,27 +321,29 @@ def deep_ep_body(world, group_kind):
         check_normal(buf, world, b.rank, fp8=True)
         # Refusals name what is not honoured.
         x, idx, _ = inputs(world, b.rank)
+        x, idx = dv(x), dv(idx)
         e = EXPERTS_PER_RANK * world
         expect_error(ferry.InvalidArgument, "num_max_dispatch_tokens_per_rank",
-                     buf.low_latency_dispatch, torch.zeros(MAX_TOKENS + 1, HIDDEN,
-                                                           dtype=torch.bfloat16),
-                     torch.zeros(MAX_TOKENS + 1, K, dtype=torch.int64), MAX_TOKENS, e)
+                     buf.low_latency_dispatch, dv(torch.zeros(MAX_TOKENS + 1, HIDDEN,
+                                                              dtype=torch.bfloat16)),
+                     dv(torch.zeros(MAX_TOKENS + 1, K, dtype=torch.int64)), MAX_TOKENS, e)
         expect_error(ferry.InvalidArgument, "use_ue8m0 needs round_scale",
                      buf.low_latency_dispatch, x, idx, MAX_TOKENS, e, use_ue8m0=True)
         expect_error(ferry.Unimplemented, "dispatch_wait_recv_cost_stats",
                      buf.low_latency_dispatch, x, idx, MAX_TOKENS, e,
-                     dispatch_wait_recv_cost_stats=torch.zeros(world, dtype=torch.int64))
+                     dispatch_wait_recv_cost_stats=dv(torch.zeros(world, dtype=torch.int64)))
         expect_error(ferry.InvalidArgument, "dtype", buf.low_latency_dispatch, x.float(), idx,
                      MAX_TOKENS, e)
         expect_error(ferry.Unimplemented, "low_latency_update_mask_buffer",
                      buf.low_latency_update_mask_buffer, 0, True)
         _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, MAX_TOKENS, e, use_fp8=False)
-        y = torch.zeros(EXPERTS_PER_RANK, world * MAX_TOKENS, HIDDEN, dtype=torch.bfloat16)
+        y = dv(torch.zeros(EXPERTS_PER_RANK, world * MAX_TOKENS, HIDDEN, dtype=torch.bfloat16))
+        ones = dv(torch.ones(idx.shape))
         expect_error(ferry.InvalidArgument, "shape", buf.low_latency_combine, y[:, :1].contiguous(), idx,
-                     torch.ones(idx.shape), handle)
-        buf.low_latency_combine(y, idx, torch.ones(idx.shape), handle)
+                     ones, handle)
+        buf.low_latency_combine(y, idx, ones, handle)
         expect_error(ferry.InvalidArgument, "combined already", buf.low_latency_combine, y, idx,
-                     torch.ones(idx.shape), handle)
+                     ones, handle)
         buf.destroy()
     return body
 
@@ -337,6 +364,25 @@ class DeepEpTest(Case):
 PADDING = 4
 
 
+def padded_blocks(out_x, counts, rank, world):
+    """The expected rows of each expert's block (checked against out_x, padding rows zero) and
+    expert outputs in the same layout: each row times its expert's factor."""
+    start, y = 0, torch.zeros_like(out_x)
+    for le in range(EXPERTS_PER_RANK):
+        g = rank * EXPERTS_PER_RANK + le
+        want = [sx[t] for s in range(world) for sx, sidx, _ in [inputs(world, s)]
+                for t in range(sx.shape[0]) for j in range(K) if int(sidx[t, j]) == g]
+        n = int(counts[le])
+        assert n == len(want), (rank, le, n, len(want))
+        assert rows_of(out_x[start:start + n]) == rows_of(want), (rank, le)
+        end = start + (n + PADDING - 1) // PADDING * PADDING
+        assert not out_x[start + n:end].view(torch.int16).any(), "padding rows written"
+        y[start:start + n] = (out_x[start:start + n].double() * expert_factor(g)).to(
+            torch.bfloat16)
+        start = end
+    return y
+
+
 def pplx_body(world, group_kind):
     def body(b, store):
         from ferry import pplx
@@ -345,66 +391,66 @@ def pplx_body(world, group_kind):
         a2a = pplx.AllToAll(max_num_tokens=MAX_TOKENS, num_experts=e, expert_padding=PADDING,
                             hidden_dim=HIDDEN, hidden_dim_scale=None, in_dtype=torch.bfloat16,
                             out_dtype=torch.bfloat16, scale_dtype=None, num_experts_per_token=K,
-                            nets_per_gpu=1, max_private_tokens=None, device=torch.device("cpu"),
+                            nets_per_gpu=1, max_private_tokens=None, device=torch.device(DEV),
                             dp_group=None, node_group=None, global_group=group)
         x, idx, w = inputs(world, b.rank)
-        ids = idx.to(torch.int32)
+        dx, ids, dw = dv(x), dv(idx.to(torch.int32)), dv(w)
         rows = a2a.max_recv_tokens
         for split in (False, True):
-            counts = torch.empty(EXPERTS_PER_RANK, dtype=torch.int32)
-            out_x = torch.zeros(rows, HIDDEN, dtype=torch.bfloat16)
+            counts = dv(torch.empty(EXPERTS_PER_RANK, dtype=torch.int32))
+            out_x = dv(torch.zeros(rows, HIDDEN, dtype=torch.bfloat16))
             if split:
-                a2a.dispatch(counts, out_x, None, x, None, ids, w, do_recv=False)
+                a2a.dispatch(counts, out_x, None, dx, None, ids, dw, do_recv=False)
                 expect_error(ferry.FailedPrecondition, "out of order", a2a.combine,
-                             torch.empty_like(x), ids, w, out_x)
-                a2a.dispatch(counts, out_x, None, x, None, ids, w, do_send=False)
+                             torch.empty_like(dx), ids, dw, out_x)
+                a2a.dispatch(counts, out_x, None, dx, None, ids, dw, do_send=False)
             else:
-                a2a.dispatch(counts, out_x, None, x, None, ids, w)
-            # Expert le's block starts where the padded blocks before it end.
-            start = 0
-            y = torch.zeros_like(out_x)
-            for le in range(EXPERTS_PER_RANK):
-                g = b.rank * EXPERTS_PER_RANK + le
-                want = [sx[t] for s in range(world) for sx, sidx, _ in [inputs(world, s)]
-                        for t in range(sx.shape[0]) for j in range(K) if int(sidx[t, j]) == g]
-                n = int(counts[le])
-                assert n == len(want), (b.rank, le, n, len(want))
-                assert rows_of(out_x[start:start + n]) == rows_of(want), (b.rank, le)
-                pad = out_x[start + n:start + (n + PADDING - 1) // PADDING * PADDING]
-                assert not pad.any(), "padding rows written"
-                y[start:start + n] = (out_x[start:start + n].double() *
-                                      expert_factor(g)).to(torch.bfloat16)
-                start += (n + PADDING - 1) // PADDING * PADDING
-            out = torch.empty_like(x)
+                a2a.dispatch(counts, out_x, None, dx, None, ids, dw)
+            y = dv(padded_blocks(hv(out_x), hv(counts), b.rank, world))
+            out = torch.empty_like(dx)
             if split:
-                a2a.combine(out, ids, w, y, do_recv=False)
-                a2a.combine(out, ids, w, y, do_send=False)
+                a2a.combine(out, ids, dw, y, do_recv=False)
+                a2a.combine(out, ids, dw, y, do_send=False)
             else:
-                a2a.combine(out, ids, w, y)
-            torch.testing.assert_close(out.float(), weighted_reference(x, idx, w).float(),
+                a2a.combine(out, ids, dw, y)
+            torch.testing.assert_close(hv(out).float(), weighted_reference(x, idx, w).float(),
                                        rtol=2 ** -7, atol=2 ** -6)
-        # bound_m: the first tokens only; accumulate adds to what out holds.
+        # bound_m: the first m tokens only; accumulate adds to what out holds.
         m = min(2, x.shape[0])
-        bound = torch.tensor([m], dtype=torch.int32)
-        counts = torch.empty(EXPERTS_PER_RANK, dtype=torch.int32)
-        out_x = torch.zeros(rows, HIDDEN, dtype=torch.bfloat16)
-        a2a.dispatch(counts, out_x, None, x, None, ids, w, bound_m=bound)
-        y = torch.zeros_like(out_x)
-        start = 0
-        for le in range(EXPERTS_PER_RANK):
-            n = int(counts[le])
-            g = b.rank * EXPERTS_PER_RANK + le
-            y[start:start + n] = (out_x[start:start + n].double() *
-                                  expert_factor(g)).to(torch.bfloat16)
-            start += (n + PADDING - 1) // PADDING * PADDING
-        out = torch.ones(m, HIDDEN, dtype=torch.bfloat16)
-        a2a.combine(out, ids[:m], w[:m], y, bound_m=bound, accumulate=True)
+        bound = dv(torch.tensor([m], dtype=torch.int32))
+        counts = dv(torch.empty(EXPERTS_PER_RANK, dtype=torch.int32))
+        out_x = dv(torch.zeros(rows, HIDDEN, dtype=torch.bfloat16))
+        a2a.dispatch(counts, out_x, None, dx, None, ids, dw, bound_m=bound)
+        y = dv(padded_blocks_bounded(hv(out_x), hv(counts), b.rank, world, 2))
+        out = dv(torch.ones(x.shape[0], HIDDEN, dtype=torch.bfloat16))
+        a2a.combine(out, ids, dw, y, bound_m=bound, accumulate=True)
         ref = (weighted_reference(x[:m], idx[:m], w[:m]).double() + 1).to(torch.bfloat16)
-        torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=2 ** -6)
+        torch.testing.assert_close(hv(out)[:m].float(), ref.float(), rtol=2 ** -7,
+                                   atol=2 ** -6)
         expect_error(ferry.InvalidArgument, "dtype", a2a.dispatch, counts, out_x, None,
-                     x.float(), None, ids, w)
+                     dx.float(), None, ids, dw)
+        a2a.dispatch(counts, out_x, None, dx, None, ids, dw, do_recv=False)
+        expect_error(ferry.InvalidArgument, "max_recv_tokens", a2a.dispatch, counts,
+                     out_x[:rows - 1], None, dx, None, ids, dw, do_send=False)
+        a2a.dispatch(counts, out_x, None, dx, None, ids, dw, do_send=False)
+        a2a.combine(torch.empty_like(dx), ids, dw, torch.zeros_like(out_x))
         a2a.destroy()
     return body
+
+
+def padded_blocks_bounded(out_x, counts, rank, world, m):
+    """padded_blocks for senders that sent only their first m tokens (or all, if fewer)."""
+    start, y = 0, torch.zeros_like(out_x)
+    for le in range(EXPERTS_PER_RANK):
+        g = rank * EXPERTS_PER_RANK + le
+        want = [sx[t] for s in range(world) for sx, sidx, _ in [inputs(world, s)]
+                for t in range(min(m, sx.shape[0])) for j in range(K) if int(sidx[t, j]) == g]
+        n = int(counts[le])
+        assert n == len(want) and rows_of(out_x[start:start + n]) == rows_of(want), (rank, le)
+        y[start:start + n] = (out_x[start:start + n].double() * expert_factor(g)).to(
+            torch.bfloat16)
+        start += (n + PADDING - 1) // PADDING * PADDING
+    return y
 
 
 class PplxTest(Case):

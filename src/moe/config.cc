@@ -120,6 +120,12 @@ Status CheckDispatchOutput(const AllToAllConfig& c, const DispatchOutput& out) {
     return InvalidArgumentError(
         "DispatchRecv: the token-major layout needs num_rows, token_experts and token_weights");
   }
+  if (out.expert_padding < 0 || (token_major && out.expert_padding != 0)) {
+    return InvalidArgumentError("DispatchRecv: expert_padding " +
+                                std::to_string(out.expert_padding) +
+                                (token_major ? " (the token-major layout has no expert blocks)"
+                                             : " (at least 0)"));
+  }
   if (!token_major && has_token_fields) {
     return InvalidArgumentError(
         "DispatchRecv: num_rows, token_experts and token_weights are outputs of the token-major "

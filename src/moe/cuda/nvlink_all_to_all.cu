@@ -147,9 +147,11 @@ class NvlinkAllToAll final : public AllToAll {
     RETURN_IF_ERROR(CheckDispatchOutput(c_, out));
     RETURN_IF_ERROR(Aligned(out.x, "DispatchRecv: x"));
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
+    const int64_t out_rows = out.expert_padding ? c_.padded_rows(out.expert_padding)
+                                                : int64_t{nv_.l} * c_.expert_capacity();
     const RecvArgs args{static_cast<uint8_t*>(out.x), out.scales,        out.num_tokens,
                         BudgetNs(deadline),           out.num_rows,      out.token_experts,
-                        out.token_weights};
+                        out.token_weights,            out.expert_padding, out_rows};
     FERRY_CUDA(Launch(nv_.stream ? UnpackKernel<true> : UnpackKernel<false>, unpack_grid_,
                       unpack_smem_, args));
     stage_ = Stage::kDispatchDone;
@@ -403,7 +405,8 @@ class NvlinkAllToAll final : public AllToAll {
     // Unpack's shared memory (see the kernel); above the default limit for very many ranks.
     unpack_smem_ = size_t(n) * sizeof(PeerIn) + size_t(RoundUp((3 * int64_t{n} + 1) * 8, 16)) +
                    size_t(n) * v.counts_stride * sizeof(int32_t) +
-                   size_t(n + 1) * v.l * sizeof(int32_t);
+                   size_t((int64_t{n + 1} * v.l + 1) / 2 * 2) * sizeof(int32_t) +
+                   size_t(v.l) * sizeof(int64_t);  // the expert bases
     if (unpack_smem_ > 48 * 1024) {
       for (auto* kernel : {UnpackKernel<false>, UnpackKernel<true>}) {
         FERRY_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -44,8 +44,16 @@ struct SlotTables {
 // offset[s][e]: rows of local expert e from senders before s (offset[N][e]: all of them), from
 // every sender's counts row; block 0 also notes the epoch's received slots for CombineSend.
 // Ends with a block barrier.
+// The expert bases after the offsets table, 8-byte aligned.
+__device__ inline int64_t* ExpertBase(const Nv& v, int32_t* offset) {
+  return reinterpret_cast<int64_t*>(offset + (int64_t{v.n + 1} * v.l + 1) / 2 * 2);
+}
+
+// base[e] (after offset's [N + 1][L]): expert e's first output row -- e * capacity, or with
+// expert padding p the sum over experts before it of their rows rounded up to p (one thread:
+// a prefix over the local experts).
 __device__ inline void BuildOffsets(const Nv& v, const int32_t* counts, int32_t* offset,
-                                    int64_t total) {
+                                    int64_t total, int32_t padding) {
   for (int e = threadIdx.x; e < v.l; e += blockDim.x) {
     int32_t rows = 0;
     for (int q = 0; q < v.n; ++q) {
@@ -53,6 +61,19 @@ __device__ inline void BuildOffsets(const Nv& v, const int32_t* counts, int32_t*
       rows += counts[q * v.counts_stride + e];
     }
     offset[v.n * v.l + e] = rows;
+  }
+  int64_t* base = ExpertBase(v, offset);
+  if (padding == 0) {
+    for (int e = threadIdx.x; e < v.l; e += blockDim.x) base[e] = int64_t{e} * v.capacity;
+  } else {
+    __syncthreads();  // every total in
+    if (threadIdx.x == 0) {
+      int64_t next = 0;
+      for (int e = 0; e < v.l; ++e) {
+        base[e] = next;
+        next += (int64_t{offset[v.n * v.l + e]} + padding - 1) / padding * padding;
+      }
+    }
   }
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     v.scratch->total_recv = static_cast<int32_t>(total);
@@ -165,7 +186,7 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
   Mark(v, kTraceUnpack, 3);
 
   if (!v.counts_tagged) {  // tagged, the kernel built it from the rows before the flags
-    BuildOffsets(v, t.counts, t.offset, total);
+    BuildOffsets(v, t.counts, t.offset, total, a.padding);
     Mark(v, kTraceUnpack, 4);
   }
   bool primary_done = false, marked = false;
@@ -205,7 +226,8 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
       const int32_t le = entry.local_expert;
       valid = valid && SlotEntryValid(entry, offset, s, limits);
       if (valid) {
-        const int64_t expert_row = int64_t{le} * v.capacity + offset[s * v.l + le] + entry.pos;
+        const int64_t expert_row = ExpertBase(v, offset)[le] + offset[s * v.l + le] + entry.pos;
+        valid = valid && (v.token_major || expert_row < a.out_rows);
         out_row[tid] = v.token_major ? g : expert_row;
         // CombineSend's entries; token-major it copies row g and reads none.
         if (!v.token_major) {
@@ -362,7 +384,7 @@ __global__ void __launch_bounds__(kCopyThreads, 2) UnpackKernel(Nv v, RecvArgs a
   // Counts rows from their tags: the offsets table now, then (not streamed) every send block's
   // arrival -- the table no longer waits behind the senders' last slots.
   if (v.counts_tagged) {
-    BuildOffsets(v, counts, offset, total);
+    BuildOffsets(v, counts, offset, total, a.padding);
     Mark(v, kTraceUnpack, 4);
     if (!kStream) {
       if (threadIdx.x == 0) ok = WaitStep(v, epoch, a.timeout_ns, 0);

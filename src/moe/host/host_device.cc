@@ -100,7 +100,41 @@ class HostDevice final : public MoeDevice {
     if (token_major) {
       token_routes_.assign(size_t(c.expert_capacity()), Route{});
     } else {
-      routes_.assign(size_t(l) * c.expert_capacity(), Route{});
+      routes_.assign(size_t(out.expert_padding ? c.padded_rows(out.expert_padding)
+                                               : l * c.expert_capacity()),
+                     Route{});
+    }
+    // Where each local expert's rows start: its block of capacity rows, or (padded) after the
+    // rounded-up blocks of the experts before it, from every sender's counts.
+    // Peers' announced counts size the blocks, so each is checked, and each expert's rows are
+    // held to its count (expert_limit_) as they are placed: nothing lands outside x.
+    expert_base_.assign(l, 0);
+    expert_limit_.assign(l, c.expert_capacity());
+    if (const int p = out.expert_padding; p > 0) {
+      int64_t next = 0;
+      for (int e = 0; e < l; ++e) {
+        int64_t rows = 0;
+        for (int s = 0; s < n; ++s) {
+          const int64_t announced = routing.row(s)[me * l + e];
+          if (announced < 0 || announced > c.max_tokens_per_rank) {
+            return Malformed(DataLossError(
+                "moe: rank " + std::to_string(s) + " announces " + std::to_string(announced) +
+                " tokens for local expert " + std::to_string(e) + " (at most " +
+                std::to_string(c.max_tokens_per_rank) + ")"));
+          }
+          rows += announced;
+        }
+        expert_base_[e] = next;
+        expert_limit_[e] = rows;
+        next += (rows + p - 1) / p * p;
+      }
+      if (next > c.padded_rows(p)) {
+        return Malformed(DataLossError("moe: the announced counts take " + std::to_string(next) +
+                                       " padded rows, more than the " +
+                                       std::to_string(c.padded_rows(p)) + " any routing can"));
+      }
+    } else {
+      for (int e = 0; e < l; ++e) expert_base_[e] = int64_t{e} * c.expert_capacity();
     }
     int32_t num_rows = 0;
     const int64_t payload = c.token_bytes(), spt = c.scales_per_token();
@@ -151,12 +185,18 @@ class HostDevice final : public MoeDevice {
                 std::to_string(entry.k) + " or overruns its " + std::to_string(rows) + " rows"));
           }
           const int32_t pos = out.num_tokens[entry.local_expert]++;
+          if (pos >= expert_limit_[entry.local_expert]) {
+            return Malformed(DataLossError(
+                "moe: rank " + std::to_string(s) + " sends local expert " +
+                std::to_string(entry.local_expert) + " more copies than announced or fit (" +
+                std::to_string(expert_limit_[entry.local_expert]) + ")"));
+          }
           if (token_major) {
             out.token_experts[token_row * k + entry.k] = entry.local_expert;
             out.token_weights[token_row * k + entry.k] = entry.weight;
             continue;
           }
-          const int64_t dst = int64_t{entry.local_expert} * c.expert_capacity() + pos;
+          const int64_t dst = expert_base_[entry.local_expert] + pos;
           std::memcpy(static_cast<uint8_t*>(out.x) + dst * payload, body, payload);
           if (spt) std::memcpy(out.scales + dst * spt, body + payload, spt * 4);
           routes_[dst] = Route{s, row, entry.weight};
@@ -192,7 +232,7 @@ class HostDevice final : public MoeDevice {
       partial_.assign(size_t(row_start_[n]) * h, 0.0f);
       for (int e = 0; e < l; ++e) {
         for (int32_t pos = 0; pos < expert_rows_[e]; ++pos) {
-          const int64_t src = int64_t{e} * c.expert_capacity() + pos;
+          const int64_t src = expert_base_[e] + pos;
           const Route& route = routes_[src];
           float* acc = partial_.data() + size_t(row_start_[route.src] + route.row) * h;
           const uint16_t* y = expert_out + src * h;
@@ -204,7 +244,7 @@ class HostDevice final : public MoeDevice {
     } else {
       for (int e = 0; e < l; ++e) {
         for (int32_t pos = 0; pos < expert_rows_[e]; ++pos) {
-          const int64_t src = int64_t{e} * c.expert_capacity() + pos;
+          const int64_t src = expert_base_[e] + pos;
           const Route& route = routes_[src];
           std::memcpy(area + (row_start_[route.src] + route.row) * layout_.row_bytes,
                       expert_out + src * h, layout_.row_bytes);
@@ -280,6 +320,8 @@ class HostDevice final : public MoeDevice {
   std::vector<SlotEntry> entries_;           // what the slots carry
   std::vector<Route> routes_;                // [L, capacity] where each received row came from
   std::vector<int32_t> expert_rows_;         // [L]
+  std::vector<int64_t> expert_base_;         // [L] each local expert's first output row
+  std::vector<int64_t> expert_limit_;        // [L] the rows its block holds
   std::vector<Route> token_routes_;          // token-major: [capacity] the same per output row
   int32_t token_rows_ = 0;                   // token-major: rows of the last DispatchRecv
   std::vector<int64_t> row_start_;           // [N + 1] combine rows per sender, in our send area

@@ -1,6 +1,9 @@
-// fp8 e4m3 made inside the dispatch (DispatchInput::x_bf16): the conversion against a search
-// over all 256 codes, the scales' two rules, and the host device's dispatch delivering exactly
-// what quantising the sender's rows gives, while refusing inputs that mix the two forms.
+// What DeepEP's and pplx's APIs need of the core, on the host device. fp8 e4m3 made inside the
+// dispatch (DispatchInput::x_bf16): the conversion against a search over all 256 codes, the
+// scales' two rules, and a dispatch delivering exactly what quantising the sender's rows gives,
+// while refusing inputs that mix the two forms. Expert padding (DispatchOutput::expert_padding):
+// each expert's block where the padded blocks before it end, padding rows untouched, and the
+// combine reading the same layout.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -180,6 +183,114 @@ TEST(Fp8Test, DispatchQuantisesBf16RowsAsItSends) {
     std::vector<uint16_t> expert_out(size_t(local) * capacity * hidden, 0);
     RETURN_IF_ERROR(a2a->CombineSend(expert_out.data()));
     std::vector<uint16_t> y(size_t(tokens) * hidden);
+    RETURN_IF_ERROR(a2a->CombineRecv(y.data(), false, Deadline::After(30s)));
+    return b.Barrier(30s);
+  }, 120s);
+  for (size_t r = 0; r < exits.size(); ++r) {
+    EXPECT_TRUE(exits[r].ok()) << "rank " << r << ": exit " << exits[r].exit_code;
+  }
+}
+
+// Three ranks, expert padding 4: rows of each local expert back to back from the base the
+// padded counts give, each row tagged with its (sender, token) in its first two columns; the
+// padding rows keep the fill they had; experts that return twice their rows combine into
+// each token times twice its weights' sum.
+TEST(ExpertPaddingTest, BlocksBackToBackAndTheCombineReadsThem) {
+  auto exits = RunLocalRanks(3, [](Bootstrap& b) -> Status {
+    const int world = 3, tokens = 7, hidden = 128, experts = 6, k = 3, pad = 4;
+    AllToAllConfig cfg{world, b.rank(), 1, experts, k, 8, hidden, DispatchDtype::kBf16, 2};
+    ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
+    ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(cfg, engine.get(), b));
+    // Rank s's token t: experts (t + s + j) % 6 for j < 3, the last -1 for odd t; rank 2 none.
+    const auto count = [&](int s) { return s == 2 ? 0 : tokens; };
+    const auto route = [&](int s) {
+      std::vector<int32_t> idx(size_t(count(s)) * k);
+      for (int t = 0; t < count(s); ++t) {
+        for (int j = 0; j < k; ++j) idx[t * k + j] = (t + s + j) % experts;
+        if (t % 2) idx[t * k + k - 1] = -1;
+      }
+      return idx;
+    };
+    const auto row_of = [&](int s, int t) {
+      std::vector<uint16_t> r(hidden, FloatToBf16(0.5f));
+      r[0] = FloatToBf16(float(s));
+      r[1] = FloatToBf16(float(t));
+      return r;
+    };
+    std::vector<uint16_t> x;
+    for (int t = 0; t < count(b.rank()); ++t) {
+      const auto r = row_of(b.rank(), t);
+      x.insert(x.end(), r.begin(), r.end());
+    }
+    const std::vector<int32_t> idx = route(b.rank());
+    const std::vector<float> w(idx.size(), 0.25f);
+    const int local = cfg.local_experts();
+    const int64_t rows = cfg.padded_rows(pad);
+    std::vector<uint16_t> out(size_t(rows) * hidden, 0xABCD);
+    std::vector<int32_t> counts(local);
+    for (int it = 0; it < 2; ++it) {
+      RETURN_IF_ERROR(a2a->DispatchSend({x.data(), nullptr, idx.data(), w.data(),
+                                         count(b.rank())}));
+      DispatchOutput o{out.data(), nullptr, counts.data()};
+      o.expert_padding = pad;
+      RETURN_IF_ERROR(a2a->DispatchRecv(o, Deadline::After(30s)));
+      int64_t base = 0;
+      std::vector<uint16_t> expert_out(out.size(), 0);
+      for (int e = 0; e < local; ++e) {
+        std::vector<std::pair<int, int>> want, got;
+        for (int s = 0; s < world; ++s) {
+          const auto sidx = route(s);
+          for (int t = 0; t < count(s); ++t) {
+            for (int j = 0; j < k; ++j) {
+              if (sidx[t * k + j] == b.rank() * local + e) want.push_back({s, t});
+            }
+          }
+        }
+        CHECK_OR_RETURN(counts[e] == int(want.size()),
+                        "expert " + std::to_string(e) + ": " + std::to_string(counts[e]) +
+                            " rows, expected " + std::to_string(want.size()));
+        for (int i = 0; i < counts[e]; ++i) {
+          const uint16_t* r = out.data() + (base + i) * hidden;
+          got.push_back({int(Bf16ToFloat(r[0])), int(Bf16ToFloat(r[1]))});
+          for (int c = 0; c < hidden; ++c) {
+            expert_out[(base + i) * hidden + c] = FloatToBf16(2 * Bf16ToFloat(r[c]));
+          }
+        }
+        std::sort(want.begin(), want.end());
+        std::sort(got.begin(), got.end());
+        CHECK_OR_RETURN(got == want, "expert " + std::to_string(e) + ": other rows");
+        const int64_t end = base + (counts[e] + pad - 1) / pad * pad;
+        for (int64_t i = base + counts[e]; i < end; ++i) {
+          CHECK_OR_RETURN(out[i * hidden] == 0xABCD, "padding row " + std::to_string(i) +
+                                                         " written");
+        }
+        base = end;
+      }
+      RETURN_IF_ERROR(a2a->CombineSend(expert_out.data()));
+      std::vector<uint16_t> y(x.size());
+      RETURN_IF_ERROR(a2a->CombineRecv(y.data(), false, Deadline::After(30s)));
+      for (int t = 0; t < count(b.rank()); ++t) {
+        int copies = 0;
+        for (int j = 0; j < k; ++j) copies += idx[t * k + j] >= 0;
+        const auto r = row_of(b.rank(), t);
+        for (int c = 0; c < hidden; ++c) {
+          const float want = 2 * Bf16ToFloat(r[c]) * 0.25f * copies;
+          CHECK_OR_RETURN(Bf16ToFloat(y[size_t(t) * hidden + c]) == want,
+                          "token " + std::to_string(t) + " column " + std::to_string(c));
+        }
+      }
+    }
+    // Padding is for the expert-major layout; a negative one is refused, the step retried.
+    RETURN_IF_ERROR(a2a->DispatchSend({x.data(), nullptr, idx.data(), w.data(),
+                                       count(b.rank())}));
+    DispatchOutput bad{out.data(), nullptr, counts.data()};
+    bad.expert_padding = -1;
+    const Status s = a2a->DispatchRecv(bad, Deadline::After(30s));
+    CHECK_OR_RETURN(s.code() == StatusCode::kInvalidArgument, "padding -1: " + s.ToString());
+    RETURN_IF_ERROR(a2a->DispatchRecv({out.data(), nullptr, counts.data()},
+                                      Deadline::After(30s)));
+    std::vector<uint16_t> eo(size_t(local) * cfg.expert_capacity() * hidden, 0), y(x.size());
+    RETURN_IF_ERROR(a2a->CombineSend(eo.data()));
     RETURN_IF_ERROR(a2a->CombineRecv(y.data(), false, Deadline::After(30s)));
     return b.Barrier(30s);
   }, 120s);

@@ -1,0 +1,218 @@
+"""What ferry.deep_ep and ferry.pplx add per call over ferry's direct Python API, in one run.
+
+Each layer's dispatch and combine are timed against the same steps called directly on an
+AllToAll of the same shape (its buffers allocated once, as a caller of the direct API keeps
+them), the two interleaved iteration by iteration so that drift hits both alike: "added" is
+p50(layer) - p50(direct) per call. The layer's own time is also taken inside each of its calls:
+the call's time less that of the ferry steps it made ("own", p50), which the proxy threads'
+scheduling on a small host does not blur. The target is <= 2 us per call.
+
+  PYTHONPATH=build/python /usr/bin/python3 tools/bench_engine_api.py [--device cuda]
+      [--iterations N] [--json out.json]
+
+CPU: the host device, one rank (what the layers add is Python on the calling thread, the
+same at any world size). CUDA: one GPU, one rank, the steps enqueued on a stream and timed on
+the host as a caller sees them (each iteration synchronised outside the timed calls).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+import ferry
+from ferry import deep_ep, pplx
+
+TOKENS, HIDDEN, EXPERTS, K = 128, 2048, 8, 4
+
+
+def p50_us(samples):
+    return statistics.median(samples) * 1e6
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--iterations", type=int, default=2000)
+    p.add_argument("--json")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    os.environ.setdefault("FERRY_PROVIDER", "shm")
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    results = {}
+
+    def run(bootstrap):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(TOKENS, HIDDEN, generator=g).to(torch.bfloat16).to(dev)
+        idx = torch.stack([torch.randperm(EXPERTS, generator=g)[:K] for _ in range(TOKENS)])
+        idx32 = idx.to(torch.int32).to(dev)
+        idx = idx.to(dev)
+        w = torch.rand(TOKENS, K, generator=g).to(dev)
+        stream = torch.cuda.Stream() if cuda else None
+        ctx = torch.cuda.stream(stream) if cuda else _nothing()
+
+        # The direct API: one expert-major AllToAll, its buffers kept.
+        engine = None if cuda else ferry.TransferEngine(
+            ferry.EngineOptions.from_env(provider="shm"))
+        c = ferry.AllToAllConfig(world_size=1, rank=0, num_experts=EXPERTS,
+                                 experts_per_token=K, max_tokens_per_rank=TOKENS, hidden=HIDDEN,
+                                 instance=15)
+        if cuda:
+            c.device, c.cuda_device, c.ranks_per_node = ferry.MoeDevice.CUDA, 0, 1
+        a2a = ferry.AllToAll(c, engine, bootstrap)
+        if cuda:
+            a2a.set_stream(stream)
+        recv = torch.empty(EXPERTS, TOKENS, HIDDEN, dtype=torch.bfloat16, device=dev)
+        counts = torch.empty(EXPERTS, dtype=torch.int32, device=dev)
+        out = torch.empty(TOKENS, HIDDEN, dtype=torch.bfloat16, device=dev)
+        ids = idx32 if cuda else idx
+
+        def direct_dispatch():
+            a2a.dispatch_send(x, ids, w)
+            a2a.dispatch_recv(recv, counts)
+
+        def direct_combine():
+            a2a.combine_send(recv)
+            a2a.combine_recv(out, weights=w)
+
+        # One engine for all (the layers take the instances after the direct one's).
+        buf = deep_ep.Buffer(bootstrap, engine=engine, ranks_per_node=1, explicitly_destroy=True)
+        state = {}
+
+        def ll_dispatch():
+            r, _, h, _, _ = buf.low_latency_dispatch(x, idx, TOKENS, EXPERTS, use_fp8=False)
+            state["r"], state["h"] = r, h
+
+        def ll_combine():
+            buf.low_latency_combine(state["r"], idx, w, state["h"])
+
+        kernel = pplx.AllToAll(max_num_tokens=TOKENS, num_experts=EXPERTS, expert_padding=1,
+                               hidden_dim=HIDDEN, hidden_dim_scale=None,
+                               in_dtype=torch.bfloat16, out_dtype=torch.bfloat16,
+                               scale_dtype=None, num_experts_per_token=K, device=dev,
+                               global_group=bootstrap, node_group=None, transfer_engine=engine)
+        pcounts = torch.empty(EXPERTS, dtype=torch.int32, device=dev)
+        px = torch.empty(kernel.max_recv_tokens, HIDDEN, dtype=torch.bfloat16, device=dev)
+        pout = torch.empty(TOKENS, HIDDEN, dtype=torch.bfloat16, device=dev)
+
+        def pplx_dispatch():
+            kernel.dispatch(pcounts, px, None, x, None, ids, w)
+
+        def pplx_combine():
+            kernel.combine(pout, ids, w, px)
+
+        timed = _Timed()
+        ll_dispatch()  # the layers' AllToAlls exist after a first call; then their steps timed
+        ll_combine()
+        for pool in buf._group._pools.values():
+            for pooled in pool:
+                pooled.a2a = timed.wrap(pooled.a2a)
+        kernel._a2a = timed.wrap(kernel._a2a)
+
+        pairs = {"deep_ep low_latency": ((direct_dispatch, direct_combine),
+                                         (ll_dispatch, ll_combine)),
+                 "pplx": ((direct_dispatch, direct_combine), (pplx_dispatch, pplx_combine))}
+        with ctx:
+            for name, ((dd, dc), (ld, lc)) in pairs.items():
+                times = {k: [] for k in ("dd", "dc", "ld", "lc", "od", "oc")}
+                for i in range(args.iterations + 50):
+                    for key, f in (("dd", dd), ("dc", dc), ("ld", ld), ("lc", lc)) if i % 2 else \
+                            (("ld", ld), ("lc", lc), ("dd", dd), ("dc", dc)):
+                        sync()
+                        timed.inside = 0.0
+                        t0 = time.perf_counter()
+                        f()
+                        t1 = time.perf_counter()
+                        if i >= 50:
+                            times[key].append(t1 - t0)
+                            if key in ("ld", "lc"):
+                                times["o" + key[1]].append(t1 - t0 - timed.inside)
+                    sync()
+                row = {"direct_dispatch_p50_us": p50_us(times["dd"]),
+                       "layer_dispatch_p50_us": p50_us(times["ld"]),
+                       "direct_combine_p50_us": p50_us(times["dc"]),
+                       "layer_combine_p50_us": p50_us(times["lc"])}
+                row["layer_dispatch_own_p50_us"] = p50_us(times["od"])
+                row["layer_combine_own_p50_us"] = p50_us(times["oc"])
+                row["dispatch_added_us"] = row["layer_dispatch_p50_us"] - row[
+                    "direct_dispatch_p50_us"]
+                row["combine_added_us"] = row["layer_combine_p50_us"] - row[
+                    "direct_combine_p50_us"]
+                results[name] = row
+        a2a.close()
+        buf.destroy()
+        kernel.destroy()
+        if engine is not None:
+            engine.close()
+        return 0
+
+    ferry_bootstrap = _single_rank()
+    run(ferry_bootstrap)
+    print(f"device {args.device}, {TOKENS} tokens x {HIDDEN} bf16, {EXPERTS} experts top-{K}, "
+          f"1 rank, {args.iterations} iterations; p50 per call, us")
+    print(f"{'layer':22} {'call':9} {'direct':>9} {'layer':>9} {'added':>8} {'own':>7}  "
+          f"target <= 2")
+    for name, row in results.items():
+        for call in ("dispatch", "combine"):
+            print(f"{name:22} {call:9} {row[f'direct_{call}_p50_us']:9.2f} "
+                  f"{row[f'layer_{call}_p50_us']:9.2f} {row[f'{call}_added_us']:8.2f} "
+                  f"{row[f'layer_{call}_own_p50_us']:7.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": args.device, "tokens": TOKENS, "hidden": HIDDEN,
+                       "experts": EXPERTS, "k": K, "iterations": args.iterations,
+                       "results": results}, f, indent=1)
+    return 0
+
+
+class _Timed:
+    """Wraps AllToAlls so that the time spent in their steps adds up in `inside`."""
+
+    STEPS = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
+
+    def __init__(self):
+        self.inside = 0.0
+
+    def wrap(self, a2a):
+        timed = self
+
+        class Wrapped:
+            def __getattr__(self, name):
+                f = getattr(a2a, name)
+                if name not in timed.STEPS:
+                    return f
+
+                def step(*args, **kwargs):
+                    t0 = time.perf_counter()
+                    try:
+                        return f(*args, **kwargs)
+                    finally:
+                        timed.inside += time.perf_counter() - t0
+                return step
+        return Wrapped()
+
+
+def _single_rank():
+    return ferry.CallbackBootstrap(0, 1, lambda data, timeout: [data])
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+if __name__ == "__main__":
+    sys.exit(main())
