@@ -77,6 +77,10 @@
 #                                 T=4096, token-major; a proxy for the two-rank protocol's cost
 #                                 without NVLink; each client on MPS_PERCENT (50) of the SMs.
 #                                 MPS=1 runs any mode's measurements so (TESTS=0 with it)
+#   tools/gpu_check.sh engine_api build, tests (moe_engine_api_test too), then ferry.deep_ep's
+#                                 and ferry.pplx's GPU tests again (under MPS with MPS=1: two
+#                                 ranks side by side) and tools/bench_engine_api.py on the GPU
+#                                 and on this host's CPU (what each layer adds per call)
 #   tools/gpu_check.sh serve      the bindings only, then examples/serve's tests (its GPU
 #                                 cases too), its demo with --device cuda, and
 #                                 tools/bench_serve.py on this host's cores (SERVE_ARGS;
@@ -126,7 +130,8 @@ if command -v ninja > /dev/null; then generator=(-G Ninja); fi
 # (a copy of /usr/include/pybind11 and /usr/lib/cmake/pybind11 under .pydeps/usr; the lent
 # machine has Python's headers but no pybind11).
 python=()
-targets=(moe_cuda_test kv_cuda_test gpu_words_test moe_host_test fd_exchange_test ferry-bench)
+targets=(moe_cuda_test kv_cuda_test gpu_words_test moe_host_test moe_engine_api_test
+         fd_exchange_test ferry-bench)
 if [ -d .pydeps/usr/lib/cmake/pybind11 ]; then
   python=(-Dpybind11_DIR="$PWD/.pydeps/usr/lib/cmake/pybind11")
   targets+=(_ferry)
@@ -168,6 +173,7 @@ if [ "$tests" != 0 ]; then
   step gpu_words_test 60 build-gpu/gpu_words_test
   step moe_cuda_test 400 build-gpu/moe_cuda_test
   step fd_exchange_test 60 build-gpu/fd_exchange_test
+  step moe_engine_api_test 60 build-gpu/moe_engine_api_test
   if [ ${#python[@]} -gt 0 ]; then  # python/tests, test_moe_cuda among them
     PYTHONPATH=$PWD/build-gpu/python step python_tests 200 python3 -m unittest discover -v \
       -s python/tests
@@ -587,6 +593,18 @@ fi
 # end-to-end tests, then tools/bench_serve.py (disaggregated vs colocated decode ITL with long
 # prompts arriving, and the KV tail against one layer's raw write), where the polling threads
 # have cores of their own (on 2 cores they share one with the compute).
+if [ "$mode" = engine_api ]; then
+  PYTHONPATH=$PWD/build-gpu/python:$PWD/python/tests step engine_api_cuda 240 python3 -m unittest \
+    -v test_engine_api_cuda
+  PYTHONPATH=$PWD/build-gpu/python step bench_engine_api_cuda 120 python3 \
+    tools/bench_engine_api.py --device cuda --json "$OUT/bench_engine_api_cuda.json"
+  PYTHONPATH=$PWD/build-gpu/python step bench_engine_api_cpu 120 python3 \
+    tools/bench_engine_api.py --device cpu --json "$OUT/bench_engine_api_cpu.json"
+  for f in "$OUT"/engine_api_cuda.log "$OUT"/bench_engine_api_cuda.log \
+           "$OUT"/bench_engine_api_cpu.log; do
+    [ -f "$f" ] && { echo "== $(basename "$f" .log)"; tail -8 "$f"; }
+  done
+fi
 if [ "$mode" = serve ]; then
   PYTHONPATH=$PWD/build-gpu/python step serve_tests 300 python3 -m unittest discover -v \
     -s examples/serve

@@ -72,6 +72,9 @@ class EventOverlap:
         self.current_stream_wait()
 
 
+_DONE = EventOverlap()  # a CPU call's event: finished when it returns
+
+
 def _round_up(n, to):
     return (n + to - 1) // to * to
 
@@ -83,9 +86,12 @@ class _Handle:
     __slots__ = ("pooled", "tokens", "k", "hidden", "num_experts", "max_tokens", "topk_idx",
                  "topk_weights", "rows", "combine_buffer", "fp8")
 
-    def __init__(self, **fields):
-        for name in self.__slots__:
-            setattr(self, name, fields.get(name))
+    def __init__(self, pooled, tokens, k, hidden, num_experts, topk_idx, max_tokens=None,
+                 topk_weights=None, rows=None, fp8=False):
+        self.pooled, self.tokens, self.k, self.hidden = pooled, tokens, k, hidden
+        self.num_experts, self.topk_idx, self.max_tokens = num_experts, topk_idx, max_tokens
+        self.topk_weights, self.rows, self.fp8 = topk_weights, rows, fp8
+        self.combine_buffer = None
 
 
 class Buffer:
@@ -222,7 +228,7 @@ class Buffer:
         """DeepEP's finish: the caller's stream waits for the communication stream, or (with
         async_finish) gets an event to wait on; the tensors live until then."""
         if x.device.type != "cuda":
-            return EventOverlap(None, tensors if async_finish else None)
+            return EventOverlap(None, tensors) if async_finish else _DONE
         event = torch.cuda.Event()
         event.record(self._stream)
         for t in tensors:
