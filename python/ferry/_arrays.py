@@ -20,15 +20,19 @@ def _c_strides(shape, item_bytes):
     return tuple(reversed(strides))
 
 
+_TORCH_KINDS = {}  # torch dtype -> its array-interface kind letter
+
+
 def _torch_kind(tensor):
-    if tensor.dtype.is_floating_point:
-        return "f"
-    if tensor.dtype.is_complex:
-        return "c"
-    name = str(tensor.dtype)
-    if name == "torch.bool":
-        return "b"
-    return "u" if name.startswith("torch.uint") else "i"
+    dtype = tensor.dtype
+    kind = _TORCH_KINDS.get(dtype)
+    if kind is None:
+        name = str(dtype)
+        kind = ("f" if dtype.is_floating_point else "c" if dtype.is_complex
+                else "b" if name == "torch.bool" else "u" if name.startswith("torch.uint")
+                else "i")
+        _TORCH_KINDS[dtype] = kind
+    return kind
 
 
 def as_array(obj, device=None):
@@ -42,13 +46,14 @@ def as_array(obj, device=None):
     if hasattr(obj, "data_ptr") and hasattr(obj, "is_contiguous"):  # torch.Tensor
         if not obj.is_contiguous():
             raise InvalidArgument("expected a contiguous tensor (call .contiguous())")
-        on_gpu = obj.device.type == "cuda"
-        if not on_gpu and obj.device.type != "cpu":
-            raise InvalidArgument(f"tensors on {obj.device.type} are not supported")
-        index = obj.device.index if obj.device.index is not None else 0
-        return _ferry.Array(obj.data_ptr(), obj.numel() * obj.element_size(),
-                            index if on_gpu else _ferry.HOST_MEMORY, _torch_kind(obj),
-                            obj.element_size(), False, list(obj.shape), obj)
+        device = obj.device
+        on_gpu = device.type == "cuda"
+        if not on_gpu and device.type != "cpu":
+            raise InvalidArgument(f"tensors on {device.type} are not supported")
+        item = obj.element_size()
+        return _ferry.Array(obj.data_ptr(), obj.numel() * item,
+                            (device.index or 0) if on_gpu else _ferry.HOST_MEMORY,
+                            _torch_kind(obj), item, False, list(obj.shape), obj)
     cai = getattr(obj, "__cuda_array_interface__", None)
     if cai is not None:
         shape = tuple(cai["shape"])

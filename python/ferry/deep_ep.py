@@ -216,27 +216,39 @@ class Buffer:
             pooled.a2a.synchronize()
 
     def _begin(self, x, previous_event):
-        """CUDA: the communication stream waits for the caller's work (or previous_event)."""
+        """CUDA: the communication stream waits for the caller's work (or previous_event); the
+        caller's stream, returned, for _end. The steps themselves go on the communication
+        stream through the AllToAll's set_stream, without torch's stream context."""
         if x.device.type != "cuda":
-            return
+            return None
+        current = torch.cuda.current_stream(x.device)
         if previous_event is not None and previous_event.event is not None:
             self._stream.wait_event(previous_event.event)
         else:
-            self._stream.wait_stream(torch.cuda.current_stream())
+            self._stream.wait_stream(current)
+        return current
 
-    def _end(self, x, async_finish, tensors):
+    def _end(self, current, async_finish, inputs, outputs=()):
         """DeepEP's finish: the caller's stream waits for the communication stream, or (with
-        async_finish) gets an event to wait on; the tensors live until then."""
-        if x.device.type != "cuda":
-            return EventOverlap(None, tensors) if async_finish else _DONE
-        event = torch.cuda.Event()
-        event.record(self._stream)
-        for t in tensors:
-            if isinstance(t, torch.Tensor):
+        async_finish) gets an event to wait on. The caller's tensors the steps read are marked
+        in use on the communication stream (the allocator then keeps them for it); outputs,
+        made on the caller's stream, too when the caller does not wait."""
+        if current is None:
+            return EventOverlap(None, inputs + outputs) if async_finish else _DONE
+        for t in inputs + outputs if async_finish else inputs:
+            if t is not None:
                 t.record_stream(self._stream)
         if not async_finish:
-            torch.cuda.current_stream().wait_event(event)
-        return EventOverlap(event, tensors if async_finish else None)
+            current.wait_stream(self._stream)
+            return _DONE
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return EventOverlap(event, inputs + outputs)
+
+    def _on_comm(self, current):
+        """torch's stream context for torch ops of ours that must run on the communication
+        stream (fp8 scale layouts, counters); nothing on the CPU."""
+        return torch.cuda.stream(self._stream) if current is not None else _nothing()
 
     def _ids(self, topk_idx, device):
         """Expert ids as ferry's CUDA device takes them (int32); the host device takes int64."""
@@ -289,42 +301,39 @@ class Buffer:
             num_experts=num_experts, experts_per_token=k, max_tokens_per_rank=m, hidden=hidden,
             dtype=dtype))
         a2a = pooled.a2a
+        rows = world * m
         try:
-            self._begin(x, None)
-            cuda = x.device.type == "cuda"
-            with torch.cuda.stream(self._stream) if cuda else _nothing():
-                ids = self._ids(topk_idx, x.device)
-                scaling = (_ferry.Fp8Scaling.POWER_OF_TWO if round_scale
-                           else _ferry.Fp8Scaling.AMAX)
-                a2a.dispatch_send(x, ids, self._ones_for(x.device, m, k)[:tokens],
-                                  num_tokens=tokens, scaling=scaling)
-                rows = world * m
-                recv_x, recv_count, scales, packed = self._ll_outputs(
-                    pooled, x.device, local, rows, hidden, use_fp8, use_ue8m0)
+            ids = self._ids(topk_idx, x.device)  # on the caller's stream, before the wait
+            current = self._begin(x, None)
+            scaling = _ferry.Fp8Scaling.POWER_OF_TWO if round_scale else _ferry.Fp8Scaling.AMAX
+            a2a.dispatch_send(x, ids, self._ones_for(x.device, m, k)[:tokens],
+                              num_tokens=tokens, scaling=scaling)
+            recv_x, recv_count, scales, packed = self._ll_outputs(
+                pooled, x.device, local, rows, hidden, use_fp8, use_ue8m0)
         except BaseException:
             pooled.busy = False
             raise
-        handle = _Handle(pooled=pooled, tokens=tokens, k=k, hidden=hidden,
-                         num_experts=num_experts, max_tokens=m, topk_idx=topk_idx, fp8=use_fp8)
+        handle = _Handle(pooled, tokens, k, hidden, num_experts, topk_idx, max_tokens=m,
+                         fp8=use_fp8)
+        sent = (x, ids)
 
         def receive():
-            cuda = x.device.type == "cuda"
-            with torch.cuda.stream(self._stream) if cuda else _nothing():
-                a2a.dispatch_recv(recv_x, recv_count, scales, timeout=self._timeout)
-                if packed is not None:
+            a2a.dispatch_recv(recv_x, recv_count, scales, timeout=self._timeout)
+            if packed is not None or cumulative_local_expert_recv_stats is not None:
+                with self._on_comm(current):
                     if use_ue8m0:
                         exponents = (scales.view(torch.int32) >> 23).to(torch.uint8)
                         packed.copy_(exponents.view(local, rows, hidden // 128)
                                      .contiguous().view(torch.int32))
-                    else:
+                    elif packed is not None:
                         packed.copy_(scales)
-                if cumulative_local_expert_recv_stats is not None:
-                    cumulative_local_expert_recv_stats.add_(recv_count)
-            return self._end(x, async_finish, (x, topk_idx, recv_x, recv_count, packed))
+                    if cumulative_local_expert_recv_stats is not None:
+                        cumulative_local_expert_recv_stats.add_(recv_count)
+            return self._end(current, async_finish, sent)
 
         out_x = (recv_x, packed) if use_fp8 else recv_x
         if return_recv_hook:
-            event = self._end(x, async_finish, (x, topk_idx))
+            event = self._end(current, async_finish, sent)
 
             def hook():
                 receive().current_stream_wait()
@@ -406,21 +415,18 @@ class Buffer:
                 raise InvalidArgument(f"out: shape {tuple(out.shape)}, expected "
                                       f"{(h.tokens, h.hidden)}")
         a2a = h.pooled.a2a
-        cuda = x.device.type == "cuda"
-        self._begin(x, None)
-        with torch.cuda.stream(self._stream) if cuda else _nothing():
-            a2a.combine_send(x)
+        current = self._begin(x, None)
+        a2a.combine_send(x)
 
         def receive():
             try:
-                with torch.cuda.stream(self._stream) if cuda else _nothing():
-                    a2a.combine_recv(out, timeout=self._timeout, weights=topk_weights)
+                a2a.combine_recv(out, timeout=self._timeout, weights=topk_weights)
             finally:
                 self._release(h)
-            return self._end(x, async_finish, (x, topk_idx, topk_weights, out))
+            return self._end(current, async_finish, (x, topk_weights), (out,))
 
         if return_recv_hook:
-            event = self._end(x, async_finish, (x,))
+            event = self._end(current, async_finish, (x,))
 
             def hook():
                 receive().current_stream_wait()
@@ -549,38 +555,40 @@ class Buffer:
             hidden=hidden, dtype=dtype, dispatch_once_per_rank=True,
             combine_reduce_at_expert_rank=True, dispatch_layout=_ferry.DispatchLayout.TOKEN_MAJOR))
         a2a = pooled.a2a
-        cuda = x.device.type == "cuda"
+        rows = self.group_size * capacity
+        dev = x.device
         try:
-            self._begin(x, previous_event)
-            with torch.cuda.stream(self._stream) if cuda else _nothing():
-                weights = (topk_weights if topk_weights is not None
-                           else self._ones_for(x.device, capacity, k)[:tokens])
-                a2a.dispatch_send(x, self._ids(topk_idx, x.device), weights,
-                                  scales=x_scales, num_tokens=tokens)
-                rows = self.group_size * capacity
-                dev = x.device
-                recv = torch.empty(rows, hidden, dtype=x.dtype, device=dev)
-                recv_scales = (torch.empty(rows, hidden // 128, dtype=torch.float32, device=dev)
-                               if fp8 else None)
-                counts = torch.empty(local, dtype=torch.int32, device=dev)
-                num_rows = torch.empty(1, dtype=torch.int32, device=dev)
-                experts = torch.empty(rows, k, dtype=torch.int32, device=dev)
-                weights_out = torch.empty(rows, k, dtype=torch.float32, device=dev)
-                a2a.dispatch_recv(recv, counts, recv_scales, num_rows, experts, weights_out,
-                                  timeout=self._timeout)
+            weights = (topk_weights if topk_weights is not None
+                       else self._ones_for(dev, capacity, k)[:tokens])
+            ids = self._ids(topk_idx, dev)
+            # The outputs on the caller's stream (DeepEP's allocate_on_comm_stream=False).
+            recv = torch.empty(rows, hidden, dtype=x.dtype, device=dev)
+            recv_scales = (torch.empty(rows, hidden // 128, dtype=torch.float32, device=dev)
+                           if fp8 else None)
+            counts = torch.empty(local, dtype=torch.int32, device=dev)
+            num_rows = torch.empty(1, dtype=torch.int32, device=dev)
+            experts = torch.empty(rows, k, dtype=torch.int32, device=dev)
+            weights_out = torch.empty(rows, k, dtype=torch.float32, device=dev)
+            current = self._begin(x, previous_event)
+            a2a.dispatch_send(x, ids, weights, scales=x_scales, num_tokens=tokens)
+            a2a.dispatch_recv(recv, counts, recv_scales, num_rows, experts, weights_out,
+                              timeout=self._timeout)
         except BaseException:
             pooled.busy = False
             raise
-        event = self._end(x, async_finish, (x, x_scales, recv, counts, experts, weights_out))
         if num_worst_tokens > 0:
             # No wait for the count: rows past it hold no token (experts -1, weights 0).
             if num_worst_tokens > rows:
                 raise InvalidArgument(f"num_worst_tokens {num_worst_tokens}: more than the "
                                       f"{rows} rows ranks can send here")
+            with self._on_comm(current):
+                live = torch.arange(num_worst_tokens, device=dev) < num_rows.to(torch.int64)
+                experts[:num_worst_tokens].masked_fill_(~live[:, None], -1)
+                weights_out[:num_worst_tokens].masked_fill_(~live[:, None], 0.0)
+        event = self._end(current, async_finish, (x, x_scales, ids, weights),
+                          (recv, recv_scales, counts, num_rows, experts, weights_out))
+        if num_worst_tokens > 0:
             r = num_worst_tokens
-            live = torch.arange(r, device=x.device) < num_rows.to(torch.int64)
-            experts[:r].masked_fill_(~live[:, None], -1)
-            weights_out[:r].masked_fill_(~live[:, None], 0.0)
             per_expert_list = []
         else:
             event.current_stream_wait()
@@ -591,8 +599,8 @@ class Buffer:
         if handle is not None:
             cached.pooled, cached.rows = pooled, r
             return out_x, None, None, None, None, event
-        new = _Handle(pooled=pooled, tokens=tokens, k=k, hidden=hidden, num_experts=num_experts,
-                      topk_idx=topk_idx, topk_weights=topk_weights, rows=r)
+        new = _Handle(pooled, tokens, k, hidden, num_experts, topk_idx, topk_weights=topk_weights,
+                      rows=r)
         recv_topk_idx = experts[:r].long()
         recv_topk_weights = weights_out[:r] if topk_weights is not None else None
         return out_x, recv_topk_idx, recv_topk_weights, per_expert_list, new, event
@@ -618,16 +626,14 @@ class Buffer:
             raise InvalidArgument(f"x: shape {tuple(x.shape)}, the dispatch received "
                                   f"{(h.rows, h.hidden)}")
         a2a = h.pooled.a2a
-        cuda = x.device.type == "cuda"
         out = torch.empty(h.tokens, h.hidden, dtype=torch.bfloat16, device=x.device)
         try:
-            self._begin(x, previous_event)
-            with torch.cuda.stream(self._stream) if cuda else _nothing():
-                a2a.combine_send(x, num_rows=h.rows)
-                a2a.combine_recv(out, timeout=self._timeout)
+            current = self._begin(x, previous_event)
+            a2a.combine_send(x, num_rows=h.rows)
+            a2a.combine_recv(out, timeout=self._timeout)
         finally:
             h.pooled.busy = False
-        return out, None, self._end(x, async_finish, (x, out))
+        return out, None, self._end(current, async_finish, (x,), (out,))
 
     # ---- rank masks (DeepEP's elastic low-latency mode) -------------------------------------
 

@@ -39,6 +39,8 @@ class AllToAll:
                  node_group=None, global_group=None, imm_base=0x80000000, transfer_engine=None,
                  worker_cpu=None, max_tokens_per_expert=None, timeout=None):
         device = torch.device(device if device is not None else "cpu")
+        if device.type == "cuda" and device.index is None:  # as tensors name it: cuda:N
+            device = torch.device("cuda", torch.cuda.current_device())
         if out_dtype != torch.bfloat16:
             raise InvalidArgument(f"out_dtype {out_dtype}: ferry's combine returns bfloat16")
         fp8 = in_dtype in (fp8_dtype(), torch.uint8) and in_dtype != torch.bfloat16
