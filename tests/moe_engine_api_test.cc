@@ -61,6 +61,22 @@ TEST(Fp8Test, ConversionIsRoundToNearestEvenSaturatedAndRoundTrips) {
   EXPECT_EQ(FloatToE4M3(NAN) & 0x7F, 0x7F);
 }
 
+void ExpectRanksOk(const std::vector<RankExit>& exits) {
+  for (size_t r = 0; r < exits.size(); ++r) {
+    EXPECT_TRUE(exits[r].ok()) << "rank " << r << ": exit " << exits[r].exit_code;
+  }
+}
+
+// The combine half of a round whose result the test does not check (zero rows back), then the
+// ranks meet before they leave.
+Status CombineZerosAndMeet(AllToAll& a2a, int64_t expert_rows, int64_t tokens, int hidden,
+                           Bootstrap& b) {
+  std::vector<uint16_t> expert_out(size_t(expert_rows) * hidden, 0), y(size_t(tokens) * hidden);
+  RETURN_IF_ERROR(a2a.CombineSend(expert_out.data()));
+  RETURN_IF_ERROR(a2a.CombineRecv(y.data(), false, Deadline::After(30s)));
+  return b.Barrier(30s);
+}
+
 std::vector<uint16_t> RandomRows(int rows, int hidden, uint32_t seed) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -180,15 +196,9 @@ TEST(Fp8Test, DispatchQuantisesBf16RowsAsItSends) {
                                        std::to_string(got.size()) + " rows, " +
                                        std::to_string(want.size()) + " expected, or other bytes");
     }
-    std::vector<uint16_t> expert_out(size_t(local) * capacity * hidden, 0);
-    RETURN_IF_ERROR(a2a->CombineSend(expert_out.data()));
-    std::vector<uint16_t> y(size_t(tokens) * hidden);
-    RETURN_IF_ERROR(a2a->CombineRecv(y.data(), false, Deadline::After(30s)));
-    return b.Barrier(30s);
+    return CombineZerosAndMeet(*a2a, local * capacity, tokens, hidden, b);
   }, 120s);
-  for (size_t r = 0; r < exits.size(); ++r) {
-    EXPECT_TRUE(exits[r].ok()) << "rank " << r << ": exit " << exits[r].exit_code;
-  }
+  ExpectRanksOk(exits);
 }
 
 // Three ranks, expert padding 4: rows of each local expert back to back from the base the
@@ -289,14 +299,9 @@ TEST(ExpertPaddingTest, BlocksBackToBackAndTheCombineReadsThem) {
     CHECK_OR_RETURN(s.code() == StatusCode::kInvalidArgument, "padding -1: " + s.ToString());
     RETURN_IF_ERROR(a2a->DispatchRecv({out.data(), nullptr, counts.data()},
                                       Deadline::After(30s)));
-    std::vector<uint16_t> eo(size_t(local) * cfg.expert_capacity() * hidden, 0), y(x.size());
-    RETURN_IF_ERROR(a2a->CombineSend(eo.data()));
-    RETURN_IF_ERROR(a2a->CombineRecv(y.data(), false, Deadline::After(30s)));
-    return b.Barrier(30s);
+    return CombineZerosAndMeet(*a2a, local * cfg.expert_capacity(), count(b.rank()), hidden, b);
   }, 120s);
-  for (size_t r = 0; r < exits.size(); ++r) {
-    EXPECT_TRUE(exits[r].ok()) << "rank " << r << ": exit " << exits[r].exit_code;
-  }
+  ExpectRanksOk(exits);
 }
 
 TEST(Fp8Test, Bf16ConfigurationRefusesRowsToQuantise) {

@@ -259,6 +259,12 @@ class FERRY_API AllToAll {
   // Waits for the steps enqueued so far and reports what their kernels found. Without a stream
   // the steps wait themselves and this returns OK.
   virtual Status Synchronize() = 0;
+  // Synchronize without the wait: *done says whether every step enqueued so far has finished
+  // (then what their kernels found is reported, as Synchronize does); while some still run,
+  // OK unless a kernel has reported an error already (then it waits for them and reports it,
+  // *done true). Never inside a graph capture (querying a capturing stream ends the capture).
+  // The host device: its steps waited for themselves, *done true.
+  virtual Status Poll(bool* done) = 0;
 
   // Bytes this rank's last dispatch and combine put on the wire (payload and metadata; on the
   // CUDA device, to other ranks over NVLink or the relay, read back from the GPU after waiting

@@ -24,8 +24,8 @@ communication stream does. An argument ferry cannot honour raises Unimplemented 
 import torch
 
 from . import _ferry
-from ._engine_api import (Group, check_tensor, device_kind, env_timeout, fp8_dtype,
-                          refuse)
+from ._engine_api import (Group, check_tensor, device_kind, env_timeout, fp8_dtype, refuse,
+                          release_finished)
 from ._errors import InvalidArgument, ResourceExhausted, Unimplemented
 
 __all__ = ["Buffer", "Config", "EventOverlap"]
@@ -205,15 +205,15 @@ class Buffer:
         return pooled
 
     def _stream_for(self, pooled):
-        """The AllToAll on the communication stream; what it enqueued before is known done
-        here (its arrays released, its kernels' errors raised) except under graph capture."""
+        """The AllToAll on the communication stream; what it enqueued before and has finished
+        let go (release_finished: its kernels' errors raised)."""
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         if pooled.stream_set is None:
             pooled.a2a.set_stream(self._stream)
             pooled.stream_set = self._stream
-        elif not torch.cuda.is_current_stream_capturing():
-            pooled.a2a.synchronize()
+        else:
+            release_finished(pooled.a2a)
 
     def _begin(self, x, previous_event):
         """CUDA: the communication stream waits for the caller's work (or previous_event); the

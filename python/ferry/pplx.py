@@ -21,7 +21,8 @@ Arguments ferry cannot honour raise Unimplemented naming them; bad tensors Inval
 import torch
 
 from . import _ferry
-from ._engine_api import Group, check_tensor, env_timeout, fp8_dtype, refuse
+from ._engine_api import (Group, check_tensor, env_timeout, fp8_dtype, refuse,
+                          release_finished)
 from ._errors import FailedPrecondition, InvalidArgument
 
 __all__ = ["AllToAll"]
@@ -230,9 +231,8 @@ class AllToAll:
         if self._stream != stream.cuda_stream:
             self._a2a.set_stream(stream)
             self._stream = stream.cuda_stream
-        elif self._stage == "idle" and not torch.cuda.is_current_stream_capturing():
-            # The last round's arrays released and its kernels' errors raised.
-            self._a2a.synchronize()
+        elif self._stage == "idle":
+            release_finished(self._a2a)  # the finished rounds' arrays, their kernels' errors
         return _nothing()
 
 

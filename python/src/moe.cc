@@ -206,6 +206,17 @@ class PyAllToAll {
     ThrowIfError(s);
   }
 
+  // Without waiting: true (and the arrays released, the kernels' findings raised) when every
+  // step enqueued so far has finished.
+  bool Poll() {
+    bool done = false;
+    const Status s = Unlocked([&](AllToAll& a) { return a.Poll(&done); });
+    if (done) keep_.clear();
+    ThrowIfError(s);
+    return done;
+  }
+  size_t pending() const { return keep_.size(); }
+
   uint64_t dispatch_bytes_sent() const { return a2a().dispatch_bytes_sent(); }
   uint64_t combine_bytes_sent() const { return a2a().combine_bytes_sent(); }
 
@@ -399,6 +410,13 @@ void BindMoe(py::module_& m) {
            "return at once; the arrays stay referenced until synchronize()")
       .def("synchronize", &PyAllToAll::Synchronize,
            "Waits for the steps enqueued so far and raises what their kernels found")
+      .def("poll", &PyAllToAll::Poll,
+           "synchronize() without the wait: True (the arrays released, what the kernels found "
+           "raised) once every step enqueued so far has finished, else False; not during a "
+           "graph capture")
+      .def_property_readonly("pending_arrays", &PyAllToAll::pending,
+                             "Arrays of enqueued steps still referenced (until poll() or "
+                             "synchronize() finds them done)")
       .def_property_readonly("dispatch_bytes_sent", &PyAllToAll::dispatch_bytes_sent,
                              "Bytes the last dispatch put on the wire (payload and metadata)")
       .def_property_readonly("combine_bytes_sent", &PyAllToAll::combine_bytes_sent,

@@ -364,14 +364,16 @@ class DeepEpTest(Case):
 PADDING = 4
 
 
-def padded_blocks(out_x, counts, rank, world):
-    """The expected rows of each expert's block (checked against out_x, padding rows zero) and
-    expert outputs in the same layout: each row times its expert's factor."""
+def padded_blocks(out_x, counts, rank, world, m=None):
+    """Checks each expert's block of out_x against the rows routed to it (senders' first m
+    tokens only, if given), its padding rows zero; returns expert outputs in the same layout:
+    each row times its expert's factor."""
     start, y = 0, torch.zeros_like(out_x)
     for le in range(EXPERTS_PER_RANK):
         g = rank * EXPERTS_PER_RANK + le
         want = [sx[t] for s in range(world) for sx, sidx, _ in [inputs(world, s)]
-                for t in range(sx.shape[0]) for j in range(K) if int(sidx[t, j]) == g]
+                for t in range(sx.shape[0] if m is None else min(m, sx.shape[0]))
+                for j in range(K) if int(sidx[t, j]) == g]
         n = int(counts[le])
         assert n == len(want), (rank, le, n, len(want))
         assert rows_of(out_x[start:start + n]) == rows_of(want), (rank, le)
@@ -421,7 +423,7 @@ def pplx_body(world, group_kind):
         counts = dv(torch.empty(EXPERTS_PER_RANK, dtype=torch.int32))
         out_x = dv(torch.zeros(rows, HIDDEN, dtype=torch.bfloat16))
         a2a.dispatch(counts, out_x, None, dx, None, ids, dw, bound_m=bound)
-        y = dv(padded_blocks_bounded(hv(out_x), hv(counts), b.rank, world, 2))
+        y = dv(padded_blocks(hv(out_x), hv(counts), b.rank, world, m=2))
         out = dv(torch.ones(x.shape[0], HIDDEN, dtype=torch.bfloat16))
         a2a.combine(out, ids, dw, y, bound_m=bound, accumulate=True)
         ref = (weighted_reference(x[:m], idx[:m], w[:m]).double() + 1).to(torch.bfloat16)
@@ -436,21 +438,6 @@ def pplx_body(world, group_kind):
         a2a.combine(torch.empty_like(dx), ids, dw, torch.zeros_like(out_x))
         a2a.destroy()
     return body
-
-
-def padded_blocks_bounded(out_x, counts, rank, world, m):
-    """padded_blocks for senders that sent only their first m tokens (or all, if fewer)."""
-    start, y = 0, torch.zeros_like(out_x)
-    for le in range(EXPERTS_PER_RANK):
-        g = rank * EXPERTS_PER_RANK + le
-        want = [sx[t] for s in range(world) for sx, sidx, _ in [inputs(world, s)]
-                for t in range(min(m, sx.shape[0])) for j in range(K) if int(sidx[t, j]) == g]
-        n = int(counts[le])
-        assert n == len(want) and rows_of(out_x[start:start + n]) == rows_of(want), (rank, le)
-        y[start:start + n] = (out_x[start:start + n].double() * expert_factor(g)).to(
-            torch.bfloat16)
-        start += (n + PADDING - 1) // PADDING * PADDING
-    return y
 
 
 class PplxTest(Case):

@@ -85,6 +85,23 @@ class NvlinkAllToAll final : public AllToAll {
     return Status::Ok();
   }
 
+  Status Poll(bool* done) override {
+    FERRY_CUDA(cudaSetDevice(c_.cuda_device));
+    const cudaError_t idle = cudaStreamQuery(stream_);
+    if (idle == cudaErrorNotReady) {
+      (void)cudaGetLastError();  // not an error: still running
+      volatile const int32_t* e = error_;
+      if (failed_.ok() && e[0] == kNoError) {
+        *done = false;
+        return Status::Ok();
+      }
+    } else {
+      FERRY_CUDA(idle);
+    }
+    *done = true;
+    return Finish();
+  }
+
   Status Synchronize() override {
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
     return Finish();
