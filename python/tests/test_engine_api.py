@@ -118,7 +118,7 @@ def decode_e4m3(t):
     return e4m3_table()[t.view(torch.uint8).long()]
 
 
-# ---- ranks ----------------------------------------------------------------------------------------
+# ---- ranks ---------------------------------------------------------------------------------------
 
 def gloo(b, path):
     import torch.distributed as dist
@@ -143,7 +143,7 @@ class Case(unittest.TestCase):
                                               body(b, os.path.join(d, "store")))[1], timeout)
 
 
-# ---- deep_ep ----------------------------------------------------------------------------------------
+# ---- deep_ep -------------------------------------------------------------------------------------
 
 def check_low_latency(buf, world, rank, use_fp8, round_scale, use_ue8m0, hook):
     from ferry import deep_ep  # noqa: F401 -- the module under test
@@ -190,7 +190,8 @@ def check_low_latency(buf, world, rank, use_fp8, round_scale, use_ue8m0, hook):
         if use_fp8:
             got_q = decode_e4m3(recv_x[le, :n].contiguous())
             if use_ue8m0:  # four exponent bytes per int32, group c at byte c % 4
-                b = torch.tensor(scales[le, :n].tolist(), dtype=torch.int32).view(torch.uint8).long()
+                b = torch.tensor(scales[le, :n].tolist(), dtype=torch.int32)
+                b = b.view(torch.uint8).long()
                 got_s = torch.ldexp(torch.ones(b.shape), (b - 127).int())
             else:
                 got_s = scales[le, :n]
@@ -339,8 +340,8 @@ def deep_ep_body(world, group_kind):
         _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, MAX_TOKENS, e, use_fp8=False)
         y = dv(torch.zeros(EXPERTS_PER_RANK, world * MAX_TOKENS, HIDDEN, dtype=torch.bfloat16))
         ones = dv(torch.ones(idx.shape))
-        expect_error(ferry.InvalidArgument, "shape", buf.low_latency_combine, y[:, :1].contiguous(), idx,
-                     ones, handle)
+        expect_error(ferry.InvalidArgument, "shape", buf.low_latency_combine,
+                     y[:, :1].contiguous(), idx, ones, handle)
         buf.low_latency_combine(y, idx, ones, handle)
         expect_error(ferry.InvalidArgument, "combined already", buf.low_latency_combine, y, idx,
                      ones, handle)
@@ -348,15 +349,22 @@ def deep_ep_body(world, group_kind):
     return body
 
 
-class DeepEpTest(Case):
+class Worlds:
+    """World sizes 1, 2 and 4 of a layer's body (body_of(world, group kind)), over ferry's
+    bootstrap and over gloo."""
+
     def test_world_1_over_ferrys_bootstrap(self):
-        self.ranks(1, deep_ep_body(1, "ferry"))
+        self.ranks(1, self.body_of(1, "ferry"))
 
     def test_world_2_over_gloo(self):
-        self.ranks(2, deep_ep_body(2, "gloo"))
+        self.ranks(2, self.body_of(2, "gloo"))
 
     def test_world_4_over_ferrys_bootstrap(self):
-        self.ranks(4, deep_ep_body(4, "ferry"), timeout=240.0)
+        self.ranks(4, self.body_of(4, "ferry"), timeout=240.0)
+
+
+class DeepEpTest(Worlds, Case):
+    body_of = staticmethod(deep_ep_body)
 
 
 # ---- pplx ---------------------------------------------------------------------------------------
@@ -440,15 +448,8 @@ def pplx_body(world, group_kind):
     return body
 
 
-class PplxTest(Case):
-    def test_world_1_over_ferrys_bootstrap(self):
-        self.ranks(1, pplx_body(1, "ferry"))
-
-    def test_world_2_over_gloo(self):
-        self.ranks(2, pplx_body(2, "gloo"))
-
-    def test_world_4_over_ferrys_bootstrap(self):
-        self.ranks(4, pplx_body(4, "ferry"), timeout=240.0)
+class PplxTest(Worlds, Case):
+    body_of = staticmethod(pplx_body)
 
     def test_refuses_what_it_cannot_honour(self):
         from ferry import pplx
