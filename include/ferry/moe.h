@@ -167,6 +167,10 @@ struct FERRY_API DispatchInput {
   // if the caller had quantised them.
   const uint16_t* x_bf16 = nullptr;
   Fp8Scaling scaling = Fp8Scaling::kAmax;
+  // 64-bit expert ids (what torch.topk gives) instead of indices, narrowed by the device as it
+  // sends (on the CUDA device by a kernel on the step's stream); an id outside int32 is a bad
+  // id like any other.
+  const int64_t* indices64 = nullptr;
 };
 
 // Dispatch output. Expert-major (the default): x holds [local_experts, expert_capacity] rows,
@@ -265,6 +269,13 @@ class FERRY_API AllToAll {
   // *done true). Never inside a graph capture (querying a capturing stream ends the capture).
   // The host device: its steps waited for themselves, *done true.
   virtual Status Poll(bool* done) = 0;
+  // CUDA device: order the AllToAll's stream and another without the host waiting (an event of
+  // the AllToAll's recorded on one, waited for on the other; graph capture works). OrderAfter:
+  // the steps enqueued from now on start after what `stream` holds so far. OrderBefore: what is
+  // enqueued on `stream` from now on starts after the steps enqueued so far. `stream` may be
+  // the legacy default stream (0). The host device: Unimplemented.
+  virtual Status OrderAfter(void* stream) = 0;
+  virtual Status OrderBefore(void* stream) = 0;
 
   // Bytes this rank's last dispatch and combine put on the wire (payload and metadata; on the
   // CUDA device, to other ranks over NVLink or the relay, read back from the GPU after waiting

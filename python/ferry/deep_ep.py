@@ -72,7 +72,17 @@ class EventOverlap:
         self.current_stream_wait()
 
 
-_DONE = EventOverlap()  # a CPU call's event: finished when it returns
+_DONE = EventOverlap()  # the event of a call the caller's stream already waits for
+
+# The caller's current stream as a cudaStream_t: torch's raw accessor where it has one (what
+# compilers built on torch call), else the Stream object's handle (several times slower).
+_raw_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _current_stream(device):
+    if _raw_current_stream is not None:
+        return _raw_current_stream(device.index or 0)
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 def _round_up(n, to):
@@ -215,20 +225,21 @@ class Buffer:
         else:
             release_finished(pooled.a2a)
 
-    def _begin(self, x, previous_event):
-        """CUDA: the communication stream waits for the caller's work (or previous_event); the
-        caller's stream, returned, for _end. The steps themselves go on the communication
-        stream through the AllToAll's set_stream, without torch's stream context."""
+    def _begin(self, a2a, x, previous_event):
+        """CUDA: the communication stream (where the AllToAll's steps go, through its
+        set_stream) waits for the caller's stream, or for previous_event; returns the caller's
+        stream handle, for _end. The ordering is the AllToAll's own (an event recorded and
+        waited for in C++): torch's stream objects cost several microseconds a call."""
         if x.device.type != "cuda":
             return None
-        current = torch.cuda.current_stream(x.device)
+        current = _current_stream(x.device)
         if previous_event is not None and previous_event.event is not None:
             self._stream.wait_event(previous_event.event)
         else:
-            self._stream.wait_stream(current)
+            a2a.order_after(current)
         return current
 
-    def _end(self, current, async_finish, inputs, outputs=()):
+    def _end(self, a2a, current, async_finish, inputs, outputs=()):
         """DeepEP's finish: the caller's stream waits for the communication stream, or (with
         async_finish) gets an event to wait on. The caller's tensors the steps read are marked
         in use on the communication stream (the allocator then keeps them for it); outputs,
@@ -239,7 +250,7 @@ class Buffer:
             if t is not None:
                 t.record_stream(self._stream)
         if not async_finish:
-            current.wait_stream(self._stream)
+            a2a.order_before(current)
             return _DONE
         event = torch.cuda.Event()
         event.record(self._stream)
@@ -249,12 +260,6 @@ class Buffer:
         """torch's stream context for torch ops of ours that must run on the communication
         stream (fp8 scale layouts, counters); nothing on the CPU."""
         return torch.cuda.stream(self._stream) if current is not None else _nothing()
-
-    def _ids(self, topk_idx, device):
-        """Expert ids as ferry's CUDA device takes them (int32); the host device takes int64."""
-        if device.type == "cuda" and topk_idx.dtype != torch.int32:
-            return topk_idx.to(torch.int32)
-        return topk_idx
 
     # ---- low-latency mode ------------------------------------------------------------------
 
@@ -303,11 +308,13 @@ class Buffer:
         a2a = pooled.a2a
         rows = world * m
         try:
-            ids = self._ids(topk_idx, x.device)  # on the caller's stream, before the wait
-            current = self._begin(x, None)
+            ids = topk_idx  # int64 or int32: ferry narrows int64 ids as it sends
+            current = self._begin(a2a, x, None)
             scaling = _ferry.Fp8Scaling.POWER_OF_TWO if round_scale else _ferry.Fp8Scaling.AMAX
-            a2a.dispatch_send(x, ids, self._ones_for(x.device, m, k)[:tokens],
-                              num_tokens=tokens, scaling=scaling)
+            # The dispatch's weights are unused (the combine's come at the combine): a tensor of
+            # ones for up to m tokens, read for the first `tokens`.
+            a2a.dispatch_send(x, ids, self._ones_for(x.device, m, k), num_tokens=tokens,
+                              scaling=scaling)
             recv_x, recv_count, scales, packed = self._ll_outputs(
                 pooled, x.device, local, rows, hidden, use_fp8, use_ue8m0)
         except BaseException:
@@ -329,11 +336,11 @@ class Buffer:
                         packed.copy_(scales)
                     if cumulative_local_expert_recv_stats is not None:
                         cumulative_local_expert_recv_stats.add_(recv_count)
-            return self._end(current, async_finish, sent)
+            return self._end(a2a, current, async_finish, sent)
 
         out_x = (recv_x, packed) if use_fp8 else recv_x
         if return_recv_hook:
-            event = self._end(current, async_finish, sent)
+            event = self._end(a2a, current, async_finish, sent)
 
             def hook():
                 receive().current_stream_wait()
@@ -415,7 +422,7 @@ class Buffer:
                 raise InvalidArgument(f"out: shape {tuple(out.shape)}, expected "
                                       f"{(h.tokens, h.hidden)}")
         a2a = h.pooled.a2a
-        current = self._begin(x, None)
+        current = self._begin(a2a, x, None)
         a2a.combine_send(x)
 
         def receive():
@@ -423,10 +430,10 @@ class Buffer:
                 a2a.combine_recv(out, timeout=self._timeout, weights=topk_weights)
             finally:
                 self._release(h)
-            return self._end(current, async_finish, (x, topk_weights), (out,))
+            return self._end(a2a, current, async_finish, (x, topk_weights), (out,))
 
         if return_recv_hook:
-            event = self._end(current, async_finish, (x,))
+            event = self._end(a2a, current, async_finish, (x,))
 
             def hook():
                 receive().current_stream_wait()
@@ -559,8 +566,8 @@ class Buffer:
         dev = x.device
         try:
             weights = (topk_weights if topk_weights is not None
-                       else self._ones_for(dev, capacity, k)[:tokens])
-            ids = self._ids(topk_idx, dev)
+                       else self._ones_for(dev, capacity, k))
+            ids = topk_idx
             # The outputs on the caller's stream (DeepEP's allocate_on_comm_stream=False).
             recv = torch.empty(rows, hidden, dtype=x.dtype, device=dev)
             recv_scales = (torch.empty(rows, hidden // 128, dtype=torch.float32, device=dev)
@@ -569,7 +576,7 @@ class Buffer:
             num_rows = torch.empty(1, dtype=torch.int32, device=dev)
             experts = torch.empty(rows, k, dtype=torch.int32, device=dev)
             weights_out = torch.empty(rows, k, dtype=torch.float32, device=dev)
-            current = self._begin(x, previous_event)
+            current = self._begin(a2a, x, previous_event)
             a2a.dispatch_send(x, ids, weights, scales=x_scales, num_tokens=tokens)
             a2a.dispatch_recv(recv, counts, recv_scales, num_rows, experts, weights_out,
                               timeout=self._timeout)
@@ -585,7 +592,7 @@ class Buffer:
                 live = torch.arange(num_worst_tokens, device=dev) < num_rows.to(torch.int64)
                 experts[:num_worst_tokens].masked_fill_(~live[:, None], -1)
                 weights_out[:num_worst_tokens].masked_fill_(~live[:, None], 0.0)
-        event = self._end(current, async_finish, (x, x_scales, ids, weights),
+        event = self._end(a2a, current, async_finish, (x, x_scales, ids, weights),
                           (recv, recv_scales, counts, num_rows, experts, weights_out))
         if num_worst_tokens > 0:
             r = num_worst_tokens
@@ -628,12 +635,12 @@ class Buffer:
         a2a = h.pooled.a2a
         out = torch.empty(h.tokens, h.hidden, dtype=torch.bfloat16, device=x.device)
         try:
-            current = self._begin(x, previous_event)
+            current = self._begin(a2a, x, previous_event)
             a2a.combine_send(x, num_rows=h.rows)
             a2a.combine_recv(out, timeout=self._timeout)
         finally:
             h.pooled.busy = False
-        return out, None, self._end(current, async_finish, (x,), (out,))
+        return out, None, self._end(a2a, current, async_finish, (x,), (out,))
 
     # ---- rank masks (DeepEP's elastic low-latency mode) -------------------------------------
 

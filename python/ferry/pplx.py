@@ -111,12 +111,7 @@ class AllToAll:
             self._check_tokens(dp_x, dp_x_scale, indices, weights)
             tokens = self._bound(dp_x, bound_m)
             with self._on_stream():
-                ids = indices
-                if ids.dtype != torch.int64 and ids.dtype != torch.int32:  # uint32: same bits
-                    ids = ids.view(torch.int32)
-                elif self._cuda and ids.dtype == torch.int64:
-                    ids = ids.to(torch.int32)
-                self._a2a.dispatch_send(dp_x, ids, weights, scales=dp_x_scale,
+                self._a2a.dispatch_send(dp_x, indices, weights, scales=dp_x_scale,
                                         num_tokens=tokens, device_num_tokens=self._dev_bound(
                                             bound_m))
             self._stage = "dispatched"

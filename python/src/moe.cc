@@ -73,7 +73,7 @@ class PyAllToAll {
     } else {
       in.x = xa.pointer();
     }
-    in.indices = Indices(ia, copies);
+    Indices(ia, copies, in);
     in.weights = static_cast<const float*>(wa.pointer());
     in.num_tokens = static_cast<int>(tokens);
     Owners used{xa.owner, ia.owner, wa.owner};
@@ -181,12 +181,7 @@ class PyAllToAll {
   void SetStream(const py::handle& stream) {
     void* s = nullptr;
     if (!stream.is_none()) {
-      // An int (a cudaStream_t's address), or a stream object that carries one: torch's
-      // .cuda_stream, CuPy's .ptr.
-      py::object handle = py::hasattr(stream, "cuda_stream") ? stream.attr("cuda_stream")
-                          : py::hasattr(stream, "ptr")       ? stream.attr("ptr")
-                                                       : py::reinterpret_borrow<py::object>(stream);
-      s = reinterpret_cast<void*>(static_cast<uintptr_t>(py::cast<uint64_t>(handle)));
+      s = StreamHandle(stream);
       // Handle 0 is the legacy default stream (torch's current stream unless one was set): taken
       // as "no stream" the steps would go back to waiting, unordered with the caller's kernels
       // on that stream, and read inputs not yet written.
@@ -198,6 +193,13 @@ class PyAllToAll {
     }
     ThrowIfError(a2a().SetStream(s));
     streamed_ = s != nullptr;
+  }
+
+  // OrderAfter / OrderBefore with a stream as set_stream takes one (0, the legacy default
+  // stream, allowed: it is only ordered against).
+  void Order(const py::handle& stream, bool after) {
+    void* s = StreamHandle(stream);
+    ThrowIfError(after ? a2a().OrderAfter(s) : a2a().OrderBefore(s));
   }
 
   void Synchronize() {
@@ -221,6 +223,17 @@ class PyAllToAll {
   uint64_t combine_bytes_sent() const { return a2a().combine_bytes_sent(); }
 
  private:
+  // An int (a cudaStream_t's address), or a stream object that carries one: torch's
+  // .cuda_stream, CuPy's .ptr.
+  static void* StreamHandle(const py::handle& stream) {
+    if (PyLong_Check(stream.ptr())) {
+      return reinterpret_cast<void*>(static_cast<uintptr_t>(py::cast<uint64_t>(stream)));
+    }
+    py::object handle = py::hasattr(stream, "cuda_stream") ? stream.attr("cuda_stream")
+                        : py::hasattr(stream, "ptr")       ? stream.attr("ptr")
+                                                     : py::reinterpret_borrow<py::object>(stream);
+    return reinterpret_cast<void*>(static_cast<uintptr_t>(py::cast<uint64_t>(handle)));
+  }
   AllToAll& a2a() const {
     if (!a2a_) ThrowIfError(FailedPreconditionError("the AllToAll is closed"));
     return *a2a_;
@@ -235,38 +248,18 @@ class PyAllToAll {
            (token_major ? 1 : static_cast<uint64_t>(c.local_experts()));
   }
   static int ItemBytes(const AllToAllConfig& c) { return c.dtype == DispatchDtype::kBf16 ? 2 : 1; }
-  // The expert ids as the core takes them (int32). int64 (what torch.topk gives) and uint32 ids
-  // are copied into int32 on the host device, each checked to be an id or -1 first; on the CUDA
-  // device they are refused (a copy there would need a kernel of its own: pass int32).
-  const int32_t* Indices(const Array& ia, uint64_t copies) {
-    if (ia.kind == 'i' && ia.item_bytes == 4) {
-      Check(&ia, {"indices", copies * 4, false, 'i', 4});
-      return static_cast<const int32_t*>(ia.pointer());
+  // The expert ids into `in`: int32 as they are, uint32 as the same bits (an id >= 2^31 is
+  // then negative: -1 for 0xFFFFFFFF, a bad id otherwise), int64 (torch.topk's) as indices64,
+  // narrowed by the core (on the CUDA device by a kernel on the step's stream).
+  void Indices(const Array& ia, uint64_t copies, DispatchInput& in) const {
+    if (ia.kind == 'i' && ia.item_bytes == 8) {
+      Check(&ia, {"indices", copies * 8, false, 'i', 8});
+      in.indices64 = static_cast<const int64_t*>(ia.pointer());
+      return;
     }
-    const bool wide = ia.kind == 'i' && ia.item_bytes == 8,
-               unsigned32 = ia.kind == 'u' && ia.item_bytes == 4;
-    if (!wide && !unsigned32) {
-      Check(&ia, {"indices", copies * 4, false, 'i', 4});  // names what it is and what we take
-    }
-    if (config().device != MoeDeviceKind::kHost) {
-      ThrowIfError(InvalidArgumentError(
-          "indices: int32 on the CUDA device (int64 and uint32 ids are taken on the host device)"));
-    }
-    Check(&ia, {"indices", copies * ia.item_bytes, false, ia.kind, ia.item_bytes});
-    const int64_t experts = config().num_experts;
-    narrowed_.resize(copies);
-    for (uint64_t i = 0; i < copies; ++i) {
-      const int64_t e = wide ? static_cast<const int64_t*>(ia.pointer())[i]
-                             : int64_t{static_cast<const uint32_t*>(ia.pointer())[i]};
-      if (e < -1 || e >= experts) {
-        ThrowIfError(OutOfRangeError(
-            "dispatch_send: token " + std::to_string(i / config().experts_per_token) +
-            " routes to expert " + std::to_string(e) + ", valid ids are [0, " +
-            std::to_string(experts) + ") and -1 (none)"));
-      }
-      narrowed_[i] = static_cast<int32_t>(e);
-    }
-    return narrowed_.data();
+    const char kind = ia.kind == 'u' && ia.item_bytes == 4 ? 'u' : 'i';
+    Check(&ia, {"indices", copies * 4, false, kind, 4});  // names what it is and what we take
+    in.indices = static_cast<const int32_t*>(ia.pointer());
   }
   void Check(const Array* array, const ArrayNeed& need) const {
     ThrowIfError(CheckArray(array, need, Device(config())));
@@ -310,7 +303,6 @@ class PyAllToAll {
   py::object engine_;
   std::unique_ptr<AllToAll> a2a_;
   std::vector<py::object> keep_;
-  std::vector<int32_t> narrowed_;  // int64 / uint32 ids as int32 (host device, during the step)
   int64_t last_tokens_ = 0;
   int64_t received_rows_ = -1;  // token-major rows of the last dispatch_recv; -1: not known here
   uint64_t output_rows_ = 0;    // rows the last dispatch_recv's x held (its padding's)
@@ -380,8 +372,8 @@ void BindMoe(py::module_& m) {
       .def("dispatch_send", &PyAllToAll::DispatchSend, py::arg("x"), py::arg("indices"),
            py::arg("weights"), py::arg("scales") = py::none(), py::arg("num_tokens") = py::none(),
            py::arg("device_num_tokens") = py::none(), py::arg("scaling") = Fp8Scaling::kAmax,
-           "x [T, hidden] (bf16 as 2-byte or fp8 as 1-byte elements), indices [T, k] int32 "
-           "(the host device also takes int64 and uint32; -1: no expert), weights [T, k] "
+           "x [T, hidden] (bf16 as 2-byte or fp8 as 1-byte elements), indices [T, k] int32, "
+           "int64 or uint32 (-1: no expert), weights [T, k] "
            "float32, scales [T, hidden/128] float32 (fp8); T = num_tokens or x's first "
            "dimension (num_tokens is required for a flat x). An fp8 AllToAll given bf16 x and "
            "no scales quantises x as it sends, its scales as `scaling` says (Fp8Scaling)")
@@ -410,6 +402,14 @@ void BindMoe(py::module_& m) {
            "return at once; the arrays stay referenced until synchronize()")
       .def("synchronize", &PyAllToAll::Synchronize,
            "Waits for the steps enqueued so far and raises what their kernels found")
+      .def("order_after", [](PyAllToAll& a, const py::handle& s) { a.Order(s, true); },
+           py::arg("stream"),
+           "CUDA device: the steps enqueued from now on start after what `stream` (a torch or "
+           "CuPy stream, or a cudaStream_t as an int; 0 allowed) holds so far; no host wait")
+      .def("order_before", [](PyAllToAll& a, const py::handle& s) { a.Order(s, false); },
+           py::arg("stream"),
+           "CUDA device: what is enqueued on `stream` from now on starts after the steps "
+           "enqueued so far; no host wait")
       .def("poll", &PyAllToAll::Poll,
            "synchronize() without the wait: True (the arrays released, what the kernels found "
            "raised) once every step enqueued so far has finished, else False; not during a "

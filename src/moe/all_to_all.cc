@@ -106,12 +106,14 @@ class AllToAllImpl final : public AllToAll {
     *done = true;
     return Synchronize();
   }
+  Status OrderAfter(void*) override { return SetStream(nullptr); }  // both Unimplemented
+  Status OrderBefore(void*) override { return SetStream(nullptr); }
   uint64_t dispatch_bytes_sent() const override { return proxy_->dispatch_bytes(); }
   uint64_t combine_bytes_sent() const override { return proxy_->combine_bytes(); }
 
   Status DispatchSend(const DispatchInput& given) override {
     RETURN_IF_ERROR(Step(Stage::kIdle, "DispatchSend"));
-    RETURN_IF_ERROR(moe::CheckQuantizedInput(c_, given));
+    RETURN_IF_ERROR(moe::CheckInputForms(c_, given));
     DispatchInput in = given;
     if (in.x_bf16 && in.num_tokens > 0 && in.num_tokens <= c_.max_tokens_per_rank) {
       // Quantised here, then sent as if the caller had: the rows stay ours until the next
@@ -122,6 +124,18 @@ class AllToAllImpl final : public AllToAll {
                       fp8_scales_.data());
       in.x = fp8_x_.data();
       in.scales = fp8_scales_.data();
+    }
+    if (in.indices64 && in.num_tokens > 0 && in.num_tokens <= c_.max_tokens_per_rank) {
+      // Narrowed here, each id checked first (the int32 form's check below would not see an
+      // id that wraps into range).
+      const int64_t copies = int64_t{in.num_tokens} * c_.experts_per_token;
+      narrowed_.resize(copies);
+      for (int64_t i = 0; i < copies; ++i) {
+        const int64_t e = in.indices64[i];
+        if (e < -1 || e >= c_.num_experts) return BadId(i, e);
+        narrowed_[i] = static_cast<int32_t>(e);
+      }
+      in.indices = narrowed_.data();
     }
     RETURN_IF_ERROR(CheckInput(in));
     RETURN_IF_ERROR(device_->DispatchSend(in, epoch_));
@@ -187,14 +201,14 @@ class AllToAllImpl final : public AllToAll {
     }
     const int64_t copies = int64_t{in.num_tokens} * c_.experts_per_token;
     for (int64_t i = 0; i < copies; ++i) {
-      if (in.indices[i] < -1 || in.indices[i] >= c_.num_experts) {
-        return OutOfRangeError("DispatchSend: token " + std::to_string(i / c_.experts_per_token) +
-                               " routes to expert " + std::to_string(in.indices[i]) +
-                               ", valid ids are [0, " + std::to_string(c_.num_experts) +
-                               ") and -1 (none)");
-      }
+      if (in.indices[i] < -1 || in.indices[i] >= c_.num_experts) return BadId(i, in.indices[i]);
     }
     return Status::Ok();
+  }
+  Status BadId(int64_t copy, int64_t id) const {
+    return OutOfRangeError("DispatchSend: token " + std::to_string(copy / c_.experts_per_token) +
+                           " routes to expert " + std::to_string(id) + ", valid ids are [0, " +
+                           std::to_string(c_.num_experts) + ") and -1 (none)");
   }
 
   const AllToAllConfig c_;
@@ -208,6 +222,7 @@ class AllToAllImpl final : public AllToAll {
   std::unique_ptr<moe::Proxy> proxy_;
   Stage stage_ = Stage::kIdle;
   uint64_t epoch_ = 0;
+  std::vector<int32_t> narrowed_;  // DispatchInput::indices64 as int32
   std::vector<uint8_t> fp8_x_;  // DispatchInput::x_bf16 quantised
   std::vector<float> fp8_scales_;
 };

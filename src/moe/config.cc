@@ -134,7 +134,10 @@ Status CheckDispatchOutput(const AllToAllConfig& c, const DispatchOutput& out) {
   return Status::Ok();
 }
 
-Status CheckQuantizedInput(const AllToAllConfig& c, const DispatchInput& in) {
+Status CheckInputForms(const AllToAllConfig& c, const DispatchInput& in) {
+  if (in.indices && in.indices64) {
+    return InvalidArgumentError("DispatchSend: indices or indices64, not both");
+  }
   if (!in.x_bf16) return Status::Ok();
   if (c.dtype != DispatchDtype::kFp8E4M3) {
     return InvalidArgumentError(

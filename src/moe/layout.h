@@ -46,9 +46,10 @@ static_assert(sizeof(SlotHeader) == 8 && sizeof(SlotEntry) == 12, "slot metadata
 // InvalidArgument when `out` lacks a buffer the configuration's layout fills, or has one it
 // does not (a caller mixing up the layouts). Both devices' DispatchRecv start with it.
 Status CheckDispatchOutput(const AllToAllConfig& c, const DispatchOutput& out);
-// DispatchInput's x_bf16 (quantised as it is sent) against x / scales and the dtype: OK when
-// it is absent, or present on an fp8 configuration in place of both.
-Status CheckQuantizedInput(const AllToAllConfig& c, const DispatchInput& in);
+// DispatchInput's alternative forms: x_bf16 (quantised as it is sent) against x / scales and
+// the dtype -- OK when absent, or present on an fp8 configuration in place of both -- and
+// indices64 in place of indices, not beside them.
+Status CheckInputForms(const AllToAllConfig& c, const DispatchInput& in);
 
 inline int64_t RoundUp(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
 

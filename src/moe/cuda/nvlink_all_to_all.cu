@@ -50,6 +50,7 @@ class NvlinkAllToAll final : public AllToAll {
       device_outbox_.Leak();
     }
     if (own_stream_) cudaStreamDestroy(own_stream_);
+    if (order_event_) cudaEventDestroy(order_event_);
     if (error_) cudaFreeHost(error_);
   }
 
@@ -85,6 +86,19 @@ class NvlinkAllToAll final : public AllToAll {
     return Status::Ok();
   }
 
+  Status OrderAfter(void* stream) override {
+    FERRY_CUDA(cudaSetDevice(c_.cuda_device));
+    FERRY_CUDA(cudaEventRecord(order_event_, static_cast<cudaStream_t>(stream)));
+    FERRY_CUDA(cudaStreamWaitEvent(stream_, order_event_, 0));
+    return Status::Ok();
+  }
+  Status OrderBefore(void* stream) override {
+    FERRY_CUDA(cudaSetDevice(c_.cuda_device));
+    FERRY_CUDA(cudaEventRecord(order_event_, stream_));
+    FERRY_CUDA(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), order_event_, 0));
+    return Status::Ok();
+  }
+
   Status Poll(bool* done) override {
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
     const cudaError_t idle = cudaStreamQuery(stream_);
@@ -109,7 +123,7 @@ class NvlinkAllToAll final : public AllToAll {
 
   Status DispatchSend(const DispatchInput& given) override {
     RETURN_IF_ERROR(Step(Stage::kIdle, "DispatchSend"));
-    RETURN_IF_ERROR(CheckQuantizedInput(c_, given));
+    RETURN_IF_ERROR(CheckInputForms(c_, given));
     DispatchInput in = given;
     if (in.num_tokens < 0 || in.num_tokens > c_.max_tokens_per_rank) {
       return InvalidArgumentError("DispatchSend: " + std::to_string(in.num_tokens) +
@@ -117,11 +131,23 @@ class NvlinkAllToAll final : public AllToAll {
                                   std::to_string(c_.max_tokens_per_rank));
     }
     if ((in.num_tokens > 0) &&
-        ((!in.x && !in.x_bf16) || !in.indices || !in.weights ||
+        ((!in.x && !in.x_bf16) || (!in.indices && !in.indices64) || !in.weights ||
          (nv_.spt && !in.scales && !in.x_bf16))) {
       return InvalidArgumentError("DispatchSend: null input buffer");
     }
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
+    if (in.indices64 && in.num_tokens > 0) {
+      // Narrowed on the stream into ids of ours (an id outside int32 becomes one the send
+      // kernels report as bad).
+      if (!narrow_ids_.get()) {
+        RETURN_IF_ERROR(narrow_ids_.Allocate(size_t(c_.max_tokens_per_rank) * c_.experts_per_token));
+      }
+      const int64_t copies = int64_t{in.num_tokens} * c_.experts_per_token;
+      NarrowIdsKernel<<<static_cast<int>((copies + kNarrowThreads - 1) / kNarrowThreads),
+                        kNarrowThreads, 0, stream_>>>(in.indices64, copies, narrow_ids_.get());
+      FERRY_CUDA(cudaGetLastError());
+      in.indices = narrow_ids_.get();
+    }
     if (in.x_bf16 && in.num_tokens > 0) {
       // Quantised on the stream into rows of ours, which the send kernels then read as the
       // caller's fp8 input (the next DispatchSend rewrites them only after this one's kernels,
@@ -343,6 +369,8 @@ class NvlinkAllToAll final : public AllToAll {
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
     FERRY_CUDA(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking));
     stream_ = own_stream_;
+    // One event serves every ordering: a wait takes the event's state when it is enqueued.
+    FERRY_CUDA(cudaEventCreateWithFlags(&order_event_, cudaEventDisableTiming));
     FERRY_CUDA(cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, c_.cuda_device));
     return Status::Ok();
   }
@@ -852,6 +880,7 @@ class NvlinkAllToAll final : public AllToAll {
   DeviceArray<int32_t> indices_, slot_pos_, row_pos_, totals_, erank_, chunk_counts_;
   DeviceArray<int64_t> scan_carry_;
   DeviceArray<float> weights_;
+  DeviceArray<int32_t> narrow_ids_;  // DispatchInput::indices64 narrowed (at its first use)
   DeviceArray<uint8_t> fp8_x_;  // DispatchInput::x_bf16 quantised (allocated at its first use)
   DeviceArray<float> fp8_scales_;
   DeviceArray<RecvSlot> rslots_;
@@ -859,6 +888,7 @@ class NvlinkAllToAll final : public AllToAll {
   DeviceArray<long long> trace_;
   int32_t* error_ = nullptr;  // pinned, mapped
   cudaStream_t own_stream_ = nullptr, stream_ = nullptr;
+  cudaEvent_t order_event_ = nullptr;  // OrderAfter / OrderBefore
   bool async_ = false;
   int send_grid_ = 1;  // DispatchSend's (SendSmall or Pack), fixed
   int recv_grid_ = 1;  // CombineSend's, and Unpack's unless streamed

@@ -592,6 +592,19 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
   }
 }
 
+// ---- 64-bit ids narrowed as DispatchSend sends (DispatchInput::indices64) -----------------------
+
+// An id outside int32 becomes INT32_MAX: out of range for any configuration, so the send
+// kernels skip and report it as they do any bad id.
+constexpr int kNarrowThreads = 256;
+__global__ void __launch_bounds__(kNarrowThreads)
+    NarrowIdsKernel(const int64_t* ids, int64_t copies, int32_t* out) {
+  const int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  if (i >= copies) return;
+  const int64_t e = ids[i];
+  out[i] = e >= -1 && e <= INT32_MAX ? static_cast<int32_t>(e) : INT32_MAX;
+}
+
 // ---- fp8 made from bf16 as DispatchSend sends (DispatchInput::x_bf16) ----------------------------
 
 // A warp per 128-column group of a row, four columns a lane: the group's largest |x| by shuffle,
