@@ -41,10 +41,11 @@ def tokens_of(world, rank):
     return 0 if (world > 1 and rank == 1) else (5 + 3 * rank) % MAX_TOKENS + 1
 
 
-def inputs(world, rank):
+def inputs(world, rank, round=0):
     """Rank's rows (random bf16, each 128-column group of its own magnitude) and top-k ids: -1
-    in some entries, and a token whose ids include two experts of one rank."""
-    g = torch.Generator().manual_seed(1000 + rank)
+    in some entries, and a token whose ids include two experts of one rank; `round` draws
+    another set of the same shapes."""
+    g = torch.Generator().manual_seed(1000 + rank + 7919 * round)
     t, e = tokens_of(world, rank), EXPERTS_PER_RANK * world
     scale = 2.0 ** torch.arange(-3, HIDDEN // 128 - 3, dtype=torch.float32).repeat_interleave(128)
     x = (torch.randn(t, HIDDEN, generator=g) * scale).to(torch.bfloat16)
@@ -307,6 +308,65 @@ def check_normal(buf, world, rank, fp8):
     expect_error(ferry.InvalidArgument, "combined already", buf.combine, again, handle)
 
 
+def expert_outputs(recv_x, count, rank):
+    """The experts' outputs in the low-latency layout: each received row times its expert's
+    factor (rows past the counts zero)."""
+    y = torch.zeros(recv_x.shape, dtype=torch.bfloat16)
+    for le in range(EXPERTS_PER_RANK):
+        n = int(count[le])
+        y[le, :n] = (recv_x[le, :n].double() * expert_factor(rank * EXPERTS_PER_RANK + le)).to(
+            torch.bfloat16)
+    return y
+
+
+def check_overlapped_and_zero_copy(buf, world, rank):
+    """Two micro-batches dispatched before either is combined (each on an AllToAll of its
+    own), combined in the other order, the second through the zero-copy combine buffer and
+    async_finish; each token back as its weighted sum."""
+    e = EXPERTS_PER_RANK * world
+    (xa, ia, wa), (xb, ib, wb) = inputs(world, rank, round=1), inputs(world, rank, round=2)
+    ra, ca, ha, _, _ = buf.low_latency_dispatch(dv(xa), dv(ia), MAX_TOKENS, e, use_fp8=False)
+    rb, cb, hb, _, hook = buf.low_latency_dispatch(dv(xb), dv(ib), MAX_TOKENS, e, use_fp8=False,
+                                                   return_recv_hook=True)
+    hook()
+    ya, yb = expert_outputs(hv(ra), hv(ca), rank), expert_outputs(hv(rb), hv(cb), rank)
+    buffer = buf.get_next_low_latency_combine_buffer(hb)
+    buffer.copy_(dv(yb))
+    out_b, event, _ = buf.low_latency_combine(dv(torch.zeros_like(yb)), dv(ib), dv(wb), hb,
+                                              zero_copy=True, async_finish=True)
+    event.current_stream_wait()
+    out_a, _, _ = buf.low_latency_combine(dv(ya), dv(ia), dv(wa), ha)
+    for out, (x, idx, w) in ((out_a, (xa, ia, wa)), (out_b, (xb, ib, wb))):
+        torch.testing.assert_close(hv(out).float(), weighted_reference(x, idx, w).float(),
+                                   rtol=2 ** -7, atol=2 ** -6)
+
+
+def check_worst_tokens(buf, world, rank):
+    """A normal-mode dispatch with num_worst_tokens: that many rows, no host wait, and the rows
+    past those received hold no token (ids -1, weights 0); async_finish's event then waited."""
+    x, idx, w = inputs(world, rank)
+    e = EXPERTS_PER_RANK * world
+    layout = buf.get_dispatch_layout(dv(idx), e)
+    worst = world * MAX_TOKENS
+    recv, recv_idx, recv_w, per_expert, handle, event = buf.dispatch(
+        dv(x), num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
+        num_tokens_per_expert=layout[2], topk_idx=dv(idx), topk_weights=dv(w),
+        num_worst_tokens=worst, async_finish=True, previous_event=layout[4])
+    event.current_stream_wait()
+    assert per_expert == [] and recv.shape[0] == worst and recv_idx.shape[0] == worst
+    got = sum(1 for s in range(world) for sx, sidx, _ in [inputs(world, s)]
+              for t in range(sx.shape[0])
+              if any(int(v) >= 0 and int(v) // EXPERTS_PER_RANK == rank for v in sidx[t]))
+    assert bool((hv(recv_idx)[:got] >= 0).any(dim=1).all()), "a received row without an expert"
+    assert bool((hv(recv_idx)[got:] == -1).all()) and not hv(recv_w)[got:].any()
+    out, _, _ = buf.combine(recv, handle)  # all num_worst_tokens rows back, as DeepEP takes them
+    holders = torch.zeros(x.shape[0], 1, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        holders[t] = len({int(v) // EXPERTS_PER_RANK for v in idx[t] if int(v) >= 0})
+    assert torch.equal(hv(out).view(torch.int16),
+                       (x.double() * holders).to(torch.bfloat16).view(torch.int16))
+
+
 def deep_ep_body(world, group_kind):
     def body(b, store):
         from ferry import deep_ep
@@ -318,8 +378,10 @@ def deep_ep_body(world, group_kind):
                                             (True, True, True)):
             for hook in (False, True):
                 check_low_latency(buf, world, b.rank, use_fp8, round_scale, ue8m0, hook)
+        check_overlapped_and_zero_copy(buf, world, b.rank)
         check_normal(buf, world, b.rank, fp8=False)
         check_normal(buf, world, b.rank, fp8=True)
+        check_worst_tokens(buf, world, b.rank)
         # Refusals name what is not honoured.
         x, idx, _ = inputs(world, b.rank)
         x, idx = dv(x), dv(idx)
@@ -445,7 +507,46 @@ def pplx_body(world, group_kind):
         a2a.dispatch(counts, out_x, None, dx, None, ids, dw, do_send=False)
         a2a.combine(torch.empty_like(dx), ids, dw, torch.zeros_like(out_x))
         a2a.destroy()
+        check_pplx_fp8(world, b.rank, group)
     return body
+
+
+def check_pplx_fp8(world, rank, group):
+    """e4m3 rows with their scales through pplx's dispatch (the caller quantised them): each
+    expert's block holds its rows' codes and scales, as sent."""
+    from ferry import pplx
+    a2a = pplx.AllToAll(max_num_tokens=MAX_TOKENS, num_experts=EXPERTS_PER_RANK * world,
+                        expert_padding=PADDING, hidden_dim=HIDDEN, hidden_dim_scale=HIDDEN // 128,
+                        in_dtype=fp8_dtype(), out_dtype=torch.bfloat16, scale_dtype=torch.float32,
+                        num_experts_per_token=K, device=torch.device(DEV), global_group=group)
+
+    def encoded(s):
+        x, idx, w = inputs(world, s)
+        q, scales = quantize_reference(x, True)
+        codes = (q[..., None] == e4m3_table()[None, None, :]).float().argmax(-1).to(torch.uint8)
+        return codes.view(fp8_dtype()), scales.contiguous(), idx, w
+
+    codes, scales, idx, w = encoded(rank)
+    rows = a2a.max_recv_tokens
+    counts = dv(torch.empty(EXPERTS_PER_RANK, dtype=torch.int32))
+    out_x = dv(torch.zeros(rows, HIDDEN, dtype=torch.uint8).view(fp8_dtype()))
+    out_s = dv(torch.zeros(rows, HIDDEN // 128, dtype=torch.float32))
+    a2a.dispatch(counts, out_x, out_s, dv(codes), dv(scales), dv(idx), dv(w))
+    counts, out_x, out_s = hv(counts), hv(out_x).view(torch.uint8), hv(out_s)
+    start = 0
+    for le in range(EXPERTS_PER_RANK):
+        g = rank * EXPERTS_PER_RANK + le
+        want = sorted(tuple(sc[t].view(torch.uint8).tolist()) + tuple(ss[t].tolist())
+                      for s in range(world) for sc, ss, sidx, _ in [encoded(s)]
+                      for t in range(sc.shape[0]) for j in range(K) if int(sidx[t, j]) == g)
+        n = int(counts[le])
+        got = sorted(tuple(out_x[start + i].tolist()) + tuple(out_s[start + i].tolist())
+                     for i in range(n))
+        assert got == want, (rank, le, n, len(want))
+        start += (n + PADDING - 1) // PADDING * PADDING
+    a2a.combine(dv(torch.empty(codes.shape[0], HIDDEN, dtype=torch.bfloat16)), dv(idx), dv(w),
+                dv(torch.zeros(rows, HIDDEN, dtype=torch.bfloat16)))
+    a2a.destroy()
 
 
 class PplxTest(Worlds, Case):

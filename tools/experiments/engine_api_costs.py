@@ -34,3 +34,23 @@ for name, f in ops.items():
         t0 = time.perf_counter(); f(); t.append(time.perf_counter() - t0)
     torch.cuda.synchronize()
     print(f"{name:22} {statistics.median(t) * 1e6:7.2f}")
+
+# The same step through ferry.deep_ep, profiled: where a low-latency dispatch and combine's
+# time goes, call by call.
+import cProfile, pstats  # noqa: E402
+from ferry import deep_ep  # noqa: E402
+buf = deep_ep.Buffer(b, ranks_per_node=1, explicitly_destroy=True)
+w = torch.rand(T, K, device=dev)
+with torch.cuda.stream(s):
+    for _ in range(50):
+        r, _, h, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+        buf.low_latency_combine(r, idx, w, h)
+    torch.cuda.synchronize()
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(1000):
+        r, _, h, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+        buf.low_latency_combine(r, idx, w, h)
+        torch.cuda.synchronize()
+    profile.disable()
+pstats.Stats(profile).sort_stats("tottime").print_stats(22)
