@@ -152,6 +152,17 @@ def release_finished(a2a):
         a2a.synchronize()
 
 
+# The current stream as a cudaStream_t: torch's raw accessor where it has one (what compilers
+# built on torch call), else the Stream object's handle (several times slower).
+_raw_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def current_stream_handle(device):
+    if _raw_current_stream is not None:
+        return _raw_current_stream(device.index or 0)
+    return torch.cuda.current_stream(device).cuda_stream
+
+
 def device_kind(tensor):
     return _ferry.MoeDevice.CUDA if tensor.device.type == "cuda" else _ferry.MoeDevice.HOST
 

@@ -24,8 +24,8 @@ communication stream does. An argument ferry cannot honour raises Unimplemented 
 import torch
 
 from . import _ferry
-from ._engine_api import (Group, check_tensor, device_kind, env_timeout, fp8_dtype, refuse,
-                          release_finished)
+from ._engine_api import (Group, check_tensor, current_stream_handle, device_kind,
+                          env_timeout, fp8_dtype, refuse, release_finished)
 from ._errors import InvalidArgument, ResourceExhausted, Unimplemented
 
 __all__ = ["Buffer", "Config", "EventOverlap"]
@@ -73,16 +73,6 @@ class EventOverlap:
 
 
 _DONE = EventOverlap()  # the event of a call the caller's stream already waits for
-
-# The caller's current stream as a cudaStream_t: torch's raw accessor where it has one (what
-# compilers built on torch call), else the Stream object's handle (several times slower).
-_raw_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-def _current_stream(device):
-    if _raw_current_stream is not None:
-        return _raw_current_stream(device.index or 0)
-    return torch.cuda.current_stream(device).cuda_stream
 
 
 def _round_up(n, to):
@@ -232,7 +222,7 @@ class Buffer:
         waited for in C++): torch's stream objects cost several microseconds a call."""
         if x.device.type != "cuda":
             return None
-        current = _current_stream(x.device)
+        current = current_stream_handle(x.device)
         if previous_event is not None and previous_event.event is not None:
             self._stream.wait_event(previous_event.event)
         else:

@@ -13,16 +13,16 @@ they constructed P2PAllToAll; `dispatch` and `combine` take the same tensors:
   bound_m, do_send, do_recv, accumulate): each token's weighted sum of its experts' rows.
 
 do_send / do_recv split each call into its send and receive halves (ferry's four steps, in
-order). CPU tensors run on ferry's host device, CUDA tensors on its CUDA device on the current
-torch stream (which must not be the legacy default stream: use a torch.cuda.Stream).
+order). CPU tensors run on ferry's host device, CUDA tensors on its CUDA device, ordered with
+the current torch stream (any: the legacy default one too; graph capture works).
 Arguments ferry cannot honour raise Unimplemented naming them; bad tensors InvalidArgument.
 """
 
 import torch
 
 from . import _ferry
-from ._engine_api import (Group, check_tensor, env_timeout, fp8_dtype, refuse,
-                          release_finished)
+from ._engine_api import (Group, check_tensor, current_stream_handle, env_timeout, fp8_dtype,
+                          refuse, release_finished)
 from ._errors import FailedPrecondition, InvalidArgument
 
 __all__ = ["AllToAll"]
@@ -88,7 +88,7 @@ class AllToAll:
 
         self._a2a = self._group.acquire(("pplx",), make).a2a
         self._stage = "idle"
-        self._stream = None
+        self._stream = None  # the AllToAll's own stream (CUDA), made at the first call
         self._recv_rows = 0  # out_expert_x's rows at the last dispatch (expert_y's at combine)
 
     @property
@@ -110,7 +110,7 @@ class AllToAll:
             self._expect("idle", "dispatch(do_send)")
             self._check_tokens(dp_x, dp_x_scale, indices, weights)
             tokens = self._bound(dp_x, bound_m)
-            with self._on_stream():
+            with self._ordered(dp_x, dp_x_scale, indices, weights, bound_m):
                 self._a2a.dispatch_send(dp_x, indices, weights, scales=dp_x_scale,
                                         num_tokens=tokens, device_num_tokens=self._dev_bound(
                                             bound_m))
@@ -137,7 +137,7 @@ class AllToAll:
                                           f"{(out_expert_x.shape[0], self._hidden // 128)}")
             elif out_expert_x_scale is not None:
                 raise InvalidArgument("out_expert_x_scale: bfloat16 input has no scales")
-            with self._on_stream():
+            with self._ordered():
                 # ferry lays the padded blocks out itself (DispatchOutput::expert_padding).
                 self._a2a.dispatch_recv(out_expert_x, out_expert_num_tokens, out_expert_x_scale,
                                         timeout=self._timeout, expert_padding=self._padding)
@@ -154,14 +154,14 @@ class AllToAll:
             if tuple(expert_y.shape) != (self._recv_rows, self._hidden):
                 raise InvalidArgument(f"expert_y: shape {tuple(expert_y.shape)}, out_expert_x "
                                       f"was {(self._recv_rows, self._hidden)}")
-            with self._on_stream():
+            with self._ordered(expert_y):
                 self._a2a.combine_send(expert_y)
             self._stage = "combining"
         if do_recv:
             self._expect("combining", "combine(do_recv)")
             check_tensor("out_tokens", out_tokens, torch.bfloat16, 2, self._device)
             check_tensor("weights", weights, torch.float32, 2, self._device)
-            with self._on_stream():
+            with self._ordered(weights):
                 self._a2a.combine_recv(out_tokens, accumulate=accumulate, timeout=self._timeout,
                                        weights=weights)
             self._stage = "idle"
@@ -216,19 +216,44 @@ class AllToAll:
     def _dev_bound(self, bound_m):
         return bound_m if bound_m is not None and self._cuda else None
 
-    def _on_stream(self):
+    def _ordered(self, *inputs):
+        """A half on the GPU: the AllToAll's steps go on a stream of its own (set once: its four
+        steps must share one), ordered after the caller's current stream and the caller's after
+        them by the AllToAll's event (no host wait; any current stream, the legacy default
+        and a graph capture's included). The caller's tensors the half reads are marked in use
+        on that stream. Rounds finished before are let go (release_finished)."""
         if not self._cuda:
             return _nothing()
-        stream = torch.cuda.current_stream(self._device)
-        if stream.cuda_stream == 0:
-            raise InvalidArgument("the current stream is the legacy default stream, which "
-                                  "cannot order ferry's steps: run under torch.cuda.stream(s)")
-        if self._stream != stream.cuda_stream:
-            self._a2a.set_stream(stream)
-            self._stream = stream.cuda_stream
+        return _Ordered(self, inputs)
+
+    def _comm_stream(self):
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self._device)
+            self._a2a.set_stream(self._stream)
         elif self._stage == "idle":
-            release_finished(self._a2a)  # the finished rounds' arrays, their kernels' errors
-        return _nothing()
+            release_finished(self._a2a)
+        return self._stream
+
+
+class _Ordered:
+    __slots__ = ("kernel", "inputs", "current")
+
+    def __init__(self, kernel, inputs):
+        self.kernel, self.inputs = kernel, inputs
+
+    def __enter__(self):
+        k = self.kernel
+        comm = k._comm_stream()
+        self.current = current_stream_handle(k._device)
+        k._a2a.order_after(self.current)
+        for t in self.inputs:
+            if t is not None:
+                t.record_stream(comm)
+        return self
+
+    def __exit__(self, kind, *rest):
+        self.kernel._a2a.order_before(self.current)
+        return False
 
 
 def _size(group):

@@ -23,16 +23,117 @@ def probe(b):
     os._exit(0 if ok else NO_GPU)
 
 
-def on_gpu(body):
+def on_gpu(body, own_stream=True):
+    """body with the layers' tensors on the GPU, called on a stream of the caller's own (or on
+    the legacy default stream, torch's current one unless a stream is set)."""
     def run(b, store):
         import torch
         api.DEV = "cuda"
         torch.cuda.set_device(0)
-        stream = torch.cuda.Stream()  # pplx runs on the current stream, not the legacy one
-        with torch.cuda.stream(stream):
+        if own_stream:
+            with torch.cuda.stream(torch.cuda.Stream()):
+                body(b, store)
+        else:
             body(b, store)
         torch.cuda.synchronize()
     return run
+
+
+def graph_body(world, kind):
+    """A low-latency dispatch, an expert and the combine captured once as a CUDA graph (as an
+    engine captures its decode step), then replayed over new rows, ids and weights copied into
+    the captured tensors: each replay's output against the reference for its inputs."""
+    def body(b, store):
+        import torch
+        from ferry import deep_ep
+        group = api.gloo(b, store) if kind == "gloo" else b
+        buf = deep_ep.Buffer(group, explicitly_destroy=True)
+        e, local = api.EXPERTS_PER_RANK * world, api.EXPERTS_PER_RANK
+        x, idx, w = (t.cuda() for t in api.inputs(world, b.rank))
+        factor = torch.tensor([api.expert_factor(b.rank * local + le) for le in range(local)],
+                              device="cuda").view(local, 1, 1)
+        out = torch.empty_like(x)
+
+        def step():
+            recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, api.MAX_TOKENS, e,
+                                                             use_fp8=False)
+            y = (recv.float() * factor).to(torch.bfloat16)  # rows past the counts: unread
+            buf.low_latency_combine(y, idx, w, handle, out=out)
+
+        for _ in range(2):  # both output sets made, the AllToAll and its stream set up
+            step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        for r in range(1, 4):
+            rx, ridx, rw = api.inputs(world, b.rank, round=r)
+            x.copy_(rx)
+            idx.copy_(ridx)
+            w.copy_(rw)
+            graph.replay()
+            torch.cuda.synchronize()
+            want = api.weighted_reference(rx, ridx, rw)
+            torch.testing.assert_close(out.cpu().float(), want.float(), rtol=2 ** -7,
+                                       atol=2 ** -6)
+        buf.destroy()
+    return body
+
+
+def pplx_graph_body(world, kind):
+    """pplx's dispatch, an expert over the padded blocks and the combine captured once as a
+    CUDA graph (on torch's capture stream, not the one the warm-up calls ran on), then replayed with new inputs and another bound_m
+    each time (the token count the kernels read): the first bound_m tokens' output against
+    the reference."""
+    def body(b, store):
+        import torch
+        from ferry import pplx
+        group = api.gloo(b, store) if kind == "gloo" else b
+        local, pad = api.EXPERTS_PER_RANK, api.PADDING
+        a2a = pplx.AllToAll(max_num_tokens=api.MAX_TOKENS, num_experts=local * world,
+                            expert_padding=pad, hidden_dim=api.HIDDEN, hidden_dim_scale=None,
+                            in_dtype=torch.bfloat16, out_dtype=torch.bfloat16, scale_dtype=None,
+                            num_experts_per_token=api.K, device=torch.device("cuda"),
+                            global_group=group)
+        x, idx, w = (t.cuda() for t in api.inputs(world, b.rank))
+        ids = idx.to(torch.int32)
+        bound = torch.tensor([x.shape[0]], dtype=torch.int32, device="cuda")
+        rows = a2a.max_recv_tokens
+        counts = torch.empty(local, dtype=torch.int32, device="cuda")
+        out_x = torch.zeros(rows, api.HIDDEN, dtype=torch.bfloat16, device="cuda")
+        y = torch.empty_like(out_x)
+        out = torch.zeros_like(x)
+        factor = torch.tensor([api.expert_factor(b.rank * local + le) for le in range(local)],
+                              device="cuda")
+        row = torch.arange(rows, device="cuda")
+
+        def step():
+            a2a.dispatch(counts, out_x, None, x, None, ids, w, bound_m=bound)
+            ends = torch.cumsum((counts.long() + pad - 1) // pad * pad, 0)
+            expert = torch.searchsorted(ends, row, right=True).clamp(max=local - 1)
+            y.copy_((out_x.float() * factor[expert][:, None]).to(torch.bfloat16))
+            a2a.combine(out, ids, w, y, bound_m=bound)
+
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        for r in range(1, 4):
+            rx, ridx, rw = api.inputs(world, b.rank, round=r)
+            m = max(0, rx.shape[0] - r)  # fewer tokens each replay
+            x.copy_(rx)
+            ids.copy_(ridx.to(torch.int32))
+            w.copy_(rw)
+            bound.fill_(m)
+            graph.replay()
+            torch.cuda.synchronize()
+            want = api.weighted_reference(rx[:m], ridx[:m], rw[:m])
+            torch.testing.assert_close(out[:m].cpu().float(), want.float(), rtol=2 ** -7,
+                                       atol=2 ** -6)
+        a2a.destroy()
+    return body
 
 
 class CudaEngineApiTest(api.Case):
@@ -47,8 +148,26 @@ class CudaEngineApiTest(api.Case):
     def test_deep_ep_world_2_over_gloo(self):
         self.ranks(2, on_gpu(api.deep_ep_body(2, "gloo")), timeout=240.0)
 
+    def test_deep_ep_low_latency_as_a_cuda_graph(self):
+        self.ranks(1, on_gpu(graph_body(1, "ferry")), timeout=240.0)
+
+    def test_deep_ep_low_latency_as_a_cuda_graph_world_2(self):
+        self.ranks(2, on_gpu(graph_body(2, "ferry")), timeout=240.0)
+
+    def test_pplx_as_a_cuda_graph_with_bound_m(self):
+        self.ranks(1, on_gpu(pplx_graph_body(1, "ferry")), timeout=240.0)
+
+    def test_pplx_as_a_cuda_graph_with_bound_m_world_2(self):
+        self.ranks(2, on_gpu(pplx_graph_body(2, "ferry")), timeout=240.0)
+
     def test_pplx_world_1(self):
         self.ranks(1, on_gpu(api.pplx_body(1, "ferry")), timeout=240.0)
+
+    def test_pplx_world_1_on_the_legacy_default_stream(self):
+        self.ranks(1, on_gpu(api.pplx_body(1, "ferry"), own_stream=False), timeout=240.0)
+
+    def test_deep_ep_world_1_on_the_legacy_default_stream(self):
+        self.ranks(1, on_gpu(api.deep_ep_body(1, "ferry"), own_stream=False), timeout=240.0)
 
     def test_pplx_world_2(self):
         self.ranks(2, on_gpu(api.pplx_body(2, "ferry")), timeout=240.0)
