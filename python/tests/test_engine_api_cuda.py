@@ -39,6 +39,20 @@ def on_gpu(body, own_stream=True):
     return run
 
 
+def captured(step):
+    """step() run twice (what a layer sets up at its first calls: its AllToAll, its streams,
+    both of deep_ep's output sets), then captured once as a CUDA graph on torch's capture
+    stream."""
+    import torch
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
 def graph_body(world, kind):
     """A low-latency dispatch, an expert and the combine captured once as a CUDA graph (as an
     engine captures its decode step), then replayed over new rows, ids and weights copied into
@@ -60,12 +74,7 @@ def graph_body(world, kind):
             y = (recv.float() * factor).to(torch.bfloat16)  # rows past the counts: unread
             buf.low_latency_combine(y, idx, w, handle, out=out)
 
-        for _ in range(2):  # both output sets made, the AllToAll and its stream set up
-            step()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
+        graph = captured(step)
         for r in range(1, 4):
             rx, ridx, rw = api.inputs(world, b.rank, round=r)
             x.copy_(rx)
@@ -114,12 +123,7 @@ def pplx_graph_body(world, kind):
             y.copy_((out_x.float() * factor[expert][:, None]).to(torch.bfloat16))
             a2a.combine(out, ids, w, y, bound_m=bound)
 
-        for _ in range(2):
-            step()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
+        graph = captured(step)
         for r in range(1, 4):
             rx, ridx, rw = api.inputs(world, b.rank, round=r)
             m = max(0, rx.shape[0] - r)  # fewer tokens each replay
