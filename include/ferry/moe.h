@@ -174,10 +174,10 @@ struct FERRY_API DispatchInput {
 };
 
 // Dispatch output. Expert-major (the default): x holds [local_experts, expert_capacity] rows,
-// expert e's first num_tokens[e] filled (or, with expert_padding, blocks back to back). Token-major: x holds [expert_capacity] rows, the first
-// num_rows[0] filled -- every sender's tokens in rank order, each sender's in its token order --
-// and row i's copies are described by token_experts / token_weights. Rows past the counts are
-// not written.
+// expert e's first num_tokens[e] filled (with expert_padding: blocks back to back). Token-major:
+// x holds [expert_capacity] rows, the first num_rows[0] filled -- every sender's tokens in rank
+// order, each sender's in its token order -- and row i's copies are described by token_experts
+// / token_weights. Rows past the counts are not written.
 struct FERRY_API DispatchOutput {
   void* x = nullptr;              // [local_experts, expert_capacity, hidden] bf16 or fp8;
                                   // token-major: [expert_capacity, hidden]

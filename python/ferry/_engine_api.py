@@ -47,8 +47,9 @@ def check_tensor(name, t, dtype=None, dims=None, device=None):
 
 
 def refuse(name, value, default, why):
-    """Unimplemented naming an argument ferry cannot honour, unless it is left at its default."""
-    if value is not default and not (default is not None and value == default):
+    """Unimplemented naming an argument ferry cannot honour, unless it is left at its default
+    (None compared by identity: a tensor's == is elementwise)."""
+    if (value is not None) if default is None else (value != default):
         raise Unimplemented(f"{name}={value!r}: {why}")
 
 
@@ -132,10 +133,10 @@ class Group:
 
 
 class _Pooled:
-    __slots__ = ("a2a", "busy", "stream_set")
+    __slots__ = ("a2a", "busy", "streamed")
 
     def __init__(self, a2a):
-        self.a2a, self.busy, self.stream_set = a2a, False, None
+        self.a2a, self.busy, self.streamed = a2a, False, False  # streamed: set_stream done
 
 
 # Arrays of enqueued steps an AllToAll may hold before a layer waits for them (a few rounds'

@@ -21,6 +21,8 @@ communication stream does. An argument ferry cannot honour raises Unimplemented 
 `num_sms`, `num_qps_per_rank`, `allocate_on_comm_stream`) are taken and kept.
 """
 
+import contextlib
+
 import torch
 
 from . import _ferry
@@ -80,18 +82,20 @@ def _round_up(n, to):
 
 
 class _Handle:
-    """What a combine needs of its dispatch: the AllToAll that carried it (held until the
-    combine's receive half) and the shapes it checks against."""
+    """What a combine needs of its dispatch: the AllToAll that carried it (held, in_flight,
+    until the combine's receive half: another call may take the AllToAll after that, so the
+    handle's own flag, not the AllToAll's, says whether it can still be combined) and the
+    shapes it checks against."""
 
-    __slots__ = ("pooled", "tokens", "k", "hidden", "num_experts", "max_tokens", "topk_idx",
-                 "topk_weights", "rows", "combine_buffer", "fp8")
+    __slots__ = ("pooled", "in_flight", "tokens", "k", "hidden", "num_experts", "max_tokens",
+                 "topk_idx", "topk_weights", "rows", "combine_buffer")
 
     def __init__(self, pooled, tokens, k, hidden, num_experts, topk_idx, max_tokens=None,
-                 topk_weights=None, rows=None, fp8=False):
-        self.pooled, self.tokens, self.k, self.hidden = pooled, tokens, k, hidden
-        self.num_experts, self.topk_idx, self.max_tokens = num_experts, topk_idx, max_tokens
-        self.topk_weights, self.rows, self.fp8 = topk_weights, rows, fp8
-        self.combine_buffer = None
+                 topk_weights=None, rows=None):
+        self.pooled, self.in_flight, self.tokens, self.k = pooled, True, tokens, k
+        self.hidden, self.num_experts, self.topk_idx = hidden, num_experts, topk_idx
+        self.max_tokens, self.topk_weights, self.rows = max_tokens, topk_weights, rows
+        self.combine_buffer = None  # get_next_low_latency_combine_buffer's, once asked for
 
 
 class Buffer:
@@ -125,6 +129,7 @@ class Buffer:
         self._timeout = env_timeout() if timeout is None else float(timeout)
         self._ones = {}        # (device, rows, k) -> float32 ones: dispatch-time weights unused
         self._outputs = {}     # (AllToAll, fp8 form) -> the low-latency outputs (_ll_outputs)
+        self._combine_buffers = {}  # AllToAll -> get_next_low_latency_combine_buffer's tensor
         self._stream = None    # the communication stream (CUDA)
         self._destroyed = False
 
@@ -189,10 +194,12 @@ class Buffer:
         return w
 
     def _acquire(self, key, x, fields):
+        """The idle AllToAll of `key` (made from fields(), the config's keywords, when there is
+        none: the call that makes it is the only one that builds them)."""
         device = device_kind(x)
 
         def make():
-            c = _ferry.AllToAllConfig(**fields)
+            c = _ferry.AllToAllConfig(**fields())
             c.device = device
             if device == _ferry.MoeDevice.CUDA:
                 c.cuda_device = x.device.index or 0
@@ -209,9 +216,9 @@ class Buffer:
         let go (release_finished: its kernels' errors raised)."""
         if self._stream is None:
             self._stream = torch.cuda.Stream()
-        if pooled.stream_set is None:
+        if not pooled.streamed:
             pooled.a2a.set_stream(self._stream)
-            pooled.stream_set = self._stream
+            pooled.streamed = True
         else:
             release_finished(pooled.a2a)
 
@@ -249,7 +256,9 @@ class Buffer:
     def _on_comm(self, current):
         """torch's stream context for torch ops of ours that must run on the communication
         stream (fp8 scale layouts, counters); nothing on the CPU."""
-        return torch.cuda.stream(self._stream) if current is not None else _nothing()
+        if current is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self._stream)
 
     # ---- low-latency mode ------------------------------------------------------------------
 
@@ -292,7 +301,7 @@ class Buffer:
                 raise InvalidArgument(f"cumulative_local_expert_recv_stats: {local} entries")
         k = topk_idx.shape[1]
         dtype = _ferry.DispatchDtype.FP8_E4M3 if use_fp8 else _ferry.DispatchDtype.BF16
-        pooled = self._acquire(("ll", m, hidden, num_experts, k, use_fp8), x, dict(
+        pooled = self._acquire(("ll", m, hidden, num_experts, k, use_fp8), x, lambda: dict(
             num_experts=num_experts, experts_per_token=k, max_tokens_per_rank=m, hidden=hidden,
             dtype=dtype))
         a2a = pooled.a2a
@@ -310,12 +319,15 @@ class Buffer:
         except BaseException:
             pooled.busy = False
             raise
-        handle = _Handle(pooled, tokens, k, hidden, num_experts, topk_idx, max_tokens=m,
-                         fp8=use_fp8)
+        handle = _Handle(pooled, tokens, k, hidden, num_experts, topk_idx, max_tokens=m)
         sent = (x, ids)
 
         def receive():
-            a2a.dispatch_recv(recv_x, recv_count, scales, timeout=self._timeout)
+            try:
+                a2a.dispatch_recv(recv_x, recv_count, scales, timeout=self._timeout)
+            except BaseException:
+                self._release(handle)  # the AllToAll reports its failure to the next call
+                raise
             if packed is not None or cumulative_local_expert_recv_stats is not None:
                 with self._on_comm(current):
                     if use_ue8m0:
@@ -340,8 +352,8 @@ class Buffer:
     def _ll_outputs(self, pooled, device, local, rows, hidden, use_fp8, use_ue8m0):
         """The output tensors of a low-latency dispatch: two sets per AllToAll, taken in turn,
         so that (as DeepEP's buffers are) a result stays valid until the second dispatch after
-        it on the same AllToAll. Made once: a fresh allocation each call costs more than the
-        dispatch on the CPU, where torch caches no large blocks."""
+        it on the same AllToAll. Made once, not per call: on the CPU torch caches no large
+        blocks, and every call paid for fresh pages."""
         key = (use_fp8, use_ue8m0)
         sets = self._outputs.setdefault((id(pooled), key), [])
         if len(sets) < 2:
@@ -368,15 +380,19 @@ class Buffer:
 
     def get_next_low_latency_combine_buffer(self, handle):
         """The tensor a zero-copy low_latency_combine sends from: [num_local_experts,
-        num_ranks * num_max_dispatch_tokens_per_rank, hidden] bf16."""
-        if not isinstance(handle, _Handle):
-            raise InvalidArgument("handle: not one low_latency_dispatch returned")
-        if handle.combine_buffer is None:
-            local = handle.num_experts // self.group_size
-            handle.combine_buffer = torch.empty(
-                local, self.group_size * handle.max_tokens, handle.hidden, dtype=torch.bfloat16,
-                device=handle.topk_idx.device)
-        return handle.combine_buffer
+        num_ranks * num_max_dispatch_tokens_per_rank, hidden] bf16, one per AllToAll (made at
+        its first use; a handle's combine is the only one its AllToAll has in flight)."""
+        h = self._live_handle(handle, "get_next_low_latency_combine_buffer")
+        if h.rows is not None:
+            raise InvalidArgument("handle: from a normal-mode dispatch (no zero-copy combine)")
+        buffer = self._combine_buffers.get(id(h.pooled))
+        if buffer is None:
+            local = h.num_experts // self.group_size
+            buffer = self._combine_buffers[id(h.pooled)] = torch.empty(
+                local, self.group_size * h.max_tokens, h.hidden, dtype=torch.bfloat16,
+                device=h.topk_idx.device)
+        h.combine_buffer = buffer
+        return buffer
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False,
                             zero_copy=False, async_finish=False, return_recv_hook=False,
@@ -386,7 +402,7 @@ class Buffer:
         refuse("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, None,
                "per-rank wait times are not measured")
         h = self._live_handle(handle, "low_latency_combine")
-        if h.max_tokens is None or h.rows is not None:
+        if h.rows is not None:
             raise InvalidArgument("handle: from a normal-mode dispatch (use combine)")
         if zero_copy:
             if h.combine_buffer is None:
@@ -433,14 +449,14 @@ class Buffer:
     def _live_handle(self, handle, call):
         if not isinstance(handle, _Handle):
             raise InvalidArgument(f"{call}: handle is not one this Buffer's dispatch returned")
-        if handle.pooled is None or not handle.pooled.busy:
+        if not handle.in_flight:
             raise InvalidArgument(f"{call}: the handle's dispatch was combined already")
         return handle
 
     def _release(self, h):
+        """The handle's dispatch combined (or failed): its AllToAll free for the next call."""
         h.pooled.busy = False
-        if h.rows is None:  # low-latency: one combine per dispatch
-            h.pooled = None
+        h.in_flight = False
 
     # ---- normal (high-throughput) mode ------------------------------------------------------
 
@@ -508,7 +524,7 @@ class Buffer:
                 raise InvalidArgument("a cached dispatch (handle) takes no topk_idx / "
                                       "topk_weights: the handle's are used")
             cached = self._normal_handle(handle, "dispatch")
-            if cached.pooled is not None and cached.pooled.busy:
+            if cached.in_flight:
                 raise InvalidArgument("dispatch: the handle's dispatch is not combined yet")
             topk_idx, topk_weights = cached.topk_idx, cached.topk_weights
             num_experts = cached.num_experts
@@ -547,10 +563,12 @@ class Buffer:
         k = topk_idx.shape[1]
         local = num_experts // self.group_size
         dtype = _ferry.DispatchDtype.FP8_E4M3 if fp8 else _ferry.DispatchDtype.BF16
-        pooled = self._acquire(("normal", capacity, hidden, num_experts, k, fp8), x, dict(
-            num_experts=num_experts, experts_per_token=k, max_tokens_per_rank=capacity,
-            hidden=hidden, dtype=dtype, dispatch_once_per_rank=True,
-            combine_reduce_at_expert_rank=True, dispatch_layout=_ferry.DispatchLayout.TOKEN_MAJOR))
+        pooled = self._acquire(
+            ("normal", capacity, hidden, num_experts, k, fp8), x, lambda: dict(
+                num_experts=num_experts, experts_per_token=k, max_tokens_per_rank=capacity,
+                hidden=hidden, dtype=dtype, dispatch_once_per_rank=True,
+                combine_reduce_at_expert_rank=True,
+                dispatch_layout=_ferry.DispatchLayout.TOKEN_MAJOR))
         a2a = pooled.a2a
         rows = self.group_size * capacity
         dev = x.device
@@ -594,7 +612,7 @@ class Buffer:
         recv_x = recv[:r]
         out_x = (recv_x, recv_scales[:r]) if fp8 else recv_x
         if handle is not None:
-            cached.pooled, cached.rows = pooled, r
+            cached.pooled, cached.rows, cached.in_flight = pooled, r, True
             return out_x, None, None, None, None, event
         new = _Handle(pooled, tokens, k, hidden, num_experts, topk_idx, topk_weights=topk_weights,
                       rows=r)
@@ -612,9 +630,7 @@ class Buffer:
         """(combined_x [tokens, hidden] bf16: each token's rows from every rank that got it,
         summed without weights, None, event)."""
         self._check_open("combine")
-        h = self._normal_handle(handle, "combine")
-        if h.pooled is None or not h.pooled.busy:
-            raise InvalidArgument("combine: the handle's dispatch was combined already")
+        h = self._live_handle(self._normal_handle(handle, "combine"), "combine")
         refuse("topk_weights", topk_weights, None,
                "combined top-k weights are not returned (ferry's combine moves bf16 rows only)")
         refuse("bias", bias, None, "a bias added in the combine is not supported")
@@ -629,7 +645,7 @@ class Buffer:
             a2a.combine_send(x, num_rows=h.rows)
             a2a.combine_recv(out, timeout=self._timeout)
         finally:
-            h.pooled.busy = False
+            self._release(h)
         return out, None, self._end(a2a, current, async_finish, (x,), (out,))
 
     # ---- rank masks (DeepEP's elastic low-latency mode) -------------------------------------
@@ -645,11 +661,3 @@ class Buffer:
     def low_latency_clean_mask_buffer(self):
         raise Unimplemented("low_latency_clean_mask_buffer: masking ranks out is not "
                             "supported yet")
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

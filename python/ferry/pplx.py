@@ -18,12 +18,14 @@ the current torch stream (any: the legacy default one too; graph capture works).
 Arguments ferry cannot honour raise Unimplemented naming them; bad tensors InvalidArgument.
 """
 
+import contextlib
+
 import torch
 
 from . import _ferry
 from ._engine_api import (Group, check_tensor, current_stream_handle, env_timeout, fp8_dtype,
                           refuse, release_finished)
-from ._errors import FailedPrecondition, InvalidArgument
+from ._errors import FailedPrecondition, InvalidArgument, Unimplemented
 
 __all__ = ["AllToAll"]
 
@@ -44,7 +46,7 @@ class AllToAll:
             device = torch.device("cuda", torch.cuda.current_device())
         if out_dtype != torch.bfloat16:
             raise InvalidArgument(f"out_dtype {out_dtype}: ferry's combine returns bfloat16")
-        fp8 = in_dtype in (fp8_dtype(), torch.uint8) and in_dtype != torch.bfloat16
+        fp8 = in_dtype in (fp8_dtype(), torch.uint8)
         if in_dtype != torch.bfloat16 and not fp8:
             raise InvalidArgument(f"in_dtype {in_dtype}: bfloat16 or float8_e4m3fn")
         if fp8 and (scale_dtype != torch.float32 or hidden_dim_scale != hidden_dim // 128):
@@ -56,8 +58,8 @@ class AllToAll:
         if expert_padding < 1:
             raise InvalidArgument(f"expert_padding {expert_padding}: at least 1")
         if dp_group is not None and _size(dp_group) > 1:
-            refuse("dp_group", "size > 1", None,
-                   "ranks of a data-parallel group sharing their tokens are not supported")
+            raise Unimplemented(f"dp_group of {_size(dp_group)} ranks: ranks of a data-parallel "
+                                "group sharing their tokens are not supported")
         refuse("max_tokens_per_expert", max_tokens_per_expert, None,
                "a cap on one expert's tokens is not supported (ferry sizes for the worst case)")
         self._group = Group(global_group, transfer_engine,
@@ -87,15 +89,13 @@ class AllToAll:
             return c
 
         self._a2a = self._group.acquire(("pplx",), make).a2a
+        self.max_recv_tokens = self._a2a.config.padded_rows(expert_padding)
         self._stage = "idle"
         self._stream = None  # the AllToAll's own stream (CUDA), made at the first call
         self._recv_rows = 0  # out_expert_x's rows at the last dispatch (expert_y's at combine)
-
-    @property
-    def max_recv_tokens(self):
-        """Rows out_expert_x needs at most: every copy of every rank's tokens that can land
-        here (each token at most min(k, local experts) times), and every block's padding."""
-        return self._a2a.config.padded_rows(self._padding)
+        # max_recv_tokens (set above): the rows out_expert_x needs, every copy of every rank's
+        # tokens that can land here (each token at most min(k, local experts) times) and every
+        # block's padding.
 
     def destroy(self):
         self._group.close()
@@ -106,65 +106,53 @@ class AllToAll:
                  indices, weights, bound_m=None, do_send=True, do_recv=True):
         if not (do_send or do_recv):
             raise InvalidArgument("dispatch: do_send or do_recv (or both)")
+        # Every argument checked before either half runs; then one ordering with the caller's
+        # stream for both.
+        self._expect("idle" if do_send else "dispatched", "dispatch")
+        inputs = ()
         if do_send:
-            self._expect("idle", "dispatch(do_send)")
             self._check_tokens(dp_x, dp_x_scale, indices, weights)
             tokens = self._bound(dp_x, bound_m)
-            with self._ordered(dp_x, dp_x_scale, indices, weights, bound_m):
-                self._a2a.dispatch_send(dp_x, indices, weights, scales=dp_x_scale,
-                                        num_tokens=tokens, device_num_tokens=self._dev_bound(
-                                            bound_m))
-            self._stage = "dispatched"
+            inputs = (dp_x, dp_x_scale, indices, weights, bound_m)
         if do_recv:
-            self._expect("dispatched", "dispatch(do_recv)")
-            check_tensor("out_expert_num_tokens", out_expert_num_tokens, torch.int32, 1,
-                         self._device)
-            if out_expert_num_tokens.numel() != self.num_local_experts:
-                raise InvalidArgument(f"out_expert_num_tokens: {self.num_local_experts} "
-                                      f"entries, got {out_expert_num_tokens.numel()}")
-            check_tensor("out_expert_x", out_expert_x, self._in_dtype, 2, self._device)
-            if out_expert_x.shape[1] != self._hidden or out_expert_x.shape[0] < \
-                    self.max_recv_tokens:
-                raise InvalidArgument(f"out_expert_x: shape {tuple(out_expert_x.shape)}, needs "
-                                      f"at least {(self.max_recv_tokens, self._hidden)} "
-                                      f"(max_recv_tokens: the worst routing's padded blocks)")
-            if self._fp8:
-                check_tensor("out_expert_x_scale", out_expert_x_scale, torch.float32, 2,
-                             self._device)
-                if tuple(out_expert_x_scale.shape) != (out_expert_x.shape[0], self._hidden // 128):
-                    raise InvalidArgument(f"out_expert_x_scale: shape "
-                                          f"{tuple(out_expert_x_scale.shape)}, expected "
-                                          f"{(out_expert_x.shape[0], self._hidden // 128)}")
-            elif out_expert_x_scale is not None:
-                raise InvalidArgument("out_expert_x_scale: bfloat16 input has no scales")
-            with self._ordered():
+            self._check_expert_outputs(out_expert_num_tokens, out_expert_x, out_expert_x_scale)
+        with self._ordered(*inputs):
+            if do_send:
+                self._a2a.dispatch_send(dp_x, indices, weights, scales=dp_x_scale,
+                                        num_tokens=tokens,
+                                        device_num_tokens=bound_m if self._cuda else None)
+                self._stage = "dispatched"
+            if do_recv:
                 # ferry lays the padded blocks out itself (DispatchOutput::expert_padding).
                 self._a2a.dispatch_recv(out_expert_x, out_expert_num_tokens, out_expert_x_scale,
                                         timeout=self._timeout, expert_padding=self._padding)
-            self._recv_rows = out_expert_x.shape[0]
-            self._stage = "received"
+                self._recv_rows = out_expert_x.shape[0]
+                self._stage = "received"
 
     def combine(self, out_tokens, indices, weights, expert_y, bound_m=None, do_send=True,
                 do_recv=True, accumulate=False):
         if not (do_send or do_recv):
             raise InvalidArgument("combine: do_send or do_recv (or both)")
+        self._expect("received" if do_send else "combining", "combine")
+        inputs = ()
         if do_send:
-            self._expect("received", "combine(do_send)")
             check_tensor("expert_y", expert_y, torch.bfloat16, 2, self._device)
             if tuple(expert_y.shape) != (self._recv_rows, self._hidden):
                 raise InvalidArgument(f"expert_y: shape {tuple(expert_y.shape)}, out_expert_x "
                                       f"was {(self._recv_rows, self._hidden)}")
-            with self._ordered(expert_y):
-                self._a2a.combine_send(expert_y)
-            self._stage = "combining"
+            inputs = (expert_y,)
         if do_recv:
-            self._expect("combining", "combine(do_recv)")
             check_tensor("out_tokens", out_tokens, torch.bfloat16, 2, self._device)
             check_tensor("weights", weights, torch.float32, 2, self._device)
-            with self._ordered(weights):
+            inputs += (weights,)
+        with self._ordered(*inputs):
+            if do_send:
+                self._a2a.combine_send(expert_y)
+                self._stage = "combining"
+            if do_recv:
                 self._a2a.combine_recv(out_tokens, accumulate=accumulate, timeout=self._timeout,
                                        weights=weights)
-            self._stage = "idle"
+                self._stage = "idle"
 
     # ---- helpers ---------------------------------------------------------------------------
 
@@ -198,6 +186,24 @@ class AllToAll:
                 raise InvalidArgument(f"{name}: shape {tuple(t.shape)}, expected "
                                       f"{(tokens, self._k)}")
 
+    def _check_expert_outputs(self, counts, out_x, out_scales):
+        check_tensor("out_expert_num_tokens", counts, torch.int32, 1, self._device)
+        if counts.numel() != self.num_local_experts:
+            raise InvalidArgument(f"out_expert_num_tokens: {self.num_local_experts} entries, got "
+                                  f"{counts.numel()}")
+        check_tensor("out_expert_x", out_x, self._in_dtype, 2, self._device)
+        if out_x.shape[1] != self._hidden or out_x.shape[0] < self.max_recv_tokens:
+            raise InvalidArgument(f"out_expert_x: shape {tuple(out_x.shape)}, needs at least "
+                                  f"{(self.max_recv_tokens, self._hidden)} (max_recv_tokens: "
+                                  f"the worst routing's padded blocks)")
+        if self._fp8:
+            check_tensor("out_expert_x_scale", out_scales, torch.float32, 2, self._device)
+            if tuple(out_scales.shape) != (out_x.shape[0], self._hidden // 128):
+                raise InvalidArgument(f"out_expert_x_scale: shape {tuple(out_scales.shape)}, "
+                                      f"expected {(out_x.shape[0], self._hidden // 128)}")
+        elif out_scales is not None:
+            raise InvalidArgument("out_expert_x_scale: bfloat16 input has no scales")
+
     def _bound(self, dp_x, bound_m):
         """The tokens sent: bound_m's value (read here on the host device; on the GPU the
         kernels read it, dp_x's rows being the most it may hold)."""
@@ -213,17 +219,14 @@ class AllToAll:
             raise InvalidArgument(f"bound_m {m}: dp_x has {dp_x.shape[0]} rows")
         return m
 
-    def _dev_bound(self, bound_m):
-        return bound_m if bound_m is not None and self._cuda else None
-
     def _ordered(self, *inputs):
-        """A half on the GPU: the AllToAll's steps go on a stream of its own (set once: its four
-        steps must share one), ordered after the caller's current stream and the caller's after
-        them by the AllToAll's event (no host wait; any current stream, the legacy default
-        and a graph capture's included). The caller's tensors the half reads are marked in use
-        on that stream. Rounds finished before are let go (release_finished)."""
+        """A call's halves on the GPU: the AllToAll's steps go on a stream of its own (set once:
+        its four steps must share one), ordered after the caller's current stream and the
+        caller's after them by the AllToAll's event (no host wait; any current stream, the
+        legacy default and a graph capture's included). The caller's tensors the steps read are
+        marked in use on that stream. Rounds finished before are let go (release_finished)."""
         if not self._cuda:
-            return _nothing()
+            return contextlib.nullcontext()
         return _Ordered(self, inputs)
 
     def _comm_stream(self):
@@ -266,11 +269,3 @@ def _size(group):
         return size
     import torch.distributed as dist
     return dist.get_world_size(group=group)
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

@@ -99,12 +99,10 @@ class PyAllToAll {
     const AllToAllConfig& c = config();
     const Deadline deadline = DeadlineIn(timeout);
     const bool token_major = c.dispatch_layout == DispatchLayout::kTokenMajor;
-    if (expert_padding < 0 || (token_major && expert_padding != 0)) {
-      ThrowIfError(InvalidArgumentError(
-          "dispatch_recv: expert_padding " + std::to_string(expert_padding) +
-          (token_major ? " (the token-major layout has no expert blocks)" : " (at least 0)")));
-    }
-    const uint64_t rows = expert_padding ? c.padded_rows(expert_padding) : OutputRows(c);
+    // A padding the layout cannot take is the core's to refuse (CheckDispatchOutput); the
+    // sizes here follow from one it can.
+    const uint64_t rows =
+        expert_padding > 0 && !token_major ? c.padded_rows(expert_padding) : OutputRows(c);
     const Array xa = ToArray(x), na = ToArray(num_tokens);
     Check(&xa, {"x", rows * c.token_bytes(), true, 0, ItemBytes(c)});
     Check(&na, {"num_tokens", static_cast<uint64_t>(c.local_experts()) * 4, true, 'i', 4});
@@ -395,7 +393,7 @@ void BindMoe(py::module_& m) {
            py::arg("timeout") = 30.0, py::arg("weights") = py::none(),
            "out [T, hidden] bf16 for the T of the last dispatch_send: each token's weighted sum "
            "(added to out with accumulate); weights [T, k] float32: the combine weights given "
-           "now instead of dispatch_send's (host device, sums not taken at the expert rank)")
+           "now instead of dispatch_send's (not with combine_reduce_at_expert_rank)")
       .def("set_stream", &PyAllToAll::SetStream, py::arg("stream"),
            "CUDA device, several ranks: enqueue the steps on `stream` (a torch or CuPy stream, or "
            "a cudaStream_t as an int, not the legacy default stream 0; None: back to waiting) and "

@@ -304,8 +304,16 @@ def check_normal(buf, world, rank, fp8):
     out2 = hv(out2)
     assert torch.equal(out2.view(torch.int16),
                        (back * holders).to(torch.bfloat16).view(torch.int16))
-    # Refused: a handle combined already, the combine's top-k weights.
+    # Refused: a handle combined already -- also once another dispatch has taken its AllToAll
+    # (the handle's own state says so, not the AllToAll's) -- and the combine's top-k weights.
     expect_error(ferry.InvalidArgument, "combined already", buf.combine, again, handle)
+    other = buf.dispatch(dv(x), num_tokens_per_rank=dv(per_rank), is_token_in_rank=dv(in_rank),
+                         num_tokens_per_expert=dv(per_expert), topk_idx=dv(idx),
+                         topk_weights=dv(w))
+    expect_error(ferry.InvalidArgument, "combined already", buf.combine, again, handle)
+    expect_error(ferry.Unimplemented, "topk_weights", buf.combine, other[0], other[4],
+                 topk_weights=other[2])
+    buf.combine(other[0], other[4])
 
 
 def expert_outputs(recv_x, count, rank):

@@ -91,9 +91,9 @@ def graph_body(world, kind):
 
 def pplx_graph_body(world, kind):
     """pplx's dispatch, an expert over the padded blocks and the combine captured once as a
-    CUDA graph (on torch's capture stream, not the one the warm-up calls ran on), then replayed with new inputs and another bound_m
-    each time (the token count the kernels read): the first bound_m tokens' output against
-    the reference."""
+    CUDA graph (on torch's capture stream, not the one the warm-up calls ran on), then replayed
+    with new inputs and another bound_m each time (the token count the kernels read): the first
+    bound_m tokens' output against the reference."""
     def body(b, store):
         import torch
         from ferry import pplx

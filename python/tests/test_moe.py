@@ -93,6 +93,10 @@ def token_major_body(b):
         token_experts = array.array("i", [0] * cap * K)
         token_weights = array.array("f", [0.0] * cap * K)
         a2a.dispatch_send(x, indices, weights, num_tokens=TOKENS[b.rank])
+        # Expert padding is for the expert-major layout: refused, the step then taken as is.
+        expect_error(ferry.InvalidArgument, "expert_padding 4", a2a.dispatch_recv, out, counts,
+                     num_rows=num_rows, token_experts=token_experts,
+                     token_weights=token_weights, timeout=10, expert_padding=4)
         a2a.dispatch_recv(out, counts, num_rows=num_rows, token_experts=token_experts,
                           token_weights=token_weights, timeout=10)
         # Each token that has an expert here arrives once, in (sender, token) order, with its

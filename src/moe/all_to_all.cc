@@ -96,18 +96,19 @@ class AllToAllImpl final : public AllToAll {
   }
 
   const AllToAllConfig& config() const override { return c_; }
-  Status SetStream(void*) override {
-    return UnimplementedError(
-        "AllToAll::SetStream: stream-ordered steps need the CUDA device; the host device's "
-        "steps wait for their own work");
+  Status SetStream(void*) override { return NoStreams("SetStream"); }
+  static Status NoStreams(const char* call) {
+    return UnimplementedError(std::string("AllToAll::") + call +
+                              ": stream-ordered steps need the CUDA device; the host device's "
+                              "steps wait for their own work");
   }
   Status Synchronize() override { return Step(stage_, "Synchronize"); }
   Status Poll(bool* done) override {
     *done = true;
     return Synchronize();
   }
-  Status OrderAfter(void*) override { return SetStream(nullptr); }  // both Unimplemented
-  Status OrderBefore(void*) override { return SetStream(nullptr); }
+  Status OrderAfter(void*) override { return NoStreams("OrderAfter"); }
+  Status OrderBefore(void*) override { return NoStreams("OrderBefore"); }
   uint64_t dispatch_bytes_sent() const override { return proxy_->dispatch_bytes(); }
   uint64_t combine_bytes_sent() const override { return proxy_->combine_bytes(); }
 
@@ -125,19 +126,13 @@ class AllToAllImpl final : public AllToAll {
       in.x = fp8_x_.data();
       in.scales = fp8_scales_.data();
     }
-    if (in.indices64 && in.num_tokens > 0 && in.num_tokens <= c_.max_tokens_per_rank) {
-      // Narrowed here, each id checked first (the int32 form's check below would not see an
-      // id that wraps into range).
-      const int64_t copies = int64_t{in.num_tokens} * c_.experts_per_token;
-      narrowed_.resize(copies);
-      for (int64_t i = 0; i < copies; ++i) {
-        const int64_t e = in.indices64[i];
-        if (e < -1 || e >= c_.num_experts) return BadId(i, e);
-        narrowed_[i] = static_cast<int32_t>(e);
-      }
+    RETURN_IF_ERROR(CheckInput(in));
+    if (in.indices64 && in.num_tokens > 0) {
+      // Narrowed once checked (CheckInput checks the 64-bit ids themselves: a narrowed id
+      // could wrap into range).
+      narrowed_.assign(in.indices64, in.indices64 + int64_t{in.num_tokens} * c_.experts_per_token);
       in.indices = narrowed_.data();
     }
-    RETURN_IF_ERROR(CheckInput(in));
     RETURN_IF_ERROR(device_->DispatchSend(in, epoch_));
     stage_ = Stage::kDispatchSent;
     return Status::Ok();
@@ -161,11 +156,7 @@ class AllToAllImpl final : public AllToAll {
 
   Status CombineRecv(const CombineOutput& out, Deadline deadline) override {
     RETURN_IF_ERROR(Step(Stage::kCombineSent, "CombineRecv"));
-    if (out.weights && c_.combine_reduce_at_expert_rank) {
-      return InvalidArgumentError(
-          "CombineRecv: combine-time weights with combine_reduce_at_expert_rank (the expert "
-          "ranks weighted each row with the dispatch's weights)");
-    }
+    RETURN_IF_ERROR(moe::CheckCombineOutput(c_, out));
     RETURN_IF_ERROR(device_->CombineRecv(out, epoch_, deadline));
     stage_ = Stage::kIdle;
     ++epoch_;
@@ -196,19 +187,20 @@ class AllToAllImpl final : public AllToAll {
       return InvalidArgumentError("DispatchSend: a device token count needs the CUDA device");
     }
     if (in.num_tokens == 0) return Status::Ok();
-    if (!in.x || !in.indices || !in.weights || (c_.scales_per_token() && !in.scales)) {
+    if (!in.x || (!in.indices && !in.indices64) || !in.weights ||
+        (c_.scales_per_token() && !in.scales)) {
       return InvalidArgumentError("DispatchSend: null input buffer");
     }
     const int64_t copies = int64_t{in.num_tokens} * c_.experts_per_token;
     for (int64_t i = 0; i < copies; ++i) {
-      if (in.indices[i] < -1 || in.indices[i] >= c_.num_experts) return BadId(i, in.indices[i]);
+      const int64_t e = in.indices64 ? in.indices64[i] : int64_t{in.indices[i]};
+      if (e < -1 || e >= c_.num_experts) {
+        return OutOfRangeError("DispatchSend: token " + std::to_string(i / c_.experts_per_token) +
+                               " routes to expert " + std::to_string(e) + ", valid ids are [0, " +
+                               std::to_string(c_.num_experts) + ") and -1 (none)");
+      }
     }
     return Status::Ok();
-  }
-  Status BadId(int64_t copy, int64_t id) const {
-    return OutOfRangeError("DispatchSend: token " + std::to_string(copy / c_.experts_per_token) +
-                           " routes to expert " + std::to_string(id) + ", valid ids are [0, " +
-                           std::to_string(c_.num_experts) + ") and -1 (none)");
   }
 
   const AllToAllConfig c_;

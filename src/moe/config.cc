@@ -134,6 +134,15 @@ Status CheckDispatchOutput(const AllToAllConfig& c, const DispatchOutput& out) {
   return Status::Ok();
 }
 
+Status CheckCombineOutput(const AllToAllConfig& c, const CombineOutput& out) {
+  if (out.weights && c.combine_reduce_at_expert_rank) {
+    return InvalidArgumentError(
+        "CombineRecv: combine-time weights with combine_reduce_at_expert_rank (the expert ranks "
+        "weighted each row with the dispatch's weights)");
+  }
+  return Status::Ok();
+}
+
 Status CheckInputForms(const AllToAllConfig& c, const DispatchInput& in) {
   if (in.indices && in.indices64) {
     return InvalidArgumentError("DispatchSend: indices or indices64, not both");
@@ -163,10 +172,14 @@ void QuantizeFp8Rows(const uint16_t* rows, int64_t num_rows, int hidden, Fp8Scal
     for (int g = 0; g < groups; ++g) {
       const int64_t first = r * hidden + g * 128;
       float amax = 0.0f;
-      for (int i = 0; i < 128; ++i) amax = std::fmax(amax, std::fabs(Bf16ToFloat(rows[first + i])));
+      for (int i = 0; i < 128; ++i) {
+        amax = std::fmax(amax, std::fabs(Bf16ToFloat(rows[first + i])));
+      }
       const float s = Fp8GroupScale(amax, scaling);
       scales[r * groups + g] = s;
-      for (int i = 0; i < 128; ++i) out[first + i] = FloatToE4M3(Bf16ToFloat(rows[first + i]) / s);
+      for (int i = 0; i < 128; ++i) {
+        out[first + i] = FloatToE4M3(Bf16ToFloat(rows[first + i]) / s);
+      }
     }
   }
 }

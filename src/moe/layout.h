@@ -50,6 +50,9 @@ Status CheckDispatchOutput(const AllToAllConfig& c, const DispatchOutput& out);
 // the dtype -- OK when absent, or present on an fp8 configuration in place of both -- and
 // indices64 in place of indices, not beside them.
 Status CheckInputForms(const AllToAllConfig& c, const DispatchInput& in);
+// InvalidArgument for combine-time weights where the expert ranks summed with the dispatch's
+// (combine_reduce_at_expert_rank). Both devices' CombineRecv start with it.
+Status CheckCombineOutput(const AllToAllConfig& c, const CombineOutput& out);
 
 inline int64_t RoundUp(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
 

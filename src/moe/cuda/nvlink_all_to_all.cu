@@ -140,7 +140,8 @@ class NvlinkAllToAll final : public AllToAll {
       // Narrowed on the stream into ids of ours (an id outside int32 becomes one the send
       // kernels report as bad).
       if (!narrow_ids_.get()) {
-        RETURN_IF_ERROR(narrow_ids_.Allocate(size_t(c_.max_tokens_per_rank) * c_.experts_per_token));
+        RETURN_IF_ERROR(
+            narrow_ids_.Allocate(size_t(c_.max_tokens_per_rank) * c_.experts_per_token));
       }
       const int64_t copies = int64_t{in.num_tokens} * c_.experts_per_token;
       NarrowIdsKernel<<<static_cast<int>((copies + kNarrowThreads - 1) / kNarrowThreads),
@@ -221,11 +222,7 @@ class NvlinkAllToAll final : public AllToAll {
     uint16_t* out = to.out;
     const bool accumulate = to.accumulate;
     RETURN_IF_ERROR(Step(Stage::kCombineSent, "CombineRecv"));
-    if (to.weights && c_.combine_reduce_at_expert_rank) {
-      return InvalidArgumentError(
-          "CombineRecv: combine-time weights with combine_reduce_at_expert_rank (the expert "
-          "ranks weighted the rows already)");
-    }
+    RETURN_IF_ERROR(CheckCombineOutput(c_, to));
     if (!out && token_bound_ > 0) return InvalidArgumentError("CombineRecv: null output");
     RETURN_IF_ERROR(Aligned(out, "CombineRecv: output"));
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));

@@ -605,7 +605,7 @@ __global__ void __launch_bounds__(kNarrowThreads)
   out[i] = e >= -1 && e <= INT32_MAX ? static_cast<int32_t>(e) : INT32_MAX;
 }
 
-// ---- fp8 made from bf16 as DispatchSend sends (DispatchInput::x_bf16) ----------------------------
+// ---- fp8 made from bf16 as DispatchSend sends (DispatchInput::x_bf16) ---------------------------
 
 // A warp per 128-column group of a row, four columns a lane: the group's largest |x| by shuffle,
 // its scale as the host's QuantizeFp8Rows takes it (Fp8GroupScale), each element divided by it
