@@ -178,7 +178,8 @@ def main():
 class _Timed:
     """Wraps AllToAlls so that the time spent in their steps adds up in `inside`."""
 
-    STEPS = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
+    STEPS = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv", "dispatch",
+             "combine")
 
     def __init__(self):
         self.inside = 0.0

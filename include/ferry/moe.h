@@ -266,9 +266,16 @@ class FERRY_API AllToAll {
   // Synchronize without the wait: *done says whether every step enqueued so far has finished
   // (then what their kernels found is reported, as Synchronize does); while some still run,
   // OK unless a kernel has reported an error already (then it waits for them and reports it,
-  // *done true). Never inside a graph capture (querying a capturing stream ends the capture).
-  // The host device: its steps waited for themselves, *done true.
+  // *done true). While the AllToAll's stream is being captured into a CUDA graph: *done false
+  // and nothing queried (querying a capturing stream would end the capture). The host device:
+  // its steps waited for themselves, *done true.
   virtual Status Poll(bool* done) = 0;
+  // Whether `stream` (a cudaStream_t; nullptr: the AllToAll's own) is being captured into a
+  // CUDA graph now: steps enqueued are then recorded, not run, and there is nothing to poll or
+  // wait for (a query or Synchronize would end the capture). A caller asks of its own stream
+  // before ordering the AllToAll's after it (which joins the AllToAll's to the capture). The
+  // host device: false.
+  virtual bool capturing(void* stream) const = 0;
   // CUDA device: order the AllToAll's stream and another without the host waiting (an event of
   // the AllToAll's recorded on one, waited for on the other; graph capture works). OrderAfter:
   // the steps enqueued from now on start after what `stream` holds so far. OrderBefore: what is

@@ -29,10 +29,12 @@ def fp8_dtype():
 
 
 def check_tensor(name, t, dtype=None, dims=None, device=None):
-    """InvalidArgument unless t is a contiguous tensor of that dtype, rank and device."""
+    """InvalidArgument unless t is a contiguous tensor of that dtype, rank and device (an
+    ordinal as Tensor.get_device() gives it: -1 for the CPU; torch.device objects cost a
+    microsecond to make and compare)."""
     if (type(t) is torch.Tensor and (dtype is None or t.dtype is dtype or (
             type(dtype) is tuple and t.dtype in dtype)) and (dims is None or t.dim() == dims)
-            and (device is None or t.device == device) and t.is_contiguous()):
+            and (device is None or t.get_device() == device) and t.is_contiguous()):
         return  # every call's path: one expression, the messages below only when it fails
     if not isinstance(t, torch.Tensor):
         raise InvalidArgument(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -40,8 +42,9 @@ def check_tensor(name, t, dtype=None, dims=None, device=None):
         raise InvalidArgument(f"{name}: dtype {t.dtype}, expected {dtype}")
     if dims is not None and t.dim() != dims:
         raise InvalidArgument(f"{name}: {t.dim()} dimensions {tuple(t.shape)}, expected {dims}")
-    if device is not None and t.device != device:
-        raise InvalidArgument(f"{name}: on {t.device}, the others on {device}")
+    if device is not None and t.get_device() != device:
+        raise InvalidArgument(f"{name}: on {t.device}, the others on "
+                              f"{'cpu' if device < 0 else f'cuda:{device}'}")
     if not t.is_contiguous():
         raise InvalidArgument(f"{name}: not contiguous (call .contiguous())")
 
@@ -91,13 +94,19 @@ class Group:
             self._engine = _ferry.TransferEngine(_ferry.EngineOptions.from_env())
         return self._engine
 
-    def acquire(self, key, make_config):
-        """The first idle AllToAll of `key`, created (collectively) when none is idle."""
+    def acquire(self, key, make_config=None):
+        """The first idle AllToAll of `key`, taken; when none is idle, one created
+        (collectively) from make_config(), or None without make_config (callers look first
+        without building one: a closure a call costs)."""
+        pool = self._pools.get(key)
+        if pool is not None:
+            for p in pool:
+                if not p.busy:
+                    p.busy = True
+                    return p
+        if make_config is None:
+            return None
         pool = self._pools.setdefault(key, [])
-        for p in pool:
-            if not p.busy:
-                p.busy = True
-                return p
         config = make_config()
         config.world_size, config.rank = self.world_size, self.rank
         one_node = (config.device == _ferry.MoeDevice.CUDA
@@ -158,10 +167,11 @@ def release_finished(a2a):
 _raw_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-def current_stream_handle(device):
+def current_stream_handle(ordinal):
+    """The current stream of CUDA device `ordinal` as a cudaStream_t (an int)."""
     if _raw_current_stream is not None:
-        return _raw_current_stream(device.index or 0)
-    return torch.cuda.current_stream(device).cuda_stream
+        return _raw_current_stream(ordinal)
+    return torch.cuda.current_stream(ordinal).cuda_stream
 
 
 def device_kind(tensor):

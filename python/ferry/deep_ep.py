@@ -75,6 +75,7 @@ class EventOverlap:
 
 
 _DONE = EventOverlap()  # the event of a call the caller's stream already waits for
+_SEND, _RECV, _BOTH = 1, 2, 3  # AllToAll.dispatch / combine's halves
 
 
 def _round_up(n, to):
@@ -186,16 +187,25 @@ class Buffer:
         if self._destroyed:
             raise InvalidArgument(f"{call}: the Buffer was destroyed")
 
-    def _ones_for(self, device, rows, k):
-        key = (device, rows, k)
+    def _ones_for(self, x, rows, k):
+        key = (x.get_device(), rows, k)
         w = self._ones.get(key)
         if w is None:
-            w = self._ones[key] = torch.ones(rows, k, dtype=torch.float32, device=device)
+            w = self._ones[key] = torch.ones(rows, k, dtype=torch.float32, device=x.device)
         return w
 
     def _acquire(self, key, x, fields):
         """The idle AllToAll of `key` (made from fields(), the config's keywords, when there is
-        none: the call that makes it is the only one that builds them)."""
+        none: the call that makes it is the only one that builds them). x.is_cuda is part of
+        the key."""
+        pooled = self._group.acquire(key)
+        if pooled is None:
+            pooled = self._create(key, x, fields)
+        if x.is_cuda and not pooled.streamed:
+            self._stream_for(pooled)
+        return pooled
+
+    def _create(self, key, x, fields):
         device = device_kind(x)
 
         def make():
@@ -206,48 +216,50 @@ class Buffer:
                 c.ranks_per_node = self._group.ranks_per_node()
             return c
 
-        pooled = self._group.acquire((device,) + key, make)
-        if device == _ferry.MoeDevice.CUDA:
-            self._stream_for(pooled)
-        return pooled
+        return self._group.acquire(key, make)
 
     def _stream_for(self, pooled):
-        """The AllToAll on the communication stream; what it enqueued before and has finished
-        let go (release_finished: its kernels' errors raised)."""
+        """The AllToAll on the communication stream (set once: its four steps must share
+        one)."""
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         if not pooled.streamed:
             pooled.a2a.set_stream(self._stream)
             pooled.streamed = True
-        else:
-            release_finished(pooled.a2a)
+
+    @staticmethod
+    def _current(x):
+        """The caller's current stream (a handle) where x is on the GPU, else None."""
+        return current_stream_handle(x.get_device()) if x.is_cuda else None
 
     def _begin(self, a2a, x, previous_event):
-        """CUDA: the communication stream (where the AllToAll's steps go, through its
-        set_stream) waits for the caller's stream, or for previous_event; returns the caller's
-        stream handle, for _end. The ordering is the AllToAll's own (an event recorded and
-        waited for in C++): torch's stream objects cost several microseconds a call."""
-        if x.device.type != "cuda":
+        """The normal mode's steps, made one by one: what the AllToAll enqueued before and has
+        finished let go (release_finished: its kernels' errors raised), then the communication
+        stream (where the AllToAll's steps go) ordered after the caller's stream, or after
+        previous_event; returns the caller's stream handle, for _end. The ordering is the
+        AllToAll's own (an event recorded and waited for in C++): torch's stream objects cost
+        several microseconds a call. The low-latency calls have the AllToAll do all of this in
+        its dispatch() / combine()."""
+        current = self._current(x)
+        if current is None:
             return None
-        current = current_stream_handle(x.device)
+        release_finished(a2a)
         if previous_event is not None and previous_event.event is not None:
             self._stream.wait_event(previous_event.event)
         else:
             a2a.order_after(current)
         return current
 
-    def _end(self, a2a, current, async_finish, inputs, outputs=()):
-        """DeepEP's finish: the caller's stream waits for the communication stream, or (with
-        async_finish) gets an event to wait on. The caller's tensors the steps read are marked
-        in use on the communication stream (the allocator then keeps them for it); outputs,
-        made on the caller's stream, too when the caller does not wait."""
+    def _end(self, a2a, current, async_finish, inputs, outputs=(), waited=False):
+        """DeepEP's finish: the caller's stream waits for the communication stream (done
+        already where `waited`), or (with async_finish) gets an event to wait on. The AllToAll
+        keeps the tensors its enqueued steps use referenced until they finish, so none is
+        freed (and its memory reused) under them."""
         if current is None:
             return EventOverlap(None, inputs + outputs) if async_finish else _DONE
-        for t in inputs + outputs if async_finish else inputs:
-            if t is not None:
-                t.record_stream(self._stream)
         if not async_finish:
-            a2a.order_before(current)
+            if not waited:
+                a2a.order_before(current)
             return _DONE
         event = torch.cuda.Event()
         event.record(self._stream)
@@ -275,7 +287,7 @@ class Buffer:
         refuse("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, None,
                "per-rank wait times are not measured")
         check_tensor("x", x, torch.bfloat16, 2)
-        check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), 2, x.device)
+        check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), 2, x.get_device())
         tokens, hidden = x.shape
         m, world = num_max_dispatch_tokens_per_rank, self.group_size
         if topk_idx.shape[0] != tokens:
@@ -296,39 +308,42 @@ class Buffer:
         local = num_experts // world
         if cumulative_local_expert_recv_stats is not None:
             check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
-                         torch.int32, 1, x.device)
+                         torch.int32, 1, x.get_device())
             if cumulative_local_expert_recv_stats.numel() != local:
                 raise InvalidArgument(f"cumulative_local_expert_recv_stats: {local} entries")
         k = topk_idx.shape[1]
         dtype = _ferry.DispatchDtype.FP8_E4M3 if use_fp8 else _ferry.DispatchDtype.BF16
-        pooled = self._acquire(("ll", m, hidden, num_experts, k, use_fp8), x, lambda: dict(
-            num_experts=num_experts, experts_per_token=k, max_tokens_per_rank=m, hidden=hidden,
-            dtype=dtype))
+        pooled = self._acquire(
+            ("ll", x.get_device(), m, hidden, num_experts, k, use_fp8), x, lambda: dict(
+                num_experts=num_experts, experts_per_token=k, max_tokens_per_rank=m,
+                hidden=hidden, dtype=dtype))
         a2a = pooled.a2a
         rows = world * m
+        current = self._current(x)
+        scaling = _ferry.Fp8Scaling.POWER_OF_TWO if round_scale else _ferry.Fp8Scaling.AMAX
+        recv_x, recv_count, scales, packed = self._ll_outputs(
+            pooled, x, local, rows, hidden, use_fp8, use_ue8m0)
+        # Work of ours left on the communication stream after the receive (the scales' layout,
+        # the counters): the caller's stream waits after it, not in the AllToAll's call.
+        after = packed is not None or cumulative_local_expert_recv_stats is not None
+        # The send half, or both in one call (the AllToAll orders them with the caller's
+        # stream). The dispatch's weights are unused (the combine's come at the combine): a
+        # tensor of ones for up to m tokens, read for the first `tokens`. int64 or int32 ids:
+        # ferry narrows int64 ones as it sends.
+        halves = _SEND if return_recv_hook else _BOTH
+        waits = not async_finish and (return_recv_hook or not after)
         try:
-            ids = topk_idx  # int64 or int32: ferry narrows int64 ids as it sends
-            current = self._begin(a2a, x, None)
-            scaling = _ferry.Fp8Scaling.POWER_OF_TWO if round_scale else _ferry.Fp8Scaling.AMAX
-            # The dispatch's weights are unused (the combine's come at the combine): a tensor of
-            # ones for up to m tokens, read for the first `tokens`.
-            a2a.dispatch_send(x, ids, self._ones_for(x.device, m, k), num_tokens=tokens,
-                              scaling=scaling)
-            recv_x, recv_count, scales, packed = self._ll_outputs(
-                pooled, x.device, local, rows, hidden, use_fp8, use_ue8m0)
+            a2a.dispatch(x, topk_idx, self._ones_for(x, m, k), None, tokens, None,
+                         scaling, recv_x, recv_count, scales, self._timeout, 0, current, halves,
+                         True, waits)
         except BaseException:
-            pooled.busy = False
+            pooled.busy = False  # a failed call frees its AllToAll (which reports the failure)
             raise
         handle = _Handle(pooled, tokens, k, hidden, num_experts, topk_idx, max_tokens=m)
-        sent = (x, ids)
+        sent = (x, topk_idx)
 
-        def receive():
-            try:
-                a2a.dispatch_recv(recv_x, recv_count, scales, timeout=self._timeout)
-            except BaseException:
-                self._release(handle)  # the AllToAll reports its failure to the next call
-                raise
-            if packed is not None or cumulative_local_expert_recv_stats is not None:
+        def finish(waited):
+            if after:
                 with self._on_comm(current):
                     if use_ue8m0:
                         exponents = (scales.view(torch.int32) >> 23).to(torch.uint8)
@@ -338,18 +353,27 @@ class Buffer:
                         packed.copy_(scales)
                     if cumulative_local_expert_recv_stats is not None:
                         cumulative_local_expert_recv_stats.add_(recv_count)
-            return self._end(a2a, current, async_finish, sent)
+            return self._end(a2a, current, async_finish, sent, waited=waited)
 
         out_x = (recv_x, packed) if use_fp8 else recv_x
-        if return_recv_hook:
-            event = self._end(a2a, current, async_finish, sent)
+        if not return_recv_hook:
+            return out_x, recv_count, handle, finish(waits), None
+        event = self._end(a2a, current, async_finish, sent, waited=waits)
 
-            def hook():
-                receive().current_stream_wait()
-            return out_x, recv_count, handle, event, hook
-        return out_x, recv_count, handle, receive(), None
+        def hook():
+            try:
+                # The receive half: ordered before the caller's stream only (after it, it would
+                # wait for what the caller overlapped with the transfer).
+                a2a.dispatch(None, None, None, None, None, None, scaling, recv_x, recv_count,
+                             scales, self._timeout, 0, current, _RECV, False, not after)
+            except BaseException:
+                self._release(handle)  # the AllToAll reports its failure to the next call
+                raise
+            if after:
+                finish(False).current_stream_wait()
+        return out_x, recv_count, handle, event, hook
 
-    def _ll_outputs(self, pooled, device, local, rows, hidden, use_fp8, use_ue8m0):
+    def _ll_outputs(self, pooled, x, local, rows, hidden, use_fp8, use_ue8m0):
         """The output tensors of a low-latency dispatch: two sets per AllToAll, taken in turn,
         so that (as DeepEP's buffers are) a result stays valid until the second dispatch after
         it on the same AllToAll. Made once, not per call: on the CPU torch caches no large
@@ -357,6 +381,7 @@ class Buffer:
         key = (use_fp8, use_ue8m0)
         sets = self._outputs.setdefault((id(pooled), key), [])
         if len(sets) < 2:
+            device = x.device
             recv_x = torch.empty(local, rows, hidden, device=device,
                                  dtype=fp8_dtype() if use_fp8 else torch.bfloat16)
             recv_count = torch.empty(local, dtype=torch.int32, device=device)
@@ -409,42 +434,45 @@ class Buffer:
                 raise InvalidArgument("zero_copy: call get_next_low_latency_combine_buffer first")
             x = h.combine_buffer
         local = h.num_experts // self.group_size
-        check_tensor("x", x, torch.bfloat16, 3, h.topk_idx.device)
+        check_tensor("x", x, torch.bfloat16, 3, h.topk_idx.get_device())
         want = (local, self.group_size * h.max_tokens, h.hidden)
         if tuple(x.shape) != want:
             raise InvalidArgument(f"x: shape {tuple(x.shape)}, the dispatch gave {want}")
-        check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), 2, x.device)
-        check_tensor("topk_weights", topk_weights, torch.float32, 2, x.device)
+        check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), 2, x.get_device())
+        check_tensor("topk_weights", topk_weights, torch.float32, 2, x.get_device())
         if tuple(topk_idx.shape) != (h.tokens, h.k) or tuple(topk_weights.shape) != (h.tokens,
                                                                                      h.k):
             raise InvalidArgument(f"topk_idx / topk_weights: shapes {tuple(topk_idx.shape)} / "
                                   f"{tuple(topk_weights.shape)}, the dispatch had "
                                   f"{(h.tokens, h.k)}")
         if out is None:
-            out = torch.empty(h.tokens, h.hidden, dtype=torch.bfloat16, device=x.device)
+            out = x.new_empty((h.tokens, h.hidden))  # x's dtype (bf16) and device
         else:
-            check_tensor("out", out, torch.bfloat16, 2, x.device)
+            check_tensor("out", out, torch.bfloat16, 2, x.get_device())
             if tuple(out.shape) != (h.tokens, h.hidden):
                 raise InvalidArgument(f"out: shape {tuple(out.shape)}, expected "
                                       f"{(h.tokens, h.hidden)}")
         a2a = h.pooled.a2a
-        current = self._begin(a2a, x, None)
-        a2a.combine_send(x)
-
-        def receive():
+        current = self._current(x)
+        waits = not async_finish
+        if not return_recv_hook:
             try:
-                a2a.combine_recv(out, timeout=self._timeout, weights=topk_weights)
+                a2a.combine(x, out, topk_weights, False, self._timeout, current, _BOTH, True,
+                            waits)
             finally:
                 self._release(h)
-            return self._end(a2a, current, async_finish, (x, topk_weights), (out,))
+            return out, self._end(a2a, current, async_finish, (x, topk_weights), (out,),
+                                  waited=waits), None
+        a2a.combine(x, None, None, False, self._timeout, current, _SEND, True, waits)
+        event = self._end(a2a, current, async_finish, (x,), waited=waits)
 
-        if return_recv_hook:
-            event = self._end(a2a, current, async_finish, (x,))
-
-            def hook():
-                receive().current_stream_wait()
-            return out, event, hook
-        return out, receive(), None
+        def hook():
+            try:  # the receive half, ordered before the caller's stream only (as dispatch's)
+                a2a.combine(None, out, topk_weights, False, self._timeout, current, _RECV,
+                            False, True)
+            finally:
+                self._release(h)
+        return out, event, hook
 
     def _live_handle(self, handle, call):
         if not isinstance(handle, _Handle):
@@ -513,7 +541,7 @@ class Buffer:
         if hidden % 128:
             raise InvalidArgument(f"x: hidden {hidden} is not a multiple of 128")
         if fp8:
-            check_tensor("x scales", x_scales, torch.float32, 2, x.device)
+            check_tensor("x scales", x_scales, torch.float32, 2, x.get_device())
             if tuple(x_scales.shape) != (tokens, hidden // 128):
                 raise InvalidArgument(f"x scales: shape {tuple(x_scales.shape)}, expected "
                                       f"{(tokens, hidden // 128)}")
@@ -544,11 +572,11 @@ class Buffer:
                     raise InvalidArgument(f"{name}: required (get_dispatch_layout's)")
                 if n is not None and t.numel() != n:
                     raise InvalidArgument(f"{name}: {t.numel()} entries, expected {n}")
-        check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), 2, x.device)
+        check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), 2, x.get_device())
         if topk_idx.shape[0] != tokens:
             raise InvalidArgument(f"topk_idx: {topk_idx.shape[0]} rows, x has {tokens}")
         if topk_weights is not None:
-            check_tensor("topk_weights", topk_weights, torch.float32, 2, x.device)
+            check_tensor("topk_weights", topk_weights, torch.float32, 2, x.get_device())
             if topk_weights.shape != topk_idx.shape:
                 raise InvalidArgument(f"topk_weights: shape {tuple(topk_weights.shape)}, "
                                       f"topk_idx {tuple(topk_idx.shape)}")
@@ -564,7 +592,7 @@ class Buffer:
         local = num_experts // self.group_size
         dtype = _ferry.DispatchDtype.FP8_E4M3 if fp8 else _ferry.DispatchDtype.BF16
         pooled = self._acquire(
-            ("normal", capacity, hidden, num_experts, k, fp8), x, lambda: dict(
+            ("normal", x.get_device(), capacity, hidden, num_experts, k, fp8), x, lambda: dict(
                 num_experts=num_experts, experts_per_token=k, max_tokens_per_rank=capacity,
                 hidden=hidden, dtype=dtype, dispatch_once_per_rank=True,
                 combine_reduce_at_expert_rank=True,
@@ -574,7 +602,7 @@ class Buffer:
         dev = x.device
         try:
             weights = (topk_weights if topk_weights is not None
-                       else self._ones_for(dev, capacity, k))
+                       else self._ones_for(x, capacity, k))
             ids = topk_idx
             # The outputs on the caller's stream (DeepEP's allocate_on_comm_stream=False).
             recv = torch.empty(rows, hidden, dtype=x.dtype, device=dev)

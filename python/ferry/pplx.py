@@ -18,16 +18,17 @@ the current torch stream (any: the legacy default one too; graph capture works).
 Arguments ferry cannot honour raise Unimplemented naming them; bad tensors InvalidArgument.
 """
 
-import contextlib
-
 import torch
 
 from . import _ferry
 from ._engine_api import (Group, check_tensor, current_stream_handle, env_timeout, fp8_dtype,
-                          refuse, release_finished)
+                          refuse)
 from ._errors import FailedPrecondition, InvalidArgument, Unimplemented
 
 __all__ = ["AllToAll"]
+
+_SEND, _RECV = 1, 2  # AllToAll.dispatch / combine's halves
+_AMAX = _ferry.Fp8Scaling.AMAX  # pplx's callers quantise themselves; unused but required
 
 _ID_DTYPES = tuple(d for d in (torch.int32, torch.int64, getattr(torch, "uint32", None)) if d)
 
@@ -70,6 +71,8 @@ class AllToAll:
                                   f"{self.world_size} ranks")
         self.num_local_experts = num_experts // self.world_size
         self._device, self._fp8, self._padding = device, fp8, expert_padding
+        self._cuda = device.type == "cuda"
+        self._device_id = device.index if self._cuda else -1  # as Tensor.get_device() says
         self._hidden, self._k, self._max_tokens = hidden_dim, num_experts_per_token, max_num_tokens
         self._in_dtype = in_dtype
         self._timeout = env_timeout() if timeout is None else float(timeout)
@@ -104,61 +107,46 @@ class AllToAll:
 
     def dispatch(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale,
                  indices, weights, bound_m=None, do_send=True, do_recv=True):
-        if not (do_send or do_recv):
+        # Every argument checked before either half runs; then both in one call of the
+        # AllToAll's, ordered once with the caller's stream.
+        halves = (_SEND if do_send else 0) | (_RECV if do_recv else 0)
+        if not halves:
             raise InvalidArgument("dispatch: do_send or do_recv (or both)")
-        # Every argument checked before either half runs; then one ordering with the caller's
-        # stream for both.
         self._expect("idle" if do_send else "dispatched", "dispatch")
-        inputs = ()
+        tokens = None
         if do_send:
             self._check_tokens(dp_x, dp_x_scale, indices, weights)
             tokens = self._bound(dp_x, bound_m)
-            inputs = (dp_x, dp_x_scale, indices, weights, bound_m)
         if do_recv:
             self._check_expert_outputs(out_expert_num_tokens, out_expert_x, out_expert_x_scale)
-        with self._ordered(*inputs):
-            if do_send:
-                self._a2a.dispatch_send(dp_x, indices, weights, scales=dp_x_scale,
-                                        num_tokens=tokens,
-                                        device_num_tokens=bound_m if self._cuda else None)
-                self._stage = "dispatched"
-            if do_recv:
-                # ferry lays the padded blocks out itself (DispatchOutput::expert_padding).
-                self._a2a.dispatch_recv(out_expert_x, out_expert_num_tokens, out_expert_x_scale,
-                                        timeout=self._timeout, expert_padding=self._padding)
-                self._recv_rows = out_expert_x.shape[0]
-                self._stage = "received"
+        # ferry lays the padded blocks out itself (DispatchOutput::expert_padding).
+        self._a2a.dispatch(dp_x, indices, weights, dp_x_scale, tokens,
+                           bound_m if self._cuda else None, _AMAX, out_expert_x,
+                           out_expert_num_tokens, out_expert_x_scale, self._timeout,
+                           self._padding, self._current_stream(), halves, True, True)
+        if do_recv:
+            self._recv_rows = out_expert_x.shape[0]
+        self._stage = "received" if do_recv else "dispatched"
 
     def combine(self, out_tokens, indices, weights, expert_y, bound_m=None, do_send=True,
                 do_recv=True, accumulate=False):
-        if not (do_send or do_recv):
+        halves = (_SEND if do_send else 0) | (_RECV if do_recv else 0)
+        if not halves:
             raise InvalidArgument("combine: do_send or do_recv (or both)")
         self._expect("received" if do_send else "combining", "combine")
-        inputs = ()
         if do_send:
-            check_tensor("expert_y", expert_y, torch.bfloat16, 2, self._device)
+            check_tensor("expert_y", expert_y, torch.bfloat16, 2, self._device_id)
             if tuple(expert_y.shape) != (self._recv_rows, self._hidden):
                 raise InvalidArgument(f"expert_y: shape {tuple(expert_y.shape)}, out_expert_x "
                                       f"was {(self._recv_rows, self._hidden)}")
-            inputs = (expert_y,)
         if do_recv:
-            check_tensor("out_tokens", out_tokens, torch.bfloat16, 2, self._device)
-            check_tensor("weights", weights, torch.float32, 2, self._device)
-            inputs += (weights,)
-        with self._ordered(*inputs):
-            if do_send:
-                self._a2a.combine_send(expert_y)
-                self._stage = "combining"
-            if do_recv:
-                self._a2a.combine_recv(out_tokens, accumulate=accumulate, timeout=self._timeout,
-                                       weights=weights)
-                self._stage = "idle"
+            check_tensor("out_tokens", out_tokens, torch.bfloat16, 2, self._device_id)
+            check_tensor("weights", weights, torch.float32, 2, self._device_id)
+        self._a2a.combine(expert_y, out_tokens, weights, accumulate, self._timeout,
+                          self._current_stream(), halves, True, True)
+        self._stage = "idle" if do_recv else "combining"
 
     # ---- helpers ---------------------------------------------------------------------------
-
-    @property
-    def _cuda(self):
-        return self._device.type == "cuda"
 
     def _expect(self, stage, call):
         if self._stage != stage:
@@ -167,37 +155,37 @@ class AllToAll:
                 f"send, combine receive (this AllToAll is at '{self._stage}')")
 
     def _check_tokens(self, dp_x, dp_x_scale, indices, weights):
-        check_tensor("dp_x", dp_x, self._in_dtype, 2, self._device)
+        check_tensor("dp_x", dp_x, self._in_dtype, 2, self._device_id)
         tokens, hidden = dp_x.shape
         if hidden != self._hidden or tokens > self._max_tokens:
             raise InvalidArgument(f"dp_x: shape {tuple(dp_x.shape)}, at most "
                                   f"{(self._max_tokens, self._hidden)}")
         if self._fp8:
-            check_tensor("dp_x_scale", dp_x_scale, torch.float32, 2, self._device)
+            check_tensor("dp_x_scale", dp_x_scale, torch.float32, 2, self._device_id)
             if tuple(dp_x_scale.shape) != (tokens, hidden // 128):
                 raise InvalidArgument(f"dp_x_scale: shape {tuple(dp_x_scale.shape)}, expected "
                                       f"{(tokens, hidden // 128)}")
         elif dp_x_scale is not None:
             raise InvalidArgument("dp_x_scale: bfloat16 input has no scales")
-        check_tensor("indices", indices, _ID_DTYPES, 2, self._device)
-        check_tensor("weights", weights, torch.float32, 2, self._device)
+        check_tensor("indices", indices, _ID_DTYPES, 2, self._device_id)
+        check_tensor("weights", weights, torch.float32, 2, self._device_id)
         for name, t in (("indices", indices), ("weights", weights)):
             if tuple(t.shape) != (tokens, self._k):
                 raise InvalidArgument(f"{name}: shape {tuple(t.shape)}, expected "
                                       f"{(tokens, self._k)}")
 
     def _check_expert_outputs(self, counts, out_x, out_scales):
-        check_tensor("out_expert_num_tokens", counts, torch.int32, 1, self._device)
+        check_tensor("out_expert_num_tokens", counts, torch.int32, 1, self._device_id)
         if counts.numel() != self.num_local_experts:
             raise InvalidArgument(f"out_expert_num_tokens: {self.num_local_experts} entries, got "
                                   f"{counts.numel()}")
-        check_tensor("out_expert_x", out_x, self._in_dtype, 2, self._device)
+        check_tensor("out_expert_x", out_x, self._in_dtype, 2, self._device_id)
         if out_x.shape[1] != self._hidden or out_x.shape[0] < self.max_recv_tokens:
             raise InvalidArgument(f"out_expert_x: shape {tuple(out_x.shape)}, needs at least "
                                   f"{(self.max_recv_tokens, self._hidden)} (max_recv_tokens: "
                                   f"the worst routing's padded blocks)")
         if self._fp8:
-            check_tensor("out_expert_x_scale", out_scales, torch.float32, 2, self._device)
+            check_tensor("out_expert_x_scale", out_scales, torch.float32, 2, self._device_id)
             if tuple(out_scales.shape) != (out_x.shape[0], self._hidden // 128):
                 raise InvalidArgument(f"out_expert_x_scale: shape {tuple(out_scales.shape)}, "
                                       f"expected {(out_x.shape[0], self._hidden // 128)}")
@@ -209,7 +197,7 @@ class AllToAll:
         kernels read it, dp_x's rows being the most it may hold)."""
         if bound_m is None:
             return dp_x.shape[0]
-        check_tensor("bound_m", bound_m, torch.int32, None, self._device)
+        check_tensor("bound_m", bound_m, torch.int32, None, self._device_id)
         if bound_m.numel() != 1:
             raise InvalidArgument(f"bound_m: one int32, got {bound_m.numel()}")
         if self._cuda:
@@ -219,44 +207,18 @@ class AllToAll:
             raise InvalidArgument(f"bound_m {m}: dp_x has {dp_x.shape[0]} rows")
         return m
 
-    def _ordered(self, *inputs):
-        """A call's halves on the GPU: the AllToAll's steps go on a stream of its own (set once:
-        its four steps must share one), ordered after the caller's current stream and the
-        caller's after them by the AllToAll's event (no host wait; any current stream, the
-        legacy default and a graph capture's included). The caller's tensors the steps read are
-        marked in use on that stream. Rounds finished before are let go (release_finished)."""
+    def _current_stream(self):
+        """The caller's current stream on the GPU (None on the CPU): the AllToAll's steps go on
+        a stream of its own (set once: its four steps must share one), ordered after the
+        caller's and the caller's after them by the AllToAll's event (no host wait; any current
+        stream, the legacy default and a graph capture's included). The AllToAll keeps the
+        caller's tensors referenced until their steps finish."""
         if not self._cuda:
-            return contextlib.nullcontext()
-        return _Ordered(self, inputs)
-
-    def _comm_stream(self):
+            return None
         if self._stream is None:
             self._stream = torch.cuda.Stream(self._device)
             self._a2a.set_stream(self._stream)
-        elif self._stage == "idle":
-            release_finished(self._a2a)
-        return self._stream
-
-
-class _Ordered:
-    __slots__ = ("kernel", "inputs", "current")
-
-    def __init__(self, kernel, inputs):
-        self.kernel, self.inputs = kernel, inputs
-
-    def __enter__(self):
-        k = self.kernel
-        comm = k._comm_stream()
-        self.current = current_stream_handle(k._device)
-        k._a2a.order_after(self.current)
-        for t in self.inputs:
-            if t is not None:
-                t.record_stream(comm)
-        return self
-
-    def __exit__(self, kind, *rest):
-        self.kernel._a2a.order_before(self.current)
-        return False
+        return current_stream_handle(self._device_id)
 
 
 def _size(group):

@@ -4,7 +4,9 @@
 #include <pybind11/stl.h>
 
 #include <cmath>
+#include <optional>
 #include <string>
+#include <unordered_map>
 
 #include "binding.h"
 
@@ -85,8 +87,97 @@ Array HostArray(const py::object& object) {
 
 }  // namespace
 
+namespace {
+
+// torch.Tensor's type once torch is imported (ferry never imports it itself), null before.
+PyTypeObject* TorchTensorType() {
+  static PyTypeObject* type = nullptr;
+  if (type == nullptr) {
+    PyObject* modules = PyImport_GetModuleDict();  // borrowed
+    PyObject* torch = PyDict_GetItemString(modules, "torch");  // borrowed
+    if (torch == nullptr) return nullptr;
+    PyObject* tensor = PyObject_GetAttrString(torch, "Tensor");
+    if (tensor == nullptr) {
+      PyErr_Clear();  // a torch still importing: the Python path below handles its tensors
+      return nullptr;
+    }
+    if (PyType_Check(tensor)) type = reinterpret_cast<PyTypeObject*>(tensor);  // kept for good
+    else Py_DECREF(tensor);
+  }
+  return type;
+}
+
+// A torch tensor of CPU or CUDA memory read through its own methods, as
+// ferry._arrays.as_array reads one, without the Python function between: every step converts
+// several tensors, and the Python path costs a few microseconds each. Anything else (not
+// contiguous, another device) goes to as_array, which says what is wrong.
+// One of the tensor's methods or attributes, looked up by a name made once (a C string would
+// be turned into a Python one, and hashed, at every call).
+struct TensorName {
+  explicit TensorName(const char* name) : name(PyUnicode_InternFromString(name)) {}
+  py::object Get(const py::handle& t) const {
+    return py::reinterpret_steal<py::object>(PyObject_GetAttr(t.ptr(), name));
+  }
+  py::object Call(const py::handle& t) const {
+    PyObject* self = t.ptr();
+    return py::reinterpret_steal<py::object>(
+        PyObject_VectorcallMethod(name, &self, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr));
+  }
+  PyObject* name;  // kept for the interpreter's life
+};
+
+template <typename T>
+T Checked(py::object value) {
+  if (!value) throw py::error_already_set();
+  return py::cast<T>(value);
+}
+
+std::optional<Array> TorchArray(const py::handle& t) {
+  static const TensorName is_contiguous("is_contiguous"), is_cuda("is_cuda"), is_cpu("is_cpu"),
+      dtype_of("dtype"), get_device("get_device"), element_size("element_size"),
+      data_ptr("data_ptr"), shape_of("shape");
+  if (!Checked<bool>(is_contiguous.Call(t))) return std::nullopt;
+  const bool cuda = Checked<bool>(is_cuda.Get(t));
+  if (!cuda && !Checked<bool>(is_cpu.Get(t))) return std::nullopt;
+  // dtype -> the array-interface kind letter, as _arrays._torch_kind decides it, remembered
+  // per dtype (torch's dtypes are singletons that live as long as torch; each is held here).
+  static const py::handle torch_kind =
+      py::object(py::module_::import("ferry._arrays").attr("_torch_kind")).release();
+  static std::unordered_map<PyObject*, char> kinds;
+  const py::object dtype = dtype_of.Get(t);
+  if (!dtype) throw py::error_already_set();
+  auto kind = kinds.find(dtype.ptr());
+  if (kind == kinds.end()) {
+    const char letter = py::cast<std::string>(torch_kind(t)).front();
+    kind = kinds.emplace(dtype.inc_ref().ptr(), letter).first;
+  }
+  Array a;
+  a.device = cuda ? Checked<int>(get_device.Call(t)) : kHostMemory;
+  a.kind = kind->second;
+  a.item_bytes = Checked<int>(element_size.Call(t));
+  a.data = Checked<uint64_t>(data_ptr.Call(t));
+  const py::object shape = shape_of.Get(t);
+  if (!shape || !PyTuple_Check(shape.ptr())) throw py::error_already_set();
+  const Py_ssize_t dims = PyTuple_GET_SIZE(shape.ptr());
+  a.shape.resize(static_cast<size_t>(dims));
+  uint64_t count = 1;
+  for (Py_ssize_t i = 0; i < dims; ++i) {
+    a.shape[static_cast<size_t>(i)] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape.ptr(), i));
+    count *= static_cast<uint64_t>(a.shape[static_cast<size_t>(i)]);
+  }
+  a.num_bytes = count * static_cast<uint64_t>(a.item_bytes);
+  a.owner = py::reinterpret_borrow<py::object>(t);
+  return a;
+}
+
+}  // namespace
+
 Array ToArray(const py::handle& object) {
   if (py::isinstance<Array>(object)) return py::cast<Array>(object);
+  if (PyTypeObject* tensor = TorchTensorType();
+      tensor != nullptr && PyObject_TypeCheck(object.ptr(), tensor)) {
+    if (std::optional<Array> a = TorchArray(object)) return std::move(*a);
+  }
   // Looked up once (every step converts several arrays); kept for the interpreter's life.
   static const py::handle as_array =
       py::object(py::module_::import("ferry._arrays").attr("as_array")).release();
@@ -191,6 +282,15 @@ PYBIND11_MODULE(_ferry, m) {
         return "<ferry.Array " + std::to_string(a.num_bytes) + " bytes in " + DeviceName(a.device) +
                ">";
       });
+  m.def(
+      "torch_array",
+      [](const py::handle& t) -> std::optional<Array> {
+        PyTypeObject* tensor = TorchTensorType();
+        if (tensor == nullptr || !PyObject_TypeCheck(t.ptr(), tensor)) return std::nullopt;
+        return TorchArray(t);
+      },
+      py::arg("tensor"),
+        "An Array of a contiguous torch tensor in CPU or CUDA memory; None for any other");
   m.def("host_array", &HostArray, py::arg("object"),
         "A host Array from a buffer-protocol object (C-contiguous)");
   m.attr("HOST_MEMORY") = kHostMemory;

@@ -176,6 +176,42 @@ class PyAllToAll {
     Run(std::move(used), [&](AllToAll& a) { return a.CombineRecv(to, deadline); });
   }
 
+  // What ferry.deep_ep and ferry.pplx call once per call: the halves `halves` names (1 the
+  // send, 2 the receive, 3 both, in that order) with the arguments dispatch_send and
+  // dispatch_recv take. With `stream` (CUDA: a cudaStream_t as an int, 0 the legacy default
+  // one) the steps start after what it holds (with `stream_first`) and it waits for them (with
+  // `stream_waits`); the arrays of the steps finished before these are let go first, without
+  // waiting. One call
+  // instead of four: each call from Python costs microseconds (argument conversion, the GIL),
+  // the target for a layer's call over the steps it makes is two.
+  void Dispatch(const py::handle& x, const py::handle& indices, const py::handle& weights,
+                const py::handle& scales, std::optional<int> num_tokens,
+                const py::handle& device_num_tokens, Fp8Scaling scaling, const py::handle& out_x, const py::handle& out_num_tokens,
+                const py::handle& out_scales, double timeout, int expert_padding,
+                const py::handle& stream, int halves, bool stream_first, bool stream_waits) {
+    Halves(halves, "dispatch");
+    Ordered(stream, stream_first, stream_waits, [&] {
+      if (halves & kSendHalf) {
+        DispatchSend(x, indices, weights, scales, num_tokens, device_num_tokens, scaling);
+      }
+      if (halves & kReceiveHalf) {
+        DispatchRecv(out_x, out_num_tokens, out_scales, py::none(), py::none(), py::none(),
+                     timeout, expert_padding);
+      }
+    });
+  }
+
+  // combine_send and combine_recv as Dispatch runs dispatch's.
+  void Combine(const py::handle& expert_out, const py::handle& out, const py::handle& weights,
+               bool accumulate, double timeout, const py::handle& stream, int halves,
+               bool stream_first, bool stream_waits) {
+    Halves(halves, "combine");
+    Ordered(stream, stream_first, stream_waits, [&] {
+      if (halves & kSendHalf) CombineSend(expert_out, std::nullopt);
+      if (halves & kReceiveHalf) CombineRecv(out, accumulate, timeout, weights);
+    });
+  }
+
   void SetStream(const py::handle& stream) {
     void* s = nullptr;
     if (!stream.is_none()) {
@@ -231,6 +267,31 @@ class PyAllToAll {
                         : py::hasattr(stream, "ptr")       ? stream.attr("ptr")
                                                      : py::reinterpret_borrow<py::object>(stream);
     return reinterpret_cast<void*>(static_cast<uintptr_t>(py::cast<uint64_t>(handle)));
+  }
+  static constexpr int kSendHalf = 1, kReceiveHalf = 2;
+  static void Halves(int halves, const char* call) {
+    if (halves < 1 || halves > 3) {
+      ThrowIfError(InvalidArgumentError(std::string(call) + ": halves " + std::to_string(halves) +
+                                        ", 1 (send), 2 (receive) or 3 (both)"));
+    }
+  }
+  // Arrays of enqueued steps kept before a layer's call waits for them: a few rounds' worth (a
+  // CPU that runs ahead of the GPU keeps them referenced until their steps finish).
+  static constexpr size_t kMaxPendingArrays = 64;
+  // steps() after `stream` (with `first`) and before it (with `waits`; None: unordered), the
+  // arrays of the steps finished before them let go first (never during a graph capture: a
+  // query would end it, and the captured arrays are the graph's owner's to keep).
+  template <typename Steps>
+  void Ordered(const py::handle& stream, bool first, bool waits, Steps steps) {
+    const bool ordered = !stream.is_none();
+    void* s = ordered ? StreamHandle(stream) : nullptr;
+    if (streamed_ && !keep_.empty() && !a2a().capturing(s) && !Poll() &&
+        keep_.size() > kMaxPendingArrays) {
+      Synchronize();
+    }
+    if (ordered && first) ThrowIfError(a2a().OrderAfter(s));
+    steps();
+    if (ordered && waits) ThrowIfError(a2a().OrderBefore(s));
   }
   AllToAll& a2a() const {
     if (!a2a_) ThrowIfError(FailedPreconditionError("the AllToAll is closed"));
@@ -394,6 +455,20 @@ void BindMoe(py::module_& m) {
            "out [T, hidden] bf16 for the T of the last dispatch_send: each token's weighted sum "
            "(added to out with accumulate); weights [T, k] float32: the combine weights given "
            "now instead of dispatch_send's (not with combine_reduce_at_expert_rank)")
+      .def("dispatch", &PyAllToAll::Dispatch, py::arg("x"), py::arg("indices"),
+           py::arg("weights"), py::arg("scales"), py::arg("num_tokens"),
+           py::arg("device_num_tokens"), py::arg("scaling"), py::arg("out_x"), py::arg("out_num_tokens"), py::arg("out_scales"),
+           py::arg("timeout"), py::arg("expert_padding"), py::arg("stream"), py::arg("halves"),
+           py::arg("stream_first"), py::arg("stream_waits"),
+           "Expert-major dispatch_send and dispatch_recv in one call (halves: 1 send, 2 "
+           "receive, 3 both; the other half's arguments unused, None), ordered after `stream` "
+           "(a cudaStream_t as an int, 0 allowed; None: unordered) with stream_first and "
+           "before it with stream_waits; finished steps' arrays let go first. What "
+           "ferry.deep_ep and ferry.pplx call")
+      .def("combine", &PyAllToAll::Combine, py::arg("expert_out"), py::arg("out"),
+           py::arg("weights"), py::arg("accumulate"), py::arg("timeout"), py::arg("stream"),
+           py::arg("halves"), py::arg("stream_first"), py::arg("stream_waits"),
+           "combine_send and combine_recv in one call, as dispatch() runs dispatch's halves")
       .def("set_stream", &PyAllToAll::SetStream, py::arg("stream"),
            "CUDA device, several ranks: enqueue the steps on `stream` (a torch or CuPy stream, or "
            "a cudaStream_t as an int, not the legacy default stream 0; None: back to waiting) and "

@@ -219,6 +219,41 @@ def combine_weights_body(b):
         a2a.combine_recv(y, timeout=10)  # the step still ends, with the dispatch's weights
 
 
+def one_call_body(b):
+    """dispatch() and combine() run the halves that `halves` names, as the four steps would:
+    both in one call, then each half in a call of its own (the receive halves without their
+    send's arguments); a halves value outside 1..3 is refused before anything runs."""
+    c = config(b.rank)
+    x, indices, weights = send_arrays(b.rank)
+    rows, _ = inputs(b.rank)
+    amax = ferry.Fp8Scaling.AMAX
+    with shm_engine() as engine, ferry.AllToAll(c, engine, b) as a2a:
+        out = array.array("H", bytes(2 * c.local_experts * c.expert_capacity * HIDDEN))
+        counts = array.array("i", [0] * c.local_experts)
+        for halves in (0, 4):
+            expect_error(ferry.InvalidArgument, "halves", a2a.dispatch, x, indices, weights,
+                         None, TOKENS[b.rank], None, amax, out, counts, None, 10, 0, None,
+                         halves, True, True)
+        for split in (False, True):
+            y = array.array("H", bytes(2 * TOKENS[b.rank] * HIDDEN))
+            send = (x, indices, weights, None, TOKENS[b.rank], None, amax)
+            recv = (out, counts, None, 10, 0, None)
+            none = (None,) * 6 + (amax,)
+            if split:
+                a2a.dispatch(*send, *(None, None, None, 10, 0, None), 1, True, True)
+                a2a.dispatch(*none, *recv, 2, True, True)
+                a2a.combine(out, None, None, False, 10, None, 1, True, True)
+                a2a.combine(None, y, None, False, 10, None, 2, True, True)
+            else:
+                a2a.dispatch(*send, *recv, 3, True, True)
+                a2a.combine(out, y, None, False, 10, None, 3, True, True)
+            local = range(b.rank * c.local_experts, (b.rank + 1) * c.local_experts)
+            assert list(counts) == [sum(e in ex for s in range(WORLD) for ex in inputs(s)[1])
+                                    for e in local], (split, list(counts))
+            for t, row in enumerate(rows):
+                assert row_of(y, t) == tuple(bf16(v * sum(WEIGHTS)) for v in row), (split, t)
+
+
 class LegacyDefaultStream:
     cuda_stream = 0  # what torch.cuda.current_stream() has unless a stream was set
 
@@ -297,6 +332,9 @@ class AllToAllTest(unittest.TestCase):
 
     def test_weights_given_at_combine_time(self):
         run_ranks(self, WORLD, combine_weights_body)
+
+    def test_both_halves_in_one_call(self):
+        run_ranks(self, WORLD, one_call_body)
 
     def test_set_stream_refuses_the_legacy_default_stream(self):
         run_ranks(self, WORLD, legacy_stream_body)

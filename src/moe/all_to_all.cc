@@ -107,6 +107,7 @@ class AllToAllImpl final : public AllToAll {
     *done = true;
     return Synchronize();
   }
+  bool capturing(void*) const override { return false; }
   Status OrderAfter(void*) override { return NoStreams("OrderAfter"); }
   Status OrderBefore(void*) override { return NoStreams("OrderBefore"); }
   uint64_t dispatch_bytes_sent() const override { return proxy_->dispatch_bytes(); }

@@ -99,8 +99,20 @@ class NvlinkAllToAll final : public AllToAll {
     return Status::Ok();
   }
 
+  bool capturing(void* stream) const override {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    // An error here (a stream being destroyed) is not a capture: Poll's query then reports it.
+    return cudaStreamIsCapturing(stream ? static_cast<cudaStream_t>(stream) : stream_, &status) ==
+               cudaSuccess &&
+           status != cudaStreamCaptureStatusNone;
+  }
+
   Status Poll(bool* done) override {
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
+    if (capturing(nullptr)) {
+      *done = false;
+      return Status::Ok();
+    }
     const cudaError_t idle = cudaStreamQuery(stream_);
     if (idle == cudaErrorNotReady) {
       (void)cudaGetLastError();  // not an error: still running
