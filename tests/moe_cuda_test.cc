@@ -774,7 +774,7 @@ INSTANTIATE_TEST_SUITE_P(
                                    true}),
                       Streamed(Case{3, 333, 2176, 48, 8, bf16, hot, 4, true, true, true, 3, true,
                                    false, 0, 1}),
-                      // What decode runs by default (session 21): SendSmall streamed, (a)+(b),
+                      // What decode runs by default: SendSmall streamed, (a)+(b),
                       // captured graphs replayed with device token counts.
                       Streamed(Case{2, 128, 7168, 256, 8, fp8, rnd, 16, false, true, true, 3,
                                     true, true}),

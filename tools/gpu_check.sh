@@ -1,97 +1,8 @@
 #!/usr/bin/env bash
-# One run on the lent GPU machine: build the CUDA parts for sm_90, run the GPU tests (and
-# compute-sanitizer memcheck/racecheck on small cases), run the CUDA moe benchmarks. Logs go to
-# $OUT (the device tool brings that folder back); a short table is printed last.
-#
-#   tools/gpu_check.sh            everything
-#   tools/gpu_check.sh tests      build and tests only (the Python tests too where .pydeps
-#                                 carries pybind11, see below)
-#   tools/gpu_check.sh nvlink     build, tests, the NVLink benchmarks and profiles only
-#   tools/gpu_check.sh profile    build and the per-kernel profiles only
-#   tools/gpu_check.sh kv         build, tests and the kv benchmarks (CPU side of the host)
-#   tools/gpu_check.sh trace      build, the NVLink decode benchmark, then phase stamps per kernel
-#                                 (TRACE_TOKENS, "128 4096"; TRACE_RANKS, "2"; TRACE_ARGS, more
-#                                 bench flags; TRACE_COMPARE=0 skips the benchmark)
-#   tools/gpu_check.sh hybrid     build, tests, EP4 as one node and as two nodes of two (relay)
-#   tools/gpu_check.sh relay      build, tests, two nodes of one GPU (every peer through the relay)
-#   tools/gpu_check.sh pdl        build, tests, NVLink decode and prefill (a)+(b) with the receive
-#                                 kernels started early (default) and plainly (FERRY_NV_PDL=0),
-#                                 decode pushing every slot, decode --compare, then the decode
-#                                 phase stamps
-#   tools/gpu_check.sh ab         build, tests, then NVLink decode (a)+(b), both layouts (16 and
-#                                 1024 private slots) and prefill (16 and 4096) next to a baseline
-#                                 built from .baseline.tgz (git archive of an earlier commit),
-#                                 alternating; phase stamps; AB_RANKS (2): 1 measures the
-#                                 local kernels on one GPU; each .ab-NAME.tgz carried is one
-#                                 more variant, run between the baseline and new
-#   tools/gpu_check.sh layout     build, tests, then NVLink decode and prefill (a)+(b) in both
-#                                 dispatch layouts (--token-major: expert-major and token-major
-#                                 rows of one invocation), twice; prefill pushing every slot;
-#                                 phase stamps of token-major prefill
-#   tools/gpu_check.sh kvpace     build, then the kv benchmarks (4k, 32k) at PACES ("1.25 1");
-#                                 KV_SPIN=1, KV_WRS="1024 64" and KV_ROUNDS as in kv_paces below
-#   tools/gpu_check.sh caller     build, tests, then NVLink decode and prefill (a)+(b) in both
-#                                 layouts with token-major's caller side timed in (the
-#                                 tok+permute row), twice; then the kv benchmarks with layers at
-#                                 the raw rate and 1.25x slower (--pace 1.25); ROUNDS (2),
-#                                 PACES ("1 1.25"), KV_SPIN=1 (each kv run again with
-#                                 FERRY_SPIN_US=-1)
-#   tools/gpu_check.sh p2p        build, tests, then ferry-bench p2p (GPU 0 <-> 1: copy engine,
-#                                 SM stores and loads, one and both ways)
-#   tools/gpu_check.sh ep         build, tests, then EP4 and EP8 over as many GPUs (those the
-#                                 machine has): decode fp8 and bf16, prefill, (a)+(b) and plain,
-#                                 as one node and as two nodes (the relay over shm between them);
-#                                 EP_SIZES ("4 8"); with SANITIZERS=0 it fits one 10-minute call;
-#                                 EP_STREAM="1 3" adds (a)+(b) with those FERRY_NV_STREAM masks;
-#                                 prefill (a)+(b) also with FERRY_NV_SPREAD=1
-#   tools/gpu_check.sh stream     build, tests, then NVLink (a)+(b) with nothing streamed (0;
-#                                 the default before session 21), the dispatch streamed
-#                                 (FERRY_NV_STREAM=1) and both steps (3), alternating,
-#                                 STREAM_ROUNDS (1) times: decode pushing every slot, prefill
-#                                 pushing every slot (both layouts), prefill with 16 private
-#                                 slots; STREAM_TRACE=1: then streamed prefill's phase
-#                                 stamps. SANITIZERS=0 STREAM_ROUNDS=1 fits ~5 minutes;
-#                                 STREAM_RANKS (2): 1 measures what streaming costs locally
-#                                 (no pulled case: one rank pulls nothing)
-#   tools/gpu_check.sh stalls     build, then ncu's sampled warp stalls per instruction of the
-#                                 decode kernels (STALL_KERNELS, "SendSmall|UnpackKernel"), one
-#                                 rank: stalls_source.csv, stalls_details.log
-#   tools/gpu_check.sh spread     build, tests, then NVLink prefill (a)+(b) in both layouts,
-#                                 SPREAD_PRIVATE ("16 4096") private slots (16: the rest
-#                                 pulled), with each FERRY_NV_SPREAD of SPREAD_VALUES ("1 0":
-#                                 received slots spread over their senders, then in order,
-#                                 the default), alternating, SPREAD_ROUNDS (2) times;
-#                                 SPREAD_RANKS (2)
-#   tools/gpu_check.sh targets    build, tests, then what issue 5's targets need on two GPUs in
-#                                 one call: decode T=128 (a)+(b) in both layouts with 16 and
-#                                 1024 private slots, the default (the dispatch streamed) and
-#                                 FERRY_NV_STREAM=0 alternating, TARGET_ROUNDS (2) times; prefill
-#                                 T=4096 (a)+(b), 16 and 4096 private slots, FERRY_NV_SPREAD 0
-#                                 and 1, and 4096 private with FERRY_NV_STREAM 1 and 3; the
-#                                 closing p50_table has the floor ratios (d/fl, c/fl).
-#                                 SANITIZERS=0 fits one call (~6 minutes)
-#   tools/gpu_check.sh mps        build, tests, then two ranks of one node on the one GPU as
-#                                 clients of an MPS server (their kernels side by side; peer
-#                                 memory in the same HBM) beside one rank: decode T=128 (16
-#                                 and 1024 private slots), MPS_ROUNDS (2) times, and prefill
-#                                 T=4096, token-major; a proxy for the two-rank protocol's cost
-#                                 without NVLink; each client on MPS_PERCENT (50) of the SMs.
-#                                 MPS=1 runs any mode's measurements so (TESTS=0 with it)
-#   tools/gpu_check.sh engine_api build, tests (moe_engine_api_test too), then ferry.deep_ep's
-#                                 and ferry.pplx's GPU tests again (under MPS with MPS=1: two
-#                                 ranks side by side) and tools/bench_engine_api.py on the GPU
-#                                 and on this host's CPU (what each layer adds per call)
-#   tools/gpu_check.sh serve      the bindings only, then examples/serve's tests (its GPU
-#                                 cases too), its demo with --device cuda, and
-#                                 tools/bench_serve.py on this host's cores (SERVE_ARGS;
-#                                 SERVE_BENCH=0 skips it)
-#   tools/gpu_check.sh mirror     build, tests, then ferry-bench mirror over shm and tcp: a
-#                                 kernel waiting on a mirrored immediate counter (GpuWords)
-#                                 beside a host thread in WaitImm
-# SASS=1 (any mode): the kernels' machine code, see below.
-# SANITIZERS=0 skips memcheck and racecheck; TESTS=0 the tests and the sanitizers (a second
-# call after one that ran them); AB_DECODE_ROUNDS=0 runs ab's prefill pairs only, AB_PREFILL=0
-# its decode pairs only.
+# One run on a GPU machine: build the CUDA parts for sm_90, run the GPU tests (and
+# compute-sanitizer memcheck/racecheck on small cases), run the chosen measurements. Logs go to
+# $OUT (default /tmp/ferry-gpu); a short table is printed last. The modes and switches:
+# tools/README.md.
 set -u
 OUT=${OUT:-/tmp/ferry-gpu}
 mkdir -p "$OUT"
@@ -102,9 +13,9 @@ NVCC=${NVCC:-/usr/local/cuda/bin/nvcc}
 SANITIZER=${SANITIZER:-/usr/local/cuda/bin/compute-sanitizer}
 nvidia-smi -L > "$OUT/gpus.txt" 2>&1
 
-# The device tool ends a call at 600 s and then brings back only so many files: steps stop at
-# DEADLINE seconds from the start (570; one running then is cut short, later ones skipped) so
-# that the summary prints and the logs are packed; a TERM or INT packs them too.
+# Steps stop at DEADLINE seconds from the start (570; one running then is cut short, later ones
+# skipped) so that a run under a 10-minute limit prints its summary and packs its logs (a few
+# files come back more easily than many); a TERM or INT packs them too.
 deadline=${DEADLINE:-570}
 pack_logs() { (cd "$OUT" && tar czf logs.tgz ./*.log && rm -f ./*.log); }
 trap 'pack_logs; exit 124' TERM INT
@@ -208,8 +119,8 @@ if [ "$mode" = mps ] || [ "${MPS:-0}" = 1 ]; then
   # on one GPU are time-sliced (milliseconds a step), which is why one GPU measured one rank.
   # MPS_PERCENT (50): each client's share of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), so
   # that each rank has SMs of its own, as on two GPUs -- sharing them all, the prefill (a)+(b)
-  # deadlocked (session 24: one rank's resident, spinning receive blocks left no SM for the
-  # other's send blocks; MPS does not preempt). One rank runs on the same share.
+  # deadlocked (one rank's resident, spinning receive blocks left no SM for the other's send
+  # blocks; MPS does not preempt). One rank runs on the same share.
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/ferry-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/ferry-mps/log
   [ "${MPS_PERCENT:-50}" != 100 ] && export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=${MPS_PERCENT:-50}
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
@@ -278,7 +189,7 @@ p50_table() {
   done
 }
 
-# targets_verdict LOG...: each (a)+(b) row of the targets mode's logs against issue 5's targets
+# targets_verdict LOG...: each (a)+(b) row of the targets mode's logs against the EP2 targets
 # (decode: dispatch p50 <= 15 us, combine <= 20; prefill: each <= 1.3 x the NVLink floor).
 targets_verdict() {
   p50_table "$@" | awk '
@@ -457,7 +368,7 @@ if [ "$mode" = targets ]; then
     FERRY_NV_STREAM=$stream step "target_prefill_p4096_stream$stream" 300 \
       build-gpu/ferry-bench moe "${nv[@]}" --tokens 4096 --iters 20 --private 4096
   done
-  echo "== issue 5's targets (EP2, one node): decode dispatch p50 <= 15 us and combine <= 20 us;"
+  echo "== the EP2 targets (one node): decode dispatch p50 <= 15 us and combine <= 20 us;"
   echo "   prefill dispatch and combine <= 1.3 x the NVLink floor (d/fl, c/fl)"
   targets_verdict "$OUT"/target_*.log
 fi
@@ -697,5 +608,5 @@ if [ "$mode" != ab ]; then
   [ -n "$benches" ] && { echo "== p50 (/ p99) of every moe benchmark, us"; p50_table $benches; }
 fi
 cat "$OUT/summary.txt"
-# The device tool brings back only so many files: the logs travel as one archive.
+# The logs travel as one archive (a few files come back more easily than many).
 pack_logs

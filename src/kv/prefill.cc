@@ -230,7 +230,7 @@ class Prefill final : public KvPrefill {
   void Watch() {
     // The engine's idle policy: with an engine that never idles (spin_us < 0: production, cores
     // of their own) the watcher never sleeps either, and sees a layer counted at once instead of
-    // up to a 50 us sleep later (session 9's trace: 1-54 us of the tail). An idling engine's
+    // up to a 50 us sleep later (traced: 1-54 us of the tail). An idling engine's
     // watcher still never sleeps while a scheduled chunk awaits a layer (as the engine's worker
     // never sleeps while a notification is armed): it yields, and sees the layer within
     // microseconds; it sleeps only with no layer to wait for.

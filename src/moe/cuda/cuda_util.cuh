@@ -82,7 +82,7 @@ __device__ inline void CopyBytes(uint8_t* dst, const uint8_t* src, int64_t n,
 // Division by a divisor fixed when the kernels are set up (the local expert count, top-k) as a
 // multiply and a shift. A runtime `/` compiles to a dependent chain of ~20 instructions
 // (reciprocal, conversions, two corrections): ~170 cycles each in SendSmall's counting loop,
-// where eight of them per thread took 0.7 us (tools/experiments/count_routing.cu). Round-up method
+// where eight of them per thread took 0.7 us. Round-up method
 // (Granlund & Montgomery 1994): with s = ceil(log2 d) and m = ceil(2^(31+s) / d) < 2^32, x / d
 // == (x * m) >> (31 + s) for every 0 <= x < 2^31, since m * d - 2^(31+s) < d <= 2^s.
 struct FastDiv {

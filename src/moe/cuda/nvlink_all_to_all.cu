@@ -414,10 +414,10 @@ class NvlinkAllToAll final : public AllToAll {
     if (int64_t{t} * k <= kSmallEntries && small_smem <= 48 * 1024) small_smem_ = small_smem;
     // Streaming (one node, no relay): FERRY_NV_STREAM is a mask, 1 the dispatch, 2 the
     // combine, 3 both; every rank must agree (ExchangePeers). Unset: the dispatch is streamed
-    // where SendSmall serves it (decode batches: one rank of one H200, 15.4-15.6 -> 14.0-14.1
-    // us), not where Pack does (prefill: expert-major +2.3 %, token-major -1 %) and the combine
-    // not at all (nothing gained in decode, prefill +3-7 %); session 21, docs/perf. The
-    // dispatch's slot tag follows the entries, within the metadata's line.
+    // where SendSmall serves it (decode batches, where streaming gains about a microsecond),
+    // not where Pack does (prefill, where it gains nothing) and the combine not at all (it
+    // gains nothing in decode and costs a few percent in prefill). The dispatch's slot tag
+    // follows the entries, within the metadata's line.
     int stream_mask = -1;
     RETURN_IF_ERROR(EnvNumber("FERRY_NV_STREAM", &stream_mask, 0, 3));
     if (stream_mask < 0) stream_mask = small_smem_ > 0 ? 1 : 0;
@@ -469,7 +469,7 @@ class NvlinkAllToAll final : public AllToAll {
     }
     // The send kernels' grids are fixed (peers count our blocks' arrivals, see Arrive). Pack's is
     // what is resident at once: its warps stream rows one after another, and a second wave of
-    // blocks only repeats the prologue (session 10 measured 2.5 us of 31 for it; Unpack, whose
+    // blocks only repeats the prologue (a few microseconds of a decode step; Unpack, whose
     // warps wait on pulled slots, keeps four blocks per SM).
     if (small_smem_ > 0) {
       send_grid_ = 1 + (t + kSmallWarps - 1) / kSmallWarps;  // block 0: the counts rows
@@ -490,8 +490,8 @@ class NvlinkAllToAll final : public AllToAll {
       // Streamed, Unpack's groups claim slots until none is left (Claim), so no more blocks
       // than fit at once: a block past those starts only when one leaves, and blocks leave only
       // once every slot is claimed -- it would add its prologue (counts rows, offsets table,
-      // ~2.4 us) to the step's end and take no slot (session 25's trace: 256 blocks for 255
-      // slots on 66 SMs, the last started 16-18 us in; EP8 decode: 528 blocks, 2 per SM fit).
+      // ~2.4 us) to the step's end and take no slot (traced: with 256 blocks for 255 slots on
+      // 66 SMs the last started 16-18 us in; EP8 decode: 528 blocks, 2 per SM fit).
       int resident = 0;
       FERRY_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, UnpackKernel<true>,
                                                                kCopyThreads, unpack_smem_));
@@ -501,8 +501,7 @@ class NvlinkAllToAll final : public AllToAll {
     // FERRY_NV_PDL=0: the receive kernels launched plainly (for measuring what starting them
     // early gains). FERRY_NV_SPREAD=1: received slots visited spread over their senders
     // (SpreadOrder; opt-in until measured on two GPUs: on one rank of one GPU, where it can
-    // gain nothing, it costs 1-2 % of a prefill step expert-major, 1-8 % token-major; see
-    // docs/perf/moe_cuda_nvlink.md).
+    // gain nothing, it costs 1-2 % of a prefill step expert-major, 1-8 % token-major).
     int pdl = 1, spread = 0;
     RETURN_IF_ERROR(EnvNumber("FERRY_NV_PDL", &pdl, 0, 1));
     RETURN_IF_ERROR(EnvNumber("FERRY_NV_SPREAD", &spread, 0, 1));

@@ -402,7 +402,7 @@ __global__ void __launch_bounds__(kCopyThreads, 2) UnpackKernel(Nv v, RecvArgs a
   // A block per slot keeps two vectors per thread in flight (fp8 rows of hidden 7168, 470
   // vectors, fit in one batch; longer slots take more): four cost their bounds tests on
   // vectors past the slot's end, and a third instance, four where two do not fit, made the
-  // kernel spill and a warp per slot 20 % slower (session 19).
+  // kernel spill and a warp per slot 20 % slower.
   // Streamed, the grid is what fits at once (PlanGrids) and blocks claim slot after slot: a
   // block per slot up to two slots a block (two ranks on half a GPU's SMs each: a warp per slot
   // was 2.5-3 us slower expert-major, eight output rows a slot).
