@@ -1,5 +1,5 @@
 // ferry kv: KV-cache page layouts, tensor-parallel sharding, and the reshard planner of the KV
-// messenger (DESIGN.md §1.2, §2.3).
+// messenger (docs/DESIGN.md §1.2, §2.3).
 //
 // A KvLayout describes one layer's cache pages as one TP rank holds them. The planner turns
 // (prefill layout + TP size, decode layout + TP size, the request's page ids) into the list of

@@ -44,12 +44,21 @@ def as_array(obj, device=None):
     if isinstance(obj, _ferry.Array):
         return obj
     if hasattr(obj, "data_ptr") and hasattr(obj, "is_contiguous"):  # torch.Tensor
-        array = _ferry.torch_array(obj)  # what every step's conversion of a tensor does
+        array = _ferry.torch_array(obj)  # a torch tensor of CPU or CUDA memory, read in C++
         if array is not None:
             return array
+        # Anything else shaped like one (a subclass's stand-in, a tensor on another device):
+        # read here, saying what is wrong.
         if not obj.is_contiguous():
             raise InvalidArgument("expected a contiguous tensor (call .contiguous())")
-        raise InvalidArgument(f"tensors on {obj.device.type} are not supported")
+        device = obj.device
+        on_gpu = device.type == "cuda"
+        if not on_gpu and device.type != "cpu":
+            raise InvalidArgument(f"tensors on {device.type} are not supported")
+        item = obj.element_size()
+        return _ferry.Array(obj.data_ptr(), obj.numel() * item,
+                            (device.index or 0) if on_gpu else _ferry.HOST_MEMORY,
+                            _torch_kind(obj), item, False, list(obj.shape), obj)
     cai = getattr(obj, "__cuda_array_interface__", None)
     if cai is not None:
         shape = tuple(cai["shape"])

@@ -1,6 +1,7 @@
 """The binding layer on its own: arrays from each kind of object, errors, the bootstraps."""
 
 import array
+import importlib.util
 import unittest
 
 import ferry
@@ -74,6 +75,25 @@ class ArrayTest(unittest.TestCase):
             ferry.as_array(FakeTensor(FakeDevice("cuda", 0), bf16, [4, 128], 2, contiguous=False))
         with self.assertRaises(ferry.InvalidArgument):
             ferry.as_array(FakeTensor(FakeDevice("mps", 0), bf16, [4], 2))
+
+    @unittest.skipUnless(importlib.util.find_spec("torch"), "torch is not installed")
+    def test_real_torch_tensors_are_read_in_cpp(self):
+        """A real tensor takes the binding's own path (ferry.torch_array, what every step's
+        conversion does): the same fields as the Python reading of a stand-in; anything else
+        (a stand-in, a view that is not contiguous) is not its to read."""
+        import torch
+        t = torch.zeros(4, 128, dtype=torch.bfloat16)
+        a = ferry.as_array(t)
+        self.assertEqual((a.data, a.num_bytes, a.device, a.kind, a.item_bytes, a.shape),
+                         (t.data_ptr(), 1024, ferry.HOST_MEMORY, "f", 2, [4, 128]))
+        self.assertIs(a.owner, t)
+        for dtype, kind in ((torch.int64, "i"), (torch.uint8, "u"), (torch.bool, "b")):
+            self.assertEqual(ferry._ferry.torch_array(torch.zeros(3, dtype=dtype)).kind, kind)
+        self.assertEqual(ferry._ferry.torch_array(torch.zeros(0, 5)).num_bytes, 0)
+        self.assertIsNone(ferry._ferry.torch_array(t.t()))  # not contiguous
+        self.assertIsNone(ferry._ferry.torch_array(array.array("i", [1])))
+        with self.assertRaises(ferry.InvalidArgument):
+            ferry.as_array(t.t())
 
     def test_cuda_array_interface(self):
         a = ferry.as_array(FakeCudaArray((4, 8), "<f4"))

@@ -1,5 +1,5 @@
 // Proxy: one thread per rank that runs the network side of dispatch and combine over the
-// TransferEngine, driven by the device's flags (DESIGN.md §2.2):
+// TransferEngine, driven by the device's flags (docs/DESIGN.md §2.2):
 //
 //   dispatch: wait route-ready -> peers done with our last writes -> counts to every peer
 //             (scatter) -> wait send-ready -> private writes (scatter) -> wait every peer's
