@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <csignal>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <limits>
@@ -680,6 +681,24 @@ Status StormDecoder(const std::string& provider, Bootstrap& b) {
   CHECK_OR_RETURN(std::chrono::steady_clock::now() - start < 30s,
                   "slots were held until the requests' deadlines");
   return b.Barrier(60s);
+}
+
+// The prefill's options from the environment: the default without FERRY_KV_TRACE, the trace
+// with 1, a value the switch cannot take refused naming the variable.
+TEST(KvPrefillOptionsTest, FromEnvReadsTheTraceSwitch) {
+  unsetenv("FERRY_KV_TRACE");
+  StatusOr<KvPrefill::Options> o = KvPrefill::Options::FromEnv();
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_FALSE(o->trace);
+  setenv("FERRY_KV_TRACE", "1", 1);
+  o = KvPrefill::Options::FromEnv();
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_TRUE(o->trace);
+  setenv("FERRY_KV_TRACE", "yes", 1);
+  const Status bad = KvPrefill::Options::FromEnv().status();
+  unsetenv("FERRY_KV_TRACE");
+  EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find("FERRY_KV_TRACE"), std::string::npos) << bad.ToString();
 }
 
 TEST(KvCancelStormTest, SlotsComeBackWhenThePrefillAcknowledges) {

@@ -49,12 +49,12 @@ struct Case {
   // DispatchLayout::kTokenMajor on both devices: 1 on every rank, 2 on odd ranks only (a rank's
   // own choice; the bytes that cross are the same).
   int token_major = 0;
-  // One node: FERRY_NV_STREAM in the ranks, a mask -- 1 the dispatch streamed, 2 the combine,
-  // 3 both; 0: neither, every receiver waits for its senders' flags. Always set, so that a case
-  // takes the path it names whichever the default is (unset: the dispatch streamed where
-  // SendSmall serves it, StreamingByDefault).
+  // One node: CudaTuning::stream, a mask -- 1 the dispatch streamed, 2 the combine, 3 both; 0:
+  // neither, every receiver waits for its senders' flags. Always given, so that a case takes
+  // the path it names whichever the default is (-1: the dispatch streamed where SendSmall
+  // serves it).
   int stream = 0;
-  // FERRY_NV_SPREAD=1 in the ranks: received slots visited spread over their senders.
+  // CudaTuning::spread: received slots visited spread over their senders.
   bool spread = false;
   // The CUDA AllToAll on the host reference's engine (instance 1 beside its 0), their steps
   // interleaved as RunRank runs them: two AllToAlls sharing one engine through the relay.
@@ -194,8 +194,8 @@ Status RunRank(const Case& c, Bootstrap& b) {
   if (c.nvlink) cfg.ranks_per_node = c.node_ranks > 0 ? c.node_ranks : b.world_size();
   AllToAllConfig gpu_cfg = cfg;
   RETURN_IF_ERROR(UseGpu(b, &gpu_cfg));
-  setenv("FERRY_NV_STREAM", std::to_string(c.stream).c_str(), 1);  // this rank only
-  if (c.spread) setenv("FERRY_NV_SPREAD", "1", 1);
+  gpu_cfg.cuda.stream = c.stream;
+  gpu_cfg.cuda.spread = c.spread;
   ASSIGN_OR_RETURN(auto host_engine, TransferEngine::Create(testing_util::TestOptions("shm")));
   std::unique_ptr<TransferEngine> own_engine;
   if (!c.shared_engine) {
@@ -453,29 +453,31 @@ struct SmallRun {
 
 // A one-node AllToAll of two ranks on the GPU (top-2 of 8 experts, hidden 128, `tokens` per
 // rank), created with what the environment set up for it.
-StatusOr<std::unique_ptr<AllToAll>> CreateOneNode(Bootstrap& b, int tokens = 4) {
+// `stream`: CudaTuning::stream (-1, the default: the dispatch streamed where SendSmall sends).
+StatusOr<std::unique_ptr<AllToAll>> CreateOneNode(Bootstrap& b, int tokens = 4,
+                                                  int stream = -1) {
   AllToAllConfig cfg{2, b.rank(), 2, 8, 2, tokens, 128, DispatchDtype::kBf16, 2};
+  cfg.cuda.stream = stream;
   RETURN_IF_ERROR(UseGpu(b, &cfg));
   return AllToAll::Create(cfg, nullptr, b);
 }
 
 // The failure tests' AllToAll (CreateOneNode) and its run.
-Status OpenOneNode(Bootstrap& b, std::unique_ptr<AllToAll>* a2a, SmallRun* run,
-                   int tokens = 4) {
-  ASSIGN_OR_RETURN(*a2a, CreateOneNode(b, tokens));
+Status OpenOneNode(Bootstrap& b, std::unique_ptr<AllToAll>* a2a, SmallRun* run, int tokens,
+                   int stream) {
+  ASSIGN_OR_RETURN(*a2a, CreateOneNode(b, tokens, stream));
   return run->Setup(a2a->get());
 }
 
 // One node, two ranks: after a good iteration and a dispatch, rank 1 never returns its combine
 // rows. Rank 0's CombineRecv ends at its 1 s deadline naming rank 1 and the combine step.
-// `stream`: FERRY_NV_STREAM (3: rank 0 waits for rank 1's row tags, not its flag); `tokens`
+// `stream`: CudaTuning::stream (3: rank 0 waits for rank 1's row tags, not its flag); `tokens`
 // per rank (more than CombineRecv's blocks: a warp per token).
 void APeerLostBeforeCombine(int stream, int tokens = 4) {
   auto exits = RunLocalRanks(2, [&](Bootstrap& b) -> Status {
-    setenv("FERRY_NV_STREAM", std::to_string(stream).c_str(), 1);
     std::unique_ptr<AllToAll> a2a;
     SmallRun run;
-    RETURN_IF_ERROR(OpenOneNode(b, &a2a, &run, tokens));
+    RETURN_IF_ERROR(OpenOneNode(b, &a2a, &run, tokens, stream));
     RETURN_IF_ERROR(run.GoodIteration(b));
     RETURN_IF_ERROR(a2a->DispatchSend(run.In()));
     RETURN_IF_ERROR(a2a->DispatchRecv({run.expert_out.p, nullptr, run.counts.p},
@@ -510,10 +512,9 @@ TEST(MoeNvlinkTest, APeerLostBeforeCombineStreamedManyTokens) {
 // the lost rank's counts row) or not (for its flag).
 void BadExpertsAndALostPeer(bool streamed) {
   auto exits = RunLocalRanks(2, [&](Bootstrap& b) -> Status {
-    setenv("FERRY_NV_STREAM", streamed ? "1" : "0", 1);
     std::unique_ptr<AllToAll> a2a;
     SmallRun run;
-    RETURN_IF_ERROR(OpenOneNode(b, &a2a, &run));
+    RETURN_IF_ERROR(OpenOneNode(b, &a2a, &run, 4, streamed ? 1 : 0));
     if (b.rank() == 0) {
       RETURN_IF_ERROR(run.indices.Put({0, 1, 2, 3, 4, 8, 6, 7}));
       const Status bad = a2a->DispatchSend(run.In());
@@ -544,73 +545,36 @@ TEST(MoeNvlinkTest, BadExpertsAndALostPeerStreamed) {
 }
 
 // CreateOneNode fails with `code`, its message naming `text`.
-Status CreateFails(Bootstrap& b, StatusCode code, const std::string& text, int tokens = 4) {
-  auto a2a = CreateOneNode(b, tokens);
+Status CreateFails(Bootstrap& b, StatusCode code, const std::string& text, int tokens = 4,
+                   int stream = -1) {
+  auto a2a = CreateOneNode(b, tokens, stream);
   CHECK_OR_RETURN(a2a.status().code() == code &&
                       a2a.status().message().find(text) != std::string::npos,
                   text + ": " + a2a.status().ToString());
   return Status::Ok();
 }
 
-// Ranks of one node that disagree on streaming (FERRY_NV_STREAM=2 on rank 1 only, the other
-// streaming the dispatch by default) fail Create on every rank, saying so.
-TEST(MoeNvlinkTest, RanksThatDisagreeOnStreamingFailCreate) {
+// Ranks of one node that stream differently fail Create on every rank, naming the rank that
+// differs (CudaTuning::stream is part of the config's fingerprint): rank 1 streaming the
+// combine, or giving the default's choice explicitly, against rank 0's default, in a decode
+// shape (SendSmall) and a prefill one (Route and Pack: 1025 tokens of top-2, past SendSmall's
+// 2048 entries). Ranks that give the same value create their AllToAll.
+TEST(MoeNvlinkTest, RanksThatStreamDifferentlyFailCreate) {
   if (!HaveGpu()) GTEST_SKIP() << "no GPU (/dev/nvidia0)";
   auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
-    if (b.rank() == 1) setenv("FERRY_NV_STREAM", "2", 1);
-    return CreateFails(b, StatusCode::kFailedPrecondition, "FERRY_NV_STREAM must agree");
-  }, 120s);
-  for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
-}
-
-// FERRY_NV_STREAM unset: the dispatch is streamed where SendSmall serves it (a rank setting 1
-// agrees, one setting 0 does not) and not where Route and Pack do (1025 tokens of top-2, past
-// SendSmall's 2048 entries: then 0 agrees and 1 does not); the combine never.
-TEST(MoeNvlinkTest, StreamingByDefault) {
-  if (!HaveGpu()) GTEST_SKIP() << "no GPU (/dev/nvidia0)";
-  auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
-    const char* disagree = "FERRY_NV_STREAM must agree";
     const struct {
       int tokens;
-      const char* rank1;  // FERRY_NV_STREAM on rank 1
-      bool agree;
-    } cases[] = {{4, "1", true},    {4, "0", false},    {4, "3", false},
-                 {1025, "0", true}, {1025, "1", false}, {1025, "2", false}};
-    for (const auto& c : cases) {
-      if (b.rank() == 1) setenv("FERRY_NV_STREAM", c.rank1, 1);
-      Status result = Status::Ok();
-      if (c.agree) {
-        result = CreateOneNode(b, c.tokens).status();
-      } else {
-        result = CreateFails(b, StatusCode::kFailedPrecondition, disagree, c.tokens);
-      }
-      unsetenv("FERRY_NV_STREAM");
-      if (!result.ok()) {
-        return InternalError(std::to_string(c.tokens) + " tokens, rank 1 FERRY_NV_STREAM=" +
-                             c.rank1 + ": " + result.ToString());
+      int rank1;  // CudaTuning::stream on rank 1 (rank 0: the default, -1)
+    } differ[] = {{4, 2}, {4, 1}, {1025, 0}, {1025, 3}};
+    for (const auto& c : differ) {
+      const Status s = CreateFails(b, StatusCode::kInvalidArgument, "different configuration",
+                                   c.tokens, b.rank() == 1 ? c.rank1 : -1);
+      if (!s.ok()) {
+        return InternalError(std::to_string(c.tokens) + " tokens, rank 1 stream " +
+                             std::to_string(c.rank1) + ": " + s.ToString());
       }
     }
-    return Status::Ok();
-  }, 120s);
-  for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
-}
-
-// A switch its kernels cannot take -- FERRY_NV_STREAM not a mask of the two steps,
-// FERRY_NV_SPREAD or FERRY_NV_PDL not 0 or 1, or not a number -- fails Create before anything
-// collective, naming the variable.
-TEST(MoeNvlinkTest, BadSwitchesFailCreate) {
-  if (!HaveGpu()) GTEST_SKIP() << "no GPU (/dev/nvidia0)";
-  auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
-    const std::pair<const char*, const char*> bad_values[] = {
-        {"FERRY_NV_STREAM", "7"}, {"FERRY_NV_STREAM", "1x"}, {"FERRY_NV_SPREAD", "2"},
-        {"FERRY_NV_PDL", "2"}};
-    for (const auto& [name, value] : bad_values) {
-      setenv(name, value, 1);
-      const Status refused = CreateFails(b, StatusCode::kInvalidArgument,
-                                         std::string(name) + "=" + value);
-      unsetenv(name);
-      RETURN_IF_ERROR(refused);
-    }
+    for (int stream : {-1, 0, 3}) RETURN_IF_ERROR(CreateOneNode(b, 4, stream).status());
     return Status::Ok();
   }, 120s);
   for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
@@ -668,7 +632,7 @@ Case Streamed(Case c, int mask = 1) {
   c.stream = mask;
   return c;
 }
-// The same case with received slots visited spread over their senders (FERRY_NV_SPREAD=1).
+// The same case with received slots visited spread over their senders (CudaTuning::spread).
 Case Spread(Case c) {
   c.spread = true;
   return c;

@@ -128,8 +128,9 @@ Status Run(const KvBenchOptions& o, const Model& m, Bootstrap& b, Result* out) {
       if (!s.ok()) failed.fetch_add(1);
       released.fetch_add(1);
     };
+    ASSIGN_OR_RETURN(const KvPrefill::Options options, KvPrefill::Options::FromEnv());
     ASSIGN_OR_RETURN(prefill_messenger, KvPrefill::Create(engine.get(), pre, regions, nullptr,
-                                                     &layers_done, cb));
+                                                          &layers_done, cb, options));
   } else {
     ASSIGN_OR_RETURN(decoder, KvDecoder::Create(engine.get(), dec, regions, nullptr));
   }

@@ -451,6 +451,9 @@ Status RunRank(const MoeBenchOptions& o, Bootstrap& b, Result* result) {
     cudaSetDevice(cfg.cuda_device);
 #endif
   }
+  // The CUDA kernels' scheduling from FERRY_NV_* / FERRY_RELAY_TRACE, as tools/gpu_check.sh's
+  // modes set them.
+  ASSIGN_OR_RETURN(cfg.cuda, CudaTuning::FromEnv());
   RETURN_IF_ERROR(cfg.Validate());
   ASSIGN_OR_RETURN(EngineOptions eo, EngineOptions::FromEnv());
   eo.provider = o.provider;

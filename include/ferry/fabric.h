@@ -396,7 +396,9 @@ class FERRY_API TransferEngine {
 
   // --- immediate counters (receiving side) ---
   // Immediates with a counter are counted; others go to the unmatched handler. Create the counter
-  // before any peer can send its immediate.
+  // before any peer can send its immediate. ferry's own parts (a KV messenger, AllToAlls) on
+  // this engine take the top of the immediate space; a caller's own immediates stay in
+  // imm::kCaller (ferry/immediates.h lays the space out).
   virtual Status CreateImmCounter(uint32_t imm) = 0;
   // A counter for imm that also counts WeightedImm(imm, weight_mask, w) as w arrivals: one
   // immediate can stand for many writes (a paged write with imm_once). weight_mask: contiguous

@@ -191,6 +191,17 @@ class FERRY_API KvCudaShards {
   virtual std::span<void* const> leader_view() const = 0;
 };
 
+// A KvPrefill's settings (KvPrefill::Options).
+struct FERRY_API KvPrefillOptions {
+  // Each released request's last layer on stderr: when the watcher saw it counted, posted its
+  // writes and saw them complete (CLOCK_MONOTONIC microseconds, the clock of a caller's own
+  // stamps). FERRY_KV_TRACE.
+  bool trace = false;
+  // The defaults, with each variable that is set taking its field's place (InvalidArgument
+  // naming a variable whose value the field cannot take).
+  static StatusOr<KvPrefillOptions> FromEnv();
+};
+
 // Prefill side. Decoders are added to the engine as their requests arrive; when its peer table
 // is full (EngineOptions::max_peers) the least recently used decoder no request is being served
 // for is removed to make room (it adds us again with its next request).
@@ -206,13 +217,14 @@ class FERRY_API KvPrefill {
     std::function<void(const Incoming&)> on_request;                 // hand to the scheduler
     std::function<void(uint64_t request_id, const Status&)> on_released;  // source pages free
   };
+  using Options = KvPrefillOptions;
   // `layer_counter` counts attention output projections finished, cumulatively over passes.
   static StatusOr<std::unique_ptr<KvPrefill>> Create(TransferEngine* engine,
                                                      const KvSide& prefill,
                                                      const KvRegions& regions,
                                                      const MemoryRegion* aux,
                                                      const std::atomic<uint64_t>* layer_counter,
-                                                     Callbacks callbacks);
+                                                     Callbacks callbacks, Options options = {});
   virtual ~KvPrefill() = default;
 
   // Stops posting the request's writes; once those posted have completed, releases its source

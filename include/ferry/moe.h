@@ -85,6 +85,34 @@ enum class RdmaBuffers : uint8_t {
   kDevice = 2,  // GPU memory, or AllToAll::Create fails saying why
 };
 
+// How the CUDA device schedules its kernels. None of it changes a result, and each field has
+// the tuned default; FromEnv reads the variables named below (what the benchmarks and
+// tools/gpu_check.sh set), once, where a caller asks for it.
+struct FERRY_API CudaTuning {
+  // Steps streamed (one node: a receiver takes each slot as it lands instead of waiting for its
+  // sender's flag): 1 the dispatch, 2 the combine, 3 both, 0 neither; -1 the default, the
+  // dispatch where SendSmall sends it (decode batches, where streaming gains about a
+  // microsecond) and nothing else (prefill gains nothing; a streamed combine costs a few
+  // percent there). It changes what crosses between ranks, so ranks must give the same value:
+  // it is part of the config's Fingerprint. FERRY_NV_STREAM.
+  int stream = -1;
+  // The receive kernels launched while the send kernel before them runs (programmatic
+  // dependent launch); off only to measure what that gains. FERRY_NV_PDL (0 or 1).
+  bool early_receive = true;
+  // Received slots visited spread over their senders instead of sender by sender (opt-in: on
+  // one GPU, where it can gain nothing, it costs 1-8 % of a prefill step). FERRY_NV_SPREAD.
+  bool spread = false;
+  // Every kernel block stamps its phases; the stamps are printed when the AllToAll closes.
+  // FERRY_NV_TRACE.
+  bool trace = false;
+  // The relay's per-step timings, printed when it stops. FERRY_RELAY_TRACE.
+  bool relay_trace = false;
+
+  // The defaults, with each variable that is set taking its field's place (InvalidArgument
+  // naming a variable whose value the field cannot take).
+  static StatusOr<CudaTuning> FromEnv();
+};
+
 struct FERRY_API AllToAllConfig {
   int world_size = 0;
   int rank = 0;
@@ -109,6 +137,7 @@ struct FERRY_API AllToAllConfig {
   MoeDeviceKind device = MoeDeviceKind::kHost;
   int cuda_device = 0;
   RdmaBuffers rdma_buffers = RdmaBuffers::kAuto;  // CUDA device, several nodes
+  CudaTuning cuda;  // CUDA device: how its kernels are scheduled (cuda.stream must agree)
   // Several AllToAlls on one engine (two micro-batches overlapped, or one created after
   // another) each take an instance of their own, 0 to kMaxInstances - 1, the same on every
   // rank: it keeps their immediates apart. An engine's immediate counters outlive the AllToAll

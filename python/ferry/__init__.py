@@ -14,16 +14,17 @@ from ._errors import (AlreadyExists, Cancelled, DataLoss, DeadlineExceeded, Erro
                       FailedPrecondition, Internal, InvalidArgument, NotFound, OutOfRange,
                       ResourceExhausted, Unavailable, Unimplemented)
 from ._ferry import (CUDA_UNKNOWN_DEVICE, HOST_MEMORY, AllToAll, AllToAllConfig, Array,
-                     Bootstrap, CallbackBootstrap, DispatchDtype, DispatchLayout, EngineOptions,
-                     FabricInfo, Fp8Scaling, GpuLayerCounter, GpuWords, KvCudaShards, KvDecoder,
-                     KvModel, KvOrder, KvPlan, KvPrefill, KvSide, KvWrite, LayerCounter,
-                     MoeDevice, RankExit, RdmaBuffers, Region, RemoteRegion, Transfer,
-                     TransferEngine, plan_kv_transfer, run_local_ranks)
+                     Bootstrap, CallbackBootstrap, CudaTuning, DispatchDtype, DispatchLayout,
+                     EngineOptions, FabricInfo, Fp8Scaling, GpuLayerCounter, GpuWords,
+                     KvCudaShards, KvDecoder, KvModel, KvOrder, KvPlan, KvPrefill, KvSide,
+                     KvWrite, LayerCounter, MoeDevice, RankExit, RdmaBuffers, Region,
+                     RemoteRegion, Transfer, TransferEngine, plan_kv_transfer, run_local_ranks)
 from ._torch import torch_bootstrap
 
 __all__ = [
     "AllToAll", "AllToAllConfig", "AlreadyExists", "Array", "Bootstrap", "CallbackBootstrap",
-    "CUDA_UNKNOWN_DEVICE", "Cancelled", "DataLoss", "DeadlineExceeded", "DispatchDtype",
+    "CUDA_UNKNOWN_DEVICE", "Cancelled", "CudaTuning", "DataLoss", "DeadlineExceeded",
+    "DispatchDtype",
     "DispatchLayout", "EngineOptions", "Error", "FabricInfo", "FailedPrecondition",
     "Fp8Scaling", "GpuLayerCounter", "GpuWords", "HOST_MEMORY", "Internal", "InvalidArgument",
     "KvCudaShards", "KvDecoder", "KvModel", "KvOrder", "KvPlan", "KvPrefill", "KvSide", "KvWrite",

@@ -127,9 +127,11 @@ class Prefill : public Role<KvPrefill> {
     KvPrefill::Callbacks callbacks;
     callbacks.on_request = [q = requests_](const KvPrefill::Incoming& in) { q->Push(in); };
     callbacks.on_released = [q = released_](uint64_t id, const Status& s) { q->Push({id, s}); };
+    // FERRY_KV_TRACE as ferry-bench kv reads it (Options::FromEnv).
+    const KvPrefill::Options options = ValueOrThrow(KvPrefill::Options::FromEnv());
     Open([&](TransferEngine* e) {
       return KvPrefill::Create(e, prefill, RegionsOf(regions_, num_layers, layer_stride),
-                               AuxOf(aux_), counter, std::move(callbacks));
+                               AuxOf(aux_), counter, std::move(callbacks), options);
     });
   }
   ~Prefill() { Close(); }

@@ -389,6 +389,19 @@ void BindMoe(py::module_& m) {
       .value("HOST", RdmaBuffers::kHost)
       .value("DEVICE", RdmaBuffers::kDevice);
 
+  py::class_<CudaTuning>(m, "CudaTuning",
+                         "How the CUDA device schedules its kernels (CudaTuning in "
+                         "include/ferry/moe.h); changes no result")
+      .def(py::init([](const py::kwargs& f) { return WithFields(CudaTuning{}, f); }))
+      .def_readwrite("stream", &CudaTuning::stream)
+      .def_readwrite("early_receive", &CudaTuning::early_receive)
+      .def_readwrite("spread", &CudaTuning::spread)
+      .def_readwrite("trace", &CudaTuning::trace)
+      .def_readwrite("relay_trace", &CudaTuning::relay_trace)
+      .def_static("from_env", [] { return ValueOrThrow(CudaTuning::FromEnv()); },
+                  "The defaults with FERRY_NV_STREAM, FERRY_NV_PDL, FERRY_NV_SPREAD, "
+                  "FERRY_NV_TRACE and FERRY_RELAY_TRACE applied where set");
+
   py::class_<AllToAllConfig>(m, "AllToAllConfig",
                              "What an AllToAll moves (AllToAllConfig in include/ferry/moe.h)")
       .def(py::init([](const py::kwargs& f) { return WithFields(AllToAllConfig{}, f); }))
@@ -409,6 +422,7 @@ void BindMoe(py::module_& m) {
       .def_readwrite("device", &AllToAllConfig::device)
       .def_readwrite("cuda_device", &AllToAllConfig::cuda_device)
       .def_readwrite("rdma_buffers", &AllToAllConfig::rdma_buffers)
+      .def_readwrite("cuda", &AllToAllConfig::cuda)
       .def("validate", [](const AllToAllConfig& c) { ThrowIfError(c.Validate()); })
       .def_property_readonly("local_experts", &AllToAllConfig::local_experts)
       .def_property_readonly("token_bytes", &AllToAllConfig::token_bytes)

@@ -4,6 +4,7 @@ routing says each rank must receive and sum. Plain Python arrays (array.array): 
 input and each weighted sum exactly and the checks compare for equality."""
 
 import array
+import os
 import random
 import struct
 import unittest
@@ -356,6 +357,29 @@ class AllToAllTest(unittest.TestCase):
                                  max_tokens_per_rank=8, hidden=100).validate()
         with self.assertRaises(TypeError):
             config(0, hiden=128)
+
+    def test_cuda_tuning(self):
+        """The CUDA kernels' scheduling as config fields: set in place or whole, read from the
+        environment by from_env (a bad value refused naming its variable), the stream mask
+        checked by validate()."""
+        c = config(0)
+        self.assertEqual((c.cuda.stream, c.cuda.early_receive, c.cuda.spread), (-1, True, False))
+        c.cuda.stream = 1
+        self.assertEqual(c.cuda.stream, 1)
+        c.cuda = ferry.CudaTuning(stream=3, spread=True)
+        self.assertEqual((c.cuda.stream, c.cuda.spread), (3, True))
+        c.validate()
+        c.cuda.stream = 7
+        with self.assertRaisesRegex(ferry.InvalidArgument, "cuda.stream"):
+            c.validate()
+        os.environ["FERRY_NV_PDL"] = "0"
+        try:
+            self.assertFalse(ferry.CudaTuning.from_env().early_receive)
+            os.environ["FERRY_NV_PDL"] = "2"
+            with self.assertRaisesRegex(ferry.InvalidArgument, "FERRY_NV_PDL"):
+                ferry.CudaTuning.from_env()
+        finally:
+            del os.environ["FERRY_NV_PDL"]
 
 
 if __name__ == "__main__":

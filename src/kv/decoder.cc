@@ -494,8 +494,9 @@ StatusOr<std::unique_ptr<KvDecoder>> KvDecoder::Create(TransferEngine* engine,
                                                        const MemoryRegion* aux,
                                                        int max_requests) {
   if (!engine) return InvalidArgumentError("KvDecoder: null engine");
-  if (max_requests < 1 || max_requests > (1 << 20)) {
-    return InvalidArgumentError("KvDecoder: max_requests must be in [1, 2^20]");
+  if (max_requests < 1 || static_cast<uint32_t>(max_requests) > imm::kKvMaxSlots) {
+    return InvalidArgumentError("KvDecoder: max_requests must be in [1, 2^20] (a slot's "
+                                "immediate has 20 bits)");
   }
   RETURN_IF_ERROR(kv::CheckRegions(decode, regions));
   auto d = std::make_unique<kv::Decoder>(engine, decode, regions, aux, max_requests);

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "ferry/fabric.h"
+#include "ferry/immediates.h"
 #include "ferry/kv.h"
 
 namespace ferry::kv {
@@ -28,13 +29,11 @@ namespace ferry::kv {
 constexpr uint32_t kRequestMagic = 0x5152564B;  // "KVRQ"
 constexpr uint32_t kCancelMagic = 0x4E43564B;   // "KVCN"
 constexpr uint32_t kAckMagic = 0x4143564B;      // "KVCA"
-constexpr uint32_t kImmBase = 0xC0000000u;      // request slot i counts immediate kImmBase + i
-// A paged write carries one immediate per NIC for all its pages (imm_once), weighted by the
-// pages in these bits (slots use the low 20), so the decoder counts page writes whatever the
-// batching.
-// Bit 29 stays out of the mask: the moe immediates (0xE0000000 | ...) set it, so none of them
-// can ever read as a weighted KV immediate on an engine both use.
-constexpr uint32_t kImmWeightMask = 0x1FF00000u;
+// Request slot i counts immediate kImmBase + i (the KV range of ferry/immediates.h). A paged
+// write carries one immediate per NIC for all its pages (imm_once), weighted by the pages in
+// kImmWeightMask, so the decoder counts page writes whatever the batching.
+constexpr uint32_t kImmBase = imm::kKv.first;
+constexpr uint32_t kImmWeightMask = imm::kKvWeightMask;
 constexpr uint32_t kMaxBatchPages = WeightLimit(kImmWeightMask);
 
 struct WireRequest {

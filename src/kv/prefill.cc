@@ -20,8 +20,10 @@
 #include <vector>
 
 #include "common/backoff.h"
+#include "common/env.h"
 #include "ferry/kv.h"
 #include "kv/messages.h"
+#include "common/env.h"
 #include "kv/peer_lru.h"
 #include "kv/shards_args.h"
 
@@ -32,9 +34,10 @@ namespace {
 class Prefill final : public KvPrefill {
  public:
   Prefill(TransferEngine* engine, const KvSide& prefill, const KvRegions& regions,
-          const MemoryRegion* aux, const std::atomic<uint64_t>* layer_counter, Callbacks cb)
+          const MemoryRegion* aux, const std::atomic<uint64_t>* layer_counter, Callbacks cb,
+          const Options& options)
       : engine_(engine), prefill_(prefill), regions_(regions), aux_(aux), counter_(layer_counter),
-        cb_(std::move(cb)), trace_(TraceOn()) {}
+        cb_(std::move(cb)), trace_(options.trace) {}
 
   // Writes still in flight read the caller's regions and count into our counters: wait for them
   // (the engine ends each within its transfer timeout); if some never end, leak their records.
@@ -214,13 +217,9 @@ class Prefill final : public KvPrefill {
     double last_seen_us = 0, last_posted_us = 0, done_us = 0;
   };
 
-  // FERRY_KV_TRACE=1: each released request prints its last layer's phases to stderr -- the
+  // Options::trace: each released request prints its last layer's phases to stderr -- the
   // watcher seeing the count, its writes posted, all writes complete -- on CLOCK_MONOTONIC, the
   // clock of the caller's own stamps (ferry-bench kv prints when it bumped the last layer).
-  static bool TraceOn() {
-    const char* t = std::getenv("FERRY_KV_TRACE");
-    return t && *t && *t != '0';
-  }
   static double MonotonicUs() {  // steady_clock is CLOCK_MONOTONIC on Linux
     return std::chrono::duration<double, std::micro>(
                std::chrono::steady_clock::now().time_since_epoch())
@@ -490,13 +489,21 @@ StatusOr<std::unique_ptr<KvPrefill>> KvPrefill::Create(TransferEngine* engine,
                                                        const KvRegions& regions,
                                                        const MemoryRegion* aux,
                                                        const std::atomic<uint64_t>* layer_counter,
-                                                       Callbacks callbacks) {
+                                                       Callbacks callbacks, Options options) {
   if (!engine || !layer_counter) return InvalidArgumentError("KvPrefill: null engine or counter");
   RETURN_IF_ERROR(kv::CheckRegions(prefill, regions));
   auto p = std::make_unique<kv::Prefill>(engine, prefill, regions, aux, layer_counter,
-                                     std::move(callbacks));
+                                         std::move(callbacks), options);
   RETURN_IF_ERROR(p->Init());
   return std::unique_ptr<KvPrefill>(std::move(p));
+}
+
+StatusOr<KvPrefillOptions> KvPrefillOptions::FromEnv() {
+  KvPrefillOptions o;
+  int trace = o.trace;
+  RETURN_IF_ERROR(EnvNumber("FERRY_KV_TRACE", &trace, 0, 1));
+  o.trace = trace != 0;
+  return o;
 }
 
 #ifndef FERRY_HAVE_CUDA

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "ferry/fabric.h"
+#include "ferry/immediates.h"
 #include "ferry/moe.h"
 #include "moe/channel.h"
 #include "moe/layout.h"
@@ -41,19 +42,22 @@ enum ImmKind : uint32_t {
   kRelayDispatch = 7,  // the relay of the NVLink AllToAll (relay.h): a counts row and its slots
   kRelayCombine = 8,   // combine rows
 };
-inline constexpr uint32_t kImmBase = 0xE0000000u;
-inline constexpr uint32_t kEpochs = 4;
-// Bits 0..1 the epoch, 4..7 the kind, 24..27 the AllToAll's instance (AllToAllConfig::instance:
-// AllToAlls on one engine count apart), 29..31 kImmBase.
+// The AllToAll range of ferry/immediates.h: the epoch, the kind, the AllToAll's instance
+// (AllToAllConfig::instance: AllToAlls on one engine count apart) in the fields it lays out.
+inline constexpr uint32_t kImmBase = imm::kMoe.first;
+inline constexpr uint32_t kEpochs = 1u << imm::kMoeEpochBits;
+static_assert(kRelayCombine < (1u << imm::kMoeKindBits), "the kind has four bits");
+static_assert(AllToAllConfig::kMaxInstances <= (1 << imm::kMoeInstanceBits),
+              "the instance has four bits");
+static_assert(AllToAllConfig::kMaxWorldSize <= (1 << imm::kMoeSenderBits),
+              "the sender has sixteen bits");
 inline uint32_t MoeImm(ImmKind kind, uint64_t epoch, int instance) {
-  static_assert(AllToAllConfig::kMaxInstances <= 16, "the instance has four bits");
-  return kImmBase | static_cast<uint32_t>(instance) << 24 | (uint32_t{kind} << 4) |
-         static_cast<uint32_t>(epoch % kEpochs);
+  return kImmBase | static_cast<uint32_t>(instance) << imm::kMoeInstanceShift |
+         (uint32_t{kind} << imm::kMoeKindShift) | static_cast<uint32_t>(epoch % kEpochs);
 }
-// The relay's immediates also carry the sending rank (bits 8..23).
+// The relay's immediates also carry the sending rank.
 inline uint32_t RelayImm(ImmKind kind, uint64_t epoch, int instance, int sender) {
-  static_assert(AllToAllConfig::kMaxWorldSize <= 1 << 16, "the sender has sixteen bits");
-  return MoeImm(kind, epoch, instance) | static_cast<uint32_t>(sender) << 8;
+  return MoeImm(kind, epoch, instance) | static_cast<uint32_t>(sender) << imm::kMoeSenderShift;
 }
 
 // Why an AllToAll could not create one of its immediate counters: AlreadyExists naming the

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <string>
@@ -101,6 +102,32 @@ struct Rank {
   std::unique_ptr<Routing> routing;
   std::unique_ptr<Proxy> proxy;  // last: stopped before what it uses goes
 };
+
+// Every AllToAll immediate -- each kind, epoch, instance and (the relay's) sender at its
+// extremes -- lies in the AllToAll range of ferry/immediates.h, and distinct fields give
+// distinct immediates; the KV range's extremes lie in the KV range.
+TEST(ImmediatesTest, EachPartsImmediatesStayInTheirRange) {
+  std::vector<uint32_t> seen;
+  for (ImmKind kind : {kCounts, kPrivate, kOverflow, kCombine, kDispatchConsumed,
+                       kCombineConsumed, kRelayDispatch, kRelayCombine}) {
+    for (uint64_t epoch : {uint64_t{0}, uint64_t{3}, uint64_t{1} << 40}) {
+      for (int instance : {0, AllToAllConfig::kMaxInstances - 1}) {
+        for (int sender : {0, 1, AllToAllConfig::kMaxWorldSize - 1}) {
+          const uint32_t v = RelayImm(kind, epoch, instance, sender);
+          EXPECT_TRUE(imm::kMoe.Holds(v)) << std::hex << v;
+          EXPECT_FALSE(imm::kKv.Holds(v) || imm::kCaller.Holds(v)) << std::hex << v;
+          if (epoch < kEpochs) seen.push_back(v);
+        }
+        EXPECT_TRUE(imm::kMoe.Holds(MoeImm(kind, epoch, instance)));
+      }
+    }
+  }
+  std::sort(seen.begin(), seen.end());
+  EXPECT_EQ(std::adjacent_find(seen.begin(), seen.end()), seen.end()) << "two fields collide";
+  const uint32_t kv_last = imm::kKv.first | imm::kKvWeightMask | (imm::kKvMaxSlots - 1);
+  EXPECT_TRUE(imm::kKv.Holds(imm::kKv.first) && imm::kKv.Holds(kv_last));
+  EXPECT_FALSE(imm::kMoe.Holds(kv_last));
+}
 
 // Rank 1's counts row asks rank 0 for one combine row more than a rank can return (a corrupt or
 // hostile peer). Rank 0's proxy refuses it when it arrives -- DataLoss naming rank 1 and what it

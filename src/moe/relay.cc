@@ -56,13 +56,8 @@ Relay::Relay(const AllToAllConfig& config, const RelayLayout& layout, TransferEn
       engine_(engine),
       buffers_(buffers),
       peer_timeout_ms_(peer_timeout_ms),
-      trace_(RelayTraceOn()) {
+      trace_(config.cuda.relay_trace) {
   targets_.reserve(layout_.remotes.size());
-}
-
-bool RelayTraceOn() {
-  const char* t = std::getenv("FERRY_RELAY_TRACE");
-  return t && *t && *t != '0';
 }
 
 StatusOr<std::unique_ptr<Relay>> Relay::Create(const AllToAllConfig& config,

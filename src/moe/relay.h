@@ -131,10 +131,6 @@ struct RelayBuffers {
   uint64_t* inbox_flags = nullptr;
 };
 
-// FERRY_RELAY_TRACE=1: the relay and the AllToAll say where their memory went and why, and the
-// relay prints its phases when stopped.
-bool RelayTraceOn();
-
 class Relay {
  public:
   // Collective over every rank (when there is more than one node). Registers the inbox and
@@ -191,9 +187,9 @@ class Relay {
   mutable std::mutex error_mu_;
   Status error_;  // guarded by error_mu_
   std::atomic<bool> failed_{false};
-  // FERRY_RELAY_TRACE=1: mean µs per phase of dispatch [0] and combine [1] -- waiting for the
+  // CudaTuning::relay_trace: mean µs per phase of dispatch [0] and combine [1] -- waiting for the
   // kernels' flag, posting, until every remote section landed, until our writes completed --
-  // printed by Stop (a tuning aid, like FERRY_NV_TRACE).
+  // printed by Stop (a tuning aid, like CudaTuning::trace).
   bool trace_ = false;
   double trace_us_[2][4] = {};
   uint64_t trace_count_[2] = {};

@@ -355,12 +355,6 @@ class NvlinkAllToAll final : public AllToAll {
     }
   }
 
-  static std::string StreamedSteps(int mask) {
-    static const char* const kSteps[4] = {"nothing", "the dispatch", "the combine",
-                                          "the dispatch and the combine"};
-    return kSteps[mask & 3];
-  }
-
   // ---- set-up stages (Init) ----
 
   static constexpr auto kExchangeTimeout = std::chrono::seconds(60);
@@ -412,15 +406,10 @@ class NvlinkAllToAll final : public AllToAll {
     // Decode batches: DispatchSend in one kernel, its shared memory within the default limit.
     const size_t small_smem = SmallSmemBytes(n, v.e, int64_t{t} * k);
     if (int64_t{t} * k <= kSmallEntries && small_smem <= 48 * 1024) small_smem_ = small_smem;
-    // Streaming (one node, no relay): FERRY_NV_STREAM is a mask, 1 the dispatch, 2 the
-    // combine, 3 both; every rank must agree (ExchangePeers). Unset: the dispatch is streamed
-    // where SendSmall serves it (decode batches, where streaming gains about a microsecond),
-    // not where Pack does (prefill, where it gains nothing) and the combine not at all (it
-    // gains nothing in decode and costs a few percent in prefill). The dispatch's slot tag
-    // follows the entries, within the metadata's line.
-    int stream_mask = -1;
-    RETURN_IF_ERROR(EnvNumber("FERRY_NV_STREAM", &stream_mask, 0, 3));
-    if (stream_mask < 0) stream_mask = small_smem_ > 0 ? 1 : 0;
+    // Streaming (one node, no relay; CudaTuning::stream says which steps, the ranks agreeing
+    // through the config's fingerprint): the default streams the dispatch where SendSmall
+    // sends it. The dispatch's slot tag follows the entries, within the metadata's line.
+    const int stream_mask = c_.cuda.stream >= 0 ? c_.cuda.stream : small_smem_ > 0 ? 1 : 0;
     v.counts_tagged = c_.ranks_per_node == n;
     v.stream = c_.ranks_per_node == n && (stream_mask & 1);
     v.stream_combine = c_.ranks_per_node == n && (stream_mask & 2);
@@ -443,8 +432,7 @@ class NvlinkAllToAll final : public AllToAll {
     return v.send_off + SendAreaBytes(v);
   }
 
-  // Every kernel's grid and shared memory, and the launch settings (FERRY_NV_PDL,
-  // FERRY_NV_SPREAD).
+  // Every kernel's grid and shared memory, and the launch settings (CudaTuning).
   Status PlanGrids(int sms) {
     Nv& v = nv_;
     const int n = c_.world_size, t = c_.max_tokens_per_rank;
@@ -498,15 +486,10 @@ class NvlinkAllToAll final : public AllToAll {
       unpack_grid_ = static_cast<int>(
           std::min<int64_t>(recv_grid_, int64_t{std::max(resident, 1)} * sms));
     }
-    // FERRY_NV_PDL=0: the receive kernels launched plainly (for measuring what starting them
-    // early gains). FERRY_NV_SPREAD=1: received slots visited spread over their senders
-    // (SpreadOrder; opt-in until measured on two GPUs: on one rank of one GPU, where it can
-    // gain nothing, it costs 1-2 % of a prefill step expert-major, 1-8 % token-major).
-    int pdl = 1, spread = 0;
-    RETURN_IF_ERROR(EnvNumber("FERRY_NV_PDL", &pdl, 0, 1));
-    RETURN_IF_ERROR(EnvNumber("FERRY_NV_SPREAD", &spread, 0, 1));
-    pdl_ = pdl != 0;
-    v.spread = spread != 0;
+    // CudaTuning: the receive kernels launched early (programmatic dependent launch) or
+    // plainly; received slots visited spread over their senders (SpreadOrder) or in order.
+    pdl_ = c_.cuda.early_receive;
+    v.spread = c_.cuda.spread;
     return Status::Ok();
   }
 
@@ -580,7 +563,7 @@ class NvlinkAllToAll final : public AllToAll {
     // pinned host memory mapped into the GPU (FERRY_GDRCOPY=0: always). GpuWords says which.
     ASSIGN_OR_RETURN(inbox_flags_, GpuWords::Create(c_.cuda_device, 2 * size_t(n)));
     boxes.inbox_flags = inbox_flags_->host_words();
-    if (inbox_flags_->placement() != GpuWords::Placement::kGpuMemory && RelayTraceOn()) {
+    if (inbox_flags_->placement() != GpuWords::Placement::kGpuMemory && c_.cuda.relay_trace) {
       std::fprintf(stderr, "[rank %d] relay: inbox flags in host memory: %s\n", c_.rank,
                    inbox_flags_->gdrcopy_status().c_str());
     }
@@ -594,12 +577,10 @@ class NvlinkAllToAll final : public AllToAll {
   StatusOr<std::vector<NvPeer>> ExchangePeers(Bootstrap& bootstrap, const RelayLayout& relay,
                                               const RelayBuffers& mapped,
                                               const std::vector<uint8_t*>& bases) {
-    const Nv& v = nv_;
     const int n = c_.world_size;
-    // Every rank's send grids (what its flags for us gain per epoch) and whether it streams.
-    std::vector<uint8_t> grids(3 * sizeof(int32_t));
-    const int32_t mine[3] = {send_grid_, recv_grid_,
-                             (v.stream ? 1 : 0) | (v.stream_combine ? 2 : 0)};
+    // Every rank's send grids (what its flags for us gain per epoch).
+    std::vector<uint8_t> grids(2 * sizeof(int32_t));
+    const int32_t mine[2] = {send_grid_, recv_grid_};
     std::memcpy(grids.data(), mine, sizeof mine);
     ASSIGN_OR_RETURN(auto all_grids, bootstrap.AllGather(grids, kExchangeTimeout));
     std::vector<NvPeer> peers(n);
@@ -607,14 +588,8 @@ class NvlinkAllToAll final : public AllToAll {
       if (all_grids[r].size() != sizeof mine) {
         return InternalError("AllToAll: rank " + std::to_string(r) + " sent malformed grids");
       }
-      int32_t theirs[3];
+      int32_t theirs[2];
       std::memcpy(theirs, all_grids[r].data(), sizeof theirs);
-      if (theirs[2] != mine[2]) {
-        return FailedPreconditionError(
-            "AllToAll: rank " + std::to_string(r) + " streams " + StreamedSteps(theirs[2]) +
-            ", rank " + std::to_string(c_.rank) + " streams " + StreamedSteps(mine[2]) +
-            ": FERRY_NV_STREAM must agree on every rank");
-      }
       if (relay.Remote(r)) {
         peers[r] = RemotePeer(relay, mapped, inbox_flags_->device_words(), r);
       } else {
@@ -627,7 +602,7 @@ class NvlinkAllToAll final : public AllToAll {
   }
 
   // The kernels' device state (peers, scratch, routing copies, receive tables, the error words,
-  // FERRY_NV_TRACE's stamps) and nv_'s pointers to it.
+  // CudaTuning::trace's stamps) and nv_'s pointers to it.
   Status AllocateDeviceState(const std::vector<NvPeer>& peers, uint8_t* own) {
     Nv& v = nv_;
     const int n = c_.world_size, k = c_.experts_per_token, t = c_.max_tokens_per_rank;
@@ -668,7 +643,7 @@ class NvlinkAllToAll final : public AllToAll {
     v.scan_carry = scan_carry_.get();
     v.rslots = rslots_.get();
     v.rentries = rentries_.get();
-    if (const char* trace = std::getenv("FERRY_NV_TRACE"); trace && *trace && *trace != '0') {
+    if (c_.cuda.trace) {
       v.trace_blocks = recv_grid_limit_;
       RETURN_IF_ERROR(trace_.Allocate(size_t(kTraceKernels) * v.trace_blocks * kTraceSlots));
       FERRY_CUDA(cudaMemset(trace_.get(), 0,
@@ -764,7 +739,7 @@ class NvlinkAllToAll final : public AllToAll {
   // made visible to the kernels before a flag goes up; else pinned host memory, or, for
   // kDevice, why not.
   Status PlaceBoxes(const RelayLayout& relay, TransferEngine* engine, RelayBuffers* b) {
-    const bool trace = RelayTraceOn();
+    const bool trace = c_.cuda.relay_trace;
     if (c_.rdma_buffers != RdmaBuffers::kHost && engine) {
       std::function<Status()> flush;
       const Status placed = [&]() -> Status {
@@ -804,7 +779,7 @@ class NvlinkAllToAll final : public AllToAll {
   }
 
   // A kernel on our stream allowed to start while the kernel before it runs (see
-  // LaunchDependents): the receive kernels, and Pack behind Route; FERRY_NV_PDL=0 launches them
+  // LaunchDependents): the receive kernels, and Pack behind Route; CudaTuning::early_receive false launches them
   // plainly.
   template <typename Args>
   cudaError_t Launch(void (*kernel)(Nv, Args), int grid, size_t smem, const Args& args) {

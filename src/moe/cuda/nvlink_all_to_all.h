@@ -26,7 +26,7 @@
 // above in its buffer and ours; for a rank of another node, our outbox section for it and our
 // inbox section from it, which the relay thread carries over the TransferEngine: GPU memory the
 // NIC reads and writes directly where the engine registers CUDA memory (GPUDirect RDMA), else
-// pinned host memory the GPU maps (AllToAllConfig::rdma_buffers; FERRY_RELAY_TRACE=1 says which
+// pinned host memory the GPU maps (AllToAllConfig::rdma_buffers; CudaTuning::relay_trace says which
 // and why). The relay's flags and the two numbers of each counts row it needs stay in a control
 // block of pinned host memory: the send kernel's block 0 stores our slot count for each remote
 // rank there, Unpack's block 0 copies each remote sender's {first row, rows} there (relay.h). Where GDRCopy is installed (/dev/gdrdrv and libgdrapi, found at run time;
@@ -70,7 +70,7 @@
 //                 from our private region, from the sender's send area over NVLink, or from our
 //                 own send area; rows into the expert-major output at the sender's offset for
 //                 that expert plus the copy's position (token-major: row g for slot g);
-//                 remembers where each combine row returns; FERRY_NV_SPREAD=1: slots visited
+//                 remembers where each combine row returns; CudaTuning::spread: slots visited
 //                 spread over their senders, see SpreadOrder).
 //   CombineSend:  CombineSend (each received copy's expert output -- or, summed at the expert
 //                 rank, one row per token -- pushed into its sender's combine region; every
@@ -91,9 +91,10 @@
 // atom.acq_rel.sys and the last one stores the one outbox flag the relay watches (st.release.sys).
 // Waits give up at a deadline (%globaltimer).
 //
-// Streaming (one node; FERRY_NV_STREAM, a mask alike on every rank -- ranks that disagree fail
-// Create: 1 the dispatch, 2 the combine, 3 both, 0 neither; unset, the dispatch where SendSmall
-// serves it, decode batches, and nothing else).
+// Streaming (one node; CudaTuning::stream, the same on every rank -- it is part of the
+// config's fingerprint, so ranks that differ fail Create: 1 the dispatch, 2 the combine, 3
+// both, 0 neither; -1, the dispatch where SendSmall serves it, decode batches, and nothing
+// else).
 //
 // Streamed dispatch: the receiver does not wait for every send block before it takes a slot. Each slot
 // carries a 64-bit tag after its entries, stored "epoch + 1" with st.release.sys by a lane of
@@ -118,7 +119,7 @@
 // stream serialization and the send kernels let them start at once (griddepcontrol); a receive
 // kernel waits for its flags, reads counts and locates its first slot while the send kernel
 // runs, and waits for the kernel before it (griddepcontrol.wait) only before its first store
-// into the caller's memory. FERRY_NV_PDL=0 launches them plainly.
+// into the caller's memory. CudaTuning::early_receive false launches them plainly.
 //
 // Errors a kernel finds are claimed in device memory (the first wins) and mirrored into pinned
 // host words the host reads; no atomics on host memory (not atomic over PCIe).

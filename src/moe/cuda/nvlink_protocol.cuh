@@ -86,7 +86,7 @@ struct RecvEntry {
 };
 
 // The order Unpack and CombineSend visit received slots in when there are more of them than
-// blocks and FERRY_NV_SPREAD=1 (Nv::spread; opt-in until measured on two GPUs). A sender's
+// blocks and CudaTuning::spread (Nv::spread; opt-in until measured on two GPUs). A sender's
 // slots are contiguous (sender-major), so visiting them in order puts the blocks in flight on
 // one sender at a time: on two GPUs, first every pulled slot crosses NVLink while the HBM idles,
 // then the local copies run while the link idles (in CombineSend: the rows summed for our own
@@ -194,7 +194,7 @@ struct Nv {
   int64_t payload, slot_bytes, meta_bytes, row_bytes, capacity, slots_per_pair;
   int64_t meta_used;  // header and entries; meta_bytes rounds it up to a 128-byte line
   bool once, reduce;
-  bool spread;  // Unpack's and CombineSend's slots in SpreadOrder (FERRY_NV_SPREAD=1)
+  bool spread;  // Unpack's and CombineSend's slots in SpreadOrder (CudaTuning::spread)
   // One node (no relay): each counts row carries a 32-bit tag, "epoch + 1" once the row is in
   // place, in column CountsTagColumn; Unpack reads the rows and builds its offsets table as
   // soon as the tags are up, while the send blocks still store slots, and only then waits for
@@ -322,7 +322,7 @@ __device__ inline uint64_t GlobalTimerNs() {
   return t;
 }
 
-// Phase timing for tuning (FERRY_NV_TRACE=1 in the environment): thread 0 of each block stamps
+// Phase timing for tuning (CudaTuning::trace): thread 0 of each block stamps
 // clock64() at numbered points of a kernel (0: its start), and the global timer at its start and
 // at its latest point; the AllToAll prints, when destroyed, for the last epoch: each point's
 // slowest and mean block time since that block's start, and when the kernel's blocks started and

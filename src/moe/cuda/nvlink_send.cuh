@@ -163,7 +163,7 @@ __device__ void CountChunk(const Nv& v, const SendArgs& a, int tokens, int c, Ro
   }
 }
 
-// Blocks [0, scan_blocks): ScanChunk; the next v.chunks: CountChunk. FERRY_NV_TRACE points: 1 a
+// Blocks [0, scan_blocks): ScanChunk; the next v.chunks: CountChunk. CudaTuning::trace points: 1 a
 // token chunk scanned, 2 a chunk counted (times relative to the first Pack block in the
 // printout).
 __global__ void __launch_bounds__(kRouteThreads) RouteKernel(Nv v, SendArgs a) {
@@ -244,7 +244,7 @@ __device__ inline void StoreRowWarp(const Nv& v, const SendArgs& a, int t, uint8
 // (SlotDst; lane j places the token's j-th copy, its slot's first lane writes the header), then
 // stores the row into every slot. Block 0 writes the counts rows into every rank first; every
 // block arrives at every rank's dispatch flag.
-// FERRY_NV_TRACE points (as DispatchSend): 1 offsets, 2 counts rows out, 3 and 4 warp 0's laying
+// CudaTuning::trace points (as DispatchSend): 1 offsets, 2 counts rows out, 3 and 4 warp 0's laying
 // out and copying summed over its tokens (spans, not times), 5 loop done, 6 arrived.
 __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
   extern __shared__ int64_t starts[];  // [2N]: first slot per receiving rank in our send area,
@@ -275,7 +275,7 @@ __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
   Mark(v, kTraceSend, 2);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   uint8_t** dst = dst_of[warp];
-  long long route_cycles = 0, copy_cycles = 0;  // FERRY_NV_TRACE: summed over the tokens
+  long long route_cycles = 0, copy_cycles = 0;  // CudaTuning::trace: summed over the tokens
   for (int t = blockIdx.x + warp * gridDim.x; t < tokens; t += gridDim.x * (kCopyThreads / 32)) {
     const long long loop_start = v.trace ? clock64() : 0;
     uint4 batch[kLaneVectors];
