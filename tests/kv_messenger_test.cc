@@ -248,7 +248,7 @@ Status RunPrefill(const Case& c, Bootstrap& b) {
           std::lock_guard<std::mutex> l(mu);
           pages = held[in.request_id];
         }
-        RETURN_IF_ERROR(prefill->Schedule(in.request_id, pages, 0, base));
+        RETURN_IF_ERROR(prefill->Schedule(in.request_id, pages, base, 0));
       }
       layers_done.fetch_add(1);
       // Die once the first layer's writes are out of the provider: shm peers spin forever on a
@@ -283,7 +283,7 @@ Status RunPrefill(const Case& c, Bootstrap& b) {
       const int64_t aux_off = (aux_slot++ % total) * kAuxBytes;
       for (int64_t k = 0; k < kAuxBytes; ++k) aux[aux_off + k] = AuxByte(in.request_id, k);
       std::vector<int64_t> beyond(pages.size(), c.pages_per_layer());
-      CHECK_OR_RETURN(prefill->Schedule(in.request_id, beyond, aux_off, base).code() ==
+      CHECK_OR_RETURN(prefill->Schedule(in.request_id, beyond, base, aux_off).code() ==
                           StatusCode::kOutOfRange, "source page beyond the region accepted");
       if (c.chunked) {
         // Chunked prefill: kChunkStarts' pages in consecutive passes, the aux data with the
@@ -301,10 +301,10 @@ Status RunPrefill(const Case& c, Bootstrap& b) {
           }
         }
       } else {
-        RETURN_IF_ERROR(prefill->Schedule(in.request_id, pages, aux_off, base));
+        RETURN_IF_ERROR(prefill->Schedule(in.request_id, pages, base, aux_off));
       }
       // Bad schedules are refused without disturbing the request.
-      CHECK_OR_RETURN(prefill->Schedule(in.request_id + 999999, pages, 0, base).code() ==
+      CHECK_OR_RETURN(prefill->Schedule(in.request_id + 999999, pages, base, 0).code() ==
                           StatusCode::kNotFound, "unknown request accepted");
 
     }
@@ -867,7 +867,7 @@ Status ServingPrefill(const std::string& provider, Bootstrap& b, int expect,
   cb.on_request = [&](const KvPrefill::Incoming& in) {
     std::vector<int64_t> pages(static_cast<size_t>(in.num_pages));
     std::iota(pages.begin(), pages.end(), 0);
-    if (!prefill->Schedule(in.request_id, pages, 0, layers.load()).ok()) bad.fetch_add(1);
+    if (!prefill->Schedule(in.request_id, pages, layers.load(), 0).ok()) bad.fetch_add(1);
     layers.fetch_add(kLayers);
   };
   cb.on_released = [&](uint64_t, const Status& s) {

@@ -285,23 +285,39 @@ std::vector<Case> Cases() {
   const auto bf16 = DispatchDtype::kBf16, fp8 = DispatchDtype::kFp8E4M3;
   const auto rnd = Routing::kRandom, hot = Routing::kAllToOneExpert;
   std::vector<Case> out = {
-      {"shm", 2, 0, 128, 8, 2, bf16, rnd},
-      {"shm", 2, 1, 128, 8, 1, bf16, rnd},
-      {"shm", 2, 7, 2176, 8, 2, fp8, rnd},
-      {"shm", 2, 128, 128, 64, 8, bf16, hot},
-      {"shm", 2, 333, 128, 8, 8, fp8, rnd, 16},
-      {"shm", 3, 7, 128, 48, 2, bf16, rnd, 4, true},
-      {"shm", 3, 128, 2176, 48, 8, bf16, hot},
-      {"shm", 4, 1, 128, 8, 1, fp8, rnd, 0},
-      {"shm", 4, 128, 128, 256, 8, fp8, rnd, 4, true},
-      {"shm", 4, 333, 128, 64, 2, bf16, hot, 32},
-      {"shm", 8, 7, 128, 64, 8, bf16, rnd},
-      {"shm", 8, 128, 128, 256, 2, fp8, hot, 8, true},
-      {"tcp;ofi_rxm", 2, 128, 2176, 64, 8, fp8, rnd},
-      {"tcp;ofi_rxm", 3, 7, 128, 48, 2, bf16, hot, 4, true},
-      {"tcp;ofi_rxm", 4, 333, 128, 8, 1, bf16, rnd},
+      {.provider = "shm", .world_size = 2, .tokens = 0, .hidden = 128, .experts = 8, .k = 2,
+       .dtype = bf16, .routing = rnd},
+      {.provider = "shm", .world_size = 2, .tokens = 1, .hidden = 128, .experts = 8, .k = 1,
+       .dtype = bf16, .routing = rnd},
+      {.provider = "shm", .world_size = 2, .tokens = 7, .hidden = 2176, .experts = 8, .k = 2,
+       .dtype = fp8, .routing = rnd},
+      {.provider = "shm", .world_size = 2, .tokens = 128, .hidden = 128, .experts = 64, .k = 8,
+       .dtype = bf16, .routing = hot},
+      {.provider = "shm", .world_size = 2, .tokens = 333, .hidden = 128, .experts = 8, .k = 8,
+       .dtype = fp8, .routing = rnd, .private_tokens = 16},
+      {.provider = "shm", .world_size = 3, .tokens = 7, .hidden = 128, .experts = 48, .k = 2,
+       .dtype = bf16, .routing = rnd, .rank1_empty = true},
+      {.provider = "shm", .world_size = 3, .tokens = 128, .hidden = 2176, .experts = 48, .k = 8,
+       .dtype = bf16, .routing = hot},
+      {.provider = "shm", .world_size = 4, .tokens = 1, .hidden = 128, .experts = 8, .k = 1,
+       .dtype = fp8, .routing = rnd, .private_tokens = 0},
+      {.provider = "shm", .world_size = 4, .tokens = 128, .hidden = 128, .experts = 256, .k = 8,
+       .dtype = fp8, .routing = rnd, .rank1_empty = true},
+      {.provider = "shm", .world_size = 4, .tokens = 333, .hidden = 128, .experts = 64, .k = 2,
+       .dtype = bf16, .routing = hot, .private_tokens = 32},
+      {.provider = "shm", .world_size = 8, .tokens = 7, .hidden = 128, .experts = 64, .k = 8,
+       .dtype = bf16, .routing = rnd},
+      {.provider = "shm", .world_size = 8, .tokens = 128, .hidden = 128, .experts = 256, .k = 2,
+       .dtype = fp8, .routing = hot, .private_tokens = 8, .rank1_empty = true},
+      {.provider = "tcp;ofi_rxm", .world_size = 2, .tokens = 128, .hidden = 2176, .experts = 64,
+       .k = 8, .dtype = fp8, .routing = rnd},
+      {.provider = "tcp;ofi_rxm", .world_size = 3, .tokens = 7, .hidden = 128, .experts = 48,
+       .k = 2, .dtype = bf16, .routing = hot, .rank1_empty = true},
+      {.provider = "tcp;ofi_rxm", .world_size = 4, .tokens = 333, .hidden = 128, .experts = 8,
+       .k = 1, .dtype = bf16, .routing = rnd},
       // Many iterations back to back, without re-initialisation.
-      {"shm", 2, 7, 128, 8, 2, bf16, rnd, 2, false, 1000},
+      {.provider = "shm", .world_size = 2, .tokens = 7, .hidden = 128, .experts = 8, .k = 2,
+       .dtype = bf16, .routing = rnd, .private_tokens = 2, .iterations = 1000},
   };
   // Options (a) once per rank and (b) reduce at the expert rank pass the same checks.
   const size_t plain = out.size();
@@ -319,26 +335,51 @@ std::vector<Case> Cases() {
       out.push_back(b);
     }
   }
-  out.push_back({"tcp;ofi_rxm", 3, 128, 128, 48, 8, fp8, rnd, 4, true, 2, true, true});
-  out.push_back({"shm", 2, 7, 128, 8, 2, bf16, rnd, 2, false, 1000, true, true});
+  out.push_back({.provider = "tcp;ofi_rxm", .world_size = 3, .tokens = 128, .hidden = 128,
+                 .experts = 48, .k = 8, .dtype = fp8, .routing = rnd, .rank1_empty = true,
+                 .once_per_rank = true, .reduce_at_expert_rank = true});
+  out.push_back({.provider = "shm", .world_size = 2, .tokens = 7, .hidden = 128, .experts = 8,
+                 .k = 2, .dtype = bf16, .routing = rnd, .private_tokens = 2, .iterations = 1000,
+                 .once_per_rank = true, .reduce_at_expert_rank = true});
   // The token-major layout, and ranks that differ in the layout they take.
   const auto token = Layouts::kTokenMajor, mixed = Layouts::kMixed;
-  out.push_back({"shm", 2, 128, 128, 64, 8, fp8, rnd, 4, false, 3, true, true, token});
-  out.push_back({"shm", 2, 0, 128, 8, 1, bf16, rnd, 0, false, 2, true, true, token});
-  out.push_back({"shm", 3, 1, 128, 48, 1, fp8, rnd, 0, true, 2, true, true, mixed});
-  out.push_back({"shm", 3, 333, 2176, 48, 8, bf16, hot, 16, true, 2, true, true, token});
-  out.push_back({"shm", 4, 7, 128, 8, 2, bf16, rnd, 0, false, 2, true, true, mixed});
-  out.push_back({"tcp;ofi_rxm", 3, 64, 128, 48, 16, fp8, rnd, 4, false, 2, true, true, mixed});
+  out.push_back({.provider = "shm", .world_size = 2, .tokens = 128, .hidden = 128, .experts = 64,
+                 .k = 8, .dtype = fp8, .routing = rnd, .iterations = 3, .once_per_rank = true,
+                 .reduce_at_expert_rank = true, .layouts = token});
+  out.push_back({.provider = "shm", .world_size = 2, .tokens = 0, .hidden = 128, .experts = 8,
+                 .k = 1, .dtype = bf16, .routing = rnd, .private_tokens = 0, .once_per_rank = true,
+                 .reduce_at_expert_rank = true, .layouts = token});
+  out.push_back({.provider = "shm", .world_size = 3, .tokens = 1, .hidden = 128, .experts = 48,
+                 .k = 1, .dtype = fp8, .routing = rnd, .private_tokens = 0, .rank1_empty = true,
+                 .once_per_rank = true, .reduce_at_expert_rank = true, .layouts = mixed});
+  out.push_back({.provider = "shm", .world_size = 3, .tokens = 333, .hidden = 2176, .experts = 48,
+                 .k = 8, .dtype = bf16, .routing = hot, .private_tokens = 16, .rank1_empty = true,
+                 .once_per_rank = true, .reduce_at_expert_rank = true, .layouts = token});
+  out.push_back({.provider = "shm", .world_size = 4, .tokens = 7, .hidden = 128, .experts = 8,
+                 .k = 2, .dtype = bf16, .routing = rnd, .private_tokens = 0, .once_per_rank = true,
+                 .reduce_at_expert_rank = true, .layouts = mixed});
+  out.push_back({.provider = "tcp;ofi_rxm", .world_size = 3, .tokens = 64, .hidden = 128,
+                 .experts = 48, .k = 16, .dtype = fp8, .routing = rnd, .once_per_rank = true,
+                 .reduce_at_expert_rank = true, .layouts = mixed});
   // Copies routed to no expert (-1), in each layout, with and without the options.
   const auto expert = Layouts::kExpertMajor;
-  out.push_back({"shm", 2, 19, 128, 8, 2, bf16, rnd, 4, false, 2, false, false, expert, true});
-  out.push_back({"shm", 3, 99, 128, 48, 4, fp8, rnd, 4, true, 2, true, false, expert, true});
-  out.push_back({"shm", 4, 33, 128, 64, 8, bf16, hot, 2, false, 2, true, true, token, true});
-  out.push_back({"shm", 3, 7, 128, 48, 2, bf16, rnd, 0, false, 2, true, true, mixed, true});
+  out.push_back({.provider = "shm", .world_size = 2, .tokens = 19, .hidden = 128, .experts = 8,
+                 .k = 2, .dtype = bf16, .routing = rnd, .layouts = expert, .unrouted = true});
+  out.push_back({.provider = "shm", .world_size = 3, .tokens = 99, .hidden = 128, .experts = 48,
+                 .k = 4, .dtype = fp8, .routing = rnd, .rank1_empty = true, .once_per_rank = true,
+                 .layouts = expert, .unrouted = true});
+  out.push_back({.provider = "shm", .world_size = 4, .tokens = 33, .hidden = 128, .experts = 64,
+                 .k = 8, .dtype = bf16, .routing = hot, .private_tokens = 2, .once_per_rank = true,
+                 .reduce_at_expert_rank = true, .layouts = token, .unrouted = true});
+  out.push_back({.provider = "shm", .world_size = 3, .tokens = 7, .hidden = 128, .experts = 48,
+                 .k = 2, .dtype = bf16, .routing = rnd, .private_tokens = 0, .once_per_rank = true,
+                 .reduce_at_expert_rank = true, .layouts = mixed, .unrouted = true});
   // Combine weights given at CombineRecv (the sums taken at the origin).
-  out.push_back({"shm", 2, 19, 128, 8, 2, bf16, rnd, 4, false, 2, false, false, expert, false,
-                 true});
-  out.push_back({"shm", 3, 33, 128, 48, 4, fp8, rnd, 4, true, 3, true, false, expert, true, true});
+  out.push_back({.provider = "shm", .world_size = 2, .tokens = 19, .hidden = 128, .experts = 8,
+                 .k = 2, .dtype = bf16, .routing = rnd, .layouts = expert, .late_weights = true});
+  out.push_back({.provider = "shm", .world_size = 3, .tokens = 33, .hidden = 128, .experts = 48,
+                 .k = 4, .dtype = fp8, .routing = rnd, .rank1_empty = true, .iterations = 3,
+                 .once_per_rank = true, .layouts = expert, .unrouted = true, .late_weights = true});
   std::vector<Case> filtered;
   for (const Case& c : out) {
     for (const std::string& p : testing_util::Providers()) {
@@ -454,7 +495,8 @@ TEST(MoeHostBadInputTest, RefusesBadRoutesTooManyTokensAndMismatchedConfigs) {
     CHECK_OR_RETURN(s.code() == StatusCode::kInvalidArgument &&
                         s.message().find("expert-major") != std::string::npos,
                     "token-major outputs: " + s.ToString());
-    RETURN_IF_ERROR(a2a->DispatchRecv({out_x.data(), nullptr, counts.data()}, Deadline::After(30s)));
+    RETURN_IF_ERROR(
+        a2a->DispatchRecv({out_x.data(), nullptr, counts.data()}, Deadline::After(30s)));
     RETURN_IF_ERROR(a2a->CombineSend(eo.data()));
     RETURN_IF_ERROR(a2a->CombineRecv(y.data(), false, Deadline::After(30s)));
     return b.Barrier(30s);

@@ -220,7 +220,7 @@ Status Run(const KvBenchOptions& o, const Model& m, Bootstrap& b, Result* out) {
         std::this_thread::sleep_for(50us);
       }
       const uint64_t base = layers_done.load();
-      for (uint64_t id : ids) RETURN_IF_ERROR(prefill_messenger->Schedule(id, page_ids, 0, base));
+      for (uint64_t id : ids) RETURN_IF_ERROR(prefill_messenger->Schedule(id, page_ids, base, 0));
       // Layers at the raw transfer rate (times the pace); the decoder timestamps the increments
       // it sees through the shared start time below.
       double start = NowUs();

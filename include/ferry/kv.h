@@ -149,13 +149,6 @@ class FERRY_API KvDecoder {
   virtual Status Cancel(uint64_t request_id) = 0;
 };
 
-// Prefill side: takes requests, follows the forward pass through a layer counter, writes each
-// finished layer's pages, then the aux data, and releases the source pages when done. It takes
-// the engine's message handler and runs one watcher thread; destroy it before its engine.
-// While a scheduled chunk awaits a layer the watcher polls the counter without sleeping (a core
-// for the forward pass's length: it sees each layer within microseconds); with nothing to wait
-// for it idles as the engine does (EngineOptions::spin_us).
-// Thread safety: Schedule* and Cancel from any thread; callbacks run on the watcher thread.
 // A layer counter for a model whose attention runs on a CUDA stream: a 64-bit word in pinned host
 // memory mapped into the GPU. Increment(stream) enqueues "counter += 1" behind the work already on
 // the stream, so the prefill's watcher (pass host() as its layer counter) never sees a layer
@@ -202,9 +195,16 @@ struct FERRY_API KvPrefillOptions {
   static StatusOr<KvPrefillOptions> FromEnv();
 };
 
-// Prefill side. Decoders are added to the engine as their requests arrive; when its peer table
-// is full (EngineOptions::max_peers) the least recently used decoder no request is being served
-// for is removed to make room (it adds us again with its next request).
+// Prefill side: takes requests, follows the forward pass through a layer counter, writes each
+// finished layer's pages, then the aux data, and releases the source pages when done. It takes
+// the engine's message handler and runs one watcher thread; destroy it before its engine.
+// While a scheduled chunk awaits a layer the watcher polls the counter without sleeping (a core
+// for the forward pass's length: it sees each layer within microseconds); with nothing to wait
+// for it idles as the engine does (EngineOptions::spin_us).
+// Thread safety: Schedule* and Cancel from any thread; callbacks run on the watcher thread.
+// Decoders are added to the engine as their requests arrive; when its peer table is full
+// (EngineOptions::max_peers) the least recently used decoder no request is being served for is
+// removed to make room (it adds us again with its next request).
 class FERRY_API KvPrefill {
  public:
   struct Incoming {
@@ -238,9 +238,9 @@ class FERRY_API KvPrefill {
   virtual Status ScheduleChunk(uint64_t request_id, int64_t first_page,
                                std::span<const int64_t> src_pages, uint64_t pass_base,
                                int64_t aux_offset) = 0;
-  // The whole request in one pass.
-  Status Schedule(uint64_t request_id, std::span<const int64_t> src_pages, int64_t aux_offset,
-                  uint64_t pass_base) {
+  // The whole request in one pass (ScheduleChunk's arguments, in its order, from page 0).
+  Status Schedule(uint64_t request_id, std::span<const int64_t> src_pages, uint64_t pass_base,
+                  int64_t aux_offset) {
     return ScheduleChunk(request_id, 0, src_pages, pass_base, aux_offset);
   }
 };

@@ -332,10 +332,10 @@ void BindKv(py::module_& m) {
            "The same for releases: await it, then poll_releases()")
       .def(
           "schedule",
-          [](Prefill& p, uint64_t id, const std::vector<int64_t>& pages, int64_t aux_offset,
-             uint64_t pass_base) { p.ScheduleChunk(id, 0, pages, pass_base, aux_offset); },
-          py::arg("request_id"), py::arg("src_pages"), py::arg("aux_offset") = 0,
-          py::arg("pass_base") = 0,
+          [](Prefill& p, uint64_t id, const std::vector<int64_t>& pages, uint64_t pass_base,
+             int64_t aux_offset) { p.ScheduleChunk(id, 0, pages, pass_base, aux_offset); },
+          py::arg("request_id"), py::arg("src_pages"), py::arg("pass_base") = 0,
+          py::arg("aux_offset") = 0,
           "The whole request in the pass after layer count pass_base: layer l of src_pages (our "
           "page ids) goes once the counter reaches pass_base + l + 1, then the aux bytes at "
           "aux_offset")

@@ -175,7 +175,7 @@ struct Transfer {
 };
 
 // A receive buffer posted for two-sided messages: its index in the receive buffers, its NIC.
-struct RecvSlot {
+struct PostedRecv {
   OpContext ctx;
   uint32_t index = 0;
   uint32_t nic = 0;
@@ -371,14 +371,14 @@ class Engine final : public TransferEngine {
   PostResult PostOne(Transfer* t, uint32_t i, WrSlot* slot, uint32_t* nic, Status* error);
 
   size_t PollCompletions();
-  bool IsRecvSlot(const OpContext* ctx) const;
+  bool IsPostedRecv(const OpContext* ctx) const;
   void Complete(DomainCompletion& c, uint32_t nic);
   std::string Describe(const Transfer* t) const;
   void CountImm(uint32_t imm);
   // The slot's total into its MirrorImm word.
   void StoreMirror(ImmCounterTable::Slot* slot);
   void OnMessage(const DomainCompletion& c, uint32_t index, uint32_t nic);
-  Status PostRecvSlot(uint32_t index);
+  Status PostRecvBuffer(uint32_t index);
   void Arm(Request&& r);
   void FireNotify(ImmCounterTable::Slot* slot, const Status& status);
   void Fail(Transfer* t, const Status& status);
@@ -442,7 +442,7 @@ class Engine final : public TransferEngine {
   MultiRegistration sink_reg_;
   std::vector<uint8_t> recv_buffers_;
   MultiRegistration recv_reg_;
-  std::unique_ptr<RecvSlot[]> recv_slots_;
+  std::unique_ptr<PostedRecv[]> recv_slots_;
   uint32_t num_recv_slots_ = 0;
   std::vector<uint8_t> send_buffers_;
   MultiRegistration send_reg_;

@@ -329,8 +329,8 @@ size_t Engine::PollCompletions() {
   return total;
 }
 
-bool Engine::IsRecvSlot(const OpContext* ctx) const {
-  auto* p = reinterpret_cast<const RecvSlot*>(ctx);
+bool Engine::IsPostedRecv(const OpContext* ctx) const {
+  auto* p = reinterpret_cast<const PostedRecv*>(ctx);
   return p >= recv_slots_.get() && p < recv_slots_.get() + num_recv_slots_;
 }
 
@@ -342,8 +342,8 @@ void Engine::Complete(DomainCompletion& c, uint32_t nic) {
     }
     return;
   }
-  if (c.context && IsRecvSlot(c.context)) {
-    auto* rs = reinterpret_cast<RecvSlot*>(c.context);
+  if (c.context && IsPostedRecv(c.context)) {
+    auto* rs = reinterpret_cast<PostedRecv*>(c.context);
     if (c.error.ok()) {
       if (c.kind == CompletionKind::kRemoteImm) {
         CountImm(c.imm);
@@ -352,7 +352,7 @@ void Engine::Complete(DomainCompletion& c, uint32_t nic) {
       }
     }
     if (!stop_.load(std::memory_order_relaxed)) {
-      Status s = PostRecvSlot(rs->index);
+      Status s = PostRecvBuffer(rs->index);
       (void)s;  // a receive we cannot re-post shrinks the pool; messages still flow
     }
     return;
@@ -430,7 +430,7 @@ void Engine::OnMessage(const DomainCompletion& c, uint32_t index, uint32_t nic) 
   message_handler_(from, std::span<const uint8_t>(data, c.length));
 }
 
-Status Engine::PostRecvSlot(uint32_t index) {
+Status Engine::PostRecvBuffer(uint32_t index) {
   uint8_t* data = recv_buffers_.data() + uint64_t{index} * options_.message_bytes;
   Status error;
   for (int attempt = 0;; ++attempt) {

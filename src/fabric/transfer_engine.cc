@@ -106,11 +106,11 @@ Status Engine::Init() {
   recv_buffers_.resize(uint64_t{num_recv_slots_} * options_.message_bytes);
   ASSIGN_OR_RETURN(recv_reg_, RegisterAll(recv_buffers_.data(), recv_buffers_.size(),
                                           MemoryKind::kHost, 0));
-  recv_slots_ = std::make_unique<RecvSlot[]>(num_recv_slots_);
+  recv_slots_ = std::make_unique<PostedRecv[]>(num_recv_slots_);
   for (uint32_t i = 0; i < num_recv_slots_; ++i) {
     recv_slots_[i].index = i;
     recv_slots_[i].nic = i / rx;
-    RETURN_IF_ERROR(PostRecvSlot(i));
+    RETURN_IF_ERROR(PostRecvBuffer(i));
   }
   send_buffers_.resize(uint64_t{options_.num_send_buffers} * options_.message_bytes);
   if (!send_buffers_.empty()) {

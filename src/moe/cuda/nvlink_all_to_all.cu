@@ -144,7 +144,7 @@ class NvlinkAllToAll final : public AllToAll {
     }
     if ((in.num_tokens > 0) &&
         ((!in.x && !in.x_bf16) || (!in.indices && !in.indices64) || !in.weights ||
-         (nv_.spt && !in.scales && !in.x_bf16))) {
+         (nv_.scales_per_token && !in.scales && !in.x_bf16))) {
       return InvalidArgumentError("DispatchSend: null input buffer");
     }
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
@@ -168,9 +168,9 @@ class NvlinkAllToAll final : public AllToAll {
       RETURN_IF_ERROR(Aligned(in.x_bf16, "DispatchSend: x_bf16"));
       if (!fp8_x_.get()) {
         RETURN_IF_ERROR(fp8_x_.Allocate(size_t(c_.max_tokens_per_rank) * c_.hidden));
-        RETURN_IF_ERROR(fp8_scales_.Allocate(size_t(c_.max_tokens_per_rank) * nv_.spt));
+        RETURN_IF_ERROR(fp8_scales_.Allocate(size_t(c_.max_tokens_per_rank) * nv_.scales_per_token));
       }
-      const int64_t warps = int64_t{in.num_tokens} * nv_.spt;
+      const int64_t warps = int64_t{in.num_tokens} * nv_.scales_per_token;
       const int blocks = static_cast<int>((warps * 32 + kQuantizeThreads - 1) / kQuantizeThreads);
       QuantizeKernel<<<blocks, kQuantizeThreads, 0, stream_>>>(
           in.x_bf16, in.num_tokens, c_.hidden, in.device_num_tokens, in.scaling, fp8_x_.get(),
@@ -191,7 +191,7 @@ class NvlinkAllToAll final : public AllToAll {
       RouteKernel<<<nv_.scan_blocks + nv_.chunks, kRouteThreads, 0, stream_>>>(nv_, args);
       FERRY_CUDA(cudaGetLastError());
       if (!async_) RETURN_IF_ERROR(Finish());
-      FERRY_CUDA(Launch(PackKernel, send_grid_, 2 * nv_.n * sizeof(int64_t), args));
+      FERRY_CUDA(Launch(PackKernel, send_grid_, 2 * nv_.world_size * sizeof(int64_t), args));
     }
     token_bound_ = in.num_tokens;
     stage_ = Stage::kDispatchSent;
@@ -204,7 +204,7 @@ class NvlinkAllToAll final : public AllToAll {
     RETURN_IF_ERROR(Aligned(out.x, "DispatchRecv: x"));
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
     const int64_t out_rows = out.expert_padding ? c_.padded_rows(out.expert_padding)
-                                                : int64_t{nv_.l} * c_.expert_capacity();
+                                                : int64_t{nv_.local_experts} * c_.expert_capacity();
     const RecvArgs args{static_cast<uint8_t*>(out.x), out.scales,        out.num_tokens,
                         BudgetNs(deadline),           out.num_rows,      out.token_experts,
                         out.token_weights,            out.expert_padding, out_rows};
@@ -239,7 +239,7 @@ class NvlinkAllToAll final : public AllToAll {
     RETURN_IF_ERROR(Aligned(out, "CombineRecv: output"));
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
     FERRY_CUDA(Launch(nv_.stream_combine ? CombineRecvStreamedKernel : CombineRecvKernel,
-                      TokenGrid(token_bound_), nv_.n * sizeof(int64_t),
+                      TokenGrid(token_bound_), nv_.world_size * sizeof(int64_t),
                       CombineArgs{nullptr, out, accumulate, BudgetNs(deadline), to.weights}));
     stage_ = Stage::kIdle;
     return async_ ? Status::Ok() : Finish();
@@ -247,17 +247,17 @@ class NvlinkAllToAll final : public AllToAll {
 
   // Read back after the steps ran (waits for them).
   uint64_t dispatch_bytes_sent() const override {
-    std::vector<int32_t> totals(nv_.n, 0);
+    std::vector<int32_t> totals(nv_.world_size, 0);
     cudaSetDevice(c_.cuda_device);
     cudaStreamSynchronize(stream_);
-    cudaMemcpy(totals.data(), nv_.totals, nv_.n * sizeof(int32_t), cudaMemcpyDeviceToHost);
+    cudaMemcpy(totals.data(), nv_.totals, nv_.world_size * sizeof(int32_t), cudaMemcpyDeviceToHost);
     // What crosses per slot: its header and entries (and tag, streamed), row and scales (not
     // the padding that puts the row and the next slot on a line, which nobody writes).
     const uint64_t slot =
-        nv_.meta_used + (nv_.stream ? 8 : 0) + nv_.payload + int64_t{nv_.spt} * 4;
+        nv_.meta_used + (nv_.stream ? 8 : 0) + nv_.payload + int64_t{nv_.scales_per_token} * 4;
     uint64_t bytes = 0;
-    for (int r = 0; r < nv_.n; ++r) {
-      if (r != c_.rank) bytes += uint64_t(totals[r]) * slot + (nv_.l + 2) * 4;
+    for (int r = 0; r < nv_.world_size; ++r) {
+      if (r != c_.rank) bytes += uint64_t(totals[r]) * slot + (nv_.local_experts + 2) * 4;
     }
     return bytes;
   }
@@ -384,17 +384,17 @@ class NvlinkAllToAll final : public AllToAll {
   StatusOr<int64_t> PlanBuffer() {
     const int n = c_.world_size, k = c_.experts_per_token, t = c_.max_tokens_per_rank;
     Nv& v = nv_;
-    v.n = n;
-    v.me = c_.rank;
-    v.e = c_.num_experts;
-    v.l = c_.local_experts();
-    v.k = k;
-    v.div_l = FastDiv::Of(v.l);
-    v.div_k = FastDiv::Of(k);
-    v.t_max = t;
+    v.world_size = n;
+    v.rank = c_.rank;
+    v.experts = c_.num_experts;
+    v.local_experts = c_.local_experts();
+    v.topk = k;
+    v.div_local_experts = FastDiv::Of(v.local_experts);
+    v.div_topk = FastDiv::Of(k);
+    v.max_tokens = t;
     v.hidden = c_.hidden;
-    v.spt = c_.scales_per_token();
-    v.priv = c_.max_private_tokens;
+    v.scales_per_token = c_.scales_per_token();
+    v.private_slots = c_.max_private_tokens;
     v.chunks = static_cast<int>((int64_t{t} * k + kChunk - 1) / kChunk);
     v.scan_blocks = ((t + kRouteThreads - 1) / kRouteThreads) * ((n + kScanRanks - 1) / kScanRanks);
     v.payload = c_.token_bytes();
@@ -404,7 +404,7 @@ class NvlinkAllToAll final : public AllToAll {
     // meta_used bytes; the rest of the metadata is padding nobody writes or reads.
     v.meta_used = sizeof(NvHeader) + int64_t{k} * sizeof(NvEntry);
     // Decode batches: DispatchSend in one kernel, its shared memory within the default limit.
-    const size_t small_smem = SmallSmemBytes(n, v.e, int64_t{t} * k);
+    const size_t small_smem = SmallSmemBytes(n, v.experts, int64_t{t} * k);
     if (int64_t{t} * k <= kSmallEntries && small_smem <= 48 * 1024) small_smem_ = small_smem;
     // Streaming (one node, no relay; CudaTuning::stream says which steps, the ranks agreeing
     // through the config's fingerprint): the default streams the dispatch where SendSmall
@@ -414,7 +414,7 @@ class NvlinkAllToAll final : public AllToAll {
     v.stream = c_.ranks_per_node == n && (stream_mask & 1);
     v.stream_combine = c_.ranks_per_node == n && (stream_mask & 2);
     v.meta_bytes = RoundUp(v.meta_used + (v.stream ? 8 : 0), 128);
-    v.slot_bytes = RoundUp(v.meta_bytes + v.payload + int64_t{v.spt} * 4, 128);
+    v.slot_bytes = RoundUp(v.meta_bytes + v.payload + int64_t{v.scales_per_token} * 4, 128);
     v.row_bytes = int64_t{c_.hidden} * 2;
     v.capacity = c_.expert_capacity();
     v.once = c_.dispatch_once_per_rank;
@@ -423,9 +423,9 @@ class NvlinkAllToAll final : public AllToAll {
     v.slots_per_pair = layout_.slots_per_pair;
     v.counts_off = RoundUp(2 * n * 8, 128);
     v.counts_stride =
-        static_cast<int>(RoundUp(v.l + kCountsColumns + (v.counts_tagged ? 1 : 0), 4));
+        static_cast<int>(RoundUp(v.local_experts + kCountsColumns + (v.counts_tagged ? 1 : 0), 4));
     v.private_off = RoundUp(v.counts_off + int64_t{n} * v.counts_stride * 4, 128);
-    v.combine_off = RoundUp(v.private_off + int64_t{n} * v.priv * v.slot_bytes, 128);
+    v.combine_off = RoundUp(v.private_off + int64_t{n} * v.private_slots * v.slot_bytes, 128);
     v.combine_tag_off = RoundUp(v.combine_off + int64_t{t} * k * v.row_bytes, 128);
     v.send_off =
         RoundUp(v.combine_tag_off + (v.stream_combine ? int64_t{t} * k * 8 : 0), 128);
@@ -447,8 +447,8 @@ class NvlinkAllToAll final : public AllToAll {
     // Unpack's shared memory (see the kernel); above the default limit for very many ranks.
     unpack_smem_ = size_t(n) * sizeof(PeerIn) + size_t(RoundUp((3 * int64_t{n} + 1) * 8, 16)) +
                    size_t(n) * v.counts_stride * sizeof(int32_t) +
-                   size_t((int64_t{n + 1} * v.l + 1) / 2 * 2) * sizeof(int32_t) +
-                   size_t(v.l) * sizeof(int64_t);  // the expert bases
+                   size_t((int64_t{n + 1} * v.local_experts + 1) / 2 * 2) * sizeof(int32_t) +
+                   size_t(v.local_experts) * sizeof(int64_t);  // the expert bases
     if (unpack_smem_ > 48 * 1024) {
       for (auto* kernel : {UnpackKernel<false>, UnpackKernel<true>}) {
         FERRY_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -617,7 +617,7 @@ class NvlinkAllToAll final : public AllToAll {
     if (small_smem_ == 0) {  // Route's output, read by Pack only
       RETURN_IF_ERROR(slot_pos_.Allocate(size_t(n) * t));
       RETURN_IF_ERROR(erank_.Allocate(size_t(t) * k));
-      RETURN_IF_ERROR(chunk_counts_.Allocate(size_t(v.chunks) * v.e));
+      RETURN_IF_ERROR(chunk_counts_.Allocate(size_t(v.chunks) * v.experts));
       RETURN_IF_ERROR(scan_carry_.Allocate(size_t(t + kRouteThreads - 1) / kRouteThreads * n));
     }
     RETURN_IF_ERROR(rslots_.Allocate(MaxReceived()));
@@ -658,20 +658,20 @@ class NvlinkAllToAll final : public AllToAll {
     const Nv& v = nv_;
     const int64_t width = v.counts_stride;
     NvPeer p{};
-    p.dispatch_flag = reinterpret_cast<uint64_t*>(theirs) + v.me;
-    p.combine_flag = reinterpret_cast<uint64_t*>(theirs) + v.n + v.me;
-    p.counts = reinterpret_cast<int32_t*>(theirs + v.counts_off) + v.me * width;
-    p.slots = theirs + v.private_off + int64_t{v.me} * v.priv * v.slot_bytes;
+    p.dispatch_flag = reinterpret_cast<uint64_t*>(theirs) + v.rank;
+    p.combine_flag = reinterpret_cast<uint64_t*>(theirs) + v.world_size + v.rank;
+    p.counts = reinterpret_cast<int32_t*>(theirs + v.counts_off) + v.rank * width;
+    p.slots = theirs + v.private_off + int64_t{v.rank} * v.private_slots * v.slot_bytes;
     p.combine = theirs + v.combine_off;
     if (v.stream_combine) p.combine_tags = reinterpret_cast<uint64_t*>(theirs + v.combine_tag_off);
     p.dispatch_flag_in = reinterpret_cast<uint64_t*>(own) + r;
-    p.combine_flag_in = reinterpret_cast<uint64_t*>(own) + v.n + r;
+    p.combine_flag_in = reinterpret_cast<uint64_t*>(own) + v.world_size + r;
     p.counts_in = reinterpret_cast<int32_t*>(own + v.counts_off) + r * width;
-    p.slots_in = own + v.private_off + int64_t{r} * v.priv * v.slot_bytes;
+    p.slots_in = own + v.private_off + int64_t{r} * v.private_slots * v.slot_bytes;
     p.pull = theirs + v.send_off;
     p.combine_in = own + v.combine_off;
-    p.slot_cap = v.priv;
-    p.row_cap = static_cast<int32_t>(int64_t{v.t_max} * v.k);
+    p.slot_cap = v.private_slots;
+    p.row_cap = static_cast<int32_t>(int64_t{v.max_tokens} * v.topk);
     return p;
   }
 

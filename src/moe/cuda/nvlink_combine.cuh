@@ -91,18 +91,18 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
     if (kCopyOnly || v.token_major) {
       CopyBytes(dst, reinterpret_cast<const uint8_t*>(a.expert_out + g * v.hidden), v.row_bytes);
       TagRows(v, slot.sender, slot.row, 1, epoch);
-      if (slot.sender != v.me) ++rows_out;
+      if (slot.sender != v.rank) ++rows_out;
       continue;
     }
     if (!v.reduce) {
       for (int i = 0; i < slot.entries; ++i) {
-        const RecvEntry entry = v.rentries[g * v.k + i];
+        const RecvEntry entry = v.rentries[g * v.topk + i];
         CopyBytes(dst + i * v.row_bytes,
                   reinterpret_cast<const uint8_t*>(a.expert_out + entry.out_row * v.hidden),
                   v.row_bytes);
       }
       TagRows(v, slot.sender, slot.row, slot.entries, epoch);
-      if (slot.sender != v.me) rows_out += slot.entries;
+      if (slot.sender != v.rank) rows_out += slot.entries;
       continue;
     }
     if (slot.part != 0) continue;  // the token's first slot sums them all
@@ -120,7 +120,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
         exists = other.sender == slot.sender && other.row == slot.row && other.entries > 0;
       }
       RecvEntry entry{};
-      if (exists) entry = v.rentries[h * v.k + (v.once ? lane : 0)];
+      if (exists) entry = v.rentries[h * v.topk + (v.once ? lane : 0)];
       const unsigned present = __ballot_sync(~0u, exists);
       int order = 0;
       for (int i = 0; i < 32; ++i) {
@@ -149,7 +149,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
       }
     }
     TagRows(v, slot.sender, slot.row, 1, epoch);
-    if (slot.sender != v.me) ++rows_out;
+    if (slot.sender != v.rank) ++rows_out;
     __syncthreads();
   }
   if (threadIdx.x == 0 && rows_out) atomicAdd(reinterpret_cast<unsigned long long*>(
@@ -210,14 +210,14 @@ struct LaneRow {
 __device__ inline LaneRow LocateRows(const Nv& v, const CombineArgs& a, int t,
                                      const int64_t* rank_start, const uint4** rows, float* weight,
                                      int* count) {
-  const LaneRoute x = RouteLane(v, v.indices + int64_t{t} * v.k);
+  const LaneRoute x = RouteLane(v, v.indices + int64_t{t} * v.topk);
   LaneRow mine{-1, x.r};
   if (x.valid && (!v.reduce || x.first)) {
     const int c = v.reduce ? x.ranks_before : x.lanes_before + x.within;
-    mine.row = rank_start[x.r] + v.row_pos[int64_t{x.r} * v.t_max + t] + (v.reduce ? 0 : x.within);
+    mine.row = rank_start[x.r] + v.row_pos[int64_t{x.r} * v.max_tokens + t] + (v.reduce ? 0 : x.within);
     rows[c] = reinterpret_cast<const uint4*>(v.peer[x.r].combine_in + mine.row * v.row_bytes);
     const float* weights = a.weights ? a.weights : v.weights;
-    weight[c] = v.reduce ? 1.0f : weights[int64_t{t} * v.k + threadIdx.x % 32];
+    weight[c] = v.reduce ? 1.0f : weights[int64_t{t} * v.topk + threadIdx.x % 32];
   }
   if (threadIdx.x % 32 == 0) *count = __popc(v.reduce ? x.firsts : x.valids);
   return mine;
@@ -240,7 +240,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvStreamedKernel(Nv v, 
   const uint64_t epoch = v.scratch->epoch;
   const uint64_t start = GlobalTimerNs();
   const int tokens = v.scratch->tokens;
-  PrefixTotals(v.totals + v.n, v.n, rank_start);
+  PrefixTotals(v.totals + v.world_size, v.world_size, rank_start);
   const uint64_t* tags = reinterpret_cast<const uint64_t*>(v.own + v.combine_tag_off);
   // Token t's rows located by a warp into table w and awaited: false if a wait gave up.
   auto arrived = [&](int t, int w) {
@@ -295,7 +295,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineA
   Mark(v, kTraceCombineRecv, 0);
   const uint64_t epoch = v.scratch->epoch;
   const int tokens = v.scratch->tokens;
-  PrefixTotals(v.totals + v.n, v.n, rank_start);
+  PrefixTotals(v.totals + v.world_size, v.world_size, rank_start);
   // Every block waits for every rank's combine flag, token or not: a rank's next DispatchSend
   // may reuse its buffers only after this (see nvlink_all_to_all.h). The first token's rows are
   // located before the wait.

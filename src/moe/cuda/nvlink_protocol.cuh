@@ -187,8 +187,16 @@ struct NvPeer {
 
 // Everything the kernels share; passed by value.
 struct Nv {
-  int n, me, e, l, k, t_max, hidden, spt, priv, chunks;
-  FastDiv div_l, div_k;  // by l and by k, without a runtime division (RankOf, LocalOf)
+  // The shape, with the letters the comments below use: N ranks, E experts, L = E / N local
+  // experts, top-K, at most T tokens a rank.
+  int world_size, rank;              // N, and ours
+  int experts, local_experts, topk;  // E, L, K
+  int max_tokens, hidden;            // T, a row's columns
+  int scales_per_token;              // fp32 scales per row (fp8: hidden / 128; bf16: 0)
+  int private_slots;  // per (sender, receiver): slots written before the counts are known
+  int chunks;         // Route's chunks of kChunk routed copies
+  // By local_experts and by topk without a runtime division (RankOf, LocalOf).
+  FastDiv div_local_experts, div_topk;
   int scan_blocks;  // Route's token chunks x rank groups (ScanChunk)
   int counts_stride;  // int32 per counts row: L + kCountsColumns, rounded up to 16 bytes
   int64_t payload, slot_bytes, meta_bytes, row_bytes, capacity, slots_per_pair;
@@ -217,17 +225,17 @@ struct Nv {
   Scratch* scratch;
   int32_t* error;        // [3] code, detail, detail: mapped pinned host memory, the mirror of
                          // scratch->error the host reads
-  int32_t* indices;      // [t_max, K] our copy of the routing
-  float* weights;        // [t_max, K]
-  int32_t* slot_pos;     // [N, t_max] token t's first slot among ours for rank r, less its
+  int32_t* indices;      // [T, K] our copy of the routing
+  float* weights;        // [T, K]
+  int32_t* slot_pos;     // [N, T] token t's first slot among ours for rank r, less its
                          // token chunk's carry (Route -> Pack; null when SendSmall serves every
                          // batch, as erank, chunk_counts and scan_carry)
-  int32_t* row_pos;      // [N, t_max] token t's first combine row among those from rank r (Route
+  int32_t* row_pos;      // [N, T] token t's first combine row among those from rank r (Route
                          // leaves the carry out, Pack adds it; CombineRecv reads the sum)
   int32_t* totals;       // [2N] slots per receiving rank, combine rows per expert rank
-  int64_t* scan_carry;   // [t_max / kRouteThreads rounded up, N] what the token chunks before
+  int64_t* scan_carry;   // [T / kRouteThreads rounded up, N] what the token chunks before
                          // chunk c take on rank r: slots, rows << 32 (Route -> Pack)
-  int32_t* erank;        // [t_max * K] a copy's rank within its chunk's copies for its expert
+  int32_t* erank;        // [T * K] a copy's rank within its chunk's copies for its expert
   int32_t* chunk_counts; // [chunks, E]
   RecvSlot* rslots;      // [N * slots_per_pair]
   RecvEntry* rentries;   // [N * slots_per_pair, K]
@@ -239,11 +247,11 @@ struct Nv {
 // within the metadata's line), and which int32 of a counts row is the row's tag (the one after
 // the CountsColumn values).
 __host__ __device__ inline int64_t SlotTagOffset(const Nv& v) { return v.meta_used; }
-// The send area at send_off: a slot for each of our t_max * K copies (the most we can send).
+// The send area at send_off: a slot for each of our T * K copies (the most we can send).
 __host__ __device__ inline int64_t SendAreaBytes(const Nv& v) {
-  return int64_t{v.t_max} * v.k * v.slot_bytes;
+  return int64_t{v.max_tokens} * v.topk * v.slot_bytes;
 }
-__host__ __device__ inline int CountsTagColumn(const Nv& v) { return v.l + kCountsColumns; }
+__host__ __device__ inline int CountsTagColumn(const Nv& v) { return v.local_experts + kCountsColumns; }
 
 struct SendArgs {
   const uint8_t* x;
@@ -400,7 +408,7 @@ __device__ bool AwaitWord(const Nv& v, const Word* p, Word want, uint64_t start,
 // budget (from now) runs out (AwaitWord).
 __device__ bool WaitAll(const Nv& v, uint64_t epoch, uint64_t budget_ns, int which) {
   const uint64_t start = GlobalTimerNs();
-  for (int r = 0; r < v.n; ++r) {
+  for (int r = 0; r < v.world_size; ++r) {
     const NvPeer& p = v.peer[r];
     const uint64_t* flag = which == 0 ? p.dispatch_flag_in : p.combine_flag_in;
     const uint64_t want = (epoch + 1) * uint64_t(which == 0 ? p.dispatch_step : p.combine_step);
@@ -460,12 +468,12 @@ __device__ bool LastBlock(uint32_t* ticket, bool system, int blocks = 0) {
   return last;
 }
 
-__device__ inline bool ValidExpert(const Nv& v, int32_t e) { return e >= 0 && e < v.e; }
+__device__ inline bool ValidExpert(const Nv& v, int32_t e) { return e >= 0 && e < v.experts; }
 // -1 is "no expert" (a token that chose fewer than K): skipped like a bad id, but not an error.
 __device__ inline bool BadExpert(const Nv& v, int32_t e) { return e != -1 && !ValidExpert(v, e); }
 // A valid expert's rank, and its index among that rank's experts.
-__device__ inline int RankOf(const Nv& v, int32_t e) { return v.div_l.Div(e); }
-__device__ inline int LocalOf(const Nv& v, int32_t e) { return v.div_l.Mod(e); }
+__device__ inline int RankOf(const Nv& v, int32_t e) { return v.div_local_experts.Div(e); }
+__device__ inline int LocalOf(const Nv& v, int32_t e) { return v.div_local_experts.Mod(e); }
 
 // Scales [first, first + 4) of a row of spt, as one 16-byte vector of the slot, into out (whose
 // rows need not be 16-byte aligned).
@@ -510,12 +518,12 @@ struct LaneRoute {
 __device__ LaneRoute RouteLane(const Nv& v, const int32_t* row) {
   const int lane = threadIdx.x % 32;
   LaneRoute x{};
-  x.e = lane < v.k ? row[lane] : -1;
-  x.valid = lane < v.k && ValidExpert(v, x.e);
+  x.e = lane < v.topk ? row[lane] : -1;
+  x.valid = lane < v.topk && ValidExpert(v, x.e);
   x.r = x.valid ? RankOf(v, x.e) : -1;
   x.valids = __ballot_sync(~0u, x.valid);
   unsigned same = 0;
-  for (int i = 0; i < v.k; ++i) {
+  for (int i = 0; i < v.topk; ++i) {
     const int ri = __shfl_sync(~0u, x.r, i);
     if ((x.valids >> i & 1) && ri == x.r) same |= 1u << i;
   }
@@ -524,7 +532,7 @@ __device__ LaneRoute RouteLane(const Nv& v, const int32_t* row) {
   x.hits = __popc(same);
   x.first = x.valid && x.within == 0;
   x.firsts = __ballot_sync(~0u, x.first);
-  for (int i = 0; i < v.k; ++i) {
+  for (int i = 0; i < v.topk; ++i) {
     const int ri = __shfl_sync(~0u, x.r, i);
     if ((x.valids >> i & 1) && ri < x.r) {
       ++x.lanes_before;
@@ -581,11 +589,11 @@ __device__ inline CountsDst PeerCountsDst(const Nv& v, int r) {
 // them before it).
 template <typename Value, typename Dst>
 __device__ void WriteCountsRows(const Nv& v, uint64_t epoch, Value value, Dst dst) {
-  const int width = v.l + kCountsColumns;
+  const int width = v.local_experts + kCountsColumns;
   // Element i = r * width + c, i stepping by the block: r and c step along (one division each,
   // at the start, not one per element).
   const int step_r = blockDim.x / width, step_c = blockDim.x % width;
-  for (int r = threadIdx.x / width, c = threadIdx.x % width; r < v.n;) {
+  for (int r = threadIdx.x / width, c = threadIdx.x % width; r < v.world_size;) {
     dst(r).counts[c] = static_cast<int32_t>(value(r, c));
     r += step_r;
     c += step_c;
@@ -594,12 +602,12 @@ __device__ void WriteCountsRows(const Nv& v, uint64_t epoch, Value value, Dst ds
       ++r;
     }
   }
-  for (int r = threadIdx.x; r < v.n; r += blockDim.x) {  // the relay sizes its write by this
-    if (int64_t* relay_slots = dst(r).relay_slots) *relay_slots = value(r, v.l + kColSlots);
+  for (int r = threadIdx.x; r < v.world_size; r += blockDim.x) {  // the relay sizes its write by this
+    if (int64_t* relay_slots = dst(r).relay_slots) *relay_slots = value(r, v.local_experts + kColSlots);
   }
   if (!v.counts_tagged) return;
   __syncthreads();
-  for (int r = threadIdx.x; r < v.n; r += blockDim.x) {
+  for (int r = threadIdx.x; r < v.world_size; r += blockDim.x) {
     StoreRelease(reinterpret_cast<uint32_t*>(dst(r).counts + CountsTagColumn(v)),
                  static_cast<uint32_t>(epoch + 1));
   }
@@ -634,7 +642,7 @@ __device__ inline void TagSlots(const Nv& v, uint8_t* const* dst, int ns, uint64
 // has arrived our own CombineRecv (started early) may advance the word.
 __device__ void Arrive(const Nv& v, bool combine, uint64_t epoch) {
   __syncthreads();
-  for (int r = threadIdx.x; r < v.n; r += blockDim.x) {
+  for (int r = threadIdx.x; r < v.world_size; r += blockDim.x) {
     const NvPeer& p = v.peer[r];
     if (!p.remote) AddRelease(combine ? p.combine_flag : p.dispatch_flag, 1);
   }

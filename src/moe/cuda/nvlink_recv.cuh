@@ -24,7 +24,7 @@ struct PeerIn {
 static_assert(sizeof(PeerIn) % 16 == 0, "PeerIn keeps what follows it 16-byte aligned");
 
 __device__ inline void LoadPeersIn(const Nv& v, PeerIn* out) {
-  for (int q = threadIdx.x; q < v.n; q += blockDim.x) {
+  for (int q = threadIdx.x; q < v.world_size; q += blockDim.x) {
     const NvPeer& p = v.peer[q];
     out[q] = PeerIn{p.counts_in, p.slots_in,    p.pull,       p.relay_rows, p.dispatch_flag_in,
                     p.slot_cap,  p.remote,      p.row_cap,    p.dispatch_step, 0};
@@ -46,7 +46,7 @@ struct SlotTables {
 // Ends with a block barrier.
 // The expert bases after the offsets table, 8-byte aligned.
 __device__ inline int64_t* ExpertBase(const Nv& v, int32_t* offset) {
-  return reinterpret_cast<int64_t*>(offset + (int64_t{v.n + 1} * v.l + 1) / 2 * 2);
+  return reinterpret_cast<int64_t*>(offset + (int64_t{v.world_size + 1} * v.local_experts + 1) / 2 * 2);
 }
 
 // base[e] (after offset's [N + 1][L]): expert e's first output row -- e * capacity, or with
@@ -54,24 +54,24 @@ __device__ inline int64_t* ExpertBase(const Nv& v, int32_t* offset) {
 // a prefix over the local experts).
 __device__ inline void BuildOffsets(const Nv& v, const int32_t* counts, int32_t* offset,
                                     int64_t total, int32_t padding) {
-  for (int e = threadIdx.x; e < v.l; e += blockDim.x) {
+  for (int e = threadIdx.x; e < v.local_experts; e += blockDim.x) {
     int32_t rows = 0;
-    for (int q = 0; q < v.n; ++q) {
-      offset[q * v.l + e] = rows;
+    for (int q = 0; q < v.world_size; ++q) {
+      offset[q * v.local_experts + e] = rows;
       rows += counts[q * v.counts_stride + e];
     }
-    offset[v.n * v.l + e] = rows;
+    offset[v.world_size * v.local_experts + e] = rows;
   }
   int64_t* base = ExpertBase(v, offset);
   if (padding == 0) {
-    for (int e = threadIdx.x; e < v.l; e += blockDim.x) base[e] = int64_t{e} * v.capacity;
+    for (int e = threadIdx.x; e < v.local_experts; e += blockDim.x) base[e] = int64_t{e} * v.capacity;
   } else {
     __syncthreads();  // every total in
     if (threadIdx.x == 0) {
       int64_t next = 0;
-      for (int e = 0; e < v.l; ++e) {
+      for (int e = 0; e < v.local_experts; ++e) {
         base[e] = next;
-        next += (int64_t{offset[v.n * v.l + e]} + padding - 1) / padding * padding;
+        next += (int64_t{offset[v.world_size * v.local_experts + e]} + padding - 1) / padding * padding;
       }
     }
   }
@@ -130,7 +130,7 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
   const Index used = static_cast<Index>(v.meta_used / 16);
   const Index meta = static_cast<Index>(v.meta_bytes / 16);
   const Index body = meta + static_cast<Index>(v.payload / 16);
-  const Index end = static_cast<Index>((v.meta_bytes + v.payload + int64_t{v.spt} * 4 + 15) / 16);
+  const Index end = static_cast<Index>((v.meta_bytes + v.payload + int64_t{v.scales_per_token} * 4 + 15) / 16);
   constexpr Index kBatch = Index{kVec} * kGroup;
   // Received slot g: its sender s, its index j among s's, where it is. Ours from our send area;
   // then what s pushed; the rest pulled from s's send area (a slot past what s may push to a
@@ -138,10 +138,10 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
   int s = 0;
   int64_t j = 0;
   auto locate = [&](int64_t g) -> const uint4* {
-    s = SenderOf(prefix, v.n, g);
+    s = SenderOf(prefix, v.world_size, g);
     j = g - prefix[s];
     const PeerIn& from = from_of[s];
-    const uint8_t* src = s == v.me        ? v.own + v.send_off + (start[s] + j) * v.slot_bytes
+    const uint8_t* src = s == v.rank        ? v.own + v.send_off + (start[s] + j) * v.slot_bytes
                          : j < from.slot_cap ? from.slots + j * v.slot_bytes
                          : from.pull         ? from.pull + (start[s] + j) * v.slot_bytes
                                              : nullptr;
@@ -156,7 +156,7 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
     bool ok = true;
     if (tid == 0 && src4) {
       const PeerIn& from = from_of[s];
-      const bool pulled = s != v.me && j >= from.slot_cap;
+      const bool pulled = s != v.rank && j >= from.slot_cap;
       const uint64_t* word =
           pulled ? from.dispatch_flag
                  : reinterpret_cast<const uint64_t*>(reinterpret_cast<const uint8_t*>(src4) +
@@ -215,10 +215,10 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
     // Checks in parallel: the header by every thread, entry i by thread i.
     NvHeader header;
     std::memcpy(&header, &meta_v[0], sizeof header);
-    const int entries = min(max(header.entries, 0), v.k);
+    const int entries = min(max(header.entries, 0), v.topk);
     // The combine row, counted from where our rows for s go (rebased for another node).
     const int64_t row = header.row - rebase[s];
-    const SlotLimits limits{v.k, v.l, v.t_max, v.reduce, from.row_cap, v.capacity};
+    const SlotLimits limits{v.topk, v.local_experts, v.max_tokens, v.reduce, from.row_cap, v.capacity};
     bool valid = SlotHeaderValid(header, row, limits);
     if (tid < entries) {
       NvEntry entry;
@@ -226,12 +226,12 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
       const int32_t le = entry.local_expert;
       valid = valid && SlotEntryValid(entry, offset, s, limits);
       if (valid) {
-        const int64_t expert_row = ExpertBase(v, offset)[le] + offset[s * v.l + le] + entry.pos;
+        const int64_t expert_row = ExpertBase(v, offset)[le] + offset[s * v.local_experts + le] + entry.pos;
         valid = valid && (v.token_major || expert_row < a.out_rows);
         out_row[tid] = v.token_major ? g : expert_row;
         // CombineSend's entries; token-major it copies row g and reads none.
         if (!v.token_major) {
-          v.rentries[g * v.k + tid] = RecvEntry{expert_row, entry.weight};
+          v.rentries[g * v.topk + tid] = RecvEntry{expert_row, entry.weight};
         }
       }
     }
@@ -250,7 +250,7 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
       if (!kStream) WaitPrimary();  // streamed: see UnpackKernel
       primary_done = true;
     }
-    if (v.token_major && valid && tid < v.k) {
+    if (v.token_major && valid && tid < v.topk) {
       int32_t expert = -1;
       float weight = 0.0f;
       for (int i = 0; i < entries; ++i) {
@@ -261,8 +261,8 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
           weight = entry.weight;
         }
       }
-      a.token_experts[g * v.k + tid] = expert;
-      a.token_weights[g * v.k + tid] = weight;
+      a.token_experts[g * v.topk + tid] = expert;
+      a.token_weights[g * v.topk + tid] = weight;
     }
     // The slot's vectors into every entry's output row (the row, then its scales), batch by
     // batch for slots longer than one. Which of a thread's vectors are row and which scales
@@ -282,11 +282,11 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
       const Index at = first + tid - meta, scale_at = (first + tid - body) * 4;
       for (int e = 0; e < outs; ++e) {
         uint4* x = reinterpret_cast<uint4*>(a.out_x + out_row[e] * v.payload);
-        float* scales = a.out_scales + out_row[e] * v.spt;
+        float* scales = a.out_scales + out_row[e] * v.scales_per_token;
 #pragma unroll
         for (int u = 0; u < kVec; ++u) {
           if (in_row & (1u << u)) x[at + u * kGroup] = r[u];
-          if (in_scales & (1u << u)) StoreScales(scales, scale_at + u * kGroup * 4, v.spt, r[u]);
+          if (in_scales & (1u << u)) StoreScales(scales, scale_at + u * kGroup * 4, v.scales_per_token, r[u]);
         }
       }
     }
@@ -315,13 +315,13 @@ __global__ void __launch_bounds__(kCopyThreads, 2) UnpackKernel(Nv v, RecvArgs a
                                            // us, if remote); then counts[N][counts_stride];
                                            // then offset[N + 1][L]
   PeerIn* from_of = reinterpret_cast<PeerIn*>(unpack_raw);
-  int64_t* prefix = unpack_raw + v.n * (sizeof(PeerIn) / 8);
-  int64_t* start = prefix + v.n + 1;
-  int64_t* rebase = start + v.n;
+  int64_t* prefix = unpack_raw + v.world_size * (sizeof(PeerIn) / 8);
+  int64_t* start = prefix + v.world_size + 1;
+  int64_t* rebase = start + v.world_size;
   int32_t* counts = reinterpret_cast<int32_t*>(  // 16-byte aligned
-      reinterpret_cast<uint8_t*>(prefix) + ((3 * int64_t{v.n} + 1) * 8 + 15) / 16 * 16);
+      reinterpret_cast<uint8_t*>(prefix) + ((3 * int64_t{v.world_size} + 1) * 8 + 15) / 16 * 16);
   // offset[s][e]: rows of local expert e from senders before s (offset[N][e]: all of them).
-  int32_t* offset = counts + v.n * v.counts_stride;
+  int32_t* offset = counts + v.world_size * v.counts_stride;
   __shared__ bool ok;
   __shared__ SlotOrder order;
   Mark(v, kTraceUnpack, 0);
@@ -330,7 +330,7 @@ __global__ void __launch_bounds__(kCopyThreads, 2) UnpackKernel(Nv v, RecvArgs a
   LoadPeersIn(v, from_of);  // while thread 0 waits: no table load on the path after the flags
   if (v.counts_tagged) {  // every sender's counts row, a thread per sender waiting for its tag
     bool there = true;
-    for (int q = threadIdx.x; q < v.n; q += blockDim.x) {
+    for (int q = threadIdx.x; q < v.world_size; q += blockDim.x) {
       const NvPeer& p = v.peer[q];
       there = there &&
               AwaitWord(v, reinterpret_cast<const uint32_t*>(p.counts_in + CountsTagColumn(v)),
@@ -346,7 +346,7 @@ __global__ void __launch_bounds__(kCopyThreads, 2) UnpackKernel(Nv v, RecvArgs a
   // Every sender's counts row in one round trip (16-byte vectors; from another node they are in
   // host memory, where every small load is a PCIe transaction).
   const int vectors = v.counts_stride / 4;
-  for (int i = threadIdx.x; i < v.n * vectors; i += blockDim.x) {
+  for (int i = threadIdx.x; i < v.world_size * vectors; i += blockDim.x) {
     const int q = i / vectors;
     reinterpret_cast<uint4*>(counts + q * v.counts_stride)[i % vectors] =
         __ldcg(reinterpret_cast<const uint4*>(from_of[q].counts) + i % vectors);
@@ -355,32 +355,32 @@ __global__ void __launch_bounds__(kCopyThreads, 2) UnpackKernel(Nv v, RecvArgs a
   Mark(v, kTraceUnpack, 2);
   // Where each sender's slots are: the block's first slot is then in flight while the offsets
   // table is built.
-  for (int s = threadIdx.x; s < v.n; s += blockDim.x) {
+  for (int s = threadIdx.x; s < v.world_size; s += blockDim.x) {
     const int32_t* row = counts + s * v.counts_stride;
-    int64_t slots = row[v.l + kColSlots];
+    int64_t slots = row[v.local_experts + kColSlots];
     if (slots < 0 || slots > v.slots_per_pair) {  // none of them is taken
       if (blockIdx.x == 0) Report(v, kBadSlot, s, static_cast<int32_t>(slots));
       slots = 0;
     }
     prefix[s + 1] = slots;
-    start[s] = row[v.l + kColSendStart];
-    rebase[s] = from_of[s].remote ? row[v.l + kColRowStart] : 0;
+    start[s] = row[v.local_experts + kColSendStart];
+    rebase[s] = from_of[s].remote ? row[v.local_experts + kColRowStart] : 0;
     if (blockIdx.x == 0 && from_of[s].relay_rows) {  // for the relay's combine write (relay.h)
-      from_of[s].relay_rows[0] = row[v.l + kColRowStart];
-      from_of[s].relay_rows[1] = row[v.l + kColRows];
+      from_of[s].relay_rows[0] = row[v.local_experts + kColRowStart];
+      from_of[s].relay_rows[1] = row[v.local_experts + kColRows];
       __threadfence_system();
     }
   }
   __syncthreads();
   if (threadIdx.x == 0) {
     prefix[0] = 0;
-    for (int s = 0; s < v.n; ++s) prefix[s + 1] += prefix[s];
+    for (int s = 0; s < v.world_size; ++s) prefix[s + 1] += prefix[s];
     // Spread (v.spread) when groups loop (a block per slot otherwise); streamed, slots go as
     // claimed.
-    order = SpreadOrder(prefix[v.n], v.spread && !kStream && prefix[v.n] > gridDim.x);
+    order = SpreadOrder(prefix[v.world_size], v.spread && !kStream && prefix[v.world_size] > gridDim.x);
   }
   __syncthreads();
-  const int64_t total = prefix[v.n];
+  const int64_t total = prefix[v.world_size];
   // Counts rows from their tags: the offsets table now, then (not streamed) every send block's
   // arrival -- the table no longer waits behind the senders' last slots.
   if (v.counts_tagged) {
@@ -414,8 +414,8 @@ __global__ void __launch_bounds__(kCopyThreads, 2) UnpackKernel(Nv v, RecvArgs a
   if (blockIdx.x == 0) {
     if (!kStream) WaitPrimary();
     if (v.token_major && threadIdx.x == 0) *a.num_rows = static_cast<int32_t>(total);
-    for (int e = threadIdx.x; e < v.l; e += blockDim.x) {
-      const int32_t rows = offset[v.n * v.l + e];
+    for (int e = threadIdx.x; e < v.local_experts; e += blockDim.x) {
+      const int32_t rows = offset[v.world_size * v.local_experts + e];
       a.num_tokens[e] = rows;
       if (rows > v.capacity) Report(v, kRowOverrun, -1, e);
     }

@@ -45,7 +45,7 @@ static_assert(kChunk < (1 << 16), "a chunk's counts must fit 16 bits");
 // writes totals. The blocks of ranks [0, kScanRanks) report expert ids out of range, which every
 // step then skips.
 __device__ void ScanChunk(const Nv& v, const SendArgs& a, int tokens, int b, RouteSmem& smem) {
-  const int groups = (v.n + kScanRanks - 1) / kScanRanks;
+  const int groups = (v.world_size + kScanRanks - 1) / kScanRanks;
   const int c = b / groups, r0 = (b % groups) * kScanRanks;
   const int t = c * kRouteThreads + threadIdx.x;
   int rank_of[kMaxK];  // each copy's rank, -1 past k or for an id out of range
@@ -55,11 +55,11 @@ __device__ void ScanChunk(const Nv& v, const SendArgs& a, int tokens, int b, Rou
     int32_t e[kMaxK];
 #pragma unroll
     for (int i = 0; i < kMaxK; ++i) {
-      if (i < v.k) e[i] = a.indices[int64_t{t} * v.k + i];
+      if (i < v.topk) e[i] = a.indices[int64_t{t} * v.topk + i];
     }
 #pragma unroll
     for (int i = 0; i < kMaxK; ++i) {
-      if (i >= v.k) break;
+      if (i >= v.topk) break;
       if (ValidExpert(v, e[i])) {
         rank_of[i] = RankOf(v, e[i]);
       } else if (r0 == 0 && BadExpert(v, e[i])) {
@@ -80,34 +80,34 @@ __device__ void ScanChunk(const Nv& v, const SendArgs& a, int tokens, int b, Rou
 #pragma unroll
   for (int q = 0; q < kScanRanks; ++q) {
     const int r = r0 + q;
-    if (r >= v.n) break;
+    if (r >= v.world_size) break;
     if (t < tokens) {
-      v.slot_pos[int64_t{r} * v.t_max + t] = static_cast<int32_t>(mine.v[q] & 0xFFFF);
-      v.row_pos[int64_t{r} * v.t_max + t] = static_cast<int32_t>(mine.v[q] >> 16);
+      v.slot_pos[int64_t{r} * v.max_tokens + t] = static_cast<int32_t>(mine.v[q] & 0xFFFF);
+      v.row_pos[int64_t{r} * v.max_tokens + t] = static_cast<int32_t>(mine.v[q] >> 16);
     }
     if (threadIdx.x == 0) {
-      v.scan_carry[int64_t{c} * v.n + r] = (chunk.v[q] & 0xFFFF) | int64_t{chunk.v[q] >> 16} << 32;
+      v.scan_carry[int64_t{c} * v.world_size + r] = (chunk.v[q] & 0xFFFF) | int64_t{chunk.v[q] >> 16} << 32;
     }
   }
   if (!LastBlock(&v.scratch->tickets[3], false, v.scan_blocks)) return;
   const int chunks = v.scan_blocks / groups;
-  for (int r = threadIdx.x; r < v.n; r += blockDim.x) {
+  for (int r = threadIdx.x; r < v.world_size; r += blockDim.x) {
     int64_t sum = 0;
     for (int c0 = 0; c0 < chunks; c0 += 8) {  // eight chunks' sums loaded at once
       int64_t here[8];
 #pragma unroll
       for (int u = 0; u < 8; ++u) {
-        if (c0 + u < chunks) here[u] = __ldcg(&v.scan_carry[int64_t{c0 + u} * v.n + r]);
+        if (c0 + u < chunks) here[u] = __ldcg(&v.scan_carry[int64_t{c0 + u} * v.world_size + r]);
       }
 #pragma unroll
       for (int u = 0; u < 8; ++u) {
         if (c0 + u >= chunks) break;
-        v.scan_carry[int64_t{c0 + u} * v.n + r] = sum;
+        v.scan_carry[int64_t{c0 + u} * v.world_size + r] = sum;
         sum += here[u];
       }
     }
     v.totals[r] = static_cast<int32_t>(sum & 0xFFFFFFFF);
-    v.totals[v.n + r] = static_cast<int32_t>(sum >> 32);
+    v.totals[v.world_size + r] = static_cast<int32_t>(sum >> 32);
   }
 }
 
@@ -118,11 +118,11 @@ __device__ void ScanChunk(const Nv& v, const SendArgs& a, int tokens, int b, Rou
 // count per expert lives in shared memory (per_warp); then a prefix over the warps per expert
 // turns those into each warp's start. Also copies the routing for the later steps.
 __device__ void CountChunk(const Nv& v, const SendArgs& a, int tokens, int c, RouteSmem& smem) {
-  const int64_t first = int64_t{c} * kChunk, entries = int64_t{tokens} * v.k;
+  const int64_t first = int64_t{c} * kChunk, entries = int64_t{tokens} * v.topk;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   uint16_t* mine = smem.per_warp[warp];
-  for (int i = threadIdx.x; i < kRouteWarps * v.e; i += blockDim.x) {
-    smem.per_warp[i / v.e][i % v.e] = 0;
+  for (int i = threadIdx.x; i < kRouteWarps * v.experts; i += blockDim.x) {
+    smem.per_warp[i / v.experts][i % v.experts] = 0;
   }
   __syncthreads();
   int32_t key[kSortItems];   // the expert, -1 past the end or for an id out of range
@@ -145,8 +145,8 @@ __device__ void CountChunk(const Nv& v, const SendArgs& a, int tokens, int c, Ro
     __syncwarp();
   }
   __syncthreads();
-  int32_t* counts = v.chunk_counts + int64_t{c} * v.e;
-  for (int e = threadIdx.x; e < v.e; e += blockDim.x) {  // each warp's start per expert
+  int32_t* counts = v.chunk_counts + int64_t{c} * v.experts;
+  for (int e = threadIdx.x; e < v.experts; e += blockDim.x) {  // each warp's start per expert
     int32_t sum = 0;
     for (int w = 0; w < kRouteWarps; ++w) {
       const int32_t here = smem.per_warp[w][e];
@@ -185,7 +185,7 @@ __global__ void __launch_bounds__(kRouteThreads) RouteKernel(Nv v, SendArgs a) {
 // for r) for r to pull. Our own slots stay in the send area.
 __device__ inline uint8_t* SlotDst(const Nv& v, int r, int64_t j, int64_t start,
                                    uint8_t* slots, int32_t slot_cap) {
-  if (r != v.me && j < slot_cap) return slots + j * v.slot_bytes;
+  if (r != v.rank && j < slot_cap) return slots + j * v.slot_bytes;
   return v.own + v.send_off + (start + j) * v.slot_bytes;
 }
 __device__ inline uint8_t* SlotDst(const Nv& v, int r, int64_t j, int64_t start) {
@@ -221,19 +221,19 @@ __device__ inline void StoreRowWarp(const Nv& v, const SendArgs& a, int t, uint8
       }
     }
   }
-  for (int base = 0; base < v.spt; base += 4 * 32) {
+  for (int base = 0; base < v.scales_per_token; base += 4 * 32) {
     float scale[4];
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       const int i = base + lane + 32 * u;
-      if (i < v.spt) scale[u] = a.scales[int64_t{t} * v.spt + i];
+      if (i < v.scales_per_token) scale[u] = a.scales[int64_t{t} * v.scales_per_token + i];
     }
     for (int slot = 0; slot < ns; ++slot) {
       auto* d = reinterpret_cast<float*>(dst[slot] + v.meta_bytes + v.payload);
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
         const int i = base + lane + 32 * u;
-        if (i < v.spt) d[i] = scale[u];
+        if (i < v.scales_per_token) d[i] = scale[u];
       }
     }
   }
@@ -255,19 +255,19 @@ __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
   Mark(v, kTraceSend, 0);
   WaitPrimary();  // Route's output
   const int tokens = v.scratch->tokens;
-  int64_t* row_starts = starts + v.n;
-  PrefixTotals(v.totals, v.n, starts);
-  PrefixTotals(v.totals + v.n, v.n, row_starts);
+  int64_t* row_starts = starts + v.world_size;
+  PrefixTotals(v.totals, v.world_size, starts);
+  PrefixTotals(v.totals + v.world_size, v.world_size, row_starts);
   Mark(v, kTraceSend, 1);
   if (blockIdx.x == 0) {  // our counts row into every rank, before block 0 arrives
     WriteCountsRows(v, epoch, [&](int r, int c) {
-      if (c == v.l + kColSlots) return int64_t{v.totals[r]};
-      if (c == v.l + kColSendStart) return starts[r];
-      if (c == v.l + kColRowStart) return row_starts[r];
-      if (c == v.l + kColRows) return int64_t{v.totals[v.n + r]};
+      if (c == v.local_experts + kColSlots) return int64_t{v.totals[r]};
+      if (c == v.local_experts + kColSendStart) return starts[r];
+      if (c == v.local_experts + kColRowStart) return row_starts[r];
+      if (c == v.local_experts + kColRows) return int64_t{v.totals[v.world_size + r]};
       int64_t value = 0;
       for (int ch = 0; ch < v.chunks; ++ch) {
-        value += v.chunk_counts[int64_t{ch} * v.e + r * v.l + c];
+        value += v.chunk_counts[int64_t{ch} * v.experts + r * v.local_experts + c];
       }
       return value;
     }, [&](int r) { return PeerCountsDst(v, r); });
@@ -280,17 +280,17 @@ __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
     const long long loop_start = v.trace ? clock64() : 0;
     uint4 batch[kLaneVectors];
     LoadRowBatch(v, a, t, 0, batch);  // in flight while the slots are laid out
-    const LaneRoute x = RouteLane(v, v.indices + int64_t{t} * v.k);
+    const LaneRoute x = RouteLane(v, v.indices + int64_t{t} * v.topk);
     int32_t row_pos = 0;  // the token's first combine row among those from rank x.r
     if (x.valid) {
-      const int64_t f = int64_t{t} * v.k + lane;
+      const int64_t f = int64_t{t} * v.topk + lane;
       int32_t pos = v.erank[f];
-      for (int c = 0; c < f / kChunk; ++c) pos += v.chunk_counts[int64_t{c} * v.e + x.e];
+      for (int c = 0; c < f / kChunk; ++c) pos += v.chunk_counts[int64_t{c} * v.experts + x.e];
       const int r = x.r;
       const int o = v.once ? 0 : x.within;  // which of the token's slots for rank r
-      const int64_t carry = v.scan_carry[int64_t{t / kRouteThreads} * v.n + r];
-      const int64_t j = v.slot_pos[int64_t{r} * v.t_max + t] + (carry & 0xFFFFFFFF) + o;
-      row_pos = static_cast<int32_t>(v.row_pos[int64_t{r} * v.t_max + t] + (carry >> 32));
+      const int64_t carry = v.scan_carry[int64_t{t / kRouteThreads} * v.world_size + r];
+      const int64_t j = v.slot_pos[int64_t{r} * v.max_tokens + t] + (carry & 0xFFFFFFFF) + o;
+      row_pos = static_cast<int32_t>(v.row_pos[int64_t{r} * v.max_tokens + t] + (carry >> 32));
       uint8_t* d = SlotDst(v, r, j, starts[r]);
       const NvEntry entry{LocalOf(v, x.e), lane, v.weights[f], pos};
       reinterpret_cast<NvEntry*>(d + sizeof(NvHeader))[v.once ? x.within : 0] = entry;
@@ -305,7 +305,7 @@ __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
     }
     const int ns = __popc(v.once ? x.firsts : x.valids);
     __syncwarp();  // every lane read row_pos before it is completed for CombineRecv
-    if (x.first) v.row_pos[int64_t{x.r} * v.t_max + t] = row_pos;
+    if (x.first) v.row_pos[int64_t{x.r} * v.max_tokens + t] = row_pos;
     const long long copy_start = v.trace ? clock64() : 0;
     route_cycles += copy_start - loop_start;
     StoreRowWarp(v, a, t, dst, ns, batch);
@@ -363,7 +363,7 @@ __device__ inline SmallSmem CarveSmallSmem(void* raw, int n, int e) {
 
 // Whether entry f (valid, rank r) is the first of its token's copies for rank r.
 __device__ inline bool FirstForRank(const Nv& v, const int32_t* idx, int f, int r) {
-  for (int i = f - v.div_k.Mod(f); i < f; ++i) {
+  for (int i = f - v.div_topk.Mod(f); i < f; ++i) {
     if (ValidExpert(v, idx[i]) && RankOf(v, idx[i]) == r) return false;
   }
   return true;
@@ -381,25 +381,25 @@ __device__ inline bool FirstForRank(const Nv& v, const int32_t* idx, int f, int 
 __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs a) {
   extern __shared__ int64_t small_raw[];
   __shared__ uint8_t* dst_of[kSmallWarps][kMaxK];  // a token's slots (SlotDst)
-  const SmallSmem m = CarveSmallSmem(small_raw, v.n, v.e);
+  const SmallSmem m = CarveSmallSmem(small_raw, v.world_size, v.experts);
   LaunchDependents();
   const uint64_t epoch = v.scratch->epoch;
   Mark(v, kTraceSend, 0);
   const int tokens = SendTokens(v, a);
-  const int entries = tokens * v.k;
+  const int entries = tokens * v.topk;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int first_token = (static_cast<int>(blockIdx.x) - 1) * kSmallWarps;
 
-  for (int i = threadIdx.x; i < v.e; i += blockDim.x) m.hist[i] = m.hist_before[i] = 0;
-  for (int i = threadIdx.x; i < v.n; i += blockDim.x) m.tokens_all[i] = m.tokens_before[i] = 0;
+  for (int i = threadIdx.x; i < v.experts; i += blockDim.x) m.hist[i] = m.hist_before[i] = 0;
+  for (int i = threadIdx.x; i < v.world_size; i += blockDim.x) m.tokens_all[i] = m.tokens_before[i] = 0;
   // The peers' slot areas (SlotDst), or in block 0 where its counts rows go: loaded now, stored
   // to shared memory once counted, so that no thread waits for them before its routing loads.
   uint8_t* peer_slots = nullptr;
   int32_t peer_cap = 0;
   CountsDst peer_counts{};
-  if (threadIdx.x < v.n && blockIdx.x == 0) {
+  if (threadIdx.x < v.world_size && blockIdx.x == 0) {
     peer_counts = PeerCountsDst(v, threadIdx.x);
-  } else if (threadIdx.x < v.n) {
+  } else if (threadIdx.x < v.world_size) {
     peer_slots = v.peer[threadIdx.x].slots;
     peer_cap = v.peer[threadIdx.x].slot_cap;
   }
@@ -426,7 +426,7 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
     const int t = base + threadIdx.x;
     const bool before = t < first_token;
     uint32_t ranks = 0;
-    for (int f = t * v.k; t < tokens && f < (t + 1) * v.k; ++f) {
+    for (int f = t * v.topk; t < tokens && f < (t + 1) * v.topk; ++f) {
       const int32_t e = m.idx[f];
       if (!ValidExpert(v, e)) {
         if (BadExpert(v, e)) {
@@ -438,26 +438,26 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
       atomicAdd(&m.hist[e], 1);
       if (before) atomicAdd(&m.hist_before[e], 1);
       const int r = RankOf(v, e);
-      if (v.n <= 32) {
+      if (v.world_size <= 32) {
         ranks |= 1u << r;
       } else if (FirstForRank(v, m.idx, f, r)) {
         atomicAdd(&m.tokens_all[r], 1);
         if (before) atomicAdd(&m.tokens_before[r], 1);
       }
     }
-    if (v.n <= 32) {
+    if (v.world_size <= 32) {
       const uint32_t of_rank = TransposeBits(ranks);  // bit i: the warp's token i goes to `lane`
       const int early = min(max(first_token - (t - lane), 0), 32);  // its tokens before ours
       const int all = __popc(of_rank);
       const int all_early = __popc(of_rank & (early == 32 ? ~0u : (1u << early) - 1));
-      if (lane < v.n && all) atomicAdd(&m.tokens_all[lane], all);
-      if (lane < v.n && all_early) atomicAdd(&m.tokens_before[lane], all_early);
+      if (lane < v.world_size && all) atomicAdd(&m.tokens_all[lane], all);
+      if (lane < v.world_size && all_early) atomicAdd(&m.tokens_before[lane], all_early);
     }
   }
   if (__syncthreads_or(bad) && a.strict) return;  // nothing sent; the step may be retried
   Mark(v, kTraceSend, 2);
 
-  for (int i = threadIdx.x; i < v.n; i += blockDim.x) {
+  for (int i = threadIdx.x; i < v.world_size; i += blockDim.x) {
     if (blockIdx.x == 0) {
       m.peer_counts[i] = i == threadIdx.x ? peer_counts : PeerCountsDst(v, i);
     } else {
@@ -465,11 +465,11 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
       m.peer_cap[i] = i == threadIdx.x ? peer_cap : v.peer[i].slot_cap;
     }
   }
-  for (int r = warp; r < v.n; r += kSmallWarps) {  // copies per rank, from the expert counts
+  for (int r = warp; r < v.world_size; r += kSmallWarps) {  // copies per rank, from the expert counts
     int32_t all = 0, before = 0;
-    for (int i = lane; i < v.l; i += 32) {
-      all += m.hist[r * v.l + i];
-      before += m.hist_before[r * v.l + i];
+    for (int i = lane; i < v.local_experts; i += 32) {
+      all += m.hist[r * v.local_experts + i];
+      before += m.hist_before[r * v.local_experts + i];
     }
     all = __reduce_add_sync(~0u, all);
     before = __reduce_add_sync(~0u, before);
@@ -482,9 +482,9 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
   __syncthreads();
   if (warp == 0) {  // exclusive prefix sums over the ranks, 32 at a time
     int64_t carry_slots = 0, carry_rows = 0;
-    for (int b = 0; b < v.n; b += 32) {
+    for (int b = 0; b < v.world_size; b += 32) {
       const int r = b + lane;
-      const int64_t my_slots = r < v.n ? m.slots[r] : 0, my_rows = r < v.n ? m.rows[r] : 0;
+      const int64_t my_slots = r < v.world_size ? m.slots[r] : 0, my_rows = r < v.world_size ? m.rows[r] : 0;
       int64_t slots = my_slots, rows = my_rows;
       for (int d = 1; d < 32; d *= 2) {
         const int64_t s2 = __shfl_up_sync(~0u, slots, d), r2 = __shfl_up_sync(~0u, rows, d);
@@ -493,7 +493,7 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
           rows += r2;
         }
       }
-      if (r < v.n) {
+      if (r < v.world_size) {
         m.starts[r] = carry_slots + slots - my_slots;
         m.row_starts[r] = carry_rows + rows - my_rows;
       }
@@ -504,16 +504,16 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
   __syncthreads();
   // Block 0 writes our counts rows into every rank now; every block arrives once its rows are out.
   if (blockIdx.x == 0) {
-    for (int r = threadIdx.x; r < v.n; r += blockDim.x) {  // for CombineRecv
+    for (int r = threadIdx.x; r < v.world_size; r += blockDim.x) {  // for CombineRecv
       v.totals[r] = m.slots[r];
-      v.totals[v.n + r] = m.rows[r];
+      v.totals[v.world_size + r] = m.rows[r];
     }
     WriteCountsRows(v, epoch, [&](int r, int c) {
-      if (c == v.l + kColSlots) return int64_t{m.slots[r]};
-      if (c == v.l + kColSendStart) return m.starts[r];
-      if (c == v.l + kColRowStart) return m.row_starts[r];
-      if (c == v.l + kColRows) return int64_t{m.rows[r]};
-      return int64_t{m.hist[r * v.l + c]};
+      if (c == v.local_experts + kColSlots) return int64_t{m.slots[r]};
+      if (c == v.local_experts + kColSendStart) return m.starts[r];
+      if (c == v.local_experts + kColRowStart) return m.row_starts[r];
+      if (c == v.local_experts + kColRows) return int64_t{m.rows[r]};
+      return int64_t{m.hist[r * v.local_experts + c]};
     }, [&](int r) { return m.peer_counts[r]; });
   }
   Mark(v, kTraceSend, 3);
@@ -523,25 +523,25 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
     // The row's first batch and the token's weights, in flight while the slots are laid out.
     uint4 batch[kLaneVectors];
     LoadRowBatch(v, a, t, 0, batch);
-    const float weight = lane < v.k ? a.weights[int64_t{t} * v.k + lane] : 0.0f;
+    const float weight = lane < v.topk ? a.weights[int64_t{t} * v.topk + lane] : 0.0f;
 
     // Lane j: the token's j-th copy. Counts over the block's earlier entries (its tokens before
     // this one, and this token's copies before j), 32 entries per ballot.
-    const LaneRoute x = RouteLane(v, m.idx + t * v.k);
-    const int own = t * v.k;
+    const LaneRoute x = RouteLane(v, m.idx + t * v.topk);
+    const int own = t * v.topk;
     int32_t pos = x.valid ? m.hist_before[x.e] : 0;
     int32_t rank_copies = x.valid ? m.copies_before[x.r] : 0;  // before token t, on its rank
     int32_t rank_tokens = x.valid ? m.tokens_before[x.r] : 0;
-    for (int base = first_token * v.k; base < own + v.k; base += 32) {
+    for (int base = first_token * v.topk; base < own + v.topk; base += 32) {
       const int f = base + lane;
-      const int32_t e = f < own + v.k ? m.idx[f] : -1;
+      const int32_t e = f < own + v.topk ? m.idx[f] : -1;
       const bool valid = ValidExpert(v, e);
       const int r = valid ? RankOf(v, e) : -1;
       const bool earlier = f < own;
       const bool first = valid && earlier && FirstForRank(v, m.idx, f, r);
 #pragma unroll
       for (int j = 0; j < kMaxK; ++j) {
-        if (j >= v.k) break;
+        if (j >= v.topk) break;
         const int32_t ej = __shfl_sync(~0u, x.valid ? x.e : -1, j);
         const int rj = __shfl_sync(~0u, x.r, j);
         const int p = __popc(__ballot_sync(~0u, valid && e == ej && f < own + j));
@@ -572,7 +572,7 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
             NvHeader{t, v.once ? x.hits : 1, row, static_cast<int16_t>(o),
                      static_cast<int16_t>(v.once ? 1 : x.hits)};
         dst_of[warp][v.once ? x.ranks_before : x.lanes_before + x.within] = d;
-        if (x.first) v.row_pos[int64_t{r} * v.t_max + t] = row_pos;  // for CombineRecv
+        if (x.first) v.row_pos[int64_t{r} * v.max_tokens + t] = row_pos;  // for CombineRecv
       }
     }
     const int ns = __popc(v.once ? x.firsts : x.valids);
