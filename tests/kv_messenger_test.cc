@@ -683,6 +683,64 @@ Status StormDecoder(const std::string& provider, Bootstrap& b) {
   return b.Barrier(60s);
 }
 
+// One engine serves a KvPrefill and a KvDecoder at once (each takes its own messages by tag):
+// each of two ranks asks the other's prefill for a request and serves the other's, and both
+// end OK. A second KvPrefill on an engine that has one is refused, and a prefill made after
+// the first is gone takes its place.
+TEST(KvSharedEngineTest, OneEngineServesAPrefillAndADecoder) {
+  const std::string provider = testing_util::Providers().front();
+  auto exits = RunLocalRanks(2, [&](Bootstrap& b) -> Status {
+    const KvSide pre_side{kSmallModel, KvOrder::kHND, 4}, dec_side{kSmallModel, KvOrder::kHND, 2};
+    ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions(provider)));
+    Shards pre_shards, dec_shards;
+    RETURN_IF_ERROR(pre_shards.Init(*engine, pre_side, 24));
+    RETURN_IF_ERROR(dec_shards.Init(*engine, dec_side, 24));
+    std::atomic<uint64_t> layers{0};
+    std::atomic<int> released{0};
+    std::atomic<uint64_t> incoming{0};
+    KvPrefill::Callbacks cb;
+    cb.on_request = [&](const KvPrefill::Incoming& in) { incoming.store(in.request_id); };
+    cb.on_released = [&](uint64_t, const Status& s) { released.fetch_add(s.ok() ? 1 : 100); };
+    ASSIGN_OR_RETURN(auto prefill, KvPrefill::Create(engine.get(), pre_side, pre_shards.regions,
+                                                     nullptr, &layers, cb));
+    ASSIGN_OR_RETURN(auto decoder,
+                     KvDecoder::Create(engine.get(), dec_side, dec_shards.regions, nullptr));
+    const Status second = KvPrefill::Create(engine.get(), pre_side, pre_shards.regions, nullptr,
+                                            &layers, cb).status();
+    CHECK_OR_RETURN(second.code() == StatusCode::kAlreadyExists, "second: " + second.ToString());
+    ASSIGN_OR_RETURN(auto addresses, b.AllGather(engine->Address(), 30s));
+    std::atomic<int> calls{0};
+    Status outcome;
+    KvDecoder::Request req;
+    req.request_id = 70 + static_cast<uint64_t>(b.rank());
+    req.prefill_address = addresses[1 - b.rank()];
+    req.prefill = pre_side;
+    const std::vector<int64_t> pages = {9, 3, 5, 7, 11};
+    req.pages = pages;
+    RETURN_IF_ERROR(decoder->Submit(req, Deadline::After(30s), [&](const Status& st) {
+      outcome = st;
+      calls.fetch_add(1);
+    }));
+    const Deadline deadline = Deadline::After(30s);
+    while (incoming.load() == 0 && !deadline.Expired()) std::this_thread::sleep_for(1ms);
+    const uint64_t theirs = 70 + static_cast<uint64_t>(1 - b.rank());
+    CHECK_OR_RETURN(incoming.load() == theirs, "request " + std::to_string(incoming.load()));
+    RETURN_IF_ERROR(prefill->Schedule(theirs, std::vector<int64_t>{0, 1, 2, 3, 4}, 0, 0));
+    layers.fetch_add(kLayers);
+    while ((calls.load() == 0 || released.load() == 0) && !deadline.Expired()) {
+      std::this_thread::sleep_for(1ms);
+    }
+    CHECK_OR_RETURN(calls.load() == 1 && outcome.ok(), "our request: " + outcome.ToString());
+    CHECK_OR_RETURN(released.load() == 1, "their request released " +
+                                              std::to_string(released.load()));
+    RETURN_IF_ERROR(b.Barrier(30s));  // both done before either prefill goes
+    prefill.reset();
+    return KvPrefill::Create(engine.get(), pre_side, pre_shards.regions, nullptr, &layers, cb)
+        .status();
+  }, 120s);
+  for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
+}
+
 // The prefill's options from the environment: the default without FERRY_KV_TRACE, the trace
 // with 1, a value the switch cannot take refused naming the variable.
 TEST(KvPrefillOptionsTest, FromEnvReadsTheTraceSwitch) {

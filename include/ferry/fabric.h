@@ -388,11 +388,19 @@ class FERRY_API TransferEngine {
   // --- two-sided messages ---
   // Copies `message` (at most options.message_bytes) into a send buffer; returns at once.
   virtual Status Send(PeerId peer, std::span<const uint8_t> message, Completion done) = 0;
-  // Called on the worker thread for every message received; `from` is empty when the sender is
-  // not one of our peers. The bytes are valid during the call only.
+  // Called on the worker thread for every message received that no tagged handler takes;
+  // `from` is empty when the sender is not one of our peers. The bytes are valid during the
+  // call only.
   using MessageHandler =
       std::function<void(std::optional<PeerId> from, std::span<const uint8_t> message)>;
   virtual void SetMessageHandler(MessageHandler handler) = 0;
+  // Messages whose first four bytes, read as a uint32 (host byte order: what a memcpy of a
+  // uint32_t wrote), are `tag` go to `handler` instead: one engine serves several users of
+  // messages, each with tags of its own (a KV decoder and a KV prefill, the caller's own
+  // protocol). AlreadyExists when another handler holds the tag (a null handler gives it up);
+  // ResourceExhausted past kMaxMessageTags tags.
+  static constexpr size_t kMaxMessageTags = 16;
+  virtual Status SetTaggedMessageHandler(uint32_t tag, MessageHandler handler) = 0;
 
   // --- immediate counters (receiving side) ---
   // Immediates with a counter are counted; others go to the unmatched handler. Create the counter

@@ -105,8 +105,9 @@ struct FERRY_API KvRegions {
 };
 
 // Decode side: registers nothing itself; sends requests and counts the writes that land. It takes
-// the engine's message handler (an engine serves one messenger role). Destroy it before its
-// engine. Thread safety: Submit and Cancel from any thread; callbacks run on the engine's worker.
+// the engine's acknowledgement messages by their tag (TransferEngine::SetTaggedMessageHandler):
+// an engine serves one KvDecoder (AlreadyExists for a second) beside a KvPrefill and other users
+// of messages. Destroy it before its engine. Thread safety: Submit and Cancel from any thread; callbacks run on the engine's worker.
 // Prefills are added to the engine as requests name them; when its peer table is full
 // (EngineOptions::max_peers), the least recently used prefill no request waits on is removed to
 // make room (added again when a request names it).
@@ -197,7 +198,9 @@ struct FERRY_API KvPrefillOptions {
 
 // Prefill side: takes requests, follows the forward pass through a layer counter, writes each
 // finished layer's pages, then the aux data, and releases the source pages when done. It takes
-// the engine's message handler and runs one watcher thread; destroy it before its engine.
+// the engine's request and cancel messages by their tags (one KvPrefill per engine, beside a
+// KvDecoder and other users of messages) and runs one watcher thread; destroy it before its
+// engine.
 // While a scheduled chunk awaits a layer the watcher polls the counter without sleeping (a core
 // for the forward pass's length: it sees each layer within microseconds); with nothing to wait
 // for it idles as the engine does (EngineOptions::spin_us).

@@ -120,7 +120,7 @@ namespace ferry::python {
 
 // The TransferEngine of a ferry.TransferEngine object (None: null), which refuses to close until
 // as many ReleaseEngine calls: what uses an engine (an AllToAll, a KV messenger) holds it this
-// way. When the last lets go, received messages go to the engine's recv() again.
+// way.
 TransferEngine* AcquireEngine(const py::handle& engine);
 void ReleaseEngine(const py::handle& engine);
 

@@ -46,16 +46,14 @@ class Engine {
   explicit Engine(const EngineOptions& options)
       : engine_(ValueOrThrow(TransferEngine::Create(options))),
         messages_(std::make_shared<MessageQueue>("messages", 4096)) {
-    RestoreMessageHandler();
-  }
-
-  // Received messages go to recv() (again, after a KV messenger that took them has gone).
-  void RestoreMessageHandler() {
+    // Received messages go to recv(), but for those a KV messenger on this engine takes (its
+    // tags: TransferEngine::SetTaggedMessageHandler).
     engine().SetMessageHandler(
         [messages = messages_](std::optional<PeerId> from, std::span<const uint8_t> bytes) {
           messages->Push({from, std::vector<uint8_t>(bytes.begin(), bytes.end())});
         });
   }
+
   // Nothing that uses the engine can outlive this object (each holds a reference to it), but a
   // destructor must not raise: should one still, the engine is left running, never freed under
   // it.
@@ -337,7 +335,6 @@ void ReleaseEngine(const py::handle& engine) {
   if (engine.is_none()) return;
   Engine& e = py::cast<Engine&>(engine);
   e.Release();
-  if (e.open() && e.users() == 0) e.RestoreMessageHandler();
 }
 
 void BindFabric(py::module_& m) {

@@ -258,6 +258,7 @@ class Engine final : public TransferEngine {
   Status WriteImm(PeerId peer, uint32_t imm, Completion done) override;
   Status Send(PeerId peer, std::span<const uint8_t> message, Completion done) override;
   void SetMessageHandler(MessageHandler handler) override;
+  Status SetTaggedMessageHandler(uint32_t tag, MessageHandler handler) override;
 
   // ----- immediate counters -----------------------------------------------------------------
 
@@ -468,6 +469,7 @@ class Engine final : public TransferEngine {
   std::unordered_map<uint64_t, PeerId> peer_by_addr_;
   std::vector<ImmCounterTable::Slot*> armed_;  // reserved to max_imm_counters: never allocates
   MessageHandler message_handler_;
+  std::vector<std::pair<uint32_t, MessageHandler>> tagged_handlers_;  // worker-owned
   UnmatchedImmHandler unmatched_handler_;
 
   struct Stats {

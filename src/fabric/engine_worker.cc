@@ -6,6 +6,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <cstring>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -422,12 +423,20 @@ void Engine::StoreMirror(ImmCounterTable::Slot* slot) {
 
 void Engine::OnMessage(const DomainCompletion& c, uint32_t index, uint32_t nic) {
   Stats::Add(stats_.messages);
-  if (!message_handler_) return;
+  const uint8_t* data = recv_buffers_.data() + uint64_t{index} * options_.message_bytes;
+  const MessageHandler* handler = &message_handler_;
+  if (c.length >= 4 && !tagged_handlers_.empty()) {
+    uint32_t tag;
+    std::memcpy(&tag, data, 4);
+    for (const auto& [t, h] : tagged_handlers_) {
+      if (t == tag) handler = &h;
+    }
+  }
+  if (!*handler) return;
   std::optional<PeerId> from;
   auto it = peer_by_addr_.find(PeerKey(nic, c.src_addr));
   if (c.src_addr != kNoPeerAddr && it != peer_by_addr_.end()) from = it->second;
-  const uint8_t* data = recv_buffers_.data() + uint64_t{index} * options_.message_bytes;
-  message_handler_(from, std::span<const uint8_t>(data, c.length));
+  (*handler)(from, std::span<const uint8_t>(data, c.length));
 }
 
 Status Engine::PostRecvBuffer(uint32_t index) {

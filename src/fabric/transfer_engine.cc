@@ -500,6 +500,28 @@ void Engine::SetMessageHandler(MessageHandler handler) {
   SetOnWorker(&Engine::message_handler_, std::move(handler));
 }
 
+Status Engine::SetTaggedMessageHandler(uint32_t tag, MessageHandler handler) {
+  // On the worker, which reads the table for every message: no lock on that path.
+  return RunOnWorker([this, tag, handler = std::move(handler)](ControlResult&) mutable -> Status {
+    auto& table = tagged_handlers_;
+    auto it = std::find_if(table.begin(), table.end(), [&](const auto& e) { return e.first == tag; });
+    if (!handler) {
+      if (it != table.end()) table.erase(it);
+      return Status::Ok();
+    }
+    if (it != table.end()) {
+      return AlreadyExistsError("SetTaggedMessageHandler: tag " + std::to_string(tag) +
+                                " has a handler already (give it up with a null one first)");
+    }
+    if (table.size() >= kMaxMessageTags) {
+      return ResourceExhaustedError("SetTaggedMessageHandler: " +
+                                    std::to_string(kMaxMessageTags) + " tags taken");
+    }
+    table.emplace_back(tag, std::move(handler));
+    return Status::Ok();
+  }).status();
+}
+
 // ----- immediate counters ------------------------------------------------------------------------
 
 Status Engine::CreateWeightedImmCounter(uint32_t imm, uint32_t weight_mask) {
@@ -845,6 +867,9 @@ class EngineHandle final : public TransferEngine {
   }
   void SetMessageHandler(MessageHandler handler) override {
     e_->SetMessageHandler(std::move(handler));
+  }
+  Status SetTaggedMessageHandler(uint32_t tag, MessageHandler handler) override {
+    return e_->SetTaggedMessageHandler(tag, std::move(handler));
   }
   Status CreateImmCounter(uint32_t imm) override { return e_->CreateImmCounter(imm); }
   Status CreateWeightedImmCounter(uint32_t imm, uint32_t weight_mask) override {

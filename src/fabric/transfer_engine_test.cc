@@ -385,6 +385,62 @@ TEST_P(EnginePairTest, UnmatchedImmediatesGoToTheHandler) {
   EXPECT_GE(b_->stats().imms_unmatched, 1u);
 }
 
+// Messages go by their first four bytes to the handler of that tag, the rest (shorter ones
+// too) to the untagged handler; a tag has one handler at a time (AlreadyExists until it is
+// given up with a null one), at most kMaxMessageTags are taken.
+TEST_P(EnginePairTest, TaggedMessagesGoToTheirTagsHandler) {
+  std::mutex mu;
+  std::vector<std::pair<char, uint32_t>> got;  // (handler, first word or the length)
+  auto word = [](std::span<const uint8_t> m) {
+    uint32_t v = 0;
+    if (m.size() >= 4) std::memcpy(&v, m.data(), 4);
+    return m.size() >= 4 ? v : static_cast<uint32_t>(m.size());
+  };
+  auto handler = [&](char name) {
+    return [&, name](std::optional<PeerId>, std::span<const uint8_t> m) {
+      std::lock_guard<std::mutex> l(mu);
+      got.emplace_back(name, word(m));
+    };
+  };
+  b_->SetMessageHandler(handler('u'));
+  ASSERT_TRUE(b_->SetTaggedMessageHandler(7, handler('a')).ok());
+  ASSERT_TRUE(b_->SetTaggedMessageHandler(9, handler('b')).ok());
+  EXPECT_EQ(b_->SetTaggedMessageHandler(7, handler('c')).code(), StatusCode::kAlreadyExists);
+  auto send = [&](uint32_t first, size_t bytes) {
+    std::vector<uint8_t> m(bytes, 0xAB);
+    std::memcpy(m.data(), &first, std::min<size_t>(bytes, 4));
+    TransferCounter c;
+    ASSERT_TRUE(a_->Send(b_on_a_, m, Completion::Counter(&c)).ok());
+    ASSERT_TRUE(c.Wait(1, Deadline::After(10s)).ok());
+  };
+  auto expect = [&](std::vector<std::pair<char, uint32_t>> want) {
+    for (int i = 0; i < 10000; ++i) {
+      {
+        std::lock_guard<std::mutex> l(mu);
+        if (got.size() >= want.size()) break;
+      }
+      std::this_thread::sleep_for(1ms);
+    }
+    std::lock_guard<std::mutex> l(mu);
+    EXPECT_EQ(got, want);
+    got.clear();
+  };
+  send(7, 16);
+  send(9, 4);
+  send(8, 16);
+  send(7, 3);  // shorter than a tag: the untagged handler's, whatever its bytes
+  expect({{'a', 7}, {'b', 9}, {'u', 8}, {'u', 3}});
+  ASSERT_TRUE(b_->SetTaggedMessageHandler(7, nullptr).ok());
+  ASSERT_TRUE(b_->SetTaggedMessageHandler(7, handler('c')).ok());
+  send(7, 8);
+  expect({{'c', 7}});
+  for (uint32_t t = 100; t < 100 + TransferEngine::kMaxMessageTags - 2; ++t) {
+    ASSERT_TRUE(b_->SetTaggedMessageHandler(t, handler('x')).ok()) << t;
+  }
+  EXPECT_EQ(b_->SetTaggedMessageHandler(1, handler('y')).code(),
+            StatusCode::kResourceExhausted);
+}
+
 TEST_P(EnginePairTest, SendRecvRepostsBounceBuffers) {
   std::mutex mu;
   std::vector<std::vector<uint8_t>> received;

@@ -46,7 +46,7 @@ class Decoder final : public KvDecoder {
   // notification (their requests report Cancelled), and wait, bounded, for them and for the
   // completions of requests' messages still in flight to run.
   ~Decoder() override {
-    engine_->SetMessageHandler(nullptr);
+    if (tag_held_) (void)engine_->SetTaggedMessageHandler(kAckMagic, nullptr);
     closing_.store(true, std::memory_order_release);
     {
       std::lock_guard<std::mutex> lock(remove_mu_);
@@ -83,12 +83,18 @@ class Decoder final : public KvDecoder {
                                                         kImmWeightMask));
       free_.push_back(static_cast<uint32_t>(i));
     }
-    // Runs on the worker: only lock-free engine calls and queue pushes from here.
-    engine_->SetMessageHandler([this](std::optional<PeerId>, std::span<const uint8_t> m) {
-      if (MagicOf(m) != kAckMagic) return;
-      auto f = ParseControl(kAckMagic, m);
-      if (f.ok()) OnAck(f->request_id, f->imm, f->posted);
-    });
+    // Runs on the worker: only lock-free engine calls and queue pushes from here. A decoder
+    // takes the acknowledgements (the engine's other messages stay its other users').
+    const Status tagged = engine_->SetTaggedMessageHandler(
+        kAckMagic, [this](std::optional<PeerId>, std::span<const uint8_t> m) {
+          auto f = ParseControl(kAckMagic, m);
+          if (f.ok()) OnAck(f->request_id, f->imm, f->posted);
+        });
+    if (tagged.code() == StatusCode::kAlreadyExists) {
+      return AlreadyExistsError("KvDecoder: the engine serves another KvDecoder already");
+    }
+    RETURN_IF_ERROR(tagged);
+    tag_held_ = true;
     // Engine control calls (RemovePeer) must not run on the engine's worker, where the
     // notifications fire: a thread of our own takes unresponsive prefills out.
     remover_ = std::thread([this] { RemoveUnresponsive(); });
@@ -463,6 +469,7 @@ class Decoder final : public KvDecoder {
   }
 
   TransferEngine* engine_;
+  bool tag_held_ = false;  // the engine routes acknowledgements here (Init)
   const KvSide decode_;
   const KvRegions regions_;
   const MemoryRegion* aux_;

@@ -44,7 +44,9 @@ class Prefill final : public KvPrefill {
   ~Prefill() override {
     stop_.store(true, std::memory_order_release);
     if (watcher_.joinable()) watcher_.join();
-    engine_->SetMessageHandler(nullptr);
+    if (tags_held_) {
+      for (uint32_t tag : kTags) (void)engine_->SetTaggedMessageHandler(tag, nullptr);
+    }
     bool quiet = true;
     for (auto& [id, a] : pending_) {
       quiet &= a.writes->Wait(a.submitted, Deadline::After(std::chrono::seconds(30))).ok();
@@ -52,13 +54,29 @@ class Prefill final : public KvPrefill {
     if (!quiet) new std::unordered_map<uint64_t, Active>(std::move(pending_));
   }
 
+  // The messages a prefill takes (the engine's other messages stay its other users').
+  static constexpr uint32_t kTags[] = {kRequestMagic, kCancelMagic};
+
   Status Init() {
     // The handler runs on the engine's worker: it only queues; the watcher parses and adds
     // peers (engine control calls must not run on the worker).
-    engine_->SetMessageHandler([this](std::optional<PeerId>, std::span<const uint8_t> m) {
-      std::lock_guard<std::mutex> lock(mu_);
-      inbox_.emplace_back(m.begin(), m.end());
-    });
+    for (uint32_t tag : kTags) {
+      const Status s = engine_->SetTaggedMessageHandler(
+          tag, [this](std::optional<PeerId>, std::span<const uint8_t> m) {
+            std::lock_guard<std::mutex> lock(mu_);
+            inbox_.emplace_back(m.begin(), m.end());
+          });
+      if (!s.ok()) {
+        for (uint32_t t : kTags) {
+          if (t == tag) break;
+          (void)engine_->SetTaggedMessageHandler(t, nullptr);
+        }
+        return s.code() == StatusCode::kAlreadyExists
+                   ? AlreadyExistsError("KvPrefill: the engine serves another KvPrefill already")
+                   : s;
+      }
+    }
+    tags_held_ = true;
     watcher_ = std::thread([this] { Watch(); });
     return Status::Ok();
   }
@@ -476,6 +494,7 @@ class Prefill final : public KvPrefill {
   static constexpr auto kDeferLimit = std::chrono::seconds(2);
   std::deque<Deferred> deferred_;
   const bool trace_;
+  bool tags_held_ = false;  // the engine routes our kTags here (Init), given up at destruction
   bool awaiting_layers_ = false;  // the watcher's last pass: a scheduled chunk awaits a layer
   std::atomic<bool> stop_{false};
   std::thread watcher_;
