@@ -107,7 +107,8 @@ struct FERRY_API KvRegions {
 // Decode side: registers nothing itself; sends requests and counts the writes that land. It takes
 // the engine's acknowledgement messages by their tag (TransferEngine::SetTaggedMessageHandler):
 // an engine serves one KvDecoder (AlreadyExists for a second) beside a KvPrefill and other users
-// of messages. Destroy it before its engine. Thread safety: Submit and Cancel from any thread; callbacks run on the engine's worker.
+// of messages. Destroy it before its engine. Thread safety: Submit and Cancel from any thread;
+// callbacks run on the engine's worker.
 // Prefills are added to the engine as requests name them; when its peer table is full
 // (EngineOptions::max_peers), the least recently used prefill no request waits on is removed to
 // make room (added again when a request names it).

@@ -25,9 +25,9 @@
 //     enqueued on a stream (SetStream) and captured in a graph: the kernels and the relay
 //     meet through flags, never through the calling thread.
 //
-// Protocol (docs/DESIGN.md §2.2): every rank sends its per-expert token counts to every rank (so all
-// ranks know the full routing); the first max_private_tokens tokens for each receiver go at once
-// into a region private to the sender; once the counts are in, each sender computes where its
+// Protocol (docs/DESIGN.md §2.2): every rank sends its per-expert token counts to every rank (so
+// all ranks know the full routing); the first max_private_tokens tokens for each receiver go at
+// once into a region private to the sender; once the counts are in, each sender computes where its
 // remaining tokens go in the receiver's shared overflow region and writes them there, one write
 // per peer. Immediates carry a kind and an epoch (iteration mod 4) so consecutive iterations
 // never mix; a barrier after each receive half tells senders the buffers may be reused.

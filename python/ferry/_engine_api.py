@@ -148,20 +148,6 @@ class _Pooled:
         self.a2a, self.busy, self.streamed = a2a, False, False  # streamed: set_stream done
 
 
-# Arrays of enqueued steps an AllToAll may hold before a layer waits for them (a few rounds'
-# worth: a CPU that runs ahead of the GPU keeps them referenced until their steps finish).
-MAX_PENDING_ARRAYS = 64
-
-
-def release_finished(a2a):
-    """The AllToAll's finished steps' arrays let go and their kernels' findings raised, without
-    waiting while it has fewer than MAX_PENDING_ARRAYS in flight; never under graph capture."""
-    if torch.cuda.is_current_stream_capturing():
-        return
-    if not a2a.poll() and a2a.pending_arrays > MAX_PENDING_ARRAYS:
-        a2a.synchronize()
-
-
 # The current stream as a cudaStream_t: torch's raw accessor where it has one (what compilers
 # built on torch call), else the Stream object's handle (several times slower).
 _raw_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)

@@ -27,7 +27,7 @@ import torch
 
 from . import _ferry
 from ._engine_api import (Group, check_tensor, current_stream_handle, device_kind,
-                          env_timeout, fp8_dtype, refuse, release_finished)
+                          env_timeout, fp8_dtype, refuse)
 from ._errors import InvalidArgument, ResourceExhausted, Unimplemented
 
 __all__ = ["Buffer", "Config", "EventOverlap"]
@@ -196,8 +196,8 @@ class Buffer:
 
     def _acquire(self, key, x, fields):
         """The idle AllToAll of `key` (made from fields(), the config's keywords, when there is
-        none: the call that makes it is the only one that builds them). x.is_cuda is part of
-        the key."""
+        none: the call that makes it is the only one that builds them). The key names x's
+        device (Tensor.get_device())."""
         pooled = self._group.acquire(key)
         if pooled is None:
             pooled = self._create(key, x, fields)
@@ -234,7 +234,7 @@ class Buffer:
 
     def _begin(self, a2a, x, previous_event):
         """The normal mode's steps, made one by one: what the AllToAll enqueued before and has
-        finished let go (release_finished: its kernels' errors raised), then the communication
+        finished let go (its kernels' errors raised), then the communication
         stream (where the AllToAll's steps go) ordered after the caller's stream, or after
         previous_event; returns the caller's stream handle, for _end. The ordering is the
         AllToAll's own (an event recorded and waited for in C++): torch's stream objects cost
@@ -243,7 +243,7 @@ class Buffer:
         current = self._current(x)
         if current is None:
             return None
-        release_finished(a2a)
+        a2a.release_finished(current)
         if previous_event is not None and previous_event.event is not None:
             self._stream.wait_event(previous_event.event)
         else:

@@ -101,8 +101,6 @@ class Engine {
     return e;
   }
   void Release() { --users_; }
-  bool open() const { return engine_ != nullptr; }
-  int users() const { return users_; }
 
   Region Register(const py::handle& object) {
     Array array = ToArray(object);

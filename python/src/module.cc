@@ -107,10 +107,6 @@ PyTypeObject* TorchTensorType() {
   return type;
 }
 
-// A torch tensor of CPU or CUDA memory read through its own methods, as
-// ferry._arrays.as_array reads one, without the Python function between: every step converts
-// several tensors, and the Python path costs a few microseconds each. Anything else (not
-// contiguous, another device) goes to as_array, which says what is wrong.
 // One of the tensor's methods or attributes, looked up by a name made once (a C string would
 // be turned into a Python one, and hashed, at every call).
 struct TensorName {
@@ -132,7 +128,14 @@ T Checked(py::object value) {
   return py::cast<T>(value);
 }
 
+// A torch tensor of CPU or CUDA memory read through its own methods, as
+// ferry._arrays.as_array reads one, without the Python function between: every step converts
+// several tensors, and the Python path costs a few microseconds each. Anything else (not a
+// torch tensor, not contiguous, another device): nullopt, for as_array to read or refuse with
+// a message that says what is wrong.
 std::optional<Array> TorchArray(const py::handle& t) {
+  PyTypeObject* tensor_type = TorchTensorType();
+  if (tensor_type == nullptr || !PyObject_TypeCheck(t.ptr(), tensor_type)) return std::nullopt;
   static const TensorName is_contiguous("is_contiguous"), is_cuda("is_cuda"), is_cpu("is_cpu"),
       dtype_of("dtype"), get_device("get_device"), element_size("element_size"),
       data_ptr("data_ptr"), shape_of("shape");
@@ -174,10 +177,7 @@ std::optional<Array> TorchArray(const py::handle& t) {
 
 Array ToArray(const py::handle& object) {
   if (py::isinstance<Array>(object)) return py::cast<Array>(object);
-  if (PyTypeObject* tensor = TorchTensorType();
-      tensor != nullptr && PyObject_TypeCheck(object.ptr(), tensor)) {
-    if (std::optional<Array> a = TorchArray(object)) return std::move(*a);
-  }
+  if (std::optional<Array> a = TorchArray(object)) return std::move(*a);
   // Looked up once (every step converts several arrays); kept for the interpreter's life.
   static const py::handle as_array =
       py::object(py::module_::import("ferry._arrays").attr("as_array")).release();
@@ -282,14 +282,7 @@ PYBIND11_MODULE(_ferry, m) {
         return "<ferry.Array " + std::to_string(a.num_bytes) + " bytes in " + DeviceName(a.device) +
                ">";
       });
-  m.def(
-      "torch_array",
-      [](const py::handle& t) -> std::optional<Array> {
-        PyTypeObject* tensor = TorchTensorType();
-        if (tensor == nullptr || !PyObject_TypeCheck(t.ptr(), tensor)) return std::nullopt;
-        return TorchArray(t);
-      },
-      py::arg("tensor"),
+  m.def("torch_array", &TorchArray, py::arg("tensor"),
         "An Array of a contiguous torch tensor in CPU or CUDA memory; None for any other");
   m.def("host_array", &HostArray, py::arg("object"),
         "A host Array from a buffer-protocol object (C-contiguous)");

@@ -181,12 +181,12 @@ class PyAllToAll {
   // dispatch_recv take. With `stream` (CUDA: a cudaStream_t as an int, 0 the legacy default
   // one) the steps start after what it holds (with `stream_first`) and it waits for them (with
   // `stream_waits`); the arrays of the steps finished before these are let go first, without
-  // waiting. One call
-  // instead of four: each call from Python costs microseconds (argument conversion, the GIL),
-  // the target for a layer's call over the steps it makes is two.
+  // waiting (ReleaseFinished). One call instead of four: each call from Python costs
+  // microseconds (argument conversion, the GIL).
   void Dispatch(const py::handle& x, const py::handle& indices, const py::handle& weights,
                 const py::handle& scales, std::optional<int> num_tokens,
-                const py::handle& device_num_tokens, Fp8Scaling scaling, const py::handle& out_x, const py::handle& out_num_tokens,
+                const py::handle& device_num_tokens, Fp8Scaling scaling,
+                const py::handle& out_x, const py::handle& out_num_tokens,
                 const py::handle& out_scales, double timeout, int expert_padding,
                 const py::handle& stream, int halves, bool stream_first, bool stream_waits) {
     Halves(halves, "dispatch");
@@ -253,6 +253,16 @@ class PyAllToAll {
   }
   size_t pending() const { return keep_.size(); }
 
+  // The arrays of the steps finished so far let go and their kernels' findings raised, without
+  // waiting while fewer than kMaxPendingArrays are held (then it waits for every step). Never
+  // while `stream` (a caller's, None: ours) or the AllToAll's own is being captured: a query
+  // would end the capture, and the captured arrays are the graph owner's to keep.
+  void ReleaseFinished(const py::handle& stream) {
+    if (!streamed_ || keep_.empty()) return;
+    if (a2a().capturing(stream.is_none() ? nullptr : StreamHandle(stream))) return;
+    if (!Poll() && keep_.size() > kMaxPendingArrays) Synchronize();
+  }
+
   uint64_t dispatch_bytes_sent() const { return a2a().dispatch_bytes_sent(); }
   uint64_t combine_bytes_sent() const { return a2a().combine_bytes_sent(); }
 
@@ -279,16 +289,12 @@ class PyAllToAll {
   // CPU that runs ahead of the GPU keeps them referenced until their steps finish).
   static constexpr size_t kMaxPendingArrays = 64;
   // steps() after `stream` (with `first`) and before it (with `waits`; None: unordered), the
-  // arrays of the steps finished before them let go first (never during a graph capture: a
-  // query would end it, and the captured arrays are the graph's owner's to keep).
+  // arrays of the steps finished before them let go first (ReleaseFinished).
   template <typename Steps>
   void Ordered(const py::handle& stream, bool first, bool waits, Steps steps) {
+    ReleaseFinished(stream);
     const bool ordered = !stream.is_none();
     void* s = ordered ? StreamHandle(stream) : nullptr;
-    if (streamed_ && !keep_.empty() && !a2a().capturing(s) && !Poll() &&
-        keep_.size() > kMaxPendingArrays) {
-      Synchronize();
-    }
     if (ordered && first) ThrowIfError(a2a().OrderAfter(s));
     steps();
     if (ordered && waits) ThrowIfError(a2a().OrderBefore(s));
@@ -471,7 +477,8 @@ void BindMoe(py::module_& m) {
            "now instead of dispatch_send's (not with combine_reduce_at_expert_rank)")
       .def("dispatch", &PyAllToAll::Dispatch, py::arg("x"), py::arg("indices"),
            py::arg("weights"), py::arg("scales"), py::arg("num_tokens"),
-           py::arg("device_num_tokens"), py::arg("scaling"), py::arg("out_x"), py::arg("out_num_tokens"), py::arg("out_scales"),
+           py::arg("device_num_tokens"), py::arg("scaling"), py::arg("out_x"),
+           py::arg("out_num_tokens"), py::arg("out_scales"),
            py::arg("timeout"), py::arg("expert_padding"), py::arg("stream"), py::arg("halves"),
            py::arg("stream_first"), py::arg("stream_waits"),
            "Expert-major dispatch_send and dispatch_recv in one call (halves: 1 send, 2 "
@@ -501,6 +508,11 @@ void BindMoe(py::module_& m) {
            "synchronize() without the wait: True (the arrays released, what the kernels found "
            "raised) once every step enqueued so far has finished, else False; not during a "
            "graph capture")
+      .def("release_finished", &PyAllToAll::ReleaseFinished, py::arg("stream") = py::none(),
+           "The arrays of finished steps let go (what their kernels found raised) without "
+           "waiting, unless more than a few rounds' are held; nothing while `stream` (a "
+           "caller's cudaStream_t as an int, or ours) is being captured. dispatch() and "
+           "combine() do this first")
       .def_property_readonly("pending_arrays", &PyAllToAll::pending,
                              "Arrays of enqueued steps still referenced (until poll() or "
                              "synchronize() finds them done)")

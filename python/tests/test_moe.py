@@ -267,8 +267,11 @@ def legacy_stream_body(b):
                      LegacyDefaultStream())
         expect_error(ferry.InvalidArgument, "legacy default stream", a2a.set_stream, 0)
         expect_error(ferry.Unimplemented, "need the CUDA device", a2a.set_stream, None)
-        # The host device's steps wait for themselves: poll() finds nothing in flight.
+        # The host device's steps wait for themselves: poll() finds nothing in flight, and
+        # release_finished has nothing to let go (with or without a caller's stream).
         assert a2a.poll() is True and a2a.pending_arrays == 0
+        assert a2a.release_finished() is None and a2a.release_finished(0) is None
+        assert a2a.pending_arrays == 0
 
 
 def id_types_body(b):

@@ -429,7 +429,10 @@ void Engine::OnMessage(const DomainCompletion& c, uint32_t index, uint32_t nic) 
     uint32_t tag;
     std::memcpy(&tag, data, 4);
     for (const auto& [t, h] : tagged_handlers_) {
-      if (t == tag) handler = &h;
+      if (t == tag) {
+        handler = &h;
+        break;
+      }
     }
   }
   if (!*handler) return;

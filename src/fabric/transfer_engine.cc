@@ -504,7 +504,8 @@ Status Engine::SetTaggedMessageHandler(uint32_t tag, MessageHandler handler) {
   // On the worker, which reads the table for every message: no lock on that path.
   return RunOnWorker([this, tag, handler = std::move(handler)](ControlResult&) mutable -> Status {
     auto& table = tagged_handlers_;
-    auto it = std::find_if(table.begin(), table.end(), [&](const auto& e) { return e.first == tag; });
+    auto it =
+        std::find_if(table.begin(), table.end(), [&](const auto& e) { return e.first == tag; });
     if (!handler) {
       if (it != table.end()) table.erase(it);
       return Status::Ok();

@@ -14,7 +14,6 @@
 #include <vector>
 
 #include "common/cuda_shared_memory.h"
-#include "common/env.h"
 #include "common/fd_exchange.h"
 #include "moe/cuda/nvlink_all_to_all.h"
 #include "moe/cuda/nvlink_send.cuh"     // the kernels, in step order
@@ -168,7 +167,8 @@ class NvlinkAllToAll final : public AllToAll {
       RETURN_IF_ERROR(Aligned(in.x_bf16, "DispatchSend: x_bf16"));
       if (!fp8_x_.get()) {
         RETURN_IF_ERROR(fp8_x_.Allocate(size_t(c_.max_tokens_per_rank) * c_.hidden));
-        RETURN_IF_ERROR(fp8_scales_.Allocate(size_t(c_.max_tokens_per_rank) * nv_.scales_per_token));
+        RETURN_IF_ERROR(
+            fp8_scales_.Allocate(size_t(c_.max_tokens_per_rank) * nv_.scales_per_token));
       }
       const int64_t warps = int64_t{in.num_tokens} * nv_.scales_per_token;
       const int blocks = static_cast<int>((warps * 32 + kQuantizeThreads - 1) / kQuantizeThreads);
@@ -779,8 +779,8 @@ class NvlinkAllToAll final : public AllToAll {
   }
 
   // A kernel on our stream allowed to start while the kernel before it runs (see
-  // LaunchDependents): the receive kernels, and Pack behind Route; CudaTuning::early_receive false launches them
-  // plainly.
+  // LaunchDependents): the receive kernels, and Pack behind Route; CudaTuning::early_receive false
+  // launches them plainly.
   template <typename Args>
   cudaError_t Launch(void (*kernel)(Nv, Args), int grid, size_t smem, const Args& args) {
     cudaLaunchConfig_t config{};

@@ -214,7 +214,8 @@ __device__ inline LaneRow LocateRows(const Nv& v, const CombineArgs& a, int t,
   LaneRow mine{-1, x.r};
   if (x.valid && (!v.reduce || x.first)) {
     const int c = v.reduce ? x.ranks_before : x.lanes_before + x.within;
-    mine.row = rank_start[x.r] + v.row_pos[int64_t{x.r} * v.max_tokens + t] + (v.reduce ? 0 : x.within);
+    mine.row =
+        rank_start[x.r] + v.row_pos[int64_t{x.r} * v.max_tokens + t] + (v.reduce ? 0 : x.within);
     rows[c] = reinterpret_cast<const uint4*>(v.peer[x.r].combine_in + mine.row * v.row_bytes);
     const float* weights = a.weights ? a.weights : v.weights;
     weight[c] = v.reduce ? 1.0f : weights[int64_t{t} * v.topk + threadIdx.x % 32];

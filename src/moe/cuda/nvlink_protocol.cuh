@@ -251,7 +251,9 @@ __host__ __device__ inline int64_t SlotTagOffset(const Nv& v) { return v.meta_us
 __host__ __device__ inline int64_t SendAreaBytes(const Nv& v) {
   return int64_t{v.max_tokens} * v.topk * v.slot_bytes;
 }
-__host__ __device__ inline int CountsTagColumn(const Nv& v) { return v.local_experts + kCountsColumns; }
+__host__ __device__ inline int CountsTagColumn(const Nv& v) {
+  return v.local_experts + kCountsColumns;
+}
 
 struct SendArgs {
   const uint8_t* x;
@@ -602,8 +604,11 @@ __device__ void WriteCountsRows(const Nv& v, uint64_t epoch, Value value, Dst ds
       ++r;
     }
   }
-  for (int r = threadIdx.x; r < v.world_size; r += blockDim.x) {  // the relay sizes its write by this
-    if (int64_t* relay_slots = dst(r).relay_slots) *relay_slots = value(r, v.local_experts + kColSlots);
+  // The relay sizes its write by this.
+  for (int r = threadIdx.x; r < v.world_size; r += blockDim.x) {
+    if (int64_t* relay_slots = dst(r).relay_slots) {
+      *relay_slots = value(r, v.local_experts + kColSlots);
+    }
   }
   if (!v.counts_tagged) return;
   __syncthreads();

@@ -46,7 +46,8 @@ struct SlotTables {
 // Ends with a block barrier.
 // The expert bases after the offsets table, 8-byte aligned.
 __device__ inline int64_t* ExpertBase(const Nv& v, int32_t* offset) {
-  return reinterpret_cast<int64_t*>(offset + (int64_t{v.world_size + 1} * v.local_experts + 1) / 2 * 2);
+  return reinterpret_cast<int64_t*>(offset +
+                                    (int64_t{v.world_size + 1} * v.local_experts + 1) / 2 * 2);
 }
 
 // base[e] (after offset's [N + 1][L]): expert e's first output row -- e * capacity, or with
@@ -64,14 +65,17 @@ __device__ inline void BuildOffsets(const Nv& v, const int32_t* counts, int32_t*
   }
   int64_t* base = ExpertBase(v, offset);
   if (padding == 0) {
-    for (int e = threadIdx.x; e < v.local_experts; e += blockDim.x) base[e] = int64_t{e} * v.capacity;
+    for (int e = threadIdx.x; e < v.local_experts; e += blockDim.x) {
+      base[e] = int64_t{e} * v.capacity;
+    }
   } else {
     __syncthreads();  // every total in
     if (threadIdx.x == 0) {
       int64_t next = 0;
       for (int e = 0; e < v.local_experts; ++e) {
         base[e] = next;
-        next += (int64_t{offset[v.world_size * v.local_experts + e]} + padding - 1) / padding * padding;
+        next +=
+            (int64_t{offset[v.world_size * v.local_experts + e]} + padding - 1) / padding * padding;
       }
     }
   }
@@ -130,7 +134,8 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
   const Index used = static_cast<Index>(v.meta_used / 16);
   const Index meta = static_cast<Index>(v.meta_bytes / 16);
   const Index body = meta + static_cast<Index>(v.payload / 16);
-  const Index end = static_cast<Index>((v.meta_bytes + v.payload + int64_t{v.scales_per_token} * 4 + 15) / 16);
+  const Index end =
+      static_cast<Index>((v.meta_bytes + v.payload + int64_t{v.scales_per_token} * 4 + 15) / 16);
   constexpr Index kBatch = Index{kVec} * kGroup;
   // Received slot g: its sender s, its index j among s's, where it is. Ours from our send area;
   // then what s pushed; the rest pulled from s's send area (a slot past what s may push to a
@@ -218,7 +223,8 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
     const int entries = min(max(header.entries, 0), v.topk);
     // The combine row, counted from where our rows for s go (rebased for another node).
     const int64_t row = header.row - rebase[s];
-    const SlotLimits limits{v.topk, v.local_experts, v.max_tokens, v.reduce, from.row_cap, v.capacity};
+    const SlotLimits limits{v.topk, v.local_experts, v.max_tokens,
+                            v.reduce, from.row_cap, v.capacity};
     bool valid = SlotHeaderValid(header, row, limits);
     if (tid < entries) {
       NvEntry entry;
@@ -226,7 +232,8 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
       const int32_t le = entry.local_expert;
       valid = valid && SlotEntryValid(entry, offset, s, limits);
       if (valid) {
-        const int64_t expert_row = ExpertBase(v, offset)[le] + offset[s * v.local_experts + le] + entry.pos;
+        const int64_t expert_row =
+            ExpertBase(v, offset)[le] + offset[s * v.local_experts + le] + entry.pos;
         valid = valid && (v.token_major || expert_row < a.out_rows);
         out_row[tid] = v.token_major ? g : expert_row;
         // CombineSend's entries; token-major it copies row g and reads none.
@@ -286,7 +293,9 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
 #pragma unroll
         for (int u = 0; u < kVec; ++u) {
           if (in_row & (1u << u)) x[at + u * kGroup] = r[u];
-          if (in_scales & (1u << u)) StoreScales(scales, scale_at + u * kGroup * 4, v.scales_per_token, r[u]);
+          if (in_scales & (1u << u)) {
+            StoreScales(scales, scale_at + u * kGroup * 4, v.scales_per_token, r[u]);
+          }
         }
       }
     }
@@ -377,7 +386,8 @@ __global__ void __launch_bounds__(kCopyThreads, 2) UnpackKernel(Nv v, RecvArgs a
     for (int s = 0; s < v.world_size; ++s) prefix[s + 1] += prefix[s];
     // Spread (v.spread) when groups loop (a block per slot otherwise); streamed, slots go as
     // claimed.
-    order = SpreadOrder(prefix[v.world_size], v.spread && !kStream && prefix[v.world_size] > gridDim.x);
+    order =
+        SpreadOrder(prefix[v.world_size], v.spread && !kStream && prefix[v.world_size] > gridDim.x);
   }
   __syncthreads();
   const int64_t total = prefix[v.world_size];

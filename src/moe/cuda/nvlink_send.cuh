@@ -86,7 +86,8 @@ __device__ void ScanChunk(const Nv& v, const SendArgs& a, int tokens, int b, Rou
       v.row_pos[int64_t{r} * v.max_tokens + t] = static_cast<int32_t>(mine.v[q] >> 16);
     }
     if (threadIdx.x == 0) {
-      v.scan_carry[int64_t{c} * v.world_size + r] = (chunk.v[q] & 0xFFFF) | int64_t{chunk.v[q] >> 16} << 32;
+      v.scan_carry[int64_t{c} * v.world_size + r] =
+          (chunk.v[q] & 0xFFFF) | int64_t{chunk.v[q] >> 16} << 32;
     }
   }
   if (!LastBlock(&v.scratch->tickets[3], false, v.scan_blocks)) return;
@@ -391,7 +392,9 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
   const int first_token = (static_cast<int>(blockIdx.x) - 1) * kSmallWarps;
 
   for (int i = threadIdx.x; i < v.experts; i += blockDim.x) m.hist[i] = m.hist_before[i] = 0;
-  for (int i = threadIdx.x; i < v.world_size; i += blockDim.x) m.tokens_all[i] = m.tokens_before[i] = 0;
+  for (int i = threadIdx.x; i < v.world_size; i += blockDim.x) {
+    m.tokens_all[i] = m.tokens_before[i] = 0;
+  }
   // The peers' slot areas (SlotDst), or in block 0 where its counts rows go: loaded now, stored
   // to shared memory once counted, so that no thread waits for them before its routing loads.
   uint8_t* peer_slots = nullptr;
@@ -465,7 +468,8 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
       m.peer_cap[i] = i == threadIdx.x ? peer_cap : v.peer[i].slot_cap;
     }
   }
-  for (int r = warp; r < v.world_size; r += kSmallWarps) {  // copies per rank, from the expert counts
+  // Copies per rank, from the expert counts.
+  for (int r = warp; r < v.world_size; r += kSmallWarps) {
     int32_t all = 0, before = 0;
     for (int i = lane; i < v.local_experts; i += 32) {
       all += m.hist[r * v.local_experts + i];
@@ -484,7 +488,8 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
     int64_t carry_slots = 0, carry_rows = 0;
     for (int b = 0; b < v.world_size; b += 32) {
       const int r = b + lane;
-      const int64_t my_slots = r < v.world_size ? m.slots[r] : 0, my_rows = r < v.world_size ? m.rows[r] : 0;
+      const int64_t my_slots = r < v.world_size ? m.slots[r] : 0,
+                    my_rows = r < v.world_size ? m.rows[r] : 0;
       int64_t slots = my_slots, rows = my_rows;
       for (int d = 1; d < 32; d *= 2) {
         const int64_t s2 = __shfl_up_sync(~0u, slots, d), r2 = __shfl_up_sync(~0u, rows, d);
