@@ -3,9 +3,9 @@
 Each layer's dispatch and combine are timed against the same steps called directly on an
 AllToAll of the same shape (its buffers allocated once, as a caller of the direct API keeps
 them), the two interleaved iteration by iteration so that drift hits both alike: "added" is
-p50(layer) - p50(direct) per call. The layer's own time is also taken inside each of its calls:
-the call's time less that of the ferry steps it made ("own", p50), which the proxy threads'
-scheduling on a small host does not blur. The target is <= 2 us per call.
+p50(layer) - p50(direct) per call. The layers are timed as a caller runs them, unwrapped: pplx's
+steps run in the binding's C++ with no Python call to time between them, and a wrapper around
+deep_ep's would add its own frames to the layer's figure. The target is <= 2 us per call.
 
   PYTHONPATH=build/python /usr/bin/python3 tools/bench_engine_api.py [--device cuda]
       [--iterations N] [--json out.json]
@@ -111,39 +111,29 @@ def main():
         def pplx_combine():
             kernel.combine(pout, ids, w, px)
 
-        timed = _Timed()
-        ll_dispatch()  # the layers' AllToAlls exist after a first call; then their steps timed
+        ll_dispatch()  # the layers' AllToAlls exist after a first call
         ll_combine()
-        for pool in buf._group._pools.values():
-            for pooled in pool:
-                pooled.a2a = timed.wrap(pooled.a2a)
-        kernel._a2a = timed.wrap(kernel._a2a)
 
         pairs = {"deep_ep low_latency": ((direct_dispatch, direct_combine),
                                          (ll_dispatch, ll_combine)),
                  "pplx": ((direct_dispatch, direct_combine), (pplx_dispatch, pplx_combine))}
         with ctx:
             for name, ((dd, dc), (ld, lc)) in pairs.items():
-                times = {k: [] for k in ("dd", "dc", "ld", "lc", "od", "oc")}
+                times = {k: [] for k in ("dd", "dc", "ld", "lc")}
                 for i in range(args.iterations + 50):
                     for key, f in (("dd", dd), ("dc", dc), ("ld", ld), ("lc", lc)) if i % 2 else \
                             (("ld", ld), ("lc", lc), ("dd", dd), ("dc", dc)):
                         sync()
-                        timed.inside = 0.0
                         t0 = time.perf_counter()
                         f()
                         t1 = time.perf_counter()
                         if i >= 50:
                             times[key].append(t1 - t0)
-                            if key in ("ld", "lc"):
-                                times["o" + key[1]].append(t1 - t0 - timed.inside)
                     sync()
                 row = {"direct_dispatch_p50_us": p50_us(times["dd"]),
                        "layer_dispatch_p50_us": p50_us(times["ld"]),
                        "direct_combine_p50_us": p50_us(times["dc"]),
                        "layer_combine_p50_us": p50_us(times["lc"])}
-                row["layer_dispatch_own_p50_us"] = p50_us(times["od"])
-                row["layer_combine_own_p50_us"] = p50_us(times["oc"])
                 row["dispatch_added_us"] = row["layer_dispatch_p50_us"] - row[
                     "direct_dispatch_p50_us"]
                 row["combine_added_us"] = row["layer_combine_p50_us"] - row[
@@ -160,47 +150,17 @@ def main():
     run(ferry_bootstrap)
     print(f"device {args.device}, {TOKENS} tokens x {HIDDEN} bf16, {EXPERTS} experts top-{K}, "
           f"1 rank, {args.iterations} iterations; p50 per call, us")
-    print(f"{'layer':22} {'call':9} {'direct':>9} {'layer':>9} {'added':>8} {'own':>7}  "
-          f"target <= 2")
+    print(f"{'layer':22} {'call':9} {'direct':>9} {'layer':>9} {'added':>8}  target <= 2")
     for name, row in results.items():
         for call in ("dispatch", "combine"):
             print(f"{name:22} {call:9} {row[f'direct_{call}_p50_us']:9.2f} "
-                  f"{row[f'layer_{call}_p50_us']:9.2f} {row[f'{call}_added_us']:8.2f} "
-                  f"{row[f'layer_{call}_own_p50_us']:7.2f}")
+                  f"{row[f'layer_{call}_p50_us']:9.2f} {row[f'{call}_added_us']:8.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": args.device, "tokens": TOKENS, "hidden": HIDDEN,
                        "experts": EXPERTS, "k": K, "iterations": args.iterations,
                        "results": results}, f, indent=1)
     return 0
-
-
-class _Timed:
-    """Wraps AllToAlls so that the time spent in their steps adds up in `inside`."""
-
-    STEPS = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv", "dispatch",
-             "combine")
-
-    def __init__(self):
-        self.inside = 0.0
-
-    def wrap(self, a2a):
-        timed = self
-
-        class Wrapped:
-            def __getattr__(self, name):
-                f = getattr(a2a, name)
-                if name not in timed.STEPS:
-                    return f
-
-                def step(*args, **kwargs):
-                    t0 = time.perf_counter()
-                    try:
-                        return f(*args, **kwargs)
-                    finally:
-                        timed.inside += time.perf_counter() - t0
-                return step
-        return Wrapped()
 
 
 def _single_rank():

@@ -272,8 +272,10 @@ class FERRY_API AllToAll {
   }
 
   // CUDA device (any ranks_per_node): enqueue the steps on `stream` (a cudaStream_t; nullptr:
-  // back to waiting) and return at once. The four steps of one AllToAll must go on one stream,
-  // in order: the flags that make buffer reuse safe rely on it. Errors a kernel finds (expert ids
+  // back to waiting) and return at once; only between a CombineRecv and a DispatchSend, and
+  // after waiting for the steps enqueued on the stream before (none when they waited for
+  // themselves: a stream being captured may be taken then). The four steps of one AllToAll must
+  // go on one stream, in order: the flags that make buffer reuse safe rely on it. Errors a kernel finds (expert ids
   // out of range: those copies are dropped; a device token count above num_tokens: nothing is
   // sent) surface at Synchronize; a peer that never raised its flag before the step's deadline
   // also fails every later step. Graph capture works: the epoch the flags compare against lives
@@ -309,7 +311,8 @@ class FERRY_API AllToAll {
   // the AllToAll's recorded on one, waited for on the other; graph capture works). OrderAfter:
   // the steps enqueued from now on start after what `stream` holds so far. OrderBefore: what is
   // enqueued on `stream` from now on starts after the steps enqueued so far. `stream` may be
-  // the legacy default stream (0). The host device: Unimplemented.
+  // the legacy default stream (0). The AllToAll's own stream (SetStream's) is ordered with
+  // itself: nothing is recorded. The host device: Unimplemented.
   virtual Status OrderAfter(void* stream) = 0;
   virtual Status OrderBefore(void* stream) = 0;
 

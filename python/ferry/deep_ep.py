@@ -14,9 +14,11 @@ what DeepEP's do, in its shapes, dtypes and strides:
   sum over the ranks) map onto a token-major AllToAll with both of ferry's options (a token once
   per rank; its experts' outputs summed at the expert rank).
 
-Tensors on the CPU run on ferry's host device; CUDA tensors on its CUDA device, on a stream of
-the Buffer's own that waits for the caller's current stream (or `previous_event`), as DeepEP's
-communication stream does. An argument ferry cannot honour raises Unimplemented naming it
+Tensors on the CPU run on ferry's host device; CUDA tensors on its CUDA device. Normal-mode
+calls, and low-latency ones whose first call asks for async_finish, go on a stream of the
+Buffer's own that waits for the caller's current stream (or `previous_event`), as DeepEP's
+communication stream does; other low-latency calls go on the caller's stream, as DeepEP
+launches a hook's send half, with no event between the caller's kernels and ferry's. An argument ferry cannot honour raises Unimplemented naming it
 (ferry.Error); a bad tensor raises InvalidArgument. Tuning knobs that change no result (`Config`,
 `num_sms`, `num_qps_per_rank`, `allocate_on_comm_stream`) are taken and kept.
 """
@@ -132,6 +134,7 @@ class Buffer:
         self._outputs = {}     # (AllToAll, fp8 form) -> the low-latency outputs (_ll_outputs)
         self._combine_buffers = {}  # AllToAll -> get_next_low_latency_combine_buffer's tensor
         self._stream = None    # the communication stream (CUDA)
+        self._streams = {}     # torch objects for other streams AllToAlls took (_stream_of)
         self._destroyed = False
 
     # ---- DeepEP's static helpers ------------------------------------------------------------
@@ -194,15 +197,18 @@ class Buffer:
             w = self._ones[key] = torch.ones(rows, k, dtype=torch.float32, device=x.device)
         return w
 
-    def _acquire(self, key, x, fields):
+    def _acquire(self, key, x, fields, comm):
         """The idle AllToAll of `key` (made from fields(), the config's keywords, when there is
         none: the call that makes it is the only one that builds them). The key names x's
-        device (Tensor.get_device())."""
+        device (Tensor.get_device()). With `comm` its steps go on the communication stream,
+        unless an earlier call gave it the caller's (see _stream_of)."""
         pooled = self._group.acquire(key)
         if pooled is None:
             pooled = self._create(key, x, fields)
-        if x.is_cuda and not pooled.streamed:
-            self._stream_for(pooled)
+        if comm and x.is_cuda and not pooled.streamed:
+            if pooled.a2a.stream is None:
+                self._stream_for(pooled)
+            pooled.streamed = True
         return pooled
 
     def _create(self, key, x, fields):
@@ -223,9 +229,25 @@ class Buffer:
         one)."""
         if self._stream is None:
             self._stream = torch.cuda.Stream()
-        if not pooled.streamed:
-            pooled.a2a.set_stream(self._stream)
-            pooled.streamed = True
+        pooled.a2a.set_stream(self._stream)
+
+    def _stream_of(self, a2a, current, device):
+        """torch's object for the stream a2a's steps go on, None where that is the caller's
+        current stream (handle `current`). A low-latency AllToAll whose first call waits for its
+        result (no async_finish) takes the caller's stream as its own in that call, as DeepEP
+        launches a hook's send half on the caller's stream: the steps then follow the caller's
+        kernels on it with no event between them. The first async_finish call gives it the
+        communication stream instead, so that its transfers overlap the caller's work."""
+        s = a2a.stream
+        if s is None or s == current:
+            return None
+        if self._stream is not None and s == self._stream.cuda_stream:
+            return self._stream
+        stream = self._streams.get(s)
+        if stream is None:
+            stream = self._streams[s] = (torch.cuda.default_stream(device) if s == 0
+                                         else torch.cuda.ExternalStream(s, device))
+        return stream
 
     @staticmethod
     def _current(x):
@@ -250,7 +272,7 @@ class Buffer:
             a2a.order_after(current)
         return current
 
-    def _end(self, a2a, current, async_finish, inputs, outputs=(), waited=False):
+    def _end(self, a2a, current, async_finish, inputs, outputs=(), waited=False, device=None):
         """DeepEP's finish: the caller's stream waits for the communication stream (done
         already where `waited`), or (with async_finish) gets an event to wait on. The AllToAll
         keeps the tensors its enqueued steps use referenced until they finish, so none is
@@ -262,15 +284,14 @@ class Buffer:
                 a2a.order_before(current)
             return _DONE
         event = torch.cuda.Event()
-        event.record(self._stream)
+        event.record(self._stream_of(a2a, current, device) or torch.cuda.current_stream(device))
         return EventOverlap(event, inputs + outputs)
 
-    def _on_comm(self, current):
-        """torch's stream context for torch ops of ours that must run on the communication
-        stream (fp8 scale layouts, counters); nothing on the CPU."""
-        if current is None:
-            return contextlib.nullcontext()
-        return torch.cuda.stream(self._stream)
+    def _on_comm(self, a2a, current, device):
+        """torch's stream context for torch ops of ours that must run on the AllToAll's stream
+        (fp8 scale layouts, counters); nothing on the CPU or where that is the caller's."""
+        stream = None if current is None else self._stream_of(a2a, current, device)
+        return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
 
     # ---- low-latency mode ------------------------------------------------------------------
 
@@ -316,7 +337,7 @@ class Buffer:
         pooled = self._acquire(
             ("ll", x.get_device(), m, hidden, num_experts, k, use_fp8), x, lambda: dict(
                 num_experts=num_experts, experts_per_token=k, max_tokens_per_rank=m,
-                hidden=hidden, dtype=dtype))
+                hidden=hidden, dtype=dtype), comm=async_finish)
         a2a = pooled.a2a
         rows = world * m
         current = self._current(x)
@@ -344,7 +365,7 @@ class Buffer:
 
         def finish(waited):
             if after:
-                with self._on_comm(current):
+                with self._on_comm(a2a, current, x.device):
                     if use_ue8m0:
                         exponents = (scales.view(torch.int32) >> 23).to(torch.uint8)
                         packed.copy_(exponents.view(local, rows, hidden // 128)
@@ -353,12 +374,12 @@ class Buffer:
                         packed.copy_(scales)
                     if cumulative_local_expert_recv_stats is not None:
                         cumulative_local_expert_recv_stats.add_(recv_count)
-            return self._end(a2a, current, async_finish, sent, waited=waited)
+            return self._end(a2a, current, async_finish, sent, waited=waited, device=x.device)
 
         out_x = (recv_x, packed) if use_fp8 else recv_x
         if not return_recv_hook:
             return out_x, recv_count, handle, finish(waits), None
-        event = self._end(a2a, current, async_finish, sent, waited=waits)
+        event = self._end(a2a, current, async_finish, sent, waited=waits, device=x.device)
 
         def hook():
             try:
@@ -462,9 +483,9 @@ class Buffer:
             finally:
                 self._release(h)
             return out, self._end(a2a, current, async_finish, (x, topk_weights), (out,),
-                                  waited=waits), None
+                                  waited=waits, device=x.device), None
         a2a.combine(x, None, None, False, self._timeout, current, _SEND, True, waits)
-        event = self._end(a2a, current, async_finish, (x,), waited=waits)
+        event = self._end(a2a, current, async_finish, (x,), waited=waits, device=x.device)
 
         def hook():
             try:  # the receive half, ordered before the caller's stream only (as dispatch's)
@@ -596,7 +617,7 @@ class Buffer:
                 num_experts=num_experts, experts_per_token=k, max_tokens_per_rank=capacity,
                 hidden=hidden, dtype=dtype, dispatch_once_per_rank=True,
                 combine_reduce_at_expert_rank=True,
-                dispatch_layout=_ferry.DispatchLayout.TOKEN_MAJOR))
+                dispatch_layout=_ferry.DispatchLayout.TOKEN_MAJOR), comm=True)
         a2a = pooled.a2a
         rows = self.group_size * capacity
         dev = x.device
@@ -624,7 +645,7 @@ class Buffer:
             if num_worst_tokens > rows:
                 raise InvalidArgument(f"num_worst_tokens {num_worst_tokens}: more than the "
                                       f"{rows} rows ranks can send here")
-            with self._on_comm(current):
+            with self._on_comm(a2a, current, x.device):
                 live = torch.arange(num_worst_tokens, device=dev) < num_rows.to(torch.int64)
                 experts[:num_worst_tokens].masked_fill_(~live[:, None], -1)
                 weights_out[:num_worst_tokens].masked_fill_(~live[:, None], 0.0)

@@ -21,19 +21,13 @@ Arguments ferry cannot honour raise Unimplemented naming them; bad tensors Inval
 import torch
 
 from . import _ferry
-from ._engine_api import (Group, check_tensor, current_stream_handle, env_timeout, fp8_dtype,
-                          refuse)
-from ._errors import FailedPrecondition, InvalidArgument, Unimplemented
+from ._engine_api import Group, env_timeout, fp8_dtype, refuse
+from ._errors import InvalidArgument, Unimplemented
 
 __all__ = ["AllToAll"]
 
-_SEND, _RECV = 1, 2  # AllToAll.dispatch / combine's halves
-_AMAX = _ferry.Fp8Scaling.AMAX  # pplx's callers quantise themselves; unused but required
 
-_ID_DTYPES = tuple(d for d in (torch.int32, torch.int64, getattr(torch, "uint32", None)) if d)
-
-
-class AllToAll:
+class AllToAll(_ferry.PplxSteps):
     """Expert-parallel dispatch and combine among global_group's ranks (a torch.distributed
     group, or a ferry.Bootstrap), one shape fixed at construction as P2PAllToAll's is."""
 
@@ -70,13 +64,9 @@ class AllToAll:
             raise InvalidArgument(f"num_experts {num_experts}: not divisible by "
                                   f"{self.world_size} ranks")
         self.num_local_experts = num_experts // self.world_size
-        self._device, self._fp8, self._padding = device, fp8, expert_padding
-        self._cuda = device.type == "cuda"
-        self._device_id = device.index if self._cuda else -1  # as Tensor.get_device() says
-        self._hidden, self._k, self._max_tokens = hidden_dim, num_experts_per_token, max_num_tokens
-        self._in_dtype = in_dtype
-        self._timeout = env_timeout() if timeout is None else float(timeout)
         cuda = device.type == "cuda"
+        self._device_id = device.index if cuda else -1  # as Tensor.get_device() says
+        self._timeout = env_timeout() if timeout is None else float(timeout)
         fields = dict(num_experts=num_experts, experts_per_token=num_experts_per_token,
                       max_tokens_per_rank=max_num_tokens, hidden=hidden_dim,
                       dtype=_ferry.DispatchDtype.FP8_E4M3 if fp8 else _ferry.DispatchDtype.BF16)
@@ -92,133 +82,22 @@ class AllToAll:
             return c
 
         self._a2a = self._group.acquire(("pplx",), make).a2a
+        # The rows out_expert_x needs: every copy of every rank's tokens that can land here
+        # (each token at most min(k, local experts) times) and every block's padding.
         self.max_recv_tokens = self._a2a.config.padded_rows(expert_padding)
-        self._stage = "idle"
-        self._stream = None  # the AllToAll's own stream (CUDA), made at the first call
-        self._recv_rows = 0  # out_expert_x's rows at the last dispatch (expert_y's at combine)
-        # max_recv_tokens (set above): the rows out_expert_x needs, every copy of every rank's
-        # tokens that can land here (each token at most min(k, local experts) times) and every
-        # block's padding.
+        _ferry.PplxSteps.__init__(self, self._a2a, in_dtype, max_num_tokens, hidden_dim,
+                                  num_experts_per_token, self.num_local_experts,
+                                  self.max_recv_tokens, expert_padding, self._device_id,
+                                  self._timeout)
 
     def destroy(self):
         self._group.close()
 
-    # ---- the protocol --------------------------------------------------------------------
-
-    def dispatch(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale,
-                 indices, weights, bound_m=None, do_send=True, do_recv=True):
-        # Every argument checked before either half runs; then both in one call of the
-        # AllToAll's, ordered once with the caller's stream.
-        halves = (_SEND if do_send else 0) | (_RECV if do_recv else 0)
-        if not halves:
-            raise InvalidArgument("dispatch: do_send or do_recv (or both)")
-        self._expect("idle" if do_send else "dispatched", "dispatch")
-        tokens = None
-        if do_send:
-            self._check_tokens(dp_x, dp_x_scale, indices, weights)
-            tokens = self._bound(dp_x, bound_m)
-        if do_recv:
-            self._check_expert_outputs(out_expert_num_tokens, out_expert_x, out_expert_x_scale)
-        # ferry lays the padded blocks out itself (DispatchOutput::expert_padding).
-        self._a2a.dispatch(dp_x, indices, weights, dp_x_scale, tokens,
-                           bound_m if self._cuda else None, _AMAX, out_expert_x,
-                           out_expert_num_tokens, out_expert_x_scale, self._timeout,
-                           self._padding, self._current_stream(), halves, True, True)
-        if do_recv:
-            self._recv_rows = out_expert_x.shape[0]
-        self._stage = "received" if do_recv else "dispatched"
-
-    def combine(self, out_tokens, indices, weights, expert_y, bound_m=None, do_send=True,
-                do_recv=True, accumulate=False):
-        halves = (_SEND if do_send else 0) | (_RECV if do_recv else 0)
-        if not halves:
-            raise InvalidArgument("combine: do_send or do_recv (or both)")
-        self._expect("received" if do_send else "combining", "combine")
-        if do_send:
-            check_tensor("expert_y", expert_y, torch.bfloat16, 2, self._device_id)
-            if tuple(expert_y.shape) != (self._recv_rows, self._hidden):
-                raise InvalidArgument(f"expert_y: shape {tuple(expert_y.shape)}, out_expert_x "
-                                      f"was {(self._recv_rows, self._hidden)}")
-        if do_recv:
-            check_tensor("out_tokens", out_tokens, torch.bfloat16, 2, self._device_id)
-            check_tensor("weights", weights, torch.float32, 2, self._device_id)
-        self._a2a.combine(expert_y, out_tokens, weights, accumulate, self._timeout,
-                          self._current_stream(), halves, True, True)
-        self._stage = "idle" if do_recv else "combining"
-
-    # ---- helpers ---------------------------------------------------------------------------
-
-    def _expect(self, stage, call):
-        if self._stage != stage:
-            raise FailedPrecondition(
-                f"{call} out of order: the halves run dispatch send, dispatch receive, combine "
-                f"send, combine receive (this AllToAll is at '{self._stage}')")
-
-    def _check_tokens(self, dp_x, dp_x_scale, indices, weights):
-        check_tensor("dp_x", dp_x, self._in_dtype, 2, self._device_id)
-        tokens, hidden = dp_x.shape
-        if hidden != self._hidden or tokens > self._max_tokens:
-            raise InvalidArgument(f"dp_x: shape {tuple(dp_x.shape)}, at most "
-                                  f"{(self._max_tokens, self._hidden)}")
-        if self._fp8:
-            check_tensor("dp_x_scale", dp_x_scale, torch.float32, 2, self._device_id)
-            if tuple(dp_x_scale.shape) != (tokens, hidden // 128):
-                raise InvalidArgument(f"dp_x_scale: shape {tuple(dp_x_scale.shape)}, expected "
-                                      f"{(tokens, hidden // 128)}")
-        elif dp_x_scale is not None:
-            raise InvalidArgument("dp_x_scale: bfloat16 input has no scales")
-        check_tensor("indices", indices, _ID_DTYPES, 2, self._device_id)
-        check_tensor("weights", weights, torch.float32, 2, self._device_id)
-        for name, t in (("indices", indices), ("weights", weights)):
-            if tuple(t.shape) != (tokens, self._k):
-                raise InvalidArgument(f"{name}: shape {tuple(t.shape)}, expected "
-                                      f"{(tokens, self._k)}")
-
-    def _check_expert_outputs(self, counts, out_x, out_scales):
-        check_tensor("out_expert_num_tokens", counts, torch.int32, 1, self._device_id)
-        if counts.numel() != self.num_local_experts:
-            raise InvalidArgument(f"out_expert_num_tokens: {self.num_local_experts} entries, got "
-                                  f"{counts.numel()}")
-        check_tensor("out_expert_x", out_x, self._in_dtype, 2, self._device_id)
-        if out_x.shape[1] != self._hidden or out_x.shape[0] < self.max_recv_tokens:
-            raise InvalidArgument(f"out_expert_x: shape {tuple(out_x.shape)}, needs at least "
-                                  f"{(self.max_recv_tokens, self._hidden)} (max_recv_tokens: "
-                                  f"the worst routing's padded blocks)")
-        if self._fp8:
-            check_tensor("out_expert_x_scale", out_scales, torch.float32, 2, self._device_id)
-            if tuple(out_scales.shape) != (out_x.shape[0], self._hidden // 128):
-                raise InvalidArgument(f"out_expert_x_scale: shape {tuple(out_scales.shape)}, "
-                                      f"expected {(out_x.shape[0], self._hidden // 128)}")
-        elif out_scales is not None:
-            raise InvalidArgument("out_expert_x_scale: bfloat16 input has no scales")
-
-    def _bound(self, dp_x, bound_m):
-        """The tokens sent: bound_m's value (read here on the host device; on the GPU the
-        kernels read it, dp_x's rows being the most it may hold)."""
-        if bound_m is None:
-            return dp_x.shape[0]
-        check_tensor("bound_m", bound_m, torch.int32, None, self._device_id)
-        if bound_m.numel() != 1:
-            raise InvalidArgument(f"bound_m: one int32, got {bound_m.numel()}")
-        if self._cuda:
-            return dp_x.shape[0]
-        m = int(bound_m.item())
-        if not 0 <= m <= dp_x.shape[0]:
-            raise InvalidArgument(f"bound_m {m}: dp_x has {dp_x.shape[0]} rows")
-        return m
-
-    def _current_stream(self):
-        """The caller's current stream on the GPU (None on the CPU): the AllToAll's steps go on
-        a stream of its own (set once: its four steps must share one), ordered after the
-        caller's and the caller's after them by the AllToAll's event (no host wait; any current
-        stream, the legacy default and a graph capture's included). The AllToAll keeps the
-        caller's tensors referenced until their steps finish."""
-        if not self._cuda:
-            return None
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self._device)
-            self._a2a.set_stream(self._stream)
-        return current_stream_handle(self._device_id)
+    # dispatch and combine are PplxSteps' (python/src/engine_api.cc): every argument checked
+    # before either half runs, then both in one call of the AllToAll's, on the caller's current
+    # stream (the AllToAll takes it at its first dispatch; a call from another stream is
+    # ordered by events). The halves run dispatch send, dispatch receive, combine send, combine
+    # receive; `stage` says where they stand.
 
 
 def _size(group):

@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -56,6 +57,9 @@ struct Array {
   bool readonly = false;
   std::vector<int64_t> shape;
   py::object owner;
+  // A torch tensor's dtype (torch's dtypes live as long as the interpreter), null for other
+  // arrays: what tells bfloat16 from float16, which kind and size do not.
+  PyObject* dtype = nullptr;
 
   bool on_host() const { return device == kHostMemory; }
   // The first dimension of an array of two or more; -1 for a flat one.
@@ -96,6 +100,7 @@ void BindBootstrap(py::module_& m);
 void BindFabric(py::module_& m);
 void BindMoe(py::module_& m);
 void BindKv(py::module_& m);
+void BindEngineApi(py::module_& m);
 
 // The exception object (not raised) of a failed status, None for OK.
 py::object ErrorObject(const Status& status);
@@ -113,6 +118,9 @@ struct Region {
 // `object` as an Array: an Array as is, anything else through ferry._arrays.as_array (NumPy,
 // buffer protocol, torch tensors, __cuda_array_interface__).
 Array ToArray(const py::handle& object);
+// A contiguous torch tensor of CPU or CUDA memory as an Array, read through its own methods
+// (without ferry._arrays between); nullopt for anything else.
+std::optional<Array> TorchArray(const py::handle& tensor);
 
 }  // namespace ferry::python
 

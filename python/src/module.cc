@@ -128,6 +128,8 @@ T Checked(py::object value) {
   return py::cast<T>(value);
 }
 
+}  // namespace
+
 // A torch tensor of CPU or CUDA memory read through its own methods, as
 // ferry._arrays.as_array reads one, without the Python function between: every step converts
 // several tensors, and the Python path costs a few microseconds each. Anything else (not a
@@ -170,10 +172,9 @@ std::optional<Array> TorchArray(const py::handle& t) {
   }
   a.num_bytes = count * static_cast<uint64_t>(a.item_bytes);
   a.owner = py::reinterpret_borrow<py::object>(t);
+  a.dtype = kind->first;
   return a;
 }
-
-}  // namespace
 
 Array ToArray(const py::handle& object) {
   if (py::isinstance<Array>(object)) return py::cast<Array>(object);
@@ -293,4 +294,5 @@ PYBIND11_MODULE(_ferry, m) {
   BindFabric(m);
   BindMoe(m);
   BindKv(m);
+  BindEngineApi(m);
 }

@@ -140,6 +140,71 @@ def pplx_graph_body(world, kind):
     return body
 
 
+def streams_body(world):
+    """Which stream the AllToAlls' steps go on. A low-latency Buffer whose first call waits for
+    its result, and pplx's AllToAll, take the caller's current stream as their own (no event
+    between the caller's kernels and theirs); a call from another stream after that is still
+    ordered with it (the results checked). A Buffer whose first call is async_finish keeps its
+    communication stream, and its event is what the caller waits for."""
+    def body(b, store):
+        import torch
+        from ferry import deep_ep, pplx
+        e, local = api.EXPERTS_PER_RANK * world, api.EXPERTS_PER_RANK
+        factor = torch.tensor([api.expert_factor(b.rank * local + le) for le in range(local)],
+                              device="cuda").view(local, 1, 1)
+        first, other = torch.cuda.Stream(), torch.cuda.Stream()
+
+        def round_trip(buf, r, async_finish=False):
+            rx, ridx, rw = api.inputs(world, b.rank, round=r)
+            x, idx, w = rx.cuda(), ridx.cuda(), rw.cuda()
+            recv, _, handle, event, _ = buf.low_latency_dispatch(
+                x, idx, api.MAX_TOKENS, e, use_fp8=False, async_finish=async_finish)
+            event.current_stream_wait()
+            y = (recv.float() * factor).to(torch.bfloat16)
+            out, event, _ = buf.low_latency_combine(y, idx, w, handle, async_finish=async_finish)
+            event.current_stream_wait()
+            torch.testing.assert_close(out.cpu().float(),
+                                       api.weighted_reference(rx, ridx, rw).float(),
+                                       rtol=2 ** -7, atol=2 ** -6)
+            return handle.pooled.a2a
+
+        buf = deep_ep.Buffer(b, explicitly_destroy=True)
+        with torch.cuda.stream(first):
+            a2a = round_trip(buf, 1)
+        assert a2a.stream == first.cuda_stream, (a2a.stream, first.cuda_stream)
+        with torch.cuda.stream(other):
+            assert round_trip(buf, 2) is a2a and a2a.stream == first.cuda_stream
+        buf.destroy()
+
+        buf = deep_ep.Buffer(b, explicitly_destroy=True)
+        with torch.cuda.stream(first):
+            a2a = round_trip(buf, 3, async_finish=True)
+            assert a2a.stream == buf._stream.cuda_stream != first.cuda_stream
+            round_trip(buf, 4)  # a call that waits, on the same communication stream
+        buf.destroy()
+
+        p = pplx.AllToAll(max_num_tokens=api.MAX_TOKENS, num_experts=e,
+                          expert_padding=api.PADDING, hidden_dim=api.HIDDEN,
+                          hidden_dim_scale=None, in_dtype=torch.bfloat16,
+                          out_dtype=torch.bfloat16, scale_dtype=None,
+                          num_experts_per_token=api.K, device=torch.device("cuda"),
+                          global_group=b)
+        rx, ridx, rw = api.inputs(world, b.rank, round=5)
+        with torch.cuda.stream(other):
+            x, ids, w = rx.cuda(), ridx.to(torch.int32).cuda(), rw.cuda()
+            counts = torch.empty(local, dtype=torch.int32, device="cuda")
+            out_x = torch.zeros(p.max_recv_tokens, api.HIDDEN, dtype=torch.bfloat16,
+                                device="cuda")
+            p.dispatch(counts, out_x, None, x, None, ids, w)
+            assert p._a2a.stream == other.cuda_stream, (p._a2a.stream, other.cuda_stream)
+            torch.cuda.current_stream().synchronize()
+        want = [sum(int((api.inputs(world, s, round=5)[1] == b.rank * local + le).sum())
+                    for s in range(world)) for le in range(local)]
+        assert counts.tolist() == want, (counts.tolist(), want)
+        p.destroy()
+    return body
+
+
 class CudaEngineApiTest(api.Case):
     def setUp(self):
         super().setUp()
@@ -163,6 +228,12 @@ class CudaEngineApiTest(api.Case):
 
     def test_pplx_as_a_cuda_graph_with_bound_m_world_2(self):
         self.ranks(2, on_gpu(pplx_graph_body(2, "ferry")), timeout=240.0)
+
+    def test_the_stream_the_steps_take(self):
+        self.ranks(1, on_gpu(streams_body(1)), timeout=240.0)
+
+    def test_the_stream_the_steps_take_world_2(self):
+        self.ranks(2, on_gpu(streams_body(2)), timeout=240.0)
 
     def test_pplx_world_1(self):
         self.ranks(1, on_gpu(api.pplx_body(1, "ferry")), timeout=240.0)

@@ -79,19 +79,24 @@ class NvlinkAllToAll final : public AllToAll {
       return FailedPreconditionError("SetStream: only between a CombineRecv and a DispatchSend");
     }
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
-    FERRY_CUDA(cudaStreamSynchronize(stream_));
+    // Steps that waited for themselves left nothing to wait for (and a stream being captured
+    // may be taken then: nothing here would end the capture).
+    if (async_) FERRY_CUDA(cudaStreamSynchronize(stream_));
     stream_ = stream ? static_cast<cudaStream_t>(stream) : own_stream_;
     async_ = stream != nullptr;
     return Status::Ok();
   }
 
+  // A stream is ordered with itself already: nothing to record or wait for.
   Status OrderAfter(void* stream) override {
+    if (stream == stream_) return Status::Ok();
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
     FERRY_CUDA(cudaEventRecord(order_event_, static_cast<cudaStream_t>(stream)));
     FERRY_CUDA(cudaStreamWaitEvent(stream_, order_event_, 0));
     return Status::Ok();
   }
   Status OrderBefore(void* stream) override {
+    if (stream == stream_) return Status::Ok();
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
     FERRY_CUDA(cudaEventRecord(order_event_, stream_));
     FERRY_CUDA(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), order_event_, 0));

@@ -1,0 +1,460 @@
+// The AllToAll binding's class (ferry.AllToAll), shared by the module's bindings (moe.cc) and
+// the engine-API layers' C++ halves (engine_api.cc). Each step checks its arrays against the
+// configuration (size, element type, host or the configured GPU, writable outputs) before a
+// pointer reaches the core, and runs with the GIL released. With a stream set (CUDA), steps
+// return once enqueued: the arrays of every step enqueued since the last synchronize() stay
+// referenced until it returns.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "binding.h"
+#include "ferry/moe.h"
+
+namespace ferry::python {
+
+class PyAllToAll {
+ public:
+  PyAllToAll(const AllToAllConfig& config, py::object engine, Bootstrap& bootstrap)
+      : engine_(std::move(engine)) {
+    TransferEngine* e = AcquireEngine(engine_);
+    StatusOr<std::unique_ptr<AllToAll>> created = [&] {
+      py::gil_scoped_release release;
+      return AllToAll::Create(config, e, bootstrap);
+    }();
+    if (!created.ok()) ReleaseEngine(engine_);
+    a2a_ = ValueOrThrow(std::move(created));
+    output_rows_ = OutputRows(a2a_->config());
+  }
+  ~PyAllToAll() { Close(); }
+
+  // Refused while a step runs on another thread (it has released the GIL); the destructor
+  // cannot meet one (a running step holds a reference to this object).
+  void Close() {
+    if (busy_ > 0) {
+      ThrowIfError(FailedPreconditionError("AllToAll.close: a step is running on another thread"));
+    }
+    if (!a2a_) return;
+    {
+      py::gil_scoped_release release;
+      a2a_.reset();
+    }
+    ReleaseEngine(engine_);
+    keep_.clear();
+  }
+
+  const AllToAllConfig& config() const { return a2a().config(); }
+
+  void DispatchSend(const py::handle& x, const py::handle& indices, const py::handle& weights,
+                    const py::handle& scales, std::optional<int> num_tokens,
+                    const py::handle& device_num_tokens, Fp8Scaling scaling) {
+    const std::optional<Array> sa = scales.is_none() ? std::nullopt : std::optional(ToArray(scales));
+    const std::optional<Array> da = device_num_tokens.is_none()
+                                        ? std::nullopt
+                                        : std::optional(ToArray(device_num_tokens));
+    DispatchSendArrays(ToArray(x), ToArray(indices), ToArray(weights), sa ? &*sa : nullptr, num_tokens,
+                 da ? &*da : nullptr, scaling);
+  }
+  // The same with the arrays converted (scales, device_num_tokens: null for none).
+  void DispatchSendArrays(const Array& xa, const Array& ia, const Array& wa, const Array* sa,
+                    std::optional<int> num_tokens, const Array* da, Fp8Scaling scaling) {
+    const AllToAllConfig& c = config();
+    if (!num_tokens && xa.rows() < 0) {
+      ThrowIfError(InvalidArgumentError("dispatch_send: num_tokens is required with a flat x"));
+    }
+    const int64_t tokens = num_tokens ? *num_tokens : xa.rows();
+    // The core checks this too, but the array sizes below follow from it.
+    if (tokens < 0 || tokens > c.max_tokens_per_rank) {
+      ThrowIfError(InvalidArgumentError("dispatch_send: " + std::to_string(tokens) +
+                                        " tokens, configured maximum " +
+                                        std::to_string(c.max_tokens_per_rank)));
+    }
+    const uint64_t copies = static_cast<uint64_t>(tokens) * c.experts_per_token;
+    // An fp8 AllToAll given bf16 rows (2-byte elements) and no scales quantises them itself.
+    const bool quantize = c.dtype == DispatchDtype::kFp8E4M3 && xa.item_bytes == 2 && !sa;
+    Check(&xa, {"x", tokens * static_cast<uint64_t>(c.hidden) * (quantize ? 2 : ItemBytes(c)),
+                false, 0, quantize ? 2 : ItemBytes(c)});
+    Check(&wa, {"weights", copies * 4, false, 'f', 4});
+    DispatchInput in;
+    if (quantize) {
+      in.x_bf16 = static_cast<const uint16_t*>(xa.pointer());
+      in.scaling = scaling;
+    } else {
+      in.x = xa.pointer();
+    }
+    Indices(ia, copies, in);
+    in.weights = static_cast<const float*>(wa.pointer());
+    in.num_tokens = static_cast<int>(tokens);
+    Owners used{xa.owner, ia.owner, wa.owner};
+    if (Wanted(sa, "scales", c.scales_per_token() > 0 && !quantize)) {
+      Check(sa,
+            {"scales", tokens * static_cast<uint64_t>(c.scales_per_token()) * 4, false, 'f', 4});
+      in.scales = static_cast<const float*>(sa->pointer());
+      used.push_back(sa->owner);
+    }
+    if (da) {
+      Check(da, {"device_num_tokens", 4, false, 'i', 4});
+      in.device_num_tokens = static_cast<const int32_t*>(da->pointer());
+      used.push_back(da->owner);
+    }
+    Run(std::move(used), [&](AllToAll& a) { return a.DispatchSend(in); });
+    last_tokens_ = tokens;
+  }
+
+  void DispatchRecv(const py::handle& x, const py::handle& num_tokens, const py::handle& scales,
+                    const py::handle& num_rows, const py::handle& token_experts,
+                    const py::handle& token_weights, double timeout, int expert_padding) {
+    const bool token_major = config().dispatch_layout == DispatchLayout::kTokenMajor;
+    const std::optional<Array> sa = Optional(scales, "scales", config().scales_per_token() > 0);
+    const std::optional<Array> ra = Optional(num_rows, "num_rows", token_major);
+    const std::optional<Array> ea = Optional(token_experts, "token_experts", token_major);
+    const std::optional<Array> wa = Optional(token_weights, "token_weights", token_major);
+    DispatchRecvArrays(ToArray(x), ToArray(num_tokens), sa ? &*sa : nullptr,
+                 token_major ? TokenMajorArrays{&*ra, &*ea, &*wa} : TokenMajorArrays{}, timeout,
+                 expert_padding);
+  }
+  // What a token-major DispatchRecv writes besides the rows (null: expert-major).
+  struct TokenMajorArrays {
+    const Array* num_rows = nullptr;
+    const Array* token_experts = nullptr;
+    const Array* token_weights = nullptr;
+  };
+  // The same with the arrays converted (scales: null for none).
+  void DispatchRecvArrays(const Array& xa, const Array& na, const Array* sa, TokenMajorArrays tm,
+                    double timeout, int expert_padding) {
+    const AllToAllConfig& c = config();
+    const Deadline deadline = DeadlineIn(timeout);
+    const bool token_major = c.dispatch_layout == DispatchLayout::kTokenMajor;
+    // A padding the layout cannot take is the core's to refuse (CheckDispatchOutput); the
+    // sizes here follow from one it can.
+    const uint64_t rows =
+        expert_padding > 0 && !token_major ? c.padded_rows(expert_padding) : OutputRows(c);
+    Check(&xa, {"x", rows * c.token_bytes(), true, 0, ItemBytes(c)});
+    Check(&na, {"num_tokens", static_cast<uint64_t>(c.local_experts()) * 4, true, 'i', 4});
+    DispatchOutput out;
+    out.x = xa.pointer();
+    out.num_tokens = static_cast<int32_t*>(na.pointer());
+    out.expert_padding = expert_padding;
+    Owners used{xa.owner, na.owner};
+    if (Wanted(sa, "scales", c.scales_per_token() > 0)) {
+      Check(sa, {"scales", rows * c.scales_per_token() * 4, true, 'f', 4});
+      out.scales = static_cast<float*>(sa->pointer());
+      used.push_back(sa->owner);
+    }
+    const uint64_t entries = static_cast<uint64_t>(c.expert_capacity()) * c.experts_per_token;
+    if (token_major) {
+      if (!tm.num_rows || !tm.token_experts || !tm.token_weights) {
+        ThrowIfError(InvalidArgumentError(
+            "dispatch_recv: a token-major AllToAll writes num_rows, token_experts and "
+            "token_weights: required"));
+      }
+      Check(tm.num_rows, {"num_rows", 4, true, 'i', 4});
+      Check(tm.token_experts, {"token_experts", entries * 4, true, 'i', 4});
+      Check(tm.token_weights, {"token_weights", entries * 4, true, 'f', 4});
+      out.num_rows = static_cast<int32_t*>(tm.num_rows->pointer());
+      out.token_experts = static_cast<int32_t*>(tm.token_experts->pointer());
+      out.token_weights = static_cast<float*>(tm.token_weights->pointer());
+      used.insert(used.end(),
+                  {tm.num_rows->owner, tm.token_experts->owner, tm.token_weights->owner});
+    }
+    Run(std::move(used), [&](AllToAll& a) { return a.DispatchRecv(out, deadline); });
+    // The rows received, where the host can read them (the CUDA device's count is on the GPU).
+    received_rows_ = token_major && c.device == MoeDeviceKind::kHost ? *out.num_rows : -1;
+    output_rows_ = rows;
+  }
+
+  void CombineSend(const py::handle& expert_out, std::optional<int64_t> num_rows) {
+    CombineSendArray(ToArray(expert_out), num_rows);
+  }
+  void CombineSendArray(const Array& ea, std::optional<int64_t> num_rows) {
+    const AllToAllConfig& c = config();
+    uint64_t rows = output_rows_;  // as the last dispatch_recv laid them out
+    if (num_rows) {
+      // Token-major: the caller's rows may stop at those received (the step reads no more).
+      if (c.dispatch_layout != DispatchLayout::kTokenMajor) {
+        ThrowIfError(InvalidArgumentError("combine_send: num_rows is for the token-major layout"));
+      }
+      if (*num_rows < 0 || *num_rows > c.expert_capacity() ||
+          (received_rows_ >= 0 && *num_rows < received_rows_)) {
+        ThrowIfError(InvalidArgumentError(
+            "combine_send: num_rows " + std::to_string(*num_rows) + ", dispatch_recv wrote " +
+            (received_rows_ >= 0 ? std::to_string(received_rows_) : std::string("its num_rows")) +
+            " (at most " + std::to_string(c.expert_capacity()) + ")"));
+      }
+      rows = static_cast<uint64_t>(*num_rows);
+    }
+    Check(&ea, {"expert_out", rows * c.hidden * 2, false, 0, 2});
+    Run({ea.owner},
+        [&](AllToAll& a) { return a.CombineSend(static_cast<const uint16_t*>(ea.pointer())); });
+  }
+
+  void CombineRecv(const py::handle& out, bool accumulate, double timeout,
+                   const py::handle& weights) {
+    const std::optional<Array> wa = weights.is_none() ? std::nullopt : std::optional(ToArray(weights));
+    CombineRecvArrays(ToArray(out), accumulate, timeout, wa ? &*wa : nullptr);
+  }
+  // The same with the arrays converted (wa: null for dispatch-time weights).
+  void CombineRecvArrays(const Array& oa, bool accumulate, double timeout, const Array* wa) {
+    const AllToAllConfig& c = config();
+    const Deadline deadline = DeadlineIn(timeout);
+    Check(&oa, {"out", static_cast<uint64_t>(last_tokens_) * c.hidden * 2, true, 0, 2});
+    CombineOutput to{static_cast<uint16_t*>(oa.pointer()), accumulate};
+    Owners used{oa.owner};
+    if (wa) {
+      Check(wa, {"weights", static_cast<uint64_t>(last_tokens_) * c.experts_per_token * 4, false,
+                 'f', 4});
+      to.weights = static_cast<const float*>(wa->pointer());
+      used.push_back(wa->owner);
+    }
+    Run(std::move(used), [&](AllToAll& a) { return a.CombineRecv(to, deadline); });
+  }
+
+  // What ferry.deep_ep calls once per call: the halves `halves` names (1 the send, 2 the
+  // receive, 3 both, in that order) with the arguments dispatch_send and dispatch_recv take,
+  // ordered with `stream` as Ordered says. One call instead of four: each call from Python
+  // costs microseconds (argument conversion, the GIL).
+  void Dispatch(const py::handle& x, const py::handle& indices, const py::handle& weights,
+                const py::handle& scales, std::optional<int> num_tokens,
+                const py::handle& device_num_tokens, Fp8Scaling scaling,
+                const py::handle& out_x, const py::handle& out_num_tokens,
+                const py::handle& out_scales, double timeout, int expert_padding,
+                const py::handle& stream, int halves, bool stream_first, bool stream_waits) {
+    Halves(halves, "dispatch");
+    Ordered(OptionalStream(stream), stream_first, stream_waits, halves & kSendHalf, [&] {
+      if (halves & kSendHalf) {
+        DispatchSend(x, indices, weights, scales, num_tokens, device_num_tokens, scaling);
+      }
+      if (halves & kReceiveHalf) {
+        DispatchRecv(out_x, out_num_tokens, out_scales, py::none(), py::none(), py::none(),
+                     timeout, expert_padding);
+      }
+    });
+  }
+
+  // combine_send and combine_recv as Dispatch runs dispatch's.
+  void Combine(const py::handle& expert_out, const py::handle& out, const py::handle& weights,
+               bool accumulate, double timeout, const py::handle& stream, int halves,
+               bool stream_first, bool stream_waits) {
+    Halves(halves, "combine");
+    Ordered(OptionalStream(stream), stream_first, stream_waits, false, [&] {
+      if (halves & kSendHalf) CombineSend(expert_out, std::nullopt);
+      if (halves & kReceiveHalf) CombineRecv(out, accumulate, timeout, weights);
+    });
+  }
+
+  void SetStream(const py::handle& stream) {
+    void* s = nullptr;
+    if (!stream.is_none()) {
+      s = StreamHandle(stream);
+      // Handle 0 is the legacy default stream (torch's current stream unless one was set): taken
+      // as "no stream" the steps would go back to waiting, unordered with the caller's kernels
+      // on that stream, and read inputs not yet written.
+      if (s == nullptr) {
+        ThrowIfError(InvalidArgumentError(
+            "set_stream: stream handle 0 (the legacy default stream) cannot order the steps; "
+            "pass a stream of your own (torch.cuda.Stream()), or None to wait"));
+      }
+    }
+    ThrowIfError(a2a().SetStream(s));
+    stream_ = s;
+  }
+  // The stream the steps go on as a cudaStream_t (0: the legacy default stream), None while
+  // they wait for themselves.
+  py::object stream() const {
+    if (!stream_) return py::none();
+    return py::int_(stream_ == kLegacyStream ? 0 : reinterpret_cast<uintptr_t>(stream_));
+  }
+
+  // OrderAfter / OrderBefore with a stream as set_stream takes one (0, the legacy default
+  // stream, allowed: it is only ordered against).
+  void Order(const py::handle& stream, bool after) {
+    void* s = CudaStream(StreamHandle(stream));
+    ThrowIfError(after ? a2a().OrderAfter(s) : a2a().OrderBefore(s));
+  }
+
+  // `steps` ordered with `stream` (a cudaStream_t; nullopt: unordered): they start after what
+  // it holds (with `first`) and it waits for them (with `waits`); the arrays of the steps
+  // finished before them are let go first, without waiting (ReleaseFinished). An AllToAll
+  // without a stream of its own takes `stream` itself at such a call that begins a dispatch
+  // (`may_adopt`): from then on a caller that keeps one current stream pays no ordering (its
+  // steps simply follow each other on it), and one on another stream is ordered by events as
+  // before. The stream taken must outlive the AllToAll (torch's default and pooled streams
+  // live as long as the process).
+  template <typename Steps>
+  void Ordered(std::optional<void*> stream, bool first, bool waits, bool may_adopt,
+               Steps steps) {
+    if (!stream) {
+      ReleaseFinished(std::nullopt);
+      steps();
+      return;
+    }
+    void* const s = CudaStream(*stream);
+    ReleaseFinished(s);
+    if (!stream_ && may_adopt && config().device == MoeDeviceKind::kCuda) {
+      ThrowIfError(a2a().SetStream(s));
+      stream_ = s;
+    }
+    if (first && s != stream_) ThrowIfError(a2a().OrderAfter(s));
+    steps();
+    if (waits && s != stream_) ThrowIfError(a2a().OrderBefore(s));
+  }
+
+  void Synchronize() {
+    const Status s = Unlocked([](AllToAll& a) { return a.Synchronize(); });
+    keep_.clear();
+    ThrowIfError(s);
+  }
+
+  // Without waiting: true (and the arrays released, the kernels' findings raised) when every
+  // step enqueued so far has finished.
+  bool Poll() {
+    bool done = false;
+    const Status s = Unlocked([&](AllToAll& a) { return a.Poll(&done); });
+    if (done) keep_.clear();
+    ThrowIfError(s);
+    return done;
+  }
+  size_t pending() const { return keep_.size(); }
+
+  // The arrays of the steps finished so far let go and their kernels' findings raised, without
+  // waiting while fewer than kMaxPendingArrays are held (then it waits for every step). Never
+  // while `stream` (a caller's cudaStream_t; nullopt: ours) or the AllToAll's own is being
+  // captured: a query would end the capture, and the captured arrays are the graph owner's to
+  // keep.
+  void ReleaseFinished(std::optional<void*> stream) {
+    if (!stream_ || keep_.empty()) return;
+    if (a2a().capturing(stream ? *stream : nullptr)) return;
+    if (!Poll() && keep_.size() > kMaxPendingArrays) Synchronize();
+  }
+  void ReleaseFinished(const py::handle& stream) {
+    ReleaseFinished(stream.is_none() ? std::nullopt
+                                     : std::optional(CudaStream(StreamHandle(stream))));
+  }
+
+  uint64_t dispatch_bytes_sent() const { return a2a().dispatch_bytes_sent(); }
+  uint64_t combine_bytes_sent() const { return a2a().combine_bytes_sent(); }
+
+ private:
+  // An int (a cudaStream_t's address), or a stream object that carries one: torch's
+  // .cuda_stream, CuPy's .ptr.
+  static void* StreamHandle(const py::handle& stream) {
+    if (PyLong_Check(stream.ptr())) {
+      return reinterpret_cast<void*>(static_cast<uintptr_t>(py::cast<uint64_t>(stream)));
+    }
+    py::object handle = py::hasattr(stream, "cuda_stream") ? stream.attr("cuda_stream")
+                        : py::hasattr(stream, "ptr")       ? stream.attr("ptr")
+                                                     : py::reinterpret_borrow<py::object>(stream);
+    return reinterpret_cast<void*>(static_cast<uintptr_t>(py::cast<uint64_t>(handle)));
+  }
+  static std::optional<void*> OptionalStream(const py::handle& stream) {
+    return stream.is_none() ? std::nullopt : std::optional(StreamHandle(stream));
+  }
+  // The legacy default stream as the runtime API names it to a call that takes a stream of its
+  // own (cudaStreamLegacy): handle 0 there means "none" to the core (SetStream), and the
+  // legacy stream to the runtime.
+  static inline void* const kLegacyStream = reinterpret_cast<void*>(uintptr_t{1});
+  static void* CudaStream(void* handle) { return handle ? handle : kLegacyStream; }
+
+ public:
+  static constexpr int kSendHalf = 1, kReceiveHalf = 2;
+
+ private:
+  static void Halves(int halves, const char* call) {
+    if (halves < 1 || halves > 3) {
+      ThrowIfError(InvalidArgumentError(std::string(call) + ": halves " + std::to_string(halves) +
+                                        ", 1 (send), 2 (receive) or 3 (both)"));
+    }
+  }
+  // Arrays of enqueued steps kept before a layer's call waits for them: a few rounds' worth (a
+  // CPU that runs ahead of the GPU keeps them referenced until their steps finish).
+  static constexpr size_t kMaxPendingArrays = 64;
+  AllToAll& a2a() const {
+    if (!a2a_) ThrowIfError(FailedPreconditionError("the AllToAll is closed"));
+    return *a2a_;
+  }
+  int Device(const AllToAllConfig& c) const {
+    return c.device == MoeDeviceKind::kHost ? kHostMemory : c.cuda_device;
+  }
+  // Rows of DispatchRecv's output, and so of CombineSend's input.
+  static uint64_t OutputRows(const AllToAllConfig& c) {
+    const bool token_major = c.dispatch_layout == DispatchLayout::kTokenMajor;
+    return static_cast<uint64_t>(c.expert_capacity()) *
+           (token_major ? 1 : static_cast<uint64_t>(c.local_experts()));
+  }
+  static int ItemBytes(const AllToAllConfig& c) { return c.dtype == DispatchDtype::kBf16 ? 2 : 1; }
+  // The expert ids into `in`: int32 as they are, uint32 as the same bits (an id >= 2^31 is
+  // then negative: -1 for 0xFFFFFFFF, a bad id otherwise), int64 (torch.topk's) as indices64,
+  // narrowed by the core (on the CUDA device by a kernel on the step's stream).
+  void Indices(const Array& ia, uint64_t copies, DispatchInput& in) const {
+    if (ia.kind == 'i' && ia.item_bytes == 8) {
+      Check(&ia, {"indices", copies * 8, false, 'i', 8});
+      in.indices64 = static_cast<const int64_t*>(ia.pointer());
+      return;
+    }
+    const char kind = ia.kind == 'u' && ia.item_bytes == 4 ? 'u' : 'i';
+    Check(&ia, {"indices", copies * 4, false, kind, 4});  // names what it is and what we take
+    in.indices = static_cast<const int32_t*>(ia.pointer());
+  }
+  void Check(const Array* array, const ArrayNeed& need) const {
+    ThrowIfError(CheckArray(array, need, Device(config())));
+  }
+  // An optional argument: None where not `wanted` (else InvalidArgument: the configuration has
+  // no use for it), an Array where wanted (else InvalidArgument: required).
+  std::optional<Array> Optional(const py::handle& object, const char* name, bool wanted) const {
+    if (object.is_none()) {
+      if (wanted) ThrowIfError(InvalidArgumentError(std::string(name) + ": required"));
+      return std::nullopt;
+    }
+    if (!wanted) {
+      ThrowIfError(InvalidArgumentError(std::string(name) + ": this configuration takes none (" +
+                                        config().ToString() + ")"));
+    }
+    return ToArray(object);
+  }
+  // Whether an optional array (null: not given) is there: InvalidArgument, as Optional's,
+  // where it is missing but `wanted` or given but not.
+  bool Wanted(const Array* array, const char* name, bool wanted) const {
+    if (!array && wanted) ThrowIfError(InvalidArgumentError(std::string(name) + ": required"));
+    if (array && !wanted) {
+      ThrowIfError(InvalidArgumentError(std::string(name) + ": this configuration takes none (" +
+                                        config().ToString() + ")"));
+    }
+    return array != nullptr;
+  }
+  // The arrays a step reads or writes (their owners).
+  using Owners = std::vector<py::object>;
+  // step(AllToAll&) with the GIL released.
+  template <typename Step>
+  Status Unlocked(Step step) {
+    AllToAll& a = a2a();
+    Status s;
+    ++busy_;
+    {
+      py::gil_scoped_release release;
+      s = step(a);
+    }
+    --busy_;
+    return s;
+  }
+  // A step that waits for itself is done with its arrays when it returns (the caller's
+  // arguments hold them meanwhile); a step enqueued on a stream keeps them until synchronize().
+  template <typename Step>
+  void Run(Owners used, Step step) {
+    if (stream_) keep_.insert(keep_.end(), used.begin(), used.end());
+    ThrowIfError(Unlocked(step));
+  }
+
+  py::object engine_;
+  std::unique_ptr<AllToAll> a2a_;
+  std::vector<py::object> keep_;
+  int64_t last_tokens_ = 0;
+  int64_t received_rows_ = -1;  // token-major rows of the last dispatch_recv; -1: not known here
+  uint64_t output_rows_ = 0;    // rows the last dispatch_recv's x held (its padding's)
+  void* stream_ = nullptr;  // the stream the steps go on (set_stream's or a layer's, adopted)
+  int busy_ = 0;  // steps running with the GIL released (the GIL guards the count)
+};
+
+}  // namespace ferry::python

@@ -1,0 +1,298 @@
+// The per-call half of ferry.pplx.AllToAll (python/ferry/pplx.py subclasses the class bound
+// here): pplx-garden's dispatch and combine, their tensors checked and the steps run in one
+// C++ call. The same checks in Python cost microseconds a call (a dozen tensor attributes read
+// through the interpreter, each check a frame); here each tensor is read once (TorchArray) and
+// checked from what was read. The constructor's checks, and everything decided once, stay in
+// Python.
+#include <optional>
+#include <string>
+
+#include "all_to_all.h"
+#include "binding.h"
+
+namespace ferry::python {
+namespace {
+
+// torch's objects this file compares against or calls, looked up once (at the first layer
+// made) and kept for the interpreter's life.
+struct Torch {
+  PyObject* bfloat16;
+  PyObject* float32;
+  PyObject* int32;
+  PyObject* int64;
+  PyObject* uint32;  // null before torch 2.3
+  py::handle tensor_type;
+  py::handle current_stream;  // (ordinal) -> the current cudaStream_t as an int
+
+  static const Torch& Get() {
+    static const Torch t = [] {
+      py::module_ torch = py::module_::import("torch");
+      auto dtype = [&](const char* name) {
+        return py::hasattr(torch, name) ? py::object(torch.attr(name)).release().ptr() : nullptr;
+      };
+      Torch t{dtype("bfloat16"), dtype("float32"), dtype("int32"), dtype("int64"),
+              dtype("uint32"),   py::object(torch.attr("Tensor")).release(),
+              // torch's raw accessor where it has one (what compilers built on torch call),
+              // else ferry's Python one over torch.cuda.current_stream.
+              py::object(py::hasattr(torch.attr("_C"), "_cuda_getCurrentRawStream")
+                             ? torch.attr("_C").attr("_cuda_getCurrentRawStream")
+                             : py::module_::import("ferry._engine_api")
+                                   .attr("current_stream_handle"))
+                  .release()};
+      return t;
+    }();
+    return t;
+  }
+};
+
+std::string Str(const py::handle& o) { return py::str(o); }
+std::string Shape(const std::vector<int64_t>& shape) {
+  std::string s = "(";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + (shape.size() == 1 ? ",)" : ")");
+}
+std::string Pair(int64_t a, int64_t b) {
+  return "(" + std::to_string(a) + ", " + std::to_string(b) + ")";
+}
+[[noreturn]] void Invalid(const std::string& message) {
+  ThrowIfError(InvalidArgumentError(message));
+  throw std::logic_error("unreachable");
+}
+
+class PyPplx {
+ public:
+  // a2a: the ferry.AllToAll it runs on (expert-major, one shape); in_dtype: dp_x's torch dtype
+  // (bfloat16, or e4m3 / uint8 with float32 scales per 128 columns); device: the tensors'
+  // ordinal as Tensor.get_device() gives it (-1 the CPU).
+  PyPplx(py::object a2a, py::object in_dtype, int64_t max_tokens, int64_t hidden, int64_t k,
+         int64_t local_experts, int64_t max_recv_tokens, int padding, int device, double timeout)
+      : a2a_object_(std::move(a2a)),
+        a2a_(a2a_object_.cast<PyAllToAll*>()),
+        in_dtype_(std::move(in_dtype)),
+        fp8_(a2a_->config().dtype == DispatchDtype::kFp8E4M3),
+        max_tokens_(max_tokens),
+        hidden_(hidden),
+        k_(k),
+        local_experts_(local_experts),
+        max_recv_tokens_(max_recv_tokens),
+        padding_(padding),
+        device_(device),
+        timeout_(timeout),
+        torch_(Torch::Get()) {
+    CheckTimeout(timeout);
+  }
+
+  void Dispatch(const py::handle& out_expert_num_tokens, const py::handle& out_expert_x,
+                const py::handle& out_expert_x_scale, const py::handle& dp_x,
+                const py::handle& dp_x_scale, const py::handle& indices,
+                const py::handle& weights, const py::handle& bound_m, bool do_send,
+                bool do_recv) {
+    if (!do_send && !do_recv) Invalid("dispatch: do_send or do_recv (or both)");
+    Expect(do_send ? Stage::kIdle : Stage::kDispatched, "dispatch");
+    std::optional<Array> x, x_scale, ids, w, bound, counts, out_x, out_scale;
+    int64_t tokens = 0;
+    if (do_send) {
+      x = Tensor("dp_x", dp_x, in_dtype_.ptr(), 2);
+      tokens = x->shape[0];
+      if (x->shape[1] != hidden_ || tokens > max_tokens_) {
+        Invalid("dp_x: shape " + Shape(x->shape) + ", at most " + Pair(max_tokens_, hidden_));
+      }
+      if (fp8_) {
+        x_scale = Tensor("dp_x_scale", dp_x_scale, torch_.float32, 2);
+        if (x_scale->shape != std::vector<int64_t>{tokens, hidden_ / 128}) {
+          Invalid("dp_x_scale: shape " + Shape(x_scale->shape) + ", expected " +
+                  Pair(tokens, hidden_ / 128));
+        }
+      } else if (!dp_x_scale.is_none()) {
+        Invalid("dp_x_scale: bfloat16 input has no scales");
+      }
+      ids = Tensor("indices", indices, nullptr, 2);
+      if (ids->dtype != torch_.int32 && ids->dtype != torch_.int64 &&
+          (ids->dtype == nullptr || ids->dtype != torch_.uint32)) {
+        Invalid("indices: dtype " + Str(ids->dtype) + ", expected int32, int64 or uint32");
+      }
+      w = Tensor("weights", weights, torch_.float32, 2);
+      for (const auto& [name, a] : {std::pair{"indices", &*ids}, std::pair{"weights", &*w}}) {
+        if (a->shape != std::vector<int64_t>{tokens, k_}) {
+          Invalid(std::string(name) + ": shape " + Shape(a->shape) + ", expected " +
+                  Pair(tokens, k_));
+        }
+      }
+      if (!bound_m.is_none()) {
+        // bound_m's value bounds the tokens sent: read here on the host device; on the GPU the
+        // kernels read it (dp_x's rows being the most it may hold).
+        bound = Tensor("bound_m", bound_m, torch_.int32, -1);
+        if (bound->num_bytes != 4) {
+          Invalid("bound_m: one int32, got " + std::to_string(bound->num_bytes / 4));
+        }
+        if (bound->on_host()) {
+          const int32_t m = *static_cast<const int32_t*>(bound->pointer());
+          if (m < 0 || m > tokens) {
+            Invalid("bound_m " + std::to_string(m) + ": dp_x has " + std::to_string(tokens) +
+                    " rows");
+          }
+          tokens = m;
+          bound.reset();
+        }
+      }
+    }
+    if (do_recv) {
+      counts = Tensor("out_expert_num_tokens", out_expert_num_tokens, torch_.int32, 1);
+      if (counts->shape[0] != local_experts_) {
+        Invalid("out_expert_num_tokens: " + std::to_string(local_experts_) + " entries, got " +
+                std::to_string(counts->shape[0]));
+      }
+      out_x = Tensor("out_expert_x", out_expert_x, in_dtype_.ptr(), 2);
+      if (out_x->shape[1] != hidden_ || out_x->shape[0] < max_recv_tokens_) {
+        Invalid("out_expert_x: shape " + Shape(out_x->shape) + ", needs at least " +
+                Pair(max_recv_tokens_, hidden_) +
+                " (max_recv_tokens: the worst routing's padded blocks)");
+      }
+      if (fp8_) {
+        out_scale = Tensor("out_expert_x_scale", out_expert_x_scale, torch_.float32, 2);
+        if (out_scale->shape != std::vector<int64_t>{out_x->shape[0], hidden_ / 128}) {
+          Invalid("out_expert_x_scale: shape " + Shape(out_scale->shape) + ", expected " +
+                  Pair(out_x->shape[0], hidden_ / 128));
+        }
+      } else if (!out_expert_x_scale.is_none()) {
+        Invalid("out_expert_x_scale: bfloat16 input has no scales");
+      }
+    }
+    // ferry lays the padded blocks out itself (DispatchOutput::expert_padding).
+    a2a_->Ordered(CurrentStream(), true, true, do_send, [&] {
+      if (do_send) {
+        a2a_->DispatchSendArrays(*x, *ids, *w, x_scale ? &*x_scale : nullptr,
+                           static_cast<int>(tokens), bound ? &*bound : nullptr,
+                           Fp8Scaling::kAmax);
+      }
+      if (do_recv) {
+        a2a_->DispatchRecvArrays(*out_x, *counts, out_scale ? &*out_scale : nullptr, {}, timeout_,
+                           padding_);
+      }
+    });
+    if (do_recv) recv_rows_ = out_x->shape[0];
+    stage_ = do_recv ? Stage::kReceived : Stage::kDispatched;
+  }
+
+  void Combine(const py::handle& out_tokens, const py::handle& /*indices*/,
+               const py::handle& weights, const py::handle& expert_y,
+               const py::handle& /*bound_m*/, bool do_send, bool do_recv, bool accumulate) {
+    // The dispatch's ids and bound hold for its combine: ferry routes the rows back by what
+    // the dispatch sent.
+    if (!do_send && !do_recv) Invalid("combine: do_send or do_recv (or both)");
+    Expect(do_send ? Stage::kReceived : Stage::kCombining, "combine");
+    std::optional<Array> y, out, w;
+    if (do_send) {
+      y = Tensor("expert_y", expert_y, torch_.bfloat16, 2);
+      if (y->shape != std::vector<int64_t>{recv_rows_, hidden_}) {
+        Invalid("expert_y: shape " + Shape(y->shape) + ", out_expert_x was " +
+                Pair(recv_rows_, hidden_));
+      }
+    }
+    if (do_recv) {
+      out = Tensor("out_tokens", out_tokens, torch_.bfloat16, 2);
+      w = Tensor("weights", weights, torch_.float32, 2);
+    }
+    a2a_->Ordered(CurrentStream(), true, true, false, [&] {
+      if (do_send) a2a_->CombineSendArray(*y, std::nullopt);
+      if (do_recv) a2a_->CombineRecvArrays(*out, accumulate, timeout_, &*w);
+    });
+    stage_ = do_recv ? Stage::kIdle : Stage::kCombining;
+  }
+
+  std::string stage() const { return StageName(stage_); }
+
+ private:
+  enum class Stage { kIdle, kDispatched, kReceived, kCombining };
+  static const char* StageName(Stage s) {
+    switch (s) {
+      case Stage::kIdle: return "idle";
+      case Stage::kDispatched: return "dispatched";
+      case Stage::kReceived: return "received";
+      case Stage::kCombining: return "combining";
+    }
+    return "?";
+  }
+  void Expect(Stage stage, const char* call) const {
+    if (stage_ != stage) {
+      ThrowIfError(FailedPreconditionError(
+          std::string(call) +
+          " out of order: the halves run dispatch send, dispatch receive, combine send, "
+          "combine receive (this AllToAll is at '" + StageName(stage_) + "')"));
+    }
+  }
+
+  // `t` as an Array, InvalidArgument naming it unless it is a contiguous torch tensor of
+  // `dtype` (null: any), `dims` dimensions (-1: any) and the layer's device.
+  Array Tensor(const char* name, const py::handle& t, PyObject* dtype, int dims) const {
+    const std::string n = name;
+    std::optional<Array> a = TorchArray(t);
+    if (!a) {
+      if (!PyObject_TypeCheck(t.ptr(), reinterpret_cast<PyTypeObject*>(torch_.tensor_type.ptr()))) {
+        Invalid(n + ": expected a torch.Tensor, got " + Str(py::type::of(t).attr("__name__")));
+      }
+      if (!py::cast<bool>(t.attr("is_contiguous")())) {
+        Invalid(n + ": not contiguous (call .contiguous())");
+      }
+      Invalid(n + ": on " + Str(t.attr("device")) + ", ferry takes CPU and CUDA tensors");
+    }
+    if (dtype && a->dtype != dtype) {
+      Invalid(n + ": dtype " + Str(a->dtype) + ", expected " + Str(dtype));
+    }
+    if (dims >= 0 && a->shape.size() != static_cast<size_t>(dims)) {
+      Invalid(n + ": " + std::to_string(a->shape.size()) + " dimensions " + Shape(a->shape) +
+              ", expected " + std::to_string(dims));
+    }
+    if (a->device != device_) {
+      Invalid(n + ": on " + Str(t.attr("device")) + ", the others on " +
+              (device_ < 0 ? std::string("cpu") : "cuda:" + std::to_string(device_)));
+    }
+    return std::move(*a);
+  }
+
+  // The caller's current stream on the GPU, nullopt on the CPU.
+  std::optional<void*> CurrentStream() const {
+    if (device_ < 0) return std::nullopt;
+    const py::object handle = torch_.current_stream(device_);
+    return reinterpret_cast<void*>(static_cast<uintptr_t>(py::cast<uint64_t>(handle)));
+  }
+
+  py::object a2a_object_;  // keeps a2a_
+  PyAllToAll* a2a_;
+  py::object in_dtype_;
+  bool fp8_;
+  int64_t max_tokens_, hidden_, k_, local_experts_, max_recv_tokens_;
+  int padding_, device_;
+  double timeout_;
+  const Torch& torch_;
+  Stage stage_ = Stage::kIdle;
+  int64_t recv_rows_ = 0;  // out_expert_x's rows at the last dispatch (expert_y's at combine)
+};
+
+}  // namespace
+
+void BindEngineApi(py::module_& m) {
+  py::class_<PyPplx>(m, "PplxSteps",
+                     "pplx-garden's dispatch and combine over a ferry.AllToAll (what "
+                     "ferry.pplx.AllToAll subclasses; construct that instead)")
+      .def(py::init<py::object, py::object, int64_t, int64_t, int64_t, int64_t, int64_t, int, int,
+                    double>(),
+           py::arg("a2a"), py::arg("in_dtype"), py::arg("max_tokens"), py::arg("hidden"),
+           py::arg("k"), py::arg("local_experts"), py::arg("max_recv_tokens"),
+           py::arg("padding"), py::arg("device"), py::arg("timeout"))
+      .def("dispatch", &PyPplx::Dispatch, py::arg("out_expert_num_tokens"),
+           py::arg("out_expert_x"), py::arg("out_expert_x_scale"), py::arg("dp_x"),
+           py::arg("dp_x_scale"), py::arg("indices"), py::arg("weights"),
+           py::arg("bound_m") = py::none(), py::arg("do_send") = true, py::arg("do_recv") = true,
+           "Each local expert's tokens into out_expert_x, expert-major, each block's rows "
+           "rounded up to expert_padding; out_expert_num_tokens the unpadded counts")
+      .def("combine", &PyPplx::Combine, py::arg("out_tokens"), py::arg("indices"),
+           py::arg("weights"), py::arg("expert_y"), py::arg("bound_m") = py::none(),
+           py::arg("do_send") = true, py::arg("do_recv") = true, py::arg("accumulate") = false,
+           "Each token's weighted sum of its experts' rows of expert_y into out_tokens (added "
+           "to it with accumulate)")
+      .def_property_readonly("stage", &PyPplx::stage,
+                             "Where the halves stand: idle, dispatched, received, combining");
+}
+
+}  // namespace ferry::python
