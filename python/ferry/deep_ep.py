@@ -135,6 +135,9 @@ class Buffer:
         self._combine_buffers = {}  # AllToAll -> get_next_low_latency_combine_buffer's tensor
         self._stream = None    # the communication stream (CUDA)
         self._streams = {}     # torch objects for other streams AllToAlls took (_stream_of)
+        # The low-latency calls' common path, in C++ once a shape's AllToAll and its two
+        # output sets exist (_ll_outputs adds them).
+        self._ll = _ferry.DeepEpLowLatency(self.group_size, self._timeout, _Handle, _DONE)
         self._destroyed = False
 
     # ---- DeepEP's static helpers ------------------------------------------------------------
@@ -175,6 +178,7 @@ class Buffer:
     def _close(self):
         if not self._destroyed:
             self._destroyed = True
+            self._ll.clear()
             self._group.close()
 
     def __del__(self):
@@ -304,6 +308,12 @@ class Buffer:
                              cumulative_local_expert_recv_stats=None,
                              dispatch_wait_recv_cost_stats=None, use_fp8=True, round_scale=False,
                              use_ue8m0=False, async_finish=False, return_recv_hook=False):
+        if not (cumulative_local_expert_recv_stats is not None or dispatch_wait_recv_cost_stats
+                is not None or use_ue8m0 or async_finish or return_recv_hook or self._destroyed):
+            done = self._ll.dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                     use_fp8, round_scale)
+            if done is not None:
+                return done
         self._check_open("low_latency_dispatch")
         refuse("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, None,
                "per-rank wait times are not measured")
@@ -343,7 +353,7 @@ class Buffer:
         current = self._current(x)
         scaling = _ferry.Fp8Scaling.POWER_OF_TWO if round_scale else _ferry.Fp8Scaling.AMAX
         recv_x, recv_count, scales, packed = self._ll_outputs(
-            pooled, x, local, rows, hidden, use_fp8, use_ue8m0)
+            pooled, x, (m, num_experts, k), use_fp8, use_ue8m0)
         # Work of ours left on the communication stream after the receive (the scales' layout,
         # the counters): the caller's stream waits after it, not in the AllToAll's call.
         after = packed is not None or cumulative_local_expert_recv_stats is not None
@@ -394,13 +404,17 @@ class Buffer:
                 finish(False).current_stream_wait()
         return out_x, recv_count, handle, event, hook
 
-    def _ll_outputs(self, pooled, x, local, rows, hidden, use_fp8, use_ue8m0):
+    def _ll_outputs(self, pooled, x, shape, use_fp8, use_ue8m0):
         """The output tensors of a low-latency dispatch: two sets per AllToAll, taken in turn,
         so that (as DeepEP's buffers are) a result stays valid until the second dispatch after
         it on the same AllToAll. Made once, not per call: on the CPU torch caches no large
-        blocks, and every call paid for fresh pages."""
+        blocks, and every call paid for fresh pages. Once both of a set list exist, the C++
+        path (self._ll) takes the calls it can and shares the list's turns. shape: (m, experts,
+        k)."""
         key = (use_fp8, use_ue8m0)
         sets = self._outputs.setdefault((id(pooled), key), [])
+        m, experts, k = shape
+        hidden, local, rows = x.shape[1], experts // self.group_size, self.group_size * m
         if len(sets) < 2:
             device = x.device
             recv_x = torch.empty(local, rows, hidden, device=device,
@@ -420,6 +434,9 @@ class Buffer:
                     packed = torch.empty(local, hidden // 128, rows, dtype=torch.float32,
                                          device=device).transpose(1, 2)
             sets.append((recv_x, recv_count, scales, packed))
+            if len(sets) == 2 and not use_ue8m0:
+                self._ll.add(x.get_device(), m, hidden, experts, k, use_fp8, pooled, sets,
+                             self._ones_for(x, m, k))
             return sets[-1]
         sets.append(sets.pop(0))
         return sets[-1]
@@ -443,6 +460,11 @@ class Buffer:
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False,
                             zero_copy=False, async_finish=False, return_recv_hook=False,
                             out=None, combine_wait_recv_cost_stats=None):
+        if not (use_logfmt or zero_copy or async_finish or return_recv_hook
+                or combine_wait_recv_cost_stats is not None or self._destroyed):
+            done = self._ll.combine(x, topk_idx, topk_weights, handle, out)
+            if done is not None:
+                return done
         self._check_open("low_latency_combine")
         refuse("use_logfmt", use_logfmt, False, "LogFMT-encoded combine is not supported")
         refuse("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, None,

@@ -268,6 +268,15 @@ class PyAllToAll {
     return py::int_(stream_ == kLegacyStream ? 0 : reinterpret_cast<uintptr_t>(stream_));
   }
 
+  // Whether steps ordered with the caller's `stream` (a cudaStream_t; nullopt: the CPU) would
+  // run on that stream itself: the AllToAll's own, or none yet on the CUDA device (so that a
+  // dispatch takes it, as Ordered says). Work a caller adds after the steps may then go on the
+  // caller's stream with no ordering.
+  bool RunsOn(std::optional<void*> stream) const {
+    if (!stream) return !stream_;
+    return stream_ ? stream_ == CudaStream(*stream) : config().device == MoeDeviceKind::kCuda;
+  }
+
   // OrderAfter / OrderBefore with a stream as set_stream takes one (0, the legacy default
   // stream, allowed: it is only ordered against).
   void Order(const py::handle& stream, bool after) {

@@ -1,9 +1,9 @@
-// The per-call half of ferry.pplx.AllToAll (python/ferry/pplx.py subclasses the class bound
-// here): pplx-garden's dispatch and combine, their tensors checked and the steps run in one
-// C++ call. The same checks in Python cost microseconds a call (a dozen tensor attributes read
-// through the interpreter, each check a frame); here each tensor is read once (TorchArray) and
-// checked from what was read. The constructor's checks, and everything decided once, stay in
-// Python.
+// The per-call halves of ferry.pplx.AllToAll (python/ferry/pplx.py subclasses PyPplx) and of
+// ferry.deep_ep's low-latency calls (PyDeepEpLowLatency): their tensors checked and the steps
+// run in one C++ call. The same checks in Python cost microseconds a call (a dozen tensor
+// attributes read through the interpreter, each check a frame); here each tensor is read once
+// (TorchArray) and checked from what was read. The constructors' checks, and everything decided
+// once, stay in Python.
 #include <optional>
 #include <string>
 
@@ -269,6 +269,177 @@ class PyPplx {
   int64_t recv_rows_ = 0;  // out_expert_x's rows at the last dispatch (expert_y's at combine)
 };
 
+
+// The common path of ferry.deep_ep.Buffer's low_latency_dispatch and low_latency_combine (bf16
+// or e4m3 dispatch with amax or power-of-two scales, no hook, no async_finish, no counters) in
+// one C++ call, as PyPplx runs pplx's: in Python its checks and bookkeeping cost about ten
+// microseconds a call. Python runs every other case, and the first calls of each shape (which
+// make the AllToAll and its two output sets, then Add them here); a call this class does not
+// take returns None before touching anything, and Python's path then runs it (with its error
+// messages for bad arguments).
+class PyDeepEpLowLatency {
+ public:
+  // handle_type: deep_ep's _Handle (made here as Python makes it); done: its finished
+  // EventOverlap, what a call that waits returns.
+  PyDeepEpLowLatency(int world, double timeout, py::object handle_type, py::object done)
+      : world_(world),
+        timeout_(timeout),
+        handle_type_(std::move(handle_type)),
+        done_(std::move(done)),
+        torch_(Torch::Get()) {
+    CheckTimeout(timeout);
+  }
+
+  // A low-latency AllToAll of one shape (its `pooled` entry: .a2a, .busy) with its output sets
+  // (`sets`, the list of two (recv_x, recv_count, scales, packed) tuples Python rotates) and
+  // the dispatch's unused weights (`ones`: float32 [m, k]).
+  void Add(int device, int64_t m, int64_t hidden, int64_t experts, int64_t k, bool fp8,
+           py::object pooled, py::list sets, py::object ones) {
+    Entry e{device, m, hidden, experts, k, fp8, pooled, pooled.attr("a2a").cast<PyAllToAll*>(),
+            std::move(sets), std::nullopt};
+    e.ones = TorchArray(ones);
+    if (!e.ones) Invalid("ones: not a contiguous CPU or CUDA tensor");
+    entries_.push_back(std::move(e));
+  }
+  void Clear() { entries_.clear(); }
+
+  py::object Dispatch(const py::handle& x, const py::handle& topk_idx, int64_t m,
+                      int64_t experts, bool fp8, bool round_scale) {
+    std::optional<Array> xa = TorchArray(x);
+    if (!xa || xa->dtype != torch_.bfloat16 || xa->shape.size() != 2) return py::none();
+    std::optional<Array> ia = TorchArray(topk_idx);
+    if (!ia || (ia->dtype != torch_.int64 && ia->dtype != torch_.int32) ||
+        ia->shape.size() != 2 || ia->device != xa->device || ia->shape[0] != xa->shape[0]) {
+      return py::none();
+    }
+    const int64_t tokens = xa->shape[0], hidden = xa->shape[1], k = ia->shape[1];
+    if (tokens > m || experts % world_ || hidden % 128) return py::none();
+    const std::optional<void*> stream = CurrentStream(xa->device);
+    Entry* e = Find([&](const Entry& c) {
+      return c.device == xa->device && c.m == m && c.hidden == hidden && c.experts == experts &&
+             c.k == k && c.fp8 == fp8 && !c.pooled.attr("busy").cast<bool>();
+    });
+    // e4m3's scales are copied into DeepEP's layout after the receive: here only where that
+    // copy may go on the caller's stream.
+    if (!e || (fp8 && !e->a2a->RunsOn(stream))) return py::none();
+    py::list sets = e->sets;
+    sets.append(sets.attr("pop")(0));  // the older set, as Python's _ll_outputs takes it
+    const py::tuple set = sets[py::len(sets) - 1];
+    const OutputArrays& out = e->Arrays(set);
+    e->pooled.attr("busy") = true;
+    try {
+      e->a2a->Ordered(stream, true, true, true, [&] {
+        e->a2a->DispatchSendArrays(*xa, *ia, *e->ones, nullptr, static_cast<int>(tokens),
+                                   nullptr,
+                                   round_scale ? Fp8Scaling::kPowerOfTwo : Fp8Scaling::kAmax);
+        e->a2a->DispatchRecvArrays(out.recv_x, out.recv_count,
+                                   out.scales ? &*out.scales : nullptr, {}, timeout_, 0);
+      });
+      if (fp8) set[3].attr("copy_")(set[2]);
+    } catch (...) {
+      e->pooled.attr("busy") = false;  // a failed call frees its AllToAll, as Python's does
+      throw;
+    }
+    py::object handle = handle_type_(e->pooled, tokens, k, hidden, experts, topk_idx, m);
+    py::object out_x = fp8 ? py::object(py::make_tuple(set[0], set[3])) : py::object(set[0]);
+    return py::make_tuple(out_x, set[1], handle, done_, py::none());
+  }
+
+  py::object Combine(const py::handle& x, const py::handle& topk_idx,
+                     const py::handle& topk_weights, const py::handle& handle,
+                     const py::handle& out) {
+    if (!py::isinstance(handle, handle_type_) || !handle.attr("rows").is_none() ||
+        !handle.attr("in_flight").cast<bool>()) {
+      return py::none();
+    }
+    const py::object pooled = handle.attr("pooled");
+    Entry* e = Find([&](const Entry& c) { return c.pooled.is(pooled); });
+    if (!e) return py::none();
+    const int64_t tokens = handle.attr("tokens").cast<int64_t>();
+    std::optional<Array> xa = TorchArray(x), ia = TorchArray(topk_idx),
+                         wa = TorchArray(topk_weights);
+    if (!xa || !ia || !wa || xa->dtype != torch_.bfloat16 || xa->device != e->device ||
+        xa->shape != std::vector<int64_t>{e->experts / world_, world_ * e->m, e->hidden} ||
+        (ia->dtype != torch_.int64 && ia->dtype != torch_.int32) || wa->dtype != torch_.float32 ||
+        ia->device != e->device || wa->device != e->device ||
+        ia->shape != std::vector<int64_t>{tokens, e->k} || wa->shape != ia->shape) {
+      return py::none();
+    }
+    py::object result = py::reinterpret_borrow<py::object>(out);
+    std::optional<Array> oa;
+    if (out.is_none()) {
+      result = x.attr("new_empty")(py::make_tuple(tokens, e->hidden));  // bf16, x's device
+      oa = TorchArray(result);
+    } else {
+      oa = TorchArray(out);
+      if (!oa || oa->dtype != torch_.bfloat16 || oa->device != e->device ||
+          oa->shape != std::vector<int64_t>{tokens, e->hidden}) {
+        return py::none();
+      }
+    }
+    const auto release = [&] {  // the handle combined (or failed), its AllToAll free
+      e->pooled.attr("busy") = false;
+      handle.attr("in_flight") = false;
+    };
+    try {
+      e->a2a->Ordered(CurrentStream(e->device), true, true, false, [&] {
+        e->a2a->CombineSendArray(*xa, std::nullopt);
+        e->a2a->CombineRecvArrays(*oa, false, timeout_, &*wa);
+      });
+    } catch (...) {
+      release();
+      throw;
+    }
+    release();
+    return py::make_tuple(result, done_, py::none());
+  }
+
+ private:
+  struct OutputArrays {
+    Array recv_x, recv_count;
+    std::optional<Array> scales;
+  };
+  struct Entry {
+    int device;
+    int64_t m, hidden, experts, k;
+    bool fp8;
+    py::object pooled;
+    PyAllToAll* a2a;  // pooled.a2a, which pooled keeps
+    py::list sets;
+    std::optional<Array> ones;
+    // Each output set read once (its tensors never change): keyed by the set's tuple.
+    std::vector<std::pair<py::object, OutputArrays>> arrays;
+
+    const OutputArrays& Arrays(const py::tuple& set) {
+      for (const auto& [t, a] : arrays) {
+        if (t.is(set)) return a;
+      }
+      OutputArrays a{*TorchArray(set[0]), *TorchArray(set[1]),
+                     set[2].is_none() ? std::nullopt : TorchArray(set[2])};
+      arrays.emplace_back(set, std::move(a));
+      return arrays.back().second;
+    }
+  };
+
+  template <typename Match>
+  Entry* Find(Match match) {
+    for (Entry& e : entries_) {
+      if (match(e)) return &e;
+    }
+    return nullptr;
+  }
+  std::optional<void*> CurrentStream(int device) const {
+    if (device < 0) return std::nullopt;
+    const py::object handle = torch_.current_stream(device);
+    return reinterpret_cast<void*>(static_cast<uintptr_t>(py::cast<uint64_t>(handle)));
+  }
+
+  int world_;
+  double timeout_;
+  py::object handle_type_, done_;
+  const Torch& torch_;
+  std::vector<Entry> entries_;
+};
 }  // namespace
 
 void BindEngineApi(py::module_& m) {
@@ -293,6 +464,21 @@ void BindEngineApi(py::module_& m) {
            "to it with accumulate)")
       .def_property_readonly("stage", &PyPplx::stage,
                              "Where the halves stand: idle, dispatched, received, combining");
+  py::class_<PyDeepEpLowLatency>(m, "DeepEpLowLatency",
+                                 "The common path of ferry.deep_ep.Buffer's low-latency calls "
+                                 "(what the Buffer uses; call the Buffer instead)")
+      .def(py::init<int, double, py::object, py::object>(), py::arg("world"),
+           py::arg("timeout"), py::arg("handle_type"), py::arg("done"))
+      .def("add", &PyDeepEpLowLatency::Add, py::arg("device"), py::arg("m"), py::arg("hidden"),
+           py::arg("experts"), py::arg("k"), py::arg("fp8"), py::arg("pooled"), py::arg("sets"),
+           py::arg("ones"))
+      .def("clear", &PyDeepEpLowLatency::Clear)
+      .def("dispatch", &PyDeepEpLowLatency::Dispatch, py::arg("x"), py::arg("topk_idx"),
+           py::arg("m"), py::arg("experts"), py::arg("fp8"), py::arg("round_scale"),
+           "low_latency_dispatch's result, or None where the Buffer's Python path must run it")
+      .def("combine", &PyDeepEpLowLatency::Combine, py::arg("x"), py::arg("topk_idx"),
+           py::arg("topk_weights"), py::arg("handle"), py::arg("out"),
+           "low_latency_combine's result, or None where the Buffer's Python path must run it");
 }
 
 }  // namespace ferry::python

@@ -146,11 +146,15 @@ class Case(unittest.TestCase):
 
 # ---- deep_ep -------------------------------------------------------------------------------------
 
-def check_low_latency(buf, world, rank, use_fp8, round_scale, use_ue8m0, hook):
+def check_low_latency(buf, world, rank, use_fp8, round_scale, use_ue8m0, hook, common=False,
+                      round=0):
+    """One low-latency dispatch and combine against the references. common: the calls an
+    engine's decode step makes (no counters, no hook, the combine into an `out` of its own),
+    which the Buffer runs in C++ from a shape's third dispatch on."""
     from ferry import deep_ep  # noqa: F401 -- the module under test
-    x, idx, w = inputs(world, rank)
+    x, idx, w = inputs(world, rank, round=round)
     e = EXPERTS_PER_RANK * world
-    stats = dv(torch.zeros(EXPERTS_PER_RANK, dtype=torch.int32))
+    stats = None if common else dv(torch.zeros(EXPERTS_PER_RANK, dtype=torch.int32))
     recv, count, handle, event, recv_hook = buf.low_latency_dispatch(
         dv(x), dv(idx), MAX_TOKENS, e, cumulative_local_expert_recv_stats=stats,
         use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0, return_recv_hook=hook)
@@ -163,7 +167,7 @@ def check_low_latency(buf, world, rank, use_fp8, round_scale, use_ue8m0, hook):
     if use_fp8:  # the layout on the device; the values here (strides kept: copied as they are)
         assert scales.stride() == ((HIDDEN // 512 if use_ue8m0 else HIDDEN // 128) * rows, 1,
                                    rows), scales.stride()
-    recv_x, count, stats = hv(recv_x), hv(count), hv(stats)
+    recv_x, count = hv(recv_x), hv(count)
     scales = hv(scales) if use_fp8 else None
     assert tuple(recv_x.shape) == (EXPERTS_PER_RANK, rows, HIDDEN), recv_x.shape
     assert tuple(count.shape) == (EXPERTS_PER_RANK,) and count.dtype == torch.int32
@@ -177,7 +181,7 @@ def check_low_latency(buf, world, rank, use_fp8, round_scale, use_ue8m0, hook):
         g = rank * EXPERTS_PER_RANK + le
         want, want_q, want_s = [], [], []
         for s in range(world):
-            sx, sidx, _ = inputs(world, s)
+            sx, sidx, _ = inputs(world, s, round=round)
             q, qs = quantize_reference(sx, round_scale) if use_fp8 else (None, None)
             for t in range(sx.shape[0]):
                 for j in range(K):
@@ -213,12 +217,15 @@ def check_low_latency(buf, world, rank, use_fp8, round_scale, use_ue8m0, hook):
             for r in range(n):
                 src = sources[tuple(got_q[r].tolist())].pop()
                 expert_y[le, r] = (src.double() * expert_factor(g)).to(torch.bfloat16)
-    assert torch.equal(stats, count), (stats, count)
+    if stats is not None:
+        assert torch.equal(hv(stats), count), (stats, count)
+    given = dv(torch.full(x.shape, 7.0, dtype=torch.bfloat16)) if common else None
     out, event, combine_hook = buf.low_latency_combine(dv(expert_y), dv(idx), dv(w), handle,
-                                                       return_recv_hook=hook)
+                                                       return_recv_hook=hook, out=given)
     if hook:
         combine_hook()
     event.current_stream_wait()
+    assert given is None or out is given
     out = hv(out)
     assert out.shape == x.shape and out.dtype == torch.bfloat16
     ref = weighted_reference(x, idx, w)
@@ -386,6 +393,12 @@ def deep_ep_body(world, group_kind):
                                             (True, True, True)):
             for hook in (False, True):
                 check_low_latency(buf, world, b.rank, use_fp8, round_scale, ue8m0, hook)
+        # Rounds of the common calls for each form (power-of-two scales too): the third and
+        # later of a shape run in C++, the first two in Python.
+        for use_fp8, round_scale in ((False, False), (True, False), (True, True)):
+            for r in range(4):
+                check_low_latency(buf, world, b.rank, use_fp8, round_scale, False, False,
+                                  common=True, round=r)
         check_overlapped_and_zero_copy(buf, world, b.rank)
         check_normal(buf, world, b.rank, fp8=False)
         check_normal(buf, world, b.rank, fp8=True)
