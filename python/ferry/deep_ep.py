@@ -309,9 +309,9 @@ class Buffer:
                              dispatch_wait_recv_cost_stats=None, use_fp8=True, round_scale=False,
                              use_ue8m0=False, async_finish=False, return_recv_hook=False):
         if not (cumulative_local_expert_recv_stats is not None or dispatch_wait_recv_cost_stats
-                is not None or use_ue8m0 or async_finish or return_recv_hook or self._destroyed):
+                is not None or use_ue8m0 or async_finish or self._destroyed):
             done = self._ll.dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                                     use_fp8, round_scale)
+                                     use_fp8, round_scale, return_recv_hook)
             if done is not None:
                 return done
         self._check_open("low_latency_dispatch")
@@ -460,9 +460,9 @@ class Buffer:
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False,
                             zero_copy=False, async_finish=False, return_recv_hook=False,
                             out=None, combine_wait_recv_cost_stats=None):
-        if not (use_logfmt or zero_copy or async_finish or return_recv_hook
-                or combine_wait_recv_cost_stats is not None or self._destroyed):
-            done = self._ll.combine(x, topk_idx, topk_weights, handle, out)
+        if not (use_logfmt or zero_copy or async_finish or combine_wait_recv_cost_stats
+                is not None or self._destroyed):
+            done = self._ll.combine(x, topk_idx, topk_weights, handle, out, return_recv_hook)
             if done is not None:
                 return done
         self._check_open("low_latency_combine")

@@ -4,6 +4,7 @@
 // attributes read through the interpreter, each check a frame); here each tensor is read once
 // (TorchArray) and checked from what was read. The constructors' checks, and everything decided
 // once, stay in Python.
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -271,7 +272,8 @@ class PyPplx {
 
 
 // The common path of ferry.deep_ep.Buffer's low_latency_dispatch and low_latency_combine (bf16
-// or e4m3 dispatch with amax or power-of-two scales, no hook, no async_finish, no counters) in
+// or e4m3 dispatch with amax or power-of-two scales, with or without the receive hook; no
+// async_finish, no counters) in
 // one C++ call, as PyPplx runs pplx's: in Python its checks and bookkeeping cost about ten
 // microseconds a call. Python runs every other case, and the first calls of each shape (which
 // make the AllToAll and its two output sets, then Add them here); a call this class does not
@@ -295,16 +297,18 @@ class PyDeepEpLowLatency {
   // the dispatch's unused weights (`ones`: float32 [m, k]).
   void Add(int device, int64_t m, int64_t hidden, int64_t experts, int64_t k, bool fp8,
            py::object pooled, py::list sets, py::object ones) {
-    Entry e{device, m, hidden, experts, k, fp8, pooled, pooled.attr("a2a").cast<PyAllToAll*>(),
-            std::move(sets), std::nullopt};
-    e.ones = TorchArray(ones);
-    if (!e.ones) Invalid("ones: not a contiguous CPU or CUDA tensor");
+    auto e = std::make_shared<Entry>(Entry{device, m, hidden, experts, k, fp8, pooled,
+                                           pooled.attr("a2a").cast<PyAllToAll*>(),
+                                           std::move(sets), TorchArray(ones), {}});
+    if (!e->ones) Invalid("ones: not a contiguous CPU or CUDA tensor");
     entries_.push_back(std::move(e));
   }
   void Clear() { entries_.clear(); }
 
+  // With `hook`, the send half now and the receive half in the returned hook, as DeepEP's
+  // return_recv_hook=True.
   py::object Dispatch(const py::handle& x, const py::handle& topk_idx, int64_t m,
-                      int64_t experts, bool fp8, bool round_scale) {
+                      int64_t experts, bool fp8, bool round_scale, bool hook) {
     std::optional<Array> xa = TorchArray(x);
     if (!xa || xa->dtype != torch_.bfloat16 || xa->shape.size() != 2) return py::none();
     std::optional<Array> ia = TorchArray(topk_idx);
@@ -315,7 +319,7 @@ class PyDeepEpLowLatency {
     const int64_t tokens = xa->shape[0], hidden = xa->shape[1], k = ia->shape[1];
     if (tokens > m || experts % world_ || hidden % 128) return py::none();
     const std::optional<void*> stream = CurrentStream(xa->device);
-    Entry* e = Find([&](const Entry& c) {
+    std::shared_ptr<Entry> e = Find([&](const Entry& c) {
       return c.device == xa->device && c.m == m && c.hidden == hidden && c.experts == experts &&
              c.k == k && c.fp8 == fp8 && !c.pooled.attr("busy").cast<bool>();
     });
@@ -325,35 +329,59 @@ class PyDeepEpLowLatency {
     py::list sets = e->sets;
     sets.append(sets.attr("pop")(0));  // the older set, as Python's _ll_outputs takes it
     const py::tuple set = sets[py::len(sets) - 1];
-    const OutputArrays& out = e->Arrays(set);
+    const OutputArrays out = e->Arrays(set);
+    // The receive half, and e4m3's scales into DeepEP's layout (on the caller's stream).
+    const double timeout = timeout_;
+    auto recv = [e, out, timeout] {
+      e->a2a->DispatchRecvArrays(out.recv_x, out.recv_count,
+                                 out.scales ? &*out.scales : nullptr, {}, timeout, 0);
+    };
+    auto layout = [set, fp8] {
+      if (fp8) set[3].attr("copy_")(set[2]);
+    };
     e->pooled.attr("busy") = true;
     try {
       e->a2a->Ordered(stream, true, true, true, [&] {
         e->a2a->DispatchSendArrays(*xa, *ia, *e->ones, nullptr, static_cast<int>(tokens),
                                    nullptr,
                                    round_scale ? Fp8Scaling::kPowerOfTwo : Fp8Scaling::kAmax);
-        e->a2a->DispatchRecvArrays(out.recv_x, out.recv_count,
-                                   out.scales ? &*out.scales : nullptr, {}, timeout_, 0);
+        if (!hook) recv();
       });
-      if (fp8) set[3].attr("copy_")(set[2]);
+      if (!hook) layout();
     } catch (...) {
       e->pooled.attr("busy") = false;  // a failed call frees its AllToAll, as Python's does
       throw;
     }
     py::object handle = handle_type_(e->pooled, tokens, k, hidden, experts, topk_idx, m);
     py::object out_x = fp8 ? py::object(py::make_tuple(set[0], set[3])) : py::object(set[0]);
-    return py::make_tuple(out_x, set[1], handle, done_, py::none());
+    py::object recv_hook = py::none();
+    if (hook) {
+      // The receive ordered before the caller's stream only: after it, it would wait for what
+      // the caller overlapped with the transfer. A failure frees the handle (the AllToAll
+      // reports it to the next call), as Python's hook does.
+      recv_hook = py::cpp_function([e, stream, recv, layout, handle]() {
+        try {
+          e->a2a->Ordered(stream, false, true, false, recv);
+          layout();
+        } catch (...) {
+          handle.attr("pooled").attr("busy") = false;
+          handle.attr("in_flight") = false;
+          throw;
+        }
+      });
+    }
+    return py::make_tuple(out_x, set[1], handle, done_, recv_hook);
   }
 
   py::object Combine(const py::handle& x, const py::handle& topk_idx,
                      const py::handle& topk_weights, const py::handle& handle,
-                     const py::handle& out) {
+                     const py::handle& out, bool hook) {
     if (!py::isinstance(handle, handle_type_) || !handle.attr("rows").is_none() ||
         !handle.attr("in_flight").cast<bool>()) {
       return py::none();
     }
     const py::object pooled = handle.attr("pooled");
-    Entry* e = Find([&](const Entry& c) { return c.pooled.is(pooled); });
+    std::shared_ptr<Entry> e = Find([&](const Entry& c) { return c.pooled.is(pooled); });
     if (!e) return py::none();
     const int64_t tokens = handle.attr("tokens").cast<int64_t>();
     std::optional<Array> xa = TorchArray(x), ia = TorchArray(topk_idx),
@@ -377,21 +405,38 @@ class PyDeepEpLowLatency {
         return py::none();
       }
     }
-    const auto release = [&] {  // the handle combined (or failed), its AllToAll free
+    const std::optional<void*> stream = CurrentStream(e->device);
+    const py::object h = py::reinterpret_borrow<py::object>(handle);
+    const auto release = [e, h] {  // the handle combined (or failed), its AllToAll free
       e->pooled.attr("busy") = false;
-      handle.attr("in_flight") = false;
+      h.attr("in_flight") = false;
+    };
+    const double timeout = timeout_;
+    auto recv = [e, out = *oa, w = *wa, timeout] {
+      e->a2a->CombineRecvArrays(out, false, timeout, &w);
     };
     try {
-      e->a2a->Ordered(CurrentStream(e->device), true, true, false, [&] {
+      e->a2a->Ordered(stream, true, true, false, [&] {
         e->a2a->CombineSendArray(*xa, std::nullopt);
-        e->a2a->CombineRecvArrays(*oa, false, timeout_, &*wa);
+        if (!hook) recv();
       });
     } catch (...) {
       release();
       throw;
     }
-    release();
-    return py::make_tuple(result, done_, py::none());
+    if (!hook) {
+      release();
+      return py::make_tuple(result, done_, py::none());
+    }
+    return py::make_tuple(result, done_, py::cpp_function([e, stream, recv, release] {
+      try {
+        e->a2a->Ordered(stream, false, true, false, recv);
+      } catch (...) {
+        release();
+        throw;
+      }
+      release();
+    }));
   }
 
  private:
@@ -422,9 +467,9 @@ class PyDeepEpLowLatency {
   };
 
   template <typename Match>
-  Entry* Find(Match match) {
-    for (Entry& e : entries_) {
-      if (match(e)) return &e;
+  std::shared_ptr<Entry> Find(Match match) {
+    for (const std::shared_ptr<Entry>& e : entries_) {
+      if (match(*e)) return e;
     }
     return nullptr;
   }
@@ -438,7 +483,8 @@ class PyDeepEpLowLatency {
   double timeout_;
   py::object handle_type_, done_;
   const Torch& torch_;
-  std::vector<Entry> entries_;
+  // Shared with the hooks a call returns: a hook outlives the call, and Add may move entries.
+  std::vector<std::shared_ptr<Entry>> entries_;
 };
 }  // namespace
 
@@ -475,9 +521,10 @@ void BindEngineApi(py::module_& m) {
       .def("clear", &PyDeepEpLowLatency::Clear)
       .def("dispatch", &PyDeepEpLowLatency::Dispatch, py::arg("x"), py::arg("topk_idx"),
            py::arg("m"), py::arg("experts"), py::arg("fp8"), py::arg("round_scale"),
+           py::arg("hook"),
            "low_latency_dispatch's result, or None where the Buffer's Python path must run it")
       .def("combine", &PyDeepEpLowLatency::Combine, py::arg("x"), py::arg("topk_idx"),
-           py::arg("topk_weights"), py::arg("handle"), py::arg("out"),
+           py::arg("topk_weights"), py::arg("handle"), py::arg("out"), py::arg("hook"),
            "low_latency_combine's result, or None where the Buffer's Python path must run it");
 }
 

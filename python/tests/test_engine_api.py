@@ -149,8 +149,8 @@ class Case(unittest.TestCase):
 def check_low_latency(buf, world, rank, use_fp8, round_scale, use_ue8m0, hook, common=False,
                       round=0):
     """One low-latency dispatch and combine against the references. common: the calls an
-    engine's decode step makes (no counters, no hook, the combine into an `out` of its own),
-    which the Buffer runs in C++ from a shape's third dispatch on."""
+    engine's decode step makes (no counters, the combine into an `out` of its own), which the
+    Buffer runs in C++ from a shape's third dispatch on."""
     from ferry import deep_ep  # noqa: F401 -- the module under test
     x, idx, w = inputs(world, rank, round=round)
     e = EXPERTS_PER_RANK * world
@@ -393,11 +393,11 @@ def deep_ep_body(world, group_kind):
                                             (True, True, True)):
             for hook in (False, True):
                 check_low_latency(buf, world, b.rank, use_fp8, round_scale, ue8m0, hook)
-        # Rounds of the common calls for each form (power-of-two scales too): the third and
-        # later of a shape run in C++, the first two in Python.
+        # Rounds of the common calls for each form (power-of-two scales too), with and without
+        # the hooks: the third and later of a shape run in C++, the first two in Python.
         for use_fp8, round_scale in ((False, False), (True, False), (True, True)):
-            for r in range(4):
-                check_low_latency(buf, world, b.rank, use_fp8, round_scale, False, False,
+            for r in range(5):
+                check_low_latency(buf, world, b.rank, use_fp8, round_scale, False, r % 2 == 1,
                                   common=True, round=r)
         check_overlapped_and_zero_copy(buf, world, b.rank)
         check_normal(buf, world, b.rank, fp8=False)
