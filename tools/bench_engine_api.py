@@ -3,9 +3,10 @@
 Each layer's dispatch and combine are timed against the same steps called directly on an
 AllToAll of the same shape (its buffers allocated once, as a caller of the direct API keeps
 them), the two interleaved iteration by iteration so that drift hits both alike: "added" is
-p50(layer) - p50(direct) per call. The layers are timed as a caller runs them, unwrapped: pplx's
-steps run in the binding's C++ with no Python call to time between them, and a wrapper around
-deep_ep's would add its own frames to the layer's figure. The target is <= 2 us per call.
+p50(layer) - p50(direct) per call. deep_ep's combine runs two ways: making its output (as
+SGLang calls it) and into the caller's (`out=`, as vLLM calls it). The layers are timed as a
+caller runs them, unwrapped: their steps run in the binding's C++ with no Python call to time
+between them. The target is <= 2 us per call.
 
   PYTHONPATH=build/python /usr/bin/python3 tools/bench_engine_api.py [--device cuda]
       [--iterations N] [--json out.json]
@@ -96,6 +97,11 @@ def main():
         def ll_combine():
             buf.low_latency_combine(state["r"], idx, w, state["h"])
 
+        ll_out = torch.empty(TOKENS, HIDDEN, dtype=torch.bfloat16, device=dev)
+
+        def ll_combine_out():  # into the caller's tensor, as vLLM's calls pass out=
+            buf.low_latency_combine(state["r"], idx, w, state["h"], out=ll_out)
+
         kernel = pplx.AllToAll(max_num_tokens=TOKENS, num_experts=EXPERTS, expert_padding=1,
                                hidden_dim=HIDDEN, hidden_dim_scale=None,
                                in_dtype=torch.bfloat16, out_dtype=torch.bfloat16,
@@ -114,6 +120,8 @@ def main():
 
         pairs = {"deep_ep low_latency": ((direct_dispatch, direct_combine),
                                          (ll_dispatch, ll_combine)),
+                 "deep_ep low_latency out=": ((direct_dispatch, direct_combine),
+                                              (ll_dispatch, ll_combine_out)),
                  "pplx": ((direct_dispatch, direct_combine), (pplx_dispatch, pplx_combine))}
         with ctx:
             # The layers' AllToAlls exist after a first call, made on the stream the timed calls
@@ -152,10 +160,10 @@ def main():
     run(ferry_bootstrap)
     print(f"device {args.device}, {TOKENS} tokens x {HIDDEN} bf16, {EXPERTS} experts top-{K}, "
           f"1 rank, {args.iterations} iterations; p50 per call, us")
-    print(f"{'layer':22} {'call':9} {'direct':>9} {'layer':>9} {'added':>8}  target <= 2")
+    print(f"{'layer':26} {'call':9} {'direct':>9} {'layer':>9} {'added':>8}  target <= 2")
     for name, row in results.items():
         for call in ("dispatch", "combine"):
-            print(f"{name:22} {call:9} {row[f'direct_{call}_p50_us']:9.2f} "
+            print(f"{name:26} {call:9} {row[f'direct_{call}_p50_us']:9.2f} "
                   f"{row[f'layer_{call}_p50_us']:9.2f} {row[f'{call}_added_us']:8.2f}")
     if args.json:
         with open(args.json, "w") as f:
