@@ -307,6 +307,23 @@ class FERRY_API AllToAll {
   // before ordering the AllToAll's after it (which joins the AllToAll's to the capture). The
   // host device: false.
   virtual bool capturing(void* stream) const = 0;
+  // A point in the AllToAll's stream, for a caller that holds what the steps use and lets it
+  // go part by part while later steps still run (Poll answers for every step at once; on a
+  // stream the caller's kernels share it is seldom idle). Mark: *mark names the point after the
+  // steps enqueued so far (CUDA device: an event of a ring of kMarks recorded on the stream;
+  // not while it is being captured). Reached: whether the steps before `mark` have finished
+  // (with `wait`, after waiting for them); a mark kMarks or more behind the newest reads its
+  // slot's later mark, so it may answer false for a while longer, never true too early. The
+  // host device: every step waited for itself, each mark reached.
+  static constexpr int kMarks = 16;
+  virtual Status Mark(uint64_t* mark) {
+    *mark = 0;
+    return Status::Ok();
+  }
+  virtual Status Reached(uint64_t /*mark*/, bool /*wait*/, bool* reached) {
+    *reached = true;
+    return Status::Ok();
+  }
   // CUDA device: order the AllToAll's stream and another without the host waiting (an event of
   // the AllToAll's recorded on one, waited for on the other; graph capture works). OrderAfter:
   // the steps enqueued from now on start after what `stream` holds so far. OrderBefore: what is

@@ -6,6 +6,7 @@
 // referenced until it returns.
 #pragma once
 
+#include <deque>
 #include <optional>
 #include <string>
 #include <utility>
@@ -43,7 +44,8 @@ class PyAllToAll {
       a2a_.reset();
     }
     ReleaseEngine(engine_);
-    keep_.clear();
+    held_.clear();
+    held_count_ = 0;
   }
 
   const AllToAllConfig& config() const { return a2a().config(); }
@@ -313,7 +315,8 @@ class PyAllToAll {
 
   void Synchronize() {
     const Status s = Unlocked([](AllToAll& a) { return a.Synchronize(); });
-    keep_.clear();
+    held_.clear();
+    held_count_ = 0;
     ThrowIfError(s);
   }
 
@@ -322,21 +325,43 @@ class PyAllToAll {
   bool Poll() {
     bool done = false;
     const Status s = Unlocked([&](AllToAll& a) { return a.Poll(&done); });
-    if (done) keep_.clear();
+    if (done) {
+      held_.clear();
+      held_count_ = 0;
+    }
     ThrowIfError(s);
     return done;
   }
-  size_t pending() const { return keep_.size(); }
+  size_t pending() const { return held_count_; }
 
   // The arrays of the steps finished so far let go and their kernels' findings raised, without
-  // waiting while fewer than kMaxPendingArrays are held (then it waits for every step). Never
-  // while `stream` (a caller's cudaStream_t; nullopt: ours) or the AllToAll's own is being
-  // captured: a query would end the capture, and the captured arrays are the graph owner's to
-  // keep.
+  // waiting while at most kMaxPendingArrays are held; past that, it waits for the oldest
+  // marked part only. Never while `stream` (a caller's cudaStream_t; nullopt: ours) or the
+  // AllToAll's own is being captured: a query would end the capture, and the captured arrays
+  // are the graph owner's to keep. Poll answers for every step at once, and a stream the
+  // caller's kernels share (one the AllToAll took) is seldom idle while a CPU runs ahead: the
+  // arrays are held in parts, each closed by a Mark once kMarkEvery arrays are in it, and a
+  // part goes when its mark is Reached.
   void ReleaseFinished(std::optional<void*> stream) {
-    if (!stream_ || keep_.empty()) return;
-    if (a2a().capturing(stream ? *stream : nullptr)) return;
-    if (!Poll() && keep_.size() > kMaxPendingArrays) Synchronize();
+    if (!stream_ || held_.empty()) return;
+    AllToAll& a = a2a();
+    if (a.capturing(stream ? *stream : nullptr) || a.capturing(nullptr)) return;
+    if (Poll()) return;
+    bool reached = true;
+    while (!held_.empty() && held_.front().marked && reached) {
+      ThrowIfError(a.Reached(held_.front().mark, false, &reached));
+      if (reached) PopHeld();
+    }
+    if (!held_.empty() && !held_.back().marked && held_.back().arrays.size() >= kMarkEvery) {
+      ThrowIfError(a.Mark(&held_.back().mark));
+      held_.back().marked = true;
+    }
+    while (held_count_ > kMaxPendingArrays && !held_.empty() && held_.front().marked) {
+      const uint64_t mark = held_.front().mark;
+      ThrowIfError(Unlocked([&](AllToAll& x) { return x.Reached(mark, true, &reached); }));
+      PopHeld();
+    }
+    if (held_count_ > kMaxPendingArrays) Synchronize();
   }
   void ReleaseFinished(const py::handle& stream) {
     ReleaseFinished(stream.is_none() ? std::nullopt
@@ -377,9 +402,12 @@ class PyAllToAll {
                                         ", 1 (send), 2 (receive) or 3 (both)"));
     }
   }
-  // Arrays of enqueued steps kept before a layer's call waits for them: a few rounds' worth (a
-  // CPU that runs ahead of the GPU keeps them referenced until their steps finish).
-  static constexpr size_t kMaxPendingArrays = 64;
+  // Arrays of enqueued steps kept before a call waits for the oldest of them: a CPU that runs
+  // ahead of the GPU keeps them referenced until their steps finish, some twenty calls' worth;
+  // a mark closes each kMarkEvery (at most kMaxPendingArrays / kMarkEvery + 1 marks
+  // outstanding, within the AllToAll's ring of kMarks).
+  static constexpr size_t kMaxPendingArrays = 128, kMarkEvery = 16;
+  static_assert(kMaxPendingArrays / kMarkEvery + 1 < AllToAll::kMarks);
   AllToAll& a2a() const {
     if (!a2a_) ThrowIfError(FailedPreconditionError("the AllToAll is closed"));
     return *a2a_;
@@ -452,13 +480,30 @@ class PyAllToAll {
   // arguments hold them meanwhile); a step enqueued on a stream keeps them until synchronize().
   template <typename Step>
   void Run(Owners used, Step step) {
-    if (stream_) keep_.insert(keep_.end(), used.begin(), used.end());
+    if (stream_) {
+      if (held_.empty() || held_.back().marked) held_.emplace_back();
+      std::vector<py::object>& part = held_.back().arrays;
+      part.insert(part.end(), used.begin(), used.end());
+      held_count_ += used.size();
+    }
     ThrowIfError(Unlocked(step));
   }
 
   py::object engine_;
   std::unique_ptr<AllToAll> a2a_;
-  std::vector<py::object> keep_;
+  // The arrays enqueued steps use, oldest first, in parts each closed by a mark of the
+  // AllToAll's stream (ReleaseFinished); the last part open while it fills.
+  struct Held {
+    std::vector<py::object> arrays;
+    bool marked = false;
+    uint64_t mark = 0;
+  };
+  void PopHeld() {
+    held_count_ -= held_.front().arrays.size();
+    held_.pop_front();
+  }
+  std::deque<Held> held_;
+  size_t held_count_ = 0;
   int64_t last_tokens_ = 0;
   int64_t received_rows_ = -1;  // token-major rows of the last dispatch_recv; -1: not known here
   uint64_t output_rows_ = 0;    // rows the last dispatch_recv's x held (its padding's)

@@ -205,6 +205,54 @@ def streams_body(world):
     return body
 
 
+def held_arrays_body(b, store):
+    """A CPU that runs ahead of the GPU: low-latency rounds enqueued behind a second of GPU
+    sleep on the caller's stream (the one the AllToAll takes) neither wait for it while the
+    arrays the steps hold stay within the binding's bound, nor hold more than that bound (plus
+    one call's) when many more are enqueued; the arrays go once the steps have run, and the
+    last round's result is right."""
+    import time
+    import torch
+    from ferry import deep_ep
+    e, local = api.EXPERTS_PER_RANK, api.EXPERTS_PER_RANK
+    factor = torch.tensor([api.expert_factor(le) for le in range(local)],
+                          device="cuda").view(local, 1, 1)
+    rx, ridx, rw = api.inputs(1, 0, round=2)
+    x, idx, w = rx.cuda(), ridx.cuda(), rw.cuda()
+    buf = deep_ep.Buffer(b, explicitly_destroy=True)
+    out = torch.empty_like(x)
+
+    def round_trip():
+        recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, api.MAX_TOKENS, e,
+                                                         use_fp8=False)
+        y = (recv.float() * factor).to(torch.bfloat16)
+        buf.low_latency_combine(y, idx, w, handle, out=out)
+        return handle.pooled.a2a
+
+    a2a = round_trip()
+    for _ in range(3):
+        round_trip()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # cycles: about a second at an H200's clocks
+    start = time.monotonic()
+    for _ in range(10):
+        round_trip()
+    ran_ahead = time.monotonic() - start
+    assert ran_ahead < 0.5, f"10 rounds behind a second's sleep took {ran_ahead:.2f} s"
+    held = a2a.pending_arrays
+    assert 0 < held <= 128, held
+    for _ in range(30):  # past the bound: it waits for the oldest steps, holds no more
+        round_trip()
+        assert a2a.pending_arrays <= 128 + 8, a2a.pending_arrays
+    torch.cuda.synchronize()
+    round_trip()  # its release sees every earlier step done
+    assert a2a.pending_arrays <= 16, a2a.pending_arrays
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.cpu().float(), api.weighted_reference(rx, ridx, rw).float(),
+                               rtol=2 ** -7, atol=2 ** -6)
+    buf.destroy()
+
+
 class CudaEngineApiTest(api.Case):
     def setUp(self):
         super().setUp()
@@ -228,6 +276,9 @@ class CudaEngineApiTest(api.Case):
 
     def test_pplx_as_a_cuda_graph_with_bound_m_world_2(self):
         self.ranks(2, on_gpu(pplx_graph_body(2, "ferry")), timeout=240.0)
+
+    def test_a_cpu_ahead_of_the_gpu_holds_arrays_within_a_bound(self):
+        self.ranks(1, on_gpu(held_arrays_body), timeout=240.0)
 
     def test_the_stream_the_steps_take(self):
         self.ranks(1, on_gpu(streams_body(1)), timeout=240.0)

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -50,6 +51,9 @@ class NvlinkAllToAll final : public AllToAll {
     }
     if (own_stream_) cudaStreamDestroy(own_stream_);
     if (order_event_) cudaEventDestroy(order_event_);
+    for (cudaEvent_t e : marks_) {
+      if (e) cudaEventDestroy(e);
+    }
     if (error_) cudaFreeHost(error_);
   }
 
@@ -100,6 +104,36 @@ class NvlinkAllToAll final : public AllToAll {
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
     FERRY_CUDA(cudaEventRecord(order_event_, stream_));
     FERRY_CUDA(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), order_event_, 0));
+    return Status::Ok();
+  }
+
+  Status Mark(uint64_t* mark) override {
+    FERRY_CUDA(cudaSetDevice(c_.cuda_device));
+    if (capturing(nullptr)) return FailedPreconditionError("Mark: the stream is being captured");
+    cudaEvent_t& e = marks_[next_mark_ % kMarks];
+    if (!e) FERRY_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    FERRY_CUDA(cudaEventRecord(e, stream_));
+    *mark = next_mark_++;
+    return Status::Ok();
+  }
+  Status Reached(uint64_t mark, bool wait, bool* reached) override {
+    if (mark >= next_mark_) return InvalidArgumentError("Reached: mark " + std::to_string(mark) +
+                                                        " was never made");
+    FERRY_CUDA(cudaSetDevice(c_.cuda_device));
+    cudaEvent_t e = marks_[mark % kMarks];
+    if (wait) {
+      FERRY_CUDA(cudaEventSynchronize(e));
+      *reached = true;
+      return Status::Ok();
+    }
+    const cudaError_t q = cudaEventQuery(e);
+    if (q == cudaErrorNotReady) {
+      (void)cudaGetLastError();  // not an error: still running
+      *reached = false;
+      return Status::Ok();
+    }
+    FERRY_CUDA(q);
+    *reached = true;
     return Status::Ok();
   }
 
@@ -877,6 +911,8 @@ class NvlinkAllToAll final : public AllToAll {
   int32_t* error_ = nullptr;  // pinned, mapped
   cudaStream_t own_stream_ = nullptr, stream_ = nullptr;
   cudaEvent_t order_event_ = nullptr;  // OrderAfter / OrderBefore
+  std::array<cudaEvent_t, kMarks> marks_{};  // Mark's ring, created at their first use
+  uint64_t next_mark_ = 0;
   bool async_ = false;
   int send_grid_ = 1;  // DispatchSend's (SendSmall or Pack), fixed
   int recv_grid_ = 1;  // CombineSend's, and Unpack's unless streamed
