@@ -288,12 +288,12 @@ class PyAllToAll {
 
   // `steps` ordered with `stream` (a cudaStream_t; nullopt: unordered): they start after what
   // it holds (with `first`) and it waits for them (with `waits`); the arrays of the steps
-  // finished before them are let go first, without waiting (ReleaseFinished). An AllToAll
-  // without a stream of its own takes `stream` itself at such a call that begins a dispatch
-  // (`may_adopt`): from then on a caller that keeps one current stream pays no ordering (its
-  // steps simply follow each other on it), and one on another stream is ordered by events as
-  // before. The stream taken must outlive the AllToAll (torch's default and pooled streams
-  // live as long as the process).
+  // finished before them are let go first, without waiting, once kMarkEvery are held
+  // (ReleaseFinished). An AllToAll without a stream of its own takes `stream` itself at such a
+  // call that begins a dispatch (`may_adopt`): from then on a caller that keeps one current
+  // stream pays no ordering (its steps simply follow each other on it), and one on another
+  // stream is ordered by events as before. The stream taken must outlive the AllToAll (torch's
+  // default and pooled streams live as long as the process).
   template <typename Steps>
   void Ordered(std::optional<void*> stream, bool first, bool waits, bool may_adopt,
                Steps steps) {
@@ -303,7 +303,9 @@ class PyAllToAll {
       return;
     }
     void* const s = CudaStream(*stream);
-    ReleaseFinished(s);
+    // Queried once a part's worth is held (each query a CUDA call or three, a microsecond),
+    // not at every call.
+    if (held_count_ >= kMarkEvery) ReleaseFinished(s);
     if (!stream_ && may_adopt && config().device == MoeDeviceKind::kCuda) {
       ThrowIfError(a2a().SetStream(s));
       stream_ = s;
@@ -345,7 +347,8 @@ class PyAllToAll {
   void ReleaseFinished(std::optional<void*> stream) {
     if (!stream_ || held_.empty()) return;
     AllToAll& a = a2a();
-    if (a.capturing(stream ? *stream : nullptr) || a.capturing(nullptr)) return;
+    const bool ours = !stream || *stream == stream_;
+    if (a.capturing(stream ? *stream : nullptr) || (!ours && a.capturing(nullptr))) return;
     if (Poll()) return;
     bool reached = true;
     while (!held_.empty() && held_.front().marked && reached) {
