@@ -271,16 +271,16 @@ class FERRY_API AllToAll {
     return CombineRecv(CombineOutput{out, accumulate}, deadline);
   }
 
-  // CUDA device (any ranks_per_node): enqueue the steps on `stream` (a cudaStream_t; nullptr:
-  // back to waiting) and return at once; only between a CombineRecv and a DispatchSend, and
-  // after waiting for the steps enqueued on the stream before (none when they waited for
-  // themselves: a stream being captured may be taken then). The four steps of one AllToAll must
-  // go on one stream, in order: the flags that make buffer reuse safe rely on it. Errors a kernel finds (expert ids
-  // out of range: those copies are dropped; a device token count above num_tokens: nothing is
-  // sent) surface at Synchronize; a peer that never raised its flag before the step's deadline
-  // also fails every later step. Graph capture works: the epoch the flags compare against lives
-  // in device memory; a captured wait keeps the deadline budget (from the kernel's start) it had
-  // when captured. The host device: Unimplemented.
+  // CUDA device (any ranks_per_node): enqueue the steps on `stream` (a cudaStream_t; nullptr: back
+  // to waiting) and return at once; only between a CombineRecv and a DispatchSend, and after
+  // waiting for the steps enqueued on the stream before (none when they waited for themselves: a
+  // stream being captured may be taken then). The four steps of one AllToAll must go on one stream,
+  // in order: the flags that make buffer reuse safe rely on it. Errors a kernel finds (expert ids
+  // out of range: those copies are dropped; a device token count above num_tokens: nothing is sent)
+  // surface at Synchronize; a peer that never raised its flag before the step's deadline also fails
+  // every later step. Graph capture works: the epoch the flags compare against lives in device
+  // memory; a captured wait keeps the deadline budget (from the kernel's start) it had when
+  // captured. The host device: Unimplemented.
   // The receive kernels wait on the GPU, their blocks resident and polling flags, for what
   // peers' send kernels write. A rank's own send kernel always finds room beside them (stream
   // order and their grids see to it), but kernels of other streams on the same GPU get only the

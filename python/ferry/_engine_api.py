@@ -145,7 +145,7 @@ class _Pooled:
     __slots__ = ("a2a", "busy", "streamed")
 
     def __init__(self, a2a):
-        self.a2a, self.busy, self.streamed = a2a, False, False  # streamed: set_stream done
+        self.a2a, self.busy, self.streamed = a2a, False, False  # streamed: its stream decided
 
 
 # The current stream as a cudaStream_t: torch's raw accessor where it has one (what compilers

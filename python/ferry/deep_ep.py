@@ -14,13 +14,13 @@ what DeepEP's do, in its shapes, dtypes and strides:
   sum over the ranks) map onto a token-major AllToAll with both of ferry's options (a token once
   per rank; its experts' outputs summed at the expert rank).
 
-Tensors on the CPU run on ferry's host device; CUDA tensors on its CUDA device. Normal-mode
-calls, and low-latency ones whose first call asks for async_finish, go on a stream of the
-Buffer's own that waits for the caller's current stream (or `previous_event`), as DeepEP's
-communication stream does; other low-latency calls go on the caller's stream, as DeepEP
-launches a hook's send half, with no event between the caller's kernels and ferry's. An argument ferry cannot honour raises Unimplemented naming it
-(ferry.Error); a bad tensor raises InvalidArgument. Tuning knobs that change no result (`Config`,
-`num_sms`, `num_qps_per_rank`, `allocate_on_comm_stream`) are taken and kept.
+Tensors on the CPU run on ferry's host device; CUDA tensors on its CUDA device. Normal-mode calls,
+and low-latency ones whose first call asks for async_finish, go on a stream of the Buffer's own that
+waits for the caller's current stream (or `previous_event`), as DeepEP's communication stream does;
+other low-latency calls go on the caller's stream, as DeepEP launches a hook's send half, with no
+event between the caller's kernels and ferry's. An argument ferry cannot honour raises Unimplemented
+naming it (ferry.Error); a bad tensor raises InvalidArgument. Tuning knobs that change no result
+(`Config`, `num_sms`, `num_qps_per_rank`, `allocate_on_comm_stream`) are taken and kept.
 """
 
 import contextlib
@@ -308,8 +308,10 @@ class Buffer:
                              cumulative_local_expert_recv_stats=None,
                              dispatch_wait_recv_cost_stats=None, use_fp8=True, round_scale=False,
                              use_ue8m0=False, async_finish=False, return_recv_hook=False):
+        # The common path in C++ (None where it does not take the call; a destroyed Buffer's
+        # has no AllToAll left).
         if not (cumulative_local_expert_recv_stats is not None or dispatch_wait_recv_cost_stats
-                is not None or use_ue8m0 or async_finish or self._destroyed):
+                is not None or use_ue8m0 or async_finish):
             done = self._ll.dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                                      use_fp8, round_scale, return_recv_hook)
             if done is not None:
@@ -460,8 +462,8 @@ class Buffer:
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False,
                             zero_copy=False, async_finish=False, return_recv_hook=False,
                             out=None, combine_wait_recv_cost_stats=None):
-        if not (use_logfmt or zero_copy or async_finish or combine_wait_recv_cost_stats
-                is not None or self._destroyed):
+        if not (use_logfmt or zero_copy or async_finish
+                or combine_wait_recv_cost_stats is not None):
             done = self._ll.combine(x, topk_idx, topk_weights, handle, out, return_recv_hook)
             if done is not None:
                 return done

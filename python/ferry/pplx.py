@@ -65,8 +65,8 @@ class AllToAll(_ferry.PplxSteps):
                                   f"{self.world_size} ranks")
         self.num_local_experts = num_experts // self.world_size
         cuda = device.type == "cuda"
-        self._device_id = device.index if cuda else -1  # as Tensor.get_device() says
-        self._timeout = env_timeout() if timeout is None else float(timeout)
+        device_id = device.index if cuda else -1  # as Tensor.get_device() says
+        timeout = env_timeout() if timeout is None else float(timeout)
         fields = dict(num_experts=num_experts, experts_per_token=num_experts_per_token,
                       max_tokens_per_rank=max_num_tokens, hidden=hidden_dim,
                       dtype=_ferry.DispatchDtype.FP8_E4M3 if fp8 else _ferry.DispatchDtype.BF16)
@@ -87,8 +87,8 @@ class AllToAll(_ferry.PplxSteps):
         self.max_recv_tokens = self._a2a.config.padded_rows(expert_padding)
         _ferry.PplxSteps.__init__(self, self._a2a, in_dtype, max_num_tokens, hidden_dim,
                                   num_experts_per_token, self.num_local_experts,
-                                  self.max_recv_tokens, expert_padding, self._device_id,
-                                  self._timeout)
+                                  self.max_recv_tokens, expert_padding, device_id,
+                                  timeout)
 
     def destroy(self):
         self._group.close()

@@ -44,8 +44,7 @@ class PyAllToAll {
       a2a_.reset();
     }
     ReleaseEngine(engine_);
-    held_.clear();
-    held_count_ = 0;
+    ClearHeld();
   }
 
   const AllToAllConfig& config() const { return a2a().config(); }
@@ -53,16 +52,13 @@ class PyAllToAll {
   void DispatchSend(const py::handle& x, const py::handle& indices, const py::handle& weights,
                     const py::handle& scales, std::optional<int> num_tokens,
                     const py::handle& device_num_tokens, Fp8Scaling scaling) {
-    const std::optional<Array> sa = scales.is_none() ? std::nullopt : std::optional(ToArray(scales));
-    const std::optional<Array> da = device_num_tokens.is_none()
-                                        ? std::nullopt
-                                        : std::optional(ToArray(device_num_tokens));
-    DispatchSendArrays(ToArray(x), ToArray(indices), ToArray(weights), sa ? &*sa : nullptr, num_tokens,
-                 da ? &*da : nullptr, scaling);
+    const std::optional<Array> sa = MaybeArray(scales), da = MaybeArray(device_num_tokens);
+    DispatchSendArrays(ToArray(x), ToArray(indices), ToArray(weights), Pointer(sa), num_tokens,
+                       Pointer(da), scaling);
   }
   // The same with the arrays converted (scales, device_num_tokens: null for none).
   void DispatchSendArrays(const Array& xa, const Array& ia, const Array& wa, const Array* sa,
-                    std::optional<int> num_tokens, const Array* da, Fp8Scaling scaling) {
+                          std::optional<int> num_tokens, const Array* da, Fp8Scaling scaling) {
     const AllToAllConfig& c = config();
     if (!num_tokens && xa.rows() < 0) {
       ThrowIfError(InvalidArgumentError("dispatch_send: num_tokens is required with a flat x"));
@@ -110,13 +106,14 @@ class PyAllToAll {
                     const py::handle& num_rows, const py::handle& token_experts,
                     const py::handle& token_weights, double timeout, int expert_padding) {
     const bool token_major = config().dispatch_layout == DispatchLayout::kTokenMajor;
-    const std::optional<Array> sa = Optional(scales, "scales", config().scales_per_token() > 0);
-    const std::optional<Array> ra = Optional(num_rows, "num_rows", token_major);
-    const std::optional<Array> ea = Optional(token_experts, "token_experts", token_major);
-    const std::optional<Array> wa = Optional(token_weights, "token_weights", token_major);
-    DispatchRecvArrays(ToArray(x), ToArray(num_tokens), sa ? &*sa : nullptr,
-                 token_major ? TokenMajorArrays{&*ra, &*ea, &*wa} : TokenMajorArrays{}, timeout,
-                 expert_padding);
+    const std::optional<Array> sa = MaybeArray(scales), ra = MaybeArray(num_rows),
+                               ea = MaybeArray(token_experts), wa = MaybeArray(token_weights);
+    for (const auto& [name, a] : {std::pair{"num_rows", &ra}, std::pair{"token_experts", &ea},
+                                  std::pair{"token_weights", &wa}}) {
+      Wanted(Pointer(*a), name, token_major);
+    }
+    DispatchRecvArrays(ToArray(x), ToArray(num_tokens), Pointer(sa),
+                       {Pointer(ra), Pointer(ea), Pointer(wa)}, timeout, expert_padding);
   }
   // What a token-major DispatchRecv writes besides the rows (null: expert-major).
   struct TokenMajorArrays {
@@ -126,7 +123,7 @@ class PyAllToAll {
   };
   // The same with the arrays converted (scales: null for none).
   void DispatchRecvArrays(const Array& xa, const Array& na, const Array* sa, TokenMajorArrays tm,
-                    double timeout, int expert_padding) {
+                          double timeout, int expert_padding) {
     const AllToAllConfig& c = config();
     const Deadline deadline = DeadlineIn(timeout);
     const bool token_major = c.dispatch_layout == DispatchLayout::kTokenMajor;
@@ -195,8 +192,8 @@ class PyAllToAll {
 
   void CombineRecv(const py::handle& out, bool accumulate, double timeout,
                    const py::handle& weights) {
-    const std::optional<Array> wa = weights.is_none() ? std::nullopt : std::optional(ToArray(weights));
-    CombineRecvArrays(ToArray(out), accumulate, timeout, wa ? &*wa : nullptr);
+    const std::optional<Array> wa = MaybeArray(weights);
+    CombineRecvArrays(ToArray(out), accumulate, timeout, Pointer(wa));
   }
   // The same with the arrays converted (wa: null for dispatch-time weights).
   void CombineRecvArrays(const Array& oa, bool accumulate, double timeout, const Array* wa) {
@@ -262,6 +259,7 @@ class PyAllToAll {
     }
     ThrowIfError(a2a().SetStream(s));
     stream_ = s;
+    ClearHeld();  // the core waited for the steps enqueued on the stream before
   }
   // The stream the steps go on as a cudaStream_t (0: the legacy default stream), None while
   // they wait for themselves.
@@ -281,8 +279,9 @@ class PyAllToAll {
 
   // OrderAfter / OrderBefore with a stream as set_stream takes one (0, the legacy default
   // stream, allowed: it is only ordered against).
-  void Order(const py::handle& stream, bool after) {
-    void* s = CudaStream(StreamHandle(stream));
+  void Order(const py::handle& stream, bool after) { Order(StreamHandle(stream), after); }
+  void Order(void* stream, bool after) {
+    void* s = CudaStream(stream);
     ThrowIfError(after ? a2a().OrderAfter(s) : a2a().OrderBefore(s));
   }
 
@@ -303,9 +302,7 @@ class PyAllToAll {
       return;
     }
     void* const s = CudaStream(*stream);
-    // Queried once a part's worth is held (each query a CUDA call or three, a microsecond),
-    // not at every call.
-    if (held_count_ >= kMarkEvery) ReleaseFinished(s);
+    ReleaseFinished(s);
     if (!stream_ && may_adopt && config().device == MoeDeviceKind::kCuda) {
       ThrowIfError(a2a().SetStream(s));
       stream_ = s;
@@ -317,8 +314,7 @@ class PyAllToAll {
 
   void Synchronize() {
     const Status s = Unlocked([](AllToAll& a) { return a.Synchronize(); });
-    held_.clear();
-    held_count_ = 0;
+    ClearHeld();
     ThrowIfError(s);
   }
 
@@ -327,25 +323,23 @@ class PyAllToAll {
   bool Poll() {
     bool done = false;
     const Status s = Unlocked([&](AllToAll& a) { return a.Poll(&done); });
-    if (done) {
-      held_.clear();
-      held_count_ = 0;
-    }
+    if (done) ClearHeld();
     ThrowIfError(s);
     return done;
   }
   size_t pending() const { return held_count_; }
 
   // The arrays of the steps finished so far let go and their kernels' findings raised, without
-  // waiting while at most kMaxPendingArrays are held; past that, it waits for the oldest
-  // marked part only. Never while `stream` (a caller's cudaStream_t; nullopt: ours) or the
-  // AllToAll's own is being captured: a query would end the capture, and the captured arrays
-  // are the graph owner's to keep. Poll answers for every step at once, and a stream the
+  // waiting while at most kMaxPendingArrays are held; past that, it waits for the oldest marked
+  // part only. Nothing while fewer than kMarkEvery are held (each query is a CUDA call or three, a
+  // microsecond: not one for every call), nor while `stream` (a caller's cudaStream_t; nullopt:
+  // ours) or the AllToAll's own is being captured: a query would end the capture, and the captured
+  // arrays are the graph owner's to keep. Poll answers for every step at once, and a stream the
   // caller's kernels share (one the AllToAll took) is seldom idle while a CPU runs ahead: the
-  // arrays are held in parts, each closed by a Mark once kMarkEvery arrays are in it, and a
-  // part goes when its mark is Reached.
+  // arrays are held in parts, each closed by a Mark once kMarkEvery arrays are in it, and a part
+  // goes when its mark is Reached.
   void ReleaseFinished(std::optional<void*> stream) {
-    if (!stream_ || held_.empty()) return;
+    if (!stream_ || held_count_ < kMarkEvery) return;
     AllToAll& a = a2a();
     const bool ours = !stream || *stream == stream_;
     if (a.capturing(stream ? *stream : nullptr) || (!ours && a.capturing(nullptr))) return;
@@ -441,21 +435,13 @@ class PyAllToAll {
   void Check(const Array* array, const ArrayNeed& need) const {
     ThrowIfError(CheckArray(array, need, Device(config())));
   }
-  // An optional argument: None where not `wanted` (else InvalidArgument: the configuration has
-  // no use for it), an Array where wanted (else InvalidArgument: required).
-  std::optional<Array> Optional(const py::handle& object, const char* name, bool wanted) const {
-    if (object.is_none()) {
-      if (wanted) ThrowIfError(InvalidArgumentError(std::string(name) + ": required"));
-      return std::nullopt;
-    }
-    if (!wanted) {
-      ThrowIfError(InvalidArgumentError(std::string(name) + ": this configuration takes none (" +
-                                        config().ToString() + ")"));
-    }
-    return ToArray(object);
+  // An optional argument as an Array (None: nullopt), and its address (null for none).
+  static std::optional<Array> MaybeArray(const py::handle& object) {
+    return object.is_none() ? std::nullopt : std::optional(ToArray(object));
   }
-  // Whether an optional array (null: not given) is there: InvalidArgument, as Optional's,
-  // where it is missing but `wanted` or given but not.
+  static const Array* Pointer(const std::optional<Array>& a) { return a ? &*a : nullptr; }
+  // Whether an optional array (null: not given) is there: InvalidArgument where it is missing
+  // but `wanted` ("required") or given but not (the configuration has no use for it).
   bool Wanted(const Array* array, const char* name, bool wanted) const {
     if (!array && wanted) ThrowIfError(InvalidArgumentError(std::string(name) + ": required"));
     if (array && !wanted) {
@@ -504,6 +490,10 @@ class PyAllToAll {
   void PopHeld() {
     held_count_ -= held_.front().arrays.size();
     held_.pop_front();
+  }
+  void ClearHeld() {
+    held_.clear();
+    held_count_ = 0;
   }
   std::deque<Held> held_;
   size_t held_count_ = 0;

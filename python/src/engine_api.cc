@@ -46,6 +46,14 @@ struct Torch {
   }
 };
 
+// The caller's current torch stream on GPU `device` (a Tensor.get_device() ordinal), nullopt
+// on the CPU (-1).
+std::optional<void*> CurrentStream(int device) {
+  if (device < 0) return std::nullopt;
+  const py::object handle = Torch::Get().current_stream(device);
+  return reinterpret_cast<void*>(static_cast<uintptr_t>(py::cast<uint64_t>(handle)));
+}
+
 std::string Str(const py::handle& o) { return py::str(o); }
 std::string Shape(const std::vector<int64_t>& shape) {
   std::string s = "(";
@@ -160,7 +168,7 @@ class PyPplx {
       }
     }
     // ferry lays the padded blocks out itself (DispatchOutput::expert_padding).
-    a2a_->Ordered(CurrentStream(), true, true, do_send, [&] {
+    a2a_->Ordered(CurrentStream(device_), true, true, do_send, [&] {
       if (do_send) {
         a2a_->DispatchSendArrays(*x, *ids, *w, x_scale ? &*x_scale : nullptr,
                            static_cast<int>(tokens), bound ? &*bound : nullptr,
@@ -194,7 +202,7 @@ class PyPplx {
       out = Tensor("out_tokens", out_tokens, torch_.bfloat16, 2);
       w = Tensor("weights", weights, torch_.float32, 2);
     }
-    a2a_->Ordered(CurrentStream(), true, true, false, [&] {
+    a2a_->Ordered(CurrentStream(device_), true, true, false, [&] {
       if (do_send) a2a_->CombineSendArray(*y, std::nullopt);
       if (do_recv) a2a_->CombineRecvArrays(*out, accumulate, timeout_, &*w);
     });
@@ -249,13 +257,6 @@ class PyPplx {
               (device_ < 0 ? std::string("cpu") : "cuda:" + std::to_string(device_)));
     }
     return std::move(*a);
-  }
-
-  // The caller's current stream on the GPU, nullopt on the CPU.
-  std::optional<void*> CurrentStream() const {
-    if (device_ < 0) return std::nullopt;
-    const py::object handle = torch_.current_stream(device_);
-    return reinterpret_cast<void*>(static_cast<uintptr_t>(py::cast<uint64_t>(handle)));
   }
 
   py::object a2a_object_;  // keeps a2a_
@@ -336,8 +337,16 @@ class PyDeepEpLowLatency {
       e->a2a->DispatchRecvArrays(out.recv_x, out.recv_count,
                                  out.scales ? &*out.scales : nullptr, {}, timeout, 0);
     };
-    auto layout = [set, fp8] {
-      if (fp8) set[3].attr("copy_")(set[2]);
+    // The copy goes on the stream current when it runs: a hook may be called on another than
+    // the dispatch's, whose stream (the AllToAll's) the receive went on; that stream then waits
+    // for the copy, and the copy for the receive, as one stream would order them.
+    auto layout = [e, set, fp8, stream, device = xa->device] {
+      if (!fp8) return;
+      const std::optional<void*> now = CurrentStream(device);
+      const bool other = now && *now != *stream;
+      if (other) e->a2a->Order(*now, false);
+      set[3].attr("copy_")(set[2]);
+      if (other) e->a2a->Order(*now, true);
     };
     e->pooled.attr("busy") = true;
     try {
@@ -459,8 +468,12 @@ class PyDeepEpLowLatency {
       for (const auto& [t, a] : arrays) {
         if (t.is(set)) return a;
       }
-      OutputArrays a{*TorchArray(set[0]), *TorchArray(set[1]),
-                     set[2].is_none() ? std::nullopt : TorchArray(set[2])};
+      std::optional<Array> x = TorchArray(set[0]), counts = TorchArray(set[1]),
+                           scales = set[2].is_none() ? std::nullopt : TorchArray(set[2]);
+      if (!x || !counts || (!set[2].is_none() && !scales)) {
+        Invalid("an output set of the Buffer's: not contiguous CPU or CUDA tensors");
+      }
+      OutputArrays a{std::move(*x), std::move(*counts), std::move(scales)};
       arrays.emplace_back(set, std::move(a));
       return arrays.back().second;
     }
@@ -472,11 +485,6 @@ class PyDeepEpLowLatency {
       if (match(*e)) return e;
     }
     return nullptr;
-  }
-  std::optional<void*> CurrentStream(int device) const {
-    if (device < 0) return std::nullopt;
-    const py::object handle = torch_.current_stream(device);
-    return reinterpret_cast<void*>(static_cast<uintptr_t>(py::cast<uint64_t>(handle)));
   }
 
   int world_;

@@ -147,9 +147,9 @@ void BindMoe(py::module_& m) {
            [](PyAllToAll& a, const py::handle& stream) { a.ReleaseFinished(stream); },
            py::arg("stream") = py::none(),
            "The arrays of finished steps let go (what their kernels found raised) without "
-           "waiting, unless more than a few rounds' are held; nothing while `stream` (a "
-           "caller's cudaStream_t as an int, or ours) is being captured. dispatch() and "
-           "combine() do this first")
+           "waiting, once 16 or more are held, unless more than 128 are (then it waits for the "
+           "oldest); nothing while `stream` (a caller's cudaStream_t as an int, or ours) is "
+           "being captured. dispatch() and combine() do this first")
       .def_property_readonly("pending_arrays", &PyAllToAll::pending,
                              "Arrays of enqueued steps still referenced (until poll() or "
                              "synchronize() finds them done)")

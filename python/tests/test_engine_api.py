@@ -147,10 +147,11 @@ class Case(unittest.TestCase):
 # ---- deep_ep -------------------------------------------------------------------------------------
 
 def check_low_latency(buf, world, rank, use_fp8, round_scale, use_ue8m0, hook, common=False,
-                      round=0):
+                      round=0, hook_stream=None):
     """One low-latency dispatch and combine against the references. common: the calls an
     engine's decode step makes (no counters, the combine into an `out` of its own), which the
-    Buffer runs in C++ from a shape's third dispatch on."""
+    Buffer runs in C++ from a shape's third dispatch on. hook_stream (CUDA): the dispatch's
+    hook called with that stream current, the results then read on the dispatch's."""
     from ferry import deep_ep  # noqa: F401 -- the module under test
     x, idx, w = inputs(world, rank, round=round)
     e = EXPERTS_PER_RANK * world
@@ -159,7 +160,10 @@ def check_low_latency(buf, world, rank, use_fp8, round_scale, use_ue8m0, hook, c
         dv(x), dv(idx), MAX_TOKENS, e, cumulative_local_expert_recv_stats=stats,
         use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0, return_recv_hook=hook)
     assert (recv_hook is not None) == hook
-    if hook:
+    if hook and hook_stream is not None:
+        with torch.cuda.stream(hook_stream):
+            recv_hook()
+    elif hook:
         recv_hook()
     event.current_stream_wait()
     rows = world * MAX_TOKENS
@@ -428,7 +432,13 @@ def deep_ep_body(world, group_kind):
         buf.low_latency_combine(y, idx, ones, handle)
         expect_error(ferry.InvalidArgument, "combined already", buf.low_latency_combine, y, idx,
                      ones, handle)
+        # A shape the C++ path took (this bf16 one, many times above) refused once destroyed.
+        _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, MAX_TOKENS, e, use_fp8=False)
         buf.destroy()
+        expect_error(ferry.InvalidArgument, "destroyed", buf.low_latency_dispatch, x, idx,
+                     MAX_TOKENS, e, use_fp8=False)
+        expect_error(ferry.InvalidArgument, "destroyed", buf.low_latency_combine, y, idx, ones,
+                     handle)
     return body
 
 

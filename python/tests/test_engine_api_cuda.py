@@ -253,6 +253,21 @@ def held_arrays_body(b, store):
     buf.destroy()
 
 
+def hook_on_another_stream_body(b, store):
+    """The receive hooks called with another stream current than the dispatch's (bf16 and
+    e4m3, whose scales are laid out after the receive), the results read on the dispatch's
+    stream: rounds past the first two (the C++ path's) against the references."""
+    import torch
+    from ferry import deep_ep
+    buf = deep_ep.Buffer(b, explicitly_destroy=True)
+    other = torch.cuda.Stream()
+    for use_fp8 in (False, True):
+        for r in range(4):
+            api.check_low_latency(buf, 1, 0, use_fp8, False, False, True, common=True, round=r,
+                                  hook_stream=other)
+    buf.destroy()
+
+
 class CudaEngineApiTest(api.Case):
     def setUp(self):
         super().setUp()
@@ -279,6 +294,9 @@ class CudaEngineApiTest(api.Case):
 
     def test_a_cpu_ahead_of_the_gpu_holds_arrays_within_a_bound(self):
         self.ranks(1, on_gpu(held_arrays_body), timeout=240.0)
+
+    def test_receive_hooks_called_on_another_stream(self):
+        self.ranks(1, on_gpu(hook_on_another_stream_body), timeout=240.0)
 
     def test_the_stream_the_steps_take(self):
         self.ranks(1, on_gpu(streams_body(1)), timeout=240.0)
