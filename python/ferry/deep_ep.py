@@ -84,24 +84,12 @@ def _round_up(n, to):
     return (n + to - 1) // to * to
 
 
-class _Handle:
-    """What a combine needs of its dispatch: the AllToAll that carried it (held, in_flight,
-    until the combine's receive half: another call may take the AllToAll after that, so the
-    handle's own flag, not the AllToAll's, says whether it can still be combined) and the
-    shapes it checks against."""
-
-    __slots__ = ("pooled", "in_flight", "tokens", "k", "hidden", "num_experts", "max_tokens",
-                 "topk_idx", "topk_weights", "rows", "combine_buffer")
-
-    def __init__(self, pooled, tokens, k, hidden, num_experts, topk_idx, max_tokens=None,
-                 topk_weights=None, rows=None):
-        self.pooled, self.in_flight, self.tokens, self.k = pooled, True, tokens, k
-        self.hidden, self.num_experts, self.topk_idx = hidden, num_experts, topk_idx
-        self.max_tokens, self.topk_weights, self.rows = max_tokens, topk_weights, rows
-        self.combine_buffer = None  # get_next_low_latency_combine_buffer's, once asked for
+# What a combine needs of its dispatch (the handle a dispatch returns); the C++ path makes them
+# too.
+_Handle = _ferry.DeepEpHandle
 
 
-class Buffer:
+class Buffer(_ferry.DeepEpLowLatency):
     """DeepEP's communication buffer: dispatch and combine among the ranks of `group`.
 
     group: a torch.distributed ProcessGroup (gloo or NCCL; None for the default group), or a
@@ -110,6 +98,10 @@ class Buffer:
     the low-latency mode sizes its buffers from each call's num_max_dispatch_tokens_per_rank.
     engine: a ferry.TransferEngine to use (default: one from the FERRY_* environment, made when
     an AllToAll first needs one). ranks_per_node: the NVLink domain (default: ranks on one host).
+
+    low_latency_dispatch and low_latency_combine are the C++ base's (_ferry.DeepEpLowLatency):
+    it runs their common path itself and hands every other call to _low_latency_dispatch /
+    _low_latency_combine here.
     """
 
     num_sms = 20
@@ -137,7 +129,7 @@ class Buffer:
         self._streams = {}     # torch objects for other streams AllToAlls took (_stream_of)
         # The low-latency calls' common path, in C++ once a shape's AllToAll and its two
         # output sets exist (_ll_outputs adds them).
-        self._ll = _ferry.DeepEpLowLatency(self.group_size, self._timeout, _Handle, _DONE)
+        super().__init__(self.group_size, self._timeout, _DONE)
         self._destroyed = False
 
     # ---- DeepEP's static helpers ------------------------------------------------------------
@@ -178,7 +170,7 @@ class Buffer:
     def _close(self):
         if not self._destroyed:
             self._destroyed = True
-            self._ll.clear()
+            self._clear_shapes()
             self._group.close()
 
     def __del__(self):
@@ -304,18 +296,13 @@ class Buffer:
         the modes."""
         self._check_open("clean_low_latency_buffer")
 
-    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                             cumulative_local_expert_recv_stats=None,
-                             dispatch_wait_recv_cost_stats=None, use_fp8=True, round_scale=False,
-                             use_ue8m0=False, async_finish=False, return_recv_hook=False):
-        # The common path in C++ (None where it does not take the call; a destroyed Buffer's
-        # has no AllToAll left).
-        if not (cumulative_local_expert_recv_stats is not None or dispatch_wait_recv_cost_stats
-                is not None or use_ue8m0 or async_finish):
-            done = self._ll.dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-                                     use_fp8, round_scale, return_recv_hook)
-            if done is not None:
-                return done
+    def _low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                              cumulative_local_expert_recv_stats=None,
+                              dispatch_wait_recv_cost_stats=None, use_fp8=True,
+                              round_scale=False, use_ue8m0=False, async_finish=False,
+                              return_recv_hook=False):
+        """low_latency_dispatch where the C++ base does not take the call (a destroyed
+        Buffer's has no shapes left there)."""
         self._check_open("low_latency_dispatch")
         refuse("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, None,
                "per-rank wait times are not measured")
@@ -411,7 +398,7 @@ class Buffer:
         so that (as DeepEP's buffers are) a result stays valid until the second dispatch after
         it on the same AllToAll. Made once, not per call: on the CPU torch caches no large
         blocks, and every call paid for fresh pages. Once both of a set list exist, the C++
-        path (self._ll) takes the calls it can and shares the list's turns. shape: (m, experts,
+        path (the C++ base) takes the calls it can and shares the list's turns. shape: (m, experts,
         k)."""
         key = (use_fp8, use_ue8m0)
         sets = self._outputs.setdefault((id(pooled), key), [])
@@ -437,8 +424,8 @@ class Buffer:
                                          device=device).transpose(1, 2)
             sets.append((recv_x, recv_count, scales, packed))
             if len(sets) == 2 and not use_ue8m0:
-                self._ll.add(x.get_device(), m, hidden, experts, k, use_fp8, pooled, sets,
-                             self._ones_for(x, m, k))
+                self._add_shape(x.get_device(), m, hidden, experts, k, use_fp8, pooled, sets,
+                                self._ones_for(x, m, k))
             return sets[-1]
         sets.append(sets.pop(0))
         return sets[-1]
@@ -459,14 +446,10 @@ class Buffer:
         h.combine_buffer = buffer
         return buffer
 
-    def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False,
-                            zero_copy=False, async_finish=False, return_recv_hook=False,
-                            out=None, combine_wait_recv_cost_stats=None):
-        if not (use_logfmt or zero_copy or async_finish
-                or combine_wait_recv_cost_stats is not None):
-            done = self._ll.combine(x, topk_idx, topk_weights, handle, out, return_recv_hook)
-            if done is not None:
-                return done
+    def _low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False,
+                             zero_copy=False, async_finish=False, return_recv_hook=False,
+                             out=None, combine_wait_recv_cost_stats=None):
+        """low_latency_combine where the C++ base does not take the call."""
         self._check_open("low_latency_combine")
         refuse("use_logfmt", use_logfmt, False, "LogFMT-encoded combine is not supported")
         refuse("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, None,

@@ -101,6 +101,7 @@ void BindFabric(py::module_& m);
 void BindMoe(py::module_& m);
 void BindKv(py::module_& m);
 void BindEngineApi(py::module_& m);
+void BindDeepEp(py::module_& m);
 
 // The exception object (not raised) of a failed status, None for OK.
 py::object ErrorObject(const Status& status);

@@ -295,4 +295,5 @@ PYBIND11_MODULE(_ferry, m) {
   BindMoe(m);
   BindKv(m);
   BindEngineApi(m);
+  BindDeepEp(m);
 }

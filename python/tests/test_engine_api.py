@@ -147,18 +147,25 @@ class Case(unittest.TestCase):
 # ---- deep_ep -------------------------------------------------------------------------------------
 
 def check_low_latency(buf, world, rank, use_fp8, round_scale, use_ue8m0, hook, common=False,
-                      round=0, hook_stream=None):
+                      round=0, hook_stream=None, positional=False):
     """One low-latency dispatch and combine against the references. common: the calls an
     engine's decode step makes (no counters, the combine into an `out` of its own), which the
     Buffer runs in C++ from a shape's third dispatch on. hook_stream (CUDA): the dispatch's
-    hook called with that stream current, the results then read on the dispatch's."""
+    hook called with that stream current, the results then read on the dispatch's.
+    positional: every argument passed by position, none by keyword."""
     from ferry import deep_ep  # noqa: F401 -- the module under test
     x, idx, w = inputs(world, rank, round=round)
     e = EXPERTS_PER_RANK * world
     stats = None if common else dv(torch.zeros(EXPERTS_PER_RANK, dtype=torch.int32))
-    recv, count, handle, event, recv_hook = buf.low_latency_dispatch(
-        dv(x), dv(idx), MAX_TOKENS, e, cumulative_local_expert_recv_stats=stats,
-        use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0, return_recv_hook=hook)
+    if positional:
+        recv, count, handle, event, recv_hook = buf.low_latency_dispatch(
+            dv(x), dv(idx), MAX_TOKENS, e, stats, None, use_fp8, round_scale, use_ue8m0, False,
+            hook)
+    else:
+        recv, count, handle, event, recv_hook = buf.low_latency_dispatch(
+            dv(x), dv(idx), MAX_TOKENS, e, cumulative_local_expert_recv_stats=stats,
+            use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
+            return_recv_hook=hook)
     assert (recv_hook is not None) == hook
     if hook and hook_stream is not None:
         with torch.cuda.stream(hook_stream):
@@ -224,8 +231,12 @@ def check_low_latency(buf, world, rank, use_fp8, round_scale, use_ue8m0, hook, c
     if stats is not None:
         assert torch.equal(hv(stats), count), (stats, count)
     given = dv(torch.full(x.shape, 7.0, dtype=torch.bfloat16)) if common else None
-    out, event, combine_hook = buf.low_latency_combine(dv(expert_y), dv(idx), dv(w), handle,
-                                                       return_recv_hook=hook, out=given)
+    if positional:
+        out, event, combine_hook = buf.low_latency_combine(dv(expert_y), dv(idx), dv(w), handle,
+                                                           False, False, False, hook, given)
+    else:
+        out, event, combine_hook = buf.low_latency_combine(dv(expert_y), dv(idx), dv(w), handle,
+                                                           return_recv_hook=hook, out=given)
     if hook:
         combine_hook()
     event.current_stream_wait()
@@ -398,11 +409,20 @@ def deep_ep_body(world, group_kind):
             for hook in (False, True):
                 check_low_latency(buf, world, b.rank, use_fp8, round_scale, ue8m0, hook)
         # Rounds of the common calls for each form (power-of-two scales too), with and without
-        # the hooks: the third and later of a shape run in C++, the first two in Python.
+        # the hooks, the last with its arguments by position: the third and later of a shape
+        # run in C++, the first two in Python (the Buffer's methods the C++ base hands a call
+        # it does not take, counted here).
+        in_python = []
+        for name in ("_low_latency_dispatch", "_low_latency_combine"):
+            setattr(buf, name, lambda *a, _f=getattr(buf, name), _n=name, **kw: (
+                in_python.append(_n), _f(*a, **kw))[1])
         for use_fp8, round_scale in ((False, False), (True, False), (True, True)):
             for r in range(5):
+                if r == 2:
+                    before = len(in_python)
                 check_low_latency(buf, world, b.rank, use_fp8, round_scale, False, r % 2 == 1,
-                                  common=True, round=r)
+                                  common=True, round=r, positional=r == 4)
+            assert len(in_python) == before, (use_fp8, round_scale, in_python[before:])
         check_overlapped_and_zero_copy(buf, world, b.rank)
         check_normal(buf, world, b.rank, fp8=False)
         check_normal(buf, world, b.rank, fp8=True)
@@ -422,6 +442,11 @@ def deep_ep_body(world, group_kind):
                      dispatch_wait_recv_cost_stats=dv(torch.zeros(world, dtype=torch.int64)))
         expect_error(ferry.InvalidArgument, "dtype", buf.low_latency_dispatch, x.float(), idx,
                      MAX_TOKENS, e)
+        # A call that does not match DeepEP's signature raises Python's TypeError.
+        for args, kwargs in (((x, idx, MAX_TOKENS), {}), ((x, idx, MAX_TOKENS, e), {"x": x}),
+                             ((x, idx, MAX_TOKENS, e), {"use_fp9": True}),
+                             ((x, idx, MAX_TOKENS, e) + (False,) * 8, {})):
+            expect_error(TypeError, "argument", buf.low_latency_dispatch, *args, **kwargs)
         expect_error(ferry.Unimplemented, "low_latency_update_mask_buffer",
                      buf.low_latency_update_mask_buffer, 0, True)
         _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, MAX_TOKENS, e, use_fp8=False)

@@ -1,0 +1,70 @@
+// What the engine-API layers' C++ calls share (engine_api.cc: pplx; deep_ep.cc: deep_ep's
+// low-latency calls): torch's objects looked up once, the caller's current stream, and the
+// pieces of their error messages.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "binding.h"
+
+namespace ferry::python {
+
+// torch's objects the layers' calls compare against or call, looked up once (at the first layer
+// made) and kept for the interpreter's life.
+struct Torch {
+  PyObject* bfloat16;
+  PyObject* float32;
+  PyObject* int32;
+  PyObject* int64;
+  PyObject* uint32;  // null before torch 2.3
+  py::handle tensor_type;
+  py::handle current_stream;  // (ordinal) -> the current cudaStream_t as an int
+
+  static const Torch& Get() {
+    static const Torch t = [] {
+      py::module_ torch = py::module_::import("torch");
+      auto dtype = [&](const char* name) {
+        return py::hasattr(torch, name) ? py::object(torch.attr(name)).release().ptr() : nullptr;
+      };
+      Torch t{
+          dtype("bfloat16"), dtype("float32"), dtype("int32"), dtype("int64"), dtype("uint32"),
+          py::object(torch.attr("Tensor")).release(),
+          // torch's raw accessor where it has one (what compilers built on torch call),
+          // else ferry's Python one over torch.cuda.current_stream.
+          py::object(py::hasattr(torch.attr("_C"), "_cuda_getCurrentRawStream")
+                         ? torch.attr("_C").attr("_cuda_getCurrentRawStream")
+                         : py::module_::import("ferry._engine_api").attr("current_stream_handle"))
+              .release()};
+      return t;
+    }();
+    return t;
+  }
+};
+
+// The caller's current torch stream on GPU `device` (a Tensor.get_device() ordinal), nullopt
+// on the CPU (-1).
+inline std::optional<void*> CurrentStream(int device) {
+  if (device < 0) return std::nullopt;
+  const py::object handle = Torch::Get().current_stream(device);
+  return reinterpret_cast<void*>(static_cast<uintptr_t>(py::cast<uint64_t>(handle)));
+}
+
+inline std::string Str(const py::handle& o) { return py::str(o); }
+inline std::string Shape(const std::vector<int64_t>& shape) {
+  std::string s = "(";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + (shape.size() == 1 ? ",)" : ")");
+}
+inline std::string Pair(int64_t a, int64_t b) {
+  return "(" + std::to_string(a) + ", " + std::to_string(b) + ")";
+}
+[[noreturn]] inline void Invalid(const std::string& message) {
+  ThrowIfError(InvalidArgumentError(message));
+  throw std::logic_error("unreachable");
+}
+
+}  // namespace ferry::python
