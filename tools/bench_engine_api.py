@@ -1,8 +1,8 @@
 """What ferry.deep_ep and ferry.pplx add per call over ferry's direct Python API, in one run.
 
 Each layer's dispatch and combine are timed against the same steps called directly on an
-AllToAll of the same shape (its buffers allocated once, as a caller of the direct API keeps
-them), the two interleaved iteration by iteration so that drift hits both alike: "added" is
+AllToAll of the same shape, given the same ids (its buffers allocated once, as a caller of the
+direct API keeps them), the two interleaved iteration by iteration so that drift hits both alike: "added" is
 p50(layer) - p50(direct) per call. deep_ep's combine runs two ways: making its output (as
 SGLang calls it) and into the caller's (`out=`, as vLLM calls it). The layers are timed as a
 caller runs them, unwrapped: their steps run in the binding's C++ with no Python call to time
@@ -78,9 +78,17 @@ def main():
         out = torch.empty(TOKENS, HIDDEN, dtype=torch.bfloat16, device=dev)
         ids = idx32 if cuda else idx
 
-        def direct_dispatch():
+        def direct_dispatch(ids):
             a2a.dispatch_send(x, ids, w)
             a2a.dispatch_recv(recv, counts)
+
+        # Each layer against the direct steps given the same ids: int64 for deep_ep (its
+        # topk_idx), int32 on the GPU for pplx (its indices).
+        def direct_dispatch64():
+            direct_dispatch(idx)
+
+        def direct_dispatch32():
+            direct_dispatch(ids)
 
         def direct_combine():
             a2a.combine_send(recv)
@@ -118,11 +126,11 @@ def main():
             kernel.combine(pout, ids, w, px)
 
 
-        pairs = {"deep_ep low_latency": ((direct_dispatch, direct_combine),
+        pairs = {"deep_ep low_latency": ((direct_dispatch64, direct_combine),
                                          (ll_dispatch, ll_combine)),
-                 "deep_ep low_latency out=": ((direct_dispatch, direct_combine),
+                 "deep_ep low_latency out=": ((direct_dispatch64, direct_combine),
                                               (ll_dispatch, ll_combine_out)),
-                 "pplx": ((direct_dispatch, direct_combine), (pplx_dispatch, pplx_combine))}
+                 "pplx": ((direct_dispatch32, direct_combine), (pplx_dispatch, pplx_combine))}
         with ctx:
             # The layers' AllToAlls exist after a first call, made on the stream the timed calls
             # run on (the one they take as their own: see ferry.deep_ep's _stream_of).

@@ -197,8 +197,8 @@ struct FERRY_API DispatchInput {
   const uint16_t* x_bf16 = nullptr;
   Fp8Scaling scaling = Fp8Scaling::kAmax;
   // 64-bit expert ids (what torch.topk gives) instead of indices, narrowed by the device as it
-  // sends (on the CUDA device by a kernel on the step's stream); an id outside int32 is a bad
-  // id like any other.
+  // sends (on the CUDA device by the send kernels as they read them); an id outside int32 is a
+  // bad id like any other.
   const int64_t* indices64 = nullptr;
 };
 

@@ -421,7 +421,7 @@ class PyAllToAll {
   static int ItemBytes(const AllToAllConfig& c) { return c.dtype == DispatchDtype::kBf16 ? 2 : 1; }
   // The expert ids into `in`: int32 as they are, uint32 as the same bits (an id >= 2^31 is
   // then negative: -1 for 0xFFFFFFFF, a bad id otherwise), int64 (torch.topk's) as indices64,
-  // narrowed by the core (on the CUDA device by a kernel on the step's stream).
+  // narrowed by the core (on the CUDA device by the send kernels as they read them).
   void Indices(const Array& ia, uint64_t copies, DispatchInput& in) const {
     if (ia.kind == 'i' && ia.item_bytes == 8) {
       Check(&ia, {"indices", copies * 8, false, 'i', 8});

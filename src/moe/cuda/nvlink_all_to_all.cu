@@ -186,19 +186,6 @@ class NvlinkAllToAll final : public AllToAll {
       return InvalidArgumentError("DispatchSend: null input buffer");
     }
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
-    if (in.indices64 && in.num_tokens > 0) {
-      // Narrowed on the stream into ids of ours (an id outside int32 becomes one the send
-      // kernels report as bad).
-      if (!narrow_ids_.get()) {
-        RETURN_IF_ERROR(
-            narrow_ids_.Allocate(size_t(c_.max_tokens_per_rank) * c_.experts_per_token));
-      }
-      const int64_t copies = int64_t{in.num_tokens} * c_.experts_per_token;
-      NarrowIdsKernel<<<static_cast<int>((copies + kNarrowThreads - 1) / kNarrowThreads),
-                        kNarrowThreads, 0, stream_>>>(in.indices64, copies, narrow_ids_.get());
-      FERRY_CUDA(cudaGetLastError());
-      in.indices = narrow_ids_.get();
-    }
     if (in.x_bf16 && in.num_tokens > 0) {
       // Quantised on the stream into rows of ours, which the send kernels then read as the
       // caller's fp8 input (the next DispatchSend rewrites them only after this one's kernels,
@@ -220,8 +207,14 @@ class NvlinkAllToAll final : public AllToAll {
     }
     RETURN_IF_ERROR(Aligned(in.x, "DispatchSend: x"));
     // Synchronous steps are strict: bad input sends nothing, and the step may be retried.
-    const SendArgs args{static_cast<const uint8_t*>(in.x), in.scales, in.indices, in.weights,
-                        in.device_num_tokens, in.num_tokens, !async_};
+    const SendArgs args{static_cast<const uint8_t*>(in.x),
+                        in.scales,
+                        in.indices64 ? nullptr : in.indices,
+                        in.indices64,
+                        in.weights,
+                        in.device_num_tokens,
+                        in.num_tokens,
+                        !async_};
     if (small_smem_ > 0) {
       SendSmallKernel<<<send_grid_, kSmallThreads, small_smem_, stream_>>>(nv_, args);
       FERRY_CUDA(cudaGetLastError());
@@ -902,7 +895,6 @@ class NvlinkAllToAll final : public AllToAll {
   DeviceArray<int32_t> indices_, slot_pos_, row_pos_, totals_, erank_, chunk_counts_;
   DeviceArray<int64_t> scan_carry_;
   DeviceArray<float> weights_;
-  DeviceArray<int32_t> narrow_ids_;  // DispatchInput::indices64 narrowed (at its first use)
   DeviceArray<uint8_t> fp8_x_;  // DispatchInput::x_bf16 quantised (allocated at its first use)
   DeviceArray<float> fp8_scales_;
   DeviceArray<RecvSlot> rslots_;

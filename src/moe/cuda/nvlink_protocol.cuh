@@ -258,7 +258,8 @@ __host__ __device__ inline int CountsTagColumn(const Nv& v) {
 struct SendArgs {
   const uint8_t* x;
   const float* scales;
-  const int32_t* indices;
+  const int32_t* indices;    // the routing, [T, K]: int32 ids, or
+  const int64_t* indices64;  // int64 ones (the other null), narrowed as they are read (IdAt)
   const float* weights;
   const int32_t* dev_tokens;
   int bound;

@@ -37,6 +37,16 @@ union RouteSmem {
 static_assert(kChunk / kRouteWarps == 32 * kSortItems, "a warp's entries: kSortItems rounds");
 static_assert(kChunk < (1 << 16), "a chunk's counts must fit 16 bits");
 
+// The caller's id `f` of the routing: int32 as given, int64 narrowed (one outside int32 becomes
+// INT32_MAX, out of range for any configuration, so the kernels skip and report it as they do
+// any bad id). Read where the kernels read the routing, not by a kernel of its own first: a
+// launch costs the caller microseconds of host time per dispatch.
+__device__ __forceinline__ int32_t IdAt(const SendArgs& a, int64_t f) {
+  if (!a.indices64) return a.indices[f];
+  const int64_t e = a.indices64[f];
+  return e >= -1 && e <= INT32_MAX ? static_cast<int32_t>(e) : INT32_MAX;
+}
+
 // Scan block b: tokens [c * kRouteThreads, (c + 1) * kRouteThreads), a token per thread, for
 // ranks [r0, r0 + kScanRanks) (c = b / groups, r0 = (b % groups) * kScanRanks). Each token's
 // slots and combine rows on those ranks, as exclusive prefix sums within the chunk, go to
@@ -55,7 +65,7 @@ __device__ void ScanChunk(const Nv& v, const SendArgs& a, int tokens, int b, Rou
     int32_t e[kMaxK];
 #pragma unroll
     for (int i = 0; i < kMaxK; ++i) {
-      if (i < v.topk) e[i] = a.indices[int64_t{t} * v.topk + i];
+      if (i < v.topk) e[i] = IdAt(a, int64_t{t} * v.topk + i);
     }
 #pragma unroll
     for (int i = 0; i < kMaxK; ++i) {
@@ -133,7 +143,7 @@ __device__ void CountChunk(const Nv& v, const SendArgs& a, int tokens, int c, Ro
     const int64_t f = first + (warp * kSortItems + j) * 32 + lane;
     key[j] = -1;
     if (f < entries) {
-      const int32_t e = a.indices[f];
+      const int32_t e = IdAt(a, f);
       v.indices[f] = e;
       v.weights[f] = a.weights[f];
       if (ValidExpert(v, e)) key[j] = e;
@@ -411,7 +421,7 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
 #pragma unroll
     for (int u = 0; u < 8; ++u) {
       const int f = base + threadIdx.x + u * blockDim.x;
-      if (f < entries) ids[u] = a.indices[f];
+      if (f < entries) ids[u] = IdAt(a, f);
     }
 #pragma unroll
     for (int u = 0; u < 8; ++u) {
@@ -595,19 +605,6 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
     v.indices[f] = m.idx[f];
     v.weights[f] = a.weights[f];
   }
-}
-
-// ---- 64-bit ids narrowed as DispatchSend sends (DispatchInput::indices64) -----------------------
-
-// An id outside int32 becomes INT32_MAX: out of range for any configuration, so the send
-// kernels skip and report it as they do any bad id.
-constexpr int kNarrowThreads = 256;
-__global__ void __launch_bounds__(kNarrowThreads)
-    NarrowIdsKernel(const int64_t* ids, int64_t copies, int32_t* out) {
-  const int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
-  if (i >= copies) return;
-  const int64_t e = ids[i];
-  out[i] = e >= -1 && e <= INT32_MAX ? static_cast<int32_t>(e) : INT32_MAX;
 }
 
 // ---- fp8 made from bf16 as DispatchSend sends (DispatchInput::x_bf16) ---------------------------
