@@ -26,8 +26,9 @@ if(n GREATER 0)
   list(JOIN first "\n  " shown)
   message(FATAL_ERROR "libferry exports ${n} internal symbols, e.g.\n  ${shown}")
 endif()
-foreach(api "ferry::TransferEngine::Create(" "ferry::AllToAll::Create(" "ferry::KvPrefill::Create("
-            "ferry::KvDecoder::Create(" "ferry::RemoteRegion::Parse(" "typeinfo for ferry::TransferEngine")
+foreach(api "ferry::TransferEngine::Create(" "ferry::TransferEngine::~TransferEngine("
+            "ferry::TransferEngine::Write(" "ferry::AllToAll::Create(" "ferry::KvPrefill::Create("
+            "ferry::KvDecoder::Create(" "ferry::RemoteRegion::Parse(")
   string(FIND "${symbols}" "${api}" at)
   if(at LESS 0)
     message(FATAL_ERROR "libferry does not export ${api}")

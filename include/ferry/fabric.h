@@ -3,11 +3,11 @@
 // A TransferEngine owns the endpoints of one to four NICs (libfabric domains: `efa`, `shm`,
 // `tcp;ofi_rxm`), a domain group serving one GPU, and one worker thread that posts work requests
 // and polls completions on all of them. Large single writes are sharded by bytes across the NICs;
-// paged writes stripe pages, and scatters and barriers shard peers across them. Callers register memory,
-// exchange addresses and remote descriptors as bytes (through any bootstrap they like), and submit
-// one-sided writes and two-sided messages from any thread. Every submit either returns an error at
-// once (nothing was posted) or later ends in exactly one completion: the callback runs, or the
-// counter moves.
+// paged writes stripe pages, and scatters and barriers shard peers across them. Callers register
+// memory, exchange addresses and remote descriptors as bytes (through any bootstrap they like),
+// and submit one-sided writes and two-sided messages from any thread. Every submit either returns
+// an error at once (nothing was posted) or later ends in exactly one completion: the callback
+// runs, or the counter moves.
 //
 //   auto engine = TransferEngine::Create(EngineOptions::FromEnv().value()).value();
 //   MemoryRegion buf = engine->RegisterMemory(ptr, len).value();
@@ -179,6 +179,9 @@ struct FERRY_API RemoteRegion {
 };
 
 class TransferEngine;
+namespace fabric {
+class Engine;
+}
 struct RegistrationOwner;  // ties regions to their engine; outlives both
 
 // A registered local buffer. Move-only; deregisters when destroyed (a no-op once its engine is
@@ -202,7 +205,7 @@ class FERRY_API MemoryRegion {
   void* local_desc(uint32_t nic = 0) const { return nic < kMaxNics ? local_descs_[nic] : nullptr; }
 
  private:
-  friend class TransferEngine;
+  friend class TransferEngine;  // RegisterMemory fills a region in
   void Release();
   std::shared_ptr<RegistrationOwner> owner_;
   void* handle_ = nullptr;  // backend registration
@@ -266,7 +269,8 @@ constexpr uint32_t WeightLimit(uint32_t weight_mask) {
 }
 // A usable weight mask: non-zero, its bits contiguous.
 constexpr bool IsWeightMask(uint32_t weight_mask) {
-  return weight_mask != 0 && ((weight_mask + (weight_mask & (~weight_mask + 1))) & weight_mask) == 0;
+  const uint32_t lowest = weight_mask & (~weight_mask + 1);
+  return weight_mask != 0 && ((weight_mask + lowest) & weight_mask) == 0;
 }
 
 // One slice of a scatter: bytes [src_offset, src_offset + length) of the plan's source region
@@ -335,22 +339,23 @@ struct FERRY_API FabricInfo {
 class FERRY_API TransferEngine {
  public:
   static StatusOr<std::unique_ptr<TransferEngine>> Create(const EngineOptions& options);
-  virtual ~TransferEngine() = default;
+  ~TransferEngine();
+  TransferEngine(const TransferEngine&) = delete;
+  TransferEngine& operator=(const TransferEngine&) = delete;
 
-  virtual const FabricInfo& info() const = 0;
+  const FabricInfo& info() const;
   // The options the engine was created with (after FromEnv, when the caller used it).
-  virtual const EngineOptions& options() const = 0;
+  const EngineOptions& options() const;
   // A random id that tells this engine's descriptors from any other's.
-  virtual uint64_t id() const = 0;
+  uint64_t id() const;
   // Our address, as bytes a peer passes to AddPeer.
-  virtual std::vector<uint8_t> Address() const = 0;
+  std::vector<uint8_t> Address() const;
 
   // --- memory ---
   // kCuda needs options.cuda_memory (else FailedPrecondition) and a provider with FI_HMEM_CUDA
   // support (else Unimplemented).
-  virtual StatusOr<MemoryRegion> RegisterMemory(void* data, uint64_t length,
-                                                MemoryKind kind = MemoryKind::kHost,
-                                                int device = 0) = 0;
+  StatusOr<MemoryRegion> RegisterMemory(void* data, uint64_t length,
+                                        MemoryKind kind = MemoryKind::kHost, int device = 0);
 
   // --- peers ---
   // The engine at `address` as a peer. An engine that is already a peer, and not lost, keeps
@@ -358,75 +363,74 @@ class FERRY_API TransferEngine {
   // shares its peers, and RemovePeer forgets one for all of them. (A second connection to one
   // engine would be wasted, and over verbs its handshake would cross the first.)
   // ResourceExhausted when max_peers peers are in the table.
-  virtual StatusOr<PeerId> AddPeer(std::span<const uint8_t> address) = 0;
+  StatusOr<PeerId> AddPeer(std::span<const uint8_t> address);
   // Forgets a peer: its pending transfers fail with Unavailable, later submits are refused, and
   // its table entry serves a later AddPeer under another PeerId (a PeerId is never given out
   // twice: an old one stays Unavailable whoever holds its entry now). Over verbs the peer hears
   // a goodbye and marks us lost (PeerLost), so that it adds us again to talk to us; connectionless
   // providers need none: a peer's later messages still arrive.
-  virtual Status RemovePeer(PeerId peer) = 0;
+  Status RemovePeer(PeerId peer);
   // Whether `peer` is lost: a transfer to it outlived its deadline (transfer_timeout_ms), or
   // RemovePeer forgot it. Every later submit to it fails with Unavailable; a peer that is back
   // is added again (AddPeer gives it a new PeerId and removes the lost one; over verbs the new
   // connection replaces the old one on the other side too, which keeps its PeerId). NotFound
   // for an unknown peer.
-  virtual StatusOr<bool> PeerLost(PeerId peer) const = 0;
-  virtual StatusOr<GroupId> AddPeerGroup(std::span<const PeerId> members) = 0;
+  StatusOr<bool> PeerLost(PeerId peer) const;
+  StatusOr<GroupId> AddPeerGroup(std::span<const PeerId> members);
   // Pre-builds the work-request templates of a scatter from `src` to one region per group member.
-  virtual StatusOr<ScatterPlanId> PrepareScatter(GroupId group, const MemoryRegion& src,
-                                                 std::span<const RemoteRegion> dst) = 0;
+  StatusOr<ScatterPlanId> PrepareScatter(GroupId group, const MemoryRegion& src,
+                                         std::span<const RemoteRegion> dst);
 
   // --- one-sided writes (non-blocking; ResourceExhausted when the queue or slots are full) ---
-  virtual Status Write(const SingleWrite& write, Completion done) = 0;
-  virtual Status WritePaged(const PagedWrite& write, Completion done) = 0;
-  virtual Status Scatter(const ScatterWrite& write, Completion done) = 0;
+  Status Write(const SingleWrite& write, Completion done);
+  Status WritePaged(const PagedWrite& write, Completion done);
+  Status Scatter(const ScatterWrite& write, Completion done);
   // An immediate to every member of the group.
-  virtual Status Barrier(GroupId group, uint32_t imm, Completion done) = 0;
+  Status Barrier(GroupId group, uint32_t imm, Completion done);
   // An immediate alone.
-  virtual Status WriteImm(PeerId peer, uint32_t imm, Completion done) = 0;
+  Status WriteImm(PeerId peer, uint32_t imm, Completion done);
 
   // --- two-sided messages ---
   // Copies `message` (at most options.message_bytes) into a send buffer; returns at once.
-  virtual Status Send(PeerId peer, std::span<const uint8_t> message, Completion done) = 0;
+  Status Send(PeerId peer, std::span<const uint8_t> message, Completion done);
   // Called on the worker thread for every message received that no tagged handler takes;
   // `from` is empty when the sender is not one of our peers. The bytes are valid during the
   // call only.
   using MessageHandler =
       std::function<void(std::optional<PeerId> from, std::span<const uint8_t> message)>;
-  virtual void SetMessageHandler(MessageHandler handler) = 0;
+  void SetMessageHandler(MessageHandler handler);
   // Messages whose first four bytes, read as a uint32 (host byte order: what a memcpy of a
   // uint32_t wrote), are `tag` go to `handler` instead: one engine serves several users of
   // messages, each with tags of its own (a KV decoder and a KV prefill, the caller's own
   // protocol). AlreadyExists when another handler holds the tag (a null handler gives it up);
   // ResourceExhausted past kMaxMessageTags tags.
   static constexpr size_t kMaxMessageTags = 16;
-  virtual Status SetTaggedMessageHandler(uint32_t tag, MessageHandler handler) = 0;
+  Status SetTaggedMessageHandler(uint32_t tag, MessageHandler handler);
 
   // --- immediate counters (receiving side) ---
   // Immediates with a counter are counted; others go to the unmatched handler. Create the counter
   // before any peer can send its immediate. ferry's own parts (a KV messenger, AllToAlls) on
   // this engine take the top of the immediate space; a caller's own immediates stay in
   // imm::kCaller (ferry/immediates.h lays the space out).
-  virtual Status CreateImmCounter(uint32_t imm) = 0;
+  Status CreateImmCounter(uint32_t imm);
   // A counter for imm that also counts WeightedImm(imm, weight_mask, w) as w arrivals: one
   // immediate can stand for many writes (a paged write with imm_once). weight_mask: contiguous
   // bits, none of them set in imm; at most four distinct masks per engine. An immediate that
   // matches a counter exactly always counts one. The counter claims every immediate of that
   // form that no exact counter takes: keep the family apart from other senders' immediates.
-  virtual Status CreateWeightedImmCounter(uint32_t imm, uint32_t weight_mask) = 0;
-  virtual StatusOr<uint64_t> ImmCount(uint32_t imm) const = 0;
+  Status CreateWeightedImmCounter(uint32_t imm, uint32_t weight_mask);
+  StatusOr<uint64_t> ImmCount(uint32_t imm) const;
   // Blocks the calling thread until the count reaches `target`.
-  virtual Status WaitImm(uint32_t imm, uint64_t target, Deadline deadline) const = 0;
+  Status WaitImm(uint32_t imm, uint64_t target, Deadline deadline) const;
   // Calls `done` (on the worker) once the count reaches `target`, or with DeadlineExceeded.
   // One armed notification per counter at a time.
-  virtual Status NotifyImm(uint32_t imm, uint64_t target, Deadline deadline,
-                           DoneCallback done) = 0;
+  Status NotifyImm(uint32_t imm, uint64_t target, Deadline deadline, DoneCallback done);
   // Ends the counter's armed notification, if any, by calling it with Cancelled (on the worker,
   // after the submissions before this one). Then a new NotifyImm may be armed.
-  virtual Status DisarmImm(uint32_t imm) = 0;
+  Status DisarmImm(uint32_t imm);
   // Subtracts n from the count so the counter can serve the next round; FailedPrecondition if
   // fewer than n arrived.
-  virtual Status ConsumeImm(uint32_t imm, uint64_t n) = 0;
+  Status ConsumeImm(uint32_t imm, uint64_t n);
   // Mirrors the counter into `word` for a waiter that cannot call WaitImm -- a GPU kernel
   // spinning on a word of GpuWords (ferry/gpu_words.h: GPU memory through GDRCopy where it is
   // there, else pinned host memory mapped into the GPU): the worker stores the counter's total
@@ -436,21 +440,21 @@ class FERRY_API TransferEngine {
   // Keep the word alive until null stops the mirror -- once that returns OK the worker writes
   // the old word no more (DeadlineExceeded, a wedged worker: keep it) -- or until the engine is
   // destroyed.
-  virtual Status MirrorImm(uint32_t imm, uint64_t* word) = 0;
+  Status MirrorImm(uint32_t imm, uint64_t* word);
   using UnmatchedImmHandler = std::function<void(uint32_t imm)>;
-  virtual void SetUnmatchedImmHandler(UnmatchedImmHandler handler) = 0;
+  void SetUnmatchedImmHandler(UnmatchedImmHandler handler);
 
-  virtual EngineStats stats() const = 0;
+  EngineStats stats() const;
 
- protected:
-  friend class MemoryRegion;
-  virtual void Deregister(MemoryRegion& region) = 0;
-  static void InitRegion(MemoryRegion& region, std::shared_ptr<RegistrationOwner> owner,
-                         void* handle, void* data,
-                         uint64_t length, MemoryKind kind,
-                         const std::array<void*, kMaxNics>& local_descs,
-                         const RemoteRegion& remote);
-  static void* RegionHandle(const MemoryRegion& region) { return region.handle_; }
+ private:
+  friend class MemoryRegion;  // Deregister
+  friend class fabric::Engine;  // Wrap
+  explicit TransferEngine(fabric::Engine* impl);
+  void Deregister(MemoryRegion& region);
+
+  // The implementation (src/fabric/engine.h): owned, and leaked on purpose at destruction when
+  // its worker cannot be stopped (wedged in a provider call that may still touch it).
+  fabric::Engine* impl_;
 };
 
 }  // namespace ferry

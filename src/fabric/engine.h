@@ -1,6 +1,8 @@
 // The TransferEngine: submission from any thread, one worker thread that owns the Domain.
-// This header: the engine's class, and the types its caller side (transfer_engine.cc) and its
-// worker (engine_worker.cc) share.
+// This header: the Engine, TransferEngine's implementation, and the types its three parts
+// share: TransferEngine's methods (transfer_engine.cc, the caller side), the machinery they
+// use (engine.cc: construction, checks, requests, control operations) and the worker
+// (engine_worker.cc).
 //
 // Life of a transfer:
 //   caller thread: Submit validates everything (peer, descriptors, bounds, page indices), takes an
@@ -10,7 +12,8 @@
 //     chunk, page, slice or member) as provider queue space and WR contexts allow, polls the CQ,
 //     and finishes the transfer when its last WR completes: exactly one Completion::Finish.
 // A transfer that outlives transfer_timeout_ms fails with DeadlineExceeded and marks its peer
-// lost; its WRs still owned by the provider keep the slot until they complete or the engine closes.
+// lost; its WRs still owned by the provider keep the slot until they complete or the engine
+// closes.
 //
 // Control operations (registration, peers, groups, handlers) are rare and run on the worker too,
 // because the provider is opened with FI_THREAD_DOMAIN: only the worker touches the Domain.
@@ -116,13 +119,13 @@ struct PeerGroup {
 struct Request {
   Kind kind = Kind::kSingle;
   bool has_imm = false;
-  bool imm_once = false;        // paged: the immediate on each NIC's last page (PostPending)
+  bool imm_once = false;         // paged: the immediate on each NIC's last page (PostPending)
   uint32_t imm_weight_mask = 0;  // imm_once: those immediates carry their NIC's pages here
   uint32_t imm = 0;
   PeerId peer = 0;                   // single-peer kinds
   const PeerEntry* entry = nullptr;  // single-peer kinds
   uint32_t first_nic = 0;            // see the file comment
-  const uint8_t* src = nullptr;  // local bytes of offset 0 (after src_offset)
+  const uint8_t* src = nullptr;      // local bytes of offset 0 (after src_offset)
   Descs src_desc{};
   // Per local NIC: provider address of the destination's offset 0 (after dst_offset), and key.
   std::array<NicKey, kMaxNics> dst{};
@@ -157,15 +160,15 @@ static_assert(offsetof(WrSlot, ctx) == 0, "the provider context must be WrSlot's
 // its first error.
 struct Transfer {
   Request req;
-  uint32_t total = 0;        // WRs this transfer posts
-  uint32_t next = 0;         // next WR to post
-  uint32_t outstanding = 0;  // posted, not completed
-  uint64_t chunk = 0;        // single: bytes per WR
-  uint32_t shards = 1;       // single: one per NIC when large enough
-  uint64_t shard_bytes = 0;  // single: bytes of every shard but the last
-  uint32_t shard_wrs = 0;    // single: WRs of every shard but the last
-  bool finished = false;     // Completion already ran (a timed-out transfer may still own WRs)
-  bool queued = false;       // on the pending-post list
+  uint32_t total = 0;          // WRs this transfer posts
+  uint32_t next = 0;           // next WR to post
+  uint32_t outstanding = 0;    // posted, not completed
+  uint64_t chunk = 0;          // single: bytes per WR
+  uint32_t shards = 1;         // single: one per NIC when large enough
+  uint64_t shard_bytes = 0;    // single: bytes of every shard but the last
+  uint32_t shard_wrs = 0;      // single: WRs of every shard but the last
+  bool finished = false;       // Completion already ran (a timed-out transfer may still own WRs)
+  bool queued = false;         // on the pending-post list
   bool tail_deferred = false;  // single: the immediate-carrying last chunk waits for the others
   Clock::time_point deadline;
   Status error;
@@ -202,85 +205,45 @@ class Futex {
             nullptr, 0);
   }
   static void WakeOne(std::atomic<uint32_t>* word) {
-    syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE_PRIVATE, 1, nullptr,
-            nullptr, 0);
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE_PRIVATE, 1, nullptr, nullptr,
+            0);
   }
 };
 
-class Engine final : public TransferEngine {
+// TransferEngine's implementation: its methods (transfer_engine.cc) run on this state; the
+// worker's and the checks' code is the Engine's own.
+class Engine final {
  public:
+  using MessageHandler = TransferEngine::MessageHandler;
+  using UnmatchedImmHandler = TransferEngine::UnmatchedImmHandler;
+
   Engine(const EngineOptions& options, std::vector<std::unique_ptr<Domain>> domains);
 
   // Stops the worker; false means the engine must be leaked (see Stop).
   bool StopWorker() { return Stop(); }
 
   // Precondition: StopWorker() returned true.
-  ~Engine() override;
+  ~Engine();
 
   Status Init();
-  const FabricInfo& info() const override { return info_; }
-  const EngineOptions& options() const override { return options_; }
-  uint64_t id() const override { return id_; }
-  std::vector<uint8_t> Address() const override { return address_; }
-
-  // ----- memory -----------------------------------------------------------------------------
-
-  StatusOr<MemoryRegion> RegisterMemory(void* data, uint64_t length, MemoryKind kind,
-                                        int device) override;
-  void Deregister(MemoryRegion& region) override;
+  // The TransferEngine that Create hands out, over `engine` (Init done).
+  static std::unique_ptr<TransferEngine> Wrap(std::unique_ptr<Engine> engine);
 
   // Registers [data, data + length) on every NIC; all or none.
-  StatusOr<MultiRegistration> RegisterAll(void* data, uint64_t length, MemoryKind kind,
-                                          int device);
-
+  StatusOr<MultiRegistration> RegisterAll(void* data, uint64_t length, MemoryKind kind, int device);
   void DeregisterAll(const MultiRegistration& reg);
 
-  // ----- peers ------------------------------------------------------------------------------
-
-  StatusOr<PeerId> AddPeer(std::span<const uint8_t> address_bytes) override;
   static uint64_t PeerKey(uint32_t nic, uint64_t addr) { return addr * kMaxNics + nic; }
-
   // A lost peer can be removed too (that is when it is needed most); removing twice is a no-op.
-  Status RemovePeer(PeerId peer) override;
   Status RemovePeerLocked(PeerId peer);  // add_mu_ held
-  StatusOr<bool> PeerLost(PeerId peer) const override;
 
-  StatusOr<GroupId> AddPeerGroup(std::span<const PeerId> members) override;
-  StatusOr<ScatterPlanId> PrepareScatter(GroupId group, const MemoryRegion& src,
-                                         std::span<const RemoteRegion> dst) override;
-
-  // ----- submission -------------------------------------------------------------------------
-
-  Status Write(const SingleWrite& w, Completion done) override;
-  Status WritePaged(const PagedWrite& w, Completion done) override;
-  Status Scatter(const ScatterWrite& w, Completion done) override;
-  Status Barrier(GroupId group, uint32_t imm, Completion done) override;
-  Status WriteImm(PeerId peer, uint32_t imm, Completion done) override;
-  Status Send(PeerId peer, std::span<const uint8_t> message, Completion done) override;
-  void SetMessageHandler(MessageHandler handler) override;
-  Status SetTaggedMessageHandler(uint32_t tag, MessageHandler handler) override;
-
-  // ----- immediate counters -----------------------------------------------------------------
-
-  Status CreateImmCounter(uint32_t imm) override { return counters_.Create(imm); }
-  Status CreateWeightedImmCounter(uint32_t imm, uint32_t weight_mask) override;
-  StatusOr<uint64_t> ImmCount(uint32_t imm) const override;
-  Status WaitImm(uint32_t imm, uint64_t target, Deadline deadline) const override;
-  Status NotifyImm(uint32_t imm, uint64_t target, Deadline deadline,
-                   DoneCallback done) override;
-  Status ConsumeImm(uint32_t imm, uint64_t n) override { return counters_.Consume(imm, n); }
-
-  Status DisarmImm(uint32_t imm) override;
-  Status MirrorImm(uint32_t imm, uint64_t* word) override;
   StatusOr<ImmCounterTable::Slot*> Counter(uint32_t imm) const;
-
   // A request about counter `imm` for the worker (arm or disarm its notification).
   StatusOr<Request> CounterRequest(Kind kind, uint32_t imm) const;
 
-  void SetUnmatchedImmHandler(UnmatchedImmHandler handler) override;
-  EngineStats stats() const override;
-
  private:
+  friend class ferry::TransferEngine;  // its methods are the Engine's caller side
+
   // ----- validation (caller threads) ---------------------------------------------------------
 
   Status CheckLocal(const MemoryRegion* region) const;

@@ -68,19 +68,6 @@ MemoryRegion& MemoryRegion::operator=(MemoryRegion&& other) noexcept {
 
 MemoryRegion::~MemoryRegion() { Release(); }
 
-void TransferEngine::InitRegion(MemoryRegion& region, std::shared_ptr<RegistrationOwner> owner,
-                                void* handle, void* data, uint64_t length, MemoryKind kind,
-                                const std::array<void*, kMaxNics>& local_descs,
-                                const RemoteRegion& remote) {
-  region.owner_ = std::move(owner);
-  region.handle_ = handle;
-  region.data_ = data;
-  region.length_ = length;
-  region.kind_ = kind;
-  region.local_descs_ = local_descs;
-  region.remote_ = remote;
-}
-
 StatusOr<EngineOptions> EngineOptions::FromEnv() {
   EngineOptions o;
   if (const char* p = std::getenv("FERRY_PROVIDER")) o.provider = p;

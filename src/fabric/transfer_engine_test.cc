@@ -820,9 +820,9 @@ TEST_P(FaultTest, AWedgedProviderCallNeverHangsTheCaller) {
   EXPECT_EQ(word, 7u) << "the worker took up the word of a MirrorImm that had timed out";
 }
 
-// A rank killed before closing its shm endpoint leaves its file in /dev/shm. libfabric's shm refuses
-// (EBUSY) to reuse a file whose recorded owner is alive, which is what a reused PID looks like;
-// CI once failed that way. Engines name their own files and sweep those of dead processes.
+// A rank killed before closing its shm endpoint leaves its file in /dev/shm. libfabric's shm
+// refuses (EBUSY) to reuse a file whose recorded owner is alive, which is what a reused PID looks
+// like; CI once failed that way. Engines name their own files and sweep those of dead processes.
 TEST(ShmFilesTest, LeftoverFilesOfDeadProcessesAreRemovedAndNeverCollide) {
   const auto providers = testing_util::Providers();
   if (std::find(providers.begin(), providers.end(), "shm") == providers.end()) {
