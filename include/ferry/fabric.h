@@ -310,7 +310,8 @@ struct FERRY_API EngineStats {
   uint64_t worker_sleeps = 0;
 };
 
-// Provider facts the engine adapted to; for logs and benchmarks, never needed to use the API.
+// Provider facts, for logs and benchmarks, never needed to use the API. The mr_mode bits and
+// context_mode are libfabric's (what its provider asked for), unset over verbs.
 struct FERRY_API FabricInfo {
   std::string provider;
   std::string domain;       // the NICs' domain names, comma-separated
@@ -319,7 +320,7 @@ struct FERRY_API FabricInfo {
   bool prov_key = false;    // FI_MR_PROV_KEY
   bool mr_local = false;    // FI_MR_LOCAL
   bool mr_endpoint = false; // FI_MR_ENDPOINT
-  bool hmem = false;        // FI_HMEM offered
+  bool hmem = false;        // CUDA memory can be registered (libfabric: FI_HMEM offered)
   bool context_mode = false;
   size_t cq_data_size = 0;
   size_t max_msg_size = 0;

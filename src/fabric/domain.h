@@ -73,11 +73,24 @@ struct Registration {
   uint64_t key = 0;
 };
 
+// What the engine needs of a NIC, as its backend reports it in ferry's terms. The FabricInfo a
+// backend gives beside it is for logs: libfabric's own facts (its mr_mode bits and the like),
+// which other backends leave unset.
+struct DomainCaps {
+  std::string provider;              // what peers of one engine must all speak
+  std::string name;                  // the NIC's domain name
+  uint64_t max_msg_bytes = 0;        // the most one write or message work request carries
+  size_t send_depth = 0;             // work requests the send queue holds (0: not said)
+  size_t recv_depth = 0;             // receives the receive queue holds (0: not said)
+  uint64_t ordered_write_bytes = 0;  // as FabricInfo::ordered_write_bytes
+};
+
 class Domain {
  public:
   virtual ~Domain() = default;
 
-  virtual const FabricInfo& info() const = 0;
+  virtual const DomainCaps& caps() const = 0;
+  virtual const FabricInfo& info() const = 0;  // for logs
   virtual std::vector<uint8_t> Name() const = 0;
 
   virtual StatusOr<uint64_t> InsertPeer(std::span<const uint8_t> name) = 0;

@@ -38,16 +38,22 @@ Engine::~Engine() {
 }
 
 Status Engine::Init() {
+  // What the engine adapts to comes from the domains' capabilities; their FabricInfo is kept
+  // for logs, with the group's figures in place of the first NIC's.
+  const DomainCaps& first = domains_[0]->caps();
   info_ = domains_[0]->info();
+  info_.provider = first.provider;
+  info_.domain = first.name;
   info_.num_nics = nics_;
+  info_.ordered_write_bytes = first.ordered_write_bytes;
   max_chunk_ = uint64_t{1} << 30;
   uint64_t tx_total = 0;
   for (uint32_t k = 0; k < nics_; ++k) {
-    const FabricInfo& info = domains_[k]->info();
-    if (k > 0) info_.domain += "," + info.domain;
-    max_chunk_ = std::min<uint64_t>(max_chunk_, info.max_msg_size);
-    info_.ordered_write_bytes = std::min(info_.ordered_write_bytes, info.ordered_write_bytes);
-    tx_total += info.tx_size > 0 ? info.tx_size : options_.max_outstanding_wrs;
+    const DomainCaps& caps = domains_[k]->caps();
+    if (k > 0) info_.domain += "," + caps.name;
+    max_chunk_ = std::min<uint64_t>(max_chunk_, caps.max_msg_bytes);
+    info_.ordered_write_bytes = std::min(info_.ordered_write_bytes, caps.ordered_write_bytes);
+    tx_total += caps.send_depth > 0 ? caps.send_depth : options_.max_outstanding_wrs;
   }
   uint32_t wrs = static_cast<uint32_t>(
       std::min<uint64_t>(options_.max_outstanding_wrs, std::max<uint64_t>(tx_total, 1)));
@@ -75,7 +81,7 @@ Status Engine::Init() {
   // Every NIC gets its own receive buffers: a message may arrive on any of them.
   uint32_t rx = std::max<uint32_t>(options_.num_recv_buffers, 1);
   for (uint32_t k = 0; k < nics_; ++k) {
-    size_t rx_size = domains_[k]->info().rx_size;
+    size_t rx_size = domains_[k]->caps().recv_depth;
     if (rx_size > 0) rx = std::min<uint32_t>(rx, static_cast<uint32_t>(rx_size));
   }
   num_recv_slots_ = rx * nics_;
@@ -354,7 +360,7 @@ StatusOr<std::unique_ptr<TransferEngine>> CreateEngineWithDomains(
                                 " NICs, not " + std::to_string(domains.size()));
   }
   for (size_t k = 1; k < domains.size(); ++k) {
-    if (domains[k]->info().provider != domains[0]->info().provider) {
+    if (domains[k]->caps().provider != domains[0]->caps().provider) {
       return InvalidArgumentError("the NICs of one engine must share a provider");
     }
   }

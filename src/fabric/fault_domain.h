@@ -26,6 +26,7 @@ class FaultInjectionDomain final : public Domain {
   void Unwedge() { wedged_.store(false); }
   bool InsideWedge() const { return inside_wedge_.load(); }
 
+  const DomainCaps& caps() const override { return base_->caps(); }
   const FabricInfo& info() const override { return base_->info(); }
   std::vector<uint8_t> Name() const override { return base_->Name(); }
   StatusOr<uint64_t> InsertPeer(std::span<const uint8_t> name) override {

@@ -210,6 +210,7 @@ class LibfabricDomain final : public Domain {
     for (fid_mr* mr : live_mrs_) fi_close(&mr->fid);
   }
 
+  const DomainCaps& caps() const override { return caps_; }
   const FabricInfo& info() const override { return info_; }
 
   std::vector<uint8_t> Name() const override { return name_; }
@@ -436,6 +437,12 @@ class LibfabricDomain final : public Domain {
       info_.ordered_write_bytes = info->ep_attr->max_order_waw_size;
     }
     info_.rx_size = info->rx_attr->size;
+    caps_.provider = info_.provider;
+    caps_.name = info_.domain;
+    caps_.max_msg_bytes = info_.max_msg_size;
+    caps_.send_depth = info_.tx_size;
+    caps_.recv_depth = info_.rx_size;
+    caps_.ordered_write_bytes = info_.ordered_write_bytes;
 
     int ret = fi_fabric(info->fabric_attr, fabric_.out(), nullptr);
     if (ret) return FiError("fi_fabric", ret);
@@ -485,6 +492,7 @@ class LibfabricDomain final : public Domain {
   Fid<fid_av> av_;
   Fid<fid_cq> cq_;
   Fid<fid_ep> ep_;
+  DomainCaps caps_;
   FabricInfo info_;
   std::vector<uint8_t> name_;
   std::vector<fid_mr*> live_mrs_;

@@ -176,23 +176,28 @@ class VerbsDomain final : public Domain {
     UdAddress me{token_, gid_, lid_, config_.port, ud_->qp_num};
     name_ = me.Serialize();
 
-    info_.provider = "verbs";
-    info_.domain = name;
-    info_.virt_addr = true;
-    info_.prov_key = true;
-    info_.mr_local = true;
-    info_.hmem = true;  // GPU memory through dmabuf or nvidia-peermem
-    info_.cq_data_size = 4;
-    info_.max_msg_size = port.max_msg_sz ? port.max_msg_sz : (uint64_t{1} << 30);
-    info_.inject_size = kMaxInline;
-    info_.tx_size = kSendQueueDepth;
+    caps_.provider = "verbs";
+    caps_.name = name;
+    caps_.max_msg_bytes = port.max_msg_sz ? port.max_msg_sz : (uint64_t{1} << 30);
+    caps_.send_depth = kSendQueueDepth;
+    caps_.recv_depth = rx;
     // An RC queue pair executes requests in order, and a write with immediate completes at the
     // responder only after the writes before it were placed (what NCCL's IB transport relies on).
-    info_.ordered_write_bytes = UINT64_MAX;
+    caps_.ordered_write_bytes = UINT64_MAX;
+    // For logs: the facts that verbs has too (libfabric's mr_mode bits it has not: left unset).
+    info_.provider = caps_.provider;
+    info_.domain = name;
+    info_.hmem = true;  // GPU memory through dmabuf or nvidia-peermem
+    info_.cq_data_size = 4;
+    info_.max_msg_size = caps_.max_msg_bytes;
+    info_.inject_size = kMaxInline;
+    info_.tx_size = caps_.send_depth;
     info_.rx_size = rx;
+    info_.ordered_write_bytes = caps_.ordered_write_bytes;
     return Status::Ok();
   }
 
+  const DomainCaps& caps() const override { return caps_; }
   const FabricInfo& info() const override { return info_; }
   std::vector<uint8_t> Name() const override { return name_; }
 
@@ -732,6 +737,7 @@ class VerbsDomain final : public Domain {
   std::shared_ptr<VerbsApi> api_;
   VerbsConfig config_;
   const bool cuda_memory_;
+  DomainCaps caps_;
   FabricInfo info_;
   std::vector<uint8_t> name_;
   uint64_t token_ = 0;
