@@ -10,6 +10,7 @@
 // Tests can drop UD messages and kill devices.
 #pragma once
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <deque>
@@ -44,6 +45,9 @@ class FakeNet {
   }
   // RC queue pairs that exist on `device`, in any state (destroyed ones are gone).
   int LiveRcQps(const std::string& device);
+  // Objects of every kind (devices opened, PDs, MRs, CQs, SRQs, QPs, AHs) made and not yet
+  // destroyed, on all devices.
+  std::atomic<int> live_objects{0};
 
   struct Cq {
     ibv_cq cq{};
@@ -99,6 +103,12 @@ inline int FakeNet::LiveRcQps(const std::string& device) {
 }
 
 class FakeVerbs final : public VerbsApi {
+  // One object fewer alive (FakeNet::live_objects); the destroy calls' success.
+  int Gone() {
+    --net_->live_objects;
+    return 0;
+  }
+
  public:
   explicit FakeVerbs(std::shared_ptr<FakeNet> net) : net_(std::move(net)) {}
   ~FakeVerbs() override {
@@ -121,9 +131,10 @@ class FakeVerbs final : public VerbsApi {
     c->device = name;
     ibv_context* out = &c->context;
     contexts_.push_back(std::move(c));
+    ++net_->live_objects;
     return out;
   }
-  int CloseDevice(ibv_context*) override { return 0; }
+  int CloseDevice(ibv_context*) override { return Gone(); }
   int QueryDevice(ibv_context*, ibv_device_attr* attr) override {
     *attr = {};
     attr->max_qp_wr = 4096;
@@ -154,9 +165,10 @@ class FakeVerbs final : public VerbsApi {
     pd->pd.context = c;
     ibv_pd* out = &pd->pd;
     pds_.push_back(std::move(pd));
+    ++net_->live_objects;
     return out;
   }
-  int DeallocPd(ibv_pd*) override { return 0; }
+  int DeallocPd(ibv_pd*) override { return Gone(); }
   ibv_mr* RegMr(ibv_pd* pd, void* addr, size_t length, int access) override {
     if (!addr || length == 0 || !(access & IBV_ACCESS_LOCAL_WRITE)) {
       errno = EINVAL;
@@ -171,6 +183,7 @@ class FakeVerbs final : public VerbsApi {
     net_->mrs[mr->mr.rkey] = mr.get();
     ibv_mr* out = &mr->mr;
     mrs_[mr->mr.rkey] = std::move(mr);
+    ++net_->live_objects;
     return out;
   }
   ibv_mr* RegDmabufMr(ibv_pd*, uint64_t, size_t, uint64_t, int, int) override {
@@ -181,24 +194,26 @@ class FakeVerbs final : public VerbsApi {
     std::lock_guard<std::mutex> lock(net_->mu);
     net_->mrs.erase(mr->rkey);
     mrs_.erase(mr->rkey);
-    return 0;
+    return Gone();
   }
   ibv_cq* CreateCq(ibv_context* c, int) override {
     auto cq = std::make_unique<FakeNet::Cq>();
     cq->cq.context = c;
     ibv_cq* out = &cq->cq;
     cqs_.push_back(std::move(cq));
+    ++net_->live_objects;
     return out;
   }
-  int DestroyCq(ibv_cq*) override { return 0; }
+  int DestroyCq(ibv_cq*) override { return Gone(); }
   ibv_srq* CreateSrq(ibv_pd*, ibv_srq_init_attr* attr) override {
     auto srq = std::make_unique<FakeNet::Srq>();
     srq->max = attr->attr.max_wr;
     ibv_srq* out = &srq->srq;
     srqs_.push_back(std::move(srq));
+    ++net_->live_objects;
     return out;
   }
-  int DestroySrq(ibv_srq*) override { return 0; }
+  int DestroySrq(ibv_srq*) override { return Gone(); }
   ibv_qp* CreateQp(ibv_pd* pd, ibv_qp_init_attr* attr) override {
     std::lock_guard<std::mutex> lock(net_->mu);
     auto qp = std::make_unique<FakeNet::Qp>();
@@ -213,6 +228,7 @@ class FakeVerbs final : public VerbsApi {
     net_->qps[qp->qp.qp_num] = qp.get();
     ibv_qp* out = &qp->qp;
     qps_[qp->qp.qp_num] = std::move(qp);
+    ++net_->live_objects;
     return out;
   }
   int ModifyQp(ibv_qp* ibv, ibv_qp_attr* attr, int mask) override {
@@ -256,15 +272,16 @@ class FakeVerbs final : public VerbsApi {
     std::lock_guard<std::mutex> lock(net_->mu);
     net_->qps.erase(qp->qp_num);
     qps_.erase(qp->qp_num);
-    return 0;
+    return Gone();
   }
   ibv_ah* CreateAh(ibv_pd*, ibv_ah_attr*) override {
     auto ah = std::make_unique<ibv_ah>();
     ibv_ah* out = ah.get();
     ahs_.push_back(std::move(ah));
+    ++net_->live_objects;
     return out;
   }
-  int DestroyAh(ibv_ah*) override { return 0; }
+  int DestroyAh(ibv_ah*) override { return Gone(); }
 
   int PostSend(ibv_qp* ibv, ibv_send_wr* wr, ibv_send_wr** bad) override {
     std::lock_guard<std::mutex> lock(net_->mu);

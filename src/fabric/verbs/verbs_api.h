@@ -10,6 +10,7 @@
 
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace ferry::fabric::verbs {
@@ -50,5 +51,45 @@ class VerbsApi {
 
 // The libibverbs implementation.
 std::unique_ptr<VerbsApi> NewRealVerbsApi();
+
+// An ibv_* object owned: destroyed through the api that made it (the real one or a test's
+// fake) when its owner goes or takes another. The api must outlive it. It reads as the raw
+// handle (the api's calls take those) but is moved, never copied.
+template <typename T, int (VerbsApi::*Destroy)(T*)>
+class VerbsOwned {
+ public:
+  VerbsOwned() = default;
+  VerbsOwned(VerbsApi* api, T* handle) : api_(api), handle_(handle) {}
+  VerbsOwned(VerbsOwned&& o) noexcept : api_(o.api_), handle_(o.Release()) {}
+  VerbsOwned& operator=(VerbsOwned&& o) noexcept {
+    if (this != &o) Reset(o.api_, o.Release());
+    return *this;
+  }
+  VerbsOwned(const VerbsOwned&) = delete;
+  VerbsOwned& operator=(const VerbsOwned&) = delete;
+  ~VerbsOwned() { Reset(); }
+
+  // Destroys what is owned now and owns `handle` (null: nothing).
+  void Reset(VerbsApi* api = nullptr, T* handle = nullptr) {
+    if (handle_) (api_->*Destroy)(handle_);
+    api_ = api;
+    handle_ = handle;
+  }
+  T* Release() { return std::exchange(handle_, nullptr); }
+  T* get() const { return handle_; }
+  operator T*() const { return handle_; }  // NOLINT(google-explicit-constructor)
+  T* operator->() const { return handle_; }
+
+ private:
+  VerbsApi* api_ = nullptr;
+  T* handle_ = nullptr;
+};
+using OwnedContext = VerbsOwned<ibv_context, &VerbsApi::CloseDevice>;
+using OwnedPd = VerbsOwned<ibv_pd, &VerbsApi::DeallocPd>;
+using OwnedMr = VerbsOwned<ibv_mr, &VerbsApi::DeregMr>;
+using OwnedCq = VerbsOwned<ibv_cq, &VerbsApi::DestroyCq>;
+using OwnedSrq = VerbsOwned<ibv_srq, &VerbsApi::DestroySrq>;
+using OwnedQp = VerbsOwned<ibv_qp, &VerbsApi::DestroyQp>;
+using OwnedAh = VerbsOwned<ibv_ah, &VerbsApi::DestroyAh>;
 
 }  // namespace ferry::fabric::verbs

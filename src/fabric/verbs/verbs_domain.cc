@@ -18,7 +18,7 @@ namespace ferry::fabric::verbs {
 namespace {
 
 constexpr uint32_t kUdMagic = 0x55595246;  // "FRYU"
-constexpr size_t kGrhBytes = 40;  // UD receives start with the 40-byte GRH slot
+constexpr size_t kGrhBytes = 40;           // UD receives start with the 40-byte GRH slot
 constexpr uint32_t kUdSlots = 32;
 constexpr uint32_t kUdMessageBytes = 128;
 constexpr uint32_t kImmRecvs = 1024;
@@ -37,9 +37,8 @@ using Clock = std::chrono::steady_clock;
 
 struct Peer {
   UdAddress addr;
-  ibv_ah* ah = nullptr;
-  ibv_qp* msg = nullptr;
-  ibv_qp* write = nullptr;
+  OwnedAh ah;
+  OwnedQp msg, write;
   uint32_t msg_psn = 0, write_psn = 0;
   bool have_theirs = false;  // our queue pairs are RTS towards theirs
   bool they_have_ours = false;
@@ -47,9 +46,9 @@ struct Peer {
   uint32_t their_incarnation = 0;  // of theirs that our queue pairs are connected to
   bool removed = false;
   Clock::time_point removed_at{};  // when its queue pairs went to the error state (Close)
-  bool passive = false;  // made for a hello from a peer we were not given; InsertPeer claims it
+  bool passive = false;      // made for a hello from a peer we were not given; InsertPeer claims it
   uint64_t passive_seq = 0;  // its key in unclaimed_ (oldest first) while passive
-  bool gone = false;     // the peer said goodbye: this connection is over, its token freed
+  bool gone = false;         // the peer said goodbye: this connection is over, its token freed
   Clock::time_point last_hello{};
   WrChain write_chain{1, kMaxInline};
   WrChain msg_chain{1, kMaxInline};
@@ -96,37 +95,20 @@ class VerbsDomain final : public Domain {
   VerbsDomain(std::shared_ptr<VerbsApi> api, const VerbsConfig& config, bool cuda_memory)
       : api_(std::move(api)), config_(config), cuda_memory_(cuda_memory) {}
 
-  ~VerbsDomain() override {
-    for (auto& p : peers_) {
-      for (ibv_qp* qp : {p->msg, p->write}) {
-        if (qp) api_->DestroyQp(qp);
-      }
-      if (p->ah) api_->DestroyAh(p->ah);
-    }
-    for (const Replaced& r : replaced_) {
-      for (ibv_qp* qp : r.qps) api_->DestroyQp(qp);
-    }
-    if (ud_) api_->DestroyQp(ud_);
-    for (ibv_srq* srq : {srq_msg_, srq_imm_}) {
-      if (srq) api_->DestroySrq(srq);
-    }
-    if (cq_) api_->DestroyCq(cq_);
-    if (ud_mr_) api_->DeregMr(ud_mr_);
-    for (auto& [mr, unused] : live_mrs_) api_->DeregMr(mr);
-    if (pd_) api_->DeallocPd(pd_);
-    if (context_) api_->CloseDevice(context_);
-  }
+  // The members own the device's objects and go in reverse order of declaration: peers' queue
+  // pairs and address handles, registrations, then the UD queue pair, the SRQs, the CQ, the
+  // protection domain and the device.
+  ~VerbsDomain() override = default;
 
   Status Init(const EngineOptions& options, const std::string& device) {
     RETURN_IF_ERROR(config_.Validate());
     ASSIGN_OR_RETURN(std::string name, PickDevice(api_->DeviceNames(), device));
     errno = 0;
-    context_ = api_->OpenDevice(name);
+    context_.Reset(api_.get(), api_->OpenDevice(name));
     if (!context_) return ErrnoError("verbs: opening " + name, errno ? errno : ENODEV);
     ibv_port_attr port{};
     if (int rc = api_->QueryPort(context_, config_.port, &port)) {
-      return ErrnoError("verbs: querying port " + std::to_string(config_.port) + " of " + name,
-                        rc);
+      return ErrnoError("verbs: querying port " + std::to_string(config_.port) + " of " + name, rc);
     }
     if (port.state != IBV_PORT_ACTIVE) {
       return UnavailableError("verbs: port " + std::to_string(config_.port) + " of " + name +
@@ -138,24 +120,25 @@ class VerbsDomain final : public Domain {
       return ErrnoError("verbs: GID index " + std::to_string(config_.gid_index) + " of " + name,
                         rc);
     }
-    pd_ = api_->AllocPd(context_);
+    pd_.Reset(api_.get(), api_->AllocPd(context_));
     if (!pd_) return ErrnoError("verbs: ibv_alloc_pd", errno);
     const uint32_t rx = std::max<uint32_t>(options.num_recv_buffers, 1);
-    cq_ = api_->CreateCq(context_, static_cast<int>(kImmRecvs + rx + kUdSlots * 2 +
-                                                    kSendQueueDepth * 4));
+    cq_.Reset(api_.get(), api_->CreateCq(context_, static_cast<int>(kImmRecvs + rx + kUdSlots * 2 +
+                                                                    kSendQueueDepth * 4)));
     if (!cq_) return ErrnoError("verbs: ibv_create_cq", errno);
     ibv_srq_init_attr srq_attr{};
     srq_attr.attr.max_wr = rx;
     srq_attr.attr.max_sge = 1;
-    srq_msg_ = api_->CreateSrq(pd_, &srq_attr);
+    srq_msg_.Reset(api_.get(), api_->CreateSrq(pd_, &srq_attr));
     srq_attr.attr.max_wr = kImmRecvs;
-    srq_imm_ = api_->CreateSrq(pd_, &srq_attr);
+    srq_imm_.Reset(api_.get(), api_->CreateSrq(pd_, &srq_attr));
     if (!srq_msg_ || !srq_imm_) return ErrnoError("verbs: ibv_create_srq", errno);
     for (uint32_t i = 0; i < kImmRecvs; ++i) RETURN_IF_ERROR(PostImmRecv(i));
 
     // The UD queue pair and its buffers: kUdSlots receives (GRH + message), kUdSlots sends.
     ud_buffers_.assign(kUdSlots * (kGrhBytes + kUdMessageBytes) + kUdSlots * kUdMessageBytes, 0);
-    ud_mr_ = api_->RegMr(pd_, ud_buffers_.data(), ud_buffers_.size(), IBV_ACCESS_LOCAL_WRITE);
+    ud_mr_.Reset(api_.get(),
+                 api_->RegMr(pd_, ud_buffers_.data(), ud_buffers_.size(), IBV_ACCESS_LOCAL_WRITE));
     if (!ud_mr_) return ErrnoError("verbs: registering handshake buffers", errno);
     ibv_qp_init_attr ud_attr{};
     ud_attr.send_cq = cq_;
@@ -165,7 +148,7 @@ class VerbsDomain final : public Domain {
     ud_attr.cap.max_recv_wr = kUdSlots;
     ud_attr.cap.max_send_sge = 1;
     ud_attr.cap.max_recv_sge = 1;
-    ud_ = api_->CreateQp(pd_, &ud_attr);
+    ud_.Reset(api_.get(), api_->CreateQp(pd_, &ud_attr));
     if (!ud_) return ErrnoError("verbs: creating the UD queue pair", errno);
     RETURN_IF_ERROR(ApplySteps(*api_, ud_, UdSteps(config_, NewPsn()), "handshakes"));
     for (uint32_t i = 0; i < kUdSlots; ++i) RETURN_IF_ERROR(PostUdRecv(i));
@@ -232,7 +215,7 @@ class VerbsDomain final : public Domain {
       ah.grh.hop_limit = config_.hop_limit;
       ah.grh.traffic_class = config_.traffic_class;
     }
-    peer->ah = api_->CreateAh(pd_, &ah);
+    peer->ah.Reset(api_.get(), api_->CreateAh(pd_, &ah));
     if (!peer->ah) return ErrnoError("verbs: address handle for a peer", errno);
     Peer* p = peer.get();
     p->incarnation = next_incarnation_++;
@@ -291,8 +274,8 @@ class VerbsDomain final : public Domain {
     Dmabuf dmabuf = kind == MemoryKind::kCuda ? CudaDmabuf(data, length) : Dmabuf{};
     auto registered = RegisterWithFallback(*api_, pd_, data, length, dmabuf, MrAccess(config_));
     if (dmabuf.fd >= 0) close(dmabuf.fd);  // the registration holds its own reference
-    ASSIGN_OR_RETURN(ibv_mr* mr, std::move(registered));
-    live_mrs_[mr] = true;
+    ASSIGN_OR_RETURN(ibv_mr * mr, std::move(registered));
+    live_mrs_.emplace(mr, OwnedMr(api_.get(), mr));
     Registration r;
     r.handle = mr;
     r.local_desc = mr;
@@ -303,7 +286,7 @@ class VerbsDomain final : public Domain {
 
   void Deregister(void* handle) override {
     auto* mr = static_cast<ibv_mr*>(handle);
-    if (live_mrs_.erase(mr)) api_->DeregMr(mr);
+    live_mrs_.erase(mr);  // deregisters it
   }
 
   PostResult PostWrite(const WriteWr& wr, Status* error) override {
@@ -396,7 +379,7 @@ class VerbsDomain final : public Domain {
     }
     ibv_qp_attr err{};
     err.qp_state = IBV_QPS_ERR;  // flushes what is outstanding
-    for (ibv_qp* qp : {p.msg, p.write}) {
+    for (ibv_qp* qp : {p.msg.get(), p.write.get()}) {
       if (qp) api_->ModifyQp(qp, &err, IBV_QP_STATE);
     }
     closing_.push_back(index);
@@ -409,11 +392,11 @@ class VerbsDomain final : public Domain {
   void ReleaseClosed() {
     const Clock::time_point now = Clock::now();
     const auto delay = std::chrono::milliseconds(config_.release_delay_ms);
-    auto destroy = [&](ibv_qp* qp, uint64_t index) {
+    auto destroy = [&](OwnedQp& qp, uint64_t index) {
       if (auto q = qp_peer_.find(qp->qp_num); q != qp_peer_.end() && q->second == index) {
         qp_peer_.erase(q);
       }
-      api_->DestroyQp(qp);
+      qp.Reset();
     };
     for (size_t i = 0; i < replaced_.size();) {
       Replaced& r = replaced_[i];
@@ -421,8 +404,8 @@ class VerbsDomain final : public Domain {
         ++i;
         continue;
       }
-      for (ibv_qp* qp : r.qps) destroy(qp, r.index);
-      r = replaced_.back();
+      for (OwnedQp& qp : r.qps) destroy(qp, r.index);
+      r = std::move(replaced_.back());
       replaced_.pop_back();
     }
     for (size_t i = 0; i < closing_.size();) {
@@ -436,12 +419,11 @@ class VerbsDomain final : public Domain {
         ++i;
         continue;
       }
-      for (ibv_qp* qp : {p.msg, p.write}) {
-        if (qp) destroy(qp, index);
+      for (OwnedQp* qp : {&p.msg, &p.write}) {
+        if (*qp) destroy(*qp, index);
       }
-      if (p.ah) api_->DestroyAh(p.ah);
-      peers_[index] = std::make_unique<Peer>();
-      peers_[index]->removed = true;  // until CreatePeer takes the index again
+      peers_[index] = std::make_unique<Peer>();  // (the old one's address handle with it)
+      peers_[index]->removed = true;             // until CreatePeer takes the index again
       free_indices_.push_back(index);
       closing_[i] = closing_.back();
       closing_.pop_back();
@@ -453,7 +435,7 @@ class VerbsDomain final : public Domain {
     return std::uniform_int_distribution<uint32_t>(1, 0xffffff)(rng_);
   }
 
-  StatusOr<ibv_qp*> CreateRc(ibv_srq* srq) {
+  StatusOr<OwnedQp> CreateRc(ibv_srq* srq) {
     ibv_qp_init_attr attr{};
     attr.send_cq = cq_;
     attr.recv_cq = cq_;
@@ -462,7 +444,7 @@ class VerbsDomain final : public Domain {
     attr.cap.max_send_wr = kSendQueueDepth;
     attr.cap.max_send_sge = 1;
     attr.cap.max_inline_data = kMaxInline;
-    ibv_qp* qp = api_->CreateQp(pd_, &attr);
+    OwnedQp qp(api_.get(), api_->CreateQp(pd_, &attr));
     if (!qp) return ErrnoError("verbs: creating an RC queue pair", errno);
     return qp;
   }
@@ -506,7 +488,9 @@ class VerbsDomain final : public Domain {
     return rc ? ErrnoError("verbs: posting an immediate receive", rc) : Status::Ok();
   }
 
-  uint8_t* UdRecvBuffer(uint32_t i) { return ud_buffers_.data() + i * (kGrhBytes + kUdMessageBytes); }
+  uint8_t* UdRecvBuffer(uint32_t i) {
+    return ud_buffers_.data() + i * (kGrhBytes + kUdMessageBytes);
+  }
   uint8_t* UdSendBuffer(uint32_t i) {
     return ud_buffers_.data() + kUdSlots * (kGrhBytes + kUdMessageBytes) + i * kUdMessageBytes;
   }
@@ -548,8 +532,8 @@ class VerbsDomain final : public Domain {
     h.goodbye = goodbye;
     std::vector<uint8_t> bytes = h.Serialize();
     std::memcpy(UdSendBuffer(slot), bytes.data(), bytes.size());
-    ibv_sge sge{reinterpret_cast<uint64_t>(UdSendBuffer(slot)),
-                static_cast<uint32_t>(bytes.size()), ud_mr_->lkey};
+    ibv_sge sge{reinterpret_cast<uint64_t>(UdSendBuffer(slot)), static_cast<uint32_t>(bytes.size()),
+                ud_mr_->lkey};
     ibv_send_wr wr{};
     wr.wr_id = WrId(kUdSend, slot);
     wr.sg_list = &sge;
@@ -602,12 +586,11 @@ class VerbsDomain final : public Domain {
     if (!p.msg_chain.empty()) Flush(p, p.msg_chain, p.msg);
     ibv_qp_attr err{};
     err.qp_state = IBV_QPS_ERR;
-    Replaced old{{p.msg, p.write}, index, std::exchange(p.outstanding, 0), Clock::now()};
-    for (ibv_qp** qp : {&p.msg, &p.write}) {
-      api_->ModifyQp(*qp, &err, IBV_QP_STATE);
-      *qp = nullptr;
-    }
-    replaced_.push_back(old);
+    for (ibv_qp* qp : {p.msg.get(), p.write.get()}) api_->ModifyQp(qp, &err, IBV_QP_STATE);
+    replaced_.push_back(Replaced{{std::move(p.msg), std::move(p.write)},
+                                 index,
+                                 std::exchange(p.outstanding, 0),
+                                 Clock::now()});
     p.have_theirs = p.they_have_ours = false;
     peers_connected_ = 0;  // DriveHandshakes counts again
     return NewQueuePairs(p, index);
@@ -746,13 +729,14 @@ class VerbsDomain final : public Domain {
   ibv_gid gid_{};
   std::mt19937 rng_{std::random_device{}()};
 
-  ibv_context* context_ = nullptr;
-  ibv_pd* pd_ = nullptr;
-  ibv_cq* cq_ = nullptr;
-  ibv_srq* srq_msg_ = nullptr;
-  ibv_srq* srq_imm_ = nullptr;
-  ibv_qp* ud_ = nullptr;
-  ibv_mr* ud_mr_ = nullptr;
+  // Owners of the device's objects, in the order they are made (destroyed in reverse).
+  OwnedContext context_;
+  OwnedPd pd_;
+  OwnedCq cq_;
+  OwnedSrq srq_msg_;
+  OwnedSrq srq_imm_;
+  OwnedMr ud_mr_;
+  OwnedQp ud_;
   std::vector<uint8_t> ud_buffers_;
   std::vector<bool> ud_send_busy_;
 
@@ -767,18 +751,18 @@ class VerbsDomain final : public Domain {
   uint64_t next_passive_seq_ = 0;
   std::vector<uint64_t> closing_;       // closed peers whose queue pairs are not yet destroyed
   std::vector<uint64_t> free_indices_;  // released peers' indices, for the next CreatePeer
-  uint32_t next_incarnation_ = 1;  // Handshake::incarnation of our next connection
+  uint32_t next_incarnation_ = 1;       // Handshake::incarnation of our next connection
   // Queue pairs of connections the other side replaced (Reconnect), with the WRs still
   // outstanding on them, until ReleaseClosed destroys them.
   struct Replaced {
-    ibv_qp* qps[2];
+    OwnedQp qps[2];
     uint64_t index;
     uint32_t outstanding;
     Clock::time_point at;
   };
   std::vector<Replaced> replaced_;
-  std::unordered_map<ibv_mr*, bool> live_mrs_;
-  std::deque<DomainCompletion> refused_;  // WRs the device refused after we said kPosted
+  std::unordered_map<ibv_mr*, OwnedMr> live_mrs_;  // the engine's registrations
+  std::deque<DomainCompletion> refused_;           // WRs the device refused after we said kPosted
 };
 
 }  // namespace

@@ -192,6 +192,36 @@ TEST_F(VerbsEngineTest, ALostPeerAddedAgainReconnectsBothWays) {
   EXPECT_TRUE(answer()) << "and the connection still carries writes";
 }
 
+// Every object a domain made on the device goes with it, whatever its connections were left
+// doing: the queue pairs of live, closed and replaced connections (not yet released: that
+// waits a second), address handles, registrations (one outliving its engine), and the domain's
+// own CQ, SRQs, UD queue pair, PD and device.
+TEST_F(VerbsEngineTest, ADomainDestroysEveryObjectItMadeOnTheDevice) {
+  {
+    auto a = Engine({"mlx5_0"});
+    auto b = Engine({"mlx5_1"});
+    ASSERT_TRUE(a && b);
+    EXPECT_GT(net_->live_objects.load(), 0);
+    const PeerId pb = *a->AddPeer(b->Address());
+    const PeerId pa = *b->AddPeer(a->Address());
+    ASSERT_TRUE(b->CreateImmCounter(4).ok());
+    ASSERT_TRUE(a->CreateImmCounter(5).ok());
+    ASSERT_TRUE(ImmLands(*a, pb, *b, 4, 1));
+    net_->DropUdMessages(1);  // the goodbye: b replaces its connection when a comes again
+    ASSERT_TRUE(a->RemovePeer(pb).ok());
+    const PeerId again = *a->AddPeer(b->Address());
+    ASSERT_TRUE(ImmLands(*a, again, *b, 4, 2));
+    ASSERT_TRUE(ImmLands(*b, pa, *a, 5, 1));
+    std::vector<uint8_t> buf(4096);
+    MemoryRegion kept = *a->RegisterMemory(buf.data(), buf.size());
+    MemoryRegion dropped = *b->RegisterMemory(buf.data(), buf.size());
+    dropped = MemoryRegion();  // deregistered before its engine goes
+    a.reset();
+    b.reset();  // `kept` outlives its engine
+  }
+  EXPECT_EQ(net_->live_objects.load(), 0);
+}
+
 TEST_F(VerbsEngineTest, ScatterBarrierAndATwoNicGroupShardOverQueuePairs) {
   auto a = Engine({"mlx5_0", "mlx5_1"});
   std::vector<std::unique_ptr<TransferEngine>> bs;
