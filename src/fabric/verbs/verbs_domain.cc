@@ -35,26 +35,36 @@ uint64_t WrId(Tag tag, uint64_t index) { return (index << 3) | tag; }
 
 using Clock = std::chrono::steady_clock;
 
+// Where a connection stands in its life (its handshake's progress aside):
+//   kUnclaimed  made for a hello from a peer our engine was not given (OnUdMessage); InsertPeer
+//               claims it (kOpen), or it ends (Close) when its peer says goodbye or room is
+//               needed for a newer one
+//   kOpen       one our engine added (or claimed)
+//   kGone       the peer said goodbye: this connection is over, its token freed; the engine
+//               hears kPeerGone and removes it
+//   kClosed     we closed it (Close): its queue pairs drain until ReleaseClosed destroys them,
+//               after which its index waits for the next CreatePeer
+enum class PeerState : uint8_t { kUnclaimed, kOpen, kGone, kClosed };
+
 struct Peer {
   UdAddress addr;
   OwnedAh ah;
   OwnedQp msg, write;
   uint32_t msg_psn = 0, write_psn = 0;
+  PeerState state = PeerState::kOpen;
   bool have_theirs = false;  // our queue pairs are RTS towards theirs
   bool they_have_ours = false;
   uint32_t incarnation = 0;        // of our connection to them (Handshake::incarnation)
   uint32_t their_incarnation = 0;  // of theirs that our queue pairs are connected to
-  bool removed = false;
-  Clock::time_point removed_at{};  // when its queue pairs went to the error state (Close)
-  bool passive = false;      // made for a hello from a peer we were not given; InsertPeer claims it
-  uint64_t passive_seq = 0;  // its key in unclaimed_ (oldest first) while passive
-  bool gone = false;         // the peer said goodbye: this connection is over, its token freed
+  Clock::time_point closed_at{};  // when its queue pairs went to the error state (Close)
+  uint64_t passive_seq = 0;        // its key in unclaimed_ (oldest first) while kUnclaimed
   Clock::time_point last_hello{};
   WrChain write_chain{1, kMaxInline};
   WrChain msg_chain{1, kMaxInline};
   uint32_t outstanding = 0;  // WRs posted on both queue pairs, not completed
 
-  bool connected() const { return have_theirs && they_have_ours && !removed; }
+  bool closed() const { return state == PeerState::kClosed; }
+  bool connected() const { return have_theirs && they_have_ours && !closed(); }
 };
 
 }  // namespace
@@ -189,8 +199,8 @@ class VerbsDomain final : public Domain {
     // A peer that reached us first (its hello made the connection, OnUdMessage): ours now.
     if (auto it = token_peer_.find(addr.token); it != token_peer_.end()) {
       Peer& p = *peers_[it->second];
-      if (p.passive && !p.removed) {
-        p.passive = false;
+      if (p.state == PeerState::kUnclaimed) {
+        p.state = PeerState::kOpen;
         unclaimed_.erase(p.passive_seq);
         return it->second;
       }
@@ -366,14 +376,13 @@ class VerbsDomain final : public Domain {
   // error) and are destroyed later (ReleaseClosed).
   void Close(uint64_t index, bool goodbye) {
     Peer& p = *peers_[index];
-    if (p.removed) return;
-    if (goodbye && !p.gone && p.msg && p.write) SendHello(p, /*goodbye=*/true);
-    p.removed = true;
-    p.removed_at = Clock::now();
-    if (p.passive) {
-      p.passive = false;
-      unclaimed_.erase(p.passive_seq);
+    if (p.closed()) return;
+    if (goodbye && p.state != PeerState::kGone && p.msg && p.write) {
+      SendHello(p, /*goodbye=*/true);
     }
+    if (p.state == PeerState::kUnclaimed) unclaimed_.erase(p.passive_seq);
+    p.state = PeerState::kClosed;
+    p.closed_at = Clock::now();
     if (auto t = token_peer_.find(p.addr.token); t != token_peer_.end() && t->second == index) {
       token_peer_.erase(t);  // (after a goodbye it may name the peer's new connection)
     }
@@ -415,15 +424,15 @@ class VerbsDomain final : public Domain {
       const bool replaced = std::any_of(replaced_.begin(), replaced_.end(),
                                         [&](const Replaced& r) { return r.index == index; });
       if (p.outstanding > 0 || !p.write_chain.empty() || !p.msg_chain.empty() || replaced ||
-          now - p.removed_at < delay) {
+          now - p.closed_at < delay) {
         ++i;
         continue;
       }
       for (OwnedQp* qp : {&p.msg, &p.write}) {
         if (*qp) destroy(*qp, index);
       }
-      peers_[index] = std::make_unique<Peer>();  // (the old one's address handle with it)
-      peers_[index]->removed = true;             // until CreatePeer takes the index again
+      peers_[index] = std::make_unique<Peer>();   // (the old one's address handle with it)
+      peers_[index]->state = PeerState::kClosed;  // until CreatePeer takes the index again
       free_indices_.push_back(index);
       closing_[i] = closing_.back();
       closing_.pop_back();
@@ -451,7 +460,7 @@ class VerbsDomain final : public Domain {
 
   // kPosted when the peer can take a WR now.
   PostResult Ready(uint64_t peer_addr, Peer** out, Status* error) {
-    if (peer_addr >= peers_.size() || peers_[peer_addr]->removed) {
+    if (peer_addr >= peers_.size() || peers_[peer_addr]->closed()) {
       *error = UnavailableError("verbs: peer address " + std::to_string(peer_addr) +
                                 " is unknown or removed");
       return PostResult::kError;
@@ -552,7 +561,7 @@ class VerbsDomain final : public Domain {
     const Clock::time_point now = Clock::now();
     size_t connected = 0;
     for (auto& p : peers_) {
-      if (p->connected() || p->removed || p->gone) {
+      if (p->connected() || p->closed() || p->state == PeerState::kGone) {
         ++connected;
         continue;
       }
@@ -618,7 +627,7 @@ class VerbsDomain final : public Domain {
         auto index = CreatePeer(UdAddress{h->token, h->gid, h->lid, h->port, h->ud_qpn});
         if (index.ok()) {
           Peer& made = *peers_[*index];
-          made.passive = true;
+          made.state = PeerState::kUnclaimed;
           made.passive_seq = next_passive_seq_++;
           unclaimed_[made.passive_seq] = *index;
         }
@@ -626,19 +635,21 @@ class VerbsDomain final : public Domain {
       return;
     }
     Peer& p = *peers_[it->second];
-    if (p.removed) return;
+    if (p.closed()) return;
     if (h->goodbye) {
       // The peer removed us. Only its current connection's goodbye counts (an older one's is
       // late news). Unclaimed, nobody here knows the connection: it ends. Otherwise the engine
       // marks the peer lost; its token is free, so that its next hello (it adds us again) makes
       // a new connection, which our engine claims when it adds the peer again -- the old one is
       // removed then, without a goodbye of ours.
-      if (!p.have_theirs || h->incarnation != p.their_incarnation || p.gone) return;
-      if (p.passive) {
+      if (!p.have_theirs || h->incarnation != p.their_incarnation || p.state == PeerState::kGone) {
+        return;
+      }
+      if (p.state == PeerState::kUnclaimed) {
         Close(it->second, /*goodbye=*/false);
         return;
       }
-      p.gone = true;
+      p.state = PeerState::kGone;
       DomainCompletion gone;
       gone.kind = CompletionKind::kPeerGone;
       gone.src_addr = it->second;
