@@ -325,15 +325,15 @@ StatusOr<Engine::ControlResult> Engine::RunOnWorker(ControlFn fn) {
   auto op = std::make_shared<Op>();
   op->fn = std::move(fn);
   {
-    std::unique_lock<std::mutex> lock(control_mu_);
+    MutexLock lock(control_mu_);
     if (!worker_running_) return CancelledError("engine worker is not running");
     control_.push_back([op, this] {
       {
-        std::lock_guard<std::mutex> l(control_mu_);
+        MutexLock l(control_mu_);
         if (op->abandoned) return;
       }
       Status s = op->fn(op->out);
-      std::lock_guard<std::mutex> l(control_mu_);
+      MutexLock l(control_mu_);
       op->result = std::move(s);
       op->done = true;
       control_cv_.notify_all();
@@ -341,7 +341,7 @@ StatusOr<Engine::ControlResult> Engine::RunOnWorker(ControlFn fn) {
     control_pending_.store(true, std::memory_order_release);
   }
   WakeWorker();
-  std::unique_lock<std::mutex> lock(control_mu_);
+  MutexLock lock(control_mu_);
   if (!control_cv_.wait_for(lock, std::chrono::milliseconds(options_.control_timeout_ms),
                             [&] { return op->done; })) {
     op->abandoned = true;

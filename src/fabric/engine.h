@@ -39,12 +39,10 @@
 
 #include <array>
 #include <atomic>
-#include <condition_variable>
 #include <cstddef>
 #include <deque>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
@@ -53,6 +51,7 @@
 #include <vector>
 
 #include "common/bounded_queue.h"
+#include "common/mutex.h"
 #include "fabric/domain.h"
 #include "fabric/engine_internal.h"
 #include "fabric/imm_counters.h"
@@ -235,7 +234,7 @@ class Engine final {
 
   static uint64_t PeerKey(uint32_t nic, uint64_t addr) { return addr * kMaxNics + nic; }
   // A lost peer can be removed too (that is when it is needed most); removing twice is a no-op.
-  Status RemovePeerLocked(PeerId peer);  // add_mu_ held
+  Status RemovePeerLocked(PeerId peer) REQUIRES(add_mu_);
 
   StatusOr<ImmCounterTable::Slot*> Counter(uint32_t imm) const;
   // A request about counter `imm` for the worker (arm or disarm its notification).
@@ -391,11 +390,12 @@ class Engine final {
 
   // Groups and plans: append-only tables, entries immutable once published by the count. Peers:
   // slots published by num_slots_ and reused after RemovePeer (PeerEntry).
-  std::mutex add_mu_;  // serialises appends, and AddPeer / RemovePeer
-  std::unordered_map<uint64_t, PeerId> peer_by_engine_;  // engine id -> latest PeerId (add_mu_)
+  Mutex add_mu_;  // serialises appends, and AddPeer / RemovePeer
+  // Engine id -> latest PeerId.
+  std::unordered_map<uint64_t, PeerId> peer_by_engine_ GUARDED_BY(add_mu_);
   std::unique_ptr<PeerEntry[]> peers_;
   std::atomic<uint32_t> num_slots_{0};
-  std::vector<uint32_t> free_slots_;  // add_mu_: removed peers' slots, reused first
+  std::vector<uint32_t> free_slots_ GUARDED_BY(add_mu_);  // removed peers' slots, reused first
   std::vector<std::unique_ptr<PeerGroup>> groups_;
   std::atomic<uint32_t> num_groups_{0};
   std::vector<std::unique_ptr<ScatterPlan>> plans_;
@@ -411,8 +411,9 @@ class Engine final {
   std::vector<uint8_t> send_buffers_;
   MultiRegistration send_reg_;
   // Registrations of user regions, keyed by the handle their MemoryRegion holds.
-  std::mutex regs_mu_;
-  std::unordered_map<MultiRegistration*, std::unique_ptr<MultiRegistration>> regs_;
+  Mutex regs_mu_;
+  std::unordered_map<MultiRegistration*, std::unique_ptr<MultiRegistration>> regs_
+      GUARDED_BY(regs_mu_);
   BoundedQueue<uint32_t> free_send_buffers_;
 
   ImmCounterTable counters_;
@@ -446,15 +447,15 @@ class Engine final {
   } stats_;
 
   // Control operations for the worker.
-  std::mutex control_mu_;
-  std::condition_variable control_cv_;
-  std::deque<std::function<void()>> control_;
+  Mutex control_mu_;
+  CondVar control_cv_;
+  std::deque<std::function<void()>> control_ GUARDED_BY(control_mu_);
   std::atomic<bool> control_pending_{false};
-  bool worker_running_ = true;
+  bool worker_running_ GUARDED_BY(control_mu_) = true;
 
-  std::mutex exit_mu_;
-  std::condition_variable exit_cv_;
-  bool worker_exited_ = false;
+  Mutex exit_mu_;
+  CondVar exit_cv_;
+  bool worker_exited_ GUARDED_BY(exit_mu_) = false;
   std::atomic<bool> abandoned_{false};
 
   std::thread worker_;  // last: starts after everything above exists

@@ -3,9 +3,9 @@
 #pragma once
 
 #include <memory>
-#include <mutex>
 #include <vector>
 
+#include "common/mutex.h"
 #include "fabric/domain.h"
 #include "ferry/fabric.h"
 
@@ -14,8 +14,8 @@ namespace ferry {
 // Ties memory regions to their engine (fabric.h): a region releases its registration through
 // it while the engine lives, and only forgets its handle once the engine is gone.
 struct RegistrationOwner {
-  std::mutex mu;
-  TransferEngine* engine = nullptr;  // null once the engine is gone
+  Mutex mu;
+  TransferEngine* engine GUARDED_BY(mu) = nullptr;  // null once the engine is gone
 };
 
 }  // namespace ferry

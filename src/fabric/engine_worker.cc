@@ -47,7 +47,7 @@ void Engine::WorkerMain() {
   // An abandoned engine's worker that comes back from a wedged provider call touches nothing
   // its owner may have freed: no callbacks, no counters.
   if (!abandoned_.load(std::memory_order_acquire)) Drain();
-  std::lock_guard<std::mutex> lock(exit_mu_);
+  MutexLock lock(exit_mu_);
   worker_exited_ = true;
   exit_cv_.notify_all();
 }
@@ -80,7 +80,7 @@ void Engine::Idle(Clock::duration idle_for) {
 void Engine::RunControl() {
   std::deque<std::function<void()>> ops;
   {
-    std::lock_guard<std::mutex> lock(control_mu_);
+    MutexLock lock(control_mu_);
     ops.swap(control_);
     control_pending_.store(false, std::memory_order_release);
   }
@@ -597,7 +597,7 @@ void Engine::Drain() {
   while (!armed_.empty()) FireNotify(armed_.back(), cancelled);
   std::deque<std::function<void()>> ops;
   {
-    std::lock_guard<std::mutex> lock(control_mu_);
+    MutexLock lock(control_mu_);
     worker_running_ = false;
     ops.swap(control_);
   }
@@ -607,7 +607,7 @@ void Engine::Drain() {
 
 bool Engine::Stop() {
   {
-    std::lock_guard<std::mutex> lock(owner_->mu);
+    MutexLock lock(owner_->mu);
     owner_->engine = nullptr;  // regions released from now on just forget their handles
   }
   stopping_.store(true, std::memory_order_release);
@@ -615,15 +615,17 @@ bool Engine::Stop() {
   wake_word_.fetch_add(1, std::memory_order_release);
   Futex::WakeOne(&wake_word_);
   if (!worker_.joinable()) return true;
-  std::unique_lock<std::mutex> lock(exit_mu_);
-  if (exit_cv_.wait_for(lock, std::chrono::milliseconds(options_.shutdown_timeout_ms),
-                        [&] { return worker_exited_; })) {
-    lock.unlock();
+  MutexLock lock(exit_mu_);
+  const auto until = Clock::now() + std::chrono::milliseconds(options_.shutdown_timeout_ms);
+  while (!worker_exited_ && exit_cv_.wait_until(lock, until) == std::cv_status::no_timeout) {
+  }
+  if (worker_exited_) {
+    lock.Unlock();
     worker_.join();
     return true;
   }
   abandoned_.store(true, std::memory_order_release);
-  lock.unlock();
+  lock.Unlock();
   worker_.detach();
   std::fprintf(stderr,
                "ferry: engine worker did not stop within %u ms: stuck in a provider call; "

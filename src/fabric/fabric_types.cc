@@ -3,12 +3,12 @@
 // engine's options from the environment.
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
 #include <string>
 #include <utility>
 
 #include "common/backoff.h"
 #include "common/env.h"
+#include "common/mutex.h"
 #include "common/strings.h"
 #include "fabric/engine_internal.h"
 #include "ferry/fabric.h"
@@ -43,7 +43,7 @@ Status TransferCounter::Wait(uint64_t n, Deadline deadline) const {
 void MemoryRegion::Release() {
   if (!owner_) return;
   {
-    std::lock_guard<std::mutex> lock(owner_->mu);
+    MutexLock lock(owner_->mu);
     if (owner_->engine) owner_->engine->Deregister(*this);
   }
   owner_.reset();

@@ -5,10 +5,10 @@
 
 #include <atomic>
 #include <chrono>
-#include <mutex>
 #include <thread>
 #include <unordered_set>
 
+#include "common/mutex.h"
 #include "fabric/domain.h"
 
 namespace ferry::fabric {
@@ -48,7 +48,7 @@ class FaultInjectionDomain final : public Domain {
     }
     PostResult r = base_->PostWrite(wr, error);
     if (r == PostResult::kPosted) {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(mu_);
       if (wr.key == fail_key_.load()) failing_.insert(wr.context);
       if (wr.key == swallow_key_.load()) swallowed_.insert(wr.context);
     }
@@ -66,7 +66,7 @@ class FaultInjectionDomain final : public Domain {
   size_t Poll(std::span<DomainCompletion> out) override {
     size_t n = base_->Poll(out);
     size_t kept = 0;
-    std::lock_guard<std::mutex> l(mu_);
+    MutexLock l(mu_);
     for (size_t i = 0; i < n; ++i) {
       DomainCompletion& c = out[i];
       if (c.kind == CompletionKind::kLocal && swallowed_.erase(c.context)) continue;
@@ -84,8 +84,8 @@ class FaultInjectionDomain final : public Domain {
   std::atomic<uint64_t> fail_key_{~uint64_t{0}};
   std::atomic<uint64_t> swallow_key_{~uint64_t{0}};
   std::atomic<bool> wedged_{false}, inside_wedge_{false};
-  std::mutex mu_;
-  std::unordered_set<const OpContext*> failing_, swallowed_;
+  Mutex mu_;
+  std::unordered_set<const OpContext*> failing_ GUARDED_BY(mu_), swallowed_ GUARDED_BY(mu_);
 };
 
 }  // namespace ferry::fabric

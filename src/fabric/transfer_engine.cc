@@ -75,7 +75,7 @@ void Engine::SetOnWorker(Handler Engine::*field, Handler handler) {
 }
 
 TransferEngine::TransferEngine(Engine* impl) : impl_(impl) {
-  std::lock_guard<std::mutex> lock(impl_->owner_->mu);
+  MutexLock lock(impl_->owner_->mu);
   impl_->owner_->engine = this;
 }
 
@@ -126,7 +126,7 @@ StatusOr<MemoryRegion> TransferEngine::RegisterMemory(void* data, uint64_t lengt
   {
     auto owned = std::make_unique<MultiRegistration>(done.reg);
     reg = owned.get();
-    std::lock_guard<std::mutex> lock(impl->regs_mu_);
+    MutexLock lock(impl->regs_mu_);
     impl->regs_.emplace(reg, std::move(owned));
   }
   MemoryRegion region;
@@ -153,7 +153,7 @@ void TransferEngine::Deregister(MemoryRegion& region) {
   if (!handle) return;
   MultiRegistration copy;
   {
-    std::lock_guard<std::mutex> lock(impl->regs_mu_);
+    MutexLock lock(impl->regs_mu_);
     auto it = impl->regs_.find(handle);
     if (it == impl->regs_.end()) return;
     copy = *it->second;
@@ -173,7 +173,7 @@ StatusOr<PeerId> TransferEngine::AddPeer(std::span<const uint8_t> address_bytes)
     return InvalidArgumentError("peer address is for provider '" + address.provider +
                                 "', this engine uses '" + info().provider + "'");
   }
-  std::lock_guard<std::mutex> lock(impl->add_mu_);
+  MutexLock lock(impl->add_mu_);
   if (auto known = impl->peer_by_engine_.find(address.engine_id);
       known != impl->peer_by_engine_.end()) {
     const PeerId old = known->second;
@@ -244,7 +244,7 @@ StatusOr<PeerId> TransferEngine::AddPeer(std::span<const uint8_t> address_bytes)
 
 Status TransferEngine::RemovePeer(PeerId peer) {
   Engine* const impl = impl_;
-  std::lock_guard<std::mutex> lock(impl->add_mu_);
+  MutexLock lock(impl->add_mu_);
   return impl->RemovePeerLocked(peer);
 }
 
@@ -260,7 +260,7 @@ StatusOr<GroupId> TransferEngine::AddPeerGroup(std::span<const PeerId> members) 
   Engine* const impl = impl_;
   if (members.empty()) return InvalidArgumentError("AddPeerGroup: no members");
   for (PeerId p : members) RETURN_IF_ERROR(impl->CheckCurrent(p).WithContext("AddPeerGroup"));
-  std::lock_guard<std::mutex> lock(impl->add_mu_);
+  MutexLock lock(impl->add_mu_);
   uint32_t n = impl->num_groups_.load(std::memory_order_relaxed);
   if (n >= impl->options_.max_groups) return ResourceExhaustedError("peer group table full");
   impl->groups_[n] = std::make_unique<PeerGroup>(PeerGroup{{members.begin(), members.end()}});
@@ -288,7 +288,7 @@ StatusOr<ScatterPlanId> TransferEngine::PrepareScatter(GroupId group, const Memo
     const NicKey& to = dst[i].nics[k % dst[i].num_nics];  // CheckOwner: the peer's NIC count
     plan->members.push_back({p, k, to.base, to.key, dst[i].length});
   }
-  std::lock_guard<std::mutex> lock(impl->add_mu_);
+  MutexLock lock(impl->add_mu_);
   uint32_t n = impl->num_plans_.load(std::memory_order_relaxed);
   if (n >= impl->options_.max_scatter_plans)
     return ResourceExhaustedError("scatter plan table full");

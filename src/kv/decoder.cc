@@ -3,10 +3,8 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <deque>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
@@ -15,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/mutex.h"
 #include "ferry/kv.h"
 #include "kv/messages.h"
 #include "kv/peer_lru.h"
@@ -49,7 +48,7 @@ class Decoder final : public KvDecoder {
     if (tag_held_) (void)engine_->SetTaggedMessageHandler(kAckMagic, nullptr);
     closing_.store(true, std::memory_order_release);
     {
-      std::lock_guard<std::mutex> lock(remove_mu_);
+      MutexLock lock(remove_mu_);
       remover_stop_ = true;
     }
     remove_cv_.notify_all();
@@ -58,7 +57,7 @@ class Decoder final : public KvDecoder {
     for (auto [peer, slot] : to_remove_) {
       std::shared_ptr<DoneCallback> tell;
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(mu_);
         Slot& st = slots_[slot];
         if (!st.told) tell = st.ready;
         st.told = true;
@@ -78,10 +77,13 @@ class Decoder final : public KvDecoder {
   }
 
   Status Init() {
-    for (size_t i = 0; i < slots_.size(); ++i) {
-      RETURN_IF_ERROR(engine_->CreateWeightedImmCounter(kImmBase + static_cast<uint32_t>(i),
-                                                        kImmWeightMask));
-      free_.push_back(static_cast<uint32_t>(i));
+    {
+      MutexLock lock(mu_);  // (nothing else runs yet: the analysis wants it held all the same)
+      for (size_t i = 0; i < slots_.size(); ++i) {
+        RETURN_IF_ERROR(engine_->CreateWeightedImmCounter(kImmBase + static_cast<uint32_t>(i),
+                                                          kImmWeightMask));
+        free_.push_back(static_cast<uint32_t>(i));
+      }
     }
     // Runs on the worker: only lock-free engine calls and queue pushes from here. A decoder
     // takes the acknowledgements (the engine's other messages stay its other users').
@@ -121,7 +123,7 @@ class Decoder final : public KvDecoder {
                               (req.aux_bytes > 0 ? 1 : 0);
     uint32_t slot;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       if (by_request_.count(req.request_id)) {
         return AlreadyExistsError("KV request " + std::to_string(req.request_id) +
                                   " is in flight");
@@ -168,7 +170,7 @@ class Decoder final : public KvDecoder {
                                 }));
     if (!sent.ok()) {
       sending_.fetch_sub(1, std::memory_order_acq_rel);  // refused: its callback never runs
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       by_request_.erase(req.request_id);
       slots_[slot].state = State::kFree;
       free_.push_back(slot);
@@ -181,7 +183,7 @@ class Decoder final : public KvDecoder {
     PeerId prefill;
     uint32_t slot;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       auto it = by_request_.find(request_id);
       if (it == by_request_.end()) {
         return NotFoundError("KV decoder: no request " + std::to_string(request_id) +
@@ -243,7 +245,7 @@ class Decoder final : public KvDecoder {
     bool rearm = false;
     uint64_t rearm_target = ~uint64_t{0};  // a timer: unreachable, it ends at its deadline
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       Slot& st = slots_[slot];
       if (closing_.load(std::memory_order_acquire)) {
         // The decoder is going away: report what did not end, re-arm nothing.
@@ -276,7 +278,7 @@ class Decoder final : public KvDecoder {
           st.state = State::kRemoving;
           Forget(slot);
           {
-            std::lock_guard<std::mutex> remove_lock(remove_mu_);
+            MutexLock remove_lock(remove_mu_);
             to_remove_.emplace_back(st.prefill, slot);
           }
           remove_cv_.notify_one();
@@ -337,7 +339,7 @@ class Decoder final : public KvDecoder {
     std::shared_ptr<DoneCallback> tell;
     Status tell_status;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       const uint32_t slot = imm - kImmBase;
       if (imm < kImmBase || slot >= slots_.size()) return;
       Slot& st = slots_[slot];
@@ -371,8 +373,8 @@ class Decoder final : public KvDecoder {
     for (;;) {
       std::pair<PeerId, uint32_t> job;
       {
-        std::unique_lock<std::mutex> lock(remove_mu_);
-        remove_cv_.wait(lock, [&] { return remover_stop_ || !to_remove_.empty(); });
+        MutexLock lock(remove_mu_);
+        while (!remover_stop_ && to_remove_.empty()) remove_cv_.wait(lock);
         if (remover_stop_) return;
         job = to_remove_.front();
         to_remove_.pop_front();
@@ -381,7 +383,7 @@ class Decoder final : public KvDecoder {
       auto it = removed.find(peer);
       if (it == removed.end()) {
         {
-          std::lock_guard<std::mutex> lock(peers_mu_);
+          MutexLock lock(peers_mu_);
           unresponsive_.insert(peer);
         }
         it = removed.emplace(peer, engine_->RemovePeer(peer)).first;
@@ -389,7 +391,7 @@ class Decoder final : public KvDecoder {
       std::shared_ptr<DoneCallback> tell;
       Status tell_status;
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(mu_);
         Slot& st = slots_[slot];
         if (st.state != State::kRemoving) continue;
         tell = st.told ? nullptr : st.ready;
@@ -412,13 +414,13 @@ class Decoder final : public KvDecoder {
     }
   }
 
-  // Drops the request id's mapping if it still names this slot (mu_ held).
-  void Forget(uint32_t slot) {
+  // Drops the request id's mapping if it still names this slot.
+  void Forget(uint32_t slot) REQUIRES(mu_) {
     auto it = by_request_.find(slots_[slot].request_id);
     if (it != by_request_.end() && it->second == slot) by_request_.erase(it);
   }
 
-  void Free(uint32_t slot) {  // mu_ held
+  void Free(uint32_t slot) REQUIRES(mu_) {
     Slot& st = slots_[slot];
     st.told = true;
     Forget(slot);
@@ -435,7 +437,7 @@ class Decoder final : public KvDecoder {
 
   StatusOr<PeerId> PeerFor(std::span<const uint8_t> address) {
     std::string key(address.begin(), address.end());
-    std::lock_guard<std::mutex> lock(peers_mu_);
+    MutexLock lock(peers_mu_);
     auto it = peers_.find(key);
     if (it != peers_.end()) {
       // A prefill we took out as unresponsive stays out; one the engine lost otherwise (over
@@ -455,13 +457,14 @@ class Decoder final : public KvDecoder {
             *engine_, address,
             [this] {  // the prefills a request slot names
               std::vector<PeerId> busy;
-              std::lock_guard<std::mutex> slots_lock(mu_);
+              MutexLock slots_lock(mu_);
               for (const Slot& st : slots_) {
                 if (st.state != State::kFree) busy.push_back(st.prefill);
               }
               return busy;
             },
-            [this](PeerId gone) {
+            // Called inside AddMakingRoom, with peers_mu_ still held.
+            [this](PeerId gone) REQUIRES(peers_mu_) {
               std::erase_if(peers_, [gone](const auto& kv) { return kv.second == gone; });
             }));
     peers_[key] = p;
@@ -473,22 +476,23 @@ class Decoder final : public KvDecoder {
   const KvSide decode_;
   const KvRegions regions_;
   const MemoryRegion* aux_;
-  std::mutex mu_;
-  std::vector<Slot> slots_;
-  std::deque<uint32_t> free_;
-  std::unordered_map<uint64_t, uint32_t> by_request_;
-  std::mutex peers_mu_;
-  std::unordered_map<std::string, PeerId> peers_;  // by engine address (peers_mu_)
-  PeerLru lru_;                                    // peers_mu_
-  std::unordered_set<PeerId> unresponsive_;        // peers_mu_: prefills the remover took out
+  Mutex mu_;
+  std::vector<Slot> slots_ GUARDED_BY(mu_);
+  std::deque<uint32_t> free_ GUARDED_BY(mu_);
+  std::unordered_map<uint64_t, uint32_t> by_request_ GUARDED_BY(mu_);
+  Mutex peers_mu_;
+  std::unordered_map<std::string, PeerId> peers_ GUARDED_BY(peers_mu_);  // by engine address
+  PeerLru lru_ GUARDED_BY(peers_mu_);
+  // Prefills the remover took out.
+  std::unordered_set<PeerId> unresponsive_ GUARDED_BY(peers_mu_);
   std::atomic<int> armed_{0};    // notifications armed and not yet run
   std::atomic<int> sending_{0};  // requests' messages whose completion has not yet run
   std::atomic<bool> closing_{false};
   // Unresponsive prefills to take out of the engine: (peer, slot waiting on it).
-  std::mutex remove_mu_;
-  std::condition_variable remove_cv_;
-  std::deque<std::pair<PeerId, uint32_t>> to_remove_;
-  bool remover_stop_ = false;
+  Mutex remove_mu_;
+  CondVar remove_cv_;
+  std::deque<std::pair<PeerId, uint32_t>> to_remove_ GUARDED_BY(remove_mu_);
+  bool remover_stop_ GUARDED_BY(remove_mu_) = false;
   std::thread remover_;  // last: starts in Init, once everything above exists
 };
 

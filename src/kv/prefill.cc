@@ -9,7 +9,6 @@
 #include <deque>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <numeric>
 #include <optional>
 #include <string>
@@ -21,9 +20,9 @@
 
 #include "common/backoff.h"
 #include "common/env.h"
+#include "common/mutex.h"
 #include "ferry/kv.h"
 #include "kv/messages.h"
-#include "common/env.h"
 #include "kv/peer_lru.h"
 #include "kv/shards_args.h"
 
@@ -63,7 +62,7 @@ class Prefill final : public KvPrefill {
     for (uint32_t tag : kTags) {
       const Status s = engine_->SetTaggedMessageHandler(
           tag, [this](std::optional<PeerId>, std::span<const uint8_t> m) {
-            std::lock_guard<std::mutex> lock(mu_);
+            MutexLock lock(mu_);
             inbox_.emplace_back(m.begin(), m.end());
           });
       if (!s.ok()) {
@@ -82,7 +81,7 @@ class Prefill final : public KvPrefill {
   }
 
   Status Cancel(uint64_t request_id) override {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     if (!pending_.count(request_id)) {
       return NotFoundError("KV prefill: unknown request " + std::to_string(request_id));
     }
@@ -93,7 +92,7 @@ class Prefill final : public KvPrefill {
   Status ScheduleChunk(uint64_t request_id, int64_t first_page,
                        std::span<const int64_t> src_pages, uint64_t pass_base,
                        int64_t aux_offset) override {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     auto it = pending_.find(request_id);
     if (it == pending_.end()) {
       return NotFoundError("KV prefill: unknown request " + std::to_string(request_id));
@@ -268,7 +267,7 @@ class Prefill final : public KvPrefill {
   bool DrainInbox() {
     std::deque<std::vector<uint8_t>> inbox;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       inbox.swap(inbox_);
     }
     const bool fresh = !inbox.empty();
@@ -281,7 +280,7 @@ class Prefill final : public KvPrefill {
       if (MagicOf(m) == kCancelMagic) {
         auto f = ParseControl(kCancelMagic, m);
         if (f.ok()) {
-          std::lock_guard<std::mutex> lock(mu_);
+          MutexLock lock(mu_);
           auto it = pending_.find(f->request_id);
           if (it != pending_.end() && it->second.req.imm == f->imm) CancelLocked(f->request_id);
         }
@@ -295,7 +294,7 @@ class Prefill final : public KvPrefill {
       // leaves the engine (it adds us again with its next request).
       auto peer = decoders_.AddMakingRoom(*engine_, req->decoder_address, [this] {
         std::vector<PeerId> busy;
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(mu_);
         for (const auto& [id, a] : pending_) busy.push_back(a.peer);
         return busy;
       });
@@ -312,7 +311,7 @@ class Prefill final : public KvPrefill {
                   req->speculative};
       bool taken = false;
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(mu_);
         taken = pending_.count(in.request_id) > 0;
         if (!taken) {
           Active a;
@@ -342,7 +341,7 @@ class Prefill final : public KvPrefill {
     const uint64_t done = counter_->load(std::memory_order_acquire);
     bool progress = false;
     awaiting_layers_ = false;
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     for (auto& [id, a] : pending_) {
       if (a.cancelled) continue;
       bool all_posted = true;
@@ -433,7 +432,7 @@ class Prefill final : public KvPrefill {
   bool ReleaseFinished() {
     std::vector<std::pair<uint64_t, Status>> released;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       for (auto it = pending_.begin(); it != pending_.end();) {
         Active& a = it->second;
         const uint64_t ended = a.writes->done.load() + a.writes->failed.load();
@@ -482,8 +481,8 @@ class Prefill final : public KvPrefill {
   const MemoryRegion* aux_;
   const std::atomic<uint64_t>* counter_;
   const Callbacks cb_;
-  std::mutex mu_;
-  std::deque<std::vector<uint8_t>> inbox_;
+  Mutex mu_;
+  std::deque<std::vector<uint8_t>> inbox_ GUARDED_BY(mu_);
   std::unordered_map<uint64_t, Active> pending_;
   PeerLru decoders_;  // watcher: the decoders we added, by their last request
   // Requests waiting for a peer entry (watcher), at most kDeferLimit from their arrival.

@@ -9,8 +9,8 @@
 
 #include <atomic>
 #include <cstdint>
-#include <mutex>
 
+#include "common/mutex.h"
 #include "ferry/status.h"
 
 namespace ferry::moe {
@@ -30,18 +30,18 @@ struct Channel {
   // A proxy failure, or malformed data the device found (a peer's slot): the state machine
   // stops; every later step returns this.
   std::atomic<bool> failed{false};
-  std::mutex error_mu;
-  Status error;
+  Mutex error_mu;
+  Status error GUARDED_BY(error_mu);
 
   void Fail(const Status& s) {
     {
-      std::lock_guard<std::mutex> lock(error_mu);
+      MutexLock lock(error_mu);
       if (error.ok()) error = s;
     }
     failed.store(true, std::memory_order_release);
   }
   Status Error() {
-    std::lock_guard<std::mutex> lock(error_mu);
+    MutexLock lock(error_mu);
     return error;
   }
 };

@@ -147,13 +147,13 @@ Status Relay::Connect(Bootstrap& bootstrap) {
 }
 
 Status Relay::error() const {
-  std::lock_guard<std::mutex> lock(error_mu_);
+  MutexLock lock(error_mu_);
   return error_;
 }
 
 void Relay::Fail(const Status& s) {
   {
-    std::lock_guard<std::mutex> lock(error_mu_);
+    MutexLock lock(error_mu_);
     if (error_.ok()) error_ = s;
   }
   failed_.store(true, std::memory_order_release);

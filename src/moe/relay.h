@@ -47,10 +47,10 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <thread>
 #include <vector>
 
+#include "common/mutex.h"
 #include "ferry/bootstrap.h"
 #include "ferry/fabric.h"
 #include "ferry/moe.h"
@@ -184,8 +184,8 @@ class Relay {
   std::vector<ScatterTarget> targets_;  // read by the engine until the writes complete
   OwnWrites writes_;
   std::atomic<uint64_t> dispatch_bytes_{0}, combine_bytes_{0};
-  mutable std::mutex error_mu_;
-  Status error_;  // guarded by error_mu_
+  mutable Mutex error_mu_;
+  Status error_ GUARDED_BY(error_mu_);
   std::atomic<bool> failed_{false};
   // CudaTuning::relay_trace: mean µs per phase of dispatch [0] and combine [1] -- waiting for the
   // kernels' flag, posting, until every remote section landed, until our writes completed --
