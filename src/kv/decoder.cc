@@ -220,10 +220,11 @@ class Decoder final : public KvDecoder {
 
   Status Arm(uint32_t slot, uint64_t target, Deadline deadline) {
     armed_.fetch_add(1, std::memory_order_acq_rel);
-    Status s = engine_->NotifyImm(kImmBase + slot, target, deadline, [this, slot](const Status& st) {
-      OnNotify(slot, st);
-      armed_.fetch_sub(1, std::memory_order_acq_rel);
-    });
+    Status s =
+        engine_->NotifyImm(kImmBase + slot, target, deadline, [this, slot](const Status& st) {
+          OnNotify(slot, st);
+          armed_.fetch_sub(1, std::memory_order_acq_rel);
+        });
     if (!s.ok()) armed_.fetch_sub(1, std::memory_order_acq_rel);
     return s;
   }

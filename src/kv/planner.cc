@@ -37,8 +37,9 @@ Status KvSide::Validate() const {
   if (model.mla) return Status::Ok();
   const int h = model.kv_heads;
   if (tp <= h ? h % tp != 0 : tp % h != 0) {
-    return InvalidArgumentError("KvSide: " + std::to_string(h) + " KV heads cannot be sharded " +
-                                "over " + std::to_string(tp) + " ranks (one must divide the other)");
+    return InvalidArgumentError("KvSide: " + std::to_string(h) +
+                                " KV heads cannot be sharded over " + std::to_string(tp) +
+                                " ranks (one must divide the other)");
   }
   return Status::Ok();
 }

@@ -25,8 +25,8 @@
 // Memory ordering: the GPU stores its outbox flag with st.release.sys after the data and the
 // control words (the kernels' ticket carries every block's stores to the storing thread; the
 // receive kernel that copies control.in_rows fences at system scope and ends before the combine
-// send kernel starts); the relay loads it with acquire before it reads them and the NIC the data. The relay stores an inbox flag with release after its
-// engine saw the peer's immediate (the data is in our memory); the kernels load it with
+// send kernel starts); the relay loads it with acquire before it reads them and the NIC the
+// data. The relay stores an inbox flag with release after its engine saw the peer's immediate (the data is in our memory); the kernels load it with
 // ld.acquire.sys before they read the section. The inbox flags are the caller's (the CUDA
 // AllToAll's GpuWords): GPU memory behind GDRCopy's write-combining mapping, or pinned host
 // memory; each store is followed by a full fence, which sends it out of the CPU's
