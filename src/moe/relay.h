@@ -26,12 +26,12 @@
 // control words (the kernels' ticket carries every block's stores to the storing thread; the
 // receive kernel that copies control.in_rows fences at system scope and ends before the combine
 // send kernel starts); the relay loads it with acquire before it reads them and the NIC the
-// data. The relay stores an inbox flag with release after its engine saw the peer's immediate (the data is in our memory); the kernels load it with
-// ld.acquire.sys before they read the section. The inbox flags are the caller's (the CUDA
-// AllToAll's GpuWords): GPU memory behind GDRCopy's write-combining mapping, or pinned host
-// memory; each store is followed by a full fence, which sends it out of the CPU's
-// write-combining buffers in order where there are any. Remote pairs have no "private" limit
-// and no pull: every slot travels in the section.
+// data. The relay stores an inbox flag with release after its engine saw the peer's immediate
+// (the data is in our memory); the kernels load it with ld.acquire.sys before they read the
+// section. The inbox flags are the caller's (the CUDA AllToAll's GpuWords): GPU memory behind
+// GDRCopy's write-combining mapping, or pinned host memory; each store is followed by a full
+// fence, which sends it out of the CPU's write-combining buffers in order where there are any.
+// Remote pairs have no "private" limit and no pull: every slot travels in the section.
 //
 // Reuse needs no barrier: the chain of flags that protects the NVLink buffers (see
 // nvlink_all_to_all.h) runs through the relay unchanged -- a rank rewrites its outbox (and, by
