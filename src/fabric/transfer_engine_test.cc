@@ -1,6 +1,7 @@
 // TransferEngine tests inside one process: two engines, each the other's peer, over every
 // software provider. Data is verified byte for byte; bad input must be refused with the right
-// code and must not disturb transfers in flight.
+// code and must not disturb transfers in flight. What goes wrong underneath (faults, dead
+// processes' files): engine_faults_test.cc.
 #include "ferry/fabric.h"
 
 #include <gtest/gtest.h>
@@ -12,14 +13,6 @@
 #include <random>
 #include <thread>
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
-#include "fabric/engine_internal.h"
-#include "fabric/fault_domain.h"
 #include "fabric/test_util.h"
 
 namespace ferry {
@@ -697,198 +690,8 @@ TEST_P(EnginePairTest, ScatterAndBarrierOverAGroupOfOne) {
   EXPECT_EQ(a_->Scatter({plan, bad, 42}, {}).code(), StatusCode::kOutOfRange);
 }
 
-// Engines whose sender sits on a fault-injecting Domain.
-class FaultTest : public ::testing::TestWithParam<std::string> {
- protected:
-  void SetUp() override {
-    EngineOptions o = testing_util::TestOptions(GetParam());
-    o.transfer_timeout_ms = 300;
-    o.control_timeout_ms = 300;
-    o.shutdown_timeout_ms = 300;
-    auto base = fabric::OpenLibfabricDomain(o, "");
-    ASSERT_TRUE(base.ok()) << base.status();
-    auto fault = std::make_unique<fabric::FaultInjectionDomain>(std::move(base).value());
-    fault_ = fault.get();
-    auto a = fabric::CreateEngineWithDomain(o, std::move(fault));
-    ASSERT_TRUE(a.ok()) << a.status();
-    a_ = std::move(a).value();
-    auto b = TransferEngine::Create(o);
-    ASSERT_TRUE(b.ok()) << b.status();
-    b_ = std::move(b).value();
-    peer_ = *a_->AddPeer(b_->Address());
-    src_.assign(1 << 16, 1);
-    dst1_.assign(1 << 16, 0);
-    dst2_.assign(1 << 16, 0);
-    src_reg_ = *a_->RegisterMemory(src_.data(), src_.size());
-    dst1_reg_ = *b_->RegisterMemory(dst1_.data(), dst1_.size());
-    dst2_reg_ = *b_->RegisterMemory(dst2_.data(), dst2_.size());
-  }
-  SingleWrite To(const MemoryRegion& dst) {
-    SingleWrite w;
-    w.src = &src_reg_;
-    w.peer = peer_;
-    w.dst = dst.remote();
-    w.length = 4096;
-    return w;
-  }
-  fabric::FaultInjectionDomain* fault_ = nullptr;
-  std::unique_ptr<TransferEngine> a_, b_;
-  PeerId peer_ = 0;
-  std::vector<uint8_t> src_, dst1_, dst2_;
-  MemoryRegion src_reg_, dst1_reg_, dst2_reg_;
-};
-
-TEST_P(FaultTest, CompletionErrorFailsOnlyThatTransferWithTheProviderMessage) {
-  fault_->FailWritesToKey(dst1_reg_.remote().nics[0].key);
-  std::atomic<int> n{0};
-  Status bad, good;
-  ASSERT_TRUE(a_->Write(To(dst1_reg_), Completion::Callback([&](const Status& s) {
-                          bad = s;
-                          n.fetch_add(1);
-                        })).ok());
-  ASSERT_TRUE(a_->Write(To(dst2_reg_), Completion::Callback([&](const Status& s) {
-                          good = s;
-                          n.fetch_add(1);
-                        })).ok());
-  for (int i = 0; i < 10000 && n.load() < 2; ++i) std::this_thread::sleep_for(1ms);
-  ASSERT_EQ(n.load(), 2);
-  EXPECT_TRUE(good.ok()) << good;
-  EXPECT_EQ(bad.code(), StatusCode::kInternal);
-  EXPECT_NE(bad.message().find("write to peer 0"), std::string::npos) << bad;
-  EXPECT_NE(bad.message().find("injected fault"), std::string::npos) << bad;
-  // The peer is not lost by one failed write.
-  TransferCounter c;
-  ASSERT_TRUE(a_->Write(To(dst2_reg_), Completion::Counter(&c)).ok());
-  ASSERT_TRUE(c.Wait(1, Deadline::After(10s)).ok());
-  EXPECT_EQ(c.done.load(), 1u);
-}
-
-TEST_P(FaultTest, AWriteThatNeverCompletesFailsAtTheDeadlineAndMarksThePeerLost) {
-  fault_->SwallowWritesToKey(dst1_reg_.remote().nics[0].key);
-  EXPECT_FALSE(*a_->PeerLost(peer_));
-  EXPECT_EQ(a_->PeerLost(peer_ + 1).status().code(), StatusCode::kNotFound);
-  TransferCounter c;
-  auto start = Clock::now();
-  ASSERT_TRUE(a_->Write(To(dst1_reg_), Completion::Counter(&c)).ok());
-  ASSERT_TRUE(c.Wait(1, Deadline::After(10s)).ok());
-  auto waited = Clock::now() - start;
-  EXPECT_EQ(c.failed.load(), 1u);
-  EXPECT_GE(waited, 300ms);
-  EXPECT_LT(waited, 5s);
-  EXPECT_EQ(a_->Write(To(dst2_reg_), {}).code(), StatusCode::kUnavailable);
-  EXPECT_TRUE(*a_->PeerLost(peer_));
-  // Added again, the peer it was is a new one that carries writes.
-  auto again = a_->AddPeer(b_->Address());
-  ASSERT_TRUE(again.ok()) << again.status();
-  EXPECT_NE(*again, peer_);
-  EXPECT_FALSE(*a_->PeerLost(*again));
-  peer_ = *again;
-  TransferCounter d;
-  ASSERT_TRUE(a_->Write(To(dst2_reg_), Completion::Counter(&d)).ok());
-  ASSERT_TRUE(d.Wait(1, Deadline::After(10s)).ok());
-  EXPECT_EQ(d.done.load(), 1u);
-}
-
-// A provider call that never returns (shm does this when a peer dies holding its lock) must not
-// hang the engine's callers: control operations time out, destruction abandons the engine.
-TEST_P(FaultTest, AWedgedProviderCallNeverHangsTheCaller) {
-  constexpr uint32_t kMirrored = 41;
-  ASSERT_TRUE(a_->CreateImmCounter(kMirrored).ok());
-  fault_->Wedge();
-  TransferCounter c;
-  ASSERT_TRUE(a_->Write(To(dst2_reg_), Completion::Counter(&c)).ok());
-  for (int i = 0; i < 5000 && !fault_->InsideWedge(); ++i) std::this_thread::sleep_for(1ms);
-  ASSERT_TRUE(fault_->InsideWedge());
-  std::vector<uint8_t> more(4096);
-  auto start = Clock::now();
-  auto reg = a_->RegisterMemory(more.data(), more.size());
-  EXPECT_EQ(reg.status().code(), StatusCode::kDeadlineExceeded) << reg.status();
-  EXPECT_LT(Clock::now() - start, 5s);
-  uint64_t word = 7;  // MirrorImm runs on the worker too
-  start = Clock::now();
-  Status mirrored = a_->MirrorImm(kMirrored, &word);
-  EXPECT_EQ(mirrored.code(), StatusCode::kDeadlineExceeded) << mirrored;
-  EXPECT_LT(Clock::now() - start, 5s);
-  src_reg_ = MemoryRegion();  // releasing a region of a wedged engine returns too
-  start = Clock::now();
-  a_.reset();  // abandons the engine: returns after shutdown_timeout_ms
-  EXPECT_LT(Clock::now() - start, 5s);
-  EXPECT_EQ(c.done.load() + c.failed.load(), 0u);  // the abandoned transfer never reports
-  fault_->Unwedge();  // let the leaked worker run off before the peer goes away
-  for (int i = 0; i < 5000 && fault_->InsideWedge(); ++i) std::this_thread::sleep_for(1ms);
-  std::this_thread::sleep_for(50ms);
-  EXPECT_EQ(word, 7u) << "the worker took up the word of a MirrorImm that had timed out";
-}
-
-// A rank killed before closing its shm endpoint leaves its file in /dev/shm. libfabric's shm
-// refuses (EBUSY) to reuse a file whose recorded owner is alive, which is what a reused PID looks
-// like; CI once failed that way. Engines name their own files and sweep those of dead processes.
-TEST(ShmFilesTest, LeftoverFilesOfDeadProcessesAreRemovedAndNeverCollide) {
-  const auto providers = testing_util::Providers();
-  if (std::find(providers.begin(), providers.end(), "shm") == providers.end()) {
-    GTEST_SKIP() << "shm is not among FERRY_TEST_PROVIDERS";
-  }
-  pid_t child = fork();
-  if (child == 0) _exit(0);
-  ASSERT_GT(child, 0);
-  int wstatus = 0;
-  ASSERT_EQ(waitpid(child, &wstatus, 0), child);  // reaped: the PID is dead
-  const std::string dead = "ferry-" + std::to_string(child) + "-00000000deadbeef:0:0";
-  const std::string live = "ferry-" + std::to_string(getpid()) + "-00000000feedface:0:0";
-  for (const std::string& name : {dead, live}) {
-    int fd = shm_open(name.c_str(), O_RDWR | O_CREAT, S_IRUSR | S_IWUSR);
-    ASSERT_GE(fd, 0) << name;
-    close(fd);
-  }
-  auto engine = TransferEngine::Create(testing_util::TestOptions("shm"));
-  ASSERT_TRUE(engine.ok()) << engine.status();
-  auto exists = [](const std::string& name) {
-    return access(("/dev/shm/" + name).c_str(), F_OK) == 0;
-  };
-  EXPECT_FALSE(exists(dead)) << "a dead process's file survived";
-  EXPECT_TRUE(exists(live)) << "a live process's file was removed";
-  shm_unlink(live.c_str());
-}
-
-INSTANTIATE_TEST_SUITE_P(Providers, FaultTest, ::testing::ValuesIn(testing_util::Providers()),
-                         testing_util::ProviderTestName);
-
 INSTANTIATE_TEST_SUITE_P(Providers, EnginePairTest, ::testing::ValuesIn(testing_util::Providers()),
                          testing_util::ProviderTestName);
-
-// EngineOptions::FromEnv takes what the FERRY_* variables say and refuses what they cannot mean,
-// naming the variable; unset or empty variables leave the defaults.
-TEST(EngineOptionsTest, FromEnvTakesTheVariablesAndRefusesGarbage) {
-  const char* const kVars[] = {"FERRY_SPIN_US", "FERRY_MAX_WRS", "FERRY_CUDA_MEMORY",
-                               "FERRY_WORKER_CPU", "FERRY_NUM_NICS"};
-  for (const char* v : kVars) unsetenv(v);
-  const EngineOptions defaults;
-  auto plain = EngineOptions::FromEnv();
-  ASSERT_TRUE(plain.ok()) << plain.status().ToString();
-  EXPECT_EQ(plain->spin_us, defaults.spin_us);
-  EXPECT_EQ(plain->max_outstanding_wrs, defaults.max_outstanding_wrs);
-
-  setenv("FERRY_SPIN_US", "-1", 1);
-  setenv("FERRY_MAX_WRS", "64", 1);
-  setenv("FERRY_CUDA_MEMORY", "1", 1);
-  setenv("FERRY_WORKER_CPU", "", 1);  // empty: the default
-  auto set = EngineOptions::FromEnv();
-  ASSERT_TRUE(set.ok()) << set.status().ToString();
-  EXPECT_EQ(set->spin_us, -1);
-  EXPECT_EQ(set->max_outstanding_wrs, 64u);
-  EXPECT_TRUE(set->cuda_memory);
-  EXPECT_EQ(set->worker_cpu, defaults.worker_cpu);
-
-  testing_util::ExpectEnvRefused(EngineOptions::FromEnv,
-                                 {{"FERRY_MAX_WRS", "lots"},
-                                  {"FERRY_MAX_WRS", "64k"},
-                                  {"FERRY_MAX_WRS", "-1"},
-                                  {"FERRY_MAX_WRS", "99999999999"},
-                                  {"FERRY_CUDA_MEMORY", "2"},
-                                  {"FERRY_WORKER_CPU", "-2"},
-                                  {"FERRY_NUM_NICS", "two"}});
-  for (const char* v : kVars) unsetenv(v);
-}
 
 }  // namespace
 }  // namespace ferry
