@@ -20,9 +20,6 @@ namespace ferry {
 namespace {
 
 using namespace std::chrono_literals;
-using moe_cuda_test::Gpu;
-using moe_cuda_test::HaveGpu;
-using moe_cuda_test::UseGpu;
 
 // A GPU that is not there is a clear error at Create, on any machine.
 TEST(MoeCudaConfigTest, AMissingGpuIsAFailedPrecondition) {

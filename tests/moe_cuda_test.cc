@@ -27,9 +27,6 @@ namespace ferry {
 namespace {
 
 using namespace std::chrono_literals;
-using moe_cuda_test::Gpu;
-using moe_cuda_test::HaveGpu;
-using moe_cuda_test::UseGpu;
 
 struct Case {
   int world_size, tokens, hidden, experts, k;

@@ -20,7 +20,7 @@
     CHECK_OR_RETURN(e_ == cudaSuccess, std::string(#expr) + ": " + cudaGetErrorString(e_)); \
   } while (0)
 
-namespace ferry::moe_cuda_test {
+namespace ferry {
 
 inline bool HaveGpu() { return access("/dev/nvidia0", F_OK) == 0; }
 
@@ -62,4 +62,4 @@ inline Status UseGpu(Bootstrap& b, AllToAllConfig* cfg) {
   return Status::Ok();
 }
 
-}  // namespace ferry::moe_cuda_test
+}  // namespace ferry
