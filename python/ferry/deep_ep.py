@@ -502,6 +502,11 @@ class Buffer(_ferry.DeepEpLowLatency):
                 self._release(h)
         return out, event, hook
 
+    # Python's errors for a call that does not fit DeepEP's signature name the methods a
+    # caller called (the C++ base's), not these.
+    _low_latency_dispatch.__qualname__ = "Buffer.low_latency_dispatch"
+    _low_latency_combine.__qualname__ = "Buffer.low_latency_combine"
+
     def _live_handle(self, handle, call):
         if not isinstance(handle, _Handle):
             raise InvalidArgument(f"{call}: handle is not one this Buffer's dispatch returned")

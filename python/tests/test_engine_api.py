@@ -446,7 +446,8 @@ def deep_ep_body(world, group_kind):
         for args, kwargs in (((x, idx, MAX_TOKENS), {}), ((x, idx, MAX_TOKENS, e), {"x": x}),
                              ((x, idx, MAX_TOKENS, e), {"use_fp9": True}),
                              ((x, idx, MAX_TOKENS, e) + (False,) * 8, {})):
-            expect_error(TypeError, "argument", buf.low_latency_dispatch, *args, **kwargs)
+            expect_error(TypeError, "Buffer.low_latency_dispatch()", buf.low_latency_dispatch,
+                         *args, **kwargs)
         expect_error(ferry.Unimplemented, "low_latency_update_mask_buffer",
                      buf.low_latency_update_mask_buffer, 0, True)
         _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, MAX_TOKENS, e, use_fp8=False)
