@@ -109,6 +109,9 @@ const EngineOptions& TransferEngine::options() const { return impl_->options_; }
 uint64_t TransferEngine::id() const { return impl_->id_; }
 std::vector<uint8_t> TransferEngine::Address() const { return impl_->address_; }
 
+// The methods below name the implementation `impl`, and what they hand the worker captures it,
+// never `this`: a control operation may run after its caller gave up on it (RunOnWorker's
+// timeout), when the TransferEngine may be gone but the Engine, leaked or not yet freed, is not.
 StatusOr<MemoryRegion> TransferEngine::RegisterMemory(void* data, uint64_t length, MemoryKind kind,
                                                       int device) {
   Engine* const impl = impl_;
