@@ -2,8 +2,8 @@
 
 Each layer's dispatch and combine are timed against the same steps called directly on an
 AllToAll of the same shape, given the same ids (its buffers allocated once, as a caller of the
-direct API keeps them), the two interleaved iteration by iteration so that drift hits both alike: "added" is
-p50(layer) - p50(direct) per call. deep_ep's combine runs two ways: making its output (as
+direct API keeps them), the two interleaved iteration by iteration so that drift hits both
+alike: "added" is p50(layer) - p50(direct) per call. deep_ep's combine runs two ways: making its output (as
 SGLang calls it) and into the caller's (`out=`, as vLLM calls it). The layers are timed as a
 caller runs them, unwrapped: their steps run in the binding's C++ with no Python call to time
 between them. The target is <= 2 us per call.

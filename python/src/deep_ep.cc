@@ -14,6 +14,8 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "all_to_all.h"
@@ -38,9 +40,9 @@ struct DeepEpHandle {
 
 // Names looked up on Python objects at every call, made once.
 struct Names {
-  PyObject* busy = PyUnicode_InternFromString("busy");
-  PyObject* dispatch = PyUnicode_InternFromString("_low_latency_dispatch");
-  PyObject* combine = PyUnicode_InternFromString("_low_latency_combine");
+  PyObject* const busy = PyUnicode_InternFromString("busy");
+  PyObject* const dispatch = PyUnicode_InternFromString("_low_latency_dispatch");
+  PyObject* const combine = PyUnicode_InternFromString("_low_latency_combine");
   static const Names& Get() {
     static const Names n;
     return n;
@@ -388,29 +390,24 @@ PyObject* CallPython(PyObject* self, PyObject* name, PyObject* const* args, Py_s
   return PyObject_VectorcallMethod(name, stack.data(), static_cast<size_t>(1 + nargs), kwnames);
 }
 
-PyObject* LowLatencyDispatch(PyObject* self, PyObject* const* args, Py_ssize_t nargs,
-                             PyObject* kwnames) {
+// A low-latency call as a METH_FASTCALL method of the layer: its arguments matched to `kNames`
+// (the first four required) and run by `Call`, or handed as they came to the Buffer's Python
+// method `kFallback` where they do not match or `Call` does not take them.
+template <const auto& kNames, auto Call, PyObject* const Names::*kFallback>
+PyObject* FastMethod(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
   return AsMethod([&]() -> PyObject* {
     auto& layer = py::cast<PyDeepEpLowLatency&>(py::handle(self));
-    std::array<PyObject*, PyDeepEpLowLatency::kDispatchArgs.size()> a;
-    if (Match(PyDeepEpLowLatency::kDispatchArgs, 4, args, nargs, kwnames, a)) {
-      if (py::object done = layer.Dispatch(a)) return done.release().ptr();
+    std::array<PyObject*, std::tuple_size_v<std::remove_cvref_t<decltype(kNames)>>> a;
+    if (Match(kNames, 4, args, nargs, kwnames, a)) {
+      if (py::object done = (layer.*Call)(a)) return done.release().ptr();
     }
-    return CallPython(self, Names::Get().dispatch, args, nargs, kwnames);
+    return CallPython(self, Names::Get().*kFallback, args, nargs, kwnames);
   });
 }
-
-PyObject* LowLatencyCombine(PyObject* self, PyObject* const* args, Py_ssize_t nargs,
-                            PyObject* kwnames) {
-  return AsMethod([&]() -> PyObject* {
-    auto& layer = py::cast<PyDeepEpLowLatency&>(py::handle(self));
-    std::array<PyObject*, PyDeepEpLowLatency::kCombineArgs.size()> a;
-    if (Match(PyDeepEpLowLatency::kCombineArgs, 4, args, nargs, kwnames, a)) {
-      if (py::object done = layer.Combine(a)) return done.release().ptr();
-    }
-    return CallPython(self, Names::Get().combine, args, nargs, kwnames);
-  });
-}
+constexpr auto LowLatencyDispatch =
+    &FastMethod<PyDeepEpLowLatency::kDispatchArgs, &PyDeepEpLowLatency::Dispatch, &Names::dispatch>;
+constexpr auto LowLatencyCombine =
+    &FastMethod<PyDeepEpLowLatency::kCombineArgs, &PyDeepEpLowLatency::Combine, &Names::combine>;
 
 // `function` as the METH_FASTCALL method `def->ml_name` of the bound class `cls`.
 void AddFastMethod(py::handle cls, PyMethodDef* def) {
@@ -423,7 +420,7 @@ void AddFastMethod(py::handle cls, PyMethodDef* def) {
 // The methods' text signatures (what inspect.signature and help() show) lead their docs.
 PyMethodDef dispatch_def{
     "low_latency_dispatch",
-    reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&LowLatencyDispatch)),
+    reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(LowLatencyDispatch)),
     METH_FASTCALL | METH_KEYWORDS,
     "low_latency_dispatch($self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, "
     "cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None, "
@@ -434,7 +431,7 @@ PyMethodDef dispatch_def{
     "hidden], valid until the second dispatch after it of the same shape"};
 PyMethodDef combine_def{
     "low_latency_combine",
-    reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&LowLatencyCombine)),
+    reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(LowLatencyCombine)),
     METH_FASTCALL | METH_KEYWORDS,
     "low_latency_combine($self, x, topk_idx, topk_weights, handle, use_logfmt=False, "
     "zero_copy=False, async_finish=False, return_recv_hook=False, out=None, "
