@@ -538,8 +538,8 @@ TEST(MoeHostBadInputTest, RefusesBadRoutesTooManyTokensAndMismatchedConfigs) {
   for (auto& e : exits) EXPECT_TRUE(e.ok()) << e.exit_code;
 }
 
-// A rank that dies mid-protocol: the survivor's receive half ends at its deadline with the
-// state that explains it, and tearing the AllToAll down does not hang on the proxy.
+// A rank that dies mid-protocol: the survivor's receive half ends at its deadline naming the
+// rank and the section it waited for, and tearing the AllToAll down does not hang on the relay.
 TEST(MoeHostFailureTest, ADeadPeerEndsTheReceiveHalfAtItsDeadline) {
   auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
     AllToAllConfig cfg{2, b.rank(), 1, 8, 2, 4, 128, DispatchDtype::kBf16, 2};
@@ -559,12 +559,13 @@ TEST(MoeHostFailureTest, ADeadPeerEndsTheReceiveHalfAtItsDeadline) {
     auto start = Clock::now();
     Status s = a2a->DispatchRecv({out_x.data(), nullptr, counts.data()}, Deadline::After(1s));
     CHECK_OR_RETURN(s.code() == StatusCode::kDeadlineExceeded, "got " + s.ToString());
-    CHECK_OR_RETURN(s.message().find("recv-ready of epoch 0") != std::string::npos, s.ToString());
+    CHECK_OR_RETURN(s.message().find("rank 1's dispatch section of epoch 0") != std::string::npos,
+                    s.ToString());
     CHECK_OR_RETURN(Clock::now() - start < 5s, "deadline not kept");
     // Teardown waits (bounded) for the writes to the dead peer to end before freeing buffers.
     start = Clock::now();
     a2a.reset();
-    CHECK_OR_RETURN(Clock::now() - start < 5s, "teardown hung on the proxy");
+    CHECK_OR_RETURN(Clock::now() - start < 5s, "teardown hung on the relay");
     std::this_thread::sleep_for(1500ms);  // had a write outlived the buffers, it would crash now
     return Status::Ok();
   }, 120s);

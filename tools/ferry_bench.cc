@@ -11,6 +11,8 @@
 //   ferry-bench p2p    [--bytes N]: GPU 0 <-> 1 bandwidth (copy engine, SM stores and loads)
 //   ferry-bench mirror [--provider P] [--iters I] [--rounds R]: a kernel waiting on a mirrored
 //                      immediate counter (GpuWords) next to a host thread in WaitImm
+//   ferry-bench buffers  what the AllToAll's buffers take per rank at EP 8-64, decode and
+//                      prefill, against DeepEP's low-latency buffer (docs/DESIGN.md §2.3)
 //   ferry-bench demo   the main job of `make demo`: short fabric, moe and kv runs on shm
 #include <cstdio>
 #include <cstdlib>
@@ -26,6 +28,7 @@
 #endif
 #include "common/strings.h"
 #include "ferry/topology.h"
+#include "moe/buffers.h"
 
 namespace {
 
@@ -46,6 +49,7 @@ void Usage() {
       "       ferry-bench p2p [--bytes N]   (GPU 0 <-> 1: copy engine, SM stores and loads)\n"
       "       ferry-bench mirror [--provider P] [--iters I] [--rounds R]   (a kernel waiting"
       " on MirrorImm)\n"
+      "       ferry-bench buffers   (per-rank buffer bytes against DeepEP's low-latency mode)\n"
       "       ferry-bench demo\n"
       "Provider from --provider, else FERRY_PROVIDER, else shm.\n");
 }
@@ -56,6 +60,37 @@ bool ParseInt(const char* s, int* out) {
   if (!end || *end || v < 0 || v > (1 << 30)) return false;
   *out = static_cast<int>(v);
   return true;
+}
+
+// The table of docs/DESIGN.md §2.3: DeepSeek-V3's MoE layer (256 experts, top-8, hidden 7168,
+// fp8), nodes of 8 GPUs, the CUDA device with nothing streamed; MiB per rank.
+int PrintBuffers() {
+  std::printf("| EP | tokens | ferry receive, plain | ferry receive, (a)+(b) | ferry send, (a)+(b) "
+              "| DeepEP LL receive | DeepEP LL send | (a)+(b) receive / DeepEP's |\n"
+              "| --- | --- | --- | --- | --- | --- | --- | --- |\n");
+  const double mib = 1024.0 * 1024.0;
+  for (int tokens : {128, 4096}) {
+    for (int ep : {8, 16, 32, 64}) {
+      ferry::AllToAllConfig c;
+      c.world_size = ep;
+      c.ranks_per_node = ep < 8 ? ep : 8;
+      c.num_experts = 256;
+      c.experts_per_token = 8;
+      c.max_tokens_per_rank = tokens;
+      c.hidden = 7168;
+      c.dtype = ferry::DispatchDtype::kFp8E4M3;
+      c.device = ferry::MoeDeviceKind::kCuda;
+      const ferry::moe::BufferBytes plain = ferry::moe::CudaDeviceBuffers(c, 0);
+      c.dispatch_once_per_rank = c.combine_reduce_at_expert_rank = true;
+      const ferry::moe::BufferBytes ab = ferry::moe::CudaDeviceBuffers(c, 0);
+      const ferry::moe::BufferBytes deep_ep =
+          ferry::moe::DeepEpLowLatencyBuffers(tokens, c.hidden, c.num_experts);
+      std::printf("| %d | %d | %.0f | %.0f | %.0f | %.0f | %.0f | %.2f |\n", ep, tokens,
+                  plain.receive / mib, ab.receive / mib, ab.send / mib, deep_ep.receive / mib,
+                  deep_ep.send / mib, double(ab.receive) / double(deep_ep.receive));
+    }
+  }
+  return 0;
 }
 
 }  // namespace
@@ -159,6 +194,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "--node-ranks needs --nvlink and must divide --ranks\n");
     return 2;
   }
+  if (command == "buffers") return PrintBuffers();
   if (command == "fabric") return ferry::bench::RunFabricBench(f);
   if (command == "moe") return ferry::bench::RunMoeBench(m);
   if (command == "kv") return ferry::bench::RunKvBench(kv);
@@ -210,7 +246,8 @@ int main(int argc, char** argv) {
     m.compare = true;
     m.token_major = true;  // and (a)+(b) in the token-major layout
     if (int rc = ferry::bench::RunMoeBench(m)) return rc;
-    std::printf("\n== ferry demo 3/3: KV messenger, 1 prefill -> 2 decoders, 1024-token prompt ==\n");
+    std::printf(
+        "\n== ferry demo 3/3: KV messenger, 1 prefill -> 2 decoders, 1024-token prompt ==\n");
     kv.tokens = 1024;
     kv.decoders = 2;
     return ferry::bench::RunKvBench(kv);

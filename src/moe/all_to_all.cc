@@ -1,6 +1,6 @@
-// AllToAll::Create, and the host device's AllToAll: buffers, the exchange at setup, and the glue
-// between the host device and its proxy. The CUDA device's AllToAll is in
-// cuda/nvlink_all_to_all.cu.
+// AllToAll::Create, and the host device's AllToAll: its relay's buffers, the agreement at
+// setup, and the glue between the device and the relay (moe/device.h). The CUDA device's
+// AllToAll is in cuda/nvlink_all_to_all.cu.
 #include <memory>
 #include <string>
 #include <vector>
@@ -8,8 +8,9 @@
 #include "common/leak.h"
 #include "ferry/moe.h"
 #include "moe/device.h"
-#include "moe/layout.h"
-#include "moe/proxy.h"
+#include "moe/relay.h"
+#include "moe/steps.h"
+#include "moe/wire.h"
 #ifdef FERRY_HAVE_CUDA
 #include "moe/cuda/nvlink_all_to_all.h"
 #endif
@@ -17,43 +18,29 @@
 namespace ferry {
 namespace {
 
-using moe::Channel;
-using moe::MoeLayout;
+using moe::Stage;
 
 class AllToAllImpl final : public AllToAll {
  public:
   AllToAllImpl(const AllToAllConfig& c, TransferEngine* engine)
-      : c_(c), layout_(c), engine_(engine), routing_(c) {}
+      : c_(c), layout_(c, moe::SlotFormat(c, false).slot_bytes, 1), engine_(engine) {}
 
   ~AllToAllImpl() override {
-    if (!proxy_) return;
-    // Stop the proxy, then make sure no write still reads our buffers before they go. Writes to
-    // a dead peer end at the engine's transfer timeout; if some never end (a wedged provider),
-    // the buffers and registrations are leaked rather than freed under the NIC.
-    if (!proxy_->Quiesce()) {
-      LeakOnPurpose(new std::vector<uint8_t>(std::move(send_)));
-      LeakOnPurpose(new std::vector<uint8_t>(std::move(recv_)));
-      LeakOnPurpose(new MemoryRegion(std::move(send_reg_)));
-      LeakOnPurpose(new MemoryRegion(std::move(recv_reg_)));
+    // Stop the relay, then make sure no write still reads or fills our boxes before they go.
+    // Writes to a dead peer end at the engine's transfer timeout; if some never end (a wedged
+    // provider), the boxes are leaked rather than freed under the NIC (the relay leaks their
+    // registrations).
+    if (relay_ && !relay_->Stop()) {
+      LeakOnPurpose(new std::vector<uint8_t>(std::move(inbox_)));
+      LeakOnPurpose(new std::vector<uint8_t>(std::move(outbox_)));
     }
-    proxy_.reset();
+    relay_.reset();
     device_.reset();
   }
 
   Status Init(Bootstrap& bootstrap) {
     const int n = c_.world_size, me = c_.rank;
-    recv_.assign(layout_.recv_bytes, 0);
-    send_.assign(layout_.send_bytes, 0);
-    ASSIGN_OR_RETURN(recv_reg_, engine_->RegisterMemory(recv_.data(), layout_.recv_bytes));
-    ASSIGN_OR_RETURN(send_reg_, engine_->RegisterMemory(send_.data(), layout_.send_bytes));
-    for (uint32_t kind = moe::kCounts; kind <= moe::kCombineConsumed; ++kind) {
-      for (uint32_t epoch = 0; epoch < moe::kEpochs; ++epoch) {
-        Status s = engine_->CreateImmCounter(
-            moe::MoeImm(static_cast<moe::ImmKind>(kind), epoch, c_.instance));
-        if (!s.ok()) return moe::CounterError(s, c_.instance);
-      }
-    }
-    // Exchange: configuration fingerprint, engine address, receive-region descriptor.
+    // What the ranks must agree on, before anything is sized from it.
     const auto timeout = std::chrono::seconds(60);
     ASSIGN_OR_RETURN(auto prints, bootstrap.AllGather(c_.Fingerprint(), timeout));
     for (int r = 0; r < n; ++r) {
@@ -63,35 +50,24 @@ class AllToAllImpl final : public AllToAll {
                                     std::to_string(me) + " (" + c_.ToString() + ")");
       }
     }
-    ASSIGN_OR_RETURN(auto addresses, bootstrap.AllGather(engine_->Address(), timeout));
-    ASSIGN_OR_RETURN(auto regions, bootstrap.AllGather(recv_reg_.remote().Serialize(), timeout));
-    moe::ProxyParams pp;
-    std::vector<PeerId> members;
-    std::vector<RemoteRegion> dsts;
-    for (int r = 0; r < n; ++r) {
-      if (r == me) continue;
-      ASSIGN_OR_RETURN(PeerId peer, engine_->AddPeer(addresses[r]));
-      ASSIGN_OR_RETURN(RemoteRegion region, RemoteRegion::Parse(regions[r]));
-      if (region.length != static_cast<uint64_t>(layout_.recv_bytes)) {
-        return InvalidArgumentError("AllToAll: rank " + std::to_string(r) +
-                                    " registered a receive region of another size");
-      }
-      members.push_back(peer);
-      dsts.push_back(region);
+    inbox_.assign(size_t(layout_.inbox_bytes), 0);
+    outbox_.assign(size_t(layout_.outbox_bytes), 0);
+    control_.assign(size_t(layout_.control_bytes) / 8, 0);
+    inbox_flags_.assign(2 * size_t(n), 0);
+    moe::RelayBuffers boxes;
+    boxes.inbox = inbox_.data();
+    boxes.outbox = outbox_.data();
+    boxes.control = reinterpret_cast<uint8_t*>(control_.data());
+    boxes.inbox_flags = inbox_flags_.data();
+    if (!layout_.remotes.empty()) {
+      ASSIGN_OR_RETURN(relay_, moe::Relay::Create(c_, layout_, engine_, bootstrap, boxes));
+    } else {
+      // One rank: nothing crosses, but the instance is still this AllToAll's on its engine
+      // (each AllToAll on an engine has its own), claimed by a counter no relay creates.
+      Status s = engine_->CreateImmCounter(moe::RelayImm(moe::kRelayDispatch, 0, c_.instance, me));
+      if (!s.ok()) return moe::CounterError(s, c_.instance);
     }
-    if (n > 1) {
-      ASSIGN_OR_RETURN(pp.group, engine_->AddPeerGroup(members));
-      ASSIGN_OR_RETURN(pp.plan, engine_->PrepareScatter(pp.group, send_reg_, dsts));
-    }
-    RETURN_IF_ERROR(bootstrap.Barrier(timeout));
-    pp.config = c_;
-    pp.engine = engine_;
-    pp.channel = &channel_;
-    pp.routing = &routing_;
-    pp.recv = recv_.data();
-    pp.send = send_.data();
-    device_ = moe::NewHostDevice({c_, &channel_, &routing_, recv_.data(), send_.data()});
-    proxy_ = std::make_unique<moe::Proxy>(pp);
+    device_ = moe::NewHostDevice({c_, &layout_, boxes, relay_.get()});
     return Status::Ok();
   }
 
@@ -110,14 +86,17 @@ class AllToAllImpl final : public AllToAll {
   bool capturing(void*) const override { return false; }
   Status OrderAfter(void*) override { return NoStreams("OrderAfter"); }
   Status OrderBefore(void*) override { return NoStreams("OrderBefore"); }
-  uint64_t dispatch_bytes_sent() const override { return proxy_->dispatch_bytes(); }
-  uint64_t combine_bytes_sent() const override { return proxy_->combine_bytes(); }
+  uint64_t dispatch_bytes_sent() const override { return relay_ ? relay_->dispatch_bytes() : 0; }
+  uint64_t combine_bytes_sent() const override { return relay_ ? relay_->combine_bytes() : 0; }
 
   Status DispatchSend(const DispatchInput& given) override {
     RETURN_IF_ERROR(Step(Stage::kIdle, "DispatchSend"));
-    RETURN_IF_ERROR(moe::CheckInputForms(c_, given));
+    RETURN_IF_ERROR(moe::CheckDispatchInput(c_, given));
+    if (given.device_num_tokens) {
+      return InvalidArgumentError("DispatchSend: a device token count needs the CUDA device");
+    }
     DispatchInput in = given;
-    if (in.x_bf16 && in.num_tokens > 0 && in.num_tokens <= c_.max_tokens_per_rank) {
+    if (in.x_bf16 && in.num_tokens > 0) {
       // Quantised here, then sent as if the caller had: the rows stay ours until the next
       // DispatchSend (the device reads them while sending).
       fp8_x_.resize(size_t(in.num_tokens) * c_.hidden);
@@ -127,10 +106,9 @@ class AllToAllImpl final : public AllToAll {
       in.x = fp8_x_.data();
       in.scales = fp8_scales_.data();
     }
-    RETURN_IF_ERROR(CheckInput(in));
+    RETURN_IF_ERROR(CheckIds(in));
     if (in.indices64 && in.num_tokens > 0) {
-      // Narrowed once checked (CheckInput checks the 64-bit ids themselves: a narrowed id
-      // could wrap into range).
+      // Narrowed once CheckIds passed them.
       narrowed_.assign(in.indices64, in.indices64 + int64_t{in.num_tokens} * c_.experts_per_token);
       in.indices = narrowed_.data();
     }
@@ -165,33 +143,16 @@ class AllToAllImpl final : public AllToAll {
   }
 
  private:
-  enum class Stage { kIdle, kDispatchSent, kDispatchDone, kCombineSent };
-
-  // Steps run in order; after a proxy failure every step reports it.
+  // Steps run in order; after a relay failure or a malformed section every step reports it.
   Status Step(Stage want, const char* name) const {
-    if (channel_.failed.load(std::memory_order_acquire)) return channel_.Error();
-    if (stage_ != want) {
-      return FailedPreconditionError(std::string(name) +
-                                     " out of order: the steps run DispatchSend, DispatchRecv, "
-                                     "CombineSend, CombineRecv");
-    }
-    return Status::Ok();
+    if (relay_ && relay_->failed()) return relay_->error();
+    RETURN_IF_ERROR(device_->error());
+    return moe::CheckStage(stage_, want, name);
   }
 
-  Status CheckInput(const DispatchInput& in) const {
-    if (in.num_tokens < 0 || in.num_tokens > c_.max_tokens_per_rank) {
-      return InvalidArgumentError("DispatchSend: " + std::to_string(in.num_tokens) +
-                                  " tokens, configured maximum " +
-                                  std::to_string(c_.max_tokens_per_rank));
-    }
-    if (in.device_num_tokens) {
-      return InvalidArgumentError("DispatchSend: a device token count needs the CUDA device");
-    }
-    if (in.num_tokens == 0) return Status::Ok();
-    if (!in.x || (!in.indices && !in.indices64) || !in.weights ||
-        (c_.scales_per_token() && !in.scales)) {
-      return InvalidArgumentError("DispatchSend: null input buffer");
-    }
+  // Every expert id (the 64-bit ones before they are narrowed: a narrowed id could wrap into
+  // range).
+  Status CheckIds(const DispatchInput& in) const {
     const int64_t copies = int64_t{in.num_tokens} * c_.experts_per_token;
     for (int64_t i = 0; i < copies; ++i) {
       const int64_t e = in.indices64 ? in.indices64[i] : int64_t{in.indices[i]};
@@ -205,18 +166,16 @@ class AllToAllImpl final : public AllToAll {
   }
 
   const AllToAllConfig c_;
-  const MoeLayout layout_;
+  const moe::RelayLayout layout_;  // every other rank remote: the host device has no NVLink
   TransferEngine* engine_;
-  std::vector<uint8_t> recv_, send_;
-  MemoryRegion recv_reg_, send_reg_;
-  mutable Channel channel_;  // Error() takes its lock
-  moe::Routing routing_;
+  std::vector<uint8_t> inbox_, outbox_;
+  std::vector<uint64_t> control_, inbox_flags_;  // 8-byte words, as the relay and device use them
   std::unique_ptr<moe::MoeDevice> device_;
-  std::unique_ptr<moe::Proxy> proxy_;
+  std::unique_ptr<moe::Relay> relay_;  // after what it reads: stopped first
   Stage stage_ = Stage::kIdle;
   uint64_t epoch_ = 0;
   std::vector<int32_t> narrowed_;  // DispatchInput::indices64 as int32
-  std::vector<uint8_t> fp8_x_;  // DispatchInput::x_bf16 quantised
+  std::vector<uint8_t> fp8_x_;     // DispatchInput::x_bf16 quantised
   std::vector<float> fp8_scales_;
 };
 

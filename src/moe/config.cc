@@ -5,7 +5,7 @@
 #include "common/env.h"
 #include "fabric/wire.h"
 #include "ferry/moe.h"
-#include "moe/layout.h"
+#include "moe/steps.h"
 
 namespace ferry {
 
@@ -117,18 +117,11 @@ std::string AllToAllConfig::ToString() const {
 
 namespace moe {
 
-Status CheckCountsRow(const AllToAllConfig& c, const MoeLayout& layout, const Routing& routing,
-                      int s, int r) {
-  const int64_t slots = routing.Slots(s, r), rows = routing.Rows(s, r);
-  if (slots < 0 || slots > layout.slots_per_pair || rows < 0 || rows > layout.rows_per_pair) {
-    return DataLossError("moe: rank " + std::to_string(s) + "'s counts row announces " +
-                         std::to_string(slots) + " dispatch slots and " + std::to_string(rows) +
-                         " combine rows for rank " + std::to_string(r) + " (at most " +
-                         std::to_string(layout.slots_per_pair) + " and " +
-                         std::to_string(layout.rows_per_pair) + " fit; " +
-                         std::to_string(c.world_size) + " ranks)");
-  }
-  return Status::Ok();
+Status CheckStage(Stage at, Stage want, const char* step) {
+  if (at == want) return Status::Ok();
+  return FailedPreconditionError(std::string(step) +
+                                 " out of order: the steps run DispatchSend, DispatchRecv, "
+                                 "CombineSend, CombineRecv");
 }
 
 Status CheckDispatchOutput(const AllToAllConfig& c, const DispatchOutput& out) {
@@ -164,22 +157,33 @@ Status CheckCombineOutput(const AllToAllConfig& c, const CombineOutput& out) {
   return Status::Ok();
 }
 
-Status CheckInputForms(const AllToAllConfig& c, const DispatchInput& in) {
+Status CheckDispatchInput(const AllToAllConfig& c, const DispatchInput& in) {
   if (in.indices && in.indices64) {
     return InvalidArgumentError("DispatchSend: indices or indices64, not both");
   }
-  if (!in.x_bf16) return Status::Ok();
-  if (c.dtype != DispatchDtype::kFp8E4M3) {
-    return InvalidArgumentError(
-        "DispatchSend: x_bf16 is quantised to fp8, and this AllToAll moves bf16 (pass x)");
+  if (in.x_bf16) {
+    if (c.dtype != DispatchDtype::kFp8E4M3) {
+      return InvalidArgumentError(
+          "DispatchSend: x_bf16 is quantised to fp8, and this AllToAll moves bf16 (pass x)");
+    }
+    if (in.x || in.scales) {
+      return InvalidArgumentError(
+          "DispatchSend: x_bf16 is quantised into x and scales: give it or them, not both");
+    }
+    if (in.scaling != Fp8Scaling::kAmax && in.scaling != Fp8Scaling::kPowerOfTwo) {
+      return InvalidArgumentError("DispatchSend: unknown Fp8Scaling " +
+                                  std::to_string(static_cast<int>(in.scaling)));
+    }
   }
-  if (in.x || in.scales) {
-    return InvalidArgumentError(
-        "DispatchSend: x_bf16 is quantised into x and scales: give it or them, not both");
+  if (in.num_tokens < 0 || in.num_tokens > c.max_tokens_per_rank) {
+    return InvalidArgumentError("DispatchSend: " + std::to_string(in.num_tokens) +
+                                " tokens, configured maximum " +
+                                std::to_string(c.max_tokens_per_rank));
   }
-  if (in.scaling != Fp8Scaling::kAmax && in.scaling != Fp8Scaling::kPowerOfTwo) {
-    return InvalidArgumentError("DispatchSend: unknown Fp8Scaling " +
-                                std::to_string(static_cast<int>(in.scaling)));
+  if (in.num_tokens > 0 &&
+      ((!in.x && !in.x_bf16) || (!in.indices && !in.indices64) || !in.weights ||
+       (c.scales_per_token() && !in.scales && !in.x_bf16))) {
+    return InvalidArgumentError("DispatchSend: null input buffer");
   }
   return Status::Ok();
 }

@@ -1,5 +1,5 @@
-// OwnWrites: the writes an owner (the proxy, the relay) posted and must see end before it reuses
-// or frees what they read. Their counter lives on the heap so that, when some never end (a
+// OwnWrites: the writes the relay posted and must see end before it reuses or frees what they
+// read. Their counter lives on the heap so that, when some never end (a
 // wedged provider), Drain leaks it together with what they read instead of freeing it under
 // the engine's worker, which still counts into it.
 #pragma once

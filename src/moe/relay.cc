@@ -7,8 +7,6 @@
 
 #include "common/backoff.h"
 #include "common/leak.h"
-#include "moe/layout.h"
-#include "moe/proxy.h"
 
 namespace ferry::moe {
 namespace {
@@ -20,14 +18,14 @@ constexpr uint32_t kSpins = 256, kYields = 1u << 14, kSleepUs = 20;
 
 }  // namespace
 
-RelayLayout::RelayLayout(const AllToAllConfig& c, int64_t slot_bytes_in)
-    : n(c.world_size), me(c.rank), ranks_per_node(c.ranks_per_node), slot_bytes(slot_bytes_in) {
-  const MoeLayout moe(c);
-  row_bytes = moe.row_bytes;
-  slots_per_pair = moe.slots_per_pair;
-  rows_per_pair = moe.rows_per_pair;
+RelayLayout::RelayLayout(const AllToAllConfig& c, int64_t slot_bytes_in, int node_ranks_in)
+    : n(c.world_size), me(c.rank), node_ranks(node_ranks_in), slot_bytes(slot_bytes_in) {
+  const PairLimits pairs(c);
+  row_bytes = int64_t{c.hidden} * 2;
+  slots_per_pair = pairs.slots_per_pair;
+  rows_per_pair = pairs.rows_per_pair;
   combine_rows = int64_t{c.max_tokens_per_rank} * c.experts_per_token;
-  counts_width = c.local_experts() + kCountsColumns;
+  counts_width = CountsWidth(c);
   counts_bytes = RoundUp(counts_width * 4, 16);
   section_bytes = counts_bytes + slots_per_pair * slot_bytes;
   for (int r = 0; r < n; ++r) {
@@ -44,9 +42,9 @@ RelayLayout::RelayLayout(const AllToAllConfig& c, int64_t slot_bytes_in)
 }
 
 int RelayLayout::RemoteIndex(int of, int rank) const {
-  const int first = Node(of) * ranks_per_node;
-  if (rank >= first && rank < first + ranks_per_node) return -1;
-  return rank < first ? rank : rank - ranks_per_node;
+  const int first = Node(of) * node_ranks;
+  if (rank >= first && rank < first + node_ranks) return -1;
+  return rank < first ? rank : rank - node_ranks;
 }
 
 Relay::Relay(const AllToAllConfig& config, const RelayLayout& layout, TransferEngine* engine,

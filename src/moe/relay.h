@@ -1,4 +1,7 @@
-// Relay: the host thread that carries the NVLink AllToAll's traffic between nodes.
+// Relay: the host thread that carries an AllToAll's traffic between nodes -- the one protocol
+// both devices speak across machines. The CUDA device's kernels write and read the boxes below;
+// the host device (host/host_device.cc) writes and reads the same bytes (moe/wire.h) from the
+// CPU, with every other rank in a node of its own, so CI runs what GPUs run between nodes.
 //
 // With several nodes of several GPUs (1 < ranks_per_node < world_size) the kernels treat every
 // rank alike: they write what a peer must receive (its counts row, its slots, the combine rows
@@ -47,6 +50,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -54,23 +58,44 @@
 #include "ferry/bootstrap.h"
 #include "ferry/fabric.h"
 #include "ferry/moe.h"
+#include "ferry/immediates.h"
 #include "moe/own_writes.h"
-#include "moe/proxy.h"
+#include "moe/wire.h"
 
 namespace ferry::moe {
 
-// The counts row one rank sends another (both transports): copies per local expert of the
-// receiver, then these columns.
-enum CountsColumn : int {
-  kColSlots = 0,      // slots for the receiver
-  kColSendStart = 1,  // where they start in the sender's send area
-  kColRowStart = 2,   // where the receiver's combine rows start in the sender's combine region
-  kColRows = 3,       // how many combine rows the sender expects back from the receiver
-  kCountsColumns = 4,
+// The AllToAll's immediates (the range ferry/immediates.h lays out): the kind, the epoch mod
+// kEpochs (a rank is at most one epoch ahead of any other, so this never aliases), the
+// AllToAll's instance (AllToAllConfig::instance: AllToAlls on one engine count apart) and the
+// sending rank, so that each sender's section raises its own flag.
+enum ImmKind : uint32_t {
+  kRelayDispatch = 1,  // a counts row and its slots
+  kRelayCombine = 2,   // combine rows
 };
+inline constexpr uint32_t kEpochs = 1u << imm::kMoeEpochBits;
+static_assert(kRelayCombine < (1u << imm::kMoeKindBits), "the kind has four bits");
+static_assert(AllToAllConfig::kMaxInstances <= (1 << imm::kMoeInstanceBits),
+              "the instance has four bits");
+static_assert(AllToAllConfig::kMaxWorldSize <= (1 << imm::kMoeSenderBits),
+              "the sender has sixteen bits");
+inline uint32_t RelayImm(ImmKind kind, uint64_t epoch, int instance, int sender) {
+  return imm::kMoe.first | static_cast<uint32_t>(instance) << imm::kMoeInstanceShift |
+         (uint32_t{kind} << imm::kMoeKindShift) | static_cast<uint32_t>(epoch % kEpochs) |
+         static_cast<uint32_t>(sender) << imm::kMoeSenderShift;
+}
+
+// Why an AllToAll could not create one of its immediate counters: AlreadyExists naming the
+// instance when another AllToAll on the engine has it; else the engine's reason.
+inline Status CounterError(const Status& s, int instance) {
+  if (s.code() != StatusCode::kAlreadyExists) return s.WithContext("AllToAll: immediate counter");
+  return AlreadyExistsError("AllToAll: instance " + std::to_string(instance) +
+                            " is taken on this engine (an AllToAll's immediate counters outlive "
+                            "it): give each AllToAll on one engine an instance of its own");
+}
 
 // Where everything lives in one rank's inbox, outbox and control block. Nodes are blocks of
-// ranks_per_node consecutive ranks; "remote" ranks are those outside our node, in rank order.
+// node_ranks consecutive ranks (the CUDA device: ranks_per_node; the host device, which has no
+// NVLink: 1, every other rank remote); "remote" ranks are those outside our node, in rank order.
 //
 //   inbox    sections  [remote senders] counts row + S slots, written by the peers' relays
 //            combine   [T * K] rows, rows from remote expert ranks at their place in our region
@@ -80,14 +105,14 @@ enum CountsColumn : int {
 //            in_rows       [remote senders] {start, rows} i64: where sender q's combine rows go
 //                          in its region and how many (the receive kernel, from q's counts row)
 struct RelayLayout {
-  RelayLayout(const AllToAllConfig& c, int64_t slot_bytes);
+  RelayLayout(const AllToAllConfig& c, int64_t slot_bytes, int node_ranks);
 
-  int Node(int rank) const { return rank / ranks_per_node; }
+  int Node(int rank) const { return rank / node_ranks; }
   bool Remote(int rank) const { return Node(rank) != Node(me); }
   // Index of `rank` among the ranks outside `of`'s node (-1 if it is in that node).
   int RemoteIndex(int of, int rank) const;
 
-  int n, me, ranks_per_node;
+  int n, me, node_ranks;
   int64_t slot_bytes, row_bytes;
   int64_t slots_per_pair;  // S: the most slots one sender routes to one receiver
   int64_t rows_per_pair;   // R: the most combine rows one rank returns to one sender

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <set>
@@ -32,10 +33,34 @@ AllToAllConfig Config(int world, int rank, int ranks_per_node) {
 }
 constexpr int64_t kSlotBytes = 304;  // the NVLink slot of this configuration: 16 + 2 * 16 + 256
 
+// Every AllToAll immediate -- each kind, epoch, instance and sender at its
+// extremes -- lies in the AllToAll range of ferry/immediates.h, and distinct fields give
+// distinct immediates; the KV range's extremes lie in the KV range.
+TEST(ImmediatesTest, EachPartsImmediatesStayInTheirRange) {
+  std::vector<uint32_t> seen;
+  for (ImmKind kind : {kRelayDispatch, kRelayCombine}) {
+    for (uint64_t epoch : {uint64_t{0}, uint64_t{3}, uint64_t{1} << 40}) {
+      for (int instance : {0, AllToAllConfig::kMaxInstances - 1}) {
+        for (int sender : {0, 1, AllToAllConfig::kMaxWorldSize - 1}) {
+          const uint32_t v = RelayImm(kind, epoch, instance, sender);
+          EXPECT_TRUE(imm::kMoe.Holds(v)) << std::hex << v;
+          EXPECT_FALSE(imm::kKv.Holds(v) || imm::kCaller.Holds(v)) << std::hex << v;
+          if (epoch < kEpochs) seen.push_back(v);
+        }
+      }
+    }
+  }
+  std::sort(seen.begin(), seen.end());
+  EXPECT_EQ(std::adjacent_find(seen.begin(), seen.end()), seen.end()) << "two fields collide";
+  const uint32_t kv_last = imm::kKv.first | imm::kKvWeightMask | (imm::kKvMaxSlots - 1);
+  EXPECT_TRUE(imm::kKv.Holds(imm::kKv.first) && imm::kKv.Holds(kv_last));
+  EXPECT_FALSE(imm::kMoe.Holds(kv_last));
+}
+
 TEST(RelayLayoutTest, SectionsAndIndicesAgree) {
   for (auto [world, per_node] : {std::pair{2, 1}, {4, 2}, {6, 3}, {8, 2}, {8, 4}}) {
     for (int me = 0; me < world; ++me) {
-      const RelayLayout layout(Config(world, me, per_node), kSlotBytes);
+      const RelayLayout layout(Config(world, me, per_node), kSlotBytes, per_node);
       ASSERT_EQ(layout.remotes.size(), size_t(world - per_node));
       std::set<int> indices;
       for (size_t q = 0; q < layout.remotes.size(); ++q) {
@@ -46,7 +71,7 @@ TEST(RelayLayoutTest, SectionsAndIndicesAgree) {
         EXPECT_GE(at, 0);
         EXPECT_LT(at, world - per_node);
         // And r's remotes, seen from r, list us at that index.
-        const RelayLayout theirs(Config(world, r, per_node), kSlotBytes);
+        const RelayLayout theirs(Config(world, r, per_node), kSlotBytes, per_node);
         EXPECT_EQ(theirs.remotes[at], me);
         EXPECT_EQ(layout.RemoteIndex(me, r), static_cast<int>(q));
         indices.insert(at);
@@ -146,15 +171,16 @@ Status WaitFlag(uint64_t* flag, uint64_t want, const std::string& what) {
 }
 
 // One rank's relay, host memory standing for the kernels' side, driven epoch by epoch (so that
-// two relays on one engine can alternate theirs). flush: a flush_landed hook (as for GPU-memory boxes), which must run once per landed section,
-// before that section's flag goes up. instance: AllToAllConfig::instance.
+// two relays on one engine can alternate theirs). flush: a flush_landed hook (as for GPU-memory
+// boxes), which must run once per landed section, before that section's flag goes up.
+// instance: AllToAllConfig::instance.
 class RelayRank {
  public:
   RelayRank(Bootstrap& b, int per_node, bool flush = false, int instance = 0)
       : c_(WithInstance(Config(b.world_size(), b.rank(), per_node), instance)),
         per_node_(per_node),
         flush_(flush),
-        layout_(c_, kSlotBytes),
+        layout_(c_, kSlotBytes, per_node_),
         boxes_(layout_) {}
 
   Status Create(TransferEngine* engine, Bootstrap& b) {
@@ -202,7 +228,7 @@ class RelayRank {
       const int s = layout_.remotes[q];
       RETURN_IF_ERROR(WaitFlag(InboxFlag(false, s), epoch + 1,
                                "dispatch flag of rank " + std::to_string(s) + at));
-      const RelayLayout theirs(Config(c_.world_size, s, per_node_), kSlotBytes);
+      const RelayLayout theirs(Config(c_.world_size, s, per_node_), kSlotBytes, per_node_);
       const Ask ask = AskOf(theirs, s, me, epoch);
       const auto* counts = reinterpret_cast<const int32_t*>(inbox.data() + layout_.InSection(q));
       CHECK_OR_RETURN(counts[0] == s * 100 + c_.instance && counts[l + kColSlots] == ask.slots &&
@@ -218,7 +244,7 @@ class RelayRank {
     // Combine: the rows each remote sender expects, where its counts row said.
     for (size_t q = 0; q < layout_.remotes.size(); ++q) {
       const int s = layout_.remotes[q];
-      const RelayLayout theirs(Config(c_.world_size, s, per_node_), kSlotBytes);
+      const RelayLayout theirs(Config(c_.world_size, s, per_node_), kSlotBytes, per_node_);
       const Ask ask = AskOf(theirs, s, me, epoch);
       uint8_t* rows = outbox.data() + layout_.OutRows(q);
       for (int64_t i = 0; i < ask.rows * layout_.row_bytes; ++i) rows[i] = RowByte(me, s, epoch, i);
@@ -232,7 +258,8 @@ class RelayRank {
           inbox.data() + layout_.in_combine_off + ask.row_start * layout_.row_bytes;
       for (int64_t i = 0; i < ask.rows * layout_.row_bytes; ++i) {
         CHECK_OR_RETURN(rows[i] == RowByte(r, me, epoch, i),
-                        "combine byte " + std::to_string(i) + " from rank " + std::to_string(r) + at);
+                        "combine byte " + std::to_string(i) + " from rank " + std::to_string(r) +
+                            at);
       }
     }
     CHECK_OR_RETURN(!relay_->failed(), relay_->error().ToString());
@@ -307,7 +334,7 @@ TEST(RelayTest, TwoInstancesShareAnEngine) {
 TEST(RelayTest, AFailedFlushFailsTheRelay) {
   auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
     const AllToAllConfig c = Config(2, b.rank(), 1);
-    const RelayLayout layout(c, kSlotBytes);
+    const RelayLayout layout(c, kSlotBytes, c.ranks_per_node);
     Boxes boxes(layout);
     RelayBuffers buffers = boxes.buffers();
     buffers.flush_landed = [] { return InternalError("flush refused"); };
@@ -335,7 +362,7 @@ TEST(RelayTest, AFailedFlushFailsTheRelay) {
 TEST(RelayTest, ALostPeerFailsTheRelay) {
   auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
     const AllToAllConfig c = Config(2, b.rank(), 1);
-    const RelayLayout layout(c, kSlotBytes);
+    const RelayLayout layout(c, kSlotBytes, c.ranks_per_node);
     Boxes boxes(layout);
     ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
     ASSIGN_OR_RETURN(auto relay, Relay::Create(c, layout, engine.get(), b, boxes.buffers(), 1000));
@@ -361,7 +388,7 @@ TEST(RelayTest, AnImpossibleCombineRequestIsRefused) {
   auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
     const AllToAllConfig c = Config(2, b.rank(), 1);
     const int l = c.local_experts();
-    const RelayLayout layout(c, kSlotBytes);
+    const RelayLayout layout(c, kSlotBytes, c.ranks_per_node);
     Boxes boxes(layout);
     ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
     ASSIGN_OR_RETURN(auto relay, Relay::Create(c, layout, engine.get(), b, boxes.buffers(), 1000));
@@ -394,7 +421,7 @@ TEST(RelayTest, AnImpossibleCombineRequestIsRefused) {
 TEST(RelayTest, AMissingBufferIsRefused) {
   auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
     const AllToAllConfig c = Config(2, b.rank(), 1);
-    const RelayLayout layout(c, kSlotBytes);
+    const RelayLayout layout(c, kSlotBytes, c.ranks_per_node);
     Boxes boxes(layout);
     ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
     for (int missing = 0; missing < 4; ++missing) {

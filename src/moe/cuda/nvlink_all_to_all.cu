@@ -21,7 +21,8 @@
 #include "moe/cuda/nvlink_recv.cuh"
 #include "moe/cuda/nvlink_combine.cuh"
 #include "moe/cuda/pinned_buffer.h"
-#include "moe/layout.h"
+#include "moe/cuda/nvlink_layout.h"
+#include "moe/steps.h"
 #include "moe/relay.h"
 #include "ferry/gpu_words.h"
 
@@ -34,7 +35,7 @@ using namespace nv;  // NOLINT: the kernels and their structs, this file's whole
 
 class NvlinkAllToAll final : public AllToAll {
  public:
-  explicit NvlinkAllToAll(const AllToAllConfig& c) : c_(c), layout_(c) {}
+  explicit NvlinkAllToAll(const AllToAllConfig& c) : c_(c), pairs_(c) {}
 
   // Waits for the device: kernels on the caller's stream (which may be gone by now) may still
   // use our memory.
@@ -65,7 +66,7 @@ class NvlinkAllToAll final : public AllToAll {
     RETURN_IF_ERROR(PlanGrids(sms));
     RETURN_IF_ERROR(CheckConfigurationsAgree(bootstrap));
     ASSIGN_OR_RETURN(const std::vector<uint8_t*> bases, MapNodeBuffers(bootstrap, bytes));
-    const RelayLayout relay(c_, nv_.slot_bytes);
+    const RelayLayout relay(c_, nv_.slot_bytes, c_.ranks_per_node);
     ASSIGN_OR_RETURN(const RelayBuffers mapped, StartRelay(relay, engine, bootstrap));
     ASSIGN_OR_RETURN(const std::vector<NvPeer> peers,
                      ExchangePeers(bootstrap, relay, mapped, bases));
@@ -173,18 +174,8 @@ class NvlinkAllToAll final : public AllToAll {
 
   Status DispatchSend(const DispatchInput& given) override {
     RETURN_IF_ERROR(Step(Stage::kIdle, "DispatchSend"));
-    RETURN_IF_ERROR(CheckInputForms(c_, given));
+    RETURN_IF_ERROR(CheckDispatchInput(c_, given));
     DispatchInput in = given;
-    if (in.num_tokens < 0 || in.num_tokens > c_.max_tokens_per_rank) {
-      return InvalidArgumentError("DispatchSend: " + std::to_string(in.num_tokens) +
-                                  " tokens, configured maximum " +
-                                  std::to_string(c_.max_tokens_per_rank));
-    }
-    if ((in.num_tokens > 0) &&
-        ((!in.x && !in.x_bf16) || (!in.indices && !in.indices64) || !in.weights ||
-         (nv_.scales_per_token && !in.scales && !in.x_bf16))) {
-      return InvalidArgumentError("DispatchSend: null input buffer");
-    }
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
     if (in.x_bf16 && in.num_tokens > 0) {
       // Quantised on the stream into rows of ours, which the send kernels then read as the
@@ -303,16 +294,9 @@ class NvlinkAllToAll final : public AllToAll {
   }
 
  private:
-  enum class Stage { kIdle, kDispatchSent, kDispatchDone, kCombineSent };
-
   Status Step(Stage want, const char* name) {
     RETURN_IF_ERROR(Sticky());
-    if (stage_ != want) {
-      return FailedPreconditionError(std::string(name) +
-                                     " out of order: the steps run DispatchSend, DispatchRecv, "
-                                     "CombineSend, CombineRecv");
-    }
-    return Status::Ok();
+    return CheckStage(stage_, want, name);
   }
 
   // A peer that missed a deadline ends this AllToAll (its flags can no longer be trusted); so
@@ -392,7 +376,7 @@ class NvlinkAllToAll final : public AllToAll {
   static constexpr auto kExchangeTimeout = std::chrono::seconds(60);
 
   // Slots a rank may receive in one step: the receive grids and tables are sized by it.
-  int64_t MaxReceived() const { return int64_t{c_.world_size} * layout_.slots_per_pair; }
+  int64_t MaxReceived() const { return int64_t{c_.world_size} * pairs_.slots_per_pair; }
 
   // The device and our own stream; its SM count into *sms.
   Status OpenDevice(int* sms) {
@@ -430,11 +414,6 @@ class NvlinkAllToAll final : public AllToAll {
     v.chunks = static_cast<int>((int64_t{t} * k + kChunk - 1) / kChunk);
     v.scan_blocks = ((t + kRouteThreads - 1) / kRouteThreads) * ((n + kScanRanks - 1) / kScanRanks);
     v.payload = c_.token_bytes();
-    // The row starts on a 128-byte line, and so does every slot: a warp's 512 contiguous bytes
-    // then fill four lines, not five of which two in part (`ferry-bench p2p`: SM stores into
-    // the peer 6-7 % faster so, loads 2-3 %). The header and entries take the first
-    // meta_used bytes; the rest of the metadata is padding nobody writes or reads.
-    v.meta_used = sizeof(NvHeader) + int64_t{k} * sizeof(NvEntry);
     // Decode batches: DispatchSend in one kernel, its shared memory within the default limit.
     const size_t small_smem = SmallSmemBytes(n, v.experts, int64_t{t} * k);
     if (int64_t{t} * k <= kSmallEntries && small_smem <= 48 * 1024) small_smem_ = small_smem;
@@ -445,23 +424,24 @@ class NvlinkAllToAll final : public AllToAll {
     v.counts_tagged = c_.ranks_per_node == n;
     v.stream = c_.ranks_per_node == n && (stream_mask & 1);
     v.stream_combine = c_.ranks_per_node == n && (stream_mask & 2);
-    v.meta_bytes = RoundUp(v.meta_used + (v.stream ? 8 : 0), 128);
-    v.slot_bytes = RoundUp(v.meta_bytes + v.payload + int64_t{v.scales_per_token} * 4, 128);
+    const SlotFormat slot(c_, v.stream);
+    v.meta_used = slot.meta_used;
+    v.meta_bytes = slot.meta_bytes;
+    v.slot_bytes = slot.slot_bytes;
     v.row_bytes = int64_t{c_.hidden} * 2;
     v.capacity = c_.expert_capacity();
     v.once = c_.dispatch_once_per_rank;
     v.reduce = c_.combine_reduce_at_expert_rank;
     v.token_major = c_.dispatch_layout == DispatchLayout::kTokenMajor;
-    v.slots_per_pair = layout_.slots_per_pair;
-    v.counts_off = RoundUp(2 * n * 8, 128);
-    v.counts_stride =
-        static_cast<int>(RoundUp(v.local_experts + kCountsColumns + (v.counts_tagged ? 1 : 0), 4));
-    v.private_off = RoundUp(v.counts_off + int64_t{n} * v.counts_stride * 4, 128);
-    v.combine_off = RoundUp(v.private_off + int64_t{n} * v.private_slots * v.slot_bytes, 128);
-    v.combine_tag_off = RoundUp(v.combine_off + int64_t{t} * k * v.row_bytes, 128);
-    v.send_off =
-        RoundUp(v.combine_tag_off + (v.stream_combine ? int64_t{t} * k * 8 : 0), 128);
-    return v.send_off + SendAreaBytes(v);
+    v.slots_per_pair = pairs_.slots_per_pair;
+    const NvlinkLayout layout(c_, v.counts_tagged, v.stream_combine, v.slot_bytes);
+    v.counts_off = layout.counts_off;
+    v.counts_stride = layout.counts_stride;
+    v.private_off = layout.private_off;
+    v.combine_off = layout.combine_off;
+    v.combine_tag_off = layout.combine_tag_off;
+    v.send_off = layout.send_off;
+    return layout.bytes;
   }
 
   // Every kernel's grid and shared memory, and the launch settings (CudaTuning).
@@ -882,7 +862,7 @@ class NvlinkAllToAll final : public AllToAll {
   }
 
   const AllToAllConfig c_;
-  const MoeLayout layout_;  // slots_per_pair: the most slots one sender routes to one receiver
+  const PairLimits pairs_;
   Nv nv_{};
   SharedCudaMemory shared_;
   PinnedBuffer inbox_, outbox_;  // other nodes (relay.h), in host memory; the NIC uses them

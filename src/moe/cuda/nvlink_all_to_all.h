@@ -1,8 +1,9 @@
 // The NVLink AllToAll: dispatch and combine between GPUs, kernels only; inside a node over
 // NVLink, between nodes through the relay (relay.h).
 //
-// Files: nvlink_protocol.cuh (what kernels and host share: the slot format, the peer table,
-// device state, flags and waits), the kernels step by step -- nvlink_send.cuh (DispatchSend:
+// Files: moe/wire.h (the counts row and slot format, which the host device speaks too),
+// nvlink_layout.h (the buffer below), nvlink_protocol.cuh (what kernels and host share: the peer
+// table, device state, flags and waits), the kernels step by step -- nvlink_send.cuh (DispatchSend:
 // Route, Pack, SendSmall), nvlink_recv.cuh (DispatchRecv: Unpack), nvlink_combine.cuh
 // (CombineSend, CombineRecv) -- and nvlink_all_to_all.cu (the host side: memory, peers, relay,
 // launches).
@@ -26,10 +27,11 @@
 // above in its buffer and ours; for a rank of another node, our outbox section for it and our
 // inbox section from it, which the relay thread carries over the TransferEngine: GPU memory the
 // NIC reads and writes directly where the engine registers CUDA memory (GPUDirect RDMA), else
-// pinned host memory the GPU maps (AllToAllConfig::rdma_buffers; CudaTuning::relay_trace says which
-// and why). The relay's flags and the two numbers of each counts row it needs stay in a control
-// block of pinned host memory: the send kernel's block 0 stores our slot count for each remote
-// rank there, Unpack's block 0 copies each remote sender's {first row, rows} there (relay.h). Where GDRCopy is installed (/dev/gdrdrv and libgdrapi, found at run time;
+// pinned host memory the GPU maps (AllToAllConfig::rdma_buffers; CudaTuning::relay_trace says
+// which and why). The relay's flags and the two numbers of each counts row it needs stay in a
+// control block of pinned host memory: the send kernel's block 0 stores our slot count for each
+// remote rank there, Unpack's block 0 copies each remote sender's {first row, rows} there
+// (relay.h). Where GDRCopy is installed (/dev/gdrdrv and libgdrapi, found at run time;
 // FERRY_GDRCOPY=0 turns it off) the inbox flags live in our GPU's memory instead and the relay
 // writes them through the GDRCopy mapping, so the kernels poll local memory (gdr_flags.h).
 // Between nodes every slot is pushed (no pull), and the combine rows for a remote sender are

@@ -1,5 +1,5 @@
 // What the NVLink AllToAll's kernels share with its host side (nvlink_all_to_all.cu): launch
-// shapes, the slot format, the per-rank device state (Scratch), the peer table (NvPeer), the
+// shapes, the per-rank device state (Scratch), the peer table (NvPeer), the
 // argument structs, and the device helpers every kernel uses -- flags, waits, arrivals, errors,
 // trace stamps, a token's routing, claims. Design in nvlink_all_to_all.h; the kernels are in
 // nvlink_send.cuh, nvlink_recv.cuh and nvlink_combine.cuh. Included by nvlink_all_to_all.cu
@@ -12,8 +12,8 @@
 #include <cstring>
 
 #include "moe/cuda/cuda_util.cuh"
-#include "moe/layout.h"
 #include "moe/relay.h"
+#include "moe/wire.h"
 
 namespace ferry::moe::nv {
 
@@ -33,47 +33,7 @@ constexpr int kLaneVectors = 16;  // 16-byte vectors a lane keeps in flight in t
 
 // ---- what travels and what stays -------------------------------------------------------------
 
-struct NvHeader {
-  int32_t src_token;
-  int32_t entries;
-  int32_t row;    // the combine row of the first entry (plain) or of the token (summed)
-  int16_t part;   // which of the token's slots for this rank (one entry per slot), of
-  int16_t parts;  // how many
-};
-struct NvEntry {
-  int32_t local_expert;
-  int32_t k;
-  float weight;
-  int32_t pos;  // among the sender's copies for this expert, in (token, k) order
-};
-static_assert(sizeof(NvHeader) == 16 && sizeof(NvEntry) == 16, "slot metadata layout");
-
-// A received slot's metadata is checked before anything is taken from it, so that a corrupt or
-// hostile sender cannot make Unpack write outside its output (Unpack reports kBadSlot and takes
-// none of the slot). The header: entries in [1, K], a source token below the most a rank sends,
-// a part among its parts, and its combine rows -- from `row`, the header's row rebased to the
-// first one the sender expects from us -- within the `row_cap` it expects. Each entry: local
-// expert and k in range, its position among sender s's copies for that expert, and that
-// expert's rows from senders up to s within capacity; `offset` is Unpack's table,
-// offset[s * L + e] the rows of local expert e from senders before s.
-struct SlotLimits {
-  int k, l, t_max;
-  bool reduce;  // one combine row per token (summed at the expert rank), else one per entry
-  int64_t row_cap, capacity;
-};
-__host__ __device__ inline bool SlotHeaderValid(const NvHeader& h, int64_t row,
-                                                const SlotLimits& lim) {
-  return h.entries >= 1 && h.entries <= lim.k && h.src_token >= 0 && h.src_token < lim.t_max &&
-         row >= 0 && h.parts >= 1 && h.part >= 0 && h.part < h.parts &&
-         row + (lim.reduce ? 1 : h.entries) <= lim.row_cap;
-}
-__host__ __device__ inline bool SlotEntryValid(const NvEntry& e, const int32_t* offset, int s,
-                                               const SlotLimits& lim) {
-  const int32_t le = e.local_expert;
-  return le >= 0 && le < lim.l && e.k >= 0 && e.k < lim.k && e.pos >= 0 &&
-         e.pos < offset[(s + 1) * lim.l + le] - offset[s * lim.l + le] &&
-         offset[(s + 1) * lim.l + le] <= lim.capacity;
-}
+// The slot format, the counts row and the slot checks are moe/wire.h's (both devices').
 
 // What Unpack learned about a received slot, for CombineSend.
 struct RecvSlot {

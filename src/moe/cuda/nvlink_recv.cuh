@@ -218,7 +218,7 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
     }
     GroupSync<kGroup>();
     // Checks in parallel: the header by every thread, entry i by thread i.
-    NvHeader header;
+    SlotHeader header;
     std::memcpy(&header, &meta_v[0], sizeof header);
     const int entries = min(max(header.entries, 0), v.topk);
     // The combine row, counted from where our rows for s go (rebased for another node).
@@ -227,7 +227,7 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
                             v.reduce, from.row_cap, v.capacity};
     bool valid = SlotHeaderValid(header, row, limits);
     if (tid < entries) {
-      NvEntry entry;
+      SlotEntry entry;
       std::memcpy(&entry, &meta_v[1 + tid], sizeof entry);
       const int32_t le = entry.local_expert;
       valid = valid && SlotEntryValid(entry, offset, s, limits);
@@ -261,7 +261,7 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
       int32_t expert = -1;
       float weight = 0.0f;
       for (int i = 0; i < entries; ++i) {
-        NvEntry entry;
+        SlotEntry entry;
         std::memcpy(&entry, &meta_v[1 + i], sizeof entry);
         if (entry.k == tid) {
           expert = entry.local_expert;

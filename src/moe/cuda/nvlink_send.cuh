@@ -303,13 +303,13 @@ __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
       const int64_t j = v.slot_pos[int64_t{r} * v.max_tokens + t] + (carry & 0xFFFFFFFF) + o;
       row_pos = static_cast<int32_t>(v.row_pos[int64_t{r} * v.max_tokens + t] + (carry >> 32));
       uint8_t* d = SlotDst(v, r, j, starts[r]);
-      const NvEntry entry{LocalOf(v, x.e), lane, v.weights[f], pos};
-      reinterpret_cast<NvEntry*>(d + sizeof(NvHeader))[v.once ? x.within : 0] = entry;
+      const SlotEntry entry{LocalOf(v, x.e), lane, v.weights[f], pos};
+      reinterpret_cast<SlotEntry*>(d + sizeof(SlotHeader))[v.once ? x.within : 0] = entry;
       if (!v.once || x.first) {
         const int32_t row =
             static_cast<int32_t>(row_starts[r] + row_pos + (v.once || v.reduce ? 0 : o));
-        *reinterpret_cast<NvHeader*>(d) =
-            NvHeader{t, v.once ? x.hits : 1, row, static_cast<int16_t>(o),
+        *reinterpret_cast<SlotHeader*>(d) =
+            SlotHeader{t, v.once ? x.hits : 1, row, static_cast<int16_t>(o),
                      static_cast<int16_t>(v.once ? 1 : x.hits)};
         dst[v.once ? x.ranks_before : x.lanes_before + x.within] = d;
       }
@@ -577,14 +577,14 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
       const int o = v.once ? 0 : x.within;
       const int64_t j = (v.once ? rank_tokens : rank_copies) + o;
       uint8_t* d = SlotDst(v, r, j, m.starts[r], m.peer_slots[r], m.peer_cap[r]);
-      const NvEntry entry{LocalOf(v, x.e), lane, weight, pos};
-      reinterpret_cast<NvEntry*>(d + sizeof(NvHeader))[v.once ? x.within : 0] = entry;
+      const SlotEntry entry{LocalOf(v, x.e), lane, weight, pos};
+      reinterpret_cast<SlotEntry*>(d + sizeof(SlotHeader))[v.once ? x.within : 0] = entry;
       if (!v.once || x.first) {
         const int32_t row_pos = v.reduce ? rank_tokens : rank_copies;
         const int32_t row = static_cast<int32_t>(m.row_starts[r] + row_pos +
                                                  (v.once || v.reduce ? 0 : o));
-        *reinterpret_cast<NvHeader*>(d) =
-            NvHeader{t, v.once ? x.hits : 1, row, static_cast<int16_t>(o),
+        *reinterpret_cast<SlotHeader*>(d) =
+            SlotHeader{t, v.once ? x.hits : 1, row, static_cast<int16_t>(o),
                      static_cast<int16_t>(v.once ? 1 : x.hits)};
         dst_of[warp][v.once ? x.ranks_before : x.lanes_before + x.within] = d;
         if (x.first) v.row_pos[int64_t{r} * v.max_tokens + t] = row_pos;  // for CombineRecv

@@ -24,18 +24,18 @@ constexpr SlotLimits kPlain{4, 3, 8, false, 6, 16};
 const std::vector<int32_t> kOffset = {0, 0, 0, 2, 0, 5, 5, 1, 5};
 
 TEST(SlotCheckTest, AWellFormedSlotPasses) {
-  EXPECT_TRUE(SlotHeaderValid(NvHeader{7, 4, 0, 0, 1}, 2, kPlain));  // rows 2..5 of 6
-  EXPECT_TRUE(SlotHeaderValid(NvHeader{0, 1, 5, 1, 2}, 5, kPlain));  // the last row
+  EXPECT_TRUE(SlotHeaderValid(SlotHeader{7, 4, 0, 0, 1}, 2, kPlain));  // rows 2..5 of 6
+  EXPECT_TRUE(SlotHeaderValid(SlotHeader{0, 1, 5, 1, 2}, 5, kPlain));  // the last row
   SlotLimits reduce = kPlain;
   reduce.reduce = true;  // one row per token: 4 entries, row 5 of 6 still fits
-  EXPECT_TRUE(SlotHeaderValid(NvHeader{0, 4, 5, 0, 1}, 5, reduce));
-  EXPECT_TRUE(SlotEntryValid(NvEntry{0, 3, 0.5f, 2}, kOffset.data(), 1, kPlain));  // 3rd of 3
-  EXPECT_TRUE(SlotEntryValid(NvEntry{2, 0, 0.5f, 4}, kOffset.data(), 0, kPlain));  // 5th of 5
+  EXPECT_TRUE(SlotHeaderValid(SlotHeader{0, 4, 5, 0, 1}, 5, reduce));
+  EXPECT_TRUE(SlotEntryValid(SlotEntry{0, 3, 0.5f, 2}, kOffset.data(), 1, kPlain));  // 3rd of 3
+  EXPECT_TRUE(SlotEntryValid(SlotEntry{2, 0, 0.5f, 4}, kOffset.data(), 0, kPlain));  // 5th of 5
 }
 
 struct BadHeader {
   const char* name;
-  NvHeader header;
+  SlotHeader header;
   int64_t row;
   bool reduce;
 };
@@ -65,7 +65,7 @@ INSTANTIATE_TEST_SUITE_P(
 
 struct BadEntry {
   const char* name;
-  NvEntry entry;
+  SlotEntry entry;
   int sender;
   int64_t capacity;
 };

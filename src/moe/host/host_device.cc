@@ -1,305 +1,314 @@
-// The host device: the four steps of dispatch and combine on the CPU, on host memory. It is the
-// reference the CUDA kernels are checked against and the device CI runs the protocol with.
+// The host device (moe/device.h): the CUDA kernels' part of the relay protocol, on the CPU.
+#include <atomic>
 #include <cstring>
 #include <string>
 #include <vector>
 
 #include "common/backoff.h"
 #include "moe/device.h"
+#include "moe/wire.h"
 
 namespace ferry::moe {
-
-Status WaitForProxy(Channel& channel, const std::atomic<uint64_t>& flag, const char* name,
-                    uint64_t epoch, Deadline deadline) {
-  Backoff backoff;
-  for (;;) {
-    uint64_t seen = flag.load(std::memory_order_acquire);
-    if (seen > epoch) return Status::Ok();
-    if (channel.failed.load(std::memory_order_acquire)) return channel.Error();
-    if (deadline.Expired()) {
-      return DeadlineExceededError(std::string("moe: waiting for the proxy's ") + name +
-                                   " of epoch " + std::to_string(epoch) + " (flag holds " +
-                                   std::to_string(seen) + ")");
-    }
-    backoff.Pause();
-  }
-}
-
 namespace {
 
 class HostDevice final : public MoeDevice {
  public:
-  explicit HostDevice(const DeviceParams& p) : p_(p), layout_(p.config) {}
+  explicit HostDevice(const DeviceParams& p)
+      : p_(p),
+        c_(p.config),
+        lay_(*p.layout),
+        slot_(c_, false),
+        self_section_(size_t(lay_.section_bytes)) {}
 
   Status DispatchSend(const DispatchInput& in, uint64_t epoch) override {
-    const AllToAllConfig& c = p_.config;
-    const int n = c.world_size, k = c.experts_per_token, l = c.local_experts();
+    const int n = c_.world_size, k = c_.experts_per_token, l = c_.local_experts();
     num_tokens_ = in.num_tokens;
     weights_.assign(in.weights, in.weights + size_t(in.num_tokens) * k);
-    // Route: per receiving rank, its slots (a token with its entries for that rank) and the
-    // combine rows it will return, both in token order.
-    slots_.resize(n);
-    rows_.resize(n);
-    for (int r = 0; r < n; ++r) {
-      slots_[r].clear();
-      rows_[r].clear();
-    }
-    entries_.clear();
-    auto* counts = reinterpret_cast<int32_t*>(p_.send + layout_.send_counts_off);
-    std::fill(counts, counts + layout_.counts_per_rank, 0);
+    // Per receiving rank: its slots and the combine rows it returns, in token order; per
+    // expert, the copies so far (an entry's pos).
+    std::vector<int64_t> slots(n, 0), rows(n, 0), copies(c_.num_experts, 0);
+    for (int r = 0; r < n; ++r) rows_[r].clear();
     for (int t = 0; t < in.num_tokens; ++t) {
       for (int r = 0; r < n; ++r) {
-        bool first = true;
+        const int hits = Hits(in.indices + size_t(t) * k, r);
+        if (hits == 0) continue;
+        slots[r] += c_.dispatch_once_per_rank ? 1 : hits;
+        rows[r] += c_.combine_reduce_at_expert_rank ? 1 : hits;
+      }
+    }
+    row_starts_.assign(n + 1, 0);
+    int64_t send_start = 0;
+    for (int r = 0; r < n; ++r) {
+      row_starts_[r + 1] = row_starts_[r] + rows[r];
+      int32_t* row = CountsOut(r);
+      std::fill(row, row + CountsWidth(c_), 0);
+      row[l + kColSlots] = static_cast<int32_t>(slots[r]);
+      row[l + kColSendStart] = static_cast<int32_t>(send_start);
+      row[l + kColRowStart] = static_cast<int32_t>(row_starts_[r]);
+      row[l + kColRows] = static_cast<int32_t>(rows[r]);
+      send_start += slots[r];
+      if (lay_.Remote(r)) *lay_.OutSlots(p_.boxes.control, Remote(r)) = slots[r];
+    }
+    // Lay out each token's slots rank by rank, as the send kernels do.
+    const int64_t payload = c_.token_bytes(), spt = c_.scales_per_token();
+    std::vector<int64_t> slot_at(n, 0), row_at(n, 0);
+    for (int t = 0; t < in.num_tokens; ++t) {
+      const int32_t* ids = in.indices + size_t(t) * k;
+      for (int r = 0; r < n; ++r) {
+        const int hits = Hits(ids, r);
+        if (hits == 0) continue;
+        const int64_t first_row = row_starts_[r] + row_at[r];
+        int within = 0;  // the token's copies for r so far
         for (int j = 0; j < k; ++j) {
-          const int32_t e = in.indices[size_t(t) * k + j];
+          const int32_t e = ids[j];
           if (e < 0 || e / l != r) continue;  // -1: no expert, nothing sent or summed
-          ++counts[e];
-          if (first || !c.dispatch_once_per_rank) {
-            slots_[r].push_back({t, static_cast<int32_t>(entries_.size()), 0});
+          ++CountsOut(r)[e % l];
+          const SlotEntry entry{e % l, j, in.weights[size_t(t) * k + j],
+                                static_cast<int32_t>(copies[e]++)};
+          const bool once = c_.dispatch_once_per_rank;
+          uint8_t* slot = SlotOut(r, slot_at[r] + (once ? 0 : within));
+          std::memcpy(slot + sizeof(SlotHeader) + (once ? within : 0) * sizeof(SlotEntry), &entry,
+                      sizeof entry);
+          if (!once || within == 0) {
+            const int64_t row = first_row + (once || c_.combine_reduce_at_expert_rank ? 0 : within);
+            const SlotHeader header{t, once ? hits : 1, static_cast<int32_t>(row),
+                                    static_cast<int16_t>(once ? 0 : within),
+                                    static_cast<int16_t>(once ? 1 : hits)};
+            std::memcpy(slot, &header, sizeof header);
+            uint8_t* body = slot + slot_.meta_bytes;
+            std::memcpy(body, static_cast<const uint8_t*>(in.x) + t * payload, payload);
+            if (spt) std::memcpy(body + payload, in.scales + t * spt, spt * 4);
           }
-          if (first || !c.combine_reduce_at_expert_rank) rows_[r].push_back({t, j});
-          entries_.push_back({e % l, j, in.weights[size_t(t) * k + j]});
-          ++slots_[r].back().entries;
-          first = false;
+          if (within == 0 || !c_.combine_reduce_at_expert_rank) rows_[r].push_back({t, j});
+          ++within;
         }
+        slot_at[r] += c_.dispatch_once_per_rank ? 1 : hits;
+        row_at[r] += c_.combine_reduce_at_expert_rank ? 1 : hits;
       }
     }
-    for (int r = 0; r < n; ++r) {
-      counts[c.num_experts + r] = static_cast<int32_t>(slots_[r].size());
-      counts[c.num_experts + n + r] = static_cast<int32_t>(rows_[r].size());
-    }
-    p_.channel->route_ready.store(epoch + 1, std::memory_order_release);
-    // Pack, receiver by receiver.
-    const int64_t payload = c.token_bytes(), spt = c.scales_per_token();
-    int64_t slot_index = 0;
-    for (int r = 0; r < n; ++r) {
-      for (const OutSlot& os : slots_[r]) {
-        uint8_t* slot = p_.send + layout_.send_dispatch_off + slot_index++ * layout_.slot_bytes;
-        const SlotHeader header{os.token, os.entries};
-        std::memcpy(slot, &header, sizeof header);
-        std::memcpy(slot + sizeof header, &entries_[os.first_entry],
-                    size_t(os.entries) * sizeof(SlotEntry));
-        uint8_t* body = slot + layout_.meta_bytes;
-        std::memcpy(body, static_cast<const uint8_t*>(in.x) + int64_t{os.token} * payload, payload);
-        if (spt) std::memcpy(body + payload, in.scales + int64_t{os.token} * spt, spt * 4);
-      }
-    }
-    p_.channel->send_ready.store(epoch + 1, std::memory_order_release);
+    RaiseOutbox(false, epoch);
     return Status::Ok();
   }
 
   Status DispatchRecv(const DispatchOutput& out, uint64_t epoch, Deadline deadline) override {
-    const AllToAllConfig& c = p_.config;
-    const int n = c.world_size, me = c.rank, l = c.local_experts(), k = c.experts_per_token;
-    const int64_t priv = c.max_private_tokens, slot_bytes = layout_.slot_bytes;
-    RETURN_IF_ERROR(
-        WaitForProxy(*p_.channel, p_.channel->recv_ready, "recv-ready", epoch, deadline));
-    const Routing& routing = *p_.routing;
-    const bool token_major = c.dispatch_layout == DispatchLayout::kTokenMajor;
-    std::fill(out.num_tokens, out.num_tokens + l, 0);
-    if (token_major) {
-      token_routes_.assign(size_t(c.expert_capacity()), Route{});
-    } else {
-      routes_.assign(size_t(out.expert_padding ? c.padded_rows(out.expert_padding)
-                                               : l * c.expert_capacity()),
-                     Route{});
+    const int n = c_.world_size, l = c_.local_experts();
+    for (int s : lay_.remotes) RETURN_IF_ERROR(WaitInbox(false, s, epoch, deadline));
+    // Every sender's counts row, checked before anything is computed from it.
+    offset_.assign(size_t(n + 1) * l, 0);
+    from_.assign(n, {});
+    for (int s = 0; s < n; ++s) {
+      const int32_t* row = CountsIn(s);
+      From& f = from_[s];
+      f.slots = row[l + kColSlots];
+      f.row_start = row[l + kColRowStart];
+      f.rows = row[l + kColRows];
+      if (f.slots < 0 || f.slots > lay_.slots_per_pair || f.rows < 0 ||
+          f.rows > lay_.rows_per_pair || f.row_start < 0 ||
+          f.row_start + f.rows > lay_.combine_rows) {
+        return Malformed(DataLossError(
+            "moe: the counts row from rank " + std::to_string(s) + " announces " +
+            std::to_string(f.slots) + " slots and " + std::to_string(f.rows) +
+            " combine rows at row " + std::to_string(f.row_start) + " (at most " +
+            std::to_string(lay_.slots_per_pair) + " and " + std::to_string(lay_.rows_per_pair) +
+            ", within " + std::to_string(lay_.combine_rows) + " rows)"));
+      }
+      for (int e = 0; e < l; ++e) {
+        // Counted in 64 bits and held to the expert's capacity as they add up, so the offsets
+        // (int32, as the kernels keep them) cannot wrap.
+        const int64_t announced = row[e], sum = offset_[size_t(s) * l + e] + announced;
+        if (announced < 0 || sum > c_.expert_capacity()) {
+          return Malformed(DataLossError(
+              "moe: the counts row from rank " + std::to_string(s) + " announces " +
+              std::to_string(announced) + " copies for local expert " + std::to_string(e) + " (" +
+              std::to_string(sum) + " from the senders up to it, capacity " +
+              std::to_string(c_.expert_capacity()) + ")"));
+        }
+        offset_[size_t(s + 1) * l + e] = static_cast<int32_t>(sum);
+      }
+      // For the relay's combine write: where this sender's rows go and how many (relay.h).
+      if (lay_.Remote(s)) {
+        int64_t* in_rows = lay_.InRows(p_.boxes.control, Remote(s));
+        in_rows[0] = f.row_start;
+        in_rows[1] = f.rows;
+      }
     }
     // Where each local expert's rows start: its block of capacity rows, or (padded) after the
-    // rounded-up blocks of the experts before it, from every sender's counts.
-    // Peers' announced counts size the blocks, so each is checked, and each expert's rows are
-    // held to its count (expert_limit_) as they are placed: nothing lands outside x.
+    // rounded-up blocks of the experts before it.
+    const bool token_major = c_.dispatch_layout == DispatchLayout::kTokenMajor;
+    const int64_t out_rows =
+        out.expert_padding ? c_.padded_rows(out.expert_padding) : int64_t{l} * c_.expert_capacity();
     expert_base_.assign(l, 0);
-    expert_limit_.assign(l, c.expert_capacity());
-    if (const int p = out.expert_padding; p > 0) {
-      int64_t next = 0;
-      for (int e = 0; e < l; ++e) {
-        int64_t rows = 0;
-        for (int s = 0; s < n; ++s) {
-          const int64_t announced = routing.row(s)[me * l + e];
-          if (announced < 0 || announced > c.max_tokens_per_rank) {
-            return Malformed(DataLossError(
-                "moe: rank " + std::to_string(s) + " announces " + std::to_string(announced) +
-                " tokens for local expert " + std::to_string(e) + " (at most " +
-                std::to_string(c.max_tokens_per_rank) + ")"));
-          }
-          rows += announced;
-        }
-        expert_base_[e] = next;
-        expert_limit_[e] = rows;
-        next += (rows + p - 1) / p * p;
-      }
-      if (next > c.padded_rows(p)) {
-        return Malformed(DataLossError("moe: the announced counts take " + std::to_string(next) +
-                                       " padded rows, more than the " +
-                                       std::to_string(c.padded_rows(p)) + " any routing can"));
-      }
-    } else {
-      for (int e = 0; e < l; ++e) expert_base_[e] = int64_t{e} * c.expert_capacity();
+    int64_t next = 0;
+    for (int e = 0; e < l; ++e) {
+      const int64_t total = offset_[size_t(n) * l + e];
+      const int p = out.expert_padding;
+      expert_base_[e] = p > 0 ? next : int64_t{e} * c_.expert_capacity();
+      if (p > 0) next += (total + p - 1) / p * p;
     }
-    int32_t num_rows = 0;
-    const int64_t payload = c.token_bytes(), spt = c.scales_per_token();
-    const int64_t own_start = routing.SlotStart(me, me);
-    // Sender by sender, each in its send order; our own slots straight from the send area.
+    if (next > out_rows) {
+      return Malformed(DataLossError("moe: the announced counts take " + std::to_string(next) +
+                                     " padded rows, more than the " + std::to_string(out_rows) +
+                                     " any routing can"));
+    }
+    if (token_major) {
+      token_routes_.assign(size_t(c_.expert_capacity()), Route{});
+    } else {
+      routes_.assign(size_t(out_rows), Route{});
+    }
+    const SlotLimits base_limits{
+        c_.experts_per_token, l, c_.max_tokens_per_rank, c_.combine_reduce_at_expert_rank, 0,
+        c_.expert_capacity()};
+    const int64_t payload = c_.token_bytes(), spt = c_.scales_per_token();
+    const int k = c_.experts_per_token;
+    int32_t g = 0;  // received slot g, sender-major: token-major output row g
     for (int s = 0; s < n; ++s) {
-      const int64_t slots = routing.Slots(s, me), rows = routing.Rows(s, me);
-      const int64_t overflow_start = routing.OverflowStart(s, me);
-      int64_t row = -1;
-      int32_t last_token = -1;
-      for (int64_t j = 0; j < slots; ++j) {
-        const uint8_t* slot;
-        if (s == me) {
-          slot = p_.send + layout_.send_dispatch_off + (own_start + j) * slot_bytes;
-        } else if (j < priv) {
-          slot = p_.recv + layout_.private_off + (int64_t{s} * priv + j) * slot_bytes;
-        } else {
-          slot = p_.recv + layout_.overflow_off + (overflow_start + j - priv) * slot_bytes;
-        }
+      const From& f = from_[s];
+      SlotLimits limits = base_limits;
+      limits.row_cap = f.rows;
+      for (int64_t j = 0; j < f.slots; ++j, ++g) {
+        const uint8_t* slot = SlotIn(s, j);
         SlotHeader header;
         std::memcpy(&header, slot, sizeof header);
-        if (header.entries < 1 || header.entries > k || header.src_token < 0 ||
-            header.src_token >= c.max_tokens_per_rank) {
-          return Malformed(DataLossError("moe: malformed slot " + std::to_string(j) +
-                                         " from rank " + std::to_string(s)));
+        const int64_t row = int64_t{header.row} - f.row_start;
+        if (!SlotHeaderValid(header, row, limits)) {
+          return Malformed(DataLossError(
+              "moe: malformed slot " + std::to_string(j) + " from rank " + std::to_string(s) +
+              ": token " + std::to_string(header.src_token) + ", " +
+              std::to_string(header.entries) + " entries, part " + std::to_string(header.part) +
+              " of " + std::to_string(header.parts) + ", combine row " + std::to_string(row) +
+              " of the " + std::to_string(f.rows) + " it expects back"));
         }
-        const uint8_t* body = slot + layout_.meta_bytes;
-        // Token-major: the slot is one output row, whatever its entries.
-        const int64_t token_row = num_rows;
+        // Every entry checked before any is placed: a bad slot writes nothing.
+        if (token_major && g >= c_.expert_capacity()) {
+          return Malformed(DataLossError(
+              "moe: slot " + std::to_string(j) + " from rank " + std::to_string(s) +
+              " is past the " + std::to_string(c_.expert_capacity()) + " token-major rows"));
+        }
+        SlotEntry* entries = entries_.data();
+        int64_t* dst = dst_.data();
+        for (int i = 0; i < header.entries; ++i) {
+          std::memcpy(&entries[i], slot + sizeof header + i * sizeof(SlotEntry), sizeof(SlotEntry));
+          const SlotEntry& entry = entries[i];
+          const bool valid = SlotEntryValid(entry, offset_.data(), s, limits);
+          dst[i] = valid ? expert_base_[entry.local_expert] +
+                               offset_[size_t(s) * l + entry.local_expert] + entry.pos
+                         : -1;
+          if (!valid || dst[i] >= out_rows) {
+            return Malformed(
+                DataLossError("moe: slot " + std::to_string(j) + " from rank " + std::to_string(s) +
+                              " names local expert " + std::to_string(entry.local_expert) +
+                              ", copy " + std::to_string(entry.k) + ", position " +
+                              std::to_string(entry.pos) + " among its announced copies"));
+          }
+        }
+        const uint8_t* body = slot + slot_.meta_bytes;
         if (token_major) {
-          ++num_rows;
-          std::memcpy(static_cast<uint8_t*>(out.x) + token_row * payload, body, payload);
-          if (spt) std::memcpy(out.scales + token_row * spt, body + payload, spt * 4);
-          std::fill_n(out.token_experts + token_row * k, k, -1);
-          std::fill_n(out.token_weights + token_row * k, k, 0.0f);
+          std::memcpy(static_cast<uint8_t*>(out.x) + g * payload, body, payload);
+          if (spt) std::memcpy(out.scales + g * spt, body + payload, spt * 4);
+          std::fill_n(out.token_experts + int64_t{g} * k, k, -1);
+          std::fill_n(out.token_weights + int64_t{g} * k, k, 0.0f);
+          for (int i = 0; i < header.entries; ++i) {
+            out.token_experts[int64_t{g} * k + entries[i].k] = entries[i].local_expert;
+            out.token_weights[int64_t{g} * k + entries[i].k] = entries[i].weight;
+          }
+          // One combine row per slot (options (a) and (b)).
+          token_routes_[g] = Route{s, row, 1.0f};
+          continue;
         }
         for (int i = 0; i < header.entries; ++i) {
-          SlotEntry entry;
-          std::memcpy(&entry, slot + sizeof header + i * sizeof(SlotEntry), sizeof entry);
+          std::memcpy(static_cast<uint8_t*>(out.x) + dst[i] * payload, body, payload);
+          if (spt) std::memcpy(out.scales + dst[i] * spt, body + payload, spt * 4);
           // The combine row this copy feeds: its own, or its token's when the expert rank sums.
-          if (!c.combine_reduce_at_expert_rank || header.src_token != last_token) ++row;
-          last_token = header.src_token;
-          if (entry.local_expert < 0 || entry.local_expert >= l || entry.k < 0 || entry.k >= k ||
-              row >= rows) {
-            return Malformed(DataLossError(
-                "moe: slot " + std::to_string(j) + " from rank " + std::to_string(s) +
-                " names local expert " + std::to_string(entry.local_expert) + ", copy " +
-                std::to_string(entry.k) + " or overruns its " + std::to_string(rows) + " rows"));
-          }
-          const int32_t pos = out.num_tokens[entry.local_expert]++;
-          if (pos >= expert_limit_[entry.local_expert]) {
-            return Malformed(DataLossError(
-                "moe: rank " + std::to_string(s) + " sends local expert " +
-                std::to_string(entry.local_expert) + " more copies than announced or fit (" +
-                std::to_string(expert_limit_[entry.local_expert]) + ")"));
-          }
-          if (token_major) {
-            out.token_experts[token_row * k + entry.k] = entry.local_expert;
-            out.token_weights[token_row * k + entry.k] = entry.weight;
-            continue;
-          }
-          const int64_t dst = expert_base_[entry.local_expert] + pos;
-          std::memcpy(static_cast<uint8_t*>(out.x) + dst * payload, body, payload);
-          if (spt) std::memcpy(out.scales + dst * spt, body + payload, spt * 4);
-          routes_[dst] = Route{s, row, entry.weight};
+          const int64_t feeds = row + (c_.combine_reduce_at_expert_rank ? 0 : i);
+          routes_[dst[i]] = Route{s, feeds, entries[i].weight};
         }
-        // One combine row per slot (options (a) and (b)): the one its entries counted.
-        if (token_major) token_routes_[token_row] = Route{s, row, 1.0f};
       }
     }
-    if (token_major) *out.num_rows = num_rows;
+    if (token_major) *out.num_rows = g;
+    for (int e = 0; e < l; ++e) out.num_tokens[e] = offset_[size_t(n) * l + e];
     expert_rows_.assign(out.num_tokens, out.num_tokens + l);
-    token_rows_ = num_rows;
-    p_.channel->recv_consumed.store(epoch + 1, std::memory_order_release);
+    token_rows_ = g;
     return Status::Ok();
   }
 
   Status CombineSend(const uint16_t* expert_out, uint64_t epoch) override {
-    const AllToAllConfig& c = p_.config;
-    const int n = c.world_size, me = c.rank, l = c.local_experts(), h = c.hidden;
-    const Routing& routing = *p_.routing;
-    // Rows for sender s, in s's send order, after those of lower ranks.
-    row_start_.assign(n + 1, 0);
-    for (int s = 0; s < n; ++s) row_start_[s + 1] = row_start_[s] + routing.Rows(s, me);
-    uint8_t* area = p_.send + layout_.send_combine_off;
-    if (c.dispatch_layout == DispatchLayout::kTokenMajor) {
+    const int n = c_.world_size, l = c_.local_experts(), h = c_.hidden;
+    // Sender s's rows, in its numbering from its row start for us.
+    row_base_.assign(n + 1, 0);
+    for (int s = 0; s < n; ++s) row_base_[s + 1] = row_base_[s] + from_[s].rows;
+    const int64_t row_bytes = lay_.row_bytes;
+    if (c_.dispatch_layout == DispatchLayout::kTokenMajor) {
       // The caller summed each token's experts: its rows go back as they are.
       for (int32_t i = 0; i < token_rows_; ++i) {
         const Route& route = token_routes_[i];
-        std::memcpy(area + (row_start_[route.src] + route.row) * layout_.row_bytes,
-                    expert_out + int64_t{i} * h, layout_.row_bytes);
+        std::memcpy(RowOut(route.src, route.row), expert_out + int64_t{i} * h, row_bytes);
       }
-    } else if (c.combine_reduce_at_expert_rank) {
+    } else if (c_.combine_reduce_at_expert_rank) {
       // Each returned row is the weighted fp32 sum of our experts' outputs for one token.
-      partial_.assign(size_t(row_start_[n]) * h, 0.0f);
+      partial_.assign(size_t(row_base_[n]) * h, 0.0f);
       for (int e = 0; e < l; ++e) {
         for (int32_t pos = 0; pos < expert_rows_[e]; ++pos) {
           const int64_t src = expert_base_[e] + pos;
           const Route& route = routes_[src];
-          float* acc = partial_.data() + size_t(row_start_[route.src] + route.row) * h;
+          if (route.src < 0) continue;  // announced, never sent: nothing to return
+          float* acc = partial_.data() + size_t(row_base_[route.src] + route.row) * h;
           const uint16_t* y = expert_out + src * h;
           for (int i = 0; i < h; ++i) acc[i] += route.weight * Bf16ToFloat(y[i]);
         }
       }
-      auto* rows = reinterpret_cast<uint16_t*>(area);
-      for (size_t i = 0; i < partial_.size(); ++i) rows[i] = FloatToBf16(partial_[i]);
+      for (int s = 0; s < n; ++s) {
+        for (int64_t r = 0; r < from_[s].rows; ++r) {
+          auto* dst = reinterpret_cast<uint16_t*>(RowOut(s, r));
+          const float* acc = partial_.data() + size_t(row_base_[s] + r) * h;
+          for (int i = 0; i < h; ++i) dst[i] = FloatToBf16(acc[i]);
+        }
+      }
     } else {
       for (int e = 0; e < l; ++e) {
         for (int32_t pos = 0; pos < expert_rows_[e]; ++pos) {
           const int64_t src = expert_base_[e] + pos;
           const Route& route = routes_[src];
-          std::memcpy(area + (row_start_[route.src] + route.row) * layout_.row_bytes,
-                      expert_out + src * h, layout_.row_bytes);
+          if (route.src < 0) continue;
+          std::memcpy(RowOut(route.src, route.row), expert_out + src * h, row_bytes);
         }
       }
     }
-    p_.channel->combine_ready.store(epoch + 1, std::memory_order_release);
+    RaiseOutbox(true, epoch);
     return Status::Ok();
   }
 
   Status CombineRecv(const CombineOutput& to, uint64_t epoch, Deadline deadline) override {
     uint16_t* out = to.out;
-    const bool accumulate = to.accumulate;
     const float* weights = to.weights ? to.weights : weights_.data();
-    const AllToAllConfig& c = p_.config;
-    const int n = c.world_size, me = c.rank, k = c.experts_per_token, h = c.hidden;
-    RETURN_IF_ERROR(
-        WaitForProxy(*p_.channel, p_.channel->combine_done, "combine-done", epoch, deadline));
-    const Routing& routing = *p_.routing;
+    const int n = c_.world_size, k = c_.experts_per_token, h = c_.hidden;
+    for (int r : lay_.remotes) RETURN_IF_ERROR(WaitInbox(true, r, epoch, deadline));
     acc_.assign(size_t(num_tokens_) * h, 0.0f);
-    if (accumulate) {
+    if (to.accumulate) {
       for (size_t i = 0; i < acc_.size(); ++i) acc_[i] = Bf16ToFloat(out[i]);
     }
+    // Our rows from every expert rank, ourselves included, at their place in our region.
+    const uint8_t* region = p_.boxes.inbox + lay_.in_combine_off;
     for (int r = 0; r < n; ++r) {
-      // Rows we returned to ourselves never left: they sit in our combine send area.
-      const uint8_t* base =
-          r == me ? p_.send + layout_.send_combine_off + row_start_[me] * layout_.row_bytes
-                  : p_.recv + layout_.combine_off + routing.RowStart(me, r) * layout_.row_bytes;
+      const uint8_t* base = region + row_starts_[r] * lay_.row_bytes;
       for (size_t j = 0; j < rows_[r].size(); ++j) {
         const OutRow& row_of = rows_[r][j];
         // A summed row already carries its weights.
         const float w =
-            c.combine_reduce_at_expert_rank ? 1.0f : weights[size_t(row_of.token) * k + row_of.k];
-        const auto* row = reinterpret_cast<const uint16_t*>(base + j * layout_.row_bytes);
+            c_.combine_reduce_at_expert_rank ? 1.0f : weights[size_t(row_of.token) * k + row_of.k];
+        const auto* row = reinterpret_cast<const uint16_t*>(base + j * lay_.row_bytes);
         float* dst = acc_.data() + size_t(row_of.token) * h;
         for (int i = 0; i < h; ++i) dst[i] += w * Bf16ToFloat(row[i]);
       }
     }
     for (size_t i = 0; i < acc_.size(); ++i) out[i] = FloatToBf16(acc_[i]);
-    p_.channel->combine_consumed.store(epoch + 1, std::memory_order_release);
     return Status::Ok();
   }
 
- private:
-  // A slot that cannot have come from a well-behaved peer: the epoch cannot be finished (its
-  // combine rows would go to the wrong places), so every later step reports it too.
-  Status Malformed(const Status& s) {
-    p_.channel->Fail(s);
-    return s;
-  }
+  Status error() const override { return error_; }
 
-  struct OutSlot {
-    int32_t token;
-    int32_t first_entry;  // into entries_
-    int32_t entries;
+ private:
+  struct From {  // what sender s's counts row announced to us
+    int64_t slots = 0, row_start = 0, rows = 0;
   };
   struct OutRow {
     int32_t token;
@@ -307,26 +316,95 @@ class HostDevice final : public MoeDevice {
   };
   struct Route {
     int32_t src = -1;  // sending rank
-    int64_t row = -1;  // combine row, in that sender's order
+    int64_t row = -1;  // combine row, from the first one that sender expects from us
     float weight = 0;  // used when the expert rank sums
   };
 
+  // The token's copies for rank r (its ids: [K], -1 for none).
+  int Hits(const int32_t* ids, int r) const {
+    int hits = 0;
+    for (int j = 0; j < c_.experts_per_token; ++j) {
+      hits += ids[j] >= 0 && ids[j] / c_.local_experts() == r;
+    }
+    return hits;
+  }
+  int Remote(int r) const { return lay_.RemoteIndex(c_.rank, r); }
+  // Our section for rank r: its outbox section, or (ourselves) the one kept here.
+  uint8_t* SectionOut(int r) {
+    return r == c_.rank ? self_section_.data() : p_.boxes.outbox + lay_.OutSection(Remote(r));
+  }
+  const uint8_t* SectionIn(int s) const {
+    return s == c_.rank ? self_section_.data() : p_.boxes.inbox + lay_.InSection(Remote(s));
+  }
+  int32_t* CountsOut(int r) { return reinterpret_cast<int32_t*>(SectionOut(r)); }
+  const int32_t* CountsIn(int s) const { return reinterpret_cast<const int32_t*>(SectionIn(s)); }
+  uint8_t* SlotOut(int r, int64_t j) {
+    return SectionOut(r) + lay_.counts_bytes + j * slot_.slot_bytes;
+  }
+  const uint8_t* SlotIn(int s, int64_t j) const {
+    return SectionIn(s) + lay_.counts_bytes + j * slot_.slot_bytes;
+  }
+  // Row `row` (from its row start for us) of the rows sender s expects back: in our outbox
+  // section for s, or (ourselves) straight into our combine region.
+  uint8_t* RowOut(int s, int64_t row) {
+    if (s == c_.rank) {
+      return p_.boxes.inbox + lay_.in_combine_off + (from_[s].row_start + row) * lay_.row_bytes;
+    }
+    return p_.boxes.outbox + lay_.OutRows(Remote(s)) + row * lay_.row_bytes;
+  }
+
+  // After the section's bytes (release; the relay acquires before it reads them).
+  void RaiseOutbox(bool combine, uint64_t epoch) {
+    std::atomic_ref<uint64_t>(*lay_.OutboxFlag(p_.boxes.control, combine))
+        .store(epoch + 1, std::memory_order_release);
+  }
+
+  // Until rank s's dispatch section (or combine rows) of this epoch landed, the relay failed, or
+  // the deadline passed.
+  Status WaitInbox(bool combine, int s, uint64_t epoch, Deadline deadline) {
+    std::atomic_ref<uint64_t> flag(p_.boxes.inbox_flags[(combine ? c_.world_size : 0) + s]);
+    Backoff backoff;
+    for (;;) {
+      const uint64_t seen = flag.load(std::memory_order_acquire);
+      if (seen > epoch) return Status::Ok();
+      if (p_.relay && p_.relay->failed()) return p_.relay->error();
+      if (deadline.Expired()) {
+        return DeadlineExceededError(std::string("moe: waiting for rank ") + std::to_string(s) +
+                                     "'s " + (combine ? "combine rows" : "dispatch section") +
+                                     " of epoch " + std::to_string(epoch) + " (its flag holds " +
+                                     std::to_string(seen) + ")");
+      }
+      backoff.Pause();
+    }
+  }
+
+  Status Malformed(const Status& s) {
+    if (error_.ok()) error_ = s;
+    return s;
+  }
+
   const DeviceParams p_;
-  const MoeLayout layout_;
+  const AllToAllConfig c_;
+  const RelayLayout& lay_;
+  const SlotFormat slot_;
+  std::vector<uint8_t> self_section_;  // our counts row and slots for ourselves
+  Status error_;
   int num_tokens_ = 0;
-  std::vector<float> weights_;               // [T, K] of the current iteration
-  std::vector<std::vector<OutSlot>> slots_;  // per receiving rank, in send order
-  std::vector<std::vector<OutRow>> rows_;    // per expert rank, the rows it returns, in order
-  std::vector<SlotEntry> entries_;           // what the slots carry
-  std::vector<Route> routes_;                // [L, capacity] where each received row came from
-  std::vector<int32_t> expert_rows_;         // [L]
-  std::vector<int64_t> expert_base_;         // [L] each local expert's first output row
-  std::vector<int64_t> expert_limit_;        // [L] the rows its block holds
-  std::vector<Route> token_routes_;          // token-major: [capacity] the same per output row
-  int32_t token_rows_ = 0;                   // token-major: rows of the last DispatchRecv
-  std::vector<int64_t> row_start_;           // [N + 1] combine rows per sender, in our send area
-  std::vector<float> partial_;               // [rows, hidden] fp32 sums at the expert rank
-  std::vector<float> acc_;                   // [T, hidden] fp32 accumulator
+  std::vector<float> weights_;                                    // [T, K] of the current epoch
+  std::vector<std::vector<OutRow>> rows_{size_t(c_.world_size)};  // per expert rank, in order
+  std::vector<int64_t> row_starts_;  // [N + 1] our combine rows per expert rank
+  std::vector<From> from_;           // [N] per sender
+  std::vector<SlotEntry> entries_ = std::vector<SlotEntry>(size_t(c_.experts_per_token));
+  std::vector<int64_t> dst_ = std::vector<int64_t>(size_t(c_.experts_per_token));  // their rows
+  std::vector<int32_t> offset_;       // [N + 1, L] copies of each expert from senders before
+  std::vector<Route> routes_;         // [output rows] where each received row came from
+  std::vector<int32_t> expert_rows_;  // [L]
+  std::vector<int64_t> expert_base_;  // [L] each local expert's first output row
+  std::vector<Route> token_routes_;   // token-major: [capacity] the same per output row
+  int32_t token_rows_ = 0;            // token-major: rows of the last DispatchRecv
+  std::vector<int64_t> row_base_;     // [N + 1] senders' rows in partial_
+  std::vector<float> partial_;        // [rows, hidden] fp32 sums at the expert rank
+  std::vector<float> acc_;            // [T, hidden] fp32 accumulator
 };
 
 }  // namespace

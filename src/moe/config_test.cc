@@ -1,5 +1,3 @@
-#include "moe/layout.h"
-
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -7,83 +5,38 @@
 #include <limits>
 #include <utility>
 
+#include "moe/steps.h"
+#include "moe/wire.h"
+
 namespace ferry::moe {
 namespace {
 
-// 3 ranks, 6 experts (2 per rank), P = 2. Slots per receiving rank, by sender:
-//   rank 0 -> 1, 3, 0     rank 1 -> 4, 0, 2     rank 2 -> 4, 1, 3
-TEST(RoutingTest, OverflowAndSendOffsets) {
-  AllToAllConfig c{3, 0, 1, 6, 2, 8, 128, DispatchDtype::kBf16, 2};
-  ASSERT_TRUE(c.Validate().ok());
-  Routing r(c);
-  const int32_t slots[3][3] = {{1, 3, 0}, {4, 0, 2}, {4, 1, 3}};
-  for (int s = 0; s < 3; ++s) {
-    for (int q = 0; q < 3; ++q) {
-      r.row(s)[6 + q] = slots[s][q];
-      r.row(s)[9 + q] = slots[s][q] + 1;  // rows: one more, to tell the columns apart
-    }
-  }
-  EXPECT_EQ(r.Slots(0, 1), 3);
-  EXPECT_EQ(r.Slots(1, 0), 4);
-  EXPECT_EQ(r.Rows(2, 2), 4);
-  // Overflow into rank 0: rank 0 sends 1 (no overflow), rank 1 sends 4 (2 over), rank 2 4.
-  EXPECT_EQ(r.OverflowStart(0, 0), 0);
-  EXPECT_EQ(r.OverflowStart(1, 0), 0);
-  EXPECT_EQ(r.OverflowStart(2, 0), 2);
-  // Sender 2's send area: rank 0's 4 slots, then rank 1's 1, then its own 3.
-  EXPECT_EQ(r.SlotStart(2, 0), 0);
-  EXPECT_EQ(r.SlotStart(2, 1), 4);
-  EXPECT_EQ(r.SlotStart(2, 2), 5);
-  EXPECT_EQ(r.RowStart(2, 2), 5 + 2);
-}
-
-// A peer's counts row is checked before any offset is computed from it: at most S slots and R
-// rows for one receiver, none negative; the limits themselves pass.
-TEST(RoutingTest, CountsRowsBeyondWhatFitsAreDataLoss) {
-  AllToAllConfig c{3, 0, 1, 6, 2, 8, 128, DispatchDtype::kBf16, 2};
-  c.dispatch_once_per_rank = true;  // S = T = 8; rows: R = T * min(K, L) = 16
-  ASSERT_TRUE(c.Validate().ok());
-  const MoeLayout l(c);
-  ASSERT_EQ(l.slots_per_pair, 8);
-  ASSERT_EQ(l.rows_per_pair, 16);
-  Routing r(c);
-  auto set = [&](int32_t slots, int32_t rows) {  // sender 2's counts for receiver 1
-    r.row(2)[6 + 1] = slots;
-    r.row(2)[9 + 1] = rows;
-  };
-  set(8, 16);
-  EXPECT_TRUE(CheckCountsRow(c, l, r, 2, 1).ok());
-  set(0, 0);
-  EXPECT_TRUE(CheckCountsRow(c, l, r, 2, 1).ok());
-  const int32_t bad[][2] = {{9, 16}, {8, 17}, {-1, 0}, {0, -1}, {std::numeric_limits<int32_t>::max(), 0}};
-  for (const auto& b : bad) {
-    set(b[0], b[1]);
-    const Status s = CheckCountsRow(c, l, r, 2, 1);
-    EXPECT_EQ(s.code(), StatusCode::kDataLoss) << b[0] << " " << b[1];
-    EXPECT_NE(s.message().find("rank 2's counts row"), std::string::npos) << s.ToString();
-    EXPECT_NE(s.message().find("for rank 1"), std::string::npos) << s.ToString();
-  }
-  // Only the pair asked about: sender 2's counts for receiver 0 are still fine.
-  EXPECT_TRUE(CheckCountsRow(c, l, r, 2, 0).ok());
-}
-
-TEST(MoeLayoutTest, RegionsDoNotOverlapAndHoldTheWorstCase) {
+// The slot of DeepSeek-V3's decode shape (hidden 7168, fp8, top-8 of 256 experts over EP 4):
+// metadata on its own 128-byte line (a 16-byte header and 8 entries of 16), the row and its 56
+// scales, the whole rounded to a line; a streamed slot's tag still fits the metadata's line.
+// What one sender can route to one receiver: T * min(K, L) slots and rows, or T per token once
+// per rank (options (a) and (b)).
+TEST(WireTest, SlotFormatAndPairLimits) {
   AllToAllConfig c{4, 1, 1, 256, 8, 128, 7168, DispatchDtype::kFp8E4M3, 16};
   ASSERT_TRUE(c.Validate().ok());
-  MoeLayout l(c);
-  EXPECT_EQ(l.slot_bytes % 16, 0);
-  EXPECT_GE(l.slot_bytes, 8 + 8 * 12 + 7168 + 56 * 4);
-  EXPECT_EQ(l.slots_per_pair, 128 * 8);
-  EXPECT_GE(l.private_off, 4 * (256 + 8) * 4);
-  EXPECT_EQ(l.overflow_off, l.private_off + 4 * 16 * l.slot_bytes);
-  EXPECT_EQ(l.combine_off, l.overflow_off + 4 * l.slots_per_pair * l.slot_bytes);
+  const SlotFormat plain(c, false), tagged(c, true);
+  EXPECT_EQ(plain.meta_used, 16 + 8 * 16);
+  EXPECT_EQ(plain.meta_bytes, 256);
+  EXPECT_EQ(plain.slot_bytes, 7680);  // 256 + 7168 + 224 = 7648, to a line
+  EXPECT_EQ(tagged.meta_bytes, 256);
+  EXPECT_EQ(CountsWidth(c), 64 + kCountsColumns);
+  const PairLimits plain_pairs(c);
+  EXPECT_EQ(plain_pairs.slots_per_pair, 128 * 8);
+  EXPECT_EQ(plain_pairs.rows_per_pair, 128 * 8);
   c.dispatch_once_per_rank = true;
-  c.combine_reduce_at_expert_rank = true;
-  MoeLayout once(c);
+  const PairLimits once(c);
   EXPECT_EQ(once.slots_per_pair, 128);
-  EXPECT_EQ(once.rows_per_pair, 128);
-  EXPECT_EQ(l.recv_bytes, l.combine_off + 128 * 8 * 7168 * 2);
-  EXPECT_EQ(l.send_combine_off, l.send_dispatch_off + 128 * 8 * l.slot_bytes);
+  EXPECT_EQ(once.rows_per_pair, 128 * 8);
+  c.combine_reduce_at_expert_rank = true;
+  EXPECT_EQ(PairLimits(c).rows_per_pair, 128);
+  c.num_experts = 8;  // 2 local experts: a token takes at most two of them
+  c.dispatch_once_per_rank = c.combine_reduce_at_expert_rank = false;
+  EXPECT_EQ(PairLimits(c).slots_per_pair, 128 * 2);
 }
 
 TEST(AllToAllConfigTest, ValidateNamesTheBadField) {
@@ -150,13 +103,10 @@ TEST(CudaTuningTest, FromEnvReadsEachVariableAndRefusesBadValues) {
   EXPECT_FALSE(t->early_receive);
   EXPECT_TRUE(t->spread && t->trace && t->relay_trace);
   for (const char* n : names) unsetenv(n);
-  const std::pair<const char*, const char*> bad[] = {{"FERRY_NV_STREAM", "7"},
-                                                     {"FERRY_NV_STREAM", "1x"},
-                                                     {"FERRY_NV_STREAM", "-1"},
-                                                     {"FERRY_NV_SPREAD", "2"},
-                                                     {"FERRY_NV_PDL", "yes"},
-                                                     {"FERRY_NV_TRACE", "2"},
-                                                     {"FERRY_RELAY_TRACE", "on"}};
+  const std::pair<const char*, const char*> bad[] = {
+      {"FERRY_NV_STREAM", "7"},   {"FERRY_NV_STREAM", "1x"}, {"FERRY_NV_STREAM", "-1"},
+      {"FERRY_NV_SPREAD", "2"},   {"FERRY_NV_PDL", "yes"},   {"FERRY_NV_TRACE", "2"},
+      {"FERRY_RELAY_TRACE", "on"}};
   for (const auto& [name, value] : bad) {
     setenv(name, value, 1);
     const Status s = CudaTuning::FromEnv().status();

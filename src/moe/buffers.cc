@@ -1,0 +1,39 @@
+#include "moe/buffers.h"
+
+#include <algorithm>
+
+#include "moe/cuda/nvlink_layout.h"
+#include "moe/relay.h"
+#include "moe/wire.h"
+
+namespace ferry::moe {
+
+BufferBytes HostDeviceBuffers(const AllToAllConfig& c) {
+  const RelayLayout relay(c, SlotFormat(c, false).slot_bytes, 1);
+  return {relay.inbox_bytes, relay.outbox_bytes};
+}
+
+BufferBytes CudaDeviceBuffers(const AllToAllConfig& c, int streamed) {
+  const bool one_node = c.ranks_per_node == c.world_size;
+  const SlotFormat slot(c, one_node && (streamed & 1));
+  const NvlinkLayout nv(c, one_node, one_node && (streamed & 2), slot.slot_bytes);
+  BufferBytes b{nv.send_off, nv.bytes - nv.send_off};
+  if (!one_node) {
+    const RelayLayout relay(c, slot.slot_bytes, c.ranks_per_node);
+    b.receive += relay.inbox_bytes;
+    b.send += relay.outbox_bytes;
+  }
+  return b;
+}
+
+BufferBytes DeepEpLowLatencyBuffers(int64_t max_tokens, int64_t hidden, int64_t experts) {
+  const int64_t scales = hidden / 128;
+  const int64_t dispatch_msg = 16 + std::max(hidden * 2, hidden + scales * 4);
+  const int64_t combine_msg = scales * 4 + hidden * 2;
+  const int64_t send = std::max(max_tokens * dispatch_msg, experts * max_tokens * combine_msg);
+  const int64_t recv = experts * max_tokens * std::max(dispatch_msg, combine_msg);
+  const int64_t signalling = RoundUp(experts * 4, 128);
+  return {2 * (recv + signalling), 2 * send};
+}
+
+}  // namespace ferry::moe

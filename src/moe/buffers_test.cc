@@ -1,0 +1,68 @@
+// The buffer figures of docs/DESIGN.md §2.3: one worked by hand from the layouts' definitions,
+// and ferry's receive memory within DeepEP's low-latency buffer at every shape the table shows.
+#include "moe/buffers.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+
+#include "moe/wire.h"
+
+namespace ferry::moe {
+namespace {
+
+// DeepSeek-V3's MoE layer: 256 experts, top-8, hidden 7168, fp8; nodes of 8 GPUs.
+AllToAllConfig Shape(int ep, int tokens, bool a_and_b) {
+  AllToAllConfig c;
+  c.world_size = ep;
+  c.ranks_per_node = std::min(ep, 8);
+  c.num_experts = 256;
+  c.experts_per_token = 8;
+  c.max_tokens_per_rank = tokens;
+  c.hidden = 7168;
+  c.dtype = DispatchDtype::kFp8E4M3;
+  c.dispatch_once_per_rank = c.combine_reduce_at_expert_rank = a_and_b;
+  c.device = MoeDeviceKind::kCuda;
+  return c;
+}
+
+// EP16 decode with options (a) and (b), rank 0: 8 remote senders, each a counts row (16 local
+// experts + 4 columns: 80 bytes) and 128 slots of 7680 bytes (256 of metadata, 7168 of row,
+// 224 of scales) in the inbox, then 128 * 8 combine rows of 14336 bytes; the NVLink buffer's
+// flags (16 * 2 * 8), counts rows (16 * 20 * 4, from 256), 16 * 16 private slots, and the same
+// combine rows. DeepEP's: 256 experts * 128 tokens * 14560-byte messages (16 + 14336 and
+// 224 + 14336: the larger), twice, and 1024 bytes of counts twice.
+TEST(BufferBytesTest, Ep16DecodeWorkedByHand) {
+  const AllToAllConfig c = Shape(16, 128, true);
+  ASSERT_TRUE(c.Validate().ok()) << c.Validate().ToString();
+  const int64_t inbox = 8 * (80 + 128 * 7680) + 128 * 8 * 14336;
+  const int64_t nvlink = 256 + 1280 + 16 * 16 * 7680 + 128 * 8 * 14336;
+  EXPECT_EQ(CudaDeviceBuffers(c, 0).receive, inbox + nvlink);
+  // The host device: 15 remote senders, their sections' end rounded up to a 128-byte line.
+  EXPECT_EQ(HostDeviceBuffers(c).receive, RoundUp(15 * (80 + 128 * 7680), 128) + 128 * 8 * 14336);
+  EXPECT_EQ(DeepEpLowLatencyBuffers(128, 7168, 256).receive, 2 * (256 * 128 * 14560 + 1024));
+}
+
+// At EP 8, 16, 32 and 64, decode (128 tokens) and prefill (4096), with and without options (a)
+// and (b): what peers write into on each rank stays within DeepEP's low-latency receive region
+// for the same shape (a bounded region per sender, written once, as DeepEP's is).
+TEST(BufferBytesTest, ReceiveMemoryWithinDeepEpLowLatency) {
+  for (int ep : {8, 16, 32, 64}) {
+    for (int tokens : {128, 4096}) {
+      const int64_t deep_ep = DeepEpLowLatencyBuffers(tokens, 7168, 256).receive;
+      for (bool a_and_b : {false, true}) {
+        const AllToAllConfig c = Shape(ep, tokens, a_and_b);
+        ASSERT_TRUE(c.Validate().ok()) << c.Validate().ToString();
+        for (int streamed : {0, 1, 3}) {
+          EXPECT_LE(CudaDeviceBuffers(c, streamed).receive, deep_ep)
+              << "EP" << ep << " T=" << tokens << (a_and_b ? " (a)+(b)" : "") << " streamed "
+              << streamed;
+        }
+        EXPECT_LE(HostDeviceBuffers(c).receive, deep_ep) << "EP" << ep << " T=" << tokens;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace ferry::moe

@@ -1,0 +1,31 @@
+// Where everything lives in a rank's NVLink buffer (nvlink_all_to_all.h draws it): pure
+// arithmetic on the configuration and the two choices that change it, so that the kernels' host
+// side and the buffer-size figures (moe/buffers.h) compute it once. No CUDA here.
+#pragma once
+
+#include <cstdint>
+
+#include "ferry/moe.h"
+#include "moe/wire.h"
+
+namespace ferry::moe {
+
+struct NvlinkLayout {
+  // counts_tagged: one node, each counts row carries a tag; stream_combine: each returned row
+  // carries one too; slot_bytes: SlotFormat's for this configuration.
+  NvlinkLayout(const AllToAllConfig& c, bool counts_tagged, bool stream_combine,
+               int64_t slot_bytes) {
+    const int64_t n = c.world_size, rows = int64_t{c.max_tokens_per_rank} * c.experts_per_token;
+    counts_off = RoundUp(2 * n * 8, 128);  // after the dispatch and combine flags
+    counts_stride = static_cast<int>(RoundUp(CountsWidth(c) + (counts_tagged ? 1 : 0), 4));
+    private_off = RoundUp(counts_off + n * counts_stride * 4, 128);
+    combine_off = RoundUp(private_off + n * c.max_private_tokens * slot_bytes, 128);
+    combine_tag_off = RoundUp(combine_off + rows * int64_t{c.hidden} * 2, 128);
+    send_off = RoundUp(combine_tag_off + (stream_combine ? rows * 8 : 0), 128);
+    bytes = send_off + rows * slot_bytes;  // the send area: a slot for each of our T * K copies
+  }
+  int counts_stride;  // int32 per counts row, rounded up to 16 bytes
+  int64_t counts_off, private_off, combine_off, combine_tag_off, send_off, bytes;
+};
+
+}  // namespace ferry::moe

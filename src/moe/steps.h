@@ -1,0 +1,26 @@
+// What both devices' AllToAll check before a step runs: the order of the steps, and the caller's
+// buffers and their forms. (What only one device can check -- expert ids in host memory, device
+// pointers' alignment -- each checks after these.)
+#pragma once
+
+#include "ferry/moe.h"
+
+namespace ferry::moe {
+
+// Where an AllToAll is in its epoch: the step that may run next.
+enum class Stage { kIdle, kDispatchSent, kDispatchDone, kCombineSent };
+
+// FailedPrecondition naming the order unless the AllToAll is at `want` (`step`: the one called).
+Status CheckStage(Stage at, Stage want, const char* step);
+// DispatchInput: indices or indices64, not both; x_bf16 only on an fp8 configuration and in
+// place of x and scales; a token count within the configured maximum; every buffer the count
+// needs.
+Status CheckDispatchInput(const AllToAllConfig& c, const DispatchInput& in);
+// InvalidArgument when `out` lacks a buffer the configuration's layout fills, or has one it
+// does not (a caller mixing up the layouts).
+Status CheckDispatchOutput(const AllToAllConfig& c, const DispatchOutput& out);
+// InvalidArgument for combine-time weights where the expert ranks summed with the dispatch's
+// (combine_reduce_at_expert_rank).
+Status CheckCombineOutput(const AllToAllConfig& c, const CombineOutput& out);
+
+}  // namespace ferry::moe
