@@ -12,7 +12,7 @@
 //   ferry-bench mirror [--provider P] [--iters I] [--rounds R]: a kernel waiting on a mirrored
 //                      immediate counter (GpuWords) next to a host thread in WaitImm
 //   ferry-bench buffers  what the AllToAll's buffers take per rank at EP 8-64, decode and
-//                      prefill, against DeepEP's low-latency buffer (docs/DESIGN.md §2.3)
+//                      prefill, against DeepEP's low-latency buffer (docs/DESIGN.md)
 //   ferry-bench demo   the main job of `make demo`: short fabric, moe and kv runs on shm
 #include <cstdio>
 #include <cstdlib>
@@ -62,7 +62,7 @@ bool ParseInt(const char* s, int* out) {
   return true;
 }
 
-// The table of docs/DESIGN.md §2.3: DeepSeek-V3's MoE layer (256 experts, top-8, hidden 7168,
+// The table of docs/DESIGN.md ("Buffer memory"): DeepSeek-V3's MoE layer (256 experts, top-8, hidden 7168,
 // fp8), nodes of 8 GPUs, the CUDA device with nothing streamed; MiB per rank.
 int PrintBuffers() {
   std::printf("| EP | tokens | ferry receive, plain | ferry receive, (a)+(b) | ferry send, (a)+(b) "

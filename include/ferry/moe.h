@@ -4,15 +4,16 @@
 // back and takes their weighted sum. Each is split into a send half and a receive half so the
 // caller can overlap other work (shared experts, another micro-batch) while bytes are in flight:
 //
-//   a2a->DispatchSend(in);            // counts out, first tokens out; returns without waiting
-//   a2a->DispatchRecv(out, deadline); // waits for routes, sends the rest, fills expert-major out
+//   a2a->DispatchSend(in);            // counts and tokens out; returns without waiting
+//   a2a->DispatchRecv(out, deadline); // waits for every sender's, fills expert-major out
 //   ... grouped GEMM on out ...
 //   a2a->CombineSend(expert_out);     // one write back per rank
 //   a2a->CombineRecv(y, deadline);    // weighted sum, fp32 accumulation, bf16 out
 //
 // Where the steps run (AllToAllConfig::device, ranks_per_node):
-//   - host device: the four steps on host memory, everything over the TransferEngine. The
-//     reference for the CUDA kernels; runs the whole protocol in CI.
+//   - host device: the four steps on host memory, every peer through the relay below (as if
+//     in another node). The reference for the CUDA kernels; runs their protocol between nodes
+//     in CI.
 //   - CUDA device, any ranks_per_node: kernels only. Each rank's buffers come from cuMemCreate,
 //     exported and mapped into every other rank of its node; the kernels push slots and rows
 //     into peers' memory and raise flags there. With several nodes (ranks_per_node == 1
@@ -25,12 +26,15 @@
 //     enqueued on a stream (SetStream) and captured in a graph: the kernels and the relay
 //     meet through flags, never through the calling thread.
 //
-// Protocol (docs/DESIGN.md §2.2): every rank sends its per-expert token counts to every rank (so
-// all ranks know the full routing); the first max_private_tokens tokens for each receiver go at
-// once into a region private to the sender; once the counts are in, each sender computes where its
-// remaining tokens go in the receiver's shared overflow region and writes them there, one write
-// per peer. Immediates carry a kind and an epoch (iteration mod 4) so consecutive iterations
-// never mix; a barrier after each receive half tells senders the buffers may be reused.
+// Protocol between nodes (docs/DESIGN.md §2.2; the bytes in src/moe/wire.h): each sender writes
+// every receiver one section -- its counts row, then all of its tokens for that receiver -- into
+// a region of the receiver's that is the sender's alone and holds the most it can send; no count
+// is awaited before the tokens move. Combine returns each receiver's rows as one write to where
+// the sender's counts row said. Immediates carry the kind, the epoch (iteration mod 4), the
+// instance and the sender, so each sender's section raises its own flag; a sender rewrites its
+// buffers only after its own combine, by which every peer had read them. Inside a node (CUDA),
+// the first max_private_tokens slots for each peer are pushed into its memory and the rest pulled
+// by the receiver from the sender's.
 #pragma once
 
 #include <cmath>
@@ -122,7 +126,7 @@ struct FERRY_API AllToAllConfig {
   int max_tokens_per_rank = 0;
   int hidden = 0;  // multiple of 128
   DispatchDtype dtype = DispatchDtype::kBf16;
-  int max_private_tokens = 16;  // per (sender, receiver): sent before the counts are known
+  int max_private_tokens = 16;  // per (sender, receiver) in one node: pushed; the rest pulled
   // Beyond the seed, each measured against the plain protocol (ferry-bench moe --once-per-rank
   // --reduce-at-expert-rank):
   // (a) a token goes once to each rank that holds any of its experts (not once per expert); the

@@ -1,7 +1,7 @@
 // What an AllToAll's buffers take on each rank, from the layouts the devices use (RelayLayout,
 // NvlinkLayout), and what DeepEP's low-latency buffer takes for the same shape (its
 // LowLatencyLayout: two halves, each a send, a receive and a signalling region). The figures of
-// docs/DESIGN.md §2.3 are these (`ferry-bench buffers`).
+// docs/DESIGN.md ("Buffer memory") are these (`ferry-bench buffers`).
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,4 @@
-// The buffer figures of docs/DESIGN.md §2.3: one worked by hand from the layouts' definitions,
+// The buffer figures of docs/DESIGN.md ("Buffer memory"): one worked by hand from the layouts' definitions,
 // and ferry's receive memory within DeepEP's low-latency buffer at every shape the table shows.
 #include "moe/buffers.h"
 
