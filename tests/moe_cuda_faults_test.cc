@@ -24,7 +24,9 @@ using namespace std::chrono_literals;
 // A GPU that is not there is a clear error at Create, on any machine.
 TEST(MoeCudaConfigTest, AMissingGpuIsAFailedPrecondition) {
   auto exits = RunLocalRanks(1, [](Bootstrap& b) -> Status {
-    AllToAllConfig cfg{1, 0, 1, 8, 2, 4, 128, DispatchDtype::kBf16, 2};
+    AllToAllConfig cfg{.world_size = 1, .rank = 0, .num_experts = 8, .experts_per_token = 2,
+                       .max_tokens_per_rank = 4, .hidden = 128, .dtype = DispatchDtype::kBf16,
+                       .max_private_tokens = 2};
     cfg.device = MoeDeviceKind::kCuda;
     cfg.cuda_device = 64;
     ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
@@ -119,7 +121,9 @@ struct SmallRun {
 // `stream`: CudaTuning::stream (-1, the default: the dispatch streamed where SendSmall sends).
 StatusOr<std::unique_ptr<AllToAll>> CreateOneNode(Bootstrap& b, int tokens = 4,
                                                   int stream = -1) {
-  AllToAllConfig cfg{2, b.rank(), 2, 8, 2, tokens, 128, DispatchDtype::kBf16, 2};
+  AllToAllConfig cfg{.world_size = 2, .rank = b.rank(), .ranks_per_node = 2, .num_experts = 8,
+                     .experts_per_token = 2, .max_tokens_per_rank = tokens, .hidden = 128,
+                     .dtype = DispatchDtype::kBf16, .max_private_tokens = 2};
   cfg.cuda.stream = stream;
   RETURN_IF_ERROR(UseGpu(b, &cfg));
   return AllToAll::Create(cfg, nullptr, b);
@@ -249,7 +253,9 @@ TEST(MoeNvlinkTest, RanksThatStreamDifferentlyFailCreate) {
 TEST(MoeNvlinkTest, ALostRankOfAnotherNode) {
   if (!HaveGpu()) GTEST_SKIP() << "no GPU (/dev/nvidia0)";
   auto exits = RunLocalRanks(4, [](Bootstrap& b) -> Status {
-    AllToAllConfig cfg{4, b.rank(), 2, 8, 2, 4, 128, DispatchDtype::kBf16, 2};
+    AllToAllConfig cfg{.world_size = 4, .rank = b.rank(), .ranks_per_node = 2, .num_experts = 8,
+                       .experts_per_token = 2, .max_tokens_per_rank = 4, .hidden = 128,
+                       .dtype = DispatchDtype::kBf16, .max_private_tokens = 2};
     RETURN_IF_ERROR(UseGpu(b, &cfg));
     ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
     ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(cfg, engine.get(), b));
@@ -271,7 +277,9 @@ TEST(MoeNvlinkTest, ALostRankOfAnotherNode) {
 TEST(MoeNvlinkTest, GpuBuffersBetweenNodesNeedAnEngineForThem) {
   if (!HaveGpu()) GTEST_SKIP() << "no GPU (/dev/nvidia0)";
   auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
-    AllToAllConfig cfg{2, b.rank(), 1, 8, 2, 4, 128, DispatchDtype::kBf16, 2};
+    AllToAllConfig cfg{.world_size = 2, .rank = b.rank(), .num_experts = 8, .experts_per_token = 2,
+                       .max_tokens_per_rank = 4, .hidden = 128, .dtype = DispatchDtype::kBf16,
+                       .max_private_tokens = 2};
     RETURN_IF_ERROR(UseGpu(b, &cfg));
     EngineOptions options = testing_util::TestOptions("shm");
     options.cuda_memory = false;

@@ -129,7 +129,9 @@ TEST(Fp8Test, GroupScalesFollowTheirRuleAndBoundTheError) {
 TEST(Fp8Test, DispatchQuantisesBf16RowsAsItSends) {
   auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
     const int tokens = 9, hidden = 256, experts = 4, k = 2, spt = hidden / 128;
-    AllToAllConfig cfg{2, b.rank(), 1, experts, k, 16, hidden, DispatchDtype::kFp8E4M3, 4};
+    AllToAllConfig cfg{.world_size = 2, .rank = b.rank(), .num_experts = experts,
+                       .experts_per_token = k, .max_tokens_per_rank = 16, .hidden = hidden,
+                       .dtype = DispatchDtype::kFp8E4M3, .max_private_tokens = 4};
     ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
     ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(cfg, engine.get(), b));
     const auto scaling_of = [](int rank) {
@@ -208,7 +210,9 @@ TEST(Fp8Test, DispatchQuantisesBf16RowsAsItSends) {
 TEST(ExpertPaddingTest, BlocksBackToBackAndTheCombineReadsThem) {
   auto exits = RunLocalRanks(3, [](Bootstrap& b) -> Status {
     const int world = 3, tokens = 7, hidden = 128, experts = 6, k = 3, pad = 4;
-    AllToAllConfig cfg{world, b.rank(), 1, experts, k, 8, hidden, DispatchDtype::kBf16, 2};
+    AllToAllConfig cfg{.world_size = world, .rank = b.rank(), .num_experts = experts,
+                       .experts_per_token = k, .max_tokens_per_rank = 8, .hidden = hidden,
+                       .dtype = DispatchDtype::kBf16, .max_private_tokens = 2};
     ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
     ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(cfg, engine.get(), b));
     // Rank s's token t: experts (t + s + j) % 6 for j < 3, the last -1 for odd t; rank 2 none.
@@ -306,7 +310,9 @@ TEST(ExpertPaddingTest, BlocksBackToBackAndTheCombineReadsThem) {
 
 TEST(Fp8Test, Bf16ConfigurationRefusesRowsToQuantise) {
   auto exits = RunLocalRanks(1, [](Bootstrap& b) -> Status {
-    AllToAllConfig cfg{1, 0, 1, 2, 1, 4, 128, DispatchDtype::kBf16, 4};
+    AllToAllConfig cfg{.world_size = 1, .rank = 0, .num_experts = 2, .experts_per_token = 1,
+                       .max_tokens_per_rank = 4, .hidden = 128, .dtype = DispatchDtype::kBf16,
+                       .max_private_tokens = 4};
     ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
     ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(cfg, engine.get(), b));
     std::vector<uint16_t> x(128);

@@ -397,9 +397,12 @@ INSTANTIATE_TEST_SUITE_P(Cases, MoeHostTest, ::testing::ValuesIn(Cases()), CaseN
 // are told so at Create.
 TEST(MoeHostInstancesTest, TwoAllToAllsShareAnEngineTheirStepsInterleaved) {
   const auto bf16 = DispatchDtype::kBf16, fp8 = DispatchDtype::kFp8E4M3;
-  const Case first{"shm", 3, 33, 128, 48, 4, bf16, Routing::kRandom, 4};
-  const Case second{"shm", 3, 20, 256, 48, 2, fp8, Routing::kRandom, 2, false, 2, true, true,
-                    Layouts::kMixed};
+  const Case first{.provider = "shm", .world_size = 3, .tokens = 33, .hidden = 128, .experts = 48,
+                   .k = 4, .dtype = bf16, .routing = Routing::kRandom, .private_tokens = 4};
+  const Case second{.provider = "shm", .world_size = 3, .tokens = 20, .hidden = 256,
+                    .experts = 48, .k = 2, .dtype = fp8, .routing = Routing::kRandom,
+                    .private_tokens = 2, .once_per_rank = true, .reduce_at_expert_rank = true,
+                    .layouts = Layouts::kMixed};
   auto exits = RunLocalRanks(3, [&](Bootstrap& b) -> Status {
     ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
     RankRun one(first, b), two(second, b);
@@ -441,7 +444,9 @@ TEST(MoeHostInstancesTest, TwoAllToAllsShareAnEngineTheirStepsInterleaved) {
 // Bad inputs: clear errors, and the protocol still works afterwards.
 TEST(MoeHostBadInputTest, RefusesBadRoutesTooManyTokensAndMismatchedConfigs) {
   auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
-    AllToAllConfig cfg{2, b.rank(), 1, 8, 2, 4, 128, DispatchDtype::kBf16, 2};
+    AllToAllConfig cfg{.world_size = 2, .rank = b.rank(), .num_experts = 8, .experts_per_token = 2,
+                       .max_tokens_per_rank = 4, .hidden = 128, .dtype = DispatchDtype::kBf16,
+                       .max_private_tokens = 2};
     ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
     ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(cfg, engine.get(), b));
     std::vector<uint16_t> x(5 * 128, 0);
@@ -506,7 +511,9 @@ TEST(MoeHostBadInputTest, RefusesBadRoutesTooManyTokensAndMismatchedConfigs) {
   // Setup refusals before any collective step: a null engine where one is needed (the host
   // device; the CUDA device with more than one node).
   exits = RunLocalRanks(1, [](Bootstrap& b) -> Status {
-    AllToAllConfig cfg{1, 0, 1, 8, 2, 4, 128, DispatchDtype::kBf16, 2};
+    AllToAllConfig cfg{.world_size = 1, .rank = 0, .num_experts = 8, .experts_per_token = 2,
+                       .max_tokens_per_rank = 4, .hidden = 128, .dtype = DispatchDtype::kBf16,
+                       .max_private_tokens = 2};
     auto none = AllToAll::Create(cfg, nullptr, b);
     CHECK_OR_RETURN(none.status().code() == StatusCode::kInvalidArgument,
                     "null engine: " + none.status().ToString());
@@ -514,7 +521,9 @@ TEST(MoeHostBadInputTest, RefusesBadRoutesTooManyTokensAndMismatchedConfigs) {
   }, 60s);
   for (auto& e : exits) EXPECT_TRUE(e.ok()) << e.exit_code;
   exits = RunLocalRanks(4, [](Bootstrap& b) -> Status {
-    AllToAllConfig cfg{4, b.rank(), 2, 8, 2, 4, 128, DispatchDtype::kBf16, 2};
+    AllToAllConfig cfg{.world_size = 4, .rank = b.rank(), .ranks_per_node = 2, .num_experts = 8,
+                       .experts_per_token = 2, .max_tokens_per_rank = 4, .hidden = 128,
+                       .dtype = DispatchDtype::kBf16, .max_private_tokens = 2};
     cfg.device = MoeDeviceKind::kCuda;
     auto mixed = AllToAll::Create(cfg, nullptr, b);
     CHECK_OR_RETURN(mixed.status().code() == StatusCode::kInvalidArgument &&
@@ -526,7 +535,9 @@ TEST(MoeHostBadInputTest, RefusesBadRoutesTooManyTokensAndMismatchedConfigs) {
 
   // Ranks that disagree on the configuration fail at setup, naming the problem.
   exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
-    AllToAllConfig cfg{2, b.rank(), 1, 8, 2, 4, b.rank() == 0 ? 128 : 256, DispatchDtype::kBf16, 2};
+    AllToAllConfig cfg{.world_size = 2, .rank = b.rank(), .num_experts = 8, .experts_per_token = 2,
+                       .max_tokens_per_rank = 4, .hidden = b.rank() == 0 ? 128 : 256,
+                       .dtype = DispatchDtype::kBf16, .max_private_tokens = 2};
     ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
     auto a2a = AllToAll::Create(cfg, engine.get(), b);
     CHECK_OR_RETURN(!a2a.ok() && a2a.status().code() == StatusCode::kInvalidArgument,
@@ -542,7 +553,9 @@ TEST(MoeHostBadInputTest, RefusesBadRoutesTooManyTokensAndMismatchedConfigs) {
 // rank and the section it waited for, and tearing the AllToAll down does not hang on the relay.
 TEST(MoeHostFailureTest, ADeadPeerEndsTheReceiveHalfAtItsDeadline) {
   auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
-    AllToAllConfig cfg{2, b.rank(), 1, 8, 2, 4, 128, DispatchDtype::kBf16, 2};
+    AllToAllConfig cfg{.world_size = 2, .rank = b.rank(), .num_experts = 8, .experts_per_token = 2,
+                       .max_tokens_per_rank = 4, .hidden = 128, .dtype = DispatchDtype::kBf16,
+                       .max_private_tokens = 2};
     EngineOptions options = testing_util::TestOptions("shm");
     options.transfer_timeout_ms = 1000;  // writes to the dead peer end within a second
     ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(options));

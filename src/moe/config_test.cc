@@ -17,7 +17,9 @@ namespace {
 // What one sender can route to one receiver: T * min(K, L) slots and rows, or T per token once
 // per rank (options (a) and (b)).
 TEST(WireTest, SlotFormatAndPairLimits) {
-  AllToAllConfig c{4, 1, 1, 256, 8, 128, 7168, DispatchDtype::kFp8E4M3, 16};
+  AllToAllConfig c{.world_size = 4, .rank = 1, .num_experts = 256, .experts_per_token = 8,
+                   .max_tokens_per_rank = 128, .hidden = 7168, .dtype = DispatchDtype::kFp8E4M3,
+                   .max_private_tokens = 16};
   ASSERT_TRUE(c.Validate().ok());
   const SlotFormat plain(c, false), tagged(c, true);
   EXPECT_EQ(plain.meta_used, 16 + 8 * 16);
@@ -40,7 +42,9 @@ TEST(WireTest, SlotFormatAndPairLimits) {
 }
 
 TEST(AllToAllConfigTest, ValidateNamesTheBadField) {
-  AllToAllConfig c{4, 0, 2, 64, 8, 128, 7168, DispatchDtype::kBf16, 16};
+  AllToAllConfig c{.world_size = 4, .rank = 0, .ranks_per_node = 2, .num_experts = 64,
+                   .experts_per_token = 8, .max_tokens_per_rank = 128, .hidden = 7168,
+                   .dtype = DispatchDtype::kBf16, .max_private_tokens = 16};
   EXPECT_TRUE(c.Validate().ok());
   AllToAllConfig bad = c;
   bad.rank = 4;
@@ -64,7 +68,9 @@ TEST(AllToAllConfigTest, ValidateNamesTheBadField) {
 // agreement (a rank that streams differently fails Create with the other fields' message);
 // the rest is each rank's own. A stream mask the kernels cannot take is refused.
 TEST(AllToAllConfigTest, CudaTuningStreamIsAgreedTheRestIsPerRank) {
-  AllToAllConfig c{4, 0, 2, 64, 8, 128, 7168, DispatchDtype::kBf16, 16};
+  AllToAllConfig c{.world_size = 4, .rank = 0, .ranks_per_node = 2, .num_experts = 64,
+                   .experts_per_token = 8, .max_tokens_per_rank = 128, .hidden = 7168,
+                   .dtype = DispatchDtype::kBf16, .max_private_tokens = 16};
   AllToAllConfig other = c;
   other.cuda.early_receive = false;
   other.cuda.spread = other.cuda.trace = other.cuda.relay_trace = true;

@@ -24,7 +24,10 @@ using namespace std::chrono_literals;
 constexpr uint8_t kGuard = 0xA5;
 
 // 4 experts (2 local), top-2, at most 4 tokens per rank, hidden 128, bf16; 2 ranks.
-AllToAllConfig Config(int rank) { return {2, rank, 1, 4, 2, 4, 128, DispatchDtype::kBf16, 2}; }
+AllToAllConfig Config(int rank) { return {.world_size = 2, .rank = rank, .num_experts = 4,
+                                          .experts_per_token = 2, .max_tokens_per_rank = 4,
+                                          .hidden = 128, .dtype = DispatchDtype::kBf16,
+                                          .max_private_tokens = 2}; }
 
 // One rank's relay memory, as the host AllToAll allocates it.
 struct Boxes {
