@@ -20,8 +20,9 @@
 #include "moe/cuda/nvlink_send.cuh"     // the kernels, in step order
 #include "moe/cuda/nvlink_recv.cuh"
 #include "moe/cuda/nvlink_combine.cuh"
-#include "moe/cuda/pinned_buffer.h"
 #include "moe/cuda/nvlink_layout.h"
+#include "moe/cuda/pinned_buffer.h"
+#include "moe/cuda/relay_boxes.h"
 #include "moe/steps.h"
 #include "moe/relay.h"
 #include "ferry/gpu_words.h"
@@ -44,12 +45,7 @@ class NvlinkAllToAll final : public AllToAll {
     cudaDeviceSynchronize();
     if (nv_.trace) PrintTrace();
     // A write the relay posted that never ended still reads the outbox: leak both boxes then.
-    if (relay_ && !relay_->Stop()) {
-      inbox_.Leak();
-      outbox_.Leak();
-      device_inbox_.Leak();
-      device_outbox_.Leak();
-    }
+    if (relay_ && !relay_->Stop()) boxes_.Leak();
     if (own_stream_) cudaStreamDestroy(own_stream_);
     if (order_event_) cudaEventDestroy(order_event_);
     for (cudaEvent_t e : marks_) {
@@ -553,34 +549,14 @@ class NvlinkAllToAll final : public AllToAll {
   StatusOr<RelayBuffers> StartRelay(const RelayLayout& relay, TransferEngine* engine,
                                     Bootstrap& bootstrap) {
     Nv& v = nv_;
-    const int n = c_.world_size;
     v.first_remote = relay.remotes.empty() ? -1 : relay.remotes.front();
     if (!relay.remotes.empty() && relay.counts_bytes != int64_t{v.counts_stride} * 4) {
       return InternalError("moe: the relay's counts row and the kernels' differ in size");
     }
-    RelayBuffers mapped;  // as the kernels address the relay's buffers
-    if (relay.remotes.empty()) return mapped;
-    RelayBuffers boxes;  // as the relay's CPU and NIC use them
-    ASSIGN_OR_RETURN(control_, PinnedBuffer::Allocate(relay.control_bytes));
-    boxes.control = control_.data();
-    ASSIGN_OR_RETURN(mapped.control, MappedPointer(control_.data()));
-    RETURN_IF_ERROR(PlaceBoxes(relay, engine, &boxes));
-    mapped.inbox = boxes.inbox;
-    mapped.outbox = boxes.outbox;
-    if (boxes.boxes == MemoryKind::kHost) {
-      ASSIGN_OR_RETURN(mapped.inbox, MappedPointer(boxes.inbox));
-      ASSIGN_OR_RETURN(mapped.outbox, MappedPointer(boxes.outbox));
-    }
-    // The inbox flags: in our GPU's memory, written through GDRCopy, where it is there; else
-    // pinned host memory mapped into the GPU (FERRY_GDRCOPY=0: always). GpuWords says which.
-    ASSIGN_OR_RETURN(inbox_flags_, GpuWords::Create(c_.cuda_device, 2 * size_t(n)));
-    boxes.inbox_flags = inbox_flags_->host_words();
-    if (inbox_flags_->placement() != GpuWords::Placement::kGpuMemory && c_.cuda.relay_trace) {
-      std::fprintf(stderr, "[rank %d] relay: inbox flags in host memory: %s\n", c_.rank,
-                   inbox_flags_->gdrcopy_status().c_str());
-    }
-    ASSIGN_OR_RETURN(relay_, Relay::Create(c_, relay, engine, bootstrap, boxes, 60000));
-    return mapped;
+    if (relay.remotes.empty()) return RelayBuffers{};
+    RETURN_IF_ERROR(boxes_.Place(c_, relay, engine));
+    ASSIGN_OR_RETURN(relay_, Relay::Create(c_, relay, engine, bootstrap, boxes_.host(), 60000));
+    return boxes_.mapped();
   }
 
   // Every rank as the kernels reach it: NodePeer in our node, RemotePeer (the relay) outside;
@@ -603,7 +579,7 @@ class NvlinkAllToAll final : public AllToAll {
       int32_t theirs[2];
       std::memcpy(theirs, all_grids[r].data(), sizeof theirs);
       if (relay.Remote(r)) {
-        peers[r] = RemotePeer(relay, mapped, inbox_flags_->device_words(), r);
+        peers[r] = RemotePeer(relay, mapped, boxes_.device_flags(), r);
       } else {
         peers[r] = NodePeer(bases[c_.rank], bases[r], r);
         peers[r].dispatch_step = theirs[0];
@@ -716,80 +692,6 @@ class NvlinkAllToAll final : public AllToAll {
     return p;
   }
 
-  // What makes a NIC's writes into GPU memory of `device` visible to its kernels once the CPU
-  // saw them land: nothing where the GPU orders them already (at least for itself), else
-  // cudaDeviceFlushGPUDirectRDMAWrites on the caller's thread; FailedPrecondition where it can
-  // do neither.
-  static StatusOr<std::function<Status()>> LandedWritesFlush(int device) {
-    int ordering = 0, options = 0;
-    FERRY_CUDA(cudaDeviceGetAttribute(&ordering, cudaDevAttrGPUDirectRDMAWritesOrdering, device));
-    if (ordering >= cudaGPUDirectRDMAWritesOrderingOwner) return std::function<Status()>();
-    FERRY_CUDA(
-        cudaDeviceGetAttribute(&options, cudaDevAttrGPUDirectRDMAFlushWritesOptions, device));
-    if (!(options & cudaFlushGPUDirectRDMAWritesOptionHost)) {
-      return FailedPreconditionError("CUDA device " + std::to_string(device) +
-                                     " neither orders GPUDirect RDMA writes nor flushes them");
-    }
-    return std::function<Status()>([device]() -> Status {
-      FERRY_CUDA(cudaSetDevice(device));
-      FERRY_CUDA(cudaDeviceFlushGPUDirectRDMAWrites(cudaFlushGPUDirectRDMAWritesTargetCurrentDevice,
-                                                    cudaFlushGPUDirectRDMAWritesToOwner));
-      return Status::Ok();
-    });
-  }
-
-  // The device address of mapped pinned host memory.
-  static StatusOr<uint8_t*> MappedPointer(uint8_t* host) {
-    void* p = nullptr;
-    FERRY_CUDA(cudaHostGetDevicePointer(&p, host, 0));
-    return static_cast<uint8_t*>(p);
-  }
-
-  // The relay's inbox and outbox into b (zeroed): GPU memory unless c_.rdma_buffers is kHost,
-  // when the engine registers it (tried with the inbox: GPUDirect RDMA needs
-  // EngineOptions::cuda_memory and a provider with FI_HMEM_CUDA) and the NIC's writes can be
-  // made visible to the kernels before a flag goes up; else pinned host memory, or, for
-  // kDevice, why not.
-  Status PlaceBoxes(const RelayLayout& relay, TransferEngine* engine, RelayBuffers* b) {
-    const bool trace = c_.cuda.relay_trace;
-    if (c_.rdma_buffers != RdmaBuffers::kHost && engine) {
-      std::function<Status()> flush;
-      const Status placed = [&]() -> Status {
-        RETURN_IF_ERROR(device_inbox_.Allocate(relay.inbox_bytes));
-        RETURN_IF_ERROR(device_outbox_.Allocate(relay.outbox_bytes));
-        FERRY_CUDA(cudaMemset(device_inbox_.get(), 0, relay.inbox_bytes));
-        FERRY_CUDA(cudaMemset(device_outbox_.get(), 0, relay.outbox_bytes));
-        // The probe's registration ends here; the relay makes its own.
-        RETURN_IF_ERROR(engine
-                            ->RegisterMemory(device_inbox_.get(), relay.inbox_bytes,
-                                             MemoryKind::kCuda, c_.cuda_device)
-                            .status());
-        ASSIGN_OR_RETURN(flush, LandedWritesFlush(c_.cuda_device));
-        return Status::Ok();
-      }();
-      if (placed.ok()) {
-        *b = {device_inbox_.get(), device_outbox_.get(), b->control, MemoryKind::kCuda,
-              c_.cuda_device, std::move(flush)};
-        if (trace) std::fprintf(stderr, "[rank %d] relay: buffers in GPU memory\n", c_.rank);
-        return Status::Ok();
-      }
-      device_inbox_.Free();
-      device_outbox_.Free();
-      if (c_.rdma_buffers == RdmaBuffers::kDevice) {
-        return placed.WithContext("AllToAll: rdma_buffers is kDevice, but the engine cannot "
-                                  "register GPU memory for the traffic between nodes");
-      }
-      if (trace) {
-        std::fprintf(stderr, "[rank %d] relay: buffers in host memory: %s\n", c_.rank,
-                     placed.ToString().c_str());
-      }
-    }
-    ASSIGN_OR_RETURN(inbox_, PinnedBuffer::Allocate(relay.inbox_bytes));
-    ASSIGN_OR_RETURN(outbox_, PinnedBuffer::Allocate(relay.outbox_bytes));
-    *b = {inbox_.data(), outbox_.data(), b->control, MemoryKind::kHost};
-    return Status::Ok();
-  }
-
   // A kernel on our stream allowed to start while the kernel before it runs (see
   // LaunchDependents): the receive kernels, and Pack behind Route; CudaTuning::early_receive false
   // launches them plainly.
@@ -865,10 +767,7 @@ class NvlinkAllToAll final : public AllToAll {
   const PairLimits pairs_;
   Nv nv_{};
   SharedCudaMemory shared_;
-  PinnedBuffer inbox_, outbox_;  // other nodes (relay.h), in host memory; the NIC uses them
-  DeviceArray<uint8_t> device_inbox_, device_outbox_;  // or in GPU memory (GPUDirect RDMA)
-  PinnedBuffer control_;  // the relay's flags and counts (relay.h)
-  std::unique_ptr<GpuWords> inbox_flags_;  // the flags the relay raises for our kernels
+  RelayBoxes boxes_;  // other nodes: the relay's memory (relay_boxes.h)
   std::unique_ptr<Relay> relay_;
   DeviceArray<NvPeer> peers_;
   DeviceArray<Scratch> scratch_;

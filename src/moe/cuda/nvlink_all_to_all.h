@@ -5,8 +5,8 @@
 // nvlink_layout.h (the buffer below), nvlink_protocol.cuh (what kernels and host share: the peer
 // table, device state, flags and waits), the kernels step by step -- nvlink_send.cuh (DispatchSend:
 // Route, Pack, SendSmall), nvlink_recv.cuh (DispatchRecv: Unpack), nvlink_combine.cuh
-// (CombineSend, CombineRecv) -- and nvlink_all_to_all.cu (the host side: memory, peers, relay,
-// launches).
+// (CombineSend, CombineRecv) -- relay_boxes.h (the relay's memory as the kernels and the NIC
+// see it) and nvlink_all_to_all.cu (the host side: memory, peers, relay, launches).
 //
 // Memory. Every rank allocates one buffer with cuMemCreate (exportable as a POSIX descriptor),
 // sends the descriptor to the other ranks of its node (ExchangeFds) and maps theirs; so each rank
