@@ -634,7 +634,7 @@ namespace {
 bool RunVariant(const MoeBenchOptions& o, Result* out) {
   return RunRanksAndCollect<Result>(
       "moe", o.ranks, 0, [&](Bootstrap& b, Result* r) { return RunRank(o, b, r); }, out,
-      std::chrono::minutes(10));
+      std::chrono::minutes(10), o.world);
 }
 
 const char* VariantName(const MoeBenchOptions& o) {
@@ -670,6 +670,15 @@ int RunMoeBench(const MoeBenchOptions& options) {
 #endif
   }
   const MoeBenchOptions& o = options;
+  if (o.world && o.world->rank() != 0) {  // one rank of a rendezvous: rank 0 reports
+    for (const MoeBenchOptions& v : variants) {
+      Result r{};
+      if (!RunVariant(v, &r)) return 1;
+      std::printf("ferry-bench moe [rank %d of %d] %s: done (rank 0 prints the figures)\n",
+                  o.world->rank(), o.world->world_size(), VariantName(v));
+    }
+    return 0;
+  }
   if (!o.json) {
     std::printf("ferry-bench moe  device=%s provider=%s ranks=%d nodes=%d tokens=%d hidden=%d "
                 "experts=%d topk=%d dtype=%s  (slowest rank per iteration, %d iterations)\n",

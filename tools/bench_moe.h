@@ -3,6 +3,8 @@
 
 #include <string>
 
+#include "ferry/bootstrap.h"
+
 namespace ferry::bench {
 
 struct MoeBenchOptions {
@@ -34,6 +36,9 @@ struct MoeBenchOptions {
   // --node-ranks N (with --nvlink): nodes of N ranks, NVLink inside and the relay over the
   // provider between them; 0: one node.
   int node_ranks = 0;
+  // --rendezvous (with --world-size and --rank): the ranks were started apart and met there;
+  // this process is world->rank(), and only rank 0 prints the figures. Null: ranks forked here.
+  Bootstrap* world = nullptr;
 };
 
 // Returns the process exit code.

@@ -8,8 +8,11 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <functional>
+#include <span>
 #include <type_traits>
+#include <vector>
 
 #include "ferry/bootstrap.h"
 
@@ -32,12 +35,36 @@ inline void SleepUntilUs(double until_us) {
 }
 
 // Forks `ranks` ranks running `body`; the result `reporter` fills comes back through a pipe.
+// With `world` (ferry-bench --rendezvous: ranks started apart, this process one of them), runs
+// `body` once on it instead, and every rank gets the reporter's result by an all-gather.
 // False (after printing why) if a rank failed or nothing came back.
 template <typename Result>
 bool RunRanksAndCollect(const char* bench, int ranks, int reporter,
                         const std::function<Status(Bootstrap&, Result*)>& body, Result* out,
-                        std::chrono::milliseconds timeout) {
+                        std::chrono::milliseconds timeout, Bootstrap* world = nullptr) {
   static_assert(std::is_trivially_copyable_v<Result>, "results cross a pipe as bytes");
+  if (world) {
+    if (world->world_size() != ranks) {
+      std::fprintf(stderr, "ferry-bench %s: %d ranks asked, the rendezvous has %d\n", bench,
+                   ranks, world->world_size());
+      return false;
+    }
+    Result mine{};
+    Status s = body(*world, &mine);
+    StatusOr<std::vector<std::vector<uint8_t>>> all = s;
+    if (s.ok()) {
+      all = world->AllGather(
+          std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(&mine), sizeof mine),
+          timeout);
+    }
+    if (!all.ok() || (*all)[reporter].size() != sizeof *out) {
+      std::fprintf(stderr, "ferry-bench %s: [rank %d] %s\n", bench, world->rank(),
+                   (s.ok() ? all.status() : s).ToString().c_str());
+      return false;
+    }
+    std::memcpy(out, (*all)[reporter].data(), sizeof *out);
+    return true;
+  }
   int fds[2];
   if (pipe(fds) != 0) return false;
   auto exits = RunLocalRanks(ranks, [&](Bootstrap& b) -> Status {

@@ -5,6 +5,8 @@
 //                      [--topk K] [--dtype fp8|bf16] [--iters I] [--json]
 //                      [--once-per-rank] [--reduce-at-expert-rank] [--compare] [--token-major]
 //                      [--device host|cuda] [--nvlink [--node-ranks N]] [--private N]
+//                      [--world-size N --rank R --rendezvous HOST:PORT]: one process per
+//                      rank, started apart (FERRY_WORLD_SIZE, FERRY_RANK, FERRY_RENDEZVOUS)
 //   ferry-bench kv     [--provider P] [--tokens T] [--decoders N] [--rounds R] [--pace F]
 //                      [--json]
 //   ferry-bench topo   [--sysfs DIR] [--exclude NIC,...]: which NICs and core serve each GPU
@@ -17,6 +19,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 
 #include "tools/bench_fabric.h"
@@ -27,6 +30,7 @@
 #include "tools/bench_p2p.h"
 #endif
 #include "common/strings.h"
+#include "ferry/bootstrap.h"
 #include "ferry/topology.h"
 #include "moe/buffers.h"
 
@@ -42,6 +46,7 @@ void Usage() {
       "                       [--once-per-rank] [--reduce-at-expert-rank] [--compare]"
       " [--token-major]\n"
       "                       [--device host|cuda] [--nvlink [--node-ranks N]] [--private N]\n"
+      "                       [--world-size N --rank R --rendezvous HOST:PORT]\n"
       "       ferry-bench kv [--provider P] [--tokens T] [--decoders N] [--rounds R]"
       " [--pace F]"
       " [--json]\n"
@@ -62,8 +67,8 @@ bool ParseInt(const char* s, int* out) {
   return true;
 }
 
-// The table of docs/DESIGN.md ("Buffer memory"): DeepSeek-V3's MoE layer (256 experts, top-8, hidden 7168,
-// fp8), nodes of 8 GPUs, the CUDA device with nothing streamed; MiB per rank.
+// The table of docs/DESIGN.md ("Buffer memory"): DeepSeek-V3's MoE layer (256 experts, top-8,
+// hidden 7168, fp8), nodes of 8 GPUs, the CUDA device with nothing streamed; MiB per rank.
 int PrintBuffers() {
   std::printf("| EP | tokens | ferry receive, plain | ferry receive, (a)+(b) | ferry send, (a)+(b) "
               "| DeepEP LL receive | DeepEP LL send | (a)+(b) receive / DeepEP's |\n"
@@ -107,6 +112,15 @@ int main(int argc, char** argv) {
   int64_t p2p_bytes = int64_t{256} << 20;
   bool iters_given = false, rounds_given = false;  // mirror's own defaults otherwise
   ferry::TopologyOptions topo;
+  ferry::RendezvousOptions rendezvous;  // the flags over FERRY_RENDEZVOUS and friends
+  {
+    auto from_env = ferry::RendezvousOptions::FromEnv();
+    if (!from_env.ok()) {
+      std::fprintf(stderr, "%s\n", from_env.status().ToString().c_str());
+      return 2;
+    }
+    rendezvous = *from_env;
+  }
   if (const char* p = std::getenv("FERRY_PROVIDER")) f.provider = m.provider = kv.provider = p;
   for (int i = 2; i < argc; ++i) {
     const std::string a = argv[i];
@@ -169,6 +183,12 @@ int main(int argc, char** argv) {
       m.compare = true;
     } else if (a == "--token-major") {
       m.token_major = true;
+    } else if (a == "--world-size" && has_value) {
+      ok = ParseInt(argv[++i], &rendezvous.world_size) && rendezvous.world_size >= 1;
+    } else if (a == "--rank" && has_value) {
+      ok = ParseInt(argv[++i], &rendezvous.rank);
+    } else if (a == "--rendezvous" && has_value) {
+      rendezvous.address = argv[++i];
     } else if (a == "--dtype" && has_value) {
       std::string d = argv[++i];
       ok = d == "fp8" || d == "bf16";
@@ -196,6 +216,21 @@ int main(int argc, char** argv) {
   }
   if (command == "buffers") return PrintBuffers();
   if (command == "fabric") return ferry::bench::RunFabricBench(f);
+  std::unique_ptr<ferry::Bootstrap> world;  // ranks started apart, met at the rendezvous
+  if (!rendezvous.address.empty()) {
+    if (command != "moe") {
+      std::fprintf(stderr, "--rendezvous: only ferry-bench moe runs one process per rank yet\n");
+      return 2;
+    }
+    m.ranks = rendezvous.world_size;  // one process per rank
+    auto joined = ferry::JoinRendezvous(rendezvous);
+    if (!joined.ok()) {
+      std::fprintf(stderr, "ferry-bench: %s\n", joined.status().ToString().c_str());
+      return 1;
+    }
+    world = std::move(*joined);
+    m.world = world.get();
+  }
   if (command == "moe") return ferry::bench::RunMoeBench(m);
   if (command == "kv") return ferry::bench::RunKvBench(kv);
   if (command == "p2p") {

@@ -3,7 +3,8 @@
 // ferry needs only two collectives to start: an all-gather of byte strings (addresses, region
 // descriptors) and a barrier. The embedded implementation forks local ranks from one launcher and
 // connects each to it by a socketpair; the launcher relays rounds. Tests, `make demo` and the
-// benchmarks use it. MPI or torch.distributed can implement the same interface.
+// benchmarks use it. Processes started apart meet at a TCP rendezvous (JoinRendezvous). MPI or
+// torch.distributed can implement the same interface.
 #pragma once
 
 #include <chrono>
@@ -11,6 +12,7 @@
 #include <functional>
 #include <memory>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "ferry/export.h"
@@ -30,6 +32,31 @@ class FERRY_API Bootstrap {
       std::span<const uint8_t> mine, std::chrono::milliseconds timeout) = 0;
   Status Barrier(std::chrono::milliseconds timeout);
 };
+
+// Ranks started independently -- by mpirun, torchrun, Slurm or by hand, on one machine or many --
+// meet at a rendezvous over TCP: rank 0 listens on `address`; every other rank connects to it,
+// retrying until `timeout`, and says its rank and the world size; once every rank has come, rank
+// 0 lets them all start. Collectives then go through rank 0 (each all-gather is one round trip
+// per rank).
+struct FERRY_API RendezvousOptions {
+  std::string address;  // HOST:PORT (or [IPv6]:PORT) where rank 0 listens
+  int world_size = 0;
+  int rank = -1;
+  std::chrono::milliseconds timeout{60000};  // for every rank to come
+  // The fields given, each replaced by its variable where that is set: FERRY_RENDEZVOUS,
+  // FERRY_WORLD_SIZE, FERRY_RANK, FERRY_RENDEZVOUS_TIMEOUT_MS (InvalidArgument naming a variable
+  // whose value is not a number in range).
+  static StatusOr<RendezvousOptions> FromEnv(RendezvousOptions given);
+  static StatusOr<RendezvousOptions> FromEnv();  // over the defaults
+};
+
+// Joins the rendezvous (collective over every rank). InvalidArgument for an address that does
+// not parse or resolve, a rank outside [0, world_size), or a world size the ranks disagree on
+// (rank 0 and the disagreeing rank are both told, and the others are let go with the reason);
+// AlreadyExists for a rank that another connection already claimed; DeadlineExceeded, after
+// `timeout`, naming the ranks that never came (rank 0) or saying rank 0 was never reached or
+// never let the world start (the others).
+FERRY_API StatusOr<std::unique_ptr<Bootstrap>> JoinRendezvous(const RendezvousOptions& options);
 
 struct FERRY_API RankExit {
   int exit_code = -1;  // valid when signal == 0

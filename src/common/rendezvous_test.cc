@@ -1,0 +1,223 @@
+// The TCP rendezvous on loopback, each rank a thread of this process with its own sockets: the
+// world forms whichever rank starts first, its all-gathers return every rank's bytes in rank
+// order, and every way a world fails to form or breaks ends with a clear error within the
+// timeout.
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <functional>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "fabric/test_util.h"
+#include "ferry/bootstrap.h"
+
+namespace ferry {
+namespace {
+
+using namespace std::chrono_literals;
+
+// A loopback port nothing listens on now (the kernel's pick; closed again at once).
+std::string FreeAddress() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  EXPECT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
+  close(fd);
+  return "127.0.0.1:" + std::to_string(ntohs(a.sin_port));
+}
+
+RendezvousOptions Options(const std::string& address, int world, int rank,
+                          std::chrono::milliseconds timeout = 10s) {
+  RendezvousOptions o;
+  o.address = address;
+  o.world_size = world;
+  o.rank = rank;
+  o.timeout = timeout;
+  return o;
+}
+
+// Runs every rank's body on a thread of its own (rank 0 after `root_delay`, so that the others
+// must retry until it listens); the statuses, by rank.
+std::vector<Status> RunRanks(int world, const std::vector<int>& ranks,
+                             const std::function<Status(int)>& body,
+                             std::chrono::milliseconds root_delay = 0ms) {
+  std::vector<Status> out(ranks.size());
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    threads.emplace_back([&, i] {
+      if (ranks[i] == 0) std::this_thread::sleep_for(root_delay);
+      out[i] = body(static_cast<int>(i));
+    });
+  }
+  for (auto& t : threads) t.join();
+  (void)world;
+  return out;
+}
+
+TEST(RendezvousTest, FourRanksGatherInRankOrderWhoeverStartsFirst) {
+  const std::string address = FreeAddress();
+  const std::vector<int> ranks = {0, 1, 2, 3};
+  auto statuses = RunRanks(
+      4, ranks,
+      [&](int r) -> Status {
+        ASSIGN_OR_RETURN(auto b, JoinRendezvous(Options(address, 4, r)));
+        CHECK_OR_RETURN(b->rank() == r && b->world_size() == 4, "rank or world size");
+        for (int round = 0; round < 3; ++round) {
+          // Rank r contributes r + round + 1 bytes of value 10 * r + round (rank 2 nothing in round
+          // 1).
+          std::vector<uint8_t> mine(r == 2 && round == 1 ? 0 : r + round + 1,
+                                    static_cast<uint8_t>(10 * r + round));
+          ASSIGN_OR_RETURN(auto all, b->AllGather(mine, 10s));
+          CHECK_OR_RETURN(all.size() == 4, "entries");
+          for (int q = 0; q < 4; ++q) {
+            const std::vector<uint8_t> want(q == 2 && round == 1 ? 0 : q + round + 1,
+                                            static_cast<uint8_t>(10 * q + round));
+            CHECK_OR_RETURN(all[q] == want, "round " + std::to_string(round) + ": rank " +
+                                                std::to_string(q) + "'s bytes");
+          }
+        }
+        return b->Barrier(10s);
+      },
+      300ms);
+  for (size_t i = 0; i < statuses.size(); ++i) {
+    EXPECT_TRUE(statuses[i].ok()) << "rank " << i << ": " << statuses[i].ToString();
+  }
+}
+
+TEST(RendezvousTest, RanksThatDisagreeOnTheWorldSizeAreAllTold) {
+  const std::string address = FreeAddress();
+  // Rank 1 comes first and is let go with the reason once rank 2 disagrees.
+  auto statuses = RunRanks(3, {0, 1, 2}, [&](int r) -> Status {
+    if (r == 2) std::this_thread::sleep_for(500ms);
+    return JoinRendezvous(Options(address, r == 2 ? 4 : 3, r)).status();
+  });
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(statuses[r].code(), StatusCode::kInvalidArgument) << r << statuses[r].ToString();
+    EXPECT_NE(statuses[r].message().find("rank 2 says the world size is 4, rank 0 says 3"),
+              std::string::npos)
+        << statuses[r].ToString();
+  }
+}
+
+TEST(RendezvousTest, ARankThatNeverComesIsNamedAtTheTimeout) {
+  const std::string address = FreeAddress();
+  const auto start = std::chrono::steady_clock::now();
+  auto statuses = RunRanks(3, {0, 1}, [&](int r) -> Status {
+    // Rank 1 waits longer than rank 0, so it hears rank 0's reason.
+    return JoinRendezvous(Options(address, 3, r, r == 0 ? 800ms : 3000ms)).status();
+  });
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
+  EXPECT_EQ(statuses[0].code(), StatusCode::kDeadlineExceeded) << statuses[0].ToString();
+  EXPECT_NE(statuses[0].message().find("rank 2 of 3 never came"), std::string::npos)
+      << statuses[0].ToString();
+  // Rank 1 came, and is let go with rank 0's reason.
+  EXPECT_EQ(statuses[1].code(), StatusCode::kDeadlineExceeded) << statuses[1].ToString();
+  EXPECT_NE(statuses[1].message().find("rank 2 of 3 never came"), std::string::npos)
+      << statuses[1].ToString();
+}
+
+TEST(RendezvousTest, WithoutRankZeroTheOthersGiveUpAtTheTimeout) {
+  const std::string address = FreeAddress();
+  const auto start = std::chrono::steady_clock::now();
+  const Status s = JoinRendezvous(Options(address, 2, 1, 500ms)).status();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 3s);
+  EXPECT_EQ(s.code(), StatusCode::kDeadlineExceeded) << s.ToString();
+  EXPECT_NE(s.message().find("could not reach rank 0 at " + address), std::string::npos)
+      << s.ToString();
+}
+
+// A second connection claiming rank 1 is refused; the world still forms with the first.
+TEST(RendezvousTest, ARankClaimedTwiceIsRefusedAndTheWorldStillForms) {
+  const std::string address = FreeAddress();
+  auto statuses = RunRanks(3, {0, 1, 1, 2}, [&](int i) -> Status {
+    const int rank = i == 3 ? 2 : i == 2 ? 1 : i;
+    if (i == 2) std::this_thread::sleep_for(200ms);  // the second rank 1
+    if (i == 3) std::this_thread::sleep_for(600ms);
+    ASSIGN_OR_RETURN(auto b, JoinRendezvous(Options(address, 3, rank)));
+    return b->Barrier(10s);
+  });
+  EXPECT_TRUE(statuses[0].ok()) << statuses[0].ToString();
+  EXPECT_TRUE(statuses[1].ok()) << statuses[1].ToString();
+  EXPECT_EQ(statuses[2].code(), StatusCode::kAlreadyExists) << statuses[2].ToString();
+  EXPECT_TRUE(statuses[3].ok()) << statuses[3].ToString();
+}
+
+// A rank lost after the world formed: rank 0's next all-gather names it, and the rank still
+// waiting on rank 0 is let go at once (Unavailable), not at its deadline.
+TEST(RendezvousTest, ARankLostAfterTheStartEndsTheNextGatherAtOnce) {
+  const std::string address = FreeAddress();
+  auto statuses = RunRanks(3, {0, 1, 2}, [&](int r) -> Status {
+    ASSIGN_OR_RETURN(auto b, JoinRendezvous(Options(address, 3, r)));
+    RETURN_IF_ERROR(b->Barrier(10s));
+    if (r == 2) return Status::Ok();  // leaves: its connection closes
+    const auto start = std::chrono::steady_clock::now();
+    const Status s = b->Barrier(20s);
+    CHECK_OR_RETURN(std::chrono::steady_clock::now() - start < 5s, "waited out the deadline");
+    return s;
+  });
+  EXPECT_EQ(statuses[0].code(), StatusCode::kUnavailable) << statuses[0].ToString();
+  EXPECT_NE(statuses[0].message().find("rank 2"), std::string::npos) << statuses[0].ToString();
+  EXPECT_EQ(statuses[1].code(), StatusCode::kUnavailable) << statuses[1].ToString();
+  EXPECT_TRUE(statuses[2].ok()) << statuses[2].ToString();
+}
+
+TEST(RendezvousTest, BadOptionsAreRefusedBeforeAnyConnection) {
+  for (const auto& [address, world, rank] :
+       std::vector<std::tuple<std::string, int, int>>{{"127.0.0.1:1", 0, 0},
+                                                      {"127.0.0.1:1", 2, 2},
+                                                      {"127.0.0.1:1", 2, -1},
+                                                      {"no-port", 2, 1},
+                                                      {"127.0.0.1:99999", 2, 1},
+                                                      {"[::1:5", 2, 1},
+                                                      {":5000", 2, 1}}) {
+    const Status s = JoinRendezvous(Options(address, world, rank, 200ms)).status();
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument)
+        << address << " " << world << " " << rank << ": " << s.ToString();
+  }
+  // A world of one needs no address.
+  auto solo = JoinRendezvous(Options("", 1, 0));
+  ASSERT_TRUE(solo.ok()) << solo.status().ToString();
+  const std::vector<uint8_t> mine = {7};
+  auto all = (*solo)->AllGather(mine, 1s);
+  ASSERT_TRUE(all.ok());
+  EXPECT_EQ(*all, std::vector<std::vector<uint8_t>>{mine});
+}
+
+TEST(RendezvousTest, FromEnvReadsEachVariableAndRefusesBadValues) {
+  setenv("FERRY_RENDEZVOUS", "10.0.0.1:29500", 1);
+  setenv("FERRY_WORLD_SIZE", "16", 1);
+  setenv("FERRY_RANK", "3", 1);
+  setenv("FERRY_RENDEZVOUS_TIMEOUT_MS", "1500", 1);
+  auto o = RendezvousOptions::FromEnv();
+  ASSERT_TRUE(o.ok()) << o.status().ToString();
+  EXPECT_EQ(o->address, "10.0.0.1:29500");
+  EXPECT_EQ(o->world_size, 16);
+  EXPECT_EQ(o->rank, 3);
+  EXPECT_EQ(o->timeout, 1500ms);
+  setenv("FERRY_RANK", "three", 1);
+  const Status s = RendezvousOptions::FromEnv().status();
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("FERRY_RANK"), std::string::npos) << s.ToString();
+  for (const char* v :
+       {"FERRY_RENDEZVOUS", "FERRY_WORLD_SIZE", "FERRY_RANK", "FERRY_RENDEZVOUS_TIMEOUT_MS"}) {
+    unsetenv(v);
+  }
+  RendezvousOptions given;
+  given.world_size = 2;
+  auto kept = RendezvousOptions::FromEnv(given);
+  ASSERT_TRUE(kept.ok());
+  EXPECT_EQ(kept->world_size, 2);  // unset variables leave the fields given
+}
+
+}  // namespace
+}  // namespace ferry

@@ -1,0 +1,39 @@
+#include "common/socket_io.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdint>
+
+namespace ferry {
+
+using Millis = std::chrono::milliseconds;
+using SteadyClock = std::chrono::steady_clock;
+
+Status IoExact(int fd, void* buf, size_t n, bool write, SteadyClock::time_point deadline) {
+  auto* p = static_cast<uint8_t*>(buf);
+  while (n > 0) {
+    auto left = std::chrono::duration_cast<Millis>(deadline - SteadyClock::now()).count();
+    if (left <= 0) return DeadlineExceededError("bootstrap: peer did not answer in time");
+    pollfd pfd{fd, static_cast<short>(write ? POLLOUT : POLLIN), 0};
+    int r = poll(&pfd, 1, static_cast<int>(std::min<long>(left, 1000)));
+    if (r < 0 && errno != EINTR) return ErrnoError("bootstrap poll", errno);
+    if (r <= 0) continue;
+    ssize_t got = write ? ::send(fd, p, n, MSG_NOSIGNAL) : ::recv(fd, p, n, 0);
+    if (got == 0) return UnavailableError("bootstrap: connection closed (a rank died)");
+    if (got < 0) {
+      if (errno == EINTR || errno == EAGAIN) continue;
+      if (errno == EPIPE || errno == ECONNRESET) {
+        return UnavailableError("bootstrap: connection lost (a rank died)");
+      }
+      return ErrnoError("bootstrap io", errno);
+    }
+    p += got;
+    n -= static_cast<size_t>(got);
+  }
+  return Status::Ok();
+}
+
+}  // namespace ferry
