@@ -7,6 +7,7 @@
 #include <pybind11/stl.h>
 
 #include <cstdio>
+#include <optional>
 #include <string>
 
 #include "binding.h"
@@ -146,6 +147,27 @@ void BindBootstrap(py::module_& m) {
         return "<ferry.RankExit exit_code=" + std::to_string(r.exit_code) +
                " signal=" + std::to_string(r.signal) + (r.timed_out ? " timed_out" : "") + ">";
       });
+  m.def(
+      "join_rendezvous",
+      [](std::optional<std::string> address, std::optional<int> world_size,
+         std::optional<int> rank, std::optional<double> timeout) {
+        RendezvousOptions o = ValueOrThrow(RendezvousOptions::FromEnv());
+        if (address) o.address = *address;
+        if (world_size) o.world_size = *world_size;
+        if (rank) o.rank = *rank;
+        if (timeout) o.timeout = ToMillis(*timeout);
+        StatusOr<std::unique_ptr<Bootstrap>> joined = [&] {
+          py::gil_scoped_release release;
+          return JoinRendezvous(o);
+        }();
+        return ValueOrThrow(std::move(joined));
+      },
+      py::arg("address") = py::none(), py::arg("world_size") = py::none(),
+      py::arg("rank") = py::none(), py::arg("timeout") = py::none(),
+      "Joins ranks started apart (mpirun, torchrun, Slurm, by hand) at a TCP rendezvous: rank 0 "
+      "listens on address ('HOST:PORT'), the others connect, retrying until timeout seconds. "
+      "Arguments left out come from FERRY_RENDEZVOUS, FERRY_WORLD_SIZE, FERRY_RANK, "
+      "FERRY_RENDEZVOUS_TIMEOUT_MS. Returns the Bootstrap the other calls take.");
   m.def("run_local_ranks", &RunRanks, py::arg("world_size"), py::arg("fn"),
         py::arg("timeout") = 120.0,
         "Forks world_size ranks, each running fn(bootstrap); returns how each ended (a rank "

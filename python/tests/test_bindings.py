@@ -2,6 +2,9 @@
 
 import array
 import importlib.util
+import socket
+import threading
+import time
 import unittest
 
 import ferry
@@ -182,6 +185,47 @@ class BootstrapTest(unittest.TestCase):
             ferry.run_local_ranks(0, body)
         with self.assertRaises(ferry.InvalidArgument):
             ferry.run_local_ranks(1, body, timeout=float("nan"))
+
+    def test_rendezvous(self):
+        # Ranks as threads of this process, each with its own connection to rank 0 (join and
+        # all_gather let go of the GIL); the others start first and retry until rank 0 listens.
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            address = "127.0.0.1:%d" % s.getsockname()[1]
+        got, errors = {}, {}
+
+        def rank(r, world):
+            try:
+                if r == 0:
+                    time.sleep(0.2)
+                b = ferry.join_rendezvous(address, world_size=world, rank=r, timeout=10)
+                got[r] = (b.rank, b.world_size, b.all_gather(bytes([r]) * (r + 1)))
+                b.barrier()
+            except ferry.Error as e:
+                errors[r] = e
+
+        threads = [threading.Thread(target=rank, args=(r, 3)) for r in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.assertEqual(errors, {})
+        for r in range(3):
+            self.assertEqual(got[r], (r, 3, [b"\x00", b"\x01\x01", b"\x02\x02\x02"]))
+        # A world size the ranks disagree on: both told, naming the sizes.
+        got.clear()
+        threads = [threading.Thread(target=rank, args=(0, 2)),
+                   threading.Thread(target=rank, args=(1, 3))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.assertEqual(sorted(errors), [0, 1])
+        for e in errors.values():
+            self.assertIsInstance(e, ferry.InvalidArgument)
+            self.assertIn("rank 1 says the world size is 3, rank 0 says 2", str(e))
+        with self.assertRaises(ferry.InvalidArgument):
+            ferry.join_rendezvous("no-port", world_size=2, rank=1, timeout=1)
 
 
 if __name__ == "__main__":
