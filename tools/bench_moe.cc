@@ -515,16 +515,17 @@ Status RunRank(const MoeBenchOptions& o, Bootstrap& b, Result* result) {
     if (sb.with_caller) RETURN_IF_ERROR(CheckCaller(sb.caller));
 #endif
   }
+  const std::chrono::milliseconds step_timeout(o.step_timeout_ms);
   for (int it = 0; !o.cuda && it < o.warmup + o.iters; ++it) {
-    RETURN_IF_ERROR(b.Barrier(60s));
+    RETURN_IF_ERROR(b.Barrier(step_timeout));
     double t0 = NowUs();
     RETURN_IF_ERROR(a2a->DispatchSend({px, pscales, pidx, pw, o.tokens}));
     double t1 = NowUs();
-    RETURN_IF_ERROR(a2a->DispatchRecv(sb.out, Deadline::After(60s)));
+    RETURN_IF_ERROR(a2a->DispatchRecv(sb.out, Deadline::After(step_timeout)));
     double t2 = NowUs();
     RETURN_IF_ERROR(a2a->CombineSend(pexpert_out));
     double t3 = NowUs();
-    RETURN_IF_ERROR(a2a->CombineRecv(py, false, Deadline::After(60s)));
+    RETURN_IF_ERROR(a2a->CombineRecv(py, false, Deadline::After(step_timeout)));
     double t4 = NowUs();
     if (it >= o.warmup) {
       steps[0].push_back(t1 - t0);

@@ -27,6 +27,9 @@ struct MoeBenchOptions {
   // (bench_moe_caller.h). Added by --token-major on the CUDA device; not an option of its own.
   bool caller = false;
   int iters = 50;
+  // --timeout-ms: how long each host-device step, and the barrier before each iteration, waits
+  // for the other ranks (a lost or unreachable peer fails the run this long after).
+  int step_timeout_ms = 60000;
   int warmup = 5;
   bool json = false;
   bool cuda = false;  // --device cuda: the CUDA device, GPU buffers (rank r on GPU r mod count)

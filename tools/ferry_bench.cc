@@ -7,6 +7,7 @@
 //                      [--device host|cuda] [--nvlink [--node-ranks N]] [--private N]
 //                      [--world-size N --rank R --rendezvous HOST:PORT]: one process per
 //                      rank, started apart (FERRY_WORLD_SIZE, FERRY_RANK, FERRY_RENDEZVOUS)
+//                      [--timeout-ms N]: each host step's wait for the other ranks (60000)
 //   ferry-bench kv     [--provider P] [--tokens T] [--decoders N] [--rounds R] [--pace F]
 //                      [--json]
 //   ferry-bench topo   [--sysfs DIR] [--exclude NIC,...]: which NICs and core serve each GPU
@@ -46,7 +47,8 @@ void Usage() {
       "                       [--once-per-rank] [--reduce-at-expert-rank] [--compare]"
       " [--token-major]\n"
       "                       [--device host|cuda] [--nvlink [--node-ranks N]] [--private N]\n"
-      "                       [--world-size N --rank R --rendezvous HOST:PORT]\n"
+      "                       [--world-size N --rank R --rendezvous HOST:PORT]"
+      " [--timeout-ms N]\n"
       "       ferry-bench kv [--provider P] [--tokens T] [--decoders N] [--rounds R]"
       " [--pace F]"
       " [--json]\n"
@@ -183,6 +185,8 @@ int main(int argc, char** argv) {
       m.compare = true;
     } else if (a == "--token-major") {
       m.token_major = true;
+    } else if (a == "--timeout-ms" && has_value) {
+      ok = ParseInt(argv[++i], &m.step_timeout_ms) && m.step_timeout_ms >= 1;
     } else if (a == "--world-size" && has_value) {
       ok = ParseInt(argv[++i], &rendezvous.world_size) && rendezvous.world_size >= 1;
     } else if (a == "--rank" && has_value) {

@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# Hosts as network namespaces: three namespaces joined by veth pairs to a bridge in a fourth,
+# addresses 10.77.<n>.1-3/24 assigned inside them (nothing leaves them) and everything removed at
+# the end. ferry-bench moe runs one process per rank, each in its own namespace over
+# tcp;ofi_rxm, bound to its namespace's address, meeting at rank 0's rendezvous: every rank exits
+# 0 and rank 0 prints the figures. Then a link goes down mid-run, and comes back (below). Skips
+# (77) where the machine refuses namespaces.
+# Usage: netns_test.sh FERRY_BENCH
+set -u
+bench=$1
+tag=f$$  # names unique to this run (interface names stay within 15 characters)
+subnet=10.77.$(($$ % 250))
+hosts=3
+cleanup() {
+  for i in $(seq 0 $((hosts - 1))); do ip netns del "${tag}h$i" 2> /dev/null; done
+  ip netns del "${tag}br" 2> /dev/null
+}
+trap cleanup EXIT
+if ! ip netns add "${tag}br" 2> /dev/null; then
+  echo "SKIP: this machine refuses network namespaces (ip netns add needs root and CONFIG_NET_NS)"
+  exit 77
+fi
+set -e
+ip -n "${tag}br" link add br0 type bridge
+ip -n "${tag}br" link set br0 up
+for i in $(seq 0 $((hosts - 1))); do
+  ns=${tag}h$i
+  ip netns add "$ns"
+  ip link add "${tag}a$i" type veth peer name "${tag}b$i"
+  ip link set "${tag}a$i" netns "$ns"
+  ip link set "${tag}b$i" netns "${tag}br"
+  ip -n "$ns" addr add "$subnet.$((i + 1))/24" dev "${tag}a$i"
+  ip -n "$ns" link set "${tag}a$i" up
+  ip -n "$ns" link set lo up
+  ip -n "${tag}br" link set "${tag}b$i" master br0
+  ip -n "${tag}br" link set "${tag}b$i" up
+done
+set +e
+out=$(mktemp -d)
+port=29500
+run=(moe --provider "tcp;ofi_rxm" --tokens 32 --hidden 256 --experts 12 --topk 2 --iters 5
+     --compare --world-size $hosts --rendezvous "$subnet.1:$port")
+for i in $(seq $((hosts - 1)) -1 1); do
+  FERRY_NODE=$subnet.$((i + 1)) FERRY_RENDEZVOUS_TIMEOUT_MS=60000 \
+    ip netns exec "${tag}h$i" "$bench" "${run[@]}" --rank $i > "$out/rank$i.txt" 2>&1 &
+  pids[$i]=$!
+done
+FERRY_NODE=$subnet.1 FERRY_RENDEZVOUS_TIMEOUT_MS=60000 \
+  timeout 240 ip netns exec "${tag}h0" "$bench" "${run[@]}" --rank 0 > "$out/rank0.txt" 2>&1
+rcs=($?)
+for i in $(seq 1 $((hosts - 1))); do wait "${pids[$i]}"; rcs+=($?); done
+for i in $(seq 0 $((hosts - 1))); do
+  echo "== rank $i (namespace ${tag}h$i, $subnet.$((i + 1)))"
+  cat "$out/rank$i.txt"
+done
+fail=0
+for i in $(seq 0 $((hosts - 1))); do
+  [ "${rcs[$i]}" -eq 0 ] || { echo "FAIL: rank $i exited ${rcs[$i]}"; fail=1; }
+done
+for v in "plain" "(a) once/rank" "(b) reduce" "(a)+(b)"; do
+  grep -qF "$v " "$out/rank0.txt" || { echo "FAIL: rank 0 printed no '$v' row"; fail=1; }
+done
+
+# A link set down mid-run (rank 2's veth, on the bridge's side). Over TCP nothing fails at once:
+# writes complete into the senders' socket buffers and TCP retransmits; what ends the run is
+# each rank's own step deadline (5 s here, --timeout-ms), at which every process ends with an
+# error naming what it waited for, instead of hanging. Then the link comes back and a new world
+# over it runs clean.
+long=(moe --provider "tcp;ofi_rxm" --tokens 32 --hidden 256 --experts 12 --topk 2
+      --iters 100000 --timeout-ms 5000 --world-size $hosts
+      --rendezvous "$subnet.1:$((port + 1))")
+start=$SECONDS
+for i in $(seq $((hosts - 1)) -1 0); do
+  FERRY_NODE=$subnet.$((i + 1)) timeout 120 ip netns exec "${tag}h$i" "$bench" "${long[@]}" \
+    --rank $i > "$out/down$i.txt" 2>&1 &
+  pids[$i]=$!
+done
+sleep 3
+ip -n "${tag}br" link set "${tag}b2" down
+down_at=$SECONDS
+rcs=()
+for i in $(seq 0 $((hosts - 1))); do wait "${pids[$i]}"; rcs+=($?); done
+ended=$((SECONDS - down_at))
+for i in $(seq 0 $((hosts - 1))); do
+  echo "== link down: rank $i"
+  cat "$out/down$i.txt"
+done
+echo "every rank ended ${ended} s after the link went down"
+for i in $(seq 0 $((hosts - 1))); do
+  [ "${rcs[$i]}" -ne 0 ] && [ "${rcs[$i]}" -ne 124 ] ||
+    { echo "FAIL: rank $i exited ${rcs[$i]} (0: it never noticed; 124: it hung)"; fail=1; }
+done
+[ $ended -le 20 ] || { echo "FAIL: the ranks took ${ended} s to fail (deadline 5 s)"; fail=1; }
+grep -qE "DeadlineExceeded|Unavailable" "$out/down0.txt" ||
+  { echo "FAIL: rank 0 does not say what it lost"; fail=1; }
+ip -n "${tag}br" link set "${tag}b2" up
+healed=(moe --provider "tcp;ofi_rxm" --tokens 32 --hidden 256 --experts 12 --topk 2 --iters 5
+        --world-size $hosts --rendezvous "$subnet.1:$((port + 2))")
+for i in $(seq $((hosts - 1)) -1 0); do
+  FERRY_NODE=$subnet.$((i + 1)) timeout 120 ip netns exec "${tag}h$i" "$bench" \
+    "${healed[@]}" --rank $i > "$out/up$i.txt" 2>&1 &
+  pids[$i]=$!
+done
+for i in $(seq 0 $((hosts - 1))); do
+  wait "${pids[$i]}" ||
+    { echo "FAIL: after the link came back, rank $i failed:"; cat "$out/up$i.txt"; fail=1; }
+done
+grep -q "^plain " "$out/up0.txt" || { echo "FAIL: no figures after the link came back"; fail=1; }
+rm -rf "$out"
+[ $fail -eq 0 ] && echo PASS
+exit $fail
