@@ -23,37 +23,6 @@ namespace {
 using Millis = std::chrono::milliseconds;
 using SteadyClock = std::chrono::steady_clock;
 
-class SocketBootstrap final : public Bootstrap {
- public:
-  SocketBootstrap(int rank, int world_size, int fd) : rank_(rank), size_(world_size), fd_(fd) {}
-  ~SocketBootstrap() override { close(fd_); }
-  int rank() const override { return rank_; }
-  int world_size() const override { return size_; }
-
-  StatusOr<std::vector<std::vector<uint8_t>>> AllGather(std::span<const uint8_t> mine,
-                                                        Millis timeout) override {
-    auto deadline = SteadyClock::now() + timeout;
-    uint32_t len = static_cast<uint32_t>(mine.size());
-    RETURN_IF_ERROR(IoExact(fd_, &len, sizeof len, true, deadline));
-    RETURN_IF_ERROR(IoExact(fd_, const_cast<uint8_t*>(mine.data()), mine.size(), true, deadline));
-    uint32_t count = 0;
-    RETURN_IF_ERROR(IoExact(fd_, &count, sizeof count, false, deadline));
-    if (count != static_cast<uint32_t>(size_)) {
-      return DataLossError("bootstrap: round has " + std::to_string(count) + " entries");
-    }
-    std::vector<std::vector<uint8_t>> all(count);
-    for (auto& entry : all) {
-      RETURN_IF_ERROR(IoExact(fd_, &len, sizeof len, false, deadline));
-      entry.resize(len);
-      RETURN_IF_ERROR(IoExact(fd_, entry.data(), len, false, deadline));
-    }
-    return all;
-  }
-
- private:
-  int rank_, size_, fd_;
-};
-
 // The launcher's side: collects one frame per live rank, then answers all of them.
 class Relay {
  public:
@@ -134,8 +103,8 @@ std::vector<RankExit> RunLocalRanks(int world_size, const std::function<Status(B
       close(sv[0]);
       Status s;
       {
-        SocketBootstrap bootstrap(r, world_size, sv[1]);
-        s = body(bootstrap);
+        std::unique_ptr<Bootstrap> bootstrap = NewRelayedBootstrap(r, world_size, sv[1]);
+        s = body(*bootstrap);
       }
       if (!s.ok()) std::fprintf(stderr, "[rank %d] %s\n", r, s.ToString().c_str());
       std::fflush(nullptr);

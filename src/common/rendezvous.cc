@@ -104,17 +104,12 @@ Status SendAnswer(int fd, const Status& s, SteadyClock::time_point deadline) {
   return IoExact(fd, const_cast<char*>(message.data()), message.size(), true, deadline);
 }
 
-// A round's frame from `fd`, or its contributions to every rank.
+// A round's frame from `fd`.
 Status ReadFrame(int fd, std::vector<uint8_t>* out, SteadyClock::time_point deadline) {
   uint32_t len = 0;
   RETURN_IF_ERROR(IoExact(fd, &len, sizeof len, false, deadline));
   out->resize(len);
   return IoExact(fd, out->data(), len, false, deadline);
-}
-Status WriteFrame(int fd, std::span<const uint8_t> bytes, SteadyClock::time_point deadline) {
-  const uint32_t len = static_cast<uint32_t>(bytes.size());
-  RETURN_IF_ERROR(IoExact(fd, const_cast<uint32_t*>(&len), sizeof len, true, deadline));
-  return IoExact(fd, const_cast<uint8_t*>(bytes.data()), bytes.size(), true, deadline);
 }
 
 // Rank 0: a connection per other rank (fds_[r], -1 for itself).
@@ -167,33 +162,6 @@ class RootBootstrap final : public Bootstrap {
 
   const int size_;
   std::vector<int> fds_;
-};
-
-// Ranks other than 0: one connection to rank 0.
-class LeafBootstrap final : public Bootstrap {
- public:
-  LeafBootstrap(int rank, int world_size, int fd) : rank_(rank), size_(world_size), fd_(fd) {}
-  ~LeafBootstrap() override { close(fd_); }
-  int rank() const override { return rank_; }
-  int world_size() const override { return size_; }
-
-  StatusOr<std::vector<std::vector<uint8_t>>> AllGather(std::span<const uint8_t> mine,
-                                                        Millis timeout) override {
-    const auto deadline = SteadyClock::now() + timeout;
-    RETURN_IF_ERROR(WriteFrame(fd_, mine, deadline).WithContext("rendezvous: rank 0"));
-    uint32_t count = 0;
-    RETURN_IF_ERROR(IoExact(fd_, &count, sizeof count, false, deadline));
-    if (count != static_cast<uint32_t>(size_)) {
-      return DataLossError("rendezvous: a round of " + std::to_string(count) + " entries, not " +
-                           std::to_string(size_));
-    }
-    std::vector<std::vector<uint8_t>> all(count);
-    for (auto& entry : all) RETURN_IF_ERROR(ReadFrame(fd_, &entry, deadline));
-    return all;
-  }
-
- private:
-  const int rank_, size_, fd_;
 };
 
 // A world of one.
@@ -354,7 +322,7 @@ StatusOr<std::unique_ptr<Bootstrap>> Join(const RendezvousOptions& o, const Host
     close(fd);
     return Status(static_cast<StatusCode>(answer[0]), message);
   }
-  return std::unique_ptr<Bootstrap>(new LeafBootstrap(o.rank, o.world_size, fd));
+  return NewRelayedBootstrap(o.rank, o.world_size, fd);
 }
 
 }  // namespace

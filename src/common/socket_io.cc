@@ -2,10 +2,13 @@
 
 #include <poll.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstdint>
+#include <string>
+#include <vector>
 
 namespace ferry {
 
@@ -34,6 +37,46 @@ Status IoExact(int fd, void* buf, size_t n, bool write, SteadyClock::time_point 
     n -= static_cast<size_t>(got);
   }
   return Status::Ok();
+}
+
+namespace {
+
+class RelayedBootstrap final : public Bootstrap {
+ public:
+  RelayedBootstrap(int rank, int world_size, int fd) : rank_(rank), size_(world_size), fd_(fd) {}
+  ~RelayedBootstrap() override { close(fd_); }
+  int rank() const override { return rank_; }
+  int world_size() const override { return size_; }
+
+  StatusOr<std::vector<std::vector<uint8_t>>> AllGather(std::span<const uint8_t> mine,
+                                                        Millis timeout) override {
+    const auto deadline = SteadyClock::now() + timeout;
+    uint32_t len = static_cast<uint32_t>(mine.size());
+    RETURN_IF_ERROR(IoExact(fd_, &len, sizeof len, true, deadline));
+    RETURN_IF_ERROR(IoExact(fd_, const_cast<uint8_t*>(mine.data()), mine.size(), true, deadline));
+    uint32_t count = 0;
+    RETURN_IF_ERROR(IoExact(fd_, &count, sizeof count, false, deadline));
+    if (count != static_cast<uint32_t>(size_)) {
+      return DataLossError("bootstrap: a round of " + std::to_string(count) + " entries, not " +
+                           std::to_string(size_));
+    }
+    std::vector<std::vector<uint8_t>> all(count);
+    for (auto& entry : all) {
+      RETURN_IF_ERROR(IoExact(fd_, &len, sizeof len, false, deadline));
+      entry.resize(len);
+      RETURN_IF_ERROR(IoExact(fd_, entry.data(), len, false, deadline));
+    }
+    return all;
+  }
+
+ private:
+  const int rank_, size_, fd_;
+};
+
+}  // namespace
+
+std::unique_ptr<Bootstrap> NewRelayedBootstrap(int rank, int world_size, int fd) {
+  return std::make_unique<RelayedBootstrap>(rank, world_size, fd);
 }
 
 }  // namespace ferry
