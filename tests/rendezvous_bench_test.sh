@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# ferry-bench moe as one process per rank, started apart and met at a TCP rendezvous on
+# ferry-bench moe and kv as one process per rank, started apart and met at a TCP rendezvous on
 # loopback (as a cluster's launcher starts them): every rank exits 0, rank 0 prints the figures
 # and each other rank its own line. Then ranks that disagree on the world size both fail, saying
 # so. Usage: rendezvous_bench_test.sh FERRY_BENCH
@@ -36,6 +36,20 @@ for r in 1 2; do
   grep -q "\[rank $r of 3\] plain: done" "$out/rank$r.txt" ||
     { echo "FAIL: rank $r did not report"; fail=1; }
 done
+
+# ferry-bench kv the same way: the prefill is rank 0, its one decoder rank 1.
+kvrun=(kv --tokens 256 --rounds 1 --world-size 2 --rendezvous 127.0.0.1:$((port + 2)))
+"$bench" "${kvrun[@]}" --rank 1 > "$out/kv1.txt" 2>&1 &
+kvpid=$!
+sleep 0.3
+"$bench" "${kvrun[@]}" --rank 0 > "$out/kv0.txt" 2>&1
+rck0=$?
+wait $kvpid; rck1=$?
+cat "$out/kv0.txt" "$out/kv1.txt"
+[ $rck0 -eq 0 ] && [ $rck1 -eq 0 ] || { echo "FAIL: kv exits $rck0 $rck1"; fail=1; }
+grep -q "^deepseek-r1 mla " "$out/kv0.txt" || { echo "FAIL: kv rank 0 printed no rows"; fail=1; }
+grep -q "\[rank 1 of 2\] deepseek-r1 mla: done" "$out/kv1.txt" ||
+  { echo "FAIL: kv rank 1 did not report"; fail=1; }
 
 # World sizes that disagree: both fail within their timeout, naming the sizes.
 port=$((port + 1))

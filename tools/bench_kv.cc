@@ -302,6 +302,20 @@ int RunKvBench(const KvBenchOptions& o) {
       {"qwen3-coder tp8>tp8", {8, 128, 2, false, 64}, 62, 8, 8},
       {"qwen3-coder tp8>tp4", {8, 128, 2, false, 64}, 62, 8, 4},
   };
+  const auto run_model = [&](const Model& m, Result* r) {
+    return RunRanksAndCollect<Result>(
+        "kv", 1 + o.decoders, 1, [&](Bootstrap& b, Result* out) { return Run(o, m, b, out); }, r,
+        std::chrono::minutes(5), o.world);
+  };
+  if (o.world && o.world->rank() != 0) {  // one rank of a rendezvous: rank 0 reports
+    for (const Model& m : models) {
+      Result r{};
+      if (!run_model(m, &r)) return 1;
+      std::printf("ferry-bench kv [rank %d of %d] %s: done (rank 0 prints the figures)\n",
+                  o.world->rank(), o.world->world_size(), m.name);
+    }
+    return 0;
+  }
   if (!o.json) {
     std::printf(
         "ferry-bench kv  provider=%s prompt=%d tokens  (1 prefill -> %d decode "
@@ -318,12 +332,7 @@ int RunKvBench(const KvBenchOptions& o) {
   }
   for (const Model& m : models) {
     Result r{};
-    if (!RunRanksAndCollect<Result>(
-            "kv", 1 + o.decoders, 1,
-            [&](Bootstrap& b, Result* out) { return Run(o, m, b, out); }, &r,
-            std::chrono::minutes(5))) {
-      return 1;
-    }
+    if (!run_model(m, &r)) return 1;
     // Throughput: bytes over the time from the first layer to ready, against the raw loop's
     // time for the same bytes. Pacing layers at the raw rate makes raw the lower bound.
     const double ratio = r.raw_us / r.ferry_us;

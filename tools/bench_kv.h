@@ -3,6 +3,8 @@
 
 #include <string>
 
+#include "ferry/bootstrap.h"
+
 namespace ferry::bench {
 
 struct KvBenchOptions {
@@ -16,6 +18,9 @@ struct KvBenchOptions {
   // the last layer's transfer and the ready signal alone; the ratio is at most 1 / pace.
   double pace = 1.0;
   bool json = false;
+  // --rendezvous: the prefill (rank 0) and decoders were started apart and met there; this
+  // process is world->rank(), and only rank 0 prints the figures. Null: ranks forked here.
+  Bootstrap* world = nullptr;
 };
 
 // Returns the process exit code.

@@ -9,7 +9,7 @@
 //                      rank, started apart (FERRY_WORLD_SIZE, FERRY_RANK, FERRY_RENDEZVOUS)
 //                      [--timeout-ms N]: each host step's wait for the other ranks (60000)
 //   ferry-bench kv     [--provider P] [--tokens T] [--decoders N] [--rounds R] [--pace F]
-//                      [--json]
+//                      [--json] [--world-size N --rank R --rendezvous HOST:PORT]
 //   ferry-bench topo   [--sysfs DIR] [--exclude NIC,...]: which NICs and core serve each GPU
 //   ferry-bench p2p    [--bytes N]: GPU 0 <-> 1 bandwidth (copy engine, SM stores and loads)
 //   ferry-bench mirror [--provider P] [--iters I] [--rounds R]: a kernel waiting on a mirrored
@@ -52,6 +52,7 @@ void Usage() {
       "       ferry-bench kv [--provider P] [--tokens T] [--decoders N] [--rounds R]"
       " [--pace F]"
       " [--json]\n"
+      "                      [--world-size N --rank R --rendezvous HOST:PORT]\n"
       "       ferry-bench topo [--sysfs DIR] [--exclude NIC,...]\n"
       "       ferry-bench p2p [--bytes N]   (GPU 0 <-> 1: copy engine, SM stores and loads)\n"
       "       ferry-bench mirror [--provider P] [--iters I] [--rounds R]   (a kernel waiting"
@@ -222,8 +223,14 @@ int main(int argc, char** argv) {
   if (command == "fabric") return ferry::bench::RunFabricBench(f);
   std::unique_ptr<ferry::Bootstrap> world;  // ranks started apart, met at the rendezvous
   if (!rendezvous.address.empty()) {
-    if (command != "moe") {
-      std::fprintf(stderr, "--rendezvous: only ferry-bench moe runs one process per rank yet\n");
+    if (command != "moe" && command != "kv") {
+      std::fprintf(stderr, "--rendezvous: ferry-bench moe and kv run one process per rank; "
+                           "%s forks its ranks\n", command.c_str());
+      return 2;
+    }
+    if (command == "kv" && rendezvous.world_size != 1 + kv.decoders) {
+      std::fprintf(stderr, "--rendezvous: ferry-bench kv's world is the prefill and its "
+                           "--decoders (%d), not %d\n", 1 + kv.decoders, rendezvous.world_size);
       return 2;
     }
     m.ranks = rendezvous.world_size;  // one process per rank
@@ -233,7 +240,7 @@ int main(int argc, char** argv) {
       return 1;
     }
     world = std::move(*joined);
-    m.world = world.get();
+    m.world = kv.world = world.get();
   }
   if (command == "moe") return ferry::bench::RunMoeBench(m);
   if (command == "kv") return ferry::bench::RunKvBench(kv);
