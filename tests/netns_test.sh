@@ -3,8 +3,9 @@
 # addresses 10.77.<n>.1-3/24 assigned inside them (nothing leaves them) and everything removed at
 # the end. ferry-bench moe runs one process per rank, each in its own namespace over
 # tcp;ofi_rxm, bound to its namespace's address, meeting at rank 0's rendezvous: every rank exits
-# 0 and rank 0 prints the figures. Then a link goes down mid-run, and comes back (below). Skips
-# (77) where the machine refuses namespaces.
+# 0 and rank 0 prints the figures; ferry-bench kv likewise, prefill and decoder in two of them.
+# Then a link goes down mid-run, and comes back (below). Skips (77) where the machine refuses
+# namespaces.
 # Usage: netns_test.sh FERRY_BENCH
 set -u
 bench=$1
@@ -60,6 +61,21 @@ done
 for v in "plain" "(a) once/rank" "(b) reduce" "(a)+(b)"; do
   grep -qF "$v " "$out/rank0.txt" || { echo "FAIL: rank 0 printed no '$v' row"; fail=1; }
 done
+
+# ferry-bench kv the same way: the prefill in the first namespace, its decoder in the second.
+kvrun=(kv --provider "tcp;ofi_rxm" --tokens 256 --rounds 1 --world-size 2
+       --rendezvous "$subnet.1:$((port + 3))")
+FERRY_NODE=$subnet.2 timeout 120 ip netns exec "${tag}h1" "$bench" "${kvrun[@]}" --rank 1 \
+  > "$out/kv1.txt" 2>&1 &
+kvpid=$!
+FERRY_NODE=$subnet.1 timeout 120 ip netns exec "${tag}h0" "$bench" "${kvrun[@]}" --rank 0 \
+  > "$out/kv0.txt" 2>&1
+rck0=$?
+wait $kvpid; rck1=$?
+echo "== kv across namespaces"
+cat "$out/kv0.txt" "$out/kv1.txt"
+[ $rck0 -eq 0 ] && [ $rck1 -eq 0 ] || { echo "FAIL: kv exits $rck0 $rck1"; fail=1; }
+grep -q "^deepseek-r1 mla " "$out/kv0.txt" || { echo "FAIL: kv printed no rows"; fail=1; }
 
 # A link set down mid-run (rank 2's veth, on the bridge's side). Over TCP nothing fails at once:
 # writes complete into the senders' socket buffers and TCP retransmits; what ends the run is
