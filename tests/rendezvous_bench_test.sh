@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# ferry-bench moe and kv as one process per rank, started apart and met at a TCP rendezvous on
+# ferry-bench moe, kv and fabric as one process per rank, started apart and met at a TCP rendezvous on
 # loopback (as a cluster's launcher starts them): every rank exits 0, rank 0 prints the figures
 # and each other rank its own line. Then ranks that disagree on the world size both fail, saying
 # so. Usage: rendezvous_bench_test.sh FERRY_BENCH
@@ -50,6 +50,20 @@ cat "$out/kv0.txt" "$out/kv1.txt"
 grep -q "^deepseek-r1 mla " "$out/kv0.txt" || { echo "FAIL: kv rank 0 printed no rows"; fail=1; }
 grep -q "\[rank 1 of 2\] deepseek-r1 mla: done" "$out/kv1.txt" ||
   { echo "FAIL: kv rank 1 did not report"; fail=1; }
+
+# ferry-bench fabric: its two ranks started apart.
+fbrun=(fabric --quick --max-bytes 65536 --world-size 2 --rendezvous 127.0.0.1:$((port + 3)))
+"$bench" "${fbrun[@]}" --rank 1 > "$out/fb1.txt" 2>&1 &
+fbpid=$!
+sleep 0.3
+"$bench" "${fbrun[@]}" --rank 0 > "$out/fb0.txt" 2>&1
+rcf0=$?
+wait $fbpid; rcf1=$?
+cat "$out/fb0.txt" "$out/fb1.txt"
+[ $rcf0 -eq 0 ] && [ $rcf1 -eq 0 ] || { echo "FAIL: fabric exits $rcf0 $rcf1"; fail=1; }
+grep -q "2 rendezvous ranks" "$out/fb0.txt" && grep -q "^paged " "$out/fb0.txt" ||
+  { echo "FAIL: fabric rank 0 printed no rows"; fail=1; }
+grep -q "\[rank 1 of 2\]: done" "$out/fb1.txt" || { echo "FAIL: fabric rank 1"; fail=1; }
 
 # World sizes that disagree: both fail within their timeout, naming the sizes.
 port=$((port + 1))

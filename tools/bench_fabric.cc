@@ -388,16 +388,12 @@ std::string Size(uint64_t b) {
 }  // namespace
 
 int RunFabricBench(const FabricBenchOptions& o) {
-  // Rank 0 writes its rows to a pipe the launcher reads once the ranks have exited.
-  int fds[2];
-  if (pipe(fds) != 0) return 1;
-  auto exits = RunLocalRanks(2, [&](Bootstrap& b) -> Status {
-    close(fds[0]);
+  // Rank 0's rows, a line each.
+  const auto run = [&](Bootstrap& b, std::string* out) -> Status {
     std::vector<Row> rows;
     Runner runner(b, o);
     RETURN_IF_ERROR(runner.Run(&rows));
     if (b.rank() != 0) return Status::Ok();
-    std::string out;
     char line[512];
     for (const Row& r : rows) {
       snprintf(line, sizeof line,
@@ -405,30 +401,57 @@ int RunFabricBench(const FabricBenchOptions& o) {
                (unsigned long long)r.bytes, r.ferry.p50_us, r.ferry.p99_us, r.ferry.gbps,
                r.ferry.mops, r.raw.p50_us, r.raw.p99_us, r.raw.gbps, r.raw.mops, r.ratio,
                r.ratio_of, r.worker_ns_per_wr);
-      out += line;
-    }
-    if (write(fds[1], out.data(), out.size()) != static_cast<ssize_t>(out.size())) {
-      return InternalError("could not report rows");
+      *out += line;
     }
     return Status::Ok();
-  }, std::chrono::minutes(20));
-  close(fds[1]);
+  };
   std::string text;
-  char buf[4096];
-  ssize_t n;
-  while ((n = read(fds[0], buf, sizeof buf)) > 0) text.append(buf, static_cast<size_t>(n));
-  close(fds[0]);
-  for (const RankExit& e : exits) {
-    if (!e.ok()) {
-      std::fprintf(stderr, "ferry-bench fabric: a rank failed (exit %d, signal %d%s)\n",
-                   e.exit_code, e.signal, e.timed_out ? ", timed out" : "");
+  if (o.world) {  // one rank of a rendezvous: the two ranks were started apart
+    if (o.world->world_size() != 2) {
+      std::fprintf(stderr, "ferry-bench fabric: a world of 2 ranks, not %d\n",
+                   o.world->world_size());
+      return 2;
+    }
+    const Status s = run(*o.world, &text);
+    if (!s.ok()) {
+      std::fprintf(stderr, "ferry-bench fabric: [rank %d] %s\n", o.world->rank(),
+                   s.ToString().c_str());
       return 1;
+    }
+    if (o.world->rank() != 0) {
+      std::printf("ferry-bench fabric [rank 1 of 2]: done (rank 0 prints the figures)\n");
+      return 0;
+    }
+  } else {
+    // Rank 0 writes its rows to a pipe the launcher reads once the ranks have exited.
+    int fds[2];
+    if (pipe(fds) != 0) return 1;
+    auto exits = RunLocalRanks(2, [&](Bootstrap& b) -> Status {
+      close(fds[0]);
+      std::string out;
+      RETURN_IF_ERROR(run(b, &out));
+      if (write(fds[1], out.data(), out.size()) != static_cast<ssize_t>(out.size())) {
+        return InternalError("could not report rows");
+      }
+      return Status::Ok();
+    }, std::chrono::minutes(20));
+    close(fds[1]);
+    char buf[4096];
+    ssize_t n;
+    while ((n = read(fds[0], buf, sizeof buf)) > 0) text.append(buf, static_cast<size_t>(n));
+    close(fds[0]);
+    for (const RankExit& e : exits) {
+      if (!e.ok()) {
+        std::fprintf(stderr, "ferry-bench fabric: a rank failed (exit %d, signal %d%s)\n",
+                     e.exit_code, e.signal, e.timed_out ? ", timed out" : "");
+        return 1;
+      }
     }
   }
   if (o.json) std::printf("{\"bench\":\"fabric\",\"provider\":\"%s\",\"rows\":[", o.provider.c_str());
   else {
-    std::printf("ferry-bench fabric  provider=%s  (2 local ranks; rank 0 writes into rank 1)\n",
-                o.provider.c_str());
+    std::printf("ferry-bench fabric  provider=%s  (2 %s ranks; rank 0 writes into rank 1)\n",
+                o.provider.c_str(), o.world ? "rendezvous" : "local");
     std::printf("%-8s %8s | %9s %9s %8s %8s | %9s %9s %8s %8s | %6s %4s | %9s\n", "kind", "size",
                 "ferry p50", "p99 us", "GB/s", "Mops/s", "raw p50", "p99 us", "GB/s", "Mops/s",
                 "ratio", "of", "wkr ns/wr");

@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <string>
 
+#include "ferry/bootstrap.h"
+
 namespace ferry::bench {
 
 struct FabricBenchOptions {
@@ -11,6 +13,9 @@ struct FabricBenchOptions {
   uint64_t max_bytes = 64u << 20;  // largest single write
   bool quick = false;              // fewer iterations (make demo)
   bool json = false;
+  // --rendezvous (--world-size 2): the two ranks were started apart and met there; this process
+  // is world->rank(), and only rank 0 prints the figures. Null: both ranks forked here.
+  Bootstrap* world = nullptr;
 };
 
 // Returns the process exit code.

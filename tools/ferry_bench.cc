@@ -1,6 +1,7 @@
 // ferry-bench: benchmarks and the demo driver.
 //
 //   ferry-bench fabric [--provider P] [--max-bytes N] [--quick] [--json]
+//                      [--world-size 2 --rank R --rendezvous HOST:PORT]
 //   ferry-bench moe    [--provider P] [--ranks N] [--tokens T] [--hidden H] [--experts E]
 //                      [--topk K] [--dtype fp8|bf16] [--iters I] [--json]
 //                      [--once-per-rank] [--reduce-at-expert-rank] [--compare] [--token-major]
@@ -41,6 +42,7 @@ void Usage() {
   std::fprintf(
       stderr,
       "usage: ferry-bench fabric [--provider P] [--max-bytes N] [--quick] [--json]\n"
+      "                          [--world-size 2 --rank R --rendezvous HOST:PORT]\n"
       "       ferry-bench moe [--provider P] [--ranks N] [--tokens T] [--hidden H]\n"
       "                       [--experts E] [--topk K] [--dtype fp8|bf16] [--iters I]"
       " [--json]\n"
@@ -220,12 +222,11 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (command == "buffers") return PrintBuffers();
-  if (command == "fabric") return ferry::bench::RunFabricBench(f);
   std::unique_ptr<ferry::Bootstrap> world;  // ranks started apart, met at the rendezvous
   if (!rendezvous.address.empty()) {
-    if (command != "moe" && command != "kv") {
-      std::fprintf(stderr, "--rendezvous: ferry-bench moe and kv run one process per rank; "
-                           "%s forks its ranks\n", command.c_str());
+    if (command != "moe" && command != "kv" && command != "fabric") {
+      std::fprintf(stderr, "--rendezvous: ferry-bench fabric, moe and kv run one process per "
+                           "rank; %s does not\n", command.c_str());
       return 2;
     }
     if (command == "kv" && rendezvous.world_size != 1 + kv.decoders) {
@@ -240,8 +241,9 @@ int main(int argc, char** argv) {
       return 1;
     }
     world = std::move(*joined);
-    m.world = kv.world = world.get();
+    m.world = kv.world = f.world = world.get();
   }
+  if (command == "fabric") return ferry::bench::RunFabricBench(f);
   if (command == "moe") return ferry::bench::RunMoeBench(m);
   if (command == "kv") return ferry::bench::RunKvBench(kv);
   if (command == "p2p") {
