@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# ferry-bench moe, kv and fabric as one process per rank, started apart and met at a TCP rendezvous on
-# loopback (as a cluster's launcher starts them): every rank exits 0, rank 0 prints the figures
-# and each other rank its own line. Then ranks that disagree on the world size both fail, saying
-# so. Usage: rendezvous_bench_test.sh FERRY_BENCH
+# ferry-bench moe, kv and fabric as one process per rank, started apart and met at a TCP
+# rendezvous on loopback (as a cluster's launcher starts them): every rank exits 0, rank 0 prints
+# the figures and each other rank its own line. Then ranks that disagree on the world size both
+# fail, saying so. Usage: rendezvous_bench_test.sh FERRY_BENCH
 set -u
 bench=$1
 out=$(mktemp -d)
