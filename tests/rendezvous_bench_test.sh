@@ -37,30 +37,30 @@ for r in 1 2; do
     { echo "FAIL: rank $r did not report"; fail=1; }
 done
 
+# pair NAME ARGS...: a world of two started apart -- rank 1 in the background first, then rank
+# 0; their output in $out/NAME0.txt and NAME1.txt, their exits in rc0 and rc1.
+pair() {
+  local name=$1 pid
+  shift
+  "$bench" "$@" --rank 1 > "$out/${name}1.txt" 2>&1 &
+  pid=$!
+  sleep 0.3
+  "$bench" "$@" --rank 0 > "$out/${name}0.txt" 2>&1
+  rc0=$?
+  wait $pid
+  rc1=$?
+  cat "$out/${name}0.txt" "$out/${name}1.txt"
+  [ $rc0 -eq 0 ] && [ $rc1 -eq 0 ] || { echo "FAIL: $name exits $rc0 $rc1"; fail=1; }
+}
+
 # ferry-bench kv the same way: the prefill is rank 0, its one decoder rank 1.
-kvrun=(kv --tokens 256 --rounds 1 --world-size 2 --rendezvous 127.0.0.1:$((port + 2)))
-"$bench" "${kvrun[@]}" --rank 1 > "$out/kv1.txt" 2>&1 &
-kvpid=$!
-sleep 0.3
-"$bench" "${kvrun[@]}" --rank 0 > "$out/kv0.txt" 2>&1
-rck0=$?
-wait $kvpid; rck1=$?
-cat "$out/kv0.txt" "$out/kv1.txt"
-[ $rck0 -eq 0 ] && [ $rck1 -eq 0 ] || { echo "FAIL: kv exits $rck0 $rck1"; fail=1; }
+pair kv kv --tokens 256 --rounds 1 --world-size 2 --rendezvous 127.0.0.1:$((port + 2))
 grep -q "^deepseek-r1 mla " "$out/kv0.txt" || { echo "FAIL: kv rank 0 printed no rows"; fail=1; }
 grep -q "\[rank 1 of 2\] deepseek-r1 mla: done" "$out/kv1.txt" ||
   { echo "FAIL: kv rank 1 did not report"; fail=1; }
 
 # ferry-bench fabric: its two ranks started apart.
-fbrun=(fabric --quick --max-bytes 65536 --world-size 2 --rendezvous 127.0.0.1:$((port + 3)))
-"$bench" "${fbrun[@]}" --rank 1 > "$out/fb1.txt" 2>&1 &
-fbpid=$!
-sleep 0.3
-"$bench" "${fbrun[@]}" --rank 0 > "$out/fb0.txt" 2>&1
-rcf0=$?
-wait $fbpid; rcf1=$?
-cat "$out/fb0.txt" "$out/fb1.txt"
-[ $rcf0 -eq 0 ] && [ $rcf1 -eq 0 ] || { echo "FAIL: fabric exits $rcf0 $rcf1"; fail=1; }
+pair fb fabric --quick --max-bytes 65536 --world-size 2 --rendezvous 127.0.0.1:$((port + 3))
 grep -q "2 rendezvous ranks" "$out/fb0.txt" && grep -q "^paged " "$out/fb0.txt" ||
   { echo "FAIL: fabric rank 0 printed no rows"; fail=1; }
 grep -q "\[rank 1 of 2\]: done" "$out/fb1.txt" || { echo "FAIL: fabric rank 1"; fail=1; }
