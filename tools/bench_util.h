@@ -45,25 +45,25 @@ bool RunRanksAndCollect(const char* bench, int ranks, int reporter,
   static_assert(std::is_trivially_copyable_v<Result>, "results cross a pipe as bytes");
   if (world) {
     if (world->world_size() != ranks) {
-      std::fprintf(stderr, "ferry-bench %s: %d ranks asked, the rendezvous has %d\n", bench,
-                   ranks, world->world_size());
+      std::fprintf(stderr, "ferry-bench %s: its options make %d ranks, the rendezvous has %d\n",
+                   bench, ranks, world->world_size());
       return false;
     }
     Result mine{};
     Status s = body(*world, &mine);
-    StatusOr<std::vector<std::vector<uint8_t>>> all = s;
     if (s.ok()) {
-      all = world->AllGather(
+      auto all = world->AllGather(
           std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(&mine), sizeof mine),
           timeout);
+      if (all.ok() && (*all)[reporter].size() == sizeof *out) {
+        std::memcpy(out, (*all)[reporter].data(), sizeof *out);
+        return true;
+      }
+      s = all.ok() ? DataLossError("the reporter's result has another size") : all.status();
     }
-    if (!all.ok() || (*all)[reporter].size() != sizeof *out) {
-      std::fprintf(stderr, "ferry-bench %s: [rank %d] %s\n", bench, world->rank(),
-                   (s.ok() ? all.status() : s).ToString().c_str());
-      return false;
-    }
-    std::memcpy(out, (*all)[reporter].data(), sizeof *out);
-    return true;
+    std::fprintf(stderr, "ferry-bench %s: [rank %d] %s\n", bench, world->rank(),
+                 s.ToString().c_str());
+    return false;
   }
   int fds[2];
   if (pipe(fds) != 0) return false;

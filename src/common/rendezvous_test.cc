@@ -46,10 +46,9 @@ RendezvousOptions Options(const std::string& address, int world, int rank,
   return o;
 }
 
-// Runs every rank's body on a thread of its own (rank 0 after `root_delay`, so that the others
-// must retry until it listens); the statuses, by rank.
-std::vector<Status> RunRanks(int world, const std::vector<int>& ranks,
-                             const std::function<Status(int)>& body,
+// Runs body(i) for each entry i of `ranks` on a thread of its own (rank 0's after `root_delay`,
+// so that the others must retry until it listens); the statuses, in that order.
+std::vector<Status> RunRanks(const std::vector<int>& ranks, const std::function<Status(int)>& body,
                              std::chrono::milliseconds root_delay = 0ms) {
   std::vector<Status> out(ranks.size());
   std::vector<std::thread> threads;
@@ -60,7 +59,6 @@ std::vector<Status> RunRanks(int world, const std::vector<int>& ranks,
     });
   }
   for (auto& t : threads) t.join();
-  (void)world;
   return out;
 }
 
@@ -68,7 +66,7 @@ TEST(RendezvousTest, FourRanksGatherInRankOrderWhoeverStartsFirst) {
   const std::string address = FreeAddress();
   const std::vector<int> ranks = {0, 1, 2, 3};
   auto statuses = RunRanks(
-      4, ranks,
+      ranks,
       [&](int r) -> Status {
         ASSIGN_OR_RETURN(auto b, JoinRendezvous(Options(address, 4, r)));
         CHECK_OR_RETURN(b->rank() == r && b->world_size() == 4, "rank or world size");
@@ -97,7 +95,7 @@ TEST(RendezvousTest, FourRanksGatherInRankOrderWhoeverStartsFirst) {
 TEST(RendezvousTest, RanksThatDisagreeOnTheWorldSizeAreAllTold) {
   const std::string address = FreeAddress();
   // Rank 1 comes first and is let go with the reason once rank 2 disagrees.
-  auto statuses = RunRanks(3, {0, 1, 2}, [&](int r) -> Status {
+  auto statuses = RunRanks({0, 1, 2}, [&](int r) -> Status {
     if (r == 2) std::this_thread::sleep_for(500ms);
     return JoinRendezvous(Options(address, r == 2 ? 4 : 3, r)).status();
   });
@@ -112,7 +110,7 @@ TEST(RendezvousTest, RanksThatDisagreeOnTheWorldSizeAreAllTold) {
 TEST(RendezvousTest, ARankThatNeverComesIsNamedAtTheTimeout) {
   const std::string address = FreeAddress();
   const auto start = std::chrono::steady_clock::now();
-  auto statuses = RunRanks(3, {0, 1}, [&](int r) -> Status {
+  auto statuses = RunRanks({0, 1}, [&](int r) -> Status {
     // Rank 1 waits longer than rank 0, so it hears rank 0's reason.
     return JoinRendezvous(Options(address, 3, r, r == 0 ? 800ms : 3000ms)).status();
   });
@@ -139,7 +137,7 @@ TEST(RendezvousTest, WithoutRankZeroTheOthersGiveUpAtTheTimeout) {
 // A second connection claiming rank 1 is refused; the world still forms with the first.
 TEST(RendezvousTest, ARankClaimedTwiceIsRefusedAndTheWorldStillForms) {
   const std::string address = FreeAddress();
-  auto statuses = RunRanks(3, {0, 1, 1, 2}, [&](int i) -> Status {
+  auto statuses = RunRanks({0, 1, 1, 2}, [&](int i) -> Status {
     const int rank = i == 3 ? 2 : i == 2 ? 1 : i;
     if (i == 2) std::this_thread::sleep_for(200ms);  // the second rank 1
     if (i == 3) std::this_thread::sleep_for(600ms);
@@ -156,7 +154,7 @@ TEST(RendezvousTest, ARankClaimedTwiceIsRefusedAndTheWorldStillForms) {
 // waiting on rank 0 is let go at once (Unavailable), not at its deadline.
 TEST(RendezvousTest, ARankLostAfterTheStartEndsTheNextGatherAtOnce) {
   const std::string address = FreeAddress();
-  auto statuses = RunRanks(3, {0, 1, 2}, [&](int r) -> Status {
+  auto statuses = RunRanks({0, 1, 2}, [&](int r) -> Status {
     ASSIGN_OR_RETURN(auto b, JoinRendezvous(Options(address, 3, r)));
     RETURN_IF_ERROR(b->Barrier(10s));
     if (r == 2) return Status::Ok();  // leaves: its connection closes

@@ -23,17 +23,17 @@ using moe::Stage;
 class AllToAllImpl final : public AllToAll {
  public:
   AllToAllImpl(const AllToAllConfig& c, TransferEngine* engine)
-      : c_(c), layout_(c, moe::SlotFormat(c, false).slot_bytes, 1), engine_(engine) {}
+      : c_(c),
+        layout_(c, moe::SlotFormat(c, false).slot_bytes, 1),
+        engine_(engine),
+        boxes_(layout_) {}
 
   ~AllToAllImpl() override {
     // Stop the relay, then make sure no write still reads or fills our boxes before they go.
     // Writes to a dead peer end at the engine's transfer timeout; if some never end (a wedged
     // provider), the boxes are leaked rather than freed under the NIC (the relay leaks their
     // registrations).
-    if (relay_ && !relay_->Stop()) {
-      LeakOnPurpose(new std::vector<uint8_t>(std::move(inbox_)));
-      LeakOnPurpose(new std::vector<uint8_t>(std::move(outbox_)));
-    }
+    if (relay_ && !relay_->Stop()) LeakOnPurpose(new moe::HostBoxes(std::move(boxes_)));
     relay_.reset();
     device_.reset();
   }
@@ -50,15 +50,7 @@ class AllToAllImpl final : public AllToAll {
                                     std::to_string(me) + " (" + c_.ToString() + ")");
       }
     }
-    inbox_.assign(size_t(layout_.inbox_bytes), 0);
-    outbox_.assign(size_t(layout_.outbox_bytes), 0);
-    control_.assign(size_t(layout_.control_bytes) / 8, 0);
-    inbox_flags_.assign(2 * size_t(n), 0);
-    moe::RelayBuffers boxes;
-    boxes.inbox = inbox_.data();
-    boxes.outbox = outbox_.data();
-    boxes.control = reinterpret_cast<uint8_t*>(control_.data());
-    boxes.inbox_flags = inbox_flags_.data();
+    const moe::RelayBuffers boxes = boxes_.buffers();
     if (!layout_.remotes.empty()) {
       ASSIGN_OR_RETURN(relay_, moe::Relay::Create(c_, layout_, engine_, bootstrap, boxes));
     } else {
@@ -168,8 +160,7 @@ class AllToAllImpl final : public AllToAll {
   const AllToAllConfig c_;
   const moe::RelayLayout layout_;  // every other rank remote: the host device has no NVLink
   TransferEngine* engine_;
-  std::vector<uint8_t> inbox_, outbox_;
-  std::vector<uint64_t> control_, inbox_flags_;  // 8-byte words, as the relay and device use them
+  moe::HostBoxes boxes_;
   std::unique_ptr<moe::MoeDevice> device_;
   std::unique_ptr<moe::Relay> relay_;  // after what it reads: stopped first
   Stage stage_ = Stage::kIdle;

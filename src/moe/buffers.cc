@@ -14,12 +14,10 @@ BufferBytes HostDeviceBuffers(const AllToAllConfig& c) {
 }
 
 BufferBytes CudaDeviceBuffers(const AllToAllConfig& c, int streamed) {
-  const bool one_node = c.ranks_per_node == c.world_size;
-  const SlotFormat slot(c, one_node && (streamed & 1));
-  const NvlinkLayout nv(c, one_node, one_node && (streamed & 2), slot.slot_bytes);
+  const NvlinkLayout nv(c, streamed);
   BufferBytes b{nv.send_off, nv.bytes - nv.send_off};
-  if (!one_node) {
-    const RelayLayout relay(c, slot.slot_bytes, c.ranks_per_node);
+  if (!nv.one_node) {
+    const RelayLayout relay(c, nv.slot.slot_bytes, c.ranks_per_node);
     b.receive += relay.inbox_bytes;
     b.send += relay.outbox_bytes;
   }

@@ -156,6 +156,28 @@ struct RelayBuffers {
   uint64_t* inbox_flags = nullptr;
 };
 
+// The relay's memory in host memory, zeroed: the host device's boxes, and what tests hand a
+// relay in place of the kernels' side. The control block and the flags are 8-byte words, as the
+// relay reads them.
+struct HostBoxes {
+  explicit HostBoxes(const RelayLayout& layout)
+      : inbox(size_t(layout.inbox_bytes)),
+        outbox(size_t(layout.outbox_bytes)),
+        control(size_t(layout.control_bytes) / 8),
+        flags(2 * size_t(layout.n)) {}
+  RelayBuffers buffers() {
+    RelayBuffers b;
+    b.inbox = inbox.data();
+    b.outbox = outbox.data();
+    b.control = control_bytes();
+    b.inbox_flags = flags.data();
+    return b;
+  }
+  uint8_t* control_bytes() { return reinterpret_cast<uint8_t*>(control.data()); }
+  std::vector<uint8_t> inbox, outbox;
+  std::vector<uint64_t> control, flags;  // flags: [2N], dispatch then combine
+};
+
 class Relay {
  public:
   // Collective over every rank (when there is more than one node). Registers the inbox and

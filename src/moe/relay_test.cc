@@ -116,17 +116,8 @@ Ask AskOf(const RelayLayout& from_layout, int from, int to, uint64_t epoch) {
 }
 
 // The relay's memory, host memory standing for the kernels' side.
-struct Boxes {
-  explicit Boxes(const RelayLayout& layout)
-      : inbox(layout.inbox_bytes),
-        outbox(layout.outbox_bytes),
-        control(layout.control_bytes),
-        flags(2 * size_t(layout.n), 0) {}
-  RelayBuffers buffers() {
-    RelayBuffers b{inbox.data(), outbox.data(), control.data()};
-    b.inbox_flags = flags.data();
-    return b;
-  }
+struct Boxes : HostBoxes {
+  explicit Boxes(const RelayLayout& layout) : HostBoxes(layout) {}
   // The flag the relay raises for sender s's dispatch or combine section.
   uint64_t* InboxFlag(const RelayLayout& layout, bool combine, int s) {
     return &flags[(combine ? layout.n : 0) + s];
@@ -135,21 +126,19 @@ struct Boxes {
   // the control block.
   void SetCounts(const RelayLayout& layout, int q, const int32_t* row) {
     std::memcpy(outbox.data() + layout.OutSection(q), row, layout.counts_width * 4);
-    *layout.OutSlots(control.data(), q) = row[layout.counts_width - kCountsColumns + kColSlots];
+    *layout.OutSlots(control_bytes(), q) = row[layout.counts_width - kCountsColumns + kColSlots];
   }
   // What the receive kernel copies of remote sender q's counts row into the control block.
   void CopyInRows(const RelayLayout& layout, int q) {
     const auto* row = reinterpret_cast<const int32_t*>(inbox.data() + layout.InSection(q));
     const int l = static_cast<int>(layout.counts_width) - kCountsColumns;
-    layout.InRows(control.data(), q)[0] = row[l + kColRowStart];
-    layout.InRows(control.data(), q)[1] = row[l + kColRows];
+    layout.InRows(control_bytes(), q)[0] = row[l + kColRowStart];
+    layout.InRows(control_bytes(), q)[1] = row[l + kColRows];
   }
   void RaiseOutbox(const RelayLayout& layout, bool combine, uint64_t value) {
-    std::atomic_ref<uint64_t>(*layout.OutboxFlag(control.data(), combine))
+    std::atomic_ref<uint64_t>(*layout.OutboxFlag(control_bytes(), combine))
         .store(value, std::memory_order_release);
   }
-  std::vector<uint8_t> inbox, outbox, control;
-  std::vector<uint64_t> flags;  // [2N] host memory standing for the kernels' GpuWords
 };
 
 // Until the relay fails or 10 s pass; the seconds waited.

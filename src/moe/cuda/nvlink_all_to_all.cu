@@ -417,20 +417,19 @@ class NvlinkAllToAll final : public AllToAll {
     // through the config's fingerprint): the default streams the dispatch where SendSmall
     // sends it. The dispatch's slot tag follows the entries, within the metadata's line.
     const int stream_mask = c_.cuda.stream >= 0 ? c_.cuda.stream : small_smem_ > 0 ? 1 : 0;
-    v.counts_tagged = c_.ranks_per_node == n;
-    v.stream = c_.ranks_per_node == n && (stream_mask & 1);
-    v.stream_combine = c_.ranks_per_node == n && (stream_mask & 2);
-    const SlotFormat slot(c_, v.stream);
-    v.meta_used = slot.meta_used;
-    v.meta_bytes = slot.meta_bytes;
-    v.slot_bytes = slot.slot_bytes;
+    const NvlinkLayout layout(c_, stream_mask);
+    v.counts_tagged = layout.counts_tagged;
+    v.stream = layout.stream;
+    v.stream_combine = layout.stream_combine;
+    v.meta_used = layout.slot.meta_used;
+    v.meta_bytes = layout.slot.meta_bytes;
+    v.slot_bytes = layout.slot.slot_bytes;
     v.row_bytes = int64_t{c_.hidden} * 2;
     v.capacity = c_.expert_capacity();
     v.once = c_.dispatch_once_per_rank;
     v.reduce = c_.combine_reduce_at_expert_rank;
     v.token_major = c_.dispatch_layout == DispatchLayout::kTokenMajor;
     v.slots_per_pair = pairs_.slots_per_pair;
-    const NvlinkLayout layout(c_, v.counts_tagged, v.stream_combine, v.slot_bytes);
     v.counts_off = layout.counts_off;
     v.counts_stride = layout.counts_stride;
     v.private_off = layout.private_off;

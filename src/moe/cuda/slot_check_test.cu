@@ -93,6 +93,16 @@ INSTANTIATE_TEST_SUITE_P(
                       BadEntry{"expert_rows_past_capacity", {2, 0, 0.5f, 0}, 0, 4}),
     [](const auto& info) { return std::string(info.param.name); });
 
+// The offsets table is built from the senders' counts rows as they arrived: sender 0 announcing
+// -3 copies for expert 0 and sender 1 three would put sender 1's copies at rows -3..-1 of the
+// expert's block, before it. A copy from sender 1 is refused then, though its position is
+// within the three it announced and the expert's total (0) within capacity.
+TEST(SlotCheckTest, AnOffsetBelowTheExpertsBlockIsRefused) {
+  const std::vector<int32_t> offset = {0, 0, 0, -3, 0, 0, 0, 0, 0};  // [2 senders + 1][3 experts]
+  EXPECT_FALSE(SlotEntryValid(SlotEntry{0, 0, 0.5f, 0}, offset.data(), 1, kPlain));
+  EXPECT_FALSE(SlotEntryValid(SlotEntry{0, 0, 0.5f, 2}, offset.data(), 1, kPlain));
+}
+
 // SpreadOrder: every slot visited exactly once, and any run of consecutive visits -- what the
 // blocks in flight hold -- takes each sender's slots in proportion to their number.
 TEST(SpreadOrderTest, VisitsEverySlotOnce) {

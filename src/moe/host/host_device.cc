@@ -27,7 +27,7 @@ class HostDevice final : public MoeDevice {
  public:
   explicit HostDevice(const DeviceParams& p)
       : p_(p),
-        c_(p.config),
+        c_(p_.config),
         lay_(*p.layout),
         slot_(c_, false),
         self_section_(size_t(lay_.section_bytes)) {}
@@ -394,7 +394,7 @@ class HostDevice final : public MoeDevice {
   }
 
   const DeviceParams p_;
-  const AllToAllConfig c_;
+  const AllToAllConfig& c_;  // p_.config
   const RelayLayout& lay_;
   const SlotFormat slot_;
   std::vector<uint8_t> self_section_;  // our counts row and slots for ourselves

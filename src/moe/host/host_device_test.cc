@@ -24,31 +24,23 @@ using namespace std::chrono_literals;
 constexpr uint8_t kGuard = 0xA5;
 
 // 4 experts (2 local), top-2, at most 4 tokens per rank, hidden 128, bf16; 2 ranks.
-AllToAllConfig Config(int rank) { return {.world_size = 2, .rank = rank, .num_experts = 4,
-                                          .experts_per_token = 2, .max_tokens_per_rank = 4,
-                                          .hidden = 128, .dtype = DispatchDtype::kBf16,
-                                          .max_private_tokens = 2}; }
+AllToAllConfig Config(int rank) {
+  return {.world_size = 2,
+          .rank = rank,
+          .num_experts = 4,
+          .experts_per_token = 2,
+          .max_tokens_per_rank = 4,
+          .hidden = 128,
+          .dtype = DispatchDtype::kBf16,
+          .max_private_tokens = 2};
+}
 
 // One rank's relay memory, as the host AllToAll allocates it.
-struct Boxes {
+struct Boxes : HostBoxes {
   explicit Boxes(const AllToAllConfig& c)
-      : layout(c, SlotFormat(c, false).slot_bytes, 1),
-        inbox(size_t(layout.inbox_bytes)),
-        outbox(size_t(layout.outbox_bytes)),
-        control(size_t(layout.control_bytes) / 8),
-        flags(2 * size_t(c.world_size)) {}
-  RelayBuffers buffers() {
-    RelayBuffers b;
-    b.inbox = inbox.data();
-    b.outbox = outbox.data();
-    b.control = reinterpret_cast<uint8_t*>(control.data());
-    b.inbox_flags = flags.data();
-    return b;
-  }
-  uint8_t* control_bytes() { return reinterpret_cast<uint8_t*>(control.data()); }
+      : Boxes(RelayLayout(c, SlotFormat(c, false).slot_bytes, 1)) {}
+  explicit Boxes(const RelayLayout& l) : HostBoxes(l), layout(l) {}
   RelayLayout layout;
-  std::vector<uint8_t> inbox, outbox;
-  std::vector<uint64_t> control, flags;
 };
 
 // Rank 0 receives; rank 1 sent it kSlots slots, each one copy of token j for local expert
