@@ -142,6 +142,14 @@ struct FERRY_API AllToAllConfig {
   int cuda_device = 0;
   RdmaBuffers rdma_buffers = RdmaBuffers::kAuto;  // CUDA device, several nodes
   CudaTuning cuda;  // CUDA device: how its kernels are scheduled (cuda.stream must agree)
+  // Lost ranks masked instead of failing a step (DeepEP's shrink mode): a receive step that
+  // reaches its deadline while ranks it waits for have sent nothing masks those ranks (see
+  // AllToAll::SetMasked) and finishes OK with what the others sent. A rank masked that way is
+  // presumed gone: one that was only slow must be stopped for good by its launcher, for if it
+  // woke it could still deliver the combine rows of the epoch it missed into the rows the live
+  // ranks share. Per rank, not part of what ranks must agree on. The host device only: the CUDA
+  // device refuses it (Unimplemented).
+  bool mask_lost_peers = false;
   // Several AllToAlls on one engine (two micro-batches overlapped, or one created after
   // another) each take an instance of their own, 0 to kMaxInstances - 1, the same on every
   // rank: it keeps their immediates apart. An engine's immediate counters outlive the AllToAll
@@ -336,6 +344,18 @@ class FERRY_API AllToAll {
   // itself: nothing is recorded. The host device: Unimplemented.
   virtual Status OrderAfter(void* stream) = 0;
   virtual Status OrderBefore(void* stream) = 0;
+
+  // Rank masks (DeepEP's low-latency mask buffer). A masked rank is left out of every step from
+  // the next DispatchSend on: the copies routed to its experts go nowhere and add nothing to the
+  // combine (as id -1 does), nothing it sends is read, no step waits for it. Set mid-epoch, a
+  // mask takes effect at the next DispatchSend (Masked reports it at once). A rank cannot mask
+  // itself (InvalidArgument), nor is a masked rank unmasked (Unimplemented: its late sections
+  // could be read as a later epoch's; a rank that is back joins a new AllToAll). For a manual
+  // mask to hold every rank's steps to the same ranks, every live rank masks it before the same
+  // epoch. The CUDA device: Unimplemented.
+  virtual Status SetMasked(int rank, bool masked);
+  // [world_size], 1 where a rank is masked (by SetMasked, or by a step under mask_lost_peers).
+  virtual StatusOr<std::vector<uint8_t>> Masked() const;
 
   // Bytes this rank's last dispatch and combine put on the wire (payload and metadata; on the
   // CUDA device, to other ranks over NVLink or the relay, read back from the GPU after waiting

@@ -113,14 +113,16 @@ class Buffer(_ferry.DeepEpLowLatency):
         if num_nvl_bytes < 0 or num_rdma_bytes < 0:
             raise InvalidArgument("num_nvl_bytes and num_rdma_bytes: at least 0")
         refuse("allow_mnnvl", allow_mnnvl, False, "multi-node NVLink domains are not supported")
-        refuse("enable_shrink", enable_shrink, False,
-               "masking lost ranks out of the low-latency kernels is not supported yet")
         self._group = Group(group, engine, ranks_per_node)
         self.rank, self.group_size = self._group.rank, self._group.world_size
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode = low_latency_mode
         self.num_qps_per_rank = num_qps_per_rank
         self.explicitly_destroy = explicitly_destroy
+        # Shrink mode (DeepEP's mask buffer): the low-latency AllToAlls mask a rank that missed
+        # a call's deadline instead of failing the call, and the mask calls below work.
+        self.enable_shrink = bool(enable_shrink)
+        self._masked = [0] * self.group_size  # what the mask calls set or found
         self._timeout = env_timeout() if timeout is None else float(timeout)
         self._ones = {}        # (device, rows, k) -> float32 ones: dispatch-time weights unused
         self._outputs = {}     # (AllToAll, fp8 form) -> the low-latency outputs (_ll_outputs)
@@ -209,16 +211,26 @@ class Buffer(_ferry.DeepEpLowLatency):
 
     def _create(self, key, x, fields):
         device = device_kind(x)
+        low_latency = key[0] == "ll"
+        if low_latency and self.enable_shrink and device == _ferry.MoeDevice.CUDA:
+            raise Unimplemented("enable_shrink=True: the CUDA kernels read no rank mask yet "
+                                "(CPU tensors, on ferry's host device, have rank masks)")
 
         def make():
             c = _ferry.AllToAllConfig(**fields())
             c.device = device
+            c.mask_lost_peers = low_latency and self.enable_shrink
             if device == _ferry.MoeDevice.CUDA:
                 c.cuda_device = x.device.index or 0
                 c.ranks_per_node = self._group.ranks_per_node()
             return c
 
-        return self._group.acquire(key, make)
+        pooled = self._group.acquire(key, make)
+        if low_latency:
+            for rank, masked in enumerate(self._masked):
+                if masked:
+                    pooled.a2a.set_masked(rank)
+        return pooled
 
     def _stream_for(self, pooled):
         """The AllToAll on the communication stream (set once: its four steps must share
@@ -709,16 +721,72 @@ class Buffer(_ferry.DeepEpLowLatency):
             self._release(h)
         return out, None, self._end(a2a, current, async_finish, (x,), (out,))
 
-    # ---- rank masks (DeepEP's elastic low-latency mode) -------------------------------------
+    # ---- rank masks (DeepEP's shrink mode) --------------------------------------------------
+
+    def _low_latency_all_to_alls(self):
+        return [p.a2a for key, pool in self._group._pools.items() if key[0] == "ll"
+                for p in pool]
+
+    def _check_shrink(self, call):
+        self._check_open(call)
+        if not self.enable_shrink:
+            raise InvalidArgument(f"{call}: the Buffer was made without enable_shrink=True "
+                                  "(DeepEP's mask buffer exists in shrink mode only)")
+
+    def _gather_masks(self):
+        """The ranks any low-latency AllToAll masked (a call that missed its deadline masks the
+        ranks it waited for), each then masked on every other one too: one mask per Buffer, as
+        DeepEP's mask buffer is. An AllToAll mid-call takes a mask from its next dispatch."""
+        a2as = self._low_latency_all_to_alls()
+        for a2a in a2as:
+            for rank, masked in enumerate(a2a.masked()):
+                self._masked[rank] |= masked
+        for a2a in a2as:
+            for rank, masked in enumerate(self._masked):
+                if masked:
+                    a2a.set_masked(rank)
 
     def low_latency_update_mask_buffer(self, rank_to_mask, mask=False):
-        raise Unimplemented("low_latency_update_mask_buffer: masking ranks out is not "
-                            "supported yet (a lost rank fails the call at its deadline)")
+        """Mask `rank_to_mask` out of the low-latency calls (mask=True: nothing is sent to or
+        awaited from it; the copies routed to its experts add nothing) from each AllToAll's next
+        dispatch. Unmasking a masked rank is refused: in ferry a masked rank stays masked, since
+        sections it sent late would be read as a later call's (a rank that is back joins a new
+        Buffer)."""
+        self._check_shrink("low_latency_update_mask_buffer")
+        if not 0 <= rank_to_mask < self.group_size:
+            raise InvalidArgument(f"low_latency_update_mask_buffer: rank {rank_to_mask} of "
+                                  f"{self.group_size}")
+        if rank_to_mask == self.rank:
+            raise InvalidArgument("low_latency_update_mask_buffer: a rank cannot mask itself")
+        self._gather_masks()
+        if not mask:
+            if self._masked[rank_to_mask]:
+                raise Unimplemented(f"low_latency_update_mask_buffer: rank {rank_to_mask} is "
+                                    "masked and stays so in this Buffer (unmasking is not "
+                                    "supported: its late sections would be read as a later "
+                                    "call's)")
+            return
+        self._masked[rank_to_mask] = 1
+        for a2a in self._low_latency_all_to_alls():
+            a2a.set_masked(rank_to_mask)
 
     def low_latency_query_mask_buffer(self, mask_status):
-        raise Unimplemented("low_latency_query_mask_buffer: masking ranks out is not "
-                            "supported yet (a lost rank fails the call at its deadline)")
+        """mask_status ([num_ranks] int32, any device): 1 where a rank is masked, by
+        low_latency_update_mask_buffer or by a call that missed its deadline."""
+        self._check_shrink("low_latency_query_mask_buffer")
+        if (not isinstance(mask_status, torch.Tensor) or mask_status.dtype != torch.int32
+                or tuple(mask_status.shape) != (self.group_size,)):
+            raise InvalidArgument(f"mask_status: an int32 tensor of shape ({self.group_size},)")
+        self._gather_masks()
+        mask_status.copy_(torch.tensor(self._masked, dtype=torch.int32))
 
     def low_latency_clean_mask_buffer(self):
-        raise Unimplemented("low_latency_clean_mask_buffer: masking ranks out is not "
-                            "supported yet")
+        """Nothing to clean while no rank is masked; with one masked, refused (a masked rank
+        stays masked in ferry: see low_latency_update_mask_buffer)."""
+        self._check_shrink("low_latency_clean_mask_buffer")
+        self._gather_masks()
+        masked = [r for r, m in enumerate(self._masked) if m]
+        if masked:
+            raise Unimplemented(f"low_latency_clean_mask_buffer: ranks {masked} are masked and "
+                                "stay so in this Buffer (unmasking is not supported: their late "
+                                "sections would be read as a later call's)")

@@ -365,6 +365,8 @@ class PyAllToAll {
                                      : std::optional(CudaStream(StreamHandle(stream))));
   }
 
+  void SetMasked(int rank, bool masked) { ThrowIfError(a2a().SetMasked(rank, masked)); }
+  std::vector<uint8_t> Masked() const { return ValueOrThrow(a2a().Masked()); }
   uint64_t dispatch_bytes_sent() const { return a2a().dispatch_bytes_sent(); }
   uint64_t combine_bytes_sent() const { return a2a().combine_bytes_sent(); }
 

@@ -59,6 +59,7 @@ void BindMoe(py::module_& m) {
       .def_readwrite("cuda_device", &AllToAllConfig::cuda_device)
       .def_readwrite("rdma_buffers", &AllToAllConfig::rdma_buffers)
       .def_readwrite("cuda", &AllToAllConfig::cuda)
+      .def_readwrite("mask_lost_peers", &AllToAllConfig::mask_lost_peers)
       .def("validate", [](const AllToAllConfig& c) { ThrowIfError(c.Validate()); })
       .def_property_readonly("local_experts", &AllToAllConfig::local_experts)
       .def_property_readonly("token_bytes", &AllToAllConfig::token_bytes)
@@ -153,6 +154,13 @@ void BindMoe(py::module_& m) {
       .def_property_readonly("pending_arrays", &PyAllToAll::pending,
                              "Arrays of enqueued steps still referenced (until poll() or "
                              "synchronize() finds them done)")
+      .def("set_masked", &PyAllToAll::SetMasked, py::arg("rank"), py::arg("masked") = true,
+           "Leave `rank` out of every step from the next dispatch on (AllToAll::SetMasked): "
+           "between a combine and the next dispatch; a masked rank stays masked; the host "
+           "device only")
+      .def("masked", &PyAllToAll::Masked,
+           "[world_size] 1 where a rank is masked (by set_masked, or by a step under "
+           "mask_lost_peers)")
       .def_property_readonly("dispatch_bytes_sent", &PyAllToAll::dispatch_bytes_sent,
                              "Bytes the last dispatch put on the wire (payload and metadata)")
       .def_property_readonly("combine_bytes_sent", &PyAllToAll::combine_bytes_sent,

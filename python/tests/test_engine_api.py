@@ -448,7 +448,7 @@ def deep_ep_body(world, group_kind):
                              ((x, idx, MAX_TOKENS, e) + (False,) * 8, {})):
             expect_error(TypeError, "Buffer.low_latency_dispatch()", buf.low_latency_dispatch,
                          *args, **kwargs)
-        expect_error(ferry.Unimplemented, "low_latency_update_mask_buffer",
+        expect_error(ferry.InvalidArgument, "enable_shrink",
                      buf.low_latency_update_mask_buffer, 0, True)
         _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, MAX_TOKENS, e, use_fp8=False)
         y = dv(torch.zeros(EXPERTS_PER_RANK, world * MAX_TOKENS, HIDDEN, dtype=torch.bfloat16))

@@ -358,7 +358,11 @@ class Engine final {
   // collected first and applied after the walk.
   void FailCollected(const Status& why);
 
-  // Single-peer transfers of a lost peer fail at once; multi-peer ones by their own deadline.
+  // Whether t writes to `peer`: a single-peer transfer to it, or a scatter with a target in it.
+  static bool Involves(const Transfer* t, PeerId peer);
+  // The transfers that write to a lost peer fail at once: single-peer ones, and scatters with a
+  // target in it (they cannot complete; a scatter's WRs already posted to other members still
+  // land, those not yet posted are dropped). Barriers end by their own deadline.
   void MarkPeerLost(PeerId peer, const Status& why);
 
   void ScanDeadlines(Clock::time_point now);

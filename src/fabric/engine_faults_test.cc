@@ -119,6 +119,31 @@ TEST_P(FaultTest, AWriteThatNeverCompletesFailsAtTheDeadlineAndMarksThePeerLost)
   EXPECT_EQ(d.done.load(), 1u);
 }
 
+// A scatter with a target in a peer that is then removed (the moe relay forgets a rank it
+// masked as lost) fails at once with Unavailable, not at its deadline with DeadlineExceeded.
+TEST_P(FaultTest, AScatterToARemovedPeerFailsAtOnce) {
+  fault_->SwallowWritesToKey(dst1_reg_.remote().nics[0].key);
+  const PeerId members[] = {peer_};
+  auto group = a_->AddPeerGroup(members);
+  ASSERT_TRUE(group.ok()) << group.status();
+  const RemoteRegion dsts[] = {dst1_reg_.remote()};
+  auto plan = a_->PrepareScatter(*group, src_reg_, dsts);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  const ScatterTarget targets[] = {{0, 0, 0, 4096}};
+  std::atomic<bool> ended{false};
+  Status got;
+  ASSERT_TRUE(a_->Scatter({*plan, targets, 5u}, Completion::Callback([&](const Status& s) {
+                            got = s;
+                            ended.store(true);
+                          })).ok());
+  std::this_thread::sleep_for(20ms);  // posted, and swallowed
+  EXPECT_FALSE(ended.load());
+  ASSERT_TRUE(a_->RemovePeer(peer_).ok());
+  for (int i = 0; i < 10000 && !ended.load(); ++i) std::this_thread::sleep_for(1ms);
+  ASSERT_TRUE(ended.load());
+  EXPECT_EQ(got.code(), StatusCode::kUnavailable) << got;
+}
+
 // A provider call that never returns (shm does this when a peer dies holding its lock) must not
 // hang the engine's callers: control operations time out, destruction abandons the engine.
 TEST_P(FaultTest, AWedgedProviderCallNeverHangsTheCaller) {

@@ -539,12 +539,22 @@ void Engine::FailCollected(const Status& why) {
   scratch_.clear();
 }
 
+bool Engine::Involves(const Transfer* t, PeerId peer) {
+  if (SinglePeer(t)) return t->req.peer == peer;
+  if (t->req.kind == Kind::kScatter) {
+    for (uint32_t i = 0; i < t->req.count; ++i) {
+      if (t->req.plan->members[t->req.targets[i].member].peer == peer) return true;
+    }
+  }
+  return false;
+}
+
 void Engine::MarkPeerLost(PeerId peer, const Status& why) {
   PeerEntry& e = peers_[PeerSlot(peer)];
   if (e.id.load(std::memory_order_relaxed) != peer) return;  // its slot serves another now
   e.lost.store(true, std::memory_order_release);
   for (Transfer* t = active_; t; t = t->active_next) {
-    if (!t->finished && SinglePeer(t) && t->req.peer == peer) scratch_.push_back(t);
+    if (!t->finished && Involves(t, peer)) scratch_.push_back(t);
   }
   FailCollected(why);
 }

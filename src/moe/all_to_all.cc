@@ -78,12 +78,45 @@ class AllToAllImpl final : public AllToAll {
   bool capturing(void*) const override { return false; }
   Status OrderAfter(void*) override { return NoStreams("OrderAfter"); }
   Status OrderBefore(void*) override { return NoStreams("OrderBefore"); }
+  Status SetMasked(int rank, bool masked) override {
+    if (rank < 0 || rank >= c_.world_size) {
+      return InvalidArgumentError("SetMasked: rank " + std::to_string(rank) + " of " +
+                                  std::to_string(c_.world_size));
+    }
+    if (rank == c_.rank) return InvalidArgumentError("SetMasked: a rank cannot mask itself");
+    const bool was = pending_masks_[rank] || layout_.Masked(boxes_.control_bytes(), rank);
+    if (masked == was) return Status::Ok();
+    if (!masked) {
+      return UnimplementedError(
+          "SetMasked: rank " + std::to_string(rank) +
+          " is masked and stays so in this AllToAll (sections it sent late would be read as a "
+          "later epoch's); a rank that is back joins a new AllToAll");
+    }
+    // Mid-epoch, the steps left keep the ranks the epoch began with.
+    if (stage_ == Stage::kIdle) {
+      layout_.Mask(boxes_.control_bytes(), rank, moe::kMaskedByCaller);
+    } else {
+      pending_masks_[rank] = 1;
+    }
+    return Status::Ok();
+  }
+  StatusOr<std::vector<uint8_t>> Masked() const override {
+    std::vector<uint8_t> masks(pending_masks_);
+    for (int r = 0; r < c_.world_size; ++r) {
+      masks[r] |= layout_.Masked(boxes_.control_bytes(), r);
+    }
+    return masks;
+  }
   uint64_t dispatch_bytes_sent() const override { return relay_ ? relay_->dispatch_bytes() : 0; }
   uint64_t combine_bytes_sent() const override { return relay_ ? relay_->combine_bytes() : 0; }
 
   Status DispatchSend(const DispatchInput& given) override {
     RETURN_IF_ERROR(Step(Stage::kIdle, "DispatchSend"));
     RETURN_IF_ERROR(moe::CheckDispatchInput(c_, given));
+    for (int r = 0; r < c_.world_size; ++r) {
+      if (pending_masks_[r]) layout_.Mask(boxes_.control_bytes(), r, moe::kMaskedByCaller);
+      pending_masks_[r] = 0;
+    }
     if (given.device_num_tokens) {
       return InvalidArgumentError("DispatchSend: a device token count needs the CUDA device");
     }
@@ -165,12 +198,23 @@ class AllToAllImpl final : public AllToAll {
   std::unique_ptr<moe::Relay> relay_;  // after what it reads: stopped first
   Stage stage_ = Stage::kIdle;
   uint64_t epoch_ = 0;
+  std::vector<uint8_t> pending_masks_ = std::vector<uint8_t>(size_t(c_.world_size));  // mid-epoch
   std::vector<int32_t> narrowed_;  // DispatchInput::indices64 as int32
   std::vector<uint8_t> fp8_x_;     // DispatchInput::x_bf16 quantised
   std::vector<float> fp8_scales_;
 };
 
 }  // namespace
+
+Status AllToAll::SetMasked(int, bool) {
+  return UnimplementedError("AllToAll::SetMasked: rank masks need the host device (the CUDA "
+                            "kernels read no mask yet)");
+}
+
+StatusOr<std::vector<uint8_t>> AllToAll::Masked() const {
+  return UnimplementedError("AllToAll::Masked: rank masks need the host device (the CUDA "
+                            "kernels read no mask yet)");
+}
 
 StatusOr<std::unique_ptr<AllToAll>> AllToAll::Create(const AllToAllConfig& config,
                                                      TransferEngine* engine, Bootstrap& bootstrap) {
@@ -188,6 +232,10 @@ StatusOr<std::unique_ptr<AllToAll>> AllToAll::Create(const AllToAllConfig& confi
                                 std::to_string(config.world_size));
   }
   if (config.device == MoeDeviceKind::kCuda) {
+    if (config.mask_lost_peers) {
+      return UnimplementedError("AllToAll: mask_lost_peers needs the host device (the CUDA "
+                                "kernels read no rank mask yet)");
+    }
 #ifdef FERRY_HAVE_CUDA
     return moe::NewNvlinkAllToAll(config, engine, bootstrap);
 #else

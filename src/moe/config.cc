@@ -111,6 +111,7 @@ std::string AllToAllConfig::ToString() const {
          (dispatch_once_per_rank ? " once_per_rank" : "") +
          (combine_reduce_at_expert_rank ? " reduce_at_expert_rank" : "") +
          (dispatch_layout == DispatchLayout::kTokenMajor ? " token_major" : "") +
+         (mask_lost_peers ? " mask_lost_peers" : "") +
          (device == MoeDeviceKind::kCuda ? " cuda:" + std::to_string(cuda_device) : "") +
          (instance ? " instance=" + std::to_string(instance) : "");
 }

@@ -31,6 +31,8 @@ class OwnWrites {
     if (failed > 0) return UnavailableError(std::to_string(failed) + " writes to peers failed");
     return Status::Ok();
   }
+  // Every posted write ended, failed or not; DeadlineExceeded past deadline.
+  Status WaitEnded(Deadline deadline) const { return counter_->Wait(posted_, deadline); }
   // Before the owner goes: true once every posted write ended, failed or not. False if some did
   // not within timeout (the engine fails each within its transfer timeout, so this is rare):
   // the counter is then leaked, and the owner must leak what the writes read. False again on

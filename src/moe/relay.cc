@@ -38,7 +38,8 @@ RelayLayout::RelayLayout(const AllToAllConfig& c, int64_t slot_bytes_in, int nod
   outbox_bytes = q * out_peer_bytes;
   out_slots_off = 2 * 8;  // after the outbox flags
   in_rows_off = out_slots_off + q * 8;
-  control_bytes = RoundUp(in_rows_off + q * 16, 128);
+  masks_off = in_rows_off + q * 16;
+  control_bytes = RoundUp(masks_off + int64_t{n} * 8, 128);
 }
 
 int RelayLayout::RemoteIndex(int of, int rank) const {
@@ -139,6 +140,8 @@ Status Relay::Connect(Bootstrap& bootstrap) {
     members.push_back(peer);
     inboxes.push_back(region);
   }
+  peers_ = members;
+  forgotten_.assign(members.size(), 0);
   ASSIGN_OR_RETURN(group_, engine_->AddPeerGroup(members));
   ASSIGN_OR_RETURN(plan_, engine_->PrepareScatter(group_, outbox_reg_, inboxes));
   return bootstrap.Barrier(timeout);
@@ -177,6 +180,7 @@ Status Relay::Dispatch(uint64_t epoch) {
   targets_.clear();
   for (size_t q = 0; q < layout_.remotes.size(); ++q) {
     const int r = layout_.remotes[q];
+    if (Masked(r)) continue;
     const int64_t slots = *layout_.OutSlots(buffers_.control, static_cast<int>(q));
     if (slots < 0 || slots > layout_.slots_per_pair) {
       return InternalError("our counts row for rank " + std::to_string(r) + " holds " +
@@ -196,6 +200,7 @@ Status Relay::Combine(uint64_t epoch) {
   targets_.clear();
   for (size_t q = 0; q < layout_.remotes.size(); ++q) {
     const int s = layout_.remotes[q];
+    if (Masked(s)) continue;  // its counts row of this epoch may never have come
     // Sender s's counts row of this epoch names where our rows go (copied into the control
     // block by the receive kernel); s rewrites it only after it got them (relay.h).
     const int64_t* in_rows = layout_.InRows(buffers_.control, static_cast<int>(q));
@@ -212,6 +217,14 @@ Status Relay::Combine(uint64_t epoch) {
                         uint64_t(rows * layout_.row_bytes)});
   }
   return Exchange(kRelayCombine, epoch, combine_bytes_);
+}
+
+Status Relay::ForgetIfLost(int rank) {
+  const int q = layout_.RemoteIndex(c_.rank, rank);
+  if (forgotten_[q] || layout_.MaskOf(buffers_.control, rank) != kMaskedLost) return Status::Ok();
+  forgotten_[q] = 1;
+  return engine_->RemovePeer(peers_[q]).WithContext("forgetting lost rank " +
+                                                    std::to_string(rank));
 }
 
 Status Relay::WaitDevice(bool combine, uint64_t epoch) {
@@ -231,41 +244,65 @@ Status Relay::Exchange(ImmKind kind, uint64_t epoch, std::atomic<uint64_t>& byte
   uint64_t sum = 0;
   for (const ScatterTarget& t : targets_) sum += t.length;
   bytes.store(sum, std::memory_order_relaxed);
-  RETURN_IF_ERROR(writes_.Post([&](Completion done) {
-    return engine_->Scatter({plan_, targets_, RelayImm(kind, epoch, c_.instance, c_.rank)},
-                            std::move(done));
-  }));
+  if (!targets_.empty()) {
+    RETURN_IF_ERROR(writes_.Post([&](Completion done) {
+      return engine_->Scatter({plan_, targets_, RelayImm(kind, epoch, c_.instance, c_.rank)},
+                              std::move(done));
+    }));
+  }
   stamps[1] = Clock::now();
-  // Each sender's section as it lands: its flag goes up at once, so a lost rank is the one
-  // whose flag the kernels time out on.
+  // Each sender's section as it lands, in whatever order they land: its flag goes up at once,
+  // so that a lost rank is the one whose flag the kernels time out on, and so that a step that
+  // masks ranks at its deadline (mask_lost_peers) finds every section that had landed raised.
+  // Polled with the relay's own patience: a section lands within microseconds to a
+  // millisecond, and the engine's WaitImm sleeps sooner than a dedicated thread should. A rank
+  // masked meanwhile is waited for no longer. Under mask_lost_peers the steps' deadlines decide
+  // who is lost, so the relay waits on without one of its own.
   const Deadline deadline = Deadline::After(std::chrono::milliseconds(peer_timeout_ms_));
-  for (int s : layout_.remotes) {
-    const uint32_t imm = RelayImm(kind, epoch, c_.instance, s);
-    // Polled with the relay's own patience: a section lands within microseconds to a
-    // millisecond, and the engine's WaitImm sleeps sooner than a dedicated thread should.
-    Backoff backoff(kSpins, kYields, kSleepUs);
-    for (;;) {
+  pending_.assign(layout_.remotes.begin(), layout_.remotes.end());
+  Backoff backoff(kSpins, kYields, kSleepUs);
+  while (!pending_.empty()) {
+    bool landed = false;
+    for (size_t i = 0; i < pending_.size();) {
+      const int s = pending_[i];
+      const uint32_t imm = RelayImm(kind, epoch, c_.instance, s);
       ASSIGN_OR_RETURN(const uint64_t count, engine_->ImmCount(imm));
-      if (count >= 1) break;
-      if (stop_.load(std::memory_order_acquire)) return CancelledError("relay stopped");
-      if (deadline.Expired()) {
-        return DeadlineExceededError("rank " + std::to_string(s) + " sent no " +
-                                     (combine ? "combine rows" : "dispatch section") +
-                                     " within " + std::to_string(peer_timeout_ms_) + " ms");
+      if (count == 0 && !Masked(s)) {
+        ++i;
+        continue;
       }
+      if (count == 0) {
+        RETURN_IF_ERROR(ForgetIfLost(s));
+      } else {
+        RETURN_IF_ERROR(engine_->ConsumeImm(imm, 1));
+        if (buffers_.flush_landed) {
+          RETURN_IF_ERROR(buffers_.flush_landed().WithContext(
+              "making rank " + std::to_string(s) + "'s section visible to the GPU"));
+        }
+        RaiseInboxFlag(combine, s, epoch);
+        landed = true;
+      }
+      pending_[i] = pending_.back();
+      pending_.pop_back();
+    }
+    if (pending_.empty()) break;
+    if (stop_.load(std::memory_order_acquire)) return CancelledError("relay stopped");
+    if (!c_.mask_lost_peers && deadline.Expired()) {
+      return DeadlineExceededError("rank " + std::to_string(pending_.front()) + " sent no " +
+                                   (combine ? "combine rows" : "dispatch section") + " within " +
+                                   std::to_string(peer_timeout_ms_) + " ms");
+    }
+    if (landed) {
+      backoff.Reset();  // the next section is likely close behind
+    } else {
       backoff.Pause();
     }
-    RETURN_IF_ERROR(engine_->ConsumeImm(imm, 1));
-    if (buffers_.flush_landed) {
-      RETURN_IF_ERROR(buffers_.flush_landed().WithContext("making rank " + std::to_string(s) +
-                                                          "'s section visible to the GPU"));
-    }
-    RaiseInboxFlag(combine, s, epoch);
   }
   // Our own writes, before the kernels may rewrite the outbox (relay.h says why they would not
-  // anyway) and before targets_ is reused.
+  // anyway) and before targets_ is reused. Under mask_lost_peers a write to a rank that died
+  // fails without failing the relay: the steps' deadlines mask that rank.
   stamps[2] = Clock::now();
-  RETURN_IF_ERROR(writes_.Wait(deadline));
+  RETURN_IF_ERROR(c_.mask_lost_peers ? writes_.WaitEnded(deadline) : writes_.Wait(deadline));
   if (trace_) {
     stamps[3] = Clock::now();
     Clock::time_point from = phase_start_;

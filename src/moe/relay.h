@@ -104,6 +104,14 @@ inline Status CounterError(const Status& s, int instance) {
 //            out_slots     [remote receivers] i64       our slots for q (the send kernel)
 //            in_rows       [remote senders] {start, rows} i64: where sender q's combine rows go
 //                          in its region and how many (the receive kernel, from q's counts row)
+//            masks         [N] u64, MaskWord: written by the AllToAll's thread, read by the
+//                          relay, which neither writes to a masked rank nor waits for it
+// A rank's mask word: kUnmasked, or why it is masked -- by the caller (AllToAll::SetMasked), or
+// lost (a step under mask_lost_peers gave up on it at its deadline: presumed gone, so the relay
+// also forgets it as the engine's peer, which ends the writes to it still pending at once
+// instead of at the engine's transfer timeout).
+enum MaskWordValue : uint64_t { kUnmasked = 0, kMaskedByCaller = 1, kMaskedLost = 2 };
+
 struct RelayLayout {
   RelayLayout(const AllToAllConfig& c, int64_t slot_bytes, int node_ranks);
 
@@ -122,7 +130,7 @@ struct RelayLayout {
   std::vector<int> remotes;
   int64_t in_combine_off, inbox_bytes;
   int64_t out_peer_bytes, outbox_bytes;
-  int64_t out_slots_off, in_rows_off, control_bytes;
+  int64_t out_slots_off, in_rows_off, masks_off, control_bytes;
 
   uint64_t* OutboxFlag(uint8_t* control, bool combine) const {
     return reinterpret_cast<uint64_t*>(control) + (combine ? 1 : 0);
@@ -132,6 +140,18 @@ struct RelayLayout {
   }
   int64_t* InRows(uint8_t* control, int q) const {  // {start, rows}
     return reinterpret_cast<int64_t*>(control + in_rows_off) + 2 * q;
+  }
+  uint64_t* MaskWord(uint8_t* control, int rank) const {
+    return reinterpret_cast<uint64_t*>(control + masks_off) + rank;
+  }
+  // (atomic_ref takes no const object; a load writes nothing.)
+  uint64_t MaskOf(const uint8_t* control, int rank) const {
+    return std::atomic_ref<uint64_t>(*MaskWord(const_cast<uint8_t*>(control), rank))
+        .load(std::memory_order_acquire);
+  }
+  bool Masked(const uint8_t* control, int rank) const { return MaskOf(control, rank) != 0; }
+  void Mask(uint8_t* control, int rank, uint64_t why) const {
+    std::atomic_ref<uint64_t>(*MaskWord(control, rank)).store(why, std::memory_order_release);
   }
   int64_t InSection(int q) const { return q * section_bytes; }
   int64_t OutSection(int q) const { return q * out_peer_bytes; }
@@ -174,6 +194,9 @@ struct HostBoxes {
     return b;
   }
   uint8_t* control_bytes() { return reinterpret_cast<uint8_t*>(control.data()); }
+  const uint8_t* control_bytes() const {
+    return reinterpret_cast<const uint8_t*>(control.data());
+  }
   std::vector<uint8_t> inbox, outbox;
   std::vector<uint64_t> control, flags;  // flags: [2N], dispatch then combine
 };
@@ -215,9 +238,13 @@ class Relay {
   Status Combine(uint64_t epoch);
   // Until the kernels raised an outbox flag past epoch (no deadline: the GPU may idle).
   Status WaitDevice(bool combine, uint64_t epoch);
-  // targets_ as one scatter; then, as each remote rank's write lands, its inbox flag; then our
-  // writes.
+  // targets_ as one scatter; then, as each unmasked remote rank's write lands, its inbox flag;
+  // then our writes.
   Status Exchange(ImmKind kind, uint64_t epoch, std::atomic<uint64_t>& bytes);
+  bool Masked(int rank) const { return layout_.Masked(buffers_.control, rank); }
+  // A rank masked as lost: forgotten as the engine's peer (once), so that what is pending to it
+  // fails now (see MaskWordValue).
+  Status ForgetIfLost(int rank);
   void Fail(const Status& s);
 
   const AllToAllConfig c_;
@@ -229,6 +256,9 @@ class Relay {
   GroupId group_ = 0;
   ScatterPlanId plan_ = 0;
   std::vector<ScatterTarget> targets_;  // read by the engine until the writes complete
+  std::vector<int> pending_;            // Exchange: the remote ranks whose section has not landed
+  std::vector<PeerId> peers_;           // [remote index] each remote rank as the engine's peer
+  std::vector<char> forgotten_;         // [remote index] ForgetIfLost removed it
   OwnWrites writes_;
   std::atomic<uint64_t> dispatch_bytes_{0}, combine_bytes_{0};
   mutable Mutex error_mu_;

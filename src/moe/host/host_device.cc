@@ -1,5 +1,7 @@
 // The host device (moe/device.h): the CUDA kernels' part of the relay protocol, on the CPU.
+#include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -35,6 +37,7 @@ class HostDevice final : public MoeDevice {
   Status DispatchSend(const DispatchInput& in, uint64_t epoch) override {
     const int n = c_.world_size, k = c_.experts_per_token, l = c_.local_experts();
     num_tokens_ = in.num_tokens;
+    for (int r = 0; r < n; ++r) send_to_[r] = r == c_.rank || !Masked(r);
     weights_.assign(in.weights, in.weights + size_t(in.num_tokens) * k);
     // Per receiving rank: its slots and the combine rows it returns, in token order; per
     // expert, the copies so far (an entry's pos).
@@ -104,11 +107,16 @@ class HostDevice final : public MoeDevice {
 
   Status DispatchRecv(const DispatchOutput& out, uint64_t epoch, Deadline deadline) override {
     const int n = c_.world_size, l = c_.local_experts();
-    for (int s : lay_.remotes) RETURN_IF_ERROR(WaitInbox(false, s, epoch, deadline));
-    // Every sender's counts row, checked before anything is computed from it.
+    for (int s : lay_.remotes) RETURN_IF_ERROR(WaitOrMask(false, s, epoch, deadline));
+    // Every sender's counts row, checked before anything is computed from it; a masked sender
+    // sent nothing we read.
     offset_.assign(size_t(n + 1) * l, 0);
     from_.assign(n, {});
     for (int s = 0; s < n; ++s) {
+      if (s != c_.rank && Masked(s)) {
+        std::copy_n(&offset_[size_t(s) * l], l, &offset_[size_t(s + 1) * l]);
+        continue;
+      }
       const int32_t* row = CountsIn(s);
       From& f = from_[s];
       f.slots = row[l + kColSlots];
@@ -292,7 +300,7 @@ class HostDevice final : public MoeDevice {
     uint16_t* out = to.out;
     const float* weights = to.weights ? to.weights : weights_.data();
     const int n = c_.world_size, k = c_.experts_per_token, h = c_.hidden;
-    for (int r : lay_.remotes) RETURN_IF_ERROR(WaitInbox(true, r, epoch, deadline));
+    for (int r : lay_.remotes) RETURN_IF_ERROR(WaitOrMask(true, r, epoch, deadline));
     acc_.assign(size_t(num_tokens_) * h, 0.0f);
     if (to.accumulate) {
       for (size_t i = 0; i < acc_.size(); ++i) acc_[i] = Bf16ToFloat(out[i]);
@@ -300,6 +308,8 @@ class HostDevice final : public MoeDevice {
     // Our rows from every expert rank, ourselves included, at their place in our region.
     const uint8_t* region = p_.boxes.inbox + lay_.in_combine_off;
     for (int r = 0; r < n; ++r) {
+      // A masked expert rank's copies add nothing (its rows may never have come).
+      if (r != c_.rank && Masked(r)) continue;
       const uint8_t* base = region + row_starts_[r] * lay_.row_bytes;
       for (size_t j = 0; j < rows_[r].size(); ++j) {
         const OutRow& row_of = rows_[r][j];
@@ -330,8 +340,9 @@ class HostDevice final : public MoeDevice {
     float weight = 0;  // used when the expert rank sums
   };
 
-  // The token's copies for rank r (its ids: [K], -1 for none).
+  // The token's copies for rank r (its ids: [K], -1 for none); none for a masked rank.
   int Hits(const int32_t* ids, int r) const {
+    if (!send_to_[r]) return 0;
     int hits = 0;
     for (int j = 0; j < c_.experts_per_token; ++j) {
       hits += ids[j] >= 0 && ids[j] / c_.local_experts() == r;
@@ -388,6 +399,21 @@ class HostDevice final : public MoeDevice {
     }
   }
 
+  bool Masked(int r) const { return lay_.Masked(p_.boxes.control, r); }
+
+  // WaitInbox, where under mask_lost_peers a sender that missed the deadline is masked instead
+  // (and the step goes on without it).
+  Status WaitOrMask(bool combine, int s, uint64_t epoch, Deadline deadline) {
+    if (Masked(s)) return Status::Ok();
+    Status waited = WaitInbox(combine, s, epoch, deadline);
+    if (waited.code() != StatusCode::kDeadlineExceeded || !c_.mask_lost_peers) return waited;
+    lay_.Mask(p_.boxes.control, s, kMaskedLost);
+    const std::string why(waited.message());
+    std::fprintf(stderr, "[rank %d] moe: rank %d masked (mask_lost_peers): %s\n", c_.rank, s,
+                 why.c_str());
+    return Status::Ok();
+  }
+
   Status Malformed(const Status& s) {
     if (error_.ok()) error_ = s;
     return s;
@@ -400,6 +426,7 @@ class HostDevice final : public MoeDevice {
   std::vector<uint8_t> self_section_;  // our counts row and slots for ourselves
   Status error_;
   int num_tokens_ = 0;
+  std::vector<char> send_to_ = std::vector<char>(size_t(c_.world_size), 1);  // unmasked ranks
   std::vector<float> weights_;                                    // [T, K] of the current epoch
   std::vector<std::vector<OutRow>> rows_{size_t(c_.world_size)};  // per expert rank, in order
   std::vector<int64_t> row_starts_;  // [N + 1] our combine rows per expert rank

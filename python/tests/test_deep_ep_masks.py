@@ -1,0 +1,153 @@
+"""ferry.deep_ep's rank masks (DeepEP's shrink mode) on the host device, torch CPU tensors: a
+rank that dies is masked by the survivors' next low-latency call at its deadline, and masks set
+by hand leave a rank out of every call. Each survivor checks its received rows and counts, and
+its combined output, against a torch reference written here that leaves the masked ranks'
+tokens and experts out."""
+
+import os
+import signal
+import time
+import unittest
+
+import ferry
+from ranks import expect_error
+
+try:
+    import torch
+except ImportError:
+    torch = None
+
+HIDDEN, LOCAL, K, M = 256, 2, 3, 5  # hidden, experts per rank, top-k, tokens per rank (most)
+
+
+def inputs(rank, round):
+    """Rank's bf16 rows and ids (some -1) for one round, reproducible on every rank."""
+    g = torch.Generator().manual_seed(17 + 31 * rank + 1009 * round)
+    x = torch.randn(M, HIDDEN, generator=g).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(3 * LOCAL, generator=g)[:K] for _ in range(M)])
+    idx[::2, K - 1] = -1
+    w = torch.rand(M, K, generator=g)
+    return x, idx.to(torch.int64), w
+
+
+def check_call(buf, me, world, live, round, hook):
+    """One low-latency dispatch and combine: rows from live senders only; the combine (experts
+    multiply by 1 + their global id) sums only the copies that went to live ranks."""
+    x, idx, w = inputs(me, round)
+    e = LOCAL * world
+    recv, count, handle, event, recv_hook = buf.low_latency_dispatch(
+        x, idx, M, e, use_fp8=False, return_recv_hook=hook)
+    if hook:
+        recv_hook()
+    y = torch.zeros(LOCAL, world * M, HIDDEN, dtype=torch.bfloat16)
+    for le in range(LOCAL):
+        g = me * LOCAL + le
+        want = []
+        for s in range(world):
+            if s != me and not live[s]:
+                continue
+            sx, sidx, _ = inputs(s, round)
+            want += [sx[t] for t in range(M) for j in range(K) if int(sidx[t, j]) == g]
+        n = int(count[le])
+        assert n == len(want), (me, le, n, len(want))
+        got = sorted(tuple(r.view(torch.int16).tolist()) for r in recv[le, :n])
+        assert got == sorted(tuple(r.view(torch.int16).tolist()) for r in want), (me, le)
+        y[le, :n] = (recv[le, :n].double() * (1 + g)).to(torch.bfloat16)
+    out, event, combine_hook = buf.low_latency_combine(y, idx, w, handle,
+                                                       return_recv_hook=hook)
+    if hook:
+        combine_hook()
+    ref = torch.zeros(M, HIDDEN, dtype=torch.float64)
+    for t in range(M):
+        for j in range(K):
+            g = int(idx[t, j])
+            if g >= 0 and live[g // LOCAL]:
+                ref[t] += float(w[t, j]) * (1 + g) * x[t].double()
+    torch.testing.assert_close(out.float(), ref.to(torch.bfloat16).float(), rtol=2 ** -7,
+                               atol=2 ** -6)
+
+
+def masks(buf, world):
+    status = torch.full((world,), 7, dtype=torch.int32)
+    buf.low_latency_query_mask_buffer(status)
+    return status.tolist()
+
+
+class DeepEpMaskTest(unittest.TestCase):
+    def setUp(self):
+        if torch is None:
+            self.skipTest("no torch for this interpreter")
+        os.environ.setdefault("FERRY_PROVIDER", "shm")
+
+    def test_a_rank_that_died_is_masked_and_the_others_go_on(self):
+        def body(b):
+            from ferry import deep_ep
+            torch.set_num_threads(1)
+            world, me = b.world_size, b.rank
+            buf = deep_ep.Buffer(b, low_latency_mode=True, enable_shrink=True, timeout=1.0)
+            everyone = [True] * world
+            # Rounds 0-2 by everyone (the third runs on the C++ path), then rank 2 dies.
+            for round in range(3):
+                check_call(buf, me, world, everyone, round, hook=round == 1)
+            assert masks(buf, world) == [0, 0, 0]
+            b.barrier(30.0)
+            if me == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            live = [True, True, False]
+            for round in range(3, 6):
+                start = time.monotonic()
+                check_call(buf, me, world, live, round, hook=round == 4)
+                took = time.monotonic() - start
+                assert took < (5.0 if round == 3 else 0.5), (round, took)
+                assert masks(buf, world) == [0, 0, 1]
+            expect_error(ferry.Unimplemented, "stays so", buf.low_latency_update_mask_buffer, 2,
+                         False)
+            expect_error(ferry.Unimplemented, "ranks [2] are masked",
+                         buf.low_latency_clean_mask_buffer)
+            buf.low_latency_update_mask_buffer(2, True)  # masked already: nothing changes
+            check_call(buf, me, world, live, 6, hook=False)
+
+        exits = ferry.run_local_ranks(3, body, 120.0)
+        self.assertTrue(exits[0].ok and exits[1].ok, exits)
+        self.assertEqual(exits[2].signal, signal.SIGKILL)
+
+    def test_masks_set_by_hand_leave_a_rank_out(self):
+        def body(b):
+            from ferry import deep_ep
+            torch.set_num_threads(1)
+            world, me = b.world_size, b.rank
+            buf = deep_ep.Buffer(b, low_latency_mode=True, enable_shrink=True, timeout=30.0)
+            check_call(buf, me, world, [True] * world, 0, hook=False)
+            buf.low_latency_clean_mask_buffer()  # nothing masked: nothing to clean
+            buf.low_latency_update_mask_buffer((me + 1) % world, False)  # not masked: no change
+            expect_error(ferry.InvalidArgument, "cannot mask itself",
+                         buf.low_latency_update_mask_buffer, me, True)
+            expect_error(ferry.InvalidArgument, "rank 3 of 3",
+                         buf.low_latency_update_mask_buffer, 3, True)
+            expect_error(ferry.InvalidArgument, "int32 tensor",
+                         buf.low_latency_query_mask_buffer, torch.zeros(world))
+            # Ranks 0 and 1 mask rank 2; rank 2 masks both: two worlds from the next call on.
+            for r in range(world):
+                if (r == 2) != (me == 2):
+                    buf.low_latency_update_mask_buffer(r, True)
+            live = [me != 2] * 2 + [me == 2]
+            assert masks(buf, world) == [int(not v) for v in live]
+            for round in range(1, 5):
+                start = time.monotonic()
+                check_call(buf, me, world, live, round, hook=round % 2 == 0)
+                assert time.monotonic() - start < 1.0, "a call waited for a masked rank"
+            b.barrier(30.0)
+
+            plain = deep_ep.Buffer(b, low_latency_mode=True)
+            expect_error(ferry.InvalidArgument, "enable_shrink",
+                         plain.low_latency_update_mask_buffer, 0, True)
+            expect_error(ferry.InvalidArgument, "enable_shrink",
+                         plain.low_latency_query_mask_buffer, torch.zeros(world,
+                                                                          dtype=torch.int32))
+
+        exits = ferry.run_local_ranks(3, body, 120.0)
+        self.assertTrue(all(e.ok for e in exits), exits)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,277 @@
+// Rank masks on the host device (AllToAll::SetMasked, AllToAllConfig::mask_lost_peers): ranks
+// as processes on localhost over shm. A masked rank is left out of every step: the copies routed
+// to its experts add nothing, nothing it sends is read, no step waits for it. Each survivor
+// checks its dispatch counts and rows and its combined output exactly against what the live
+// ranks alone give.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <string>
+#include <vector>
+
+#include "fabric/test_util.h"
+#include "ferry/bootstrap.h"
+#include "ferry/moe.h"
+
+namespace ferry {
+namespace {
+
+using namespace std::chrono_literals;
+
+constexpr int kWorld = 3, kTokens = 4, kHidden = 128, kExperts = 6, kK = 2;
+constexpr int kLocal = kExperts / kWorld;
+constexpr int64_t kCapacity = int64_t{kWorld} * kTokens;
+
+// Rank r's token t in epoch i: every column holds 1 + r + t / 4 + 2i (exact in bf16, and so
+// are its weighted sums), routed to experts (t + r) % 6 and (t + r + 3) % 6 -- one on each of
+// two ranks -- with weights 0.5 and 0.25.
+float Value(int r, int t, int epoch) { return 1.0f + r + t * 0.25f + 2.0f * epoch; }
+int Expert(int r, int t, int j) { return (t + r + 3 * j) % kExperts; }
+float Weight(int j) { return j == 0 ? 0.5f : 0.25f; }
+
+struct Rank {
+  std::unique_ptr<TransferEngine> engine;
+  std::unique_ptr<AllToAll> a2a;
+  std::vector<uint16_t> x, out_x, y;
+  std::vector<int32_t> idx, counts;
+  std::vector<float> w;
+  int me = 0;
+  int epoch = 0;  // of the next Dispatch
+};
+
+StatusOr<Rank> MakeRank(Bootstrap& b, bool mask_lost_peers) {
+  Rank r;
+  r.me = b.rank();
+  AllToAllConfig cfg{.world_size = kWorld, .rank = b.rank(), .num_experts = kExperts,
+                     .experts_per_token = kK, .max_tokens_per_rank = kTokens, .hidden = kHidden,
+                     .dtype = DispatchDtype::kBf16, .mask_lost_peers = mask_lost_peers};
+  EngineOptions options = testing_util::TestOptions("shm");
+  // Without masks, writes to a dead peer end within a second. With them, the transfer timeout
+  // is left long: a rank masked as lost is forgotten as the engine's peer, which must end the
+  // writes still pending to it at once (else the survivors' next exchange waits for them, and
+  // they mask each other).
+  options.transfer_timeout_ms = mask_lost_peers ? 30000 : 1000;
+  ASSIGN_OR_RETURN(r.engine, TransferEngine::Create(options));
+  ASSIGN_OR_RETURN(r.a2a, AllToAll::Create(cfg, r.engine.get(), b));
+  for (int t = 0; t < kTokens; ++t) {
+    for (int j = 0; j < kK; ++j) {
+      r.idx.push_back(Expert(b.rank(), t, j));
+      r.w.push_back(Weight(j));
+    }
+  }
+  r.x.resize(size_t(kTokens) * kHidden);
+  r.out_x.assign(size_t(kLocal) * kCapacity * kHidden, 0);
+  r.y.assign(size_t(kTokens) * kHidden, 0);
+  r.counts.assign(kLocal, -1);
+  return r;
+}
+
+// The dispatch rank `me` received from the senders in `live` (sent_by: ranks whose tokens were
+// sent to it this epoch), checked row by row; the identity as the experts; then the combine,
+// whose output must hold, for each token, its value times the weights of its copies routed to
+// ranks in `live`.
+Status CheckEpoch(Rank& r, int me, const std::vector<bool>& sent_by,
+                  const std::vector<bool>& live) {
+  for (int e = 0; e < kLocal; ++e) {
+    const int expert = me * kLocal + e;
+    std::vector<float> want;  // sender-major, each sender's in token order
+    for (int s = 0; s < kWorld; ++s) {
+      for (int t = 0; s == me || sent_by[s] ? t < kTokens : false; ++t) {
+        for (int j = 0; j < kK; ++j) {
+          if (Expert(s, t, j) == expert) want.push_back(Value(s, t, r.epoch));
+        }
+      }
+    }
+    CHECK_OR_RETURN(r.counts[e] == static_cast<int>(want.size()),
+                    "rank " + std::to_string(me) + " expert " + std::to_string(expert) + ": " +
+                        std::to_string(r.counts[e]) + " rows, want " +
+                        std::to_string(want.size()));
+    for (size_t i = 0; i < want.size(); ++i) {
+      const float got = Bf16ToFloat(r.out_x[(size_t(e) * kCapacity + i) * kHidden]);
+      CHECK_OR_RETURN(got == want[i], "rank " + std::to_string(me) + " expert " +
+                                          std::to_string(expert) + " row " + std::to_string(i) +
+                                          ": " + std::to_string(got));
+    }
+  }
+  RETURN_IF_ERROR(r.a2a->CombineSend(r.out_x.data()));
+  RETURN_IF_ERROR(r.a2a->CombineRecv(r.y.data(), false, Deadline::After(1s)));
+  for (int t = 0; t < kTokens; ++t) {
+    float weight = 0;
+    for (int j = 0; j < kK; ++j) {
+      if (live[Expert(me, t, j) / kLocal]) weight += Weight(j);
+    }
+    const float want = Value(me, t, r.epoch) * weight;
+    for (int i = 0; i < kHidden; ++i) {
+      const float got = Bf16ToFloat(r.y[size_t(t) * kHidden + i]);
+      CHECK_OR_RETURN(got == Bf16ToFloat(FloatToBf16(want)),
+                      "rank " + std::to_string(me) + " token " + std::to_string(t) + ": " +
+                          std::to_string(got) + ", want " + std::to_string(want));
+    }
+  }
+  ++r.epoch;
+  return Status::Ok();
+}
+
+Status Dispatch(Rank& r, Deadline deadline) {
+  for (int t = 0; t < kTokens; ++t) {
+    std::fill_n(r.x.begin() + t * kHidden, kHidden, FloatToBf16(Value(r.me, t, r.epoch)));
+  }
+  RETURN_IF_ERROR(r.a2a->DispatchSend({r.x.data(), nullptr, r.idx.data(), r.w.data(), kTokens}));
+  std::fill(r.counts.begin(), r.counts.end(), -1);
+  return r.a2a->DispatchRecv({r.out_x.data(), nullptr, r.counts.data()}, deadline);
+}
+
+Status ExpectMasks(const AllToAll& a2a, const std::vector<uint8_t>& want) {
+  ASSIGN_OR_RETURN(auto masks, a2a.Masked());
+  CHECK_OR_RETURN(masks == want, "masks " + std::to_string(masks[0]) + std::to_string(masks[1]) +
+                                     std::to_string(masks[2]));
+  return Status::Ok();
+}
+
+// Rank 2 dies before its first step. Under mask_lost_peers the survivors' first dispatch masks
+// it at the deadline and finishes OK with each other's tokens; the combine leaves out what went
+// to rank 2's experts; the next epoch waits for nobody.
+TEST(MoeMaskTest, ARankThatDiedIsMaskedAtTheDeadlineAndTheSurvivorsGoOnExactly) {
+  auto exits = RunLocalRanks(kWorld, [](Bootstrap& b) -> Status {
+    ASSIGN_OR_RETURN(Rank r, MakeRank(b, true));
+    RETURN_IF_ERROR(b.Barrier(30s));
+    if (b.rank() == 2) {
+      r.a2a.reset();
+      r.engine.reset();
+      raise(SIGKILL);
+    }
+    const std::vector<bool> live = {true, true, false};
+    for (int epoch = 0; epoch < 3; ++epoch) {
+      const auto start = Clock::now();
+      RETURN_IF_ERROR(Dispatch(r, Deadline::After(1s)));
+      RETURN_IF_ERROR(CheckEpoch(r, b.rank(), live, live));
+      RETURN_IF_ERROR(ExpectMasks(*r.a2a, {0, 0, 1}));
+      const auto took = Clock::now() - start;
+      CHECK_OR_RETURN(epoch == 0 ? took < 5s : took < 500ms,
+                      "epoch " + std::to_string(epoch) + " took " +
+                          std::to_string(std::chrono::duration<double>(took).count()) + " s");
+    }
+    const auto torn = Clock::now();
+    r.a2a.reset();
+    CHECK_OR_RETURN(Clock::now() - torn < 5s, "teardown hung on the relay");
+    return Status::Ok();
+  }, 120s);
+  EXPECT_TRUE(exits[0].ok()) << exits[0].exit_code;
+  EXPECT_TRUE(exits[1].ok()) << exits[1].exit_code;
+  EXPECT_EQ(exits[2].signal, SIGKILL);
+}
+
+// After an epoch of all three, rank 2 dies after its dispatch, before it returns any combine
+// rows: the survivors received its tokens, and their combine masks it at the deadline, leaving
+// out what went to its experts (its rows of the epoch before, still where this epoch's would
+// have landed, add nothing). The next epoch receives nothing from it.
+TEST(MoeMaskTest, ARankThatDiedMidEpochIsMaskedAtTheCombine) {
+  auto exits = RunLocalRanks(kWorld, [](Bootstrap& b) -> Status {
+    ASSIGN_OR_RETURN(Rank r, MakeRank(b, true));
+    const std::vector<bool> all = {true, true, true}, live = {true, true, false};
+    RETURN_IF_ERROR(Dispatch(r, Deadline::After(30s)));
+    RETURN_IF_ERROR(CheckEpoch(r, b.rank(), all, all));
+    RETURN_IF_ERROR(Dispatch(r, Deadline::After(30s)));
+    if (b.rank() == 2) raise(SIGKILL);
+    RETURN_IF_ERROR(CheckEpoch(r, b.rank(), all, live));
+    RETURN_IF_ERROR(ExpectMasks(*r.a2a, {0, 0, 1}));
+    RETURN_IF_ERROR(Dispatch(r, Deadline::After(1s)));
+    RETURN_IF_ERROR(CheckEpoch(r, b.rank(), live, live));
+    return Status::Ok();
+  }, 120s);
+  EXPECT_TRUE(exits[0].ok()) << exits[0].exit_code;
+  EXPECT_TRUE(exits[1].ok()) << exits[1].exit_code;
+  EXPECT_EQ(exits[2].signal, SIGKILL);
+}
+
+// Without mask_lost_peers a lost rank still fails the step at its deadline, and masks nothing.
+TEST(MoeMaskTest, WithoutMaskLostPeersALostRankFailsTheStep) {
+  auto exits = RunLocalRanks(kWorld, [](Bootstrap& b) -> Status {
+    ASSIGN_OR_RETURN(Rank r, MakeRank(b, false));
+    RETURN_IF_ERROR(b.Barrier(30s));
+    if (b.rank() == 2) {
+      r.a2a.reset();
+      r.engine.reset();
+      raise(SIGKILL);
+    }
+    const Status s = Dispatch(r, Deadline::After(1s));
+    CHECK_OR_RETURN(s.code() == StatusCode::kDeadlineExceeded, "got " + s.ToString());
+    return ExpectMasks(*r.a2a, {0, 0, 0});
+  }, 120s);
+  EXPECT_TRUE(exits[0].ok()) << exits[0].exit_code;
+  EXPECT_TRUE(exits[1].ok()) << exits[1].exit_code;
+  EXPECT_EQ(exits[2].signal, SIGKILL);
+}
+
+// Masks set by hand, mid-epoch: after its dispatch, ranks 0 and 1 mask rank 2 and rank 2 masks
+// them both; that epoch's combine still runs among all three. Every rank's next epochs run at
+// once (no step waits for a masked rank): 0 and 1 exchange with each other only, rank 2 keeps
+// its own tokens only, and nothing crosses to or from it. The calls' own checks: range, self,
+// unmasking.
+TEST(MoeMaskTest, MasksSetByHandLeaveTheRankOutOfEveryStepFromTheNextDispatch) {
+  auto exits = RunLocalRanks(kWorld, [](Bootstrap& b) -> Status {
+    ASSIGN_OR_RETURN(Rank r, MakeRank(b, false));
+    const int me = b.rank();
+    const std::vector<bool> all = {true, true, true};
+    RETURN_IF_ERROR(Dispatch(r, Deadline::After(30s)));
+    RETURN_IF_ERROR(ExpectMasks(*r.a2a, {0, 0, 0}));
+    CHECK_OR_RETURN(r.a2a->SetMasked(me, true).code() == StatusCode::kInvalidArgument, "self");
+    CHECK_OR_RETURN(r.a2a->SetMasked(3, true).code() == StatusCode::kInvalidArgument, "rank 3");
+    CHECK_OR_RETURN(r.a2a->SetMasked(-1, true).code() == StatusCode::kInvalidArgument, "rank -1");
+    std::vector<bool> live;
+    if (me == 2) {
+      RETURN_IF_ERROR(r.a2a->SetMasked(0, true));
+      RETURN_IF_ERROR(r.a2a->SetMasked(1, true));
+      RETURN_IF_ERROR(r.a2a->SetMasked(1, true));  // again: no change
+      RETURN_IF_ERROR(ExpectMasks(*r.a2a, {1, 1, 0}));
+      live = {false, false, true};
+    } else {
+      RETURN_IF_ERROR(r.a2a->SetMasked(2, true));
+      RETURN_IF_ERROR(r.a2a->SetMasked(1 - me, false));  // an unmasked rank: no change
+      RETURN_IF_ERROR(ExpectMasks(*r.a2a, {0, 0, 1}));
+      live = {true, true, false};
+    }
+    RETURN_IF_ERROR(CheckEpoch(r, me, all, all));
+    const int masked = me == 2 ? 0 : 2;
+    const Status unmask = r.a2a->SetMasked(masked, false);
+    CHECK_OR_RETURN(unmask.code() == StatusCode::kUnimplemented, "unmasked: " + unmask.ToString());
+    // Rank 2's relay may still be posting its epoch-0 combine: its count of transfers is read
+    // once every rank has had the epoch's rows.
+    RETURN_IF_ERROR(b.Barrier(30s));
+    const uint64_t submitted = r.engine->stats().transfers_submitted;
+    for (int epoch = 1; epoch < 3; ++epoch) {
+      const auto start = Clock::now();
+      RETURN_IF_ERROR(Dispatch(r, Deadline::After(30s)));
+      RETURN_IF_ERROR(CheckEpoch(r, me, live, live));
+      CHECK_OR_RETURN(Clock::now() - start < 1s, "a step waited");
+    }
+    // Everyone is done before anyone tears down (no traffic is in flight).
+    RETURN_IF_ERROR(b.Barrier(30s));
+    if (me == 2) {
+      CHECK_OR_RETURN(r.engine->stats().transfers_submitted == submitted,
+                      "rank 2 wrote to the ranks it masked");
+    }
+    return Status::Ok();
+  }, 120s);
+  for (size_t i = 0; i < exits.size(); ++i) EXPECT_TRUE(exits[i].ok()) << "rank " << i;
+}
+
+// The CUDA device reads no mask: it refuses mask_lost_peers and the mask calls, naming them.
+TEST(MoeMaskTest, TheCudaDeviceRefusesMasks) {
+  auto exits = RunLocalRanks(1, [](Bootstrap& b) -> Status {
+    AllToAllConfig cfg{.world_size = 1, .rank = 0, .ranks_per_node = 1, .num_experts = 2,
+                       .experts_per_token = 1, .max_tokens_per_rank = 4, .hidden = 128,
+                       .device = MoeDeviceKind::kCuda, .mask_lost_peers = true};
+    auto a2a = AllToAll::Create(cfg, nullptr, b);
+    CHECK_OR_RETURN(a2a.status().code() == StatusCode::kUnimplemented,
+                    "got " + a2a.status().ToString());
+    CHECK_OR_RETURN(a2a.status().message().find("mask_lost_peers") != std::string::npos,
+                    a2a.status().ToString());
+    return Status::Ok();
+  }, 60s);
+  EXPECT_TRUE(exits[0].ok()) << exits[0].exit_code;
+}
+
+}  // namespace
+}  // namespace ferry
