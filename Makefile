@@ -2,6 +2,8 @@
 #   make demo   installs dependencies, builds, and serves a small MoE model disaggregated over shm
 #   make test   installs dependencies, builds, and runs every test
 #   make sanitize  the same tests built with AddressSanitizer and UBSan (not part of make test)
+#   make fuzz-short  each libFuzzer harness for 30 s (part of make test where clang is)
+#   make fuzz      each harness for FUZZ_SECONDS (600); make tsan: the tests under ThreadSanitizer
 BUILD ?= build
 JOBS ?= 2
 CMAKE_FLAGS ?=
@@ -17,7 +19,7 @@ ifneq ($(PYTHON),)
 CMAKE_FLAGS += -DPython_EXECUTABLE=$(PYTHON)
 endif
 
-.PHONY: all deps configure build test demo sanitize clean
+.PHONY: all deps configure build test demo sanitize tsan fuzz-build fuzz-short fuzz clean
 
 all: build
 
@@ -32,6 +34,8 @@ build: configure
 
 test: build
 	cd $(BUILD) && ctest --output-on-failure --timeout 900
+	@if command -v clang++ >/dev/null 2>&1; then $(MAKE) --no-print-directory fuzz-short; \
+	else echo "make test: no clang++, so no fuzzing (make fuzz-short needs it)"; fi
 
 # The main job: a small MoE model served disaggregated (prefill TP 2, decode EP 2, a router) on
 # shm, every prompt's tokens checked against the model run colocated (examples/serve). The
@@ -52,5 +56,37 @@ sanitize: deps
 	cd build-asan && UBSAN_OPTIONS=print_stacktrace=1 \
 	  ctest --output-on-failure --timeout 900 -E install_consumer
 
+# Every CPU test under ThreadSanitizer in build-tsan (the Python bindings and the install
+# consumer left out, as for sanitize). libfabric is not built with TSan, so what its own threads
+# do is invisible to it: the suppressions (tests/tsan.supp) name only libraries outside ferry,
+# each with its reason.
+TSAN_FLAGS := -fsanitize=thread -fno-omit-frame-pointer
+tsan: deps
+	cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFERRY_ENABLE_CUDA=OFF \
+	  -DFERRY_BUILD_PYTHON=OFF -DCMAKE_CXX_FLAGS="$(TSAN_FLAGS)" \
+	  -DCMAKE_EXE_LINKER_FLAGS="$(TSAN_FLAGS)" -DCMAKE_SHARED_LINKER_FLAGS="$(TSAN_FLAGS)"
+	cmake --build build-tsan -j $(JOBS)
+	cd build-tsan && TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 \
+	  suppressions=$(CURDIR)/tests/tsan.supp" ctest --output-on-failure --timeout 900 \
+	  -E install_consumer
+
+# libFuzzer harnesses (tests/fuzz): every decoder of bytes from a peer or a user. Built with clang
+# in build-fuzz (the library CPU-only, under ASan + UBSan). Each run starts from the seed corpus
+# in the tree and keeps what it finds in build-fuzz/corpus/<harness>; a crashing input is left
+# in build-fuzz/ as crash-* and fails the target.
+FUZZ_SECONDS ?= 600
+FUZZ_FLAGS := -fsanitize=address,undefined -fsanitize=fuzzer-no-link -fno-omit-frame-pointer \
+  -fno-sanitize-recover=undefined
+fuzz-build: deps
+	CC=clang CXX=clang++ cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DFERRY_ENABLE_CUDA=OFF -DFERRY_BUILD_TESTS=OFF -DFERRY_BUILD_TOOLS=OFF \
+	  -DFERRY_BUILD_PYTHON=OFF -DBUILD_SHARED_LIBS=OFF -DFERRY_BUILD_FUZZERS=ON \
+	  -DCMAKE_CXX_FLAGS="$(FUZZ_FLAGS)" -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=address,undefined"
+	cmake --build build-fuzz -j $(JOBS)
+fuzz-short: fuzz-build
+	./scripts/run-fuzzers.sh build-fuzz 30
+fuzz: fuzz-build
+	./scripts/run-fuzzers.sh build-fuzz $(FUZZ_SECONDS)
+
 clean:
-	rm -rf $(BUILD) build-asan
+	rm -rf $(BUILD) build-asan build-fuzz build-tsan
