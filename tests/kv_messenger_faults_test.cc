@@ -495,11 +495,16 @@ Status ServingPrefill(const std::string& provider, Bootstrap& b, int expect,
   std::atomic<uint64_t> layers{0};
   std::atomic<int> released{0}, bad{0};
   std::unique_ptr<KvPrefill> prefill;
+  // The callbacks' view of it, published once made: the watcher may run them before Create's
+  // result is assigned (no request can come before the address is shared, but a thread
+  // sanitizer cannot see that order, which runs through other processes).
+  std::atomic<KvPrefill*> serving{nullptr};
   KvPrefill::Callbacks cb;
   cb.on_request = [&](const KvPrefill::Incoming& in) {
     std::vector<int64_t> pages(static_cast<size_t>(in.num_pages));
     std::iota(pages.begin(), pages.end(), 0);
-    if (!prefill->Schedule(in.request_id, pages, layers.load(), 0).ok()) bad.fetch_add(1);
+    KvPrefill* p = serving.load(std::memory_order_acquire);
+    if (!p || !p->Schedule(in.request_id, pages, layers.load(), 0).ok()) bad.fetch_add(1);
     layers.fetch_add(kLayers);
   };
   cb.on_released = [&](uint64_t, const Status& s) {
@@ -508,6 +513,7 @@ Status ServingPrefill(const std::string& provider, Bootstrap& b, int expect,
   };
   ASSIGN_OR_RETURN(prefill, KvPrefill::Create(e.engine.get(), e.side, e.shards.regions, nullptr,
                                               &layers, cb));
+  serving.store(prefill.get(), std::memory_order_release);
   RETURN_IF_ERROR(b.AllGather(e.engine->Address(), 30s).status());
   for (int turn = 0; turn < turns; ++turn) RETURN_IF_ERROR(b.Barrier(60s));
   RETURN_IF_ERROR(b.Barrier(60s));  // the decoders are done

@@ -17,6 +17,10 @@
 //                      immediate counter (GpuWords) next to a host thread in WaitImm
 //   ferry-bench buffers  what the AllToAll's buffers take per rank at EP 8-64, decode and
 //                      prefill, against DeepEP's low-latency buffer (docs/DESIGN.md)
+//   ferry-bench soak   [--provider P] [--cycles N] [--requests N] [--seconds S] [--decoders N]
+//                      [--churn N] [--only moe|kv]: MoE cycles and KV requests with decoders
+//                      coming and going, checked, with memory, descriptors and peer tables
+//                      sampled (exit 1 on an error or growth above 1 %)
 //   ferry-bench demo   the main job of `make demo`: short fabric, moe and kv runs on shm
 #include <cstdio>
 #include <cstdlib>
@@ -27,6 +31,7 @@
 #include "tools/bench_fabric.h"
 #include "tools/bench_kv.h"
 #include "tools/bench_moe.h"
+#include "tools/bench_soak.h"
 #ifdef FERRY_BENCH_CUDA
 #include "tools/bench_mirror.h"
 #include "tools/bench_p2p.h"
@@ -60,6 +65,8 @@ void Usage() {
       "       ferry-bench mirror [--provider P] [--iters I] [--rounds R]   (a kernel waiting"
       " on MirrorImm)\n"
       "       ferry-bench buffers   (per-rank buffer bytes against DeepEP's low-latency mode)\n"
+      "       ferry-bench soak [--provider P] [--cycles N] [--requests N] [--seconds S]\n"
+      "                        [--decoders N] [--churn N] [--only moe|kv]\n"
       "       ferry-bench demo\n"
       "Provider from --provider, else FERRY_PROVIDER, else shm.\n");
 }
@@ -114,6 +121,7 @@ int main(int argc, char** argv) {
   ferry::bench::FabricBenchOptions f;
   ferry::bench::MoeBenchOptions m;
   ferry::bench::KvBenchOptions kv;
+  ferry::bench::SoakOptions soak;
   int64_t p2p_bytes = int64_t{256} << 20;
   bool iters_given = false, rounds_given = false;  // mirror's own defaults otherwise
   ferry::TopologyOptions topo;
@@ -126,13 +134,15 @@ int main(int argc, char** argv) {
     }
     rendezvous = *from_env;
   }
-  if (const char* p = std::getenv("FERRY_PROVIDER")) f.provider = m.provider = kv.provider = p;
+  if (const char* p = std::getenv("FERRY_PROVIDER")) {
+    f.provider = m.provider = kv.provider = soak.provider = p;
+  }
   for (int i = 2; i < argc; ++i) {
     const std::string a = argv[i];
     const bool has_value = i + 1 < argc;
     bool ok = true;
     if (a == "--provider" && has_value) {
-      f.provider = m.provider = kv.provider = argv[++i];
+      f.provider = m.provider = kv.provider = soak.provider = argv[++i];
     } else if (a == "--max-bytes" && has_value) {
       f.max_bytes = std::strtoull(argv[++i], nullptr, 10);
     } else if (a == "--quick") {
@@ -152,6 +162,21 @@ int main(int argc, char** argv) {
       ok = ParseInt(argv[++i], &m.topk);
     } else if (a == "--decoders" && has_value) {
       ok = ParseInt(argv[++i], &kv.decoders) && kv.decoders >= 1 && kv.decoders <= 16;
+      soak.decoders = kv.decoders;
+    } else if (a == "--cycles" && has_value) {
+      int v = 0;
+      ok = ParseInt(argv[++i], &v) && v >= 1;
+      soak.cycles = v;
+    } else if (a == "--requests" && has_value) {
+      int v = 0;
+      ok = ParseInt(argv[++i], &v) && v >= 1;
+      soak.requests = v;
+    } else if (a == "--seconds" && has_value) {
+      ok = ParseInt(argv[++i], &soak.seconds);
+    } else if (a == "--only" && has_value) {
+      soak.only = argv[++i];
+    } else if (a == "--churn" && has_value) {
+      ok = ParseInt(argv[++i], &soak.churn) && soak.churn >= 1;
     } else if (a == "--rounds" && has_value) {
       ok = ParseInt(argv[++i], &kv.rounds) && kv.rounds >= 1 && kv.rounds <= 100;
       rounds_given = true;
@@ -241,6 +266,7 @@ int main(int argc, char** argv) {
   if (command == "fabric") return ferry::bench::RunFabricBench(f);
   if (command == "moe") return ferry::bench::RunMoeBench(m);
   if (command == "kv") return ferry::bench::RunKvBench(kv);
+  if (command == "soak") return ferry::bench::RunSoakBench(soak);
   if (command == "p2p") {
 #ifdef FERRY_BENCH_CUDA
     return ferry::bench::RunP2pBench(p2p_bytes);

@@ -308,6 +308,10 @@ struct FERRY_API EngineStats {
   // Times the idle worker went to sleep (never while WRs are outstanding or a notification is
   // armed: transfers move only inside its polls).
   uint64_t worker_sleeps = 0;
+  // The peer table (not monotonic): peers in it now (added and not removed), and the entries
+  // it has ever used (removed peers' entries serve later peers, so this stays flat under churn).
+  uint64_t peers = 0;
+  uint64_t peer_entries = 0;
 };
 
 // Provider facts, for logs and benchmarks, never needed to use the API. The mr_mode bits and

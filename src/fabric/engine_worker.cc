@@ -570,9 +570,13 @@ void Engine::ScanDeadlines(Clock::time_point now) {
         Describe(t) + " not completed within " + std::to_string(options_.transfer_timeout_ms) +
         " ms (" + std::to_string(t->next) + " of " + std::to_string(t->total) +
         " WRs posted, " + std::to_string(t->outstanding) + " outstanding)");
-    scratch_.push_back(t);
-    FailCollected(why);
-    if (SinglePeer(t)) MarkPeerLost(t->req.peer, why);
+    // The peer is marked lost before the transfer's failure is reported, so that a caller who
+    // sees the failure and submits again is refused (Unavailable) rather than accepted.
+    if (SinglePeer(t)) MarkPeerLost(t->req.peer, why);  // fails t with the rest of its peer's
+    if (!t->finished) {
+      scratch_.push_back(t);
+      FailCollected(why);
+    }
   }
   for (size_t i = armed_.size(); i > 0; --i) {
     ImmCounterTable::Slot* slot = armed_[i - 1];

@@ -25,6 +25,14 @@
 
 namespace ferry::testing_util {
 
+// How much longer than written a test's short timeouts run: FERRY_TEST_TIME_SCALE (1 unless
+// set; make tsan sets it, as ThreadSanitizer runs code several times slower).
+inline int TimeScale() {
+  const char* env = std::getenv("FERRY_TEST_TIME_SCALE");
+  const int scale = env ? std::atoi(env) : 1;
+  return scale >= 1 ? scale : 1;
+}
+
 // The software providers every machine has. FERRY_TEST_PROVIDERS="shm" narrows the list.
 inline std::vector<std::string> Providers() {
   if (const char* env = std::getenv("FERRY_TEST_PROVIDERS")) return SplitCommaList(env);

@@ -558,6 +558,11 @@ EngineStats TransferEngine::stats() const {
   s.imms_received = impl->stats_.imms.load(std::memory_order_relaxed);
   s.imms_unmatched = impl->stats_.imms_unmatched.load(std::memory_order_relaxed);
   s.messages_received = impl->stats_.messages.load(std::memory_order_relaxed);
+  {
+    MutexLock lock(impl->add_mu_);
+    s.peer_entries = impl->num_slots_.load(std::memory_order_relaxed);
+    s.peers = s.peer_entries - impl->free_slots_.size();
+  }
   if (impl->worker_.joinable()) {
     clockid_t cid;
     timespec ts{};
