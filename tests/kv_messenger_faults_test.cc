@@ -517,6 +517,10 @@ Status ServingPrefill(const std::string& provider, Bootstrap& b, int expect,
   RETURN_IF_ERROR(b.AllGather(e.engine->Address(), 30s).status());
   for (int turn = 0; turn < turns; ++turn) RETURN_IF_ERROR(b.Barrier(60s));
   RETURN_IF_ERROR(b.Barrier(60s));  // the decoders are done
+  // A decoder is done once the writes landed; the prefill releases a request once it saw its own
+  // completions, which can come a little later.
+  const Deadline by = Deadline::After(10s);
+  while (released.load() < expect && !by.Expired()) std::this_thread::sleep_for(1ms);
   CHECK_OR_RETURN(released.load() == expect && bad.load() == 0,
                   std::to_string(released.load()) + " released, " + std::to_string(bad.load()) +
                       " failed or refused, expected " + std::to_string(expect));

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <memory>
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
@@ -322,16 +323,28 @@ Status RunDecoder(const Case& c, Bootstrap& b) {
     CHECK_OR_RETURN(bad.load() == c.requests_per_decoder,
                     "requests that did not fail although the prefill died: " +
                         std::to_string(c.requests_per_decoder - bad.load()));
-    // The dead prefill was taken out of the engine before the slots were freed: a new request
-    // to it finds a slot and is refused at once as unreachable.
+    // The dead prefill was taken out of the engine before the slots were freed, so a slot is
+    // free for a new request to it. That request adds it again (a prefill that only hung would
+    // serve it) and ends not OK: refused at Submit, or told by its callback within its deadline
+    // and the cancel's wait.
     KvDecoder::Request again;
     again.request_id = 999;
     again.prefill_address = addresses[0];
     again.prefill = prefill_side;
     again.pages = pages[0];
-    Status s = decoder->Submit(again, Deadline::After(1s), [](const Status&) {});
-    CHECK_OR_RETURN(s.code() == StatusCode::kUnavailable,
-                    "a request to the removed prefill: " + s.ToString());
+    auto told = std::make_shared<std::atomic<int>>(0);
+    auto outcome = std::make_shared<Status>();
+    Status s = decoder->Submit(again, Deadline::After(1s), [told, outcome](const Status& st) {
+      *outcome = st;
+      told->fetch_add(1);
+    });
+    if (s.ok()) {
+      const Deadline by = Deadline::After(15s);
+      while (told->load() == 0 && !by.Expired()) std::this_thread::sleep_for(1ms);
+      CHECK_OR_RETURN(told->load() == 1, "a request to the dead prefill never ended");
+      s = *outcome;
+    }
+    CHECK_OR_RETURN(!s.ok(), "a request to the dead prefill: " + s.ToString());
   } else {
     CHECK_OR_RETURN(bad.load() == 0, "failed requests: " + std::to_string(bad.load()));
     // A layer's writes that share a source/destination pair and a length travel as one paged

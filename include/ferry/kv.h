@@ -139,7 +139,8 @@ class FERRY_API KvDecoder {
   // asks the prefill to stop and reports DeadlineExceeded (or Cancelled) only once every write
   // the prefill acknowledges having posted has landed: the pages are then safe to reuse. If the
   // prefill never acknowledges (a few seconds), the decoder removes it from the engine, then
-  // reports Unavailable; later requests to it fail at once. (A removed peer's in-flight writes
+  // reports Unavailable; a later request to it adds it again (a new connection: a prefill that
+  // hung and was continued serves it). (A removed peer's in-flight writes
   // are fenced by the verbs backend, whose queue pairs go to the error state; a libfabric
   // provider cannot fence a live peer, so a prefill that is slow rather than dead should be
   // given a longer deadline, not cancelled.) A request whose message never reached the prefill

@@ -441,14 +441,16 @@ class Decoder final : public KvDecoder {
     MutexLock lock(peers_mu_);
     auto it = peers_.find(key);
     if (it != peers_.end()) {
-      // A prefill we took out as unresponsive stays out; one the engine lost otherwise (over
-      // verbs: it removed us, say to make room) is added again, which reconnects.
+      // A prefill the engine lost (over verbs: it removed us, say to make room), or one we took
+      // out for not acknowledging a cancel, is added again, which reconnects: a request naming
+      // it again is the caller's word that it is back (a hung prefill that was continued).
       const PeerId known = it->second;
       const StatusOr<bool> lost = engine_->PeerLost(known);
-      if (unresponsive_.count(known) || (lost.ok() && !*lost)) {
+      if (!unresponsive_.count(known) && lost.ok() && !*lost) {
         lru_.Touch(known);
         return known;
       }
+      unresponsive_.erase(known);
       lru_.Forget(known);
       peers_.erase(it);
     }

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "fabric/wire.h"
+#include "fuzz.h"
 #include "ferry/fabric.h"
 #include "kv/messages.h"
 #include "moe/device.h"
@@ -43,17 +44,7 @@ RemoteRegion Region(uint64_t engine, uint64_t length, uint32_t nics) {
 // What rank `s` of the moe harness's configuration `pick` writes into rank 0's inbox: its
 // section, made by a host device's own DispatchSend.
 std::vector<uint8_t> MoeSection(uint8_t pick, int s) {
-  AllToAllConfig c{.world_size = (pick >> 5 & 1) ? 3 : 2,
-                   .rank = s,
-                   .num_experts = 6,
-                   .experts_per_token = 2,
-                   .max_tokens_per_rank = 3,
-                   .hidden = 128,
-                   .dtype = (pick & 1) ? DispatchDtype::kFp8E4M3 : DispatchDtype::kBf16};
-  c.num_experts = 2 * c.world_size;
-  const bool both = pick >> 1 & 1;
-  c.dispatch_once_per_rank = c.combine_reduce_at_expert_rank = both;
-  if (both && (pick >> 2 & 1)) c.dispatch_layout = DispatchLayout::kTokenMajor;
+  const AllToAllConfig c = MoeFuzzConfig(pick, s);
   const moe::RelayLayout layout(c, moe::SlotFormat(c, false).slot_bytes, 1);
   moe::HostBoxes boxes(layout);
   auto device = moe::NewHostDevice({c, &layout, boxes.buffers(), nullptr});

@@ -22,17 +22,8 @@ using namespace std::chrono_literals;
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return 0;
   const uint8_t pick = data[0];
-  AllToAllConfig c{.world_size = (pick >> 5 & 1) ? 3 : 2,
-                   .rank = 0,
-                   .num_experts = 6,
-                   .experts_per_token = 2,
-                   .max_tokens_per_rank = 3,
-                   .hidden = 128,
-                   .dtype = (pick & 1) ? DispatchDtype::kFp8E4M3 : DispatchDtype::kBf16};
-  c.num_experts = 2 * c.world_size;
-  const bool both = pick >> 1 & 1, token_major = both && (pick >> 2 & 1);
-  c.dispatch_once_per_rank = c.combine_reduce_at_expert_rank = both;
-  if (token_major) c.dispatch_layout = DispatchLayout::kTokenMajor;
+  const AllToAllConfig c = MoeFuzzConfig(pick, 0);
+  const bool token_major = c.dispatch_layout == DispatchLayout::kTokenMajor;
   const int padding = token_major ? 0 : std::vector<int>{0, 0, 1, 4}[pick >> 3 & 3];
   FUZZ_REQUIRE(c.Validate().ok(), "the harness's configuration");
 

@@ -11,19 +11,6 @@
 
 using namespace ferry;
 
-template <typename T>
-void RoundTrip(std::span<const uint8_t> bytes, const char* what) {
-  auto parsed = T::Parse(bytes);
-  if (!parsed.ok()) {
-    FUZZ_REQUIRE(parsed.status().code() == StatusCode::kInvalidArgument, what);
-    return;
-  }
-  const std::vector<uint8_t> once = parsed->Serialize();
-  auto again = T::Parse(once);
-  FUZZ_REQUIRE(again.ok(), what);
-  FUZZ_REQUIRE(again->Serialize() == once, what);
-}
-
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::span<const uint8_t> bytes(data, size);
   RoundTrip<fabric::EngineAddress>(bytes, "engine address");

@@ -1,0 +1,288 @@
+// The KV messenger when a peer dies or hangs in the middle of a layer stream, across processes
+// over shm and tcp: a decoder killed after the first layer reached it (the prefill's request
+// ends within the transfer timeout and it serves the next decoder), and a prefill stopped with
+// SIGSTOP after its first layer, connections open (the decoder's request ends at its deadline
+// plus the cancel's wait, the prefill, continued, finishes or drops the request, and the same
+// decoder's next request to it is served).
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "fabric/test_util.h"
+#include "ferry/bootstrap.h"
+#include "ferry/kv.h"
+#include "kv_test_util.h"
+
+namespace ferry {
+namespace {
+
+using namespace std::chrono_literals;
+using kv_test::kLayers;
+using kv_test::Shards;
+
+const KvModel kModel{8, 16, 2, false, 4};  // 8 KV heads of 16, 4-token pages
+constexpr int kPagesPerLayer = 24;
+const std::vector<int64_t> kPages = {0, 1, 2, 3, 4};
+
+struct End {
+  KvSide side{kModel, KvOrder::kHND, 2};
+  std::unique_ptr<TransferEngine> engine;
+  Shards shards;
+  Status Open(const std::string& provider, uint32_t transfer_timeout_ms) {
+    EngineOptions options = testing_util::TestOptions(provider);
+    options.transfer_timeout_ms = transfer_timeout_ms;
+    ASSIGN_OR_RETURN(engine, TransferEngine::Create(options));
+    return shards.Init(*engine, side, kPagesPerLayer);
+  }
+};
+
+// A prefill whose scheduler is the test: requests are queued as they arrive, and each release
+// is kept with its status.
+struct Prefill {
+  End end;
+  std::atomic<uint64_t> layers{0};
+  std::mutex mu;
+  std::deque<uint64_t> arrived;
+  std::vector<std::pair<uint64_t, Status>> released;
+  std::unique_ptr<KvPrefill> prefill;
+
+  Status Open(const std::string& provider, uint32_t transfer_timeout_ms) {
+    RETURN_IF_ERROR(end.Open(provider, transfer_timeout_ms));
+    KvPrefill::Callbacks cb;
+    cb.on_request = [this](const KvPrefill::Incoming& in) {
+      std::lock_guard<std::mutex> l(mu);
+      arrived.push_back(in.request_id);
+    };
+    cb.on_released = [this](uint64_t id, const Status& s) {
+      std::lock_guard<std::mutex> l(mu);
+      released.emplace_back(id, s);
+    };
+    ASSIGN_OR_RETURN(prefill, KvPrefill::Create(end.engine.get(), end.side, end.shards.regions,
+                                                nullptr, &layers, cb));
+    return Status::Ok();
+  }
+  // The next request to arrive, by `deadline`.
+  StatusOr<uint64_t> Next(Deadline deadline) {
+    for (;;) {
+      {
+        std::lock_guard<std::mutex> l(mu);
+        if (!arrived.empty()) {
+          const uint64_t id = arrived.front();
+          arrived.pop_front();
+          return id;
+        }
+      }
+      if (deadline.Expired()) return DeadlineExceededError("no request arrived");
+      std::this_thread::sleep_for(1ms);
+    }
+  }
+  // Request `id`'s release (*how: its status), by `deadline`.
+  Status Released(uint64_t id, Deadline deadline, Status* how) {
+    for (;;) {
+      {
+        std::lock_guard<std::mutex> l(mu);
+        for (const auto& [rid, s] : released) {
+          if (rid == id) {
+            *how = s;
+            return Status::Ok();
+          }
+        }
+      }
+      if (deadline.Expired()) return DeadlineExceededError("request never released");
+      std::this_thread::sleep_for(1ms);
+    }
+  }
+  // Schedules `id` in a pass of its own from the current layer count; `layers_now` of its layers
+  // are counted at once.
+  StatusOr<uint64_t> Schedule(uint64_t id, int layers_now) {
+    const uint64_t base = layers.load();
+    RETURN_IF_ERROR(prefill->Schedule(id, kPages, base, 0));
+    layers.fetch_add(layers_now);
+    return base;
+  }
+};
+
+// A decoder whose request outcomes are kept (each request's callback count too).
+struct Decoder {
+  End end;
+  std::unique_ptr<KvDecoder> decoder;
+  std::mutex mu;
+  std::vector<std::pair<uint64_t, Status>> outcomes;
+
+  Status Open(const std::string& provider) {
+    RETURN_IF_ERROR(end.Open(provider, 5000));
+    ASSIGN_OR_RETURN(decoder,
+                     KvDecoder::Create(end.engine.get(), end.side, end.shards.regions, nullptr));
+    return Status::Ok();
+  }
+  Status Submit(uint64_t id, std::span<const uint8_t> prefill, Deadline deadline) {
+    KvDecoder::Request req;
+    req.request_id = id;
+    req.prefill_address = prefill;
+    req.prefill = KvSide{kModel, KvOrder::kHND, 2};
+    req.pages = kPages;
+    return decoder->Submit(req, deadline, [this, id](const Status& s) {
+      std::lock_guard<std::mutex> l(mu);
+      outcomes.emplace_back(id, s);
+    });
+  }
+  // Request `id`'s outcome (*how) by `deadline`; an error if it came more than once.
+  Status Outcome(uint64_t id, Deadline deadline, Status* how) {
+    for (;;) {
+      {
+        std::lock_guard<std::mutex> l(mu);
+        int n = 0;
+        Status got;
+        for (const auto& [rid, s] : outcomes) {
+          if (rid == id) {
+            ++n;
+            got = s;
+          }
+        }
+        CHECK_OR_RETURN(n <= 1, "request " + std::to_string(id) + " told twice");
+        if (n == 1) {
+          *how = got;
+          return Status::Ok();
+        }
+      }
+      if (deadline.Expired()) return DeadlineExceededError("request never ended");
+      std::this_thread::sleep_for(1ms);
+    }
+  }
+};
+
+StatusOr<std::vector<int32_t>> Pids(Bootstrap& b) {
+  const int32_t pid = getpid();
+  ASSIGN_OR_RETURN(auto all, b.AllGather({reinterpret_cast<const uint8_t*>(&pid), 4}, 30s));
+  std::vector<int32_t> pids(all.size());
+  for (size_t r = 0; r < all.size(); ++r) std::memcpy(&pids[r], all[r].data(), 4);
+  return pids;
+}
+
+class KvPeerFaultTest : public ::testing::TestWithParam<std::string> {};
+
+// Rank 1 asks for request 7 and is killed once the first of its layers has been posted (the rest
+// held back by the layer counter). The prefill's request ends, not OK, within its transfer
+// timeout (1 s) of the kill, and then it serves rank 2's request 8 as if nothing had happened.
+// Over shm only: over tcp;ofi_rxm the writes to the dead decoder complete into socket buffers
+// (the prefill's request ends OK), and rank 2's first request was seen to wait out its send's
+// 5 s timeout, never posted -- an open problem, not yet understood.
+TEST(KvPeerFaultShmTest, ADecoderKilledMidStreamEndsItsRequestAndTheNextDecoderIsServed) {
+  const std::string provider = "shm";
+  auto exits = RunLocalRanks(3, [&](Bootstrap& b) -> Status {
+    ASSIGN_OR_RETURN(auto pids, Pids(b));
+    if (b.rank() == 0) {
+      Prefill p;
+      RETURN_IF_ERROR(p.Open(provider, 1000));
+      RETURN_IF_ERROR(b.AllGather(p.end.engine->Address(), 30s).status());
+      RETURN_IF_ERROR(b.Barrier(30s));  // the decoders are ready; from here rank 1 may die
+      ASSIGN_OR_RETURN(const uint64_t first, p.Next(Deadline::After(30s)));
+      CHECK_OR_RETURN(first == 7, "request " + std::to_string(first) + " came first");
+      RETURN_IF_ERROR(p.Schedule(7, 1).status());
+      std::this_thread::sleep_for(200ms);  // layer 0 posted (and landed)
+      CHECK_OR_RETURN(kill(pids[1], SIGKILL) == 0, "kill");
+      const auto killed = Clock::now();
+      p.layers.fetch_add(kLayers - 1);  // the rest go to a dead decoder
+      Status seven, eight;
+      RETURN_IF_ERROR(p.Released(7, Deadline::After(10s), &seven));
+      const auto took = Clock::now() - killed;
+      CHECK_OR_RETURN(!seven.ok(), "request 7 released OK with its decoder dead");
+      CHECK_OR_RETURN(took < 5s, "request 7 ended " +
+                                     std::to_string(std::chrono::duration<double>(took).count()) +
+                                     " s after the kill: " + seven.ToString());
+      ASSIGN_OR_RETURN(const uint64_t next, p.Next(Deadline::After(30s)));
+      CHECK_OR_RETURN(next == 8, "request " + std::to_string(next) + " came second");
+      RETURN_IF_ERROR(p.Schedule(8, kLayers).status());
+      RETURN_IF_ERROR(p.Released(8, Deadline::After(30s), &eight));
+      CHECK_OR_RETURN(eight.ok(), "request 8: " + eight.ToString());
+      return Status::Ok();
+    }
+    Decoder d;
+    RETURN_IF_ERROR(d.Open(provider));
+    ASSIGN_OR_RETURN(auto addresses, b.AllGather({}, 30s));
+    RETURN_IF_ERROR(b.Barrier(30s));
+    if (b.rank() == 1) {
+      RETURN_IF_ERROR(d.Submit(7, addresses[0], Deadline::After(60s)));
+      std::this_thread::sleep_for(60s);  // killed in here
+      return InternalError("rank 1 outlived its kill");
+    }
+    std::this_thread::sleep_for(1s);  // after the kill, as a decoder that comes later
+    RETURN_IF_ERROR(d.Submit(8, addresses[0], Deadline::After(30s)));
+    Status eight;
+    RETURN_IF_ERROR(d.Outcome(8, Deadline::After(40s), &eight));
+    return eight;
+  }, 120s);
+  EXPECT_TRUE(exits[0].ok()) << exits[0].exit_code;
+  EXPECT_EQ(exits[1].signal, SIGKILL);
+  EXPECT_TRUE(exits[2].ok()) << exits[2].exit_code;
+}
+
+// The prefill stops itself (SIGSTOP, connections open) once request 7's first layer is posted.
+// The decoder's request ends at its deadline (1 s) plus the wait for the cancel's
+// acknowledgement (5 s): once, and not OK. The decoder then continues the prefill (SIGCONT),
+// which finishes or drops request 7 (either way it releases it), and the decoder's request 8 to
+// the same prefill is served.
+TEST_P(KvPeerFaultTest, APrefillHungMidStreamEndsTheRequestAtItsDeadlineAndServesAfterwards) {
+  const std::string provider = GetParam();
+  auto exits = RunLocalRanks(2, [&](Bootstrap& b) -> Status {
+    ASSIGN_OR_RETURN(auto pids, Pids(b));
+    if (b.rank() == 0) {
+      Prefill p;
+      RETURN_IF_ERROR(p.Open(provider, 5000));
+      RETURN_IF_ERROR(b.AllGather(p.end.engine->Address(), 30s).status());
+      ASSIGN_OR_RETURN(const uint64_t first, p.Next(Deadline::After(30s)));
+      CHECK_OR_RETURN(first == 7, "request " + std::to_string(first) + " came first");
+      RETURN_IF_ERROR(p.Schedule(7, 1).status());
+      std::this_thread::sleep_for(100ms);
+      raise(SIGSTOP);  // hung here until the decoder continues us
+      p.layers.fetch_add(kLayers - 1);
+      Status seven, eight;  // 7: finished or cancelled; what matters is that it was released
+      RETURN_IF_ERROR(p.Released(7, Deadline::After(30s), &seven));
+      RETURN_IF_ERROR(b.Barrier(30s));  // request 7 is over on both sides
+      ASSIGN_OR_RETURN(const uint64_t next, p.Next(Deadline::After(30s)));
+      CHECK_OR_RETURN(next == 8, "request " + std::to_string(next) + " came second");
+      RETURN_IF_ERROR(p.Schedule(8, kLayers).status());
+      RETURN_IF_ERROR(p.Released(8, Deadline::After(30s), &eight));
+      CHECK_OR_RETURN(eight.ok(), "request 8: " + eight.ToString());
+      return b.Barrier(30s);
+    }
+    Decoder d;
+    RETURN_IF_ERROR(d.Open(provider));
+    ASSIGN_OR_RETURN(auto addresses, b.AllGather({}, 30s));
+    const auto submitted = Clock::now();
+    RETURN_IF_ERROR(d.Submit(7, addresses[0], Deadline::After(1s)));
+    Status seven, eight, again;
+    RETURN_IF_ERROR(d.Outcome(7, Deadline::After(20s), &seven));
+    const auto took = Clock::now() - submitted;
+    CHECK_OR_RETURN(!seven.ok(), "request 7 ended OK with its prefill hung");
+    CHECK_OR_RETURN(took >= 1s && took < 10s,
+                    "request 7 ended after " +
+                        std::to_string(std::chrono::duration<double>(took).count()) +
+                        " s: " + seven.ToString());
+    CHECK_OR_RETURN(kill(pids[0], SIGCONT) == 0, "SIGCONT");
+    RETURN_IF_ERROR(b.Barrier(30s));
+    RETURN_IF_ERROR(d.Submit(8, addresses[0], Deadline::After(30s)));
+    RETURN_IF_ERROR(d.Outcome(8, Deadline::After(40s), &eight));
+    RETURN_IF_ERROR(eight);
+    RETURN_IF_ERROR(d.Outcome(7, Deadline::After(1s), &again));  // still told once
+    return b.Barrier(30s);
+  }, 120s);
+  for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
+}
+
+INSTANTIATE_TEST_SUITE_P(Providers, KvPeerFaultTest,
+                         ::testing::ValuesIn(testing_util::Providers()),
+                         testing_util::ProviderTestName);
+
+}  // namespace
+}  // namespace ferry
