@@ -112,9 +112,10 @@ Status Gather(Bootstrap& b, const Row& mine, Report* out) {
   return Status::Ok();
 }
 
-EngineOptions Options(const std::string& provider) {
-  auto from_env = EngineOptions::FromEnv();  // a bad variable: the defaults (ferry-bench checks)
-  EngineOptions eo = from_env.ok() ? *from_env : EngineOptions{};
+// The FERRY_* environment's options (a variable its field cannot take is an error, not a
+// silent default) on `provider`.
+StatusOr<EngineOptions> Options(const std::string& provider) {
+  ASSIGN_OR_RETURN(EngineOptions eo, EngineOptions::FromEnv());
   eo.provider = provider;
   if (provider.find("tcp") != std::string::npos && eo.node.empty()) eo.node = "127.0.0.1";
   return eo;
@@ -129,7 +130,8 @@ Status MoeRank(const SoakOptions& o, Bootstrap& b, Report* report) {
   AllToAllConfig c{.world_size = kRanks, .rank = me, .num_experts = kExperts,
                    .experts_per_token = kTopK, .max_tokens_per_rank = kTokens,
                    .hidden = kHidden, .dtype = DispatchDtype::kBf16};
-  ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(Options(o.provider)));
+  ASSIGN_OR_RETURN(const EngineOptions eo, Options(o.provider));
+  ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(eo));
   ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(c, engine.get(), b));
   // Token t: every column 1 + me + t / 8; experts (t + me + 5j) % 16, weight 1/4 each, so the
   // combine of identity experts gives the token back bit for bit.
@@ -187,7 +189,7 @@ uint8_t Pattern(size_t i) { return uint8_t((i * 7 + 3) % 251); }
 Status PrefillRank(const SoakOptions& o, Bootstrap& b, Report* report) {
   const KvSide side{kModel, KvOrder::kHND, 1};
   const int64_t stride = side.page_bytes() * kPages;
-  EngineOptions eo = Options(o.provider);
+  ASSIGN_OR_RETURN(EngineOptions eo, Options(o.provider));
   // A small table: the decoders that left are evicted (least recently used) as new ones come.
   eo.max_peers = 4;
   ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(eo));
@@ -268,7 +270,9 @@ void ServeRequests(const SoakOptions& o, int rank, std::span<const uint8_t> pref
     std::fprintf(stderr, "soak kv decoder %d: %s\n", rank, s.ToString().c_str());
     ++row->errors;
   };
-  auto engine = TransferEngine::Create(Options(o.provider));
+  auto options = Options(o.provider);
+  if (!options.ok()) return fail(options.status());
+  auto engine = TransferEngine::Create(*options);
   if (!engine.ok()) return fail(engine.status());
   auto region = (*engine)->RegisterMemory(memory.data(), memory.size());
   if (!region.ok()) return fail(region.status());

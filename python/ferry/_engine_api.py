@@ -130,6 +130,10 @@ class Group:
         pool.append(p)
         return p
 
+    def all_to_alls(self, kind):
+        """Every AllToAll made for keys whose first element is `kind`, idle or busy."""
+        return [p.a2a for key, pool in self._pools.items() if key[0] == kind for p in pool]
+
     def close(self):
         for pool in self._pools.values():
             for p in pool:

@@ -724,8 +724,7 @@ class Buffer(_ferry.DeepEpLowLatency):
     # ---- rank masks (DeepEP's shrink mode) --------------------------------------------------
 
     def _low_latency_all_to_alls(self):
-        return [p.a2a for key, pool in self._group._pools.items() if key[0] == "ll"
-                for p in pool]
+        return self._group.all_to_alls("ll")
 
     def _check_shrink(self, call):
         self._check_open(call)
