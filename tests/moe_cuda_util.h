@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "fabric/test_util.h"
@@ -27,6 +28,14 @@ inline bool HaveGpu() { return access("/dev/nvidia0", F_OK) == 0; }
 template <typename T>
 struct Gpu {
   T* p = nullptr;
+  Gpu() = default;
+  Gpu(const Gpu&) = delete;  // one owner frees
+  Gpu& operator=(const Gpu&) = delete;
+  Gpu(Gpu&& o) noexcept : p(std::exchange(o.p, nullptr)) {}
+  Gpu& operator=(Gpu&& o) noexcept {
+    std::swap(p, o.p);
+    return *this;
+  }
   ~Gpu() {
     if (p) cudaFree(p);
   }

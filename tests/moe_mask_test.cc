@@ -1,8 +1,10 @@
-// Rank masks on the host device (AllToAll::SetMasked, AllToAllConfig::mask_lost_peers): ranks
-// as processes on localhost over shm. A masked rank is left out of every step: the copies routed
-// to its experts add nothing, nothing it sends is read, no step waits for it. Each survivor
-// checks its dispatch counts and rows and its combined output exactly against what the live
-// ranks alone give.
+// Rank masks (AllToAll::SetMasked, AllToAllConfig::mask_lost_peers): ranks as processes on
+// localhost. A masked rank is left out of every step: the copies routed to its experts add
+// nothing, nothing it sends is read, no step waits for it. Each survivor checks its dispatch
+// counts and rows and its combined output exactly against what the live ranks alone give.
+// Every case runs on the host device over shm and, where there is a GPU, on the CUDA device:
+// one node (NVLink, the kernels' own masks) and a node per rank (the relay's, which the kernels
+// publish). Without a GPU the CUDA cases skip.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -13,6 +15,9 @@
 #include "fabric/test_util.h"
 #include "ferry/bootstrap.h"
 #include "ferry/moe.h"
+#if FERRY_HAVE_CUDA
+#include "moe_cuda_util.h"
+#endif
 
 namespace ferry {
 namespace {
@@ -30,40 +35,95 @@ float Value(int r, int t, int epoch) { return 1.0f + r + t * 0.25f + 2.0f * epoc
 int Expert(int r, int t, int j) { return (t + r + 3 * j) % kExperts; }
 float Weight(int j) { return j == 0 ? 0.5f : 0.25f; }
 
+// Where the AllToAll runs: the host device, or the CUDA device with every rank in one node
+// (NVLink) or each in a node of its own (the relay, over shm).
+enum class Where { kHost, kCudaOneNode, kCudaRelay };
+
+// A buffer the test fills and checks on the host; on the CUDA device, with a GPU copy the steps
+// use, moved across around each step.
+template <typename T>
+struct Buf {
+  std::vector<T> host;
+#if FERRY_HAVE_CUDA
+  Gpu<T> gpu;
+#endif
+  bool cuda = false;
+  Status Init(bool on_gpu, size_t n, T fill) {
+    host.assign(n, fill);
+    cuda = on_gpu;
+#if FERRY_HAVE_CUDA
+    if (cuda) return gpu.Alloc(n);
+#endif
+    return Status::Ok();
+  }
+  T* ptr() {
+#if FERRY_HAVE_CUDA
+    if (cuda) return gpu.p;
+#endif
+    return host.data();
+  }
+  Status Push() {
+#if FERRY_HAVE_CUDA
+    if (cuda) return gpu.Put(host);
+#endif
+    return Status::Ok();
+  }
+  Status Pull() {
+#if FERRY_HAVE_CUDA
+    if (cuda) return gpu.Get(host);
+#endif
+    return Status::Ok();
+  }
+};
+
 struct Rank {
-  std::unique_ptr<TransferEngine> engine;
+  std::unique_ptr<TransferEngine> engine;  // null on the CUDA device in one node
   std::unique_ptr<AllToAll> a2a;
-  std::vector<uint16_t> x, out_x, y;
-  std::vector<int32_t> idx, counts;
-  std::vector<float> w;
+  Buf<uint16_t> x, out_x, y;
+  Buf<int32_t> idx, counts;
+  Buf<float> w;
   int me = 0;
   int epoch = 0;  // of the next Dispatch
 };
 
-StatusOr<Rank> MakeRank(Bootstrap& b, bool mask_lost_peers) {
+StatusOr<Rank> MakeRank(Bootstrap& b, Where where, bool mask_lost_peers) {
   Rank r;
   r.me = b.rank();
   AllToAllConfig cfg{.world_size = kWorld, .rank = b.rank(), .num_experts = kExperts,
                      .experts_per_token = kK, .max_tokens_per_rank = kTokens, .hidden = kHidden,
                      .dtype = DispatchDtype::kBf16, .mask_lost_peers = mask_lost_peers};
-  EngineOptions options = testing_util::TestOptions("shm");
-  // Without masks, writes to a dead peer end within a second. With them, the transfer timeout
-  // is left long: a rank masked as lost is forgotten as the engine's peer, which must end the
-  // writes still pending to it at once (else the survivors' next exchange waits for them, and
-  // they mask each other).
-  options.transfer_timeout_ms = mask_lost_peers ? 30000 : 1000;
-  ASSIGN_OR_RETURN(r.engine, TransferEngine::Create(options));
+  const bool cuda = where != Where::kHost;
+#if FERRY_HAVE_CUDA
+  if (cuda) {
+    cfg.ranks_per_node = where == Where::kCudaOneNode ? kWorld : 1;
+    cfg.max_private_tokens = 2;
+    RETURN_IF_ERROR(UseGpu(b, &cfg));
+  }
+#endif
+  if (where != Where::kCudaOneNode) {
+    EngineOptions options = testing_util::TestOptions("shm");
+    // Without masks, writes to a dead peer end within a second. With them, the transfer timeout
+    // is left long: a rank masked as lost is forgotten as the engine's peer, which must end the
+    // writes still pending to it at once (else the survivors' next exchange waits for them, and
+    // they mask each other).
+    options.transfer_timeout_ms = mask_lost_peers ? 30000 : 1000;
+    ASSIGN_OR_RETURN(r.engine, TransferEngine::Create(options));
+  }
   ASSIGN_OR_RETURN(r.a2a, AllToAll::Create(cfg, r.engine.get(), b));
+  RETURN_IF_ERROR(r.idx.Init(cuda, size_t(kTokens) * kK, 0));
+  RETURN_IF_ERROR(r.w.Init(cuda, size_t(kTokens) * kK, 0.0f));
   for (int t = 0; t < kTokens; ++t) {
     for (int j = 0; j < kK; ++j) {
-      r.idx.push_back(Expert(b.rank(), t, j));
-      r.w.push_back(Weight(j));
+      r.idx.host[size_t(t) * kK + j] = Expert(b.rank(), t, j);
+      r.w.host[size_t(t) * kK + j] = Weight(j);
     }
   }
-  r.x.resize(size_t(kTokens) * kHidden);
-  r.out_x.assign(size_t(kLocal) * kCapacity * kHidden, 0);
-  r.y.assign(size_t(kTokens) * kHidden, 0);
-  r.counts.assign(kLocal, -1);
+  RETURN_IF_ERROR(r.idx.Push());
+  RETURN_IF_ERROR(r.w.Push());
+  RETURN_IF_ERROR(r.x.Init(cuda, size_t(kTokens) * kHidden, 0));
+  RETURN_IF_ERROR(r.out_x.Init(cuda, size_t(kLocal) * kCapacity * kHidden, 0));
+  RETURN_IF_ERROR(r.y.Init(cuda, size_t(kTokens) * kHidden, 0));
+  RETURN_IF_ERROR(r.counts.Init(cuda, kLocal, -1));
   return r;
 }
 
@@ -83,19 +143,20 @@ Status CheckEpoch(Rank& r, int me, const std::vector<bool>& sent_by,
         }
       }
     }
-    CHECK_OR_RETURN(r.counts[e] == static_cast<int>(want.size()),
+    CHECK_OR_RETURN(r.counts.host[e] == static_cast<int>(want.size()),
                     "rank " + std::to_string(me) + " expert " + std::to_string(expert) + ": " +
-                        std::to_string(r.counts[e]) + " rows, want " +
+                        std::to_string(r.counts.host[e]) + " rows, want " +
                         std::to_string(want.size()));
     for (size_t i = 0; i < want.size(); ++i) {
-      const float got = Bf16ToFloat(r.out_x[(size_t(e) * kCapacity + i) * kHidden]);
+      const float got = Bf16ToFloat(r.out_x.host[(size_t(e) * kCapacity + i) * kHidden]);
       CHECK_OR_RETURN(got == want[i], "rank " + std::to_string(me) + " expert " +
                                           std::to_string(expert) + " row " + std::to_string(i) +
                                           ": " + std::to_string(got));
     }
   }
-  RETURN_IF_ERROR(r.a2a->CombineSend(r.out_x.data()));
-  RETURN_IF_ERROR(r.a2a->CombineRecv(r.y.data(), false, Deadline::After(1s)));
+  RETURN_IF_ERROR(r.a2a->CombineSend(r.out_x.ptr()));
+  RETURN_IF_ERROR(r.a2a->CombineRecv(r.y.ptr(), false, Deadline::After(1s)));
+  RETURN_IF_ERROR(r.y.Pull());
   for (int t = 0; t < kTokens; ++t) {
     float weight = 0;
     for (int j = 0; j < kK; ++j) {
@@ -103,7 +164,7 @@ Status CheckEpoch(Rank& r, int me, const std::vector<bool>& sent_by,
     }
     const float want = Value(me, t, r.epoch) * weight;
     for (int i = 0; i < kHidden; ++i) {
-      const float got = Bf16ToFloat(r.y[size_t(t) * kHidden + i]);
+      const float got = Bf16ToFloat(r.y.host[size_t(t) * kHidden + i]);
       CHECK_OR_RETURN(got == Bf16ToFloat(FloatToBf16(want)),
                       "rank " + std::to_string(me) + " token " + std::to_string(t) + ": " +
                           std::to_string(got) + ", want " + std::to_string(want));
@@ -115,11 +176,15 @@ Status CheckEpoch(Rank& r, int me, const std::vector<bool>& sent_by,
 
 Status Dispatch(Rank& r, Deadline deadline) {
   for (int t = 0; t < kTokens; ++t) {
-    std::fill_n(r.x.begin() + t * kHidden, kHidden, FloatToBf16(Value(r.me, t, r.epoch)));
+    std::fill_n(r.x.host.begin() + t * kHidden, kHidden, FloatToBf16(Value(r.me, t, r.epoch)));
   }
-  RETURN_IF_ERROR(r.a2a->DispatchSend({r.x.data(), nullptr, r.idx.data(), r.w.data(), kTokens}));
-  std::fill(r.counts.begin(), r.counts.end(), -1);
-  return r.a2a->DispatchRecv({r.out_x.data(), nullptr, r.counts.data()}, deadline);
+  RETURN_IF_ERROR(r.x.Push());
+  std::fill(r.counts.host.begin(), r.counts.host.end(), -1);
+  RETURN_IF_ERROR(r.counts.Push());
+  RETURN_IF_ERROR(r.a2a->DispatchSend({r.x.ptr(), nullptr, r.idx.ptr(), r.w.ptr(), kTokens}));
+  RETURN_IF_ERROR(r.a2a->DispatchRecv({r.out_x.ptr(), nullptr, r.counts.ptr()}, deadline));
+  RETURN_IF_ERROR(r.out_x.Pull());
+  return r.counts.Pull();
 }
 
 Status ExpectMasks(const AllToAll& a2a, const std::vector<uint8_t>& want) {
@@ -129,12 +194,21 @@ Status ExpectMasks(const AllToAll& a2a, const std::vector<uint8_t>& want) {
   return Status::Ok();
 }
 
+class MoeMaskTest : public ::testing::TestWithParam<Where> {
+ protected:
+  void SetUp() override {
+#if FERRY_HAVE_CUDA
+    if (GetParam() != Where::kHost && !HaveGpu()) GTEST_SKIP() << "no GPU (/dev/nvidia0)";
+#endif
+  }
+};
+
 // Rank 2 dies before its first step. Under mask_lost_peers the survivors' first dispatch masks
 // it at the deadline and finishes OK with each other's tokens; the combine leaves out what went
 // to rank 2's experts; the next epoch waits for nobody.
-TEST(MoeMaskTest, ARankThatDiedIsMaskedAtTheDeadlineAndTheSurvivorsGoOnExactly) {
-  auto exits = RunLocalRanks(kWorld, [](Bootstrap& b) -> Status {
-    ASSIGN_OR_RETURN(Rank r, MakeRank(b, true));
+TEST_P(MoeMaskTest, ARankThatDiedIsMaskedAtTheDeadlineAndTheSurvivorsGoOnExactly) {
+  auto exits = RunLocalRanks(kWorld, [where = GetParam()](Bootstrap& b) -> Status {
+    ASSIGN_OR_RETURN(Rank r, MakeRank(b, where, true));
     RETURN_IF_ERROR(b.Barrier(30s));
     if (b.rank() == 2) {
       r.a2a.reset();
@@ -166,9 +240,9 @@ TEST(MoeMaskTest, ARankThatDiedIsMaskedAtTheDeadlineAndTheSurvivorsGoOnExactly) 
 // rows: the survivors received its tokens, and their combine masks it at the deadline, leaving
 // out what went to its experts (its rows of the epoch before, still where this epoch's would
 // have landed, add nothing). The next epoch receives nothing from it.
-TEST(MoeMaskTest, ARankThatDiedMidEpochIsMaskedAtTheCombine) {
-  auto exits = RunLocalRanks(kWorld, [](Bootstrap& b) -> Status {
-    ASSIGN_OR_RETURN(Rank r, MakeRank(b, true));
+TEST_P(MoeMaskTest, ARankThatDiedMidEpochIsMaskedAtTheCombine) {
+  auto exits = RunLocalRanks(kWorld, [where = GetParam()](Bootstrap& b) -> Status {
+    ASSIGN_OR_RETURN(Rank r, MakeRank(b, where, true));
     const std::vector<bool> all = {true, true, true}, live = {true, true, false};
     RETURN_IF_ERROR(Dispatch(r, Deadline::After(30s)));
     RETURN_IF_ERROR(CheckEpoch(r, b.rank(), all, all));
@@ -186,9 +260,9 @@ TEST(MoeMaskTest, ARankThatDiedMidEpochIsMaskedAtTheCombine) {
 }
 
 // Without mask_lost_peers a lost rank still fails the step at its deadline, and masks nothing.
-TEST(MoeMaskTest, WithoutMaskLostPeersALostRankFailsTheStep) {
-  auto exits = RunLocalRanks(kWorld, [](Bootstrap& b) -> Status {
-    ASSIGN_OR_RETURN(Rank r, MakeRank(b, false));
+TEST_P(MoeMaskTest, WithoutMaskLostPeersALostRankFailsTheStep) {
+  auto exits = RunLocalRanks(kWorld, [where = GetParam()](Bootstrap& b) -> Status {
+    ASSIGN_OR_RETURN(Rank r, MakeRank(b, where, false));
     RETURN_IF_ERROR(b.Barrier(30s));
     if (b.rank() == 2) {
       r.a2a.reset();
@@ -209,9 +283,9 @@ TEST(MoeMaskTest, WithoutMaskLostPeersALostRankFailsTheStep) {
 // once (no step waits for a masked rank): 0 and 1 exchange with each other only, rank 2 keeps
 // its own tokens only, and nothing crosses to or from it. The calls' own checks: range, self,
 // unmasking.
-TEST(MoeMaskTest, MasksSetByHandLeaveTheRankOutOfEveryStepFromTheNextDispatch) {
-  auto exits = RunLocalRanks(kWorld, [](Bootstrap& b) -> Status {
-    ASSIGN_OR_RETURN(Rank r, MakeRank(b, false));
+TEST_P(MoeMaskTest, MasksSetByHandLeaveTheRankOutOfEveryStepFromTheNextDispatch) {
+  auto exits = RunLocalRanks(kWorld, [where = GetParam()](Bootstrap& b) -> Status {
+    ASSIGN_OR_RETURN(Rank r, MakeRank(b, where, false));
     const int me = b.rank();
     const std::vector<bool> all = {true, true, true};
     RETURN_IF_ERROR(Dispatch(r, Deadline::After(30s)));
@@ -239,7 +313,7 @@ TEST(MoeMaskTest, MasksSetByHandLeaveTheRankOutOfEveryStepFromTheNextDispatch) {
     // Rank 2's relay may still be posting its epoch-0 combine: its count of transfers is read
     // once every rank has had the epoch's rows.
     RETURN_IF_ERROR(b.Barrier(30s));
-    const uint64_t submitted = r.engine->stats().transfers_submitted;
+    const uint64_t submitted = r.engine ? r.engine->stats().transfers_submitted : 0;
     for (int epoch = 1; epoch < 3; ++epoch) {
       const auto start = Clock::now();
       RETURN_IF_ERROR(Dispatch(r, Deadline::After(30s)));
@@ -248,7 +322,7 @@ TEST(MoeMaskTest, MasksSetByHandLeaveTheRankOutOfEveryStepFromTheNextDispatch) {
     }
     // Everyone is done before anyone tears down (no traffic is in flight).
     RETURN_IF_ERROR(b.Barrier(30s));
-    if (me == 2) {
+    if (me == 2 && r.engine) {
       CHECK_OR_RETURN(r.engine->stats().transfers_submitted == submitted,
                       "rank 2 wrote to the ranks it masked");
     }
@@ -257,21 +331,18 @@ TEST(MoeMaskTest, MasksSetByHandLeaveTheRankOutOfEveryStepFromTheNextDispatch) {
   for (size_t i = 0; i < exits.size(); ++i) EXPECT_TRUE(exits[i].ok()) << "rank " << i;
 }
 
-// The CUDA device reads no mask: it refuses mask_lost_peers and the mask calls, naming them.
-TEST(MoeMaskTest, TheCudaDeviceRefusesMasks) {
-  auto exits = RunLocalRanks(1, [](Bootstrap& b) -> Status {
-    AllToAllConfig cfg{.world_size = 1, .rank = 0, .ranks_per_node = 1, .num_experts = 2,
-                       .experts_per_token = 1, .max_tokens_per_rank = 4, .hidden = 128,
-                       .device = MoeDeviceKind::kCuda, .mask_lost_peers = true};
-    auto a2a = AllToAll::Create(cfg, nullptr, b);
-    CHECK_OR_RETURN(a2a.status().code() == StatusCode::kUnimplemented,
-                    "got " + a2a.status().ToString());
-    CHECK_OR_RETURN(a2a.status().message().find("mask_lost_peers") != std::string::npos,
-                    a2a.status().ToString());
-    return Status::Ok();
-  }, 60s);
-  EXPECT_TRUE(exits[0].ok()) << exits[0].exit_code;
-}
+#if FERRY_HAVE_CUDA
+INSTANTIATE_TEST_SUITE_P(Devices, MoeMaskTest,
+                         ::testing::Values(Where::kHost, Where::kCudaOneNode, Where::kCudaRelay),
+                         [](const ::testing::TestParamInfo<Where>& info) {
+                           return info.param == Where::kHost        ? std::string("Host")
+                                  : info.param == Where::kCudaOneNode ? std::string("CudaOneNode")
+                                                                      : std::string("CudaRelay");
+                         });
+#else
+INSTANTIATE_TEST_SUITE_P(Devices, MoeMaskTest, ::testing::Values(Where::kHost),
+                         [](const ::testing::TestParamInfo<Where>&) { return std::string("Host"); });
+#endif
 
 }  // namespace
 }  // namespace ferry

@@ -438,6 +438,7 @@ Status RunRank(const MoeBenchOptions& o, Bootstrap& b, Result* result) {
   cfg.max_private_tokens = o.private_tokens;
   cfg.dispatch_once_per_rank = o.once_per_rank;
   cfg.combine_reduce_at_expert_rank = o.reduce_at_expert_rank;
+  cfg.mask_lost_peers = o.masked_variant;
   if (o.token_major) cfg.dispatch_layout = DispatchLayout::kTokenMajor;
   cfg.ranks_per_node = !o.nvlink ? 1 : o.node_ranks > 0 ? o.node_ranks : b.world_size();
   if (o.cuda) {
@@ -639,6 +640,14 @@ bool RunVariant(const MoeBenchOptions& o, Result* out) {
 }
 
 const char* VariantName(const MoeBenchOptions& o) {
+  if (o.masked_variant) {
+    if (o.caller) return "tok+perm shrk";
+    if (o.token_major) return "(a)+(b)t shrk";
+    if (o.once_per_rank && o.reduce_at_expert_rank) return "(a)+(b) shrk";
+    if (o.once_per_rank) return "(a) shrink";
+    if (o.reduce_at_expert_rank) return "(b) shrink";
+    return "plain shrink";
+  }
   if (o.caller) return "tok+permute";
   if (o.token_major) return "(a)+(b) tok";
   if (o.once_per_rank && o.reduce_at_expert_rank) return "(a)+(b)";
@@ -669,6 +678,13 @@ int RunMoeBench(const MoeBenchOptions& options) {
       variants.push_back(token);
     }
 #endif
+  }
+  if (options.mask_lost_peers) {  // each variant again, in shrink mode
+    const size_t plain = variants.size();
+    for (size_t i = 0; i < plain; ++i) {
+      variants.push_back(variants[i]);
+      variants.back().masked_variant = true;
+    }
   }
   const MoeBenchOptions& o = options;
   if (o.world && o.world->rank() != 0) {  // one rank of a rendezvous: rank 0 reports

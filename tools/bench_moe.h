@@ -26,6 +26,10 @@ struct MoeBenchOptions {
   // groups after DispatchRecv and the weighted un-permute before CombineSend
   // (bench_moe_caller.h). Added by --token-major on the CUDA device; not an option of its own.
   bool caller = false;
+  // --mask-lost-peers: each variant once more under AllToAllConfig::mask_lost_peers (shrink
+  // mode; no rank is lost, so what it costs a healthy step), in the same invocation.
+  bool mask_lost_peers = false;
+  bool masked_variant = false;  // this run is that second one (set per variant, not a flag)
   int iters = 50;
   // --timeout-ms: how long each host-device step, and the barrier before each iteration, waits
   // for the other ranks (a lost or unreachable peer fails the run this long after).

@@ -41,8 +41,8 @@ if command -v ninja > /dev/null; then generator=(-G Ninja); fi
 # (a copy of /usr/include/pybind11 and /usr/lib/cmake/pybind11 under .pydeps/usr; the lent
 # machine has Python's headers but no pybind11).
 python=()
-targets=(moe_cuda_test moe_cuda_faults_test kv_cuda_test gpu_words_test moe_host_test
-         moe_engine_api_test fd_exchange_test ferry-bench)
+targets=(moe_cuda_test moe_cuda_faults_test moe_mask_test kv_cuda_test gpu_words_test
+         moe_host_test moe_engine_api_test fd_exchange_test ferry-bench)
 if [ -d .pydeps/usr/lib/cmake/pybind11 ]; then
   python=(-Dpybind11_DIR="$PWD/.pydeps/usr/lib/cmake/pybind11")
   targets+=(_ferry)
@@ -84,6 +84,7 @@ if [ "$tests" != 0 ]; then
   step gpu_words_test 60 build-gpu/gpu_words_test
   step moe_cuda_test 400 build-gpu/moe_cuda_test
   step moe_cuda_faults_test 120 build-gpu/moe_cuda_faults_test
+  step moe_mask_test 180 build-gpu/moe_mask_test
   step fd_exchange_test 60 build-gpu/fd_exchange_test
   step moe_engine_api_test 60 build-gpu/moe_engine_api_test
   if [ ${#python[@]} -gt 0 ]; then  # python/tests, test_moe_cuda among them

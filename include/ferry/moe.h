@@ -147,8 +147,9 @@ struct FERRY_API AllToAllConfig {
   // AllToAll::SetMasked) and finishes OK with what the others sent. A rank masked that way is
   // presumed gone: one that was only slow must be stopped for good by its launcher, for if it
   // woke it could still deliver the combine rows of the epoch it missed into the rows the live
-  // ranks share. Per rank, not part of what ranks must agree on. The host device only: the CUDA
-  // device refuses it (Unimplemented).
+  // ranks share. Part of what ranks must agree on. On the CUDA device one thread per step
+  // decides which ranks are masked, so the steps it changes run unstreamed (cuda.stream as 0)
+  // and the receive kernels wait for the flags before reading the counts rows.
   bool mask_lost_peers = false;
   // Several AllToAlls on one engine (two micro-batches overlapped, or one created after
   // another) each take an instance of their own, 0 to kMaxInstances - 1, the same on every
@@ -352,10 +353,12 @@ class FERRY_API AllToAll {
   // itself (InvalidArgument), nor is a masked rank unmasked (Unimplemented: its late sections
   // could be read as a later epoch's; a rank that is back joins a new AllToAll). For a manual
   // mask to hold every rank's steps to the same ranks, every live rank masks it before the same
-  // epoch. The CUDA device: Unimplemented.
-  virtual Status SetMasked(int rank, bool masked);
+  // epoch. The CUDA device applies a mask set now in stream order, before the next
+  // DispatchSend's kernels.
+  virtual Status SetMasked(int rank, bool masked) = 0;
   // [world_size], 1 where a rank is masked (by SetMasked, or by a step under mask_lost_peers).
-  virtual StatusOr<std::vector<uint8_t>> Masked() const;
+  // The CUDA device waits for the AllToAll's stream first: a step masks a rank as it runs.
+  virtual StatusOr<std::vector<uint8_t>> Masked() const = 0;
 
   // Bytes this rank's last dispatch and combine put on the wire (payload and metadata; on the
   // CUDA device, to other ranks over NVLink or the relay, read back from the GPU after waiting

@@ -212,9 +212,6 @@ class Buffer(_ferry.DeepEpLowLatency):
     def _create(self, key, x, fields):
         device = device_kind(x)
         low_latency = key[0] == "ll"
-        if low_latency and self.enable_shrink and device == _ferry.MoeDevice.CUDA:
-            raise Unimplemented("enable_shrink=True: the CUDA kernels read no rank mask yet "
-                                "(CPU tensors, on ferry's host device, have rank masks)")
 
         def make():
             c = _ferry.AllToAllConfig(**fields())

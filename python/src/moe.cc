@@ -155,12 +155,11 @@ void BindMoe(py::module_& m) {
                              "Arrays of enqueued steps still referenced (until poll() or "
                              "synchronize() finds them done)")
       .def("set_masked", &PyAllToAll::SetMasked, py::arg("rank"), py::arg("masked") = true,
-           "Leave `rank` out of every step from the next dispatch on (AllToAll::SetMasked): "
-           "between a combine and the next dispatch; a masked rank stays masked; the host "
-           "device only")
+           "Leave `rank` out of every step from the next dispatch on (AllToAll::SetMasked); "
+           "a masked rank stays masked")
       .def("masked", &PyAllToAll::Masked,
            "[world_size] 1 where a rank is masked (by set_masked, or by a step under "
-           "mask_lost_peers)")
+           "mask_lost_peers); the CUDA device waits for its stream first")
       .def_property_readonly("dispatch_bytes_sent", &PyAllToAll::dispatch_bytes_sent,
                              "Bytes the last dispatch put on the wire (payload and metadata)")
       .def_property_readonly("combine_bytes_sent", &PyAllToAll::combine_bytes_sent,

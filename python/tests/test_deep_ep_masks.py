@@ -1,8 +1,9 @@
-"""ferry.deep_ep's rank masks (DeepEP's shrink mode) on the host device, torch CPU tensors: a
-rank that dies is masked by the survivors' next low-latency call at its deadline, and masks set
-by hand leave a rank out of every call. Each survivor checks its received rows and counts, and
-its combined output, against a torch reference written here that leaves the masked ranks'
-tokens and experts out."""
+"""ferry.deep_ep's rank masks (DeepEP's shrink mode): a rank that dies is masked by the
+survivors' next low-latency call at its deadline, and masks set by hand leave a rank out of
+every call. Each survivor checks its received rows and counts, and its combined output, against
+a torch reference written here that leaves the masked ranks' tokens and experts out. On the
+host device (torch CPU tensors) and, where there is a GPU, on the CUDA device (the three ranks
+in one node on this machine's first GPU; CUDA touched only inside the forked ranks)."""
 
 import os
 import signal
@@ -18,6 +19,7 @@ except ImportError:
     torch = None
 
 HIDDEN, LOCAL, K, M = 256, 2, 3, 5  # hidden, experts per rank, top-k, tokens per rank (most)
+DEV = "cpu"  # where the layer's tensors live (the CUDA cases set "cuda" in their ranks)
 
 
 def inputs(rank, round):
@@ -36,9 +38,10 @@ def check_call(buf, me, world, live, round, hook):
     x, idx, w = inputs(me, round)
     e = LOCAL * world
     recv, count, handle, event, recv_hook = buf.low_latency_dispatch(
-        x, idx, M, e, use_fp8=False, return_recv_hook=hook)
+        x.to(DEV), idx.to(DEV), M, e, use_fp8=False, return_recv_hook=hook)
     if hook:
         recv_hook()
+    recv, count = recv.cpu(), count.cpu()
     y = torch.zeros(LOCAL, world * M, HIDDEN, dtype=torch.bfloat16)
     for le in range(LOCAL):
         g = me * LOCAL + le
@@ -53,10 +56,11 @@ def check_call(buf, me, world, live, round, hook):
         got = sorted(tuple(r.view(torch.int16).tolist()) for r in recv[le, :n])
         assert got == sorted(tuple(r.view(torch.int16).tolist()) for r in want), (me, le)
         y[le, :n] = (recv[le, :n].double() * (1 + g)).to(torch.bfloat16)
-    out, event, combine_hook = buf.low_latency_combine(y, idx, w, handle,
+    out, event, combine_hook = buf.low_latency_combine(y.to(DEV), idx.to(DEV), w.to(DEV), handle,
                                                        return_recv_hook=hook)
     if hook:
         combine_hook()
+    out = out.cpu()
     ref = torch.zeros(M, HIDDEN, dtype=torch.float64)
     for t in range(M):
         for j in range(K):
@@ -73,7 +77,22 @@ def masks(buf, world):
     return status.tolist()
 
 
+def on(dev, body):
+    """body in a rank with the layer's tensors on `dev` (CUDA set up here, after the fork)."""
+    def run(b):
+        global DEV
+        DEV = dev
+        if dev == "cuda":
+            torch.cuda.set_device(0)
+        body(b)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+    return run
+
+
 class DeepEpMaskTest(unittest.TestCase):
+    dev = "cpu"
+
     def setUp(self):
         if torch is None:
             self.skipTest("no torch for this interpreter")
@@ -107,7 +126,7 @@ class DeepEpMaskTest(unittest.TestCase):
             buf.low_latency_update_mask_buffer(2, True)  # masked already: nothing changes
             check_call(buf, me, world, live, 6, hook=False)
 
-        exits = ferry.run_local_ranks(3, body, 120.0)
+        exits = ferry.run_local_ranks(3, on(self.dev, body), 120.0)
         self.assertTrue(exits[0].ok and exits[1].ok, exits)
         self.assertEqual(exits[2].signal, signal.SIGKILL)
 
@@ -145,8 +164,19 @@ class DeepEpMaskTest(unittest.TestCase):
                          plain.low_latency_query_mask_buffer, torch.zeros(world,
                                                                           dtype=torch.int32))
 
-        exits = ferry.run_local_ranks(3, body, 120.0)
+        exits = ferry.run_local_ranks(3, on(self.dev, body), 120.0)
         self.assertTrue(all(e.ok for e in exits), exits)
+
+
+class DeepEpMaskCudaTest(DeepEpMaskTest):
+    """The same on the CUDA device: the kernels' masks, in one node."""
+    dev = "cuda"
+
+    def setUp(self):
+        super().setUp()
+        from test_engine_api_cuda import NO_GPU, probe
+        if ferry.run_local_ranks(1, probe, 60.0)[0].exit_code == NO_GPU:
+            self.skipTest("no GPU, or torch without CUDA")
 
 
 if __name__ == "__main__":

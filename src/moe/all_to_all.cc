@@ -206,16 +206,6 @@ class AllToAllImpl final : public AllToAll {
 
 }  // namespace
 
-Status AllToAll::SetMasked(int, bool) {
-  return UnimplementedError("AllToAll::SetMasked: rank masks need the host device (the CUDA "
-                            "kernels read no mask yet)");
-}
-
-StatusOr<std::vector<uint8_t>> AllToAll::Masked() const {
-  return UnimplementedError("AllToAll::Masked: rank masks need the host device (the CUDA "
-                            "kernels read no mask yet)");
-}
-
 StatusOr<std::unique_ptr<AllToAll>> AllToAll::Create(const AllToAllConfig& config,
                                                      TransferEngine* engine, Bootstrap& bootstrap) {
   RETURN_IF_ERROR(config.Validate());
@@ -232,10 +222,6 @@ StatusOr<std::unique_ptr<AllToAll>> AllToAll::Create(const AllToAllConfig& confi
                                 std::to_string(config.world_size));
   }
   if (config.device == MoeDeviceKind::kCuda) {
-    if (config.mask_lost_peers) {
-      return UnimplementedError("AllToAll: mask_lost_peers needs the host device (the CUDA "
-                                "kernels read no rank mask yet)");
-    }
 #ifdef FERRY_HAVE_CUDA
     return moe::NewNvlinkAllToAll(config, engine, bootstrap);
 #else

@@ -93,7 +93,7 @@ std::vector<uint8_t> AllToAllConfig::Fingerprint() const {
   for (int v : {world_size, ranks_per_node, num_experts, experts_per_token, max_tokens_per_rank,
                 hidden, static_cast<int>(dtype), max_private_tokens,
                 int{dispatch_once_per_rank}, int{combine_reduce_at_expert_rank}, instance,
-                cuda.stream}) {
+                cuda.stream, int{mask_lost_peers}}) {
     w.U32(static_cast<uint32_t>(v));
   }
   return w.Take();

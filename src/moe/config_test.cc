@@ -62,6 +62,10 @@ TEST(AllToAllConfigTest, ValidateNamesTheBadField) {
   bad = c;
   bad.rank = 3;
   EXPECT_EQ(c.Fingerprint(), bad.Fingerprint());  // rank is not part of the agreement
+  // Masking lost peers changes what the CUDA kernels wait for (no counts-row tags): agreed.
+  bad = c;
+  bad.mask_lost_peers = true;
+  EXPECT_NE(c.Fingerprint(), bad.Fingerprint());
 }
 
 // The CUDA kernels' scheduling: which steps stream changes what crosses, so it is part of the

@@ -168,11 +168,43 @@ class NvlinkAllToAll final : public AllToAll {
     return Finish();
   }
 
+  // Checked as the host device checks them; the mask reaches the device at the next
+  // DispatchSend, in stream order (ApplyMasks), and the relay from that step's kernels.
+  Status SetMasked(int rank, bool masked) override {
+    if (rank < 0 || rank >= c_.world_size) {
+      return InvalidArgumentError("SetMasked: rank " + std::to_string(rank) + " of " +
+                                  std::to_string(c_.world_size));
+    }
+    if (rank == c_.rank) return InvalidArgumentError("SetMasked: a rank cannot mask itself");
+    ASSIGN_OR_RETURN(const std::vector<uint8_t> now, Masked());
+    if (masked == bool(now[rank])) return Status::Ok();
+    if (!masked) {
+      return UnimplementedError(
+          "SetMasked: rank " + std::to_string(rank) +
+          " is masked and stays so in this AllToAll (what it sent late would be read as a later "
+          "epoch's); a rank that is back joins a new AllToAll");
+    }
+    caller_masks_[rank] = 1;
+    pending_masks_[rank] = 1;
+    return Status::Ok();
+  }
+  // Waits for the stream: the kernels mask a lost rank as they run (their mirror in host memory).
+  StatusOr<std::vector<uint8_t>> Masked() const override {
+    if (cudaSetDevice(c_.cuda_device) != cudaSuccess || cudaStreamSynchronize(stream_) != cudaSuccess) {
+      return InternalError("AllToAll::Masked: " + std::string(cudaGetErrorString(cudaGetLastError())));
+    }
+    std::vector<uint8_t> masks(caller_masks_);
+    volatile const int32_t* lost = error_ + 4;
+    for (int r = 0; r < c_.world_size; ++r) masks[r] |= lost[r] != 0;
+    return masks;
+  }
+
   Status DispatchSend(const DispatchInput& given) override {
     RETURN_IF_ERROR(Step(Stage::kIdle, "DispatchSend"));
     RETURN_IF_ERROR(CheckDispatchInput(c_, given));
     DispatchInput in = given;
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
+    RETURN_IF_ERROR(ApplyMasks());
     if (in.x_bf16 && in.num_tokens > 0) {
       // Quantised on the stream into rows of ours, which the send kernels then read as the
       // caller's fp8 input (the next DispatchSend rewrites them only after this one's kernels,
@@ -203,7 +235,11 @@ class NvlinkAllToAll final : public AllToAll {
                         in.num_tokens,
                         !async_};
     if (small_smem_ > 0) {
-      SendSmallKernel<<<send_grid_, kSmallThreads, small_smem_, stream_>>>(nv_, args);
+      if (nv_.masks) {
+        SendSmallKernel<true><<<send_grid_, kSmallThreads, small_smem_, stream_>>>(nv_, args);
+      } else {
+        SendSmallKernel<false><<<send_grid_, kSmallThreads, small_smem_, stream_>>>(nv_, args);
+      }
       FERRY_CUDA(cudaGetLastError());
       if (!async_) RETURN_IF_ERROR(Finish());
     } else {
@@ -227,8 +263,9 @@ class NvlinkAllToAll final : public AllToAll {
     const RecvArgs args{static_cast<uint8_t*>(out.x), out.scales,        out.num_tokens,
                         BudgetNs(deadline),           out.num_rows,      out.token_experts,
                         out.token_weights,            out.expert_padding, out_rows};
-    FERRY_CUDA(Launch(nv_.stream ? UnpackKernel<true> : UnpackKernel<false>, unpack_grid_,
-                      unpack_smem_, args));
+    auto* unpack = nv_.masks ? (nv_.stream ? UnpackKernel<true, true> : UnpackKernel<false, true>)
+                             : (nv_.stream ? UnpackKernel<true, false> : UnpackKernel<false, false>);
+    FERRY_CUDA(Launch(unpack, unpack_grid_, unpack_smem_, args));
     stage_ = Stage::kDispatchDone;
     return async_ ? Status::Ok() : Finish();
   }
@@ -295,12 +332,27 @@ class NvlinkAllToAll final : public AllToAll {
     return CheckStage(stage_, want, name);
   }
 
+  // The masks SetMasked took since the last DispatchSend, into the device words before this
+  // one's kernels (in stream order: the kernels of the epoch before still see the old ones).
+  // From the first, the kernels read masks.
+  Status ApplyMasks() {
+    for (int r = 0; r < c_.world_size; ++r) {
+      if (!pending_masks_[r]) continue;
+      static_assert(kDeviceMaskedByCaller == 0x01010101, "each byte set to 1");
+      FERRY_CUDA(cudaMemsetAsync(masks_.get() + r, 1, sizeof(int32_t), stream_));
+      pending_masks_[r] = 0;
+      nv_.masks = masks_.get();
+    }
+    return Status::Ok();
+  }
+
   // A peer that missed a deadline ends this AllToAll (its flags can no longer be trusted); so
   // does a relay that stopped (a remote rank lost).
   Status Sticky() {
     if (!failed_.ok()) return failed_;
     if (relay_ && relay_->failed()) return failed_ = relay_->error();
-    if (reinterpret_cast<volatile int32_t*>(error_)[0] == kPeerTimeout) return Finish();
+    const int32_t code = reinterpret_cast<volatile int32_t*>(error_)[0];
+    if (code == kPeerTimeout || code == kStepStalled) return Finish();
     return Status::Ok();
   }
 
@@ -416,9 +468,15 @@ class NvlinkAllToAll final : public AllToAll {
     // Streaming (one node, no relay; CudaTuning::stream says which steps, the ranks agreeing
     // through the config's fingerprint): the default streams the dispatch where SendSmall
     // sends it. The dispatch's slot tag follows the entries, within the metadata's line.
-    const int stream_mask = c_.cuda.stream >= 0 ? c_.cuda.stream : small_smem_ > 0 ? 1 : 0;
+    // Under mask_lost_peers nothing streams and the counts rows are read once the flags are up:
+    // those waits are per block and per slot, and a step's masks are decided once (Nv::mask_lost).
+    const int stream_mask = c_.mask_lost_peers  ? 0
+                            : c_.cuda.stream >= 0 ? c_.cuda.stream
+                            : small_smem_ > 0     ? 1
+                                                  : 0;
     const NvlinkLayout layout(c_, stream_mask);
-    v.counts_tagged = layout.counts_tagged;
+    v.counts_tagged = layout.counts_tagged && !c_.mask_lost_peers;
+    v.mask_lost = c_.mask_lost_peers;
     v.stream = layout.stream;
     v.stream_combine = layout.stream_combine;
     v.meta_used = layout.slot.meta_used;
@@ -457,7 +515,8 @@ class NvlinkAllToAll final : public AllToAll {
                    size_t((int64_t{n + 1} * v.local_experts + 1) / 2 * 2) * sizeof(int32_t) +
                    size_t(v.local_experts) * sizeof(int64_t);  // the expert bases
     if (unpack_smem_ > 48 * 1024) {
-      for (auto* kernel : {UnpackKernel<false>, UnpackKernel<true>}) {
+      for (auto* kernel : {UnpackKernel<false, false>, UnpackKernel<true, false>,
+                           UnpackKernel<false, true>, UnpackKernel<true, true>}) {
         FERRY_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(unpack_smem_)));
       }
@@ -488,7 +547,7 @@ class NvlinkAllToAll final : public AllToAll {
       // ~2.4 us) to the step's end and take no slot (traced: with 256 blocks for 255 slots on
       // 66 SMs the last started 16-18 us in; EP8 decode: 528 blocks, 2 per SM fit).
       int resident = 0;
-      FERRY_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, UnpackKernel<true>,
+      FERRY_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, UnpackKernel<true, false>,
                                                                kCopyThreads, unpack_smem_));
       unpack_grid_ = static_cast<int>(
           std::min<int64_t>(recv_grid_, int64_t{std::max(resident, 1)} * sms));
@@ -609,13 +668,19 @@ class NvlinkAllToAll final : public AllToAll {
     }
     RETURN_IF_ERROR(rslots_.Allocate(MaxReceived()));
     RETURN_IF_ERROR(rentries_.Allocate(size_t(MaxReceived()) * k));
+    RETURN_IF_ERROR(masks_.Allocate(n));
+    FERRY_CUDA(cudaMemset(masks_.get(), 0, n * sizeof(int32_t)));
+    // The error words [4], then the lost-rank mirror [N] (Nv::mask_mirror).
+    const size_t host_words = 4 + size_t(n);
     void* error = nullptr;
-    FERRY_CUDA(cudaHostAlloc(&error, 4 * sizeof(int32_t), cudaHostAllocMapped |
-                                                          cudaHostAllocPortable));
+    FERRY_CUDA(cudaHostAlloc(&error, host_words * sizeof(int32_t), cudaHostAllocMapped |
+                                                                   cudaHostAllocPortable));
     error_ = static_cast<int32_t*>(error);
-    std::memset(error_, 0, 4 * sizeof(int32_t));
+    std::memset(error_, 0, host_words * sizeof(int32_t));
     void* error_dev = nullptr;
     FERRY_CUDA(cudaHostGetDevicePointer(&error_dev, error, 0));
+    v.masks = c_.mask_lost_peers ? masks_.get() : nullptr;  // else from the first SetMasked
+    v.mask_mirror = static_cast<int32_t*>(error_dev) + 4;
     v.own = own;
     v.peer = peers_.get();
     v.scratch = scratch_.get();
@@ -688,6 +753,7 @@ class NvlinkAllToAll final : public AllToAll {
     p.dispatch_step = p.combine_step = 1;  // the relay stores "epoch + 1"
     p.relay_slots = relay.OutSlots(mapped.control, q);
     p.relay_rows = relay.InRows(mapped.control, q);
+    p.relay_mask = relay.MaskWord(mapped.control, r);
     return p;
   }
 
@@ -753,6 +819,13 @@ class NvlinkAllToAll final : public AllToAll {
       case kRowOverrun:
         return DataLossError("moe NVLink: local expert " + std::to_string(b) +
                              " received more rows than its capacity");
+      case kStepStalled:
+        (void)(failed_ = DeadlineExceededError(
+            std::string("moe NVLink: block ") + std::to_string(b) + " of the " +
+            (a == 0 ? "dispatch" : "combine") +
+            " receive kernel waited a second past the deadline for its first block's wait (a "
+            "GPU too oversubscribed to run the step's blocks); this AllToAll is unusable"));
+        return failed_;
       default:
         (void)(failed_ = DeadlineExceededError(
             std::string("moe NVLink: rank ") + std::to_string(b) + " did not deliver its " +
@@ -771,6 +844,9 @@ class NvlinkAllToAll final : public AllToAll {
   DeviceArray<NvPeer> peers_;
   DeviceArray<Scratch> scratch_;
   DeviceArray<int32_t> indices_, slot_pos_, row_pos_, totals_, erank_, chunk_counts_;
+  DeviceArray<int32_t> masks_;  // Nv::masks
+  std::vector<uint8_t> caller_masks_ = std::vector<uint8_t>(size_t(c_.world_size));
+  std::vector<uint8_t> pending_masks_ = std::vector<uint8_t>(size_t(c_.world_size));
   DeviceArray<int64_t> scan_carry_;
   DeviceArray<float> weights_;
   DeviceArray<uint8_t> fp8_x_;  // DispatchInput::x_bf16 quantised (allocated at its first use)
@@ -778,7 +854,7 @@ class NvlinkAllToAll final : public AllToAll {
   DeviceArray<RecvSlot> rslots_;
   DeviceArray<RecvEntry> rentries_;
   DeviceArray<long long> trace_;
-  int32_t* error_ = nullptr;  // pinned, mapped
+  int32_t* error_ = nullptr;  // pinned, mapped: [4] the error words, [N] Nv::mask_mirror
   cudaStream_t own_stream_ = nullptr, stream_ = nullptr;
   cudaEvent_t order_event_ = nullptr;  // OrderAfter / OrderBefore
   std::array<cudaEvent_t, kMarks> marks_{};  // Mark's ring, created at their first use

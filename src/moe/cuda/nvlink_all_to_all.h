@@ -123,6 +123,18 @@
 // runs, and waits for the kernel before it (griddepcontrol.wait) only before its first store
 // into the caller's memory. CudaTuning::early_receive false launches them plainly.
 //
+// Rank masks (AllToAll::SetMasked, mask_lost_peers; Nv::masks): a device word per rank. The
+// send kernels read an id of a masked rank's expert as -1; Unpack reads a masked sender's
+// counts row as zeros; the combine leaves out a masked rank's rows; no flag of a masked rank is
+// raised or waited for. SetMasked's words are set by a memset on the stream before the next
+// DispatchSend; the send kernel's block 0 copies them into the relay's control block. Under
+// mask_lost_peers a receive wait that reaches its deadline masks the ranks it still waits for:
+// block 0 alone waits and decides, then publishes to the other blocks (WaitStep), so nothing
+// streams and the counts rows are read after the flags. Instances built without masks serve
+// steps while Nv::masks is null. A CUDA graph holds the masks pointer and kernels it was
+// captured with: a mask the caller sets after the capture does not reach its replays (one a
+// replay's wait sets under mask_lost_peers does).
+//
 // Errors a kernel finds are claimed in device memory (the first wins) and mirrored into pinned
 // host words the host reads; no atomics on host memory (not atomic over PCIe).
 //

@@ -210,7 +210,7 @@ struct LaneRow {
 __device__ inline LaneRow LocateRows(const Nv& v, const CombineArgs& a, int t,
                                      const int64_t* rank_start, const uint4** rows, float* weight,
                                      int* count) {
-  const LaneRoute x = RouteLane(v, v.indices + int64_t{t} * v.topk);
+  const LaneRoute x = RouteLane(v, v.indices + int64_t{t} * v.topk, true);
   LaneRow mine{-1, x.r};
   if (x.valid && (!v.reduce || x.first)) {
     const int c = v.reduce ? x.ranks_before : x.lanes_before + x.within;
@@ -309,10 +309,15 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineA
       LocateRows(v, a, t, rank_start, row_ptr[w], weight_of[w], &rows[w]);
     }
   };
-  locate();
+  // Under mask_lost_peers the wait may mask ranks whose rows then count as none: located after.
+  if (!v.mask_lost) locate();
   if (threadIdx.x == 0) ok = WaitStep(v, epoch, a.timeout_ns, 1);
   __syncthreads();
   if (!ok) return;
+  if (v.mask_lost) {
+    locate();
+    __syncthreads();
+  }
   Mark(v, kTraceCombineRecv, 1);
   if (warps) {
     for (; t < tokens; t += step) {

@@ -93,6 +93,7 @@ enum ErrorCode : int32_t {
   kBadSlot = 3,        // sender, slot
   kRowOverrun = 4,     // -1, local expert
   kPeerTimeout = 5,    // which flag (0 dispatch, 1 combine), rank
+  kStepStalled = 6,    // which flag, block: block 0's wait was not published in time (WaitStep)
 };
 
 // Device-side state of one rank.
@@ -143,7 +144,19 @@ struct NvPeer {
   // which Unpack's block 0 copies there; the relay reads them in host memory. Null in our node.
   int64_t* relay_slots;
   int64_t* relay_rows;
+  // Another node: r's mask word in the relay's control block (relay.h's MaskWordValue), which
+  // the send kernel's block 0 copies r's device mask into (PublishMasks) and a receive wait
+  // sets when it masks r as lost; the relay neither writes to a masked rank nor waits for it.
+  // Null in our node.
+  uint64_t* relay_mask;
 };
+
+// A rank's word in Nv::masks: 0, masked by the caller (AllToAll::SetMasked: the host sets the
+// word's four bytes with cudaMemsetAsync, in stream order before the DispatchSend it applies
+// to), or kMaskedLost (a receive wait under mask_lost_peers gave up on the rank; relay.h).
+constexpr int32_t kDeviceMaskedByCaller = 0x01010101;
+static_assert(kMaskedLost != 0 && int32_t{kMaskedLost} != kDeviceMaskedByCaller,
+              "the two reasons stay apart");
 
 // Everything the kernels share; passed by value.
 struct Nv {
@@ -201,6 +214,18 @@ struct Nv {
   RecvEntry* rentries;   // [N * slots_per_pair, K]
   long long* trace;      // null, or [kTraceKernels][trace_blocks][kTraceSlots] (see Mark)
   int trace_blocks;
+  // Rank masks (AllToAll::SetMasked, AllToAllConfig::mask_lost_peers): [N] device words (see
+  // kDeviceMaskedByCaller), null while no rank was ever masked and mask_lost_peers is off --
+  // then no kernel reads one. A masked rank's expert ids read as -1 when the send kernels read
+  // the routing (IdAt), its counts row as zeros, its rows as none in the combine (LocateRows);
+  // no flag of it is waited for or raised.
+  int32_t* masks;
+  // mask_lost_peers: a receive wait that reaches its deadline masks the ranks it still waits
+  // for (MaskLost) instead of failing the step. One thread decides for the whole step (WaitStep
+  // through block 0), so that every block of the kernel reads the same ranks as masked; the
+  // counts rows' tags and streaming, whose waits are per block and per slot, are off.
+  bool mask_lost;
+  int32_t* mask_mirror;  // [N] mapped pinned host memory: kMaskedLost where a wait masked r
 };
 
 // Streamed dispatch: where a slot's tag is (the bytes right after its header and entries,
@@ -352,12 +377,15 @@ __device__ inline void Report(const Nv& v, int32_t code, int32_t a, int32_t b) {
 // equals `want` (it wraps: "epoch + 1" modulo 2^32, whose previous value is want - 1).
 __device__ inline bool Reached(uint64_t got, uint64_t want) { return got >= want; }
 __device__ inline bool Reached(uint32_t got, uint32_t want) { return got == want; }
+// `may_mask` (mask_lost_peers, WaitAll): at the budget, false without aborting or reporting --
+// the caller masks r instead.
 template <typename Word>
 __device__ bool AwaitWord(const Nv& v, const Word* p, Word want, uint64_t start,
-                          uint64_t budget_ns, int which, int r) {
+                          uint64_t budget_ns, int which, int r, bool may_mask = false) {
   while (!Reached(LoadAcquire(p), want)) {
     if (*reinterpret_cast<volatile int32_t*>(&v.scratch->abort)) return false;
     if (GlobalTimerNs() - start > budget_ns) {
+      if (may_mask) return false;
       atomicExch(&v.scratch->abort, 1);
       Report(v, kPeerTimeout, which, r);
       return false;
@@ -366,26 +394,68 @@ __device__ bool AwaitWord(const Nv& v, const Word* p, Word want, uint64_t start,
   return true;
 }
 
+// Whether rank r is masked (Nv::masks; read from L2, where other blocks' masks land).
+__device__ inline bool MaskedRank(const Nv& v, int r) {
+  return v.masks && __ldcg(v.masks + r) != 0;
+}
+
+// Rank r masked as lost (mask_lost_peers): its device word unless already masked, then the host's
+// mirror and, for another node, the relay's word (plain stores to host memory, then a system
+// fence: the relay and the host read them, and no atomic on host memory is atomic over PCIe).
+__device__ inline void MaskLost(const Nv& v, int r) {
+  if (atomicCAS(v.masks + r, 0, static_cast<int32_t>(kMaskedLost)) != 0) return;
+  reinterpret_cast<volatile int32_t*>(v.mask_mirror)[r] = static_cast<int32_t>(kMaskedLost);
+  if (uint64_t* word = v.peer[r].relay_mask) {
+    *reinterpret_cast<volatile uint64_t*>(word) = kMaskedLost;
+  }
+  __threadfence_system();
+}
+
+// Block 0 of a send kernel, at its start: every remote rank's device mask into the relay's
+// control word, so that the relay leaves it out of this epoch's exchange (it reads the words
+// once our outbox flag is up, which the fence and the arrivals order after these stores). A
+// mask the caller set reaches the relay no earlier: the relay may still be in the epoch before.
+__device__ inline void PublishMasks(const Nv& v) {
+  if (!v.masks || v.first_remote < 0 || blockIdx.x != 0) return;
+  for (int r = threadIdx.x; r < v.world_size; r += blockDim.x) {
+    uint64_t* word = v.peer[r].relay_mask;
+    const int32_t m = __ldcg(v.masks + r);
+    if (word && m != 0) {
+      *reinterpret_cast<volatile uint64_t*>(word) =
+          m == static_cast<int32_t>(kMaskedLost) ? kMaskedLost : kMaskedByCaller;
+    }
+  }
+  __threadfence_system();
+}
+
 // Thread 0 of a block: until every rank's dispatch (which 0) or combine (1) flag for us shows
 // epoch `epoch` done (the rank's step per epoch times epoch + 1), another block gave up, or the
-// budget (from now) runs out (AwaitWord).
+// budget (from now) runs out (AwaitWord). A masked rank is not waited for; under
+// mask_lost_peers a rank whose flag is not up at the budget is masked (MaskLost) and the wait
+// goes on without it.
 __device__ bool WaitAll(const Nv& v, uint64_t epoch, uint64_t budget_ns, int which) {
   const uint64_t start = GlobalTimerNs();
   for (int r = 0; r < v.world_size; ++r) {
+    if (r != v.rank && MaskedRank(v, r)) continue;
     const NvPeer& p = v.peer[r];
     const uint64_t* flag = which == 0 ? p.dispatch_flag_in : p.combine_flag_in;
     const uint64_t want = (epoch + 1) * uint64_t(which == 0 ? p.dispatch_step : p.combine_step);
-    if (!AwaitWord(v, flag, want, start, budget_ns, which, r)) return false;
+    const bool may_mask = v.mask_lost && r != v.rank;
+    if (AwaitWord(v, flag, want, start, budget_ns, which, r, may_mask)) continue;
+    if (!may_mask || *reinterpret_cast<volatile int32_t*>(&v.scratch->abort)) return false;
+    MaskLost(v, r);
   }
   return true;
 }
 
 // Thread 0 of a block, at the start of a receive step: WaitAll, but with peers in other nodes
-// only block 0 polls the flags (host memory: every poll is a PCIe read, and hundreds of blocks
-// polling slow the very copies they wait for); it then publishes what it saw in device memory
-// (release at GPU scope, after its system-scope acquires) and the other blocks wait for that.
+// (or under mask_lost_peers, where one thread decides which ranks are masked for the whole
+// step) only block 0 polls the flags (host memory: every poll is a PCIe read, and hundreds of
+// blocks polling slow the very copies they wait for); it then publishes what it saw in device
+// memory (release at GPU scope, after its system-scope acquires and its masks) and the other
+// blocks wait for that.
 __device__ bool WaitStep(const Nv& v, uint64_t epoch, uint64_t budget_ns, int which) {
-  if (v.first_remote < 0) return WaitAll(v, epoch, budget_ns, which);
+  if (v.first_remote < 0 && !v.mask_lost) return WaitAll(v, epoch, budget_ns, which);
   uint64_t* seen = &v.scratch->seen[which];
   const uint64_t want = epoch + 1;
   if (blockIdx.x == 0) {
@@ -398,9 +468,14 @@ __device__ bool WaitStep(const Nv& v, uint64_t epoch, uint64_t budget_ns, int wh
     uint64_t got;
     asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(got) : "l"(seen) : "memory");
     if (got >= want) return true;
-    // Block 0 reports a timeout and raises abort; the budget check is a backstop.
-    if (*reinterpret_cast<volatile int32_t*>(&v.scratch->abort) ||
-        GlobalTimerNs() - start > budget_ns + 1000000) {
+    // Block 0 publishes by its budget or reports a timeout and raises abort. A second past the
+    // budget is a backstop against a hang, reported: a block that left quietly would leave its
+    // share of the step undone in a step that reports OK (block 0, descheduled with the whole
+    // context by time slicing as its budget ran out, publishes late but publishes).
+    if (*reinterpret_cast<volatile int32_t*>(&v.scratch->abort)) return false;
+    if (GlobalTimerNs() - start > budget_ns + 1000000000) {
+      atomicExch(&v.scratch->abort, 1);
+      Report(v, kStepStalled, which, static_cast<int32_t>(blockIdx.x));
       return false;
     }
   }
@@ -478,11 +553,14 @@ struct LaneRoute {
 };
 
 // Called by all 32 lanes of a warp; every lane loads its own index (one round trip).
-__device__ LaneRoute RouteLane(const Nv& v, const int32_t* row) {
+// `skip_masked`: a copy for a masked rank counts as none (the combine, for ranks masked after
+// the dispatch sent; the send kernels' ids read as -1 already, see IdAt).
+__device__ LaneRoute RouteLane(const Nv& v, const int32_t* row, bool skip_masked = false) {
   const int lane = threadIdx.x % 32;
   LaneRoute x{};
   x.e = lane < v.topk ? row[lane] : -1;
-  x.valid = lane < v.topk && ValidExpert(v, x.e);
+  x.valid = lane < v.topk && ValidExpert(v, x.e) &&
+            !(skip_masked && MaskedRank(v, RankOf(v, x.e)));
   x.r = x.valid ? RankOf(v, x.e) : -1;
   x.valids = __ballot_sync(~0u, x.valid);
   unsigned same = 0;
@@ -599,6 +677,9 @@ __device__ inline void TagSlots(const Nv& v, uint8_t* const* dst, int ns, uint64
   }
 }
 
+// kMasks false: an instance for steps that read no mask (Nv::masks null), whose code is what
+// it was before masks existed -- a masked-rank test per peer in the decode kernels' hot loops
+// cost their step about 0.3 us each, masks or not.
 // Every block of a send step, once its writes are issued: for each rank of our node, one added
 // to its dispatch (or combine) flag for us, with release semantics at system scope (the barrier
 // orders the block's writes before it; the release carries them, peers' memory included); the
@@ -606,11 +687,14 @@ __device__ inline void TagSlots(const Nv& v, uint8_t* const* dst, int ns, uint64
 // which the relay watches: the last block through the ticket (whose acquire sees every block's
 // writes) stores "epoch + 1" there -- the epoch each block read at its start: once every block
 // has arrived our own CombineRecv (started early) may advance the word.
+template <bool kMasks = true>
 __device__ void Arrive(const Nv& v, bool combine, uint64_t epoch) {
   __syncthreads();
   for (int r = threadIdx.x; r < v.world_size; r += blockDim.x) {
     const NvPeer& p = v.peer[r];
-    if (!p.remote) AddRelease(combine ? p.combine_flag : p.dispatch_flag, 1);
+    if (!p.remote && !(kMasks && MaskedRank(v, r))) {
+      AddRelease(combine ? p.combine_flag : p.dispatch_flag, 1);
+    }
   }
   if (v.first_remote < 0 || !LastBlock(&v.scratch->tickets[combine ? 1 : 0], true)) return;
   if (threadIdx.x == 0) {

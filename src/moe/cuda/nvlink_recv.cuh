@@ -316,7 +316,8 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
 // unless it lets dependents start early itself.
 // Two blocks per SM (128 registers): one beside a Pack block when streamed, and otherwise two
 // of Unpack's own.
-template <bool kStream>
+// kMasks: see Arrive.
+template <bool kStream, bool kMasks>
 __global__ void __launch_bounds__(kCopyThreads, 2) UnpackKernel(Nv v, RecvArgs a) {
   extern __shared__ int64_t unpack_raw[];  // [N] PeerIn; [N + 1] slots before sender s; [N]
                                            // start[s] (where they start in its send area); [N]
@@ -341,9 +342,11 @@ __global__ void __launch_bounds__(kCopyThreads, 2) UnpackKernel(Nv v, RecvArgs a
     bool there = true;
     for (int q = threadIdx.x; q < v.world_size; q += blockDim.x) {
       const NvPeer& p = v.peer[q];
-      there = there &&
-              AwaitWord(v, reinterpret_cast<const uint32_t*>(p.counts_in + CountsTagColumn(v)),
-                        static_cast<uint32_t>(epoch + 1), wait_start, a.timeout_ns, 0, q);
+      there = there && ((kMasks && q != v.rank && MaskedRank(v, q)) ||
+                        AwaitWord(v, reinterpret_cast<const uint32_t*>(p.counts_in +
+                                                                       CountsTagColumn(v)),
+                                  static_cast<uint32_t>(epoch + 1), wait_start, a.timeout_ns,
+                                  0, q));
     }
     if (!__syncthreads_and(there)) return;
   } else {
@@ -361,6 +364,16 @@ __global__ void __launch_bounds__(kCopyThreads, 2) UnpackKernel(Nv v, RecvArgs a
         __ldcg(reinterpret_cast<const uint4*>(from_of[q].counts) + i % vectors);
   }
   __syncthreads();
+  // A masked sender sent nothing we read: its row as zeros (no copies, no slots, no rows). Every
+  // block reads the same masks: they change during a step only in the wait above, which under
+  // mask_lost_peers block 0 alone decides before the others pass it (WaitStep).
+  if (kMasks) {
+    for (int i = threadIdx.x; i < v.world_size * v.counts_stride; i += blockDim.x) {
+      const int q = i / v.counts_stride;
+      if (q != v.rank && MaskedRank(v, q)) counts[i] = 0;
+    }
+    __syncthreads();
+  }
   Mark(v, kTraceUnpack, 2);
   // Where each sender's slots are: the block's first slot is then in flight while the offsets
   // table is built.

@@ -47,6 +47,15 @@ __device__ __forceinline__ int32_t IdAt(const SendArgs& a, int64_t f) {
   return e >= -1 && e <= INT32_MAX ? static_cast<int32_t>(e) : INT32_MAX;
 }
 
+// An id as the send steps take it: an expert of a masked rank reads as -1 (no expert: nothing
+// sent, nothing summed), so every send step, and the routing copy the combine reads, leave the
+// rank out. Applied once a thread's ids are loaded, not between the loads: a check after each
+// load waits for it, and a decode dispatch then paid ~2 us for loads no longer in flight
+// together, masks or not.
+__device__ __forceinline__ int32_t MaskId(const Nv& v, int32_t id) {
+  return v.masks && ValidExpert(v, id) && MaskedRank(v, RankOf(v, id)) ? -1 : id;
+}
+
 // Scan block b: tokens [c * kRouteThreads, (c + 1) * kRouteThreads), a token per thread, for
 // ranks [r0, r0 + kScanRanks) (c = b / groups, r0 = (b % groups) * kScanRanks). Each token's
 // slots and combine rows on those ranks, as exclusive prefix sums within the chunk, go to
@@ -70,6 +79,7 @@ __device__ void ScanChunk(const Nv& v, const SendArgs& a, int tokens, int b, Rou
 #pragma unroll
     for (int i = 0; i < kMaxK; ++i) {
       if (i >= v.topk) break;
+      e[i] = MaskId(v, e[i]);
       if (ValidExpert(v, e[i])) {
         rank_of[i] = RankOf(v, e[i]);
       } else if (r0 == 0 && BadExpert(v, e[i])) {
@@ -143,7 +153,7 @@ __device__ void CountChunk(const Nv& v, const SendArgs& a, int tokens, int c, Ro
     const int64_t f = first + (warp * kSortItems + j) * 32 + lane;
     key[j] = -1;
     if (f < entries) {
-      const int32_t e = IdAt(a, f);
+      const int32_t e = MaskId(v, IdAt(a, f));
       v.indices[f] = e;
       v.weights[f] = a.weights[f];
       if (ValidExpert(v, e)) key[j] = e;
@@ -181,6 +191,7 @@ __global__ void __launch_bounds__(kRouteThreads) RouteKernel(Nv v, SendArgs a) {
   __shared__ RouteSmem smem;
   LaunchDependents();  // Pack's blocks take their SMs and wait for us there
   Mark(v, kTraceRoute, 0);
+  PublishMasks(v);
   const int tokens = SendTokens(v, a);
   if (blockIdx.x < v.scan_blocks) {
     ScanChunk(v, a, tokens, blockIdx.x, smem);
@@ -389,6 +400,8 @@ __device__ inline bool FirstForRank(const Nv& v, const int32_t* idx, int f, int 
 // That gives what Route computes -- each copy's position among the copies for its expert, each
 // token's first slot and combine row on each rank -- with no grid-wide step, so DispatchSend is
 // one launch. The row's first batch is loaded before the slots are laid out.
+// kMasks: see Arrive.
+template <bool kMasks>
 __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs a) {
   extern __shared__ int64_t small_raw[];
   __shared__ uint8_t* dst_of[kSmallWarps][kMaxK];  // a token's slots (SlotDst)
@@ -396,6 +409,7 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
   LaunchDependents();
   const uint64_t epoch = v.scratch->epoch;
   Mark(v, kTraceSend, 0);
+  if (kMasks) PublishMasks(v);
   const int tokens = SendTokens(v, a);
   const int entries = tokens * v.topk;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -426,7 +440,7 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
 #pragma unroll
     for (int u = 0; u < 8; ++u) {
       const int f = base + threadIdx.x + u * blockDim.x;
-      if (f < entries) m.idx[f] = ids[u];
+      if (f < entries) m.idx[f] = kMasks ? MaskId(v, ids[u]) : ids[u];
     }
   }
   __syncthreads();
@@ -597,7 +611,7 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
     TagSlots(v, dst_of[warp], ns, epoch);
   }
   Mark(v, kTraceSend, 5);
-  Arrive(v, false, epoch);
+  Arrive<kMasks>(v, false, epoch);
   Mark(v, kTraceSend, 6);
   // The routing for the combine steps, spread over the blocks, after the arrival (off the
   // critical path: only CombineSend and CombineRecv read it, behind this kernel in stream order).
