@@ -127,12 +127,9 @@ StatusOr<Rank> MakeRank(Bootstrap& b, Where where, bool mask_lost_peers) {
   return r;
 }
 
-// The dispatch rank `me` received from the senders in `live` (sent_by: ranks whose tokens were
-// sent to it this epoch), checked row by row; the identity as the experts; then the combine,
-// whose output must hold, for each token, its value times the weights of its copies routed to
-// ranks in `live`.
-Status CheckEpoch(Rank& r, int me, const std::vector<bool>& sent_by,
-                  const std::vector<bool>& live) {
+// The dispatch rank `me` received from the senders in `sent_by` (ranks whose tokens were sent to
+// it this epoch; itself always), checked row by row.
+Status CheckDispatch(Rank& r, int me, const std::vector<bool>& sent_by) {
   for (int e = 0; e < kLocal; ++e) {
     const int expert = me * kLocal + e;
     std::vector<float> want;  // sender-major, each sender's in token order
@@ -154,9 +151,12 @@ Status CheckEpoch(Rank& r, int me, const std::vector<bool>& sent_by,
                                           ": " + std::to_string(got));
     }
   }
-  RETURN_IF_ERROR(r.a2a->CombineSend(r.out_x.ptr()));
-  RETURN_IF_ERROR(r.a2a->CombineRecv(r.y.ptr(), false, Deadline::After(1s)));
-  RETURN_IF_ERROR(r.y.Pull());
+  return Status::Ok();
+}
+
+// The combined output (the identity as the experts): for each token, its value times the
+// weights of its copies routed to ranks in `live`. Ends the epoch.
+Status CheckCombine(Rank& r, int me, const std::vector<bool>& live) {
   for (int t = 0; t < kTokens; ++t) {
     float weight = 0;
     for (int j = 0; j < kK; ++j) {
@@ -174,13 +174,28 @@ Status CheckEpoch(Rank& r, int me, const std::vector<bool>& sent_by,
   return Status::Ok();
 }
 
-Status Dispatch(Rank& r, Deadline deadline) {
+// CheckDispatch, then the combine run and checked (CheckCombine).
+Status CheckEpoch(Rank& r, int me, const std::vector<bool>& sent_by,
+                  const std::vector<bool>& live) {
+  RETURN_IF_ERROR(CheckDispatch(r, me, sent_by));
+  RETURN_IF_ERROR(r.a2a->CombineSend(r.out_x.ptr()));
+  RETURN_IF_ERROR(r.a2a->CombineRecv(r.y.ptr(), false, Deadline::After(1s)));
+  RETURN_IF_ERROR(r.y.Pull());
+  return CheckCombine(r, me, live);
+}
+
+// This epoch's rows into x, and counts reset, on the host and (CUDA) the GPU.
+Status FillInputs(Rank& r) {
   for (int t = 0; t < kTokens; ++t) {
     std::fill_n(r.x.host.begin() + t * kHidden, kHidden, FloatToBf16(Value(r.me, t, r.epoch)));
   }
   RETURN_IF_ERROR(r.x.Push());
   std::fill(r.counts.host.begin(), r.counts.host.end(), -1);
-  RETURN_IF_ERROR(r.counts.Push());
+  return r.counts.Push();
+}
+
+Status Dispatch(Rank& r, Deadline deadline) {
+  RETURN_IF_ERROR(FillInputs(r));
   RETURN_IF_ERROR(r.a2a->DispatchSend({r.x.ptr(), nullptr, r.idx.ptr(), r.w.ptr(), kTokens}));
   RETURN_IF_ERROR(r.a2a->DispatchRecv({r.out_x.ptr(), nullptr, r.counts.ptr()}, deadline));
   RETURN_IF_ERROR(r.out_x.Pull());
@@ -332,6 +347,62 @@ TEST_P(MoeMaskTest, MasksSetByHandLeaveTheRankOutOfEveryStepFromTheNextDispatch)
 }
 
 #if FERRY_HAVE_CUDA
+// A whole epoch captured once as a CUDA graph, under mask_lost_peers (so the kernels read masks
+// from the start), then replayed: masks set by hand between replays -- ranks 0 and 1 mask rank
+// 2, rank 2 masks both -- reach the replays, which call no step of the AllToAll's. Each replay
+// is checked exactly, before and after.
+TEST_P(MoeMaskTest, MasksSetByHandReachAGraphsReplays) {
+  if (GetParam() == Where::kHost) GTEST_SKIP() << "CUDA graphs: the CUDA device";
+  auto exits = RunLocalRanks(kWorld, [where = GetParam()](Bootstrap& b) -> Status {
+    ASSIGN_OR_RETURN(Rank r, MakeRank(b, where, true));
+    const int me = b.rank();
+    const std::vector<bool> all = {true, true, true};
+    cudaStream_t stream = nullptr;
+    CUDA_OR_RETURN(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    RETURN_IF_ERROR(r.a2a->SetStream(stream));
+    RETURN_IF_ERROR(FillInputs(r));
+    CUDA_OR_RETURN(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    RETURN_IF_ERROR(r.a2a->DispatchSend({r.x.ptr(), nullptr, r.idx.ptr(), r.w.ptr(), kTokens}));
+    RETURN_IF_ERROR(r.a2a->DispatchRecv({r.out_x.ptr(), nullptr, r.counts.ptr()},
+                                        Deadline::After(30s)));
+    RETURN_IF_ERROR(r.a2a->CombineSend(r.out_x.ptr()));
+    RETURN_IF_ERROR(r.a2a->CombineRecv(r.y.ptr(), false, Deadline::After(30s)));
+    cudaGraph_t graph = nullptr;
+    CUDA_OR_RETURN(cudaStreamEndCapture(stream, &graph));
+    cudaGraphExec_t exec = nullptr;
+    CUDA_OR_RETURN(cudaGraphInstantiate(&exec, graph, 0));
+    cudaGraphDestroy(graph);
+    auto replay = [&](const std::vector<bool>& live) -> Status {
+      RETURN_IF_ERROR(FillInputs(r));
+      CUDA_OR_RETURN(cudaGraphLaunch(exec, stream));
+      CUDA_OR_RETURN(cudaStreamSynchronize(stream));
+      RETURN_IF_ERROR(r.out_x.Pull());
+      RETURN_IF_ERROR(r.counts.Pull());
+      RETURN_IF_ERROR(r.y.Pull());
+      RETURN_IF_ERROR(CheckDispatch(r, me, live));
+      return CheckCombine(r, me, live);
+    };
+    Status s = replay(all);
+    // Every rank's first replay is done before any masks: else a rank masked early would skip
+    // rows a slower rank still sends it this epoch.
+    if (s.ok()) s = b.Barrier(30s);
+    std::vector<bool> live;
+    for (int q = 0; q < kWorld && s.ok(); ++q) {
+      if (q != me && (q == 2) != (me == 2)) s = r.a2a->SetMasked(q, true);
+    }
+    live = me == 2 ? std::vector<bool>{false, false, true} : std::vector<bool>{true, true, false};
+    for (int epoch = 0; epoch < 2 && s.ok(); ++epoch) s = replay(live);
+    if (s.ok()) s = ExpectMasks(*r.a2a, me == 2 ? std::vector<uint8_t>{1, 1, 0}
+                                                : std::vector<uint8_t>{0, 0, 1});
+    cudaGraphExecDestroy(exec);
+    if (s.ok()) s = b.Barrier(30s);  // no replay in flight when any rank tears down
+    r.a2a.reset();
+    cudaStreamDestroy(stream);
+    return s;
+  }, 120s);
+  for (size_t i = 0; i < exits.size(); ++i) EXPECT_TRUE(exits[i].ok()) << "rank " << i;
+}
+
 INSTANTIATE_TEST_SUITE_P(Devices, MoeMaskTest,
                          ::testing::Values(Where::kHost, Where::kCudaOneNode, Where::kCudaRelay),
                          [](const ::testing::TestParamInfo<Where>& info) {

@@ -353,8 +353,10 @@ class FERRY_API AllToAll {
   // itself (InvalidArgument), nor is a masked rank unmasked (Unimplemented: its late sections
   // could be read as a later epoch's; a rank that is back joins a new AllToAll). For a manual
   // mask to hold every rank's steps to the same ranks, every live rank masks it before the same
-  // epoch. The CUDA device applies a mask set now in stream order, before the next
-  // DispatchSend's kernels.
+  // epoch. On the CUDA device a mask is set in stream order: between a CombineRecv and a
+  // DispatchSend, once its kernels read masks (mask_lost_peers, or a rank masked before), at once
+  // on the AllToAll's stream, so that a CUDA graph replayed there after it sees it; otherwise
+  // before the next DispatchSend's kernels (a graph captured without masks never reads one).
   virtual Status SetMasked(int rank, bool masked) = 0;
   // [world_size], 1 where a rank is masked (by SetMasked, or by a step under mask_lost_peers).
   // The CUDA device waits for the AllToAll's stream first: a step masks a rank as it runs.

@@ -745,7 +745,7 @@ class Buffer(_ferry.DeepEpLowLatency):
     def low_latency_update_mask_buffer(self, rank_to_mask, mask=False):
         """Mask `rank_to_mask` out of the low-latency calls (mask=True: nothing is sent to or
         awaited from it; the copies routed to its experts add nothing) from each AllToAll's next
-        dispatch. Unmasking a masked rank is refused: in ferry a masked rank stays masked, since
+        dispatch (a CUDA graph's next replay included). Unmasking a masked rank is refused: in ferry a masked rank stays masked, since
         sections it sent late would be read as a later call's (a rank that is back joins a new
         Buffer)."""
         self._check_shrink("low_latency_update_mask_buffer")
@@ -765,6 +765,10 @@ class Buffer(_ferry.DeepEpLowLatency):
         self._masked[rank_to_mask] = 1
         for a2a in self._low_latency_all_to_alls():
             a2a.set_masked(rank_to_mask)
+            # On the CUDA device the mask is set on the AllToAll's stream (AllToAll::SetMasked):
+            # waited for here, so that a CUDA graph replayed next, on any stream, reads it.
+            if a2a.config.device == _ferry.MoeDevice.CUDA:
+                a2a.synchronize()
 
     def low_latency_query_mask_buffer(self, mask_status):
         """mask_status ([num_ranks] int32, any device): 1 where a rank is masked, by

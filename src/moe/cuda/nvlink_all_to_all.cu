@@ -168,16 +168,19 @@ class NvlinkAllToAll final : public AllToAll {
     return Finish();
   }
 
-  // Checked as the host device checks them; the mask reaches the device at the next
-  // DispatchSend, in stream order (ApplyMasks), and the relay from that step's kernels.
+  // Checked as the host device checks them. Between a CombineRecv and a DispatchSend, once the
+  // kernels read masks (mask_lost_peers, or a rank masked before), the mask is set at once on
+  // the AllToAll's stream, ordered before whatever runs there next -- a CUDA graph's replay
+  // included, which calls no step of ours; otherwise at the next DispatchSend (ApplyMasks).
+  // No wait for the stream here: this may run while the stream is being captured.
   Status SetMasked(int rank, bool masked) override {
     if (rank < 0 || rank >= c_.world_size) {
       return InvalidArgumentError("SetMasked: rank " + std::to_string(rank) + " of " +
                                   std::to_string(c_.world_size));
     }
     if (rank == c_.rank) return InvalidArgumentError("SetMasked: a rank cannot mask itself");
-    ASSIGN_OR_RETURN(const std::vector<uint8_t> now, Masked());
-    if (masked == bool(now[rank])) return Status::Ok();
+    const bool now = caller_masks_[rank] || reinterpret_cast<volatile int32_t*>(error_)[4 + rank];
+    if (masked == now) return Status::Ok();
     if (!masked) {
       return UnimplementedError(
           "SetMasked: rank " + std::to_string(rank) +
@@ -186,6 +189,10 @@ class NvlinkAllToAll final : public AllToAll {
     }
     caller_masks_[rank] = 1;
     pending_masks_[rank] = 1;
+    if (stage_ == Stage::kIdle && nv_.masks) {
+      FERRY_CUDA(cudaSetDevice(c_.cuda_device));
+      return ApplyMasks();
+    }
     return Status::Ok();
   }
   // Waits for the stream: the kernels mask a lost rank as they run (their mirror in host memory).

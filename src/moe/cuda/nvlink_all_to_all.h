@@ -132,8 +132,9 @@
 // block 0 alone waits and decides, then publishes to the other blocks (WaitStep), so nothing
 // streams and the counts rows are read after the flags. Instances built without masks serve
 // steps while Nv::masks is null. A CUDA graph holds the masks pointer and kernels it was
-// captured with: a mask the caller sets after the capture does not reach its replays (one a
-// replay's wait sets under mask_lost_peers does).
+// captured with: under mask_lost_peers (masks read from the start) a mask the caller sets
+// between replays reaches them (SetMasked sets it on the stream at once); a graph captured
+// without masks never reads one.
 //
 // Errors a kernel finds are claimed in device memory (the first wins) and mirrored into pinned
 // host words the host reads; no atomics on host memory (not atomic over PCIe).
