@@ -3,9 +3,14 @@
 // ends within the transfer timeout and it serves the next decoder), and a prefill stopped with
 // SIGSTOP after its first layer, connections open (the decoder's request ends at its deadline
 // plus the cancel's wait, the prefill, continued, finishes or drops the request, and the same
-// decoder's next request to it is served).
+// decoder's next request to it is served); and a prefill killed and started again on the port
+// it had (EngineOptions::port), which the decoder reaches at the address it knew.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -20,6 +25,7 @@
 
 #include "fabric/test_util.h"
 #include "ferry/bootstrap.h"
+#include "fabric/wire.h"
 #include "ferry/kv.h"
 #include "kv_test_util.h"
 
@@ -38,9 +44,10 @@ struct End {
   KvSide side{kModel, KvOrder::kHND, 2};
   std::unique_ptr<TransferEngine> engine;
   Shards shards;
-  Status Open(const std::string& provider, uint32_t transfer_timeout_ms) {
+  Status Open(const std::string& provider, uint32_t transfer_timeout_ms, uint16_t port = 0) {
     EngineOptions options = testing_util::TestOptions(provider);
     options.transfer_timeout_ms = transfer_timeout_ms;
+    options.port = port;
     ASSIGN_OR_RETURN(engine, TransferEngine::Create(options));
     return shards.Init(*engine, side, kPagesPerLayer);
   }
@@ -56,8 +63,8 @@ struct Prefill {
   std::vector<std::pair<uint64_t, Status>> released;
   std::unique_ptr<KvPrefill> prefill;
 
-  Status Open(const std::string& provider, uint32_t transfer_timeout_ms) {
-    RETURN_IF_ERROR(end.Open(provider, transfer_timeout_ms));
+  Status Open(const std::string& provider, uint32_t transfer_timeout_ms, uint16_t port = 0) {
+    RETURN_IF_ERROR(end.Open(provider, transfer_timeout_ms, port));
     KvPrefill::Callbacks cb;
     cb.on_request = [this](const KvPrefill::Incoming& in) {
       std::lock_guard<std::mutex> l(mu);
@@ -278,6 +285,133 @@ TEST_P(KvPeerFaultTest, APrefillHungMidStreamEndsTheRequestAtItsDeadlineAndServe
     return b.Barrier(30s);
   }, 120s);
   for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
+}
+
+// A loopback port free now (the kernel's pick for a socket bound to port 0, then closed).
+StatusOr<uint16_t> FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  CHECK_OR_RETURN(fd >= 0, "socket");
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
+                  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
+  close(fd);
+  CHECK_OR_RETURN(ok, "bind to a loopback port");
+  return ntohs(a.sin_port);
+}
+
+// A prefill with a port of its own (tcp) serves request 7 and is killed. Another process then
+// starts a prefill on the same port -- the launcher restarting it -- whose endpoint is the one
+// the first had: the same host and port, a new engine (its engine id and its memory keys are
+// new, so its address is not byte for byte the old one; the router hands the decoder the new
+// one). The decoder, which still holds a peer and a connection for that endpoint, sends its
+// next requests to the new address: the first may end in an error within its deadline (the old
+// connection found gone), and one after that is served. Ranks 1 and 2 meet through pipes once
+// rank 0 is gone.
+TEST(KvPeerFaultTcpTest, APrefillRestartedOnItsPortIsServedThere) {
+  const std::string provider = "tcp;ofi_rxm";
+  auto port = FreePort();
+  ASSERT_TRUE(port.ok()) << port.status().ToString();
+  int ready[2], done[2];  // rank 2 -> rank 1: started again; rank 1 -> rank 2: finished
+  ASSERT_EQ(pipe(ready), 0);
+  ASSERT_EQ(pipe(done), 0);
+  auto exits = RunLocalRanks(3, [&](Bootstrap& b) -> Status {
+    if (b.rank() == 0) {  // the first prefill: request 7, then killed
+      Prefill p;
+      RETURN_IF_ERROR(p.Open(provider, 2000, *port));
+      RETURN_IF_ERROR(b.AllGather(p.end.engine->Address(), 30s).status());
+      ASSIGN_OR_RETURN(const uint64_t first, p.Next(Deadline::After(30s)));
+      CHECK_OR_RETURN(first == 7, "request " + std::to_string(first) + " came first");
+      RETURN_IF_ERROR(p.Schedule(7, kLayers).status());
+      Status seven;
+      RETURN_IF_ERROR(p.Released(7, Deadline::After(30s), &seven));
+      RETURN_IF_ERROR(b.Barrier(30s));  // the decoder has request 7's outcome
+      raise(SIGKILL);
+    }
+    ASSIGN_OR_RETURN(auto addresses, b.AllGather({}, 30s));
+    if (b.rank() == 2) {  // the prefill started again, once the first is gone
+      RETURN_IF_ERROR(b.Barrier(30s));
+      auto p = std::make_unique<Prefill>();
+      const Deadline deadline = Deadline::After(20s);
+      Status opened = p->Open(provider, 2000, *port);
+      while (!opened.ok() && !deadline.Expired()) {  // the port is free once rank 0 is
+        std::this_thread::sleep_for(50ms);
+        p = std::make_unique<Prefill>();
+        opened = p->Open(provider, 2000, *port);
+      }
+      RETURN_IF_ERROR(opened);
+      const std::vector<uint8_t> mine = p->end.engine->Address();
+      ASSIGN_OR_RETURN(const fabric::EngineAddress now, fabric::EngineAddress::Parse(mine));
+      ASSIGN_OR_RETURN(const fabric::EngineAddress then,
+                       fabric::EngineAddress::Parse(addresses[0]));
+      CHECK_OR_RETURN(now.nics.size() == 1 && then.nics.size() == 1 &&
+                          now.nics[0].name == then.nics[0].name,
+                      "the restarted prefill listens elsewhere than the first one did");
+      CHECK_OR_RETURN(now.engine_id != then.engine_id, "the same engine id twice");
+      CHECK_OR_RETURN(mine.size() < PIPE_BUF &&
+                          write(ready[1], mine.data(), mine.size()) == ssize_t(mine.size()),
+                      "pipe");
+      // Every request that arrives is served, until the decoder says it is done.
+      std::vector<uint64_t> served;
+      const Deadline last = Deadline::After(60s);
+      for (;;) {
+        auto id = p->Next(Deadline::After(100ms));
+        if (id.ok()) {
+          RETURN_IF_ERROR(p->Schedule(*id, kLayers).status());
+          served.push_back(*id);
+          continue;
+        }
+        pollfd pfd{done[0], POLLIN, 0};
+        if (poll(&pfd, 1, 0) == 1) break;
+        if (last.Expired()) return DeadlineExceededError("the decoder never finished");
+      }
+      for (uint64_t id : served) {
+        Status how;
+        RETURN_IF_ERROR(p->Released(id, Deadline::After(10s), &how));
+      }
+      return Status::Ok();
+    }
+    // Rank 1: the decoder.
+    Decoder d;
+    RETURN_IF_ERROR(d.Open(provider));
+    Status seven;
+    RETURN_IF_ERROR(d.Submit(7, addresses[0], Deadline::After(30s)));
+    RETURN_IF_ERROR(d.Outcome(7, Deadline::After(30s), &seven));
+    RETURN_IF_ERROR(seven);
+    RETURN_IF_ERROR(b.Barrier(30s));
+    pollfd pfd{ready[0], POLLIN, 0};
+    CHECK_OR_RETURN(poll(&pfd, 1, 30000) == 1, "the prefill never started again");
+    std::vector<uint8_t> restarted(PIPE_BUF);
+    const ssize_t got = read(ready[0], restarted.data(), restarted.size());
+    CHECK_OR_RETURN(got > 0, "pipe");
+    restarted.resize(size_t(got));
+    // Requests 8, 9, ... to the new address until one is served: the first may find the old
+    // connection gone; each ends within its deadline.
+    Status served = UnavailableError("no request tried");
+    uint64_t id = 8;
+    for (; id < 11 && !served.ok(); ++id) {
+      const auto start = Clock::now();
+      RETURN_IF_ERROR(d.Submit(id, restarted, Deadline::After(10s)));
+      RETURN_IF_ERROR(d.Outcome(id, Deadline::After(30s), &served));
+      CHECK_OR_RETURN(Clock::now() - start < 20s, "request " + std::to_string(id) + " took long");
+      if (!served.ok()) {
+        std::fprintf(stderr, "request %llu: %s\n", static_cast<unsigned long long>(id),
+                     served.ToString().c_str());
+      }
+    }
+    if (!served.ok()) (void)write(done[1], "d", 1);  // rank 2 stops waiting either way
+    CHECK_OR_RETURN(served.ok(), "no request reached the restarted prefill: " + served.ToString());
+    CHECK_OR_RETURN(id - 8 <= 2, "the third request was the first served");
+    CHECK_OR_RETURN(write(done[1], "d", 1) == 1, "pipe");
+    return Status::Ok();
+  }, 120s);
+  for (int fd : {ready[0], ready[1], done[0], done[1]}) close(fd);
+  ASSERT_EQ(exits.size(), 3u);
+  EXPECT_EQ(exits[0].signal, SIGKILL);
+  EXPECT_TRUE(exits[1].ok()) << "decoder: exit " << exits[1].exit_code;
+  EXPECT_TRUE(exits[2].ok()) << "restarted prefill: exit " << exits[2].exit_code;
 }
 
 INSTANTIATE_TEST_SUITE_P(Providers, KvPeerFaultTest,

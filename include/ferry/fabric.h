@@ -67,6 +67,12 @@ struct FERRY_API EngineOptions {
   // Address to bind (tcp: "127.0.0.1" on loopback). Empty lets the provider choose.
   // Environment: FERRY_NODE.
   std::string node;
+  // The port to listen on, for libfabric's socket providers ("tcp;ofi_rxm", "tcp"); 0 lets the
+  // provider choose. With one, an engine started again (a prefill restarted by its launcher)
+  // has the address it had, so peers that knew it reach it without being told again. The k-th
+  // NIC's endpoint takes port + k. shm names its endpoints instead (`node`), and verbs and EFA
+  // have no ports: InvalidArgument there. Environment: FERRY_PORT.
+  uint16_t port = 0;
   // The NICs of this engine's domain group: libfabric domain names (EFA: "rdmap79s0", ...), as
   // the topology pairs them with a GPU. Empty: num_nics domains, the provider's first distinct
   // ones (software providers have one domain; each entry is then its own endpoint on it).

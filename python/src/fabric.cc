@@ -347,6 +347,7 @@ void BindFabric(py::module_& m) {
           "given as a keyword argument")
       .def_readwrite("provider", &EngineOptions::provider)
       .def_readwrite("node", &EngineOptions::node)
+      .def_readwrite("port", &EngineOptions::port)
       .def_readwrite("nics", &EngineOptions::nics)
       .def_readwrite("num_nics", &EngineOptions::num_nics)
       .def_readwrite("nic_shard_min_bytes", &EngineOptions::nic_shard_min_bytes)

@@ -444,6 +444,11 @@ class TransferEngineTest(unittest.TestCase):
         self.assertEqual((options.provider, options.transfer_timeout_ms), ("shm", 250))
         with self.assertRaises(TypeError):
             ferry.EngineOptions(no_such_field=1)
+        self.assertEqual(ferry.EngineOptions(port=40123).port, 40123)
+        with self.assertRaises(TypeError):  # a port is 16 bits
+            ferry.EngineOptions(port=70000)
+        with self.assertRaises(ferry.InvalidArgument):  # shm names its endpoints: no ports
+            ferry.TransferEngine(ferry.EngineOptions(provider="shm", port=40123))
 
     def test_closed_engine_and_bad_timeout(self):
         engine = shm_engine()

@@ -36,6 +36,13 @@ std::vector<std::string> ListNics(const std::string& provider) {
 // The backend for one NIC: the named provider ("verbs" is libibverbs, others libfabric's), or
 // when none is named the first that opens of EFA, verbs, shm.
 StatusOr<std::unique_ptr<Domain>> OpenDomain(const EngineOptions& options, const std::string& nic) {
+  if (options.port != 0 && options.provider.find("tcp") != 0 &&
+      options.provider.find("sockets") != 0) {
+    return InvalidArgumentError(
+        "EngineOptions.port (FERRY_PORT) is " + std::to_string(options.port) + ", but provider '" +
+        options.provider + "' has no ports: it applies to libfabric's socket providers (tcp, "
+        "tcp;ofi_rxm, sockets); shm endpoints are named by `node` (FERRY_NODE)");
+  }
   if (options.provider == "verbs") return OpenVerbs(options, nic);
   if (!options.provider.empty()) return OpenLibfabricDomain(options, nic);
   EngineOptions efa = options;
@@ -76,9 +83,16 @@ StatusOr<std::vector<std::unique_ptr<Domain>>> OpenDomains(const EngineOptions& 
     return InvalidArgumentError(std::to_string(names.size()) + " NICs named; an engine drives " +
                                 "at most " + std::to_string(kMaxNics));
   }
+  if (options.port != 0 && options.port + names.size() - 1 > 65535) {
+    return InvalidArgumentError("EngineOptions.port " + std::to_string(options.port) + " with " +
+                                std::to_string(names.size()) + " NICs runs past port 65535");
+  }
   std::vector<std::unique_ptr<Domain>> domains;
-  for (const std::string& name : names) {
-    auto d = OpenDomain(options, name);
+  for (size_t k = 0; k < names.size(); ++k) {
+    const std::string& name = names[k];
+    EngineOptions mine = options;  // the k-th NIC's endpoint listens on port + k
+    if (options.port != 0) mine.port = static_cast<uint16_t>(options.port + k);
+    auto d = OpenDomain(mine, name);
     if (!d.ok()) {
       return names.size() > 1 ? d.status().WithContext("NIC '" + name + "'") : d.status();
     }

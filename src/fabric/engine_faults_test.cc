@@ -22,6 +22,7 @@
 #include "fabric/engine_internal.h"
 #include "fabric/fault_domain.h"
 #include "fabric/test_util.h"
+#include "fabric/wire.h"
 
 namespace ferry {
 namespace {
@@ -217,8 +218,8 @@ INSTANTIATE_TEST_SUITE_P(Providers, FaultTest, ::testing::ValuesIn(testing_util:
 // EngineOptions::FromEnv takes what the FERRY_* variables say and refuses what they cannot mean,
 // naming the variable; unset or empty variables leave the defaults.
 TEST(EngineOptionsTest, FromEnvTakesTheVariablesAndRefusesGarbage) {
-  const char* const kVars[] = {"FERRY_SPIN_US", "FERRY_MAX_WRS", "FERRY_CUDA_MEMORY",
-                               "FERRY_WORKER_CPU", "FERRY_NUM_NICS"};
+  const char* const kVars[] = {"FERRY_SPIN_US",    "FERRY_MAX_WRS",  "FERRY_CUDA_MEMORY",
+                               "FERRY_WORKER_CPU", "FERRY_NUM_NICS", "FERRY_PORT"};
   for (const char* v : kVars) unsetenv(v);
   const EngineOptions defaults;
   auto plain = EngineOptions::FromEnv();
@@ -230,12 +231,14 @@ TEST(EngineOptionsTest, FromEnvTakesTheVariablesAndRefusesGarbage) {
   setenv("FERRY_MAX_WRS", "64", 1);
   setenv("FERRY_CUDA_MEMORY", "1", 1);
   setenv("FERRY_WORKER_CPU", "", 1);  // empty: the default
+  setenv("FERRY_PORT", "40123", 1);
   auto set = EngineOptions::FromEnv();
   ASSERT_TRUE(set.ok()) << set.status().ToString();
   EXPECT_EQ(set->spin_us, -1);
   EXPECT_EQ(set->max_outstanding_wrs, 64u);
   EXPECT_TRUE(set->cuda_memory);
   EXPECT_EQ(set->worker_cpu, defaults.worker_cpu);
+  EXPECT_EQ(set->port, 40123);
 
   testing_util::ExpectEnvRefused(EngineOptions::FromEnv,
                                  {{"FERRY_MAX_WRS", "lots"},
@@ -244,8 +247,57 @@ TEST(EngineOptionsTest, FromEnvTakesTheVariablesAndRefusesGarbage) {
                                   {"FERRY_MAX_WRS", "99999999999"},
                                   {"FERRY_CUDA_MEMORY", "2"},
                                   {"FERRY_WORKER_CPU", "-2"},
-                                  {"FERRY_NUM_NICS", "two"}});
+                                  {"FERRY_NUM_NICS", "two"},
+                                  {"FERRY_PORT", "65536"},
+                                  {"FERRY_PORT", "-1"}});
   for (const char* v : kVars) unsetenv(v);
+}
+
+// EngineOptions::port: a tcp engine listens there (its endpoint name, a sockaddr, carries it),
+// a second engine on the same port is refused while the first lives and takes it once the first
+// is gone; NICs take port + k; a provider without ports refuses one, saying so.
+TEST(EngineOptionsTest, APortIsWhereATcpEngineListens) {
+  EngineOptions options = testing_util::TestOptions("tcp;ofi_rxm");
+  options.port = 0;
+  auto probe = TransferEngine::Create(options);  // a port the kernel picks, then ours to reuse
+  ASSERT_TRUE(probe.ok()) << probe.status().ToString();
+  auto port_of = [](const std::vector<uint8_t>& address) -> int {
+    auto parsed = fabric::EngineAddress::Parse(address);
+    if (!parsed.ok() || parsed->nics.empty() || parsed->nics[0].name.size() < 4) return -1;
+    const std::vector<uint8_t>& name = parsed->nics[0].name;  // sockaddr_in: family, port (BE)
+    return name[2] << 8 | name[3];
+  };
+  options.port = static_cast<uint16_t>(port_of((*probe)->Address()));
+  ASSERT_GT(options.port, 0);
+  probe->reset();
+  auto first = TransferEngine::Create(options);
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  EXPECT_EQ(port_of((*first)->Address()), options.port);
+  auto second = TransferEngine::Create(options);
+  EXPECT_FALSE(second.ok()) << "two engines listen on port " << options.port;
+  const std::vector<uint8_t> before = (*first)->Address();
+  first->reset();
+  auto again = TransferEngine::Create(options);
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_EQ(port_of((*again)->Address()), options.port);
+  EXPECT_NE((*again)->Address(), before) << "a new engine keeps its own id and keys";
+  again->reset();
+
+  options.num_nics = 2;  // one interface, two endpoints: port and port + 1
+  auto two = TransferEngine::Create(options);
+  ASSERT_TRUE(two.ok()) << two.status().ToString();
+  auto parsed = fabric::EngineAddress::Parse((*two)->Address());
+  ASSERT_TRUE(parsed.ok() && parsed->nics.size() == 2);
+  EXPECT_EQ(parsed->nics[1].name[2] << 8 | parsed->nics[1].name[3], options.port + 1);
+  two->reset();
+
+  EngineOptions shm = testing_util::TestOptions("shm");
+  shm.port = 40000;
+  auto refused = TransferEngine::Create(shm);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("FERRY_PORT"), std::string::npos)
+      << refused.status().ToString();
 }
 
 }  // namespace

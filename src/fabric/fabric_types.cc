@@ -72,6 +72,7 @@ StatusOr<EngineOptions> EngineOptions::FromEnv() {
   EngineOptions o;
   if (const char* p = std::getenv("FERRY_PROVIDER")) o.provider = p;
   if (const char* n = std::getenv("FERRY_NODE")) o.node = n;
+  RETURN_IF_ERROR(EnvNumber("FERRY_PORT", &o.port));
   RETURN_IF_ERROR(EnvNumber("FERRY_WORKER_CPU", &o.worker_cpu, -1));
   RETURN_IF_ERROR(EnvNumber("FERRY_SPIN_US", &o.spin_us));
   RETURN_IF_ERROR(EnvNumber("FERRY_CUDA_MEMORY", &o.cuda_memory));

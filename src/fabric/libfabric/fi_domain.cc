@@ -104,7 +104,8 @@ constexpr uint64_t kMrModesWeHandle = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLO
 // Every fi_info the provider offers for the endpoints ferry opens (RDM, manual progress, the
 // mr_modes and context modes we handle), optionally on one domain and bound to `node`.
 StatusOr<InfoPtr> QueryInfo(const std::string& provider, const std::string& domain,
-                            const std::string& node, uint64_t optional_caps) {
+                            const std::string& node, uint64_t optional_caps,
+                            uint16_t port = 0) {
   InfoPtr hints(fi_allocinfo());
   if (!hints) return ResourceExhaustedError("fi_allocinfo failed");
   hints->caps = FI_MSG | FI_RMA | FI_WRITE | FI_REMOTE_WRITE | FI_SEND | FI_RECV | optional_caps;
@@ -118,17 +119,20 @@ StatusOr<InfoPtr> QueryInfo(const std::string& provider, const std::string& doma
   if (!domain.empty()) hints->domain_attr->name = strdup(domain.c_str());
   fi_info* info = nullptr;
   const char* node_arg = node.empty() ? nullptr : node.c_str();
-  uint64_t flags = node.empty() ? 0 : FI_SOURCE;
-  int ret = fi_getinfo(FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_VERSION), node_arg, nullptr, flags,
-                       hints.get(), &info);
+  const std::string service = port ? std::to_string(port) : std::string();
+  const char* service_arg = port ? service.c_str() : nullptr;
+  // A node or a port given is where we listen (the source), not a peer to reach.
+  uint64_t flags = node.empty() && !port ? 0 : FI_SOURCE;
+  int ret = fi_getinfo(FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_VERSION), node_arg, service_arg,
+                       flags, hints.get(), &info);
   if (ret != 0) return FiError("fi_getinfo(provider=" + provider + ")", ret);
   return InfoPtr(info);
 }
 
 // The one fi_info to open: exactly `provider` (and `domain`, if named).
 StatusOr<InfoPtr> GetInfo(const std::string& provider, const std::string& domain,
-                          const std::string& node, uint64_t optional_caps) {
-  ASSIGN_OR_RETURN(InfoPtr all, QueryInfo(provider, domain, node, optional_caps));
+                          const std::string& node, uint64_t optional_caps, uint16_t port = 0) {
+  ASSIGN_OR_RETURN(InfoPtr all, QueryInfo(provider, domain, node, optional_caps, port));
   fi_info* info = all.get();
   // A provider name match in fi_getinfo is by prefix of the layered name; take an exact match.
   for (fi_info* cur = info; cur; cur = cur->next) {
@@ -403,7 +407,7 @@ class LibfabricDomain final : public Domain {
     const std::string node =
         provider == "shm" && options.node.empty() ? UniqueShmNode() : options.node;
     for (uint64_t caps : {uint64_t{hmem | FI_SOURCE}, hmem, uint64_t{FI_SOURCE}, uint64_t{0}}) {
-      auto got = GetInfo(provider, domain, node, caps);
+      auto got = GetInfo(provider, domain, node, caps, options.port);
       if (got.ok()) {
         info = std::move(got).value();
         break;
