@@ -179,13 +179,13 @@ StatusOr<std::vector<int32_t>> Pids(Bootstrap& b) {
 class KvPeerFaultTest : public ::testing::TestWithParam<std::string> {};
 
 // Rank 1 asks for request 7 and is killed once the first of its layers has been posted (the rest
-// held back by the layer counter). The prefill's request ends, not OK, within its transfer
-// timeout (1 s) of the kill, and then it serves rank 2's request 8 as if nothing had happened.
-// Over shm only: over tcp;ofi_rxm the writes to the dead decoder complete into socket buffers
-// (the prefill's request ends OK), and rank 2's first request was seen to wait out its send's
-// 5 s timeout, never posted -- an open problem, not yet understood.
-TEST(KvPeerFaultShmTest, ADecoderKilledMidStreamEndsItsRequestAndTheNextDecoderIsServed) {
-  const std::string provider = "shm";
+// held back by the layer counter). The prefill's request ends within its transfer timeout (1 s)
+// of the kill -- over shm not OK; over tcp;ofi_rxm it may end OK, the writes to the dead decoder
+// having completed into socket buffers -- and then it serves rank 2's request 8 as if nothing
+// had happened, within 3 s (a first send of rank 2's was once seen to wait out its 5 s timeout
+// over tcp, never posted; it did not recur in 25 runs, idle and loaded, and this bound would
+// catch it).
+void DecoderKilledMidStream(const std::string& provider) {
   auto exits = RunLocalRanks(3, [&](Bootstrap& b) -> Status {
     ASSIGN_OR_RETURN(auto pids, Pids(b));
     if (b.rank() == 0) {
@@ -203,7 +203,9 @@ TEST(KvPeerFaultShmTest, ADecoderKilledMidStreamEndsItsRequestAndTheNextDecoderI
       Status seven, eight;
       RETURN_IF_ERROR(p.Released(7, Deadline::After(10s), &seven));
       const auto took = Clock::now() - killed;
-      CHECK_OR_RETURN(!seven.ok(), "request 7 released OK with its decoder dead");
+      if (provider == "shm") {
+        CHECK_OR_RETURN(!seven.ok(), "request 7 released OK with its decoder dead");
+      }
       CHECK_OR_RETURN(took < 5s, "request 7 ended " +
                                      std::to_string(std::chrono::duration<double>(took).count()) +
                                      " s after the kill: " + seven.ToString());
@@ -226,12 +228,21 @@ TEST(KvPeerFaultShmTest, ADecoderKilledMidStreamEndsItsRequestAndTheNextDecoderI
     std::this_thread::sleep_for(1s);  // after the kill, as a decoder that comes later
     RETURN_IF_ERROR(d.Submit(8, addresses[0], Deadline::After(30s)));
     Status eight;
+    const auto sent = Clock::now();
     RETURN_IF_ERROR(d.Outcome(8, Deadline::After(40s), &eight));
+    const double took = std::chrono::duration<double>(Clock::now() - sent).count();
+    CHECK_OR_RETURN(took < 3.0, "request 8 took " + std::to_string(took) + " s");
     return eight;
   }, 120s);
   EXPECT_TRUE(exits[0].ok()) << exits[0].exit_code;
   EXPECT_EQ(exits[1].signal, SIGKILL);
   EXPECT_TRUE(exits[2].ok()) << exits[2].exit_code;
+}
+TEST(KvPeerFaultShmTest, ADecoderKilledMidStreamEndsItsRequestAndTheNextDecoderIsServed) {
+  DecoderKilledMidStream("shm");
+}
+TEST(KvPeerFaultTcpTest, ADecoderKilledMidStreamEndsItsRequestAndTheNextDecoderIsServed) {
+  DecoderKilledMidStream("tcp;ofi_rxm");
 }
 
 // The prefill stops itself (SIGSTOP, connections open) once request 7's first layer is posted.
