@@ -3,6 +3,7 @@
 // frame, and the launcher answers each rank with [u32 count]([u32 length][bytes])*.
 #include "ferry/bootstrap.h"
 
+#include "common/frames.h"
 #include "common/socket_io.h"
 
 #include <poll.h>
@@ -39,6 +40,7 @@ class Relay {
     while (b.bytes.size() >= 4) {
       uint32_t len;
       std::memcpy(&len, b.bytes.data(), 4);
+      if (len > kMaxFrameBytes) return false;  // not a frame ferry sends: the rank is broken
       if (b.bytes.size() < 4 + size_t{len}) break;
       frames_[i].assign(b.bytes.begin() + 4, b.bytes.begin() + 4 + len);
       have_[i] = true;

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "common/env.h"
+#include "common/frames.h"
 #include "common/socket_io.h"
 #include "ferry/bootstrap.h"
 
@@ -104,12 +105,9 @@ Status SendAnswer(int fd, const Status& s, SteadyClock::time_point deadline) {
   return IoExact(fd, const_cast<char*>(message.data()), message.size(), true, deadline);
 }
 
-// A round's frame from `fd`.
-Status ReadFrame(int fd, std::vector<uint8_t>* out, SteadyClock::time_point deadline) {
-  uint32_t len = 0;
-  RETURN_IF_ERROR(IoExact(fd, &len, sizeof len, false, deadline));
-  out->resize(len);
-  return IoExact(fd, out->data(), len, false, deadline);
+// Reads from `fd` until `deadline` (common/frames.h's frames are read through it).
+ReadExact SocketReader(int fd, SteadyClock::time_point deadline) {
+  return [fd, deadline](void* p, size_t n) { return IoExact(fd, p, n, false, deadline); };
 }
 
 // Rank 0: a connection per other rank (fds_[r], -1 for itself).
@@ -130,7 +128,7 @@ class RootBootstrap final : public Bootstrap {
     std::vector<std::vector<uint8_t>> all(size_);
     all[0].assign(mine.begin(), mine.end());
     for (int r = 1; r < size_; ++r) {
-      Status s = ReadFrame(fds_[r], &all[r], deadline);
+      Status s = ReadFrame(SocketReader(fds_[r], deadline), &all[r]);
       if (!s.ok()) return Broken(s.WithContext("rendezvous: rank " + std::to_string(r)));
     }
     std::vector<uint8_t> answer;
@@ -305,10 +303,8 @@ StatusOr<std::unique_ptr<Bootstrap>> Join(const RendezvousOptions& o, const Host
   Status s = PutU32s(
       fd, {kMagic, kVersion, static_cast<uint32_t>(o.world_size), static_cast<uint32_t>(o.rank)},
       deadline);
-  uint32_t answer[2] = {};
-  if (s.ok()) s = IoExact(fd, answer, sizeof answer, false, deadline);
-  std::string message(s.ok() ? answer[1] : 0, '\0');
-  if (s.ok()) s = IoExact(fd, message.data(), message.size(), false, deadline);
+  Status answer;
+  if (s.ok()) s = ReadAnswer(SocketReader(fd, deadline), &answer);
   if (!s.ok()) {
     close(fd);
     if (s.code() == StatusCode::kDeadlineExceeded) {
@@ -318,9 +314,9 @@ StatusOr<std::unique_ptr<Bootstrap>> Join(const RendezvousOptions& o, const Host
     }
     return s.WithContext("rendezvous: rank 0 at " + o.address);
   }
-  if (answer[0] != 0) {
+  if (!answer.ok()) {
     close(fd);
-    return Status(static_cast<StatusCode>(answer[0]), message);
+    return answer;
   }
   return NewRelayedBootstrap(o.rank, o.world_size, fd);
 }

@@ -169,6 +169,63 @@ TEST(RendezvousTest, ARankLostAfterTheStartEndsTheNextGatherAtOnce) {
   EXPECT_TRUE(statuses[2].ok()) << statuses[2].ToString();
 }
 
+// A rank 0 that is not ferry's, or is corrupt: it listens at the address and answers with
+// lengths no ferry rank sends -- a 4 GiB answer message to one rank, and to the next a world
+// start followed by a round whose second frame claims 4 GiB. Each joining rank ends with
+// DataLoss at once, having allocated nothing of the sort.
+TEST(RendezvousTest, ARankZeroSendingAbsurdLengthsIsDataLossNotAnAllocation) {
+  const std::string address = FreeAddress();
+  const int port = std::stoi(address.substr(address.rfind(':') + 1));
+  const int listener = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  const int one = 1;
+  setsockopt(listener, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  ASSERT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  ASSERT_EQ(listen(listener, 4), 0);
+  std::thread fake([listener] {
+    for (int conn = 0; conn < 2; ++conn) {
+      const int fd = accept(listener, nullptr, nullptr);
+      if (fd < 0) return;
+      uint32_t hello[4];
+      if (recv(fd, hello, sizeof hello, MSG_WAITALL) != sizeof hello) return;
+      if (conn == 0) {
+        const uint32_t answer[2] = {static_cast<uint32_t>(StatusCode::kInternal), 0xFFFFFFFFu};
+        (void)!send(fd, answer, sizeof answer, MSG_NOSIGNAL);
+      } else {
+        const uint32_t start[2] = {0, 0};
+        (void)!send(fd, start, sizeof start, MSG_NOSIGNAL);
+        uint32_t len = 0;
+        std::vector<uint8_t> frame;
+        if (recv(fd, &len, 4, MSG_WAITALL) == 4) {
+          frame.resize(len);
+          if (len) (void)!recv(fd, frame.data(), len, MSG_WAITALL);
+        }
+        // Count 2; a frame of one byte; then a frame claiming 4 GiB.
+        std::vector<uint8_t> round;
+        for (uint32_t v : {2u, 1u}) round.insert(round.end(), (uint8_t*)&v, (uint8_t*)&v + 4);
+        round.push_back(0x2a);
+        for (int i = 0; i < 4; ++i) round.push_back(0xFF);
+        (void)!send(fd, round.data(), round.size(), MSG_NOSIGNAL);
+      }
+      std::this_thread::sleep_for(200ms);
+      close(fd);
+    }
+  });
+  auto first = JoinRendezvous(Options(address, 2, 1, 5s));
+  EXPECT_EQ(first.status().code(), StatusCode::kDataLoss) << first.status().ToString();
+  auto second = JoinRendezvous(Options(address, 2, 1, 5s));
+  ASSERT_TRUE(second.ok()) << second.status().ToString();
+  const auto start = std::chrono::steady_clock::now();
+  auto round = (*second)->AllGather(std::vector<uint8_t>{7}, 5s);
+  EXPECT_EQ(round.status().code(), StatusCode::kDataLoss) << round.status().ToString();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 2s);
+  fake.join();
+  close(listener);
+}
+
 TEST(RendezvousTest, BadOptionsAreRefusedBeforeAnyConnection) {
   for (const auto& [address, world, rank] :
        std::vector<std::tuple<std::string, int, int>>{{"127.0.0.1:1", 0, 0},

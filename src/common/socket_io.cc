@@ -1,5 +1,7 @@
 #include "common/socket_io.h"
 
+#include "common/frames.h"
+
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -54,19 +56,8 @@ class RelayedBootstrap final : public Bootstrap {
     uint32_t len = static_cast<uint32_t>(mine.size());
     RETURN_IF_ERROR(IoExact(fd_, &len, sizeof len, true, deadline));
     RETURN_IF_ERROR(IoExact(fd_, const_cast<uint8_t*>(mine.data()), mine.size(), true, deadline));
-    uint32_t count = 0;
-    RETURN_IF_ERROR(IoExact(fd_, &count, sizeof count, false, deadline));
-    if (count != static_cast<uint32_t>(size_)) {
-      return DataLossError("bootstrap: a round of " + std::to_string(count) + " entries, not " +
-                           std::to_string(size_));
-    }
-    std::vector<std::vector<uint8_t>> all(count);
-    for (auto& entry : all) {
-      RETURN_IF_ERROR(IoExact(fd_, &len, sizeof len, false, deadline));
-      entry.resize(len);
-      RETURN_IF_ERROR(IoExact(fd_, entry.data(), len, false, deadline));
-    }
-    return all;
+    return ReadRound([&](void* p, size_t n) { return IoExact(fd_, p, n, false, deadline); },
+                     size_);
   }
 
  private:

@@ -129,6 +129,37 @@ int main(int argc, char** argv) {
     Write(root / "moe_section_fuzz", name, bytes);
   }
 
+  // A world started and a round of w frames (the relay's answer as rank 0 writes it); a world
+  // refused with a message; lone frames as ranks send them.
+  auto put32 = [](std::vector<uint8_t>& b, uint32_t v) {
+    b.insert(b.end(), reinterpret_cast<uint8_t*>(&v), reinterpret_cast<uint8_t*>(&v) + 4);
+  };
+  for (int w : {1, 2, 4, 8}) {
+    std::vector<uint8_t> b = {static_cast<uint8_t>(w - 1)};
+    put32(b, 0);
+    put32(b, 0);
+    put32(b, static_cast<uint32_t>(w));
+    for (int r = 0; r < w; ++r) {
+      put32(b, static_cast<uint32_t>(r * 3));
+      for (int k = 0; k < r * 3; ++k) b.push_back(static_cast<uint8_t>(r + k));
+    }
+    Write(root / "bootstrap_frames_fuzz", "round_w" + std::to_string(w), b);
+  }
+  {
+    const std::string why = "rendezvous: rank 3 says the world size is 4, rank 0 says 8";
+    std::vector<uint8_t> b = {1};
+    put32(b, static_cast<uint32_t>(StatusCode::kInvalidArgument));
+    put32(b, static_cast<uint32_t>(why.size()));
+    b.insert(b.end(), why.begin(), why.end());
+    Write(root / "bootstrap_frames_fuzz", "refused", b);
+  }
+  for (uint32_t len : {0u, 5u, 64u}) {
+    std::vector<uint8_t> b = {8};
+    put32(b, len);
+    b.resize(b.size() + len, 0x5a);
+    Write(root / "bootstrap_frames_fuzz", "frame" + std::to_string(len), b);
+  }
+
   int i = 0;
   for (const char* list : {"0-3,8,10-11", "0", "7-7", "0-1,4-5,16"}) {
     const std::string s = list;

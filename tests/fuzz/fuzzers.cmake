@@ -2,7 +2,8 @@
 # `make fuzz-short` / `make fuzz` configure build-fuzz with clang; the library is built there with
 # -fsanitize=fuzzer-no-link,address,undefined and each harness linked with -fsanitize=fuzzer).
 # Each harness's seed corpus is tests/fuzz/corpus/<name>, written by fuzz_seeds.
-set(ferry_fuzzers wire_fuzz kv_messages_fuzz moe_section_fuzz user_input_fuzz)
+set(ferry_fuzzers wire_fuzz kv_messages_fuzz moe_section_fuzz user_input_fuzz
+                  bootstrap_frames_fuzz)
 if(FERRY_HAVE_VERBS)
   list(APPEND ferry_fuzzers verbs_handshake_fuzz)
 endif()
