@@ -1,7 +1,8 @@
 // The bootstrap's frames as bytes arrive from a peer -- the forked ranks' launcher, or rank 0 of
 // a rendezvous -- checked before anything is sized from them: a length past its bound is
-// DataLoss, never an allocation, and a frame's buffer grows only as its bytes arrive. The reads come through a ReadExact, a socket's in the
-// bootstraps (IoExact) and a span's in the tests and the fuzzer.
+// DataLoss, never an allocation, and a frame's buffer grows only as its bytes arrive. The reads
+// come through a ReadExact, a socket's in the bootstraps (IoExact) and a span's in the tests and
+// the fuzzer.
 //
 //   frame   [u32 length][bytes]                   a rank's part of an all-gather round
 //   round   [u32 count]([u32 length][bytes])*      every rank's part, from the relay

@@ -79,19 +79,11 @@ class AllToAllImpl final : public AllToAll {
   Status OrderAfter(void*) override { return NoStreams("OrderAfter"); }
   Status OrderBefore(void*) override { return NoStreams("OrderBefore"); }
   Status SetMasked(int rank, bool masked) override {
-    if (rank < 0 || rank >= c_.world_size) {
-      return InvalidArgumentError("SetMasked: rank " + std::to_string(rank) + " of " +
-                                  std::to_string(c_.world_size));
-    }
-    if (rank == c_.rank) return InvalidArgumentError("SetMasked: a rank cannot mask itself");
-    const bool was = pending_masks_[rank] || layout_.Masked(boxes_.control_bytes(), rank);
-    if (masked == was) return Status::Ok();
-    if (!masked) {
-      return UnimplementedError(
-          "SetMasked: rank " + std::to_string(rank) +
-          " is masked and stays so in this AllToAll (sections it sent late would be read as a "
-          "later epoch's); a rank that is back joins a new AllToAll");
-    }
+    const bool now = rank >= 0 && rank < c_.world_size &&
+                     (pending_masks_[rank] || layout_.Masked(boxes_.control_bytes(), rank));
+    bool change = false;
+    RETURN_IF_ERROR(moe::CheckSetMasked(c_, rank, masked, now, &change));
+    if (!change) return Status::Ok();
     // Mid-epoch, the steps left keep the ranks the epoch began with.
     if (stage_ == Stage::kIdle) {
       layout_.Mask(boxes_.control_bytes(), rank, moe::kMaskedByCaller);

@@ -118,6 +118,24 @@ std::string AllToAllConfig::ToString() const {
 
 namespace moe {
 
+Status CheckSetMasked(const AllToAllConfig& c, int rank, bool masked, bool now, bool* change) {
+  *change = false;
+  if (rank < 0 || rank >= c.world_size) {
+    return InvalidArgumentError("SetMasked: rank " + std::to_string(rank) + " of " +
+                                std::to_string(c.world_size));
+  }
+  if (rank == c.rank) return InvalidArgumentError("SetMasked: a rank cannot mask itself");
+  if (masked == now) return Status::Ok();
+  if (!masked) {
+    return UnimplementedError(
+        "SetMasked: rank " + std::to_string(rank) +
+        " is masked and stays so in this AllToAll (what it sent late would be read as a later "
+        "epoch's); a rank that is back joins a new AllToAll");
+  }
+  *change = true;
+  return Status::Ok();
+}
+
 Status CheckStage(Stage at, Stage want, const char* step) {
   if (at == want) return Status::Ok();
   return FailedPreconditionError(std::string(step) +

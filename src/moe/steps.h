@@ -22,5 +22,9 @@ Status CheckDispatchOutput(const AllToAllConfig& c, const DispatchOutput& out);
 // InvalidArgument for combine-time weights where the expert ranks summed with the dispatch's
 // (combine_reduce_at_expert_rank).
 Status CheckCombineOutput(const AllToAllConfig& c, const CombineOutput& out);
+// AllToAll::SetMasked's checks (`now`: whether `rank` is masked already): InvalidArgument for a
+// rank out of range or ourselves, Unimplemented for unmasking a masked rank; else OK, with
+// *change true when the rank is to be masked now.
+Status CheckSetMasked(const AllToAllConfig& c, int rank, bool masked, bool now, bool* change);
 
 }  // namespace ferry::moe

@@ -174,19 +174,11 @@ class NvlinkAllToAll final : public AllToAll {
   // included, which calls no step of ours; otherwise at the next DispatchSend (ApplyMasks).
   // No wait for the stream here: this may run while the stream is being captured.
   Status SetMasked(int rank, bool masked) override {
-    if (rank < 0 || rank >= c_.world_size) {
-      return InvalidArgumentError("SetMasked: rank " + std::to_string(rank) + " of " +
-                                  std::to_string(c_.world_size));
-    }
-    if (rank == c_.rank) return InvalidArgumentError("SetMasked: a rank cannot mask itself");
-    const bool now = caller_masks_[rank] || reinterpret_cast<volatile int32_t*>(error_)[4 + rank];
-    if (masked == now) return Status::Ok();
-    if (!masked) {
-      return UnimplementedError(
-          "SetMasked: rank " + std::to_string(rank) +
-          " is masked and stays so in this AllToAll (what it sent late would be read as a later "
-          "epoch's); a rank that is back joins a new AllToAll");
-    }
+    const volatile int32_t* lost = error_ + 4;  // Nv::mask_mirror
+    const bool now = rank >= 0 && rank < c_.world_size && (caller_masks_[rank] || lost[rank]);
+    bool change = false;
+    RETURN_IF_ERROR(CheckSetMasked(c_, rank, masked, now, &change));
+    if (!change) return Status::Ok();
     caller_masks_[rank] = 1;
     pending_masks_[rank] = 1;
     if (stage_ == Stage::kIdle && nv_.masks) {
@@ -197,8 +189,10 @@ class NvlinkAllToAll final : public AllToAll {
   }
   // Waits for the stream: the kernels mask a lost rank as they run (their mirror in host memory).
   StatusOr<std::vector<uint8_t>> Masked() const override {
-    if (cudaSetDevice(c_.cuda_device) != cudaSuccess || cudaStreamSynchronize(stream_) != cudaSuccess) {
-      return InternalError("AllToAll::Masked: " + std::string(cudaGetErrorString(cudaGetLastError())));
+    if (cudaSetDevice(c_.cuda_device) != cudaSuccess ||
+        cudaStreamSynchronize(stream_) != cudaSuccess) {
+      return InternalError("AllToAll::Masked: " +
+                           std::string(cudaGetErrorString(cudaGetLastError())));
     }
     std::vector<uint8_t> masks(caller_masks_);
     volatile const int32_t* lost = error_ + 4;
@@ -270,8 +264,9 @@ class NvlinkAllToAll final : public AllToAll {
     const RecvArgs args{static_cast<uint8_t*>(out.x), out.scales,        out.num_tokens,
                         BudgetNs(deadline),           out.num_rows,      out.token_experts,
                         out.token_weights,            out.expert_padding, out_rows};
-    auto* unpack = nv_.masks ? (nv_.stream ? UnpackKernel<true, true> : UnpackKernel<false, true>)
-                             : (nv_.stream ? UnpackKernel<true, false> : UnpackKernel<false, false>);
+    auto* unpack = nv_.masks
+                       ? (nv_.stream ? UnpackKernel<true, true> : UnpackKernel<false, true>)
+                       : (nv_.stream ? UnpackKernel<true, false> : UnpackKernel<false, false>);
     FERRY_CUDA(Launch(unpack, unpack_grid_, unpack_smem_, args));
     stage_ = Stage::kDispatchDone;
     return async_ ? Status::Ok() : Finish();
