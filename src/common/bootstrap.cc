@@ -55,13 +55,7 @@ class Relay {
   }
 
   void Answer() {
-    std::vector<uint8_t> out;
-    auto put32 = [&](uint32_t v) { out.insert(out.end(), (uint8_t*)&v, (uint8_t*)&v + 4); };
-    put32(static_cast<uint32_t>(frames_.size()));
-    for (auto& f : frames_) {
-      put32(static_cast<uint32_t>(f.size()));
-      out.insert(out.end(), f.begin(), f.end());
-    }
+    std::vector<uint8_t> out = EncodeRound(frames_);
     for (int fd : fds_) {
       Status s = IoExact(fd, out.data(), out.size(), true, SteadyClock::now() + Millis(10000));
       (void)s;  // a rank that died will be seen by its peers

@@ -26,6 +26,19 @@ Status ReadFrame(const ReadExact& read, std::vector<uint8_t>* out) {
   return Status::Ok();
 }
 
+std::vector<uint8_t> EncodeRound(const std::vector<std::vector<uint8_t>>& frames) {
+  std::vector<uint8_t> out;
+  const auto put32 = [&](uint32_t v) {
+    out.insert(out.end(), reinterpret_cast<uint8_t*>(&v), reinterpret_cast<uint8_t*>(&v) + 4);
+  };
+  put32(static_cast<uint32_t>(frames.size()));
+  for (const auto& f : frames) {
+    put32(static_cast<uint32_t>(f.size()));
+    out.insert(out.end(), f.begin(), f.end());
+  }
+  return out;
+}
+
 StatusOr<std::vector<std::vector<uint8_t>>> ReadRound(const ReadExact& read, int world_size) {
   uint32_t count = 0;
   RETURN_IF_ERROR(read(&count, sizeof count));

@@ -34,6 +34,8 @@ using ReadExact = std::function<Status(void* p, size_t n)>;
 Status ReadFrame(const ReadExact& read, std::vector<uint8_t>* out);
 // A round of `world_size` frames (a count that differs is DataLoss).
 StatusOr<std::vector<std::vector<uint8_t>>> ReadRound(const ReadExact& read, int world_size);
+// What ReadRound reads: a round of `frames` as the relay sends it.
+std::vector<uint8_t> EncodeRound(const std::vector<std::vector<uint8_t>>& frames);
 // A rendezvous answer: the Status it carries into *carried (OK: the world starts). The read's
 // own failure, or DataLoss for a code ferry does not have or an overlong message, is returned.
 Status ReadAnswer(const ReadExact& read, Status* carried);

@@ -131,16 +131,7 @@ class RootBootstrap final : public Bootstrap {
       Status s = ReadFrame(SocketReader(fds_[r], deadline), &all[r]);
       if (!s.ok()) return Broken(s.WithContext("rendezvous: rank " + std::to_string(r)));
     }
-    std::vector<uint8_t> answer;
-    const auto put32 = [&](uint32_t v) {
-      answer.insert(answer.end(), reinterpret_cast<uint8_t*>(&v),
-                    reinterpret_cast<uint8_t*>(&v) + 4);
-    };
-    put32(static_cast<uint32_t>(size_));
-    for (const auto& entry : all) {
-      put32(static_cast<uint32_t>(entry.size()));
-      answer.insert(answer.end(), entry.begin(), entry.end());
-    }
+    std::vector<uint8_t> answer = EncodeRound(all);
     for (int r = 1; r < size_; ++r) {
       Status s = IoExact(fds_[r], answer.data(), answer.size(), true, deadline);
       if (!s.ok()) return Broken(s.WithContext("rendezvous: rank " + std::to_string(r)));

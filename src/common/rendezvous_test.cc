@@ -23,17 +23,11 @@ namespace {
 
 using namespace std::chrono_literals;
 
-// A loopback port nothing listens on now (the kernel's pick; closed again at once).
+// A loopback address nothing listens on now.
 std::string FreeAddress() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof a;
-  EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
-  EXPECT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
-  close(fd);
-  return "127.0.0.1:" + std::to_string(ntohs(a.sin_port));
+  const uint16_t port = testing_util::FreeLoopbackPort();
+  EXPECT_NE(port, 0);
+  return "127.0.0.1:" + std::to_string(port);
 }
 
 RendezvousOptions Options(const std::string& address, int world, int rank,
@@ -174,13 +168,14 @@ TEST(RendezvousTest, ARankLostAfterTheStartEndsTheNextGatherAtOnce) {
 // start followed by a round whose second frame claims 4 GiB. Each joining rank ends with
 // DataLoss at once, having allocated nothing of the sort.
 TEST(RendezvousTest, ARankZeroSendingAbsurdLengthsIsDataLossNotAnAllocation) {
-  const std::string address = FreeAddress();
-  const int port = std::stoi(address.substr(address.rfind(':') + 1));
+  const uint16_t port = testing_util::FreeLoopbackPort();
+  ASSERT_NE(port, 0);
+  const std::string address = "127.0.0.1:" + std::to_string(port);
   const int listener = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_port = htons(port);
   const int one = 1;
   setsockopt(listener, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
   ASSERT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);

@@ -1,6 +1,12 @@
 // Shared helpers for fabric tests: which providers to run over and how to configure them.
 #pragma once
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdint>
 #include <cstdlib>
 #include <initializer_list>
 #include <memory>
@@ -27,6 +33,21 @@ namespace ferry::testing_util {
 
 // How much longer than written a test's short timeouts run: FERRY_TEST_TIME_SCALE (1 unless
 // set; make tsan sets it, as ThreadSanitizer runs code several times slower).
+// A loopback TCP port nothing listens on now: the kernel's pick for a socket bound to port 0,
+// closed again at once. 0 when no socket could be bound.
+inline uint16_t FreeLoopbackPort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return 0;
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
+                  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0;
+  close(fd);
+  return ok ? ntohs(a.sin_port) : 0;
+}
+
 inline int TimeScale() {
   const char* env = std::getenv("FERRY_TEST_TIME_SCALE");
   const int scale = env ? std::atoi(env) : 1;

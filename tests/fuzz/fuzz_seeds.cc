@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "common/frames.h"
 #include "fabric/wire.h"
 #include "fuzz.h"
 #include "ferry/fabric.h"
@@ -136,13 +137,14 @@ int main(int argc, char** argv) {
   };
   for (int w : {1, 2, 4, 8}) {
     std::vector<uint8_t> b = {static_cast<uint8_t>(w - 1)};
+    put32(b, 0);  // the answer: the world starts
     put32(b, 0);
-    put32(b, 0);
-    put32(b, static_cast<uint32_t>(w));
+    std::vector<std::vector<uint8_t>> frames(static_cast<size_t>(w));
     for (int r = 0; r < w; ++r) {
-      put32(b, static_cast<uint32_t>(r * 3));
-      for (int k = 0; k < r * 3; ++k) b.push_back(static_cast<uint8_t>(r + k));
+      for (int k = 0; k < r * 3; ++k) frames[r].push_back(static_cast<uint8_t>(r + k));
     }
+    const std::vector<uint8_t> round = EncodeRound(frames);
+    b.insert(b.end(), round.begin(), round.end());
     Write(root / "bootstrap_frames_fuzz", "round_w" + std::to_string(w), b);
   }
   {
