@@ -1,7 +1,10 @@
 // ferry-bench soak: long runs that must leave nothing behind. Two phases, each on forked local
 // ranks:
 //   moe  4 ranks, host device: dispatch + combine cycles, every cycle's combined output checked
-//        (identity experts, weights summing to 1: each token comes back as it left);
+//        (identity experts, weights summing to 1: each token comes back as it left); with a
+//        rendezvous (--world-size N --rank R --rendezvous HOST:PORT) this phase alone, one
+//        process per rank started apart, N dividing the 16 experts (tests/netns_test.sh runs
+//        it across network namespaces while a link goes down and comes back);
 //   kv   a prefill and decoders that come and go (each a new engine every `churn` requests),
 //        every request's pages checked byte for byte; the prefill's peer table is held to a few
 //        entries, so decoders that left are evicted as new ones arrive.
@@ -59,6 +62,7 @@ struct Row {
   int64_t engines = 0;  // kv decoders: the engines that served its requests, one after another
   Sample at[3];
   double seconds = 0;
+  double slowest_ms = 0;  // moe: the longest cycle (a link that went down and came back)
 };
 
 struct Report {
@@ -127,7 +131,7 @@ constexpr int kRanks = 4, kTokens = 8, kHidden = 128, kExperts = 16, kTopK = 4;
 
 Status MoeRank(const SoakOptions& o, Bootstrap& b, Report* report) {
   const int me = b.rank();
-  AllToAllConfig c{.world_size = kRanks, .rank = me, .num_experts = kExperts,
+  AllToAllConfig c{.world_size = b.world_size(), .rank = me, .num_experts = kExperts,
                    .experts_per_token = kTopK, .max_tokens_per_rank = kTokens,
                    .hidden = kHidden, .dtype = DispatchDtype::kBf16};
   ASSIGN_OR_RETURN(const EngineOptions eo, Options(o.provider));
@@ -159,6 +163,7 @@ Status MoeRank(const SoakOptions& o, Bootstrap& b, Report* report) {
       }
     }
     const Deadline deadline = Deadline::After(10s);
+    const double cycle_start = NowUs();
     Status s = a2a->DispatchSend({x.data(), nullptr, ids.data(), w.data(), kTokens});
     if (s.ok()) s = a2a->DispatchRecv({expert_x.data(), nullptr, counts.data()}, deadline);
     if (s.ok()) s = a2a->CombineSend(expert_x.data());
@@ -171,6 +176,7 @@ Status MoeRank(const SoakOptions& o, Bootstrap& b, Report* report) {
     }
     if (y != x) ++row.errors;
     ++row.done;
+    row.slowest_ms = std::max(row.slowest_ms, (NowUs() - cycle_start) * 1e-3);
   }
   row.seconds = (NowUs() - start) * 1e-6;
   row.engines = 1;
@@ -375,58 +381,88 @@ Status DecoderRank(const SoakOptions& o, Bootstrap& b, Report* report) {
 
 double Growth(double first, double last) { return first > 0 ? (last - first) / first : 0; }
 
-// Prints the phase's table; false if it failed: an error, or growth above 1 % from the first
-// sample to the last in private resident memory or open descriptors.
+// Whether a process's row passes: no error, and growth of at most 1 % from the first sample to
+// the last in private resident memory and in open descriptors.
+bool Flat(const Row& w) {
+  return Growth(w.at[0].private_mib, w.at[2].private_mib) <= 0.01 &&
+         Growth(double(w.at[0].fds), double(w.at[2].fds)) <= 0.01;
+}
+bool Passes(const Report& r) {
+  for (int p = 0; p < r.procs; ++p) {
+    if (r.rows[p].errors != 0 || !Flat(r.rows[p])) return false;
+  }
+  return true;
+}
+
+// Prints the phase's table; false if it failed (Passes).
 bool Print(const char* phase, const char* unit, const Report& r) {
-  bool ok = true;
-  std::printf("soak %s\n| process | %s | engines | errors | seconds | private MiB first / mid / "
-              "last | RSS MiB first / last | open fds first / mid / last | peers first / last "
-              "(entries) |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
+  std::printf("soak %s\n| process | %s | engines | errors | seconds | slowest ms | private MiB "
+              "first / mid / last | RSS MiB first / last | open fds first / mid / last | peers "
+              "first / last (entries) |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- "
+              "| --- |\n",
               phase, unit);
   for (int p = 0; p < r.procs; ++p) {
     const Row& w = r.rows[p];
     const Sample* a = w.at;
     const double own = Growth(a[0].private_mib, a[2].private_mib);
-    const double fds = Growth(double(a[0].fds), double(a[2].fds));
-    const bool flat = own <= 0.01 && fds <= 0.01;
-    ok = ok && flat && w.errors == 0;
-    std::printf("| %d | %lld | %lld | %lld | %.1f | %.2f / %.2f / %.2f (%+.2f %%) | %.2f / %.2f | "
-                "%lld / %lld / %lld | %lld / %lld (%lld) |%s\n",
+    char slowest[32] = "-";  // timed for MoE cycles only
+    if (w.slowest_ms > 0) std::snprintf(slowest, sizeof slowest, "%.1f", w.slowest_ms);
+    std::printf("| %d | %lld | %lld | %lld | %.1f | %s | %.2f / %.2f / %.2f (%+.2f %%) | "
+                "%.2f / %.2f | %lld / %lld / %lld | %lld / %lld (%lld) |%s\n",
                 p, (long long)w.done, (long long)w.engines, (long long)w.errors, w.seconds,
-                a[0].private_mib, a[1].private_mib, a[2].private_mib, 100 * own, a[0].rss_mib,
-                a[2].rss_mib, (long long)a[0].fds,
-                (long long)a[1].fds, (long long)a[2].fds, (long long)a[0].peers,
-                (long long)a[2].peers, (long long)a[2].peer_entries, flat ? "" : " GREW");
+                slowest, a[0].private_mib, a[1].private_mib, a[2].private_mib, 100 * own,
+                a[0].rss_mib, a[2].rss_mib, (long long)a[0].fds, (long long)a[1].fds,
+                (long long)a[2].fds, (long long)a[0].peers, (long long)a[2].peers,
+                (long long)a[2].peer_entries, Flat(w) ? "" : " GREW");
   }
   std::printf("\n");
-  return ok;
+  return Passes(r);
 }
 
 }  // namespace
 
 int RunSoakBench(const SoakOptions& o) {
+  const int moe_ranks = o.world ? o.world->world_size() : kRanks;
   if (o.decoders < 1 || o.decoders + 1 > kMaxProcs || o.churn < 1 || o.cycles < 1 ||
       o.requests < o.decoders || (!o.only.empty() && o.only != "moe" && o.only != "kv")) {
     std::fprintf(stderr, "ferry-bench soak: 1 to %d decoders, churn, cycles and requests >= 1, "
                  "--only moe or kv\n", kMaxProcs - 1);
     return 2;
   }
-  std::printf("ferry-bench soak: %s, MoE %lld cycles on %d ranks, KV %lld requests from %d "
-              "decoders (a new engine every %d)%s\n\n",
-              o.provider.c_str(), (long long)o.cycles, kRanks, (long long)o.requests, o.decoders,
-              o.churn, o.seconds > 0 ? (", each phase at most " + std::to_string(o.seconds) +
-                                        " s").c_str() : "");
-  std::fflush(stdout);
+  if (o.world && (o.only != "moe" || moe_ranks > kMaxProcs || kExperts % moe_ranks != 0)) {
+    std::fprintf(stderr, "ferry-bench soak --rendezvous: --only moe, on a world whose size "
+                 "divides %d experts (at most %d ranks)\n", kExperts, kMaxProcs);
+    return 2;
+  }
+  const bool reporter = !o.world || o.world->rank() == 0;
+  if (reporter) {
+    std::printf("ferry-bench soak: %s, MoE %lld cycles on %d ranks%s, KV %lld requests from %d "
+                "decoders (a new engine every %d)%s\n\n",
+                o.provider.c_str(), (long long)o.cycles, moe_ranks,
+                o.world ? " (met at a rendezvous)" : "", (long long)o.requests, o.decoders,
+                o.churn, o.seconds > 0 ? (", each phase at most " + std::to_string(o.seconds) +
+                                          " s").c_str() : "");
+    std::fflush(stdout);
+  }
   const auto timeout = std::chrono::hours(24);
   Report moe{}, kv{};
   bool moe_ok = true, kv_ok = true;
   if (o.only != "kv") {
     if (!RunRanksAndCollect<Report>(
-            "soak", kRanks, 0, [&](Bootstrap& b, Report* r) { return MoeRank(o, b, r); },
-            &moe, timeout)) {
+            "soak", moe_ranks, 0, [&](Bootstrap& b, Report* r) { return MoeRank(o, b, r); },
+            &moe, timeout, o.world)) {
       return 1;
     }
-    moe_ok = Print("moe (host device)", "cycles", moe);
+    if (reporter) {
+      moe_ok = Print("moe (host device)", "cycles", moe);
+    } else {  // every rank holds rank 0's report: its exit says what rank 0's does
+      const Row& w = moe.rows[o.world->rank()];
+      moe_ok = Passes(moe);
+      std::printf("ferry-bench soak [rank %d of %d]: %lld cycles, %lld errors, slowest %.1f ms; "
+                  "the world's run %s (rank 0 prints the table)\n", o.world->rank(), moe_ranks,
+                  (long long)w.done, (long long)w.errors, w.slowest_ms,
+                  moe_ok ? "clean" : "FAILED");
+    }
     std::fflush(stdout);
   }
   if (o.only != "moe") {
@@ -440,7 +476,7 @@ int RunSoakBench(const SoakOptions& o) {
     }
     kv_ok = Print("kv (process 0: the prefill)", "requests", kv);
   }
-  std::printf("soak: %s\n", moe_ok && kv_ok ? "clean" : "FAILED");
+  if (reporter) std::printf("soak: %s\n", moe_ok && kv_ok ? "clean" : "FAILED");
   return moe_ok && kv_ok ? 0 : 1;
 }
 

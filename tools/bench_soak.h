@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <string>
 
+#include "ferry/bootstrap.h"
+
 namespace ferry::bench {
 
 struct SoakOptions {
@@ -14,6 +16,8 @@ struct SoakOptions {
   int decoders = 2;           // decode processes, each a new engine every `churn` requests
   int churn = 100;
   std::string only;  // "moe" or "kv": that phase alone
+  // Ranks started apart and met at a rendezvous (--rendezvous): the moe phase alone, on them.
+  Bootstrap* world = nullptr;
 };
 
 // Returns the process exit code: 0 when both phases ran without an error and every process's

@@ -22,6 +22,8 @@
 //                      [--churn N] [--only moe|kv]: MoE cycles and KV requests with decoders
 //                      coming and going, checked, with memory, descriptors and peer tables
 //                      sampled (exit 1 on an error or growth above 1 %)
+//                      [--only moe --world-size N --rank R --rendezvous HOST:PORT]: the MoE
+//                      cycles on ranks started apart
 //   ferry-bench demo   the main job of `make demo`: short fabric, moe and kv runs on shm
 #include <cstdio>
 #include <cstdlib>
@@ -68,6 +70,7 @@ void Usage() {
       "       ferry-bench buffers   (per-rank buffer bytes against DeepEP's low-latency mode)\n"
       "       ferry-bench soak [--provider P] [--cycles N] [--requests N] [--seconds S]\n"
       "                        [--decoders N] [--churn N] [--only moe|kv]\n"
+      "                        [--only moe --world-size N --rank R --rendezvous HOST:PORT]\n"
       "       ferry-bench demo\n"
       "Provider from --provider, else FERRY_PROVIDER, else shm.\n");
 }
@@ -252,9 +255,9 @@ int main(int argc, char** argv) {
   if (command == "buffers") return PrintBuffers();
   std::unique_ptr<ferry::Bootstrap> world;  // ranks started apart, met at the rendezvous
   if (!rendezvous.address.empty()) {
-    if (command != "moe" && command != "kv" && command != "fabric") {
-      std::fprintf(stderr, "--rendezvous: ferry-bench fabric, moe and kv run one process per "
-                           "rank; %s does not\n", command.c_str());
+    if (command != "moe" && command != "kv" && command != "fabric" && command != "soak") {
+      std::fprintf(stderr, "--rendezvous: ferry-bench fabric, moe, kv and soak run one process "
+                           "per rank; %s does not\n", command.c_str());
       return 2;
     }
     m.ranks = rendezvous.world_size;  // one process per rank
@@ -264,7 +267,7 @@ int main(int argc, char** argv) {
       return 1;
     }
     world = std::move(*joined);
-    m.world = kv.world = f.world = world.get();
+    m.world = kv.world = f.world = soak.world = world.get();
   }
   if (command == "fabric") return ferry::bench::RunFabricBench(f);
   if (command == "moe") return ferry::bench::RunMoeBench(m);
