@@ -4,9 +4,9 @@
 # the end. ferry-bench moe runs one process per rank, each in its own namespace over
 # tcp;ofi_rxm, bound to its namespace's address, meeting at rank 0's rendezvous: every rank exits
 # 0 and rank 0 prints the figures; ferry-bench fabric and kv likewise, on two of them. Then a
-# link goes down and comes back inside one world, which carries on; and a link goes down for
-# longer than the step deadline, which ends the world, and a new world forms once it is back
-# (below). Skips (77) where the machine refuses namespaces.
+# link goes down and comes back inside one world, which carries on, under MoE cycles and under
+# KV requests (every result checked); and a link goes down for longer than the step deadline,
+# which ends the world, and a new world forms once it is back (below). Skips (77) where the machine refuses namespaces.
 # Usage: netns_test.sh FERRY_BENCH
 set -u
 bench=$1
@@ -126,6 +126,37 @@ rows=$(grep -cE "^\| [0-9]+ \| [0-9]+ \| 1 \| 0 \|" "$out/flap0.txt")
 slowest=$(awk -F'|' '$2 ~ /^ 2 $/ { print int($7) }' "$out/flap0.txt")
 [ "${slowest:-0}" -ge 1000 ] ||
   { echo "FAIL: flap: rank 2's slowest cycle ${slowest:-?} ms: the outage was not felt"; fail=1; }
+
+# KV requests the same way, every request's pages checked byte for byte (ferry-bench soak): the
+# prefill in the first namespace, a decoder that keeps its engine in the second, one that
+# makes a new engine every 50 requests in the third; 10 s, and the steady decoder's link down
+# for 2 s, 3 s in. Its requests in flight wait for TCP's resend (within the prefill's 5 s
+# transfer timeout); the other decoder's carry on meanwhile.
+kvsoak=(soak --only kv --provider "tcp;ofi_rxm" --seconds 10 --churn 50 --world-size 3
+        --rendezvous "$subnet.1:$((port + 6))")
+for i in 2 1 0; do
+  FERRY_NODE=$subnet.$((i + 1)) timeout 120 ip netns exec "${tag}h$i" "$bench" "${kvsoak[@]}" \
+    --rank $i > "$out/kvflap$i.txt" 2>&1 &
+  pids[$i]=$!
+done
+for _ in $(seq 100); do grep -q "^ferry-bench soak" "$out/kvflap0.txt" && break; sleep 0.1; done
+sleep 3
+ip -n "${tag}br" link set "${tag}b1" down
+sleep 2
+ip -n "${tag}br" link set "${tag}b1" up
+for i in 0 1 2; do
+  wait "${pids[$i]}"; rc=$?
+  [ $rc -le 1 ] || { echo "FAIL: kv flap: process $i exited $rc"; fail=1; }
+done
+echo "== KV requests across namespaces, a decoder's link down for 2 s and up again"
+cat "$out/kvflap0.txt"
+rows=$(grep -cE "^\| [0-9]+ \| [1-9][0-9]* \| [0-9]+ \| 0 \|" "$out/kvflap0.txt")
+[ "$rows" -eq 3 ] ||
+  { echo "FAIL: kv flap: $rows of 3 processes served requests without an error"; fail=1; }
+slowest=$(awk -F'|' '$2 ~ /^ 1 $/ { print int($7) }' "$out/kvflap0.txt")
+[ "${slowest:-0}" -ge 1000 ] ||
+  { echo "FAIL: kv flap: decoder 1's slowest request ${slowest:-?} ms: the outage was not felt"
+    fail=1; }
 
 # A link set down mid-run (rank 2's veth, on the bridge's side). Over TCP nothing fails at once:
 # writes complete into the senders' socket buffers and TCP retransmits; what ends the run is

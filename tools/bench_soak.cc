@@ -7,7 +7,8 @@
 //        it across network namespaces while a link goes down and comes back);
 //   kv   a prefill and decoders that come and go (each a new engine every `churn` requests),
 //        every request's pages checked byte for byte; the prefill's peer table is held to a few
-//        entries, so decoders that left are evicted as new ones arrive.
+//        entries, so decoders that left are evicted as new ones arrive. With a rendezvous
+//        (--only kv), rank 0 is the prefill and every other rank a decoder.
 // Each process samples its resident memory (private: less file and shared-memory pages), open
 // descriptors and its engine's peer table every 1000 cycles or requests after a warm-up; the
 // report shows the first sample, the middle one and the last, and the run fails on any error or
@@ -25,6 +26,7 @@
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <span>
 #include <numeric>
@@ -62,7 +64,7 @@ struct Row {
   int64_t engines = 0;  // kv decoders: the engines that served its requests, one after another
   Sample at[3];
   double seconds = 0;
-  double slowest_ms = 0;  // moe: the longest cycle (a link that went down and came back)
+  double slowest_ms = 0;  // the longest cycle or decoder's request (a link down and back up)
 };
 
 struct Report {
@@ -291,6 +293,7 @@ void ServeRequests(const SoakOptions& o, int rank, std::span<const uint8_t> pref
       samples->taken.push_back(Take(engine->get()));
     }
     std::fill(memory.begin(), memory.end(), 0);
+    const double request_start = NowUs();
     std::mutex mu;
     std::condition_variable cv;
     bool ready = false;
@@ -320,6 +323,7 @@ void ServeRequests(const SoakOptions& o, int rank, std::span<const uint8_t> pref
     }
     if (memory != want) fail(DataLossError("request " + std::to_string(n) + ": pages differ"));
     ++row->done;
+    row->slowest_ms = std::max(row->slowest_ms, (NowUs() - request_start) * 1e-3);
   }
   if (samples) samples->taken.push_back(Take(engine->get()));
   decoder->reset();
@@ -355,18 +359,19 @@ Status DecoderRank(const SoakOptions& o, Bootstrap& b, Report* report) {
         Row mine;
         ServeRequests(o, b.rank(), prefill_address, first, std::min(first + o.churn, quota),
                       quota, start, &mine, nullptr);
-        const int64_t counts[2] = {mine.done, mine.errors};
+        const int64_t counts[3] = {mine.done, mine.errors, int64_t(mine.slowest_ms * 1e3)};
         const bool sent = write(fds[1], counts, sizeof counts) == sizeof counts;
         _exit(sent ? 0 : 1);
       }
       close(fds[1]);
-      int64_t counts[2] = {0, 1};
+      int64_t counts[3] = {0, 1, 0};  // requests, errors, slowest µs
       const bool got = read(fds[0], counts, sizeof counts) == sizeof counts;
       close(fds[0]);
       int status = 0;
       waitpid(child, &status, 0);
       row.done += counts[0];
       row.errors += got && WIFEXITED(status) && WEXITSTATUS(status) == 0 ? counts[1] : 1;
+      row.slowest_ms = std::max(row.slowest_ms, double(counts[2]) * 1e-3);
       ++row.engines;
     }
     samples.taken.push_back(Take(nullptr));
@@ -405,7 +410,7 @@ bool Print(const char* phase, const char* unit, const Report& r) {
     const Row& w = r.rows[p];
     const Sample* a = w.at;
     const double own = Growth(a[0].private_mib, a[2].private_mib);
-    char slowest[32] = "-";  // timed for MoE cycles only
+    char slowest[32] = "-";  // not timed: the prefill's requests
     if (w.slowest_ms > 0) std::snprintf(slowest, sizeof slowest, "%.1f", w.slowest_ms);
     std::printf("| %d | %lld | %lld | %lld | %.1f | %s | %.2f / %.2f / %.2f (%+.2f %%) | "
                 "%.2f / %.2f | %lld / %lld / %lld | %lld / %lld (%lld) |%s\n",
@@ -419,65 +424,72 @@ bool Print(const char* phase, const char* unit, const Report& r) {
   return Passes(r);
 }
 
+// Runs one phase on `ranks` ranks (forked, or the rendezvous' world) and prints its table at
+// the reporter; the other ranks of a world print their own line. False if it failed (Passes).
+bool RunPhase(const SoakOptions& o, const char* phase, const char* unit, int ranks,
+              const std::function<Status(Bootstrap&, Report*)>& body) {
+  Report r{};
+  if (!RunRanksAndCollect<Report>("soak", ranks, 0, body, &r, std::chrono::hours(24), o.world)) {
+    return false;
+  }
+  if (!o.world || o.world->rank() == 0) return Print(phase, unit, r);
+  // Every rank holds rank 0's report: its exit says what rank 0's does.
+  const Row& w = r.rows[o.world->rank()];
+  const bool ok = Passes(r);
+  std::printf("ferry-bench soak [rank %d of %d]: %lld %s, %lld errors; the world's run %s "
+              "(rank 0 prints the table)\n", o.world->rank(), ranks, (long long)w.done, unit,
+              (long long)w.errors, ok ? "clean" : "FAILED");
+  return ok;
+}
+
 }  // namespace
 
 int RunSoakBench(const SoakOptions& o) {
   const int moe_ranks = o.world ? o.world->world_size() : kRanks;
-  if (o.decoders < 1 || o.decoders + 1 > kMaxProcs || o.churn < 1 || o.cycles < 1 ||
-      o.requests < o.decoders || (!o.only.empty() && o.only != "moe" && o.only != "kv")) {
+  const int decoders = o.world ? o.world->world_size() - 1 : o.decoders;
+  if (decoders < 1 || decoders + 1 > kMaxProcs || o.churn < 1 || o.cycles < 1 ||
+      o.requests < decoders || (!o.only.empty() && o.only != "moe" && o.only != "kv")) {
     std::fprintf(stderr, "ferry-bench soak: 1 to %d decoders, churn, cycles and requests >= 1, "
                  "--only moe or kv\n", kMaxProcs - 1);
     return 2;
   }
-  if (o.world && (o.only != "moe" || moe_ranks > kMaxProcs || kExperts % moe_ranks != 0)) {
-    std::fprintf(stderr, "ferry-bench soak --rendezvous: --only moe, on a world whose size "
-                 "divides %d experts (at most %d ranks)\n", kExperts, kMaxProcs);
+  // A world is one phase's: moe on every rank, or kv with rank 0 the prefill.
+  if (o.world && (o.only.empty() || moe_ranks > kMaxProcs ||
+                  (o.only == "moe" && kExperts % moe_ranks != 0))) {
+    std::fprintf(stderr, "ferry-bench soak --rendezvous: --only moe (a world whose size divides "
+                 "%d experts) or --only kv (rank 0 the prefill), at most %d ranks\n", kExperts,
+                 kMaxProcs);
     return 2;
   }
   const bool reporter = !o.world || o.world->rank() == 0;
   if (reporter) {
-    std::printf("ferry-bench soak: %s, MoE %lld cycles on %d ranks%s, KV %lld requests from %d "
-                "decoders (a new engine every %d)%s\n\n",
-                o.provider.c_str(), (long long)o.cycles, moe_ranks,
-                o.world ? " (met at a rendezvous)" : "", (long long)o.requests, o.decoders,
-                o.churn, o.seconds > 0 ? (", each phase at most " + std::to_string(o.seconds) +
-                                          " s").c_str() : "");
+    const std::string moe = "MoE " + std::to_string(o.cycles) + " cycles on " +
+                            std::to_string(moe_ranks) + " ranks";
+    const std::string kv = "KV " + std::to_string(o.requests) + " requests from " +
+                           std::to_string(decoders) + " decoders (a new engine every " +
+                           std::to_string(o.churn) + ")";
+    std::printf("ferry-bench soak: %s, %s%s%s%s\n\n", o.provider.c_str(),
+                o.only == "kv" ? kv.c_str() : moe.c_str(),
+                o.only.empty() ? (", " + kv).c_str() : "",
+                o.world ? "; ranks met at a rendezvous" : "",
+                o.seconds > 0 ? (", each phase at most " + std::to_string(o.seconds) +
+                                 " s").c_str() : "");
     std::fflush(stdout);
   }
-  const auto timeout = std::chrono::hours(24);
-  Report moe{}, kv{};
-  bool moe_ok = true, kv_ok = true;
+  bool ok = true;
   if (o.only != "kv") {
-    if (!RunRanksAndCollect<Report>(
-            "soak", moe_ranks, 0, [&](Bootstrap& b, Report* r) { return MoeRank(o, b, r); },
-            &moe, timeout, o.world)) {
-      return 1;
-    }
-    if (reporter) {
-      moe_ok = Print("moe (host device)", "cycles", moe);
-    } else {  // every rank holds rank 0's report: its exit says what rank 0's does
-      const Row& w = moe.rows[o.world->rank()];
-      moe_ok = Passes(moe);
-      std::printf("ferry-bench soak [rank %d of %d]: %lld cycles, %lld errors, slowest %.1f ms; "
-                  "the world's run %s (rank 0 prints the table)\n", o.world->rank(), moe_ranks,
-                  (long long)w.done, (long long)w.errors, w.slowest_ms,
-                  moe_ok ? "clean" : "FAILED");
-    }
+    ok = RunPhase(o, "moe (host device)", "cycles", moe_ranks,
+                  [&](Bootstrap& b, Report* r) { return MoeRank(o, b, r); });
     std::fflush(stdout);
   }
-  if (o.only != "moe") {
-    if (!RunRanksAndCollect<Report>(
-            "soak", o.decoders + 1, 0,
-            [&](Bootstrap& b, Report* r) {
-              return b.rank() == 0 ? PrefillRank(o, b, r) : DecoderRank(o, b, r);
-            },
-            &kv, timeout)) {
-      return 1;
-    }
-    kv_ok = Print("kv (process 0: the prefill)", "requests", kv);
+  if (ok && o.only != "moe") {
+    ok = RunPhase(o, "kv (process 0: the prefill)", "requests", decoders + 1,
+                  [&](Bootstrap& b, Report* r) {
+                    return b.rank() == 0 ? PrefillRank(o, b, r) : DecoderRank(o, b, r);
+                  });
   }
-  if (reporter) std::printf("soak: %s\n", moe_ok && kv_ok ? "clean" : "FAILED");
-  return moe_ok && kv_ok ? 0 : 1;
+  if (reporter) std::printf("soak: %s\n", ok ? "clean" : "FAILED");
+  return ok ? 0 : 1;
 }
 
 }  // namespace ferry::bench

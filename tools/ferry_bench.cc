@@ -22,8 +22,8 @@
 //                      [--churn N] [--only moe|kv]: MoE cycles and KV requests with decoders
 //                      coming and going, checked, with memory, descriptors and peer tables
 //                      sampled (exit 1 on an error or growth above 1 %)
-//                      [--only moe --world-size N --rank R --rendezvous HOST:PORT]: the MoE
-//                      cycles on ranks started apart
+//                      [--only moe|kv --world-size N --rank R --rendezvous HOST:PORT]:
+//                      one phase on ranks started apart (kv: rank 0 the prefill)
 //   ferry-bench demo   the main job of `make demo`: short fabric, moe and kv runs on shm
 #include <cstdio>
 #include <cstdlib>
@@ -70,7 +70,7 @@ void Usage() {
       "       ferry-bench buffers   (per-rank buffer bytes against DeepEP's low-latency mode)\n"
       "       ferry-bench soak [--provider P] [--cycles N] [--requests N] [--seconds S]\n"
       "                        [--decoders N] [--churn N] [--only moe|kv]\n"
-      "                        [--only moe --world-size N --rank R --rendezvous HOST:PORT]\n"
+      "                        [--only moe|kv --world-size N --rank R --rendezvous HOST:PORT]\n"
       "       ferry-bench demo\n"
       "Provider from --provider, else FERRY_PROVIDER, else shm.\n");
 }
