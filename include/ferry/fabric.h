@@ -320,6 +320,16 @@ struct FERRY_API EngineStats {
   uint64_t peer_entries = 0;
 };
 
+// What an engine posted to one peer through one of its NICs, since AddPeer gave the PeerId
+// (TransferEngine::Traffic): work requests as the provider took them, so a write split into
+// shards or pages counts each piece, on the NIC it went through. Monotonic.
+struct FERRY_API PeerTraffic {
+  uint64_t writes = 0;  // RDMA writes, immediate-only ones included
+  uint64_t bytes = 0;   // payload bytes of the writes and sends
+  uint64_t imms = 0;    // writes that carried an immediate
+  uint64_t sends = 0;   // two-sided messages
+};
+
 // Provider facts, for logs and benchmarks, never needed to use the API. The mr_mode bits and
 // context_mode are libfabric's (what its provider asked for), unset over verbs.
 struct FERRY_API FabricInfo {
@@ -456,6 +466,10 @@ class FERRY_API TransferEngine {
   void SetUnmatchedImmHandler(UnmatchedImmHandler handler);
 
   EngineStats stats() const;
+  // One PeerTraffic per local NIC (num_nics of them) for `peer`: lost or removed, its final
+  // counts, until its table entry serves another peer (then Unavailable; NotFound for an id
+  // never given). Read while the worker posts: each counter is exact, the set a moment's view.
+  StatusOr<std::vector<PeerTraffic>> Traffic(PeerId peer) const;
 
  private:
   friend class MemoryRegion;  // Deregister

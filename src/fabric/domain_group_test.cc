@@ -10,6 +10,7 @@
 #include <random>
 #include <thread>
 
+#include "fabric/engine.h"
 #include "fabric/engine_internal.h"
 #include "fabric/fault_domain.h"
 #include "fabric/test_util.h"
@@ -233,6 +234,90 @@ TEST_P(DomainGroupTest, ScatterAndBarrierShardPeersOverTheNics) {
   std::array<uint64_t, kMaxNics> want{};
   for (uint32_t m = 0; m < 3; ++m) want[m % n] += 3;
   EXPECT_EQ(d, want);
+}
+
+// TransferEngine::Traffic: what went to each peer through each NIC, as the work requests were
+// posted (ferry-bench moe's per-peer, per-NIC counts at scale read it).
+TEST_P(DomainGroupTest, TrafficCountsWhatWentToEachPeerThroughEachNic) {
+  const uint32_t n = GetParam().sender_nics;
+  auto group = a_->AddPeerGroup(peers_);
+  ASSERT_TRUE(group.ok()) << group.status();
+  std::vector<RemoteRegion> dsts;
+  for (auto& r : dst_reg_) dsts.push_back(r.remote());
+  auto plan = a_->PrepareScatter(*group, src_reg_, dsts);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  for (auto& b : b_) ASSERT_TRUE(b->CreateImmCounter(41).ok() && b->CreateImmCounter(42).ok());
+  // Member m: two slices of 100 * (m + 1) bytes, each with the immediate, then a barrier.
+  std::vector<ScatterTarget> targets;
+  for (uint32_t m = 0; m < 3; ++m) {
+    targets.push_back({m, 0, 0, 100 * (m + 1)});
+    targets.push_back({m, 4096, 4096, 100 * (m + 1)});
+  }
+  TransferCounter done;
+  ASSERT_TRUE(a_->Scatter({*plan, targets, 41u}, Completion::Counter(&done)).ok());
+  ASSERT_TRUE(a_->Barrier(*group, 42, Completion::Counter(&done)).ok());
+  // Peer 1 also gets a message of 3 bytes and an immediate alone; peer 0 a write sharded over
+  // every NIC.
+  const uint8_t three[3] = {1, 2, 3};
+  ASSERT_TRUE(a_->Send(peers_[1], three, Completion::Counter(&done)).ok());
+  ASSERT_TRUE(a_->WriteImm(peers_[1], 41, Completion::Counter(&done)).ok());
+  SingleWrite w{.src = &src_reg_, .peer = peers_[0], .dst = dst_reg_[0].remote(),
+                .length = kBytes};
+  ASSERT_TRUE(a_->Write(w, Completion::Counter(&done)).ok());
+  ASSERT_TRUE(done.Wait(5, Deadline::After(10s)).ok());
+  EXPECT_EQ(done.failed.load(), 0u);
+  uint64_t writes_everywhere = 0;
+  for (uint32_t m = 0; m < 3; ++m) {
+    auto t = a_->Traffic(peers_[m]);
+    ASSERT_TRUE(t.ok()) << t.status();
+    ASSERT_EQ(t->size(), n);
+    PeerTraffic sum;
+    for (uint32_t k = 0; k < n; ++k) {
+      const PeerTraffic& got = (*t)[k];
+      writes_everywhere += got.writes;
+      sum = {sum.writes + got.writes, sum.bytes + got.bytes, sum.imms + got.imms,
+             sum.sends + got.sends};
+      if (m == 2) {  // the scatter's and the barrier's writes, all from the member's NIC
+        const bool serves = k == m % n;
+        EXPECT_EQ(got.writes, serves ? 3u : 0u) << k;
+        EXPECT_EQ(got.imms, serves ? 3u : 0u) << k;
+        EXPECT_EQ(got.bytes, serves ? 600u : 0u) << k;
+        EXPECT_EQ(got.sends, 0u) << k;
+      }
+    }
+    if (m == 1) {  // and the message and the immediate alone, on the NIC that serves peer 1
+      EXPECT_EQ(sum.writes, 4u);
+      EXPECT_EQ(sum.imms, 4u);
+      EXPECT_EQ(sum.bytes, 403u);
+      EXPECT_EQ(sum.sends, 1u);
+    }
+    if (m == 0) {  // two slices, the barrier and the write sharded over every NIC
+      EXPECT_EQ(sum.bytes, 200u + kBytes);
+      EXPECT_EQ(sum.imms, 3u);
+      EXPECT_EQ(sum.sends, 0u);
+      for (uint32_t k = 0; k < n; ++k) {
+        EXPECT_GT((*t)[k].writes, 0u) << "NIC " << k << " carried none of peer 0's writes";
+      }
+    }
+  }
+  EXPECT_EQ(writes_everywhere, a_->stats().wrs_posted - 1);  // all but the send
+  // A removed peer's counts stay readable (final) until its slot serves another peer; the
+  // next peer there starts from zero.
+  const std::vector<PeerTraffic> before_removal = *a_->Traffic(peers_[2]);
+  ASSERT_TRUE(a_->RemovePeer(peers_[2]).ok());
+  auto removed = a_->Traffic(peers_[2]);
+  ASSERT_TRUE(removed.ok()) << removed.status();
+  EXPECT_EQ((*removed)[2 % n].bytes, before_removal[2 % n].bytes);
+  auto again = a_->AddPeer(b_[2]->Address());
+  ASSERT_TRUE(again.ok()) << again.status();
+  ASSERT_NE(*again, peers_[2]);
+  if (fabric::PeerSlot(*again) == fabric::PeerSlot(peers_[2])) {  // the entry was reused
+    EXPECT_EQ(a_->Traffic(peers_[2]).status().code(), StatusCode::kUnavailable);
+  }
+  auto fresh = a_->Traffic(*again);
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  for (const PeerTraffic& t : *fresh) EXPECT_EQ(t.writes + t.bytes + t.imms + t.sends, 0u);
+  EXPECT_EQ(a_->Traffic(PeerId{999}).status().code(), StatusCode::kNotFound);
 }
 
 TEST_P(DomainGroupTest, MessagesAndImmediatesNameTheirSenderWhicheverNicCarriesThem) {

@@ -88,6 +88,12 @@ struct PeerEntry {
   std::vector<std::pair<uint32_t, uint64_t>> inserted;  // (local NIC, address): all AV entries
   std::atomic<bool> lost{false};
   bool removed = false;  // add_mu_: RemovePeer ran (the slot is free or retired)
+  // What the worker posted to this peer through each local NIC (TransferEngine::Traffic): the
+  // worker's own counters, zeroed when AddPeer fills the slot.
+  struct Traffic {
+    std::atomic<uint64_t> writes{0}, bytes{0}, imms{0}, sends{0};
+  };
+  std::array<Traffic, kMaxNics> traffic{};
 };
 
 // One member of a prepared scatter: its peer, the local NIC that posts to it, and its
@@ -331,7 +337,16 @@ class Engine final {
   size_t PostPending();
 
   // Posts WR i of transfer t on the NIC the file comment assigns it to; *nic says which.
-  PostResult PostOne(Transfer* t, uint32_t i, WrSlot* slot, uint32_t* nic, Status* error);
+  // What PostOne posted: through which NIC, to which peer slot, how many bytes, and whether it
+  // was a write (else a send) carrying an immediate.
+  struct Posted {
+    uint32_t nic = 0;
+    uint32_t peer_slot = 0;
+    uint64_t bytes = 0;
+    bool send = false;
+    bool imm = false;
+  };
+  PostResult PostOne(Transfer* t, uint32_t i, WrSlot* slot, Posted* posted, Status* error);
 
   size_t PollCompletions();
   bool IsPostedRecv(const OpContext* ctx) const;

@@ -200,8 +200,8 @@ size_t Engine::PostPending() {
       WrSlot* slot = free_wrs_.back();
       slot->transfer = t;
       Status error;
-      uint32_t nic = 0;
-      PostResult res = PostOne(t, t->next, slot, &nic, &error);
+      Posted wr;
+      PostResult res = PostOne(t, t->next, slot, &wr, &error);
       if (res == PostResult::kAgain) {
         Stats::Add(stats_.post_retries);
         blocked = true;
@@ -215,8 +215,11 @@ size_t Engine::PostPending() {
       ++t->next;
       ++t->outstanding;
       ++posted;
-      auto& per_nic = stats_.wrs_per_nic[nic];
-      Stats::Add(per_nic);
+      Stats::Add(stats_.wrs_per_nic[wr.nic]);
+      PeerEntry::Traffic& to = peers_[wr.peer_slot].traffic[wr.nic];
+      Stats::Add(wr.send ? to.sends : to.writes);
+      Stats::Add(to.bytes, wr.bytes);
+      if (wr.imm) Stats::Add(to.imms);
     }
     if (blocked) break;
     // Done posting (or deferred, or failed): off the pending list.
@@ -231,7 +234,8 @@ size_t Engine::PostPending() {
   return posted;
 }
 
-PostResult Engine::PostOne(Transfer* t, uint32_t i, WrSlot* slot, uint32_t* nic, Status* error) {
+PostResult Engine::PostOne(Transfer* t, uint32_t i, WrSlot* slot, Posted* posted,
+                           Status* error) {
   const Request& r = t->req;
   WriteWr wr;
   wr.context = &slot->ctx;
@@ -281,7 +285,7 @@ PostResult Engine::PostOne(Transfer* t, uint32_t i, WrSlot* slot, uint32_t* nic,
       wr.peer_addr = peers_[PeerSlot(m.peer)].addr[k];
       wr.remote_addr = m.base + target.dst_offset;
       wr.key = m.key;
-      *nic = k;
+      *posted = {k, PeerSlot(m.peer), wr.length, false, wr.has_imm};
       return domains_[k]->PostWrite(wr, error);
     }
     case Kind::kBarrier: {
@@ -295,7 +299,7 @@ PostResult Engine::PostOne(Transfer* t, uint32_t i, WrSlot* slot, uint32_t* nic,
       wr.peer_addr = p.addr[k];
       wr.remote_addr = p.sink[k].base;
       wr.key = p.sink[k].key;
-      *nic = k;
+      *posted = {k, PeerSlot(member), 0, false, wr.has_imm};
       return domains_[k]->PostWrite(wr, error);
     }
     case Kind::kImm:
@@ -303,7 +307,7 @@ PostResult Engine::PostOne(Transfer* t, uint32_t i, WrSlot* slot, uint32_t* nic,
       wr.key = r.entry->sink[k].key;
       break;
     case Kind::kSend:
-      *nic = k;
+      *posted = {k, PeerSlot(r.peer), r.length, true, false};
       return domains_[k]->PostSend(r.src, r.length, r.src_desc[k], r.entry->addr[k],
                                    &slot->ctx, error);
     case Kind::kNotify:
@@ -312,7 +316,7 @@ PostResult Engine::PostOne(Transfer* t, uint32_t i, WrSlot* slot, uint32_t* nic,
   // Single-peer writes.
   wr.local_desc = r.src_desc[k];
   wr.peer_addr = r.entry->addr[k];
-  *nic = k;
+  *posted = {k, PeerSlot(r.peer), wr.length, false, wr.has_imm};
   return domains_[k]->PostWrite(wr, error);
 }
 

@@ -231,6 +231,11 @@ StatusOr<PeerId> TransferEngine::AddPeer(std::span<const uint8_t> address_bytes)
                         e.remote_nics.store(remote, std::memory_order_relaxed);
                         e.engine_id.store(address.engine_id, std::memory_order_relaxed);
                         e.lost.store(false, std::memory_order_relaxed);
+                        for (PeerEntry::Traffic& t : e.traffic) {
+                          for (auto* c : {&t.writes, &t.bytes, &t.imms, &t.sends}) {
+                            c->store(0, std::memory_order_relaxed);
+                          }
+                        }
                         e.id.store(id, std::memory_order_release);
                         return Status::Ok();
                       })
@@ -257,6 +262,21 @@ StatusOr<bool> TransferEngine::PeerLost(PeerId peer) const {
   if (current.code() == StatusCode::kUnavailable) return true;  // removed: its slot moved on
   RETURN_IF_ERROR(current);
   return impl->peers_[PeerSlot(peer)].lost.load(std::memory_order_acquire);
+}
+
+StatusOr<std::vector<PeerTraffic>> TransferEngine::Traffic(PeerId peer) const {
+  Engine* const impl = impl_;
+  RETURN_IF_ERROR(impl->CheckCurrent(peer).WithContext("Traffic"));
+  const PeerEntry& e = impl->peers_[PeerSlot(peer)];
+  std::vector<PeerTraffic> out(impl->nics_);
+  for (uint32_t k = 0; k < impl->nics_; ++k) {
+    const PeerEntry::Traffic& t = e.traffic[k];
+    out[k] = {t.writes.load(std::memory_order_relaxed), t.bytes.load(std::memory_order_relaxed),
+              t.imms.load(std::memory_order_relaxed), t.sends.load(std::memory_order_relaxed)};
+  }
+  // The slot may have passed to another peer while we read: its counts are not this peer's.
+  RETURN_IF_ERROR(impl->CheckCurrent(peer).WithContext("Traffic"));
+  return out;
 }
 
 StatusOr<GroupId> TransferEngine::AddPeerGroup(std::span<const PeerId> members) {
