@@ -59,7 +59,8 @@ sanitize: deps
 # Every CPU test under ThreadSanitizer in build-tsan (the Python bindings and the install
 # consumer left out, as for sanitize; netns_moe too: it times ferry-bench processes against a
 # link taken down after a fixed delay, which TSan's slowdown outlasts before the world forms;
-# and soak_short, whose flat-memory check would measure TSan's own growing bookkeeping). libfabric is not built with TSan, so what its own threads
+# and soak_short, whose flat-memory check would measure TSan's own growing bookkeeping; and
+# moe_scale_model, 24 ranks of the same host-device code soak_short's ranks run). libfabric is not built with TSan, so what its own threads
 # do is invisible to it: the suppressions (tests/tsan.supp) name only libraries outside ferry,
 # each with its reason.
 TSAN_FLAGS := -fsanitize=thread -fno-omit-frame-pointer
@@ -70,7 +71,7 @@ tsan: deps
 	cmake --build build-tsan -j $(JOBS)
 	cd build-tsan && FERRY_TEST_TIME_SCALE=5 TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 \
 	  suppressions=$(CURDIR)/tests/tsan.supp" ctest --output-on-failure --timeout 900 \
-	  -E "install_consumer|netns_moe|soak_short"
+	  -E "install_consumer|netns_moe|soak_short|moe_scale_model"
 
 # libFuzzer harnesses (tests/fuzz): every decoder of bytes from a peer or a user. Built with clang
 # in build-fuzz (the library CPU-only, under ASan + UBSan). Each run starts from the seed corpus

@@ -24,6 +24,10 @@
 //                      sampled (exit 1 on an error or growth above 1 %)
 //                      [--only moe|kv --world-size N --rank R --rendezvous HOST:PORT]:
 //                      one phase on ranks started apart (kv: rank 0 the prefill)
+//   ferry-bench scale  [--provider P] [--ranks N] [--node-ranks 8] [--nics 2] [--tokens T]
+//                      [--hidden H] [--experts E] [--topk K] [--dtype fp8|bf16]: the MoE
+//                      protocol on N host-device ranks, outputs checked, and the writes, bytes
+//                      and immediates each rank posts per step through each NIC (JSON)
 //   ferry-bench demo   the main job of `make demo`: short fabric, moe and kv runs on shm
 #include <cstdio>
 #include <cstdlib>
@@ -34,6 +38,7 @@
 #include "tools/bench_fabric.h"
 #include "tools/bench_kv.h"
 #include "tools/bench_moe.h"
+#include "tools/bench_scale.h"
 #include "tools/bench_soak.h"
 #ifdef FERRY_BENCH_CUDA
 #include "tools/bench_mirror.h"
@@ -71,6 +76,9 @@ void Usage() {
       "       ferry-bench soak [--provider P] [--cycles N] [--requests N] [--seconds S]\n"
       "                        [--decoders N] [--churn N] [--only moe|kv]\n"
       "                        [--only moe|kv --world-size N --rank R --rendezvous HOST:PORT]\n"
+      "       ferry-bench scale [--provider P] [--ranks N] [--node-ranks 8] [--nics 2]"
+      " [--tokens T]\n"
+      "                         [--hidden H] [--experts E] [--topk K] [--dtype fp8|bf16]\n"
       "       ferry-bench demo\n"
       "Provider from --provider, else FERRY_PROVIDER, else shm.\n");
 }
@@ -128,6 +136,8 @@ int main(int argc, char** argv) {
   ferry::bench::SoakOptions soak;
   int64_t p2p_bytes = int64_t{256} << 20;
   bool iters_given = false, rounds_given = false;  // mirror's own defaults otherwise
+  int nics = 2;  // ferry-bench scale: NICs per rank
+  bool hidden_given = false, ranks_given = false;  // scale's own defaults otherwise
   ferry::TopologyOptions topo;
   ferry::RendezvousOptions rendezvous;  // the flags over FERRY_RENDEZVOUS and friends
   {
@@ -155,11 +165,13 @@ int main(int argc, char** argv) {
       f.json = m.json = kv.json = true;
     } else if (a == "--ranks" && has_value) {
       ok = ParseInt(argv[++i], &m.ranks);
+      ranks_given = true;
     } else if (a == "--tokens" && has_value) {
       ok = ParseInt(argv[++i], &m.tokens) && m.tokens >= 1;
       kv.tokens = m.tokens;
     } else if (a == "--hidden" && has_value) {
       ok = ParseInt(argv[++i], &m.hidden);
+      hidden_given = true;
     } else if (a == "--experts" && has_value) {
       ok = ParseInt(argv[++i], &m.experts);
     } else if (a == "--topk" && has_value) {
@@ -205,6 +217,8 @@ int main(int argc, char** argv) {
       ok = end && *end == '\0' && p2p_bytes > 0;
     } else if (a == "--nvlink") {
       m.nvlink = m.cuda = true;
+    } else if (a == "--nics" && has_value) {
+      ok = ParseInt(argv[++i], &nics) && nics >= 1;
     } else if (a == "--node-ranks" && has_value) {
       ok = ParseInt(argv[++i], &m.node_ranks) && m.node_ranks >= 1;
     } else if (a == "--private" && has_value) {
@@ -247,6 +261,20 @@ int main(int argc, char** argv) {
   if (m.ranks < 1 || m.iters < 1) {
     std::fprintf(stderr, "--ranks and --iters must be at least 1\n");
     return 2;
+  }
+  if (command == "scale") {
+    ferry::bench::ScaleBenchOptions so;
+    so.provider = m.provider;
+    so.ranks = m.ranks;
+    if (m.node_ranks > 0) so.ranks_per_node = m.node_ranks;
+    so.nics = nics;
+    so.tokens = m.tokens;
+    if (hidden_given) so.hidden = m.hidden;
+    if (!ranks_given) so.ranks = ferry::bench::ScaleBenchOptions{}.ranks;
+    so.experts = m.experts;
+    so.topk = m.topk;
+    so.fp8 = m.fp8;
+    return ferry::bench::RunScaleBench(so);
   }
   if (m.node_ranks > 0 && (!m.nvlink || m.ranks % m.node_ranks != 0)) {
     std::fprintf(stderr, "--node-ranks needs --nvlink and must divide --ranks\n");
