@@ -263,8 +263,9 @@ class PyDeepEpLowLatency {
     py::object result;
     std::optional<Array> oa;
     if (IsNone(a[8])) {
-      result = py::handle(a[0]).attr("new_empty")(py::make_tuple(h->tokens, e->hidden));
-      oa = TorchArray(result);  // bf16 on x's device
+      result = torch_.empty_like(e->OutputTemplate(a[0], h->tokens));
+      oa = TorchArray(result);  // bf16 on x's device, contiguous
+      if (!oa || oa->shape != std::vector<int64_t>{h->tokens, e->hidden}) return {};
     } else {
       result = py::reinterpret_borrow<py::object>(a[8]);
       oa = TorchArray(result);
@@ -323,6 +324,21 @@ class PyDeepEpLowLatency {
     std::optional<Array> ones;
     // Each output set read once (its tensors never change): keyed by the set's tuple.
     std::vector<std::pair<py::object, OutputArrays>> arrays;
+    // Per token count, one bf16 element of x's device expanded to [tokens, hidden]: what
+    // torch.empty_like makes a combine's output from. It takes a third less than x.new_empty
+    // of the shape (1.96 against 2.93 us on an H200 host, 2026-12-04): one tensor argument to
+    // parse, not a shape. Expanded, it holds 2 bytes, and empty_like lays out a tensor that is
+    // not dense contiguously.
+    std::vector<std::pair<int64_t, py::object>> out_templates;
+
+    py::handle OutputTemplate(PyObject* x, int64_t tokens) {
+      for (const auto& [t, o] : out_templates) {
+        if (t == tokens) return o;
+      }
+      py::object one = py::handle(x).attr("new_empty")(py::make_tuple(1, 1));
+      out_templates.emplace_back(tokens, one.attr("expand")(tokens, hidden));
+      return out_templates.back().second;
+    }
 
     // The older of the two sets, moved to the list's end as Python's _ll_outputs takes it.
     py::tuple Next() {

@@ -23,6 +23,7 @@ struct Torch {
   PyObject* uint32;  // null before torch 2.3
   py::handle tensor_type;
   py::handle current_stream;  // (ordinal) -> the current cudaStream_t as an int
+  py::handle empty_like;      // torch.empty_like
 
   static const Torch& Get() {
     static const Torch t = [] {
@@ -38,7 +39,8 @@ struct Torch {
           py::object(py::hasattr(torch.attr("_C"), "_cuda_getCurrentRawStream")
                          ? torch.attr("_C").attr("_cuda_getCurrentRawStream")
                          : py::module_::import("ferry._engine_api").attr("current_stream_handle"))
-              .release()};
+              .release(),
+          py::object(torch.attr("empty_like")).release()};
       return t;
     }();
     return t;

@@ -121,11 +121,17 @@ def decode_e4m3(t):
 
 # ---- ranks ---------------------------------------------------------------------------------------
 
-def gloo(b, path):
+def gloo(b, path, backend="gloo"):
     import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=b.rank,
+    dist.init_process_group(backend, init_method=f"file://{path}", rank=b.rank,
                             world_size=b.world_size)
     return dist.group.WORLD
+
+
+def group_of(b, path, kind):
+    """The group a layer is given: a torch.distributed group ("gloo", or "nccl": the rank's
+    CUDA device must be set) or ferry's own bootstrap ("ferry")."""
+    return gloo(b, path, kind) if kind in ("gloo", "nccl") else b
 
 
 def rows_of(t):
@@ -400,7 +406,7 @@ def check_worst_tokens(buf, world, rank):
 def deep_ep_body(world, group_kind):
     def body(b, store):
         from ferry import deep_ep
-        group = gloo(b, store) if group_kind == "gloo" else b
+        group = group_of(b, store, group_kind)
         buf = deep_ep.Buffer(group, num_nvl_bytes=1 << 22, num_rdma_bytes=0,
                              low_latency_mode=True, explicitly_destroy=True)
         assert buf.group_size == world and buf.rank == b.rank
@@ -515,7 +521,7 @@ def padded_blocks(out_x, counts, rank, world, m=None):
 def pplx_body(world, group_kind):
     def body(b, store):
         from ferry import pplx
-        group = gloo(b, store) if group_kind == "gloo" else b
+        group = group_of(b, store, group_kind)
         e = EXPERTS_PER_RANK * world
         a2a = pplx.AllToAll(max_num_tokens=MAX_TOKENS, num_experts=e, expert_padding=PADDING,
                             hidden_dim=HIDDEN, hidden_dim_scale=None, in_dtype=torch.bfloat16,

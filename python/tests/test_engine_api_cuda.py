@@ -60,7 +60,7 @@ def graph_body(world, kind):
     def body(b, store):
         import torch
         from ferry import deep_ep
-        group = api.gloo(b, store) if kind == "gloo" else b
+        group = api.group_of(b, store, kind)
         buf = deep_ep.Buffer(group, explicitly_destroy=True)
         e, local = api.EXPERTS_PER_RANK * world, api.EXPERTS_PER_RANK
         x, idx, w = (t.cuda() for t in api.inputs(world, b.rank))
@@ -97,7 +97,7 @@ def pplx_graph_body(world, kind):
     def body(b, store):
         import torch
         from ferry import pplx
-        group = api.gloo(b, store) if kind == "gloo" else b
+        group = api.group_of(b, store, kind)
         local, pad = api.EXPERTS_PER_RANK, api.PADDING
         a2a = pplx.AllToAll(max_num_tokens=api.MAX_TOKENS, num_experts=local * world,
                             expert_padding=pad, hidden_dim=api.HIDDEN, hidden_dim_scale=None,
@@ -315,6 +315,25 @@ class CudaEngineApiTest(api.Case):
 
     def test_pplx_world_2(self):
         self.ranks(2, on_gpu(api.pplx_body(2, "ferry")), timeout=240.0)
+
+    # An NCCL group: world size 1 (NCCL refuses two ranks on one GPU, which is all two ranks
+    # get here). The layers gather through torch.distributed's all_gather_object on it.
+    def nccl(self):
+        import torch.distributed as dist
+        if not dist.is_available() or not dist.is_nccl_available():
+            self.skipTest("torch without NCCL")
+
+    def test_deep_ep_world_1_over_nccl(self):
+        self.nccl()
+        self.ranks(1, on_gpu(api.deep_ep_body(1, "nccl")), timeout=240.0)
+
+    def test_pplx_world_1_over_nccl(self):
+        self.nccl()
+        self.ranks(1, on_gpu(api.pplx_body(1, "nccl")), timeout=240.0)
+
+    def test_deep_ep_low_latency_as_a_cuda_graph_over_nccl(self):
+        self.nccl()
+        self.ranks(1, on_gpu(graph_body(1, "nccl")), timeout=240.0)
 
 
 if __name__ == "__main__":
