@@ -7,9 +7,13 @@
 # link goes down and comes back inside one world, which carries on, under MoE cycles and under
 # KV requests (every result checked); and a link goes down for longer than the step deadline,
 # which ends the world, and a new world forms once it is back (below). Skips (77) where the machine refuses namespaces.
-# Usage: netns_test.sh FERRY_BENCH
+# Last, the multi-process gtest suites given after FERRY_BENCH run their tcp cases with each
+# forked rank in a namespace of its own (FERRY_LOCAL_RANK_NETNS, ferry/bootstrap.h).
+# Usage: netns_test.sh FERRY_BENCH [GTEST_SUITE...]
 set -u
 bench=$1
+shift
+suites=("$@")
 tag=f$$  # names unique to this run (interface names stay within 15 characters)
 subnet=10.77.$(($$ % 250))
 hosts=4
@@ -203,6 +207,20 @@ for i in $(seq 0 $((hosts - 1))); do
     { echo "FAIL: after the link came back, rank $i failed:"; cat "$out/up$i.txt"; fail=1; }
 done
 grep -q "^plain " "$out/up0.txt" || { echo "FAIL: no figures after the link came back"; fail=1; }
+# The multi-process suites' tcp cases, rank r in host r mod 4: their own checks (every byte,
+# every fault's outcome) across the bridge instead of loopback.
+netns_list=$(seq -s, -f "${tag}h%g" 0 $((hosts - 1)))
+node_list=$(seq -s, -f "$subnet.%g" 1 "$hosts")
+for suite in "${suites[@]}"; do
+  name=$(basename "$suite")
+  FERRY_LOCAL_RANK_NETNS=$netns_list FERRY_LOCAL_RANK_NODES=$node_list \
+    timeout 300 "$suite" --gtest_filter='*tcp*' --gtest_brief=1 > "$out/$name.txt" 2>&1
+  rc=$?
+  echo "== $name, tcp cases, ranks in namespaces: exit $rc"
+  grep -E "^\[  (PASSED|FAILED) |tests? ran" "$out/$name.txt"
+  grep -q "^\[  PASSED  \] [1-9]" "$out/$name.txt" && [ $rc -eq 0 ] ||
+    { echo "FAIL: $name across namespaces:"; tail -40 "$out/$name.txt"; fail=1; }
+done
 rm -rf "$out"
 [ $fail -eq 0 ] && echo PASS
 exit $fail

@@ -68,6 +68,12 @@ struct FERRY_API RankExit {
 // Forks `world_size` ranks; each runs `body(bootstrap)` and exits 0 if it returned OK (its
 // status is printed to stderr otherwise). Ranks still running after `timeout` are killed.
 // Call it from a process with no other threads running (fork copies only the caller's thread).
+// Ranks as hosts of their own: with FERRY_LOCAL_RANK_NETNS set (network namespace names,
+// comma-separated, as `ip netns` keeps them under /var/run/netns), rank r enters the (r mod n)-th
+// before `body` runs, and with FERRY_LOCAL_RANK_NODES (addresses, comma-separated) its FERRY_NODE
+// becomes the (r mod n)-th; the ranks still meet through the launcher's sockets.
+// tests/netns_test.sh runs the multi-process suites so. A rank that cannot enter its namespace
+// fails, saying why (entering one needs CAP_SYS_ADMIN).
 FERRY_API std::vector<RankExit> RunLocalRanks(int world_size,
                                               const std::function<Status(Bootstrap&)>& body,
                                               std::chrono::milliseconds timeout);

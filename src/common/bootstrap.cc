@@ -6,7 +6,9 @@
 #include "common/frames.h"
 #include "common/socket_io.h"
 
+#include <fcntl.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -14,9 +16,11 @@
 
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 namespace ferry {
 namespace {
@@ -73,6 +77,48 @@ class Relay {
   std::unordered_map<size_t, Buffer> partial_;
 };
 
+// The (rank mod n)-th of a comma-separated list in environment variable `name`; empty when
+// the variable is unset or empty.
+std::string NthOf(const char* name, int rank) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return {};
+  std::vector<std::string> items;
+  std::string item;
+  for (const char* c = v;; ++c) {
+    if (*c == ',' || *c == '\0') {
+      items.push_back(item);
+      item.clear();
+      if (*c == '\0') break;
+    } else {
+      item += *c;
+    }
+  }
+  return items[static_cast<size_t>(rank) % items.size()];
+}
+
+// FERRY_LOCAL_RANK_NETNS / FERRY_LOCAL_RANK_NODES (see RunLocalRanks), in a forked rank.
+Status EnterRankHost(int rank) {
+  const std::string ns = NthOf("FERRY_LOCAL_RANK_NETNS", rank);
+  if (!ns.empty()) {
+    const std::string path = "/var/run/netns/" + ns;
+    const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+      return UnavailableError("FERRY_LOCAL_RANK_NETNS: rank " + std::to_string(rank) +
+                              " cannot open " + path + ": " + std::strerror(errno));
+    }
+    const int rc = setns(fd, CLONE_NEWNET);
+    const int err = errno;
+    close(fd);
+    if (rc != 0) {
+      return UnavailableError("FERRY_LOCAL_RANK_NETNS: rank " + std::to_string(rank) +
+                              " cannot enter " + ns + ": " + std::strerror(err));
+    }
+  }
+  const std::string node = NthOf("FERRY_LOCAL_RANK_NODES", rank);
+  if (!node.empty()) setenv("FERRY_NODE", node.c_str(), 1);
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status Bootstrap::Barrier(Millis timeout) {
@@ -97,8 +143,8 @@ std::vector<RankExit> RunLocalRanks(int world_size, const std::function<Status(B
     if (pid == 0) {
       for (int fd : parent_fds) close(fd);
       close(sv[0]);
-      Status s;
-      {
+      Status s = EnterRankHost(r);
+      if (s.ok()) {
         std::unique_ptr<Bootstrap> bootstrap = NewRelayedBootstrap(r, world_size, sv[1]);
         s = body(*bootstrap);
       }

@@ -85,7 +85,12 @@ void ExpectEnvRefused(Parse parse,
 inline EngineOptions TestOptions(const std::string& provider) {
   EngineOptions o;
   o.provider = provider;
-  if (provider.find("tcp") != std::string::npos) o.node = "127.0.0.1";
+  if (provider.find("tcp") != std::string::npos) {
+    // Loopback, unless the rank runs as a host of its own (FERRY_LOCAL_RANK_NODES set its
+    // FERRY_NODE: tests/netns_test.sh).
+    const char* node = std::getenv("FERRY_NODE");
+    o.node = node && *node ? node : "127.0.0.1";
+  }
   o.spin_us = 20;
   o.idle_yield_us = 200;
   o.idle_sleep_us = 200;
