@@ -67,34 +67,34 @@ for v in "plain" "(a) once/rank" "(b) reduce" "(a)+(b)"; do
   grep -qF "$v " "$out/rank0.txt" || { echo "FAIL: rank 0 printed no '$v' row"; fail=1; }
 done
 
-# ferry-bench fabric the same way: rank 0 writes into rank 1, each in its namespace.
-fabrun=(fabric --provider "tcp;ofi_rxm" --quick --world-size 2
-        --rendezvous "$subnet.1:$((port + 4))")
-FERRY_NODE=$subnet.2 timeout 120 ip netns exec "${tag}h1" "$bench" "${fabrun[@]}" --rank 1 \
-  > "$out/fab1.txt" 2>&1 &
-fabpid=$!
-FERRY_NODE=$subnet.1 timeout 120 ip netns exec "${tag}h0" "$bench" "${fabrun[@]}" --rank 0 \
-  > "$out/fab0.txt" 2>&1
-rcf0=$?
-wait $fabpid; rcf1=$?
-echo "== fabric across namespaces"
-cat "$out/fab0.txt" "$out/fab1.txt"
-[ $rcf0 -eq 0 ] && [ $rcf1 -eq 0 ] || { echo "FAIL: fabric exits $rcf0 $rcf1"; fail=1; }
+# Two ranks of ferry-bench, rank 1 in the second namespace and rank 0 in the first, met at a
+# rendezvous on rank 0's address: two_hosts NAME PORT ARGS... leaves NAME0.txt and NAME1.txt in
+# $out and returns 0 when both ranks exited 0.
+two_hosts() {
+  local name=$1 at=$2
+  shift 2
+  local args=("$@" --world-size 2 --rendezvous "$subnet.1:$at")
+  FERRY_NODE=$subnet.2 timeout 120 ip netns exec "${tag}h1" "$bench" "${args[@]}" --rank 1 \
+    > "$out/${name}1.txt" 2>&1 &
+  local pid=$!
+  FERRY_NODE=$subnet.1 timeout 120 ip netns exec "${tag}h0" "$bench" "${args[@]}" --rank 0 \
+    > "$out/${name}0.txt" 2>&1
+  local rc0=$?
+  wait $pid
+  local rc1=$?
+  echo "== $name across namespaces (exits $rc0 $rc1)"
+  cat "$out/${name}0.txt" "$out/${name}1.txt"
+  [ $rc0 -eq 0 ] && [ $rc1 -eq 0 ]
+}
+
+# ferry-bench fabric: rank 0 writes into rank 1, each in its namespace.
+two_hosts fab $((port + 4)) fabric --provider "tcp;ofi_rxm" --quick ||
+  { echo "FAIL: fabric across namespaces"; fail=1; }
 grep -q "imm-rtt" "$out/fab0.txt" || { echo "FAIL: fabric printed no imm-rtt row"; fail=1; }
 
-# ferry-bench kv the same way: the prefill in the first namespace, its decoder in the second.
-kvrun=(kv --provider "tcp;ofi_rxm" --tokens 256 --rounds 1 --world-size 2
-       --rendezvous "$subnet.1:$((port + 3))")
-FERRY_NODE=$subnet.2 timeout 120 ip netns exec "${tag}h1" "$bench" "${kvrun[@]}" --rank 1 \
-  > "$out/kv1.txt" 2>&1 &
-kvpid=$!
-FERRY_NODE=$subnet.1 timeout 120 ip netns exec "${tag}h0" "$bench" "${kvrun[@]}" --rank 0 \
-  > "$out/kv0.txt" 2>&1
-rck0=$?
-wait $kvpid; rck1=$?
-echo "== kv across namespaces"
-cat "$out/kv0.txt" "$out/kv1.txt"
-[ $rck0 -eq 0 ] && [ $rck1 -eq 0 ] || { echo "FAIL: kv exits $rck0 $rck1"; fail=1; }
+# ferry-bench kv: the prefill in the first namespace, its decoder in the second.
+two_hosts kv $((port + 3)) kv --provider "tcp;ofi_rxm" --tokens 256 --rounds 1 ||
+  { echo "FAIL: kv across namespaces"; fail=1; }
 grep -q "^deepseek-r1 mla " "$out/kv0.txt" || { echo "FAIL: kv printed no rows"; fail=1; }
 
 # A link down and up again inside one world: MoE cycles on the host device (ferry-bench soak,

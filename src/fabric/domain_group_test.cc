@@ -94,6 +94,15 @@ class DomainGroupTest : public ::testing::TestWithParam<GroupCase> {
     }
   }
 
+  // The three peers as one group, and a scatter plan from src_ over it into their regions.
+  StatusOr<std::pair<GroupId, ScatterPlanId>> GroupAndPlan() {
+    ASSIGN_OR_RETURN(GroupId group, a_->AddPeerGroup(peers_));
+    std::vector<RemoteRegion> dsts;
+    for (auto& r : dst_reg_) dsts.push_back(r.remote());
+    ASSIGN_OR_RETURN(ScatterPlanId plan, a_->PrepareScatter(group, src_reg_, dsts));
+    return std::make_pair(group, plan);
+  }
+
   static constexpr uint64_t kBytes = (1 << 20) + 13;  // not a multiple of anything
 
   std::unique_ptr<TransferEngine> a_;
@@ -201,12 +210,9 @@ TEST_P(DomainGroupTest, APagedWriteWithOneImmediateStripesAndCountsItsPages) {
 
 TEST_P(DomainGroupTest, ScatterAndBarrierShardPeersOverTheNics) {
   const uint32_t n = GetParam().sender_nics;
-  auto group = a_->AddPeerGroup(peers_);
-  ASSERT_TRUE(group.ok()) << group.status();
-  std::vector<RemoteRegion> dsts;
-  for (auto& r : dst_reg_) dsts.push_back(r.remote());
-  auto plan = a_->PrepareScatter(*group, src_reg_, dsts);
-  ASSERT_TRUE(plan.ok()) << plan.status();
+  auto group_and_plan = GroupAndPlan();
+  ASSERT_TRUE(group_and_plan.ok()) << group_and_plan.status();
+  const auto [group, plan] = *group_and_plan;
   for (auto& b : b_) ASSERT_TRUE(b->CreateImmCounter(21).ok() && b->CreateImmCounter(22).ok());
   // Member i gets two slices, at 1000 * i and 50000 + 1000 * i.
   std::vector<ScatterTarget> targets;
@@ -216,8 +222,8 @@ TEST_P(DomainGroupTest, ScatterAndBarrierShardPeersOverTheNics) {
   }
   auto before = a_->stats().wrs_posted_per_nic;
   TransferCounter done;
-  ASSERT_TRUE(a_->Scatter({*plan, targets, 21u}, Completion::Counter(&done)).ok());
-  ASSERT_TRUE(a_->Barrier(*group, 22, Completion::Counter(&done)).ok());
+  ASSERT_TRUE(a_->Scatter({plan, targets, 21u}, Completion::Counter(&done)).ok());
+  ASSERT_TRUE(a_->Barrier(group, 22, Completion::Counter(&done)).ok());
   ASSERT_TRUE(done.Wait(2, Deadline::After(10s)).ok());
   EXPECT_EQ(done.failed.load(), 0u);
   for (uint32_t m = 0; m < 3; ++m) {
@@ -240,12 +246,9 @@ TEST_P(DomainGroupTest, ScatterAndBarrierShardPeersOverTheNics) {
 // posted (ferry-bench moe's per-peer, per-NIC counts at scale read it).
 TEST_P(DomainGroupTest, TrafficCountsWhatWentToEachPeerThroughEachNic) {
   const uint32_t n = GetParam().sender_nics;
-  auto group = a_->AddPeerGroup(peers_);
-  ASSERT_TRUE(group.ok()) << group.status();
-  std::vector<RemoteRegion> dsts;
-  for (auto& r : dst_reg_) dsts.push_back(r.remote());
-  auto plan = a_->PrepareScatter(*group, src_reg_, dsts);
-  ASSERT_TRUE(plan.ok()) << plan.status();
+  auto group_and_plan = GroupAndPlan();
+  ASSERT_TRUE(group_and_plan.ok()) << group_and_plan.status();
+  const auto [group, plan] = *group_and_plan;
   for (auto& b : b_) ASSERT_TRUE(b->CreateImmCounter(41).ok() && b->CreateImmCounter(42).ok());
   // Member m: two slices of 100 * (m + 1) bytes, each with the immediate, then a barrier.
   std::vector<ScatterTarget> targets;
@@ -254,8 +257,8 @@ TEST_P(DomainGroupTest, TrafficCountsWhatWentToEachPeerThroughEachNic) {
     targets.push_back({m, 4096, 4096, 100 * (m + 1)});
   }
   TransferCounter done;
-  ASSERT_TRUE(a_->Scatter({*plan, targets, 41u}, Completion::Counter(&done)).ok());
-  ASSERT_TRUE(a_->Barrier(*group, 42, Completion::Counter(&done)).ok());
+  ASSERT_TRUE(a_->Scatter({plan, targets, 41u}, Completion::Counter(&done)).ok());
+  ASSERT_TRUE(a_->Barrier(group, 42, Completion::Counter(&done)).ok());
   // Peer 1 also gets a message of 3 bytes and an immediate alone; peer 0 a write sharded over
   // every NIC.
   const uint8_t three[3] = {1, 2, 3};
