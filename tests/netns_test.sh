@@ -97,70 +97,65 @@ two_hosts kv $((port + 3)) kv --provider "tcp;ofi_rxm" --tokens 256 --rounds 1 |
   { echo "FAIL: kv across namespaces"; fail=1; }
 grep -q "^deepseek-r1 mla " "$out/kv0.txt" || { echo "FAIL: kv printed no rows"; fail=1; }
 
+# A soak world of RANKS ranks (rank r in host r) whose host DOWN's link goes down for 2 s, 3 s
+# into the run, then comes back: soak_through_outage NAME RANKS DOWN PORT SOAK-ARGS... leaves
+# rank 0's table in $out/NAME0.txt; fails the test if a rank exited other than 0 or 1 (1: the
+# soak's own memory verdict, which is not this test's -- over tcp the first sample precedes the
+# sockets' buffers' growth -- so the errors are read from the table).
+soak_through_outage() {
+  local name=$1 ranks=$2 down=$3 at=$4 i rc
+  shift 4
+  local args=(soak --provider "tcp;ofi_rxm" "$@" --world-size "$ranks"
+              --rendezvous "$subnet.1:$at")
+  local ps=()
+  for i in $(seq $((ranks - 1)) -1 0); do
+    FERRY_NODE=$subnet.$((i + 1)) timeout 120 ip netns exec "${tag}h$i" "$bench" "${args[@]}" \
+      --rank $i > "$out/$name$i.txt" 2>&1 &
+    ps[$i]=$!
+  done
+  # The run starts when rank 0 prints its first line: the world has formed.
+  for _ in $(seq 100); do grep -q "^ferry-bench soak" "$out/${name}0.txt" && break; sleep 0.1; done
+  sleep 3
+  ip -n "${tag}br" link set "${tag}b$down" down
+  sleep 2
+  ip -n "${tag}br" link set "${tag}b$down" up
+  for i in $(seq 0 $((ranks - 1))); do
+    wait "${ps[$i]}"; rc=$?
+    [ $rc -le 1 ] || { echo "FAIL: $name: rank $i exited $rc"; fail=1; }
+  done
+  cat "$out/${name}0.txt"
+}
+
+# ... and the slowest cycle or request of rank R in NAME's table, ms: slowest NAME R.
+slowest() { awk -F'|' -v r=" $2 " '$2 == r { print int($7) }' "$out/${1}0.txt"; }
+
 # A link down and up again inside one world: MoE cycles on the host device (ferry-bench soak,
 # every cycle's combined output checked bit for bit, each step's deadline 10 s) while rank 2's
-# veth goes down for 2 s, 3 s into the run. TCP retransmits what was in flight once the link is
-# back (its backoff: within about 3 s of the link going down), so the world carries on: every
-# rank ends its 12 s without an error, and the slowest cycle shows the outage was felt. The
-# soak's memory check is not this test's: over tcp the first sample precedes the sockets'
-# buffers' growth, so only the errors are read from its table.
-flap=(soak --only moe --provider "tcp;ofi_rxm" --seconds 12 --world-size $hosts
-      --rendezvous "$subnet.1:$((port + 5))")
-for i in $(seq $((hosts - 1)) -1 0); do
-  FERRY_NODE=$subnet.$((i + 1)) timeout 120 ip netns exec "${tag}h$i" "$bench" "${flap[@]}" \
-    --rank $i > "$out/flap$i.txt" 2>&1 &
-  pids[$i]=$!
-done
-# The run starts when rank 0's table header would be printed: wait for the world to form.
-for _ in $(seq 100); do grep -q "^ferry-bench soak" "$out/flap0.txt" && break; sleep 0.1; done
-sleep 3
-ip -n "${tag}br" link set "${tag}b2" down
-sleep 2
-ip -n "${tag}br" link set "${tag}b2" up
-for i in $(seq 0 $((hosts - 1))); do
-  wait "${pids[$i]}"; rc=$?
-  # 0, or 1 for the soak's own memory verdict; a failed cycle is read from the table below.
-  [ $rc -le 1 ] || { echo "FAIL: flap: rank $i exited $rc"; fail=1; }
-done
+# link is down. TCP retransmits what was in flight once the link is back (its backoff: within
+# about 3 s of the link going down), so the world carries on: every rank ends its 12 s without
+# an error, and rank 2's slowest cycle shows the outage was felt.
 echo "== a link down for 2 s and up again inside one world"
-cat "$out/flap0.txt"
+soak_through_outage flap $hosts 2 $((port + 5)) --only moe --seconds 12
 rows=$(grep -cE "^\| [0-9]+ \| [0-9]+ \| 1 \| 0 \|" "$out/flap0.txt")
 [ "$rows" -eq $hosts ] ||
   { echo "FAIL: flap: $rows of $hosts ranks ran their cycles without an error"; fail=1; }
-slowest=$(awk -F'|' '$2 ~ /^ 2 $/ { print int($7) }' "$out/flap0.txt")
-[ "${slowest:-0}" -ge 1000 ] ||
-  { echo "FAIL: flap: rank 2's slowest cycle ${slowest:-?} ms: the outage was not felt"; fail=1; }
+[ "$(slowest flap 2)" -ge 1000 ] ||
+  { echo "FAIL: flap: rank 2's slowest cycle $(slowest flap 2) ms: the outage was not felt"
+    fail=1; }
 
-# KV requests the same way, every request's pages checked byte for byte (ferry-bench soak): the
-# prefill in the first namespace, a decoder that keeps its engine in the second, one that
-# makes a new engine every 50 requests in the third; 10 s, and the steady decoder's link down
-# for 2 s, 3 s in. Its requests in flight wait for TCP's resend (within the prefill's 5 s
-# transfer timeout); the other decoder's carry on meanwhile.
-kvsoak=(soak --only kv --provider "tcp;ofi_rxm" --seconds 10 --churn 50 --world-size 3
-        --rendezvous "$subnet.1:$((port + 6))")
-for i in 2 1 0; do
-  FERRY_NODE=$subnet.$((i + 1)) timeout 120 ip netns exec "${tag}h$i" "$bench" "${kvsoak[@]}" \
-    --rank $i > "$out/kvflap$i.txt" 2>&1 &
-  pids[$i]=$!
-done
-for _ in $(seq 100); do grep -q "^ferry-bench soak" "$out/kvflap0.txt" && break; sleep 0.1; done
-sleep 3
-ip -n "${tag}br" link set "${tag}b1" down
-sleep 2
-ip -n "${tag}br" link set "${tag}b1" up
-for i in 0 1 2; do
-  wait "${pids[$i]}"; rc=$?
-  [ $rc -le 1 ] || { echo "FAIL: kv flap: process $i exited $rc"; fail=1; }
-done
+# KV requests the same way, every request's pages checked byte for byte: the prefill in the
+# first namespace, a decoder that keeps its engine in the second, one that makes a new engine
+# every 50 requests in the third; 10 s, the steady decoder's link down. Its requests in flight
+# wait for TCP's resend (within the prefill's 5 s transfer timeout); the other decoder's carry
+# on meanwhile.
 echo "== KV requests across namespaces, a decoder's link down for 2 s and up again"
-cat "$out/kvflap0.txt"
+soak_through_outage kvflap 3 1 $((port + 6)) --only kv --seconds 10 --churn 50
 rows=$(grep -cE "^\| [0-9]+ \| [1-9][0-9]* \| [0-9]+ \| 0 \|" "$out/kvflap0.txt")
 [ "$rows" -eq 3 ] ||
   { echo "FAIL: kv flap: $rows of 3 processes served requests without an error"; fail=1; }
-slowest=$(awk -F'|' '$2 ~ /^ 1 $/ { print int($7) }' "$out/kvflap0.txt")
-[ "${slowest:-0}" -ge 1000 ] ||
-  { echo "FAIL: kv flap: decoder 1's slowest request ${slowest:-?} ms: the outage was not felt"
-    fail=1; }
+[ "$(slowest kvflap 1)" -ge 1000 ] ||
+  { echo "FAIL: kv flap: decoder 1's slowest request $(slowest kvflap 1) ms: the outage was not"\
+         "felt"; fail=1; }
 
 # A link set down mid-run (rank 2's veth, on the bridge's side). Over TCP nothing fails at once:
 # writes complete into the senders' socket buffers and TCP retransmits; what ends the run is
