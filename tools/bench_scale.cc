@@ -117,16 +117,16 @@ void Count(const AllToAllConfig& c, int ranks_per_node,
   }
 }
 
+// The options' AllToAll configuration for `rank` of `world` ranks.
+AllToAllConfig ConfigOf(const ScaleBenchOptions& o, int world, int rank) {
+  return {.world_size = world, .rank = rank, .num_experts = o.experts,
+          .experts_per_token = o.topk, .max_tokens_per_rank = o.tokens, .hidden = o.hidden,
+          .dtype = o.fp8 ? DispatchDtype::kFp8E4M3 : DispatchDtype::kBf16};
+}
+
 Status RunRank(const ScaleBenchOptions& o, bool once_per_rank, bool reduce, Bootstrap& b,
                RankCounts* mine) {
-  AllToAllConfig c;
-  c.world_size = b.world_size();
-  c.rank = b.rank();
-  c.num_experts = o.experts;
-  c.experts_per_token = o.topk;
-  c.max_tokens_per_rank = o.tokens;
-  c.hidden = o.hidden;
-  c.dtype = o.fp8 ? DispatchDtype::kFp8E4M3 : DispatchDtype::kBf16;
+  AllToAllConfig c = ConfigOf(o, b.world_size(), b.rank());
   c.dispatch_once_per_rank = once_per_rank;
   c.combine_reduce_at_expert_rank = reduce;
   RETURN_IF_ERROR(c.Validate());
@@ -254,13 +254,7 @@ int RunScaleBench(const ScaleBenchOptions& o) {
                  kMaxReportNics);
     return 2;
   }
-  AllToAllConfig c;
-  c.world_size = o.ranks;
-  c.num_experts = o.experts;
-  c.experts_per_token = o.topk;
-  c.max_tokens_per_rank = o.tokens;
-  c.hidden = o.hidden;
-  c.dtype = o.fp8 ? DispatchDtype::kFp8E4M3 : DispatchDtype::kBf16;
+  const AllToAllConfig c = ConfigOf(o, o.ranks, 0);
   if (Status s = c.Validate(); !s.ok()) {
     std::fprintf(stderr, "ferry-bench scale: %s\n", s.ToString().c_str());
     return 2;

@@ -180,8 +180,9 @@ def extrapolate(runs, target_hidden=HIDDEN):
 
 
 def published_pattern(system, ep, step):
-    """One rank's step under uniform routing, as the baseline posts it: one list of NICs
-    (dicts as extrapolate's), and whether its peers of the node go over NVLink."""
+    """One rank's step under uniform routing, as the baseline posts it: a dict per NIC, as
+    extrapolate's (intra_bytes: what crosses NVLink, 0 where the system sends it all through
+    the NIC)."""
     nics = 2 if system in ("pplx-garden", "UCCL-EP") else 1  # p5en: 2 EFA NICs per GPU
     copies = TOKENS * TOPK
     row = FP8_ROW if step == "dispatch" else BF16_ROW
