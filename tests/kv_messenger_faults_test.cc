@@ -609,5 +609,131 @@ TEST(KvCancelStormTest, APrefillServesMoreRequestsThanItsEngineHoldsPeers) {
   for (auto& e : exits) EXPECT_TRUE(e.ok()) << e.exit_code << " " << e.signal;
 }
 
+// A prefill that stops answering mid-request -- here a bare engine that takes request 7, writes
+// into its pages and then ignores the cancel, as a hung one does -- is fenced before the decoder
+// gives the pages back: what it writes once it was removed lands nowhere and counts toward no
+// later request. Its writes before that landed (its keys were good), and a request naming it
+// again gives it keys that work.
+class KvFenceTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(KvFenceTest, AHungPrefillsLateWritesLandNowhere) {
+  const std::string provider = GetParam();
+  SmallEnd d;
+  ASSERT_TRUE(d.Open(provider, 2).ok());
+  auto made = KvDecoder::Create(d.engine.get(), d.side, d.shards.regions, nullptr,
+                                /*max_requests=*/1);
+  ASSERT_TRUE(made.ok()) << made.status();
+  std::unique_ptr<KvDecoder> decoder = std::move(made).value();
+
+  auto bare = TransferEngine::Create(testing_util::TestOptions(provider));
+  ASSERT_TRUE(bare.ok()) << bare.status();
+  TransferEngine& hung = **bare;
+  std::mutex mu;
+  std::vector<std::vector<uint8_t>> requests;
+  ASSERT_TRUE(hung.SetTaggedMessageHandler(kv::kRequestMagic,
+                                           [&](std::optional<PeerId>, std::span<const uint8_t> m) {
+                                             std::lock_guard<std::mutex> l(mu);
+                                             requests.emplace_back(m.begin(), m.end());
+                                           })
+                  .ok());
+  std::vector<uint8_t> src(4096, 0x5C);
+  auto src_reg = hung.RegisterMemory(src.data(), src.size());
+  ASSERT_TRUE(src_reg.ok()) << src_reg.status();
+  const std::vector<uint8_t> hung_address = hung.Address();
+
+  std::atomic<int> calls{0};
+  Status outcome;
+  auto submit = [&](uint64_t id, Deadline deadline) {
+    KvDecoder::Request req;
+    req.request_id = id;
+    req.prefill_address = hung_address;
+    req.prefill = KvSide{kSmallModel, KvOrder::kHND, 4};
+    const std::vector<int64_t> pages = {9, 3, 5, 7, 11};
+    req.pages = pages;
+    return decoder->Submit(req, deadline, [&](const Status& st) {
+      outcome = st;
+      calls.fetch_add(1);
+    });
+  };
+  auto received = [&](size_t n) -> StatusOr<kv::WireRequest> {
+    const Deadline deadline = Deadline::After(10s);
+    for (;;) {
+      {
+        std::lock_guard<std::mutex> l(mu);
+        if (requests.size() >= n) return kv::WireRequest::Parse(requests[n - 1]);
+      }
+      if (deadline.Expired()) return DeadlineExceededError("request not received");
+      std::this_thread::sleep_for(1ms);
+    }
+  };
+  // 4 KiB at the start of every rank's region, counted on the request's immediate; returns
+  // how many of the writes succeeded at the writer.
+  auto write_all = [&](const kv::WireRequest& w) -> uint64_t {
+    StatusOr<PeerId> peer = hung.AddPeer(w.decoder_address);
+    if (!peer.ok()) return 0;
+    TransferCounter c;
+    uint64_t posted = 0;
+    for (const RemoteRegion& dst : w.dst) {
+      SingleWrite sw;
+      sw.src = &*src_reg;
+      sw.peer = *peer;
+      sw.dst = dst;
+      sw.length = src.size();
+      sw.imm = w.imm;
+      if (hung.Write(sw, Completion::Counter(&c)).ok()) ++posted;
+    }
+    (void)c.Wait(posted, Deadline::After(15s));
+    return c.done.load();
+  };
+  auto region_starts_with = [&](uint8_t v, size_t n) {
+    for (const auto& bytes : d.shards.bytes) {
+      if (!std::all_of(bytes.begin(), bytes.begin() + n, [v](uint8_t c) { return c == v; })) {
+        return false;
+      }
+    }
+    return true;
+  };
+
+  ASSERT_TRUE(submit(7, Deadline::After(300ms)).ok());
+  auto seven = received(1);
+  ASSERT_TRUE(seven.ok()) << seven.status();
+  ASSERT_EQ(write_all(*seven), d.side.tp);
+  const Deadline landed = Deadline::After(10s);
+  while (!region_starts_with(0x5C, src.size()) && !landed.Expired()) {
+    std::this_thread::sleep_for(1ms);
+  }
+  ASSERT_TRUE(region_starts_with(0x5C, src.size())) << "the prefill's keys did not work";
+
+  // No acknowledgement: the request ends at its deadline plus the cancel's wait, removed.
+  const Deadline told = Deadline::After(20s);
+  while (calls.load() == 0 && !told.Expired()) std::this_thread::sleep_for(1ms);
+  ASSERT_EQ(calls.load(), 1);
+  EXPECT_EQ(outcome.code(), StatusCode::kUnavailable) << outcome;
+  // The pages are the caller's again, and so is the slot: its count starts from zero.
+  EXPECT_EQ(*d.engine->ImmCount(seven->imm), 0u);
+  for (auto& bytes : d.shards.bytes) std::fill(bytes.begin(), bytes.end(), uint8_t{0xAB});
+
+  // The prefill wakes and writes on, under the keys it was given.
+  (void)write_all(*seven);
+  std::this_thread::sleep_for(300ms);
+  EXPECT_TRUE(region_starts_with(0xAB, d.shards.bytes[0].size())) << "a late write landed";
+  EXPECT_EQ(*d.engine->ImmCount(seven->imm), 0u) << "a late immediate was counted";
+
+  // Named again, it is added again with new keys, which work.
+  ASSERT_TRUE(submit(8, Deadline::After(30s)).ok());
+  auto eight = received(2);
+  ASSERT_TRUE(eight.ok()) << eight.status();
+  EXPECT_EQ(write_all(*eight), d.side.tp);
+  const Deadline again = Deadline::After(10s);
+  while (!region_starts_with(0x5C, src.size()) && !again.Expired()) {
+    std::this_thread::sleep_for(1ms);
+  }
+  EXPECT_TRUE(region_starts_with(0x5C, src.size())) << "the new keys did not work";
+  decoder.reset();  // request 8 ends Cancelled
+  EXPECT_EQ(calls.load(), 2);
+}
+INSTANTIATE_TEST_SUITE_P(Providers, KvFenceTest, ::testing::ValuesIn(testing_util::Providers()),
+                         testing_util::ProviderTestName);
+
 }  // namespace
 }  // namespace ferry

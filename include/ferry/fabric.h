@@ -206,6 +206,7 @@ class FERRY_API MemoryRegion {
   void* data() const { return data_; }
   uint64_t length() const { return length_; }
   MemoryKind kind() const { return kind_; }
+  int device() const { return device_; }  // the CUDA device of kCuda memory
   const RemoteRegion& remote() const { return remote_; }
   // Provider descriptor (fi_mr_desc) on one of the engine's NICs.
   void* local_desc(uint32_t nic = 0) const { return nic < kMaxNics ? local_descs_[nic] : nullptr; }
@@ -218,6 +219,7 @@ class FERRY_API MemoryRegion {
   void* data_ = nullptr;
   uint64_t length_ = 0;
   MemoryKind kind_ = MemoryKind::kHost;
+  int device_ = 0;
   std::array<void*, kMaxNics> local_descs_{};
   RemoteRegion remote_;
 };

@@ -104,7 +104,7 @@ struct FERRY_API KvRegions {
   int64_t layer_stride = 0;  // bytes between consecutive layers in a rank's region
 };
 
-// Decode side: registers nothing itself; sends requests and counts the writes that land. It takes
+// Decode side: sends requests and counts the writes that land. It takes
 // the engine's acknowledgement messages by their tag (TransferEngine::SetTaggedMessageHandler):
 // an engine serves one KvDecoder (AlreadyExists for a second) beside a KvPrefill and other users
 // of messages. Destroy it before its engine. Thread safety: Submit and Cancel from any thread;
@@ -140,10 +140,11 @@ class FERRY_API KvDecoder {
   // the prefill acknowledges having posted has landed: the pages are then safe to reuse. If the
   // prefill never acknowledges (a few seconds), the decoder removes it from the engine, then
   // reports Unavailable; a later request to it adds it again (a new connection: a prefill that
-  // hung and was continued serves it). (A removed peer's in-flight writes
-  // are fenced by the verbs backend, whose queue pairs go to the error state; a libfabric
-  // provider cannot fence a live peer, so a prefill that is slow rather than dead should be
-  // given a longer deadline, not cancelled.) A request whose message never reached the prefill
+  // hung and was continued serves it). A prefill removed so is fenced first: nothing it posts
+  // afterwards lands in our memory or counts toward a request. Over verbs its queue pairs go to
+  // the error state; over libfabric each prefill writes under keys of its own (our regions and
+  // aux registered once more for it when it is added, a registration per region and prefill),
+  // and those keys are revoked. A request whose message never reached the prefill
   // -- sent just as the prefill removed us to make room in its peer table -- reports
   // Unavailable at once; sent again, it adds the prefill again (over verbs the prefill's
   // goodbye has by then marked it lost here, and the new connection replaces the old).

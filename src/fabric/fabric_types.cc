@@ -60,6 +60,7 @@ MemoryRegion& MemoryRegion::operator=(MemoryRegion&& other) noexcept {
     data_ = other.data_;
     length_ = other.length_;
     kind_ = other.kind_;
+    device_ = other.device_;
     local_descs_ = other.local_descs_;
     remote_ = other.remote_;
   }

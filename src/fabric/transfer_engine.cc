@@ -145,6 +145,7 @@ StatusOr<MemoryRegion> TransferEngine::RegisterMemory(void* data, uint64_t lengt
   region.data_ = data;
   region.length_ = length;
   region.kind_ = kind;
+  region.device_ = device;
   region.local_descs_ = reg->descs();
   region.remote_ = remote;
   return region;

@@ -588,6 +588,66 @@ TEST_P(EnginePairTest, ARemovedPeerRefusesWorkAndCanBeRemovedAgain) {
   EXPECT_FALSE(*a_->PeerLost(*again));
 }
 
+// A second registration of the same bytes is a second key, and destroying it revokes that key
+// alone: a write under it, posted after, changes neither the bytes nor the immediate counter it
+// names, while writes under the first key still land. (The KV decoder
+// gives each prefill a key of its own this way, to fence one that hung.)
+TEST_P(EnginePairTest, ADeregisteredKeyRefusesLaterWritesAndLeavesTheOtherKeysWorking) {
+  ASSERT_TRUE(b_->CreateImmCounter(11).ok());
+  auto second = b_->RegisterMemory(dst_.data(), dst_.size());
+  ASSERT_TRUE(second.ok()) << second.status();
+  MemoryRegion alias = std::move(second).value();
+  SingleWrite w = Single(0, 0, 4096);
+  w.dst = *RemoteRegion::Parse(alias.remote().Serialize());
+  w.imm = 11;
+  TransferCounter landed;
+  ASSERT_TRUE(a_->Write(w, Completion::Counter(&landed)).ok());
+  ASSERT_TRUE(landed.Wait(1, Deadline::After(10s)).ok());
+  ASSERT_EQ(landed.failed.load(), 0u);
+  ASSERT_TRUE(b_->WaitImm(11, 1, Deadline::After(10s)).ok());
+  ASSERT_EQ(0, std::memcmp(dst_.data(), src_.data(), 4096));
+  ASSERT_TRUE(b_->ConsumeImm(11, 1).ok());
+
+  alias = MemoryRegion();  // revoked
+  std::fill(dst_.begin(), dst_.end(), uint8_t{0xAB});
+  TransferCounter refused;
+  uint64_t posted = 0;
+  for (uint64_t len : {uint64_t{64}, uint64_t{65536}}) {
+    SingleWrite late = w;
+    late.length = len;
+    Status s = a_->Write(late, Completion::Counter(&refused));
+    if (s.ok()) {
+      ++posted;
+    } else {
+      EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s;  // the first failure lost the peer
+    }
+  }
+  // What the writer hears is the provider's: tcp completes a write once it has left, and the
+  // target drops it; shm fails it. Either way nothing lands.
+  ASSERT_GE(posted, 1u);
+  ASSERT_TRUE(refused.Wait(posted, Deadline::After(15s)).ok());
+  std::this_thread::sleep_for(200ms);
+  EXPECT_EQ(*b_->ImmCount(11), 0u);
+  EXPECT_TRUE(std::all_of(dst_.begin(), dst_.end(), [](uint8_t c) { return c == 0xAB; }));
+
+  // The first key still works (after adding the peer again where the failure lost it).
+  PeerId peer = b_on_a_;
+  if (*a_->PeerLost(peer)) {
+    auto again = a_->AddPeer(b_->Address());
+    ASSERT_TRUE(again.ok()) << again.status();
+    peer = *again;
+  }
+  SingleWrite fine = Single(0, 0, 4096);
+  fine.peer = peer;
+  fine.imm = 11;
+  TransferCounter ok;
+  ASSERT_TRUE(a_->Write(fine, Completion::Counter(&ok)).ok());
+  ASSERT_TRUE(ok.Wait(1, Deadline::After(10s)).ok());
+  EXPECT_EQ(ok.failed.load(), 0u);
+  ASSERT_TRUE(b_->WaitImm(11, 1, Deadline::After(10s)).ok());
+  EXPECT_EQ(0, std::memcmp(dst_.data(), src_.data(), 4096));
+}
+
 // The peer table holds the peers of now: a removed peer's slot serves the next AddPeer, so an
 // engine of two slots can add and remove peers without end, and a PeerId of a removed peer never
 // reaches whoever holds its slot later.

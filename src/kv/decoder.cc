@@ -34,12 +34,19 @@ namespace {
 //   cancelling --no ack within kAckTimeout-->                removing: the remover thread takes
 //   the prefill out of the engine (its transfers fail, nothing more goes to it), then tells the
 //   user Unavailable and frees the slot; if the removal fails the slot is retired for good.
+//
+// Fencing. A prefill that never acknowledges may be hung rather than dead, and write again when
+// it wakes. So each prefill writes under keys of its own -- a second registration of our regions'
+// bytes, made when the prefill is added -- and the remover revokes them (deregisters) before the
+// slot and the request's pages are given back: a write the prefill posts afterwards lands nowhere
+// and counts on no immediate. Over verbs removing the peer fences it already (its queue pairs go
+// to the error state), so there the regions' own keys serve and no prefill costs a registration.
 class Decoder final : public KvDecoder {
  public:
   Decoder(TransferEngine* engine, const KvSide& decode, const KvRegions& regions,
           const MemoryRegion* aux, int max_requests)
-      : engine_(engine), decode_(decode), regions_(regions), aux_(aux),
-        slots_(static_cast<size_t>(max_requests)) {}
+      : engine_(engine), fence_(engine->info().provider != "verbs"), decode_(decode),
+        regions_(regions), aux_(aux), slots_(static_cast<size_t>(max_requests)) {}
 
   // No callback may run into a destroyed decoder: stop taking acknowledgements, end every armed
   // notification (their requests report Cancelled), and wait, bounded, for them and for the
@@ -118,7 +125,8 @@ class Decoder final : public KvDecoder {
         (!aux_ || !SliceInside(req.aux_offset, req.aux_bytes, aux_->length()))) {
       return OutOfRangeError("KV request: aux slot outside the aux region");
     }
-    ASSIGN_OR_RETURN(PeerId prefill, PeerFor(req.prefill_address));
+    ASSIGN_OR_RETURN(Target target, TargetFor(req.prefill_address));
+    const PeerId prefill = target.peer;
     const uint64_t expected = static_cast<uint64_t>(plan.writes.size()) * regions_.num_layers +
                               (req.aux_bytes > 0 ? 1 : 0);
     uint32_t slot;
@@ -147,10 +155,10 @@ class Decoder final : public KvDecoder {
     w.decode = decode_;
     w.num_layers = static_cast<uint32_t>(regions_.num_layers);
     w.layer_stride = static_cast<uint64_t>(regions_.layer_stride);
-    for (const MemoryRegion* r : regions_.ranks) w.dst.push_back(r->remote());
+    w.dst = std::move(target.dst);
     w.pages.assign(req.pages.begin(), req.pages.end());
     w.num_tokens = req.num_tokens;
-    if (req.aux_bytes > 0) w.aux = aux_->remote();
+    if (req.aux_bytes > 0) w.aux = target.aux;
     w.aux_offset = req.aux_offset;
     w.aux_bytes = req.aux_bytes;
     w.speculative = req.speculative;
@@ -213,6 +221,18 @@ class Decoder final : public KvDecoder {
     uint64_t posted = 0;     // writes the prefill posted before it stopped
     bool draining = false;   // armed to wait for the acknowledged writes still in flight
     Status outcome;          // what a cancelled request reports
+  };
+
+  // Where a request sends a prefill's writes: our regions, under the keys it writes with.
+  struct Target {
+    PeerId peer = 0;
+    std::vector<RemoteRegion> dst;  // [tp]
+    RemoteRegion aux;               // when there is an aux region
+  };
+  // A prefill's own registrations of our regions (fencing): destroying them revokes its keys.
+  struct Keys {
+    std::vector<MemoryRegion> ranks;  // [tp]
+    MemoryRegion aux;
   };
 
   // How long to wait for the prefill's acknowledgement of a cancel before giving up on it.
@@ -383,10 +403,13 @@ class Decoder final : public KvDecoder {
       const auto [peer, slot] = job;
       auto it = removed.find(peer);
       if (it == removed.end()) {
+        std::optional<Keys> revoked;
         {
           MutexLock lock(peers_mu_);
           unresponsive_.insert(peer);
+          revoked = TakeKeys(peer);
         }
+        revoked.reset();  // deregistered: nothing the prefill posts from now on lands
         it = removed.emplace(peer, engine_->RemovePeer(peer)).first;
       }
       std::shared_ptr<DoneCallback> tell;
@@ -397,6 +420,9 @@ class Decoder final : public KvDecoder {
         if (st.state != State::kRemoving) continue;
         tell = st.told ? nullptr : st.ready;
         if (it->second.ok()) {
+          // Fenced: nothing more counts on the slot, so what did count goes with the request
+          // and the next one starts from zero.
+          (void)engine_->ConsumeImm(kImmBase + slot, Count(slot));
           tell_status = UnavailableError(
               "KV request " + std::to_string(st.request_id) +
               ": the prefill did not acknowledge the cancel; it was removed from the engine and "
@@ -436,23 +462,31 @@ class Decoder final : public KvDecoder {
     return v;
   }
 
-  StatusOr<PeerId> PeerFor(std::span<const uint8_t> address) {
+  // The prefill at `address`, added to the engine (and given keys of its own) if it is not a
+  // peer we hold.
+  StatusOr<Target> TargetFor(std::span<const uint8_t> address) {
     std::string key(address.begin(), address.end());
     MutexLock lock(peers_mu_);
     auto it = peers_.find(key);
     if (it != peers_.end()) {
       // A prefill the engine lost (over verbs: it removed us, say to make room), or one we took
       // out for not acknowledging a cancel, is added again, which reconnects: a request naming
-      // it again is the caller's word that it is back (a hung prefill that was continued).
+      // it again is the caller's word that it is back (a hung prefill that was continued). Its
+      // old keys are revoked first: whatever it still posts under them lands nowhere.
       const PeerId known = it->second;
       const StatusOr<bool> lost = engine_->PeerLost(known);
       if (!unresponsive_.count(known) && lost.ok() && !*lost) {
         lru_.Touch(known);
-        return known;
+        return TargetOf(known);
       }
       unresponsive_.erase(known);
       lru_.Forget(known);
+      (void)TakeKeys(known);
       peers_.erase(it);
+    }
+    std::optional<Keys> keys;
+    if (fence_) {
+      ASSIGN_OR_RETURN(keys, RegisterKeys());
     }
     ASSIGN_OR_RETURN(
         PeerId p,
@@ -469,12 +503,54 @@ class Decoder final : public KvDecoder {
             // Called inside AddMakingRoom, with peers_mu_ still held.
             [this](PeerId gone) REQUIRES(peers_mu_) {
               std::erase_if(peers_, [gone](const auto& kv) { return kv.second == gone; });
+              (void)TakeKeys(gone);
             }));
     peers_[key] = p;
-    return p;
+    if (keys) keys_[p] = std::move(*keys);
+    return TargetOf(p);
+  }
+
+  // Our regions registered once more: keys for one prefill alone.
+  StatusOr<Keys> RegisterKeys() {
+    Keys k;
+    for (const MemoryRegion* r : regions_.ranks) {
+      ASSIGN_OR_RETURN(MemoryRegion again,
+                       engine_->RegisterMemory(r->data(), r->length(), r->kind(), r->device()));
+      k.ranks.push_back(std::move(again));
+    }
+    if (aux_) {
+      ASSIGN_OR_RETURN(k.aux, engine_->RegisterMemory(aux_->data(), aux_->length(), aux_->kind(),
+                                                      aux_->device()));
+    }
+    return k;
+  }
+
+  // The keys `peer` writes with: its own where we fence, else the regions'.
+  Target TargetOf(PeerId peer) REQUIRES(peers_mu_) {
+    Target t;
+    t.peer = peer;
+    auto it = keys_.find(peer);
+    if (it != keys_.end()) {
+      for (const MemoryRegion& r : it->second.ranks) t.dst.push_back(r.remote());
+      if (aux_) t.aux = it->second.aux.remote();
+    } else {
+      for (const MemoryRegion* r : regions_.ranks) t.dst.push_back(r->remote());
+      if (aux_) t.aux = aux_->remote();
+    }
+    return t;
+  }
+
+  // Takes `peer`'s keys out of the table; destroying what it returns revokes them.
+  std::optional<Keys> TakeKeys(PeerId peer) REQUIRES(peers_mu_) {
+    auto it = keys_.find(peer);
+    if (it == keys_.end()) return std::nullopt;
+    Keys k = std::move(it->second);
+    keys_.erase(it);
+    return k;
   }
 
   TransferEngine* engine_;
+  const bool fence_;       // each prefill writes under keys of its own (Fencing, above)
   bool tag_held_ = false;  // the engine routes acknowledgements here (Init)
   const KvSide decode_;
   const KvRegions regions_;
@@ -488,6 +564,7 @@ class Decoder final : public KvDecoder {
   PeerLru lru_ GUARDED_BY(peers_mu_);
   // Prefills the remover took out.
   std::unordered_set<PeerId> unresponsive_ GUARDED_BY(peers_mu_);
+  std::unordered_map<PeerId, Keys> keys_ GUARDED_BY(peers_mu_);  // where fence_
   std::atomic<int> armed_{0};    // notifications armed and not yet run
   std::atomic<int> sending_{0};  // requests' messages whose completion has not yet run
   std::atomic<bool> closing_{false};
