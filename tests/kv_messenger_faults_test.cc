@@ -693,16 +693,20 @@ TEST_P(KvFenceTest, AHungPrefillsLateWritesLandNowhere) {
     }
     return true;
   };
+  // Whether the 4 KiB written land, by a deadline.
+  auto written_lands = [&] {
+    const Deadline deadline = Deadline::After(10s);
+    while (!region_starts_with(0x5C, src.size()) && !deadline.Expired()) {
+      std::this_thread::sleep_for(1ms);
+    }
+    return region_starts_with(0x5C, src.size());
+  };
 
   ASSERT_TRUE(submit(7, Deadline::After(300ms)).ok());
   auto seven = received(1);
   ASSERT_TRUE(seven.ok()) << seven.status();
   ASSERT_EQ(write_all(*seven), d.side.tp);
-  const Deadline landed = Deadline::After(10s);
-  while (!region_starts_with(0x5C, src.size()) && !landed.Expired()) {
-    std::this_thread::sleep_for(1ms);
-  }
-  ASSERT_TRUE(region_starts_with(0x5C, src.size())) << "the prefill's keys did not work";
+  ASSERT_TRUE(written_lands()) << "the prefill's keys did not work";
 
   // No acknowledgement: the request ends at its deadline plus the cancel's wait, removed.
   const Deadline told = Deadline::After(20s);
@@ -724,11 +728,7 @@ TEST_P(KvFenceTest, AHungPrefillsLateWritesLandNowhere) {
   auto eight = received(2);
   ASSERT_TRUE(eight.ok()) << eight.status();
   EXPECT_EQ(write_all(*eight), d.side.tp);
-  const Deadline again = Deadline::After(10s);
-  while (!region_starts_with(0x5C, src.size()) && !again.Expired()) {
-    std::this_thread::sleep_for(1ms);
-  }
-  EXPECT_TRUE(region_starts_with(0x5C, src.size())) << "the new keys did not work";
+  EXPECT_TRUE(written_lands()) << "the new keys did not work";
   decoder.reset();  // request 8 ends Cancelled
   EXPECT_EQ(calls.load(), 2);
 }

@@ -600,13 +600,17 @@ TEST_P(EnginePairTest, ADeregisteredKeyRefusesLaterWritesAndLeavesTheOtherKeysWo
   SingleWrite w = Single(0, 0, 4096);
   w.dst = *RemoteRegion::Parse(alias.remote().Serialize());
   w.imm = 11;
-  TransferCounter landed;
-  ASSERT_TRUE(a_->Write(w, Completion::Counter(&landed)).ok());
-  ASSERT_TRUE(landed.Wait(1, Deadline::After(10s)).ok());
-  ASSERT_EQ(landed.failed.load(), 0u);
-  ASSERT_TRUE(b_->WaitImm(11, 1, Deadline::After(10s)).ok());
-  ASSERT_EQ(0, std::memcmp(dst_.data(), src_.data(), 4096));
-  ASSERT_TRUE(b_->ConsumeImm(11, 1).ok());
+  // Posts `write` (4 KiB at offset 0) and expects it landed and counted once.
+  auto lands = [&](const SingleWrite& write) {
+    TransferCounter landed;
+    ASSERT_TRUE(a_->Write(write, Completion::Counter(&landed)).ok());
+    ASSERT_TRUE(landed.Wait(1, Deadline::After(10s)).ok());
+    ASSERT_EQ(landed.failed.load(), 0u);
+    ASSERT_TRUE(b_->WaitImm(11, 1, Deadline::After(10s)).ok());
+    ASSERT_EQ(0, std::memcmp(dst_.data(), src_.data(), 4096));
+    ASSERT_TRUE(b_->ConsumeImm(11, 1).ok());
+  };
+  lands(w);
 
   alias = MemoryRegion();  // revoked
   std::fill(dst_.begin(), dst_.end(), uint8_t{0xAB});
@@ -640,12 +644,7 @@ TEST_P(EnginePairTest, ADeregisteredKeyRefusesLaterWritesAndLeavesTheOtherKeysWo
   SingleWrite fine = Single(0, 0, 4096);
   fine.peer = peer;
   fine.imm = 11;
-  TransferCounter ok;
-  ASSERT_TRUE(a_->Write(fine, Completion::Counter(&ok)).ok());
-  ASSERT_TRUE(ok.Wait(1, Deadline::After(10s)).ok());
-  EXPECT_EQ(ok.failed.load(), 0u);
-  ASSERT_TRUE(b_->WaitImm(11, 1, Deadline::After(10s)).ok());
-  EXPECT_EQ(0, std::memcmp(dst_.data(), src_.data(), 4096));
+  lands(fine);
 }
 
 // The peer table holds the peers of now: a removed peer's slot serves the next AddPeer, so an
