@@ -354,6 +354,10 @@ struct FERRY_API FabricInfo {
   // landed (libfabric: FI_ORDER_RMA_WAW with ep_attr max_order_waw_size; verbs: an RC queue
   // pair). 0: no such promise (shm, efa): the immediate waits for the others' completions.
   uint64_t ordered_write_bytes = 0;
+  // RemovePeer stops a live peer's writes into our memory (verbs: its queue pairs go to the
+  // error state). libfabric's endpoints cannot; there a peer is fenced by revoking the keys it
+  // writes under (as the KV decoder does).
+  bool removal_fences = false;
 };
 
 // Thread safety: every method may be called from any thread, concurrently. Callbacks run on the

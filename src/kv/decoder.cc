@@ -39,13 +39,13 @@ namespace {
 // it wakes. So each prefill writes under keys of its own -- a second registration of our regions'
 // bytes, made when the prefill is added -- and the remover revokes them (deregisters) before the
 // slot and the request's pages are given back: a write the prefill posts afterwards lands nowhere
-// and counts on no immediate. Over verbs removing the peer fences it already (its queue pairs go
-// to the error state), so there the regions' own keys serve and no prefill costs a registration.
+// and counts on no immediate. Where removing the peer fences it already (FabricInfo::
+// removal_fences: verbs), the regions' own keys serve and no prefill costs a registration.
 class Decoder final : public KvDecoder {
  public:
   Decoder(TransferEngine* engine, const KvSide& decode, const KvRegions& regions,
           const MemoryRegion* aux, int max_requests)
-      : engine_(engine), fence_(engine->info().provider != "verbs"), decode_(decode),
+      : engine_(engine), fence_(!engine->info().removal_fences), decode_(decode),
         regions_(regions), aux_(aux), slots_(static_cast<size_t>(max_requests)) {}
 
   // No callback may run into a destroyed decoder: stop taking acknowledgements, end every armed

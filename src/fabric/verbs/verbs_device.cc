@@ -117,6 +117,7 @@ Status VerbsDomain::Init(const EngineOptions& options, const std::string& device
   info_.tx_size = caps_.send_depth;
   info_.rx_size = rx;
   info_.ordered_write_bytes = caps_.ordered_write_bytes;
+  info_.removal_fences = true;
   return Status::Ok();
 }
 

@@ -82,6 +82,7 @@ TEST_F(VerbsEngineTest, WritesImmediatesAndMessagesFlowAfterTheHandshake) {
   auto b = Engine({"mlx5_1"});
   ASSERT_TRUE(a && b);
   EXPECT_EQ(a->info().provider, "verbs");
+  EXPECT_TRUE(a->info().removal_fences);  // the KV decoder then needs no keys per prefill
   // AddPeer does not wait for the other side.
   PeerId pb = *a->AddPeer(b->Address());
   std::this_thread::sleep_for(30ms);
