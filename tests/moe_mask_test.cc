@@ -262,6 +262,9 @@ TEST_P(MoeMaskTest, ARankThatDiedMidEpochIsMaskedAtTheCombine) {
     RETURN_IF_ERROR(Dispatch(r, Deadline::After(30s)));
     RETURN_IF_ERROR(CheckEpoch(r, b.rank(), all, all));
     RETURN_IF_ERROR(Dispatch(r, Deadline::After(30s)));
+    // Rank 2's dispatch returns once the others' sections reached it; its relay may still be
+    // posting its own. It dies once every rank has had this epoch's dispatch.
+    RETURN_IF_ERROR(b.Barrier(30s));
     if (b.rank() == 2) raise(SIGKILL);
     RETURN_IF_ERROR(CheckEpoch(r, b.rank(), all, live));
     RETURN_IF_ERROR(ExpectMasks(*r.a2a, {0, 0, 1}));
