@@ -1,15 +1,21 @@
-// Rank masks (AllToAll::SetMasked, AllToAllConfig::mask_lost_peers): ranks as processes on
-// localhost. A masked rank is left out of every step: the copies routed to its experts add
-// nothing, nothing it sends is read, no step waits for it. Each survivor checks its dispatch
-// counts and rows and its combined output exactly against what the live ranks alone give.
+// Rank masks (AllToAll::SetMasked, AllToAllConfig::mask_lost_peers), and the per-rank wait
+// costs (DispatchOutput / CombineOutput::wait_cost) that point at a slow or lost rank: ranks as
+// processes on localhost. A masked rank is left out of every step: the copies routed to its
+// experts add nothing, nothing it sends is read, no step waits for it. Each survivor checks its
+// dispatch counts and rows and its combined output exactly against what the live ranks alone
+// give.
 // Every case runs on the host device over shm and, where there is a GPU, on the CUDA device:
 // one node (NVLink, the kernels' own masks) and a node per rank (the relay's, which the kernels
 // publish). Without a GPU the CUDA cases skip.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <csignal>
+#include <cstring>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "fabric/test_util.h"
@@ -82,6 +88,7 @@ struct Rank {
   Buf<uint16_t> x, out_x, y;
   Buf<int32_t> idx, counts;
   Buf<float> w;
+  Buf<int64_t> dispatch_cost, combine_cost;  // [kWorld] wait costs, where a test asks for them
   int me = 0;
   int epoch = 0;  // of the next Dispatch
 };
@@ -124,6 +131,8 @@ StatusOr<Rank> MakeRank(Bootstrap& b, Where where, bool mask_lost_peers) {
   RETURN_IF_ERROR(r.out_x.Init(cuda, size_t(kLocal) * kCapacity * kHidden, 0));
   RETURN_IF_ERROR(r.y.Init(cuda, size_t(kTokens) * kHidden, 0));
   RETURN_IF_ERROR(r.counts.Init(cuda, kLocal, -1));
+  RETURN_IF_ERROR(r.dispatch_cost.Init(cuda, kWorld, 0));
+  RETURN_IF_ERROR(r.combine_cost.Init(cuda, kWorld, 0));
   return r;
 }
 
@@ -174,12 +183,15 @@ Status CheckCombine(Rank& r, int me, const std::vector<bool>& live) {
   return Status::Ok();
 }
 
-// CheckDispatch, then the combine run and checked (CheckCombine).
+// CheckDispatch, then the combine run (its wait costs added to r.combine_cost with `cost`) and
+// checked (CheckCombine).
 Status CheckEpoch(Rank& r, int me, const std::vector<bool>& sent_by,
-                  const std::vector<bool>& live) {
+                  const std::vector<bool>& live, bool cost = false) {
   RETURN_IF_ERROR(CheckDispatch(r, me, sent_by));
   RETURN_IF_ERROR(r.a2a->CombineSend(r.out_x.ptr()));
-  RETURN_IF_ERROR(r.a2a->CombineRecv(r.y.ptr(), false, Deadline::After(1s)));
+  CombineOutput to{r.y.ptr(), false};
+  if (cost) to.wait_cost = r.combine_cost.ptr();
+  RETURN_IF_ERROR(r.a2a->CombineRecv(to, Deadline::After(1s)));
   RETURN_IF_ERROR(r.y.Pull());
   return CheckCombine(r, me, live);
 }
@@ -194,12 +206,30 @@ Status FillInputs(Rank& r) {
   return r.counts.Push();
 }
 
-Status Dispatch(Rank& r, Deadline deadline) {
+// One dispatch; with `cost`, its wait costs added to r.dispatch_cost.
+Status Dispatch(Rank& r, Deadline deadline, bool cost = false) {
   RETURN_IF_ERROR(FillInputs(r));
   RETURN_IF_ERROR(r.a2a->DispatchSend({r.x.ptr(), nullptr, r.idx.ptr(), r.w.ptr(), kTokens}));
-  RETURN_IF_ERROR(r.a2a->DispatchRecv({r.out_x.ptr(), nullptr, r.counts.ptr()}, deadline));
+  DispatchOutput out{r.out_x.ptr(), nullptr, r.counts.ptr()};
+  if (cost) out.wait_cost = r.dispatch_cost.ptr();
+  RETURN_IF_ERROR(r.a2a->DispatchRecv(out, deadline));
   RETURN_IF_ERROR(r.out_x.Pull());
   return r.counts.Pull();
+}
+
+// The fewest seconds a wait cost can stand for: nanoseconds on the host device; GPU clock
+// cycles on the CUDA device, read at 2 GHz, above the 1.98 GHz an H100's or H200's SMs run at
+// most (the bounds below leave room for a GPU clocked at half that).
+double LeastSeconds(const Rank& r, int64_t cost) {
+  return static_cast<double>(cost) / (r.dispatch_cost.cuda ? 2e9 : 1e9);
+}
+
+// What a cost buffer's entries gained since they held `held` each, pulled to the host.
+StatusOr<std::vector<int64_t>> Gained(Buf<int64_t>& b, int64_t held) {
+  RETURN_IF_ERROR(b.Pull());
+  std::vector<int64_t> gained = b.host;
+  for (int64_t& g : gained) g -= held;
+  return gained;
 }
 
 Status ExpectMasks(const AllToAll& a2a, const std::vector<uint8_t>& want) {
@@ -230,12 +260,20 @@ TEST_P(MoeMaskTest, ARankThatDiedIsMaskedAtTheDeadlineAndTheSurvivorsGoOnExactly
       r.engine.reset();
       raise(SIGKILL);
     }
+    int64_t masked_cost = 0;
     const std::vector<bool> live = {true, true, false};
     for (int epoch = 0; epoch < 3; ++epoch) {
       const auto start = Clock::now();
-      RETURN_IF_ERROR(Dispatch(r, Deadline::After(1s)));
+      RETURN_IF_ERROR(Dispatch(r, Deadline::After(1s), true));
       RETURN_IF_ERROR(CheckEpoch(r, b.rank(), live, live));
       RETURN_IF_ERROR(ExpectMasks(*r.a2a, {0, 0, 1}));
+      // The wait that masked rank 2 is in its entry; a masked rank is waited for no more.
+      ASSIGN_OR_RETURN(const std::vector<int64_t> cost, Gained(r.dispatch_cost, 0));
+      if (epoch == 0) masked_cost = cost[2];
+      CHECK_OR_RETURN(LeastSeconds(r, cost[2]) > 0.4 && cost[2] == masked_cost,
+                      "epoch " + std::to_string(epoch) + ": rank 2's wait cost " +
+                          std::to_string(cost[2]) + " (" + std::to_string(masked_cost) +
+                          " after epoch 0)");
       const auto took = Clock::now() - start;
       CHECK_OR_RETURN(epoch == 0 ? took < 5s : took < 500ms,
                       "epoch " + std::to_string(epoch) + " took " +
@@ -275,6 +313,66 @@ TEST_P(MoeMaskTest, ARankThatDiedMidEpochIsMaskedAtTheCombine) {
   EXPECT_TRUE(exits[0].ok()) << exits[0].exit_code;
   EXPECT_TRUE(exits[1].ok()) << exits[1].exit_code;
   EXPECT_EQ(exits[2].signal, SIGKILL);
+}
+
+// Rank 2 is slow: it sends its dispatch, and later its combine rows, 300 ms after the others.
+// Ranks 0 and 1 find in both steps' wait costs (added to what the entries held) a good part of
+// those 300 ms in rank 2's entry and a quarter of that or less in the other's; rank 2, whose peers'
+// data was there, waited less for anyone than they did for it.
+TEST_P(MoeMaskTest, WaitCostsNameTheRankThatKeptTheStepWaiting) {
+  auto exits = RunLocalRanks(kWorld, [where = GetParam()](Bootstrap& b) -> Status {
+    ASSIGN_OR_RETURN(Rank r, MakeRank(b, where, false));
+    const int me = b.rank();
+    constexpr int64_t kHeld = 1000;
+    for (Buf<int64_t>* cost : {&r.dispatch_cost, &r.combine_cost}) {
+      std::fill(cost->host.begin(), cost->host.end(), kHeld);
+      RETURN_IF_ERROR(cost->Push());
+    }
+    const std::vector<bool> all = {true, true, true};
+    RETURN_IF_ERROR(b.Barrier(30s));
+    if (me == 2) std::this_thread::sleep_for(300ms);
+    RETURN_IF_ERROR(Dispatch(r, Deadline::After(30s), true));
+    RETURN_IF_ERROR(CheckDispatch(r, me, all));
+    if (me == 2) std::this_thread::sleep_for(300ms);
+    RETURN_IF_ERROR(r.a2a->CombineSend(r.out_x.ptr()));
+    CombineOutput to{r.y.ptr(), false};
+    to.wait_cost = r.combine_cost.ptr();
+    RETURN_IF_ERROR(r.a2a->CombineRecv(to, Deadline::After(30s)));
+    RETURN_IF_ERROR(r.y.Pull());
+    RETURN_IF_ERROR(CheckCombine(r, me, all));
+    ASSIGN_OR_RETURN(const std::vector<int64_t> dispatch, Gained(r.dispatch_cost, kHeld));
+    ASSIGN_OR_RETURN(const std::vector<int64_t> combine, Gained(r.combine_cost, kHeld));
+    // Each rank's longest wait for a peer in either step, and (ranks 0 and 1) for rank 2.
+    int64_t longest = 0;
+    for (int q = 0; q < kWorld; ++q) {
+      if (q != me) longest = std::max({longest, dispatch[q], combine[q]});
+    }
+    const int64_t for_slow = me == 2 ? 0 : std::min(dispatch[2], combine[2]);
+    std::vector<uint8_t> mine(sizeof longest + sizeof for_slow);
+    std::memcpy(mine.data(), &longest, sizeof longest);
+    std::memcpy(mine.data() + sizeof longest, &for_slow, sizeof for_slow);
+    ASSIGN_OR_RETURN(const auto all_of, b.AllGather(mine, 30s));
+    if (me == 2) {
+      for (int q = 0; q < 2; ++q) {
+        int64_t theirs;
+        std::memcpy(&theirs, all_of[q].data() + sizeof longest, sizeof theirs);
+        CHECK_OR_RETURN(longest < theirs, "rank 2 waited " + std::to_string(longest) +
+                                              ", rank " + std::to_string(q) + " for it " +
+                                              std::to_string(theirs));
+      }
+      return Status::Ok();
+    }
+    const int other = 1 - me;
+    for (const auto& [step, cost] : {std::pair{"dispatch", &dispatch}, {"combine", &combine}}) {
+      const std::string costs = std::string(step) + " costs " + std::to_string((*cost)[0]) +
+                                " " + std::to_string((*cost)[1]) + " " +
+                                std::to_string((*cost)[2]);
+      CHECK_OR_RETURN(LeastSeconds(r, (*cost)[2]) > 0.1, costs);
+      CHECK_OR_RETURN((*cost)[other] >= 0 && (*cost)[other] * 4 < (*cost)[2], costs);
+    }
+    return Status::Ok();
+  }, 120s);
+  for (const auto& exit : exits) EXPECT_TRUE(exit.ok()) << exit.exit_code;
 }
 
 // Without mask_lost_peers a lost rank still fails the step at its deadline, and masks nothing.

@@ -237,6 +237,13 @@ struct FERRY_API DispatchOutput {
   // contiguous grouped GEMM reads in tiles of p rows). Padding rows are not written;
   // num_tokens holds the unpadded counts. CombineSend then takes its rows in the same layout.
   int expert_padding = 0;
+  // [world_size] or null: the time this step spent waiting for each sender's data, added to
+  // what each entry holds (DeepEP's dispatch_wait_recv_cost_stats: a rank that is slow, or lost
+  // and masked at the deadline, stands out in its entry). The host device counts nanoseconds;
+  // the CUDA device counts GPU clock cycles (clock64, as DeepEP's kernels do), into memory the
+  // kernels write (device or mapped), when the step runs. A masked rank is not waited for: its
+  // entry grows no more.
+  int64_t* wait_cost = nullptr;
 };
 
 // Combine output of one rank.
@@ -249,6 +256,9 @@ struct FERRY_API CombineOutput {
   // InvalidArgument). On the CUDA device, memory the kernels read (device or mapped), read when
   // the step runs.
   const float* weights = nullptr;
+  // [world_size] or null: the time this step spent waiting for each expert rank's rows, added
+  // to what each entry holds (DeepEP's combine_wait_recv_cost_stats), as DispatchOutput's.
+  int64_t* wait_cost = nullptr;
 };
 
 // Thread safety: one thread drives an AllToAll; the steps run in order DispatchSend,

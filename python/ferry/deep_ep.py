@@ -313,9 +313,8 @@ class Buffer(_ferry.DeepEpLowLatency):
         """low_latency_dispatch where the C++ base does not take the call (a destroyed
         Buffer's has no shapes left there)."""
         self._check_open("low_latency_dispatch")
-        refuse("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, None,
-               "per-rank wait times are not measured")
         check_tensor("x", x, torch.bfloat16, 2)
+        self._check_wait_cost("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, x)
         check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), 2, x.get_device())
         tokens, hidden = x.shape
         m, world = num_max_dispatch_tokens_per_rank, self.group_size
@@ -364,7 +363,7 @@ class Buffer(_ferry.DeepEpLowLatency):
         try:
             a2a.dispatch(x, topk_idx, self._ones_for(x, m, k), None, tokens, None,
                          scaling, recv_x, recv_count, scales, self._timeout, 0, current, halves,
-                         True, waits)
+                         True, waits, dispatch_wait_recv_cost_stats)
         except BaseException:
             pooled.busy = False  # a failed call frees its AllToAll (which reports the failure)
             raise
@@ -394,7 +393,8 @@ class Buffer(_ferry.DeepEpLowLatency):
                 # The receive half: ordered before the caller's stream only (after it, it would
                 # wait for what the caller overlapped with the transfer).
                 a2a.dispatch(None, None, None, None, None, None, scaling, recv_x, recv_count,
-                             scales, self._timeout, 0, current, _RECV, False, not after)
+                             scales, self._timeout, 0, current, _RECV, False, not after,
+                             dispatch_wait_recv_cost_stats)
             except BaseException:
                 self._release(handle)  # the AllToAll reports its failure to the next call
                 raise
@@ -461,8 +461,6 @@ class Buffer(_ferry.DeepEpLowLatency):
         """low_latency_combine where the C++ base does not take the call."""
         self._check_open("low_latency_combine")
         refuse("use_logfmt", use_logfmt, False, "LogFMT-encoded combine is not supported")
-        refuse("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, None,
-               "per-rank wait times are not measured")
         h = self._live_handle(handle, "low_latency_combine")
         if h.rows is not None:
             raise InvalidArgument("handle: from a normal-mode dispatch (use combine)")
@@ -477,6 +475,7 @@ class Buffer(_ferry.DeepEpLowLatency):
             raise InvalidArgument(f"x: shape {tuple(x.shape)}, the dispatch gave {want}")
         check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), 2, x.get_device())
         check_tensor("topk_weights", topk_weights, torch.float32, 2, x.get_device())
+        self._check_wait_cost("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, x)
         if tuple(topk_idx.shape) != (h.tokens, h.k) or tuple(topk_weights.shape) != (h.tokens,
                                                                                      h.k):
             raise InvalidArgument(f"topk_idx / topk_weights: shapes {tuple(topk_idx.shape)} / "
@@ -495,7 +494,7 @@ class Buffer(_ferry.DeepEpLowLatency):
         if not return_recv_hook:
             try:
                 a2a.combine(x, out, topk_weights, False, self._timeout, current, _BOTH, True,
-                            waits)
+                            waits, combine_wait_recv_cost_stats)
             finally:
                 self._release(h)
             return out, self._end(a2a, current, async_finish, (x, topk_weights), (out,),
@@ -506,7 +505,7 @@ class Buffer(_ferry.DeepEpLowLatency):
         def hook():
             try:  # the receive half, ordered before the caller's stream only (as dispatch's)
                 a2a.combine(None, out, topk_weights, False, self._timeout, current, _RECV,
-                            False, True)
+                            False, True, combine_wait_recv_cost_stats)
             finally:
                 self._release(h)
         return out, event, hook
@@ -515,6 +514,17 @@ class Buffer(_ferry.DeepEpLowLatency):
     # caller called (the C++ base's), not these.
     _low_latency_dispatch.__qualname__ = "Buffer.low_latency_dispatch"
     _low_latency_combine.__qualname__ = "Buffer.low_latency_combine"
+
+    def _check_wait_cost(self, name, stats, x):
+        """A low-latency call's wait-cost statistics (None, or int64 [num_ranks] on x's device):
+        the time the receive waited for each rank is added to it -- GPU clock cycles on CUDA
+        tensors (clock64, as DeepEP counts), nanoseconds on CPU ones."""
+        if stats is None:
+            return
+        check_tensor(name, stats, torch.int64, 1, x.get_device())
+        if stats.numel() != self.group_size:
+            raise InvalidArgument(f"{name}: {stats.numel()} entries, expected {self.group_size} "
+                                  "(one per rank)")
 
     def _live_handle(self, handle, call):
         if not isinstance(handle, _Handle):

@@ -104,16 +104,19 @@ class PyAllToAll {
 
   void DispatchRecv(const py::handle& x, const py::handle& num_tokens, const py::handle& scales,
                     const py::handle& num_rows, const py::handle& token_experts,
-                    const py::handle& token_weights, double timeout, int expert_padding) {
+                    const py::handle& token_weights, double timeout, int expert_padding,
+                    const py::handle& wait_cost) {
     const bool token_major = config().dispatch_layout == DispatchLayout::kTokenMajor;
     const std::optional<Array> sa = MaybeArray(scales), ra = MaybeArray(num_rows),
-                               ea = MaybeArray(token_experts), wa = MaybeArray(token_weights);
+                               ea = MaybeArray(token_experts), wa = MaybeArray(token_weights),
+                               ca = MaybeArray(wait_cost);
     for (const auto& [name, a] : {std::pair{"num_rows", &ra}, std::pair{"token_experts", &ea},
                                   std::pair{"token_weights", &wa}}) {
       Wanted(Pointer(*a), name, token_major);
     }
     DispatchRecvArrays(ToArray(x), ToArray(num_tokens), Pointer(sa),
-                       {Pointer(ra), Pointer(ea), Pointer(wa)}, timeout, expert_padding);
+                       {Pointer(ra), Pointer(ea), Pointer(wa)}, timeout, expert_padding,
+                       Pointer(ca));
   }
   // What a token-major DispatchRecv writes besides the rows (null: expert-major).
   struct TokenMajorArrays {
@@ -121,9 +124,9 @@ class PyAllToAll {
     const Array* token_experts = nullptr;
     const Array* token_weights = nullptr;
   };
-  // The same with the arrays converted (scales: null for none).
+  // The same with the arrays converted (scales, wait_cost: null for none).
   void DispatchRecvArrays(const Array& xa, const Array& na, const Array* sa, TokenMajorArrays tm,
-                          double timeout, int expert_padding) {
+                          double timeout, int expert_padding, const Array* ca = nullptr) {
     const AllToAllConfig& c = config();
     const Deadline deadline = DeadlineIn(timeout);
     const bool token_major = c.dispatch_layout == DispatchLayout::kTokenMajor;
@@ -159,6 +162,7 @@ class PyAllToAll {
       used.insert(used.end(),
                   {tm.num_rows->owner, tm.token_experts->owner, tm.token_weights->owner});
     }
+    out.wait_cost = WaitCost(ca, used);
     Run(std::move(used), [&](AllToAll& a) { return a.DispatchRecv(out, deadline); });
     // The rows received, where the host can read them (the CUDA device's count is on the GPU).
     received_rows_ = token_major && c.device == MoeDeviceKind::kHost ? *out.num_rows : -1;
@@ -191,12 +195,14 @@ class PyAllToAll {
   }
 
   void CombineRecv(const py::handle& out, bool accumulate, double timeout,
-                   const py::handle& weights) {
-    const std::optional<Array> wa = MaybeArray(weights);
-    CombineRecvArrays(ToArray(out), accumulate, timeout, Pointer(wa));
+                   const py::handle& weights, const py::handle& wait_cost) {
+    const std::optional<Array> wa = MaybeArray(weights), ca = MaybeArray(wait_cost);
+    CombineRecvArrays(ToArray(out), accumulate, timeout, Pointer(wa), Pointer(ca));
   }
-  // The same with the arrays converted (wa: null for dispatch-time weights).
-  void CombineRecvArrays(const Array& oa, bool accumulate, double timeout, const Array* wa) {
+  // The same with the arrays converted (wa: null for dispatch-time weights; ca: null for no
+  // wait costs).
+  void CombineRecvArrays(const Array& oa, bool accumulate, double timeout, const Array* wa,
+                         const Array* ca = nullptr) {
     const AllToAllConfig& c = config();
     const Deadline deadline = DeadlineIn(timeout);
     Check(&oa, {"out", static_cast<uint64_t>(last_tokens_) * c.hidden * 2, true, 0, 2});
@@ -208,7 +214,15 @@ class PyAllToAll {
       to.weights = static_cast<const float*>(wa->pointer());
       used.push_back(wa->owner);
     }
+    to.wait_cost = WaitCost(ca, used);
     Run(std::move(used), [&](AllToAll& a) { return a.CombineRecv(to, deadline); });
+  }
+  // A receive step's wait_cost array (null: none): world_size int64 entries it adds to.
+  int64_t* WaitCost(const Array* ca, std::vector<py::object>& used) const {
+    if (!ca) return nullptr;
+    Check(ca, {"wait_cost", static_cast<uint64_t>(config().world_size) * 8, true, 'i', 8});
+    used.push_back(ca->owner);
+    return static_cast<int64_t*>(ca->pointer());
   }
 
   // What ferry.deep_ep calls once per call: the halves `halves` names (1 the send, 2 the
@@ -220,7 +234,8 @@ class PyAllToAll {
                 const py::handle& device_num_tokens, Fp8Scaling scaling,
                 const py::handle& out_x, const py::handle& out_num_tokens,
                 const py::handle& out_scales, double timeout, int expert_padding,
-                const py::handle& stream, int halves, bool stream_first, bool stream_waits) {
+                const py::handle& stream, int halves, bool stream_first, bool stream_waits,
+                const py::handle& wait_cost) {
     Halves(halves, "dispatch");
     Ordered(OptionalStream(stream), stream_first, stream_waits, halves & kSendHalf, [&] {
       if (halves & kSendHalf) {
@@ -228,7 +243,7 @@ class PyAllToAll {
       }
       if (halves & kReceiveHalf) {
         DispatchRecv(out_x, out_num_tokens, out_scales, py::none(), py::none(), py::none(),
-                     timeout, expert_padding);
+                     timeout, expert_padding, wait_cost);
       }
     });
   }
@@ -236,11 +251,11 @@ class PyAllToAll {
   // combine_send and combine_recv as Dispatch runs dispatch's.
   void Combine(const py::handle& expert_out, const py::handle& out, const py::handle& weights,
                bool accumulate, double timeout, const py::handle& stream, int halves,
-               bool stream_first, bool stream_waits) {
+               bool stream_first, bool stream_waits, const py::handle& wait_cost) {
     Halves(halves, "combine");
     Ordered(OptionalStream(stream), stream_first, stream_waits, false, [&] {
       if (halves & kSendHalf) CombineSend(expert_out, std::nullopt);
-      if (halves & kReceiveHalf) CombineRecv(out, accumulate, timeout, weights);
+      if (halves & kReceiveHalf) CombineRecv(out, accumulate, timeout, weights, wait_cost);
     });
   }
 

@@ -159,11 +159,13 @@ class PyDeepEpLowLatency {
                               ue8m0 = Flag(a[8], false), async = Flag(a[9], false),
                               hook = Flag(a[10], false);
     if (!m || !experts || !fp8 || !round_scale || !ue8m0 || !async || !hook || *ue8m0 || *async ||
-        !IsNone(a[4]) || !IsNone(a[5])) {
+        !IsNone(a[4])) {
       return {};
     }
     std::optional<Array> xa = TorchArray(a[0]);
     if (!xa || xa->dtype != torch_.bfloat16 || xa->shape.size() != 2) return {};
+    std::optional<Array> cost;
+    if (!IsNone(a[5]) && !(cost = WaitCost(a[5], xa->device))) return {};
     std::optional<Array> ia = TorchArray(a[1]);
     if (!ia || (ia->dtype != torch_.int64 && ia->dtype != torch_.int32) || ia->shape.size() != 2 ||
         ia->device != xa->device || ia->shape[0] != xa->shape[0]) {
@@ -183,9 +185,9 @@ class PyDeepEpLowLatency {
     const OutputArrays out = e->Arrays(set);
     // The receive half, and e4m3's scales into DeepEP's layout (on the caller's stream).
     const double timeout = timeout_;
-    auto recv = [e, out, timeout] {
+    auto recv = [e, out, timeout, cost] {
       e->a2a->DispatchRecvArrays(out.recv_x, out.recv_count, out.scales ? &*out.scales : nullptr,
-                                 {}, timeout, 0);
+                                 {}, timeout, 0, cost ? &*cost : nullptr);
     };
     // The copy goes on the stream current when it runs: a hook may be called on another than
     // the dispatch's, whose stream (the AllToAll's) the receive went on; that stream then waits
@@ -245,7 +247,7 @@ class PyDeepEpLowLatency {
     const std::optional<bool> logfmt = Flag(a[4], false), zero_copy = Flag(a[5], false),
                               async = Flag(a[6], false), hook = Flag(a[7], false);
     if (!logfmt || !zero_copy || !async || !hook || *logfmt || *zero_copy || *async ||
-        !IsNone(a[9]) || !py::isinstance<DeepEpHandle>(a[3])) {
+        !py::isinstance<DeepEpHandle>(a[3])) {
       return {};
     }
     auto h = py::cast<std::shared_ptr<DeepEpHandle>>(a[3]);
@@ -260,6 +262,8 @@ class PyDeepEpLowLatency {
         ia->shape != std::vector<int64_t>{h->tokens, e->k} || wa->shape != ia->shape) {
       return {};
     }
+    std::optional<Array> cost;
+    if (!IsNone(a[9]) && !(cost = WaitCost(a[9], e->device))) return {};
     py::object result;
     std::optional<Array> oa;
     if (IsNone(a[8])) {
@@ -276,8 +280,8 @@ class PyDeepEpLowLatency {
     }
     const std::optional<void*> stream = CurrentStream(e->device);
     const double timeout = timeout_;
-    auto recv = [e, out = *oa, w = *wa, timeout] {
-      e->a2a->CombineRecvArrays(out, false, timeout, &w);
+    auto recv = [e, out = *oa, w = *wa, timeout, cost] {
+      e->a2a->CombineRecvArrays(out, false, timeout, &w, cost ? &*cost : nullptr);
     };
     try {
       e->a2a->Ordered(stream, true, true, false, [&] {
@@ -304,6 +308,17 @@ class PyDeepEpLowLatency {
   }
 
  private:
+  // A wait-cost statistics tensor as this path takes it: int64 [world] on `device`; nullopt
+  // for anything else (Python's path then checks it and raises).
+  std::optional<Array> WaitCost(PyObject* o, int device) const {
+    std::optional<Array> c = TorchArray(o);
+    if (!c || c->dtype != torch_.int64 || c->device != device ||
+        c->shape != std::vector<int64_t>{world_}) {
+      return std::nullopt;
+    }
+    return c;
+  }
+
   // The handle combined (or failed): its AllToAll free for the next call.
   static void Release(DeepEpHandle& h) {
     SetBusy(h.pooled, false);

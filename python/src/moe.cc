@@ -91,11 +91,14 @@ void BindMoe(py::module_& m) {
            py::arg("scales") = py::none(), py::arg("num_rows") = py::none(),
            py::arg("token_experts") = py::none(), py::arg("token_weights") = py::none(),
            py::arg("timeout") = 30.0, py::arg("expert_padding") = 0,
+           py::arg("wait_cost") = py::none(),
            "Expert-major: x [local_experts, expert_capacity, hidden], num_tokens [local_experts] "
            "int32 (copies per expert); with expert_padding p the experts' blocks back to back "
            "in x's config.padded_rows(p) rows, each rounded up to p rows; token-major also "
            "num_rows [1], token_experts and token_weights [expert_capacity, k]; scales as x's "
-           "rows (fp8). Peers' data is checked before it is used (DataLoss naming the sender)")
+           "rows (fp8). Peers' data is checked before it is used (DataLoss naming the sender). "
+           "wait_cost [world_size] int64: the time waited for each sender added to it "
+           "(nanoseconds on the host device, GPU clock cycles on the CUDA device)")
       .def("combine_send", &PyAllToAll::CombineSend, py::arg("expert_out"),
            py::arg("num_rows") = py::none(),
            "expert_out: bf16 rows as dispatch_recv laid them out (token-major: one per row, "
@@ -103,15 +106,17 @@ void BindMoe(py::module_& m) {
            "that many, at least the rows received)")
       .def("combine_recv", &PyAllToAll::CombineRecv, py::arg("out"), py::arg("accumulate") = false,
            py::arg("timeout") = 30.0, py::arg("weights") = py::none(),
+           py::arg("wait_cost") = py::none(),
            "out [T, hidden] bf16 for the T of the last dispatch_send: each token's weighted sum "
            "(added to out with accumulate); weights [T, k] float32: the combine weights given "
-           "now instead of dispatch_send's (not with combine_reduce_at_expert_rank)")
+           "now instead of dispatch_send's (not with combine_reduce_at_expert_rank); wait_cost "
+           "as dispatch_recv's, per expert rank")
       .def("dispatch", &PyAllToAll::Dispatch, py::arg("x"), py::arg("indices"),
            py::arg("weights"), py::arg("scales"), py::arg("num_tokens"),
            py::arg("device_num_tokens"), py::arg("scaling"), py::arg("out_x"),
            py::arg("out_num_tokens"), py::arg("out_scales"),
            py::arg("timeout"), py::arg("expert_padding"), py::arg("stream"), py::arg("halves"),
-           py::arg("stream_first"), py::arg("stream_waits"),
+           py::arg("stream_first"), py::arg("stream_waits"), py::arg("wait_cost") = py::none(),
            "Expert-major dispatch_send and dispatch_recv in one call (halves: 1 send, 2 "
            "receive, 3 both; the other half's arguments unused, None), ordered after `stream` "
            "(a cudaStream_t as an int, 0 allowed; None: unordered) with stream_first and "
@@ -122,6 +127,7 @@ void BindMoe(py::module_& m) {
       .def("combine", &PyAllToAll::Combine, py::arg("expert_out"), py::arg("out"),
            py::arg("weights"), py::arg("accumulate"), py::arg("timeout"), py::arg("stream"),
            py::arg("halves"), py::arg("stream_first"), py::arg("stream_waits"),
+           py::arg("wait_cost") = py::none(),
            "combine_send and combine_recv in one call, as dispatch() runs dispatch's halves")
       .def("set_stream", &PyAllToAll::SetStream, py::arg("stream"),
            "CUDA device, several ranks: enqueue the steps on `stream` (a torch or CuPy stream, or "

@@ -1,12 +1,13 @@
 """ferry.deep_ep's rank masks (DeepEP's shrink mode): a rank that dies is masked by the
 survivors' next low-latency call at its deadline, and masks set by hand leave a rank out of
-every call. Each survivor checks its received rows and counts, and its combined output, against
+every call; and the wait-cost statistics that name a slow rank. Each survivor checks its received rows and counts, and its combined output, against
 a torch reference written here that leaves the masked ranks' tokens and experts out. On the
 host device (torch CPU tensors) and, where there is a GPU, on the CUDA device (the three ranks
 in one node on this machine's first GPU; CUDA touched only inside the forked ranks)."""
 
 import os
 import signal
+import struct
 import time
 import unittest
 
@@ -32,13 +33,16 @@ def inputs(rank, round):
     return x, idx.to(torch.int64), w
 
 
-def check_call(buf, me, world, live, round, hook):
+def check_call(buf, me, world, live, round, hook, stats=(None, None), delay=0.0):
     """One low-latency dispatch and combine: rows from live senders only; the combine (experts
-    multiply by 1 + their global id) sums only the copies that went to live ranks."""
+    multiply by 1 + their global id) sums only the copies that went to live ranks. stats: the
+    dispatch's and the combine's wait-cost tensors; delay: seconds slept before each call."""
     x, idx, w = inputs(me, round)
     e = LOCAL * world
+    time.sleep(delay)
     recv, count, handle, event, recv_hook = buf.low_latency_dispatch(
-        x.to(DEV), idx.to(DEV), M, e, use_fp8=False, return_recv_hook=hook)
+        x.to(DEV), idx.to(DEV), M, e, use_fp8=False, return_recv_hook=hook,
+        dispatch_wait_recv_cost_stats=stats[0])
     if hook:
         recv_hook()
     recv, count = recv.cpu(), count.cpu()
@@ -56,8 +60,10 @@ def check_call(buf, me, world, live, round, hook):
         got = sorted(tuple(r.view(torch.int16).tolist()) for r in recv[le, :n])
         assert got == sorted(tuple(r.view(torch.int16).tolist()) for r in want), (me, le)
         y[le, :n] = (recv[le, :n].double() * (1 + g)).to(torch.bfloat16)
+    time.sleep(delay)
     out, event, combine_hook = buf.low_latency_combine(y.to(DEV), idx.to(DEV), w.to(DEV), handle,
-                                                       return_recv_hook=hook)
+                                                       return_recv_hook=hook,
+                                                       combine_wait_recv_cost_stats=stats[1])
     if hook:
         combine_hook()
     out = out.cpu()
@@ -163,6 +169,54 @@ class DeepEpMaskTest(unittest.TestCase):
             expect_error(ferry.InvalidArgument, "enable_shrink",
                          plain.low_latency_query_mask_buffer, torch.zeros(world,
                                                                           dtype=torch.int32))
+
+        exits = ferry.run_local_ranks(3, on(self.dev, body), 120.0)
+        self.assertTrue(all(e.ok for e in exits), exits)
+
+
+    def test_wait_costs_name_a_slow_rank(self):
+        """Rank 2 calls each step 0.3 s after the others: in both wait-cost tensors (added to
+        what they held) ranks 0 and 1 find a good part of that in rank 2's entry and a quarter
+        of it or less in the other's, and rank 2 waited less for anyone than they did for it --
+        with and without the hooks, on the Python path and the C++ one (a shape's third call
+        on). Nanoseconds on CPU tensors, GPU clock cycles on CUDA ones (read here at 2 GHz, above
+        an H100's or H200's clock, for a bound that holds at any clock)."""
+        def body(b):
+            from ferry import deep_ep
+            torch.set_num_threads(1)
+            world, me = b.world_size, b.rank
+            buf = deep_ep.Buffer(b, low_latency_mode=True, timeout=30.0)
+            everyone = [True] * world
+            per_second = 2e9 if DEV == "cuda" else 1e9
+            expect_error(ferry.InvalidArgument, "dispatch_wait_recv_cost_stats",
+                         buf.low_latency_dispatch, torch.zeros(M, HIDDEN, dtype=torch.bfloat16)
+                         .to(DEV), torch.zeros(M, K, dtype=torch.int64).to(DEV), M, LOCAL * world,
+                         dispatch_wait_recv_cost_stats=torch.zeros(world + 1, dtype=torch.int64)
+                         .to(DEV))
+            check_call(buf, me, world, everyone, 0, hook=False)
+            in_python = []  # the calls the C++ base handed to Python's methods
+            for name in ("_low_latency_dispatch", "_low_latency_combine"):
+                setattr(buf, name, lambda *a, _f=getattr(buf, name), _n=name, **kw: (
+                    in_python.append(_n), _f(*a, **kw))[1])
+            for round in range(1, 5):
+                if round == 2:
+                    before = len(in_python)
+                stats = [torch.full((world,), 5, dtype=torch.int64).to(DEV) for _ in range(2)]
+                b.barrier(30.0)
+                check_call(buf, me, world, everyone, round, hook=round % 2 == 0, stats=stats,
+                           delay=0.3 if me == 2 else 0.0)
+                gained = [(s.cpu() - 5).tolist() for s in stats]
+                longest = max(g[q] for g in gained for q in range(world) if q != me)
+                for_slow = 0 if me == 2 else min(g[2] for g in gained)
+                everyone_s = [struct.unpack("qq", v)
+                              for v in b.all_gather(struct.pack("qq", longest, for_slow))]
+                if me == 2:
+                    assert all(longest < everyone_s[q][1] for q in (0, 1)), (round, everyone_s)
+                    continue
+                for g in gained:
+                    assert g[2] / per_second > 0.1, (round, me, gained)
+                    assert 0 <= g[1 - me] and 4 * g[1 - me] < g[2], (round, me, gained)
+            assert len(in_python) == before, in_python  # rounds 2-4 on the C++ path
 
         exits = ferry.run_local_ranks(3, on(self.dev, body), 120.0)
         self.assertTrue(all(e.ok for e in exits), exits)

@@ -443,9 +443,9 @@ def deep_ep_body(world, group_kind):
                      dv(torch.zeros(MAX_TOKENS + 1, K, dtype=torch.int64)), MAX_TOKENS, e)
         expect_error(ferry.InvalidArgument, "use_ue8m0 needs round_scale",
                      buf.low_latency_dispatch, x, idx, MAX_TOKENS, e, use_ue8m0=True)
-        expect_error(ferry.Unimplemented, "dispatch_wait_recv_cost_stats",
+        expect_error(ferry.InvalidArgument, "dispatch_wait_recv_cost_stats",
                      buf.low_latency_dispatch, x, idx, MAX_TOKENS, e,
-                     dispatch_wait_recv_cost_stats=dv(torch.zeros(world, dtype=torch.int64)))
+                     dispatch_wait_recv_cost_stats=dv(torch.zeros(world, dtype=torch.int32)))
         expect_error(ferry.InvalidArgument, "dtype", buf.low_latency_dispatch, x.float(), idx,
                      MAX_TOKENS, e)
         # A call that does not match DeepEP's signature raises Python's TypeError.

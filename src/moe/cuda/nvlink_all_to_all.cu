@@ -263,7 +263,8 @@ class NvlinkAllToAll final : public AllToAll {
                                                 : int64_t{nv_.local_experts} * c_.expert_capacity();
     const RecvArgs args{static_cast<uint8_t*>(out.x), out.scales,        out.num_tokens,
                         BudgetNs(deadline),           out.num_rows,      out.token_experts,
-                        out.token_weights,            out.expert_padding, out_rows};
+                        out.token_weights,            out.expert_padding, out_rows,
+                        out.wait_cost};
     auto* unpack = nv_.masks
                        ? (nv_.stream ? UnpackKernel<true, true> : UnpackKernel<false, true>)
                        : (nv_.stream ? UnpackKernel<true, false> : UnpackKernel<false, false>);
@@ -277,7 +278,7 @@ class NvlinkAllToAll final : public AllToAll {
     if (!expert_out) return InvalidArgumentError("CombineSend: null expert output");
     RETURN_IF_ERROR(Aligned(expert_out, "CombineSend: expert output"));
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
-    const CombineArgs args{expert_out, nullptr, false, 0, nullptr};
+    const CombineArgs args{expert_out, nullptr, false, 0, nullptr, nullptr};
     if (combine_copy_only_) {
       CombineSendKernel<true><<<recv_grid_, kCopyThreads, 0, stream_>>>(nv_, args);
     } else {
@@ -298,7 +299,8 @@ class NvlinkAllToAll final : public AllToAll {
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
     FERRY_CUDA(Launch(nv_.stream_combine ? CombineRecvStreamedKernel : CombineRecvKernel,
                       TokenGrid(token_bound_), nv_.world_size * sizeof(int64_t),
-                      CombineArgs{nullptr, out, accumulate, BudgetNs(deadline), to.weights}));
+                      CombineArgs{nullptr, out, accumulate, BudgetNs(deadline), to.weights,
+                                  to.wait_cost}));
     stage_ = Stage::kIdle;
     return async_ ? Status::Ok() : Finish();
   }

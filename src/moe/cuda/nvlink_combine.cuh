@@ -247,7 +247,8 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvStreamedKernel(Nv v, 
   auto arrived = [&](int t, int w) {
     const LaneRow mine = LocateRows(v, a, t, rank_start, row_ptr[w], weight_of[w], &rows[w]);
     return mine.row < 0 ||
-           AwaitWord(v, tags + mine.row, epoch + 1, start, a.timeout_ns, 1, mine.rank);
+           AwaitCounted(v, a.wait_cost, tags + mine.row, epoch + 1, start, a.timeout_ns, 1,
+                        mine.rank);
   };
   bool ok = true, first = true;
   if (tokens > static_cast<int>(gridDim.x)) {
@@ -275,7 +276,9 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvStreamedKernel(Nv v, 
   Mark(v, kTraceCombineRecv, 2);
   if (!LastBlock(&v.scratch->tickets[2], false) || threadIdx.x != 0) return;
   const uint64_t spent = GlobalTimerNs() - start;  // the deadline counts from the step's start
-  if (!WaitAll(v, epoch, spent < a.timeout_ns ? a.timeout_ns - spent : 0, 1)) return;
+  if (!WaitAll(v, epoch, spent < a.timeout_ns ? a.timeout_ns - spent : 0, 1, a.wait_cost)) {
+    return;
+  }
   AdvanceEpoch(v, epoch);
   Mark(v, kTraceCombineRecv, 3);
 }
@@ -311,7 +314,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineA
   };
   // Under mask_lost_peers the wait may mask ranks whose rows then count as none: located after.
   if (!v.mask_lost) locate();
-  if (threadIdx.x == 0) ok = WaitStep(v, epoch, a.timeout_ns, 1);
+  if (threadIdx.x == 0) ok = WaitStep(v, epoch, a.timeout_ns, 1, a.wait_cost);
   __syncthreads();
   if (!ok) return;
   if (v.mask_lost) {

@@ -260,6 +260,7 @@ struct RecvArgs {
   float* token_weights;    // token-major: [capacity, K]
   int32_t padding;         // expert-major: 0, or DispatchOutput::expert_padding
   int64_t out_rows;        // the rows out_x holds (a placement at or past them is dropped)
+  int64_t* wait_cost;      // [N] or null: DispatchOutput::wait_cost (AwaitCounted)
 };
 struct CombineArgs {
   const uint16_t* expert_out;
@@ -267,6 +268,7 @@ struct CombineArgs {
   bool accumulate;
   uint64_t timeout_ns;
   const float* weights;  // [T, K] given at CombineRecv; null: the dispatch's copy (Nv::weights)
+  int64_t* wait_cost;    // [N] or null: CombineOutput::wait_cost (AwaitCounted)
 };
 
 // ---- flags, fences, errors --------------------------------------------------------------------
@@ -394,6 +396,20 @@ __device__ bool AwaitWord(const Nv& v, const Word* p, Word want, uint64_t start,
   return true;
 }
 
+// AwaitWord, with the clock64 cycles it took added to cost[r] where cost is given (the step's
+// wait_cost: what rank r kept this thread waiting). A caller whose wait every block repeats
+// passes cost from one block only.
+template <typename Word>
+__device__ bool AwaitCounted(const Nv& v, int64_t* cost, const Word* p, Word want, uint64_t start,
+                             uint64_t budget_ns, int which, int r, bool may_mask = false) {
+  if (!cost) return AwaitWord(v, p, want, start, budget_ns, which, r, may_mask);
+  const long long begin = clock64();
+  const bool ok = AwaitWord(v, p, want, start, budget_ns, which, r, may_mask);
+  atomicAdd(reinterpret_cast<unsigned long long*>(cost + r),
+            static_cast<unsigned long long>(clock64() - begin));
+  return ok;
+}
+
 // Whether rank r is masked (Nv::masks; read from L2, where other blocks' masks land).
 __device__ inline bool MaskedRank(const Nv& v, int r) {
   return v.masks && __ldcg(v.masks + r) != 0;
@@ -432,8 +448,9 @@ __device__ inline void PublishMasks(const Nv& v) {
 // epoch `epoch` done (the rank's step per epoch times epoch + 1), another block gave up, or the
 // budget (from now) runs out (AwaitWord). A masked rank is not waited for; under
 // mask_lost_peers a rank whose flag is not up at the budget is masked (MaskLost) and the wait
-// goes on without it.
-__device__ bool WaitAll(const Nv& v, uint64_t epoch, uint64_t budget_ns, int which) {
+// goes on without it. cost: the step's wait_cost, or null (AwaitCounted).
+__device__ bool WaitAll(const Nv& v, uint64_t epoch, uint64_t budget_ns, int which,
+                        int64_t* cost = nullptr) {
   const uint64_t start = GlobalTimerNs();
   for (int r = 0; r < v.world_size; ++r) {
     if (r != v.rank && MaskedRank(v, r)) continue;
@@ -441,7 +458,7 @@ __device__ bool WaitAll(const Nv& v, uint64_t epoch, uint64_t budget_ns, int whi
     const uint64_t* flag = which == 0 ? p.dispatch_flag_in : p.combine_flag_in;
     const uint64_t want = (epoch + 1) * uint64_t(which == 0 ? p.dispatch_step : p.combine_step);
     const bool may_mask = v.mask_lost && r != v.rank;
-    if (AwaitWord(v, flag, want, start, budget_ns, which, r, may_mask)) continue;
+    if (AwaitCounted(v, cost, flag, want, start, budget_ns, which, r, may_mask)) continue;
     if (!may_mask || *reinterpret_cast<volatile int32_t*>(&v.scratch->abort)) return false;
     MaskLost(v, r);
   }
@@ -453,13 +470,15 @@ __device__ bool WaitAll(const Nv& v, uint64_t epoch, uint64_t budget_ns, int whi
 // step) only block 0 polls the flags (host memory: every poll is a PCIe read, and hundreds of
 // blocks polling slow the very copies they wait for); it then publishes what it saw in device
 // memory (release at GPU scope, after its system-scope acquires and its masks) and the other
-// blocks wait for that.
-__device__ bool WaitStep(const Nv& v, uint64_t epoch, uint64_t budget_ns, int which) {
-  if (v.first_remote < 0 && !v.mask_lost) return WaitAll(v, epoch, budget_ns, which);
+// blocks wait for that. cost: the step's wait_cost, or null; block 0's waits alone count.
+__device__ bool WaitStep(const Nv& v, uint64_t epoch, uint64_t budget_ns, int which,
+                         int64_t* cost = nullptr) {
+  if (blockIdx.x != 0) cost = nullptr;
+  if (v.first_remote < 0 && !v.mask_lost) return WaitAll(v, epoch, budget_ns, which, cost);
   uint64_t* seen = &v.scratch->seen[which];
   const uint64_t want = epoch + 1;
   if (blockIdx.x == 0) {
-    if (!WaitAll(v, epoch, budget_ns, which)) return false;
+    if (!WaitAll(v, epoch, budget_ns, which, cost)) return false;
     asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(seen), "l"(want) : "memory");
     return true;
   }

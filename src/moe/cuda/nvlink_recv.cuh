@@ -167,7 +167,7 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
                  : reinterpret_cast<const uint64_t*>(reinterpret_cast<const uint8_t*>(src4) +
                                                      SlotTagOffset(v));
       const uint64_t want = (t.epoch + 1) * uint64_t(pulled ? from.dispatch_step : 1);
-      ok = AwaitWord(v, word, want, t.wait_start, t.budget_ns, 0, s);
+      ok = AwaitCounted(v, a.wait_cost, word, want, t.wait_start, t.budget_ns, 0, s);
     }
     return GroupAll<kGroup>(ok);
   };
@@ -340,17 +340,19 @@ __global__ void __launch_bounds__(kCopyThreads, 2) UnpackKernel(Nv v, RecvArgs a
   LoadPeersIn(v, from_of);  // while thread 0 waits: no table load on the path after the flags
   if (v.counts_tagged) {  // every sender's counts row, a thread per sender waiting for its tag
     bool there = true;
+    int64_t* cost = blockIdx.x == 0 ? a.wait_cost : nullptr;  // every block waits the same
     for (int q = threadIdx.x; q < v.world_size; q += blockDim.x) {
       const NvPeer& p = v.peer[q];
       there = there && ((kMasks && q != v.rank && MaskedRank(v, q)) ||
-                        AwaitWord(v, reinterpret_cast<const uint32_t*>(p.counts_in +
+                        AwaitCounted(v, cost,
+                                     reinterpret_cast<const uint32_t*>(p.counts_in +
                                                                        CountsTagColumn(v)),
-                                  static_cast<uint32_t>(epoch + 1), wait_start, a.timeout_ns,
-                                  0, q));
+                                     static_cast<uint32_t>(epoch + 1), wait_start, a.timeout_ns,
+                                     0, q));
     }
     if (!__syncthreads_and(there)) return;
   } else {
-    if (threadIdx.x == 0) ok = WaitStep(v, epoch, a.timeout_ns, 0);
+    if (threadIdx.x == 0) ok = WaitStep(v, epoch, a.timeout_ns, 0, a.wait_cost);
     __syncthreads();
     if (!ok) return;
   }
@@ -410,7 +412,7 @@ __global__ void __launch_bounds__(kCopyThreads, 2) UnpackKernel(Nv v, RecvArgs a
     BuildOffsets(v, counts, offset, total, a.padding);
     Mark(v, kTraceUnpack, 4);
     if (!kStream) {
-      if (threadIdx.x == 0) ok = WaitStep(v, epoch, a.timeout_ns, 0);
+      if (threadIdx.x == 0) ok = WaitStep(v, epoch, a.timeout_ns, 0, a.wait_cost);
       __syncthreads();
       if (!ok) return;
       Mark(v, kTraceUnpack, 7);

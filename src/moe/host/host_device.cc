@@ -1,6 +1,7 @@
 // The host device (moe/device.h): the CUDA kernels' part of the relay protocol, on the CPU.
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -107,7 +108,9 @@ class HostDevice final : public MoeDevice {
 
   Status DispatchRecv(const DispatchOutput& out, uint64_t epoch, Deadline deadline) override {
     const int n = c_.world_size, l = c_.local_experts();
-    for (int s : lay_.remotes) RETURN_IF_ERROR(WaitOrMask(false, s, epoch, deadline));
+    for (int s : lay_.remotes) {
+      RETURN_IF_ERROR(WaitOrMask(false, s, epoch, deadline, out.wait_cost));
+    }
     // Every sender's counts row, checked before anything is computed from it; a masked sender
     // sent nothing we read.
     offset_.assign(size_t(n + 1) * l, 0);
@@ -300,7 +303,9 @@ class HostDevice final : public MoeDevice {
     uint16_t* out = to.out;
     const float* weights = to.weights ? to.weights : weights_.data();
     const int n = c_.world_size, k = c_.experts_per_token, h = c_.hidden;
-    for (int r : lay_.remotes) RETURN_IF_ERROR(WaitOrMask(true, r, epoch, deadline));
+    for (int r : lay_.remotes) {
+      RETURN_IF_ERROR(WaitOrMask(true, r, epoch, deadline, to.wait_cost));
+    }
     acc_.assign(size_t(num_tokens_) * h, 0.0f);
     if (to.accumulate) {
       for (size_t i = 0; i < acc_.size(); ++i) acc_[i] = Bf16ToFloat(out[i]);
@@ -402,10 +407,18 @@ class HostDevice final : public MoeDevice {
   bool Masked(int r) const { return lay_.Masked(p_.boxes.control, r); }
 
   // WaitInbox, where under mask_lost_peers a sender that missed the deadline is masked instead
-  // (and the step goes on without it).
-  Status WaitOrMask(bool combine, int s, uint64_t epoch, Deadline deadline) {
+  // (and the step goes on without it). The nanoseconds it waited are added to cost[s] (the
+  // step's wait_cost, if given): the ranks are waited for one after the other, so each is
+  // charged what it kept the step waiting beyond the ranks before it.
+  Status WaitOrMask(bool combine, int s, uint64_t epoch, Deadline deadline, int64_t* cost) {
     if (Masked(s)) return Status::Ok();
+    const auto start = std::chrono::steady_clock::now();
     Status waited = WaitInbox(combine, s, epoch, deadline);
+    if (cost) {
+      cost[s] += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                     std::chrono::steady_clock::now() - start)
+                     .count();
+    }
     if (waited.code() != StatusCode::kDeadlineExceeded || !c_.mask_lost_peers) return waited;
     lay_.Mask(p_.boxes.control, s, kMaskedLost);
     const std::string why(waited.message());
