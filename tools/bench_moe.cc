@@ -67,6 +67,7 @@ struct StepBuffers {
   DispatchOutput out;
   const uint16_t* expert_out = nullptr;
   uint16_t* y = nullptr;
+  int64_t* combine_cost = nullptr;  // MoeBenchOptions::cost_variant: CombineOutput::wait_cost
   std::vector<void*> owned;  // device allocations
 #ifdef FERRY_BENCH_CUDA
   TokenMajorCaller caller;  // MoeBenchOptions::caller: the caller's kernels around the GEMM
@@ -240,7 +241,12 @@ Status TimeGraphCycles(const MoeBenchOptions& o, Bootstrap& b, AllToAll& a2a,
                                                 BENCH_CUDA(LaunchUnpermute(sb.caller, stream));
                                               return a2a.CombineSend(sb.expert_out);
                                             },
-                                            [&] { return a2a.CombineRecv(sb.y, false, later); }};
+                                            [&] {
+                                              return a2a.CombineRecv(
+                                                  CombineOutput{sb.y, false, nullptr,
+                                                                sb.combine_cost},
+                                                  later);
+                                            }};
   // Steps first..last, `repeats` times over, as one graph; with `marks`, an event node before
   // each dispatch and each combine and one at the end.
   auto capture = [&](int first, int last, cudaGraphExec_t* exec, int repeats = 1,
@@ -506,6 +512,11 @@ Status RunRank(const MoeBenchOptions& o, Bootstrap& b, Result* result) {
   }
   sb.expert_out = pexpert_out;
   sb.y = py;
+  std::vector<int64_t> dispatch_cost(o.ranks), combine_cost(o.ranks);
+  if (o.cost_variant) {
+    ASSIGN_OR_RETURN(sb.out.wait_cost, Place(sb, dispatch_cost, o.cuda));
+    ASSIGN_OR_RETURN(sb.combine_cost, Place(sb, combine_cost, o.cuda));
+  }
 #ifdef FERRY_BENCH_CUDA
   if (o.caller) RETURN_IF_ERROR(SetUpCaller(cfg, sb));
 #endif
@@ -526,7 +537,8 @@ Status RunRank(const MoeBenchOptions& o, Bootstrap& b, Result* result) {
     double t2 = NowUs();
     RETURN_IF_ERROR(a2a->CombineSend(pexpert_out));
     double t3 = NowUs();
-    RETURN_IF_ERROR(a2a->CombineRecv(py, false, Deadline::After(step_timeout)));
+    RETURN_IF_ERROR(a2a->CombineRecv(CombineOutput{py, false, nullptr, sb.combine_cost},
+                                     Deadline::After(step_timeout)));
     double t4 = NowUs();
     if (it >= o.warmup) {
       steps[0].push_back(t1 - t0);
@@ -640,6 +652,14 @@ bool RunVariant(const MoeBenchOptions& o, Result* out) {
 }
 
 const char* VariantName(const MoeBenchOptions& o) {
+  if (o.cost_variant) {
+    if (o.caller) return "tok+perm cost";
+    if (o.token_major) return "(a)+(b)t cost";
+    if (o.once_per_rank && o.reduce_at_expert_rank) return "(a)+(b) cost";
+    if (o.once_per_rank) return "(a) cost";
+    if (o.reduce_at_expert_rank) return "(b) cost";
+    return "plain cost";
+  }
   if (o.masked_variant) {
     if (o.caller) return "tok+perm shrk";
     if (o.token_major) return "(a)+(b)t shrk";
@@ -684,6 +704,13 @@ int RunMoeBench(const MoeBenchOptions& options) {
     for (size_t i = 0; i < plain; ++i) {
       variants.push_back(variants[i]);
       variants.back().masked_variant = true;
+    }
+  }
+  if (options.wait_cost) {  // each variant again, counting wait costs
+    const size_t plain = variants.size();
+    for (size_t i = 0; i < plain; ++i) {
+      variants.push_back(variants[i]);
+      variants.back().cost_variant = true;
     }
   }
   const MoeBenchOptions& o = options;
