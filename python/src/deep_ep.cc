@@ -1,11 +1,12 @@
 // ferry.deep_ep.Buffer's low-latency calls, as the Buffer's own methods in C++: Buffer
 // (python/ferry/deep_ep.py) subclasses DeepEpLowLatency, whose low_latency_dispatch and
 // low_latency_combine run the common path (bf16 or e4m3 dispatch with amax or power-of-two
-// scales, with or without the receive hook, into out= or not; no async_finish, no counters) in
-// one C++ call. Python runs every other case, and the first calls of each shape (which make the
-// AllToAll and its two output sets, then add them here): a call this path does not take is
-// handed, before anything is touched, to the Buffer's Python method of the same name with a
-// leading underscore, which raises Python's errors for bad arguments.
+// scales, with or without the receive hook, into out= or not, with or without the wait-cost
+// statistics; no async_finish, no expert counters) in one C++ call. Python runs every other
+// case, and the first calls of each shape (which make the AllToAll and its two output sets, then
+// add them here): a call this path does not take is handed, before anything is touched, to the
+// Buffer's Python method of the same name with a leading underscore, which raises Python's
+// errors for bad arguments.
 //
 // The two methods are METH_FASTCALL methods of the type, not pybind11 functions: DeepEP's
 // calls pass up to eleven arguments, mostly by keyword, and pybind11's matching of them (with
