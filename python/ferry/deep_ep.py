@@ -708,25 +708,49 @@ class Buffer(_ferry.DeepEpLowLatency):
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
                 async_finish=False, allocate_on_comm_stream=False):
         """(combined_x [tokens, hidden] bf16: each token's rows from every rank that got it,
-        summed without weights, None, event)."""
+        summed without weights, plus bias, None, event). bias: a [tokens, hidden] bf16 tensor or
+        a pair of them, added in fp32 before the rows (a pair is first summed in fp32 and
+        rounded to bf16 once: DeepEP keeps that sum in fp32)."""
         self._check_open("combine")
         h = self._live_handle(self._normal_handle(handle, "combine"), "combine")
         refuse("topk_weights", topk_weights, None,
                "combined top-k weights are not returned (ferry's combine moves bf16 rows only)")
-        refuse("bias", bias, None, "a bias added in the combine is not supported")
         check_tensor("x", x, torch.bfloat16, 2)
         if tuple(x.shape) != (h.rows, h.hidden):
             raise InvalidArgument(f"x: shape {tuple(x.shape)}, the dispatch received "
                                   f"{(h.rows, h.hidden)}")
+        biases = self._biases(bias, h, x)
         a2a = h.pooled.a2a
         out = torch.empty(h.tokens, h.hidden, dtype=torch.bfloat16, device=x.device)
         try:
             current = self._begin(a2a, x, previous_event)
+            if biases:  # the sums start from the bias: out, taken with accumulate
+                with self._on_comm(a2a, current, x.device):
+                    if len(biases) == 1:
+                        out.copy_(biases[0])
+                    else:
+                        out.copy_(biases[0].float() + biases[1].float())
             a2a.combine_send(x, num_rows=h.rows)
-            a2a.combine_recv(out, timeout=self._timeout)
+            a2a.combine_recv(out, accumulate=bool(biases), timeout=self._timeout)
         finally:
             self._release(h)
-        return out, None, self._end(a2a, current, async_finish, (x,), (out,))
+        return out, None, self._end(a2a, current, async_finish, (x,) + biases, (out,))
+
+    @staticmethod
+    def _biases(bias, h, x):
+        """combine's bias as a tuple of the tensors given (none, one or two), each checked."""
+        if bias is None:
+            return ()
+        given = bias if isinstance(bias, tuple) else (bias,)
+        if not 1 <= len(given) <= 2:
+            raise InvalidArgument(f"bias: a tensor or a pair of tensors, got {len(given)}")
+        given = tuple(b for b in given if b is not None)
+        for b in given:
+            check_tensor("bias", b, torch.bfloat16, 2, x.get_device())
+            if tuple(b.shape) != (h.tokens, h.hidden):
+                raise InvalidArgument(f"bias: shape {tuple(b.shape)}, the combine gives "
+                                      f"{(h.tokens, h.hidden)}")
+        return given
 
     # ---- rank masks (DeepEP's shrink mode) --------------------------------------------------
 

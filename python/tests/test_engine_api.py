@@ -328,10 +328,11 @@ def check_normal(buf, world, rank, fp8):
     again, none_idx, none_w, none_list, none_handle, _ = buf.dispatch(dv(x), handle=handle)
     assert none_idx is None and none_w is None and none_list is None and none_handle is None
     assert torch.equal(hv(again).view(torch.int16), recv_x.view(torch.int16))
-    out2, _, _ = buf.combine(again, handle)
+    # With a bias (x / 2, exact in bf16), added before the rows.
+    out2, _, _ = buf.combine(again, handle, bias=dv((x.double() / 2).to(torch.bfloat16)))
     out2 = hv(out2)
     assert torch.equal(out2.view(torch.int16),
-                       (back * holders).to(torch.bfloat16).view(torch.int16))
+                       (back * (holders + 0.5)).to(torch.bfloat16).view(torch.int16))
     # Refused: a handle combined already -- also once another dispatch has taken its AllToAll
     # (the handle's own state says so, not the AllToAll's) -- and the combine's top-k weights.
     expect_error(ferry.InvalidArgument, "combined already", buf.combine, again, handle)
@@ -341,7 +342,14 @@ def check_normal(buf, world, rank, fp8):
     expect_error(ferry.InvalidArgument, "combined already", buf.combine, again, handle)
     expect_error(ferry.Unimplemented, "topk_weights", buf.combine, other[0], other[4],
                  topk_weights=other[2])
-    buf.combine(other[0], other[4])
+    expect_error(ferry.InvalidArgument, "bias: shape", buf.combine, other[0], other[4],
+                 bias=dv(torch.zeros(x.shape[0] + 1, HIDDEN, dtype=torch.bfloat16)))
+    # Two biases (x / 2 and x / 4): their fp32 sum rounded to bf16 once, then the rows added.
+    halves = (dv((x.double() / 2).to(torch.bfloat16)), dv((x.double() / 4).to(torch.bfloat16)))
+    out3, _, _ = buf.combine(other[0], other[4], bias=halves)
+    start = (x.double() * 0.75).to(torch.bfloat16).double()
+    assert torch.equal(hv(out3).view(torch.int16),
+                       (start + back * holders).to(torch.bfloat16).view(torch.int16))
 
 
 def expert_outputs(recv_x, count, rank):
