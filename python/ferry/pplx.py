@@ -16,13 +16,20 @@ do_send / do_recv split each call into its send and receive halves (ferry's four
 order). CPU tensors run on ferry's host device, CUDA tensors on its CUDA device, ordered with
 the current torch stream (any: the legacy default one too; graph capture works).
 Arguments ferry cannot honour raise Unimplemented naming them; bad tensors InvalidArgument.
+
+A dp_group of d > 1 ranks (as pplx's: the ranks of a tensor-parallel group, which hold the same
+tokens) sends each token once per group: the group's rank i sends the tokens t with t % d == i
+(the others' ids read as -1), and the combine's receive half shares each token's sum with the
+rest of the group -- every rank's rows but its own zeroed, then summed over the group as int32
+words (exact: one rank's bits plus zeros), through dp_group (all_reduce; a ferry.Bootstrap
+all-gathers through the host).
 """
 
 import torch
 
 from . import _ferry
 from ._engine_api import Group, env_timeout, fp8_dtype, refuse
-from ._errors import InvalidArgument, Unimplemented
+from ._errors import InvalidArgument
 
 __all__ = ["AllToAll"]
 
@@ -52,9 +59,6 @@ class AllToAll(_ferry.PplxSteps):
             raise InvalidArgument("bfloat16 input takes no scale_dtype / hidden_dim_scale")
         if expert_padding < 1:
             raise InvalidArgument(f"expert_padding {expert_padding}: at least 1")
-        if dp_group is not None and _size(dp_group) > 1:
-            raise Unimplemented(f"dp_group of {_size(dp_group)} ranks: ranks of a data-parallel "
-                                "group sharing their tokens are not supported")
         refuse("max_tokens_per_expert", max_tokens_per_expert, None,
                "a cap on one expert's tokens is not supported (ferry sizes for the worst case)")
         self._group = Group(global_group, transfer_engine,
@@ -64,9 +68,21 @@ class AllToAll(_ferry.PplxSteps):
             raise InvalidArgument(f"num_experts {num_experts}: not divisible by "
                                   f"{self.world_size} ranks")
         self.num_local_experts = num_experts // self.world_size
+        self._dp, self._dp_size = None, 1
+        if dp_group is not None and _size(dp_group) > 1:
+            self._dp, self._dp_size, self._dp_rank = dp_group, _size(dp_group), _rank(dp_group)
+            if self.world_size % self._dp_size:
+                raise InvalidArgument(f"dp_group of {self._dp_size} ranks: the "
+                                      f"{self.world_size} ranks do not split into such groups")
+            if hidden_dim % 2:
+                raise InvalidArgument(f"hidden_dim {hidden_dim}: even with a dp_group (rows "
+                                      "are shared as int32 words)")
+            self._owned = {}  # (tokens, device) -> bool [tokens]: this rank's share
+            # Instance attributes: the calls of a group of one stay PplxSteps' own.
+            self.dispatch, self.combine = self._dp_dispatch, self._dp_combine
         cuda = device.type == "cuda"
         device_id = device.index if cuda else -1  # as Tensor.get_device() says
-        timeout = env_timeout() if timeout is None else float(timeout)
+        timeout = self._timeout = env_timeout() if timeout is None else float(timeout)
         fields = dict(num_experts=num_experts, experts_per_token=num_experts_per_token,
                       max_tokens_per_rank=max_num_tokens, hidden=hidden_dim,
                       dtype=_ferry.DispatchDtype.FP8_E4M3 if fp8 else _ferry.DispatchDtype.BF16)
@@ -93,11 +109,67 @@ class AllToAll(_ferry.PplxSteps):
     def destroy(self):
         self._group.close()
 
+    def _owned_rows(self, tokens, device):
+        key = (tokens, device)
+        owned = self._owned.get(key)
+        if owned is None:
+            owned = self._owned[key] = (
+                torch.arange(tokens, device=device) % self._dp_size == self._dp_rank)
+        return owned
+
+    def _dp_dispatch(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x,
+                     dp_x_scale, indices, weights, bound_m=None, do_send=True, do_recv=True):
+        """PplxSteps.dispatch, sending only this rank's share of the group's tokens."""
+        if do_send and isinstance(indices, torch.Tensor) and indices.dim() == 2:
+            ids = indices.view(torch.int32) if indices.dtype == _UINT32 else indices
+            indices = torch.where(self._owned_rows(ids.shape[0], ids.device)[:, None], ids,
+                                  torch.full((), -1, dtype=ids.dtype, device=ids.device))
+        _ferry.PplxSteps.dispatch(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale,
+                                  dp_x, dp_x_scale, indices, weights, bound_m, do_send, do_recv)
+
+    def _dp_combine(self, out_tokens, indices, weights, expert_y, bound_m=None, do_send=True,
+                    do_recv=True, accumulate=False):
+        """PplxSteps.combine; its receive half then shares each token's sum (its owner's row)
+        with the group."""
+        _ferry.PplxSteps.combine(self, out_tokens, indices, weights, expert_y, bound_m, do_send,
+                                 do_recv, accumulate)
+        if not do_recv:
+            return
+        out_tokens.masked_fill_(~self._owned_rows(out_tokens.shape[0], out_tokens.device)[:, None],
+                                0)
+        words = out_tokens.view(torch.int32)
+        if isinstance(self._dp, _ferry.Bootstrap):
+            parts = self._dp.all_gather(words.cpu().numpy().tobytes(), self._timeout)
+            total = torch.zeros(words.shape, dtype=torch.int32)
+            for part in parts:
+                total += torch.frombuffer(bytearray(part), dtype=torch.int32).view(words.shape)
+            words.copy_(total)
+        else:
+            import torch.distributed as dist
+            dist.all_reduce(words, group=self._dp)
+
     # dispatch and combine are PplxSteps' (python/src/engine_api.cc): every argument checked
     # before either half runs, then both in one call of the AllToAll's, on the caller's current
     # stream (the AllToAll takes it at its first dispatch; a call from another stream is
     # ordered by events). The halves run dispatch send, dispatch receive, combine send, combine
     # receive; `stage` says where they stand.
+
+
+_UINT32 = getattr(torch, "uint32", None)  # pplx's id dtype (torch 2.3 on)
+
+
+def _rank(group):
+    """A group's rank of this process: a ferry.Bootstrap, a group object with rank(), or a
+    torch.distributed group."""
+    if isinstance(group, _ferry.Bootstrap):
+        return group.rank
+    rank = getattr(group, "rank", None)
+    if callable(rank):
+        return rank()
+    if isinstance(rank, int):
+        return rank
+    import torch.distributed as dist
+    return dist.get_rank(group=group)
 
 
 def _size(group):

@@ -505,14 +505,16 @@ class DeepEpTest(Worlds, Case):
 PADDING = 4
 
 
-def padded_blocks(out_x, counts, rank, world, m=None):
+def padded_blocks(out_x, counts, rank, world, m=None, senders=None):
     """Checks each expert's block of out_x against the rows routed to it (senders' first m
-    tokens only, if given), its padding rows zero; returns expert outputs in the same layout:
-    each row times its expert's factor."""
+    tokens only, if given; senders: the ranks whose inputs were sent, all by default), its
+    padding rows zero; returns expert outputs in the same layout: each row times its expert's
+    factor."""
     start, y = 0, torch.zeros_like(out_x)
+    senders = range(world) if senders is None else senders
     for le in range(EXPERTS_PER_RANK):
         g = rank * EXPERTS_PER_RANK + le
-        want = [sx[t] for s in range(world) for sx, sidx, _ in [inputs(world, s)]
+        want = [sx[t] for s in senders for sx, sidx, _ in [inputs(world, s)]
                 for t in range(sx.shape[0] if m is None else min(m, sx.shape[0]))
                 for j in range(K) if int(sidx[t, j]) == g]
         n = int(counts[le])
@@ -620,8 +622,61 @@ def check_pplx_fp8(world, rank, group):
     a2a.destroy()
 
 
+def pplx_dp_body(b, store):
+    """Four ranks in data-parallel groups of two ({0, 1} and {2, 3}, as pplx groups tensor-
+    parallel ranks), each group's ranks holding the same tokens (rank 0's and rank 2's inputs):
+    every expert receives each group's tokens once, and every rank of a group gets the group's
+    combined output -- plain, in halves, and with accumulate; the groups given as
+    torch.distributed groups, then as ferry Bootstraps (CallbackBootstrap over the groups'
+    all_gather_object)."""
+    import torch.distributed as dist
+    from ferry import pplx
+    world = b.world_size
+    group = gloo(b, store)
+    dp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = dp_groups[b.rank // 2]
+
+    def gather(data, timeout):
+        out = [None] * 2
+        dist.all_gather_object(out, data, group=mine)
+        return out
+    for dp_group in (mine, ferry.CallbackBootstrap(b.rank % 2, 2, gather)):
+        check_pplx_dp(b, group, dp_group)
+
+
+def check_pplx_dp(b, group, dp_group):
+    from ferry import pplx
+    world = b.world_size
+    e = EXPERTS_PER_RANK * world
+    a2a = pplx.AllToAll(max_num_tokens=MAX_TOKENS, num_experts=e, expert_padding=PADDING,
+                        hidden_dim=HIDDEN, hidden_dim_scale=None, in_dtype=torch.bfloat16,
+                        out_dtype=torch.bfloat16, scale_dtype=None, num_experts_per_token=K,
+                        device=torch.device(DEV), dp_group=dp_group, global_group=group)
+    source = b.rank // 2 * 2  # whose inputs this rank's group holds
+    x, idx, w = inputs(world, source)
+    dx, ids, dw = dv(x), dv(idx.to(torch.int32)), dv(w)
+    for split, accumulate in ((False, False), (True, False), (False, True)):
+        counts = dv(torch.empty(EXPERTS_PER_RANK, dtype=torch.int32))
+        out_x = dv(torch.zeros(a2a.max_recv_tokens, HIDDEN, dtype=torch.bfloat16))
+        halves = ((True, False), (False, True)) if split else ((True, True),)
+        for send, recv in halves:
+            a2a.dispatch(counts, out_x, None, dx, None, ids, dw, do_send=send, do_recv=recv)
+        y = dv(padded_blocks(hv(out_x), hv(counts), b.rank, world, senders=(0, 2)))
+        out = dv(torch.ones(x.shape[0], HIDDEN, dtype=torch.bfloat16))
+        for send, recv in halves:
+            a2a.combine(out, ids, dw, y, do_send=send, do_recv=recv, accumulate=accumulate)
+        ref = weighted_reference(x, idx, w)
+        if accumulate:
+            ref = (ref.double() + 1).to(torch.bfloat16)
+        torch.testing.assert_close(hv(out).float(), ref.float(), rtol=2 ** -7, atol=2 ** -6)
+    a2a.destroy()
+
+
 class PplxTest(Worlds, Case):
     body_of = staticmethod(pplx_body)
+
+    def test_data_parallel_groups_of_two_over_gloo(self):
+        self.ranks(4, pplx_dp_body, timeout=240.0)
 
     def test_refuses_what_it_cannot_honour(self):
         from ferry import pplx
