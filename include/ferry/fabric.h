@@ -383,6 +383,14 @@ class FERRY_API TransferEngine {
   // support (else Unimplemented).
   StatusOr<MemoryRegion> RegisterMemory(void* data, uint64_t length,
                                         MemoryKind kind = MemoryKind::kHost, int device = 0);
+  // Deregisters `region` now and says whether that took: OK once its key lands nothing more
+  // (what a peer writes under it from then on is refused or dropped), the fence a caller needs
+  // before it reuses memory a peer it gave up on could still write. If the worker, which
+  // deregisters, is gone or does not answer within control_timeout_ms, the error says so and
+  // the registration may still be open (it is closed with the engine, never deregistered
+  // twice). Either way `region` is empty after. InvalidArgument for an empty region or one of
+  // another engine.
+  Status Revoke(MemoryRegion& region);
 
   // --- peers ---
   // The engine at `address` as a peer. An engine that is already a peer, and not lost, keeps
@@ -481,7 +489,8 @@ class FERRY_API TransferEngine {
   friend class MemoryRegion;  // Deregister
   friend class fabric::Engine;  // Wrap
   explicit TransferEngine(fabric::Engine* impl);
-  void Deregister(MemoryRegion& region);
+  // Deregisters region's registration on the worker: whether it ran there in time.
+  Status Deregister(MemoryRegion& region);
 
   // The implementation (src/fabric/engine.h): owned, and leaked on purpose at destruction when
   // its worker cannot be stopped (wedged in a provider call that may still touch it).

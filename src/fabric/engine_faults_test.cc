@@ -152,10 +152,14 @@ TEST_P(FaultTest, AScatterToARemovedPeerFailsAtOnce) {
 }
 
 // A provider call that never returns (shm does this when a peer dies holding its lock) must not
-// hang the engine's callers: control operations time out, destruction abandons the engine.
+// hang the engine's callers: control operations time out, destruction abandons the engine. A
+// Revoke then says its registration may still be open (and leaves the region empty).
 TEST_P(FaultTest, AWedgedProviderCallNeverHangsTheCaller) {
   constexpr uint32_t kMirrored = 41;
   ASSERT_TRUE(a_->CreateImmCounter(kMirrored).ok());
+  std::vector<uint8_t> fenced_bytes(4096);
+  auto fenced = a_->RegisterMemory(fenced_bytes.data(), fenced_bytes.size());
+  ASSERT_TRUE(fenced.ok()) << fenced.status();
   fault_->Wedge();
   TransferCounter c;
   ASSERT_TRUE(a_->Write(To(dst2_reg_), Completion::Counter(&c)).ok());
@@ -170,6 +174,12 @@ TEST_P(FaultTest, AWedgedProviderCallNeverHangsTheCaller) {
   start = Clock::now();
   Status mirrored = a_->MirrorImm(kMirrored, &word);
   EXPECT_EQ(mirrored.code(), StatusCode::kDeadlineExceeded) << mirrored;
+  EXPECT_LT(Clock::now() - start, 5s * testing_util::TimeScale());
+  start = Clock::now();
+  Status revoked = a_->Revoke(*fenced);
+  EXPECT_EQ(revoked.code(), StatusCode::kDeadlineExceeded) << revoked;
+  EXPECT_NE(revoked.message().find("may still be open"), std::string::npos) << revoked;
+  EXPECT_FALSE(fenced->valid());
   EXPECT_LT(Clock::now() - start, 5s * testing_util::TimeScale());
   src_reg_ = MemoryRegion();  // releasing a region of a wedged engine returns too
   start = Clock::now();

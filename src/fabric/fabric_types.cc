@@ -44,7 +44,7 @@ void MemoryRegion::Release() {
   if (!owner_) return;
   {
     MutexLock lock(owner_->mu);
-    if (owner_->engine) owner_->engine->Deregister(*this);
+    if (owner_->engine) (void)owner_->engine->Deregister(*this);  // see Revoke
   }
   owner_.reset();
   handle_ = nullptr;

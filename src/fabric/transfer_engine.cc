@@ -151,23 +151,42 @@ StatusOr<MemoryRegion> TransferEngine::RegisterMemory(void* data, uint64_t lengt
   return region;
 }
 
-void TransferEngine::Deregister(MemoryRegion& region) {
+Status TransferEngine::Deregister(MemoryRegion& region) {
   Engine* const impl = impl_;
   auto* handle = static_cast<MultiRegistration*>(region.handle_);
-  if (!handle) return;
+  if (!handle) return Status::Ok();
   MultiRegistration copy;
   {
     MutexLock lock(impl->regs_mu_);
     auto it = impl->regs_.find(handle);
-    if (it == impl->regs_.end()) return;
+    if (it == impl->regs_.end()) return Status::Ok();
     copy = *it->second;
     impl->regs_.erase(it);
   }
-  auto s = impl->RunOnWorker([impl, copy](Engine::ControlResult&) -> Status {
-    impl->DeregisterAll(copy);
-    return Status::Ok();
-  });
-  (void)s;  // if the worker is gone or wedged, the domains close their registrations themselves
+  // If the worker is gone or wedged, the domains close the registration when they close: it
+  // is out of regs_ already, so nothing deregisters it twice (an operation that timed out may
+  // still run, once).
+  return impl
+      ->RunOnWorker([impl, copy](Engine::ControlResult&) -> Status {
+        impl->DeregisterAll(copy);
+        return Status::Ok();
+      })
+      .status();
+}
+
+Status TransferEngine::Revoke(MemoryRegion& region) {
+  if (!region.valid()) return InvalidArgumentError("Revoke: an empty region");
+  Status s;
+  {
+    MutexLock lock(region.owner_->mu);
+    if (region.owner_->engine != this) {
+      return InvalidArgumentError("Revoke: a region of another engine, or of one that is gone");
+    }
+    s = Deregister(region);
+  }
+  region.owner_.reset();
+  region.handle_ = nullptr;
+  return s.ok() ? s : s.WithContext("Revoke: the registration may still be open");
 }
 
 StatusOr<PeerId> TransferEngine::AddPeer(std::span<const uint8_t> address_bytes) {

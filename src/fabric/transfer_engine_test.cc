@@ -588,10 +588,11 @@ TEST_P(EnginePairTest, ARemovedPeerRefusesWorkAndCanBeRemovedAgain) {
   EXPECT_FALSE(*a_->PeerLost(*again));
 }
 
-// A second registration of the same bytes is a second key, and destroying it revokes that key
-// alone: a write under it, posted after, changes neither the bytes nor the immediate counter it
-// names, while writes under the first key still land. (The KV decoder
-// gives each prefill a key of its own this way, to fence one that hung.)
+// A second registration of the same bytes is a second key, and revoking it (Revoke: OK, the
+// region empty after) revokes that key alone: a write under it, posted after, changes neither
+// the bytes nor the immediate counter it names, while writes under the first key still land.
+// (The KV decoder gives each prefill a key of its own this way, to fence one that hung.)
+// Revoke refuses an empty region and one of another engine.
 TEST_P(EnginePairTest, ADeregisteredKeyRefusesLaterWritesAndLeavesTheOtherKeysWorking) {
   ASSERT_TRUE(b_->CreateImmCounter(11).ok());
   auto second = b_->RegisterMemory(dst_.data(), dst_.size());
@@ -612,7 +613,12 @@ TEST_P(EnginePairTest, ADeregisteredKeyRefusesLaterWritesAndLeavesTheOtherKeysWo
   };
   lands(w);
 
-  alias = MemoryRegion();  // revoked
+  MemoryRegion empty;
+  EXPECT_EQ(b_->Revoke(empty).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(a_->Revoke(alias).code(), StatusCode::kInvalidArgument);  // b's region
+  ASSERT_TRUE(alias.valid());
+  ASSERT_TRUE(b_->Revoke(alias).ok());
+  EXPECT_FALSE(alias.valid());
   std::fill(dst_.begin(), dst_.end(), uint8_t{0xAB});
   TransferCounter refused;
   uint64_t posted = 0;

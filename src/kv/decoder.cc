@@ -403,14 +403,17 @@ class Decoder final : public KvDecoder {
       const auto [peer, slot] = job;
       auto it = removed.find(peer);
       if (it == removed.end()) {
-        std::optional<Keys> revoked;
+        std::optional<Keys> keys;
         {
           MutexLock lock(peers_mu_);
           unresponsive_.insert(peer);
-          revoked = TakeKeys(peer);
+          keys = TakeKeys(peer);
         }
-        revoked.reset();  // deregistered: nothing the prefill posts from now on lands
-        it = removed.emplace(peer, engine_->RemovePeer(peer)).first;
+        // Revoked: nothing the prefill posts from now on lands. A revocation that did not take
+        // counts as a removal that failed: the pages stay reserved.
+        const Status fenced = keys ? Revoke(*keys) : Status::Ok();
+        const Status gone = engine_->RemovePeer(peer);
+        it = removed.emplace(peer, fenced.ok() ? gone : fenced).first;
       }
       std::shared_ptr<DoneCallback> tell;
       Status tell_status;
@@ -431,7 +434,7 @@ class Decoder final : public KvDecoder {
         } else {
           tell_status = UnavailableError(
               "KV request " + std::to_string(st.request_id) +
-              ": the prefill did not acknowledge the cancel and could not be removed (" +
+              ": the prefill did not acknowledge the cancel and could not be fenced and removed (" +
               it->second.ToString() + "); the pages stay reserved");
           st.told = true;
           st.state = State::kRetired;
@@ -538,6 +541,19 @@ class Decoder final : public KvDecoder {
       if (aux_) t.aux = aux_->remote();
     }
     return t;
+  }
+
+  // Revokes a prefill's keys: the first error of the engine's Revoke, all of them tried.
+  Status Revoke(Keys& keys) {
+    Status first;
+    auto revoke = [&](MemoryRegion& r) {
+      if (!r.valid()) return;
+      Status s = engine_->Revoke(r);
+      if (first.ok()) first = std::move(s);
+    };
+    for (MemoryRegion& r : keys.ranks) revoke(r);
+    revoke(keys.aux);
+    return first;
   }
 
   // Takes `peer`'s keys out of the table; destroying what it returns revokes them.
