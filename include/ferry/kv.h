@@ -144,7 +144,9 @@ class FERRY_API KvDecoder {
   // afterwards lands in our memory or counts toward a request. Over verbs its queue pairs go to
   // the error state; over libfabric each prefill writes under keys of its own (our regions and
   // aux registered once more for it when it is added, a registration per region and prefill),
-  // and those keys are revoked. A request whose message never reached the prefill
+  // and those keys are revoked (TransferEngine::Revoke); if the fence cannot be set (the
+  // engine's worker wedged), the removal counts as failed: Unavailable, and the request's pages
+  // stay reserved. A request whose message never reached the prefill
   // -- sent just as the prefill removed us to make room in its peer table -- reports
   // Unavailable at once; sent again, it adds the prefill again (over verbs the prefill's
   // goodbye has by then marked it lost here, and the new connection replaces the old).
