@@ -159,26 +159,22 @@ _UINT32 = getattr(torch, "uint32", None)  # pplx's id dtype (torch 2.3 on)
 
 
 def _rank(group):
-    """A group's rank of this process: a ferry.Bootstrap, a group object with rank(), or a
-    torch.distributed group."""
-    if isinstance(group, _ferry.Bootstrap):
-        return group.rank
-    rank = getattr(group, "rank", None)
-    if callable(rank):
-        return rank()
-    if isinstance(rank, int):
-        return rank
-    import torch.distributed as dist
-    return dist.get_rank(group=group)
+    return _ask(group, "rank", "rank", "get_rank")
 
 
 def _size(group):
+    return _ask(group, "world_size", "size", "get_world_size")
+
+
+def _ask(group, bootstrap_attr, method, dist_fn):
+    """A group's rank or size: a ferry.Bootstrap's attribute, a group object's method (or int
+    attribute), or torch.distributed's answer for a torch group."""
     if isinstance(group, _ferry.Bootstrap):
-        return group.world_size
-    size = getattr(group, "size", None)
-    if callable(size):
-        return size()
-    if isinstance(size, int):
-        return size
+        return getattr(group, bootstrap_attr)
+    value = getattr(group, method, None)
+    if callable(value):
+        return value()
+    if isinstance(value, int):
+        return value
     import torch.distributed as dist
-    return dist.get_world_size(group=group)
+    return getattr(dist, dist_fn)(group=group)
