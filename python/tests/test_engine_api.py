@@ -622,26 +622,26 @@ def check_pplx_fp8(world, rank, group):
     a2a.destroy()
 
 
-def pplx_dp_body(b, store):
-    """Four ranks in data-parallel groups of two ({0, 1} and {2, 3}, as pplx groups tensor-
-    parallel ranks), each group's ranks holding the same tokens (rank 0's and rank 2's inputs):
-    every expert receives each group's tokens once, and every rank of a group gets the group's
-    combined output -- plain, in halves, and with accumulate; the groups given as
-    torch.distributed groups, then as ferry Bootstraps (CallbackBootstrap over the groups'
+def pplx_dp_body(world):
+    """Ranks in data-parallel groups of two ({0, 1}, {2, 3}, ..., as pplx groups tensor-parallel
+    ranks), each group's ranks holding the same tokens (its first rank's inputs): every expert
+    receives each group's tokens once, and every rank of a group gets the group's combined
+    output -- plain, in halves, and with accumulate; the groups given as torch.distributed
+    (gloo) groups, then as ferry Bootstraps (CallbackBootstrap over the groups'
     all_gather_object)."""
-    import torch.distributed as dist
-    from ferry import pplx
-    world = b.world_size
-    group = gloo(b, store)
-    dp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    mine = dp_groups[b.rank // 2]
+    def body(b, store):
+        import torch.distributed as dist
+        group = gloo(b, store)
+        dp_groups = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+        mine = dp_groups[b.rank // 2]
 
-    def gather(data, timeout):
-        out = [None] * 2
-        dist.all_gather_object(out, data, group=mine)
-        return out
-    for dp_group in (mine, ferry.CallbackBootstrap(b.rank % 2, 2, gather)):
-        check_pplx_dp(b, group, dp_group)
+        def gather(data, timeout):
+            out = [None] * 2
+            dist.all_gather_object(out, data, group=mine)
+            return out
+        for dp_group in (mine, ferry.CallbackBootstrap(b.rank % 2, 2, gather)):
+            check_pplx_dp(b, group, dp_group)
+    return body
 
 
 def check_pplx_dp(b, group, dp_group):
@@ -661,7 +661,8 @@ def check_pplx_dp(b, group, dp_group):
         halves = ((True, False), (False, True)) if split else ((True, True),)
         for send, recv in halves:
             a2a.dispatch(counts, out_x, None, dx, None, ids, dw, do_send=send, do_recv=recv)
-        y = dv(padded_blocks(hv(out_x), hv(counts), b.rank, world, senders=(0, 2)))
+        y = dv(padded_blocks(hv(out_x), hv(counts), b.rank, world,
+                             senders=range(0, world, 2)))
         out = dv(torch.ones(x.shape[0], HIDDEN, dtype=torch.bfloat16))
         for send, recv in halves:
             a2a.combine(out, ids, dw, y, do_send=send, do_recv=recv, accumulate=accumulate)
@@ -675,8 +676,8 @@ def check_pplx_dp(b, group, dp_group):
 class PplxTest(Worlds, Case):
     body_of = staticmethod(pplx_body)
 
-    def test_data_parallel_groups_of_two_over_gloo(self):
-        self.ranks(4, pplx_dp_body, timeout=240.0)
+    def test_data_parallel_groups_of_two_among_four(self):
+        self.ranks(4, pplx_dp_body(4), timeout=240.0)
 
     def test_refuses_what_it_cannot_honour(self):
         from ferry import pplx

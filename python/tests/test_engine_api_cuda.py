@@ -316,6 +316,9 @@ class CudaEngineApiTest(api.Case):
     def test_pplx_world_2(self):
         self.ranks(2, on_gpu(api.pplx_body(2, "ferry")), timeout=240.0)
 
+    def test_pplx_data_parallel_group_of_two(self):
+        self.ranks(2, on_gpu(api.pplx_dp_body(2)), timeout=240.0)
+
     # An NCCL group: world size 1 (NCCL refuses two ranks on one GPU, which is all two ranks
     # get here). The layers gather through torch.distributed's all_gather_object on it.
     def nccl(self):
