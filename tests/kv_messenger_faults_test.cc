@@ -693,20 +693,18 @@ TEST_P(KvFenceTest, AHungPrefillsLateWritesLandNowhere) {
     }
     return true;
   };
-  // Whether the 4 KiB written land, by a deadline.
-  auto written_lands = [&] {
-    const Deadline deadline = Deadline::After(10s);
-    while (!region_starts_with(0x5C, src.size()) && !deadline.Expired()) {
-      std::this_thread::sleep_for(1ms);
-    }
-    return region_starts_with(0x5C, src.size());
+  // Whether the 4 KiB written under `imm` land, by a deadline: their immediates counted (what
+  // orders the bytes before this thread's reads), then the bytes.
+  auto written_lands = [&](uint32_t imm) {
+    return d.engine->WaitImm(imm, d.side.tp, Deadline::After(10s)).ok() &&
+           region_starts_with(0x5C, src.size());
   };
 
   ASSERT_TRUE(submit(7, Deadline::After(300ms)).ok());
   auto seven = received(1);
   ASSERT_TRUE(seven.ok()) << seven.status();
   ASSERT_EQ(write_all(*seven), d.side.tp);
-  ASSERT_TRUE(written_lands()) << "the prefill's keys did not work";
+  ASSERT_TRUE(written_lands(seven->imm)) << "the prefill's keys did not work";
 
   // No acknowledgement: the request ends at its deadline plus the cancel's wait, removed.
   const Deadline told = Deadline::After(20s);
@@ -728,7 +726,7 @@ TEST_P(KvFenceTest, AHungPrefillsLateWritesLandNowhere) {
   auto eight = received(2);
   ASSERT_TRUE(eight.ok()) << eight.status();
   EXPECT_EQ(write_all(*eight), d.side.tp);
-  EXPECT_TRUE(written_lands()) << "the new keys did not work";
+  EXPECT_TRUE(written_lands(eight->imm)) << "the new keys did not work";
   decoder.reset();  // request 8 ends Cancelled
   EXPECT_EQ(calls.load(), 2);
 }
