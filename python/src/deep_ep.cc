@@ -2,7 +2,7 @@
 // (python/ferry/deep_ep.py) subclasses DeepEpLowLatency, whose low_latency_dispatch and
 // low_latency_combine run the common path (bf16 or e4m3 dispatch with amax or power-of-two
 // scales, with or without the receive hook, into out= or not, with or without the wait-cost
-// statistics; no async_finish, no expert counters) in one C++ call. Python runs every other
+// statistics and the expert counters; no async_finish) in one C++ call. Python runs every other
 // case, and the first calls of each shape (which make the AllToAll and its two output sets, then
 // add them here): a call this path does not take is handed, before anything is touched, to the
 // Buffer's Python method of the same name with a leading underscore, which raises Python's
@@ -159,14 +159,24 @@ class PyDeepEpLowLatency {
     const std::optional<bool> fp8 = Flag(a[6], true), round_scale = Flag(a[7], false),
                               ue8m0 = Flag(a[8], false), async = Flag(a[9], false),
                               hook = Flag(a[10], false);
-    if (!m || !experts || !fp8 || !round_scale || !ue8m0 || !async || !hook || *ue8m0 || *async ||
-        !IsNone(a[4])) {
+    if (!m || !experts || !fp8 || !round_scale || !ue8m0 || !async || !hook || *ue8m0 || *async) {
       return {};
     }
     std::optional<Array> xa = TorchArray(a[0]);
     if (!xa || xa->dtype != torch_.bfloat16 || xa->shape.size() != 2) return {};
     std::optional<Array> cost;
     if (!IsNone(a[5]) && !(cost = WaitCost(a[5], xa->device))) return {};
+    // The caller's expert counters (int32 [local experts] on x's device): the receive's counts
+    // are added to them after it.
+    py::object counters = py::none();
+    if (!IsNone(a[4])) {
+      const std::optional<Array> ca = TorchArray(a[4]);
+      if (!ca || ca->dtype != torch_.int32 || ca->device != xa->device ||
+          ca->shape != std::vector<int64_t>{*experts / world_}) {
+        return {};
+      }
+      counters = py::reinterpret_borrow<py::object>(a[4]);
+    }
     std::optional<Array> ia = TorchArray(a[1]);
     if (!ia || (ia->dtype != torch_.int64 && ia->dtype != torch_.int32) || ia->shape.size() != 2 ||
         ia->device != xa->device || ia->shape[0] != xa->shape[0]) {
@@ -179,9 +189,9 @@ class PyDeepEpLowLatency {
       return c.device == xa->device && c.m == *m && c.hidden == hidden && c.experts == *experts &&
              c.k == k && c.fp8 == *fp8 && !Busy(c.pooled);
     });
-    // e4m3's scales are copied into DeepEP's layout after the receive: here only where that
-    // copy may go on the caller's stream.
-    if (!e || (*fp8 && !e->a2a->RunsOn(stream))) return {};
+    // e4m3's scales are copied into DeepEP's layout, and the counters added to, after the
+    // receive: here only where that work may go on the caller's stream.
+    if (!e || ((*fp8 || !counters.is_none()) && !e->a2a->RunsOn(stream))) return {};
     const py::tuple set = e->Next();
     const OutputArrays out = e->Arrays(set);
     // The receive half, and e4m3's scales into DeepEP's layout (on the caller's stream).
@@ -190,15 +200,17 @@ class PyDeepEpLowLatency {
       e->a2a->DispatchRecvArrays(out.recv_x, out.recv_count, out.scales ? &*out.scales : nullptr,
                                  {}, timeout, 0, cost ? &*cost : nullptr);
     };
-    // The copy goes on the stream current when it runs: a hook may be called on another than
-    // the dispatch's, whose stream (the AllToAll's) the receive went on; that stream then waits
-    // for the copy, and the copy for the receive, as one stream would order them.
-    auto layout = [e, set, fp8 = *fp8, stream, device = xa->device] {
-      if (!fp8) return;
+    // After the receive: e4m3's scales into DeepEP's layout and the counts onto the caller's
+    // counters, on the stream current when it runs: a hook may be called on another than the
+    // dispatch's, whose stream (the AllToAll's) the receive went on; that stream then waits for
+    // this work, and the work for the receive, as one stream would order them.
+    auto layout = [e, set, fp8 = *fp8, counters, stream, device = xa->device] {
+      if (!fp8 && counters.is_none()) return;
       const std::optional<void*> now = CurrentStream(device);
       const bool other = now && *now != *stream;
       if (other) e->a2a->Order(*now, false);
-      set[3].attr("copy_")(set[2]);
+      if (fp8) set[3].attr("copy_")(set[2]);
+      if (!counters.is_none()) counters.attr("add_")(set[1]);
       if (other) e->a2a->Order(*now, true);
     };
     SetBusy(e->pooled, true);

@@ -153,16 +153,18 @@ class Case(unittest.TestCase):
 # ---- deep_ep -------------------------------------------------------------------------------------
 
 def check_low_latency(buf, world, rank, use_fp8, round_scale, use_ue8m0, hook, common=False,
-                      round=0, hook_stream=None, positional=False):
+                      round=0, hook_stream=None, positional=False, counters=None):
     """One low-latency dispatch and combine against the references. common: the calls an
-    engine's decode step makes (no counters, the combine into an `out` of its own), which the
-    Buffer runs in C++ from a shape's third dispatch on. hook_stream (CUDA): the dispatch's
-    hook called with that stream current, the results then read on the dispatch's.
-    positional: every argument passed by position, none by keyword."""
+    engine's decode step makes (the combine into an `out` of its own, by default no expert
+    counters), which the Buffer runs in C++ from a shape's third dispatch on. hook_stream
+    (CUDA): the dispatch's hook called with that stream current, the results then read on the
+    dispatch's. positional: every argument passed by position, none by keyword. counters:
+    whether cumulative_local_expert_recv_stats is passed (default: when not common)."""
     from ferry import deep_ep  # noqa: F401 -- the module under test
     x, idx, w = inputs(world, rank, round=round)
     e = EXPERTS_PER_RANK * world
-    stats = None if common else dv(torch.zeros(EXPERTS_PER_RANK, dtype=torch.int32))
+    counters = not common if counters is None else counters
+    stats = dv(torch.zeros(EXPERTS_PER_RANK, dtype=torch.int32)) if counters else None
     if positional:
         recv, count, handle, event, recv_hook = buf.low_latency_dispatch(
             dv(x), dv(idx), MAX_TOKENS, e, stats, None, use_fp8, round_scale, use_ue8m0, False,
@@ -423,9 +425,9 @@ def deep_ep_body(world, group_kind):
             for hook in (False, True):
                 check_low_latency(buf, world, b.rank, use_fp8, round_scale, ue8m0, hook)
         # Rounds of the common calls for each form (power-of-two scales too), with and without
-        # the hooks, the last with its arguments by position: the third and later of a shape
-        # run in C++, the first two in Python (the Buffer's methods the C++ base hands a call
-        # it does not take, counted here).
+        # the hooks, the fourth with expert counters, the last with its arguments by position:
+        # the third and later of a shape run in C++, the first two in Python (the Buffer's
+        # methods the C++ base hands a call it does not take, counted here).
         in_python = []
         for name in ("_low_latency_dispatch", "_low_latency_combine"):
             setattr(buf, name, lambda *a, _f=getattr(buf, name), _n=name, **kw: (
@@ -435,7 +437,7 @@ def deep_ep_body(world, group_kind):
                 if r == 2:
                     before = len(in_python)
                 check_low_latency(buf, world, b.rank, use_fp8, round_scale, False, r % 2 == 1,
-                                  common=True, round=r, positional=r == 4)
+                                  common=True, round=r, positional=r == 4, counters=r == 3)
             assert len(in_python) == before, (use_fp8, round_scale, in_python[before:])
         check_overlapped_and_zero_copy(buf, world, b.rank)
         check_normal(buf, world, b.rank, fp8=False)
