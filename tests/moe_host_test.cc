@@ -592,7 +592,9 @@ TEST(MoeHostFailureTest, ADeadPeerEndsTheReceiveHalfAtItsDeadline) {
 // needs it fails within its deadline (1 s) naming rank 1 -- its section or rows never came, or
 // its relay's write to the dead rank failed -- every later step reports the same, and teardown
 // does not hang. Where the dead rank's last data did arrive, the survivor finishes that epoch and
-// fails in the next.
+// fails in the next. A rank killed inside an shm call can leave a lock of shm's shared memory
+// held, wedging the survivor's engine worker in its next call: teardown then costs one control
+// timeout (1 s here), every later control operation failing at once.
 class MoeHostKillTest : public ::testing::TestWithParam<int> {};
 
 TEST_P(MoeHostKillTest, ThePeersNextStepFailsWithinItsDeadline) {
@@ -603,6 +605,7 @@ TEST_P(MoeHostKillTest, ThePeersNextStepFailsWithinItsDeadline) {
                        .max_private_tokens = 2};
     EngineOptions options = testing_util::TestOptions("shm");
     options.transfer_timeout_ms = 1000;
+    options.control_timeout_ms = 1000;
     ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(options));
     ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(cfg, engine.get(), b));
     std::vector<uint16_t> x(2 * 128, 0), out_x(4 * 8 * 128), y(2 * 128);

@@ -327,9 +327,15 @@ StatusOr<Engine::ControlResult> Engine::RunOnWorker(ControlFn fn) {
   {
     MutexLock lock(control_mu_);
     if (!worker_running_) return CancelledError("engine worker is not running");
+    if (control_stuck_) {
+      return DeadlineExceededError(
+          "engine worker is stuck: a control operation timed out and it has not taken one up "
+          "since (is it stuck in a provider call?)");
+    }
     control_.push_back([op, this] {
       {
         MutexLock l(control_mu_);
+        control_stuck_ = false;  // the worker takes control operations up again
         if (op->abandoned) return;
       }
       Status s = op->fn(op->out);
@@ -345,6 +351,7 @@ StatusOr<Engine::ControlResult> Engine::RunOnWorker(ControlFn fn) {
   if (!control_cv_.wait_for(lock, std::chrono::milliseconds(options_.control_timeout_ms),
                             [&] { return op->done; })) {
     op->abandoned = true;
+    control_stuck_ = true;
     return DeadlineExceededError("engine worker did not run a control operation within " +
                                  std::to_string(options_.control_timeout_ms) +
                                  " ms (is it stuck in a provider call?)");

@@ -471,6 +471,10 @@ class Engine final {
   std::deque<std::function<void()>> control_ GUARDED_BY(control_mu_);
   std::atomic<bool> control_pending_{false};
   bool worker_running_ GUARDED_BY(control_mu_) = true;
+  // A control operation timed out and the worker has not started one since: it is stuck (in a
+  // provider call). Later operations fail at once instead of each waiting control_timeout_ms,
+  // so that tearing down what uses a wedged engine costs one timeout, not one per operation.
+  bool control_stuck_ GUARDED_BY(control_mu_) = false;
 
   Mutex exit_mu_;
   CondVar exit_cv_;
