@@ -652,28 +652,23 @@ bool RunVariant(const MoeBenchOptions& o, Result* out) {
 }
 
 const char* VariantName(const MoeBenchOptions& o) {
-  if (o.cost_variant) {
-    if (o.caller) return "tok+perm cost";
-    if (o.token_major) return "(a)+(b)t cost";
-    if (o.once_per_rank && o.reduce_at_expert_rank) return "(a)+(b) cost";
-    if (o.once_per_rank) return "(a) cost";
-    if (o.reduce_at_expert_rank) return "(b) cost";
-    return "plain cost";
-  }
-  if (o.masked_variant) {
-    if (o.caller) return "tok+perm shrk";
-    if (o.token_major) return "(a)+(b)t shrk";
-    if (o.once_per_rank && o.reduce_at_expert_rank) return "(a)+(b) shrk";
-    if (o.once_per_rank) return "(a) shrink";
-    if (o.reduce_at_expert_rank) return "(b) shrink";
-    return "plain shrink";
-  }
-  if (o.caller) return "tok+permute";
-  if (o.token_major) return "(a)+(b) tok";
-  if (o.once_per_rank && o.reduce_at_expert_rank) return "(a)+(b)";
-  if (o.once_per_rank) return "(a) once/rank";
-  if (o.reduce_at_expert_rank) return "(b) reduce";
-  return "plain";
+  // One row per variant (13 characters at most: the table's first column); its columns: the
+  // plain run, shrink mode (--mask-lost-peers), wait costs counted (--wait-cost).
+  static constexpr const char* kNames[][3] = {
+      {"tok+permute", "tok+perm shrk", "tok+perm cost"},
+      {"(a)+(b) tok", "(a)+(b)t shrk", "(a)+(b)t cost"},
+      {"(a)+(b)", "(a)+(b) shrk", "(a)+(b) cost"},
+      {"(a) once/rank", "(a) shrink", "(a) cost"},
+      {"(b) reduce", "(b) shrink", "(b) cost"},
+      {"plain", "plain shrink", "plain cost"},
+  };
+  const int row = o.caller                                    ? 0
+                  : o.token_major                             ? 1
+                  : o.once_per_rank && o.reduce_at_expert_rank ? 2
+                  : o.once_per_rank                           ? 3
+                  : o.reduce_at_expert_rank                   ? 4
+                                                              : 5;
+  return kNames[row][o.cost_variant ? 2 : o.masked_variant ? 1 : 0];
 }
 
 }  // namespace
@@ -706,9 +701,10 @@ int RunMoeBench(const MoeBenchOptions& options) {
       variants.back().masked_variant = true;
     }
   }
-  if (options.wait_cost) {  // each variant again, counting wait costs
-    const size_t plain = variants.size();
-    for (size_t i = 0; i < plain; ++i) {
+  if (options.wait_cost) {  // each variant not in shrink mode again, counting wait costs
+    const size_t before = variants.size();
+    for (size_t i = 0; i < before; ++i) {
+      if (variants[i].masked_variant) continue;
       variants.push_back(variants[i]);
       variants.back().cost_variant = true;
     }

@@ -30,9 +30,9 @@ struct MoeBenchOptions {
   // mode; no rank is lost, so what it costs a healthy step), in the same invocation.
   bool mask_lost_peers = false;
   bool masked_variant = false;  // this run is that second one (set per variant, not a flag)
-  // --wait-cost: each variant once more with the receive steps' per-rank wait costs counted
-  // (DispatchOutput / CombineOutput::wait_cost, DeepEP's *_wait_recv_cost_stats), in the same
-  // invocation: what a caller that asks for them pays.
+  // --wait-cost: each variant (but the shrink-mode ones) once more with the receive steps'
+  // per-rank wait costs counted (DispatchOutput / CombineOutput::wait_cost, DeepEP's
+  // *_wait_recv_cost_stats), in the same invocation: what a caller that asks for them pays.
   bool wait_cost = false;
   bool cost_variant = false;  // this run is that one (set per variant, not a flag)
   int iters = 50;

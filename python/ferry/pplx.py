@@ -68,7 +68,6 @@ class AllToAll(_ferry.PplxSteps):
             raise InvalidArgument(f"num_experts {num_experts}: not divisible by "
                                   f"{self.world_size} ranks")
         self.num_local_experts = num_experts // self.world_size
-        self._dp, self._dp_size = None, 1
         if dp_group is not None and _size(dp_group) > 1:
             self._dp, self._dp_size, self._dp_rank = dp_group, _size(dp_group), _rank(dp_group)
             if self.world_size % self._dp_size:
@@ -77,7 +76,7 @@ class AllToAll(_ferry.PplxSteps):
             if hidden_dim % 2:
                 raise InvalidArgument(f"hidden_dim {hidden_dim}: even with a dp_group (rows "
                                       "are shared as int32 words)")
-            self._owned = {}  # (tokens, device) -> bool [tokens]: this rank's share
+            self._theirs = {}  # (tokens, device) -> bool [tokens, 1]: the others' share
             # Instance attributes: the calls of a group of one stay PplxSteps' own.
             self.dispatch, self.combine = self._dp_dispatch, self._dp_combine
         cuda = device.type == "cuda"
@@ -109,21 +108,21 @@ class AllToAll(_ferry.PplxSteps):
     def destroy(self):
         self._group.close()
 
-    def _owned_rows(self, tokens, device):
+    def _their_rows(self, tokens, device):
+        """The rows of the tokens the group's other ranks send, as a [tokens, 1] mask."""
         key = (tokens, device)
-        owned = self._owned.get(key)
-        if owned is None:
-            owned = self._owned[key] = (
-                torch.arange(tokens, device=device) % self._dp_size == self._dp_rank)
-        return owned
+        theirs = self._theirs.get(key)
+        if theirs is None:
+            theirs = self._theirs[key] = (
+                torch.arange(tokens, device=device) % self._dp_size != self._dp_rank)[:, None]
+        return theirs
 
     def _dp_dispatch(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x,
                      dp_x_scale, indices, weights, bound_m=None, do_send=True, do_recv=True):
         """PplxSteps.dispatch, sending only this rank's share of the group's tokens."""
         if do_send and isinstance(indices, torch.Tensor) and indices.dim() == 2:
             ids = indices.view(torch.int32) if indices.dtype == _UINT32 else indices
-            indices = torch.where(self._owned_rows(ids.shape[0], ids.device)[:, None], ids,
-                                  torch.full((), -1, dtype=ids.dtype, device=ids.device))
+            indices = ids.masked_fill(self._their_rows(ids.shape[0], ids.device), -1)
         _ferry.PplxSteps.dispatch(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale,
                                   dp_x, dp_x_scale, indices, weights, bound_m, do_send, do_recv)
 
@@ -135,8 +134,7 @@ class AllToAll(_ferry.PplxSteps):
                                  do_recv, accumulate)
         if not do_recv:
             return
-        out_tokens.masked_fill_(~self._owned_rows(out_tokens.shape[0], out_tokens.device)[:, None],
-                                0)
+        out_tokens.masked_fill_(self._their_rows(out_tokens.shape[0], out_tokens.device), 0)
         words = out_tokens.view(torch.int32)
         if isinstance(self._dp, _ferry.Bootstrap):
             parts = self._dp.all_gather(words.cpu().numpy().tobytes(), self._timeout)

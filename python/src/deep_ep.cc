@@ -194,7 +194,7 @@ class PyDeepEpLowLatency {
     if (!e || ((*fp8 || !counters.is_none()) && !e->a2a->RunsOn(stream))) return {};
     const py::tuple set = e->Next();
     const OutputArrays out = e->Arrays(set);
-    // The receive half, and e4m3's scales into DeepEP's layout (on the caller's stream).
+    // The receive half.
     const double timeout = timeout_;
     auto recv = [e, out, timeout, cost] {
       e->a2a->DispatchRecvArrays(out.recv_x, out.recv_count, out.scales ? &*out.scales : nullptr,
@@ -204,7 +204,7 @@ class PyDeepEpLowLatency {
     // counters, on the stream current when it runs: a hook may be called on another than the
     // dispatch's, whose stream (the AllToAll's) the receive went on; that stream then waits for
     // this work, and the work for the receive, as one stream would order them.
-    auto layout = [e, set, fp8 = *fp8, counters, stream, device = xa->device] {
+    auto after = [e, set, fp8 = *fp8, counters, stream, device = xa->device] {
       if (!fp8 && counters.is_none()) return;
       const std::optional<void*> now = CurrentStream(device);
       const bool other = now && *now != *stream;
@@ -220,7 +220,7 @@ class PyDeepEpLowLatency {
                                    *round_scale ? Fp8Scaling::kPowerOfTwo : Fp8Scaling::kAmax);
         if (!*hook) recv();
       });
-      if (!*hook) layout();
+      if (!*hook) after();
     } catch (...) {
       SetBusy(e->pooled, false);  // a failed call frees its AllToAll, as Python's does
       throw;
@@ -242,10 +242,10 @@ class PyDeepEpLowLatency {
       // The receive ordered before the caller's stream only: after it, it would wait for what
       // the caller overlapped with the transfer. A failure frees the handle (the AllToAll
       // reports it to the next call), as Python's hook does.
-      recv_hook = py::cpp_function([e, stream, recv, layout, handle]() {
+      recv_hook = py::cpp_function([e, stream, recv, after, handle]() {
         try {
           e->a2a->Ordered(stream, false, true, false, recv);
-          layout();
+          after();
         } catch (...) {
           Release(*handle);
           throw;

@@ -1,9 +1,10 @@
 """ferry.deep_ep's rank masks (DeepEP's shrink mode): a rank that dies is masked by the
 survivors' next low-latency call at its deadline, and masks set by hand leave a rank out of
-every call; and the wait-cost statistics that name a slow rank. Each survivor checks its received rows and counts, and its combined output, against
-a torch reference written here that leaves the masked ranks' tokens and experts out. On the
-host device (torch CPU tensors) and, where there is a GPU, on the CUDA device (the three ranks
-in one node on this machine's first GPU; CUDA touched only inside the forked ranks)."""
+every call; and the wait-cost statistics that name a slow rank. Each survivor checks its
+received rows and counts, and its combined output, against a torch reference written here that
+leaves the masked ranks' tokens and experts out. On the host device (torch CPU tensors) and,
+where there is a GPU, on the CUDA device (the three ranks in one node on this machine's first
+GPU; CUDA touched only inside the forked ranks)."""
 
 import os
 import signal
@@ -173,7 +174,6 @@ class DeepEpMaskTest(unittest.TestCase):
         exits = ferry.run_local_ranks(3, on(self.dev, body), 120.0)
         self.assertTrue(all(e.ok for e in exits), exits)
 
-
     def test_wait_costs_name_a_slow_rank(self):
         """Rank 2 calls each step 0.3 s after the others: in both wait-cost tensors (added to
         what they held) ranks 0 and 1 find a good part of that in rank 2's entry and a quarter
@@ -208,10 +208,10 @@ class DeepEpMaskTest(unittest.TestCase):
                 gained = [(s.cpu() - 5).tolist() for s in stats]
                 longest = max(g[q] for g in gained for q in range(world) if q != me)
                 for_slow = 0 if me == 2 else min(g[2] for g in gained)
-                everyone_s = [struct.unpack("qq", v)
+                reported = [struct.unpack("qq", v)
                               for v in b.all_gather(struct.pack("qq", longest, for_slow))]
                 if me == 2:
-                    assert all(longest < everyone_s[q][1] for q in (0, 1)), (round, everyone_s)
+                    assert all(longest < reported[q][1] for q in (0, 1)), (round, reported)
                     continue
                 for g in gained:
                     assert g[2] / per_second > 0.1, (round, me, gained)
