@@ -3,7 +3,8 @@
 // scales' two rules, and a dispatch delivering exactly what quantising the sender's rows gives,
 // while refusing inputs that mix the two forms. Expert padding (DispatchOutput::expert_padding):
 // each expert's block where the padded blocks before it end, padding rows untouched, and the
-// combine reading the same layout.
+// combine reading the same layout. Fixed expert blocks (DispatchOutput::expert_rows): each
+// expert's rows from its block's start, and a block one expert overflows failing the step.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -306,6 +307,129 @@ TEST(ExpertPaddingTest, BlocksBackToBackAndTheCombineReadsThem) {
     return CombineZerosAndMeet(*a2a, local * cfg.expert_capacity(), count(b.rank()), hidden, b);
   }, 120s);
   ExpectRanksOk(exits);
+}
+
+// Two ranks, fixed expert blocks of 7 rows (DispatchOutput::expert_rows; the capacity is 16):
+// expert e's rows from row e * 7, the rows past its count keeping their fill, the combine
+// reading the same layout; then the layouts a block cannot go with refused.
+TEST(ExpertRowsTest, FixedBlocksAndTheCombineReadsThem) {
+  auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
+    const int world = 2, tokens = 5, hidden = 128, experts = 4, k = 2, block = 7;
+    AllToAllConfig cfg{.world_size = world, .rank = b.rank(), .num_experts = experts,
+                       .experts_per_token = k, .max_tokens_per_rank = 8, .hidden = hidden,
+                       .dtype = DispatchDtype::kBf16, .max_private_tokens = 2};
+    ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
+    ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(cfg, engine.get(), b));
+    // Rank s's token t: experts (t + s + j) % 4 for j < 2; rows tagged (sender, token).
+    const auto route = [&](int s) {
+      std::vector<int32_t> idx(size_t(tokens) * k);
+      for (int t = 0; t < tokens; ++t) {
+        for (int j = 0; j < k; ++j) idx[t * k + j] = (t + s + j) % experts;
+      }
+      return idx;
+    };
+    std::vector<uint16_t> x;
+    for (int t = 0; t < tokens; ++t) {
+      std::vector<uint16_t> r(hidden, FloatToBf16(0.5f));
+      r[0] = FloatToBf16(float(b.rank()));
+      r[1] = FloatToBf16(float(t));
+      x.insert(x.end(), r.begin(), r.end());
+    }
+    const std::vector<int32_t> idx = route(b.rank());
+    const std::vector<float> w(idx.size(), 0.25f);
+    const int local = cfg.local_experts();
+    CHECK_OR_RETURN(cfg.output_rows(0, block) == int64_t{local} * block, "output_rows");
+    std::vector<uint16_t> out(size_t(local) * block * hidden, 0xABCD);
+    std::vector<int32_t> counts(local);
+    RETURN_IF_ERROR(a2a->DispatchSend({x.data(), nullptr, idx.data(), w.data(), tokens}));
+    DispatchOutput o{out.data(), nullptr, counts.data()};
+    o.expert_rows = block;
+    RETURN_IF_ERROR(a2a->DispatchRecv(o, Deadline::After(30s)));
+    std::vector<uint16_t> expert_out(out.size(), 0);
+    for (int e = 0; e < local; ++e) {
+      std::vector<std::pair<int, int>> want, got;
+      for (int s = 0; s < world; ++s) {
+        const auto sidx = route(s);
+        for (int t = 0; t < tokens; ++t) {
+          for (int j = 0; j < k; ++j) {
+            if (sidx[t * k + j] == b.rank() * local + e) want.push_back({s, t});
+          }
+        }
+      }
+      CHECK_OR_RETURN(counts[e] == int(want.size()), "expert " + std::to_string(e) + ": " +
+                                                         std::to_string(counts[e]) + " rows");
+      for (int64_t i = 0; i < block; ++i) {
+        const uint16_t* r = out.data() + (int64_t{e} * block + i) * hidden;
+        if (i >= counts[e]) {
+          CHECK_OR_RETURN(r[0] == 0xABCD, "row " + std::to_string(i) + " of expert " +
+                                              std::to_string(e) + " past its count written");
+          continue;
+        }
+        got.push_back({int(Bf16ToFloat(r[0])), int(Bf16ToFloat(r[1]))});
+        for (int c = 0; c < hidden; ++c) {
+          expert_out[(int64_t{e} * block + i) * hidden + c] = FloatToBf16(2 * Bf16ToFloat(r[c]));
+        }
+      }
+      std::sort(want.begin(), want.end());
+      std::sort(got.begin(), got.end());
+      CHECK_OR_RETURN(got == want, "expert " + std::to_string(e) + ": other rows");
+    }
+    RETURN_IF_ERROR(a2a->CombineSend(expert_out.data()));
+    std::vector<uint16_t> y(x.size());
+    RETURN_IF_ERROR(a2a->CombineRecv(y.data(), false, Deadline::After(30s)));
+    for (int t = 0; t < tokens; ++t) {
+      for (int c = 0; c < hidden; ++c) {
+        const float want = 2 * Bf16ToFloat(x[size_t(t) * hidden + c]) * 0.25f * k;
+        CHECK_OR_RETURN(Bf16ToFloat(y[size_t(t) * hidden + c]) == want,
+                        "token " + std::to_string(t) + " column " + std::to_string(c));
+      }
+    }
+    // A block is for the unpadded expert-major layout; a negative one is refused.
+    RETURN_IF_ERROR(a2a->DispatchSend({x.data(), nullptr, idx.data(), w.data(), tokens}));
+    for (const auto& [rows, pad] : {std::pair{int64_t{-1}, 0}, std::pair{int64_t{block}, 2}}) {
+      DispatchOutput bad{out.data(), nullptr, counts.data()};
+      bad.expert_rows = rows;
+      bad.expert_padding = pad;
+      const Status s = a2a->DispatchRecv(bad, Deadline::After(30s));
+      CHECK_OR_RETURN(s.code() == StatusCode::kInvalidArgument &&
+                          s.ToString().find("expert_rows") != std::string::npos,
+                      "expert_rows " + std::to_string(rows) + ": " + s.ToString());
+    }
+    RETURN_IF_ERROR(a2a->DispatchRecv(o, Deadline::After(30s)));
+    return CombineZerosAndMeet(*a2a, int64_t{local} * block, tokens, hidden, b);
+  }, 120s);
+  ExpectRanksOk(exits);
+}
+
+// A block smaller than what one expert receives: three copies for a block of two fail the
+// dispatch with ResourceExhausted naming the expert, nothing written, and the AllToAll with it.
+TEST(ExpertRowsTest, AnExpertSentMoreThanItsBlockFailsTheStep) {
+  auto exits = RunLocalRanks(1, [](Bootstrap& b) -> Status {
+    const int hidden = 128;
+    AllToAllConfig cfg{.world_size = 1, .rank = 0, .num_experts = 2, .experts_per_token = 1,
+                       .max_tokens_per_rank = 4, .hidden = hidden, .dtype = DispatchDtype::kBf16,
+                       .max_private_tokens = 4};
+    ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
+    ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(cfg, engine.get(), b));
+    std::vector<uint16_t> x(size_t(4) * hidden, FloatToBf16(1.0f));
+    std::vector<uint16_t> out(size_t(2) * 2 * hidden, 0xABCD);  // two blocks of two rows
+    const std::vector<int32_t> idx = {0, 1, 0, 0};  // expert 0 three times of four tokens
+    const std::vector<float> w(4, 1.0f);
+    std::vector<int32_t> counts(2, -7);
+    RETURN_IF_ERROR(a2a->DispatchSend({x.data(), nullptr, idx.data(), w.data(), 4}));
+    DispatchOutput o{out.data(), nullptr, counts.data()};
+    o.expert_rows = 2;
+    const Status s = a2a->DispatchRecv(o, Deadline::After(30s));
+    CHECK_OR_RETURN(s.code() == StatusCode::kResourceExhausted &&
+                        s.ToString().find("local expert 0 received 3 copies") != std::string::npos,
+                    "overflow: " + s.ToString());
+    CHECK_OR_RETURN(std::all_of(out.begin(), out.end(), [](uint16_t v) { return v == 0xABCD; }),
+                    "rows written");
+    const Status next = a2a->DispatchSend({x.data(), nullptr, idx.data(), w.data(), 4});
+    CHECK_OR_RETURN(next.code() == StatusCode::kResourceExhausted, "next step: " + next.ToString());
+    return Status::Ok();
+  }, 60s);
+  EXPECT_TRUE(exits[0].ok());
 }
 
 TEST(Fp8Test, Bf16ConfigurationRefusesRowsToQuantise) {

@@ -176,6 +176,10 @@ struct FERRY_API AllToAllConfig {
     const int64_t l = local_experts(), per_token = experts_per_token < l ? experts_per_token : l;
     return expert_capacity() * per_token + l * (p - 1);
   }
+  // Rows of DispatchRecv's x (and CombineSend's input) for DispatchOutput's expert_padding and
+  // expert_rows: padded_rows(p), local_experts blocks of expert_rows (or of expert_capacity);
+  // token-major, expert_capacity.
+  int64_t output_rows(int expert_padding, int64_t expert_rows) const;
   // What must agree between ranks, as bytes (rank excluded).
   std::vector<uint8_t> Fingerprint() const;
   std::string ToString() const;
@@ -237,6 +241,13 @@ struct FERRY_API DispatchOutput {
   // contiguous grouped GEMM reads in tiles of p rows). Padding rows are not written;
   // num_tokens holds the unpadded counts. CombineSend then takes its rows in the same layout.
   int expert_padding = 0;
+  // Expert-major, without expert_padding: the rows of each local expert's block, x holding
+  // [local_experts, expert_rows] rows (pplx-garden's batched layout, its max_tokens_per_expert);
+  // 0: expert_capacity. A block smaller than expert_capacity bounds what one expert may receive:
+  // a local expert sent more copies than its block holds fails the step with ResourceExhausted
+  // (nothing written past the block) and leaves the AllToAll unusable, as a routing no output
+  // could take. CombineSend then takes its rows in the same layout.
+  int64_t expert_rows = 0;
   // [world_size] or null: the time this step spent waiting for each sender's data, added to
   // what each entry holds (DeepEP's dispatch_wait_recv_cost_stats: a rank that is slow, or lost
   // and masked at the deadline, stands out in its entry). The host device counts nanoseconds;
@@ -285,7 +296,8 @@ class FERRY_API AllToAll {
   // slot is dropped and the error surfaces as kernel errors do (see SetStream).
   virtual Status DispatchRecv(const DispatchOutput& out, Deadline deadline) = 0;
   // expert_out: [local_experts, expert_capacity, hidden] bf16, rows as DispatchRecv laid them out
-  // (padded_rows(p) rows after a DispatchRecv with expert_padding p); token-major:
+  // (padded_rows(p) rows after a DispatchRecv with expert_padding p, local_experts blocks of
+  // expert_rows with that); token-major:
   // [expert_capacity, hidden], row i the weighted sum of row i's experts' outputs.
   virtual Status CombineSend(const uint16_t* expert_out) = 0;
   // out: [T, hidden] bf16 for the T of the last DispatchSend; with accumulate, adds to it.

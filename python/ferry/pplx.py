@@ -11,6 +11,13 @@ they constructed P2PAllToAll; `dispatch` and `combine` take the same tensors:
   unpadded counts.
 - combine(out_tokens [tokens, hidden] bf16, indices, weights, expert_y (out_expert_x's layout),
   bound_m, do_send, do_recv, accumulate): each token's weighted sum of its experts' rows.
+- With max_tokens_per_expert = b (pplx's batched layout): out_expert_x is [local experts, b,
+  hidden] (or those rows flat), expert e's tokens from row e * b, expert_padding unused. b below
+  the most one expert can receive (every rank's max_num_tokens) bounds the routing: an expert
+  sent more than b copies fails the dispatch with ResourceExhausted and leaves the AllToAll
+  unusable (pplx's kernels would write past the block).
+- dispatch_async / combine_async: the send half now, the returned handle's recv() the
+  receive half, as pplx-garden's (for two micro-batches overlapped).
 
 do_send / do_recv split each call into its send and receive halves (ferry's four steps, in
 order). CPU tensors run on ferry's host device, CUDA tensors on its CUDA device, ordered with
@@ -28,10 +35,10 @@ all-gathers through the host).
 import torch
 
 from . import _ferry
-from ._engine_api import Group, env_timeout, fp8_dtype, refuse
-from ._errors import InvalidArgument
+from ._engine_api import Group, env_timeout, fp8_dtype
+from ._errors import InvalidArgument, Unimplemented
 
-__all__ = ["AllToAll"]
+__all__ = ["AllToAll", "DispatchHandle", "CombineHandle"]
 
 
 class AllToAll(_ferry.PplxSteps):
@@ -59,8 +66,8 @@ class AllToAll(_ferry.PplxSteps):
             raise InvalidArgument("bfloat16 input takes no scale_dtype / hidden_dim_scale")
         if expert_padding < 1:
             raise InvalidArgument(f"expert_padding {expert_padding}: at least 1")
-        refuse("max_tokens_per_expert", max_tokens_per_expert, None,
-               "a cap on one expert's tokens is not supported (ferry sizes for the worst case)")
+        if max_tokens_per_expert is not None and max_tokens_per_expert < 1:
+            raise InvalidArgument(f"max_tokens_per_expert {max_tokens_per_expert}: at least 1")
         self._group = Group(global_group, transfer_engine,
                             _size(node_group) if node_group is not None else None)
         self.world_size, self.rank = self._group.world_size, self._group.rank
@@ -98,15 +105,37 @@ class AllToAll(_ferry.PplxSteps):
 
         self._a2a = self._group.acquire(("pplx",), make).a2a
         # The rows out_expert_x needs: every copy of every rank's tokens that can land here
-        # (each token at most min(k, local experts) times) and every block's padding.
-        self.max_recv_tokens = self._a2a.config.padded_rows(expert_padding)
+        # (each token at most min(k, local experts) times) and every block's padding; batched,
+        # a block of max_tokens_per_expert per local expert.
+        block = max_tokens_per_expert or 0
+        self.max_recv_tokens = (self.num_local_experts * block if block
+                                else self._a2a.config.padded_rows(expert_padding))
         _ferry.PplxSteps.__init__(self, self._a2a, in_dtype, max_num_tokens, hidden_dim,
                                   num_experts_per_token, self.num_local_experts,
-                                  self.max_recv_tokens, expert_padding, device_id,
-                                  timeout)
+                                  self.max_recv_tokens, 0 if block else expert_padding,
+                                  device_id, timeout, block)
 
     def destroy(self):
         self._group.close()
+
+    def dispatch_async(self, *, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x,
+                       dp_x_scale, indices, weights, bound_m=None):
+        """dispatch's send half now; the handle's recv() runs its receive half."""
+        self.dispatch(out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale,
+                      indices, weights, bound_m, True, False)
+        return DispatchHandle(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale,
+                              dp_x, dp_x_scale, indices, weights, bound_m)
+
+    def combine_async(self, *, out_tokens, dispatch_handle, expert_y, bound_m=None,
+                      accumulate=False):
+        """combine's send half now (the ids and weights dispatch_handle's); the handle's
+        recv() runs its receive half."""
+        self.combine(out_tokens, dispatch_handle.indices, dispatch_handle.weights, expert_y,
+                     bound_m, True, False, accumulate)
+        return CombineHandle(self, dispatch_handle, out_tokens, expert_y, bound_m, accumulate)
+
+    def get_perf_stats(self):
+        raise Unimplemented("get_perf_stats: ferry keeps no per-peer byte counters")
 
     def _their_rows(self, tokens, device):
         """The rows of the tokens the group's other ranks send, as a [tokens, 1] mask."""
@@ -151,6 +180,47 @@ class AllToAll(_ferry.PplxSteps):
     # stream (the AllToAll takes it at its first dispatch; a call from another stream is
     # ordered by events). The halves run dispatch send, dispatch receive, combine send, combine
     # receive; `stage` says where they stand.
+
+
+class DispatchHandle:
+    """A dispatch whose send half ran (AllToAll.dispatch_async); recv() runs its receive half,
+    once (later calls do nothing). The halves are ordered with whatever stream is current at
+    each, as every call of the AllToAll's is."""
+
+    def __init__(self, kernel, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x,
+                 dp_x_scale, indices, weights, bound_m):
+        self.kernel = kernel
+        self.out_expert_num_tokens, self.out_expert_x = out_expert_num_tokens, out_expert_x
+        self.out_expert_x_scale, self.dp_x, self.dp_x_scale = out_expert_x_scale, dp_x, dp_x_scale
+        self.indices, self.weights, self.bound_m = indices, weights, bound_m
+        self.recv_done = False
+
+    def recv(self):
+        if self.recv_done:
+            return
+        self.kernel.dispatch(self.out_expert_num_tokens, self.out_expert_x,
+                             self.out_expert_x_scale, self.dp_x, self.dp_x_scale, self.indices,
+                             self.weights, self.bound_m, False, True)
+        self.recv_done = True
+
+
+class CombineHandle:
+    """A combine whose send half ran (AllToAll.combine_async); recv() runs its receive half
+    into out_tokens, once."""
+
+    def __init__(self, kernel, dispatch_handle, out_tokens, expert_y, bound_m, accumulate):
+        self.kernel, self.dispatch_handle = kernel, dispatch_handle
+        self.out_tokens, self.expert_y = out_tokens, expert_y
+        self.bound_m, self.accumulate = bound_m, accumulate
+        self.recv_done = False
+
+    def recv(self):
+        if self.recv_done:
+            return
+        self.kernel.combine(self.out_tokens, self.dispatch_handle.indices,
+                            self.dispatch_handle.weights, self.expert_y, self.bound_m, False,
+                            True, self.accumulate)
+        self.recv_done = True
 
 
 _UINT32 = getattr(torch, "uint32", None)  # pplx's id dtype (torch 2.3 on)

@@ -28,7 +28,7 @@ class PyAllToAll {
     }();
     if (!created.ok()) ReleaseEngine(engine_);
     a2a_ = ValueOrThrow(std::move(created));
-    output_rows_ = OutputRows(a2a_->config());
+    output_rows_ = static_cast<uint64_t>(a2a_->config().output_rows(0, 0));
   }
   ~PyAllToAll() { Close(); }
 
@@ -105,7 +105,7 @@ class PyAllToAll {
   void DispatchRecv(const py::handle& x, const py::handle& num_tokens, const py::handle& scales,
                     const py::handle& num_rows, const py::handle& token_experts,
                     const py::handle& token_weights, double timeout, int expert_padding,
-                    const py::handle& wait_cost) {
+                    const py::handle& wait_cost, int64_t expert_rows) {
     const bool token_major = config().dispatch_layout == DispatchLayout::kTokenMajor;
     const std::optional<Array> sa = MaybeArray(scales), ra = MaybeArray(num_rows),
                                ea = MaybeArray(token_experts), wa = MaybeArray(token_weights),
@@ -116,7 +116,7 @@ class PyAllToAll {
     }
     DispatchRecvArrays(ToArray(x), ToArray(num_tokens), Pointer(sa),
                        {Pointer(ra), Pointer(ea), Pointer(wa)}, timeout, expert_padding,
-                       Pointer(ca));
+                       Pointer(ca), expert_rows);
   }
   // What a token-major DispatchRecv writes besides the rows (null: expert-major).
   struct TokenMajorArrays {
@@ -126,20 +126,26 @@ class PyAllToAll {
   };
   // The same with the arrays converted (scales, wait_cost: null for none).
   void DispatchRecvArrays(const Array& xa, const Array& na, const Array* sa, TokenMajorArrays tm,
-                          double timeout, int expert_padding, const Array* ca = nullptr) {
+                          double timeout, int expert_padding, const Array* ca = nullptr,
+                          int64_t expert_rows = 0) {
     const AllToAllConfig& c = config();
     const Deadline deadline = DeadlineIn(timeout);
     const bool token_major = c.dispatch_layout == DispatchLayout::kTokenMajor;
-    // A padding the layout cannot take is the core's to refuse (CheckDispatchOutput); the
-    // sizes here follow from one it can.
-    const uint64_t rows =
-        expert_padding > 0 && !token_major ? c.padded_rows(expert_padding) : OutputRows(c);
+    // A padding or block the layout cannot take is the core's to refuse (CheckDispatchOutput);
+    // the sizes here follow from one it can.
+    if (expert_padding < 0 || expert_rows < 0) {
+      ThrowIfError(InvalidArgumentError("dispatch_recv: expert_padding " +
+                                        std::to_string(expert_padding) + ", expert_rows " +
+                                        std::to_string(expert_rows) + " (at least 0)"));
+    }
+    const uint64_t rows = static_cast<uint64_t>(c.output_rows(expert_padding, expert_rows));
     Check(&xa, {"x", rows * c.token_bytes(), true, 0, ItemBytes(c)});
     Check(&na, {"num_tokens", static_cast<uint64_t>(c.local_experts()) * 4, true, 'i', 4});
     DispatchOutput out;
     out.x = xa.pointer();
     out.num_tokens = static_cast<int32_t*>(na.pointer());
     out.expert_padding = expert_padding;
+    out.expert_rows = expert_rows;
     Owners used{xa.owner, na.owner};
     if (Wanted(sa, "scales", c.scales_per_token() > 0)) {
       Check(sa, {"scales", rows * c.scales_per_token() * 4, true, 'f', 4});
@@ -235,7 +241,7 @@ class PyAllToAll {
                 const py::handle& out_x, const py::handle& out_num_tokens,
                 const py::handle& out_scales, double timeout, int expert_padding,
                 const py::handle& stream, int halves, bool stream_first, bool stream_waits,
-                const py::handle& wait_cost) {
+                const py::handle& wait_cost, int64_t expert_rows) {
     Halves(halves, "dispatch");
     Ordered(OptionalStream(stream), stream_first, stream_waits, halves & kSendHalf, [&] {
       if (halves & kSendHalf) {
@@ -243,7 +249,7 @@ class PyAllToAll {
       }
       if (halves & kReceiveHalf) {
         DispatchRecv(out_x, out_num_tokens, out_scales, py::none(), py::none(), py::none(),
-                     timeout, expert_padding, wait_cost);
+                     timeout, expert_padding, wait_cost, expert_rows);
       }
     });
   }
@@ -428,12 +434,6 @@ class PyAllToAll {
   }
   int Device(const AllToAllConfig& c) const {
     return c.device == MoeDeviceKind::kHost ? kHostMemory : c.cuda_device;
-  }
-  // Rows of DispatchRecv's output, and so of CombineSend's input.
-  static uint64_t OutputRows(const AllToAllConfig& c) {
-    const bool token_major = c.dispatch_layout == DispatchLayout::kTokenMajor;
-    return static_cast<uint64_t>(c.expert_capacity()) *
-           (token_major ? 1 : static_cast<uint64_t>(c.local_experts()));
   }
   static int ItemBytes(const AllToAllConfig& c) { return c.dtype == DispatchDtype::kBf16 ? 2 : 1; }
   // The expert ids into `in`: int32 as they are, uint32 as the same bits (an id >= 2^31 is

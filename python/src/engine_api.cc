@@ -19,9 +19,11 @@ class PyPplx {
  public:
   // a2a: the ferry.AllToAll it runs on (expert-major, one shape); in_dtype: dp_x's torch dtype
   // (bfloat16, or e4m3 / uint8 with float32 scales per 128 columns); device: the tensors'
-  // ordinal as Tensor.get_device() gives it (-1 the CPU).
+  // ordinal as Tensor.get_device() gives it (-1 the CPU); block: pplx's max_tokens_per_expert
+  // (each local expert's rows at a fixed block of that many; 0: padded blocks back to back).
   PyPplx(py::object a2a, py::object in_dtype, int64_t max_tokens, int64_t hidden, int64_t k,
-         int64_t local_experts, int64_t max_recv_tokens, int padding, int device, double timeout)
+         int64_t local_experts, int64_t max_recv_tokens, int padding, int device, double timeout,
+         int64_t block)
       : a2a_object_(std::move(a2a)),
         a2a_(a2a_object_.cast<PyAllToAll*>()),
         in_dtype_(std::move(in_dtype)),
@@ -33,6 +35,7 @@ class PyPplx {
         max_recv_tokens_(max_recv_tokens),
         padding_(padding),
         device_(device),
+        block_(block),
         timeout_(timeout),
         torch_(Torch::Get()) {
     CheckTimeout(timeout);
@@ -97,17 +100,31 @@ class PyPplx {
         Invalid("out_expert_num_tokens: " + std::to_string(local_experts_) + " entries, got " +
                 std::to_string(counts->shape[0]));
       }
-      out_x = Tensor("out_expert_x", out_expert_x, in_dtype_.ptr(), 2);
-      if (out_x->shape[1] != hidden_ || out_x->shape[0] < max_recv_tokens_) {
+      // [rows, hidden], or with max_tokens_per_expert also [local experts, it, hidden] (pplx's
+      // batched layout).
+      out_x = Tensor("out_expert_x", out_expert_x, in_dtype_.ptr(), -1);
+      std::vector<int64_t> scale_shape = out_x->shape;
+      if (out_x->shape.size() == 3 && block_ > 0) {
+        if (out_x->shape != std::vector<int64_t>{local_experts_, block_, hidden_}) {
+          Invalid("out_expert_x: shape " + Shape(out_x->shape) + ", expected [" +
+                  std::to_string(local_experts_) + ", " + std::to_string(block_) + ", " +
+                  std::to_string(hidden_) + "] (local experts, max_tokens_per_expert, hidden)");
+        }
+      } else if (out_x->shape.size() != 2 || out_x->shape[1] != hidden_ ||
+                 out_x->shape[0] < max_recv_tokens_) {
         Invalid("out_expert_x: shape " + Shape(out_x->shape) + ", needs at least " +
                 Pair(max_recv_tokens_, hidden_) +
-                " (max_recv_tokens: the worst routing's padded blocks)");
+                (block_ > 0 ? " (local experts times max_tokens_per_expert rows), or [" +
+                                  std::to_string(local_experts_) + ", " + std::to_string(block_) +
+                                  ", " + std::to_string(hidden_) + "]"
+                            : std::string(" (max_recv_tokens: the worst routing's padded blocks)")));
       }
+      scale_shape.back() = hidden_ / 128;
       if (fp8_) {
-        out_scale = Tensor("out_expert_x_scale", out_expert_x_scale, torch_.float32, 2);
-        if (out_scale->shape != std::vector<int64_t>{out_x->shape[0], hidden_ / 128}) {
+        out_scale = Tensor("out_expert_x_scale", out_expert_x_scale, torch_.float32, -1);
+        if (out_scale->shape != scale_shape) {
           Invalid("out_expert_x_scale: shape " + Shape(out_scale->shape) + ", expected " +
-                  Pair(out_x->shape[0], hidden_ / 128));
+                  Shape(scale_shape));
         }
       } else if (!out_expert_x_scale.is_none()) {
         Invalid("out_expert_x_scale: bfloat16 input has no scales");
@@ -122,10 +139,10 @@ class PyPplx {
       }
       if (do_recv) {
         a2a_->DispatchRecvArrays(*out_x, *counts, out_scale ? &*out_scale : nullptr, {}, timeout_,
-                                 padding_);
+                                 padding_, nullptr, block_);
       }
     });
-    if (do_recv) recv_rows_ = out_x->shape[0];
+    if (do_recv) recv_shape_ = out_x->shape;
     stage_ = do_recv ? Stage::kReceived : Stage::kDispatched;
   }
 
@@ -138,10 +155,10 @@ class PyPplx {
     Expect(do_send ? Stage::kReceived : Stage::kCombining, "combine");
     std::optional<Array> y, out, w;
     if (do_send) {
-      y = Tensor("expert_y", expert_y, torch_.bfloat16, 2);
-      if (y->shape != std::vector<int64_t>{recv_rows_, hidden_}) {
+      y = Tensor("expert_y", expert_y, torch_.bfloat16, -1);
+      if (y->shape != recv_shape_) {
         Invalid("expert_y: shape " + Shape(y->shape) + ", out_expert_x was " +
-                Pair(recv_rows_, hidden_));
+                Shape(recv_shape_));
       }
     }
     if (do_recv) {
@@ -216,10 +233,11 @@ class PyPplx {
   bool fp8_;
   int64_t max_tokens_, hidden_, k_, local_experts_, max_recv_tokens_;
   int padding_, device_;
+  int64_t block_;
   double timeout_;
   const Torch& torch_;
   Stage stage_ = Stage::kIdle;
-  int64_t recv_rows_ = 0;  // out_expert_x's rows at the last dispatch (expert_y's at combine)
+  std::vector<int64_t> recv_shape_;  // out_expert_x's at the last dispatch (expert_y's then)
 };
 }  // namespace
 
@@ -228,10 +246,10 @@ void BindEngineApi(py::module_& m) {
                      "pplx-garden's dispatch and combine over a ferry.AllToAll (what "
                      "ferry.pplx.AllToAll subclasses; construct that instead)")
       .def(py::init<py::object, py::object, int64_t, int64_t, int64_t, int64_t, int64_t, int, int,
-                    double>(),
+                    double, int64_t>(),
            py::arg("a2a"), py::arg("in_dtype"), py::arg("max_tokens"), py::arg("hidden"),
            py::arg("k"), py::arg("local_experts"), py::arg("max_recv_tokens"), py::arg("padding"),
-           py::arg("device"), py::arg("timeout"))
+           py::arg("device"), py::arg("timeout"), py::arg("block") = 0)
       .def("dispatch", &PyPplx::Dispatch, py::arg("out_expert_num_tokens"), py::arg("out_expert_x"),
            py::arg("out_expert_x_scale"), py::arg("dp_x"), py::arg("dp_x_scale"),
            py::arg("indices"), py::arg("weights"), py::arg("bound_m") = py::none(),

@@ -91,10 +91,12 @@ void BindMoe(py::module_& m) {
            py::arg("scales") = py::none(), py::arg("num_rows") = py::none(),
            py::arg("token_experts") = py::none(), py::arg("token_weights") = py::none(),
            py::arg("timeout") = 30.0, py::arg("expert_padding") = 0,
-           py::arg("wait_cost") = py::none(),
+           py::arg("wait_cost") = py::none(), py::arg("expert_rows") = 0,
            "Expert-major: x [local_experts, expert_capacity, hidden], num_tokens [local_experts] "
            "int32 (copies per expert); with expert_padding p the experts' blocks back to back "
-           "in x's config.padded_rows(p) rows, each rounded up to p rows; token-major also "
+           "in x's config.padded_rows(p) rows, each rounded up to p rows; with expert_rows r "
+           "x [local_experts, r, hidden] (an expert sent more than r copies: ResourceExhausted, "
+           "the AllToAll unusable); token-major also "
            "num_rows [1], token_experts and token_weights [expert_capacity, k]; scales as x's "
            "rows (fp8). Peers' data is checked before it is used (DataLoss naming the sender). "
            "wait_cost [world_size] int64: the time waited for each sender added to it "
@@ -117,6 +119,7 @@ void BindMoe(py::module_& m) {
            py::arg("out_num_tokens"), py::arg("out_scales"),
            py::arg("timeout"), py::arg("expert_padding"), py::arg("stream"), py::arg("halves"),
            py::arg("stream_first"), py::arg("stream_waits"), py::arg("wait_cost") = py::none(),
+           py::arg("expert_rows") = 0,
            "Expert-major dispatch_send and dispatch_recv in one call (halves: 1 send, 2 "
            "receive, 3 both; the other half's arguments unused, None), ordered after `stream` "
            "(a cudaStream_t as an int, 0 allowed; None: unordered) with stream_first and "

@@ -583,7 +583,88 @@ def pplx_body(world, group_kind):
         a2a.combine(torch.empty_like(dx), ids, dw, torch.zeros_like(out_x))
         a2a.destroy()
         check_pplx_fp8(world, b.rank, group)
+        check_pplx_batched(world, b.rank, group)
     return body
+
+
+def check_pplx_batched(world, rank, group):
+    """pplx's batched layout (max_tokens_per_expert = b, here one more than the most any expert
+    receives, under the worst case): out_expert_x [local experts, b, hidden], expert e's rows
+    from row 0 of its block and the rest untouched, expert_y in the same layout; through
+    dispatch_async / combine_async and their handles' recv()."""
+    from ferry import pplx
+    e = EXPERTS_PER_RANK * world
+    sent = [inputs(world, s) for s in range(world)]
+    ids_sent = torch.cat([i for _, i, _ in sent])
+    most = max(int((ids_sent == g).sum()) for g in range(e))
+    block = most + 1
+    assert block < MAX_TOKENS * world
+    a2a = pplx.AllToAll(max_num_tokens=MAX_TOKENS, num_experts=e, expert_padding=PADDING,
+                        hidden_dim=HIDDEN, hidden_dim_scale=None, in_dtype=torch.bfloat16,
+                        out_dtype=torch.bfloat16, scale_dtype=None, num_experts_per_token=K,
+                        device=torch.device(DEV), global_group=group,
+                        max_tokens_per_expert=block)
+    assert a2a.max_recv_tokens == EXPERTS_PER_RANK * block
+    x, idx, w = sent[rank]
+    dx, ids, dw = dv(x), dv(idx.to(torch.int32)), dv(w)
+    counts = dv(torch.empty(EXPERTS_PER_RANK, dtype=torch.int32))
+    out_x = dv(torch.zeros(EXPERTS_PER_RANK, block, HIDDEN, dtype=torch.bfloat16))
+    expect_error(ferry.InvalidArgument, "max_tokens_per_expert", a2a.dispatch, counts,
+                 dv(torch.zeros(EXPERTS_PER_RANK, block - 1, HIDDEN, dtype=torch.bfloat16)),
+                 None, dx, None, ids, dw)
+    handle = a2a.dispatch_async(out_expert_num_tokens=counts, out_expert_x=out_x,
+                                out_expert_x_scale=None, dp_x=dx, dp_x_scale=None, indices=ids,
+                                weights=dw)
+    handle.recv()
+    handle.recv()  # once only: a second call does nothing
+    got, n = hv(out_x), hv(counts)
+    y = torch.zeros_like(got)
+    for le in range(EXPERTS_PER_RANK):
+        g = rank * EXPERTS_PER_RANK + le
+        want = [sx[t] for sx, sidx, _ in sent for t in range(sx.shape[0]) for j in range(K)
+                if int(sidx[t, j]) == g]
+        c = int(n[le])
+        assert c == len(want), (rank, le, c, len(want))
+        assert rows_of(got[le, :c]) == rows_of(want), (rank, le)
+        assert not got[le, c:].view(torch.int16).any(), "rows past the count written"
+        y[le, :c] = (got[le, :c].double() * expert_factor(g)).to(torch.bfloat16)
+    out = torch.empty_like(dx)
+    expect_error(ferry.InvalidArgument, "expert_y", a2a.combine_async, out_tokens=out,
+                 dispatch_handle=handle, expert_y=dv(y.view(-1, HIDDEN)))
+    done = a2a.combine_async(out_tokens=out, dispatch_handle=handle, expert_y=dv(y))
+    done.recv()
+    torch.testing.assert_close(hv(out).float(), weighted_reference(x, idx, w).float(),
+                               rtol=2 ** -7, atol=2 ** -6)
+    a2a.destroy()
+
+
+def pplx_overflow_body(b, store):
+    """max_tokens_per_expert 2 and three copies for expert 0: ResourceExhausted naming it (on
+    the CUDA device at the AllToAll's next synchronisation, as kernel errors surface), and the
+    AllToAll unusable after it."""
+    from ferry import pplx
+    a2a = pplx.AllToAll(max_num_tokens=4, num_experts=2, expert_padding=1, hidden_dim=128,
+                        hidden_dim_scale=None, in_dtype=torch.bfloat16,
+                        out_dtype=torch.bfloat16, scale_dtype=None, num_experts_per_token=1,
+                        device=torch.device(DEV), global_group=b, max_tokens_per_expert=2)
+    x = dv(torch.ones(4, 128, dtype=torch.bfloat16))
+    ids = dv(torch.tensor([[0], [1], [0], [0]], dtype=torch.int32))
+    w = dv(torch.ones(4, 1))
+    counts = dv(torch.zeros(2, dtype=torch.int32))
+    out_x = dv(torch.zeros(2, 2, 128, dtype=torch.bfloat16))
+
+    def dispatch():
+        a2a.dispatch(counts, out_x, None, x, None, ids, w)
+        if DEV == "cuda":
+            a2a._a2a.synchronize()
+    expect_error(ferry.ResourceExhausted, "local expert 0 received 3 copies", dispatch)
+    if DEV == "cuda":  # the dispatch's halves ran: the combine is next
+        expect_error(ferry.ResourceExhausted, "unusable", a2a.combine, torch.empty_like(x), ids,
+                     w, out_x)
+    else:
+        expect_error(ferry.ResourceExhausted, "unusable", a2a.dispatch, counts, out_x, None, x,
+                     None, ids, w)
+    a2a.destroy()
 
 
 def check_pplx_fp8(world, rank, group):
@@ -681,6 +762,9 @@ class PplxTest(Worlds, Case):
     def test_data_parallel_groups_of_two_among_four(self):
         self.ranks(4, pplx_dp_body(4), timeout=240.0)
 
+    def test_an_expert_sent_more_than_its_block_fails_the_dispatch(self):
+        self.ranks(1, pplx_overflow_body)
+
     def test_refuses_what_it_cannot_honour(self):
         from ferry import pplx
 
@@ -691,8 +775,8 @@ class PplxTest(Worlds, Case):
                           global_group=b)
             expect_error(ferry.InvalidArgument, "out_dtype", pplx.AllToAll,
                          **{**common, "out_dtype": torch.float32})
-            expect_error(ferry.Unimplemented, "max_tokens_per_expert", pplx.AllToAll,
-                         **common, max_tokens_per_expert=8)
+            expect_error(ferry.InvalidArgument, "max_tokens_per_expert", pplx.AllToAll,
+                         **common, max_tokens_per_expert=0)
             expect_error(ferry.InvalidArgument, "hidden_dim_scale", pplx.AllToAll,
                          **{**common, "in_dtype": torch.uint8, "scale_dtype": torch.float32})
         self.ranks(1, body)

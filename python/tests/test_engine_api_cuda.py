@@ -316,6 +316,9 @@ class CudaEngineApiTest(api.Case):
     def test_pplx_world_2(self):
         self.ranks(2, on_gpu(api.pplx_body(2, "ferry")), timeout=240.0)
 
+    def test_pplx_expert_block_overflow(self):
+        self.ranks(1, on_gpu(api.pplx_overflow_body), timeout=240.0)
+
     def test_pplx_data_parallel_group_of_two(self):
         self.ranks(2, on_gpu(api.pplx_dp_body(2)), timeout=240.0)
 

@@ -88,6 +88,12 @@ int64_t AllToAllConfig::token_bytes() const {
   return int64_t{hidden} * (dtype == DispatchDtype::kBf16 ? 2 : 1);
 }
 
+int64_t AllToAllConfig::output_rows(int expert_padding, int64_t expert_rows) const {
+  if (dispatch_layout == DispatchLayout::kTokenMajor) return expert_capacity();
+  if (expert_padding > 0) return padded_rows(expert_padding);
+  return int64_t{local_experts()} * (expert_rows > 0 ? expert_rows : expert_capacity());
+}
+
 std::vector<uint8_t> AllToAllConfig::Fingerprint() const {
   fabric::ByteWriter w;
   for (int v : {world_size, ranks_per_node, num_experts, experts_per_token, max_tokens_per_rank,
@@ -158,6 +164,15 @@ Status CheckDispatchOutput(const AllToAllConfig& c, const DispatchOutput& out) {
                                 std::to_string(out.expert_padding) +
                                 (token_major ? " (the token-major layout has no expert blocks)"
                                              : " (at least 0)"));
+  }
+  if (out.expert_rows < 0 || (out.expert_rows > 0 && (token_major || out.expert_padding > 0))) {
+    return InvalidArgumentError(
+        "DispatchRecv: expert_rows " + std::to_string(out.expert_rows) +
+        (out.expert_rows < 0 ? " (at least 0)"
+                             : " with " + std::string(token_major ? "the token-major layout"
+                                                                  : "expert_padding") +
+                                   " (each expert's block is fixed only in the unpadded "
+                                   "expert-major layout)"));
   }
   if (!token_major && has_token_fields) {
     return InvalidArgumentError(

@@ -259,11 +259,19 @@ class NvlinkAllToAll final : public AllToAll {
     RETURN_IF_ERROR(CheckDispatchOutput(c_, out));
     RETURN_IF_ERROR(Aligned(out.x, "DispatchRecv: x"));
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
-    const int64_t out_rows = out.expert_padding ? c_.padded_rows(out.expert_padding)
-                                                : int64_t{nv_.local_experts} * c_.expert_capacity();
-    const RecvArgs args{static_cast<uint8_t*>(out.x), out.scales,        out.num_tokens,
-                        BudgetNs(deadline),           out.num_rows,      out.token_experts,
-                        out.token_weights,            out.expert_padding, out_rows,
+    const int64_t block = out.expert_rows > 0 ? out.expert_rows : c_.expert_capacity();
+    expert_rows_ = block;
+    const RecvArgs args{static_cast<uint8_t*>(out.x),
+                        out.scales,
+                        out.num_tokens,
+                        BudgetNs(deadline),
+                        out.num_rows,
+                        out.token_experts,
+                        out.token_weights,
+                        out.expert_padding,
+                        out.expert_padding ? c_.padded_rows(out.expert_padding)
+                                           : int64_t{nv_.local_experts} * block,
+                        block,
                         out.wait_cost};
     auto* unpack = nv_.masks
                        ? (nv_.stream ? UnpackKernel<true, true> : UnpackKernel<false, true>)
@@ -823,6 +831,13 @@ class NvlinkAllToAll final : public AllToAll {
       case kRowOverrun:
         return DataLossError("moe NVLink: local expert " + std::to_string(b) +
                              " received more rows than its capacity");
+      case kExpertFull:
+        (void)(failed_ = ResourceExhaustedError(
+            "moe NVLink: local expert " + std::to_string(b) + " received " + std::to_string(a) +
+            " copies, more than the " + std::to_string(expert_rows_) +
+            " rows of its output block (DispatchOutput::expert_rows; the copies past it were "
+            "dropped); this AllToAll is unusable"));
+        return failed_;
       case kStepStalled:
         (void)(failed_ = DeadlineExceededError(
             std::string("moe NVLink: block ") + std::to_string(b) + " of the " +
@@ -875,6 +890,7 @@ class NvlinkAllToAll final : public AllToAll {
   size_t unpack_smem_ = 0;
   Stage stage_ = Stage::kIdle;
   Status failed_ = Status::Ok();
+  int64_t expert_rows_ = 0;  // the last DispatchRecv's expert block (for its overflow's error)
 };
 
 }  // namespace

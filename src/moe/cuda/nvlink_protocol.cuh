@@ -94,6 +94,7 @@ enum ErrorCode : int32_t {
   kRowOverrun = 4,     // -1, local expert
   kPeerTimeout = 5,    // which flag (0 dispatch, 1 combine), rank
   kStepStalled = 6,    // which flag, block: block 0's wait was not published in time (WaitStep)
+  kExpertFull = 7,     // copies, local expert: more than its block (DispatchOutput::expert_rows)
 };
 
 // Device-side state of one rank.
@@ -260,6 +261,8 @@ struct RecvArgs {
   float* token_weights;    // token-major: [capacity, K]
   int32_t padding;         // expert-major: 0, or DispatchOutput::expert_padding
   int64_t out_rows;        // the rows out_x holds (a placement at or past them is dropped)
+  int64_t expert_rows;     // expert-major unpadded: each local expert's block (capacity, or
+                           // DispatchOutput::expert_rows: a copy past it is dropped)
   int64_t* wait_cost;      // [N] or null: DispatchOutput::wait_cost (AwaitCounted)
 };
 struct CombineArgs {

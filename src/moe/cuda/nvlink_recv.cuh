@@ -50,11 +50,12 @@ __device__ inline int64_t* ExpertBase(const Nv& v, int32_t* offset) {
                                     (int64_t{v.world_size + 1} * v.local_experts + 1) / 2 * 2);
 }
 
-// base[e] (after offset's [N + 1][L]): expert e's first output row -- e * capacity, or with
-// expert padding p the sum over experts before it of their rows rounded up to p (one thread:
-// a prefix over the local experts).
+// base[e] (after offset's [N + 1][L]): expert e's first output row -- e * block (the
+// expert's block rows: capacity, or DispatchOutput::expert_rows), or with expert padding p the
+// sum over experts before it of their rows rounded up to p (one thread: a prefix over the
+// local experts).
 __device__ inline void BuildOffsets(const Nv& v, const int32_t* counts, int32_t* offset,
-                                    int64_t total, int32_t padding) {
+                                    int64_t total, int32_t padding, int64_t block) {
   for (int e = threadIdx.x; e < v.local_experts; e += blockDim.x) {
     int32_t rows = 0;
     for (int q = 0; q < v.world_size; ++q) {
@@ -66,7 +67,7 @@ __device__ inline void BuildOffsets(const Nv& v, const int32_t* counts, int32_t*
   int64_t* base = ExpertBase(v, offset);
   if (padding == 0) {
     for (int e = threadIdx.x; e < v.local_experts; e += blockDim.x) {
-      base[e] = int64_t{e} * v.capacity;
+      base[e] = int64_t{e} * block;
     }
   } else {
     __syncthreads();  // every total in
@@ -191,7 +192,7 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
   Mark(v, kTraceUnpack, 3);
 
   if (!v.counts_tagged) {  // tagged, the kernel built it from the rows before the flags
-    BuildOffsets(v, t.counts, t.offset, total, a.padding);
+    BuildOffsets(v, t.counts, t.offset, total, a.padding, a.expert_rows);
     Mark(v, kTraceUnpack, 4);
   }
   bool primary_done = false, marked = false;
@@ -226,14 +227,16 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
     const SlotLimits limits{v.topk, v.local_experts, v.max_tokens,
                             v.reduce, from.row_cap, v.capacity};
     bool valid = SlotHeaderValid(header, row, limits);
+    bool fits = true;  // within its expert's block (a copy past it is dropped, not malformed)
     if (tid < entries) {
       SlotEntry entry;
       std::memcpy(&entry, &meta_v[1 + tid], sizeof entry);
       const int32_t le = entry.local_expert;
       valid = valid && SlotEntryValid(entry, offset, s, limits);
       if (valid) {
-        const int64_t expert_row =
-            ExpertBase(v, offset)[le] + offset[s * v.local_experts + le] + entry.pos;
+        const int64_t at = int64_t{offset[s * v.local_experts + le]} + entry.pos;
+        const int64_t expert_row = ExpertBase(v, offset)[le] + at;
+        fits = v.token_major || a.padding != 0 || at < a.expert_rows;
         valid = valid && (v.token_major || expert_row < a.out_rows);
         out_row[tid] = v.token_major ? g : expert_row;
         // CombineSend's entries; token-major it copies row g and reads none.
@@ -243,16 +246,19 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
       }
     }
     valid = GroupAll<kGroup>(valid);
+    // Only a block smaller than the capacity can overflow: the vote is skipped otherwise (the
+    // condition is the same for the whole group).
+    const bool placed = valid && (a.expert_rows >= v.capacity || GroupAll<kGroup>(fits));
     if (!marked) Mark(v, kTraceUnpack, 5);
     marked = true;
     if (tid == 0) {
       if (!valid) Report(v, kBadSlot, s, static_cast<int32_t>(j));
-      v.rslots[g] = RecvSlot{s, static_cast<int32_t>(row), valid ? entries : 0, header.part,
+      v.rslots[g] = RecvSlot{s, static_cast<int32_t>(row), placed ? entries : 0, header.part,
                              header.parts};
     }
     // Token-major: the slot is one output row, and column c of its experts and weights is the
     // entry whose k is c (thread c looks for it), or none.
-    const int outs = valid ? (v.token_major ? 1 : entries) : 0;
+    const int outs = placed ? (v.token_major ? 1 : entries) : 0;
     if (!primary_done) {  // the caller's memory from here on (a.out_x, a.out_scales, ...)
       if (!kStream) WaitPrimary();  // streamed: see UnpackKernel
       primary_done = true;
@@ -409,7 +415,7 @@ __global__ void __launch_bounds__(kCopyThreads, 2) UnpackKernel(Nv v, RecvArgs a
   // Counts rows from their tags: the offsets table now, then (not streamed) every send block's
   // arrival -- the table no longer waits behind the senders' last slots.
   if (v.counts_tagged) {
-    BuildOffsets(v, counts, offset, total, a.padding);
+    BuildOffsets(v, counts, offset, total, a.padding, a.expert_rows);
     Mark(v, kTraceUnpack, 4);
     if (!kStream) {
       if (threadIdx.x == 0) ok = WaitStep(v, epoch, a.timeout_ns, 0, a.wait_cost);
@@ -442,7 +448,11 @@ __global__ void __launch_bounds__(kCopyThreads, 2) UnpackKernel(Nv v, RecvArgs a
     for (int e = threadIdx.x; e < v.local_experts; e += blockDim.x) {
       const int32_t rows = offset[v.world_size * v.local_experts + e];
       a.num_tokens[e] = rows;
-      if (rows > v.capacity) Report(v, kRowOverrun, -1, e);
+      if (rows > v.capacity) {
+        Report(v, kRowOverrun, -1, e);
+      } else if (!v.token_major && a.padding == 0 && rows > a.expert_rows) {
+        Report(v, kExpertFull, rows, e);
+      }
     }
   }
   Mark(v, kTraceUnpack, 6);

@@ -158,14 +158,22 @@ class HostDevice final : public MoeDevice {
     // Where each local expert's rows start: its block of capacity rows, or (padded) after the
     // rounded-up blocks of the experts before it.
     const bool token_major = c_.dispatch_layout == DispatchLayout::kTokenMajor;
+    // The expert-major rows (token-major too: its entries are checked against them).
+    const int64_t block = out.expert_rows > 0 ? out.expert_rows : c_.expert_capacity();
     const int64_t out_rows =
-        out.expert_padding ? c_.padded_rows(out.expert_padding) : int64_t{l} * c_.expert_capacity();
+        out.expert_padding ? c_.padded_rows(out.expert_padding) : int64_t{l} * block;
     expert_base_.assign(l, 0);
     int64_t next = 0;
     for (int e = 0; e < l; ++e) {
       const int64_t total = offset_[size_t(n) * l + e];
       const int p = out.expert_padding;
-      expert_base_[e] = p > 0 ? next : int64_t{e} * c_.expert_capacity();
+      if (!token_major && p == 0 && total > block) {
+        return Malformed(ResourceExhaustedError(
+            "moe: local expert " + std::to_string(e) + " received " + std::to_string(total) +
+            " copies, more than the " + std::to_string(block) +
+            " rows of its output block (DispatchOutput::expert_rows); this AllToAll is unusable"));
+      }
+      expert_base_[e] = p > 0 ? next : int64_t{e} * block;
       if (p > 0) next += (total + p - 1) / p * p;
     }
     if (next > out_rows) {
