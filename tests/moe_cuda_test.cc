@@ -64,7 +64,10 @@ struct Case {
 std::string Describe(const Case& c) {
   return "n" + std::to_string(c.world_size) + "_t" + std::to_string(c.tokens) + "_h" +
          std::to_string(c.hidden) + "_e" + std::to_string(c.experts) + "_k" +
-         std::to_string(c.k) + (c.dtype == DispatchDtype::kBf16 ? "_bf16" : "_fp8") +
+         std::to_string(c.k) +
+         (c.dtype == DispatchDtype::kBf16   ? "_bf16"
+          : c.dtype == DispatchDtype::kFp32 ? "_fp32"
+                                            : "_fp8") +
          (c.routing == Routing::kAllToOneExpert ? "_hot" : "") + (c.rank1_empty ? "_empty1" : "") +
          (c.once_per_rank ? "_a" : "") + (c.reduce_at_expert_rank ? "_b" : "") +
          (c.nvlink ? "_nvlink" : "") + (c.graph ? "_graph" : "") +
@@ -99,7 +102,7 @@ struct Graphs {
   }
   // Dispatch, combine and combine-with-accumulate; the AllToAll is left on `stream`.
   Status Capture(AllToAll& a2a, const DispatchInput& in,
-                 const DispatchOutput& out, const uint16_t* expert_out, uint16_t* y) {
+                 const DispatchOutput& out, const void* expert_out, void* y) {
     CUDA_OR_RETURN(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     RETURN_IF_ERROR(a2a.SetStream(stream));
     const Deadline later = Deadline::After(30s);
@@ -170,11 +173,13 @@ Status RunRank(const Case& c, Bootstrap& b) {
   std::vector<uint8_t> out_x(size_t(l) * cap * row, 0), gpu_out_x(out_x.size());
   std::vector<float> out_scales(size_t(l) * cap * spt, 0), gpu_out_scales(out_scales.size());
   std::vector<int32_t> counts(l), gpu_counts(l);
-  std::vector<uint16_t> expert_out(size_t(l) * cap * h, 0);
+  // The combine's rows and output in its element (bf16, or fp32 under kFp32), as bytes.
+  const int64_t crow = cfg.combine_row_bytes();
+  std::vector<uint8_t> expert_out(size_t(l) * cap * crow, 0);
   Gpu<uint8_t> d_x, d_out_x;
   Gpu<float> d_scales, d_weights, d_out_scales;
   Gpu<int32_t> d_indices, d_counts;
-  Gpu<uint16_t> d_expert_out, d_y;
+  Gpu<uint8_t> d_expert_out, d_y;
   RETURN_IF_ERROR(d_x.Alloc(size_t(cfg.max_tokens_per_rank) * row));
   RETURN_IF_ERROR(d_scales.Alloc(size_t(cfg.max_tokens_per_rank) * spt));
   RETURN_IF_ERROR(d_indices.Alloc(size_t(cfg.max_tokens_per_rank) * c.k));
@@ -183,7 +188,7 @@ Status RunRank(const Case& c, Bootstrap& b) {
   RETURN_IF_ERROR(d_out_scales.Alloc(out_scales.size()));
   RETURN_IF_ERROR(d_counts.Alloc(l));
   RETURN_IF_ERROR(d_expert_out.Alloc(expert_out.size()));
-  RETURN_IF_ERROR(d_y.Alloc(size_t(cfg.max_tokens_per_rank) * h));
+  RETURN_IF_ERROR(d_y.Alloc(size_t(cfg.max_tokens_per_rank) * crow));
   // Token-major: rows, and each row's experts and weights.
   int32_t rows = 0;
   std::vector<int32_t> gpu_rows(1), experts(size_t(cap) * c.k), gpu_experts(experts.size());
@@ -275,14 +280,14 @@ Status RunRank(const Case& c, Bootstrap& b) {
         const int64_t r = int64_t{e} * cap + i;
         for (int col = 0; col < h; ++col) {
           const float x = Dequant(cfg, out_x.data() + r * row, out_scales.data() + r * spt, col);
-          expert_out[r * h + col] = FloatToBf16(x * ExpertScale(g));
+          PutCombine(cfg, expert_out.data(), r * h + col, x * ExpertScale(g));
         }
       }
     }
     RETURN_IF_ERROR(d_expert_out.Put(expert_out));
     RETURN_IF_ERROR(host->CombineSend(expert_out.data()));
     const bool accumulate = it % 2 == 1;
-    std::vector<uint16_t> y(size_t(in.tokens) * h, FloatToBf16(0.5f)), gpu_y(y.size());
+    std::vector<uint8_t> y = CombineFilled(cfg, int64_t{in.tokens} * h, 0.5f), gpu_y(y.size());
     RETURN_IF_ERROR(d_y.Put(y));
     if (c.graph) {
       CUDA_OR_RETURN(cudaGraphLaunch(accumulate ? graphs.combine_accumulate : graphs.combine,
@@ -294,10 +299,12 @@ Status RunRank(const Case& c, Bootstrap& b) {
     }
     RETURN_IF_ERROR(host->CombineRecv(y.data(), accumulate, Deadline::After(30s)));
     RETURN_IF_ERROR(d_y.Get(gpu_y));
-    for (size_t i = 0; i < y.size(); ++i) {
-      CHECK_OR_RETURN(gpu_y[i] == y[i], "combine output " + std::to_string(i) + ": GPU " +
-                                            std::to_string(Bf16ToFloat(gpu_y[i])) + ", host " +
-                                            std::to_string(Bf16ToFloat(y[i])) + at);
+    const int64_t item = crow / h;
+    for (int64_t i = 0; i < int64_t{in.tokens} * h; ++i) {
+      CHECK_OR_RETURN(std::memcmp(&gpu_y[i * item], &y[i * item], item) == 0,
+                      "combine output " + std::to_string(i) + ": GPU " +
+                          std::to_string(GetCombine(cfg, gpu_y.data(), i)) + ", host " +
+                          std::to_string(GetCombine(cfg, y.data(), i)) + at);
     }
   }
   return b.Barrier(30s);
@@ -333,6 +340,7 @@ Case SharedEngine(Case c) {
 }
 
 const auto bf16 = DispatchDtype::kBf16, fp8 = DispatchDtype::kFp8E4M3;
+const auto fp32 = DispatchDtype::kFp32;
 const auto rnd = Routing::kRandom, hot = Routing::kAllToOneExpert;
 
 INSTANTIATE_TEST_SUITE_P(
@@ -577,7 +585,31 @@ INSTANTIATE_TEST_SUITE_P(
                                         .k = 4, .dtype = bf16, .routing = rnd,
                                         .once_per_rank = true, .reduce_at_expert_rank = true,
                                         .iterations = 4, .nvlink = true, .graph = true,
-                                        .node_ranks = 2})),
+                                        .node_ranks = 2}),
+                      // fp32 rows and sums (kFp32): rows returned per copy and summed at the
+                      // origin, by blocks and by warps; summed at the expert rank; token-major;
+                      // the combine streamed; a graph; through the relay between two nodes.
+                      Case{.world_size = 2, .tokens = 77, .hidden = 384, .experts = 40, .k = 3,
+                           .dtype = fp32, .routing = rnd, .rank1_empty = true, .nvlink = true},
+                      Case{.world_size = 2, .tokens = 1024, .hidden = 256, .experts = 32, .k = 4,
+                           .dtype = fp32, .routing = rnd, .private_tokens = 32, .nvlink = true},
+                      Case{.world_size = 3, .tokens = 90, .hidden = 256, .experts = 48, .k = 6,
+                           .dtype = fp32, .routing = rnd, .once_per_rank = true,
+                           .reduce_at_expert_rank = true, .nvlink = true},
+                      Case{.world_size = 2, .tokens = 96, .hidden = 256, .experts = 64, .k = 4,
+                           .dtype = fp32, .routing = rnd, .once_per_rank = true,
+                           .reduce_at_expert_rank = true, .iterations = 4, .nvlink = true,
+                           .graph = true, .token_major = 2},
+                      Streamed(Case{.world_size = 2, .tokens = 128, .hidden = 1024, .experts = 64,
+                                    .k = 8, .dtype = fp32, .routing = rnd, .private_tokens = 16,
+                                    .once_per_rank = true, .reduce_at_expert_rank = true,
+                                    .nvlink = true}, 3),
+                      Streamed(Case{.world_size = 2, .tokens = 700, .hidden = 128, .experts = 64,
+                                    .k = 4, .dtype = fp32, .routing = rnd, .iterations = 2,
+                                    .nvlink = true}, 2),
+                      Case{.world_size = 4, .tokens = 64, .hidden = 256, .experts = 48, .k = 8,
+                           .dtype = fp32, .routing = rnd, .reduce_at_expert_rank = true,
+                           .nvlink = true, .node_ranks = 2}),
     [](const ::testing::TestParamInfo<Case>& info) { return Describe(info.param); });
 
 }  // namespace

@@ -57,7 +57,10 @@ std::string Describe(const Case& c) {
   std::string p = c.provider == "shm" ? "shm" : "tcp";
   return p + "_n" + std::to_string(c.world_size) + "_t" + std::to_string(c.tokens) + "_h" +
          std::to_string(c.hidden) + "_e" + std::to_string(c.experts) + "_k" +
-         std::to_string(c.k) + (c.dtype == DispatchDtype::kBf16 ? "_bf16" : "_fp8") +
+         std::to_string(c.k) +
+         (c.dtype == DispatchDtype::kBf16   ? "_bf16"
+          : c.dtype == DispatchDtype::kFp32 ? "_fp32"
+                                            : "_fp8") +
          (c.routing == Routing::kAllToOneExpert ? "_hot" : "") + (c.rank1_empty ? "_empty1" : "") +
          "_it" + std::to_string(c.iterations) + (c.once_per_rank ? "_a" : "") +
          (c.reduce_at_expert_rank ? "_b" : "") +
@@ -76,7 +79,7 @@ bool TokenMajor(const Case& c, int rank) {
 // its k-th copy (or -1) and that copy's weight (or 0). Then the caller's side of combine into
 // `expert_out` (SumTokenMajorExperts).
 Status CheckTokenMajor(const Case& c, const AllToAllConfig& cfg, const std::vector<Inputs>& all,
-                       const DispatchOutput& out, std::vector<uint16_t>& expert_out) {
+                       const DispatchOutput& out, std::vector<uint8_t>& expert_out) {
   const int l = cfg.local_experts(), k = c.k, me = cfg.rank;
   const int64_t row = cfg.token_bytes(), spt = cfg.scales_per_token();
   std::vector<int32_t> copies(l, 0);
@@ -136,7 +139,7 @@ class RankRun {
     out_x_.assign(size_t(l * cap * cfg_.token_bytes()), 0xCD);  // poisoned
     out_scales_.assign(size_t(l * cap * cfg_.scales_per_token()), -1.0f);
     out_counts_.assign(size_t(l), -1);
-    expert_out_.assign(size_t(l * cap * cfg_.hidden), 0);
+    expert_out_.assign(size_t(l * cap * cfg_.combine_row_bytes()), 0);
     token_experts_.assign(size_t(cap) * c_.k, -2);
     token_weights_.assign(size_t(cap) * c_.k, -1.0f);
     return Status::Ok();
@@ -189,7 +192,7 @@ class RankRun {
         // The expert computes; its output goes back through combine.
         for (int col = 0; col < h; ++col) {
           const float x = Dequant(cfg_, out_x_.data() + r * row, out_scales_.data() + r * spt, col);
-          expert_out_[r * h + col] = FloatToBf16(x * ExpertScale(g));
+          PutCombine(cfg_, expert_out_.data(), r * h + col, x * ExpertScale(g));
         }
       }
       std::sort(want.begin(), want.end());
@@ -206,7 +209,7 @@ class RankRun {
     const Inputs& mine = all_[b_.rank()];
     const int h = cfg_.hidden;
     const int64_t row = cfg_.token_bytes(), spt = cfg_.scales_per_token();
-    std::vector<uint16_t> y(size_t(mine.tokens) * h, FloatToBf16(0.5f));
+    std::vector<uint8_t> y = CombineFilled(cfg_, int64_t{mine.tokens} * h, 0.5f);
     const bool accumulate = it % 2 == 1;
     // Late weights: others than the dispatch's, which the sums must then ignore.
     std::vector<float> weights = mine.weights;
@@ -225,14 +228,16 @@ class RankRun {
         for (int j = 0; j < c_.k; ++j) {
           int g = mine.indices[size_t(t) * c_.k + j];
           if (g < 0) continue;  // no expert: the copy adds nothing
-          float expert = Bf16ToFloat(FloatToBf16(Dequant(cfg_, xr, sr, col) * ExpertScale(g)));
+          float expert = CombineRound(cfg_, Dequant(cfg_, xr, sr, col) * ExpertScale(g));
           ref += double(weights[size_t(t) * c_.k + j]) * expert;
         }
-        double got = Bf16ToFloat(y[size_t(t) * h + col]);
+        double got = GetCombine(cfg_, y.data(), int64_t{t} * h + col);
         norm += ref * ref;
         err += (got - ref) * (got - ref);
       }
-      CHECK_OR_RETURN(std::sqrt(err) <= 1e-2 * std::sqrt(norm) + 1e-6,
+      // bf16 sums round to 2^-9 of their size; fp32 sums (kFp32) to a few 2^-24.
+      const double tolerance = cfg_.dtype == DispatchDtype::kFp32 ? 1e-6 : 1e-2;
+      CHECK_OR_RETURN(std::sqrt(err) <= tolerance * std::sqrt(norm) + 1e-9,
                       "token " + std::to_string(t) + " combine relative error " +
                           std::to_string(std::sqrt(err / std::max(norm, 1e-30))));
     }
@@ -258,7 +263,7 @@ class RankRun {
   std::vector<uint8_t> out_x_;
   std::vector<float> out_scales_;
   std::vector<int32_t> out_counts_;
-  std::vector<uint16_t> expert_out_;
+  std::vector<uint8_t> expert_out_;  // the combine's element (AllToAllConfig::combine_row_bytes)
   int32_t num_rows_ = -1;
   std::vector<int32_t> token_experts_;
   std::vector<float> token_weights_;
@@ -285,6 +290,7 @@ TEST_P(MoeHostTest, DispatchExactAndCombineWithinTolerance) {
 
 std::vector<Case> Cases() {
   const auto bf16 = DispatchDtype::kBf16, fp8 = DispatchDtype::kFp8E4M3;
+  const auto fp32 = DispatchDtype::kFp32;
   const auto rnd = Routing::kRandom, hot = Routing::kAllToOneExpert;
   std::vector<Case> out = {
       {.provider = "shm", .world_size = 2, .tokens = 0, .hidden = 128, .experts = 8, .k = 2,
@@ -379,6 +385,20 @@ std::vector<Case> Cases() {
   // Combine weights given at CombineRecv (the sums taken at the origin).
   out.push_back({.provider = "shm", .world_size = 2, .tokens = 19, .hidden = 128, .experts = 8,
                  .k = 2, .dtype = bf16, .routing = rnd, .layouts = expert, .late_weights = true});
+  // fp32 rows and fp32 sums (kFp32): each path of the combine -- rows returned as they are,
+  // summed at the expert rank, token-major -- and late weights, over both providers.
+  out.push_back({.provider = "shm", .world_size = 3, .tokens = 33, .hidden = 256, .experts = 48,
+                 .k = 4, .dtype = fp32, .routing = rnd, .rank1_empty = true, .unrouted = true});
+  out.push_back({.provider = "shm", .world_size = 2, .tokens = 128, .hidden = 128, .experts = 64,
+                 .k = 8, .dtype = fp32, .routing = hot, .iterations = 3, .once_per_rank = true,
+                 .reduce_at_expert_rank = true});
+  out.push_back({.provider = "shm", .world_size = 3, .tokens = 19, .hidden = 128, .experts = 48,
+                 .k = 4, .dtype = fp32, .routing = rnd, .private_tokens = 0, .once_per_rank = true,
+                 .reduce_at_expert_rank = true, .layouts = mixed, .unrouted = true});
+  out.push_back({.provider = "shm", .world_size = 2, .tokens = 19, .hidden = 128, .experts = 8,
+                 .k = 2, .dtype = fp32, .routing = rnd, .layouts = expert, .late_weights = true});
+  out.push_back({.provider = "tcp;ofi_rxm", .world_size = 2, .tokens = 64, .hidden = 384,
+                 .experts = 16, .k = 4, .dtype = fp32, .routing = rnd, .once_per_rank = true});
   out.push_back({.provider = "shm", .world_size = 3, .tokens = 33, .hidden = 128, .experts = 48,
                  .k = 4, .dtype = fp8, .routing = rnd, .rank1_empty = true, .iterations = 3,
                  .once_per_rank = true, .layouts = expert, .unrouted = true, .late_weights = true});

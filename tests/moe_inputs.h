@@ -54,6 +54,13 @@ inline Inputs MakeInputs(const InputSpec& c, const AllToAllConfig& cfg, int rank
       uint16_t b = FloatToBf16(val(rng));
       std::memcpy(&in.x[i], &b, 2);
     }
+  } else if (c.dtype == DispatchDtype::kFp32) {
+    // Full fp32 values, which bf16 cannot hold: a path that rounded them would show.
+    std::uniform_real_distribution<float> val(-2.0f, 2.0f);
+    for (size_t i = 0; i < in.x.size(); i += 4) {
+      const float f = val(rng);
+      std::memcpy(&in.x[i], &f, 4);
+    }
   } else {
     for (auto& b : in.x) {
       b = static_cast<uint8_t>(rng());
@@ -91,15 +98,45 @@ inline float Dequant(const AllToAllConfig& cfg, const uint8_t* row, const float*
     std::memcpy(&b, row + 2 * i, 2);
     return Bf16ToFloat(b);
   }
+  if (cfg.dtype == DispatchDtype::kFp32) {
+    float f;
+    std::memcpy(&f, row + 4 * i, 4);
+    return f;
+  }
   return DecodeE4M3(row[i]) * scales[i / 128];
 }
 
-// The caller's side of a token-major combine: row i of expert_out ([rows, hidden]) is the
-// weighted fp32 sum, in k order, of row i's local experts applied to it (each expert's output
-// rounded to bf16 first, as an expert-major caller's would be). experts / weights: [rows, K].
+// The combine's element (AllToAllConfig::combine_row_bytes): fp32 under kFp32, else bf16.
+// Element i of `rows` as a float, and v stored there (rounded to bf16 where the element is).
+inline float GetCombine(const AllToAllConfig& cfg, const void* rows, int64_t i) {
+  if (cfg.dtype == DispatchDtype::kFp32) return static_cast<const float*>(rows)[i];
+  return Bf16ToFloat(static_cast<const uint16_t*>(rows)[i]);
+}
+inline void PutCombine(const AllToAllConfig& cfg, void* rows, int64_t i, float v) {
+  if (cfg.dtype == DispatchDtype::kFp32) {
+    static_cast<float*>(rows)[i] = v;
+  } else {
+    static_cast<uint16_t*>(rows)[i] = FloatToBf16(v);
+  }
+}
+// v as the combine's element holds it.
+inline float CombineRound(const AllToAllConfig& cfg, float v) {
+  return cfg.dtype == DispatchDtype::kFp32 ? v : Bf16ToFloat(FloatToBf16(v));
+}
+// `n` combine elements of value v (an output to accumulate onto).
+inline std::vector<uint8_t> CombineFilled(const AllToAllConfig& cfg, int64_t n, float v) {
+  std::vector<uint8_t> rows(size_t(n) * size_t(cfg.combine_row_bytes() / cfg.hidden));
+  for (int64_t i = 0; i < n; ++i) PutCombine(cfg, rows.data(), i, v);
+  return rows;
+}
+
+// The caller's side of a token-major combine: row i of expert_out ([rows, hidden], the
+// combine's element) is the weighted fp32 sum, in k order, of row i's local experts applied to
+// it (each expert's output rounded to the combine's element first, as an expert-major caller's
+// would be). experts / weights: [rows, K].
 inline void SumTokenMajorExperts(const AllToAllConfig& cfg, const uint8_t* x, const float* scales,
                                  const int32_t* experts, const float* weights, int rows,
-                                 uint16_t* expert_out) {
+                                 void* expert_out) {
   const int k = cfg.experts_per_token, h = cfg.hidden, first = cfg.rank * cfg.local_experts();
   const int64_t row = cfg.token_bytes(), spt = cfg.scales_per_token();
   for (int64_t i = 0; i < rows; ++i) {
@@ -109,9 +146,9 @@ inline void SumTokenMajorExperts(const AllToAllConfig& cfg, const uint8_t* x, co
         const int32_t e = experts[i * k + j];
         if (e < 0) continue;
         const float y = Dequant(cfg, x + i * row, scales + i * spt, col) * ExpertScale(first + e);
-        sum += weights[i * k + j] * Bf16ToFloat(FloatToBf16(y));
+        sum += weights[i * k + j] * CombineRound(cfg, y);
       }
-      expert_out[i * h + col] = FloatToBf16(sum);
+      PutCombine(cfg, expert_out, i * h + col, sum);
     }
   }
 }

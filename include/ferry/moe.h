@@ -54,8 +54,9 @@
 namespace ferry {
 
 enum class DispatchDtype : uint8_t {
-  kBf16 = 0,    // 2 bytes per element
-  kFp8E4M3 = 1  // 1 byte per element, plus one fp32 scale per 128 columns
+  kBf16 = 0,     // 2 bytes per element
+  kFp8E4M3 = 1,  // 1 byte per element, plus one fp32 scale per 128 columns
+  kFp32 = 2      // 4 bytes per element; the combine's rows and its output are fp32 too
 };
 
 // Where the four steps run.
@@ -164,6 +165,11 @@ struct FERRY_API AllToAllConfig {
   int local_experts() const { return num_experts / world_size; }
   // Bytes of one token row as dispatched (payload only).
   int64_t token_bytes() const;
+  // Bytes of one combine row (CombineSend's rows, CombineRecv's output): fp32 for kFp32, bf16
+  // otherwise.
+  int64_t combine_row_bytes() const {
+    return int64_t{hidden} * (dtype == DispatchDtype::kFp32 ? 4 : 2);
+  }
   // fp32 scales per token (fp8 only).
   int scales_per_token() const { return dtype == DispatchDtype::kFp8E4M3 ? hidden / 128 : 0; }
   // Rows of the expert-major dispatch output per local expert: the worst case, every token of
@@ -197,7 +203,7 @@ enum class Fp8Scaling : uint8_t {
 
 // Dispatch input of one rank. Shapes in the comments; T = num_tokens <= max_tokens_per_rank.
 struct FERRY_API DispatchInput {
-  const void* x = nullptr;           // [T, hidden] bf16 or fp8 e4m3, row-major
+  const void* x = nullptr;           // [T, hidden] bf16, fp8 e4m3 or fp32 (dtype), row-major
   const float* scales = nullptr;     // [T, hidden / 128] fp32; fp8 only
   const int32_t* indices = nullptr;  // [T, experts_per_token] global expert ids; -1: none (the
                                      // copy goes nowhere and adds nothing)
@@ -225,7 +231,7 @@ struct FERRY_API DispatchInput {
 // order, each sender's in its token order -- and row i's copies are described by token_experts
 // / token_weights. Rows past the counts are not written.
 struct FERRY_API DispatchOutput {
-  void* x = nullptr;              // [local_experts, expert_capacity, hidden] bf16 or fp8;
+  void* x = nullptr;              // [local_experts, expert_capacity, hidden] in dtype;
                                   // token-major: [expert_capacity, hidden]
   float* scales = nullptr;        // the same rows, hidden / 128 fp32 each; fp8 only
   int32_t* num_tokens = nullptr;  // [local_experts] copies each local expert received
@@ -259,7 +265,7 @@ struct FERRY_API DispatchOutput {
 
 // Combine output of one rank.
 struct FERRY_API CombineOutput {
-  uint16_t* out = nullptr;  // [T, hidden] bf16, T of the last DispatchSend
+  void* out = nullptr;      // [T, hidden] bf16 (fp32 for kFp32), T of the last DispatchSend
   bool accumulate = false;  // add the sums to what out holds
   // [T, experts_per_token] fp32: the combine weights given now rather than at DispatchSend (as
   // DeepEP's and pplx's combine take them); null: DispatchInput::weights. Only with the sums
@@ -295,14 +301,16 @@ class FERRY_API AllToAll {
   // host device that stops the AllToAll (every later step reports it); on the CUDA device the
   // slot is dropped and the error surfaces as kernel errors do (see SetStream).
   virtual Status DispatchRecv(const DispatchOutput& out, Deadline deadline) = 0;
-  // expert_out: [local_experts, expert_capacity, hidden] bf16, rows as DispatchRecv laid them out
+  // expert_out: [local_experts, expert_capacity, hidden] bf16 (fp32 for kFp32: the combine's
+  // element, AllToAllConfig::combine_row_bytes), rows as DispatchRecv laid them out
   // (padded_rows(p) rows after a DispatchRecv with expert_padding p, local_experts blocks of
   // expert_rows with that); token-major:
   // [expert_capacity, hidden], row i the weighted sum of row i's experts' outputs.
-  virtual Status CombineSend(const uint16_t* expert_out) = 0;
-  // out: [T, hidden] bf16 for the T of the last DispatchSend; with accumulate, adds to it.
+  virtual Status CombineSend(const void* expert_out) = 0;
+  // out: [T, hidden] bf16 (fp32 for kFp32) for the T of the last DispatchSend; with accumulate,
+  // adds to it.
   virtual Status CombineRecv(const CombineOutput& out, Deadline deadline) = 0;
-  Status CombineRecv(uint16_t* out, bool accumulate, Deadline deadline) {
+  Status CombineRecv(void* out, bool accumulate, Deadline deadline) {
     return CombineRecv(CombineOutput{out, accumulate}, deadline);
   }
 

@@ -11,6 +11,8 @@ they constructed P2PAllToAll; `dispatch` and `combine` take the same tensors:
   unpadded counts.
 - combine(out_tokens [tokens, hidden] bf16, indices, weights, expert_y (out_expert_x's layout),
   bound_m, do_send, do_recv, accumulate): each token's weighted sum of its experts' rows.
+- in_dtype bf16, float32 or e4m3 (with float32 scales, one per 128 columns); out_dtype bf16,
+  or float32 with float32 input (expert_y and out_tokens then float32: the sums stay fp32).
 - With max_tokens_per_expert = b (pplx's batched layout): out_expert_x is [local experts, b,
   hidden] (or those rows flat), expert e's tokens from row e * b, expert_padding unused. b below
   the most one expert can receive (every rank's max_num_tokens) bounds the routing: an expert
@@ -53,17 +55,23 @@ class AllToAll(_ferry.PplxSteps):
         device = torch.device(device if device is not None else "cpu")
         if device.type == "cuda" and device.index is None:  # as tensors name it: cuda:N
             device = torch.device("cuda", torch.cuda.current_device())
-        if out_dtype != torch.bfloat16:
-            raise InvalidArgument(f"out_dtype {out_dtype}: ferry's combine returns bfloat16")
         fp8 = in_dtype in (fp8_dtype(), torch.uint8)
-        if in_dtype != torch.bfloat16 and not fp8:
-            raise InvalidArgument(f"in_dtype {in_dtype}: bfloat16 or float8_e4m3fn")
+        fp32 = in_dtype == torch.float32
+        if in_dtype != torch.bfloat16 and not fp8 and not fp32:
+            raise InvalidArgument(f"in_dtype {in_dtype}: bfloat16, float32 or float8_e4m3fn")
+        # ferry's combine sums in the dispatch's element: fp32 rows give fp32 sums, bf16 and
+        # fp8 rows bf16 ones.
+        if out_dtype != (torch.float32 if fp32 else torch.bfloat16):
+            raise Unimplemented(
+                f"out_dtype {out_dtype} with in_dtype {in_dtype}: ferry's combine returns "
+                f"{'float32' if fp32 else 'bfloat16'} for this input")
         if fp8 and (scale_dtype != torch.float32 or hidden_dim_scale != hidden_dim // 128):
             raise InvalidArgument(
                 f"fp8 input: scale_dtype float32 and hidden_dim_scale {hidden_dim // 128} "
                 f"(one scale per 128 columns), got {scale_dtype} and {hidden_dim_scale}")
         if not fp8 and (scale_dtype is not None or hidden_dim_scale is not None):
-            raise InvalidArgument("bfloat16 input takes no scale_dtype / hidden_dim_scale")
+            raise Unimplemented(f"scale_dtype / hidden_dim_scale with {in_dtype} input: ferry "
+                                "moves scales with fp8 rows only (one float32 per 128 columns)")
         if expert_padding < 1:
             raise InvalidArgument(f"expert_padding {expert_padding}: at least 1")
         if max_tokens_per_expert is not None and max_tokens_per_expert < 1:
@@ -91,7 +99,8 @@ class AllToAll(_ferry.PplxSteps):
         timeout = self._timeout = env_timeout() if timeout is None else float(timeout)
         fields = dict(num_experts=num_experts, experts_per_token=num_experts_per_token,
                       max_tokens_per_rank=max_num_tokens, hidden=hidden_dim,
-                      dtype=_ferry.DispatchDtype.FP8_E4M3 if fp8 else _ferry.DispatchDtype.BF16)
+                      dtype=(_ferry.DispatchDtype.FP8_E4M3 if fp8 else
+                             _ferry.DispatchDtype.FP32 if fp32 else _ferry.DispatchDtype.BF16))
         if max_private_tokens is not None:
             fields["max_private_tokens"] = max_private_tokens
 

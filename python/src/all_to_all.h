@@ -74,7 +74,7 @@ class PyAllToAll {
     // An fp8 AllToAll given bf16 rows (2-byte elements) and no scales quantises them itself.
     const bool quantize = c.dtype == DispatchDtype::kFp8E4M3 && xa.item_bytes == 2 && !sa;
     Check(&xa, {"x", tokens * static_cast<uint64_t>(c.hidden) * (quantize ? 2 : ItemBytes(c)),
-                false, 0, quantize ? 2 : ItemBytes(c)});
+                false, quantize ? char{0} : ItemKind(c), quantize ? 2 : ItemBytes(c)});
     Check(&wa, {"weights", copies * 4, false, 'f', 4});
     DispatchInput in;
     if (quantize) {
@@ -139,7 +139,7 @@ class PyAllToAll {
                                         std::to_string(expert_rows) + " (at least 0)"));
     }
     const uint64_t rows = static_cast<uint64_t>(c.output_rows(expert_padding, expert_rows));
-    Check(&xa, {"x", rows * c.token_bytes(), true, 0, ItemBytes(c)});
+    Check(&xa, {"x", rows * c.token_bytes(), true, ItemKind(c), ItemBytes(c)});
     Check(&na, {"num_tokens", static_cast<uint64_t>(c.local_experts()) * 4, true, 'i', 4});
     DispatchOutput out;
     out.x = xa.pointer();
@@ -195,9 +195,9 @@ class PyAllToAll {
       }
       rows = static_cast<uint64_t>(*num_rows);
     }
-    Check(&ea, {"expert_out", rows * c.hidden * 2, false, 0, 2});
-    Run({ea.owner},
-        [&](AllToAll& a) { return a.CombineSend(static_cast<const uint16_t*>(ea.pointer())); });
+    Check(&ea,
+          {"expert_out", rows * c.combine_row_bytes(), false, ItemKind(c), CombineItemBytes(c)});
+    Run({ea.owner}, [&](AllToAll& a) { return a.CombineSend(ea.pointer()); });
   }
 
   void CombineRecv(const py::handle& out, bool accumulate, double timeout,
@@ -211,8 +211,9 @@ class PyAllToAll {
                          const Array* ca = nullptr) {
     const AllToAllConfig& c = config();
     const Deadline deadline = DeadlineIn(timeout);
-    Check(&oa, {"out", static_cast<uint64_t>(last_tokens_) * c.hidden * 2, true, 0, 2});
-    CombineOutput to{static_cast<uint16_t*>(oa.pointer()), accumulate};
+    Check(&oa, {"out", static_cast<uint64_t>(last_tokens_) * c.combine_row_bytes(), true,
+                ItemKind(c), CombineItemBytes(c)});
+    CombineOutput to{oa.pointer(), accumulate};
     Owners used{oa.owner};
     if (wa) {
       Check(wa, {"weights", static_cast<uint64_t>(last_tokens_) * c.experts_per_token * 4, false,
@@ -435,7 +436,18 @@ class PyAllToAll {
   int Device(const AllToAllConfig& c) const {
     return c.device == MoeDeviceKind::kHost ? kHostMemory : c.cuda_device;
   }
-  static int ItemBytes(const AllToAllConfig& c) { return c.dtype == DispatchDtype::kBf16 ? 2 : 1; }
+  // The element of the dispatch's rows and of the combine's (bf16, fp8 or fp32), and its kind:
+  // float for fp32; bf16 and fp8 take any 2- or 1-byte element (torch.uint8 stands for fp8 where
+  // torch has no float8_e4m3fn).
+  static int ItemBytes(const AllToAllConfig& c) {
+    return static_cast<int>(c.token_bytes() / c.hidden);
+  }
+  static int CombineItemBytes(const AllToAllConfig& c) {
+    return static_cast<int>(c.combine_row_bytes() / c.hidden);
+  }
+  static char ItemKind(const AllToAllConfig& c) {
+    return c.dtype == DispatchDtype::kFp32 ? 'f' : char{0};
+  }
   // The expert ids into `in`: int32 as they are, uint32 as the same bits (an id >= 2^31 is
   // then negative: -1 for 0xFFFFFFFF, a bad id otherwise), int64 (torch.topk's) as indices64,
   // narrowed by the core (on the CUDA device by the send kernels as they read them).

@@ -18,7 +18,8 @@ namespace {
 class PyPplx {
  public:
   // a2a: the ferry.AllToAll it runs on (expert-major, one shape); in_dtype: dp_x's torch dtype
-  // (bfloat16, or e4m3 / uint8 with float32 scales per 128 columns); device: the tensors'
+  // (bfloat16, float32 -- the combine's expert_y and out_tokens then float32 too --, or e4m3 /
+  // uint8 with float32 scales per 128 columns); device: the tensors'
   // ordinal as Tensor.get_device() gives it (-1 the CPU); block: pplx's max_tokens_per_expert
   // (each local expert's rows at a fixed block of that many; 0: padded blocks back to back).
   PyPplx(py::object a2a, py::object in_dtype, int64_t max_tokens, int64_t hidden, int64_t k,
@@ -37,7 +38,9 @@ class PyPplx {
         device_(device),
         block_(block),
         timeout_(timeout),
-        torch_(Torch::Get()) {
+        torch_(Torch::Get()),
+        out_dtype_(a2a_->config().dtype == DispatchDtype::kFp32 ? torch_.float32
+                                                                : torch_.bfloat16) {
     CheckTimeout(timeout);
   }
 
@@ -62,7 +65,7 @@ class PyPplx {
                   Pair(tokens, hidden_ / 128));
         }
       } else if (!dp_x_scale.is_none()) {
-        Invalid("dp_x_scale: bfloat16 input has no scales");
+        Invalid("dp_x_scale: " + Str(in_dtype_.ptr()) + " input has no scales");
       }
       ids = Tensor("indices", indices, nullptr, 2);
       if (ids->dtype != torch_.int32 && ids->dtype != torch_.int64 &&
@@ -127,7 +130,7 @@ class PyPplx {
                   Shape(scale_shape));
         }
       } else if (!out_expert_x_scale.is_none()) {
-        Invalid("out_expert_x_scale: bfloat16 input has no scales");
+        Invalid("out_expert_x_scale: " + Str(in_dtype_.ptr()) + " input has no scales");
       }
     }
     // ferry lays the padded blocks out itself (DispatchOutput::expert_padding).
@@ -155,14 +158,14 @@ class PyPplx {
     Expect(do_send ? Stage::kReceived : Stage::kCombining, "combine");
     std::optional<Array> y, out, w;
     if (do_send) {
-      y = Tensor("expert_y", expert_y, torch_.bfloat16, -1);
+      y = Tensor("expert_y", expert_y, out_dtype_, -1);
       if (y->shape != recv_shape_) {
         Invalid("expert_y: shape " + Shape(y->shape) + ", out_expert_x was " +
                 Shape(recv_shape_));
       }
     }
     if (do_recv) {
-      out = Tensor("out_tokens", out_tokens, torch_.bfloat16, 2);
+      out = Tensor("out_tokens", out_tokens, out_dtype_, 2);
       w = Tensor("weights", weights, torch_.float32, 2);
     }
     a2a_->Ordered(CurrentStream(device_), true, true, false, [&] {
@@ -236,6 +239,7 @@ class PyPplx {
   int64_t block_;
   double timeout_;
   const Torch& torch_;
+  PyObject* out_dtype_;  // expert_y's and out_tokens': float32 for float32 input, else bfloat16
   Stage stage_ = Stage::kIdle;
   std::vector<int64_t> recv_shape_;  // out_expert_x's at the last dispatch (expert_y's then)
 };

@@ -584,7 +584,63 @@ def pplx_body(world, group_kind):
         a2a.destroy()
         check_pplx_fp8(world, b.rank, group)
         check_pplx_batched(world, b.rank, group)
+        check_pplx_fp32(world, b.rank, group)
     return body
+
+
+def fp32_inputs(world, rank):
+    """inputs' ids and weights with float32 rows that bf16 cannot hold (each row's bf16 part
+    plus a small remainder)."""
+    x, idx, w = inputs(world, rank)
+    g = torch.Generator().manual_seed(77 + rank)
+    fine = x.float() * (1 + torch.rand(x.shape, generator=g) * 2 ** -10)
+    return fine, idx, w
+
+
+def check_pplx_fp32(world, rank, group):
+    """pplx's float32 configuration (in_dtype = out_dtype = float32, as pplx-garden's tests
+    run it): rows arrive bit for bit, in the batched layout, and the combine's sums stay fp32
+    (a sum rounded through bf16 would miss by 2^-9 of its size; the tolerance is 2^-20)."""
+    from ferry import pplx
+    e = EXPERTS_PER_RANK * world
+    common = dict(max_num_tokens=MAX_TOKENS, num_experts=e, expert_padding=1, hidden_dim=HIDDEN,
+                  hidden_dim_scale=None, in_dtype=torch.float32, out_dtype=torch.float32,
+                  scale_dtype=None, num_experts_per_token=K, device=torch.device(DEV),
+                  global_group=group)
+    expect_error(ferry.Unimplemented, "out_dtype", pplx.AllToAll,
+                 **{**common, "out_dtype": torch.bfloat16})
+    block = MAX_TOKENS * world
+    a2a = pplx.AllToAll(**common, max_tokens_per_expert=block)
+    sent = [fp32_inputs(world, s) for s in range(world)]
+    x, idx, w = sent[rank]
+    dx, ids, dw = dv(x), dv(idx), dv(w)
+    counts = dv(torch.empty(EXPERTS_PER_RANK, dtype=torch.int32))
+    out_x = dv(torch.zeros(EXPERTS_PER_RANK, block, HIDDEN, dtype=torch.float32))
+    expect_error(ferry.InvalidArgument, "dtype", a2a.dispatch, counts, out_x, None,
+                 dx.to(torch.bfloat16), None, ids, dw)
+    a2a.dispatch(counts, out_x, None, dx, None, ids, dw)
+    got, n = hv(out_x), hv(counts)
+    y = torch.zeros_like(got)
+    for le in range(EXPERTS_PER_RANK):
+        g = rank * EXPERTS_PER_RANK + le
+        want = [sx[t] for sx, sidx, _ in sent for t in range(sx.shape[0]) for j in range(K)
+                if int(sidx[t, j]) == g]
+        c = int(n[le])
+        assert c == len(want), (rank, le, c, len(want))
+        bits = lambda rows: sorted(tuple(r.view(torch.int32).tolist()) for r in rows)
+        assert bits(got[le, :c]) == bits(want), (rank, le)
+        y[le, :c] = got[le, :c] * expert_factor(g)
+    out = dv(torch.empty(x.shape, dtype=torch.float32))
+    expect_error(ferry.InvalidArgument, "dtype", a2a.combine, out, ids, dw,
+                 dv(y.to(torch.bfloat16)))
+    a2a.combine(out, ids, dw, dv(y))
+    ref = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(K):
+            if int(idx[t, j]) >= 0:
+                ref[t] += float(w[t, j]) * expert_factor(int(idx[t, j])) * x[t].double()
+    torch.testing.assert_close(hv(out).double(), ref, rtol=2 ** -20, atol=2 ** -30)
+    a2a.destroy()
 
 
 def check_pplx_batched(world, rank, group):
@@ -773,8 +829,10 @@ class PplxTest(Worlds, Case):
                           hidden_dim_scale=None, in_dtype=torch.bfloat16,
                           out_dtype=torch.bfloat16, scale_dtype=None, num_experts_per_token=1,
                           global_group=b)
-            expect_error(ferry.InvalidArgument, "out_dtype", pplx.AllToAll,
+            expect_error(ferry.Unimplemented, "out_dtype", pplx.AllToAll,
                          **{**common, "out_dtype": torch.float32})
+            expect_error(ferry.Unimplemented, "scale_dtype", pplx.AllToAll,
+                         **{**common, "scale_dtype": torch.float32, "hidden_dim_scale": 16})
             expect_error(ferry.InvalidArgument, "max_tokens_per_expert", pplx.AllToAll,
                          **common, max_tokens_per_expert=0)
             expect_error(ferry.InvalidArgument, "hidden_dim_scale", pplx.AllToAll,

@@ -142,7 +142,7 @@ class AllToAllImpl final : public AllToAll {
     return Status::Ok();
   }
 
-  Status CombineSend(const uint16_t* expert_out) override {
+  Status CombineSend(const void* expert_out) override {
     RETURN_IF_ERROR(Step(Stage::kDispatchDone, "CombineSend"));
     if (!expert_out) return InvalidArgumentError("CombineSend: null expert output");
     RETURN_IF_ERROR(device_->CombineSend(expert_out, epoch_));

@@ -36,7 +36,8 @@ Status AllToAllConfig::Validate() const {
   if (hidden < 128 || hidden % 128 != 0 || hidden > (1 << 16)) {
     return bad("hidden must be a multiple of 128 in [128, 65536]");
   }
-  if (dtype != DispatchDtype::kBf16 && dtype != DispatchDtype::kFp8E4M3) {
+  if (dtype != DispatchDtype::kBf16 && dtype != DispatchDtype::kFp8E4M3 &&
+      dtype != DispatchDtype::kFp32) {
     return bad("unknown dispatch dtype");
   }
   if (max_private_tokens < 0 || max_private_tokens > 65536) {
@@ -85,7 +86,14 @@ StatusOr<CudaTuning> CudaTuning::FromEnv() {
 }
 
 int64_t AllToAllConfig::token_bytes() const {
-  return int64_t{hidden} * (dtype == DispatchDtype::kBf16 ? 2 : 1);
+  switch (dtype) {
+    case DispatchDtype::kFp8E4M3:
+      return hidden;
+    case DispatchDtype::kFp32:
+      return int64_t{hidden} * 4;
+    default:
+      return int64_t{hidden} * 2;
+  }
 }
 
 int64_t AllToAllConfig::output_rows(int expert_padding, int64_t expert_rows) const {
@@ -112,7 +120,11 @@ std::string AllToAllConfig::ToString() const {
          " experts_per_token=" + std::to_string(experts_per_token) +
          " max_tokens_per_rank=" + std::to_string(max_tokens_per_rank) +
          " hidden=" + std::to_string(hidden) +
-         " dtype=" + (dtype == DispatchDtype::kBf16 ? "bf16" : "fp8_e4m3") +
+         " dtype=" +
+         (dtype == DispatchDtype::kBf16       ? "bf16"
+          : dtype == DispatchDtype::kFp8E4M3 ? "fp8_e4m3"
+          : dtype == DispatchDtype::kFp32    ? "fp32"
+                                             : "?") +
          " max_private_tokens=" + std::to_string(max_private_tokens) +
          (dispatch_once_per_rank ? " once_per_rank" : "") +
          (combine_reduce_at_expert_rank ? " reduce_at_expert_rank" : "") +
@@ -198,7 +210,8 @@ Status CheckDispatchInput(const AllToAllConfig& c, const DispatchInput& in) {
   if (in.x_bf16) {
     if (c.dtype != DispatchDtype::kFp8E4M3) {
       return InvalidArgumentError(
-          "DispatchSend: x_bf16 is quantised to fp8, and this AllToAll moves bf16 (pass x)");
+          "DispatchSend: x_bf16 is quantised to fp8, and this AllToAll moves " +
+          std::string(c.dtype == DispatchDtype::kFp32 ? "fp32" : "bf16") + " (pass x)");
     }
     if (in.x || in.scales) {
       return InvalidArgumentError(

@@ -21,7 +21,7 @@ constexpr uint32_t kSpins = 256, kYields = 1u << 14, kSleepUs = 20;
 RelayLayout::RelayLayout(const AllToAllConfig& c, int64_t slot_bytes_in, int node_ranks_in)
     : n(c.world_size), me(c.rank), node_ranks(node_ranks_in), slot_bytes(slot_bytes_in) {
   const PairLimits pairs(c);
-  row_bytes = int64_t{c.hidden} * 2;
+  row_bytes = c.combine_row_bytes();
   slots_per_pair = pairs.slots_per_pair;
   rows_per_pair = pairs.rows_per_pair;
   combine_rows = int64_t{c.max_tokens_per_rank} * c.experts_per_token;

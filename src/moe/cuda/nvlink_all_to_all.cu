@@ -281,31 +281,35 @@ class NvlinkAllToAll final : public AllToAll {
     return async_ ? Status::Ok() : Finish();
   }
 
-  Status CombineSend(const uint16_t* expert_out) override {
+  Status CombineSend(const void* expert_out) override {
     RETURN_IF_ERROR(Step(Stage::kDispatchDone, "CombineSend"));
     if (!expert_out) return InvalidArgumentError("CombineSend: null expert output");
     RETURN_IF_ERROR(Aligned(expert_out, "CombineSend: expert output"));
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
-    const CombineArgs args{expert_out, nullptr, false, 0, nullptr, nullptr};
-    if (combine_copy_only_) {
-      CombineSendKernel<true><<<recv_grid_, kCopyThreads, 0, stream_>>>(nv_, args);
-    } else {
-      CombineSendKernel<false><<<recv_grid_, kCopyThreads, 0, stream_>>>(nv_, args);
-    }
+    const CombineArgs args{static_cast<const uint8_t*>(expert_out), nullptr, false, 0, nullptr,
+                           nullptr};
+    auto* kernel = combine_copy_only_ ? CombineSendKernel<true, false>
+                   : fp32_            ? CombineSendKernel<false, true>
+                                      : CombineSendKernel<false, false>;
+    kernel<<<recv_grid_, kCopyThreads, 0, stream_>>>(nv_, args);
     FERRY_CUDA(cudaGetLastError());
     stage_ = Stage::kCombineSent;
     return async_ ? Status::Ok() : Finish();
   }
 
   Status CombineRecv(const CombineOutput& to, Deadline deadline) override {
-    uint16_t* out = to.out;
+    auto* out = static_cast<uint8_t*>(to.out);
     const bool accumulate = to.accumulate;
     RETURN_IF_ERROR(Step(Stage::kCombineSent, "CombineRecv"));
     RETURN_IF_ERROR(CheckCombineOutput(c_, to));
     if (!out && token_bound_ > 0) return InvalidArgumentError("CombineRecv: null output");
     RETURN_IF_ERROR(Aligned(out, "CombineRecv: output"));
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
-    FERRY_CUDA(Launch(nv_.stream_combine ? CombineRecvStreamedKernel : CombineRecvKernel,
+    auto* kernel = fp32_ ? (nv_.stream_combine ? CombineRecvStreamedKernel<true>
+                                               : CombineRecvKernel<true>)
+                         : (nv_.stream_combine ? CombineRecvStreamedKernel<false>
+                                               : CombineRecvKernel<false>);
+    FERRY_CUDA(Launch(kernel,
                       TokenGrid(token_bound_), nv_.world_size * sizeof(int64_t),
                       CombineArgs{nullptr, out, accumulate, BudgetNs(deadline), to.weights,
                                   to.wait_cost}));
@@ -494,7 +498,7 @@ class NvlinkAllToAll final : public AllToAll {
     v.meta_used = layout.slot.meta_used;
     v.meta_bytes = layout.slot.meta_bytes;
     v.slot_bytes = layout.slot.slot_bytes;
-    v.row_bytes = int64_t{c_.hidden} * 2;
+    v.row_bytes = c_.combine_row_bytes();
     v.capacity = c_.expert_capacity();
     v.once = c_.dispatch_once_per_rank;
     v.reduce = c_.combine_reduce_at_expert_rank;
@@ -883,6 +887,7 @@ class NvlinkAllToAll final : public AllToAll {
   int recv_grid_ = 1;  // CombineSend's, and Unpack's unless streamed
   int unpack_grid_ = 0;  // Unpack's
   bool combine_copy_only_ = false;  // CombineSend's copy-only instance (token-major, small batches)
+  const bool fp32_ = c_.dtype == DispatchDtype::kFp32;  // the combine's kernels sum fp32 rows
   int recv_grid_limit_ = 1;
   bool pdl_ = true;    // receive kernels may start early (Launch)
   int token_bound_ = 0;

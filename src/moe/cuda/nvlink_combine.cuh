@@ -24,12 +24,34 @@ __device__ inline uint4 PackBf16(const float (&acc)[8]) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// acc[u][c8[u]] (eight columns each, c8[u] < 0: none) += sum over c < count of weight[c] *
-// rows[c][c8[u]], in c order, fp32, unfused: the host device's arithmetic. The loads of kR rows
-// of all kG column groups are in flight at once.
-template <int kG, int kR>
-__device__ inline void WeightedSum(float (&acc)[kG][8], const uint4* const* rows,
-                                   const float* weight, int count, const int64_t (&c8)[kG]) {
+// A combine row's 16-byte vector (AllToAllConfig::combine_row_bytes): eight bf16 values, or
+// under kFp32 four fp32 ones (kF32), each widened to fp32 for the sums.
+template <bool kF32>
+struct CombineVec {
+  static constexpr int kPer = 8;
+  __device__ static float At(const uint4& v, int q) { return Bf16At(v, q); }
+  __device__ static uint4 Pack(const float (&acc)[kPer]) { return PackBf16(acc); }
+};
+template <>
+struct CombineVec<true> {
+  static constexpr int kPer = 4;
+  __device__ static float At(const uint4& v, int q) {
+    return __uint_as_float(q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w);
+  }
+  __device__ static uint4 Pack(const float (&acc)[kPer]) {
+    return make_uint4(__float_as_uint(acc[0]), __float_as_uint(acc[1]), __float_as_uint(acc[2]),
+                      __float_as_uint(acc[3]));
+  }
+};
+
+// acc[u][c8[u]] (one vector's columns each, c8[u] < 0: none) += sum over c < count of weight[c]
+// * rows[c][c8[u]], in c order, fp32, unfused: the host device's arithmetic. The loads of kR
+// rows of all kG column groups are in flight at once.
+template <bool kF32, int kG, int kR>
+__device__ inline void WeightedSum(float (&acc)[kG][CombineVec<kF32>::kPer],
+                                   const uint4* const* rows, const float* weight, int count,
+                                   const int64_t (&c8)[kG]) {
+  using V = CombineVec<kF32>;
   for (int first = 0; first < count; first += kR) {
     uint4 vals[kG][kR];
 #pragma unroll
@@ -47,7 +69,9 @@ __device__ inline void WeightedSum(float (&acc)[kG][8], const uint4* const* rows
       for (int u = 0; u < kG; ++u) {
         if (c8[u] < 0) continue;
 #pragma unroll
-        for (int q = 0; q < 8; ++q) acc[u][q] = __fadd_rn(acc[u][q], __fmul_rn(w, Bf16At(vals[u][c], q)));
+        for (int q = 0; q < V::kPer; ++q) {
+          acc[u][q] = __fadd_rn(acc[u][q], __fmul_rn(w, V::At(vals[u][c], q)));
+        }
       }
     }
   }
@@ -69,9 +93,11 @@ __device__ inline void TagRows(const Nv& v, int r, int64_t row, int rows, uint64
 // With v.spread, blocks looping over slots take them in SpreadOrder (streamed combine: in
 // order, the order CombineRecv claims tokens in).
 // Token-major, the caller summed each token's experts into row g of expert_out, which is copied
-// as it is; kCopyOnly: an instance that only does that (few registers; see its launch).
-template <bool kCopyOnly>
+// as it is; kCopyOnly: an instance that only does that (few registers; see its launch). kF32:
+// fp32 rows (kFp32), else bf16.
+template <bool kCopyOnly, bool kF32>
 __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineArgs a) {
+  using V = CombineVec<kF32>;
   __shared__ const uint4* rows[kMaxK];
   __shared__ float weight[kMaxK];
   __shared__ int count;
@@ -89,7 +115,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
     if (slot.entries == 0) continue;
     uint8_t* dst = v.peer[slot.sender].combine + int64_t{slot.row} * v.row_bytes;
     if (kCopyOnly || v.token_major) {
-      CopyBytes(dst, reinterpret_cast<const uint8_t*>(a.expert_out + g * v.hidden), v.row_bytes);
+      CopyBytes(dst, a.expert_out + g * v.row_bytes, v.row_bytes);
       TagRows(v, slot.sender, slot.row, 1, epoch);
       if (slot.sender != v.rank) ++rows_out;
       continue;
@@ -97,9 +123,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
     if (!v.reduce) {
       for (int i = 0; i < slot.entries; ++i) {
         const RecvEntry entry = v.rentries[g * v.topk + i];
-        CopyBytes(dst + i * v.row_bytes,
-                  reinterpret_cast<const uint8_t*>(a.expert_out + entry.out_row * v.hidden),
-                  v.row_bytes);
+        CopyBytes(dst + i * v.row_bytes, a.expert_out + entry.out_row * v.row_bytes, v.row_bytes);
       }
       TagRows(v, slot.sender, slot.row, slot.entries, epoch);
       if (slot.sender != v.rank) rows_out += slot.entries;
@@ -130,7 +154,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
         }
       }
       if (exists && order < kMaxK) {
-        rows[order] = reinterpret_cast<const uint4*>(a.expert_out + entry.out_row * v.hidden);
+        rows[order] = reinterpret_cast<const uint4*>(a.expert_out + entry.out_row * v.row_bytes);
         weight[order] = entry.weight;
       }
       if (lane == 0) count = min(__popc(present), kMaxK);
@@ -138,14 +162,14 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
     __syncthreads();
     if (visit == blockIdx.x) Mark(v, kTraceCombineSend, 1);
     auto* out = reinterpret_cast<uint4*>(dst);
-    const int64_t groups = v.hidden / 8;
+    const int64_t groups = v.row_bytes / 16;
     for (int64_t c = threadIdx.x; c < groups; c += 2 * int64_t{blockDim.x}) {
       const int64_t c8[2] = {c, c + blockDim.x < groups ? c + blockDim.x : -1};
-      float acc[2][8] = {};
-      WeightedSum<2, 8>(acc, rows, weight, count, c8);
+      float acc[2][V::kPer] = {};
+      WeightedSum<kF32, 2, 8>(acc, rows, weight, count, c8);
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
-        if (c8[u] >= 0) out[c8[u]] = PackBf16(acc[u]);
+        if (c8[u] >= 0) out[c8[u]] = V::Pack(acc[u]);
       }
     }
     TagRows(v, slot.sender, slot.row, 1, epoch);
@@ -162,31 +186,32 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
 
 // Token t's returned rows, rank by rank and k by k, summed in fp32 (unfused, the host device's
 // order) onto the previous output or zero, into y, by a group of kGroup threads (the block or
-// a warp): eight columns per thread, kG groups of them at a time with kR rows' loads in flight
-// (WeightedSum).
-template <int kGroup, int kG, int kR>
+// a warp): one 16-byte vector of columns per thread, kG of them at a time with kR rows' loads
+// in flight (WeightedSum).
+template <bool kF32, int kGroup, int kG, int kR>
 __device__ inline void SumToken(const Nv& v, const CombineArgs& a, int t, const uint4* const* rows,
                                 const float* weight, int count, bool wait_primary) {
-  auto* y = reinterpret_cast<uint4*>(a.out + int64_t{t} * v.hidden);
-  const int64_t groups = v.hidden / 8;
+  using V = CombineVec<kF32>;
+  auto* y = reinterpret_cast<uint4*>(a.out + int64_t{t} * v.row_bytes);
+  const int64_t groups = v.row_bytes / 16;
   for (int64_t c = threadIdx.x % kGroup; c < groups; c += int64_t{kG} * kGroup) {
     int64_t c8[kG];
 #pragma unroll
     for (int u = 0; u < kG; ++u) c8[u] = c + u * kGroup < groups ? c + u * kGroup : -1;
-    float acc[kG][8] = {};
+    float acc[kG][V::kPer] = {};
     if (a.accumulate && wait_primary) WaitPrimary();  // a.out is the caller's memory
 #pragma unroll
     for (int u = 0; u < kG; ++u) {
       if (!a.accumulate || c8[u] < 0) continue;
       const uint4 prev = y[c8[u]];
 #pragma unroll
-      for (int q = 0; q < 8; ++q) acc[u][q] = Bf16At(prev, q);
+      for (int q = 0; q < V::kPer; ++q) acc[u][q] = V::At(prev, q);
     }
-    WeightedSum<kG, kR>(acc, rows, weight, count, c8);
+    WeightedSum<kF32, kG, kR>(acc, rows, weight, count, c8);
     if (wait_primary) WaitPrimary();
 #pragma unroll
     for (int u = 0; u < kG; ++u) {
-      if (c8[u] >= 0) y[c8[u]] = PackBf16(acc[u]);
+      if (c8[u] >= 0) y[c8[u]] = V::Pack(acc[u]);
     }
   }
 }
@@ -231,6 +256,7 @@ __device__ inline LaneRow LocateRows(const Nv& v, const CombineArgs& a, int t,
 // finishes last waits for every rank's combine flag -- every peer's CombineSend done, so its
 // Unpack done reading what we sent it, before our next DispatchSend rewrites it
 // (nvlink_all_to_all.h) -- then advances the epoch.
+template <bool kF32>
 __global__ void __launch_bounds__(kCopyThreads) CombineRecvStreamedKernel(Nv v, CombineArgs a) {
   constexpr int kWarps = kCopyThreads / 32;
   extern __shared__ int64_t rank_start[];  // [N] our first combine row from each rank
@@ -260,7 +286,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvStreamedKernel(Nv v, 
       if (!ok) break;
       if (first) Mark(v, kTraceCombineRecv, 1);
       first = false;
-      SumToken<32, 4, 2>(v, a, t, row_ptr[w], weight_of[w], rows[w], false);
+      SumToken<kF32, 32, 4, 2>(v, a, t, row_ptr[w], weight_of[w], rows[w], false);
       __syncwarp();  // every lane read the token's rows before the next token's are located
     }
     if (__syncthreads_or(!ok)) return;
@@ -270,7 +296,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvStreamedKernel(Nv v, 
       if (!__syncthreads_and(threadIdx.x >= 32 || arrived(t, 0))) return;
       if (first) Mark(v, kTraceCombineRecv, 1);
       first = false;
-      SumToken<kCopyThreads, 2, 8>(v, a, t, row_ptr[0], weight_of[0], rows[0], false);
+      SumToken<kF32, kCopyThreads, 2, 8>(v, a, t, row_ptr[0], weight_of[0], rows[0], false);
     }
   }
   Mark(v, kTraceCombineRecv, 2);
@@ -289,6 +315,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvStreamedKernel(Nv v, 
 // (eight tokens in flight per block, each warp locating its next token itself: a block per
 // token waits on each token's routing loads and then its rows' loads, one after the other). The
 // last block advances the epoch.
+template <bool kF32>
 __global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineArgs a) {
   constexpr int kWarps = kCopyThreads / 32;
   extern __shared__ int64_t rank_start[];  // [N] our first combine row from each rank
@@ -329,7 +356,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineA
         locate();
       }
       __syncwarp();
-      SumToken<32, 4, 2>(v, a, t, row_ptr[w], weight_of[w], rows[w], true);
+      SumToken<kF32, 32, 4, 2>(v, a, t, row_ptr[w], weight_of[w], rows[w], true);
     }
   } else {
     for (; t < tokens; t += step) {
@@ -338,7 +365,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineA
         locate();
         __syncthreads();
       }
-      SumToken<kCopyThreads, 2, 8>(v, a, t, row_ptr[0], weight_of[0], rows[0], true);
+      SumToken<kF32, kCopyThreads, 2, 8>(v, a, t, row_ptr[0], weight_of[0], rows[0], true);
     }
   }
   Mark(v, kTraceCombineRecv, 2);

@@ -25,7 +25,7 @@ struct NvlinkLayout {
     counts_stride = static_cast<int>(RoundUp(CountsWidth(c) + (counts_tagged ? 1 : 0), 4));
     private_off = RoundUp(counts_off + n * counts_stride * 4, 128);
     combine_off = RoundUp(private_off + n * c.max_private_tokens * slot.slot_bytes, 128);
-    combine_tag_off = RoundUp(combine_off + rows * int64_t{c.hidden} * 2, 128);
+    combine_tag_off = RoundUp(combine_off + rows * c.combine_row_bytes(), 128);
     send_off = RoundUp(combine_tag_off + (stream_combine ? rows * 8 : 0), 128);
     bytes = send_off + rows * slot.slot_bytes;  // the send area: a slot for each of our copies
   }

@@ -266,8 +266,8 @@ struct RecvArgs {
   int64_t* wait_cost;      // [N] or null: DispatchOutput::wait_cost (AwaitCounted)
 };
 struct CombineArgs {
-  const uint16_t* expert_out;
-  uint16_t* out;
+  const uint8_t* expert_out;  // rows of Nv::row_bytes (bf16, or fp32 under kFp32)
+  uint8_t* out;
   bool accumulate;
   uint64_t timeout_ns;
   const float* weights;  // [T, K] given at CombineRecv; null: the dispatch's copy (Nv::weights)

@@ -14,16 +14,46 @@
 namespace ferry::moe {
 namespace {
 
+// A combine row's element (AllToAllConfig::combine_row_bytes): bf16, or fp32 under kFp32.
+inline float ElemToFloat(uint16_t b) { return Bf16ToFloat(b); }
+inline float ElemToFloat(float f) { return f; }
+
 // acc[i] += w * row[i] over a row of h columns (a multiple of 128: AllToAllConfig::Validate).
 // In blocks of a fixed 16 columns, which -O2 vectorizes; its cost model leaves a loop of unknown
 // length scalar (which took the combine's sums twice as long). The two never overlap
 // (restrict). Each element's product and sum stay two rounded operations, as the CUDA kernels
 // do them.
-void AddScaledRow(float* __restrict acc, const uint16_t* __restrict row, float w, int h) {
+template <typename E>
+void AddScaledRow(float* __restrict acc, const E* __restrict row, float w, int h) {
   constexpr int kBlock = 16;
   for (int b = 0; b < h; b += kBlock) {
-    for (int i = b; i < b + kBlock; ++i) acc[i] += w * Bf16ToFloat(row[i]);
+    for (int i = b; i < b + kBlock; ++i) acc[i] += w * ElemToFloat(row[i]);
   }
+}
+void AddScaledRow(float* acc, const uint8_t* row, float w, int h, bool fp32) {
+  if (fp32) {
+    AddScaledRow(acc, reinterpret_cast<const float*>(row), w, h);
+  } else {
+    AddScaledRow(acc, reinterpret_cast<const uint16_t*>(row), w, h);
+  }
+}
+// acc's h sums into the row at dst, rounded to bf16 unless fp32.
+void StoreRow(uint8_t* dst, const float* acc, int64_t h, bool fp32) {
+  if (fp32) {
+    std::memcpy(dst, acc, size_t(h) * sizeof(float));
+    return;
+  }
+  auto* out = reinterpret_cast<uint16_t*>(dst);
+  for (int64_t i = 0; i < h; ++i) out[i] = FloatToBf16(acc[i]);
+}
+// The h values of the row at src, widened to fp32, into acc.
+void LoadRow(float* acc, const uint8_t* src, int64_t h, bool fp32) {
+  if (fp32) {
+    std::memcpy(acc, src, size_t(h) * sizeof(float));
+    return;
+  }
+  const auto* in = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t i = 0; i < h; ++i) acc[i] = Bf16ToFloat(in[i]);
 }
 
 class HostDevice final : public MoeDevice {
@@ -262,8 +292,10 @@ class HostDevice final : public MoeDevice {
     return Status::Ok();
   }
 
-  Status CombineSend(const uint16_t* expert_out, uint64_t epoch) override {
+  Status CombineSend(const void* expert_out_any, uint64_t epoch) override {
     const int n = c_.world_size, l = c_.local_experts(), h = c_.hidden;
+    const bool fp32 = c_.dtype == DispatchDtype::kFp32;
+    const auto* expert_out = static_cast<const uint8_t*>(expert_out_any);
     // Sender s's rows, in its numbering from its row start for us.
     row_base_.assign(n + 1, 0);
     for (int s = 0; s < n; ++s) row_base_[s + 1] = row_base_[s] + from_[s].rows;
@@ -272,7 +304,7 @@ class HostDevice final : public MoeDevice {
       // The caller summed each token's experts: its rows go back as they are.
       for (int32_t i = 0; i < token_rows_; ++i) {
         const Route& route = token_routes_[i];
-        std::memcpy(RowOut(route.src, route.row), expert_out + int64_t{i} * h, row_bytes);
+        std::memcpy(RowOut(route.src, route.row), expert_out + i * row_bytes, row_bytes);
       }
     } else if (c_.combine_reduce_at_expert_rank) {
       // Each returned row is the weighted fp32 sum of our experts' outputs for one token.
@@ -283,14 +315,12 @@ class HostDevice final : public MoeDevice {
           const Route& route = routes_[src];
           if (route.src < 0) continue;  // announced, never sent: nothing to return
           AddScaledRow(partial_.data() + size_t(row_base_[route.src] + route.row) * h,
-                       expert_out + src * h, route.weight, h);
+                       expert_out + src * row_bytes, route.weight, h, fp32);
         }
       }
       for (int s = 0; s < n; ++s) {
         for (int64_t r = 0; r < from_[s].rows; ++r) {
-          auto* dst = reinterpret_cast<uint16_t*>(RowOut(s, r));
-          const float* acc = partial_.data() + size_t(row_base_[s] + r) * h;
-          for (int i = 0; i < h; ++i) dst[i] = FloatToBf16(acc[i]);
+          StoreRow(RowOut(s, r), partial_.data() + size_t(row_base_[s] + r) * h, h, fp32);
         }
       }
     } else {
@@ -299,7 +329,7 @@ class HostDevice final : public MoeDevice {
           const int64_t src = expert_base_[e] + pos;
           const Route& route = routes_[src];
           if (route.src < 0) continue;
-          std::memcpy(RowOut(route.src, route.row), expert_out + src * h, row_bytes);
+          std::memcpy(RowOut(route.src, route.row), expert_out + src * row_bytes, row_bytes);
         }
       }
     }
@@ -308,16 +338,15 @@ class HostDevice final : public MoeDevice {
   }
 
   Status CombineRecv(const CombineOutput& to, uint64_t epoch, Deadline deadline) override {
-    uint16_t* out = to.out;
+    auto* out = static_cast<uint8_t*>(to.out);
     const float* weights = to.weights ? to.weights : weights_.data();
     const int n = c_.world_size, k = c_.experts_per_token, h = c_.hidden;
+    const bool fp32 = c_.dtype == DispatchDtype::kFp32;
     for (int r : lay_.remotes) {
       RETURN_IF_ERROR(WaitOrMask(true, r, epoch, deadline, to.wait_cost));
     }
     acc_.assign(size_t(num_tokens_) * h, 0.0f);
-    if (to.accumulate) {
-      for (size_t i = 0; i < acc_.size(); ++i) acc_[i] = Bf16ToFloat(out[i]);
-    }
+    if (to.accumulate) LoadRow(acc_.data(), out, int64_t{num_tokens_} * h, fp32);
     // Our rows from every expert rank, ourselves included, at their place in our region.
     const uint8_t* region = p_.boxes.inbox + lay_.in_combine_off;
     for (int r = 0; r < n; ++r) {
@@ -329,11 +358,11 @@ class HostDevice final : public MoeDevice {
         // A summed row already carries its weights.
         const float w =
             c_.combine_reduce_at_expert_rank ? 1.0f : weights[size_t(row_of.token) * k + row_of.k];
-        AddScaledRow(acc_.data() + size_t(row_of.token) * h,
-                     reinterpret_cast<const uint16_t*>(base + j * lay_.row_bytes), w, h);
+        AddScaledRow(acc_.data() + size_t(row_of.token) * h, base + j * lay_.row_bytes, w, h,
+                     fp32);
       }
     }
-    for (size_t i = 0; i < acc_.size(); ++i) out[i] = FloatToBf16(acc_[i]);
+    StoreRow(out, acc_.data(), int64_t{num_tokens_} * h, fp32);
     return Status::Ok();
   }
 
