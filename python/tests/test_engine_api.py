@@ -597,6 +597,18 @@ def fp32_inputs(world, rank):
     return fine, idx, w
 
 
+def expert_blocks(sent, rank, counts):
+    """Per local expert of `rank`: its block, its global id, the copies it received (checked
+    against what every rank sent it) and the rows sent to it, in no particular order."""
+    for le in range(EXPERTS_PER_RANK):
+        g = rank * EXPERTS_PER_RANK + le
+        want = [sx[t] for sx, sidx, _ in sent for t in range(sx.shape[0]) for j in range(K)
+                if int(sidx[t, j]) == g]
+        c = int(counts[le])
+        assert c == len(want), (rank, le, c, len(want))
+        yield le, g, c, want
+
+
 def check_pplx_fp32(world, rank, group):
     """pplx's float32 configuration (in_dtype = out_dtype = float32, as pplx-garden's tests
     run it): rows arrive bit for bit, in the batched layout, and the combine's sums stay fp32
@@ -621,14 +633,10 @@ def check_pplx_fp32(world, rank, group):
     a2a.dispatch(counts, out_x, None, dx, None, ids, dw)
     got, n = hv(out_x), hv(counts)
     y = torch.zeros_like(got)
-    for le in range(EXPERTS_PER_RANK):
-        g = rank * EXPERTS_PER_RANK + le
-        want = [sx[t] for sx, sidx, _ in sent for t in range(sx.shape[0]) for j in range(K)
-                if int(sidx[t, j]) == g]
-        c = int(n[le])
-        assert c == len(want), (rank, le, c, len(want))
-        bits = lambda rows: sorted(tuple(r.view(torch.int32).tolist()) for r in rows)
+    bits = lambda rows: sorted(tuple(r.view(torch.int32).tolist()) for r in rows)
+    for le, g, c, want in expert_blocks(sent, rank, n):
         assert bits(got[le, :c]) == bits(want), (rank, le)
+        assert not got[le, c:].view(torch.int32).any(), "rows past the count written"
         y[le, :c] = got[le, :c] * expert_factor(g)
     out = dv(torch.empty(x.shape, dtype=torch.float32))
     expect_error(ferry.InvalidArgument, "dtype", a2a.combine, out, ids, dw,
@@ -675,12 +683,7 @@ def check_pplx_batched(world, rank, group):
     handle.recv()  # once only: a second call does nothing
     got, n = hv(out_x), hv(counts)
     y = torch.zeros_like(got)
-    for le in range(EXPERTS_PER_RANK):
-        g = rank * EXPERTS_PER_RANK + le
-        want = [sx[t] for sx, sidx, _ in sent for t in range(sx.shape[0]) for j in range(K)
-                if int(sidx[t, j]) == g]
-        c = int(n[le])
-        assert c == len(want), (rank, le, c, len(want))
+    for le, g, c, want in expert_blocks(sent, rank, n):
         assert rows_of(got[le, :c]) == rows_of(want), (rank, le)
         assert not got[le, c:].view(torch.int16).any(), "rows past the count written"
         y[le, :c] = (got[le, :c].double() * expert_factor(g)).to(torch.bfloat16)
