@@ -609,6 +609,19 @@ INSTANTIATE_TEST_SUITE_P(
                                     .nvlink = true}, 2),
                       Case{.world_size = 4, .tokens = 64, .hidden = 256, .experts = 48, .k = 8,
                            .dtype = fp32, .routing = rnd, .reduce_at_expert_rank = true,
+                           .nvlink = true, .node_ranks = 2},
+                      // Rows of any multiple of 16 columns (gpt-oss's hidden 2880, pplx's 16):
+                      // streamed (a)+(b) token-major with a graph, plain by warps, through the
+                      // relay.
+                      Streamed(Case{.world_size = 2, .tokens = 128, .hidden = 2880, .experts = 64,
+                                    .k = 4, .dtype = bf16, .routing = rnd, .private_tokens = 16,
+                                    .once_per_rank = true, .reduce_at_expert_rank = true,
+                                    .iterations = 3, .nvlink = true, .graph = true,
+                                    .token_major = 1}, 3),
+                      Case{.world_size = 2, .tokens = 1024, .hidden = 16, .experts = 32, .k = 4,
+                           .dtype = fp32, .routing = rnd, .private_tokens = 32, .nvlink = true},
+                      Case{.world_size = 4, .tokens = 64, .hidden = 48, .experts = 48, .k = 8,
+                           .dtype = bf16, .routing = rnd, .once_per_rank = true,
                            .nvlink = true, .node_ranks = 2}),
     [](const ::testing::TestParamInfo<Case>& info) { return Describe(info.param); });
 

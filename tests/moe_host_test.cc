@@ -402,6 +402,16 @@ std::vector<Case> Cases() {
   out.push_back({.provider = "shm", .world_size = 3, .tokens = 33, .hidden = 128, .experts = 48,
                  .k = 4, .dtype = fp8, .routing = rnd, .rank1_empty = true, .iterations = 3,
                  .once_per_rank = true, .layouts = expert, .unrouted = true, .late_weights = true});
+  // Rows of any multiple of 16 columns in bf16 and fp32 (gpt-oss's hidden 2880, pplx's 16).
+  out.push_back({.provider = "shm", .world_size = 3, .tokens = 33, .hidden = 2880, .experts = 48,
+                 .k = 4, .dtype = bf16, .routing = rnd, .rank1_empty = true,
+                 .once_per_rank = true, .reduce_at_expert_rank = true, .layouts = mixed,
+                 .unrouted = true});
+  out.push_back({.provider = "shm", .world_size = 2, .tokens = 19, .hidden = 16, .experts = 8,
+                 .k = 2, .dtype = fp32, .routing = rnd, .layouts = expert, .unrouted = true});
+  out.push_back({.provider = "tcp;ofi_rxm", .world_size = 2, .tokens = 64, .hidden = 48,
+                 .experts = 16, .k = 4, .dtype = bf16, .routing = hot, .private_tokens = 2,
+                 .late_weights = true});
   std::vector<Case> filtered;
   for (const Case& c : out) {
     for (const std::string& p : testing_util::Providers()) {

@@ -125,7 +125,7 @@ struct FERRY_API AllToAllConfig {
   int num_experts = 0;     // divisible by world_size
   int experts_per_token = 0;
   int max_tokens_per_rank = 0;
-  int hidden = 0;  // multiple of 128
+  int hidden = 0;  // multiple of 16 (of 128 for fp8)
   DispatchDtype dtype = DispatchDtype::kBf16;
   int max_private_tokens = 16;  // per (sender, receiver) in one node: pushed; the rest pulled
   // Beyond the seed, each measured against the plain protocol (ferry-bench moe --once-per-rank

@@ -590,8 +590,9 @@ class Buffer(_ferry.DeepEpLowLatency):
         fp8 = x_scales is not None
         check_tensor("x", x, (fp8_dtype(), torch.uint8) if fp8 else torch.bfloat16, 2)
         tokens, hidden = x.shape
-        if hidden % 128:
-            raise InvalidArgument(f"x: hidden {hidden} is not a multiple of 128")
+        if hidden % (128 if fp8 else 16):
+            raise InvalidArgument(f"x: hidden {hidden} is not a multiple of "
+                                  f"{128 if fp8 else 16} ({'fp8' if fp8 else 'bf16'} rows)")
         if fp8:
             check_tensor("x scales", x_scales, torch.float32, 2, x.get_device())
             if tuple(x_scales.shape) != (tokens, hidden // 128):

@@ -41,10 +41,10 @@ def tokens_of(world, rank):
     return 0 if (world > 1 and rank == 1) else (5 + 3 * rank) % MAX_TOKENS + 1
 
 
-def inputs(world, rank, round=0):
+def inputs(world, rank, round=0, columns=HIDDEN):
     """Rank's rows (random bf16, each 128-column group of its own magnitude) and top-k ids: -1
     in some entries, and a token whose ids include two experts of one rank; `round` draws
-    another set of the same shapes."""
+    another set of the same shapes; `columns` keeps the rows' first columns only."""
     g = torch.Generator().manual_seed(1000 + rank + 7919 * round)
     t, e = tokens_of(world, rank), EXPERTS_PER_RANK * world
     scale = 2.0 ** torch.arange(-3, HIDDEN // 128 - 3, dtype=torch.float32).repeat_interleave(128)
@@ -58,7 +58,7 @@ def inputs(world, rank, round=0):
     idx = torch.tensor(rows, dtype=torch.int64).view(t, K)
     idx[1::3, K - 1] = -1
     w = torch.rand(t, K, generator=g).to(torch.float32)
-    return x, idx.to(torch.int64), w
+    return x[:, :columns].contiguous(), idx.to(torch.int64), w
 
 
 def expert_factor(global_expert):
@@ -255,8 +255,8 @@ def check_low_latency(buf, world, rank, use_fp8, round_scale, use_ue8m0, hook, c
     torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=2 ** -6)
 
 
-def check_normal(buf, world, rank, fp8):
-    x, idx, w = inputs(world, rank)
+def check_normal(buf, world, rank, fp8, hidden=HIDDEN):
+    x, idx, w = inputs(world, rank, columns=hidden)
     e = EXPERTS_PER_RANK * world
     layout = buf.get_dispatch_layout(dv(idx), e)
     per_rank, per_rdma, per_expert, in_rank = hv(layout[0]), layout[1], hv(layout[2]), hv(
@@ -290,7 +290,7 @@ def check_normal(buf, world, rank, fp8):
     want_x, want_idx, want_w = [], [], []
     counts = [0] * EXPERTS_PER_RANK
     for s in range(world):
-        sx, sidx, sw = inputs(world, s)
+        sx, sidx, sw = inputs(world, s, columns=hidden)
         for t in range(sx.shape[0]):
             mine = [(j, int(sidx[t, j]) - rank * EXPERTS_PER_RANK) for j in range(K)
                     if int(sidx[t, j]) // EXPERTS_PER_RANK == rank and int(sidx[t, j]) >= 0]
@@ -304,20 +304,20 @@ def check_normal(buf, world, rank, fp8):
             want_idx.append(ids)
             want_w.append(ws)
     n = len(want_x)
-    assert recv_x.shape == (n, HIDDEN), (recv_x.shape, n)
+    assert recv_x.shape == (n, hidden), (recv_x.shape, n)
     if fp8:
         assert torch.equal(decode_e4m3(recv_x), torch.stack(want_x) if n else
-                           torch.empty(0, HIDDEN))
+                           torch.empty(0, hidden))
     else:
         assert torch.equal(recv_x.view(torch.int16), torch.stack(want_x).view(torch.int16)
-                           if n else torch.empty(0, HIDDEN, dtype=torch.int16))
+                           if n else torch.empty(0, hidden, dtype=torch.int16))
     assert recv_idx.dtype == torch.int64
     assert recv_idx.tolist() == want_idx and recv_w.tolist() == want_w
     assert per_expert_list == [(c + 3) // 4 * 4 for c in counts], (per_expert_list, counts)
     # Combine: every rank returns twice its rows; each token comes back as twice itself times
     # the number of ranks that held any of its experts.
     if fp8:  # the fp8 dispatch's combine is the bf16 one's (combine moves bf16 rows)
-        buf.combine(dv(torch.zeros(n, HIDDEN, dtype=torch.bfloat16)), handle)
+        buf.combine(dv(torch.zeros(n, hidden, dtype=torch.bfloat16)), handle)
         return
     back = x.double()
     out, weights_back, _ = buf.combine(dv((recv_x.double() * 2).to(torch.bfloat16)), handle)
@@ -345,7 +345,7 @@ def check_normal(buf, world, rank, fp8):
     expect_error(ferry.Unimplemented, "topk_weights", buf.combine, other[0], other[4],
                  topk_weights=other[2])
     expect_error(ferry.InvalidArgument, "bias: shape", buf.combine, other[0], other[4],
-                 bias=dv(torch.zeros(x.shape[0] + 1, HIDDEN, dtype=torch.bfloat16)))
+                 bias=dv(torch.zeros(x.shape[0] + 1, hidden, dtype=torch.bfloat16)))
     # Two biases (x / 2 and x / 4): their fp32 sum rounded to bf16 once, then the rows added.
     halves = (dv((x.double() / 2).to(torch.bfloat16)), dv((x.double() / 4).to(torch.bfloat16)))
     out3, _, _ = buf.combine(other[0], other[4], bias=halves)
@@ -442,6 +442,7 @@ def deep_ep_body(world, group_kind):
         check_overlapped_and_zero_copy(buf, world, b.rank)
         check_normal(buf, world, b.rank, fp8=False)
         check_normal(buf, world, b.rank, fp8=True)
+        check_normal(buf, world, b.rank, fp8=False, hidden=48)  # bf16: any multiple of 16
         check_worst_tokens(buf, world, b.rank)
         # Refusals name what is not honoured.
         x, idx, _ = inputs(world, b.rank)
@@ -585,13 +586,16 @@ def pplx_body(world, group_kind):
         check_pplx_fp8(world, b.rank, group)
         check_pplx_batched(world, b.rank, group)
         check_pplx_fp32(world, b.rank, group)
+        # Rows of any multiple of 16 columns in bf16 and fp32 (pplx-garden's tests use 16).
+        check_pplx_batched(world, b.rank, group, hidden=48)
+        check_pplx_fp32(world, b.rank, group, hidden=16)
     return body
 
 
-def fp32_inputs(world, rank):
+def fp32_inputs(world, rank, columns=HIDDEN):
     """inputs' ids and weights with float32 rows that bf16 cannot hold (each row's bf16 part
     plus a small remainder)."""
-    x, idx, w = inputs(world, rank)
+    x, idx, w = inputs(world, rank, columns=columns)
     g = torch.Generator().manual_seed(77 + rank)
     fine = x.float() * (1 + torch.rand(x.shape, generator=g) * 2 ** -10)
     return fine, idx, w
@@ -609,13 +613,13 @@ def expert_blocks(sent, rank, counts):
         yield le, g, c, want
 
 
-def check_pplx_fp32(world, rank, group):
+def check_pplx_fp32(world, rank, group, hidden=HIDDEN):
     """pplx's float32 configuration (in_dtype = out_dtype = float32, as pplx-garden's tests
     run it): rows arrive bit for bit, in the batched layout, and the combine's sums stay fp32
     (a sum rounded through bf16 would miss by 2^-9 of its size; the tolerance is 2^-20)."""
     from ferry import pplx
     e = EXPERTS_PER_RANK * world
-    common = dict(max_num_tokens=MAX_TOKENS, num_experts=e, expert_padding=1, hidden_dim=HIDDEN,
+    common = dict(max_num_tokens=MAX_TOKENS, num_experts=e, expert_padding=1, hidden_dim=hidden,
                   hidden_dim_scale=None, in_dtype=torch.float32, out_dtype=torch.float32,
                   scale_dtype=None, num_experts_per_token=K, device=torch.device(DEV),
                   global_group=group)
@@ -623,11 +627,11 @@ def check_pplx_fp32(world, rank, group):
                  **{**common, "out_dtype": torch.bfloat16})
     block = MAX_TOKENS * world
     a2a = pplx.AllToAll(**common, max_tokens_per_expert=block)
-    sent = [fp32_inputs(world, s) for s in range(world)]
+    sent = [fp32_inputs(world, s, hidden) for s in range(world)]
     x, idx, w = sent[rank]
     dx, ids, dw = dv(x), dv(idx), dv(w)
     counts = dv(torch.empty(EXPERTS_PER_RANK, dtype=torch.int32))
-    out_x = dv(torch.zeros(EXPERTS_PER_RANK, block, HIDDEN, dtype=torch.float32))
+    out_x = dv(torch.zeros(EXPERTS_PER_RANK, block, hidden, dtype=torch.float32))
     expect_error(ferry.InvalidArgument, "dtype", a2a.dispatch, counts, out_x, None,
                  dx.to(torch.bfloat16), None, ids, dw)
     a2a.dispatch(counts, out_x, None, dx, None, ids, dw)
@@ -651,20 +655,20 @@ def check_pplx_fp32(world, rank, group):
     a2a.destroy()
 
 
-def check_pplx_batched(world, rank, group):
+def check_pplx_batched(world, rank, group, hidden=HIDDEN):
     """pplx's batched layout (max_tokens_per_expert = b, here one more than the most any expert
     receives, under the worst case): out_expert_x [local experts, b, hidden], expert e's rows
     from row 0 of its block and the rest untouched, expert_y in the same layout; through
     dispatch_async / combine_async and their handles' recv()."""
     from ferry import pplx
     e = EXPERTS_PER_RANK * world
-    sent = [inputs(world, s) for s in range(world)]
+    sent = [inputs(world, s, columns=hidden) for s in range(world)]
     ids_sent = torch.cat([i for _, i, _ in sent])
     most = max(int((ids_sent == g).sum()) for g in range(e))
     block = most + 1
     assert block < MAX_TOKENS * world
     a2a = pplx.AllToAll(max_num_tokens=MAX_TOKENS, num_experts=e, expert_padding=PADDING,
-                        hidden_dim=HIDDEN, hidden_dim_scale=None, in_dtype=torch.bfloat16,
+                        hidden_dim=hidden, hidden_dim_scale=None, in_dtype=torch.bfloat16,
                         out_dtype=torch.bfloat16, scale_dtype=None, num_experts_per_token=K,
                         device=torch.device(DEV), global_group=group,
                         max_tokens_per_expert=block)
@@ -672,9 +676,9 @@ def check_pplx_batched(world, rank, group):
     x, idx, w = sent[rank]
     dx, ids, dw = dv(x), dv(idx.to(torch.int32)), dv(w)
     counts = dv(torch.empty(EXPERTS_PER_RANK, dtype=torch.int32))
-    out_x = dv(torch.zeros(EXPERTS_PER_RANK, block, HIDDEN, dtype=torch.bfloat16))
+    out_x = dv(torch.zeros(EXPERTS_PER_RANK, block, hidden, dtype=torch.bfloat16))
     expect_error(ferry.InvalidArgument, "max_tokens_per_expert", a2a.dispatch, counts,
-                 dv(torch.zeros(EXPERTS_PER_RANK, block - 1, HIDDEN, dtype=torch.bfloat16)),
+                 dv(torch.zeros(EXPERTS_PER_RANK, block - 1, hidden, dtype=torch.bfloat16)),
                  None, dx, None, ids, dw)
     handle = a2a.dispatch_async(out_expert_num_tokens=counts, out_expert_x=out_x,
                                 out_expert_x_scale=None, dp_x=dx, dp_x_scale=None, indices=ids,
@@ -689,7 +693,7 @@ def check_pplx_batched(world, rank, group):
         y[le, :c] = (got[le, :c].double() * expert_factor(g)).to(torch.bfloat16)
     out = torch.empty_like(dx)
     expect_error(ferry.InvalidArgument, "expert_y", a2a.combine_async, out_tokens=out,
-                 dispatch_handle=handle, expert_y=dv(y.view(-1, HIDDEN)))
+                 dispatch_handle=handle, expert_y=dv(y.view(-1, hidden)))
     done = a2a.combine_async(out_tokens=out, dispatch_handle=handle, expert_y=dv(y))
     done.recv()
     torch.testing.assert_close(hv(out).float(), weighted_reference(x, idx, w).float(),

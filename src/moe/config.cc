@@ -33,12 +33,19 @@ Status AllToAllConfig::Validate() const {
   if (max_tokens_per_rank < 1 || max_tokens_per_rank > (1 << 20)) {
     return bad("max_tokens_per_rank must be in [1, 2^20]");
   }
-  if (hidden < 128 || hidden % 128 != 0 || hidden > (1 << 16)) {
-    return bad("hidden must be a multiple of 128 in [128, 65536]");
-  }
   if (dtype != DispatchDtype::kBf16 && dtype != DispatchDtype::kFp8E4M3 &&
       dtype != DispatchDtype::kFp32) {
     return bad("unknown dispatch dtype");
+  }
+  // Rows move in 16-byte vectors and are summed in blocks of 16 columns; fp8 rows carry one
+  // scale per 128 columns.
+  if (dtype == DispatchDtype::kFp8E4M3) {
+    if (hidden < 128 || hidden % 128 != 0 || hidden > (1 << 16)) {
+      return bad("hidden must be a multiple of 128 in [128, 65536] for fp8 (a scale per 128 "
+                 "columns)");
+    }
+  } else if (hidden < 16 || hidden % 16 != 0 || hidden > (1 << 16)) {
+    return bad("hidden must be a multiple of 16 in [16, 65536]");
   }
   if (max_private_tokens < 0 || max_private_tokens > 65536) {
     return bad("max_private_tokens must be in [0, 65536]");

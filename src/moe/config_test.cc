@@ -59,6 +59,18 @@ TEST(AllToAllConfigTest, ValidateNamesTheBadField) {
   bad.hidden = 7000;
   EXPECT_NE(bad.Validate().message().find("hidden"), std::string::npos);
   EXPECT_NE(c.Fingerprint(), bad.Fingerprint());
+  // bf16 and fp32 rows take any multiple of 16 columns (gpt-oss's 2880, pplx's 16); fp8 keeps
+  // 128, a scale per 128 columns.
+  bad.hidden = 2880;
+  EXPECT_TRUE(bad.Validate().ok());
+  bad.dtype = DispatchDtype::kFp32;
+  bad.hidden = 16;
+  EXPECT_TRUE(bad.Validate().ok());
+  bad.hidden = 8;
+  EXPECT_NE(bad.Validate().message().find("multiple of 16"), std::string::npos);
+  bad.dtype = DispatchDtype::kFp8E4M3;
+  bad.hidden = 2880;
+  EXPECT_NE(bad.Validate().message().find("multiple of 128"), std::string::npos);
   bad = c;
   bad.rank = 3;
   EXPECT_EQ(c.Fingerprint(), bad.Fingerprint());  // rank is not part of the agreement

@@ -18,7 +18,7 @@ namespace {
 inline float ElemToFloat(uint16_t b) { return Bf16ToFloat(b); }
 inline float ElemToFloat(float f) { return f; }
 
-// acc[i] += w * row[i] over a row of h columns (a multiple of 128: AllToAllConfig::Validate).
+// acc[i] += w * row[i] over a row of h columns (a multiple of 16: AllToAllConfig::Validate).
 // In blocks of a fixed 16 columns, which -O2 vectorizes; its cost model leaves a loop of unknown
 // length scalar (which took the combine's sums twice as long). The two never overlap
 // (restrict). Each element's product and sum stay two rounded operations, as the CUDA kernels
