@@ -59,6 +59,7 @@ struct Case {
   // The CUDA AllToAll on the host reference's engine (instance 1 beside its 0), their steps
   // interleaved as RunRank runs them: two AllToAlls sharing one engine through the relay.
   bool shared_engine = false;
+  int fp8_scales = 0;  // AllToAllConfig::fp8_scales
 };
 
 std::string Describe(const Case& c) {
@@ -75,7 +76,8 @@ std::string Describe(const Case& c) {
          (c.token_major == 1 ? "_tokmajor" : c.token_major == 2 ? "_mixedlayout" : "") +
          (c.stream == 1 ? "_streamed" : c.stream == 2 ? "_combstreamed"
                           : c.stream == 3 ? "_allstreamed" : "") +
-         (c.spread ? "_spread" : "") + (c.shared_engine ? "_sharedengine" : "");
+         (c.spread ? "_spread" : "") + (c.shared_engine ? "_sharedengine" : "") +
+         (c.fp8_scales ? "_scales" + std::to_string(c.fp8_scales) : "");
 }
 void PrintTo(const Case& c, std::ostream* os) { *os << Describe(c); }
 
@@ -622,7 +624,16 @@ INSTANTIATE_TEST_SUITE_P(
                            .dtype = fp32, .routing = rnd, .private_tokens = 32, .nvlink = true},
                       Case{.world_size = 4, .tokens = 64, .hidden = 48, .experts = 48, .k = 8,
                            .dtype = bf16, .routing = rnd, .once_per_rank = true,
-                           .nvlink = true, .node_ranks = 2}),
+                           .nvlink = true, .node_ranks = 2},
+                      // fp8 rows with scales of the caller's count: per token, streamed
+                      // (a)+(b); 23 groups of 128 over a hidden of 2880, through the relay.
+                      Streamed(Case{.world_size = 2, .tokens = 128, .hidden = 1024, .experts = 64,
+                                    .k = 8, .dtype = fp8, .routing = rnd, .private_tokens = 16,
+                                    .once_per_rank = true, .reduce_at_expert_rank = true,
+                                    .nvlink = true, .fp8_scales = 1}, 3),
+                      Case{.world_size = 4, .tokens = 64, .hidden = 2880, .experts = 48, .k = 4,
+                           .dtype = fp8, .routing = rnd, .nvlink = true, .node_ranks = 2,
+                           .fp8_scales = 23}),
     [](const ::testing::TestParamInfo<Case>& info) { return Describe(info.param); });
 
 }  // namespace

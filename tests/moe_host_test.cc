@@ -42,6 +42,7 @@ struct Case {
   Layouts layouts = Layouts::kExpertMajor;
   bool unrouted = false;  // some copies' expert id is -1 (see InputSpec)
   bool late_weights = false;  // the combine weights given at CombineRecv, not at DispatchSend
+  int fp8_scales = 0;         // AllToAllConfig::fp8_scales
 };
 
 InputSpec Spec(const Case& c) {
@@ -67,7 +68,8 @@ std::string Describe(const Case& c) {
          (c.layouts == Layouts::kTokenMajor ? "_tokmajor"
           : c.layouts == Layouts::kMixed    ? "_mixedlayout"
                                             : "") +
-         (c.unrouted ? "_unrouted" : "") + (c.late_weights ? "_lateweights" : "");
+         (c.unrouted ? "_unrouted" : "") + (c.late_weights ? "_lateweights" : "") +
+         (c.fp8_scales ? "_scales" + std::to_string(c.fp8_scales) : "");
 }
 
 bool TokenMajor(const Case& c, int rank) {
@@ -412,6 +414,17 @@ std::vector<Case> Cases() {
   out.push_back({.provider = "tcp;ofi_rxm", .world_size = 2, .tokens = 64, .hidden = 48,
                  .experts = 16, .k = 4, .dtype = bf16, .routing = hot, .private_tokens = 2,
                  .late_weights = true});
+  // fp8 rows with scales of the caller's count (per token: 1; groups of 64 columns: 4;
+  // groups of 128 over a hidden of 2880 that 128 does not divide: 23).
+  out.push_back({.provider = "shm", .world_size = 3, .tokens = 33, .hidden = 256, .experts = 48,
+                 .k = 4, .dtype = fp8, .routing = rnd, .rank1_empty = true, .unrouted = true,
+                 .fp8_scales = 1});
+  out.push_back({.provider = "shm", .world_size = 2, .tokens = 64, .hidden = 256, .experts = 16,
+                 .k = 4, .dtype = fp8, .routing = hot, .once_per_rank = true,
+                 .reduce_at_expert_rank = true, .layouts = mixed, .fp8_scales = 4});
+  out.push_back({.provider = "tcp;ofi_rxm", .world_size = 2, .tokens = 19, .hidden = 2880,
+                 .experts = 8, .k = 2, .dtype = fp8, .routing = rnd, .once_per_rank = true,
+                 .late_weights = true, .fp8_scales = 23});
   std::vector<Case> filtered;
   for (const Case& c : out) {
     for (const std::string& p : testing_util::Providers()) {

@@ -103,7 +103,10 @@ inline float Dequant(const AllToAllConfig& cfg, const uint8_t* row, const float*
     std::memcpy(&f, row + 4 * i, 4);
     return f;
   }
-  return DecodeE4M3(row[i]) * scales[i / 128];
+  // Scale j covers columns [j * g, (j + 1) * g), g = ceil(hidden / scales_per_token): 128 by
+  // default, the whole row for one scale.
+  const int spt = cfg.scales_per_token(), g = (cfg.hidden + spt - 1) / spt;
+  return DecodeE4M3(row[i]) * scales[i / g];
 }
 
 // The combine's element (AllToAllConfig::combine_row_bytes): fp32 under kFp32, else bf16.
@@ -164,6 +167,7 @@ AllToAllConfig ConfigFor(const Case& c, int world_size, int rank) {
   cfg.max_tokens_per_rank = std::max(c.tokens, 1);
   cfg.hidden = c.hidden;
   cfg.dtype = c.dtype;
+  cfg.fp8_scales = c.fp8_scales;
   cfg.max_private_tokens = c.private_tokens;
   cfg.dispatch_once_per_rank = c.once_per_rank;
   cfg.combine_reduce_at_expert_rank = c.reduce_at_expert_rank;

@@ -125,8 +125,13 @@ struct FERRY_API AllToAllConfig {
   int num_experts = 0;     // divisible by world_size
   int experts_per_token = 0;
   int max_tokens_per_rank = 0;
-  int hidden = 0;  // multiple of 16 (of 128 for fp8)
+  int hidden = 0;  // multiple of 16 (of 128 for fp8 with the default scales)
   DispatchDtype dtype = DispatchDtype::kBf16;
+  // fp8 only: the fp32 scales each row carries. 0: one per 128 columns (hidden / 128, what
+  // DispatchInput::x_bf16's quantisation makes). Any count in [1, hidden] instead travels with
+  // its row as it is, its meaning the caller's: 1 for per-token or per-tensor scales,
+  // ceil(hidden / b) for groups of b columns (pplx's hidden_dim_scale).
+  int fp8_scales = 0;
   int max_private_tokens = 16;  // per (sender, receiver) in one node: pushed; the rest pulled
   // Beyond the seed, each measured against the plain protocol (ferry-bench moe --once-per-rank
   // --reduce-at-expert-rank):
@@ -170,8 +175,11 @@ struct FERRY_API AllToAllConfig {
   int64_t combine_row_bytes() const {
     return int64_t{hidden} * (dtype == DispatchDtype::kFp32 ? 4 : 2);
   }
-  // fp32 scales per token (fp8 only).
-  int scales_per_token() const { return dtype == DispatchDtype::kFp8E4M3 ? hidden / 128 : 0; }
+  // fp32 scales per token (fp8 only): fp8_scales, or hidden / 128 where that is 0.
+  int scales_per_token() const {
+    if (dtype != DispatchDtype::kFp8E4M3) return 0;
+    return fp8_scales > 0 ? fp8_scales : hidden / 128;
+  }
   // Rows of the expert-major dispatch output per local expert: the worst case, every token of
   // every rank routed to one expert.
   int64_t expert_capacity() const { return int64_t{world_size} * max_tokens_per_rank; }
@@ -204,7 +212,7 @@ enum class Fp8Scaling : uint8_t {
 // Dispatch input of one rank. Shapes in the comments; T = num_tokens <= max_tokens_per_rank.
 struct FERRY_API DispatchInput {
   const void* x = nullptr;           // [T, hidden] bf16, fp8 e4m3 or fp32 (dtype), row-major
-  const float* scales = nullptr;     // [T, hidden / 128] fp32; fp8 only
+  const float* scales = nullptr;     // [T, scales_per_token()] fp32; fp8 only
   const int32_t* indices = nullptr;  // [T, experts_per_token] global expert ids; -1: none (the
                                      // copy goes nowhere and adds nothing)
   const float* weights = nullptr;    // [T, experts_per_token] combine weights
@@ -233,7 +241,7 @@ struct FERRY_API DispatchInput {
 struct FERRY_API DispatchOutput {
   void* x = nullptr;              // [local_experts, expert_capacity, hidden] in dtype;
                                   // token-major: [expert_capacity, hidden]
-  float* scales = nullptr;        // the same rows, hidden / 128 fp32 each; fp8 only
+  float* scales = nullptr;        // the same rows, scales_per_token() fp32 each; fp8 only
   int32_t* num_tokens = nullptr;  // [local_experts] copies each local expert received
   // Token-major only (null otherwise):
   int32_t* num_rows = nullptr;       // [1] rows received

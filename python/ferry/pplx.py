@@ -11,8 +11,9 @@ they constructed P2PAllToAll; `dispatch` and `combine` take the same tensors:
   unpadded counts.
 - combine(out_tokens [tokens, hidden] bf16, indices, weights, expert_y (out_expert_x's layout),
   bound_m, do_send, do_recv, accumulate): each token's weighted sum of its experts' rows.
-- in_dtype bf16, float32 or e4m3 (with float32 scales, one per 128 columns); out_dtype bf16,
-  or float32 with float32 input (expert_y and out_tokens then float32: the sums stay fp32).
+- in_dtype bf16, float32 or e4m3 (with hidden_dim_scale float32 scales per token, moved with
+  their rows as they are: one per 128 columns, per token, or any groups); out_dtype bf16, or
+  float32 with float32 input (expert_y and out_tokens then float32: the sums stay fp32).
 - With max_tokens_per_expert = b (pplx's batched layout): out_expert_x is [local experts, b,
   hidden] (or those rows flat), expert e's tokens from row e * b, expert_padding unused. b below
   the most one expert can receive (every rank's max_num_tokens) bounds the routing: an expert
@@ -65,13 +66,14 @@ class AllToAll(_ferry.PplxSteps):
             raise Unimplemented(
                 f"out_dtype {out_dtype} with in_dtype {in_dtype}: ferry's combine returns "
                 f"{'float32' if fp32 else 'bfloat16'} for this input")
-        if fp8 and (scale_dtype != torch.float32 or hidden_dim_scale != hidden_dim // 128):
-            raise InvalidArgument(
-                f"fp8 input: scale_dtype float32 and hidden_dim_scale {hidden_dim // 128} "
-                f"(one scale per 128 columns), got {scale_dtype} and {hidden_dim_scale}")
+        if fp8 and scale_dtype != torch.float32:
+            raise Unimplemented(f"scale_dtype {scale_dtype}: ferry moves float32 scales")
+        if fp8 and not (isinstance(hidden_dim_scale, int) and 1 <= hidden_dim_scale <= hidden_dim):
+            raise InvalidArgument(f"hidden_dim_scale {hidden_dim_scale}: fp8 input needs scales, "
+                                  f"1 to hidden_dim ({hidden_dim}) per token")
         if not fp8 and (scale_dtype is not None or hidden_dim_scale is not None):
             raise Unimplemented(f"scale_dtype / hidden_dim_scale with {in_dtype} input: ferry "
-                                "moves scales with fp8 rows only (one float32 per 128 columns)")
+                                "moves scales with fp8 rows only")
         if expert_padding < 1:
             raise InvalidArgument(f"expert_padding {expert_padding}: at least 1")
         if max_tokens_per_expert is not None and max_tokens_per_expert < 1:
@@ -103,6 +105,10 @@ class AllToAll(_ferry.PplxSteps):
                              _ferry.DispatchDtype.FP32 if fp32 else _ferry.DispatchDtype.BF16))
         if max_private_tokens is not None:
             fields["max_private_tokens"] = max_private_tokens
+        if fp8 and (hidden_dim % 128 or hidden_dim_scale != hidden_dim // 128):
+            # Scales other than one per 128 columns (per token, other groups) travel with their
+            # rows as they are.
+            fields["fp8_scales"] = hidden_dim_scale
 
         def make():
             c = _ferry.AllToAllConfig(**fields)

@@ -29,6 +29,7 @@ class PyPplx {
         a2a_(a2a_object_.cast<PyAllToAll*>()),
         in_dtype_(std::move(in_dtype)),
         fp8_(a2a_->config().dtype == DispatchDtype::kFp8E4M3),
+        scales_(a2a_->config().scales_per_token()),
         max_tokens_(max_tokens),
         hidden_(hidden),
         k_(k),
@@ -60,9 +61,9 @@ class PyPplx {
       }
       if (fp8_) {
         x_scale = Tensor("dp_x_scale", dp_x_scale, torch_.float32, 2);
-        if (x_scale->shape != std::vector<int64_t>{tokens, hidden_ / 128}) {
+        if (x_scale->shape != std::vector<int64_t>{tokens, scales_}) {
           Invalid("dp_x_scale: shape " + Shape(x_scale->shape) + ", expected " +
-                  Pair(tokens, hidden_ / 128));
+                  Pair(tokens, scales_));
         }
       } else if (!dp_x_scale.is_none()) {
         Invalid("dp_x_scale: " + Str(in_dtype_.ptr()) + " input has no scales");
@@ -122,7 +123,7 @@ class PyPplx {
                                   ", " + std::to_string(hidden_) + "]"
                             : std::string(" (max_recv_tokens: the worst routing's padded blocks)")));
       }
-      scale_shape.back() = hidden_ / 128;
+      scale_shape.back() = scales_;
       if (fp8_) {
         out_scale = Tensor("out_expert_x_scale", out_expert_x_scale, torch_.float32, -1);
         if (out_scale->shape != scale_shape) {
@@ -234,6 +235,7 @@ class PyPplx {
   PyAllToAll* a2a_;
   py::object in_dtype_;
   bool fp8_;
+  int64_t scales_;  // fp32 scales per fp8 row (AllToAllConfig::scales_per_token)
   int64_t max_tokens_, hidden_, k_, local_experts_, max_recv_tokens_;
   int padding_, device_;
   int64_t block_;

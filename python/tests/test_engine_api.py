@@ -584,6 +584,8 @@ def pplx_body(world, group_kind):
         a2a.combine(torch.empty_like(dx), ids, dw, torch.zeros_like(out_x))
         a2a.destroy()
         check_pplx_fp8(world, b.rank, group)
+        check_pplx_fp8(world, b.rank, group, hidden_dim_scale=1)  # per-token scales
+        check_pplx_fp8(world, b.rank, group, hidden_dim_scale=8)  # groups of 64 columns
         check_pplx_batched(world, b.rank, group)
         check_pplx_fp32(world, b.rank, group)
         # Rows of any multiple of 16 columns in bf16 and fp32 (pplx-garden's tests use 16).
@@ -730,12 +732,14 @@ def pplx_overflow_body(b, store):
     a2a.destroy()
 
 
-def check_pplx_fp8(world, rank, group):
+def check_pplx_fp8(world, rank, group, hidden_dim_scale=HIDDEN // 128):
     """e4m3 rows with their scales through pplx's dispatch (the caller quantised them): each
-    expert's block holds its rows' codes and scales, as sent."""
+    expert's block holds its rows' codes and scales, as sent. hidden_dim_scale other than one
+    per 128 columns (per token: 1): scales of that count, opaque to ferry, moved as they are."""
     from ferry import pplx
+    spt = hidden_dim_scale
     a2a = pplx.AllToAll(max_num_tokens=MAX_TOKENS, num_experts=EXPERTS_PER_RANK * world,
-                        expert_padding=PADDING, hidden_dim=HIDDEN, hidden_dim_scale=HIDDEN // 128,
+                        expert_padding=PADDING, hidden_dim=HIDDEN, hidden_dim_scale=spt,
                         in_dtype=fp8_dtype(), out_dtype=torch.bfloat16, scale_dtype=torch.float32,
                         num_experts_per_token=K, device=torch.device(DEV), global_group=group)
 
@@ -743,13 +747,16 @@ def check_pplx_fp8(world, rank, group):
         x, idx, w = inputs(world, s)
         q, scales = quantize_reference(x, True)
         codes = (q[..., None] == e4m3_table()[None, None, :]).float().argmax(-1).to(torch.uint8)
+        if spt != HIDDEN // 128:
+            g = torch.Generator().manual_seed(500 + s)
+            scales = torch.rand(x.shape[0], spt, generator=g) + 0.5
         return codes.view(fp8_dtype()), scales.contiguous(), idx, w
 
     codes, scales, idx, w = encoded(rank)
     rows = a2a.max_recv_tokens
     counts = dv(torch.empty(EXPERTS_PER_RANK, dtype=torch.int32))
     out_x = dv(torch.zeros(rows, HIDDEN, dtype=torch.uint8).view(fp8_dtype()))
-    out_s = dv(torch.zeros(rows, HIDDEN // 128, dtype=torch.float32))
+    out_s = dv(torch.zeros(rows, spt, dtype=torch.float32))
     a2a.dispatch(counts, out_x, out_s, dv(codes), dv(scales), dv(idx), dv(w))
     counts, out_x, out_s = hv(counts), hv(out_x).view(torch.uint8), hv(out_s)
     start = 0
@@ -844,6 +851,12 @@ class PplxTest(Worlds, Case):
                          **common, max_tokens_per_expert=0)
             expect_error(ferry.InvalidArgument, "hidden_dim_scale", pplx.AllToAll,
                          **{**common, "in_dtype": torch.uint8, "scale_dtype": torch.float32})
+            expect_error(ferry.InvalidArgument, "hidden_dim_scale", pplx.AllToAll,
+                         **{**common, "in_dtype": torch.uint8, "scale_dtype": torch.float32,
+                            "hidden_dim_scale": 129})
+            expect_error(ferry.Unimplemented, "scale_dtype", pplx.AllToAll,
+                         **{**common, "in_dtype": torch.uint8, "scale_dtype": torch.float16,
+                            "hidden_dim_scale": 1})
         self.ranks(1, body)
 
 

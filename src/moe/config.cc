@@ -37,16 +37,20 @@ Status AllToAllConfig::Validate() const {
       dtype != DispatchDtype::kFp32) {
     return bad("unknown dispatch dtype");
   }
-  // Rows move in 16-byte vectors and are summed in blocks of 16 columns; fp8 rows carry one
-  // scale per 128 columns.
-  if (dtype == DispatchDtype::kFp8E4M3) {
+  // Rows move in 16-byte vectors and are summed in blocks of 16 columns; fp8 rows with the
+  // default scales carry one per 128 columns.
+  if (dtype == DispatchDtype::kFp8E4M3 && fp8_scales == 0) {
     if (hidden < 128 || hidden % 128 != 0 || hidden > (1 << 16)) {
-      return bad("hidden must be a multiple of 128 in [128, 65536] for fp8 (a scale per 128 "
-                 "columns)");
+      return bad("hidden must be a multiple of 128 in [128, 65536] for fp8 with a scale per "
+                 "128 columns (fp8_scales 0)");
     }
   } else if (hidden < 16 || hidden % 16 != 0 || hidden > (1 << 16)) {
     return bad("hidden must be a multiple of 16 in [16, 65536]");
   }
+  if (fp8_scales != 0 && dtype != DispatchDtype::kFp8E4M3) {
+    return bad("fp8_scales is for fp8 rows only");
+  }
+  if (fp8_scales < 0 || fp8_scales > hidden) return bad("fp8_scales must be in [0, hidden]");
   if (max_private_tokens < 0 || max_private_tokens > 65536) {
     return bad("max_private_tokens must be in [0, 65536]");
   }
@@ -112,7 +116,7 @@ int64_t AllToAllConfig::output_rows(int expert_padding, int64_t expert_rows) con
 std::vector<uint8_t> AllToAllConfig::Fingerprint() const {
   fabric::ByteWriter w;
   for (int v : {world_size, ranks_per_node, num_experts, experts_per_token, max_tokens_per_rank,
-                hidden, static_cast<int>(dtype), max_private_tokens,
+                hidden, static_cast<int>(dtype), fp8_scales, max_private_tokens,
                 int{dispatch_once_per_rank}, int{combine_reduce_at_expert_rank}, instance,
                 cuda.stream, int{mask_lost_peers}}) {
     w.U32(static_cast<uint32_t>(v));
@@ -132,6 +136,7 @@ std::string AllToAllConfig::ToString() const {
           : dtype == DispatchDtype::kFp8E4M3 ? "fp8_e4m3"
           : dtype == DispatchDtype::kFp32    ? "fp32"
                                              : "?") +
+         (fp8_scales ? " fp8_scales=" + std::to_string(fp8_scales) : std::string()) +
          " max_private_tokens=" + std::to_string(max_private_tokens) +
          (dispatch_once_per_rank ? " once_per_rank" : "") +
          (combine_reduce_at_expert_rank ? " reduce_at_expert_rank" : "") +
@@ -223,6 +228,11 @@ Status CheckDispatchInput(const AllToAllConfig& c, const DispatchInput& in) {
     if (in.x || in.scales) {
       return InvalidArgumentError(
           "DispatchSend: x_bf16 is quantised into x and scales: give it or them, not both");
+    }
+    if (c.fp8_scales != 0) {
+      return InvalidArgumentError("DispatchSend: x_bf16 is quantised with a scale per 128 "
+                                  "columns, and this AllToAll carries fp8_scales " +
+                                  std::to_string(c.fp8_scales) + " (pass x and scales)");
     }
     if (in.scaling != Fp8Scaling::kAmax && in.scaling != Fp8Scaling::kPowerOfTwo) {
       return InvalidArgumentError("DispatchSend: unknown Fp8Scaling " +

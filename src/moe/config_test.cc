@@ -71,6 +71,19 @@ TEST(AllToAllConfigTest, ValidateNamesTheBadField) {
   bad.dtype = DispatchDtype::kFp8E4M3;
   bad.hidden = 2880;
   EXPECT_NE(bad.Validate().message().find("multiple of 128"), std::string::npos);
+  // fp8 rows with scales of the caller's count: any multiple of 16 columns, 1 to hidden scales,
+  // agreed among the ranks; fp8 only.
+  bad.fp8_scales = 23;
+  EXPECT_TRUE(bad.Validate().ok());
+  EXPECT_EQ(bad.scales_per_token(), 23);
+  AllToAllConfig other = bad;
+  other.fp8_scales = 1;
+  EXPECT_NE(bad.Fingerprint(), other.Fingerprint());
+  bad.fp8_scales = 2881;
+  EXPECT_NE(bad.Validate().message().find("fp8_scales"), std::string::npos);
+  bad.fp8_scales = 1;
+  bad.dtype = DispatchDtype::kBf16;
+  EXPECT_NE(bad.Validate().message().find("fp8_scales is for fp8"), std::string::npos);
   bad = c;
   bad.rank = 3;
   EXPECT_EQ(c.Fingerprint(), bad.Fingerprint());  // rank is not part of the agreement
@@ -145,6 +158,26 @@ TEST(Bf16Test, RoundsToNearestEvenAndKeepsSpecials) {
   EXPECT_EQ(FloatToBf16(1.01171875f), 0x3F82);  // halfway, rounds up to even
   EXPECT_TRUE(std::isnan(Bf16ToFloat(FloatToBf16(std::nanf("")))));
   EXPECT_TRUE(std::isinf(Bf16ToFloat(FloatToBf16(std::numeric_limits<float>::max()))));
+}
+
+// bf16 rows quantised inside the dispatch get one scale per 128 columns, so an AllToAll that
+// carries scales of another count refuses them, naming the count.
+TEST(AllToAllConfigTest, QuantisingInTheDispatchNeedsTheDefaultScales) {
+  AllToAllConfig c{.world_size = 2, .rank = 0, .num_experts = 8, .experts_per_token = 2,
+                   .max_tokens_per_rank = 4, .hidden = 256, .dtype = DispatchDtype::kFp8E4M3};
+  const uint16_t rows[4 * 256] = {};
+  const int32_t ids[8] = {};
+  const float weights[8] = {};
+  DispatchInput in;
+  in.x_bf16 = rows;
+  in.indices = ids;
+  in.weights = weights;
+  in.num_tokens = 4;
+  EXPECT_TRUE(CheckDispatchInput(c, in).ok());
+  c.fp8_scales = 1;
+  const Status s = CheckDispatchInput(c, in);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("fp8_scales 1"), std::string::npos) << s.message();
 }
 
 }  // namespace
