@@ -26,7 +26,7 @@ F64, F32, BF16 = torch.float64, torch.float32, torch.bfloat16
 @dataclasses.dataclass(frozen=True)
 class Config:
     vocab: int = 512
-    hidden: int = 256            # a multiple of 128, as ferry's AllToAll wants
+    hidden: int = 256            # a multiple of 16, as ferry's AllToAll wants of bf16 rows
     layers: int = 4
     q_heads: int = 8
     kv_heads: int = 2            # GQA: 4 query heads per KV head
@@ -41,8 +41,8 @@ class Config:
     max_positions: int = 4096
 
     def validate(self):
-        if self.hidden % 128:
-            raise ValueError(f"hidden {self.hidden} is not a multiple of 128")
+        if self.hidden % 16:
+            raise ValueError(f"hidden {self.hidden} is not a multiple of 16")
         if self.q_heads % self.kv_heads:
             raise ValueError(f"{self.q_heads} query heads do not group over {self.kv_heads}")
         if self.head_dim % 2:
