@@ -325,8 +325,9 @@ class Buffer(_ferry.DeepEpLowLatency):
                                   f"num_max_dispatch_tokens_per_rank {m}")
         if num_experts % world:
             raise InvalidArgument(f"num_experts {num_experts}: not divisible by {world} ranks")
-        if hidden % 128:
-            raise InvalidArgument(f"x: hidden {hidden} is not a multiple of 128")
+        if hidden % (128 if use_fp8 else 16):
+            raise InvalidArgument(f"x: hidden {hidden} is not a multiple of "
+                                  f"{128 if use_fp8 else 16} ({'fp8' if use_fp8 else 'bf16'} rows)")
         if use_ue8m0 and not round_scale:
             raise InvalidArgument("use_ue8m0 needs round_scale (UE8M0 holds powers of two)")
         if (round_scale or use_ue8m0) and not use_fp8:

@@ -183,7 +183,7 @@ class PyDeepEpLowLatency {
       return {};
     }
     const int64_t tokens = xa->shape[0], hidden = xa->shape[1], k = ia->shape[1];
-    if (tokens > *m || *experts % world_ || hidden % 128) return {};
+    if (tokens > *m || *experts % world_ || hidden % (*fp8 ? 128 : 16)) return {};
     const std::optional<void*> stream = CurrentStream(xa->device);
     std::shared_ptr<Entry> e = Find([&](const Entry& c) {
       return c.device == xa->device && c.m == *m && c.hidden == hidden && c.experts == *experts &&

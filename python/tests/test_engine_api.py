@@ -153,15 +153,17 @@ class Case(unittest.TestCase):
 # ---- deep_ep -------------------------------------------------------------------------------------
 
 def check_low_latency(buf, world, rank, use_fp8, round_scale, use_ue8m0, hook, common=False,
-                      round=0, hook_stream=None, positional=False, counters=None):
+                      round=0, hook_stream=None, positional=False, counters=None,
+                      hidden=HIDDEN):
     """One low-latency dispatch and combine against the references. common: the calls an
     engine's decode step makes (the combine into an `out` of its own, by default no expert
     counters), which the Buffer runs in C++ from a shape's third dispatch on. hook_stream
     (CUDA): the dispatch's hook called with that stream current, the results then read on the
     dispatch's. positional: every argument passed by position, none by keyword. counters:
-    whether cumulative_local_expert_recv_stats is passed (default: when not common)."""
+    whether cumulative_local_expert_recv_stats is passed (default: when not common). hidden:
+    the rows' first columns only."""
     from ferry import deep_ep  # noqa: F401 -- the module under test
-    x, idx, w = inputs(world, rank, round=round)
+    x, idx, w = inputs(world, rank, round=round, columns=hidden)
     e = EXPERTS_PER_RANK * world
     counters = not common if counters is None else counters
     stats = dv(torch.zeros(EXPERTS_PER_RANK, dtype=torch.int32)) if counters else None
@@ -184,23 +186,23 @@ def check_low_latency(buf, world, rank, use_fp8, round_scale, use_ue8m0, hook, c
     rows = world * MAX_TOKENS
     recv_x, scales = recv if use_fp8 else (recv, None)
     if use_fp8:  # the layout on the device; the values here (strides kept: copied as they are)
-        assert scales.stride() == ((HIDDEN // 512 if use_ue8m0 else HIDDEN // 128) * rows, 1,
+        assert scales.stride() == ((hidden // 512 if use_ue8m0 else hidden // 128) * rows, 1,
                                    rows), scales.stride()
     recv_x, count = hv(recv_x), hv(count)
     scales = hv(scales) if use_fp8 else None
-    assert tuple(recv_x.shape) == (EXPERTS_PER_RANK, rows, HIDDEN), recv_x.shape
+    assert tuple(recv_x.shape) == (EXPERTS_PER_RANK, rows, hidden), recv_x.shape
     assert tuple(count.shape) == (EXPERTS_PER_RANK,) and count.dtype == torch.int32
     if use_fp8:
-        groups = HIDDEN // 512 if use_ue8m0 else HIDDEN // 128
+        groups = hidden // 512 if use_ue8m0 else hidden // 128
         assert tuple(scales.shape) == (EXPERTS_PER_RANK, rows, groups), scales.shape
         assert scales.stride() == (groups * rows, 1, rows), scales.stride()  # column-major
         assert scales.dtype == (torch.int32 if use_ue8m0 else torch.float32)
-    expert_y = torch.zeros(EXPERTS_PER_RANK, rows, HIDDEN, dtype=torch.bfloat16)
+    expert_y = torch.zeros(EXPERTS_PER_RANK, rows, hidden, dtype=torch.bfloat16)
     for le in range(EXPERTS_PER_RANK):
         g = rank * EXPERTS_PER_RANK + le
         want, want_q, want_s = [], [], []
         for s in range(world):
-            sx, sidx, _ = inputs(world, s, round=round)
+            sx, sidx, _ = inputs(world, s, round=round, columns=hidden)
             q, qs = quantize_reference(sx, round_scale) if use_fp8 else (None, None)
             for t in range(sx.shape[0]):
                 for j in range(K):
@@ -440,6 +442,13 @@ def deep_ep_body(world, group_kind):
                                   common=True, round=r, positional=r == 4, counters=r == 3)
             assert len(in_python) == before, (use_fp8, round_scale, in_python[before:])
         check_overlapped_and_zero_copy(buf, world, b.rank)
+        # bf16 rows of any multiple of 16 columns, the third and later calls of the shape in C++.
+        for r in range(4):
+            if r == 2:
+                before = len(in_python)
+            check_low_latency(buf, world, b.rank, False, False, False, r % 2 == 1, common=True,
+                              round=r, hidden=48)
+        assert len(in_python) == before, in_python[before:]
         check_normal(buf, world, b.rank, fp8=False)
         check_normal(buf, world, b.rank, fp8=True)
         check_normal(buf, world, b.rank, fp8=False, hidden=48)  # bf16: any multiple of 16
