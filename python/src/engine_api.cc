@@ -28,7 +28,6 @@ class PyPplx {
       : a2a_object_(std::move(a2a)),
         a2a_(a2a_object_.cast<PyAllToAll*>()),
         in_dtype_(std::move(in_dtype)),
-        fp8_(a2a_->config().dtype == DispatchDtype::kFp8E4M3),
         scales_(a2a_->config().scales_per_token()),
         max_tokens_(max_tokens),
         hidden_(hidden),
@@ -59,7 +58,7 @@ class PyPplx {
       if (x->shape[1] != hidden_ || tokens > max_tokens_) {
         Invalid("dp_x: shape " + Shape(x->shape) + ", at most " + Pair(max_tokens_, hidden_));
       }
-      if (fp8_) {
+      if (scales_ > 0) {  // fp8 rows carry scales
         x_scale = Tensor("dp_x_scale", dp_x_scale, torch_.float32, 2);
         if (x_scale->shape != std::vector<int64_t>{tokens, scales_}) {
           Invalid("dp_x_scale: shape " + Shape(x_scale->shape) + ", expected " +
@@ -124,7 +123,7 @@ class PyPplx {
                             : std::string(" (max_recv_tokens: the worst routing's padded blocks)")));
       }
       scale_shape.back() = scales_;
-      if (fp8_) {
+      if (scales_ > 0) {  // fp8 rows carry scales
         out_scale = Tensor("out_expert_x_scale", out_expert_x_scale, torch_.float32, -1);
         if (out_scale->shape != scale_shape) {
           Invalid("out_expert_x_scale: shape " + Shape(out_scale->shape) + ", expected " +
@@ -234,8 +233,7 @@ class PyPplx {
   py::object a2a_object_;  // keeps a2a_
   PyAllToAll* a2a_;
   py::object in_dtype_;
-  bool fp8_;
-  int64_t scales_;  // fp32 scales per fp8 row (AllToAllConfig::scales_per_token)
+  int64_t scales_;  // fp32 scales per row: fp8 only (AllToAllConfig::scales_per_token)
   int64_t max_tokens_, hidden_, k_, local_experts_, max_recv_tokens_;
   int padding_, device_;
   int64_t block_;

@@ -8,6 +8,21 @@
 #include "moe/steps.h"
 
 namespace ferry {
+namespace {
+
+const char* DtypeName(DispatchDtype d) {
+  switch (d) {
+    case DispatchDtype::kBf16:
+      return "bf16";
+    case DispatchDtype::kFp8E4M3:
+      return "fp8_e4m3";
+    case DispatchDtype::kFp32:
+      return "fp32";
+  }
+  return "?";
+}
+
+}  // namespace
 
 Status AllToAllConfig::Validate() const {
   auto bad = [&](const std::string& what) {
@@ -131,11 +146,7 @@ std::string AllToAllConfig::ToString() const {
          " experts_per_token=" + std::to_string(experts_per_token) +
          " max_tokens_per_rank=" + std::to_string(max_tokens_per_rank) +
          " hidden=" + std::to_string(hidden) +
-         " dtype=" +
-         (dtype == DispatchDtype::kBf16       ? "bf16"
-          : dtype == DispatchDtype::kFp8E4M3 ? "fp8_e4m3"
-          : dtype == DispatchDtype::kFp32    ? "fp32"
-                                             : "?") +
+         " dtype=" + DtypeName(dtype) +
          (fp8_scales ? " fp8_scales=" + std::to_string(fp8_scales) : std::string()) +
          " max_private_tokens=" + std::to_string(max_private_tokens) +
          (dispatch_once_per_rank ? " once_per_rank" : "") +
@@ -223,7 +234,7 @@ Status CheckDispatchInput(const AllToAllConfig& c, const DispatchInput& in) {
     if (c.dtype != DispatchDtype::kFp8E4M3) {
       return InvalidArgumentError(
           "DispatchSend: x_bf16 is quantised to fp8, and this AllToAll moves " +
-          std::string(c.dtype == DispatchDtype::kFp32 ? "fp32" : "bf16") + " (pass x)");
+          std::string(DtypeName(c.dtype)) + " (pass x)");
     }
     if (in.x || in.scales) {
       return InvalidArgumentError(

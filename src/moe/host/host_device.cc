@@ -37,23 +37,24 @@ void AddScaledRow(float* acc, const uint8_t* row, float w, int h, bool fp32) {
     AddScaledRow(acc, reinterpret_cast<const uint16_t*>(row), w, h);
   }
 }
-// acc's h sums into the row at dst, rounded to bf16 unless fp32.
-void StoreRow(uint8_t* dst, const float* acc, int64_t h, bool fp32) {
+// acc's n sums into the combine elements at dst (a row, or every row of the output), rounded
+// to bf16 unless fp32.
+void StoreSums(uint8_t* dst, const float* acc, int64_t n, bool fp32) {
   if (fp32) {
-    std::memcpy(dst, acc, size_t(h) * sizeof(float));
+    std::memcpy(dst, acc, size_t(n) * sizeof(float));
     return;
   }
   auto* out = reinterpret_cast<uint16_t*>(dst);
-  for (int64_t i = 0; i < h; ++i) out[i] = FloatToBf16(acc[i]);
+  for (int64_t i = 0; i < n; ++i) out[i] = FloatToBf16(acc[i]);
 }
-// The h values of the row at src, widened to fp32, into acc.
-void LoadRow(float* acc, const uint8_t* src, int64_t h, bool fp32) {
+// The n combine elements at src, widened to fp32, into acc.
+void LoadSums(float* acc, const uint8_t* src, int64_t n, bool fp32) {
   if (fp32) {
-    std::memcpy(acc, src, size_t(h) * sizeof(float));
+    std::memcpy(acc, src, size_t(n) * sizeof(float));
     return;
   }
   const auto* in = reinterpret_cast<const uint16_t*>(src);
-  for (int64_t i = 0; i < h; ++i) acc[i] = Bf16ToFloat(in[i]);
+  for (int64_t i = 0; i < n; ++i) acc[i] = Bf16ToFloat(in[i]);
 }
 
 class HostDevice final : public MoeDevice {
@@ -294,7 +295,6 @@ class HostDevice final : public MoeDevice {
 
   Status CombineSend(const void* expert_out_any, uint64_t epoch) override {
     const int n = c_.world_size, l = c_.local_experts(), h = c_.hidden;
-    const bool fp32 = c_.dtype == DispatchDtype::kFp32;
     const auto* expert_out = static_cast<const uint8_t*>(expert_out_any);
     // Sender s's rows, in its numbering from its row start for us.
     row_base_.assign(n + 1, 0);
@@ -315,12 +315,12 @@ class HostDevice final : public MoeDevice {
           const Route& route = routes_[src];
           if (route.src < 0) continue;  // announced, never sent: nothing to return
           AddScaledRow(partial_.data() + size_t(row_base_[route.src] + route.row) * h,
-                       expert_out + src * row_bytes, route.weight, h, fp32);
+                       expert_out + src * row_bytes, route.weight, h, fp32_);
         }
       }
       for (int s = 0; s < n; ++s) {
         for (int64_t r = 0; r < from_[s].rows; ++r) {
-          StoreRow(RowOut(s, r), partial_.data() + size_t(row_base_[s] + r) * h, h, fp32);
+          StoreSums(RowOut(s, r), partial_.data() + size_t(row_base_[s] + r) * h, h, fp32_);
         }
       }
     } else {
@@ -341,12 +341,11 @@ class HostDevice final : public MoeDevice {
     auto* out = static_cast<uint8_t*>(to.out);
     const float* weights = to.weights ? to.weights : weights_.data();
     const int n = c_.world_size, k = c_.experts_per_token, h = c_.hidden;
-    const bool fp32 = c_.dtype == DispatchDtype::kFp32;
     for (int r : lay_.remotes) {
       RETURN_IF_ERROR(WaitOrMask(true, r, epoch, deadline, to.wait_cost));
     }
     acc_.assign(size_t(num_tokens_) * h, 0.0f);
-    if (to.accumulate) LoadRow(acc_.data(), out, int64_t{num_tokens_} * h, fp32);
+    if (to.accumulate) LoadSums(acc_.data(), out, int64_t{num_tokens_} * h, fp32_);
     // Our rows from every expert rank, ourselves included, at their place in our region.
     const uint8_t* region = p_.boxes.inbox + lay_.in_combine_off;
     for (int r = 0; r < n; ++r) {
@@ -359,10 +358,10 @@ class HostDevice final : public MoeDevice {
         const float w =
             c_.combine_reduce_at_expert_rank ? 1.0f : weights[size_t(row_of.token) * k + row_of.k];
         AddScaledRow(acc_.data() + size_t(row_of.token) * h, base + j * lay_.row_bytes, w, h,
-                     fp32);
+                     fp32_);
       }
     }
-    StoreRow(out, acc_.data(), int64_t{num_tokens_} * h, fp32);
+    StoreSums(out, acc_.data(), int64_t{num_tokens_} * h, fp32_);
     return Status::Ok();
   }
 
@@ -471,6 +470,7 @@ class HostDevice final : public MoeDevice {
 
   const DeviceParams p_;
   const AllToAllConfig& c_;  // p_.config
+  const bool fp32_ = c_.dtype == DispatchDtype::kFp32;  // the combine's rows and sums are fp32
   const RelayLayout& lay_;
   const SlotFormat slot_;
   std::vector<uint8_t> self_section_;  // our counts row and slots for ourselves
