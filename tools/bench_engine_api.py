@@ -1,4 +1,5 @@
-"""What ferry.deep_ep and ferry.pplx add per call over ferry's direct Python API, in one run.
+"""What ferry.deep_ep, ferry.pplx and ferry.pplx_kernels add per call over ferry's direct Python
+API, in one run.
 
 Each layer's dispatch and combine are timed against the same steps called directly on an
 AllToAll of the same shape, given the same ids (its buffers allocated once, as a caller of the
@@ -26,7 +27,7 @@ import time
 import torch
 
 import ferry
-from ferry import deep_ep, pplx
+from ferry import deep_ep, pplx, pplx_kernels
 
 TOKENS, HIDDEN, EXPERTS, K = 128, 2048, 8, 4
 
@@ -125,12 +126,24 @@ def main():
         def pplx_combine():
             kernel.combine(pout, ids, w, px)
 
+        # pplx-kernels' API as vLLM calls it: no weights at dispatch, its batched layout.
+        legacy = pplx_kernels.AllToAll.intranode(TOKENS, EXPERTS, K, 0, 1, 1, HIDDEN, HIDDEN * 2,
+                                                 0, group=bootstrap, device=dev)
+        lx = torch.empty(EXPERTS, TOKENS, HIDDEN, dtype=torch.bfloat16, device=dev)
+
+        def legacy_dispatch():
+            legacy.dispatch(pcounts, lx, None, x, None, ids, None)
+
+        def legacy_combine():
+            legacy.combine(pout, ids, w, lx, None)
 
         pairs = {"deep_ep low_latency": ((direct_dispatch64, direct_combine),
                                          (ll_dispatch, ll_combine)),
                  "deep_ep low_latency out=": ((direct_dispatch64, direct_combine),
                                               (ll_dispatch, ll_combine_out)),
-                 "pplx": ((direct_dispatch32, direct_combine), (pplx_dispatch, pplx_combine))}
+                 "pplx": ((direct_dispatch32, direct_combine), (pplx_dispatch, pplx_combine)),
+                 "pplx_kernels": ((direct_dispatch32, direct_combine),
+                                  (legacy_dispatch, legacy_combine))}
         with ctx:
             # The layers' AllToAlls exist after a first call, made on the stream the timed calls
             # run on (the one they take as their own: see ferry.deep_ep's _stream_of).
@@ -178,6 +191,7 @@ def main():
         a2a.close()
         buf.destroy()
         kernel.destroy()
+        legacy.destroy()
         if engine is not None:
             engine.close()
         return 0

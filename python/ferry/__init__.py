@@ -3,9 +3,9 @@
 The parts of the C++ library (include/ferry): the TransferEngine (one-sided writes and two-sided
 messages over libfabric or verbs), AllToAll (MoE dispatch and combine), the KV messenger
 (KvPrefill, KvDecoder and the reshard planner) and the bootstrap that ranks use to find each
-other. Errors are ferry.Error subclasses, one per status code. ferry.deep_ep and ferry.pplx
-(imported on their own; they need torch) are DeepEP's and pplx-garden's Python APIs over
-AllToAll.
+other. Errors are ferry.Error subclasses, one per status code. ferry.deep_ep, ferry.pplx and
+ferry.pplx_kernels (imported on their own; they need torch) are DeepEP's, pplx-garden's and
+pplx-kernels' Python APIs over AllToAll.
 """
 
 from ._arrays import as_array

@@ -1,7 +1,7 @@
-"""ferry.deep_ep and ferry.pplx on the host device (torch CPU tensors), each call checked against
-a plain torch reference written here: random bf16 rows, ids with -1, tokens with several experts
-on one rank, a rank with no tokens, world sizes 1, 2 and 4, with and without the receive hooks,
-over a torch.distributed gloo group and over ferry's own bootstrap.
+"""ferry.deep_ep, ferry.pplx and ferry.pplx_kernels on the host device (torch CPU tensors), each
+call checked against a plain torch reference written here: random bf16 rows, ids with -1,
+tokens with several experts on one rank, a rank with no tokens, world sizes 1, 2 and 4, with and
+without the receive hooks, over a torch.distributed gloo group and over ferry's own bootstrap.
 
 Every rank regenerates every rank's inputs from (seed, rank), so each checks what it received on
 its own. The experts multiply their rows by a power of two; dispatched rows are compared
@@ -741,6 +741,18 @@ def pplx_overflow_body(b, store):
     a2a.destroy()
 
 
+def encoded_fp8(world, s, spt):
+    """Rank s's inputs as e4m3 codes (the caller's quantisation) with spt float32 scales a row:
+    the quantiser's, one per 128 columns, or random ones of any other count."""
+    x, idx, w = inputs(world, s)
+    q, scales = quantize_reference(x, True)
+    codes = (q[..., None] == e4m3_table()[None, None, :]).float().argmax(-1).to(torch.uint8)
+    if spt != HIDDEN // 128:
+        g = torch.Generator().manual_seed(500 + s)
+        scales = torch.rand(x.shape[0], spt, generator=g) + 0.5
+    return codes.view(fp8_dtype()), scales.contiguous(), idx, w
+
+
 def check_pplx_fp8(world, rank, group, hidden_dim_scale=HIDDEN // 128):
     """e4m3 rows with their scales through pplx's dispatch (the caller quantised them): each
     expert's block holds its rows' codes and scales, as sent. hidden_dim_scale other than one
@@ -753,13 +765,7 @@ def check_pplx_fp8(world, rank, group, hidden_dim_scale=HIDDEN // 128):
                         num_experts_per_token=K, device=torch.device(DEV), global_group=group)
 
     def encoded(s):
-        x, idx, w = inputs(world, s)
-        q, scales = quantize_reference(x, True)
-        codes = (q[..., None] == e4m3_table()[None, None, :]).float().argmax(-1).to(torch.uint8)
-        if spt != HIDDEN // 128:
-            g = torch.Generator().manual_seed(500 + s)
-            scales = torch.rand(x.shape[0], spt, generator=g) + 0.5
-        return codes.view(fp8_dtype()), scales.contiguous(), idx, w
+        return encoded_fp8(world, s, spt)
 
     codes, scales, idx, w = encoded(rank)
     rows = a2a.max_recv_tokens
@@ -866,6 +872,206 @@ class PplxTest(Worlds, Case):
             expect_error(ferry.Unimplemented, "scale_dtype", pplx.AllToAll,
                          **{**common, "in_dtype": torch.uint8, "scale_dtype": torch.float16,
                             "hidden_dim_scale": 1})
+        self.ranks(1, body)
+
+
+# ---- pplx-kernels (ferry.pplx_kernels) ------------------------------------------------------------
+
+def legacy_ids(idx):
+    """Ids as vLLM hands them to pplx-kernels: uint32 where torch has it (-1 as 0xFFFFFFFF),
+    int32 before."""
+    ids = idx.to(torch.int32)
+    return ids.view(torch.uint32) if hasattr(torch, "uint32") else ids
+
+
+def legacy_all_to_all(b, store, group_kind, world, dp_size=1, **shape):
+    """pplx_kernels imported as an engine imports it (after ferry.pplx_kernels.install()), its
+    AllToAll made as vLLM's pplx backend makes it: over gloo, internode after nvshmem_init with
+    a broadcast unique id, or intranode by the name of a gloo group of every rank; over ferry's
+    bootstrap, intranode given the group."""
+    import ferry.pplx_kernels
+    ferry.pplx_kernels.install()
+    import pplx_kernels as pplx
+    from pplx_kernels.nvshmem import (nvshmem_alloc_empty_unique_id, nvshmem_get_unique_id,
+                                      nvshmem_init)
+    args = dict(max_num_tokens=MAX_TOKENS, num_experts=EXPERTS_PER_RANK * world,
+                experts_per_token=K, rank=b.rank, world_size=world, dp_size=dp_size,
+                hidden_dim=HIDDEN, hidden_dim_bytes=HIDDEN * 2, hidden_dim_scale_bytes=0)
+    args.update(shape)
+    kinds = {"device": torch.device(DEV)}
+    if group_kind == "ferry":
+        return pplx.AllToAll.intranode(**args, group=b, **kinds), pplx
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        gloo(b, store)
+    if shape.get("hidden_dim_scale_bytes"):  # fp8: as vLLM's internode setup
+        uid = nvshmem_get_unique_id() if b.rank == 0 else nvshmem_alloc_empty_unique_id()
+        dist.broadcast(uid, src=0)
+        assert nvshmem_init(uid, b.rank, world) == 0
+        return pplx.AllToAll.internode(**args, **kinds), pplx
+    cpu_group = dist.new_group(list(range(world)), backend="gloo")
+    name = getattr(cpu_group, "group_name", None)
+    if name is None:  # torch before 2.0 names groups in a table
+        from torch.distributed import distributed_c10d as c10d
+        name = c10d._pg_names[cpu_group]
+    return pplx.AllToAll.intranode(**args, group_name=name, **kinds), pplx
+
+
+def pplx_kernels_body(world, group_kind):
+    """bf16 rows dispatched and combined in halves, as vLLM's prepare and finalize call them
+    (the send half, then the receive half as the hook), into pplx-kernels' batched layout
+    (max_num_tokens * world_size rows per local expert); then e4m3 rows with vLLM's scales."""
+    def body(b, store):
+        a2a, _ = legacy_all_to_all(b, store, group_kind, world)
+        block = MAX_TOKENS * world
+        sent = [inputs(world, s) for s in range(world)]
+        x, idx, w = sent[b.rank]
+        dx, ids, dw = dv(x), dv(legacy_ids(idx)), dv(w)
+        for round in range(2):
+            counts = dv(torch.empty(EXPERTS_PER_RANK, dtype=torch.int32))
+            out_x = dv(torch.zeros(EXPERTS_PER_RANK, block, HIDDEN, dtype=torch.bfloat16))
+            a2a.dispatch(out_expert_num_tokens=counts, out_expert_x=out_x,
+                         out_expert_x_scale=None, dp_x=dx, dp_x_scale=None, indices=ids,
+                         bound_m=None, do_send=True, do_recv=False)
+            a2a.dispatch(out_expert_num_tokens=counts, out_expert_x=out_x,
+                         out_expert_x_scale=None, dp_x=dx, dp_x_scale=None, indices=ids,
+                         bound_m=None, do_send=False, do_recv=True)
+            got, n = hv(out_x), hv(counts)
+            y = torch.zeros_like(got)
+            for le, g, c, want in expert_blocks(sent, b.rank, n):
+                assert rows_of(got[le, :c]) == rows_of(want), (b.rank, le)
+                assert not got[le, c:].view(torch.int16).any(), "rows past the count written"
+                y[le, :c] = (got[le, :c].double() * expert_factor(g)).to(torch.bfloat16)
+            out = dv(torch.full(x.shape, float("nan"), dtype=torch.bfloat16))
+            a2a.combine(out_tokens=out, indices=ids, weights=dw, expert_y=dv(y), bound_m=None,
+                        do_send=True, do_recv=False)
+            a2a.combine(out_tokens=out, indices=ids, weights=dw, expert_y=dv(y), bound_m=None,
+                        do_send=False, do_recv=True)
+            torch.testing.assert_close(hv(out).float(), weighted_reference(x, idx, w).float(),
+                                       rtol=2 ** -7, atol=2 ** -6)
+        expect_error(ferry.InvalidArgument, "hidden_dim_scale_bytes was 0", a2a.dispatch,
+                     counts, out_x, None, dx, dv(torch.ones(x.shape[0], 4)), ids, None)
+        a2a.destroy()
+        a2a.destroy()  # once only
+        # vLLM's per-token scales (one a row, repeated to 4 columns: 16 bytes) and block scales
+        # (here 11 groups of 48 columns, given as 11 columns of the 12 that 16-byte rounding
+        # makes).
+        for given, spt in ((4, 4), (11, 12)):
+            check_legacy_fp8(b, store, group_kind, world, given, spt)
+    return body
+
+
+def check_legacy_fp8(b, store, group_kind, world, given, spt):
+    """e4m3 rows with `given` scale columns a row, through an AllToAll made for spt
+    (hidden_dim_scale_bytes 4 * spt): each block's rows and scales as sent, the columns past
+    `given` zero."""
+    a2a, _ = legacy_all_to_all(b, store, group_kind, world, hidden_dim_bytes=HIDDEN,
+                               hidden_dim_scale_bytes=4 * spt)
+    block = MAX_TOKENS * world
+    sent = [encoded_fp8(world, s, given) for s in range(world)]
+    codes, scales, idx, w = sent[b.rank]
+    counts = dv(torch.empty(EXPERTS_PER_RANK, dtype=torch.int32))
+    out_x = dv(torch.zeros(EXPERTS_PER_RANK, block, HIDDEN, dtype=torch.uint8).view(fp8_dtype()))
+    out_s = dv(torch.full((EXPERTS_PER_RANK, block, spt), -1.0))
+    expect_error(ferry.InvalidArgument, "dp_x_scale: required", a2a.dispatch, counts, out_x,
+                 out_s, dv(codes), None, dv(legacy_ids(idx)), None)
+    a2a.dispatch(counts, out_x, out_s, dv(codes), dv(scales), dv(legacy_ids(idx)), None)
+    n, got_x, got_s = hv(counts), hv(out_x).view(torch.uint8), hv(out_s)
+    for le in range(EXPERTS_PER_RANK):
+        g = b.rank * EXPERTS_PER_RANK + le
+        want = sorted(tuple(sc[t].view(torch.uint8).tolist()) + tuple(ss[t].tolist())
+                      + (0.0,) * (spt - given)
+                      for sc, ss, sidx, _ in sent for t in range(sc.shape[0])
+                      for j in range(K) if int(sidx[t, j]) == g)
+        c = int(n[le])
+        got = sorted(tuple(got_x[le, i].tolist()) + tuple(got_s[le, i].tolist())
+                     for i in range(c))
+        assert got == want, (b.rank, le, c, len(want))
+    a2a.combine(dv(torch.empty(codes.shape[0], HIDDEN, dtype=torch.bfloat16)),
+                dv(legacy_ids(idx)), dv(w),
+                dv(torch.zeros(EXPERTS_PER_RANK, block, HIDDEN, dtype=torch.bfloat16)), None)
+    a2a.destroy()
+
+
+def pplx_kernels_dp_body(world):
+    """dp_size 2 (vLLM's tensor-parallel ranks, {0, 1} and {2, 3}): each group's tokens (its
+    first rank's inputs) reach their experts once, in blocks of max_num_tokens * world_size /
+    dp_size rows, and both ranks of a group get the group's sums."""
+    def body(b, store):
+        a2a, _ = legacy_all_to_all(b, store, "gloo", world, dp_size=2)
+        block = MAX_TOKENS * world // 2
+        sent = [inputs(world, s) for s in range(0, world, 2)]
+        x, idx, w = sent[b.rank // 2]
+        dx, ids, dw = dv(x), dv(legacy_ids(idx)), dv(w)
+        counts = dv(torch.empty(EXPERTS_PER_RANK, dtype=torch.int32))
+        out_x = dv(torch.zeros(EXPERTS_PER_RANK, block, HIDDEN, dtype=torch.bfloat16))
+        a2a.dispatch(counts, out_x, None, dx, None, ids, None)
+        got, n = hv(out_x), hv(counts)
+        y = torch.zeros_like(got)
+        for le, g, c, want in expert_blocks(sent, b.rank, n):
+            assert rows_of(got[le, :c]) == rows_of(want), (b.rank, le)
+            y[le, :c] = (got[le, :c].double() * expert_factor(g)).to(torch.bfloat16)
+        out = dv(torch.empty(x.shape, dtype=torch.bfloat16))
+        a2a.combine(out, ids, dw, dv(y), None)
+        torch.testing.assert_close(hv(out).float(), weighted_reference(x, idx, w).float(),
+                                   rtol=2 ** -7, atol=2 ** -6)
+        a2a.destroy()
+    return body
+
+
+class PplxKernelsTest(Worlds, Case):
+    body_of = staticmethod(pplx_kernels_body)
+
+    def test_data_parallel_groups_of_two_among_four(self):
+        self.ranks(4, pplx_kernels_dp_body(4), timeout=240.0)
+
+    def test_refuses_what_it_cannot_honour(self):
+        def body(b, store):
+            import ferry.pplx_kernels as pplx
+            common = dict(max_num_tokens=4, num_experts=2, experts_per_token=1, rank=0,
+                          world_size=1, dp_size=1, hidden_dim=128, hidden_dim_bytes=256,
+                          hidden_dim_scale_bytes=0, group=b, device=torch.device(DEV))
+            cases = [
+                (ferry.InvalidArgument, "hidden_dim_bytes", dict(hidden_dim_bytes=300)),
+                (ferry.InvalidArgument, "hidden_dim_bytes", dict(hidden_dim_bytes=384)),
+                (ferry.Unimplemented, "1-byte rows without scales", dict(hidden_dim_bytes=128)),
+                (ferry.Unimplemented, "scales with e4m3 rows only",
+                 dict(hidden_dim_scale_bytes=16)),
+                (ferry.InvalidArgument, "multiple of 4", dict(hidden_dim_bytes=128,
+                                                             hidden_dim_scale_bytes=6)),
+                (ferry.InvalidArgument, "rank 1 of 2", dict(rank=1, world_size=2)),
+                (ferry.InvalidArgument, "dp_size 2", dict(dp_size=2)),
+                (ferry.InvalidArgument, "max_num_tokens", dict(max_num_tokens=0)),
+            ]
+            for error, words, change in cases:
+                expect_error(error, words, pplx.AllToAll.intranode, **{**common, **change})
+            expect_error(ferry.InvalidArgument, "group_name 'nowhere'", pplx.AllToAll.intranode,
+                         **{k: v for k, v in common.items() if k != "group"},
+                         group_name="nowhere")
+            uid = pplx.nvshmem_get_unique_id()
+            assert pplx.nvshmem_init(uid, 0, 1) == 0
+            expect_error(ferry.InvalidArgument, "nvshmem_init was given rank 0 of 1",
+                         pplx.AllToAll.internode, **{**common, "rank": 1, "world_size": 2})
+            pplx.nvshmem_finalize()
+            expect_error(ferry.InvalidArgument, "uid", pplx.nvshmem_init, torch.zeros(3), 0, 1)
+            a2a = pplx.AllToAll.intranode(**common)
+            x = dv(torch.ones(2, 128, dtype=torch.bfloat16))
+            ids = dv(torch.zeros(2, 1, dtype=torch.int32))
+            counts = dv(torch.zeros(1 * 2, dtype=torch.int32))
+            out_x = dv(torch.zeros(2, 4, 128, dtype=torch.bfloat16))
+            expect_error(ferry.InvalidArgument, "dtype torch.float16", a2a.dispatch, counts,
+                         out_x, None, x.half(), None, ids, None)
+            expect_error(ferry.InvalidArgument, "at most 4", a2a.dispatch, counts, out_x, None,
+                         dv(torch.ones(5, 128, dtype=torch.bfloat16)), None,
+                         dv(torch.zeros(5, 1, dtype=torch.int32)), None)
+            a2a.dispatch(counts, out_x, None, x, None, ids, None)  # still usable after both
+            assert hv(counts).tolist() == [2, 0]
+            a2a.combine(torch.empty_like(x), ids, dv(torch.ones(2, 1)), out_x, None)
+            a2a.destroy()
+            import sys
+            sys.modules["pplx_kernels"] = object()  # another pplx_kernels imported first
+            expect_error(ferry.FailedPrecondition, "imported before", pplx.install)
+            del sys.modules["pplx_kernels"]
         self.ranks(1, body)
 
 

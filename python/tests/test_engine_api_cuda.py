@@ -322,6 +322,15 @@ class CudaEngineApiTest(api.Case):
     def test_pplx_data_parallel_group_of_two(self):
         self.ranks(2, on_gpu(api.pplx_dp_body(2)), timeout=240.0)
 
+    def test_pplx_kernels_world_1(self):
+        self.ranks(1, on_gpu(api.pplx_kernels_body(1, "ferry")), timeout=240.0)
+
+    def test_pplx_kernels_world_2_over_gloo(self):
+        self.ranks(2, on_gpu(api.pplx_kernels_body(2, "gloo")), timeout=240.0)
+
+    def test_pplx_kernels_data_parallel_group_of_two(self):
+        self.ranks(2, on_gpu(api.pplx_kernels_dp_body(2)), timeout=240.0)
+
     # An NCCL group: world size 1 (NCCL refuses two ranks on one GPU, which is all two ranks
     # get here). The layers gather through torch.distributed's all_gather_object on it.
     def nccl(self):

@@ -1,0 +1,250 @@
+"""pplx-kernels' AllToAll (`pplx_kernels.AllToAll`, the API vLLM's pplx backend calls) over
+ferry.pplx.
+
+pplx-kernels is pplx-garden's predecessor, deprecated by its authors but still what vLLM's
+`pplx` all2all backend imports: `pplx_kernels.AllToAll.intranode(...)` / `.internode(...)`
+constructed from byte sizes, a dispatch without weights, the weights given to the combine, and
+`pplx_kernels.nvshmem` to set NVSHMEM up first. `install()` puts this module where those imports
+look (`pplx_kernels` and `pplx_kernels.nvshmem` in sys.modules), so that an engine written
+against pplx-kernels runs on ferry unchanged:
+
+    import ferry.pplx_kernels
+    ferry.pplx_kernels.install()  # before the engine imports pplx_kernels
+
+What the calls mean, as pplx-kernels has them:
+
+- intranode / internode(max_num_tokens, num_experts, experts_per_token, rank, world_size,
+  dp_size, hidden_dim, hidden_dim_bytes, hidden_dim_scale_bytes[, group_name]): the rows'
+  element follows from hidden_dim_bytes / hidden_dim (1: e4m3 with float32 scales, 2: bf16,
+  4: float32); hidden_dim_scale_bytes / 4 scales a row (vLLM rounds both to 16 bytes, so a row
+  with 23 scales is given 24: the caller's dp_x_scale may have fewer columns than that, and the
+  rest travel as zeros). intranode's ranks are the torch.distributed group named group_name
+  ("default": the default group), internode's the default group; either takes a `group=` of
+  the caller's (a torch group or a ferry.Bootstrap) instead. dp_size consecutive ranks hold the
+  same tokens (a tensor-parallel group): each token is sent once per group and every rank of
+  the group gets its sums (ferry.pplx's dp_group).
+- dispatch(out_expert_num_tokens [local experts] int32, out_expert_x [local experts,
+  max_num_tokens * world_size / dp_size, hidden], out_expert_x_scale, dp_x [tokens, hidden],
+  dp_x_scale, indices [tokens, k] (uint32, int32 or int64), bound_m, do_send, do_recv): expert
+  e's rows from row 0 of its block, out_expert_num_tokens its count.
+- combine(out_tokens [tokens, hidden], indices, weights [tokens, k] float32, expert_y
+  (out_expert_x's shape, bf16; float32 for float32 rows), bound_m, do_send, do_recv): each
+  token's weighted sum of its experts' rows, written over out_tokens.
+
+ferry needs no NVSHMEM: `nvshmem_init` records the rank and world size it is given (internode
+checks them against its own arguments) and the unique id is a placeholder of NVSHMEM's size.
+World size 1 runs too (pplx-kernels asserts two DP groups or more). Row elements ferry does not
+move (float16, int8 without scales) are refused by name, as ferry.pplx refuses what it cannot
+honour.
+"""
+
+import sys
+import types
+
+import torch
+
+from . import _ferry
+from . import pplx as _pplx
+from ._errors import FailedPrecondition, InvalidArgument, Unimplemented
+from ._engine_api import fp8_dtype
+
+__all__ = ["AllToAll", "install", "nvshmem", "nvshmem_alloc_empty_unique_id",
+           "nvshmem_finalize", "nvshmem_get_unique_id", "nvshmem_init"]
+
+_UNIQUE_ID_BYTES = 128  # sizeof(nvshmemx_uniqueid_t): what callers broadcast among the ranks
+_nvshmem_ranks = None  # (rank, world_size) given to nvshmem_init
+
+
+def nvshmem_get_unique_id():
+    """A placeholder of NVSHMEM's unique id (a uint8 CPU tensor, for the caller to broadcast)."""
+    return torch.zeros(_UNIQUE_ID_BYTES, dtype=torch.uint8)
+
+
+def nvshmem_alloc_empty_unique_id():
+    return torch.zeros(_UNIQUE_ID_BYTES, dtype=torch.uint8)
+
+
+def nvshmem_init(uid, rank, world_size, local_rank=-1):
+    """Records (rank, world_size) for internode to check; 0, as NVSHMEM's status for success."""
+    global _nvshmem_ranks
+    if not isinstance(uid, torch.Tensor) or uid.numel() != _UNIQUE_ID_BYTES:
+        raise InvalidArgument(f"nvshmem_init: uid must be the {_UNIQUE_ID_BYTES}-byte tensor "
+                              "nvshmem_get_unique_id returns")
+    if not 0 <= rank < world_size:
+        raise InvalidArgument(f"nvshmem_init: rank {rank} of {world_size}")
+    _nvshmem_ranks = (rank, world_size)
+    return 0
+
+
+def nvshmem_finalize():
+    global _nvshmem_ranks
+    _nvshmem_ranks = None
+
+
+nvshmem = types.ModuleType("pplx_kernels.nvshmem", "pplx_kernels.nvshmem over ferry: "
+                           "no NVSHMEM is set up (ferry.pplx_kernels says why)")
+for _f in (nvshmem_get_unique_id, nvshmem_alloc_empty_unique_id, nvshmem_init,
+           nvshmem_finalize):
+    setattr(nvshmem, _f.__name__, _f)
+
+
+def install():
+    """Makes `import pplx_kernels` (and `pplx_kernels.nvshmem`) give this module; refused if
+    another pplx_kernels was imported first (its AllToAlls would not be ferry's)."""
+    this = sys.modules[__name__]
+    for name, module in (("pplx_kernels", this), ("pplx_kernels.nvshmem", nvshmem)):
+        present = sys.modules.get(name)
+        if present is not None and present is not module:
+            raise FailedPrecondition(f"install: {name} was imported before ferry's "
+                                     f"({getattr(present, '__file__', present)})")
+        sys.modules[name] = module
+
+
+# What a row's bytes per column say its element is.
+_ELEMENTS = {1: fp8_dtype(), 2: torch.bfloat16, 4: torch.float32}
+
+
+class AllToAll:
+    """pplx_kernels.AllToAll: made by intranode / internode, as pplx-kernels' is."""
+
+    def __init__(self, inner, scales, k, max_num_tokens, device):
+        self._inner = inner  # ferry.pplx.AllToAll
+        self._scales = scales  # float32 scales a row (0: rows without scales)
+        # The dispatch's weights: pplx-kernels' dispatch takes none (its combine does); ferry's
+        # reads a [tokens, k] float32 tensor at the send half and leaves its values unused.
+        self._ones = torch.ones(max_num_tokens, k, dtype=torch.float32, device=device)
+
+    @classmethod
+    def intranode(cls, max_num_tokens, num_experts, experts_per_token, rank, world_size,
+                  dp_size, hidden_dim, hidden_dim_bytes, hidden_dim_scale_bytes,
+                  group_name="default", *, group=None, device=None, timeout=None):
+        """Ranks of one node: the torch.distributed group named group_name (or `group`)."""
+        if group is None and group_name not in (None, "default"):
+            group = _group_named(group_name)
+        return cls._create(max_num_tokens, num_experts, experts_per_token, rank, world_size,
+                           dp_size, hidden_dim, hidden_dim_bytes, hidden_dim_scale_bytes, group,
+                           device, timeout)
+
+    @classmethod
+    def internode(cls, max_num_tokens, num_experts, experts_per_token, rank, world_size,
+                  dp_size, hidden_dim, hidden_dim_bytes, hidden_dim_scale_bytes, *, group=None,
+                  device=None, timeout=None):
+        """Ranks of several nodes: the default torch.distributed group (or `group`)."""
+        if _nvshmem_ranks is not None and _nvshmem_ranks != (rank, world_size):
+            raise InvalidArgument(f"internode: rank {rank} of {world_size}, but nvshmem_init "
+                                  f"was given rank {_nvshmem_ranks[0]} of {_nvshmem_ranks[1]}")
+        return cls._create(max_num_tokens, num_experts, experts_per_token, rank, world_size,
+                           dp_size, hidden_dim, hidden_dim_bytes, hidden_dim_scale_bytes, group,
+                           device, timeout)
+
+    @classmethod
+    def _create(cls, max_num_tokens, num_experts, experts_per_token, rank, world_size, dp_size,
+                hidden_dim, hidden_dim_bytes, hidden_dim_scale_bytes, group, device, timeout):
+        for name, v in (("max_num_tokens", max_num_tokens), ("num_experts", num_experts),
+                        ("experts_per_token", experts_per_token), ("world_size", world_size),
+                        ("dp_size", dp_size), ("hidden_dim", hidden_dim)):
+            if not isinstance(v, int) or v < 1:
+                raise InvalidArgument(f"{name} {v!r}: a positive int")
+        if world_size % dp_size:
+            raise InvalidArgument(f"dp_size {dp_size}: does not divide world_size {world_size}")
+        item = hidden_dim_bytes // hidden_dim if hidden_dim_bytes % hidden_dim == 0 else 0
+        if item not in _ELEMENTS:
+            raise InvalidArgument(f"hidden_dim_bytes {hidden_dim_bytes}: hidden_dim "
+                                  f"({hidden_dim}) elements of 1, 2 or 4 bytes")
+        if hidden_dim_scale_bytes < 0 or hidden_dim_scale_bytes % 4:
+            raise InvalidArgument(f"hidden_dim_scale_bytes {hidden_dim_scale_bytes}: float32 "
+                                  "scales, a multiple of 4 bytes")
+        scales = hidden_dim_scale_bytes // 4
+        if item == 1 and not scales:
+            raise Unimplemented("1-byte rows without scales (hidden_dim_scale_bytes 0): ferry "
+                                "moves 1-byte rows as e4m3 with their float32 scales")
+        if item != 1 and scales:
+            raise Unimplemented(f"hidden_dim_scale_bytes {hidden_dim_scale_bytes} with "
+                                f"{item}-byte rows: ferry moves scales with e4m3 rows only")
+        if device is None:
+            device = (torch.device("cuda", torch.cuda.current_device())
+                      if torch.cuda.is_available() else torch.device("cpu"))
+        group_rank, group_size = _pplx._rank(group), _pplx._size(group)
+        if (group_rank, group_size) != (rank, world_size):
+            raise InvalidArgument(f"rank {rank} of {world_size}: the group has this process as "
+                                  f"rank {group_rank} of {group_size}")
+        in_dtype = _ELEMENTS[item]
+        inner = _pplx.AllToAll(
+            max_num_tokens=max_num_tokens, num_experts=num_experts, expert_padding=1,
+            hidden_dim=hidden_dim, hidden_dim_scale=scales or None, in_dtype=in_dtype,
+            out_dtype=torch.float32 if item == 4 else torch.bfloat16,
+            scale_dtype=torch.float32 if scales else None, num_experts_per_token=experts_per_token,
+            device=device, dp_group=_dp_group(group, rank, world_size, dp_size),
+            global_group=group, max_tokens_per_expert=max_num_tokens * (world_size // dp_size),
+            timeout=timeout)
+        return cls(inner, scales, experts_per_token, max_num_tokens, device)
+
+    def dispatch(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale,
+                 indices, bound_m, do_send=True, do_recv=True):
+        if (dp_x_scale is None) != (self._scales == 0) and do_send:
+            raise InvalidArgument("dp_x_scale: " + ("required: this AllToAll's rows carry "
+                                                    "scales" if self._scales else
+                                                    "given, but hidden_dim_scale_bytes was 0"))
+        weights = None
+        if do_send:
+            if not isinstance(dp_x, torch.Tensor) or dp_x.dim() != 2:
+                raise InvalidArgument("dp_x: a [tokens, hidden] torch.Tensor")
+            if dp_x.shape[0] > self._ones.shape[0]:
+                raise InvalidArgument(f"dp_x: {dp_x.shape[0]} tokens, at most "
+                                      f"{self._ones.shape[0]} (max_num_tokens)")
+            weights = self._ones[:dp_x.shape[0]]
+            if (self._scales and isinstance(dp_x_scale, torch.Tensor) and dp_x_scale.dim() == 2
+                    and dp_x_scale.shape[1] < self._scales):
+                # Scales rounded up to 16 bytes by the caller: the columns past its own zero.
+                dp_x_scale = torch.nn.functional.pad(
+                    dp_x_scale, (0, self._scales - dp_x_scale.shape[1]))
+        self._inner.dispatch(out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x,
+                             dp_x_scale, indices, weights, bound_m, do_send, do_recv)
+
+    def combine(self, out_tokens, indices, weights, expert_y, bound_m, do_send=True,
+                do_recv=True):
+        self._inner.combine(out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv,
+                            False)
+
+    def destroy(self):
+        if self._inner is not None:
+            self._inner.destroy()
+            self._inner = None
+
+
+def _group_named(name):
+    """The torch.distributed group of that name (ProcessGroup.group_name)."""
+    from torch.distributed import distributed_c10d as c10d
+    resolve = getattr(c10d, "_resolve_process_group", None)  # torch 2.2 on
+    if resolve is not None:
+        try:
+            return resolve(name)
+        except (KeyError, RuntimeError, ValueError):
+            pass
+    names = getattr(c10d, "_pg_names", None)
+    if names is None:
+        names = getattr(getattr(c10d, "_world", None), "pg_names", {})
+    for g, n in names.items():
+        if n == name:
+            return g
+    raise InvalidArgument(f"group_name {name!r}: no torch.distributed group of that name")
+
+
+def _dp_group(group, rank, world_size, dp_size):
+    """This rank's group of dp_size consecutive ranks (rank // dp_size), as pplx-kernels
+    groups them; None for groups of one. Every rank makes every group, in order (new_group is
+    collective)."""
+    if dp_size == 1:
+        return None
+    if isinstance(group, _ferry.Bootstrap):
+        raise Unimplemented(f"dp_size {dp_size} with a ferry.Bootstrap: pass a torch.distributed "
+                            "group (its data-parallel groups are made with new_group)")
+    import torch.distributed as dist
+    ranks = (list(range(world_size)) if group is None or group is dist.group.WORLD
+             else dist.get_process_group_ranks(group))
+    mine = None
+    for first in range(0, world_size, dp_size):
+        g = dist.new_group(ranks[first:first + dp_size])
+        if first <= rank < first + dp_size:
+            mine = g
+    return mine
