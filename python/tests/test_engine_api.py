@@ -878,9 +878,9 @@ class PplxTest(Worlds, Case):
 # ---- pplx-kernels (ferry.pplx_kernels) ------------------------------------------------------------
 
 def legacy_ids(idx):
-    """Ids as vLLM hands them to pplx-kernels: uint32 where torch has it (-1 as 0xFFFFFFFF),
-    int32 before."""
-    ids = idx.to(torch.int32)
+    """Ids as vLLM hands them to pplx-kernels, on DEV: uint32 where torch has it (-1 as
+    0xFFFFFFFF; a view of int32 ids, as vLLM makes them), int32 before."""
+    ids = dv(idx.to(torch.int32))
     return ids.view(torch.uint32) if hasattr(torch, "uint32") else ids
 
 
@@ -926,7 +926,7 @@ def pplx_kernels_body(world, group_kind):
         block = MAX_TOKENS * world
         sent = [inputs(world, s) for s in range(world)]
         x, idx, w = sent[b.rank]
-        dx, ids, dw = dv(x), dv(legacy_ids(idx)), dv(w)
+        dx, ids, dw = dv(x), legacy_ids(idx), dv(w)
         for round in range(2):
             counts = dv(torch.empty(EXPERTS_PER_RANK, dtype=torch.int32))
             out_x = dv(torch.zeros(EXPERTS_PER_RANK, block, HIDDEN, dtype=torch.bfloat16))
@@ -974,8 +974,8 @@ def check_legacy_fp8(b, store, group_kind, world, given, spt):
     out_x = dv(torch.zeros(EXPERTS_PER_RANK, block, HIDDEN, dtype=torch.uint8).view(fp8_dtype()))
     out_s = dv(torch.full((EXPERTS_PER_RANK, block, spt), -1.0))
     expect_error(ferry.InvalidArgument, "dp_x_scale: required", a2a.dispatch, counts, out_x,
-                 out_s, dv(codes), None, dv(legacy_ids(idx)), None)
-    a2a.dispatch(counts, out_x, out_s, dv(codes), dv(scales), dv(legacy_ids(idx)), None)
+                 out_s, dv(codes), None, legacy_ids(idx), None)
+    a2a.dispatch(counts, out_x, out_s, dv(codes), dv(scales), legacy_ids(idx), None)
     n, got_x, got_s = hv(counts), hv(out_x).view(torch.uint8), hv(out_s)
     for le in range(EXPERTS_PER_RANK):
         g = b.rank * EXPERTS_PER_RANK + le
@@ -988,7 +988,7 @@ def check_legacy_fp8(b, store, group_kind, world, given, spt):
                      for i in range(c))
         assert got == want, (b.rank, le, c, len(want))
     a2a.combine(dv(torch.empty(codes.shape[0], HIDDEN, dtype=torch.bfloat16)),
-                dv(legacy_ids(idx)), dv(w),
+                legacy_ids(idx), dv(w),
                 dv(torch.zeros(EXPERTS_PER_RANK, block, HIDDEN, dtype=torch.bfloat16)), None)
     a2a.destroy()
 
@@ -1002,7 +1002,7 @@ def pplx_kernels_dp_body(world):
         block = MAX_TOKENS * world // 2
         sent = [inputs(world, s) for s in range(0, world, 2)]
         x, idx, w = sent[b.rank // 2]
-        dx, ids, dw = dv(x), dv(legacy_ids(idx)), dv(w)
+        dx, ids, dw = dv(x), legacy_ids(idx), dv(w)
         counts = dv(torch.empty(EXPERTS_PER_RANK, dtype=torch.int32))
         out_x = dv(torch.zeros(EXPERTS_PER_RANK, block, HIDDEN, dtype=torch.bfloat16))
         a2a.dispatch(counts, out_x, None, dx, None, ids, None)

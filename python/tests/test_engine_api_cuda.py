@@ -140,6 +140,48 @@ def pplx_graph_body(world, kind):
     return body
 
 
+def pplx_kernels_graph_body(world):
+    """pplx-kernels' AllToAll as vLLM's pplx backend drives it in a captured decode step: the
+    dispatch's and the combine's send and receive halves (its hooks) with an expert between,
+    captured once, then replayed over new rows, ids and weights: each replay's output against
+    the reference."""
+    def body(b, store):
+        import torch
+        a2a, _ = api.legacy_all_to_all(b, store, "ferry", world)
+        local, block = api.EXPERTS_PER_RANK, api.MAX_TOKENS * world
+        x, idx, w = (t.cuda() for t in api.inputs(world, b.rank))
+        ids32 = idx.to(torch.int32)
+        ids = ids32.view(torch.uint32) if hasattr(torch, "uint32") else ids32
+        counts = torch.empty(local, dtype=torch.int32, device="cuda")
+        out_x = torch.zeros(local, block, api.HIDDEN, dtype=torch.bfloat16, device="cuda")
+        y = torch.empty_like(out_x)
+        out = torch.zeros_like(x)
+        factor = torch.tensor([api.expert_factor(b.rank * local + le) for le in range(local)],
+                              device="cuda")
+
+        def step():
+            for send, recv in ((True, False), (False, True)):
+                a2a.dispatch(counts, out_x, None, x, None, ids, None, do_send=send,
+                             do_recv=recv)
+            y.copy_((out_x.float() * factor[:, None, None]).to(torch.bfloat16))
+            for send, recv in ((True, False), (False, True)):
+                a2a.combine(out, ids, w, y, None, do_send=send, do_recv=recv)
+
+        graph = captured(step)
+        for r in range(1, 4):
+            rx, ridx, rw = api.inputs(world, b.rank, round=r)
+            x.copy_(rx)
+            ids32.copy_(ridx.to(torch.int32))
+            w.copy_(rw)
+            graph.replay()
+            torch.cuda.synchronize()
+            want = api.weighted_reference(rx, ridx, rw)
+            torch.testing.assert_close(out.cpu().float(), want.float(), rtol=2 ** -7,
+                                       atol=2 ** -6)
+        a2a.destroy()
+    return body
+
+
 def streams_body(world):
     """Which stream the AllToAlls' steps go on. A low-latency Buffer whose first call waits for
     its result, and pplx's AllToAll, take the caller's current stream as their own (no event
@@ -327,6 +369,9 @@ class CudaEngineApiTest(api.Case):
 
     def test_pplx_kernels_world_2_over_gloo(self):
         self.ranks(2, on_gpu(api.pplx_kernels_body(2, "gloo")), timeout=240.0)
+
+    def test_pplx_kernels_as_a_cuda_graph_world_2(self):
+        self.ranks(2, on_gpu(pplx_kernels_graph_body(2)), timeout=240.0)
 
     def test_pplx_kernels_data_parallel_group_of_two(self):
         self.ranks(2, on_gpu(api.pplx_kernels_dp_body(2)), timeout=240.0)
