@@ -60,6 +60,7 @@ struct Case {
   // interleaved as RunRank runs them: two AllToAlls sharing one engine through the relay.
   bool shared_engine = false;
   int fp8_scales = 0;  // AllToAllConfig::fp8_scales
+  bool fp32_combine = false;  // AllToAllConfig::fp32_combine
 };
 
 std::string Describe(const Case& c) {
@@ -77,7 +78,8 @@ std::string Describe(const Case& c) {
          (c.stream == 1 ? "_streamed" : c.stream == 2 ? "_combstreamed"
                           : c.stream == 3 ? "_allstreamed" : "") +
          (c.spread ? "_spread" : "") + (c.shared_engine ? "_sharedengine" : "") +
-         (c.fp8_scales ? "_scales" + std::to_string(c.fp8_scales) : "");
+         (c.fp8_scales ? "_scales" + std::to_string(c.fp8_scales) : "") +
+         (c.fp32_combine ? "_f32comb" : "");
 }
 void PrintTo(const Case& c, std::ostream* os) { *os << Describe(c); }
 
@@ -175,7 +177,7 @@ Status RunRank(const Case& c, Bootstrap& b) {
   std::vector<uint8_t> out_x(size_t(l) * cap * row, 0), gpu_out_x(out_x.size());
   std::vector<float> out_scales(size_t(l) * cap * spt, 0), gpu_out_scales(out_scales.size());
   std::vector<int32_t> counts(l), gpu_counts(l);
-  // The combine's rows and output in its element (bf16, or fp32 under kFp32), as bytes.
+  // The combine's rows and output in its element (bf16, or fp32: combines_fp32), as bytes.
   const int64_t crow = cfg.combine_row_bytes();
   std::vector<uint8_t> expert_out(size_t(l) * cap * crow, 0);
   Gpu<uint8_t> d_x, d_out_x;
@@ -633,7 +635,19 @@ INSTANTIATE_TEST_SUITE_P(
                                     .nvlink = true, .fp8_scales = 1}, 3),
                       Case{.world_size = 4, .tokens = 64, .hidden = 2880, .experts = 48, .k = 4,
                            .dtype = fp8, .routing = rnd, .nvlink = true, .node_ranks = 2,
-                           .fp8_scales = 23}),
+                           .fp8_scales = 23},
+                      // bf16 and fp8 rows combined in fp32 (pplx's out_dtype float32): rows
+                      // returned per copy, streamed (a)+(b), through the relay.
+                      Case{.world_size = 2, .tokens = 77, .hidden = 384, .experts = 40, .k = 3,
+                           .dtype = bf16, .routing = rnd, .rank1_empty = true, .nvlink = true,
+                           .fp32_combine = true},
+                      Streamed(Case{.world_size = 2, .tokens = 128, .hidden = 1024, .experts = 64,
+                                    .k = 8, .dtype = fp8, .routing = rnd, .private_tokens = 16,
+                                    .once_per_rank = true, .reduce_at_expert_rank = true,
+                                    .nvlink = true, .fp32_combine = true}, 3),
+                      Case{.world_size = 4, .tokens = 64, .hidden = 256, .experts = 48, .k = 8,
+                           .dtype = bf16, .routing = rnd, .reduce_at_expert_rank = true,
+                           .nvlink = true, .node_ranks = 2, .fp32_combine = true}),
     [](const ::testing::TestParamInfo<Case>& info) { return Describe(info.param); });
 
 }  // namespace

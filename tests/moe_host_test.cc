@@ -43,6 +43,7 @@ struct Case {
   bool unrouted = false;  // some copies' expert id is -1 (see InputSpec)
   bool late_weights = false;  // the combine weights given at CombineRecv, not at DispatchSend
   int fp8_scales = 0;         // AllToAllConfig::fp8_scales
+  bool fp32_combine = false;  // AllToAllConfig::fp32_combine
 };
 
 InputSpec Spec(const Case& c) {
@@ -69,7 +70,8 @@ std::string Describe(const Case& c) {
           : c.layouts == Layouts::kMixed    ? "_mixedlayout"
                                             : "") +
          (c.unrouted ? "_unrouted" : "") + (c.late_weights ? "_lateweights" : "") +
-         (c.fp8_scales ? "_scales" + std::to_string(c.fp8_scales) : "");
+         (c.fp8_scales ? "_scales" + std::to_string(c.fp8_scales) : "") +
+         (c.fp32_combine ? "_f32comb" : "");
 }
 
 bool TokenMajor(const Case& c, int rank) {
@@ -237,8 +239,8 @@ class RankRun {
         norm += ref * ref;
         err += (got - ref) * (got - ref);
       }
-      // bf16 sums round to 2^-9 of their size; fp32 sums (kFp32) to a few 2^-24.
-      const double tolerance = cfg_.dtype == DispatchDtype::kFp32 ? 1e-6 : 1e-2;
+      // bf16 sums round to 2^-9 of their size; fp32 sums (combines_fp32) to a few 2^-24.
+      const double tolerance = cfg_.combines_fp32() ? 1e-6 : 1e-2;
       CHECK_OR_RETURN(std::sqrt(err) <= tolerance * std::sqrt(norm) + 1e-9,
                       "token " + std::to_string(t) + " combine relative error " +
                           std::to_string(std::sqrt(err / std::max(norm, 1e-30))));
@@ -425,6 +427,17 @@ std::vector<Case> Cases() {
   out.push_back({.provider = "tcp;ofi_rxm", .world_size = 2, .tokens = 19, .hidden = 2880,
                  .experts = 8, .k = 2, .dtype = fp8, .routing = rnd, .once_per_rank = true,
                  .late_weights = true, .fp8_scales = 23});
+  // bf16 and fp8 rows combined in fp32 (pplx's out_dtype float32): rows returned per copy and
+  // summed at the origin, summed at the expert rank, token-major, late weights.
+  out.push_back({.provider = "shm", .world_size = 3, .tokens = 33, .hidden = 256, .experts = 48,
+                 .k = 4, .dtype = bf16, .routing = rnd, .rank1_empty = true, .unrouted = true,
+                 .fp32_combine = true});
+  out.push_back({.provider = "shm", .world_size = 2, .tokens = 64, .hidden = 256, .experts = 16,
+                 .k = 4, .dtype = fp8, .routing = hot, .once_per_rank = true,
+                 .reduce_at_expert_rank = true, .layouts = mixed, .fp32_combine = true});
+  out.push_back({.provider = "tcp;ofi_rxm", .world_size = 2, .tokens = 19, .hidden = 2880,
+                 .experts = 8, .k = 2, .dtype = fp8, .routing = rnd, .once_per_rank = true,
+                 .late_weights = true, .fp8_scales = 23, .fp32_combine = true});
   std::vector<Case> filtered;
   for (const Case& c : out) {
     for (const std::string& p : testing_util::Providers()) {

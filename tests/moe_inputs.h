@@ -109,14 +109,15 @@ inline float Dequant(const AllToAllConfig& cfg, const uint8_t* row, const float*
   return DecodeE4M3(row[i]) * scales[i / g];
 }
 
-// The combine's element (AllToAllConfig::combine_row_bytes): fp32 under kFp32, else bf16.
+// The combine's element (AllToAllConfig::combine_row_bytes): fp32 where combines_fp32(), else
+// bf16.
 // Element i of `rows` as a float, and v stored there (rounded to bf16 where the element is).
 inline float GetCombine(const AllToAllConfig& cfg, const void* rows, int64_t i) {
-  if (cfg.dtype == DispatchDtype::kFp32) return static_cast<const float*>(rows)[i];
+  if (cfg.combines_fp32()) return static_cast<const float*>(rows)[i];
   return Bf16ToFloat(static_cast<const uint16_t*>(rows)[i]);
 }
 inline void PutCombine(const AllToAllConfig& cfg, void* rows, int64_t i, float v) {
-  if (cfg.dtype == DispatchDtype::kFp32) {
+  if (cfg.combines_fp32()) {
     static_cast<float*>(rows)[i] = v;
   } else {
     static_cast<uint16_t*>(rows)[i] = FloatToBf16(v);
@@ -124,7 +125,7 @@ inline void PutCombine(const AllToAllConfig& cfg, void* rows, int64_t i, float v
 }
 // v as the combine's element holds it.
 inline float CombineRound(const AllToAllConfig& cfg, float v) {
-  return cfg.dtype == DispatchDtype::kFp32 ? v : Bf16ToFloat(FloatToBf16(v));
+  return cfg.combines_fp32() ? v : Bf16ToFloat(FloatToBf16(v));
 }
 // `n` combine elements of value v (an output to accumulate onto).
 inline std::vector<uint8_t> CombineFilled(const AllToAllConfig& cfg, int64_t n, float v) {
@@ -168,6 +169,7 @@ AllToAllConfig ConfigFor(const Case& c, int world_size, int rank) {
   cfg.hidden = c.hidden;
   cfg.dtype = c.dtype;
   cfg.fp8_scales = c.fp8_scales;
+  cfg.fp32_combine = c.fp32_combine;
   cfg.max_private_tokens = c.private_tokens;
   cfg.dispatch_once_per_rank = c.once_per_rank;
   cfg.combine_reduce_at_expert_rank = c.reduce_at_expert_rank;

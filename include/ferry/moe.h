@@ -57,6 +57,7 @@ enum class DispatchDtype : uint8_t {
   kBf16 = 0,     // 2 bytes per element
   kFp8E4M3 = 1,  // 1 byte per element, plus one fp32 scale per 128 columns
   kFp32 = 2      // 4 bytes per element; the combine's rows and its output are fp32 too
+                 // (AllToAllConfig::fp32_combine for the other elements)
 };
 
 // Where the four steps run.
@@ -132,6 +133,10 @@ struct FERRY_API AllToAllConfig {
   // its row as it is, its meaning the caller's: 1 for per-token or per-tensor scales,
   // ceil(hidden / b) for groups of b columns (pplx's hidden_dim_scale).
   int fp8_scales = 0;
+  // The combine's rows (CombineSend's input), its output and every sum in fp32 rather than bf16,
+  // whatever the dispatch moves (pplx's out_dtype float32 with bf16 or fp8 input; kFp32 rows
+  // always combine in fp32). Part of what ranks must agree on: it sizes the rows that cross.
+  bool fp32_combine = false;
   int max_private_tokens = 16;  // per (sender, receiver) in one node: pushed; the rest pulled
   // Beyond the seed, each measured against the plain protocol (ferry-bench moe --once-per-rank
   // --reduce-at-expert-rank):
@@ -139,7 +144,7 @@ struct FERRY_API AllToAllConfig {
   //     receiver fans it out to its local experts.
   bool dispatch_once_per_rank = false;
   // (b) the expert rank sums its experts' outputs for a token in fp32, weights applied, and
-  //     returns one bf16 row per token instead of one per expert.
+  //     returns one row per token (bf16, or fp32: combines_fp32) instead of one per expert.
   bool combine_reduce_at_expert_rank = false;
   // Per rank, not part of what ranks must agree on: each may run its steps where it likes, and
   // take its output in either layout (the bytes that cross are the same).
@@ -170,11 +175,10 @@ struct FERRY_API AllToAllConfig {
   int local_experts() const { return num_experts / world_size; }
   // Bytes of one token row as dispatched (payload only).
   int64_t token_bytes() const;
-  // Bytes of one combine row (CombineSend's rows, CombineRecv's output): fp32 for kFp32, bf16
-  // otherwise.
-  int64_t combine_row_bytes() const {
-    return int64_t{hidden} * (dtype == DispatchDtype::kFp32 ? 4 : 2);
-  }
+  // Whether the combine's rows, output and sums are fp32 (else bf16).
+  bool combines_fp32() const { return fp32_combine || dtype == DispatchDtype::kFp32; }
+  // Bytes of one combine row (CombineSend's rows, CombineRecv's output).
+  int64_t combine_row_bytes() const { return int64_t{hidden} * (combines_fp32() ? 4 : 2); }
   // fp32 scales per token (fp8 only): fp8_scales, or hidden / 128 where that is 0.
   int scales_per_token() const {
     if (dtype != DispatchDtype::kFp8E4M3) return 0;
@@ -273,7 +277,8 @@ struct FERRY_API DispatchOutput {
 
 // Combine output of one rank.
 struct FERRY_API CombineOutput {
-  void* out = nullptr;      // [T, hidden] bf16 (fp32 for kFp32), T of the last DispatchSend
+  // [T, hidden] bf16 (fp32 where combines_fp32()), T of the last DispatchSend.
+  void* out = nullptr;
   bool accumulate = false;  // add the sums to what out holds
   // [T, experts_per_token] fp32: the combine weights given now rather than at DispatchSend (as
   // DeepEP's and pplx's combine take them); null: DispatchInput::weights. Only with the sums
@@ -309,14 +314,14 @@ class FERRY_API AllToAll {
   // host device that stops the AllToAll (every later step reports it); on the CUDA device the
   // slot is dropped and the error surfaces as kernel errors do (see SetStream).
   virtual Status DispatchRecv(const DispatchOutput& out, Deadline deadline) = 0;
-  // expert_out: [local_experts, expert_capacity, hidden] bf16 (fp32 for kFp32: the combine's
-  // element, AllToAllConfig::combine_row_bytes), rows as DispatchRecv laid them out
+  // expert_out: [local_experts, expert_capacity, hidden] bf16 (fp32 where combines_fp32(): the
+  // combine's element, AllToAllConfig::combine_row_bytes), rows as DispatchRecv laid them out
   // (padded_rows(p) rows after a DispatchRecv with expert_padding p, local_experts blocks of
   // expert_rows with that); token-major:
   // [expert_capacity, hidden], row i the weighted sum of row i's experts' outputs.
   virtual Status CombineSend(const void* expert_out) = 0;
-  // out: [T, hidden] bf16 (fp32 for kFp32) for the T of the last DispatchSend; with accumulate,
-  // adds to it.
+  // out: [T, hidden] bf16 (fp32 where combines_fp32()) for the T of the last DispatchSend;
+  // with accumulate, adds to it.
   virtual Status CombineRecv(const CombineOutput& out, Deadline deadline) = 0;
   Status CombineRecv(void* out, bool accumulate, Deadline deadline) {
     return CombineRecv(CombineOutput{out, accumulate}, deadline);

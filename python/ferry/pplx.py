@@ -9,11 +9,12 @@ they constructed P2PAllToAll; `dispatch` and `combine` take the same tensors:
   out_expert_x, expert e's block starting where the blocks before it end, each block's rows
   rounded up to expert_padding (the layout grouped GEMMs take); out_expert_num_tokens holds the
   unpadded counts.
-- combine(out_tokens [tokens, hidden] bf16, indices, weights, expert_y (out_expert_x's layout),
+- combine(out_tokens [tokens, hidden] (out_dtype), indices, weights, expert_y (out_expert_x's layout),
   bound_m, do_send, do_recv, accumulate): each token's weighted sum of its experts' rows.
 - in_dtype bf16, float32 or e4m3 (with hidden_dim_scale float32 scales per token, moved with
-  their rows as they are: one per 128 columns, per token, or any groups); out_dtype bf16, or
-  float32 with float32 input (expert_y and out_tokens then float32: the sums stay fp32).
+  their rows as they are: one per 128 columns, per token, or any groups); out_dtype bf16 or
+  float32 (float32 only, with float32 input): expert_y and out_tokens in it, and with float32
+  the sums stay fp32.
 - With max_tokens_per_expert = b (pplx's batched layout): out_expert_x is [local experts, b,
   hidden] (or those rows flat), expert e's tokens from row e * b, expert_padding unused. b below
   the most one expert can receive (every rank's max_num_tokens) bounds the routing: an expert
@@ -60,12 +61,13 @@ class AllToAll(_ferry.PplxSteps):
         fp32 = in_dtype == torch.float32
         if in_dtype != torch.bfloat16 and not fp8 and not fp32:
             raise InvalidArgument(f"in_dtype {in_dtype}: bfloat16, float32 or float8_e4m3fn")
-        # ferry's combine sums in the dispatch's element: fp32 rows give fp32 sums, bf16 and
-        # fp8 rows bf16 ones.
-        if out_dtype != (torch.float32 if fp32 else torch.bfloat16):
+        # ferry's combine moves and sums bf16 or fp32 rows (AllToAllConfig::fp32_combine);
+        # fp32 rows combine in fp32.
+        if (out_dtype not in (torch.float32, torch.bfloat16)
+                or (fp32 and out_dtype != torch.float32)):
             raise Unimplemented(
                 f"out_dtype {out_dtype} with in_dtype {in_dtype}: ferry's combine returns "
-                f"{'float32' if fp32 else 'bfloat16'} for this input")
+                f"{'float32' if fp32 else 'bfloat16 or float32'} for this input")
         if fp8 and scale_dtype != torch.float32:
             raise Unimplemented(f"scale_dtype {scale_dtype}: ferry moves float32 scales")
         if fp8 and not (isinstance(hidden_dim_scale, int) and 1 <= hidden_dim_scale <= hidden_dim):
@@ -105,6 +107,8 @@ class AllToAll(_ferry.PplxSteps):
                              _ferry.DispatchDtype.FP32 if fp32 else _ferry.DispatchDtype.BF16))
         if max_private_tokens is not None:
             fields["max_private_tokens"] = max_private_tokens
+        if out_dtype == torch.float32 and not fp32:
+            fields["fp32_combine"] = True
         if fp8 and (hidden_dim % 128 or hidden_dim_scale != hidden_dim // 128):
             # Scales other than one per 128 columns (per token, other groups) travel with their
             # rows as they are.

@@ -107,12 +107,19 @@ _ELEMENTS = {1: fp8_dtype(), 2: torch.bfloat16, 4: torch.float32}
 class AllToAll:
     """pplx_kernels.AllToAll: made by intranode / internode, as pplx-kernels' is."""
 
-    def __init__(self, inner, scales, k, max_num_tokens, device):
+    def __init__(self, inner, scales, k, max_num_tokens, device, dp):
         self._inner = inner  # ferry.pplx.AllToAll
         self._scales = scales  # float32 scales a row (0: rows without scales)
         # The dispatch's weights: pplx-kernels' dispatch takes none (its combine does); ferry's
-        # reads a [tokens, k] float32 tensor at the send half and leaves its values unused.
-        self._ones = torch.ones(max_num_tokens, k, dtype=torch.float32, device=device)
+        # reads a [tokens, k] float32 array at the send half and leaves its values unused.
+        inner.use_ones(torch.ones(max_num_tokens, k, dtype=torch.float32, device=device))
+        # combine(out_tokens, indices, weights, expert_y, bound_m, do_send=True, do_recv=True)
+        # is ferry.pplx's (accumulate left False: pplx-kernels' combine writes out_tokens), and
+        # so is the dispatch where nothing is left to do in Python (no scales to widen, no
+        # data-parallel group): the calls go straight to C++, which checks their arguments.
+        self.combine = inner.combine
+        if not scales and not dp:
+            self.dispatch = inner.dispatch_unweighted
 
     @classmethod
     def intranode(cls, max_num_tokens, num_experts, experts_per_token, rank, world_size,
@@ -169,47 +176,31 @@ class AllToAll:
             raise InvalidArgument(f"rank {rank} of {world_size}: the group has this process as "
                                   f"rank {group_rank} of {group_size}")
         in_dtype = _ELEMENTS[item]
+        dp_group = _dp_group(group, rank, world_size, dp_size)
         inner = _pplx.AllToAll(
             max_num_tokens=max_num_tokens, num_experts=num_experts, expert_padding=1,
             hidden_dim=hidden_dim, hidden_dim_scale=scales or None, in_dtype=in_dtype,
             out_dtype=torch.float32 if item == 4 else torch.bfloat16,
             scale_dtype=torch.float32 if scales else None, num_experts_per_token=experts_per_token,
-            device=device, dp_group=_dp_group(group, rank, world_size, dp_size),
+            device=device, dp_group=dp_group,
             global_group=group, max_tokens_per_expert=max_num_tokens * (world_size // dp_size),
             timeout=timeout)
-        return cls(inner, scales, experts_per_token, max_num_tokens, device)
+        return cls(inner, scales, experts_per_token, max_num_tokens, device, dp_group is not None)
 
     def dispatch(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale,
                  indices, bound_m, do_send=True, do_recv=True):
-        if (dp_x_scale is None) != (self._scales == 0) and do_send:
-            raise InvalidArgument("dp_x_scale: " + ("required: this AllToAll's rows carry "
-                                                    "scales" if self._scales else
-                                                    "given, but hidden_dim_scale_bytes was 0"))
-        weights = None
-        if do_send:
-            if not isinstance(dp_x, torch.Tensor) or dp_x.dim() != 2:
-                raise InvalidArgument("dp_x: a [tokens, hidden] torch.Tensor")
-            if dp_x.shape[0] > self._ones.shape[0]:
-                raise InvalidArgument(f"dp_x: {dp_x.shape[0]} tokens, at most "
-                                      f"{self._ones.shape[0]} (max_num_tokens)")
-            weights = self._ones[:dp_x.shape[0]]
-            if (self._scales and isinstance(dp_x_scale, torch.Tensor) and dp_x_scale.dim() == 2
-                    and dp_x_scale.shape[1] < self._scales):
-                # Scales rounded up to 16 bytes by the caller: the columns past its own zero.
-                dp_x_scale = torch.nn.functional.pad(
-                    dp_x_scale, (0, self._scales - dp_x_scale.shape[1]))
+        """ferry.pplx's dispatch without weights, scales widened to the row's count first."""
+        if (do_send and self._scales and type(dp_x_scale) is torch.Tensor
+                and dp_x_scale.dim() == 2 and dp_x_scale.shape[1] < self._scales):
+            # Scales rounded up to 16 bytes by the caller: the columns past its own zero.
+            dp_x_scale = torch.nn.functional.pad(dp_x_scale,
+                                                 (0, self._scales - dp_x_scale.shape[1]))
         self._inner.dispatch(out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x,
-                             dp_x_scale, indices, weights, bound_m, do_send, do_recv)
-
-    def combine(self, out_tokens, indices, weights, expert_y, bound_m, do_send=True,
-                do_recv=True):
-        self._inner.combine(out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv,
-                            False)
+                             dp_x_scale, indices, None, bound_m, do_send, do_recv)
 
     def destroy(self):
-        if self._inner is not None:
-            self._inner.destroy()
-            self._inner = None
+        """Closes the AllToAll (once; later calls fail FailedPrecondition)."""
+        self._inner.destroy()
 
 
 def _group_named(name):

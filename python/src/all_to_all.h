@@ -196,7 +196,8 @@ class PyAllToAll {
       rows = static_cast<uint64_t>(*num_rows);
     }
     Check(&ea,
-          {"expert_out", rows * c.combine_row_bytes(), false, ItemKind(c), CombineItemBytes(c)});
+          {"expert_out", rows * c.combine_row_bytes(), false, CombineItemKind(c),
+           CombineItemBytes(c)});
     Run({ea.owner}, [&](AllToAll& a) { return a.CombineSend(ea.pointer()); });
   }
 
@@ -212,7 +213,7 @@ class PyAllToAll {
     const AllToAllConfig& c = config();
     const Deadline deadline = DeadlineIn(timeout);
     Check(&oa, {"out", static_cast<uint64_t>(last_tokens_) * c.combine_row_bytes(), true,
-                ItemKind(c), CombineItemBytes(c)});
+                CombineItemKind(c), CombineItemBytes(c)});
     CombineOutput to{oa.pointer(), accumulate};
     Owners used{oa.owner};
     if (wa) {
@@ -436,8 +437,8 @@ class PyAllToAll {
   int Device(const AllToAllConfig& c) const {
     return c.device == MoeDeviceKind::kHost ? kHostMemory : c.cuda_device;
   }
-  // The element of the dispatch's rows and of the combine's (bf16, fp8 or fp32), and its kind:
-  // float for fp32; bf16 and fp8 take any 2- or 1-byte element (torch.uint8 stands for fp8 where
+  // The element of the dispatch's rows (bf16, fp8 or fp32) and of the combine's (bf16 or fp32),
+  // and its kind: float for fp32; bf16 and fp8 take any 2- or 1-byte element (torch.uint8 stands for fp8 where
   // torch has no float8_e4m3fn).
   static int ItemBytes(const AllToAllConfig& c) {
     return static_cast<int>(c.token_bytes() / c.hidden);
@@ -448,6 +449,7 @@ class PyAllToAll {
   static char ItemKind(const AllToAllConfig& c) {
     return c.dtype == DispatchDtype::kFp32 ? 'f' : char{0};
   }
+  static char CombineItemKind(const AllToAllConfig& c) { return c.combines_fp32() ? 'f' : char{0}; }
   // The expert ids into `in`: int32 as they are, uint32 as the same bits (an id >= 2^31 is
   // then negative: -1 for 0xFFFFFFFF, a bad id otherwise), int64 (torch.topk's) as indices64,
   // narrowed by the core (on the CUDA device by the send kernels as they read them).

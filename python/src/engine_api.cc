@@ -39,8 +39,7 @@ class PyPplx {
         block_(block),
         timeout_(timeout),
         torch_(Torch::Get()),
-        out_dtype_(a2a_->config().dtype == DispatchDtype::kFp32 ? torch_.float32
-                                                                : torch_.bfloat16) {
+        out_dtype_(a2a_->config().combines_fp32() ? torch_.float32 : torch_.bfloat16) {
     CheckTimeout(timeout);
   }
 
@@ -51,6 +50,7 @@ class PyPplx {
     if (!do_send && !do_recv) Invalid("dispatch: do_send or do_recv (or both)");
     Expect(do_send ? Stage::kIdle : Stage::kDispatched, "dispatch");
     std::optional<Array> x, x_scale, ids, w, bound, counts, out_x, out_scale;
+    const Array* w_used = nullptr;  // w, or ones_ for a dispatch given no weights
     int64_t tokens = 0;
     if (do_send) {
       x = Tensor("dp_x", dp_x, in_dtype_.ptr(), 2);
@@ -72,9 +72,16 @@ class PyPplx {
           (ids->dtype == nullptr || ids->dtype != torch_.uint32)) {
         Invalid("indices: dtype " + Str(ids->dtype) + ", expected int32, int64 or uint32");
       }
-      w = Tensor("weights", weights, torch_.float32, 2);
-      for (const auto& [name, a] : {std::pair{"indices", &*ids}, std::pair{"weights", &*w}}) {
-        if (a->shape != std::vector<int64_t>{tokens, k_}) {
+      const bool stand_in = weights.is_none() && ones_.has_value();  // ones_ covers any count
+      if (stand_in) {
+        w_used = &*ones_;
+      } else {
+        w = Tensor("weights", weights, torch_.float32, 2);
+        w_used = &*w;
+      }
+      for (const auto& [name, a] :
+           {std::pair<const char*, const Array*>{"indices", &*ids}, {"weights", w_used}}) {
+        if (!(stand_in && a == w_used) && a->shape != std::vector<int64_t>{tokens, k_}) {
           Invalid(std::string(name) + ": shape " + Shape(a->shape) + ", expected " +
                   Pair(tokens, k_));
         }
@@ -136,7 +143,7 @@ class PyPplx {
     // ferry lays the padded blocks out itself (DispatchOutput::expert_padding).
     a2a_->Ordered(CurrentStream(device_), true, true, do_send, [&] {
       if (do_send) {
-        a2a_->DispatchSendArrays(*x, *ids, *w, x_scale ? &*x_scale : nullptr,
+        a2a_->DispatchSendArrays(*x, *ids, *w_used, x_scale ? &*x_scale : nullptr,
                                  static_cast<int>(tokens), bound ? &*bound : nullptr,
                                  Fp8Scaling::kAmax);
       }
@@ -173,6 +180,24 @@ class PyPplx {
       if (do_recv) a2a_->CombineRecvArrays(*out, accumulate, timeout_, &*w);
     });
     stage_ = do_recv ? Stage::kIdle : Stage::kCombining;
+  }
+
+  // pplx-kernels' dispatch: no weights (the combine takes them); `ones` (float32 [max_tokens,
+  // k], set by UseOnes) stands in for them, its values unused.
+  void DispatchUnweighted(const py::handle& out_expert_num_tokens, const py::handle& out_expert_x,
+                          const py::handle& out_expert_x_scale, const py::handle& dp_x,
+                          const py::handle& dp_x_scale, const py::handle& indices,
+                          const py::handle& bound_m, bool do_send, bool do_recv) {
+    if (!ones_) Invalid("dispatch without weights: this AllToAll has no stand-in (use_ones)");
+    Dispatch(out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale, indices,
+             py::none(), bound_m, do_send, do_recv);
+  }
+  void UseOnes(const py::handle& ones) {
+    Array a = Tensor("ones", ones, torch_.float32, 2);
+    if (a.shape != std::vector<int64_t>{max_tokens_, k_}) {
+      Invalid("ones: shape " + Shape(a.shape) + ", expected " + Pair(max_tokens_, k_));
+    }
+    ones_ = std::move(a);
   }
 
   std::string stage() const { return StageName(stage_); }
@@ -239,8 +264,9 @@ class PyPplx {
   int64_t block_;
   double timeout_;
   const Torch& torch_;
-  PyObject* out_dtype_;  // expert_y's and out_tokens': float32 for float32 input, else bfloat16
+  PyObject* out_dtype_;  // expert_y's and out_tokens': float32 where the combine is, else bfloat16
   Stage stage_ = Stage::kIdle;
+  std::optional<Array> ones_;  // a dispatch's weights where it is given none (UseOnes)
   std::vector<int64_t> recv_shape_;  // out_expert_x's at the last dispatch (expert_y's then)
 };
 }  // namespace
@@ -265,6 +291,14 @@ void BindEngineApi(py::module_& m) {
            py::arg("do_send") = true, py::arg("do_recv") = true, py::arg("accumulate") = false,
            "Each token's weighted sum of its experts' rows of expert_y into out_tokens (added "
            "to it with accumulate)")
+      .def("dispatch_unweighted", &PyPplx::DispatchUnweighted,
+           py::arg("out_expert_num_tokens"), py::arg("out_expert_x"),
+           py::arg("out_expert_x_scale"), py::arg("dp_x"), py::arg("dp_x_scale"),
+           py::arg("indices"), py::arg("bound_m") = py::none(), py::arg("do_send") = true,
+           py::arg("do_recv") = true,
+           "dispatch without weights (pplx-kernels' signature): the combine takes them")
+      .def("use_ones", &PyPplx::UseOnes, py::arg("ones"),
+           "The float32 [max_tokens, k] tensor a dispatch given no weights reads in their place")
       .def_property_readonly("stage", &PyPplx::stage,
                              "Where the halves stand: idle, dispatched, received, combining");
 }

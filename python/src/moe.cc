@@ -52,6 +52,7 @@ void BindMoe(py::module_& m) {
       .def_readwrite("hidden", &AllToAllConfig::hidden)
       .def_readwrite("dtype", &AllToAllConfig::dtype)
       .def_readwrite("fp8_scales", &AllToAllConfig::fp8_scales)
+      .def_readwrite("fp32_combine", &AllToAllConfig::fp32_combine)
       .def_readwrite("max_private_tokens", &AllToAllConfig::max_private_tokens)
       .def_readwrite("dispatch_once_per_rank", &AllToAllConfig::dispatch_once_per_rank)
       .def_readwrite("combine_reduce_at_expert_rank",

@@ -597,6 +597,7 @@ def pplx_body(world, group_kind):
         check_pplx_fp8(world, b.rank, group, hidden_dim_scale=8)  # groups of 64 columns
         check_pplx_batched(world, b.rank, group)
         check_pplx_fp32(world, b.rank, group)
+        check_pplx_fp32_out(world, b.rank, group)
         # Rows of any multiple of 16 columns in bf16 and fp32 (pplx-garden's tests use 16).
         check_pplx_batched(world, b.rank, group, hidden=48)
         check_pplx_fp32(world, b.rank, group, hidden=16)
@@ -662,6 +663,46 @@ def check_pplx_fp32(world, rank, group, hidden=HIDDEN):
         for j in range(K):
             if int(idx[t, j]) >= 0:
                 ref[t] += float(w[t, j]) * expert_factor(int(idx[t, j])) * x[t].double()
+    torch.testing.assert_close(hv(out).double(), ref, rtol=2 ** -20, atol=2 ** -30)
+    a2a.destroy()
+
+
+def check_pplx_fp32_out(world, rank, group):
+    """bf16 rows combined in fp32 (in_dtype bfloat16, out_dtype float32): the rows arrive as
+    sent, expert_y and out_tokens are float32 and the sums are kept in fp32 (within 2^-20 of a
+    float64 reference, where bf16 sums would miss by 2^-9)."""
+    from ferry import pplx
+    e = EXPERTS_PER_RANK * world
+    block = MAX_TOKENS * world
+    a2a = pplx.AllToAll(max_num_tokens=MAX_TOKENS, num_experts=e, expert_padding=1,
+                        hidden_dim=HIDDEN, hidden_dim_scale=None, in_dtype=torch.bfloat16,
+                        out_dtype=torch.float32, scale_dtype=None, num_experts_per_token=K,
+                        device=torch.device(DEV), global_group=group,
+                        max_tokens_per_expert=block)
+    sent = [inputs(world, s) for s in range(world)]
+    x, idx, w = sent[rank]
+    dx, ids, dw = dv(x), dv(idx), dv(w)
+    counts = dv(torch.empty(EXPERTS_PER_RANK, dtype=torch.int32))
+    out_x = dv(torch.zeros(EXPERTS_PER_RANK, block, HIDDEN, dtype=torch.bfloat16))
+    a2a.dispatch(counts, out_x, None, dx, None, ids, dw)
+    got, n = hv(out_x), hv(counts)
+    # Each expert's output in fp32: its rows times the factor plus a remainder bf16 cannot hold.
+    y = torch.zeros(got.shape, dtype=torch.float32)
+    for le, g, c, want in expert_blocks(sent, rank, n):
+        assert rows_of(got[le, :c]) == rows_of(want), (rank, le)
+        y[le, :c] = got[le, :c].float() * expert_factor(g) * (1 + 2 ** -12)
+    out = dv(torch.empty(x.shape, dtype=torch.float32))
+    expect_error(ferry.InvalidArgument, "dtype", a2a.combine, out, ids, dw,
+                 dv(y.to(torch.bfloat16)))
+    expect_error(ferry.InvalidArgument, "dtype", a2a.combine, dv(torch.empty_like(x)), ids, dw,
+                 dv(y))
+    a2a.combine(out, ids, dw, dv(y))
+    ref = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(K):
+            if int(idx[t, j]) >= 0:
+                ref[t] += (float(w[t, j]) * expert_factor(int(idx[t, j])) * (1 + 2 ** -12)
+                           * x[t].double())
     torch.testing.assert_close(hv(out).double(), ref, rtol=2 ** -20, atol=2 ** -30)
     a2a.destroy()
 
@@ -859,7 +900,7 @@ class PplxTest(Worlds, Case):
                           out_dtype=torch.bfloat16, scale_dtype=None, num_experts_per_token=1,
                           global_group=b)
             expect_error(ferry.Unimplemented, "out_dtype", pplx.AllToAll,
-                         **{**common, "out_dtype": torch.float32})
+                         **{**common, "out_dtype": torch.float16})
             expect_error(ferry.Unimplemented, "scale_dtype", pplx.AllToAll,
                          **{**common, "scale_dtype": torch.float32, "hidden_dim_scale": 16})
             expect_error(ferry.InvalidArgument, "max_tokens_per_expert", pplx.AllToAll,
@@ -949,10 +990,12 @@ def pplx_kernels_body(world, group_kind):
                         do_send=False, do_recv=True)
             torch.testing.assert_close(hv(out).float(), weighted_reference(x, idx, w).float(),
                                        rtol=2 ** -7, atol=2 ** -6)
-        expect_error(ferry.InvalidArgument, "hidden_dim_scale_bytes was 0", a2a.dispatch,
+        expect_error(ferry.InvalidArgument, "input has no scales", a2a.dispatch,
                      counts, out_x, None, dx, dv(torch.ones(x.shape[0], 4)), ids, None)
         a2a.destroy()
         a2a.destroy()  # once only
+        expect_error(ferry.FailedPrecondition, "closed", a2a.dispatch, counts, out_x, None, dx,
+                     None, ids, None)
         # vLLM's per-token scales (one a row, repeated to 4 columns: 16 bytes) and block scales
         # (here 11 groups of 48 columns, given as 11 columns of the 12 that 16-byte rounding
         # makes).
@@ -973,8 +1016,8 @@ def check_legacy_fp8(b, store, group_kind, world, given, spt):
     counts = dv(torch.empty(EXPERTS_PER_RANK, dtype=torch.int32))
     out_x = dv(torch.zeros(EXPERTS_PER_RANK, block, HIDDEN, dtype=torch.uint8).view(fp8_dtype()))
     out_s = dv(torch.full((EXPERTS_PER_RANK, block, spt), -1.0))
-    expect_error(ferry.InvalidArgument, "dp_x_scale: required", a2a.dispatch, counts, out_x,
-                 out_s, dv(codes), None, legacy_ids(idx), None)
+    expect_error(ferry.InvalidArgument, "dp_x_scale: expected a torch.Tensor", a2a.dispatch,
+                 counts, out_x, out_s, dv(codes), None, legacy_ids(idx), None)
     a2a.dispatch(counts, out_x, out_s, dv(codes), dv(scales), legacy_ids(idx), None)
     n, got_x, got_s = hv(counts), hv(out_x).view(torch.uint8), hv(out_s)
     for le in range(EXPERTS_PER_RANK):
@@ -1061,8 +1104,8 @@ class PplxKernelsTest(Worlds, Case):
             out_x = dv(torch.zeros(2, 4, 128, dtype=torch.bfloat16))
             expect_error(ferry.InvalidArgument, "dtype torch.float16", a2a.dispatch, counts,
                          out_x, None, x.half(), None, ids, None)
-            expect_error(ferry.InvalidArgument, "at most 4", a2a.dispatch, counts, out_x, None,
-                         dv(torch.ones(5, 128, dtype=torch.bfloat16)), None,
+            expect_error(ferry.InvalidArgument, "at most (4, 128)", a2a.dispatch, counts, out_x,
+                         None, dv(torch.ones(5, 128, dtype=torch.bfloat16)), None,
                          dv(torch.zeros(5, 1, dtype=torch.int32)), None)
             a2a.dispatch(counts, out_x, None, x, None, ids, None)  # still usable after both
             assert hv(counts).tolist() == [2, 0]

@@ -131,9 +131,10 @@ int64_t AllToAllConfig::output_rows(int expert_padding, int64_t expert_rows) con
 std::vector<uint8_t> AllToAllConfig::Fingerprint() const {
   fabric::ByteWriter w;
   for (int v : {world_size, ranks_per_node, num_experts, experts_per_token, max_tokens_per_rank,
-                hidden, static_cast<int>(dtype), fp8_scales, max_private_tokens,
-                int{dispatch_once_per_rank}, int{combine_reduce_at_expert_rank}, instance,
-                cuda.stream, int{mask_lost_peers}}) {
+                hidden, static_cast<int>(dtype), fp8_scales, int{combines_fp32()},
+                max_private_tokens, int{dispatch_once_per_rank},
+                int{combine_reduce_at_expert_rank}, instance, cuda.stream,
+                int{mask_lost_peers}}) {
     w.U32(static_cast<uint32_t>(v));
   }
   return w.Take();
@@ -148,6 +149,7 @@ std::string AllToAllConfig::ToString() const {
          " hidden=" + std::to_string(hidden) +
          " dtype=" + DtypeName(dtype) +
          (fp8_scales ? " fp8_scales=" + std::to_string(fp8_scales) : std::string()) +
+         (fp32_combine && dtype != DispatchDtype::kFp32 ? " fp32_combine" : "") +
          " max_private_tokens=" + std::to_string(max_private_tokens) +
          (dispatch_once_per_rank ? " once_per_rank" : "") +
          (combine_reduce_at_expert_rank ? " reduce_at_expert_rank" : "") +

@@ -91,6 +91,23 @@ TEST(AllToAllConfigTest, ValidateNamesTheBadField) {
   bad = c;
   bad.mask_lost_peers = true;
   EXPECT_NE(c.Fingerprint(), bad.Fingerprint());
+  // An fp32 combine doubles a combine row's bytes: agreed. fp32 rows combine in fp32 whether
+  // it is set or not.
+  bad = c;
+  bad.fp32_combine = true;
+  EXPECT_TRUE(bad.Validate().ok());
+  EXPECT_TRUE(bad.combines_fp32());
+  EXPECT_EQ(bad.combine_row_bytes(), 7168 * 4);
+  EXPECT_EQ(c.combine_row_bytes(), 7168 * 2);
+  EXPECT_NE(c.Fingerprint(), bad.Fingerprint());
+  EXPECT_NE(bad.ToString().find("fp32_combine"), std::string::npos);
+  AllToAllConfig f32 = c;
+  f32.dtype = DispatchDtype::kFp32;
+  EXPECT_TRUE(f32.combines_fp32());
+  AllToAllConfig flagged = f32;
+  flagged.fp32_combine = true;
+  EXPECT_EQ(f32.combine_row_bytes(), 7168 * 4);
+  EXPECT_EQ(f32.Fingerprint(), flagged.Fingerprint());
 }
 
 // The CUDA kernels' scheduling: which steps stream changes what crosses, so it is part of the

@@ -887,7 +887,7 @@ class NvlinkAllToAll final : public AllToAll {
   int recv_grid_ = 1;  // CombineSend's, and Unpack's unless streamed
   int unpack_grid_ = 0;  // Unpack's
   bool combine_copy_only_ = false;  // CombineSend's copy-only instance (token-major, small batches)
-  const bool fp32_ = c_.dtype == DispatchDtype::kFp32;  // the combine's kernels sum fp32 rows
+  const bool fp32_ = c_.combines_fp32();  // the combine's kernels sum fp32 rows
   int recv_grid_limit_ = 1;
   bool pdl_ = true;    // receive kernels may start early (Launch)
   int token_bound_ = 0;

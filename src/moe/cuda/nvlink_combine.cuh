@@ -25,7 +25,8 @@ __device__ inline uint4 PackBf16(const float (&acc)[8]) {
 }
 
 // A combine row's 16-byte vector (AllToAllConfig::combine_row_bytes): eight bf16 values, or
-// under kFp32 four fp32 ones (kF32), each widened to fp32 for the sums.
+// where the combine is fp32 (AllToAllConfig::combines_fp32) four fp32 ones (kF32), each
+// widened to fp32 for the sums.
 template <bool kF32>
 struct CombineVec {
   static constexpr int kPer = 8;
@@ -94,7 +95,7 @@ __device__ inline void TagRows(const Nv& v, int r, int64_t row, int rows, uint64
 // order, the order CombineRecv claims tokens in).
 // Token-major, the caller summed each token's experts into row g of expert_out, which is copied
 // as it is; kCopyOnly: an instance that only does that (few registers; see its launch). kF32:
-// fp32 rows (kFp32), else bf16.
+// fp32 rows (AllToAllConfig::combines_fp32), else bf16.
 template <bool kCopyOnly, bool kF32>
 __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineArgs a) {
   using V = CombineVec<kF32>;

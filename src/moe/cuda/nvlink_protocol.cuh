@@ -266,7 +266,7 @@ struct RecvArgs {
   int64_t* wait_cost;      // [N] or null: DispatchOutput::wait_cost (AwaitCounted)
 };
 struct CombineArgs {
-  const uint8_t* expert_out;  // rows of Nv::row_bytes (bf16, or fp32 under kFp32)
+  const uint8_t* expert_out;  // rows of Nv::row_bytes (bf16, or fp32: combines_fp32)
   uint8_t* out;
   bool accumulate;
   uint64_t timeout_ns;

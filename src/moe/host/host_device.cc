@@ -14,7 +14,8 @@
 namespace ferry::moe {
 namespace {
 
-// A combine row's element (AllToAllConfig::combine_row_bytes): bf16, or fp32 under kFp32.
+// A combine row's element (AllToAllConfig::combine_row_bytes): bf16, or fp32 under
+// combines_fp32().
 inline float ElemToFloat(uint16_t b) { return Bf16ToFloat(b); }
 inline float ElemToFloat(float f) { return f; }
 
@@ -470,7 +471,7 @@ class HostDevice final : public MoeDevice {
 
   const DeviceParams p_;
   const AllToAllConfig& c_;  // p_.config
-  const bool fp32_ = c_.dtype == DispatchDtype::kFp32;  // the combine's rows and sums are fp32
+  const bool fp32_ = c_.combines_fp32();  // the combine's rows and sums are fp32
   const RelayLayout& lay_;
   const SlotFormat slot_;
   std::vector<uint8_t> self_section_;  // our counts row and slots for ourselves
