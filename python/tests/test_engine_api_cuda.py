@@ -53,6 +53,24 @@ def captured(step):
     return graph
 
 
+def check_replays(graph, world, rank, captured_inputs, out, ids_of=lambda idx: idx):
+    """Three replays of `graph` over new rows, ids and weights copied into the tensors it
+    captured (x, ids, weights; ids_of(idx): what the ids tensor holds), each replay's `out`
+    against the reference for its inputs."""
+    import torch
+    x, ids, w = captured_inputs
+    for r in range(1, 4):
+        rx, ridx, rw = api.inputs(world, rank, round=r)
+        x.copy_(rx)
+        ids.copy_(ids_of(ridx))
+        w.copy_(rw)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.cpu().float(),
+                                   api.weighted_reference(rx, ridx, rw).float(), rtol=2 ** -7,
+                                   atol=2 ** -6)
+
+
 def graph_body(world, kind):
     """A low-latency dispatch, an expert and the combine captured once as a CUDA graph (as an
     engine captures its decode step), then replayed over new rows, ids and weights copied into
@@ -74,17 +92,7 @@ def graph_body(world, kind):
             y = (recv.float() * factor).to(torch.bfloat16)  # rows past the counts: unread
             buf.low_latency_combine(y, idx, w, handle, out=out)
 
-        graph = captured(step)
-        for r in range(1, 4):
-            rx, ridx, rw = api.inputs(world, b.rank, round=r)
-            x.copy_(rx)
-            idx.copy_(ridx)
-            w.copy_(rw)
-            graph.replay()
-            torch.cuda.synchronize()
-            want = api.weighted_reference(rx, ridx, rw)
-            torch.testing.assert_close(out.cpu().float(), want.float(), rtol=2 ** -7,
-                                       atol=2 ** -6)
+        check_replays(captured(step), world, b.rank, (x, idx, w), out)
         buf.destroy()
     return body
 
@@ -167,17 +175,8 @@ def pplx_kernels_graph_body(world):
             for send, recv in ((True, False), (False, True)):
                 a2a.combine(out, ids, w, y, None, do_send=send, do_recv=recv)
 
-        graph = captured(step)
-        for r in range(1, 4):
-            rx, ridx, rw = api.inputs(world, b.rank, round=r)
-            x.copy_(rx)
-            ids32.copy_(ridx.to(torch.int32))
-            w.copy_(rw)
-            graph.replay()
-            torch.cuda.synchronize()
-            want = api.weighted_reference(rx, ridx, rw)
-            torch.testing.assert_close(out.cpu().float(), want.float(), rtol=2 ** -7,
-                                       atol=2 ** -6)
+        check_replays(captured(step), world, b.rank, (x, ids32, w), out,
+                      lambda idx: idx.to(torch.int32))
         a2a.destroy()
     return body
 
