@@ -26,7 +26,9 @@ What the calls mean, as pplx-kernels has them:
 - dispatch(out_expert_num_tokens [local experts] int32, out_expert_x [local experts,
   max_num_tokens * world_size / dp_size, hidden], out_expert_x_scale, dp_x [tokens, hidden],
   dp_x_scale, indices [tokens, k] (uint32, int32 or int64), bound_m, do_send, do_recv): expert
-  e's rows from row 0 of its block, out_expert_num_tokens its count.
+  e's rows from row 0 of its block, out_expert_num_tokens its count. out_expert_x_scale may
+  have more columns than a row's scales (vLLM gives per-token scales hidden of them): the
+  scales fill its first columns.
 - combine(out_tokens [tokens, hidden], indices, weights [tokens, k] float32, expert_y
   (out_expert_x's shape, bf16; float32 for float32 rows), bound_m, do_send, do_recv): each
   token's weighted sum of its experts' rows, written over out_tokens.
@@ -110,6 +112,7 @@ class AllToAll:
     def __init__(self, inner, scales, k, max_num_tokens, device, dp):
         self._inner = inner  # ferry.pplx.AllToAll
         self._scales = scales  # float32 scales a row (0: rows without scales)
+        self._scale_scratch = {}  # (experts, rows, device) -> [experts, rows, scales] float32
         # The dispatch's weights: pplx-kernels' dispatch takes none (its combine does); ferry's
         # reads a [tokens, k] float32 array at the send half and leaves its values unused.
         inner.use_ones(torch.ones(max_num_tokens, k, dtype=torch.float32, device=device))
@@ -189,14 +192,33 @@ class AllToAll:
 
     def dispatch(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale,
                  indices, bound_m, do_send=True, do_recv=True):
-        """ferry.pplx's dispatch without weights, scales widened to the row's count first."""
-        if (do_send and self._scales and type(dp_x_scale) is torch.Tensor
-                and dp_x_scale.dim() == 2 and dp_x_scale.shape[1] < self._scales):
-            # Scales rounded up to 16 bytes by the caller: the columns past its own zero.
-            dp_x_scale = torch.nn.functional.pad(dp_x_scale,
-                                                 (0, self._scales - dp_x_scale.shape[1]))
+        """ferry.pplx's dispatch without weights, the caller's scales taken as vLLM sizes them:
+        dp_x_scale may have fewer columns than a row's scales (the rest travel as zeros) and
+        out_expert_x_scale more (vLLM's per-token output is [experts, rows, hidden]: the
+        scales land in its first columns, the rest untouched)."""
+        s = self._scales
+        if (do_send and s and type(dp_x_scale) is torch.Tensor and dp_x_scale.dim() == 2
+                and dp_x_scale.shape[1] < s):
+            dp_x_scale = torch.nn.functional.pad(dp_x_scale, (0, s - dp_x_scale.shape[1]))
+        wide = None
+        if (do_recv and s and type(out_expert_x_scale) is torch.Tensor
+                and out_expert_x_scale.dim() == 3 and out_expert_x_scale.shape[2] > s):
+            wide, out_expert_x_scale = out_expert_x_scale, self._scale_rows(out_expert_x_scale)
         self._inner.dispatch(out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x,
                              dp_x_scale, indices, None, bound_m, do_send, do_recv)
+        if wide is not None:
+            wide[:, :, :s].copy_(out_expert_x_scale)
+
+    def _scale_rows(self, wide):
+        """A [experts, rows, scales] float32 tensor the receive half writes before its scales
+        are copied into `wide` (kept per shape and device: a CUDA graph captures it)."""
+        key = (wide.shape[0], wide.shape[1], wide.device)
+        rows = self._scale_scratch.get(key)
+        if rows is None:
+            rows = self._scale_scratch[key] = torch.empty(
+                wide.shape[0], wide.shape[1], self._scales, dtype=torch.float32,
+                device=wide.device)
+        return rows
 
     def destroy(self):
         """Closes the AllToAll (once; later calls fail FailedPrecondition)."""

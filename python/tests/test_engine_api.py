@@ -999,15 +999,17 @@ def pplx_kernels_body(world, group_kind):
         # vLLM's per-token scales (one a row, repeated to 4 columns: 16 bytes) and block scales
         # (here 11 groups of 48 columns, given as 11 columns of the 12 that 16-byte rounding
         # makes).
-        for given, spt in ((4, 4), (11, 12)):
-            check_legacy_fp8(b, store, group_kind, world, given, spt)
+        # vLLM's per-token output scales are [experts, rows, hidden]: the 4 land in its first
+        # columns.
+        for given, spt, out_cols in ((4, 4, HIDDEN), (11, 12, 12)):
+            check_legacy_fp8(b, store, group_kind, world, given, spt, out_cols)
     return body
 
 
-def check_legacy_fp8(b, store, group_kind, world, given, spt):
+def check_legacy_fp8(b, store, group_kind, world, given, spt, out_cols):
     """e4m3 rows with `given` scale columns a row, through an AllToAll made for spt
-    (hidden_dim_scale_bytes 4 * spt): each block's rows and scales as sent, the columns past
-    `given` zero."""
+    (hidden_dim_scale_bytes 4 * spt), received into scales of out_cols columns: each block's
+    rows and scales as sent, the columns past `given` zero, those past spt untouched."""
     a2a, _ = legacy_all_to_all(b, store, group_kind, world, hidden_dim_bytes=HIDDEN,
                                hidden_dim_scale_bytes=4 * spt)
     block = MAX_TOKENS * world
@@ -1015,11 +1017,13 @@ def check_legacy_fp8(b, store, group_kind, world, given, spt):
     codes, scales, idx, w = sent[b.rank]
     counts = dv(torch.empty(EXPERTS_PER_RANK, dtype=torch.int32))
     out_x = dv(torch.zeros(EXPERTS_PER_RANK, block, HIDDEN, dtype=torch.uint8).view(fp8_dtype()))
-    out_s = dv(torch.full((EXPERTS_PER_RANK, block, spt), -1.0))
+    out_s = dv(torch.full((EXPERTS_PER_RANK, block, out_cols), -1.0))
     expect_error(ferry.InvalidArgument, "dp_x_scale: expected a torch.Tensor", a2a.dispatch,
                  counts, out_x, out_s, dv(codes), None, legacy_ids(idx), None)
     a2a.dispatch(counts, out_x, out_s, dv(codes), dv(scales), legacy_ids(idx), None)
     n, got_x, got_s = hv(counts), hv(out_x).view(torch.uint8), hv(out_s)
+    assert (got_s[:, :, spt:] == -1.0).all(), "scale columns past the row's written"
+    got_s = got_s[:, :, :spt]
     for le in range(EXPERTS_PER_RANK):
         g = b.rank * EXPERTS_PER_RANK + le
         want = sorted(tuple(sc[t].view(torch.uint8).tolist()) + tuple(ss[t].tolist())
