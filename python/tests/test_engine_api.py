@@ -1115,6 +1115,19 @@ class PplxKernelsTest(Worlds, Case):
             assert hv(counts).tolist() == [2, 0]
             a2a.combine(torch.empty_like(x), ids, dv(torch.ones(2, 1)), out_x, None)
             a2a.destroy()
+            # 4-byte rows: float32 moved bit for bit and combined in float32.
+            a2a = pplx.AllToAll.intranode(**{**common, "hidden_dim_bytes": 512})
+            fx = dv(torch.randn(2, 128))
+            got = dv(torch.zeros(2, 4, 128))
+            expect_error(ferry.InvalidArgument, "dtype", a2a.dispatch, counts, got, None, x,
+                         None, ids, None)
+            a2a.dispatch(counts, got, None, fx, None, ids, None)
+            assert torch.equal(hv(got)[0, :2], hv(fx)), "float32 rows changed on the way"
+            fout = dv(torch.empty(2, 128))
+            a2a.combine(fout, ids, dv(torch.tensor([[0.5], [0.25]])), got, None)
+            torch.testing.assert_close(hv(fout), hv(fx) * torch.tensor([[0.5], [0.25]]),
+                                       rtol=0, atol=0)
+            a2a.destroy()
             import sys
             sys.modules["pplx_kernels"] = object()  # another pplx_kernels imported first
             expect_error(ferry.FailedPrecondition, "imported before", pplx.install)
