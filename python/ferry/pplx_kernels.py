@@ -11,6 +11,12 @@ against pplx-kernels runs on ferry unchanged:
     import ferry.pplx_kernels
     ferry.pplx_kernels.install()  # before the engine imports pplx_kernels
 
+or, for every process an engine starts (its workers too), with nothing in its code changed:
+
+    PYTHONPATH=$(python3 -c "import ferry.pplx_kernels as p; print(p.shim_path())")
+
+(a folder holding a `pplx_kernels` package that imports this module's names).
+
 What the calls mean, as pplx-kernels has them:
 
 - intranode / internode(max_num_tokens, num_experts, experts_per_token, rank, world_size,
@@ -40,6 +46,8 @@ move (float16, int8 without scales) are refused by name, as ferry.pplx refuses w
 honour.
 """
 
+import importlib.machinery
+import os
 import sys
 import types
 
@@ -51,7 +59,7 @@ from ._errors import FailedPrecondition, InvalidArgument, Unimplemented
 from ._engine_api import fp8_dtype
 
 __all__ = ["AllToAll", "install", "nvshmem", "nvshmem_alloc_empty_unique_id",
-           "nvshmem_finalize", "nvshmem_get_unique_id", "nvshmem_init"]
+           "nvshmem_finalize", "nvshmem_get_unique_id", "nvshmem_init", "shim_path"]
 
 _UNIQUE_ID_BYTES = 128  # sizeof(nvshmemx_uniqueid_t): what callers broadcast among the ranks
 _nvshmem_ranks = None  # (rank, world_size) given to nvshmem_init
@@ -85,21 +93,31 @@ def nvshmem_finalize():
 
 nvshmem = types.ModuleType("pplx_kernels.nvshmem", "pplx_kernels.nvshmem over ferry: "
                            "no NVSHMEM is set up (ferry.pplx_kernels says why)")
+# importlib.util.find_spec (how engines ask whether a package is there) reads __spec__.
+nvshmem.__spec__ = importlib.machinery.ModuleSpec("pplx_kernels.nvshmem", None)
 for _f in (nvshmem_get_unique_id, nvshmem_alloc_empty_unique_id, nvshmem_init,
            nvshmem_finalize):
     setattr(nvshmem, _f.__name__, _f)
 
 
 def install():
-    """Makes `import pplx_kernels` (and `pplx_kernels.nvshmem`) give this module; refused if
-    another pplx_kernels was imported first (its AllToAlls would not be ferry's)."""
+    """Makes `import pplx_kernels` (and `pplx_kernels.nvshmem`) give this module in this
+    process; refused if another pplx_kernels was imported first (its AllToAlls would not be
+    ferry's). Nothing to do where the shim package (shim_path()) was imported."""
     this = sys.modules[__name__]
     for name, module in (("pplx_kernels", this), ("pplx_kernels.nvshmem", nvshmem)):
         present = sys.modules.get(name)
         if present is not None and present is not module:
+            if getattr(present, "FERRY_SHIM", False):
+                continue
             raise FailedPrecondition(f"install: {name} was imported before ferry's "
                                      f"({getattr(present, '__file__', present)})")
         sys.modules[name] = module
+
+
+def shim_path():
+    """The folder to put on PYTHONPATH for `import pplx_kernels` to find ferry's."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "shims")
 
 
 # What a row's bytes per column say its element is.

@@ -930,11 +930,14 @@ def legacy_all_to_all(b, store, group_kind, world, dp_size=1, **shape):
     AllToAll made as vLLM's pplx backend makes it: over gloo, internode after nvshmem_init with
     a broadcast unique id, or intranode by the name of a gloo group of every rank; over ferry's
     bootstrap, intranode given the group."""
+    import importlib.util
     import ferry.pplx_kernels
     ferry.pplx_kernels.install()
     import pplx_kernels as pplx
     from pplx_kernels.nvshmem import (nvshmem_alloc_empty_unique_id, nvshmem_get_unique_id,
                                       nvshmem_init)
+    assert importlib.util.find_spec("pplx_kernels") is not None  # how vLLM asks
+    assert importlib.util.find_spec("pplx_kernels.nvshmem") is not None
     args = dict(max_num_tokens=MAX_TOKENS, num_experts=EXPERTS_PER_RANK * world,
                 experts_per_token=K, rank=b.rank, world_size=world, dp_size=dp_size,
                 hidden_dim=HIDDEN, hidden_dim_bytes=HIDDEN * 2, hidden_dim_scale_bytes=0)
@@ -1066,8 +1069,51 @@ def pplx_kernels_dp_body(world):
     return body
 
 
+SHIM_CHECK = """
+import importlib.util, sys, torch
+import ferry, ferry.pplx_kernels
+assert "pplx_kernels" not in sys.modules
+import pplx_kernels
+from pplx_kernels.nvshmem import nvshmem_init
+assert importlib.util.find_spec("pplx_kernels") is not None  # how vLLM asks
+assert pplx_kernels.AllToAll is ferry.pplx_kernels.AllToAll
+assert nvshmem_init is ferry.pplx_kernels.nvshmem_init
+ferry.pplx_kernels.install()  # the shim's modules stay
+assert sys.modules["pplx_kernels"] is pplx_kernels
+b = ferry.CallbackBootstrap(0, 1, lambda data, timeout: [data])
+a2a = pplx_kernels.AllToAll.intranode(4, 2, 1, 0, 1, 1, 128, 256, 0, group=b,
+                                      device=torch.device("cpu"))
+x = torch.randn(3, 128).to(torch.bfloat16)
+ids = torch.tensor([[1], [0], [1]], dtype=torch.int32)
+counts = torch.zeros(2, dtype=torch.int32)
+out_x = torch.zeros(2, 4, 128, dtype=torch.bfloat16)
+a2a.dispatch(counts, out_x, None, x, None, ids, None)
+assert counts.tolist() == [1, 2], counts
+out = torch.empty_like(x)
+a2a.combine(out, ids, torch.ones(3, 1), out_x, None)
+assert torch.equal(out, x)
+a2a.destroy()
+print("shim ok")
+"""
+
+
 class PplxKernelsTest(Worlds, Case):
     body_of = staticmethod(pplx_kernels_body)
+
+    def test_the_shim_package_on_pythonpath(self):
+        """A process started with ferry.pplx_kernels.shim_path() on PYTHONPATH (as an engine's
+        workers inherit it) imports pplx_kernels as ferry's, vLLM's find_spec sees it, and
+        an AllToAll made through it moves rows."""
+        import subprocess
+        import sys
+        import ferry.pplx_kernels
+        paths = [ferry.pplx_kernels.shim_path(), os.path.dirname(os.path.dirname(ferry.__file__))]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            paths + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+        done = subprocess.run([sys.executable, "-c", SHIM_CHECK], env=env, capture_output=True,
+                              text=True, timeout=120)
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertIn("shim ok", done.stdout)
 
     def test_data_parallel_groups_of_two_among_four(self):
         self.ranks(4, pplx_kernels_dp_body(4), timeout=240.0)
