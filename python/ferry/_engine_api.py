@@ -168,6 +168,12 @@ def device_kind(tensor):
     return _ferry.MoeDevice.CUDA if tensor.device.type == "cuda" else _ferry.MoeDevice.HOST
 
 
+def shim_path(name):
+    """The folder holding the package `name` (deep_ep, pplx_kernels) over ferry's layer: put on
+    PYTHONPATH, `import name` finds ferry's in every process started with it."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "shims", name)
+
+
 def env_timeout(default=30.0):
     """Seconds a receive half waits for its peers (FERRY_MOE_TIMEOUT)."""
     return float(os.environ.get("FERRY_MOE_TIMEOUT", default))

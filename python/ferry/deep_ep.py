@@ -1,7 +1,9 @@
 """DeepEP's Python API (deep_ep.Buffer, its V1 interface) over ferry's AllToAll.
 
-A DeepEP user changes `import deep_ep` to `from ferry import deep_ep`. The calls take and return
-what DeepEP's do, in its shapes, dtypes and strides:
+A DeepEP user changes `import deep_ep` to `from ferry import deep_ep`, or changes no code and
+puts shim_path() on PYTHONPATH (a `deep_ep` package of this module's names, found by every
+process started with it). The calls take and return what DeepEP's do, in its shapes, dtypes
+and strides:
 
 - low-latency mode: `low_latency_dispatch` hands back `[num_local_experts, num_ranks *
   num_max_dispatch_tokens_per_rank, hidden]` (bf16, or e4m3 with fp32 scales whose last two
@@ -29,10 +31,15 @@ import torch
 
 from . import _ferry
 from ._engine_api import (Group, check_tensor, current_stream_handle, device_kind,
-                          env_timeout, fp8_dtype, refuse)
+                          env_timeout, fp8_dtype, refuse, shim_path as _shim_path)
 from ._errors import InvalidArgument, ResourceExhausted, Unimplemented
 
-__all__ = ["Buffer", "Config", "EventOverlap"]
+__all__ = ["Buffer", "Config", "EventOverlap", "shim_path"]
+
+
+def shim_path():
+    """The folder to put on PYTHONPATH for `import deep_ep` to find ferry's."""
+    return _shim_path("deep_ep")
 
 
 class Config:

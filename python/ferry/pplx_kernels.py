@@ -15,7 +15,7 @@ or, for every process an engine starts (its workers too), with nothing in its co
 
     PYTHONPATH=$(python3 -c "import ferry.pplx_kernels as p; print(p.shim_path())")
 
-(a folder holding a `pplx_kernels` package that imports this module's names).
+(shim_path(): a folder holding a `pplx_kernels` package of this module's names).
 
 What the calls mean, as pplx-kernels has them:
 
@@ -47,7 +47,6 @@ honour.
 """
 
 import importlib.machinery
-import os
 import sys
 import types
 
@@ -56,7 +55,7 @@ import torch
 from . import _ferry
 from . import pplx as _pplx
 from ._errors import FailedPrecondition, InvalidArgument, Unimplemented
-from ._engine_api import fp8_dtype
+from ._engine_api import fp8_dtype, shim_path as _shim_path
 
 __all__ = ["AllToAll", "install", "nvshmem", "nvshmem_alloc_empty_unique_id",
            "nvshmem_finalize", "nvshmem_get_unique_id", "nvshmem_init", "shim_path"]
@@ -117,7 +116,7 @@ def install():
 
 def shim_path():
     """The folder to put on PYTHONPATH for `import pplx_kernels` to find ferry's."""
-    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "shims")
+    return _shim_path("pplx_kernels")
 
 
 # What a row's bytes per column say its element is.

@@ -508,8 +508,37 @@ class Worlds:
         self.ranks(4, self.body_of(4, "ferry"), timeout=240.0)
 
 
+DEEP_EP_SHIM_CHECK = """
+import importlib.util, sys, torch
+import ferry, ferry.deep_ep
+assert "deep_ep" not in sys.modules
+import deep_ep
+from deep_ep import Buffer, Config
+from deep_ep.utils import EventOverlap
+assert importlib.util.find_spec("deep_ep") is not None  # how vLLM asks
+assert Buffer is ferry.deep_ep.Buffer and EventOverlap is ferry.deep_ep.EventOverlap
+assert Config is ferry.deep_ep.Config
+b = ferry.CallbackBootstrap(0, 1, lambda data, timeout: [data])
+buf = deep_ep.Buffer(b, ranks_per_node=1, explicitly_destroy=True)
+x = torch.randn(3, 128).to(torch.bfloat16)
+idx = torch.tensor([[1], [0], [1]])
+recv_x, count, handle, event, hook = buf.low_latency_dispatch(x, idx, 4, 2, use_fp8=False)
+assert count.tolist() == [1, 2], count
+out, event, hook = buf.low_latency_combine(recv_x, idx, torch.ones(3, 1), handle)
+assert torch.equal(out, x)
+buf.destroy()
+print("shim ok")
+"""
+
+
 class DeepEpTest(Worlds, Case):
     body_of = staticmethod(deep_ep_body)
+
+    def test_the_shim_package_on_pythonpath(self):
+        """With ferry.deep_ep.shim_path() on PYTHONPATH, `import deep_ep` (and deep_ep.utils)
+        gives ferry's, vLLM's find_spec sees it, and a Buffer made through it moves rows."""
+        from ferry import deep_ep
+        run_with_shim(self, deep_ep.shim_path(), DEEP_EP_SHIM_CHECK)
 
 
 # ---- pplx ---------------------------------------------------------------------------------------
@@ -1097,23 +1126,28 @@ print("shim ok")
 """
 
 
+def run_with_shim(test, shim, script):
+    """script in a new interpreter with the shim folder (and ferry's) on PYTHONPATH, as an
+    engine's worker processes inherit it; it must print "shim ok"."""
+    import subprocess
+    import sys
+    paths = [shim, os.path.dirname(os.path.dirname(ferry.__file__))]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        paths + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=120)
+    test.assertEqual(done.returncode, 0, done.stderr)
+    test.assertIn("shim ok", done.stdout)
+
+
 class PplxKernelsTest(Worlds, Case):
     body_of = staticmethod(pplx_kernels_body)
 
     def test_the_shim_package_on_pythonpath(self):
-        """A process started with ferry.pplx_kernels.shim_path() on PYTHONPATH (as an engine's
-        workers inherit it) imports pplx_kernels as ferry's, vLLM's find_spec sees it, and
-        an AllToAll made through it moves rows."""
-        import subprocess
-        import sys
+        """With ferry.pplx_kernels.shim_path() on PYTHONPATH, pplx_kernels imports as ferry's,
+        vLLM's find_spec sees it, and an AllToAll made through it moves rows."""
         import ferry.pplx_kernels
-        paths = [ferry.pplx_kernels.shim_path(), os.path.dirname(os.path.dirname(ferry.__file__))]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            paths + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-        done = subprocess.run([sys.executable, "-c", SHIM_CHECK], env=env, capture_output=True,
-                              text=True, timeout=120)
-        self.assertEqual(done.returncode, 0, done.stderr)
-        self.assertIn("shim ok", done.stdout)
+        run_with_shim(self, ferry.pplx_kernels.shim_path(), SHIM_CHECK)
 
     def test_data_parallel_groups_of_two_among_four(self):
         self.ranks(4, pplx_kernels_dp_body(4), timeout=240.0)

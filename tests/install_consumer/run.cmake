@@ -57,10 +57,11 @@ if(PYTHON)
   endif()
   get_filename_component(package_dir ${init_py} DIRECTORY)
   get_filename_component(site_dir ${package_dir} DIRECTORY)
-  # ferry.pplx_kernels.shim_path(): the pplx_kernels package installed beside the modules.
-  foreach(shim __init__.py nvshmem.py)
-    if(NOT EXISTS ${package_dir}/shims/pplx_kernels/${shim})
-      message(FATAL_ERROR "no shims/pplx_kernels/${shim} in the installed package ${package_dir}")
+  # shim_path()'s folders: the deep_ep and pplx_kernels packages installed beside the modules.
+  foreach(shim deep_ep/deep_ep/__init__.py deep_ep/deep_ep/utils.py
+               pplx_kernels/pplx_kernels/__init__.py pplx_kernels/pplx_kernels/nvshmem.py)
+    if(NOT EXISTS ${package_dir}/shims/${shim})
+      message(FATAL_ERROR "no shims/${shim} in the installed package ${package_dir}")
     endif()
   endforeach()
   unset(ENV{LD_LIBRARY_PATH})

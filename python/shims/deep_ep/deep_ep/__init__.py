@@ -1,0 +1,14 @@
+"""`deep_ep` as an importable package over ferry (ferry.deep_ep).
+
+With ferry.deep_ep.shim_path() on PYTHONPATH, `import deep_ep` / `from deep_ep import Buffer`
+finds this package in every process that starts with that environment (an engine's worker
+processes too): the engine runs on ferry with nothing in its code changed. What ferry.deep_ep
+refuses it refuses here, naming the argument.
+"""
+
+from ferry.deep_ep import Buffer, Config, EventOverlap
+
+from . import utils
+
+__all__ = ["Buffer", "Config", "EventOverlap", "utils"]
+FERRY_SHIM = True
