@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "binding.h"
+#include "engine_api.h"
 #include "ferry/moe.h"
 
 namespace ferry::python {
@@ -463,8 +464,18 @@ class PyAllToAll {
     Check(&ia, {"indices", copies * 4, false, kind, 4});  // names what it is and what we take
     in.indices = static_cast<const int32_t*>(ia.pointer());
   }
+  // CheckArray, and for bf16 rows (2-byte elements of any kind) no float16: same size, other
+  // numbers. A 2-byte float is bf16 only as a torch.bfloat16 tensor (NumPy's 2-byte float is
+  // float16); bf16 bits in int16 / uint16 arrays are taken as they are.
   void Check(const Array* array, const ArrayNeed& need) const {
     ThrowIfError(CheckArray(array, need, Device(config())));
+    if (array && need.item_bytes == 2 && need.kind == 0 && array->kind == 'f' &&
+        array->item_bytes == 2 &&
+        (array->dtype == nullptr || array->dtype != Torch::Get().bfloat16)) {
+      ThrowIfError(InvalidArgumentError(
+          std::string(need.name) + ": float16 elements; ferry's 2-byte rows are bfloat16 (a "
+          "torch.bfloat16 tensor, or the bits as int16 / uint16)"));
+    }
   }
   // An optional argument as an Array (None: nullopt), and its address (null for none).
   static std::optional<Array> MaybeArray(const py::handle& object) {

@@ -169,6 +169,16 @@ def bad_input_body(b):
         bad = array.array("i", indices)
         bad[3] = EXPERTS
         expect_error(ferry.OutOfRange, "expert 8", send, x, bad, weights)
+        # float16 rows where bf16 ones go (2-byte floats both): refused, as NumPy's float16 and
+        # as a torch float16 tensor, where present.
+        for module, make in (("numpy", lambda m: m.zeros((MAX_TOKENS, HIDDEN), m.float16)),
+                             ("torch", lambda m: m.zeros(MAX_TOKENS, HIDDEN, dtype=m.float16))):
+            try:
+                half = make(__import__(module))
+            except ImportError:
+                continue
+            expect_error(ferry.InvalidArgument, "x: float16 elements", send, half, indices,
+                         weights)
         # CUDA memory where the host device needs host memory.
         gpu = ferry.Array(0x1000, 1 << 20, 0, "u", 2, False, [MAX_TOKENS, HIDDEN], None)
         expect_error(ferry.InvalidArgument, "CUDA memory of device 0", send, gpu, indices, weights)
