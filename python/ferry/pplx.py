@@ -9,8 +9,9 @@ they constructed P2PAllToAll; `dispatch` and `combine` take the same tensors:
   out_expert_x, expert e's block starting where the blocks before it end, each block's rows
   rounded up to expert_padding (the layout grouped GEMMs take); out_expert_num_tokens holds the
   unpadded counts.
-- combine(out_tokens [tokens, hidden] (out_dtype), indices, weights, expert_y (out_expert_x's layout),
-  bound_m, do_send, do_recv, accumulate): each token's weighted sum of its experts' rows.
+- combine(out_tokens [tokens, hidden] (out_dtype), indices, weights, expert_y (out_expert_x's
+  layout), bound_m, do_send, do_recv, accumulate): each token's weighted sum of its experts'
+  rows.
 - in_dtype bf16, float32 or e4m3 (with hidden_dim_scale float32 scales per token, moved with
   their rows as they are: one per 128 columns, per token, or any groups); out_dtype bf16 or
   float32 (float32 only, with float32 input): expert_y and out_tokens in it, and with float32

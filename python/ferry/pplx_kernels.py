@@ -69,8 +69,7 @@ def nvshmem_get_unique_id():
     return torch.zeros(_UNIQUE_ID_BYTES, dtype=torch.uint8)
 
 
-def nvshmem_alloc_empty_unique_id():
-    return torch.zeros(_UNIQUE_ID_BYTES, dtype=torch.uint8)
+nvshmem_alloc_empty_unique_id = nvshmem_get_unique_id  # the receivers' buffer: the same zeros
 
 
 def nvshmem_init(uid, rank, world_size, local_rank=-1):
@@ -94,9 +93,9 @@ nvshmem = types.ModuleType("pplx_kernels.nvshmem", "pplx_kernels.nvshmem over fe
                            "no NVSHMEM is set up (ferry.pplx_kernels says why)")
 # importlib.util.find_spec (how engines ask whether a package is there) reads __spec__.
 nvshmem.__spec__ = importlib.machinery.ModuleSpec("pplx_kernels.nvshmem", None)
-for _f in (nvshmem_get_unique_id, nvshmem_alloc_empty_unique_id, nvshmem_init,
-           nvshmem_finalize):
-    setattr(nvshmem, _f.__name__, _f)
+for _name in ("nvshmem_get_unique_id", "nvshmem_alloc_empty_unique_id", "nvshmem_init",
+              "nvshmem_finalize"):
+    setattr(nvshmem, _name, globals()[_name])
 
 
 def install():
@@ -191,6 +190,11 @@ class AllToAll:
         if device is None:
             device = (torch.device("cuda", torch.cuda.current_device())
                       if torch.cuda.is_available() else torch.device("cpu"))
+        if not isinstance(group, _ferry.Bootstrap):
+            import torch.distributed as dist
+            if not dist.is_available() or not dist.is_initialized():
+                raise InvalidArgument("group: torch.distributed is not initialised (or pass "
+                                      "group=, a ferry.Bootstrap)")
         group_rank, group_size = _pplx._rank(group), _pplx._size(group)
         if (group_rank, group_size) != (rank, world_size):
             raise InvalidArgument(f"rank {rank} of {world_size}: the group has this process as "

@@ -439,8 +439,8 @@ class PyAllToAll {
     return c.device == MoeDeviceKind::kHost ? kHostMemory : c.cuda_device;
   }
   // The element of the dispatch's rows (bf16, fp8 or fp32) and of the combine's (bf16 or fp32),
-  // and its kind: float for fp32; bf16 and fp8 take any 2- or 1-byte element (torch.uint8 stands for fp8 where
-  // torch has no float8_e4m3fn).
+  // and its kind: float for fp32; bf16 and fp8 take any 2- or 1-byte element (torch.uint8
+  // stands for fp8 where torch has no float8_e4m3fn; Check refuses float16).
   static int ItemBytes(const AllToAllConfig& c) {
     return static_cast<int>(c.token_bytes() / c.hidden);
   }

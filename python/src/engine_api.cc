@@ -72,19 +72,19 @@ class PyPplx {
           (ids->dtype == nullptr || ids->dtype != torch_.uint32)) {
         Invalid("indices: dtype " + Str(ids->dtype) + ", expected int32, int64 or uint32");
       }
-      const bool stand_in = weights.is_none() && ones_.has_value();  // ones_ covers any count
-      if (stand_in) {
-        w_used = &*ones_;
-      } else {
-        w = Tensor("weights", weights, torch_.float32, 2);
-        w_used = &*w;
-      }
-      for (const auto& [name, a] :
-           {std::pair<const char*, const Array*>{"indices", &*ids}, {"weights", w_used}}) {
-        if (!(stand_in && a == w_used) && a->shape != std::vector<int64_t>{tokens, k_}) {
-          Invalid(std::string(name) + ": shape " + Shape(a->shape) + ", expected " +
+      const auto expect_tokens_by_k = [&](const char* name, const Array& a) {
+        if (a.shape != std::vector<int64_t>{tokens, k_}) {
+          Invalid(std::string(name) + ": shape " + Shape(a.shape) + ", expected " +
                   Pair(tokens, k_));
         }
+      };
+      expect_tokens_by_k("indices", *ids);
+      if (weights.is_none() && ones_) {
+        w_used = &*ones_;  // [max_tokens, k]: its first rows serve any token count
+      } else {
+        w = Tensor("weights", weights, torch_.float32, 2);
+        expect_tokens_by_k("weights", *w);
+        w_used = &*w;
       }
       if (!bound_m.is_none()) {
         // bound_m's value bounds the tokens sent: read here on the host device; on the GPU the

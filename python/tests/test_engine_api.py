@@ -945,7 +945,7 @@ class PplxTest(Worlds, Case):
         self.ranks(1, body)
 
 
-# ---- pplx-kernels (ferry.pplx_kernels) ------------------------------------------------------------
+# ---- pplx-kernels (ferry.pplx_kernels) -------------------------------------------------------
 
 def legacy_ids(idx):
     """Ids as vLLM hands them to pplx-kernels, on DEV: uint32 where torch has it (-1 as
@@ -973,7 +973,7 @@ def legacy_all_to_all(b, store, group_kind, world, dp_size=1, **shape):
     args.update(shape)
     kinds = {"device": torch.device(DEV)}
     if group_kind == "ferry":
-        return pplx.AllToAll.intranode(**args, group=b, **kinds), pplx
+        return pplx.AllToAll.intranode(**args, group=b, **kinds)
     import torch.distributed as dist
     if not dist.is_initialized():
         gloo(b, store)
@@ -981,13 +981,13 @@ def legacy_all_to_all(b, store, group_kind, world, dp_size=1, **shape):
         uid = nvshmem_get_unique_id() if b.rank == 0 else nvshmem_alloc_empty_unique_id()
         dist.broadcast(uid, src=0)
         assert nvshmem_init(uid, b.rank, world) == 0
-        return pplx.AllToAll.internode(**args, **kinds), pplx
+        return pplx.AllToAll.internode(**args, **kinds)
     cpu_group = dist.new_group(list(range(world)), backend="gloo")
     name = getattr(cpu_group, "group_name", None)
     if name is None:  # torch before 2.0 names groups in a table
         from torch.distributed import distributed_c10d as c10d
         name = c10d._pg_names[cpu_group]
-    return pplx.AllToAll.intranode(**args, group_name=name, **kinds), pplx
+    return pplx.AllToAll.intranode(**args, group_name=name, **kinds)
 
 
 def pplx_kernels_body(world, group_kind):
@@ -995,7 +995,7 @@ def pplx_kernels_body(world, group_kind):
     (the send half, then the receive half as the hook), into pplx-kernels' batched layout
     (max_num_tokens * world_size rows per local expert); then e4m3 rows with vLLM's scales."""
     def body(b, store):
-        a2a, _ = legacy_all_to_all(b, store, group_kind, world)
+        a2a = legacy_all_to_all(b, store, group_kind, world)
         block = MAX_TOKENS * world
         sent = [inputs(world, s) for s in range(world)]
         x, idx, w = sent[b.rank]
@@ -1042,7 +1042,7 @@ def check_legacy_fp8(b, store, group_kind, world, given, spt, out_cols):
     """e4m3 rows with `given` scale columns a row, through an AllToAll made for spt
     (hidden_dim_scale_bytes 4 * spt), received into scales of out_cols columns: each block's
     rows and scales as sent, the columns past `given` zero, those past spt untouched."""
-    a2a, _ = legacy_all_to_all(b, store, group_kind, world, hidden_dim_bytes=HIDDEN,
+    a2a = legacy_all_to_all(b, store, group_kind, world, hidden_dim_bytes=HIDDEN,
                                hidden_dim_scale_bytes=4 * spt)
     block = MAX_TOKENS * world
     sent = [encoded_fp8(world, s, given) for s in range(world)]
@@ -1077,7 +1077,7 @@ def pplx_kernels_dp_body(world):
     first rank's inputs) reach their experts once, in blocks of max_num_tokens * world_size /
     dp_size rows, and both ranks of a group get the group's sums."""
     def body(b, store):
-        a2a, _ = legacy_all_to_all(b, store, "gloo", world, dp_size=2)
+        a2a = legacy_all_to_all(b, store, "gloo", world, dp_size=2)
         block = MAX_TOKENS * world // 2
         sent = [inputs(world, s) for s in range(0, world, 2)]
         x, idx, w = sent[b.rank // 2]
@@ -1172,9 +1172,12 @@ class PplxKernelsTest(Worlds, Case):
             ]
             for error, words, change in cases:
                 expect_error(error, words, pplx.AllToAll.intranode, **{**common, **change})
+            no_group = {k: v for k, v in common.items() if k != "group"}
             expect_error(ferry.InvalidArgument, "group_name 'nowhere'", pplx.AllToAll.intranode,
-                         **{k: v for k, v in common.items() if k != "group"},
-                         group_name="nowhere")
+                         **no_group, group_name="nowhere")
+            # The default group where torch.distributed was never set up: named, not torch's.
+            expect_error(ferry.InvalidArgument, "not initialised", pplx.AllToAll.intranode,
+                         **no_group)
             uid = pplx.nvshmem_get_unique_id()
             assert pplx.nvshmem_init(uid, 0, 1) == 0
             expect_error(ferry.InvalidArgument, "nvshmem_init was given rank 0 of 1",

@@ -155,7 +155,7 @@ def pplx_kernels_graph_body(world):
     the reference."""
     def body(b, store):
         import torch
-        a2a, _ = api.legacy_all_to_all(b, store, "ferry", world)
+        a2a = api.legacy_all_to_all(b, store, "ferry", world)
         local, block = api.EXPERTS_PER_RANK, api.MAX_TOKENS * world
         x, idx, w = (t.cuda() for t in api.inputs(world, b.rank))
         ids32 = idx.to(torch.int32)
