@@ -34,7 +34,7 @@ from ._engine_api import (Group, check_tensor, current_stream_handle, device_kin
                           env_timeout, fp8_dtype, refuse, shim_path as _shim_path)
 from ._errors import InvalidArgument, ResourceExhausted, Unimplemented
 
-__all__ = ["Buffer", "Config", "EventOverlap", "shim_path"]
+__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "shim_path"]
 
 
 def shim_path():
@@ -63,13 +63,30 @@ class Config:
                          128)
 
 
+class EventHandle:
+    """DeepEP's EventHandle (deep_ep.utils'): an event recorded on the current CUDA stream as it
+    is made, for a call's previous_event (EventOverlap(EventHandle())). Where CUDA is not, it
+    holds none: every call there has finished when it returns."""
+
+    def __init__(self):
+        self.event = None
+        if torch.cuda.is_available():
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def current_stream_wait(self):
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+
 class EventOverlap:
     """A CUDA event (None on the CPU, where every call has finished when it returns) and the
     tensors that must live until it fires. `with event:` and current_stream_wait() make the
-    current stream wait for it."""
+    current stream wait for it. The event may be given as a torch.cuda.Event or, as DeepEP's
+    callers give it, an EventHandle."""
 
     def __init__(self, event=None, extra_tensors=None):
-        self.event = event
+        self.event = event.event if isinstance(event, EventHandle) else event
         self.extra_tensors = extra_tensors
 
     def current_stream_wait(self):

@@ -25,10 +25,11 @@ What the calls mean, as pplx-kernels has them:
   4: float32); hidden_dim_scale_bytes / 4 scales a row (vLLM rounds both to 16 bytes, so a row
   with 23 scales is given 24: the caller's dp_x_scale may have fewer columns than that, and the
   rest travel as zeros). intranode's ranks are the torch.distributed group named group_name
-  ("default": the default group), internode's the default group; either takes a `group=` of
-  the caller's (a torch group or a ferry.Bootstrap) instead. dp_size consecutive ranks hold the
-  same tokens (a tensor-parallel group): each token is sent once per group and every rank of
-  the group gets its sums (ferry.pplx's dp_group).
+  ("default": the default group), internode's those nvshmem_init joined (the default group
+  where it was not called); either takes a `group=` of the caller's (a torch group or a
+  ferry.Bootstrap) instead. dp_size consecutive ranks hold the same tokens (a tensor-parallel
+  group): each token is sent once per group and every rank of the group gets its sums
+  (ferry.pplx's dp_group).
 - dispatch(out_expert_num_tokens [local experts] int32, out_expert_x [local experts,
   max_num_tokens * world_size / dp_size, hidden], out_expert_x_scale, dp_x [tokens, hidden],
   dp_x_scale, indices [tokens, k] (uint32, int32 or int64), bound_m, do_send, do_recv): expert
@@ -39,14 +40,17 @@ What the calls mean, as pplx-kernels has them:
   (out_expert_x's shape, bf16; float32 for float32 rows), bound_m, do_send, do_recv): each
   token's weighted sum of its experts' rows, written over out_tokens.
 
-ferry needs no NVSHMEM: `nvshmem_init` records the rank and world size it is given (internode
-checks them against its own arguments) and the unique id is a placeholder of NVSHMEM's size.
-World size 1 runs too (pplx-kernels asserts two DP groups or more). Row elements ferry does not
+ferry needs no NVSHMEM, but its set-up calls mean what NVSHMEM's do: the unique id names where
+rank 0 waits (a ferry rendezvous; nvshmem_get_unique_id says which address), and
+`nvshmem_init(uid, rank, world_size)` joins the ranks given the same id. Those are internode's
+ranks, whether or not they are a torch.distributed group (vLLM's EP group need not be the whole
+world, and newer vLLM broadcasts the id through a store of its own). World size 1 runs too (pplx-kernels asserts two DP groups or more). Row elements ferry does not
 move (float16, int8 without scales) are refused by name, as ferry.pplx refuses what it cannot
 honour.
 """
 
 import importlib.machinery
+import os
 import sys
 import types
 
@@ -61,32 +65,102 @@ __all__ = ["AllToAll", "install", "nvshmem", "nvshmem_alloc_empty_unique_id",
            "nvshmem_finalize", "nvshmem_get_unique_id", "nvshmem_init", "shim_path"]
 
 _UNIQUE_ID_BYTES = 128  # sizeof(nvshmemx_uniqueid_t): what callers broadcast among the ranks
-_nvshmem_ranks = None  # (rank, world_size) given to nvshmem_init
+_UID_MAGIC = b"ferry-uid:"  # then the rendezvous address, "HOST:PORT", NUL-padded
+_uid_ports = {}  # address -> the socket that holds its port until rank 0's nvshmem_init
+_team = None  # nvshmem_init's ranks: (uid bytes, rank, world_size, ferry.Bootstrap)
 
 
 def nvshmem_get_unique_id():
-    """A placeholder of NVSHMEM's unique id (a uint8 CPU tensor, for the caller to broadcast)."""
+    """A unique id for nvshmem_init (a uint8 CPU tensor of NVSHMEM's size, for the caller to
+    broadcast), as NVSHMEM's: the address where rank 0's nvshmem_init will wait for the
+    others. Its host is NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME's IPv4 address (the variable NVSHMEM
+    reads: an interface name or the start of one), else the first non-loopback interface's that
+    is up, else 127.0.0.1; its port is free, held from now until that nvshmem_init."""
+    import socket
+    host = _uid_host()
+    port = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    port.bind((host, 0))
+    address = "%s:%d" % port.getsockname()
+    _uid_ports[address] = port
+    uid = torch.zeros(_UNIQUE_ID_BYTES, dtype=torch.uint8)
+    text = _UID_MAGIC + address.encode()
+    uid[:len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+    return uid
+
+
+def nvshmem_alloc_empty_unique_id():
+    """The receivers' buffer for the broadcast unique id (zeros)."""
     return torch.zeros(_UNIQUE_ID_BYTES, dtype=torch.uint8)
 
 
-nvshmem_alloc_empty_unique_id = nvshmem_get_unique_id  # the receivers' buffer: the same zeros
-
-
 def nvshmem_init(uid, rank, world_size, local_rank=-1):
-    """Records (rank, world_size) for internode to check; 0, as NVSHMEM's status for success."""
-    global _nvshmem_ranks
+    """Joins the ranks of the unique id, as NVSHMEM's: rank 0 waits at its address for the
+    world_size - 1 others (FERRY_RENDEZVOUS_TIMEOUT_MS, 60 s by default; DeadlineExceeded
+    naming those that never came). internode's AllToAlls then run among them, whatever
+    torch.distributed's groups are. Again with the same arguments: nothing to do. Returns 0,
+    NVSHMEM's status for success."""
+    global _team
     if not isinstance(uid, torch.Tensor) or uid.numel() != _UNIQUE_ID_BYTES:
         raise InvalidArgument(f"nvshmem_init: uid must be the {_UNIQUE_ID_BYTES}-byte tensor "
                               "nvshmem_get_unique_id returns")
-    if not 0 <= rank < world_size:
+    if not isinstance(rank, int) or not isinstance(world_size, int) or not 0 <= rank < world_size:
         raise InvalidArgument(f"nvshmem_init: rank {rank} of {world_size}")
-    _nvshmem_ranks = (rank, world_size)
+    key = bytes(uid.detach().cpu().contiguous().view(torch.uint8).tolist())
+    if _team is not None:
+        if _team[:3] == (key, rank, world_size):
+            return 0
+        raise FailedPrecondition(f"nvshmem_init: already joined as rank {_team[1]} of "
+                                 f"{_team[2]} (nvshmem_finalize first)")
+    if not key.startswith(_UID_MAGIC):
+        raise InvalidArgument("nvshmem_init: uid is not one nvshmem_get_unique_id made (was it "
+                              "broadcast from the rank that made it?)")
+    address = key[len(_UID_MAGIC):].rstrip(b"\0").decode(errors="replace")
+    port = _uid_ports.pop(address, None)
+    if port is not None:
+        port.close()  # rank 0's rendezvous listens there now
+    bootstrap = _ferry.join_rendezvous(address, world_size, rank)
+    _team = (key, rank, world_size, bootstrap)
     return 0
 
 
 def nvshmem_finalize():
-    global _nvshmem_ranks
-    _nvshmem_ranks = None
+    """Leaves nvshmem_init's ranks (AllToAlls made over them keep what they hold)."""
+    global _team
+    _team = None
+    for port in _uid_ports.values():
+        port.close()
+    _uid_ports.clear()
+
+
+def _uid_host():
+    """The IPv4 address a unique id names (nvshmem_get_unique_id says which)."""
+    import fcntl
+    import socket
+    import struct
+    wanted = os.environ.get("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "")
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        for _, name in socket.if_nameindex():
+            if wanted and not name.startswith(wanted):
+                continue
+            packed = struct.pack("256s", name.encode()[:15])
+            try:
+                flags = struct.unpack("H", fcntl.ioctl(probe, _SIOCGIFFLAGS, packed)[16:18])[0]
+                address = socket.inet_ntoa(fcntl.ioctl(probe, _SIOCGIFADDR, packed)[20:24])
+            except OSError:  # no IPv4 address
+                continue
+            if wanted or (flags & _IFF_UP and not flags & _IFF_LOOPBACK):
+                return address
+    finally:
+        probe.close()
+    if wanted:
+        raise InvalidArgument(f"NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME={wanted}: no interface of "
+                              "that name has an IPv4 address")
+    return "127.0.0.1"
+
+
+_SIOCGIFFLAGS, _SIOCGIFADDR = 0x8913, 0x8915  # linux/sockios.h
+_IFF_UP, _IFF_LOOPBACK = 0x1, 0x8  # net/if.h
 
 
 nvshmem = types.ModuleType("pplx_kernels.nvshmem", "pplx_kernels.nvshmem over ferry: "
@@ -155,10 +229,13 @@ class AllToAll:
     def internode(cls, max_num_tokens, num_experts, experts_per_token, rank, world_size,
                   dp_size, hidden_dim, hidden_dim_bytes, hidden_dim_scale_bytes, *, group=None,
                   device=None, timeout=None):
-        """Ranks of several nodes: the default torch.distributed group (or `group`)."""
-        if _nvshmem_ranks is not None and _nvshmem_ranks != (rank, world_size):
-            raise InvalidArgument(f"internode: rank {rank} of {world_size}, but nvshmem_init "
-                                  f"was given rank {_nvshmem_ranks[0]} of {_nvshmem_ranks[1]}")
+        """Ranks of several nodes: those nvshmem_init joined (or `group`; without either, the
+        default torch.distributed group)."""
+        if group is None and _team is not None:
+            if _team[1:3] != (rank, world_size):
+                raise InvalidArgument(f"internode: rank {rank} of {world_size}, but nvshmem_init "
+                                      f"was given rank {_team[1]} of {_team[2]}")
+            group = _team[3]
         return cls._create(max_num_tokens, num_experts, experts_per_token, rank, world_size,
                            dp_size, hidden_dim, hidden_dim_bytes, hidden_dim_scale_bytes, group,
                            device, timeout)
@@ -266,19 +343,23 @@ def _group_named(name):
 
 def _dp_group(group, rank, world_size, dp_size):
     """This rank's group of dp_size consecutive ranks (rank // dp_size), as pplx-kernels
-    groups them; None for groups of one. Every rank makes every group, in order (new_group is
-    collective)."""
+    groups them; None for groups of one. Of a torch group, every rank makes every group, in
+    order (new_group is collective); of a ferry.Bootstrap, the group's all-gather is the whole
+    world's, each rank keeping its group's part (every rank calls each: ferry.pplx's combine,
+    the one caller, is collective over the world)."""
     if dp_size == 1:
         return None
+    first = rank - rank % dp_size
     if isinstance(group, _ferry.Bootstrap):
-        raise Unimplemented(f"dp_size {dp_size} with a ferry.Bootstrap: pass a torch.distributed "
-                            "group (its data-parallel groups are made with new_group)")
+        def all_gather(data, timeout):
+            return group.all_gather(data, timeout)[first:first + dp_size]
+        return _ferry.CallbackBootstrap(rank - first, dp_size, all_gather)
     import torch.distributed as dist
     ranks = (list(range(world_size)) if group is None or group is dist.group.WORLD
              else dist.get_process_group_ranks(group))
     mine = None
-    for first in range(0, world_size, dp_size):
-        g = dist.new_group(ranks[first:first + dp_size])
-        if first <= rank < first + dp_size:
+    for start in range(0, world_size, dp_size):
+        g = dist.new_group(ranks[start:start + dp_size])
+        if start == first:
             mine = g
     return mine

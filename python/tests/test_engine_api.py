@@ -143,6 +143,8 @@ class Case(unittest.TestCase):
         if torch is None:
             self.skipTest("no torch for this interpreter")
         os.environ.setdefault("FERRY_PROVIDER", "shm")
+        # Unique ids name loopback's address: rendezvous traffic stays on this host.
+        os.environ.setdefault("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo")
 
     def ranks(self, world, body, timeout=120.0):
         with tempfile.TemporaryDirectory() as d:
@@ -407,7 +409,10 @@ def check_worst_tokens(buf, world, rank):
               if any(int(v) >= 0 and int(v) // EXPERTS_PER_RANK == rank for v in sidx[t]))
     assert bool((hv(recv_idx)[:got] >= 0).any(dim=1).all()), "a received row without an expert"
     assert bool((hv(recv_idx)[got:] == -1).all()) and not hv(recv_w)[got:].any()
-    out, _, _ = buf.combine(recv, handle)  # all num_worst_tokens rows back, as DeepEP takes them
+    # All num_worst_tokens rows back, as DeepEP takes them, after an event made as DeepEP's
+    # callers make one (deep_ep.utils.EventHandle: the current stream, recorded now).
+    from ferry.deep_ep import EventHandle, EventOverlap
+    out, _, _ = buf.combine(recv, handle, previous_event=EventOverlap(EventHandle()))
     holders = torch.zeros(x.shape[0], 1, dtype=torch.float64)
     for t in range(x.shape[0]):
         holders[t] = len({int(v) // EXPERTS_PER_RANK for v in idx[t] if int(v) >= 0})
@@ -514,10 +519,12 @@ import ferry, ferry.deep_ep
 assert "deep_ep" not in sys.modules
 import deep_ep
 from deep_ep import Buffer, Config
-from deep_ep.utils import EventOverlap
+from deep_ep.utils import EventHandle, EventOverlap
 assert importlib.util.find_spec("deep_ep") is not None  # how vLLM asks
 assert Buffer is ferry.deep_ep.Buffer and EventOverlap is ferry.deep_ep.EventOverlap
-assert Config is ferry.deep_ep.Config
+assert Config is ferry.deep_ep.Config and EventHandle is ferry.deep_ep.EventHandle
+with EventOverlap(EventHandle()):  # as Megatron's callers wait for one; no CUDA here: no event
+    pass
 b = ferry.CallbackBootstrap(0, 1, lambda data, timeout: [data])
 buf = deep_ep.Buffer(b, ranks_per_node=1, explicitly_destroy=True)
 x = torch.randn(3, 128).to(torch.bfloat16)
@@ -954,6 +961,9 @@ def legacy_ids(idx):
     return ids.view(torch.uint32) if hasattr(torch, "uint32") else ids
 
 
+NVSHMEM_JOINED = []  # this rank's unique id, once its nvshmem_init ran
+
+
 def legacy_all_to_all(b, store, group_kind, world, dp_size=1, **shape):
     """pplx_kernels imported as an engine imports it (after ferry.pplx_kernels.install()), its
     AllToAll made as vLLM's pplx backend makes it: over gloo, internode after nvshmem_init with
@@ -977,10 +987,12 @@ def legacy_all_to_all(b, store, group_kind, world, dp_size=1, **shape):
     import torch.distributed as dist
     if not dist.is_initialized():
         gloo(b, store)
-    if shape.get("hidden_dim_scale_bytes"):  # fp8: as vLLM's internode setup
-        uid = nvshmem_get_unique_id() if b.rank == 0 else nvshmem_alloc_empty_unique_id()
-        dist.broadcast(uid, src=0)
-        assert nvshmem_init(uid, b.rank, world) == 0
+    if shape.get("hidden_dim_scale_bytes"):  # fp8: as vLLM's internode setup, once a process
+        if not NVSHMEM_JOINED:
+            uid = nvshmem_get_unique_id() if b.rank == 0 else nvshmem_alloc_empty_unique_id()
+            dist.broadcast(uid, src=0)
+            assert nvshmem_init(uid, b.rank, world) == 0
+            NVSHMEM_JOINED.append(uid)
         return pplx.AllToAll.internode(**args, **kinds)
     cpu_group = dist.new_group(list(range(world)), backend="gloo")
     name = getattr(cpu_group, "group_name", None)
@@ -990,40 +1002,48 @@ def legacy_all_to_all(b, store, group_kind, world, dp_size=1, **shape):
     return pplx.AllToAll.intranode(**args, group_name=name, **kinds)
 
 
+def check_legacy_bf16(a2a, rank, world):
+    """Two rounds of bf16 rows dispatched and combined in halves, as vLLM's prepare and
+    finalize call them, against the references; returns the last round's counts, output,
+    rows and ids for further calls."""
+    block = MAX_TOKENS * world
+    sent = [inputs(world, s) for s in range(world)]
+    x, idx, w = sent[rank]
+    dx, ids, dw = dv(x), legacy_ids(idx), dv(w)
+    for round in range(2):
+        counts = dv(torch.empty(EXPERTS_PER_RANK, dtype=torch.int32))
+        out_x = dv(torch.zeros(EXPERTS_PER_RANK, block, HIDDEN, dtype=torch.bfloat16))
+        a2a.dispatch(out_expert_num_tokens=counts, out_expert_x=out_x,
+                     out_expert_x_scale=None, dp_x=dx, dp_x_scale=None, indices=ids,
+                     bound_m=None, do_send=True, do_recv=False)
+        a2a.dispatch(out_expert_num_tokens=counts, out_expert_x=out_x,
+                     out_expert_x_scale=None, dp_x=dx, dp_x_scale=None, indices=ids,
+                     bound_m=None, do_send=False, do_recv=True)
+        got, n = hv(out_x), hv(counts)
+        y = torch.zeros_like(got)
+        for le, g, c, want in expert_blocks(sent, rank, n):
+            assert rows_of(got[le, :c]) == rows_of(want), (rank, le)
+            assert not got[le, c:].view(torch.int16).any(), "rows past the count written"
+            y[le, :c] = (got[le, :c].double() * expert_factor(g)).to(torch.bfloat16)
+        out = dv(torch.full(x.shape, float("nan"), dtype=torch.bfloat16))
+        a2a.combine(out_tokens=out, indices=ids, weights=dw, expert_y=dv(y), bound_m=None,
+                    do_send=True, do_recv=False)
+        a2a.combine(out_tokens=out, indices=ids, weights=dw, expert_y=dv(y), bound_m=None,
+                    do_send=False, do_recv=True)
+        torch.testing.assert_close(hv(out).float(), weighted_reference(x, idx, w).float(),
+                                   rtol=2 ** -7, atol=2 ** -6)
+    return counts, out_x, dx, ids
+
+
 def pplx_kernels_body(world, group_kind):
     """bf16 rows dispatched and combined in halves, as vLLM's prepare and finalize call them
     (the send half, then the receive half as the hook), into pplx-kernels' batched layout
     (max_num_tokens * world_size rows per local expert); then e4m3 rows with vLLM's scales."""
     def body(b, store):
         a2a = legacy_all_to_all(b, store, group_kind, world)
-        block = MAX_TOKENS * world
-        sent = [inputs(world, s) for s in range(world)]
-        x, idx, w = sent[b.rank]
-        dx, ids, dw = dv(x), legacy_ids(idx), dv(w)
-        for round in range(2):
-            counts = dv(torch.empty(EXPERTS_PER_RANK, dtype=torch.int32))
-            out_x = dv(torch.zeros(EXPERTS_PER_RANK, block, HIDDEN, dtype=torch.bfloat16))
-            a2a.dispatch(out_expert_num_tokens=counts, out_expert_x=out_x,
-                         out_expert_x_scale=None, dp_x=dx, dp_x_scale=None, indices=ids,
-                         bound_m=None, do_send=True, do_recv=False)
-            a2a.dispatch(out_expert_num_tokens=counts, out_expert_x=out_x,
-                         out_expert_x_scale=None, dp_x=dx, dp_x_scale=None, indices=ids,
-                         bound_m=None, do_send=False, do_recv=True)
-            got, n = hv(out_x), hv(counts)
-            y = torch.zeros_like(got)
-            for le, g, c, want in expert_blocks(sent, b.rank, n):
-                assert rows_of(got[le, :c]) == rows_of(want), (b.rank, le)
-                assert not got[le, c:].view(torch.int16).any(), "rows past the count written"
-                y[le, :c] = (got[le, :c].double() * expert_factor(g)).to(torch.bfloat16)
-            out = dv(torch.full(x.shape, float("nan"), dtype=torch.bfloat16))
-            a2a.combine(out_tokens=out, indices=ids, weights=dw, expert_y=dv(y), bound_m=None,
-                        do_send=True, do_recv=False)
-            a2a.combine(out_tokens=out, indices=ids, weights=dw, expert_y=dv(y), bound_m=None,
-                        do_send=False, do_recv=True)
-            torch.testing.assert_close(hv(out).float(), weighted_reference(x, idx, w).float(),
-                                       rtol=2 ** -7, atol=2 ** -6)
+        counts, out_x, dx, ids = check_legacy_bf16(a2a, b.rank, world)
         expect_error(ferry.InvalidArgument, "input has no scales", a2a.dispatch,
-                     counts, out_x, None, dx, dv(torch.ones(x.shape[0], 4)), ids, None)
+                     counts, out_x, None, dx, dv(torch.ones(dx.shape[0], 4)), ids, None)
         a2a.destroy()
         a2a.destroy()  # once only
         expect_error(ferry.FailedPrecondition, "closed", a2a.dispatch, counts, out_x, None, dx,
@@ -1072,12 +1092,12 @@ def check_legacy_fp8(b, store, group_kind, world, given, spt, out_cols):
     a2a.destroy()
 
 
-def pplx_kernels_dp_body(world):
+def pplx_kernels_dp_body(world, group_kind):
     """dp_size 2 (vLLM's tensor-parallel ranks, {0, 1} and {2, 3}): each group's tokens (its
     first rank's inputs) reach their experts once, in blocks of max_num_tokens * world_size /
     dp_size rows, and both ranks of a group get the group's sums."""
     def body(b, store):
-        a2a = legacy_all_to_all(b, store, "gloo", world, dp_size=2)
+        a2a = legacy_all_to_all(b, store, group_kind, world, dp_size=2)
         block = MAX_TOKENS * world // 2
         sent = [inputs(world, s) for s in range(0, world, 2)]
         x, idx, w = sent[b.rank // 2]
@@ -1150,7 +1170,78 @@ class PplxKernelsTest(Worlds, Case):
         run_with_shim(self, ferry.pplx_kernels.shim_path(), SHIM_CHECK)
 
     def test_data_parallel_groups_of_two_among_four(self):
-        self.ranks(4, pplx_kernels_dp_body(4), timeout=240.0)
+        self.ranks(4, pplx_kernels_dp_body(4, "gloo"), timeout=240.0)
+
+    def test_data_parallel_groups_over_ferrys_bootstrap(self):
+        self.ranks(4, pplx_kernels_dp_body(4, "ferry"), timeout=240.0)
+
+    def test_internode_runs_among_the_ranks_nvshmem_init_joined(self):
+        """Two EP groups in one torch.distributed world of four ({0, 2} and {1, 3}, as pipeline
+        stages make them): each broadcasts its own unique id within its group, joins with
+        nvshmem_init, and internode's AllToAll runs among its two ranks alone."""
+        def body(b, store):
+            import torch.distributed as dist
+            import ferry.pplx_kernels as pplx
+            gloo(b, store)
+            teams = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+            rank = b.rank // 2
+            uid = (pplx.nvshmem_get_unique_id() if rank == 0
+                   else pplx.nvshmem_alloc_empty_unique_id())
+            dist.broadcast(uid, src=b.rank % 2, group=teams[b.rank % 2])
+            assert pplx.nvshmem_init(uid, rank, 2) == 0
+            assert pplx.nvshmem_init(uid, rank, 2) == 0  # again: nothing to do
+            a2a = pplx.AllToAll.internode(
+                max_num_tokens=MAX_TOKENS, num_experts=EXPERTS_PER_RANK * 2, experts_per_token=K,
+                rank=rank, world_size=2, dp_size=1, hidden_dim=HIDDEN,
+                hidden_dim_bytes=HIDDEN * 2, hidden_dim_scale_bytes=0, device=torch.device(DEV))
+            check_legacy_bf16(a2a, rank, 2)
+            a2a.destroy()
+            pplx.nvshmem_finalize()
+        self.ranks(4, body, timeout=240.0)
+
+    def test_nvshmem_set_up_refusals(self):
+        def body(b, store):
+            import ferry.pplx_kernels as pplx
+            expect_error(ferry.InvalidArgument, "uid must be", pplx.nvshmem_init,
+                         torch.zeros(3), 0, 1)
+            expect_error(ferry.InvalidArgument, "not one nvshmem_get_unique_id made",
+                         pplx.nvshmem_init, pplx.nvshmem_alloc_empty_unique_id(), 0, 1)
+            expect_error(ferry.InvalidArgument, "rank 2 of 2", pplx.nvshmem_init,
+                         pplx.nvshmem_get_unique_id(), 2, 2)
+            os.environ["NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME"] = "nosuchif"
+            expect_error(ferry.InvalidArgument, "nosuchif", pplx.nvshmem_get_unique_id)
+            os.environ["NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME"] = "lo"
+            # Rank 1 whose rank 0 never comes: a deadline, not a wait without end.
+            os.environ["FERRY_RENDEZVOUS_TIMEOUT_MS"] = "300"
+            expect_error(ferry.DeadlineExceeded, "could not reach rank 0", pplx.nvshmem_init,
+                         pplx.nvshmem_get_unique_id(), 1, 2)
+            del os.environ["FERRY_RENDEZVOUS_TIMEOUT_MS"]
+            uid = pplx.nvshmem_get_unique_id()
+            assert bytes(uid[:14].tolist()) == b"ferry-uid:127."  # lo's address
+            assert pplx.nvshmem_init(uid, 0, 1) == 0
+            expect_error(ferry.FailedPrecondition, "already joined as rank 0 of 1",
+                         pplx.nvshmem_init, pplx.nvshmem_get_unique_id(), 0, 1)
+            common = dict(max_num_tokens=4, num_experts=2, experts_per_token=1, dp_size=1,
+                          hidden_dim=128, hidden_dim_bytes=256, hidden_dim_scale_bytes=0,
+                          device=torch.device(DEV))
+            expect_error(ferry.InvalidArgument, "nvshmem_init was given rank 0 of 1",
+                         pplx.AllToAll.internode, rank=1, world_size=2, **common)
+            # Without torch.distributed: internode's ranks are nvshmem_init's.
+            a2a = pplx.AllToAll.internode(rank=0, world_size=1, **common)
+            x = dv(torch.randn(2, 128).to(torch.bfloat16))
+            ids = dv(torch.tensor([[1], [0]], dtype=torch.int32))
+            counts = dv(torch.zeros(2, dtype=torch.int32))
+            out_x = dv(torch.zeros(2, 4, 128, dtype=torch.bfloat16))
+            a2a.dispatch(counts, out_x, None, x, None, ids, None)
+            assert hv(counts).tolist() == [1, 1]
+            out = torch.empty_like(x)
+            a2a.combine(out, ids, dv(torch.ones(2, 1)), out_x, None)
+            assert torch.equal(hv(out), hv(x))
+            a2a.destroy()
+            pplx.nvshmem_finalize()
+            assert pplx.nvshmem_init(pplx.nvshmem_get_unique_id(), 0, 1) == 0  # joins anew
+            pplx.nvshmem_finalize()
+        self.ranks(1, body)
 
     def test_refuses_what_it_cannot_honour(self):
         def body(b, store):
@@ -1178,12 +1269,6 @@ class PplxKernelsTest(Worlds, Case):
             # The default group where torch.distributed was never set up: named, not torch's.
             expect_error(ferry.InvalidArgument, "not initialised", pplx.AllToAll.intranode,
                          **no_group)
-            uid = pplx.nvshmem_get_unique_id()
-            assert pplx.nvshmem_init(uid, 0, 1) == 0
-            expect_error(ferry.InvalidArgument, "nvshmem_init was given rank 0 of 1",
-                         pplx.AllToAll.internode, **{**common, "rank": 1, "world_size": 2})
-            pplx.nvshmem_finalize()
-            expect_error(ferry.InvalidArgument, "uid", pplx.nvshmem_init, torch.zeros(3), 0, 1)
             a2a = pplx.AllToAll.intranode(**common)
             x = dv(torch.ones(2, 128, dtype=torch.bfloat16))
             ids = dv(torch.zeros(2, 1, dtype=torch.int32))
