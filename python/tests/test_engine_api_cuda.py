@@ -373,7 +373,10 @@ class CudaEngineApiTest(api.Case):
         self.ranks(2, on_gpu(pplx_kernels_graph_body(2)), timeout=240.0)
 
     def test_pplx_kernels_data_parallel_group_of_two(self):
-        self.ranks(2, on_gpu(api.pplx_kernels_dp_body(2)), timeout=240.0)
+        self.ranks(2, on_gpu(api.pplx_kernels_dp_body(2, "gloo")), timeout=240.0)
+
+    def test_pplx_kernels_data_parallel_group_over_ferrys_bootstrap(self):
+        self.ranks(2, on_gpu(api.pplx_kernels_dp_body(2, "ferry")), timeout=240.0)
 
     # An NCCL group: world size 1 (NCCL refuses two ranks on one GPU, which is all two ranks
     # get here). The layers gather through torch.distributed's all_gather_object on it.
