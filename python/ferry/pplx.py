@@ -12,8 +12,8 @@ they constructed P2PAllToAll; `dispatch` and `combine` take the same tensors:
 - combine(out_tokens [tokens, hidden] (out_dtype), indices, weights, expert_y (out_expert_x's
   layout), bound_m, do_send, do_recv, accumulate): each token's weighted sum of its experts'
   rows.
-- in_dtype bf16, float32 or e4m3 (with hidden_dim_scale float32 scales per token, moved with
-  their rows as they are: one per 128 columns, per token, or any groups); out_dtype bf16 or
+- in_dtype bf16, float32, e4m3 or int8 (1-byte rows with hidden_dim_scale float32 scales per
+  token, moved with their rows as they are: one per 128 columns, per token, or any groups); out_dtype bf16 or
   float32 (float32 only, with float32 input): expert_y and out_tokens in it, and with float32
   the sums stay fp32.
 - With max_tokens_per_expert = b (pplx's batched layout): out_expert_x is [local experts, b,
@@ -58,10 +58,13 @@ class AllToAll(_ferry.PplxSteps):
         device = torch.device(device if device is not None else "cpu")
         if device.type == "cuda" and device.index is None:  # as tensors name it: cuda:N
             device = torch.device("cuda", torch.cuda.current_device())
-        fp8 = in_dtype in (fp8_dtype(), torch.uint8)
+        # 1-byte rows travel as they are with their scales, whatever the byte means: e4m3, or
+        # int8 (vLLM's int8 w8a8 path), or the bits as uint8.
+        fp8 = in_dtype in (fp8_dtype(), torch.int8, torch.uint8)
         fp32 = in_dtype == torch.float32
         if in_dtype != torch.bfloat16 and not fp8 and not fp32:
-            raise InvalidArgument(f"in_dtype {in_dtype}: bfloat16, float32 or float8_e4m3fn")
+            raise InvalidArgument(f"in_dtype {in_dtype}: bfloat16, float32, float8_e4m3fn or "
+                                  "int8")
         # ferry's combine moves and sums bf16 or fp32 rows (AllToAllConfig::fp32_combine);
         # fp32 rows combine in fp32.
         if (out_dtype not in (torch.float32, torch.bfloat16)

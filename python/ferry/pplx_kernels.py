@@ -21,8 +21,8 @@ What the calls mean, as pplx-kernels has them:
 
 - intranode / internode(max_num_tokens, num_experts, experts_per_token, rank, world_size,
   dp_size, hidden_dim, hidden_dim_bytes, hidden_dim_scale_bytes[, group_name]): the rows'
-  element follows from hidden_dim_bytes / hidden_dim (1: e4m3 with float32 scales, 2: bf16,
-  4: float32); hidden_dim_scale_bytes / 4 scales a row (vLLM rounds both to 16 bytes, so a row
+  element follows from hidden_dim_bytes / hidden_dim (1: e4m3 or int8 with float32 scales,
+  moved as they are; 2: bf16; 4: float32); hidden_dim_scale_bytes / 4 scales a row (vLLM rounds both to 16 bytes, so a row
   with 23 scales is given 24: the caller's dp_x_scale may have fewer columns than that, and the
   rest travel as zeros). intranode's ranks are the torch.distributed group named group_name
   ("default": the default group), internode's those nvshmem_init joined (the default group
@@ -295,6 +295,11 @@ class AllToAll:
         out_expert_x_scale more (vLLM's per-token output is [experts, rows, hidden]: the
         scales land in its first columns, the rest untouched)."""
         s = self._scales
+        # int8 rows (vLLM's int8 w8a8 path) are 1-byte rows as e4m3's are: moved as they are.
+        if type(dp_x) is torch.Tensor and dp_x.dtype == torch.int8:
+            dp_x = dp_x.view(_ELEMENTS[1])
+        if type(out_expert_x) is torch.Tensor and out_expert_x.dtype == torch.int8:
+            out_expert_x = out_expert_x.view(_ELEMENTS[1])
         if (do_send and s and type(dp_x_scale) is torch.Tensor and dp_x_scale.dim() == 2
                 and dp_x_scale.shape[1] < s):
             dp_x_scale = torch.nn.functional.pad(dp_x_scale, (0, s - dp_x_scale.shape[1]))

@@ -631,6 +631,7 @@ def pplx_body(world, group_kind):
         check_pplx_fp8(world, b.rank, group)
         check_pplx_fp8(world, b.rank, group, hidden_dim_scale=1)  # per-token scales
         check_pplx_fp8(world, b.rank, group, hidden_dim_scale=8)  # groups of 64 columns
+        check_pplx_fp8(world, b.rank, group, hidden_dim_scale=1, row_dtype=torch.int8)  # w8a8
         check_pplx_batched(world, b.rank, group)
         check_pplx_fp32(world, b.rank, group)
         check_pplx_fp32_out(world, b.rank, group)
@@ -830,15 +831,17 @@ def encoded_fp8(world, s, spt):
     return codes.view(fp8_dtype()), scales.contiguous(), idx, w
 
 
-def check_pplx_fp8(world, rank, group, hidden_dim_scale=HIDDEN // 128):
+def check_pplx_fp8(world, rank, group, hidden_dim_scale=HIDDEN // 128, row_dtype=None):
     """e4m3 rows with their scales through pplx's dispatch (the caller quantised them): each
     expert's block holds its rows' codes and scales, as sent. hidden_dim_scale other than one
-    per 128 columns (per token: 1): scales of that count, opaque to ferry, moved as they are."""
+    per 128 columns (per token: 1): scales of that count, opaque to ferry, moved as they are.
+    row_dtype: the rows' torch dtype (e4m3 by default; int8 carries the same bytes)."""
     from ferry import pplx
     spt = hidden_dim_scale
+    row_dtype = row_dtype or fp8_dtype()
     a2a = pplx.AllToAll(max_num_tokens=MAX_TOKENS, num_experts=EXPERTS_PER_RANK * world,
                         expert_padding=PADDING, hidden_dim=HIDDEN, hidden_dim_scale=spt,
-                        in_dtype=fp8_dtype(), out_dtype=torch.bfloat16, scale_dtype=torch.float32,
+                        in_dtype=row_dtype, out_dtype=torch.bfloat16, scale_dtype=torch.float32,
                         num_experts_per_token=K, device=torch.device(DEV), global_group=group)
 
     def encoded(s):
@@ -847,9 +850,9 @@ def check_pplx_fp8(world, rank, group, hidden_dim_scale=HIDDEN // 128):
     codes, scales, idx, w = encoded(rank)
     rows = a2a.max_recv_tokens
     counts = dv(torch.empty(EXPERTS_PER_RANK, dtype=torch.int32))
-    out_x = dv(torch.zeros(rows, HIDDEN, dtype=torch.uint8).view(fp8_dtype()))
+    out_x = dv(torch.zeros(rows, HIDDEN, dtype=torch.uint8).view(row_dtype))
     out_s = dv(torch.zeros(rows, spt, dtype=torch.float32))
-    a2a.dispatch(counts, out_x, out_s, dv(codes), dv(scales), dv(idx), dv(w))
+    a2a.dispatch(counts, out_x, out_s, dv(codes.view(row_dtype)), dv(scales), dv(idx), dv(w))
     counts, out_x, out_s = hv(counts), hv(out_x).view(torch.uint8), hv(out_s)
     start = 0
     for le in range(EXPERTS_PER_RANK):
@@ -1053,26 +1056,32 @@ def pplx_kernels_body(world, group_kind):
         # makes).
         # vLLM's per-token output scales are [experts, rows, hidden]: the 4 land in its first
         # columns.
-        for given, spt, out_cols in ((4, 4, HIDDEN), (11, 12, 12)):
-            check_legacy_fp8(b, store, group_kind, world, given, spt, out_cols)
+        # int8 rows (vLLM's int8 w8a8 path) with per-token scales, moved as they are.
+        for given, spt, out_cols, int8 in ((4, 4, HIDDEN, False), (11, 12, 12, False),
+                                           (4, 4, 4, True)):
+            check_legacy_fp8(b, store, group_kind, world, given, spt, out_cols, int8)
     return body
 
 
-def check_legacy_fp8(b, store, group_kind, world, given, spt, out_cols):
-    """e4m3 rows with `given` scale columns a row, through an AllToAll made for spt
-    (hidden_dim_scale_bytes 4 * spt), received into scales of out_cols columns: each block's
-    rows and scales as sent, the columns past `given` zero, those past spt untouched."""
+def check_legacy_fp8(b, store, group_kind, world, given, spt, out_cols, int8=False):
+    """e4m3 rows (int8: the same bytes as int8 tensors) with `given` scale columns a row,
+    through an AllToAll made for spt (hidden_dim_scale_bytes 4 * spt), received into scales of
+    out_cols columns: each block's rows and scales as sent, the columns past `given` zero,
+    those past spt untouched."""
     a2a = legacy_all_to_all(b, store, group_kind, world, hidden_dim_bytes=HIDDEN,
                                hidden_dim_scale_bytes=4 * spt)
     block = MAX_TOKENS * world
     sent = [encoded_fp8(world, s, given) for s in range(world)]
     codes, scales, idx, w = sent[b.rank]
     counts = dv(torch.empty(EXPERTS_PER_RANK, dtype=torch.int32))
-    out_x = dv(torch.zeros(EXPERTS_PER_RANK, block, HIDDEN, dtype=torch.uint8).view(fp8_dtype()))
+    row_dtype = torch.int8 if int8 else fp8_dtype()
+    out_x = dv(torch.zeros(EXPERTS_PER_RANK, block, HIDDEN, dtype=torch.uint8).view(row_dtype))
     out_s = dv(torch.full((EXPERTS_PER_RANK, block, out_cols), -1.0))
+    rows = dv(codes.view(row_dtype))
     expect_error(ferry.InvalidArgument, "dp_x_scale: expected a torch.Tensor", a2a.dispatch,
-                 counts, out_x, out_s, dv(codes), None, legacy_ids(idx), None)
-    a2a.dispatch(counts, out_x, out_s, dv(codes), dv(scales), legacy_ids(idx), None)
+                 counts, out_x, out_s, rows, None, legacy_ids(idx), None)
+    a2a.dispatch(counts, out_x, out_s, rows, dv(scales), legacy_ids(idx), None)
+    assert out_x.dtype == row_dtype
     n, got_x, got_s = hv(counts), hv(out_x).view(torch.uint8), hv(out_s)
     assert (got_s[:, :, spt:] == -1.0).all(), "scale columns past the row's written"
     got_s = got_s[:, :, :spt]
