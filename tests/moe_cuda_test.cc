@@ -61,6 +61,7 @@ struct Case {
   bool shared_engine = false;
   int fp8_scales = 0;  // AllToAllConfig::fp8_scales
   bool fp32_combine = false;  // AllToAllConfig::fp32_combine
+  bool fp16_combine = false;  // CombineInput / CombineOutput::fp16
 };
 
 std::string Describe(const Case& c) {
@@ -79,7 +80,7 @@ std::string Describe(const Case& c) {
                           : c.stream == 3 ? "_allstreamed" : "") +
          (c.spread ? "_spread" : "") + (c.shared_engine ? "_sharedengine" : "") +
          (c.fp8_scales ? "_scales" + std::to_string(c.fp8_scales) : "") +
-         (c.fp32_combine ? "_f32comb" : "");
+         (c.fp32_combine ? "_f32comb" : "") + (c.fp16_combine ? "_f16comb" : "");
 }
 void PrintTo(const Case& c, std::ostream* os) { *os << Describe(c); }
 
@@ -106,7 +107,7 @@ struct Graphs {
   }
   // Dispatch, combine and combine-with-accumulate; the AllToAll is left on `stream`.
   Status Capture(AllToAll& a2a, const DispatchInput& in,
-                 const DispatchOutput& out, const void* expert_out, void* y) {
+                 const DispatchOutput& out, const void* expert_out, void* y, bool fp16) {
     CUDA_OR_RETURN(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     RETURN_IF_ERROR(a2a.SetStream(stream));
     const Deadline later = Deadline::After(30s);
@@ -116,8 +117,8 @@ struct Graphs {
     };
     RETURN_IF_ERROR(CaptureInto(stream, &dispatch, dispatch_steps));
     RETURN_IF_ERROR(CaptureInto(stream, &combine, [&] {
-      RETURN_IF_ERROR(a2a.CombineSend(expert_out));
-      return a2a.CombineRecv(y, false, later);
+      RETURN_IF_ERROR(a2a.CombineSend(CombineInput{expert_out, fp16}));
+      return a2a.CombineRecv(CombineOutput{.out = y, .fp16 = fp16}, later);
     }));
     // The steps are captured in their order, so the second combine graph needs a dispatch
     // captured before it; that copy of the dispatch graph is not kept.
@@ -125,8 +126,8 @@ struct Graphs {
     RETURN_IF_ERROR(CaptureInto(stream, &again, dispatch_steps));
     cudaGraphExecDestroy(again);
     return CaptureInto(stream, &combine_accumulate, [&] {
-      RETURN_IF_ERROR(a2a.CombineSend(expert_out));
-      return a2a.CombineRecv(y, true, later);
+      RETURN_IF_ERROR(a2a.CombineSend(CombineInput{expert_out, fp16}));
+      return a2a.CombineRecv(CombineOutput{.out = y, .accumulate = true, .fp16 = fp16}, later);
     });
   }
 };
@@ -155,6 +156,7 @@ Status CompareTokenMajor(const AllToAllConfig& cfg, const DispatchOutput& host, 
 Status RunRank(const Case& c, Bootstrap& b) {
   AllToAllConfig cfg = ConfigFor(c, b.world_size(), b.rank());
   const bool token_major = c.token_major == 1 || (c.token_major == 2 && b.rank() % 2 == 1);
+  const bool fp16 = c.fp16_combine;
   if (token_major) cfg.dispatch_layout = DispatchLayout::kTokenMajor;
   if (c.nvlink) cfg.ranks_per_node = c.node_ranks > 0 ? c.node_ranks : b.world_size();
   AllToAllConfig gpu_cfg = cfg;
@@ -219,7 +221,7 @@ Status RunRank(const Case& c, Bootstrap& b) {
   if (c.graph) {
     RETURN_IF_ERROR(graphs.Capture(*gpu, {d_x.p, spt ? d_scales.p : nullptr, d_indices.p,
                                                d_weights.p, cfg.max_tokens_per_rank, d_count.p},
-                                   gpu_out, d_expert_out.p, d_y.p));
+                                   gpu_out, d_expert_out.p, d_y.p, c.fp16_combine));
   }
 
   const InputSpec spec{c.tokens, c.k, c.experts, c.dtype, c.routing, c.rank1_empty};
@@ -264,7 +266,7 @@ Status RunRank(const Case& c, Bootstrap& b) {
       RETURN_IF_ERROR(CompareTokenMajor(cfg, host_out, rows, gpu_rows[0], gpu_out_x,
                                         gpu_out_scales, gpu_experts, gpu_weights, gpu_counts));
       SumTokenMajorExperts(cfg, out_x.data(), out_scales.data(), experts.data(), weights.data(),
-                           rows, expert_out.data());
+                           rows, expert_out.data(), fp16);
     }
     for (int e = 0; e < l && !token_major; ++e) {
       CHECK_OR_RETURN(gpu_counts[e] == counts[e],
@@ -284,31 +286,36 @@ Status RunRank(const Case& c, Bootstrap& b) {
         const int64_t r = int64_t{e} * cap + i;
         for (int col = 0; col < h; ++col) {
           const float x = Dequant(cfg, out_x.data() + r * row, out_scales.data() + r * spt, col);
-          PutCombine(cfg, expert_out.data(), r * h + col, x * ExpertScale(g));
+          PutCombine(cfg, expert_out.data(), r * h + col, x * ExpertScale(g), fp16);
         }
       }
     }
     RETURN_IF_ERROR(d_expert_out.Put(expert_out));
-    RETURN_IF_ERROR(host->CombineSend(expert_out.data()));
+    RETURN_IF_ERROR(host->CombineSend(CombineInput{expert_out.data(), fp16}));
     const bool accumulate = it % 2 == 1;
-    std::vector<uint8_t> y = CombineFilled(cfg, int64_t{in.tokens} * h, 0.5f), gpu_y(y.size());
+    std::vector<uint8_t> y = CombineFilled(cfg, int64_t{in.tokens} * h, 0.5f, fp16),
+                         gpu_y(y.size());
     RETURN_IF_ERROR(d_y.Put(y));
     if (c.graph) {
       CUDA_OR_RETURN(cudaGraphLaunch(accumulate ? graphs.combine_accumulate : graphs.combine,
                                      graphs.stream));
       RETURN_IF_ERROR(gpu->Synchronize());
     } else {
-      RETURN_IF_ERROR(gpu->CombineSend(d_expert_out.p));
-      RETURN_IF_ERROR(gpu->CombineRecv(d_y.p, accumulate, Deadline::After(30s)));
+      RETURN_IF_ERROR(gpu->CombineSend(CombineInput{d_expert_out.p, fp16}));
+      RETURN_IF_ERROR(gpu->CombineRecv(
+          CombineOutput{.out = d_y.p, .accumulate = accumulate, .fp16 = fp16},
+          Deadline::After(30s)));
     }
-    RETURN_IF_ERROR(host->CombineRecv(y.data(), accumulate, Deadline::After(30s)));
+    RETURN_IF_ERROR(host->CombineRecv(
+        CombineOutput{.out = y.data(), .accumulate = accumulate, .fp16 = fp16},
+        Deadline::After(30s)));
     RETURN_IF_ERROR(d_y.Get(gpu_y));
     const int64_t item = crow / h;
     for (int64_t i = 0; i < int64_t{in.tokens} * h; ++i) {
       CHECK_OR_RETURN(std::memcmp(&gpu_y[i * item], &y[i * item], item) == 0,
                       "combine output " + std::to_string(i) + ": GPU " +
-                          std::to_string(GetCombine(cfg, gpu_y.data(), i)) + ", host " +
-                          std::to_string(GetCombine(cfg, y.data(), i)) + at);
+                          std::to_string(GetCombine(cfg, gpu_y.data(), i, fp16)) + ", host " +
+                          std::to_string(GetCombine(cfg, y.data(), i, fp16)) + at);
     }
   }
   return b.Barrier(30s);
@@ -647,7 +654,22 @@ INSTANTIATE_TEST_SUITE_P(
                                     .nvlink = true, .fp32_combine = true}, 3),
                       Case{.world_size = 4, .tokens = 64, .hidden = 256, .experts = 48, .k = 8,
                            .dtype = bf16, .routing = rnd, .reduce_at_expert_rank = true,
-                           .nvlink = true, .node_ranks = 2, .fp32_combine = true}),
+                           .nvlink = true, .node_ranks = 2, .fp32_combine = true},
+                      // Rows combined in fp16 (pplx's float16 expert outputs): per copy, streamed
+                      // (a)+(b), token-major in a graph, (b) through the relay.
+                      Case{.world_size = 2, .tokens = 77, .hidden = 384, .experts = 40, .k = 3,
+                           .dtype = bf16, .routing = rnd, .rank1_empty = true, .nvlink = true,
+                           .fp16_combine = true},
+                      Streamed(Case{.world_size = 2, .tokens = 128, .hidden = 1024, .experts = 64,
+                                    .k = 8, .dtype = fp8, .routing = rnd, .private_tokens = 16,
+                                    .once_per_rank = true, .reduce_at_expert_rank = true,
+                                    .nvlink = true, .fp8_scales = 1, .fp16_combine = true}, 3),
+                      Case{.world_size = 2, .tokens = 7, .hidden = 128, .experts = 8, .k = 2,
+                           .dtype = bf16, .routing = rnd, .nvlink = true, .graph = true,
+                           .token_major = 1, .fp16_combine = true},
+                      Case{.world_size = 4, .tokens = 64, .hidden = 256, .experts = 48, .k = 8,
+                           .dtype = bf16, .routing = rnd, .reduce_at_expert_rank = true,
+                           .nvlink = true, .node_ranks = 2, .fp16_combine = true}),
     [](const ::testing::TestParamInfo<Case>& info) { return Describe(info.param); });
 
 }  // namespace

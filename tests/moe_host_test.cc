@@ -44,6 +44,7 @@ struct Case {
   bool late_weights = false;  // the combine weights given at CombineRecv, not at DispatchSend
   int fp8_scales = 0;         // AllToAllConfig::fp8_scales
   bool fp32_combine = false;  // AllToAllConfig::fp32_combine
+  bool fp16_combine = false;  // CombineInput / CombineOutput::fp16
 };
 
 InputSpec Spec(const Case& c) {
@@ -71,7 +72,7 @@ std::string Describe(const Case& c) {
                                             : "") +
          (c.unrouted ? "_unrouted" : "") + (c.late_weights ? "_lateweights" : "") +
          (c.fp8_scales ? "_scales" + std::to_string(c.fp8_scales) : "") +
-         (c.fp32_combine ? "_f32comb" : "");
+         (c.fp32_combine ? "_f32comb" : "") + (c.fp16_combine ? "_f16comb" : "");
 }
 
 bool TokenMajor(const Case& c, int rank) {
@@ -116,7 +117,7 @@ Status CheckTokenMajor(const Case& c, const AllToAllConfig& cfg, const std::vect
   CHECK_OR_RETURN(*out.num_rows == i, std::to_string(*out.num_rows) + " rows, expected " +
                                           std::to_string(i));
   SumTokenMajorExperts(cfg, static_cast<const uint8_t*>(out.x), out.scales, out.token_experts,
-                       out.token_weights, i, expert_out.data());
+                       out.token_weights, i, expert_out.data(), c.fp16_combine);
   for (int e = 0; e < l; ++e) {
     CHECK_OR_RETURN(out.num_tokens[e] == copies[e], "expert " + std::to_string(e) + ": " +
                                                         std::to_string(out.num_tokens[e]) +
@@ -196,7 +197,8 @@ class RankRun {
         // The expert computes; its output goes back through combine.
         for (int col = 0; col < h; ++col) {
           const float x = Dequant(cfg_, out_x_.data() + r * row, out_scales_.data() + r * spt, col);
-          PutCombine(cfg_, expert_out_.data(), r * h + col, x * ExpertScale(g));
+          PutCombine(cfg_, expert_out_.data(), r * h + col, x * ExpertScale(g),
+                     c_.fp16_combine);
         }
       }
       std::sort(want.begin(), want.end());
@@ -206,14 +208,17 @@ class RankRun {
     return Status::Ok();
   }
 
-  Status CombineSend() { return a2a_->CombineSend(expert_out_.data()); }
+  Status CombineSend() {
+    return a2a_->CombineSend(CombineInput{expert_out_.data(), c_.fp16_combine});
+  }
 
   // The combined output against a float64 reference; odd iterations add to what y holds.
   Status CombineRecv(int it) {
     const Inputs& mine = all_[b_.rank()];
     const int h = cfg_.hidden;
     const int64_t row = cfg_.token_bytes(), spt = cfg_.scales_per_token();
-    std::vector<uint8_t> y = CombineFilled(cfg_, int64_t{mine.tokens} * h, 0.5f);
+    const bool fp16 = c_.fp16_combine;
+    std::vector<uint8_t> y = CombineFilled(cfg_, int64_t{mine.tokens} * h, 0.5f, fp16);
     const bool accumulate = it % 2 == 1;
     // Late weights: others than the dispatch's, which the sums must then ignore.
     std::vector<float> weights = mine.weights;
@@ -221,7 +226,10 @@ class RankRun {
       for (float& w : weights) w = 0.25f + 0.5f * w;
     }
     RETURN_IF_ERROR(a2a_->CombineRecv(
-        CombineOutput{y.data(), accumulate, c_.late_weights ? weights.data() : nullptr},
+        CombineOutput{.out = y.data(),
+                      .accumulate = accumulate,
+                      .weights = c_.late_weights ? weights.data() : nullptr,
+                      .fp16 = fp16},
         Deadline::After(30s)));
     for (int t = 0; t < mine.tokens; ++t) {
       const uint8_t* xr = mine.x.data() + t * row;
@@ -232,15 +240,16 @@ class RankRun {
         for (int j = 0; j < c_.k; ++j) {
           int g = mine.indices[size_t(t) * c_.k + j];
           if (g < 0) continue;  // no expert: the copy adds nothing
-          float expert = CombineRound(cfg_, Dequant(cfg_, xr, sr, col) * ExpertScale(g));
+          float expert = CombineRound(cfg_, Dequant(cfg_, xr, sr, col) * ExpertScale(g), fp16);
           ref += double(weights[size_t(t) * c_.k + j]) * expert;
         }
-        double got = GetCombine(cfg_, y.data(), int64_t{t} * h + col);
+        double got = GetCombine(cfg_, y.data(), int64_t{t} * h + col, fp16);
         norm += ref * ref;
         err += (got - ref) * (got - ref);
       }
-      // bf16 sums round to 2^-9 of their size; fp32 sums (combines_fp32) to a few 2^-24.
-      const double tolerance = cfg_.combines_fp32() ? 1e-6 : 1e-2;
+      // bf16 sums round to 2^-9 of their size, fp16 ones to 2^-11; fp32 sums (combines_fp32)
+      // to a few 2^-24.
+      const double tolerance = cfg_.combines_fp32() ? 1e-6 : fp16 ? 5e-4 : 1e-2;
       CHECK_OR_RETURN(std::sqrt(err) <= tolerance * std::sqrt(norm) + 1e-9,
                       "token " + std::to_string(t) + " combine relative error " +
                           std::to_string(std::sqrt(err / std::max(norm, 1e-30))));
@@ -427,6 +436,18 @@ std::vector<Case> Cases() {
   out.push_back({.provider = "tcp;ofi_rxm", .world_size = 2, .tokens = 19, .hidden = 2880,
                  .experts = 8, .k = 2, .dtype = fp8, .routing = rnd, .once_per_rank = true,
                  .late_weights = true, .fp8_scales = 23});
+  // Rows combined in fp16 (pplx's float16 expert outputs; the 2-byte rows carry bf16 values,
+  // which the dispatch moves as bits): per copy with the sums at the origin, summed at the
+  // expert rank with mixed layouts, fp8 rows with late weights.
+  out.push_back({.provider = "shm", .world_size = 3, .tokens = 33, .hidden = 256, .experts = 48,
+                 .k = 4, .dtype = bf16, .routing = rnd, .rank1_empty = true, .unrouted = true,
+                 .fp16_combine = true});
+  out.push_back({.provider = "shm", .world_size = 2, .tokens = 64, .hidden = 256, .experts = 16,
+                 .k = 4, .dtype = bf16, .routing = hot, .once_per_rank = true,
+                 .reduce_at_expert_rank = true, .layouts = mixed, .fp16_combine = true});
+  out.push_back({.provider = "tcp;ofi_rxm", .world_size = 2, .tokens = 19, .hidden = 2880,
+                 .experts = 8, .k = 2, .dtype = fp8, .routing = rnd, .once_per_rank = true,
+                 .late_weights = true, .fp8_scales = 23, .fp16_combine = true});
   // bf16 and fp8 rows combined in fp32 (pplx's out_dtype float32): rows returned per copy and
   // summed at the origin, summed at the expert rank, token-major, late weights.
   out.push_back({.provider = "shm", .world_size = 3, .tokens = 33, .hidden = 256, .experts = 48,

@@ -110,27 +110,31 @@ inline float Dequant(const AllToAllConfig& cfg, const uint8_t* row, const float*
 }
 
 // The combine's element (AllToAllConfig::combine_row_bytes): fp32 where combines_fp32(), else
-// bf16.
-// Element i of `rows` as a float, and v stored there (rounded to bf16 where the element is).
-inline float GetCombine(const AllToAllConfig& cfg, const void* rows, int64_t i) {
+// bf16, or fp16 where the combine is told so (`fp16`: CombineInput / CombineOutput::fp16).
+// Element i of `rows` as a float, and v stored there (rounded to the element).
+inline float GetCombine(const AllToAllConfig& cfg, const void* rows, int64_t i, bool fp16 = false) {
   if (cfg.combines_fp32()) return static_cast<const float*>(rows)[i];
-  return Bf16ToFloat(static_cast<const uint16_t*>(rows)[i]);
+  const uint16_t b = static_cast<const uint16_t*>(rows)[i];
+  return fp16 ? Fp16ToFloat(b) : Bf16ToFloat(b);
 }
-inline void PutCombine(const AllToAllConfig& cfg, void* rows, int64_t i, float v) {
+inline void PutCombine(const AllToAllConfig& cfg, void* rows, int64_t i, float v,
+                       bool fp16 = false) {
   if (cfg.combines_fp32()) {
     static_cast<float*>(rows)[i] = v;
   } else {
-    static_cast<uint16_t*>(rows)[i] = FloatToBf16(v);
+    static_cast<uint16_t*>(rows)[i] = fp16 ? FloatToFp16(v) : FloatToBf16(v);
   }
 }
 // v as the combine's element holds it.
-inline float CombineRound(const AllToAllConfig& cfg, float v) {
-  return cfg.combines_fp32() ? v : Bf16ToFloat(FloatToBf16(v));
+inline float CombineRound(const AllToAllConfig& cfg, float v, bool fp16 = false) {
+  if (cfg.combines_fp32()) return v;
+  return fp16 ? Fp16ToFloat(FloatToFp16(v)) : Bf16ToFloat(FloatToBf16(v));
 }
 // `n` combine elements of value v (an output to accumulate onto).
-inline std::vector<uint8_t> CombineFilled(const AllToAllConfig& cfg, int64_t n, float v) {
+inline std::vector<uint8_t> CombineFilled(const AllToAllConfig& cfg, int64_t n, float v,
+                                          bool fp16 = false) {
   std::vector<uint8_t> rows(size_t(n) * size_t(cfg.combine_row_bytes() / cfg.hidden));
-  for (int64_t i = 0; i < n; ++i) PutCombine(cfg, rows.data(), i, v);
+  for (int64_t i = 0; i < n; ++i) PutCombine(cfg, rows.data(), i, v, fp16);
   return rows;
 }
 
@@ -140,7 +144,7 @@ inline std::vector<uint8_t> CombineFilled(const AllToAllConfig& cfg, int64_t n, 
 // would be). experts / weights: [rows, K].
 inline void SumTokenMajorExperts(const AllToAllConfig& cfg, const uint8_t* x, const float* scales,
                                  const int32_t* experts, const float* weights, int rows,
-                                 void* expert_out) {
+                                 void* expert_out, bool fp16 = false) {
   const int k = cfg.experts_per_token, h = cfg.hidden, first = cfg.rank * cfg.local_experts();
   const int64_t row = cfg.token_bytes(), spt = cfg.scales_per_token();
   for (int64_t i = 0; i < rows; ++i) {
@@ -150,9 +154,9 @@ inline void SumTokenMajorExperts(const AllToAllConfig& cfg, const uint8_t* x, co
         const int32_t e = experts[i * k + j];
         if (e < 0) continue;
         const float y = Dequant(cfg, x + i * row, scales + i * spt, col) * ExpertScale(first + e);
-        sum += weights[i * k + j] * CombineRound(cfg, y);
+        sum += weights[i * k + j] * CombineRound(cfg, y, fp16);
       }
-      PutCombine(cfg, expert_out, i * h + col, sum);
+      PutCombine(cfg, expert_out, i * h + col, sum, fp16);
     }
   }
 }

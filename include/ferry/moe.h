@@ -54,7 +54,8 @@
 namespace ferry {
 
 enum class DispatchDtype : uint8_t {
-  kBf16 = 0,     // 2 bytes per element
+  kBf16 = 0,     // 2 bytes per element, moved as they are: bf16, or fp16 (the combine is told
+                 // which: CombineInput / CombineOutput::fp16)
   kFp8E4M3 = 1,  // 1 byte per element, plus one fp32 scale per 128 columns
   kFp32 = 2      // 4 bytes per element; the combine's rows and its output are fp32 too
                  // (AllToAllConfig::fp32_combine for the other elements)
@@ -275,9 +276,25 @@ struct FERRY_API DispatchOutput {
   int64_t* wait_cost = nullptr;
 };
 
+// Combine input of one rank (AllToAll::CombineSend).
+struct FERRY_API CombineInput {
+  // [local_experts, expert_capacity, hidden] bf16 (fp32 where combines_fp32(): the combine's
+  // element, AllToAllConfig::combine_row_bytes), rows as DispatchRecv laid them out
+  // (padded_rows(p) rows after a DispatchRecv with expert_padding p, local_experts blocks of
+  // expert_rows with that); token-major: [expert_capacity, hidden], row i the weighted sum of
+  // row i's experts' outputs.
+  const void* expert_out = nullptr;
+  // A 2-byte combine's rows (not combines_fp32()) are IEEE fp16 rather than bf16: an expert
+  // rank that sums them (combine_reduce_at_expert_rank) reads and rounds fp16. Each combine
+  // chooses (as pplx's combine takes the expert outputs' dtype); every rank gives the same for
+  // one combine, and CombineOutput::fp16 the same.
+  bool fp16 = false;
+};
+
 // Combine output of one rank.
 struct FERRY_API CombineOutput {
-  // [T, hidden] bf16 (fp32 where combines_fp32()), T of the last DispatchSend.
+  // [T, hidden] bf16 (fp16 with `fp16`; fp32 where combines_fp32()), T of the last
+  // DispatchSend.
   void* out = nullptr;
   bool accumulate = false;  // add the sums to what out holds
   // [T, experts_per_token] fp32: the combine weights given now rather than at DispatchSend (as
@@ -289,6 +306,10 @@ struct FERRY_API CombineOutput {
   // [world_size] or null: the time this step spent waiting for each expert rank's rows, added
   // to what each entry holds (DeepEP's combine_wait_recv_cost_stats), as DispatchOutput's.
   int64_t* wait_cost = nullptr;
+  // The returned rows and `out` are IEEE fp16 rather than bf16 (2-byte combines only; as
+  // CombineInput::fp16, which this combine's CombineSend was given): sums in fp32, rounded to
+  // fp16 (nearest even; beyond 65504 infinite).
+  bool fp16 = false;
 };
 
 // Thread safety: one thread drives an AllToAll; the steps run in order DispatchSend,
@@ -314,13 +335,11 @@ class FERRY_API AllToAll {
   // host device that stops the AllToAll (every later step reports it); on the CUDA device the
   // slot is dropped and the error surfaces as kernel errors do (see SetStream).
   virtual Status DispatchRecv(const DispatchOutput& out, Deadline deadline) = 0;
-  // expert_out: [local_experts, expert_capacity, hidden] bf16 (fp32 where combines_fp32(): the
-  // combine's element, AllToAllConfig::combine_row_bytes), rows as DispatchRecv laid them out
-  // (padded_rows(p) rows after a DispatchRecv with expert_padding p, local_experts blocks of
-  // expert_rows with that); token-major:
-  // [expert_capacity, hidden], row i the weighted sum of row i's experts' outputs.
-  virtual Status CombineSend(const void* expert_out) = 0;
-  // out: [T, hidden] bf16 (fp32 where combines_fp32()) for the T of the last DispatchSend;
+  // The expert outputs (CombineInput says their form); InvalidArgument for fp16 where the
+  // combine is fp32.
+  virtual Status CombineSend(const CombineInput& in) = 0;
+  Status CombineSend(const void* expert_out) { return CombineSend(CombineInput{expert_out}); }
+  // out: [T, hidden] bf16 (fp16, fp32: CombineOutput) for the T of the last DispatchSend;
   // with accumulate, adds to it.
   virtual Status CombineRecv(const CombineOutput& out, Deadline deadline) = 0;
   Status CombineRecv(void* out, bool accumulate, Deadline deadline) {
@@ -423,6 +442,50 @@ inline uint16_t FloatToBf16(float f) {
 }
 inline float Bf16ToFloat(uint16_t b) {
   const uint32_t u = uint32_t{b} << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// IEEE fp16 helpers (round to nearest even, beyond 65504 infinite, subnormals kept, NaN as
+// 0x7FFF): what the CUDA device's __float2half_rn and __half2float give.
+inline uint16_t FloatToFp16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const auto sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  const uint32_t a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return 0x7FFF;                // NaN
+  if (a >= 0x477FF000u) return sign | 0x7C00;        // 65520 and up round to infinity
+  if (a >= 0x38800000u) {                            // normal: 2^-14 and up
+    const uint32_t r = a + 0xFFFu + ((a >> 13) & 1u);  // to nearest even at bit 13
+    return sign | static_cast<uint16_t>((r - 0x38000000u) >> 13);  // exponent rebiased
+  }
+  if (a <= 0x33000000u) return sign;  // at most 2^-25: zero (2^-25 itself ties to even)
+  // Subnormal: the 24-bit significand shifted to units of 2^-24, to nearest even.
+  const uint32_t m = (a & 0x7FFFFFu) | 0x800000u;
+  const int shift = 126 - static_cast<int>(a >> 23);
+  uint32_t h = m >> shift;
+  const uint32_t rest = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+  if (rest > half || (rest == half && (h & 1u))) ++h;
+  return sign | static_cast<uint16_t>(h);
+}
+inline float Fp16ToFloat(uint16_t h) {
+  const uint32_t sign = uint32_t{h & 0x8000u} << 16;
+  uint32_t e = (h >> 10) & 0x1Fu, m = h & 0x3FFu, u;
+  if (e == 0x1F) {
+    u = sign | 0x7F800000u | (m << 13);  // infinity, NaN
+  } else if (e != 0) {
+    u = sign | ((e + 112) << 23) | (m << 13);
+  } else if (m == 0) {
+    u = sign;
+  } else {  // subnormal: normalised
+    e = 113;
+    while (!(m & 0x400u)) {
+      m <<= 1;
+      --e;
+    }
+    u = sign | (e << 23) | ((m & 0x3FFu) << 13);
+  }
   float f;
   std::memcpy(&f, &u, 4);
   return f;

@@ -12,10 +12,12 @@ they constructed P2PAllToAll; `dispatch` and `combine` take the same tensors:
 - combine(out_tokens [tokens, hidden] (out_dtype), indices, weights, expert_y (out_expert_x's
   layout), bound_m, do_send, do_recv, accumulate): each token's weighted sum of its experts'
   rows.
-- in_dtype bf16, float32, e4m3 or int8 (1-byte rows with hidden_dim_scale float32 scales per
-  token, moved with their rows as they are: one per 128 columns, per token, or any groups); out_dtype bf16 or
-  float32 (float32 only, with float32 input): expert_y and out_tokens in it, and with float32
-  the sums stay fp32.
+- in_dtype bf16, float16, float32, e4m3 or int8 (1-byte rows with hidden_dim_scale float32
+  scales per token, moved with their rows as they are: one per 128 columns, per token, or any
+  groups; 2-byte rows, bf16 or float16 alike, moved as they are); out_dtype bf16, float16 or
+  float32 (float32 only, with float32 input): with float32, expert_y and out_tokens in it and
+  the sums fp32; else each combine takes expert_y bf16 or float16 and returns its sums in
+  out_tokens of the same dtype (fp32 sums, rounded once).
 - With max_tokens_per_expert = b (pplx's batched layout): out_expert_x is [local experts, b,
   hidden] (or those rows flat), expert e's tokens from row e * b, expert_padding unused. b below
   the most one expert can receive (every rank's max_num_tokens) bounds the routing: an expert
@@ -62,16 +64,18 @@ class AllToAll(_ferry.PplxSteps):
         # int8 (vLLM's int8 w8a8 path), or the bits as uint8.
         fp8 = in_dtype in (fp8_dtype(), torch.int8, torch.uint8)
         fp32 = in_dtype == torch.float32
-        if in_dtype != torch.bfloat16 and not fp8 and not fp32:
-            raise InvalidArgument(f"in_dtype {in_dtype}: bfloat16, float32, float8_e4m3fn or "
-                                  "int8")
-        # ferry's combine moves and sums bf16 or fp32 rows (AllToAllConfig::fp32_combine);
-        # fp32 rows combine in fp32.
-        if (out_dtype not in (torch.float32, torch.bfloat16)
+        # 2-byte rows (bf16 or float16) move as they are.
+        if in_dtype not in (torch.bfloat16, torch.float16) and not fp8 and not fp32:
+            raise InvalidArgument(f"in_dtype {in_dtype}: bfloat16, float16, float32, "
+                                  "float8_e4m3fn or int8")
+        # ferry's combine sums bf16, fp16 or fp32 rows (2-byte ones as each call's expert_y
+        # is: CombineInput::fp16; fp32: AllToAllConfig::fp32_combine); fp32 rows combine in
+        # fp32.
+        if (out_dtype not in (torch.float32, torch.bfloat16, torch.float16)
                 or (fp32 and out_dtype != torch.float32)):
             raise Unimplemented(
                 f"out_dtype {out_dtype} with in_dtype {in_dtype}: ferry's combine returns "
-                f"{'float32' if fp32 else 'bfloat16 or float32'} for this input")
+                f"{'float32' if fp32 else 'bfloat16, float16 or float32'} for this input")
         if fp8 and scale_dtype != torch.float32:
             raise Unimplemented(f"scale_dtype {scale_dtype}: ferry moves float32 scales")
         if fp8 and not (isinstance(hidden_dim_scale, int) and 1 <= hidden_dim_scale <= hidden_dim):
@@ -133,7 +137,9 @@ class AllToAll(_ferry.PplxSteps):
         block = max_tokens_per_expert or 0
         self.max_recv_tokens = (self.num_local_experts * block if block
                                 else self._a2a.config.padded_rows(expert_padding))
-        _ferry.PplxSteps.__init__(self, self._a2a, in_dtype, max_num_tokens, hidden_dim,
+        # PplxSteps takes float16 rows where it is told bfloat16 (2-byte rows either way).
+        row_dtype = torch.bfloat16 if in_dtype == torch.float16 else in_dtype
+        _ferry.PplxSteps.__init__(self, self._a2a, row_dtype, max_num_tokens, hidden_dim,
                                   num_experts_per_token, self.num_local_experts,
                                   self.max_recv_tokens, 0 if block else expert_padding,
                                   device_id, timeout, block)

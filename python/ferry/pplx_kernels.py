@@ -22,9 +22,9 @@ What the calls mean, as pplx-kernels has them:
 - intranode / internode(max_num_tokens, num_experts, experts_per_token, rank, world_size,
   dp_size, hidden_dim, hidden_dim_bytes, hidden_dim_scale_bytes[, group_name]): the rows'
   element follows from hidden_dim_bytes / hidden_dim (1: e4m3 or int8 with float32 scales,
-  moved as they are; 2: bf16; 4: float32); hidden_dim_scale_bytes / 4 scales a row (vLLM rounds both to 16 bytes, so a row
-  with 23 scales is given 24: the caller's dp_x_scale may have fewer columns than that, and the
-  rest travel as zeros). intranode's ranks are the torch.distributed group named group_name
+  moved as they are; 2: bf16 or float16; 4: float32); hidden_dim_scale_bytes / 4 scales a row
+  (vLLM rounds both to 16 bytes, so a row with 23 scales is given 24: the caller's dp_x_scale
+  may have fewer columns than that, and the rest travel as zeros). intranode's ranks are the torch.distributed group named group_name
   ("default": the default group), internode's those nvshmem_init joined (the default group
   where it was not called); either takes a `group=` of the caller's (a torch group or a
   ferry.Bootstrap) instead. dp_size consecutive ranks hold the same tokens (a tensor-parallel
@@ -44,9 +44,11 @@ ferry needs no NVSHMEM, but its set-up calls mean what NVSHMEM's do: the unique 
 rank 0 waits (a ferry rendezvous; nvshmem_get_unique_id says which address), and
 `nvshmem_init(uid, rank, world_size)` joins the ranks given the same id. Those are internode's
 ranks, whether or not they are a torch.distributed group (vLLM's EP group need not be the whole
-world, and newer vLLM broadcasts the id through a store of its own). World size 1 runs too (pplx-kernels asserts two DP groups or more). Row elements ferry does not
-move (float16, int8 without scales) are refused by name, as ferry.pplx refuses what it cannot
-honour.
+world, and newer vLLM broadcasts the id through a store of its own). World size 1 runs too
+(pplx-kernels asserts two DP groups or more). 2-byte rows may be bf16 or float16 (each combine
+sums as its expert_y is, into out_tokens of the same dtype); what ferry cannot honour (1-byte
+rows without scales, out_tokens of another dtype than expert_y's) is refused by name, as
+ferry.pplx refuses it.
 """
 
 import importlib.machinery

@@ -76,6 +76,11 @@ class PyAllToAll {
     const bool quantize = c.dtype == DispatchDtype::kFp8E4M3 && xa.item_bytes == 2 && !sa;
     Check(&xa, {"x", tokens * static_cast<uint64_t>(c.hidden) * (quantize ? 2 : ItemBytes(c)),
                 false, quantize ? char{0} : ItemKind(c), quantize ? 2 : ItemBytes(c)});
+    if (quantize && IsFloat16(xa)) {
+      ThrowIfError(InvalidArgumentError(
+          "x: float16 elements; the dispatch quantises bf16 rows to fp8 (a torch.bfloat16 "
+          "tensor, or the bits as int16 / uint16)"));
+    }
     Check(&wa, {"weights", copies * 4, false, 'f', 4});
     DispatchInput in;
     if (quantize) {
@@ -199,7 +204,8 @@ class PyAllToAll {
     Check(&ea,
           {"expert_out", rows * c.combine_row_bytes(), false, CombineItemKind(c),
            CombineItemBytes(c)});
-    Run({ea.owner}, [&](AllToAll& a) { return a.CombineSend(ea.pointer()); });
+    const CombineInput in{ea.pointer(), !c.combines_fp32() && IsFloat16(ea)};
+    Run({ea.owner}, [&](AllToAll& a) { return a.CombineSend(in); });
   }
 
   void CombineRecv(const py::handle& out, bool accumulate, double timeout,
@@ -216,6 +222,7 @@ class PyAllToAll {
     Check(&oa, {"out", static_cast<uint64_t>(last_tokens_) * c.combine_row_bytes(), true,
                 CombineItemKind(c), CombineItemBytes(c)});
     CombineOutput to{oa.pointer(), accumulate};
+    to.fp16 = !c.combines_fp32() && IsFloat16(oa);
     Owners used{oa.owner};
     if (wa) {
       Check(wa, {"weights", static_cast<uint64_t>(last_tokens_) * c.experts_per_token * 4, false,
@@ -464,18 +471,15 @@ class PyAllToAll {
     Check(&ia, {"indices", copies * 4, false, kind, 4});  // names what it is and what we take
     in.indices = static_cast<const int32_t*>(ia.pointer());
   }
-  // CheckArray, and for bf16 rows (2-byte elements of any kind) no float16: same size, other
-  // numbers. A 2-byte float is bf16 only as a torch.bfloat16 tensor (NumPy's 2-byte float is
-  // float16); bf16 bits in int16 / uint16 arrays are taken as they are.
   void Check(const Array* array, const ArrayNeed& need) const {
     ThrowIfError(CheckArray(array, need, Device(config())));
-    if (array && need.item_bytes == 2 && need.kind == 0 && array->kind == 'f' &&
-        array->item_bytes == 2 &&
-        (array->dtype == nullptr || array->dtype != Torch::Get().bfloat16)) {
-      ThrowIfError(InvalidArgumentError(
-          std::string(need.name) + ": float16 elements; ferry's 2-byte rows are bfloat16 (a "
-          "torch.bfloat16 tensor, or the bits as int16 / uint16)"));
-    }
+  }
+  // Whether 2-byte rows are IEEE fp16: a 2-byte float other than a torch.bfloat16 tensor
+  // (NumPy's 2-byte float is float16). bf16 bits in int16 / uint16 arrays are bf16. The
+  // dispatch moves either as it is; the combine sums each as what it is (CombineInput::fp16).
+  static bool IsFloat16(const Array& a) {
+    return a.kind == 'f' && a.item_bytes == 2 &&
+           (a.dtype == nullptr || a.dtype != Torch::Get().bfloat16);
   }
   // An optional argument as an Array (None: nullopt), and its address (null for none).
   static std::optional<Array> MaybeArray(const py::handle& object) {

@@ -39,7 +39,11 @@ class PyPplx {
         block_(block),
         timeout_(timeout),
         torch_(Torch::Get()),
-        out_dtype_(a2a_->config().combines_fp32() ? torch_.float32 : torch_.bfloat16) {
+        out_dtype_(a2a_->config().combines_fp32() ? torch_.float32 : torch_.bfloat16),
+        // 2-byte rows move as they are, so float16 ones go where bfloat16 ones do; a 2-byte
+        // combine takes either (CombineInput::fp16), as pplx-kernels' takes its expert_y.
+        row_alt_(in_dtype_.ptr() == torch_.bfloat16 ? torch_.float16 : nullptr),
+        out_alt_(out_dtype_ == torch_.bfloat16 ? torch_.float16 : nullptr) {
     CheckTimeout(timeout);
   }
 
@@ -53,7 +57,7 @@ class PyPplx {
     const Array* w_used = nullptr;  // w, or ones_ for a dispatch given no weights
     int64_t tokens = 0;
     if (do_send) {
-      x = Tensor("dp_x", dp_x, in_dtype_.ptr(), 2);
+      x = Tensor("dp_x", dp_x, in_dtype_.ptr(), 2, row_alt_);
       tokens = x->shape[0];
       if (x->shape[1] != hidden_ || tokens > max_tokens_) {
         Invalid("dp_x: shape " + Shape(x->shape) + ", at most " + Pair(max_tokens_, hidden_));
@@ -112,7 +116,7 @@ class PyPplx {
       }
       // [rows, hidden], or with max_tokens_per_expert also [local experts, it, hidden] (pplx's
       // batched layout).
-      out_x = Tensor("out_expert_x", out_expert_x, in_dtype_.ptr(), -1);
+      out_x = Tensor("out_expert_x", out_expert_x, in_dtype_.ptr(), -1, row_alt_);
       std::vector<int64_t> scale_shape = out_x->shape;
       if (out_x->shape.size() == 3 && block_ > 0) {
         if (out_x->shape != std::vector<int64_t>{local_experts_, block_, hidden_}) {
@@ -165,16 +169,23 @@ class PyPplx {
     Expect(do_send ? Stage::kReceived : Stage::kCombining, "combine");
     std::optional<Array> y, out, w;
     if (do_send) {
-      y = Tensor("expert_y", expert_y, out_dtype_, -1);
+      y = Tensor("expert_y", expert_y, out_dtype_, -1, out_alt_);
       if (y->shape != recv_shape_) {
         Invalid("expert_y: shape " + Shape(y->shape) + ", out_expert_x was " +
                 Shape(recv_shape_));
       }
     }
     if (do_recv) {
-      out = Tensor("out_tokens", out_tokens, out_dtype_, 2);
+      out = Tensor("out_tokens", out_tokens, out_dtype_, 2, out_alt_);
       w = Tensor("weights", weights, torch_.float32, 2);
+      // The sums come back in expert_y's element: out_tokens holds the same.
+      PyObject* sent = do_send ? y->dtype : sent_dtype_;
+      if (out->dtype != sent) {
+        Invalid("out_tokens: dtype " + Str(out->dtype) + ", and expert_y was " + Str(sent) +
+                " (ferry returns the sums in expert_y's dtype)");
+      }
     }
+    if (do_send) sent_dtype_ = y->dtype;
     a2a_->Ordered(CurrentStream(device_), true, true, false, [&] {
       if (do_send) a2a_->CombineSendArray(*y, std::nullopt);
       if (do_recv) a2a_->CombineRecvArrays(*out, accumulate, timeout_, &*w);
@@ -228,8 +239,10 @@ class PyPplx {
   }
 
   // `t` as an Array, InvalidArgument naming it unless it is a contiguous torch tensor of
-  // `dtype` (null: any), `dims` dimensions (-1: any) and the layer's device.
-  Array Tensor(const char* name, const py::handle& t, PyObject* dtype, int dims) const {
+  // `dtype` (null: any; or `alt` where that is given), `dims` dimensions (-1: any) and the
+  // layer's device.
+  Array Tensor(const char* name, const py::handle& t, PyObject* dtype, int dims,
+               PyObject* alt = nullptr) const {
     const std::string n = name;
     std::optional<Array> a = TorchArray(t);
     if (!a) {
@@ -241,8 +254,9 @@ class PyPplx {
       }
       Invalid(n + ": on " + Str(t.attr("device")) + ", ferry takes CPU and CUDA tensors");
     }
-    if (dtype && a->dtype != dtype) {
-      Invalid(n + ": dtype " + Str(a->dtype) + ", expected " + Str(dtype));
+    if (dtype && a->dtype != dtype && (!alt || a->dtype != alt)) {
+      Invalid(n + ": dtype " + Str(a->dtype) + ", expected " + Str(dtype) +
+              (alt ? " or " + Str(alt) : std::string()));
     }
     if (dims >= 0 && a->shape.size() != static_cast<size_t>(dims)) {
       Invalid(n + ": " + std::to_string(a->shape.size()) + " dimensions " + Shape(a->shape) +
@@ -265,6 +279,9 @@ class PyPplx {
   double timeout_;
   const Torch& torch_;
   PyObject* out_dtype_;  // expert_y's and out_tokens': float32 where the combine is, else bfloat16
+  PyObject* row_alt_;    // float16 where the rows are bfloat16 (2 bytes), else null
+  PyObject* out_alt_;    // float16 where out_dtype_ is bfloat16, else null
+  PyObject* sent_dtype_ = nullptr;  // expert_y's at the last combine's send half
   Stage stage_ = Stage::kIdle;
   std::optional<Array> ones_;  // a dispatch's weights where it is given none (UseOnes)
   std::vector<int64_t> recv_shape_;  // out_expert_x's at the last dispatch (expert_y's then)

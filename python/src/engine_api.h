@@ -17,6 +17,7 @@ namespace ferry::python {
 // made) and kept for the interpreter's life.
 struct Torch {
   PyObject* bfloat16;
+  PyObject* float16;
   PyObject* float32;
   PyObject* int32;
   PyObject* int64;
@@ -32,7 +33,7 @@ struct Torch {
         return py::hasattr(torch, name) ? py::object(torch.attr(name)).release().ptr() : nullptr;
       };
       Torch t{
-          dtype("bfloat16"), dtype("float32"), dtype("int32"), dtype("int64"), dtype("uint32"),
+          dtype("bfloat16"), dtype("float16"), dtype("float32"), dtype("int32"), dtype("int64"), dtype("uint32"),
           py::object(torch.attr("Tensor")).release(),
           // torch's raw accessor where it has one (what compilers built on torch call),
           // else ferry's Python one over torch.cuda.current_stream.

@@ -65,15 +65,16 @@ def expert_factor(global_expert):
     return 2.0 ** (global_expert % 3 - 1)
 
 
-def weighted_reference(x, idx, w):
-    """Each token's sum over its experts of weight * factor * row, in float64, to bf16."""
+def weighted_reference(x, idx, w, dtype=torch.bfloat16):
+    """Each token's sum over its experts of weight * factor * row, in float64, to bf16 (or
+    dtype)."""
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):
         for j in range(K):
             e = int(idx[t, j])
             if e >= 0:
                 out[t] += float(w[t, j]) * expert_factor(e) * x[t].double()
-    return out.to(torch.bfloat16)
+    return out.to(dtype)
 
 
 # ---- fp8, as a reference independent of ferry's: torch ops on float32 --------------------------
@@ -635,10 +636,44 @@ def pplx_body(world, group_kind):
         check_pplx_batched(world, b.rank, group)
         check_pplx_fp32(world, b.rank, group)
         check_pplx_fp32_out(world, b.rank, group)
+        check_pplx_fp16(world, b.rank, group)
         # Rows of any multiple of 16 columns in bf16 and fp32 (pplx-garden's tests use 16).
         check_pplx_batched(world, b.rank, group, hidden=48)
         check_pplx_fp32(world, b.rank, group, hidden=16)
     return body
+
+
+def check_pplx_fp16(world, rank, group):
+    """float16 rows through pplx (in_dtype = out_dtype = float16): moved bit for bit into the
+    batched layout and summed as fp16 (fp32 sums rounded once: within an fp16 unit of the last
+    place of the float64 reference); out_tokens of another dtype than expert_y's refused."""
+    from ferry import pplx
+    block = MAX_TOKENS * world
+    a2a = pplx.AllToAll(max_num_tokens=MAX_TOKENS, num_experts=EXPERTS_PER_RANK * world,
+                        expert_padding=1, hidden_dim=HIDDEN, hidden_dim_scale=None,
+                        in_dtype=torch.float16, out_dtype=torch.float16, scale_dtype=None,
+                        num_experts_per_token=K, device=torch.device(DEV), global_group=group,
+                        max_tokens_per_expert=block)
+    sent = [(sx.to(torch.float16), sidx, sw)
+            for sx, sidx, sw in (inputs(world, s) for s in range(world))]
+    x, idx, w = sent[rank]
+    dx, ids, dw = dv(x), dv(idx.to(torch.int32)), dv(w)
+    counts = dv(torch.empty(EXPERTS_PER_RANK, dtype=torch.int32))
+    out_x = dv(torch.zeros(EXPERTS_PER_RANK, block, HIDDEN, dtype=torch.float16))
+    a2a.dispatch(counts, out_x, None, dx, None, ids, dw)
+    got, n = hv(out_x), hv(counts)
+    y = torch.zeros_like(got)
+    for le, g, c, want in expert_blocks(sent, rank, n):
+        assert rows_of(got[le, :c]) == rows_of(want), (rank, le)
+        y[le, :c] = (got[le, :c].double() * expert_factor(g)).to(torch.float16)
+    expect_error(ferry.InvalidArgument, "expert_y was torch.float16", a2a.combine,
+                 dv(torch.empty(x.shape, dtype=torch.bfloat16)), ids, dw, dv(y))
+    out = dv(torch.empty(x.shape, dtype=torch.float16))
+    a2a.combine(out, ids, dw, dv(y))  # the refused call left the AllToAll where it was
+    torch.testing.assert_close(hv(out).double(),
+                               weighted_reference(x, idx, w, torch.float16).double(),
+                               rtol=2 ** -10, atol=2 ** -14)
+    a2a.destroy()
 
 
 def fp32_inputs(world, rank, columns=HIDDEN):
@@ -939,7 +974,7 @@ class PplxTest(Worlds, Case):
                           out_dtype=torch.bfloat16, scale_dtype=None, num_experts_per_token=1,
                           global_group=b)
             expect_error(ferry.Unimplemented, "out_dtype", pplx.AllToAll,
-                         **{**common, "out_dtype": torch.float16})
+                         **{**common, "out_dtype": torch.float64})
             expect_error(ferry.Unimplemented, "scale_dtype", pplx.AllToAll,
                          **{**common, "scale_dtype": torch.float32, "hidden_dim_scale": 16})
             expect_error(ferry.InvalidArgument, "max_tokens_per_expert", pplx.AllToAll,
@@ -1005,17 +1040,18 @@ def legacy_all_to_all(b, store, group_kind, world, dp_size=1, **shape):
     return pplx.AllToAll.intranode(**args, group_name=name, **kinds)
 
 
-def check_legacy_bf16(a2a, rank, world):
-    """Two rounds of bf16 rows dispatched and combined in halves, as vLLM's prepare and
-    finalize call them, against the references; returns the last round's counts, output,
-    rows and ids for further calls."""
+def check_legacy_2byte(a2a, rank, world, dtype=torch.bfloat16):
+    """Two rounds of bf16 rows (or float16: dtype) dispatched and combined in halves, as vLLM's
+    prepare and finalize call them, against the references (float16 sums within an fp16 unit
+    of the last place, where bf16 rounding would miss by up to four); returns the last round's
+    counts, output, rows and ids for further calls."""
     block = MAX_TOKENS * world
-    sent = [inputs(world, s) for s in range(world)]
+    sent = [(sx.to(dtype), sidx, sw) for sx, sidx, sw in (inputs(world, s) for s in range(world))]
     x, idx, w = sent[rank]
     dx, ids, dw = dv(x), legacy_ids(idx), dv(w)
     for round in range(2):
         counts = dv(torch.empty(EXPERTS_PER_RANK, dtype=torch.int32))
-        out_x = dv(torch.zeros(EXPERTS_PER_RANK, block, HIDDEN, dtype=torch.bfloat16))
+        out_x = dv(torch.zeros(EXPERTS_PER_RANK, block, HIDDEN, dtype=dtype))
         a2a.dispatch(out_expert_num_tokens=counts, out_expert_x=out_x,
                      out_expert_x_scale=None, dp_x=dx, dp_x_scale=None, indices=ids,
                      bound_m=None, do_send=True, do_recv=False)
@@ -1027,14 +1063,16 @@ def check_legacy_bf16(a2a, rank, world):
         for le, g, c, want in expert_blocks(sent, rank, n):
             assert rows_of(got[le, :c]) == rows_of(want), (rank, le)
             assert not got[le, c:].view(torch.int16).any(), "rows past the count written"
-            y[le, :c] = (got[le, :c].double() * expert_factor(g)).to(torch.bfloat16)
-        out = dv(torch.full(x.shape, float("nan"), dtype=torch.bfloat16))
+            y[le, :c] = (got[le, :c].double() * expert_factor(g)).to(dtype)
+        out = dv(torch.full(x.shape, float("nan"), dtype=dtype))
         a2a.combine(out_tokens=out, indices=ids, weights=dw, expert_y=dv(y), bound_m=None,
                     do_send=True, do_recv=False)
         a2a.combine(out_tokens=out, indices=ids, weights=dw, expert_y=dv(y), bound_m=None,
                     do_send=False, do_recv=True)
-        torch.testing.assert_close(hv(out).float(), weighted_reference(x, idx, w).float(),
-                                   rtol=2 ** -7, atol=2 ** -6)
+        fp16 = dtype == torch.float16
+        torch.testing.assert_close(hv(out).double(), weighted_reference(x, idx, w, dtype).double(),
+                                   rtol=2 ** -10 if fp16 else 2 ** -7,
+                                   atol=2 ** -14 if fp16 else 2 ** -6)
     return counts, out_x, dx, ids
 
 
@@ -1044,7 +1082,8 @@ def pplx_kernels_body(world, group_kind):
     (max_num_tokens * world_size rows per local expert); then e4m3 rows with vLLM's scales."""
     def body(b, store):
         a2a = legacy_all_to_all(b, store, group_kind, world)
-        counts, out_x, dx, ids = check_legacy_bf16(a2a, b.rank, world)
+        check_legacy_2byte(a2a, b.rank, world, torch.float16)  # pplx-kernels takes either
+        counts, out_x, dx, ids = check_legacy_2byte(a2a, b.rank, world)
         expect_error(ferry.InvalidArgument, "input has no scales", a2a.dispatch,
                      counts, out_x, None, dx, dv(torch.ones(dx.shape[0], 4)), ids, None)
         a2a.destroy()
@@ -1203,7 +1242,7 @@ class PplxKernelsTest(Worlds, Case):
                 max_num_tokens=MAX_TOKENS, num_experts=EXPERTS_PER_RANK * 2, experts_per_token=K,
                 rank=rank, world_size=2, dp_size=1, hidden_dim=HIDDEN,
                 hidden_dim_bytes=HIDDEN * 2, hidden_dim_scale_bytes=0, device=torch.device(DEV))
-            check_legacy_bf16(a2a, rank, 2)
+            check_legacy_2byte(a2a, rank, 2)
             a2a.destroy()
             pplx.nvshmem_finalize()
         self.ranks(4, body, timeout=240.0)
@@ -1283,8 +1322,8 @@ class PplxKernelsTest(Worlds, Case):
             ids = dv(torch.zeros(2, 1, dtype=torch.int32))
             counts = dv(torch.zeros(1 * 2, dtype=torch.int32))
             out_x = dv(torch.zeros(2, 4, 128, dtype=torch.bfloat16))
-            expect_error(ferry.InvalidArgument, "dtype torch.float16", a2a.dispatch, counts,
-                         out_x, None, x.half(), None, ids, None)
+            expect_error(ferry.InvalidArgument, "dtype torch.float64", a2a.dispatch, counts,
+                         out_x, None, x.double(), None, ids, None)
             expect_error(ferry.InvalidArgument, "at most (4, 128)", a2a.dispatch, counts, out_x,
                          None, dv(torch.ones(5, 128, dtype=torch.bfloat16)), None,
                          dv(torch.zeros(5, 1, dtype=torch.int32)), None)

@@ -82,6 +82,48 @@ def expert_major_body(b):
         assert a2a.dispatch_bytes_sent > 0
 
 
+def float16_body(b):
+    """float16 rows (NumPy's): moved bit for bit, and combined as fp16 -- each token's fp32 sum
+    rounded once to fp16 (values of 10 significant bits, which bf16 would round); a bf16 output
+    for fp16 rows refused, the combine then finished as it should be; float16 rows refused
+    where an fp8 AllToAll would quantise them (it reads bf16)."""
+    import numpy as np
+    c = config(b.rank)
+    local, cap = c.local_experts, c.expert_capacity
+    _, experts = inputs(b.rank)
+
+    def rows_of_rank(s):
+        return np.array([[((s * 37 + t * 11 + h) % 511 - 255) + 0.25 for h in range(HIDDEN)]
+                         for t in range(TOKENS[s])], dtype=np.float16)
+
+    x = rows_of_rank(b.rank)
+    indices = np.array(experts, dtype=np.int32)
+    weights = np.array([WEIGHTS] * len(experts), dtype=np.float32)
+    with shm_engine() as engine, ferry.AllToAll(c, engine, b) as a2a:
+        out = np.zeros((local * cap, HIDDEN), np.float16)
+        counts = array.array("i", [0] * local)
+        a2a.dispatch_send(x, indices, weights)
+        a2a.dispatch_recv(out, counts, timeout=10)
+        for e in range(local):
+            want = sorted(rows_of_rank(s)[t].tobytes() for s in range(WORLD)
+                          for t, ex in enumerate(inputs(s)[1]) if b.rank * local + e in ex)
+            got = sorted(out[e * cap + i].tobytes() for i in range(counts[e]))
+            assert got == want, (b.rank, e)
+        a2a.combine_send(out * np.float16(2))  # experts that double their input (exact)
+        y = np.zeros((TOKENS[b.rank], HIDDEN), np.float16)
+        expect_error(ferry.InvalidArgument, "bf16 output, and its CombineSend was given fp16",
+                     a2a.combine_recv, array.array("H", bytes(2 * TOKENS[b.rank] * HIDDEN)),
+                     timeout=10)
+        a2a.combine_recv(y, timeout=10)
+        want = (x.astype(np.float64) * 2 * sum(WEIGHTS)).astype(np.float16)
+        assert (want.astype(np.float64) != x.astype(np.float64) * 1.5).any()  # fp16 rounded some
+        assert np.array_equal(y.view(np.uint16), want.view(np.uint16)), (b.rank, y, want)
+        fp8 = config(b.rank, dtype=ferry.DispatchDtype.FP8_E4M3, instance=1)
+        with ferry.AllToAll(fp8, engine, b) as quantising:
+            expect_error(ferry.InvalidArgument, "x: float16 elements; the dispatch quantises",
+                         quantising.dispatch_send, x, indices, weights)
+
+
 def token_major_body(b):
     c = config(b.rank, dispatch_once_per_rank=True, combine_reduce_at_expert_rank=True,
                dispatch_layout=ferry.DispatchLayout.TOKEN_MAJOR)
@@ -169,16 +211,6 @@ def bad_input_body(b):
         bad = array.array("i", indices)
         bad[3] = EXPERTS
         expect_error(ferry.OutOfRange, "expert 8", send, x, bad, weights)
-        # float16 rows where bf16 ones go (2-byte floats both): refused, as NumPy's float16 and
-        # as a torch float16 tensor, where present.
-        for module, make in (("numpy", lambda m: m.zeros((MAX_TOKENS, HIDDEN), m.float16)),
-                             ("torch", lambda m: m.zeros(MAX_TOKENS, HIDDEN, dtype=m.float16))):
-            try:
-                half = make(__import__(module))
-            except ImportError:
-                continue
-            expect_error(ferry.InvalidArgument, "x: float16 elements", send, half, indices,
-                         weights)
         # CUDA memory where the host device needs host memory.
         gpu = ferry.Array(0x1000, 1 << 20, 0, "u", 2, False, [MAX_TOKENS, HIDDEN], None)
         expect_error(ferry.InvalidArgument, "CUDA memory of device 0", send, gpu, indices, weights)
@@ -337,6 +369,13 @@ def torch_bootstrap_body(b):
 class AllToAllTest(unittest.TestCase):
     def test_expert_major_bf16(self):
         run_ranks(self, WORLD, expert_major_body)
+
+    def test_float16_rows_moved_and_combined_as_fp16(self):
+        try:
+            import numpy  # noqa: F401
+        except ImportError:
+            self.skipTest("no numpy for this interpreter")
+        run_ranks(self, WORLD, float16_body)
 
     def test_token_major_once_per_rank_reduced(self):
         run_ranks(self, WORLD, token_major_body)

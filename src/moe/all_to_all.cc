@@ -142,17 +142,19 @@ class AllToAllImpl final : public AllToAll {
     return Status::Ok();
   }
 
-  Status CombineSend(const void* expert_out) override {
+  using AllToAll::CombineSend;
+  Status CombineSend(const CombineInput& in) override {
     RETURN_IF_ERROR(Step(Stage::kDispatchDone, "CombineSend"));
-    if (!expert_out) return InvalidArgumentError("CombineSend: null expert output");
-    RETURN_IF_ERROR(device_->CombineSend(expert_out, epoch_));
+    RETURN_IF_ERROR(moe::CheckCombineInput(c_, in));
+    RETURN_IF_ERROR(device_->CombineSend(in, epoch_));
+    sent_fp16_ = in.fp16;
     stage_ = Stage::kCombineSent;
     return Status::Ok();
   }
 
   Status CombineRecv(const CombineOutput& out, Deadline deadline) override {
     RETURN_IF_ERROR(Step(Stage::kCombineSent, "CombineRecv"));
-    RETURN_IF_ERROR(moe::CheckCombineOutput(c_, out));
+    RETURN_IF_ERROR(moe::CheckCombineOutput(c_, out, sent_fp16_));
     RETURN_IF_ERROR(device_->CombineRecv(out, epoch_, deadline));
     stage_ = Stage::kIdle;
     ++epoch_;
@@ -189,6 +191,7 @@ class AllToAllImpl final : public AllToAll {
   std::unique_ptr<moe::MoeDevice> device_;
   std::unique_ptr<moe::Relay> relay_;  // after what it reads: stopped first
   Stage stage_ = Stage::kIdle;
+  bool sent_fp16_ = false;  // the last CombineSend's CombineInput::fp16
   uint64_t epoch_ = 0;
   std::vector<uint8_t> pending_masks_ = std::vector<uint8_t>(size_t(c_.world_size));  // mid-epoch
   std::vector<int32_t> narrowed_;  // DispatchInput::indices64 as int32

@@ -219,11 +219,24 @@ Status CheckDispatchOutput(const AllToAllConfig& c, const DispatchOutput& out) {
   return Status::Ok();
 }
 
-Status CheckCombineOutput(const AllToAllConfig& c, const CombineOutput& out) {
+Status CheckCombineInput(const AllToAllConfig& c, const CombineInput& in) {
+  if (!in.expert_out) return InvalidArgumentError("CombineSend: null expert output");
+  if (in.fp16 && c.combines_fp32()) {
+    return InvalidArgumentError("CombineSend: fp16 rows, and this AllToAll combines in fp32");
+  }
+  return Status::Ok();
+}
+
+Status CheckCombineOutput(const AllToAllConfig& c, const CombineOutput& out, bool sent_fp16) {
   if (out.weights && c.combine_reduce_at_expert_rank) {
     return InvalidArgumentError(
         "CombineRecv: combine-time weights with combine_reduce_at_expert_rank (the expert ranks "
         "weighted each row with the dispatch's weights)");
+  }
+  if (out.fp16 != sent_fp16) {
+    return InvalidArgumentError(std::string("CombineRecv: ") + (out.fp16 ? "fp16" : "bf16") +
+                                " output, and its CombineSend was given " +
+                                (sent_fp16 ? "fp16" : "bf16") + " rows");
   }
   return Status::Ok();
 }

@@ -177,6 +177,64 @@ TEST(Bf16Test, RoundsToNearestEvenAndKeepsSpecials) {
   EXPECT_TRUE(std::isinf(Bf16ToFloat(FloatToBf16(std::numeric_limits<float>::max()))));
 }
 
+TEST(Fp16Test, RoundsToNearestEvenAndKeepsSubnormalsAndSpecials) {
+  EXPECT_EQ(FloatToFp16(1.0f), 0x3C00);
+  EXPECT_EQ(FloatToFp16(-2.5f), 0xC100);
+  EXPECT_EQ(FloatToFp16(65504.0f), 0x7BFF);                      // largest finite
+  EXPECT_EQ(FloatToFp16(65519.99f), 0x7BFF);                     // below the halfway point
+  EXPECT_EQ(FloatToFp16(65520.0f), 0x7C00);                      // halfway: to infinity
+  EXPECT_EQ(FloatToFp16(-1e30f), 0xFC00);
+  EXPECT_EQ(FloatToFp16(1.0f + 0x1p-11f), 0x3C00);               // halfway, rounds to even
+  EXPECT_EQ(FloatToFp16(1.0f + 3 * 0x1p-11f), 0x3C02);           // halfway, rounds up to even
+  EXPECT_EQ(FloatToFp16(0x1p-14f), 0x0400);                      // smallest normal
+  EXPECT_EQ(FloatToFp16(0x1p-24f), 0x0001);                      // smallest subnormal
+  EXPECT_EQ(FloatToFp16(0x1p-25f), 0x0000);                      // halfway to it: even, zero
+  EXPECT_EQ(FloatToFp16(0x1.8p-25f), 0x0001);                    // above halfway
+  EXPECT_EQ(FloatToFp16(3 * 0x1p-25f), 0x0002);                  // 1.5 units: to even, 2
+  EXPECT_EQ(FloatToFp16(-0.0f), 0x8000);
+  EXPECT_EQ(FloatToFp16(std::nanf("")), 0x7FFF);
+  // Every fp16 value, NaNs aside, widens exactly and rounds back to itself; between two
+  // neighbours, the midpoint goes to the even one and a float either side of it to its side.
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    const auto b = static_cast<uint16_t>(h);
+    const float f = Fp16ToFloat(b);
+    if ((b & 0x7C00) == 0x7C00 && (b & 0x3FF)) {
+      EXPECT_TRUE(std::isnan(f)) << h;
+      continue;
+    }
+    ASSERT_EQ(FloatToFp16(f), b) << h;
+    if ((b & 0x7FFF) >= 0x7BFF) continue;  // no finite neighbour above
+    const float next = Fp16ToFloat(static_cast<uint16_t>(b + 1));
+    const float mid = (f + next) / 2;  // exact in float: fp16 has 11 significant bits
+    const uint16_t even = (b & 1) ? static_cast<uint16_t>(b + 1) : b;
+    ASSERT_EQ(FloatToFp16(mid), even) << h;
+    ASSERT_EQ(FloatToFp16(std::nextafter(mid, f)), b) << h;
+    ASSERT_EQ(FloatToFp16(std::nextafter(mid, next)), static_cast<uint16_t>(b + 1)) << h;
+  }
+}
+
+// fp16 is a 2-byte combine's other element: refused where the combine is fp32, and the output
+// must be what the CombineSend was told.
+TEST(AllToAllConfigTest, Fp16CombinesTwoByteRowsAndBothHalvesAgree) {
+  AllToAllConfig c{.world_size = 2, .rank = 0, .num_experts = 8, .experts_per_token = 2,
+                   .max_tokens_per_rank = 4, .hidden = 256};
+  const uint16_t rows[4] = {};
+  uint16_t out[4] = {};
+  EXPECT_TRUE(CheckCombineInput(c, CombineInput{rows, true}).ok());
+  EXPECT_TRUE(CheckCombineOutput(c, CombineOutput{.out = out, .fp16 = true}, true).ok());
+  Status s = CheckCombineOutput(c, CombineOutput{.out = out}, true);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("bf16 output, and its CombineSend was given fp16"),
+            std::string::npos) << s.message();
+  EXPECT_EQ(CheckCombineInput(c, CombineInput{nullptr, true}).code(),
+            StatusCode::kInvalidArgument);
+  c.fp32_combine = true;
+  s = CheckCombineInput(c, CombineInput{rows, true});
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("combines in fp32"), std::string::npos) << s.message();
+  EXPECT_FALSE(CheckCombineOutput(c, CombineOutput{.out = out, .fp16 = true}, false).ok());
+}
+
 // bf16 rows quantised inside the dispatch get one scale per 128 columns, so an AllToAll that
 // carries scales of another count refuses them, naming the count.
 TEST(AllToAllConfigTest, QuantisingInTheDispatchNeedsTheDefaultScales) {

@@ -35,7 +35,7 @@ class MoeDevice {
   virtual Status DispatchRecv(const DispatchOutput& out, uint64_t epoch, Deadline deadline) = 0;
   // Packs expert outputs into the rows each sender expects back, then raises the outbox's
   // combine flag.
-  virtual Status CombineSend(const void* expert_out, uint64_t epoch) = 0;
+  virtual Status CombineSend(const CombineInput& in, uint64_t epoch) = 0;
   // Waits for every expert rank's rows, takes the weighted sums (out.weights, else the
   // dispatch's).
   virtual Status CombineRecv(const CombineOutput& out, uint64_t epoch, Deadline deadline) = 0;

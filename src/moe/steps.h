@@ -19,9 +19,12 @@ Status CheckDispatchInput(const AllToAllConfig& c, const DispatchInput& in);
 // InvalidArgument when `out` lacks a buffer the configuration's layout fills, or has one it
 // does not (a caller mixing up the layouts).
 Status CheckDispatchOutput(const AllToAllConfig& c, const DispatchOutput& out);
+// CombineInput: expert outputs given; fp16 only where the combine's rows are 2 bytes.
+Status CheckCombineInput(const AllToAllConfig& c, const CombineInput& in);
 // InvalidArgument for combine-time weights where the expert ranks summed with the dispatch's
-// (combine_reduce_at_expert_rank).
-Status CheckCombineOutput(const AllToAllConfig& c, const CombineOutput& out);
+// (combine_reduce_at_expert_rank), and for fp16 where the combine is fp32 or the CombineSend
+// was told otherwise (`sent_fp16`: its CombineInput::fp16).
+Status CheckCombineOutput(const AllToAllConfig& c, const CombineOutput& out, bool sent_fp16);
 // AllToAll::SetMasked's checks (`now`: whether `rank` is masked already): InvalidArgument for a
 // rank out of range or ourselves, Unimplemented for unmasking a masked rank; else OK, with
 // *change true when the rank is to be masked now.

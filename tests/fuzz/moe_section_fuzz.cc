@@ -84,7 +84,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   for (int e = 0; e < l; ++e) FUZZ_REQUIRE(num_tokens[e] >= 0, "a negative count");
 
   std::vector<uint16_t> expert_out(size_t(rows * c.hidden), 0x3F80);  // 1.0
-  FUZZ_REQUIRE(device->CombineSend(expert_out.data(), 0).ok(), "the combine's send half");
+  FUZZ_REQUIRE(device->CombineSend(CombineInput{expert_out.data()}, 0).ok(),
+               "the combine's send half");
   for (int s = 1; s < n; ++s) boxes.flags[n + s] = 1;
   std::vector<uint16_t> y(size_t(tokens * c.hidden));
   const Status combined = device->CombineRecv({y.data()}, 0, Deadline::After(1s));

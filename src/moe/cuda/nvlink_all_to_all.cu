@@ -281,18 +281,22 @@ class NvlinkAllToAll final : public AllToAll {
     return async_ ? Status::Ok() : Finish();
   }
 
-  Status CombineSend(const void* expert_out) override {
+  using AllToAll::CombineSend;
+  Status CombineSend(const CombineInput& in) override {
     RETURN_IF_ERROR(Step(Stage::kDispatchDone, "CombineSend"));
-    if (!expert_out) return InvalidArgumentError("CombineSend: null expert output");
-    RETURN_IF_ERROR(Aligned(expert_out, "CombineSend: expert output"));
+    RETURN_IF_ERROR(CheckCombineInput(c_, in));
+    RETURN_IF_ERROR(Aligned(in.expert_out, "CombineSend: expert output"));
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
-    const CombineArgs args{static_cast<const uint8_t*>(expert_out), nullptr, false, 0, nullptr,
-                           nullptr};
-    auto* kernel = combine_copy_only_ ? CombineSendKernel<true, false>
-                   : fp32_            ? CombineSendKernel<false, true>
-                                      : CombineSendKernel<false, false>;
+    const CombineArgs args{static_cast<const uint8_t*>(in.expert_out), nullptr, false, 0,
+                           nullptr, nullptr};
+    const Elem elem = ElemOf(in.fp16);
+    auto* kernel = combine_copy_only_       ? CombineSendKernel<true, Elem::kBf16>
+                   : elem == Elem::kFp32    ? CombineSendKernel<false, Elem::kFp32>
+                   : elem == Elem::kFp16    ? CombineSendKernel<false, Elem::kFp16>
+                                            : CombineSendKernel<false, Elem::kBf16>;
     kernel<<<recv_grid_, kCopyThreads, 0, stream_>>>(nv_, args);
     FERRY_CUDA(cudaGetLastError());
+    sent_fp16_ = in.fp16;
     stage_ = Stage::kCombineSent;
     return async_ ? Status::Ok() : Finish();
   }
@@ -301,14 +305,11 @@ class NvlinkAllToAll final : public AllToAll {
     auto* out = static_cast<uint8_t*>(to.out);
     const bool accumulate = to.accumulate;
     RETURN_IF_ERROR(Step(Stage::kCombineSent, "CombineRecv"));
-    RETURN_IF_ERROR(CheckCombineOutput(c_, to));
+    RETURN_IF_ERROR(CheckCombineOutput(c_, to, sent_fp16_));
     if (!out && token_bound_ > 0) return InvalidArgumentError("CombineRecv: null output");
     RETURN_IF_ERROR(Aligned(out, "CombineRecv: output"));
     FERRY_CUDA(cudaSetDevice(c_.cuda_device));
-    auto* kernel = fp32_ ? (nv_.stream_combine ? CombineRecvStreamedKernel<true>
-                                               : CombineRecvKernel<true>)
-                         : (nv_.stream_combine ? CombineRecvStreamedKernel<false>
-                                               : CombineRecvKernel<false>);
+    auto* kernel = RecvKernel(ElemOf(to.fp16));
     FERRY_CUDA(Launch(kernel,
                       TokenGrid(token_bound_), nv_.world_size * sizeof(int64_t),
                       CombineArgs{nullptr, out, accumulate, BudgetNs(deadline), to.weights,
@@ -887,7 +888,23 @@ class NvlinkAllToAll final : public AllToAll {
   int recv_grid_ = 1;  // CombineSend's, and Unpack's unless streamed
   int unpack_grid_ = 0;  // Unpack's
   bool combine_copy_only_ = false;  // CombineSend's copy-only instance (token-major, small batches)
-  const bool fp32_ = c_.combines_fp32();  // the combine's kernels sum fp32 rows
+  bool sent_fp16_ = false;  // the last CombineSend's CombineInput::fp16
+  // The combine's element: fp32 (combines_fp32), else as the step was told.
+  Elem ElemOf(bool fp16) const {
+    return c_.combines_fp32() ? Elem::kFp32 : fp16 ? Elem::kFp16 : Elem::kBf16;
+  }
+  // CombineRecv's kernel for the element (streamed or not).
+  using CombineKernel = void (*)(Nv, CombineArgs);
+  CombineKernel RecvKernel(Elem e) const {
+    if (nv_.stream_combine) {
+      return e == Elem::kFp32   ? CombineRecvStreamedKernel<Elem::kFp32>
+             : e == Elem::kFp16 ? CombineRecvStreamedKernel<Elem::kFp16>
+                                : CombineRecvStreamedKernel<Elem::kBf16>;
+    }
+    return e == Elem::kFp32   ? CombineRecvKernel<Elem::kFp32>
+           : e == Elem::kFp16 ? CombineRecvKernel<Elem::kFp16>
+                              : CombineRecvKernel<Elem::kBf16>;
+  }
   int recv_grid_limit_ = 1;
   bool pdl_ = true;    // receive kernels may start early (Launch)
   int token_bound_ = 0;

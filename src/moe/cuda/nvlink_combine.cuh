@@ -4,6 +4,8 @@
 // nvlink_protocol.cuh; the design in nvlink_all_to_all.h. Included by nvlink_all_to_all.cu only.
 #pragma once
 
+#include <cuda_fp16.h>
+
 #include <cstdint>
 
 #include "moe/cuda/nvlink_protocol.cuh"
@@ -24,17 +26,37 @@ __device__ inline uint4 PackBf16(const float (&acc)[8]) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// A combine row's 16-byte vector (AllToAllConfig::combine_row_bytes): eight bf16 values, or
-// where the combine is fp32 (AllToAllConfig::combines_fp32) four fp32 ones (kF32), each
-// widened to fp32 for the sums.
-template <bool kF32>
+// A combine row's element (AllToAllConfig::combine_row_bytes): bf16, fp16 (CombineInput /
+// CombineOutput::fp16) or fp32 (AllToAllConfig::combines_fp32).
+enum class Elem { kBf16, kFp16, kFp32 };
+
+// A combine row's 16-byte vector: eight bf16 or fp16 values, or four fp32 ones, each widened
+// to fp32 for the sums and rounded back to nearest even.
+template <Elem kE>
 struct CombineVec {
   static constexpr int kPer = 8;
   __device__ static float At(const uint4& v, int q) { return Bf16At(v, q); }
   __device__ static uint4 Pack(const float (&acc)[kPer]) { return PackBf16(acc); }
 };
 template <>
-struct CombineVec<true> {
+struct CombineVec<Elem::kFp16> {
+  static constexpr int kPer = 8;
+  __device__ static float At(const uint4& v, int q) {
+    const uint32_t w = q < 2 ? v.x : q < 4 ? v.y : q < 6 ? v.z : v.w;
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(q % 2 ? w >> 16 : w & 0xFFFF)));
+  }
+  __device__ static uint4 Pack(const float (&acc)[kPer]) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      w[i] = uint32_t{__half_as_ushort(__float2half_rn(acc[2 * i]))} |
+             uint32_t{__half_as_ushort(__float2half_rn(acc[2 * i + 1]))} << 16;
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  }
+};
+template <>
+struct CombineVec<Elem::kFp32> {
   static constexpr int kPer = 4;
   __device__ static float At(const uint4& v, int q) {
     return __uint_as_float(q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w);
@@ -48,11 +70,11 @@ struct CombineVec<true> {
 // acc[u][c8[u]] (one vector's columns each, c8[u] < 0: none) += sum over c < count of weight[c]
 // * rows[c][c8[u]], in c order, fp32, unfused: the host device's arithmetic. The loads of kR
 // rows of all kG column groups are in flight at once.
-template <bool kF32, int kG, int kR>
-__device__ inline void WeightedSum(float (&acc)[kG][CombineVec<kF32>::kPer],
+template <Elem kE, int kG, int kR>
+__device__ inline void WeightedSum(float (&acc)[kG][CombineVec<kE>::kPer],
                                    const uint4* const* rows, const float* weight, int count,
                                    const int64_t (&c8)[kG]) {
-  using V = CombineVec<kF32>;
+  using V = CombineVec<kE>;
   for (int first = 0; first < count; first += kR) {
     uint4 vals[kG][kR];
 #pragma unroll
@@ -94,11 +116,11 @@ __device__ inline void TagRows(const Nv& v, int r, int64_t row, int rows, uint64
 // With v.spread, blocks looping over slots take them in SpreadOrder (streamed combine: in
 // order, the order CombineRecv claims tokens in).
 // Token-major, the caller summed each token's experts into row g of expert_out, which is copied
-// as it is; kCopyOnly: an instance that only does that (few registers; see its launch). kF32:
-// fp32 rows (AllToAllConfig::combines_fp32), else bf16.
-template <bool kCopyOnly, bool kF32>
+// as it is; kCopyOnly: an instance that only does that (few registers; see its launch). kE: the
+// rows' element.
+template <bool kCopyOnly, Elem kE>
 __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineArgs a) {
-  using V = CombineVec<kF32>;
+  using V = CombineVec<kE>;
   __shared__ const uint4* rows[kMaxK];
   __shared__ float weight[kMaxK];
   __shared__ int count;
@@ -167,7 +189,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
     for (int64_t c = threadIdx.x; c < groups; c += 2 * int64_t{blockDim.x}) {
       const int64_t c8[2] = {c, c + blockDim.x < groups ? c + blockDim.x : -1};
       float acc[2][V::kPer] = {};
-      WeightedSum<kF32, 2, 8>(acc, rows, weight, count, c8);
+      WeightedSum<kE, 2, 8>(acc, rows, weight, count, c8);
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
         if (c8[u] >= 0) out[c8[u]] = V::Pack(acc[u]);
@@ -189,10 +211,10 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
 // order) onto the previous output or zero, into y, by a group of kGroup threads (the block or
 // a warp): one 16-byte vector of columns per thread, kG of them at a time with kR rows' loads
 // in flight (WeightedSum).
-template <bool kF32, int kGroup, int kG, int kR>
+template <Elem kE, int kGroup, int kG, int kR>
 __device__ inline void SumToken(const Nv& v, const CombineArgs& a, int t, const uint4* const* rows,
                                 const float* weight, int count, bool wait_primary) {
-  using V = CombineVec<kF32>;
+  using V = CombineVec<kE>;
   auto* y = reinterpret_cast<uint4*>(a.out + int64_t{t} * v.row_bytes);
   const int64_t groups = v.row_bytes / 16;
   for (int64_t c = threadIdx.x % kGroup; c < groups; c += int64_t{kG} * kGroup) {
@@ -208,7 +230,7 @@ __device__ inline void SumToken(const Nv& v, const CombineArgs& a, int t, const 
 #pragma unroll
       for (int q = 0; q < V::kPer; ++q) acc[u][q] = V::At(prev, q);
     }
-    WeightedSum<kF32, kG, kR>(acc, rows, weight, count, c8);
+    WeightedSum<kE, kG, kR>(acc, rows, weight, count, c8);
     if (wait_primary) WaitPrimary();
 #pragma unroll
     for (int u = 0; u < kG; ++u) {
@@ -257,7 +279,7 @@ __device__ inline LaneRow LocateRows(const Nv& v, const CombineArgs& a, int t,
 // finishes last waits for every rank's combine flag -- every peer's CombineSend done, so its
 // Unpack done reading what we sent it, before our next DispatchSend rewrites it
 // (nvlink_all_to_all.h) -- then advances the epoch.
-template <bool kF32>
+template <Elem kE>
 __global__ void __launch_bounds__(kCopyThreads) CombineRecvStreamedKernel(Nv v, CombineArgs a) {
   constexpr int kWarps = kCopyThreads / 32;
   extern __shared__ int64_t rank_start[];  // [N] our first combine row from each rank
@@ -287,7 +309,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvStreamedKernel(Nv v, 
       if (!ok) break;
       if (first) Mark(v, kTraceCombineRecv, 1);
       first = false;
-      SumToken<kF32, 32, 4, 2>(v, a, t, row_ptr[w], weight_of[w], rows[w], false);
+      SumToken<kE, 32, 4, 2>(v, a, t, row_ptr[w], weight_of[w], rows[w], false);
       __syncwarp();  // every lane read the token's rows before the next token's are located
     }
     if (__syncthreads_or(!ok)) return;
@@ -297,7 +319,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvStreamedKernel(Nv v, 
       if (!__syncthreads_and(threadIdx.x >= 32 || arrived(t, 0))) return;
       if (first) Mark(v, kTraceCombineRecv, 1);
       first = false;
-      SumToken<kF32, kCopyThreads, 2, 8>(v, a, t, row_ptr[0], weight_of[0], rows[0], false);
+      SumToken<kE, kCopyThreads, 2, 8>(v, a, t, row_ptr[0], weight_of[0], rows[0], false);
     }
   }
   Mark(v, kTraceCombineRecv, 2);
@@ -316,7 +338,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvStreamedKernel(Nv v, 
 // (eight tokens in flight per block, each warp locating its next token itself: a block per
 // token waits on each token's routing loads and then its rows' loads, one after the other). The
 // last block advances the epoch.
-template <bool kF32>
+template <Elem kE>
 __global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineArgs a) {
   constexpr int kWarps = kCopyThreads / 32;
   extern __shared__ int64_t rank_start[];  // [N] our first combine row from each rank
@@ -357,7 +379,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineA
         locate();
       }
       __syncwarp();
-      SumToken<kF32, 32, 4, 2>(v, a, t, row_ptr[w], weight_of[w], rows[w], true);
+      SumToken<kE, 32, 4, 2>(v, a, t, row_ptr[w], weight_of[w], rows[w], true);
     }
   } else {
     for (; t < tokens; t += step) {
@@ -366,7 +388,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineA
         locate();
         __syncthreads();
       }
-      SumToken<kF32, kCopyThreads, 2, 8>(v, a, t, row_ptr[0], weight_of[0], rows[0], true);
+      SumToken<kE, kCopyThreads, 2, 8>(v, a, t, row_ptr[0], weight_of[0], rows[0], true);
     }
   }
   Mark(v, kTraceCombineRecv, 2);

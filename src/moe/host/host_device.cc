@@ -14,10 +14,43 @@
 namespace ferry::moe {
 namespace {
 
-// A combine row's element (AllToAllConfig::combine_row_bytes): bf16, or fp32 under
-// combines_fp32().
-inline float ElemToFloat(uint16_t b) { return Bf16ToFloat(b); }
-inline float ElemToFloat(float f) { return f; }
+// A combine row's element (AllToAllConfig::combine_row_bytes): bf16, fp16 (CombineInput /
+// CombineOutput::fp16) or fp32 (combines_fp32()), each read into and written from fp32.
+enum class Elem { kBf16, kFp16, kFp32 };
+Elem ElemOf(const AllToAllConfig& c, bool fp16) {
+  return c.combines_fp32() ? Elem::kFp32 : fp16 ? Elem::kFp16 : Elem::kBf16;
+}
+struct Bf16 {
+  using T = uint16_t;
+  static float Load(T b) { return Bf16ToFloat(b); }
+  static T Store(float f) { return FloatToBf16(f); }
+};
+struct Fp16 {
+  using T = uint16_t;
+  static float Load(T b) { return Fp16ToFloat(b); }
+  static T Store(float f) { return FloatToFp16(f); }
+};
+struct Fp32 {
+  using T = float;
+  static float Load(T f) { return f; }
+  static T Store(float f) { return f; }
+};
+
+// fn.template operator()<E>() for the element type of e.
+template <typename Fn>
+void WithElem(Elem e, Fn&& fn) {
+  switch (e) {
+    case Elem::kFp32:
+      fn.template operator()<Fp32>();
+      return;
+    case Elem::kFp16:
+      fn.template operator()<Fp16>();
+      return;
+    case Elem::kBf16:
+      fn.template operator()<Bf16>();
+      return;
+  }
+}
 
 // acc[i] += w * row[i] over a row of h columns (a multiple of 16: AllToAllConfig::Validate).
 // In blocks of a fixed 16 columns, which -O2 vectorizes; its cost model leaves a loop of unknown
@@ -25,37 +58,31 @@ inline float ElemToFloat(float f) { return f; }
 // (restrict). Each element's product and sum stay two rounded operations, as the CUDA kernels
 // do them.
 template <typename E>
-void AddScaledRow(float* __restrict acc, const E* __restrict row, float w, int h) {
+void AddScaledRow(float* __restrict acc, const typename E::T* __restrict row, float w, int h) {
   constexpr int kBlock = 16;
   for (int b = 0; b < h; b += kBlock) {
-    for (int i = b; i < b + kBlock; ++i) acc[i] += w * ElemToFloat(row[i]);
+    for (int i = b; i < b + kBlock; ++i) acc[i] += w * E::Load(row[i]);
   }
 }
-void AddScaledRow(float* acc, const uint8_t* row, float w, int h, bool fp32) {
-  if (fp32) {
-    AddScaledRow(acc, reinterpret_cast<const float*>(row), w, h);
-  } else {
-    AddScaledRow(acc, reinterpret_cast<const uint16_t*>(row), w, h);
-  }
+void AddScaledRow(float* acc, const uint8_t* row, float w, int h, Elem e) {
+  WithElem(e, [&]<typename E>() {
+    AddScaledRow<E>(acc, reinterpret_cast<const typename E::T*>(row), w, h);
+  });
 }
 // acc's n sums into the combine elements at dst (a row, or every row of the output), rounded
-// to bf16 unless fp32.
-void StoreSums(uint8_t* dst, const float* acc, int64_t n, bool fp32) {
-  if (fp32) {
-    std::memcpy(dst, acc, size_t(n) * sizeof(float));
-    return;
-  }
-  auto* out = reinterpret_cast<uint16_t*>(dst);
-  for (int64_t i = 0; i < n; ++i) out[i] = FloatToBf16(acc[i]);
+// to the element.
+void StoreSums(uint8_t* dst, const float* acc, int64_t n, Elem e) {
+  WithElem(e, [&]<typename E>() {
+    auto* out = reinterpret_cast<typename E::T*>(dst);
+    for (int64_t i = 0; i < n; ++i) out[i] = E::Store(acc[i]);
+  });
 }
 // The n combine elements at src, widened to fp32, into acc.
-void LoadSums(float* acc, const uint8_t* src, int64_t n, bool fp32) {
-  if (fp32) {
-    std::memcpy(acc, src, size_t(n) * sizeof(float));
-    return;
-  }
-  const auto* in = reinterpret_cast<const uint16_t*>(src);
-  for (int64_t i = 0; i < n; ++i) acc[i] = Bf16ToFloat(in[i]);
+void LoadSums(float* acc, const uint8_t* src, int64_t n, Elem e) {
+  WithElem(e, [&]<typename E>() {
+    const auto* in = reinterpret_cast<const typename E::T*>(src);
+    for (int64_t i = 0; i < n; ++i) acc[i] = E::Load(in[i]);
+  });
 }
 
 class HostDevice final : public MoeDevice {
@@ -294,9 +321,10 @@ class HostDevice final : public MoeDevice {
     return Status::Ok();
   }
 
-  Status CombineSend(const void* expert_out_any, uint64_t epoch) override {
+  Status CombineSend(const CombineInput& in, uint64_t epoch) override {
     const int n = c_.world_size, l = c_.local_experts(), h = c_.hidden;
-    const auto* expert_out = static_cast<const uint8_t*>(expert_out_any);
+    const auto* expert_out = static_cast<const uint8_t*>(in.expert_out);
+    const Elem elem = ElemOf(c_, in.fp16);
     // Sender s's rows, in its numbering from its row start for us.
     row_base_.assign(n + 1, 0);
     for (int s = 0; s < n; ++s) row_base_[s + 1] = row_base_[s] + from_[s].rows;
@@ -316,12 +344,12 @@ class HostDevice final : public MoeDevice {
           const Route& route = routes_[src];
           if (route.src < 0) continue;  // announced, never sent: nothing to return
           AddScaledRow(partial_.data() + size_t(row_base_[route.src] + route.row) * h,
-                       expert_out + src * row_bytes, route.weight, h, fp32_);
+                       expert_out + src * row_bytes, route.weight, h, elem);
         }
       }
       for (int s = 0; s < n; ++s) {
         for (int64_t r = 0; r < from_[s].rows; ++r) {
-          StoreSums(RowOut(s, r), partial_.data() + size_t(row_base_[s] + r) * h, h, fp32_);
+          StoreSums(RowOut(s, r), partial_.data() + size_t(row_base_[s] + r) * h, h, elem);
         }
       }
     } else {
@@ -342,11 +370,12 @@ class HostDevice final : public MoeDevice {
     auto* out = static_cast<uint8_t*>(to.out);
     const float* weights = to.weights ? to.weights : weights_.data();
     const int n = c_.world_size, k = c_.experts_per_token, h = c_.hidden;
+    const Elem elem = ElemOf(c_, to.fp16);
     for (int r : lay_.remotes) {
       RETURN_IF_ERROR(WaitOrMask(true, r, epoch, deadline, to.wait_cost));
     }
     acc_.assign(size_t(num_tokens_) * h, 0.0f);
-    if (to.accumulate) LoadSums(acc_.data(), out, int64_t{num_tokens_} * h, fp32_);
+    if (to.accumulate) LoadSums(acc_.data(), out, int64_t{num_tokens_} * h, elem);
     // Our rows from every expert rank, ourselves included, at their place in our region.
     const uint8_t* region = p_.boxes.inbox + lay_.in_combine_off;
     for (int r = 0; r < n; ++r) {
@@ -359,10 +388,10 @@ class HostDevice final : public MoeDevice {
         const float w =
             c_.combine_reduce_at_expert_rank ? 1.0f : weights[size_t(row_of.token) * k + row_of.k];
         AddScaledRow(acc_.data() + size_t(row_of.token) * h, base + j * lay_.row_bytes, w, h,
-                     fp32_);
+                     elem);
       }
     }
-    StoreSums(out, acc_.data(), int64_t{num_tokens_} * h, fp32_);
+    StoreSums(out, acc_.data(), int64_t{num_tokens_} * h, elem);
     return Status::Ok();
   }
 
@@ -471,7 +500,6 @@ class HostDevice final : public MoeDevice {
 
   const DeviceParams p_;
   const AllToAllConfig& c_;  // p_.config
-  const bool fp32_ = c_.combines_fp32();  // the combine's rows and sums are fp32
   const RelayLayout& lay_;
   const SlotFormat slot_;
   std::vector<uint8_t> self_section_;  // our counts row and slots for ourselves

@@ -324,7 +324,7 @@ TEST(HostDeviceTest, WhatASenderWritesIsTheKernelsWireFormatAndComesBackCombined
         }
       }
     }
-    ASSERT_TRUE(p.device[r]->CombineSend(expert_out[r].data(), 0).ok());
+    ASSERT_TRUE(p.device[r]->CombineSend(CombineInput{expert_out[r].data()}, 0).ok());
   }
   EXPECT_EQ(counts[0], (std::vector<int32_t>{0, 1}));
   EXPECT_EQ(counts[1], (std::vector<int32_t>{2, 1}));
