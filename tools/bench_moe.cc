@@ -239,12 +239,13 @@ Status TimeGraphCycles(const MoeBenchOptions& o, Bootstrap& b, AllToAll& a2a,
                                             [&] {
                                               if (sb.with_caller)
                                                 BENCH_CUDA(LaunchUnpermute(sb.caller, stream));
-                                              return a2a.CombineSend(sb.expert_out);
+                                              return a2a.CombineSend(
+                                                  CombineInput{sb.expert_out, o.fp16_combine});
                                             },
                                             [&] {
                                               return a2a.CombineRecv(
                                                   CombineOutput{sb.y, false, nullptr,
-                                                                sb.combine_cost},
+                                                                sb.combine_cost, o.fp16_combine},
                                                   later);
                                             }};
   // Steps first..last, `repeats` times over, as one graph; with `marks`, an event node before
@@ -535,10 +536,11 @@ Status RunRank(const MoeBenchOptions& o, Bootstrap& b, Result* result) {
     double t1 = NowUs();
     RETURN_IF_ERROR(a2a->DispatchRecv(sb.out, Deadline::After(step_timeout)));
     double t2 = NowUs();
-    RETURN_IF_ERROR(a2a->CombineSend(pexpert_out));
+    RETURN_IF_ERROR(a2a->CombineSend(CombineInput{pexpert_out, o.fp16_combine}));
     double t3 = NowUs();
-    RETURN_IF_ERROR(a2a->CombineRecv(CombineOutput{py, false, nullptr, sb.combine_cost},
-                                     Deadline::After(step_timeout)));
+    RETURN_IF_ERROR(
+        a2a->CombineRecv(CombineOutput{py, false, nullptr, sb.combine_cost, o.fp16_combine},
+                         Deadline::After(step_timeout)));
     double t4 = NowUs();
     if (it >= o.warmup) {
       steps[0].push_back(t1 - t0);
@@ -721,10 +723,11 @@ int RunMoeBench(const MoeBenchOptions& options) {
   }
   if (!o.json) {
     std::printf("ferry-bench moe  device=%s provider=%s ranks=%d nodes=%d tokens=%d hidden=%d "
-                "experts=%d topk=%d dtype=%s  (slowest rank per iteration, %d iterations)\n",
+                "experts=%d topk=%d dtype=%s%s  (slowest rank per iteration, %d iterations)\n",
                 o.cuda ? "cuda" : "host", o.provider.c_str(), o.ranks,
                 o.nvlink && o.node_ranks > 0 ? o.ranks / o.node_ranks : o.nvlink ? 1 : o.ranks,
-                o.tokens, o.hidden, o.experts, o.topk, o.fp8 ? "fp8" : "bf16", o.iters);
+                o.tokens, o.hidden, o.experts, o.topk, o.fp8 ? "fp8" : "bf16",
+                o.fp16_combine ? " combine=fp16" : "", o.iters);
     std::printf("%-13s | %21s %21s | %21s %21s | %21s %21s | %10s %10s | %7s %7s | %9s %9s | "
                 "%6s %6s\n",
                 "variant", "dispatch send p50/p99", "dispatch recv p50/p99",

@@ -15,6 +15,10 @@ struct MoeBenchOptions {
   int experts = 256;
   int topk = 8;
   bool fp8 = true;
+  // --fp16-combine: the combine's 2-byte rows and output taken as fp16 (CombineInput /
+  // CombineOutput::fp16): the same bytes, summed as fp16 (the rows' values are then not the
+  // experts' but the timing is the combine's).
+  bool fp16_combine = false;
   int private_tokens = 16;
   bool once_per_rank = false;          // option (a)
   bool reduce_at_expert_rank = false;  // option (b)
