@@ -4,10 +4,8 @@ API, in one run.
 Each layer's dispatch and combine are timed against the same steps called directly on an
 AllToAll of the same shape, given the same ids (its buffers allocated once, as a caller of the
 direct API keeps them), the two interleaved iteration by iteration so that drift hits both
-alike: "added" is p50(layer) - p50(direct) per call. deep_ep's combine runs two ways: making its
-output (as SGLang calls it) and into the caller's (`out=`, as vLLM calls it); the first also
-against direct steps that allocate their output as the layer does ("both allocate": what the
-layer adds beyond the allocation that DeepEP's API, returning a new tensor, implies). The layers are timed as a
+alike: "added" is p50(layer) - p50(direct) per call. deep_ep's combine runs two ways: making its output (as
+SGLang calls it) and into the caller's (`out=`, as vLLM calls it). The layers are timed as a
 caller runs them, unwrapped: their steps run in the binding's C++ with no Python call to time
 between them. The target is <= 2 us per call.
 
@@ -97,14 +95,6 @@ def main():
             a2a.combine_send(recv)
             a2a.combine_recv(out, weights=w)
 
-        # The output allocated as ferry.deep_ep's combine allocates the one it returns (torch's
-        # empty_like of one element expanded to the shape).
-        template = x.new_empty((1, 1)).expand(TOKENS, HIDDEN)
-
-        def direct_combine_making_output():  # the direct steps paying what DeepEP's API asks
-            a2a.combine_send(recv)
-            a2a.combine_recv(torch.empty_like(template), weights=w)
-
         # One engine for all (the layers take the instances after the direct one's).
         buf = deep_ep.Buffer(bootstrap, engine=engine, ranks_per_node=1, explicitly_destroy=True)
         state = {}
@@ -151,10 +141,6 @@ def main():
                                          (ll_dispatch, ll_combine)),
                  "deep_ep low_latency out=": ((direct_dispatch64, direct_combine),
                                               (ll_dispatch, ll_combine_out)),
-                 # Both making the combine's output: what the layer adds beyond the allocation
-                 # DeepEP's API implies (a new tensor per combine).
-                 "deep_ep ll, both allocate": ((direct_dispatch64, direct_combine_making_output),
-                                               (ll_dispatch, ll_combine)),
                  "pplx": ((direct_dispatch32, direct_combine), (pplx_dispatch, pplx_combine)),
                  "pplx_kernels": ((direct_dispatch32, direct_combine),
                                   (legacy_dispatch, legacy_combine))}
@@ -187,6 +173,7 @@ def main():
             # What a combine that makes its output pays to torch alone: the output's
             # allocation, timed as the calls are -- as the layer makes it (torch.empty_like of
             # one element expanded to the shape) and as x.new_empty of the shape would.
+            template = x.new_empty((1, 1)).expand(TOKENS, HIDDEN)
             allocs = {"empty_like": lambda: torch.empty_like(template),
                       "new_empty": lambda: x.new_empty((TOKENS, HIDDEN))}
             row = {}
