@@ -21,15 +21,15 @@ What the calls mean, as pplx-kernels has them:
 
 - intranode / internode(max_num_tokens, num_experts, experts_per_token, rank, world_size,
   dp_size, hidden_dim, hidden_dim_bytes, hidden_dim_scale_bytes[, group_name]): the rows'
-  element follows from hidden_dim_bytes / hidden_dim (1: e4m3 or int8 with float32 scales,
-  moved as they are; 2: bf16 or float16; 4: float32); hidden_dim_scale_bytes / 4 scales a row
-  (vLLM rounds both to 16 bytes, so a row with 23 scales is given 24: the caller's dp_x_scale
-  may have fewer columns than that, and the rest travel as zeros). intranode's ranks are the torch.distributed group named group_name
-  ("default": the default group), internode's those nvshmem_init joined (the default group
-  where it was not called); either takes a `group=` of the caller's (a torch group or a
-  ferry.Bootstrap) instead. dp_size consecutive ranks hold the same tokens (a tensor-parallel
-  group): each token is sent once per group and every rank of the group gets its sums
-  (ferry.pplx's dp_group).
+  element follows from hidden_dim_bytes / hidden_dim (1: e4m3 or int8 with float32 scales, moved
+  as they are; 2: bf16 or float16; 4: float32); hidden_dim_scale_bytes / 4 scales a row (vLLM
+  rounds both to 16 bytes, so a row with 23 scales is given 24: the caller's dp_x_scale may have
+  fewer columns than that, and the rest travel as zeros). intranode's ranks are the
+  torch.distributed group named group_name ("default": the default group), internode's those
+  nvshmem_init joined (the default group where it was not called); either takes a `group=` of
+  the caller's (a torch group or a ferry.Bootstrap) instead. dp_size consecutive ranks hold the
+  same tokens (a tensor-parallel group): each token is sent once per group and every rank of the
+  group gets its sums (ferry.pplx's dp_group).
 - dispatch(out_expert_num_tokens [local experts] int32, out_expert_x [local experts,
   max_num_tokens * world_size / dp_size, hidden], out_expert_x_scale, dp_x [tokens, hidden],
   dp_x_scale, indices [tokens, k] (uint32, int32 or int64), bound_m, do_send, do_recv): expert
@@ -37,8 +37,9 @@ What the calls mean, as pplx-kernels has them:
   have more columns than a row's scales (vLLM gives per-token scales hidden of them): the
   scales fill its first columns.
 - combine(out_tokens [tokens, hidden], indices, weights [tokens, k] float32, expert_y
-  (out_expert_x's shape, bf16; float32 for float32 rows), bound_m, do_send, do_recv): each
-  token's weighted sum of its experts' rows, written over out_tokens.
+  (out_expert_x's shape, bf16 or float16; float32 for float32 rows), bound_m, do_send,
+  do_recv): each token's weighted sum of its experts' rows, written over out_tokens (of
+  expert_y's dtype).
 
 ferry needs no NVSHMEM, but its set-up calls mean what NVSHMEM's do: the unique id names where
 rank 0 waits (a ferry rendezvous; nvshmem_get_unique_id says which address), and

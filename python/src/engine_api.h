@@ -33,7 +33,8 @@ struct Torch {
         return py::hasattr(torch, name) ? py::object(torch.attr(name)).release().ptr() : nullptr;
       };
       Torch t{
-          dtype("bfloat16"), dtype("float16"), dtype("float32"), dtype("int32"), dtype("int64"), dtype("uint32"),
+          dtype("bfloat16"), dtype("float16"), dtype("float32"), dtype("int32"), dtype("int64"),
+          dtype("uint32"),
           py::object(torch.attr("Tensor")).release(),
           // torch's raw accessor where it has one (what compilers built on torch call),
           // else ferry's Python one over torch.cuda.current_stream.

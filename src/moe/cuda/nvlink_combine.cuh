@@ -43,7 +43,8 @@ struct CombineVec<Elem::kFp16> {
   static constexpr int kPer = 8;
   __device__ static float At(const uint4& v, int q) {
     const uint32_t w = q < 2 ? v.x : q < 4 ? v.y : q < 6 ? v.z : v.w;
-    return __half2float(__ushort_as_half(static_cast<unsigned short>(q % 2 ? w >> 16 : w & 0xFFFF)));
+    const auto bits = static_cast<unsigned short>(q % 2 ? w >> 16 : w & 0xFFFF);
+    return __half2float(__ushort_as_half(bits));
   }
   __device__ static uint4 Pack(const float (&acc)[kPer]) {
     uint32_t w[4];
