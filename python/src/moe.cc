@@ -85,7 +85,8 @@ void BindMoe(py::module_& m) {
       .def("dispatch_send", &PyAllToAll::DispatchSend, py::arg("x"), py::arg("indices"),
            py::arg("weights"), py::arg("scales") = py::none(), py::arg("num_tokens") = py::none(),
            py::arg("device_num_tokens") = py::none(), py::arg("scaling") = Fp8Scaling::kAmax,
-           "x [T, hidden] (bf16 as 2-byte, fp8 as 1-byte or fp32 as float32 elements), "
+           "x [T, hidden] (bf16 or float16 as 2-byte, fp8 as 1-byte or fp32 as float32 "
+           "elements: moved as they are), "
            "indices [T, k] int32, int64 or uint32 (-1: no expert), weights [T, k] "
            "float32, scales [T, hidden/128] float32 (fp8); T = num_tokens or x's first "
            "dimension (num_tokens is required for a flat x). An fp8 AllToAll given bf16 x and "
@@ -106,15 +107,17 @@ void BindMoe(py::module_& m) {
            "(nanoseconds on the host device, GPU clock cycles on the CUDA device)")
       .def("combine_send", &PyAllToAll::CombineSend, py::arg("expert_out"),
            py::arg("num_rows") = py::none(),
-           "expert_out: bf16 rows (float32 for DispatchDtype.FP32) as dispatch_recv laid them "
-           "out (token-major: one per row, "
+           "expert_out: bf16 or float16 rows (summed as what they are; float32 for "
+           "DispatchDtype.FP32 and fp32_combine) as dispatch_recv laid them out (token-major: "
+           "one per row, "
            "its experts' outputs already weighted and summed; num_rows: expert_out holds only "
            "that many, at least the rows received)")
       .def("combine_recv", &PyAllToAll::CombineRecv, py::arg("out"), py::arg("accumulate") = false,
            py::arg("timeout") = 30.0, py::arg("weights") = py::none(),
            py::arg("wait_cost") = py::none(),
-           "out [T, hidden] bf16 (float32 for DispatchDtype.FP32) for the T of the last "
-           "dispatch_send: each token's weighted sum "
+           "out [T, hidden] of combine_send's element (bf16 or float16; float32 for "
+           "DispatchDtype.FP32 and fp32_combine) for the T of the last dispatch_send: each "
+           "token's weighted sum in fp32, rounded once "
            "(added to out with accumulate); weights [T, k] float32: the combine weights given "
            "now instead of dispatch_send's (not with combine_reduce_at_expert_rank); wait_cost "
            "as dispatch_recv's, per expert rank")
