@@ -57,6 +57,16 @@ class PyAllToAll {
     DispatchSendArrays(ToArray(x), ToArray(indices), ToArray(weights), Pointer(sa), num_tokens,
                        Pointer(da), scaling);
   }
+  // dispatch_send as Python calls it: an epoch's first step also lets go the arrays of the
+  // steps finished before it (ReleaseFinished), so that a caller of the four steps on a stream
+  // holds a bounded number of them however long it runs without synchronize().
+  void DispatchSendStep(const py::handle& x, const py::handle& indices,
+                        const py::handle& weights, const py::handle& scales,
+                        std::optional<int> num_tokens, const py::handle& device_num_tokens,
+                        Fp8Scaling scaling) {
+    ReleaseFinished(std::nullopt);
+    DispatchSend(x, indices, weights, scales, num_tokens, device_num_tokens, scaling);
+  }
   // The same with the arrays converted (scales, device_num_tokens: null for none).
   void DispatchSendArrays(const Array& xa, const Array& ia, const Array& wa, const Array* sa,
                           std::optional<int> num_tokens, const Array* da, Fp8Scaling scaling) {

@@ -82,7 +82,7 @@ void BindMoe(py::module_& m) {
            "the CUDA device with one node")
       .def_property_readonly(  // a copy: the AllToAll's own goes with it at close()
           "config", [](const PyAllToAll& a) { return AllToAllConfig(a.config()); })
-      .def("dispatch_send", &PyAllToAll::DispatchSend, py::arg("x"), py::arg("indices"),
+      .def("dispatch_send", &PyAllToAll::DispatchSendStep, py::arg("x"), py::arg("indices"),
            py::arg("weights"), py::arg("scales") = py::none(), py::arg("num_tokens") = py::none(),
            py::arg("device_num_tokens") = py::none(), py::arg("scaling") = Fp8Scaling::kAmax,
            "x [T, hidden] (bf16 or float16 as 2-byte, fp8 as 1-byte or fp32 as float32 "
@@ -143,7 +143,9 @@ void BindMoe(py::module_& m) {
       .def("set_stream", &PyAllToAll::SetStream, py::arg("stream"),
            "CUDA device, several ranks: enqueue the steps on `stream` (a torch or CuPy stream, or "
            "a cudaStream_t as an int, not the legacy default stream 0; None: back to waiting) and "
-           "return at once; the arrays stay referenced until synchronize()")
+           "return at once; the arrays stay referenced until their steps have run (each "
+           "dispatch_send lets go those of the steps finished before it, as release_finished "
+           "does; synchronize() all)")
       .def_property_readonly("stream", &PyAllToAll::stream,
                              "The stream the steps go on (a cudaStream_t as an int, 0 the legacy "
                              "default stream), None while they wait for themselves")
@@ -167,7 +169,7 @@ void BindMoe(py::module_& m) {
            "The arrays of finished steps let go (what their kernels found raised) without "
            "waiting, once 16 or more are held, unless more than 128 are (then it waits for the "
            "oldest); nothing while `stream` (a caller's cudaStream_t as an int, or ours) is "
-           "being captured. dispatch() and combine() do this first")
+           "being captured. dispatch_send, dispatch() and combine() do this first")
       .def_property_readonly("pending_arrays", &PyAllToAll::pending,
                              "Arrays of enqueued steps still referenced (until poll() or "
                              "synchronize() finds them done)")

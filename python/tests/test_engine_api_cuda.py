@@ -294,6 +294,36 @@ def held_arrays_body(b, store):
     buf.destroy()
 
 
+def direct_held_arrays_body(b, store):
+    """The direct API's four steps on a stream, given new tensors every epoch and never
+    synchronised: the arrays they hold stay within the binding's bound (each dispatch_send lets
+    go those of the finished steps), and the last epoch's result is right."""
+    import torch
+    c = ferry.AllToAllConfig(world_size=1, rank=0, num_experts=api.EXPERTS_PER_RANK,
+                             experts_per_token=api.K, max_tokens_per_rank=api.MAX_TOKENS,
+                             hidden=api.HIDDEN, device=ferry.MoeDevice.CUDA, cuda_device=0,
+                             ranks_per_node=1)
+    a2a = ferry.AllToAll(c, None, b)
+    a2a.set_stream(torch.cuda.current_stream())
+    rx, ridx, rw = api.inputs(1, 0)
+    for epoch in range(60):
+        x, idx, w = rx.cuda(), ridx.cuda(), rw.cuda()
+        recv = torch.empty(api.EXPERTS_PER_RANK, c.expert_capacity, api.HIDDEN,
+                           dtype=torch.bfloat16, device="cuda")
+        counts = torch.empty(api.EXPERTS_PER_RANK, dtype=torch.int32, device="cuda")
+        out = torch.empty_like(x)
+        a2a.dispatch_send(x, idx, w)
+        a2a.dispatch_recv(recv, counts)
+        a2a.combine_send(recv * 2)
+        a2a.combine_recv(out)
+        assert a2a.pending_arrays <= 128 + 16, (epoch, a2a.pending_arrays)
+    torch.cuda.synchronize()
+    routed = (rw * (ridx >= 0)).sum(1, keepdim=True)  # the weights of the copies sent
+    torch.testing.assert_close(out.cpu().float(), 2 * routed * rx.float(), rtol=2 ** -7,
+                               atol=2 ** -6)
+    a2a.close()
+
+
 def hook_on_another_stream_body(b, store):
     """The receive hooks called with another stream current than the dispatch's (bf16 and
     e4m3, whose scales are laid out after the receive), the results read on the dispatch's
@@ -335,6 +365,9 @@ class CudaEngineApiTest(api.Case):
 
     def test_a_cpu_ahead_of_the_gpu_holds_arrays_within_a_bound(self):
         self.ranks(1, on_gpu(held_arrays_body), timeout=240.0)
+
+    def test_the_direct_steps_on_a_stream_hold_arrays_within_a_bound(self):
+        self.ranks(1, on_gpu(direct_held_arrays_body), timeout=240.0)
 
     def test_receive_hooks_called_on_another_stream(self):
         self.ranks(1, on_gpu(hook_on_another_stream_body), timeout=240.0)
