@@ -281,8 +281,18 @@ class PyDeepEpLowLatency {
     std::optional<Array> oa;
     if (IsNone(a[8])) {
       result = torch_.empty_like(e->OutputTemplate(a[0], h->tokens));
-      oa = TorchArray(result);  // bf16 on x's device, contiguous
-      if (!oa || oa->shape != std::vector<int64_t>{h->tokens, e->hidden}) return {};
+      // Made as x is (bf16, contiguous, on x's device): x's description with the new tensor's
+      // address and shape, one attribute call rather than TorchArray's eight.
+      static PyObject* const data_ptr = PyUnicode_InternFromString("data_ptr");
+      const py::object address =
+          py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(result.ptr(), data_ptr));
+      if (!address) throw py::error_already_set();
+      oa = *xa;
+      oa->data = PyLong_AsUnsignedLongLong(address.ptr());
+      oa->shape = {h->tokens, e->hidden};
+      oa->num_bytes = static_cast<uint64_t>(h->tokens) * static_cast<uint64_t>(e->hidden) * 2;
+      oa->readonly = false;
+      oa->owner = result;
     } else {
       result = py::reinterpret_borrow<py::object>(a[8]);
       oa = TorchArray(result);
