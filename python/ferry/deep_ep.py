@@ -625,6 +625,7 @@ class Buffer(_ferry.DeepEpLowLatency):
                                       f"{(tokens, hidden // 128)}")
         if expert_alignment < 1:
             raise InvalidArgument(f"expert_alignment {expert_alignment}: at least 1")
+        by_rank = None  # without topk_idx: the dispatch's experts, routed by rank
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
                 raise InvalidArgument("a cached dispatch (handle) takes no topk_idx / "
@@ -638,8 +639,6 @@ class Buffer(_ferry.DeepEpLowLatency):
                 raise InvalidArgument(f"x: shape {(tokens, hidden)}, the handle's dispatch had "
                                       f"{(cached.tokens, cached.hidden)}")
         else:
-            if topk_idx is None:
-                raise InvalidArgument("topk_idx: required (ferry routes tokens by their experts)")
             if num_tokens_per_expert is None:
                 raise InvalidArgument("num_tokens_per_expert: required (get_dispatch_layout's)")
             check_tensor("num_tokens_per_expert", num_tokens_per_expert, None, 1)
@@ -650,6 +649,14 @@ class Buffer(_ferry.DeepEpLowLatency):
                     raise InvalidArgument(f"{name}: required (get_dispatch_layout's)")
                 if n is not None and t.numel() != n:
                     raise InvalidArgument(f"{name}: {t.numel()} entries, expected {n}")
+            if topk_idx is None:
+                if num_experts % self.group_size:
+                    raise InvalidArgument(f"num_experts {num_experts}: not divisible by "
+                                          f"{self.group_size} ranks")
+                topk_idx = self._rank_routing(is_token_in_rank, topk_weights, num_worst_tokens,
+                                              x)
+                by_rank, counts_of = num_experts, num_tokens_per_expert
+                num_experts = self.group_size
         check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), 2, x.get_device())
         if topk_idx.shape[0] != tokens:
             raise InvalidArgument(f"topk_idx: {topk_idx.shape[0]} rows, x has {tokens}")
@@ -691,6 +698,8 @@ class Buffer(_ferry.DeepEpLowLatency):
             experts = torch.empty(rows, k, dtype=torch.int32, device=dev)
             weights_out = torch.empty(rows, k, dtype=torch.float32, device=dev)
             current = self._begin(a2a, x, previous_event)
+            if by_rank is not None and previous_event is not None and current is not None:
+                a2a.order_after(current)  # the ids made from is_token_in_rank on the caller's
             a2a.dispatch_send(x, ids, weights, scales=x_scales, num_tokens=tokens)
             a2a.dispatch_recv(recv, counts, recv_scales, num_rows, experts, weights_out,
                               timeout=self._timeout)
@@ -714,7 +723,8 @@ class Buffer(_ferry.DeepEpLowLatency):
         else:
             event.current_stream_wait()
             r = int(num_rows.item())
-            per_expert_list = [_round_up(int(c), expert_alignment) for c in counts.tolist()]
+            got = counts.tolist() if by_rank is None else self._received_per_expert(counts_of)
+            per_expert_list = [_round_up(int(c), expert_alignment) for c in got]
         recv_x = recv[:r]
         out_x = (recv_x, recv_scales[:r]) if fp8 else recv_x
         if handle is not None:
@@ -722,9 +732,46 @@ class Buffer(_ferry.DeepEpLowLatency):
             return out_x, None, None, None, None, event
         new = _Handle(pooled, tokens, k, hidden, num_experts, topk_idx, topk_weights=topk_weights,
                       rows=r)
+        if by_rank is not None:
+            return out_x, None, None, per_expert_list, new, event
         recv_topk_idx = experts[:r].long()
         recv_topk_weights = weights_out[:r] if topk_weights is not None else None
         return out_x, recv_topk_idx, recv_topk_weights, per_expert_list, new, event
+
+    def _rank_routing(self, is_token_in_rank, topk_weights, num_worst_tokens, x):
+        """A dispatch without topk_idx (DeepEP routes by is_token_in_rank alone): ids naming
+        ranks as experts, [tokens, ranks] int32, column r holding r where the token goes to
+        rank r and -1 elsewhere; the AllToAll then has one expert per rank."""
+        if topk_weights is not None:
+            raise InvalidArgument("topk_weights: given without topk_idx (the weights follow "
+                                  "the ids)")
+        if num_worst_tokens > 0:
+            raise InvalidArgument(f"num_worst_tokens {num_worst_tokens}: needs topk_idx (the "
+                                  "rows past those received are marked by their ids)")
+        world = self.group_size
+        check_tensor("is_token_in_rank", is_token_in_rank, torch.bool, 2, x.get_device())
+        if tuple(is_token_in_rank.shape) != (x.shape[0], world):
+            raise InvalidArgument(f"is_token_in_rank: shape {tuple(is_token_in_rank.shape)}, "
+                                  f"expected {(x.shape[0], world)}")
+        ranks = torch.arange(world, dtype=torch.int32, device=x.device).expand(x.shape[0], -1)
+        return torch.where(is_token_in_rank, ranks, -1).to(torch.int32).contiguous()
+
+    def _received_per_expert(self, num_tokens_per_expert):
+        """Tokens this rank's experts receive, from every rank's num_tokens_per_expert (a host
+        all-gather: the ids that would count them stayed with their senders)."""
+        mine = num_tokens_per_expert.to(torch.int64).cpu().numpy().tobytes()
+        every = self._group.bootstrap.all_gather(mine, self._timeout)
+        local = num_tokens_per_expert.numel() // self.group_size
+        first = self.rank * local
+        totals = [0] * local
+        for data in every:
+            counts = torch.frombuffer(bytearray(data), dtype=torch.int64)
+            if counts.numel() != num_tokens_per_expert.numel():
+                raise InvalidArgument(f"num_tokens_per_expert: {num_tokens_per_expert.numel()} "
+                                      f"experts here, {counts.numel()} on another rank")
+            for i, c in enumerate(counts[first:first + local].tolist()):
+                totals[i] += c
+        return totals
 
     def _normal_handle(self, handle, call):
         if not isinstance(handle, _Handle) or handle.rows is None:
@@ -734,20 +781,28 @@ class Buffer(_ferry.DeepEpLowLatency):
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
                 async_finish=False, allocate_on_comm_stream=False):
         """(combined_x [tokens, hidden] bf16: each token's rows from every rank that got it,
-        summed without weights, plus bias, None, event). bias: a [tokens, hidden] bf16 tensor or
-        a pair of them, added in fp32 before the rows (a pair is first summed in fp32 and
-        rounded to bf16 once: DeepEP keeps that sum in fp32)."""
+        summed without weights, plus bias; combined_topk_weights [tokens, columns] fp32 or None;
+        event). bias: a [tokens, hidden] bf16 tensor or a pair of them, added in fp32 before the
+        rows (a pair is first summed in fp32 and rounded to bf16 once: DeepEP keeps that sum in
+        fp32). topk_weights: [received rows, columns] fp32, each token's rows summed over the
+        ranks that got it as its x rows are (a second, small AllToAll of fp32 rows on the same
+        stream; every rank passes it or none, or the ranks wait for each other until the
+        deadline)."""
         self._check_open("combine")
         h = self._live_handle(self._normal_handle(handle, "combine"), "combine")
-        refuse("topk_weights", topk_weights, None,
-               "combined top-k weights are not returned (ferry's combine moves bf16 rows only)")
         check_tensor("x", x, torch.bfloat16, 2)
         if tuple(x.shape) != (h.rows, h.hidden):
             raise InvalidArgument(f"x: shape {tuple(x.shape)}, the dispatch received "
                                   f"{(h.rows, h.hidden)}")
+        if topk_weights is not None:
+            check_tensor("topk_weights", topk_weights, torch.float32, 2, x.get_device())
+            if topk_weights.shape[0] != h.rows:
+                raise InvalidArgument(f"topk_weights: {topk_weights.shape[0]} rows, the "
+                                      f"dispatch received {h.rows}")
         biases = self._biases(bias, h, x)
         a2a = h.pooled.a2a
         out = torch.empty(h.tokens, h.hidden, dtype=torch.bfloat16, device=x.device)
+        combined_weights, kept = None, ()
         try:
             current = self._begin(a2a, x, previous_event)
             if biases:  # the sums start from the bias: out, taken with accumulate
@@ -758,9 +813,62 @@ class Buffer(_ferry.DeepEpLowLatency):
                         out.copy_(biases[0].float() + biases[1].float())
             a2a.combine_send(x, num_rows=h.rows)
             a2a.combine_recv(out, accumulate=bool(biases), timeout=self._timeout)
+            if topk_weights is not None:
+                combined_weights, kept = self._combine_weights(h, x, topk_weights, current)
         finally:
             self._release(h)
-        return out, None, self._end(a2a, current, async_finish, (x,) + biases, (out,))
+        return out, combined_weights, self._end(a2a, current, async_finish,
+                                                (x, topk_weights) + biases + kept,
+                                                (out, combined_weights))
+
+    def _combine_weights(self, h, x, topk_weights, current):
+        """combine's top-k weights, (the sums [tokens, columns], the padded tensors the
+        caller's event keeps alive): an AllToAll of fp32 rows (the columns padded to 16) routed
+        as the handle's dispatch was, whose dispatch moves only the routing (the rows arrive in
+        the main dispatch's order: senders in rank order, each sender's tokens in order) and
+        whose combine sums the weights rows. Every step, the padding copies too, goes on the
+        communication stream after the main combine, so what orders that combine (the caller's
+        stream or previous_event) orders these, and the caller's wait on the stream covers
+        both."""
+        dev = x.device
+        columns = topk_weights.shape[1]
+        width = _round_up(max(columns, 1), 16)
+        capacity = self._normal_capacity(h.hidden)
+        rows = self.group_size * capacity
+        local = h.num_experts // self.group_size
+        pooled = self._acquire(
+            ("normal-weights", x.get_device(), capacity, width, h.num_experts, h.k), x,
+            lambda: dict(num_experts=h.num_experts, experts_per_token=h.k,
+                         max_tokens_per_rank=capacity, hidden=width,
+                         dtype=_ferry.DispatchDtype.FP32, dispatch_once_per_rank=True,
+                         combine_reduce_at_expert_rank=True,
+                         dispatch_layout=_ferry.DispatchLayout.TOKEN_MAJOR), comm=True)
+        wa2a = pooled.a2a
+        try:
+            f32 = dict(dtype=torch.float32, device=dev)
+            padded = torch.empty(h.rows, width, **f32)
+            wide = torch.empty(h.tokens, width, **f32)
+            sums = wide if width == columns else torch.empty(h.tokens, columns, **f32)
+            nothing = torch.empty(h.tokens, width, **f32)
+            with self._on_comm(wa2a, current, dev):
+                nothing.zero_()
+                padded[:, columns:].zero_()
+                padded[:, :columns].copy_(topk_weights)
+            wa2a.dispatch_send(nothing, h.topk_idx, self._ones_for(x, capacity, h.k),
+                               num_tokens=h.tokens)
+            wa2a.dispatch_recv(torch.empty(rows, width, **f32),
+                               torch.empty(local, dtype=torch.int32, device=dev), None,
+                               torch.empty(1, dtype=torch.int32, device=dev),
+                               torch.empty(rows, h.k, dtype=torch.int32, device=dev),
+                               torch.empty(rows, h.k, **f32), timeout=self._timeout)
+            wa2a.combine_send(padded, num_rows=h.rows)
+            wa2a.combine_recv(wide, accumulate=False, timeout=self._timeout)
+            if sums is not wide:
+                with self._on_comm(wa2a, current, dev):
+                    sums.copy_(wide[:, :columns])
+        finally:
+            pooled.busy = False
+        return sums, (padded, wide, nothing)
 
     @staticmethod
     def _biases(bias, h, x):

@@ -341,14 +341,32 @@ def check_normal(buf, world, rank, fp8, hidden=HIDDEN):
     assert torch.equal(out2.view(torch.int16),
                        (back * (holders + 0.5)).to(torch.bfloat16).view(torch.int16))
     # Refused: a handle combined already -- also once another dispatch has taken its AllToAll
-    # (the handle's own state says so, not the AllToAll's) -- and the combine's top-k weights.
+    # (the handle's own state says so, not the AllToAll's) -- and top-k weights whose rows are
+    # not the dispatch's.
     expect_error(ferry.InvalidArgument, "combined already", buf.combine, again, handle)
     other = buf.dispatch(dv(x), num_tokens_per_rank=dv(per_rank), is_token_in_rank=dv(in_rank),
                          num_tokens_per_expert=dv(per_expert), topk_idx=dv(idx),
                          topk_weights=dv(w))
     expect_error(ferry.InvalidArgument, "combined already", buf.combine, again, handle)
-    expect_error(ferry.Unimplemented, "topk_weights", buf.combine, other[0], other[4],
-                 topk_weights=other[2])
+    expect_error(ferry.InvalidArgument, "topk_weights: ", buf.combine, other[0], other[4],
+                 topk_weights=dv(torch.zeros(n + 1, K)))
+    # The combine's top-k weights: each token's rows summed over the ranks that got it. A rank
+    # got a token's weights at the columns of its own experts and zeros elsewhere, so twice
+    # them sum to twice the token's weights (0 where its id is -1); a column of ones sums to
+    # the number of ranks that held the token. async_finish: the event covers both sums.
+    given = torch.cat([recv_w * 2, torch.ones(n, 1)], 1).contiguous()
+    out4, summed, event = buf.combine(dv(recv_x), other[4], topk_weights=dv(given),
+                                      async_finish=True)
+    event.current_stream_wait()
+    assert summed.dtype == torch.float32 and summed.is_contiguous()
+    want_sums = torch.cat([torch.where(idx >= 0, w * 2, torch.zeros_like(w)),
+                           holders.float()], 1)
+    assert torch.equal(hv(summed), want_sums), (hv(summed), want_sums)
+    assert torch.equal(hv(out4).view(torch.int16),
+                       (back * holders).to(torch.bfloat16).view(torch.int16))
+    other = buf.dispatch(dv(x), num_tokens_per_rank=dv(per_rank), is_token_in_rank=dv(in_rank),
+                         num_tokens_per_expert=dv(per_expert), topk_idx=dv(idx),
+                         topk_weights=dv(w))
     expect_error(ferry.InvalidArgument, "bias: shape", buf.combine, other[0], other[4],
                  bias=dv(torch.zeros(x.shape[0] + 1, hidden, dtype=torch.bfloat16)))
     # Two biases (x / 2 and x / 4): their fp32 sum rounded to bf16 once, then the rows added.
@@ -357,6 +375,54 @@ def check_normal(buf, world, rank, fp8, hidden=HIDDEN):
     start = (x.double() * 0.75).to(torch.bfloat16).double()
     assert torch.equal(hv(out3).view(torch.int16),
                        (start + back * holders).to(torch.bfloat16).view(torch.int16))
+
+
+def check_rank_routing(buf, world, rank):
+    """A normal-mode dispatch without topk_idx, routed by is_token_in_rank alone as DeepEP's
+    is (after previous_event, async_finish): the rows and their order as with the ids, no ids or weights back, each local expert's
+    count from every rank's num_tokens_per_expert; its combine (with top-k weights too) and a
+    cached dispatch as with ids; then what it refuses."""
+    x, idx, w = inputs(world, rank, round=3)
+    e = EXPERTS_PER_RANK * world
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(dv(idx), e)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                  num_tokens_per_expert=per_expert)
+    from ferry.deep_ep import EventHandle, EventOverlap
+    recv, recv_idx, recv_w, per_expert_list, handle, event = buf.dispatch(
+        dv(x), expert_alignment=2, previous_event=EventOverlap(EventHandle()), async_finish=True,
+        **layout)
+    event.current_stream_wait()
+    assert recv_idx is None and recv_w is None
+    want_x, counts = [], [0] * EXPERTS_PER_RANK
+    for s in range(world):
+        sx, sidx, _ = inputs(world, s, round=3)
+        for t in range(sx.shape[0]):
+            mine = [int(v) - rank * EXPERTS_PER_RANK for v in sidx[t]
+                    if int(v) >= 0 and int(v) // EXPERTS_PER_RANK == rank]
+            if mine:
+                want_x.append(sx[t])
+            for le in mine:
+                counts[le] += 1
+    n = len(want_x)
+    want = torch.stack(want_x) if n else torch.empty(0, HIDDEN, dtype=torch.bfloat16)
+    assert torch.equal(hv(recv).view(torch.int16), want.view(torch.int16))
+    assert per_expert_list == [(c + 1) // 2 * 2 for c in counts], (per_expert_list, counts)
+    holders = hv(in_rank).sum(1, keepdim=True)
+    out, none_w, _ = buf.combine(recv, handle)
+    assert none_w is None
+    assert torch.equal(hv(out).view(torch.int16),
+                       (x.double() * holders).to(torch.bfloat16).view(torch.int16))
+    again = buf.dispatch(dv(x), handle=handle)[0]
+    assert torch.equal(hv(again).view(torch.int16), want.view(torch.int16))
+    _, summed, _ = buf.combine(again, handle, topk_weights=dv(torch.ones(n, 3)))
+    assert torch.equal(hv(summed), holders.float().expand(-1, 3))
+    expect_error(ferry.InvalidArgument, "topk_weights: given without topk_idx", buf.dispatch,
+                 dv(x), topk_weights=dv(w), **layout)
+    expect_error(ferry.InvalidArgument, "needs topk_idx", buf.dispatch, dv(x),
+                 num_worst_tokens=4, **layout)
+    expect_error(ferry.InvalidArgument, "is_token_in_rank: shape", buf.dispatch, dv(x),
+                 num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert,
+                 is_token_in_rank=dv(torch.zeros(x.shape[0], world + 1, dtype=torch.bool)))
 
 
 def expert_outputs(recv_x, count, rank):
@@ -459,6 +525,7 @@ def deep_ep_body(world, group_kind):
         check_normal(buf, world, b.rank, fp8=True)
         check_normal(buf, world, b.rank, fp8=False, hidden=48)  # bf16: any multiple of 16
         check_worst_tokens(buf, world, b.rank)
+        check_rank_routing(buf, world, b.rank)
         # Refusals name what is not honoured.
         x, idx, _ = inputs(world, b.rank)
         x, idx = dv(x), dv(idx)
