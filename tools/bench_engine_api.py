@@ -7,7 +7,9 @@ direct API keeps them), the two interleaved iteration by iteration so that drift
 alike: "added" is p50(layer) - p50(direct) per call. deep_ep's combine runs two ways: making its output (as
 SGLang calls it) and into the caller's (`out=`, as vLLM calls it). The layers are timed as a
 caller runs them, unwrapped: their steps run in the binding's C++ with no Python call to time
-between them. The target is <= 2 us per call.
+between them. The target is <= 2 us per call. Last, what deep_ep's normal-mode combine pays
+for returning the combined top-k weights (a second AllToAll), as a ratio to the same combine
+without them.
 
   PYTHONPATH=build/python /usr/bin/python3 tools/bench_engine_api.py [--device cuda]
       [--iterations N] [--json out.json]
@@ -188,6 +190,8 @@ def main():
                         alloc.append(t1 - t0)
                 row[f"{how}_p50_us"] = p50_us(alloc)
             results["torch output allocation"] = row
+            results["deep_ep combine topk_weights"] = normal_weights_cost(
+                bootstrap, engine, x, idx, w, sync, args.iterations)
         a2a.close()
         buf.destroy()
         kernel.destroy()
@@ -202,6 +206,11 @@ def main():
           f"1 rank, {args.iterations} iterations; p50 per call, us")
     print(f"{'layer':26} {'call':9} {'direct':>9} {'layer':>9} {'added':>8}  target <= 2")
     for name, row in results.items():
+        if "weighted_combine_p50_us" in row:
+            print(f"deep_ep normal-mode combine, p50: plain {row['plain_combine_p50_us']:.2f} us, "
+                  f"with topk_weights {row['weighted_combine_p50_us']:.2f} us "
+                  f"({row['ratio']:.2f}x: the second AllToAll of the weights)")
+            continue
         if "new_empty_p50_us" in row:
             print(f"{name} of a combine's output, p50: as the layer makes it (empty_like) "
                   f"{row['empty_like_p50_us']:.2f} us, x.new_empty {row['new_empty_p50_us']:.2f} us")
@@ -215,6 +224,33 @@ def main():
                        "experts": EXPERTS, "k": K, "iterations": args.iterations,
                        "results": results}, f, indent=1)
     return 0
+
+
+def normal_weights_cost(bootstrap, engine, x, idx, w, sync, iterations):
+    """deep_ep's normal-mode combine with topk_weights (the combined weights back: a second
+    AllToAll) against the same combine without, interleaved in one loop, each timed to its
+    completion (on the GPU, synchronised); each combine after a dispatch of its own, untimed."""
+    buf = deep_ep.Buffer(bootstrap, num_nvl_bytes=1 << 20, engine=engine, ranks_per_node=1,
+                         explicitly_destroy=True)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, EXPERTS)
+    times = {"plain": [], "weighted": []}
+    for i in range(iterations + 50):
+        for how in ("plain", "weighted") if i % 2 else ("weighted", "plain"):
+            recv, _, recv_w, _, handle, _ = buf.dispatch(
+                x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+            sync()
+            t0 = time.perf_counter()
+            buf.combine(recv, handle, topk_weights=recv_w if how == "weighted" else None)
+            sync()
+            t1 = time.perf_counter()
+            if i >= 50:
+                times[how].append(t1 - t0)
+    buf.destroy()
+    row = {"plain_combine_p50_us": p50_us(times["plain"]),
+           "weighted_combine_p50_us": p50_us(times["weighted"])}
+    row["ratio"] = row["weighted_combine_p50_us"] / row["plain_combine_p50_us"]
+    return row
 
 
 def _single_rank():
