@@ -32,7 +32,7 @@ import torch
 from . import _ferry
 from ._engine_api import (Group, check_tensor, current_stream_handle, device_kind,
                           env_timeout, fp8_dtype, refuse, shim_path as _shim_path)
-from ._errors import InvalidArgument, ResourceExhausted, Unimplemented
+from ._errors import Error, InvalidArgument, ResourceExhausted, Unimplemented
 
 __all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "shim_path"]
 
@@ -866,6 +866,9 @@ class Buffer(_ferry.DeepEpLowLatency):
             if sums is not wide:
                 with self._on_comm(wa2a, current, dev):
                     sums.copy_(wide[:, :columns])
+        except Error as e:  # the usual cause: a peer that passed no topk_weights
+            raise type(e)(f"combine's topk_weights (their AllToAll, which every rank's combine "
+                          f"must take alike): {e}") from e
         finally:
             pooled.busy = False
         return sums, (padded, wide, nothing)

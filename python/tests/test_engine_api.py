@@ -10,6 +10,7 @@ rounding of a float64 reference."""
 
 import os
 import tempfile
+import time
 import unittest
 
 import ferry
@@ -379,9 +380,10 @@ def check_normal(buf, world, rank, fp8, hidden=HIDDEN):
 
 def check_rank_routing(buf, world, rank):
     """A normal-mode dispatch without topk_idx, routed by is_token_in_rank alone as DeepEP's
-    is (after previous_event, async_finish): the rows and their order as with the ids, no ids or weights back, each local expert's
-    count from every rank's num_tokens_per_expert; its combine (with top-k weights too) and a
-    cached dispatch as with ids; then what it refuses."""
+    is (after previous_event, async_finish): the rows and their order as with the ids, no ids
+    or weights back, each local expert's count from every rank's num_tokens_per_expert; its
+    combine (with top-k weights too) and a cached dispatch as with ids; then what it
+    refuses."""
     x, idx, w = inputs(world, rank, round=3)
     e = EXPERTS_PER_RANK * world
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(dv(idx), e)
@@ -614,6 +616,37 @@ class DeepEpTest(Worlds, Case):
         gives ferry's, vLLM's find_spec sees it, and a Buffer made through it moves rows."""
         from ferry import deep_ep
         run_with_shim(self, deep_ep.shim_path(), DEEP_EP_SHIM_CHECK)
+
+    def test_topk_weights_passed_by_one_rank_alone_fail_there_at_the_deadline(self):
+        """combine(topk_weights=...) is collective (its weights take a second AllToAll): once
+        both ranks have combined weights, a rank that passes them while its peer does not gets
+        DeadlineExceeded within the Buffer's timeout, not a hang; the peer's combine returns
+        its rows and no weights."""
+        def body(b, store):
+            from ferry import deep_ep
+            buf = deep_ep.Buffer(b, num_nvl_bytes=1 << 22, ranks_per_node=1, timeout=1.0,
+                                 explicitly_destroy=True)
+            x, idx, w = inputs(2, b.rank)
+            per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx,
+                                                                          EXPERTS_PER_RANK * 2)
+            for both in (True, False):
+                recv, _, recv_w, _, handle, _ = buf.dispatch(
+                    x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                    num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+                if both:
+                    _, weights, _ = buf.combine(recv, handle, topk_weights=recv_w)
+                    assert torch.equal(weights, torch.where(idx >= 0, w, torch.zeros_like(w)))
+                elif b.rank == 0:
+                    start = time.monotonic()
+                    expect_error(ferry.DeadlineExceeded, "topk_weights (their AllToAll",
+                                 buf.combine, recv, handle, topk_weights=recv_w)
+                    assert time.monotonic() - start < 10.0, time.monotonic() - start
+                else:
+                    out, weights, _ = buf.combine(recv, handle)
+                    assert weights is None and out.shape == x.shape
+            b.all_gather(b"", 30.0)  # the peer's buffers kept until rank 0's deadline passed
+            buf.destroy()
+        self.ranks(2, body)
 
 
 # ---- pplx ---------------------------------------------------------------------------------------
