@@ -101,7 +101,17 @@ class EventOverlap:
 
 
 _DONE = EventOverlap()  # the event of a call the caller's stream already waits for
+_NO_STREAM = contextlib.nullcontext()
 _SEND, _RECV, _BOTH = 1, 2, 3  # AllToAll.dispatch / combine's halves
+
+
+def _token_major(num_experts, k, capacity, hidden, dtype):
+    """The normal mode's AllToAll configuration: token-major, each token sent once per rank
+    that holds any of its experts, their outputs summed at that rank."""
+    return dict(num_experts=num_experts, experts_per_token=k, max_tokens_per_rank=capacity,
+                hidden=hidden, dtype=dtype, dispatch_once_per_rank=True,
+                combine_reduce_at_expert_rank=True,
+                dispatch_layout=_ferry.DispatchLayout.TOKEN_MAJOR)
 
 
 def _round_up(n, to):
@@ -148,7 +158,8 @@ class Buffer(_ferry.DeepEpLowLatency):
         self.enable_shrink = bool(enable_shrink)
         self._masked = [0] * self.group_size  # what the mask calls set or found
         self._timeout = env_timeout() if timeout is None else float(timeout)
-        self._ones = {}        # (device, rows, k) -> float32 ones: dispatch-time weights unused
+        self._constants = {}   # (device, rows, columns, value, comm) -> _constant's tensor
+        self._weights_scratch = {}  # weights AllToAll key -> its dispatch's unread outputs
         self._outputs = {}     # (AllToAll, fp8 form) -> the low-latency outputs (_ll_outputs)
         self._combine_buffers = {}  # AllToAll -> get_next_low_latency_combine_buffer's tensor
         self._stream = None    # the communication stream (CUDA)
@@ -212,12 +223,19 @@ class Buffer(_ferry.DeepEpLowLatency):
         if self._destroyed:
             raise InvalidArgument(f"{call}: the Buffer was destroyed")
 
-    def _ones_for(self, x, rows, k):
-        key = (x.get_device(), rows, k)
-        w = self._ones.get(key)
-        if w is None:
-            w = self._ones[key] = torch.ones(rows, k, dtype=torch.float32, device=x.device)
-        return w
+    def _constant(self, x, rows, columns, value, comm=False):
+        """A float32 [rows, columns] tensor of `value` on x's device, made once, for step
+        inputs whose values no result reads (dispatch-time weights the combine does not use,
+        the rows of a dispatch that moves only its routing). With `comm` it is made on the
+        communication stream, where the normal mode's steps read it: made on the caller's, a
+        call ordered after previous_event alone could read it before it was filled."""
+        key = (x.get_device(), rows, columns, value, comm)
+        t = self._constants.get(key)
+        if t is None:
+            with torch.cuda.stream(self._stream) if comm and x.is_cuda else _NO_STREAM:
+                t = self._constants[key] = torch.full((rows, columns), value,
+                                                      dtype=torch.float32, device=x.device)
+        return t
 
     def _acquire(self, key, x, fields, comm):
         """The idle AllToAll of `key` (made from fields(), the config's keywords, when there is
@@ -386,7 +404,7 @@ class Buffer(_ferry.DeepEpLowLatency):
         halves = _SEND if return_recv_hook else _BOTH
         waits = not async_finish and (return_recv_hook or not after)
         try:
-            a2a.dispatch(x, topk_idx, self._ones_for(x, m, k), None, tokens, None,
+            a2a.dispatch(x, topk_idx, self._constant(x, m, k, 1.0), None, tokens, None,
                          scaling, recv_x, recv_count, scales, self._timeout, 0, current, halves,
                          True, waits, dispatch_wait_recv_cost_stats)
         except BaseException:
@@ -459,7 +477,7 @@ class Buffer(_ferry.DeepEpLowLatency):
             sets.append((recv_x, recv_count, scales, packed))
             if len(sets) == 2 and not use_ue8m0:
                 self._add_shape(x.get_device(), m, hidden, experts, k, use_fp8, pooled, sets,
-                                self._ones_for(x, m, k))
+                                self._constant(x, m, k, 1.0))
             return sets[-1]
         sets.append(sets.pop(0))
         return sets[-1]
@@ -625,7 +643,7 @@ class Buffer(_ferry.DeepEpLowLatency):
                                       f"{(tokens, hidden // 128)}")
         if expert_alignment < 1:
             raise InvalidArgument(f"expert_alignment {expert_alignment}: at least 1")
-        by_rank = None  # without topk_idx: the dispatch's experts, routed by rank
+        every_count = None  # without topk_idx: num_tokens_per_expert, the counts' source
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
                 raise InvalidArgument("a cached dispatch (handle) takes no topk_idx / "
@@ -643,6 +661,9 @@ class Buffer(_ferry.DeepEpLowLatency):
                 raise InvalidArgument("num_tokens_per_expert: required (get_dispatch_layout's)")
             check_tensor("num_tokens_per_expert", num_tokens_per_expert, None, 1)
             num_experts = num_tokens_per_expert.numel()
+            if num_experts % self.group_size:
+                raise InvalidArgument(f"num_experts {num_experts}: not divisible by "
+                                      f"{self.group_size} ranks")
             for name, t, n in (("num_tokens_per_rank", num_tokens_per_rank, self.group_size),
                                ("is_token_in_rank", is_token_in_rank, None)):
                 if t is None:
@@ -650,45 +671,35 @@ class Buffer(_ferry.DeepEpLowLatency):
                 if n is not None and t.numel() != n:
                     raise InvalidArgument(f"{name}: {t.numel()} entries, expected {n}")
             if topk_idx is None:
-                if num_experts % self.group_size:
-                    raise InvalidArgument(f"num_experts {num_experts}: not divisible by "
-                                          f"{self.group_size} ranks")
-                topk_idx = self._rank_routing(is_token_in_rank, topk_weights, num_worst_tokens,
-                                              x)
-                by_rank, counts_of = num_experts, num_tokens_per_expert
-                num_experts = self.group_size
-        check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), 2, x.get_device())
-        if topk_idx.shape[0] != tokens:
-            raise InvalidArgument(f"topk_idx: {topk_idx.shape[0]} rows, x has {tokens}")
-        if topk_weights is not None:
-            check_tensor("topk_weights", topk_weights, torch.float32, 2, x.get_device())
-            if topk_weights.shape != topk_idx.shape:
-                raise InvalidArgument(f"topk_weights: shape {tuple(topk_weights.shape)}, "
-                                      f"topk_idx {tuple(topk_idx.shape)}")
-        if num_experts % self.group_size:
-            raise InvalidArgument(f"num_experts {num_experts}: not divisible by "
-                                  f"{self.group_size} ranks")
+                self._check_rank_routing(is_token_in_rank, topk_weights, num_worst_tokens, x)
+                # One expert per rank; the ids are made once the AllToAll's stream is ordered.
+                every_count, num_experts = num_tokens_per_expert, self.group_size
+        if every_count is None:
+            check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), 2, x.get_device())
+            if topk_idx.shape[0] != tokens:
+                raise InvalidArgument(f"topk_idx: {topk_idx.shape[0]} rows, x has {tokens}")
+            if topk_weights is not None:
+                check_tensor("topk_weights", topk_weights, torch.float32, 2, x.get_device())
+                if topk_weights.shape != topk_idx.shape:
+                    raise InvalidArgument(f"topk_weights: shape {tuple(topk_weights.shape)}, "
+                                          f"topk_idx {tuple(topk_idx.shape)}")
         capacity = self._normal_capacity(hidden)
         if tokens > capacity:
             raise ResourceExhausted(
                 f"dispatch: {tokens} tokens, the Buffer's num_nvl_bytes + num_rdma_bytes hold "
                 f"{capacity} per rank at hidden {hidden} ({self.group_size} ranks): make it larger")
-        k = topk_idx.shape[1]
+        k = self.group_size if every_count is not None else topk_idx.shape[1]
         local = num_experts // self.group_size
         dtype = _ferry.DispatchDtype.FP8_E4M3 if fp8 else _ferry.DispatchDtype.BF16
         pooled = self._acquire(
-            ("normal", x.get_device(), capacity, hidden, num_experts, k, fp8), x, lambda: dict(
-                num_experts=num_experts, experts_per_token=k, max_tokens_per_rank=capacity,
-                hidden=hidden, dtype=dtype, dispatch_once_per_rank=True,
-                combine_reduce_at_expert_rank=True,
-                dispatch_layout=_ferry.DispatchLayout.TOKEN_MAJOR), comm=True)
+            ("normal", x.get_device(), capacity, hidden, num_experts, k, fp8), x,
+            lambda: _token_major(num_experts, k, capacity, hidden, dtype), comm=True)
         a2a = pooled.a2a
         rows = self.group_size * capacity
         dev = x.device
         try:
             weights = (topk_weights if topk_weights is not None
-                       else self._ones_for(x, capacity, k))
-            ids = topk_idx
+                       else self._constant(x, capacity, k, 1.0, comm=True))
             # The outputs on the caller's stream (DeepEP's allocate_on_comm_stream=False).
             recv = torch.empty(rows, hidden, dtype=x.dtype, device=dev)
             recv_scales = (torch.empty(rows, hidden // 128, dtype=torch.float32, device=dev)
@@ -698,9 +709,11 @@ class Buffer(_ferry.DeepEpLowLatency):
             experts = torch.empty(rows, k, dtype=torch.int32, device=dev)
             weights_out = torch.empty(rows, k, dtype=torch.float32, device=dev)
             current = self._begin(a2a, x, previous_event)
-            if by_rank is not None and previous_event is not None and current is not None:
-                a2a.order_after(current)  # the ids made from is_token_in_rank on the caller's
-            a2a.dispatch_send(x, ids, weights, scales=x_scales, num_tokens=tokens)
+            if every_count is not None:  # rank r's column holds r where the token goes there
+                with self._on_comm(a2a, current, dev):
+                    topk_idx = torch.where(is_token_in_rank, torch.arange(
+                        k, dtype=torch.int32, device=dev), -1).int()
+            a2a.dispatch_send(x, topk_idx, weights, scales=x_scales, num_tokens=tokens)
             a2a.dispatch_recv(recv, counts, recv_scales, num_rows, experts, weights_out,
                               timeout=self._timeout)
         except BaseException:
@@ -715,7 +728,7 @@ class Buffer(_ferry.DeepEpLowLatency):
                 live = torch.arange(num_worst_tokens, device=dev) < num_rows.to(torch.int64)
                 experts[:num_worst_tokens].masked_fill_(~live[:, None], -1)
                 weights_out[:num_worst_tokens].masked_fill_(~live[:, None], 0.0)
-        event = self._end(a2a, current, async_finish, (x, x_scales, ids, weights),
+        event = self._end(a2a, current, async_finish, (x, x_scales, topk_idx, weights),
                           (recv, recv_scales, counts, num_rows, experts, weights_out))
         if num_worst_tokens > 0:
             r = num_worst_tokens
@@ -723,7 +736,8 @@ class Buffer(_ferry.DeepEpLowLatency):
         else:
             event.current_stream_wait()
             r = int(num_rows.item())
-            got = counts.tolist() if by_rank is None else self._received_per_expert(counts_of)
+            got = (counts.tolist() if every_count is None
+                   else self._received_per_expert(every_count))
             per_expert_list = [_round_up(int(c), expert_alignment) for c in got]
         recv_x = recv[:r]
         out_x = (recv_x, recv_scales[:r]) if fp8 else recv_x
@@ -732,16 +746,14 @@ class Buffer(_ferry.DeepEpLowLatency):
             return out_x, None, None, None, None, event
         new = _Handle(pooled, tokens, k, hidden, num_experts, topk_idx, topk_weights=topk_weights,
                       rows=r)
-        if by_rank is not None:
+        if every_count is not None:
             return out_x, None, None, per_expert_list, new, event
         recv_topk_idx = experts[:r].long()
         recv_topk_weights = weights_out[:r] if topk_weights is not None else None
         return out_x, recv_topk_idx, recv_topk_weights, per_expert_list, new, event
 
-    def _rank_routing(self, is_token_in_rank, topk_weights, num_worst_tokens, x):
-        """A dispatch without topk_idx (DeepEP routes by is_token_in_rank alone): ids naming
-        ranks as experts, [tokens, ranks] int32, column r holding r where the token goes to
-        rank r and -1 elsewhere; the AllToAll then has one expert per rank."""
+    def _check_rank_routing(self, is_token_in_rank, topk_weights, num_worst_tokens, x):
+        """What a dispatch without topk_idx (DeepEP routes by is_token_in_rank alone) takes."""
         if topk_weights is not None:
             raise InvalidArgument("topk_weights: given without topk_idx (the weights follow "
                                   "the ids)")
@@ -753,25 +765,21 @@ class Buffer(_ferry.DeepEpLowLatency):
         if tuple(is_token_in_rank.shape) != (x.shape[0], world):
             raise InvalidArgument(f"is_token_in_rank: shape {tuple(is_token_in_rank.shape)}, "
                                   f"expected {(x.shape[0], world)}")
-        ranks = torch.arange(world, dtype=torch.int32, device=x.device).expand(x.shape[0], -1)
-        return torch.where(is_token_in_rank, ranks, -1).to(torch.int32).contiguous()
 
     def _received_per_expert(self, num_tokens_per_expert):
         """Tokens this rank's experts receive, from every rank's num_tokens_per_expert (a host
         all-gather: the ids that would count them stayed with their senders)."""
+        experts = num_tokens_per_expert.numel()
         mine = num_tokens_per_expert.to(torch.int64).cpu().numpy().tobytes()
         every = self._group.bootstrap.all_gather(mine, self._timeout)
-        local = num_tokens_per_expert.numel() // self.group_size
-        first = self.rank * local
-        totals = [0] * local
-        for data in every:
-            counts = torch.frombuffer(bytearray(data), dtype=torch.int64)
-            if counts.numel() != num_tokens_per_expert.numel():
-                raise InvalidArgument(f"num_tokens_per_expert: {num_tokens_per_expert.numel()} "
-                                      f"experts here, {counts.numel()} on another rank")
-            for i, c in enumerate(counts[first:first + local].tolist()):
-                totals[i] += c
-        return totals
+        if any(len(data) != len(mine) for data in every):
+            raise InvalidArgument(f"num_tokens_per_expert: {experts} experts here, another "
+                                  "rank's differs")
+        counts = torch.frombuffer(bytearray(b"".join(every)), dtype=torch.int64)
+        local = experts // self.group_size
+        mine_first = self.rank * local
+        return counts.view(self.group_size, experts)[:, mine_first:mine_first + local].sum(
+            0).tolist()
 
     def _normal_handle(self, handle, call):
         if not isinstance(handle, _Handle) or handle.rows is None:
@@ -836,31 +844,33 @@ class Buffer(_ferry.DeepEpLowLatency):
         capacity = self._normal_capacity(h.hidden)
         rows = self.group_size * capacity
         local = h.num_experts // self.group_size
-        pooled = self._acquire(
-            ("normal-weights", x.get_device(), capacity, width, h.num_experts, h.k), x,
-            lambda: dict(num_experts=h.num_experts, experts_per_token=h.k,
-                         max_tokens_per_rank=capacity, hidden=width,
-                         dtype=_ferry.DispatchDtype.FP32, dispatch_once_per_rank=True,
-                         combine_reduce_at_expert_rank=True,
-                         dispatch_layout=_ferry.DispatchLayout.TOKEN_MAJOR), comm=True)
+        key = ("normal-weights", x.get_device(), capacity, width, h.num_experts, h.k)
+        pooled = self._acquire(key, x, lambda: _token_major(
+            h.num_experts, h.k, capacity, width, _ferry.DispatchDtype.FP32), comm=True)
         wa2a = pooled.a2a
         try:
+            # Its dispatch's outputs, read by nothing: one set per key, as the AllToAll is
+            # taken and given back within this call and its steps follow each other on one
+            # stream.
+            scratch = self._weights_scratch.get(key)
+            if scratch is None:
+                scratch = self._weights_scratch[key] = (
+                    torch.empty(rows, width, dtype=torch.float32, device=dev),
+                    torch.empty(local, dtype=torch.int32, device=dev), None,
+                    torch.empty(1, dtype=torch.int32, device=dev),
+                    torch.empty(rows, h.k, dtype=torch.int32, device=dev),
+                    torch.empty(rows, h.k, dtype=torch.float32, device=dev))
             f32 = dict(dtype=torch.float32, device=dev)
             padded = torch.empty(h.rows, width, **f32)
             wide = torch.empty(h.tokens, width, **f32)
             sums = wide if width == columns else torch.empty(h.tokens, columns, **f32)
-            nothing = torch.empty(h.tokens, width, **f32)
             with self._on_comm(wa2a, current, dev):
-                nothing.zero_()
                 padded[:, columns:].zero_()
                 padded[:, :columns].copy_(topk_weights)
-            wa2a.dispatch_send(nothing, h.topk_idx, self._ones_for(x, capacity, h.k),
+            wa2a.dispatch_send(self._constant(x, capacity, width, 0.0, comm=True)[:h.tokens],
+                               h.topk_idx, self._constant(x, capacity, h.k, 1.0, comm=True),
                                num_tokens=h.tokens)
-            wa2a.dispatch_recv(torch.empty(rows, width, **f32),
-                               torch.empty(local, dtype=torch.int32, device=dev), None,
-                               torch.empty(1, dtype=torch.int32, device=dev),
-                               torch.empty(rows, h.k, dtype=torch.int32, device=dev),
-                               torch.empty(rows, h.k, **f32), timeout=self._timeout)
+            wa2a.dispatch_recv(*scratch, timeout=self._timeout)
             wa2a.combine_send(padded, num_rows=h.rows)
             wa2a.combine_recv(wide, accumulate=False, timeout=self._timeout)
             if sums is not wide:
@@ -871,7 +881,7 @@ class Buffer(_ferry.DeepEpLowLatency):
                           f"must take alike): {e}") from e
         finally:
             pooled.busy = False
-        return sums, (padded, wide, nothing)
+        return sums, (padded, wide)
 
     @staticmethod
     def _biases(bias, h, x):

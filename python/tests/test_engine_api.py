@@ -349,8 +349,8 @@ def check_normal(buf, world, rank, fp8, hidden=HIDDEN):
                          num_tokens_per_expert=dv(per_expert), topk_idx=dv(idx),
                          topk_weights=dv(w))
     expect_error(ferry.InvalidArgument, "combined already", buf.combine, again, handle)
-    expect_error(ferry.InvalidArgument, "topk_weights: ", buf.combine, other[0], other[4],
-                 topk_weights=dv(torch.zeros(n + 1, K)))
+    expect_error(ferry.InvalidArgument, f"topk_weights: {n + 1} rows, the dispatch received",
+                 buf.combine, other[0], other[4], topk_weights=dv(torch.zeros(n + 1, K)))
     # The combine's top-k weights: each token's rows summed over the ranks that got it. A rank
     # got a token's weights at the columns of its own experts and zeros elsewhere, so twice
     # them sum to twice the token's weights (0 where its id is -1); a column of ones sums to
