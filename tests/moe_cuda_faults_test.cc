@@ -118,13 +118,14 @@ struct SmallRun {
 
 // A one-node AllToAll of two ranks on the GPU (top-2 of 8 experts, hidden 128, `tokens` per
 // rank), created with what the environment set up for it.
-// `stream`: CudaTuning::stream (-1, the default: the dispatch streamed where SendSmall sends).
+// `stream`: AllToAllConfig::streaming as a mask (-1: kAuto, the dispatch streamed where
+// SendSmall sends; 0 none, 1 the dispatch, 2 the combine, 3 both).
 StatusOr<std::unique_ptr<AllToAll>> CreateOneNode(Bootstrap& b, int tokens = 4,
                                                   int stream = -1) {
   AllToAllConfig cfg{.world_size = 2, .rank = b.rank(), .ranks_per_node = 2, .num_experts = 8,
                      .experts_per_token = 2, .max_tokens_per_rank = tokens, .hidden = 128,
                      .dtype = DispatchDtype::kBf16, .max_private_tokens = 2};
-  cfg.cuda.stream = stream;
+  cfg.streaming = stream < 0 ? Streaming::kAuto : static_cast<Streaming>(stream + 1);
   RETURN_IF_ERROR(UseGpu(b, &cfg));
   return AllToAll::Create(cfg, nullptr, b);
 }
@@ -231,7 +232,7 @@ TEST(MoeNvlinkTest, RanksThatStreamDifferentlyFailCreate) {
   auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
     const struct {
       int tokens;
-      int rank1;  // CudaTuning::stream on rank 1 (rank 0: the default, -1)
+      int rank1;  // the streaming mask on rank 1 (rank 0: kAuto, -1)
     } differ[] = {{4, 2}, {4, 1}, {1025, 0}, {1025, 3}};
     for (const auto& c : differ) {
       const Status s = CreateFails(b, StatusCode::kInvalidArgument, "different configuration",

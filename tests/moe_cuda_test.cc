@@ -49,13 +49,11 @@ struct Case {
   // DispatchLayout::kTokenMajor on both devices: 1 on every rank, 2 on odd ranks only (a rank's
   // own choice; the bytes that cross are the same).
   int token_major = 0;
-  // One node: CudaTuning::stream, a mask -- 1 the dispatch streamed, 2 the combine, 3 both; 0:
-  // neither, every receiver waits for its senders' flags. Always given, so that a case takes
-  // the path it names whichever the default is (-1: the dispatch streamed where SendSmall
-  // serves it).
+  // One node: AllToAllConfig::streaming as a mask -- 1 the dispatch streamed, 2 the combine, 3
+  // both; 0: neither, every receiver waits for its senders' flags. Always given, so that a case
+  // takes the path it names whichever the default is (kAuto: the dispatch streamed where
+  // SendSmall serves it).
   int stream = 0;
-  // CudaTuning::spread: received slots visited spread over their senders.
-  bool spread = false;
   // The CUDA AllToAll on the host reference's engine (instance 1 beside its 0), their steps
   // interleaved as RunRank runs them: two AllToAlls sharing one engine through the relay.
   bool shared_engine = false;
@@ -78,7 +76,7 @@ std::string Describe(const Case& c) {
          (c.token_major == 1 ? "_tokmajor" : c.token_major == 2 ? "_mixedlayout" : "") +
          (c.stream == 1 ? "_streamed" : c.stream == 2 ? "_combstreamed"
                           : c.stream == 3 ? "_allstreamed" : "") +
-         (c.spread ? "_spread" : "") + (c.shared_engine ? "_sharedengine" : "") +
+         (c.shared_engine ? "_sharedengine" : "") +
          (c.fp8_scales ? "_scales" + std::to_string(c.fp8_scales) : "") +
          (c.fp32_combine ? "_f32comb" : "") + (c.fp16_combine ? "_f16comb" : "");
 }
@@ -161,8 +159,7 @@ Status RunRank(const Case& c, Bootstrap& b) {
   if (c.nvlink) cfg.ranks_per_node = c.node_ranks > 0 ? c.node_ranks : b.world_size();
   AllToAllConfig gpu_cfg = cfg;
   RETURN_IF_ERROR(UseGpu(b, &gpu_cfg));
-  gpu_cfg.cuda.stream = c.stream;
-  gpu_cfg.cuda.spread = c.spread;
+  gpu_cfg.streaming = static_cast<Streaming>(c.stream + 1);  // kNone is 1: the mask less one
   ASSIGN_OR_RETURN(auto host_engine, TransferEngine::Create(testing_util::TestOptions("shm")));
   std::unique_ptr<TransferEngine> own_engine;
   if (!c.shared_engine) {
@@ -337,11 +334,6 @@ TEST_P(MoeCudaTest, MatchesTheHostDeviceBitForBit) {
 // The same case streamed: the dispatch (1), the combine (2) or both (3).
 Case Streamed(Case c, int mask = 1) {
   c.stream = mask;
-  return c;
-}
-// The same case with received slots visited spread over their senders (CudaTuning::spread).
-Case Spread(Case c) {
-  c.spread = true;
   return c;
 }
 // The same case with the CUDA AllToAll on the host reference's engine (Case::shared_engine).
@@ -570,22 +562,22 @@ INSTANTIATE_TEST_SUITE_P(
                       Streamed(Case{.world_size = 4, .tokens = 128, .hidden = 128, .experts = 256,
                                     .k = 8, .dtype = bf16, .routing = rnd, .private_tokens = 8,
                                     .reduce_at_expert_rank = true, .nvlink = true}, 3),
-                      // Received slots spread over their senders, more of them than blocks:
-                      // pulled and pushed, one slot per copy summed at the expert rank; six
-                      // ranks; token-major; through the relay between two nodes.
-                      Spread(Case{.world_size = 2, .tokens = 2048, .hidden = 128, .experts = 256,
-                                  .k = 16, .dtype = fp8, .routing = rnd, .private_tokens = 64,
-                                  .reduce_at_expert_rank = true, .iterations = 2, .nvlink = true}),
-                      Spread(Case{.world_size = 6, .tokens = 600, .hidden = 128, .experts = 48,
-                                  .k = 8, .dtype = fp8, .routing = rnd, .once_per_rank = true,
-                                  .iterations = 2, .nvlink = true}),
-                      Spread(Case{.world_size = 2, .tokens = 1024, .hidden = 1024, .experts = 32,
-                                  .k = 4, .dtype = fp8, .routing = rnd, .private_tokens = 32,
-                                  .once_per_rank = true, .reduce_at_expert_rank = true,
-                                  .iterations = 2, .nvlink = true, .token_major = 1}),
-                      Spread(Case{.world_size = 4, .tokens = 1024, .hidden = 1024, .experts = 32,
-                                  .k = 4, .dtype = fp8, .routing = rnd, .private_tokens = 32,
-                                  .iterations = 2, .nvlink = true, .node_ranks = 2}),
+                      // More received slots than blocks, visited in order: pulled and pushed,
+                      // one slot per copy summed at the expert rank; six ranks; token-major;
+                      // through the relay between two nodes.
+                      Case{.world_size = 2, .tokens = 2048, .hidden = 128, .experts = 256,
+                           .k = 16, .dtype = fp8, .routing = rnd, .private_tokens = 64,
+                           .reduce_at_expert_rank = true, .iterations = 2, .nvlink = true},
+                      Case{.world_size = 6, .tokens = 600, .hidden = 128, .experts = 48,
+                           .k = 8, .dtype = fp8, .routing = rnd, .once_per_rank = true,
+                           .iterations = 2, .nvlink = true},
+                      Case{.world_size = 2, .tokens = 1024, .hidden = 1024, .experts = 32,
+                           .k = 4, .dtype = fp8, .routing = rnd, .private_tokens = 32,
+                           .once_per_rank = true, .reduce_at_expert_rank = true,
+                           .iterations = 2, .nvlink = true, .token_major = 1},
+                      Case{.world_size = 4, .tokens = 1024, .hidden = 1024, .experts = 32,
+                           .k = 4, .dtype = fp8, .routing = rnd, .private_tokens = 32,
+                           .iterations = 2, .nvlink = true, .node_ranks = 2},
                       // Two AllToAlls on one engine: one rank per node (every peer through the
                       // relay), and nodes of two with graphs.
                       SharedEngine(Case{.world_size = 2, .tokens = 128, .hidden = 7168,

@@ -16,6 +16,7 @@
 #include "fabric/test_util.h"
 #include "ferry/bootstrap.h"
 #include "ferry/moe.h"
+#include "moe/numerics.h"
 
 namespace ferry {
 namespace {

@@ -20,6 +20,7 @@
 #include "ferry/bootstrap.h"
 #include "ferry/moe.h"
 #include "moe_inputs.h"
+#include "moe/numerics.h"
 
 namespace ferry {
 namespace {

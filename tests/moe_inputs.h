@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "ferry/moe.h"
+#include "moe/numerics.h"
 
 namespace ferry {
 

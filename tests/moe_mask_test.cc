@@ -23,6 +23,7 @@
 #include "ferry/moe.h"
 #if FERRY_HAVE_CUDA
 #include "moe_cuda_util.h"
+#include "moe/numerics.h"
 #endif
 
 namespace ferry {

@@ -30,6 +30,7 @@
 #include <cuda_runtime.h>
 
 #include "tools/bench_moe_caller.h"
+#include "moe/numerics.h"
 #endif
 
 namespace ferry::bench {
@@ -443,6 +444,7 @@ Status RunRank(const MoeBenchOptions& o, Bootstrap& b, Result* result) {
   cfg.hidden = o.hidden;
   cfg.dtype = o.fp8 ? DispatchDtype::kFp8E4M3 : DispatchDtype::kBf16;
   cfg.max_private_tokens = o.private_tokens;
+  cfg.streaming = o.stream < 0 ? Streaming::kAuto : static_cast<Streaming>(o.stream + 1);
   cfg.dispatch_once_per_rank = o.once_per_rank;
   cfg.combine_reduce_at_expert_rank = o.reduce_at_expert_rank;
   cfg.mask_lost_peers = o.masked_variant;

@@ -20,6 +20,9 @@ struct MoeBenchOptions {
   // experts' but the timing is the combine's).
   bool fp16_combine = false;
   int private_tokens = 16;
+  // --stream: AllToAllConfig::streaming as a mask, 1 the dispatch, 2 the combine, 3 both, 0
+  // neither; -1 (unset) kAuto.
+  int stream = -1;
   bool once_per_rank = false;          // option (a)
   bool reduce_at_expert_rank = false;  // option (b)
   bool compare = false;                // plain, (a), (b), (a)+(b) in one invocation

@@ -2,6 +2,7 @@
 // rows the device count says arrived.
 #include "moe/cuda/cuda_util.cuh"
 #include "tools/bench_moe_caller.h"
+#include "moe/numerics.h"
 
 namespace ferry::bench {
 namespace {

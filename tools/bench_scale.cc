@@ -31,6 +31,7 @@
 #include "ferry/fabric.h"
 #include "ferry/moe.h"
 #include "tools/bench_util.h"
+#include "moe/numerics.h"
 
 namespace ferry::bench {
 namespace {

@@ -39,6 +39,7 @@
 #include "ferry/kv.h"
 #include "ferry/moe.h"
 #include "tools/bench_util.h"
+#include "moe/numerics.h"
 
 namespace ferry::bench {
 namespace {

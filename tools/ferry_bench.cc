@@ -5,7 +5,7 @@
 //   ferry-bench moe    [--provider P] [--ranks N] [--tokens T] [--hidden H] [--experts E]
 //                      [--topk K] [--dtype fp8|bf16] [--iters I] [--json]
 //                      [--once-per-rank] [--reduce-at-expert-rank] [--compare] [--token-major]
-//                      [--mask-lost-peers] [--wait-cost] [--fp16-combine]
+//                      [--mask-lost-peers] [--wait-cost] [--fp16-combine] [--stream 0-3]
 //                      [--device host|cuda] [--nvlink [--node-ranks N]] [--private N]
 //                      [--world-size N --rank R --rendezvous HOST:PORT]: one process per
 //                      rank, started apart (FERRY_WORLD_SIZE, FERRY_RANK, FERRY_RENDEZVOUS)
@@ -61,7 +61,7 @@ void Usage() {
       " [--json]\n"
       "                       [--once-per-rank] [--reduce-at-expert-rank] [--compare]"
       " [--token-major] [--mask-lost-peers] [--wait-cost]\n"
-      "                       [--fp16-combine]\n"
+      "                       [--fp16-combine] [--stream 0-3]\n"
       "                       [--device host|cuda] [--nvlink [--node-ranks N]] [--private N]\n"
       "                       [--world-size N --rank R --rendezvous HOST:PORT]"
       " [--timeout-ms N]\n"
@@ -238,6 +238,8 @@ int main(int argc, char** argv) {
       m.wait_cost = true;
     } else if (a == "--fp16-combine") {
       m.fp16_combine = true;
+    } else if (a == "--stream" && has_value) {
+      ok = ParseInt(argv[++i], &m.stream) && m.stream >= 0 && m.stream <= 3;
     } else if (a == "--timeout-ms" && has_value) {
       ok = ParseInt(argv[++i], &m.step_timeout_ms) && m.step_timeout_ms >= 1;
     } else if (a == "--world-size" && has_value) {

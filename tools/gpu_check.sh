@@ -59,7 +59,7 @@ step build 400 cmake --build build-gpu -j "$(nproc)" --target "${targets[@]}" ||
 # ("SendSmall Unpack") into sass.log, and per kernel its instruction count and local-memory
 # loads and stores (spills, arrays indexed at run time) -- where the toolkit has cuobjdump.
 if [ "${SASS:-0}" != 0 ]; then
-  obj=$(find build-gpu -name 'nvlink_all_to_all.cu.o' | head -1)
+  obj=$(find build-gpu -name 'cuda_device_launch.cu.o' | head -1)
   dump=$(dirname "$NVCC")/cuobjdump
   if [ -x "$dump" ] && [ -n "$obj" ]; then
     "$dump" -sass "$obj" 2>&1 | awk -v want="${SASS_FUNCS:-SendSmall Unpack}" '
@@ -99,8 +99,6 @@ pack_cases='*n2_t333_h2176_e64_k8_bf16_hot_empty1_nvlink:*n2_t2048_h128_e256_k16
 # combine, summed at the expert rank and copied token-major.
 pack_cases="$pack_cases:*n2_t600_h256_e64_k8_bf16_nvlink_streamed:*n2_t7_h128_e8_k2_bf16_nvlink_streamed"
 pack_cases="$pack_cases:*n2_t2048_h128_e256_k16_fp8_b_nvlink_allstreamed:*n2_t96*tokmajor_allstreamed"
-# ... and received slots spread over their senders (pulled and pushed).
-pack_cases="$pack_cases:*n2_t2048_h128_e256_k16_fp8_b_nvlink_spread"
 if [ "$tests" != 0 ] && [ "${SANITIZERS:-1}" != 0 ]; then
   step memcheck 300 "$SANITIZER" --tool memcheck --target-processes all \
     build-gpu/moe_cuda_test \
@@ -150,26 +148,6 @@ if [ "$mode" = trace ]; then
       grep -h 'trace ' "$OUT/$name.log"
     done
   done
-fi
-if [ "$mode" = pdl ]; then
-  nv=(--nvlink --ranks 2 --hidden 7168 --experts 256 --topk 8 --dtype fp8 --once-per-rank
-      --reduce-at-expert-rank)
-  for t in 128 4096; do
-    iters=200; [ $t = 4096 ] && iters=20
-    step nvlink_pdl_$t 200 build-gpu/ferry-bench moe "${nv[@]}" --tokens $t --iters $iters
-    FERRY_NV_PDL=0 step nvlink_plain_$t 200 build-gpu/ferry-bench moe "${nv[@]}" --tokens $t \
-      --iters $iters
-  done
-  step nvlink_push_128 200 build-gpu/ferry-bench moe "${nv[@]}" --tokens 128 --iters 200 \
-    --private 1024
-  step nvlink_compare_128 200 build-gpu/ferry-bench moe --nvlink --ranks 2 --hidden 7168 \
-    --experts 256 --topk 8 --dtype fp8 --tokens 128 --iters 200 --compare
-  FERRY_NV_TRACE=1 step trace_128 200 build-gpu/ferry-bench moe "${nv[@]}" --tokens 128 --iters 5
-  echo "== trace, 128 tokens, (a)+(b): point slowest/mean us since block start (blocks)"
-  grep -h 'trace ' "$OUT/trace_128.log"
-  step relay_decode 200 build-gpu/ferry-bench moe --device cuda --ranks 2 --hidden 7168 \
-    --experts 256 --topk 8 --dtype fp8 --tokens 128 --iters 100 --once-per-rank \
-    --reduce-at-expert-rank
 fi
 # p50_table LOG...: each log's variant rows as p50 (/ p99) of dispatch and combine and p50 of
 # each half, read by position within the bench's |-separated groups (counting fields over a
@@ -327,17 +305,17 @@ if [ "$mode" = stream ]; then
       --reduce-at-expert-rank)
   for round in $(seq "${STREAM_ROUNDS:-1}"); do
     for s in 0 1 3; do
-      FERRY_NV_STREAM=$s step "stream${s}_decode_$round" 200 build-gpu/ferry-bench moe "${nv[@]}" \
+      step "stream${s}_decode_$round" 200 build-gpu/ferry-bench moe --stream $s "${nv[@]}" \
         --tokens 128 --iters 200 --private 1024
-      FERRY_NV_STREAM=$s step "stream${s}_prefill_push_$round" 300 build-gpu/ferry-bench moe \
+      step "stream${s}_prefill_push_$round" 300 build-gpu/ferry-bench moe --stream $s \
         "${nv[@]}" --tokens 4096 --iters 20 --private 4096 --token-major
       [ "$ranks" = 1 ] && continue  # one rank pulls nothing
-      FERRY_NV_STREAM=$s step "stream${s}_prefill_pull_$round" 300 build-gpu/ferry-bench moe \
+      step "stream${s}_prefill_pull_$round" 300 build-gpu/ferry-bench moe --stream $s \
         "${nv[@]}" --tokens 4096 --iters 20 --private 16
     done
   done
   if [ "${STREAM_TRACE:-0}" = 1 ]; then
-    FERRY_NV_STREAM=1 FERRY_NV_TRACE=1 step trace_stream_prefill 200 build-gpu/ferry-bench moe \
+    FERRY_NV_TRACE=1 step trace_stream_prefill 200 build-gpu/ferry-bench moe --stream 1 \
       "${nv[@]}" --tokens 4096 --iters 5 --private 4096
     echo "== trace, 4096 tokens, (a)+(b), streamed, every slot pushed: point slowest/mean us"
     grep -h 'trace ' "$OUT/trace_stream_prefill.log"
@@ -354,21 +332,19 @@ if [ "$mode" = targets ]; then
     for p in 16 1024; do
       step "target_decode_p${p}_default_$round" 200 build-gpu/ferry-bench moe "${nv[@]}" \
         --tokens 128 --iters 200 --private $p
-      FERRY_NV_STREAM=0 step "target_decode_p${p}_stream0_$round" 200 build-gpu/ferry-bench moe \
+      step "target_decode_p${p}_stream0_$round" 200 build-gpu/ferry-bench moe --stream 0 \
         "${nv[@]}" --tokens 128 --iters 200 --private $p
     done
   done
   for p in 16 4096; do
-    for spread in 0 1; do
-      FERRY_NV_SPREAD=$spread step "target_prefill_p${p}_spread$spread" 300 \
-        build-gpu/ferry-bench moe "${nv[@]}" --tokens 4096 --iters 20 --private $p
-    done
+    step "target_prefill_p${p}" 300 build-gpu/ferry-bench moe "${nv[@]}" --tokens 4096 \
+      --iters 20 --private $p
   done
   # Prefill streamed: the receive half copies each slot as its flag rises, under the pushes
   # (one GPU could not show what that overlap is worth: nothing crosses there).
   for stream in 1 3; do
-    FERRY_NV_STREAM=$stream step "target_prefill_p4096_stream$stream" 300 \
-      build-gpu/ferry-bench moe "${nv[@]}" --tokens 4096 --iters 20 --private 4096
+    step "target_prefill_p4096_stream$stream" 300 \
+      build-gpu/ferry-bench moe --stream $stream "${nv[@]}" --tokens 4096 --iters 20 --private 4096
   done
   echo "== the EP2 targets (one node): decode dispatch p50 <= 15 us and combine <= 20 us;"
   echo "   prefill dispatch and combine <= 1.3 x the NVLink floor (d/fl, c/fl)"
@@ -391,22 +367,6 @@ if [ "$mode" = mps ] && [ "$mps_up" = 1 ]; then
   done
   echo "== two ranks on one GPU under MPS (r2) beside one rank (r1), p50 us"
   p50_table $(ls -tr "$OUT"/mps_*.log)
-fi
-if [ "$mode" = spread ]; then
-  pf=(--nvlink --ranks "${SPREAD_RANKS:-2}" --hidden 7168 --experts 256 --topk 8 --dtype fp8
-      --tokens 4096 --iters 20 --once-per-rank --reduce-at-expert-rank --token-major)
-  for round in $(seq "${SPREAD_ROUNDS:-2}"); do
-    for p in ${SPREAD_PRIVATE:-16 4096}; do
-      for s in ${SPREAD_VALUES:-1 0}; do
-        FERRY_NV_SPREAD=$s step "spread${s}_p${p}_$round" 300 build-gpu/ferry-bench moe "${pf[@]}" \
-          --private $p
-      done
-    done
-  done
-  for f in "$OUT"/spread*_p*_*.log; do
-    echo "== $(basename "$f" .log)"
-    grep -h -E '^(variant|\(a\)\+\(b\))' "$f"
-  done
 fi
 if [ "$mode" = caller ]; then
   layout_rounds nvlink_caller "${ROUNDS:-2}"
@@ -469,15 +429,15 @@ if [ "$mode" = ep ]; then
   gpus=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU')
   for n in ${EP_SIZES:-4 8}; do
     [ "$gpus" -ge "$n" ] || continue
-    # EP_STREAM="1 3": one-node decode and prefill again with those FERRY_NV_STREAM masks.
+    # EP_STREAM="1 3": one-node decode and prefill again with those --stream masks.
     for s in ${EP_STREAM:-}; do
-      FERRY_NV_STREAM=$s step ep${n}_stream${s}_decode 300 build-gpu/ferry-bench moe --nvlink \
+      step ep${n}_stream${s}_decode 300 build-gpu/ferry-bench moe --stream $s --nvlink \
         --ranks $n --hidden 7168 --experts 256 --topk 8 --dtype fp8 --tokens 128 --iters 200 \
         --once-per-rank --reduce-at-expert-rank
-      FERRY_NV_STREAM=$s step ep${n}_stream${s}_prefill 400 build-gpu/ferry-bench moe --nvlink \
+      step ep${n}_stream${s}_prefill 400 build-gpu/ferry-bench moe --stream $s --nvlink \
         --ranks $n --hidden 7168 --experts 256 --topk 8 --dtype fp8 --tokens 4096 --iters 10 \
         --once-per-rank --reduce-at-expert-rank
-      echo "== EP$n, FERRY_NV_STREAM=$s: decode, prefill (a)+(b)"
+      echo "== EP$n, --stream $s: decode, prefill (a)+(b)"
       grep -h -E '^(variant|\(a\)\+\(b\)) ' "$OUT"/ep${n}_stream${s}_*.log
     done
     ep=(--nvlink --ranks $n --hidden 7168 --experts 256 --topk 8 --compare)
@@ -487,18 +447,16 @@ if [ "$mode" = ep ]; then
       --iters 200
     step ep${n}_prefill 400 build-gpu/ferry-bench moe "${ep[@]}" --dtype fp8 --tokens 4096 \
       --iters 10
-    # Received slots in order, every rank pulls from (and returns rows to) the same sender at
-    # once; spread, each sender serves every rank a share at a time.
-    FERRY_NV_SPREAD=1 step ep${n}_prefill_spread 400 build-gpu/ferry-bench moe --nvlink \
+    step ep${n}_prefill_ab 400 build-gpu/ferry-bench moe --nvlink \
       --ranks $n --hidden 7168 --experts 256 --topk 8 --dtype fp8 --tokens 4096 --iters 10 \
       --once-per-rank --reduce-at-expert-rank
     step ep${n}_two_nodes_decode 300 build-gpu/ferry-bench moe "${ep[@]}" --dtype fp8 \
       --tokens 128 --iters 100 --node-ranks $((n / 2))
     echo "== EP$n: decode fp8, bf16, prefill (one node), decode as two nodes of $((n / 2))," \
-      "prefill (a)+(b) spread"
+      "prefill (a)+(b)"
     grep -h -E '^(variant|plain|\(a\)\+\(b\)) ' "$OUT"/ep${n}_decode_fp8.log \
       "$OUT"/ep${n}_decode_bf16.log "$OUT"/ep${n}_prefill.log "$OUT"/ep${n}_two_nodes_decode.log \
-      "$OUT"/ep${n}_prefill_spread.log
+      "$OUT"/ep${n}_prefill_ab.log
   done
   [ "$gpus" -ge 4 ] || echo "== ep: $gpus GPUs here; EP4 needs 4, EP8 needs 8"
 fi

@@ -18,8 +18,8 @@ from ._ferry import (CUDA_UNKNOWN_DEVICE, HOST_MEMORY, AllToAll, AllToAllConfig,
                      EngineOptions, FabricInfo, Fp8Scaling, GpuLayerCounter, GpuWords,
                      KvCudaShards, KvDecoder, KvModel, KvOrder, KvPlan, KvPrefill, KvSide,
                      KvWrite, LayerCounter, MoeDevice, RankExit, RdmaBuffers, Region,
-                     RemoteRegion, Transfer, TransferEngine, join_rendezvous, plan_kv_transfer,
-                     run_local_ranks)
+                     RemoteRegion, Streaming, Transfer, TransferEngine, join_rendezvous,
+                     plan_kv_transfer, run_local_ranks)
 from ._torch import torch_bootstrap
 
 __all__ = [
@@ -30,7 +30,8 @@ __all__ = [
     "Fp8Scaling", "GpuLayerCounter", "GpuWords", "HOST_MEMORY", "Internal", "InvalidArgument",
     "KvCudaShards", "KvDecoder", "KvModel", "KvOrder", "KvPlan", "KvPrefill", "KvSide", "KvWrite",
     "LayerCounter", "MoeDevice", "NotFound", "OutOfRange", "RankExit", "RdmaBuffers", "Region",
-    "RemoteRegion", "ResourceExhausted", "Transfer", "TransferEngine", "Unavailable",
+    "RemoteRegion", "ResourceExhausted", "Streaming", "Transfer", "TransferEngine",
+    "Unavailable",
     "Unimplemented", "as_array", "join_rendezvous", "plan_kv_transfer", "run_local_ranks",
     "torch_bootstrap", "transfer_future",
 ]

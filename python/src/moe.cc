@@ -25,19 +25,21 @@ void BindMoe(py::module_& m) {
       .value("AUTO", RdmaBuffers::kAuto)
       .value("HOST", RdmaBuffers::kHost)
       .value("DEVICE", RdmaBuffers::kDevice);
+  py::enum_<Streaming>(m, "Streaming")
+      .value("AUTO", Streaming::kAuto)
+      .value("NONE", Streaming::kNone)
+      .value("DISPATCH", Streaming::kDispatch)
+      .value("COMBINE", Streaming::kCombine)
+      .value("BOTH", Streaming::kBoth);
 
   py::class_<CudaTuning>(m, "CudaTuning",
-                         "How the CUDA device schedules its kernels (CudaTuning in "
+                         "What the CUDA device reports on itself (CudaTuning in "
                          "include/ferry/moe.h); changes no result")
       .def(py::init([](const py::kwargs& f) { return WithFields(CudaTuning{}, f); }))
-      .def_readwrite("stream", &CudaTuning::stream)
-      .def_readwrite("early_receive", &CudaTuning::early_receive)
-      .def_readwrite("spread", &CudaTuning::spread)
       .def_readwrite("trace", &CudaTuning::trace)
       .def_readwrite("relay_trace", &CudaTuning::relay_trace)
       .def_static("from_env", [] { return ValueOrThrow(CudaTuning::FromEnv()); },
-                  "The defaults with FERRY_NV_STREAM, FERRY_NV_PDL, FERRY_NV_SPREAD, "
-                  "FERRY_NV_TRACE and FERRY_RELAY_TRACE applied where set");
+                  "The defaults with FERRY_NV_TRACE and FERRY_RELAY_TRACE applied where set");
 
   py::class_<AllToAllConfig>(m, "AllToAllConfig",
                              "What an AllToAll moves (AllToAllConfig in include/ferry/moe.h)")
@@ -53,6 +55,7 @@ void BindMoe(py::module_& m) {
       .def_readwrite("dtype", &AllToAllConfig::dtype)
       .def_readwrite("fp8_scales", &AllToAllConfig::fp8_scales)
       .def_readwrite("fp32_combine", &AllToAllConfig::fp32_combine)
+      .def_readwrite("streaming", &AllToAllConfig::streaming)
       .def_readwrite("max_private_tokens", &AllToAllConfig::max_private_tokens)
       .def_readwrite("dispatch_once_per_rank", &AllToAllConfig::dispatch_once_per_rank)
       .def_readwrite("combine_reduce_at_expert_rank",

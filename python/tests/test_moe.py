@@ -410,29 +410,28 @@ class AllToAllTest(unittest.TestCase):
         with self.assertRaises(TypeError):
             config(0, hiden=128)
 
-    def test_cuda_tuning(self):
-        """The CUDA kernels' scheduling as config fields: set in place or whole, read from the
-        environment by from_env (a bad value refused naming its variable), the stream mask
-        checked by validate()."""
+    def test_streaming_and_cuda_tuning(self):
+        """Which steps stream is a config field the ranks agree on (a typed value); the CUDA
+        device's diagnostics are set in place or whole, or read from the environment by
+        from_env (a bad value refused naming its variable)."""
         c = config(0)
-        self.assertEqual((c.cuda.stream, c.cuda.early_receive, c.cuda.spread), (-1, True, False))
-        c.cuda.stream = 1
-        self.assertEqual(c.cuda.stream, 1)
-        c.cuda = ferry.CudaTuning(stream=3, spread=True)
-        self.assertEqual((c.cuda.stream, c.cuda.spread), (3, True))
+        self.assertEqual(c.streaming, ferry.Streaming.AUTO)
+        c.streaming = ferry.Streaming.BOTH
+        self.assertEqual(c.streaming, ferry.Streaming.BOTH)
         c.validate()
-        c.cuda.stream = 7
-        with self.assertRaisesRegex(ferry.InvalidArgument, "cuda.stream"):
-            c.validate()
-        os.environ["FERRY_NV_PDL"] = "0"
+        with self.assertRaises(TypeError):
+            c.streaming = 3
+        self.assertEqual((c.cuda.trace, c.cuda.relay_trace), (False, False))
+        c.cuda = ferry.CudaTuning(trace=True)
+        self.assertTrue(c.cuda.trace)
+        os.environ["FERRY_NV_TRACE"] = "1"
         try:
-            self.assertFalse(ferry.CudaTuning.from_env().early_receive)
-            os.environ["FERRY_NV_PDL"] = "2"
-            with self.assertRaisesRegex(ferry.InvalidArgument, "FERRY_NV_PDL"):
+            self.assertTrue(ferry.CudaTuning.from_env().trace)
+            os.environ["FERRY_NV_TRACE"] = "2"
+            with self.assertRaisesRegex(ferry.InvalidArgument, "FERRY_NV_TRACE"):
                 ferry.CudaTuning.from_env()
         finally:
-            del os.environ["FERRY_NV_PDL"]
-
+            del os.environ["FERRY_NV_TRACE"]
 
 if __name__ == "__main__":
     unittest.main()

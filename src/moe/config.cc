@@ -6,6 +6,7 @@
 #include "fabric/wire.h"
 #include "ferry/moe.h"
 #include "moe/steps.h"
+#include "moe/numerics.h"
 
 namespace ferry {
 namespace {
@@ -89,23 +90,15 @@ Status AllToAllConfig::Validate() const {
                                          experts_per_token > 16)) {
     return bad("the CUDA device takes cuda_device >= 0, up to 1024 experts and top-16");
   }
-  if (cuda.stream < -1 || cuda.stream > 3) {
-    return bad("cuda.stream must be -1 (the default) or a mask of 1 (the dispatch) and 2 (the "
-               "combine)");
-  }
+  if (streaming > Streaming::kBoth) return bad("unknown streaming");
   return Status::Ok();
 }
 
 StatusOr<CudaTuning> CudaTuning::FromEnv() {
   CudaTuning t;
-  int early = t.early_receive, spread = t.spread, trace = t.trace, relay = t.relay_trace;
-  RETURN_IF_ERROR(EnvNumber("FERRY_NV_STREAM", &t.stream, 0, 3));
-  RETURN_IF_ERROR(EnvNumber("FERRY_NV_PDL", &early, 0, 1));
-  RETURN_IF_ERROR(EnvNumber("FERRY_NV_SPREAD", &spread, 0, 1));
+  int trace = t.trace, relay = t.relay_trace;
   RETURN_IF_ERROR(EnvNumber("FERRY_NV_TRACE", &trace, 0, 1));
   RETURN_IF_ERROR(EnvNumber("FERRY_RELAY_TRACE", &relay, 0, 1));
-  t.early_receive = early != 0;
-  t.spread = spread != 0;
   t.trace = trace != 0;
   t.relay_trace = relay != 0;
   return t;
@@ -133,7 +126,7 @@ std::vector<uint8_t> AllToAllConfig::Fingerprint() const {
   for (int v : {world_size, ranks_per_node, num_experts, experts_per_token, max_tokens_per_rank,
                 hidden, static_cast<int>(dtype), fp8_scales, int{combines_fp32()},
                 max_private_tokens, int{dispatch_once_per_rank},
-                int{combine_reduce_at_expert_rank}, instance, cuda.stream,
+                int{combine_reduce_at_expert_rank}, instance, static_cast<int>(streaming),
                 int{mask_lost_peers}}) {
     w.U32(static_cast<uint32_t>(v));
   }
@@ -155,6 +148,9 @@ std::string AllToAllConfig::ToString() const {
          (combine_reduce_at_expert_rank ? " reduce_at_expert_rank" : "") +
          (dispatch_layout == DispatchLayout::kTokenMajor ? " token_major" : "") +
          (mask_lost_peers ? " mask_lost_peers" : "") +
+         (streaming != Streaming::kAuto
+              ? " streaming=" + std::to_string(static_cast<int>(streaming))
+              : std::string()) +
          (device == MoeDeviceKind::kCuda ? " cuda:" + std::to_string(cuda_device) : "") +
          (instance ? " instance=" + std::to_string(instance) : "");
 }

@@ -7,6 +7,7 @@
 
 #include "moe/steps.h"
 #include "moe/wire.h"
+#include "moe/numerics.h"
 
 namespace ferry::moe {
 namespace {
@@ -110,55 +111,43 @@ TEST(AllToAllConfigTest, ValidateNamesTheBadField) {
   EXPECT_EQ(f32.Fingerprint(), flagged.Fingerprint());
 }
 
-// The CUDA kernels' scheduling: which steps stream changes what crosses, so it is part of the
-// agreement (a rank that streams differently fails Create with the other fields' message);
-// the rest is each rank's own. A stream mask the kernels cannot take is refused.
-TEST(AllToAllConfigTest, CudaTuningStreamIsAgreedTheRestIsPerRank) {
+// Which steps stream changes what crosses, so it is part of the agreement (a rank that streams
+// differently fails Create with the other fields' message); the diagnostics are each rank's own.
+// A value outside the enum is refused.
+TEST(AllToAllConfigTest, StreamingIsAgreedTheDiagnosticsArePerRank) {
   AllToAllConfig c{.world_size = 4, .rank = 0, .ranks_per_node = 2, .num_experts = 64,
                    .experts_per_token = 8, .max_tokens_per_rank = 128, .hidden = 7168,
                    .dtype = DispatchDtype::kBf16, .max_private_tokens = 16};
   AllToAllConfig other = c;
-  other.cuda.early_receive = false;
-  other.cuda.spread = other.cuda.trace = other.cuda.relay_trace = true;
+  other.cuda.trace = other.cuda.relay_trace = true;
   EXPECT_EQ(c.Fingerprint(), other.Fingerprint());
-  for (int stream : {0, 1, 2, 3}) {
+  for (Streaming s : {Streaming::kNone, Streaming::kDispatch, Streaming::kCombine,
+                      Streaming::kBoth}) {
     other = c;
-    other.cuda.stream = stream;
-    EXPECT_TRUE(other.Validate().ok()) << stream;
-    EXPECT_NE(c.Fingerprint(), other.Fingerprint()) << stream;  // -1 (the default) differs too
+    other.streaming = s;
+    EXPECT_TRUE(other.Validate().ok()) << int(s);
+    EXPECT_NE(c.Fingerprint(), other.Fingerprint()) << int(s);  // kAuto (the default) differs too
   }
-  for (int stream : {-2, 4, 7}) {
-    other.cuda.stream = stream;
-    EXPECT_NE(other.Validate().message().find("cuda.stream"), std::string::npos) << stream;
-  }
+  other.streaming = static_cast<Streaming>(5);
+  EXPECT_NE(other.Validate().message().find("streaming"), std::string::npos);
 }
 
 // CudaTuning::FromEnv: unset variables leave the defaults; each one set takes its field's
 // place; a value the field cannot take is refused naming the variable.
 TEST(CudaTuningTest, FromEnvReadsEachVariableAndRefusesBadValues) {
-  const char* names[] = {"FERRY_NV_STREAM", "FERRY_NV_PDL", "FERRY_NV_SPREAD", "FERRY_NV_TRACE",
-                         "FERRY_RELAY_TRACE"};
+  const char* names[] = {"FERRY_NV_TRACE", "FERRY_RELAY_TRACE"};
   for (const char* n : names) unsetenv(n);
   StatusOr<CudaTuning> d = CudaTuning::FromEnv();
   ASSERT_TRUE(d.ok()) << d.status().ToString();
-  EXPECT_EQ(d->stream, -1);
-  EXPECT_TRUE(d->early_receive);
-  EXPECT_FALSE(d->spread || d->trace || d->relay_trace);
-  setenv("FERRY_NV_STREAM", "3", 1);
-  setenv("FERRY_NV_PDL", "0", 1);
-  setenv("FERRY_NV_SPREAD", "1", 1);
+  EXPECT_FALSE(d->trace || d->relay_trace);
   setenv("FERRY_NV_TRACE", "1", 1);
   setenv("FERRY_RELAY_TRACE", "1", 1);
   StatusOr<CudaTuning> t = CudaTuning::FromEnv();
   ASSERT_TRUE(t.ok()) << t.status().ToString();
-  EXPECT_EQ(t->stream, 3);
-  EXPECT_FALSE(t->early_receive);
-  EXPECT_TRUE(t->spread && t->trace && t->relay_trace);
+  EXPECT_TRUE(t->trace && t->relay_trace);
   for (const char* n : names) unsetenv(n);
   const std::pair<const char*, const char*> bad[] = {
-      {"FERRY_NV_STREAM", "7"},   {"FERRY_NV_STREAM", "1x"}, {"FERRY_NV_STREAM", "-1"},
-      {"FERRY_NV_SPREAD", "2"},   {"FERRY_NV_PDL", "yes"},   {"FERRY_NV_TRACE", "2"},
-      {"FERRY_RELAY_TRACE", "on"}};
+      {"FERRY_NV_TRACE", "2"}, {"FERRY_NV_TRACE", "1x"}, {"FERRY_RELAY_TRACE", "on"}};
   for (const auto& [name, value] : bad) {
     setenv(name, value, 1);
     const Status s = CudaTuning::FromEnv().status();

@@ -6,7 +6,7 @@
 // With several nodes of several GPUs (1 < ranks_per_node < world_size) the kernels treat every
 // rank alike: they write what a peer must receive (its counts row, its slots, the combine rows
 // it gets back) and raise a flag, and wait for flags before they read. For a rank of their own
-// node those addresses are the peer's memory over NVLink (nvlink_all_to_all.h). For a rank of
+// node those addresses are the peer's memory over NVLink (cuda/cuda_device.h). For a rank of
 // another node they are in this rank's outbox; the relay forwards each outbox section over the
 // TransferEngine into that rank's inbox, and when a peer's section has landed in our inbox it
 // raises the flag our kernels wait for. The boxes are GPU memory the NIC reads and writes
@@ -37,7 +37,7 @@
 // Remote pairs have no "private" limit and no pull: every slot travels in the section.
 //
 // Reuse needs no barrier: the chain of flags that protects the NVLink buffers (see
-// nvlink_all_to_all.h) runs through the relay unchanged -- a rank rewrites its outbox (and, by
+// cuda/cuda_device.h) runs through the relay unchanged -- a rank rewrites its outbox (and, by
 // its writes, a peer's inbox) for epoch i + 1 only after its CombineRecv of epoch i, which waited
 // for every peer's combine rows of epoch i, sent after that peer had read our epoch-i slots.
 //

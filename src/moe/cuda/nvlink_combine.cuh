@@ -1,7 +1,7 @@
 // The combine's kernels: CombineSend (each received copy's expert output, or one weighted sum
 // per token, pushed back into its sender's combine region) and CombineRecv (each token's
 // returned rows summed into the caller's output), each also streamed. Shared parts in
-// nvlink_protocol.cuh; the design in nvlink_all_to_all.h. Included by nvlink_all_to_all.cu only.
+// nvlink_protocol.cuh; the design in cuda_device.h. Included by cuda_device_launch.cu only.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "moe/cuda/nvlink_protocol.cuh"
+#include "moe/numerics.h"
 
 namespace ferry::moe::nv {
 
@@ -26,9 +27,7 @@ __device__ inline uint4 PackBf16(const float (&acc)[8]) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// A combine row's element (AllToAllConfig::combine_row_bytes): bf16, fp16 (CombineInput /
-// CombineOutput::fp16) or fp32 (AllToAllConfig::combines_fp32).
-enum class Elem { kBf16, kFp16, kFp32 };
+// Elem (moe/numerics.h): the combine row's element, one enum for both devices.
 
 // A combine row's 16-byte vector: eight bf16 or fp16 values, or four fp32 ones, each widened
 // to fp32 for the sums and rounded back to nearest even.
@@ -113,9 +112,8 @@ __device__ inline void TagRows(const Nv& v, int r, int64_t row, int rows, uint64
 
 // Received slots again: each copy's expert output row (plain) or, summed at the expert rank, one
 // weighted fp32 sum per token taken in (local expert, position) order as the host device does,
-// pushed into the sender's combine region. Every block arrives at every rank's combine flag.
-// With v.spread, blocks looping over slots take them in SpreadOrder (streamed combine: in
-// order, the order CombineRecv claims tokens in).
+// pushed into the sender's combine region, in order (streamed, the order CombineRecv claims
+// tokens in). Every block arrives at every rank's combine flag.
 // Token-major, the caller summed each token's experts into row g of expert_out, which is copied
 // as it is; kCopyOnly: an instance that only does that (few registers; see its launch). kE: the
 // rows' element.
@@ -130,9 +128,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
   Mark(v, kTraceCombineSend, 0);
   const int64_t total = v.scratch->total_recv;
   int64_t rows_out = 0;
-  const SlotOrder order = SpreadOrder(total, v.spread && !v.stream_combine && total > gridDim.x);
-  for (int64_t visit = blockIdx.x; visit < total; visit += gridDim.x) {
-    const int64_t g = order(visit);
+  for (int64_t g = blockIdx.x; g < total; g += gridDim.x) {
     const RecvSlot slot = v.rslots[g];
     // A malformed slot (Unpack reported it and kept no entry) returns nothing: its row is not
     // one we checked, and a row written there could land on another token's.
@@ -184,7 +180,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
       if (lane == 0) count = min(__popc(present), kMaxK);
     }
     __syncthreads();
-    if (visit == blockIdx.x) Mark(v, kTraceCombineSend, 1);
+    if (g == blockIdx.x) Mark(v, kTraceCombineSend, 1);
     auto* out = reinterpret_cast<uint4*>(dst);
     const int64_t groups = v.row_bytes / 16;
     for (int64_t c = threadIdx.x; c < groups; c += 2 * int64_t{blockDim.x}) {
@@ -279,7 +275,7 @@ __device__ inline LaneRow LocateRows(const Nv& v, const CombineArgs& a, int t,
 // it (our CombineSend) before writing the caller's output: see UnpackKernel. The block that
 // finishes last waits for every rank's combine flag -- every peer's CombineSend done, so its
 // Unpack done reading what we sent it, before our next DispatchSend rewrites it
-// (nvlink_all_to_all.h) -- then advances the epoch.
+// (cuda_device.h) -- then advances the epoch.
 template <Elem kE>
 __global__ void __launch_bounds__(kCopyThreads) CombineRecvStreamedKernel(Nv v, CombineArgs a) {
   constexpr int kWarps = kCopyThreads / 32;
@@ -352,7 +348,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineA
   const int tokens = v.scratch->tokens;
   PrefixTotals(v.totals + v.world_size, v.world_size, rank_start);
   // Every block waits for every rank's combine flag, token or not: a rank's next DispatchSend
-  // may reuse its buffers only after this (see nvlink_all_to_all.h). The first token's rows are
+  // may reuse its buffers only after this (see cuda_device.h). The first token's rows are
   // located before the wait.
   const bool warps = tokens > static_cast<int>(gridDim.x);
   const int w = warps ? threadIdx.x / 32 : 0;

@@ -1,4 +1,4 @@
-// Where everything lives in a rank's NVLink buffer (nvlink_all_to_all.h draws it), and the two
+// Where everything lives in a rank's NVLink buffer (cuda_device.h draws it), and the two
 // choices that shape it: pure arithmetic on the configuration and the steps to stream, so that
 // the kernels' host side and the buffer-size figures (moe/buffers.h) decide them once. No CUDA
 // here.
@@ -12,7 +12,7 @@
 namespace ferry::moe {
 
 struct NvlinkLayout {
-  // stream_mask: the steps CudaTuning::stream streams (1 dispatch, 2 combine); only one node
+  // stream_mask: the steps AllToAllConfig::streaming streams (1 dispatch, 2 combine); one node
   // (no relay) streams.
   NvlinkLayout(const AllToAllConfig& c, int stream_mask)
       : one_node(c.ranks_per_node == c.world_size),

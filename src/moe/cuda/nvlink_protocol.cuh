@@ -1,8 +1,8 @@
-// What the NVLink AllToAll's kernels share with its host side (nvlink_all_to_all.cu): launch
+// What the NVLink AllToAll's kernels share with its host side (cuda_device_*.cu): launch
 // shapes, the per-rank device state (Scratch), the peer table (NvPeer), the
 // argument structs, and the device helpers every kernel uses -- flags, waits, arrivals, errors,
-// trace stamps, a token's routing, claims. Design in nvlink_all_to_all.h; the kernels are in
-// nvlink_send.cuh, nvlink_recv.cuh and nvlink_combine.cuh. Included by nvlink_all_to_all.cu
+// trace stamps, a token's routing, claims. Design in cuda_device.h; the kernels are in
+// nvlink_send.cuh, nvlink_recv.cuh and nvlink_combine.cuh. Included by the cuda_device_*.cu files
 // only.
 #pragma once
 
@@ -44,47 +44,6 @@ struct RecvEntry {
   float weight;
   int32_t pad;
 };
-
-// The order Unpack and CombineSend visit received slots in when there are more of them than
-// blocks and CudaTuning::spread (Nv::spread; opt-in until measured on two GPUs). A sender's
-// slots are contiguous (sender-major), so visiting them in order puts the blocks in flight on
-// one sender at a time: on two GPUs, first every pulled slot crosses NVLink while the HBM idles,
-// then the local copies run while the link idles (in CombineSend: the rows summed for our own
-// tokens at HBM speed, then those for the peer's at the link's); with more ranks, every rank
-// starts on the same sender. Visit i takes slot i * stride mod total instead, stride coprime
-// with total and near 0.618 total (a golden-ratio sequence): any run of consecutive visits takes
-// each sender's slots about in proportion to their number, so both the link and the HBM stay
-// busy.
-struct SlotOrder {
-  int64_t total, stride;
-  double inverse;  // 1 / total (stride > 1 only)
-  // i * stride mod total for i < total, without a 64-bit division (a subroutine on the GPU): the
-  // quotient from doubles is within one of the true one, as i * stride < total^2 < 2^62.
-  __host__ __device__ int64_t operator()(int64_t i) const {
-    if (stride == 1) return i;  // in order (and i < total)
-    const int64_t p = i * stride;
-    const int64_t r = p - static_cast<int64_t>(static_cast<double>(p) * inverse) * total;
-    return r < 0 ? r + total : r >= total ? r - total : r;
-  }
-};
-__host__ __device__ inline uint32_t Gcd(uint32_t a, uint32_t b) {
-  while (b != 0) {
-    const uint32_t r = a % b;
-    a = b;
-    b = r;
-  }
-  return a;
-}
-// `spread` false, or too few slots to spread: in order. total < 2^31 (slots are int32-counted).
-__host__ __device__ inline SlotOrder SpreadOrder(int64_t total, bool spread) {
-  const int64_t n = total > 0 ? total : 1;
-  // In order: no inverse (a double division is a subroutine call, in Unpack's thread 0 while
-  // its block waits, and in every thread of CombineSend).
-  if (!spread || n < 3) return SlotOrder{n, 1, 0.0};
-  uint32_t stride = static_cast<uint32_t>(n * 618034 / 1000000);
-  while (Gcd(stride, static_cast<uint32_t>(n)) != 1) ++stride;
-  return SlotOrder{n, stride, 1.0 / static_cast<double>(n)};
-}
 
 enum ErrorCode : int32_t {
   kNoError = 0,
@@ -176,13 +135,12 @@ struct Nv {
   int64_t payload, slot_bytes, meta_bytes, row_bytes, capacity, slots_per_pair;
   int64_t meta_used;  // header and entries; meta_bytes rounds it up to a 128-byte line
   bool once, reduce;
-  bool spread;  // Unpack's and CombineSend's slots in SpreadOrder (CudaTuning::spread)
   // One node (no relay): each counts row carries a 32-bit tag, "epoch + 1" once the row is in
   // place, in column CountsTagColumn; Unpack reads the rows and builds its offsets table as
   // soon as the tags are up, while the send blocks still store slots, and only then waits for
   // their arrivals (or, streamed, for each slot's tag).
   bool counts_tagged;
-  // Streamed dispatch (one node; see nvlink_all_to_all.h): each slot carries a 64-bit tag,
+  // Streamed dispatch (one node; see cuda_device.h): each slot carries a 64-bit tag,
   // "epoch + 1" once its bytes are in place, at SlotTagOffset (right after the entries); Unpack
   // takes each slot as its tag comes up instead of waiting for every send block's arrival.
   bool stream;
@@ -385,7 +343,7 @@ __device__ inline bool Reached(uint32_t got, uint32_t want) { return got == want
 // `may_mask` (mask_lost_peers, WaitAll): at the budget, false without aborting or reporting --
 // the caller masks r instead.
 template <typename Word>
-__device__ bool AwaitWord(const Nv& v, const Word* p, Word want, uint64_t start,
+__device__ inline bool AwaitWord(const Nv& v, const Word* p, Word want, uint64_t start,
                           uint64_t budget_ns, int which, int r, bool may_mask = false) {
   while (!Reached(LoadAcquire(p), want)) {
     if (*reinterpret_cast<volatile int32_t*>(&v.scratch->abort)) return false;
@@ -403,8 +361,9 @@ __device__ bool AwaitWord(const Nv& v, const Word* p, Word want, uint64_t start,
 // wait_cost: what rank r kept this thread waiting). A caller whose wait every block repeats
 // passes cost from one block only.
 template <typename Word>
-__device__ bool AwaitCounted(const Nv& v, int64_t* cost, const Word* p, Word want, uint64_t start,
-                             uint64_t budget_ns, int which, int r, bool may_mask = false) {
+__device__ inline bool AwaitCounted(const Nv& v, int64_t* cost, const Word* p, Word want,
+                                    uint64_t start, uint64_t budget_ns, int which, int r,
+                                    bool may_mask = false) {
   if (!cost) return AwaitWord(v, p, want, start, budget_ns, which, r, may_mask);
   const long long begin = clock64();
   const bool ok = AwaitWord(v, p, want, start, budget_ns, which, r, may_mask);
@@ -452,7 +411,7 @@ __device__ inline void PublishMasks(const Nv& v) {
 // budget (from now) runs out (AwaitWord). A masked rank is not waited for; under
 // mask_lost_peers a rank whose flag is not up at the budget is masked (MaskLost) and the wait
 // goes on without it. cost: the step's wait_cost, or null (AwaitCounted).
-__device__ bool WaitAll(const Nv& v, uint64_t epoch, uint64_t budget_ns, int which,
+__device__ inline bool WaitAll(const Nv& v, uint64_t epoch, uint64_t budget_ns, int which,
                         int64_t* cost = nullptr) {
   const uint64_t start = GlobalTimerNs();
   for (int r = 0; r < v.world_size; ++r) {
@@ -474,7 +433,7 @@ __device__ bool WaitAll(const Nv& v, uint64_t epoch, uint64_t budget_ns, int whi
 // blocks polling slow the very copies they wait for); it then publishes what it saw in device
 // memory (release at GPU scope, after its system-scope acquires and its masks) and the other
 // blocks wait for that. cost: the step's wait_cost, or null; block 0's waits alone count.
-__device__ bool WaitStep(const Nv& v, uint64_t epoch, uint64_t budget_ns, int which,
+__device__ inline bool WaitStep(const Nv& v, uint64_t epoch, uint64_t budget_ns, int which,
                          int64_t* cost = nullptr) {
   if (blockIdx.x != 0) cost = nullptr;
   if (v.first_remote < 0 && !v.mask_lost) return WaitAll(v, epoch, budget_ns, which, cost);
@@ -517,7 +476,7 @@ __device__ inline uint32_t TicketAdd(uint32_t* ticket, bool system) {
   return old;
 }
 // `blocks`: how many blocks take part (the first ones of the grid; default all).
-__device__ bool LastBlock(uint32_t* ticket, bool system, int blocks = 0) {
+__device__ inline bool LastBlock(uint32_t* ticket, bool system, int blocks = 0) {
   __shared__ bool last;
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -577,7 +536,7 @@ struct LaneRoute {
 // Called by all 32 lanes of a warp; every lane loads its own index (one round trip).
 // `skip_masked`: a copy for a masked rank counts as none (the combine, for ranks masked after
 // the dispatch sent; the send kernels' ids read as -1 already, see IdAt).
-__device__ LaneRoute RouteLane(const Nv& v, const int32_t* row, bool skip_masked = false) {
+__device__ inline LaneRoute RouteLane(const Nv& v, const int32_t* row, bool skip_masked = false) {
   const int lane = threadIdx.x % 32;
   LaneRoute x{};
   x.e = lane < v.topk ? row[lane] : -1;
@@ -606,7 +565,7 @@ __device__ LaneRoute RouteLane(const Nv& v, const int32_t* row, bool skip_masked
 }
 
 // Exclusive prefix sums of totals[0, n) into out[0, n) (loads in parallel). Block-wide.
-__device__ void PrefixTotals(const int32_t* totals, int n, int64_t* out) {
+__device__ inline void PrefixTotals(const int32_t* totals, int n, int64_t* out) {
   for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = totals[i];
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -622,7 +581,7 @@ __device__ void PrefixTotals(const int32_t* totals, int n, int64_t* out) {
 
 // This epoch's token count: the host's bound, or the device count when one is given (a count
 // above the bound is reported, and nothing is sent). Block 0 records it for the later steps.
-__device__ int SendTokens(const Nv& v, const SendArgs& a) {
+__device__ inline int SendTokens(const Nv& v, const SendArgs& a) {
   int tokens = a.bound;
   if (a.dev_tokens) {
     const int32_t d = *a.dev_tokens;
@@ -651,7 +610,7 @@ __device__ inline CountsDst PeerCountsDst(const Nv& v, int r) {
 // row's tag follows, released once the block's stores of every row are out (the barrier orders
 // them before it).
 template <typename Value, typename Dst>
-__device__ void WriteCountsRows(const Nv& v, uint64_t epoch, Value value, Dst dst) {
+__device__ inline void WriteCountsRows(const Nv& v, uint64_t epoch, Value value, Dst dst) {
   const int width = v.local_experts + kCountsColumns;
   // Element i = r * width + c, i stepping by the block: r and c step along (one division each,
   // at the start, not one per element).
@@ -710,7 +669,7 @@ __device__ inline void TagSlots(const Nv& v, uint8_t* const* dst, int ns, uint64
 // writes) stores "epoch + 1" there -- the epoch each block read at its start: once every block
 // has arrived our own CombineRecv (started early) may advance the word.
 template <bool kMasks = true>
-__device__ void Arrive(const Nv& v, bool combine, uint64_t epoch) {
+__device__ inline void Arrive(const Nv& v, bool combine, uint64_t epoch) {
   __syncthreads();
   for (int r = threadIdx.x; r < v.world_size; r += blockDim.x) {
     const NvPeer& p = v.peer[r];

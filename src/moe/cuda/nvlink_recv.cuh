@@ -1,7 +1,7 @@
 // DispatchRecv's kernel, Unpack: each received slot (pushed into our private region, pulled from
 // its sender's send area, or our own) into the caller's expert-major or token-major rows, and
 // where each combine row returns. Shared parts in nvlink_protocol.cuh; the design in
-// nvlink_all_to_all.h. Included by nvlink_all_to_all.cu only.
+// cuda_device.h. Included by cuda_device_launch.cu only.
 #pragma once
 
 #include <cstdint>
@@ -37,7 +37,6 @@ struct SlotTables {
   const int64_t *prefix, *start, *rebase;
   const int32_t* counts;
   int32_t* offset;
-  const SlotOrder* order;  // the order visits take slots in (UnpackSlots)
   uint64_t epoch, wait_start, budget_ns;
 };
 
@@ -111,8 +110,7 @@ __device__ inline bool GroupAll(bool value) {
 
 // Unpack's received slots for groups of kGroup threads, each thread keeping kVec 16-byte
 // vectors in flight: a group's visits are blockIdx.x + group * grid, + grid * groups ..., each
-// taking slot order(visit) (with v.spread, SpreadOrder when slots outnumber blocks; else every
-// slot in order; streamed, in order as claimed). Checks each slot, copies its row to each
+// taking slot `visit` (streamed: in order as claimed). Checks each slot, copies its row to each
 // entry's output row, remembers where the entries' combine rows go. Builds the offsets table
 // first where the kernel has not (the whole block, while each group's first slot loads).
 template <int kGroup, int kVec, bool kStream>
@@ -181,13 +179,12 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
       if (i < end && (i < used || i >= meta)) r[u] = __ldcg(src4 + i);
     }
   };
-  const SlotOrder& order = *t.order;
   const int64_t first_visit = blockIdx.x + int64_t{group} * gridDim.x;
   const int64_t step = int64_t{gridDim.x} * kGroups;
   int64_t visit = first_visit;
   // The first slot in flight while the offsets table is built, if not yet (streamed: once it
   // is there, after the table).
-  const uint4* src4 = visit < total && !kStream ? locate(order(visit)) : nullptr;
+  const uint4* src4 = visit < total && !kStream ? locate(visit) : nullptr;
   if (src4) load(src4, 0);
   Mark(v, kTraceUnpack, 3);
 
@@ -198,7 +195,7 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
   bool primary_done = false, marked = false;
   if constexpr (kStream) visit = Claim<kGroup>(&v.scratch->claimed);
   for (; visit < total; visit = kStream ? Claim<kGroup>(&v.scratch->claimed) : visit + step) {
-    const int64_t g = kStream ? visit : order(visit);
+    const int64_t g = visit;
     if (visit != first_visit || kStream) {
       src4 = locate(g);
       if (kStream && !ready(src4)) return;
@@ -339,7 +336,6 @@ __global__ void __launch_bounds__(kCopyThreads, 2) UnpackKernel(Nv v, RecvArgs a
   // offset[s][e]: rows of local expert e from senders before s (offset[N][e]: all of them).
   int32_t* offset = counts + v.world_size * v.counts_stride;
   __shared__ bool ok;
-  __shared__ SlotOrder order;
   Mark(v, kTraceUnpack, 0);
   const uint64_t epoch = v.scratch->epoch;
   const uint64_t wait_start = GlobalTimerNs();
@@ -405,10 +401,6 @@ __global__ void __launch_bounds__(kCopyThreads, 2) UnpackKernel(Nv v, RecvArgs a
   if (threadIdx.x == 0) {
     prefix[0] = 0;
     for (int s = 0; s < v.world_size; ++s) prefix[s + 1] += prefix[s];
-    // Spread (v.spread) when groups loop (a block per slot otherwise); streamed, slots go as
-    // claimed.
-    order =
-        SpreadOrder(prefix[v.world_size], v.spread && !kStream && prefix[v.world_size] > gridDim.x);
   }
   __syncthreads();
   const int64_t total = prefix[v.world_size];
@@ -428,8 +420,8 @@ __global__ void __launch_bounds__(kCopyThreads, 2) UnpackKernel(Nv v, RecvArgs a
   // than blocks (prefill): a warp per slot, eight slots in flight per block, a lane's eight
   // vectors loaded at once -- one block copying slot after slot waits on each slot's load.
   // (Sixteen per lane take the kernel past 128 registers, one block per SM, or spill.)
-  const SlotTables tables{from_of, prefix, start,      rebase,      counts,
-                          offset,  &order, epoch,      wait_start,  a.timeout_ns};
+  const SlotTables tables{from_of, prefix, start,      rebase,     counts,
+                          offset,  epoch,  wait_start, a.timeout_ns};
   // A block per slot keeps two vectors per thread in flight (fp8 rows of hidden 7168, 470
   // vectors, fit in one batch; longer slots take more): four cost their bounds tests on
   // vectors past the slot's end, and a third instance, four where two do not fit, made the

@@ -1,7 +1,7 @@
 // DispatchSend's kernels: Route + Pack (prefill batches: Route counts and scans the routing,
 // Pack lays out each token's slots and stores its row into them) and SendSmall (decode batches:
 // both in one kernel). What every step shares with the host side is in nvlink_protocol.cuh; the
-// design in nvlink_all_to_all.h. Included by nvlink_all_to_all.cu only.
+// design in cuda_device.h. Included by cuda_device_launch.cu only.
 #pragma once
 
 #include <cub/block/block_scan.cuh>
@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "moe/cuda/nvlink_protocol.cuh"
+#include "moe/numerics.h"
 
 namespace ferry::moe::nv {
 

@@ -1,7 +1,6 @@
 // The NVLink Unpack's slot checks (SlotHeaderValid, SlotEntryValid in nvlink_protocol.cuh), run
 // on the host: the same functions the kernel calls, so CI checks what a corrupt slot must not get
 // past without a GPU. (That the kernel reports kBadSlot and takes nothing is left to the GPU.)
-// Also the order Unpack and CombineSend visit received slots in (SpreadOrder).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -103,57 +102,6 @@ TEST(SlotCheckTest, AnOffsetBelowTheExpertsBlockIsRefused) {
   EXPECT_FALSE(SlotEntryValid(SlotEntry{0, 0, 0.5f, 2}, offset.data(), 1, kPlain));
 }
 
-// SpreadOrder: every slot visited exactly once, and any run of consecutive visits -- what the
-// blocks in flight hold -- takes each sender's slots in proportion to their number.
-TEST(SpreadOrderTest, VisitsEverySlotOnce) {
-  std::vector<int64_t> totals;
-  for (int64_t t = 1; t <= 1200; ++t) totals.push_back(t);
-  for (int64_t t : {4096, 8192, 65536, 65537, 1 << 20}) totals.push_back(t);
-  for (int64_t total : totals) {
-    const SlotOrder order = SpreadOrder(total, true);
-    std::vector<bool> seen(total, false);
-    for (int64_t i = 0; i < total; ++i) {
-      const int64_t g = order(i);
-      ASSERT_TRUE(g >= 0 && g < total && !seen[g]) << "total " << total << ", visit " << i;
-      seen[g] = true;
-    }
-  }
-}
-
-TEST(SpreadOrderTest, ConsecutiveVisitsTakeEverySenderInProportion) {
-  const std::vector<std::vector<int64_t>> cases = {
-      {4096, 4096}, {1000, 5000, 2192}, {100, 7000}, {3000, 3000, 3000, 3000}, {5, 8187}};
-  for (const auto& senders : cases) {
-    std::vector<int64_t> prefix = {0};
-    for (int64_t c : senders) prefix.push_back(prefix.back() + c);
-    const int64_t total = prefix.back();
-    std::vector<int> sender_of(total);  // of the slot each visit takes, in visit order
-    const SlotOrder order = SpreadOrder(total, true);
-    for (int64_t i = 0; i < total; ++i) {
-      const int64_t g = order(i);
-      sender_of[i] = static_cast<int>(
-          std::upper_bound(prefix.begin(), prefix.end(), g) - prefix.begin() - 1);
-    }
-    for (int64_t window : {64, 264, 2112}) {
-      for (int64_t first = 0; first + window <= total; first += 5) {
-        std::vector<int64_t> taken(senders.size(), 0);
-        for (int64_t i = first; i < first + window; ++i) ++taken[sender_of[i]];
-        for (size_t s = 0; s < senders.size(); ++s) {
-          const double fair = double(window) * senders[s] / total;
-          ASSERT_NEAR(taken[s], fair, 6.0) << "sender " << s << " of " << senders.size()
-                                           << ", visits [" << first << ", " << first + window
-                                           << ")";
-        }
-      }
-    }
-  }
-}
-
-TEST(SpreadOrderTest, NotSpreadIsInOrder) {
-  const SlotOrder order = SpreadOrder(100, false);
-  for (int64_t i = 0; i < 100; ++i) EXPECT_EQ(order(i), i);
-  EXPECT_EQ(SpreadOrder(2, true)(1), 1);  // too few to spread
-}
 
 // FastDiv (cuda_util.cuh) divides as the kernels do, by a multiply and a shift: every divisor
 // up to 1024 (local experts, top-k) against `/` and `%` over the dividends up to 2^16, and the

@@ -1,4 +1,5 @@
-// The host device (moe/device.h): the CUDA kernels' part of the relay protocol, on the CPU.
+// The host device (moe/device.h): the CUDA kernels' part of the relay protocol, on the CPU, and
+// the buffers and relay it owns when the shell creates it (CreateHostDevice).
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -8,18 +9,15 @@
 #include <vector>
 
 #include "common/backoff.h"
+#include "common/leak.h"
 #include "moe/device.h"
+#include "moe/numerics.h"
 #include "moe/wire.h"
 
 namespace ferry::moe {
 namespace {
 
-// A combine row's element (AllToAllConfig::combine_row_bytes): bf16, fp16 (CombineInput /
-// CombineOutput::fp16) or fp32 (combines_fp32()), each read into and written from fp32.
-enum class Elem { kBf16, kFp16, kFp32 };
-Elem ElemOf(const AllToAllConfig& c, bool fp16) {
-  return c.combines_fp32() ? Elem::kFp32 : fp16 ? Elem::kFp16 : Elem::kBf16;
-}
+// Each combine element (moe/numerics.h's Elem) read into and written from fp32.
 struct Bf16 {
   using T = uint16_t;
   static float Load(T b) { return Bf16ToFloat(b); }
@@ -85,10 +83,26 @@ void LoadSums(float* acc, const uint8_t* src, int64_t n, Elem e) {
   });
 }
 
+// What a host device the shell creates owns: the relay's layout, its buffers, the relay. The
+// relay stops first; then no write may still read or fill the boxes before they go. Writes to a
+// dead peer end at the engine's transfer timeout; if some never end (a wedged provider), the
+// boxes are leaked rather than freed under the NIC (the relay leaks their registrations).
+struct HostRig {
+  explicit HostRig(const AllToAllConfig& c)
+      : layout(c, SlotFormat(c, false).slot_bytes, 1), boxes(layout) {}
+  ~HostRig() {
+    if (relay && !relay->Stop()) LeakOnPurpose(new HostBoxes(std::move(boxes)));
+  }
+  const RelayLayout layout;  // every other rank remote: the host device has no NVLink
+  HostBoxes boxes;
+  std::unique_ptr<Relay> relay;  // after what it reads: stopped first
+};
+
 class HostDevice final : public MoeDevice {
  public:
-  explicit HostDevice(const DeviceParams& p)
-      : p_(p),
+  explicit HostDevice(const DeviceParams& p, std::unique_ptr<HostRig> rig = nullptr)
+      : rig_(std::move(rig)),
+        p_(p),
         c_(p_.config),
         lay_(*p.layout),
         slot_(c_, false),
@@ -395,7 +409,41 @@ class HostDevice final : public MoeDevice {
     return Status::Ok();
   }
 
-  Status error() const override { return error_; }
+  DeviceCaps caps() const override { return {.host_inputs = true}; }
+
+  Status Quantize(const DispatchInput& in, const void** x, const float** scales) override {
+    fp8_x_.resize(size_t(in.num_tokens) * c_.hidden);
+    fp8_scales_.resize(size_t(in.num_tokens) * c_.scales_per_token());
+    QuantizeFp8Rows(in.x_bf16, in.num_tokens, c_.hidden, in.scaling, fp8_x_.data(),
+                    fp8_scales_.data());
+    *x = fp8_x_.data();
+    *scales = fp8_scales_.data();
+    return Status::Ok();
+  }
+
+  // The control block's mask words, which the relay and every step read.
+  Status ApplyMasks(const std::vector<uint8_t>& ranks) override {
+    for (int r = 0; r < c_.world_size; ++r) {
+      if (ranks[r]) lay_.Mask(p_.boxes.control, r, kMaskedByCaller);
+    }
+    return Status::Ok();
+  }
+  bool masks_live() const override { return true; }
+  StatusOr<std::vector<uint8_t>> Masked() const override {
+    std::vector<uint8_t> masks(size_t(c_.world_size));
+    for (int r = 0; r < c_.world_size; ++r) masks[r] = Masked(r);
+    return masks;
+  }
+
+  Status Sticky() override {
+    if (p_.relay && p_.relay->failed()) return p_.relay->error();
+    return error_;
+  }
+
+  uint64_t dispatch_bytes_sent() const override {
+    return p_.relay ? p_.relay->dispatch_bytes() : 0;
+  }
+  uint64_t combine_bytes_sent() const override { return p_.relay ? p_.relay->combine_bytes() : 0; }
 
  private:
   struct From {  // what sender s's counts row announced to us
@@ -498,6 +546,7 @@ class HostDevice final : public MoeDevice {
     return s;
   }
 
+  const std::unique_ptr<HostRig> rig_;  // CreateHostDevice's: what p_ points into, freed last
   const DeviceParams p_;
   const AllToAllConfig& c_;  // p_.config
   const RelayLayout& lay_;
@@ -521,12 +570,31 @@ class HostDevice final : public MoeDevice {
   std::vector<int64_t> row_base_;     // [N + 1] senders' rows in partial_
   std::vector<float> partial_;        // [rows, hidden] fp32 sums at the expert rank
   std::vector<float> acc_;            // [T, hidden] fp32 accumulator
+  std::vector<uint8_t> fp8_x_;        // DispatchInput::x_bf16 quantised (Quantize)
+  std::vector<float> fp8_scales_;
 };
 
 }  // namespace
 
 std::unique_ptr<MoeDevice> NewHostDevice(const DeviceParams& params) {
   return std::make_unique<HostDevice>(params);
+}
+
+StatusOr<std::unique_ptr<MoeDevice>> CreateHostDevice(const AllToAllConfig& c,
+                                                      TransferEngine* engine,
+                                                      Bootstrap& bootstrap) {
+  auto rig = std::make_unique<HostRig>(c);
+  const RelayBuffers boxes = rig->boxes.buffers();
+  if (!rig->layout.remotes.empty()) {
+    ASSIGN_OR_RETURN(rig->relay, Relay::Create(c, rig->layout, engine, bootstrap, boxes));
+  } else {
+    // One rank: nothing crosses, but the instance is still this AllToAll's on its engine (each
+    // AllToAll on an engine has its own), claimed by a counter no relay creates.
+    Status s = engine->CreateImmCounter(RelayImm(kRelayDispatch, 0, c.instance, c.rank));
+    if (!s.ok()) return CounterError(s, c.instance);
+  }
+  const DeviceParams params{c, &rig->layout, boxes, rig->relay.get()};
+  return std::unique_ptr<MoeDevice>(std::make_unique<HostDevice>(params, std::move(rig)));
 }
 
 }  // namespace ferry::moe

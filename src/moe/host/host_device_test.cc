@@ -15,6 +15,7 @@
 
 #include "moe/device.h"
 #include "moe/wire.h"
+#include "moe/numerics.h"
 
 namespace ferry::moe {
 namespace {
@@ -123,7 +124,7 @@ TEST(HostDeviceTest, WellFormedSlotsLandInTheirExpertsRows) {
   EXPECT_TRUE(r.RowHolds(0, 1, 12));
   EXPECT_TRUE(r.RowHolds(1, 0, 11));
   EXPECT_TRUE(r.GuardIntact());
-  EXPECT_TRUE(r.device->error().ok());
+  EXPECT_TRUE(r.device->Sticky().ok());
   const int64_t* in_rows = r.boxes.layout.InRows(r.boxes.control_bytes(), 0);
   EXPECT_EQ(in_rows[0], kRowStart);
   EXPECT_EQ(in_rows[1], kSlots);
@@ -161,7 +162,7 @@ TEST_P(HostDeviceCorruptionTest, IsDataLossNamingTheSenderAndStopsTheAllToAll) {
   EXPECT_NE(s.message().find("from rank 1"), std::string::npos) << s.ToString();
   EXPECT_NE(s.message().find(GetParam().says), std::string::npos) << s.ToString();
   // Later steps report it (the AllToAll checks the device's error before each step).
-  EXPECT_EQ(r.device->error().message(), s.message());
+  EXPECT_EQ(r.device->Sticky().message(), s.message());
   EXPECT_TRUE(r.GuardIntact());
 }
 

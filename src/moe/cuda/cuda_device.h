@@ -1,12 +1,15 @@
-// The NVLink AllToAll: dispatch and combine between GPUs, kernels only; inside a node over
-// NVLink, between nodes through the relay (relay.h).
+// The CUDA device (moe/device.h): dispatch and combine between GPUs, kernels only; inside a node
+// over NVLink, between nodes through the relay (relay.h). The shell (moe/all_to_all.cc) drives
+// it as it drives the host device.
 //
 // Files: moe/wire.h (the counts row and slot format, which the host device speaks too),
 // nvlink_layout.h (the buffer below), nvlink_protocol.cuh (what kernels and host share: the peer
 // table, device state, flags and waits), the kernels step by step -- nvlink_send.cuh (DispatchSend:
 // Route, Pack, SendSmall), nvlink_recv.cuh (DispatchRecv: Unpack), nvlink_combine.cuh
 // (CombineSend, CombineRecv) -- relay_boxes.h (the relay's memory as the kernels and the NIC
-// see it) and nvlink_all_to_all.cu (the host side: memory, peers, relay, launches).
+// see it); and the host side of this class by phase: cuda_device_setup.cu (memory, peers, relay,
+// device state), cuda_device_launch.cu (the kernels' plan and launches: the only file that
+// includes the kernels), cuda_device_sync.cu (streams, masks, errors, tracing).
 //
 // Memory. Every rank allocates one buffer with cuMemCreate (exportable as a POSIX descriptor),
 // sends the descriptor to the other ranks of its node (ExchangeFds) and maps theirs; so each rank
@@ -72,8 +75,7 @@
 //                 from our private region, from the sender's send area over NVLink, or from our
 //                 own send area; rows into the expert-major output at the sender's offset for
 //                 that expert plus the copy's position (token-major: row g for slot g);
-//                 remembers where each combine row returns; CudaTuning::spread: slots visited
-//                 spread over their senders, see SpreadOrder).
+//                 remembers where each combine row returns).
 //   CombineSend:  CombineSend (each received copy's expert output -- or, summed at the expert
 //                 rank, one row per token -- pushed into its sender's combine region; every
 //                 block arrives at every peer's combine flag).
@@ -93,12 +95,11 @@
 // atom.acq_rel.sys and the last one stores the one outbox flag the relay watches (st.release.sys).
 // Waits give up at a deadline (%globaltimer).
 //
-// Streaming (one node; CudaTuning::stream, the same on every rank -- it is part of the
-// config's fingerprint, so ranks that differ fail Create: 1 the dispatch, 2 the combine, 3
-// both, 0 neither; -1, the dispatch where SendSmall serves it, decode batches, and nothing
-// else).
+// Streaming (one node; AllToAllConfig::streaming, the same on every rank -- it is part of the
+// config's fingerprint, so ranks that differ fail Create).
 //
-// Streamed dispatch: the receiver does not wait for every send block before it takes a slot. Each slot
+// Streamed dispatch: the receiver does not wait for every send block before it takes a slot.
+// Each slot
 // carries a 64-bit tag after its entries, stored "epoch + 1" with st.release.sys by a lane of
 // the warp that wrote the slot once its lanes met at __syncwarp. Unpack, once the counts rows'
 // tags are up (as unstreamed), does not wait for the flags: per slot its group's first thread
@@ -121,7 +122,7 @@
 // stream serialization and the send kernels let them start at once (griddepcontrol); a receive
 // kernel waits for its flags, reads counts and locates its first slot while the send kernel
 // runs, and waits for the kernel before it (griddepcontrol.wait) only before its first store
-// into the caller's memory. CudaTuning::early_receive false launches them plainly.
+// into the caller's memory.
 //
 // Rank masks (AllToAll::SetMasked, mask_lost_peers; Nv::masks): a device word per rank. The
 // send kernels read an id of a masked rank's expert as -1; Unpack reads a masked sender's
@@ -142,18 +143,157 @@
 // Results are bit-identical to the host device (same rows, same order, same sums).
 #pragma once
 
-#include <memory>
+#include <cuda_runtime.h>
 
+#include <array>
+#include <chrono>
+#include <memory>
+#include <vector>
+
+#include "common/cuda_shared_memory.h"
 #include "ferry/bootstrap.h"
 #include "ferry/fabric.h"
 #include "ferry/moe.h"
+#include "moe/cuda/cuda_util.cuh"
+#include "moe/cuda/nvlink_protocol.cuh"
+#include "moe/cuda/relay_boxes.h"
+#include "moe/device.h"
+#include "moe/numerics.h"
+#include "moe/relay.h"
+#include "moe/wire.h"
 
 namespace ferry::moe {
 
-// config.device == kCuda, any ranks_per_node (1: every peer through the relay). `engine`
-// carries the traffic between nodes and may be null when there is one node. Collective.
-StatusOr<std::unique_ptr<AllToAll>> NewNvlinkAllToAll(const AllToAllConfig& config,
-                                                      TransferEngine* engine,
-                                                      Bootstrap& bootstrap);
+// Thread safety: the shell's thread (moe/device.h). Created by CreateCudaDevice: Init runs the
+// set-up stages (collective); the steps enqueue kernels on stream_ and, without a caller's
+// stream, wait for them.
+class CudaDevice final : public MoeDevice {
+ public:
+  explicit CudaDevice(const AllToAllConfig& c) : c_(c), pairs_(c) {}
+  // Waits for the device: kernels on the caller's stream (which may be gone by now) may still
+  // use our memory.
+  ~CudaDevice() override;
+
+  // Collective; the set-up stages (cuda_device_setup.cu), in order.
+  Status Init(TransferEngine* engine, Bootstrap& bootstrap);
+
+  DeviceCaps caps() const override { return {.streams = true, .device_token_count = true}; }
+
+  // cuda_device_launch.cu
+  Status DispatchSend(const DispatchInput& in, uint64_t epoch) override;
+  Status DispatchRecv(const DispatchOutput& out, uint64_t epoch, Deadline deadline) override;
+  Status CombineSend(const CombineInput& in, uint64_t epoch) override;
+  Status CombineRecv(const CombineOutput& out, uint64_t epoch, Deadline deadline) override;
+  Status Quantize(const DispatchInput& in, const void** x, const float** scales) override;
+
+  // cuda_device_sync.cu
+  Status ApplyMasks(const std::vector<uint8_t>& ranks) override;
+  bool masks_live() const override { return nv_.masks != nullptr; }
+  StatusOr<std::vector<uint8_t>> Masked() const override;
+  Status Sticky() override;
+  uint64_t dispatch_bytes_sent() const override;
+  uint64_t combine_bytes_sent() const override;
+  Status SetStream(void* stream) override;
+  Status Synchronize() override;
+  Status Poll(bool* done) override;
+  bool capturing(void* stream) const override;
+  Status Mark(uint64_t* mark) override;
+  Status Reached(uint64_t mark, bool wait, bool* reached) override;
+  Status OrderAfter(void* stream) override;
+  Status OrderBefore(void* stream) override;
+
+ private:
+  static constexpr auto kExchangeTimeout = std::chrono::seconds(60);
+
+  // ---- set-up stages (cuda_device_setup.cu; the kernel plan in cuda_device_launch.cu) ----
+  // The device and our own stream; its SM count into *sms.
+  Status OpenDevice(int* sms);
+  // The shared buffer's layout (see above) into nv_, with what decides it: which DispatchSend
+  // kernels serve (SendSmall or Route + Pack) and which steps are streamed. Its size in bytes.
+  StatusOr<int64_t> PlanBuffer();
+  // Every kernel's grid and shared memory, and the launch settings (CudaTuning).
+  Status PlanGrids(int sms);
+  // Our buffer (cuMemCreate, exported) and every other member's of our node, mapped here; by
+  // rank, null outside our node.
+  StatusOr<std::vector<uint8_t*>> MapNodeBuffers(Bootstrap& bootstrap, int64_t bytes);
+  // Other nodes: the relay's inbox and outbox (GPU or pinned host memory), its control block
+  // (pinned host memory), and the relay. The buffers as the kernels address them (nothing
+  // where every rank is in our node).
+  StatusOr<RelayBuffers> StartRelay(const RelayLayout& relay, TransferEngine* engine,
+                                    Bootstrap& bootstrap);
+  // Every rank as the kernels reach it: NodePeer in our node, RemotePeer (the relay) outside;
+  // with what each rank's send grid adds to its flags (exchanged).
+  StatusOr<std::vector<nv::NvPeer>> ExchangePeers(Bootstrap& bootstrap, const RelayLayout& relay,
+                                                  const RelayBuffers& mapped,
+                                                  const std::vector<uint8_t*>& bases);
+  // The kernels' device state (peers, scratch, routing copies, receive tables, the error words,
+  // CudaTuning::trace's stamps) and nv_'s pointers to it.
+  Status AllocateDeviceState(const std::vector<nv::NvPeer>& peers, uint8_t* own);
+  // Rank r of our node: its buffer `theirs` (mapped here) and ours, `own`.
+  nv::NvPeer NodePeer(uint8_t* own, uint8_t* theirs, int r) const;
+  // Rank r of another node: our outbox section for it, our inbox section from it, the relay's
+  // control words and the flags it raises for us (device pointers: `mapped` as the kernels
+  // address the relay's buffers, `flags_in` the inbox flags, [2N] dispatch then combine).
+  static nv::NvPeer RemotePeer(const RelayLayout& relay, const RelayBuffers& mapped,
+                               uint64_t* flags_in, int r);
+  // Slots a rank may receive in one step: the receive grids and tables are sized by it.
+  int64_t MaxReceived() const { return int64_t{c_.world_size} * pairs_.slots_per_pair; }
+
+  // ---- launches (cuda_device_launch.cu) ----
+  // A kernel on our stream allowed to start while the kernel before it runs (see
+  // LaunchDependents): the receive kernels, and Pack behind Route.
+  template <typename Args>
+  cudaError_t Launch(void (*kernel)(nv::Nv, Args), int grid, size_t smem, const Args& args);
+  // Blocks of the per-token kernels: one per token up to four per SM (then they loop).
+  int TokenGrid(int tokens) const { return std::max(1, std::min(tokens, recv_grid_limit_)); }
+  // The kernels move rows as 16-byte vectors.
+  static Status Aligned(const void* p, const char* what);
+  static uint64_t BudgetNs(Deadline deadline);
+  // The combine's element: fp32 (combines_fp32), else as the step was told.
+  Elem ElemOf(bool fp16) const { return moe::ElemOf(c_, fp16); }
+
+  // ---- errors and tracing (cuda_device_sync.cu) ----
+  // Waits for the stream; what a kernel reported becomes the Status (and is cleared, except a
+  // peer timeout, which stays).
+  Status Finish();
+  // Synchronous steps wait for their kernels; a caller's stream does not.
+  Status Done() { return async_ ? Status::Ok() : Finish(); }
+  // For the last epoch, per kernel: each point's slowest and mean block time (CudaTuning::trace).
+  void PrintTrace();
+
+  const AllToAllConfig c_;
+  const PairLimits pairs_;
+  nv::Nv nv_{};
+  SharedCudaMemory shared_;
+  RelayBoxes boxes_;  // other nodes: the relay's memory (relay_boxes.h)
+  std::unique_ptr<Relay> relay_;
+  DeviceArray<nv::NvPeer> peers_;
+  DeviceArray<nv::Scratch> scratch_;
+  DeviceArray<int32_t> indices_, slot_pos_, row_pos_, totals_, erank_, chunk_counts_;
+  DeviceArray<int32_t> masks_;  // Nv::masks
+  DeviceArray<int64_t> scan_carry_;
+  DeviceArray<float> weights_;
+  DeviceArray<uint8_t> fp8_x_;  // DispatchInput::x_bf16 quantised (allocated at its first use)
+  DeviceArray<float> fp8_scales_;
+  DeviceArray<nv::RecvSlot> rslots_;
+  DeviceArray<nv::RecvEntry> rentries_;
+  DeviceArray<long long> trace_;
+  int32_t* error_ = nullptr;  // pinned, mapped: [4] the error words, [N] Nv::mask_mirror
+  cudaStream_t own_stream_ = nullptr, stream_ = nullptr;
+  cudaEvent_t order_event_ = nullptr;  // OrderAfter / OrderBefore
+  std::array<cudaEvent_t, AllToAll::kMarks> marks_{};  // Mark's ring, made at their first use
+  uint64_t next_mark_ = 0;
+  bool async_ = false;   // steps on a caller's stream (SetStream)
+  int send_grid_ = 1;    // DispatchSend's (SendSmall or Pack), fixed
+  int recv_grid_ = 1;    // CombineSend's, and Unpack's unless streamed
+  int unpack_grid_ = 0;  // Unpack's
+  int recv_grid_limit_ = 1;
+  bool combine_copy_only_ = false;  // CombineSend's copy-only instance (token-major, small batches)
+  int token_bound_ = 0;             // the last DispatchSend's num_tokens
+  size_t small_smem_ = 0;           // SendSmallKernel's shared memory; 0: Route and Pack instead
+  size_t unpack_smem_ = 0;
+  Status failed_ = Status::Ok();
+  int64_t expert_rows_ = 0;  // the last DispatchRecv's expert block (for its overflow's error)
+};
 
 }  // namespace ferry::moe
