@@ -78,7 +78,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     FUZZ_REQUIRE(received.code() == StatusCode::kDataLoss ||
                      (expert_rows && received.code() == StatusCode::kResourceExhausted),
                  received.ToString().c_str());
-    FUZZ_REQUIRE(device->error().code() == received.code(), "the device's error");
+    FUZZ_REQUIRE(device->Sticky().code() == received.code(), "the device's error");
     return 0;
   }
   for (int e = 0; e < l; ++e) FUZZ_REQUIRE(num_tokens[e] >= 0, "a negative count");
