@@ -3,6 +3,7 @@
 // masks, every step's argument checks, when x_bf16 is quantised -- and asks the device what it
 // can do (streams, host-readable inputs, device token counts) instead of keeping a copy of the
 // logic per device.
+#include <algorithm>
 #include <chrono>
 #include <memory>
 #include <string>
@@ -109,19 +110,14 @@ class Shell final : public AllToAll {
   // (a CUDA graph replayed after it sees it); otherwise, and mid-epoch (the steps left keep the
   // ranks the epoch began with), before the next DispatchSend.
   Status SetMasked(int rank, bool masked) override {
-    bool now = false;
-    if (rank >= 0 && rank < c_.world_size) {
-      now = caller_masks_[rank] != 0;
-      if (!now) {
-        ASSIGN_OR_RETURN(const std::vector<uint8_t> device, device_->Masked());
-        now = device[rank] != 0;
-      }
-    }
+    const bool now = rank >= 0 && rank < c_.world_size &&
+                     (caller_masks_[rank] || device_->masked_so_far(rank));
     bool change = false;
     RETURN_IF_ERROR(moe::CheckSetMasked(c_, rank, masked, now, &change));
     if (!change) return Status::Ok();
     caller_masks_[rank] = 1;
     pending_masks_[rank] = 1;
+    any_pending_ = true;
     if (stage_ == Stage::kIdle && device_->masks_live()) return ApplyPendingMasks();
     return Status::Ok();
   }
@@ -142,12 +138,13 @@ class Shell final : public AllToAll {
     return moe::CheckStage(stage_, want, name);
   }
 
+  // The masks SetMasked took since they were last applied (a flag, so that DispatchSend does
+  // not scan world_size entries every epoch).
   Status ApplyPendingMasks() {
-    bool any = false;
-    for (uint8_t m : pending_masks_) any |= m != 0;
-    if (!any) return Status::Ok();
+    if (!any_pending_) return Status::Ok();
     RETURN_IF_ERROR(device_->ApplyMasks(pending_masks_));
     std::fill(pending_masks_.begin(), pending_masks_.end(), 0);
+    any_pending_ = false;
     return Status::Ok();
   }
 
@@ -180,6 +177,7 @@ class Shell final : public AllToAll {
   bool sent_fp16_ = false;  // the last CombineSend's CombineInput::fp16
   std::vector<uint8_t> caller_masks_ = std::vector<uint8_t>(size_t(c_.world_size));
   std::vector<uint8_t> pending_masks_ = std::vector<uint8_t>(size_t(c_.world_size));
+  bool any_pending_ = false;
   std::vector<int32_t> narrowed_;  // DispatchInput::indices64 as int32
 };
 

@@ -69,9 +69,12 @@ class MoeDevice {
   // applies each mask at once instead of at the next DispatchSend. Masked: [world_size], 1
   // where the device masked a rank (the caller's, applied, and those lost under
   // mask_lost_peers), after waiting for what it has enqueued.
+  // masked_so_far: whether the device has masked `rank` by what it knows now, without waiting
+  // (SetMasked may run while the CUDA stream is being captured, where a wait would end it).
   virtual Status ApplyMasks(const std::vector<uint8_t>& ranks) = 0;
   virtual bool masks_live() const = 0;
   virtual StatusOr<std::vector<uint8_t>> Masked() const = 0;
+  virtual bool masked_so_far(int rank) const = 0;
 
   // OK, or what ended this device (a malformed section, a lost peer, a stopped relay): every
   // later step reports it.

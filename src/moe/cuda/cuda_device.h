@@ -189,6 +189,10 @@ class CudaDevice final : public MoeDevice {
   // cuda_device_sync.cu
   Status ApplyMasks(const std::vector<uint8_t>& ranks) override;
   bool masks_live() const override { return nv_.masks != nullptr; }
+  // The kernels' lost-rank mirror in pinned host memory, read without waiting for the stream.
+  bool masked_so_far(int rank) const override {
+    return reinterpret_cast<const volatile int32_t*>(error_)[4 + rank] != 0;
+  }
   StatusOr<std::vector<uint8_t>> Masked() const override;
   Status Sticky() override;
   uint64_t dispatch_bytes_sent() const override;

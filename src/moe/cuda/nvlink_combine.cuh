@@ -8,7 +8,7 @@
 
 #include <cstdint>
 
-#include "moe/cuda/nvlink_protocol.cuh"
+#include "moe/cuda/nvlink_device.cuh"
 #include "moe/numerics.h"
 
 namespace ferry::moe::nv {

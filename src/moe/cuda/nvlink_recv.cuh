@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "moe/cuda/nvlink_protocol.cuh"
+#include "moe/cuda/nvlink_device.cuh"
 
 namespace ferry::moe::nv {
 

@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "moe/cuda/nvlink_protocol.cuh"
+#include "moe/cuda/nvlink_device.cuh"
 #include "moe/numerics.h"
 
 namespace ferry::moe::nv {

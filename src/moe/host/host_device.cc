@@ -429,6 +429,7 @@ class HostDevice final : public MoeDevice {
     return Status::Ok();
   }
   bool masks_live() const override { return true; }
+  bool masked_so_far(int rank) const override { return Masked(rank); }
   StatusOr<std::vector<uint8_t>> Masked() const override {
     std::vector<uint8_t> masks(size_t(c_.world_size));
     for (int r = 0; r < c_.world_size; ++r) masks[r] = Masked(r);
