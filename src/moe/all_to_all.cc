@@ -110,8 +110,8 @@ class Shell final : public AllToAll {
   // (a CUDA graph replayed after it sees it); otherwise, and mid-epoch (the steps left keep the
   // ranks the epoch began with), before the next DispatchSend.
   Status SetMasked(int rank, bool masked) override {
-    const bool now = rank >= 0 && rank < c_.world_size &&
-                     (caller_masks_[rank] || device_->masked_so_far(rank));
+    const bool now =
+        rank >= 0 && rank < c_.world_size && (caller_masks_[rank] || device_->masked_so_far(rank));
     bool change = false;
     RETURN_IF_ERROR(moe::CheckSetMasked(c_, rank, masked, now, &change));
     if (!change) return Status::Ok();
