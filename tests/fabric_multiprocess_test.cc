@@ -88,7 +88,7 @@ class MultiProcessTest : public ::testing::TestWithParam<std::string> {
 //   [512 KiB + from * 64 KiB, ...)  3 scatter slices from rank `from`
 TEST_P(MultiProcessTest, EveryRequestKindAmongThreeRanks) {
   const std::string provider = GetParam();
-  auto exits = RunLocalRanks(3, [&](Bootstrap& b) -> Status {
+  auto exits = testing_util::RunRanks(3, [&](Bootstrap& b) -> Status {
     const int me = b.rank(), n = b.world_size();
     constexpr uint64_t kKiB = 1024, kSeg = 64 * kKiB;
     ASSIGN_OR_RETURN(Mesh m, Connect(b, provider, 1024 * kKiB));
@@ -219,7 +219,7 @@ TEST_P(MultiProcessTest, EveryRequestKindAmongThreeRanks) {
 // slot holds its writer's bytes.
 TEST_P(MultiProcessTest, TenThousandTransfersManyInFlight) {
   const std::string provider = GetParam();
-  auto exits = RunLocalRanks(2, [&](Bootstrap& b) -> Status {
+  auto exits = testing_util::RunRanks(2, [&](Bootstrap& b) -> Status {
     constexpr uint64_t kTransfers = 10000, kSlot = 512;
     ASSIGN_OR_RETURN(Mesh m, Connect(b, provider, kTransfers * kSlot + 4096));
     TransferEngine& e = *m.engine;
@@ -261,7 +261,7 @@ TEST_P(MultiProcessTest, TenThousandTransfersManyInFlight) {
 // -- libfabric issue 7405 -- which crashed the same test 5 times in 50 under load.)
 TEST_P(MultiProcessTest, ShutdownWithTransfersInFlightCompletesEachExactlyOnce) {
   const std::string provider = GetParam();
-  auto exits = RunLocalRanks(2, [&](Bootstrap& b) -> Status {
+  auto exits = testing_util::RunRanks(2, [&](Bootstrap& b) -> Status {
     ASSIGN_OR_RETURN(Mesh m, Connect(b, provider, 64 << 10));
     RETURN_IF_ERROR(b.Barrier(30s));
     if (b.rank() == 0) {
@@ -294,7 +294,7 @@ TEST_P(MultiProcessTest, ShutdownWithTransfersInFlightCompletesEachExactlyOnce) 
 TEST_P(MultiProcessTest, PeerKilledMidStreamFailsTransfersWithinTheDeadline) {
   const std::string provider = GetParam();
   constexpr uint32_t kTimeoutMs = 1000;
-  auto exits = RunLocalRanks(2, [&](Bootstrap& b) -> Status {
+  auto exits = testing_util::RunRanks(2, [&](Bootstrap& b) -> Status {
     ASSIGN_OR_RETURN(Mesh m, Connect(b, provider, 1 << 20, kTimeoutMs));
     TransferEngine& e = *m.engine;
     constexpr uint32_t kImm = 0x99;

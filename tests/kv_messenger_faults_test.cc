@@ -185,7 +185,7 @@ class KvCancelTest : public ::testing::TestWithParam<std::tuple<Stop, std::strin
 
 TEST_P(KvCancelTest, EndsOnceAndNothingLandsAfterwards) {
   const auto [how, provider] = GetParam();
-  auto exits = RunLocalRanks(2, [&, how = how, provider = provider](Bootstrap& b) {
+  auto exits = testing_util::RunRanks(2, [&, how = how, provider = provider](Bootstrap& b) {
     return b.rank() == 0 ? CancelPrefill(how, provider, b) : CancelDecoder(how, provider, b);
   }, 120s);
   for (auto& e : exits) EXPECT_TRUE(e.ok()) << e.exit_code << " " << e.signal;
@@ -263,7 +263,7 @@ Status StormDecoder(const std::string& provider, Bootstrap& b) {
 // the first is gone takes its place.
 TEST(KvSharedEngineTest, OneEngineServesAPrefillAndADecoder) {
   const std::string provider = testing_util::Providers().front();
-  auto exits = RunLocalRanks(2, [&](Bootstrap& b) -> Status {
+  auto exits = testing_util::RunRanks(2, [&](Bootstrap& b) -> Status {
     const KvSide pre_side{kSmallModel, KvOrder::kHND, 4}, dec_side{kSmallModel, KvOrder::kHND, 2};
     ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions(provider)));
     Shards pre_shards, dec_shards;
@@ -335,7 +335,7 @@ TEST(KvPrefillOptionsTest, FromEnvReadsTheTraceSwitch) {
 
 TEST(KvCancelStormTest, SlotsComeBackWhenThePrefillAcknowledges) {
   const std::string provider = testing_util::Providers().front();
-  auto exits = RunLocalRanks(2, [&](Bootstrap& b) {
+  auto exits = testing_util::RunRanks(2, [&](Bootstrap& b) {
     return b.rank() == 0 ? StormPrefill(provider, b) : StormDecoder(provider, b);
   }, 120s);
   for (auto& e : exits) EXPECT_TRUE(e.ok()) << e.exit_code << " " << e.signal;
@@ -381,7 +381,7 @@ Status DuplicateDecoder(const std::string& provider, Bootstrap& b) {
 
 TEST(KvDuplicateTest, ARequestIdInFlightAtThePrefillCancelsTheNewcomer) {
   const std::string provider = testing_util::Providers().front();
-  auto exits = RunLocalRanks(3, [&](Bootstrap& b) {
+  auto exits = testing_util::RunRanks(3, [&](Bootstrap& b) {
     return b.rank() == 0 ? DuplicatePrefill(provider, b) : DuplicateDecoder(provider, b);
   }, 120s);
   for (auto& e : exits) EXPECT_TRUE(e.ok()) << e.exit_code << " " << e.signal;
@@ -475,7 +475,7 @@ Status HostileDecoder(const std::string& provider, Bootstrap& b) {
 
 TEST(KvHostilePeerTest, APrefillDropsWhatIsMalformedAndServesTheNextRequest) {
   const std::string provider = testing_util::Providers().front();
-  auto exits = RunLocalRanks(3, [&](Bootstrap& b) {
+  auto exits = testing_util::RunRanks(3, [&](Bootstrap& b) {
     switch (b.rank()) {
       case 0: return HostilePrefill(provider, b);
       case 1: return HostileSender(provider, b);
@@ -567,7 +567,7 @@ Status RotatingDecoder(const std::string& provider, Bootstrap& b) {
 
 TEST(KvPeerTableTest, ADecoderReusesTheEntriesOfIdlePrefills) {
   const std::string provider = testing_util::Providers().front();
-  auto exits = RunLocalRanks(4, [&](Bootstrap& b) {
+  auto exits = testing_util::RunRanks(4, [&](Bootstrap& b) {
     if (b.rank() == 3) return RotatingDecoder(provider, b);
     return ServingPrefill(provider, b, b.rank() == 0 ? 2 : 1);
   }, 120s);
@@ -594,7 +594,7 @@ Status TakingTurns(const std::string& provider, Bootstrap& b) {
 
 TEST(KvPeerTableTest, APrefillOfOnePeerEntryServesDecodersTakingTurns) {
   const std::string provider = testing_util::Providers().front();
-  auto exits = RunLocalRanks(3, [&](Bootstrap& b) {
+  auto exits = testing_util::RunRanks(3, [&](Bootstrap& b) {
     return b.rank() == 0 ? ServingPrefill(provider, b, 4, /*max_peers=*/1, /*turns=*/4)
                          : TakingTurns(provider, b);
   }, 120s);
@@ -603,7 +603,7 @@ TEST(KvPeerTableTest, APrefillOfOnePeerEntryServesDecodersTakingTurns) {
 
 TEST(KvCancelStormTest, APrefillServesMoreRequestsThanItsEngineHoldsPeers) {
   const std::string provider = testing_util::Providers().front();
-  auto exits = RunLocalRanks(2, [&](Bootstrap& b) {
+  auto exits = testing_util::RunRanks(2, [&](Bootstrap& b) {
     return b.rank() == 0 ? StormPrefill(provider, b, 2) : StormDecoder(provider, b);
   }, 120s);
   for (auto& e : exits) EXPECT_TRUE(e.ok()) << e.exit_code << " " << e.signal;

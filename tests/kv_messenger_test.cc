@@ -394,7 +394,7 @@ class KvMessengerTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(KvMessengerTest, OnePrefillFeedsDecodersPageForPage) {
   const Case c = GetParam();
-  auto exits = RunLocalRanks(1 + c.decoders, [&](Bootstrap& b) -> Status {
+  auto exits = testing_util::RunRanks(1 + c.decoders, [&](Bootstrap& b) -> Status {
     if (b.rank() == 0) return RunPrefill(c, b);
     Status s = RunDecoder(c, b);
     // With a dead prefill the final barrier cannot complete; the decoders' checks are the test.

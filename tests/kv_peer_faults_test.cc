@@ -183,7 +183,7 @@ class KvPeerFaultTest : public ::testing::TestWithParam<std::string> {};
 // over tcp, never posted; it did not recur in 25 runs, idle and loaded, and this bound would
 // catch it).
 void DecoderKilledMidStream(const std::string& provider) {
-  auto exits = RunLocalRanks(3, [&](Bootstrap& b) -> Status {
+  auto exits = testing_util::RunRanks(3, [&](Bootstrap& b) -> Status {
     ASSIGN_OR_RETURN(auto pids, Pids(b));
     if (b.rank() == 0) {
       Prefill p;
@@ -250,7 +250,7 @@ TEST(KvPeerFaultTcpTest, ADecoderKilledMidStreamEndsItsRequestAndTheNextDecoderI
 // writes ended its connection), one sent a moment after it.
 TEST_P(KvPeerFaultTest, APrefillHungMidStreamEndsTheRequestAtItsDeadlineAndServesAfterwards) {
   const std::string provider = GetParam();
-  auto exits = RunLocalRanks(2, [&](Bootstrap& b) -> Status {
+  auto exits = testing_util::RunRanks(2, [&](Bootstrap& b) -> Status {
     ASSIGN_OR_RETURN(auto pids, Pids(b));
     if (b.rank() == 0) {
       Prefill p;
@@ -326,7 +326,7 @@ TEST(KvPeerFaultTcpTest, APrefillRestartedOnItsPortIsServedThere) {
   int ready[2], done[2];  // rank 2 -> rank 1: started again; rank 1 -> rank 2: finished
   ASSERT_EQ(pipe(ready), 0);
   ASSERT_EQ(pipe(done), 0);
-  auto exits = RunLocalRanks(3, [&](Bootstrap& b) -> Status {
+  auto exits = testing_util::RunRanks(3, [&](Bootstrap& b) -> Status {
     if (b.rank() == 0) {  // the first prefill: request 7, then killed
       Prefill p;
       RETURN_IF_ERROR(p.Open(provider, 2000, port));

@@ -295,7 +295,8 @@ class MoeHostTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(MoeHostTest, DispatchExactAndCombineWithinTolerance) {
   const Case c = GetParam();
-  auto exits = RunLocalRanks(c.world_size, [&](Bootstrap& b) { return RunRank(c, b); }, 240s);
+  auto exits =
+      testing_util::RunRanks(c.world_size, [&](Bootstrap& b) { return RunRank(c, b); }, 240s);
   for (size_t r = 0; r < exits.size(); ++r) {
     EXPECT_TRUE(exits[r].ok()) << "rank " << r << ": exit " << exits[r].exit_code << " signal "
                                << exits[r].signal << (exits[r].timed_out ? " (timed out)" : "");
@@ -483,7 +484,7 @@ TEST(MoeHostInstancesTest, TwoAllToAllsShareAnEngineTheirStepsInterleaved) {
                     .experts = 48, .k = 2, .dtype = fp8, .routing = Routing::kRandom,
                     .private_tokens = 2, .once_per_rank = true, .reduce_at_expert_rank = true,
                     .layouts = Layouts::kMixed};
-  auto exits = RunLocalRanks(3, [&](Bootstrap& b) -> Status {
+  auto exits = testing_util::RunRanks(3, [&](Bootstrap& b) -> Status {
     ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
     RankRun one(first, b), two(second, b);
     RETURN_IF_ERROR(one.Create(engine.get(), 0));
@@ -523,7 +524,7 @@ TEST(MoeHostInstancesTest, TwoAllToAllsShareAnEngineTheirStepsInterleaved) {
 
 // Bad inputs: clear errors, and the protocol still works afterwards.
 TEST(MoeHostBadInputTest, RefusesBadRoutesTooManyTokensAndMismatchedConfigs) {
-  auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
+  auto exits = testing_util::RunRanks(2, [](Bootstrap& b) -> Status {
     AllToAllConfig cfg{.world_size = 2, .rank = b.rank(), .num_experts = 8, .experts_per_token = 2,
                        .max_tokens_per_rank = 4, .hidden = 128, .dtype = DispatchDtype::kBf16,
                        .max_private_tokens = 2};
@@ -590,7 +591,7 @@ TEST(MoeHostBadInputTest, RefusesBadRoutesTooManyTokensAndMismatchedConfigs) {
 
   // Setup refusals before any collective step: a null engine where one is needed (the host
   // device; the CUDA device with more than one node).
-  exits = RunLocalRanks(1, [](Bootstrap& b) -> Status {
+  exits = testing_util::RunRanks(1, [](Bootstrap& b) -> Status {
     AllToAllConfig cfg{.world_size = 1, .rank = 0, .num_experts = 8, .experts_per_token = 2,
                        .max_tokens_per_rank = 4, .hidden = 128, .dtype = DispatchDtype::kBf16,
                        .max_private_tokens = 2};
@@ -600,7 +601,7 @@ TEST(MoeHostBadInputTest, RefusesBadRoutesTooManyTokensAndMismatchedConfigs) {
     return Status::Ok();
   }, 60s);
   for (auto& e : exits) EXPECT_TRUE(e.ok()) << e.exit_code;
-  exits = RunLocalRanks(4, [](Bootstrap& b) -> Status {
+  exits = testing_util::RunRanks(4, [](Bootstrap& b) -> Status {
     AllToAllConfig cfg{.world_size = 4, .rank = b.rank(), .ranks_per_node = 2, .num_experts = 8,
                        .experts_per_token = 2, .max_tokens_per_rank = 4, .hidden = 128,
                        .dtype = DispatchDtype::kBf16, .max_private_tokens = 2};
@@ -614,7 +615,7 @@ TEST(MoeHostBadInputTest, RefusesBadRoutesTooManyTokensAndMismatchedConfigs) {
   for (auto& e : exits) EXPECT_TRUE(e.ok()) << e.exit_code;
 
   // Ranks that disagree on the configuration fail at setup, naming the problem.
-  exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
+  exits = testing_util::RunRanks(2, [](Bootstrap& b) -> Status {
     AllToAllConfig cfg{.world_size = 2, .rank = b.rank(), .num_experts = 8, .experts_per_token = 2,
                        .max_tokens_per_rank = 4, .hidden = b.rank() == 0 ? 128 : 256,
                        .dtype = DispatchDtype::kBf16, .max_private_tokens = 2};
@@ -632,7 +633,7 @@ TEST(MoeHostBadInputTest, RefusesBadRoutesTooManyTokensAndMismatchedConfigs) {
 // A rank that dies mid-protocol: the survivor's receive half ends at its deadline naming the
 // rank and the section it waited for, and tearing the AllToAll down does not hang on the relay.
 TEST(MoeHostFailureTest, ADeadPeerEndsTheReceiveHalfAtItsDeadline) {
-  auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
+  auto exits = testing_util::RunRanks(2, [](Bootstrap& b) -> Status {
     AllToAllConfig cfg{.world_size = 2, .rank = b.rank(), .num_experts = 8, .experts_per_token = 2,
                        .max_tokens_per_rank = 4, .hidden = 128, .dtype = DispatchDtype::kBf16,
                        .max_private_tokens = 2};
@@ -677,7 +678,7 @@ class MoeHostKillTest : public ::testing::TestWithParam<int> {};
 
 TEST_P(MoeHostKillTest, ThePeersNextStepFailsWithinItsDeadline) {
   const int killed_after = GetParam();
-  auto exits = RunLocalRanks(2, [&](Bootstrap& b) -> Status {
+  auto exits = testing_util::RunRanks(2, [&](Bootstrap& b) -> Status {
     AllToAllConfig cfg{.world_size = 2, .rank = b.rank(), .num_experts = 8, .experts_per_token = 2,
                        .max_tokens_per_rank = 4, .hidden = 128, .dtype = DispatchDtype::kBf16,
                        .max_private_tokens = 2};
@@ -730,7 +731,7 @@ INSTANTIATE_TEST_SUITE_P(Steps, MoeHostKillTest, ::testing::Values(0, 1, 2, 3),
 // stays usable -- after SIGCONT the hung rank sends, the same receive half called again gets
 // its section, and both ranks finish the epoch and one more with exact outputs.
 TEST(MoeHostFailureTest, AHungPeerFailsTheWaitAtItsDeadlineAndTheEpochFinishesAfterIt) {
-  auto exits = RunLocalRanks(2, [](Bootstrap& b) -> Status {
+  auto exits = testing_util::RunRanks(2, [](Bootstrap& b) -> Status {
     const int32_t pid = getpid();
     ASSIGN_OR_RETURN(auto pids, b.AllGather({reinterpret_cast<const uint8_t*>(&pid), 4}, 30s));
     int32_t peer_pid = 0;

@@ -31,6 +31,9 @@ class FERRY_API Bootstrap {
   virtual StatusOr<std::vector<std::vector<uint8_t>>> AllGather(
       std::span<const uint8_t> mine, std::chrono::milliseconds timeout) = 0;
   Status Barrier(std::chrono::milliseconds timeout);
+  // The address this rank's engines should bind (EngineOptions::node) when its launcher ran it
+  // as a host of its own (RunLocalRanks under FERRY_LOCAL_RANK_NODES); empty otherwise.
+  virtual std::string node() const { return {}; }
 };
 
 // Ranks started independently -- by mpirun, torchrun, Slurm or by hand, on one machine or many --
@@ -70,8 +73,8 @@ struct FERRY_API RankExit {
 // Call it from a process with no other threads running (fork copies only the caller's thread).
 // Ranks as hosts of their own: with FERRY_LOCAL_RANK_NETNS set (network namespace names,
 // comma-separated, as `ip netns` keeps them under /var/run/netns), rank r enters the (r mod n)-th
-// before `body` runs, and with FERRY_LOCAL_RANK_NODES (addresses, comma-separated) its FERRY_NODE
-// becomes the (r mod n)-th; the ranks still meet through the launcher's sockets.
+// before `body` runs, and with FERRY_LOCAL_RANK_NODES (addresses, comma-separated) its
+// Bootstrap::node() is the (r mod n)-th; the ranks still meet through the launcher's sockets.
 // tests/netns_test.sh runs the multi-process suites so. A rank that cannot enter its namespace
 // fails, saying why (entering one needs CAP_SYS_ADMIN).
 FERRY_API std::vector<RankExit> RunLocalRanks(int world_size,

@@ -59,10 +59,34 @@ enum class MemoryKind : uint8_t { kHost = 0, kCuda = 1 };
 // The most NICs one engine drives (a domain group).
 inline constexpr uint32_t kMaxNics = 4;
 
+// The ConnectX (libibverbs) backend's settings; the other backends ignore them. Each field's
+// environment variable (read by EngineOptions::FromEnv) follows it. The domain checks them when
+// it opens (InvalidArgument naming the field).
+struct FERRY_API VerbsOptions {
+  uint8_t port = 1;            // FERRY_IB_PORT
+  int gid_index = 0;           // FERRY_IB_GID_INDEX (RoCE v2 often needs 3)
+  uint32_t qkey = 0x1ffe7e11;  // FERRY_IB_QKEY: the UD queue pairs of the handshake
+  uint32_t psn = 0;            // FERRY_IB_PSN: starting PSN (24 bits); 0 draws one per QP
+  uint32_t mtu_bytes = 4096;   // FERRY_IB_MTU: 256..4096; the port's active MTU may lower it
+  uint8_t timeout = 14;        // FERRY_IB_TIMEOUT: 4.096 us * 2^timeout per retry (0..31)
+  uint8_t retry_count = 7;     // FERRY_IB_RETRY (0..7)
+  uint8_t rnr_retry = 7;       // FERRY_IB_RNR_RETRY (0..7; 7 retries forever)
+  uint8_t service_level = 0;   // FERRY_IB_SL (0..15)
+  uint8_t traffic_class = 0;   // FERRY_IB_TC
+  bool relaxed_ordering = true;  // FERRY_IB_RELAXED_ORDERING=0 turns it off
+  // FERRY_IB_MAX_UNCLAIMED: connections made for peers that reached this engine before it added
+  // them (it claims them when it does); past this many the oldest unclaimed one is closed.
+  uint32_t max_unclaimed_peers = 1024;
+  // FERRY_IB_RELEASE_MS: how long a removed peer's queue pairs stay in the error state, nothing
+  // outstanding on them, before they are destroyed, so that the receives they had taken from a
+  // shared queue complete (flushed) and are posted again first.
+  uint32_t release_delay_ms = 1000;
+};
+
 struct FERRY_API EngineOptions {
   // Backend: a libfabric provider ("efa", "shm", "tcp;ofi_rxm") or "verbs" (libibverbs, for
   // ConnectX NICs); empty picks the first that opens of efa, verbs, shm.
-  // Environment: FERRY_PROVIDER. Verbs settings: FERRY_IB_* (see src/fabric/verbs/verbs_logic.h).
+  // Environment: FERRY_PROVIDER. The verbs backend's own settings: `verbs` below.
   std::string provider;
   // Address to bind (tcp: "127.0.0.1" on loopback). Empty lets the provider choose.
   // Environment: FERRY_NODE.
@@ -126,8 +150,10 @@ struct FERRY_API EngineOptions {
   // their completions first (a round trip more per transfer). Environment:
   // FERRY_TRUST_WRITE_ORDER=0.
   bool trust_write_order = true;
+  VerbsOptions verbs;
 
-  // Defaults overridden by the FERRY_* environment variables named above; a value that is not
+  // Defaults overridden by the FERRY_* environment variables named above (and FERRY_IB_* in
+  // VerbsOptions); the only place ferry reads them. A value that is not
   // what its field takes (a number that does not parse or is out of range, a flag not 0 or 1)
   // is InvalidArgument naming the variable, never a silent default.
   static StatusOr<EngineOptions> FromEnv();

@@ -4,9 +4,10 @@
 //
 // Where GDRCopy is there (/dev/gdrdrv and libgdrapi, loaded at run time) the words live in the
 // GPU's own memory and the host writes them through GDRCopy's mapping of it: a kernel's poll
-// stays in its GPU, and each host store crosses PCIe once. Elsewhere -- or with gdrcopy = false,
-// or FERRY_GDRCOPY=0 -- they live in pinned host memory mapped into the GPU: the host's store is
-// a local one and each of a kernel's polls a read across PCIe (about a microsecond). Poll a word
+// stays in its GPU, and each host store crosses PCIe once. Elsewhere -- or with gdrcopy = false
+// (the MoE relay's CudaTuning::gdrcopy, FERRY_GDRCOPY=0) -- they live in pinned host memory
+// mapped into the GPU: the host's store is a local one and each of a kernel's polls a read
+// across PCIe (about a microsecond). Poll a word
 // from one thread and let it tell the others (shared memory, a barrier): more pollers of one
 // mapped word make its arrival slower to see, not faster (`ferry-bench mirror`; one H200 host,
 // shm: the round trip 4.1 us polled by one warp, 7.3 by four, 18.8 by sixteen).

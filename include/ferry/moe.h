@@ -103,15 +103,18 @@ enum class Streaming : uint8_t {
   kBoth = 4,
 };
 
-// What the CUDA device reports on itself, for whoever tunes it. None of it changes a result or
-// the bytes that cross; FromEnv reads the variables named below (what the benchmarks and
-// tools/gpu_check.sh set), once, where a caller asks for it.
+// Where the CUDA device keeps its flags and what it reports on itself. None of it changes a
+// result or the bytes that cross; FromEnv reads the variables named below (what the benchmarks
+// and tools/gpu_check.sh set), once, where a caller asks for it.
 struct FERRY_API CudaTuning {
   // Every kernel block stamps its phases; the stamps are printed when the AllToAll closes.
   // FERRY_NV_TRACE.
   bool trace = false;
   // The relay's per-step timings, printed when it stops. FERRY_RELAY_TRACE.
   bool relay_trace = false;
+  // The relay's inbox flags in the GPU's memory, written through GDRCopy where it opens (see
+  // GpuWords); false keeps them in pinned host memory. FERRY_GDRCOPY.
+  bool gdrcopy = true;
 
   // The defaults, with each variable that is set taking its field's place (InvalidArgument
   // naming a variable whose value the field cannot take).

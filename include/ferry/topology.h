@@ -8,7 +8,7 @@
 // while a nearer one exists. The worker core is a core of the GPU's NUMA node, a different one
 // per GPU.
 //
-//   ferry::Topology topo = ferry::Topology::Discover().value();
+//   ferry::Topology topo = ferry::Topology::Discover(ferry::TopologyOptions::FromEnv()).value();
 //   const ferry::GpuPlacement& p = topo.gpus()[local_rank];
 //   EngineOptions o = EngineOptions::FromEnv().value();
 //   topo.Apply(local_rank, "efa", o);  // fills o.nics and o.worker_cpu unless already set
@@ -55,6 +55,10 @@ struct FERRY_API TopologyOptions {
   std::vector<std::string> exclude_nics;
   // How many NICs each GPU takes at most (the domain group's size).
   uint32_t max_nics_per_gpu = kMaxNics;
+
+  // The defaults with FERRY_TOPO_EXCLUDE (comma-separated) added to exclude_nics; the only place
+  // the topology reads the environment.
+  static TopologyOptions FromEnv();
 };
 
 class FERRY_API Topology {

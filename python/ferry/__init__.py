@@ -3,9 +3,10 @@
 The parts of the C++ library (include/ferry): the TransferEngine (one-sided writes and two-sided
 messages over libfabric or verbs), AllToAll (MoE dispatch and combine), the KV messenger
 (KvPrefill, KvDecoder and the reshard planner) and the bootstrap that ranks use to find each
-other. Errors are ferry.Error subclasses, one per status code. ferry.deep_ep, ferry.pplx and
-ferry.pplx_kernels (imported on their own; they need torch) are DeepEP's, pplx-garden's and
-pplx-kernels' Python APIs over AllToAll.
+other. Errors are ferry.Error subclasses, one per status code. ferry.compat holds DeepEP's,
+pplx-garden's and pplx-kernels' Python APIs over AllToAll (ferry.compat.deep_ep, .pplx,
+.pplx_kernels, imported on their own: they need torch; ferry.deep_ep, ferry.pplx and
+ferry.pplx_kernels are the same modules).
 """
 
 from ._arrays import as_array
@@ -18,7 +19,8 @@ from ._ferry import (CUDA_UNKNOWN_DEVICE, HOST_MEMORY, AllToAll, AllToAllConfig,
                      EngineOptions, FabricInfo, Fp8Scaling, GpuLayerCounter, GpuWords,
                      KvCudaShards, KvDecoder, KvModel, KvOrder, KvPlan, KvPrefill, KvSide,
                      KvWrite, LayerCounter, MoeDevice, RankExit, RdmaBuffers, Region,
-                     RemoteRegion, Streaming, Transfer, TransferEngine, join_rendezvous,
+                     RemoteRegion, Streaming, Transfer, TransferEngine, VerbsOptions,
+                     join_rendezvous,
                      plan_kv_transfer, run_local_ranks)
 from ._torch import torch_bootstrap
 
@@ -32,6 +34,7 @@ __all__ = [
     "LayerCounter", "MoeDevice", "NotFound", "OutOfRange", "RankExit", "RdmaBuffers", "Region",
     "RemoteRegion", "ResourceExhausted", "Streaming", "Transfer", "TransferEngine",
     "Unavailable",
-    "Unimplemented", "as_array", "join_rendezvous", "plan_kv_transfer", "run_local_ranks",
+    "Unimplemented", "VerbsOptions", "as_array", "join_rendezvous", "plan_kv_transfer",
+    "run_local_ranks",
     "torch_bootstrap", "transfer_future",
 ]

@@ -336,6 +336,24 @@ void ReleaseEngine(const py::handle& engine) {
 }
 
 void BindFabric(py::module_& m) {
+  py::class_<VerbsOptions>(m, "VerbsOptions",
+                           "The verbs backend's settings (VerbsOptions in include/ferry/fabric.h)")
+      .def(py::init([](const py::kwargs& f) { return WithFields(VerbsOptions{}, f); }),
+           "The defaults, with any field given as a keyword argument")
+      .def_readwrite("port", &VerbsOptions::port)
+      .def_readwrite("gid_index", &VerbsOptions::gid_index)
+      .def_readwrite("qkey", &VerbsOptions::qkey)
+      .def_readwrite("psn", &VerbsOptions::psn)
+      .def_readwrite("mtu_bytes", &VerbsOptions::mtu_bytes)
+      .def_readwrite("timeout", &VerbsOptions::timeout)
+      .def_readwrite("retry_count", &VerbsOptions::retry_count)
+      .def_readwrite("rnr_retry", &VerbsOptions::rnr_retry)
+      .def_readwrite("service_level", &VerbsOptions::service_level)
+      .def_readwrite("traffic_class", &VerbsOptions::traffic_class)
+      .def_readwrite("relaxed_ordering", &VerbsOptions::relaxed_ordering)
+      .def_readwrite("max_unclaimed_peers", &VerbsOptions::max_unclaimed_peers)
+      .def_readwrite("release_delay_ms", &VerbsOptions::release_delay_ms);
+
   py::class_<EngineOptions>(m, "EngineOptions",
                             "TransferEngine settings (EngineOptions in include/ferry/fabric.h)")
       .def(py::init([](const py::kwargs& f) { return WithFields(EngineOptions{}, f); }),
@@ -369,7 +387,8 @@ void BindFabric(py::module_& m) {
       .def_readwrite("spin_us", &EngineOptions::spin_us)
       .def_readwrite("idle_yield_us", &EngineOptions::idle_yield_us)
       .def_readwrite("idle_sleep_us", &EngineOptions::idle_sleep_us)
-      .def_readwrite("trust_write_order", &EngineOptions::trust_write_order);
+      .def_readwrite("trust_write_order", &EngineOptions::trust_write_order)
+      .def_readwrite("verbs", &EngineOptions::verbs);
 
   py::class_<FabricInfo>(m, "FabricInfo", "Provider facts the engine adapted to")
       .def_readonly("provider", &FabricInfo::provider)

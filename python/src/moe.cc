@@ -33,13 +33,15 @@ void BindMoe(py::module_& m) {
       .value("BOTH", Streaming::kBoth);
 
   py::class_<CudaTuning>(m, "CudaTuning",
-                         "What the CUDA device reports on itself (CudaTuning in "
-                         "include/ferry/moe.h); changes no result")
+                         "Where the CUDA device keeps its flags and what it reports on itself "
+                         "(CudaTuning in include/ferry/moe.h); changes no result")
       .def(py::init([](const py::kwargs& f) { return WithFields(CudaTuning{}, f); }))
       .def_readwrite("trace", &CudaTuning::trace)
       .def_readwrite("relay_trace", &CudaTuning::relay_trace)
+      .def_readwrite("gdrcopy", &CudaTuning::gdrcopy)
       .def_static("from_env", [] { return ValueOrThrow(CudaTuning::FromEnv()); },
-                  "The defaults with FERRY_NV_TRACE and FERRY_RELAY_TRACE applied where set");
+                  "The defaults with FERRY_NV_TRACE, FERRY_RELAY_TRACE and FERRY_GDRCOPY applied "
+                  "where set");
 
   py::class_<AllToAllConfig>(m, "AllToAllConfig",
                              "What an AllToAll moves (AllToAllConfig in include/ferry/moe.h)")

@@ -449,6 +449,11 @@ class TransferEngineTest(unittest.TestCase):
             ferry.EngineOptions(port=70000)
         with self.assertRaises(ferry.InvalidArgument):  # shm names its endpoints: no ports
             ferry.TransferEngine(ferry.EngineOptions(provider="shm", port=40123))
+        # The verbs backend's settings are fields too, as FERRY_IB_* sets them.
+        verbs = ferry.VerbsOptions(gid_index=3, qkey=0x11)
+        options = ferry.EngineOptions(verbs=verbs)
+        self.assertEqual((options.verbs.gid_index, options.verbs.qkey), (3, 0x11))
+        self.assertEqual(ferry.EngineOptions().verbs.port, 1)
 
     def test_closed_engine_and_bad_timeout(self):
         engine = shm_engine()

@@ -18,8 +18,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace ferry {
@@ -96,8 +98,27 @@ std::string NthOf(const char* name, int rank) {
   return items[static_cast<size_t>(rank) % items.size()];
 }
 
-// FERRY_LOCAL_RANK_NETNS / FERRY_LOCAL_RANK_NODES (see RunLocalRanks), in a forked rank.
-Status EnterRankHost(int rank) {
+// A rank's bootstrap with the address it was given (Bootstrap::node()).
+class HostedBootstrap final : public Bootstrap {
+ public:
+  HostedBootstrap(std::unique_ptr<Bootstrap> inner, std::string node)
+      : inner_(std::move(inner)), node_(std::move(node)) {}
+  int rank() const override { return inner_->rank(); }
+  int world_size() const override { return inner_->world_size(); }
+  StatusOr<std::vector<std::vector<uint8_t>>> AllGather(std::span<const uint8_t> mine,
+                                                        Millis timeout) override {
+    return inner_->AllGather(mine, timeout);
+  }
+  std::string node() const override { return node_; }
+
+ private:
+  std::unique_ptr<Bootstrap> inner_;
+  std::string node_;
+};
+
+// FERRY_LOCAL_RANK_NETNS / FERRY_LOCAL_RANK_NODES (see RunLocalRanks), in a forked rank: enters
+// the rank's namespace and returns its address (empty: none given).
+StatusOr<std::string> EnterRankHost(int rank) {
   const std::string ns = NthOf("FERRY_LOCAL_RANK_NETNS", rank);
   if (!ns.empty()) {
     const std::string path = "/var/run/netns/" + ns;
@@ -114,9 +135,7 @@ Status EnterRankHost(int rank) {
                               " cannot enter " + ns + ": " + std::strerror(err));
     }
   }
-  const std::string node = NthOf("FERRY_LOCAL_RANK_NODES", rank);
-  if (!node.empty()) setenv("FERRY_NODE", node.c_str(), 1);
-  return Status::Ok();
+  return NthOf("FERRY_LOCAL_RANK_NODES", rank);
 }
 
 }  // namespace
@@ -143,10 +162,11 @@ std::vector<RankExit> RunLocalRanks(int world_size, const std::function<Status(B
     if (pid == 0) {
       for (int fd : parent_fds) close(fd);
       close(sv[0]);
-      Status s = EnterRankHost(r);
+      StatusOr<std::string> node = EnterRankHost(r);
+      Status s = node.status();
       if (s.ok()) {
-        std::unique_ptr<Bootstrap> bootstrap = NewRelayedBootstrap(r, world_size, sv[1]);
-        s = body(*bootstrap);
+        HostedBootstrap bootstrap(NewRelayedBootstrap(r, world_size, sv[1]), *std::move(node));
+        s = body(bootstrap);
       }
       if (!s.ok()) std::fprintf(stderr, "[rank %d] %s\n", r, s.ToString().c_str());
       std::fflush(nullptr);

@@ -22,18 +22,9 @@
 #include <string>
 #include <vector>
 
-#include "common/env.h"
 #include "ferry/status.h"
 
 namespace ferry {
-
-// FERRY_GDRCOPY: 0 keeps every GPU-visible flag of ferry in pinned host memory; 1 or unset lets
-// them go to GPU memory where GDRCopy is there. InvalidArgument for anything else.
-inline StatusOr<bool> GdrCopyAllowed() {
-  int64_t allowed = 1;
-  RETURN_IF_ERROR(EnvInt("FERRY_GDRCOPY", 0, 1, &allowed));
-  return allowed != 0;
-}
 
 class GdrFlags {
  public:

@@ -105,7 +105,6 @@ StatusOr<std::unique_ptr<GpuWords>> GpuWords::Create(int cuda_device, size_t cou
   if (cuda_device < 0) {
     return InvalidArgumentError("GpuWords: CUDA device " + std::to_string(cuda_device));
   }
-  ASSIGN_OR_RETURN(const bool allowed, GdrCopyAllowed());
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     (void)cudaGetLastError();
@@ -120,9 +119,7 @@ StatusOr<std::unique_ptr<GpuWords>> GpuWords::Create(int cuda_device, size_t cou
   cudaError_t e = cudaGetDevice(&current);
   if (e != cudaSuccess) return CudaError("cudaGetDevice", e);
   auto words = std::make_unique<CudaGpuWords>(cuda_device, count);
-  Status placed = words->Place(!gdrcopy   ? "GDRCopy not asked for"
-                               : !allowed ? "GDRCopy turned off (FERRY_GDRCOPY=0)"
-                                          : "");
+  Status placed = words->Place(gdrcopy ? "" : "GDRCopy not asked for");
   cudaSetDevice(current);
   RETURN_IF_ERROR(placed);
   return std::unique_ptr<GpuWords>(std::move(words));

@@ -1,4 +1,4 @@
-// Domain: the internal interface every NIC backend implements (libfabric today, verbs next).
+// Domain: the internal interface every NIC backend implements (libfabric and libibverbs).
 //
 // A Domain is one NIC: its endpoint, completion queue, address vector and memory registrations.
 // It knows nothing of transfers, pages or immediates' meaning; the engine's worker is its only

@@ -17,8 +17,8 @@ namespace {
 
 StatusOr<std::unique_ptr<Domain>> OpenVerbs(const EngineOptions& options, const std::string& nic) {
 #ifdef FERRY_HAVE_VERBS
-  ASSIGN_OR_RETURN(verbs::VerbsConfig config, verbs::VerbsConfig::FromEnv());
-  return verbs::OpenVerbsDomain(options, nic, verbs::NewRealVerbsApi(), config);
+  return verbs::OpenVerbsDomain(options, nic, verbs::NewRealVerbsApi(),
+                                verbs::VerbsConfig(options.verbs));
 #else
   (void)options;
   (void)nic;

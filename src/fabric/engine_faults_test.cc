@@ -265,6 +265,37 @@ TEST(EngineOptionsTest, FromEnvTakesTheVariablesAndRefusesGarbage) {
   for (const char* v : kVars) unsetenv(v);
 }
 
+// The verbs backend's settings come through EngineOptions::verbs: FromEnv reads FERRY_IB_* in
+// decimal and 0x hex, refuses what a field cannot hold (naming the variable), and leaves the
+// defaults where they are unset.
+TEST(EngineOptionsTest, FromEnvReadsTheVerbsSettings) {
+  const char* const kVars[] = {"FERRY_IB_QKEY", "FERRY_IB_PORT", "FERRY_IB_RELAXED_ORDERING",
+                               "FERRY_IB_TIMEOUT", "FERRY_IB_MAX_UNCLAIMED",
+                               "FERRY_IB_RELEASE_MS"};
+  for (const char* v : kVars) unsetenv(v);
+  auto plain = EngineOptions::FromEnv();
+  ASSERT_TRUE(plain.ok()) << plain.status().ToString();
+  EXPECT_EQ(plain->verbs.qkey, VerbsOptions{}.qkey);
+  setenv("FERRY_IB_QKEY", "0x11", 1);
+  setenv("FERRY_IB_PORT", "2", 1);
+  setenv("FERRY_IB_RELAXED_ORDERING", "0", 1);
+  setenv("FERRY_IB_MAX_UNCLAIMED", "64", 1);
+  setenv("FERRY_IB_RELEASE_MS", "250", 1);
+  auto set = EngineOptions::FromEnv();
+  ASSERT_TRUE(set.ok()) << set.status().ToString();
+  EXPECT_EQ(set->verbs.qkey, 0x11u);
+  EXPECT_EQ(set->verbs.port, 2);
+  EXPECT_FALSE(set->verbs.relaxed_ordering);
+  EXPECT_EQ(set->verbs.max_unclaimed_peers, 64u);
+  EXPECT_EQ(set->verbs.release_delay_ms, 250u);
+  testing_util::ExpectEnvRefused(EngineOptions::FromEnv, {{"FERRY_IB_PORT", "300"},
+                                                         {"FERRY_IB_PORT", "one"},
+                                                         {"FERRY_IB_RELAXED_ORDERING", "yes"},
+                                                         {"FERRY_IB_TIMEOUT", "14us"},
+                                                         {"FERRY_IB_RELEASE_MS", "-1"}});
+  for (const char* v : kVars) unsetenv(v);
+}
+
 // EngineOptions::port: a tcp engine listens there (its endpoint name, a sockaddr, carries it),
 // a second engine on the same port is refused while the first lives and takes it once the first
 // is gone; NICs take port + k; a provider without ports refuses one, saying so.

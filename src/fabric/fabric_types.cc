@@ -85,6 +85,21 @@ StatusOr<EngineOptions> EngineOptions::FromEnv() {
   RETURN_IF_ERROR(EnvNumber("FERRY_TRANSFER_TIMEOUT_MS", &o.transfer_timeout_ms));
   RETURN_IF_ERROR(EnvNumber("FERRY_IDLE_SLEEP_US", &o.idle_sleep_us));
   RETURN_IF_ERROR(EnvNumber("FERRY_TRUST_WRITE_ORDER", &o.trust_write_order));
+  // The verbs settings in C's notation too (0x hex): keys and PSNs are written so.
+  VerbsOptions& v = o.verbs;
+  RETURN_IF_ERROR(EnvNumberAnyBase("FERRY_IB_PORT", &v.port));
+  RETURN_IF_ERROR(EnvNumberAnyBase("FERRY_IB_GID_INDEX", &v.gid_index));
+  RETURN_IF_ERROR(EnvNumberAnyBase("FERRY_IB_QKEY", &v.qkey));
+  RETURN_IF_ERROR(EnvNumberAnyBase("FERRY_IB_PSN", &v.psn));
+  RETURN_IF_ERROR(EnvNumberAnyBase("FERRY_IB_MTU", &v.mtu_bytes));
+  RETURN_IF_ERROR(EnvNumberAnyBase("FERRY_IB_TIMEOUT", &v.timeout));
+  RETURN_IF_ERROR(EnvNumberAnyBase("FERRY_IB_RETRY", &v.retry_count));
+  RETURN_IF_ERROR(EnvNumberAnyBase("FERRY_IB_RNR_RETRY", &v.rnr_retry));
+  RETURN_IF_ERROR(EnvNumberAnyBase("FERRY_IB_SL", &v.service_level));
+  RETURN_IF_ERROR(EnvNumberAnyBase("FERRY_IB_TC", &v.traffic_class));
+  RETURN_IF_ERROR(EnvNumber("FERRY_IB_RELAXED_ORDERING", &v.relaxed_ordering));
+  RETURN_IF_ERROR(EnvNumberAnyBase("FERRY_IB_MAX_UNCLAIMED", &v.max_unclaimed_peers));
+  RETURN_IF_ERROR(EnvNumberAnyBase("FERRY_IB_RELEASE_MS", &v.release_delay_ms));
   return o;
 }
 

@@ -7,7 +7,9 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <chrono>
 #include <cstdlib>
+#include <functional>
 #include <initializer_list>
 #include <memory>
 #include <string>
@@ -17,6 +19,7 @@
 #include <gtest/gtest.h>
 
 #include "common/strings.h"
+#include "ferry/bootstrap.h"
 #include "ferry/fabric.h"
 
 // For code running in a forked rank, where gtest assertions do not reach the parent: returns an
@@ -81,15 +84,32 @@ void ExpectEnvRefused(Parse parse,
   }
 }
 
+// The address this process's rank was given by RunRanks (Bootstrap::node()); empty outside one.
+inline std::string& RankNode() {
+  static std::string node;
+  return node;
+}
+
+// RunLocalRanks, each rank's TestOptions binding the address its bootstrap was given: under
+// FERRY_LOCAL_RANK_NODES (tests/netns_test.sh) each rank is a host of its own.
+inline std::vector<RankExit> RunRanks(int world_size,
+                                      const std::function<Status(Bootstrap&)>& body,
+                                      std::chrono::milliseconds timeout) {
+  return RunLocalRanks(
+      world_size,
+      [&](Bootstrap& b) {
+        RankNode() = b.node();
+        return body(b);
+      },
+      timeout);
+}
+
 // Small pools and gentle idling: tests run many engines on two cores.
 inline EngineOptions TestOptions(const std::string& provider) {
   EngineOptions o;
   o.provider = provider;
   if (provider.find("tcp") != std::string::npos) {
-    // Loopback, unless the rank runs as a host of its own (FERRY_LOCAL_RANK_NODES set its
-    // FERRY_NODE: tests/netns_test.sh).
-    const char* node = std::getenv("FERRY_NODE");
-    o.node = node && *node ? node : "127.0.0.1";
+    o.node = RankNode().empty() ? "127.0.0.1" : RankNode();  // loopback unless a host of its own
   }
   o.spin_us = 20;
   o.idle_yield_us = 200;

@@ -106,16 +106,19 @@ StatusOr<std::vector<int>> ParseCpuList(std::string_view list) {
   return cpus;
 }
 
+TopologyOptions TopologyOptions::FromEnv() {
+  TopologyOptions o;
+  if (const char* env = std::getenv("FERRY_TOPO_EXCLUDE")) o.exclude_nics = SplitCommaList(env);
+  return o;
+}
+
 StatusOr<Topology> Topology::Discover(const TopologyOptions& options) {
   const fs::path root(options.sysfs_root);
   std::error_code ec;
   if (!fs::is_directory(root / "bus/pci/devices", ec)) {
     return NotFoundError("no PCI devices under " + (root / "bus/pci/devices").string());
   }
-  std::vector<std::string> exclude = options.exclude_nics;
-  if (const char* env = std::getenv("FERRY_TOPO_EXCLUDE")) {
-    for (std::string& n : SplitCommaList(env)) exclude.push_back(std::move(n));
-  }
+  const std::vector<std::string>& exclude = options.exclude_nics;
 
   Topology topo;
   std::map<std::string, PciDevice> by_address;

@@ -225,6 +225,32 @@ TEST(TopologyTest, GpusSharingASwitchSplitItsNicsAndAnExcludedNicIsNeverPicked) 
   for (const GpuPlacement& p : topo->gpus()) EXPECT_EQ(p.nics.size(), 1u);
 }
 
+// FERRY_TOPO_EXCLUDE reaches Discover only through TopologyOptions::FromEnv: the options a caller
+// builds are what Discover uses.
+TEST(TopologyTest, ExcludedNicsComeFromTheOptionsAlone) {
+  unsetenv("FERRY_TOPO_EXCLUDE");
+  EXPECT_TRUE(TopologyOptions::FromEnv().exclude_nics.empty());
+  setenv("FERRY_TOPO_EXCLUDE", "mlx5_4,mlx5_5", 1);
+  EXPECT_EQ(TopologyOptions::FromEnv().exclude_nics,
+            (std::vector<std::string>{"mlx5_4", "mlx5_5"}));
+  FakeSysfs p5en;
+  BuildP5en(p5en);
+  TopologyOptions o;
+  o.sysfs_root = p5en.root();
+  auto all = Topology::Discover(o);
+  ASSERT_TRUE(all.ok()) << all.status();
+  setenv("FERRY_TOPO_EXCLUDE", all->nics().front().name.c_str(), 1);
+  auto again = Topology::Discover(o);  // the variable is not read here
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->nics().size(), all->nics().size());
+  TopologyOptions from_env = TopologyOptions::FromEnv();
+  from_env.sysfs_root = p5en.root();
+  auto fewer = Topology::Discover(from_env);
+  ASSERT_TRUE(fewer.ok()) << fewer.status();
+  EXPECT_EQ(fewer->nics().size() + 1, all->nics().size());
+  unsetenv("FERRY_TOPO_EXCLUDE");
+}
+
 TEST(TopologyTest, CpuListsParseAndMalformedOnesAreRefused) {
   EXPECT_EQ(*ParseCpuList("0-3,8,10-11"), (std::vector<int>{0, 1, 2, 3, 8, 10, 11}));
   EXPECT_EQ(*ParseCpuList(""), std::vector<int>{});

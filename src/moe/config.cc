@@ -96,11 +96,9 @@ Status AllToAllConfig::Validate() const {
 
 StatusOr<CudaTuning> CudaTuning::FromEnv() {
   CudaTuning t;
-  int trace = t.trace, relay = t.relay_trace;
-  RETURN_IF_ERROR(EnvNumber("FERRY_NV_TRACE", &trace, 0, 1));
-  RETURN_IF_ERROR(EnvNumber("FERRY_RELAY_TRACE", &relay, 0, 1));
-  t.trace = trace != 0;
-  t.relay_trace = relay != 0;
+  RETURN_IF_ERROR(EnvNumber("FERRY_NV_TRACE", &t.trace));
+  RETURN_IF_ERROR(EnvNumber("FERRY_RELAY_TRACE", &t.relay_trace));
+  RETURN_IF_ERROR(EnvNumber("FERRY_GDRCOPY", &t.gdrcopy));
   return t;
 }
 

@@ -135,19 +135,24 @@ TEST(AllToAllConfigTest, StreamingIsAgreedTheDiagnosticsArePerRank) {
 // CudaTuning::FromEnv: unset variables leave the defaults; each one set takes its field's
 // place; a value the field cannot take is refused naming the variable.
 TEST(CudaTuningTest, FromEnvReadsEachVariableAndRefusesBadValues) {
-  const char* names[] = {"FERRY_NV_TRACE", "FERRY_RELAY_TRACE"};
+  const char* names[] = {"FERRY_NV_TRACE", "FERRY_RELAY_TRACE", "FERRY_GDRCOPY"};
   for (const char* n : names) unsetenv(n);
   StatusOr<CudaTuning> d = CudaTuning::FromEnv();
   ASSERT_TRUE(d.ok()) << d.status().ToString();
   EXPECT_FALSE(d->trace || d->relay_trace);
+  EXPECT_TRUE(d->gdrcopy);
   setenv("FERRY_NV_TRACE", "1", 1);
   setenv("FERRY_RELAY_TRACE", "1", 1);
+  setenv("FERRY_GDRCOPY", "0", 1);
   StatusOr<CudaTuning> t = CudaTuning::FromEnv();
   ASSERT_TRUE(t.ok()) << t.status().ToString();
   EXPECT_TRUE(t->trace && t->relay_trace);
+  EXPECT_FALSE(t->gdrcopy);
   for (const char* n : names) unsetenv(n);
-  const std::pair<const char*, const char*> bad[] = {
-      {"FERRY_NV_TRACE", "2"}, {"FERRY_NV_TRACE", "1x"}, {"FERRY_RELAY_TRACE", "on"}};
+  const std::pair<const char*, const char*> bad[] = {{"FERRY_NV_TRACE", "2"},
+                                                     {"FERRY_NV_TRACE", "1x"},
+                                                     {"FERRY_RELAY_TRACE", "on"},
+                                                     {"FERRY_GDRCOPY", "yes"}};
   for (const auto& [name, value] : bad) {
     setenv(name, value, 1);
     const Status s = CudaTuning::FromEnv().status();

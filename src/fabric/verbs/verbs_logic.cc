@@ -10,7 +10,6 @@
 #include <cstring>
 #include <random>
 
-#include "common/env.h"
 #include "fabric/wire.h"
 
 namespace ferry::fabric::verbs {
@@ -27,24 +26,6 @@ std::string Hex(uint64_t v) {
 }
 
 }  // namespace
-
-StatusOr<VerbsConfig> VerbsConfig::FromEnv() {
-  VerbsConfig c;
-  RETURN_IF_ERROR(EnvNumberAnyBase("FERRY_IB_PORT", &c.port));
-  RETURN_IF_ERROR(EnvNumberAnyBase("FERRY_IB_GID_INDEX", &c.gid_index));
-  RETURN_IF_ERROR(EnvNumberAnyBase("FERRY_IB_QKEY", &c.qkey));
-  RETURN_IF_ERROR(EnvNumberAnyBase("FERRY_IB_PSN", &c.psn));
-  RETURN_IF_ERROR(EnvNumberAnyBase("FERRY_IB_MTU", &c.mtu_bytes));
-  RETURN_IF_ERROR(EnvNumberAnyBase("FERRY_IB_TIMEOUT", &c.timeout));
-  RETURN_IF_ERROR(EnvNumberAnyBase("FERRY_IB_RETRY", &c.retry_count));
-  RETURN_IF_ERROR(EnvNumberAnyBase("FERRY_IB_RNR_RETRY", &c.rnr_retry));
-  RETURN_IF_ERROR(EnvNumberAnyBase("FERRY_IB_SL", &c.service_level));
-  RETURN_IF_ERROR(EnvNumberAnyBase("FERRY_IB_TC", &c.traffic_class));
-  RETURN_IF_ERROR(EnvNumber("FERRY_IB_RELAXED_ORDERING", &c.relaxed_ordering));
-  RETURN_IF_ERROR(EnvNumberAnyBase("FERRY_IB_MAX_UNCLAIMED", &c.max_unclaimed_peers));
-  RETURN_IF_ERROR(EnvNumberAnyBase("FERRY_IB_RELEASE_MS", &c.release_delay_ms));
-  return c;
-}
 
 Status VerbsConfig::Validate() const {
   if (port == 0) return InvalidArgumentError("verbs: port numbers start at 1");

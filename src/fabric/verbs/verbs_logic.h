@@ -1,7 +1,7 @@
 // The decisions of the ConnectX-7 (ibverbs) backend, apart from the calls themselves:
 //
 // - VerbsConfig: port, GID index, PSNs, qkey, MTU, retry and timeout settings, traffic class and
-//   service level; every one configurable (FERRY_IB_*), none hard-coded into a call.
+//   service level; the caller's from EngineOptions::verbs, none hard-coded into a call.
 // - Handshake: what two domains tell each other over their UD queue pairs to connect their RC
 //   queue pairs (two per peer: one for SEND/RECV messages, one for WRITE_WITH_IMM, whose
 //   immediates land in a shared receive queue). Versioned bytes, fully validated.
@@ -23,39 +23,22 @@
 #include <vector>
 
 #include "fabric/verbs/verbs_api.h"
+#include "ferry/fabric.h"
 #include "ferry/status.h"
 
 namespace ferry::fabric::verbs {
 
-struct VerbsConfig {
-  uint8_t port = 1;            // FERRY_IB_PORT
-  int gid_index = 0;           // FERRY_IB_GID_INDEX (RoCE v2 often needs 3)
-  uint32_t qkey = 0x1ffe7e11;  // FERRY_IB_QKEY: UD handshake queue pairs
-  uint32_t psn = 0;            // FERRY_IB_PSN: starting PSN; 0 draws a random one per QP
-  uint32_t mtu_bytes = 4096;   // FERRY_IB_MTU: upper bound; the port's active MTU may lower it
-  uint8_t timeout = 14;        // FERRY_IB_TIMEOUT: 4.096 us * 2^timeout per retry
-  uint8_t retry_count = 7;     // FERRY_IB_RETRY
-  uint8_t rnr_retry = 7;       // FERRY_IB_RNR_RETRY (7: retry forever on receiver-not-ready)
+// What the backend runs with: the caller's VerbsOptions (EngineOptions::verbs) and the settings
+// no caller has needed to change.
+struct VerbsConfig : VerbsOptions {
+  VerbsConfig() = default;
+  explicit VerbsConfig(const VerbsOptions& options) : VerbsOptions(options) {}
   uint8_t min_rnr_timer = 12;
-  uint8_t service_level = 0;   // FERRY_IB_SL
-  uint8_t traffic_class = 0;   // FERRY_IB_TC
   uint8_t hop_limit = 64;
   uint8_t max_rd_atomic = 16;
-  bool relaxed_ordering = true;  // FERRY_IB_RELAXED_ORDERING=0 turns it off
-  uint32_t max_chain = 16;       // WRs linked into one post
-  // FERRY_IB_MAX_UNCLAIMED: connections made for peers that reached us before the engine added
-  // them (it claims them when it does); past this many the oldest unclaimed one is closed.
-  uint32_t max_unclaimed_peers = 1024;
-  // FERRY_IB_RELEASE_MS: how long a removed peer's queue pairs stay in the error state, nothing
-  // outstanding on them, before they are destroyed: the receives they had taken from a shared
-  // queue complete (flushed) and are posted again first (a stand-in for
-  // IBV_EVENT_QP_LAST_WQE_REACHED).
-  uint32_t release_delay_ms = 1000;
+  uint32_t max_chain = 16;  // WRs linked into one post
 
-  // The defaults with the FERRY_IB_* variables above applied; a value that is not a number the
-  // field holds (decimal or 0x hex; the flag 0 or 1) is InvalidArgument naming it. Validate()
-  // then checks what the numbers mean.
-  static StatusOr<VerbsConfig> FromEnv();
+  // What the numbers mean checked: InvalidArgument naming the first that is out of range.
   Status Validate() const;
 };
 

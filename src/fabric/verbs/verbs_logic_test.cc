@@ -310,35 +310,5 @@ TEST(VerbsLogicTest, DeviceChoiceAndConfigurationAreChecked) {
   EXPECT_FALSE(c.Validate().ok());
 }
 
-// VerbsConfig::FromEnv takes decimal and 0x hex, and refuses what a field cannot hold, naming
-// the variable; unset variables leave the defaults.
-TEST(VerbsConfigTest, FromEnvTakesNumbersAndRefusesGarbage) {
-  const char* const kVars[] = {"FERRY_IB_QKEY", "FERRY_IB_PORT", "FERRY_IB_RELAXED_ORDERING",
-                               "FERRY_IB_TIMEOUT", "FERRY_IB_MAX_UNCLAIMED",
-                               "FERRY_IB_RELEASE_MS"};
-  for (const char* v : kVars) unsetenv(v);
-  auto plain = VerbsConfig::FromEnv();
-  ASSERT_TRUE(plain.ok()) << plain.status().ToString();
-  EXPECT_EQ(plain->qkey, VerbsConfig{}.qkey);
-  setenv("FERRY_IB_QKEY", "0x11", 1);
-  setenv("FERRY_IB_PORT", "2", 1);
-  setenv("FERRY_IB_RELAXED_ORDERING", "0", 1);
-  setenv("FERRY_IB_MAX_UNCLAIMED", "64", 1);
-  setenv("FERRY_IB_RELEASE_MS", "250", 1);
-  auto set = VerbsConfig::FromEnv();
-  ASSERT_TRUE(set.ok()) << set.status().ToString();
-  EXPECT_EQ(set->qkey, 0x11u);
-  EXPECT_EQ(set->port, 2);
-  EXPECT_FALSE(set->relaxed_ordering);
-  EXPECT_EQ(set->max_unclaimed_peers, 64u);
-  EXPECT_EQ(set->release_delay_ms, 250u);
-  testing_util::ExpectEnvRefused(VerbsConfig::FromEnv, {{"FERRY_IB_PORT", "300"},
-                                                       {"FERRY_IB_PORT", "one"},
-                                                       {"FERRY_IB_RELAXED_ORDERING", "yes"},
-                                                       {"FERRY_IB_TIMEOUT", "14us"},
-                                                       {"FERRY_IB_RELEASE_MS", "-1"}});
-  for (const char* v : kVars) unsetenv(v);
-}
-
 }  // namespace
 }  // namespace ferry::fabric::verbs

@@ -52,8 +52,10 @@ Status RelayBoxes::Place(const AllToAllConfig& c, const RelayLayout& relay,
     ASSIGN_OR_RETURN(mapped_.outbox, MappedPointer(host_.outbox));
   }
   // The inbox flags: in our GPU's memory, written through GDRCopy, where it is there; else
-  // pinned host memory mapped into the GPU (FERRY_GDRCOPY=0: always). GpuWords says which.
-  ASSIGN_OR_RETURN(flags_, GpuWords::Create(c.cuda_device, 2 * size_t(c.world_size)));
+  // pinned host memory mapped into the GPU (CudaTuning::gdrcopy false: always). GpuWords says
+  // which.
+  ASSIGN_OR_RETURN(flags_,
+                   GpuWords::Create(c.cuda_device, 2 * size_t(c.world_size), c.cuda.gdrcopy));
   host_.inbox_flags = flags_->host_words();
   if (flags_->placement() != GpuWords::Placement::kGpuMemory && c.cuda.relay_trace) {
     std::fprintf(stderr, "[rank %d] relay: inbox flags in host memory: %s\n", c.rank,
