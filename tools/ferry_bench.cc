@@ -110,9 +110,9 @@ int PrintBuffers() {
       c.hidden = 7168;
       c.dtype = ferry::DispatchDtype::kFp8E4M3;
       c.device = ferry::MoeDeviceKind::kCuda;
-      const ferry::moe::BufferBytes plain = ferry::moe::CudaDeviceBuffers(c, 0);
+      const ferry::moe::BufferBytes plain = ferry::moe::CudaDeviceBuffers(c);
       c.dispatch_once_per_rank = c.combine_reduce_at_expert_rank = true;
-      const ferry::moe::BufferBytes ab = ferry::moe::CudaDeviceBuffers(c, 0);
+      const ferry::moe::BufferBytes ab = ferry::moe::CudaDeviceBuffers(c);
       const ferry::moe::BufferBytes deep_ep =
           ferry::moe::DeepEpLowLatencyBuffers(tokens, c.hidden, c.num_experts);
       std::printf("| %d | %d | %.0f | %.0f | %.0f | %.0f | %.0f | %.2f |\n", ep, tokens,
@@ -139,7 +139,7 @@ int main(int argc, char** argv) {
   bool iters_given = false, rounds_given = false;  // mirror's own defaults otherwise
   int nics = 2;  // ferry-bench scale: NICs per rank
   bool hidden_given = false, ranks_given = false;  // scale's own defaults otherwise
-  ferry::TopologyOptions topo;
+  ferry::TopologyOptions topo = ferry::TopologyOptions::FromEnv();
   ferry::RendezvousOptions rendezvous;  // the flags over FERRY_RENDEZVOUS and friends
   {
     auto from_env = ferry::RendezvousOptions::FromEnv();

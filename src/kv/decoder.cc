@@ -27,10 +27,12 @@ namespace {
 // request using the slot:
 //   waiting    --all writes counted-->                       done (ready OK), slot freed
 //   waiting    --deadline or Cancel() or prefill's ack-->    cancelling (send cancel, await ack)
-//   cancelling --ack with `posted` and count >= posted-->    user told (Cancelled/Deadline)
+//   cancelling --ack with `posted`-->                        acked; count >= posted: user told
+//                                                            (Cancelled/Deadline)
 //   the ack also disarms the armed notification, which then fires at once: the slot is freed if
-//   every acknowledged write landed, else a last notification waits (bounded) for them, after
-//   which the slot is freed, or retired for good if some never landed (one may still land).
+//   every acknowledged write landed, else draining: a last notification waits (bounded) for
+//   them, after which the slot is freed, or retired for good if some never landed (one may
+//   still land).
 //   cancelling --no ack within kAckTimeout-->                removing: the remover thread takes
 //   the prefill out of the engine (its transfers fail, nothing more goes to it), then tells the
 //   user Unavailable and frees the slot; if the removal fails the slot is retired for good.
@@ -209,18 +211,27 @@ class Decoder final : public KvDecoder {
   }
 
  private:
-  enum class State { kFree, kWaiting, kCancelling, kRemoving, kRetired };
+  // A slot's life (the diagram at the top of this file).
+  enum class State {
+    kFree,
+    kWaiting,     // armed for the request's writes
+    kCancelling,  // a cancel sent, its acknowledgement awaited (armed, bounded)
+    kAcked,       // the prefill stopped after `posted` writes; the disarmed notification is due
+    kDraining,    // armed again, bounded, for acknowledged writes still in flight
+    kRemoving,    // no acknowledgement: the remover thread takes the prefill out
+    kRetired,     // never reused: a write may still land on its counter
+  };
   struct Slot {
     State state = State::kFree;
     uint64_t request_id = 0;
     PeerId prefill = 0;
     uint64_t expected = 0;
     std::shared_ptr<DoneCallback> ready;
-    bool told = false;       // the user's callback ran
-    bool acked = false;      // the prefill acknowledged a cancel
-    uint64_t posted = 0;     // writes the prefill posted before it stopped
-    bool draining = false;   // armed to wait for the acknowledged writes still in flight
-    Status outcome;          // what a cancelled request reports
+    // The user's callback ran. Apart from the state: a cancelled request is told once its
+    // acknowledged writes landed, while its slot still waits for the notification.
+    bool told = false;
+    uint64_t posted = 0;  // kAcked, kDraining: writes the prefill posted before it stopped
+    Status outcome;       // what a cancelled request reports
   };
 
   // Where a request sends a prefill's writes: our regions, under the keys it writes with.
@@ -276,7 +287,7 @@ class Decoder final : public KvDecoder {
           st.told = true;
         }
         st.state = State::kRetired;
-      } else if (s.ok() && !st.told && !st.draining) {
+      } else if (s.ok() && !st.told && st.state != State::kDraining) {
         // Every write landed (even if a cancel was on its way): the request is complete.
         (void)engine_->ConsumeImm(kImmBase + slot, st.expected);
         tell = st.ready;
@@ -291,7 +302,7 @@ class Decoder final : public KvDecoder {
         (void)engine_->Send(
             st.prefill, ControlMessage(kCancelMagic, st.request_id, kImmBase + slot, 0), {});
         rearm = true;
-      } else if (st.state == State::kCancelling && !st.acked) {
+      } else if (st.state == State::kCancelling) {
         rearm = !st.told && s.code() != StatusCode::kDeadlineExceeded;
         if (!rearm) {
           // No acknowledgement in time: the prefill may still write. It goes out of the engine
@@ -304,7 +315,7 @@ class Decoder final : public KvDecoder {
           }
           remove_cv_.notify_one();
         }
-      } else if (st.state == State::kCancelling && st.acked) {
+      } else if (st.state == State::kAcked || st.state == State::kDraining) {
         const uint64_t seen = Count(slot);
         if (seen >= st.posted) {
           (void)engine_->ConsumeImm(kImmBase + slot, seen);
@@ -313,9 +324,9 @@ class Decoder final : public KvDecoder {
             tell_status = st.outcome;
           }
           Free(slot);
-        } else if (!st.draining) {
+        } else if (st.state == State::kAcked) {
           // Acknowledged writes are still in flight: wait for them, bounded.
-          st.draining = true;
+          st.state = State::kDraining;
           rearm = true;
           rearm_target = st.posted;
         } else {
@@ -369,8 +380,8 @@ class Decoder final : public KvDecoder {
         st.state = State::kCancelling;
         st.outcome = outcome;
       }
-      if (st.state != State::kCancelling || st.acked) return;
-      st.acked = true;
+      if (st.state != State::kCancelling) return;
+      st.state = State::kAcked;
       st.posted = posted;
       // End the armed notification now (it would otherwise hold the slot until the request's
       // deadline): it fires Cancelled, after this, and frees or drains the slot.

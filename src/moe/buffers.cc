@@ -13,8 +13,8 @@ BufferBytes HostDeviceBuffers(const AllToAllConfig& c) {
   return {relay.inbox_bytes, relay.outbox_bytes};
 }
 
-BufferBytes CudaDeviceBuffers(const AllToAllConfig& c, int streamed) {
-  const NvlinkLayout nv(c, streamed);
+BufferBytes CudaDeviceBuffers(const AllToAllConfig& c, bool small_batches) {
+  const NvlinkLayout nv(c, StepModes::Of(c, small_batches));
   BufferBytes b{nv.send_off, nv.bytes - nv.send_off};
   if (!nv.one_node) {
     const RelayLayout relay(c, nv.slot.slot_bytes, c.ranks_per_node);

@@ -19,9 +19,8 @@ struct BufferBytes {
 // The host device: the relay's inbox and outbox, every other rank remote.
 BufferBytes HostDeviceBuffers(const AllToAllConfig& c);
 // The CUDA device: its NVLink buffer, and the relay's boxes where there are other nodes;
-// `streamed`: the steps AllToAllConfig::streaming would stream in one node (1 dispatch, 2
-// combine).
-BufferBytes CudaDeviceBuffers(const AllToAllConfig& c, int streamed);
+// `small_batches`: one kernel sends every batch (where Streaming::kAuto streams the dispatch).
+BufferBytes CudaDeviceBuffers(const AllToAllConfig& c, bool small_batches = false);
 // DeepEP's low-latency mode for at most `max_tokens` per rank: messages of a 16-byte header and
 // the larger of a bf16 row and an fp8 row with its scales (dispatch), or a bf16 row with
 // per-128-column metadata (combine), a slot for every (expert, sending token) pair.

@@ -37,7 +37,7 @@ TEST(BufferBytesTest, Ep16DecodeWorkedByHand) {
   ASSERT_TRUE(c.Validate().ok()) << c.Validate().ToString();
   const int64_t inbox = 8 * (80 + 128 * 7680) + 128 * 8 * 14336;
   const int64_t nvlink = 256 + 1280 + 16 * 16 * 7680 + 128 * 8 * 14336;
-  EXPECT_EQ(CudaDeviceBuffers(c, 0).receive, inbox + nvlink);
+  EXPECT_EQ(CudaDeviceBuffers(c).receive, inbox + nvlink);
   // The host device: 15 remote senders, their sections' end rounded up to a 128-byte line.
   EXPECT_EQ(HostDeviceBuffers(c).receive, RoundUp(15 * (80 + 128 * 7680), 128) + 128 * 8 * 14336);
   EXPECT_EQ(DeepEpLowLatencyBuffers(128, 7168, 256).receive, 2 * (256 * 128 * 14560 + 1024));
@@ -51,12 +51,13 @@ TEST(BufferBytesTest, ReceiveMemoryWithinDeepEpLowLatency) {
     for (int tokens : {128, 4096}) {
       const int64_t deep_ep = DeepEpLowLatencyBuffers(tokens, 7168, 256).receive;
       for (bool a_and_b : {false, true}) {
-        const AllToAllConfig c = Shape(ep, tokens, a_and_b);
+        AllToAllConfig c = Shape(ep, tokens, a_and_b);
         ASSERT_TRUE(c.Validate().ok()) << c.Validate().ToString();
-        for (int streamed : {0, 1, 3}) {
-          EXPECT_LE(CudaDeviceBuffers(c, streamed).receive, deep_ep)
-              << "EP" << ep << " T=" << tokens << (a_and_b ? " (a)+(b)" : "") << " streamed "
-              << streamed;
+        for (Streaming s : {Streaming::kNone, Streaming::kDispatch, Streaming::kBoth}) {
+          c.streaming = s;
+          EXPECT_LE(CudaDeviceBuffers(c).receive, deep_ep)
+              << "EP" << ep << " T=" << tokens << (a_and_b ? " (a)+(b)" : "") << " streaming "
+              << int(s);
         }
         EXPECT_LE(HostDeviceBuffers(c).receive, deep_ep) << "EP" << ep << " T=" << tokens;
       }

@@ -35,8 +35,9 @@
 // control block of pinned host memory: the send kernel's block 0 stores our slot count for each
 // remote rank there, Unpack's block 0 copies each remote sender's {first row, rows} there
 // (relay.h). Where GDRCopy is installed (/dev/gdrdrv and libgdrapi, found at run time;
-// FERRY_GDRCOPY=0 turns it off) the inbox flags live in our GPU's memory instead and the relay
-// writes them through the GDRCopy mapping, so the kernels poll local memory (gdr_flags.h).
+// CudaTuning::gdrcopy = false turns it off) the inbox flags live in our GPU's memory instead and
+// the relay writes them through the GDRCopy mapping, so the kernels poll local memory
+// (gdr_flags.h).
 // Between nodes every slot is pushed (no pull), and the combine rows for a remote sender are
 // rebased to the first one it expects from us. A flag from a rank of our node
 // counts that rank's send blocks (each adds one when its writes are out); a flag from another
@@ -260,8 +261,15 @@ class CudaDevice final : public MoeDevice {
   // Waits for the stream; what a kernel reported becomes the Status (and is cleared, except a
   // peer timeout, which stays).
   Status Finish();
-  // Synchronous steps wait for their kernels; a caller's stream does not.
-  Status Done() { return async_ ? Status::Ok() : Finish(); }
+  // How a step completes: it waits for its kernels on the device's own stream (strict: bad input
+  // sends nothing, and the step may be retried), or leaves them queued on a caller's stream
+  // (SetStream), where a kernel's error surfaces at a later step.
+  enum class Completion : uint8_t { kWaited, kOnCallerStream };
+  // CombineSend's instance: the general one, or the copy-only one (token-major batches whose
+  // received rows each have a block of their own).
+  enum class CombineSendForm : uint8_t { kGeneral, kCopyOnly };
+  bool waited() const { return completion_ == Completion::kWaited; }
+  Status Done() { return waited() ? Finish() : Status::Ok(); }
   // For the last epoch, per kernel: each point's slowest and mean block time (CudaTuning::trace).
   void PrintTrace();
 
@@ -287,12 +295,12 @@ class CudaDevice final : public MoeDevice {
   cudaEvent_t order_event_ = nullptr;  // OrderAfter / OrderBefore
   std::array<cudaEvent_t, AllToAll::kMarks> marks_{};  // Mark's ring, made at their first use
   uint64_t next_mark_ = 0;
-  bool async_ = false;   // steps on a caller's stream (SetStream)
+  Completion completion_ = Completion::kWaited;
   int send_grid_ = 1;    // DispatchSend's (SendSmall or Pack), fixed
   int recv_grid_ = 1;    // CombineSend's, and Unpack's unless streamed
   int unpack_grid_ = 0;  // Unpack's
   int recv_grid_limit_ = 1;
-  bool combine_copy_only_ = false;  // CombineSend's copy-only instance (token-major, small batches)
+  CombineSendForm combine_send_ = CombineSendForm::kGeneral;
   int token_bound_ = 0;             // the last DispatchSend's num_tokens
   size_t small_smem_ = 0;           // SendSmallKernel's shared memory; 0: Route and Pack instead
   size_t unpack_smem_ = 0;

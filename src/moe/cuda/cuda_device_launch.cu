@@ -88,30 +88,16 @@ StatusOr<int64_t> CudaDevice::PlanBuffer() {
   // Decode batches: DispatchSend in one kernel, its shared memory within the default limit.
   const size_t small_smem = SmallSmemBytes(n, v.experts, int64_t{t} * k);
   if (int64_t{t} * k <= kSmallEntries && small_smem <= 48 * 1024) small_smem_ = small_smem;
-  // Streaming (one node, no relay; AllToAllConfig::streaming, which the ranks agree on): a mask
-  // of 1 the dispatch and 2 the combine. kAuto streams the dispatch where SendSmall sends it.
-  // The dispatch's slot tag follows the entries, within the metadata's line. Under
-  // mask_lost_peers nothing streams and the counts rows are read once the flags are up: those
-  // waits are per block and per slot, and a step's masks are decided once (Nv::mask_lost).
-  static_assert(int(Streaming::kNone) == 1 && int(Streaming::kDispatch) == 2 &&
-                    int(Streaming::kCombine) == 3 && int(Streaming::kBoth) == 4,
-                "the mask is the enum's value less one");
-  const int stream_mask = c_.mask_lost_peers                 ? 0
-                          : c_.streaming == Streaming::kAuto ? (small_smem_ > 0 ? 1 : 0)
-                                                             : int(c_.streaming) - 1;
-  const NvlinkLayout layout(c_, stream_mask);
-  v.counts_tagged = layout.counts_tagged && !c_.mask_lost_peers;
-  v.mask_lost = c_.mask_lost_peers;
-  v.stream = layout.stream;
-  v.stream_combine = layout.stream_combine;
+  // The step's modes, from the configuration the ranks agree on (step_modes.h): kAuto streams
+  // the dispatch where SendSmall sends it.
+  v.modes = StepModes::Of(c_, small_smem_ > 0);
+  RETURN_IF_ERROR(v.modes.Check());
+  const NvlinkLayout layout(c_, v.modes);
   v.meta_used = layout.slot.meta_used;
   v.meta_bytes = layout.slot.meta_bytes;
   v.slot_bytes = layout.slot.slot_bytes;
   v.row_bytes = c_.combine_row_bytes();
   v.capacity = c_.expert_capacity();
-  v.once = c_.dispatch_once_per_rank;
-  v.reduce = c_.combine_reduce_at_expert_rank;
-  v.token_major = c_.dispatch_layout == DispatchLayout::kTokenMajor;
   v.slots_per_pair = pairs_.slots_per_pair;
   v.counts_off = layout.counts_off;
   v.counts_stride = layout.counts_stride;
@@ -132,7 +118,8 @@ Status CudaDevice::PlanGrids(int sms) {
   // faster when every received row has a block of its own (decode: 17.5 against 19.0 us), but
   // slower when blocks loop over many rows (prefill: 195-200 against 185 us, with 528 or 264
   // blocks; not explained yet), so it serves batches that fit the grid.
-  combine_copy_only_ = v.token_major && max_recv <= recv_grid_;
+  combine_send_ = v.modes.token_major() && max_recv <= recv_grid_ ? CombineSendForm::kCopyOnly
+                                                                  : CombineSendForm::kGeneral;
   // Unpack's shared memory (see the kernel); above the default limit for very many ranks.
   unpack_smem_ = size_t(n) * sizeof(PeerIn) + size_t(RoundUp((3 * int64_t{n} + 1) * 8, 16)) +
                  size_t(n) * v.counts_stride * sizeof(int32_t) +
@@ -151,7 +138,7 @@ Status CudaDevice::PlanGrids(int sms) {
   // warps wait on pulled slots, keeps four blocks per SM).
   if (small_smem_ > 0) {
     send_grid_ = 1 + (t + kSmallWarps - 1) / kSmallWarps;  // block 0: the counts rows
-  } else if (v.stream) {
+  } else if (v.modes.stream()) {
     // Streamed, Unpack runs beside Pack: a block of each per SM (one block per SM already
     // stores into a peer at the link's rate: `ferry-bench p2p`), and Unpack's second block
     // per SM once Pack's leaves it (its groups claim slots as they come, see Claim).
@@ -164,7 +151,7 @@ Status CudaDevice::PlanGrids(int sms) {
   }
   send_grid_ = std::max(send_grid_, 1);
   unpack_grid_ = recv_grid_;
-  if (v.stream) {
+  if (v.modes.stream()) {
     // Streamed, Unpack's groups claim slots until none is left (Claim), so no more blocks
     // than fit at once: a block past those starts only when one leaves, and blocks leave only
     // once every slot is claimed -- it would add its prologue (counts rows, offsets table,
@@ -212,7 +199,7 @@ Status CudaDevice::DispatchSend(const DispatchInput& in, uint64_t /*epoch: the k
                       in.weights,
                       in.device_num_tokens,
                       in.num_tokens,
-                      !async_};
+                      waited()};
   if (small_smem_ > 0) {
     if (nv_.masks) {
       SendSmallKernel<true><<<send_grid_, kSmallThreads, small_smem_, stream_>>>(nv_, args);
@@ -220,11 +207,11 @@ Status CudaDevice::DispatchSend(const DispatchInput& in, uint64_t /*epoch: the k
       SendSmallKernel<false><<<send_grid_, kSmallThreads, small_smem_, stream_>>>(nv_, args);
     }
     FERRY_CUDA(cudaGetLastError());
-    if (!async_) RETURN_IF_ERROR(Finish());
+    if (waited()) RETURN_IF_ERROR(Finish());
   } else {
     RouteKernel<<<nv_.scan_blocks + nv_.chunks, kRouteThreads, 0, stream_>>>(nv_, args);
     FERRY_CUDA(cudaGetLastError());
-    if (!async_) RETURN_IF_ERROR(Finish());
+    if (waited()) RETURN_IF_ERROR(Finish());
     FERRY_CUDA(Launch(PackKernel, send_grid_, 2 * nv_.world_size * sizeof(int64_t), args));
   }
   token_bound_ = in.num_tokens;
@@ -248,8 +235,9 @@ Status CudaDevice::DispatchRecv(const DispatchOutput& out, uint64_t /*epoch*/, D
       out.expert_padding ? c_.padded_rows(out.expert_padding) : int64_t{nv_.local_experts} * block,
       block,
       out.wait_cost};
-  auto* unpack = nv_.masks ? (nv_.stream ? UnpackKernel<true, true> : UnpackKernel<false, true>)
-                           : (nv_.stream ? UnpackKernel<true, false> : UnpackKernel<false, false>);
+  auto* unpack =
+      nv_.masks ? (nv_.modes.stream() ? UnpackKernel<true, true> : UnpackKernel<false, true>)
+                : (nv_.modes.stream() ? UnpackKernel<true, false> : UnpackKernel<false, false>);
   FERRY_CUDA(Launch(unpack, unpack_grid_, unpack_smem_, args));
   return Done();
 }
@@ -260,9 +248,9 @@ Status CudaDevice::CombineSend(const CombineInput& in, uint64_t /*epoch*/) {
   const CombineArgs args{
       static_cast<const uint8_t*>(in.expert_out), nullptr, false, 0, nullptr, nullptr};
   const Elem elem = ElemOf(in.fp16);
-  auto* kernel = combine_copy_only_    ? CombineSendKernel<true, Elem::kBf16>
-                 : elem == Elem::kFp32 ? CombineSendKernel<false, Elem::kFp32>
-                 : elem == Elem::kFp16 ? CombineSendKernel<false, Elem::kFp16>
+  auto* kernel = combine_send_ == CombineSendForm::kCopyOnly ? CombineSendKernel<true, Elem::kBf16>
+                 : elem == Elem::kFp32                       ? CombineSendKernel<false, Elem::kFp32>
+                 : elem == Elem::kFp16                       ? CombineSendKernel<false, Elem::kFp16>
                                        : CombineSendKernel<false, Elem::kBf16>;
   kernel<<<recv_grid_, kCopyThreads, 0, stream_>>>(nv_, args);
   FERRY_CUDA(cudaGetLastError());
@@ -274,7 +262,7 @@ Status CudaDevice::CombineRecv(const CombineOutput& to, uint64_t /*epoch*/, Dead
   RETURN_IF_ERROR(Aligned(out, "CombineRecv: output"));
   FERRY_CUDA(cudaSetDevice(c_.cuda_device));
   FERRY_CUDA(Launch(
-      RecvKernel(nv_.stream_combine, ElemOf(to.fp16)), TokenGrid(token_bound_),
+      RecvKernel(nv_.modes.stream_combine(), ElemOf(to.fp16)), TokenGrid(token_bound_),
       nv_.world_size * sizeof(int64_t),
       CombineArgs{nullptr, out, to.accumulate, BudgetNs(deadline), to.weights, to.wait_cost}));
   return Done();

@@ -198,7 +198,8 @@ NvPeer CudaDevice::NodePeer(uint8_t* own, uint8_t* theirs, int r) const {
   p.counts = reinterpret_cast<int32_t*>(theirs + v.counts_off) + v.rank * width;
   p.slots = theirs + v.private_off + int64_t{v.rank} * v.private_slots * v.slot_bytes;
   p.combine = theirs + v.combine_off;
-  if (v.stream_combine) p.combine_tags = reinterpret_cast<uint64_t*>(theirs + v.combine_tag_off);
+  if (v.modes.stream_combine())
+    p.combine_tags = reinterpret_cast<uint64_t*>(theirs + v.combine_tag_off);
   p.dispatch_flag_in = reinterpret_cast<uint64_t*>(own) + r;
   p.combine_flag_in = reinterpret_cast<uint64_t*>(own) + v.world_size + r;
   p.counts_in = reinterpret_cast<int32_t*>(own + v.counts_off) + r * width;

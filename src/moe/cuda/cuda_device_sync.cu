@@ -19,9 +19,9 @@ Status CudaDevice::SetStream(void* stream) {
   FERRY_CUDA(cudaSetDevice(c_.cuda_device));
   // Steps that waited for themselves left nothing to wait for (and a stream being captured
   // may be taken then: nothing here would end the capture).
-  if (async_) FERRY_CUDA(cudaStreamSynchronize(stream_));
+  if (!waited()) FERRY_CUDA(cudaStreamSynchronize(stream_));
   stream_ = stream ? static_cast<cudaStream_t>(stream) : own_stream_;
-  async_ = stream != nullptr;
+  completion_ = stream ? Completion::kOnCallerStream : Completion::kWaited;
   return Status::Ok();
 }
 
@@ -147,8 +147,8 @@ uint64_t CudaDevice::dispatch_bytes_sent() const {
   cudaMemcpy(totals.data(), nv_.totals, nv_.world_size * sizeof(int32_t), cudaMemcpyDeviceToHost);
   // What crosses per slot: its header and entries (and tag, streamed), row and scales (not
   // the padding that puts the row and the next slot on a line, which nobody writes).
-  const uint64_t slot =
-      nv_.meta_used + (nv_.stream ? 8 : 0) + nv_.payload + int64_t{nv_.scales_per_token} * 4;
+  const uint64_t slot = nv_.meta_used + (nv_.modes.stream() ? 8 : 0) + nv_.payload +
+                        int64_t{nv_.scales_per_token} * 4;
   uint64_t bytes = 0;
   for (int r = 0; r < nv_.world_size; ++r) {
     if (r != c_.rank) bytes += uint64_t(totals[r]) * slot + (nv_.local_experts + 2) * 4;
@@ -162,7 +162,7 @@ uint64_t CudaDevice::combine_bytes_sent() const {
   cudaStreamSynchronize(stream_);
   cudaMemcpy(&s, nv_.scratch, sizeof s, cudaMemcpyDeviceToHost);
   // Each row, and its tag when streamed.
-  return uint64_t(s.rows_out) * (nv_.row_bytes + (nv_.stream_combine ? 8 : 0));
+  return uint64_t(s.rows_out) * (nv_.row_bytes + (nv_.modes.stream_combine() ? 8 : 0));
 }
 
 // ---- errors ----

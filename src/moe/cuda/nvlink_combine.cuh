@@ -103,7 +103,7 @@ __device__ inline void WeightedSum(float (&acc)[kG][CombineVec<kE>::kPer],
 // Streamed combine: once the block stored rows [row, row + rows) of rank r's combine region,
 // their tags "epoch + 1" (the barrier orders every thread's stores before the releases).
 __device__ inline void TagRows(const Nv& v, int r, int64_t row, int rows, uint64_t epoch) {
-  if (!v.stream_combine) return;
+  if (!v.modes.stream_combine()) return;
   __syncthreads();
   for (int i = threadIdx.x; i < rows; i += blockDim.x) {
     StoreRelease(v.peer[r].combine_tags + row + i, epoch + 1);
@@ -134,13 +134,13 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
     // one we checked, and a row written there could land on another token's.
     if (slot.entries == 0) continue;
     uint8_t* dst = v.peer[slot.sender].combine + int64_t{slot.row} * v.row_bytes;
-    if (kCopyOnly || v.token_major) {
+    if (kCopyOnly || v.modes.token_major()) {
       CopyBytes(dst, a.expert_out + g * v.row_bytes, v.row_bytes);
       TagRows(v, slot.sender, slot.row, 1, epoch);
       if (slot.sender != v.rank) ++rows_out;
       continue;
     }
-    if (!v.reduce) {
+    if (!v.modes.reduce()) {
       for (int i = 0; i < slot.entries; ++i) {
         const RecvEntry entry = v.rentries[g * v.topk + i];
         CopyBytes(dst + i * v.row_bytes, a.expert_out + entry.out_row * v.row_bytes, v.row_bytes);
@@ -155,16 +155,16 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
     // ties in arrival order, as the host device sums them.
     if (threadIdx.x < 32) {
       const int lane = threadIdx.x;
-      const int64_t h = v.once ? g : g + lane;
+      const int64_t h = v.modes.once() ? g : g + lane;
       bool exists = false;
-      if (v.once) {
+      if (v.modes.once()) {
         exists = lane < slot.entries;
       } else if (lane < slot.parts && h < total) {
         const RecvSlot other = v.rslots[h];
         exists = other.sender == slot.sender && other.row == slot.row && other.entries > 0;
       }
       RecvEntry entry{};
-      if (exists) entry = v.rentries[h * v.topk + (v.once ? lane : 0)];
+      if (exists) entry = v.rentries[h * v.topk + (v.modes.once() ? lane : 0)];
       const unsigned present = __ballot_sync(~0u, exists);
       int order = 0;
       for (int i = 0; i < 32; ++i) {
@@ -257,15 +257,15 @@ __device__ inline LaneRow LocateRows(const Nv& v, const CombineArgs& a, int t,
                                      int* count) {
   const LaneRoute x = RouteLane(v, v.indices + int64_t{t} * v.topk, true);
   LaneRow mine{-1, x.r};
-  if (x.valid && (!v.reduce || x.first)) {
-    const int c = v.reduce ? x.ranks_before : x.lanes_before + x.within;
-    mine.row =
-        rank_start[x.r] + v.row_pos[int64_t{x.r} * v.max_tokens + t] + (v.reduce ? 0 : x.within);
+  if (x.valid && (!v.modes.reduce() || x.first)) {
+    const int c = v.modes.reduce() ? x.ranks_before : x.lanes_before + x.within;
+    mine.row = rank_start[x.r] + v.row_pos[int64_t{x.r} * v.max_tokens + t] +
+               (v.modes.reduce() ? 0 : x.within);
     rows[c] = reinterpret_cast<const uint4*>(v.peer[x.r].combine_in + mine.row * v.row_bytes);
     const float* weights = a.weights ? a.weights : v.weights;
-    weight[c] = v.reduce ? 1.0f : weights[int64_t{t} * v.topk + threadIdx.x % 32];
+    weight[c] = v.modes.reduce() ? 1.0f : weights[int64_t{t} * v.topk + threadIdx.x % 32];
   }
-  if (threadIdx.x % 32 == 0) *count = __popc(v.reduce ? x.firsts : x.valids);
+  if (threadIdx.x % 32 == 0) *count = __popc(v.modes.reduce() ? x.firsts : x.valids);
   return mine;
 }
 
@@ -360,11 +360,11 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineA
     }
   };
   // Under mask_lost_peers the wait may mask ranks whose rows then count as none: located after.
-  if (!v.mask_lost) locate();
+  if (!v.modes.mask_lost()) locate();
   if (threadIdx.x == 0) ok = WaitStep(v, epoch, a.timeout_ns, 1, a.wait_cost);
   __syncthreads();
   if (!ok) return;
-  if (v.mask_lost) {
+  if (v.modes.mask_lost()) {
     locate();
     __syncthreads();
   }

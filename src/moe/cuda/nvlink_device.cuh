@@ -184,7 +184,7 @@ __device__ inline bool WaitAll(const Nv& v, uint64_t epoch, uint64_t budget_ns, 
     const NvPeer& p = v.peer[r];
     const uint64_t* flag = which == 0 ? p.dispatch_flag_in : p.combine_flag_in;
     const uint64_t want = (epoch + 1) * uint64_t(which == 0 ? p.dispatch_step : p.combine_step);
-    const bool may_mask = v.mask_lost && r != v.rank;
+    const bool may_mask = v.modes.mask_lost() && r != v.rank;
     if (AwaitCounted(v, cost, flag, want, start, budget_ns, which, r, may_mask)) continue;
     if (!may_mask || *reinterpret_cast<volatile int32_t*>(&v.scratch->abort)) return false;
     MaskLost(v, r);
@@ -201,7 +201,7 @@ __device__ inline bool WaitAll(const Nv& v, uint64_t epoch, uint64_t budget_ns, 
 __device__ inline bool WaitStep(const Nv& v, uint64_t epoch, uint64_t budget_ns, int which,
                          int64_t* cost = nullptr) {
   if (blockIdx.x != 0) cost = nullptr;
-  if (v.first_remote < 0 && !v.mask_lost) return WaitAll(v, epoch, budget_ns, which, cost);
+  if (v.first_remote < 0 && !v.modes.mask_lost()) return WaitAll(v, epoch, budget_ns, which, cost);
   uint64_t* seen = &v.scratch->seen[which];
   const uint64_t want = epoch + 1;
   if (blockIdx.x == 0) {
@@ -395,7 +395,7 @@ __device__ inline void WriteCountsRows(const Nv& v, uint64_t epoch, Value value,
       *relay_slots = value(r, v.local_experts + kColSlots);
     }
   }
-  if (!v.counts_tagged) return;
+  if (!v.modes.counts_tagged()) return;
   __syncthreads();
   for (int r = threadIdx.x; r < v.world_size; r += blockDim.x) {
     StoreRelease(reinterpret_cast<uint32_t*>(dst(r).counts + CountsTagColumn(v)),
@@ -409,7 +409,7 @@ __device__ inline void WriteCountsRows(const Nv& v, uint64_t epoch, Value value,
 // system scope into a peer; at GPU scope in our own send area, whose tags only our own Unpack
 // waits for (a peer pulling a slot from there waits for our dispatch flag instead).
 __device__ inline void TagSlots(const Nv& v, uint8_t* const* dst, int ns, uint64_t epoch) {
-  if (!v.stream) return;
+  if (!v.modes.stream()) return;
   __syncwarp();
   const int lane = threadIdx.x % 32;
   if (lane >= ns) return;

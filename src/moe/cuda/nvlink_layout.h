@@ -1,24 +1,22 @@
-// Where everything lives in a rank's NVLink buffer (cuda_device.h draws it), and the two
-// choices that shape it: pure arithmetic on the configuration and the steps to stream, so that
-// the kernels' host side and the buffer-size figures (moe/buffers.h) decide them once. No CUDA
-// here.
+// Where everything lives in a rank's NVLink buffer (cuda_device.h draws it): pure arithmetic on
+// the configuration and the step's modes (step_modes.h: which pieces carry tags), so that the
+// kernels' host side and the buffer-size figures (moe/buffers.h) decide it once. No CUDA here.
 #pragma once
 
 #include <cstdint>
 
 #include "ferry/moe.h"
+#include "moe/cuda/step_modes.h"
 #include "moe/wire.h"
 
 namespace ferry::moe {
 
 struct NvlinkLayout {
-  // stream_mask: the steps AllToAllConfig::streaming streams (1 dispatch, 2 combine); one node
-  // (no relay) streams.
-  NvlinkLayout(const AllToAllConfig& c, int stream_mask)
-      : one_node(c.ranks_per_node == c.world_size),
-        counts_tagged(one_node),
-        stream(one_node && (stream_mask & 1)),
-        stream_combine(one_node && (stream_mask & 2)),
+  NvlinkLayout(const AllToAllConfig& c, const StepModes& modes)
+      : one_node(modes.reach == Reach::kOneNode),
+        counts_tagged(modes.counts_tagged()),
+        stream(modes.stream()),
+        stream_combine(modes.stream_combine()),
         slot(c, stream) {
     const int64_t n = c.world_size, rows = int64_t{c.max_tokens_per_rank} * c.experts_per_token;
     counts_off = RoundUp(2 * n * 8, 128);  // after the dispatch and combine flags
@@ -30,9 +28,9 @@ struct NvlinkLayout {
     bytes = send_off + rows * slot.slot_bytes;  // the send area: a slot for each of our copies
   }
   bool one_node;
-  bool counts_tagged;   // each counts row carries a tag (one node)
-  bool stream;          // each slot carries a tag (one node, streamed dispatch)
-  bool stream_combine;  // each returned row carries a tag (one node, streamed combine)
+  bool counts_tagged;   // each counts row carries a tag
+  bool stream;          // each slot carries a tag (the streamed dispatch)
+  bool stream_combine;  // each returned row carries a tag (the streamed combine)
   SlotFormat slot;
   int counts_stride;  // int32 per counts row, rounded up to 16 bytes
   int64_t counts_off, private_off, combine_off, combine_tag_off, send_off, bytes;

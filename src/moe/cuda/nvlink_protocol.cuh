@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "moe/cuda/cuda_util.cuh"
+#include "moe/cuda/step_modes.h"
 #include "moe/relay.h"
 #include "moe/wire.h"
 
@@ -133,22 +134,20 @@ struct Nv {
   int counts_stride;  // int32 per counts row: L + kCountsColumns, rounded up to 16 bytes
   int64_t payload, slot_bytes, meta_bytes, row_bytes, capacity, slots_per_pair;
   int64_t meta_used;  // header and entries; meta_bytes rounds it up to a 128-byte line
-  bool once, reduce;
-  // One node (no relay): each counts row carries a 32-bit tag, "epoch + 1" once the row is in
-  // place, in column CountsTagColumn; Unpack reads the rows and builds its offsets table as
-  // soon as the tags are up, while the send blocks still store slots, and only then waits for
-  // their arrivals (or, streamed, for each slot's tag).
-  bool counts_tagged;
-  // Streamed dispatch (one node; see cuda_device.h): each slot carries a 64-bit tag,
-  // "epoch + 1" once its bytes are in place, at SlotTagOffset (right after the entries); Unpack
-  // takes each slot as its tag comes up instead of waiting for every send block's arrival.
-  bool stream;
-  // Streamed combine (one node): each returned row's 64-bit tag, "epoch + 1" once the row is in
-  // place, at combine_tag_off + row * 8 in the receiver's buffer; CombineRecv sums each token as
-  // its rows' tags come up and waits for the combine flags only before the epoch ends.
-  bool stream_combine;
+  // The step's modes (step_modes.h). Where they say tags:
+  // - counts_tagged(): each counts row carries a 32-bit tag, "epoch + 1" once the row is in
+  //   place, in column CountsTagColumn; Unpack reads the rows and builds its offsets table as
+  //   soon as the tags are up, while the send blocks still store slots, and only then waits for
+  //   their arrivals (or, streamed, for each slot's tag).
+  // - stream() (see cuda_device.h): each slot carries a 64-bit tag, "epoch + 1" once its bytes
+  //   are in place, at SlotTagOffset (right after the entries); Unpack takes each slot as its
+  //   tag comes up instead of waiting for every send block's arrival.
+  // - stream_combine(): each returned row's 64-bit tag, "epoch + 1" once the row is in place, at
+  //   combine_tag_off + row * 8 in the receiver's buffer; CombineRecv sums each token as its
+  //   rows' tags come up and waits for the combine flags only before the epoch ends.
+  // token_major(): received slot g is output row g.
+  StepModes modes;
   int64_t combine_tag_off;
-  bool token_major;  // DispatchLayout::kTokenMajor: received slot g is output row g
   int first_remote;  // the lowest rank of another node, -1 if none (WaitStep, Arrive)
   int64_t counts_off, private_off, combine_off, send_off;  // flags at 0
   uint8_t* own;          // our buffer (its send area holds the slots peers pull and our own)
@@ -178,11 +177,10 @@ struct Nv {
   // the routing (IdAt), its counts row as zeros, its rows as none in the combine (LocateRows);
   // no flag of it is waited for or raised.
   int32_t* masks;
-  // mask_lost_peers: a receive wait that reaches its deadline masks the ranks it still waits
+  // modes.mask_lost(): a receive wait that reaches its deadline masks the ranks it still waits
   // for (MaskLost) instead of failing the step. One thread decides for the whole step (WaitStep
   // through block 0), so that every block of the kernel reads the same ranks as masked; the
   // counts rows' tags and streaming, whose waits are per block and per slot, are off.
-  bool mask_lost;
   int32_t* mask_mirror;  // [N] mapped pinned host memory: kMaskedLost where a wait masked r
 };
 

@@ -188,7 +188,7 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
   if (src4) load(src4, 0);
   Mark(v, kTraceUnpack, 3);
 
-  if (!v.counts_tagged) {  // tagged, the kernel built it from the rows before the flags
+  if (!v.modes.counts_tagged()) {  // tagged, the kernel built it from the rows before the flags
     BuildOffsets(v, t.counts, t.offset, total, a.padding, a.expert_rows);
     Mark(v, kTraceUnpack, 4);
   }
@@ -222,7 +222,7 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
     // The combine row, counted from where our rows for s go (rebased for another node).
     const int64_t row = header.row - rebase[s];
     const SlotLimits limits{v.topk, v.local_experts, v.max_tokens,
-                            v.reduce, from.row_cap, v.capacity};
+                            v.modes.reduce(), from.row_cap, v.capacity};
     bool valid = SlotHeaderValid(header, row, limits);
     bool fits = true;  // within its expert's block (a copy past it is dropped, not malformed)
     if (tid < entries) {
@@ -233,11 +233,11 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
       if (valid) {
         const int64_t at = int64_t{offset[s * v.local_experts + le]} + entry.pos;
         const int64_t expert_row = ExpertBase(v, offset)[le] + at;
-        fits = v.token_major || a.padding != 0 || at < a.expert_rows;
-        valid = valid && (v.token_major || expert_row < a.out_rows);
-        out_row[tid] = v.token_major ? g : expert_row;
+        fits = v.modes.token_major() || a.padding != 0 || at < a.expert_rows;
+        valid = valid && (v.modes.token_major() || expert_row < a.out_rows);
+        out_row[tid] = v.modes.token_major() ? g : expert_row;
         // CombineSend's entries; token-major it copies row g and reads none.
-        if (!v.token_major) {
+        if (!v.modes.token_major()) {
           v.rentries[g * v.topk + tid] = RecvEntry{expert_row, entry.weight};
         }
       }
@@ -255,12 +255,12 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
     }
     // Token-major: the slot is one output row, and column c of its experts and weights is the
     // entry whose k is c (thread c looks for it), or none.
-    const int outs = placed ? (v.token_major ? 1 : entries) : 0;
+    const int outs = placed ? (v.modes.token_major() ? 1 : entries) : 0;
     if (!primary_done) {  // the caller's memory from here on (a.out_x, a.out_scales, ...)
       if (!kStream) WaitPrimary();  // streamed: see UnpackKernel
       primary_done = true;
     }
-    if (v.token_major && valid && tid < v.topk) {
+    if (v.modes.token_major() && valid && tid < v.topk) {
       int32_t expert = -1;
       float weight = 0.0f;
       for (int i = 0; i < entries; ++i) {
@@ -340,7 +340,8 @@ __global__ void __launch_bounds__(kCopyThreads, 2) UnpackKernel(Nv v, RecvArgs a
   const uint64_t epoch = v.scratch->epoch;
   const uint64_t wait_start = GlobalTimerNs();
   LoadPeersIn(v, from_of);  // while thread 0 waits: no table load on the path after the flags
-  if (v.counts_tagged) {  // every sender's counts row, a thread per sender waiting for its tag
+  // Every sender's counts row, a thread per sender waiting for its tag.
+  if (v.modes.counts_tagged()) {
     bool there = true;
     int64_t* cost = blockIdx.x == 0 ? a.wait_cost : nullptr;  // every block waits the same
     for (int q = threadIdx.x; q < v.world_size; q += blockDim.x) {
@@ -406,7 +407,7 @@ __global__ void __launch_bounds__(kCopyThreads, 2) UnpackKernel(Nv v, RecvArgs a
   const int64_t total = prefix[v.world_size];
   // Counts rows from their tags: the offsets table now, then (not streamed) every send block's
   // arrival -- the table no longer waits behind the senders' last slots.
-  if (v.counts_tagged) {
+  if (v.modes.counts_tagged()) {
     BuildOffsets(v, counts, offset, total, a.padding, a.expert_rows);
     Mark(v, kTraceUnpack, 4);
     if (!kStream) {
@@ -436,13 +437,13 @@ __global__ void __launch_bounds__(kCopyThreads, 2) UnpackKernel(Nv v, RecvArgs a
   }
   if (blockIdx.x == 0) {
     if (!kStream) WaitPrimary();
-    if (v.token_major && threadIdx.x == 0) *a.num_rows = static_cast<int32_t>(total);
+    if (v.modes.token_major() && threadIdx.x == 0) *a.num_rows = static_cast<int32_t>(total);
     for (int e = threadIdx.x; e < v.local_experts; e += blockDim.x) {
       const int32_t rows = offset[v.world_size * v.local_experts + e];
       a.num_tokens[e] = rows;
       if (rows > v.capacity) {
         Report(v, kRowOverrun, -1, e);
-      } else if (!v.token_major && a.padding == 0 && rows > a.expert_rows) {
+      } else if (!v.modes.token_major() && a.padding == 0 && rows > a.expert_rows) {
         Report(v, kExpertFull, rows, e);
       }
     }

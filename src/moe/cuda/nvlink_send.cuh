@@ -94,7 +94,8 @@ __device__ void ScanChunk(const Nv& v, const SendArgs& a, int tokens, int b, Rou
     int h = 0;
 #pragma unroll
     for (int i = 0; i < kMaxK; ++i) h += rank_of[i] == r0 + q;
-    const uint32_t slots = h == 0 ? 0 : (v.once ? 1 : h), rows = h == 0 ? 0 : (v.reduce ? 1 : h);
+    const uint32_t slots = h == 0 ? 0 : (v.modes.once() ? 1 : h);
+    const uint32_t rows = h == 0 ? 0 : (v.modes.reduce() ? 1 : h);
     mine.v[q] = slots | rows << 16;
   }
   RouteScan(smem.scan).ExclusiveSum(mine, mine, chunk);
@@ -310,23 +311,23 @@ __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
       int32_t pos = v.erank[f];
       for (int c = 0; c < f / kChunk; ++c) pos += v.chunk_counts[int64_t{c} * v.experts + x.e];
       const int r = x.r;
-      const int o = v.once ? 0 : x.within;  // which of the token's slots for rank r
+      const int o = v.modes.once() ? 0 : x.within;  // which of the token's slots for rank r
       const int64_t carry = v.scan_carry[int64_t{t / kRouteThreads} * v.world_size + r];
       const int64_t j = v.slot_pos[int64_t{r} * v.max_tokens + t] + (carry & 0xFFFFFFFF) + o;
       row_pos = static_cast<int32_t>(v.row_pos[int64_t{r} * v.max_tokens + t] + (carry >> 32));
       uint8_t* d = SlotDst(v, r, j, starts[r]);
       const SlotEntry entry{LocalOf(v, x.e), lane, v.weights[f], pos};
-      reinterpret_cast<SlotEntry*>(d + sizeof(SlotHeader))[v.once ? x.within : 0] = entry;
-      if (!v.once || x.first) {
-        const int32_t row =
-            static_cast<int32_t>(row_starts[r] + row_pos + (v.once || v.reduce ? 0 : o));
+      reinterpret_cast<SlotEntry*>(d + sizeof(SlotHeader))[v.modes.once() ? x.within : 0] = entry;
+      if (!v.modes.once() || x.first) {
+        const int32_t row = static_cast<int32_t>(row_starts[r] + row_pos +
+                                                 (v.modes.once() || v.modes.reduce() ? 0 : o));
         *reinterpret_cast<SlotHeader*>(d) =
-            SlotHeader{t, v.once ? x.hits : 1, row, static_cast<int16_t>(o),
-                     static_cast<int16_t>(v.once ? 1 : x.hits)};
-        dst[v.once ? x.ranks_before : x.lanes_before + x.within] = d;
+            SlotHeader{t, v.modes.once() ? x.hits : 1, row, static_cast<int16_t>(o),
+                     static_cast<int16_t>(v.modes.once() ? 1 : x.hits)};
+        dst[v.modes.once() ? x.ranks_before : x.lanes_before + x.within] = d;
       }
     }
-    const int ns = __popc(v.once ? x.firsts : x.valids);
+    const int ns = __popc(v.modes.once() ? x.firsts : x.valids);
     __syncwarp();  // every lane read row_pos before it is completed for CombineRecv
     if (x.first) v.row_pos[int64_t{x.r} * v.max_tokens + t] = row_pos;
     const long long copy_start = v.trace ? clock64() : 0;
@@ -503,8 +504,8 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
     all = __reduce_add_sync(~0u, all);
     before = __reduce_add_sync(~0u, before);
     if (lane == 0) {
-      m.slots[r] = v.once ? m.tokens_all[r] : all;
-      m.rows[r] = v.reduce ? m.tokens_all[r] : all;
+      m.slots[r] = v.modes.once() ? m.tokens_all[r] : all;
+      m.rows[r] = v.modes.reduce() ? m.tokens_all[r] : all;
       m.copies_before[r] = before;
     }
   }
@@ -589,23 +590,23 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
     // Lay out the token's slots (as PackKernel does).
     if (x.valid) {
       const int r = x.r;
-      const int o = v.once ? 0 : x.within;
-      const int64_t j = (v.once ? rank_tokens : rank_copies) + o;
+      const int o = v.modes.once() ? 0 : x.within;
+      const int64_t j = (v.modes.once() ? rank_tokens : rank_copies) + o;
       uint8_t* d = SlotDst(v, r, j, m.starts[r], m.peer_slots[r], m.peer_cap[r]);
       const SlotEntry entry{LocalOf(v, x.e), lane, weight, pos};
-      reinterpret_cast<SlotEntry*>(d + sizeof(SlotHeader))[v.once ? x.within : 0] = entry;
-      if (!v.once || x.first) {
-        const int32_t row_pos = v.reduce ? rank_tokens : rank_copies;
+      reinterpret_cast<SlotEntry*>(d + sizeof(SlotHeader))[v.modes.once() ? x.within : 0] = entry;
+      if (!v.modes.once() || x.first) {
+        const int32_t row_pos = v.modes.reduce() ? rank_tokens : rank_copies;
         const int32_t row = static_cast<int32_t>(m.row_starts[r] + row_pos +
-                                                 (v.once || v.reduce ? 0 : o));
+                                                 (v.modes.once() || v.modes.reduce() ? 0 : o));
         *reinterpret_cast<SlotHeader*>(d) =
-            SlotHeader{t, v.once ? x.hits : 1, row, static_cast<int16_t>(o),
-                     static_cast<int16_t>(v.once ? 1 : x.hits)};
-        dst_of[warp][v.once ? x.ranks_before : x.lanes_before + x.within] = d;
+            SlotHeader{t, v.modes.once() ? x.hits : 1, row, static_cast<int16_t>(o),
+                     static_cast<int16_t>(v.modes.once() ? 1 : x.hits)};
+        dst_of[warp][v.modes.once() ? x.ranks_before : x.lanes_before + x.within] = d;
         if (x.first) v.row_pos[int64_t{r} * v.max_tokens + t] = row_pos;  // for CombineRecv
       }
     }
-    const int ns = __popc(v.once ? x.firsts : x.valids);
+    const int ns = __popc(v.modes.once() ? x.firsts : x.valids);
     __syncwarp();
 
     StoreRowWarp(v, a, t, dst_of[warp], ns, batch);
