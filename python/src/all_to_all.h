@@ -1,5 +1,5 @@
 // The AllToAll binding's class (ferry.AllToAll), shared by the module's bindings (moe.cc) and
-// the engine-API layers' C++ halves (engine_api.cc). Each step checks its arrays against the
+// the compatibility layers' C++ halves (compat.cc). Each step checks its arrays against the
 // configuration (size, element type, host or the configured GPU, writable outputs) before a
 // pointer reaches the core, and runs with the GIL released. With a stream set (CUDA), steps
 // return once enqueued: the arrays of every step enqueued since the last synchronize() stay
@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "binding.h"
-#include "engine_api.h"
+#include "compat.h"
 #include "ferry/moe.h"
 
 namespace ferry::python {

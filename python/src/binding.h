@@ -100,7 +100,7 @@ void BindBootstrap(py::module_& m);
 void BindFabric(py::module_& m);
 void BindMoe(py::module_& m);
 void BindKv(py::module_& m);
-void BindEngineApi(py::module_& m);
+void BindCompat(py::module_& m);
 void BindDeepEp(py::module_& m);
 
 // The exception object (not raised) of a failed status, None for OK.

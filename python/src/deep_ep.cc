@@ -21,7 +21,7 @@
 
 #include "all_to_all.h"
 #include "binding.h"
-#include "engine_api.h"
+#include "compat.h"
 
 namespace ferry::python {
 namespace {

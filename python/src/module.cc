@@ -294,6 +294,6 @@ PYBIND11_MODULE(_ferry, m) {
   BindFabric(m);
   BindMoe(m);
   BindKv(m);
-  BindEngineApi(m);
+  BindCompat(m);
   BindDeepEp(m);
 }

@@ -6,7 +6,7 @@ processes too): the engine runs on ferry with nothing in its code changed. What 
 refuses it refuses here, naming the argument.
 """
 
-from ferry.deep_ep import Buffer, Config, EventOverlap
+from ferry.compat.deep_ep import Buffer, Config, EventOverlap
 
 from . import utils
 

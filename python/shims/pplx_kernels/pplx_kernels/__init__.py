@@ -5,7 +5,7 @@ every process that starts with that environment (an engine's worker processes to
 ferry.pplx_kernels.install() covers only the process that calls it.
 """
 
-from ferry.pplx_kernels import (AllToAll, nvshmem_alloc_empty_unique_id, nvshmem_finalize,
+from ferry.compat.pplx_kernels import (AllToAll, nvshmem_alloc_empty_unique_id, nvshmem_finalize,
                                 nvshmem_get_unique_id, nvshmem_init)
 
 from . import nvshmem

@@ -228,7 +228,7 @@ class DeepEpMaskCudaTest(DeepEpMaskTest):
 
     def setUp(self):
         super().setUp()
-        from test_engine_api_cuda import NO_GPU, probe
+        from test_compat_cuda import NO_GPU, probe
         if ferry.run_local_ranks(1, probe, 60.0)[0].exit_code == NO_GPU:
             self.skipTest("no GPU, or torch without CUDA")
 

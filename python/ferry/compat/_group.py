@@ -1,5 +1,6 @@
-"""What ferry.deep_ep and ferry.pplx share: the process group a layer was given, the AllToAlls
-it creates as the calls reveal their shapes, and the checks on the tensors it is handed.
+"""What the compatibility layers (deep_ep, pplx) share: the process group a layer was given,
+the AllToAlls it creates as the calls reveal their shapes, and the checks on the tensors it is
+handed.
 
 A layer's AllToAlls are collective to create, and both APIs learn a shape (hidden, top-k, the
 dtype) only from a call's tensors, so an AllToAll is made at the first call of each shape: every
@@ -14,9 +15,9 @@ import socket
 
 import torch
 
-from . import _ferry
-from ._errors import InvalidArgument, ResourceExhausted, Unimplemented
-from ._torch import torch_bootstrap
+from .. import _ferry
+from .._errors import InvalidArgument, ResourceExhausted, Unimplemented
+from .._torch import torch_bootstrap
 
 
 MAX_INSTANCES = 16  # AllToAllConfig::kMaxInstances: the AllToAlls one engine serves
@@ -171,7 +172,8 @@ def device_kind(tensor):
 def shim_path(name):
     """The folder holding the package `name` (deep_ep, pplx_kernels) over ferry's layer: put on
     PYTHONPATH, `import name` finds ferry's in every process started with it."""
-    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "shims", name)
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "shims",
+                        name)
 
 
 def env_timeout(default=30.0):

@@ -1,5 +1,6 @@
-"""ferry.deep_ep and ferry.pplx on the CUDA device: test_engine_api's calls and torch references
-with the layers' tensors on the GPU (ranks of one node sharing this machine's first GPU: world
+"""ferry.compat's layers on the CUDA device: the calls and torch references of
+test_compat_deep_ep, test_compat_pplx and test_compat_pplx_kernels with the layers' tensors on
+the GPU (ranks of one node sharing this machine's first GPU: world
 size 1, and 2 where two ranks fit, as MPS clients under tools/gpu_check.sh). Skips without a
 GPU, or torch with CUDA, in a probe rank: CUDA is touched only inside the forked ranks (a
 process must not fork after initialising it). The expert ids, fp8 made inside the dispatch,
@@ -9,7 +10,10 @@ import os
 import unittest
 
 import ferry
-import test_engine_api as api
+import compat_reference as refs
+import test_compat_deep_ep as deep_ep_tests
+import test_compat_pplx as pplx_tests
+import test_compat_pplx_kernels as pplx_kernels_tests
 
 NO_GPU = 3
 
@@ -28,7 +32,7 @@ def on_gpu(body, own_stream=True):
     the legacy default stream, torch's current one unless a stream is set)."""
     def run(b, store):
         import torch
-        api.DEV = "cuda"
+        refs.DEV = "cuda"
         torch.cuda.set_device(0)
         if own_stream:
             with torch.cuda.stream(torch.cuda.Stream()):
@@ -60,14 +64,14 @@ def check_replays(graph, world, rank, captured_inputs, out, ids_of=lambda idx: i
     import torch
     x, ids, w = captured_inputs
     for r in range(1, 4):
-        rx, ridx, rw = api.inputs(world, rank, round=r)
+        rx, ridx, rw = refs.inputs(world, rank, round=r)
         x.copy_(rx)
         ids.copy_(ids_of(ridx))
         w.copy_(rw)
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out.cpu().float(),
-                                   api.weighted_reference(rx, ridx, rw).float(), rtol=2 ** -7,
+                                   refs.weighted_reference(rx, ridx, rw).float(), rtol=2 ** -7,
                                    atol=2 ** -6)
 
 
@@ -78,16 +82,16 @@ def graph_body(world, kind):
     def body(b, store):
         import torch
         from ferry import deep_ep
-        group = api.group_of(b, store, kind)
+        group = refs.group_of(b, store, kind)
         buf = deep_ep.Buffer(group, explicitly_destroy=True)
-        e, local = api.EXPERTS_PER_RANK * world, api.EXPERTS_PER_RANK
-        x, idx, w = (t.cuda() for t in api.inputs(world, b.rank))
-        factor = torch.tensor([api.expert_factor(b.rank * local + le) for le in range(local)],
+        e, local = refs.EXPERTS_PER_RANK * world, refs.EXPERTS_PER_RANK
+        x, idx, w = (t.cuda() for t in refs.inputs(world, b.rank))
+        factor = torch.tensor([refs.expert_factor(b.rank * local + le) for le in range(local)],
                               device="cuda").view(local, 1, 1)
         out = torch.empty_like(x)
 
         def step():
-            recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, api.MAX_TOKENS, e,
+            recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, refs.MAX_TOKENS, e,
                                                              use_fp8=False)
             y = (recv.float() * factor).to(torch.bfloat16)  # rows past the counts: unread
             buf.low_latency_combine(y, idx, w, handle, out=out)
@@ -105,22 +109,22 @@ def pplx_graph_body(world, kind):
     def body(b, store):
         import torch
         from ferry import pplx
-        group = api.group_of(b, store, kind)
-        local, pad = api.EXPERTS_PER_RANK, api.PADDING
-        a2a = pplx.AllToAll(max_num_tokens=api.MAX_TOKENS, num_experts=local * world,
-                            expert_padding=pad, hidden_dim=api.HIDDEN, hidden_dim_scale=None,
+        group = refs.group_of(b, store, kind)
+        local, pad = refs.EXPERTS_PER_RANK, pplx_tests.PADDING
+        a2a = pplx.AllToAll(max_num_tokens=refs.MAX_TOKENS, num_experts=local * world,
+                            expert_padding=pad, hidden_dim=refs.HIDDEN, hidden_dim_scale=None,
                             in_dtype=torch.bfloat16, out_dtype=torch.bfloat16, scale_dtype=None,
-                            num_experts_per_token=api.K, device=torch.device("cuda"),
+                            num_experts_per_token=refs.K, device=torch.device("cuda"),
                             global_group=group)
-        x, idx, w = (t.cuda() for t in api.inputs(world, b.rank))
+        x, idx, w = (t.cuda() for t in refs.inputs(world, b.rank))
         ids = idx.to(torch.int32)
         bound = torch.tensor([x.shape[0]], dtype=torch.int32, device="cuda")
         rows = a2a.max_recv_tokens
         counts = torch.empty(local, dtype=torch.int32, device="cuda")
-        out_x = torch.zeros(rows, api.HIDDEN, dtype=torch.bfloat16, device="cuda")
+        out_x = torch.zeros(rows, refs.HIDDEN, dtype=torch.bfloat16, device="cuda")
         y = torch.empty_like(out_x)
         out = torch.zeros_like(x)
-        factor = torch.tensor([api.expert_factor(b.rank * local + le) for le in range(local)],
+        factor = torch.tensor([refs.expert_factor(b.rank * local + le) for le in range(local)],
                               device="cuda")
         row = torch.arange(rows, device="cuda")
 
@@ -133,7 +137,7 @@ def pplx_graph_body(world, kind):
 
         graph = captured(step)
         for r in range(1, 4):
-            rx, ridx, rw = api.inputs(world, b.rank, round=r)
+            rx, ridx, rw = refs.inputs(world, b.rank, round=r)
             m = max(0, rx.shape[0] - r)  # fewer tokens each replay
             x.copy_(rx)
             ids.copy_(ridx.to(torch.int32))
@@ -141,7 +145,7 @@ def pplx_graph_body(world, kind):
             bound.fill_(m)
             graph.replay()
             torch.cuda.synchronize()
-            want = api.weighted_reference(rx[:m], ridx[:m], rw[:m])
+            want = refs.weighted_reference(rx[:m], ridx[:m], rw[:m])
             torch.testing.assert_close(out[:m].cpu().float(), want.float(), rtol=2 ** -7,
                                        atol=2 ** -6)
         a2a.destroy()
@@ -155,16 +159,16 @@ def pplx_kernels_graph_body(world):
     the reference."""
     def body(b, store):
         import torch
-        a2a = api.legacy_all_to_all(b, store, "ferry", world)
-        local, block = api.EXPERTS_PER_RANK, api.MAX_TOKENS * world
-        x, idx, w = (t.cuda() for t in api.inputs(world, b.rank))
+        a2a = pplx_kernels_tests.legacy_all_to_all(b, store, "ferry", world)
+        local, block = refs.EXPERTS_PER_RANK, refs.MAX_TOKENS * world
+        x, idx, w = (t.cuda() for t in refs.inputs(world, b.rank))
         ids32 = idx.to(torch.int32)
         ids = ids32.view(torch.uint32) if hasattr(torch, "uint32") else ids32
         counts = torch.empty(local, dtype=torch.int32, device="cuda")
-        out_x = torch.zeros(local, block, api.HIDDEN, dtype=torch.bfloat16, device="cuda")
+        out_x = torch.zeros(local, block, refs.HIDDEN, dtype=torch.bfloat16, device="cuda")
         y = torch.empty_like(out_x)
         out = torch.zeros_like(x)
-        factor = torch.tensor([api.expert_factor(b.rank * local + le) for le in range(local)],
+        factor = torch.tensor([refs.expert_factor(b.rank * local + le) for le in range(local)],
                               device="cuda")
 
         def step():
@@ -190,22 +194,22 @@ def streams_body(world):
     def body(b, store):
         import torch
         from ferry import deep_ep, pplx
-        e, local = api.EXPERTS_PER_RANK * world, api.EXPERTS_PER_RANK
-        factor = torch.tensor([api.expert_factor(b.rank * local + le) for le in range(local)],
+        e, local = refs.EXPERTS_PER_RANK * world, refs.EXPERTS_PER_RANK
+        factor = torch.tensor([refs.expert_factor(b.rank * local + le) for le in range(local)],
                               device="cuda").view(local, 1, 1)
         first, other = torch.cuda.Stream(), torch.cuda.Stream()
 
         def round_trip(buf, r, async_finish=False):
-            rx, ridx, rw = api.inputs(world, b.rank, round=r)
+            rx, ridx, rw = refs.inputs(world, b.rank, round=r)
             x, idx, w = rx.cuda(), ridx.cuda(), rw.cuda()
             recv, _, handle, event, _ = buf.low_latency_dispatch(
-                x, idx, api.MAX_TOKENS, e, use_fp8=False, async_finish=async_finish)
+                x, idx, refs.MAX_TOKENS, e, use_fp8=False, async_finish=async_finish)
             event.current_stream_wait()
             y = (recv.float() * factor).to(torch.bfloat16)
             out, event, _ = buf.low_latency_combine(y, idx, w, handle, async_finish=async_finish)
             event.current_stream_wait()
             torch.testing.assert_close(out.cpu().float(),
-                                       api.weighted_reference(rx, ridx, rw).float(),
+                                       refs.weighted_reference(rx, ridx, rw).float(),
                                        rtol=2 ** -7, atol=2 ** -6)
             return handle.pooled.a2a
 
@@ -224,22 +228,22 @@ def streams_body(world):
             round_trip(buf, 4)  # a call that waits, on the same communication stream
         buf.destroy()
 
-        p = pplx.AllToAll(max_num_tokens=api.MAX_TOKENS, num_experts=e,
-                          expert_padding=api.PADDING, hidden_dim=api.HIDDEN,
+        p = pplx.AllToAll(max_num_tokens=refs.MAX_TOKENS, num_experts=e,
+                          expert_padding=pplx_tests.PADDING, hidden_dim=refs.HIDDEN,
                           hidden_dim_scale=None, in_dtype=torch.bfloat16,
                           out_dtype=torch.bfloat16, scale_dtype=None,
-                          num_experts_per_token=api.K, device=torch.device("cuda"),
+                          num_experts_per_token=refs.K, device=torch.device("cuda"),
                           global_group=b)
-        rx, ridx, rw = api.inputs(world, b.rank, round=5)
+        rx, ridx, rw = refs.inputs(world, b.rank, round=5)
         with torch.cuda.stream(other):
             x, ids, w = rx.cuda(), ridx.to(torch.int32).cuda(), rw.cuda()
             counts = torch.empty(local, dtype=torch.int32, device="cuda")
-            out_x = torch.zeros(p.max_recv_tokens, api.HIDDEN, dtype=torch.bfloat16,
+            out_x = torch.zeros(p.max_recv_tokens, refs.HIDDEN, dtype=torch.bfloat16,
                                 device="cuda")
             p.dispatch(counts, out_x, None, x, None, ids, w)
             assert p._a2a.stream == other.cuda_stream, (p._a2a.stream, other.cuda_stream)
             torch.cuda.current_stream().synchronize()
-        want = [sum(int((api.inputs(world, s, round=5)[1] == b.rank * local + le).sum())
+        want = [sum(int((refs.inputs(world, s, round=5)[1] == b.rank * local + le).sum())
                     for s in range(world)) for le in range(local)]
         assert counts.tolist() == want, (counts.tolist(), want)
         p.destroy()
@@ -255,16 +259,16 @@ def held_arrays_body(b, store):
     import time
     import torch
     from ferry import deep_ep
-    e, local = api.EXPERTS_PER_RANK, api.EXPERTS_PER_RANK
-    factor = torch.tensor([api.expert_factor(le) for le in range(local)],
+    e, local = refs.EXPERTS_PER_RANK, refs.EXPERTS_PER_RANK
+    factor = torch.tensor([refs.expert_factor(le) for le in range(local)],
                           device="cuda").view(local, 1, 1)
-    rx, ridx, rw = api.inputs(1, 0, round=2)
+    rx, ridx, rw = refs.inputs(1, 0, round=2)
     x, idx, w = rx.cuda(), ridx.cuda(), rw.cuda()
     buf = deep_ep.Buffer(b, explicitly_destroy=True)
     out = torch.empty_like(x)
 
     def round_trip():
-        recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, api.MAX_TOKENS, e,
+        recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, refs.MAX_TOKENS, e,
                                                          use_fp8=False)
         y = (recv.float() * factor).to(torch.bfloat16)
         buf.low_latency_combine(y, idx, w, handle, out=out)
@@ -289,7 +293,7 @@ def held_arrays_body(b, store):
     round_trip()  # its release sees every earlier step done
     assert a2a.pending_arrays <= 16, a2a.pending_arrays
     torch.cuda.synchronize()
-    torch.testing.assert_close(out.cpu().float(), api.weighted_reference(rx, ridx, rw).float(),
+    torch.testing.assert_close(out.cpu().float(), refs.weighted_reference(rx, ridx, rw).float(),
                                rtol=2 ** -7, atol=2 ** -6)
     buf.destroy()
 
@@ -299,18 +303,18 @@ def direct_held_arrays_body(b, store):
     synchronised: the arrays they hold stay within the binding's bound (each dispatch_send lets
     go those of the finished steps), and the last epoch's result is right."""
     import torch
-    c = ferry.AllToAllConfig(world_size=1, rank=0, num_experts=api.EXPERTS_PER_RANK,
-                             experts_per_token=api.K, max_tokens_per_rank=api.MAX_TOKENS,
-                             hidden=api.HIDDEN, device=ferry.MoeDevice.CUDA, cuda_device=0,
+    c = ferry.AllToAllConfig(world_size=1, rank=0, num_experts=refs.EXPERTS_PER_RANK,
+                             experts_per_token=refs.K, max_tokens_per_rank=refs.MAX_TOKENS,
+                             hidden=refs.HIDDEN, device=ferry.MoeDevice.CUDA, cuda_device=0,
                              ranks_per_node=1)
     a2a = ferry.AllToAll(c, None, b)
     a2a.set_stream(torch.cuda.current_stream())
-    rx, ridx, rw = api.inputs(1, 0)
+    rx, ridx, rw = refs.inputs(1, 0)
     for epoch in range(60):
         x, idx, w = rx.cuda(), ridx.cuda(), rw.cuda()
-        recv = torch.empty(api.EXPERTS_PER_RANK, c.expert_capacity, api.HIDDEN,
+        recv = torch.empty(refs.EXPERTS_PER_RANK, c.expert_capacity, refs.HIDDEN,
                            dtype=torch.bfloat16, device="cuda")
-        counts = torch.empty(api.EXPERTS_PER_RANK, dtype=torch.int32, device="cuda")
+        counts = torch.empty(refs.EXPERTS_PER_RANK, dtype=torch.int32, device="cuda")
         out = torch.empty_like(x)
         a2a.dispatch_send(x, idx, w)
         a2a.dispatch_recv(recv, counts)
@@ -334,22 +338,22 @@ def hook_on_another_stream_body(b, store):
     other = torch.cuda.Stream()
     for use_fp8 in (False, True):
         for r in range(4):
-            api.check_low_latency(buf, 1, 0, use_fp8, False, False, True, common=True, round=r,
-                                  hook_stream=other)
+            deep_ep_tests.check_low_latency(buf, 1, 0, use_fp8, False, False, True, common=True,
+                                            round=r, hook_stream=other)
     buf.destroy()
 
 
-class CudaEngineApiTest(api.Case):
+class CudaEngineApiTest(refs.Case):
     def setUp(self):
         super().setUp()
         if ferry.run_local_ranks(1, probe, 60.0)[0].exit_code == NO_GPU:
             self.skipTest("no CUDA GPU (or torch without CUDA) here")
 
     def test_deep_ep_world_1(self):
-        self.ranks(1, on_gpu(api.deep_ep_body(1, "ferry")), timeout=240.0)
+        self.ranks(1, on_gpu(deep_ep_tests.deep_ep_body(1, "ferry")), timeout=240.0)
 
     def test_deep_ep_world_2_over_gloo(self):
-        self.ranks(2, on_gpu(api.deep_ep_body(2, "gloo")), timeout=240.0)
+        self.ranks(2, on_gpu(deep_ep_tests.deep_ep_body(2, "gloo")), timeout=240.0)
 
     def test_deep_ep_low_latency_as_a_cuda_graph(self):
         self.ranks(1, on_gpu(graph_body(1, "ferry")), timeout=240.0)
@@ -379,37 +383,38 @@ class CudaEngineApiTest(api.Case):
         self.ranks(2, on_gpu(streams_body(2)), timeout=240.0)
 
     def test_pplx_world_1(self):
-        self.ranks(1, on_gpu(api.pplx_body(1, "ferry")), timeout=240.0)
+        self.ranks(1, on_gpu(pplx_tests.pplx_body(1, "ferry")), timeout=240.0)
 
     def test_pplx_world_1_on_the_legacy_default_stream(self):
-        self.ranks(1, on_gpu(api.pplx_body(1, "ferry"), own_stream=False), timeout=240.0)
+        self.ranks(1, on_gpu(pplx_tests.pplx_body(1, "ferry"), own_stream=False), timeout=240.0)
 
     def test_deep_ep_world_1_on_the_legacy_default_stream(self):
-        self.ranks(1, on_gpu(api.deep_ep_body(1, "ferry"), own_stream=False), timeout=240.0)
+        self.ranks(1, on_gpu(deep_ep_tests.deep_ep_body(1, "ferry"), own_stream=False),
+                   timeout=240.0)
 
     def test_pplx_world_2(self):
-        self.ranks(2, on_gpu(api.pplx_body(2, "ferry")), timeout=240.0)
+        self.ranks(2, on_gpu(pplx_tests.pplx_body(2, "ferry")), timeout=240.0)
 
     def test_pplx_expert_block_overflow(self):
-        self.ranks(1, on_gpu(api.pplx_overflow_body), timeout=240.0)
+        self.ranks(1, on_gpu(pplx_tests.pplx_overflow_body), timeout=240.0)
 
     def test_pplx_data_parallel_group_of_two(self):
-        self.ranks(2, on_gpu(api.pplx_dp_body(2)), timeout=240.0)
+        self.ranks(2, on_gpu(pplx_tests.pplx_dp_body(2)), timeout=240.0)
 
     def test_pplx_kernels_world_1(self):
-        self.ranks(1, on_gpu(api.pplx_kernels_body(1, "ferry")), timeout=240.0)
+        self.ranks(1, on_gpu(pplx_kernels_tests.pplx_kernels_body(1, "ferry")), timeout=240.0)
 
     def test_pplx_kernels_world_2_over_gloo(self):
-        self.ranks(2, on_gpu(api.pplx_kernels_body(2, "gloo")), timeout=240.0)
+        self.ranks(2, on_gpu(pplx_kernels_tests.pplx_kernels_body(2, "gloo")), timeout=240.0)
 
     def test_pplx_kernels_as_a_cuda_graph_world_2(self):
         self.ranks(2, on_gpu(pplx_kernels_graph_body(2)), timeout=240.0)
 
     def test_pplx_kernels_data_parallel_group_of_two(self):
-        self.ranks(2, on_gpu(api.pplx_kernels_dp_body(2, "gloo")), timeout=240.0)
+        self.ranks(2, on_gpu(pplx_kernels_tests.pplx_kernels_dp_body(2, "gloo")), timeout=240.0)
 
     def test_pplx_kernels_data_parallel_group_over_ferrys_bootstrap(self):
-        self.ranks(2, on_gpu(api.pplx_kernels_dp_body(2, "ferry")), timeout=240.0)
+        self.ranks(2, on_gpu(pplx_kernels_tests.pplx_kernels_dp_body(2, "ferry")), timeout=240.0)
 
     # An NCCL group: world size 1 (NCCL refuses two ranks on one GPU, which is all two ranks
     # get here). The layers gather through torch.distributed's all_gather_object on it.
@@ -420,11 +425,11 @@ class CudaEngineApiTest(api.Case):
 
     def test_deep_ep_world_1_over_nccl(self):
         self.nccl()
-        self.ranks(1, on_gpu(api.deep_ep_body(1, "nccl")), timeout=240.0)
+        self.ranks(1, on_gpu(deep_ep_tests.deep_ep_body(1, "nccl")), timeout=240.0)
 
     def test_pplx_world_1_over_nccl(self):
         self.nccl()
-        self.ranks(1, on_gpu(api.pplx_body(1, "nccl")), timeout=240.0)
+        self.ranks(1, on_gpu(pplx_tests.pplx_body(1, "nccl")), timeout=240.0)
 
     def test_deep_ep_low_latency_as_a_cuda_graph_over_nccl(self):
         self.nccl()

@@ -1,4 +1,4 @@
-// What the engine-API layers' C++ calls share (engine_api.cc: pplx; deep_ep.cc: deep_ep's
+// What the compatibility layers' C++ calls share (compat.cc: pplx; deep_ep.cc: deep_ep's
 // low-latency calls): torch's objects looked up once, the caller's current stream, and the
 // pieces of their error messages.
 #pragma once
@@ -40,7 +40,7 @@ struct Torch {
           // else ferry's Python one over torch.cuda.current_stream.
           py::object(py::hasattr(torch.attr("_C"), "_cuda_getCurrentRawStream")
                          ? torch.attr("_C").attr("_cuda_getCurrentRawStream")
-                         : py::module_::import("ferry._engine_api").attr("current_stream_handle"))
+                         : py::module_::import("ferry.compat._group").attr("current_stream_handle"))
               .release(),
           py::object(torch.attr("empty_like")).release()};
       return t;

@@ -4,7 +4,7 @@
 // frame); here each tensor is read once (TorchArray) and checked from what was read. The
 // constructor's checks, and everything decided once, stay in Python. deep_ep.cc does the same
 // for ferry.deep_ep's low-latency calls.
-#include "engine_api.h"
+#include "compat.h"
 
 #include <optional>
 #include <string>
@@ -288,7 +288,7 @@ class PyPplx {
 };
 }  // namespace
 
-void BindEngineApi(py::module_& m) {
+void BindCompat(py::module_& m) {
   py::class_<PyPplx>(m, "PplxSteps",
                      "pplx-garden's dispatch and combine over a ferry.AllToAll (what "
                      "ferry.pplx.AllToAll subclasses; construct that instead)")

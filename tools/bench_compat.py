@@ -11,7 +11,7 @@ between them. The target is <= 2 us per call. Last, what deep_ep's normal-mode c
 for returning the combined top-k weights (a second AllToAll), as a ratio to the same combine
 without them.
 
-  PYTHONPATH=build/python /usr/bin/python3 tools/bench_engine_api.py [--device cuda]
+  PYTHONPATH=build/python /usr/bin/python3 tools/bench_compat.py [--device cuda]
       [--iterations N] [--json out.json]
 
 CPU: the host device, one rank (what the layers add is Python on the calling thread, the

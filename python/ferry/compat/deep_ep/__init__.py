@@ -1,0 +1,37 @@
+"""DeepEP's Python API (deep_ep.Buffer, its V1 interface) over ferry's AllToAll.
+
+A DeepEP user changes `import deep_ep` to `from ferry.compat import deep_ep` (`ferry.deep_ep`
+is the same module), or changes no code and puts shim_path() on PYTHONPATH (a `deep_ep` package
+of this module's names, found by every process started with it). The calls take and return what
+DeepEP's do, in its shapes, dtypes and strides:
+
+- low-latency mode: `low_latency_dispatch` hands back `[num_local_experts, num_ranks *
+  num_max_dispatch_tokens_per_rank, hidden]` (bf16, or e4m3 with fp32 scales whose last two
+  dimensions are column-major, or UE8M0 exponents packed four to an int32), the per-expert
+  counts and a handle; `low_latency_combine` takes that layout back with the top-k weights and
+  returns each token's weighted sum. Both map onto an expert-major AllToAll whose combine
+  weights are given at the combine.
+- normal mode: `get_dispatch_layout`, `dispatch` (each token once per rank that holds any of its
+  experts, with `recv_topk_idx` local to the rank, -1 elsewhere) and `combine` (an unweighted
+  sum over the ranks) map onto a token-major AllToAll with both of ferry's options (a token once
+  per rank; its experts' outputs summed at the expert rank).
+
+Tensors on the CPU run on ferry's host device; CUDA tensors on its CUDA device. Normal-mode calls,
+and low-latency ones whose first call asks for async_finish, go on a stream of the Buffer's own that
+waits for the caller's current stream (or `previous_event`), as DeepEP's communication stream does;
+other low-latency calls go on the caller's stream, as DeepEP launches a hook's send half, with no
+event between the caller's kernels and ferry's. An argument ferry cannot honour raises Unimplemented
+naming it (ferry.Error); a bad tensor raises InvalidArgument. Tuning knobs that change no result
+(`Config`, `num_sms`, `num_qps_per_rank`, `allocate_on_comm_stream`) are taken and kept.
+"""
+
+from .._group import shim_path as _shim_path
+from ._buffer import Buffer
+from ._events import Config, EventHandle, EventOverlap
+
+__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "shim_path"]
+
+
+def shim_path():
+    """The folder to put on PYTHONPATH for `import deep_ep` to find ferry's."""
+    return _shim_path("deep_ep")

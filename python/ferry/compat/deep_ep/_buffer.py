@@ -1,0 +1,106 @@
+"""DeepEP's Buffer: construction, its static helpers and its end; each mode's calls are in a
+file of their own (_low_latency.py, _normal.py, _shrink.py), what they share in _streams.py."""
+
+from ... import _ferry
+from .._group import Group, env_timeout, refuse
+from ..._errors import InvalidArgument, Unimplemented
+from ._events import Config, _DONE, _round_up
+from ._low_latency import _LowLatency
+from ._normal import _Normal
+from ._shrink import _Shrink
+from ._streams import _Streams
+
+
+class Buffer(_LowLatency, _Normal, _Shrink, _Streams, _ferry.DeepEpLowLatency):
+    """DeepEP's communication buffer: dispatch and combine among the ranks of `group`.
+
+    group: a torch.distributed ProcessGroup (gloo or NCCL; None for the default group), or a
+    ferry.Bootstrap. num_nvl_bytes + num_rdma_bytes bound the tokens a normal-mode dispatch
+    takes per rank (ferry's buffers for `num_ranks` ranks' tokens of that hidden size must fit);
+    the low-latency mode sizes its buffers from each call's num_max_dispatch_tokens_per_rank.
+    engine: a ferry.TransferEngine to use (default: one from the FERRY_* environment, made when
+    an AllToAll first needs one). ranks_per_node: the NVLink domain (default: ranks on one host).
+
+    low_latency_dispatch and low_latency_combine are the C++ base's (_ferry.DeepEpLowLatency):
+    it runs their common path itself and hands every other call to _low_latency_dispatch /
+    _low_latency_combine here.
+    """
+
+    num_sms = 20
+
+    def __init__(self, group=None, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False,
+                 num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False,
+                 explicitly_destroy=False, enable_shrink=False, *, engine=None,
+                 ranks_per_node=None, timeout=None):
+        if num_nvl_bytes < 0 or num_rdma_bytes < 0:
+            raise InvalidArgument("num_nvl_bytes and num_rdma_bytes: at least 0")
+        refuse("allow_mnnvl", allow_mnnvl, False, "multi-node NVLink domains are not supported")
+        self._group = Group(group, engine, ranks_per_node)
+        self.rank, self.group_size = self._group.rank, self._group.world_size
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+        self.low_latency_mode = low_latency_mode
+        self.num_qps_per_rank = num_qps_per_rank
+        self.explicitly_destroy = explicitly_destroy
+        # Shrink mode (DeepEP's mask buffer): the low-latency AllToAlls mask a rank that missed
+        # a call's deadline instead of failing the call, and the mask calls below work.
+        self.enable_shrink = bool(enable_shrink)
+        self._masked = [0] * self.group_size  # what the mask calls set or found
+        self._timeout = env_timeout() if timeout is None else float(timeout)
+        self._constants = {}   # (device, rows, columns, value, comm) -> _constant's tensor
+        self._weights_scratch = {}  # weights AllToAll key -> its dispatch's unread outputs
+        self._outputs = {}     # (AllToAll, fp8 form) -> the low-latency outputs (_ll_outputs)
+        self._combine_buffers = {}  # AllToAll -> get_next_low_latency_combine_buffer's tensor
+        self._stream = None    # the communication stream (CUDA)
+        self._streams = {}     # torch objects for other streams AllToAlls took (_stream_of)
+        # The low-latency calls' common path, in C++ once a shape's AllToAll and its two
+        # output sets exist (_ll_outputs adds them).
+        super().__init__(self.group_size, self._timeout, _DONE)
+        self._destroyed = False
+
+    # ---- DeepEP's static helpers ------------------------------------------------------------
+
+    @staticmethod
+    def set_num_sms(new_num_sms):
+        if new_num_sms % 2:
+            raise InvalidArgument("set_num_sms: an even number of SMs")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def get_dispatch_config(num_ranks):
+        return Config(Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks):
+        return Config(Buffer.num_sms)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
+                                       num_experts):
+        """Bytes of what ferry's expert-major AllToAll keeps per rank for these shapes (its send
+        rows, receive rows and counts), as DeepEP's hint sizes num_rdma_bytes."""
+        m = num_max_dispatch_tokens_per_rank
+        row = hidden * 2 + hidden // 128 * 4 + 16
+        dispatch = num_ranks * m * row + (num_experts // max(num_ranks, 1)) * num_ranks * m * row
+        combine = 2 * num_ranks * m * hidden * 2
+        return _round_up(dispatch + combine + num_ranks * num_experts * 8, 128)
+
+    def get_local_buffer_tensor(self, *args, **kwargs):
+        raise Unimplemented("get_local_buffer_tensor: ferry's buffers are not one tensor")
+
+    def destroy(self):
+        if not self.explicitly_destroy:
+            raise InvalidArgument("destroy: the Buffer was made with explicitly_destroy=False")
+        self._close()
+
+    def _close(self):
+        if not self._destroyed:
+            self._destroyed = True
+            self._clear_shapes()
+            self._group.close()
+
+    def __del__(self):
+        try:
+            if not self.explicitly_destroy:
+                self._close()
+        except Exception:  # noqa: BLE001 -- interpreter shutdown
+            pass

@@ -1,0 +1,88 @@
+"""What DeepEP's calls take and return besides tensors: Config, EventHandle, EventOverlap, and
+the helpers every mode of the Buffer shares."""
+
+import contextlib
+
+import torch
+
+from ... import _ferry
+
+class Config:
+    """DeepEP's performance configuration. ferry sizes its own grids and chunks, so these are
+    kept, not used."""
+
+    def __init__(self, num_sms=20, num_max_nvl_chunked_send_tokens=6,
+                 num_max_nvl_chunked_recv_tokens=256, num_max_rdma_chunked_send_tokens=6,
+                 num_max_rdma_chunked_recv_tokens=256):
+        self.num_sms = num_sms
+        self.num_max_nvl_chunked_send_tokens = num_max_nvl_chunked_send_tokens
+        self.num_max_nvl_chunked_recv_tokens = num_max_nvl_chunked_recv_tokens
+        self.num_max_rdma_chunked_send_tokens = num_max_rdma_chunked_send_tokens
+        self.num_max_rdma_chunked_recv_tokens = num_max_rdma_chunked_recv_tokens
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes, num_ranks):
+        return _round_up(2 * num_ranks * self.num_max_nvl_chunked_recv_tokens * hidden_bytes, 128)
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes, num_ranks):
+        return _round_up(2 * num_ranks * self.num_max_rdma_chunked_recv_tokens * hidden_bytes,
+                         128)
+
+
+class EventHandle:
+    """DeepEP's EventHandle (deep_ep.utils'): an event recorded on the current CUDA stream as it
+    is made, for a call's previous_event (EventOverlap(EventHandle())). Where CUDA is not, it
+    holds none: every call there has finished when it returns."""
+
+    def __init__(self):
+        self.event = None
+        if torch.cuda.is_available():
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def current_stream_wait(self):
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+
+class EventOverlap:
+    """A CUDA event (None on the CPU, where every call has finished when it returns) and the
+    tensors that must live until it fires. `with event:` and current_stream_wait() make the
+    current stream wait for it. The event may be given as a torch.cuda.Event or, as DeepEP's
+    callers give it, an EventHandle."""
+
+    def __init__(self, event=None, extra_tensors=None):
+        self.event = event.event if isinstance(event, EventHandle) else event
+        self.extra_tensors = extra_tensors
+
+    def current_stream_wait(self):
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.current_stream_wait()
+
+
+_DONE = EventOverlap()  # the event of a call the caller's stream already waits for
+_NO_STREAM = contextlib.nullcontext()
+_SEND, _RECV, _BOTH = 1, 2, 3  # AllToAll.dispatch / combine's halves
+
+
+def _token_major(num_experts, k, capacity, hidden, dtype):
+    """The normal mode's AllToAll configuration: token-major, each token sent once per rank
+    that holds any of its experts, their outputs summed at that rank."""
+    return dict(num_experts=num_experts, experts_per_token=k, max_tokens_per_rank=capacity,
+                hidden=hidden, dtype=dtype, dispatch_once_per_rank=True,
+                combine_reduce_at_expert_rank=True,
+                dispatch_layout=_ferry.DispatchLayout.TOKEN_MAJOR)
+
+
+def _round_up(n, to):
+    return (n + to - 1) // to * to
+
+
+# What a combine needs of its dispatch (the handle a dispatch returns); the C++ path makes them
+# too.
+_Handle = _ferry.DeepEpHandle

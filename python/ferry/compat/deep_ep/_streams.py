@@ -1,0 +1,137 @@
+"""The Buffer's AllToAlls and streams: what both modes share (pools, constants, the
+communication stream, the order between it and the caller's)."""
+
+import contextlib
+
+import torch
+
+
+from ... import _ferry
+from .._group import current_stream_handle, device_kind
+from ..._errors import InvalidArgument
+from ._events import _DONE, EventOverlap, _NO_STREAM
+
+
+class _Streams:
+    """What Buffer's modes share (a mixin: the state is Buffer's)."""
+
+    def _check_open(self, call):
+        if self._destroyed:
+            raise InvalidArgument(f"{call}: the Buffer was destroyed")
+
+    def _constant(self, x, rows, columns, value, comm=False):
+        """A float32 [rows, columns] tensor of `value` on x's device, made once, for step
+        inputs whose values no result reads (dispatch-time weights the combine does not use,
+        the rows of a dispatch that moves only its routing). With `comm` it is made on the
+        communication stream, where the normal mode's steps read it: made on the caller's, a
+        call ordered after previous_event alone could read it before it was filled."""
+        key = (x.get_device(), rows, columns, value, comm)
+        t = self._constants.get(key)
+        if t is None:
+            with torch.cuda.stream(self._stream) if comm and x.is_cuda else _NO_STREAM:
+                t = self._constants[key] = torch.full((rows, columns), value,
+                                                      dtype=torch.float32, device=x.device)
+        return t
+
+    def _acquire(self, key, x, fields, comm):
+        """The idle AllToAll of `key` (made from fields(), the config's keywords, when there is
+        none: the call that makes it is the only one that builds them). The key names x's
+        device (Tensor.get_device()). With `comm` its steps go on the communication stream,
+        unless an earlier call gave it the caller's (see _stream_of)."""
+        pooled = self._group.acquire(key)
+        if pooled is None:
+            pooled = self._create(key, x, fields)
+        if comm and x.is_cuda and not pooled.streamed:
+            if pooled.a2a.stream is None:
+                self._stream_for(pooled)
+            pooled.streamed = True
+        return pooled
+
+    def _create(self, key, x, fields):
+        device = device_kind(x)
+        low_latency = key[0] == "ll"
+
+        def make():
+            c = _ferry.AllToAllConfig(**fields())
+            c.device = device
+            c.mask_lost_peers = low_latency and self.enable_shrink
+            if device == _ferry.MoeDevice.CUDA:
+                c.cuda_device = x.device.index or 0
+                c.ranks_per_node = self._group.ranks_per_node()
+            return c
+
+        pooled = self._group.acquire(key, make)
+        if low_latency:
+            for rank, masked in enumerate(self._masked):
+                if masked:
+                    pooled.a2a.set_masked(rank)
+        return pooled
+
+    def _stream_for(self, pooled):
+        """The AllToAll on the communication stream (set once: its four steps must share
+        one)."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        pooled.a2a.set_stream(self._stream)
+
+    def _stream_of(self, a2a, current, device):
+        """torch's object for the stream a2a's steps go on, None where that is the caller's
+        current stream (handle `current`). A low-latency AllToAll whose first call waits for its
+        result (no async_finish) takes the caller's stream as its own in that call, as DeepEP
+        launches a hook's send half on the caller's stream: the steps then follow the caller's
+        kernels on it with no event between them. The first async_finish call gives it the
+        communication stream instead, so that its transfers overlap the caller's work."""
+        s = a2a.stream
+        if s is None or s == current:
+            return None
+        if self._stream is not None and s == self._stream.cuda_stream:
+            return self._stream
+        stream = self._streams.get(s)
+        if stream is None:
+            stream = self._streams[s] = (torch.cuda.default_stream(device) if s == 0
+                                         else torch.cuda.ExternalStream(s, device))
+        return stream
+
+    @staticmethod
+    def _current(x):
+        """The caller's current stream (a handle) where x is on the GPU, else None."""
+        return current_stream_handle(x.get_device()) if x.is_cuda else None
+
+    def _begin(self, a2a, x, previous_event):
+        """The normal mode's steps, made one by one: what the AllToAll enqueued before and has
+        finished let go (its kernels' errors raised), then the communication
+        stream (where the AllToAll's steps go) ordered after the caller's stream, or after
+        previous_event; returns the caller's stream handle, for _end. The ordering is the
+        AllToAll's own (an event recorded and waited for in C++): torch's stream objects cost
+        several microseconds a call. The low-latency calls have the AllToAll do all of this in
+        its dispatch() / combine()."""
+        current = self._current(x)
+        if current is None:
+            return None
+        a2a.release_finished(current)
+        if previous_event is not None and previous_event.event is not None:
+            self._stream.wait_event(previous_event.event)
+        else:
+            a2a.order_after(current)
+        return current
+
+    def _end(self, a2a, current, async_finish, inputs, outputs=(), waited=False, device=None):
+        """DeepEP's finish: the caller's stream waits for the communication stream (done
+        already where `waited`), or (with async_finish) gets an event to wait on. The AllToAll
+        keeps the tensors its enqueued steps use referenced until they finish, so none is
+        freed (and its memory reused) under them."""
+        if current is None:
+            return EventOverlap(None, inputs + outputs) if async_finish else _DONE
+        if not async_finish:
+            if not waited:
+                a2a.order_before(current)
+            return _DONE
+        event = torch.cuda.Event()
+        event.record(self._stream_of(a2a, current, device) or torch.cuda.current_stream(device))
+        return EventOverlap(event, inputs + outputs)
+
+    def _on_comm(self, a2a, current, device):
+        """torch's stream context for torch ops of ours that must run on the AllToAll's stream
+        (fp8 scale layouts, counters); nothing on the CPU or where that is the caller's."""
+        stream = None if current is None else self._stream_of(a2a, current, device)
+        return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)

@@ -1,0 +1,500 @@
+"""ferry.compat.deep_ep on the host device against compat_reference's torch references: the
+low-latency mode (bf16 and fp8, with and without the receive hook), the normal mode, world
+sizes 1, 2 and 4 over gloo and ferry's bootstrap, and the shim package."""
+
+import time
+
+import ferry
+from ranks import expect_error
+
+from compat_reference import (EXPERTS_PER_RANK, HIDDEN, K, MAX_TOKENS, Case, decode_e4m3, dv,
+                              e4m3_table, expert_factor, fp8_dtype, group_of, hv, inputs,
+                              quantize_reference, rows_of, run_with_shim, weighted_reference,
+                              Worlds)
+
+try:
+    import torch
+except ImportError:  # the bindings' other tests run without torch
+    torch = None
+
+
+def check_low_latency(buf, world, rank, use_fp8, round_scale, use_ue8m0, hook, common=False,
+                      round=0, hook_stream=None, positional=False, counters=None,
+                      hidden=HIDDEN):
+    """One low-latency dispatch and combine against the references. common: the calls an
+    engine's decode step makes (the combine into an `out` of its own, by default no expert
+    counters), which the Buffer runs in C++ from a shape's third dispatch on. hook_stream
+    (CUDA): the dispatch's hook called with that stream current, the results then read on the
+    dispatch's. positional: every argument passed by position, none by keyword. counters:
+    whether cumulative_local_expert_recv_stats is passed (default: when not common). hidden:
+    the rows' first columns only."""
+    from ferry import deep_ep  # noqa: F401 -- the module under test
+    x, idx, w = inputs(world, rank, round=round, columns=hidden)
+    e = EXPERTS_PER_RANK * world
+    counters = not common if counters is None else counters
+    stats = dv(torch.zeros(EXPERTS_PER_RANK, dtype=torch.int32)) if counters else None
+    if positional:
+        recv, count, handle, event, recv_hook = buf.low_latency_dispatch(
+            dv(x), dv(idx), MAX_TOKENS, e, stats, None, use_fp8, round_scale, use_ue8m0, False,
+            hook)
+    else:
+        recv, count, handle, event, recv_hook = buf.low_latency_dispatch(
+            dv(x), dv(idx), MAX_TOKENS, e, cumulative_local_expert_recv_stats=stats,
+            use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
+            return_recv_hook=hook)
+    assert (recv_hook is not None) == hook
+    if hook and hook_stream is not None:
+        with torch.cuda.stream(hook_stream):
+            recv_hook()
+    elif hook:
+        recv_hook()
+    event.current_stream_wait()
+    rows = world * MAX_TOKENS
+    recv_x, scales = recv if use_fp8 else (recv, None)
+    if use_fp8:  # the layout on the device; the values here (strides kept: copied as they are)
+        assert scales.stride() == ((hidden // 512 if use_ue8m0 else hidden // 128) * rows, 1,
+                                   rows), scales.stride()
+    recv_x, count = hv(recv_x), hv(count)
+    scales = hv(scales) if use_fp8 else None
+    assert tuple(recv_x.shape) == (EXPERTS_PER_RANK, rows, hidden), recv_x.shape
+    assert tuple(count.shape) == (EXPERTS_PER_RANK,) and count.dtype == torch.int32
+    if use_fp8:
+        groups = hidden // 512 if use_ue8m0 else hidden // 128
+        assert tuple(scales.shape) == (EXPERTS_PER_RANK, rows, groups), scales.shape
+        assert scales.stride() == (groups * rows, 1, rows), scales.stride()  # column-major
+        assert scales.dtype == (torch.int32 if use_ue8m0 else torch.float32)
+    expert_y = torch.zeros(EXPERTS_PER_RANK, rows, hidden, dtype=torch.bfloat16)
+    for le in range(EXPERTS_PER_RANK):
+        g = rank * EXPERTS_PER_RANK + le
+        want, want_q, want_s = [], [], []
+        for s in range(world):
+            sx, sidx, _ = inputs(world, s, round=round, columns=hidden)
+            q, qs = quantize_reference(sx, round_scale) if use_fp8 else (None, None)
+            for t in range(sx.shape[0]):
+                for j in range(K):
+                    if int(sidx[t, j]) == g:
+                        want.append(sx[t])
+                        if use_fp8:
+                            want_q.append(q[t])
+                            want_s.append(qs[t])
+        n = int(count[le])
+        assert n == len(want), (rank, le, n, len(want))
+        if use_fp8:
+            got_q = decode_e4m3(recv_x[le, :n].contiguous())
+            if use_ue8m0:  # four exponent bytes per int32, group c at byte c % 4
+                b = torch.tensor(scales[le, :n].tolist(), dtype=torch.int32)
+                b = b.view(torch.uint8).long()
+                got_s = torch.ldexp(torch.ones(b.shape), (b - 127).int())
+            else:
+                got_s = scales[le, :n]
+            got = sorted(tuple(qq.tolist()) + tuple(ss.tolist()) for qq, ss in zip(got_q, got_s))
+            ref = sorted(tuple(qq.tolist()) + tuple(ss.tolist())
+                         for qq, ss in zip(want_q, want_s))
+            assert got == ref, (rank, le, "fp8 rows or scales differ from the reference")
+        else:
+            assert rows_of(recv_x[le, :n]) == rows_of(want), (rank, le)
+        if not use_fp8:  # the expert: its rows times its factor
+            expert_y[le, :n] = (recv_x[le, :n].double() * expert_factor(g)).to(torch.bfloat16)
+        else:  # each received row traced back to its sender's bf16 row by its quantised form
+            sources = {}
+            for row in want:
+                sources.setdefault(tuple(quantize_reference(row[None], round_scale)[0][0]
+                                         .tolist()), []).append(row)
+            got_q = decode_e4m3(recv_x[le, :n].contiguous())
+            for r in range(n):
+                src = sources[tuple(got_q[r].tolist())].pop()
+                expert_y[le, r] = (src.double() * expert_factor(g)).to(torch.bfloat16)
+    if stats is not None:
+        assert torch.equal(hv(stats), count), (stats, count)
+    given = dv(torch.full(x.shape, 7.0, dtype=torch.bfloat16)) if common else None
+    if positional:
+        out, event, combine_hook = buf.low_latency_combine(dv(expert_y), dv(idx), dv(w), handle,
+                                                           False, False, False, hook, given)
+    else:
+        out, event, combine_hook = buf.low_latency_combine(dv(expert_y), dv(idx), dv(w), handle,
+                                                           return_recv_hook=hook, out=given)
+    if hook:
+        combine_hook()
+    event.current_stream_wait()
+    assert given is None or out is given
+    out = hv(out)
+    assert out.shape == x.shape and out.dtype == torch.bfloat16
+    ref = weighted_reference(x, idx, w)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=2 ** -6)
+
+
+def check_normal(buf, world, rank, fp8, hidden=HIDDEN):
+    x, idx, w = inputs(world, rank, columns=hidden)
+    e = EXPERTS_PER_RANK * world
+    layout = buf.get_dispatch_layout(dv(idx), e)
+    per_rank, per_rdma, per_expert, in_rank = hv(layout[0]), layout[1], hv(layout[2]), hv(
+        layout[3])
+    # The layout against its definition.
+    want_in_rank = torch.zeros(x.shape[0], world, dtype=torch.bool)
+    want_per_expert = torch.zeros(e, dtype=torch.int32)
+    for t in range(x.shape[0]):
+        for j in range(K):
+            if int(idx[t, j]) >= 0:
+                want_in_rank[t, int(idx[t, j]) // EXPERTS_PER_RANK] = True
+                want_per_expert[int(idx[t, j])] += 1
+    assert per_rdma is None
+    assert torch.equal(in_rank, want_in_rank) and torch.equal(per_expert, want_per_expert)
+    assert torch.equal(per_rank, want_in_rank.sum(0).int())
+    if fp8:
+        q, s = quantize_reference(x, False)
+        table = e4m3_table()
+        codes = (q[..., None] == table[None, None, :]).float().argmax(-1).to(torch.uint8)
+        xin = (dv(codes).view(fp8_dtype()), dv(s.contiguous()))
+    else:
+        xin = dv(x)
+    recv, recv_idx, recv_w, per_expert_list, handle, event = buf.dispatch(
+        xin, num_tokens_per_rank=dv(per_rank), is_token_in_rank=dv(in_rank),
+        num_tokens_per_expert=dv(per_expert), topk_idx=dv(idx), topk_weights=dv(w),
+        expert_alignment=4)
+    recv_x = hv(recv[0] if fp8 else recv)
+    recv_idx, recv_w = hv(recv_idx), hv(recv_w)
+    # DeepEP's order: every sender's tokens in rank order, each sender's in token order; the
+    # ids local to this rank (-1 for others'), their weights (0 for others').
+    want_x, want_idx, want_w = [], [], []
+    counts = [0] * EXPERTS_PER_RANK
+    for s in range(world):
+        sx, sidx, sw = inputs(world, s, columns=hidden)
+        for t in range(sx.shape[0]):
+            mine = [(j, int(sidx[t, j]) - rank * EXPERTS_PER_RANK) for j in range(K)
+                    if int(sidx[t, j]) // EXPERTS_PER_RANK == rank and int(sidx[t, j]) >= 0]
+            if not mine:
+                continue
+            want_x.append(quantize_reference(sx[t][None], False)[0][0] if fp8 else sx[t])
+            ids, ws = [-1] * K, [0.0] * K
+            for j, le in mine:
+                ids[j], ws[j] = le, float(sw[t, j])
+                counts[le] += 1
+            want_idx.append(ids)
+            want_w.append(ws)
+    n = len(want_x)
+    assert recv_x.shape == (n, hidden), (recv_x.shape, n)
+    if fp8:
+        assert torch.equal(decode_e4m3(recv_x), torch.stack(want_x) if n else
+                           torch.empty(0, hidden))
+    else:
+        assert torch.equal(recv_x.view(torch.int16), torch.stack(want_x).view(torch.int16)
+                           if n else torch.empty(0, hidden, dtype=torch.int16))
+    assert recv_idx.dtype == torch.int64
+    assert recv_idx.tolist() == want_idx and recv_w.tolist() == want_w
+    assert per_expert_list == [(c + 3) // 4 * 4 for c in counts], (per_expert_list, counts)
+    # Combine: every rank returns twice its rows; each token comes back as twice itself times
+    # the number of ranks that held any of its experts.
+    if fp8:  # the fp8 dispatch's combine is the bf16 one's (combine moves bf16 rows)
+        buf.combine(dv(torch.zeros(n, hidden, dtype=torch.bfloat16)), handle)
+        return
+    back = x.double()
+    out, weights_back, _ = buf.combine(dv((recv_x.double() * 2).to(torch.bfloat16)), handle)
+    out = hv(out)
+    assert weights_back is None
+    holders = want_in_rank.sum(1, keepdim=True).double()
+    assert torch.equal(out.view(torch.int16),
+                       (back * 2 * holders).to(torch.bfloat16).view(torch.int16))
+    # A cached dispatch (the handle's routing again), then its combine.
+    again, none_idx, none_w, none_list, none_handle, _ = buf.dispatch(dv(x), handle=handle)
+    assert none_idx is None and none_w is None and none_list is None and none_handle is None
+    assert torch.equal(hv(again).view(torch.int16), recv_x.view(torch.int16))
+    # With a bias (x / 2, exact in bf16), added before the rows.
+    out2, _, _ = buf.combine(again, handle, bias=dv((x.double() / 2).to(torch.bfloat16)))
+    out2 = hv(out2)
+    assert torch.equal(out2.view(torch.int16),
+                       (back * (holders + 0.5)).to(torch.bfloat16).view(torch.int16))
+    # Refused: a handle combined already -- also once another dispatch has taken its AllToAll
+    # (the handle's own state says so, not the AllToAll's) -- and top-k weights whose rows are
+    # not the dispatch's.
+    expect_error(ferry.InvalidArgument, "combined already", buf.combine, again, handle)
+    other = buf.dispatch(dv(x), num_tokens_per_rank=dv(per_rank), is_token_in_rank=dv(in_rank),
+                         num_tokens_per_expert=dv(per_expert), topk_idx=dv(idx),
+                         topk_weights=dv(w))
+    expect_error(ferry.InvalidArgument, "combined already", buf.combine, again, handle)
+    expect_error(ferry.InvalidArgument, f"topk_weights: {n + 1} rows, the dispatch received",
+                 buf.combine, other[0], other[4], topk_weights=dv(torch.zeros(n + 1, K)))
+    # The combine's top-k weights: each token's rows summed over the ranks that got it. A rank
+    # got a token's weights at the columns of its own experts and zeros elsewhere, so twice
+    # them sum to twice the token's weights (0 where its id is -1); a column of ones sums to
+    # the number of ranks that held the token. async_finish: the event covers both sums.
+    given = torch.cat([recv_w * 2, torch.ones(n, 1)], 1).contiguous()
+    out4, summed, event = buf.combine(dv(recv_x), other[4], topk_weights=dv(given),
+                                      async_finish=True)
+    event.current_stream_wait()
+    assert summed.dtype == torch.float32 and summed.is_contiguous()
+    want_sums = torch.cat([torch.where(idx >= 0, w * 2, torch.zeros_like(w)),
+                           holders.float()], 1)
+    assert torch.equal(hv(summed), want_sums), (hv(summed), want_sums)
+    assert torch.equal(hv(out4).view(torch.int16),
+                       (back * holders).to(torch.bfloat16).view(torch.int16))
+    other = buf.dispatch(dv(x), num_tokens_per_rank=dv(per_rank), is_token_in_rank=dv(in_rank),
+                         num_tokens_per_expert=dv(per_expert), topk_idx=dv(idx),
+                         topk_weights=dv(w))
+    expect_error(ferry.InvalidArgument, "bias: shape", buf.combine, other[0], other[4],
+                 bias=dv(torch.zeros(x.shape[0] + 1, hidden, dtype=torch.bfloat16)))
+    # Two biases (x / 2 and x / 4): their fp32 sum rounded to bf16 once, then the rows added.
+    halves = (dv((x.double() / 2).to(torch.bfloat16)), dv((x.double() / 4).to(torch.bfloat16)))
+    out3, _, _ = buf.combine(other[0], other[4], bias=halves)
+    start = (x.double() * 0.75).to(torch.bfloat16).double()
+    assert torch.equal(hv(out3).view(torch.int16),
+                       (start + back * holders).to(torch.bfloat16).view(torch.int16))
+
+
+def check_rank_routing(buf, world, rank):
+    """A normal-mode dispatch without topk_idx, routed by is_token_in_rank alone as DeepEP's
+    is (after previous_event, async_finish): the rows and their order as with the ids, no ids
+    or weights back, each local expert's count from every rank's num_tokens_per_expert; its
+    combine (with top-k weights too) and a cached dispatch as with ids; then what it
+    refuses."""
+    x, idx, w = inputs(world, rank, round=3)
+    e = EXPERTS_PER_RANK * world
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(dv(idx), e)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                  num_tokens_per_expert=per_expert)
+    from ferry.deep_ep import EventHandle, EventOverlap
+    recv, recv_idx, recv_w, per_expert_list, handle, event = buf.dispatch(
+        dv(x), expert_alignment=2, previous_event=EventOverlap(EventHandle()), async_finish=True,
+        **layout)
+    event.current_stream_wait()
+    assert recv_idx is None and recv_w is None
+    want_x, counts = [], [0] * EXPERTS_PER_RANK
+    for s in range(world):
+        sx, sidx, _ = inputs(world, s, round=3)
+        for t in range(sx.shape[0]):
+            mine = [int(v) - rank * EXPERTS_PER_RANK for v in sidx[t]
+                    if int(v) >= 0 and int(v) // EXPERTS_PER_RANK == rank]
+            if mine:
+                want_x.append(sx[t])
+            for le in mine:
+                counts[le] += 1
+    n = len(want_x)
+    want = torch.stack(want_x) if n else torch.empty(0, HIDDEN, dtype=torch.bfloat16)
+    assert torch.equal(hv(recv).view(torch.int16), want.view(torch.int16))
+    assert per_expert_list == [(c + 1) // 2 * 2 for c in counts], (per_expert_list, counts)
+    holders = hv(in_rank).sum(1, keepdim=True)
+    out, none_w, _ = buf.combine(recv, handle)
+    assert none_w is None
+    assert torch.equal(hv(out).view(torch.int16),
+                       (x.double() * holders).to(torch.bfloat16).view(torch.int16))
+    again = buf.dispatch(dv(x), handle=handle)[0]
+    assert torch.equal(hv(again).view(torch.int16), want.view(torch.int16))
+    _, summed, _ = buf.combine(again, handle, topk_weights=dv(torch.ones(n, 3)))
+    assert torch.equal(hv(summed), holders.float().expand(-1, 3))
+    expect_error(ferry.InvalidArgument, "topk_weights: given without topk_idx", buf.dispatch,
+                 dv(x), topk_weights=dv(w), **layout)
+    expect_error(ferry.InvalidArgument, "needs topk_idx", buf.dispatch, dv(x),
+                 num_worst_tokens=4, **layout)
+    expect_error(ferry.InvalidArgument, "is_token_in_rank: shape", buf.dispatch, dv(x),
+                 num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert,
+                 is_token_in_rank=dv(torch.zeros(x.shape[0], world + 1, dtype=torch.bool)))
+
+
+def expert_outputs(recv_x, count, rank):
+    """The experts' outputs in the low-latency layout: each received row times its expert's
+    factor (rows past the counts zero)."""
+    y = torch.zeros(recv_x.shape, dtype=torch.bfloat16)
+    for le in range(EXPERTS_PER_RANK):
+        n = int(count[le])
+        y[le, :n] = (recv_x[le, :n].double() * expert_factor(rank * EXPERTS_PER_RANK + le)).to(
+            torch.bfloat16)
+    return y
+
+
+def check_overlapped_and_zero_copy(buf, world, rank):
+    """Two micro-batches dispatched before either is combined (each on an AllToAll of its
+    own), combined in the other order, the second through the zero-copy combine buffer and
+    async_finish; each token back as its weighted sum."""
+    e = EXPERTS_PER_RANK * world
+    (xa, ia, wa), (xb, ib, wb) = inputs(world, rank, round=1), inputs(world, rank, round=2)
+    ra, ca, ha, _, _ = buf.low_latency_dispatch(dv(xa), dv(ia), MAX_TOKENS, e, use_fp8=False)
+    rb, cb, hb, _, hook = buf.low_latency_dispatch(dv(xb), dv(ib), MAX_TOKENS, e, use_fp8=False,
+                                                   return_recv_hook=True)
+    hook()
+    ya, yb = expert_outputs(hv(ra), hv(ca), rank), expert_outputs(hv(rb), hv(cb), rank)
+    buffer = buf.get_next_low_latency_combine_buffer(hb)
+    buffer.copy_(dv(yb))
+    out_b, event, _ = buf.low_latency_combine(dv(torch.zeros_like(yb)), dv(ib), dv(wb), hb,
+                                              zero_copy=True, async_finish=True)
+    event.current_stream_wait()
+    out_a, _, _ = buf.low_latency_combine(dv(ya), dv(ia), dv(wa), ha)
+    for out, (x, idx, w) in ((out_a, (xa, ia, wa)), (out_b, (xb, ib, wb))):
+        torch.testing.assert_close(hv(out).float(), weighted_reference(x, idx, w).float(),
+                                   rtol=2 ** -7, atol=2 ** -6)
+
+
+def check_worst_tokens(buf, world, rank):
+    """A normal-mode dispatch with num_worst_tokens: that many rows, no host wait, and the rows
+    past those received hold no token (ids -1, weights 0); async_finish's event then waited."""
+    x, idx, w = inputs(world, rank)
+    e = EXPERTS_PER_RANK * world
+    layout = buf.get_dispatch_layout(dv(idx), e)
+    worst = world * MAX_TOKENS
+    recv, recv_idx, recv_w, per_expert, handle, event = buf.dispatch(
+        dv(x), num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
+        num_tokens_per_expert=layout[2], topk_idx=dv(idx), topk_weights=dv(w),
+        num_worst_tokens=worst, async_finish=True, previous_event=layout[4])
+    event.current_stream_wait()
+    assert per_expert == [] and recv.shape[0] == worst and recv_idx.shape[0] == worst
+    got = sum(1 for s in range(world) for sx, sidx, _ in [inputs(world, s)]
+              for t in range(sx.shape[0])
+              if any(int(v) >= 0 and int(v) // EXPERTS_PER_RANK == rank for v in sidx[t]))
+    assert bool((hv(recv_idx)[:got] >= 0).any(dim=1).all()), "a received row without an expert"
+    assert bool((hv(recv_idx)[got:] == -1).all()) and not hv(recv_w)[got:].any()
+    # All num_worst_tokens rows back, as DeepEP takes them, after an event made as DeepEP's
+    # callers make one (deep_ep.utils.EventHandle: the current stream, recorded now).
+    from ferry.deep_ep import EventHandle, EventOverlap
+    out, _, _ = buf.combine(recv, handle, previous_event=EventOverlap(EventHandle()))
+    holders = torch.zeros(x.shape[0], 1, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        holders[t] = len({int(v) // EXPERTS_PER_RANK for v in idx[t] if int(v) >= 0})
+    assert torch.equal(hv(out).view(torch.int16),
+                       (x.double() * holders).to(torch.bfloat16).view(torch.int16))
+
+
+def deep_ep_body(world, group_kind):
+    def body(b, store):
+        from ferry import deep_ep
+        group = group_of(b, store, group_kind)
+        buf = deep_ep.Buffer(group, num_nvl_bytes=1 << 22, num_rdma_bytes=0,
+                             low_latency_mode=True, explicitly_destroy=True)
+        assert buf.group_size == world and buf.rank == b.rank
+        for use_fp8, round_scale, ue8m0 in ((False, False, False), (True, False, False),
+                                            (True, True, True)):
+            for hook in (False, True):
+                check_low_latency(buf, world, b.rank, use_fp8, round_scale, ue8m0, hook)
+        # Rounds of the common calls for each form (power-of-two scales too), with and without
+        # the hooks, the fourth with expert counters, the last with its arguments by position:
+        # the third and later of a shape run in C++, the first two in Python (the Buffer's
+        # methods the C++ base hands a call it does not take, counted here).
+        in_python = []
+        for name in ("_low_latency_dispatch", "_low_latency_combine"):
+            setattr(buf, name, lambda *a, _f=getattr(buf, name), _n=name, **kw: (
+                in_python.append(_n), _f(*a, **kw))[1])
+        for use_fp8, round_scale in ((False, False), (True, False), (True, True)):
+            for r in range(5):
+                if r == 2:
+                    before = len(in_python)
+                check_low_latency(buf, world, b.rank, use_fp8, round_scale, False, r % 2 == 1,
+                                  common=True, round=r, positional=r == 4, counters=r == 3)
+            assert len(in_python) == before, (use_fp8, round_scale, in_python[before:])
+        check_overlapped_and_zero_copy(buf, world, b.rank)
+        # bf16 rows of any multiple of 16 columns, the third and later calls of the shape in C++.
+        for r in range(4):
+            if r == 2:
+                before = len(in_python)
+            check_low_latency(buf, world, b.rank, False, False, False, r % 2 == 1, common=True,
+                              round=r, hidden=48)
+        assert len(in_python) == before, in_python[before:]
+        check_normal(buf, world, b.rank, fp8=False)
+        check_normal(buf, world, b.rank, fp8=True)
+        check_normal(buf, world, b.rank, fp8=False, hidden=48)  # bf16: any multiple of 16
+        check_worst_tokens(buf, world, b.rank)
+        check_rank_routing(buf, world, b.rank)
+        # Refusals name what is not honoured.
+        x, idx, _ = inputs(world, b.rank)
+        x, idx = dv(x), dv(idx)
+        e = EXPERTS_PER_RANK * world
+        expect_error(ferry.InvalidArgument, "num_max_dispatch_tokens_per_rank",
+                     buf.low_latency_dispatch, dv(torch.zeros(MAX_TOKENS + 1, HIDDEN,
+                                                              dtype=torch.bfloat16)),
+                     dv(torch.zeros(MAX_TOKENS + 1, K, dtype=torch.int64)), MAX_TOKENS, e)
+        expect_error(ferry.InvalidArgument, "use_ue8m0 needs round_scale",
+                     buf.low_latency_dispatch, x, idx, MAX_TOKENS, e, use_ue8m0=True)
+        expect_error(ferry.InvalidArgument, "dispatch_wait_recv_cost_stats",
+                     buf.low_latency_dispatch, x, idx, MAX_TOKENS, e,
+                     dispatch_wait_recv_cost_stats=dv(torch.zeros(world, dtype=torch.int32)))
+        expect_error(ferry.InvalidArgument, "dtype", buf.low_latency_dispatch, x.float(), idx,
+                     MAX_TOKENS, e)
+        # A call that does not match DeepEP's signature raises Python's TypeError.
+        for args, kwargs in (((x, idx, MAX_TOKENS), {}), ((x, idx, MAX_TOKENS, e), {"x": x}),
+                             ((x, idx, MAX_TOKENS, e), {"use_fp9": True}),
+                             ((x, idx, MAX_TOKENS, e) + (False,) * 8, {})):
+            expect_error(TypeError, "Buffer.low_latency_dispatch()", buf.low_latency_dispatch,
+                         *args, **kwargs)
+        expect_error(ferry.InvalidArgument, "enable_shrink",
+                     buf.low_latency_update_mask_buffer, 0, True)
+        _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, MAX_TOKENS, e, use_fp8=False)
+        y = dv(torch.zeros(EXPERTS_PER_RANK, world * MAX_TOKENS, HIDDEN, dtype=torch.bfloat16))
+        ones = dv(torch.ones(idx.shape))
+        expect_error(ferry.InvalidArgument, "shape", buf.low_latency_combine,
+                     y[:, :1].contiguous(), idx, ones, handle)
+        buf.low_latency_combine(y, idx, ones, handle)
+        expect_error(ferry.InvalidArgument, "combined already", buf.low_latency_combine, y, idx,
+                     ones, handle)
+        # A shape the C++ path took (this bf16 one, many times above) refused once destroyed.
+        _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, MAX_TOKENS, e, use_fp8=False)
+        buf.destroy()
+        expect_error(ferry.InvalidArgument, "destroyed", buf.low_latency_dispatch, x, idx,
+                     MAX_TOKENS, e, use_fp8=False)
+        expect_error(ferry.InvalidArgument, "destroyed", buf.low_latency_combine, y, idx, ones,
+                     handle)
+    return body
+
+
+DEEP_EP_SHIM_CHECK = """
+import importlib.util, sys, torch
+import ferry, ferry.deep_ep
+assert "deep_ep" not in sys.modules
+import deep_ep
+from deep_ep import Buffer, Config
+from deep_ep.utils import EventHandle, EventOverlap
+assert importlib.util.find_spec("deep_ep") is not None  # how vLLM asks
+assert Buffer is ferry.deep_ep.Buffer and EventOverlap is ferry.deep_ep.EventOverlap
+assert Config is ferry.deep_ep.Config and EventHandle is ferry.deep_ep.EventHandle
+with EventOverlap(EventHandle()):  # as Megatron's callers wait for one; no CUDA here: no event
+    pass
+b = ferry.CallbackBootstrap(0, 1, lambda data, timeout: [data])
+buf = deep_ep.Buffer(b, ranks_per_node=1, explicitly_destroy=True)
+x = torch.randn(3, 128).to(torch.bfloat16)
+idx = torch.tensor([[1], [0], [1]])
+recv_x, count, handle, event, hook = buf.low_latency_dispatch(x, idx, 4, 2, use_fp8=False)
+assert count.tolist() == [1, 2], count
+out, event, hook = buf.low_latency_combine(recv_x, idx, torch.ones(3, 1), handle)
+assert torch.equal(out, x)
+buf.destroy()
+print("shim ok")
+"""
+
+
+class DeepEpTest(Worlds, Case):
+    body_of = staticmethod(deep_ep_body)
+
+    def test_the_shim_package_on_pythonpath(self):
+        """With ferry.deep_ep.shim_path() on PYTHONPATH, `import deep_ep` (and deep_ep.utils)
+        gives ferry's, vLLM's find_spec sees it, and a Buffer made through it moves rows."""
+        from ferry import deep_ep
+        run_with_shim(self, deep_ep.shim_path(), DEEP_EP_SHIM_CHECK)
+
+    def test_topk_weights_passed_by_one_rank_alone_fail_there_at_the_deadline(self):
+        """combine(topk_weights=...) is collective (its weights take a second AllToAll): once
+        both ranks have combined weights, a rank that passes them while its peer does not gets
+        DeadlineExceeded within the Buffer's timeout, not a hang; the peer's combine returns
+        its rows and no weights."""
+        def body(b, store):
+            from ferry import deep_ep
+            buf = deep_ep.Buffer(b, num_nvl_bytes=1 << 22, ranks_per_node=1, timeout=1.0,
+                                 explicitly_destroy=True)
+            x, idx, w = inputs(2, b.rank)
+            per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx,
+                                                                          EXPERTS_PER_RANK * 2)
+            for both in (True, False):
+                recv, _, recv_w, _, handle, _ = buf.dispatch(
+                    x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                    num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+                if both:
+                    _, weights, _ = buf.combine(recv, handle, topk_weights=recv_w)
+                    assert torch.equal(weights, torch.where(idx >= 0, w, torch.zeros_like(w)))
+                elif b.rank == 0:
+                    start = time.monotonic()
+                    expect_error(ferry.DeadlineExceeded, "topk_weights (their AllToAll",
+                                 buf.combine, recv, handle, topk_weights=recv_w)
+                    assert time.monotonic() - start < 10.0, time.monotonic() - start
+                else:
+                    out, weights, _ = buf.combine(recv, handle)
+                    assert weights is None and out.shape == x.shape
+            b.all_gather(b"", 30.0)  # the peer's buffers kept until rank 0's deadline passed
+            buf.destroy()
+        self.ranks(2, body)
+
+
+# ---- pplx ---------------------------------------------------------------------------------------
