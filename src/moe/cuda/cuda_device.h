@@ -4,9 +4,10 @@
 //
 // Files: moe/wire.h (the counts row and slot format, which the host device speaks too),
 // nvlink_layout.h (the buffer below), nvlink_protocol.cuh (what kernels and host share: the peer
-// table, device state, flags and waits), the kernels step by step -- nvlink_send.cuh (DispatchSend:
-// Route, Pack, SendSmall), nvlink_recv.cuh (DispatchRecv: Unpack), nvlink_combine.cuh
-// (CombineSend, CombineRecv) -- relay_boxes.h (the relay's memory as the kernels and the NIC
+// table, device state, flags and waits), step_modes.h (the modes a step runs with), the kernels
+// step by step -- nvlink_send.cuh and nvlink_send_small.cuh (DispatchSend: Route, Pack;
+// SendSmall), nvlink_recv.cuh (DispatchRecv: Unpack), nvlink_combine.cuh (CombineSend,
+// CombineRecv) -- relay_boxes.h (the relay's memory as the kernels and the NIC
 // see it); and the host side of this class by phase: cuda_device_setup.cu (memory, peers, relay,
 // device state), cuda_device_launch.cu (the kernels' plan and launches: the only file that
 // includes the kernels), cuda_device_sync.cu (streams, masks, errors, tracing).

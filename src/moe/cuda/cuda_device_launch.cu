@@ -1,7 +1,8 @@
 // The CUDA device's kernels, planned and launched (design in cuda_device.h): the buffer's layout
 // and every kernel's grid, then the four steps enqueued on the device's stream. The only file
-// that includes the kernels (nvlink_send.cuh, nvlink_recv.cuh, nvlink_combine.cuh): a kernel's
-// attributes (shared memory) are set on the instance this file launches.
+// that includes the kernels (nvlink_send.cuh, nvlink_send_small.cuh, nvlink_recv.cuh,
+// nvlink_combine.cuh): a kernel's attributes (shared memory) are set on the instance this file
+// launches.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -13,6 +14,7 @@
 #include "moe/cuda/nvlink_layout.h"
 #include "moe/cuda/nvlink_recv.cuh"
 #include "moe/cuda/nvlink_send.cuh"  // the kernels, in step order
+#include "moe/cuda/nvlink_send_small.cuh"
 
 namespace ferry::moe {
 namespace {

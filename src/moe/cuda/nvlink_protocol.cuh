@@ -1,7 +1,8 @@
 // What the NVLink AllToAll's kernels share with its host side (cuda_device_*.cu): launch
 // shapes, the per-rank device state (Scratch), the peer table (NvPeer), the argument structs,
 // the error codes and the trace slots. The device helpers the kernels use are in
-// nvlink_device.cuh; the kernels in nvlink_send.cuh, nvlink_recv.cuh and nvlink_combine.cuh.
+// nvlink_device.cuh; the kernels in nvlink_send.cuh, nvlink_send_small.cuh, nvlink_recv.cuh and
+// nvlink_combine.cuh.
 // Design in cuda_device.h.
 #pragma once
 
