@@ -9,8 +9,7 @@ from ranks import expect_error
 
 from compat_reference import (EXPERTS_PER_RANK, HIDDEN, K, MAX_TOKENS, Case, decode_e4m3, dv,
                               e4m3_table, expert_factor, fp8_dtype, group_of, hv, inputs,
-                              quantize_reference, rows_of, run_with_shim, weighted_reference,
-                              Worlds)
+                              quantize_reference, rows_of, run_with_shim, weighted_reference)
 
 try:
     import torch
@@ -351,83 +350,144 @@ def check_worst_tokens(buf, world, rank):
                        (x.double() * holders).to(torch.bfloat16).view(torch.int16))
 
 
-def deep_ep_body(world, group_kind):
+# The behaviours deep_ep_body checks, in order, each a function of (buf, world, rank); a test per
+# behaviour runs it alone (DeepEpTest), the CUDA tests run them all in one set of ranks.
+BEHAVIOURS = {}
+
+
+def behaviour(fn):
+    BEHAVIOURS[fn.__name__] = fn
+    return fn
+
+
+@behaviour
+def low_latency_in_every_form(buf, world, rank):
+    """bf16, fp8 with amax scales, fp8 with UE8M0 scales; with and without the receive hook."""
+    for use_fp8, round_scale, ue8m0 in ((False, False, False), (True, False, False),
+                                        (True, True, True)):
+        for hook in (False, True):
+            check_low_latency(buf, world, rank, use_fp8, round_scale, ue8m0, hook)
+
+
+def _counting_python_calls(buf):
+    """The calls the C++ base hands to the Buffer's Python methods, by name, as they happen."""
+    in_python = []
+    for name in ("_low_latency_dispatch", "_low_latency_combine"):
+        setattr(buf, name, lambda *a, _f=getattr(buf, name), _n=name, **kw: (
+            in_python.append(_n), _f(*a, **kw))[1])
+    return in_python
+
+
+@behaviour
+def low_latency_common_calls_run_in_cpp(buf, world, rank):
+    """Rounds of the common calls for each form (power-of-two scales too), with and without the
+    hooks, the fourth with expert counters, the last with its arguments by position: the third
+    and later of a shape run in C++, the first two in Python (the Buffer's methods the C++ base
+    hands a call it does not take, counted here)."""
+    in_python = _counting_python_calls(buf)
+    for use_fp8, round_scale in ((False, False), (True, False), (True, True)):
+        for r in range(5):
+            if r == 2:
+                before = len(in_python)
+            check_low_latency(buf, world, rank, use_fp8, round_scale, False, r % 2 == 1,
+                              common=True, round=r, positional=r == 4, counters=r == 3)
+        assert len(in_python) == before, (use_fp8, round_scale, in_python[before:])
+
+
+@behaviour
+def low_latency_overlapped_and_zero_copy(buf, world, rank):
+    check_overlapped_and_zero_copy(buf, world, rank)
+
+
+@behaviour
+def low_latency_any_multiple_of_16_columns(buf, world, rank):
+    """bf16 rows of any multiple of 16 columns, the third and later calls of the shape in C++."""
+    in_python = _counting_python_calls(buf)
+    for r in range(4):
+        if r == 2:
+            before = len(in_python)
+        check_low_latency(buf, world, rank, False, False, False, r % 2 == 1, common=True,
+                          round=r, hidden=48)
+    assert len(in_python) == before, in_python[before:]
+
+
+@behaviour
+def normal_mode_bf16_and_fp8(buf, world, rank):
+    check_normal(buf, world, rank, fp8=False)
+    check_normal(buf, world, rank, fp8=True)
+    check_normal(buf, world, rank, fp8=False, hidden=48)  # bf16: any multiple of 16
+
+
+@behaviour
+def normal_mode_worst_tokens(buf, world, rank):
+    check_worst_tokens(buf, world, rank)
+
+
+@behaviour
+def normal_mode_rank_routing(buf, world, rank):
+    check_rank_routing(buf, world, rank)
+
+
+@behaviour
+def refusals_name_what_is_not_honoured(buf, world, rank):
+    """Bad arguments, DeepEP signatures not matched, a handle combined twice, a destroyed
+    Buffer (last: it destroys the Buffer)."""
+    x, idx, _ = inputs(world, rank)
+    x, idx = dv(x), dv(idx)
+    e = EXPERTS_PER_RANK * world
+    expect_error(ferry.InvalidArgument, "num_max_dispatch_tokens_per_rank",
+                 buf.low_latency_dispatch, dv(torch.zeros(MAX_TOKENS + 1, HIDDEN,
+                                                          dtype=torch.bfloat16)),
+                 dv(torch.zeros(MAX_TOKENS + 1, K, dtype=torch.int64)), MAX_TOKENS, e)
+    expect_error(ferry.InvalidArgument, "use_ue8m0 needs round_scale",
+                 buf.low_latency_dispatch, x, idx, MAX_TOKENS, e, use_ue8m0=True)
+    expect_error(ferry.InvalidArgument, "dispatch_wait_recv_cost_stats",
+                 buf.low_latency_dispatch, x, idx, MAX_TOKENS, e,
+                 dispatch_wait_recv_cost_stats=dv(torch.zeros(world, dtype=torch.int32)))
+    expect_error(ferry.InvalidArgument, "dtype", buf.low_latency_dispatch, x.float(), idx,
+                 MAX_TOKENS, e)
+    # A call that does not match DeepEP's signature raises Python's TypeError.
+    for args, kwargs in (((x, idx, MAX_TOKENS), {}), ((x, idx, MAX_TOKENS, e), {"x": x}),
+                         ((x, idx, MAX_TOKENS, e), {"use_fp9": True}),
+                         ((x, idx, MAX_TOKENS, e) + (False,) * 8, {})):
+        expect_error(TypeError, "Buffer.low_latency_dispatch()", buf.low_latency_dispatch,
+                     *args, **kwargs)
+    expect_error(ferry.InvalidArgument, "enable_shrink",
+                 buf.low_latency_update_mask_buffer, 0, True)
+    _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, MAX_TOKENS, e, use_fp8=False)
+    y = dv(torch.zeros(EXPERTS_PER_RANK, world * MAX_TOKENS, HIDDEN, dtype=torch.bfloat16))
+    ones = dv(torch.ones(idx.shape))
+    expect_error(ferry.InvalidArgument, "shape", buf.low_latency_combine,
+                 y[:, :1].contiguous(), idx, ones, handle)
+    buf.low_latency_combine(y, idx, ones, handle)
+    expect_error(ferry.InvalidArgument, "combined already", buf.low_latency_combine, y, idx,
+                 ones, handle)
+    # A shape the C++ path took (this bf16 one, many times above) refused once destroyed.
+    for r in range(3):
+        _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, MAX_TOKENS, e, use_fp8=False)
+        if r < 2:
+            buf.low_latency_combine(y, idx, ones, handle)
+    buf.destroy()
+    expect_error(ferry.InvalidArgument, "destroyed", buf.low_latency_dispatch, x, idx,
+                 MAX_TOKENS, e, use_fp8=False)
+    expect_error(ferry.InvalidArgument, "destroyed", buf.low_latency_combine, y, idx, ones,
+                 handle)
+
+
+def deep_ep_body(world, group_kind, only=None):
+    """A rank's body: one Buffer over `group_kind`, then every behaviour in order (or `only`
+    that one)."""
     def body(b, store):
         from ferry import deep_ep
         group = group_of(b, store, group_kind)
         buf = deep_ep.Buffer(group, num_nvl_bytes=1 << 22, num_rdma_bytes=0,
                              low_latency_mode=True, explicitly_destroy=True)
         assert buf.group_size == world and buf.rank == b.rank
-        for use_fp8, round_scale, ue8m0 in ((False, False, False), (True, False, False),
-                                            (True, True, True)):
-            for hook in (False, True):
-                check_low_latency(buf, world, b.rank, use_fp8, round_scale, ue8m0, hook)
-        # Rounds of the common calls for each form (power-of-two scales too), with and without
-        # the hooks, the fourth with expert counters, the last with its arguments by position:
-        # the third and later of a shape run in C++, the first two in Python (the Buffer's
-        # methods the C++ base hands a call it does not take, counted here).
-        in_python = []
-        for name in ("_low_latency_dispatch", "_low_latency_combine"):
-            setattr(buf, name, lambda *a, _f=getattr(buf, name), _n=name, **kw: (
-                in_python.append(_n), _f(*a, **kw))[1])
-        for use_fp8, round_scale in ((False, False), (True, False), (True, True)):
-            for r in range(5):
-                if r == 2:
-                    before = len(in_python)
-                check_low_latency(buf, world, b.rank, use_fp8, round_scale, False, r % 2 == 1,
-                                  common=True, round=r, positional=r == 4, counters=r == 3)
-            assert len(in_python) == before, (use_fp8, round_scale, in_python[before:])
-        check_overlapped_and_zero_copy(buf, world, b.rank)
-        # bf16 rows of any multiple of 16 columns, the third and later calls of the shape in C++.
-        for r in range(4):
-            if r == 2:
-                before = len(in_python)
-            check_low_latency(buf, world, b.rank, False, False, False, r % 2 == 1, common=True,
-                              round=r, hidden=48)
-        assert len(in_python) == before, in_python[before:]
-        check_normal(buf, world, b.rank, fp8=False)
-        check_normal(buf, world, b.rank, fp8=True)
-        check_normal(buf, world, b.rank, fp8=False, hidden=48)  # bf16: any multiple of 16
-        check_worst_tokens(buf, world, b.rank)
-        check_rank_routing(buf, world, b.rank)
-        # Refusals name what is not honoured.
-        x, idx, _ = inputs(world, b.rank)
-        x, idx = dv(x), dv(idx)
-        e = EXPERTS_PER_RANK * world
-        expect_error(ferry.InvalidArgument, "num_max_dispatch_tokens_per_rank",
-                     buf.low_latency_dispatch, dv(torch.zeros(MAX_TOKENS + 1, HIDDEN,
-                                                              dtype=torch.bfloat16)),
-                     dv(torch.zeros(MAX_TOKENS + 1, K, dtype=torch.int64)), MAX_TOKENS, e)
-        expect_error(ferry.InvalidArgument, "use_ue8m0 needs round_scale",
-                     buf.low_latency_dispatch, x, idx, MAX_TOKENS, e, use_ue8m0=True)
-        expect_error(ferry.InvalidArgument, "dispatch_wait_recv_cost_stats",
-                     buf.low_latency_dispatch, x, idx, MAX_TOKENS, e,
-                     dispatch_wait_recv_cost_stats=dv(torch.zeros(world, dtype=torch.int32)))
-        expect_error(ferry.InvalidArgument, "dtype", buf.low_latency_dispatch, x.float(), idx,
-                     MAX_TOKENS, e)
-        # A call that does not match DeepEP's signature raises Python's TypeError.
-        for args, kwargs in (((x, idx, MAX_TOKENS), {}), ((x, idx, MAX_TOKENS, e), {"x": x}),
-                             ((x, idx, MAX_TOKENS, e), {"use_fp9": True}),
-                             ((x, idx, MAX_TOKENS, e) + (False,) * 8, {})):
-            expect_error(TypeError, "Buffer.low_latency_dispatch()", buf.low_latency_dispatch,
-                         *args, **kwargs)
-        expect_error(ferry.InvalidArgument, "enable_shrink",
-                     buf.low_latency_update_mask_buffer, 0, True)
-        _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, MAX_TOKENS, e, use_fp8=False)
-        y = dv(torch.zeros(EXPERTS_PER_RANK, world * MAX_TOKENS, HIDDEN, dtype=torch.bfloat16))
-        ones = dv(torch.ones(idx.shape))
-        expect_error(ferry.InvalidArgument, "shape", buf.low_latency_combine,
-                     y[:, :1].contiguous(), idx, ones, handle)
-        buf.low_latency_combine(y, idx, ones, handle)
-        expect_error(ferry.InvalidArgument, "combined already", buf.low_latency_combine, y, idx,
-                     ones, handle)
-        # A shape the C++ path took (this bf16 one, many times above) refused once destroyed.
-        _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, MAX_TOKENS, e, use_fp8=False)
-        buf.destroy()
-        expect_error(ferry.InvalidArgument, "destroyed", buf.low_latency_dispatch, x, idx,
-                     MAX_TOKENS, e, use_fp8=False)
-        expect_error(ferry.InvalidArgument, "destroyed", buf.low_latency_combine, y, idx, ones,
-                     handle)
+        for name, check in BEHAVIOURS.items():
+            if only is None or name == only:
+                check(buf, world, b.rank)
+        if not buf._destroyed:
+            buf.destroy()
     return body
 
 
@@ -456,8 +516,43 @@ print("shim ok")
 """
 
 
-class DeepEpTest(Worlds, Case):
-    body_of = staticmethod(deep_ep_body)
+class DeepEpTest(Case):
+    """A test per behaviour (BEHAVIOURS), each in world sizes 1 (ferry's bootstrap), 2 (gloo) and
+    4 (ferry's bootstrap): a failure names the behaviour and the world."""
+
+    def in_every_world(self, name):
+        for world, kind in ((1, "ferry"), (2, "gloo"), (4, "ferry")):
+            with self.subTest(world=world, group=kind):
+                self.ranks(world, deep_ep_body(world, kind, only=name),
+                           timeout=240.0 if world == 4 else 120.0)
+
+    def test_low_latency_in_every_form(self):
+        self.in_every_world("low_latency_in_every_form")
+
+    def test_low_latency_common_calls_run_in_cpp(self):
+        self.in_every_world("low_latency_common_calls_run_in_cpp")
+
+    def test_low_latency_overlapped_and_zero_copy(self):
+        self.in_every_world("low_latency_overlapped_and_zero_copy")
+
+    def test_low_latency_any_multiple_of_16_columns(self):
+        self.in_every_world("low_latency_any_multiple_of_16_columns")
+
+    def test_normal_mode_bf16_and_fp8(self):
+        self.in_every_world("normal_mode_bf16_and_fp8")
+
+    def test_normal_mode_worst_tokens(self):
+        self.in_every_world("normal_mode_worst_tokens")
+
+    def test_normal_mode_rank_routing(self):
+        self.in_every_world("normal_mode_rank_routing")
+
+    def test_refusals_name_what_is_not_honoured(self):
+        self.in_every_world("refusals_name_what_is_not_honoured")
+
+    def test_every_behaviour_has_a_test(self):
+        tests = {n[len("test_"):] for n in dir(self) if n.startswith("test_")}
+        self.assertEqual(set(BEHAVIOURS) - tests, set())
 
     def test_the_shim_package_on_pythonpath(self):
         """With ferry.deep_ep.shim_path() on PYTHONPATH, `import deep_ep` (and deep_ep.utils)
