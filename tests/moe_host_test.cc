@@ -46,6 +46,8 @@ struct Case {
   int fp8_scales = 0;         // AllToAllConfig::fp8_scales
   bool fp32_combine = false;  // AllToAllConfig::fp32_combine
   bool fp16_combine = false;  // CombineInput / CombineOutput::fp16
+  // Nodes of this many ranks with node-once forwarding (Forwarding::kNodeOnce); 0: per rank.
+  int node_ranks = 0;
 };
 
 InputSpec Spec(const Case& c) {
@@ -73,7 +75,21 @@ std::string Describe(const Case& c) {
                                             : "") +
          (c.unrouted ? "_unrouted" : "") + (c.late_weights ? "_lateweights" : "") +
          (c.fp8_scales ? "_scales" + std::to_string(c.fp8_scales) : "") +
-         (c.fp32_combine ? "_f32comb" : "") + (c.fp16_combine ? "_f16comb" : "");
+         (c.fp32_combine ? "_f32comb" : "") + (c.fp16_combine ? "_f16comb" : "") +
+         (c.node_ranks ? "_nodeonce" + std::to_string(c.node_ranks) : "");
+}
+
+// The senders in the order the token-major rows arrive: rank order; under node-once forwarding
+// by forwarder (the index in the node), then by the sender's node.
+std::vector<int> SenderOrder(const Case& c, int world_size) {
+  std::vector<int> order;
+  const int per_node = c.node_ranks ? c.node_ranks : world_size;
+  for (int l = 0; l < (c.node_ranks ? per_node : 1); ++l) {
+    for (int r = 0; r < world_size; ++r) {
+      if (!c.node_ranks || r % per_node == l) order.push_back(r);
+    }
+  }
+  return order;
 }
 
 bool TokenMajor(const Case& c, int rank) {
@@ -90,7 +106,8 @@ Status CheckTokenMajor(const Case& c, const AllToAllConfig& cfg, const std::vect
   const int64_t row = cfg.token_bytes(), spt = cfg.scales_per_token();
   std::vector<int32_t> copies(l, 0);
   int32_t i = 0;
-  for (const Inputs& src : all) {
+  for (int sender : SenderOrder(c, cfg.world_size)) {
+    const Inputs& src = all[size_t(sender)];
     for (int t = 0; t < src.tokens; ++t) {
       std::vector<int32_t> experts(k, -1);
       std::vector<float> weights(k, 0.0f);
@@ -138,6 +155,10 @@ class RankRun {
   Status Create(TransferEngine* engine, int instance = 0) {
     cfg_ = ConfigFor(c_, b_.world_size(), b_.rank());
     cfg_.instance = instance;
+    if (c_.node_ranks) {
+      cfg_.ranks_per_node = c_.node_ranks;
+      cfg_.forwarding = Forwarding::kNodeOnce;
+    }
     token_major_ = TokenMajor(c_, b_.rank());
     if (token_major_) cfg_.dispatch_layout = DispatchLayout::kTokenMajor;
     ASSIGN_OR_RETURN(a2a_, AllToAll::Create(cfg_, engine, b_));
@@ -461,6 +482,29 @@ std::vector<Case> Cases() {
   out.push_back({.provider = "tcp;ofi_rxm", .world_size = 2, .tokens = 19, .hidden = 2880,
                  .experts = 8, .k = 2, .dtype = fp8, .routing = rnd, .once_per_rank = true,
                  .late_weights = true, .fp8_scales = 23, .fp32_combine = true});
+  // Node-once forwarding (Forwarding::kNodeOnce): EP4 as two nodes of two, EP8 as two of four
+  // and four of two, EP16 as four of four; each layout, the options, fp8, fp16 sums, copies
+  // routed nowhere, a hot expert, a rank with no tokens.
+  out.push_back({.provider = "shm", .world_size = 4, .tokens = 33, .hidden = 128, .experts = 16,
+                 .k = 4, .dtype = bf16, .routing = rnd, .iterations = 3, .node_ranks = 2});
+  out.push_back({.provider = "shm", .world_size = 4, .tokens = 64, .hidden = 256, .experts = 32,
+                 .k = 8, .dtype = fp8, .routing = rnd, .rank1_empty = true, .once_per_rank = true,
+                 .reduce_at_expert_rank = true, .unrouted = true, .node_ranks = 2});
+  out.push_back({.provider = "shm", .world_size = 4, .tokens = 19, .hidden = 128, .experts = 16,
+                 .k = 4, .dtype = bf16, .routing = hot, .once_per_rank = true,
+                 .reduce_at_expert_rank = true, .layouts = mixed, .node_ranks = 2});
+  out.push_back({.provider = "shm", .world_size = 8, .tokens = 33, .hidden = 128, .experts = 64,
+                 .k = 8, .dtype = bf16, .routing = rnd, .once_per_rank = true,
+                 .fp16_combine = true, .node_ranks = 4});
+  out.push_back({.provider = "shm", .world_size = 8, .tokens = 20, .hidden = 256, .experts = 32,
+                 .k = 4, .dtype = fp8, .routing = rnd, .once_per_rank = true,
+                 .reduce_at_expert_rank = true, .layouts = token, .unrouted = true,
+                 .node_ranks = 2});
+  out.push_back({.provider = "shm", .world_size = 16, .tokens = 12, .hidden = 128, .experts = 64,
+                 .k = 8, .dtype = fp8, .routing = rnd, .once_per_rank = true,
+                 .reduce_at_expert_rank = true, .node_ranks = 4});
+  out.push_back({.provider = "tcp;ofi_rxm", .world_size = 4, .tokens = 16, .hidden = 128,
+                 .experts = 16, .k = 4, .dtype = fp32, .routing = rnd, .node_ranks = 2});
   std::vector<Case> filtered;
   for (const Case& c : out) {
     for (const std::string& p : testing_util::Providers()) {
@@ -471,6 +515,45 @@ std::vector<Case> Cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, MoeHostTest, ::testing::ValuesIn(Cases()), CaseName);
+
+// Node-once forwarding refuses what it cannot do, naming it: the CUDA device (not built for it
+// yet), and combine weights given at CombineRecv (the node sums before its row crosses back);
+// the refused combine leaves the epoch to finish with the dispatch's weights.
+TEST(MoeHostNodeOnceTest, RefusesTheCudaDeviceAndWeightsAtTheCombine) {
+  auto exits = testing_util::RunRanks(4, [](Bootstrap& b) -> Status {
+    ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
+    AllToAllConfig c{.world_size = 4, .rank = b.rank(), .ranks_per_node = 2, .num_experts = 8,
+                     .experts_per_token = 2, .max_tokens_per_rank = 4, .hidden = 128,
+                     .forwarding = Forwarding::kNodeOnce};
+    AllToAllConfig cuda = c;
+    cuda.device = MoeDeviceKind::kCuda;
+    auto refused = AllToAll::Create(cuda, engine.get(), b);
+    CHECK_OR_RETURN(refused.status().code() == StatusCode::kUnimplemented &&
+                        refused.status().message().find("node-once") != std::string::npos,
+                    refused.status().ToString());
+    ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(c, engine.get(), b));
+    const std::vector<uint16_t> x(4 * 128, FloatToBf16(1.0f));
+    const std::vector<int32_t> ids = {0, 7, 2, 5, 4, 3, 6, 1};
+    const std::vector<float> w(8, 0.5f);
+    RETURN_IF_ERROR(a2a->DispatchSend({x.data(), nullptr, ids.data(), w.data(), 4}));
+    std::vector<uint16_t> out_x(size_t(c.local_experts() * c.expert_capacity() * 128));
+    std::vector<int32_t> counts(size_t(c.local_experts()));
+    RETURN_IF_ERROR(
+        a2a->DispatchRecv({out_x.data(), nullptr, counts.data()}, Deadline::After(30s)));
+    RETURN_IF_ERROR(a2a->CombineSend(out_x.data()));
+    std::vector<uint16_t> y(4 * 128);
+    const Status late = a2a->CombineRecv(
+        CombineOutput{.out = y.data(), .weights = w.data()}, Deadline::After(30s));
+    CHECK_OR_RETURN(late.code() == StatusCode::kInvalidArgument &&
+                        late.message().find("weights") != std::string::npos,
+                    late.ToString());
+    RETURN_IF_ERROR(a2a->CombineRecv(CombineOutput{.out = y.data()}, Deadline::After(30s)));
+    // Each token: two experts of weight 0.5 returning the row as it came: 1.
+    for (uint16_t v : y) CHECK_OR_RETURN(v == FloatToBf16(1.0f), std::to_string(Bf16ToFloat(v)));
+    return b.Barrier(30s);
+  }, 120s);
+  for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
+}
 
 // Several AllToAlls on one engine (two micro-batches overlapped): each takes an instance of its
 // own and their steps interleave; an instance once taken on an engine stays taken (its counters

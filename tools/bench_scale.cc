@@ -125,11 +125,15 @@ AllToAllConfig ConfigOf(const ScaleBenchOptions& o, int world, int rank) {
           .dtype = o.fp8 ? DispatchDtype::kFp8E4M3 : DispatchDtype::kBf16};
 }
 
-Status RunRank(const ScaleBenchOptions& o, bool once_per_rank, bool reduce, Bootstrap& b,
-               RankCounts* mine) {
+Status RunRank(const ScaleBenchOptions& o, bool once_per_rank, bool reduce, bool node_once,
+               Bootstrap& b, RankCounts* mine) {
   AllToAllConfig c = ConfigOf(o, b.world_size(), b.rank());
   c.dispatch_once_per_rank = once_per_rank;
   c.combine_reduce_at_expert_rank = reduce;
+  if (node_once) {
+    c.ranks_per_node = o.ranks_per_node;
+    c.forwarding = Forwarding::kNodeOnce;
+  }
   RETURN_IF_ERROR(c.Validate());
   ASSIGN_OR_RETURN(EngineOptions eo, EngineOptions::FromEnv());
   eo.provider = o.provider;
@@ -267,17 +271,24 @@ int RunScaleBench(const ScaleBenchOptions& o) {
               o.experts, o.topk, o.fp8 ? "fp8" : "bf16", (long long)c.token_bytes());
   const struct {
     const char* name;
-    bool once_per_rank, reduce;
-  } variants[] = {{"plain", false, false}, {"(a)", true, false}, {"(b)", false, true},
-                  {"(a)+(b)", true, true}};
+    bool once_per_rank, reduce, node_once;
+  } all_variants[] = {{"plain", false, false, false},
+                      {"(a)", true, false, false},
+                      {"(b)", false, true, false},
+                      {"(a)+(b)", true, true, false},
+                      {"node-once plain", false, false, true},
+                      {"node-once (a)+(b)", true, true, true}};
+  const size_t count = o.node_once ? std::size(all_variants) : 4;
+  const auto* variants = all_variants;
   bool all_ok = true;
-  for (size_t v = 0; v < std::size(variants); ++v) {
+  for (size_t v = 0; v < count; ++v) {
     Report report{};
     const bool ran = RunRanksAndCollect<Report>(
         "scale", o.ranks, 0,
         [&](Bootstrap& b, Report* out) -> Status {
           RankCounts mine{};
-          Status s = RunRank(o, variants[v].once_per_rank, variants[v].reduce, b, &mine);
+          Status s = RunRank(o, variants[v].once_per_rank, variants[v].reduce,
+                             variants[v].node_once, b, &mine);
           if (!s.ok()) std::snprintf(mine.error, sizeof mine.error, "%s", s.ToString().c_str());
           // Every rank's counts (or its error) to rank 0, which reports them all.
           ASSIGN_OR_RETURN(auto all, b.AllGather({reinterpret_cast<const uint8_t*>(&mine),

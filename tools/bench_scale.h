@@ -17,6 +17,9 @@ struct ScaleBenchOptions {
   int experts = 256;
   int topk = 8;
   bool fp8 = true;
+  // Also node-once forwarding (Forwarding::kNodeOnce), plain and (a)+(b) inside the node, in
+  // the same invocation as the per-rank variants.
+  bool node_once = false;
 };
 
 // Prints one JSON object (rank 0's gathered report); returns the process exit code: 1 if a

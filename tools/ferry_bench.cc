@@ -25,9 +25,10 @@
 //                      [--only moe|kv --world-size N --rank R --rendezvous HOST:PORT]:
 //                      one phase on ranks started apart (kv: rank 0 the prefill)
 //   ferry-bench scale  [--provider P] [--ranks N] [--node-ranks 8] [--nics 2] [--tokens T]
-//                      [--hidden H] [--experts E] [--topk K] [--dtype fp8|bf16]: the MoE
-//                      protocol on N host-device ranks, outputs checked, and the writes, bytes
-//                      and immediates each rank posts per step through each NIC (JSON)
+//                      [--hidden H] [--experts E] [--topk K] [--dtype fp8|bf16]
+//                      [--node-once]: the MoE protocol on N host-device ranks, outputs checked,
+//                      and the writes, bytes and immediates each rank posts per step through
+//                      each NIC (JSON); --node-once adds node-once forwarding's variants
 //   ferry-bench demo   the main job of `make demo`: short fabric, moe and kv runs on shm
 #include <cstdio>
 #include <cstdlib>
@@ -80,6 +81,7 @@ void Usage() {
       "       ferry-bench scale [--provider P] [--ranks N] [--node-ranks 8] [--nics 2]"
       " [--tokens T]\n"
       "                         [--hidden H] [--experts E] [--topk K] [--dtype fp8|bf16]\n"
+      "                         [--node-once]\n"
       "       ferry-bench demo\n"
       "Provider from --provider, else FERRY_PROVIDER, else shm.\n");
 }
@@ -138,6 +140,7 @@ int main(int argc, char** argv) {
   int64_t p2p_bytes = int64_t{256} << 20;
   bool iters_given = false, rounds_given = false;  // mirror's own defaults otherwise
   int nics = 2;  // ferry-bench scale: NICs per rank
+  bool node_once = false;  // ferry-bench scale: node-once forwarding's variants too
   bool hidden_given = false, ranks_given = false;  // scale's own defaults otherwise
   ferry::TopologyOptions topo = ferry::TopologyOptions::FromEnv();
   ferry::RendezvousOptions rendezvous;  // the flags over FERRY_RENDEZVOUS and friends
@@ -224,6 +227,8 @@ int main(int argc, char** argv) {
       ok = ParseInt(argv[++i], &m.node_ranks) && m.node_ranks >= 1;
     } else if (a == "--private" && has_value) {
       ok = ParseInt(argv[++i], &m.private_tokens) && m.private_tokens >= 0;
+    } else if (a == "--node-once") {
+      node_once = true;
     } else if (a == "--once-per-rank") {
       m.once_per_rank = true;
     } else if (a == "--reduce-at-expert-rank") {
@@ -281,6 +286,7 @@ int main(int argc, char** argv) {
     so.experts = m.experts;
     so.topk = m.topk;
     so.fp8 = m.fp8;
+    so.node_once = node_once;
     return ferry::bench::RunScaleBench(so);
   }
   if (m.node_ranks > 0 && (!m.nvlink || m.ranks % m.node_ranks != 0)) {

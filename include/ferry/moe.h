@@ -58,6 +58,24 @@ enum class DispatchDtype : uint8_t {
                  // (AllToAllConfig::fp32_combine for the other elements)
 };
 
+// How a token reaches the ranks of another node (several nodes: ranks_per_node < world_size).
+// Part of what ranks agree on: it changes what crosses.
+enum class Forwarding : uint8_t {
+  // A token's row crosses to every rank of another node that holds one of its experts (once
+  // per rank with dispatch_once_per_rank, else once per expert).
+  kPerRank = 0,
+  // A token's row crosses to each other node once, to the rank with the sender's index in its
+  // node (rail-aligned: each rank talks across nodes only to its counterparts), carrying that
+  // node's experts and weights; that rank forwards it inside its node. The combine sums a
+  // token's rows inside the node at that rank (fp32, rounded to the combine's element) and one
+  // row per (token, node) crosses back. Two AllToAlls built from this one's configuration (a
+  // rail AllToAll between nodes, a node AllToAll inside each) carry it, on the instances
+  // `instance` and `instance + 1`. The combine's weights come with the dispatch (the node sums
+  // them): CombineOutput::weights is refused. Token-major rows arrive ordered by forwarder, then
+  // by the sender's node, then by token. The host device only, for now.
+  kNodeOnce = 1,
+};
+
 // Where the four steps run.
 enum class MoeDeviceKind : uint8_t {
   kHost = 0,  // on the CPU; every pointer of the step calls is host memory
@@ -149,6 +167,7 @@ struct FERRY_API AllToAllConfig {
   // (b) the expert rank sums its experts' outputs for a token in fp32, weights applied, and
   //     returns one row per token (bf16, or fp32: combines_fp32) instead of one per expert.
   bool combine_reduce_at_expert_rank = false;
+  Forwarding forwarding = Forwarding::kPerRank;  // several nodes: see Forwarding
   // Per rank, not part of what ranks must agree on: each may run its steps where it likes, and
   // take its output in either layout (the bytes that cross are the same).
   DispatchLayout dispatch_layout = DispatchLayout::kExpertMajor;

@@ -11,6 +11,7 @@
 
 #include "ferry/moe.h"
 #include "moe/device.h"
+#include "moe/node_once.h"
 #include "moe/steps.h"
 
 namespace ferry {
@@ -213,7 +214,9 @@ StatusOr<std::unique_ptr<AllToAll>> AllToAll::Create(const AllToAllConfig& confi
   }
   RETURN_IF_ERROR(CheckConfigurationsAgree(config, bootstrap));
   std::unique_ptr<moe::MoeDevice> device;
-  if (config.device == MoeDeviceKind::kCuda) {
+  if (config.forwarding == Forwarding::kNodeOnce) {
+    ASSIGN_OR_RETURN(device, moe::CreateNodeOnceDevice(config, engine, bootstrap));
+  } else if (config.device == MoeDeviceKind::kCuda) {
     ASSIGN_OR_RETURN(device, moe::CreateCudaDevice(config, engine, bootstrap));
   } else {
     ASSIGN_OR_RETURN(device, moe::CreateHostDevice(config, engine, bootstrap));

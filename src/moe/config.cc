@@ -91,6 +91,21 @@ Status AllToAllConfig::Validate() const {
     return bad("the CUDA device takes cuda_device >= 0, up to 1024 experts and top-16");
   }
   if (streaming > Streaming::kBoth) return bad("unknown streaming");
+  if (forwarding != Forwarding::kPerRank && forwarding != Forwarding::kNodeOnce) {
+    return bad("unknown forwarding");
+  }
+  if (forwarding == Forwarding::kNodeOnce) {
+    if (ranks_per_node < 2 || ranks_per_node >= world_size) {
+      return bad("node-once forwarding needs several nodes of several ranks "
+                 "(1 < ranks_per_node < world_size)");
+    }
+    if (instance + 1 >= kMaxInstances) {
+      return bad("node-once forwarding takes the instances instance and instance + 1");
+    }
+    if (experts_per_token > num_experts / (world_size / ranks_per_node)) {
+      return bad("node-once forwarding needs experts_per_token <= the experts of one node");
+    }
+  }
   return Status::Ok();
 }
 
@@ -125,7 +140,7 @@ std::vector<uint8_t> AllToAllConfig::Fingerprint() const {
                 hidden, static_cast<int>(dtype), fp8_scales, int{combines_fp32()},
                 max_private_tokens, int{dispatch_once_per_rank},
                 int{combine_reduce_at_expert_rank}, instance, static_cast<int>(streaming),
-                int{mask_lost_peers}}) {
+                int{mask_lost_peers}, static_cast<int>(forwarding)}) {
     w.U32(static_cast<uint32_t>(v));
   }
   return w.Take();
@@ -146,6 +161,7 @@ std::string AllToAllConfig::ToString() const {
          (combine_reduce_at_expert_rank ? " reduce_at_expert_rank" : "") +
          (dispatch_layout == DispatchLayout::kTokenMajor ? " token_major" : "") +
          (mask_lost_peers ? " mask_lost_peers" : "") +
+         (forwarding == Forwarding::kNodeOnce ? " node_once" : "") +
          (streaming != Streaming::kAuto
               ? " streaming=" + std::to_string(static_cast<int>(streaming))
               : std::string()) +

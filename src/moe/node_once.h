@@ -1,0 +1,56 @@
+// Node-once forwarding (Forwarding::kNodeOnce): a token crosses to each other node once, to the
+// rank with the sender's index there (its rail), which forwards it inside its node; the combine
+// sums inside the node at that rank and one row per (token, node) crosses back.
+//
+// It is built from two AllToAlls of the one protocol, both derived from the caller's
+// configuration:
+//   - the rail AllToAll, among the ranks with our index in their nodes (one per node), whose
+//     "rank n" holds node n's experts. Token-major with options (a) and (b): a token goes once
+//     to each node that holds any of its experts, carrying their ids (local to the node) and
+//     weights, and one row per (token, node) -- the node's weighted sum -- comes back.
+//   - the node AllToAll, among the ranks of our node, over the node's experts: the forwarder's
+//     received tokens are its input (up to nodes x max_tokens_per_rank of them), its output is
+//     the caller's, in the caller's layout and options.
+// Each keeps the single-write-per-peer property of the protocol (moe/wire.h): between nodes, one
+// section per (sender, node) on the sender's rail; inside a node, one per (forwarder, rank).
+// Tokens for the sender's own node go to itself on the rail (no bytes cross) and from there
+// directly to their ranks.
+//
+// Precision: the node AllToAll's combine sums a token's experts of the node in fp32 and rounds
+// to the combine's element at the forwarder (after the expert rank's own rounding under option
+// (b)); the rail's combine sums the nodes' rows in fp32 and rounds once more. So a bf16 combine
+// rounds twice (three times with (b)) against the per-rank protocol's once (twice with (b)).
+//
+// Masks: masking rank r masks, on r's rail, the route into r's node (r forwards it) and, in r's
+// node, r itself: copies routed to r's experts, and every copy r would have forwarded, are lost.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "ferry/bootstrap.h"
+#include "ferry/fabric.h"
+#include "ferry/moe.h"
+#include "moe/device.h"
+
+namespace ferry::moe {
+
+struct NodeOnceConfigs {
+  AllToAllConfig rail;  // world: the nodes; rank: our node; instance: the caller's
+  AllToAllConfig node;  // world: ranks_per_node; rank: our index; instance: the caller's + 1
+};
+// The two AllToAlls' configurations for rank c.rank of a node-once AllToAll (c validated).
+NodeOnceConfigs NodeOnceConfigsOf(const AllToAllConfig& c);
+
+// The bootstrap of `members` (parent ranks, in the order that numbers them) over `parent`: every
+// collective is the parent's, which every parent rank must call in the same order (each takes
+// what its group contributed). The caller must be a member.
+std::unique_ptr<Bootstrap> SubBootstrap(Bootstrap& parent, std::vector<int> members);
+
+// The node-once device over the rail and node AllToAlls, made on `engine` (collective over
+// `bootstrap`). Unimplemented on the CUDA device.
+StatusOr<std::unique_ptr<MoeDevice>> CreateNodeOnceDevice(const AllToAllConfig& config,
+                                                          TransferEngine* engine,
+                                                          Bootstrap& bootstrap);
+
+}  // namespace ferry::moe
