@@ -750,6 +750,45 @@ TEST(MoeHostFailureTest, ADeadPeerEndsTheReceiveHalfAtItsDeadline) {
   EXPECT_EQ(exits[1].signal, SIGKILL);
 }
 
+// Node-once forwarding with a rank killed before its dispatch (EP4 as two nodes of two): every
+// survivor's epoch fails within the step's deadline -- the rank's rail peer waits for its
+// section, its node peer for what it would have forwarded, and the rest for the survivors that
+// could not forward -- and teardown does not hang.
+TEST(MoeHostFailureTest, NodeOnceADeadRankEndsEverySurvivorsEpochAtItsDeadline) {
+  auto exits = testing_util::RunRanks(4, [](Bootstrap& b) -> Status {
+    AllToAllConfig cfg{.world_size = 4, .rank = b.rank(), .ranks_per_node = 2, .num_experts = 8,
+                       .experts_per_token = 2, .max_tokens_per_rank = 4, .hidden = 128,
+                       .forwarding = Forwarding::kNodeOnce};
+    EngineOptions options = testing_util::TestOptions("shm");
+    options.transfer_timeout_ms = 1000;  // writes to the dead peer end within a second
+    ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(options));
+    ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(cfg, engine.get(), b));
+    RETURN_IF_ERROR(b.Barrier(30s));
+    if (b.rank() == 3) {
+      a2a.reset();
+      engine.reset();
+      raise(SIGKILL);
+    }
+    std::vector<uint16_t> x(4 * 128, 0), out_x(2 * 16 * 128), y(4 * 128);
+    std::vector<int32_t> idx = {0, 7, 2, 5, 4, 3, 6, 1}, counts(2);
+    std::vector<float> w(8, 0.5f);
+    const auto start = Clock::now();
+    const Deadline deadline = Deadline::After(2s);
+    Status s = a2a->DispatchSend({x.data(), nullptr, idx.data(), w.data(), 4});
+    if (s.ok()) s = a2a->DispatchRecv({out_x.data(), nullptr, counts.data()}, deadline);
+    if (s.ok()) s = a2a->CombineSend(out_x.data());
+    if (s.ok()) s = a2a->CombineRecv(CombineOutput{.out = y.data()}, deadline);
+    CHECK_OR_RETURN(!s.ok(), "the epoch finished without rank 3");
+    CHECK_OR_RETURN(Clock::now() - start < 6s, "deadline not kept: " + s.ToString());
+    const auto torn = Clock::now();
+    a2a.reset();
+    CHECK_OR_RETURN(Clock::now() - torn < 10s, "teardown hung");
+    return Status::Ok();
+  }, 120s);
+  for (int r = 0; r < 3; ++r) EXPECT_TRUE(exits[size_t(r)].ok()) << "rank " << r;
+  EXPECT_EQ(exits[3].signal, SIGKILL);
+}
+
 // A rank killed after each of the four steps (0: before any): the survivor's first step that
 // needs it fails within its deadline (1 s) naming rank 1 -- its section or rows never came, or
 // its relay's write to the dead rank failed -- every later step reports the same, and teardown
