@@ -8,7 +8,7 @@ from ranks import expect_error
 import compat_reference as refs
 from compat_reference import (EXPERTS_PER_RANK, HIDDEN, K, MAX_TOKENS, Case, dv, encoded_fp8,
                               expert_blocks, expert_factor, fp8_dtype, gloo, group_of, hv, inputs,
-                              rows_of, weighted_reference, Worlds)
+                              rows_of, weighted_reference)
 
 try:
     import torch
@@ -42,69 +42,132 @@ def padded_blocks(out_x, counts, rank, world, m=None, senders=None):
     return y
 
 
-def pplx_body(world, group_kind):
-    def body(b, store):
-        from ferry import pplx
-        group = group_of(b, store, group_kind)
-        e = EXPERTS_PER_RANK * world
-        a2a = pplx.AllToAll(max_num_tokens=MAX_TOKENS, num_experts=e, expert_padding=PADDING,
-                            hidden_dim=HIDDEN, hidden_dim_scale=None, in_dtype=torch.bfloat16,
-                            out_dtype=torch.bfloat16, scale_dtype=None, num_experts_per_token=K,
-                            nets_per_gpu=1, max_private_tokens=None, device=torch.device(refs.DEV),
-                            dp_group=None, node_group=None, global_group=group)
-        x, idx, w = inputs(world, b.rank)
-        dx, ids, dw = dv(x), dv(idx.to(torch.int32)), dv(w)
-        rows = a2a.max_recv_tokens
-        for split in (False, True):
-            counts = dv(torch.empty(EXPERTS_PER_RANK, dtype=torch.int32))
-            out_x = dv(torch.zeros(rows, HIDDEN, dtype=torch.bfloat16))
-            if split:
-                a2a.dispatch(counts, out_x, None, dx, None, ids, dw, do_recv=False)
-                expect_error(ferry.FailedPrecondition, "out of order", a2a.combine,
-                             torch.empty_like(dx), ids, dw, out_x)
-                a2a.dispatch(counts, out_x, None, dx, None, ids, dw, do_send=False)
-            else:
-                a2a.dispatch(counts, out_x, None, dx, None, ids, dw)
-            y = dv(padded_blocks(hv(out_x), hv(counts), b.rank, world))
-            out = torch.empty_like(dx)
-            if split:
-                a2a.combine(out, ids, dw, y, do_recv=False)
-                a2a.combine(out, ids, dw, y, do_send=False)
-            else:
-                a2a.combine(out, ids, dw, y)
-            torch.testing.assert_close(hv(out).float(), weighted_reference(x, idx, w).float(),
-                                       rtol=2 ** -7, atol=2 ** -6)
-        # bound_m: the first m tokens only; accumulate adds to what out holds.
-        m = min(2, x.shape[0])
-        bound = dv(torch.tensor([m], dtype=torch.int32))
+# The behaviours pplx_body checks, in order, each a function of (world, rank, group); a test per
+# behaviour runs it alone (PplxTest), the CUDA tests run them all in one set of ranks.
+BEHAVIOURS = {}
+
+
+def behaviour(fn):
+    BEHAVIOURS[fn.__name__] = fn
+    return fn
+
+
+def bf16_all_to_all(world, group):
+    from ferry import pplx
+    return pplx.AllToAll(max_num_tokens=MAX_TOKENS, num_experts=EXPERTS_PER_RANK * world,
+                         expert_padding=PADDING, hidden_dim=HIDDEN, hidden_dim_scale=None,
+                         in_dtype=torch.bfloat16, out_dtype=torch.bfloat16, scale_dtype=None,
+                         num_experts_per_token=K, nets_per_gpu=1, max_private_tokens=None,
+                         device=torch.device(refs.DEV), dp_group=None, node_group=None,
+                         global_group=group)
+
+
+@behaviour
+def bf16_whole_and_in_halves(world, rank, group):
+    """bf16 rows dispatched and combined in one call each, then in their send and receive
+    halves (a combine between the halves refused as out of order)."""
+    a2a = bf16_all_to_all(world, group)
+    x, idx, w = inputs(world, rank)
+    dx, ids, dw = dv(x), dv(idx.to(torch.int32)), dv(w)
+    rows = a2a.max_recv_tokens
+    for split in (False, True):
         counts = dv(torch.empty(EXPERTS_PER_RANK, dtype=torch.int32))
         out_x = dv(torch.zeros(rows, HIDDEN, dtype=torch.bfloat16))
-        a2a.dispatch(counts, out_x, None, dx, None, ids, dw, bound_m=bound)
-        y = dv(padded_blocks(hv(out_x), hv(counts), b.rank, world, m=2))
-        out = dv(torch.ones(x.shape[0], HIDDEN, dtype=torch.bfloat16))
-        a2a.combine(out, ids, dw, y, bound_m=bound, accumulate=True)
-        ref = (weighted_reference(x[:m], idx[:m], w[:m]).double() + 1).to(torch.bfloat16)
-        torch.testing.assert_close(hv(out)[:m].float(), ref.float(), rtol=2 ** -7,
-                                   atol=2 ** -6)
-        expect_error(ferry.InvalidArgument, "dtype", a2a.dispatch, counts, out_x, None,
-                     dx.float(), None, ids, dw)
-        a2a.dispatch(counts, out_x, None, dx, None, ids, dw, do_recv=False)
-        expect_error(ferry.InvalidArgument, "max_recv_tokens", a2a.dispatch, counts,
-                     out_x[:rows - 1], None, dx, None, ids, dw, do_send=False)
-        a2a.dispatch(counts, out_x, None, dx, None, ids, dw, do_send=False)
-        a2a.combine(torch.empty_like(dx), ids, dw, torch.zeros_like(out_x))
-        a2a.destroy()
-        check_pplx_fp8(world, b.rank, group)
-        check_pplx_fp8(world, b.rank, group, hidden_dim_scale=1)  # per-token scales
-        check_pplx_fp8(world, b.rank, group, hidden_dim_scale=8)  # groups of 64 columns
-        check_pplx_fp8(world, b.rank, group, hidden_dim_scale=1, row_dtype=torch.int8)  # w8a8
-        check_pplx_batched(world, b.rank, group)
-        check_pplx_fp32(world, b.rank, group)
-        check_pplx_fp32_out(world, b.rank, group)
-        check_pplx_fp16(world, b.rank, group)
-        # Rows of any multiple of 16 columns in bf16 and fp32 (pplx-garden's tests use 16).
-        check_pplx_batched(world, b.rank, group, hidden=48)
-        check_pplx_fp32(world, b.rank, group, hidden=16)
+        if split:
+            a2a.dispatch(counts, out_x, None, dx, None, ids, dw, do_recv=False)
+            expect_error(ferry.FailedPrecondition, "out of order", a2a.combine,
+                         torch.empty_like(dx), ids, dw, out_x)
+            a2a.dispatch(counts, out_x, None, dx, None, ids, dw, do_send=False)
+        else:
+            a2a.dispatch(counts, out_x, None, dx, None, ids, dw)
+        y = dv(padded_blocks(hv(out_x), hv(counts), rank, world))
+        out = torch.empty_like(dx)
+        if split:
+            a2a.combine(out, ids, dw, y, do_recv=False)
+            a2a.combine(out, ids, dw, y, do_send=False)
+        else:
+            a2a.combine(out, ids, dw, y)
+        torch.testing.assert_close(hv(out).float(), weighted_reference(x, idx, w).float(),
+                                   rtol=2 ** -7, atol=2 ** -6)
+    a2a.destroy()
+
+
+@behaviour
+def bound_m_and_accumulate(world, rank, group):
+    """bound_m: the first m tokens only; accumulate adds to what out holds."""
+    a2a = bf16_all_to_all(world, group)
+    x, idx, w = inputs(world, rank)
+    dx, ids, dw = dv(x), dv(idx.to(torch.int32)), dv(w)
+    rows = a2a.max_recv_tokens
+    m = min(2, x.shape[0])
+    bound = dv(torch.tensor([m], dtype=torch.int32))
+    counts = dv(torch.empty(EXPERTS_PER_RANK, dtype=torch.int32))
+    out_x = dv(torch.zeros(rows, HIDDEN, dtype=torch.bfloat16))
+    a2a.dispatch(counts, out_x, None, dx, None, ids, dw, bound_m=bound)
+    y = dv(padded_blocks(hv(out_x), hv(counts), rank, world, m=2))
+    out = dv(torch.ones(x.shape[0], HIDDEN, dtype=torch.bfloat16))
+    a2a.combine(out, ids, dw, y, bound_m=bound, accumulate=True)
+    ref = (weighted_reference(x[:m], idx[:m], w[:m]).double() + 1).to(torch.bfloat16)
+    torch.testing.assert_close(hv(out)[:m].float(), ref.float(), rtol=2 ** -7, atol=2 ** -6)
+    a2a.destroy()
+
+
+@behaviour
+def bad_arguments_refused_and_the_epoch_goes_on(world, rank, group):
+    """A dtype and an output too small refused, naming them; the AllToAll goes on."""
+    a2a = bf16_all_to_all(world, group)
+    x, idx, w = inputs(world, rank)
+    dx, ids, dw = dv(x), dv(idx.to(torch.int32)), dv(w)
+    rows = a2a.max_recv_tokens
+    counts = dv(torch.empty(EXPERTS_PER_RANK, dtype=torch.int32))
+    out_x = dv(torch.zeros(rows, HIDDEN, dtype=torch.bfloat16))
+    expect_error(ferry.InvalidArgument, "dtype", a2a.dispatch, counts, out_x, None,
+                 dx.float(), None, ids, dw)
+    a2a.dispatch(counts, out_x, None, dx, None, ids, dw, do_recv=False)
+    expect_error(ferry.InvalidArgument, "max_recv_tokens", a2a.dispatch, counts,
+                 out_x[:rows - 1], None, dx, None, ids, dw, do_send=False)
+    a2a.dispatch(counts, out_x, None, dx, None, ids, dw, do_send=False)
+    a2a.combine(torch.empty_like(dx), ids, dw, torch.zeros_like(out_x))
+    a2a.destroy()
+
+
+@behaviour
+def fp8_rows_with_their_scales(world, rank, group):
+    check_pplx_fp8(world, rank, group)
+    check_pplx_fp8(world, rank, group, hidden_dim_scale=1)  # per-token scales
+    check_pplx_fp8(world, rank, group, hidden_dim_scale=8)  # groups of 64 columns
+    check_pplx_fp8(world, rank, group, hidden_dim_scale=1, row_dtype=torch.int8)  # w8a8
+
+
+@behaviour
+def batched_layout(world, rank, group):
+    check_pplx_batched(world, rank, group)
+    check_pplx_batched(world, rank, group, hidden=48)  # any multiple of 16 columns
+
+
+@behaviour
+def fp32_rows(world, rank, group):
+    check_pplx_fp32(world, rank, group)
+    check_pplx_fp32(world, rank, group, hidden=16)  # pplx-garden's tests use 16
+
+
+@behaviour
+def fp32_sums_of_bf16_rows(world, rank, group):
+    check_pplx_fp32_out(world, rank, group)
+
+
+@behaviour
+def fp16_rows(world, rank, group):
+    check_pplx_fp16(world, rank, group)
+
+
+def pplx_body(world, group_kind, only=None):
+    """A rank's body: every behaviour in order (or `only` that one) over `group_kind`."""
+    def body(b, store):
+        group = group_of(b, store, group_kind)
+        for name, check in BEHAVIOURS.items():
+            if only is None or name == only:
+                check(world, b.rank, group)
     return body
 
 
@@ -397,8 +460,43 @@ def check_pplx_dp(b, group, dp_group):
     a2a.destroy()
 
 
-class PplxTest(Worlds, Case):
-    body_of = staticmethod(pplx_body)
+class PplxTest(Case):
+    """A test per behaviour (BEHAVIOURS), each in world sizes 1 (ferry's bootstrap), 2 (gloo) and
+    4 (ferry's bootstrap): a failure names the behaviour and the world."""
+
+    def in_every_world(self, name):
+        for world, kind in ((1, "ferry"), (2, "gloo"), (4, "ferry")):
+            with self.subTest(world=world, group=kind):
+                self.ranks(world, pplx_body(world, kind, only=name),
+                           timeout=240.0 if world == 4 else 120.0)
+
+    def test_bf16_whole_and_in_halves(self):
+        self.in_every_world("bf16_whole_and_in_halves")
+
+    def test_bound_m_and_accumulate(self):
+        self.in_every_world("bound_m_and_accumulate")
+
+    def test_bad_arguments_refused_and_the_epoch_goes_on(self):
+        self.in_every_world("bad_arguments_refused_and_the_epoch_goes_on")
+
+    def test_fp8_rows_with_their_scales(self):
+        self.in_every_world("fp8_rows_with_their_scales")
+
+    def test_batched_layout(self):
+        self.in_every_world("batched_layout")
+
+    def test_fp32_rows(self):
+        self.in_every_world("fp32_rows")
+
+    def test_fp32_sums_of_bf16_rows(self):
+        self.in_every_world("fp32_sums_of_bf16_rows")
+
+    def test_fp16_rows(self):
+        self.in_every_world("fp16_rows")
+
+    def test_every_behaviour_has_a_test(self):
+        tests = {n[len("test_"):] for n in dir(self) if n.startswith("test_")}
+        self.assertEqual(set(BEHAVIOURS) - tests, set())
 
     def test_data_parallel_groups_of_two_among_four(self):
         self.ranks(4, pplx_dp_body(4), timeout=240.0)
