@@ -94,12 +94,7 @@ class NodeOnceDevice final : public MoeDevice {
   }
 
   Status Quantize(const DispatchInput& in, const void** x, const float** scales) override {
-    fp8_x_.resize(size_t(in.num_tokens) * c_.hidden);
-    fp8_scales_.resize(size_t(in.num_tokens) * c_.scales_per_token());
-    QuantizeFp8Rows(in.x_bf16, in.num_tokens, c_.hidden, in.scaling, fp8_x_.data(),
-                    fp8_scales_.data());
-    *x = fp8_x_.data();
-    *scales = fp8_scales_.data();
+    fp8_.Quantize(c_, in, x, scales);
     return Status::Ok();
   }
 
@@ -158,8 +153,7 @@ class NodeOnceDevice final : public MoeDevice {
   std::vector<float> mid_weights_;
   std::vector<uint8_t> mid_out_;
   bool fp16_ = false;
-  std::vector<uint8_t> fp8_x_;  // DispatchInput::x_bf16 quantised (Quantize)
-  std::vector<float> fp8_scales_;
+  HostFp8Rows fp8_;  // DispatchInput::x_bf16 quantised (Quantize)
 };
 
 }  // namespace

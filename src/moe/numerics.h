@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "ferry/export.h"
 #include "ferry/moe.h"
@@ -133,6 +134,24 @@ FERRY_API void QuantizeFp8Rows(const uint16_t* rows, int64_t num_rows, int hidde
                                Fp8Scaling scaling, uint8_t* out, float* scales);
 
 namespace moe {
+
+// DispatchInput::x_bf16 quantised on the CPU (QuantizeFp8Rows) into rows kept here until the
+// next call: MoeDevice::Quantize of the devices that run on the host.
+class HostFp8Rows {
+ public:
+  void Quantize(const AllToAllConfig& c, const DispatchInput& in, const void** x,
+                const float** scales) {
+    x_.resize(size_t(in.num_tokens) * c.hidden);
+    scales_.resize(size_t(in.num_tokens) * c.scales_per_token());
+    QuantizeFp8Rows(in.x_bf16, in.num_tokens, c.hidden, in.scaling, x_.data(), scales_.data());
+    *x = x_.data();
+    *scales = scales_.data();
+  }
+
+ private:
+  std::vector<uint8_t> x_;
+  std::vector<float> scales_;
+};
 
 // A combine row's element (AllToAllConfig::combine_row_bytes): bf16, fp16 (CombineInput /
 // CombineOutput::fp16) or fp32 (combines_fp32()). Both devices sum in fp32 and store this.

@@ -412,12 +412,7 @@ class HostDevice final : public MoeDevice {
   DeviceCaps caps() const override { return {.host_inputs = true}; }
 
   Status Quantize(const DispatchInput& in, const void** x, const float** scales) override {
-    fp8_x_.resize(size_t(in.num_tokens) * c_.hidden);
-    fp8_scales_.resize(size_t(in.num_tokens) * c_.scales_per_token());
-    QuantizeFp8Rows(in.x_bf16, in.num_tokens, c_.hidden, in.scaling, fp8_x_.data(),
-                    fp8_scales_.data());
-    *x = fp8_x_.data();
-    *scales = fp8_scales_.data();
+    fp8_.Quantize(c_, in, x, scales);
     return Status::Ok();
   }
 
@@ -571,8 +566,7 @@ class HostDevice final : public MoeDevice {
   std::vector<int64_t> row_base_;     // [N + 1] senders' rows in partial_
   std::vector<float> partial_;        // [rows, hidden] fp32 sums at the expert rank
   std::vector<float> acc_;            // [T, hidden] fp32 accumulator
-  std::vector<uint8_t> fp8_x_;        // DispatchInput::x_bf16 quantised (Quantize)
-  std::vector<float> fp8_scales_;
+  HostFp8Rows fp8_;                   // DispatchInput::x_bf16 quantised (Quantize)
 };
 
 }  // namespace
