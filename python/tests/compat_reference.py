@@ -178,6 +178,22 @@ def encoded_fp8(world, s, spt):
     return codes.view(fp8_dtype()), scales.contiguous(), idx, w
 
 
+class Behaviours:
+    """A test per behaviour of a layer's body (body_of(world, group kind, only=name)), each in
+    world sizes 1 (ferry's bootstrap), 2 (gloo) and 4 (ferry's bootstrap): a failure names the
+    behaviour and the world."""
+
+    def in_every_world(self, name):
+        for world, kind in ((1, "ferry"), (2, "gloo"), (4, "ferry")):
+            with self.subTest(world=world, group=kind):
+                self.ranks(world, self.body_of(world, kind, only=name),
+                           timeout=240.0 if world == 4 else 120.0)
+
+    def test_every_behaviour_has_a_test(self):
+        tests = {n[len("test_"):] for n in dir(self) if n.startswith("test_")}
+        self.assertEqual(set(self.behaviours) - tests, set())
+
+
 class Worlds:
     """World sizes 1, 2 and 4 of a layer's body (body_of(world, group kind)), over ferry's
     bootstrap and over gloo."""

@@ -7,9 +7,10 @@ import time
 import ferry
 from ranks import expect_error
 
-from compat_reference import (EXPERTS_PER_RANK, HIDDEN, K, MAX_TOKENS, Case, decode_e4m3, dv,
-                              e4m3_table, expert_factor, fp8_dtype, group_of, hv, inputs,
-                              quantize_reference, rows_of, run_with_shim, weighted_reference)
+from compat_reference import (EXPERTS_PER_RANK, HIDDEN, K, MAX_TOKENS, Behaviours, Case,
+                              decode_e4m3, dv, e4m3_table, expert_factor, fp8_dtype, group_of, hv,
+                              inputs, quantize_reference, rows_of, run_with_shim,
+                              weighted_reference)
 
 try:
     import torch
@@ -516,15 +517,9 @@ print("shim ok")
 """
 
 
-class DeepEpTest(Case):
-    """A test per behaviour (BEHAVIOURS), each in world sizes 1 (ferry's bootstrap), 2 (gloo) and
-    4 (ferry's bootstrap): a failure names the behaviour and the world."""
-
-    def in_every_world(self, name):
-        for world, kind in ((1, "ferry"), (2, "gloo"), (4, "ferry")):
-            with self.subTest(world=world, group=kind):
-                self.ranks(world, deep_ep_body(world, kind, only=name),
-                           timeout=240.0 if world == 4 else 120.0)
+class DeepEpTest(Behaviours, Case):
+    body_of = staticmethod(deep_ep_body)
+    behaviours = BEHAVIOURS
 
     def test_low_latency_in_every_form(self):
         self.in_every_world("low_latency_in_every_form")
@@ -550,9 +545,6 @@ class DeepEpTest(Case):
     def test_refusals_name_what_is_not_honoured(self):
         self.in_every_world("refusals_name_what_is_not_honoured")
 
-    def test_every_behaviour_has_a_test(self):
-        tests = {n[len("test_"):] for n in dir(self) if n.startswith("test_")}
-        self.assertEqual(set(BEHAVIOURS) - tests, set())
 
     def test_the_shim_package_on_pythonpath(self):
         """With ferry.deep_ep.shim_path() on PYTHONPATH, `import deep_ep` (and deep_ep.utils)

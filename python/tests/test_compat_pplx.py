@@ -6,9 +6,9 @@ import ferry
 from ranks import expect_error
 
 import compat_reference as refs
-from compat_reference import (EXPERTS_PER_RANK, HIDDEN, K, MAX_TOKENS, Case, dv, encoded_fp8,
-                              expert_blocks, expert_factor, fp8_dtype, gloo, group_of, hv, inputs,
-                              rows_of, weighted_reference)
+from compat_reference import (EXPERTS_PER_RANK, HIDDEN, K, MAX_TOKENS, Behaviours, Case, dv,
+                              encoded_fp8, expert_blocks, expert_factor, fp8_dtype, gloo, group_of,
+                              hv, inputs, rows_of, weighted_reference)
 
 try:
     import torch
@@ -62,13 +62,17 @@ def bf16_all_to_all(world, group):
                          global_group=group)
 
 
+def bf16_call(world, rank, group):
+    """A bf16 AllToAll, this rank's inputs (x, ids, weights) and their copies on the device."""
+    x, idx, w = inputs(world, rank)
+    return bf16_all_to_all(world, group), x, idx, w, dv(x), dv(idx.to(torch.int32)), dv(w)
+
+
 @behaviour
 def bf16_whole_and_in_halves(world, rank, group):
     """bf16 rows dispatched and combined in one call each, then in their send and receive
     halves (a combine between the halves refused as out of order)."""
-    a2a = bf16_all_to_all(world, group)
-    x, idx, w = inputs(world, rank)
-    dx, ids, dw = dv(x), dv(idx.to(torch.int32)), dv(w)
+    a2a, x, idx, w, dx, ids, dw = bf16_call(world, rank, group)
     rows = a2a.max_recv_tokens
     for split in (False, True):
         counts = dv(torch.empty(EXPERTS_PER_RANK, dtype=torch.int32))
@@ -95,9 +99,7 @@ def bf16_whole_and_in_halves(world, rank, group):
 @behaviour
 def bound_m_and_accumulate(world, rank, group):
     """bound_m: the first m tokens only; accumulate adds to what out holds."""
-    a2a = bf16_all_to_all(world, group)
-    x, idx, w = inputs(world, rank)
-    dx, ids, dw = dv(x), dv(idx.to(torch.int32)), dv(w)
+    a2a, x, idx, w, dx, ids, dw = bf16_call(world, rank, group)
     rows = a2a.max_recv_tokens
     m = min(2, x.shape[0])
     bound = dv(torch.tensor([m], dtype=torch.int32))
@@ -115,9 +117,7 @@ def bound_m_and_accumulate(world, rank, group):
 @behaviour
 def bad_arguments_refused_and_the_epoch_goes_on(world, rank, group):
     """A dtype and an output too small refused, naming them; the AllToAll goes on."""
-    a2a = bf16_all_to_all(world, group)
-    x, idx, w = inputs(world, rank)
-    dx, ids, dw = dv(x), dv(idx.to(torch.int32)), dv(w)
+    a2a, x, idx, w, dx, ids, dw = bf16_call(world, rank, group)
     rows = a2a.max_recv_tokens
     counts = dv(torch.empty(EXPERTS_PER_RANK, dtype=torch.int32))
     out_x = dv(torch.zeros(rows, HIDDEN, dtype=torch.bfloat16))
@@ -460,15 +460,9 @@ def check_pplx_dp(b, group, dp_group):
     a2a.destroy()
 
 
-class PplxTest(Case):
-    """A test per behaviour (BEHAVIOURS), each in world sizes 1 (ferry's bootstrap), 2 (gloo) and
-    4 (ferry's bootstrap): a failure names the behaviour and the world."""
-
-    def in_every_world(self, name):
-        for world, kind in ((1, "ferry"), (2, "gloo"), (4, "ferry")):
-            with self.subTest(world=world, group=kind):
-                self.ranks(world, pplx_body(world, kind, only=name),
-                           timeout=240.0 if world == 4 else 120.0)
+class PplxTest(Behaviours, Case):
+    body_of = staticmethod(pplx_body)
+    behaviours = BEHAVIOURS
 
     def test_bf16_whole_and_in_halves(self):
         self.in_every_world("bf16_whole_and_in_halves")
@@ -494,9 +488,6 @@ class PplxTest(Case):
     def test_fp16_rows(self):
         self.in_every_world("fp16_rows")
 
-    def test_every_behaviour_has_a_test(self):
-        tests = {n[len("test_"):] for n in dir(self) if n.startswith("test_")}
-        self.assertEqual(set(BEHAVIOURS) - tests, set())
 
     def test_data_parallel_groups_of_two_among_four(self):
         self.ranks(4, pplx_dp_body(4), timeout=240.0)
