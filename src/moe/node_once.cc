@@ -47,8 +47,9 @@ class NodeOnceDevice final : public MoeDevice {
 
   DeviceCaps caps() const override { return {.host_inputs = true}; }
 
-  // Across nodes: each token once to each node holding any of its experts, on our rail.
-  Status DispatchSend(const DispatchInput& in, uint64_t /*epoch: the inner AllToAlls' own*/) override {
+  // Across nodes: each token once to each node holding any of its experts, on our rail. (The
+  // epochs are the inner AllToAlls' own.)
+  Status DispatchSend(const DispatchInput& in, uint64_t /*epoch*/) override {
     return rail_->DispatchSend(in);
   }
 
