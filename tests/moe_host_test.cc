@@ -516,45 +516,6 @@ std::vector<Case> Cases() {
 
 INSTANTIATE_TEST_SUITE_P(Cases, MoeHostTest, ::testing::ValuesIn(Cases()), CaseName);
 
-// Node-once forwarding refuses what it cannot do, naming it: the CUDA device (not built for it
-// yet), and combine weights given at CombineRecv (the node sums before its row crosses back);
-// the refused combine leaves the epoch to finish with the dispatch's weights.
-TEST(MoeHostNodeOnceTest, RefusesTheCudaDeviceAndWeightsAtTheCombine) {
-  auto exits = testing_util::RunRanks(4, [](Bootstrap& b) -> Status {
-    ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
-    AllToAllConfig c{.world_size = 4, .rank = b.rank(), .ranks_per_node = 2, .num_experts = 8,
-                     .experts_per_token = 2, .max_tokens_per_rank = 4, .hidden = 128,
-                     .forwarding = Forwarding::kNodeOnce};
-    AllToAllConfig cuda = c;
-    cuda.device = MoeDeviceKind::kCuda;
-    auto refused = AllToAll::Create(cuda, engine.get(), b);
-    CHECK_OR_RETURN(refused.status().code() == StatusCode::kUnimplemented &&
-                        refused.status().message().find("node-once") != std::string::npos,
-                    refused.status().ToString());
-    ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(c, engine.get(), b));
-    const std::vector<uint16_t> x(4 * 128, FloatToBf16(1.0f));
-    const std::vector<int32_t> ids = {0, 7, 2, 5, 4, 3, 6, 1};
-    const std::vector<float> w(8, 0.5f);
-    RETURN_IF_ERROR(a2a->DispatchSend({x.data(), nullptr, ids.data(), w.data(), 4}));
-    std::vector<uint16_t> out_x(size_t(c.local_experts() * c.expert_capacity() * 128));
-    std::vector<int32_t> counts(size_t(c.local_experts()));
-    RETURN_IF_ERROR(
-        a2a->DispatchRecv({out_x.data(), nullptr, counts.data()}, Deadline::After(30s)));
-    RETURN_IF_ERROR(a2a->CombineSend(out_x.data()));
-    std::vector<uint16_t> y(4 * 128);
-    const Status late = a2a->CombineRecv(
-        CombineOutput{.out = y.data(), .weights = w.data()}, Deadline::After(30s));
-    CHECK_OR_RETURN(late.code() == StatusCode::kInvalidArgument &&
-                        late.message().find("weights") != std::string::npos,
-                    late.ToString());
-    RETURN_IF_ERROR(a2a->CombineRecv(CombineOutput{.out = y.data()}, Deadline::After(30s)));
-    // Each token: two experts of weight 0.5 returning the row as it came: 1.
-    for (uint16_t v : y) CHECK_OR_RETURN(v == FloatToBf16(1.0f), std::to_string(Bf16ToFloat(v)));
-    return b.Barrier(30s);
-  }, 120s);
-  for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
-}
-
 // Several AllToAlls on one engine (two micro-batches overlapped): each takes an instance of its
 // own and their steps interleave; an instance once taken on an engine stays taken (its counters
 // outlive the AllToAll: AlreadyExists), another still serves; ranks that differ in the instance
@@ -748,45 +709,6 @@ TEST(MoeHostFailureTest, ADeadPeerEndsTheReceiveHalfAtItsDeadline) {
   }, 120s);
   EXPECT_TRUE(exits[0].ok()) << exits[0].exit_code;
   EXPECT_EQ(exits[1].signal, SIGKILL);
-}
-
-// Node-once forwarding with a rank killed before its dispatch (EP4 as two nodes of two): every
-// survivor's epoch fails within the step's deadline -- the rank's rail peer waits for its
-// section, its node peer for what it would have forwarded, and the rest for the survivors that
-// could not forward -- and teardown does not hang.
-TEST(MoeHostFailureTest, NodeOnceADeadRankEndsEverySurvivorsEpochAtItsDeadline) {
-  auto exits = testing_util::RunRanks(4, [](Bootstrap& b) -> Status {
-    AllToAllConfig cfg{.world_size = 4, .rank = b.rank(), .ranks_per_node = 2, .num_experts = 8,
-                       .experts_per_token = 2, .max_tokens_per_rank = 4, .hidden = 128,
-                       .forwarding = Forwarding::kNodeOnce};
-    EngineOptions options = testing_util::TestOptions("shm");
-    options.transfer_timeout_ms = 1000;  // writes to the dead peer end within a second
-    ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(options));
-    ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(cfg, engine.get(), b));
-    RETURN_IF_ERROR(b.Barrier(30s));
-    if (b.rank() == 3) {
-      a2a.reset();
-      engine.reset();
-      raise(SIGKILL);
-    }
-    std::vector<uint16_t> x(4 * 128, 0), out_x(2 * 16 * 128), y(4 * 128);
-    std::vector<int32_t> idx = {0, 7, 2, 5, 4, 3, 6, 1}, counts(2);
-    std::vector<float> w(8, 0.5f);
-    const auto start = Clock::now();
-    const Deadline deadline = Deadline::After(2s);
-    Status s = a2a->DispatchSend({x.data(), nullptr, idx.data(), w.data(), 4});
-    if (s.ok()) s = a2a->DispatchRecv({out_x.data(), nullptr, counts.data()}, deadline);
-    if (s.ok()) s = a2a->CombineSend(out_x.data());
-    if (s.ok()) s = a2a->CombineRecv(CombineOutput{.out = y.data()}, deadline);
-    CHECK_OR_RETURN(!s.ok(), "the epoch finished without rank 3");
-    CHECK_OR_RETURN(Clock::now() - start < 6s, "deadline not kept: " + s.ToString());
-    const auto torn = Clock::now();
-    a2a.reset();
-    CHECK_OR_RETURN(Clock::now() - torn < 10s, "teardown hung");
-    return Status::Ok();
-  }, 120s);
-  for (int r = 0; r < 3; ++r) EXPECT_TRUE(exits[size_t(r)].ok()) << "rank " << r;
-  EXPECT_EQ(exits[3].signal, SIGKILL);
 }
 
 // A rank killed after each of the four steps (0: before any): the survivor's first step that

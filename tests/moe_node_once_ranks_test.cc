@@ -1,0 +1,223 @@
+// Node-once forwarding (Forwarding::kNodeOnce) with ranks as processes over shm, beyond the
+// cases moe_host_test runs it through: what it refuses, a rank killed, and rank masks, whose
+// meaning under node-once is that a masked rank's experts and the routes it forwards are out.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <csignal>
+#include <string>
+#include <vector>
+
+#include "fabric/test_util.h"
+#include "ferry/bootstrap.h"
+#include "ferry/moe.h"
+#include "moe/numerics.h"
+
+namespace ferry {
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+// EP4 as two nodes of two (ranks 0, 1 | 2, 3), 8 experts (2 a rank, 4 a node), top-2: token t
+// of rank r goes to expert (t + 2r) % 8 and that + 4 -- one in each node -- with weights 0.5
+// and 0.25; every column holds 1 + r + t / 4 + 2 * epoch (exact in bf16, as are its sums).
+constexpr int kWorld = 4, kPerNode = 2, kTokens = 4, kHidden = 128, kExperts = 8, kK = 2;
+constexpr int kLocal = kExperts / kWorld;
+constexpr int64_t kCapacity = int64_t{kWorld} * kTokens;
+float Value(int r, int t, int epoch) { return 1.0f + r + t * 0.25f + 2.0f * epoch; }
+int Expert(int r, int t, int j) { return (t + 2 * r + 4 * j) % kExperts; }
+float Weight(int j) { return j == 0 ? 0.5f : 0.25f; }
+
+// Whether rank s's copies reach rank `me` (and their rows come back) while `masked` ranks are
+// out: inside a node directly; across nodes through the rank of me's node with s's index there,
+// which must not be masked.
+bool Reaches(int s, int me, const std::vector<bool>& masked) {
+  if (s == me) return true;
+  if (masked[size_t(s)] || masked[size_t(me)]) return false;
+  if (s / kPerNode == me / kPerNode) return true;
+  return !masked[size_t(me / kPerNode * kPerNode + s % kPerNode)];
+}
+
+// One epoch of rank `me`, every output checked against `masked` (the ranks out, as me sees the
+// world): each local expert's rows as a multiset, and each token's sum over the copies whose
+// expert rank its route reaches.
+Status Epoch(AllToAll& a2a, int me, int epoch, const std::vector<bool>& masked) {
+  std::vector<uint16_t> x(size_t(kTokens) * kHidden);
+  std::vector<int32_t> ids(size_t(kTokens) * kK);
+  std::vector<float> w(ids.size());
+  for (int t = 0; t < kTokens; ++t) {
+    std::fill_n(x.begin() + t * kHidden, kHidden, FloatToBf16(Value(me, t, epoch)));
+    for (int j = 0; j < kK; ++j) {
+      ids[size_t(t) * kK + j] = Expert(me, t, j);
+      w[size_t(t) * kK + j] = Weight(j);
+    }
+  }
+  RETURN_IF_ERROR(a2a.DispatchSend({x.data(), nullptr, ids.data(), w.data(), kTokens}));
+  std::vector<uint16_t> out_x(size_t(kLocal * kCapacity * kHidden));
+  std::vector<int32_t> counts(kLocal, -1);
+  RETURN_IF_ERROR(
+      a2a.DispatchRecv({out_x.data(), nullptr, counts.data()}, Deadline::After(30s)));
+  for (int e = 0; e < kLocal; ++e) {
+    const int expert = me * kLocal + e;
+    std::vector<float> want, got;
+    for (int s = 0; s < kWorld; ++s) {
+      for (int t = 0; t < kTokens && Reaches(s, me, masked); ++t) {
+        for (int j = 0; j < kK; ++j) {
+          if (Expert(s, t, j) == expert) want.push_back(Value(s, t, epoch));
+        }
+      }
+    }
+    for (int i = 0; i < counts[size_t(e)]; ++i) {
+      got.push_back(Bf16ToFloat(out_x[(size_t(e) * kCapacity + i) * kHidden]));
+    }
+    std::sort(want.begin(), want.end());
+    std::sort(got.begin(), got.end());
+    CHECK_OR_RETURN(got == want, "rank " + std::to_string(me) + " expert " +
+                                     std::to_string(expert) + " epoch " +
+                                     std::to_string(epoch) + ": " + std::to_string(got.size()) +
+                                     " rows, want " + std::to_string(want.size()));
+  }
+  RETURN_IF_ERROR(a2a.CombineSend(out_x.data()));  // the experts: the identity
+  std::vector<uint16_t> y(size_t(kTokens) * kHidden);
+  RETURN_IF_ERROR(a2a.CombineRecv(CombineOutput{.out = y.data()}, Deadline::After(30s)));
+  for (int t = 0; t < kTokens; ++t) {
+    float weight = 0;
+    for (int j = 0; j < kK; ++j) {
+      if (Reaches(me, Expert(me, t, j) / kLocal, masked)) weight += Weight(j);
+    }
+    const uint16_t want = FloatToBf16(Value(me, t, epoch) * weight);
+    CHECK_OR_RETURN(y[size_t(t) * kHidden] == want,
+                    "rank " + std::to_string(me) + " token " + std::to_string(t) + " epoch " +
+                        std::to_string(epoch) + ": " +
+                        std::to_string(Bf16ToFloat(y[size_t(t) * kHidden])) + ", want " +
+                        std::to_string(Bf16ToFloat(want)));
+  }
+  return Status::Ok();
+}
+
+// Masks set by hand between epochs: ranks 0, 1 and 2 mask rank 3, and rank 3 masks them all.
+// From the next dispatch rank 3 keeps its own tokens only; the others lose rank 3's experts and
+// the route it forwarded (rank 1's tokens into node 1, rank 2's experts included); no step waits
+// for a masked rank, and nothing more crosses to or from rank 3. Masked() names rank 3 (the
+// others, on rank 3).
+TEST(MoeNodeOnceTest, AMaskedRankTakesItsExpertsAndTheRouteItForwardsOut) {
+  auto exits = testing_util::RunRanks(kWorld, [](Bootstrap& b) -> Status {
+    const int me = b.rank();
+    AllToAllConfig c{.world_size = kWorld, .rank = me, .ranks_per_node = kPerNode,
+                     .num_experts = kExperts, .experts_per_token = kK,
+                     .max_tokens_per_rank = kTokens, .hidden = kHidden,
+                     .forwarding = Forwarding::kNodeOnce};
+    ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
+    ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(c, engine.get(), b));
+    const std::vector<bool> none(kWorld, false);
+    RETURN_IF_ERROR(Epoch(*a2a, me, 0, none));
+    std::vector<bool> masked(kWorld, false);
+    for (int r = 0; r < kWorld; ++r) {
+      if (r == me || (me != 3 && r != 3)) continue;
+      RETURN_IF_ERROR(a2a->SetMasked(r, true));
+      masked[size_t(r)] = true;
+    }
+    ASSIGN_OR_RETURN(auto reported, a2a->Masked());
+    for (int r = 0; r < kWorld; ++r) {
+      CHECK_OR_RETURN(bool(reported[size_t(r)]) == masked[size_t(r)],
+                      "Masked()[" + std::to_string(r) + "] on rank " + std::to_string(me));
+    }
+    RETURN_IF_ERROR(b.Barrier(30s));  // every rank's epoch-0 writes posted
+    const uint64_t submitted = engine->stats().transfers_submitted;
+    for (int epoch = 1; epoch < 3; ++epoch) {
+      const auto start = Clock::now();
+      RETURN_IF_ERROR(Epoch(*a2a, me, epoch, masked));
+      CHECK_OR_RETURN(Clock::now() - start < 2s, "a step waited for a masked rank");
+    }
+    RETURN_IF_ERROR(b.Barrier(30s));
+    if (me == 3) {
+      CHECK_OR_RETURN(engine->stats().transfers_submitted == submitted,
+                      "rank 3 wrote to the ranks it masked");
+    }
+    return Status::Ok();
+  }, 120s);
+  for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
+}
+
+// Node-once forwarding refuses what it cannot do, naming it: the CUDA device (not built for it
+// yet), and combine weights given at CombineRecv (the node sums before its row crosses back);
+// the refused combine leaves the epoch to finish with the dispatch's weights.
+TEST(MoeNodeOnceTest, RefusesTheCudaDeviceAndWeightsAtTheCombine) {
+  auto exits = testing_util::RunRanks(4, [](Bootstrap& b) -> Status {
+    ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
+    AllToAllConfig c{.world_size = 4, .rank = b.rank(), .ranks_per_node = 2, .num_experts = 8,
+                     .experts_per_token = 2, .max_tokens_per_rank = 4, .hidden = 128,
+                     .forwarding = Forwarding::kNodeOnce};
+    AllToAllConfig cuda = c;
+    cuda.device = MoeDeviceKind::kCuda;
+    auto refused = AllToAll::Create(cuda, engine.get(), b);
+    CHECK_OR_RETURN(refused.status().code() == StatusCode::kUnimplemented &&
+                        refused.status().message().find("node-once") != std::string::npos,
+                    refused.status().ToString());
+    ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(c, engine.get(), b));
+    const std::vector<uint16_t> x(4 * 128, FloatToBf16(1.0f));
+    const std::vector<int32_t> ids = {0, 7, 2, 5, 4, 3, 6, 1};
+    const std::vector<float> w(8, 0.5f);
+    RETURN_IF_ERROR(a2a->DispatchSend({x.data(), nullptr, ids.data(), w.data(), 4}));
+    std::vector<uint16_t> out_x(size_t(c.local_experts() * c.expert_capacity() * 128));
+    std::vector<int32_t> counts(size_t(c.local_experts()));
+    RETURN_IF_ERROR(
+        a2a->DispatchRecv({out_x.data(), nullptr, counts.data()}, Deadline::After(30s)));
+    RETURN_IF_ERROR(a2a->CombineSend(out_x.data()));
+    std::vector<uint16_t> y(4 * 128);
+    const Status late = a2a->CombineRecv(
+        CombineOutput{.out = y.data(), .weights = w.data()}, Deadline::After(30s));
+    CHECK_OR_RETURN(late.code() == StatusCode::kInvalidArgument &&
+                        late.message().find("weights") != std::string::npos,
+                    late.ToString());
+    RETURN_IF_ERROR(a2a->CombineRecv(CombineOutput{.out = y.data()}, Deadline::After(30s)));
+    // Each token: two experts of weight 0.5 returning the row as it came: 1.
+    for (uint16_t v : y) CHECK_OR_RETURN(v == FloatToBf16(1.0f), std::to_string(Bf16ToFloat(v)));
+    return b.Barrier(30s);
+  }, 120s);
+  for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
+}
+
+// Node-once forwarding with a rank killed before its dispatch (EP4 as two nodes of two): every
+// survivor's epoch fails within the step's deadline -- the rank's rail peer waits for its
+// section, its node peer for what it would have forwarded, and the rest for the survivors that
+// could not forward -- and teardown does not hang.
+TEST(MoeNodeOnceTest, ADeadRankEndsEverySurvivorsEpochAtItsDeadline) {
+  auto exits = testing_util::RunRanks(4, [](Bootstrap& b) -> Status {
+    AllToAllConfig cfg{.world_size = 4, .rank = b.rank(), .ranks_per_node = 2, .num_experts = 8,
+                       .experts_per_token = 2, .max_tokens_per_rank = 4, .hidden = 128,
+                       .forwarding = Forwarding::kNodeOnce};
+    EngineOptions options = testing_util::TestOptions("shm");
+    options.transfer_timeout_ms = 1000;  // writes to the dead peer end within a second
+    ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(options));
+    ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(cfg, engine.get(), b));
+    RETURN_IF_ERROR(b.Barrier(30s));
+    if (b.rank() == 3) {
+      a2a.reset();
+      engine.reset();
+      raise(SIGKILL);
+    }
+    std::vector<uint16_t> x(4 * 128, 0), out_x(2 * 16 * 128), y(4 * 128);
+    std::vector<int32_t> idx = {0, 7, 2, 5, 4, 3, 6, 1}, counts(2);
+    std::vector<float> w(8, 0.5f);
+    const auto start = Clock::now();
+    const Deadline deadline = Deadline::After(2s);
+    Status s = a2a->DispatchSend({x.data(), nullptr, idx.data(), w.data(), 4});
+    if (s.ok()) s = a2a->DispatchRecv({out_x.data(), nullptr, counts.data()}, deadline);
+    if (s.ok()) s = a2a->CombineSend(out_x.data());
+    if (s.ok()) s = a2a->CombineRecv(CombineOutput{.out = y.data()}, deadline);
+    CHECK_OR_RETURN(!s.ok(), "the epoch finished without rank 3");
+    CHECK_OR_RETURN(Clock::now() - start < 6s, "deadline not kept: " + s.ToString());
+    const auto torn = Clock::now();
+    a2a.reset();
+    CHECK_OR_RETURN(Clock::now() - torn < 10s, "teardown hung");
+    return Status::Ok();
+  }, 120s);
+  for (int r = 0; r < 3; ++r) EXPECT_TRUE(exits[size_t(r)].ok()) << "rank " << r;
+  EXPECT_EQ(exits[3].signal, SIGKILL);
+}
+
+}  // namespace
+}  // namespace ferry
