@@ -105,6 +105,11 @@ Status AllToAllConfig::Validate() const {
     if (experts_per_token > num_experts / (world_size / ranks_per_node)) {
       return bad("node-once forwarding needs experts_per_token <= the experts of one node");
     }
+    if (mask_lost_peers) {
+      return bad("mask_lost_peers with node-once forwarding: a lost rank is found at different "
+                 "hops by different ranks, and the skew between them would have live "
+                 "forwarders taken for lost (not supported yet; masks set by hand are)");
+    }
   }
   return Status::Ok();
 }

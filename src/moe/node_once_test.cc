@@ -45,6 +45,9 @@ TEST(NodeOnceTest, ConfigurationAgreedAndRefusedWhereItCannotRun) {
   bad.num_experts = 32;  // 8 nodes of 4 experts: a token's 8 cannot all be in one node
   refused(bad, "experts of one node");
   bad = c;
+  bad.mask_lost_peers = true;  // masks set by hand are taken; lost ranks not yet
+  refused(bad, "mask_lost_peers");
+  bad = c;
   bad.forwarding = static_cast<Forwarding>(2);
   refused(bad, "unknown forwarding");
 }
