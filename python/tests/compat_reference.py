@@ -194,20 +194,6 @@ class Behaviours:
         self.assertEqual(set(self.behaviours) - tests, set())
 
 
-class Worlds:
-    """World sizes 1, 2 and 4 of a layer's body (body_of(world, group kind)), over ferry's
-    bootstrap and over gloo."""
-
-    def test_world_1_over_ferrys_bootstrap(self):
-        self.ranks(1, self.body_of(1, "ferry"))
-
-    def test_world_2_over_gloo(self):
-        self.ranks(2, self.body_of(2, "gloo"))
-
-    def test_world_4_over_ferrys_bootstrap(self):
-        self.ranks(4, self.body_of(4, "ferry"), timeout=240.0)
-
-
 def run_with_shim(test, shim, script):
     """script in a new interpreter with the shim folder (and ferry's) on PYTHONPATH, as an
     engine's worker processes inherit it; it must print "shim ok"."""

@@ -8,9 +8,9 @@ import ferry
 from ranks import expect_error
 
 import compat_reference as refs
-from compat_reference import (EXPERTS_PER_RANK, HIDDEN, K, MAX_TOKENS, Case, dv, encoded_fp8,
-                              expert_blocks, expert_factor, fp8_dtype, gloo, hv, inputs, rows_of,
-                              run_with_shim, weighted_reference, Worlds)
+from compat_reference import (EXPERTS_PER_RANK, HIDDEN, K, MAX_TOKENS, Behaviours, Case, dv,
+                              encoded_fp8, expert_blocks, expert_factor, fp8_dtype, gloo, hv,
+                              inputs, rows_of, run_with_shim, weighted_reference)
 
 try:
     import torch
@@ -102,29 +102,50 @@ def check_legacy_2byte(a2a, rank, world, dtype=torch.bfloat16):
     return counts, out_x, dx, ids
 
 
-def pplx_kernels_body(world, group_kind):
-    """bf16 rows dispatched and combined in halves, as vLLM's prepare and finalize call them
-    (the send half, then the receive half as the hook), into pplx-kernels' batched layout
-    (max_num_tokens * world_size rows per local expert); then e4m3 rows with vLLM's scales."""
+# The behaviours pplx_kernels_body checks, in order, each a function of (b, store, group kind,
+# world); a test per behaviour runs it alone (PplxKernelsTest), the CUDA tests run them all.
+BEHAVIOURS = {}
+
+
+def behaviour(fn):
+    BEHAVIOURS[fn.__name__] = fn
+    return fn
+
+
+@behaviour
+def two_byte_rows_in_halves(b, store, group_kind, world):
+    """bf16 and float16 rows dispatched and combined in halves, as vLLM's prepare and finalize
+    call them (the send half, then the receive half as the hook), into pplx-kernels' batched
+    layout (max_num_tokens * world_size rows per local expert); scales with 2-byte rows
+    refused; destroy once only, a closed AllToAll refused."""
+    a2a = legacy_all_to_all(b, store, group_kind, world)
+    check_legacy_2byte(a2a, b.rank, world, torch.float16)  # pplx-kernels takes either
+    counts, out_x, dx, ids = check_legacy_2byte(a2a, b.rank, world)
+    expect_error(ferry.InvalidArgument, "input has no scales", a2a.dispatch,
+                 counts, out_x, None, dx, dv(torch.ones(dx.shape[0], 4)), ids, None)
+    a2a.destroy()
+    a2a.destroy()  # once only
+    expect_error(ferry.FailedPrecondition, "closed", a2a.dispatch, counts, out_x, None, dx,
+                 None, ids, None)
+
+
+@behaviour
+def one_byte_rows_with_vllms_scales(b, store, group_kind, world):
+    """e4m3 rows with vLLM's per-token scales (one a row, repeated to 4 columns: 16 bytes) and
+    block scales (11 groups of 48 columns, given as 11 columns of the 12 that 16-byte rounding
+    makes; vLLM's per-token output scales are [experts, rows, hidden]: the 4 land in its first
+    columns), and int8 rows (vLLM's int8 w8a8 path) with per-token scales, moved as they are."""
+    for given, spt, out_cols, int8 in ((4, 4, HIDDEN, False), (11, 12, 12, False),
+                                       (4, 4, 4, True)):
+        check_legacy_fp8(b, store, group_kind, world, given, spt, out_cols, int8)
+
+
+def pplx_kernels_body(world, group_kind, only=None):
+    """A rank's body: every behaviour in order (or `only` that one) over `group_kind`."""
     def body(b, store):
-        a2a = legacy_all_to_all(b, store, group_kind, world)
-        check_legacy_2byte(a2a, b.rank, world, torch.float16)  # pplx-kernels takes either
-        counts, out_x, dx, ids = check_legacy_2byte(a2a, b.rank, world)
-        expect_error(ferry.InvalidArgument, "input has no scales", a2a.dispatch,
-                     counts, out_x, None, dx, dv(torch.ones(dx.shape[0], 4)), ids, None)
-        a2a.destroy()
-        a2a.destroy()  # once only
-        expect_error(ferry.FailedPrecondition, "closed", a2a.dispatch, counts, out_x, None, dx,
-                     None, ids, None)
-        # vLLM's per-token scales (one a row, repeated to 4 columns: 16 bytes) and block scales
-        # (here 11 groups of 48 columns, given as 11 columns of the 12 that 16-byte rounding
-        # makes).
-        # vLLM's per-token output scales are [experts, rows, hidden]: the 4 land in its first
-        # columns.
-        # int8 rows (vLLM's int8 w8a8 path) with per-token scales, moved as they are.
-        for given, spt, out_cols, int8 in ((4, 4, HIDDEN, False), (11, 12, 12, False),
-                                           (4, 4, 4, True)):
-            check_legacy_fp8(b, store, group_kind, world, given, spt, out_cols, int8)
+        for name, check in BEHAVIOURS.items():
+            if only is None or name == only:
+                check(b, store, group_kind, world)
     return body
 
 
@@ -220,8 +241,15 @@ print("shim ok")
 """
 
 
-class PplxKernelsTest(Worlds, Case):
+class PplxKernelsTest(Behaviours, Case):
     body_of = staticmethod(pplx_kernels_body)
+    behaviours = BEHAVIOURS
+
+    def test_two_byte_rows_in_halves(self):
+        self.in_every_world("two_byte_rows_in_halves")
+
+    def test_one_byte_rows_with_vllms_scales(self):
+        self.in_every_world("one_byte_rows_with_vllms_scales")
 
     def test_the_shim_package_on_pythonpath(self):
         """With ferry.pplx_kernels.shim_path() on PYTHONPATH, pplx_kernels imports as ferry's,
