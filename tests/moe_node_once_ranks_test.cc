@@ -143,7 +143,8 @@ TEST(MoeNodeOnceTest, AMaskedRankTakesItsExpertsAndTheRouteItForwardsOut) {
 
 // Node-once forwarding refuses what it cannot do, naming it: the CUDA device (not built for it
 // yet), and combine weights given at CombineRecv (the node sums before its row crosses back);
-// the refused combine leaves the epoch to finish with the dispatch's weights.
+// the refused combine leaves the epoch to finish with the dispatch's weights. The epoch's wait
+// costs charge only ranks waited for directly: our node's and, on our rail, the other nodes'.
 TEST(MoeNodeOnceTest, RefusesTheCudaDeviceAndWeightsAtTheCombine) {
   auto exits = testing_util::RunRanks(4, [](Bootstrap& b) -> Status {
     ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
@@ -163,8 +164,12 @@ TEST(MoeNodeOnceTest, RefusesTheCudaDeviceAndWeightsAtTheCombine) {
     RETURN_IF_ERROR(a2a->DispatchSend({x.data(), nullptr, ids.data(), w.data(), 4}));
     std::vector<uint16_t> out_x(size_t(c.local_experts() * c.expert_capacity() * 128));
     std::vector<int32_t> counts(size_t(c.local_experts()));
-    RETURN_IF_ERROR(
-        a2a->DispatchRecv({out_x.data(), nullptr, counts.data()}, Deadline::After(30s)));
+    // Wait costs: ranks neither of our node nor of our rail are never waited for directly.
+    std::vector<int64_t> dispatch_cost(4, 0), combine_cost(4, 0);
+    RETURN_IF_ERROR(a2a->DispatchRecv({.x = out_x.data(),
+                                       .num_tokens = counts.data(),
+                                       .wait_cost = dispatch_cost.data()},
+                                      Deadline::After(30s)));
     RETURN_IF_ERROR(a2a->CombineSend(out_x.data()));
     std::vector<uint16_t> y(4 * 128);
     const Status late = a2a->CombineRecv(
@@ -172,7 +177,16 @@ TEST(MoeNodeOnceTest, RefusesTheCudaDeviceAndWeightsAtTheCombine) {
     CHECK_OR_RETURN(late.code() == StatusCode::kInvalidArgument &&
                         late.message().find("weights") != std::string::npos,
                     late.ToString());
-    RETURN_IF_ERROR(a2a->CombineRecv(CombineOutput{.out = y.data()}, Deadline::After(30s)));
+    RETURN_IF_ERROR(a2a->CombineRecv(
+        CombineOutput{.out = y.data(), .wait_cost = combine_cost.data()}, Deadline::After(30s)));
+    const int other = 3 - b.rank();  // of the other node, on the other rail
+    for (int r = 0; r < 4; ++r) {
+      CHECK_OR_RETURN(dispatch_cost[size_t(r)] >= 0 && combine_cost[size_t(r)] >= 0,
+                      "a negative wait cost");
+    }
+    CHECK_OR_RETURN(dispatch_cost[size_t(other)] == 0 && combine_cost[size_t(other)] == 0,
+                    "rank " + std::to_string(other) + " charged a wait on rank " +
+                        std::to_string(b.rank()));
     // Each token: two experts of weight 0.5 returning the row as it came: 1.
     for (uint16_t v : y) CHECK_OR_RETURN(v == FloatToBf16(1.0f), std::to_string(Bf16ToFloat(v)));
     return b.Barrier(30s);

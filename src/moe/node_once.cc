@@ -61,7 +61,8 @@ class NodeOnceDevice final : public MoeDevice {
                        .num_tokens = mid_counts_.data(),
                        .num_rows = &mid_rows_,
                        .token_experts = mid_experts_.data(),
-                       .token_weights = mid_weights_.data()};
+                       .token_weights = mid_weights_.data(),
+                       .wait_cost = out.wait_cost ? Zeroed(rail_cost_) : nullptr};
     RETURN_IF_ERROR(rail_->DispatchRecv(mid, deadline));
     RETURN_IF_ERROR(node_->DispatchSend(DispatchInput{
         .x = mid_x_.data(),
@@ -69,7 +70,11 @@ class NodeOnceDevice final : public MoeDevice {
         .indices = mid_experts_.data(),  // local to the node: the node AllToAll's ids
         .weights = mid_weights_.data(),
         .num_tokens = mid_rows_}));
-    return node_->DispatchRecv(out, deadline);
+    DispatchOutput mine = out;
+    mine.wait_cost = out.wait_cost ? Zeroed(node_cost_) : nullptr;
+    RETURN_IF_ERROR(node_->DispatchRecv(mine, deadline));
+    AddWaitCosts(out.wait_cost);
+    return Status::Ok();
   }
 
   Status CombineSend(const CombineInput& in, uint64_t /*epoch*/) override {
@@ -85,13 +90,21 @@ class NodeOnceDevice final : public MoeDevice {
           "CombineRecv: weights given at the combine under node-once forwarding (the node sums "
           "a token's experts before its row crosses back: the weights come with the dispatch)");
     }
-    RETURN_IF_ERROR(node_->CombineRecv(
-        CombineOutput{.out = mid_out_.data(), .accumulate = false, .fp16 = fp16_}, deadline));
+    int64_t* const node_cost = out.wait_cost ? Zeroed(node_cost_) : nullptr;
+    int64_t* const rail_cost = out.wait_cost ? Zeroed(rail_cost_) : nullptr;
+    RETURN_IF_ERROR(node_->CombineRecv(CombineOutput{.out = mid_out_.data(),
+                                                     .accumulate = false,
+                                                     .wait_cost = node_cost,
+                                                     .fp16 = fp16_},
+                                       deadline));
     RETURN_IF_ERROR(rail_->CombineSend(CombineInput{mid_out_.data(), fp16_}));
-    return rail_->CombineRecv(
-        CombineOutput{.out = out.out, .accumulate = out.accumulate, .wait_cost = nullptr,
-                      .fp16 = fp16_},
-        deadline);
+    RETURN_IF_ERROR(rail_->CombineRecv(CombineOutput{.out = out.out,
+                                                     .accumulate = out.accumulate,
+                                                     .wait_cost = rail_cost,
+                                                     .fp16 = fp16_},
+                                       deadline));
+    AddWaitCosts(out.wait_cost);
+    return Status::Ok();
   }
 
   Status Quantize(const DispatchInput& in, const void** x, const float** scales) override {
@@ -143,8 +156,30 @@ class NodeOnceDevice final : public MoeDevice {
   }
 
  private:
+  static int64_t* Zeroed(std::vector<int64_t>& v) {
+    std::fill(v.begin(), v.end(), 0);
+    return v.data();
+  }
+
+  // The hops' wait costs into the caller's [world_size]: a rank of our node is charged what our
+  // node hop waited for it, the rank forwarding from another node what our rail hop waited for
+  // that node (ranks of neither are never waited for directly).
+  void AddWaitCosts(int64_t* out) const {
+    if (!out) return;
+    const int per_node = c_.ranks_per_node, first = c_.rank / per_node * per_node;
+    for (int l = 0; l < per_node; ++l) out[first + l] += node_cost_[size_t(l)];
+    for (size_t n = 0; n < rail_cost_.size(); ++n) {
+      out[n * size_t(per_node) + size_t(c_.rank % per_node)] += rail_cost_[n];
+    }
+  }
+
   const AllToAllConfig c_;
   const std::unique_ptr<AllToAll> rail_, node_;
+  // The hops' wait costs (DispatchOutput / CombineOutput::wait_cost), per node and per rank of
+  // ours.
+  std::vector<int64_t> rail_cost_ =
+      std::vector<int64_t>(size_t(c_.world_size / c_.ranks_per_node));
+  std::vector<int64_t> node_cost_ = std::vector<int64_t>(size_t(c_.ranks_per_node));
   // What the rail brought to this node (token-major) and what goes back on it.
   std::vector<uint8_t> mid_x_;
   std::vector<float> mid_scales_;
