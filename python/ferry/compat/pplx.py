@@ -204,7 +204,7 @@ class AllToAll(_ferry.PplxSteps):
             import torch.distributed as dist
             dist.all_reduce(words, group=self._dp)
 
-    # dispatch and combine are PplxSteps' (python/src/engine_api.cc): every argument checked
+    # dispatch and combine are PplxSteps' (python/src/compat.cc): every argument checked
     # before either half runs, then both in one call of the AllToAll's, on the caller's current
     # stream (the AllToAll takes it at its first dispatch; a call from another stream is
     # ordered by events). The halves run dispatch send, dispatch receive, combine send, combine
