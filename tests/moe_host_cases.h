@@ -1,5 +1,6 @@
 // The cases moe_host_test runs through the protocol on the host device: shapes, dtypes,
-// routings, options, layouts, providers, combine forms and node-once forwarding.
+// routings, options, layouts, providers, combine forms and node-once forwarding; and what a
+// case says of its ranks (the layout each takes, the order token-major rows arrive in).
 #pragma once
 
 #include <ostream>
@@ -58,6 +59,23 @@ inline std::string Describe(const Case& c) {
          (c.fp8_scales ? "_scales" + std::to_string(c.fp8_scales) : "") +
          (c.fp32_combine ? "_f32comb" : "") + (c.fp16_combine ? "_f16comb" : "") +
          (c.node_ranks ? "_nodeonce" + std::to_string(c.node_ranks) : "");
+}
+
+// The senders in the order the token-major rows arrive: rank order; under node-once forwarding
+// by forwarder (the index in the node), then by the sender's node.
+inline std::vector<int> SenderOrder(const Case& c, int world_size) {
+  std::vector<int> order;
+  const int per_node = c.node_ranks ? c.node_ranks : world_size;
+  for (int l = 0; l < (c.node_ranks ? per_node : 1); ++l) {
+    for (int r = 0; r < world_size; ++r) {
+      if (!c.node_ranks || r % per_node == l) order.push_back(r);
+    }
+  }
+  return order;
+}
+
+inline bool TokenMajor(const Case& c, int rank) {
+  return c.layouts == Layouts::kTokenMajor || (c.layouts == Layouts::kMixed && rank % 2 == 1);
 }
 
 // gtest prints a case by its name (found by argument-dependent lookup).

@@ -31,28 +31,13 @@ using moe_host_cases::Case;
 using moe_host_cases::Cases;
 using moe_host_cases::Describe;
 using moe_host_cases::Layouts;
+using moe_host_cases::SenderOrder;
 using moe_host_cases::Spec;
+using moe_host_cases::TokenMajor;
 
 
 std::string CaseName(const ::testing::TestParamInfo<Case>& info) { return Describe(info.param); }
 
-
-// The senders in the order the token-major rows arrive: rank order; under node-once forwarding
-// by forwarder (the index in the node), then by the sender's node.
-std::vector<int> SenderOrder(const Case& c, int world_size) {
-  std::vector<int> order;
-  const int per_node = c.node_ranks ? c.node_ranks : world_size;
-  for (int l = 0; l < (c.node_ranks ? per_node : 1); ++l) {
-    for (int r = 0; r < world_size; ++r) {
-      if (!c.node_ranks || r % per_node == l) order.push_back(r);
-    }
-  }
-  return order;
-}
-
-bool TokenMajor(const Case& c, int rank) {
-  return c.layouts == Layouts::kTokenMajor || (c.layouts == Layouts::kMixed && rank % 2 == 1);
-}
 
 // The token-major output, checked against its definition: every token routed to us once, in
 // (sender rank, token) order, with its payload, scales, and column k naming the local expert of
