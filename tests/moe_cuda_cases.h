@@ -45,6 +45,9 @@ struct Case {
   int fp8_scales = 0;  // AllToAllConfig::fp8_scales
   bool fp32_combine = false;  // AllToAllConfig::fp32_combine
   bool fp16_combine = false;  // CombineInput / CombineOutput::fp16
+  // Forwarding::kNodeOnce on both devices (nvlink, node_ranks: several nodes of several
+  // ranks): the rail AllToAll through the relay, the node AllToAll over NVLink.
+  bool node_once = false;
 };
 
 inline std::string Describe(const Case& c) {
@@ -63,7 +66,8 @@ inline std::string Describe(const Case& c) {
                           : c.stream == 3 ? "_allstreamed" : "") +
          (c.shared_engine ? "_sharedengine" : "") +
          (c.fp8_scales ? "_scales" + std::to_string(c.fp8_scales) : "") +
-         (c.fp32_combine ? "_f32comb" : "") + (c.fp16_combine ? "_f16comb" : "");
+         (c.fp32_combine ? "_f32comb" : "") + (c.fp16_combine ? "_f16comb" : "") +
+         (c.node_once ? "_nodeonce" : "");
 }
 
 // gtest prints a case by its name (found by argument-dependent lookup).
@@ -77,6 +81,12 @@ inline Case Streamed(Case c, int mask = 1) {
 // The same case with the CUDA AllToAll on the host reference's engine (Case::shared_engine).
 inline Case SharedEngine(Case c) {
   c.shared_engine = true;
+  return c;
+}
+
+// The same case with node-once forwarding (Case::node_once).
+inline Case NodeOnce(Case c) {
+  c.node_once = true;
   return c;
 }
 
@@ -392,7 +402,39 @@ inline std::vector<Case> AllCases() {
               .token_major = 1, .fp16_combine = true},
          Case{.world_size = 4, .tokens = 64, .hidden = 256, .experts = 48, .k = 8,
               .dtype = bf16, .routing = rnd, .reduce_at_expert_rank = true,
-              .nvlink = true, .node_ranks = 2, .fp16_combine = true}};
+              .nvlink = true, .node_ranks = 2, .fp16_combine = true},
+         // Node-once forwarding (a token crosses to each node once, its rail peer
+         // forwards it over NVLink): the decode shape; (a)+(b) token-major; a hot
+         // expert, an empty rank, mixed layouts; three nodes; graphs with device
+         // counts; fp16 and fp32 combines.
+         NodeOnce(Case{.world_size = 4, .tokens = 128, .hidden = 7168, .experts = 256,
+                       .k = 8, .dtype = fp8, .routing = rnd, .private_tokens = 16,
+                       .nvlink = true, .node_ranks = 2}),
+         NodeOnce(Case{.world_size = 4, .tokens = 128, .hidden = 7168, .experts = 256,
+                       .k = 8, .dtype = bf16, .routing = rnd, .private_tokens = 16,
+                       .once_per_rank = true, .reduce_at_expert_rank = true,
+                       .nvlink = true, .node_ranks = 2, .token_major = 1}),
+         NodeOnce(Case{.world_size = 4, .tokens = 333, .hidden = 2176, .experts = 64,
+                       .k = 8, .dtype = bf16, .routing = hot, .rank1_empty = true,
+                       .nvlink = true, .node_ranks = 2, .token_major = 2}),
+         NodeOnce(Case{.world_size = 6, .tokens = 64, .hidden = 256, .experts = 48,
+                       .k = 8, .dtype = fp8, .routing = rnd, .once_per_rank = true,
+                       .nvlink = true, .node_ranks = 2}),
+         NodeOnce(Case{.world_size = 4, .tokens = 96, .hidden = 256, .experts = 64,
+                       .k = 4, .dtype = bf16, .routing = rnd, .once_per_rank = true,
+                       .reduce_at_expert_rank = true, .iterations = 4, .nvlink = true,
+                       .graph = true, .node_ranks = 2}),
+         NodeOnce(Case{.world_size = 4, .tokens = 128, .hidden = 7168, .experts = 256,
+                       .k = 8, .dtype = fp8, .routing = rnd, .private_tokens = 16,
+                       .once_per_rank = true, .reduce_at_expert_rank = true,
+                       .iterations = 4, .nvlink = true, .graph = true, .node_ranks = 2,
+                       .token_major = 1}),
+         NodeOnce(Case{.world_size = 4, .tokens = 64, .hidden = 256, .experts = 48,
+                       .k = 8, .dtype = bf16, .routing = rnd, .reduce_at_expert_rank = true,
+                       .nvlink = true, .node_ranks = 2, .fp16_combine = true}),
+         NodeOnce(Case{.world_size = 4, .tokens = 77, .hidden = 384, .experts = 40,
+                       .k = 3, .dtype = fp32, .routing = rnd, .nvlink = true,
+                       .node_ranks = 2})};
 }
 
 }  // namespace moe_cuda_cases

@@ -107,6 +107,7 @@ Status RunRank(const Case& c, Bootstrap& b) {
   const bool fp16 = c.fp16_combine;
   if (token_major) cfg.dispatch_layout = DispatchLayout::kTokenMajor;
   if (c.nvlink) cfg.ranks_per_node = c.node_ranks > 0 ? c.node_ranks : b.world_size();
+  if (c.node_once) cfg.forwarding = Forwarding::kNodeOnce;
   AllToAllConfig gpu_cfg = cfg;
   RETURN_IF_ERROR(UseGpu(b, &gpu_cfg));
   gpu_cfg.streaming = static_cast<Streaming>(c.stream + 1);  // kNone is 1: the mask less one
@@ -153,6 +154,14 @@ Status RunRank(const Case& c, Bootstrap& b) {
   RETURN_IF_ERROR(d_token_weights.Alloc(weights.size()));
   DispatchOutput host_out{out_x.data(), out_scales.data(), counts.data()};
   DispatchOutput gpu_out{d_out_x.p, d_out_scales.p, d_counts.p};
+  // Node-once: the dispatch's wait costs, which charge only the ranks of our node and of our
+  // rail (the hops' costs moved into the caller's entries on the GPU).
+  Gpu<int64_t> d_cost;
+  if (c.node_once) {
+    RETURN_IF_ERROR(d_cost.Alloc(size_t(b.world_size())));
+    RETURN_IF_ERROR(d_cost.Put(std::vector<int64_t>(size_t(b.world_size()), 0)));
+    gpu_out.wait_cost = d_cost.p;
+  }
   if (token_major) {
     host_out.num_rows = &rows;
     host_out.token_experts = experts.data();
@@ -263,6 +272,17 @@ Status RunRank(const Case& c, Bootstrap& b) {
                       "combine output " + std::to_string(i) + ": GPU " +
                           std::to_string(GetCombine(cfg, gpu_y.data(), i, fp16)) + ", host " +
                           std::to_string(GetCombine(cfg, y.data(), i, fp16)) + at);
+    }
+  }
+  if (c.node_once) {
+    std::vector<int64_t> cost(size_t(b.world_size()));
+    RETURN_IF_ERROR(d_cost.Get(cost));
+    const int per_node = cfg.ranks_per_node;
+    for (int r = 0; r < b.world_size(); ++r) {
+      const bool waited = r / per_node == b.rank() / per_node || r % per_node == b.rank() % per_node;
+      CHECK_OR_RETURN(cost[size_t(r)] >= 0 && (waited || cost[size_t(r)] == 0),
+                      "dispatch wait cost of rank " + std::to_string(r) + ": " +
+                          std::to_string(cost[size_t(r)]));
     }
   }
   return b.Barrier(30s);

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <csignal>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "fabric/test_util.h"
@@ -141,22 +142,15 @@ TEST(MoeNodeOnceTest, AMaskedRankTakesItsExpertsAndTheRouteItForwardsOut) {
   for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
 }
 
-// Node-once forwarding refuses what it cannot do, naming it: the CUDA device (not built for it
-// yet), and combine weights given at CombineRecv (the node sums before its row crosses back);
-// the refused combine leaves the epoch to finish with the dispatch's weights. The epoch's wait
+// Node-once forwarding refuses combine weights given at CombineRecv, naming them (the node sums
+// before its row crosses back); the refused combine leaves the epoch to finish with the dispatch's weights. The epoch's wait
 // costs charge only ranks waited for directly: our node's and, on our rail, the other nodes'.
-TEST(MoeNodeOnceTest, RefusesTheCudaDeviceAndWeightsAtTheCombine) {
+TEST(MoeNodeOnceTest, RefusesWeightsAtTheCombine) {
   auto exits = testing_util::RunRanks(4, [](Bootstrap& b) -> Status {
     ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
     AllToAllConfig c{.world_size = 4, .rank = b.rank(), .ranks_per_node = 2, .num_experts = 8,
                      .experts_per_token = 2, .max_tokens_per_rank = 4, .hidden = 128,
                      .forwarding = Forwarding::kNodeOnce};
-    AllToAllConfig cuda = c;
-    cuda.device = MoeDeviceKind::kCuda;
-    auto refused = AllToAll::Create(cuda, engine.get(), b);
-    CHECK_OR_RETURN(refused.status().code() == StatusCode::kUnimplemented &&
-                        refused.status().message().find("node-once") != std::string::npos,
-                    refused.status().ToString());
     ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(c, engine.get(), b));
     const std::vector<uint16_t> x(4 * 128, FloatToBf16(1.0f));
     const std::vector<int32_t> ids = {0, 7, 2, 5, 4, 3, 6, 1};
@@ -189,6 +183,86 @@ TEST(MoeNodeOnceTest, RefusesTheCudaDeviceAndWeightsAtTheCombine) {
                         std::to_string(b.rank()));
     // Each token: two experts of weight 0.5 returning the row as it came: 1.
     for (uint16_t v : y) CHECK_OR_RETURN(v == FloatToBf16(1.0f), std::to_string(Bf16ToFloat(v)));
+    return b.Barrier(30s);
+  }, 120s);
+  for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
+}
+
+// bf16 rows given to an fp8 node-once AllToAll (DispatchInput::x_bf16) go to the rail as they
+// came and are quantised there: every output, dispatched rows, scales and combined sums, equals
+// a node-once AllToAll's given those rows quantised by the caller (power-of-two scales).
+TEST(MoeNodeOnceTest, Bf16RowsAreQuantisedOnTheRailAsACallerWould) {
+  auto exits = testing_util::RunRanks(kWorld, [](Bootstrap& b) -> Status {
+    ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
+    AllToAllConfig c{.world_size = kWorld, .rank = b.rank(), .ranks_per_node = kPerNode,
+                     .num_experts = kExperts, .experts_per_token = kK,
+                     .max_tokens_per_rank = kTokens, .hidden = kHidden,
+                     .dtype = DispatchDtype::kFp8E4M3, .forwarding = Forwarding::kNodeOnce};
+    AllToAllConfig d = c;
+    d.instance = 2;  // node-once takes two instances
+    ASSIGN_OR_RETURN(auto given_bf16, AllToAll::Create(c, engine.get(), b));
+    ASSIGN_OR_RETURN(auto given_fp8, AllToAll::Create(d, engine.get(), b));
+    std::vector<uint16_t> x(size_t(kTokens) * kHidden);
+    std::vector<int32_t> ids(size_t(kTokens) * kK);
+    std::vector<float> w(ids.size());
+    for (int t = 0; t < kTokens; ++t) {
+      for (int col = 0; col < kHidden; ++col) {
+        x[size_t(t) * kHidden + col] = FloatToBf16((col % 7 - 3) * 0.37f * Value(b.rank(), t, 0));
+      }
+      for (int j = 0; j < kK; ++j) {
+        ids[size_t(t) * kK + j] = Expert(b.rank(), t, j);
+        w[size_t(t) * kK + j] = Weight(j);
+      }
+    }
+    const DispatchInput bf16{.indices = ids.data(), .weights = w.data(), .num_tokens = kTokens,
+                             .x_bf16 = x.data(), .scaling = Fp8Scaling::kPowerOfTwo};
+    moe::HostFp8Rows quantiser;
+    DispatchInput quantised = bf16;
+    quantised.x_bf16 = nullptr;
+    quantiser.Quantize(c, bf16, &quantised.x, &quantised.scales);
+    const DispatchInput& fp8 = quantised;
+    struct Outputs {
+      std::vector<uint8_t> x = std::vector<uint8_t>(size_t(kLocal * kCapacity * kHidden));
+      std::vector<float> scales = std::vector<float>(size_t(kLocal * kCapacity * kHidden / 128));
+      std::vector<int32_t> counts = std::vector<int32_t>(size_t(kLocal));
+      std::vector<uint16_t> y = std::vector<uint16_t>(size_t(kTokens) * kHidden);
+    } a, e;
+    for (auto [a2a, in, out] : {std::tuple{given_bf16.get(), &bf16, &a},
+                                std::tuple{given_fp8.get(), &fp8, &e}}) {
+      RETURN_IF_ERROR(a2a->DispatchSend(*in));
+      RETURN_IF_ERROR(a2a->DispatchRecv(
+          {.x = out->x.data(), .scales = out->scales.data(), .num_tokens = out->counts.data()},
+          Deadline::After(30s)));
+      // Each expert returns its rows dequantised (exact in bf16: e4m3 times a power of two).
+      std::vector<uint16_t> expert_out(size_t(kLocal * kCapacity * kHidden), 0);
+      for (int l = 0; l < kLocal; ++l) {
+        for (int i = 0; i < out->counts[size_t(l)]; ++i) {
+          const int64_t row = l * kCapacity + i;
+          for (int col = 0; col < kHidden; ++col) {
+            expert_out[size_t(row * kHidden + col)] = FloatToBf16(
+                E4M3ToFloat(out->x[size_t(row * kHidden + col)]) *
+                out->scales[size_t(row * (kHidden / 128) + col / 128)]);
+          }
+        }
+      }
+      RETURN_IF_ERROR(a2a->CombineSend(expert_out.data()));
+      RETURN_IF_ERROR(a2a->CombineRecv(out->y.data(), false, Deadline::After(30s)));
+    }
+    CHECK_OR_RETURN(a.counts == e.counts, "copies per expert differ");
+    for (int l = 0; l < kLocal; ++l) {
+      const size_t first = size_t(l * kCapacity), rows = size_t(a.counts[size_t(l)]);
+      CHECK_OR_RETURN(rows > 0, "expert " + std::to_string(l) + " received nothing");
+      CHECK_OR_RETURN(std::equal(a.x.begin() + first * kHidden,
+                                 a.x.begin() + (first + rows) * kHidden,
+                                 e.x.begin() + first * kHidden),
+                      "expert " + std::to_string(l) + ": rows differ");
+      CHECK_OR_RETURN(std::equal(a.scales.begin() + first, a.scales.begin() + first + rows,
+                                 e.scales.begin() + first),
+                      "expert " + std::to_string(l) + ": scales differ");
+    }
+    CHECK_OR_RETURN(a.y == e.y, "combined sums differ");
+    CHECK_OR_RETURN(std::any_of(a.y.begin(), a.y.end(), [](uint16_t v) { return v != 0; }),
+                    "nothing combined");
     return b.Barrier(30s);
   }, 120s);
   for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;

@@ -450,6 +450,7 @@ Status RunRank(const MoeBenchOptions& o, Bootstrap& b, Result* result) {
   cfg.mask_lost_peers = o.masked_variant;
   if (o.token_major) cfg.dispatch_layout = DispatchLayout::kTokenMajor;
   cfg.ranks_per_node = !o.nvlink ? 1 : o.node_ranks > 0 ? o.node_ranks : b.world_size();
+  cfg.forwarding = o.forwarding;
   if (o.cuda) {
     cfg.device = MoeDeviceKind::kCuda;
 #ifdef FERRY_BENCH_CUDA
@@ -656,15 +657,16 @@ bool RunVariant(const MoeBenchOptions& o, Result* out) {
 }
 
 const char* VariantName(const MoeBenchOptions& o) {
-  // One row per variant (13 characters at most: the table's first column); its columns: the
-  // plain run, shrink mode (--mask-lost-peers), wait costs counted (--wait-cost).
-  static constexpr const char* kNames[][3] = {
-      {"tok+permute", "tok+perm shrk", "tok+perm cost"},
-      {"(a)+(b) tok", "(a)+(b)t shrk", "(a)+(b)t cost"},
-      {"(a)+(b)", "(a)+(b) shrk", "(a)+(b) cost"},
-      {"(a) once/rank", "(a) shrink", "(a) cost"},
-      {"(b) reduce", "(b) shrink", "(b) cost"},
-      {"plain", "plain shrink", "plain cost"},
+  // One row per variant (14 characters at most: the table's first column); its columns: the
+  // plain run, shrink mode (--mask-lost-peers), wait costs counted (--wait-cost), node-once
+  // forwarding (--node-once).
+  static constexpr const char* kNames[][4] = {
+      {"tok+permute", "tok+perm shrk", "tok+perm cost", "tok+perm node1"},
+      {"(a)+(b) tok", "(a)+(b)t shrk", "(a)+(b)t cost", "(a)+(b)t node1"},
+      {"(a)+(b)", "(a)+(b) shrk", "(a)+(b) cost", "(a)+(b) node1"},
+      {"(a) once/rank", "(a) shrink", "(a) cost", "(a) node1"},
+      {"(b) reduce", "(b) shrink", "(b) cost", "(b) node1"},
+      {"plain", "plain shrink", "plain cost", "plain node1"},
   };
   const int row = o.caller                                    ? 0
                   : o.token_major                             ? 1
@@ -672,7 +674,10 @@ const char* VariantName(const MoeBenchOptions& o) {
                   : o.once_per_rank                           ? 3
                   : o.reduce_at_expert_rank                   ? 4
                                                               : 5;
-  return kNames[row][o.cost_variant ? 2 : o.masked_variant ? 1 : 0];
+  return kNames[row][o.forwarding == Forwarding::kNodeOnce ? 3
+                     : o.cost_variant                      ? 2
+                     : o.masked_variant                    ? 1
+                                                           : 0];
 }
 
 }  // namespace
@@ -713,6 +718,15 @@ int RunMoeBench(const MoeBenchOptions& options) {
       variants.back().cost_variant = true;
     }
   }
+  if (options.node_once) {  // each variant again, node-once (after its per-rank run)
+    std::vector<MoeBenchOptions> both;
+    for (const MoeBenchOptions& v : variants) {
+      both.push_back(v);
+      both.push_back(v);
+      both.back().forwarding = Forwarding::kNodeOnce;
+    }
+    variants = std::move(both);
+  }
   const MoeBenchOptions& o = options;
   if (o.world && o.world->rank() != 0) {  // one rank of a rendezvous: rank 0 reports
     for (const MoeBenchOptions& v : variants) {
@@ -730,7 +744,7 @@ int RunMoeBench(const MoeBenchOptions& options) {
                 o.nvlink && o.node_ranks > 0 ? o.ranks / o.node_ranks : o.nvlink ? 1 : o.ranks,
                 o.tokens, o.hidden, o.experts, o.topk, o.fp8 ? "fp8" : "bf16",
                 o.fp16_combine ? " combine=fp16" : "", o.iters);
-    std::printf("%-13s | %21s %21s | %21s %21s | %21s %21s | %10s %10s | %7s %7s | %9s %9s | "
+    std::printf("%-14s | %21s %21s | %21s %21s | %21s %21s | %10s %10s | %7s %7s | %9s %9s | "
                 "%6s %6s\n",
                 "variant", "dispatch send p50/p99", "dispatch recv p50/p99",
                 "combine send p50/p99", "combine recv p50/p99", "dispatch p50/p99",
@@ -771,7 +785,7 @@ int RunMoeBench(const MoeBenchOptions& options) {
                   r.floor_combine_p50,
                   r.cycle_in_graph_p50, r.step_in_graph_p50[0], r.step_in_graph_p50[1]);
     } else {
-      std::printf("%-13s | %10.1f %10.1f %10.1f %10.1f | %10.1f %10.1f %10.1f %10.1f | "
+      std::printf("%-14s | %10.1f %10.1f %10.1f %10.1f | %10.1f %10.1f %10.1f %10.1f | "
                   "%10.1f %10.1f %10.1f %10.1f | %10llu %10llu | %7.2f %7.2f | %9.1f %9.1f | "
                   "%6.2f %6.2f\n",
                   VariantName(variants[v]), r.p50[0], r.p99[0], r.p50[1], r.p99[1], r.p50[2],
@@ -780,7 +794,7 @@ int RunMoeBench(const MoeBenchOptions& options) {
                   (unsigned long long)r.combine_bytes, d_gbps, c_gbps, r.floor_dispatch_p50,
                   r.floor_combine_p50, d_ratio, c_ratio);
       if (o.cuda) {
-        std::printf("%-13s   per cycle in one graph of %d cycles: p50/p99 %.1f / %.1f us "
+        std::printf("%-14s   per cycle in one graph of %d cycles: p50/p99 %.1f / %.1f us "
                     "(dispatch + combine above: %.1f us); in that graph with an event node "
                     "before each step: dispatch %.1f / %.1f, combine %.1f / %.1f us\n",
                     "", kInGraphCycles, r.cycle_in_graph_p50, r.cycle_in_graph_p99,

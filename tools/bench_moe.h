@@ -4,6 +4,7 @@
 #include <string>
 
 #include "ferry/bootstrap.h"
+#include "ferry/moe.h"
 
 namespace ferry::bench {
 
@@ -55,6 +56,10 @@ struct MoeBenchOptions {
   // --node-ranks N (with --nvlink): nodes of N ranks, NVLink inside and the relay over the
   // provider between them; 0: one node.
   int node_ranks = 0;
+  // --node-once (with --node-ranks): each variant once more with node-once forwarding
+  // (Forwarding::kNodeOnce), in the same invocation.
+  bool node_once = false;
+  Forwarding forwarding = Forwarding::kPerRank;  // this run's (set per variant, not a flag)
   // --rendezvous (with --world-size and --rank): the ranks were started apart and met there;
   // this process is world->rank(), and only rank 0 prints the figures. Null: ranks forked here.
   Bootstrap* world = nullptr;

@@ -6,8 +6,8 @@
 //                      [--topk K] [--dtype fp8|bf16] [--iters I] [--json]
 //                      [--once-per-rank] [--reduce-at-expert-rank] [--compare] [--token-major]
 //                      [--mask-lost-peers] [--wait-cost] [--fp16-combine] [--stream 0-3]
-//                      [--device host|cuda] [--nvlink [--node-ranks N]] [--private N]
-//                      [--world-size N --rank R --rendezvous HOST:PORT]: one process per
+//                      [--device host|cuda] [--nvlink [--node-ranks N [--node-once]]]
+//                      [--private N] [--world-size N --rank R --rendezvous HOST:PORT]: one process per
 //                      rank, started apart (FERRY_WORLD_SIZE, FERRY_RANK, FERRY_RENDEZVOUS)
 //                      [--timeout-ms N]: each host step's wait for the other ranks (60000)
 //   ferry-bench kv     [--provider P] [--tokens T] [--decoders N] [--rounds R] [--pace F]
@@ -63,7 +63,8 @@ void Usage() {
       "                       [--once-per-rank] [--reduce-at-expert-rank] [--compare]"
       " [--token-major] [--mask-lost-peers] [--wait-cost]\n"
       "                       [--fp16-combine] [--stream 0-3]\n"
-      "                       [--device host|cuda] [--nvlink [--node-ranks N]] [--private N]\n"
+      "                       [--device host|cuda] [--nvlink [--node-ranks N [--node-once]]]"
+      " [--private N]\n"
       "                       [--world-size N --rank R --rendezvous HOST:PORT]"
       " [--timeout-ms N]\n"
       "       ferry-bench kv [--provider P] [--tokens T] [--decoders N] [--rounds R]"
@@ -228,7 +229,7 @@ int main(int argc, char** argv) {
     } else if (a == "--private" && has_value) {
       ok = ParseInt(argv[++i], &m.private_tokens) && m.private_tokens >= 0;
     } else if (a == "--node-once") {
-      node_once = true;
+      node_once = m.node_once = true;
     } else if (a == "--once-per-rank") {
       m.once_per_rank = true;
     } else if (a == "--reduce-at-expert-rank") {
@@ -291,6 +292,12 @@ int main(int argc, char** argv) {
   }
   if (m.node_ranks > 0 && (!m.nvlink || m.ranks % m.node_ranks != 0)) {
     std::fprintf(stderr, "--node-ranks needs --nvlink and must divide --ranks\n");
+    return 2;
+  }
+  if (command == "moe" && m.node_once &&
+      (m.node_ranks < 2 || m.node_ranks >= m.ranks || m.mask_lost_peers)) {
+    std::fprintf(stderr, "ferry-bench moe --node-once needs nodes of several ranks (--node-ranks "
+                         "N, 1 < N < --ranks) and no --mask-lost-peers\n");
     return 2;
   }
   if (command == "buffers") return PrintBuffers();

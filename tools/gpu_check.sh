@@ -55,6 +55,8 @@ if [ -d .pydeps/usr/lib/cmake/pybind11 ]; then
   python=(-Dpybind11_DIR="$PWD/.pydeps/usr/lib/cmake/pybind11")
   targets+=(_ferry)
 fi
+# TARGETS: only these (with TESTS=0, a measurement that needs a few binaries builds no more).
+if [ -n "${TARGETS:-}" ]; then read -ra targets <<< "$TARGETS"; fi
 # serve: the bindings alone (the served example runs on the host device, on this host's cores).
 [ "${1:-all}" = serve ] && targets=(_ferry)
 step configure 120 cmake -S . -B build-gpu "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \

@@ -72,9 +72,9 @@ enum class Forwarding : uint8_t {
   // rail AllToAll between nodes, a node AllToAll inside each) carry it, on the instances
   // `instance` and `instance + 1`. The combine's weights come with the dispatch (the node sums
   // them): CombineOutput::weights is refused. Token-major rows arrive ordered by forwarder, then
-  // by the sender's node, then by token. The host device only, for now; not with
-  // mask_lost_peers (masks set by hand work: a masked rank's experts and the routes it forwards
-  // are out).
+  // by the sender's node, then by token. Both devices (on the CUDA device: NVLink inside the
+  // node, the relay on the rail, CUDA graphs as per rank). Not with mask_lost_peers (masks set
+  // by hand work: a masked rank's experts and the routes it forwards are out).
   kNodeOnce = 1,
 };
 

@@ -34,7 +34,7 @@ class Shell final : public AllToAll {
     }
     RETURN_IF_ERROR(ApplyPendingMasks());
     DispatchInput in = given;
-    if (in.x_bf16 && in.num_tokens > 0) {
+    if (in.x_bf16 && in.num_tokens > 0 && !caps_.bf16_to_device) {
       // Quantised by the device into rows of its own, then sent as if the caller had: the
       // rows stay the device's until the next DispatchSend (it reads them while sending).
       RETURN_IF_ERROR(device_->Quantize(in, &in.x, &in.scales));

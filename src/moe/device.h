@@ -37,6 +37,9 @@ struct DeviceCaps {
   bool host_inputs = false;
   // DispatchInput::device_num_tokens: a token count the kernels read when they run.
   bool device_token_count = false;
+  // DispatchInput::x_bf16 reaches DispatchSend as the caller gave it (Quantize is never
+  // called): the device hands it to AllToAlls of its own, which quantise it (node-once's rail).
+  bool bf16_to_device = false;
 };
 
 // Thread safety: one caller thread, the shell's; steps in order (the shell enforces it).

@@ -2,10 +2,12 @@
 #include "moe/node_once.h"
 
 #include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstdio>
 #include <string>
 #include <utility>
 
-#include "moe/numerics.h"
 
 namespace ferry::moe {
 namespace {
@@ -31,54 +33,113 @@ class Subgroup final : public Bootstrap {
   const int rank_;
 };
 
-class NodeOnceDevice final : public MoeDevice {
+// The host device's HopMemory: host memory, loops.
+class HostHops final : public HopMemory {
  public:
-  NodeOnceDevice(const AllToAllConfig& c, const NodeOnceConfigs& inner,
-                 std::unique_ptr<AllToAll> rail, std::unique_ptr<AllToAll> node)
-      : c_(c), rail_(std::move(rail)), node_(std::move(node)) {
-    const int64_t rows = inner.rail.expert_capacity();  // nodes x max_tokens_per_rank
-    mid_x_.resize(size_t(rows * c.token_bytes()));
-    mid_scales_.resize(size_t(rows * c.scales_per_token()));
-    mid_counts_.resize(size_t(inner.rail.local_experts()));
-    mid_experts_.resize(size_t(rows * c.experts_per_token));
-    mid_weights_.resize(size_t(rows * c.experts_per_token));
-    mid_out_.resize(size_t(rows * c.combine_row_bytes()));
+  StatusOr<uint8_t*> Allocate(int64_t bytes) override {
+    blocks_.push_back(std::vector<uint8_t>(size_t(std::max<int64_t>(bytes, 1))));
+    return blocks_.back().data();
+  }
+  Status SetStream(void*) override { return UnimplementedError("SetStream: the host device"); }
+  Status Zero(int64_t* p, int n) override {
+    std::fill(p, p + n, 0);
+    return Status::Ok();
+  }
+  Status AddStrided(int64_t* out, const int64_t* in, int n, int stride) override {
+    for (int i = 0; i < n; ++i) out[int64_t{i} * stride] += in[i];
+    return Status::Ok();
+  }
+  Status Stamp(int point) override {
+    stamps_[size_t(point)] = std::chrono::steady_clock::now();
+    return Status::Ok();
+  }
+  StatusOr<double> Elapsed(int a, int b) override {
+    return std::chrono::duration<double, std::micro>(stamps_[size_t(b)] - stamps_[size_t(a)])
+        .count();
   }
 
-  DeviceCaps caps() const override { return {.host_inputs = true}; }
+ private:
+  std::vector<std::vector<uint8_t>> blocks_;
+  std::array<std::chrono::steady_clock::time_point, kHopPoints> stamps_{};
+};
+
+class NodeOnceDevice final : public MoeDevice {
+ public:
+  NodeOnceDevice(const AllToAllConfig& c, std::unique_ptr<AllToAll> rail,
+                 std::unique_ptr<AllToAll> node, std::unique_ptr<HopMemory> hops)
+      : c_(c), hops_(std::move(hops)), rail_(std::move(rail)), node_(std::move(node)) {}
+  ~NodeOnceDevice() override { PrintTrace(); }
+
+  // The middle buffers, in the hops' memory.
+  Status Init() {
+    const AllToAllConfig& r = rail_->config();
+    const int64_t rows = r.expert_capacity();  // nodes x max_tokens_per_rank
+    const int64_t k = c_.experts_per_token;
+    ASSIGN_OR_RETURN(uint8_t* x, hops_->Allocate(rows * c_.token_bytes()));
+    ASSIGN_OR_RETURN(uint8_t* scales, hops_->Allocate(rows * c_.scales_per_token() * 4));
+    ASSIGN_OR_RETURN(uint8_t* counts, hops_->Allocate(int64_t{r.local_experts()} * 4));
+    ASSIGN_OR_RETURN(uint8_t* num_rows, hops_->Allocate(4));
+    ASSIGN_OR_RETURN(uint8_t* experts, hops_->Allocate(rows * k * 4));
+    ASSIGN_OR_RETURN(uint8_t* weights, hops_->Allocate(rows * k * 4));
+    ASSIGN_OR_RETURN(mid_out_, hops_->Allocate(rows * c_.combine_row_bytes()));
+    ASSIGN_OR_RETURN(uint8_t* rail_cost, hops_->Allocate(int64_t{r.world_size} * 8));
+    rail_cost_ = reinterpret_cast<int64_t*>(rail_cost);
+    mid_ = DispatchOutput{.x = x,
+                          .scales = c_.scales_per_token() ? reinterpret_cast<float*>(scales)
+                                                          : nullptr,
+                          .num_tokens = reinterpret_cast<int32_t*>(counts),
+                          .num_rows = reinterpret_cast<int32_t*>(num_rows),
+                          .token_experts = reinterpret_cast<int32_t*>(experts),
+                          .token_weights = reinterpret_cast<float*>(weights)};
+    return Status::Ok();
+  }
+
+  // The shell's checks hold for the rail's inputs (the caller's); the rail quantises bf16 rows
+  // and, on the CUDA device, reads a device token count.
+  DeviceCaps caps() const override {
+    return on_gpu() ? DeviceCaps{.streams = true, .device_token_count = true, .bf16_to_device = true}
+                    : DeviceCaps{.host_inputs = true, .bf16_to_device = true};
+  }
 
   // Across nodes: each token once to each node holding any of its experts, on our rail. (The
   // epochs are the inner AllToAlls' own.)
   Status DispatchSend(const DispatchInput& in, uint64_t /*epoch*/) override {
+    stamps_ = 0;  // an epoch begins
     return rail_->DispatchSend(in);
   }
 
   // The tokens our rail brought to this node, forwarded inside it; what the node's ranks
   // forwarded to us is the caller's output.
   Status DispatchRecv(const DispatchOutput& out, uint64_t /*epoch*/, Deadline deadline) override {
-    DispatchOutput mid{.x = mid_x_.data(),
-                       .scales = mid_scales_.empty() ? nullptr : mid_scales_.data(),
-                       .num_tokens = mid_counts_.data(),
-                       .num_rows = &mid_rows_,
-                       .token_experts = mid_experts_.data(),
-                       .token_weights = mid_weights_.data(),
-                       .wait_cost = out.wait_cost ? Zeroed(rail_cost_) : nullptr};
+    DispatchOutput mid = mid_;
+    mid.wait_cost = out.wait_cost ? rail_cost_ : nullptr;
+    if (mid.wait_cost) RETURN_IF_ERROR(hops_->Zero(rail_cost_, rail_->config().world_size));
+    RETURN_IF_ERROR(Stamp(kDispatchRecvStart));
     RETURN_IF_ERROR(rail_->DispatchRecv(mid, deadline));
-    RETURN_IF_ERROR(node_->DispatchSend(DispatchInput{
-        .x = mid_x_.data(),
-        .scales = mid_scales_.empty() ? nullptr : mid_scales_.data(),
-        .indices = mid_experts_.data(),  // local to the node: the node AllToAll's ids
-        .weights = mid_weights_.data(),
-        .num_tokens = mid_rows_}));
+    RETURN_IF_ERROR(Stamp(kRailDispatched));
+    DispatchInput forward{
+        .x = mid_.x,
+        .scales = mid_.scales,
+        .indices = mid_.token_experts,  // local to the node: the node AllToAll's ids
+        .weights = mid_.token_weights};
+    if (on_gpu()) {
+      // The rows the rail brought, as the GPU counted them: no host wait between the hops.
+      forward.num_tokens = static_cast<int>(rail_->config().expert_capacity());
+      forward.device_num_tokens = mid_.num_rows;
+    } else {
+      forward.num_tokens = *mid_.num_rows;
+    }
+    RETURN_IF_ERROR(node_->DispatchSend(forward));
     DispatchOutput mine = out;
-    mine.wait_cost = out.wait_cost ? Zeroed(node_cost_) : nullptr;
+    mine.wait_cost = NodeCosts(out.wait_cost);
     RETURN_IF_ERROR(node_->DispatchRecv(mine, deadline));
-    AddWaitCosts(out.wait_cost);
-    return Status::Ok();
+    RETURN_IF_ERROR(Stamp(kNodeDispatched));
+    return AddRailCosts(out.wait_cost);
   }
 
   Status CombineSend(const CombineInput& in, uint64_t /*epoch*/) override {
     fp16_ = in.fp16;
+    RETURN_IF_ERROR(Stamp(kCombineStart));
     return node_->CombineSend(in);
   }
 
@@ -90,26 +151,27 @@ class NodeOnceDevice final : public MoeDevice {
           "CombineRecv: weights given at the combine under node-once forwarding (the node sums "
           "a token's experts before its row crosses back: the weights come with the dispatch)");
     }
-    int64_t* const node_cost = out.wait_cost ? Zeroed(node_cost_) : nullptr;
-    int64_t* const rail_cost = out.wait_cost ? Zeroed(rail_cost_) : nullptr;
-    RETURN_IF_ERROR(node_->CombineRecv(CombineOutput{.out = mid_out_.data(),
+    RETURN_IF_ERROR(node_->CombineRecv(CombineOutput{.out = mid_out_,
                                                      .accumulate = false,
-                                                     .wait_cost = node_cost,
+                                                     .wait_cost = NodeCosts(out.wait_cost),
                                                      .fp16 = fp16_},
                                        deadline));
-    RETURN_IF_ERROR(rail_->CombineSend(CombineInput{mid_out_.data(), fp16_}));
+    RETURN_IF_ERROR(Stamp(kNodeCombined));
+    RETURN_IF_ERROR(rail_->CombineSend(CombineInput{mid_out_, fp16_}));
+    int64_t* const rail_cost = out.wait_cost ? rail_cost_ : nullptr;
+    if (rail_cost) RETURN_IF_ERROR(hops_->Zero(rail_cost_, rail_->config().world_size));
     RETURN_IF_ERROR(rail_->CombineRecv(CombineOutput{.out = out.out,
                                                      .accumulate = out.accumulate,
                                                      .wait_cost = rail_cost,
                                                      .fp16 = fp16_},
                                        deadline));
-    AddWaitCosts(out.wait_cost);
-    return Status::Ok();
+    RETURN_IF_ERROR(Stamp(kRailCombined));
+    return AddRailCosts(out.wait_cost);
   }
 
-  Status Quantize(const DispatchInput& in, const void** x, const float** scales) override {
-    fp8_.Quantize(c_, in, x, scales);
-    return Status::Ok();
+  // Never asked (caps().bf16_to_device): the rail's own device quantises.
+  Status Quantize(const DispatchInput&, const void**, const float**) override {
+    return InternalError("node-once: Quantize is the rail's");
   }
 
   // Rank r masked: on r's rail, the route into r's node; in r's node, r.
@@ -155,41 +217,96 @@ class NodeOnceDevice final : public MoeDevice {
     return rail_->combine_bytes_sent() + node_->combine_bytes_sent();
   }
 
- private:
-  static int64_t* Zeroed(std::vector<int64_t>& v) {
-    std::fill(v.begin(), v.end(), 0);
-    return v.data();
+  // Stream calls (the CUDA device): both hops and the work between them on one stream.
+  Status SetStream(void* stream) override {
+    RETURN_IF_ERROR(rail_->SetStream(stream));
+    RETURN_IF_ERROR(node_->SetStream(stream));
+    return hops_->SetStream(stream);
+  }
+  Status Synchronize() override {
+    const Status rail = rail_->Synchronize(), node = node_->Synchronize();
+    return rail.ok() ? node : rail;
+  }
+  Status Poll(bool* done) override {
+    bool rail = false, node = false;
+    RETURN_IF_ERROR(rail_->Poll(&rail));
+    RETURN_IF_ERROR(node_->Poll(&node));
+    *done = rail && node;
+    return Status::Ok();
+  }
+  bool capturing(void* stream) const override { return rail_->capturing(stream); }
+  // A mark on the rail's stream: the node hop's steps are on the same one (SetStream's), or
+  // waited for themselves.
+  Status Mark(uint64_t* mark) override { return rail_->Mark(mark); }
+  Status Reached(uint64_t mark, bool wait, bool* reached) override {
+    return rail_->Reached(mark, wait, reached);
+  }
+  Status OrderAfter(void* stream) override {
+    RETURN_IF_ERROR(rail_->OrderAfter(stream));
+    return node_->OrderAfter(stream);
+  }
+  Status OrderBefore(void* stream) override {
+    RETURN_IF_ERROR(rail_->OrderBefore(stream));
+    return node_->OrderBefore(stream);
   }
 
-  // The hops' wait costs into the caller's [world_size]: a rank of our node is charged what our
-  // node hop waited for it, the rank forwarding from another node what our rail hop waited for
-  // that node (ranks of neither are never waited for directly).
-  void AddWaitCosts(int64_t* out) const {
-    if (!out) return;
-    const int per_node = c_.ranks_per_node, first = c_.rank / per_node * per_node;
-    for (int l = 0; l < per_node; ++l) out[first + l] += node_cost_[size_t(l)];
-    for (size_t n = 0; n < rail_cost_.size(); ++n) {
-      out[n * size_t(per_node) + size_t(c_.rank % per_node)] += rail_cost_[n];
+ private:
+  bool on_gpu() const { return c_.device == MoeDeviceKind::kCuda; }
+
+  // CudaTuning::trace: the phases of the last epoch (the last replay of captured steps) printed
+  // at the end, as the CUDA kernels' stamps are. The hops' own costs are kRailDispatched ->
+  // kNodeDispatched (the node hop's send and receive: the forwarding) and kCombineStart ->
+  // kNodeCombined (the node's combine, summed at the forwarder); the rail's receives include
+  // their waits for other nodes.
+  enum Point { kDispatchRecvStart, kRailDispatched, kNodeDispatched, kCombineStart,
+               kNodeCombined, kRailCombined };
+  struct Phase {
+    Point from, to;
+    const char* name;
+  };
+  static constexpr std::array<Phase, 4> kPhases{{
+      {kDispatchRecvStart, kRailDispatched, "rail dispatch recv"},
+      {kRailDispatched, kNodeDispatched, "node hop dispatch (forwarding)"},
+      {kCombineStart, kNodeCombined, "node hop combine (send + recv)"},
+      {kNodeCombined, kRailCombined, "rail combine (send + recv)"}}};
+  Status Stamp(Point p) {
+    if (!c_.cuda.trace) return Status::Ok();
+    RETURN_IF_ERROR(hops_->Stamp(p));
+    ++stamps_;
+    return Status::Ok();
+  }
+  void PrintTrace() {
+    if (!c_.cuda.trace || stamps_ != HopMemory::kHopPoints) return;
+    std::string line = "[rank " + std::to_string(c_.rank) + "] node-once trace, last epoch, us:";
+    for (const Phase& p : kPhases) {
+      const StatusOr<double> us = hops_->Elapsed(p.from, p.to);
+      line += std::string(" ") + p.name + " " + (us.ok() ? std::to_string(*us) : "?") + ";";
     }
+    std::fprintf(stderr, "%s\n", line.c_str());
+  }
+
+  // Wait costs. A rank of our node is charged what our node hop waited for it (its entries are
+  // the caller's, contiguous); the rank forwarding from another node what our rail hop waited
+  // for that node (one entry per node, ranks_per_node apart in the caller's). Ranks of neither
+  // are never waited for directly.
+  int64_t* NodeCosts(int64_t* out) const {
+    return out ? out + c_.rank / c_.ranks_per_node * c_.ranks_per_node : nullptr;
+  }
+  Status AddRailCosts(int64_t* out) {
+    if (!out) return Status::Ok();
+    return hops_->AddStrided(out + c_.rank % c_.ranks_per_node, rail_cost_,
+                             rail_->config().world_size, c_.ranks_per_node);
   }
 
   const AllToAllConfig c_;
+  // Before the hops: their steps may still use its memory until they are gone.
+  const std::unique_ptr<HopMemory> hops_;
   const std::unique_ptr<AllToAll> rail_, node_;
-  // The hops' wait costs (DispatchOutput / CombineOutput::wait_cost), per node and per rank of
-  // ours.
-  std::vector<int64_t> rail_cost_ =
-      std::vector<int64_t>(size_t(c_.world_size / c_.ranks_per_node));
-  std::vector<int64_t> node_cost_ = std::vector<int64_t>(size_t(c_.ranks_per_node));
-  // What the rail brought to this node (token-major) and what goes back on it.
-  std::vector<uint8_t> mid_x_;
-  std::vector<float> mid_scales_;
-  std::vector<int32_t> mid_counts_;
-  int32_t mid_rows_ = 0;
-  std::vector<int32_t> mid_experts_;
-  std::vector<float> mid_weights_;
-  std::vector<uint8_t> mid_out_;
+  DispatchOutput mid_;       // what the rail brings to this node (token-major), in hops_
+  uint8_t* mid_out_ = nullptr;  // what goes back on it
+  int64_t* rail_cost_ = nullptr;  // [nodes] the rail hop's wait costs
   bool fp16_ = false;
-  HostFp8Rows fp8_;  // DispatchInput::x_bf16 quantised (Quantize)
+  int stamps_ = 0;  // CudaTuning::trace: the points of this epoch stamped
 };
 
 }  // namespace
@@ -214,6 +331,8 @@ NodeOnceConfigs NodeOnceConfigsOf(const AllToAllConfig& c) {
   return o;
 }
 
+std::unique_ptr<HopMemory> NewHostHopMemory() { return std::make_unique<HostHops>(); }
+
 std::unique_ptr<Bootstrap> SubBootstrap(Bootstrap& parent, std::vector<int> members) {
   const int rank = static_cast<int>(std::find(members.begin(), members.end(), parent.rank()) -
                                     members.begin());
@@ -223,9 +342,11 @@ std::unique_ptr<Bootstrap> SubBootstrap(Bootstrap& parent, std::vector<int> memb
 StatusOr<std::unique_ptr<MoeDevice>> CreateNodeOnceDevice(const AllToAllConfig& config,
                                                           TransferEngine* engine,
                                                           Bootstrap& bootstrap) {
-  if (config.device != MoeDeviceKind::kHost) {
-    return UnimplementedError("AllToAll: node-once forwarding runs on the host device only, "
-                              "for now (" + config.ToString() + ")");
+  std::unique_ptr<HopMemory> hops;
+  if (config.device == MoeDeviceKind::kCuda) {
+    ASSIGN_OR_RETURN(hops, NewCudaHopMemory(config.cuda_device));
+  } else {
+    hops = NewHostHopMemory();
   }
   const NodeOnceConfigs inner = NodeOnceConfigsOf(config);
   const int per_node = config.ranks_per_node, nodes = config.world_size / per_node;
@@ -237,8 +358,10 @@ StatusOr<std::unique_ptr<MoeDevice>> CreateNodeOnceDevice(const AllToAllConfig& 
   ASSIGN_OR_RETURN(auto rail, AllToAll::Create(inner.rail, engine, *rail_group));
   auto node_group = SubBootstrap(bootstrap, std::move(node_ranks));
   ASSIGN_OR_RETURN(auto node, AllToAll::Create(inner.node, engine, *node_group));
-  return std::unique_ptr<MoeDevice>(
-      std::make_unique<NodeOnceDevice>(config, inner, std::move(rail), std::move(node)));
+  auto device = std::make_unique<NodeOnceDevice>(config, std::move(rail), std::move(node),
+                                                 std::move(hops));
+  RETURN_IF_ERROR(device->Init());
+  return std::unique_ptr<MoeDevice>(std::move(device));
 }
 
 }  // namespace ferry::moe

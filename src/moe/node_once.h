@@ -23,6 +23,13 @@
 //
 // Masks: masking rank r masks, on r's rail, the route into r's node (r forwards it) and, in r's
 // node, r itself: copies routed to r's experts, and every copy r would have forwarded, are lost.
+//
+// Devices: the hops are AllToAlls of the caller's device, so the host device and the CUDA device
+// (NVLink inside the node, the relay on the rail) run the same composition. What node-once does
+// itself between the hops -- the middle buffers, the wait costs' bookkeeping -- is HopMemory's,
+// on the hops' memory and stream. On the CUDA device the forwarder's row count stays on the GPU
+// (the node hop reads it as DispatchInput::device_num_tokens), so every step is enqueued without
+// a host wait and an epoch captures into CUDA graphs as the per-rank protocol's does.
 #pragma once
 
 #include <memory>
@@ -47,8 +54,33 @@ NodeOnceConfigs NodeOnceConfigsOf(const AllToAllConfig& c);
 // what its group contributed). The caller must be a member.
 std::unique_ptr<Bootstrap> SubBootstrap(Bootstrap& parent, std::vector<int> members);
 
+// What node-once does itself between its hops, on the memory the hops' steps take: host memory
+// and loops on the host device; GPU memory and kernels on the CUDA device
+// (cuda/node_once_hops.cu), in order on the hops' stream (SetStream's; none: each call waits for
+// its work, as the hops' steps then wait for theirs).
+class HopMemory {
+ public:
+  virtual ~HopMemory() = default;
+  // `bytes` (at least one) the steps read and write, zeroed; kept as long as this.
+  virtual StatusOr<uint8_t*> Allocate(int64_t bytes) = 0;
+  virtual Status SetStream(void* stream) = 0;
+  virtual Status Zero(int64_t* p, int n) = 0;
+  // out[i * stride] += in[i] for i < n: the rail's wait costs, per node, into the caller's per
+  // rank.
+  virtual Status AddStrided(int64_t* out, const int64_t* in, int n, int stride) = 0;
+  // Phase stamps (CudaTuning::trace): point p (< kHopPoints) of the epoch reached, in stream
+  // order (a CUDA event, an event node of a graph being captured; the clock on the host);
+  // Elapsed: microseconds from point a to point b as last stamped, after waiting for b.
+  static constexpr int kHopPoints = 6;
+  virtual Status Stamp(int point) = 0;
+  virtual StatusOr<double> Elapsed(int a, int b) = 0;
+};
+std::unique_ptr<HopMemory> NewHostHopMemory();
+// Unimplemented where ferry was built without CUDA.
+StatusOr<std::unique_ptr<HopMemory>> NewCudaHopMemory(int cuda_device);
+
 // The node-once device over the rail and node AllToAlls, made on `engine` (collective over
-// `bootstrap`). Unimplemented on the CUDA device.
+// `bootstrap`), on the caller's device.
 StatusOr<std::unique_ptr<MoeDevice>> CreateNodeOnceDevice(const AllToAllConfig& config,
                                                           TransferEngine* engine,
                                                           Bootstrap& bootstrap);

@@ -190,18 +190,26 @@ mode_relay() {
 }
 
 mode_hybrid() {
-  # EP4 as one node, then as two nodes of two joined by the relay over shm. On 4 GPUs this is
-  # the relay's cost; on 2 GPUs two processes share each GPU and the figures measure the
-  # driver's time-slicing between their contexts (milliseconds), not the protocol.
+  # EP4 as one node, then as two nodes of two joined by the relay over shm, per rank and with
+  # node-once forwarding side by side ("node1" rows). On 4 GPUs this is the relay's cost; on
+  # fewer, run it under MPS (MPS=1 MPS_PERCENT=25: each rank its share of the SMs), else
+  # processes sharing a GPU are time-sliced and the figures measure the driver's switching
+  # (milliseconds), not the protocol.
   ep4=(--nvlink --ranks 4 --hidden 7168 --experts 256 --topk 8 --dtype fp8 --once-per-rank
        --reduce-at-expert-rank)
   step ep4_one_node 200 build-gpu/ferry-bench moe "${ep4[@]}" --tokens 128 --iters 100
   step ep4_two_nodes 200 build-gpu/ferry-bench moe "${ep4[@]}" --tokens 128 --iters 100 \
-    --node-ranks 2
+    --node-ranks 2 --node-once --token-major
   step ep4_two_nodes_prefill 300 build-gpu/ferry-bench moe "${ep4[@]}" --tokens 4096 --iters 10 \
-    --node-ranks 2
-  echo "== EP4 decode: one node, then two nodes of two (relay over shm)"
-  grep -h '^(a)+(b)' "$OUT/ep4_one_node.log" "$OUT/ep4_two_nodes.log" "$OUT/ep4_two_nodes_prefill.log"
+    --node-ranks 2 --node-once
+  # The forwarding hop's own cost: node-once's phase stamps of the last replayed epoch.
+  FERRY_NV_TRACE=1 step ep4_node_once_trace 200 build-gpu/ferry-bench moe "${ep4[@]}" \
+    --tokens 128 --iters 20 --node-ranks 2 --node-once
+  echo "== EP4 decode: one node, then two nodes of two (relay over shm): per rank, node-once (node1)"
+  grep -h -E '^(\(a\)\+\(b\)|tok\+perm)' "$OUT/ep4_one_node.log" "$OUT/ep4_two_nodes.log" \
+    "$OUT/ep4_two_nodes_prefill.log"
+  echo "== node-once phases, decode (us, last epoch)"
+  grep -h 'node-once trace' "$OUT/ep4_node_once_trace.log"
 }
 
 mode_profile() {

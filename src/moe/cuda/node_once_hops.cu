@@ -1,0 +1,108 @@
+// Node-once's HopMemory on the CUDA device (moe/node_once.h): the middle buffers in GPU memory,
+// the wait costs' bookkeeping as work on the hops' stream, so that an epoch's steps enqueue
+// without a host wait and capture into CUDA graphs.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <array>
+#include <vector>
+
+#include "moe/cuda/cuda_util.cuh"
+#include "moe/node_once.h"
+
+namespace ferry::moe {
+namespace {
+
+__global__ void AddStridedKernel(int64_t* out, const int64_t* in, int n, int stride) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) out[int64_t{i} * stride] += in[i];
+}
+
+class CudaHops final : public HopMemory {
+ public:
+  explicit CudaHops(int device) : device_(device) {}
+  ~CudaHops() override {
+    cudaSetDevice(device_);
+    for (void* p : blocks_) cudaFree(p);  // waits for the device: steps may still read them
+    for (cudaEvent_t e : stamps_) {
+      if (e) cudaEventDestroy(e);
+    }
+    if (own_) cudaStreamDestroy(own_);
+  }
+
+  Status Open() {
+    FERRY_CUDA(cudaSetDevice(device_));
+    FERRY_CUDA(cudaStreamCreateWithFlags(&own_, cudaStreamNonBlocking));
+    stream_ = own_;
+    return Status::Ok();
+  }
+
+  StatusOr<uint8_t*> Allocate(int64_t bytes) override {
+    FERRY_CUDA(cudaSetDevice(device_));
+    void* p = nullptr;
+    FERRY_CUDA(cudaMalloc(&p, size_t(std::max<int64_t>(bytes, 1))));
+    blocks_.push_back(p);
+    FERRY_CUDA(cudaMemset(p, 0, size_t(std::max<int64_t>(bytes, 1))));
+    return static_cast<uint8_t*>(p);
+  }
+
+  Status SetStream(void* stream) override {
+    stream_ = stream ? static_cast<cudaStream_t>(stream) : own_;
+    return Status::Ok();
+  }
+
+  Status Zero(int64_t* p, int n) override {
+    FERRY_CUDA(cudaSetDevice(device_));
+    FERRY_CUDA(cudaMemsetAsync(p, 0, size_t(n) * sizeof(int64_t), stream_));
+    return Done();
+  }
+
+  Status AddStrided(int64_t* out, const int64_t* in, int n, int stride) override {
+    FERRY_CUDA(cudaSetDevice(device_));
+    AddStridedKernel<<<(n + 127) / 128, 128, 0, stream_>>>(out, in, n, stride);
+    FERRY_CUDA(cudaGetLastError());
+    return Done();
+  }
+
+  // Captured, the record is an event node of the graph (cudaEventRecordExternal), recorded at
+  // each replay.
+  Status Stamp(int point) override {
+    FERRY_CUDA(cudaSetDevice(device_));
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    FERRY_CUDA(cudaStreamIsCapturing(stream_, &capture));
+    cudaEvent_t& e = stamps_[size_t(point)];
+    if (!e) FERRY_CUDA(cudaEventCreate(&e));
+    FERRY_CUDA(cudaEventRecordWithFlags(
+        e, stream_, capture == cudaStreamCaptureStatusNone ? 0 : cudaEventRecordExternal));
+    return Done();
+  }
+  StatusOr<double> Elapsed(int a, int b) override {
+    FERRY_CUDA(cudaSetDevice(device_));
+    FERRY_CUDA(cudaEventSynchronize(stamps_[size_t(b)]));
+    float ms = 0;
+    FERRY_CUDA(cudaEventElapsedTime(&ms, stamps_[size_t(a)], stamps_[size_t(b)]));
+    return double{ms} * 1e3;
+  }
+
+ private:
+  // Without a caller's stream every call waits for its work, as the hops' steps then do.
+  Status Done() {
+    if (stream_ == own_) FERRY_CUDA(cudaStreamSynchronize(own_));
+    return Status::Ok();
+  }
+
+  const int device_;
+  cudaStream_t own_ = nullptr, stream_ = nullptr;
+  std::vector<void*> blocks_;
+  std::array<cudaEvent_t, kHopPoints> stamps_{};
+};
+
+}  // namespace
+
+StatusOr<std::unique_ptr<HopMemory>> NewCudaHopMemory(int cuda_device) {
+  auto hops = std::make_unique<CudaHops>(cuda_device);
+  RETURN_IF_ERROR(hops->Open());
+  return std::unique_ptr<HopMemory>(std::move(hops));
+}
+
+}  // namespace ferry::moe
