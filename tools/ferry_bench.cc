@@ -99,8 +99,9 @@ bool ParseInt(const char* s, int* out) {
 // hidden 7168, fp8), nodes of 8 GPUs, the CUDA device with nothing streamed; MiB per rank.
 int PrintBuffers() {
   std::printf("| EP | tokens | ferry receive, plain | ferry receive, (a)+(b) | ferry send, (a)+(b) "
-              "| DeepEP LL receive | DeepEP LL send | (a)+(b) receive / DeepEP's |\n"
-              "| --- | --- | --- | --- | --- | --- | --- | --- |\n");
+              "| ferry receive, node-once | DeepEP LL receive | DeepEP LL send "
+              "| (a)+(b) receive / DeepEP's | node-once receive / DeepEP's |\n"
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
   const double mib = 1024.0 * 1024.0;
   for (int tokens : {128, 4096}) {
     for (int ep : {8, 16, 32, 64}) {
@@ -118,9 +119,18 @@ int PrintBuffers() {
       const ferry::moe::BufferBytes ab = ferry::moe::CudaDeviceBuffers(c);
       const ferry::moe::BufferBytes deep_ep =
           ferry::moe::DeepEpLowLatencyBuffers(tokens, c.hidden, c.num_experts);
-      std::printf("| %d | %d | %.0f | %.0f | %.0f | %.0f | %.0f | %.2f |\n", ep, tokens,
-                  plain.receive / mib, ab.receive / mib, ab.send / mib, deep_ep.receive / mib,
-                  deep_ep.send / mib, double(ab.receive) / double(deep_ep.receive));
+      // Node-once where there are several nodes (EP8 is one node).
+      c.forwarding = ferry::Forwarding::kNodeOnce;
+      char once[32] = "-", once_ratio[32] = "-";
+      if (ep > c.ranks_per_node) {
+        const double receive = double(ferry::moe::NodeOnceBuffers(c).receive);
+        std::snprintf(once, sizeof once, "%.0f", receive / mib);
+        std::snprintf(once_ratio, sizeof once_ratio, "%.2f", receive / double(deep_ep.receive));
+      }
+      std::printf("| %d | %d | %.0f | %.0f | %.0f | %s | %.0f | %.0f | %.2f | %s |\n", ep, tokens,
+                  plain.receive / mib, ab.receive / mib, ab.send / mib, once,
+                  deep_ep.receive / mib, deep_ep.send / mib,
+                  double(ab.receive) / double(deep_ep.receive), once_ratio);
     }
   }
   return 0;

@@ -79,6 +79,9 @@ INPUTS = {
     "R_cx7": (20.0, "M messages/s per NIC", "fitted"),
     "p_gpu": (0.05, "us", "fitted: DeepEP's per-work-request cost posted from the GPU (IBGDA), "
               "its warps' posts one after another"),
+    "hop": (5.0, "us per step", "assumed: node-once forwarding's node hop (its kernels' send and "
+            "receive inside the node, beyond its NVLink bytes, which V counts); to be replaced by "
+            "the phase stamps of `tools/gpu_check.sh hybrid`"),
 }
 # Fitted inputs per NIC, each within bounds that keep it physical (a fit outside them is
 # penalised, not taken).
@@ -93,25 +96,54 @@ FITTED = {"pplx-garden": {"L_efa": (2, 200), "m_half_efa": (1, 4096)},
           "UCCL-EP": {"p_generic": (0.01, 10)}}
 
 # Published decode figures, us. Each row: system, NIC, EP, dispatch, combine (None: only the
-# sum is published), source.
+# sum is published), source. Rows whose source says "not fitted" are shown with their error but
+# fit nothing: they check the fit out of sample (the same systems measured elsewhere, or
+# systems whose message pattern here is an assumption).
+PPLX_TABLE = "perplexityai/pplx-garden docs/fabric-lib.md"
+AWS_RUN = "AWS's matched run, Aug 2026, p6-b200, 400 Gbit/s of EFA per GPU; not fitted"
 CALIBRATION = [
-    ("pplx-garden", "efa", 16, None, None, 459, "the documents (seed 000), p5en"),
-    ("pplx-garden", "efa", 32, None, None, 582, "the documents"),
-    ("pplx-garden", "efa", 64, None, None, 692, "the documents"),
+    ("pplx-garden", "efa", 16, 214.8, 241.5, None, PPLX_TABLE + ", H200 on p5en"),
+    ("pplx-garden", "efa", 32, 229.1, 335.0, None, PPLX_TABLE),
+    ("pplx-garden", "efa", 64, 266.7, 391.2, None, PPLX_TABLE),
+    ("pplx-garden", "efa", 16, None, None, 459, "the documents (seed 000), p5en; not fitted"),
+    ("pplx-garden", "efa", 32, None, None, 582, "the documents; not fitted"),
+    ("pplx-garden", "efa", 64, None, None, 692, "the documents; not fitted"),
+    ("pplx-garden", "cx7", 16, 110.2, 185.5, None, PPLX_TABLE + ", CX7; not fitted"),
+    ("pplx-garden", "cx7", 32, 153.9, 266.3, None, PPLX_TABLE + ", CX7; not fitted"),
+    ("pplx-garden", "cx7", 64, 187.5, 309.1, None, PPLX_TABLE + ", CX7; not fitted"),
     ("UCCL-EP", "efa", 16, 226, 293, None, "uccl-project/uccl ep/README.md, p5en"),
     ("UCCL-EP", "efa", 24, 386, 580, None, "the same"),
     ("UCCL-EP", "efa", 32, 465, 694, None, "the same"),
+    ("UCCL-EP", "efa", 16, None, None, 476, AWS_RUN),
+    ("UCCL-EP", "efa", 32, None, None, 694, AWS_RUN),
     # Not fitted: at EP8 DeepEP's table reports 98 and 127 GB/s, past one CX7's 50 GB/s, so
     # not all of it crossed the NIC, and what took another path is not published.
     ("DeepEP", "cx7", 8, 77, 114, None, "deepseek-ai/DeepEP README.md, H800 + CX7; not fitted"),
     ("DeepEP", "cx7", 16, 118, 195, None, "deepseek-ai/DeepEP README.md, H800 + CX7"),
     ("DeepEP", "cx7", 32, 155, 273, None, "the same"),
     ("DeepEP", "cx7", 64, 173, 314, None, "the same"),
+    ("DeepEP", "cx7", 16, 123.9, 203.0, None, PPLX_TABLE + ", DeepEP-CX7; not fitted"),
+    ("DeepEP", "cx7", 32, 159.1, 285.0, None, PPLX_TABLE + ", DeepEP-CX7; not fitted"),
+    ("DeepEP", "cx7", 64, 177.9, 325.0, None, PPLX_TABLE + ", DeepEP-CX7; not fitted"),
+    ("DeepEP V1", "efa", 16, None, None, 882, AWS_RUN),
+    ("DeepEP V1", "efa", 32, None, None, 1404, AWS_RUN),
+    ("DeepEP V2", "efa", 16, None, None, 385, AWS_RUN),
+    ("DeepEP V2", "efa", 32, None, None, 647, AWS_RUN),
 ]
-DOCUMENTS_EFA = {16: 459, 32: 582, 64: 692}  # pplx-garden, dispatch + combine
-GOAL = 0.8  # ferry's predicted EFA decode against the documents' figures
-FORWARD_HOP_US = 5.0  # node forwarding's extra kernel hop per step (an assumption: one more
-                      # flag and copy inside the node, about a third of G)
+# Each peer's published decode figure per EP (dispatch + combine, us), per NIC: what ferry's
+# predictions are held against (GOAL x the best of them at each EP).
+PEERS_CX7 = {
+    "DeepEP": {16: 118 + 195, 32: 155 + 273, 64: 173 + 314},
+    "pplx-garden": {16: 110.2 + 185.5, 32: 153.9 + 266.3, 64: 187.5 + 309.1},
+    "DeepEP (pplx's run)": {16: 123.9 + 203.0, 32: 159.1 + 285.0, 64: 177.9 + 325.0},
+}
+PEERS_EFA = {
+    "pplx-garden": {16: 214.8 + 241.5, 32: 229.1 + 335.0, 64: 266.7 + 391.2},
+    "DeepEP V2": {16: 385, 32: 647},
+    "UCCL-EP": {16: 476, 32: 694},
+    "DeepEP V1": {16: 882, 32: 1404},
+}
+GOAL = 0.8  # ferry's predicted EFA decode against the best published figure at each EP
 
 
 # ---- counts ------------------------------------------------------------------------------------
@@ -179,15 +211,16 @@ def extrapolate(runs, target_hidden=HIDDEN):
     return out
 
 
-def published_pattern(system, ep, step):
+def published_pattern(system, ep, step, nic="efa"):
     """One rank's step under uniform routing, as the baseline posts it: a dict per NIC, as
     extrapolate's (intra_bytes: what crosses NVLink, 0 where the system sends it all through
-    the NIC)."""
-    nics = 2 if system in ("pplx-garden", "UCCL-EP") else 1  # p5en: 2 EFA NICs per GPU
+    the NIC). EFA: 2 NICs per GPU (p5en's 2 x 200 Gbit/s; p6-b200's 400 Gbit/s per GPU taken
+    alike); ConnectX-7: one."""
+    nics = 2 if nic == "efa" else 1
     copies = TOKENS * TOPK
     row = FP8_ROW if step == "dispatch" else BF16_ROW
+    remote = ep - min(ep, NODE)
     if system == "pplx-garden":  # one section per peer, NVLink inside the node
-        remote = ep - min(ep, NODE)
         rows = copies * remote / ep
         # dispatch: the counts with the first tokens, then the rest (two writes per peer);
         # combine: one write per peer
@@ -197,14 +230,16 @@ def published_pattern(system, ep, step):
                        inter_peers=remote / nics, inter_imms=remote / nics,
                        intra_bytes=intra_rows * row / nics,
                        phases=2 if step == "dispatch" else 1)
-    elif system == "DeepEP":  # a message per token copy to each rank of another node; NVLink
-        # inside the node (its low-latency kernels since 2025-06: the table's 63 GB/s at EP16
-        # is more than one CX7 carries, so its peers of the node did not all cross the NIC)
-        remote = ep - min(ep, NODE)
+    elif system.startswith("DeepEP"):  # a message per token copy to each rank of another
+        # node; NVLink inside the node (its low-latency kernels since 2025-06: the table's
+        # 63 GB/s at EP16 is more than one CX7 carries, so its peers of the node did not all
+        # cross the NIC). V2's pattern over NCCL GIN is taken as V1's (an assumption: its
+        # hybrid mode's forwarding is not published in a form the model can take).
         rows = copies * remote / ep
         intra_rows = copies * (min(ep, NODE) - 1) / ep
-        per_nic = dict(inter_writes=rows, inter_bytes=rows * (row + PER_TOKEN_HEADER),
-                       inter_peers=remote, inter_imms=rows, intra_bytes=intra_rows * row)
+        per_nic = dict(inter_writes=rows / nics, inter_bytes=rows * (row + PER_TOKEN_HEADER) / nics,
+                       inter_peers=remote / nics, inter_imms=rows / nics,
+                       intra_bytes=intra_rows * row / nics)
     else:  # UCCL-EP: a message per token copy, to every other rank, through its proxy
         rows = copies * (ep - 1) / ep
         per_nic = dict(inter_writes=rows / nics, inter_bytes=rows * (row + PER_TOKEN_HEADER) / nics,
@@ -222,10 +257,10 @@ def step_terms(params, system, nic, step, nics):
     """The terms of one rank's step (us), from its per-NIC counts."""
     v = lambda n: value(params, n)
     g = v("G_dispatch") if step == "dispatch" else v("G_combine")
-    if system == "DeepEP":
-        s, p = 0.0, v("p_gpu")
-    elif system == "UCCL-EP":
-        s, p = v("S"), v("p_generic")
+    if system in ("DeepEP", "DeepEP V2"):  # posted from the GPU (IBGDA; GIN's GPU-initiated
+        s, p = 0.0, v("p_gpu")                # path on EFA taken alike, an assumption)
+    elif system in ("UCCL-EP", "DeepEP V1"):  # a generic CPU proxy (V1 on EFA has no IBGDA:
+        s, p = v("S"), v("p_generic")          # NVSHMEM's libfabric proxy)
     else:  # ferry and pplx-garden: a specialised proxy on libfabric's efa or on verbs
         s = v("S")
         p = v("p_engine") + (v("p_provider_efa") if nic == "efa" else 0.0)
@@ -250,14 +285,17 @@ def step_terms(params, system, nic, step, nics):
 
 
 def system_step(params, system, nic, ep, step):
-    return step_terms(params, system, nic, step, published_pattern(system, ep, step))
+    return step_terms(params, system, nic, step, published_pattern(system, ep, step, nic))
 
 
-def ferry_step(params, nic, ranks, step):
-    """ferry's step: the slowest rank's terms."""
+def ferry_step(params, nic, ranks, step, node_once=False):
+    """ferry's step: the slowest rank's terms. Node-once adds its node hop's own time (its NVLink
+    bytes are counted in V)."""
     worst = None
     for r in ranks:
         t = step_terms(params, "ferry", nic, step, r[step])
+        if node_once:
+            t = dict(t, hop=value(params, "hop"), total=t["total"] + value(params, "hop"))
         if worst is None or t["total"] > worst["total"]:
             worst = t
     return worst
@@ -381,8 +419,12 @@ def report(params, counts, out=sys.stdout):
         w(f"| {system} | {nic} | {ep} | {step} | {pub} | {mod:.0f} | {100 * (mod / pub - 1):+.0f} % |\n")
         result["calibration"].append(dict(system=system, nic=nic, ep=ep, step=step,
                                           published=pub, modelled=mod, source=source))
+    peers = {"efa": PEERS_EFA, "cx7": PEERS_CX7}
+    best = {(nic, ep): min(v[ep] for v in peers[nic].values() if ep in v)
+            for nic in peers for ep in (16, 32, 64)}
     w("\n## ferry, predicted (slowest rank; terms of dispatch / combine, us)\n\n"
-      "| NIC | EP | variant | dispatch | combine | total | documents' EFA figure | ratio | "
+      "Node-once variants add the node hop's own time (`hop`) to each step.\n\n"
+      "| NIC | EP | variant | dispatch | combine | total | best published | ratio | "
       "G | S | P | W | V |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
       "| --- | --- |\n")
     for nic in ("efa", "cx7"):
@@ -390,78 +432,46 @@ def report(params, counts, out=sys.stdout):
             for variant, ranks in variants.items():
                 if nic == "cx7":  # one NIC per GPU: fold the two NICs' counts into one
                     ranks = [{s: [fold(r[s])] for s in r} for r in ranks]
-                d = ferry_step(params, nic, ranks, "dispatch")
-                c = ferry_step(params, nic, ranks, "combine")
+                once = variant.startswith("node-once")
+                d = ferry_step(params, nic, ranks, "dispatch", once)
+                c = ferry_step(params, nic, ranks, "combine", once)
                 total = d["total"] + c["total"]
-                doc = DOCUMENTS_EFA.get(ep) if nic == "efa" else None
-                ratio = f"{total / doc:.2f}" if doc else "-"
+                ref = best.get((nic, ep))
+                ratio = f"{total / ref:.2f}" if ref else "-"
                 terms = " | ".join(f"{d[k]:.0f} / {c[k]:.0f}" for k in ("G", "S", "P", "W", "V"))
                 w(f"| {nic} | {ep} | {variant} | {d['total']:.0f} | {c['total']:.0f} | "
-                  f"{total:.0f} | {doc or '-'} | {ratio} | {terms} |\n")
+                  f"{total:.0f} | {f'{ref:.0f}' if ref else '-'} | {ratio} | {terms} |\n")
                 result["predictions"].append(dict(nic=nic, ep=ep, variant=variant,
                                                   dispatch=d, combine=c, total=total,
-                                                  documents=doc))
-    w("\n## What would remove the wire term: each token crossing to a node once\n\n"
-      "ferry (a)+(b) with node forwarding (not built; see node_forwarding), plus "
-      f"{FORWARD_HOP_US} us per step for the forwarding kernel's hop.\n\n"
-      "| NIC | EP | inter-node bytes x | dispatch | combine | total | documents' EFA figure | "
-      "ratio |\n| --- | --- | --- | --- | --- | --- | --- | --- |\n")
-    result["forwarding"] = []
+                                                  best_published=ref))
+    # ferry's (a)+(b) per rank and node-once against each peer's published figure.
+    result["peers"] = []
     for nic in ("efa", "cx7"):
-        for ep, variants in counts.items():
-            if ep <= NODE:
+        w(f"\n## Against each peer on {nic.upper()} (dispatch + combine, us; goal: {GOAL} x the "
+          "best)\n\n| EP | ferry variant | ferry | " + " | ".join(peers[nic]) +
+          " | goal | met |\n| --- | --- | --- | " + "--- | " * len(peers[nic]) + "--- | --- |\n")
+        for p in result["predictions"]:
+            if p["nic"] != nic or p["variant"] not in ("(a)+(b)", "node-once (a)+(b)") or \
+                    p["ep"] not in (16, 32, 64):
                 continue
-            ranks, scale = node_forwarding(variants["(a)+(b)"], ep)
-            if nic == "cx7":
-                ranks = [{s: [fold(r[s])] for s in r} for r in ranks]
-            d = ferry_step(params, nic, ranks, "dispatch")["total"] + FORWARD_HOP_US
-            c = ferry_step(params, nic, ranks, "combine")["total"] + FORWARD_HOP_US
-            doc = DOCUMENTS_EFA.get(ep) if nic == "efa" else None
-            ratio = f"{(d + c) / doc:.2f}" if doc else "-"
-            w(f"| {nic} | {ep} | {scale:.2f} | {d:.0f} | {c:.0f} | {d + c:.0f} | {doc or '-'} | "
-              f"{ratio} |\n")
-            result["forwarding"].append(dict(nic=nic, ep=ep, scale=scale, dispatch=d, combine=c,
-                                             total=d + c, documents=doc))
+            cells = []
+            for peer, figures in peers[nic].items():
+                f = figures.get(p["ep"])
+                cells.append(f"{f:.0f} ({p['total'] / f:.2f})" if f else "-")
+            goal = GOAL * best[(nic, p["ep"])]
+            w(f"| {p['ep']} | {p['variant']} | {p['total']:.0f} | " + " | ".join(cells) +
+              f" | {goal:.0f} | {'yes' if p['total'] <= goal else 'no'} |\n")
+            result["peers"].append(dict(nic=nic, ep=p["ep"], variant=p["variant"],
+                                        total=p["total"], goal=goal, met=p["total"] <= goal))
     # The baselines as modelled at the same sizes, for the plot.
     result["baselines"] = []
-    for system, nic in (("pplx-garden", "efa"), ("UCCL-EP", "efa"), ("DeepEP", "cx7")):
+    for system, nic in (("pplx-garden", "efa"), ("UCCL-EP", "efa"), ("DeepEP", "cx7"),
+                        ("DeepEP V2", "efa")):
         for ep in (16, 24, 32, 64):
             t = sum(system_step(params, system, nic, ep, s)["total"]
                     for s in ("dispatch", "combine"))
             result["baselines"].append(dict(system=system, nic=nic, ep=ep, total=t))
     return result
-
-
-def expected_hit(n_groups, experts_per_group):
-    """Expected groups (ranks or nodes) that a token's top-k of EXPERTS hits, under uniform
-    routing, of `n_groups` groups of `experts_per_group` experts each."""
-    miss = math.comb(EXPERTS - experts_per_group, TOPK) / math.comb(EXPERTS, TOPK)
-    return n_groups * (1 - miss)
-
-
-def node_forwarding(ranks, ep):
-    """ferry's counts as they would be with each token crossing to a node once (dispatch) and
-    its partial sums reduced inside the node before crossing back once (combine), a GPU of the
-    node forwarding over NVLink -- not built: the model's answer to what would remove the wire
-    term. The counted (a)+(b) bytes are scaled by the expected remote nodes per token over the
-    expected remote ranks per token; the forwarded rows cross NVLink once more."""
-    nodes, per_rank = ep // NODE, EXPERTS // ep
-    remote_ranks = expected_hit(ep - NODE, per_rank) if ep > NODE else 0.0
-    remote_nodes = expected_hit(nodes - 1, per_rank * NODE) if ep > NODE else 0.0
-    scale = remote_nodes / remote_ranks if remote_ranks else 1.0
-    out = []
-    for r in ranks:
-        steps = {}
-        for step, nics in r.items():
-            scaled = []
-            for n in nics:
-                m = dict(n)
-                m["inter_bytes"] = n["inter_bytes"] * scale
-                m["intra_bytes"] = n["intra_bytes"] + n["inter_bytes"]  # forwarded in the node
-                scaled.append(m)
-            steps[step] = scaled
-        out.append(steps)
-    return out, scale
 
 
 def fold(nics):
@@ -478,34 +488,33 @@ def plot(result, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    markers = {"pplx-garden": "s", "UCCL-EP": "^", "DeepEP V2": "P", "DeepEP V1": "x"}
     for system, nic, style in (("pplx-garden", "efa", "s--"), ("UCCL-EP", "efa", "^--"),
-                               ("DeepEP", "cx7", "v--")):
+                               ("DeepEP V2", "efa", "P--"), ("DeepEP", "cx7", "v--")):
         pts = [(b["ep"], b["total"]) for b in result["baselines"]
                if b["system"] == system and b["nic"] == nic]
-        ax.plot(*zip(*pts), style, label=f"{system} on {nic.upper()}, modelled", alpha=0.6)
-    pub = {}
-    for c in result["calibration"]:
-        pub.setdefault((c["system"], c["nic"], c["ep"]), []).append(c["published"])
-    for (system, nic), marker in ((("pplx-garden", "efa"), "s"), (("UCCL-EP", "efa"), "^"),
-                                  (("DeepEP", "cx7"), "v")):
-        pts = sorted((ep, sum(v)) for (s, n, ep), v in pub.items() if s == system and n == nic)
-        ax.plot(*zip(*pts), marker, color="black", markerfacecolor="none")
-    for nic, variant, style in (("efa", "plain", "o-"), ("efa", "(a)+(b)", "o-"),
-                                ("cx7", "(a)+(b)", "D-")):
+        ax.plot(*zip(*pts), style, label=f"{system} on {nic.upper()}, modelled", alpha=0.5)
+    for system, figures in PEERS_EFA.items():
+        pts = sorted(figures.items())
+        ax.plot(*zip(*pts), markers[system], color="black", markerfacecolor="none",
+                label=f"{system} on EFA, published")
+    for nic, variant, style in (("efa", "(a)+(b)", "o-"), ("efa", "node-once (a)+(b)", "o-"),
+                                ("cx7", "(a)+(b)", "D-"), ("cx7", "node-once (a)+(b)", "D-")):
         pts = [(p["ep"], p["total"]) for p in result["predictions"]
                if p["nic"] == nic and p["variant"] == variant]
-        ax.plot(*zip(*pts), style, label=f"ferry {variant} on {nic.upper()}, predicted")
-    pts = [(f["ep"], f["total"]) for f in result["forwarding"] if f["nic"] == "efa"]
-    ax.plot(*zip(*pts), "o:", label="ferry (a)+(b) + node forwarding on EFA (not built)")
-    goal = [(ep, GOAL * v) for ep, v in sorted(DOCUMENTS_EFA.items())]
-    ax.plot(*zip(*goal), ":", color="gray", label="goal: 0.8 x the documents' EFA figure")
+        if pts:
+            ax.plot(*zip(*pts), style, label=f"ferry {variant} on {nic.upper()}, predicted")
+    goal = sorted((p["ep"], p["goal"]) for p in result["peers"]
+                  if p["nic"] == "efa" and p["variant"] == "(a)+(b)")
+    if goal:
+        ax.plot(*zip(*goal), ":", color="gray", label=f"goal: {GOAL} x the best published (EFA)")
     ax.set_xlabel("EP (GPUs; nodes of 8)")
     ax.set_ylabel("decode dispatch + combine, us")
     ax.set_xscale("log", base=2)
     ax.set_xticks([8, 16, 24, 32, 64])
     ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax.set_title("black: published; lines: modelled (128 tokens, hidden 7168, top-8)")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=6)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "moe/cuda/nvlink_layout.h"
+#include "moe/node_once.h"
 #include "moe/relay.h"
 #include "moe/wire.h"
 
@@ -22,6 +23,12 @@ BufferBytes CudaDeviceBuffers(const AllToAllConfig& c, bool small_batches) {
     b.send += relay.outbox_bytes;
   }
   return b;
+}
+
+BufferBytes NodeOnceBuffers(const AllToAllConfig& c) {
+  const NodeOnceConfigs inner = NodeOnceConfigsOf(c);
+  const BufferBytes rail = CudaDeviceBuffers(inner.rail), node = CudaDeviceBuffers(inner.node);
+  return {rail.receive + node.receive + MiddleBytesOf(c).total(), rail.send + node.send};
 }
 
 BufferBytes DeepEpLowLatencyBuffers(int64_t max_tokens, int64_t hidden, int64_t experts) {

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 
+#include "moe/node_once.h"
 #include "moe/wire.h"
 
 namespace ferry::moe {
@@ -61,6 +62,27 @@ TEST(BufferBytesTest, ReceiveMemoryWithinDeepEpLowLatency) {
         }
         EXPECT_LE(HostDeviceBuffers(c).receive, deep_ep) << "EP" << ep << " T=" << tokens;
       }
+    }
+  }
+}
+
+// Node-once forwarding at EP 16, 32 and 64 (nodes of 8), decode and prefill: its two
+// AllToAlls and the middle buffers together stay within DeepEP's low-latency receive region
+// too, and above the rail's and the node's own (nothing is left out of the sum).
+TEST(BufferBytesTest, NodeOnceReceiveMemoryWithinDeepEpLowLatency) {
+  for (int ep : {16, 32, 64}) {
+    for (int tokens : {128, 4096}) {
+      AllToAllConfig c = Shape(ep, tokens, true);
+      c.forwarding = Forwarding::kNodeOnce;
+      ASSERT_TRUE(c.Validate().ok()) << c.Validate().ToString();
+      const NodeOnceConfigs inner = NodeOnceConfigsOf(c);
+      const int64_t parts = CudaDeviceBuffers(inner.rail).receive +
+                            CudaDeviceBuffers(inner.node).receive;
+      const int64_t once = NodeOnceBuffers(c).receive;
+      EXPECT_EQ(once, parts + MiddleBytesOf(c).total()) << "EP" << ep << " T=" << tokens;
+      EXPECT_GT(MiddleBytesOf(c).out, int64_t{ep / 8} * tokens * 7168 * 2 - 1);
+      EXPECT_LE(once, DeepEpLowLatencyBuffers(tokens, 7168, 256).receive)
+          << "EP" << ep << " T=" << tokens;
     }
   }
 }

@@ -72,17 +72,15 @@ class NodeOnceDevice final : public MoeDevice {
 
   // The middle buffers, in the hops' memory.
   Status Init() {
-    const AllToAllConfig& r = rail_->config();
-    const int64_t rows = r.expert_capacity();  // nodes x max_tokens_per_rank
-    const int64_t k = c_.experts_per_token;
-    ASSIGN_OR_RETURN(uint8_t* x, hops_->Allocate(rows * c_.token_bytes()));
-    ASSIGN_OR_RETURN(uint8_t* scales, hops_->Allocate(rows * c_.scales_per_token() * 4));
-    ASSIGN_OR_RETURN(uint8_t* counts, hops_->Allocate(int64_t{r.local_experts()} * 4));
-    ASSIGN_OR_RETURN(uint8_t* num_rows, hops_->Allocate(4));
-    ASSIGN_OR_RETURN(uint8_t* experts, hops_->Allocate(rows * k * 4));
-    ASSIGN_OR_RETURN(uint8_t* weights, hops_->Allocate(rows * k * 4));
-    ASSIGN_OR_RETURN(mid_out_, hops_->Allocate(rows * c_.combine_row_bytes()));
-    ASSIGN_OR_RETURN(uint8_t* rail_cost, hops_->Allocate(int64_t{r.world_size} * 8));
+    const MiddleBytes m = MiddleBytesOf(c_);
+    ASSIGN_OR_RETURN(uint8_t* x, hops_->Allocate(m.x));
+    ASSIGN_OR_RETURN(uint8_t* scales, hops_->Allocate(m.scales));
+    ASSIGN_OR_RETURN(uint8_t* counts, hops_->Allocate(m.counts));
+    ASSIGN_OR_RETURN(uint8_t* num_rows, hops_->Allocate(m.num_rows));
+    ASSIGN_OR_RETURN(uint8_t* experts, hops_->Allocate(m.experts));
+    ASSIGN_OR_RETURN(uint8_t* weights, hops_->Allocate(m.weights));
+    ASSIGN_OR_RETURN(mid_out_, hops_->Allocate(m.out));
+    ASSIGN_OR_RETURN(uint8_t* rail_cost, hops_->Allocate(m.rail_cost));
     rail_cost_ = reinterpret_cast<int64_t*>(rail_cost);
     mid_ = DispatchOutput{.x = x,
                           .scales = c_.scales_per_token() ? reinterpret_cast<float*>(scales)
@@ -329,6 +327,20 @@ NodeOnceConfigs NodeOnceConfigsOf(const AllToAllConfig& c) {
   o.node.max_tokens_per_rank = nodes * c.max_tokens_per_rank;
   o.node.instance = c.instance + 1;
   return o;
+}
+
+MiddleBytes MiddleBytesOf(const AllToAllConfig& c) {
+  const AllToAllConfig rail = NodeOnceConfigsOf(c).rail;
+  const int64_t rows = rail.expert_capacity();  // nodes x max_tokens_per_rank
+  const int64_t k = c.experts_per_token;
+  return {.x = rows * c.token_bytes(),
+          .scales = rows * c.scales_per_token() * 4,
+          .counts = int64_t{rail.local_experts()} * 4,
+          .num_rows = 4,
+          .experts = rows * k * 4,
+          .weights = rows * k * 4,
+          .out = rows * c.combine_row_bytes(),
+          .rail_cost = int64_t{rail.world_size} * 8};
 }
 
 std::unique_ptr<HopMemory> NewHostHopMemory() { return std::make_unique<HostHops>(); }

@@ -49,6 +49,15 @@ struct NodeOnceConfigs {
 // The two AllToAlls' configurations for rank c.rank of a node-once AllToAll (c validated).
 NodeOnceConfigs NodeOnceConfigsOf(const AllToAllConfig& c);
 
+// The middle buffers' bytes: what the rail brings to the node (token-major: rows, scales,
+// counts, the row count, each row's experts and weights), what goes back on it (one combine row
+// per received token) and the rail's wait costs (one per node).
+struct MiddleBytes {
+  int64_t x, scales, counts, num_rows, experts, weights, out, rail_cost;
+  int64_t total() const { return x + scales + counts + num_rows + experts + weights + out + rail_cost; }
+};
+MiddleBytes MiddleBytesOf(const AllToAllConfig& c);
+
 // The bootstrap of `members` (parent ranks, in the order that numbers them) over `parent`: every
 // collective is the parent's, which every parent rank must call in the same order (each takes
 // what its group contributed). The caller must be a member.
