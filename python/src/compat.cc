@@ -238,35 +238,10 @@ class PyPplx {
     }
   }
 
-  // `t` as an Array, InvalidArgument naming it unless it is a contiguous torch tensor of
-  // `dtype` (null: any; or `alt` where that is given), `dims` dimensions (-1: any) and the
-  // layer's device.
+  // `t` as an Array (TensorArg) on the layer's device.
   Array Tensor(const char* name, const py::handle& t, PyObject* dtype, int dims,
                PyObject* alt = nullptr) const {
-    const std::string n = name;
-    std::optional<Array> a = TorchArray(t);
-    if (!a) {
-      if (!PyObject_TypeCheck(t.ptr(), reinterpret_cast<PyTypeObject*>(torch_.tensor_type.ptr()))) {
-        Invalid(n + ": expected a torch.Tensor, got " + Str(py::type::of(t).attr("__name__")));
-      }
-      if (!py::cast<bool>(t.attr("is_contiguous")())) {
-        Invalid(n + ": not contiguous (call .contiguous())");
-      }
-      Invalid(n + ": on " + Str(t.attr("device")) + ", ferry takes CPU and CUDA tensors");
-    }
-    if (dtype && a->dtype != dtype && (!alt || a->dtype != alt)) {
-      Invalid(n + ": dtype " + Str(a->dtype) + ", expected " + Str(dtype) +
-              (alt ? " or " + Str(alt) : std::string()));
-    }
-    if (dims >= 0 && a->shape.size() != static_cast<size_t>(dims)) {
-      Invalid(n + ": " + std::to_string(a->shape.size()) + " dimensions " + Shape(a->shape) +
-              ", expected " + std::to_string(dims));
-    }
-    if (a->device != device_) {
-      Invalid(n + ": on " + Str(t.attr("device")) + ", the others on " +
-              (device_ < 0 ? std::string("cpu") : "cuda:" + std::to_string(device_)));
-    }
-    return std::move(*a);
+    return TensorArg(name, t, dtype, dims, device_, alt);
   }
 
   py::object a2a_object_;  // keeps a2a_
@@ -288,7 +263,45 @@ class PyPplx {
 };
 }  // namespace
 
+Array TensorArg(const char* name, const py::handle& t, PyObject* dtype, int dims, int device,
+                PyObject* alt) {
+  const std::string n = name;
+  std::optional<Array> a = TorchArray(t);
+  if (!a) {
+    if (!PyObject_TypeCheck(t.ptr(),
+                            reinterpret_cast<PyTypeObject*>(Torch::Get().tensor_type.ptr()))) {
+      Invalid(n + ": expected a torch.Tensor, got " + Str(py::type::of(t).attr("__name__")));
+    }
+    if (!py::cast<bool>(t.attr("is_contiguous")())) {
+      Invalid(n + ": not contiguous (call .contiguous())");
+    }
+    Invalid(n + ": on " + Str(t.attr("device")) + ", ferry takes CPU and CUDA tensors");
+  }
+  if (dtype && a->dtype != dtype && (!alt || a->dtype != alt)) {
+    Invalid(n + ": dtype " + Str(a->dtype) + ", expected " + Str(dtype) +
+            (alt ? " or " + Str(alt) : std::string()));
+  }
+  if (dims >= 0 && a->shape.size() != static_cast<size_t>(dims)) {
+    Invalid(n + ": " + std::to_string(a->shape.size()) + " dimensions " + Shape(a->shape) +
+            ", expected " + std::to_string(dims));
+  }
+  if (device != kAnyDevice && a->device != device) {
+    Invalid(n + ": on " + Str(t.attr("device")) + ", the others on " +
+            (device < 0 ? std::string("cpu") : "cuda:" + std::to_string(device)));
+  }
+  return std::move(*a);
+}
+
+PooledAllToAll::PooledAllToAll(py::object a2a)
+    : a2a(std::move(a2a)), raw(this->a2a.cast<PyAllToAll*>()) {}
+
 void BindCompat(py::module_& m) {
+  py::class_<PooledAllToAll, std::shared_ptr<PooledAllToAll>>(
+      m, "PooledAllToAll", "One AllToAll of a compatibility layer's pool, busy while a call holds it")
+      .def(py::init<py::object>(), py::arg("a2a"))
+      .def_readonly("a2a", &PooledAllToAll::a2a)
+      .def_readwrite("busy", &PooledAllToAll::busy)
+      .def_readwrite("streamed", &PooledAllToAll::streamed);
   py::class_<PyPplx>(m, "PplxSteps",
                      "pplx-garden's dispatch and combine over a ferry.AllToAll (what "
                      "ferry.pplx.AllToAll subclasses; construct that instead)")

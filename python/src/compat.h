@@ -71,4 +71,25 @@ inline std::string Pair(int64_t a, int64_t b) {
   throw std::logic_error("unreachable");
 }
 
+// A layer's tensor argument `t` as an Array; InvalidArgument naming it unless it is a contiguous
+// CPU or CUDA torch tensor of `dtype` (null: any; `alt` too where given), `dims` dimensions (-1:
+// any) on `device` (a Tensor.get_device() ordinal: -1 the CPU; kAnyDevice: any). The messages
+// are ferry.compat._group.check_tensor's, which the layers' Python calls use.
+constexpr int kAnyDevice = -2;
+Array TensorArg(const char* name, const py::handle& t, PyObject* dtype, int dims, int device,
+                PyObject* alt = nullptr);
+
+class PyAllToAll;  // all_to_all.h (which includes this file)
+
+// One AllToAll of a layer's pool (ferry.compat._group.Group): `busy` while a call holds it
+// (from a dispatch until its combine's receive half), `streamed` once its stream is decided.
+// A C++ type, so that the layers' C++ paths read and set `busy` as a field.
+struct PooledAllToAll {
+  explicit PooledAllToAll(py::object a2a);
+  py::object a2a;
+  PyAllToAll* raw;  // a2a's, which a2a keeps
+  bool busy = false;
+  bool streamed = false;
+};
+
 }  // namespace ferry::python

@@ -1,12 +1,13 @@
 // ferry.deep_ep.Buffer's low-latency calls, as the Buffer's own methods in C++: Buffer
-// (python/ferry/deep_ep.py) subclasses DeepEpLowLatency, whose low_latency_dispatch and
-// low_latency_combine run the common path (bf16 or e4m3 dispatch with amax or power-of-two
-// scales, with or without the receive hook, into out= or not, with or without the wait-cost
-// statistics and the expert counters; no async_finish) in one C++ call. Python runs every other
-// case, and the first calls of each shape (which make the AllToAll and its two output sets, then
-// add them here): a call this path does not take is handed, before anything is touched, to the
-// Buffer's Python method of the same name with a leading underscore, which raises Python's
-// errors for bad arguments.
+// (python/ferry/compat/deep_ep/_buffer.py) subclasses DeepEpLowLatency, whose
+// low_latency_dispatch and low_latency_combine check every argument here -- the one place they
+// are checked -- and run the common path (bf16 or e4m3 dispatch with amax or power-of-two
+// scales, with or without the receive hook, zero-copy or not, into out= or not, with or without
+// the wait-cost statistics and the expert counters) in one C++ call. A checked call this path
+// does not run (async_finish, UE8M0 scales, an AllToAll whose steps are on another stream than
+// the caller's) goes, as it came, to the Buffer's Python method of the same name with a leading
+// underscore, which runs it without checking again. A shape's first call asks the Buffer's
+// _ll_shape for its AllToAll and output sets, then runs here.
 //
 // The two methods are METH_FASTCALL methods of the type, not pybind11 functions: DeepEP's
 // calls pass up to eleven arguments, mostly by keyword, and pybind11's matching of them (with
@@ -32,35 +33,24 @@ namespace {
 // be combined) and the shapes the combine checks against. Python's path makes them too
 // (ferry.deep_ep._Handle is this type); max_tokens is None for normal mode's, which have rows.
 struct DeepEpHandle {
-  py::object pooled;
+  std::shared_ptr<PooledAllToAll> pooled;
   int64_t tokens, k, hidden, num_experts;
   py::object topk_idx, max_tokens, topk_weights, rows;
+  int device;  // the dispatch's tensors' (Tensor.get_device(): -1 the CPU)
   bool in_flight = true;
   py::object combine_buffer;  // get_next_low_latency_combine_buffer's, once asked for
 };
 
-// Names looked up on Python objects at every call, made once.
+// Names looked up on Python objects, made once.
 struct Names {
-  PyObject* const busy = PyUnicode_InternFromString("busy");
   PyObject* const dispatch = PyUnicode_InternFromString("_low_latency_dispatch");
   PyObject* const combine = PyUnicode_InternFromString("_low_latency_combine");
+  PyObject* const shape = PyUnicode_InternFromString("_ll_shape");
   static const Names& Get() {
     static const Names n;
     return n;
   }
 };
-
-bool Busy(const py::object& pooled) {
-  const auto busy =
-      py::reinterpret_steal<py::object>(PyObject_GetAttr(pooled.ptr(), Names::Get().busy));
-  if (!busy) throw py::error_already_set();
-  return busy.is(py::handle(Py_True));
-}
-void SetBusy(const py::object& pooled, bool busy) {
-  if (PyObject_SetAttr(pooled.ptr(), Names::Get().busy, busy ? Py_True : Py_False) != 0) {
-    throw py::error_already_set();
-  }
-}
 
 // A vectorcall's arguments matched to `names` (positional first, then by keyword) into `out`
 // (null: not given), or false where they do not match as Python's would (too many, an unknown
@@ -85,24 +75,21 @@ bool Match(const std::array<const char*, N>& names, size_t required, PyObject* c
   return true;
 }
 
-// An argument's truth (`otherwise` where not given); nullopt where asking raised.
-std::optional<bool> Flag(PyObject* o, bool otherwise) {
+// An argument's truth (`otherwise` where not given); what asking raised, raised.
+bool Flag(PyObject* o, bool otherwise) {
   if (!o) return otherwise;
   const int truth = PyObject_IsTrue(o);
-  if (truth < 0) {
-    PyErr_Clear();  // the Python path asks again and raises
-    return std::nullopt;
-  }
+  if (truth < 0) throw py::error_already_set();
   return truth != 0;
 }
-// An argument that is a Python int, as int64 (nullopt for anything else).
-std::optional<int64_t> Int(PyObject* o) {
-  if (!o || !PyLong_Check(o)) return std::nullopt;
+// An argument that must be a Python int.
+int64_t Int(const char* name, PyObject* o) {
+  if (!PyLong_Check(o)) Invalid(std::string(name) + ": an int, got " + Str(py::type::of(o).attr("__name__")));
   int overflow = 0;
   const long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
   if (overflow || (v == -1 && PyErr_Occurred())) {
     PyErr_Clear();
-    return std::nullopt;
+    Invalid(std::string(name) + ": out of range");
   }
   return v;
 }
@@ -116,11 +103,11 @@ class PyDeepEpLowLatency {
     CheckTimeout(timeout);
   }
 
-  // A low-latency AllToAll of one shape (its `pooled` entry: .a2a, .busy) with its output sets
-  // (`sets`, the list of two (recv_x, recv_count, scales, packed) tuples Python rotates) and
-  // the dispatch's unused weights (`ones`: float32 [m, k]).
+  // A low-latency AllToAll of one shape (its pool entry) with its output sets (`sets`, the
+  // list of two (recv_x, recv_count, scales, packed) tuples the calls take in turn) and the
+  // dispatch's unused weights (`ones`: float32 [m, k]).
   void Add(int device, int64_t m, int64_t hidden, int64_t experts, int64_t k, bool fp8,
-           py::object pooled, py::list sets, py::object ones) {
+           std::shared_ptr<PooledAllToAll> pooled, py::list sets, py::object ones) {
     if (py::len(sets) != 2) Invalid("sets: two output sets");
     auto e = std::make_shared<Entry>(Entry{.device = device,
                                            .m = m,
@@ -128,14 +115,17 @@ class PyDeepEpLowLatency {
                                            .experts = experts,
                                            .k = k,
                                            .fp8 = fp8,
-                                           .pooled = pooled,
-                                           .a2a = pooled.attr("a2a").cast<PyAllToAll*>(),
+                                           .pooled = std::move(pooled),
                                            .sets = std::move(sets),
                                            .ones = TorchArray(ones)});
     if (!e->ones) Invalid("ones: not a contiguous CPU or CUDA tensor");
     entries_.push_back(std::move(e));
   }
-  void Clear() { entries_.clear(); }
+  // The Buffer destroyed: every later call is refused.
+  void Close() {
+    entries_.clear();
+    closed_ = true;
+  }
 
   static constexpr std::array<const char*, 11> kDispatchArgs{"x",
                                                              "topk_idx",
@@ -152,77 +142,99 @@ class PyDeepEpLowLatency {
       "x",         "topk_idx",     "topk_weights",     "handle", "use_logfmt",
       "zero_copy", "async_finish", "return_recv_hook", "out",    "combine_wait_recv_cost_stats"};
 
-  // low_latency_dispatch's result, or a null object where Python's path must run the call.
-  // With return_recv_hook, the send half now and the receive half in the returned hook.
-  py::object Dispatch(const std::array<PyObject*, kDispatchArgs.size()>& a) {
-    const std::optional<int64_t> m = Int(a[2]), experts = Int(a[3]);
-    const std::optional<bool> fp8 = Flag(a[6], true), round_scale = Flag(a[7], false),
-                              ue8m0 = Flag(a[8], false), async = Flag(a[9], false),
-                              hook = Flag(a[10], false);
-    if (!m || !experts || !fp8 || !round_scale || !ue8m0 || !async || !hook || *ue8m0 || *async) {
-      return {};
+  // low_latency_dispatch's arguments checked; its result, or a null object where the Buffer's
+  // Python method runs the (checked) call. With return_recv_hook, the send half now and the
+  // receive half in the returned hook.
+  py::object Dispatch(PyObject* self, const std::array<PyObject*, kDispatchArgs.size()>& a) {
+    if (closed_) Invalid("low_latency_dispatch: the Buffer was destroyed");
+    const Array xa = TensorArg("x", a[0], torch_.bfloat16, 2, kAnyDevice);
+    const int device = xa.device;
+    const std::optional<Array> cost = WaitCost("dispatch_wait_recv_cost_stats", a[5], device);
+    const Array ia = TensorArg("topk_idx", a[1], torch_.int64, 2, device, torch_.int32);
+    const int64_t m = Int("num_max_dispatch_tokens_per_rank", a[2]);
+    const int64_t experts = Int("num_experts", a[3]);
+    const bool fp8 = Flag(a[6], true), round_scale = Flag(a[7], false), ue8m0 = Flag(a[8], false),
+               async = Flag(a[9], false), hook = Flag(a[10], false);
+    const int64_t tokens = xa.shape[0], hidden = xa.shape[1], k = ia.shape[1];
+    if (ia.shape[0] != tokens) {
+      Invalid("topk_idx: " + std::to_string(ia.shape[0]) + " rows, x has " +
+              std::to_string(tokens));
     }
-    std::optional<Array> xa = TorchArray(a[0]);
-    if (!xa || xa->dtype != torch_.bfloat16 || xa->shape.size() != 2) return {};
-    std::optional<Array> cost;
-    if (!IsNone(a[5]) && !(cost = WaitCost(a[5], xa->device))) return {};
+    if (tokens > m) {
+      Invalid("x: " + std::to_string(tokens) + " tokens, more than "
+              "num_max_dispatch_tokens_per_rank " + std::to_string(m));
+    }
+    if (experts <= 0 || experts % world_) {
+      Invalid("num_experts " + std::to_string(experts) + ": not a positive multiple of " +
+              std::to_string(world_) + " ranks");
+    }
+    const int64_t group = fp8 ? 128 : 16;
+    if (hidden % group) {
+      Invalid("x: hidden " + std::to_string(hidden) + " is not a multiple of " +
+              std::to_string(group) + (fp8 ? " (fp8 rows)" : " (bf16 rows)"));
+    }
+    if (ue8m0 && !round_scale) Invalid("use_ue8m0 needs round_scale (UE8M0 holds powers of two)");
+    if ((round_scale || ue8m0) && !fp8) Invalid("round_scale and use_ue8m0 need use_fp8");
+    if (ue8m0 && hidden % 512) {
+      Invalid("use_ue8m0: hidden " + std::to_string(hidden) + " is not a multiple of 512");
+    }
     // The caller's expert counters (int32 [local experts] on x's device): the receive's counts
     // are added to them after it.
     py::object counters = py::none();
     if (!IsNone(a[4])) {
-      const std::optional<Array> ca = TorchArray(a[4]);
-      if (!ca || ca->dtype != torch_.int32 || ca->device != xa->device ||
-          ca->shape != std::vector<int64_t>{*experts / world_}) {
-        return {};
+      const Array ca = TensorArg("cumulative_local_expert_recv_stats", a[4], torch_.int32, 1, device);
+      if (ca.shape[0] != experts / world_) {
+        Invalid("cumulative_local_expert_recv_stats: " + std::to_string(experts / world_) +
+                " entries");
       }
       counters = py::reinterpret_borrow<py::object>(a[4]);
     }
-    std::optional<Array> ia = TorchArray(a[1]);
-    if (!ia || (ia->dtype != torch_.int64 && ia->dtype != torch_.int32) || ia->shape.size() != 2 ||
-        ia->device != xa->device || ia->shape[0] != xa->shape[0]) {
-      return {};
+    if (ue8m0 || async) return {};  // the Python path's
+    const std::optional<void*> stream = CurrentStream(device);
+    auto idle = [&](const Entry& c) {
+      return c.device == device && c.m == m && c.hidden == hidden && c.experts == experts &&
+             c.k == k && c.fp8 == fp8 && !c.pooled->busy;
+    };
+    std::shared_ptr<Entry> e = Find(idle);
+    if (!e) {  // the shape's first call, or every AllToAll of it held: one more, made there
+      py::handle(self).attr(Names::Get().shape)(py::handle(a[0]), m, experts, k, fp8);
+      if (!(e = Find(idle))) Invalid("low_latency_dispatch: the Buffer made no AllToAll");
     }
-    const int64_t tokens = xa->shape[0], hidden = xa->shape[1], k = ia->shape[1];
-    if (tokens > *m || *experts % world_ || hidden % (*fp8 ? 128 : 16)) return {};
-    const std::optional<void*> stream = CurrentStream(xa->device);
-    std::shared_ptr<Entry> e = Find([&](const Entry& c) {
-      return c.device == xa->device && c.m == *m && c.hidden == hidden && c.experts == *experts &&
-             c.k == k && c.fp8 == *fp8 && !Busy(c.pooled);
-    });
     // e4m3's scales are copied into DeepEP's layout, and the counters added to, after the
     // receive: here only where that work may go on the caller's stream.
-    if (!e || ((*fp8 || !counters.is_none()) && !e->a2a->RunsOn(stream))) return {};
+    if ((fp8 || !counters.is_none()) && !e->pooled->raw->RunsOn(stream)) return {};
+    PyAllToAll* const a2a = e->pooled->raw;
     const py::tuple set = e->Next();
     const OutputArrays out = e->Arrays(set);
     // The receive half.
     const double timeout = timeout_;
-    auto recv = [e, out, timeout, cost] {
-      e->a2a->DispatchRecvArrays(out.recv_x, out.recv_count, out.scales ? &*out.scales : nullptr,
-                                 {}, timeout, 0, cost ? &*cost : nullptr);
+    auto recv = [e, a2a, out, timeout, cost] {
+      a2a->DispatchRecvArrays(out.recv_x, out.recv_count, out.scales ? &*out.scales : nullptr,
+                              {}, timeout, 0, cost ? &*cost : nullptr);
     };
     // After the receive: e4m3's scales into DeepEP's layout and the counts onto the caller's
     // counters, on the stream current when it runs: a hook may be called on another than the
     // dispatch's, whose stream (the AllToAll's) the receive went on; that stream then waits for
     // this work, and the work for the receive, as one stream would order them.
-    auto after = [e, set, fp8 = *fp8, counters, stream, device = xa->device] {
+    auto after = [e, a2a, set, fp8, counters, stream, device] {
       if (!fp8 && counters.is_none()) return;
       const std::optional<void*> now = CurrentStream(device);
       const bool other = now && *now != *stream;
-      if (other) e->a2a->Order(*now, false);
+      if (other) a2a->Order(*now, false);
       if (fp8) set[3].attr("copy_")(set[2]);
       if (!counters.is_none()) counters.attr("add_")(set[1]);
-      if (other) e->a2a->Order(*now, true);
+      if (other) a2a->Order(*now, true);
     };
-    SetBusy(e->pooled, true);
+    e->pooled->busy = true;
     try {
-      e->a2a->Ordered(stream, true, true, true, [&] {
-        e->a2a->DispatchSendArrays(*xa, *ia, *e->ones, nullptr, static_cast<int>(tokens), nullptr,
-                                   *round_scale ? Fp8Scaling::kPowerOfTwo : Fp8Scaling::kAmax);
-        if (!*hook) recv();
+      a2a->Ordered(stream, true, true, true, [&] {
+        a2a->DispatchSendArrays(xa, ia, *e->ones, nullptr, static_cast<int>(tokens), nullptr,
+                                round_scale ? Fp8Scaling::kPowerOfTwo : Fp8Scaling::kAmax);
+        if (!hook) recv();
       });
-      if (!*hook) after();
+      if (!hook) after();
     } catch (...) {
-      SetBusy(e->pooled, false);  // a failed call frees its AllToAll, as Python's does
+      e->pooled->busy = false;  // a failed call frees its AllToAll, as Python's does
       throw;
     }
     auto handle = std::make_shared<DeepEpHandle>(
@@ -230,21 +242,22 @@ class PyDeepEpLowLatency {
                      .tokens = tokens,
                      .k = k,
                      .hidden = hidden,
-                     .num_experts = *experts,
+                     .num_experts = experts,
                      .topk_idx = py::reinterpret_borrow<py::object>(a[1]),
-                     .max_tokens = py::int_(*m),
+                     .max_tokens = py::int_(m),
                      .topk_weights = py::none(),
                      .rows = py::none(),
+                     .device = device,
                      .combine_buffer = py::none()});
-    py::object out_x = *fp8 ? py::object(py::make_tuple(set[0], set[3])) : py::object(set[0]);
+    py::object out_x = fp8 ? py::object(py::make_tuple(set[0], set[3])) : py::object(set[0]);
     py::object recv_hook = py::none();
-    if (*hook) {
+    if (hook) {
       // The receive ordered before the caller's stream only: after it, it would wait for what
       // the caller overlapped with the transfer. A failure frees the handle (the AllToAll
       // reports it to the next call), as Python's hook does.
-      recv_hook = py::cpp_function([e, stream, recv, after, handle]() {
+      recv_hook = py::cpp_function([a2a, stream, recv, after, handle]() {
         try {
-          e->a2a->Ordered(stream, false, true, false, recv);
+          a2a->Ordered(stream, false, true, false, recv);
           after();
         } catch (...) {
           Release(*handle);
@@ -255,73 +268,94 @@ class PyDeepEpLowLatency {
     return py::make_tuple(out_x, set[1], py::cast(handle), done_, recv_hook);
   }
 
-  // low_latency_combine's result, or a null object where Python's path must run the call.
-  py::object Combine(const std::array<PyObject*, kCombineArgs.size()>& a) {
-    const std::optional<bool> logfmt = Flag(a[4], false), zero_copy = Flag(a[5], false),
-                              async = Flag(a[6], false), hook = Flag(a[7], false);
-    if (!logfmt || !zero_copy || !async || !hook || *logfmt || *zero_copy || *async ||
-        !py::isinstance<DeepEpHandle>(a[3])) {
-      return {};
+  // low_latency_combine's arguments checked; its result, or a null object where the Buffer's
+  // Python method runs the (checked) call.
+  py::object Combine(PyObject* /*self*/, const std::array<PyObject*, kCombineArgs.size()>& a) {
+    if (closed_) Invalid("low_latency_combine: the Buffer was destroyed");
+    if (Flag(a[4], false)) {
+      ThrowIfError(UnimplementedError("use_logfmt=True: LogFMT-encoded combine is not supported"));
+    }
+    const bool zero_copy = Flag(a[5], false), async = Flag(a[6], false), hook = Flag(a[7], false);
+    if (!py::isinstance<DeepEpHandle>(a[3])) {
+      Invalid("low_latency_combine: handle is not one this Buffer's dispatch returned");
     }
     auto h = py::cast<std::shared_ptr<DeepEpHandle>>(a[3]);
-    if (!h->rows.is_none() || !h->in_flight) return {};
-    std::shared_ptr<Entry> e = Find([&](const Entry& c) { return c.pooled.is(h->pooled); });
-    if (!e) return {};
-    std::optional<Array> xa = TorchArray(a[0]), ia = TorchArray(a[1]), wa = TorchArray(a[2]);
-    if (!xa || !ia || !wa || xa->dtype != torch_.bfloat16 || xa->device != e->device ||
-        xa->shape != std::vector<int64_t>{e->experts / world_, world_ * e->m, e->hidden} ||
-        (ia->dtype != torch_.int64 && ia->dtype != torch_.int32) || wa->dtype != torch_.float32 ||
-        ia->device != e->device || wa->device != e->device ||
-        ia->shape != std::vector<int64_t>{h->tokens, e->k} || wa->shape != ia->shape) {
-      return {};
+    if (!h->in_flight) Invalid("low_latency_combine: the handle's dispatch was combined already");
+    if (!h->rows.is_none()) Invalid("handle: from a normal-mode dispatch (use combine)");
+    py::object x = py::reinterpret_borrow<py::object>(a[0]);
+    if (zero_copy) {
+      if (h->combine_buffer.is_none()) {
+        Invalid("zero_copy: call get_next_low_latency_combine_buffer first");
+      }
+      x = h->combine_buffer;
     }
-    std::optional<Array> cost;
-    if (!IsNone(a[9]) && !(cost = WaitCost(a[9], e->device))) return {};
+    const int device = h->device;
+    const int64_t m = py::cast<int64_t>(h->max_tokens);
+    const Array xa = TensorArg("x", x, torch_.bfloat16, 3, device);
+    const std::vector<int64_t> want{h->num_experts / world_, world_ * m, h->hidden};
+    if (xa.shape != want) {
+      Invalid("x: shape " + Shape(xa.shape) + ", the dispatch gave " + Shape(want));
+    }
+    const Array ia = TensorArg("topk_idx", a[1], torch_.int64, 2, device, torch_.int32);
+    const Array wa = TensorArg("topk_weights", a[2], torch_.float32, 2, device);
+    const std::optional<Array> cost = WaitCost("combine_wait_recv_cost_stats", a[9], device);
+    const std::vector<int64_t> routed{h->tokens, h->k};
+    if (ia.shape != routed || wa.shape != routed) {
+      Invalid("topk_idx / topk_weights: shapes " + Shape(ia.shape) + " / " + Shape(wa.shape) +
+              ", the dispatch had " + Shape(routed));
+    }
+    const std::vector<int64_t> rows{h->tokens, h->hidden};
+    std::optional<Array> given;
+    if (!IsNone(a[8])) {
+      given = TensorArg("out", a[8], torch_.bfloat16, 2, device);
+      if (given->shape != rows) {
+        Invalid("out: shape " + Shape(given->shape) + ", expected " + Shape(rows));
+      }
+    }
+    if (async) return {};  // the Python path's
+    std::shared_ptr<Entry> e = Find([&](const Entry& c) { return c.pooled == h->pooled; });
+    if (!e) return {};  // an AllToAll only the Python path has run (UE8M0 dispatches)
+    PyAllToAll* const a2a = e->pooled->raw;
     py::object result;
-    std::optional<Array> oa;
-    if (IsNone(a[8])) {
-      result = torch_.empty_like(e->OutputTemplate(a[0], h->tokens));
+    std::optional<Array> oa = std::move(given);
+    if (oa) {
+      result = py::reinterpret_borrow<py::object>(a[8]);
+    } else {
+      result = torch_.empty_like(e->OutputTemplate(x.ptr(), h->tokens));
       // Made as x is (bf16, contiguous, on x's device): x's description with the new tensor's
       // address and shape, one attribute call rather than TorchArray's eight.
       static PyObject* const data_ptr = PyUnicode_InternFromString("data_ptr");
       const py::object address =
           py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(result.ptr(), data_ptr));
       if (!address) throw py::error_already_set();
-      oa = *xa;
+      oa = xa;
       oa->data = PyLong_AsUnsignedLongLong(address.ptr());
-      oa->shape = {h->tokens, e->hidden};
-      oa->num_bytes = static_cast<uint64_t>(h->tokens) * static_cast<uint64_t>(e->hidden) * 2;
+      oa->shape = rows;
+      oa->num_bytes = static_cast<uint64_t>(h->tokens) * static_cast<uint64_t>(h->hidden) * 2;
       oa->readonly = false;
       oa->owner = result;
-    } else {
-      result = py::reinterpret_borrow<py::object>(a[8]);
-      oa = TorchArray(result);
-      if (!oa || oa->dtype != torch_.bfloat16 || oa->device != e->device ||
-          oa->shape != std::vector<int64_t>{h->tokens, e->hidden}) {
-        return {};
-      }
     }
-    const std::optional<void*> stream = CurrentStream(e->device);
+    const std::optional<void*> stream = CurrentStream(device);
     const double timeout = timeout_;
-    auto recv = [e, out = *oa, w = *wa, timeout, cost] {
-      e->a2a->CombineRecvArrays(out, false, timeout, &w, cost ? &*cost : nullptr);
+    auto recv = [a2a, out = *oa, w = wa, timeout, cost] {
+      a2a->CombineRecvArrays(out, false, timeout, &w, cost ? &*cost : nullptr);
     };
     try {
-      e->a2a->Ordered(stream, true, true, false, [&] {
-        e->a2a->CombineSendArray(*xa, std::nullopt);
-        if (!*hook) recv();
+      a2a->Ordered(stream, true, true, false, [&] {
+        a2a->CombineSendArray(xa, std::nullopt);
+        if (!hook) recv();
       });
     } catch (...) {
       Release(*h);
       throw;
     }
-    if (!*hook) {
+    if (!hook) {
       Release(*h);
       return py::make_tuple(result, done_, py::none());
     }
-    return py::make_tuple(result, done_, py::cpp_function([e, stream, recv, h] {
+    return py::make_tuple(result, done_, py::cpp_function([a2a, stream, recv, h] {
                             try {
-                              e->a2a->Ordered(stream, false, true, false, recv);
+                              a2a->Ordered(stream, false, true, false, recv);
                             } catch (...) {
                               Release(*h);
                               throw;
@@ -331,20 +365,20 @@ class PyDeepEpLowLatency {
   }
 
  private:
-  // A wait-cost statistics tensor as this path takes it: int64 [world] on `device`; nullopt
-  // for anything else (Python's path then checks it and raises).
-  std::optional<Array> WaitCost(PyObject* o, int device) const {
-    std::optional<Array> c = TorchArray(o);
-    if (!c || c->dtype != torch_.int64 || c->device != device ||
-        c->shape != std::vector<int64_t>{world_}) {
-      return std::nullopt;
+  // A wait-cost statistics argument: None, or int64 [world] on `device`.
+  std::optional<Array> WaitCost(const char* name, PyObject* o, int device) const {
+    if (IsNone(o)) return std::nullopt;
+    Array c = TensorArg(name, o, torch_.int64, 1, device);
+    if (c.shape[0] != world_) {
+      Invalid(std::string(name) + ": " + std::to_string(c.shape[0]) + " entries, expected " +
+              std::to_string(world_) + " (one per rank)");
     }
     return c;
   }
 
   // The handle combined (or failed): its AllToAll free for the next call.
   static void Release(DeepEpHandle& h) {
-    SetBusy(h.pooled, false);
+    h.pooled->busy = false;
     h.in_flight = false;
   }
 
@@ -356,8 +390,7 @@ class PyDeepEpLowLatency {
     int device;
     int64_t m, hidden, experts, k;
     bool fp8;
-    py::object pooled;
-    PyAllToAll* a2a;  // pooled.a2a, which pooled keeps
+    std::shared_ptr<PooledAllToAll> pooled;
     py::list sets;
     std::optional<Array> ones;
     // Each output set read once (its tensors never change): keyed by the set's tuple.
@@ -413,6 +446,7 @@ class PyDeepEpLowLatency {
 
   int world_;
   double timeout_;
+  bool closed_ = false;
   py::object done_;
   const Torch& torch_;
   // Shared with the hooks a call returns: a hook outlives the call, and Add may move entries.
@@ -454,7 +488,7 @@ PyObject* FastMethod(PyObject* self, PyObject* const* args, Py_ssize_t nargs, Py
     auto& layer = py::cast<PyDeepEpLowLatency&>(py::handle(self));
     std::array<PyObject*, std::tuple_size_v<std::remove_cvref_t<decltype(kNames)>>> a;
     if (Match(kNames, 4, args, nargs, kwnames, a)) {
-      if (py::object done = (layer.*Call)(a)) return done.release().ptr();
+      if (py::object done = (layer.*Call)(self, a)) return done.release().ptr();
     }
     return CallPython(self, Names::Get().*kFallback, args, nargs, kwnames);
   });
@@ -499,9 +533,12 @@ void BindDeepEp(py::module_& m) {
   py::class_<DeepEpHandle, std::shared_ptr<DeepEpHandle>>(
       m, "DeepEpHandle",
       "What a ferry.deep_ep combine needs of its dispatch (the handle a dispatch returns)")
-      .def(py::init([](py::object pooled, int64_t tokens, int64_t k, int64_t hidden,
-                       int64_t num_experts, py::object topk_idx, py::object max_tokens,
-                       py::object topk_weights, py::object rows) {
+      .def(py::init([](std::shared_ptr<PooledAllToAll> pooled, int64_t tokens, int64_t k,
+                       int64_t hidden, int64_t num_experts, py::object topk_idx,
+                       py::object max_tokens, py::object topk_weights, py::object rows) {
+             if (!pooled) Invalid("pooled: None");
+             const std::optional<Array> ids = TorchArray(topk_idx);
+             if (!ids) Invalid("topk_idx: not a contiguous CPU or CUDA tensor");
              return DeepEpHandle{std::move(pooled),
                                  tokens,
                                  k,
@@ -511,6 +548,7 @@ void BindDeepEp(py::module_& m) {
                                  std::move(max_tokens),
                                  std::move(topk_weights),
                                  std::move(rows),
+                                 ids->device,
                                  true,
                                  py::none()};
            }),
@@ -539,8 +577,8 @@ void BindDeepEp(py::module_& m) {
            py::arg("hidden"), py::arg("experts"), py::arg("k"), py::arg("fp8"), py::arg("pooled"),
            py::arg("sets"), py::arg("ones"),
            "A shape's AllToAll and its two output sets, for the C++ path to take calls on")
-      .def("_clear_shapes", &PyDeepEpLowLatency::Clear,
-           "Forgets every shape: the Buffer's calls all run in Python after this");
+      .def("_close_shapes", &PyDeepEpLowLatency::Close,
+           "The Buffer destroyed: every later low-latency call is refused");
   AddFastMethod(layer, &dispatch_def);
   AddFastMethod(layer, &combine_def);
 }

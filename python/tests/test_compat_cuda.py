@@ -331,7 +331,7 @@ def direct_held_arrays_body(b, store):
 def hook_on_another_stream_body(b, store):
     """The receive hooks called with another stream current than the dispatch's (bf16 and
     e4m3, whose scales are laid out after the receive), the results read on the dispatch's
-    stream: rounds past the first two (the C++ path's) against the references."""
+    stream (every round the C++ path's), against the references."""
     import torch
     from ferry import deep_ep
     buf = deep_ep.Buffer(b, explicitly_destroy=True)

@@ -382,17 +382,70 @@ def _counting_python_calls(buf):
 @behaviour
 def low_latency_common_calls_run_in_cpp(buf, world, rank):
     """Rounds of the common calls for each form (power-of-two scales too), with and without the
-    hooks, the fourth with expert counters, the last with its arguments by position: the third
-    and later of a shape run in C++, the first two in Python (the Buffer's methods the C++ base
-    hands a call it does not take, counted here)."""
+    hooks, the fourth with expert counters, the last with its arguments by position: every one
+    runs in C++, a shape's first call included (the Buffer's Python methods, which the C++ base
+    hands only async_finish and UE8M0 calls, are counted here and never called)."""
     in_python = _counting_python_calls(buf)
     for use_fp8, round_scale in ((False, False), (True, False), (True, True)):
         for r in range(5):
-            if r == 2:
-                before = len(in_python)
             check_low_latency(buf, world, rank, use_fp8, round_scale, False, r % 2 == 1,
                               common=True, round=r, positional=r == 4, counters=r == 3)
-        assert len(in_python) == before, (use_fp8, round_scale, in_python[before:])
+        assert not in_python, (use_fp8, round_scale, in_python)
+
+
+@behaviour
+def low_latency_arguments_checked_once(buf, world, rank):
+    """Every bad argument of the low-latency calls refused by the C++ base, naming it, before
+    anything is sent and without reaching the Buffer's Python methods; the calls then still
+    run (nothing was taken or left half done)."""
+    x = dv(torch.ones(4, HIDDEN, dtype=torch.bfloat16))
+    idx = dv(torch.arange(4 * K, dtype=torch.int64).view(4, K) % (EXPERTS_PER_RANK * world))
+    e = EXPERTS_PER_RANK * world
+    in_python = _counting_python_calls(buf)
+    bad_dispatch = (
+        ("x: dtype", (x.float(), idx, MAX_TOKENS, e), {}),
+        ("x: 1 dimensions", (x[0], idx, MAX_TOKENS, e), {}),
+        ("x: not contiguous", (x.t(), idx, MAX_TOKENS, e), {}),
+        ("x: expected a torch.Tensor", (x.tolist(), idx, MAX_TOKENS, e), {}),
+        ("topk_idx: dtype", (x, idx.float(), MAX_TOKENS, e), {}),
+        ("topk_idx: 3 rows", (x, idx[:3].contiguous(), MAX_TOKENS, e), {}),
+        ("num_max_dispatch_tokens_per_rank: an int", (x, idx, float(MAX_TOKENS), e), {}),
+        ("num_max_dispatch_tokens_per_rank 1", (x, idx, 1, e), {}),
+        ("num_experts 0", (x, idx, MAX_TOKENS, 0), {}),
+        ("use_ue8m0 needs round_scale", (x, idx, MAX_TOKENS, e), {"use_ue8m0": True}),
+        ("need use_fp8", (x, idx, MAX_TOKENS, e), {"use_fp8": False, "round_scale": True}),
+        ("cumulative_local_expert_recv_stats: dtype", (x, idx, MAX_TOKENS, e),
+         {"cumulative_local_expert_recv_stats": dv(torch.zeros(EXPERTS_PER_RANK))}),
+        (f"cumulative_local_expert_recv_stats: {EXPERTS_PER_RANK} entries",
+         (x, idx, MAX_TOKENS, e),
+         {"cumulative_local_expert_recv_stats": dv(torch.zeros(1, dtype=torch.int32))}),
+        (f"dispatch_wait_recv_cost_stats: {world + 1} entries", (x, idx, MAX_TOKENS, e),
+         {"dispatch_wait_recv_cost_stats": dv(torch.zeros(world + 1, dtype=torch.int64))}),
+    )
+    for message, args, kwargs in bad_dispatch:
+        expect_error(ferry.InvalidArgument, message, buf.low_latency_dispatch, *args, **kwargs)
+    _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, MAX_TOKENS, e, use_fp8=False)
+    y = dv(torch.zeros(EXPERTS_PER_RANK, world * MAX_TOKENS, HIDDEN, dtype=torch.bfloat16))
+    ones = dv(torch.ones(idx.shape))
+    bad_combine = (
+        ("x: shape", (y[:, :1].contiguous(), idx, ones, handle), {}),
+        ("x: dtype", (y.float(), idx, ones, handle), {}),
+        ("topk_idx / topk_weights: shapes", (y, idx[:1].contiguous(), ones, handle), {}),
+        ("topk_weights: dtype", (y, idx, ones.double(), handle), {}),
+        ("handle is not one", (y, idx, ones, (1, 2)), {}),
+        ("zero_copy: call get_next_low_latency_combine_buffer first", (y, idx, ones, handle),
+         {"zero_copy": True}),
+        ("out: shape", (y, idx, ones, handle),
+         {"out": dv(torch.zeros(1, HIDDEN, dtype=torch.bfloat16))}),
+        ("combine_wait_recv_cost_stats: dtype", (y, idx, ones, handle),
+         {"combine_wait_recv_cost_stats": dv(torch.zeros(world))}),
+    )
+    for message, args, kwargs in bad_combine:
+        expect_error(ferry.InvalidArgument, message, buf.low_latency_combine, *args, **kwargs)
+    expect_error(ferry.Unimplemented, "use_logfmt=True", buf.low_latency_combine, y, idx, ones,
+                 handle, use_logfmt=True)
+    buf.low_latency_combine(y, idx, ones, handle)
+    assert not in_python, in_python
 
 
 @behaviour
@@ -402,14 +455,12 @@ def low_latency_overlapped_and_zero_copy(buf, world, rank):
 
 @behaviour
 def low_latency_any_multiple_of_16_columns(buf, world, rank):
-    """bf16 rows of any multiple of 16 columns, the third and later calls of the shape in C++."""
+    """bf16 rows of any multiple of 16 columns, every call of the shape in C++."""
     in_python = _counting_python_calls(buf)
     for r in range(4):
-        if r == 2:
-            before = len(in_python)
         check_low_latency(buf, world, rank, False, False, False, r % 2 == 1, common=True,
                           round=r, hidden=48)
-    assert len(in_python) == before, in_python[before:]
+    assert not in_python, in_python
 
 
 @behaviour
@@ -526,6 +577,9 @@ class DeepEpTest(Behaviours, Case):
 
     def test_low_latency_common_calls_run_in_cpp(self):
         self.in_every_world("low_latency_common_calls_run_in_cpp")
+
+    def test_low_latency_arguments_checked_once(self):
+        self.in_every_world("low_latency_arguments_checked_once")
 
     def test_low_latency_overlapped_and_zero_copy(self):
         self.in_every_world("low_latency_overlapped_and_zero_copy")

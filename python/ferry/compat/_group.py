@@ -76,7 +76,7 @@ class Group:
         self._own_engine = engine is None
         self._ranks_per_node = ranks_per_node
         self._instances = 0  # AllToAlls made
-        self._pools = {}  # key -> [_Pooled]
+        self._pools = {}  # key -> [_ferry.PooledAllToAll]
 
     def ranks_per_node(self):
         """Ranks that share this rank's host (its NVLink domain), from the ranks' host names:
@@ -126,7 +126,7 @@ class Group:
         if engine is not None:
             _ENGINE_INSTANCES[id(engine)] = taken + 1
         self._instances += 1
-        p = _Pooled(a2a)
+        p = _ferry.PooledAllToAll(a2a)
         p.busy = True
         pool.append(p)
         return p
@@ -144,13 +144,6 @@ class Group:
             _ENGINE_INSTANCES.pop(id(self._engine), None)
             self._engine.close()
             self._engine = None
-
-
-class _Pooled:
-    __slots__ = ("a2a", "busy", "streamed")
-
-    def __init__(self, a2a):
-        self.a2a, self.busy, self.streamed = a2a, False, False  # streamed: its stream decided
 
 
 # The current stream as a cudaStream_t: torch's raw accessor where it has one (what compilers

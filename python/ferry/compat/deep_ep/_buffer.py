@@ -22,8 +22,9 @@ class Buffer(_LowLatency, _Normal, _Shrink, _Streams, _ferry.DeepEpLowLatency):
     an AllToAll first needs one). ranks_per_node: the NVLink domain (default: ranks on one host).
 
     low_latency_dispatch and low_latency_combine are the C++ base's (_ferry.DeepEpLowLatency):
-    it runs their common path itself and hands every other call to _low_latency_dispatch /
-    _low_latency_combine here.
+    it checks every argument, runs the common path itself (a shape's first call included: it asks
+    _ll_shape here for the AllToAll and output sets) and hands the checked async_finish and UE8M0
+    calls to _low_latency_dispatch / _low_latency_combine here.
     """
 
     num_sms = 20
@@ -52,8 +53,8 @@ class Buffer(_LowLatency, _Normal, _Shrink, _Streams, _ferry.DeepEpLowLatency):
         self._combine_buffers = {}  # AllToAll -> get_next_low_latency_combine_buffer's tensor
         self._stream = None    # the communication stream (CUDA)
         self._streams = {}     # torch objects for other streams AllToAlls took (_stream_of)
-        # The low-latency calls' common path, in C++ once a shape's AllToAll and its two
-        # output sets exist (_ll_outputs adds them).
+        # The low-latency calls: checked and run in C++ (_ll_sets adds each shape's AllToAll
+        # and output sets there).
         super().__init__(self.group_size, self._timeout, _DONE)
         self._destroyed = False
 
@@ -95,7 +96,7 @@ class Buffer(_LowLatency, _Normal, _Shrink, _Streams, _ferry.DeepEpLowLatency):
     def _close(self):
         if not self._destroyed:
             self._destroyed = True
-            self._clear_shapes()
+            self._close_shapes()
             self._group.close()
 
     def __del__(self):

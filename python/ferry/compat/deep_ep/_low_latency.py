@@ -1,11 +1,12 @@
 """DeepEP's low-latency mode over an expert-major AllToAll: the calls the C++ base
-(_ferry.DeepEpLowLatency) hands over, their outputs, the combine buffer."""
+(_ferry.DeepEpLowLatency, which checks every argument and runs the common path) hands over,
+the AllToAlls and output sets it asks for, the combine buffer."""
 
 import torch
 
 
 from ... import _ferry
-from .._group import check_tensor, fp8_dtype, refuse
+from .._group import fp8_dtype
 from ..._errors import InvalidArgument
 from ._events import _BOTH, _Handle, _RECV, _SEND
 
@@ -23,42 +24,14 @@ class _LowLatency:
                               dispatch_wait_recv_cost_stats=None, use_fp8=True,
                               round_scale=False, use_ue8m0=False, async_finish=False,
                               return_recv_hook=False):
-        """low_latency_dispatch where the C++ base does not take the call (a destroyed
-        Buffer's has no shapes left there)."""
-        self._check_open("low_latency_dispatch")
-        check_tensor("x", x, torch.bfloat16, 2)
-        self._check_wait_cost("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats, x)
-        check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), 2, x.get_device())
+        """low_latency_dispatch where the C++ base does not run the call (async_finish, UE8M0
+        scales, an AllToAll on another stream than the caller's); the C++ base checked every
+        argument."""
         tokens, hidden = x.shape
         m, world = num_max_dispatch_tokens_per_rank, self.group_size
-        if topk_idx.shape[0] != tokens:
-            raise InvalidArgument(f"topk_idx: {topk_idx.shape[0]} rows, x has {tokens}")
-        if tokens > m:
-            raise InvalidArgument(f"x: {tokens} tokens, more than "
-                                  f"num_max_dispatch_tokens_per_rank {m}")
-        if num_experts % world:
-            raise InvalidArgument(f"num_experts {num_experts}: not divisible by {world} ranks")
-        if hidden % (128 if use_fp8 else 16):
-            raise InvalidArgument(f"x: hidden {hidden} is not a multiple of "
-                                  f"{128 if use_fp8 else 16} ({'fp8' if use_fp8 else 'bf16'} rows)")
-        if use_ue8m0 and not round_scale:
-            raise InvalidArgument("use_ue8m0 needs round_scale (UE8M0 holds powers of two)")
-        if (round_scale or use_ue8m0) and not use_fp8:
-            raise InvalidArgument("round_scale and use_ue8m0 need use_fp8")
-        if use_ue8m0 and hidden % 512:
-            raise InvalidArgument(f"use_ue8m0: hidden {hidden} is not a multiple of 512")
         local = num_experts // world
-        if cumulative_local_expert_recv_stats is not None:
-            check_tensor("cumulative_local_expert_recv_stats", cumulative_local_expert_recv_stats,
-                         torch.int32, 1, x.get_device())
-            if cumulative_local_expert_recv_stats.numel() != local:
-                raise InvalidArgument(f"cumulative_local_expert_recv_stats: {local} entries")
         k = topk_idx.shape[1]
-        dtype = _ferry.DispatchDtype.FP8_E4M3 if use_fp8 else _ferry.DispatchDtype.BF16
-        pooled = self._acquire(
-            ("ll", x.get_device(), m, hidden, num_experts, k, use_fp8), x, lambda: dict(
-                num_experts=num_experts, experts_per_token=k, max_tokens_per_rank=m,
-                hidden=hidden, dtype=dtype), comm=async_finish)
+        pooled = self._ll_acquire(x, m, num_experts, k, use_fp8, comm=async_finish)
         a2a = pooled.a2a
         rows = world * m
         current = self._current(x)
@@ -116,19 +89,43 @@ class _LowLatency:
                 finish(False).current_stream_wait()
         return out_x, recv_count, handle, event, hook
 
+    def _ll_acquire(self, x, m, num_experts, k, use_fp8, comm=False):
+        """An idle low-latency AllToAll of the shape, taken (made where none is idle)."""
+        dtype = _ferry.DispatchDtype.FP8_E4M3 if use_fp8 else _ferry.DispatchDtype.BF16
+        return self._acquire(
+            ("ll", x.get_device(), m, x.shape[1], num_experts, k, use_fp8), x, lambda: dict(
+                num_experts=num_experts, experts_per_token=k, max_tokens_per_rank=m,
+                hidden=x.shape[1], dtype=dtype), comm=comm)
+
+    def _ll_shape(self, x, m, num_experts, k, use_fp8):
+        """What the C++ base asks for where no AllToAll of a shape is idle: one (made where
+        none is idle), with its two output sets, added to the C++ path and left idle there."""
+        pooled = self._ll_acquire(x, m, num_experts, k, use_fp8)
+        self._ll_sets(pooled, x, (m, num_experts, k), use_fp8, False)
+        pooled.busy = False
+
     def _ll_outputs(self, pooled, x, shape, use_fp8, use_ue8m0):
-        """The output tensors of a low-latency dispatch: two sets per AllToAll, taken in turn,
-        so that (as DeepEP's buffers are) a result stays valid until the second dispatch after
-        it on the same AllToAll. Made once, not per call: on the CPU torch caches no large
-        blocks, and every call paid for fresh pages. Once both of a set list exist, the C++
-        path (the C++ base) takes the calls it can and shares the list's turns. shape: (m, experts,
-        k)."""
-        key = (use_fp8, use_ue8m0)
-        sets = self._outputs.setdefault((id(pooled), key), [])
+        """The output set a low-latency dispatch on `pooled` writes: of its two sets, the one
+        used least recently, so that (as DeepEP's buffers are) a result stays valid until the
+        second dispatch after it on the same AllToAll."""
+        sets = self._ll_sets(pooled, x, shape, use_fp8, use_ue8m0)
+        sets.append(sets.pop(0))
+        return sets[-1]
+
+    def _ll_sets(self, pooled, x, shape, use_fp8, use_ue8m0):
+        """The two output sets of a low-latency AllToAll, (recv_x, recv_count, scales,
+        packed) each, made at its first use (on the CPU torch caches no large blocks, and
+        every call would pay for fresh pages) and, but for UE8M0's, added to the C++ path,
+        which takes them in the same turns. shape: (m, experts, k)."""
+        key = (id(pooled), use_fp8, use_ue8m0)
+        sets = self._outputs.get(key)
+        if sets is not None:
+            return sets
         m, experts, k = shape
         hidden, local, rows = x.shape[1], experts // self.group_size, self.group_size * m
-        if len(sets) < 2:
-            device = x.device
+        device = x.device
+        sets = self._outputs[key] = []
+        for _ in range(2):
             recv_x = torch.empty(local, rows, hidden, device=device,
                                  dtype=fp8_dtype() if use_fp8 else torch.bfloat16)
             recv_count = torch.empty(local, dtype=torch.int32, device=device)
@@ -146,12 +143,10 @@ class _LowLatency:
                     packed = torch.empty(local, hidden // 128, rows, dtype=torch.float32,
                                          device=device).transpose(1, 2)
             sets.append((recv_x, recv_count, scales, packed))
-            if len(sets) == 2 and not use_ue8m0:
-                self._add_shape(x.get_device(), m, hidden, experts, k, use_fp8, pooled, sets,
-                                self._constant(x, m, k, 1.0))
-            return sets[-1]
-        sets.append(sets.pop(0))
-        return sets[-1]
+        if not use_ue8m0:
+            self._add_shape(x.get_device(), m, hidden, experts, k, use_fp8, pooled, sets,
+                            self._constant(x, m, k, 1.0))
+        return sets
 
     def get_next_low_latency_combine_buffer(self, handle):
         """The tensor a zero-copy low_latency_combine sends from: [num_local_experts,
@@ -172,36 +167,14 @@ class _LowLatency:
     def _low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False,
                              zero_copy=False, async_finish=False, return_recv_hook=False,
                              out=None, combine_wait_recv_cost_stats=None):
-        """low_latency_combine where the C++ base does not take the call."""
-        self._check_open("low_latency_combine")
-        refuse("use_logfmt", use_logfmt, False, "LogFMT-encoded combine is not supported")
-        h = self._live_handle(handle, "low_latency_combine")
-        if h.rows is not None:
-            raise InvalidArgument("handle: from a normal-mode dispatch (use combine)")
+        """low_latency_combine where the C++ base does not run the call (async_finish, a
+        dispatch the Python path ran on an AllToAll the C++ path does not have); the C++ base
+        checked every argument."""
+        h = handle
         if zero_copy:
-            if h.combine_buffer is None:
-                raise InvalidArgument("zero_copy: call get_next_low_latency_combine_buffer first")
             x = h.combine_buffer
-        local = h.num_experts // self.group_size
-        check_tensor("x", x, torch.bfloat16, 3, h.topk_idx.get_device())
-        want = (local, self.group_size * h.max_tokens, h.hidden)
-        if tuple(x.shape) != want:
-            raise InvalidArgument(f"x: shape {tuple(x.shape)}, the dispatch gave {want}")
-        check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), 2, x.get_device())
-        check_tensor("topk_weights", topk_weights, torch.float32, 2, x.get_device())
-        self._check_wait_cost("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, x)
-        if tuple(topk_idx.shape) != (h.tokens, h.k) or tuple(topk_weights.shape) != (h.tokens,
-                                                                                     h.k):
-            raise InvalidArgument(f"topk_idx / topk_weights: shapes {tuple(topk_idx.shape)} / "
-                                  f"{tuple(topk_weights.shape)}, the dispatch had "
-                                  f"{(h.tokens, h.k)}")
         if out is None:
             out = x.new_empty((h.tokens, h.hidden))  # x's dtype (bf16) and device
-        else:
-            check_tensor("out", out, torch.bfloat16, 2, x.get_device())
-            if tuple(out.shape) != (h.tokens, h.hidden):
-                raise InvalidArgument(f"out: shape {tuple(out.shape)}, expected "
-                                      f"{(h.tokens, h.hidden)}")
         a2a = h.pooled.a2a
         current = self._current(x)
         waits = not async_finish
@@ -228,17 +201,6 @@ class _LowLatency:
     # caller called (the C++ base's), not these.
     _low_latency_dispatch.__qualname__ = "Buffer.low_latency_dispatch"
     _low_latency_combine.__qualname__ = "Buffer.low_latency_combine"
-
-    def _check_wait_cost(self, name, stats, x):
-        """A low-latency call's wait-cost statistics (None, or int64 [num_ranks] on x's device):
-        the time the receive waited for each rank is added to it -- GPU clock cycles on CUDA
-        tensors (clock64, as DeepEP counts), nanoseconds on CPU ones."""
-        if stats is None:
-            return
-        check_tensor(name, stats, torch.int64, 1, x.get_device())
-        if stats.numel() != self.group_size:
-            raise InvalidArgument(f"{name}: {stats.numel()} entries, expected {self.group_size} "
-                                  "(one per rank)")
 
     def _live_handle(self, handle, call):
         if not isinstance(handle, _Handle):
