@@ -279,7 +279,8 @@ Status RunRank(const Case& c, Bootstrap& b) {
     RETURN_IF_ERROR(d_cost.Get(cost));
     const int per_node = cfg.ranks_per_node;
     for (int r = 0; r < b.world_size(); ++r) {
-      const bool waited = r / per_node == b.rank() / per_node || r % per_node == b.rank() % per_node;
+      const bool waited =
+          r / per_node == b.rank() / per_node || r % per_node == b.rank() % per_node;
       CHECK_OR_RETURN(cost[size_t(r)] >= 0 && (waited || cost[size_t(r)] == 0),
                       "dispatch wait cost of rank " + std::to_string(r) + ": " +
                           std::to_string(cost[size_t(r)]));

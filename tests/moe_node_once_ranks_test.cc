@@ -143,8 +143,9 @@ TEST(MoeNodeOnceTest, AMaskedRankTakesItsExpertsAndTheRouteItForwardsOut) {
 }
 
 // Node-once forwarding refuses combine weights given at CombineRecv, naming them (the node sums
-// before its row crosses back); the refused combine leaves the epoch to finish with the dispatch's weights. The epoch's wait
-// costs charge only ranks waited for directly: our node's and, on our rail, the other nodes'.
+// before its row crosses back); the refused combine leaves the epoch to finish with the
+// dispatch's weights. The epoch's wait costs charge only ranks waited for directly: our node's
+// and, on our rail, the other nodes'.
 TEST(MoeNodeOnceTest, RefusesWeightsAtTheCombine) {
   auto exits = testing_util::RunRanks(4, [](Bootstrap& b) -> Status {
     ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));

@@ -7,7 +7,8 @@
 //                      [--once-per-rank] [--reduce-at-expert-rank] [--compare] [--token-major]
 //                      [--mask-lost-peers] [--wait-cost] [--fp16-combine] [--stream 0-3]
 //                      [--device host|cuda] [--nvlink [--node-ranks N [--node-once]]]
-//                      [--private N] [--world-size N --rank R --rendezvous HOST:PORT]: one process per
+//                      [--private N]
+//                      [--world-size N --rank R --rendezvous HOST:PORT]: one process per
 //                      rank, started apart (FERRY_WORLD_SIZE, FERRY_RANK, FERRY_RENDEZVOUS)
 //                      [--timeout-ms N]: each host step's wait for the other ranks (60000)
 //   ferry-bench kv     [--provider P] [--tokens T] [--decoders N] [--rounds R] [--pace F]

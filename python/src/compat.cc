@@ -128,10 +128,11 @@ class PyPplx {
                  out_x->shape[0] < max_recv_tokens_) {
         Invalid("out_expert_x: shape " + Shape(out_x->shape) + ", needs at least " +
                 Pair(max_recv_tokens_, hidden_) +
-                (block_ > 0 ? " (local experts times max_tokens_per_expert rows), or [" +
-                                  std::to_string(local_experts_) + ", " + std::to_string(block_) +
-                                  ", " + std::to_string(hidden_) + "]"
-                            : std::string(" (max_recv_tokens: the worst routing's padded blocks)")));
+                (block_ > 0
+                     ? " (local experts times max_tokens_per_expert rows), or [" +
+                           std::to_string(local_experts_) + ", " + std::to_string(block_) + ", " +
+                           std::to_string(hidden_) + "]"
+                     : std::string(" (max_recv_tokens: the worst routing's padded blocks)")));
       }
       scale_shape.back() = scales_;
       if (scales_ > 0) {  // fp8 rows carry scales
@@ -171,8 +172,7 @@ class PyPplx {
     if (do_send) {
       y = Tensor("expert_y", expert_y, out_dtype_, -1, out_alt_);
       if (y->shape != recv_shape_) {
-        Invalid("expert_y: shape " + Shape(y->shape) + ", out_expert_x was " +
-                Shape(recv_shape_));
+        Invalid("expert_y: shape " + Shape(y->shape) + ", out_expert_x was " + Shape(recv_shape_));
       }
     }
     if (do_recv) {
@@ -258,7 +258,7 @@ class PyPplx {
   PyObject* out_alt_;    // float16 where out_dtype_ is bfloat16, else null
   PyObject* sent_dtype_ = nullptr;  // expert_y's at the last combine's send half
   Stage stage_ = Stage::kIdle;
-  std::optional<Array> ones_;  // a dispatch's weights where it is given none (UseOnes)
+  std::optional<Array> ones_;        // a dispatch's weights where it is given none (UseOnes)
   std::vector<int64_t> recv_shape_;  // out_expert_x's at the last dispatch (expert_y's then)
 };
 }  // namespace
@@ -297,7 +297,8 @@ PooledAllToAll::PooledAllToAll(py::object a2a)
 
 void BindCompat(py::module_& m) {
   py::class_<PooledAllToAll, std::shared_ptr<PooledAllToAll>>(
-      m, "PooledAllToAll", "One AllToAll of a compatibility layer's pool, busy while a call holds it")
+      m, "PooledAllToAll",
+      "One AllToAll of a compatibility layer's pool, busy while a call holds it")
       .def(py::init<py::object>(), py::arg("a2a"))
       .def_readonly("a2a", &PooledAllToAll::a2a)
       .def_readwrite("busy", &PooledAllToAll::busy)
@@ -321,11 +322,10 @@ void BindCompat(py::module_& m) {
            py::arg("do_send") = true, py::arg("do_recv") = true, py::arg("accumulate") = false,
            "Each token's weighted sum of its experts' rows of expert_y into out_tokens (added "
            "to it with accumulate)")
-      .def("dispatch_unweighted", &PyPplx::DispatchUnweighted,
-           py::arg("out_expert_num_tokens"), py::arg("out_expert_x"),
-           py::arg("out_expert_x_scale"), py::arg("dp_x"), py::arg("dp_x_scale"),
-           py::arg("indices"), py::arg("bound_m") = py::none(), py::arg("do_send") = true,
-           py::arg("do_recv") = true,
+      .def("dispatch_unweighted", &PyPplx::DispatchUnweighted, py::arg("out_expert_num_tokens"),
+           py::arg("out_expert_x"), py::arg("out_expert_x_scale"), py::arg("dp_x"),
+           py::arg("dp_x_scale"), py::arg("indices"), py::arg("bound_m") = py::none(),
+           py::arg("do_send") = true, py::arg("do_recv") = true,
            "dispatch without weights (pplx-kernels' signature): the combine takes them")
       .def("use_ones", &PyPplx::UseOnes, py::arg("ones"),
            "The float32 [max_tokens, k] tensor a dispatch given no weights reads in their place")

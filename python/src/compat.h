@@ -22,6 +22,7 @@ struct Torch {
   PyObject* int32;
   PyObject* int64;
   PyObject* uint32;  // null before torch 2.3
+  PyObject* uint8;
   py::handle tensor_type;
   py::handle current_stream;  // (ordinal) -> the current cudaStream_t as an int
   py::handle empty_like;      // torch.empty_like
@@ -34,8 +35,7 @@ struct Torch {
       };
       Torch t{
           dtype("bfloat16"), dtype("float16"), dtype("float32"), dtype("int32"), dtype("int64"),
-          dtype("uint32"),
-          py::object(torch.attr("Tensor")).release(),
+          dtype("uint32"), dtype("uint8"), py::object(torch.attr("Tensor")).release(),
           // torch's raw accessor where it has one (what compilers built on torch call),
           // else ferry's Python one over torch.cuda.current_stream.
           py::object(py::hasattr(torch.attr("_C"), "_cuda_getCurrentRawStream")

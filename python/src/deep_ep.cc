@@ -1,18 +1,20 @@
 // ferry.deep_ep.Buffer's low-latency calls, as the Buffer's own methods in C++: Buffer
 // (python/ferry/compat/deep_ep/_buffer.py) subclasses DeepEpLowLatency, whose
-// low_latency_dispatch and low_latency_combine check every argument here -- the one place they
-// are checked -- and run the common path (bf16 or e4m3 dispatch with amax or power-of-two
-// scales, with or without the receive hook, zero-copy or not, into out= or not, with or without
-// the wait-cost statistics and the expert counters) in one C++ call. A checked call this path
-// does not run (async_finish, UE8M0 scales, an AllToAll whose steps are on another stream than
-// the caller's) goes, as it came, to the Buffer's Python method of the same name with a leading
-// underscore, which runs it without checking again. A shape's first call asks the Buffer's
-// _ll_shape for its AllToAll and output sets, then runs here.
+// low_latency_dispatch and low_latency_combine are written here once: every argument checked
+// (InvalidArgument naming it; TypeError, as Python's, for a call that does not match DeepEP's
+// signature), then the call run in one C++ call in every form DeepEP has -- bf16 or e4m3 with
+// amax, power-of-two or UE8M0 scales, with or without the receive hook, async_finish or not,
+// zero-copy or not, into out= or not, with or without the wait-cost statistics and the expert
+// counters. What stays Python is asked for by name where it is needed: a shape's AllToAll and
+// output sets (the Buffer's _ll_shape, at its first call), and for async_finish calls the
+// communication stream (_stream_for), torch's stream context on it (_on_comm) and the event
+// (_end).
 //
 // The two methods are METH_FASTCALL methods of the type, not pybind11 functions: DeepEP's
 // calls pass up to eleven arguments, mostly by keyword, and pybind11's matching of them (with
 // the Python frame of a method that forwarded to it) cost microseconds a call.
 #include <array>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -23,6 +25,7 @@
 #include "all_to_all.h"
 #include "binding.h"
 #include "compat.h"
+#include "fast_call.h"
 
 namespace ferry::python {
 namespace {
@@ -43,57 +46,15 @@ struct DeepEpHandle {
 
 // Names looked up on Python objects, made once.
 struct Names {
-  PyObject* const dispatch = PyUnicode_InternFromString("_low_latency_dispatch");
-  PyObject* const combine = PyUnicode_InternFromString("_low_latency_combine");
   PyObject* const shape = PyUnicode_InternFromString("_ll_shape");
+  PyObject* const stream_for = PyUnicode_InternFromString("_stream_for");
+  PyObject* const on_comm = PyUnicode_InternFromString("_on_comm");
+  PyObject* const end = PyUnicode_InternFromString("_end");
   static const Names& Get() {
     static const Names n;
     return n;
   }
 };
-
-// A vectorcall's arguments matched to `names` (positional first, then by keyword) into `out`
-// (null: not given), or false where they do not match as Python's would (too many, an unknown
-// or repeated name, one of the first `required` missing).
-template <size_t N>
-bool Match(const std::array<const char*, N>& names, size_t required, PyObject* const* args,
-           Py_ssize_t nargs, PyObject* kwnames, std::array<PyObject*, N>& out) {
-  out.fill(nullptr);
-  if (nargs < 0 || static_cast<size_t>(nargs) > N) return false;
-  for (Py_ssize_t i = 0; i < nargs; ++i) out[i] = args[i];
-  const Py_ssize_t keywords = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
-  for (Py_ssize_t j = 0; j < keywords; ++j) {
-    PyObject* name = PyTuple_GET_ITEM(kwnames, j);
-    size_t i = 0;
-    while (i < N && PyUnicode_CompareWithASCIIString(name, names[i]) != 0) ++i;
-    if (i == N || out[i]) return false;
-    out[i] = args[nargs + j];
-  }
-  for (size_t i = 0; i < required; ++i) {
-    if (!out[i]) return false;
-  }
-  return true;
-}
-
-// An argument's truth (`otherwise` where not given); what asking raised, raised.
-bool Flag(PyObject* o, bool otherwise) {
-  if (!o) return otherwise;
-  const int truth = PyObject_IsTrue(o);
-  if (truth < 0) throw py::error_already_set();
-  return truth != 0;
-}
-// An argument that must be a Python int.
-int64_t Int(const char* name, PyObject* o) {
-  if (!PyLong_Check(o)) Invalid(std::string(name) + ": an int, got " + Str(py::type::of(o).attr("__name__")));
-  int overflow = 0;
-  const long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
-  if (overflow || (v == -1 && PyErr_Occurred())) {
-    PyErr_Clear();
-    Invalid(std::string(name) + ": out of range");
-  }
-  return v;
-}
-bool IsNone(PyObject* o) { return !o || o == Py_None; }
 
 class PyDeepEpLowLatency {
  public:
@@ -106,7 +67,7 @@ class PyDeepEpLowLatency {
   // A low-latency AllToAll of one shape (its pool entry) with its output sets (`sets`, the
   // list of two (recv_x, recv_count, scales, packed) tuples the calls take in turn) and the
   // dispatch's unused weights (`ones`: float32 [m, k]).
-  void Add(int device, int64_t m, int64_t hidden, int64_t experts, int64_t k, bool fp8,
+  void Add(int device, int64_t m, int64_t hidden, int64_t experts, int64_t k, bool fp8, bool ue8m0,
            std::shared_ptr<PooledAllToAll> pooled, py::list sets, py::object ones) {
     if (py::len(sets) != 2) Invalid("sets: two output sets");
     auto e = std::make_shared<Entry>(Entry{.device = device,
@@ -115,6 +76,7 @@ class PyDeepEpLowLatency {
                                            .experts = experts,
                                            .k = k,
                                            .fp8 = fp8,
+                                           .ue8m0 = ue8m0,
                                            .pooled = std::move(pooled),
                                            .sets = std::move(sets),
                                            .ones = TorchArray(ones)});
@@ -124,6 +86,7 @@ class PyDeepEpLowLatency {
   // The Buffer destroyed: every later call is refused.
   void Close() {
     entries_.clear();
+    templates_.clear();
     closed_ = true;
   }
 
@@ -161,8 +124,10 @@ class PyDeepEpLowLatency {
               std::to_string(tokens));
     }
     if (tokens > m) {
-      Invalid("x: " + std::to_string(tokens) + " tokens, more than "
-              "num_max_dispatch_tokens_per_rank " + std::to_string(m));
+      Invalid("x: " + std::to_string(tokens) +
+              " tokens, more than "
+              "num_max_dispatch_tokens_per_rank " +
+              std::to_string(m));
     }
     if (experts <= 0 || experts % world_) {
       Invalid("num_experts " + std::to_string(experts) + ": not a positive multiple of " +
@@ -182,59 +147,108 @@ class PyDeepEpLowLatency {
     // are added to them after it.
     py::object counters = py::none();
     if (!IsNone(a[4])) {
-      const Array ca = TensorArg("cumulative_local_expert_recv_stats", a[4], torch_.int32, 1, device);
+      const Array ca =
+          TensorArg("cumulative_local_expert_recv_stats", a[4], torch_.int32, 1, device);
       if (ca.shape[0] != experts / world_) {
         Invalid("cumulative_local_expert_recv_stats: " + std::to_string(experts / world_) +
                 " entries");
       }
       counters = py::reinterpret_borrow<py::object>(a[4]);
     }
-    if (ue8m0 || async) return {};  // the Python path's
-    const std::optional<void*> stream = CurrentStream(device);
     auto idle = [&](const Entry& c) {
       return c.device == device && c.m == m && c.hidden == hidden && c.experts == experts &&
-             c.k == k && c.fp8 == fp8 && !c.pooled->busy;
+             c.k == k && c.fp8 == fp8 && c.ue8m0 == ue8m0 && !c.pooled->busy;
     };
     std::shared_ptr<Entry> e = Find(idle);
     if (!e) {  // the shape's first call, or every AllToAll of it held: one more, made there
-      py::handle(self).attr(Names::Get().shape)(py::handle(a[0]), m, experts, k, fp8);
+      py::handle(self).attr(Names::Get().shape)(py::handle(a[0]), m, experts, k, fp8, ue8m0);
       if (!(e = Find(idle))) Invalid("low_latency_dispatch: the Buffer made no AllToAll");
     }
-    // e4m3's scales are copied into DeepEP's layout, and the counters added to, after the
-    // receive: here only where that work may go on the caller's stream.
-    if ((fp8 || !counters.is_none()) && !e->pooled->raw->RunsOn(stream)) return {};
     PyAllToAll* const a2a = e->pooled->raw;
+    const std::optional<void*> stream = CurrentStream(device);
+    // async_finish: the AllToAll's steps go on the communication stream from its first such
+    // call on, so that its transfers overlap the caller's work -- unless an earlier call gave
+    // it the caller's stream (DeepEP launches a hook's send half on the caller's stream).
+    if (async && device >= 0 && !e->pooled->streamed) {
+      if (a2a->stream().is_none()) py::handle(self).attr(Names::Get().stream_for)(e->pooled);
+      e->pooled->streamed = true;
+    }
     const py::tuple set = e->Next();
     const OutputArrays out = e->Arrays(set);
+    const int64_t local = experts / world_, rows = world_ * m;
     // The receive half.
     const double timeout = timeout_;
-    auto recv = [e, a2a, out, timeout, cost] {
-      a2a->DispatchRecvArrays(out.recv_x, out.recv_count, out.scales ? &*out.scales : nullptr,
-                              {}, timeout, 0, cost ? &*cost : nullptr);
+    auto recv = [a2a, out, timeout, cost] {
+      a2a->DispatchRecvArrays(out.recv_x, out.recv_count, out.scales ? &*out.scales : nullptr, {},
+                              timeout, 0, cost ? &*cost : nullptr);
     };
-    // After the receive: e4m3's scales into DeepEP's layout and the counts onto the caller's
-    // counters, on the stream current when it runs: a hook may be called on another than the
-    // dispatch's, whose stream (the AllToAll's) the receive went on; that stream then waits for
-    // this work, and the work for the receive, as one stream would order them.
-    auto after = [e, a2a, set, fp8, counters, stream, device] {
-      if (!fp8 && counters.is_none()) return;
+    // After the receive: e4m3's scales into DeepEP's layout (UE8M0: each scale's exponent
+    // byte, four groups per int32) and the counts onto the caller's counters.
+    const bool after_work = fp8 || !counters.is_none();
+    const Torch* const torch = &torch_;
+    auto work = [set, fp8, ue8m0, counters, local, rows, hidden, torch] {
+      if (fp8 && ue8m0) {
+        const py::object exponents = set[2]
+                                         .attr("view")(py::handle(torch->int32))
+                                         .attr("__rshift__")(23)
+                                         .attr("to")(py::handle(torch->uint8))
+                                         .attr("view")(local, rows, hidden / 128)
+                                         .attr("contiguous")()
+                                         .attr("view")(py::handle(torch->int32));
+        set[3].attr("copy_")(exponents);
+      } else if (fp8) {
+        set[3].attr("copy_")(set[2]);
+      }
+      if (!counters.is_none()) counters.attr("add_")(set[1]);
+    };
+    // Where the caller waits: the work on the stream current when it runs; a hook may be called
+    // on another than the dispatch's, whose stream the receive went on: that stream then waits
+    // for this work, and the work for the receive, as one stream would order them.
+    auto after_waited = [a2a, work, stream, device] {
       const std::optional<void*> now = CurrentStream(device);
       const bool other = now && *now != *stream;
       if (other) a2a->Order(*now, false);
-      if (fp8) set[3].attr("copy_")(set[2]);
-      if (!counters.is_none()) counters.attr("add_")(set[1]);
+      work();
       if (other) a2a->Order(*now, true);
     };
+    // async_finish: the work on the AllToAll's stream, in torch's context for it.
+    const py::object buffer = py::reinterpret_borrow<py::object>(self);
+    const py::object current = stream ? py::object(py::int_(reinterpret_cast<uintptr_t>(*stream)))
+                                      : py::object(py::none());
+    const py::object x_device = py::handle(a[0]).attr("device");
+    auto after_async = [buffer, work, a2a_object = e->pooled->a2a, current, x_device] {
+      const py::object context = buffer.attr(Names::Get().on_comm)(a2a_object, current, x_device);
+      context.attr("__enter__")();
+      try {
+        work();
+      } catch (...) {
+        context.attr("__exit__")(py::none(), py::none(), py::none());
+        throw;
+      }
+      context.attr("__exit__")(py::none(), py::none(), py::none());
+    };
+    // async_finish's event (with the tensors that must live until it fires).
+    const py::tuple sent = py::make_tuple(py::handle(a[0]), py::handle(a[1]));
+    auto event = [&] {
+      if (!async) return done_;
+      py::dict kwargs;
+      kwargs["waited"] = false;
+      kwargs["device"] = x_device;
+      return py::object(buffer.attr(Names::Get().end)(e->pooled->a2a, current, true, sent,
+                                                      py::tuple(), **kwargs));
+    };
     e->pooled->busy = true;
+    py::object finished;
     try {
-      a2a->Ordered(stream, true, true, true, [&] {
+      a2a->Ordered(stream, true, !async, true, [&] {
         a2a->DispatchSendArrays(xa, ia, *e->ones, nullptr, static_cast<int>(tokens), nullptr,
                                 round_scale ? Fp8Scaling::kPowerOfTwo : Fp8Scaling::kAmax);
         if (!hook) recv();
       });
-      if (!hook) after();
+      if (!hook && after_work) async ? after_async() : after_waited();
+      finished = event();
     } catch (...) {
-      e->pooled->busy = false;  // a failed call frees its AllToAll, as Python's does
+      e->pooled->busy = false;  // a failed call frees its AllToAll (which reports the failure)
       throw;
     }
     auto handle = std::make_shared<DeepEpHandle>(
@@ -253,24 +267,31 @@ class PyDeepEpLowLatency {
     py::object recv_hook = py::none();
     if (hook) {
       // The receive ordered before the caller's stream only: after it, it would wait for what
-      // the caller overlapped with the transfer. A failure frees the handle (the AllToAll
-      // reports it to the next call), as Python's hook does.
-      recv_hook = py::cpp_function([a2a, stream, recv, after, handle]() {
-        try {
-          a2a->Ordered(stream, false, true, false, recv);
-          after();
-        } catch (...) {
-          Release(*handle);
-          throw;
-        }
-      });
+      // the caller overlapped with the transfer. The caller's stream then waits for it and the
+      // work after it. A failure frees the handle (the AllToAll reports it to the next call).
+      recv_hook = py::cpp_function(
+          [a2a, stream, recv, after_work, async, after_waited, after_async, handle, device] {
+            try {
+              if (!async || !after_work) {
+                a2a->Ordered(stream, false, true, false, recv);
+                if (after_work) after_waited();
+              } else {
+                a2a->Ordered(stream, false, false, false, recv);
+                after_async();
+                if (const std::optional<void*> now = CurrentStream(device)) a2a->Order(*now, false);
+              }
+            } catch (...) {
+              Release(*handle);
+              throw;
+            }
+          });
     }
-    return py::make_tuple(out_x, set[1], py::cast(handle), done_, recv_hook);
+    return py::make_tuple(out_x, set[1], py::cast(handle), finished, recv_hook);
   }
 
   // low_latency_combine's arguments checked; its result, or a null object where the Buffer's
   // Python method runs the (checked) call.
-  py::object Combine(PyObject* /*self*/, const std::array<PyObject*, kCombineArgs.size()>& a) {
+  py::object Combine(PyObject* self, const std::array<PyObject*, kCombineArgs.size()>& a) {
     if (closed_) Invalid("low_latency_combine: the Buffer was destroyed");
     if (Flag(a[4], false)) {
       ThrowIfError(UnimplementedError("use_logfmt=True: LogFMT-encoded combine is not supported"));
@@ -312,16 +333,14 @@ class PyDeepEpLowLatency {
         Invalid("out: shape " + Shape(given->shape) + ", expected " + Shape(rows));
       }
     }
-    if (async) return {};  // the Python path's
-    std::shared_ptr<Entry> e = Find([&](const Entry& c) { return c.pooled == h->pooled; });
-    if (!e) return {};  // an AllToAll only the Python path has run (UE8M0 dispatches)
-    PyAllToAll* const a2a = e->pooled->raw;
+    PyAllToAll* const a2a = h->pooled->raw;
+    // The AllToAll's steps go where its dispatch's went (the pool keeps each on one stream).
     py::object result;
     std::optional<Array> oa = std::move(given);
     if (oa) {
       result = py::reinterpret_borrow<py::object>(a[8]);
     } else {
-      result = torch_.empty_like(e->OutputTemplate(x.ptr(), h->tokens));
+      result = torch_.empty_like(OutputTemplate(x.ptr(), h->tokens, h->hidden, m));
       // Made as x is (bf16, contiguous, on x's device): x's description with the new tensor's
       // address and shape, one attribute call rather than TorchArray's eight.
       static PyObject* const data_ptr = PyUnicode_InternFromString("data_ptr");
@@ -340,20 +359,34 @@ class PyDeepEpLowLatency {
     auto recv = [a2a, out = *oa, w = wa, timeout, cost] {
       a2a->CombineRecvArrays(out, false, timeout, &w, cost ? &*cost : nullptr);
     };
+    // async_finish's event (with the tensors that must live until it fires).
+    auto event = [&](py::tuple inputs, py::tuple outputs) {
+      if (!async) return done_;
+      py::dict kwargs;
+      kwargs["waited"] = false;
+      kwargs["device"] = x.attr("device");
+      const py::object current = stream ? py::object(py::int_(reinterpret_cast<uintptr_t>(*stream)))
+                                        : py::object(py::none());
+      return py::object(py::handle(self).attr(Names::Get().end)(h->pooled->a2a, current, true,
+                                                                inputs, outputs, **kwargs));
+    };
+    py::object finished;
     try {
-      a2a->Ordered(stream, true, true, false, [&] {
+      a2a->Ordered(stream, true, !async, false, [&] {
         a2a->CombineSendArray(xa, std::nullopt);
         if (!hook) recv();
       });
+      finished = hook ? event(py::make_tuple(x), py::tuple())
+                      : event(py::make_tuple(x, py::handle(a[2])), py::make_tuple(result));
     } catch (...) {
       Release(*h);
       throw;
     }
     if (!hook) {
       Release(*h);
-      return py::make_tuple(result, done_, py::none());
+      return py::make_tuple(result, finished, py::none());
     }
-    return py::make_tuple(result, done_, py::cpp_function([a2a, stream, recv, h] {
+    return py::make_tuple(result, finished, py::cpp_function([a2a, stream, recv, h] {
                             try {
                               a2a->Ordered(stream, false, true, false, recv);
                             } catch (...) {
@@ -389,30 +422,13 @@ class PyDeepEpLowLatency {
   struct Entry {
     int device;
     int64_t m, hidden, experts, k;
-    bool fp8;
+    bool fp8, ue8m0;
     std::shared_ptr<PooledAllToAll> pooled;
     py::list sets;
     std::optional<Array> ones;
     // Each output set read once (its tensors never change): keyed by the set's tuple.
     std::vector<std::pair<py::object, OutputArrays>> arrays;
-    // Per token count, one bf16 element of x's device expanded to [tokens, hidden]: what
-    // torch.empty_like makes a combine's output from. It takes a third less than x.new_empty
-    // of the shape (1.96 against 2.93 us on an H200 host, 2026-12-04): one tensor argument to
-    // parse, not a shape. Expanded, it holds 2 bytes, and empty_like lays out a tensor that is
-    // not dense contiguously.
-    // Indexed by the token count (at most m), made at a count's first combine.
-    std::vector<py::object> out_templates;
-
-    py::handle OutputTemplate(PyObject* x, int64_t tokens) {
-      if (out_templates.empty()) out_templates.resize(size_t(m) + 1);
-      py::object& o = out_templates[size_t(tokens)];
-      if (!o) {
-        o = py::handle(x).attr("new_empty")(py::make_tuple(1, 1)).attr("expand")(tokens, hidden);
-      }
-      return o;
-    }
-
-    // The older of the two sets, moved to the list's end as Python's _ll_outputs takes it.
+    // The older of the two sets, moved to the list's end: each set serves every second call.
     py::tuple Next() {
       PyObject* list = sets.ptr();
       PyObject* older = PyList_GET_ITEM(list, 0);
@@ -436,6 +452,22 @@ class PyDeepEpLowLatency {
     }
   };
 
+  // Per (device, hidden) and token count, one bf16 element of x's device expanded to [tokens,
+  // hidden]: what torch.empty_like makes a combine's output from. It takes a third less than
+  // x.new_empty of the shape (1.96 against 2.93 us on an H200 host, 2026-12-04): one tensor
+  // argument to parse, not a shape. Expanded, it holds 2 bytes, and empty_like lays out a tensor
+  // that is not dense contiguously. Made at a count's first combine.
+  py::handle OutputTemplate(PyObject* x, int64_t tokens, int64_t hidden, int64_t m) {
+    const int device = TorchArray(x)->device;
+    std::vector<py::object>& by_tokens = templates_[{device, hidden}];
+    if (by_tokens.size() < size_t(m) + 1) by_tokens.resize(size_t(m) + 1);
+    py::object& o = by_tokens[size_t(tokens)];
+    if (!o) {
+      o = py::handle(x).attr("new_empty")(py::make_tuple(1, 1)).attr("expand")(tokens, hidden);
+    }
+    return o;
+  }
+
   template <typename Match>
   std::shared_ptr<Entry> Find(Match match) {
     for (const std::shared_ptr<Entry>& e : entries_) {
@@ -451,60 +483,26 @@ class PyDeepEpLowLatency {
   const Torch& torch_;
   // Shared with the hooks a call returns: a hook outlives the call, and Add may move entries.
   std::vector<std::shared_ptr<Entry>> entries_;
+  std::map<std::pair<int, int64_t>, std::vector<py::object>> templates_;
 };
 
-// Runs `call` as a CPython method body: its result (new reference), or null with the Python
-// error set from what it threw.
-template <typename Call>
-PyObject* AsMethod(Call call) {
-  try {
-    return call();
-  } catch (py::error_already_set& e) {
-    e.restore();
-  } catch (const py::builtin_exception& e) {
-    e.set_error();
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-  }
-  return nullptr;
-}
-
-// The method `name` of `self` (the Buffer's Python path) called with a vectorcall's arguments.
-PyObject* CallPython(PyObject* self, PyObject* name, PyObject* const* args, Py_ssize_t nargs,
-                     PyObject* kwnames) {
-  const Py_ssize_t keywords = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
-  std::vector<PyObject*> stack(1 + nargs + keywords);
-  stack[0] = self;
-  std::copy(args, args + nargs + keywords, stack.begin() + 1);
-  return PyObject_VectorcallMethod(name, stack.data(), static_cast<size_t>(1 + nargs), kwnames);
-}
-
 // A low-latency call as a METH_FASTCALL method of the layer: its arguments matched to `kNames`
-// (the first four required) and run by `Call`, or handed as they came to the Buffer's Python
-// method `kFallback` where they do not match or `Call` does not take them.
-template <const auto& kNames, auto Call, PyObject* const Names::*kFallback>
+// (the first four required) and run by `Call`.
+template <const char* kCall, const auto& kNames, auto Call>
 PyObject* FastMethod(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
   return AsMethod([&]() -> PyObject* {
     auto& layer = py::cast<PyDeepEpLowLatency&>(py::handle(self));
     std::array<PyObject*, std::tuple_size_v<std::remove_cvref_t<decltype(kNames)>>> a;
-    if (Match(kNames, 4, args, nargs, kwnames, a)) {
-      if (py::object done = (layer.*Call)(self, a)) return done.release().ptr();
-    }
-    return CallPython(self, Names::Get().*kFallback, args, nargs, kwnames);
+    Match(kCall, kNames, 4, args, nargs, kwnames, a);
+    return (layer.*Call)(self, a).release().ptr();
   });
 }
+constexpr char kDispatchName[] = "Buffer.low_latency_dispatch";
+constexpr char kCombineName[] = "Buffer.low_latency_combine";
 constexpr auto LowLatencyDispatch =
-    &FastMethod<PyDeepEpLowLatency::kDispatchArgs, &PyDeepEpLowLatency::Dispatch, &Names::dispatch>;
+    &FastMethod<kDispatchName, PyDeepEpLowLatency::kDispatchArgs, &PyDeepEpLowLatency::Dispatch>;
 constexpr auto LowLatencyCombine =
-    &FastMethod<PyDeepEpLowLatency::kCombineArgs, &PyDeepEpLowLatency::Combine, &Names::combine>;
-
-// `function` as the METH_FASTCALL method `def->ml_name` of the bound class `cls`.
-void AddFastMethod(py::handle cls, PyMethodDef* def) {
-  py::object method = py::reinterpret_steal<py::object>(
-      PyDescr_NewMethod(reinterpret_cast<PyTypeObject*>(cls.ptr()), def));
-  if (!method) throw py::error_already_set();
-  cls.attr(def->ml_name) = method;
-}
+    &FastMethod<kCombineName, PyDeepEpLowLatency::kCombineArgs, &PyDeepEpLowLatency::Combine>;
 
 // The methods' text signatures (what inspect.signature and help() show) lead their docs.
 PyMethodDef dispatch_def{
@@ -574,8 +572,8 @@ void BindDeepEp(py::module_& m) {
       .def(py::init<int, double, py::object>(), py::arg("world"), py::arg("timeout"),
            py::arg("done"))
       .def("_add_shape", &PyDeepEpLowLatency::Add, py::arg("device"), py::arg("m"),
-           py::arg("hidden"), py::arg("experts"), py::arg("k"), py::arg("fp8"), py::arg("pooled"),
-           py::arg("sets"), py::arg("ones"),
+           py::arg("hidden"), py::arg("experts"), py::arg("k"), py::arg("fp8"), py::arg("ue8m0"),
+           py::arg("pooled"), py::arg("sets"), py::arg("ones"),
            "A shape's AllToAll and its two output sets, for the C++ path to take calls on")
       .def("_close_shapes", &PyDeepEpLowLatency::Close,
            "The Buffer destroyed: every later low-latency call is refused");

@@ -95,8 +95,10 @@ class NodeOnceDevice final : public MoeDevice {
   // The shell's checks hold for the rail's inputs (the caller's); the rail quantises bf16 rows
   // and, on the CUDA device, reads a device token count.
   DeviceCaps caps() const override {
-    return on_gpu() ? DeviceCaps{.streams = true, .device_token_count = true, .bf16_to_device = true}
-                    : DeviceCaps{.host_inputs = true, .bf16_to_device = true};
+    if (on_gpu()) {
+      return DeviceCaps{.streams = true, .device_token_count = true, .bf16_to_device = true};
+    }
+    return DeviceCaps{.host_inputs = true, .bf16_to_device = true};
   }
 
   // Across nodes: each token once to each node holding any of its experts, on our rail. (The

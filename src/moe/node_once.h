@@ -54,7 +54,9 @@ NodeOnceConfigs NodeOnceConfigsOf(const AllToAllConfig& c);
 // per received token) and the rail's wait costs (one per node).
 struct MiddleBytes {
   int64_t x, scales, counts, num_rows, experts, weights, out, rail_cost;
-  int64_t total() const { return x + scales + counts + num_rows + experts + weights + out + rail_cost; }
+  int64_t total() const {
+    return x + scales + counts + num_rows + experts + weights + out + rail_cost;
+  }
 };
 MiddleBytes MiddleBytesOf(const AllToAllConfig& c);
 

@@ -21,10 +21,9 @@ class Buffer(_LowLatency, _Normal, _Shrink, _Streams, _ferry.DeepEpLowLatency):
     engine: a ferry.TransferEngine to use (default: one from the FERRY_* environment, made when
     an AllToAll first needs one). ranks_per_node: the NVLink domain (default: ranks on one host).
 
-    low_latency_dispatch and low_latency_combine are the C++ base's (_ferry.DeepEpLowLatency):
-    it checks every argument, runs the common path itself (a shape's first call included: it asks
-    _ll_shape here for the AllToAll and output sets) and hands the checked async_finish and UE8M0
-    calls to _low_latency_dispatch / _low_latency_combine here.
+    low_latency_dispatch and low_latency_combine are the C++ base's (_ferry.DeepEpLowLatency),
+    written once there: every argument checked, every form run; it asks _ll_shape here for a
+    shape's AllToAll and output sets.
     """
 
     num_sms = 20
@@ -49,7 +48,7 @@ class Buffer(_LowLatency, _Normal, _Shrink, _Streams, _ferry.DeepEpLowLatency):
         self._timeout = env_timeout() if timeout is None else float(timeout)
         self._constants = {}   # (device, rows, columns, value, comm) -> _constant's tensor
         self._weights_scratch = {}  # weights AllToAll key -> its dispatch's unread outputs
-        self._outputs = {}     # (AllToAll, fp8 form) -> the low-latency outputs (_ll_outputs)
+        self._outputs = {}     # (AllToAll, fp8 form) -> the low-latency output sets (_ll_sets)
         self._combine_buffers = {}  # AllToAll -> get_next_low_latency_combine_buffer's tensor
         self._stream = None    # the communication stream (CUDA)
         self._streams = {}     # torch objects for other streams AllToAlls took (_stream_of)
