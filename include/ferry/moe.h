@@ -454,4 +454,8 @@ class FERRY_API AllToAll {
   virtual uint64_t combine_bytes_sent() const = 0;
 };
 
+// Whether this build of ferry has the CUDA device (MoeDeviceKind::kCuda; its kernels built for
+// sm_90). Without it a CUDA configuration's Create is Unimplemented.
+FERRY_API bool CudaDeviceBuilt();
+
 }  // namespace ferry

@@ -8,6 +8,8 @@
 namespace ferry::python {
 
 void BindMoe(py::module_& m) {
+  m.def("cuda_device_built", &CudaDeviceBuilt,
+        "Whether this build of ferry has the CUDA device (its kernels built for sm_90)");
   py::enum_<DispatchDtype>(m, "DispatchDtype")
       .value("BF16", DispatchDtype::kBf16)
       .value("FP8_E4M3", DispatchDtype::kFp8E4M3)

@@ -250,3 +250,7 @@ StatusOr<std::unique_ptr<MoeDevice>> CreateCudaDevice(const AllToAllConfig& conf
 }
 
 }  // namespace ferry::moe
+
+namespace ferry {
+bool CudaDeviceBuilt() { return true; }
+}  // namespace ferry

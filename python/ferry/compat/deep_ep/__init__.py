@@ -25,11 +25,21 @@ naming it (ferry.Error); a bad tensor raises InvalidArgument. Tuning knobs that 
 (`Config`, `num_sms`, `num_qps_per_rank`, `allocate_on_comm_stream`) are taken and kept.
 """
 
+import torch
+
 from .._group import shim_path as _shim_path
+from . import utils
 from ._buffer import Buffer
 from ._events import Config, EventHandle, EventOverlap
 
-__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "shim_path"]
+# The dtype DeepEP's callers convert topk_idx to (DeepEP's default build: 64-bit ids). ferry's
+# calls take int64 and int32 ids alike.
+topk_idx_t = torch.int64
+
+# The DeepEP API version this layer implements (V1, `deep_ep` 1.2.1's names and signatures).
+__version__ = "1.2.1"
+
+__all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t", "EventHandle", "shim_path", "utils"]
 
 
 def shim_path():

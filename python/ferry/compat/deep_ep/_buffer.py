@@ -1,10 +1,12 @@
 """DeepEP's Buffer: construction, its static helpers and its end; each mode's calls are in a
 file of their own (_low_latency.py, _normal.py, _shrink.py), what they share in _streams.py."""
 
+import torch
+
 from ... import _ferry
 from .._group import Group, env_timeout, refuse
 from ..._errors import InvalidArgument, Unimplemented
-from ._events import Config, _DONE, _round_up
+from ._events import Config, EventHandle, EventOverlap, _DONE, _round_up
 from ._low_latency import _LowLatency
 from ._normal import _Normal
 from ._shrink import _Shrink
@@ -30,11 +32,16 @@ class Buffer(_LowLatency, _Normal, _Shrink, _Streams, _ferry.DeepEpLowLatency):
 
     def __init__(self, group=None, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False,
                  num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False,
-                 explicitly_destroy=False, enable_shrink=False, *, engine=None,
-                 ranks_per_node=None, timeout=None):
+                 use_fabric=False, explicitly_destroy=False, enable_shrink=False, comm=None, *,
+                 engine=None, ranks_per_node=None, timeout=None):
         if num_nvl_bytes < 0 or num_rdma_bytes < 0:
             raise InvalidArgument("num_nvl_bytes and num_rdma_bytes: at least 0")
         refuse("allow_mnnvl", allow_mnnvl, False, "multi-node NVLink domains are not supported")
+        refuse("use_fabric", use_fabric, False,
+               "fabric memory handles (multi-node NVLink) are not supported")
+        if group is None and comm is not None:  # DeepEP's mpi4py communicator
+            group = _ferry.CallbackBootstrap(comm.Get_rank(), comm.Get_size(),
+                                             lambda data, timeout: comm.allgather(data))
         self._group = Group(group, engine, ranks_per_node)
         self.rank, self.group_size = self._group.rank, self._group.world_size
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
@@ -58,6 +65,29 @@ class Buffer(_LowLatency, _Normal, _Shrink, _Streams, _ferry.DeepEpLowLatency):
         self._destroyed = False
 
     # ---- DeepEP's static helpers ------------------------------------------------------------
+
+    @staticmethod
+    def is_sm90_compiled():
+        """Whether ferry's CUDA kernels are built (for sm_90): DeepEP's callers ask before they
+        take its SM90-only features (fp8, its low-latency kernels)."""
+        return _ferry.cuda_device_built()
+
+    @staticmethod
+    def capture():
+        """An EventOverlap of an event recorded on the current CUDA stream (none without
+        CUDA), as DeepEP's capture() makes for a call's previous_event."""
+        return EventOverlap(EventHandle())
+
+    def get_comm_stream(self):
+        """The Buffer's communication stream (torch.cuda.Stream): where normal-mode calls, and
+        low-latency calls with async_finish, enqueue their steps."""
+        self._check_open("get_comm_stream")
+        if not torch.cuda.is_available():
+            raise Unimplemented("get_comm_stream: no CUDA here (every call finished when it "
+                                "returned)")
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        return self._stream
 
     @staticmethod
     def set_num_sms(new_num_sms):
@@ -84,7 +114,7 @@ class Buffer(_LowLatency, _Normal, _Shrink, _Streams, _ferry.DeepEpLowLatency):
         combine = 2 * num_ranks * m * hidden * 2
         return _round_up(dispatch + combine + num_ranks * num_experts * 8, 128)
 
-    def get_local_buffer_tensor(self, *args, **kwargs):
+    def get_local_buffer_tensor(self, dtype, size=None, offset=0, use_rdma_buffer=False):
         raise Unimplemented("get_local_buffer_tensor: ferry's buffers are not one tensor")
 
     def destroy(self):

@@ -6,9 +6,9 @@ processes too): the engine runs on ferry with nothing in its code changed. What 
 refuses it refuses here, naming the argument.
 """
 
-from ferry.compat.deep_ep import Buffer, Config, EventOverlap
+from ferry.compat.deep_ep import Buffer, Config, EventOverlap, __version__, topk_idx_t  # noqa: F401
 
 from . import utils
 
-__all__ = ["Buffer", "Config", "EventOverlap", "utils"]
+__all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t", "utils"]
 FERRY_SHIM = True
