@@ -1,4 +1,5 @@
-"""DeepEP's Python API (deep_ep.Buffer, its V1 interface) over ferry's AllToAll.
+"""DeepEP's Python API (deep_ep.Buffer, its V1 interface; deep_ep.ElasticBuffer, V2's, for
+expert parallelism: see _elastic.py for what of it is built) over ferry's AllToAll.
 
 A DeepEP user changes `import deep_ep` to `from ferry.compat import deep_ep` (`ferry.deep_ep`
 is the same module), or changes no code and puts shim_path() on PYTHONPATH (a `deep_ep` package
@@ -30,6 +31,7 @@ import torch
 from .._group import shim_path as _shim_path
 from . import utils
 from ._buffer import Buffer
+from ._elastic import ElasticBuffer, EPHandle
 from ._events import Config, EventHandle, EventOverlap
 
 # The dtype DeepEP's callers convert topk_idx to (DeepEP's default build: 64-bit ids). ferry's
@@ -39,7 +41,8 @@ topk_idx_t = torch.int64
 # The DeepEP API version this layer implements (V1, `deep_ep` 1.2.1's names and signatures).
 __version__ = "1.2.1"
 
-__all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t", "EventHandle", "shim_path", "utils"]
+__all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t", "EventHandle", "ElasticBuffer",
+           "EPHandle", "shim_path", "utils"]
 
 
 def shim_path():

@@ -6,9 +6,13 @@ processes too): the engine runs on ferry with nothing in its code changed. What 
 refuses it refuses here, naming the argument.
 """
 
-from ferry.compat.deep_ep import Buffer, Config, EventOverlap, __version__, topk_idx_t  # noqa: F401
+from ferry.compat.deep_ep import (Buffer, Config, ElasticBuffer, EPHandle, EventOverlap,
+                                   topk_idx_t)
+from ferry.compat import deep_ep as _layer
+
+__version__ = _layer.__version__
 
 from . import utils
 
-__all__ = ["Buffer", "Config", "EventOverlap", "topk_idx_t", "utils"]
+__all__ = ["Buffer", "Config", "ElasticBuffer", "EPHandle", "EventOverlap", "topk_idx_t", "utils"]
 FERRY_SHIM = True

@@ -1,0 +1,300 @@
+"""DeepEP V2's ElasticBuffer (expert parallelism) over ferry's AllToAll: its non-expanding
+dispatch and its combine are the V1 Buffer's normal mode (a token-major AllToAll with both of
+ferry's options: each token once per rank holding any of its experts, its experts' outputs
+summed at that rank), which computes its own layout. What ferry cannot do yet is refused by
+name: the expanding layout (do_expand), TMA-aligned scale layouts, Engram, pipeline-parallel
+send/recv and all-gather reduce-scatter."""
+
+import torch
+
+from .. import _group
+from ..._errors import InvalidArgument, Unimplemented
+from ._buffer import Buffer
+from ._events import EventHandle, EventOverlap, _round_up
+
+# V2 sizes its buffers in multiples of 2 MiB.
+_ALIGNMENT = 2 << 20
+
+
+def _world_size(group):
+    """A torch.distributed group's size, or a ferry.Bootstrap's."""
+    return group.size() if callable(getattr(group, "size", None)) else group.world_size
+
+
+def _row_bytes(hidden):
+    """What a normal-mode token takes of the V1 Buffer's num_nvl_bytes per rank (its
+    _normal_capacity's row)."""
+    return hidden * 2 + hidden // 128 * 4 + 16
+
+
+class EPHandle:
+    """What ElasticBuffer.dispatch returns for its combine (and for a cached dispatch of the same
+    routing): the dispatch's settings, its received counts, and ferry's own handle."""
+
+    def __init__(self, do_expand, num_experts, expert_alignment, num_max_tokens_per_rank,
+                 num_sms, topk_idx, num_recv_tokens, num_recv_tokens_per_expert_list,
+                 psum_num_recv_tokens_per_expert, ferry_handle):
+        self.do_expand = do_expand
+        self.num_experts = num_experts
+        self.expert_alignment = expert_alignment
+        self.num_max_tokens_per_rank = num_max_tokens_per_rank
+        self.num_sms = num_sms
+        self.topk_idx = topk_idx
+        self.num_recv_tokens = num_recv_tokens
+        self.num_expanded_tokens = 0  # the expanding layout's: not built
+        self.num_recv_tokens_per_expert_list = num_recv_tokens_per_expert_list
+        self.psum_num_recv_tokens_per_expert = psum_num_recv_tokens_per_expert
+        self._ferry = ferry_handle
+
+
+class ElasticBuffer:
+    """DeepEP V2's ElasticBuffer for expert parallelism among the ranks of `group` (a
+    torch.distributed ProcessGroup or a ferry.Bootstrap). Sized from num_bytes, or from the MoE
+    settings (num_max_tokens_per_rank, hidden). Settings that change no result here --
+    allow_hybrid_mode, allow_multiple_reduction (the combine reduces once, at the origin, in
+    fp32), prefer_overlap_with_compute, sl_idx, num_allocated_qps, deterministic (ferry's
+    receive order is deterministic: senders in rank order, each sender's tokens in order) --
+    are kept. engine / ranks_per_node: as ferry.deep_ep.Buffer's."""
+
+    def __init__(self, group, num_bytes=None, num_cpu_bytes=0, num_max_tokens_per_rank=0,
+                 hidden=0, num_topk=0, use_fp8_dispatch=False, deterministic=False,
+                 allow_hybrid_mode=True, allow_multiple_reduction=True,
+                 prefer_overlap_with_compute=True, sl_idx=3, num_allocated_qps=0,
+                 num_cpu_timeout_secs=300, num_gpu_timeout_secs=100, explicitly_destroy=False,
+                 *, engine=None, ranks_per_node=None):
+        _group.refuse("num_cpu_bytes", num_cpu_bytes, 0,
+                      "CPU buffers (Engram storage) are not supported")
+        if num_bytes is None:
+            if num_max_tokens_per_rank <= 0 or hidden <= 0:
+                raise InvalidArgument("ElasticBuffer: num_bytes, or num_max_tokens_per_rank and "
+                                      "hidden (the MoE settings it is sized from)")
+            num_bytes = self.get_buffer_size_hint(group, num_max_tokens_per_rank, hidden,
+                                                  num_topk, use_fp8_dispatch)
+        if num_bytes <= 0 or num_bytes % _ALIGNMENT:
+            raise InvalidArgument(f"num_bytes {num_bytes}: a positive multiple of 2 MiB")
+        self._buffer = Buffer(group, num_nvl_bytes=num_bytes, explicitly_destroy=True,
+                              engine=engine, ranks_per_node=ranks_per_node,
+                              timeout=float(num_gpu_timeout_secs))
+        self.group = group
+        self.rank_idx, self.num_ranks = self._buffer.rank, self._buffer.group_size
+        self.num_bytes = num_bytes
+        self.num_max_tokens_per_rank = num_max_tokens_per_rank
+        self.deterministic = deterministic
+        self.allow_hybrid_mode = allow_hybrid_mode
+        self.allow_multiple_reduction = allow_multiple_reduction
+        self.prefer_overlap_with_compute = prefer_overlap_with_compute
+        self.num_allocated_qps = num_allocated_qps or 1
+        self.explicitly_destroy = explicitly_destroy
+        self.num_scaleout_ranks, self.num_scaleup_ranks = self.get_logical_domain_size()
+        self.scaleout_rank_idx = self.rank_idx // self.num_scaleup_ranks
+        self.scaleup_rank_idx = self.rank_idx % self.num_scaleup_ranks
+        self.num_rdma_ranks, self.num_nvlink_ranks = self.get_physical_domain_size()
+
+    # ---- sizes and domains ------------------------------------------------------------------
+
+    @staticmethod
+    def get_buffer_size_hint(group, num_max_tokens_per_rank, hidden, num_topk=0,
+                             use_fp8_dispatch=False, allow_hybrid_mode=True,
+                             allow_multiple_reduction=True):
+        """Bytes (a multiple of 2 MiB) that hold every rank's num_max_tokens_per_rank tokens of
+        `hidden` columns: what ferry's dispatch then takes per rank."""
+        if num_max_tokens_per_rank <= 0 or hidden <= 0:
+            raise InvalidArgument("get_buffer_size_hint: num_max_tokens_per_rank and hidden, at "
+                                  "least 1")
+        raw = _world_size(group) * num_max_tokens_per_rank * _row_bytes(hidden)
+        return _round_up(raw, _ALIGNMENT)
+
+    def get_physical_domain_size(self):
+        """(ranks on other hosts' NICs: the number of nodes, ranks of one NVLink domain)."""
+        per_node = self._buffer._group.ranks_per_node()
+        return self.num_ranks // per_node, per_node
+
+    def get_logical_domain_size(self):
+        return self.get_physical_domain_size()
+
+    def get_theoretical_num_sms(self, num_experts, num_topk, num_scaleout_topk=0, rdma_gbs=0,
+                                nvlink_gbs=0, sm_read_gbs=200, sm_write_gbs=50):
+        """ferry's answer: its kernels size their own grids (a dispatch's send kernel takes
+        what is resident at once), so the SMs a step may use are the device's; num_sms given to
+        dispatch and combine is kept, not used. 1 on the CPU."""
+        if not torch.cuda.is_available():
+            return 1
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+    def get_theoretical_num_qps(self, num_sms):
+        """ferry's answer: each peer is reached through the engine's one connection per NIC,
+        whatever the SM count, so 1."""
+        return 1
+
+    # ---- events, streams, barrier, end ------------------------------------------------------
+
+    @staticmethod
+    def capture():
+        """An EventHandle recorded on the current CUDA stream (none without CUDA)."""
+        return EventHandle()
+
+    def get_comm_stream(self):
+        return self._buffer.get_comm_stream()
+
+    def barrier(self, use_comm_stream=True, with_cpu_sync=False, sequential=True):
+        """Every rank reaches it before any leaves (through the group's bootstrap); with
+        with_cpu_sync the device is synchronised before and after."""
+        if with_cpu_sync and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self._buffer._group.bootstrap.barrier(float(self._buffer._timeout))
+        if with_cpu_sync and torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def destroy(self):
+        if not self.explicitly_destroy:
+            raise InvalidArgument("destroy: the ElasticBuffer was made with "
+                                  "explicitly_destroy=False")
+        self._buffer.destroy()
+
+    def __del__(self):
+        try:
+            if not self.explicitly_destroy and not self._buffer._destroyed:
+                self._buffer.destroy()
+        except Exception:  # noqa: BLE001 -- interpreter shutdown
+            pass
+
+    # ---- expert parallelism -----------------------------------------------------------------
+
+    def dispatch(self, x, topk_idx=None, topk_weights=None,
+                 cumulative_local_expert_recv_stats=None, num_experts=None,
+                 num_max_tokens_per_rank=None, expert_alignment=None, num_sms=0, num_qps=0,
+                 previous_event=None, previous_event_before_epilogue=None,
+                 async_with_compute_stream=False, allocate_on_comm_stream=False, handle=None,
+                 do_handle_copy=True, do_cpu_sync=None, do_expand=False, do_zero_padding=False,
+                 use_tma_aligned_col_major_sf=False):
+        """(recv_x, recv_topk_idx, recv_topk_weights, handle, event): each token once on every
+        rank that holds any of its experts, its ids there local to the rank (-1: another
+        rank's) with their weights. do_cpu_sync (default: unless `handle`): the rows are
+        exactly those received; without it, num_max_tokens_per_rank x ranks rows, those past the
+        received ones with ids -1 and weights 0 (no host wait). A cached dispatch (`handle`)
+        routes as the handle's did, so its rows are the handle's received ones."""
+        _group.refuse("do_expand", do_expand, False, "the expanding layout is not supported yet")
+        _group.refuse("do_zero_padding", do_zero_padding, False,
+                      "the expanding layout is not supported yet")
+        _group.refuse("use_tma_aligned_col_major_sf", use_tma_aligned_col_major_sf, False,
+                      "TMA-aligned scale layouts are not supported")
+        buf = self._buffer
+        cached = None
+        if handle is not None:
+            if not isinstance(handle, EPHandle):
+                raise InvalidArgument("dispatch: handle is not one this ElasticBuffer returned")
+            if topk_idx is not None:
+                raise InvalidArgument("dispatch: a cached dispatch (handle) takes no topk_idx")
+            if do_cpu_sync:
+                raise InvalidArgument("dispatch: a cached dispatch cannot sync with the CPU")
+            cached = handle
+            topk_idx = handle.topk_idx
+            num_experts = handle.num_experts if num_experts is None else num_experts
+            expert_alignment = (handle.expert_alignment if expert_alignment is None
+                                else expert_alignment)
+            do_cpu_sync = False
+        if topk_idx is None:
+            raise InvalidArgument("dispatch: topk_idx (or a cached handle)")
+        if num_experts is None:
+            raise InvalidArgument("dispatch: num_experts (or a cached handle)")
+        expert_alignment = 1 if expert_alignment is None else expert_alignment
+        do_cpu_sync = True if do_cpu_sync is None else do_cpu_sync
+        m = num_max_tokens_per_rank or self.num_max_tokens_per_rank
+        if cached is not None and m != cached.num_max_tokens_per_rank:
+            raise InvalidArgument(f"num_max_tokens_per_rank {m}: the handle's dispatch had "
+                                  f"{cached.num_max_tokens_per_rank}")
+        rows_x = x[0] if isinstance(x, tuple) else x
+        if m <= 0:
+            raise InvalidArgument("num_max_tokens_per_rank: given neither here nor at "
+                                  "construction")
+        if rows_x.shape[0] > m:
+            raise InvalidArgument(f"x: {rows_x.shape[0]} tokens, more than "
+                                  f"num_max_tokens_per_rank {m}")
+        if previous_event_before_epilogue is not None:  # ferry has no separate epilogue
+            previous_event = previous_event or previous_event_before_epilogue
+        previous = EventOverlap(previous_event) if previous_event is not None else None
+        # Rows without a host wait: a cached dispatch's routing is its handle's, so are its
+        # received rows; otherwise every rank's most.
+        worst = 0
+        if not do_cpu_sync:
+            worst = cached.num_recv_tokens if cached is not None else self.num_ranks * m
+        layout = buf.get_dispatch_layout(topk_idx, num_experts, previous_event=previous)
+        recv_x, recv_idx, recv_weights, per_expert, ferry_handle, event = buf.dispatch(
+            x, num_tokens_per_rank=layout[0], num_tokens_per_rdma_rank=layout[1],
+            is_token_in_rank=layout[3], num_tokens_per_expert=layout[2], topk_idx=topk_idx,
+            topk_weights=topk_weights, expert_alignment=expert_alignment,
+            num_worst_tokens=worst, previous_event=previous,
+            async_finish=async_with_compute_stream)
+        local = num_experts // self.num_ranks
+        # Each local expert's received tokens, counted on the device (no host wait): ids of
+        # other ranks' experts (-1) into a last, dropped bin.
+        counts = torch.zeros(local + 1, dtype=torch.int64, device=recv_idx.device)
+        counts.scatter_add_(0, torch.where(recv_idx >= 0, recv_idx, local).flatten(),
+                            torch.ones(recv_idx.numel(), dtype=torch.int64,
+                                       device=recv_idx.device))
+        counts = counts[:local]
+        if cumulative_local_expert_recv_stats is not None:
+            _group.check_tensor("cumulative_local_expert_recv_stats",
+                                cumulative_local_expert_recv_stats, torch.int32, 1,
+                                recv_idx.get_device())
+            if cumulative_local_expert_recv_stats.numel() != local:
+                raise InvalidArgument(f"cumulative_local_expert_recv_stats: {local} entries")
+            cumulative_local_expert_recv_stats.add_(counts.to(torch.int32))
+        aligned = (counts + expert_alignment - 1) // expert_alignment * expert_alignment
+        psum = torch.cumsum(aligned, 0).to(torch.int32)
+        rows = (recv_x[0] if isinstance(recv_x, tuple) else recv_x).shape[0]
+        if cached is not None:
+            cached._ferry = ferry_handle
+            out_handle = cached
+        else:
+            out_handle = EPHandle(False, num_experts, expert_alignment, m,
+                                  num_sms or self.get_theoretical_num_sms(num_experts,
+                                                                          topk_idx.shape[1]),
+                                  topk_idx.clone() if do_handle_copy else topk_idx, rows,
+                                  [int(c) for c in aligned.tolist()] if do_cpu_sync else None,
+                                  psum, ferry_handle)
+        return recv_x, recv_idx, recv_weights, out_handle, event
+
+    def combine(self, x, handle, topk_weights=None, bias=None, num_sms=0, num_qps=0,
+                previous_event=None, previous_event_before_epilogue=None,
+                async_with_compute_stream=False, allocate_on_comm_stream=False):
+        """(combined_x, combined_topk_weights, event): each token's rows from every rank that
+        received it summed (in fp32, rounded to bf16 once, at the token's rank), plus bias; the
+        top-k weights, if given, summed alike."""
+        if not isinstance(handle, EPHandle):
+            raise InvalidArgument("combine: handle is not one this ElasticBuffer's dispatch "
+                                  "returned")
+        if previous_event_before_epilogue is not None:
+            previous_event = previous_event or previous_event_before_epilogue
+        previous = EventOverlap(previous_event) if previous_event is not None else None
+        return self._buffer.combine(x, handle._ferry, topk_weights=topk_weights, bias=bias,
+                                    previous_event=previous,
+                                    async_finish=async_with_compute_stream)
+
+    # ---- what ferry does not do -------------------------------------------------------------
+
+    def _refuse(name, what):
+        def refused(*args, **kwargs):
+            raise Unimplemented(f"ElasticBuffer.{name}: {what} is not supported")
+        refused.__name__ = name
+        return refused
+
+    engram_write = _refuse("engram_write", "Engram")
+    engram_fetch = _refuse("engram_fetch", "Engram")
+    get_engram_storage_size_hint = staticmethod(_refuse("get_engram_storage_size_hint", "Engram"))
+    pp_set_config = _refuse("pp_set_config", "pipeline-parallel send/recv")
+    pp_send = _refuse("pp_send", "pipeline-parallel send/recv")
+    pp_recv = _refuse("pp_recv", "pipeline-parallel send/recv")
+    get_pp_buffer_size_hint = staticmethod(_refuse("get_pp_buffer_size_hint",
+                                                   "pipeline-parallel send/recv"))
+    create_agrs_session = _refuse("create_agrs_session", "all-gather reduce-scatter")
+    destroy_agrs_session = _refuse("destroy_agrs_session", "all-gather reduce-scatter")
+    agrs_new_session = _refuse("agrs_new_session", "all-gather reduce-scatter")
+    agrs_set_config = _refuse("agrs_set_config", "all-gather reduce-scatter")
+    agrs_get_inplace_tensor = _refuse("agrs_get_inplace_tensor", "all-gather reduce-scatter")
+    all_gather = _refuse("all_gather", "all-gather reduce-scatter")
+    get_agrs_num_max_session_bytes = staticmethod(_refuse("get_agrs_num_max_session_bytes",
+                                                          "all-gather reduce-scatter"))
+    get_agrs_buffer_size_hint = staticmethod(_refuse("get_agrs_buffer_size_hint",
+                                                     "all-gather reduce-scatter"))
+    del _refuse

@@ -1,0 +1,173 @@
+"""ferry.deep_ep.ElasticBuffer (DeepEP V2's API for expert parallelism) on the host device, in
+world sizes 1, 2 and 4, against compat_reference's inputs: construction from the MoE settings
+and from bytes, the non-expanding dispatch (with and without the CPU sync, cached), the
+combine (bias, top-k weights), the expert counters, and what is refused by name."""
+
+import ferry
+from ranks import expect_error
+
+from compat_reference import (EXPERTS_PER_RANK, HIDDEN, K, MAX_TOKENS, Behaviours, Case, dv,
+                              group_of, hv, inputs)
+
+try:
+    import torch
+except ImportError:
+    torch = None
+
+BEHAVIOURS = {}
+
+
+def behaviour(fn):
+    BEHAVIOURS[fn.__name__] = fn
+    return fn
+
+
+def expected(world, rank):
+    """What rank `rank` receives: (rows, ids local to it or -1, weights or 0) in DeepEP's order
+    (senders in rank order, each sender's tokens in order), the ranks each of its own tokens
+    reached, and its experts' counts."""
+    want_x, want_idx, want_w, counts = [], [], [], [0] * EXPERTS_PER_RANK
+    for s in range(world):
+        sx, sidx, sw = inputs(world, s)
+        for t in range(sx.shape[0]):
+            mine = [(j, int(sidx[t, j]) - rank * EXPERTS_PER_RANK) for j in range(K)
+                    if int(sidx[t, j]) >= 0 and int(sidx[t, j]) // EXPERTS_PER_RANK == rank]
+            if not mine:
+                continue
+            ids, ws = [-1] * K, [0.0] * K
+            for j, le in mine:
+                ids[j], ws[j] = le, float(sw[t, j])
+                counts[le] += 1
+            want_x.append(sx[t])
+            want_idx.append(ids)
+            want_w.append(ws)
+    x, idx, _ = inputs(world, rank)
+    holders = torch.zeros(x.shape[0], 1, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        holders[t] = len({int(e) // EXPERTS_PER_RANK for e in idx[t] if int(e) >= 0})
+    return want_x, want_idx, want_w, holders, counts
+
+
+@behaviour
+def dispatch_and_combine(buf, world, rank):
+    """A dispatch with the CPU sync: the rows, local ids and weights DeepEP's order gives, the
+    handle's counts (aligned) and their prefix sums, the expert counters added to; the combine
+    sums each token's rows over the ranks that got it (twice its rows back: twice it times
+    their number), then with a bias; the top-k weights summed alike."""
+    from ferry import deep_ep
+    x, idx, w = inputs(world, rank)
+    want_x, want_idx, want_w, holders, counts = expected(world, rank)
+    stats = dv(torch.full((EXPERTS_PER_RANK,), 3, dtype=torch.int32))
+    e = EXPERTS_PER_RANK * world
+    recv, recv_idx, recv_w, handle, event = buf.dispatch(
+        dv(x), topk_idx=dv(idx), topk_weights=dv(w), num_experts=e, expert_alignment=4,
+        cumulative_local_expert_recv_stats=stats)
+    assert isinstance(handle, deep_ep.EPHandle) and isinstance(event, deep_ep.EventOverlap)
+    n = len(want_x)
+    assert handle.num_recv_tokens == n and tuple(recv.shape) == (n, HIDDEN)
+    if n:
+        assert torch.equal(hv(recv).view(torch.int16), torch.stack(want_x).view(torch.int16))
+    assert hv(recv_idx).tolist() == want_idx and hv(recv_w).tolist() == want_w
+    aligned = [(c + 3) // 4 * 4 for c in counts]
+    assert handle.num_recv_tokens_per_expert_list == aligned, (aligned, handle)
+    assert hv(handle.psum_num_recv_tokens_per_expert).tolist() == list(
+        torch.tensor(aligned).cumsum(0).tolist())
+    assert hv(stats).tolist() == [3 + c for c in counts]
+    out, none, _ = buf.combine(dv((hv(recv).double() * 2).to(torch.bfloat16)), handle)
+    assert none is None
+    assert torch.equal(hv(out).view(torch.int16),
+                       (x.double() * 2 * holders).to(torch.bfloat16).view(torch.int16))
+    # The cached dispatch (the handle's routing), a bias and the top-k weights summed.
+    again, again_idx, _, same, _ = buf.dispatch(dv(x), handle=handle)
+    assert same is handle and torch.equal(hv(again).view(torch.int16),
+                                          hv(recv).view(torch.int16))
+    given = torch.cat([hv(again_idx).ne(-1).float(), torch.ones(n, 1)], 1) if n else \
+        torch.zeros(0, K + 1)
+    out2, summed, _ = buf.combine(again, handle, topk_weights=dv(given.contiguous()),
+                                  bias=dv((x.double() / 2).to(torch.bfloat16)))
+    assert torch.equal(hv(out2).view(torch.int16),
+                       (x.double() * (holders + 0.5)).to(torch.bfloat16).view(torch.int16))
+    assert torch.equal(hv(summed)[:, K], holders.float()[:, 0])
+
+
+@behaviour
+def dispatch_without_cpu_sync(buf, world, rank):
+    """do_cpu_sync=False: ranks x num_max_tokens_per_rank rows, the received ones first, those
+    past them with ids -1 and weights 0; the combine of all of them sums only the received."""
+    x, idx, w = inputs(world, rank)
+    want_x, want_idx, want_w, holders, _ = expected(world, rank)
+    recv, recv_idx, recv_w, handle, _ = buf.dispatch(
+        dv(x), topk_idx=dv(idx), topk_weights=dv(w), num_experts=EXPERTS_PER_RANK * world,
+        do_cpu_sync=False)
+    rows = world * MAX_TOKENS
+    n = len(want_x)
+    assert tuple(recv.shape) == (rows, HIDDEN) and handle.num_recv_tokens_per_expert_list is None
+    assert hv(recv_idx)[:n].tolist() == want_idx and hv(recv_w)[:n].tolist() == want_w
+    assert bool((hv(recv_idx)[n:] == -1).all()) and bool((hv(recv_w)[n:] == 0).all())
+    out, _, _ = buf.combine(recv, handle)
+    assert torch.equal(hv(out).view(torch.int16),
+                       (x.double() * holders).to(torch.bfloat16).view(torch.int16))
+
+
+@behaviour
+def refusals_name_what_is_not_built(buf, world, rank):
+    """The expanding layout, TMA-aligned scales, Engram, PP and AGRS refused by name; a handle
+    not the buffer's, and a dispatch without num_experts, refused."""
+    x, idx, _ = inputs(world, rank)
+    e = EXPERTS_PER_RANK * world
+    for kwargs, name in (({"do_expand": True}, "do_expand"),
+                         ({"use_tma_aligned_col_major_sf": True}, "use_tma_aligned_col_major_sf")):
+        expect_error(ferry.Unimplemented, name, buf.dispatch, dv(x), topk_idx=dv(idx),
+                     num_experts=e, **kwargs)
+    for call in (buf.engram_write, buf.pp_send, buf.all_gather, buf.create_agrs_session):
+        expect_error(ferry.Unimplemented, call.__name__, call)
+    expect_error(ferry.InvalidArgument, "num_experts", buf.dispatch, dv(x), topk_idx=dv(idx))
+    expect_error(ferry.InvalidArgument, "handle is not one", buf.combine, dv(x), object())
+
+
+def v2_body(world, kind, only=None):
+    def body(b, store):
+        from ferry import deep_ep
+        group = group_of(b, store, kind)
+        buf = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=MAX_TOKENS, hidden=HIDDEN,
+                                    num_topk=K, explicitly_destroy=True)
+        assert (buf.rank_idx, buf.num_ranks) == (b.rank, world)
+        assert buf.num_bytes % (2 << 20) == 0 and buf.num_bytes == \
+            deep_ep.ElasticBuffer.get_buffer_size_hint(group, MAX_TOKENS, HIDDEN)
+        assert buf.get_theoretical_num_qps(buf.get_theoretical_num_sms(4 * world, K)) >= 1
+        buf.barrier()
+        for name, check in BEHAVIOURS.items():
+            if only is None or name == only:
+                check(buf, world, b.rank)
+        buf.destroy()
+    return body
+
+
+class ElasticBufferTest(Behaviours, Case):
+    body_of = staticmethod(v2_body)
+    behaviours = BEHAVIOURS
+
+    def test_dispatch_and_combine(self):
+        self.in_every_world("dispatch_and_combine")
+
+    def test_dispatch_without_cpu_sync(self):
+        self.in_every_world("dispatch_without_cpu_sync")
+
+    def test_refusals_name_what_is_not_built(self):
+        self.in_every_world("refusals_name_what_is_not_built")
+
+    def test_construction_refuses_what_it_cannot_size(self):
+        """Neither num_bytes nor the MoE settings, bytes not a multiple of 2 MiB, CPU bytes."""
+        from ferry import deep_ep
+        b = ferry.CallbackBootstrap(0, 1, lambda data, timeout: [data])
+        for kwargs, error in (({}, ferry.InvalidArgument),
+                              ({"num_bytes": 1000}, ferry.InvalidArgument),
+                              ({"num_bytes": 2 << 20, "num_cpu_bytes": 2 << 20},
+                               ferry.Unimplemented)):
+            with self.assertRaises(error):
+                deep_ep.ElasticBuffer(b, **kwargs)
+        buf = deep_ep.ElasticBuffer(b, num_bytes=4 << 20, num_max_tokens_per_rank=MAX_TOKENS,
+                                    explicitly_destroy=True)
+        self.assertEqual(buf.get_logical_domain_size(), (1, 1))
+        self.assertIsInstance(buf.capture(), deep_ep.EventHandle)
+        buf.destroy()
