@@ -16,7 +16,7 @@ from ._errors import (AlreadyExists, Cancelled, DataLoss, DeadlineExceeded, Erro
                       ResourceExhausted, Unavailable, Unimplemented)
 from ._ferry import (CUDA_UNKNOWN_DEVICE, HOST_MEMORY, AllToAll, AllToAllConfig, Array,
                      Bootstrap, CallbackBootstrap, CudaTuning, DispatchDtype, DispatchLayout,
-                     EngineOptions, FabricInfo, Fp8Scaling, GpuLayerCounter, GpuWords,
+                     EngineOptions, FabricInfo, Forwarding, Fp8Scaling, GpuLayerCounter, GpuWords,
                      KvCudaShards, KvDecoder, KvModel, KvOrder, KvPlan, KvPrefill, KvSide,
                      KvWrite, LayerCounter, MoeDevice, RankExit, RdmaBuffers, Region,
                      RemoteRegion, Streaming, Transfer, TransferEngine, VerbsOptions,
@@ -28,7 +28,7 @@ __all__ = [
     "AllToAll", "AllToAllConfig", "AlreadyExists", "Array", "Bootstrap", "CallbackBootstrap",
     "CUDA_UNKNOWN_DEVICE", "Cancelled", "CudaTuning", "DataLoss", "DeadlineExceeded",
     "DispatchDtype",
-    "DispatchLayout", "EngineOptions", "Error", "FabricInfo", "FailedPrecondition",
+    "DispatchLayout", "EngineOptions", "Error", "FabricInfo", "FailedPrecondition", "Forwarding",
     "Fp8Scaling", "GpuLayerCounter", "GpuWords", "HOST_MEMORY", "Internal", "InvalidArgument",
     "KvCudaShards", "KvDecoder", "KvModel", "KvOrder", "KvPlan", "KvPrefill", "KvSide", "KvWrite",
     "LayerCounter", "MoeDevice", "NotFound", "OutOfRange", "RankExit", "RdmaBuffers", "Region",

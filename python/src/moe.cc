@@ -33,6 +33,10 @@ void BindMoe(py::module_& m) {
       .value("DISPATCH", Streaming::kDispatch)
       .value("COMBINE", Streaming::kCombine)
       .value("BOTH", Streaming::kBoth);
+  py::enum_<Forwarding>(m, "Forwarding",
+                        "How a token reaches the ranks of another node (ferry/moe.h's Forwarding)")
+      .value("PER_RANK", Forwarding::kPerRank)
+      .value("NODE_ONCE", Forwarding::kNodeOnce);
 
   py::class_<CudaTuning>(m, "CudaTuning",
                          "Where the CUDA device keeps its flags and what it reports on itself "
@@ -70,6 +74,7 @@ void BindMoe(py::module_& m) {
       .def_readwrite("rdma_buffers", &AllToAllConfig::rdma_buffers)
       .def_readwrite("cuda", &AllToAllConfig::cuda)
       .def_readwrite("mask_lost_peers", &AllToAllConfig::mask_lost_peers)
+      .def_readwrite("forwarding", &AllToAllConfig::forwarding)
       .def("validate", [](const AllToAllConfig& c) { ThrowIfError(c.Validate()); })
       .def_property_readonly("local_experts", &AllToAllConfig::local_experts)
       .def_property_readonly("token_bytes", &AllToAllConfig::token_bytes)

@@ -169,6 +169,10 @@ class DeepEpV1NamesTest(unittest.TestCase):
             with self.assertRaises(ferry.Unimplemented) as raised:
                 deep_ep.Buffer(b, **kwargs)
             self.assertIn(name, str(raised.exception))
+        # ferry's own keyword: node-once forwarding needs several nodes of several ranks.
+        with self.assertRaises(ferry.InvalidArgument) as raised:
+            deep_ep.Buffer(b, forwarding=ferry.Forwarding.NODE_ONCE)
+        self.assertIn("several nodes", str(raised.exception))
         buf = deep_ep.Buffer(b, explicitly_destroy=True)
         with self.assertRaises(ferry.Unimplemented) as raised:
             buf.get_local_buffer_tensor(torch.bfloat16)

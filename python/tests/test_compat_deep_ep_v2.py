@@ -156,6 +156,42 @@ class ElasticBufferTest(Behaviours, Case):
     def test_refusals_name_what_is_not_built(self):
         self.in_every_world("refusals_name_what_is_not_built")
 
+    def test_hybrid_mode_is_node_once_forwarding(self):
+        """Four ranks as two nodes of two, hybrid mode: the normal mode's AllToAll is node-once
+        (its rows cross to the other node once and are forwarded in it). Each rank receives
+        what DeepEP's per-rank order holds, in the forwarders' order (the same rows, ids and
+        weights as a multiset), its experts' counts; the combine sums each token's rows over
+        its ranks exactly (two ranks' rows per node, then two nodes: no rounding in between at
+        these values). allow_multiple_reduction=False keeps per rank forwarding."""
+        def body(b, store):
+            from ferry import deep_ep
+            world = 4
+            for multiple, want in ((True, ferry.Forwarding.NODE_ONCE),
+                                   (False, ferry.Forwarding.PER_RANK)):
+                buf = deep_ep.ElasticBuffer(b, num_max_tokens_per_rank=MAX_TOKENS, hidden=HIDDEN,
+                                            allow_multiple_reduction=multiple,
+                                            explicitly_destroy=True, ranks_per_node=2)
+                assert buf.get_physical_domain_size() == (2, 2)
+                x, idx, w = inputs(world, b.rank)
+                want_x, want_idx, want_w, holders, counts = expected(world, b.rank)
+                stats = torch.zeros(EXPERTS_PER_RANK, dtype=torch.int32)
+                recv, recv_idx, recv_w, handle, _ = buf.dispatch(
+                    x, topk_idx=idx, topk_weights=w, num_experts=EXPERTS_PER_RANK * world,
+                    cumulative_local_expert_recv_stats=stats)
+                configs = [a.config for a in buf._buffer._group.all_to_alls("normal")]
+                assert configs and all(c.forwarding == want for c in configs), configs
+                got = sorted((tuple(r.view(torch.int16).tolist()), tuple(i), tuple(v))
+                             for r, i, v in zip(recv, recv_idx.tolist(), recv_w.tolist()))
+                ref = sorted((tuple(r.view(torch.int16).tolist()), tuple(i), tuple(v))
+                             for r, i, v in zip(want_x, want_idx, want_w))
+                assert got == ref, (b.rank, len(got), len(ref))
+                assert stats.tolist() == counts
+                out, _, _ = buf.combine((recv.double() * 2).to(torch.bfloat16), handle)
+                assert torch.equal(out.view(torch.int16),
+                                   (x.double() * 2 * holders).to(torch.bfloat16).view(torch.int16))
+                buf.destroy()
+        self.ranks(4, body, timeout=240.0)
+
     def test_construction_refuses_what_it_cannot_size(self):
         """Neither num_bytes nor the MoE settings, bytes not a multiple of 2 MiB, CPU bytes."""
         from ferry import deep_ep

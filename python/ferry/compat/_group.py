@@ -116,7 +116,9 @@ class Group:
         # Instances are numbered per engine (layers given one engine share its numbers); the
         # ranks make the same calls in the same order, so they agree on each number.
         taken = _ENGINE_INSTANCES.get(id(engine), 0) if engine is not None else self._instances
-        if taken >= MAX_INSTANCES:
+        # Node-once forwarding's AllToAll is two (its rail's and its node's), on two instances.
+        needed = 2 if config.forwarding == _ferry.Forwarding.NODE_ONCE else 1
+        if taken + needed > MAX_INSTANCES:
             raise ResourceExhausted(
                 f"an engine serves at most {MAX_INSTANCES} AllToAlls (one per shape and "
                 f"overlapped call), all taken: combine a call before dispatching more")
@@ -124,8 +126,8 @@ class Group:
         config.validate()
         a2a = _ferry.AllToAll(config, engine, self.bootstrap)
         if engine is not None:
-            _ENGINE_INSTANCES[id(engine)] = taken + 1
-        self._instances += 1
+            _ENGINE_INSTANCES[id(engine)] = taken + needed
+        self._instances += needed
         p = _ferry.PooledAllToAll(a2a)
         p.busy = True
         pool.append(p)

@@ -22,6 +22,9 @@ class Buffer(_LowLatency, _Normal, _Shrink, _Streams, _ferry.DeepEpLowLatency):
     the low-latency mode sizes its buffers from each call's num_max_dispatch_tokens_per_rank.
     engine: a ferry.TransferEngine to use (default: one from the FERRY_* environment, made when
     an AllToAll first needs one). ranks_per_node: the NVLink domain (default: ranks on one host).
+    forwarding: how the normal mode's tokens reach other nodes (ferry.Forwarding; default
+    PER_RANK; NODE_ONCE: once per node, forwarded inside it, as DeepEP's internode normal mode
+    does).
 
     low_latency_dispatch and low_latency_combine are the C++ base's (_ferry.DeepEpLowLatency),
     written once there: every argument checked, every form run; it asks _ll_shape here for a
@@ -33,7 +36,7 @@ class Buffer(_LowLatency, _Normal, _Shrink, _Streams, _ferry.DeepEpLowLatency):
     def __init__(self, group=None, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False,
                  num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False,
                  use_fabric=False, explicitly_destroy=False, enable_shrink=False, comm=None, *,
-                 engine=None, ranks_per_node=None, timeout=None):
+                 engine=None, ranks_per_node=None, timeout=None, forwarding=None):
         if num_nvl_bytes < 0 or num_rdma_bytes < 0:
             raise InvalidArgument("num_nvl_bytes and num_rdma_bytes: at least 0")
         refuse("allow_mnnvl", allow_mnnvl, False, "multi-node NVLink domains are not supported")
@@ -44,6 +47,10 @@ class Buffer(_LowLatency, _Normal, _Shrink, _Streams, _ferry.DeepEpLowLatency):
                                              lambda data, timeout: comm.allgather(data))
         self._group = Group(group, engine, ranks_per_node)
         self.rank, self.group_size = self._group.rank, self._group.world_size
+        # How the normal mode's tokens reach other nodes (the low-latency mode's combine takes
+        # its weights at the combine, which node-once cannot: per rank there always).
+        self._forwarding = self._check_forwarding(
+            _ferry.Forwarding.PER_RANK if forwarding is None else forwarding)
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode = low_latency_mode
         self.num_qps_per_rank = num_qps_per_rank
@@ -63,6 +70,18 @@ class Buffer(_LowLatency, _Normal, _Shrink, _Streams, _ferry.DeepEpLowLatency):
         # and output sets there).
         super().__init__(self.group_size, self._timeout, _DONE)
         self._destroyed = False
+
+    def _check_forwarding(self, forwarding):
+        """forwarding, InvalidArgument unless the ranks are several nodes of several ranks
+        where it is node-once."""
+        if forwarding == _ferry.Forwarding.NODE_ONCE:
+            per = self._group.ranks_per_node()
+            if not 1 < per < self.group_size:
+                raise InvalidArgument(f"forwarding=NODE_ONCE: {self.group_size} ranks in nodes "
+                                      f"of {per}; it needs several nodes of several ranks")
+        elif forwarding != _ferry.Forwarding.PER_RANK:
+            raise InvalidArgument(f"forwarding: a ferry.Forwarding, got {forwarding!r}")
+        return forwarding
 
     # ---- DeepEP's static helpers ------------------------------------------------------------
 

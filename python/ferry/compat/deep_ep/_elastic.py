@@ -1,12 +1,14 @@
 """DeepEP V2's ElasticBuffer (expert parallelism) over ferry's AllToAll: its non-expanding
 dispatch and its combine are the V1 Buffer's normal mode (a token-major AllToAll with both of
 ferry's options: each token once per rank holding any of its experts, its experts' outputs
-summed at that rank), which computes its own layout. What ferry cannot do yet is refused by
+summed at that rank), which computes its own layout; hybrid mode across nodes is node-once
+forwarding. What ferry cannot do yet is refused by
 name: the expanding layout (do_expand), TMA-aligned scale layouts, Engram, pipeline-parallel
 send/recv and all-gather reduce-scatter."""
 
 import torch
 
+from ... import _ferry
 from .. import _group
 from ..._errors import InvalidArgument, Unimplemented
 from ._buffer import Buffer
@@ -50,11 +52,12 @@ class EPHandle:
 class ElasticBuffer:
     """DeepEP V2's ElasticBuffer for expert parallelism among the ranks of `group` (a
     torch.distributed ProcessGroup or a ferry.Bootstrap). Sized from num_bytes, or from the MoE
-    settings (num_max_tokens_per_rank, hidden). Settings that change no result here --
-    allow_hybrid_mode, allow_multiple_reduction (the combine reduces once, at the origin, in
-    fp32), prefer_overlap_with_compute, sl_idx, num_allocated_qps, deterministic (ferry's
-    receive order is deterministic: senders in rank order, each sender's tokens in order) --
-    are kept. engine / ranks_per_node: as ferry.deep_ep.Buffer's."""
+    settings (num_max_tokens_per_rank, hidden). allow_hybrid_mode with allow_multiple_reduction,
+    on several nodes of several ranks: node-once forwarding (see __init__). Settings that change
+    no result here -- prefer_overlap_with_compute, sl_idx, num_allocated_qps, deterministic
+    (ferry's receive order is deterministic: per rank, senders in rank order and each sender's
+    tokens in order; node-once, by forwarder, then the sender's node, then token) -- are kept.
+    engine / ranks_per_node: as ferry.deep_ep.Buffer's."""
 
     def __init__(self, group, num_bytes=None, num_cpu_bytes=0, num_max_tokens_per_rank=0,
                  hidden=0, num_topk=0, use_fp8_dispatch=False, deterministic=False,
@@ -89,6 +92,15 @@ class ElasticBuffer:
         self.scaleout_rank_idx = self.rank_idx // self.num_scaleup_ranks
         self.scaleup_rank_idx = self.rank_idx % self.num_scaleup_ranks
         self.num_rdma_ranks, self.num_nvlink_ranks = self.get_physical_domain_size()
+        # Hybrid mode (RDMA between nodes, NVLink inside them) is ferry's node-once forwarding:
+        # a token crosses to each other node once, on its rail, and is forwarded inside it; its
+        # rows are summed in the node before one crosses back. That rounds the combine twice
+        # (at the forwarder, then at the origin), so allow_multiple_reduction=False keeps per
+        # rank forwarding, whose combine rounds once.
+        if (allow_hybrid_mode and allow_multiple_reduction and self.num_rdma_ranks > 1
+                and self.num_nvlink_ranks > 1):
+            self._buffer._forwarding = self._buffer._check_forwarding(
+                _ferry.Forwarding.NODE_ONCE)
 
     # ---- sizes and domains ------------------------------------------------------------------
 

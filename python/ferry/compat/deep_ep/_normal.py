@@ -123,7 +123,8 @@ class _Normal:
         dtype = _ferry.DispatchDtype.FP8_E4M3 if fp8 else _ferry.DispatchDtype.BF16
         pooled = self._acquire(
             ("normal", x.get_device(), capacity, hidden, num_experts, k, fp8), x,
-            lambda: _token_major(num_experts, k, capacity, hidden, dtype), comm=True)
+            lambda: _token_major(num_experts, k, capacity, hidden, dtype, self._forwarding),
+            comm=True)
         a2a = pooled.a2a
         rows = self.group_size * capacity
         dev = x.device
@@ -275,8 +276,10 @@ class _Normal:
         rows = self.group_size * capacity
         local = h.num_experts // self.group_size
         key = ("normal-weights", x.get_device(), capacity, width, h.num_experts, h.k)
+        # Forwarded as the main dispatch was: its rows arrive in the same order.
         pooled = self._acquire(key, x, lambda: _token_major(
-            h.num_experts, h.k, capacity, width, _ferry.DispatchDtype.FP32), comm=True)
+            h.num_experts, h.k, capacity, width, _ferry.DispatchDtype.FP32, self._forwarding),
+            comm=True)
         wa2a = pooled.a2a
         try:
             # Its dispatch's outputs, read by nothing: one set per key, as the AllToAll is

@@ -57,6 +57,8 @@ class _Streams:
             c.mask_lost_peers = low_latency and self.enable_shrink
             if device == _ferry.MoeDevice.CUDA:
                 c.cuda_device = x.device.index or 0
+            if device == _ferry.MoeDevice.CUDA or c.forwarding == _ferry.Forwarding.NODE_ONCE:
+                # The NVLink domain; node-once's nodes on the host device too.
                 c.ranks_per_node = self._group.ranks_per_node()
             return c
 
