@@ -154,6 +154,21 @@ Status RunRank(const Case& c, Bootstrap& b) {
   RETURN_IF_ERROR(d_token_weights.Alloc(weights.size()));
   DispatchOutput host_out{out_x.data(), out_scales.data(), counts.data()};
   DispatchOutput gpu_out{d_out_x.p, d_out_scales.p, d_counts.p};
+  // Expert-major per rank: where each row came from (DispatchOutput::source_tokens,
+  // sender_ranges), as the host device says.
+  const bool sources = !token_major && !c.node_once;
+  std::vector<int32_t> host_sources(size_t(l) * cap), gpu_sources(host_sources.size());
+  std::vector<int64_t> host_ranges(size_t(l) * b.world_size()), gpu_ranges(host_ranges.size());
+  Gpu<int32_t> d_sources;
+  Gpu<int64_t> d_ranges;
+  if (sources) {
+    RETURN_IF_ERROR(d_sources.Alloc(host_sources.size()));
+    RETURN_IF_ERROR(d_ranges.Alloc(host_ranges.size()));
+    host_out.source_tokens = host_sources.data();
+    host_out.sender_ranges = host_ranges.data();
+    gpu_out.source_tokens = d_sources.p;
+    gpu_out.sender_ranges = d_ranges.p;
+  }
   // Node-once: the dispatch's wait costs, which charge only the ranks of our node and of our
   // rail (the hops' costs moved into the caller's entries on the GPU).
   Gpu<int64_t> d_cost;
@@ -223,6 +238,18 @@ Status RunRank(const Case& c, Bootstrap& b) {
                                         gpu_out_scales, gpu_experts, gpu_weights, gpu_counts));
       SumTokenMajorExperts(cfg, out_x.data(), out_scales.data(), experts.data(), weights.data(),
                            rows, expert_out.data(), fp16);
+    }
+    if (sources) {
+      RETURN_IF_ERROR(d_sources.Get(gpu_sources));
+      RETURN_IF_ERROR(d_ranges.Get(gpu_ranges));
+      CHECK_OR_RETURN(gpu_ranges == host_ranges, "sender ranges differ" + at);
+      for (int e = 0; e < l; ++e) {
+        const size_t first = size_t(e) * cap;
+        CHECK_OR_RETURN(std::equal(host_sources.begin() + first,
+                                   host_sources.begin() + first + counts[e],
+                                   gpu_sources.begin() + first),
+                        "expert " + std::to_string(e) + ": source tokens differ" + at);
+      }
     }
     for (int e = 0; e < l && !token_major; ++e) {
       CHECK_OR_RETURN(gpu_counts[e] == counts[e],

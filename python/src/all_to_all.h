@@ -121,18 +121,20 @@ class PyAllToAll {
   void DispatchRecv(const py::handle& x, const py::handle& num_tokens, const py::handle& scales,
                     const py::handle& num_rows, const py::handle& token_experts,
                     const py::handle& token_weights, double timeout, int expert_padding,
-                    const py::handle& wait_cost, int64_t expert_rows) {
+                    const py::handle& wait_cost, int64_t expert_rows,
+                    const py::handle& source_tokens, const py::handle& sender_ranges) {
     const bool token_major = config().dispatch_layout == DispatchLayout::kTokenMajor;
     const std::optional<Array> sa = MaybeArray(scales), ra = MaybeArray(num_rows),
                                ea = MaybeArray(token_experts), wa = MaybeArray(token_weights),
-                               ca = MaybeArray(wait_cost);
+                               ca = MaybeArray(wait_cost), ta = MaybeArray(source_tokens),
+                               ga = MaybeArray(sender_ranges);
     for (const auto& [name, a] : {std::pair{"num_rows", &ra}, std::pair{"token_experts", &ea},
                                   std::pair{"token_weights", &wa}}) {
       Wanted(Pointer(*a), name, token_major);
     }
     DispatchRecvArrays(ToArray(x), ToArray(num_tokens), Pointer(sa),
                        {Pointer(ra), Pointer(ea), Pointer(wa)}, timeout, expert_padding,
-                       Pointer(ca), expert_rows);
+                       Pointer(ca), expert_rows, {Pointer(ta), Pointer(ga)});
   }
   // What a token-major DispatchRecv writes besides the rows (null: expert-major).
   struct TokenMajorArrays {
@@ -140,10 +142,17 @@ class PyAllToAll {
     const Array* token_experts = nullptr;
     const Array* token_weights = nullptr;
   };
+  // Where expert-major rows came from (DispatchOutput::source_tokens, sender_ranges), each null
+  // or not.
+  struct SourceArrays {
+    const Array* source_tokens;
+    const Array* sender_ranges;
+  };
   // The same with the arrays converted (scales, wait_cost: null for none).
   void DispatchRecvArrays(const Array& xa, const Array& na, const Array* sa, TokenMajorArrays tm,
                           double timeout, int expert_padding, const Array* ca = nullptr,
-                          int64_t expert_rows = 0) {
+                          int64_t expert_rows = 0,
+                          SourceArrays sources = {nullptr, nullptr}) {
     const AllToAllConfig& c = config();
     const Deadline deadline = DeadlineIn(timeout);
     const bool token_major = c.dispatch_layout == DispatchLayout::kTokenMajor;
@@ -185,6 +194,18 @@ class PyAllToAll {
                   {tm.num_rows->owner, tm.token_experts->owner, tm.token_weights->owner});
     }
     out.wait_cost = WaitCost(ca, used);
+    if (sources.source_tokens) {
+      Check(sources.source_tokens, {"source_tokens", rows * 4, true, 'i', 4});
+      out.source_tokens = static_cast<int32_t*>(sources.source_tokens->pointer());
+      used.push_back(sources.source_tokens->owner);
+    }
+    if (sources.sender_ranges) {
+      Check(sources.sender_ranges,
+            {"sender_ranges", static_cast<uint64_t>(c.local_experts()) * c.world_size * 8, true,
+             'i', 8});
+      out.sender_ranges = static_cast<int64_t*>(sources.sender_ranges->pointer());
+      used.push_back(sources.sender_ranges->owner);
+    }
     Run(std::move(used), [&](AllToAll& a) { return a.DispatchRecv(out, deadline); });
     // The rows received, where the host can read them (the CUDA device's count is on the GPU).
     received_rows_ = token_major && c.device == MoeDeviceKind::kHost ? *out.num_rows : -1;
@@ -269,7 +290,7 @@ class PyAllToAll {
       }
       if (halves & kReceiveHalf) {
         DispatchRecv(out_x, out_num_tokens, out_scales, py::none(), py::none(), py::none(),
-                     timeout, expert_padding, wait_cost, expert_rows);
+                     timeout, expert_padding, wait_cost, expert_rows, py::none(), py::none());
       }
     });
   }

@@ -59,9 +59,34 @@ struct Names {
 class PyDeepEpLowLatency {
  public:
   // done: deep_ep's finished EventOverlap, what a call that waits returns.
-  PyDeepEpLowLatency(int world, double timeout, py::object done)
-      : world_(world), timeout_(timeout), done_(std::move(done)), torch_(Torch::Get()) {
+  // handle_type: the tuple subclass V1's low-latency handles are made of (LowLatencyHandle).
+  PyDeepEpLowLatency(int world, double timeout, py::object done, py::object handle_type)
+      : world_(world),
+        timeout_(timeout),
+        done_(std::move(done)),
+        handle_type_(std::move(handle_type)),
+        torch_(Torch::Get()) {
     CheckTimeout(timeout);
+    if (!PyType_Check(handle_type_.ptr()) ||
+        !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(handle_type_.ptr()), &PyTuple_Type)) {
+      Invalid("handle_type: a tuple subclass");
+    }
+  }
+
+  // The DeepEpHandle a low-latency handle (V1's tuple, its ferry part in `_ferry`) or a
+  // normal-mode one holds; null for anything else.
+  static std::shared_ptr<DeepEpHandle> Unwrap(PyObject* o) {
+    static PyObject* const ferry = PyUnicode_InternFromString("_ferry");
+    py::object inner = py::reinterpret_borrow<py::object>(o);
+    if (PyTuple_Check(o)) {
+      inner = py::reinterpret_steal<py::object>(PyObject_GetAttr(o, ferry));
+      if (!inner) {
+        PyErr_Clear();
+        return nullptr;
+      }
+    }
+    if (!py::isinstance<DeepEpHandle>(inner)) return nullptr;
+    return py::cast<std::shared_ptr<DeepEpHandle>>(inner);
   }
 
   // A low-latency AllToAll of one shape (its pool entry) with its output sets (`sets`, the
@@ -180,7 +205,8 @@ class PyDeepEpLowLatency {
     const double timeout = timeout_;
     auto recv = [a2a, out, timeout, cost] {
       a2a->DispatchRecvArrays(out.recv_x, out.recv_count, out.scales ? &*out.scales : nullptr, {},
-                              timeout, 0, cost ? &*cost : nullptr);
+                              timeout, 0, cost ? &*cost : nullptr, 0,
+                              {&out.src_info, &out.layout_range});
     };
     // After the receive: e4m3's scales into DeepEP's layout (UE8M0: each scale's exponent
     // byte, four groups per int32) and the counts onto the caller's counters.
@@ -263,6 +289,7 @@ class PyDeepEpLowLatency {
                      .rows = py::none(),
                      .device = device,
                      .combine_buffer = py::none()});
+    py::object v1_handle = V1Handle(set[4], set[5], m, hidden, experts, handle);
     py::object out_x = fp8 ? py::object(py::make_tuple(set[0], set[3])) : py::object(set[0]);
     py::object recv_hook = py::none();
     if (hook) {
@@ -286,7 +313,7 @@ class PyDeepEpLowLatency {
             }
           });
     }
-    return py::make_tuple(out_x, set[1], py::cast(handle), finished, recv_hook);
+    return py::make_tuple(out_x, set[1], v1_handle, finished, recv_hook);
   }
 
   // low_latency_combine's arguments checked; its result, or a null object where the Buffer's
@@ -297,10 +324,8 @@ class PyDeepEpLowLatency {
       ThrowIfError(UnimplementedError("use_logfmt=True: LogFMT-encoded combine is not supported"));
     }
     const bool zero_copy = Flag(a[5], false), async = Flag(a[6], false), hook = Flag(a[7], false);
-    if (!py::isinstance<DeepEpHandle>(a[3])) {
-      Invalid("low_latency_combine: handle is not one this Buffer's dispatch returned");
-    }
-    auto h = py::cast<std::shared_ptr<DeepEpHandle>>(a[3]);
+    auto h = Unwrap(a[3]);
+    if (!h) Invalid("low_latency_combine: handle is not one this Buffer's dispatch returned");
     if (!h->in_flight) Invalid("low_latency_combine: the handle's dispatch was combined already");
     if (!h->rows.is_none()) Invalid("handle: from a normal-mode dispatch (use combine)");
     py::object x = py::reinterpret_borrow<py::object>(a[0]);
@@ -398,6 +423,26 @@ class PyDeepEpLowLatency {
   }
 
  private:
+  // DeepEP V1's low-latency handle: (src_info, layout_range, num_max_dispatch_tokens_per_rank,
+  // hidden, num_experts), a tuple callers may index, of handle_type_ with ferry's handle in its
+  // `_ferry` attribute. Made as tuple_subtype_new makes one (allocated, its items set), without
+  // the Python call.
+  py::object V1Handle(py::handle src_info, py::handle layout_range, int64_t m, int64_t hidden,
+                      int64_t experts, const std::shared_ptr<DeepEpHandle>& handle) const {
+    static PyObject* const ferry = PyUnicode_InternFromString("_ferry");
+    auto* type = reinterpret_cast<PyTypeObject*>(handle_type_.ptr());
+    py::object t = py::reinterpret_steal<py::object>(type->tp_alloc(type, 5));
+    if (!t) throw py::error_already_set();
+    PyObject* items[5] = {src_info.inc_ref().ptr(), layout_range.inc_ref().ptr(),
+                          py::int_(m).release().ptr(), py::int_(hidden).release().ptr(),
+                          py::int_(experts).release().ptr()};
+    for (int i = 0; i < 5; ++i) PyTuple_SET_ITEM(t.ptr(), i, items[i]);
+    if (PyObject_SetAttr(t.ptr(), ferry, py::cast(handle).ptr()) != 0) {
+      throw py::error_already_set();
+    }
+    return t;
+  }
+
   // A wait-cost statistics argument: None, or int64 [world] on `device`.
   std::optional<Array> WaitCost(const char* name, PyObject* o, int device) const {
     if (IsNone(o)) return std::nullopt;
@@ -418,6 +463,7 @@ class PyDeepEpLowLatency {
   struct OutputArrays {
     Array recv_x, recv_count;
     std::optional<Array> scales;
+    Array src_info, layout_range;  // the handle's: DispatchOutput::source_tokens, sender_ranges
   };
   struct Entry {
     int device;
@@ -442,11 +488,13 @@ class PyDeepEpLowLatency {
         if (t.is(set)) return a;
       }
       std::optional<Array> x = TorchArray(set[0]), counts = TorchArray(set[1]),
-                           scales = set[2].is_none() ? std::nullopt : TorchArray(set[2]);
-      if (!x || !counts || (!set[2].is_none() && !scales)) {
+                           scales = set[2].is_none() ? std::nullopt : TorchArray(set[2]),
+                           src_info = TorchArray(set[4]), layout_range = TorchArray(set[5]);
+      if (!x || !counts || (!set[2].is_none() && !scales) || !src_info || !layout_range) {
         Invalid("an output set of the Buffer's: not contiguous CPU or CUDA tensors");
       }
-      OutputArrays a{std::move(*x), std::move(*counts), std::move(scales)};
+      OutputArrays a{std::move(*x), std::move(*counts), std::move(scales), std::move(*src_info),
+                     std::move(*layout_range)};
       arrays.emplace_back(set, std::move(a));
       return arrays.back().second;
     }
@@ -480,6 +528,7 @@ class PyDeepEpLowLatency {
   double timeout_;
   bool closed_ = false;
   py::object done_;
+  py::object handle_type_;
   const Torch& torch_;
   // Shared with the hooks a call returns: a hook outlives the call, and Add may move entries.
   std::vector<std::shared_ptr<Entry>> entries_;
@@ -569,8 +618,16 @@ void BindDeepEp(py::module_& m) {
       "The low-latency calls of ferry.deep_ep.Buffer (what the Buffer subclasses; construct "
       "that instead)");
   layer
-      .def(py::init<int, double, py::object>(), py::arg("world"), py::arg("timeout"),
-           py::arg("done"))
+      .def(py::init<int, double, py::object, py::object>(), py::arg("world"), py::arg("timeout"),
+           py::arg("done"), py::arg("handle_type"))
+      .def_static(
+          "_unwrap",
+          [](py::handle handle) -> py::object {
+            std::shared_ptr<DeepEpHandle> h = PyDeepEpLowLatency::Unwrap(handle.ptr());
+            return h ? py::cast(h) : py::object(py::none());
+          },
+          py::arg("handle"),
+          "ferry's handle in a low-latency (V1 tuple) or normal-mode handle; None for another")
       .def("_add_shape", &PyDeepEpLowLatency::Add, py::arg("device"), py::arg("m"),
            py::arg("hidden"), py::arg("experts"), py::arg("k"), py::arg("fp8"), py::arg("ue8m0"),
            py::arg("pooled"), py::arg("sets"), py::arg("ones"),

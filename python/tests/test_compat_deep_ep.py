@@ -394,6 +394,45 @@ def low_latency_common_calls_run_in_cpp(buf, world, rank):
 
 
 @behaviour
+def low_latency_handle_is_v1s_tuple(buf, world, rank):
+    """The low-latency handle is V1's tuple: (src_info, layout_range, m, hidden, num_experts).
+    For each local expert and sender, layout_range's (first row << 32) | rows names that
+    sender's rows in the expert's block (senders in rank order), and src_info gives each row's
+    token index in its sender: the rows there are the sender's rows of those tokens, in token
+    order. Combined through the tuple, and refused once combined."""
+    e = EXPERTS_PER_RANK * world
+    x, idx, w = inputs(world, rank)
+    recv, count, handle, _, _ = buf.low_latency_dispatch(dv(x), dv(idx), MAX_TOKENS, e,
+                                                         use_fp8=False)
+    assert type(handle).__name__ == "LowLatencyHandle" and isinstance(handle, tuple)
+    assert len(handle) == 5 and handle[2:] == (MAX_TOKENS, HIDDEN, e), handle[2:]
+    src_info, layout_range = hv(handle[0]), hv(handle[1])
+    assert src_info.dtype == torch.int32 and tuple(src_info.shape) == (
+        EXPERTS_PER_RANK, world * MAX_TOKENS)
+    assert layout_range.dtype == torch.int64 and tuple(layout_range.shape) == (
+        EXPERTS_PER_RANK, world)
+    recv = hv(recv)
+    for le in range(EXPERTS_PER_RANK):
+        first = 0
+        for s in range(world):
+            sx, sidx, _ = inputs(world, s)
+            tokens = [t for t in range(sx.shape[0]) for j in range(K)
+                      if int(sidx[t, j]) == rank * EXPERTS_PER_RANK + le]
+            packed = int(layout_range[le, s])
+            assert (packed >> 32, packed & 0xFFFFFFFF) == (first, len(tokens)), (le, s, packed)
+            rows = slice(first, first + len(tokens))
+            assert src_info[le, rows].tolist() == tokens, (le, s)
+            if tokens:
+                assert torch.equal(recv[le, rows].view(torch.int16),
+                                   sx[tokens].view(torch.int16))
+            first += len(tokens)
+        assert first == int(hv(count)[le])
+    buf.low_latency_combine(dv(torch.zeros_like(recv)), dv(idx), dv(w), handle)
+    expect_error(ferry.InvalidArgument, "combined already", buf.low_latency_combine,
+                 dv(torch.zeros_like(recv)), dv(idx), dv(w), handle)
+
+
+@behaviour
 def low_latency_arguments_checked_once(buf, world, rank):
     """Every bad argument of the low-latency calls refused by the C++ base, naming it, before
     anything is sent or any AllToAll made; the calls then still run (nothing was taken or left
@@ -577,6 +616,9 @@ class DeepEpTest(Behaviours, Case):
 
     def test_low_latency_common_calls_run_in_cpp(self):
         self.in_every_world("low_latency_common_calls_run_in_cpp")
+
+    def test_low_latency_handle_is_v1s_tuple(self):
+        self.in_every_world("low_latency_handle_is_v1s_tuple")
 
     def test_low_latency_arguments_checked_once(self):
         self.in_every_world("low_latency_arguments_checked_once")

@@ -114,4 +114,12 @@ FERRY_HD inline bool SlotEntryValid(const SlotEntry& e, const int32_t* offset, i
          offset[(s + 1) * lim.l + le] <= lim.capacity;
 }
 
+// DispatchOutput::sender_ranges' entry for sender s and local expert e, from the offsets
+// (offset[s][e]: rows of e from the senders before s): (first row << 32) | rows.
+FERRY_HD inline int64_t SenderRange(const int32_t* offset, int l, int s, int e) {
+  const int32_t first = offset[s * l + e], rows = offset[(s + 1) * l + e] - first;
+  return static_cast<int64_t>((static_cast<uint64_t>(static_cast<uint32_t>(first)) << 32) |
+                              static_cast<uint32_t>(rows));
+}
+
 }  // namespace ferry::moe

@@ -236,7 +236,9 @@ Status CudaDevice::DispatchRecv(const DispatchOutput& out, uint64_t /*epoch*/, D
       out.expert_padding,
       out.expert_padding ? c_.padded_rows(out.expert_padding) : int64_t{nv_.local_experts} * block,
       block,
-      out.wait_cost};
+      out.wait_cost,
+      out.source_tokens,
+      out.sender_ranges};
   auto* unpack =
       nv_.masks ? (nv_.modes.stream() ? UnpackKernel<true, true> : UnpackKernel<false, true>)
                 : (nv_.modes.stream() ? UnpackKernel<true, false> : UnpackKernel<false, false>);

@@ -260,6 +260,10 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
       if (!kStream) WaitPrimary();  // streamed: see UnpackKernel
       primary_done = true;
     }
+    // Each placed copy's token, as its sender numbers it (DispatchOutput::source_tokens).
+    if (a.source_tokens && !v.modes.token_major() && tid < outs) {
+      a.source_tokens[out_row[tid]] = header.src_token;
+    }
     if (v.modes.token_major() && valid && tid < v.topk) {
       int32_t expert = -1;
       float weight = 0.0f;
@@ -441,6 +445,10 @@ __global__ void __launch_bounds__(kCopyThreads, 2) UnpackKernel(Nv v, RecvArgs a
     for (int e = threadIdx.x; e < v.local_experts; e += blockDim.x) {
       const int32_t rows = offset[v.world_size * v.local_experts + e];
       a.num_tokens[e] = rows;
+      for (int s = 0; a.sender_ranges && s < v.world_size; ++s) {
+        a.sender_ranges[int64_t{e} * v.world_size + s] =
+            SenderRange(offset, v.local_experts, s, e);
+      }
       if (rows > v.capacity) {
         Report(v, kRowOverrun, -1, e);
       } else if (!v.modes.token_major() && a.padding == 0 && rows > a.expert_rows) {

@@ -320,6 +320,7 @@ class HostDevice final : public MoeDevice {
           continue;
         }
         for (int i = 0; i < header.entries; ++i) {
+          if (out.source_tokens) out.source_tokens[dst[i]] = header.src_token;
           std::memcpy(static_cast<uint8_t*>(out.x) + dst[i] * payload, body, payload);
           if (spt) std::memcpy(out.scales + dst[i] * spt, body + payload, spt * 4);
           // The combine row this copy feeds: its own, or its token's when the expert rank sums.
@@ -330,6 +331,11 @@ class HostDevice final : public MoeDevice {
     }
     if (token_major) *out.num_rows = g;
     for (int e = 0; e < l; ++e) out.num_tokens[e] = offset_[size_t(n) * l + e];
+    for (int e = 0; out.sender_ranges && e < l; ++e) {
+      for (int s = 0; s < n; ++s) {
+        out.sender_ranges[int64_t{e} * n + s] = SenderRange(offset_.data(), l, s, e);
+      }
+    }
     expert_rows_.assign(out.num_tokens, out.num_tokens + l);
     token_rows_ = g;
     return Status::Ok();

@@ -6,7 +6,7 @@ import torch
 from ... import _ferry
 from .._group import Group, env_timeout, refuse
 from ..._errors import InvalidArgument, Unimplemented
-from ._events import Config, EventHandle, EventOverlap, _DONE, _round_up
+from ._events import Config, EventHandle, EventOverlap, LowLatencyHandle, _DONE, _round_up
 from ._low_latency import _LowLatency
 from ._normal import _Normal
 from ._shrink import _Shrink
@@ -68,7 +68,7 @@ class Buffer(_LowLatency, _Normal, _Shrink, _Streams, _ferry.DeepEpLowLatency):
         self._streams = {}     # torch objects for other streams AllToAlls took (_stream_of)
         # The low-latency calls: checked and run in C++ (_ll_sets adds each shape's AllToAll
         # and output sets there).
-        super().__init__(self.group_size, self._timeout, _DONE)
+        super().__init__(self.group_size, self._timeout, _DONE, LowLatencyHandle)
         self._destroyed = False
 
     def _check_forwarding(self, forwarding):

@@ -87,3 +87,13 @@ def _round_up(n, to):
 # What a combine needs of its dispatch (the handle a dispatch returns); the C++ path makes them
 # too.
 _Handle = _ferry.DeepEpHandle
+
+
+class LowLatencyHandle(tuple):
+    """DeepEP V1's low-latency handle, as V1 lays it out for callers that index it: (src_info
+    [num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank] int32: each received
+    row's token index in its sender; layout_range [num_local_experts, num_ranks] int64: each
+    sender's rows of each local expert as (first row << 32) | rows -- the senders' rows lie in
+    rank order; num_max_dispatch_tokens_per_rank; hidden; num_experts). Valid, as the rows are,
+    until the second dispatch after it of the same shape. `_ferry` holds what ferry's combine
+    needs (the C++ base makes these)."""

@@ -8,7 +8,6 @@ import torch
 from ... import _ferry
 from .._group import fp8_dtype
 from ..._errors import InvalidArgument
-from ._events import _Handle
 
 
 class _LowLatency:
@@ -33,7 +32,7 @@ class _LowLatency:
 
     def _ll_sets(self, pooled, x, shape, use_fp8, use_ue8m0):
         """The two output sets of a low-latency AllToAll in one form, (recv_x, recv_count,
-        scales, packed) each, made once (on the CPU torch caches no large blocks, and every call
+        scales, packed, src_info, layout_range) each, made once (on the CPU torch caches no large blocks, and every call
         would pay for fresh pages) and added to the C++ base, which takes them in turn: as
         DeepEP's buffers are, a result stays valid until the second dispatch after it on the
         same AllToAll. shape: (m, experts, k)."""
@@ -61,7 +60,11 @@ class _LowLatency:
                 else:
                     packed = torch.empty(local, hidden // 128, rows, dtype=torch.float32,
                                          device=device).transpose(1, 2)
-            sets.append((recv_x, recv_count, scales, packed))
+            # The handle's (DeepEP V1's): each row's token index in its sender, each sender's
+            # rows of each expert as (first row << 32) | rows.
+            src_info = torch.empty(local, rows, dtype=torch.int32, device=device)
+            layout_range = torch.empty(local, self.group_size, dtype=torch.int64, device=device)
+            sets.append((recv_x, recv_count, scales, packed, src_info, layout_range))
         self._add_shape(x.get_device(), m, hidden, experts, k, use_fp8, use_ue8m0, pooled, sets,
                         self._constant(x, m, k, 1.0))
 
@@ -82,11 +85,14 @@ class _LowLatency:
         return buffer
 
     def _live_handle(self, handle, call):
-        if not isinstance(handle, _Handle):
+        """ferry's handle in `handle` (a low-latency one, V1's tuple, or a normal-mode one),
+        InvalidArgument unless it is one of ours not yet combined."""
+        h = self._unwrap(handle)
+        if h is None:
             raise InvalidArgument(f"{call}: handle is not one this Buffer's dispatch returned")
-        if not handle.in_flight:
+        if not h.in_flight:
             raise InvalidArgument(f"{call}: the handle's dispatch was combined already")
-        return handle
+        return h
 
     def _release(self, h):
         """The handle's dispatch combined (or failed): its AllToAll free for the next call."""

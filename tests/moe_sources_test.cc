@@ -1,0 +1,126 @@
+// DispatchOutput::source_tokens and sender_ranges (DeepEP's low-latency handle: where each
+// received row came from) on the host device: against what every rank sent, for the unpadded
+// and the padded expert-major layouts; refused for the token-major layout and under node-once
+// forwarding. The CUDA device's are checked against these in moe_cuda_test.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "fabric/test_util.h"
+#include "ferry/bootstrap.h"
+#include "ferry/moe.h"
+#include "moe/steps.h"
+#include "moe_inputs.h"
+
+namespace ferry {
+namespace {
+
+using namespace std::chrono_literals;
+
+constexpr int kWorld = 3, kTokens = 9, kExperts = 12, kK = 4, kHidden = 64;
+
+// Each expert's rows from each sender, as the senders' inputs give them: sender s's copies for
+// global expert g, its tokens in order.
+std::vector<int> TokensFor(int s, int g, const InputSpec& spec, const AllToAllConfig& c) {
+  const Inputs in = MakeInputs(spec, c, s, 0);
+  std::vector<int> tokens;
+  for (int t = 0; t < in.tokens; ++t) {
+    for (int j = 0; j < kK; ++j) {
+      if (in.indices[size_t(t) * kK + j] == g) tokens.push_back(t);
+    }
+  }
+  return tokens;
+}
+
+Status CheckSources(Bootstrap& b, int padding) {
+  ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
+  AllToAllConfig c{.world_size = kWorld, .rank = b.rank(), .num_experts = kExperts,
+                   .experts_per_token = kK, .max_tokens_per_rank = kTokens, .hidden = kHidden};
+  ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(c, engine.get(), b));
+  const InputSpec spec{.tokens = kTokens, .k = kK, .experts = kExperts, .rank1_empty = true,
+                       .unrouted = true};
+  const Inputs in = MakeInputs(spec, c, b.rank(), 0);
+  RETURN_IF_ERROR(a2a->DispatchSend({in.x.data(), nullptr, in.indices.data(), in.weights.data(),
+                                     in.tokens}));
+  const int l = c.local_experts();
+  const int64_t rows = c.output_rows(padding, 0);
+  std::vector<uint8_t> x(size_t(rows * c.token_bytes()));
+  std::vector<int32_t> counts(static_cast<size_t>(l)), sources(static_cast<size_t>(rows), -7);
+  std::vector<int64_t> ranges(size_t(l) * kWorld, -7);
+  RETURN_IF_ERROR(a2a->DispatchRecv({.x = x.data(),
+                                     .num_tokens = counts.data(),
+                                     .expert_padding = padding,
+                                     .source_tokens = sources.data(),
+                                     .sender_ranges = ranges.data()},
+                                    Deadline::After(30s)));
+  int64_t base = 0;  // expert e's first row: e x capacity, or (padded) after the blocks before
+  for (int e = 0; e < l; ++e) {
+    if (padding == 0) base = int64_t{e} * c.expert_capacity();
+    int64_t first = 0;
+    for (int s = 0; s < kWorld; ++s) {
+      const std::vector<int> want = TokensFor(s, b.rank() * l + e, spec, c);
+      const int64_t range = ranges[size_t(e) * kWorld + s];
+      const std::string at = "expert " + std::to_string(e) + ", sender " + std::to_string(s);
+      CHECK_OR_RETURN(range >> 32 == first && (range & 0xFFFFFFFF) == int64_t(want.size()),
+                      at + ": range " + std::to_string(range >> 32) + "+" +
+                          std::to_string(range & 0xFFFFFFFF) + ", want " +
+                          std::to_string(first) + "+" + std::to_string(want.size()));
+      for (size_t i = 0; i < want.size(); ++i) {
+        CHECK_OR_RETURN(sources[size_t(base + first + int64_t(i))] == want[i],
+                        at + ": row " + std::to_string(first + int64_t(i)) + " from token " +
+                            std::to_string(sources[size_t(base + first + int64_t(i))]) +
+                            ", want " + std::to_string(want[i]));
+      }
+      first += int64_t(want.size());
+    }
+    CHECK_OR_RETURN(first == counts[size_t(e)], "expert " + std::to_string(e) + ": counts");
+    if (padding > 0) base += (first + padding - 1) / padding * padding;
+  }
+  std::vector<uint16_t> y(size_t(in.tokens) * kHidden);
+  RETURN_IF_ERROR(a2a->CombineSend(x.data()));
+  RETURN_IF_ERROR(a2a->CombineRecv(y.data(), false, Deadline::After(30s)));
+  return b.Barrier(30s);
+}
+
+TEST(MoeSourcesTest, EachRowsTokenAndEachSendersRangeUnpadded) {
+  auto exits = testing_util::RunRanks(kWorld, [](Bootstrap& b) { return CheckSources(b, 0); },
+                                      60s);
+  for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
+}
+
+TEST(MoeSourcesTest, EachRowsTokenAndEachSendersRangePadded) {
+  auto exits = testing_util::RunRanks(kWorld, [](Bootstrap& b) { return CheckSources(b, 4); },
+                                      60s);
+  for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
+}
+
+// Token-major rows say where they go in token_experts; node-once's rows come from forwarders.
+TEST(MoeSourcesTest, RefusedWhereRowsHaveNoSingleSender) {
+  AllToAllConfig c{.world_size = 4, .rank = 0, .ranks_per_node = 2, .num_experts = 8,
+                   .experts_per_token = 2, .max_tokens_per_rank = 4, .hidden = 64};
+  int32_t sources[64], counts[2];
+  int64_t ranges[8];
+  uint8_t x[4096];
+  const DispatchOutput out{.x = x, .num_tokens = counts, .source_tokens = sources,
+                           .sender_ranges = ranges};
+  c.forwarding = Forwarding::kNodeOnce;
+  ASSERT_TRUE(c.Validate().ok());
+  Status s = moe::CheckDispatchOutput(c, out);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+  EXPECT_NE(s.message().find("node-once"), std::string::npos) << s.ToString();
+  c.forwarding = Forwarding::kPerRank;
+  c.dispatch_layout = DispatchLayout::kTokenMajor;
+  int32_t num_rows, experts[64];
+  float weights[64];
+  DispatchOutput token_major = out;
+  token_major.num_rows = &num_rows;
+  token_major.token_experts = experts;
+  token_major.token_weights = weights;
+  s = moe::CheckDispatchOutput(c, token_major);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+  EXPECT_NE(s.message().find("token-major"), std::string::npos) << s.ToString();
+}
+
+}  // namespace
+}  // namespace ferry
