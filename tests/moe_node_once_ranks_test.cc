@@ -142,11 +142,12 @@ TEST(MoeNodeOnceTest, AMaskedRankTakesItsExpertsAndTheRouteItForwardsOut) {
   for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
 }
 
-// Node-once forwarding refuses combine weights given at CombineRecv, naming them (the node sums
-// before its row crosses back); the refused combine leaves the epoch to finish with the
-// dispatch's weights. The epoch's wait costs charge only ranks waited for directly: our node's
-// and, on our rail, the other nodes'.
-TEST(MoeNodeOnceTest, RefusesWeightsAtTheCombine) {
+// Combine weights given at CombineRecv under node-once forwarding cross to the forwarders (the
+// weights rail) before the node sums with them: epochs with weights at the combine, at the
+// dispatch, then at the combine again, with 64-bit ids, each token's sum exact. The epochs'
+// wait costs charge only ranks waited for directly: our node's and, on our rail, the other
+// nodes'.
+TEST(MoeNodeOnceTest, WeightsAtTheCombineCrossToTheForwarders) {
   auto exits = testing_util::RunRanks(4, [](Bootstrap& b) -> Status {
     ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
     AllToAllConfig c{.world_size = 4, .rank = b.rank(), .ranks_per_node = 2, .num_experts = 8,
@@ -154,26 +155,42 @@ TEST(MoeNodeOnceTest, RefusesWeightsAtTheCombine) {
                      .forwarding = Forwarding::kNodeOnce};
     ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(c, engine.get(), b));
     const std::vector<uint16_t> x(4 * 128, FloatToBf16(1.0f));
-    const std::vector<int32_t> ids = {0, 7, 2, 5, 4, 3, 6, 1};
-    const std::vector<float> w(8, 0.5f);
-    RETURN_IF_ERROR(a2a->DispatchSend({x.data(), nullptr, ids.data(), w.data(), 4}));
+    // Token t's experts: one in each node, or (t = 3) both in the other node's first rank.
+    const std::vector<int64_t> ids = {0, 7, 2, 5, 4, 3, (b.rank() + 2) % 4 * 2,
+                                      (b.rank() + 2) % 4 * 2 + 1};
+    const std::vector<float> half(8, 0.5f);
+    // At the combine: token t's weights 0.25 and 0.125 * (t + 1) -- each row 1, so each token's
+    // sum is their sum, exact in bf16.
+    std::vector<float> late(8);
+    for (int t = 0; t < 4; ++t) late[2 * t] = 0.25f, late[2 * t + 1] = 0.125f * (t + 1);
     std::vector<uint16_t> out_x(size_t(c.local_experts() * c.expert_capacity() * 128));
     std::vector<int32_t> counts(size_t(c.local_experts()));
-    // Wait costs: ranks neither of our node nor of our rail are never waited for directly.
     std::vector<int64_t> dispatch_cost(4, 0), combine_cost(4, 0);
-    RETURN_IF_ERROR(a2a->DispatchRecv({.x = out_x.data(),
-                                       .num_tokens = counts.data(),
-                                       .wait_cost = dispatch_cost.data()},
-                                      Deadline::After(30s)));
-    RETURN_IF_ERROR(a2a->CombineSend(out_x.data()));
-    std::vector<uint16_t> y(4 * 128);
-    const Status late = a2a->CombineRecv(
-        CombineOutput{.out = y.data(), .weights = w.data()}, Deadline::After(30s));
-    CHECK_OR_RETURN(late.code() == StatusCode::kInvalidArgument &&
-                        late.message().find("weights") != std::string::npos,
-                    late.ToString());
-    RETURN_IF_ERROR(a2a->CombineRecv(
-        CombineOutput{.out = y.data(), .wait_cost = combine_cost.data()}, Deadline::After(30s)));
+    for (int epoch = 0; epoch < 3; ++epoch) {
+      const bool at_combine = epoch != 1;
+      RETURN_IF_ERROR(a2a->DispatchSend({.x = x.data(), .weights = half.data(), .num_tokens = 4,
+                                         .indices64 = ids.data()}));
+      RETURN_IF_ERROR(a2a->DispatchRecv({.x = out_x.data(),
+                                         .num_tokens = counts.data(),
+                                         .wait_cost = dispatch_cost.data()},
+                                        Deadline::After(30s)));
+      RETURN_IF_ERROR(a2a->CombineSend(out_x.data()));
+      std::vector<uint16_t> y(4 * 128);
+      RETURN_IF_ERROR(a2a->CombineRecv(CombineOutput{.out = y.data(),
+                                                     .weights = at_combine ? late.data() : nullptr,
+                                                     .wait_cost = combine_cost.data()},
+                                       Deadline::After(30s)));
+      for (int t = 0; t < 4; ++t) {
+        const float want = at_combine ? late[2 * t] + late[2 * t + 1] : 1.0f;
+        for (int col = 0; col < 128; ++col) {
+          const uint16_t v = y[size_t(t) * 128 + col];
+          CHECK_OR_RETURN(v == FloatToBf16(want),
+                          "epoch " + std::to_string(epoch) + ", token " + std::to_string(t) +
+                              ": " + std::to_string(Bf16ToFloat(v)) + ", want " +
+                              std::to_string(want));
+        }
+      }
+    }
     const int other = 3 - b.rank();  // of the other node, on the other rail
     for (int r = 0; r < 4; ++r) {
       CHECK_OR_RETURN(dispatch_cost[size_t(r)] >= 0 && combine_cost[size_t(r)] >= 0,
@@ -182,8 +199,6 @@ TEST(MoeNodeOnceTest, RefusesWeightsAtTheCombine) {
     CHECK_OR_RETURN(dispatch_cost[size_t(other)] == 0 && combine_cost[size_t(other)] == 0,
                     "rank " + std::to_string(other) + " charged a wait on rank " +
                         std::to_string(b.rank()));
-    // Each token: two experts of weight 0.5 returning the row as it came: 1.
-    for (uint16_t v : y) CHECK_OR_RETURN(v == FloatToBf16(1.0f), std::to_string(Bf16ToFloat(v)));
     return b.Barrier(30s);
   }, 120s);
   for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
@@ -200,7 +215,7 @@ TEST(MoeNodeOnceTest, Bf16RowsAreQuantisedOnTheRailAsACallerWould) {
                      .max_tokens_per_rank = kTokens, .hidden = kHidden,
                      .dtype = DispatchDtype::kFp8E4M3, .forwarding = Forwarding::kNodeOnce};
     AllToAllConfig d = c;
-    d.instance = 2;  // node-once takes two instances
+    d.instance = 3;  // node-once takes three instances
     ASSIGN_OR_RETURN(auto given_bf16, AllToAll::Create(c, engine.get(), b));
     ASSIGN_OR_RETURN(auto given_fp8, AllToAll::Create(d, engine.get(), b));
     std::vector<uint16_t> x(size_t(kTokens) * kHidden);

@@ -69,9 +69,11 @@ enum class Forwarding : uint8_t {
   // node's experts and weights; that rank forwards it inside its node. The combine sums a
   // token's rows inside the node at that rank (fp32, rounded to the combine's element) and one
   // row per (token, node) crosses back. Two AllToAlls built from this one's configuration (a
-  // rail AllToAll between nodes, a node AllToAll inside each) carry it, on the instances
-  // `instance` and `instance + 1`. The combine's weights come with the dispatch (the node sums
-  // them): CombineOutput::weights is refused. Token-major rows arrive ordered by forwarder, then
+  // rail AllToAll between nodes, a node AllToAll inside each, and for weights given at the
+  // combine a weights rail) carry it, on the instances `instance` to `instance + 2`. Weights
+  // given at the dispatch cost nothing; CombineOutput::weights cross to the forwarders first (a
+  // round trip more on the rail), where the node sums with them. The dispatch's ids, and its
+  // device token count, are read again then. Token-major rows arrive ordered by forwarder, then
   // by the sender's node, then by token. Both devices (on the CUDA device: NVLink inside the
   // node, the relay on the rail, CUDA graphs as per rank). Not with mask_lost_peers (masks set
   // by hand work: a masked rank's experts and the routes it forwards are out).

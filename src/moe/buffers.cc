@@ -27,8 +27,10 @@ BufferBytes CudaDeviceBuffers(const AllToAllConfig& c, bool small_batches) {
 
 BufferBytes NodeOnceBuffers(const AllToAllConfig& c) {
   const NodeOnceConfigs inner = NodeOnceConfigsOf(c);
-  const BufferBytes rail = CudaDeviceBuffers(inner.rail), node = CudaDeviceBuffers(inner.node);
-  return {rail.receive + node.receive + MiddleBytesOf(c).total(), rail.send + node.send};
+  const BufferBytes rail = CudaDeviceBuffers(inner.rail), node = CudaDeviceBuffers(inner.node),
+                    weights = CudaDeviceBuffers(inner.weights);
+  return {rail.receive + node.receive + weights.receive + MiddleBytesOf(c).total(),
+          rail.send + node.send + weights.send};
 }
 
 BufferBytes DeepEpLowLatencyBuffers(int64_t max_tokens, int64_t hidden, int64_t experts) {

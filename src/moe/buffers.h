@@ -21,8 +21,9 @@ BufferBytes HostDeviceBuffers(const AllToAllConfig& c);
 // The CUDA device: its NVLink buffer, and the relay's boxes where there are other nodes;
 // `small_batches`: one kernel sends every batch (where Streaming::kAuto streams the dispatch).
 BufferBytes CudaDeviceBuffers(const AllToAllConfig& c, bool small_batches = false);
-// Node-once forwarding on the CUDA device: its rail's and its node's AllToAll, and the middle
-// buffers between them (counted as receive memory: the rail's receive writes them).
+// Node-once forwarding on the CUDA device: its rail's, its node's and its weights rail's
+// AllToAll, and the middle buffers between them (counted as receive memory: the rail's receive
+// writes them).
 BufferBytes NodeOnceBuffers(const AllToAllConfig& c);
 // DeepEP's low-latency mode for at most `max_tokens` per rank: messages of a 16-byte header and
 // the larger of a bf16 row and an fp8 row with its scales (dispatch), or a bf16 row with

@@ -77,7 +77,8 @@ TEST(BufferBytesTest, NodeOnceReceiveMemoryWithinDeepEpLowLatency) {
       ASSERT_TRUE(c.Validate().ok()) << c.Validate().ToString();
       const NodeOnceConfigs inner = NodeOnceConfigsOf(c);
       const int64_t parts = CudaDeviceBuffers(inner.rail).receive +
-                            CudaDeviceBuffers(inner.node).receive;
+                            CudaDeviceBuffers(inner.node).receive +
+                            CudaDeviceBuffers(inner.weights).receive;
       const int64_t once = NodeOnceBuffers(c).receive;
       EXPECT_EQ(once, parts + MiddleBytesOf(c).total()) << "EP" << ep << " T=" << tokens;
       EXPECT_GT(MiddleBytesOf(c).out, int64_t{ep / 8} * tokens * 7168 * 2 - 1);

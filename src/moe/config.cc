@@ -99,8 +99,8 @@ Status AllToAllConfig::Validate() const {
       return bad("node-once forwarding needs several nodes of several ranks "
                  "(1 < ranks_per_node < world_size)");
     }
-    if (instance + 1 >= kMaxInstances) {
-      return bad("node-once forwarding takes the instances instance and instance + 1");
+    if (instance + 2 >= kMaxInstances) {
+      return bad("node-once forwarding takes the instances instance to instance + 2");
     }
     if (experts_per_token > num_experts / (world_size / ranks_per_node)) {
       return bad("node-once forwarding needs experts_per_token <= the experts of one node");

@@ -5,6 +5,7 @@
 #include <array>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <string>
 #include <utility>
 
@@ -49,6 +50,14 @@ class HostHops final : public HopMemory {
     for (int i = 0; i < n; ++i) out[int64_t{i} * stride] += in[i];
     return Status::Ok();
   }
+  Status CopyRows(void* dst, int64_t dst_pitch, const void* src, int64_t src_pitch,
+                  int64_t width, int64_t rows) override {
+    for (int64_t r = 0; r < rows; ++r) {
+      std::memcpy(static_cast<uint8_t*>(dst) + r * dst_pitch,
+                  static_cast<const uint8_t*>(src) + r * src_pitch, size_t(width));
+    }
+    return Status::Ok();
+  }
   Status Stamp(int point) override {
     stamps_[size_t(point)] = std::chrono::steady_clock::now();
     return Status::Ok();
@@ -66,8 +75,13 @@ class HostHops final : public HopMemory {
 class NodeOnceDevice final : public MoeDevice {
  public:
   NodeOnceDevice(const AllToAllConfig& c, std::unique_ptr<AllToAll> rail,
-                 std::unique_ptr<AllToAll> node, std::unique_ptr<HopMemory> hops)
-      : c_(c), hops_(std::move(hops)), rail_(std::move(rail)), node_(std::move(node)) {}
+                 std::unique_ptr<AllToAll> node, std::unique_ptr<AllToAll> weights,
+                 std::unique_ptr<HopMemory> hops)
+      : c_(c),
+        hops_(std::move(hops)),
+        rail_(std::move(rail)),
+        node_(std::move(node)),
+        weights_(std::move(weights)) {}
   ~NodeOnceDevice() override { PrintTrace(); }
 
   // The middle buffers, in the hops' memory.
@@ -81,6 +95,23 @@ class NodeOnceDevice final : public MoeDevice {
     ASSIGN_OR_RETURN(uint8_t* weights, hops_->Allocate(m.weights));
     ASSIGN_OR_RETURN(mid_out_, hops_->Allocate(m.out));
     ASSIGN_OR_RETURN(uint8_t* rail_cost, hops_->Allocate(m.rail_cost));
+    // The weights rail's.
+    const int64_t rows = rail_->config().expert_capacity(), k = c_.experts_per_token;
+    ASSIGN_OR_RETURN(ids_, hops_->Allocate(m.ids));
+    ASSIGN_OR_RETURN(uint8_t* padded, hops_->Allocate(m.padded));
+    ASSIGN_OR_RETURN(uint8_t* wx, hops_->Allocate(rows * kWeightsWidth * 4));
+    ASSIGN_OR_RETURN(uint8_t* wcounts, hops_->Allocate(int64_t{rail_->config().local_experts()} * 4));
+    ASSIGN_OR_RETURN(uint8_t* wrows, hops_->Allocate(4));
+    ASSIGN_OR_RETURN(uint8_t* wexperts, hops_->Allocate(rows * k * 4));
+    ASSIGN_OR_RETURN(uint8_t* wweights, hops_->Allocate(rows * k * 4));
+    ASSIGN_OR_RETURN(uint8_t* node_weights, hops_->Allocate(rows * k * 4));
+    padded_ = reinterpret_cast<float*>(padded);
+    node_weights_ = reinterpret_cast<float*>(node_weights);
+    weights_mid_ = DispatchOutput{.x = wx,
+                                  .num_tokens = reinterpret_cast<int32_t*>(wcounts),
+                                  .num_rows = reinterpret_cast<int32_t*>(wrows),
+                                  .token_experts = reinterpret_cast<int32_t*>(wexperts),
+                                  .token_weights = reinterpret_cast<float*>(wweights)};
     rail_cost_ = reinterpret_cast<int64_t*>(rail_cost);
     mid_ = DispatchOutput{.x = x,
                           .scales = c_.scales_per_token() ? reinterpret_cast<float*>(scales)
@@ -105,7 +136,18 @@ class NodeOnceDevice final : public MoeDevice {
   // epochs are the inner AllToAlls' own.)
   Status DispatchSend(const DispatchInput& in, uint64_t /*epoch*/) override {
     stamps_ = 0;  // an epoch begins
-    return rail_->DispatchSend(in);
+    RETURN_IF_ERROR(rail_->DispatchSend(in));
+    // The ids, kept for a combine given its weights (the weights rail routes as the rail did):
+    // every row the step may send, the device count read again then.
+    sent_ = in;
+    const int64_t k = c_.experts_per_token, id_bytes = in.indices64 ? 8 : 4;
+    if (in.num_tokens > 0) {
+      RETURN_IF_ERROR(hops_->CopyRows(ids_, k * id_bytes, in.indices64
+                                                              ? static_cast<const void*>(in.indices64)
+                                                              : static_cast<const void*>(in.indices),
+                                      k * id_bytes, k * id_bytes, in.num_tokens));
+    }
+    return Status::Ok();
   }
 
   // The tokens our rail brought to this node, forwarded inside it; what the node's ranks
@@ -146,18 +188,19 @@ class NodeOnceDevice final : public MoeDevice {
   // The node's rows for each forwarded token summed here (one row per token), sent back on the
   // rail; the nodes' rows summed into the caller's output.
   Status CombineRecv(const CombineOutput& out, uint64_t /*epoch*/, Deadline deadline) override {
-    if (out.weights) {
-      return InvalidArgumentError(
-          "CombineRecv: weights given at the combine under node-once forwarding (the node sums "
-          "a token's experts before its row crosses back: the weights come with the dispatch)");
-    }
+    // Weights given now cross to the forwarders first, where the node sums with them.
+    if (out.weights) RETURN_IF_ERROR(WeightsToForwarders(out.weights, deadline));
     RETURN_IF_ERROR(node_->CombineRecv(CombineOutput{.out = mid_out_,
                                                      .accumulate = false,
+                                                     .weights = out.weights ? node_weights_
+                                                                            : nullptr,
                                                      .wait_cost = NodeCosts(out.wait_cost),
                                                      .fp16 = fp16_},
                                        deadline));
     RETURN_IF_ERROR(Stamp(kNodeCombined));
     RETURN_IF_ERROR(rail_->CombineSend(CombineInput{mid_out_, fp16_}));
+    // The weights rail's epoch ends beside the rail's (its rows read by nobody).
+    if (out.weights) RETURN_IF_ERROR(weights_->CombineSend(CombineInput{weights_mid_.x}));
     int64_t* const rail_cost = out.wait_cost ? rail_cost_ : nullptr;
     if (rail_cost) RETURN_IF_ERROR(hops_->Zero(rail_cost_, rail_->config().world_size));
     RETURN_IF_ERROR(rail_->CombineRecv(CombineOutput{.out = out.out,
@@ -165,6 +208,9 @@ class NodeOnceDevice final : public MoeDevice {
                                                      .wait_cost = rail_cost,
                                                      .fp16 = fp16_},
                                        deadline));
+    if (out.weights) {
+      RETURN_IF_ERROR(weights_->CombineRecv(CombineOutput{.out = padded_}, deadline));
+    }
     RETURN_IF_ERROR(Stamp(kRailCombined));
     return AddRailCosts(out.wait_cost);
   }
@@ -253,6 +299,29 @@ class NodeOnceDevice final : public MoeDevice {
  private:
   bool on_gpu() const { return c_.device == MoeDeviceKind::kCuda; }
 
+  // The caller's combine weights ([T, K] fp32, T the dispatch's) to the forwarders of the nodes
+  // each token went to, on the weights rail, routed by the dispatch's ids; what arrives (in the
+  // rail's row order) into node_weights_, the node's weights for its rows.
+  Status WeightsToForwarders(const float* weights, Deadline deadline) {
+    const int64_t k = c_.experts_per_token, tokens = sent_.num_tokens;
+    const int64_t rows = rail_->config().expert_capacity();
+    if (tokens > 0) {
+      RETURN_IF_ERROR(hops_->CopyRows(padded_, kWeightsWidth * 4, weights, k * 4, k * 4, tokens));
+    }
+    DispatchInput in{.x = padded_,
+                     .weights = mid_.token_weights,  // read, unused: any [T, K] floats
+                     .num_tokens = sent_.num_tokens,
+                     .device_num_tokens = sent_.device_num_tokens};
+    if (sent_.indices64) {
+      in.indices64 = reinterpret_cast<const int64_t*>(ids_);
+    } else {
+      in.indices = reinterpret_cast<const int32_t*>(ids_);
+    }
+    RETURN_IF_ERROR(weights_->DispatchSend(in));
+    RETURN_IF_ERROR(weights_->DispatchRecv(weights_mid_, deadline));
+    return hops_->CopyRows(node_weights_, k * 4, weights_mid_.x, kWeightsWidth * 4, k * 4, rows);
+  }
+
   // CudaTuning::trace: the phases of the last epoch (the last replay of captured steps) printed
   // at the end, as the CUDA kernels' stamps are. The hops' own costs are kRailDispatched ->
   // kNodeDispatched (the node hop's send and receive: the forwarding) and kCombineStart ->
@@ -301,10 +370,18 @@ class NodeOnceDevice final : public MoeDevice {
   const AllToAllConfig c_;
   // Before the hops: their steps may still use its memory until they are gone.
   const std::unique_ptr<HopMemory> hops_;
-  const std::unique_ptr<AllToAll> rail_, node_;
+  const std::unique_ptr<AllToAll> rail_, node_, weights_;
   DispatchOutput mid_;       // what the rail brings to this node (token-major), in hops_
   uint8_t* mid_out_ = nullptr;  // what goes back on it
   int64_t* rail_cost_ = nullptr;  // [nodes] the rail hop's wait costs
+  // The weights rail's: the last dispatch's input (its ids kept in ids_), the caller's weights
+  // padded to its rows (and its combine's output, read by nobody), what it brings, and the
+  // node's weights for the forwarded rows.
+  DispatchInput sent_;
+  uint8_t* ids_ = nullptr;
+  float* padded_ = nullptr;
+  DispatchOutput weights_mid_;
+  float* node_weights_ = nullptr;
   bool fp16_ = false;
   int stamps_ = 0;  // CudaTuning::trace: the points of this epoch stamped
 };
@@ -328,6 +405,13 @@ NodeOnceConfigs NodeOnceConfigsOf(const AllToAllConfig& c) {
   o.node.num_experts = c.num_experts / nodes;
   o.node.max_tokens_per_rank = nodes * c.max_tokens_per_rank;
   o.node.instance = c.instance + 1;
+  // The weights rail: the rail's routing, fp32 rows of the tokens' weights.
+  o.weights = o.rail;
+  o.weights.dtype = DispatchDtype::kFp32;
+  o.weights.hidden = kWeightsWidth;
+  o.weights.fp8_scales = 0;
+  o.weights.fp32_combine = false;
+  o.weights.instance = c.instance + 2;
   return o;
 }
 
@@ -342,7 +426,11 @@ MiddleBytes MiddleBytesOf(const AllToAllConfig& c) {
           .experts = rows * k * 4,
           .weights = rows * k * 4,
           .out = rows * c.combine_row_bytes(),
-          .rail_cost = int64_t{rail.world_size} * 8};
+          .rail_cost = int64_t{rail.world_size} * 8,
+          .ids = int64_t{c.max_tokens_per_rank} * k * 8,
+          .padded = int64_t{c.max_tokens_per_rank} * kWeightsWidth * 4,
+          .weights_in = rows * kWeightsWidth * 4 + int64_t{rail.local_experts()} * 4 + 4 +
+                        rows * k * 4 * 3};
 }
 
 std::unique_ptr<HopMemory> NewHostHopMemory() { return std::make_unique<HostHops>(); }
@@ -370,10 +458,11 @@ StatusOr<std::unique_ptr<MoeDevice>> CreateNodeOnceDevice(const AllToAllConfig& 
   // Every rank makes its rail's AllToAll, then its node's: the parent's collectives line up.
   auto rail_group = SubBootstrap(bootstrap, std::move(rail_ranks));
   ASSIGN_OR_RETURN(auto rail, AllToAll::Create(inner.rail, engine, *rail_group));
+  ASSIGN_OR_RETURN(auto weights, AllToAll::Create(inner.weights, engine, *rail_group));
   auto node_group = SubBootstrap(bootstrap, std::move(node_ranks));
   ASSIGN_OR_RETURN(auto node, AllToAll::Create(inner.node, engine, *node_group));
   auto device = std::make_unique<NodeOnceDevice>(config, std::move(rail), std::move(node),
-                                                 std::move(hops));
+                                                 std::move(weights), std::move(hops));
   RETURN_IF_ERROR(device->Init());
   return std::unique_ptr<MoeDevice>(std::move(device));
 }

@@ -24,6 +24,12 @@
 // Masks: masking rank r masks, on r's rail, the route into r's node (r forwards it) and, in r's
 // node, r itself: copies routed to r's experts, and every copy r would have forwarded, are lost.
 //
+// Combine weights given at CombineRecv (as DeepEP's and pplx's combines take them) are not at
+// the forwarders when they sum: a third AllToAll on the rail (the weights rail) carries each
+// token's weights to the nodes its row went to first, routed as the row was (its rows arrive in
+// the same order), then the node sums with them. That is one more round trip on the rail per
+// combine; weights given at the dispatch cost nothing.
+//
 // Devices: the hops are AllToAlls of the caller's device, so the host device and the CUDA device
 // (NVLink inside the node, the relay on the rail) run the same composition. What node-once does
 // itself between the hops -- the middle buffers, the wait costs' bookkeeping -- is HopMemory's,
@@ -45,7 +51,13 @@ namespace ferry::moe {
 struct NodeOnceConfigs {
   AllToAllConfig rail;  // world: the nodes; rank: our node; instance: the caller's
   AllToAllConfig node;  // world: ranks_per_node; rank: our index; instance: the caller's + 1
+  // The rail again, its rows the tokens' combine weights (fp32, kWeightsWidth columns), for
+  // weights given at CombineRecv: they cross to the forwarders before the node sums. Instance:
+  // the caller's + 2.
+  AllToAllConfig weights;
 };
+// The weights rail's row: the top-k weights padded to a whole number of 16-byte vectors.
+constexpr int kWeightsWidth = 16;
 // The two AllToAlls' configurations for rank c.rank of a node-once AllToAll (c validated).
 NodeOnceConfigs NodeOnceConfigsOf(const AllToAllConfig& c);
 
@@ -54,8 +66,12 @@ NodeOnceConfigs NodeOnceConfigsOf(const AllToAllConfig& c);
 // per received token) and the rail's wait costs (one per node).
 struct MiddleBytes {
   int64_t x, scales, counts, num_rows, experts, weights, out, rail_cost;
+  // The weights rail's: the caller's ids kept from the dispatch, its padded weights rows, what
+  // it brings (rows, counts, experts, weights), the node's weights.
+  int64_t ids, padded, weights_in;
   int64_t total() const {
-    return x + scales + counts + num_rows + experts + weights + out + rail_cost;
+    return x + scales + counts + num_rows + experts + weights + out + rail_cost + ids + padded +
+           weights_in;
   }
 };
 MiddleBytes MiddleBytesOf(const AllToAllConfig& c);
@@ -79,6 +95,10 @@ class HopMemory {
   // out[i * stride] += in[i] for i < n: the rail's wait costs, per node, into the caller's per
   // rank.
   virtual Status AddStrided(int64_t* out, const int64_t* in, int n, int stride) = 0;
+  // `rows` rows of `width` bytes from src (rows `src_pitch` bytes apart) to dst (`dst_pitch`
+  // apart): weights padded to the weights rail's rows and back.
+  virtual Status CopyRows(void* dst, int64_t dst_pitch, const void* src, int64_t src_pitch,
+                          int64_t width, int64_t rows) = 0;
   // Phase stamps (CudaTuning::trace): point p (< kHopPoints) of the epoch reached, in stream
   // order (a CUDA event, an event node of a graph being captured; the clock on the host);
   // Elapsed: microseconds from point a to point b as last stamped, after waiting for b.

@@ -38,8 +38,8 @@ TEST(NodeOnceTest, ConfigurationAgreedAndRefusedWhereItCannotRun) {
   bad.ranks_per_node = 1;  // every rank its own node: nobody to forward to
   refused(bad, "several nodes of several ranks");
   bad = c;
-  bad.instance = AllToAllConfig::kMaxInstances - 1;
-  refused(bad, "instance + 1");
+  bad.instance = AllToAllConfig::kMaxInstances - 2;
+  refused(bad, "instance + 2");
   bad = NodeOnce(16, 2, 0);  // 8 nodes of 32 experts: top-8 fits
   EXPECT_TRUE(bad.Validate().ok());
   bad.num_experts = 32;  // 8 nodes of 4 experts: a token's 8 cannot all be in one node
@@ -78,6 +78,15 @@ TEST(NodeOnceTest, TheRailAndNodeConfigurations) {
   EXPECT_EQ(inner.node.expert_capacity(), c.expert_capacity());
   EXPECT_TRUE(inner.node.dispatch_once_per_rank);
   EXPECT_FALSE(inner.node.combine_reduce_at_expert_rank);
+  // The weights rail: the rail's routing, fp32 rows of the padded top-k weights, instance + 2.
+  EXPECT_EQ(inner.weights.world_size, inner.rail.world_size);
+  EXPECT_EQ(inner.weights.rank, inner.rail.rank);
+  EXPECT_EQ(inner.weights.num_experts, inner.rail.num_experts);
+  EXPECT_EQ(inner.weights.dispatch_layout, DispatchLayout::kTokenMajor);
+  EXPECT_EQ(inner.weights.dtype, DispatchDtype::kFp32);
+  EXPECT_EQ(inner.weights.hidden, kWeightsWidth);
+  EXPECT_EQ(inner.weights.instance, 7);
+  EXPECT_TRUE(inner.weights.Validate().ok()) << inner.weights.Validate();
   EXPECT_EQ(inner.node.dispatch_layout, DispatchLayout::kExpertMajor);
   EXPECT_EQ(inner.node.instance, 6);
   EXPECT_EQ(inner.node.forwarding, Forwarding::kPerRank);

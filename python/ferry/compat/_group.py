@@ -116,8 +116,9 @@ class Group:
         # Instances are numbered per engine (layers given one engine share its numbers); the
         # ranks make the same calls in the same order, so they agree on each number.
         taken = _ENGINE_INSTANCES.get(id(engine), 0) if engine is not None else self._instances
-        # Node-once forwarding's AllToAll is two (its rail's and its node's), on two instances.
-        needed = 2 if config.forwarding == _ferry.Forwarding.NODE_ONCE else 1
+        # Node-once forwarding's AllToAll is three (its rail's, its node's and the weights
+        # rail's), on three instances.
+        needed = 3 if config.forwarding == _ferry.Forwarding.NODE_ONCE else 1
         if taken + needed > MAX_INSTANCES:
             raise ResourceExhausted(
                 f"an engine serves at most {MAX_INSTANCES} AllToAlls (one per shape and "

@@ -64,6 +64,14 @@ class CudaHops final : public HopMemory {
     return Done();
   }
 
+  Status CopyRows(void* dst, int64_t dst_pitch, const void* src, int64_t src_pitch,
+                  int64_t width, int64_t rows) override {
+    FERRY_CUDA(cudaSetDevice(device_));
+    FERRY_CUDA(cudaMemcpy2DAsync(dst, size_t(dst_pitch), src, size_t(src_pitch), size_t(width),
+                                 size_t(rows), cudaMemcpyDeviceToDevice, stream_));
+    return Done();
+  }
+
   // Captured, the record is an event node of the graph (cudaEventRecordExternal), recorded at
   // each replay.
   Status Stamp(int point) override {
