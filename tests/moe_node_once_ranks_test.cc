@@ -43,7 +43,8 @@ bool Reaches(int s, int me, const std::vector<bool>& masked) {
 
 // One epoch of rank `me`, every output checked against `masked` (the ranks out, as me sees the
 // world): each local expert's rows as a multiset, and each token's sum over the copies whose
-// expert rank its route reaches.
+// expert rank its route reaches. Odd epochs give the weights at the combine too (the weights
+// rail then crosses the same routes, masked alike).
 Status Epoch(AllToAll& a2a, int me, int epoch, const std::vector<bool>& masked) {
   std::vector<uint16_t> x(size_t(kTokens) * kHidden);
   std::vector<int32_t> ids(size_t(kTokens) * kK);
@@ -82,7 +83,9 @@ Status Epoch(AllToAll& a2a, int me, int epoch, const std::vector<bool>& masked) 
   }
   RETURN_IF_ERROR(a2a.CombineSend(out_x.data()));  // the experts: the identity
   std::vector<uint16_t> y(size_t(kTokens) * kHidden);
-  RETURN_IF_ERROR(a2a.CombineRecv(CombineOutput{.out = y.data()}, Deadline::After(30s)));
+  RETURN_IF_ERROR(a2a.CombineRecv(
+      CombineOutput{.out = y.data(), .weights = epoch % 2 ? w.data() : nullptr},
+      Deadline::After(30s)));
   for (int t = 0; t < kTokens; ++t) {
     float weight = 0;
     for (int j = 0; j < kK; ++j) {

@@ -228,7 +228,9 @@ class NodeOnceDevice final : public MoeDevice {
       if (r / per_node == c_.rank / per_node) {
         RETURN_IF_ERROR(node_->SetMasked(r % per_node, true));
       } else if (r % per_node == c_.rank % per_node) {
+        // The weights rail routes as the rail does: the same route out of it.
         RETURN_IF_ERROR(rail_->SetMasked(r / per_node, true));
+        RETURN_IF_ERROR(weights_->SetMasked(r / per_node, true));
       }
     }
     return Status::Ok();
