@@ -416,6 +416,7 @@ inline std::vector<Case> AllCases() {
                        .nvlink = true, .node_ranks = 2, .token_major = 1}),
          NodeOnce(Case{.world_size = 4, .tokens = 333, .hidden = 2176, .experts = 64,
                        .k = 8, .dtype = bf16, .routing = hot, .rank1_empty = true,
+                       .once_per_rank = true, .reduce_at_expert_rank = true,
                        .nvlink = true, .node_ranks = 2, .token_major = 2}),
          NodeOnce(Case{.world_size = 6, .tokens = 64, .hidden = 256, .experts = 48,
                        .k = 8, .dtype = fp8, .routing = rnd, .once_per_rank = true,
