@@ -51,13 +51,8 @@ struct Case {
 };
 
 inline std::string Describe(const Case& c) {
-  return "n" + std::to_string(c.world_size) + "_t" + std::to_string(c.tokens) + "_h" +
-         std::to_string(c.hidden) + "_e" + std::to_string(c.experts) + "_k" +
-         std::to_string(c.k) +
-         (c.dtype == DispatchDtype::kBf16   ? "_bf16"
-          : c.dtype == DispatchDtype::kFp32 ? "_fp32"
-                                            : "_fp8") +
-         (c.routing == Routing::kAllToOneExpert ? "_hot" : "") + (c.rank1_empty ? "_empty1" : "") +
+  return ShapeName(c.world_size, c.hidden,
+                   {c.tokens, c.k, c.experts, c.dtype, c.routing, c.rank1_empty}) +
          (c.once_per_rank ? "_a" : "") + (c.reduce_at_expert_rank ? "_b" : "") +
          (c.nvlink ? "_nvlink" : "") + (c.graph ? "_graph" : "") +
          (c.node_ranks ? "_nodes" + std::to_string(c.world_size / c.node_ranks) : "") +

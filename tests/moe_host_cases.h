@@ -43,14 +43,7 @@ inline InputSpec Spec(const Case& c) {
 
 inline std::string Describe(const Case& c) {
   std::string p = c.provider == "shm" ? "shm" : "tcp";
-  return p + "_n" + std::to_string(c.world_size) + "_t" + std::to_string(c.tokens) + "_h" +
-         std::to_string(c.hidden) + "_e" + std::to_string(c.experts) + "_k" +
-         std::to_string(c.k) +
-         (c.dtype == DispatchDtype::kBf16   ? "_bf16"
-          : c.dtype == DispatchDtype::kFp32 ? "_fp32"
-                                            : "_fp8") +
-         (c.routing == Routing::kAllToOneExpert ? "_hot" : "") + (c.rank1_empty ? "_empty1" : "") +
-         "_it" + std::to_string(c.iterations) + (c.once_per_rank ? "_a" : "") +
+  return p + "_" + ShapeName(c.world_size, c.hidden, Spec(c)) + "_it" + std::to_string(c.iterations) + (c.once_per_rank ? "_a" : "") +
          (c.reduce_at_expert_rank ? "_b" : "") +
          (c.layouts == Layouts::kTokenMajor ? "_tokmajor"
           : c.layouts == Layouts::kMixed    ? "_mixedlayout"

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "ferry/moe.h"
@@ -27,6 +28,17 @@ struct InputSpec {
   // last copy of every third token, and every copy of every seventh (host device only).
   bool unrouted = false;
 };
+
+// A case's shape in a test's name: n<ranks>_t<tokens>_h<hidden>_e<experts>_k<k>, the rows' dtype,
+// then _hot (every token to expert 0) and _empty1 (rank 1 sends nothing) where they hold.
+inline std::string ShapeName(int world_size, int hidden, const InputSpec& s) {
+  return "n" + std::to_string(world_size) + "_t" + std::to_string(s.tokens) + "_h" +
+         std::to_string(hidden) + "_e" + std::to_string(s.experts) + "_k" + std::to_string(s.k) +
+         (s.dtype == DispatchDtype::kBf16   ? "_bf16"
+          : s.dtype == DispatchDtype::kFp32 ? "_fp32"
+                                            : "_fp8") +
+         (s.routing == Routing::kAllToOneExpert ? "_hot" : "") + (s.rank1_empty ? "_empty1" : "");
+}
 
 inline float DecodeE4M3(uint8_t b) {
   int sign = b >> 7, exp = (b >> 3) & 0xF, man = b & 7;

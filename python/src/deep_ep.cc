@@ -25,24 +25,11 @@
 #include "all_to_all.h"
 #include "binding.h"
 #include "compat.h"
+#include "deep_ep_handle.h"
 #include "fast_call.h"
 
 namespace ferry::python {
 namespace {
-
-// What a combine needs of its dispatch (deep_ep's handle): the AllToAll that carried it
-// (`pooled`, held busy until the combine's receive half; another call may take the AllToAll
-// after that, so the handle's own in_flight, not the AllToAll's flag, says whether it can still
-// be combined) and the shapes the combine checks against. Python's path makes them too
-// (ferry.deep_ep._Handle is this type); max_tokens is None for normal mode's, which have rows.
-struct DeepEpHandle {
-  std::shared_ptr<PooledAllToAll> pooled;
-  int64_t tokens, k, hidden, num_experts;
-  py::object topk_idx, max_tokens, topk_weights, rows;
-  int device;  // the dispatch's tensors' (Tensor.get_device(): -1 the CPU)
-  bool in_flight = true;
-  py::object combine_buffer;  // get_next_low_latency_combine_buffer's, once asked for
-};
 
 // Names looked up on Python objects, made once.
 struct Names {
@@ -71,22 +58,6 @@ class PyDeepEpLowLatency {
         !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(handle_type_.ptr()), &PyTuple_Type)) {
       Invalid("handle_type: a tuple subclass");
     }
-  }
-
-  // The DeepEpHandle a low-latency handle (V1's tuple, its ferry part in `_ferry`) or a
-  // normal-mode one holds; null for anything else.
-  static std::shared_ptr<DeepEpHandle> Unwrap(PyObject* o) {
-    static PyObject* const ferry = PyUnicode_InternFromString("_ferry");
-    py::object inner = py::reinterpret_borrow<py::object>(o);
-    if (PyTuple_Check(o)) {
-      inner = py::reinterpret_steal<py::object>(PyObject_GetAttr(o, ferry));
-      if (!inner) {
-        PyErr_Clear();
-        return nullptr;
-      }
-    }
-    if (!py::isinstance<DeepEpHandle>(inner)) return nullptr;
-    return py::cast<std::shared_ptr<DeepEpHandle>>(inner);
   }
 
   // A low-latency AllToAll of one shape (its pool entry) with its output sets (`sets`, the
@@ -289,7 +260,8 @@ class PyDeepEpLowLatency {
                      .rows = py::none(),
                      .device = device,
                      .combine_buffer = py::none()});
-    py::object v1_handle = V1Handle(set[4], set[5], m, hidden, experts, handle);
+    py::object v1_handle =
+        MakeV1Handle(handle_type_, set[4], set[5], m, hidden, experts, handle);
     py::object out_x = fp8 ? py::object(py::make_tuple(set[0], set[3])) : py::object(set[0]);
     py::object recv_hook = py::none();
     if (hook) {
@@ -324,7 +296,7 @@ class PyDeepEpLowLatency {
       ThrowIfError(UnimplementedError("use_logfmt=True: LogFMT-encoded combine is not supported"));
     }
     const bool zero_copy = Flag(a[5], false), async = Flag(a[6], false), hook = Flag(a[7], false);
-    auto h = Unwrap(a[3]);
+    auto h = UnwrapHandle(a[3]);
     if (!h) Invalid("low_latency_combine: handle is not one this Buffer's dispatch returned");
     if (!h->in_flight) Invalid("low_latency_combine: the handle's dispatch was combined already");
     if (!h->rows.is_none()) Invalid("handle: from a normal-mode dispatch (use combine)");
@@ -423,26 +395,6 @@ class PyDeepEpLowLatency {
   }
 
  private:
-  // DeepEP V1's low-latency handle: (src_info, layout_range, num_max_dispatch_tokens_per_rank,
-  // hidden, num_experts), a tuple callers may index, of handle_type_ with ferry's handle in its
-  // `_ferry` attribute. Made as tuple_subtype_new makes one (allocated, its items set), without
-  // the Python call.
-  py::object V1Handle(py::handle src_info, py::handle layout_range, int64_t m, int64_t hidden,
-                      int64_t experts, const std::shared_ptr<DeepEpHandle>& handle) const {
-    static PyObject* const ferry = PyUnicode_InternFromString("_ferry");
-    auto* type = reinterpret_cast<PyTypeObject*>(handle_type_.ptr());
-    py::object t = py::reinterpret_steal<py::object>(type->tp_alloc(type, 5));
-    if (!t) throw py::error_already_set();
-    PyObject* items[5] = {src_info.inc_ref().ptr(), layout_range.inc_ref().ptr(),
-                          py::int_(m).release().ptr(), py::int_(hidden).release().ptr(),
-                          py::int_(experts).release().ptr()};
-    for (int i = 0; i < 5; ++i) PyTuple_SET_ITEM(t.ptr(), i, items[i]);
-    if (PyObject_SetAttr(t.ptr(), ferry, py::cast(handle).ptr()) != 0) {
-      throw py::error_already_set();
-    }
-    return t;
-  }
-
   // A wait-cost statistics argument: None, or int64 [world] on `device`.
   std::optional<Array> WaitCost(const char* name, PyObject* o, int device) const {
     if (IsNone(o)) return std::nullopt;
@@ -577,42 +529,7 @@ PyMethodDef combine_def{
 }  // namespace
 
 void BindDeepEp(py::module_& m) {
-  py::class_<DeepEpHandle, std::shared_ptr<DeepEpHandle>>(
-      m, "DeepEpHandle",
-      "What a ferry.deep_ep combine needs of its dispatch (the handle a dispatch returns)")
-      .def(py::init([](std::shared_ptr<PooledAllToAll> pooled, int64_t tokens, int64_t k,
-                       int64_t hidden, int64_t num_experts, py::object topk_idx,
-                       py::object max_tokens, py::object topk_weights, py::object rows) {
-             if (!pooled) Invalid("pooled: None");
-             const std::optional<Array> ids = TorchArray(topk_idx);
-             if (!ids) Invalid("topk_idx: not a contiguous CPU or CUDA tensor");
-             return DeepEpHandle{std::move(pooled),
-                                 tokens,
-                                 k,
-                                 hidden,
-                                 num_experts,
-                                 std::move(topk_idx),
-                                 std::move(max_tokens),
-                                 std::move(topk_weights),
-                                 std::move(rows),
-                                 ids->device,
-                                 true,
-                                 py::none()};
-           }),
-           py::arg("pooled"), py::arg("tokens"), py::arg("k"), py::arg("hidden"),
-           py::arg("num_experts"), py::arg("topk_idx"), py::arg("max_tokens") = py::none(),
-           py::arg("topk_weights") = py::none(), py::arg("rows") = py::none())
-      .def_readwrite("pooled", &DeepEpHandle::pooled)
-      .def_readwrite("in_flight", &DeepEpHandle::in_flight)
-      .def_readonly("tokens", &DeepEpHandle::tokens)
-      .def_readonly("k", &DeepEpHandle::k)
-      .def_readonly("hidden", &DeepEpHandle::hidden)
-      .def_readonly("num_experts", &DeepEpHandle::num_experts)
-      .def_readonly("topk_idx", &DeepEpHandle::topk_idx)
-      .def_readonly("max_tokens", &DeepEpHandle::max_tokens)
-      .def_readonly("topk_weights", &DeepEpHandle::topk_weights)
-      .def_readwrite("rows", &DeepEpHandle::rows)
-      .def_readwrite("combine_buffer", &DeepEpHandle::combine_buffer);
+  BindDeepEpHandle(m);
   py::class_<PyDeepEpLowLatency> layer(
       m, "DeepEpLowLatency",
       "The low-latency calls of ferry.deep_ep.Buffer (what the Buffer subclasses; construct "
@@ -623,7 +540,7 @@ void BindDeepEp(py::module_& m) {
       .def_static(
           "_unwrap",
           [](py::handle handle) -> py::object {
-            std::shared_ptr<DeepEpHandle> h = PyDeepEpLowLatency::Unwrap(handle.ptr());
+            std::shared_ptr<DeepEpHandle> h = UnwrapHandle(handle.ptr());
             return h ? py::cast(h) : py::object(py::none());
           },
           py::arg("handle"),

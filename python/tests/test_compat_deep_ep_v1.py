@@ -199,11 +199,20 @@ class DeepEpV1NamesTest(unittest.TestCase):
         self.assertTrue(torch.equal(out, x))  # each token: its two copies, half each
         buf.destroy()
 
-    def test_check_nvlink_connections_passes_here(self):
-        """utils.check_nvlink_connections(group): raises only where two GPUs of this host cannot
-        reach each other's memory (nothing to check on a CPU-only host)."""
+    def test_check_nvlink_connections_agrees_with_torch(self):
+        """utils.check_nvlink_connections(group) raises exactly where two GPUs of this host cannot
+        reach each other's memory, as torch reports it (needs two GPUs to check anything)."""
         from ferry import deep_ep
-        deep_ep.utils.check_nvlink_connections(None)
+        if torch.cuda.device_count() < 2:
+            self.skipTest("fewer than two GPUs: no pair to check")
+        n = torch.cuda.device_count()
+        reachable = all(torch.cuda.can_device_access_peer(i, j)
+                        for i in range(n) for j in range(n) if i != j)
+        if reachable:
+            deep_ep.utils.check_nvlink_connections(None)
+        else:
+            with self.assertRaises(ferry.InvalidArgument):
+                deep_ep.utils.check_nvlink_connections(None)
 
     def test_the_shim_has_the_same_names(self):
         """`import deep_ep` through the shim: topk_idx_t, __version__ and
