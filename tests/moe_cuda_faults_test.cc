@@ -256,7 +256,8 @@ TEST(MoeNvlinkTest, ALostRankOfAnotherNode) {
   auto exits = RunLocalRanks(4, [](Bootstrap& b) -> Status {
     AllToAllConfig cfg{.world_size = 4, .rank = b.rank(), .ranks_per_node = 2, .num_experts = 8,
                        .experts_per_token = 2, .max_tokens_per_rank = 4, .hidden = 128,
-                       .dtype = DispatchDtype::kBf16, .max_private_tokens = 2};
+                       .dtype = DispatchDtype::kBf16, .max_private_tokens = 2,
+                       .forwarding = Forwarding::kPerRank};  // the relay between ranks
     RETURN_IF_ERROR(UseGpu(b, &cfg));
     ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
     ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(cfg, engine.get(), b));

@@ -107,7 +107,7 @@ Status RunRank(const Case& c, Bootstrap& b) {
   const bool fp16 = c.fp16_combine;
   if (token_major) cfg.dispatch_layout = DispatchLayout::kTokenMajor;
   if (c.nvlink) cfg.ranks_per_node = c.node_ranks > 0 ? c.node_ranks : b.world_size();
-  if (c.node_once) cfg.forwarding = Forwarding::kNodeOnce;
+  cfg.forwarding = c.node_once ? Forwarding::kNodeOnce : Forwarding::kPerRank;
   AllToAllConfig gpu_cfg = cfg;
   RETURN_IF_ERROR(UseGpu(b, &gpu_cfg));
   gpu_cfg.streaming = static_cast<Streaming>(c.stream + 1);  // kNone is 1: the mask less one

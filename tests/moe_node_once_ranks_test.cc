@@ -105,16 +105,19 @@ Status Epoch(AllToAll& a2a, int me, int epoch, const std::vector<bool>& masked) 
 // From the next dispatch rank 3 keeps its own tokens only; the others lose rank 3's experts and
 // the route it forwarded (rank 1's tokens into node 1, rank 2's experts included); no step waits
 // for a masked rank, and nothing more crosses to or from rank 3. Masked() names rank 3 (the
-// others, on rank 3).
+// others, on rank 3). The configuration leaves forwarding to its default (kAuto), which for
+// two nodes of two takes node-once: the routes lost to a mask are node-once's.
 TEST(MoeNodeOnceTest, AMaskedRankTakesItsExpertsAndTheRouteItForwardsOut) {
   auto exits = testing_util::RunRanks(kWorld, [](Bootstrap& b) -> Status {
     const int me = b.rank();
     AllToAllConfig c{.world_size = kWorld, .rank = me, .ranks_per_node = kPerNode,
                      .num_experts = kExperts, .experts_per_token = kK,
-                     .max_tokens_per_rank = kTokens, .hidden = kHidden,
-                     .forwarding = Forwarding::kNodeOnce};
+                     .max_tokens_per_rank = kTokens, .hidden = kHidden};
     ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
     ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(c, engine.get(), b));
+    CHECK_OR_RETURN(c.forwarding == Forwarding::kAuto &&
+                        a2a->config().forwarding == Forwarding::kNodeOnce,
+                    "the default forwarding for two nodes of two: not node-once");
     const std::vector<bool> none(kWorld, false);
     RETURN_IF_ERROR(Epoch(*a2a, me, 0, none));
     std::vector<bool> masked(kWorld, false);

@@ -78,6 +78,15 @@ enum class Forwarding : uint8_t {
   // node, the relay on the rail, CUDA graphs as per rank). Not with mask_lost_peers (masks set
   // by hand work: a masked rank's experts and the routes it forwards are out).
   kNodeOnce = 1,
+  // Whichever the scale model (tools/moe_model.py, docs/SCALE.md) finds faster for the
+  // configuration: node-once where there are several nodes of several ranks and node-once can
+  // run (no mask_lost_peers, top-k within a node's experts, instance + 2 free), per rank
+  // otherwise. The model puts node-once ahead at every multi-node size it covers (decode,
+  // EP16 / 32 / 64 on EFA: 258 / 357 / 467 us against per rank's 344 / 498 / 613 with (a)+(b);
+  // on CX7 127 / 230 / 349 against 261 / 411 / 514): a token's row crosses to a node once
+  // instead of once per rank there. AllToAllConfig::chosen_forwarding says which; the
+  // AllToAll's config() holds it.
+  kAuto = 2,
 };
 
 // Where the four steps run.
@@ -171,7 +180,7 @@ struct FERRY_API AllToAllConfig {
   // (b) the expert rank sums its experts' outputs for a token in fp32, weights applied, and
   //     returns one row per token (bf16, or fp32: combines_fp32) instead of one per expert.
   bool combine_reduce_at_expert_rank = false;
-  Forwarding forwarding = Forwarding::kPerRank;  // several nodes: see Forwarding
+  Forwarding forwarding = Forwarding::kAuto;  // several nodes: see Forwarding
   // Per rank, not part of what ranks must agree on: each may run its steps where it likes, and
   // take its output in either layout (the bytes that cross are the same).
   DispatchLayout dispatch_layout = DispatchLayout::kExpertMajor;
@@ -201,6 +210,9 @@ struct FERRY_API AllToAllConfig {
   int local_experts() const { return num_experts / world_size; }
   // Bytes of one token row as dispatched (payload only).
   int64_t token_bytes() const;
+  // `forwarding`, kAuto resolved (see Forwarding::kAuto): what crosses, and so what the ranks
+  // agree on.
+  Forwarding chosen_forwarding() const;
   // Whether the combine's rows, output and sums are fp32 (else bf16).
   bool combines_fp32() const { return fp32_combine || dtype == DispatchDtype::kFp32; }
   // Bytes of one combine row (CombineSend's rows, CombineRecv's output).

@@ -36,7 +36,8 @@ void BindMoe(py::module_& m) {
   py::enum_<Forwarding>(m, "Forwarding",
                         "How a token reaches the ranks of another node (ferry/moe.h's Forwarding)")
       .value("PER_RANK", Forwarding::kPerRank)
-      .value("NODE_ONCE", Forwarding::kNodeOnce);
+      .value("NODE_ONCE", Forwarding::kNodeOnce)
+      .value("AUTO", Forwarding::kAuto);
 
   py::class_<CudaTuning>(m, "CudaTuning",
                          "Where the CUDA device keeps its flags and what it reports on itself "
@@ -76,6 +77,8 @@ void BindMoe(py::module_& m) {
       .def_readwrite("mask_lost_peers", &AllToAllConfig::mask_lost_peers)
       .def_readwrite("forwarding", &AllToAllConfig::forwarding)
       .def("validate", [](const AllToAllConfig& c) { ThrowIfError(c.Validate()); })
+      .def("chosen_forwarding", &AllToAllConfig::chosen_forwarding,
+           "forwarding with AUTO resolved: what an AllToAll made from this runs")
       .def_property_readonly("local_experts", &AllToAllConfig::local_experts)
       .def_property_readonly("token_bytes", &AllToAllConfig::token_bytes)
       .def_property_readonly("scales_per_token", &AllToAllConfig::scales_per_token)

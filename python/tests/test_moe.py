@@ -410,6 +410,18 @@ class AllToAllTest(unittest.TestCase):
         with self.assertRaises(TypeError):
             config(0, hiden=128)
 
+    def test_forwarding_default_chosen(self):
+        """forwarding defaults to AUTO, which takes node-once for several nodes of several
+        ranks and per rank on one node (chosen_forwarding says which)."""
+        c = ferry.AllToAllConfig(world_size=16, rank=3, ranks_per_node=8, num_experts=256,
+                                 experts_per_token=8, max_tokens_per_rank=128, hidden=7168)
+        self.assertEqual(c.forwarding, ferry.Forwarding.AUTO)
+        self.assertEqual(c.chosen_forwarding(), ferry.Forwarding.NODE_ONCE)
+        c.ranks_per_node = 16
+        self.assertEqual(c.chosen_forwarding(), ferry.Forwarding.PER_RANK)
+        c.ranks_per_node, c.forwarding = 8, ferry.Forwarding.PER_RANK
+        self.assertEqual(c.chosen_forwarding(), ferry.Forwarding.PER_RANK)
+
     def test_streaming_and_cuda_tuning(self):
         """Which steps stream is a config field the ranks agree on (a typed value); the CUDA
         device's diagnostics are set in place or whole, or read from the environment by

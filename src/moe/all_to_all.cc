@@ -198,9 +198,12 @@ Status CheckConfigurationsAgree(const AllToAllConfig& c, Bootstrap& bootstrap) {
 
 }  // namespace
 
-StatusOr<std::unique_ptr<AllToAll>> AllToAll::Create(const AllToAllConfig& config,
+StatusOr<std::unique_ptr<AllToAll>> AllToAll::Create(const AllToAllConfig& asked,
                                                      TransferEngine* engine, Bootstrap& bootstrap) {
-  RETURN_IF_ERROR(config.Validate());
+  RETURN_IF_ERROR(asked.Validate());
+  // From here on the configuration says what runs (config() reports it).
+  AllToAllConfig config = asked;
+  config.forwarding = asked.chosen_forwarding();
   // The CUDA device with one node (a single rank included) needs no engine.
   const bool one_node = config.ranks_per_node == config.world_size;
   if (!engine && !(config.device == MoeDeviceKind::kCuda && one_node)) {

@@ -23,7 +23,41 @@ const char* DtypeName(DispatchDtype d) {
   return "?";
 }
 
+// Why node-once forwarding cannot run for c, or null where it can.
+const char* NodeOnceRefusal(const AllToAllConfig& c) {
+  if (c.ranks_per_node < 2 || c.ranks_per_node >= c.world_size ||
+      c.world_size % c.ranks_per_node != 0) {
+    return "node-once forwarding needs several nodes of several ranks "
+           "(1 < ranks_per_node < world_size)";
+  }
+  if (c.instance + 2 >= AllToAllConfig::kMaxInstances) {
+    return "node-once forwarding takes the instances instance to instance + 2";
+  }
+  if (c.experts_per_token > c.num_experts / (c.world_size / c.ranks_per_node)) {
+    return "node-once forwarding needs experts_per_token <= the experts of one node";
+  }
+  // A rank lost under node-once is found by its node at the node hop and by its rail at the
+  // rail hop, and the ranks each finding delays are waited for, at the next hop, by ranks that
+  // found nothing. Whatever the hops' shares of a step's deadline, one order of losses has a
+  // live rank taken for lost: a rank that dies between its rail and node sends keeps its node
+  // past the node hop's share, which the other nodes' rail combine must outwait; one that dies
+  // between its node and rail combines keeps its rail past the rail hop's share, which its
+  // node's next dispatch must outwait. Telling a late rank from a lost one needs word from the
+  // late rank (not supported yet; masks set by hand are).
+  if (c.mask_lost_peers) {
+    return "mask_lost_peers with node-once forwarding: a rank delayed at one hop by a lost "
+           "rank would be taken for lost by the ranks waiting for it at the next (not "
+           "supported yet; masks set by hand are)";
+  }
+  return nullptr;
+}
+
 }  // namespace
+
+Forwarding AllToAllConfig::chosen_forwarding() const {
+  if (forwarding != Forwarding::kAuto) return forwarding;
+  return NodeOnceRefusal(*this) ? Forwarding::kPerRank : Forwarding::kNodeOnce;
+}
 
 Status AllToAllConfig::Validate() const {
   auto bad = [&](const std::string& what) {
@@ -91,25 +125,12 @@ Status AllToAllConfig::Validate() const {
     return bad("the CUDA device takes cuda_device >= 0, up to 1024 experts and top-16");
   }
   if (streaming > Streaming::kBoth) return bad("unknown streaming");
-  if (forwarding != Forwarding::kPerRank && forwarding != Forwarding::kNodeOnce) {
+  if (forwarding != Forwarding::kPerRank && forwarding != Forwarding::kNodeOnce &&
+      forwarding != Forwarding::kAuto) {
     return bad("unknown forwarding");
   }
   if (forwarding == Forwarding::kNodeOnce) {
-    if (ranks_per_node < 2 || ranks_per_node >= world_size) {
-      return bad("node-once forwarding needs several nodes of several ranks "
-                 "(1 < ranks_per_node < world_size)");
-    }
-    if (instance + 2 >= kMaxInstances) {
-      return bad("node-once forwarding takes the instances instance to instance + 2");
-    }
-    if (experts_per_token > num_experts / (world_size / ranks_per_node)) {
-      return bad("node-once forwarding needs experts_per_token <= the experts of one node");
-    }
-    if (mask_lost_peers) {
-      return bad("mask_lost_peers with node-once forwarding: a lost rank is found at different "
-                 "hops by different ranks, and the skew between them would have live "
-                 "forwarders taken for lost (not supported yet; masks set by hand are)");
-    }
+    if (const char* why = NodeOnceRefusal(*this)) return bad(why);
   }
   return Status::Ok();
 }
@@ -145,7 +166,7 @@ std::vector<uint8_t> AllToAllConfig::Fingerprint() const {
                 hidden, static_cast<int>(dtype), fp8_scales, int{combines_fp32()},
                 max_private_tokens, int{dispatch_once_per_rank},
                 int{combine_reduce_at_expert_rank}, instance, static_cast<int>(streaming),
-                int{mask_lost_peers}, static_cast<int>(forwarding)}) {
+                int{mask_lost_peers}, static_cast<int>(chosen_forwarding())}) {
     w.U32(static_cast<uint32_t>(v));
   }
   return w.Take();
@@ -166,7 +187,7 @@ std::string AllToAllConfig::ToString() const {
          (combine_reduce_at_expert_rank ? " reduce_at_expert_rank" : "") +
          (dispatch_layout == DispatchLayout::kTokenMajor ? " token_major" : "") +
          (mask_lost_peers ? " mask_lost_peers" : "") +
-         (forwarding == Forwarding::kNodeOnce ? " node_once" : "") +
+         (chosen_forwarding() == Forwarding::kNodeOnce ? " node_once" : "") +
          (streaming != Streaming::kAuto
               ? " streaming=" + std::to_string(static_cast<int>(streaming))
               : std::string()) +
@@ -231,7 +252,7 @@ Status CheckDispatchOutput(const AllToAllConfig& c, const DispatchOutput& out) {
         "DispatchRecv: source_tokens and sender_ranges describe expert-major rows; this "
         "AllToAll is token-major (token_experts says where each row goes)");
   }
-  if (c.forwarding == Forwarding::kNodeOnce && (out.source_tokens || out.sender_ranges)) {
+  if (c.chosen_forwarding() == Forwarding::kNodeOnce && (out.source_tokens || out.sender_ranges)) {
     return InvalidArgumentError(
         "DispatchRecv: source_tokens and sender_ranges under node-once forwarding (the rows come "
         "from the forwarders of their nodes, not from their senders)");

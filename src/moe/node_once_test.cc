@@ -48,8 +48,47 @@ TEST(NodeOnceTest, ConfigurationAgreedAndRefusedWhereItCannotRun) {
   bad.mask_lost_peers = true;  // masks set by hand are taken; lost ranks not yet
   refused(bad, "mask_lost_peers");
   bad = c;
-  bad.forwarding = static_cast<Forwarding>(2);
+  bad.forwarding = static_cast<Forwarding>(3);
   refused(bad, "unknown forwarding");
+}
+
+// The default (kAuto) takes node-once wherever there are several nodes of several ranks and
+// node-once can run, per rank elsewhere; ranks agree on the choice, not on how it was asked.
+TEST(NodeOnceTest, TheDefaultTakesNodeOnceWhereItCanRun) {
+  EXPECT_EQ(AllToAllConfig{}.forwarding, Forwarding::kAuto);
+  AllToAllConfig c = NodeOnce(16, 8, 3);
+  c.forwarding = Forwarding::kAuto;
+  ASSERT_TRUE(c.Validate().ok()) << c.Validate();
+  EXPECT_EQ(c.chosen_forwarding(), Forwarding::kNodeOnce);
+  EXPECT_EQ(c.Fingerprint(), NodeOnce(16, 8, 3).Fingerprint());
+  EXPECT_NE(c.ToString().find("node_once"), std::string::npos);
+  for (int world : {4, 32, 64}) {
+    AllToAllConfig w = NodeOnce(world, world == 4 ? 2 : 8, 1);
+    w.forwarding = Forwarding::kAuto;
+    EXPECT_EQ(w.chosen_forwarding(), Forwarding::kNodeOnce) << world;
+  }
+  auto per_rank = [](AllToAllConfig a, const char* why) {
+    ASSERT_TRUE(a.Validate().ok()) << why << ": " << a.Validate();
+    EXPECT_EQ(a.chosen_forwarding(), Forwarding::kPerRank) << why;
+    AllToAllConfig explicit_per_rank = a;
+    explicit_per_rank.forwarding = Forwarding::kPerRank;
+    EXPECT_EQ(a.Fingerprint(), explicit_per_rank.Fingerprint()) << why;
+  };
+  AllToAllConfig a = c;
+  a.ranks_per_node = 16;
+  per_rank(a, "one node");
+  a.ranks_per_node = 1;
+  per_rank(a, "a rank per node");
+  a = c;
+  a.mask_lost_peers = true;
+  per_rank(a, "mask_lost_peers");
+  a.mask_lost_peers = false;
+  a.instance = AllToAllConfig::kMaxInstances - 2;
+  per_rank(a, "instances");
+  a = NodeOnce(16, 2, 0);
+  a.forwarding = Forwarding::kAuto;
+  a.num_experts = 32;
+  per_rank(a, "top-k beyond a node's experts");
 }
 
 // The rail AllToAll: one rank per node (ours: our node's index), our index in the node the same

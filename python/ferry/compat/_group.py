@@ -118,7 +118,7 @@ class Group:
         taken = _ENGINE_INSTANCES.get(id(engine), 0) if engine is not None else self._instances
         # Node-once forwarding's AllToAll is three (its rail's, its node's and the weights
         # rail's), on three instances.
-        needed = 3 if config.forwarding == _ferry.Forwarding.NODE_ONCE else 1
+        needed = 3 if config.chosen_forwarding() == _ferry.Forwarding.NODE_ONCE else 1
         if taken + needed > MAX_INSTANCES:
             raise ResourceExhausted(
                 f"an engine serves at most {MAX_INSTANCES} AllToAlls (one per shape and "

@@ -55,6 +55,10 @@ class _Streams:
             c = _ferry.AllToAllConfig(**fields())
             c.device = device
             c.mask_lost_peers = low_latency and self.enable_shrink
+            if low_latency:
+                # The low-latency handle names each row's sender (src_info), which rows
+                # forwarded inside a node lack: across nodes, per rank.
+                c.forwarding = _ferry.Forwarding.PER_RANK
             if device == _ferry.MoeDevice.CUDA:
                 c.cuda_device = x.device.index or 0
             if device == _ferry.MoeDevice.CUDA or c.forwarding == _ferry.Forwarding.NODE_ONCE:
