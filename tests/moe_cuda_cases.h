@@ -48,6 +48,7 @@ struct Case {
   // Forwarding::kNodeOnce on both devices (nvlink, node_ranks: several nodes of several
   // ranks): the rail AllToAll through the relay, the node AllToAll over NVLink.
   bool node_once = false;
+  bool fp32_partials = false;  // node-once: AllToAllConfig::partial_sums = kFp32
 };
 
 inline std::string Describe(const Case& c) {
@@ -62,7 +63,7 @@ inline std::string Describe(const Case& c) {
          (c.shared_engine ? "_sharedengine" : "") +
          (c.fp8_scales ? "_scales" + std::to_string(c.fp8_scales) : "") +
          (c.fp32_combine ? "_f32comb" : "") + (c.fp16_combine ? "_f16comb" : "") +
-         (c.node_once ? "_nodeonce" : "");
+         (c.node_once ? "_nodeonce" : "") + (c.fp32_partials ? "_p32" : "");
 }
 
 // gtest prints a case by its name (found by argument-dependent lookup).
@@ -82,6 +83,12 @@ inline Case SharedEngine(Case c) {
 // The same case with node-once forwarding (Case::node_once).
 inline Case NodeOnce(Case c) {
   c.node_once = true;
+  return c;
+}
+
+// The same case with node-once forwarding's fp32 partial sums (Case::fp32_partials).
+inline Case Fp32Partials(Case c) {
+  c.node_once = c.fp32_partials = true;
   return c;
 }
 
@@ -430,7 +437,20 @@ inline std::vector<Case> AllCases() {
                        .nvlink = true, .node_ranks = 2, .fp16_combine = true}),
          NodeOnce(Case{.world_size = 4, .tokens = 77, .hidden = 384, .experts = 40,
                        .k = 3, .dtype = fp32, .routing = rnd, .nvlink = true,
-                       .node_ranks = 2})};
+                       .node_ranks = 2}),
+         // Node-once's fp32 partial sums: the node's sums kept fp32 (the wide combine
+         // kernels, bf16 and fp16 rows), fp32 rows on the rail, rounded once at the end
+         // (with a graph: the count read on the GPU, accumulate).
+         Fp32Partials(Case{.world_size = 4, .tokens = 128, .hidden = 7168, .experts = 256,
+                           .k = 8, .dtype = fp8, .routing = rnd, .private_tokens = 16,
+                           .nvlink = true, .node_ranks = 2}),
+         Fp32Partials(Case{.world_size = 4, .tokens = 64, .hidden = 256, .experts = 48,
+                           .k = 8, .dtype = bf16, .routing = rnd, .nvlink = true,
+                           .node_ranks = 2, .fp16_combine = true}),
+         Fp32Partials(Case{.world_size = 4, .tokens = 96, .hidden = 256, .experts = 64,
+                           .k = 4, .dtype = bf16, .routing = rnd, .once_per_rank = true,
+                           .reduce_at_expert_rank = true, .iterations = 4, .nvlink = true,
+                           .graph = true, .node_ranks = 2})};
 }
 
 }  // namespace moe_cuda_cases

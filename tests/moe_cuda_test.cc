@@ -108,6 +108,7 @@ Status RunRank(const Case& c, Bootstrap& b) {
   if (token_major) cfg.dispatch_layout = DispatchLayout::kTokenMajor;
   if (c.nvlink) cfg.ranks_per_node = c.node_ranks > 0 ? c.node_ranks : b.world_size();
   cfg.forwarding = c.node_once ? Forwarding::kNodeOnce : Forwarding::kPerRank;
+  if (c.fp32_partials) cfg.partial_sums = PartialSums::kFp32;
   AllToAllConfig gpu_cfg = cfg;
   RETURN_IF_ERROR(UseGpu(b, &gpu_cfg));
   gpu_cfg.streaming = static_cast<Streaming>(c.stream + 1);  // kNone is 1: the mask less one

@@ -35,6 +35,7 @@ struct Case {
   bool fp16_combine = false;  // CombineInput / CombineOutput::fp16
   // Nodes of this many ranks with node-once forwarding (Forwarding::kNodeOnce); 0: per rank.
   int node_ranks = 0;
+  bool fp32_partials = false;  // AllToAllConfig::partial_sums = kFp32 (node-once)
 };
 
 inline InputSpec Spec(const Case& c) {
@@ -51,7 +52,8 @@ inline std::string Describe(const Case& c) {
          (c.unrouted ? "_unrouted" : "") + (c.late_weights ? "_lateweights" : "") +
          (c.fp8_scales ? "_scales" + std::to_string(c.fp8_scales) : "") +
          (c.fp32_combine ? "_f32comb" : "") + (c.fp16_combine ? "_f16comb" : "") +
-         (c.node_ranks ? "_nodeonce" + std::to_string(c.node_ranks) : "");
+         (c.node_ranks ? "_nodeonce" + std::to_string(c.node_ranks) : "") +
+         (c.fp32_partials ? "_p32" : "");
 }
 
 // The senders in the order the token-major rows arrive: rank order; under node-once forwarding
@@ -256,6 +258,15 @@ inline std::vector<Case> Cases() {
                  .reduce_at_expert_rank = true, .node_ranks = 4});
   out.push_back({.provider = "tcp;ofi_rxm", .world_size = 4, .tokens = 16, .hidden = 128,
                  .experts = 16, .k = 4, .dtype = fp32, .routing = rnd, .node_ranks = 2});
+  // Node-once's fp32 partial sums (PartialSums::kFp32): rounded once, as per rank (each element
+  // checked within half a unit where nothing else rounds); with (a)+(b), fp8 rows and fp16 sums.
+  out.push_back({.provider = "shm", .world_size = 4, .tokens = 21, .hidden = 128, .experts = 16,
+                 .k = 4, .dtype = bf16, .routing = rnd, .iterations = 3, .unrouted = true,
+                 .node_ranks = 2, .fp32_partials = true});
+  out.push_back({.provider = "shm", .world_size = 8, .tokens = 20, .hidden = 256, .experts = 32,
+                 .k = 4, .dtype = fp8, .routing = rnd, .once_per_rank = true,
+                 .reduce_at_expert_rank = true, .layouts = mixed, .fp16_combine = true,
+                 .node_ranks = 4, .fp32_partials = true});
   std::vector<Case> filtered;
   for (const Case& c : out) {
     for (const std::string& p : testing_util::Providers()) {

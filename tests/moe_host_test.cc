@@ -101,6 +101,7 @@ class RankRun {
     if (c_.node_ranks) {
       cfg_.ranks_per_node = c_.node_ranks;
       cfg_.forwarding = Forwarding::kNodeOnce;
+      if (c_.fp32_partials) cfg_.partial_sums = PartialSums::kFp32;
     }
     token_major_ = TokenMajor(c_, b_.rank());
     if (token_major_) cfg_.dispatch_layout = DispatchLayout::kTokenMajor;
@@ -196,21 +197,37 @@ class RankRun {
                       .weights = c_.late_weights ? weights.data() : nullptr,
                       .fp16 = fp16},
         Deadline::After(30s)));
+    // Where the combine rounds once (node-once's fp32 partial sums, every rank returning its
+    // rows as they are: no option (b), expert-major) each element is within half a unit in the
+    // last place of the exact sum, widened by the fp32 additions' own error.
+    const bool rounded_once = c_.fp32_partials && !c_.reduce_at_expert_rank &&
+                              c_.layouts == Layouts::kExpertMajor && !cfg_.combines_fp32();
     for (int t = 0; t < mine.tokens; ++t) {
       const uint8_t* xr = mine.x.data() + t * row;
       const float* sr = spt ? &mine.scales[t * spt] : nullptr;
       double norm = 0, err = 0;
       for (int col = 0; col < h; ++col) {
-        double ref = accumulate ? 0.5 : 0.0;
+        double ref = accumulate ? 0.5 : 0.0, size = std::abs(ref);
         for (int j = 0; j < c_.k; ++j) {
           int g = mine.indices[size_t(t) * c_.k + j];
           if (g < 0) continue;  // no expert: the copy adds nothing
           float expert = CombineRound(cfg_, Dequant(cfg_, xr, sr, col) * ExpertScale(g), fp16);
           ref += double(weights[size_t(t) * c_.k + j]) * expert;
+          size += std::abs(double(weights[size_t(t) * c_.k + j]) * expert);
         }
         double got = GetCombine(cfg_, y.data(), int64_t{t} * h + col, fp16);
         norm += ref * ref;
         err += (got - ref) * (got - ref);
+        if (rounded_once) {
+          const double slack = 1e-6 * size;
+          int e = 0;
+          std::frexp(std::max(std::abs(ref) + slack, 1e-30), &e);
+          const double half_unit = std::ldexp(1.0, e - 1 - (fp16 ? 10 : 7)) / 2;
+          CHECK_OR_RETURN(std::abs(got - ref) <= half_unit + slack,
+                          "token " + std::to_string(t) + " column " + std::to_string(col) +
+                              ": " + std::to_string(got) + ", exact " + std::to_string(ref) +
+                              ": more than one rounding");
+        }
       }
       // bf16 sums round to 2^-9 of their size, fp16 ones to 2^-11; fp32 sums (combines_fp32)
       // to a few 2^-24.

@@ -125,14 +125,21 @@ AllToAllConfig ConfigOf(const ScaleBenchOptions& o, int world, int rank) {
           .dtype = o.fp8 ? DispatchDtype::kFp8E4M3 : DispatchDtype::kBf16};
 }
 
-Status RunRank(const ScaleBenchOptions& o, bool once_per_rank, bool reduce, bool node_once,
-               Bootstrap& b, RankCounts* mine) {
+// One variant: the options (a) and (b), node-once forwarding and its partial sums' form.
+struct Variant {
+  const char* name;
+  bool once_per_rank, reduce, node_once;
+  PartialSums sums = PartialSums::kCombineElement;
+};
+
+Status RunRank(const ScaleBenchOptions& o, const Variant& v, Bootstrap& b, RankCounts* mine) {
   AllToAllConfig c = ConfigOf(o, b.world_size(), b.rank());
-  c.dispatch_once_per_rank = once_per_rank;
-  c.combine_reduce_at_expert_rank = reduce;
-  if (node_once) {
+  c.dispatch_once_per_rank = v.once_per_rank;
+  c.combine_reduce_at_expert_rank = v.reduce;
+  c.forwarding = v.node_once ? Forwarding::kNodeOnce : Forwarding::kPerRank;
+  if (v.node_once) {
     c.ranks_per_node = o.ranks_per_node;
-    c.forwarding = Forwarding::kNodeOnce;
+    c.partial_sums = v.sums;
   }
   RETURN_IF_ERROR(c.Validate());
   ASSIGN_OR_RETURN(EngineOptions eo, EngineOptions::FromEnv());
@@ -269,15 +276,14 @@ int RunScaleBench(const ScaleBenchOptions& o) {
               "\"dtype\":\"%s\",\"token_bytes\":%lld,\"variants\":[",
               o.provider.c_str(), o.ranks, o.ranks_per_node, o.nics, o.tokens, o.hidden,
               o.experts, o.topk, o.fp8 ? "fp8" : "bf16", (long long)c.token_bytes());
-  const struct {
-    const char* name;
-    bool once_per_rank, reduce, node_once;
-  } all_variants[] = {{"plain", false, false, false},
-                      {"(a)", true, false, false},
-                      {"(b)", false, true, false},
-                      {"(a)+(b)", true, true, false},
-                      {"node-once plain", false, false, true},
-                      {"node-once (a)+(b)", true, true, true}};
+  const Variant all_variants[] = {
+      {"plain", false, false, false},
+      {"(a)", true, false, false},
+      {"(b)", false, true, false},
+      {"(a)+(b)", true, true, false},
+      {"node-once plain", false, false, true},
+      {"node-once (a)+(b)", true, true, true},
+      {"node-once (a)+(b) fp32 sums", true, true, true, PartialSums::kFp32}};
   const size_t count = o.node_once ? std::size(all_variants) : 4;
   const auto* variants = all_variants;
   bool all_ok = true;
@@ -287,8 +293,7 @@ int RunScaleBench(const ScaleBenchOptions& o) {
         "scale", o.ranks, 0,
         [&](Bootstrap& b, Report* out) -> Status {
           RankCounts mine{};
-          Status s = RunRank(o, variants[v].once_per_rank, variants[v].reduce,
-                             variants[v].node_once, b, &mine);
+          Status s = RunRank(o, variants[v], b, &mine);
           if (!s.ok()) std::snprintf(mine.error, sizeof mine.error, "%s", s.ToString().c_str());
           // Every rank's counts (or its error) to rank 0, which reports them all.
           ASSIGN_OR_RETURN(auto all, b.AllGather({reinterpret_cast<const uint8_t*>(&mine),

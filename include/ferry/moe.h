@@ -89,6 +89,22 @@ enum class Forwarding : uint8_t {
   kAuto = 2,
 };
 
+// Under node-once forwarding, how a node's partial sums (a token's rows of one node, summed at
+// its forwarder) cross back to the token's rank. Part of what ranks agree on: it sizes the rows
+// the rail's combine moves.
+enum class PartialSums : uint8_t {
+  // In the combine's element: the forwarder rounds the node's sum, the origin rounds the sum of
+  // the nodes' (DeepEP V2's allow_multiple_reduction). A 2-byte combine rounds once more than
+  // per-rank forwarding does (plain: twice against once; with option (b): three times against
+  // twice).
+  kCombineElement = 0,
+  // In fp32: the forwarder's sum crosses unrounded and the origin rounds once, where per-rank
+  // forwarding rounds (plain: once; with option (b), the expert rank's sum of its own experts
+  // once more). The rail's combine rows are twice as wide (fp32 against bf16 or fp16). With an
+  // fp32 combine (combines_fp32), and under per-rank forwarding, the two are the same.
+  kFp32 = 1,
+};
+
 // Where the four steps run.
 enum class MoeDeviceKind : uint8_t {
   kHost = 0,  // on the CPU; every pointer of the step calls is host memory
@@ -181,6 +197,7 @@ struct FERRY_API AllToAllConfig {
   //     returns one row per token (bf16, or fp32: combines_fp32) instead of one per expert.
   bool combine_reduce_at_expert_rank = false;
   Forwarding forwarding = Forwarding::kAuto;  // several nodes: see Forwarding
+  PartialSums partial_sums = PartialSums::kCombineElement;  // node-once: see PartialSums
   // Per rank, not part of what ranks must agree on: each may run its steps where it likes, and
   // take its output in either layout (the bytes that cross are the same).
   DispatchLayout dispatch_layout = DispatchLayout::kExpertMajor;
@@ -355,6 +372,9 @@ struct FERRY_API CombineOutput {
   // CombineInput::fp16, which this combine's CombineSend was given): sums in fp32, rounded to
   // fp16 (nearest even; beyond 65504 infinite).
   bool fp16 = false;
+  // `out` is [T, hidden] fp32 whatever the rows' element: the fp32 sums are stored unrounded
+  // (and, with accumulate, added to the fp32 values out holds).
+  bool fp32_out = false;
 };
 
 // Thread safety: one thread drives an AllToAll; the steps run in order DispatchSend,

@@ -38,6 +38,11 @@ void BindMoe(py::module_& m) {
       .value("PER_RANK", Forwarding::kPerRank)
       .value("NODE_ONCE", Forwarding::kNodeOnce)
       .value("AUTO", Forwarding::kAuto);
+  py::enum_<PartialSums>(m, "PartialSums",
+                         "Under node-once forwarding, how a node's partial sums cross back "
+                         "(ferry/moe.h's PartialSums)")
+      .value("COMBINE_ELEMENT", PartialSums::kCombineElement)
+      .value("FP32", PartialSums::kFp32);
 
   py::class_<CudaTuning>(m, "CudaTuning",
                          "Where the CUDA device keeps its flags and what it reports on itself "
@@ -76,6 +81,7 @@ void BindMoe(py::module_& m) {
       .def_readwrite("cuda", &AllToAllConfig::cuda)
       .def_readwrite("mask_lost_peers", &AllToAllConfig::mask_lost_peers)
       .def_readwrite("forwarding", &AllToAllConfig::forwarding)
+      .def_readwrite("partial_sums", &AllToAllConfig::partial_sums)
       .def("validate", [](const AllToAllConfig& c) { ThrowIfError(c.Validate()); })
       .def("chosen_forwarding", &AllToAllConfig::chosen_forwarding,
            "forwarding with AUTO resolved: what an AllToAll made from this runs")

@@ -125,6 +125,9 @@ Status AllToAllConfig::Validate() const {
     return bad("the CUDA device takes cuda_device >= 0, up to 1024 experts and top-16");
   }
   if (streaming > Streaming::kBoth) return bad("unknown streaming");
+  if (partial_sums != PartialSums::kCombineElement && partial_sums != PartialSums::kFp32) {
+    return bad("unknown partial_sums");
+  }
   if (forwarding != Forwarding::kPerRank && forwarding != Forwarding::kNodeOnce &&
       forwarding != Forwarding::kAuto) {
     return bad("unknown forwarding");
@@ -166,7 +169,8 @@ std::vector<uint8_t> AllToAllConfig::Fingerprint() const {
                 hidden, static_cast<int>(dtype), fp8_scales, int{combines_fp32()},
                 max_private_tokens, int{dispatch_once_per_rank},
                 int{combine_reduce_at_expert_rank}, instance, static_cast<int>(streaming),
-                int{mask_lost_peers}, static_cast<int>(chosen_forwarding())}) {
+                int{mask_lost_peers}, static_cast<int>(chosen_forwarding()),
+                static_cast<int>(partial_sums)}) {
     w.U32(static_cast<uint32_t>(v));
   }
   return w.Take();
@@ -188,6 +192,7 @@ std::string AllToAllConfig::ToString() const {
          (dispatch_layout == DispatchLayout::kTokenMajor ? " token_major" : "") +
          (mask_lost_peers ? " mask_lost_peers" : "") +
          (chosen_forwarding() == Forwarding::kNodeOnce ? " node_once" : "") +
+         (partial_sums == PartialSums::kFp32 ? " fp32_partial_sums" : "") +
          (streaming != Streaming::kAuto
               ? " streaming=" + std::to_string(static_cast<int>(streaming))
               : std::string()) +

@@ -9,6 +9,7 @@
 #include <string>
 #include <utility>
 
+#include "moe/host/host_sums.h"
 
 namespace ferry::moe {
 namespace {
@@ -58,6 +59,22 @@ class HostHops final : public HopMemory {
     }
     return Status::Ok();
   }
+  Status Narrow(void* out, const float* sums, int64_t width, int64_t rows,
+                const int32_t* device_rows, bool fp16, bool accumulate) override {
+    if (device_rows) return InvalidArgumentError("Narrow: a device count on the host");
+    const int64_t n = rows * width;
+    const Elem e = fp16 ? Elem::kFp16 : Elem::kBf16;
+    auto* o = static_cast<uint8_t*>(out);
+    if (!accumulate) {
+      host::StoreSums(o, sums, n, e);
+      return Status::Ok();
+    }
+    std::vector<float> acc(static_cast<size_t>(n));
+    host::LoadSums(acc.data(), o, n, e);
+    for (int64_t i = 0; i < n; ++i) acc[size_t(i)] += sums[i];
+    host::StoreSums(o, acc.data(), n, e);
+    return Status::Ok();
+  }
   Status Stamp(int point) override {
     stamps_[size_t(point)] = std::chrono::steady_clock::now();
     return Status::Ok();
@@ -94,6 +111,10 @@ class NodeOnceDevice final : public MoeDevice {
     ASSIGN_OR_RETURN(uint8_t* experts, hops_->Allocate(m.experts));
     ASSIGN_OR_RETURN(uint8_t* weights, hops_->Allocate(m.weights));
     ASSIGN_OR_RETURN(mid_out_, hops_->Allocate(m.out));
+    if (m.sums) {
+      ASSIGN_OR_RETURN(uint8_t* sums, hops_->Allocate(m.sums));
+      sums_ = reinterpret_cast<float*>(sums);
+    }
     ASSIGN_OR_RETURN(uint8_t* rail_cost, hops_->Allocate(m.rail_cost));
     // The weights rail's.
     const int64_t rows = rail_->config().expert_capacity(), k = c_.experts_per_token;
@@ -190,24 +211,36 @@ class NodeOnceDevice final : public MoeDevice {
   Status CombineRecv(const CombineOutput& out, uint64_t /*epoch*/, Deadline deadline) override {
     // Weights given now cross to the forwarders first, where the node sums with them.
     if (out.weights) RETURN_IF_ERROR(WeightsToForwarders(out.weights, deadline));
+    // fp32 partial sums (sums_ made): the node's sum stays fp32 and the rail moves fp32 rows.
+    const bool wide = sums_ != nullptr;
     RETURN_IF_ERROR(node_->CombineRecv(CombineOutput{.out = mid_out_,
                                                      .accumulate = false,
                                                      .weights = out.weights ? node_weights_
                                                                             : nullptr,
                                                      .wait_cost = NodeCosts(out.wait_cost),
-                                                     .fp16 = fp16_},
+                                                     .fp16 = fp16_,
+                                                     .fp32_out = wide},
                                        deadline));
     RETURN_IF_ERROR(Stamp(kNodeCombined));
-    RETURN_IF_ERROR(rail_->CombineSend(CombineInput{mid_out_, fp16_}));
+    const bool rail_fp16 = fp16_ && !wide;
+    RETURN_IF_ERROR(rail_->CombineSend(CombineInput{mid_out_, rail_fp16}));
     // The weights rail's epoch ends beside the rail's (its rows read by nobody).
     if (out.weights) RETURN_IF_ERROR(weights_->CombineSend(CombineInput{weights_mid_.x}));
     int64_t* const rail_cost = out.wait_cost ? rail_cost_ : nullptr;
     if (rail_cost) RETURN_IF_ERROR(hops_->Zero(rail_cost_, rail_->config().world_size));
-    RETURN_IF_ERROR(rail_->CombineRecv(CombineOutput{.out = out.out,
-                                                     .accumulate = out.accumulate,
+    // The rail's fp32 sums go to the caller's fp32 output as they are, else are rounded once
+    // into its 2-byte output.
+    const bool narrow = wide && !out.fp32_out;
+    RETURN_IF_ERROR(rail_->CombineRecv(CombineOutput{.out = narrow ? sums_ : out.out,
+                                                     .accumulate = !narrow && out.accumulate,
                                                      .wait_cost = rail_cost,
-                                                     .fp16 = fp16_},
+                                                     .fp16 = rail_fp16,
+                                                     .fp32_out = out.fp32_out},
                                        deadline));
+    if (narrow) {
+      RETURN_IF_ERROR(hops_->Narrow(out.out, sums_, c_.hidden, sent_.num_tokens,
+                                    sent_.device_num_tokens, fp16_, out.accumulate));
+    }
     if (out.weights) {
       RETURN_IF_ERROR(weights_->CombineRecv(CombineOutput{.out = padded_}, deadline));
     }
@@ -384,6 +417,7 @@ class NodeOnceDevice final : public MoeDevice {
   float* padded_ = nullptr;
   DispatchOutput weights_mid_;
   float* node_weights_ = nullptr;
+  float* sums_ = nullptr;  // PartialSums::kFp32 with a 2-byte combine (MiddleBytes::sums)
   bool fp16_ = false;
   int stamps_ = 0;  // CudaTuning::trace: the points of this epoch stamped
 };
@@ -394,6 +428,9 @@ NodeOnceConfigs NodeOnceConfigsOf(const AllToAllConfig& c) {
   const int per_node = c.ranks_per_node, nodes = c.world_size / per_node;
   NodeOnceConfigs o{c, c};
   o.rail.forwarding = o.node.forwarding = Forwarding::kPerRank;
+  o.rail.partial_sums = o.node.partial_sums = PartialSums::kCombineElement;
+  // fp32 partial sums: the rail's combine moves the nodes' sums as fp32 rows.
+  o.rail.fp32_combine = c.combines_fp32() || c.partial_sums == PartialSums::kFp32;
   // Between nodes: rank n holds node n's experts; a token once per node, one row back.
   o.rail.world_size = nodes;
   o.rail.rank = c.rank / per_node;
@@ -427,12 +464,15 @@ MiddleBytes MiddleBytesOf(const AllToAllConfig& c) {
           .num_rows = 4,
           .experts = rows * k * 4,
           .weights = rows * k * 4,
-          .out = rows * c.combine_row_bytes(),
+          .out = rows * rail.combine_row_bytes(),
           .rail_cost = int64_t{rail.world_size} * 8,
           .ids = int64_t{c.max_tokens_per_rank} * k * 8,
           .padded = int64_t{c.max_tokens_per_rank} * kWeightsWidth * 4,
           .weights_in = rows * kWeightsWidth * 4 + int64_t{rail.local_experts()} * 4 + 4 +
-                        rows * k * 4 * 3};
+                        rows * k * 4 * 3,
+          .sums = rail.combines_fp32() && !c.combines_fp32()
+                      ? int64_t{c.max_tokens_per_rank} * c.hidden * 4
+                      : 0};
 }
 
 std::unique_ptr<HopMemory> NewHostHopMemory() { return std::make_unique<HostHops>(); }

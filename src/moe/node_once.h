@@ -16,10 +16,14 @@
 // Tokens for the sender's own node go to itself on the rail (no bytes cross) and from there
 // directly to their ranks.
 //
-// Precision: the node AllToAll's combine sums a token's experts of the node in fp32 and rounds
-// to the combine's element at the forwarder (after the expert rank's own rounding under option
-// (b)); the rail's combine sums the nodes' rows in fp32 and rounds once more. So a bf16 combine
-// rounds twice (three times with (b)) against the per-rank protocol's once (twice with (b)).
+// Precision (AllToAllConfig::partial_sums): the node AllToAll's combine sums a token's experts
+// of the node in fp32 at the forwarder (after the expert rank's own rounding under option (b)).
+// kCombineElement rounds that sum to the combine's element and the rail's combine sums the
+// nodes' rows in fp32 and rounds once more: a bf16 combine rounds twice (three times with (b))
+// against the per-rank protocol's once (twice with (b)). kFp32 keeps the node's sum in fp32
+// (the node hop's CombineOutput::fp32_out), the rail's combine moves fp32 rows, sums them and
+// stores fp32 sums, and the last step rounds once into the caller's output (HopMemory::Narrow):
+// the per-rank protocol's roundings, the fp32 additions in another order.
 //
 // Masks: masking rank r masks, on r's rail, the route into r's node (r forwards it) and, in r's
 // node, r itself: copies routed to r's experts, and every copy r would have forwarded, are lost.
@@ -69,9 +73,12 @@ struct MiddleBytes {
   // The weights rail's: the caller's ids kept from the dispatch, its padded weights rows, what
   // it brings (rows, counts, experts, weights), the node's weights.
   int64_t ids, padded, weights_in;
+  // PartialSums::kFp32 with a 2-byte combine: the rail's fp32 sums, before they are rounded
+  // into the caller's output (else 0).
+  int64_t sums;
   int64_t total() const {
     return x + scales + counts + num_rows + experts + weights + out + rail_cost + ids + padded +
-           weights_in;
+           weights_in + sums;
   }
 };
 MiddleBytes MiddleBytesOf(const AllToAllConfig& c);
@@ -99,6 +106,11 @@ class HopMemory {
   // apart): weights padded to the weights rail's rows and back.
   virtual Status CopyRows(void* dst, int64_t dst_pitch, const void* src, int64_t src_pitch,
                           int64_t width, int64_t rows) = 0;
+  // The first n rows of `width` fp32 sums rounded (nearest even) into out's bf16 or fp16
+  // (`fp16`) elements, added to what out holds with `accumulate`; n is `rows`, or the GPU's
+  // count at device_rows where given (at most `rows`).
+  virtual Status Narrow(void* out, const float* sums, int64_t width, int64_t rows,
+                        const int32_t* device_rows, bool fp16, bool accumulate) = 0;
   // Phase stamps (CudaTuning::trace): point p (< kHopPoints) of the epoch reached, in stream
   // order (a CUDA event, an event node of a graph being captured; the clock on the host);
   // Elapsed: microseconds from point a to point b as last stamped, after waiting for b.

@@ -21,17 +21,24 @@ namespace {
 
 using namespace nv;  // NOLINT: the kernels and their structs, this file's whole subject
 
-// CombineRecv's kernel for the element (streamed or not).
+// CombineRecv's kernel for the element (streamed or not); `wide`: fp32 output from 2-byte rows
+// (CombineOutput::fp32_out; fp32 rows give fp32 output anyway).
 using CombineKernel = void (*)(Nv, CombineArgs);
-CombineKernel RecvKernel(bool streamed, Elem e) {
+template <bool kWide>
+CombineKernel RecvKernelOf(bool streamed, Elem e) {
   if (streamed) {
-    return e == Elem::kFp32   ? CombineRecvStreamedKernel<Elem::kFp32>
-           : e == Elem::kFp16 ? CombineRecvStreamedKernel<Elem::kFp16>
-                              : CombineRecvStreamedKernel<Elem::kBf16>;
+    return e == Elem::kFp16 ? CombineRecvStreamedKernel<Elem::kFp16, kWide>
+                            : CombineRecvStreamedKernel<Elem::kBf16, kWide>;
   }
-  return e == Elem::kFp32   ? CombineRecvKernel<Elem::kFp32>
-         : e == Elem::kFp16 ? CombineRecvKernel<Elem::kFp16>
-                            : CombineRecvKernel<Elem::kBf16>;
+  return e == Elem::kFp16 ? CombineRecvKernel<Elem::kFp16, kWide>
+                          : CombineRecvKernel<Elem::kBf16, kWide>;
+}
+CombineKernel RecvKernel(bool streamed, Elem e, bool wide) {
+  if (e == Elem::kFp32) {
+    return streamed ? CombineRecvStreamedKernel<Elem::kFp32, false>
+                    : CombineRecvKernel<Elem::kFp32, false>;
+  }
+  return wide ? RecvKernelOf<true>(streamed, e) : RecvKernelOf<false>(streamed, e);
 }
 
 }  // namespace
@@ -266,7 +273,7 @@ Status CudaDevice::CombineRecv(const CombineOutput& to, uint64_t /*epoch*/, Dead
   RETURN_IF_ERROR(Aligned(out, "CombineRecv: output"));
   FERRY_CUDA(cudaSetDevice(c_.cuda_device));
   FERRY_CUDA(Launch(
-      RecvKernel(nv_.modes.stream_combine(), ElemOf(to.fp16)), TokenGrid(token_bound_),
+      RecvKernel(nv_.modes.stream_combine(), ElemOf(to.fp16), to.fp32_out), TokenGrid(token_bound_),
       nv_.world_size * sizeof(int64_t),
       CombineArgs{nullptr, out, to.accumulate, BudgetNs(deadline), to.weights, to.wait_cost}));
   return Done();

@@ -1,6 +1,7 @@
 // Node-once's HopMemory on the CUDA device (moe/node_once.h): the middle buffers in GPU memory,
 // the wait costs' bookkeeping as work on the hops' stream, so that an epoch's steps enqueue
 // without a host wait and capture into CUDA graphs.
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -16,6 +17,22 @@ namespace {
 __global__ void AddStridedKernel(int64_t* out, const int64_t* in, int n, int stride) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) out[int64_t{i} * stride] += in[i];
+}
+
+// HopMemory::Narrow: out[i] = round(out[i] (with accumulate) + sums[i]) for the first n rows,
+// n read from device_rows where given; each element one addition and one rounding, as the host
+// device's.
+__global__ void NarrowKernel(uint16_t* out, const float* sums, int64_t width, int64_t rows,
+                             const int32_t* device_rows, bool fp16, bool accumulate) {
+  const int64_t n =
+      (device_rows ? std::min<int64_t>(std::max(*device_rows, 0), rows) : rows) * width;
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    float prev = 0.0f;
+    if (accumulate) prev = fp16 ? __half2float(__ushort_as_half(out[i])) : Bf16ToFloatD(out[i]);
+    const float sum = prev + sums[i];
+    out[i] = fp16 ? __half_as_ushort(__float2half_rn(sum)) : FloatToBf16D(sum);
+  }
 }
 
 class CudaHops final : public HopMemory {
@@ -69,6 +86,18 @@ class CudaHops final : public HopMemory {
     FERRY_CUDA(cudaSetDevice(device_));
     FERRY_CUDA(cudaMemcpy2DAsync(dst, size_t(dst_pitch), src, size_t(src_pitch), size_t(width),
                                  size_t(rows), cudaMemcpyDeviceToDevice, stream_));
+    return Done();
+  }
+
+  Status Narrow(void* out, const float* sums, int64_t width, int64_t rows,
+                const int32_t* device_rows, bool fp16, bool accumulate) override {
+    FERRY_CUDA(cudaSetDevice(device_));
+    const int64_t blocks = std::min<int64_t>((rows * width + 255) / 256, 1024);
+    if (blocks > 0) {
+      NarrowKernel<<<int(blocks), 256, 0, stream_>>>(static_cast<uint16_t*>(out), sums, width,
+                                                      rows, device_rows, fp16, accumulate);
+      FERRY_CUDA(cudaGetLastError());
+    }
     return Done();
   }
 

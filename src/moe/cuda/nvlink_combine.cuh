@@ -207,12 +207,15 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
 // Token t's returned rows, rank by rank and k by k, summed in fp32 (unfused, the host device's
 // order) onto the previous output or zero, into y, by a group of kGroup threads (the block or
 // a warp): one 16-byte vector of columns per thread, kG of them at a time with kR rows' loads
-// in flight (WeightedSum).
-template <Elem kE, int kGroup, int kG, int kR>
+// in flight (WeightedSum). kWide (2-byte rows, CombineOutput::fp32_out): y holds the fp32 sums
+// unrounded, two 16-byte vectors for each of the rows'.
+template <Elem kE, bool kWide, int kGroup, int kG, int kR>
 __device__ inline void SumToken(const Nv& v, const CombineArgs& a, int t, const uint4* const* rows,
                                 const float* weight, int count, bool wait_primary) {
   using V = CombineVec<kE>;
-  auto* y = reinterpret_cast<uint4*>(a.out + int64_t{t} * v.row_bytes);
+  static_assert(!kWide || V::kPer == 8, "fp32 output from 2-byte rows only");
+  constexpr int kOut = kWide ? 2 : 1;  // output vectors per row vector
+  auto* y = reinterpret_cast<uint4*>(a.out + int64_t{t} * v.row_bytes * kOut);
   const int64_t groups = v.row_bytes / 16;
   for (int64_t c = threadIdx.x % kGroup; c < groups; c += int64_t{kG} * kGroup) {
     int64_t c8[kG];
@@ -223,15 +226,30 @@ __device__ inline void SumToken(const Nv& v, const CombineArgs& a, int t, const 
 #pragma unroll
     for (int u = 0; u < kG; ++u) {
       if (!a.accumulate || c8[u] < 0) continue;
-      const uint4 prev = y[c8[u]];
+      if constexpr (kWide) {
+        using W = CombineVec<Elem::kFp32>;
 #pragma unroll
-      for (int q = 0; q < V::kPer; ++q) acc[u][q] = V::At(prev, q);
+        for (int q = 0; q < V::kPer; ++q) acc[u][q] = W::At(y[c8[u] * 2 + q / 4], q % 4);
+      } else {
+        const uint4 prev = y[c8[u]];
+#pragma unroll
+        for (int q = 0; q < V::kPer; ++q) acc[u][q] = V::At(prev, q);
+      }
     }
     WeightedSum<kE, kG, kR>(acc, rows, weight, count, c8);
     if (wait_primary) WaitPrimary();
 #pragma unroll
     for (int u = 0; u < kG; ++u) {
-      if (c8[u] >= 0) y[c8[u]] = V::Pack(acc[u]);
+      if (c8[u] < 0) continue;
+      if constexpr (kWide) {
+        const float(&q)[V::kPer] = acc[u];
+        y[c8[u] * 2] = make_uint4(__float_as_uint(q[0]), __float_as_uint(q[1]),
+                                  __float_as_uint(q[2]), __float_as_uint(q[3]));
+        y[c8[u] * 2 + 1] = make_uint4(__float_as_uint(q[4]), __float_as_uint(q[5]),
+                                      __float_as_uint(q[6]), __float_as_uint(q[7]));
+      } else {
+        y[c8[u]] = V::Pack(acc[u]);
+      }
     }
   }
 }
@@ -276,7 +294,7 @@ __device__ inline LaneRow LocateRows(const Nv& v, const CombineArgs& a, int t,
 // finishes last waits for every rank's combine flag -- every peer's CombineSend done, so its
 // Unpack done reading what we sent it, before our next DispatchSend rewrites it
 // (cuda_device.h) -- then advances the epoch.
-template <Elem kE>
+template <Elem kE, bool kWide>
 __global__ void __launch_bounds__(kCopyThreads) CombineRecvStreamedKernel(Nv v, CombineArgs a) {
   constexpr int kWarps = kCopyThreads / 32;
   extern __shared__ int64_t rank_start[];  // [N] our first combine row from each rank
@@ -306,7 +324,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvStreamedKernel(Nv v, 
       if (!ok) break;
       if (first) Mark(v, kTraceCombineRecv, 1);
       first = false;
-      SumToken<kE, 32, 4, 2>(v, a, t, row_ptr[w], weight_of[w], rows[w], false);
+      SumToken<kE, kWide, 32, 4, 2>(v, a, t, row_ptr[w], weight_of[w], rows[w], false);
       __syncwarp();  // every lane read the token's rows before the next token's are located
     }
     if (__syncthreads_or(!ok)) return;
@@ -316,7 +334,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvStreamedKernel(Nv v, 
       if (!__syncthreads_and(threadIdx.x >= 32 || arrived(t, 0))) return;
       if (first) Mark(v, kTraceCombineRecv, 1);
       first = false;
-      SumToken<kE, kCopyThreads, 2, 8>(v, a, t, row_ptr[0], weight_of[0], rows[0], false);
+      SumToken<kE, kWide, kCopyThreads, 2, 8>(v, a, t, row_ptr[0], weight_of[0], rows[0], false);
     }
   }
   Mark(v, kTraceCombineRecv, 2);
@@ -335,7 +353,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvStreamedKernel(Nv v, 
 // (eight tokens in flight per block, each warp locating its next token itself: a block per
 // token waits on each token's routing loads and then its rows' loads, one after the other). The
 // last block advances the epoch.
-template <Elem kE>
+template <Elem kE, bool kWide>
 __global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineArgs a) {
   constexpr int kWarps = kCopyThreads / 32;
   extern __shared__ int64_t rank_start[];  // [N] our first combine row from each rank
@@ -376,7 +394,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineA
         locate();
       }
       __syncwarp();
-      SumToken<kE, 32, 4, 2>(v, a, t, row_ptr[w], weight_of[w], rows[w], true);
+      SumToken<kE, kWide, 32, 4, 2>(v, a, t, row_ptr[w], weight_of[w], rows[w], true);
     }
   } else {
     for (; t < tokens; t += step) {
@@ -385,7 +403,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineA
         locate();
         __syncthreads();
       }
-      SumToken<kE, kCopyThreads, 2, 8>(v, a, t, row_ptr[0], weight_of[0], rows[0], true);
+      SumToken<kE, kWide, kCopyThreads, 2, 8>(v, a, t, row_ptr[0], weight_of[0], rows[0], true);
     }
   }
   Mark(v, kTraceCombineRecv, 2);

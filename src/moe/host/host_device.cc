@@ -333,8 +333,10 @@ class HostDevice final : public MoeDevice {
     for (int r : lay_.remotes) {
       RETURN_IF_ERROR(WaitOrMask(true, r, epoch, deadline, to.wait_cost));
     }
+    // The output's element: the rows', or fp32 (fp32_out: the sums stored unrounded).
+    const Elem out_elem = to.fp32_out ? Elem::kFp32 : elem;
     acc_.assign(size_t(num_tokens_) * h, 0.0f);
-    if (to.accumulate) LoadSums(acc_.data(), out, int64_t{num_tokens_} * h, elem);
+    if (to.accumulate) LoadSums(acc_.data(), out, int64_t{num_tokens_} * h, out_elem);
     // Our rows from every expert rank, ourselves included, at their place in our region.
     const uint8_t* region = p_.boxes.inbox + lay_.in_combine_off;
     for (int r = 0; r < n; ++r) {
@@ -350,7 +352,7 @@ class HostDevice final : public MoeDevice {
                      elem);
       }
     }
-    StoreSums(out, acc_.data(), int64_t{num_tokens_} * h, elem);
+    StoreSums(out, acc_.data(), int64_t{num_tokens_} * h, out_elem);
     return Status::Ok();
   }
 
