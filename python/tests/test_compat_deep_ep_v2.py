@@ -162,12 +162,13 @@ class ElasticBufferTest(Behaviours, Case):
         what DeepEP's per-rank order holds, in the forwarders' order (the same rows, ids and
         weights as a multiset), its experts' counts; the combine sums each token's rows over
         its ranks exactly (two ranks' rows per node, then two nodes: no rounding in between at
-        these values). allow_multiple_reduction=False keeps per rank forwarding."""
+        these values). allow_multiple_reduction=False keeps the node's sums fp32 across the
+        rail (one rounding, as per rank)."""
         def body(b, store):
             from ferry import deep_ep
             world = 4
-            for multiple, want in ((True, ferry.Forwarding.NODE_ONCE),
-                                   (False, ferry.Forwarding.PER_RANK)):
+            for multiple, sums in ((True, ferry.PartialSums.COMBINE_ELEMENT),
+                                   (False, ferry.PartialSums.FP32)):
                 buf = deep_ep.ElasticBuffer(b, num_max_tokens_per_rank=MAX_TOKENS, hidden=HIDDEN,
                                             allow_multiple_reduction=multiple,
                                             explicitly_destroy=True, ranks_per_node=2)
@@ -179,7 +180,8 @@ class ElasticBufferTest(Behaviours, Case):
                     x, topk_idx=idx, topk_weights=w, num_experts=EXPERTS_PER_RANK * world,
                     cumulative_local_expert_recv_stats=stats)
                 configs = [a.config for a in buf._buffer._group.all_to_alls("normal")]
-                assert configs and all(c.forwarding == want for c in configs), configs
+                assert configs and all(c.forwarding == ferry.Forwarding.NODE_ONCE
+                                       and c.partial_sums == sums for c in configs), configs
                 got = sorted((tuple(r.view(torch.int16).tolist()), tuple(i), tuple(v))
                              for r, i, v in zip(recv, recv_idx.tolist(), recv_w.tolist()))
                 ref = sorted((tuple(r.view(torch.int16).tolist()), tuple(i), tuple(v))

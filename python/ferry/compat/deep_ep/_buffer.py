@@ -51,6 +51,8 @@ class Buffer(_LowLatency, _Normal, _Shrink, _Streams, _ferry.DeepEpLowLatency):
         # its weights at the combine, which node-once cannot: per rank there always).
         self._forwarding = self._check_forwarding(
             _ferry.Forwarding.PER_RANK if forwarding is None else forwarding)
+        # Node-once's partial sums (ElasticBuffer's allow_multiple_reduction=False: fp32).
+        self._partial_sums = _ferry.PartialSums.COMBINE_ELEMENT
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode = low_latency_mode
         self.num_qps_per_rank = num_qps_per_rank

@@ -52,8 +52,9 @@ class EPHandle:
 class ElasticBuffer:
     """DeepEP V2's ElasticBuffer for expert parallelism among the ranks of `group` (a
     torch.distributed ProcessGroup or a ferry.Bootstrap). Sized from num_bytes, or from the MoE
-    settings (num_max_tokens_per_rank, hidden). allow_hybrid_mode with allow_multiple_reduction,
-    on several nodes of several ranks: node-once forwarding (see __init__). Settings that change
+    settings (num_max_tokens_per_rank, hidden). allow_hybrid_mode on several nodes of several
+    ranks: node-once forwarding, its partial sums fp32 without allow_multiple_reduction (see
+    __init__). Settings that change
     no result here -- prefer_overlap_with_compute, sl_idx, num_allocated_qps, deterministic
     (ferry's receive order is deterministic: per rank, senders in rank order and each sender's
     tokens in order; node-once, by forwarder, then the sender's node, then token) -- are kept.
@@ -94,13 +95,14 @@ class ElasticBuffer:
         self.num_rdma_ranks, self.num_nvlink_ranks = self.get_physical_domain_size()
         # Hybrid mode (RDMA between nodes, NVLink inside them) is ferry's node-once forwarding:
         # a token crosses to each other node once, on its rail, and is forwarded inside it; its
-        # rows are summed in the node before one crosses back. That rounds the combine twice
-        # (at the forwarder, then at the origin), so allow_multiple_reduction=False keeps per
-        # rank forwarding, whose combine rounds once.
-        if (allow_hybrid_mode and allow_multiple_reduction and self.num_rdma_ranks > 1
-                and self.num_nvlink_ranks > 1):
+        # rows are summed in the node before one crosses back. allow_multiple_reduction rounds
+        # that sum to bf16 at the forwarder (a second rounding); without it the node's sum
+        # crosses as fp32 and the combine rounds once, as per rank.
+        if allow_hybrid_mode and self.num_rdma_ranks > 1 and self.num_nvlink_ranks > 1:
             self._buffer._forwarding = self._buffer._check_forwarding(
                 _ferry.Forwarding.NODE_ONCE)
+            if not allow_multiple_reduction:
+                self._buffer._partial_sums = _ferry.PartialSums.FP32
 
     # ---- sizes and domains ------------------------------------------------------------------
 

@@ -70,14 +70,15 @@ _NO_STREAM = contextlib.nullcontext()
 _SEND, _RECV, _BOTH = 1, 2, 3  # AllToAll.dispatch / combine's halves
 
 
-def _token_major(num_experts, k, capacity, hidden, dtype, forwarding):
+def _token_major(num_experts, k, capacity, hidden, dtype, forwarding, partial_sums):
     """The normal mode's AllToAll configuration: token-major, each token sent once per rank
     that holds any of its experts, their outputs summed at that rank; across nodes per rank or
-    node-once (`forwarding`)."""
+    node-once (`forwarding`, with its `partial_sums`)."""
     return dict(num_experts=num_experts, experts_per_token=k, max_tokens_per_rank=capacity,
                 hidden=hidden, dtype=dtype, dispatch_once_per_rank=True,
                 combine_reduce_at_expert_rank=True,
-                dispatch_layout=_ferry.DispatchLayout.TOKEN_MAJOR, forwarding=forwarding)
+                dispatch_layout=_ferry.DispatchLayout.TOKEN_MAJOR, forwarding=forwarding,
+                partial_sums=partial_sums)
 
 
 def _round_up(n, to):

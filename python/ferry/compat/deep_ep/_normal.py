@@ -123,7 +123,8 @@ class _Normal:
         dtype = _ferry.DispatchDtype.FP8_E4M3 if fp8 else _ferry.DispatchDtype.BF16
         pooled = self._acquire(
             ("normal", x.get_device(), capacity, hidden, num_experts, k, fp8), x,
-            lambda: _token_major(num_experts, k, capacity, hidden, dtype, self._forwarding),
+            lambda: _token_major(num_experts, k, capacity, hidden, dtype, self._forwarding,
+                                 self._partial_sums),
             comm=True)
         a2a = pooled.a2a
         rows = self.group_size * capacity
@@ -278,7 +279,8 @@ class _Normal:
         key = ("normal-weights", x.get_device(), capacity, width, h.num_experts, h.k)
         # Forwarded as the main dispatch was: its rows arrive in the same order.
         pooled = self._acquire(key, x, lambda: _token_major(
-            h.num_experts, h.k, capacity, width, _ferry.DispatchDtype.FP32, self._forwarding),
+            h.num_experts, h.k, capacity, width, _ferry.DispatchDtype.FP32, self._forwarding,
+            self._partial_sums),
             comm=True)
         wa2a = pooled.a2a
         try:
