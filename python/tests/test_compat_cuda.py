@@ -343,6 +343,37 @@ def hook_on_another_stream_body(b, store):
     buf.destroy()
 
 
+def kernel_names_body(b, store):
+    """A low-latency dispatch and combine under torch's profiler: the dispatch's kernels are
+    found by the name "dispatch" and the combine's by "combine" (as a profiler finds DeepEP's),
+    neither by the other's."""
+    import torch
+    from ferry import deep_ep
+    buf = deep_ep.Buffer(b, explicitly_destroy=True)
+    e = refs.EXPERTS_PER_RANK
+    x, idx, w = refs.inputs(1, 0)
+    x, idx, w = x.cuda(), idx.cuda(), w.cuda()
+
+    def kernels(step):
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            result = step()
+            torch.cuda.synchronize()
+        names = [ev.name for ev in prof.events()
+                 if ev.device_type == torch.autograd.DeviceType.CUDA]
+        return result, names
+
+    for _ in range(2):  # the second round's, past what the first call sets up
+        (recv, _, handle, _, _), names = kernels(
+            lambda: buf.low_latency_dispatch(x, idx, refs.MAX_TOKENS, e, use_fp8=False))
+        assert any("dispatch" in n for n in names), names
+        assert not any("combine" in n for n in names), names
+        _, names = kernels(lambda: buf.low_latency_combine(recv, idx, w, handle))
+        assert any("combine" in n for n in names), names
+        assert not any("dispatch" in n for n in names), names
+    buf.destroy()
+
+
 class CudaEngineApiTest(refs.Case):
     def setUp(self):
         super().setUp()
@@ -354,6 +385,9 @@ class CudaEngineApiTest(refs.Case):
 
     def test_deep_ep_world_2_over_gloo(self):
         self.ranks(2, on_gpu(deep_ep_tests.deep_ep_body(2, "gloo")), timeout=240.0)
+
+    def test_kernels_named_by_their_step(self):
+        self.ranks(1, on_gpu(kernel_names_body), timeout=240.0)
 
     def test_deep_ep_low_latency_as_a_cuda_graph(self):
         self.ranks(1, on_gpu(graph_body(1, "ferry")), timeout=240.0)

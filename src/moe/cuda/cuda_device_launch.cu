@@ -27,16 +27,16 @@ using CombineKernel = void (*)(Nv, CombineArgs);
 template <bool kWide>
 CombineKernel RecvKernelOf(bool streamed, Elem e) {
   if (streamed) {
-    return e == Elem::kFp16 ? CombineRecvStreamedKernel<Elem::kFp16, kWide>
-                            : CombineRecvStreamedKernel<Elem::kBf16, kWide>;
+    return e == Elem::kFp16 ? combine::CombineRecvStreamedKernel<Elem::kFp16, kWide>
+                            : combine::CombineRecvStreamedKernel<Elem::kBf16, kWide>;
   }
-  return e == Elem::kFp16 ? CombineRecvKernel<Elem::kFp16, kWide>
-                          : CombineRecvKernel<Elem::kBf16, kWide>;
+  return e == Elem::kFp16 ? combine::CombineRecvKernel<Elem::kFp16, kWide>
+                          : combine::CombineRecvKernel<Elem::kBf16, kWide>;
 }
 CombineKernel RecvKernel(bool streamed, Elem e, bool wide) {
   if (e == Elem::kFp32) {
-    return streamed ? CombineRecvStreamedKernel<Elem::kFp32, false>
-                    : CombineRecvKernel<Elem::kFp32, false>;
+    return streamed ? combine::CombineRecvStreamedKernel<Elem::kFp32, false>
+                    : combine::CombineRecvKernel<Elem::kFp32, false>;
   }
   return wide ? RecvKernelOf<true>(streamed, e) : RecvKernelOf<false>(streamed, e);
 }
@@ -135,8 +135,8 @@ Status CudaDevice::PlanGrids(int sms) {
                  size_t((int64_t{n + 1} * v.local_experts + 1) / 2 * 2) * sizeof(int32_t) +
                  size_t(v.local_experts) * sizeof(int64_t);  // the expert bases
   if (unpack_smem_ > 48 * 1024) {
-    for (auto* kernel : {UnpackKernel<false, false>, UnpackKernel<true, false>,
-                         UnpackKernel<false, true>, UnpackKernel<true, true>}) {
+    for (auto* kernel : {dispatch::UnpackKernel<false, false>, dispatch::UnpackKernel<true, false>,
+                         dispatch::UnpackKernel<false, true>, dispatch::UnpackKernel<true, true>}) {
       FERRY_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       static_cast<int>(unpack_smem_)));
     }
@@ -154,7 +154,7 @@ Status CudaDevice::PlanGrids(int sms) {
     send_grid_ = std::min(t, sms);
   } else {
     int resident = 0;
-    FERRY_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, PackKernel, kCopyThreads,
+    FERRY_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, dispatch::PackKernel, kCopyThreads,
                                                              2 * size_t(n) * sizeof(int64_t)));
     send_grid_ = std::min(t, std::max(resident, 1) * sms);
   }
@@ -167,7 +167,7 @@ Status CudaDevice::PlanGrids(int sms) {
     // ~2.4 us) to the step's end and take no slot (traced: with 256 blocks for 255 slots on
     // 66 SMs the last started 16-18 us in; EP8 decode: 528 blocks, 2 per SM fit).
     int resident = 0;
-    FERRY_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, UnpackKernel<true, false>,
+    FERRY_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, dispatch::UnpackKernel<true, false>,
                                                              kCopyThreads, unpack_smem_));
     unpack_grid_ =
         static_cast<int>(std::min<int64_t>(recv_grid_, int64_t{std::max(resident, 1)} * sms));
@@ -188,7 +188,7 @@ Status CudaDevice::Quantize(const DispatchInput& in, const void** x, const float
   }
   const int64_t warps = int64_t{in.num_tokens} * nv_.scales_per_token;
   const int blocks = static_cast<int>((warps * 32 + kQuantizeThreads - 1) / kQuantizeThreads);
-  QuantizeKernel<<<blocks, kQuantizeThreads, 0, stream_>>>(in.x_bf16, in.num_tokens, c_.hidden,
+  dispatch::QuantizeKernel<<<blocks, kQuantizeThreads, 0, stream_>>>(in.x_bf16, in.num_tokens, c_.hidden,
                                                            in.device_num_tokens, in.scaling,
                                                            fp8_x_.get(), fp8_scales_.get());
   FERRY_CUDA(cudaGetLastError());
@@ -211,17 +211,17 @@ Status CudaDevice::DispatchSend(const DispatchInput& in, uint64_t /*epoch: the k
                       waited()};
   if (small_smem_ > 0) {
     if (nv_.masks) {
-      SendSmallKernel<true><<<send_grid_, kSmallThreads, small_smem_, stream_>>>(nv_, args);
+      dispatch::SendSmallKernel<true><<<send_grid_, kSmallThreads, small_smem_, stream_>>>(nv_, args);
     } else {
-      SendSmallKernel<false><<<send_grid_, kSmallThreads, small_smem_, stream_>>>(nv_, args);
+      dispatch::SendSmallKernel<false><<<send_grid_, kSmallThreads, small_smem_, stream_>>>(nv_, args);
     }
     FERRY_CUDA(cudaGetLastError());
     if (waited()) RETURN_IF_ERROR(Finish());
   } else {
-    RouteKernel<<<nv_.scan_blocks + nv_.chunks, kRouteThreads, 0, stream_>>>(nv_, args);
+    dispatch::RouteKernel<<<nv_.scan_blocks + nv_.chunks, kRouteThreads, 0, stream_>>>(nv_, args);
     FERRY_CUDA(cudaGetLastError());
     if (waited()) RETURN_IF_ERROR(Finish());
-    FERRY_CUDA(Launch(PackKernel, send_grid_, 2 * nv_.world_size * sizeof(int64_t), args));
+    FERRY_CUDA(Launch(dispatch::PackKernel, send_grid_, 2 * nv_.world_size * sizeof(int64_t), args));
   }
   token_bound_ = in.num_tokens;
   return Done();
@@ -247,8 +247,8 @@ Status CudaDevice::DispatchRecv(const DispatchOutput& out, uint64_t /*epoch*/, D
       out.source_tokens,
       out.sender_ranges};
   auto* unpack =
-      nv_.masks ? (nv_.modes.stream() ? UnpackKernel<true, true> : UnpackKernel<false, true>)
-                : (nv_.modes.stream() ? UnpackKernel<true, false> : UnpackKernel<false, false>);
+      nv_.masks ? (nv_.modes.stream() ? dispatch::UnpackKernel<true, true> : dispatch::UnpackKernel<false, true>)
+                : (nv_.modes.stream() ? dispatch::UnpackKernel<true, false> : dispatch::UnpackKernel<false, false>);
   FERRY_CUDA(Launch(unpack, unpack_grid_, unpack_smem_, args));
   return Done();
 }
@@ -259,10 +259,10 @@ Status CudaDevice::CombineSend(const CombineInput& in, uint64_t /*epoch*/) {
   const CombineArgs args{
       static_cast<const uint8_t*>(in.expert_out), nullptr, false, 0, nullptr, nullptr};
   const Elem elem = ElemOf(in.fp16);
-  auto* kernel = combine_send_ == CombineSendForm::kCopyOnly ? CombineSendKernel<true, Elem::kBf16>
-                 : elem == Elem::kFp32                       ? CombineSendKernel<false, Elem::kFp32>
-                 : elem == Elem::kFp16                       ? CombineSendKernel<false, Elem::kFp16>
-                                       : CombineSendKernel<false, Elem::kBf16>;
+  auto* kernel = combine_send_ == CombineSendForm::kCopyOnly ? combine::CombineSendKernel<true, Elem::kBf16>
+                 : elem == Elem::kFp32                       ? combine::CombineSendKernel<false, Elem::kFp32>
+                 : elem == Elem::kFp16                       ? combine::CombineSendKernel<false, Elem::kFp16>
+                                       : combine::CombineSendKernel<false, Elem::kBf16>;
   kernel<<<recv_grid_, kCopyThreads, 0, stream_>>>(nv_, args);
   FERRY_CUDA(cudaGetLastError());
   return Done();

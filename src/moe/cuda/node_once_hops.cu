@@ -22,6 +22,7 @@ __global__ void AddStridedKernel(int64_t* out, const int64_t* in, int n, int str
 // HopMemory::Narrow: out[i] = round(out[i] (with accumulate) + sums[i]) for the first n rows,
 // n read from device_rows where given; each element one addition and one rounding, as the host
 // device's.
+namespace combine {
 __global__ void NarrowKernel(uint16_t* out, const float* sums, int64_t width, int64_t rows,
                              const int32_t* device_rows, bool fp16, bool accumulate) {
   const int64_t n =
@@ -34,6 +35,7 @@ __global__ void NarrowKernel(uint16_t* out, const float* sums, int64_t width, in
     out[i] = fp16 ? __half_as_ushort(__float2half_rn(sum)) : FloatToBf16D(sum);
   }
 }
+}  // namespace combine
 
 class CudaHops final : public HopMemory {
  public:
@@ -94,7 +96,7 @@ class CudaHops final : public HopMemory {
     FERRY_CUDA(cudaSetDevice(device_));
     const int64_t blocks = std::min<int64_t>((rows * width + 255) / 256, 1024);
     if (blocks > 0) {
-      NarrowKernel<<<int(blocks), 256, 0, stream_>>>(static_cast<uint16_t*>(out), sums, width,
+      combine::NarrowKernel<<<int(blocks), 256, 0, stream_>>>(static_cast<uint16_t*>(out), sums, width,
                                                       rows, device_rows, fp16, accumulate);
       FERRY_CUDA(cudaGetLastError());
     }

@@ -117,6 +117,7 @@ __device__ inline void TagRows(const Nv& v, int r, int64_t row, int rows, uint64
 // Token-major, the caller summed each token's experts into row g of expert_out, which is copied
 // as it is; kCopyOnly: an instance that only does that (few registers; see its launch). kE: the
 // rows' element.
+namespace combine {
 template <bool kCopyOnly, Elem kE>
 __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineArgs a) {
   using V = CombineVec<kE>;
@@ -203,6 +204,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineSendKernel(Nv v, CombineA
   Arrive(v, true, epoch);
   Mark(v, kTraceCombineSend, 3);
 }
+}  // namespace combine
 
 // Token t's returned rows, rank by rank and k by k, summed in fp32 (unfused, the host device's
 // order) onto the previous output or zero, into y, by a group of kGroup threads (the block or
@@ -294,6 +296,7 @@ __device__ inline LaneRow LocateRows(const Nv& v, const CombineArgs& a, int t,
 // finishes last waits for every rank's combine flag -- every peer's CombineSend done, so its
 // Unpack done reading what we sent it, before our next DispatchSend rewrites it
 // (cuda_device.h) -- then advances the epoch.
+namespace combine {
 template <Elem kE, bool kWide>
 __global__ void __launch_bounds__(kCopyThreads) CombineRecvStreamedKernel(Nv v, CombineArgs a) {
   constexpr int kWarps = kCopyThreads / 32;
@@ -346,6 +349,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvStreamedKernel(Nv v, 
   AdvanceEpoch(v, epoch);
   Mark(v, kTraceCombineRecv, 3);
 }
+}  // namespace combine
 
 // Once every combine flag is up, each token's returned rows, rank by rank and k by k, summed in
 // fp32 (unfused, the host device's order) onto the previous output or zero: tokens t =
@@ -353,6 +357,7 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvStreamedKernel(Nv v, 
 // (eight tokens in flight per block, each warp locating its next token itself: a block per
 // token waits on each token's routing loads and then its rows' loads, one after the other). The
 // last block advances the epoch.
+namespace combine {
 template <Elem kE, bool kWide>
 __global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineArgs a) {
   constexpr int kWarps = kCopyThreads / 32;
@@ -411,5 +416,6 @@ __global__ void __launch_bounds__(kCopyThreads) CombineRecvKernel(Nv v, CombineA
   if (LastBlock(&v.scratch->tickets[2], false) && threadIdx.x == 0) AdvanceEpoch(v, epoch);
   Mark(v, kTraceCombineRecv, 3);
 }
+}  // namespace combine
 
 }  // namespace ferry::moe::nv

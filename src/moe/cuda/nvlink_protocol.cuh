@@ -2,7 +2,9 @@
 // shapes, the per-rank device state (Scratch), the peer table (NvPeer), the argument structs,
 // the error codes and the trace slots. The device helpers the kernels use are in
 // nvlink_device.cuh; the kernels in nvlink_send.cuh, nvlink_send_small.cuh, nvlink_recv.cuh and
-// nvlink_combine.cuh.
+// nvlink_combine.cuh. Each kernel lives in the namespace of its step, nv::dispatch or
+// nv::combine (node-once's rounding kernel too), so that a profiler finds a step's kernels by the
+// names "dispatch" and "combine", as it finds DeepEP's.
 // Design in cuda_device.h.
 #pragma once
 

@@ -324,6 +324,7 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
 // Two blocks per SM (128 registers): one beside a Pack block when streamed, and otherwise two
 // of Unpack's own.
 // kMasks: see Arrive.
+namespace dispatch {
 template <bool kStream, bool kMasks>
 __global__ void __launch_bounds__(kCopyThreads, 2) UnpackKernel(Nv v, RecvArgs a) {
   extern __shared__ int64_t unpack_raw[];  // [N] PeerIn; [N + 1] slots before sender s; [N]
@@ -458,5 +459,6 @@ __global__ void __launch_bounds__(kCopyThreads, 2) UnpackKernel(Nv v, RecvArgs a
   }
   Mark(v, kTraceUnpack, 6);
 }
+}  // namespace dispatch
 
 }  // namespace ferry::moe::nv

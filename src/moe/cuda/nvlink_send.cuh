@@ -190,6 +190,7 @@ __device__ void CountChunk(const Nv& v, const SendArgs& a, int tokens, int c, Ro
 // Blocks [0, scan_blocks): ScanChunk; the next v.chunks: CountChunk. CudaTuning::trace points: 1 a
 // token chunk scanned, 2 a chunk counted (times relative to the first Pack block in the
 // printout).
+namespace dispatch {
 __global__ void __launch_bounds__(kRouteThreads) RouteKernel(Nv v, SendArgs a) {
   __shared__ RouteSmem smem;
   LaunchDependents();  // Pack's blocks take their SMs and wait for us there
@@ -204,6 +205,7 @@ __global__ void __launch_bounds__(kRouteThreads) RouteKernel(Nv v, SendArgs a) {
     Mark(v, kTraceRoute, 2);
   }
 }
+}  // namespace dispatch
 
 // Where slot j of ours for rank r goes: pushed to r (its private region, or our outbox section
 // for it) while j < r's slot cap, else into our send area (grouped by receiving rank, at `start`
@@ -271,6 +273,7 @@ __device__ inline void StoreRowWarp(const Nv& v, const SendArgs& a, int t, uint8
 // block arrives at every rank's dispatch flag.
 // CudaTuning::trace points (as DispatchSend): 1 offsets, 2 counts rows out, 3 and 4 warp 0's laying
 // out and copying summed over its tokens (spans, not times), 5 loop done, 6 arrived.
+namespace dispatch {
 __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
   extern __shared__ int64_t starts[];  // [2N]: first slot per receiving rank in our send area,
                                        // first combine row per expert rank
@@ -344,6 +347,7 @@ __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
   Arrive(v, false, epoch);
   Mark(v, kTraceSend, 6);
 }
+}  // namespace dispatch
 
 // ---- fp8 made from bf16 as DispatchSend sends (DispatchInput::x_bf16) ---------------------------
 
@@ -352,6 +356,7 @@ __global__ void __launch_bounds__(kCopyThreads) PackKernel(Nv v, SendArgs a) {
 // with round-to-nearest (__fdiv_rn: the host's IEEE division) and converted as FloatToE4M3 does.
 // Rows past the device token count (when one is given) are left alone: nobody reads them.
 constexpr int kQuantizeThreads = 256;
+namespace dispatch {
 __global__ void __launch_bounds__(kQuantizeThreads)
     QuantizeKernel(const uint16_t* x, int rows, int hidden, const int32_t* dev_tokens,
                    Fp8Scaling scaling, uint8_t* out, float* scales) {
@@ -380,5 +385,6 @@ __global__ void __launch_bounds__(kQuantizeThreads)
   *reinterpret_cast<uint32_t*>(out + first) = q;
   if (lane == 0) scales[int64_t{row} * groups + g] = s;
 }
+}  // namespace dispatch
 
 }  // namespace ferry::moe::nv

@@ -66,6 +66,7 @@ __device__ inline bool FirstForRank(const Nv& v, const int32_t* idx, int f, int 
 // token's first slot and combine row on each rank -- with no grid-wide step, so DispatchSend is
 // one launch. The row's first batch is loaded before the slots are laid out.
 // kMasks: see Arrive.
+namespace dispatch {
 template <bool kMasks>
 __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs a) {
   extern __shared__ int64_t small_raw[];
@@ -285,5 +286,6 @@ __global__ void __launch_bounds__(kSmallThreads) SendSmallKernel(Nv v, SendArgs 
     v.weights[f] = a.weights[f];
   }
 }
+}  // namespace dispatch
 
 }  // namespace ferry::moe::nv
