@@ -7,7 +7,9 @@ direct API keeps them), the two interleaved iteration by iteration so that drift
 alike: "added" is p50(layer) - p50(direct) per call. deep_ep's combine runs two ways: making its output (as
 SGLang calls it) and into the caller's (`out=`, as vLLM calls it). The layers are timed as a
 caller runs them, unwrapped: their steps run in the binding's C++ with no Python call to time
-between them. The target is <= 2 us per call. Last, what deep_ep's normal-mode combine pays
+between them. deep_ep's normal mode (V1) and ElasticBuffer (V2) run against a token-major
+AllToAll with options (a) and (b), the protocol they run on. The target is <= 2 us per call.
+Last, what deep_ep's normal-mode combine pays
 for returning the combined top-k weights (a second AllToAll), as a ratio to the same combine
 without them.
 
@@ -139,18 +141,80 @@ def main():
         def legacy_combine():
             legacy.combine(pout, ids, w, lx, None)
 
+        # deep_ep's normal mode (V1's dispatch / combine, its layout computed once as a
+        # caller's step computes it) and DeepEP V2's ElasticBuffer, against the direct steps of
+        # a token-major AllToAll with (a)+(b) (the normal mode's protocol), its buffers kept.
+        tc = ferry.AllToAllConfig(world_size=1, rank=0, num_experts=EXPERTS,
+                                  experts_per_token=K, max_tokens_per_rank=TOKENS, hidden=HIDDEN,
+                                  dispatch_once_per_rank=True, combine_reduce_at_expert_rank=True,
+                                  dispatch_layout=ferry.DispatchLayout.TOKEN_MAJOR, instance=14)
+        if cuda:
+            tc.device, tc.cuda_device, tc.ranks_per_node = ferry.MoeDevice.CUDA, 0, 1
+        tm = ferry.AllToAll(tc, engine, bootstrap)
+        if cuda:
+            tm.set_stream(stream)
+        tm_x = torch.empty(tc.expert_capacity, HIDDEN, dtype=torch.bfloat16, device=dev)
+        tm_counts = torch.empty(EXPERTS, dtype=torch.int32, device=dev)
+        tm_rows = torch.empty(1, dtype=torch.int32, device=dev)
+        tm_experts = torch.empty(tc.expert_capacity, K, dtype=torch.int32, device=dev)
+        tm_weights = torch.empty(tc.expert_capacity, K, dtype=torch.float32, device=dev)
+        tm_out = torch.empty(TOKENS, HIDDEN, dtype=torch.bfloat16, device=dev)
+
+        def token_major_dispatch():
+            tm.dispatch_send(x, idx, w)
+            tm.dispatch_recv(tm_x, tm_counts, num_rows=tm_rows, token_experts=tm_experts,
+                             token_weights=tm_weights)
+            # The received count on the host, as the normal mode's exact-size outputs need
+            # (a wait for the GPU there, as DeepEP V1's normal mode has).
+            return int(tm_rows.item())
+
+        def token_major_combine():
+            tm.combine_send(tm_x)
+            tm.combine_recv(tm_out)
+
+        normal = deep_ep.Buffer(bootstrap, num_nvl_bytes=1 << 20, engine=engine,
+                                ranks_per_node=1, explicitly_destroy=True)
+        layout = normal.get_dispatch_layout(idx, EXPERTS)
+
+        def normal_dispatch():
+            recv, _, _, _, h, _ = normal.dispatch(
+                x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
+                num_tokens_per_expert=layout[2], topk_idx=idx, topk_weights=w)
+            state["nr"], state["nh"] = recv, h
+
+        def normal_combine():
+            normal.combine(state["nr"], state["nh"])
+
+        elastic = deep_ep.ElasticBuffer(bootstrap, num_max_tokens_per_rank=TOKENS,
+                                        hidden=HIDDEN, engine=engine, ranks_per_node=1,
+                                        explicitly_destroy=True)
+
+        def v2_dispatch():
+            recv, _, _, h, _ = elastic.dispatch(x, topk_idx=idx, topk_weights=w,
+                                                num_experts=EXPERTS)
+            state["vr"], state["vh"] = recv, h
+
+        def v2_combine():
+            elastic.combine(state["vr"], state["vh"])
+
         pairs = {"deep_ep low_latency": ((direct_dispatch64, direct_combine),
                                          (ll_dispatch, ll_combine)),
                  "deep_ep low_latency out=": ((direct_dispatch64, direct_combine),
                                               (ll_dispatch, ll_combine_out)),
                  "pplx": ((direct_dispatch32, direct_combine), (pplx_dispatch, pplx_combine)),
                  "pplx_kernels": ((direct_dispatch32, direct_combine),
-                                  (legacy_dispatch, legacy_combine))}
+                                  (legacy_dispatch, legacy_combine)),
+                 "deep_ep normal (V1)": ((token_major_dispatch, token_major_combine),
+                                         (normal_dispatch, normal_combine)),
+                 "deep_ep ElasticBuffer (V2)": ((token_major_dispatch, token_major_combine),
+                                                (v2_dispatch, v2_combine))}
         with ctx:
             # The layers' AllToAlls exist after a first call, made on the stream the timed calls
             # run on (the one they take as their own: see ferry.deep_ep's _stream_of).
             ll_dispatch()
             ll_combine()
+            for first in (normal_dispatch, normal_combine, v2_dispatch, v2_combine):
+                first()
             for name, ((dd, dc), (ld, lc)) in pairs.items():
                 times = {k: [] for k in ("dd", "dc", "ld", "lc")}
                 for i in range(args.iterations + 50):
@@ -193,7 +257,10 @@ def main():
             results["deep_ep combine topk_weights"] = normal_weights_cost(
                 bootstrap, engine, x, idx, w, sync, args.iterations)
         a2a.close()
+        tm.close()
         buf.destroy()
+        normal.destroy()
+        elastic.destroy()
         kernel.destroy()
         legacy.destroy()
         if engine is not None:
