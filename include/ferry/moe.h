@@ -72,11 +72,12 @@ enum class Forwarding : uint8_t {
   // rail AllToAll between nodes, a node AllToAll inside each, and for weights given at the
   // combine a weights rail) carry it, on the instances `instance` to `instance + 2`. Weights
   // given at the dispatch cost nothing; CombineOutput::weights cross to the forwarders first (a
-  // round trip more on the rail), where the node sums with them. The dispatch's ids, and its
-  // device token count, are read again then. Token-major rows arrive ordered by forwarder, then
+  // round trip more on the rail), where the node sums with them (routed by the dispatch's ids,
+  // kept from DispatchSend). The dispatch's device token count is read again at CombineRecv. Token-major rows arrive ordered by forwarder, then
   // by the sender's node, then by token. Both devices (on the CUDA device: NVLink inside the
   // node, the relay on the rail, CUDA graphs as per rank). Not with mask_lost_peers (masks set
-  // by hand work: a masked rank's experts and the routes it forwards are out).
+  // by hand work: a masked rank's experts and the routes it forwards are out). The partial
+  // sums' precision: AllToAllConfig::partial_sums.
   kNodeOnce = 1,
   // Whichever the scale model (tools/moe_model.py, docs/SCALE.md) finds faster for the
   // configuration: node-once where there are several nodes of several ranks and node-once can

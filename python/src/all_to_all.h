@@ -237,6 +237,7 @@ class PyAllToAll {
            CombineItemBytes(c)});
     const CombineInput in{ea.pointer(), !c.combines_fp32() && IsFloat16(ea)};
     Run({ea.owner}, [&](AllToAll& a) { return a.CombineSend(in); });
+    sent_fp16_ = in.fp16;
   }
 
   void CombineRecv(const py::handle& out, bool accumulate, double timeout,
@@ -250,10 +251,15 @@ class PyAllToAll {
                          const Array* ca = nullptr) {
     const AllToAllConfig& c = config();
     const Deadline deadline = DeadlineIn(timeout);
-    Check(&oa, {"out", static_cast<uint64_t>(last_tokens_) * c.combine_row_bytes(), true,
-                CombineItemKind(c), CombineItemBytes(c)});
+    // A float32 out for 2-byte rows takes the fp32 sums unrounded (CombineOutput::fp32_out);
+    // the rows' element is then the one combine_send was given.
+    const bool wide = !c.combines_fp32() && oa.kind == 'f' && oa.item_bytes == 4;
+    const uint64_t tokens = static_cast<uint64_t>(last_tokens_);
+    Check(&oa, {"out", wide ? tokens * c.hidden * 4 : tokens * c.combine_row_bytes(), true,
+                wide ? 'f' : CombineItemKind(c), wide ? 4 : CombineItemBytes(c)});
     CombineOutput to{oa.pointer(), accumulate};
-    to.fp16 = !c.combines_fp32() && IsFloat16(oa);
+    to.fp32_out = wide;
+    to.fp16 = wide ? sent_fp16_ : !c.combines_fp32() && IsFloat16(oa);
     Owners used{oa.owner};
     if (wa) {
       Check(wa, {"weights", static_cast<uint64_t>(last_tokens_) * c.experts_per_token * 4, false,
@@ -576,6 +582,7 @@ class PyAllToAll {
   size_t held_count_ = 0;
   int64_t last_tokens_ = 0;
   int64_t received_rows_ = -1;  // token-major rows of the last dispatch_recv; -1: not known here
+  bool sent_fp16_ = false;      // the last combine_send's rows were float16
   uint64_t output_rows_ = 0;    // rows the last dispatch_recv's x held (its padding's)
   void* stream_ = nullptr;  // the stream the steps go on (set_stream's or a layer's, adopted)
   int busy_ = 0;  // steps running with the GIL released (the GIL guards the count)

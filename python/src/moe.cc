@@ -141,7 +141,8 @@ void BindMoe(py::module_& m) {
            py::arg("timeout") = 30.0, py::arg("weights") = py::none(),
            py::arg("wait_cost") = py::none(),
            "out [T, hidden] of combine_send's element (bf16 or float16; float32 for "
-           "DispatchDtype.FP32 and fp32_combine) for the T of the last dispatch_send: each "
+           "DispatchDtype.FP32 and fp32_combine), or float32 for any (the fp32 sums stored "
+           "unrounded), for the T of the last dispatch_send: each "
            "token's weighted sum in fp32, rounded once "
            "(added to out with accumulate); weights [T, k] float32: the combine weights given "
            "now instead of dispatch_send's (not with combine_reduce_at_expert_rank); wait_cost "

@@ -124,6 +124,38 @@ def float16_body(b):
                          quantising.dispatch_send, x, indices, weights)
 
 
+def fp32_out_body(b):
+    """A float32 out for 2-byte rows takes each token's fp32 sum unrounded (here float16 rows,
+    whose sums fp16 would round): equal to the float64 sum, and to the float16 output once
+    rounded; with accumulate, added to what out holds; an out of the wrong size refused."""
+    import numpy as np
+    c = config(b.rank)
+    local, cap = c.local_experts, c.expert_capacity
+    _, experts = inputs(b.rank)
+    x = np.array([[((b.rank * 37 + t * 11 + h) % 511 - 255) + 0.25 for h in range(HIDDEN)]
+                  for t in range(TOKENS[b.rank])], dtype=np.float16)
+    indices = np.array(experts, dtype=np.int32)
+    weights = np.array([WEIGHTS] * len(experts), dtype=np.float32)
+    exact = x.astype(np.float64) * 2 * sum(WEIGHTS)  # experts that double their input
+    with shm_engine() as engine, ferry.AllToAll(c, engine, b) as a2a:
+        out = np.zeros((local * cap, HIDDEN), np.float16)
+        counts = array.array("i", [0] * local)
+        for accumulate in (False, True):
+            a2a.dispatch_send(x, indices, weights)
+            a2a.dispatch_recv(out, counts, timeout=10)
+            a2a.combine_send(out * np.float16(2))
+            if accumulate:
+                expect_error(ferry.InvalidArgument, "out",
+                             a2a.combine_recv, np.zeros((TOKENS[b.rank] - 1, HIDDEN), np.float32),
+                             timeout=10)
+            y = np.full((TOKENS[b.rank], HIDDEN), 1.0 if accumulate else 0.0, np.float32)
+            a2a.combine_recv(y, accumulate=accumulate, timeout=10)
+            want = exact + (1.0 if accumulate else 0.0)
+            assert np.array_equal(y.astype(np.float64), want), (b.rank, accumulate)
+        assert (exact.astype(np.float16).astype(np.float64) != exact).any()  # fp16 would round
+        assert np.array_equal((y - 1).astype(np.float16), exact.astype(np.float16))
+
+
 def token_major_body(b):
     c = config(b.rank, dispatch_once_per_rank=True, combine_reduce_at_expert_rank=True,
                dispatch_layout=ferry.DispatchLayout.TOKEN_MAJOR)
@@ -376,6 +408,13 @@ class AllToAllTest(unittest.TestCase):
         except ImportError:
             self.skipTest("no numpy for this interpreter")
         run_ranks(self, WORLD, float16_body)
+
+    def test_float32_out_takes_the_sums_unrounded(self):
+        try:
+            import numpy  # noqa: F401
+        except ImportError:
+            self.skipTest("no numpy for this interpreter")
+        run_ranks(self, WORLD, fp32_out_body)
 
     def test_token_major_once_per_rank_reduced(self):
         run_ranks(self, WORLD, token_major_body)
