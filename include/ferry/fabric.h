@@ -411,7 +411,9 @@ class FERRY_API TransferEngine {
                                         MemoryKind kind = MemoryKind::kHost, int device = 0);
   // Deregisters `region` now and says whether that took: OK once its key lands nothing more
   // (what a peer writes under it from then on is refused or dropped), the fence a caller needs
-  // before it reuses memory a peer it gave up on could still write. If the worker, which
+  // before it reuses memory a peer it gave up on could still write. The immediates of writes
+  // that landed under it before (as the provider reported them by then) are counted before
+  // Revoke returns, so that a counter zeroed after it holds nothing of that peer's. If the worker, which
   // deregisters, is gone or does not answer within control_timeout_ms, the error says so and
   // the registration may still be open (it is closed with the engine, never deregistered
   // twice). Either way `region` is empty after. InvalidArgument for an empty region or one of
@@ -441,6 +443,14 @@ class FERRY_API TransferEngine {
   // Pre-builds the work-request templates of a scatter from `src` to one region per group member.
   StatusOr<ScatterPlanId> PrepareScatter(GroupId group, const MemoryRegion& src,
                                          std::span<const RemoteRegion> dst);
+  // A group's members and a plan's targets changed in place (a peer replaced, a region
+  // registered anew), keeping their ids: the tables only grow, so a membership that changes
+  // again and again must not take a new entry each time. The caller's promise: no Scatter or
+  // Barrier on them is in flight or posted until the call returns (the old ones are freed).
+  // Checked as AddPeerGroup and PrepareScatter check; on an error nothing changed.
+  Status ReplacePeerGroup(GroupId group, std::span<const PeerId> members);
+  Status RePrepareScatter(ScatterPlanId plan, GroupId group, const MemoryRegion& src,
+                          std::span<const RemoteRegion> dst);
 
   // --- one-sided writes (non-blocking; ResourceExhausted when the queue or slots are full) ---
   Status Write(const SingleWrite& write, Completion done);

@@ -37,6 +37,7 @@
 // by the receiver from the sender's.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -390,6 +391,32 @@ class FERRY_API AllToAll {
   // with an instance already taken on it is AlreadyExists.
   static StatusOr<std::unique_ptr<AllToAll>> Create(const AllToAllConfig& config,
                                                     TransferEngine* engine, Bootstrap& bootstrap);
+  // Elastic membership: a rank the others lost comes back without the survivors rebuilding
+  // anything (NIXL's connect_ranks, DeepEP's low_latency_update_mask_buffer(rank, False)).
+  // Between epochs, every survivor calls Readmit and a new process for each masked rank calls
+  // Join with that rank's id and the configuration the survivors run, all over `group`: a
+  // bootstrap of the whole world (the survivors at their ranks, the new processes at theirs),
+  // typically a rendezvous the launcher starts for the purpose. Every rank that is masked
+  // comes back at once: the survivors agree on the epoch, the membership version and which
+  // ranks are masked, and those ranks are exactly the ones joining (FailedPrecondition naming
+  // a rank that is on another view -- a survivor that missed a change fails fast instead of
+  // exchanging wrong bytes; InvalidArgument for a configuration that differs). The survivors'
+  // next epoch then runs with every rank, and Join's AllToAll starts at that epoch. A rank
+  // that leaves cleanly is one every live rank masks (SetMasked) before the same epoch.
+  //
+  // Fence: a replaced process that was only slow may still write under the keys it was
+  // given. Each survivor's receive buffers take new keys and the old ones are revoked before
+  // the next epoch (TransferEngine::Revoke), and what had landed under them from the replaced
+  // ranks is counted and dropped, so nothing of theirs lands in, or completes, a later epoch.
+  // A meeting that fails (a new process that never came, `timeout`) leaves the survivors as
+  // they were, those ranks still masked, and Readmit may be called again. The membership
+  // version counts the readmissions. CUDA graphs are not involved: the host device only (per
+  // rank forwarding); elsewhere Readmit and Join are Unimplemented (create a new AllToAll).
+  static StatusOr<std::unique_ptr<AllToAll>> Join(const AllToAllConfig& config,
+                                                  TransferEngine* engine, Bootstrap& group,
+                                                  std::chrono::milliseconds timeout);
+  virtual Status Readmit(Bootstrap& group, std::chrono::milliseconds timeout) = 0;
+  virtual uint64_t membership_version() const = 0;
   virtual ~AllToAll() = default;
 
   virtual const AllToAllConfig& config() const = 0;
@@ -478,8 +505,8 @@ class FERRY_API AllToAll {
   // the next DispatchSend on: the copies routed to its experts go nowhere and add nothing to the
   // combine (as id -1 does), nothing it sends is read, no step waits for it. Set mid-epoch, a
   // mask takes effect at the next DispatchSend (Masked reports it at once). A rank cannot mask
-  // itself (InvalidArgument), nor is a masked rank unmasked (Unimplemented: its late sections
-  // could be read as a later epoch's; a rank that is back joins a new AllToAll). For a manual
+  // itself (InvalidArgument), nor is a masked rank unmasked here (Unimplemented: its late
+  // sections could be read as a later epoch's; it comes back fenced through Readmit). For a manual
   // mask to hold every rank's steps to the same ranks, every live rank masks it before the same
   // epoch. On the CUDA device a mask is set in stream order: between a CombineRecv and a
   // DispatchSend, once its kernels read masks (mask_lost_peers, or a rank masked before), at once

@@ -261,6 +261,34 @@ StatusOr<const PeerGroup*> Engine::FindGroup(GroupId group) const {
   return groups_[group].get();
 }
 
+StatusOr<std::unique_ptr<PeerGroup>> Engine::BuildGroup(std::span<const PeerId> members) const {
+  if (members.empty()) return InvalidArgumentError("peer group: no members");
+  for (PeerId p : members) RETURN_IF_ERROR(CheckCurrent(p).WithContext("peer group"));
+  return std::make_unique<PeerGroup>(PeerGroup{{members.begin(), members.end()}});
+}
+
+StatusOr<std::unique_ptr<ScatterPlan>> Engine::BuildPlan(GroupId group, const MemoryRegion& src,
+                                                         std::span<const RemoteRegion> dst) const {
+  RETURN_IF_ERROR(CheckLocal(&src));
+  ASSIGN_OR_RETURN(const PeerGroup* g, FindGroup(group));
+  if (dst.size() != g->members.size()) {
+    return InvalidArgumentError("scatter plan: " + std::to_string(dst.size()) +
+                                " regions for a group of " + std::to_string(g->members.size()));
+  }
+  auto plan = std::make_unique<ScatterPlan>();
+  plan->src = static_cast<const uint8_t*>(src.data());
+  plan->src_length = src.length();
+  plan->src_desc = LocalDescs(src);
+  for (size_t i = 0; i < dst.size(); ++i) {
+    PeerId p = g->members[i];
+    RETURN_IF_ERROR(CheckOwner(p, dst[i]));
+    const uint32_t k = static_cast<uint32_t>(i % nics_);
+    const NicKey& to = dst[i].nics[k % dst[i].num_nics];  // CheckOwner: the peer's NIC count
+    plan->members.push_back({p, k, to.base, to.key, dst[i].length});
+  }
+  return plan;
+}
+
 void Engine::SetPeer(Request& r, PeerId peer) {
   r.peer = peer;
   r.entry = &peers_[PeerSlot(peer)];

@@ -277,6 +277,11 @@ class Engine final {
   void SetDst(Request& r, const RemoteRegion& dst, uint64_t offset) const;
 
   StatusOr<const PeerGroup*> FindGroup(GroupId group) const;
+  // A group of current peers, and a plan from `src` to one region per member of `group`, as
+  // AddPeerGroup / PrepareScatter (and their Replace / RePrepare forms) store them.
+  StatusOr<std::unique_ptr<PeerGroup>> BuildGroup(std::span<const PeerId> members) const;
+  StatusOr<std::unique_ptr<ScatterPlan>> BuildPlan(GroupId group, const MemoryRegion& src,
+                                                   std::span<const RemoteRegion> dst) const;
   void SetPeer(Request& r, PeerId peer);
 
   // The NIC that starts the next transfer: taken in turn so small transfers spread.

@@ -169,6 +169,10 @@ Status TransferEngine::Deregister(MemoryRegion& region) {
   return impl
       ->RunOnWorker([impl, copy](Engine::ControlResult&) -> Status {
         impl->DeregisterAll(copy);
+        // What landed under the key before it closed is counted before the caller hears it
+        // closed: a caller that then zeroes a counter (a fence against a peer it gave up on)
+        // leaves no late arrival behind it.
+        impl->PollCompletions();
         return Status::Ok();
       })
       .status();
@@ -301,36 +305,28 @@ StatusOr<std::vector<PeerTraffic>> TransferEngine::Traffic(PeerId peer) const {
 
 StatusOr<GroupId> TransferEngine::AddPeerGroup(std::span<const PeerId> members) {
   Engine* const impl = impl_;
-  if (members.empty()) return InvalidArgumentError("AddPeerGroup: no members");
-  for (PeerId p : members) RETURN_IF_ERROR(impl->CheckCurrent(p).WithContext("AddPeerGroup"));
+  ASSIGN_OR_RETURN(auto group, impl->BuildGroup(members));
   MutexLock lock(impl->add_mu_);
   uint32_t n = impl->num_groups_.load(std::memory_order_relaxed);
   if (n >= impl->options_.max_groups) return ResourceExhaustedError("peer group table full");
-  impl->groups_[n] = std::make_unique<PeerGroup>(PeerGroup{{members.begin(), members.end()}});
+  impl->groups_[n] = std::move(group);
   impl->num_groups_.store(n + 1, std::memory_order_release);
   return GroupId{n};
+}
+
+Status TransferEngine::ReplacePeerGroup(GroupId id, std::span<const PeerId> members) {
+  Engine* const impl = impl_;
+  RETURN_IF_ERROR(impl->FindGroup(id).status().WithContext("ReplacePeerGroup"));
+  ASSIGN_OR_RETURN(auto group, impl->BuildGroup(members));
+  MutexLock lock(impl->add_mu_);
+  impl->groups_[id] = std::move(group);
+  return Status::Ok();
 }
 
 StatusOr<ScatterPlanId> TransferEngine::PrepareScatter(GroupId group, const MemoryRegion& src,
                                                        std::span<const RemoteRegion> dst) {
   Engine* const impl = impl_;
-  RETURN_IF_ERROR(impl->CheckLocal(&src));
-  ASSIGN_OR_RETURN(const PeerGroup* g, impl->FindGroup(group));
-  if (dst.size() != g->members.size()) {
-    return InvalidArgumentError("PrepareScatter: " + std::to_string(dst.size()) +
-                                " regions for a group of " + std::to_string(g->members.size()));
-  }
-  auto plan = std::make_unique<ScatterPlan>();
-  plan->src = static_cast<const uint8_t*>(src.data());
-  plan->src_length = src.length();
-  plan->src_desc = impl->LocalDescs(src);
-  for (size_t i = 0; i < dst.size(); ++i) {
-    PeerId p = g->members[i];
-    RETURN_IF_ERROR(impl->CheckOwner(p, dst[i]));
-    const uint32_t k = static_cast<uint32_t>(i % impl->nics_);
-    const NicKey& to = dst[i].nics[k % dst[i].num_nics];  // CheckOwner: the peer's NIC count
-    plan->members.push_back({p, k, to.base, to.key, dst[i].length});
-  }
+  ASSIGN_OR_RETURN(auto plan, impl->BuildPlan(group, src, dst));
   MutexLock lock(impl->add_mu_);
   uint32_t n = impl->num_plans_.load(std::memory_order_relaxed);
   if (n >= impl->options_.max_scatter_plans)
@@ -338,6 +334,18 @@ StatusOr<ScatterPlanId> TransferEngine::PrepareScatter(GroupId group, const Memo
   impl->plans_[n] = std::move(plan);
   impl->num_plans_.store(n + 1, std::memory_order_release);
   return ScatterPlanId{n};
+}
+
+Status TransferEngine::RePrepareScatter(ScatterPlanId id, GroupId group, const MemoryRegion& src,
+                                        std::span<const RemoteRegion> dst) {
+  Engine* const impl = impl_;
+  if (id >= impl->num_plans_.load(std::memory_order_acquire)) {
+    return NotFoundError("RePrepareScatter: unknown plan " + std::to_string(id));
+  }
+  ASSIGN_OR_RETURN(auto plan, impl->BuildPlan(group, src, dst));
+  MutexLock lock(impl->add_mu_);
+  impl->plans_[id] = std::move(plan);
+  return Status::Ok();
 }
 
 Status TransferEngine::Write(const SingleWrite& w, Completion done) {

@@ -755,6 +755,42 @@ TEST_P(EnginePairTest, ScatterAndBarrierOverAGroupOfOne) {
   EXPECT_EQ(a_->Scatter({plan, bad, 42}, {}).code(), StatusCode::kOutOfRange);
 }
 
+// A plan re-prepared in place keeps its id and writes under the new key: b's first key is
+// revoked and the scatter still lands, under the second; the group replaced in place keeps
+// its id too. Bad arguments leave both as they were.
+TEST_P(EnginePairTest, APlanRePreparedInPlaceWritesUnderTheNewKey) {
+  GroupId group = 0;
+  ScatterPlanId plan = 0;
+  ASSERT_NO_FATAL_FAILURE(GroupOfB(&group, &plan));
+  ASSERT_TRUE(b_->CreateImmCounter(43).ok());
+  auto second = b_->RegisterMemory(dst_.data(), dst_.size());
+  ASSERT_TRUE(second.ok()) << second.status();
+  MemoryRegion alias = std::move(second).value();
+  const RemoteRegion alias_remote = *RemoteRegion::Parse(alias.remote().Serialize());
+
+  std::vector<PeerId> members = {b_on_a_};
+  EXPECT_EQ(a_->ReplacePeerGroup(group + 7, members).code(), StatusCode::kNotFound);
+  EXPECT_EQ(a_->ReplacePeerGroup(group, {}).code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE(a_->ReplacePeerGroup(group, members).ok());
+  std::vector<RemoteRegion> two = {alias_remote, alias_remote};
+  EXPECT_EQ(a_->RePrepareScatter(plan, group, src_reg_, two).code(),
+            StatusCode::kInvalidArgument);
+  std::vector<RemoteRegion> one = {alias_remote};
+  EXPECT_EQ(a_->RePrepareScatter(plan + 7, group, src_reg_, one).code(), StatusCode::kNotFound);
+  ASSERT_TRUE(a_->RePrepareScatter(plan, group, src_reg_, one).ok());
+  ASSERT_TRUE(b_->Revoke(dst_reg_).ok());
+
+  std::vector<ScatterTarget> targets = {{0, 0, 512, 4096}, {0, 8192, 70000, 100}};
+  TransferCounter c;
+  ASSERT_TRUE(a_->Scatter({plan, targets, 43}, Completion::Counter(&c)).ok());
+  ASSERT_TRUE(c.Wait(1, Deadline::After(10s)).ok());
+  EXPECT_EQ(c.failed.load(), 0u);
+  ASSERT_TRUE(b_->WaitImm(43, 2, Deadline::After(10s)).ok());
+  for (auto& t : targets) {
+    EXPECT_EQ(0, std::memcmp(dst_.data() + t.dst_offset, src_.data() + t.src_offset, t.length));
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Providers, EnginePairTest, ::testing::ValuesIn(testing_util::Providers()),
                          testing_util::ProviderTestName);
 

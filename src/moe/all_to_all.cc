@@ -11,6 +11,7 @@
 
 #include "ferry/moe.h"
 #include "moe/device.h"
+#include "moe/membership.h"
 #include "moe/node_once.h"
 #include "moe/steps.h"
 
@@ -21,8 +22,11 @@ using moe::Stage;
 
 class Shell final : public AllToAll {
  public:
-  Shell(const AllToAllConfig& c, std::unique_ptr<moe::MoeDevice> device)
-      : c_(c), device_(std::move(device)), caps_(device_->caps()) {}
+  // version, epoch: where a Join's AllToAll starts (the survivors' view).
+  Shell(const AllToAllConfig& c, std::unique_ptr<moe::MoeDevice> device, uint64_t version = 0,
+        uint64_t epoch = 0)
+      : c_(c), device_(std::move(device)), caps_(device_->caps()), version_(version),
+        epoch_(epoch) {}
 
   const AllToAllConfig& config() const override { return c_; }
 
@@ -128,6 +132,27 @@ class Shell final : public AllToAll {
     return masks;
   }
 
+  Status Readmit(Bootstrap& group, std::chrono::milliseconds timeout) override {
+    RETURN_IF_ERROR(Step(Stage::kIdle, "Readmit"));
+    RETURN_IF_ERROR(moe::CheckMembershipGroup(c_, group));
+    ASSIGN_OR_RETURN(const std::vector<uint8_t> masked, Masked());
+    const moe::MemberView mine{false, version_, epoch_, masked, c_.Fingerprint()};
+    ASSIGN_OR_RETURN(const moe::Readmission agreed, moe::Meet(group, mine, timeout));
+    bool any = false;
+    for (uint8_t r : agreed.ranks) any |= r != 0;
+    if (any) {
+      // Masks still pending reach the device first: the ranks it readmits are all it masked.
+      RETURN_IF_ERROR(ApplyPendingMasks());
+      RETURN_IF_ERROR(device_->Readmit(group, agreed.ranks, epoch_, timeout));
+    }
+    for (int r = 0; r < c_.world_size; ++r) {
+      if (agreed.ranks[r]) caller_masks_[r] = 0;
+    }
+    version_ = agreed.version;
+    return Status::Ok();
+  }
+  uint64_t membership_version() const override { return version_; }
+
   uint64_t dispatch_bytes_sent() const override { return device_->dispatch_bytes_sent(); }
   uint64_t combine_bytes_sent() const override { return device_->combine_bytes_sent(); }
 
@@ -173,6 +198,7 @@ class Shell final : public AllToAll {
   const std::unique_ptr<moe::MoeDevice> device_;
   const moe::DeviceCaps caps_;
   Stage stage_ = Stage::kIdle;
+  uint64_t version_ = 0;  // readmissions so far (membership_version)
   uint64_t epoch_ = 0;
   int num_tokens_ = 0;      // the last DispatchSend's
   bool sent_fp16_ = false;  // the last CombineSend's CombineInput::fp16
@@ -196,12 +222,11 @@ Status CheckConfigurationsAgree(const AllToAllConfig& c, Bootstrap& bootstrap) {
   return Status::Ok();
 }
 
-}  // namespace
-
-StatusOr<std::unique_ptr<AllToAll>> AllToAll::Create(const AllToAllConfig& asked,
-                                                     TransferEngine* engine, Bootstrap& bootstrap) {
+// The configuration as it runs (config() reports it: forwarding resolved), after the checks
+// every way of making an AllToAll shares.
+StatusOr<AllToAllConfig> Resolve(const AllToAllConfig& asked, TransferEngine* engine,
+                                 Bootstrap& bootstrap) {
   RETURN_IF_ERROR(asked.Validate());
-  // From here on the configuration says what runs (config() reports it).
   AllToAllConfig config = asked;
   config.forwarding = asked.chosen_forwarding();
   // The CUDA device with one node (a single rank included) needs no engine.
@@ -209,12 +234,31 @@ StatusOr<std::unique_ptr<AllToAll>> AllToAll::Create(const AllToAllConfig& asked
   if (!engine && !(config.device == MoeDeviceKind::kCuda && one_node)) {
     return InvalidArgumentError("AllToAll: null engine");
   }
-  if (bootstrap.world_size() != config.world_size || bootstrap.rank() != config.rank) {
-    return InvalidArgumentError("AllToAll: bootstrap has rank " + std::to_string(bootstrap.rank()) +
-                                " of " + std::to_string(bootstrap.world_size()) + ", config says " +
-                                std::to_string(config.rank) + " of " +
-                                std::to_string(config.world_size));
+  RETURN_IF_ERROR(moe::CheckMembershipGroup(config, bootstrap));
+  return config;
+}
+
+}  // namespace
+
+StatusOr<std::unique_ptr<AllToAll>> AllToAll::Join(const AllToAllConfig& asked,
+                                                   TransferEngine* engine, Bootstrap& group,
+                                                   std::chrono::milliseconds timeout) {
+  ASSIGN_OR_RETURN(const AllToAllConfig config, Resolve(asked, engine, group));
+  if (config.device != MoeDeviceKind::kHost || config.forwarding == Forwarding::kNodeOnce) {
+    return UnimplementedError(
+        "AllToAll::Join: a rank comes back on the host device, per rank forwarding, for now");
   }
+  const moe::MemberView mine{true, 0, 0, std::vector<uint8_t>(size_t(config.world_size)),
+                             config.Fingerprint()};
+  ASSIGN_OR_RETURN(const moe::Readmission agreed, moe::Meet(group, mine, timeout));
+  ASSIGN_OR_RETURN(auto device, moe::CreateHostDevice(config, engine, group, agreed.epoch));
+  return std::unique_ptr<AllToAll>(
+      std::make_unique<Shell>(config, std::move(device), agreed.version, agreed.epoch));
+}
+
+StatusOr<std::unique_ptr<AllToAll>> AllToAll::Create(const AllToAllConfig& asked,
+                                                     TransferEngine* engine, Bootstrap& bootstrap) {
+  ASSIGN_OR_RETURN(const AllToAllConfig config, Resolve(asked, engine, bootstrap));
   RETURN_IF_ERROR(CheckConfigurationsAgree(config, bootstrap));
   std::unique_ptr<moe::MoeDevice> device;
   if (config.forwarding == Forwarding::kNodeOnce) {

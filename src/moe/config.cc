@@ -213,11 +213,18 @@ Status CheckSetMasked(const AllToAllConfig& c, int rank, bool masked, bool now, 
   if (!masked) {
     return UnimplementedError(
         "SetMasked: rank " + std::to_string(rank) +
-        " is masked and stays so in this AllToAll (what it sent late would be read as a later "
-        "epoch's); a rank that is back joins a new AllToAll");
+        " is masked until it comes back as a new process, fenced from the one it replaces: "
+        "AllToAll::Readmit on the survivors, AllToAll::Join on the new process");
   }
   *change = true;
   return Status::Ok();
+}
+
+Status CheckMembershipGroup(const AllToAllConfig& c, const Bootstrap& group) {
+  if (group.world_size() == c.world_size && group.rank() == c.rank) return Status::Ok();
+  return InvalidArgumentError("AllToAll: bootstrap has rank " + std::to_string(group.rank()) +
+                              " of " + std::to_string(group.world_size()) + ", config says " +
+                              std::to_string(c.rank) + " of " + std::to_string(c.world_size));
 }
 
 Status CheckStage(Stage at, Stage want, const char* step) {

@@ -14,6 +14,7 @@
 // never sees a step out of order or an argument the shell refused.
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <vector>
 
@@ -79,6 +80,17 @@ class MoeDevice {
   virtual StatusOr<std::vector<uint8_t>> Masked() const = 0;
   virtual bool masked_so_far(int rank) const = 0;
 
+  // Membership (AllToAll::Readmit): between epochs, the ranks set in `readmitted` ([N], each
+  // masked here) come back as new processes that meet us over `group` at `epoch` (they create
+  // their device with first_epoch = epoch), and are unmasked. Collective over `group`. A failed
+  // meeting leaves the device as it was, those ranks masked.
+  virtual Status Readmit(Bootstrap& /*group*/, const std::vector<uint8_t>& /*readmitted*/,
+                         uint64_t /*epoch*/, std::chrono::milliseconds /*timeout*/) {
+    return UnimplementedError(
+        "AllToAll::Readmit: a rank comes back on the host device, per rank forwarding, for now "
+        "(the CUDA device and node-once forwarding: create a new AllToAll)");
+  }
+
   // OK, or what ended this device (a malformed section, a lost peer, a stopped relay): every
   // later step reports it.
   virtual Status Sticky() = 0;
@@ -119,8 +131,11 @@ std::unique_ptr<MoeDevice> NewHostDevice(const DeviceParams& params);
 
 // The host device with its own buffers and relay over `engine` (collective: the relay
 // exchanges descriptors through `bootstrap`). The configuration is validated and agreed.
+// first_epoch: where a device that replaces a lost rank's starts (AllToAll::Join: the
+// survivors' epoch; its relay meets their Readmit).
 StatusOr<std::unique_ptr<MoeDevice>> CreateHostDevice(const AllToAllConfig& config,
-                                                      TransferEngine* engine, Bootstrap& bootstrap);
+                                                      TransferEngine* engine, Bootstrap& bootstrap,
+                                                      uint64_t first_epoch = 0);
 
 // The CUDA device (cuda/cuda_device.h; config.device == kCuda, any ranks_per_node). `engine`
 // carries the traffic between nodes and may be null with one node. Collective. Unimplemented

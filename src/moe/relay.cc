@@ -62,7 +62,7 @@ Relay::Relay(const AllToAllConfig& config, const RelayLayout& layout, TransferEn
 StatusOr<std::unique_ptr<Relay>> Relay::Create(const AllToAllConfig& config,
                                                const RelayLayout& layout, TransferEngine* engine,
                                                Bootstrap& bootstrap, RelayBuffers buffers,
-                                               uint32_t peer_timeout_ms) {
+                                               uint32_t peer_timeout_ms, uint64_t first_epoch) {
   if (!engine) {
     return InvalidArgumentError(
         "AllToAll: several nodes need an engine for the traffic between them");
@@ -74,8 +74,13 @@ StatusOr<std::unique_ptr<Relay>> Relay::Create(const AllToAllConfig& config,
   }
   std::unique_ptr<Relay> relay(new Relay(config, layout, engine, buffers, peer_timeout_ms));
   RETURN_IF_ERROR(relay->Connect(bootstrap));
-  relay->thread_ = std::thread([r = relay.get()] { r->Main(); });
+  relay->Start(first_epoch);
   return relay;
+}
+
+void Relay::Start(uint64_t epoch) {
+  parked_at_ = UINT64_MAX;
+  thread_ = std::thread([this, epoch] { Main(epoch); });
 }
 
 Relay::~Relay() { Stop(); }
@@ -125,26 +130,124 @@ Status Relay::Connect(Bootstrap& bootstrap) {
       }
     }
   }
-  const auto timeout = std::chrono::seconds(60);
-  ASSIGN_OR_RETURN(auto addresses, bootstrap.AllGather(engine_->Address(), timeout));
-  ASSIGN_OR_RETURN(auto regions, bootstrap.AllGather(inbox_reg_.remote().Serialize(), timeout));
-  std::vector<PeerId> members;
+  const std::chrono::milliseconds timeout = std::chrono::seconds(60);
+  RETURN_IF_ERROR(Meet(bootstrap, inbox_reg_, std::vector<uint8_t>(size_t(c_.world_size), 1),
+                       timeout));
+  return bootstrap.Barrier(timeout);
+}
+
+Status Relay::Meet(Bootstrap& group, const MemoryRegion& inbox,
+                   const std::vector<uint8_t>& fresh, std::chrono::milliseconds timeout) {
+  ASSIGN_OR_RETURN(auto addresses, group.AllGather(engine_->Address(), timeout));
+  ASSIGN_OR_RETURN(auto regions, group.AllGather(inbox.remote().Serialize(), timeout));
+  std::vector<PeerId> members = peers_;
+  members.resize(layout_.remotes.size());
   std::vector<RemoteRegion> inboxes;
-  for (int r : layout_.remotes) {
-    ASSIGN_OR_RETURN(PeerId peer, engine_->AddPeer(addresses[r]));
+  for (size_t q = 0; q < layout_.remotes.size(); ++q) {
+    const int r = layout_.remotes[q];
+    if (fresh[r]) {
+      ASSIGN_OR_RETURN(members[q], engine_->AddPeer(addresses[r]));
+    }
     ASSIGN_OR_RETURN(RemoteRegion region, RemoteRegion::Parse(regions[r]));
     if (region.length != static_cast<uint64_t>(layout_.inbox_bytes)) {
       return InvalidArgumentError("AllToAll: rank " + std::to_string(r) +
                                   " registered an inbox of another size");
     }
-    members.push_back(peer);
     inboxes.push_back(region);
   }
+  // The first meeting takes a group and a plan; later ones change them in place (the
+  // engine's tables only grow), the relay's thread parked, so no scatter of ours is in flight.
+  if (peers_.empty()) {
+    ASSIGN_OR_RETURN(group_, engine_->AddPeerGroup(members));
+    ASSIGN_OR_RETURN(plan_, engine_->PrepareScatter(group_, outbox_reg_, inboxes));
+    forgotten_.assign(members.size(), 0);
+  } else {
+    RETURN_IF_ERROR(engine_->ReplacePeerGroup(group_, members));
+    RETURN_IF_ERROR(engine_->RePrepareScatter(plan_, group_, outbox_reg_, inboxes));
+    for (size_t q = 0; q < members.size(); ++q) {
+      if (fresh[layout_.remotes[q]]) forgotten_[q] = 0;
+    }
+  }
   peers_ = members;
-  forgotten_.assign(members.size(), 0);
-  ASSIGN_OR_RETURN(group_, engine_->AddPeerGroup(members));
-  ASSIGN_OR_RETURN(plan_, engine_->PrepareScatter(group_, outbox_reg_, inboxes));
-  return bootstrap.Barrier(timeout);
+  return Status::Ok();
+}
+
+StatusOr<uint64_t> Relay::Park() {
+  if (stopped_ || !thread_.joinable()) return FailedPreconditionError("the relay has stopped");
+  stop_.store(true, std::memory_order_release);
+  thread_.join();
+  stop_.store(false, std::memory_order_release);
+  if (failed()) return error();
+  if (parked_at_ == UINT64_MAX) {
+    const Status s = FailedPreconditionError("the relay was stopped inside an epoch's exchange");
+    Fail(s);
+    return s;
+  }
+  if (!writes_.WaitEnded(Deadline::After(std::chrono::milliseconds(peer_timeout_ms_))).ok()) {
+    const Status s = DeadlineExceededError("our writes of the last epoch did not end");
+    Fail(s);
+    return s;
+  }
+  return parked_at_;
+}
+
+Status Relay::Readmit(Bootstrap& group, const std::vector<uint8_t>& readmitted, uint64_t epoch,
+                      std::chrono::milliseconds timeout) {
+  ASSIGN_OR_RETURN(const uint64_t parked, Park());
+  if (parked != epoch) {
+    Start(parked);
+    return FailedPreconditionError("the relay waits for epoch " + std::to_string(parked) +
+                                   "'s dispatch, not " + std::to_string(epoch) + "'s");
+  }
+  // The processes replaced are forgotten as the engine's peers (those masked as lost already
+  // are): nothing of ours goes to them again.
+  for (size_t q = 0; q < layout_.remotes.size(); ++q) {
+    if (!readmitted[layout_.remotes[q]] || forgotten_[q]) continue;
+    forgotten_[q] = 1;
+    (void)engine_->RemovePeer(peers_[q]);  // NotFound: gone already
+  }
+  // The new key first: until every rank has it, the others still write under the old one.
+  auto fresh = engine_->RegisterMemory(buffers_.inbox, layout_.inbox_bytes, buffers_.boxes,
+                                       buffers_.device);
+  if (!fresh.ok()) {
+    Start(epoch);
+    return fresh.status().WithContext("registering the inbox anew");
+  }
+  MemoryRegion inbox = std::move(fresh).value();
+  if (Status met = Meet(group, inbox, readmitted, timeout); !met.ok()) {
+    (void)engine_->Revoke(inbox);
+    Start(epoch);
+    return met;
+  }
+  // The fence (see Readmit in relay.h): the old key revoked, then the readmitted ranks'
+  // immediates that landed under it dropped, every kind and epoch -- all before the barrier,
+  // after which the new processes write under the new keys (an immediate of theirs dropped
+  // here would be a section lost). Past the exchange the keys have changed everywhere: if this
+  // fails, or a rank is lost before the barrier, the ranks cannot meet again under the old
+  // ones, and this AllToAll is over (a new one is created).
+  const Status fenced = [&]() -> Status {
+    RETURN_IF_ERROR(engine_->Revoke(inbox_reg_).WithContext("revoking the inbox's old key"));
+    inbox_reg_ = std::move(inbox);
+    for (int r : layout_.remotes) {
+      if (!readmitted[r]) continue;
+      for (ImmKind kind : {kRelayDispatch, kRelayCombine}) {
+        for (uint32_t e = 0; e < kEpochs; ++e) {
+          const uint32_t imm = RelayImm(kind, e, c_.instance, r);
+          ASSIGN_OR_RETURN(const uint64_t stale, engine_->ImmCount(imm));
+          if (stale > 0) RETURN_IF_ERROR(engine_->ConsumeImm(imm, stale));
+        }
+      }
+    }
+    return group.Barrier(timeout);
+  }();
+  if (!fenced.ok()) {
+    const Status over = fenced.WithContext(
+        "AllToAll::Readmit, after the new keys were exchanged; this AllToAll is unusable");
+    Fail(over);
+    return over;
+  }
+  Start(epoch);
+  return Status::Ok();
 }
 
 Status Relay::error() const {
@@ -160,9 +263,15 @@ void Relay::Fail(const Status& s) {
   failed_.store(true, std::memory_order_release);
 }
 
-void Relay::Main() {
-  for (uint64_t epoch = 0;; ++epoch) {
-    Status s = Dispatch(epoch);
+void Relay::Main(uint64_t first_epoch) {
+  for (uint64_t epoch = first_epoch;; ++epoch) {
+    phase_start_ = Clock::now();
+    Status s = WaitDevice(false, epoch);
+    if (s.code() == StatusCode::kCancelled) {
+      parked_at_ = epoch;  // between epochs: Park's to take up again
+      return;
+    }
+    if (s.ok()) s = Dispatch(epoch);
     if (s.ok()) s = Combine(epoch);
     if (!s.ok()) {
       if (s.code() != StatusCode::kCancelled) {
@@ -174,9 +283,8 @@ void Relay::Main() {
   }
 }
 
+// After the kernels' dispatch flag of `epoch` (Main waits for it).
 Status Relay::Dispatch(uint64_t epoch) {
-  phase_start_ = Clock::now();
-  RETURN_IF_ERROR(WaitDevice(false, epoch));
   targets_.clear();
   for (size_t q = 0; q < layout_.remotes.size(); ++q) {
     const int r = layout_.remotes[q];

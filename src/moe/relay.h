@@ -47,6 +47,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -205,12 +206,15 @@ class Relay {
  public:
   // Collective over every rank (when there is more than one node). Registers the inbox and
   // outbox (as buffers.boxes says), exchanges addresses, connects to the remote ranks and starts
-  // the thread. peer_timeout_ms bounds each wait for a peer.
+  // the thread. peer_timeout_ms bounds each wait for a peer. A relay that replaces a lost
+  // rank's (AllToAll::Join) starts at the survivors' epoch, `first_epoch`, and meets their
+  // Readmit over `bootstrap`.
   static StatusOr<std::unique_ptr<Relay>> Create(const AllToAllConfig& config,
                                                  const RelayLayout& layout,
                                                  TransferEngine* engine, Bootstrap& bootstrap,
                                                  RelayBuffers buffers,
-                                                 uint32_t peer_timeout_ms = 60000);
+                                                 uint32_t peer_timeout_ms = 60000,
+                                                 uint64_t first_epoch = 0);
   ~Relay();  // Stop()
   Relay(const Relay&) = delete;
   Relay& operator=(const Relay&) = delete;
@@ -219,6 +223,23 @@ class Relay {
   // transfer timeout). False if some never ended: their registrations are leaked, and the
   // outbox (which they read) must be too.
   bool Stop();
+
+  // Membership (AllToAll::Readmit): between epochs -- the relay waiting for the kernels'
+  // dispatch flag of `epoch`, its writes of the epoch before ended -- the ranks set in
+  // `readmitted` ([N]) are connected again as the new processes that run Create over `group`
+  // (every rank of the world; collective) with first_epoch = epoch, and the relay goes on.
+  // The fence against the processes they replace, which may still be writing under the keys
+  // they were given: our inbox takes a new key, the old one is revoked (nothing written under
+  // it lands after), and what landed under it from a readmitted rank is counted and dropped
+  // (TransferEngine::Revoke counts it first), so no late section of theirs raises a flag of
+  // a later epoch. Our outbox keeps its key: a revoked peer never had ours to write. If the
+  // exchange fails (a new process that never came: `timeout`), the new key is revoked and the
+  // relay goes on as it was, the old keys standing; a failure after it (a rank lost before the
+  // closing barrier) fails the relay, for the ranks no longer share one set of keys. Nobody
+  // writes under the new keys before that barrier, so the immediates dropped are all stale.
+  // FailedPrecondition where the relay is not between epochs at `epoch`, or has failed.
+  Status Readmit(Bootstrap& group, const std::vector<uint8_t>& readmitted, uint64_t epoch,
+                 std::chrono::milliseconds timeout);
 
   // OK while the relay runs; then why it stopped (a peer lost, a malformed counts row).
   Status error() const;
@@ -233,7 +254,16 @@ class Relay {
   // Raises sender s's dispatch or combine flag in our inbox to epoch + 1 (release).
   void RaiseInboxFlag(bool combine, int s, uint64_t epoch);
   Status Connect(Bootstrap& bootstrap);
-  void Main();
+  // Every rank's engine address and inbox descriptor (ours: `inbox`) through `group`, then,
+  // for each remote rank that `fresh` sets (all of them when the relay starts), its engine as
+  // our peer; then the group and the scatter plan to every remote inbox.
+  Status Meet(Bootstrap& group, const MemoryRegion& inbox, const std::vector<uint8_t>& fresh,
+              std::chrono::milliseconds timeout);
+  // Parks the thread where it waits for the kernels' dispatch flag and waits for our writes:
+  // the epoch it was waiting for. Start runs it again from `epoch`.
+  StatusOr<uint64_t> Park();
+  void Start(uint64_t epoch);
+  void Main(uint64_t first_epoch);
   Status Dispatch(uint64_t epoch);
   Status Combine(uint64_t epoch);
   // Until the kernels raised an outbox flag past epoch (no deadline: the GPU may idle).
@@ -272,6 +302,9 @@ class Relay {
   uint64_t trace_count_[2] = {};
   Clock::time_point phase_start_;
   std::atomic<bool> stop_{false};
+  // Where Main returned: the epoch whose dispatch flag it waited for when stop_ came (Park's
+  // between epochs), or UINT64_MAX where it stopped anywhere else.
+  uint64_t parked_at_ = UINT64_MAX;
   bool stopped_ = false;  // Stop ran
   bool drained_ = true;   // what Stop found
   std::thread thread_;  // last: starts once everything above exists

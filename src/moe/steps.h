@@ -3,6 +3,7 @@
 // pointers' alignment -- each checks after these.)
 #pragma once
 
+#include "ferry/bootstrap.h"
 #include "ferry/moe.h"
 
 namespace ferry::moe {
@@ -29,5 +30,8 @@ Status CheckCombineOutput(const AllToAllConfig& c, const CombineOutput& out, boo
 // rank out of range or ourselves, Unimplemented for unmasking a masked rank; else OK, with
 // *change true when the rank is to be masked now.
 Status CheckSetMasked(const AllToAllConfig& c, int rank, bool masked, bool now, bool* change);
+// InvalidArgument unless the bootstrap (Create's, or Readmit's and Join's group) holds the
+// configuration's world, this rank at its id.
+Status CheckMembershipGroup(const AllToAllConfig& c, const Bootstrap& group);
 
 }  // namespace ferry::moe

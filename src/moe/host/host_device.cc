@@ -378,6 +378,18 @@ class HostDevice final : public MoeDevice {
     return masks;
   }
 
+  Status Readmit(Bootstrap& group, const std::vector<uint8_t>& readmitted, uint64_t epoch,
+                 std::chrono::milliseconds timeout) override {
+    if (!rig_ || !rig_->relay) {
+      return FailedPreconditionError("AllToAll::Readmit: no rank outside this one to readmit");
+    }
+    RETURN_IF_ERROR(rig_->relay->Readmit(group, readmitted, epoch, timeout));
+    for (int r = 0; r < c_.world_size; ++r) {
+      if (readmitted[r]) lay_.Mask(p_.boxes.control, r, kUnmasked);
+    }
+    return Status::Ok();
+  }
+
   Status Sticky() override {
     if (p_.relay && p_.relay->failed()) return p_.relay->error();
     return error_;
@@ -524,11 +536,13 @@ std::unique_ptr<MoeDevice> NewHostDevice(const DeviceParams& params) {
 
 StatusOr<std::unique_ptr<MoeDevice>> CreateHostDevice(const AllToAllConfig& c,
                                                       TransferEngine* engine,
-                                                      Bootstrap& bootstrap) {
+                                                      Bootstrap& bootstrap,
+                                                      uint64_t first_epoch) {
   auto rig = std::make_unique<HostRig>(c);
   const RelayBuffers boxes = rig->boxes.buffers();
   if (!rig->layout.remotes.empty()) {
-    ASSIGN_OR_RETURN(rig->relay, Relay::Create(c, rig->layout, engine, bootstrap, boxes));
+    ASSIGN_OR_RETURN(rig->relay, Relay::Create(c, rig->layout, engine, bootstrap, boxes, 60000,
+                                               first_epoch));
   } else {
     // One rank: nothing crosses, but the instance is still this AllToAll's on its engine (each
     // AllToAll on an engine has its own), claimed by a counter no relay creates.

@@ -1,0 +1,46 @@
+// Membership: what the ranks of an AllToAll agree on before lost ranks come back
+// (AllToAll::Readmit on the survivors, AllToAll::Join on the new processes). Each brings its
+// view -- whether it joins, the membership version, the epoch it is at, which ranks it has
+// masked, its configuration's fingerprint -- and every rank decides from all of them, the same
+// way, whether the readmission goes ahead and for which ranks.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "ferry/bootstrap.h"
+#include "ferry/status.h"
+
+namespace ferry::moe {
+
+struct MemberView {
+  bool joining = false;        // a new process for a lost rank (Join)
+  uint64_t version = 0;        // readmissions so far (a joining rank's is not read)
+  uint64_t epoch = 0;          // the survivor's next epoch (a joining rank's is not read)
+  std::vector<uint8_t> masked;  // [world size] 1 where the survivor masked a rank
+  std::vector<uint8_t> fingerprint;  // AllToAllConfig::Fingerprint
+
+  std::vector<uint8_t> Serialize() const;
+  // DataLoss for bytes that are not a view of this world size.
+  static StatusOr<MemberView> Parse(std::span<const uint8_t> bytes, int world_size);
+};
+
+struct Readmission {
+  uint64_t version = 0;        // after it
+  uint64_t epoch = 0;          // the first epoch with the readmitted ranks
+  std::vector<uint8_t> ranks;  // [world size] 1 where a rank comes back
+};
+
+// The decision from every rank's view (views[r] is rank r's): InvalidArgument naming a rank
+// whose configuration differs; FailedPrecondition naming a rank that is on another view (no
+// survivor at all, survivors on different versions, epochs or masks, a joining rank that the
+// survivors did not mask, a masked rank that nobody joins for).
+StatusOr<Readmission> Decide(const std::vector<MemberView>& views);
+
+// Every rank's view through `group`, then Decide.
+StatusOr<Readmission> Meet(Bootstrap& group, const MemberView& mine,
+                           std::chrono::milliseconds timeout);
+
+}  // namespace ferry::moe

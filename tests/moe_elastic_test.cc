@@ -1,0 +1,321 @@
+// Elastic membership (AllToAll::Readmit / AllToAll::Join) on the host device: four ranks as
+// processes over shm, a fifth standing by to replace one. A lost rank is masked by the
+// survivors, a new process takes its rank id, and the next epochs equal a world that never
+// broke, bit for bit; the process it replaced, woken, writes nothing into them; a readmission
+// that never completes leaves the survivors as they were.
+#include <gtest/gtest.h>
+#include <poll.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "fabric/test_util.h"
+#include "ferry/bootstrap.h"
+#include "ferry/moe.h"
+#include "moe/numerics.h"
+
+namespace ferry {
+namespace {
+
+using namespace std::chrono_literals;
+
+constexpr int kWorld = 4, kTokens = 4, kHidden = 64, kExperts = 8, kK = 2;
+constexpr int kLocal = kExperts / kWorld;
+constexpr int64_t kCapacity = int64_t{kWorld} * kTokens;
+
+// Rank r's token t in epoch i holds 1 + r + t / 4 + i / 2 in every column, routed to experts
+// (t + r) % 8 and (t + r + 4) % 8 (two ranks apart), weighted 0.5 and 0.25: the experts are the
+// identity, so each output is its value times the weights of the copies that live ranks took.
+float Value(int r, int t, uint64_t epoch) { return 1.0f + r + t * 0.25f + 0.5f * float(epoch); }
+int Expert(int r, int t, int j) { return (t + r + 4 * j) % kExperts; }
+float Weight(int j) { return j == 0 ? 0.5f : 0.25f; }
+using Ranks = std::vector<bool>;
+const Ranks kAll = {true, true, true, true}, kWithout2 = {true, true, false, true};
+
+AllToAllConfig Config(int rank) {
+  return {.world_size = kWorld, .rank = rank, .num_experts = kExperts, .experts_per_token = kK,
+          .max_tokens_per_rank = kTokens, .hidden = kHidden, .dtype = DispatchDtype::kBf16,
+          .mask_lost_peers = true};
+}
+
+// One rank's AllToAll and buffers; `epoch` is that of its next dispatch.
+struct Member {
+  std::unique_ptr<TransferEngine> engine;
+  std::unique_ptr<AllToAll> a2a;
+  int rank = 0;
+  uint64_t epoch = 0;
+  std::vector<uint16_t> x, out_x, y;
+  std::vector<int32_t> idx, counts;
+  std::vector<float> w;
+};
+
+StatusOr<std::unique_ptr<TransferEngine>> Engine() {
+  EngineOptions options = testing_util::TestOptions("shm");
+  // Long: a rank masked as lost is forgotten as the engine's peer, which ends what is pending
+  // to it at once (see moe_mask_test).
+  options.transfer_timeout_ms = 30000;
+  return TransferEngine::Create(options);
+}
+
+void Buffers(Member& m, int rank) {
+  m.rank = rank;
+  m.idx.resize(kTokens * kK);
+  m.w.resize(kTokens * kK);
+  for (int t = 0; t < kTokens; ++t) {
+    for (int j = 0; j < kK; ++j) {
+      m.idx[t * kK + j] = Expert(rank, t, j);
+      m.w[t * kK + j] = Weight(j);
+    }
+  }
+  m.x.resize(kTokens * kHidden);
+  m.out_x.resize(kLocal * kCapacity * kHidden);
+  m.y.resize(kTokens * kHidden);
+  m.counts.resize(kLocal);
+}
+
+// A rank of the world as it starts, over `bootstrap`.
+StatusOr<Member> Create(Bootstrap& bootstrap) {
+  Member m;
+  Buffers(m, bootstrap.rank());
+  ASSIGN_OR_RETURN(m.engine, Engine());
+  ASSIGN_OR_RETURN(m.a2a, AllToAll::Create(Config(bootstrap.rank()), m.engine.get(), bootstrap));
+  return m;
+}
+
+// A new process for rank `group.rank()`, joining the survivors over `group`.
+StatusOr<Member> Join(Bootstrap& group) {
+  Member m;
+  Buffers(m, group.rank());
+  ASSIGN_OR_RETURN(m.engine, Engine());
+  ASSIGN_OR_RETURN(m.a2a, AllToAll::Join(Config(group.rank()), m.engine.get(), group, 30s));
+  return m;
+}
+
+Status Dispatch(Member& m, Deadline deadline) {
+  for (int t = 0; t < kTokens; ++t) {
+    std::fill_n(m.x.begin() + t * kHidden, kHidden, FloatToBf16(Value(m.rank, t, m.epoch)));
+  }
+  std::fill(m.counts.begin(), m.counts.end(), -1);
+  RETURN_IF_ERROR(m.a2a->DispatchSend({m.x.data(), nullptr, m.idx.data(), m.w.data(), kTokens}));
+  return m.a2a->DispatchRecv({m.out_x.data(), nullptr, m.counts.data()}, deadline);
+}
+
+// What the epoch's dispatch gave us from the senders in `sent` (each in token order, sender by
+// sender), then its combine, summed from the expert ranks in `live`: both exact.
+Status Finish(Member& m, const Ranks& sent, const Ranks& live, Deadline deadline) {
+  const std::string at = "rank " + std::to_string(m.rank) + " epoch " + std::to_string(m.epoch);
+  for (int e = 0; e < kLocal; ++e) {
+    std::vector<float> want;
+    for (int s = 0; s < kWorld; ++s) {
+      for (int t = 0; sent[s] && t < kTokens; ++t) {
+        for (int j = 0; j < kK; ++j) {
+          if (Expert(s, t, j) == m.rank * kLocal + e) want.push_back(Value(s, t, m.epoch));
+        }
+      }
+    }
+    CHECK_OR_RETURN(m.counts[e] == int(want.size()),
+                    at + ": " + std::to_string(m.counts[e]) + " rows for local expert " +
+                        std::to_string(e) + ", want " + std::to_string(want.size()));
+    for (size_t i = 0; i < want.size(); ++i) {
+      const float got = Bf16ToFloat(m.out_x[(e * kCapacity + i) * kHidden + i % kHidden]);
+      CHECK_OR_RETURN(got == want[i], at + ": row " + std::to_string(i) + " of local expert " +
+                                          std::to_string(e) + " holds " + std::to_string(got));
+    }
+  }
+  RETURN_IF_ERROR(m.a2a->CombineSend(m.out_x.data()));
+  RETURN_IF_ERROR(m.a2a->CombineRecv({m.y.data(), false}, deadline));
+  for (int t = 0; t < kTokens; ++t) {
+    float weight = 0;
+    for (int j = 0; j < kK; ++j) weight += live[Expert(m.rank, t, j) / kLocal] ? Weight(j) : 0;
+    const float want = Bf16ToFloat(FloatToBf16(Value(m.rank, t, m.epoch) * weight));
+    for (int i = 0; i < kHidden; ++i) {
+      const float got = Bf16ToFloat(m.y[t * kHidden + i]);
+      CHECK_OR_RETURN(got == want, at + ": token " + std::to_string(t) + " combined to " +
+                                       std::to_string(got) + ", want " + std::to_string(want));
+    }
+  }
+  ++m.epoch;
+  return Status::Ok();
+}
+
+Status Epoch(Member& m, const Ranks& ranks, Deadline deadline) {
+  RETURN_IF_ERROR(Dispatch(m, deadline));
+  return Finish(m, ranks, ranks, deadline);
+}
+
+Status ExpectView(const Member& m, const std::vector<uint8_t>& masked, uint64_t version) {
+  ASSIGN_OR_RETURN(auto got, m.a2a->Masked());
+  CHECK_OR_RETURN(got == masked && m.a2a->membership_version() == version,
+                  "rank " + std::to_string(m.rank) + ": rank 2 masked " +
+                      std::to_string(got[2]) + ", membership version " +
+                      std::to_string(m.a2a->membership_version()));
+  return Status::Ok();
+}
+
+StatusOr<std::unique_ptr<Bootstrap>> Rendezvous(const std::string& address, int rank) {
+  return JoinRendezvous({.address = address, .world_size = kWorld, .rank = rank, .timeout = 60s});
+}
+
+std::string LoopbackAddress() {
+  return "127.0.0.1:" + std::to_string(testing_util::FreeLoopbackPort());
+}
+
+// One byte through a pipe between two ranks' processes, read within 20 s.
+Status Signal(int fd) {
+  const char c = 1;
+  CHECK_OR_RETURN(write(fd, &c, 1) == 1, "pipe write");
+  return Status::Ok();
+}
+Status AwaitSignal(int fd) {
+  pollfd p{fd, POLLIN, 0};
+  CHECK_OR_RETURN(poll(&p, 1, 20000) == 1, "no signal through the pipe within 20 s");
+  char c;
+  CHECK_OR_RETURN(read(fd, &c, 1) == 1, "pipe read");
+  return Status::Ok();
+}
+
+// Rank 2 stops (SIGSTOP) after epoch 2's dispatch, before it returns any combine rows: the
+// survivors mask it at their combine's deadline and run epoch 3 without it. A fifth process
+// joins as rank 2 and the survivors readmit it. The old rank 2 is woken -- before the
+// readmission (kBefore: its epoch-2 combine rows land under the keys it holds, and their
+// immediates are counted; one left standing would raise the flag of epoch 6, which shares
+// epoch 2's tag) or after it (kAfter: they go under keys revoked since, and are refused) --
+// and sends its epoch-2 combine rows. Epochs 4 to 11 (every epoch tag twice) run all four
+// ranks and equal a world that never broke, bit for bit. (Without the counted immediates
+// dropped, kBefore fails at epoch 6 or 7; without the old keys revoked, so does kAfter.)
+enum class Woken { kBefore, kAfter };
+
+class MoeElasticTest : public ::testing::TestWithParam<Woken> {};
+
+TEST_P(MoeElasticTest, ALostRankIsReplacedFencedAndTheNextEpochsAreWholeAgain) {
+  const bool before = GetParam() == Woken::kBefore;
+  const std::string first = LoopbackAddress(), second = LoopbackAddress();
+  // The old rank 2 to rank 0 (it sent); ranks 1 and 3 to rank 0 (their epoch 3 is over: rows
+  // that land after it are no epoch's they still read).
+  int woke[2], quiet[2];
+  ASSERT_EQ(pipe(woke), 0);
+  ASSERT_EQ(pipe(quiet), 0);
+  auto exits = RunLocalRanks(kWorld + 1, [&](Bootstrap& launcher) -> Status {
+    const int me = launcher.rank();  // 4: the replacement
+    const int32_t pid = getpid();
+    ASSIGN_OR_RETURN(auto pids, launcher.AllGather({reinterpret_cast<const uint8_t*>(&pid), 4},
+                                                   30s));
+    int32_t old_pid;
+    std::memcpy(&old_pid, pids[2].data(), 4);
+    if (me == kWorld) {
+      RETURN_IF_ERROR(launcher.Barrier(60s));
+      ASSIGN_OR_RETURN(auto group, Rendezvous(second, 2));
+      ASSIGN_OR_RETURN(Member m, Join(*group));
+      CHECK_OR_RETURN(m.a2a->membership_version() == 1,
+                      "joined at version " + std::to_string(m.a2a->membership_version()));
+      m.epoch = 4;  // the survivors' next epoch, where Join's AllToAll starts
+      for (int i = 0; i < 8; ++i) {
+        // Our combine rows come late, so that a survivor whose flag for them went up early
+        // (a stale immediate) reads the rows of an epoch before.
+        RETURN_IF_ERROR(Dispatch(m, Deadline::After(30s)));
+        std::this_thread::sleep_for(50ms);
+        RETURN_IF_ERROR(Finish(m, kAll, kAll, Deadline::After(30s)));
+      }
+      return Status::Ok();
+    }
+    ASSIGN_OR_RETURN(auto world, Rendezvous(first, me));
+    ASSIGN_OR_RETURN(Member m, Create(*world));
+    for (int i = 0; i < 2; ++i) RETURN_IF_ERROR(Epoch(m, kAll, Deadline::After(30s)));
+    RETURN_IF_ERROR(Dispatch(m, Deadline::After(30s)));
+    RETURN_IF_ERROR(launcher.Barrier(60s));  // every rank has had epoch 2's dispatch
+    if (me == 2) {
+      raise(SIGSTOP);
+      // Woken by rank 0: this epoch's combine rows go out under the keys we were given.
+      (void)m.a2a->CombineSend(m.out_x.data());
+      (void)m.a2a->CombineRecv({m.y.data(), false}, Deadline::After(1s));
+      std::this_thread::sleep_for(300ms);  // our relay's writes end (shm: microseconds)
+      return Signal(woke[1]);
+    }
+    RETURN_IF_ERROR(Finish(m, kAll, kWithout2, Deadline::After(1s)));
+    RETURN_IF_ERROR(ExpectView(m, {0, 0, 1, 0}, 0));
+    RETURN_IF_ERROR(Epoch(m, kWithout2, Deadline::After(30s)));
+    // Rank 0 wakes the old rank 2 once no survivor reads an epoch it could still write into
+    // (moe.h: a rank masked as lost is presumed gone until the fence).
+    if (me != 0) RETURN_IF_ERROR(Signal(quiet[1]));
+    auto wake = [&]() -> Status {
+      RETURN_IF_ERROR(AwaitSignal(quiet[0]));
+      RETURN_IF_ERROR(AwaitSignal(quiet[0]));
+      CHECK_OR_RETURN(kill(old_pid, SIGCONT) == 0, "SIGCONT");
+      return AwaitSignal(woke[0]);
+    };
+    if (me == 0 && before) RETURN_IF_ERROR(wake());
+    ASSIGN_OR_RETURN(auto group, Rendezvous(second, me));
+    const auto start = Clock::now();
+    RETURN_IF_ERROR(m.a2a->Readmit(*group, 30s));
+    if (me == 0) {
+      std::fprintf(stderr, "readmission took %.1f ms\n",
+                   std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+    }
+    RETURN_IF_ERROR(ExpectView(m, {0, 0, 0, 0}, 1));
+    if (me == 0 && !before) RETURN_IF_ERROR(wake());
+    for (int i = 0; i < 8; ++i) RETURN_IF_ERROR(Epoch(m, kAll, Deadline::After(30s)));
+    return Status::Ok();
+  }, 180s);
+  for (int r = 0; r <= kWorld; ++r) EXPECT_TRUE(exits[r].ok()) << "process " << r;
+}
+
+INSTANTIATE_TEST_SUITE_P(Woken, MoeElasticTest, ::testing::Values(Woken::kBefore, Woken::kAfter),
+                         [](const auto& info) {
+                           return info.param == Woken::kBefore ? "BeforeTheFence"
+                                                               : "AfterTheFence";
+                         });
+
+// Rank 2 leaves cleanly: the others mask it before the same epoch and go on without it. A new
+// process takes rank 2's place in a group and dies before it joins: every survivor's Readmit
+// fails within its timeout, and the world is as it was (rank 2 masked, version 0, the next
+// epoch exact without it). The process that left then comes back (a new engine, AllToAll::Join)
+// and the world is whole again.
+TEST(MoeElasticJoinTest, AJoinThatNeverCompletesLeavesTheWorldAsItWas) {
+  const std::string first = LoopbackAddress(), failing = LoopbackAddress(),
+                    again = LoopbackAddress();
+  auto exits = RunLocalRanks(kWorld + 1, [&](Bootstrap& launcher) -> Status {
+    const int me = launcher.rank();
+    if (me == kWorld) {  // joins the group, then dies before it meets the survivors
+      ASSIGN_OR_RETURN(auto group, Rendezvous(failing, 2));
+      raise(SIGKILL);
+    }
+    ASSIGN_OR_RETURN(auto world, Rendezvous(first, me));
+    ASSIGN_OR_RETURN(Member m, Create(*world));
+    RETURN_IF_ERROR(Epoch(m, kAll, Deadline::After(30s)));
+    if (me == 2) {  // leaves; comes back as a new AllToAll on a new engine
+      m.a2a.reset();
+      m.engine.reset();
+      ASSIGN_OR_RETURN(auto group, Rendezvous(again, 2));
+      ASSIGN_OR_RETURN(Member back, Join(*group));
+      back.epoch = 3;
+      return Epoch(back, kAll, Deadline::After(30s));
+    }
+    RETURN_IF_ERROR(m.a2a->SetMasked(2, true));
+    RETURN_IF_ERROR(Epoch(m, kWithout2, Deadline::After(30s)));
+    {
+      ASSIGN_OR_RETURN(auto group, Rendezvous(failing, me));
+      const auto start = Clock::now();
+      Status s = m.a2a->Readmit(*group, 3s);
+      CHECK_OR_RETURN(!s.ok() && Clock::now() - start < 20s,
+                      "a readmission with a dead joiner: " + s.ToString());
+    }
+    RETURN_IF_ERROR(ExpectView(m, {0, 0, 1, 0}, 0));
+    RETURN_IF_ERROR(Epoch(m, kWithout2, Deadline::After(30s)));
+    {
+      ASSIGN_OR_RETURN(auto group, Rendezvous(again, me));
+      RETURN_IF_ERROR(m.a2a->Readmit(*group, 30s));
+    }
+    RETURN_IF_ERROR(ExpectView(m, {0, 0, 0, 0}, 1));
+    RETURN_IF_ERROR(Epoch(m, kAll, Deadline::After(30s)));
+    return Status::Ok();
+  }, 180s);
+  for (int r = 0; r < kWorld; ++r) EXPECT_TRUE(exits[r].ok()) << "process " << r;
+  EXPECT_EQ(exits[kWorld].signal, SIGKILL);
+}
+
+}  // namespace
+}  // namespace ferry
