@@ -22,14 +22,14 @@ class PyAllToAll {
  public:
   PyAllToAll(const AllToAllConfig& config, py::object engine, Bootstrap& bootstrap)
       : engine_(std::move(engine)) {
-    TransferEngine* e = AcquireEngine(engine_);
-    StatusOr<std::unique_ptr<AllToAll>> created = [&] {
-      py::gil_scoped_release release;
-      return AllToAll::Create(config, e, bootstrap);
-    }();
-    if (!created.ok()) ReleaseEngine(engine_);
-    a2a_ = ValueOrThrow(std::move(created));
-    output_rows_ = static_cast<uint64_t>(a2a_->config().output_rows(0, 0));
+    Make([&](TransferEngine* e) { return AllToAll::Create(config, e, bootstrap); });
+  }
+  // AllToAll::Join: a new process for a lost rank, meeting the survivors' readmit over `group`.
+  struct Joining {};
+  PyAllToAll(Joining, const AllToAllConfig& config, py::object engine, Bootstrap& group,
+             double timeout)
+      : engine_(std::move(engine)) {
+    Make([&](TransferEngine* e) { return AllToAll::Join(config, e, group, ToMillis(timeout)); });
   }
   ~PyAllToAll() { Close(); }
 
@@ -434,6 +434,11 @@ class PyAllToAll {
   }
 
   void SetMasked(int rank, bool masked) { ThrowIfError(a2a().SetMasked(rank, masked)); }
+  void Readmit(Bootstrap& group, double timeout) {
+    const Millis limit = ToMillis(timeout);
+    ThrowIfError(Unlocked([&](AllToAll& a) { return a.Readmit(group, limit); }));
+  }
+  uint64_t membership_version() const { return a2a().membership_version(); }
   std::vector<uint8_t> Masked() const { return ValueOrThrow(a2a().Masked()); }
   uint64_t dispatch_bytes_sent() const { return a2a().dispatch_bytes_sent(); }
   uint64_t combine_bytes_sent() const { return a2a().combine_bytes_sent(); }
@@ -533,6 +538,19 @@ class PyAllToAll {
     }
     return array != nullptr;
   }
+  // The AllToAll that make(engine) returns, the engine acquired for it meanwhile.
+  template <typename MakeFn>
+  void Make(MakeFn make) {
+    TransferEngine* e = AcquireEngine(engine_);
+    StatusOr<std::unique_ptr<AllToAll>> made = [&] {
+      py::gil_scoped_release release;
+      return make(e);
+    }();
+    if (!made.ok()) ReleaseEngine(engine_);
+    a2a_ = ValueOrThrow(std::move(made));
+    output_rows_ = static_cast<uint64_t>(a2a_->config().output_rows(0, 0));
+  }
+
   // The arrays a step reads or writes (their owners).
   using Owners = std::vector<py::object>;
   // step(AllToAll&) with the GIL released.

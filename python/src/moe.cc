@@ -201,7 +201,24 @@ void BindMoe(py::module_& m) {
                              "synchronize() finds them done)")
       .def("set_masked", &PyAllToAll::SetMasked, py::arg("rank"), py::arg("masked") = true,
            "Leave `rank` out of every step from the next dispatch on (AllToAll::SetMasked); "
-           "a masked rank stays masked")
+           "a masked rank comes back only through readmit()")
+      .def_static(
+          "join",
+          [](const AllToAllConfig& config, py::object engine, Bootstrap& group, double timeout) {
+            return std::make_unique<PyAllToAll>(PyAllToAll::Joining{}, config,
+                                                std::move(engine), group, timeout);
+          },
+          py::arg("config"), py::arg("engine"), py::arg("group"), py::arg("timeout") = 60.0,
+          "A new process for a rank the others lost and masked (AllToAll::Join): meets their "
+          "readmit() over `group`, a bootstrap of the whole world, and starts at their epoch "
+          "(host device, per rank forwarding); timeout in seconds")
+      .def("readmit", &PyAllToAll::Readmit, py::arg("group"), py::arg("timeout") = 60.0,
+           "Between epochs, on every survivor: the masked ranks come back as the new processes "
+           "that call AllToAll.join over `group` (a bootstrap of the whole world), fenced from "
+           "the processes they replace (AllToAll::Readmit); a meeting that fails (timeout "
+           "seconds) leaves this AllToAll as it was")
+      .def_property_readonly("membership_version", &PyAllToAll::membership_version,
+                             "Readmissions so far")
       .def("masked", &PyAllToAll::Masked,
            "[world_size] 1 where a rank is masked (by set_masked, or by a step under "
            "mask_lost_peers); the CUDA device waits for its stream first")

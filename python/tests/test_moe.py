@@ -6,6 +6,7 @@ input and each weighted sum exactly and the checks compare for equality."""
 import array
 import os
 import random
+import socket
 import struct
 import unittest
 
@@ -52,34 +53,77 @@ def row_of(x, i):
     return tuple(x[i * HIDDEN:(i + 1) * HIDDEN])
 
 
-def expert_major_body(b):
-    c = config(b.rank)
+def check_round(a2a, rank):
+    """One dispatch and combine of rank's inputs with every rank live, checked: each local
+    expert gets exactly the rows routed to it, from every rank; experts that return their input
+    give each token back as its weights' sum times itself."""
+    c = a2a.config
     local = c.local_experts
-    x, indices, weights = send_arrays(b.rank)
-    with shm_engine() as engine, ferry.AllToAll(c, engine, b) as a2a:
-        out = array.array("H", bytes(2 * local * c.expert_capacity * HIDDEN))
-        counts = array.array("i", [0] * local)
-        y = array.array("H", bytes(2 * TOKENS[b.rank] * HIDDEN))
+    x, indices, weights = send_arrays(rank)
+    out = array.array("H", bytes(2 * local * c.expert_capacity * HIDDEN))
+    counts = array.array("i", [0] * local)
+    y = array.array("H", bytes(2 * TOKENS[rank] * HIDDEN))
+    a2a.dispatch_send(x, indices, weights, num_tokens=TOKENS[rank])
+    a2a.dispatch_recv(out, counts, timeout=10)
+    for e in range(local):
+        want = sorted(tuple(bf16(v) for v in rows[t])
+                      for s in range(WORLD)
+                      for rows, experts in [inputs(s)]
+                      for t in range(len(rows)) if rank * local + e in experts[t])
+        got = sorted(row_of(out, e * c.expert_capacity + i) for i in range(counts[e]))
+        assert got == want, (rank, e, counts[e], len(want))
+    a2a.combine_send(out)
+    a2a.combine_recv(y, timeout=10)
+    rows, _ = inputs(rank)
+    for t, row in enumerate(rows):
+        want = tuple(bf16(v * sum(WEIGHTS)) for v in row)
+        assert row_of(y, t) == want, (rank, t)
+
+
+def expert_major_body(b):
+    with shm_engine() as engine, ferry.AllToAll(config(b.rank), engine, b) as a2a:
         for _ in range(2):  # the second round reuses every buffer
-            a2a.dispatch_send(x, indices, weights, num_tokens=TOKENS[b.rank])
-            a2a.dispatch_recv(out, counts, timeout=10)
-            # Each local expert got exactly the rows routed to it, from every rank.
-            for e in range(local):
-                want = sorted(tuple(bf16(v) for v in rows[t])
-                              for s in range(WORLD)
-                              for rows, experts in [inputs(s)]
-                              for t in range(len(rows)) if b.rank * local + e in experts[t])
-                got = sorted(row_of(out, e * c.expert_capacity + i) for i in range(counts[e]))
-                assert got == want, (b.rank, e, counts[e], len(want))
-            # Experts that return their input: each token comes back as its weights' sum times
-            # itself.
-            a2a.combine_send(out)
-            a2a.combine_recv(y, timeout=10)
-            rows, _ = inputs(b.rank)
-            for t, row in enumerate(rows):
-                want = tuple(bf16(v * sum(WEIGHTS)) for v in row)
-                assert row_of(y, t) == want, (b.rank, t)
+            check_round(a2a, b.rank)
         assert a2a.dispatch_bytes_sent > 0
+
+
+def free_address():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return "127.0.0.1:%d" % s.getsockname()[1]
+
+
+def rejoin_body(b, first, again):
+    """Three processes: ranks 0 and 1 of an AllToAll (met at `first`), and one that takes rank
+    1's place once rank 1 has left (rank 0 masked it, its process closed its AllToAll): rank 0
+    readmits it over `again` (readmit while a step is under way is refused), the new rank 1
+    joins, and the next round is whole again."""
+    if b.rank == 2:
+        group = ferry.join_rendezvous(again, world_size=WORLD, rank=1, timeout=30)
+        with shm_engine() as engine, ferry.AllToAll.join(config(1), engine, group, 30) as a2a:
+            assert a2a.membership_version == 1
+            check_round(a2a, 1)
+        return
+    world = ferry.join_rendezvous(first, world_size=WORLD, rank=b.rank, timeout=30)
+    with shm_engine() as engine, ferry.AllToAll(config(b.rank), engine, world) as a2a:
+        check_round(a2a, b.rank)
+        if b.rank == 1:
+            return
+        a2a.set_masked(1)
+        x, indices, weights = send_arrays(0)
+        a2a.dispatch_send(x, indices, weights, num_tokens=TOKENS[0])
+        expect_error(ferry.FailedPrecondition, "out of order", a2a.readmit, world)
+        a2a.dispatch_recv(array.array("H", bytes(2 * a2a.config.local_experts *
+                                                 a2a.config.expert_capacity * HIDDEN)),
+                          array.array("i", [0] * a2a.config.local_experts), timeout=10)
+        expect_error(ferry.FailedPrecondition, "out of order", a2a.readmit, world)
+        a2a.combine_send(array.array("H", bytes(2 * a2a.config.local_experts *
+                                                a2a.config.expert_capacity * HIDDEN)))
+        a2a.combine_recv(array.array("H", bytes(2 * TOKENS[0] * HIDDEN)), timeout=10)
+        assert list(a2a.masked()) == [0, 1]
+        a2a.readmit(ferry.join_rendezvous(again, world_size=WORLD, rank=0, timeout=30), 30)
+        assert list(a2a.masked()) == [0, 0] and a2a.membership_version == 1
+        check_round(a2a, 0)
 
 
 def float16_body(b):
@@ -408,6 +452,10 @@ class AllToAllTest(unittest.TestCase):
         except ImportError:
             self.skipTest("no numpy for this interpreter")
         run_ranks(self, WORLD, float16_body)
+
+    def test_a_rank_that_left_is_readmitted_as_a_new_process(self):
+        first, again = free_address(), free_address()
+        run_ranks(self, WORLD + 1, lambda b: rejoin_body(b, first, again))
 
     def test_float32_out_takes_the_sums_unrounded(self):
         try:
