@@ -4,10 +4,12 @@
 // broke, bit for bit; the process it replaced, woken, writes nothing into them; a readmission
 // that never completes leaves the survivors as they were.
 #include <gtest/gtest.h>
+#include <fcntl.h>
 #include <poll.h>
 #include <unistd.h>
 
 #include <csignal>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -27,10 +29,13 @@ constexpr int kWorld = 4, kTokens = 4, kHidden = 64, kExperts = 8, kK = 2;
 constexpr int kLocal = kExperts / kWorld;
 constexpr int64_t kCapacity = int64_t{kWorld} * kTokens;
 
-// Rank r's token t in epoch i holds 1 + r + t / 4 + i / 2 in every column, routed to experts
+// Rank r's token t in epoch i holds 1 + r + t / 4 + (i mod 32) / 2 in every column (exact in
+// bf16, and so are its weighted sums, rounded once), routed to experts
 // (t + r) % 8 and (t + r + 4) % 8 (two ranks apart), weighted 0.5 and 0.25: the experts are the
 // identity, so each output is its value times the weights of the copies that live ranks took.
-float Value(int r, int t, uint64_t epoch) { return 1.0f + r + t * 0.25f + 0.5f * float(epoch); }
+float Value(int r, int t, uint64_t epoch) {
+  return 1.0f + r + t * 0.25f + 0.5f * float(epoch % 32);
+}
 int Expert(int r, int t, int j) { return (t + r + 4 * j) % kExperts; }
 float Weight(int j) { return j == 0 ? 0.5f : 0.25f; }
 using Ranks = std::vector<bool>;
@@ -315,6 +320,69 @@ TEST(MoeElasticJoinTest, AJoinThatNeverCompletesLeavesTheWorldAsItWas) {
   }, 180s);
   for (int r = 0; r < kWorld; ++r) EXPECT_TRUE(exits[r].ok()) << "process " << r;
   EXPECT_EQ(exits[kWorld].signal, SIGKILL);
+}
+
+// This process's open descriptors and resident pages.
+int OpenDescriptors() {
+  int n = 0;
+  for (int fd = 0; fd < 4096; ++fd) n += fcntl(fd, F_GETFD) != -1;
+  return n;
+}
+long ResidentKiB() {
+  long pages = 0, resident = 0;
+  if (FILE* f = std::fopen("/proc/self/statm", "r")) {
+    if (std::fscanf(f, "%ld %ld", &pages, &resident) != 2) resident = 0;
+    std::fclose(f);
+  }
+  return resident * (sysconf(_SC_PAGESIZE) / 1024);
+}
+
+// Twenty cycles of a rank leaving and coming back (a new engine and AllToAll each time; the
+// launcher's bootstrap is the group, both processes being the same): each cycle's epoch after
+// the readmission is exact, and from the third cycle to the last the survivor's descriptors
+// stay flat and its resident memory within 2 MiB (a readmission takes no engine table
+// entries: the group and scatter plan change in place, the old inbox key is revoked). Measured
+// over shm: about 10 KiB more resident per readmission over 80 cycles, 17 over 20.
+TEST(MoeElasticSoakTest, TwentyReadmissionsKeepDescriptorsFlatAndMemoryBounded) {
+  constexpr int kCycles = 20;
+  auto exits = RunLocalRanks(kWorld, [](Bootstrap& b) -> Status {
+    ASSIGN_OR_RETURN(Member m, Create(b));
+    RETURN_IF_ERROR(Epoch(m, kAll, Deadline::After(30s)));
+    int fds = 0;
+    long kib = 0;
+    for (int cycle = 0; cycle < kCycles; ++cycle) {
+      if (m.rank == 2) {  // leaves, then comes back on a new engine
+        const uint64_t next = m.epoch + 1;
+        m.a2a.reset();
+        m.engine.reset();
+        ASSIGN_OR_RETURN(m.engine, Engine());
+        ASSIGN_OR_RETURN(m.a2a, AllToAll::Join(Config(2), m.engine.get(), b, 30s));
+        m.epoch = next;
+      } else {
+        RETURN_IF_ERROR(m.a2a->SetMasked(2, true));
+        RETURN_IF_ERROR(Epoch(m, kWithout2, Deadline::After(30s)));
+        RETURN_IF_ERROR(m.a2a->Readmit(b, 30s));
+        RETURN_IF_ERROR(ExpectView(m, {0, 0, 0, 0}, uint64_t(cycle + 1)));
+      }
+      RETURN_IF_ERROR(Epoch(m, kAll, Deadline::After(30s)));
+      if (m.rank == 0 && cycle == 2) {
+        fds = OpenDescriptors();
+        kib = ResidentKiB();
+      }
+    }
+    if (m.rank == 0) {
+      const int fds_now = OpenDescriptors();
+      const long kib_now = ResidentKiB();
+      std::fprintf(stderr, "after %d readmissions: %d descriptors (%d at the third), %ld KiB "
+                   "resident (%ld)\n", kCycles, fds_now, fds, kib_now, kib);
+      CHECK_OR_RETURN(fds_now == fds && kib_now - kib < 2048,
+                      "descriptors " + std::to_string(fds) + " -> " + std::to_string(fds_now) +
+                          ", resident KiB " + std::to_string(kib) + " -> " +
+                          std::to_string(kib_now));
+    }
+    return Status::Ok();
+  }, 300s);
+  for (int r = 0; r < kWorld; ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
 }
 
 }  // namespace
