@@ -15,7 +15,6 @@
 // on growth of private memory or descriptors above 1 % from first to last.
 #include "tools/bench_soak.h"
 
-#include <dirent.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -38,6 +37,7 @@
 #include "ferry/fabric.h"
 #include "ferry/kv.h"
 #include "ferry/moe.h"
+#include "tools/bench_sample.h"
 #include "tools/bench_util.h"
 #include "moe/numerics.h"
 
@@ -48,16 +48,6 @@ using namespace std::chrono_literals;
 
 constexpr int kMaxProcs = 9;
 constexpr int64_t kEvery = 1000;  // cycles or requests between samples
-
-struct Sample {
-  double rss_mib = 0;
-  // Resident memory less the file and shared-memory pages in it: what this process holds of
-  // its own. The shared part follows the peers the shm provider maps (up and down as they come
-  // and go), so it is reported but not held flat.
-  double private_mib = 0;
-  int64_t fds = 0;
-  int64_t peers = 0, peer_entries = 0;
-};
 
 // One process's run: how far it got, its errors, and its first, middle and last sample.
 struct Row {
@@ -72,29 +62,6 @@ struct Report {
   int procs = 0;
   Row rows[kMaxProcs];
 };
-
-Sample Take(const TransferEngine* engine) {
-  Sample s;
-  long pages = 0, resident = 0, shared = 0;
-  if (FILE* f = std::fopen("/proc/self/statm", "r")) {
-    if (std::fscanf(f, "%ld %ld %ld", &pages, &resident, &shared) != 3) resident = 0;
-    std::fclose(f);
-  }
-  const double page_mib = double(sysconf(_SC_PAGESIZE)) / (1024.0 * 1024.0);
-  s.rss_mib = double(resident) * page_mib;
-  s.private_mib = double(resident - shared) * page_mib;
-  if (DIR* d = opendir("/proc/self/fd")) {
-    while (dirent* e = readdir(d)) s.fds += e->d_name[0] != '.';
-    closedir(d);
-    --s.fds;  // the directory's own descriptor
-  }
-  if (engine) {
-    const EngineStats st = engine->stats();
-    s.peers = int64_t(st.peers);
-    s.peer_entries = int64_t(st.peer_entries);
-  }
-  return s;
-}
 
 // Samples taken along a run; the row keeps the first, the middle and the last.
 struct Samples {

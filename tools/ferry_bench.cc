@@ -25,6 +25,11 @@
 //                      sampled (exit 1 on an error or growth above 1 %)
 //                      [--only moe|kv --world-size N --rank R --rendezvous HOST:PORT]:
 //                      one phase on ranks started apart (kv: rank 0 the prefill)
+//   ferry-bench elastic [--provider P] [--cycles N] [--deadline-ms D] [--epochs E]: rank 2
+//                      of four (host device, mask_lost_peers) killed and replaced N times (20):
+//                      epochs lost per death, the time from a death to the first full epoch
+//                      after it, the survivors' descriptors and private memory (exit 1 on an
+//                      error, more than one epoch lost to a death, or growth)
 //   ferry-bench scale  [--provider P] [--ranks N] [--node-ranks 8] [--nics 2] [--tokens T]
 //                      [--hidden H] [--experts E] [--topk K] [--dtype fp8|bf16]
 //                      [--node-once]: the MoE protocol on N host-device ranks, outputs checked,
@@ -37,6 +42,7 @@
 #include <memory>
 #include <string>
 
+#include "tools/bench_elastic.h"
 #include "tools/bench_fabric.h"
 #include "tools/bench_kv.h"
 #include "tools/bench_moe.h"
@@ -80,6 +86,7 @@ void Usage() {
       "       ferry-bench soak [--provider P] [--cycles N] [--requests N] [--seconds S]\n"
       "                        [--decoders N] [--churn N] [--only moe|kv]\n"
       "                        [--only moe|kv --world-size N --rank R --rendezvous HOST:PORT]\n"
+      "       ferry-bench elastic [--provider P] [--cycles N] [--deadline-ms D] [--epochs E]\n"
       "       ferry-bench scale [--provider P] [--ranks N] [--node-ranks 8] [--nics 2]"
       " [--tokens T]\n"
       "                         [--hidden H] [--experts E] [--topk K] [--dtype fp8|bf16]\n"
@@ -149,6 +156,7 @@ int main(int argc, char** argv) {
   ferry::bench::MoeBenchOptions m;
   ferry::bench::KvBenchOptions kv;
   ferry::bench::SoakOptions soak;
+  ferry::bench::ElasticOptions elastic;
   int64_t p2p_bytes = int64_t{256} << 20;
   bool iters_given = false, rounds_given = false;  // mirror's own defaults otherwise
   int nics = 2;  // ferry-bench scale: NICs per rank
@@ -165,14 +173,14 @@ int main(int argc, char** argv) {
     rendezvous = *from_env;
   }
   if (const char* p = std::getenv("FERRY_PROVIDER")) {
-    f.provider = m.provider = kv.provider = soak.provider = p;
+    f.provider = m.provider = kv.provider = soak.provider = elastic.provider = p;
   }
   for (int i = 2; i < argc; ++i) {
     const std::string a = argv[i];
     const bool has_value = i + 1 < argc;
     bool ok = true;
     if (a == "--provider" && has_value) {
-      f.provider = m.provider = kv.provider = soak.provider = argv[++i];
+      f.provider = m.provider = kv.provider = soak.provider = elastic.provider = argv[++i];
     } else if (a == "--max-bytes" && has_value) {
       f.max_bytes = std::strtoull(argv[++i], nullptr, 10);
     } else if (a == "--quick") {
@@ -198,7 +206,11 @@ int main(int argc, char** argv) {
     } else if (a == "--cycles" && has_value) {
       int v = 0;
       ok = ParseInt(argv[++i], &v) && v >= 1;
-      soak.cycles = v;
+      soak.cycles = elastic.cycles = v;
+    } else if (a == "--deadline-ms" && has_value) {
+      ok = ParseInt(argv[++i], &elastic.deadline_ms) && elastic.deadline_ms >= 1;
+    } else if (a == "--epochs" && has_value) {
+      ok = ParseInt(argv[++i], &elastic.epochs) && elastic.epochs >= 1;
     } else if (a == "--requests" && has_value) {
       int v = 0;
       ok = ParseInt(argv[++i], &v) && v >= 1;
@@ -332,6 +344,7 @@ int main(int argc, char** argv) {
   if (command == "moe") return ferry::bench::RunMoeBench(m);
   if (command == "kv") return ferry::bench::RunKvBench(kv);
   if (command == "soak") return ferry::bench::RunSoakBench(soak);
+  if (command == "elastic") return ferry::bench::RunElasticBench(elastic);
   if (command == "p2p") {
 #ifdef FERRY_BENCH_CUDA
     return ferry::bench::RunP2pBench(p2p_bytes);
