@@ -30,6 +30,10 @@ MAX_LINE_BYTES = 1 << 20
 PREFILLED_WAIT_S = 2.0  # how long a result waits for its prefill's timings (they come first)
 
 
+class Unavailable(Exception):
+    """Nothing can serve a request now (an outage): the client may send it again."""
+
+
 class Instance:
     def __init__(self, router, role, address):
         self.router, self.role, self.address = router, role, address
@@ -114,19 +118,20 @@ class Router:
         for kv_id in list(inst.outstanding):
             a = self.attempts.get(kv_id)
             if inst.role == "decode" and a is not None and not a.done.done():
-                a.done.set_result({"op": "failed", "retryable": False,
+                a.done.set_result({"op": "failed", "retryable": False, "outage": True,
                                    "error": f"decode instance {inst.name} lost"})
 
     # -- requests --
 
     def check(self, msg):
-        """The request's (prompt, max_new_tokens), or a ValueError saying what is wrong."""
+        """The request's (prompt, max_new_tokens); a ValueError saying what is wrong with it, or
+        Unavailable where nothing could serve it now."""
         if not isinstance(msg, dict):
             raise ValueError("a request is a JSON object")
         prompt, new = msg.get("prompt"), msg.get("max_new_tokens", 16)
         hello = next((d.hello for d in self.decodes if d.alive), None)
         if hello is None:
-            raise ValueError("no decode instance is up")
+            raise Unavailable("no decode instance is up")
         if not isinstance(prompt, list) or not prompt:
             raise ValueError("prompt must be a non-empty list of token ids")
         if len(prompt) > self.args.max_prompt:
@@ -148,6 +153,7 @@ class Router:
 
     async def generate(self, prompt, new):
         t_received, rid, tried, last_error = time.time(), next(self.ids), [], None
+        outage = False
         for attempt in range(self.args.attempts):
             decode = self._least_busy(self.decodes)
             remote = len(prompt) > 1 and not self.args.colocated
@@ -172,6 +178,7 @@ class Router:
                 if result["op"] == "result":
                     return await self._answer(a, result, t_received, attempt + 1)
                 last_error = result["error"] + (f" ({a.refusal})" if a.refusal else "")
+                outage = bool(result.get("retryable") or result.get("outage"))
                 if not result.get("retryable"):
                     break
             finally:
@@ -179,7 +186,12 @@ class Router:
                 decode.outstanding.discard(kv_id)
                 if prefill is not None:
                     prefill.outstanding.discard(kv_id)
-        return {"error": last_error or "no live prefill and decode instances"}
+        # An outage (no instance to try, an instance lost, every prefill tried) is the service's,
+        # not the request's: the client may send it again. What an instance refused is final.
+        if last_error is not None and not outage:
+            return {"error": last_error, "retryable": False}
+        return {"error": f"unavailable: {last_error or 'no live prefill and decode instances'}",
+                "retryable": True}
 
     async def _answer(self, a, result, t_received, attempts):
         times = result["token_times"]
@@ -211,8 +223,11 @@ class Router:
         async def serve_one(cid, msg):
             try:
                 prompt, new = self.check(msg)
+            except Unavailable as e:
+                await reply({"id": cid, "error": f"unavailable: {e}", "retryable": True})
+                return
             except ValueError as e:
-                await reply({"id": cid, "error": f"bad request: {e}"})
+                await reply({"id": cid, "error": f"bad request: {e}", "retryable": False})
                 return
             await reply({"id": cid, **await self.generate(prompt, new)})
 
@@ -220,12 +235,12 @@ class Router:
         try:
             async for line in lines(reader, MAX_LINE_BYTES):
                 if line is None:
-                    await reply({"error": f"bad request: a line over {MAX_LINE_BYTES} bytes"})
+                    await reply({"error": f"bad request: a line over {MAX_LINE_BYTES} bytes", "retryable": False})
                     continue
                 try:
                     msg = json.loads(line)
                 except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                    await reply({"error": f"bad request: not JSON ({e})"})
+                    await reply({"error": f"bad request: not JSON ({e})", "retryable": False})
                     continue
                 cid = msg.get("id") if isinstance(msg, dict) else None
                 if isinstance(msg, dict) and msg.get("op") == "stats":

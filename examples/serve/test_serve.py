@@ -151,11 +151,26 @@ class ServeTest(DeploymentCase):
             served = [a for a in answers.values() if "error" not in a]
             self.assertEqual(len(failed), 1, answers)
             self.assertIn("lost", failed[0]["error"])
+            self.assertTrue(failed[0]["error"].startswith("unavailable: "), failed[0])
+            self.assertIs(failed[0]["retryable"], True)
             want = reference(long_a if served[0]["id"] == "a" else long_b, 4)[0]
             self.assertEqual(served[0]["tokens"], want)
             self.wait_pages_free(c)
             r = {"id": "after", "prompt": prompt(202, 40), "max_new_tokens": 5}
             self.check_answers([r], ask(c, [r]), d)
+            # With no decode instance left, a request reads as an outage the client may retry
+            # (once the router has seen the last one go), never as a fault of its own.
+            d.kill("decode", 1)
+            deadline = time.time() + 30
+            while True:
+                c.send({"id": "none", "prompt": prompt(203, 8), "max_new_tokens": 2})
+                a = c.recv(timeout=30)
+                self.assertTrue(a["error"].startswith("unavailable: "), a)
+                self.assertIs(a["retryable"], True)
+                if "no decode instance is up" in a["error"] or time.time() > deadline:
+                    break
+                time.sleep(0.1)
+            self.assertIn("no decode instance is up", a["error"])
 
     def test_a_prefill_killed_its_requests_retried_on_another(self):
         """Two prefills; one is killed in the middle of a pass. Its request's KV transfer ends
@@ -206,6 +221,7 @@ class ServeTest(DeploymentCase):
             answers = ask(c, [b for b, _ in bad] + [good])
             for request, text in bad:
                 self.assertIn(text, answers[request["id"]].get("error", ""), answers)
+                self.assertIs(answers[request["id"]].get("retryable"), False, answers)
             self.check_answers([good], answers, d)
 
 
