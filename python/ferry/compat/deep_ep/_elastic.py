@@ -217,13 +217,17 @@ class ElasticBuffer:
         if cached is not None and m != cached.num_max_tokens_per_rank:
             raise InvalidArgument(f"num_max_tokens_per_rank {m}: the handle's dispatch had "
                                   f"{cached.num_max_tokens_per_rank}")
-        rows_x = x[0] if isinstance(x, tuple) else x
+        buf._check_open("dispatch")
+        rows_x, scales = buf._rows(x)
         if m <= 0:
             raise InvalidArgument("num_max_tokens_per_rank: given neither here nor at "
                                   "construction")
         if rows_x.shape[0] > m:
             raise InvalidArgument(f"x: {rows_x.shape[0]} tokens, more than "
                                   f"num_max_tokens_per_rank {m}")
+        if num_experts % self.num_ranks:
+            raise InvalidArgument(f"num_experts {num_experts}: not divisible by "
+                                  f"{self.num_ranks} ranks")
         if previous_event_before_epilogue is not None:  # ferry has no separate epilogue
             previous_event = previous_event or previous_event_before_epilogue
         previous = EventOverlap(previous_event) if previous_event is not None else None
@@ -232,30 +236,21 @@ class ElasticBuffer:
         worst = 0
         if not do_cpu_sync:
             worst = cached.num_recv_tokens if cached is not None else self.num_ranks * m
-        layout = buf.get_dispatch_layout(topk_idx, num_experts, previous_event=previous)
-        recv_x, recv_idx, recv_weights, per_expert, ferry_handle, event = buf.dispatch(
-            x, num_tokens_per_rank=layout[0], num_tokens_per_rdma_rank=layout[1],
-            is_token_in_rank=layout[3], num_tokens_per_expert=layout[2], topk_idx=topk_idx,
-            topk_weights=topk_weights, expert_alignment=expert_alignment,
-            num_worst_tokens=worst, previous_event=previous,
-            async_finish=async_with_compute_stream)
+        # Routed from topk_idx alone (no layout: ferry counts what each rank sends itself); the
+        # received copies per local expert come counted by ferry, on the device.
+        recv_x, recv_idx, recv_weights, per_expert, ferry_handle, event, counts = buf._dispatch(
+            rows_x, scales, topk_idx, topk_weights, num_experts, expert_alignment, worst,
+            previous, async_with_compute_stream)
         local = num_experts // self.num_ranks
-        # Each local expert's received tokens, counted on the device (no host wait): ids of
-        # other ranks' experts (-1) into a last, dropped bin.
-        counts = torch.zeros(local + 1, dtype=torch.int64, device=recv_idx.device)
-        counts.scatter_add_(0, torch.where(recv_idx >= 0, recv_idx, local).flatten(),
-                            torch.ones(recv_idx.numel(), dtype=torch.int64,
-                                       device=recv_idx.device))
-        counts = counts[:local]
         if cumulative_local_expert_recv_stats is not None:
             _group.check_tensor("cumulative_local_expert_recv_stats",
                                 cumulative_local_expert_recv_stats, torch.int32, 1,
                                 recv_idx.get_device())
             if cumulative_local_expert_recv_stats.numel() != local:
                 raise InvalidArgument(f"cumulative_local_expert_recv_stats: {local} entries")
-            cumulative_local_expert_recv_stats.add_(counts.to(torch.int32))
+            cumulative_local_expert_recv_stats.add_(counts)
         aligned = (counts + expert_alignment - 1) // expert_alignment * expert_alignment
-        psum = torch.cumsum(aligned, 0).to(torch.int32)
+        psum = torch.cumsum(aligned, 0, dtype=torch.int32)
         rows = (recv_x[0] if isinstance(recv_x, tuple) else recv_x).shape[0]
         if cached is not None:
             cached._ferry = ferry_handle
@@ -265,8 +260,7 @@ class ElasticBuffer:
                                   num_sms or self.get_theoretical_num_sms(num_experts,
                                                                           topk_idx.shape[1]),
                                   topk_idx.clone() if do_handle_copy else topk_idx, rows,
-                                  [int(c) for c in aligned.tolist()] if do_cpu_sync else None,
-                                  psum, ferry_handle)
+                                  per_expert if do_cpu_sync else None, psum, ferry_handle)
         return recv_x, recv_idx, recv_weights, out_handle, event
 
     def combine(self, x, handle, topk_weights=None, bias=None, num_sms=0, num_qps=0,

@@ -59,21 +59,10 @@ class _Normal:
         hidden / 128] fp32). The layout arguments must be get_dispatch_layout's for topk_idx;
         ferry routes from topk_idx itself."""
         self._check_open("dispatch")
-        x, x_scales = x if isinstance(x, tuple) else (x, None)
-        fp8 = x_scales is not None
-        check_tensor("x", x, (fp8_dtype(), torch.uint8) if fp8 else torch.bfloat16, 2)
+        x, x_scales = self._rows(x)
         tokens, hidden = x.shape
-        if hidden % (128 if fp8 else 16):
-            raise InvalidArgument(f"x: hidden {hidden} is not a multiple of "
-                                  f"{128 if fp8 else 16} ({'fp8' if fp8 else 'bf16'} rows)")
-        if fp8:
-            check_tensor("x scales", x_scales, torch.float32, 2, x.get_device())
-            if tuple(x_scales.shape) != (tokens, hidden // 128):
-                raise InvalidArgument(f"x scales: shape {tuple(x_scales.shape)}, expected "
-                                      f"{(tokens, hidden // 128)}")
-        if expert_alignment < 1:
-            raise InvalidArgument(f"expert_alignment {expert_alignment}: at least 1")
         every_count = None  # without topk_idx: num_tokens_per_expert, the counts' source
+        cached = None
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
                 raise InvalidArgument("a cached dispatch (handle) takes no topk_idx / "
@@ -104,6 +93,38 @@ class _Normal:
                 self._check_rank_routing(is_token_in_rank, topk_weights, num_worst_tokens, x)
                 # One expert per rank; the ids are made once the AllToAll's stream is ordered.
                 every_count, num_experts = num_tokens_per_expert, self.group_size
+        return self._dispatch(x, x_scales, topk_idx, topk_weights, num_experts, expert_alignment,
+                              num_worst_tokens, previous_event, async_finish, cached,
+                              every_count, is_token_in_rank)[:6]
+
+    @staticmethod
+    def _rows(x):
+        """(x, scales or None) from a dispatch's x, checked: bf16 rows, or (e4m3 rows, fp32
+        scales per 128 columns)."""
+        x, x_scales = x if isinstance(x, tuple) else (x, None)
+        fp8 = x_scales is not None
+        check_tensor("x", x, (fp8_dtype(), torch.uint8) if fp8 else torch.bfloat16, 2)
+        tokens, hidden = x.shape
+        if hidden % (128 if fp8 else 16):
+            raise InvalidArgument(f"x: hidden {hidden} is not a multiple of "
+                                  f"{128 if fp8 else 16} ({'fp8' if fp8 else 'bf16'} rows)")
+        if fp8:
+            check_tensor("x scales", x_scales, torch.float32, 2, x.get_device())
+            if tuple(x_scales.shape) != (tokens, hidden // 128):
+                raise InvalidArgument(f"x scales: shape {tuple(x_scales.shape)}, expected "
+                                      f"{(tokens, hidden // 128)}")
+        return x, x_scales
+
+    def _dispatch(self, x, x_scales, topk_idx, topk_weights, num_experts, expert_alignment,
+                  num_worst_tokens, previous_event, async_finish, cached=None, every_count=None,
+                  is_token_in_rank=None):
+        """dispatch() past its layout arguments, x checked (_rows): what ElasticBuffer calls,
+        routing from topk_idx alone. Its six results, then the received copies per local
+        expert (int32 on the device, counted by ferry)."""
+        fp8 = x_scales is not None
+        tokens, hidden = x.shape
+        if expert_alignment < 1:
+            raise InvalidArgument(f"expert_alignment {expert_alignment}: at least 1")
         if every_count is None:
             check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), 2, x.get_device())
             if topk_idx.shape[0] != tokens:
@@ -173,16 +194,16 @@ class _Normal:
             per_expert_list = [_round_up(int(c), expert_alignment) for c in got]
         recv_x = recv[:r]
         out_x = (recv_x, recv_scales[:r]) if fp8 else recv_x
-        if handle is not None:
+        if cached is not None:
             cached.pooled, cached.rows, cached.in_flight = pooled, r, True
-            return out_x, None, None, None, None, event
+            return out_x, None, None, None, None, event, counts
         new = _Handle(pooled, tokens, k, hidden, num_experts, topk_idx, topk_weights=topk_weights,
                       rows=r)
         if every_count is not None:
-            return out_x, None, None, per_expert_list, new, event
+            return out_x, None, None, per_expert_list, new, event, counts
         recv_topk_idx = experts[:r].long()
         recv_topk_weights = weights_out[:r] if topk_weights is not None else None
-        return out_x, recv_topk_idx, recv_topk_weights, per_expert_list, new, event
+        return out_x, recv_topk_idx, recv_topk_weights, per_expert_list, new, event, counts
 
     def _check_rank_routing(self, is_token_in_rank, topk_weights, num_worst_tokens, x):
         """What a dispatch without topk_idx (DeepEP routes by is_token_in_rank alone) takes."""
