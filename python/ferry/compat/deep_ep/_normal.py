@@ -157,8 +157,10 @@ class _Normal:
             recv = torch.empty(rows, hidden, dtype=x.dtype, device=dev)
             recv_scales = (torch.empty(rows, hidden // 128, dtype=torch.float32, device=dev)
                            if fp8 else None)
-            counts = torch.empty(local, dtype=torch.int32, device=dev)
-            num_rows = torch.empty(1, dtype=torch.int32, device=dev)
+            # The received row count and the per-expert counts side by side: one read to the
+            # host gives both.
+            read_back = torch.empty(1 + local, dtype=torch.int32, device=dev)
+            num_rows, counts = read_back[:1], read_back[1:]
             experts = torch.empty(rows, k, dtype=torch.int32, device=dev)
             weights_out = torch.empty(rows, k, dtype=torch.float32, device=dev)
             current = self._begin(a2a, x, previous_event)
@@ -188,8 +190,9 @@ class _Normal:
             per_expert_list = []
         else:
             event.current_stream_wait()
-            r = int(num_rows.item())
-            got = (counts.tolist() if every_count is None
+            read = read_back.tolist()
+            r = read[0]
+            got = (read[1:] if every_count is None
                    else self._received_per_expert(every_count))
             per_expert_list = [_round_up(int(c), expert_alignment) for c in got]
         recv_x = recv[:r]
