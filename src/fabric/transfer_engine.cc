@@ -169,10 +169,6 @@ Status TransferEngine::Deregister(MemoryRegion& region) {
   return impl
       ->RunOnWorker([impl, copy](Engine::ControlResult&) -> Status {
         impl->DeregisterAll(copy);
-        // What landed under the key before it closed is counted before the caller hears it
-        // closed: a caller that then zeroes a counter (a fence against a peer it gave up on)
-        // leaves no late arrival behind it.
-        impl->PollCompletions();
         return Status::Ok();
       })
       .status();
@@ -190,7 +186,14 @@ Status TransferEngine::Revoke(MemoryRegion& region) {
   }
   region.owner_.reset();
   region.handle_ = nullptr;
-  return s.ok() ? s : s.WithContext("Revoke: the registration may still be open");
+  if (!s.ok()) return s.WithContext("Revoke: the registration may still be open");
+  // What landed under the key before it closed is counted before Revoke returns, so that a
+  // caller that then zeroes a counter (a fence against a peer it gave up on) leaves no late
+  // arrival behind it: a second operation on the worker, which polls every completion the
+  // provider has reported between the two (it runs control operations between its polls).
+  return impl_->RunOnWorker([](Engine::ControlResult&) { return Status::Ok(); })
+      .status()
+      .WithContext("Revoke: closed, but what landed before may not be counted yet");
 }
 
 StatusOr<PeerId> TransferEngine::AddPeer(std::span<const uint8_t> address_bytes) {
