@@ -25,26 +25,34 @@ namespace {
 
 using namespace std::chrono_literals;
 
-constexpr int kWorld = 4, kTokens = 4, kHidden = 64, kExperts = 8, kK = 2;
-constexpr int kLocal = kExperts / kWorld;
-constexpr int64_t kCapacity = int64_t{kWorld} * kTokens;
+constexpr int kWorld = 4, kTokens = 4, kHidden = 64, kK = 2;
+
+// A world's shape: its ranks and experts (a resized world has others).
+struct Shape {
+  int world = kWorld, experts = 8;
+  int local() const { return experts / world; }
+  int64_t capacity() const { return int64_t{world} * kTokens; }
+};
 
 // Rank r's token t in epoch i holds 1 + r + t / 4 + (i mod 32) / 2 in every column (exact in
-// bf16, and so are its weighted sums, rounded once), routed to experts
-// (t + r) % 8 and (t + r + 4) % 8 (two ranks apart), weighted 0.5 and 0.25: the experts are the
-// identity, so each output is its value times the weights of the copies that live ranks took.
+// bf16, and so are its weighted sums, rounded once), routed to experts (t + r) % E and
+// (t + r + E / 2) % E (on two ranks, for 8 experts of 4 ranks and 12 of 4 or 6), weighted 0.5
+// and 0.25: the experts are the identity, so each output is its value times the weights of the
+// copies that live ranks took.
 float Value(int r, int t, uint64_t epoch) {
   return 1.0f + r + t * 0.25f + 0.5f * float(epoch % 32);
 }
-int Expert(int r, int t, int j) { return (t + r + 4 * j) % kExperts; }
+int Expert(const Shape& s, int r, int t, int j) {
+  return (t + r + s.experts / 2 * j) % s.experts;
+}
 float Weight(int j) { return j == 0 ? 0.5f : 0.25f; }
 using Ranks = std::vector<bool>;
 const Ranks kAll = {true, true, true, true}, kWithout2 = {true, true, false, true};
 
-AllToAllConfig Config(int rank) {
-  return {.world_size = kWorld, .rank = rank, .num_experts = kExperts, .experts_per_token = kK,
-          .max_tokens_per_rank = kTokens, .hidden = kHidden, .dtype = DispatchDtype::kBf16,
-          .mask_lost_peers = true};
+AllToAllConfig Config(int rank, const Shape& s = {}) {
+  return {.world_size = s.world, .rank = rank, .num_experts = s.experts,
+          .experts_per_token = kK, .max_tokens_per_rank = kTokens, .hidden = kHidden,
+          .dtype = DispatchDtype::kBf16, .mask_lost_peers = true};
 }
 
 // One rank's AllToAll and buffers; `epoch` is that of its next dispatch.
@@ -52,6 +60,7 @@ struct Member {
   std::unique_ptr<TransferEngine> engine;
   std::unique_ptr<AllToAll> a2a;
   int rank = 0;
+  Shape shape;
   uint64_t epoch = 0;
   std::vector<uint16_t> x, out_x, y;
   std::vector<int32_t> idx, counts;
@@ -66,20 +75,22 @@ StatusOr<std::unique_ptr<TransferEngine>> Engine() {
   return TransferEngine::Create(options);
 }
 
-void Buffers(Member& m, int rank) {
+// Rank `rank`'s buffers and routing in a world of `shape`.
+void Buffers(Member& m, int rank, const Shape& shape = {}) {
   m.rank = rank;
+  m.shape = shape;
   m.idx.resize(kTokens * kK);
   m.w.resize(kTokens * kK);
   for (int t = 0; t < kTokens; ++t) {
     for (int j = 0; j < kK; ++j) {
-      m.idx[t * kK + j] = Expert(rank, t, j);
+      m.idx[t * kK + j] = Expert(shape, rank, t, j);
       m.w[t * kK + j] = Weight(j);
     }
   }
   m.x.resize(kTokens * kHidden);
-  m.out_x.resize(kLocal * kCapacity * kHidden);
+  m.out_x.assign(size_t(shape.local() * shape.capacity() * kHidden), 0);
   m.y.resize(kTokens * kHidden);
-  m.counts.resize(kLocal);
+  m.counts.resize(size_t(shape.local()));
 }
 
 // A rank of the world as it starts, over `bootstrap`.
@@ -92,11 +103,12 @@ StatusOr<Member> Create(Bootstrap& bootstrap) {
 }
 
 // A new process for rank `group.rank()`, joining the survivors over `group`.
-StatusOr<Member> Join(Bootstrap& group) {
+StatusOr<Member> Join(Bootstrap& group, const Shape& shape = {}) {
   Member m;
-  Buffers(m, group.rank());
+  Buffers(m, group.rank(), shape);
   ASSIGN_OR_RETURN(m.engine, Engine());
-  ASSIGN_OR_RETURN(m.a2a, AllToAll::Join(Config(group.rank()), m.engine.get(), group, 30s));
+  ASSIGN_OR_RETURN(m.a2a,
+                   AllToAll::Join(Config(group.rank(), shape), m.engine.get(), group, 30s));
   return m;
 }
 
@@ -113,12 +125,15 @@ Status Dispatch(Member& m, Deadline deadline) {
 // sender), then its combine, summed from the expert ranks in `live`: both exact.
 Status Finish(Member& m, const Ranks& sent, const Ranks& live, Deadline deadline) {
   const std::string at = "rank " + std::to_string(m.rank) + " epoch " + std::to_string(m.epoch);
-  for (int e = 0; e < kLocal; ++e) {
+  const Shape& shape = m.shape;
+  for (int e = 0; e < shape.local(); ++e) {
     std::vector<float> want;
-    for (int s = 0; s < kWorld; ++s) {
+    for (int s = 0; s < shape.world; ++s) {
       for (int t = 0; sent[s] && t < kTokens; ++t) {
         for (int j = 0; j < kK; ++j) {
-          if (Expert(s, t, j) == m.rank * kLocal + e) want.push_back(Value(s, t, m.epoch));
+          if (Expert(shape, s, t, j) == m.rank * shape.local() + e) {
+            want.push_back(Value(s, t, m.epoch));
+          }
         }
       }
     }
@@ -126,7 +141,8 @@ Status Finish(Member& m, const Ranks& sent, const Ranks& live, Deadline deadline
                     at + ": " + std::to_string(m.counts[e]) + " rows for local expert " +
                         std::to_string(e) + ", want " + std::to_string(want.size()));
     for (size_t i = 0; i < want.size(); ++i) {
-      const float got = Bf16ToFloat(m.out_x[(e * kCapacity + i) * kHidden + i % kHidden]);
+      const float got =
+          Bf16ToFloat(m.out_x[(e * shape.capacity() + int64_t(i)) * kHidden + i % kHidden]);
       CHECK_OR_RETURN(got == want[i], at + ": row " + std::to_string(i) + " of local expert " +
                                           std::to_string(e) + " holds " + std::to_string(got));
     }
@@ -135,7 +151,9 @@ Status Finish(Member& m, const Ranks& sent, const Ranks& live, Deadline deadline
   RETURN_IF_ERROR(m.a2a->CombineRecv({m.y.data(), false}, deadline));
   for (int t = 0; t < kTokens; ++t) {
     float weight = 0;
-    for (int j = 0; j < kK; ++j) weight += live[Expert(m.rank, t, j) / kLocal] ? Weight(j) : 0;
+    for (int j = 0; j < kK; ++j) {
+      weight += live[Expert(shape, m.rank, t, j) / shape.local()] ? Weight(j) : 0;
+    }
     const float want = Bf16ToFloat(FloatToBf16(Value(m.rank, t, m.epoch) * weight));
     for (int i = 0; i < kHidden; ++i) {
       const float got = Bf16ToFloat(m.y[t * kHidden + i]);
@@ -161,8 +179,9 @@ Status ExpectView(const Member& m, const std::vector<uint8_t>& masked, uint64_t 
   return Status::Ok();
 }
 
-StatusOr<std::unique_ptr<Bootstrap>> Rendezvous(const std::string& address, int rank) {
-  return JoinRendezvous({.address = address, .world_size = kWorld, .rank = rank, .timeout = 60s});
+StatusOr<std::unique_ptr<Bootstrap>> Rendezvous(const std::string& address, int rank,
+                                                 int world = kWorld) {
+  return JoinRendezvous({.address = address, .world_size = world, .rank = rank, .timeout = 60s});
 }
 
 std::string LoopbackAddress() {
@@ -320,6 +339,63 @@ TEST(MoeElasticJoinTest, AJoinThatNeverCompletesLeavesTheWorldAsItWas) {
   }, 180s);
   for (int r = 0; r < kWorld; ++r) EXPECT_TRUE(exits[r].ok()) << "process " << r;
   EXPECT_EQ(exits[kWorld].signal, SIGKILL);
+}
+
+// The world grows from four ranks to six and shrinks back (AllToAll::Resize on the ranks that
+// stay, AllToAll::Join on the two new processes, which leave again), twelve experts laid out
+// three and then two per rank: every epoch exact for the world it ran in, the handle's
+// config() and membership version following. A rank that has masked another may not resize,
+// and a resize to another device is refused by name.
+TEST(MoeElasticResizeTest, TheWorldGrowsFromFourToSixRanksAndShrinksBackExactly) {
+  const std::string first = LoopbackAddress(), grown = LoopbackAddress(),
+                    shrunk = LoopbackAddress();
+  const Shape four{4, 12}, six{6, 12};
+  const Ranks all6(6, true);
+  auto exits = RunLocalRanks(6, [&](Bootstrap& launcher) -> Status {
+    const int me = launcher.rank();
+    Member m;
+    if (me >= 4) {  // new in the grown world; leaves when it shrinks
+      ASSIGN_OR_RETURN(auto group, Rendezvous(grown, me, 6));
+      ASSIGN_OR_RETURN(m, Join(*group, six));
+      m.epoch = 2;
+      for (int i = 0; i < 2; ++i) RETURN_IF_ERROR(Epoch(m, all6, Deadline::After(30s)));
+      return Status::Ok();
+    }
+    ASSIGN_OR_RETURN(auto world, Rendezvous(first, me));
+    Buffers(m, me, four);
+    ASSIGN_OR_RETURN(m.engine, Engine());
+    ASSIGN_OR_RETURN(m.a2a, AllToAll::Create(Config(me, four), m.engine.get(), *world));
+    for (int i = 0; i < 2; ++i) RETURN_IF_ERROR(Epoch(m, kAll, Deadline::After(30s)));
+    AllToAllConfig cuda = Config(me, four);
+    cuda.device = MoeDeviceKind::kCuda;
+    CHECK_OR_RETURN(m.a2a->Resize(cuda, *world, 1s).code() == StatusCode::kUnimplemented,
+                    "a resize onto the CUDA device was not refused");
+    {
+      ASSIGN_OR_RETURN(auto group, Rendezvous(grown, me, 6));
+      RETURN_IF_ERROR(m.a2a->Resize(Config(me, six), *group, 30s));
+    }
+    Buffers(m, me, six);
+    CHECK_OR_RETURN(m.a2a->config().world_size == 6 && m.a2a->membership_version() == 1,
+                    "grown: world " + std::to_string(m.a2a->config().world_size));
+    for (int i = 0; i < 2; ++i) RETURN_IF_ERROR(Epoch(m, all6, Deadline::After(30s)));
+    {
+      ASSIGN_OR_RETURN(auto group, Rendezvous(shrunk, me));
+      RETURN_IF_ERROR(m.a2a->Resize(Config(me, four), *group, 30s));
+    }
+    Buffers(m, me, four);
+    CHECK_OR_RETURN(m.a2a->config().world_size == 4 && m.a2a->membership_version() == 2,
+                    "shrunk: world " + std::to_string(m.a2a->config().world_size));
+    for (int i = 0; i < 2; ++i) RETURN_IF_ERROR(Epoch(m, kAll, Deadline::After(30s)));
+    // A rank that has masked another may not resize: what the masked rank sends could land.
+    if (me != 1) RETURN_IF_ERROR(m.a2a->SetMasked(1, true));
+    if (me != 1) {
+      CHECK_OR_RETURN(m.a2a->Resize(Config(me, four), *world, 1s).code() ==
+                          StatusCode::kFailedPrecondition,
+                      "a resize with a masked rank was not refused");
+    }
+    return Status::Ok();
+  }, 180s);
+  for (int r = 0; r < 6; ++r) EXPECT_TRUE(exits[r].ok()) << "process " << r;
 }
 
 // This process's open descriptors and resident pages.

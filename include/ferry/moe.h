@@ -412,10 +412,25 @@ class FERRY_API AllToAll {
   // they were, those ranks still masked, and Readmit may be called again. The membership
   // version counts the readmissions. CUDA graphs are not involved: the host device only (per
   // rank forwarding); elsewhere Readmit and Join are Unimplemented (create a new AllToAll).
+  // Join also brings a new process into a world that grows (Resize).
   static StatusOr<std::unique_ptr<AllToAll>> Join(const AllToAllConfig& config,
                                                   TransferEngine* engine, Bootstrap& group,
                                                   std::chrono::milliseconds timeout);
   virtual Status Readmit(Bootstrap& group, std::chrono::milliseconds timeout) = 0;
+  // The world changes size, shrinking or growing, between epochs: every rank of the new world
+  // that ran in the old one calls Resize with the new configuration (its new world_size, its
+  // rank there, the experts as the engine laid them out anew), every new process calls Join
+  // with it, all over `group`, a bootstrap of the new world; a rank of the old world that is
+  // not in the new one destroys its AllToAll after its last epoch. The ranks agree as for
+  // Readmit (a survivor on another epoch or version is refused by name); each survivor builds
+  // its buffers for the new world on the same engine and instance, keeping this handle and
+  // its epoch count, and the next epoch runs the new world, config() reporting it.
+  // FailedPrecondition while this rank has masked a rank (it may still write under the keys
+  // it holds: readmit it first, or resize once it is stopped for good and the others leave it
+  // out of the group as a rank that leaves). A meeting that fails leaves this AllToAll as it
+  // was. Host device, per rank forwarding (else Unimplemented).
+  virtual Status Resize(const AllToAllConfig& config, Bootstrap& group,
+                        std::chrono::milliseconds timeout) = 0;
   virtual uint64_t membership_version() const = 0;
   virtual ~AllToAll() = default;
 

@@ -23,10 +23,10 @@ using moe::Stage;
 class Shell final : public AllToAll {
  public:
   // version, epoch: where a Join's AllToAll starts (the survivors' view).
-  Shell(const AllToAllConfig& c, std::unique_ptr<moe::MoeDevice> device, uint64_t version = 0,
-        uint64_t epoch = 0)
-      : c_(c), device_(std::move(device)), caps_(device_->caps()), version_(version),
-        epoch_(epoch) {}
+  Shell(const AllToAllConfig& c, TransferEngine* engine, std::unique_ptr<moe::MoeDevice> device,
+        uint64_t version = 0, uint64_t epoch = 0)
+      : c_(c), engine_(engine), device_(std::move(device)), caps_(device_->caps()),
+        version_(version), epoch_(epoch) {}
 
   const AllToAllConfig& config() const override { return c_; }
 
@@ -134,9 +134,10 @@ class Shell final : public AllToAll {
 
   Status Readmit(Bootstrap& group, std::chrono::milliseconds timeout) override {
     RETURN_IF_ERROR(Step(Stage::kIdle, "Readmit"));
+    RETURN_IF_ERROR(moe::CheckRejoinable(c_, "AllToAll::Readmit"));
     RETURN_IF_ERROR(moe::CheckMembershipGroup(c_, group));
     ASSIGN_OR_RETURN(const std::vector<uint8_t> masked, Masked());
-    const moe::MemberView mine{false, version_, epoch_, masked, c_.Fingerprint()};
+    const moe::MemberView mine{false, false, version_, epoch_, masked, c_.Fingerprint()};
     ASSIGN_OR_RETURN(const moe::Readmission agreed, moe::Meet(group, mine, timeout));
     bool any = false;
     for (uint8_t r : agreed.ranks) any |= r != 0;
@@ -148,6 +149,40 @@ class Shell final : public AllToAll {
     for (int r = 0; r < c_.world_size; ++r) {
       if (agreed.ranks[r]) caller_masks_[r] = 0;
     }
+    version_ = agreed.version;
+    return Status::Ok();
+  }
+  Status Resize(const AllToAllConfig& asked, Bootstrap& group,
+                std::chrono::milliseconds timeout) override {
+    RETURN_IF_ERROR(Step(Stage::kIdle, "Resize"));
+    RETURN_IF_ERROR(moe::CheckRejoinable(c_, "AllToAll::Resize"));
+    AllToAllConfig wanted = asked;
+    wanted.forwarding = asked.chosen_forwarding();
+    RETURN_IF_ERROR(moe::CheckRejoinable(wanted, "AllToAll::Resize"));
+    ASSIGN_OR_RETURN(const AllToAllConfig config, moe::Resolve(asked, engine_, group));
+    if (config.instance != c_.instance) {
+      return InvalidArgumentError("AllToAll::Resize: instance " + std::to_string(config.instance) +
+                                  ", this AllToAll's is " + std::to_string(c_.instance) +
+                                  " (a resized AllToAll keeps its instance on the engine)");
+    }
+    ASSIGN_OR_RETURN(const std::vector<uint8_t> masked, Masked());
+    if (std::any_of(masked.begin(), masked.end(), [](uint8_t m) { return m != 0; })) {
+      return FailedPreconditionError(
+          "AllToAll::Resize: this rank has masked ranks, which may still write under the keys "
+          "they hold; readmit them first (AllToAll::Readmit)");
+    }
+    moe::MemberView mine{false, true, version_, epoch_,
+                         std::vector<uint8_t>(size_t(config.world_size)), config.Fingerprint()};
+    ASSIGN_OR_RETURN(const moe::Readmission agreed, moe::Meet(group, mine, timeout));
+    // The new world's device first, taking over this instance's counters (this device's relay
+    // waits for a dispatch that never comes): if it cannot be made, this one goes on.
+    ASSIGN_OR_RETURN(auto device, moe::CreateHostDevice(config, engine_, group, epoch_, true));
+    device_ = std::move(device);
+    caps_ = device_->caps();
+    c_ = config;
+    caller_masks_.assign(size_t(c_.world_size), 0);
+    pending_masks_.assign(size_t(c_.world_size), 0);
+    any_pending_ = false;
     version_ = agreed.version;
     return Status::Ok();
   }
@@ -194,9 +229,10 @@ class Shell final : public AllToAll {
     return Status::Ok();
   }
 
-  const AllToAllConfig c_;
-  const std::unique_ptr<moe::MoeDevice> device_;
-  const moe::DeviceCaps caps_;
+  AllToAllConfig c_;  // Resize's, from then on
+  TransferEngine* const engine_;
+  std::unique_ptr<moe::MoeDevice> device_;
+  moe::DeviceCaps caps_;
   Stage stage_ = Stage::kIdle;
   uint64_t version_ = 0;  // readmissions so far (membership_version)
   uint64_t epoch_ = 0;
@@ -222,43 +258,24 @@ Status CheckConfigurationsAgree(const AllToAllConfig& c, Bootstrap& bootstrap) {
   return Status::Ok();
 }
 
-// The configuration as it runs (config() reports it: forwarding resolved), after the checks
-// every way of making an AllToAll shares.
-StatusOr<AllToAllConfig> Resolve(const AllToAllConfig& asked, TransferEngine* engine,
-                                 Bootstrap& bootstrap) {
-  RETURN_IF_ERROR(asked.Validate());
-  AllToAllConfig config = asked;
-  config.forwarding = asked.chosen_forwarding();
-  // The CUDA device with one node (a single rank included) needs no engine.
-  const bool one_node = config.ranks_per_node == config.world_size;
-  if (!engine && !(config.device == MoeDeviceKind::kCuda && one_node)) {
-    return InvalidArgumentError("AllToAll: null engine");
-  }
-  RETURN_IF_ERROR(moe::CheckMembershipGroup(config, bootstrap));
-  return config;
-}
-
 }  // namespace
 
 StatusOr<std::unique_ptr<AllToAll>> AllToAll::Join(const AllToAllConfig& asked,
                                                    TransferEngine* engine, Bootstrap& group,
                                                    std::chrono::milliseconds timeout) {
-  ASSIGN_OR_RETURN(const AllToAllConfig config, Resolve(asked, engine, group));
-  if (config.device != MoeDeviceKind::kHost || config.forwarding == Forwarding::kNodeOnce) {
-    return UnimplementedError(
-        "AllToAll::Join: a rank comes back on the host device, per rank forwarding, for now");
-  }
-  const moe::MemberView mine{true, 0, 0, std::vector<uint8_t>(size_t(config.world_size)),
+  ASSIGN_OR_RETURN(const AllToAllConfig config, moe::Resolve(asked, engine, group));
+  RETURN_IF_ERROR(moe::CheckRejoinable(config, "AllToAll::Join"));
+  const moe::MemberView mine{true, false, 0, 0, std::vector<uint8_t>(size_t(config.world_size)),
                              config.Fingerprint()};
   ASSIGN_OR_RETURN(const moe::Readmission agreed, moe::Meet(group, mine, timeout));
   ASSIGN_OR_RETURN(auto device, moe::CreateHostDevice(config, engine, group, agreed.epoch));
   return std::unique_ptr<AllToAll>(
-      std::make_unique<Shell>(config, std::move(device), agreed.version, agreed.epoch));
+      std::make_unique<Shell>(config, engine, std::move(device), agreed.version, agreed.epoch));
 }
 
 StatusOr<std::unique_ptr<AllToAll>> AllToAll::Create(const AllToAllConfig& asked,
                                                      TransferEngine* engine, Bootstrap& bootstrap) {
-  ASSIGN_OR_RETURN(const AllToAllConfig config, Resolve(asked, engine, bootstrap));
+  ASSIGN_OR_RETURN(const AllToAllConfig config, moe::Resolve(asked, engine, bootstrap));
   RETURN_IF_ERROR(CheckConfigurationsAgree(config, bootstrap));
   std::unique_ptr<moe::MoeDevice> device;
   if (config.forwarding == Forwarding::kNodeOnce) {
@@ -268,7 +285,7 @@ StatusOr<std::unique_ptr<AllToAll>> AllToAll::Create(const AllToAllConfig& asked
   } else {
     ASSIGN_OR_RETURN(device, moe::CreateHostDevice(config, engine, bootstrap));
   }
-  return std::unique_ptr<AllToAll>(std::make_unique<Shell>(config, std::move(device)));
+  return std::unique_ptr<AllToAll>(std::make_unique<Shell>(config, engine, std::move(device)));
 }
 
 }  // namespace ferry

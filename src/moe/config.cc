@@ -227,6 +227,29 @@ Status CheckMembershipGroup(const AllToAllConfig& c, const Bootstrap& group) {
                               std::to_string(c.rank) + " of " + std::to_string(c.world_size));
 }
 
+StatusOr<AllToAllConfig> Resolve(const AllToAllConfig& asked, TransferEngine* engine,
+                                 const Bootstrap& bootstrap) {
+  RETURN_IF_ERROR(asked.Validate());
+  AllToAllConfig config = asked;
+  config.forwarding = asked.chosen_forwarding();
+  // The CUDA device with one node (a single rank included) needs no engine.
+  const bool one_node = config.ranks_per_node == config.world_size;
+  if (!engine && !(config.device == MoeDeviceKind::kCuda && one_node)) {
+    return InvalidArgumentError("AllToAll: null engine");
+  }
+  RETURN_IF_ERROR(CheckMembershipGroup(config, bootstrap));
+  return config;
+}
+
+Status CheckRejoinable(const AllToAllConfig& c, const char* call) {
+  if (c.device == MoeDeviceKind::kHost && c.forwarding != Forwarding::kNodeOnce) {
+    return Status::Ok();
+  }
+  return UnimplementedError(std::string(call) +
+                            ": ranks join a running world on the host device, per rank "
+                            "forwarding, for now (elsewhere: create a new AllToAll)");
+}
+
 Status CheckStage(Stage at, Stage want, const char* step) {
   if (at == want) return Status::Ok();
   return FailedPreconditionError(std::string(step) +

@@ -131,11 +131,13 @@ std::unique_ptr<MoeDevice> NewHostDevice(const DeviceParams& params);
 
 // The host device with its own buffers and relay over `engine` (collective: the relay
 // exchanges descriptors through `bootstrap`). The configuration is validated and agreed.
-// first_epoch: where a device that replaces a lost rank's starts (AllToAll::Join: the
-// survivors' epoch; its relay meets their Readmit).
+// first_epoch: where a device that joins a running world starts (AllToAll::Join and Resize:
+// the survivors' epoch; its relay meets theirs). adopt_counters: the device replaces one of
+// this instance on the engine (Resize), whose immediate counters it takes over.
 StatusOr<std::unique_ptr<MoeDevice>> CreateHostDevice(const AllToAllConfig& config,
                                                       TransferEngine* engine, Bootstrap& bootstrap,
-                                                      uint64_t first_epoch = 0);
+                                                      uint64_t first_epoch = 0,
+                                                      bool adopt_counters = false);
 
 // The CUDA device (cuda/cuda_device.h; config.device == kCuda, any ranks_per_node). `engine`
 // carries the traffic between nodes and may be null with one node. Collective. Unimplemented

@@ -6,8 +6,8 @@
 namespace ferry::moe {
 namespace {
 
-// joining u8, version u64, epoch u64, masked [N] u8, then the fingerprint.
-constexpr size_t kFixedBytes = 1 + 8 + 8;
+// joining u8, resizing u8, version u64, epoch u64, masked [N] u8, then the fingerprint.
+constexpr size_t kFixedBytes = 1 + 1 + 8 + 8;
 
 std::string RanksOf(const std::vector<uint8_t>& set) {
   std::string s = "{";
@@ -24,22 +24,25 @@ std::string RanksOf(const std::vector<uint8_t>& set) {
 std::vector<uint8_t> MemberView::Serialize() const {
   std::vector<uint8_t> out(kFixedBytes);
   out[0] = joining ? 1 : 0;
-  std::memcpy(out.data() + 1, &version, 8);
-  std::memcpy(out.data() + 9, &epoch, 8);
+  out[1] = resizing ? 1 : 0;
+  std::memcpy(out.data() + 2, &version, 8);
+  std::memcpy(out.data() + 10, &epoch, 8);
   out.insert(out.end(), masked.begin(), masked.end());
   out.insert(out.end(), fingerprint.begin(), fingerprint.end());
   return out;
 }
 
 StatusOr<MemberView> MemberView::Parse(std::span<const uint8_t> bytes, int world_size) {
-  if (world_size <= 0 || bytes.size() < kFixedBytes + size_t(world_size) || bytes[0] > 1) {
+  if (world_size <= 0 || bytes.size() < kFixedBytes + size_t(world_size) || bytes[0] > 1 ||
+      bytes[1] > 1) {
     return DataLossError("membership view of " + std::to_string(bytes.size()) +
                          " bytes for a world of " + std::to_string(world_size));
   }
   MemberView v;
   v.joining = bytes[0] == 1;
-  std::memcpy(&v.version, bytes.data() + 1, 8);
-  std::memcpy(&v.epoch, bytes.data() + 9, 8);
+  v.resizing = bytes[1] == 1;
+  std::memcpy(&v.version, bytes.data() + 2, 8);
+  std::memcpy(&v.epoch, bytes.data() + 10, 8);
   const auto masks = bytes.begin() + kFixedBytes;
   v.masked.assign(masks, masks + world_size);
   v.fingerprint.assign(masks + world_size, bytes.end());
@@ -76,6 +79,13 @@ StatusOr<Readmission> Decide(const std::vector<MemberView>& views) {
           std::to_string(first) + " at version " + std::to_string(ref.version) + ", epoch " +
           std::to_string(ref.epoch) + " (a rank on another view cannot meet the others)");
     }
+    if (v.resizing != ref.resizing) {
+      return FailedPreconditionError(
+          "AllToAll membership: rank " + std::to_string(r) + (v.resizing ? " resizes" : " readmits") +
+          ", rank " + std::to_string(first) + (ref.resizing ? " resizes" : " readmits") +
+          " (every survivor calls the same one)");
+    }
+    if (ref.resizing) continue;  // a new world: the old one's masks do not carry over
     if (v.masked != ref.masked) {
       return FailedPreconditionError("AllToAll membership: rank " + std::to_string(r) +
                                      " has masked ranks " + RanksOf(v.masked) + ", rank " +
@@ -83,7 +93,7 @@ StatusOr<Readmission> Decide(const std::vector<MemberView>& views) {
                                      " (every survivor must have masked the same ranks)");
     }
   }
-  if (out.ranks != ref.masked) {
+  if (!ref.resizing && out.ranks != ref.masked) {
     return FailedPreconditionError(
         "AllToAll membership: ranks " + RanksOf(out.ranks) + " are joining but the survivors " +
         "have masked " + RanksOf(ref.masked) +

@@ -16,7 +16,8 @@
 namespace ferry::moe {
 
 struct MemberView {
-  bool joining = false;        // a new process for a lost rank (Join)
+  bool joining = false;        // a new process (Join): for a lost rank, or the world growing
+  bool resizing = false;       // a survivor's Resize (else Readmit; a joining rank's not read)
   uint64_t version = 0;        // readmissions so far (a joining rank's is not read)
   uint64_t epoch = 0;          // the survivor's next epoch (a joining rank's is not read)
   std::vector<uint8_t> masked;  // [world size] 1 where the survivor masked a rank
@@ -30,13 +31,14 @@ struct MemberView {
 struct Readmission {
   uint64_t version = 0;        // after it
   uint64_t epoch = 0;          // the first epoch with the readmitted ranks
-  std::vector<uint8_t> ranks;  // [world size] 1 where a rank comes back
+  std::vector<uint8_t> ranks;  // [world size] 1 where a rank joins (comes back, or is new)
 };
 
 // The decision from every rank's view (views[r] is rank r's): InvalidArgument naming a rank
 // whose configuration differs; FailedPrecondition naming a rank that is on another view (no
-// survivor at all, survivors on different versions, epochs or masks, a joining rank that the
-// survivors did not mask, a masked rank that nobody joins for).
+// survivor at all, survivors on different versions or epochs, or some resizing and some
+// readmitting). A readmission also needs the survivors to agree on the masks, and brings back
+// exactly the masked ranks; a resize (a new world, numbered anew) takes any ranks joining.
 StatusOr<Readmission> Decide(const std::vector<MemberView>& views);
 
 // Every rank's view through `group`, then Decide.

@@ -14,8 +14,8 @@ namespace {
 // Four ranks: 0, 1 and 3 survivors at version 2, epoch 40, rank 2 masked; rank 2 joining.
 std::vector<MemberView> Views() {
   const std::vector<uint8_t> masked = {0, 0, 1, 0}, print = {7, 7, 7};
-  std::vector<MemberView> v(4, MemberView{false, 2, 40, masked, print});
-  v[2] = MemberView{true, 0, 0, {0, 0, 0, 0}, print};
+  std::vector<MemberView> v(4, MemberView{false, false, 2, 40, masked, print});
+  v[2] = MemberView{true, false, 0, 0, {0, 0, 0, 0}, print};
   return v;
 }
 
@@ -64,11 +64,28 @@ TEST(MembershipTest, OnlyAndEveryMaskedRankIsReplaced) {
   ExpectRefused(v, StatusCode::kFailedPrecondition, "every rank is joining");
 }
 
+// A resize: the survivors (resizing, the old world's masks not read) and any ranks joining;
+// a survivor that readmits while the others resize is named.
+TEST(MembershipTest, AResizeTakesAnyJoiningRanksAndEverySurvivorResizes) {
+  const std::vector<uint8_t> print = {9};
+  std::vector<MemberView> v(6, MemberView{false, true, 0, 12, {0, 0, 0, 0, 0, 0}, print});
+  v[4] = v[5] = MemberView{true, false, 0, 0, {0, 0, 0, 0, 0, 0}, print};
+  v[1].masked = {0, 0, 1, 0, 0, 0};  // not read: a new world
+  auto d = Decide(v);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->ranks, (std::vector<uint8_t>{0, 0, 0, 0, 1, 1}));
+  EXPECT_EQ(d->epoch, 12u);
+  EXPECT_EQ(d->version, 1u);
+  v[3].resizing = false;
+  ExpectRefused(v, StatusCode::kFailedPrecondition, "rank 3 readmits, rank 0 resizes");
+}
+
 TEST(MembershipTest, AViewSurvivesItsBytesAndBadBytesAreRefused) {
   const MemberView v = Views()[1];
   auto back = MemberView::Parse(v.Serialize(), 4);
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(back->joining, v.joining);
+  EXPECT_EQ(back->resizing, v.resizing);
   EXPECT_EQ(back->version, v.version);
   EXPECT_EQ(back->epoch, v.epoch);
   EXPECT_EQ(back->masked, v.masked);
@@ -77,6 +94,9 @@ TEST(MembershipTest, AViewSurvivesItsBytesAndBadBytesAreRefused) {
   EXPECT_EQ(MemberView::Parse(std::span(bytes).first(10), 4).status().code(),
             StatusCode::kDataLoss);
   bytes[0] = 9;
+  EXPECT_EQ(MemberView::Parse(bytes, 4).status().code(), StatusCode::kDataLoss);
+  bytes[0] = 0;
+  bytes[1] = 2;
   EXPECT_EQ(MemberView::Parse(bytes, 4).status().code(), StatusCode::kDataLoss);
 }
 

@@ -62,7 +62,8 @@ Relay::Relay(const AllToAllConfig& config, const RelayLayout& layout, TransferEn
 StatusOr<std::unique_ptr<Relay>> Relay::Create(const AllToAllConfig& config,
                                                const RelayLayout& layout, TransferEngine* engine,
                                                Bootstrap& bootstrap, RelayBuffers buffers,
-                                               uint32_t peer_timeout_ms, uint64_t first_epoch) {
+                                               uint32_t peer_timeout_ms, uint64_t first_epoch,
+                                               bool adopt_counters) {
   if (!engine) {
     return InvalidArgumentError(
         "AllToAll: several nodes need an engine for the traffic between them");
@@ -73,7 +74,7 @@ StatusOr<std::unique_ptr<Relay>> Relay::Create(const AllToAllConfig& config,
         "Relay: inbox, outbox, control block and inbox flags are all needed");
   }
   std::unique_ptr<Relay> relay(new Relay(config, layout, engine, buffers, peer_timeout_ms));
-  RETURN_IF_ERROR(relay->Connect(bootstrap));
+  RETURN_IF_ERROR(relay->Connect(bootstrap, adopt_counters));
   relay->Start(first_epoch);
   return relay;
 }
@@ -117,7 +118,7 @@ bool Relay::Stop() {
   return drained_;
 }
 
-Status Relay::Connect(Bootstrap& bootstrap) {
+Status Relay::Connect(Bootstrap& bootstrap, bool adopt_counters) {
   ASSIGN_OR_RETURN(inbox_reg_, engine_->RegisterMemory(buffers_.inbox, layout_.inbox_bytes,
                                                        buffers_.boxes, buffers_.device));
   ASSIGN_OR_RETURN(outbox_reg_, engine_->RegisterMemory(buffers_.outbox, layout_.outbox_bytes,
@@ -125,7 +126,9 @@ Status Relay::Connect(Bootstrap& bootstrap) {
   for (ImmKind kind : {kRelayDispatch, kRelayCombine}) {
     for (uint32_t epoch = 0; epoch < kEpochs; ++epoch) {
       for (int r : layout_.remotes) {
-        Status s = engine_->CreateImmCounter(RelayImm(kind, epoch, c_.instance, r));
+        const uint32_t imm = RelayImm(kind, epoch, c_.instance, r);
+        Status s = engine_->CreateImmCounter(imm);
+        if (adopt_counters && s.code() == StatusCode::kAlreadyExists) s = Empty(imm);
         if (!s.ok()) return CounterError(s, c_.instance);
       }
     }
@@ -232,9 +235,7 @@ Status Relay::Readmit(Bootstrap& group, const std::vector<uint8_t>& readmitted, 
       if (!readmitted[r]) continue;
       for (ImmKind kind : {kRelayDispatch, kRelayCombine}) {
         for (uint32_t e = 0; e < kEpochs; ++e) {
-          const uint32_t imm = RelayImm(kind, e, c_.instance, r);
-          ASSIGN_OR_RETURN(const uint64_t stale, engine_->ImmCount(imm));
-          if (stale > 0) RETURN_IF_ERROR(engine_->ConsumeImm(imm, stale));
+          RETURN_IF_ERROR(Empty(RelayImm(kind, e, c_.instance, r)));
         }
       }
     }
@@ -248,6 +249,11 @@ Status Relay::Readmit(Bootstrap& group, const std::vector<uint8_t>& readmitted, 
   }
   Start(epoch);
   return Status::Ok();
+}
+
+Status Relay::Empty(uint32_t imm) {
+  ASSIGN_OR_RETURN(const uint64_t stale, engine_->ImmCount(imm));
+  return stale > 0 ? engine_->ConsumeImm(imm, stale) : Status::Ok();
 }
 
 Status Relay::error() const {

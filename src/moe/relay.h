@@ -208,13 +208,16 @@ class Relay {
   // outbox (as buffers.boxes says), exchanges addresses, connects to the remote ranks and starts
   // the thread. peer_timeout_ms bounds each wait for a peer. A relay that replaces a lost
   // rank's (AllToAll::Join) starts at the survivors' epoch, `first_epoch`, and meets their
-  // Readmit over `bootstrap`.
+  // Readmit over `bootstrap`. adopt_counters: the immediate counters of this instance that an
+  // earlier relay on the engine made (AllToAll::Resize: that relay parked for good) are taken
+  // over, emptied, instead of refused.
   static StatusOr<std::unique_ptr<Relay>> Create(const AllToAllConfig& config,
                                                  const RelayLayout& layout,
                                                  TransferEngine* engine, Bootstrap& bootstrap,
                                                  RelayBuffers buffers,
                                                  uint32_t peer_timeout_ms = 60000,
-                                                 uint64_t first_epoch = 0);
+                                                 uint64_t first_epoch = 0,
+                                                 bool adopt_counters = false);
   ~Relay();  // Stop()
   Relay(const Relay&) = delete;
   Relay& operator=(const Relay&) = delete;
@@ -253,7 +256,7 @@ class Relay {
         RelayBuffers buffers, uint32_t peer_timeout_ms);
   // Raises sender s's dispatch or combine flag in our inbox to epoch + 1 (release).
   void RaiseInboxFlag(bool combine, int s, uint64_t epoch);
-  Status Connect(Bootstrap& bootstrap);
+  Status Connect(Bootstrap& bootstrap, bool adopt_counters);
   // Every rank's engine address and inbox descriptor (ours: `inbox`) through `group`, then,
   // for each remote rank that `fresh` sets (all of them when the relay starts), its engine as
   // our peer; then the group and the scatter plan to every remote inbox.
@@ -262,6 +265,8 @@ class Relay {
   // Parks the thread where it waits for the kernels' dispatch flag and waits for our writes:
   // the epoch it was waiting for. Start runs it again from `epoch`.
   StatusOr<uint64_t> Park();
+  // What counter `imm` holds, consumed: immediates no epoch of this relay will read.
+  Status Empty(uint32_t imm);
   void Start(uint64_t epoch);
   void Main(uint64_t first_epoch);
   Status Dispatch(uint64_t epoch);

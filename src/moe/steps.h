@@ -4,6 +4,7 @@
 #pragma once
 
 #include "ferry/bootstrap.h"
+#include "ferry/fabric.h"
 #include "ferry/moe.h"
 
 namespace ferry::moe {
@@ -33,5 +34,13 @@ Status CheckSetMasked(const AllToAllConfig& c, int rank, bool masked, bool now, 
 // InvalidArgument unless the bootstrap (Create's, or Readmit's and Join's group) holds the
 // configuration's world, this rank at its id.
 Status CheckMembershipGroup(const AllToAllConfig& c, const Bootstrap& group);
+// The configuration as it runs (config() reports it: forwarding resolved), after the checks
+// AllToAll::Create, Join and Resize share: valid, an engine where one is needed, the bootstrap
+// holding its world (CheckMembershipGroup).
+StatusOr<AllToAllConfig> Resolve(const AllToAllConfig& asked, TransferEngine* engine,
+                                 const Bootstrap& bootstrap);
+// Unimplemented, naming `call`, unless a rank can join a running world of this configuration
+// (the host device, per rank forwarding, for now).
+Status CheckRejoinable(const AllToAllConfig& c, const char* call);
 
 }  // namespace ferry::moe

@@ -537,16 +537,18 @@ std::unique_ptr<MoeDevice> NewHostDevice(const DeviceParams& params) {
 StatusOr<std::unique_ptr<MoeDevice>> CreateHostDevice(const AllToAllConfig& c,
                                                       TransferEngine* engine,
                                                       Bootstrap& bootstrap,
-                                                      uint64_t first_epoch) {
+                                                      uint64_t first_epoch,
+                                                      bool adopt_counters) {
   auto rig = std::make_unique<HostRig>(c);
   const RelayBuffers boxes = rig->boxes.buffers();
   if (!rig->layout.remotes.empty()) {
     ASSIGN_OR_RETURN(rig->relay, Relay::Create(c, rig->layout, engine, bootstrap, boxes, 60000,
-                                               first_epoch));
+                                               first_epoch, adopt_counters));
   } else {
     // One rank: nothing crosses, but the instance is still this AllToAll's on its engine (each
     // AllToAll on an engine has its own), claimed by a counter no relay creates.
     Status s = engine->CreateImmCounter(RelayImm(kRelayDispatch, 0, c.instance, c.rank));
+    if (adopt_counters && s.code() == StatusCode::kAlreadyExists) s = Status::Ok();
     if (!s.ok()) return CounterError(s, c.instance);
   }
   const DeviceParams params{c, &rig->layout, boxes, rig->relay.get()};
