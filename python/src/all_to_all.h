@@ -438,6 +438,11 @@ class PyAllToAll {
     const Millis limit = ToMillis(timeout);
     ThrowIfError(Unlocked([&](AllToAll& a) { return a.Readmit(group, limit); }));
   }
+  void Resize(const AllToAllConfig& config, Bootstrap& group, double timeout) {
+    const Millis limit = ToMillis(timeout);
+    ThrowIfError(Unlocked([&](AllToAll& a) { return a.Resize(config, group, limit); }));
+    output_rows_ = static_cast<uint64_t>(a2a().config().output_rows(0, 0));
+  }
   uint64_t membership_version() const { return a2a().membership_version(); }
   std::vector<uint8_t> Masked() const { return ValueOrThrow(a2a().Masked()); }
   uint64_t dispatch_bytes_sent() const { return a2a().dispatch_bytes_sent(); }

@@ -217,6 +217,12 @@ void BindMoe(py::module_& m) {
            "that call AllToAll.join over `group` (a bootstrap of the whole world), fenced from "
            "the processes they replace (AllToAll::Readmit); a meeting that fails (timeout "
            "seconds) leaves this AllToAll as it was")
+      .def("resize", &PyAllToAll::Resize, py::arg("config"), py::arg("group"),
+           py::arg("timeout") = 60.0,
+           "Between epochs, on every rank of a new world that ran in the old one: the world "
+           "grows or shrinks to config's (new processes call AllToAll.join with it, all over "
+           "`group`, a bootstrap of the new world), this handle and its epoch count kept "
+           "(AllToAll::Resize); a meeting that fails (timeout seconds) leaves it as it was")
       .def_property_readonly("membership_version", &PyAllToAll::membership_version,
                              "Readmissions so far")
       .def("masked", &PyAllToAll::Masked,

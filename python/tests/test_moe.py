@@ -80,6 +80,23 @@ def check_round(a2a, rank):
         assert row_of(y, t) == want, (rank, t)
 
 
+def grow_body(b, alone, grown):
+    """A world of one rank grows to two (resize on the rank that was there, AllToAll.join on
+    the new process): the round after is whole, config and membership_version follow."""
+    if b.rank == 1:
+        group = ferry.join_rendezvous(grown, world_size=WORLD, rank=1, timeout=30)
+        with shm_engine() as engine, ferry.AllToAll.join(config(1), engine, group, 30) as a2a:
+            check_round(a2a, 1)
+        return
+    one = ferry.AllToAllConfig(world_size=1, rank=0, num_experts=EXPERTS, experts_per_token=K,
+                               max_tokens_per_rank=MAX_TOKENS, hidden=HIDDEN)
+    world = ferry.join_rendezvous(alone, world_size=1, rank=0, timeout=30)
+    with shm_engine() as engine, ferry.AllToAll(one, engine, world) as a2a:
+        a2a.resize(config(0), ferry.join_rendezvous(grown, world_size=WORLD, rank=0, timeout=30))
+        assert a2a.config.world_size == WORLD and a2a.membership_version == 1
+        check_round(a2a, 0)
+
+
 def expert_major_body(b):
     with shm_engine() as engine, ferry.AllToAll(config(b.rank), engine, b) as a2a:
         for _ in range(2):  # the second round reuses every buffer
@@ -452,6 +469,10 @@ class AllToAllTest(unittest.TestCase):
         except ImportError:
             self.skipTest("no numpy for this interpreter")
         run_ranks(self, WORLD, float16_body)
+
+    def test_a_world_of_one_grows_to_two(self):
+        alone, grown = free_address(), free_address()
+        run_ranks(self, WORLD, lambda b: grow_body(b, alone, grown))
 
     def test_a_rank_that_left_is_readmitted_as_a_new_process(self):
         first, again = free_address(), free_address()
