@@ -11,8 +11,8 @@
 // Every epoch's combined output is checked (identity experts: each token comes back as its
 // value times the weights of the live ranks' experts, exact in bf16). The table gives, over
 // the cycles, the time from each death to the end of the first full epoch after it, split into
-// the deadline's part (until the survivors masked it) and the replacement's (a process start,
-// an engine, the rendezvous, the readmission). The survivors' descriptors and private memory
+// the deadline's part (until the survivors masked it) and the replacement's (a process start
+// and its engine, the rendezvous, the readmission, the epoch). The survivors' descriptors and private memory
 // are sampled from the third cycle on.
 #include "tools/bench_elastic.h"
 
@@ -76,12 +76,16 @@ class Rank {
             .dtype = DispatchDtype::kBf16, .mask_lost_peers = true};
   }
 
-  // The engine; then the AllToAll, made (Create) or joined (Join) over `group`.
-  Status Make(const std::string& provider, Bootstrap& group, bool join) {
+  Status MakeEngine(const std::string& provider) {
     ASSIGN_OR_RETURN(EngineOptions eo, EngineOptions::FromEnv());
     eo.provider = provider;
     if (provider.find("tcp") != std::string::npos && eo.node.empty()) eo.node = "127.0.0.1";
     ASSIGN_OR_RETURN(engine_, TransferEngine::Create(eo));
+    return Status::Ok();
+  }
+
+  // The AllToAll (its engine made first), made (Create) or joined (Join) over `group`.
+  Status Make(Bootstrap& group, bool join) {
     const AllToAllConfig c = Config();
     expert_x_.assign(size_t(c.local_experts() * c.expert_capacity()) * kHidden, 0);
     counts_.assign(size_t(c.local_experts()), 0);
@@ -163,9 +167,11 @@ StatusOr<std::unique_ptr<Bootstrap>> Meet(const std::string& address, int rank) 
 [[noreturn]] void Victim(const ElasticOptions& o, const std::string& address, bool join,
                          int pipe_fd) {
   Status s = [&]() -> Status {
-    ASSIGN_OR_RETURN(auto group, Meet(address, kVictim));
+    // As a launcher's new process would: its engine up, then the meeting.
     Rank r(kVictim);
-    RETURN_IF_ERROR(r.Make(o.provider, *group, join));
+    RETURN_IF_ERROR(r.MakeEngine(o.provider));
+    ASSIGN_OR_RETURN(auto group, Meet(address, kVictim));
+    RETURN_IF_ERROR(r.Make(*group, join));
     bool whole = false;
     for (int i = 0; i < o.epochs; ++i) {
       RETURN_IF_ERROR(r.Epoch(Deadline::After(60s), &whole));
@@ -225,7 +231,8 @@ Status Survivor(const ElasticOptions& o, Bootstrap& b, Report* out) {
     const std::string address(said[0].begin(), said[0].end());
     ASSIGN_OR_RETURN(auto group, Meet(address, me));
     if (cycle == 0) {
-      RETURN_IF_ERROR(r.Make(o.provider, *group, false));
+      RETURN_IF_ERROR(r.MakeEngine(o.provider));
+      RETURN_IF_ERROR(r.Make(*group, false));
     } else {
       report.met[cycle - 1] = NowUs();
       RETURN_IF_ERROR(r.a2a().Readmit(*group, 60s));
