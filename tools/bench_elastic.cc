@@ -163,9 +163,8 @@ StatusOr<std::unique_ptr<Bootstrap>> Meet(const std::string& address, int rank) 
 
 // A process for rank 2 (forked by its launcher, which holds no engine): makes or joins the
 // AllToAll at `address`, runs `epochs` full epochs, dispatches once more, writes the time to
-// `pipe_fd` and dies. Never returns.
-[[noreturn]] void Victim(const ElasticOptions& o, const std::string& address, bool join,
-                         int pipe_fd) {
+// `pipe_fd` and dies. Returns (an exit code) only where something failed before.
+int Victim(const ElasticOptions& o, const std::string& address, bool join, int pipe_fd) {
   Status s = [&]() -> Status {
     // As a launcher's new process would: its engine up, then the meeting.
     Rank r(kVictim);
@@ -184,7 +183,7 @@ StatusOr<std::unique_ptr<Bootstrap>> Meet(const std::string& address, int rank) 
     return Status::Ok();
   }();
   std::fprintf(stderr, "ferry-bench elastic: rank 2's process: %s\n", s.ToString().c_str());
-  _exit(1);
+  return 1;
 }
 
 // Process 2 of the launcher's world: forks rank 2's process for each cycle and reports the time
@@ -195,20 +194,11 @@ Status Launcher(const ElasticOptions& o, Bootstrap& b) {
     ASSIGN_OR_RETURN(auto said, b.AllGather({reinterpret_cast<const uint8_t*>(&died), 8}, 120s));
     if (cycle == o.cycles) break;
     const std::string address(said[0].begin(), said[0].end());
-    int fds[2];
-    if (pipe(fds) != 0) return InternalError("pipe");
-    const pid_t child = fork();
-    if (child < 0) return InternalError("fork");
-    if (child == 0) {
-      close(fds[0]);
-      Victim(o, address, cycle > 0, fds[1]);
-    }
-    close(fds[1]);
     died = 0;
-    if (read(fds[0], &died, sizeof died) != sizeof died) died = 0;
-    close(fds[0]);
     int status = 0;
-    waitpid(child, &status, 0);
+    if (!RunChild([&](int fd) { return Victim(o, address, cycle > 0, fd); }, &died, &status)) {
+      died = 0;
+    }
     if (!WIFSIGNALED(status) || WTERMSIG(status) != SIGKILL) died = 0;
   }
   return Status::Ok();

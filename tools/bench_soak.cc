@@ -318,25 +318,17 @@ Status DecoderRank(const SoakOptions& o, Bootstrap& b, Report* report) {
       if (first >= warmup && first / kEvery != (first + o.churn - 1) / kEvery) {
         samples.taken.push_back(Take(nullptr));
       }
-      int fds[2];
-      if (pipe(fds) != 0) return InternalError("pipe");
-      const pid_t child = fork();
-      if (child < 0) return InternalError("fork");
-      if (child == 0) {
-        close(fds[0]);
-        Row mine;
-        ServeRequests(o, b.rank(), prefill_address, first, std::min(first + o.churn, quota),
-                      quota, start, &mine, nullptr);
-        const int64_t counts[3] = {mine.done, mine.errors, int64_t(mine.slowest_ms * 1e3)};
-        const bool sent = write(fds[1], counts, sizeof counts) == sizeof counts;
-        _exit(sent ? 0 : 1);
-      }
-      close(fds[1]);
       int64_t counts[3] = {0, 1, 0};  // requests, errors, slowest µs
-      const bool got = read(fds[0], counts, sizeof counts) == sizeof counts;
-      close(fds[0]);
       int status = 0;
-      waitpid(child, &status, 0);
+      const bool got = RunChild(
+          [&](int fd) {
+            Row mine;
+            ServeRequests(o, b.rank(), prefill_address, first, std::min(first + o.churn, quota),
+                          quota, start, &mine, nullptr);
+            const int64_t sent[3] = {mine.done, mine.errors, int64_t(mine.slowest_ms * 1e3)};
+            return write(fd, sent, sizeof sent) == sizeof sent ? 0 : 1;
+          },
+          &counts, &status);
       row.done += counts[0];
       row.errors += got && WIFEXITED(status) && WEXITSTATUS(status) == 0 ? counts[1] : 1;
       row.slowest_ms = std::max(row.slowest_ms, double(counts[2]) * 1e-3);

@@ -4,6 +4,7 @@
 
 #include <errno.h>
 #include <time.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -86,6 +87,32 @@ bool RunRanksAndCollect(const char* bench, int ranks, int reporter,
       return false;
     }
   }
+  return got;
+}
+
+// Runs child(fd) in a forked process, which ends with child's return value as its exit code,
+// and reads `*out` (a trivially copyable value) from what it writes to fd; then waits for it.
+// Whether the value came whole; `*status` is waitpid's. Fork only where no other thread holds
+// a lock the child needs (the caller holds no engine).
+template <typename Value, typename Child>
+bool RunChild(Child child, Value* out, int* status) {
+  static_assert(std::is_trivially_copyable_v<Value>, "the value crosses a pipe as bytes");
+  int fds[2];
+  if (pipe(fds) != 0) return false;
+  const pid_t pid = fork();
+  if (pid < 0) {
+    close(fds[0]);
+    close(fds[1]);
+    return false;
+  }
+  if (pid == 0) {
+    close(fds[0]);
+    _exit(child(fds[1]));
+  }
+  close(fds[1]);
+  const bool got = read(fds[0], out, sizeof *out) == sizeof *out;
+  close(fds[0]);
+  waitpid(pid, status, 0);
   return got;
 }
 
