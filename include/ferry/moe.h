@@ -410,7 +410,7 @@ class FERRY_API AllToAll {
   // ranks is counted and dropped, so nothing of theirs lands in, or completes, a later epoch.
   // A meeting that fails (a new process that never came, `timeout`) leaves the survivors as
   // they were, those ranks still masked, and Readmit may be called again. The membership
-  // version counts the readmissions. CUDA graphs are not involved: the host device only (per
+  // version counts the readmissions and resizes. CUDA graphs are not involved: the host device only (per
   // rank forwarding); elsewhere Readmit and Join are Unimplemented (create a new AllToAll).
   // Join also brings a new process into a world that grows (Resize).
   static StatusOr<std::unique_ptr<AllToAll>> Join(const AllToAllConfig& config,
@@ -425,10 +425,10 @@ class FERRY_API AllToAll {
   // Readmit (a survivor on another epoch or version is refused by name); each survivor builds
   // its buffers for the new world on the same engine and instance, keeping this handle and
   // its epoch count, and the next epoch runs the new world, config() reporting it.
-  // FailedPrecondition while this rank has masked a rank (it may still write under the keys
-  // it holds: readmit it first, or resize once it is stopped for good and the others leave it
-  // out of the group as a rank that leaves). A meeting that fails leaves this AllToAll as it
-  // was. Host device, per rank forwarding (else Unimplemented).
+  // FailedPrecondition while this rank has masked a rank (its process may still write under
+  // the keys it holds, which Resize does not fence: readmit a replacement first). A meeting
+  // that fails leaves this AllToAll as it was. Host device, per rank forwarding (else
+  // Unimplemented).
   virtual Status Resize(const AllToAllConfig& config, Bootstrap& group,
                         std::chrono::milliseconds timeout) = 0;
   virtual uint64_t membership_version() const = 0;
