@@ -6,6 +6,8 @@ forwarding. What ferry cannot do yet is refused by
 name: the expanding layout (do_expand), TMA-aligned scale layouts, Engram, pipeline-parallel
 send/recv and all-gather reduce-scatter."""
 
+import itertools
+
 import torch
 
 from ... import _ferry
@@ -249,8 +251,15 @@ class ElasticBuffer:
             if cumulative_local_expert_recv_stats.numel() != local:
                 raise InvalidArgument(f"cumulative_local_expert_recv_stats: {local} entries")
             cumulative_local_expert_recv_stats.add_(counts)
-        aligned = (counts + expert_alignment - 1) // expert_alignment * expert_alignment
-        psum = torch.cumsum(aligned, 0, dtype=torch.int32)
+        if do_cpu_sync:
+            # The aligned counts are on the host already: their prefix sums go over in one
+            # copy (a few device ops on int32 cost tens of microseconds on the GPU).
+            psum = torch.tensor(list(itertools.accumulate(per_expert)), dtype=torch.int32,
+                                device=counts.device)
+        else:
+            aligned = (counts if expert_alignment == 1 else
+                       (counts + expert_alignment - 1) // expert_alignment * expert_alignment)
+            psum = torch.cumsum(aligned, 0, dtype=torch.int32)
         rows = (recv_x[0] if isinstance(recv_x, tuple) else recv_x).shape[0]
         if cached is not None:
             cached._ferry = ferry_handle
