@@ -292,15 +292,18 @@ int RunElasticBench(const ElasticOptions& o) {
                               : 0;
   std::printf("| deaths replaced | epochs lost per death | death -> masked | -> group met | "
               "readmission | first full epoch | death -> first full epoch | rank 0's fds, "
-              "private MiB (third cycle -> last) |\n| --- | --- | --- | --- | --- | --- | --- "
-              "| --- |\n| %d | %.2f |",
+              "private MiB, engine peers (entries) (third cycle -> last) |\n| --- | --- | --- | "
+              "--- | --- | --- | --- | --- |\n| %d | %.2f |",
               r.cycles - 1, double(r.lost_epochs) / r.cycles);
   for (const auto& span : spans) {
     std::printf(" %.1f / %.1f |", Median(span), *std::max_element(span.begin(), span.end()));
   }
-  std::printf(" %lld -> %lld, %.2f -> %.2f (%+.2f %%) |\n(ms, median / max over the deaths)\n\n",
+  std::printf(" %lld -> %lld, %.2f -> %.2f (%+.2f %%), %lld (%lld) -> %lld (%lld) |\n"
+              "(ms, median / max over the deaths)\n\n",
               (long long)r.first.fds, (long long)r.last.fds, r.first.private_mib,
-              r.last.private_mib, 100 * private_growth);
+              r.last.private_mib, 100 * private_growth, (long long)r.first.peers,
+              (long long)r.first.peer_entries, (long long)r.last.peers,
+              (long long)r.last.peer_entries);
   const bool ok = measured && r.lost_epochs == r.cycles && fds_growth <= 0 &&
                   private_growth <= 0.01;
   std::printf("elastic: %s\n", ok ? "clean" : "FAILED (a death not measured, more than one "
