@@ -1,36 +1,13 @@
 """DeepEP's normal (high-throughput) mode over a token-major AllToAll with both options, the
 combine's top-k weights on a second one."""
 
-import functools
-import math
-
 import torch
+
 
 from ... import _ferry
 from .._group import check_tensor, fp8_dtype
 from ..._errors import Error, InvalidArgument, ResourceExhausted
 from ._events import EventOverlap, _Handle, _round_up, _token_major
-
-
-@functools.lru_cache(maxsize=None)
-def _item_bytes(dtype):
-    return torch.empty(0, dtype=dtype).element_size()  # (older torch has no dtype.itemsize)
-
-
-def _carve(device, *parts):
-    """Tensors of the given (shape, dtype) (None: none) carved out of one byte allocation, each
-    on a 256-byte boundary."""
-    sizes = [0 if part is None else math.prod(part[0]) * _item_bytes(part[1]) for part in parts]
-    block = torch.empty(max(sum((n + 255) // 256 * 256 for n in sizes), 1), dtype=torch.uint8,
-                        device=device)
-    out, at = [], 0
-    for part, n in zip(parts, sizes):
-        if part is not None:
-            out.append(block[at:at + n].view(part[1]).view(part[0]))
-            at += (n + 255) // 256 * 256
-        else:
-            out.append(None)
-    return out
 
 
 class _Normal:
@@ -176,15 +153,16 @@ class _Normal:
         try:
             weights = (topk_weights if topk_weights is not None
                        else self._constant(x, capacity, k, 1.0, comm=True))
-            # The outputs on the caller's stream (DeepEP's allocate_on_comm_stream=False), in
-            # one allocation (each costs microseconds on the GPU): the rows, their scales, the
-            # received row count beside the per-expert counts (one read to the host gives
-            # both), the ids and the weights.
-            recv, recv_scales, read_back, experts, weights_out = _carve(
-                dev, ((rows, hidden), x.dtype), ((rows, hidden // 128), torch.float32) if fp8
-                else None, ((1 + local,), torch.int32), ((rows, k), torch.int32),
-                ((rows, k), torch.float32))
+            # The outputs on the caller's stream (DeepEP's allocate_on_comm_stream=False).
+            recv = torch.empty(rows, hidden, dtype=x.dtype, device=dev)
+            recv_scales = (torch.empty(rows, hidden // 128, dtype=torch.float32, device=dev)
+                           if fp8 else None)
+            # The received row count and the per-expert counts side by side: one read to the
+            # host gives both.
+            read_back = torch.empty(1 + local, dtype=torch.int32, device=dev)
             num_rows, counts = read_back[:1], read_back[1:]
+            experts = torch.empty(rows, k, dtype=torch.int32, device=dev)
+            weights_out = torch.empty(rows, k, dtype=torch.float32, device=dev)
             current = self._begin(a2a, x, previous_event)
             if every_count is not None:  # rank r's column holds r where the token goes there
                 with self._on_comm(a2a, current, dev):
