@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "all_to_all_args.h"
 #include "binding.h"
 #include "compat.h"
 #include "ferry/moe.h"
@@ -448,28 +449,6 @@ class PyAllToAll {
   uint64_t dispatch_bytes_sent() const { return a2a().dispatch_bytes_sent(); }
   uint64_t combine_bytes_sent() const { return a2a().combine_bytes_sent(); }
 
- private:
-  // An int (a cudaStream_t's address), or a stream object that carries one: torch's
-  // .cuda_stream, CuPy's .ptr.
-  static void* StreamHandle(const py::handle& stream) {
-    if (PyLong_Check(stream.ptr())) {
-      return reinterpret_cast<void*>(static_cast<uintptr_t>(py::cast<uint64_t>(stream)));
-    }
-    py::object handle = py::hasattr(stream, "cuda_stream") ? stream.attr("cuda_stream")
-                        : py::hasattr(stream, "ptr")       ? stream.attr("ptr")
-                                                     : py::reinterpret_borrow<py::object>(stream);
-    return reinterpret_cast<void*>(static_cast<uintptr_t>(py::cast<uint64_t>(handle)));
-  }
-  static std::optional<void*> OptionalStream(const py::handle& stream) {
-    return stream.is_none() ? std::nullopt : std::optional(StreamHandle(stream));
-  }
-  // The legacy default stream as the runtime API names it to a call that takes a stream of its
-  // own (cudaStreamLegacy): handle 0 there means "none" to the core (SetStream), and the
-  // legacy stream to the runtime.
-  static inline void* const kLegacyStream = reinterpret_cast<void*>(uintptr_t{1});
-  static void* CudaStream(void* handle) { return handle ? handle : kLegacyStream; }
-
- public:
   static constexpr int kSendHalf = 1, kReceiveHalf = 2;
 
  private:
@@ -492,19 +471,6 @@ class PyAllToAll {
   int Device(const AllToAllConfig& c) const {
     return c.device == MoeDeviceKind::kHost ? kHostMemory : c.cuda_device;
   }
-  // The element of the dispatch's rows (bf16, fp8 or fp32) and of the combine's (bf16 or fp32),
-  // and its kind: float for fp32; bf16 and fp8 take any 2- or 1-byte element (torch.uint8
-  // stands for fp8 where torch has no float8_e4m3fn; Check refuses float16).
-  static int ItemBytes(const AllToAllConfig& c) {
-    return static_cast<int>(c.token_bytes() / c.hidden);
-  }
-  static int CombineItemBytes(const AllToAllConfig& c) {
-    return static_cast<int>(c.combine_row_bytes() / c.hidden);
-  }
-  static char ItemKind(const AllToAllConfig& c) {
-    return c.dtype == DispatchDtype::kFp32 ? 'f' : char{0};
-  }
-  static char CombineItemKind(const AllToAllConfig& c) { return c.combines_fp32() ? 'f' : char{0}; }
   // The expert ids into `in`: int32 as they are, uint32 as the same bits (an id >= 2^31 is
   // then negative: -1 for 0xFFFFFFFF, a bad id otherwise), int64 (torch.topk's) as indices64,
   // narrowed by the core (on the CUDA device by the send kernels as they read them).
@@ -521,18 +487,6 @@ class PyAllToAll {
   void Check(const Array* array, const ArrayNeed& need) const {
     ThrowIfError(CheckArray(array, need, Device(config())));
   }
-  // Whether 2-byte rows are IEEE fp16: a 2-byte float other than a torch.bfloat16 tensor
-  // (NumPy's 2-byte float is float16). bf16 bits in int16 / uint16 arrays are bf16. The
-  // dispatch moves either as it is; the combine sums each as what it is (CombineInput::fp16).
-  static bool IsFloat16(const Array& a) {
-    return a.kind == 'f' && a.item_bytes == 2 &&
-           (a.dtype == nullptr || a.dtype != Torch::Get().bfloat16);
-  }
-  // An optional argument as an Array (None: nullopt), and its address (null for none).
-  static std::optional<Array> MaybeArray(const py::handle& object) {
-    return object.is_none() ? std::nullopt : std::optional(ToArray(object));
-  }
-  static const Array* Pointer(const std::optional<Array>& a) { return a ? &*a : nullptr; }
   // Whether an optional array (null: not given) is there: InvalidArgument where it is missing
   // but `wanted` ("required") or given but not (the configuration has no use for it).
   bool Wanted(const Array* array, const char* name, bool wanted) const {
