@@ -77,9 +77,7 @@ class Rank {
   }
 
   Status MakeEngine(const std::string& provider) {
-    ASSIGN_OR_RETURN(EngineOptions eo, EngineOptions::FromEnv());
-    eo.provider = provider;
-    if (provider.find("tcp") != std::string::npos && eo.node.empty()) eo.node = "127.0.0.1";
+    ASSIGN_OR_RETURN(const EngineOptions eo, BenchEngineOptions(provider));
     ASSIGN_OR_RETURN(engine_, TransferEngine::Create(eo));
     return Status::Ok();
   }

@@ -110,12 +110,10 @@ class Runner {
     raw_buf_.assign(kBuf, static_cast<uint8_t>(b_.rank() + 1));
 
     prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
-    ASSIGN_OR_RETURN(EngineOptions eo, EngineOptions::FromEnv());
+    ASSIGN_OR_RETURN(EngineOptions eo, BenchEngineOptions(o_.provider));
     // Like the raw loop, the worker keeps polling; it yields rather than sleeps when idle so
     // that on small machines the measuring thread still gets a core.
     if (!std::getenv("FERRY_SPIN_US")) eo.idle_yield_us = 10'000'000;
-    eo.provider = o_.provider;
-    if (o_.provider.find("tcp") != std::string::npos && eo.node.empty()) eo.node = "127.0.0.1";
     ASSIGN_OR_RETURN(engine_, TransferEngine::Create(eo));
     ASSIGN_OR_RETURN(reg_, engine_->RegisterMemory(buf_.data(), buf_.size()));
     RETURN_IF_ERROR(raw_.Open(o_.provider, eo.node, raw_buf_.data(), raw_buf_.size()));

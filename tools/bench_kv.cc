@@ -68,9 +68,7 @@ Status Run(const KvBenchOptions& o, const Model& m, Bootstrap& b, Result* out) {
   const bool prefill = b.rank() == 0;
   const KvSide& side = prefill ? pre : dec;
   const int64_t stride = side.page_bytes() * pages;
-  ASSIGN_OR_RETURN(EngineOptions eo, EngineOptions::FromEnv());
-  eo.provider = o.provider;
-  if (o.provider.find("tcp") != std::string::npos && eo.node.empty()) eo.node = "127.0.0.1";
+  ASSIGN_OR_RETURN(EngineOptions eo, BenchEngineOptions(o.provider));
   ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(eo));
   // All shards of this side in one allocation: the messenger registers one region per shard,
   // the raw loop the whole, so both read and write exactly the same memory.

@@ -12,6 +12,7 @@
 #include "ferry/gpu_words.h"
 #include "tools/bench_mirror.h"
 #include "tools/bench_util.h"
+#include "tools/bench_util.h"
 
 namespace ferry::bench {
 namespace {
@@ -73,9 +74,7 @@ class Runner {
   explicit Runner(const MirrorBenchOptions& o) : o_(o) {}
 
   Status Open() {
-    ASSIGN_OR_RETURN(EngineOptions eo, EngineOptions::FromEnv());
-    eo.provider = o_.provider;
-    if (o_.provider.find("tcp") != std::string::npos && eo.node.empty()) eo.node = "127.0.0.1";
+    ASSIGN_OR_RETURN(EngineOptions eo, BenchEngineOptions(o_.provider));
     ASSIGN_OR_RETURN(a_, TransferEngine::Create(eo));
     ASSIGN_OR_RETURN(b_, TransferEngine::Create(eo));
     ASSIGN_OR_RETURN(b_on_a_, a_->AddPeer(b_->Address()));

@@ -121,9 +121,7 @@ Status RunRank(const MoeBenchOptions& o, Bootstrap& b, Result* result) {
   // modes set them.
   ASSIGN_OR_RETURN(cfg.cuda, CudaTuning::FromEnv());
   RETURN_IF_ERROR(cfg.Validate());
-  ASSIGN_OR_RETURN(EngineOptions eo, EngineOptions::FromEnv());
-  eo.provider = o.provider;
-  if (o.provider.find("tcp") != std::string::npos && eo.node.empty()) eo.node = "127.0.0.1";
+  ASSIGN_OR_RETURN(EngineOptions eo, BenchEngineOptions(o.provider));
   std::unique_ptr<TransferEngine> a2a_engine;  // one node over NVLink needs none
   if (cfg.ranks_per_node < cfg.world_size) {
     ASSIGN_OR_RETURN(a2a_engine, TransferEngine::Create(eo));

@@ -142,10 +142,8 @@ Status RunRank(const ScaleBenchOptions& o, const Variant& v, Bootstrap& b, RankC
     c.partial_sums = v.sums;
   }
   RETURN_IF_ERROR(c.Validate());
-  ASSIGN_OR_RETURN(EngineOptions eo, EngineOptions::FromEnv());
-  eo.provider = o.provider;
+  ASSIGN_OR_RETURN(EngineOptions eo, BenchEngineOptions(o.provider));
   eo.num_nics = uint32_t(o.nics);
-  if (o.provider.find("tcp") != std::string::npos && eo.node.empty()) eo.node = "127.0.0.1";
   ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(eo));
   ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(c, engine.get(), b));
   // Every rank's PeerId: AddPeer of an engine already a peer (the AllToAll added them) gives

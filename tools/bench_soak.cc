@@ -86,15 +86,6 @@ Status Gather(Bootstrap& b, const Row& mine, Report* out) {
   return Status::Ok();
 }
 
-// The FERRY_* environment's options (a variable its field cannot take is an error, not a
-// silent default) on `provider`.
-StatusOr<EngineOptions> Options(const std::string& provider) {
-  ASSIGN_OR_RETURN(EngineOptions eo, EngineOptions::FromEnv());
-  eo.provider = provider;
-  if (provider.find("tcp") != std::string::npos && eo.node.empty()) eo.node = "127.0.0.1";
-  return eo;
-}
-
 // ---- moe ---------------------------------------------------------------------------------------
 
 constexpr int kRanks = 4, kTokens = 8, kHidden = 128, kExperts = 16, kTopK = 4;
@@ -104,7 +95,7 @@ Status MoeRank(const SoakOptions& o, Bootstrap& b, Report* report) {
   AllToAllConfig c{.world_size = b.world_size(), .rank = me, .num_experts = kExperts,
                    .experts_per_token = kTopK, .max_tokens_per_rank = kTokens,
                    .hidden = kHidden, .dtype = DispatchDtype::kBf16};
-  ASSIGN_OR_RETURN(const EngineOptions eo, Options(o.provider));
+  ASSIGN_OR_RETURN(const EngineOptions eo, BenchEngineOptions(o.provider));
   ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(eo));
   ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(c, engine.get(), b));
   // Token t: every column 1 + me + t / 8; experts (t + me + 5j) % 16, weight 1/4 each, so the
@@ -165,7 +156,7 @@ uint8_t Pattern(size_t i) { return uint8_t((i * 7 + 3) % 251); }
 Status PrefillRank(const SoakOptions& o, Bootstrap& b, Report* report) {
   const KvSide side{kModel, KvOrder::kHND, 1};
   const int64_t stride = side.page_bytes() * kPages;
-  ASSIGN_OR_RETURN(EngineOptions eo, Options(o.provider));
+  ASSIGN_OR_RETURN(EngineOptions eo, BenchEngineOptions(o.provider));
   // A small table: the decoders that left are evicted (least recently used) as new ones come.
   eo.max_peers = 4;
   ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(eo));
@@ -246,7 +237,7 @@ void ServeRequests(const SoakOptions& o, int rank, std::span<const uint8_t> pref
     std::fprintf(stderr, "soak kv decoder %d: %s\n", rank, s.ToString().c_str());
     ++row->errors;
   };
-  auto options = Options(o.provider);
+  auto options = BenchEngineOptions(o.provider);
   if (!options.ok()) return fail(options.status());
   auto engine = TransferEngine::Create(*options);
   if (!engine.ok()) return fail(engine.status());

@@ -12,10 +12,12 @@
 #include <cstring>
 #include <functional>
 #include <span>
+#include <string>
 #include <type_traits>
 #include <vector>
 
 #include "ferry/bootstrap.h"
+#include "ferry/fabric.h"
 
 namespace ferry::bench {
 
@@ -88,6 +90,15 @@ bool RunRanksAndCollect(const char* bench, int ranks, int reporter,
     }
   }
   return got;
+}
+
+// The FERRY_* environment's engine options (a variable its field cannot take is an error, not
+// a silent default) on `provider`; over tcp on loopback unless FERRY_NODE says otherwise.
+inline StatusOr<EngineOptions> BenchEngineOptions(const std::string& provider) {
+  ASSIGN_OR_RETURN(EngineOptions eo, EngineOptions::FromEnv());
+  eo.provider = provider;
+  if (provider.find("tcp") != std::string::npos && eo.node.empty()) eo.node = "127.0.0.1";
+  return eo;
 }
 
 // Runs child(fd) in a forked process, which ends with child's return value as its exit code,

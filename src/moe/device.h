@@ -83,12 +83,11 @@ class MoeDevice {
   // Membership (AllToAll::Readmit): between epochs, the ranks set in `readmitted` ([N], each
   // masked here) come back as new processes that meet us over `group` at `epoch` (they create
   // their device with first_epoch = epoch), and are unmasked. Collective over `group`. A failed
-  // meeting leaves the device as it was, those ranks masked.
+  // meeting leaves the device as it was, those ranks masked. The shell asks only a device
+  // that can (CheckRejoinable in moe/steps.h).
   virtual Status Readmit(Bootstrap& /*group*/, const std::vector<uint8_t>& /*readmitted*/,
                          uint64_t /*epoch*/, std::chrono::milliseconds /*timeout*/) {
-    return UnimplementedError(
-        "AllToAll::Readmit: a rank comes back on the host device, per rank forwarding, for now "
-        "(the CUDA device and node-once forwarding: create a new AllToAll)");
+    return UnimplementedError("MoeDevice::Readmit");
   }
 
   // OK, or what ended this device (a malformed section, a lost peer, a stopped relay): every
