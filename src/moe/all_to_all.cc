@@ -275,6 +275,13 @@ StatusOr<std::unique_ptr<AllToAll>> AllToAll::Join(const AllToAllConfig& asked,
 
 StatusOr<std::unique_ptr<AllToAll>> AllToAll::Create(const AllToAllConfig& asked,
                                                      TransferEngine* engine, Bootstrap& bootstrap) {
+  return moe::CreateAllToAll(asked, engine, bootstrap, {});
+}
+
+StatusOr<std::unique_ptr<AllToAll>> moe::CreateAllToAll(const AllToAllConfig& asked,
+                                                        TransferEngine* engine,
+                                                        Bootstrap& bootstrap,
+                                                        std::function<bool(int)> heard) {
   ASSIGN_OR_RETURN(const AllToAllConfig config, moe::Resolve(asked, engine, bootstrap));
   RETURN_IF_ERROR(CheckConfigurationsAgree(config, bootstrap));
   std::unique_ptr<moe::MoeDevice> device;
@@ -283,7 +290,8 @@ StatusOr<std::unique_ptr<AllToAll>> AllToAll::Create(const AllToAllConfig& asked
   } else if (config.device == MoeDeviceKind::kCuda) {
     ASSIGN_OR_RETURN(device, moe::CreateCudaDevice(config, engine, bootstrap));
   } else {
-    ASSIGN_OR_RETURN(device, moe::CreateHostDevice(config, engine, bootstrap));
+    ASSIGN_OR_RETURN(device, moe::CreateHostDevice(config, engine, bootstrap, 0, false,
+                                                   std::move(heard)));
   }
   return std::unique_ptr<AllToAll>(std::make_unique<Shell>(config, engine, std::move(device)));
 }

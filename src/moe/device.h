@@ -15,6 +15,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -125,18 +126,37 @@ struct DeviceParams {
   const RelayLayout* layout = nullptr;
   RelayBuffers boxes;
   const Relay* relay = nullptr;  // null with one rank; once it fails, every wait reports why
+  // Under mask_lost_peers: whether a sender of this AllToAll's world that missed the step's
+  // deadline is late rather than lost -- heard from lately (node-once's heartbeats,
+  // moe/liveness.h). Such a sender is waited for on while it stays heard from, up to
+  // kLateWaits more of the step's wait; empty: every sender past the deadline is lost.
+  std::function<bool(int rank)> heard;
 };
+// How many times the step's wait (its deadline's distance from the receive call) a heard
+// sender is waited for past the deadline. A rank waiting at one hop for a lost rank falls
+// silent within Liveness::kSilence after the deadline and is masked then; the ranks it kept
+// waiting are late by about that much, which one more step's wait covers. The rest is margin for a
+// second loss in the same epoch.
+inline constexpr int kLateWaits = 3;
 std::unique_ptr<MoeDevice> NewHostDevice(const DeviceParams& params);
 
 // The host device with its own buffers and relay over `engine` (collective: the relay
 // exchanges descriptors through `bootstrap`). The configuration is validated and agreed.
 // first_epoch: where a device that joins a running world starts (AllToAll::Join and Resize:
 // the survivors' epoch; its relay meets theirs). adopt_counters: the device replaces one of
-// this instance on the engine (Resize), whose immediate counters it takes over.
+// this instance on the engine (Resize), whose immediate counters it takes over. heard:
+// DeviceParams::heard.
 StatusOr<std::unique_ptr<MoeDevice>> CreateHostDevice(const AllToAllConfig& config,
                                                       TransferEngine* engine, Bootstrap& bootstrap,
                                                       uint64_t first_epoch = 0,
-                                                      bool adopt_counters = false);
+                                                      bool adopt_counters = false,
+                                                      std::function<bool(int)> heard = {});
+
+// AllToAll::Create, where a host device's steps also ask `heard` (DeviceParams::heard): the
+// hops of node-once forwarding under mask_lost_peers.
+StatusOr<std::unique_ptr<AllToAll>> CreateAllToAll(const AllToAllConfig& config,
+                                                   TransferEngine* engine, Bootstrap& bootstrap,
+                                                   std::function<bool(int)> heard);
 
 // The CUDA device (cuda/cuda_device.h; config.device == kCuda, any ranks_per_node). `engine`
 // carries the traffic between nodes and may be null with one node. Collective. Unimplemented

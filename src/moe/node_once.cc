@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "moe/host/host_sums.h"
+#include "moe/liveness.h"
 
 namespace ferry::moe {
 namespace {
@@ -93,8 +94,9 @@ class NodeOnceDevice final : public MoeDevice {
  public:
   NodeOnceDevice(const AllToAllConfig& c, std::unique_ptr<AllToAll> rail,
                  std::unique_ptr<AllToAll> node, std::unique_ptr<AllToAll> weights,
-                 std::unique_ptr<HopMemory> hops)
+                 std::unique_ptr<HopMemory> hops, std::unique_ptr<Liveness> liveness)
       : c_(c),
+        liveness_(std::move(liveness)),
         hops_(std::move(hops)),
         rail_(std::move(rail)),
         node_(std::move(node)),
@@ -174,6 +176,7 @@ class NodeOnceDevice final : public MoeDevice {
   // The tokens our rail brought to this node, forwarded inside it; what the node's ranks
   // forwarded to us is the caller's output.
   Status DispatchRecv(const DispatchOutput& out, uint64_t /*epoch*/, Deadline deadline) override {
+    const Clock::time_point start = Clock::now();
     DispatchOutput mid = mid_;
     mid.wait_cost = out.wait_cost ? rail_cost_ : nullptr;
     if (mid.wait_cost) RETURN_IF_ERROR(hops_->Zero(rail_cost_, rail_->config().world_size));
@@ -195,7 +198,7 @@ class NodeOnceDevice final : public MoeDevice {
     RETURN_IF_ERROR(node_->DispatchSend(forward));
     DispatchOutput mine = out;
     mine.wait_cost = NodeCosts(out.wait_cost);
-    RETURN_IF_ERROR(node_->DispatchRecv(mine, deadline));
+    RETURN_IF_ERROR(node_->DispatchRecv(mine, HopDeadline(deadline, start)));
     RETURN_IF_ERROR(Stamp(kNodeDispatched));
     return AddRailCosts(out.wait_cost);
   }
@@ -209,6 +212,7 @@ class NodeOnceDevice final : public MoeDevice {
   // The node's rows for each forwarded token summed here (one row per token), sent back on the
   // rail; the nodes' rows summed into the caller's output.
   Status CombineRecv(const CombineOutput& out, uint64_t /*epoch*/, Deadline deadline) override {
+    const Clock::time_point start = Clock::now();
     // Weights given now cross to the forwarders first, where the node sums with them.
     if (out.weights) RETURN_IF_ERROR(WeightsToForwarders(out.weights, deadline));
     // fp32 partial sums (sums_ made): the node's sum stays fp32 and the rail moves fp32 rows.
@@ -220,7 +224,7 @@ class NodeOnceDevice final : public MoeDevice {
                                                      .wait_cost = NodeCosts(out.wait_cost),
                                                      .fp16 = fp16_,
                                                      .fp32_out = wide},
-                                       deadline));
+                                       HopDeadline(deadline, start)));
     RETURN_IF_ERROR(Stamp(kNodeCombined));
     const bool rail_fp16 = fp16_ && !wide;
     RETURN_IF_ERROR(rail_->CombineSend(CombineInput{mid_out_, rail_fp16}));
@@ -236,13 +240,14 @@ class NodeOnceDevice final : public MoeDevice {
                                                      .wait_cost = rail_cost,
                                                      .fp16 = rail_fp16,
                                                      .fp32_out = out.fp32_out},
-                                       deadline));
+                                       HopDeadline(deadline, start)));
     if (narrow) {
       RETURN_IF_ERROR(hops_->Narrow(out.out, sums_, c_.hidden, sent_.num_tokens,
                                     sent_.device_num_tokens, fp16_, out.accumulate));
     }
     if (out.weights) {
-      RETURN_IF_ERROR(weights_->CombineRecv(CombineOutput{.out = padded_}, deadline));
+      RETURN_IF_ERROR(
+          weights_->CombineRecv(CombineOutput{.out = padded_}, HopDeadline(deadline, start)));
     }
     RETURN_IF_ERROR(Stamp(kRailCombined));
     return AddRailCosts(out.wait_cost);
@@ -334,6 +339,16 @@ class NodeOnceDevice final : public MoeDevice {
  private:
   bool on_gpu() const { return c_.device == MoeDeviceKind::kCuda; }
 
+  // A hop's deadline. Under mask_lost_peers each hop waits the step's wait (the caller's
+  // deadline less the step's call) from its own start: a hop after one that waited for a lost
+  // rank would otherwise start past the deadline and take the ranks that rank delayed for lost
+  // (they are heard from, liveness.h, and waited for on). Else every hop keeps the caller's
+  // deadline, which then bounds the whole step.
+  Deadline HopDeadline(Deadline caller, Clock::time_point start) const {
+    if (!c_.mask_lost_peers) return caller;
+    return Deadline::After(std::max(caller.at - start, Clock::duration{}));
+  }
+
   // The caller's combine weights ([T, K] fp32, T the dispatch's) to the forwarders of the nodes
   // each token went to, on the weights rail, routed by the dispatch's ids; what arrives (in the
   // rail's row order) into node_weights_, the node's weights for its rows.
@@ -403,6 +418,8 @@ class NodeOnceDevice final : public MoeDevice {
   }
 
   const AllToAllConfig c_;
+  // Before the hops, which ask it (mask_lost_peers; else null).
+  const std::unique_ptr<Liveness> liveness_;
   // Before the hops: their steps may still use its memory until they are gone.
   const std::unique_ptr<HopMemory> hops_;
   const std::unique_ptr<AllToAll> rail_, node_, weights_;
@@ -497,14 +514,33 @@ StatusOr<std::unique_ptr<MoeDevice>> CreateNodeOnceDevice(const AllToAllConfig& 
   std::vector<int> rail_ranks, node_ranks;
   for (int n = 0; n < nodes; ++n) rail_ranks.push_back(n * per_node + config.rank % per_node);
   for (int l = 0; l < per_node; ++l) node_ranks.push_back(config.rank / per_node * per_node + l);
+  // Under mask_lost_peers the ranks that wait for each other -- our rail's and our node's --
+  // hear each other's heartbeats, and each hop asks them before it takes a rank for lost.
+  std::unique_ptr<Liveness> liveness;
+  std::function<bool(int)> rail_heard, node_heard;
+  if (config.mask_lost_peers) {
+    std::vector<int> watched;
+    for (int r : rail_ranks) {
+      if (r != config.rank) watched.push_back(r);
+    }
+    for (int r : node_ranks) {
+      if (r != config.rank) watched.push_back(r);
+    }
+    ASSIGN_OR_RETURN(liveness, Liveness::Create(config, engine, bootstrap, std::move(watched)));
+    const Liveness* l = liveness.get();
+    const int index = config.rank % per_node, first = config.rank / per_node * per_node;
+    rail_heard = [l, per_node, index](int n) { return l->Heard(n * per_node + index); };
+    node_heard = [l, first](int i) { return l->Heard(first + i); };
+  }
   // Every rank makes its rail's AllToAll, then its node's: the parent's collectives line up.
   auto rail_group = SubBootstrap(bootstrap, std::move(rail_ranks));
-  ASSIGN_OR_RETURN(auto rail, AllToAll::Create(inner.rail, engine, *rail_group));
-  ASSIGN_OR_RETURN(auto weights, AllToAll::Create(inner.weights, engine, *rail_group));
+  ASSIGN_OR_RETURN(auto rail, CreateAllToAll(inner.rail, engine, *rail_group, rail_heard));
+  ASSIGN_OR_RETURN(auto weights, CreateAllToAll(inner.weights, engine, *rail_group, rail_heard));
   auto node_group = SubBootstrap(bootstrap, std::move(node_ranks));
-  ASSIGN_OR_RETURN(auto node, AllToAll::Create(inner.node, engine, *node_group));
-  auto device = std::make_unique<NodeOnceDevice>(config, std::move(rail), std::move(node),
-                                                 std::move(weights), std::move(hops));
+  ASSIGN_OR_RETURN(auto node, CreateAllToAll(inner.node, engine, *node_group, node_heard));
+  auto device =
+      std::make_unique<NodeOnceDevice>(config, std::move(rail), std::move(node),
+                                       std::move(weights), std::move(hops), std::move(liveness));
   RETURN_IF_ERROR(device->Init());
   return std::unique_ptr<MoeDevice>(std::move(device));
 }

@@ -294,7 +294,7 @@ Status Relay::Dispatch(uint64_t epoch) {
   targets_.clear();
   for (size_t q = 0; q < layout_.remotes.size(); ++q) {
     const int r = layout_.remotes[q];
-    if (Masked(r)) continue;
+    if (Masked(r) || Forgotten(q)) continue;
     const int64_t slots = *layout_.OutSlots(buffers_.control, static_cast<int>(q));
     if (slots < 0 || slots > layout_.slots_per_pair) {
       return InternalError("our counts row for rank " + std::to_string(r) + " holds " +
@@ -314,7 +314,7 @@ Status Relay::Combine(uint64_t epoch) {
   targets_.clear();
   for (size_t q = 0; q < layout_.remotes.size(); ++q) {
     const int s = layout_.remotes[q];
-    if (Masked(s)) continue;  // its counts row of this epoch may never have come
+    if (Masked(s) || Forgotten(q)) continue;  // its counts row may never have come
     // Sender s's counts row of this epoch names where our rows go (copied into the control
     // block by the receive kernel); s rewrites it only after it got them (relay.h).
     const int64_t* in_rows = layout_.InRows(buffers_.control, static_cast<int>(q));
@@ -331,6 +331,12 @@ Status Relay::Combine(uint64_t epoch) {
                         uint64_t(rows * layout_.row_bytes)});
   }
   return Exchange(kRelayCombine, epoch, combine_bytes_);
+}
+
+bool Relay::Forgotten(size_t q) const {
+  if (!c_.mask_lost_peers) return false;
+  const StatusOr<bool> lost = engine_->PeerLost(peers_[q]);
+  return lost.ok() && *lost;
 }
 
 Status Relay::ForgetIfLost(int rank) {

@@ -72,9 +72,10 @@ namespace ferry::moe {
 enum ImmKind : uint32_t {
   kRelayDispatch = 1,  // a counts row and its slots
   kRelayCombine = 2,   // combine rows
+  kRelayAlive = 3,     // a heartbeat, no bytes (node-once under mask_lost_peers: liveness.h)
 };
 inline constexpr uint32_t kEpochs = 1u << imm::kMoeEpochBits;
-static_assert(kRelayCombine < (1u << imm::kMoeKindBits), "the kind has four bits");
+static_assert(kRelayAlive < (1u << imm::kMoeKindBits), "the kind has four bits");
 static_assert(AllToAllConfig::kMaxInstances <= (1 << imm::kMoeInstanceBits),
               "the instance has four bits");
 static_assert(AllToAllConfig::kMaxWorldSize <= (1 << imm::kMoeSenderBits),
@@ -280,6 +281,11 @@ class Relay {
   // A rank masked as lost: forgotten as the engine's peer (once), so that what is pending to it
   // fails now (see MaskWordValue).
   Status ForgetIfLost(int rank);
+  // Under mask_lost_peers, whether remote rank q's engine is a lost peer -- forgotten by
+  // another AllToAll on the engine that took it for lost (node-once's hops share their
+  // peers), or past the engine's transfer timeout: nothing is sent to it (a scatter naming a
+  // lost peer is refused whole), and this AllToAll's steps mask it at their deadline.
+  bool Forgotten(size_t q) const;
   void Fail(const Status& s);
 
   const AllToAllConfig c_;

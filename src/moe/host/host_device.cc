@@ -120,6 +120,7 @@ class HostDevice final : public MoeDevice {
 
   Status DispatchRecv(const DispatchOutput& out, uint64_t epoch, Deadline deadline) override {
     const int n = c_.world_size, l = c_.local_experts();
+    step_start_ = Clock::now();
     for (int s : lay_.remotes) {
       RETURN_IF_ERROR(WaitOrMask(false, s, epoch, deadline, out.wait_cost));
     }
@@ -330,6 +331,7 @@ class HostDevice final : public MoeDevice {
     const float* weights = to.weights ? to.weights : weights_.data();
     const int n = c_.world_size, k = c_.experts_per_token, h = c_.hidden;
     const Elem elem = ElemOf(c_, to.fp16);
+    step_start_ = Clock::now();
     for (int r : lay_.remotes) {
       RETURN_IF_ERROR(WaitOrMask(true, r, epoch, deadline, to.wait_cost));
     }
@@ -476,13 +478,22 @@ class HostDevice final : public MoeDevice {
   bool Masked(int r) const { return lay_.Masked(p_.boxes.control, r); }
 
   // WaitInbox, where under mask_lost_peers a sender that missed the deadline is masked instead
-  // (and the step goes on without it). The nanoseconds it waited are added to cost[s] (the
-  // step's wait_cost, if given): the ranks are waited for one after the other, so each is
-  // charged what it kept the step waiting beyond the ranks before it.
+  // (and the step goes on without it) -- unless it is heard from (DeviceParams::heard): then it
+  // is late, waited for on while it stays heard from, up to kLateWaits more of the step's wait.
+  // The nanoseconds it waited are added to cost[s] (the step's wait_cost, if given): the ranks
+  // are waited for one after the other, so each is charged what it kept the step waiting beyond
+  // the ranks before it.
   Status WaitOrMask(bool combine, int s, uint64_t epoch, Deadline deadline, int64_t* cost) {
     if (Masked(s)) return Status::Ok();
     const auto start = std::chrono::steady_clock::now();
     Status waited = WaitInbox(combine, s, epoch, deadline);
+    if (waited.code() == StatusCode::kDeadlineExceeded && c_.mask_lost_peers && p_.heard) {
+      const Deadline bound{deadline.at +
+                           kLateWaits * std::max(deadline.at - step_start_, Clock::duration{})};
+      while (waited.code() == StatusCode::kDeadlineExceeded && p_.heard(s) && !bound.Expired()) {
+        waited = WaitInbox(combine, s, epoch, Deadline{std::min(bound.at, Clock::now() + kHeardPoll)});
+      }
+    }
     if (cost) {
       cost[s] += std::chrono::duration_cast<std::chrono::nanoseconds>(
                      std::chrono::steady_clock::now() - start)
@@ -501,6 +512,9 @@ class HostDevice final : public MoeDevice {
     return s;
   }
 
+  // How often a late sender is asked again whether it is heard from.
+  static constexpr std::chrono::milliseconds kHeardPoll{5};
+
   const std::unique_ptr<HostRig> rig_;  // CreateHostDevice's: what p_ points into, freed last
   const DeviceParams p_;
   const AllToAllConfig& c_;  // p_.config
@@ -509,6 +523,7 @@ class HostDevice final : public MoeDevice {
   std::vector<uint8_t> self_section_;  // our counts row and slots for ourselves
   Status error_;
   int num_tokens_ = 0;
+  Clock::time_point step_start_;  // the receive step's call (WaitOrMask)
   std::vector<char> send_to_ = std::vector<char>(size_t(c_.world_size), 1);  // unmasked ranks
   std::vector<float> weights_;                                    // [T, K] of the current epoch
   std::vector<std::vector<OutRow>> rows_{size_t(c_.world_size)};  // per expert rank, in order
@@ -538,7 +553,8 @@ StatusOr<std::unique_ptr<MoeDevice>> CreateHostDevice(const AllToAllConfig& c,
                                                       TransferEngine* engine,
                                                       Bootstrap& bootstrap,
                                                       uint64_t first_epoch,
-                                                      bool adopt_counters) {
+                                                      bool adopt_counters,
+                                                      std::function<bool(int)> heard) {
   auto rig = std::make_unique<HostRig>(c);
   const RelayBuffers boxes = rig->boxes.buffers();
   if (!rig->layout.remotes.empty()) {
@@ -551,7 +567,7 @@ StatusOr<std::unique_ptr<MoeDevice>> CreateHostDevice(const AllToAllConfig& c,
     if (adopt_counters && s.code() == StatusCode::kAlreadyExists) s = Status::Ok();
     if (!s.ok()) return CounterError(s, c.instance);
   }
-  const DeviceParams params{c, &rig->layout, boxes, rig->relay.get()};
+  const DeviceParams params{c, &rig->layout, boxes, rig->relay.get(), std::move(heard)};
   return std::unique_ptr<MoeDevice>(std::make_unique<HostDevice>(params, std::move(rig)));
 }
 

@@ -1,0 +1,76 @@
+// Liveness: heartbeats that tell a late rank from a lost one, for node-once forwarding under
+// mask_lost_peers.
+//
+// Why. Under node-once a step waits at two hops (the rail, then the node), and a rank that waits
+// at one hop for a lost rank is late at the next for the ranks that wait for it. No split of a
+// step's deadline between the hops tells that late rank from a lost one: a loss before the rail
+// send delays the node hop, one before the node send delays the next rail hop, and each hop's
+// share would have to outlast the other's. So a rank that misses the deadline is asked whether
+// its process still lives: every rank's heartbeat thread sends an immediate to each rank that
+// may wait for it (its rail and its node) every kBeat, and a sender heard from within kSilence
+// is late, not lost -- its waiters wait on while it stays heard from, up to a bound (the host
+// device's WaitOrMask: kLateWaits more of the step's wait). A rank whose process died falls
+// silent within kSilence and is masked then.
+//
+// The heartbeats are immediates of the AllToAll's range (kind kRelayAlive, the node-once
+// AllToAll's instance, the sending rank of its world); kinds keep them apart from the rail's
+// sections, which share the instance.
+//
+// Thread safety: Heard may be called from any thread; created and destroyed by one.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "ferry/bootstrap.h"
+#include "ferry/fabric.h"
+#include "ferry/moe.h"
+
+namespace ferry::moe {
+
+class Liveness {
+ public:
+  static constexpr std::chrono::milliseconds kBeat{20};
+  static constexpr std::chrono::milliseconds kSilence{200};
+
+  // Collective over `bootstrap` (config's world): counters for the heartbeats of `watched`
+  // (ranks of that world, each of which watches us too), their engines as our peers, then the
+  // thread.
+  static StatusOr<std::unique_ptr<Liveness>> Create(const AllToAllConfig& config,
+                                                    TransferEngine* engine, Bootstrap& bootstrap,
+                                                    std::vector<int> watched);
+  ~Liveness();  // stops the thread; waits for its heartbeats (each ends within the transfer
+                // timeout) or leaks what they count into
+  Liveness(const Liveness&) = delete;
+  Liveness& operator=(const Liveness&) = delete;
+
+  // Whether `rank` (watched) was heard from within kSilence. A rank not watched: false.
+  bool Heard(int rank) const;
+
+ private:
+  Liveness(const AllToAllConfig& config, TransferEngine* engine, std::vector<int> watched);
+  void Main();
+  // One beat: a heartbeat to each watched rank whose last one ended, and what arrived.
+  void Beat(std::chrono::steady_clock::time_point now);
+
+  const AllToAllConfig c_;
+  TransferEngine* const engine_;
+  const std::vector<int> watched_;
+  std::vector<int> index_;           // [world] position in watched_, or -1
+  std::vector<PeerId> peers_;        // [watched]
+  std::vector<uint32_t> imms_;       // [watched] the counter of each one's heartbeats
+  std::vector<uint64_t> counts_;     // [watched] what each counter held at the last beat
+  // [watched] steady-clock nanoseconds of the last heartbeat seen (the thread writes).
+  std::unique_ptr<std::atomic<int64_t>[]> heard_ns_;
+  // Our heartbeats' completions, one counter per watched rank (a rank gets a new one only when
+  // its last ended); on the heap, leaked if some never end.
+  std::vector<std::unique_ptr<TransferCounter>> sent_;
+  std::vector<uint64_t> posted_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+}  // namespace ferry::moe
