@@ -21,6 +21,7 @@
 #include "fabric/test_util.h"
 #include "ferry/bootstrap.h"
 #include "ferry/moe.h"
+#include "moe_buf.h"
 #if FERRY_HAVE_CUDA
 #include "moe_cuda_util.h"
 #include "moe/numerics.h"
@@ -45,43 +46,6 @@ float Weight(int j) { return j == 0 ? 0.5f : 0.25f; }
 // Where the AllToAll runs: the host device, or the CUDA device with every rank in one node
 // (NVLink) or each in a node of its own (the relay, over shm).
 enum class Where { kHost, kCudaOneNode, kCudaRelay };
-
-// A buffer the test fills and checks on the host; on the CUDA device, with a GPU copy the steps
-// use, moved across around each step.
-template <typename T>
-struct Buf {
-  std::vector<T> host;
-#if FERRY_HAVE_CUDA
-  Gpu<T> gpu;
-#endif
-  bool cuda = false;
-  Status Init(bool on_gpu, size_t n, T fill) {
-    host.assign(n, fill);
-    cuda = on_gpu;
-#if FERRY_HAVE_CUDA
-    if (cuda) return gpu.Alloc(n);
-#endif
-    return Status::Ok();
-  }
-  T* ptr() {
-#if FERRY_HAVE_CUDA
-    if (cuda) return gpu.p;
-#endif
-    return host.data();
-  }
-  Status Push() {
-#if FERRY_HAVE_CUDA
-    if (cuda) return gpu.Put(host);
-#endif
-    return Status::Ok();
-  }
-  Status Pull() {
-#if FERRY_HAVE_CUDA
-    if (cuda) return gpu.Get(host);
-#endif
-    return Status::Ok();
-  }
-};
 
 struct Rank {
   std::unique_ptr<TransferEngine> engine;  // null on the CUDA device in one node

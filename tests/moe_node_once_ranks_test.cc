@@ -16,6 +16,7 @@
 #include "ferry/bootstrap.h"
 #include "ferry/moe.h"
 #include "moe/numerics.h"
+#include "moe_buf.h"
 
 namespace ferry {
 namespace {
@@ -43,10 +44,12 @@ bool Reaches(int s, int me, const std::vector<bool>& masked) {
   return !masked[size_t(me / kPerNode * kPerNode + s % kPerNode)];
 }
 
-// How an epoch runs: each receive's wait, whether its outputs are checked (an epoch that a rank
-// died in is not: what it sent before it died arrived), and what runs after each send step
-// (0: DispatchSend, 1: CombineSend), where a test kills a rank between its hops.
+// How an epoch runs: on which device (the CUDA device: every buffer on the GPU), each
+// receive's wait, whether its outputs are checked (an epoch that a rank died in is not: what it
+// sent before it died arrived), and what runs after each send step (0: DispatchSend, 1:
+// CombineSend), where a test kills a rank between its hops.
 struct EpochRun {
+  bool cuda = false;
   std::chrono::milliseconds dispatch_wait{30s}, combine_wait{30s};
   bool exact = true;
   std::function<void(int step)> after_send;
@@ -58,22 +61,31 @@ struct EpochRun {
 // rail then crosses the same routes, masked alike).
 Status Epoch(AllToAll& a2a, int me, int epoch, const std::vector<bool>& masked,
              const EpochRun& run = {}) {
-  std::vector<uint16_t> x(size_t(kTokens) * kHidden);
-  std::vector<int32_t> ids(size_t(kTokens) * kK);
-  std::vector<float> w(ids.size());
+  Buf<uint16_t> x, out_x, y;
+  Buf<int32_t> ids, counts;
+  Buf<float> w;
+  RETURN_IF_ERROR(x.Init(run.cuda, size_t(kTokens) * kHidden, 0));
+  RETURN_IF_ERROR(ids.Init(run.cuda, size_t(kTokens) * kK, 0));
+  RETURN_IF_ERROR(w.Init(run.cuda, size_t(kTokens) * kK, 0.0f));
+  RETURN_IF_ERROR(out_x.Init(run.cuda, size_t(kLocal * kCapacity * kHidden), 0));
+  RETURN_IF_ERROR(counts.Init(run.cuda, kLocal, -1));
+  RETURN_IF_ERROR(y.Init(run.cuda, size_t(kTokens) * kHidden, 0));
   for (int t = 0; t < kTokens; ++t) {
-    std::fill_n(x.begin() + t * kHidden, kHidden, FloatToBf16(Value(me, t, epoch)));
+    std::fill_n(x.host.begin() + t * kHidden, kHidden, FloatToBf16(Value(me, t, epoch)));
     for (int j = 0; j < kK; ++j) {
-      ids[size_t(t) * kK + j] = Expert(me, t, j);
-      w[size_t(t) * kK + j] = Weight(j);
+      ids.host[size_t(t) * kK + j] = Expert(me, t, j);
+      w.host[size_t(t) * kK + j] = Weight(j);
     }
   }
-  RETURN_IF_ERROR(a2a.DispatchSend({x.data(), nullptr, ids.data(), w.data(), kTokens}));
+  RETURN_IF_ERROR(x.Push());
+  RETURN_IF_ERROR(ids.Push());
+  RETURN_IF_ERROR(w.Push());
+  RETURN_IF_ERROR(a2a.DispatchSend({x.ptr(), nullptr, ids.ptr(), w.ptr(), kTokens}));
   if (run.after_send) run.after_send(0);
-  std::vector<uint16_t> out_x(size_t(kLocal * kCapacity * kHidden));
-  std::vector<int32_t> counts(kLocal, -1);
-  RETURN_IF_ERROR(a2a.DispatchRecv({out_x.data(), nullptr, counts.data()},
+  RETURN_IF_ERROR(a2a.DispatchRecv({out_x.ptr(), nullptr, counts.ptr()},
                                    Deadline::After(run.dispatch_wait)));
+  RETURN_IF_ERROR(out_x.Pull());
+  RETURN_IF_ERROR(counts.Pull());
   for (int e = 0; e < kLocal && run.exact; ++e) {
     const int expert = me * kLocal + e;
     std::vector<float> want, got;
@@ -84,8 +96,8 @@ Status Epoch(AllToAll& a2a, int me, int epoch, const std::vector<bool>& masked,
         }
       }
     }
-    for (int i = 0; i < counts[size_t(e)]; ++i) {
-      got.push_back(Bf16ToFloat(out_x[(size_t(e) * kCapacity + i) * kHidden]));
+    for (int i = 0; i < counts.host[size_t(e)]; ++i) {
+      got.push_back(Bf16ToFloat(out_x.host[(size_t(e) * kCapacity + i) * kHidden]));
     }
     std::sort(want.begin(), want.end());
     std::sort(got.begin(), got.end());
@@ -94,22 +106,22 @@ Status Epoch(AllToAll& a2a, int me, int epoch, const std::vector<bool>& masked,
                                      std::to_string(epoch) + ": " + std::to_string(got.size()) +
                                      " rows, want " + std::to_string(want.size()));
   }
-  RETURN_IF_ERROR(a2a.CombineSend(out_x.data()));  // the experts: the identity
+  RETURN_IF_ERROR(a2a.CombineSend(out_x.ptr()));  // the experts: the identity
   if (run.after_send) run.after_send(1);
-  std::vector<uint16_t> y(size_t(kTokens) * kHidden);
   RETURN_IF_ERROR(a2a.CombineRecv(
-      CombineOutput{.out = y.data(), .weights = epoch % 2 ? w.data() : nullptr},
+      CombineOutput{.out = y.ptr(), .weights = epoch % 2 ? w.ptr() : nullptr},
       Deadline::After(run.combine_wait)));
+  RETURN_IF_ERROR(y.Pull());
   for (int t = 0; t < kTokens && run.exact; ++t) {
     float weight = 0;
     for (int j = 0; j < kK; ++j) {
       if (Reaches(me, Expert(me, t, j) / kLocal, masked)) weight += Weight(j);
     }
     const uint16_t want = FloatToBf16(Value(me, t, epoch) * weight);
-    CHECK_OR_RETURN(y[size_t(t) * kHidden] == want,
+    CHECK_OR_RETURN(y.host[size_t(t) * kHidden] == want,
                     "rank " + std::to_string(me) + " token " + std::to_string(t) + " epoch " +
                         std::to_string(epoch) + ": " +
-                        std::to_string(Bf16ToFloat(y[size_t(t) * kHidden])) + ", want " +
+                        std::to_string(Bf16ToFloat(y.host[size_t(t) * kHidden])) + ", want " +
                         std::to_string(Bf16ToFloat(want)));
   }
   return Status::Ok();
@@ -343,39 +355,70 @@ TEST(MoeNodeOnceTest, ADeadRankEndsEverySurvivorsEpochAtItsDeadline) {
   EXPECT_EQ(exits[3].signal, SIGKILL);
 }
 
-// Under mask_lost_peers, rank 3 (of EP4 as two nodes of two) dies in epoch 1 at one of three
-// points: before its dispatch, between its rail and node sends (after DispatchSend), or between
-// its node and rail combines (after CombineSend). The rank that finds it lost at one hop is late
-// at the next for the ranks that wait for it there -- past their deadline, for the combine's
-// wait is half the dispatch's -- and those ranks hear it (its heartbeats) and wait for it
-// instead of masking it. Every survivor's epochs go on; from epoch 2 (from epoch 1 where rank 3
-// sent nothing in it) each output is exact with rank 3 out: its experts and the route it
-// forwarded. No survivor masks a live rank; rank 3's rail and node peers name it masked.
-class MoeNodeOnceLostTest : public testing::TestWithParam<int> {};
+// Under mask_lost_peers, node-once with EP4 as two nodes of two, on the host device or the CUDA
+// device (the four ranks on one GPU: NVLink inside a node, the relay on the rail; skipped
+// without a GPU): rank `me`'s AllToAll and engine.
+struct MaskingRank {
+  std::unique_ptr<TransferEngine> engine;
+  std::unique_ptr<AllToAll> a2a;
+};
+StatusOr<MaskingRank> MakeMaskingRank(Bootstrap& b, bool cuda) {
+  AllToAllConfig c{.world_size = kWorld, .rank = b.rank(), .ranks_per_node = kPerNode,
+                   .num_experts = kExperts, .experts_per_token = kK,
+                   .max_tokens_per_rank = kTokens, .hidden = kHidden,
+                   .forwarding = Forwarding::kNodeOnce, .mask_lost_peers = true};
+#if FERRY_HAVE_CUDA
+  if (cuda) RETURN_IF_ERROR(UseGpu(b, &c));
+#else
+  CHECK_OR_RETURN(!cuda, "built without CUDA");
+#endif
+  MaskingRank r;
+  // A rank masked as lost is forgotten as the engine's peer, which ends the writes pending to
+  // it at once; the transfer timeout bounds the rest (a dead rank's heartbeats).
+  EngineOptions options = testing_util::TestOptions("shm");
+  options.transfer_timeout_ms = 1000;
+  ASSIGN_OR_RETURN(r.engine, TransferEngine::Create(options));
+  ASSIGN_OR_RETURN(r.a2a, AllToAll::Create(c, r.engine.get(), b));
+  return r;
+}
+
+bool SkipCuda(bool cuda) {
+#if FERRY_HAVE_CUDA
+  return cuda && !HaveGpu();
+#else
+  return cuda;
+#endif
+}
+
+// Rank 3 dies in epoch 1 at one of three points: before its dispatch, between its rail and
+// node sends (after DispatchSend), or between its node and rail combines (after CombineSend).
+// The rank that finds it lost at one hop is late at the next for the ranks that wait for it
+// there -- past their deadline, for the combine's wait is half the dispatch's -- and those ranks
+// hear it (its heartbeats) and wait for it instead of masking it. Every survivor's epochs go on;
+// from epoch 2 (from epoch 1 where rank 3 sent nothing in it) each output is exact with rank 3
+// out: its experts and the route it forwarded. No survivor masks a live rank; rank 3's rail
+// and node peers name it masked.
+class MoeNodeOnceLostTest : public testing::TestWithParam<std::tuple<bool, int>> {};
 
 TEST_P(MoeNodeOnceLostTest, ALostRankIsMaskedAndTheRanksItDelayedAreNot) {
-  const int dies_after = GetParam();  // the send step (0: dispatch, 1: combine); -1: before both
-  auto exits = testing_util::RunRanks(kWorld, [dies_after](Bootstrap& b) -> Status {
+  // The send step after which rank 3 dies (0: dispatch, 1: combine; -1: before both).
+  const auto [cuda, dies_after] = GetParam();
+  if (SkipCuda(cuda)) GTEST_SKIP() << "no GPU";
+  auto exits = testing_util::RunRanks(kWorld, [cuda, dies_after](Bootstrap& b) -> Status {
     const int me = b.rank();
-    AllToAllConfig c{.world_size = kWorld, .rank = me, .ranks_per_node = kPerNode,
-                     .num_experts = kExperts, .experts_per_token = kK,
-                     .max_tokens_per_rank = kTokens, .hidden = kHidden,
-                     .forwarding = Forwarding::kNodeOnce, .mask_lost_peers = true};
-    EngineOptions options = testing_util::TestOptions("shm");
-    options.transfer_timeout_ms = 1000;  // writes to the dead peer end within a second
-    ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(options));
-    ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(c, engine.get(), b));
-    RETURN_IF_ERROR(Epoch(*a2a, me, 0, std::vector<bool>(kWorld, false)));
+    ASSIGN_OR_RETURN(MaskingRank rank, MakeMaskingRank(b, cuda));
+    RETURN_IF_ERROR(Epoch(*rank.a2a, me, 0, std::vector<bool>(kWorld, false), {.cuda = cuda}));
     RETURN_IF_ERROR(b.Barrier(30s));
     // Rank 3 dies once what it sent has left (its engine gone first: a process killed inside
     // the shm provider could leave its lock held).
     auto die = [&] {
       std::this_thread::sleep_for(100ms);
-      a2a.reset();
-      engine.reset();
+      rank.a2a.reset();
+      rank.engine.reset();
       raise(SIGKILL);
     };
-    EpochRun run{.dispatch_wait = 600ms, .combine_wait = 300ms, .exact = dies_after < 0};
+    EpochRun run{.cuda = cuda, .dispatch_wait = 600ms, .combine_wait = 300ms,
+                 .exact = dies_after < 0};
     if (me == 3) {
       if (dies_after < 0) die();
       run.after_send = [&](int step) {
@@ -386,13 +429,13 @@ TEST_P(MoeNodeOnceLostTest, ALostRankIsMaskedAndTheRanksItDelayedAreNot) {
     lost[3] = true;
     for (int epoch = 1; epoch < 5; ++epoch) {
       const auto start = Clock::now();
-      RETURN_IF_ERROR(Epoch(*a2a, me, epoch, lost, run));
+      RETURN_IF_ERROR(Epoch(*rank.a2a, me, epoch, lost, run));
       // At most each hop's wait and late waits: 2 x 4 x (600 + 300) ms.
       CHECK_OR_RETURN(Clock::now() - start < 8s,
                       "epoch " + std::to_string(epoch) + " outlived its hops' bounds");
       run.exact = true;
     }
-    ASSIGN_OR_RETURN(auto masked, a2a->Masked());
+    ASSIGN_OR_RETURN(auto masked, rank.a2a->Masked());
     for (int r = 0; r < 3; ++r) {
       CHECK_OR_RETURN(!masked[size_t(r)], "rank " + std::to_string(me) + " masked live rank " +
                                               std::to_string(r));
@@ -405,32 +448,34 @@ TEST_P(MoeNodeOnceLostTest, ALostRankIsMaskedAndTheRanksItDelayedAreNot) {
   EXPECT_EQ(exits[3].signal, SIGKILL);
 }
 
-INSTANTIATE_TEST_SUITE_P(WhereItDies, MoeNodeOnceLostTest, testing::Values(-1, 0, 1),
-                         [](const testing::TestParamInfo<int>& p) {
-                           return p.param < 0    ? std::string("BeforeItsDispatch")
-                                  : p.param == 0 ? std::string("BetweenItsRailAndNodeSends")
-                                                 : std::string("BetweenItsNodeAndRailCombines");
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    WhereItDies, MoeNodeOnceLostTest,
+    testing::Combine(testing::Bool(), testing::Values(-1, 0, 1)),
+    [](const testing::TestParamInfo<std::tuple<bool, int>>& p) {
+      const int at = std::get<1>(p.param);
+      return std::string(std::get<0>(p.param) ? "Cuda" : "Host") +
+             (at < 0 ? "BeforeItsDispatch" : at == 0 ? "BetweenItsRailAndNodeSends"
+                                                     : "BetweenItsNodeAndRailCombines");
+    });
 
 // Under mask_lost_peers a rank that is only late -- asleep for twice the step's wait before its
 // dispatch, its heartbeats going on -- is waited for, not masked: every epoch is exact with
 // every rank in, on every rank, and nobody names a rank masked.
-TEST(MoeNodeOnceTest, ALateRankIsWaitedForNotMasked) {
-  auto exits = testing_util::RunRanks(kWorld, [](Bootstrap& b) -> Status {
+class MoeNodeOnceLateTest : public testing::TestWithParam<bool> {};
+
+TEST_P(MoeNodeOnceLateTest, ALateRankIsWaitedForNotMasked) {
+  const bool cuda = GetParam();
+  if (SkipCuda(cuda)) GTEST_SKIP() << "no GPU";
+  auto exits = testing_util::RunRanks(kWorld, [cuda](Bootstrap& b) -> Status {
     const int me = b.rank();
-    AllToAllConfig c{.world_size = kWorld, .rank = me, .ranks_per_node = kPerNode,
-                     .num_experts = kExperts, .experts_per_token = kK,
-                     .max_tokens_per_rank = kTokens, .hidden = kHidden,
-                     .forwarding = Forwarding::kNodeOnce, .mask_lost_peers = true};
-    ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
-    ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(c, engine.get(), b));
+    ASSIGN_OR_RETURN(MaskingRank rank, MakeMaskingRank(b, cuda));
     const std::vector<bool> none(kWorld, false);
-    const EpochRun run{.dispatch_wait = 400ms, .combine_wait = 400ms};
+    const EpochRun run{.cuda = cuda, .dispatch_wait = 400ms, .combine_wait = 400ms};
     for (int epoch = 0; epoch < 3; ++epoch) {
       if (epoch == 1 && me == 3) std::this_thread::sleep_for(800ms);
-      RETURN_IF_ERROR(Epoch(*a2a, me, epoch, none, run));
+      RETURN_IF_ERROR(Epoch(*rank.a2a, me, epoch, none, run));
     }
-    ASSIGN_OR_RETURN(auto masked, a2a->Masked());
+    ASSIGN_OR_RETURN(auto masked, rank.a2a->Masked());
     for (int r = 0; r < kWorld; ++r) {
       CHECK_OR_RETURN(!masked[size_t(r)], "rank " + std::to_string(me) + " masked rank " +
                                               std::to_string(r) + ", which was only late");
@@ -439,6 +484,11 @@ TEST(MoeNodeOnceTest, ALateRankIsWaitedForNotMasked) {
   }, 120s);
   for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
 }
+
+INSTANTIATE_TEST_SUITE_P(Devices, MoeNodeOnceLateTest, testing::Bool(),
+                         [](const testing::TestParamInfo<bool>& p) {
+                           return std::string(p.param ? "Cuda" : "Host");
+                         });
 
 }  // namespace
 }  // namespace ferry

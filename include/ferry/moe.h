@@ -77,13 +77,12 @@ enum class Forwarding : uint8_t {
   // kept from DispatchSend). The dispatch's device token count is read again at CombineRecv. Token-major rows arrive ordered by forwarder, then
   // by the sender's node, then by token. Both devices (on the CUDA device: NVLink inside the
   // node, the relay on the rail, CUDA graphs as per rank). A masked rank's experts and the
-  // routes it forwards are out. mask_lost_peers on the host device only (see there); masks set
-  // by hand on both. The partial sums' precision: AllToAllConfig::partial_sums.
+  // routes it forwards are out; under mask_lost_peers a lost forwarder masks the route through
+  // it (see there). The partial sums' precision: AllToAllConfig::partial_sums.
   kNodeOnce = 1,
   // Whichever the scale model (tools/moe_model.py, docs/SCALE.md) finds faster for the
   // configuration: node-once where there are several nodes of several ranks and node-once can
-  // run (not mask_lost_peers on the CUDA device, top-k within a node's experts, instance + 2
-  // free), per rank
+  // run (top-k within a node's experts, instance + 2 free), per rank
   // otherwise. The model puts node-once ahead at every multi-node size it covers (decode,
   // EP16 / 32 / 64 on EFA: 258 / 357 / 467 us against per rank's 344 / 498 / 613 with (a)+(b);
   // on CX7 127 / 230 / 349 against 261 / 411 / 514): a token's row crosses to a node once
@@ -216,7 +215,7 @@ struct FERRY_API AllToAllConfig {
   // ranks share. Part of what ranks must agree on. On the CUDA device one thread per step
   // decides which ranks are masked, so the steps it changes run unstreamed (cuda.stream as 0)
   // and the receive kernels wait for the flags before reading the counts rows.
-  // Under node-once forwarding (host device) a step waits at two hops, and a rank that waits
+  // Under node-once forwarding a step waits at two hops, and a rank that waits
   // for a lost rank at one is late for the ranks waiting for it at the next. So the ranks of a
   // rail and of a node send each other heartbeats (an immediate every 20 ms), and a rank that
   // misses the deadline but was heard from within 200 ms is late, not lost: it is waited for

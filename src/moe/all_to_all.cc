@@ -275,21 +275,23 @@ StatusOr<std::unique_ptr<AllToAll>> AllToAll::Join(const AllToAllConfig& asked,
 
 StatusOr<std::unique_ptr<AllToAll>> AllToAll::Create(const AllToAllConfig& asked,
                                                      TransferEngine* engine, Bootstrap& bootstrap) {
-  return moe::CreateAllToAll(asked, engine, bootstrap, {});
+  return moe::CreateAllToAll(asked, engine, bootstrap, nullptr);
 }
 
 StatusOr<std::unique_ptr<AllToAll>> moe::CreateAllToAll(const AllToAllConfig& asked,
                                                         TransferEngine* engine,
                                                         Bootstrap& bootstrap,
-                                                        std::function<bool(int)> heard) {
+                                                        const moe::Hearing* hearing) {
   ASSIGN_OR_RETURN(const AllToAllConfig config, moe::Resolve(asked, engine, bootstrap));
   RETURN_IF_ERROR(CheckConfigurationsAgree(config, bootstrap));
   std::unique_ptr<moe::MoeDevice> device;
   if (config.forwarding == Forwarding::kNodeOnce) {
     ASSIGN_OR_RETURN(device, moe::CreateNodeOnceDevice(config, engine, bootstrap));
   } else if (config.device == MoeDeviceKind::kCuda) {
-    ASSIGN_OR_RETURN(device, moe::CreateCudaDevice(config, engine, bootstrap));
+    ASSIGN_OR_RETURN(device, moe::CreateCudaDevice(config, engine, bootstrap, hearing));
   } else {
+    std::function<bool(int)> heard;
+    if (hearing) heard = [h = *hearing](int r) { return h.Heard(r); };
     ASSIGN_OR_RETURN(device, moe::CreateHostDevice(config, engine, bootstrap, 0, false,
                                                    std::move(heard)));
   }

@@ -36,15 +36,6 @@ const char* NodeOnceRefusal(const AllToAllConfig& c) {
   if (c.experts_per_token > c.num_experts / (c.world_size / c.ranks_per_node)) {
     return "node-once forwarding needs experts_per_token <= the experts of one node";
   }
-  // A rank lost under node-once is found by its node at the node hop and by its rail at the
-  // rail hop, and the ranks each finding delays are late at the next hop: no split of a step's
-  // deadline tells them from lost ones. The host device asks heartbeats (moe/liveness.h) before
-  // it takes a rank for lost; the CUDA device's steps do not yet.
-  if (c.mask_lost_peers && c.device == MoeDeviceKind::kCuda) {
-    return "mask_lost_peers with node-once forwarding on the CUDA device: its steps do not ask "
-           "the heartbeats that tell a rank delayed by a lost one from a lost one (the host "
-           "device's do; masks set by hand work on both)";
-  }
   return nullptr;
 }
 

@@ -22,6 +22,7 @@
 #include "ferry/bootstrap.h"
 #include "ferry/fabric.h"
 #include "ferry/moe.h"
+#include "moe/liveness.h"
 #include "moe/relay.h"
 
 namespace ferry::moe {
@@ -132,12 +133,6 @@ struct DeviceParams {
   // kLateWaits more of the step's wait; empty: every sender past the deadline is lost.
   std::function<bool(int rank)> heard;
 };
-// How many times the step's wait (its deadline's distance from the receive call) a heard
-// sender is waited for past the deadline. A rank waiting at one hop for a lost rank falls
-// silent within Liveness::kSilence after the deadline and is masked then; the ranks it kept
-// waiting are late by about that much, which one more step's wait covers. The rest is margin for a
-// second loss in the same epoch.
-inline constexpr int kLateWaits = 3;
 std::unique_ptr<MoeDevice> NewHostDevice(const DeviceParams& params);
 
 // The host device with its own buffers and relay over `engine` (collective: the relay
@@ -152,16 +147,18 @@ StatusOr<std::unique_ptr<MoeDevice>> CreateHostDevice(const AllToAllConfig& conf
                                                       bool adopt_counters = false,
                                                       std::function<bool(int)> heard = {});
 
-// AllToAll::Create, where a host device's steps also ask `heard` (DeviceParams::heard): the
-// hops of node-once forwarding under mask_lost_peers.
+// AllToAll::Create, where the device's steps also ask `hearing` (null: nobody) before they
+// take a rank for lost: the hops of node-once forwarding under mask_lost_peers.
 StatusOr<std::unique_ptr<AllToAll>> CreateAllToAll(const AllToAllConfig& config,
                                                    TransferEngine* engine, Bootstrap& bootstrap,
-                                                   std::function<bool(int)> heard);
+                                                   const Hearing* hearing);
 
 // The CUDA device (cuda/cuda_device.h; config.device == kCuda, any ranks_per_node). `engine`
 // carries the traffic between nodes and may be null with one node. Collective. Unimplemented
 // where ferry was built without CUDA.
+// hearing: as DeviceParams::heard, mirrored into the kernels' memory (Nv::heard).
 StatusOr<std::unique_ptr<MoeDevice>> CreateCudaDevice(const AllToAllConfig& config,
-                                                      TransferEngine* engine, Bootstrap& bootstrap);
+                                                      TransferEngine* engine, Bootstrap& bootstrap,
+                                                      const Hearing* hearing = nullptr);
 
 }  // namespace ferry::moe

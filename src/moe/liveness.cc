@@ -61,9 +61,23 @@ StatusOr<std::unique_ptr<Liveness>> Liveness::Create(const AllToAllConfig& confi
   return l;
 }
 
-Liveness::~Liveness() {
+void Liveness::Stop() {
   stop_.store(true, std::memory_order_release);
   if (thread_.joinable()) thread_.join();
+}
+
+void Liveness::Mirror(volatile int32_t* words, std::vector<int> ranks) {
+  MutexLock lock(mirrors_mu_);
+  mirrors_.push_back({words, std::move(ranks)});
+}
+
+void Liveness::Unmirror(volatile int32_t* words) {
+  MutexLock lock(mirrors_mu_);
+  std::erase_if(mirrors_, [words](const Mirrored& m) { return m.words == words; });
+}
+
+Liveness::~Liveness() {
+  Stop();
   // A heartbeat to a dead peer ends at the engine's transfer timeout; one that never ends (a
   // wedged provider) still counts into its counter, which is then leaked.
   const auto wait = std::chrono::milliseconds(engine_->options().transfer_timeout_ms) +
@@ -103,6 +117,10 @@ void Liveness::Beat(std::chrono::steady_clock::time_point now) {
     TransferCounter& sent = *sent_[i];
     if (sent.done.load() + sent.failed.load() < posted_[i]) continue;
     if (engine_->WriteImm(peers_[i], mine, Completion::Counter(&sent)).ok()) ++posted_[i];
+  }
+  MutexLock lock(mirrors_mu_);
+  for (const Mirrored& m : mirrors_) {
+    for (size_t i = 0; i < m.ranks.size(); ++i) m.words[i] = Heard(m.ranks[i]) ? 1 : 0;
   }
 }
 

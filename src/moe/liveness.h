@@ -16,20 +16,30 @@
 // AllToAll's instance, the sending rank of its world); kinds keep them apart from the rail's
 // sections, which share the instance.
 //
-// Thread safety: Heard may be called from any thread; created and destroyed by one.
+// Thread safety: Heard and Mirror may be called from any thread; created, stopped and destroyed
+// by one.
 #pragma once
 
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <thread>
 #include <vector>
 
+#include "common/mutex.h"
 #include "ferry/bootstrap.h"
 #include "ferry/fabric.h"
 #include "ferry/moe.h"
 
 namespace ferry::moe {
+
+// How many times the step's wait (its deadline's distance from the receive call) a heard
+// sender is waited for past the deadline. A rank waiting at one hop for a lost rank falls
+// silent within Liveness::kSilence after the deadline and is masked then; the ranks it kept
+// waiting are late by about that much, which one more step's wait covers; the rest is margin
+// for a second loss in the same epoch.
+inline constexpr int kLateWaits = 3;
 
 class Liveness {
  public:
@@ -49,6 +59,14 @@ class Liveness {
 
   // Whether `rank` (watched) was heard from within kSilence. A rank not watched: false.
   bool Heard(int rank) const;
+  // At each beat from now on, Heard(ranks[i]) as 1 or 0 into words[i] (plain int32 stores: a
+  // GPU kernel reads them from pinned host memory, where no atomic crosses PCIe), until Unmirror
+  // or Stop.
+  void Mirror(volatile int32_t* words, std::vector<int> ranks);
+  // No more stores into `words` once this returns (their owner frees them next).
+  void Unmirror(volatile int32_t* words);
+  // Ends the thread (the heartbeats and the mirrors); Heard then falls silent. Idempotent.
+  void Stop();
 
  private:
   Liveness(const AllToAllConfig& config, TransferEngine* engine, std::vector<int> watched);
@@ -69,8 +87,22 @@ class Liveness {
   // its last ended); on the heap, leaked if some never end.
   std::vector<std::unique_ptr<TransferCounter>> sent_;
   std::vector<uint64_t> posted_;
+  struct Mirrored {
+    volatile int32_t* words;
+    std::vector<int> ranks;
+  };
+  Mutex mirrors_mu_;
+  std::vector<Mirrored> mirrors_ GUARDED_BY(mirrors_mu_);
   std::atomic<bool> stop_{false};
   std::thread thread_;
+};
+
+// What one hop of node-once hears (DeviceParams::heard, the CUDA device's Nv::heard): the
+// Liveness and, for each rank of the hop's world, that rank in the Liveness's world.
+struct Hearing {
+  Liveness* liveness = nullptr;
+  std::vector<int> ranks;
+  bool Heard(int rank) const { return liveness->Heard(ranks[size_t(rank)]); }
 };
 
 }  // namespace ferry::moe

@@ -6,7 +6,7 @@
 namespace ferry::moe {
 
 StatusOr<std::unique_ptr<MoeDevice>> CreateCudaDevice(const AllToAllConfig&, TransferEngine*,
-                                                      Bootstrap&) {
+                                                      Bootstrap&, const Hearing*) {
   return UnimplementedError("AllToAll: ferry was built without CUDA; use the host device");
 }
 

@@ -101,7 +101,11 @@ class NodeOnceDevice final : public MoeDevice {
         rail_(std::move(rail)),
         node_(std::move(node)),
         weights_(std::move(weights)) {}
-  ~NodeOnceDevice() override { PrintTrace(); }
+  // The heartbeats stop first: their thread writes into the CUDA hops' memory (Nv::heard).
+  ~NodeOnceDevice() override {
+    if (liveness_) liveness_->Stop();
+    PrintTrace();
+  }
 
   // The middle buffers, in the hops' memory.
   Status Init() {
@@ -517,7 +521,7 @@ StatusOr<std::unique_ptr<MoeDevice>> CreateNodeOnceDevice(const AllToAllConfig& 
   // Under mask_lost_peers the ranks that wait for each other -- our rail's and our node's --
   // hear each other's heartbeats, and each hop asks them before it takes a rank for lost.
   std::unique_ptr<Liveness> liveness;
-  std::function<bool(int)> rail_heard, node_heard;
+  Hearing rail_hearing{.ranks = rail_ranks}, node_hearing{.ranks = node_ranks};
   if (config.mask_lost_peers) {
     std::vector<int> watched;
     for (int r : rail_ranks) {
@@ -527,11 +531,10 @@ StatusOr<std::unique_ptr<MoeDevice>> CreateNodeOnceDevice(const AllToAllConfig& 
       if (r != config.rank) watched.push_back(r);
     }
     ASSIGN_OR_RETURN(liveness, Liveness::Create(config, engine, bootstrap, std::move(watched)));
-    const Liveness* l = liveness.get();
-    const int index = config.rank % per_node, first = config.rank / per_node * per_node;
-    rail_heard = [l, per_node, index](int n) { return l->Heard(n * per_node + index); };
-    node_heard = [l, first](int i) { return l->Heard(first + i); };
+    rail_hearing.liveness = node_hearing.liveness = liveness.get();
   }
+  const Hearing* rail_heard = liveness ? &rail_hearing : nullptr;
+  const Hearing* node_heard = liveness ? &node_hearing : nullptr;
   // Every rank makes its rail's AllToAll, then its node's: the parent's collectives line up.
   auto rail_group = SubBootstrap(bootstrap, std::move(rail_ranks));
   ASSIGN_OR_RETURN(auto rail, CreateAllToAll(inner.rail, engine, *rail_group, rail_heard));

@@ -171,7 +171,8 @@ namespace ferry::moe {
 // stream, wait for them.
 class CudaDevice final : public MoeDevice {
  public:
-  explicit CudaDevice(const AllToAllConfig& c) : c_(c), pairs_(c) {}
+  CudaDevice(const AllToAllConfig& c, const Hearing* hearing)
+      : c_(c), pairs_(c), hearing_(hearing ? *hearing : Hearing{}) {}
   // Waits for the device: kernels on the caller's stream (which may be gone by now) may still
   // use our memory.
   ~CudaDevice() override;
@@ -291,7 +292,10 @@ class CudaDevice final : public MoeDevice {
   DeviceArray<nv::RecvSlot> rslots_;
   DeviceArray<nv::RecvEntry> rentries_;
   DeviceArray<long long> trace_;
-  int32_t* error_ = nullptr;  // pinned, mapped: [4] the error words, [N] Nv::mask_mirror
+  // Pinned, mapped: [4] the error words, [N] Nv::mask_mirror, [N] Nv::heard (hearing_'s
+  // mirror, where it has a Liveness).
+  int32_t* error_ = nullptr;
+  const Hearing hearing_;
   cudaStream_t own_stream_ = nullptr, stream_ = nullptr;
   cudaEvent_t order_event_ = nullptr;  // OrderAfter / OrderBefore
   std::array<cudaEvent_t, AllToAll::kMarks> marks_{};  // Mark's ring, made at their first use

@@ -30,6 +30,7 @@ CudaDevice::~CudaDevice() {
   for (cudaEvent_t e : marks_) {
     if (e) cudaEventDestroy(e);
   }
+  if (hearing_.liveness) hearing_.liveness->Unmirror(error_ + 4 + nv_.world_size);
   if (error_) cudaFreeHost(error_);
 }
 
@@ -44,6 +45,7 @@ Status CudaDevice::Init(TransferEngine* engine, Bootstrap& bootstrap) {
   ASSIGN_OR_RETURN(const std::vector<NvPeer> peers, ExchangePeers(bootstrap, relay, mapped, bases));
   RETURN_IF_ERROR(AllocateDeviceState(peers, bases[c_.rank]));
   FERRY_CUDA(cudaDeviceSynchronize());
+  if (hearing_.liveness) hearing_.liveness->Mirror(error_ + 4 + c_.world_size, hearing_.ranks);
   // No rank writes into another before every buffer is zeroed and mapped.
   return bootstrap.Barrier(kExchangeTimeout);
 }
@@ -154,8 +156,8 @@ Status CudaDevice::AllocateDeviceState(const std::vector<NvPeer>& peers, uint8_t
   RETURN_IF_ERROR(rentries_.Allocate(size_t(MaxReceived()) * k));
   RETURN_IF_ERROR(masks_.Allocate(n));
   FERRY_CUDA(cudaMemset(masks_.get(), 0, n * sizeof(int32_t)));
-  // The error words [4], then the lost-rank mirror [N] (Nv::mask_mirror).
-  const size_t host_words = 4 + size_t(n);
+  // The error words [4], the lost-rank mirror [N] (Nv::mask_mirror), the heard words [N].
+  const size_t host_words = 4 + 2 * size_t(n);
   void* error = nullptr;
   FERRY_CUDA(cudaHostAlloc(&error, host_words * sizeof(int32_t),
                            cudaHostAllocMapped | cudaHostAllocPortable));
@@ -165,6 +167,7 @@ Status CudaDevice::AllocateDeviceState(const std::vector<NvPeer>& peers, uint8_t
   FERRY_CUDA(cudaHostGetDevicePointer(&error_dev, error, 0));
   v.masks = c_.mask_lost_peers ? masks_.get() : nullptr;  // else from the first SetMasked
   v.mask_mirror = static_cast<int32_t*>(error_dev) + 4;
+  v.heard = hearing_.liveness ? static_cast<int32_t*>(error_dev) + 4 + n : nullptr;
   v.own = own;
   v.peer = peers_.get();
   v.scratch = scratch_.get();
@@ -240,11 +243,12 @@ NvPeer CudaDevice::RemotePeer(const RelayLayout& relay, const RelayBuffers& mapp
 
 StatusOr<std::unique_ptr<MoeDevice>> CreateCudaDevice(const AllToAllConfig& config,
                                                       TransferEngine* engine,
-                                                      Bootstrap& bootstrap) {
+                                                      Bootstrap& bootstrap,
+                                                      const Hearing* hearing) {
   if (config.device != MoeDeviceKind::kCuda) {
     return InvalidArgumentError("CUDA AllToAll: config.device is not kCuda");
   }
-  auto device = std::make_unique<CudaDevice>(config);
+  auto device = std::make_unique<CudaDevice>(config, hearing);
   RETURN_IF_ERROR(device->Init(engine, bootstrap));
   return std::unique_ptr<MoeDevice>(std::move(device));
 }

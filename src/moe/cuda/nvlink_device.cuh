@@ -171,6 +171,29 @@ __device__ inline void PublishMasks(const Nv& v) {
   __threadfence_system();
 }
 
+// Whether rank r is heard from (Nv::heard: its heartbeats, as the host last mirrored them).
+__device__ inline bool HeardRank(const Nv& v, int r) {
+  return v.heard && reinterpret_cast<const volatile int32_t*>(v.heard)[r] != 0;
+}
+
+// After a budget rank r missed under mask_lost_peers: whether its flag came while r stayed
+// heard from, within kLateWaits more budgets from `start` (a rank late because it waited for a
+// lost one, under node-once: moe/liveness.h). False: r is lost. The wait is added to cost[r].
+__device__ inline bool AwaitHeard(const Nv& v, int64_t* cost, const uint64_t* flag,
+                                  uint64_t want, uint64_t start, uint64_t budget_ns, int r) {
+  const long long begin = clock64();
+  bool came = false;
+  while (HeardRank(v, r) && GlobalTimerNs() - start <= (1 + kLateWaits) * budget_ns &&
+         !*reinterpret_cast<volatile int32_t*>(&v.scratch->abort)) {
+    if ((came = Reached(LoadAcquire(flag), want))) break;
+  }
+  if (cost) {
+    atomicAdd(reinterpret_cast<unsigned long long*>(cost + r),
+              static_cast<unsigned long long>(clock64() - begin));
+  }
+  return came;
+}
+
 // Thread 0 of a block: until every rank's dispatch (which 0) or combine (1) flag for us shows
 // epoch `epoch` done (the rank's step per epoch times epoch + 1), another block gave up, or the
 // budget (from now) runs out (AwaitWord). A masked rank is not waited for; under
@@ -187,6 +210,7 @@ __device__ inline bool WaitAll(const Nv& v, uint64_t epoch, uint64_t budget_ns, 
     const bool may_mask = v.modes.mask_lost() && r != v.rank;
     if (AwaitCounted(v, cost, flag, want, start, budget_ns, which, r, may_mask)) continue;
     if (!may_mask || *reinterpret_cast<volatile int32_t*>(&v.scratch->abort)) return false;
+    if (AwaitHeard(v, cost, flag, want, start, budget_ns, r)) continue;
     MaskLost(v, r);
   }
   return true;
@@ -219,7 +243,7 @@ __device__ inline bool WaitStep(const Nv& v, uint64_t epoch, uint64_t budget_ns,
     // share of the step undone in a step that reports OK (block 0, descheduled with the whole
     // context by time slicing as its budget ran out, publishes late but publishes).
     if (*reinterpret_cast<volatile int32_t*>(&v.scratch->abort)) return false;
-    if (GlobalTimerNs() - start > budget_ns + 1000000000) {
+    if (GlobalTimerNs() - start > (v.heard ? 1 + kLateWaits : 1) * budget_ns + 1000000000) {
       atomicExch(&v.scratch->abort, 1);
       Report(v, kStepStalled, which, static_cast<int32_t>(blockIdx.x));
       return false;

@@ -15,6 +15,7 @@
 
 #include "moe/cuda/cuda_util.cuh"
 #include "moe/cuda/step_modes.h"
+#include "moe/liveness.h"
 #include "moe/relay.h"
 #include "moe/wire.h"
 
@@ -185,6 +186,11 @@ struct Nv {
   // through block 0), so that every block of the kernel reads the same ranks as masked; the
   // counts rows' tags and streaming, whose waits are per block and per slot, are off.
   int32_t* mask_mirror;  // [N] mapped pinned host memory: kMaskedLost where a wait masked r
+  // modes.mask_lost() under node-once (moe/liveness.h): [N] mapped pinned host memory, 1 while
+  // rank r is heard from (its heartbeats, mirrored by the host), else 0. A rank that misses the
+  // budget but is heard from is late, not lost: waited for on while it stays heard from, up to
+  // kLateWaits more budgets (WaitAll). Null elsewhere: a rank past the budget is lost.
+  const int32_t* heard;
 };
 
 // Streamed dispatch: where a slot's tag is (the bytes right after its header and entries,
