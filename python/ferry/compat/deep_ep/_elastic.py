@@ -238,28 +238,37 @@ class ElasticBuffer:
         worst = 0
         if not do_cpu_sync:
             worst = cached.num_recv_tokens if cached is not None else self.num_ranks * m
+        local = num_experts // self.num_ranks
+        stats = cumulative_local_expert_recv_stats
+        if stats is not None:
+            _group.check_tensor("cumulative_local_expert_recv_stats", stats, torch.int32, 1,
+                                rows_x.get_device())
+            if stats.numel() != local:
+                raise InvalidArgument(f"cumulative_local_expert_recv_stats: {local} entries")
+        device_sums = []
+
+        def epilogue(counts):
+            # On the AllToAll's stream, before the dispatch's event: the counts are ready there,
+            # and a caller that waits for the event finds the statistics and sums done.
+            if stats is not None:
+                stats.add_(counts)
+            if not do_cpu_sync:
+                aligned = (counts if expert_alignment == 1 else
+                           (counts + expert_alignment - 1) // expert_alignment * expert_alignment)
+                device_sums.append(torch.cumsum(aligned, 0, dtype=torch.int32))
+
         # Routed from topk_idx alone (no layout: ferry counts what each rank sends itself); the
         # received copies per local expert come counted by ferry, on the device.
         recv_x, recv_idx, recv_weights, per_expert, ferry_handle, event, counts = buf._dispatch(
             rows_x, scales, topk_idx, topk_weights, num_experts, expert_alignment, worst,
-            previous, async_with_compute_stream)
-        local = num_experts // self.num_ranks
-        if cumulative_local_expert_recv_stats is not None:
-            _group.check_tensor("cumulative_local_expert_recv_stats",
-                                cumulative_local_expert_recv_stats, torch.int32, 1,
-                                recv_idx.get_device())
-            if cumulative_local_expert_recv_stats.numel() != local:
-                raise InvalidArgument(f"cumulative_local_expert_recv_stats: {local} entries")
-            cumulative_local_expert_recv_stats.add_(counts)
+            previous, async_with_compute_stream, epilogue=epilogue)
         if do_cpu_sync:
             # The aligned counts are on the host already: their prefix sums go over in one
             # copy (a few device ops on int32 cost tens of microseconds on the GPU).
             psum = torch.tensor(list(itertools.accumulate(per_expert)), dtype=torch.int32,
                                 device=counts.device)
         else:
-            aligned = (counts if expert_alignment == 1 else
-                       (counts + expert_alignment - 1) // expert_alignment * expert_alignment)
-            psum = torch.cumsum(aligned, 0, dtype=torch.int32)
+            psum = device_sums[0]
         rows = (recv_x[0] if isinstance(recv_x, tuple) else recv_x).shape[0]
         if cached is not None:
             cached._ferry = ferry_handle

@@ -117,10 +117,13 @@ class _Normal:
 
     def _dispatch(self, x, x_scales, topk_idx, topk_weights, num_experts, expert_alignment,
                   num_worst_tokens, previous_event, async_finish, cached=None, every_count=None,
-                  is_token_in_rank=None):
+                  is_token_in_rank=None, epilogue=None):
         """dispatch() past its layout arguments, x checked (_rows): what ElasticBuffer calls,
         routing from topk_idx alone. Its six results, then the received copies per local
-        expert (int32 on the device, counted by ferry)."""
+        expert (int32 on the device, counted by ferry). epilogue(counts): torch ops on those
+        counts that must be done when the dispatch is (ElasticBuffer's statistics and prefix
+        sums): run on the AllToAll's stream after its steps and before the finishing event, so
+        that a caller that waits for the event (async_finish) reads them done."""
         fp8 = x_scales is not None
         tokens, hidden = x.shape
         if expert_alignment < 1:
@@ -183,6 +186,9 @@ class _Normal:
                 live = torch.arange(num_worst_tokens, device=dev) < num_rows.to(torch.int64)
                 experts[:num_worst_tokens].masked_fill_(~live[:, None], -1)
                 weights_out[:num_worst_tokens].masked_fill_(~live[:, None], 0.0)
+        if epilogue is not None:
+            with self._on_comm(a2a, current, x.device):
+                epilogue(counts)
         event = self._end(a2a, current, async_finish, (x, x_scales, topk_idx, weights),
                           (recv, recv_scales, counts, num_rows, experts, weights_out))
         if num_worst_tokens > 0:
