@@ -14,6 +14,7 @@ import unittest
 
 import ferry
 from ranks import expect_error
+from test_moe import free_address
 
 try:
     import torch
@@ -126,8 +127,14 @@ class DeepEpMaskTest(unittest.TestCase):
                 took = time.monotonic() - start
                 assert took < (5.0 if round == 3 else 0.5), (round, took)
                 assert masks(buf, world) == [0, 0, 1]
-            expect_error(ferry.Unimplemented, "stays so", buf.low_latency_update_mask_buffer, 2,
-                         False)
+            # Unmasking brings rank 2 back as a new process met over `rejoin`, which this
+            # Buffer lacks (host device; the CUDA device cannot readmit a rank yet).
+            if DEV == "cuda":
+                expect_error(ferry.Unimplemented, "host device only",
+                             buf.low_latency_update_mask_buffer, 2, False)
+            else:
+                expect_error(ferry.InvalidArgument, "rejoin=",
+                             buf.low_latency_update_mask_buffer, 2, False)
             expect_error(ferry.Unimplemented, "ranks [2] are masked",
                          buf.low_latency_clean_mask_buffer)
             buf.low_latency_update_mask_buffer(2, True)  # masked already: nothing changes
@@ -135,6 +142,52 @@ class DeepEpMaskTest(unittest.TestCase):
 
         exits = ferry.run_local_ranks(3, on(self.dev, body), 120.0)
         self.assertTrue(exits[0].ok and exits[1].ok, exits)
+        self.assertEqual(exits[2].signal, signal.SIGKILL)
+
+    def test_a_rank_that_died_comes_back_as_a_new_process(self):
+        """Rank 2 dies after two rounds; the survivors mask it at the next call's deadline and
+        go on without it; a new process takes its place (join=True) and the survivors unmask
+        it (low_latency_update_mask_buffer(2, False)), meeting over `rejoin`: from the next
+        call every rank's rows and sums are whole again, on every rank, the new one included.
+        Host device (readmission is the host device's)."""
+        if self.dev == "cuda":
+            self.skipTest("readmission runs on the host device")
+        first, again = free_address(), free_address()
+
+        def body(b):
+            from ferry import deep_ep
+            torch.set_num_threads(1)
+            world, me = 3, min(b.rank, 2)  # process 3 is rank 2's replacement
+
+            def rejoin():
+                return ferry.join_rendezvous(again, world_size=world, rank=me, timeout=30)
+
+            everyone = [True] * world
+            if b.rank == 3:
+                buf = deep_ep.Buffer(None, low_latency_mode=True, enable_shrink=True,
+                                     timeout=5.0, rejoin=rejoin, join=True)
+                assert masks(buf, world) == [0, 0, 0]
+                for round in range(4, 7):
+                    check_call(buf, me, world, everyone, round, hook=round == 5)
+                return
+            group = ferry.join_rendezvous(first, world_size=world, rank=me, timeout=30)
+            buf = deep_ep.Buffer(group, low_latency_mode=True, enable_shrink=True, timeout=1.0,
+                                 rejoin=rejoin)
+            for round in range(2):
+                check_call(buf, me, world, everyone, round, hook=round == 1)
+            group.barrier(30.0)
+            if me == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            for round in range(2, 4):
+                check_call(buf, me, world, [True, True, False], round, hook=round == 3)
+            assert masks(buf, world) == [0, 0, 1]
+            buf.low_latency_update_mask_buffer(2, False)
+            assert masks(buf, world) == [0, 0, 0]
+            for round in range(4, 7):
+                check_call(buf, me, world, everyone, round, hook=round == 5)
+
+        exits = ferry.run_local_ranks(4, on(self.dev, body), 120.0)
+        self.assertTrue(exits[0].ok and exits[1].ok and exits[3].ok, exits)
         self.assertEqual(exits[2].signal, signal.SIGKILL)
 
     def test_masks_set_by_hand_leave_a_rank_out(self):

@@ -138,6 +138,50 @@ class Group:
         """Every AllToAll made for keys whose first element is `kind`, idle or busy."""
         return [p.a2a for key, pool in self._pools.items() if key[0] == kind for p in pool]
 
+    def keyed(self, kind):
+        """(key, AllToAll) for every AllToAll of `kind`, in the order they were made (their
+        instances'), which every rank shares."""
+        made = [(key, p.a2a) for key, pool in self._pools.items() if key[0] == kind
+                for p in pool]
+        return sorted(made, key=lambda ka: ka[1].config.instance)
+
+    def next_instance(self):
+        """The instance the next AllToAll takes."""
+        if self._engine is not None:
+            return _ENGINE_INSTANCES.get(id(self._engine), 0)
+        return self._instances
+
+    def adopt(self, key, a2a):
+        """An AllToAll made elsewhere (AllToAll.join) into `key`'s pool, idle."""
+        self._pools.setdefault(key, []).append(_ferry.PooledAllToAll(a2a))
+
+    def set_next_instance(self, instance):
+        """The next AllToAll made takes `instance` (the world's, which this process joined)."""
+        self._instances = instance
+        if self._engine is not None:
+            _ENGINE_INSTANCES[id(self._engine)] = instance
+
+    def drop(self, keep):
+        """Closes and forgets every AllToAll whose key's kind is not `keep` (those of a world
+        that lost a rank: its steps fail, and the world they are remade in is another)."""
+        for key in [k for k in self._pools if k[0] != keep]:
+            for p in self._pools.pop(key):
+                p.a2a.close()
+
+    def known_ranks_per_node(self):
+        """ranks_per_node() where a call asked it already, else None (asking is collective)."""
+        return self._ranks_per_node
+
+    def rebase(self, bootstrap, ranks_per_node=None):
+        """Collectives from now on over `bootstrap` (a new world of the same ranks, which a
+        replaced rank joined); ranks_per_node: the world's, where known."""
+        if (bootstrap.rank, bootstrap.world_size) != (self.rank, self.world_size):
+            raise InvalidArgument(f"rank {bootstrap.rank} of {bootstrap.world_size} in the new "
+                                  f"world, {self.rank} of {self.world_size} before")
+        self.bootstrap = bootstrap
+        if ranks_per_node is not None:
+            self._ranks_per_node = ranks_per_node
+
     def close(self):
         for pool in self._pools.values():
             for p in pool:
@@ -159,10 +203,6 @@ def current_stream_handle(ordinal):
     if _raw_current_stream is not None:
         return _raw_current_stream(ordinal)
     return torch.cuda.current_stream(ordinal).cuda_stream
-
-
-def device_kind(tensor):
-    return _ferry.MoeDevice.CUDA if tensor.device.type == "cuda" else _ferry.MoeDevice.HOST
 
 
 def shim_path(name):

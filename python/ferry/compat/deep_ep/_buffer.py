@@ -1,6 +1,8 @@
 """DeepEP's Buffer: construction, its static helpers and its end; each mode's calls are in a
 file of their own (_low_latency.py, _normal.py, _shrink.py), what they share in _streams.py."""
 
+import os
+
 import torch
 
 from ... import _ferry
@@ -9,7 +11,7 @@ from ..._errors import InvalidArgument, Unimplemented
 from ._events import Config, EventHandle, EventOverlap, LowLatencyHandle, _DONE, _round_up
 from ._low_latency import _LowLatency
 from ._normal import _Normal
-from ._shrink import _Shrink
+from ._shrink import _Shrink, rejoin_from_env
 from ._streams import _Streams
 
 
@@ -24,7 +26,12 @@ class Buffer(_LowLatency, _Normal, _Shrink, _Streams, _ferry.DeepEpLowLatency):
     an AllToAll first needs one). ranks_per_node: the NVLink domain (default: ranks on one host).
     forwarding: how the normal mode's tokens reach other nodes (ferry.Forwarding; default
     PER_RANK; NODE_ONCE: once per node, forwarded inside it, as DeepEP's internode normal mode
-    does).
+    does). rejoin: a function returning a ferry.Bootstrap of the whole world, where a masked
+    rank's new process and the survivors meet (low_latency_update_mask_buffer(rank, False));
+    default: a rendezvous at FERRY_REJOIN_RENDEZVOUS. join (default: FERRY_JOIN set): this
+    process replaces a rank the others masked -- it meets their readmission over rejoin() (its
+    rank and world from FERRY_RANK and FERRY_WORLD_SIZE where rejoin is the default) and
+    `group` is not used.
 
     low_latency_dispatch and low_latency_combine are the C++ base's (_ferry.DeepEpLowLatency),
     written once there: every argument checked, every form run; it asks _ll_shape here for a
@@ -36,17 +43,31 @@ class Buffer(_LowLatency, _Normal, _Shrink, _Streams, _ferry.DeepEpLowLatency):
     def __init__(self, group=None, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False,
                  num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False,
                  use_fabric=False, explicitly_destroy=False, enable_shrink=False, comm=None, *,
-                 engine=None, ranks_per_node=None, timeout=None, forwarding=None):
+                 engine=None, ranks_per_node=None, timeout=None, forwarding=None, rejoin=None,
+                 join=None):
         if num_nvl_bytes < 0 or num_rdma_bytes < 0:
             raise InvalidArgument("num_nvl_bytes and num_rdma_bytes: at least 0")
         refuse("allow_mnnvl", allow_mnnvl, False, "multi-node NVLink domains are not supported")
         refuse("use_fabric", use_fabric, False,
                "fabric memory handles (multi-node NVLink) are not supported")
-        if group is None and comm is not None:  # DeepEP's mpi4py communicator
+        if join is None:
+            join = os.environ.get("FERRY_JOIN", "") not in ("", "0")
+        if join:
+            # A new process for a rank the others masked: its world is the readmission's.
+            self._rejoin = rejoin or rejoin_from_env(None, None)
+            if not enable_shrink:
+                raise InvalidArgument("join=True: a rank comes back into a Buffer with "
+                                      "enable_shrink=True")
+            group = self._rejoin_group("Buffer(join=True)")
+        elif group is None and comm is not None:  # DeepEP's mpi4py communicator
             group = _ferry.CallbackBootstrap(comm.Get_rank(), comm.Get_size(),
                                              lambda data, timeout: comm.allgather(data))
         self._group = Group(group, engine, ranks_per_node)
         self.rank, self.group_size = self._group.rank, self._group.world_size
+        # A masked rank's return (low_latency_update_mask_buffer(rank, False)): where the
+        # survivors and its new process meet.
+        if not join:
+            self._rejoin = rejoin or rejoin_from_env(self.rank, self.group_size)
         # How the normal mode's tokens reach other nodes (the low-latency mode's combine takes
         # its weights at the combine, which node-once cannot: per rank there always).
         self._forwarding = self._check_forwarding(
@@ -72,6 +93,8 @@ class Buffer(_LowLatency, _Normal, _Shrink, _Streams, _ferry.DeepEpLowLatency):
         # and output sets there).
         super().__init__(self.group_size, self._timeout, _DONE, LowLatencyHandle)
         self._destroyed = False
+        if join:
+            self._join_world()
 
     def _check_forwarding(self, forwarding):
         """forwarding, InvalidArgument unless the ranks are several nodes of several ranks

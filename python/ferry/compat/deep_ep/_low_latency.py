@@ -21,14 +21,18 @@ class _LowLatency:
     def _ll_shape(self, x, m, num_experts, k, use_fp8, use_ue8m0):
         """What the C++ base asks for where no AllToAll of a shape is idle: one (made where
         none is idle), with its two output sets, added to the C++ base and left idle there."""
-        dtype = _ferry.DispatchDtype.FP8_E4M3 if use_fp8 else _ferry.DispatchDtype.BF16
-        hidden = x.shape[1]
-        pooled = self._acquire(
-            ("ll", x.get_device(), m, hidden, num_experts, k, use_fp8), x, lambda: dict(
-                num_experts=num_experts, experts_per_token=k, max_tokens_per_rank=m,
-                hidden=hidden, dtype=dtype), comm=False)
+        key = ("ll", x.get_device(), m, x.shape[1], num_experts, k, use_fp8)
+        pooled = self._acquire(key, x, lambda: self._ll_fields(key), comm=False)
         self._ll_sets(pooled, x, (m, num_experts, k), use_fp8, use_ue8m0)
         pooled.busy = False
+
+    @staticmethod
+    def _ll_fields(key):
+        """A low-latency pool's configuration keywords, from its key."""
+        _, _, m, hidden, num_experts, k, use_fp8 = key
+        return dict(num_experts=num_experts, experts_per_token=k, max_tokens_per_rank=m,
+                    hidden=hidden, dtype=_ferry.DispatchDtype.FP8_E4M3 if use_fp8
+                    else _ferry.DispatchDtype.BF16)
 
     def _ll_sets(self, pooled, x, shape, use_fp8, use_ue8m0):
         """The two output sets of a low-latency AllToAll in one form, (recv_x, recv_count,

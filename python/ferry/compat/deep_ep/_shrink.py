@@ -1,10 +1,28 @@
-"""DeepEP's shrink mode: the mask buffer's calls over the low-latency AllToAlls' rank masks."""
+"""DeepEP's shrink mode: the mask buffer's calls over the low-latency AllToAlls' rank masks,
+and a masked rank's return as a new process (readmission)."""
+
+import json
+import os
 
 import torch
 
 
 from ... import _ferry
 from ..._errors import InvalidArgument, Unimplemented
+
+# How long a readmission waits for the ranks it meets (the new process may still be starting).
+_READMIT_TIMEOUT = 60.0
+
+
+def rejoin_from_env(rank, world_size):
+    """Buffer's default `rejoin`: a rendezvous at FERRY_REJOIN_RENDEZVOUS ('HOST:PORT', rank 0
+    listening) as `rank` of `world_size` (None: FERRY_RANK, FERRY_WORLD_SIZE), or None where it
+    is not set."""
+    address = os.environ.get("FERRY_REJOIN_RENDEZVOUS")
+    if not address:
+        return None
+    return lambda: _ferry.join_rendezvous(address, world_size=world_size, rank=rank,
+                                          timeout=_READMIT_TIMEOUT)
 
 
 class _Shrink:
@@ -35,9 +53,12 @@ class _Shrink:
     def low_latency_update_mask_buffer(self, rank_to_mask, mask=False):
         """Mask `rank_to_mask` out of the low-latency calls (mask=True: nothing is sent to or
         awaited from it; the copies routed to its experts add nothing) from each AllToAll's next
-        dispatch (a CUDA graph's next replay included). Unmasking a masked rank is refused: in
-        ferry a masked rank stays masked, since sections it sent late would be read as a later
-        call's (a rank that is back joins a new Buffer)."""
+        dispatch (a CUDA graph's next replay included). mask=False on a masked rank brings it
+        back as a new process (a masked rank's old process may still write: it is fenced, not
+        trusted): every survivor calls this between calls, the new process constructs its
+        Buffer with join=True, and they meet over the Buffer's `rejoin` (a bootstrap of the
+        whole world); every low-latency AllToAll is readmitted (ferry.AllToAll.readmit) and the
+        next calls are whole again. Host device; every masked rank comes back at once."""
         self._check_shrink("low_latency_update_mask_buffer")
         if not 0 <= rank_to_mask < self.group_size:
             raise InvalidArgument(f"low_latency_update_mask_buffer: rank {rank_to_mask} of "
@@ -47,10 +68,7 @@ class _Shrink:
         self._gather_masks()
         if not mask:
             if self._masked[rank_to_mask]:
-                raise Unimplemented(f"low_latency_update_mask_buffer: rank {rank_to_mask} is "
-                                    "masked and stays so in this Buffer (unmasking is not "
-                                    "supported: its late sections would be read as a later "
-                                    "call's)")
+                self._readmit(rank_to_mask)
             return
         self._masked[rank_to_mask] = 1
         for a2a in self._low_latency_all_to_alls():
@@ -80,3 +98,71 @@ class _Shrink:
             raise Unimplemented(f"low_latency_clean_mask_buffer: ranks {masked} are masked and "
                                 "stay so in this Buffer (unmasking is not supported: their late "
                                 "sections would be read as a later call's)")
+
+    # ---- readmission --------------------------------------------------------------------------
+
+    def _rejoin_group(self, call):
+        if self._rejoin is None:
+            raise InvalidArgument(f"{call}: a masked rank comes back as a new process met over "
+                                  "a bootstrap of the whole world: give the Buffer rejoin= (a "
+                                  "function that returns one) or set FERRY_REJOIN_RENDEZVOUS")
+        return self._rejoin()
+
+    def _world_view(self):
+        """What a survivor tells the ranks it meets: its low-latency shapes in the order they
+        were made, with their instances; the next instance; the world's ranks per node."""
+        return json.dumps({
+            "shapes": [[list(key), a2a.config.instance]
+                       for key, a2a in self._group.keyed("ll")],
+            "next_instance": self._group.next_instance(),
+            "ranks_per_node": self._group.known_ranks_per_node()}).encode()
+
+    def _meet(self, group, mine):
+        """Every rank's view over `group` (a new process's is empty), the survivors' checked
+        alike: the one they share."""
+        views = group.all_gather(mine, _READMIT_TIMEOUT)
+        theirs = [v for v in views if v]
+        if not theirs:
+            raise InvalidArgument("join: no rank of the world met this one (every rank "
+                                  "joining is a new Buffer, not a readmission)")
+        for r, v in enumerate(views):
+            if v and v != theirs[0]:
+                raise InvalidArgument(f"readmission: rank {r}'s low-latency shapes differ from "
+                                      "the other survivors' (each must have made the same calls)")
+        return json.loads(theirs[0])
+
+    def _readmit(self, rank):
+        """Survivors: the masked ranks back as the new processes met over rejoin()."""
+        call = "low_latency_update_mask_buffer"
+        if any(a2a.config.device != _ferry.MoeDevice.HOST for a2a in
+               self._low_latency_all_to_alls()):
+            raise Unimplemented(f"{call}: bringing rank {rank} back runs on the host device "
+                                "only (the CUDA device's AllToAlls cannot readmit a rank yet)")
+        group = self._rejoin_group(call)
+        mine = self._world_view()
+        view = self._meet(group, mine)
+        for _, a2a in self._group.keyed("ll"):
+            a2a.readmit(group, _READMIT_TIMEOUT)
+        # The normal mode's AllToAlls included the lost rank: their steps fail from then on,
+        # and the new process has none. They are remade, collectively, at their next call.
+        self._group.drop("ll")
+        self._group.rebase(group, view["ranks_per_node"])
+        self._masked = [0] * self.group_size
+
+    def _join_world(self):
+        """A new process for a rank the others masked: meets their readmission over rejoin()
+        and joins each of their low-latency AllToAlls (ferry.AllToAll.join), made from their
+        keys as theirs were."""
+        group = self._group.bootstrap
+        view = self._meet(group, b"")
+        engine = self._group.engine(True)
+        for key, instance in view["shapes"]:
+            key = tuple(key)
+            config = self._config(key, lambda k=key: self._ll_fields(k))
+            config.world_size, config.rank, config.instance = (self.group_size, self.rank,
+                                                               instance)
+            config.validate()
+            self._group.adopt(key, _ferry.AllToAll.join(config, engine, group,
+                                                        _READMIT_TIMEOUT))
+        self._group.set_next_instance(view["next_instance"])
+        self._group.rebase(group, view["ranks_per_node"])

@@ -7,7 +7,7 @@ import torch
 
 
 from ... import _ferry
-from .._group import current_stream_handle, device_kind
+from .._group import current_stream_handle
 from ..._errors import InvalidArgument
 from ._events import _DONE, EventOverlap, _NO_STREAM
 
@@ -48,30 +48,33 @@ class _Streams:
         return pooled
 
     def _create(self, key, x, fields):
-        device = device_kind(x)
-        low_latency = key[0] == "ll"
-
-        def make():
-            c = _ferry.AllToAllConfig(**fields())
-            c.device = device
-            c.mask_lost_peers = low_latency and self.enable_shrink
-            if low_latency:
-                # The low-latency handle names each row's sender (src_info), which rows
-                # forwarded inside a node lack: across nodes, per rank.
-                c.forwarding = _ferry.Forwarding.PER_RANK
-            if device == _ferry.MoeDevice.CUDA:
-                c.cuda_device = x.device.index or 0
-            if device == _ferry.MoeDevice.CUDA or c.forwarding == _ferry.Forwarding.NODE_ONCE:
-                # The NVLink domain; node-once's nodes on the host device too.
-                c.ranks_per_node = self._group.ranks_per_node()
-            return c
-
-        pooled = self._group.acquire(key, make)
-        if low_latency:
+        pooled = self._group.acquire(key, lambda: self._config(key, fields))
+        if key[0] == "ll":
             for rank, masked in enumerate(self._masked):
                 if masked:
                     pooled.a2a.set_masked(rank)
         return pooled
+
+    def _config(self, key, fields):
+        """The configuration of pool `key`'s AllToAlls from fields() (its mode's keywords): its
+        device from the key's second element (the tensors', Tensor.get_device(): -1 on the
+        CPU), the rest from the Buffer's settings -- what a process that joins later
+        (_Shrink._join_world) makes from the key alone."""
+        device = _ferry.MoeDevice.HOST if key[1] < 0 else _ferry.MoeDevice.CUDA
+        low_latency = key[0] == "ll"
+        c = _ferry.AllToAllConfig(**fields())
+        c.device = device
+        c.mask_lost_peers = low_latency and self.enable_shrink
+        if low_latency:
+            # The low-latency handle names each row's sender (src_info), which rows forwarded
+            # inside a node lack: across nodes, per rank.
+            c.forwarding = _ferry.Forwarding.PER_RANK
+        if device == _ferry.MoeDevice.CUDA:
+            c.cuda_device = key[1]
+        if device == _ferry.MoeDevice.CUDA or c.forwarding == _ferry.Forwarding.NODE_ONCE:
+            # The NVLink domain; node-once's nodes on the host device too.
+            c.ranks_per_node = self._group.ranks_per_node()
+        return c
 
     def _stream_for(self, pooled):
         """The AllToAll on the communication stream (set once: its four steps must share
