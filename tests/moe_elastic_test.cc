@@ -14,12 +14,14 @@
 #include <cstring>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "fabric/test_util.h"
 #include "ferry/bootstrap.h"
 #include "ferry/moe.h"
 #include "moe/numerics.h"
+#include "moe_buf.h"
 
 namespace ferry {
 namespace {
@@ -50,10 +52,17 @@ float Weight(int j) { return j == 0 ? 0.5f : 0.25f; }
 using Ranks = std::vector<bool>;
 const Ranks kAll = {true, true, true, true}, kWithout2 = {true, true, false, true};
 
-AllToAllConfig Config(int rank, const Shape& s = {}) {
-  return {.world_size = s.world, .rank = rank, .num_experts = s.experts,
-          .experts_per_token = kK, .max_tokens_per_rank = kTokens, .hidden = kHidden,
-          .dtype = DispatchDtype::kBf16, .mask_lost_peers = true};
+// On the CUDA device (`cuda`) every rank is a node of its own on this machine's first GPU: the
+// relay carries every section, as readmission there needs.
+AllToAllConfig Config(int rank, const Shape& s = {}, bool cuda = false) {
+  AllToAllConfig c{.world_size = s.world, .rank = rank, .num_experts = s.experts,
+                   .experts_per_token = kK, .max_tokens_per_rank = kTokens, .hidden = kHidden,
+                   .dtype = DispatchDtype::kBf16, .mask_lost_peers = true};
+  if (cuda) {
+    c.device = MoeDeviceKind::kCuda;
+    c.ranks_per_node = 1;
+  }
+  return c;
 }
 
 // One rank's AllToAll and buffers; `epoch` is that of its next dispatch.
@@ -63,9 +72,10 @@ struct Member {
   int rank = 0;
   Shape shape;
   uint64_t epoch = 0;
-  std::vector<uint16_t> x, out_x, y;
-  std::vector<int32_t> idx, counts;
-  std::vector<float> w;
+  bool cuda = false;  // the buffers' GPU halves are what the steps use
+  Buf<uint16_t> x, out_x, y;
+  Buf<int32_t> idx, counts;
+  Buf<float> w;
 };
 
 StatusOr<std::unique_ptr<TransferEngine>> Engine() {
@@ -76,50 +86,61 @@ StatusOr<std::unique_ptr<TransferEngine>> Engine() {
   return TransferEngine::Create(options);
 }
 
-// Rank `rank`'s buffers and routing in a world of `shape`.
-void Buffers(Member& m, int rank, const Shape& shape = {}) {
+// Rank `rank`'s buffers and routing in a world of `shape` (on the GPU where m.cuda).
+Status Buffers(Member& m, int rank, const Shape& shape = {}) {
   m.rank = rank;
   m.shape = shape;
-  m.idx.resize(kTokens * kK);
-  m.w.resize(kTokens * kK);
+#if FERRY_HAVE_CUDA
+  if (m.cuda) CUDA_OR_RETURN(cudaSetDevice(0));
+#endif
+  RETURN_IF_ERROR(m.idx.Init(m.cuda, kTokens * kK, 0));
+  RETURN_IF_ERROR(m.w.Init(m.cuda, kTokens * kK, 0.0f));
   for (int t = 0; t < kTokens; ++t) {
     for (int j = 0; j < kK; ++j) {
-      m.idx[t * kK + j] = Expert(shape, rank, t, j);
-      m.w[t * kK + j] = Weight(j);
+      m.idx.host[t * kK + j] = Expert(shape, rank, t, j);
+      m.w.host[t * kK + j] = Weight(j);
     }
   }
-  m.x.resize(kTokens * kHidden);
-  m.out_x.assign(size_t(shape.local() * shape.capacity() * kHidden), 0);
-  m.y.resize(kTokens * kHidden);
-  m.counts.resize(size_t(shape.local()));
+  RETURN_IF_ERROR(m.idx.Push());
+  RETURN_IF_ERROR(m.w.Push());
+  RETURN_IF_ERROR(m.x.Init(m.cuda, kTokens * kHidden, 0));
+  RETURN_IF_ERROR(m.out_x.Init(m.cuda, size_t(shape.local() * shape.capacity() * kHidden), 0));
+  RETURN_IF_ERROR(m.y.Init(m.cuda, kTokens * kHidden, 0));
+  return m.counts.Init(m.cuda, size_t(shape.local()), 0);
 }
 
 // A rank of the world as it starts, over `bootstrap`.
-StatusOr<Member> Create(Bootstrap& bootstrap) {
+StatusOr<Member> Create(Bootstrap& bootstrap, bool cuda = false) {
   Member m;
-  Buffers(m, bootstrap.rank());
+  m.cuda = cuda;
+  RETURN_IF_ERROR(Buffers(m, bootstrap.rank()));
   ASSIGN_OR_RETURN(m.engine, Engine());
-  ASSIGN_OR_RETURN(m.a2a, AllToAll::Create(Config(bootstrap.rank()), m.engine.get(), bootstrap));
+  ASSIGN_OR_RETURN(m.a2a, AllToAll::Create(Config(bootstrap.rank(), {}, cuda), m.engine.get(),
+                                           bootstrap));
   return m;
 }
 
 // A new process for rank `group.rank()`, joining the survivors over `group`.
-StatusOr<Member> Join(Bootstrap& group, const Shape& shape = {}) {
+StatusOr<Member> Join(Bootstrap& group, const Shape& shape = {}, bool cuda = false) {
   Member m;
-  Buffers(m, group.rank(), shape);
+  m.cuda = cuda;
+  RETURN_IF_ERROR(Buffers(m, group.rank(), shape));
   ASSIGN_OR_RETURN(m.engine, Engine());
-  ASSIGN_OR_RETURN(m.a2a,
-                   AllToAll::Join(Config(group.rank(), shape), m.engine.get(), group, 30s));
+  ASSIGN_OR_RETURN(m.a2a, AllToAll::Join(Config(group.rank(), shape, cuda), m.engine.get(),
+                                         group, 30s));
   return m;
 }
 
 Status Dispatch(Member& m, Deadline deadline) {
   for (int t = 0; t < kTokens; ++t) {
-    std::fill_n(m.x.begin() + t * kHidden, kHidden, FloatToBf16(Value(m.rank, t, m.epoch)));
+    std::fill_n(m.x.host.begin() + t * kHidden, kHidden,
+                FloatToBf16(Value(m.rank, t, m.epoch)));
   }
-  std::fill(m.counts.begin(), m.counts.end(), -1);
-  RETURN_IF_ERROR(m.a2a->DispatchSend({m.x.data(), nullptr, m.idx.data(), m.w.data(), kTokens}));
-  return m.a2a->DispatchRecv({m.out_x.data(), nullptr, m.counts.data()}, deadline);
+  RETURN_IF_ERROR(m.x.Push());
+  std::fill(m.counts.host.begin(), m.counts.host.end(), -1);
+  RETURN_IF_ERROR(m.counts.Push());
+  RETURN_IF_ERROR(m.a2a->DispatchSend({m.x.ptr(), nullptr, m.idx.ptr(), m.w.ptr(), kTokens}));
+  return m.a2a->DispatchRecv({m.out_x.ptr(), nullptr, m.counts.ptr()}, deadline);
 }
 
 // What the epoch's dispatch gave us from the senders in `sent` (each in token order, sender by
@@ -127,6 +148,8 @@ Status Dispatch(Member& m, Deadline deadline) {
 Status Finish(Member& m, const Ranks& sent, const Ranks& live, Deadline deadline) {
   const std::string at = "rank " + std::to_string(m.rank) + " epoch " + std::to_string(m.epoch);
   const Shape& shape = m.shape;
+  RETURN_IF_ERROR(m.counts.Pull());
+  RETURN_IF_ERROR(m.out_x.Pull());
   for (int e = 0; e < shape.local(); ++e) {
     std::vector<float> want;
     for (int s = 0; s < shape.world; ++s) {
@@ -138,18 +161,19 @@ Status Finish(Member& m, const Ranks& sent, const Ranks& live, Deadline deadline
         }
       }
     }
-    CHECK_OR_RETURN(m.counts[e] == int(want.size()),
-                    at + ": " + std::to_string(m.counts[e]) + " rows for local expert " +
+    CHECK_OR_RETURN(m.counts.host[e] == int(want.size()),
+                    at + ": " + std::to_string(m.counts.host[e]) + " rows for local expert " +
                         std::to_string(e) + ", want " + std::to_string(want.size()));
     for (size_t i = 0; i < want.size(); ++i) {
       const float got =
-          Bf16ToFloat(m.out_x[(e * shape.capacity() + int64_t(i)) * kHidden + i % kHidden]);
+          Bf16ToFloat(m.out_x.host[(e * shape.capacity() + int64_t(i)) * kHidden + i % kHidden]);
       CHECK_OR_RETURN(got == want[i], at + ": row " + std::to_string(i) + " of local expert " +
                                           std::to_string(e) + " holds " + std::to_string(got));
     }
   }
-  RETURN_IF_ERROR(m.a2a->CombineSend(m.out_x.data()));
-  RETURN_IF_ERROR(m.a2a->CombineRecv({m.y.data(), false}, deadline));
+  RETURN_IF_ERROR(m.a2a->CombineSend(m.out_x.ptr()));
+  RETURN_IF_ERROR(m.a2a->CombineRecv({m.y.ptr(), false}, deadline));
+  RETURN_IF_ERROR(m.y.Pull());
   for (int t = 0; t < kTokens; ++t) {
     float weight = 0;
     for (int j = 0; j < kK; ++j) {
@@ -157,7 +181,7 @@ Status Finish(Member& m, const Ranks& sent, const Ranks& live, Deadline deadline
     }
     const float want = Bf16ToFloat(FloatToBf16(Value(m.rank, t, m.epoch) * weight));
     for (int i = 0; i < kHidden; ++i) {
-      const float got = Bf16ToFloat(m.y[t * kHidden + i]);
+      const float got = Bf16ToFloat(m.y.host[t * kHidden + i]);
       CHECK_OR_RETURN(got == want, at + ": token " + std::to_string(t) + " combined to " +
                                        std::to_string(got) + ", want " + std::to_string(want));
     }
@@ -216,10 +240,18 @@ Status AwaitSignal(int fd, std::chrono::milliseconds within = 20s) {
 // dropped, kBefore fails at epoch 6 or 7; without the old keys revoked, so does kAfter.)
 enum class Woken { kBefore, kAfter };
 
-class MoeElasticTest : public ::testing::TestWithParam<Woken> {};
+// On the host device, and on the CUDA device with every rank its own node (skipped without a
+// GPU).
+class MoeElasticTest : public ::testing::TestWithParam<std::tuple<Woken, bool>> {};
 
 TEST_P(MoeElasticTest, ALostRankIsReplacedFencedAndTheNextEpochsAreWholeAgain) {
-  const bool before = GetParam() == Woken::kBefore;
+  const bool before = std::get<0>(GetParam()) == Woken::kBefore;
+  const bool cuda = std::get<1>(GetParam());
+#if FERRY_HAVE_CUDA
+  if (cuda && !HaveGpu()) GTEST_SKIP() << "no GPU";
+#else
+  if (cuda) GTEST_SKIP() << "built without CUDA";
+#endif
   const std::string first = LoopbackAddress(), second = LoopbackAddress();
   // Rank 0 to the old rank 2 (go on); it to rank 0 (it sent); ranks 1 and 3 to rank 0 (their
   // epoch 3 is over: rows that land after it are no epoch's they still read).
@@ -232,7 +264,7 @@ TEST_P(MoeElasticTest, ALostRankIsReplacedFencedAndTheNextEpochsAreWholeAgain) {
     if (me == kWorld) {
       RETURN_IF_ERROR(launcher.Barrier(60s));
       ASSIGN_OR_RETURN(auto group, Rendezvous(second, 2));
-      ASSIGN_OR_RETURN(Member m, Join(*group));
+      ASSIGN_OR_RETURN(Member m, Join(*group, {}, cuda));
       CHECK_OR_RETURN(m.a2a->membership_version() == 1,
                       "joined at version " + std::to_string(m.a2a->membership_version()));
       m.epoch = 4;  // the survivors' next epoch, where Join's AllToAll starts
@@ -246,15 +278,15 @@ TEST_P(MoeElasticTest, ALostRankIsReplacedFencedAndTheNextEpochsAreWholeAgain) {
       return Status::Ok();
     }
     ASSIGN_OR_RETURN(auto world, Rendezvous(first, me));
-    ASSIGN_OR_RETURN(Member m, Create(*world));
+    ASSIGN_OR_RETURN(Member m, Create(*world, cuda));
     for (int i = 0; i < 2; ++i) RETURN_IF_ERROR(Epoch(m, kAll, Deadline::After(30s)));
     RETURN_IF_ERROR(Dispatch(m, Deadline::After(30s)));
     RETURN_IF_ERROR(launcher.Barrier(60s));  // every rank has had epoch 2's dispatch
     if (me == 2) {
       RETURN_IF_ERROR(AwaitSignal(resume[0], 120s));
       // Woken by rank 0: this epoch's combine rows go out under the keys we were given.
-      (void)m.a2a->CombineSend(m.out_x.data());
-      (void)m.a2a->CombineRecv({m.y.data(), false}, Deadline::After(1s));
+      (void)m.a2a->CombineSend(m.out_x.ptr());
+      (void)m.a2a->CombineRecv({m.y.ptr(), false}, Deadline::After(1s));
       std::this_thread::sleep_for(300ms);  // our relay's writes end (shm: microseconds)
       return Signal(woke[1]);
     }
@@ -286,11 +318,13 @@ TEST_P(MoeElasticTest, ALostRankIsReplacedFencedAndTheNextEpochsAreWholeAgain) {
   for (int r = 0; r <= kWorld; ++r) EXPECT_TRUE(exits[r].ok()) << "process " << r;
 }
 
-INSTANTIATE_TEST_SUITE_P(Woken, MoeElasticTest, ::testing::Values(Woken::kBefore, Woken::kAfter),
-                         [](const auto& info) {
-                           return info.param == Woken::kBefore ? "BeforeTheFence"
-                                                               : "AfterTheFence";
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Woken, MoeElasticTest,
+    ::testing::Combine(::testing::Values(Woken::kBefore, Woken::kAfter), ::testing::Bool()),
+    [](const auto& info) {
+      return std::string(std::get<1>(info.param) ? "Cuda" : "Host") +
+             (std::get<0>(info.param) == Woken::kBefore ? "BeforeTheFence" : "AfterTheFence");
+    });
 
 // Rank 2 leaves cleanly: the others mask it before the same epoch and go on without it. A new
 // process takes rank 2's place in a group and dies before it joins: every survivor's Readmit
@@ -361,7 +395,7 @@ TEST(MoeElasticResizeTest, TheWorldGrowsFromFourToSixRanksAndShrinksBackExactly)
       return Status::Ok();
     }
     ASSIGN_OR_RETURN(auto world, Rendezvous(first, me));
-    Buffers(m, me, four);
+    RETURN_IF_ERROR(Buffers(m, me, four));
     ASSIGN_OR_RETURN(m.engine, Engine());
     ASSIGN_OR_RETURN(m.a2a, AllToAll::Create(Config(me, four), m.engine.get(), *world));
     for (int i = 0; i < 2; ++i) RETURN_IF_ERROR(Epoch(m, kAll, Deadline::After(30s)));
@@ -373,7 +407,7 @@ TEST(MoeElasticResizeTest, TheWorldGrowsFromFourToSixRanksAndShrinksBackExactly)
       ASSIGN_OR_RETURN(auto group, Rendezvous(grown, me, 6));
       RETURN_IF_ERROR(m.a2a->Resize(Config(me, six), *group, 30s));
     }
-    Buffers(m, me, six);
+    RETURN_IF_ERROR(Buffers(m, me, six));
     CHECK_OR_RETURN(m.a2a->config().world_size == 6 && m.a2a->membership_version() == 1,
                     "grown: world " + std::to_string(m.a2a->config().world_size));
     for (int i = 0; i < 2; ++i) RETURN_IF_ERROR(Epoch(m, all6, Deadline::After(30s)));
@@ -381,7 +415,7 @@ TEST(MoeElasticResizeTest, TheWorldGrowsFromFourToSixRanksAndShrinksBackExactly)
       ASSIGN_OR_RETURN(auto group, Rendezvous(shrunk, me));
       RETURN_IF_ERROR(m.a2a->Resize(Config(me, four), *group, 30s));
     }
-    Buffers(m, me, four);
+    RETURN_IF_ERROR(Buffers(m, me, four));
     CHECK_OR_RETURN(m.a2a->config().world_size == 4 && m.a2a->membership_version() == 2,
                     "shrunk: world " + std::to_string(m.a2a->config().world_size));
     for (int i = 0; i < 2; ++i) RETURN_IF_ERROR(Epoch(m, kAll, Deadline::After(30s)));

@@ -128,9 +128,10 @@ class DeepEpMaskTest(unittest.TestCase):
                 assert took < (5.0 if round == 3 else 0.5), (round, took)
                 assert masks(buf, world) == [0, 0, 1]
             # Unmasking brings rank 2 back as a new process met over `rejoin`, which this
-            # Buffer lacks (host device; the CUDA device cannot readmit a rank yet).
+            # Buffer lacks (on the CUDA device, readmission needs every rank in a node of its
+            # own; these three share one).
             if DEV == "cuda":
-                expect_error(ferry.Unimplemented, "host device only",
+                expect_error(ferry.Unimplemented, "a node of its own",
                              buf.low_latency_update_mask_buffer, 2, False)
             else:
                 expect_error(ferry.InvalidArgument, "rejoin=",
@@ -149,7 +150,8 @@ class DeepEpMaskTest(unittest.TestCase):
         go on without it; a new process takes its place (join=True) and the survivors unmask
         it (low_latency_update_mask_buffer(2, False)), meeting over `rejoin`: from the next
         call every rank's rows and sums are whole again, on every rank, the new one included.
-        Host device (readmission is the host device's)."""
+        Host device (on the CUDA device these ranks share a node, where readmission is
+        refused)."""
         if self.dev == "cuda":
             self.skipTest("readmission runs on the host device")
         first, again = free_address(), free_address()

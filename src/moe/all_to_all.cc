@@ -155,10 +155,10 @@ class Shell final : public AllToAll {
   Status Resize(const AllToAllConfig& asked, Bootstrap& group,
                 std::chrono::milliseconds timeout) override {
     RETURN_IF_ERROR(Step(Stage::kIdle, "Resize"));
-    RETURN_IF_ERROR(moe::CheckRejoinable(c_, "AllToAll::Resize"));
+    RETURN_IF_ERROR(moe::CheckResizable(c_));
     AllToAllConfig wanted = asked;
     wanted.forwarding = asked.chosen_forwarding();
-    RETURN_IF_ERROR(moe::CheckRejoinable(wanted, "AllToAll::Resize"));
+    RETURN_IF_ERROR(moe::CheckResizable(wanted));
     ASSIGN_OR_RETURN(const AllToAllConfig config, moe::Resolve(asked, engine_, group));
     if (config.instance != c_.instance) {
       return InvalidArgumentError("AllToAll::Resize: instance " + std::to_string(config.instance) +
@@ -268,7 +268,12 @@ StatusOr<std::unique_ptr<AllToAll>> AllToAll::Join(const AllToAllConfig& asked,
   const moe::MemberView mine{true, false, 0, 0, std::vector<uint8_t>(size_t(config.world_size)),
                              config.Fingerprint()};
   ASSIGN_OR_RETURN(const moe::Readmission agreed, moe::Meet(group, mine, timeout));
-  ASSIGN_OR_RETURN(auto device, moe::CreateHostDevice(config, engine, group, agreed.epoch));
+  std::unique_ptr<moe::MoeDevice> device;
+  if (config.device == MoeDeviceKind::kCuda) {
+    ASSIGN_OR_RETURN(device, moe::CreateCudaDevice(config, engine, group, nullptr, agreed.epoch));
+  } else {
+    ASSIGN_OR_RETURN(device, moe::CreateHostDevice(config, engine, group, agreed.epoch));
+  }
   return std::unique_ptr<AllToAll>(
       std::make_unique<Shell>(config, engine, std::move(device), agreed.version, agreed.epoch));
 }

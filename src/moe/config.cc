@@ -229,12 +229,29 @@ StatusOr<AllToAllConfig> Resolve(const AllToAllConfig& asked, TransferEngine* en
 }
 
 Status CheckRejoinable(const AllToAllConfig& c, const char* call) {
+  if (c.forwarding == Forwarding::kNodeOnce) {
+    return UnimplementedError(std::string(call) +
+                              ": ranks join a running world with per rank forwarding, for now "
+                              "(with node-once: create a new AllToAll)");
+  }
+  // On the CUDA device a rank of our node is reached through memory mapped once (its
+  // buffer's handle): only ranks the relay reaches can be replaced.
+  if (c.device == MoeDeviceKind::kCuda && c.ranks_per_node != 1) {
+    return UnimplementedError(std::string(call) +
+                              ": on the CUDA device ranks join a running world where every "
+                              "rank is its own node (ranks_per_node 1, the relay between "
+                              "them), for now (else: create a new AllToAll)");
+  }
+  return Status::Ok();
+}
+
+Status CheckResizable(const AllToAllConfig& c) {
   if (c.device == MoeDeviceKind::kHost && c.forwarding != Forwarding::kNodeOnce) {
     return Status::Ok();
   }
-  return UnimplementedError(std::string(call) +
-                            ": ranks join a running world on the host device, per rank "
-                            "forwarding, for now (elsewhere: create a new AllToAll)");
+  return UnimplementedError(
+      "AllToAll::Resize: the world changes size on the host device, per rank forwarding, for "
+      "now (elsewhere: create a new AllToAll)");
 }
 
 Status CheckStage(Stage at, Stage want, const char* step) {

@@ -157,8 +157,10 @@ StatusOr<std::unique_ptr<AllToAll>> CreateAllToAll(const AllToAllConfig& config,
 // carries the traffic between nodes and may be null with one node. Collective. Unimplemented
 // where ferry was built without CUDA.
 // hearing: as DeviceParams::heard, mirrored into the kernels' memory (Nv::heard).
+// first_epoch: as CreateHostDevice's (AllToAll::Join, every rank its own node).
 StatusOr<std::unique_ptr<MoeDevice>> CreateCudaDevice(const AllToAllConfig& config,
                                                       TransferEngine* engine, Bootstrap& bootstrap,
-                                                      const Hearing* hearing = nullptr);
+                                                      const Hearing* hearing = nullptr,
+                                                      uint64_t first_epoch = 0);
 
 }  // namespace ferry::moe

@@ -177,8 +177,17 @@ class CudaDevice final : public MoeDevice {
   // use our memory.
   ~CudaDevice() override;
 
-  // Collective; the set-up stages (cuda_device_setup.cu), in order.
-  Status Init(TransferEngine* engine, Bootstrap& bootstrap);
+  // Collective; the set-up stages (cuda_device_setup.cu), in order. first_epoch: where a
+  // device that joins a running world starts (AllToAll::Join: the survivors' epoch, in the
+  // kernels' scratch and the relay's thread). With a node of one rank its only collectives are
+  // the relay's and a closing barrier: what a survivor's Readmit runs too.
+  Status Init(TransferEngine* engine, Bootstrap& bootstrap, uint64_t first_epoch = 0);
+
+  // Membership (AllToAll::Readmit), every rank its own node (CheckRejoinable): the relay
+  // readmits the ranks (relay.h), their masks are cleared -- the kernels' words, the host's
+  // mirror, the relay's words -- and a barrier closes it, as a joiner's Init ends.
+  Status Readmit(Bootstrap& group, const std::vector<uint8_t>& readmitted, uint64_t epoch,
+                 std::chrono::milliseconds timeout) override;
 
   DeviceCaps caps() const override { return {.streams = true, .device_token_count = true}; }
 
@@ -224,10 +233,10 @@ class CudaDevice final : public MoeDevice {
   // rank, null outside our node.
   StatusOr<std::vector<uint8_t*>> MapNodeBuffers(Bootstrap& bootstrap, int64_t bytes);
   // Other nodes: the relay's inbox and outbox (GPU or pinned host memory), its control block
-  // (pinned host memory), and the relay. The buffers as the kernels address them (nothing
-  // where every rank is in our node).
+  // (pinned host memory), and the relay, from first_epoch. The buffers as the kernels address
+  // them (nothing where every rank is in our node).
   StatusOr<RelayBuffers> StartRelay(const RelayLayout& relay, TransferEngine* engine,
-                                    Bootstrap& bootstrap);
+                                    Bootstrap& bootstrap, uint64_t first_epoch);
   // Every rank as the kernels reach it: NodePeer in our node, RemotePeer (the relay) outside;
   // with what each rank's send grid adds to its flags (exchanged).
   StatusOr<std::vector<nv::NvPeer>> ExchangePeers(Bootstrap& bootstrap, const RelayLayout& relay,

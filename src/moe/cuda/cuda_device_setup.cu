@@ -34,16 +34,27 @@ CudaDevice::~CudaDevice() {
   if (error_) cudaFreeHost(error_);
 }
 
-Status CudaDevice::Init(TransferEngine* engine, Bootstrap& bootstrap) {
+Status CudaDevice::Init(TransferEngine* engine, Bootstrap& bootstrap, uint64_t first_epoch) {
   int sms = 0;
   RETURN_IF_ERROR(OpenDevice(&sms));
   ASSIGN_OR_RETURN(const int64_t bytes, PlanBuffer());
   RETURN_IF_ERROR(PlanGrids(sms));
   ASSIGN_OR_RETURN(const std::vector<uint8_t*> bases, MapNodeBuffers(bootstrap, bytes));
   const RelayLayout relay(c_, nv_.slot_bytes, c_.ranks_per_node);
-  ASSIGN_OR_RETURN(const RelayBuffers mapped, StartRelay(relay, engine, bootstrap));
+  ASSIGN_OR_RETURN(const RelayBuffers mapped, StartRelay(relay, engine, bootstrap, first_epoch));
   ASSIGN_OR_RETURN(const std::vector<NvPeer> peers, ExchangePeers(bootstrap, relay, mapped, bases));
   RETURN_IF_ERROR(AllocateDeviceState(peers, bases[c_.rank]));
+  if (first_epoch > 0) {
+    // The kernels count epochs in their scratch (Scratch::epoch), and our flags for ourselves
+    // (in our own buffer, NvPeer) gain a grid's worth per epoch: both as if we had run the
+    // survivors' epochs.
+    FERRY_CUDA(cudaMemcpy(&scratch_.get()->epoch, &first_epoch, sizeof first_epoch,
+                          cudaMemcpyHostToDevice));
+    const uint64_t own[2] = {first_epoch * uint64_t(peers[c_.rank].dispatch_step),
+                             first_epoch * uint64_t(peers[c_.rank].combine_step)};
+    FERRY_CUDA(cudaMemcpy(peers[c_.rank].dispatch_flag, &own[0], 8, cudaMemcpyHostToDevice));
+    FERRY_CUDA(cudaMemcpy(peers[c_.rank].combine_flag, &own[1], 8, cudaMemcpyHostToDevice));
+  }
   FERRY_CUDA(cudaDeviceSynchronize());
   if (hearing_.liveness) hearing_.liveness->Mirror(error_ + 4 + c_.world_size, hearing_.ranks);
   // No rank writes into another before every buffer is zeroed and mapped.
@@ -70,12 +81,17 @@ StatusOr<std::vector<uint8_t*>> CudaDevice::MapNodeBuffers(Bootstrap& bootstrap,
   int fd = -1;
   RETURN_IF_ERROR(shared_.Create(c_.cuda_device, bytes, &fd));
   const int per_node = c_.ranks_per_node, first = c_.rank / per_node * per_node;
+  std::vector<uint8_t*> bases(n, nullptr);
+  if (per_node == 1) {  // a node of one: nothing to exchange (and no collective to run)
+    close(fd);
+    bases[c_.rank] = shared_.own();
+    return bases;
+  }
   std::vector<int> members(per_node);
   for (int i = 0; i < per_node; ++i) members[i] = first + i;
   auto fds = ExchangeFds(bootstrap, members, fd, kExchangeTimeout);
   close(fd);
   RETURN_IF_ERROR(fds.status());
-  std::vector<uint8_t*> bases(n, nullptr);
   Status imported = Status::Ok();
   for (int i = 0; i < per_node; ++i) {
     const int r = members[i];
@@ -95,7 +111,7 @@ StatusOr<std::vector<uint8_t*>> CudaDevice::MapNodeBuffers(Bootstrap& bootstrap,
 }
 
 StatusOr<RelayBuffers> CudaDevice::StartRelay(const RelayLayout& relay, TransferEngine* engine,
-                                              Bootstrap& bootstrap) {
+                                              Bootstrap& bootstrap, uint64_t first_epoch) {
   Nv& v = nv_;
   v.first_remote = relay.remotes.empty() ? -1 : relay.remotes.front();
   if (!relay.remotes.empty() && relay.counts_bytes != int64_t{v.counts_stride} * 4) {
@@ -103,7 +119,8 @@ StatusOr<RelayBuffers> CudaDevice::StartRelay(const RelayLayout& relay, Transfer
   }
   if (relay.remotes.empty()) return RelayBuffers{};
   RETURN_IF_ERROR(boxes_.Place(c_, relay, engine));
-  ASSIGN_OR_RETURN(relay_, Relay::Create(c_, relay, engine, bootstrap, boxes_.host(), 60000));
+  ASSIGN_OR_RETURN(relay_, Relay::Create(c_, relay, engine, bootstrap, boxes_.host(), 60000,
+                                         first_epoch));
   return boxes_.mapped();
 }
 
@@ -112,11 +129,15 @@ StatusOr<std::vector<NvPeer>> CudaDevice::ExchangePeers(Bootstrap& bootstrap,
                                                         const RelayBuffers& mapped,
                                                         const std::vector<uint8_t*>& bases) {
   const int n = c_.world_size;
-  // Every rank's send grids (what its flags for us gain per epoch).
+  // Every rank's send grids (what its flags for us gain per epoch): only our node's are read,
+  // so a node of one gathers none.
   std::vector<uint8_t> grids(2 * sizeof(int32_t));
   const int32_t mine[2] = {send_grid_, recv_grid_};
   std::memcpy(grids.data(), mine, sizeof mine);
-  ASSIGN_OR_RETURN(auto all_grids, bootstrap.AllGather(grids, kExchangeTimeout));
+  std::vector<std::vector<uint8_t>> all_grids(size_t(n), grids);
+  if (c_.ranks_per_node > 1) {
+    ASSIGN_OR_RETURN(all_grids, bootstrap.AllGather(grids, kExchangeTimeout));
+  }
   std::vector<NvPeer> peers(n);
   for (int r = 0; r < n; ++r) {
     if (all_grids[r].size() != sizeof mine) {
@@ -241,15 +262,36 @@ NvPeer CudaDevice::RemotePeer(const RelayLayout& relay, const RelayBuffers& mapp
   return p;
 }
 
+Status CudaDevice::Readmit(Bootstrap& group, const std::vector<uint8_t>& readmitted,
+                           uint64_t epoch, std::chrono::milliseconds timeout) {
+  if (!relay_ || c_.ranks_per_node != 1) {
+    return FailedPreconditionError(
+        "AllToAll::Readmit: the CUDA device readmits ranks of other nodes, every rank its own");
+  }
+  FERRY_CUDA(cudaSetDevice(c_.cuda_device));
+  FERRY_CUDA(cudaStreamSynchronize(stream_));  // between epochs: no kernel of ours runs
+  RETURN_IF_ERROR(relay_->Readmit(group, readmitted, epoch, timeout));
+  const RelayLayout relay(c_, nv_.slot_bytes, c_.ranks_per_node);
+  for (int r = 0; r < c_.world_size; ++r) {
+    if (!readmitted[size_t(r)]) continue;
+    if (nv_.masks) FERRY_CUDA(cudaMemset(nv_.masks + r, 0, sizeof(int32_t)));
+    reinterpret_cast<volatile int32_t*>(error_)[4 + r] = 0;
+    relay.Mask(boxes_.host().control, r, kUnmasked);
+  }
+  FERRY_CUDA(cudaDeviceSynchronize());
+  return group.Barrier(timeout);  // as the joiner's Init ends
+}
+
 StatusOr<std::unique_ptr<MoeDevice>> CreateCudaDevice(const AllToAllConfig& config,
                                                       TransferEngine* engine,
                                                       Bootstrap& bootstrap,
-                                                      const Hearing* hearing) {
+                                                      const Hearing* hearing,
+                                                      uint64_t first_epoch) {
   if (config.device != MoeDeviceKind::kCuda) {
     return InvalidArgumentError("CUDA AllToAll: config.device is not kCuda");
   }
   auto device = std::make_unique<CudaDevice>(config, hearing);
-  RETURN_IF_ERROR(device->Init(engine, bootstrap));
+  RETURN_IF_ERROR(device->Init(engine, bootstrap, first_epoch));
   return std::unique_ptr<MoeDevice>(std::move(device));
 }
 

@@ -58,7 +58,8 @@ class _Shrink:
         trusted): every survivor calls this between calls, the new process constructs its
         Buffer with join=True, and they meet over the Buffer's `rejoin` (a bootstrap of the
         whole world); every low-latency AllToAll is readmitted (ferry.AllToAll.readmit) and the
-        next calls are whole again. Host device; every masked rank comes back at once."""
+        next calls are whole again. Every masked rank comes back at once; on the CUDA device only
+        where every rank is a node of its own."""
         self._check_shrink("low_latency_update_mask_buffer")
         if not 0 <= rank_to_mask < self.group_size:
             raise InvalidArgument(f"low_latency_update_mask_buffer: rank {rank_to_mask} of "
@@ -134,10 +135,11 @@ class _Shrink:
     def _readmit(self, rank):
         """Survivors: the masked ranks back as the new processes met over rejoin()."""
         call = "low_latency_update_mask_buffer"
-        if any(a2a.config.device != _ferry.MoeDevice.HOST for a2a in
-               self._low_latency_all_to_alls()):
-            raise Unimplemented(f"{call}: bringing rank {rank} back runs on the host device "
-                                "only (the CUDA device's AllToAlls cannot readmit a rank yet)")
+        if any(a2a.config.device == _ferry.MoeDevice.CUDA and a2a.config.ranks_per_node != 1
+               for a2a in self._low_latency_all_to_alls()):
+            raise Unimplemented(f"{call}: bringing rank {rank} back on the CUDA device needs "
+                                "every rank in a node of its own (the relay between them); "
+                                "these AllToAlls share a node's memory")
         group = self._rejoin_group(call)
         mine = self._world_view()
         view = self._meet(group, mine)
