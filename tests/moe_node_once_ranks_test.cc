@@ -490,5 +490,58 @@ INSTANTIATE_TEST_SUITE_P(Devices, MoeNodeOnceLateTest, testing::Bool(),
                            return std::string(p.param ? "Cuda" : "Host");
                          });
 
+// Under node-once forwarding a lost rank comes back as a new process: rank 3 (of EP4 as two
+// nodes of two) dies; the survivors mask it -- each only where it waits for it: rank 2 in its
+// node, rank 1 on its rail, rank 0 not at all -- and go on without it; a fifth process joins
+// as rank 3 (AllToAll::Join) while the survivors readmit (AllToAll::Readmit), which builds
+// every hop anew; the next epochs are exact with every rank, on every rank. Host device.
+TEST(MoeNodeOnceTest, ALostRankIsReplacedAndEveryHopIsWholeAgain) {
+  const std::string first = "127.0.0.1:" + std::to_string(testing_util::FreeLoopbackPort());
+  const std::string second = "127.0.0.1:" + std::to_string(testing_util::FreeLoopbackPort());
+  auto exits = testing_util::RunRanks(kWorld + 1, [&](Bootstrap& launcher) -> Status {
+    const int me = std::min(launcher.rank(), 3);  // process 4 is rank 3's replacement
+    AllToAllConfig c{.world_size = kWorld, .rank = me, .ranks_per_node = kPerNode,
+                     .num_experts = kExperts, .experts_per_token = kK,
+                     .max_tokens_per_rank = kTokens, .hidden = kHidden,
+                     .forwarding = Forwarding::kNodeOnce, .mask_lost_peers = true};
+    EngineOptions options = testing_util::TestOptions("shm");
+    options.transfer_timeout_ms = 1000;
+    ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(options));
+    const std::vector<bool> everyone(kWorld, false);
+    const EpochRun run{.dispatch_wait = 600ms, .combine_wait = 600ms};
+    if (launcher.rank() == kWorld) {
+      ASSIGN_OR_RETURN(auto group, JoinRendezvous({.address = second, .world_size = kWorld,
+                                                   .rank = me, .timeout = 60s}));
+      ASSIGN_OR_RETURN(auto a2a, AllToAll::Join(c, engine.get(), *group, 30s));
+      CHECK_OR_RETURN(a2a->membership_version() == 1, "joined at another version");
+      for (int epoch = 3; epoch < 6; ++epoch) RETURN_IF_ERROR(Epoch(*a2a, me, epoch, everyone, run));
+      return Status::Ok();
+    }
+    ASSIGN_OR_RETURN(auto world, JoinRendezvous({.address = first, .world_size = kWorld,
+                                                 .rank = me, .timeout = 60s}));
+    ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(c, engine.get(), *world));
+    RETURN_IF_ERROR(Epoch(*a2a, me, 0, everyone, run));
+    RETURN_IF_ERROR(world->Barrier(30s));
+    if (me == 3) {
+      a2a.reset();
+      engine.reset();
+      raise(SIGKILL);
+    }
+    std::vector<bool> lost(kWorld, false);
+    lost[3] = true;
+    for (int epoch = 1; epoch < 3; ++epoch) RETURN_IF_ERROR(Epoch(*a2a, me, epoch, lost, run));
+    ASSIGN_OR_RETURN(auto group, JoinRendezvous({.address = second, .world_size = kWorld,
+                                                 .rank = me, .timeout = 60s}));
+    RETURN_IF_ERROR(a2a->Readmit(*group, 30s));
+    ASSIGN_OR_RETURN(auto masked, a2a->Masked());
+    CHECK_OR_RETURN(std::none_of(masked.begin(), masked.end(), [](uint8_t m) { return m; }),
+                    "a rank still masked after the readmission");
+    for (int epoch = 3; epoch < 6; ++epoch) RETURN_IF_ERROR(Epoch(*a2a, me, epoch, everyone, run));
+    return Status::Ok();
+  }, 120s);
+  for (int r : {0, 1, 2, 4}) EXPECT_TRUE(exits[size_t(r)].ok()) << "process " << r;
+  EXPECT_EQ(exits[3].signal, SIGKILL);
+}
+
 }  // namespace
 }  // namespace ferry

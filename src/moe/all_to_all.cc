@@ -137,7 +137,9 @@ class Shell final : public AllToAll {
     RETURN_IF_ERROR(moe::CheckRejoinable(c_, "AllToAll::Readmit"));
     RETURN_IF_ERROR(moe::CheckMembershipGroup(c_, group));
     ASSIGN_OR_RETURN(const std::vector<uint8_t> masked, Masked());
-    const moe::MemberView mine{false, false, version_, epoch_, masked, c_.Fingerprint()};
+    moe::MemberView mine{false, false, version_, epoch_, masked, c_.Fingerprint()};
+    // Under node-once a rank knows of the losses on its own node and rail only.
+    if (c_.forwarding == Forwarding::kNodeOnce) mine.cover = moe::MaskCover::kOwnHops;
     ASSIGN_OR_RETURN(const moe::Readmission agreed, moe::Meet(group, mine, timeout));
     bool any = false;
     for (uint8_t r : agreed.ranks) any |= r != 0;
@@ -269,7 +271,11 @@ StatusOr<std::unique_ptr<AllToAll>> AllToAll::Join(const AllToAllConfig& asked,
                              config.Fingerprint()};
   ASSIGN_OR_RETURN(const moe::Readmission agreed, moe::Meet(group, mine, timeout));
   std::unique_ptr<moe::MoeDevice> device;
-  if (config.device == MoeDeviceKind::kCuda) {
+  if (config.forwarding == Forwarding::kNodeOnce) {
+    // The survivors build their hops anew with it (NodeOnceDevice::Readmit): a new world of
+    // hops, whose epochs start at 0.
+    ASSIGN_OR_RETURN(device, moe::CreateNodeOnceDevice(config, engine, group));
+  } else if (config.device == MoeDeviceKind::kCuda) {
     ASSIGN_OR_RETURN(device, moe::CreateCudaDevice(config, engine, group, nullptr, agreed.epoch));
   } else {
     ASSIGN_OR_RETURN(device, moe::CreateHostDevice(config, engine, group, agreed.epoch));
@@ -280,13 +286,14 @@ StatusOr<std::unique_ptr<AllToAll>> AllToAll::Join(const AllToAllConfig& asked,
 
 StatusOr<std::unique_ptr<AllToAll>> AllToAll::Create(const AllToAllConfig& asked,
                                                      TransferEngine* engine, Bootstrap& bootstrap) {
-  return moe::CreateAllToAll(asked, engine, bootstrap, nullptr);
+  return moe::CreateAllToAll(asked, engine, bootstrap, nullptr, false);
 }
 
 StatusOr<std::unique_ptr<AllToAll>> moe::CreateAllToAll(const AllToAllConfig& asked,
                                                         TransferEngine* engine,
                                                         Bootstrap& bootstrap,
-                                                        const moe::Hearing* hearing) {
+                                                        const moe::Hearing* hearing,
+                                                        bool adopt_counters) {
   ASSIGN_OR_RETURN(const AllToAllConfig config, moe::Resolve(asked, engine, bootstrap));
   RETURN_IF_ERROR(CheckConfigurationsAgree(config, bootstrap));
   std::unique_ptr<moe::MoeDevice> device;
@@ -297,7 +304,7 @@ StatusOr<std::unique_ptr<AllToAll>> moe::CreateAllToAll(const AllToAllConfig& as
   } else {
     std::function<bool(int)> heard;
     if (hearing) heard = [h = *hearing](int r) { return h.Heard(r); };
-    ASSIGN_OR_RETURN(device, moe::CreateHostDevice(config, engine, bootstrap, 0, false,
+    ASSIGN_OR_RETURN(device, moe::CreateHostDevice(config, engine, bootstrap, 0, adopt_counters,
                                                    std::move(heard)));
   }
   return std::unique_ptr<AllToAll>(std::make_unique<Shell>(config, engine, std::move(device)));

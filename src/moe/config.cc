@@ -229,10 +229,10 @@ StatusOr<AllToAllConfig> Resolve(const AllToAllConfig& asked, TransferEngine* en
 }
 
 Status CheckRejoinable(const AllToAllConfig& c, const char* call) {
-  if (c.forwarding == Forwarding::kNodeOnce) {
+  if (c.forwarding == Forwarding::kNodeOnce && c.device == MoeDeviceKind::kCuda) {
     return UnimplementedError(std::string(call) +
-                              ": ranks join a running world with per rank forwarding, for now "
-                              "(with node-once: create a new AllToAll)");
+                              ": with node-once forwarding ranks join a running world on the "
+                              "host device, for now (on the CUDA device: create a new AllToAll)");
   }
   // On the CUDA device a rank of our node is reached through memory mapped once (its
   // buffer's handle): only ranks the relay reaches can be replaced.

@@ -148,10 +148,11 @@ StatusOr<std::unique_ptr<MoeDevice>> CreateHostDevice(const AllToAllConfig& conf
                                                       std::function<bool(int)> heard = {});
 
 // AllToAll::Create, where the device's steps also ask `hearing` (null: nobody) before they
-// take a rank for lost: the hops of node-once forwarding under mask_lost_peers.
+// take a rank for lost: the hops of node-once forwarding under mask_lost_peers. adopt_counters
+// (host device): as CreateHostDevice's -- hops built anew on the instances of hops gone.
 StatusOr<std::unique_ptr<AllToAll>> CreateAllToAll(const AllToAllConfig& config,
                                                    TransferEngine* engine, Bootstrap& bootstrap,
-                                                   const Hearing* hearing);
+                                                   const Hearing* hearing, bool adopt_counters);
 
 // The CUDA device (cuda/cuda_device.h; config.device == kCuda, any ranks_per_node). `engine`
 // carries the traffic between nodes and may be null with one node. Collective. Unimplemented

@@ -49,16 +49,42 @@ StatusOr<std::unique_ptr<Liveness>> Liveness::Create(const AllToAllConfig& confi
     if (!s.ok()) return CounterError(s, config.instance);
     l->imms_.push_back(imm);
   }
-  const std::chrono::milliseconds timeout = std::chrono::seconds(60);
-  ASSIGN_OR_RETURN(auto addresses, bootstrap.AllGather(engine->Address(), timeout));
-  for (int r : l->watched_) {
-    // The hops' relays made these engines our peers already: the same PeerIds come back.
-    ASSIGN_OR_RETURN(PeerId peer, engine->AddPeer(addresses[size_t(r)]));
-    l->peers_.push_back(peer);
-  }
-  RETURN_IF_ERROR(bootstrap.Barrier(timeout));
+  RETURN_IF_ERROR(l->Meet(bootstrap, std::chrono::seconds(60)));
   l->thread_ = std::thread([p = l.get()] { p->Main(); });
   return l;
+}
+
+Status Liveness::Meet(Bootstrap& group, std::chrono::milliseconds timeout) {
+  ASSIGN_OR_RETURN(auto addresses, group.AllGather(engine_->Address(), timeout));
+  const bool first = peers_.empty();
+  for (size_t i = 0; i < watched_.size(); ++i) {
+    // An engine already our peer (the hops' relays add the same ones) keeps its PeerId.
+    ASSIGN_OR_RETURN(PeerId peer, engine_->AddPeer(addresses[size_t(watched_[i])]));
+    if (first) {
+      peers_.push_back(peer);
+      continue;
+    }
+    if (peer == peers_[i]) continue;
+    // A new process for that rank: the one it replaced is forgotten, which ends a heartbeat
+    // still pending to it at once; one that would not end is left to its counter, leaked.
+    (void)engine_->RemovePeer(peers_[i]);
+    if (!sent_[i]->Wait(posted_[i], Deadline::After(std::chrono::seconds(1))).ok()) {
+      LeakOnPurpose(sent_[i].release());
+    }
+    sent_[i] = std::make_unique<TransferCounter>();
+    posted_[i] = 0;
+    peers_[i] = peer;
+    heard_ns_[i].store(NowNs(std::chrono::steady_clock::now()), std::memory_order_release);
+  }
+  return group.Barrier(timeout);
+}
+
+Status Liveness::Rejoin(Bootstrap& group, std::chrono::milliseconds timeout) {
+  Stop();
+  RETURN_IF_ERROR(Meet(group, timeout));
+  stop_.store(false, std::memory_order_release);
+  thread_ = std::thread([this] { Main(); });
+  return Status::Ok();
 }
 
 void Liveness::Stop() {

@@ -67,9 +67,16 @@ class Liveness {
   void Unmirror(volatile int32_t* words);
   // Ends the thread (the heartbeats and the mirrors); Heard then falls silent. Idempotent.
   void Stop();
+  // A readmission (NodeOnceDevice::Readmit): the thread stopped, every rank's engine met again
+  // over `group` (a new process's is a new peer; the one it replaced is forgotten), then the
+  // thread again. Its collectives are those of Create, which the new processes run.
+  Status Rejoin(Bootstrap& group, std::chrono::milliseconds timeout);
 
  private:
   Liveness(const AllToAllConfig& config, TransferEngine* engine, std::vector<int> watched);
+  // Every rank's engine through `group`: each watched rank's as our peer (a new PeerId where
+  // its engine is new: the old one forgotten, our heartbeats to it given up); then a barrier.
+  Status Meet(Bootstrap& group, std::chrono::milliseconds timeout);
   void Main();
   // One beat: a heartbeat to each watched rank whose last one ended, and what arrived.
   void Beat(std::chrono::steady_clock::time_point now);

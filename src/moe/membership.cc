@@ -6,8 +6,9 @@
 namespace ferry::moe {
 namespace {
 
-// joining u8, resizing u8, version u64, epoch u64, masked [N] u8, then the fingerprint.
-constexpr size_t kFixedBytes = 1 + 1 + 8 + 8;
+// joining u8, resizing u8, cover u8, version u64, epoch u64, masked [N] u8, then the
+// fingerprint.
+constexpr size_t kFixedBytes = 1 + 1 + 1 + 8 + 8;
 
 std::string RanksOf(const std::vector<uint8_t>& set) {
   std::string s = "{";
@@ -25,8 +26,9 @@ std::vector<uint8_t> MemberView::Serialize() const {
   std::vector<uint8_t> out(kFixedBytes);
   out[0] = joining ? 1 : 0;
   out[1] = resizing ? 1 : 0;
-  std::memcpy(out.data() + 2, &version, 8);
-  std::memcpy(out.data() + 10, &epoch, 8);
+  out[2] = static_cast<uint8_t>(cover);
+  std::memcpy(out.data() + 3, &version, 8);
+  std::memcpy(out.data() + 11, &epoch, 8);
   out.insert(out.end(), masked.begin(), masked.end());
   out.insert(out.end(), fingerprint.begin(), fingerprint.end());
   return out;
@@ -34,15 +36,16 @@ std::vector<uint8_t> MemberView::Serialize() const {
 
 StatusOr<MemberView> MemberView::Parse(std::span<const uint8_t> bytes, int world_size) {
   if (world_size <= 0 || bytes.size() < kFixedBytes + size_t(world_size) || bytes[0] > 1 ||
-      bytes[1] > 1) {
+      bytes[1] > 1 || bytes[2] > 1) {
     return DataLossError("membership view of " + std::to_string(bytes.size()) +
                          " bytes for a world of " + std::to_string(world_size));
   }
   MemberView v;
   v.joining = bytes[0] == 1;
   v.resizing = bytes[1] == 1;
-  std::memcpy(&v.version, bytes.data() + 2, 8);
-  std::memcpy(&v.epoch, bytes.data() + 10, 8);
+  v.cover = static_cast<MaskCover>(bytes[2]);
+  std::memcpy(&v.version, bytes.data() + 3, 8);
+  std::memcpy(&v.epoch, bytes.data() + 11, 8);
   const auto masks = bytes.begin() + kFixedBytes;
   v.masked.assign(masks, masks + world_size);
   v.fingerprint.assign(masks + world_size, bytes.end());
@@ -66,6 +69,14 @@ StatusOr<Readmission> Decide(const std::vector<MemberView>& views) {
   }
   const MemberView& ref = views[first];
   Readmission out{ref.version + 1, ref.epoch, std::vector<uint8_t>(size_t(n), 0)};
+  // The world's lost ranks: what every survivor masked, or what any did where each masks only
+  // the ranks it waits for.
+  std::vector<uint8_t> lost = ref.masked;
+  if (ref.cover == MaskCover::kOwnHops) {
+    for (const MemberView& v : views) {
+      for (int r = 0; !v.joining && r < n && size_t(r) < v.masked.size(); ++r) lost[r] |= v.masked[r];
+    }
+  }
   for (int r = 0; r < n; ++r) {
     const MemberView& v = views[r];
     if (v.joining) {
@@ -85,7 +96,7 @@ StatusOr<Readmission> Decide(const std::vector<MemberView>& views) {
           ", rank " + std::to_string(first) + (ref.resizing ? " resizes" : " readmits") +
           " (every survivor calls the same one)");
     }
-    if (ref.resizing) continue;  // a new world: the old one's masks do not carry over
+    if (ref.resizing || ref.cover == MaskCover::kOwnHops) continue;  // (see `lost`)
     if (v.masked != ref.masked) {
       return FailedPreconditionError("AllToAll membership: rank " + std::to_string(r) +
                                      " has masked ranks " + RanksOf(v.masked) + ", rank " +
@@ -93,10 +104,10 @@ StatusOr<Readmission> Decide(const std::vector<MemberView>& views) {
                                      " (every survivor must have masked the same ranks)");
     }
   }
-  if (!ref.resizing && out.ranks != ref.masked) {
+  if (!ref.resizing && out.ranks != lost) {
     return FailedPreconditionError(
         "AllToAll membership: ranks " + RanksOf(out.ranks) + " are joining but the survivors " +
-        "have masked " + RanksOf(ref.masked) +
+        "have masked " + RanksOf(lost) +
         " (every masked rank comes back at once, and only a masked rank is replaced)");
   }
   return out;

@@ -34,6 +34,28 @@ TEST(MembershipTest, TheMaskedRanksComeBackAtTheSurvivorsEpochOneVersionOn) {
   EXPECT_EQ(d->ranks, (std::vector<uint8_t>{0, 0, 1, 0}));
 }
 
+// Node-once: each survivor masks only the ranks it waits for (its node's and its rail's), so
+// the lost ranks are their masks together; a joiner for a rank nobody masked is still refused.
+TEST(MembershipTest, WhereEachMasksItsOwnHopsTheLostRanksAreTheirMasksTogether) {
+  auto v = Views();
+  for (MemberView& m : v) m.cover = MaskCover::kOwnHops;
+  v[0].masked = {0, 0, 0, 0};  // rank 2 is neither in rank 0's node nor on its rail
+  auto d = Decide(v);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->ranks, (std::vector<uint8_t>{0, 0, 1, 0}));
+  v[1].masked = v[3].masked = {0, 0, 0, 0};  // nobody lost rank 2
+  ExpectRefused(v, StatusCode::kFailedPrecondition, "ranks {2} are joining");
+  v = Views();  // every survivor reporting the whole world: still one set of masks
+  v[0].masked = {0, 0, 0, 0};
+  ExpectRefused(v, StatusCode::kFailedPrecondition, "every survivor must have masked");
+  // The cover travels with the view.
+  MemberView own = Views()[1];
+  own.cover = MaskCover::kOwnHops;
+  auto parsed = MemberView::Parse(own.Serialize(), 4);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->cover, MaskCover::kOwnHops);
+}
+
 TEST(MembershipTest, ARankOnAnotherViewIsNamed) {
   auto v = Views();
   v[3].version = 1;  // missed a readmission

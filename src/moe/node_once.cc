@@ -90,17 +90,57 @@ class HostHops final : public HopMemory {
   std::array<std::chrono::steady_clock::time_point, kHopPoints> stamps_{};
 };
 
+// Our rail's ranks and our node's, in the caller's world.
+std::vector<int> RailRanks(const AllToAllConfig& c) {
+  std::vector<int> ranks;
+  for (int n = 0; n < c.world_size / c.ranks_per_node; ++n) {
+    ranks.push_back(n * c.ranks_per_node + c.rank % c.ranks_per_node);
+  }
+  return ranks;
+}
+std::vector<int> NodeRanks(const AllToAllConfig& c) {
+  std::vector<int> ranks;
+  const int first = c.rank / c.ranks_per_node * c.ranks_per_node;
+  for (int l = 0; l < c.ranks_per_node; ++l) ranks.push_back(first + l);
+  return ranks;
+}
+
+// The three hop AllToAlls, made on `engine` (collective over `bootstrap`: every rank makes its
+// rail's, its weights rail's, then its node's, so that the parent's collectives line up),
+// asking `liveness` (null: nobody) before they take a rank for lost. adopt_counters: built
+// anew on the instances of hops gone (NodeOnceDevice::Readmit).
+struct Hops {
+  std::unique_ptr<AllToAll> rail, weights, node;
+};
+StatusOr<Hops> BuildHops(const AllToAllConfig& c, TransferEngine* engine, Bootstrap& bootstrap,
+                         Liveness* liveness, bool adopt_counters) {
+  const NodeOnceConfigs inner = NodeOnceConfigsOf(c);
+  const Hearing rail_hearing{liveness, RailRanks(c)}, node_hearing{liveness, NodeRanks(c)};
+  const Hearing* rail_heard = liveness ? &rail_hearing : nullptr;
+  const Hearing* node_heard = liveness ? &node_hearing : nullptr;
+  Hops h;
+  auto rail_group = SubBootstrap(bootstrap, RailRanks(c));
+  ASSIGN_OR_RETURN(h.rail,
+                   CreateAllToAll(inner.rail, engine, *rail_group, rail_heard, adopt_counters));
+  ASSIGN_OR_RETURN(h.weights, CreateAllToAll(inner.weights, engine, *rail_group, rail_heard,
+                                             adopt_counters));
+  auto node_group = SubBootstrap(bootstrap, NodeRanks(c));
+  ASSIGN_OR_RETURN(h.node,
+                   CreateAllToAll(inner.node, engine, *node_group, node_heard, adopt_counters));
+  return h;
+}
+
 class NodeOnceDevice final : public MoeDevice {
  public:
-  NodeOnceDevice(const AllToAllConfig& c, std::unique_ptr<AllToAll> rail,
-                 std::unique_ptr<AllToAll> node, std::unique_ptr<AllToAll> weights,
+  NodeOnceDevice(const AllToAllConfig& c, TransferEngine* engine, Hops hops_made,
                  std::unique_ptr<HopMemory> hops, std::unique_ptr<Liveness> liveness)
       : c_(c),
+        engine_(engine),
         liveness_(std::move(liveness)),
         hops_(std::move(hops)),
-        rail_(std::move(rail)),
-        node_(std::move(node)),
-        weights_(std::move(weights)) {}
+        rail_(std::move(hops_made.rail)),
+        node_(std::move(hops_made.node)),
+        weights_(std::move(hops_made.weights)) {}
   // The heartbeats stop first: their thread writes into the CUDA hops' memory (Nv::heard).
   ~NodeOnceDevice() override {
     if (liveness_) liveness_->Stop();
@@ -282,6 +322,7 @@ class NodeOnceDevice final : public MoeDevice {
   // The ranks of our node and of our rail we know masked (by the caller or, under
   // mask_lost_peers, lost); the others' masks are their own nodes' and rails' to apply.
   StatusOr<std::vector<uint8_t>> Masked() const override {
+    RETURN_IF_ERROR(broken_);
     ASSIGN_OR_RETURN(const std::vector<uint8_t> node, node_->Masked());
     ASSIGN_OR_RETURN(const std::vector<uint8_t> rail, rail_->Masked());
     const int per_node = c_.ranks_per_node, first = c_.rank / per_node * per_node;
@@ -297,14 +338,43 @@ class NodeOnceDevice final : public MoeDevice {
     return masked.ok() && (*masked)[size_t(rank)] != 0;
   }
 
-  // The inner AllToAlls report what ended them at their next step.
-  Status Sticky() override { return Status::Ok(); }
+  // The inner AllToAlls report what ended them at their next step; a readmission that failed
+  // after the old hops went, here.
+  Status Sticky() override { return broken_; }
+
+  // Membership (AllToAll::Readmit): the hops are built anew over `group`, as the new
+  // processes build theirs (AllToAll::Join makes a node-once device): the old ones go first,
+  // their relays revoking their inboxes' keys and counting what landed under them (Relay::
+  // Stop), then the new ones take over the instances' immediate counters emptied -- so
+  // nothing the replaced processes sent lands in, or completes, a later epoch. Every rank
+  // rebuilds, since every hop's collectives run over the whole world. The hops' epochs start
+  // again at 0 on every rank. A failure past the old hops ends this device.
+  Status Readmit(Bootstrap& group, const std::vector<uint8_t>& /*readmitted*/,
+                 uint64_t /*epoch*/, std::chrono::milliseconds timeout) override {
+    if (on_gpu()) return UnimplementedError("AllToAll::Readmit: node-once on the CUDA device");
+    rail_.reset();
+    weights_.reset();
+    node_.reset();
+    broken_ = [&]() -> Status {
+      if (liveness_) RETURN_IF_ERROR(liveness_->Rejoin(group, timeout));
+      ASSIGN_OR_RETURN(Hops h, BuildHops(c_, engine_, group, liveness_.get(), true));
+      rail_ = std::move(h.rail);
+      weights_ = std::move(h.weights);
+      node_ = std::move(h.node);
+      return Status::Ok();
+    }();
+    if (!broken_.ok()) {
+      broken_ = broken_.WithContext(
+          "AllToAll::Readmit, node-once, after the old hops went; this AllToAll is unusable");
+    }
+    return broken_;
+  }
 
   uint64_t dispatch_bytes_sent() const override {
-    return rail_->dispatch_bytes_sent() + node_->dispatch_bytes_sent();
+    return rail_ ? rail_->dispatch_bytes_sent() + node_->dispatch_bytes_sent() : 0;
   }
   uint64_t combine_bytes_sent() const override {
-    return rail_->combine_bytes_sent() + node_->combine_bytes_sent();
+    return rail_ ? rail_->combine_bytes_sent() + node_->combine_bytes_sent() : 0;
   }
 
   // Stream calls (the CUDA device): both hops and the work between them on one stream.
@@ -314,17 +384,19 @@ class NodeOnceDevice final : public MoeDevice {
     return hops_->SetStream(stream);
   }
   Status Synchronize() override {
+    RETURN_IF_ERROR(broken_);
     const Status rail = rail_->Synchronize(), node = node_->Synchronize();
     return rail.ok() ? node : rail;
   }
   Status Poll(bool* done) override {
+    RETURN_IF_ERROR(broken_);
     bool rail = false, node = false;
     RETURN_IF_ERROR(rail_->Poll(&rail));
     RETURN_IF_ERROR(node_->Poll(&node));
     *done = rail && node;
     return Status::Ok();
   }
-  bool capturing(void* stream) const override { return rail_->capturing(stream); }
+  bool capturing(void* stream) const override { return rail_ && rail_->capturing(stream); }
   // A mark on the rail's stream: the node hop's steps are on the same one (SetStream's), or
   // waited for themselves.
   Status Mark(uint64_t* mark) override { return rail_->Mark(mark); }
@@ -422,11 +494,13 @@ class NodeOnceDevice final : public MoeDevice {
   }
 
   const AllToAllConfig c_;
+  TransferEngine* const engine_;
   // Before the hops, which ask it (mask_lost_peers; else null).
   const std::unique_ptr<Liveness> liveness_;
   // Before the hops: their steps may still use its memory until they are gone.
   const std::unique_ptr<HopMemory> hops_;
-  const std::unique_ptr<AllToAll> rail_, node_, weights_;
+  std::unique_ptr<AllToAll> rail_, node_, weights_;  // built anew by Readmit
+  Status broken_;  // what ended this device (Readmit)
   DispatchOutput mid_;       // what the rail brings to this node (token-major), in hops_
   uint8_t* mid_out_ = nullptr;  // what goes back on it
   int64_t* rail_cost_ = nullptr;  // [nodes] the rail hop's wait costs
@@ -513,37 +587,21 @@ StatusOr<std::unique_ptr<MoeDevice>> CreateNodeOnceDevice(const AllToAllConfig& 
   } else {
     hops = NewHostHopMemory();
   }
-  const NodeOnceConfigs inner = NodeOnceConfigsOf(config);
-  const int per_node = config.ranks_per_node, nodes = config.world_size / per_node;
-  std::vector<int> rail_ranks, node_ranks;
-  for (int n = 0; n < nodes; ++n) rail_ranks.push_back(n * per_node + config.rank % per_node);
-  for (int l = 0; l < per_node; ++l) node_ranks.push_back(config.rank / per_node * per_node + l);
   // Under mask_lost_peers the ranks that wait for each other -- our rail's and our node's --
   // hear each other's heartbeats, and each hop asks them before it takes a rank for lost.
   std::unique_ptr<Liveness> liveness;
-  Hearing rail_hearing{.ranks = rail_ranks}, node_hearing{.ranks = node_ranks};
   if (config.mask_lost_peers) {
     std::vector<int> watched;
-    for (int r : rail_ranks) {
-      if (r != config.rank) watched.push_back(r);
-    }
-    for (int r : node_ranks) {
-      if (r != config.rank) watched.push_back(r);
+    for (const std::vector<int>& ranks : {RailRanks(config), NodeRanks(config)}) {
+      for (int r : ranks) {
+        if (r != config.rank) watched.push_back(r);
+      }
     }
     ASSIGN_OR_RETURN(liveness, Liveness::Create(config, engine, bootstrap, std::move(watched)));
-    rail_hearing.liveness = node_hearing.liveness = liveness.get();
   }
-  const Hearing* rail_heard = liveness ? &rail_hearing : nullptr;
-  const Hearing* node_heard = liveness ? &node_hearing : nullptr;
-  // Every rank makes its rail's AllToAll, then its node's: the parent's collectives line up.
-  auto rail_group = SubBootstrap(bootstrap, std::move(rail_ranks));
-  ASSIGN_OR_RETURN(auto rail, CreateAllToAll(inner.rail, engine, *rail_group, rail_heard));
-  ASSIGN_OR_RETURN(auto weights, CreateAllToAll(inner.weights, engine, *rail_group, rail_heard));
-  auto node_group = SubBootstrap(bootstrap, std::move(node_ranks));
-  ASSIGN_OR_RETURN(auto node, CreateAllToAll(inner.node, engine, *node_group, node_heard));
-  auto device =
-      std::make_unique<NodeOnceDevice>(config, std::move(rail), std::move(node),
-                                       std::move(weights), std::move(hops), std::move(liveness));
+  ASSIGN_OR_RETURN(Hops made, BuildHops(config, engine, bootstrap, liveness.get(), false));
+  auto device = std::make_unique<NodeOnceDevice>(config, engine, std::move(made), std::move(hops),
+                                                 std::move(liveness));
   RETURN_IF_ERROR(device->Init());
   return std::unique_ptr<MoeDevice>(std::move(device));
 }

@@ -110,6 +110,12 @@ bool Relay::Stop() {
   // Writes still in flight read the outbox and targets_; the engine ends each within its
   // transfer timeout, so this wait is bounded. If one never ends, leak what it reads.
   drained_ = writes_.Drain(std::chrono::milliseconds(peer_timeout_ms_));
+  if (drained_ && inbox_reg_.valid()) {
+    // Nothing lands after this, and what landed is counted first (TransferEngine::Revoke): a
+    // relay built anew on this instance (node-once's Readmit) takes the counters over emptied,
+    // holding nothing of a peer that wrote late into this one.
+    (void)engine_->Revoke(inbox_reg_);
+  }
   if (!drained_) {
     LeakOnPurpose(new std::vector<ScatterTarget>(std::move(targets_)));
     LeakOnPurpose(new MemoryRegion(std::move(outbox_reg_)));
