@@ -421,8 +421,11 @@ class FERRY_API AllToAll {
   // version counts the readmissions and resizes. Per rank forwarding, on the host device and
   // on the CUDA device where every rank is its own node (ranks_per_node 1: the relay carries
   // every section, and its receive buffers are what is re-keyed; a rank of our node is reached
-  // through memory mapped once, which a new process cannot take over); elsewhere Readmit and
-  // Join are Unimplemented (create a new AllToAll). On the CUDA device the readmitted ranks'
+  // through memory mapped once, which a new process cannot take over); node-once forwarding on
+  // the host device, where each survivor has masked only the ranks it waits for (the lost
+  // ranks are their masks together) and every rank builds the hops anew (the old ones'
+  // receive keys revoked first); elsewhere Readmit and Join are Unimplemented (create a new
+  // AllToAll). On the CUDA device the readmitted ranks'
   // masks are cleared in device memory and no buffer moves, but a CUDA graph captured before
   // a readmission is not tested to replay after it: capture again. Join also brings a new
   // process into a world that grows (Resize).
