@@ -9,7 +9,6 @@
 #include <string>
 #include <utility>
 
-#include "moe/host/host_sums.h"
 #include "moe/liveness.h"
 
 namespace ferry::moe {
@@ -34,60 +33,6 @@ class Subgroup final : public Bootstrap {
   Bootstrap& parent_;
   const std::vector<int> members_;
   const int rank_;
-};
-
-// The host device's HopMemory: host memory, loops.
-class HostHops final : public HopMemory {
- public:
-  StatusOr<uint8_t*> Allocate(int64_t bytes) override {
-    blocks_.push_back(std::vector<uint8_t>(size_t(std::max<int64_t>(bytes, 1))));
-    return blocks_.back().data();
-  }
-  Status SetStream(void*) override { return UnimplementedError("SetStream: the host device"); }
-  Status Zero(int64_t* p, int n) override {
-    std::fill(p, p + n, 0);
-    return Status::Ok();
-  }
-  Status AddStrided(int64_t* out, const int64_t* in, int n, int stride) override {
-    for (int i = 0; i < n; ++i) out[int64_t{i} * stride] += in[i];
-    return Status::Ok();
-  }
-  Status CopyRows(void* dst, int64_t dst_pitch, const void* src, int64_t src_pitch,
-                  int64_t width, int64_t rows) override {
-    for (int64_t r = 0; r < rows; ++r) {
-      std::memcpy(static_cast<uint8_t*>(dst) + r * dst_pitch,
-                  static_cast<const uint8_t*>(src) + r * src_pitch, size_t(width));
-    }
-    return Status::Ok();
-  }
-  Status Narrow(void* out, const float* sums, int64_t width, int64_t rows,
-                const int32_t* device_rows, bool fp16, bool accumulate) override {
-    if (device_rows) return InvalidArgumentError("Narrow: a device count on the host");
-    const int64_t n = rows * width;
-    const Elem e = fp16 ? Elem::kFp16 : Elem::kBf16;
-    auto* o = static_cast<uint8_t*>(out);
-    if (!accumulate) {
-      host::StoreSums(o, sums, n, e);
-      return Status::Ok();
-    }
-    std::vector<float> acc(static_cast<size_t>(n));
-    host::LoadSums(acc.data(), o, n, e);
-    for (int64_t i = 0; i < n; ++i) acc[size_t(i)] += sums[i];
-    host::StoreSums(o, acc.data(), n, e);
-    return Status::Ok();
-  }
-  Status Stamp(int point) override {
-    stamps_[size_t(point)] = std::chrono::steady_clock::now();
-    return Status::Ok();
-  }
-  StatusOr<double> Elapsed(int a, int b) override {
-    return std::chrono::duration<double, std::micro>(stamps_[size_t(b)] - stamps_[size_t(a)])
-        .count();
-  }
-
- private:
-  std::vector<std::vector<uint8_t>> blocks_;
-  std::array<std::chrono::steady_clock::time_point, kHopPoints> stamps_{};
 };
 
 // Our rail's ranks and our node's, in the caller's world.
@@ -569,8 +514,6 @@ MiddleBytes MiddleBytesOf(const AllToAllConfig& c) {
                       ? int64_t{c.max_tokens_per_rank} * c.hidden * 4
                       : 0};
 }
-
-std::unique_ptr<HopMemory> NewHostHopMemory() { return std::make_unique<HostHops>(); }
 
 std::unique_ptr<Bootstrap> SubBootstrap(Bootstrap& parent, std::vector<int> members) {
   const int rank = static_cast<int>(std::find(members.begin(), members.end(), parent.rank()) -
