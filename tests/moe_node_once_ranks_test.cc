@@ -494,8 +494,13 @@ INSTANTIATE_TEST_SUITE_P(Devices, MoeNodeOnceLateTest, testing::Bool(),
 // nodes of two) dies; the survivors mask it -- each only where it waits for it: rank 2 in its
 // node, rank 1 on its rail, rank 0 not at all -- and go on without it; a fifth process joins
 // as rank 3 (AllToAll::Join) while the survivors readmit (AllToAll::Readmit), which builds
-// every hop anew; the next epochs are exact with every rank, on every rank. Host device.
-TEST(MoeNodeOnceTest, ALostRankIsReplacedAndEveryHopIsWholeAgain) {
+// every hop anew; the next epochs are exact with every rank, on every rank. Both devices (the
+// CUDA device's skipped without a GPU).
+class MoeNodeOnceReplacedTest : public testing::TestWithParam<bool> {};
+
+TEST_P(MoeNodeOnceReplacedTest, ALostRankIsReplacedAndEveryHopIsWholeAgain) {
+  const bool cuda = GetParam();
+  if (SkipCuda(cuda)) GTEST_SKIP() << "no GPU";
   const std::string first = "127.0.0.1:" + std::to_string(testing_util::FreeLoopbackPort());
   const std::string second = "127.0.0.1:" + std::to_string(testing_util::FreeLoopbackPort());
   auto exits = testing_util::RunRanks(kWorld + 1, [&](Bootstrap& launcher) -> Status {
@@ -504,11 +509,14 @@ TEST(MoeNodeOnceTest, ALostRankIsReplacedAndEveryHopIsWholeAgain) {
                      .num_experts = kExperts, .experts_per_token = kK,
                      .max_tokens_per_rank = kTokens, .hidden = kHidden,
                      .forwarding = Forwarding::kNodeOnce, .mask_lost_peers = true};
+#if FERRY_HAVE_CUDA
+    if (cuda) RETURN_IF_ERROR(UseGpu(launcher, &c));
+#endif
     EngineOptions options = testing_util::TestOptions("shm");
     options.transfer_timeout_ms = 1000;
     ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(options));
     const std::vector<bool> everyone(kWorld, false);
-    const EpochRun run{.dispatch_wait = 600ms, .combine_wait = 600ms};
+    const EpochRun run{.cuda = cuda, .dispatch_wait = 600ms, .combine_wait = 600ms};
     if (launcher.rank() == kWorld) {
       ASSIGN_OR_RETURN(auto group, JoinRendezvous({.address = second, .world_size = kWorld,
                                                    .rank = me, .timeout = 60s}));
@@ -542,6 +550,11 @@ TEST(MoeNodeOnceTest, ALostRankIsReplacedAndEveryHopIsWholeAgain) {
   for (int r : {0, 1, 2, 4}) EXPECT_TRUE(exits[size_t(r)].ok()) << "process " << r;
   EXPECT_EQ(exits[3].signal, SIGKILL);
 }
+
+INSTANTIATE_TEST_SUITE_P(Devices, MoeNodeOnceReplacedTest, testing::Bool(),
+                         [](const testing::TestParamInfo<bool>& p) {
+                           return std::string(p.param ? "Cuda" : "Host");
+                         });
 
 }  // namespace
 }  // namespace ferry

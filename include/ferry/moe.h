@@ -422,10 +422,10 @@ class FERRY_API AllToAll {
   // on the CUDA device where every rank is its own node (ranks_per_node 1: the relay carries
   // every section, and its receive buffers are what is re-keyed; a rank of our node is reached
   // through memory mapped once, which a new process cannot take over); node-once forwarding on
-  // the host device, where each survivor has masked only the ranks it waits for (the lost
-  // ranks are their masks together) and every rank builds the hops anew (the old ones'
-  // receive keys revoked first); elsewhere Readmit and Join are Unimplemented (create a new
-  // AllToAll). On the CUDA device the readmitted ranks'
+  // both devices, where each survivor has masked only the ranks it waits for (the lost ranks
+  // are their masks together) and every rank builds the hops anew (the old ones' receive keys
+  // revoked first; on the CUDA device the node's mapped memory too); elsewhere Readmit and
+  // Join are Unimplemented (create a new AllToAll). On the CUDA device the readmitted ranks'
   // masks are cleared in device memory and no buffer moves, but a CUDA graph captured before
   // a readmission is not tested to replay after it: capture again. Join also brings a new
   // process into a world that grows (Resize).

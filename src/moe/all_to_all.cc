@@ -300,7 +300,8 @@ StatusOr<std::unique_ptr<AllToAll>> moe::CreateAllToAll(const AllToAllConfig& as
   if (config.forwarding == Forwarding::kNodeOnce) {
     ASSIGN_OR_RETURN(device, moe::CreateNodeOnceDevice(config, engine, bootstrap));
   } else if (config.device == MoeDeviceKind::kCuda) {
-    ASSIGN_OR_RETURN(device, moe::CreateCudaDevice(config, engine, bootstrap, hearing));
+    ASSIGN_OR_RETURN(device,
+                     moe::CreateCudaDevice(config, engine, bootstrap, hearing, 0, adopt_counters));
   } else {
     std::function<bool(int)> heard;
     if (hearing) heard = [h = *hearing](int r) { return h.Heard(r); };

@@ -229,14 +229,11 @@ StatusOr<AllToAllConfig> Resolve(const AllToAllConfig& asked, TransferEngine* en
 }
 
 Status CheckRejoinable(const AllToAllConfig& c, const char* call) {
-  if (c.forwarding == Forwarding::kNodeOnce && c.device == MoeDeviceKind::kCuda) {
-    return UnimplementedError(std::string(call) +
-                              ": with node-once forwarding ranks join a running world on the "
-                              "host device, for now (on the CUDA device: create a new AllToAll)");
-  }
-  // On the CUDA device a rank of our node is reached through memory mapped once (its
-  // buffer's handle): only ranks the relay reaches can be replaced.
-  if (c.device == MoeDeviceKind::kCuda && c.ranks_per_node != 1) {
+  // On the CUDA device per rank, a rank of our node is reached through memory mapped once (its
+  // buffer's handle): only ranks the relay reaches can be replaced. (Node-once builds its hops
+  // anew, their node memory included.)
+  if (c.device == MoeDeviceKind::kCuda && c.forwarding != Forwarding::kNodeOnce &&
+      c.ranks_per_node != 1) {
     return UnimplementedError(std::string(call) +
                               ": on the CUDA device ranks join a running world where every "
                               "rank is its own node (ranks_per_node 1, the relay between "

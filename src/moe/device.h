@@ -148,8 +148,8 @@ StatusOr<std::unique_ptr<MoeDevice>> CreateHostDevice(const AllToAllConfig& conf
                                                       std::function<bool(int)> heard = {});
 
 // AllToAll::Create, where the device's steps also ask `hearing` (null: nobody) before they
-// take a rank for lost: the hops of node-once forwarding under mask_lost_peers. adopt_counters
-// (host device): as CreateHostDevice's -- hops built anew on the instances of hops gone.
+// take a rank for lost: the hops of node-once forwarding under mask_lost_peers. adopt_counters:
+// as CreateHostDevice's -- hops built anew on the instances of hops gone.
 StatusOr<std::unique_ptr<AllToAll>> CreateAllToAll(const AllToAllConfig& config,
                                                    TransferEngine* engine, Bootstrap& bootstrap,
                                                    const Hearing* hearing, bool adopt_counters);
@@ -158,10 +158,12 @@ StatusOr<std::unique_ptr<AllToAll>> CreateAllToAll(const AllToAllConfig& config,
 // carries the traffic between nodes and may be null with one node. Collective. Unimplemented
 // where ferry was built without CUDA.
 // hearing: as DeviceParams::heard, mirrored into the kernels' memory (Nv::heard).
-// first_epoch: as CreateHostDevice's (AllToAll::Join, every rank its own node).
+// first_epoch, adopt_counters: as CreateHostDevice's (AllToAll::Join with every rank its own
+// node; node-once's hops built anew).
 StatusOr<std::unique_ptr<MoeDevice>> CreateCudaDevice(const AllToAllConfig& config,
                                                       TransferEngine* engine, Bootstrap& bootstrap,
                                                       const Hearing* hearing = nullptr,
-                                                      uint64_t first_epoch = 0);
+                                                      uint64_t first_epoch = 0,
+                                                      bool adopt_counters = false);
 
 }  // namespace ferry::moe

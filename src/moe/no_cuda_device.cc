@@ -6,7 +6,7 @@
 namespace ferry::moe {
 
 StatusOr<std::unique_ptr<MoeDevice>> CreateCudaDevice(const AllToAllConfig&, TransferEngine*,
-                                                      Bootstrap&, const Hearing*, uint64_t) {
+                                                      Bootstrap&, const Hearing*, uint64_t, bool) {
   return UnimplementedError("AllToAll: ferry was built without CUDA; use the host device");
 }
 

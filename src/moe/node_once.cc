@@ -292,11 +292,11 @@ class NodeOnceDevice final : public MoeDevice {
   // their relays revoking their inboxes' keys and counting what landed under them (Relay::
   // Stop), then the new ones take over the instances' immediate counters emptied -- so
   // nothing the replaced processes sent lands in, or completes, a later epoch. Every rank
-  // rebuilds, since every hop's collectives run over the whole world. The hops' epochs start
-  // again at 0 on every rank. A failure past the old hops ends this device.
+  // rebuilds, since every hop's collectives run over the whole world: on the CUDA device the
+  // node's mapped memory is made anew too. The hops' epochs start again at 0 on every rank. A
+  // failure past the old hops ends this device.
   Status Readmit(Bootstrap& group, const std::vector<uint8_t>& /*readmitted*/,
                  uint64_t /*epoch*/, std::chrono::milliseconds timeout) override {
-    if (on_gpu()) return UnimplementedError("AllToAll::Readmit: node-once on the CUDA device");
     rail_.reset();
     weights_.reset();
     node_.reset();
@@ -306,6 +306,8 @@ class NodeOnceDevice final : public MoeDevice {
       rail_ = std::move(h.rail);
       weights_ = std::move(h.weights);
       node_ = std::move(h.node);
+      // The caller's stream, where it gave one, for the new hops too.
+      if (stream_set_) RETURN_IF_ERROR(SetHopStreams(stream_));
       return Status::Ok();
     }();
     if (!broken_.ok()) {
@@ -324,8 +326,10 @@ class NodeOnceDevice final : public MoeDevice {
 
   // Stream calls (the CUDA device): both hops and the work between them on one stream.
   Status SetStream(void* stream) override {
-    RETURN_IF_ERROR(rail_->SetStream(stream));
-    RETURN_IF_ERROR(node_->SetStream(stream));
+    RETURN_IF_ERROR(broken_);
+    RETURN_IF_ERROR(SetHopStreams(stream));
+    stream_ = stream;
+    stream_set_ = true;
     return hops_->SetStream(stream);
   }
   Status Synchronize() override {
@@ -359,6 +363,10 @@ class NodeOnceDevice final : public MoeDevice {
 
  private:
   bool on_gpu() const { return c_.device == MoeDeviceKind::kCuda; }
+  Status SetHopStreams(void* stream) {
+    RETURN_IF_ERROR(rail_->SetStream(stream));
+    return node_->SetStream(stream);
+  }
 
   // A hop's deadline. Under mask_lost_peers each hop waits the step's wait (the caller's
   // deadline less the step's call) from its own start: a hop after one that waited for a lost
@@ -446,6 +454,8 @@ class NodeOnceDevice final : public MoeDevice {
   const std::unique_ptr<HopMemory> hops_;
   std::unique_ptr<AllToAll> rail_, node_, weights_;  // built anew by Readmit
   Status broken_;  // what ended this device (Readmit)
+  void* stream_ = nullptr;  // SetStream's, where it was called (stream_set_)
+  bool stream_set_ = false;
   DispatchOutput mid_;       // what the rail brings to this node (token-major), in hops_
   uint8_t* mid_out_ = nullptr;  // what goes back on it
   int64_t* rail_cost_ = nullptr;  // [nodes] the rail hop's wait costs

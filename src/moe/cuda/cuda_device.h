@@ -181,7 +181,9 @@ class CudaDevice final : public MoeDevice {
   // device that joins a running world starts (AllToAll::Join: the survivors' epoch, in the
   // kernels' scratch and the relay's thread). With a node of one rank its only collectives are
   // the relay's and a closing barrier: what a survivor's Readmit runs too.
-  Status Init(TransferEngine* engine, Bootstrap& bootstrap, uint64_t first_epoch = 0);
+  // adopt_counters: as the relay's (Relay::Create; node-once's hops built anew).
+  Status Init(TransferEngine* engine, Bootstrap& bootstrap, uint64_t first_epoch = 0,
+              bool adopt_counters = false);
 
   // Membership (AllToAll::Readmit), every rank its own node (CheckRejoinable): the relay
   // readmits the ranks (relay.h), their masks are cleared -- the kernels' words, the host's
@@ -233,10 +235,12 @@ class CudaDevice final : public MoeDevice {
   // rank, null outside our node.
   StatusOr<std::vector<uint8_t*>> MapNodeBuffers(Bootstrap& bootstrap, int64_t bytes);
   // Other nodes: the relay's inbox and outbox (GPU or pinned host memory), its control block
-  // (pinned host memory), and the relay, from first_epoch. The buffers as the kernels address
+  // (pinned host memory), and the relay, from first_epoch (taking this instance's counters over
+  // with adopt_counters). The buffers as the kernels address
   // them (nothing where every rank is in our node).
   StatusOr<RelayBuffers> StartRelay(const RelayLayout& relay, TransferEngine* engine,
-                                    Bootstrap& bootstrap, uint64_t first_epoch);
+                                    Bootstrap& bootstrap, uint64_t first_epoch,
+                                    bool adopt_counters);
   // Every rank as the kernels reach it: NodePeer in our node, RemotePeer (the relay) outside;
   // with what each rank's send grid adds to its flags (exchanged).
   StatusOr<std::vector<nv::NvPeer>> ExchangePeers(Bootstrap& bootstrap, const RelayLayout& relay,

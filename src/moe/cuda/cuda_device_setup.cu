@@ -34,14 +34,16 @@ CudaDevice::~CudaDevice() {
   if (error_) cudaFreeHost(error_);
 }
 
-Status CudaDevice::Init(TransferEngine* engine, Bootstrap& bootstrap, uint64_t first_epoch) {
+Status CudaDevice::Init(TransferEngine* engine, Bootstrap& bootstrap, uint64_t first_epoch,
+                        bool adopt_counters) {
   int sms = 0;
   RETURN_IF_ERROR(OpenDevice(&sms));
   ASSIGN_OR_RETURN(const int64_t bytes, PlanBuffer());
   RETURN_IF_ERROR(PlanGrids(sms));
   ASSIGN_OR_RETURN(const std::vector<uint8_t*> bases, MapNodeBuffers(bootstrap, bytes));
   const RelayLayout relay(c_, nv_.slot_bytes, c_.ranks_per_node);
-  ASSIGN_OR_RETURN(const RelayBuffers mapped, StartRelay(relay, engine, bootstrap, first_epoch));
+  ASSIGN_OR_RETURN(const RelayBuffers mapped,
+                   StartRelay(relay, engine, bootstrap, first_epoch, adopt_counters));
   ASSIGN_OR_RETURN(const std::vector<NvPeer> peers, ExchangePeers(bootstrap, relay, mapped, bases));
   RETURN_IF_ERROR(AllocateDeviceState(peers, bases[c_.rank]));
   if (first_epoch > 0) {
@@ -111,7 +113,8 @@ StatusOr<std::vector<uint8_t*>> CudaDevice::MapNodeBuffers(Bootstrap& bootstrap,
 }
 
 StatusOr<RelayBuffers> CudaDevice::StartRelay(const RelayLayout& relay, TransferEngine* engine,
-                                              Bootstrap& bootstrap, uint64_t first_epoch) {
+                                              Bootstrap& bootstrap, uint64_t first_epoch,
+                                              bool adopt_counters) {
   Nv& v = nv_;
   v.first_remote = relay.remotes.empty() ? -1 : relay.remotes.front();
   if (!relay.remotes.empty() && relay.counts_bytes != int64_t{v.counts_stride} * 4) {
@@ -120,7 +123,7 @@ StatusOr<RelayBuffers> CudaDevice::StartRelay(const RelayLayout& relay, Transfer
   if (relay.remotes.empty()) return RelayBuffers{};
   RETURN_IF_ERROR(boxes_.Place(c_, relay, engine));
   ASSIGN_OR_RETURN(relay_, Relay::Create(c_, relay, engine, bootstrap, boxes_.host(), 60000,
-                                         first_epoch));
+                                         first_epoch, adopt_counters));
   return boxes_.mapped();
 }
 
@@ -286,12 +289,12 @@ StatusOr<std::unique_ptr<MoeDevice>> CreateCudaDevice(const AllToAllConfig& conf
                                                       TransferEngine* engine,
                                                       Bootstrap& bootstrap,
                                                       const Hearing* hearing,
-                                                      uint64_t first_epoch) {
+                                                      uint64_t first_epoch, bool adopt_counters) {
   if (config.device != MoeDeviceKind::kCuda) {
     return InvalidArgumentError("CUDA AllToAll: config.device is not kCuda");
   }
   auto device = std::make_unique<CudaDevice>(config, hearing);
-  RETURN_IF_ERROR(device->Init(engine, bootstrap, first_epoch));
+  RETURN_IF_ERROR(device->Init(engine, bootstrap, first_epoch, adopt_counters));
   return std::unique_ptr<MoeDevice>(std::move(device));
 }
 
