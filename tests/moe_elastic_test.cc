@@ -52,15 +52,18 @@ float Weight(int j) { return j == 0 ? 0.5f : 0.25f; }
 using Ranks = std::vector<bool>;
 const Ranks kAll = {true, true, true, true}, kWithout2 = {true, true, false, true};
 
-// On the CUDA device (`cuda`) every rank is a node of its own on this machine's first GPU: the
-// relay carries every section, as readmission there needs.
-AllToAllConfig Config(int rank, const Shape& s = {}, bool cuda = false) {
+// Where the ranks run: the host device, or the CUDA device on this machine's first GPU with
+// every rank a node of its own (the relay between them) or all in one node (their memory
+// mapped into each other's).
+enum class Where { kHost, kCudaNodeEach, kCudaOneNode };
+
+AllToAllConfig Config(int rank, const Shape& s = {}, Where where = Where::kHost) {
   AllToAllConfig c{.world_size = s.world, .rank = rank, .num_experts = s.experts,
                    .experts_per_token = kK, .max_tokens_per_rank = kTokens, .hidden = kHidden,
                    .dtype = DispatchDtype::kBf16, .mask_lost_peers = true};
-  if (cuda) {
+  if (where != Where::kHost) {
     c.device = MoeDeviceKind::kCuda;
-    c.ranks_per_node = 1;
+    c.ranks_per_node = where == Where::kCudaNodeEach ? 1 : s.world;
   }
   return c;
 }
@@ -110,23 +113,23 @@ Status Buffers(Member& m, int rank, const Shape& shape = {}) {
 }
 
 // A rank of the world as it starts, over `bootstrap`.
-StatusOr<Member> Create(Bootstrap& bootstrap, bool cuda = false) {
+StatusOr<Member> Create(Bootstrap& bootstrap, Where where = Where::kHost) {
   Member m;
-  m.cuda = cuda;
+  m.cuda = where != Where::kHost;
   RETURN_IF_ERROR(Buffers(m, bootstrap.rank()));
   ASSIGN_OR_RETURN(m.engine, Engine());
-  ASSIGN_OR_RETURN(m.a2a, AllToAll::Create(Config(bootstrap.rank(), {}, cuda), m.engine.get(),
+  ASSIGN_OR_RETURN(m.a2a, AllToAll::Create(Config(bootstrap.rank(), {}, where), m.engine.get(),
                                            bootstrap));
   return m;
 }
 
 // A new process for rank `group.rank()`, joining the survivors over `group`.
-StatusOr<Member> Join(Bootstrap& group, const Shape& shape = {}, bool cuda = false) {
+StatusOr<Member> Join(Bootstrap& group, const Shape& shape = {}, Where where = Where::kHost) {
   Member m;
-  m.cuda = cuda;
+  m.cuda = where != Where::kHost;
   RETURN_IF_ERROR(Buffers(m, group.rank(), shape));
   ASSIGN_OR_RETURN(m.engine, Engine());
-  ASSIGN_OR_RETURN(m.a2a, AllToAll::Join(Config(group.rank(), shape, cuda), m.engine.get(),
+  ASSIGN_OR_RETURN(m.a2a, AllToAll::Join(Config(group.rank(), shape, where), m.engine.get(),
                                          group, 30s));
   return m;
 }
@@ -240,17 +243,16 @@ Status AwaitSignal(int fd, std::chrono::milliseconds within = 20s) {
 // dropped, kBefore fails at epoch 6 or 7; without the old keys revoked, so does kAfter.)
 enum class Woken { kBefore, kAfter };
 
-// On the host device, and on the CUDA device with every rank its own node (skipped without a
-// GPU).
-class MoeElasticTest : public ::testing::TestWithParam<std::tuple<Woken, bool>> {};
+// On the host device, and on the CUDA device both ways (skipped without a GPU).
+class MoeElasticTest : public ::testing::TestWithParam<std::tuple<Woken, Where>> {};
 
 TEST_P(MoeElasticTest, ALostRankIsReplacedFencedAndTheNextEpochsAreWholeAgain) {
   const bool before = std::get<0>(GetParam()) == Woken::kBefore;
-  const bool cuda = std::get<1>(GetParam());
+  const Where where = std::get<1>(GetParam());
 #if FERRY_HAVE_CUDA
-  if (cuda && !HaveGpu()) GTEST_SKIP() << "no GPU";
+  if (where != Where::kHost && !HaveGpu()) GTEST_SKIP() << "no GPU";
 #else
-  if (cuda) GTEST_SKIP() << "built without CUDA";
+  if (where != Where::kHost) GTEST_SKIP() << "built without CUDA";
 #endif
   const std::string first = LoopbackAddress(), second = LoopbackAddress();
   // Rank 0 to the old rank 2 (go on); it to rank 0 (it sent); ranks 1 and 3 to rank 0 (their
@@ -264,7 +266,7 @@ TEST_P(MoeElasticTest, ALostRankIsReplacedFencedAndTheNextEpochsAreWholeAgain) {
     if (me == kWorld) {
       RETURN_IF_ERROR(launcher.Barrier(60s));
       ASSIGN_OR_RETURN(auto group, Rendezvous(second, 2));
-      ASSIGN_OR_RETURN(Member m, Join(*group, {}, cuda));
+      ASSIGN_OR_RETURN(Member m, Join(*group, {}, where));
       CHECK_OR_RETURN(m.a2a->membership_version() == 1,
                       "joined at version " + std::to_string(m.a2a->membership_version()));
       m.epoch = 4;  // the survivors' next epoch, where Join's AllToAll starts
@@ -278,7 +280,7 @@ TEST_P(MoeElasticTest, ALostRankIsReplacedFencedAndTheNextEpochsAreWholeAgain) {
       return Status::Ok();
     }
     ASSIGN_OR_RETURN(auto world, Rendezvous(first, me));
-    ASSIGN_OR_RETURN(Member m, Create(*world, cuda));
+    ASSIGN_OR_RETURN(Member m, Create(*world, where));
     for (int i = 0; i < 2; ++i) RETURN_IF_ERROR(Epoch(m, kAll, Deadline::After(30s)));
     RETURN_IF_ERROR(Dispatch(m, Deadline::After(30s)));
     RETURN_IF_ERROR(launcher.Barrier(60s));  // every rank has had epoch 2's dispatch
@@ -320,9 +322,13 @@ TEST_P(MoeElasticTest, ALostRankIsReplacedFencedAndTheNextEpochsAreWholeAgain) {
 
 INSTANTIATE_TEST_SUITE_P(
     Woken, MoeElasticTest,
-    ::testing::Combine(::testing::Values(Woken::kBefore, Woken::kAfter), ::testing::Bool()),
+    ::testing::Combine(::testing::Values(Woken::kBefore, Woken::kAfter),
+                       ::testing::Values(Where::kHost, Where::kCudaNodeEach, Where::kCudaOneNode)),
     [](const auto& info) {
-      return std::string(std::get<1>(info.param) ? "Cuda" : "Host") +
+      const Where w = std::get<1>(info.param);
+      return std::string(w == Where::kHost           ? "Host"
+                         : w == Where::kCudaNodeEach ? "CudaNodeEach"
+                                                     : "CudaOneNode") +
              (std::get<0>(info.param) == Woken::kBefore ? "BeforeTheFence" : "AfterTheFence");
     });
 

@@ -418,17 +418,14 @@ class FERRY_API AllToAll {
   // ranks is counted and dropped, so nothing of theirs lands in, or completes, a later epoch.
   // A meeting that fails (a new process that never came, `timeout`) leaves the survivors as
   // they were, those ranks still masked, and Readmit may be called again. The membership
-  // version counts the readmissions and resizes. Per rank forwarding, on the host device and
-  // on the CUDA device where every rank is its own node (ranks_per_node 1: the relay carries
-  // every section, and its receive buffers are what is re-keyed; a rank of our node is reached
-  // through memory mapped once, which a new process cannot take over); node-once forwarding on
-  // both devices, where each survivor has masked only the ranks it waits for (the lost ranks
-  // are their masks together) and every rank builds the hops anew (the old ones' receive keys
-  // revoked first; on the CUDA device the node's mapped memory too); elsewhere Readmit and
-  // Join are Unimplemented (create a new AllToAll). On the CUDA device the readmitted ranks'
-  // masks are cleared in device memory and no buffer moves, but a CUDA graph captured before
-  // a readmission is not tested to replay after it: capture again. Join also brings a new
-  // process into a world that grows (Resize).
+  // version counts the readmissions and resizes. Both devices, both forwardings: the host
+  // device per rank re-keys its receive buffers in place; the CUDA device is made anew on
+  // every rank (its node's ranks reach each other through memory each maps once, which a new
+  // process cannot take over; what the old one held goes first); node-once builds its hops
+  // anew, and there each survivor has masked only the ranks it waits for (the lost ranks are
+  // their masks together). CUDA graphs captured before a readmission on the CUDA device hold
+  // the old device's memory: capture them again. Join also brings a new process into a world
+  // that grows (Resize).
   static StatusOr<std::unique_ptr<AllToAll>> Join(const AllToAllConfig& config,
                                                   TransferEngine* engine, Bootstrap& group,
                                                   std::chrono::milliseconds timeout);

@@ -128,14 +128,9 @@ class DeepEpMaskTest(unittest.TestCase):
                 assert took < (5.0 if round == 3 else 0.5), (round, took)
                 assert masks(buf, world) == [0, 0, 1]
             # Unmasking brings rank 2 back as a new process met over `rejoin`, which this
-            # Buffer lacks (on the CUDA device, readmission needs every rank in a node of its
-            # own; these three share one).
-            if DEV == "cuda":
-                expect_error(ferry.Unimplemented, "a node of its own",
-                             buf.low_latency_update_mask_buffer, 2, False)
-            else:
-                expect_error(ferry.InvalidArgument, "rejoin=",
-                             buf.low_latency_update_mask_buffer, 2, False)
+            # Buffer lacks.
+            expect_error(ferry.InvalidArgument, "rejoin=", buf.low_latency_update_mask_buffer,
+                         2, False)
             expect_error(ferry.Unimplemented, "ranks [2] are masked",
                          buf.low_latency_clean_mask_buffer)
             buf.low_latency_update_mask_buffer(2, True)  # masked already: nothing changes
@@ -149,11 +144,9 @@ class DeepEpMaskTest(unittest.TestCase):
         """Rank 2 dies after two rounds; the survivors mask it at the next call's deadline and
         go on without it; a new process takes its place (join=True) and the survivors unmask
         it (low_latency_update_mask_buffer(2, False)), meeting over `rejoin`: from the next
-        call every rank's rows and sums are whole again, on every rank, the new one included.
-        Host device (on the CUDA device these ranks share a node, where readmission is
-        refused)."""
-        if self.dev == "cuda":
-            self.skipTest("readmission runs on the host device")
+        call every rank's rows and sums are whole again, on every rank, the new one included
+        (on the CUDA device, the three ranks in one node: each low-latency AllToAll made
+        anew)."""
         first, again = free_address(), free_address()
 
         def body(b):

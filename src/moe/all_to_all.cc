@@ -18,6 +18,29 @@
 namespace ferry {
 namespace {
 
+// A device that is over (a readmission failed after the shell let its device go): every step
+// and question reports why.
+class EndedDevice final : public moe::MoeDevice {
+ public:
+  explicit EndedDevice(Status why) : why_(std::move(why)) {}
+  moe::DeviceCaps caps() const override { return {}; }
+  Status DispatchSend(const DispatchInput&, uint64_t) override { return why_; }
+  Status DispatchRecv(const DispatchOutput&, uint64_t, Deadline) override { return why_; }
+  Status CombineSend(const CombineInput&, uint64_t) override { return why_; }
+  Status CombineRecv(const CombineOutput&, uint64_t, Deadline) override { return why_; }
+  Status Quantize(const DispatchInput&, const void**, const float**) override { return why_; }
+  Status ApplyMasks(const std::vector<uint8_t>&) override { return why_; }
+  bool masks_live() const override { return false; }
+  StatusOr<std::vector<uint8_t>> Masked() const override { return why_; }
+  bool masked_so_far(int) const override { return false; }
+  Status Sticky() override { return why_; }
+  uint64_t dispatch_bytes_sent() const override { return 0; }
+  uint64_t combine_bytes_sent() const override { return 0; }
+
+ private:
+  const Status why_;
+};
+
 using moe::Stage;
 
 class Shell final : public AllToAll {
@@ -95,7 +118,10 @@ class Shell final : public AllToAll {
     if (stage_ != Stage::kIdle) {
       return FailedPreconditionError("SetStream: only between a CombineRecv and a DispatchSend");
     }
-    return device_->SetStream(stream);
+    RETURN_IF_ERROR(device_->SetStream(stream));
+    stream_ = stream;
+    stream_set_ = true;
+    return Status::Ok();
   }
   Status Synchronize() override { return device_->Synchronize(); }
   Status Poll(bool* done) override { return device_->Poll(done); }
@@ -134,7 +160,6 @@ class Shell final : public AllToAll {
 
   Status Readmit(Bootstrap& group, std::chrono::milliseconds timeout) override {
     RETURN_IF_ERROR(Step(Stage::kIdle, "Readmit"));
-    RETURN_IF_ERROR(moe::CheckRejoinable(c_, "AllToAll::Readmit"));
     RETURN_IF_ERROR(moe::CheckMembershipGroup(c_, group));
     ASSIGN_OR_RETURN(const std::vector<uint8_t> masked, Masked());
     moe::MemberView mine{false, false, version_, epoch_, masked, c_.Fingerprint()};
@@ -146,7 +171,11 @@ class Shell final : public AllToAll {
     if (any) {
       // Masks still pending reach the device first: the ranks it readmits are all it masked.
       RETURN_IF_ERROR(ApplyPendingMasks());
-      RETURN_IF_ERROR(device_->Readmit(group, agreed.ranks, epoch_, timeout));
+      if (device_->readmits_anew()) {
+        RETURN_IF_ERROR(MakeDeviceAnew(group));
+      } else {
+        RETURN_IF_ERROR(device_->Readmit(group, agreed.ranks, epoch_, timeout));
+      }
     }
     for (int r = 0; r < c_.world_size; ++r) {
       if (agreed.ranks[r]) caller_masks_[r] = 0;
@@ -201,6 +230,27 @@ class Shell final : public AllToAll {
     return moe::CheckStage(stage_, want, name);
   }
 
+  // Readmission where the device is made anew (MoeDevice::readmits_anew): this one goes
+  // first, then its successor is made over `group` at our epoch, taking the instance's
+  // counters over, as the new processes make theirs (AllToAll::Join), and given the caller's
+  // stream. Past the old one, a failure ends this AllToAll.
+  Status MakeDeviceAnew(Bootstrap& group) {
+    device_.reset();
+    auto made = moe::CreateCudaDevice(c_, engine_, group, nullptr, epoch_, true);
+    Status s = made.status();
+    if (s.ok()) {
+      device_ = std::move(made).value();
+      if (stream_set_) s = device_->SetStream(stream_);
+    }
+    if (!s.ok()) {
+      s = s.WithContext("AllToAll::Readmit, after this rank's device was let go; this AllToAll "
+                        "is unusable");
+      device_ = std::make_unique<EndedDevice>(s);
+    }
+    caps_ = device_->caps();
+    return s;
+  }
+
   // The masks SetMasked took since they were last applied (a flag, so that DispatchSend does
   // not scan world_size entries every epoch).
   Status ApplyPendingMasks() {
@@ -237,6 +287,8 @@ class Shell final : public AllToAll {
   moe::DeviceCaps caps_;
   Stage stage_ = Stage::kIdle;
   uint64_t version_ = 0;  // readmissions so far (membership_version)
+  void* stream_ = nullptr;  // SetStream's, where it was called (stream_set_): a device made
+  bool stream_set_ = false;  // anew takes it too
   uint64_t epoch_ = 0;
   int num_tokens_ = 0;      // the last DispatchSend's
   bool sent_fp16_ = false;  // the last CombineSend's CombineInput::fp16
@@ -266,7 +318,6 @@ StatusOr<std::unique_ptr<AllToAll>> AllToAll::Join(const AllToAllConfig& asked,
                                                    TransferEngine* engine, Bootstrap& group,
                                                    std::chrono::milliseconds timeout) {
   ASSIGN_OR_RETURN(const AllToAllConfig config, moe::Resolve(asked, engine, group));
-  RETURN_IF_ERROR(moe::CheckRejoinable(config, "AllToAll::Join"));
   const moe::MemberView mine{true, false, 0, 0, std::vector<uint8_t>(size_t(config.world_size)),
                              config.Fingerprint()};
   ASSIGN_OR_RETURN(const moe::Readmission agreed, moe::Meet(group, mine, timeout));

@@ -228,20 +228,6 @@ StatusOr<AllToAllConfig> Resolve(const AllToAllConfig& asked, TransferEngine* en
   return config;
 }
 
-Status CheckRejoinable(const AllToAllConfig& c, const char* call) {
-  // On the CUDA device per rank, a rank of our node is reached through memory mapped once (its
-  // buffer's handle): only ranks the relay reaches can be replaced. (Node-once builds its hops
-  // anew, their node memory included.)
-  if (c.device == MoeDeviceKind::kCuda && c.forwarding != Forwarding::kNodeOnce &&
-      c.ranks_per_node != 1) {
-    return UnimplementedError(std::string(call) +
-                              ": on the CUDA device ranks join a running world where every "
-                              "rank is its own node (ranks_per_node 1, the relay between "
-                              "them), for now (else: create a new AllToAll)");
-  }
-  return Status::Ok();
-}
-
 Status CheckResizable(const AllToAllConfig& c) {
   if (c.device == MoeDeviceKind::kHost && c.forwarding != Forwarding::kNodeOnce) {
     return Status::Ok();

@@ -85,12 +85,17 @@ class MoeDevice {
   // Membership (AllToAll::Readmit): between epochs, the ranks set in `readmitted` ([N], each
   // masked here) come back as new processes that meet us over `group` at `epoch` (they create
   // their device with first_epoch = epoch), and are unmasked. Collective over `group`. A failed
-  // meeting leaves the device as it was, those ranks masked. The shell asks only a device
-  // that can (CheckRejoinable in moe/steps.h).
+  // meeting leaves the device as it was, those ranks masked.
   virtual Status Readmit(Bootstrap& /*group*/, const std::vector<uint8_t>& /*readmitted*/,
                          uint64_t /*epoch*/, std::chrono::milliseconds /*timeout*/) {
     return UnimplementedError("MoeDevice::Readmit");
   }
+  // Whether a readmission makes the device anew instead (the shell lets this one go, then
+  // creates its successor over the group at the epoch, taking its counters over, as the new
+  // processes create theirs): the CUDA device, whose node's ranks reach each other through
+  // memory each maps once. What this one still holds (its relay's inbox keys: Relay::Stop
+  // revokes them) is let go first.
+  virtual bool readmits_anew() const { return false; }
 
   // OK, or what ended this device (a malformed section, a lost peer, a stopped relay): every
   // later step reports it.

@@ -39,9 +39,6 @@ Status CheckMembershipGroup(const AllToAllConfig& c, const Bootstrap& group);
 // holding its world (CheckMembershipGroup).
 StatusOr<AllToAllConfig> Resolve(const AllToAllConfig& asked, TransferEngine* engine,
                                  const Bootstrap& bootstrap);
-// Unimplemented, naming `call`, unless a rank can join a running world of this configuration
-// (the host device; on the CUDA device, node-once, or per rank with every rank its own node).
-Status CheckRejoinable(const AllToAllConfig& c, const char* call);
 // Unimplemented unless the world of this configuration can change size (the host device, per
 // rank forwarding, for now).
 Status CheckResizable(const AllToAllConfig& c);

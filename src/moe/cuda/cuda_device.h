@@ -178,18 +178,15 @@ class CudaDevice final : public MoeDevice {
   ~CudaDevice() override;
 
   // Collective; the set-up stages (cuda_device_setup.cu), in order. first_epoch: where a
-  // device that joins a running world starts (AllToAll::Join: the survivors' epoch, in the
-  // kernels' scratch and the relay's thread). With a node of one rank its only collectives are
-  // the relay's and a closing barrier: what a survivor's Readmit runs too.
+  // device that joins a running world starts (AllToAll::Join and Readmit: the survivors'
+  // epoch, in the kernels' scratch, the node's flags in our buffer and the relay's thread).
   // adopt_counters: as the relay's (Relay::Create; node-once's hops built anew).
   Status Init(TransferEngine* engine, Bootstrap& bootstrap, uint64_t first_epoch = 0,
               bool adopt_counters = false);
 
-  // Membership (AllToAll::Readmit), every rank its own node (CheckRejoinable): the relay
-  // readmits the ranks (relay.h), their masks are cleared -- the kernels' words, the host's
-  // mirror, the relay's words -- and a barrier closes it, as a joiner's Init ends.
-  Status Readmit(Bootstrap& group, const std::vector<uint8_t>& readmitted, uint64_t epoch,
-                 std::chrono::milliseconds timeout) override;
+  // Membership (AllToAll::Readmit): made anew, survivors and new processes alike, from the
+  // survivors' epoch (Init's first_epoch).
+  bool readmits_anew() const override { return true; }
 
   DeviceCaps caps() const override { return {.streams = true, .device_token_count = true}; }
 

@@ -47,15 +47,20 @@ Status CudaDevice::Init(TransferEngine* engine, Bootstrap& bootstrap, uint64_t f
   ASSIGN_OR_RETURN(const std::vector<NvPeer> peers, ExchangePeers(bootstrap, relay, mapped, bases));
   RETURN_IF_ERROR(AllocateDeviceState(peers, bases[c_.rank]));
   if (first_epoch > 0) {
-    // The kernels count epochs in their scratch (Scratch::epoch), and our flags for ourselves
-    // (in our own buffer, NvPeer) gain a grid's worth per epoch: both as if we had run the
-    // survivors' epochs.
+    // The kernels count epochs in their scratch (Scratch::epoch), and the flags of our node's
+    // ranks in our buffer (NvPeer) gain a grid's worth per epoch: all as if the survivors'
+    // epochs had run here. (The relay's flags are epoch numbers: nothing to set.)
     FERRY_CUDA(cudaMemcpy(&scratch_.get()->epoch, &first_epoch, sizeof first_epoch,
                           cudaMemcpyHostToDevice));
-    const uint64_t own[2] = {first_epoch * uint64_t(peers[c_.rank].dispatch_step),
-                             first_epoch * uint64_t(peers[c_.rank].combine_step)};
-    FERRY_CUDA(cudaMemcpy(peers[c_.rank].dispatch_flag, &own[0], 8, cudaMemcpyHostToDevice));
-    FERRY_CUDA(cudaMemcpy(peers[c_.rank].combine_flag, &own[1], 8, cudaMemcpyHostToDevice));
+    for (int r = 0; r < c_.world_size; ++r) {
+      if (relay.Remote(r)) continue;
+      const uint64_t at[2] = {first_epoch * uint64_t(peers[r].dispatch_step),
+                              first_epoch * uint64_t(peers[r].combine_step)};
+      FERRY_CUDA(cudaMemcpy(const_cast<uint64_t*>(peers[r].dispatch_flag_in), &at[0], 8,
+                            cudaMemcpyHostToDevice));
+      FERRY_CUDA(cudaMemcpy(const_cast<uint64_t*>(peers[r].combine_flag_in), &at[1], 8,
+                            cudaMemcpyHostToDevice));
+    }
   }
   FERRY_CUDA(cudaDeviceSynchronize());
   if (hearing_.liveness) hearing_.liveness->Mirror(error_ + 4 + c_.world_size, hearing_.ranks);
@@ -263,26 +268,6 @@ NvPeer CudaDevice::RemotePeer(const RelayLayout& relay, const RelayBuffers& mapp
   p.relay_rows = relay.InRows(mapped.control, q);
   p.relay_mask = relay.MaskWord(mapped.control, r);
   return p;
-}
-
-Status CudaDevice::Readmit(Bootstrap& group, const std::vector<uint8_t>& readmitted,
-                           uint64_t epoch, std::chrono::milliseconds timeout) {
-  if (!relay_ || c_.ranks_per_node != 1) {
-    return FailedPreconditionError(
-        "AllToAll::Readmit: the CUDA device readmits ranks of other nodes, every rank its own");
-  }
-  FERRY_CUDA(cudaSetDevice(c_.cuda_device));
-  FERRY_CUDA(cudaStreamSynchronize(stream_));  // between epochs: no kernel of ours runs
-  RETURN_IF_ERROR(relay_->Readmit(group, readmitted, epoch, timeout));
-  const RelayLayout relay(c_, nv_.slot_bytes, c_.ranks_per_node);
-  for (int r = 0; r < c_.world_size; ++r) {
-    if (!readmitted[size_t(r)]) continue;
-    if (nv_.masks) FERRY_CUDA(cudaMemset(nv_.masks + r, 0, sizeof(int32_t)));
-    reinterpret_cast<volatile int32_t*>(error_)[4 + r] = 0;
-    relay.Mask(boxes_.host().control, r, kUnmasked);
-  }
-  FERRY_CUDA(cudaDeviceSynchronize());
-  return group.Barrier(timeout);  // as the joiner's Init ends
 }
 
 StatusOr<std::unique_ptr<MoeDevice>> CreateCudaDevice(const AllToAllConfig& config,

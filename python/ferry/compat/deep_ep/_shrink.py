@@ -58,8 +58,8 @@ class _Shrink:
         trusted): every survivor calls this between calls, the new process constructs its
         Buffer with join=True, and they meet over the Buffer's `rejoin` (a bootstrap of the
         whole world); every low-latency AllToAll is readmitted (ferry.AllToAll.readmit) and the
-        next calls are whole again. Every masked rank comes back at once; on the CUDA device only
-        where every rank is a node of its own."""
+        next calls are whole again (on CUDA tensors the AllToAlls are made anew: a CUDA graph
+        captured before holds their old buffers). Every masked rank comes back at once."""
         self._check_shrink("low_latency_update_mask_buffer")
         if not 0 <= rank_to_mask < self.group_size:
             raise InvalidArgument(f"low_latency_update_mask_buffer: rank {rank_to_mask} of "
@@ -134,13 +134,7 @@ class _Shrink:
 
     def _readmit(self, rank):
         """Survivors: the masked ranks back as the new processes met over rejoin()."""
-        call = "low_latency_update_mask_buffer"
-        if any(a2a.config.device == _ferry.MoeDevice.CUDA and a2a.config.ranks_per_node != 1
-               for a2a in self._low_latency_all_to_alls()):
-            raise Unimplemented(f"{call}: bringing rank {rank} back on the CUDA device needs "
-                                "every rank in a node of its own (the relay between them); "
-                                "these AllToAlls share a node's memory")
-        group = self._rejoin_group(call)
+        group = self._rejoin_group("low_latency_update_mask_buffer")
         mine = self._world_view()
         view = self._meet(group, mine)
         for _, a2a in self._group.keyed("ll"):
@@ -157,6 +151,9 @@ class _Shrink:
         keys as theirs were."""
         group = self._group.bootstrap
         view = self._meet(group, b"")
+        # The survivors' ranks per node first: asked for here it would be a collective they
+        # are not in.
+        self._group.rebase(group, view["ranks_per_node"])
         engine = self._group.engine(True)
         for key, instance in view["shapes"]:
             key = tuple(key)
@@ -167,4 +164,3 @@ class _Shrink:
             self._group.adopt(key, _ferry.AllToAll.join(config, engine, group,
                                                         _READMIT_TIMEOUT))
         self._group.set_next_instance(view["next_instance"])
-        self._group.rebase(group, view["ranks_per_node"])
