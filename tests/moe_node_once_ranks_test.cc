@@ -362,8 +362,9 @@ struct MaskingRank {
   std::unique_ptr<TransferEngine> engine;
   std::unique_ptr<AllToAll> a2a;
 };
-StatusOr<MaskingRank> MakeMaskingRank(Bootstrap& b, bool cuda) {
-  AllToAllConfig c{.world_size = kWorld, .rank = b.rank(), .ranks_per_node = kPerNode,
+// Rank `rank`'s configuration (its GPU taken with `cuda`, through b) and engine.
+StatusOr<AllToAllConfig> MaskingConfig(Bootstrap& b, int rank, bool cuda) {
+  AllToAllConfig c{.world_size = kWorld, .rank = rank, .ranks_per_node = kPerNode,
                    .num_experts = kExperts, .experts_per_token = kK,
                    .max_tokens_per_rank = kTokens, .hidden = kHidden,
                    .forwarding = Forwarding::kNodeOnce, .mask_lost_peers = true};
@@ -372,12 +373,19 @@ StatusOr<MaskingRank> MakeMaskingRank(Bootstrap& b, bool cuda) {
 #else
   CHECK_OR_RETURN(!cuda, "built without CUDA");
 #endif
-  MaskingRank r;
+  return c;
+}
+StatusOr<std::unique_ptr<TransferEngine>> MaskingEngine() {
   // A rank masked as lost is forgotten as the engine's peer, which ends the writes pending to
   // it at once; the transfer timeout bounds the rest (a dead rank's heartbeats).
   EngineOptions options = testing_util::TestOptions("shm");
   options.transfer_timeout_ms = 1000;
-  ASSIGN_OR_RETURN(r.engine, TransferEngine::Create(options));
+  return TransferEngine::Create(options);
+}
+StatusOr<MaskingRank> MakeMaskingRank(Bootstrap& b, bool cuda) {
+  ASSIGN_OR_RETURN(const AllToAllConfig c, MaskingConfig(b, b.rank(), cuda));
+  MaskingRank r;
+  ASSIGN_OR_RETURN(r.engine, MaskingEngine());
   ASSIGN_OR_RETURN(r.a2a, AllToAll::Create(c, r.engine.get(), b));
   return r;
 }
@@ -505,16 +513,8 @@ TEST_P(MoeNodeOnceReplacedTest, ALostRankIsReplacedAndEveryHopIsWholeAgain) {
   const std::string second = "127.0.0.1:" + std::to_string(testing_util::FreeLoopbackPort());
   auto exits = testing_util::RunRanks(kWorld + 1, [&](Bootstrap& launcher) -> Status {
     const int me = std::min(launcher.rank(), 3);  // process 4 is rank 3's replacement
-    AllToAllConfig c{.world_size = kWorld, .rank = me, .ranks_per_node = kPerNode,
-                     .num_experts = kExperts, .experts_per_token = kK,
-                     .max_tokens_per_rank = kTokens, .hidden = kHidden,
-                     .forwarding = Forwarding::kNodeOnce, .mask_lost_peers = true};
-#if FERRY_HAVE_CUDA
-    if (cuda) RETURN_IF_ERROR(UseGpu(launcher, &c));
-#endif
-    EngineOptions options = testing_util::TestOptions("shm");
-    options.transfer_timeout_ms = 1000;
-    ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(options));
+    ASSIGN_OR_RETURN(const AllToAllConfig c, MaskingConfig(launcher, me, cuda));
+    ASSIGN_OR_RETURN(auto engine, MaskingEngine());
     const std::vector<bool> everyone(kWorld, false);
     const EpochRun run{.cuda = cuda, .dispatch_wait = 600ms, .combine_wait = 600ms};
     if (launcher.rank() == kWorld) {
@@ -522,7 +522,9 @@ TEST_P(MoeNodeOnceReplacedTest, ALostRankIsReplacedAndEveryHopIsWholeAgain) {
                                                    .rank = me, .timeout = 60s}));
       ASSIGN_OR_RETURN(auto a2a, AllToAll::Join(c, engine.get(), *group, 30s));
       CHECK_OR_RETURN(a2a->membership_version() == 1, "joined at another version");
-      for (int epoch = 3; epoch < 6; ++epoch) RETURN_IF_ERROR(Epoch(*a2a, me, epoch, everyone, run));
+      for (int epoch = 3; epoch < 6; ++epoch) {
+        RETURN_IF_ERROR(Epoch(*a2a, me, epoch, everyone, run));
+      }
       return Status::Ok();
     }
     ASSIGN_OR_RETURN(auto world, JoinRendezvous({.address = first, .world_size = kWorld,

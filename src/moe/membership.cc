@@ -74,7 +74,8 @@ StatusOr<Readmission> Decide(const std::vector<MemberView>& views) {
   std::vector<uint8_t> lost = ref.masked;
   if (ref.cover == MaskCover::kOwnHops) {
     for (const MemberView& v : views) {
-      for (int r = 0; !v.joining && r < n && size_t(r) < v.masked.size(); ++r) lost[r] |= v.masked[r];
+      if (v.joining) continue;
+      for (int r = 0; r < n && size_t(r) < v.masked.size(); ++r) lost[r] |= v.masked[r];
     }
   }
   for (int r = 0; r < n; ++r) {

@@ -491,7 +491,8 @@ class HostDevice final : public MoeDevice {
       const Deadline bound{deadline.at +
                            kLateWaits * std::max(deadline.at - step_start_, Clock::duration{})};
       while (waited.code() == StatusCode::kDeadlineExceeded && p_.heard(s) && !bound.Expired()) {
-        waited = WaitInbox(combine, s, epoch, Deadline{std::min(bound.at, Clock::now() + kHeardPoll)});
+        const Deadline poll{std::min(bound.at, Clock::now() + kHeardPoll)};
+        waited = WaitInbox(combine, s, epoch, poll);
       }
     }
     if (cost) {
