@@ -16,116 +16,12 @@
 #include "ferry/bootstrap.h"
 #include "ferry/moe.h"
 #include "moe/numerics.h"
-#include "moe_buf.h"
+#include "moe_node_once_cases.h"
 
 namespace ferry {
 namespace {
 
-using namespace std::chrono_literals;
-using Clock = std::chrono::steady_clock;
-
-// EP4 as two nodes of two (ranks 0, 1 | 2, 3), 8 experts (2 a rank, 4 a node), top-2: token t
-// of rank r goes to expert (t + 2r) % 8 and that + 4 -- one in each node -- with weights 0.5
-// and 0.25; every column holds 1 + r + t / 4 + 2 * epoch (exact in bf16, as are its sums).
-constexpr int kWorld = 4, kPerNode = 2, kTokens = 4, kHidden = 128, kExperts = 8, kK = 2;
-constexpr int kLocal = kExperts / kWorld;
-constexpr int64_t kCapacity = int64_t{kWorld} * kTokens;
-float Value(int r, int t, int epoch) { return 1.0f + r + t * 0.25f + 2.0f * epoch; }
-int Expert(int r, int t, int j) { return (t + 2 * r + 4 * j) % kExperts; }
-float Weight(int j) { return j == 0 ? 0.5f : 0.25f; }
-
-// Whether rank s's copies reach rank `me` (and their rows come back) while `masked` ranks are
-// out: inside a node directly; across nodes through the rank of me's node with s's index there,
-// which must not be masked.
-bool Reaches(int s, int me, const std::vector<bool>& masked) {
-  if (s == me) return true;
-  if (masked[size_t(s)] || masked[size_t(me)]) return false;
-  if (s / kPerNode == me / kPerNode) return true;
-  return !masked[size_t(me / kPerNode * kPerNode + s % kPerNode)];
-}
-
-// How an epoch runs: on which device (the CUDA device: every buffer on the GPU), each
-// receive's wait, whether its outputs are checked (an epoch that a rank died in is not: what it
-// sent before it died arrived), and what runs after each send step (0: DispatchSend, 1:
-// CombineSend), where a test kills a rank between its hops.
-struct EpochRun {
-  bool cuda = false;
-  std::chrono::milliseconds dispatch_wait{30s}, combine_wait{30s};
-  bool exact = true;
-  std::function<void(int step)> after_send;
-};
-
-// One epoch of rank `me`, every output checked against `masked` (the ranks out, as me sees the
-// world): each local expert's rows as a multiset, and each token's sum over the copies whose
-// expert rank its route reaches. Odd epochs give the weights at the combine too (the weights
-// rail then crosses the same routes, masked alike).
-Status Epoch(AllToAll& a2a, int me, int epoch, const std::vector<bool>& masked,
-             const EpochRun& run = {}) {
-  Buf<uint16_t> x, out_x, y;
-  Buf<int32_t> ids, counts;
-  Buf<float> w;
-  RETURN_IF_ERROR(x.Init(run.cuda, size_t(kTokens) * kHidden, 0));
-  RETURN_IF_ERROR(ids.Init(run.cuda, size_t(kTokens) * kK, 0));
-  RETURN_IF_ERROR(w.Init(run.cuda, size_t(kTokens) * kK, 0.0f));
-  RETURN_IF_ERROR(out_x.Init(run.cuda, size_t(kLocal * kCapacity * kHidden), 0));
-  RETURN_IF_ERROR(counts.Init(run.cuda, kLocal, -1));
-  RETURN_IF_ERROR(y.Init(run.cuda, size_t(kTokens) * kHidden, 0));
-  for (int t = 0; t < kTokens; ++t) {
-    std::fill_n(x.host.begin() + t * kHidden, kHidden, FloatToBf16(Value(me, t, epoch)));
-    for (int j = 0; j < kK; ++j) {
-      ids.host[size_t(t) * kK + j] = Expert(me, t, j);
-      w.host[size_t(t) * kK + j] = Weight(j);
-    }
-  }
-  RETURN_IF_ERROR(x.Push());
-  RETURN_IF_ERROR(ids.Push());
-  RETURN_IF_ERROR(w.Push());
-  RETURN_IF_ERROR(a2a.DispatchSend({x.ptr(), nullptr, ids.ptr(), w.ptr(), kTokens}));
-  if (run.after_send) run.after_send(0);
-  RETURN_IF_ERROR(a2a.DispatchRecv({out_x.ptr(), nullptr, counts.ptr()},
-                                   Deadline::After(run.dispatch_wait)));
-  RETURN_IF_ERROR(out_x.Pull());
-  RETURN_IF_ERROR(counts.Pull());
-  for (int e = 0; e < kLocal && run.exact; ++e) {
-    const int expert = me * kLocal + e;
-    std::vector<float> want, got;
-    for (int s = 0; s < kWorld; ++s) {
-      for (int t = 0; t < kTokens && Reaches(s, me, masked); ++t) {
-        for (int j = 0; j < kK; ++j) {
-          if (Expert(s, t, j) == expert) want.push_back(Value(s, t, epoch));
-        }
-      }
-    }
-    for (int i = 0; i < counts.host[size_t(e)]; ++i) {
-      got.push_back(Bf16ToFloat(out_x.host[(size_t(e) * kCapacity + i) * kHidden]));
-    }
-    std::sort(want.begin(), want.end());
-    std::sort(got.begin(), got.end());
-    CHECK_OR_RETURN(got == want, "rank " + std::to_string(me) + " expert " +
-                                     std::to_string(expert) + " epoch " +
-                                     std::to_string(epoch) + ": " + std::to_string(got.size()) +
-                                     " rows, want " + std::to_string(want.size()));
-  }
-  RETURN_IF_ERROR(a2a.CombineSend(out_x.ptr()));  // the experts: the identity
-  if (run.after_send) run.after_send(1);
-  RETURN_IF_ERROR(a2a.CombineRecv(
-      CombineOutput{.out = y.ptr(), .weights = epoch % 2 ? w.ptr() : nullptr},
-      Deadline::After(run.combine_wait)));
-  RETURN_IF_ERROR(y.Pull());
-  for (int t = 0; t < kTokens && run.exact; ++t) {
-    float weight = 0;
-    for (int j = 0; j < kK; ++j) {
-      if (Reaches(me, Expert(me, t, j) / kLocal, masked)) weight += Weight(j);
-    }
-    const uint16_t want = FloatToBf16(Value(me, t, epoch) * weight);
-    CHECK_OR_RETURN(y.host[size_t(t) * kHidden] == want,
-                    "rank " + std::to_string(me) + " token " + std::to_string(t) + " epoch " +
-                        std::to_string(epoch) + ": " +
-                        std::to_string(Bf16ToFloat(y.host[size_t(t) * kHidden])) + ", want " +
-                        std::to_string(Bf16ToFloat(want)));
-  }
-  return Status::Ok();
-}
+using namespace node_once_cases;
 
 // Masks set by hand between epochs: ranks 0, 1 and 2 mask rank 3, and rank 3 masks them all.
 // From the next dispatch rank 3 keeps its own tokens only; the others lose rank 3's experts and
@@ -355,49 +251,6 @@ TEST(MoeNodeOnceTest, ADeadRankEndsEverySurvivorsEpochAtItsDeadline) {
   EXPECT_EQ(exits[3].signal, SIGKILL);
 }
 
-// Under mask_lost_peers, node-once with EP4 as two nodes of two, on the host device or the CUDA
-// device (the four ranks on one GPU: NVLink inside a node, the relay on the rail; skipped
-// without a GPU): rank `me`'s AllToAll and engine.
-struct MaskingRank {
-  std::unique_ptr<TransferEngine> engine;
-  std::unique_ptr<AllToAll> a2a;
-};
-// Rank `rank`'s configuration (its GPU taken with `cuda`, through b) and engine.
-StatusOr<AllToAllConfig> MaskingConfig(Bootstrap& b, int rank, bool cuda) {
-  AllToAllConfig c{.world_size = kWorld, .rank = rank, .ranks_per_node = kPerNode,
-                   .num_experts = kExperts, .experts_per_token = kK,
-                   .max_tokens_per_rank = kTokens, .hidden = kHidden,
-                   .forwarding = Forwarding::kNodeOnce, .mask_lost_peers = true};
-#if FERRY_HAVE_CUDA
-  if (cuda) RETURN_IF_ERROR(UseGpu(b, &c));
-#else
-  CHECK_OR_RETURN(!cuda, "built without CUDA");
-#endif
-  return c;
-}
-StatusOr<std::unique_ptr<TransferEngine>> MaskingEngine() {
-  // A rank masked as lost is forgotten as the engine's peer, which ends the writes pending to
-  // it at once; the transfer timeout bounds the rest (a dead rank's heartbeats).
-  EngineOptions options = testing_util::TestOptions("shm");
-  options.transfer_timeout_ms = 1000;
-  return TransferEngine::Create(options);
-}
-StatusOr<MaskingRank> MakeMaskingRank(Bootstrap& b, bool cuda) {
-  ASSIGN_OR_RETURN(const AllToAllConfig c, MaskingConfig(b, b.rank(), cuda));
-  MaskingRank r;
-  ASSIGN_OR_RETURN(r.engine, MaskingEngine());
-  ASSIGN_OR_RETURN(r.a2a, AllToAll::Create(c, r.engine.get(), b));
-  return r;
-}
-
-bool SkipCuda(bool cuda) {
-#if FERRY_HAVE_CUDA
-  return cuda && !HaveGpu();
-#else
-  return cuda;
-#endif
-}
-
 // Rank 3 dies in epoch 1 at one of three points: before its dispatch, between its rail and
 // node sends (after DispatchSend), or between its node and rail combines (after CombineSend).
 // The rank that finds it lost at one hop is late at the next for the ranks that wait for it
@@ -466,94 +319,42 @@ INSTANTIATE_TEST_SUITE_P(
                                                      : "BetweenItsNodeAndRailCombines");
     });
 
-// Under mask_lost_peers a rank that is only late -- asleep for twice the step's wait before its
-// dispatch, its heartbeats going on -- is waited for, not masked: every epoch is exact with
-// every rank in, on every rank, and nobody names a rank masked.
+// Under mask_lost_peers a rank late for its own reasons -- asleep for three times the step's
+// wait before its dispatch, its process alive -- sends no heartbeats (it is in no step) and is
+// masked at the deadline by the ranks that wait for it, as per rank forwarding masks it; the
+// ranks it delays are heard while they wait for it and are not masked. Every survivor's next
+// two epochs are exact with rank 3 out, and no survivor names a live rank masked. (A rank
+// masked as lost must not run its steps again -- moe.h -- so rank 3 only wakes and leaves.)
 class MoeNodeOnceLateTest : public testing::TestWithParam<bool> {};
 
-TEST_P(MoeNodeOnceLateTest, ALateRankIsWaitedForNotMasked) {
+TEST_P(MoeNodeOnceLateTest, ARankLateOutsideItsStepIsMaskedAndTheRanksItDelaysAreNot) {
   const bool cuda = GetParam();
   if (SkipCuda(cuda)) GTEST_SKIP() << "no GPU";
   auto exits = testing_util::RunRanks(kWorld, [cuda](Bootstrap& b) -> Status {
     const int me = b.rank();
     ASSIGN_OR_RETURN(MaskingRank rank, MakeMaskingRank(b, cuda));
-    const std::vector<bool> none(kWorld, false);
     const EpochRun run{.cuda = cuda, .dispatch_wait = 400ms, .combine_wait = 400ms};
-    for (int epoch = 0; epoch < 3; ++epoch) {
-      if (epoch == 1 && me == 3) std::this_thread::sleep_for(800ms);
-      RETURN_IF_ERROR(Epoch(*rank.a2a, me, epoch, none, run));
+    RETURN_IF_ERROR(Epoch(*rank.a2a, me, 0, std::vector<bool>(kWorld, false), run));
+    RETURN_IF_ERROR(b.Barrier(30s));
+    if (me == 3) {
+      std::this_thread::sleep_for(1200ms);
+      return Status::Ok();
     }
+    std::vector<bool> lost(kWorld, false);
+    lost[3] = true;
+    for (int epoch = 1; epoch < 3; ++epoch) RETURN_IF_ERROR(Epoch(*rank.a2a, me, epoch, lost, run));
     ASSIGN_OR_RETURN(auto masked, rank.a2a->Masked());
-    for (int r = 0; r < kWorld; ++r) {
-      CHECK_OR_RETURN(!masked[size_t(r)], "rank " + std::to_string(me) + " masked rank " +
-                                              std::to_string(r) + ", which was only late");
+    for (int r = 0; r < 3; ++r) {
+      CHECK_OR_RETURN(!masked[size_t(r)], "rank " + std::to_string(me) + " masked live rank " +
+                                              std::to_string(r));
     }
-    return b.Barrier(30s);
+    CHECK_OR_RETURN(me == 0 || masked[3], "rank " + std::to_string(me) + " did not mask rank 3");
+    return Status::Ok();
   }, 120s);
   for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
 }
 
 INSTANTIATE_TEST_SUITE_P(Devices, MoeNodeOnceLateTest, testing::Bool(),
-                         [](const testing::TestParamInfo<bool>& p) {
-                           return std::string(p.param ? "Cuda" : "Host");
-                         });
-
-// Under node-once forwarding a lost rank comes back as a new process: rank 3 (of EP4 as two
-// nodes of two) dies; the survivors mask it -- each only where it waits for it: rank 2 in its
-// node, rank 1 on its rail, rank 0 not at all -- and go on without it; a fifth process joins
-// as rank 3 (AllToAll::Join) while the survivors readmit (AllToAll::Readmit), which builds
-// every hop anew; the next epochs are exact with every rank, on every rank. Both devices (the
-// CUDA device's skipped without a GPU).
-class MoeNodeOnceReplacedTest : public testing::TestWithParam<bool> {};
-
-TEST_P(MoeNodeOnceReplacedTest, ALostRankIsReplacedAndEveryHopIsWholeAgain) {
-  const bool cuda = GetParam();
-  if (SkipCuda(cuda)) GTEST_SKIP() << "no GPU";
-  const std::string first = "127.0.0.1:" + std::to_string(testing_util::FreeLoopbackPort());
-  const std::string second = "127.0.0.1:" + std::to_string(testing_util::FreeLoopbackPort());
-  auto exits = testing_util::RunRanks(kWorld + 1, [&](Bootstrap& launcher) -> Status {
-    const int me = std::min(launcher.rank(), 3);  // process 4 is rank 3's replacement
-    ASSIGN_OR_RETURN(const AllToAllConfig c, MaskingConfig(launcher, me, cuda));
-    ASSIGN_OR_RETURN(auto engine, MaskingEngine());
-    const std::vector<bool> everyone(kWorld, false);
-    const EpochRun run{.cuda = cuda, .dispatch_wait = 600ms, .combine_wait = 600ms};
-    if (launcher.rank() == kWorld) {
-      ASSIGN_OR_RETURN(auto group, JoinRendezvous({.address = second, .world_size = kWorld,
-                                                   .rank = me, .timeout = 60s}));
-      ASSIGN_OR_RETURN(auto a2a, AllToAll::Join(c, engine.get(), *group, 30s));
-      CHECK_OR_RETURN(a2a->membership_version() == 1, "joined at another version");
-      for (int epoch = 3; epoch < 6; ++epoch) {
-        RETURN_IF_ERROR(Epoch(*a2a, me, epoch, everyone, run));
-      }
-      return Status::Ok();
-    }
-    ASSIGN_OR_RETURN(auto world, JoinRendezvous({.address = first, .world_size = kWorld,
-                                                 .rank = me, .timeout = 60s}));
-    ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(c, engine.get(), *world));
-    RETURN_IF_ERROR(Epoch(*a2a, me, 0, everyone, run));
-    RETURN_IF_ERROR(world->Barrier(30s));
-    if (me == 3) {
-      a2a.reset();
-      engine.reset();
-      raise(SIGKILL);
-    }
-    std::vector<bool> lost(kWorld, false);
-    lost[3] = true;
-    for (int epoch = 1; epoch < 3; ++epoch) RETURN_IF_ERROR(Epoch(*a2a, me, epoch, lost, run));
-    ASSIGN_OR_RETURN(auto group, JoinRendezvous({.address = second, .world_size = kWorld,
-                                                 .rank = me, .timeout = 60s}));
-    RETURN_IF_ERROR(a2a->Readmit(*group, 30s));
-    ASSIGN_OR_RETURN(auto masked, a2a->Masked());
-    CHECK_OR_RETURN(std::none_of(masked.begin(), masked.end(), [](uint8_t m) { return m; }),
-                    "a rank still masked after the readmission");
-    for (int epoch = 3; epoch < 6; ++epoch) RETURN_IF_ERROR(Epoch(*a2a, me, epoch, everyone, run));
-    return Status::Ok();
-  }, 120s);
-  for (int r : {0, 1, 2, 4}) EXPECT_TRUE(exits[size_t(r)].ok()) << "process " << r;
-  EXPECT_EQ(exits[3].signal, SIGKILL);
-}
-
-INSTANTIATE_TEST_SUITE_P(Devices, MoeNodeOnceReplacedTest, testing::Bool(),
                          [](const testing::TestParamInfo<bool>& p) {
                            return std::string(p.param ? "Cuda" : "Host");
                          });

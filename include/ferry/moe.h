@@ -215,14 +215,16 @@ struct FERRY_API AllToAllConfig {
   // ranks share. Part of what ranks must agree on. On the CUDA device one thread per step
   // decides which ranks are masked, so the steps it changes run unstreamed (cuda.stream as 0)
   // and the receive kernels wait for the flags before reading the counts rows.
-  // Under node-once forwarding a step waits at two hops, and a rank that waits
-  // for a lost rank at one is late for the ranks waiting for it at the next. So the ranks of a
-  // rail and of a node send each other heartbeats (an immediate every 20 ms), and a rank that
-  // misses the deadline but was heard from within 200 ms is late, not lost: it is waited for
-  // on while it stays heard from, up to three more times the step's wait (the deadline's
-  // distance from the receive call), then masked. Each hop waits the step's wait from its own
-  // start, so a step takes at most twice that, plus the late waits. A lost forwarder masks the
-  // route through it: the tokens of its rail's senders for its node's experts.
+  // Under node-once forwarding a step waits at two hops, and a rank that waits for a lost rank
+  // at one is late for the ranks waiting for it at the next. So while a rank is inside a
+  // receive step it sends heartbeats to its rail and its node (an immediate every 20 ms), and a
+  // rank that misses the deadline but was heard from within 200 ms is late, not lost: it is
+  // waited for on while it stays heard from, up to three more times the step's wait (the
+  // deadline's distance from the receive call), then masked. A rank late for its own reasons
+  // (outside a step) is silent and masked at the deadline, as per rank. Each hop waits the
+  // step's wait from its own start, so a step takes at most twice that, plus the late waits. A
+  // lost forwarder masks the route through it: the tokens of its rail's senders for its node's
+  // experts.
   bool mask_lost_peers = false;
   // Several AllToAlls on one engine (two micro-batches overlapped, or one created after
   // another) each take an instance of their own, 0 to kMaxInstances - 1, the same on every

@@ -24,7 +24,8 @@ Liveness::Liveness(const AllToAllConfig& config, TransferEngine* engine, std::ve
   const int64_t now = NowNs(std::chrono::steady_clock::now());
   for (size_t i = 0; i < watched_.size(); ++i) {
     index_[size_t(watched_[i])] = static_cast<int>(i);
-    heard_ns_[i].store(now, std::memory_order_relaxed);  // just met
+    heard_ns_[i].store(now - std::chrono::nanoseconds(kSilence).count(),
+                       std::memory_order_relaxed);  // nothing heard yet
     sent_.push_back(std::make_unique<TransferCounter>());
   }
   posted_.assign(watched_.size(), 0);
@@ -74,7 +75,9 @@ Status Liveness::Meet(Bootstrap& group, std::chrono::milliseconds timeout) {
     sent_[i] = std::make_unique<TransferCounter>();
     posted_[i] = 0;
     peers_[i] = peer;
-    heard_ns_[i].store(NowNs(std::chrono::steady_clock::now()), std::memory_order_release);
+    heard_ns_[i].store(NowNs(std::chrono::steady_clock::now()) -
+                           std::chrono::nanoseconds(kSilence).count(),
+                       std::memory_order_release);  // nothing heard from the new process yet
   }
   return group.Barrier(timeout);
 }
@@ -138,8 +141,10 @@ void Liveness::Beat(std::chrono::steady_clock::time_point now) {
       counts_[i] = *count;
       heard_ns_[i].store(NowNs(now), std::memory_order_release);
     }
-    // Ours, one in flight per rank: a peer that stopped answering gets no queue of them. A
-    // refused submit (a peer forgotten as lost, a full queue) is tried at the next beat.
+    // Ours while we are inside a receive step, one in flight per rank: a peer that stopped
+    // answering gets no queue of them. A refused submit (a peer forgotten as lost, a full
+    // queue) is tried at the next beat.
+    if (stepping_.load(std::memory_order_acquire) == 0) continue;
     TransferCounter& sent = *sent_[i];
     if (sent.done.load() + sent.failed.load() < posted_[i]) continue;
     if (engine_->WriteImm(peers_[i], mine, Completion::Counter(&sent)).ok()) ++posted_[i];

@@ -3,14 +3,17 @@
 //
 // Why. Under node-once a step waits at two hops (the rail, then the node), and a rank that waits
 // at one hop for a lost rank is late at the next for the ranks that wait for it. No split of a
-// step's deadline between the hops tells that late rank from a lost one: a loss before the rail
-// send delays the node hop, one before the node send delays the next rail hop, and each hop's
-// share would have to outlast the other's. So a rank that misses the deadline is asked whether
-// its process still lives: every rank's heartbeat thread sends an immediate to each rank that
-// may wait for it (its rail and its node) every kBeat, and a sender heard from within kSilence
-// is late, not lost -- its waiters wait on while it stays heard from, up to a bound (the host
-// device's WaitOrMask: kLateWaits more of the step's wait). A rank whose process died falls
-// silent within kSilence and is masked then.
+// step's deadline tells that late rank from a lost one: a loss before the rail send delays the
+// node hop, one before the node send delays the next rail hop, and each hop's share would have
+// to outlast the other's. So a rank that misses the deadline is asked whether it is itself
+// waiting: while a rank is inside a receive step (Stepping), its heartbeat thread sends an
+// immediate to each rank that may wait for it (its rail and its node) every kBeat, and a
+// sender heard from within kSilence is late, not lost -- its waiters wait on while it stays
+// heard from, up to a bound (kLateWaits more of the step's wait). A rank whose process died,
+// or that is late for its own reasons (stalled outside a step, as a slow rank is), is silent
+// and is masked at the deadline, as per rank forwarding masks it. A rank that hangs inside a
+// step with its process alive is waited for up to the bound; the ranks it delays may then be
+// taken for lost.
 //
 // The heartbeats are immediates of the AllToAll's range (kind kRelayAlive, the node-once
 // AllToAll's instance, the sending rank of its world); kinds keep them apart from the rail's
@@ -59,6 +62,21 @@ class Liveness {
 
   // Whether `rank` (watched) was heard from within kSilence. A rank not watched: false.
   bool Heard(int rank) const;
+  // While one lives, this rank is inside a receive step and its heartbeats go out.
+  class Stepping {
+   public:
+    explicit Stepping(Liveness* l) : l_(l) {
+      if (l_) l_->stepping_.fetch_add(1, std::memory_order_acq_rel);
+    }
+    ~Stepping() {
+      if (l_) l_->stepping_.fetch_sub(1, std::memory_order_acq_rel);
+    }
+    Stepping(const Stepping&) = delete;
+    Stepping& operator=(const Stepping&) = delete;
+
+   private:
+    Liveness* const l_;
+  };
   // At each beat from now on, Heard(ranks[i]) as 1 or 0 into words[i] (plain int32 stores: a
   // GPU kernel reads them from pinned host memory, where no atomic crosses PCIe), until Unmirror
   // or Stop.
@@ -100,6 +118,7 @@ class Liveness {
   };
   Mutex mirrors_mu_;
   std::vector<Mirrored> mirrors_ GUARDED_BY(mirrors_mu_);
+  std::atomic<int> stepping_{0};  // Stepping guards alive
   std::atomic<bool> stop_{false};
   std::thread thread_;
 };

@@ -165,6 +165,7 @@ class NodeOnceDevice final : public MoeDevice {
   // The tokens our rail brought to this node, forwarded inside it; what the node's ranks
   // forwarded to us is the caller's output.
   Status DispatchRecv(const DispatchOutput& out, uint64_t /*epoch*/, Deadline deadline) override {
+    const Liveness::Stepping stepping(liveness_.get());  // our heartbeats while we wait
     const Clock::time_point start = Clock::now();
     DispatchOutput mid = mid_;
     mid.wait_cost = out.wait_cost ? rail_cost_ : nullptr;
@@ -201,6 +202,7 @@ class NodeOnceDevice final : public MoeDevice {
   // The node's rows for each forwarded token summed here (one row per token), sent back on the
   // rail; the nodes' rows summed into the caller's output.
   Status CombineRecv(const CombineOutput& out, uint64_t /*epoch*/, Deadline deadline) override {
+    const Liveness::Stepping stepping(liveness_.get());
     const Clock::time_point start = Clock::now();
     // Weights given now cross to the forwarders first, where the node sums with them.
     if (out.weights) RETURN_IF_ERROR(WeightsToForwarders(out.weights, deadline));
