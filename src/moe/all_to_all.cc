@@ -5,7 +5,9 @@
 // logic per device.
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -40,6 +42,29 @@ class EndedDevice final : public moe::MoeDevice {
  private:
   const Status why_;
 };
+
+// Where a device starts: a new world's first epoch, or a running world's (AllToAll::Join, and
+// a survivor's device made anew by Readmit or Resize, which takes over the counters of this
+// instance on the engine); `hearing`: node-once's hops (CreateAllToAll).
+struct DeviceStart {
+  uint64_t epoch = 0;
+  bool adopt_counters = false;
+  const moe::Hearing* hearing = nullptr;
+};
+
+// The device `c` names. Node-once builds its hops as at creation wherever it starts: a world
+// that changes builds them anew on every rank, whose epochs start at 0.
+StatusOr<std::unique_ptr<moe::MoeDevice>> MakeDevice(const AllToAllConfig& c,
+                                                     TransferEngine* engine, Bootstrap& group,
+                                                     const DeviceStart& at) {
+  if (c.forwarding == Forwarding::kNodeOnce) return moe::CreateNodeOnceDevice(c, engine, group);
+  if (c.device == MoeDeviceKind::kCuda) {
+    return moe::CreateCudaDevice(c, engine, group, at.hearing, at.epoch, at.adopt_counters);
+  }
+  std::function<bool(int)> heard;
+  if (at.hearing) heard = [h = *at.hearing](int r) { return h.Heard(r); };
+  return moe::CreateHostDevice(c, engine, group, at.epoch, at.adopt_counters, std::move(heard));
+}
 
 using moe::Stage;
 
@@ -120,7 +145,6 @@ class Shell final : public AllToAll {
     }
     RETURN_IF_ERROR(device_->SetStream(stream));
     stream_ = stream;
-    stream_set_ = true;
     return Status::Ok();
   }
   Status Synchronize() override { return device_->Synchronize(); }
@@ -171,11 +195,13 @@ class Shell final : public AllToAll {
     if (any) {
       // Masks still pending reach the device first: the ranks it readmits are all it masked.
       RETURN_IF_ERROR(ApplyPendingMasks());
-      if (device_->readmits_anew()) {
-        RETURN_IF_ERROR(MakeDeviceAnew(group));
-      } else {
-        RETURN_IF_ERROR(device_->Readmit(group, agreed.ranks, epoch_, timeout));
-      }
+      const Status s = device_->readmits_anew()
+                           ? MakeDeviceAnew(group)
+                           : device_->Readmit(group, agreed.ranks, epoch_, timeout);
+      // A failure past the point where the ranks' keys or devices changed ends the device
+      // (it says so in Sticky, or it is gone): this AllToAll then reports it at every call.
+      if (!s.ok() && (!device_ || !device_->Sticky().ok())) End(s);
+      RETURN_IF_ERROR(s);
     }
     for (int r = 0; r < c_.world_size; ++r) {
       if (agreed.ranks[r]) caller_masks_[r] = 0;
@@ -207,8 +233,8 @@ class Shell final : public AllToAll {
     ASSIGN_OR_RETURN(const moe::Readmission agreed, moe::Meet(group, mine, timeout));
     // The new world's device first, taking over this instance's counters (this device's relay
     // waits for a dispatch that never comes): if it cannot be made, this one goes on.
-    ASSIGN_OR_RETURN(auto device, moe::CreateHostDevice(config, engine_, group, epoch_, true));
-    device_ = std::move(device);
+    ASSIGN_OR_RETURN(device_, MakeDevice(config, engine_, group,
+                                         {.epoch = epoch_, .adopt_counters = true}));
     caps_ = device_->caps();
     c_ = config;
     caller_masks_.assign(size_t(c_.world_size), 0);
@@ -233,22 +259,26 @@ class Shell final : public AllToAll {
   // Readmission where the device is made anew (MoeDevice::readmits_anew): this one goes
   // first, then its successor is made over `group` at our epoch, taking the instance's
   // counters over, as the new processes make theirs (AllToAll::Join), and given the caller's
-  // stream. Past the old one, a failure ends this AllToAll.
+  // stream. Past the old one, a failure leaves no device (Readmit ends this AllToAll).
   Status MakeDeviceAnew(Bootstrap& group) {
     device_.reset();
-    auto made = moe::CreateCudaDevice(c_, engine_, group, nullptr, epoch_, true);
-    Status s = made.status();
-    if (s.ok()) {
-      device_ = std::move(made).value();
-      if (stream_set_) s = device_->SetStream(stream_);
-    }
-    if (!s.ok()) {
-      s = s.WithContext("AllToAll::Readmit, after this rank's device was let go; this AllToAll "
-                        "is unusable");
-      device_ = std::make_unique<EndedDevice>(s);
-    }
+    ASSIGN_OR_RETURN(device_, MakeDevice(c_, engine_, group,
+                                         {.epoch = epoch_, .adopt_counters = true}));
     caps_ = device_->caps();
-    return s;
+    if (stream_) {
+      const Status s = device_->SetStream(*stream_);
+      if (!s.ok()) device_.reset();  // on another stream than the caller's: no use
+      return s;
+    }
+    return Status::Ok();
+  }
+
+  // The device is over: every later call reports `why`.
+  void End(const Status& why) {
+    device_ = std::make_unique<EndedDevice>(why.WithContext(
+        "AllToAll::Readmit, after the ranks' keys or devices changed; this AllToAll is "
+        "unusable"));
+    caps_ = device_->caps();
   }
 
   // The masks SetMasked took since they were last applied (a flag, so that DispatchSend does
@@ -287,8 +317,7 @@ class Shell final : public AllToAll {
   moe::DeviceCaps caps_;
   Stage stage_ = Stage::kIdle;
   uint64_t version_ = 0;  // readmissions so far (membership_version)
-  void* stream_ = nullptr;  // SetStream's, where it was called (stream_set_): a device made
-  bool stream_set_ = false;  // anew takes it too
+  std::optional<void*> stream_;  // SetStream's, where it was called: a device made anew too
   uint64_t epoch_ = 0;
   int num_tokens_ = 0;      // the last DispatchSend's
   bool sent_fp16_ = false;  // the last CombineSend's CombineInput::fp16
@@ -321,16 +350,7 @@ StatusOr<std::unique_ptr<AllToAll>> AllToAll::Join(const AllToAllConfig& asked,
   const moe::MemberView mine{true, false, 0, 0, std::vector<uint8_t>(size_t(config.world_size)),
                              config.Fingerprint()};
   ASSIGN_OR_RETURN(const moe::Readmission agreed, moe::Meet(group, mine, timeout));
-  std::unique_ptr<moe::MoeDevice> device;
-  if (config.forwarding == Forwarding::kNodeOnce) {
-    // The survivors build their hops anew with it (NodeOnceDevice::Readmit): a new world of
-    // hops, whose epochs start at 0.
-    ASSIGN_OR_RETURN(device, moe::CreateNodeOnceDevice(config, engine, group));
-  } else if (config.device == MoeDeviceKind::kCuda) {
-    ASSIGN_OR_RETURN(device, moe::CreateCudaDevice(config, engine, group, nullptr, agreed.epoch));
-  } else {
-    ASSIGN_OR_RETURN(device, moe::CreateHostDevice(config, engine, group, agreed.epoch));
-  }
+  ASSIGN_OR_RETURN(auto device, MakeDevice(config, engine, group, {.epoch = agreed.epoch}));
   return std::unique_ptr<AllToAll>(
       std::make_unique<Shell>(config, engine, std::move(device), agreed.version, agreed.epoch));
 }
@@ -347,18 +367,9 @@ StatusOr<std::unique_ptr<AllToAll>> moe::CreateAllToAll(const AllToAllConfig& as
                                                         bool adopt_counters) {
   ASSIGN_OR_RETURN(const AllToAllConfig config, moe::Resolve(asked, engine, bootstrap));
   RETURN_IF_ERROR(CheckConfigurationsAgree(config, bootstrap));
-  std::unique_ptr<moe::MoeDevice> device;
-  if (config.forwarding == Forwarding::kNodeOnce) {
-    ASSIGN_OR_RETURN(device, moe::CreateNodeOnceDevice(config, engine, bootstrap));
-  } else if (config.device == MoeDeviceKind::kCuda) {
-    ASSIGN_OR_RETURN(device,
-                     moe::CreateCudaDevice(config, engine, bootstrap, hearing, 0, adopt_counters));
-  } else {
-    std::function<bool(int)> heard;
-    if (hearing) heard = [h = *hearing](int r) { return h.Heard(r); };
-    ASSIGN_OR_RETURN(device, moe::CreateHostDevice(config, engine, bootstrap, 0, adopt_counters,
-                                                   std::move(heard)));
-  }
+  ASSIGN_OR_RETURN(auto device,
+                   MakeDevice(config, engine, bootstrap,
+                              {.adopt_counters = adopt_counters, .hearing = hearing}));
   return std::unique_ptr<AllToAll>(std::make_unique<Shell>(config, engine, std::move(device)));
 }
 

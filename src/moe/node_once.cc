@@ -5,7 +5,7 @@
 #include <array>
 #include <chrono>
 #include <cstdio>
-#include <cstring>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -269,7 +269,6 @@ class NodeOnceDevice final : public MoeDevice {
   // The ranks of our node and of our rail we know masked (by the caller or, under
   // mask_lost_peers, lost); the others' masks are their own nodes' and rails' to apply.
   StatusOr<std::vector<uint8_t>> Masked() const override {
-    RETURN_IF_ERROR(broken_);
     ASSIGN_OR_RETURN(const std::vector<uint8_t> node, node_->Masked());
     ASSIGN_OR_RETURN(const std::vector<uint8_t> rail, rail_->Masked());
     const int per_node = c_.ranks_per_node, first = c_.rank / per_node * per_node;
@@ -286,7 +285,7 @@ class NodeOnceDevice final : public MoeDevice {
   }
 
   // The inner AllToAlls report what ended them at their next step; a readmission that failed
-  // after the old hops went, here.
+  // after the old hops went, here (the shell then ends: no call reaches the missing hops).
   Status Sticky() override { return broken_; }
 
   // Membership (AllToAll::Readmit): the hops are built anew over `group`, as the new
@@ -309,7 +308,7 @@ class NodeOnceDevice final : public MoeDevice {
       weights_ = std::move(h.weights);
       node_ = std::move(h.node);
       // The caller's stream, where it gave one, for the new hops too.
-      if (stream_set_) RETURN_IF_ERROR(SetHopStreams(stream_));
+      if (stream_) RETURN_IF_ERROR(SetHopStreams(*stream_));
       return Status::Ok();
     }();
     if (!broken_.ok()) {
@@ -320,34 +319,30 @@ class NodeOnceDevice final : public MoeDevice {
   }
 
   uint64_t dispatch_bytes_sent() const override {
-    return rail_ ? rail_->dispatch_bytes_sent() + node_->dispatch_bytes_sent() : 0;
+    return rail_->dispatch_bytes_sent() + node_->dispatch_bytes_sent();
   }
   uint64_t combine_bytes_sent() const override {
-    return rail_ ? rail_->combine_bytes_sent() + node_->combine_bytes_sent() : 0;
+    return rail_->combine_bytes_sent() + node_->combine_bytes_sent();
   }
 
   // Stream calls (the CUDA device): both hops and the work between them on one stream.
   Status SetStream(void* stream) override {
-    RETURN_IF_ERROR(broken_);
     RETURN_IF_ERROR(SetHopStreams(stream));
     stream_ = stream;
-    stream_set_ = true;
     return hops_->SetStream(stream);
   }
   Status Synchronize() override {
-    RETURN_IF_ERROR(broken_);
     const Status rail = rail_->Synchronize(), node = node_->Synchronize();
     return rail.ok() ? node : rail;
   }
   Status Poll(bool* done) override {
-    RETURN_IF_ERROR(broken_);
     bool rail = false, node = false;
     RETURN_IF_ERROR(rail_->Poll(&rail));
     RETURN_IF_ERROR(node_->Poll(&node));
     *done = rail && node;
     return Status::Ok();
   }
-  bool capturing(void* stream) const override { return rail_ && rail_->capturing(stream); }
+  bool capturing(void* stream) const override { return rail_->capturing(stream); }
   // A mark on the rail's stream: the node hop's steps are on the same one (SetStream's), or
   // waited for themselves.
   Status Mark(uint64_t* mark) override { return rail_->Mark(mark); }
@@ -456,8 +451,7 @@ class NodeOnceDevice final : public MoeDevice {
   const std::unique_ptr<HopMemory> hops_;
   std::unique_ptr<AllToAll> rail_, node_, weights_;  // built anew by Readmit
   Status broken_;  // what ended this device (Readmit)
-  void* stream_ = nullptr;  // SetStream's, where it was called (stream_set_)
-  bool stream_set_ = false;
+  std::optional<void*> stream_;  // SetStream's, where it was called
   DispatchOutput mid_;       // what the rail brings to this node (token-major), in hops_
   uint8_t* mid_out_ = nullptr;  // what goes back on it
   int64_t* rail_cost_ = nullptr;  // [nodes] the rail hop's wait costs

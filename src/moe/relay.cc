@@ -112,8 +112,8 @@ bool Relay::Stop() {
   drained_ = writes_.Drain(std::chrono::milliseconds(peer_timeout_ms_));
   if (drained_ && inbox_reg_.valid()) {
     // Nothing lands after this, and what landed is counted first (TransferEngine::Revoke): a
-    // relay built anew on this instance (node-once's Readmit) takes the counters over emptied,
-    // holding nothing of a peer that wrote late into this one.
+    // relay built anew on this instance (a readmission that makes the device or node-once's
+    // hops anew) takes the counters over emptied, holding nothing of a peer that wrote late.
     (void)engine_->Revoke(inbox_reg_);
   }
   if (!drained_) {
@@ -300,7 +300,7 @@ Status Relay::Dispatch(uint64_t epoch) {
   targets_.clear();
   for (size_t q = 0; q < layout_.remotes.size(); ++q) {
     const int r = layout_.remotes[q];
-    if (Masked(r) || Forgotten(q)) continue;
+    if (Masked(r) || Gone(q)) continue;
     const int64_t slots = *layout_.OutSlots(buffers_.control, static_cast<int>(q));
     if (slots < 0 || slots > layout_.slots_per_pair) {
       return InternalError("our counts row for rank " + std::to_string(r) + " holds " +
@@ -320,7 +320,7 @@ Status Relay::Combine(uint64_t epoch) {
   targets_.clear();
   for (size_t q = 0; q < layout_.remotes.size(); ++q) {
     const int s = layout_.remotes[q];
-    if (Masked(s) || Forgotten(q)) continue;  // its counts row may never have come
+    if (Masked(s) || Gone(q)) continue;  // its counts row may never have come
     // Sender s's counts row of this epoch names where our rows go (copied into the control
     // block by the receive kernel); s rewrites it only after it got them (relay.h).
     const int64_t* in_rows = layout_.InRows(buffers_.control, static_cast<int>(q));
@@ -339,10 +339,14 @@ Status Relay::Combine(uint64_t epoch) {
   return Exchange(kRelayCombine, epoch, combine_bytes_);
 }
 
-bool Relay::Forgotten(size_t q) const {
+bool Relay::Gone(size_t q) {
+  if (forgotten_[q]) return true;
   if (!c_.mask_lost_peers) return false;
   const StatusOr<bool> lost = engine_->PeerLost(peers_[q]);
-  return lost.ok() && *lost;
+  if (!lost.ok() || !*lost) return false;
+  forgotten_[q] = 1;  // asked of the engine once
+  (void)engine_->RemovePeer(peers_[q]);  // ends what is pending to it (removed already: OK)
+  return true;
 }
 
 Status Relay::ForgetIfLost(int rank) {

@@ -281,11 +281,12 @@ class Relay {
   // A rank masked as lost: forgotten as the engine's peer (once), so that what is pending to it
   // fails now (see MaskWordValue).
   Status ForgetIfLost(int rank);
-  // Under mask_lost_peers, whether remote rank q's engine is a lost peer -- forgotten by
-  // another AllToAll on the engine that took it for lost (node-once's hops share their
-  // peers), or past the engine's transfer timeout: nothing is sent to it (a scatter naming a
-  // lost peer is refused whole), and this AllToAll's steps mask it at their deadline.
-  bool Forgotten(size_t q) const;
+  // Whether remote rank q is gone as our peer: forgotten here, or, under mask_lost_peers, lost
+  // on the engine -- forgotten by another AllToAll on it that took it for lost (node-once's
+  // hops share their peers), or past the engine's transfer timeout -- and forgotten here then
+  // (once; the engine is asked until then). Nothing is sent to it (a scatter naming a lost
+  // peer is refused whole), and this AllToAll's steps mask it at their deadline.
+  bool Gone(size_t q);
   void Fail(const Status& s);
 
   const AllToAllConfig c_;
@@ -299,7 +300,7 @@ class Relay {
   std::vector<ScatterTarget> targets_;  // read by the engine until the writes complete
   std::vector<int> pending_;            // Exchange: the remote ranks whose section has not landed
   std::vector<PeerId> peers_;           // [remote index] each remote rank as the engine's peer
-  std::vector<char> forgotten_;         // [remote index] ForgetIfLost removed it
+  std::vector<char> forgotten_;         // [remote index] removed as the engine's peer
   OwnWrites writes_;
   std::atomic<uint64_t> dispatch_bytes_{0}, combine_bytes_{0};
   mutable Mutex error_mu_;

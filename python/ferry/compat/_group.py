@@ -110,9 +110,7 @@ class Group:
         pool = self._pools.setdefault(key, [])
         config = make_config()
         config.world_size, config.rank = self.world_size, self.rank
-        one_node = (config.device == _ferry.MoeDevice.CUDA
-                    and config.ranks_per_node == self.world_size)
-        engine = self.engine(not one_node)
+        engine = self._engine_for(config)
         # Instances are numbered per engine (layers given one engine share its numbers); the
         # ranks make the same calls in the same order, so they agree on each number.
         taken = _ENGINE_INSTANCES.get(id(engine), 0) if engine is not None else self._instances
@@ -151,8 +149,18 @@ class Group:
             return _ENGINE_INSTANCES.get(id(self._engine), 0)
         return self._instances
 
-    def adopt(self, key, a2a):
-        """An AllToAll made elsewhere (AllToAll.join) into `key`'s pool, idle."""
+    def _engine_for(self, config):
+        """The engine an AllToAll of `config` uses: none for the CUDA device in one node."""
+        one_node = (config.device == _ferry.MoeDevice.CUDA
+                    and config.ranks_per_node == self.world_size)
+        return self.engine(not one_node)
+
+    def join(self, key, config, instance, timeout):
+        """A new process's AllToAll of `key` in a running world (ferry.AllToAll.join over this
+        group's bootstrap, on the world's `instance`), idle in the pool."""
+        config.world_size, config.rank, config.instance = self.world_size, self.rank, instance
+        config.validate()
+        a2a = _ferry.AllToAll.join(config, self._engine_for(config), self.bootstrap, timeout)
         self._pools.setdefault(key, []).append(_ferry.PooledAllToAll(a2a))
 
     def set_next_instance(self, instance):

@@ -233,8 +233,8 @@ class CudaDevice final : public MoeDevice {
   StatusOr<std::vector<uint8_t*>> MapNodeBuffers(Bootstrap& bootstrap, int64_t bytes);
   // Other nodes: the relay's inbox and outbox (GPU or pinned host memory), its control block
   // (pinned host memory), and the relay, from first_epoch (taking this instance's counters over
-  // with adopt_counters). The buffers as the kernels address
-  // them (nothing where every rank is in our node).
+  // with adopt_counters). The buffers as the kernels address them (nothing where every rank is
+  // in our node).
   StatusOr<RelayBuffers> StartRelay(const RelayLayout& relay, TransferEngine* engine,
                                     Bootstrap& bootstrap, uint64_t first_epoch,
                                     bool adopt_counters);

@@ -120,9 +120,9 @@ class HostDevice final : public MoeDevice {
 
   Status DispatchRecv(const DispatchOutput& out, uint64_t epoch, Deadline deadline) override {
     const int n = c_.world_size, l = c_.local_experts();
-    step_start_ = Clock::now();
+    const Deadline late = LateBound(deadline);
     for (int s : lay_.remotes) {
-      RETURN_IF_ERROR(WaitOrMask(false, s, epoch, deadline, out.wait_cost));
+      RETURN_IF_ERROR(WaitOrMask(false, s, epoch, deadline, late, out.wait_cost));
     }
     // Every sender's counts row, checked before anything is computed from it; a masked sender
     // sent nothing we read.
@@ -331,9 +331,9 @@ class HostDevice final : public MoeDevice {
     const float* weights = to.weights ? to.weights : weights_.data();
     const int n = c_.world_size, k = c_.experts_per_token, h = c_.hidden;
     const Elem elem = ElemOf(c_, to.fp16);
-    step_start_ = Clock::now();
+    const Deadline late = LateBound(deadline);
     for (int r : lay_.remotes) {
-      RETURN_IF_ERROR(WaitOrMask(true, r, epoch, deadline, to.wait_cost));
+      RETURN_IF_ERROR(WaitOrMask(true, r, epoch, deadline, late, to.wait_cost));
     }
     // The output's element: the rows', or fp32 (fp32_out: the sums stored unrounded).
     const Elem out_elem = to.fp32_out ? Elem::kFp32 : elem;
@@ -456,16 +456,26 @@ class HostDevice final : public MoeDevice {
         .store(epoch + 1, std::memory_order_release);
   }
 
+  // Under mask_lost_peers with heartbeats to ask (DeviceParams::heard): how long a sender heard
+  // from is waited for past `deadline` -- kLateWaits more of the step's wait (the deadline's
+  // distance from the receive call, now). Else the deadline itself.
+  Deadline LateBound(Deadline deadline) const {
+    if (!c_.mask_lost_peers || !p_.heard) return deadline;
+    return {deadline.at + kLateWaits * std::max(deadline.at - Clock::now(), Clock::duration{})};
+  }
+
   // Until rank s's dispatch section (or combine rows) of this epoch landed, the relay failed, or
-  // the deadline passed.
-  Status WaitInbox(bool combine, int s, uint64_t epoch, Deadline deadline) {
+  // the deadline passed -- or, past it, `late` passed or s fell silent (a sender heard from is
+  // late, not lost: DeviceParams::heard).
+  Status WaitInbox(bool combine, int s, uint64_t epoch, Deadline deadline, Deadline late) {
     std::atomic_ref<uint64_t> flag(p_.boxes.inbox_flags[(combine ? c_.world_size : 0) + s]);
     Backoff backoff;
     for (;;) {
       const uint64_t seen = flag.load(std::memory_order_acquire);
       if (seen > epoch) return Status::Ok();
       if (p_.relay && p_.relay->failed()) return p_.relay->error();
-      if (deadline.Expired()) {
+      const Clock::time_point now = Clock::now();
+      if (deadline.Expired(now) && (late.Expired(now) || !p_.heard || !p_.heard(s))) {
         return DeadlineExceededError(std::string("moe: waiting for rank ") + std::to_string(s) +
                                      "'s " + (combine ? "combine rows" : "dispatch section") +
                                      " of epoch " + std::to_string(epoch) + " (its flag holds " +
@@ -477,24 +487,15 @@ class HostDevice final : public MoeDevice {
 
   bool Masked(int r) const { return lay_.Masked(p_.boxes.control, r); }
 
-  // WaitInbox, where under mask_lost_peers a sender that missed the deadline is masked instead
-  // (and the step goes on without it) -- unless it is heard from (DeviceParams::heard): then it
-  // is late, waited for on while it stays heard from, up to kLateWaits more of the step's wait.
-  // The nanoseconds it waited are added to cost[s] (the step's wait_cost, if given): the ranks
-  // are waited for one after the other, so each is charged what it kept the step waiting beyond
-  // the ranks before it.
-  Status WaitOrMask(bool combine, int s, uint64_t epoch, Deadline deadline, int64_t* cost) {
+  // WaitInbox, where under mask_lost_peers a sender that missed the deadline (or, heard from,
+  // `late`) is masked instead, and the step goes on without it. The nanoseconds it waited are
+  // added to cost[s] (the step's wait_cost, if given): the ranks are waited for one after the
+  // other, so each is charged what it kept the step waiting beyond the ranks before it.
+  Status WaitOrMask(bool combine, int s, uint64_t epoch, Deadline deadline, Deadline late,
+                    int64_t* cost) {
     if (Masked(s)) return Status::Ok();
     const auto start = std::chrono::steady_clock::now();
-    Status waited = WaitInbox(combine, s, epoch, deadline);
-    if (waited.code() == StatusCode::kDeadlineExceeded && c_.mask_lost_peers && p_.heard) {
-      const Deadline bound{deadline.at +
-                           kLateWaits * std::max(deadline.at - step_start_, Clock::duration{})};
-      while (waited.code() == StatusCode::kDeadlineExceeded && p_.heard(s) && !bound.Expired()) {
-        const Deadline poll{std::min(bound.at, Clock::now() + kHeardPoll)};
-        waited = WaitInbox(combine, s, epoch, poll);
-      }
-    }
+    Status waited = WaitInbox(combine, s, epoch, deadline, late);
     if (cost) {
       cost[s] += std::chrono::duration_cast<std::chrono::nanoseconds>(
                      std::chrono::steady_clock::now() - start)
@@ -513,9 +514,6 @@ class HostDevice final : public MoeDevice {
     return s;
   }
 
-  // How often a late sender is asked again whether it is heard from.
-  static constexpr std::chrono::milliseconds kHeardPoll{5};
-
   const std::unique_ptr<HostRig> rig_;  // CreateHostDevice's: what p_ points into, freed last
   const DeviceParams p_;
   const AllToAllConfig& c_;  // p_.config
@@ -524,7 +522,6 @@ class HostDevice final : public MoeDevice {
   std::vector<uint8_t> self_section_;  // our counts row and slots for ourselves
   Status error_;
   int num_tokens_ = 0;
-  Clock::time_point step_start_;  // the receive step's call (WaitOrMask)
   std::vector<char> send_to_ = std::vector<char>(size_t(c_.world_size), 1);  // unmasked ranks
   std::vector<float> weights_;                                    // [T, K] of the current epoch
   std::vector<std::vector<OutRow>> rows_{size_t(c_.world_size)};  // per expert rank, in order

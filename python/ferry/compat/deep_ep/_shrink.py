@@ -8,7 +8,7 @@ import torch
 
 
 from ... import _ferry
-from ..._errors import InvalidArgument, Unimplemented
+from ..._errors import InvalidArgument
 
 # How long a readmission waits for the ranks it meets (the new process may still be starting).
 _READMIT_TIMEOUT = 60.0
@@ -69,7 +69,7 @@ class _Shrink:
         self._gather_masks()
         if not mask:
             if self._masked[rank_to_mask]:
-                self._readmit(rank_to_mask)
+                self._readmit()
             return
         self._masked[rank_to_mask] = 1
         for a2a in self._low_latency_all_to_alls():
@@ -90,15 +90,13 @@ class _Shrink:
         mask_status.copy_(torch.tensor(self._masked, dtype=torch.int32))
 
     def low_latency_clean_mask_buffer(self):
-        """Nothing to clean while no rank is masked; with one masked, refused (a masked rank
-        stays masked in ferry: see low_latency_update_mask_buffer)."""
+        """Every masked rank unmasked: nothing to do while none is; else they come back as new
+        processes, as low_latency_update_mask_buffer(rank, False) brings them (a readmission
+        brings every masked rank back at once)."""
         self._check_shrink("low_latency_clean_mask_buffer")
         self._gather_masks()
-        masked = [r for r, m in enumerate(self._masked) if m]
-        if masked:
-            raise Unimplemented(f"low_latency_clean_mask_buffer: ranks {masked} are masked and "
-                                "stay so in this Buffer (unmasking is not supported: their late "
-                                "sections would be read as a later call's)")
+        if any(self._masked):
+            self._readmit()
 
     # ---- readmission --------------------------------------------------------------------------
 
@@ -132,7 +130,7 @@ class _Shrink:
                                       "the other survivors' (each must have made the same calls)")
         return json.loads(theirs[0])
 
-    def _readmit(self, rank):
+    def _readmit(self):
         """Survivors: the masked ranks back as the new processes met over rejoin()."""
         group = self._rejoin_group("low_latency_update_mask_buffer")
         mine = self._world_view()
@@ -154,13 +152,8 @@ class _Shrink:
         # The survivors' ranks per node first: asked for here it would be a collective they
         # are not in.
         self._group.rebase(group, view["ranks_per_node"])
-        engine = self._group.engine(True)
         for key, instance in view["shapes"]:
             key = tuple(key)
-            config = self._config(key, lambda k=key: self._ll_fields(k))
-            config.world_size, config.rank, config.instance = (self.group_size, self.rank,
-                                                               instance)
-            config.validate()
-            self._group.adopt(key, _ferry.AllToAll.join(config, engine, group,
-                                                        _READMIT_TIMEOUT))
+            self._group.join(key, self._config(key, lambda k=key: self._ll_fields(k)), instance,
+                             _READMIT_TIMEOUT)
         self._group.set_next_instance(view["next_instance"])
