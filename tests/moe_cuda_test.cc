@@ -155,20 +155,27 @@ Status RunRank(const Case& c, Bootstrap& b) {
   RETURN_IF_ERROR(d_token_weights.Alloc(weights.size()));
   DispatchOutput host_out{out_x.data(), out_scales.data(), counts.data()};
   DispatchOutput gpu_out{d_out_x.p, d_out_scales.p, d_counts.p};
-  // Expert-major per rank: where each row came from (DispatchOutput::source_tokens,
-  // sender_ranges), as the host device says.
-  const bool sources = !token_major && !c.node_once;
-  std::vector<int32_t> host_sources(size_t(l) * cap), gpu_sources(host_sources.size());
+  // Per rank: where each row came from (DispatchOutput::source_tokens, source_ranks; expert-major
+  // also sender_ranges), as the host device says.
+  const bool sources = !c.node_once;
+  const size_t source_rows = token_major ? size_t(cap) : size_t(l) * cap;
+  std::vector<int32_t> host_sources(source_rows), gpu_sources(source_rows),
+      host_senders(source_rows), gpu_senders(source_rows);
   std::vector<int64_t> host_ranges(size_t(l) * b.world_size()), gpu_ranges(host_ranges.size());
-  Gpu<int32_t> d_sources;
+  Gpu<int32_t> d_sources, d_senders;
   Gpu<int64_t> d_ranges;
   if (sources) {
-    RETURN_IF_ERROR(d_sources.Alloc(host_sources.size()));
-    RETURN_IF_ERROR(d_ranges.Alloc(host_ranges.size()));
+    RETURN_IF_ERROR(d_sources.Alloc(source_rows));
+    RETURN_IF_ERROR(d_senders.Alloc(source_rows));
     host_out.source_tokens = host_sources.data();
-    host_out.sender_ranges = host_ranges.data();
+    host_out.source_ranks = host_senders.data();
     gpu_out.source_tokens = d_sources.p;
-    gpu_out.sender_ranges = d_ranges.p;
+    gpu_out.source_ranks = d_senders.p;
+    if (!token_major) {
+      RETURN_IF_ERROR(d_ranges.Alloc(host_ranges.size()));
+      host_out.sender_ranges = host_ranges.data();
+      gpu_out.sender_ranges = d_ranges.p;
+    }
   }
   // Node-once: the dispatch's wait costs, which charge only the ranks of our node and of our
   // rail (the hops' costs moved into the caller's entries on the GPU).
@@ -242,14 +249,23 @@ Status RunRank(const Case& c, Bootstrap& b) {
     }
     if (sources) {
       RETURN_IF_ERROR(d_sources.Get(gpu_sources));
-      RETURN_IF_ERROR(d_ranges.Get(gpu_ranges));
-      CHECK_OR_RETURN(gpu_ranges == host_ranges, "sender ranges differ" + at);
-      for (int e = 0; e < l; ++e) {
-        const size_t first = size_t(e) * cap;
-        CHECK_OR_RETURN(std::equal(host_sources.begin() + first,
-                                   host_sources.begin() + first + counts[e],
+      RETURN_IF_ERROR(d_senders.Get(gpu_senders));
+      // The filled rows: token-major the first `rows`, expert-major each block's first counts.
+      std::vector<std::pair<size_t, size_t>> filled;
+      if (token_major) {
+        filled.emplace_back(0, size_t(rows));
+      } else {
+        RETURN_IF_ERROR(d_ranges.Get(gpu_ranges));
+        CHECK_OR_RETURN(gpu_ranges == host_ranges, "sender ranges differ" + at);
+        for (int e = 0; e < l; ++e) filled.emplace_back(size_t(e) * cap, size_t(counts[e]));
+      }
+      for (const auto& [first, n] : filled) {
+        CHECK_OR_RETURN(std::equal(host_sources.begin() + first, host_sources.begin() + first + n,
                                    gpu_sources.begin() + first),
-                        "expert " + std::to_string(e) + ": source tokens differ" + at);
+                        "rows from " + std::to_string(first) + ": source tokens differ" + at);
+        CHECK_OR_RETURN(std::equal(host_senders.begin() + first, host_senders.begin() + first + n,
+                                   gpu_senders.begin() + first),
+                        "rows from " + std::to_string(first) + ": source ranks differ" + at);
       }
     }
     for (int e = 0; e < l && !token_major; ++e) {

@@ -1,7 +1,8 @@
-// DispatchOutput::source_tokens and sender_ranges (DeepEP's low-latency handle: where each
+// DispatchOutput::source_tokens, source_ranks and sender_ranges (DeepEP's handles: where each
 // received row came from) on the host device: against what every rank sent, for the unpadded
-// and the padded expert-major layouts; refused for the token-major layout and under node-once
-// forwarding. The CUDA device's are checked against these in moe_cuda_test.
+// and the padded expert-major layouts and the token-major one; sender_ranges refused for the
+// token-major layout, all three under node-once forwarding. The CUDA device's are checked
+// against these in moe_cuda_test.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -46,13 +47,15 @@ Status CheckSources(Bootstrap& b, int padding) {
   const int l = c.local_experts();
   const int64_t rows = c.output_rows(padding, 0);
   std::vector<uint8_t> x(size_t(rows * c.token_bytes()));
-  std::vector<int32_t> counts(static_cast<size_t>(l)), sources(static_cast<size_t>(rows), -7);
+  std::vector<int32_t> counts(static_cast<size_t>(l)), sources(static_cast<size_t>(rows), -7),
+      senders(sources.size(), -7);
   std::vector<int64_t> ranges(size_t(l) * kWorld, -7);
   RETURN_IF_ERROR(a2a->DispatchRecv({.x = x.data(),
                                      .num_tokens = counts.data(),
                                      .expert_padding = padding,
                                      .source_tokens = sources.data(),
-                                     .sender_ranges = ranges.data()},
+                                     .sender_ranges = ranges.data(),
+                                     .source_ranks = senders.data()},
                                     Deadline::After(30s)));
   int64_t base = 0;  // expert e's first row: e x capacity, or (padded) after the blocks before
   for (int e = 0; e < l; ++e) {
@@ -67,6 +70,9 @@ Status CheckSources(Bootstrap& b, int padding) {
                           std::to_string(range & 0xFFFFFFFF) + ", want " +
                           std::to_string(first) + "+" + std::to_string(want.size()));
       for (size_t i = 0; i < want.size(); ++i) {
+        CHECK_OR_RETURN(senders[size_t(base + first + int64_t(i))] == s,
+                        at + ": row " + std::to_string(first + int64_t(i)) + " from rank " +
+                            std::to_string(senders[size_t(base + first + int64_t(i))]));
         CHECK_OR_RETURN(sources[size_t(base + first + int64_t(i))] == want[i],
                         at + ": row " + std::to_string(first + int64_t(i)) + " from token " +
                             std::to_string(sources[size_t(base + first + int64_t(i))]) +
@@ -83,6 +89,66 @@ Status CheckSources(Bootstrap& b, int padding) {
   return b.Barrier(30s);
 }
 
+// Token-major: row by row, every sender's tokens that hold any of our experts, senders in rank
+// order, each sender's in its token order.
+Status CheckTokenMajorSources(Bootstrap& b) {
+  ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
+  AllToAllConfig c{.world_size = kWorld, .rank = b.rank(), .num_experts = kExperts,
+                   .experts_per_token = kK, .max_tokens_per_rank = kTokens, .hidden = kHidden,
+                   .dispatch_once_per_rank = true, .combine_reduce_at_expert_rank = true,
+                   .dispatch_layout = DispatchLayout::kTokenMajor};
+  ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(c, engine.get(), b));
+  const InputSpec spec{.tokens = kTokens, .k = kK, .experts = kExperts, .rank1_empty = true,
+                       .unrouted = true};
+  const Inputs in = MakeInputs(spec, c, b.rank(), 0);
+  RETURN_IF_ERROR(a2a->DispatchSend({in.x.data(), nullptr, in.indices.data(), in.weights.data(),
+                                     in.tokens}));
+  const int64_t rows = c.expert_capacity();
+  std::vector<uint8_t> x(size_t(rows * c.token_bytes()));
+  std::vector<int32_t> counts(size_t(c.local_experts())), experts(size_t(rows) * kK),
+      sources(size_t(rows), -7), senders(size_t(rows), -7);
+  std::vector<float> weights(experts.size());
+  int32_t num_rows = -1;
+  RETURN_IF_ERROR(a2a->DispatchRecv({.x = x.data(),
+                                     .num_tokens = counts.data(),
+                                     .num_rows = &num_rows,
+                                     .token_experts = experts.data(),
+                                     .token_weights = weights.data(),
+                                     .source_tokens = sources.data(),
+                                     .source_ranks = senders.data()},
+                                    Deadline::After(30s)));
+  int32_t row = 0;
+  for (int s = 0; s < kWorld; ++s) {
+    const Inputs sent = MakeInputs(spec, c, s, 0);
+    for (int t = 0; t < sent.tokens; ++t) {
+      bool ours = false;
+      for (int j = 0; j < kK; ++j) {
+        const int32_t g = sent.indices[size_t(t) * kK + j];
+        ours = ours || (g >= 0 && g / c.local_experts() == b.rank());
+      }
+      if (!ours) continue;
+      CHECK_OR_RETURN(row < num_rows, "fewer rows than rank " + std::to_string(s) + " sent");
+      CHECK_OR_RETURN(senders[size_t(row)] == s && sources[size_t(row)] == t,
+                      "row " + std::to_string(row) + ": rank " +
+                          std::to_string(senders[size_t(row)]) + " token " +
+                          std::to_string(sources[size_t(row)]) + ", want rank " +
+                          std::to_string(s) + " token " + std::to_string(t));
+      ++row;
+    }
+  }
+  CHECK_OR_RETURN(row == num_rows, std::to_string(num_rows) + " rows, want " +
+                                       std::to_string(row));
+  std::vector<uint16_t> y(size_t(in.tokens) * kHidden);
+  RETURN_IF_ERROR(a2a->CombineSend(x.data()));
+  RETURN_IF_ERROR(a2a->CombineRecv(y.data(), false, Deadline::After(30s)));
+  return b.Barrier(30s);
+}
+
+TEST(MoeSourcesTest, TokenMajorRowsSenderAndToken) {
+  auto exits = testing_util::RunRanks(kWorld, CheckTokenMajorSources, 60s);
+  for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
+}
+
 TEST(MoeSourcesTest, EachRowsTokenAndEachSendersRangeUnpadded) {
   auto exits = testing_util::RunRanks(kWorld, [](Bootstrap& b) { return CheckSources(b, 0); },
                                       60s);
@@ -95,7 +161,7 @@ TEST(MoeSourcesTest, EachRowsTokenAndEachSendersRangePadded) {
   for (size_t r = 0; r < exits.size(); ++r) EXPECT_TRUE(exits[r].ok()) << "rank " << r;
 }
 
-// Token-major rows say where they go in token_experts; node-once's rows come from forwarders.
+// Token-major rows lie in no expert block; node-once's rows come from forwarders.
 TEST(MoeSourcesTest, RefusedWhereRowsHaveNoSingleSender) {
   AllToAllConfig c{.world_size = 4, .rank = 0, .ranks_per_node = 2, .num_experts = 8,
                    .experts_per_token = 2, .max_tokens_per_rank = 4, .hidden = 64};
@@ -120,6 +186,14 @@ TEST(MoeSourcesTest, RefusedWhereRowsHaveNoSingleSender) {
   s = moe::CheckDispatchOutput(c, token_major);
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
   EXPECT_NE(s.message().find("token-major"), std::string::npos) << s.ToString();
+  token_major.sender_ranges = nullptr;
+  token_major.source_ranks = counts;
+  EXPECT_TRUE(moe::CheckDispatchOutput(c, token_major).ok());
+  c.forwarding = Forwarding::kNodeOnce;
+  c.dispatch_once_per_rank = c.combine_reduce_at_expert_rank = true;
+  s = moe::CheckDispatchOutput(c, token_major);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+  EXPECT_NE(s.message().find("source_ranks"), std::string::npos) << s.ToString();
 }
 
 }  // namespace

@@ -340,14 +340,17 @@ struct FERRY_API DispatchOutput {
   // kernels write (device or mapped), when the step runs. A masked rank is not waited for: its
   // entry grows no more.
   int64_t* wait_cost = nullptr;
-  // Expert-major only, each null or not (DeepEP's low-latency handle holds both): where the rows
-  // came from. source_tokens: [the rows x holds] int32, row r's token index in its sender (rows
-  // past the counts are not written). sender_ranges: [local_experts, world_size] int64, sender
-  // s's rows in expert e's block as (first row << 32) | rows -- the senders' rows lie in rank
-  // order, so the first row is the rows of the senders before s. Not under node-once forwarding
-  // (its rows come from forwarders). On the CUDA device, memory the kernels write.
+  // Where the rows came from, each null or not (DeepEP's handles hold them: the low-latency
+  // one source_tokens and sender_ranges, V2's source token index per row). source_tokens:
+  // [the rows x holds] int32, row r's token index in its sender; source_ranks: the same rows,
+  // row r's sender (rows past the counts are not written). sender_ranges, expert-major only:
+  // [local_experts, world_size] int64, sender s's rows in expert e's block as (first row << 32)
+  // | rows -- the senders' rows lie in rank order, so the first row is the rows of the senders
+  // before s. Not under node-once forwarding (its rows come from forwarders). On the CUDA
+  // device, memory the kernels write.
   int32_t* source_tokens = nullptr;
   int64_t* sender_ranges = nullptr;
+  int32_t* source_ranks = nullptr;
 };
 
 // Combine input of one rank (AllToAll::CombineSend).

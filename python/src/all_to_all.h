@@ -123,19 +123,20 @@ class PyAllToAll {
                     const py::handle& num_rows, const py::handle& token_experts,
                     const py::handle& token_weights, double timeout, int expert_padding,
                     const py::handle& wait_cost, int64_t expert_rows,
-                    const py::handle& source_tokens, const py::handle& sender_ranges) {
+                    const py::handle& source_tokens, const py::handle& sender_ranges,
+                    const py::handle& source_ranks) {
     const bool token_major = config().dispatch_layout == DispatchLayout::kTokenMajor;
     const std::optional<Array> sa = MaybeArray(scales), ra = MaybeArray(num_rows),
                                ea = MaybeArray(token_experts), wa = MaybeArray(token_weights),
                                ca = MaybeArray(wait_cost), ta = MaybeArray(source_tokens),
-                               ga = MaybeArray(sender_ranges);
+                               ga = MaybeArray(sender_ranges), ka = MaybeArray(source_ranks);
     for (const auto& [name, a] : {std::pair{"num_rows", &ra}, std::pair{"token_experts", &ea},
                                   std::pair{"token_weights", &wa}}) {
       Wanted(Pointer(*a), name, token_major);
     }
     DispatchRecvArrays(ToArray(x), ToArray(num_tokens), Pointer(sa),
                        {Pointer(ra), Pointer(ea), Pointer(wa)}, timeout, expert_padding,
-                       Pointer(ca), expert_rows, {Pointer(ta), Pointer(ga)});
+                       Pointer(ca), expert_rows, {Pointer(ta), Pointer(ga), Pointer(ka)});
   }
   // What a token-major DispatchRecv writes besides the rows (null: expert-major).
   struct TokenMajorArrays {
@@ -143,17 +144,18 @@ class PyAllToAll {
     const Array* token_experts = nullptr;
     const Array* token_weights = nullptr;
   };
-  // Where expert-major rows came from (DispatchOutput::source_tokens, sender_ranges), each null
-  // or not.
+  // Where the rows came from (DispatchOutput::source_tokens, sender_ranges, source_ranks), each
+  // null or not.
   struct SourceArrays {
     const Array* source_tokens;
     const Array* sender_ranges;
+    const Array* source_ranks;
   };
   // The same with the arrays converted (scales, wait_cost: null for none).
   void DispatchRecvArrays(const Array& xa, const Array& na, const Array* sa, TokenMajorArrays tm,
                           double timeout, int expert_padding, const Array* ca = nullptr,
                           int64_t expert_rows = 0,
-                          SourceArrays sources = {nullptr, nullptr}) {
+                          SourceArrays sources = {nullptr, nullptr, nullptr}) {
     const AllToAllConfig& c = config();
     const Deadline deadline = DeadlineIn(timeout);
     const bool token_major = c.dispatch_layout == DispatchLayout::kTokenMajor;
@@ -199,6 +201,11 @@ class PyAllToAll {
       Check(sources.source_tokens, {"source_tokens", rows * 4, true, 'i', 4});
       out.source_tokens = static_cast<int32_t*>(sources.source_tokens->pointer());
       used.push_back(sources.source_tokens->owner);
+    }
+    if (sources.source_ranks) {
+      Check(sources.source_ranks, {"source_ranks", rows * 4, true, 'i', 4});
+      out.source_ranks = static_cast<int32_t*>(sources.source_ranks->pointer());
+      used.push_back(sources.source_ranks->owner);
     }
     if (sources.sender_ranges) {
       Check(sources.sender_ranges,
@@ -297,7 +304,8 @@ class PyAllToAll {
       }
       if (halves & kReceiveHalf) {
         DispatchRecv(out_x, out_num_tokens, out_scales, py::none(), py::none(), py::none(),
-                     timeout, expert_padding, wait_cost, expert_rows, py::none(), py::none());
+                     timeout, expert_padding, wait_cost, expert_rows, py::none(), py::none(),
+                     py::none());
       }
     });
   }

@@ -118,6 +118,7 @@ void BindMoe(py::module_& m) {
            py::arg("timeout") = 30.0, py::arg("expert_padding") = 0,
            py::arg("wait_cost") = py::none(), py::arg("expert_rows") = 0,
            py::arg("source_tokens") = py::none(), py::arg("sender_ranges") = py::none(),
+           py::arg("source_ranks") = py::none(),
            "Expert-major: x [local_experts, expert_capacity, hidden], num_tokens [local_experts] "
            "int32 (copies per expert); with expert_padding p the experts' blocks back to back "
            "in x's config.padded_rows(p) rows, each rounded up to p rows; with expert_rows r "
@@ -127,9 +128,10 @@ void BindMoe(py::module_& m) {
            "rows (fp8). Peers' data is checked before it is used (DataLoss naming the sender). "
            "wait_cost [world_size] int64: the time waited for each sender added to it "
            "(nanoseconds on the host device, GPU clock cycles on the CUDA device). "
-           "Expert-major, where the rows came from: source_tokens (int32, one per row of x) "
-           "each row's token index in its sender; sender_ranges [local_experts, world_size] "
-           "int64 (first row << 32) | rows of each sender in each expert's block")
+           "Where the rows came from (per rank forwarding): source_tokens and source_ranks "
+           "(int32, one per row of x) each row's token index in its sender and its sender; "
+           "expert-major also sender_ranges [local_experts, world_size] int64 (first row << 32) "
+           "| rows of each sender in each expert's block")
       .def("combine_send", &PyAllToAll::CombineSend, py::arg("expert_out"),
            py::arg("num_rows") = py::none(),
            "expert_out: bf16 or float16 rows (summed as what they are; float32 for "

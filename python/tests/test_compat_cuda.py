@@ -1,6 +1,6 @@
 """ferry.compat's layers on the CUDA device: the calls and torch references of
-test_compat_deep_ep, test_compat_pplx and test_compat_pplx_kernels with the layers' tensors on
-the GPU (ranks of one node sharing this machine's first GPU: world
+test_compat_deep_ep, test_compat_deep_ep_v2, test_compat_pplx and test_compat_pplx_kernels
+with the layers' tensors on the GPU (ranks of one node sharing this machine's first GPU: world
 size 1, and 2 where two ranks fit, as MPS clients under tools/gpu_check.sh). Skips without a
 GPU, or torch with CUDA, in a probe rank: CUDA is touched only inside the forked ranks (a
 process must not fork after initialising it). The expert ids, fp8 made inside the dispatch,
@@ -12,6 +12,7 @@ import unittest
 import ferry
 import compat_reference as refs
 import test_compat_deep_ep as deep_ep_tests
+import test_compat_deep_ep_v2 as deep_ep_v2_tests
 import test_compat_pplx as pplx_tests
 import test_compat_pplx_kernels as pplx_kernels_tests
 
@@ -385,6 +386,12 @@ class CudaEngineApiTest(refs.Case):
 
     def test_deep_ep_world_2_over_gloo(self):
         self.ranks(2, on_gpu(deep_ep_tests.deep_ep_body(2, "gloo")), timeout=240.0)
+
+    def test_deep_ep_v2_world_1(self):
+        self.ranks(1, on_gpu(deep_ep_v2_tests.v2_body(1, "ferry")), timeout=240.0)
+
+    def test_deep_ep_v2_world_2(self):
+        self.ranks(2, on_gpu(deep_ep_v2_tests.v2_body(2, "ferry")), timeout=240.0)
 
     def test_kernels_named_by_their_step(self):
         self.ranks(1, on_gpu(kernel_names_body), timeout=240.0)

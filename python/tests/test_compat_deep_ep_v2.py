@@ -1,13 +1,14 @@
 """ferry.deep_ep.ElasticBuffer (DeepEP V2's API for expert parallelism) on the host device, in
 world sizes 1, 2 and 4, against compat_reference's inputs: construction from the MoE settings
-and from bytes, the non-expanding dispatch (with and without the CPU sync, cached), the
-combine (bias, top-k weights), the expert counters, and what is refused by name."""
+and from bytes, the non-expanding and the expanding dispatch (with and without the CPU sync,
+cached), the combine (bias, top-k weights), the expert counters, fp8 scales in the TMA-aligned
+layout, and what is refused by name."""
 
 import ferry
 from ranks import expect_error
 
 from compat_reference import (EXPERTS_PER_RANK, HIDDEN, K, MAX_TOKENS, Behaviours, Case, dv,
-                              group_of, hv, inputs)
+                              fp8_dtype, group_of, hv, inputs, quantize_reference)
 
 try:
     import torch
@@ -109,16 +110,136 @@ def dispatch_without_cpu_sync(buf, world, rank):
                        (x.double() * holders).to(torch.bfloat16).view(torch.int16))
 
 
+def origins(world, rank):
+    """What rank `rank` receives in order, as (sender, token, that token's ids) per row."""
+    rows = []
+    for s in range(world):
+        _, sidx, _ = inputs(world, s)
+        for t in range(sidx.shape[0]):
+            if any(int(e) >= 0 and int(e) // EXPERTS_PER_RANK == rank for e in sidx[t]):
+                rows.append((s, t, [int(e) for e in sidx[t]]))
+    return rows
+
+
+def folded_reference(world, rank):
+    """An expanded combine of the received rows as they came (each copy's row the token's row):
+    at each rank the token's copies summed and rounded to bf16, then the ranks' sums summed and
+    rounded once more."""
+    x, idx, _ = inputs(world, rank)
+    out = torch.zeros(x.shape[0], HIDDEN, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for r in range(world):
+            copies = sum(1 for e in idx[t] if int(e) >= 0 and int(e) // EXPERTS_PER_RANK == r)
+            if copies:
+                out[t] += (x[t].double() * copies).to(torch.bfloat16).double()
+    return out.to(torch.bfloat16)
+
+
+def check_expanded(recv, recv_w, handle, world, rank, alignment, rows_of_layout):
+    """The expanded layout against what the ranks sent: each expert's copies in its tokens'
+    order from its block's start, the blocks rounded up to `alignment`; the handle's counts,
+    prefix sums and sources (recv_src_metadata)."""
+    want_x, want_idx, want_w, _, counts = expected(world, rank)
+    aligned = [(c + alignment - 1) // alignment * alignment for c in counts]
+    starts = [sum(aligned[:e]) for e in range(EXPERTS_PER_RANK)]
+    assert handle.do_expand and handle.num_expanded_tokens == rows_of_layout
+    assert tuple(recv.shape) == (rows_of_layout, HIDDEN) and recv_w.shape == (rows_of_layout,)
+    assert hv(handle.num_unaligned_recv_tokens_per_expert).tolist() == counts
+    assert hv(handle.psum_num_recv_tokens_per_expert).tolist() == [
+        starts[e] + counts[e] for e in range(EXPERTS_PER_RANK)]
+    n = len(want_x)
+    meta = hv(handle.recv_src_metadata)[:n]
+    sent = origins(world, rank)
+    assert meta[:, 0].tolist() == [s * MAX_TOKENS + t for s, t, _ in sent]
+    assert meta[:, 1].tolist() == [s for s, _, _ in sent]
+    assert int(hv(handle.psum_num_recv_tokens_per_scaleup_rank)[-1]) == n
+    seen = [0] * EXPERTS_PER_RANK
+    for row in range(n):
+        for j in range(K):
+            e = want_idx[row][j]
+            slot = int(meta[row, 2 + j])
+            if e < 0:
+                assert slot == -1, (row, j, slot)
+                continue
+            assert slot == starts[e] + seen[e], (row, j, slot, starts[e], seen[e])
+            seen[e] += 1
+            assert torch.equal(hv(recv[slot]).view(torch.int16), want_x[row].view(torch.int16))
+            assert float(recv_w[slot]) == want_w[row][j]
+    return starts, counts
+
+
+@behaviour
+def expanded_dispatch_and_combine(buf, world, rank):
+    """do_expand, with and without the CPU sync: the layout and handle as check_expanded says;
+    the combine folds each token's copies (then sums the ranks' folds), and sums the per-row
+    weights back to their top-k columns; the cached expanded dispatch with do_zero_padding
+    gives the same rows, the padding zero."""
+    x, idx, w = inputs(world, rank)
+    e = EXPERTS_PER_RANK * world
+    alignment = 4
+    for sync in (True, False):
+        recv, recv_idx, recv_w, handle, _ = buf.dispatch(
+            dv(x), topk_idx=dv(idx), topk_weights=dv(w), num_experts=e,
+            expert_alignment=alignment, do_expand=True, do_cpu_sync=sync)
+        assert recv_idx is None
+        counts = expected(world, rank)[4]
+        total = (sum((c + alignment - 1) // alignment * alignment for c in counts) if sync else
+                 (world * MAX_TOKENS * min(K, EXPERTS_PER_RANK) + EXPERTS_PER_RANK *
+                  (alignment - 1) + alignment - 1) // alignment * alignment)
+        starts, counts = check_expanded(recv, recv_w, handle, world, rank, alignment, total)
+        out, summed, _ = buf.combine(recv, handle, topk_weights=recv_w)
+        assert torch.equal(hv(out).view(torch.int16),
+                           folded_reference(world, rank).view(torch.int16)), (sync, rank)
+        assert torch.equal(hv(summed), torch.where(idx >= 0, w, 0.0))
+        again, _, again_w, same, _ = buf.dispatch(dv(x), topk_weights=dv(w), handle=handle,
+                                                 do_expand=True, do_zero_padding=True)
+        assert same is handle and tuple(again.shape) == tuple(recv.shape)
+        for le in range(EXPERTS_PER_RANK):
+            first, end = starts[le], starts[le] + counts[le]
+            assert torch.equal(hv(again[first:end]).view(torch.int16),
+                               hv(recv[first:end]).view(torch.int16))
+            pad = (counts[le] + alignment - 1) // alignment * alignment - counts[le]
+            assert bool((hv(again[end:end + pad]) == 0).all())
+            assert bool((hv(again_w[end:end + pad]) == 0).all())
+        buf.combine(again, handle)
+    expect_error(ferry.InvalidArgument, "do_expand", buf.dispatch, dv(x), handle=handle)
+    expect_error(ferry.InvalidArgument, "needs do_expand", buf.dispatch, dv(x),
+                 topk_idx=dv(idx), num_experts=e, do_zero_padding=True)
+
+
+@behaviour
+def fp8_scales_tma_aligned(buf, world, rank):
+    """fp8 rows with use_tma_aligned_col_major_sf: the same scales as the plain layout's, each
+    column contiguous with its rows padded to a multiple of four; expanded too."""
+    x, idx, _ = inputs(world, rank)
+    q, scales = quantize_reference(x, False)
+    rows = (dv(q.to(fp8_dtype())), dv(scales))
+    e = EXPERTS_PER_RANK * world
+    (plain, plain_sf), _, _, h1, _ = buf.dispatch(rows, topk_idx=dv(idx), num_experts=e)
+    buf.combine(dv(torch.zeros(plain.shape[0], HIDDEN, dtype=torch.bfloat16)), h1)
+    for expand in (False, True):
+        (got, sf), _, _, h2, _ = buf.dispatch(rows, topk_idx=dv(idx), num_experts=e,
+                                              do_expand=expand,
+                                              use_tma_aligned_col_major_sf=True)
+        n = got.shape[0]
+        assert tuple(sf.shape) == (n, HIDDEN // 128)
+        assert sf.stride() == (1, (n + 3) // 4 * 4), (sf.stride(), n)
+        if not expand:
+            assert torch.equal(hv(sf), hv(plain_sf))
+        else:
+            meta = hv(h2.recv_src_metadata)
+            for row in range(meta.shape[0]):
+                for slot in meta[row, 2:].tolist():
+                    if slot >= 0:
+                        assert torch.equal(hv(sf[slot]), hv(plain_sf[row]))
+        buf.combine(dv(torch.zeros(n, HIDDEN, dtype=torch.bfloat16)), h2)
+
+
 @behaviour
 def refusals_name_what_is_not_built(buf, world, rank):
-    """The expanding layout, TMA-aligned scales, Engram, PP and AGRS refused by name; a handle
-    not the buffer's, and a dispatch without num_experts, refused."""
+    """Engram, PP and AGRS refused by name; a handle not the buffer's, and a dispatch without
+    num_experts, refused."""
     x, idx, _ = inputs(world, rank)
-    e = EXPERTS_PER_RANK * world
-    for kwargs, name in (({"do_expand": True}, "do_expand"),
-                         ({"use_tma_aligned_col_major_sf": True}, "use_tma_aligned_col_major_sf")):
-        expect_error(ferry.Unimplemented, name, buf.dispatch, dv(x), topk_idx=dv(idx),
-                     num_experts=e, **kwargs)
     for call in (buf.engram_write, buf.pp_send, buf.all_gather, buf.create_agrs_session):
         expect_error(ferry.Unimplemented, call.__name__, call)
     expect_error(ferry.InvalidArgument, "num_experts", buf.dispatch, dv(x), topk_idx=dv(idx))
@@ -153,6 +274,12 @@ class ElasticBufferTest(Behaviours, Case):
     def test_dispatch_without_cpu_sync(self):
         self.in_every_world("dispatch_without_cpu_sync")
 
+    def test_expanded_dispatch_and_combine(self):
+        self.in_every_world("expanded_dispatch_and_combine")
+
+    def test_fp8_scales_tma_aligned(self):
+        self.in_every_world("fp8_scales_tma_aligned")
+
     def test_refusals_name_what_is_not_built(self):
         self.in_every_world("refusals_name_what_is_not_built")
 
@@ -163,7 +290,8 @@ class ElasticBufferTest(Behaviours, Case):
         weights as a multiset), its experts' counts; the combine sums each token's rows over
         its ranks exactly (two ranks' rows per node, then two nodes: no rounding in between at
         these values). allow_multiple_reduction=False keeps the node's sums fp32 across the
-        rail (one rounding, as per rank)."""
+        rail (one rounding, as per rank). The expanded layout and its fold work from the
+        forwarders' order too; the rows' senders are unknown there (-1)."""
         def body(b, store):
             from ferry import deep_ep
             world = 4
@@ -191,6 +319,18 @@ class ElasticBufferTest(Behaviours, Case):
                 out, _, _ = buf.combine((recv.double() * 2).to(torch.bfloat16), handle)
                 assert torch.equal(out.view(torch.int16),
                                    (x.double() * 2 * holders).to(torch.bfloat16).view(torch.int16))
+                # Expanded: laid out from the forwarders' order; no row's sender is known.
+                recv, _, recv_w, handle, _ = buf.dispatch(
+                    x, topk_idx=idx, topk_weights=w, num_experts=EXPERTS_PER_RANK * world,
+                    do_expand=True)
+                n = len(want_x)
+                assert handle.recv_src_metadata.shape == (n, 2 + K)
+                assert bool((handle.recv_src_metadata[:, :2] == -1).all())
+                assert handle.psum_num_recv_tokens_per_scaleup_rank.tolist() == [n]
+                out, summed, _ = buf.combine(recv, handle, topk_weights=recv_w)
+                assert torch.equal(out.view(torch.int16),
+                                   folded_reference(world, b.rank).view(torch.int16))
+                assert torch.equal(summed, torch.where(idx >= 0, w, 0.0))
                 buf.destroy()
         self.ranks(4, body, timeout=240.0)
 

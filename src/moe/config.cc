@@ -269,15 +269,16 @@ Status CheckDispatchOutput(const AllToAllConfig& c, const DispatchOutput& out) {
                                    " (each expert's block is fixed only in the unpadded "
                                    "expert-major layout)"));
   }
-  if (token_major && (out.source_tokens || out.sender_ranges)) {
+  if (token_major && out.sender_ranges) {
     return InvalidArgumentError(
-        "DispatchRecv: source_tokens and sender_ranges describe expert-major rows; this "
-        "AllToAll is token-major (token_experts says where each row goes)");
+        "DispatchRecv: sender_ranges describes expert blocks; this AllToAll is token-major "
+        "(source_ranks gives each row's sender)");
   }
-  if (c.chosen_forwarding() == Forwarding::kNodeOnce && (out.source_tokens || out.sender_ranges)) {
+  if (c.chosen_forwarding() == Forwarding::kNodeOnce &&
+      (out.source_tokens || out.sender_ranges || out.source_ranks)) {
     return InvalidArgumentError(
-        "DispatchRecv: source_tokens and sender_ranges under node-once forwarding (the rows come "
-        "from the forwarders of their nodes, not from their senders)");
+        "DispatchRecv: source_tokens, source_ranks and sender_ranges under node-once forwarding "
+        "(the rows come from the forwarders of their nodes, not from their senders)");
   }
   if (!token_major && has_token_fields) {
     return InvalidArgumentError(

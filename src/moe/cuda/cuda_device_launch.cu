@@ -245,7 +245,8 @@ Status CudaDevice::DispatchRecv(const DispatchOutput& out, uint64_t /*epoch*/, D
       block,
       out.wait_cost,
       out.source_tokens,
-      out.sender_ranges};
+      out.sender_ranges,
+      out.source_ranks};
   auto* unpack =
       nv_.masks ? (nv_.modes.stream() ? dispatch::UnpackKernel<true, true> : dispatch::UnpackKernel<false, true>)
                 : (nv_.modes.stream() ? dispatch::UnpackKernel<true, false> : dispatch::UnpackKernel<false, false>);

@@ -228,8 +228,9 @@ struct RecvArgs {
   int64_t expert_rows;     // expert-major unpadded: each local expert's block (capacity, or
                            // DispatchOutput::expert_rows: a copy past it is dropped)
   int64_t* wait_cost;      // [N] or null: DispatchOutput::wait_cost (AwaitCounted)
-  int32_t* source_tokens;  // expert-major, or null: DispatchOutput::source_tokens
+  int32_t* source_tokens;  // or null: DispatchOutput::source_tokens
   int64_t* sender_ranges;  // expert-major, or null: DispatchOutput::sender_ranges
+  int32_t* source_ranks;   // or null: DispatchOutput::source_ranks
 };
 struct CombineArgs {
   const uint8_t* expert_out;  // rows of Nv::row_bytes (bf16, or fp32: combines_fp32)

@@ -260,9 +260,11 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
       if (!kStream) WaitPrimary();  // streamed: see UnpackKernel
       primary_done = true;
     }
-    // Each placed copy's token, as its sender numbers it (DispatchOutput::source_tokens).
-    if (a.source_tokens && !v.modes.token_major() && tid < outs) {
-      a.source_tokens[out_row[tid]] = header.src_token;
+    // Each placed row's token, as its sender numbers it, and its sender
+    // (DispatchOutput::source_tokens, source_ranks); token-major out_row[0] is g.
+    if (tid < outs) {
+      if (a.source_tokens) a.source_tokens[out_row[tid]] = header.src_token;
+      if (a.source_ranks) a.source_ranks[out_row[tid]] = s;
     }
     if (v.modes.token_major() && valid && tid < v.topk) {
       int32_t expert = -1;

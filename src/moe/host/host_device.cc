@@ -247,6 +247,8 @@ class HostDevice final : public MoeDevice {
         }
         const uint8_t* body = slot + slot_.meta_bytes;
         if (token_major) {
+          if (out.source_tokens) out.source_tokens[g] = header.src_token;
+          if (out.source_ranks) out.source_ranks[g] = s;
           std::memcpy(static_cast<uint8_t*>(out.x) + g * payload, body, payload);
           if (spt) std::memcpy(out.scales + g * spt, body + payload, spt * 4);
           std::fill_n(out.token_experts + int64_t{g} * k, k, -1);
@@ -261,6 +263,7 @@ class HostDevice final : public MoeDevice {
         }
         for (int i = 0; i < header.entries; ++i) {
           if (out.source_tokens) out.source_tokens[dst[i]] = header.src_token;
+          if (out.source_ranks) out.source_ranks[dst[i]] = s;
           std::memcpy(static_cast<uint8_t*>(out.x) + dst[i] * payload, body, payload);
           if (spt) std::memcpy(out.scales + dst[i] * spt, body + payload, spt * 4);
           // The combine row this copy feeds: its own, or its token's when the expert rank sums.

@@ -1,10 +1,10 @@
 """DeepEP V2's ElasticBuffer (expert parallelism) over ferry's AllToAll: its non-expanding
 dispatch and its combine are the V1 Buffer's normal mode (a token-major AllToAll with both of
 ferry's options: each token once per rank holding any of its experts, its experts' outputs
-summed at that rank), which computes its own layout; hybrid mode across nodes is node-once
-forwarding. What ferry cannot do yet is refused by
-name: the expanding layout (do_expand), TMA-aligned scale layouts, Engram, pipeline-parallel
-send/recv and all-gather reduce-scatter."""
+summed at that rank), which computes its own layout; the expanding layout (do_expand) is laid
+out from it on the device (_expand); hybrid mode across nodes is node-once forwarding. What
+ferry cannot do is refused by name: Engram, pipeline-parallel send/recv and all-gather
+reduce-scatter."""
 
 import itertools
 
@@ -13,6 +13,7 @@ import torch
 from ... import _ferry
 from .. import _group
 from ..._errors import InvalidArgument, Unimplemented
+from . import _expand
 from ._buffer import Buffer
 from ._events import EventHandle, EventOverlap, _round_up
 
@@ -33,11 +34,24 @@ def _row_bytes(hidden):
 
 class EPHandle:
     """What ElasticBuffer.dispatch returns for its combine (and for a cached dispatch of the same
-    routing): the dispatch's settings, its received counts, and ferry's own handle."""
+    routing): the dispatch's settings and counts, where its rows came from, and ferry's own
+    handle. Its device tensors are valid once the dispatch's event has fired (at return unless
+    async_with_compute_stream). psum_num_recv_tokens_per_expert: per local expert, the
+    inclusive prefix sum of its rows rounded up to expert_alignment; expanded
+    (do_expand), expert i's first row (the rounded sum before it) plus its unrounded count.
+    recv_src_metadata [received rows, 2 + num_topk] int32: the row's sender rank times
+    num_max_tokens_per_rank plus its token there, the sender rank, then (expanded) the row of
+    each of its copies in recv_x, -1 where none is. Under node-once forwarding (hybrid mode)
+    ferry's receiver knows no row's sender: the first two columns hold -1 and
+    psum_num_recv_tokens_per_scaleup_rank has one entry, the rows received. V2's internal
+    routing tables (dst_buffer_slot_idx, token_metadata_at_forward, channel_linked_list) have
+    no counterpart in ferry: None."""
 
     def __init__(self, do_expand, num_experts, expert_alignment, num_max_tokens_per_rank,
                  num_sms, topk_idx, num_recv_tokens, num_recv_tokens_per_expert_list,
-                 psum_num_recv_tokens_per_expert, ferry_handle):
+                 psum_num_recv_tokens_per_expert, ferry_handle, num_expanded_tokens=0,
+                 num_unaligned_recv_tokens_per_expert=None, slots=None, received=None,
+                 num_scaleup_ranks=1):
         self.do_expand = do_expand
         self.num_experts = num_experts
         self.expert_alignment = expert_alignment
@@ -45,10 +59,59 @@ class EPHandle:
         self.num_sms = num_sms
         self.topk_idx = topk_idx
         self.num_recv_tokens = num_recv_tokens
-        self.num_expanded_tokens = 0  # the expanding layout's: not built
+        self.num_expanded_tokens = num_expanded_tokens
         self.num_recv_tokens_per_expert_list = num_recv_tokens_per_expert_list
         self.psum_num_recv_tokens_per_expert = psum_num_recv_tokens_per_expert
+        self.num_unaligned_recv_tokens_per_expert = num_unaligned_recv_tokens_per_expert
+        self.dst_buffer_slot_idx = None
+        self.token_metadata_at_forward = None
+        self.channel_linked_list = None
         self._ferry = ferry_handle
+        self._slots = slots  # expanded: [rows, k] each copy's row in recv_x, -1 none
+        self._received = received  # the dispatch's _Received: the rows' origins
+        self._scaleup = num_scaleup_ranks
+        self._metadata = self._psum_scaleup = None
+
+    @property
+    def recv_src_metadata(self):
+        if self._metadata is None:
+            self._metadata = self._source_metadata()
+        return self._metadata
+
+    @recv_src_metadata.setter
+    def recv_src_metadata(self, value):  # DeepEP's callers trim it to the rows received
+        self._metadata = value
+
+    @property
+    def psum_num_recv_tokens_per_scaleup_rank(self):
+        if self._psum_scaleup is None:
+            self._psum_scaleup = self._scaleup_psum()
+        return self._psum_scaleup
+
+    def _source_metadata(self):
+        """Made at its first reading, from the origins ferry's receive wrote (made at every
+        dispatch, it would cost device ops most callers never read)."""
+        got = self._received
+        rows, k = self.num_recv_tokens, self.topk_idx.shape[1]
+        dev = got.counts.device
+        meta = torch.full((rows, 2 + k), -1, dtype=torch.int32, device=dev)
+        if got.origin is not None:
+            tokens, senders = got.origin[0, :rows], got.origin[1, :rows]
+            meta[:, 0] = senders * self.num_max_tokens_per_rank + tokens
+            meta[:, 1] = senders
+        if self._slots is not None:
+            meta[:, 2:] = self._slots[:rows]
+        return meta
+
+    def _scaleup_psum(self):
+        got = self._received
+        if got.origin is None:
+            return got.num_rows.to(torch.int32).clone()
+        rows = got.origin.shape[1]
+        live = torch.arange(rows, device=got.counts.device) < got.num_rows.long()
+        peer = torch.where(live, got.origin[1].long() % self._scaleup, self._scaleup)
+        counts = torch.bincount(peer, minlength=self._scaleup + 1)[:self._scaleup]
+        return torch.cumsum(counts, 0).to(torch.int32)
 
 
 class ElasticBuffer:
@@ -188,12 +251,13 @@ class ElasticBuffer:
         rank's) with their weights. do_cpu_sync (default: unless `handle`): the rows are
         exactly those received; without it, num_max_tokens_per_rank x ranks rows, those past the
         received ones with ids -1 and weights 0 (no host wait). A cached dispatch (`handle`)
-        routes as the handle's did, so its rows are the handle's received ones."""
-        _group.refuse("do_expand", do_expand, False, "the expanding layout is not supported yet")
-        _group.refuse("do_zero_padding", do_zero_padding, False,
-                      "the expanding layout is not supported yet")
-        _group.refuse("use_tma_aligned_col_major_sf", use_tma_aligned_col_major_sf, False,
-                      "TMA-aligned scale layouts are not supported")
+        routes as the handle's did, so its rows are the handle's received ones.
+        do_expand: each token's copy for each of this rank's experts in a row of its own,
+        grouped by expert, each expert's rows rounded up to expert_alignment (the padding
+        zeroed with do_zero_padding); recv_topk_idx is then None and recv_topk_weights each
+        row's weight [expanded rows] (0 in padding). Without the CPU sync the expanded rows
+        are the most the routing could fill. use_tma_aligned_col_major_sf: fp8 scales in the
+        TMA-aligned column-major layout (each column contiguous, rows padded to 16 bytes)."""
         buf = self._buffer
         cached = None
         if handle is not None:
@@ -203,12 +267,21 @@ class ElasticBuffer:
                 raise InvalidArgument("dispatch: a cached dispatch (handle) takes no topk_idx")
             if do_cpu_sync:
                 raise InvalidArgument("dispatch: a cached dispatch cannot sync with the CPU")
+            if bool(do_expand) != handle.do_expand:
+                raise InvalidArgument(f"dispatch: do_expand={bool(do_expand)}, the handle's "
+                                      f"dispatch had {handle.do_expand}")
             cached = handle
             topk_idx = handle.topk_idx
             num_experts = handle.num_experts if num_experts is None else num_experts
             expert_alignment = (handle.expert_alignment if expert_alignment is None
                                 else expert_alignment)
+            if expert_alignment != handle.expert_alignment:
+                raise InvalidArgument(f"expert_alignment {expert_alignment}: the handle's "
+                                      f"dispatch had {handle.expert_alignment}")
             do_cpu_sync = False
+        if do_zero_padding and not do_expand:
+            raise InvalidArgument("do_zero_padding: zeroes the expanded layout's padding; "
+                                  "needs do_expand")
         if topk_idx is None:
             raise InvalidArgument("dispatch: topk_idx (or a cached handle)")
         if num_experts is None:
@@ -239,63 +312,133 @@ class ElasticBuffer:
         if not do_cpu_sync:
             worst = cached.num_recv_tokens if cached is not None else self.num_ranks * m
         local = num_experts // self.num_ranks
+        k = topk_idx.shape[1]
         stats = cumulative_local_expert_recv_stats
         if stats is not None:
             _group.check_tensor("cumulative_local_expert_recv_stats", stats, torch.int32, 1,
                                 rows_x.get_device())
             if stats.numel() != local:
                 raise InvalidArgument(f"cumulative_local_expert_recv_stats: {local} entries")
-        device_sums = []
+        if do_expand and not do_cpu_sync:
+            total = (cached.num_expanded_tokens if cached is not None else
+                     _expand.expanded_rows(worst, k, local, expert_alignment))
+        made = {}
 
-        def epilogue(counts):
+        def epilogue(got):
             # On the AllToAll's stream, before the dispatch's event: the counts are ready there,
             # and a caller that waits for the event finds the statistics and sums done.
             if stats is not None:
-                stats.add_(counts)
-            if not do_cpu_sync:
-                aligned = (counts if expert_alignment == 1 else
-                           (counts + expert_alignment - 1) // expert_alignment * expert_alignment)
-                device_sums.append(torch.cumsum(aligned, 0, dtype=torch.int32))
+                stats.add_(got.counts)
+            if do_cpu_sync:
+                return ()
+            aligned = (got.counts if expert_alignment == 1 else
+                       (got.counts + expert_alignment - 1) // expert_alignment *
+                       expert_alignment)
+            made["psum"] = torch.cumsum(aligned, 0, dtype=torch.int32)
+            if do_expand:
+                made.update(self._expanded(
+                    got.recv[:worst], None if got.scales is None else got.scales[:worst],
+                    got.experts[:worst], got.weights[:worst], local, expert_alignment, total,
+                    do_zero_padding, cached._slots if cached is not None else None))
+            return tuple(t for t in made.values() if isinstance(t, torch.Tensor))
 
         # Routed from topk_idx alone (no layout: ferry counts what each rank sends itself); the
         # received copies per local expert come counted by ferry, on the device.
-        recv_x, recv_idx, recv_weights, per_expert, ferry_handle, event, counts = buf._dispatch(
+        recv_x, recv_idx, recv_weights, per_expert, ferry_handle, event, got = buf._dispatch(
             rows_x, scales, topk_idx, topk_weights, num_experts, expert_alignment, worst,
-            previous, async_with_compute_stream, epilogue=epilogue)
+            previous, async_with_compute_stream, epilogue=epilogue,
+            sources=buf._forwarding == _ferry.Forwarding.PER_RANK)
+        rows = (recv_x[0] if isinstance(recv_x, tuple) else recv_x).shape[0]
+        psum = made.get("psum")
         if do_cpu_sync:
             # The aligned counts are on the host already: their prefix sums go over in one
             # copy (a few device ops on int32 cost tens of microseconds on the GPU).
             psum = torch.tensor(list(itertools.accumulate(per_expert)), dtype=torch.int32,
-                                device=counts.device)
-        else:
-            psum = device_sums[0]
-        rows = (recv_x[0] if isinstance(recv_x, tuple) else recv_x).shape[0]
+                                device=got.counts.device)
+            if do_expand:
+                # The rows are here (the caller's stream waited for them): expanded on it.
+                total = sum(per_expert)
+                made.update(self._expanded(
+                    got.recv[:rows], None if got.scales is None else got.scales[:rows],
+                    got.experts[:rows], got.weights[:rows], local, expert_alignment, total,
+                    do_zero_padding, None))
+                if async_with_compute_stream:  # the event follows the expansion
+                    event = EventOverlap(EventHandle(), (event.extra_tensors or ()) +
+                                         tuple(made.values()))
+        if do_expand:
+            if cached is None:  # psum[i]: expert i's first row plus its count (V2's expanded)
+                psum = (made["starts"] + made["counts"]).to(torch.int32)
+            recv_x = (made["x"], made["scales"]) if scales is not None else made["x"]
+            recv_idx, recv_weights = None, made["weights"] if topk_weights is not None else None
+        if scales is not None and use_tma_aligned_col_major_sf:
+            recv_x = (recv_x[0], _expand.tma_aligned_scales(recv_x[1]))
         if cached is not None:
             cached._ferry = ferry_handle
-            out_handle = cached
-        else:
-            out_handle = EPHandle(False, num_experts, expert_alignment, m,
-                                  num_sms or self.get_theoretical_num_sms(num_experts,
-                                                                          topk_idx.shape[1]),
-                                  topk_idx.clone() if do_handle_copy else topk_idx, rows,
-                                  per_expert if do_cpu_sync else None, psum, ferry_handle)
+            return recv_x, recv_idx, recv_weights, cached, event
+        out_handle = EPHandle(
+            bool(do_expand), num_experts, expert_alignment, m,
+            num_sms or self.get_theoretical_num_sms(num_experts, k),
+            topk_idx.clone() if do_handle_copy else topk_idx, rows,
+            per_expert if do_cpu_sync else None, psum, ferry_handle,
+            num_expanded_tokens=total if do_expand else 0,
+            num_unaligned_recv_tokens_per_expert=(made["counts"].to(torch.int32)
+                                                  if do_expand else None),
+            slots=made.get("slots"), received=got, num_scaleup_ranks=self.num_scaleup_ranks)
         return recv_x, recv_idx, recv_weights, out_handle, event
+
+    @staticmethod
+    def _expanded(recv, scales, experts, weights, local, alignment, total, zero, slots):
+        """The expanded layout of a dispatch's rows (ferry's token-major outputs): a dict of
+        x, scales (or None), weights, slots, counts and starts. `slots` given (a cached
+        dispatch: the same routing) are taken as they are."""
+        counts = starts = None
+        if slots is None:
+            slots, counts, starts = _expand.expert_slots(experts, local, alignment)
+        return {"x": _expand.expand(recv, slots, total, zero),
+                "scales": None if scales is None else _expand.expand(scales, slots, total, zero),
+                "weights": _expand.expand_weights(weights, slots, total),
+                "slots": slots, "counts": counts, "starts": starts}
 
     def combine(self, x, handle, topk_weights=None, bias=None, num_sms=0, num_qps=0,
                 previous_event=None, previous_event_before_epilogue=None,
                 async_with_compute_stream=False, allocate_on_comm_stream=False):
         """(combined_x, combined_topk_weights, event): each token's rows from every rank that
         received it summed (in fp32, rounded to bf16 once, at the token's rank), plus bias; the
-        top-k weights, if given, summed alike."""
+        top-k weights, if given, summed alike. After an expanded dispatch x holds a row per
+        copy ([expanded rows, hidden]) and topk_weights a weight per row: each token's copies
+        are summed in fp32 on this rank first and rounded to bf16 (one rounding more, as V2's
+        multiple reduction), on the current stream."""
         if not isinstance(handle, EPHandle):
             raise InvalidArgument("combine: handle is not one this ElasticBuffer's dispatch "
                                   "returned")
         if previous_event_before_epilogue is not None:
             previous_event = previous_event or previous_event_before_epilogue
         previous = EventOverlap(previous_event) if previous_event is not None else None
+        if handle.do_expand:
+            x, topk_weights = self._fold(x, topk_weights, handle, previous)
+            previous = None  # the current stream waited for it, and the combine follows that
         return self._buffer.combine(x, handle._ferry, topk_weights=topk_weights, bias=bias,
                                     previous_event=previous,
                                     async_finish=async_with_compute_stream)
+
+    def _fold(self, x, topk_weights, handle, previous):
+        """An expanded combine's rows and weights, one row per received token."""
+        total = handle.num_expanded_tokens
+        _group.check_tensor("x", x, torch.bfloat16, 2)
+        if tuple(x.shape) != (total, handle._ferry.hidden):
+            raise InvalidArgument(f"x: shape {tuple(x.shape)}, the expanded dispatch gave "
+                                  f"{(total, handle._ferry.hidden)}")
+        if topk_weights is not None:
+            _group.check_tensor("topk_weights", topk_weights, torch.float32, 1, x.get_device())
+            if topk_weights.shape[0] != total:
+                raise InvalidArgument(f"topk_weights: {topk_weights.shape[0]} entries, the "
+                                      f"expanded dispatch gave {total} rows")
+        if previous is not None:
+            previous.current_stream_wait()
+        slots = handle._slots[:handle._ferry.rows]
+        folded = _expand.fold(x, slots)
+        weights = None if topk_weights is None else _expand.fold_weights(topk_weights, slots)
+        return folded, weights
 
     # ---- what ferry does not do -------------------------------------------------------------
 

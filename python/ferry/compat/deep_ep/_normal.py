@@ -10,6 +10,21 @@ from ..._errors import Error, InvalidArgument, ResourceExhausted
 from ._events import EventOverlap, _Handle, _round_up, _token_major
 
 
+class _Received:
+    """What a normal-mode dispatch received beyond its results, on the device: the copies per
+    local expert (counts, int32), the rows (num_rows, [1] int32), each row's token in its
+    sender and its sender (origin [2, rows] int32, or None), the full-size outputs (recv,
+    scales, experts, weights) and what the epilogue made from them (kept until the dispatch's
+    event fires)."""
+
+    __slots__ = ("counts", "num_rows", "origin", "recv", "scales", "experts", "weights", "made")
+
+    def __init__(self, counts, num_rows, origin, recv, scales, experts, weights):
+        self.counts, self.num_rows, self.origin = counts, num_rows, origin
+        self.recv, self.scales, self.experts, self.weights = recv, scales, experts, weights
+        self.made = ()
+
+
 class _Normal:
     """Buffer's normal-mode calls (a mixin: the state is Buffer's)."""
 
@@ -117,13 +132,14 @@ class _Normal:
 
     def _dispatch(self, x, x_scales, topk_idx, topk_weights, num_experts, expert_alignment,
                   num_worst_tokens, previous_event, async_finish, cached=None, every_count=None,
-                  is_token_in_rank=None, epilogue=None):
+                  is_token_in_rank=None, epilogue=None, sources=False):
         """dispatch() past its layout arguments, x checked (_rows): what ElasticBuffer calls,
-        routing from topk_idx alone. Its six results, then the received copies per local
-        expert (int32 on the device, counted by ferry). epilogue(counts): torch ops on those
-        counts that must be done when the dispatch is (ElasticBuffer's statistics and prefix
-        sums): run on the AllToAll's stream after its steps and before the finishing event, so
-        that a caller that waits for the event (async_finish) reads them done."""
+        routing from topk_idx alone. Its six results, then a _Received of what the caller did
+        not see (the counts ferry made, and with `sources` each row's sender and token).
+        epilogue(received): torch ops on it that must be done when the dispatch is
+        (ElasticBuffer's statistics, prefix sums and expanded layout): run on the AllToAll's
+        stream after its steps and before the finishing event, so that a caller that waits for
+        the event (async_finish) reads them done."""
         fp8 = x_scales is not None
         tokens, hidden = x.shape
         if expert_alignment < 1:
@@ -166,6 +182,8 @@ class _Normal:
             num_rows, counts = read_back[:1], read_back[1:]
             experts = torch.empty(rows, k, dtype=torch.int32, device=dev)
             weights_out = torch.empty(rows, k, dtype=torch.float32, device=dev)
+            # Each row's token in its sender (row 0) and its sender (row 1).
+            origin = torch.empty(2, rows, dtype=torch.int32, device=dev) if sources else None
             current = self._begin(a2a, x, previous_event)
             if every_count is not None:  # rank r's column holds r where the token goes there
                 with self._on_comm(a2a, current, dev):
@@ -173,7 +191,9 @@ class _Normal:
                         k, dtype=torch.int32, device=dev), -1).int()
             a2a.dispatch_send(x, topk_idx, weights, scales=x_scales, num_tokens=tokens)
             a2a.dispatch_recv(recv, counts, recv_scales, num_rows, experts, weights_out,
-                              timeout=self._timeout)
+                              timeout=self._timeout,
+                              **({} if origin is None else
+                                 dict(source_tokens=origin[0], source_ranks=origin[1])))
         except BaseException:
             pooled.busy = False
             raise
@@ -186,11 +206,13 @@ class _Normal:
                 live = torch.arange(num_worst_tokens, device=dev) < num_rows.to(torch.int64)
                 experts[:num_worst_tokens].masked_fill_(~live[:, None], -1)
                 weights_out[:num_worst_tokens].masked_fill_(~live[:, None], 0.0)
+        received = _Received(counts, num_rows, origin, recv, recv_scales, experts, weights_out)
         if epilogue is not None:
             with self._on_comm(a2a, current, x.device):
-                epilogue(counts)
+                received.made = epilogue(received) or ()
         event = self._end(a2a, current, async_finish, (x, x_scales, topk_idx, weights),
-                          (recv, recv_scales, counts, num_rows, experts, weights_out))
+                          (recv, recv_scales, counts, num_rows, experts, weights_out, origin) +
+                          tuple(received.made))
         if num_worst_tokens > 0:
             r = num_worst_tokens
             per_expert_list = []
@@ -205,14 +227,14 @@ class _Normal:
         out_x = (recv_x, recv_scales[:r]) if fp8 else recv_x
         if cached is not None:
             cached.pooled, cached.rows, cached.in_flight = pooled, r, True
-            return out_x, None, None, None, None, event, counts
+            return out_x, None, None, None, None, event, received
         new = _Handle(pooled, tokens, k, hidden, num_experts, topk_idx, topk_weights=topk_weights,
                       rows=r)
         if every_count is not None:
-            return out_x, None, None, per_expert_list, new, event, counts
+            return out_x, None, None, per_expert_list, new, event, received
         recv_topk_idx = experts[:r].long()
         recv_topk_weights = weights_out[:r] if topk_weights is not None else None
-        return out_x, recv_topk_idx, recv_topk_weights, per_expert_list, new, event, counts
+        return out_x, recv_topk_idx, recv_topk_weights, per_expert_list, new, event, received
 
     def _check_rank_routing(self, is_token_in_rank, topk_weights, num_worst_tokens, x):
         """What a dispatch without topk_idx (DeepEP routes by is_token_in_rank alone) takes."""
