@@ -1,9 +1,9 @@
-// Elastic membership (AllToAll::Readmit / Join / Resize) on the host device: four ranks as
+// Elastic membership (AllToAll::Readmit / Join / Resize): four ranks as
 // processes over shm, a fifth standing by to replace one. A lost rank is masked by the
 // survivors, a new process takes its rank id, and the next epochs equal a world that never
 // broke, bit for bit; the process it replaced, woken, writes nothing into them; a readmission
 // that never completes leaves the survivors as they were; twenty readmissions leave the
-// survivors flat; the world grows to six ranks and shrinks back.
+// survivors flat; the world grows to six ranks and shrinks back (on both devices).
 #include <gtest/gtest.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -384,8 +384,17 @@ TEST(MoeElasticJoinTest, AJoinThatNeverCompletesLeavesTheWorldAsItWas) {
 // stay, AllToAll::Join on the two new processes, which leave again), twelve experts laid out
 // three and then two per rank: every epoch exact for the world it ran in, the handle's
 // config() and membership version following. A rank that has masked another may not resize,
-// and a resize to another device is refused by name.
-TEST(MoeElasticResizeTest, TheWorldGrowsFromFourToSixRanksAndShrinksBackExactly) {
+// and a resize to another device is refused by name. On the host device, and on the CUDA
+// device both ways (made anew at each resize; skipped without a GPU).
+class MoeElasticResizeTest : public ::testing::TestWithParam<Where> {};
+
+TEST_P(MoeElasticResizeTest, TheWorldGrowsFromFourToSixRanksAndShrinksBackExactly) {
+  const Where where = GetParam();
+#if FERRY_HAVE_CUDA
+  if (where != Where::kHost && !HaveGpu()) GTEST_SKIP() << "no GPU";
+#else
+  if (where != Where::kHost) GTEST_SKIP() << "built without CUDA";
+#endif
   const std::string first = LoopbackAddress(), grown = LoopbackAddress(),
                     shrunk = LoopbackAddress();
   const Shape four{4, 12}, six{6, 12};
@@ -393,9 +402,10 @@ TEST(MoeElasticResizeTest, TheWorldGrowsFromFourToSixRanksAndShrinksBackExactly)
   auto exits = RunLocalRanks(6, [&](Bootstrap& launcher) -> Status {
     const int me = launcher.rank();
     Member m;
+    m.cuda = where != Where::kHost;
     if (me >= 4) {  // new in the grown world; leaves when it shrinks
       ASSIGN_OR_RETURN(auto group, Rendezvous(grown, me, 6));
-      ASSIGN_OR_RETURN(m, Join(*group, six));
+      ASSIGN_OR_RETURN(m, Join(*group, six, where));
       m.epoch = 2;
       for (int i = 0; i < 2; ++i) RETURN_IF_ERROR(Epoch(m, all6, Deadline::After(30s)));
       return Status::Ok();
@@ -403,15 +413,16 @@ TEST(MoeElasticResizeTest, TheWorldGrowsFromFourToSixRanksAndShrinksBackExactly)
     ASSIGN_OR_RETURN(auto world, Rendezvous(first, me));
     RETURN_IF_ERROR(Buffers(m, me, four));
     ASSIGN_OR_RETURN(m.engine, Engine());
-    ASSIGN_OR_RETURN(m.a2a, AllToAll::Create(Config(me, four), m.engine.get(), *world));
+    ASSIGN_OR_RETURN(m.a2a,
+                     AllToAll::Create(Config(me, four, where), m.engine.get(), *world));
     for (int i = 0; i < 2; ++i) RETURN_IF_ERROR(Epoch(m, kAll, Deadline::After(30s)));
-    AllToAllConfig cuda = Config(me, four);
-    cuda.device = MoeDeviceKind::kCuda;
-    CHECK_OR_RETURN(m.a2a->Resize(cuda, *world, 1s).code() == StatusCode::kUnimplemented,
-                    "a resize onto the CUDA device was not refused");
+    AllToAllConfig other = Config(me, four);
+    other.device = where == Where::kHost ? MoeDeviceKind::kCuda : MoeDeviceKind::kHost;
+    CHECK_OR_RETURN(m.a2a->Resize(other, *world, 1s).code() == StatusCode::kInvalidArgument,
+                    "a resize onto another device was not refused");
     {
       ASSIGN_OR_RETURN(auto group, Rendezvous(grown, me, 6));
-      RETURN_IF_ERROR(m.a2a->Resize(Config(me, six), *group, 30s));
+      RETURN_IF_ERROR(m.a2a->Resize(Config(me, six, where), *group, 30s));
     }
     RETURN_IF_ERROR(Buffers(m, me, six));
     CHECK_OR_RETURN(m.a2a->config().world_size == 6 && m.a2a->membership_version() == 1,
@@ -419,7 +430,7 @@ TEST(MoeElasticResizeTest, TheWorldGrowsFromFourToSixRanksAndShrinksBackExactly)
     for (int i = 0; i < 2; ++i) RETURN_IF_ERROR(Epoch(m, all6, Deadline::After(30s)));
     {
       ASSIGN_OR_RETURN(auto group, Rendezvous(shrunk, me));
-      RETURN_IF_ERROR(m.a2a->Resize(Config(me, four), *group, 30s));
+      RETURN_IF_ERROR(m.a2a->Resize(Config(me, four, where), *group, 30s));
     }
     RETURN_IF_ERROR(Buffers(m, me, four));
     CHECK_OR_RETURN(m.a2a->config().world_size == 4 && m.a2a->membership_version() == 2,
@@ -428,7 +439,7 @@ TEST(MoeElasticResizeTest, TheWorldGrowsFromFourToSixRanksAndShrinksBackExactly)
     // A rank that has masked another may not resize: what the masked rank sends could land.
     if (me != 1) RETURN_IF_ERROR(m.a2a->SetMasked(1, true));
     if (me != 1) {
-      CHECK_OR_RETURN(m.a2a->Resize(Config(me, four), *world, 1s).code() ==
+      CHECK_OR_RETURN(m.a2a->Resize(Config(me, four, where), *world, 1s).code() ==
                           StatusCode::kFailedPrecondition,
                       "a resize with a masked rank was not refused");
     }
@@ -436,6 +447,16 @@ TEST(MoeElasticResizeTest, TheWorldGrowsFromFourToSixRanksAndShrinksBackExactly)
   }, 180s);
   for (int r = 0; r < 6; ++r) EXPECT_TRUE(exits[r].ok()) << "process " << r;
 }
+
+INSTANTIATE_TEST_SUITE_P(Where, MoeElasticResizeTest,
+                         ::testing::Values(Where::kHost, Where::kCudaNodeEach,
+                                           Where::kCudaOneNode),
+                         [](const auto& info) {
+                           return std::string(info.param == Where::kHost ? "Host"
+                                              : info.param == Where::kCudaNodeEach
+                                                  ? "CudaNodeEach"
+                                                  : "CudaOneNode");
+                         });
 
 // This process's open descriptors and resident pages.
 int OpenDescriptors() {

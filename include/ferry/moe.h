@@ -444,9 +444,12 @@ class FERRY_API AllToAll {
   // its buffers for the new world on the same engine and instance, keeping this handle and
   // its epoch count, and the next epoch runs the new world, config() reporting it.
   // FailedPrecondition while this rank has masked a rank (its process may still write under
-  // the keys it holds, which Resize does not fence: readmit a replacement first). A meeting
-  // that fails leaves this AllToAll as it was. Host device, per rank forwarding (else
-  // Unimplemented).
+  // the keys it holds, which Resize does not fence: readmit a replacement first); InvalidArgument
+  // for another device. A meeting that fails leaves this AllToAll as it was. Both devices, both
+  // forwardings: the host device per rank makes the new world's device beside the old one (one
+  // it cannot make leaves the old one running); the CUDA device, and node-once's hops, are made
+  // anew as in a readmission, the old ones first (a failure past them ends this AllToAll, as
+  // Readmit's does), and CUDA graphs captured before must be captured again.
   virtual Status Resize(const AllToAllConfig& config, Bootstrap& group,
                         std::chrono::milliseconds timeout) = 0;
   virtual uint64_t membership_version() const = 0;

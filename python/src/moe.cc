@@ -224,7 +224,8 @@ void BindMoe(py::module_& m) {
            "Between epochs, on every rank of a new world that ran in the old one: the world "
            "grows or shrinks to config's (new processes call AllToAll.join with it, all over "
            "`group`, a bootstrap of the new world), this handle and its epoch count kept "
-           "(AllToAll::Resize); a meeting that fails (timeout seconds) leaves it as it was")
+           "(AllToAll::Resize); a meeting that fails (timeout seconds) leaves it as it was (on the "
+           "CUDA device and under node-once a failure past the old device ends it)")
       .def_property_readonly("membership_version", &PyAllToAll::membership_version,
                              "Readmissions so far")
       .def("masked", &PyAllToAll::Masked,

@@ -57,7 +57,9 @@ struct DeviceStart {
 StatusOr<std::unique_ptr<moe::MoeDevice>> MakeDevice(const AllToAllConfig& c,
                                                      TransferEngine* engine, Bootstrap& group,
                                                      const DeviceStart& at) {
-  if (c.forwarding == Forwarding::kNodeOnce) return moe::CreateNodeOnceDevice(c, engine, group);
+  if (c.forwarding == Forwarding::kNodeOnce) {
+    return moe::CreateNodeOnceDevice(c, engine, group, at.adopt_counters);
+  }
   if (c.device == MoeDeviceKind::kCuda) {
     return moe::CreateCudaDevice(c, engine, group, at.hearing, at.epoch, at.adopt_counters);
   }
@@ -196,7 +198,7 @@ class Shell final : public AllToAll {
       // Masks still pending reach the device first: the ranks it readmits are all it masked.
       RETURN_IF_ERROR(ApplyPendingMasks());
       const Status s = device_->readmits_anew()
-                           ? MakeDeviceAnew(group)
+                           ? MakeDeviceAnew(c_, group)
                            : device_->Readmit(group, agreed.ranks, epoch_, timeout);
       // A failure past the point where the ranks' keys or devices changed ends the device
       // (it says so in Sticky, or it is gone): this AllToAll then reports it at every call.
@@ -212,10 +214,11 @@ class Shell final : public AllToAll {
   Status Resize(const AllToAllConfig& asked, Bootstrap& group,
                 std::chrono::milliseconds timeout) override {
     RETURN_IF_ERROR(Step(Stage::kIdle, "Resize"));
-    RETURN_IF_ERROR(moe::CheckResizable(c_));
-    AllToAllConfig wanted = asked;
-    wanted.forwarding = asked.chosen_forwarding();
-    RETURN_IF_ERROR(moe::CheckResizable(wanted));
+    if (asked.device != c_.device) {
+      return InvalidArgumentError(
+          "AllToAll::Resize: onto another device (a resized AllToAll keeps its device; create a "
+          "new AllToAll instead)");
+    }
     ASSIGN_OR_RETURN(const AllToAllConfig config, moe::Resolve(asked, engine_, group));
     if (config.instance != c_.instance) {
       return InvalidArgumentError("AllToAll::Resize: instance " + std::to_string(config.instance) +
@@ -231,11 +234,22 @@ class Shell final : public AllToAll {
     moe::MemberView mine{false, true, version_, epoch_,
                          std::vector<uint8_t>(size_t(config.world_size)), config.Fingerprint()};
     ASSIGN_OR_RETURN(const moe::Readmission agreed, moe::Meet(group, mine, timeout));
-    // The new world's device first, taking over this instance's counters (this device's relay
-    // waits for a dispatch that never comes): if it cannot be made, this one goes on.
-    ASSIGN_OR_RETURN(device_, MakeDevice(config, engine_, group,
-                                         {.epoch = epoch_, .adopt_counters = true}));
-    caps_ = device_->caps();
+    // The host device per rank makes the new world's device beside this one, taking over this
+    // instance's counters (this device's relay waits for a dispatch that never comes): if it
+    // cannot be made, this one goes on. Elsewhere this one goes first -- a CUDA node's ranks map
+    // each other's memory once, node-once's hops and heartbeats hold the instance's inboxes --
+    // and a failure past it ends this AllToAll.
+    const bool beside = !device_->readmits_anew() &&
+                        c_.forwarding != Forwarding::kNodeOnce &&
+                        config.forwarding != Forwarding::kNodeOnce;
+    if (beside) {
+      ASSIGN_OR_RETURN(device_, MakeDevice(config, engine_, group,
+                                           {.epoch = epoch_, .adopt_counters = true}));
+      caps_ = device_->caps();
+    } else if (const Status s = MakeDeviceAnew(config, group); !s.ok()) {
+      End(s.WithContext("AllToAll::Resize"));
+      return s;
+    }
     c_ = config;
     caller_masks_.assign(size_t(c_.world_size), 0);
     pending_masks_.assign(size_t(c_.world_size), 0);
@@ -256,13 +270,14 @@ class Shell final : public AllToAll {
     return moe::CheckStage(stage_, want, name);
   }
 
-  // Readmission where the device is made anew (MoeDevice::readmits_anew): this one goes
-  // first, then its successor is made over `group` at our epoch, taking the instance's
-  // counters over, as the new processes make theirs (AllToAll::Join), and given the caller's
-  // stream. Past the old one, a failure leaves no device (Readmit ends this AllToAll).
-  Status MakeDeviceAnew(Bootstrap& group) {
+  // A readmission where the device is made anew (MoeDevice::readmits_anew), or a resize (of
+  // `config`'s world): this one goes first, then its successor is made over `group` at our
+  // epoch, taking the instance's counters over, as the new processes make theirs
+  // (AllToAll::Join), and given the caller's stream. Past the old one, a failure leaves no
+  // device (the caller ends this AllToAll).
+  Status MakeDeviceAnew(const AllToAllConfig& config, Bootstrap& group) {
     device_.reset();
-    ASSIGN_OR_RETURN(device_, MakeDevice(c_, engine_, group,
+    ASSIGN_OR_RETURN(device_, MakeDevice(config, engine_, group,
                                          {.epoch = epoch_, .adopt_counters = true}));
     caps_ = device_->caps();
     if (stream_) {
@@ -276,7 +291,7 @@ class Shell final : public AllToAll {
   // The device is over: every later call reports `why`.
   void End(const Status& why) {
     device_ = std::make_unique<EndedDevice>(why.WithContext(
-        "AllToAll::Readmit, after the ranks' keys or devices changed; this AllToAll is "
+        "after the ranks' keys or devices changed (a readmission or resize); this AllToAll is "
         "unusable"));
     caps_ = device_->caps();
   }

@@ -228,15 +228,6 @@ StatusOr<AllToAllConfig> Resolve(const AllToAllConfig& asked, TransferEngine* en
   return config;
 }
 
-Status CheckResizable(const AllToAllConfig& c) {
-  if (c.device == MoeDeviceKind::kHost && c.forwarding != Forwarding::kNodeOnce) {
-    return Status::Ok();
-  }
-  return UnimplementedError(
-      "AllToAll::Resize: the world changes size on the host device, per rank forwarding, for "
-      "now (elsewhere: create a new AllToAll)");
-}
-
 Status CheckStage(Stage at, Stage want, const char* step) {
   if (at == want) return Status::Ok();
   return FailedPreconditionError(std::string(step) +

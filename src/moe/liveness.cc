@@ -35,7 +35,8 @@ Liveness::Liveness(const AllToAllConfig& config, TransferEngine* engine, std::ve
 StatusOr<std::unique_ptr<Liveness>> Liveness::Create(const AllToAllConfig& config,
                                                      TransferEngine* engine,
                                                      Bootstrap& bootstrap,
-                                                     std::vector<int> watched) {
+                                                     std::vector<int> watched,
+                                                     bool adopt_counters) {
   if (!engine) return InvalidArgumentError("Liveness: no engine");
   for (int r : watched) {
     if (r < 0 || r >= config.world_size || r == config.rank) {
@@ -47,7 +48,11 @@ StatusOr<std::unique_ptr<Liveness>> Liveness::Create(const AllToAllConfig& confi
   for (int r : l->watched_) {
     const uint32_t imm = RelayImm(kRelayAlive, 0, config.instance, r);
     const Status s = engine->CreateImmCounter(imm);
-    if (!s.ok()) return CounterError(s, config.instance);
+    if (adopt_counters && s.code() == StatusCode::kAlreadyExists) {
+      ASSIGN_OR_RETURN(l->counts_[l->imms_.size()], engine->ImmCount(imm));
+    } else if (!s.ok()) {
+      return CounterError(s, config.instance);
+    }
     l->imms_.push_back(imm);
   }
   RETURN_IF_ERROR(l->Meet(bootstrap, std::chrono::seconds(60)));

@@ -51,10 +51,12 @@ class Liveness {
 
   // Collective over `bootstrap` (config's world): counters for the heartbeats of `watched`
   // (ranks of that world, each of which watches us too), their engines as our peers, then the
-  // thread.
+  // thread. adopt_counters: a counter an earlier Liveness of this instance made on the engine
+  // (AllToAll::Resize) is taken over, what it counted so far not a heartbeat.
   static StatusOr<std::unique_ptr<Liveness>> Create(const AllToAllConfig& config,
                                                     TransferEngine* engine, Bootstrap& bootstrap,
-                                                    std::vector<int> watched);
+                                                    std::vector<int> watched,
+                                                    bool adopt_counters = false);
   ~Liveness();  // stops the thread; waits for its heartbeats (each ends within the transfer
                 // timeout) or leaks what they count into
   Liveness(const Liveness&) = delete;

@@ -529,7 +529,8 @@ std::unique_ptr<Bootstrap> SubBootstrap(Bootstrap& parent, std::vector<int> memb
 
 StatusOr<std::unique_ptr<MoeDevice>> CreateNodeOnceDevice(const AllToAllConfig& config,
                                                           TransferEngine* engine,
-                                                          Bootstrap& bootstrap) {
+                                                          Bootstrap& bootstrap,
+                                                          bool adopt_counters) {
   std::unique_ptr<HopMemory> hops;
   if (config.device == MoeDeviceKind::kCuda) {
     ASSIGN_OR_RETURN(hops, NewCudaHopMemory(config.cuda_device));
@@ -546,9 +547,11 @@ StatusOr<std::unique_ptr<MoeDevice>> CreateNodeOnceDevice(const AllToAllConfig& 
         if (r != config.rank) watched.push_back(r);
       }
     }
-    ASSIGN_OR_RETURN(liveness, Liveness::Create(config, engine, bootstrap, std::move(watched)));
+    ASSIGN_OR_RETURN(liveness, Liveness::Create(config, engine, bootstrap, std::move(watched),
+                                                adopt_counters));
   }
-  ASSIGN_OR_RETURN(Hops made, BuildHops(config, engine, bootstrap, liveness.get(), false));
+  ASSIGN_OR_RETURN(Hops made,
+                   BuildHops(config, engine, bootstrap, liveness.get(), adopt_counters));
   auto device = std::make_unique<NodeOnceDevice>(config, engine, std::move(made), std::move(hops),
                                                  std::move(liveness));
   RETURN_IF_ERROR(device->Init());

@@ -123,9 +123,11 @@ std::unique_ptr<HopMemory> NewHostHopMemory();
 StatusOr<std::unique_ptr<HopMemory>> NewCudaHopMemory(int cuda_device);
 
 // The node-once device over the rail and node AllToAlls, made on `engine` (collective over
-// `bootstrap`), on the caller's device.
+// `bootstrap`), on the caller's device. adopt_counters: made on the instance of a device gone
+// from this engine (AllToAll::Resize), whose immediate counters it takes over emptied.
 StatusOr<std::unique_ptr<MoeDevice>> CreateNodeOnceDevice(const AllToAllConfig& config,
                                                           TransferEngine* engine,
-                                                          Bootstrap& bootstrap);
+                                                          Bootstrap& bootstrap,
+                                                          bool adopt_counters = false);
 
 }  // namespace ferry::moe

@@ -39,8 +39,5 @@ Status CheckMembershipGroup(const AllToAllConfig& c, const Bootstrap& group);
 // holding its world (CheckMembershipGroup).
 StatusOr<AllToAllConfig> Resolve(const AllToAllConfig& asked, TransferEngine* engine,
                                  const Bootstrap& bootstrap);
-// Unimplemented unless the world of this configuration can change size (the host device, per
-// rank forwarding, for now).
-Status CheckResizable(const AllToAllConfig& c);
 
 }  // namespace ferry::moe
