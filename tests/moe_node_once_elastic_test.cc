@@ -175,8 +175,13 @@ INSTANTIATE_TEST_SUITE_P(Woken, MoeNodeOnceFenceTest,
 // (AllToAll::Resize on the four ranks that stay, AllToAll::Join on the two new processes, which
 // leave again), twelve experts three and then two a rank: every hop and the heartbeats made
 // anew over the new world on each survivor's engine, taking their instances' counters over;
-// every epoch exact for the world it ran in. Host device.
-TEST(MoeNodeOnceResizeTest, TheWorldGrowsFromTwoNodesToThreeAndShrinksBackExactly) {
+// every epoch exact for the world it ran in. Both devices (the CUDA device's skipped without a
+// GPU).
+class MoeNodeOnceResizeTest : public testing::TestWithParam<bool> {};
+
+TEST_P(MoeNodeOnceResizeTest, TheWorldGrowsFromTwoNodesToThreeAndShrinksBackExactly) {
+  const bool cuda = GetParam();
+  if (SkipCuda(cuda)) GTEST_SKIP() << "no GPU";
   const std::string first = "127.0.0.1:" + std::to_string(testing_util::FreeLoopbackPort());
   const std::string grown = "127.0.0.1:" + std::to_string(testing_util::FreeLoopbackPort());
   const std::string shrunk = "127.0.0.1:" + std::to_string(testing_util::FreeLoopbackPort());
@@ -184,14 +189,14 @@ TEST(MoeNodeOnceResizeTest, TheWorldGrowsFromTwoNodesToThreeAndShrinksBackExactl
   auto exits = testing_util::RunRanks(6, [&](Bootstrap& launcher) -> Status {
     const int me = launcher.rank();
     ASSIGN_OR_RETURN(auto engine, MaskingEngine());
-    const EpochRun run{.dispatch_wait = 30s, .combine_wait = 30s};
+    const EpochRun run{.cuda = cuda, .dispatch_wait = 30s, .combine_wait = 30s};
     const std::vector<bool> all4(4, false), all6(6, false);
     auto rendezvous = [&](const std::string& at, int world) {
       return JoinRendezvous({.address = at, .world_size = world, .rank = me, .timeout = 60s});
     };
     if (me >= 4) {  // new in the grown world; leaves when it shrinks
       ASSIGN_OR_RETURN(auto group, rendezvous(grown, 6));
-      ASSIGN_OR_RETURN(const AllToAllConfig c, MaskingConfig(launcher, me, false, six));
+      ASSIGN_OR_RETURN(const AllToAllConfig c, MaskingConfig(launcher, me, cuda, six));
       ASSIGN_OR_RETURN(auto a2a, AllToAll::Join(c, engine.get(), *group, 30s));
       for (int epoch = 2; epoch < 4; ++epoch) {
         RETURN_IF_ERROR(Epoch(*a2a, me, epoch, all6, run, six));
@@ -199,29 +204,40 @@ TEST(MoeNodeOnceResizeTest, TheWorldGrowsFromTwoNodesToThreeAndShrinksBackExactl
       return Status::Ok();
     }
     ASSIGN_OR_RETURN(auto world, rendezvous(first, 4));
-    ASSIGN_OR_RETURN(AllToAllConfig c, MaskingConfig(launcher, me, false, four));
+    ASSIGN_OR_RETURN(AllToAllConfig c, MaskingConfig(launcher, me, cuda, four));
     ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(c, engine.get(), *world));
-    for (int epoch = 0; epoch < 2; ++epoch) RETURN_IF_ERROR(Epoch(*a2a, me, epoch, all4, run, four));
+    for (int epoch = 0; epoch < 2; ++epoch) {
+      RETURN_IF_ERROR(Epoch(*a2a, me, epoch, all4, run, four));
+    }
     {
       ASSIGN_OR_RETURN(auto group, rendezvous(grown, 6));
-      ASSIGN_OR_RETURN(c, MaskingConfig(launcher, me, false, six));
+      ASSIGN_OR_RETURN(c, MaskingConfig(launcher, me, cuda, six));
       RETURN_IF_ERROR(a2a->Resize(c, *group, 30s));
     }
     CHECK_OR_RETURN(a2a->config().world_size == 6 && a2a->membership_version() == 1,
                     "grown: world " + std::to_string(a2a->config().world_size));
-    for (int epoch = 2; epoch < 4; ++epoch) RETURN_IF_ERROR(Epoch(*a2a, me, epoch, all6, run, six));
+    for (int epoch = 2; epoch < 4; ++epoch) {
+      RETURN_IF_ERROR(Epoch(*a2a, me, epoch, all6, run, six));
+    }
     {
       ASSIGN_OR_RETURN(auto group, rendezvous(shrunk, 4));
-      ASSIGN_OR_RETURN(c, MaskingConfig(launcher, me, false, four));
+      ASSIGN_OR_RETURN(c, MaskingConfig(launcher, me, cuda, four));
       RETURN_IF_ERROR(a2a->Resize(c, *group, 30s));
     }
     CHECK_OR_RETURN(a2a->config().world_size == 4 && a2a->membership_version() == 2,
                     "shrunk: world " + std::to_string(a2a->config().world_size));
-    for (int epoch = 4; epoch < 6; ++epoch) RETURN_IF_ERROR(Epoch(*a2a, me, epoch, all4, run, four));
+    for (int epoch = 4; epoch < 6; ++epoch) {
+      RETURN_IF_ERROR(Epoch(*a2a, me, epoch, all4, run, four));
+    }
     return Status::Ok();
   }, 180s);
   for (int r = 0; r < 6; ++r) EXPECT_TRUE(exits[size_t(r)].ok()) << "process " << r;
 }
+
+INSTANTIATE_TEST_SUITE_P(Devices, MoeNodeOnceResizeTest, testing::Bool(),
+                         [](const testing::TestParamInfo<bool>& p) {
+                           return std::string(p.param ? "Cuda" : "Host");
+                         });
 
 }  // namespace
 }  // namespace ferry
