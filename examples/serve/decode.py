@@ -18,6 +18,10 @@ tools/bench_serve.py: what the documents call prefill stalling decode).
 With --device cuda the model runs on the GPU and the AllToAll on ferry's CUDA device (one node,
 on the rank's stream); --cuda-graph captures the decode step once as a CUDA graph (GraphStep).
 
+With --elastic (attention TP 1) a rank that dies is replaced while the others serve on
+(elastic.py): its requests are failed back to the router as retryable (their KV died with it;
+the router sends them again), and a step that its death touched is done again.
+
 Each step, every rank shares its plan in one all-gather: rank 0 the requests the router sent
 (assigned to the least loaded group), each group leader its batch (requests join and leave
 between steps) and what finished. Every rank then runs the same layers, an empty batch
@@ -29,6 +33,8 @@ Run by hand:  python3 decode.py --model model.safetensors --ep 2 --control 0.0.0
 import argparse
 import hashlib
 import json
+import os
+import signal
 import sys
 import threading
 import time
@@ -36,6 +42,7 @@ import time
 import torch
 
 import ferry
+import elastic
 import model as mdl
 import ranks
 from control import ControlServer, check_fields, parse_address, token_list
@@ -194,9 +201,10 @@ class GroupLeader:
         self.engine.close()
 
 
-def moe_layer(bootstrap, a2a, model, bufs, members, tp_rank):
+def moe_layer(bootstrap, a2a, model, bufs, members, tp_rank, timeout, after_send=None):
     """moe(l, xn, ids, weights, shared) for Model.forward: this rank's share of the group's
-    tokens through the AllToAll, the shared expert between its send and receive halves."""
+    tokens through the AllToAll, the shared expert between its send and receive halves; each
+    receive waits up to `timeout` seconds. after_send(): run after each dispatch's send."""
     cfg = a2a.config
     first_expert = cfg.rank * cfg.local_experts
 
@@ -207,13 +215,15 @@ def moe_layer(bootstrap, a2a, model, bufs, members, tp_rank):
         bufs["ids"][:n] = ids[lo:hi].to(torch.int32)
         bufs["w"][:n] = weights[lo:hi]
         a2a.dispatch_send(bufs["x"], bufs["ids"], bufs["w"], num_tokens=n)
+        if after_send is not None:
+            after_send()
         shared()
-        a2a.dispatch_recv(bufs["recv"], bufs["counts"])
+        a2a.dispatch_recv(bufs["recv"], bufs["counts"], timeout=timeout)
         for e, count in enumerate(bufs["counts"].tolist()):  # (waits for the receive)
             if count:
                 bufs["out"][e, :count] = model.expert(l, first_expert + e, bufs["recv"][e, :count])
         a2a.combine_send(bufs["out"])
-        a2a.combine_recv(bufs["y"])
+        a2a.combine_recv(bufs["y"], timeout=timeout)
         return ranks.group_cat(bootstrap, bufs["y"][:n].clone(), members)
 
     return moe
@@ -314,7 +324,10 @@ def split(n, parts, i):
     return lo, lo + base + (i < extra)
 
 
-def rank_main(bootstrap, args):
+def rank_main(bootstrap, args, member=None):
+    """One rank's life: its model share, caches and AllToAll, then the step loop. `member`
+    (elastic.Member, --elastic): its place in a world whose ranks may be replaced; a
+    replacement joins the survivors' AllToAll instead of making one."""
     torch.set_num_threads(1)
     config, weights = mdl.load(args.model)
     c = config
@@ -330,14 +343,18 @@ def rank_main(bootstrap, args):
     per_rank = -(-(args.max_batch + args.chunk) // tp)
     moe_config = ferry.AllToAllConfig(
         world_size=ep, rank=me, num_experts=c.experts, experts_per_token=c.top_k,
-        max_tokens_per_rank=per_rank, hidden=c.hidden, dtype=ferry.DispatchDtype.BF16)
+        max_tokens_per_rank=per_rank, hidden=c.hidden, dtype=ferry.DispatchDtype.BF16,
+        mask_lost_peers=member is not None)
     if cuda:  # one node: the NVLink kernels, no engine; the steps go on torch's stream
         moe_config.device, moe_config.ranks_per_node = ferry.MoeDevice.CUDA, ep
         moe_config.cuda_device = torch.cuda.current_device()
         moe_engine = None
     else:
         moe_engine = ranks.engine(args.provider)
-    a2a = ferry.AllToAll(moe_config, moe_engine, bootstrap)
+    if member is not None and member.joining:
+        a2a = ferry.AllToAll.join(moe_config, moe_engine, bootstrap, args.recovery_timeout)
+    else:
+        a2a = ferry.AllToAll(moe_config, moe_engine, bootstrap)
     if cuda:
         a2a.set_stream(torch.cuda.current_stream())
     cfg = a2a.config
@@ -352,7 +369,8 @@ def rank_main(bootstrap, args):
             "counts": zeros(cfg.local_experts, dtype=torch.int32),
             "out": zeros(cfg.local_experts, cfg.expert_capacity, c.hidden, dtype=mdl.BF16),
             "y": zeros(per_rank, c.hidden, dtype=mdl.BF16)}
-    moe = moe_layer(bootstrap, a2a, model, bufs, members, tp_rank)
+    crash = crash_hook(a2a, moe_engine, lambda: leader) if member is not None else None
+    moe = moe_layer(bootstrap, a2a, model, bufs, members, tp_rank, args.step_timeout, crash)
     graph = None
     if args.cuda_graph:  # the last page of each rank's pool is kept for the graph's idle rows
         graph = GraphStep(model, a2a, bufs, caches.compute, args.max_batch,
@@ -371,10 +389,31 @@ def rank_main(bootstrap, args):
     if leader is not None:
         wake = leader.wake = wake or threading.Event()
     assigned = []
+    # Rank 0: requests checked but not yet handed out by a plan every rank received, and the
+    # group serving each request handed out (a lost group's are failed back to the router).
+    unsent, owner = [], {}
+    gather_timeout = args.recovery_timeout if member is not None else ranks.COLLECTIVE_TIMEOUT
+
+    def recover():
+        """The lost ranks replaced (elastic.Member.recover); rank 0 fails their requests back
+        to the router as retryable: their KV cache died with them."""
+        nonlocal bootstrap
+        bootstrap = None  # closed: peers waiting in a collective on it fail at once
+        bootstrap, replaced = member.recover(a2a, args.recovery_timeout)
+        print(f"decode rank {me}: generation {member.generation}, ranks {replaced} replaced",
+              file=sys.stderr, flush=True)
+        if me != 0:
+            return
+        for rid, g in [(rid, g) for rid, g in owner.items() if g * tp in replaced]:
+            del owner[rid]
+            control.broadcast({"op": "failed", "id": rid, "retryable": True, "rank_lost": True,
+                               "error": f"unavailable: decode rank {g * tp} lost"})
+        for r in replaced:
+            loads[r // tp] = 0
+
     while True:
         state = {"load": leader.load() if leader else 0}
         if me == 0:
-            per_group = [[] for _ in loads]
             for cid, msg in control.drain():
                 op = msg and msg.get("op")
                 if op == "generate":
@@ -383,28 +422,56 @@ def rank_main(bootstrap, args):
                         control.send(cid, {"op": "failed", "id": msg.get("id"),
                                            "retryable": False, "error": problem})
                         continue
-                    g = min(range(len(loads)), key=lambda i: loads[i])
-                    per_group[g].append(msg)
-                    loads[g] += 1
+                    unsent.append(msg)
                 elif op == "stats":
                     control.send(cid, {"op": "stats", "loads": loads})
                 elif op == "stop":
                     stop = True
+            per_group, planned = [[] for _ in loads], list(loads)
+            for msg in unsent:
+                g = min(range(len(planned)), key=lambda i: planned[i])
+                per_group[g].append(msg)
+                planned[g] += 1
             state.update(assign=per_group, stop=stop)
         if leader is not None:
             leader.admit(assigned)
+            assigned = []
             leader.check_waiting()
             state.update(batch=leader.batch(), events=leader.take_events(),
                          load=leader.load())
-        everyone = ranks.gather(bootstrap, state)
+        if member is not None:  # the ranks this one's last step masked (presumed lost)
+            state["masked"] = [r for r, m in enumerate(a2a.masked()) if m]
+        try:
+            everyone = ranks.gather(bootstrap, state, gather_timeout)
+        except ferry.Error:
+            if member is None:
+                raise
+            everyone = None  # recovered outside the handler, whose traceback holds bootstrap
+        if everyone is None:
+            if leader is not None:  # what finished is reported after the recovery
+                leader.events[:0] = state["events"]
+            recover()
+            continue
         if me == 0:
+            unsent = []
+            for g, msgs in enumerate(state["assign"]):
+                owner.update((m["id"], g) for m in msgs)
             loads = [everyone[g * tp]["load"] for g in range(len(loads))]
             for s in everyone:
                 for event in s.get("events", ()):
+                    owner.pop(event.get("id"), None)
                     control.broadcast(event)
         if everyone[0]["stop"]:
             break
         assigned = everyone[0]["assign"][group] if leader is not None else []
+        lost = sorted({r for s in everyone for r in s.get("masked", ())})
+        if lost:
+            if me in lost:  # a peer took this rank for lost: it leaves, a new process takes over
+                print(f"decode rank {me}: masked by a peer; leaving", file=sys.stderr,
+                      flush=True)
+                raise SystemExit(elastic.EVICTED)
+            recover()
+            continue
         batch = everyone[members[0]]["batch"]
         if not any(everyone[g * tp]["batch"] for g in range(len(loads))):
             if wake is not None:  # until a message or a landed KV may change the plan
@@ -421,11 +488,13 @@ def rank_main(bootstrap, args):
         hidden = model.forward([t for r in batch for t in r["tokens"]], seqs, caches.compute,
                                all_reduce=lambda t: ranks.group_sum(bootstrap, t, members),
                                moe=moe)
-        if leader is not None:
-            next_tokens = model.logits(hidden).argmax(-1).tolist() if batch else []
-            leader.step_done(batch, hidden, next_tokens, time.time())
         if cuda:
             a2a.synchronize()  # what its kernels found; the step's arrays let go
+        # A step in which this rank masked anyone ran without that rank's experts: its tokens
+        # are not taken, and it runs again after the recovery (its KV writes made again).
+        if leader is not None and not (member is not None and any(a2a.masked())):
+            next_tokens = model.logits(hidden).argmax(-1).tolist() if batch else []
+            leader.step_done(batch, hidden, next_tokens, time.time())
     a2a.close()
     if moe_engine is not None:
         moe_engine.close()
@@ -433,6 +502,35 @@ def rank_main(bootstrap, args):
         leader.close()
     if control is not None:
         control.close()
+
+
+def crash_hook(a2a, moe_engine, leader):
+    """--elastic: SIGUSR1 makes this rank die in the middle of its next MoE layer, after the
+    dispatch's send (its peers then wait for its combine rows in vain), as the tests kill a
+    rank: its engines closed first, then os._exit. Over libfabric's shm provider a process
+    killed inside the provider can leave a lock in shared memory that its peers spin on, which
+    no NIC has; to the peers' protocol the rank is gone all the same. Returns the check
+    moe_layer runs after each send."""
+    asked = threading.Event()
+    signal.signal(signal.SIGUSR1, lambda _sig, _frame: asked.set())
+
+    def check():
+        if not asked.is_set():
+            return
+        print("decode: crashing as asked (SIGUSR1)", file=sys.stderr, flush=True)
+        if leader() is not None:
+            leader().close()
+        a2a.close()
+        if moe_engine is not None:
+            moe_engine.close()
+        os._exit(1)
+
+    return check
+
+
+def elastic_rank(member, args):
+    """rank_main of an --elastic rank: over its generation's bootstrap (elastic.supervise)."""
+    rank_main(member.bootstrap(args.recovery_timeout), args, member)
 
 
 def parse_args(argv):
@@ -450,6 +548,15 @@ def parse_args(argv):
                    help="with --cuda-graph: the longest sequence a graph's page table holds")
     p.add_argument("--kv-timeout", type=float, default=20.0,
                    help="seconds a request's KV may take to land")
+    p.add_argument("--elastic", action="store_true",
+                   help="--tp 1: a rank that dies (but rank 0) is replaced while the others "
+                        "serve (elastic.py)")
+    p.add_argument("--step-timeout", type=float, default=30.0,
+                   help="seconds an MoE receive waits for its peers (--elastic: then masks "
+                        "those silent)")
+    p.add_argument("--recovery-timeout", type=float, default=60.0,
+                   help="--elastic: seconds a rank waits for its peers' next plan, and for a "
+                        "lost rank's replacement to meet it")
     return p.parse_args(argv)
 
 
@@ -462,6 +569,13 @@ def main(argv=None):
         sys.exit(f"--ep {args.ep} must divide {config.experts} experts")
     if args.cuda_graph and (args.device != "cuda" or args.tp != 1):
         sys.exit("--cuda-graph wants --device cuda and --tp 1 (TP sums leave the GPU)")
+    if args.elastic and (args.tp != 1 or args.cuda_graph):
+        # A lost rank's TP group would lose a share of every sum mid-step; a graph holds the
+        # AllToAll's memory, which a readmission makes anew.
+        sys.exit("--elastic wants --tp 1 and no --cuda-graph")
+    if args.elastic:
+        torch.set_num_threads(1)  # before the ranks fork (ranks.run_instance says why)
+        raise SystemExit(elastic.supervise(args.ep, lambda m: elastic_rank(m, args), args.tag))
     ranks.run_instance(args.ep, lambda b: rank_main(b, args))
 
 

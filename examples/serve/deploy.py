@@ -10,6 +10,7 @@ waits for the other's).
     with Deployment(model_path, prefills=[{"tp": 2}], decodes=[{"ep": 2}]) as d:
         with d.client() as c: ...
         d.kill("decode", 0)          # SIGKILL the instance's every rank
+        d.kill_rank("decode", 0, 1)  # one rank of an elastic decode instance (--elastic)
     A spec may pin its role's processes: {"ep": 1, "cpus": {0}}; with no prefills the decode
     instances prefill their own prompts (the router's --colocated).
 """
@@ -38,6 +39,7 @@ class Role:
                                      stdout=subprocess.PIPE, stderr=self.log, cwd=HERE, env=env,
                                      process_group=0, preexec_fn=pin)
         self.ready = queue.Queue()
+        self.ranks, self.generation = {}, 0
         self._drainer = threading.Thread(target=self._drain, daemon=True)
         self._drainer.start()
 
@@ -51,6 +53,9 @@ class Role:
                 continue
             if isinstance(msg, dict) and "ready" in msg:
                 self.ready.put(msg)
+            elif isinstance(msg, dict) and "ranks" in msg:  # an elastic decode's rank pids
+                self.ranks = {int(r): pid for r, pid in msg["ranks"].items()}
+                self.generation = msg.get("generation", 0)
         self.ready.put(None)
 
     def wait_ready(self, deadline):
@@ -136,6 +141,10 @@ class Deployment:
 
     def kill(self, kind, i, sig=signal.SIGKILL):
         self.roles[kind][i].kill(sig)
+
+    def kill_rank(self, kind, i, rank, sig=signal.SIGKILL):
+        """One rank of an elastic decode instance (its pid as the instance printed it)."""
+        os.kill(self.roles[kind][i].ranks[rank], sig)
 
     def close(self):
         for kind in ("router", "decode", "prefill"):

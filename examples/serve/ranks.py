@@ -22,9 +22,9 @@ from model import F32
 COLLECTIVE_TIMEOUT = 3600.0  # a rank waits this long for its peers' next step
 
 
-def gather(bootstrap, obj):
+def gather(bootstrap, obj, timeout=COLLECTIVE_TIMEOUT):
     """Every rank's obj, by rank."""
-    return [pickle.loads(b) for b in bootstrap.all_gather(pickle.dumps(obj), COLLECTIVE_TIMEOUT)]
+    return [pickle.loads(b) for b in bootstrap.all_gather(pickle.dumps(obj), timeout)]
 
 
 def group_sum(bootstrap, tensor, members):
@@ -86,17 +86,23 @@ class SharedCaches:
             numel *= n
         path = lambda r: f"/dev/shm/ferry-serve-{tag}-{r}"  # noqa: E731
         me = bootstrap.rank
+        # Groups of one rank map no other's file, so they need no barrier: every rank's group
+        # has the instance's one size, and a new process replacing one (decode.py --elastic)
+        # makes its cache while its peers serve.
+        shared = len(members) > 1
         if me in members:
             with open(path(me), "wb") as f:
                 f.truncate(numel * 4)
             self.local = torch.from_file(path(me), shared=True, size=numel, dtype=F32).view(shape)
-        bootstrap.barrier(COLLECTIVE_TIMEOUT)
+        if shared:
+            bootstrap.barrier(COLLECTIVE_TIMEOUT)
         self.views = []
         if me == leader:
             self.views = [self.local if r == me else
                           torch.from_file(path(r), shared=True, size=numel,
                                           dtype=F32).view(shape) for r in members]
-        bootstrap.barrier(COLLECTIVE_TIMEOUT)
+        if shared:
+            bootstrap.barrier(COLLECTIVE_TIMEOUT)
         if me in members:
             os.unlink(path(me))  # the mappings stay; nothing is left behind in /dev/shm
             self.compute = cuda_view(self.local) if device != "cpu" else self.local

@@ -181,6 +181,8 @@ class Router:
                 outage = bool(result.get("retryable") or result.get("outage"))
                 if not result.get("retryable"):
                     break
+                if result.get("rank_lost") and prefill is not None:
+                    tried.remove(prefill)  # the decode rank was lost, not the prefill
             finally:
                 del self.attempts[kv_id]
                 decode.outstanding.discard(kv_id)

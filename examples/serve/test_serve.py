@@ -8,6 +8,7 @@ Run: PYTHONPATH=build/python /usr/bin/python3 -m unittest discover -s examples/s
 import hashlib
 import os
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -171,6 +172,43 @@ class ServeTest(DeploymentCase):
                     break
                 time.sleep(0.1)
             self.assertIn("no decode instance is up", a["error"])
+
+    def test_an_elastic_decode_rank_killed_and_replaced(self):
+        """Decode EP 2 with --elastic: rank 1 dies mid-step while it holds requests; rank 0
+        serves on, a new process takes rank 1 (generation 1), and every request ends with the
+        colocated tokens -- rank 1's failed back to the router as retryable and sent again --
+        then a second wave after the replacement, over both ranks."""
+        d = self.deployment(prefills=[{"tp": 1, "args": ["--layer-delay-ms", "20"]}],
+                            decodes=[{"ep": 2, "args": ["--elastic", "--step-timeout", "2",
+                                                        "--recovery-timeout", "60"]}])
+        requests = [{"id": i, "prompt": prompt(700 + i, n), "max_new_tokens": 40}
+                    for i, n in enumerate([30, 5, 60, 12, 41, 3, 25, 50, 8])]
+        with d.client() as c, d.client() as watch:
+            for r in requests:
+                c.send(r)
+            deadline = time.monotonic() + 60
+            while True:  # until rank 1 (its group: attention TP 1) holds requests
+                watch.send({"op": "stats", "id": "stats"})
+                loads = next(s["loads"] for n, s in watch.recv(timeout=10)["stats"].items()
+                             if n.startswith("decode"))
+                if loads[1] > 0:
+                    break
+                self.assertLess(time.monotonic(), deadline, "rank 1 never held a request")
+                time.sleep(0.02)
+            # Mid-step (decode.py's crash_hook: its engines closed first, as over shm a process
+            # killed inside the provider can leave its peers spinning on a lock).
+            d.kill_rank("decode", 0, 1, signal.SIGUSR1)
+            answers = {}
+            while len(answers) < len(requests):
+                a = c.recv(timeout=180)
+                answers[a["id"]] = a
+            self.check_answers(requests, answers, d)
+            self.assertTrue(any(a["attempts"] > 1 for a in answers.values()),
+                            f"no request was sent again: {answers}")
+            self.assertEqual(d.roles["decode"][0].generation, 1, d.logs())
+            second = [{"id": 100 + i, "prompt": prompt(800 + i, n), "max_new_tokens": 12}
+                      for i, n in enumerate([20, 7, 33, 14, 2, 45])]
+            self.check_answers(second, ask(c, second), d)
 
     def test_a_prefill_killed_its_requests_retried_on_another(self):
         """Two prefills; one is killed in the middle of a pass. Its request's KV transfer ends

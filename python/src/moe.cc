@@ -212,8 +212,8 @@ void BindMoe(py::module_& m) {
           },
           py::arg("config"), py::arg("engine"), py::arg("group"), py::arg("timeout") = 60.0,
           "A new process for a rank the others lost and masked (AllToAll::Join): meets their "
-          "readmit() over `group`, a bootstrap of the whole world, and starts at their epoch "
-          "(host device, per rank forwarding); timeout in seconds")
+          "readmit() (or a grown world's resize()) over `group`, a bootstrap of the whole world, "
+          "and starts at their epoch (both devices, either forwarding); timeout in seconds")
       .def("readmit", &PyAllToAll::Readmit, py::arg("group"), py::arg("timeout") = 60.0,
            "Between epochs, on every survivor: the masked ranks come back as the new processes "
            "that call AllToAll.join over `group` (a bootstrap of the whole world), fenced from "

@@ -1,0 +1,180 @@
+"""An elastic decode instance (decode.py --elastic): its EP ranks are processes a supervisor
+forks and watches. A rank that dies -- other than rank 0, which holds the router's connection
+-- is replaced by a new process that takes its rank id and experts, and the survivors readmit
+it into their AllToAll (ferry's AllToAll.readmit on the survivors, AllToAll.join on the new
+process) over a new bootstrap of the whole world, while the instance keeps serving.
+
+Membership generations. Generation 0 is the world as it starts. Each replacement is a new
+generation: the supervisor publishes {"generation", "address", "replaced"} in a file of the
+instance (written whole, then renamed over the last), the new processes meet the survivors at
+that rendezvous address, and the survivors mask the replaced ranks before they readmit them
+(a rank that died between steps was masked by nobody). A rank that dies while a recovery runs
+makes that generation's meeting fail; the supervisor's next generation replaces it too.
+
+What a survivor does with a step that a death touched (decode.py): its AllToAll, made with
+mask_lost_peers, masks a rank that sends nothing by the step's deadline and finishes the step
+with what the others sent; outputs computed without every expert are wrong, so a step in which
+this rank masked anyone is not committed (its tokens are not taken, its KV writes are made
+again by the step redone after the recovery). A rank that a peer masked while it lived is
+presumed lost by the others: it leaves (exit code 3), and is replaced as a dead one would be.
+"""
+
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+
+import ferry
+
+POLL_S = 0.05  # how often a survivor looks for the next generation
+SETTLE_S = 0.2  # after a death, how long the supervisor waits for others before it replaces
+EVICTED = 3  # the exit code of a rank that leaves because a peer masked it
+
+
+def free_address():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return "127.0.0.1:%d" % s.getsockname()[1]
+
+
+class Membership:
+    """The instance's latest generation, in a file every rank of this host reads."""
+
+    def __init__(self, tag):
+        self.path = f"/dev/shm/ferry-serve-{tag}-membership"
+
+    def publish(self, generation, address, replaced):
+        tmp = f"{self.path}.{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump({"generation": generation, "address": address,
+                       "replaced": sorted(replaced)}, f)
+        os.replace(tmp, self.path)
+
+    def read(self):
+        try:
+            with open(self.path) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
+
+    def after(self, generation, timeout):
+        """The first generation past `generation`, waiting up to timeout seconds for it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.read()
+            if m is not None and m["generation"] > generation:
+                return m
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no membership generation after {generation} within "
+                                   f"{timeout} s")
+            time.sleep(POLL_S)
+
+    def remove(self):
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+
+
+class Member:
+    """What a rank's body learns of its place: its rank of `world`, the generation it starts
+    in, where that generation meets, and whether it joins a running world (a replacement)."""
+
+    def __init__(self, rank, world, generation, address, joining, membership):
+        self.rank, self.world, self.generation = rank, world, generation
+        self.address, self.joining, self.membership = address, joining, membership
+
+    def bootstrap(self, timeout):
+        return ferry.join_rendezvous(self.address, world_size=self.world, rank=self.rank,
+                                     timeout=timeout)
+
+    def recover(self, a2a, timeout):
+        """After a step that failed or that a peer's death touched: waits for the generation
+        that replaces the lost ranks, masks them, meets their new processes and readmits them.
+        Returns (the new generation's bootstrap, the ranks replaced). A meeting that fails (a
+        death meanwhile) waits for the generation after it."""
+        while True:
+            m = self.membership.after(self.generation, timeout)
+            self.generation, self.address = m["generation"], m["address"]
+            masked = a2a.masked()
+            for r in m["replaced"]:
+                if not masked[r]:
+                    a2a.set_masked(r)
+            try:
+                group = self.bootstrap(timeout)
+                a2a.readmit(group, timeout)
+                return group, m["replaced"]
+            except ferry.Error as e:
+                print(f"decode rank {self.rank}: generation {self.generation} failed ({e}); "
+                      "waiting for the next", file=sys.stderr, flush=True)
+
+
+def supervise(world, body, tag):
+    """Forks `world` ranks running body(member) and replaces each one that dies with a new
+    process for its rank, until every rank has ended well (0) or rank 0 is lost (1: the others
+    are stopped). Prints {"ranks": {rank: pid}} as they start and are replaced."""
+    membership = Membership(tag)
+    children = {}
+
+    def spawn(rank, generation, address, joining):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                body(Member(rank, world, generation, address, joining, membership))
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+            except BaseException:  # noqa: BLE001 -- a rank's end, printed for its log
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        children[pid] = rank
+        return pid
+
+    address = free_address()
+    membership.publish(0, address, [])
+    pids = {r: spawn(r, 0, address, False) for r in range(world)}
+    print(json.dumps({"ranks": pids}), flush=True)
+    generation, lost = 0, False
+
+    def reap(flags):
+        """The next (rank, exit code) of a child that ended, or None."""
+        try:
+            pid, status = os.waitpid(-1, flags)
+        except ChildProcessError:
+            return None
+        if pid == 0:
+            return None
+        return children.pop(pid), os.waitstatus_to_exitcode(status)
+
+    while children:
+        rank, code = reap(0)
+        if code == 0:
+            continue  # the instance stopping
+        dead = {rank}
+        time.sleep(SETTLE_S)  # others that went with it are replaced in the same generation
+        while (ended := reap(os.WNOHANG)) is not None:
+            if ended[1] != 0:
+                dead.add(ended[0])
+        print(f"decode: rank(s) {sorted(dead)} ended ({code})", file=sys.stderr, flush=True)
+        if 0 in dead or lost:  # the router's connection is gone with rank 0: so is the instance
+            lost = True
+            for pid in children:
+                try:
+                    os.kill(pid, 9)
+                except ProcessLookupError:
+                    pass
+            continue
+        generation += 1
+        address = free_address()
+        membership.publish(generation, address, dead)
+        for r in sorted(dead):
+            pids[r] = spawn(r, generation, address, True)
+        print(json.dumps({"ranks": pids, "generation": generation}), flush=True)
+    membership.remove()
+    return 1 if lost else 0
