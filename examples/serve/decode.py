@@ -33,8 +33,6 @@ Run by hand:  python3 decode.py --model model.safetensors --ep 2 --control 0.0.0
 import argparse
 import hashlib
 import json
-import os
-import signal
 import sys
 import threading
 import time
@@ -369,7 +367,7 @@ def rank_main(bootstrap, args, member=None):
             "counts": zeros(cfg.local_experts, dtype=torch.int32),
             "out": zeros(cfg.local_experts, cfg.expert_capacity, c.hidden, dtype=mdl.BF16),
             "y": zeros(per_rank, c.hidden, dtype=mdl.BF16)}
-    crash = crash_hook(a2a, moe_engine, lambda: leader) if member is not None else None
+    crash = elastic.crash_hook(a2a, moe_engine, lambda: leader) if member is not None else None
     moe = moe_layer(bootstrap, a2a, model, bufs, members, tp_rank, args.step_timeout, crash)
     graph = None
     if args.cuda_graph:  # the last page of each rank's pool is kept for the graph's idle rows
@@ -502,30 +500,6 @@ def rank_main(bootstrap, args, member=None):
         leader.close()
     if control is not None:
         control.close()
-
-
-def crash_hook(a2a, moe_engine, leader):
-    """--elastic: SIGUSR1 makes this rank die in the middle of its next MoE layer, after the
-    dispatch's send (its peers then wait for its combine rows in vain), as the tests kill a
-    rank: its engines closed first, then os._exit. Over libfabric's shm provider a process
-    killed inside the provider can leave a lock in shared memory that its peers spin on, which
-    no NIC has; to the peers' protocol the rank is gone all the same. Returns the check
-    moe_layer runs after each send."""
-    asked = threading.Event()
-    signal.signal(signal.SIGUSR1, lambda _sig, _frame: asked.set())
-
-    def check():
-        if not asked.is_set():
-            return
-        print("decode: crashing as asked (SIGUSR1)", file=sys.stderr, flush=True)
-        if leader() is not None:
-            leader().close()
-        a2a.close()
-        if moe_engine is not None:
-            moe_engine.close()
-        os._exit(1)
-
-    return check
 
 
 def elastic_rank(member, args):

@@ -21,8 +21,10 @@ presumed lost by the others: it leaves (exit code 3), and is replaced as a dead 
 
 import json
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 
@@ -178,3 +180,27 @@ def supervise(world, body, tag):
         print(json.dumps({"ranks": pids, "generation": generation}), flush=True)
     membership.remove()
     return 1 if lost else 0
+
+
+def crash_hook(a2a, moe_engine, leader):
+    """--elastic: SIGUSR1 makes this rank die in the middle of its next MoE layer, after the
+    dispatch's send (its peers then wait for its combine rows in vain), as the tests kill a
+    rank: its engines closed first, then os._exit. Over libfabric's shm provider a process
+    killed inside the provider can leave a lock in shared memory that its peers spin on, which
+    no NIC has; to the peers' protocol the rank is gone all the same. Returns the check
+    moe_layer runs after each send."""
+    asked = threading.Event()
+    signal.signal(signal.SIGUSR1, lambda _sig, _frame: asked.set())
+
+    def check():
+        if not asked.is_set():
+            return
+        print("decode: crashing as asked (SIGUSR1)", file=sys.stderr, flush=True)
+        if leader() is not None:
+            leader().close()
+        a2a.close()
+        if moe_engine is not None:
+            moe_engine.close()
+        os._exit(1)
+
+    return check
