@@ -46,7 +46,7 @@ def check_normal(buf, world, rank, fp8, hidden=HIDDEN):
     recv_idx, recv_w = hv(recv_idx), hv(recv_w)
     # DeepEP's order: every sender's tokens in rank order, each sender's in token order; the
     # ids local to this rank (-1 for others'), their weights (0 for others').
-    want_x, want_idx, want_w = [], [], []
+    want_x, want_idx, want_w, want_src = [], [], [], []
     counts = [0] * EXPERTS_PER_RANK
     for s in range(world):
         sx, sidx, sw = inputs(world, s, columns=hidden)
@@ -55,6 +55,7 @@ def check_normal(buf, world, rank, fp8, hidden=HIDDEN):
                     if int(sidx[t, j]) // EXPERTS_PER_RANK == rank and int(sidx[t, j]) >= 0]
             if not mine:
                 continue
+            want_src.append(t)
             want_x.append(quantize_reference(sx[t][None], False)[0][0] if fp8 else sx[t])
             ids, ws = [-1] * K, [0.0] * K
             for j, le in mine:
@@ -73,6 +74,13 @@ def check_normal(buf, world, rank, fp8, hidden=HIDDEN):
     assert recv_idx.dtype == torch.int64
     assert recv_idx.tolist() == want_idx and recv_w.tolist() == want_w
     assert per_expert_list == [(c + 3) // 4 * 4 for c in counts], (per_expert_list, counts)
+    # V1's intranode handle (one host): each row's token in its sender, the routing given; what
+    # ferry does not keep refuses any use by name.
+    assert isinstance(handle, tuple) and len(handle) == 6
+    rank_prefix_matrix, _, _, recv_src_idx, handle_in_rank, _ = handle
+    assert hv(recv_src_idx).tolist() == want_src and handle_in_rank is not None
+    assert torch.equal(hv(handle_in_rank), in_rank)
+    expect_error(ferry.Unimplemented, "rank_prefix_matrix", lambda: rank_prefix_matrix.shape)
     # Combine: every rank returns twice its rows; each token comes back as twice itself times
     # the number of ranks that held any of its experts.
     if fp8:  # the fp8 dispatch's combine is the bf16 one's (combine moves bf16 rows)

@@ -450,6 +450,42 @@ class DeepEpTest(Behaviours, Case):
         self.in_every_world("refusals_name_what_is_not_honoured")
 
 
+    def test_normal_mode_handle_across_nodes_is_v1s_internode_tuple(self):
+        """Four ranks as two nodes of two: the normal-mode handle is V1's internode tuple, its
+        received rows per sender and per node (inclusive prefix sums, senders in rank order)
+        exact; under node-once forwarding, whose rows come from forwarders, those are not kept
+        and say so when used."""
+        def body(b, store):
+            from ferry import deep_ep
+            world, e = 4, EXPERTS_PER_RANK * 4
+            x, idx, w = inputs(world, b.rank)
+            want = [0] * world  # rows from each sender
+            for s in range(world):
+                _, sidx, _ = inputs(world, s)
+                want[s] = sum(1 for t in range(sidx.shape[0]) if any(
+                    int(v) >= 0 and int(v) // EXPERTS_PER_RANK == b.rank for v in sidx[t]))
+            for forwarding in (ferry.Forwarding.PER_RANK, ferry.Forwarding.NODE_ONCE):
+                buf = deep_ep.Buffer(b, num_nvl_bytes=1 << 22, ranks_per_node=2,
+                                     forwarding=forwarding, explicitly_destroy=True)
+                per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, e)
+                recv, _, _, _, handle, _ = buf.dispatch(
+                    x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                    num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+                assert isinstance(handle, tuple) and len(handle) == 10
+                assert handle[0] is in_rank
+                rdma, gbl = handle[4], handle[6]
+                if forwarding == ferry.Forwarding.PER_RANK:
+                    sums = torch.tensor(want).cumsum(0)
+                    assert gbl.tolist() == sums.tolist(), (gbl, want)
+                    assert rdma.tolist() == sums[1::2].tolist(), (rdma, want)
+                else:
+                    expect_error(ferry.Unimplemented, "recv_gbl_rank_prefix_sum",
+                                 lambda: gbl.shape)
+                expect_error(ferry.Unimplemented, "send_nvl_head", lambda: handle[9][0])
+                buf.combine(torch.zeros(recv.shape[0], HIDDEN, dtype=torch.bfloat16), handle)
+                buf.destroy()
+        self.ranks(4, body, timeout=240.0)
+
     def test_the_shim_package_on_pythonpath(self):
         """With ferry.deep_ep.shim_path() on PYTHONPATH, `import deep_ep` (and deep_ep.utils)
         gives ferry's, vLLM's find_spec sees it, and a Buffer made through it moves rows."""

@@ -98,3 +98,78 @@ class LowLatencyHandle(tuple):
     rank order; num_max_dispatch_tokens_per_rank; hidden; num_experts). Valid, as the rows are,
     until the second dispatch after it of the same shape. `_ferry` holds what ferry's combine
     needs (the C++ base makes these)."""
+
+
+class NotKept:
+    """An entry of DeepEP's normal-mode handle that ferry does not keep (DeepEP's per-channel
+    bookkeeping of its own kernels, or counts only every rank together holds): any use of it
+    raises Unimplemented naming it, rather than passing for a tensor of wrong values."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name):
+        self.name = name
+
+    def _refuse(self):
+        from ..._errors import Unimplemented
+        raise Unimplemented(f"deep_ep normal-mode handle: {self.name} is not kept by ferry "
+                            "(DeepEP's kernels' own bookkeeping); ferry's combine needs none")
+
+    def __getattr__(self, attr):
+        self._refuse()
+
+    def __getitem__(self, key):
+        self._refuse()
+
+    def __bool__(self):
+        self._refuse()
+
+    def __repr__(self):
+        return f"<deep_ep handle entry {self.name}: not kept by ferry>"
+
+
+class NormalHandle(tuple):
+    """DeepEP V1's normal-mode handle, as V1 lays it out for callers that index or unpack it.
+    Within one node (V1's intranode layout): (rank_prefix_matrix, channel_prefix_matrix,
+    recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, send_head). Across nodes
+    (internode): (is_token_in_rank, rdma_channel_prefix_matrix, gbl_channel_prefix_matrix,
+    recv_rdma_channel_prefix_matrix, recv_rdma_rank_prefix_sum, recv_gbl_channel_prefix_matrix,
+    recv_gbl_rank_prefix_sum, recv_src_meta, send_rdma_head, send_nvl_head). ferry fills what
+    its receive knows: is_token_in_rank (the dispatch's), recv_src_idx [received rows] int32
+    (each row's token index in its sender), recv_gbl_rank_prefix_sum [ranks] int32 and
+    recv_rdma_rank_prefix_sum [nodes] int32 (the rows received from the senders up to each
+    rank, and each node: inclusive prefix sums; the senders' rows lie in rank order). The rest
+    -- the channel matrices, the send heads, recv_src_meta, and rank_prefix_matrix, which
+    holds every rank's receive counts -- are NotKept, as are the sums under node-once
+    forwarding, whose rows come from forwarders. `_ferry` holds what ferry's combine needs."""
+
+    @classmethod
+    def make(cls, ferry_handle, received, is_token_in_rank, world, ranks_per_node, rows):
+        """The handle of a dispatch that received `rows` rows (received: its _Received)."""
+        origin = received.origin
+        if world <= ranks_per_node:
+            src_idx = (origin[0, :rows] if origin is not None
+                       else NotKept("recv_src_idx"))
+            items = (NotKept("rank_prefix_matrix"), NotKept("channel_prefix_matrix"),
+                     NotKept("recv_channel_prefix_matrix"), src_idx, is_token_in_rank,
+                     NotKept("send_head"))
+        else:
+            if origin is not None:
+                # Rows past those received (num_worst_tokens) hold no token: counted nowhere.
+                live = torch.arange(rows, device=origin.device) < received.num_rows.long()
+                senders = torch.where(live, origin[1, :rows].long(), world)
+                per_rank = torch.bincount(senders, minlength=world + 1)[:world]
+                gbl = torch.cumsum(per_rank, 0).to(torch.int32)
+                rdma = torch.cumsum(per_rank.view(-1, ranks_per_node).sum(1), 0).to(torch.int32)
+            else:
+                gbl = NotKept("recv_gbl_rank_prefix_sum")
+                rdma = NotKept("recv_rdma_rank_prefix_sum")
+            items = (is_token_in_rank, NotKept("rdma_channel_prefix_matrix"),
+                     NotKept("gbl_channel_prefix_matrix"),
+                     NotKept("recv_rdma_channel_prefix_matrix"), rdma,
+                     NotKept("recv_gbl_channel_prefix_matrix"), gbl, NotKept("recv_src_meta"),
+                     NotKept("send_rdma_head"), NotKept("send_nvl_head"))
+        handle = cls(items)
+        handle._ferry = ferry_handle
+        return handle
+

@@ -7,7 +7,7 @@ import torch
 from ... import _ferry
 from .._group import check_tensor, fp8_dtype
 from ..._errors import Error, InvalidArgument, ResourceExhausted
-from ._events import EventOverlap, _Handle, _round_up, _token_major
+from ._events import EventOverlap, NormalHandle, _Handle, _round_up, _token_major
 
 
 class _Received:
@@ -108,9 +108,16 @@ class _Normal:
                 self._check_rank_routing(is_token_in_rank, topk_weights, num_worst_tokens, x)
                 # One expert per rank; the ids are made once the AllToAll's stream is ordered.
                 every_count, num_experts = num_tokens_per_expert, self.group_size
-        return self._dispatch(x, x_scales, topk_idx, topk_weights, num_experts, expert_alignment,
-                              num_worst_tokens, previous_event, async_finish, cached,
-                              every_count, is_token_in_rank)[:6]
+        out = self._dispatch(x, x_scales, topk_idx, topk_weights, num_experts, expert_alignment,
+                             num_worst_tokens, previous_event, async_finish, cached, every_count,
+                             is_token_in_rank,
+                             sources=self._forwarding == _ferry.Forwarding.PER_RANK)
+        if cached is not None:
+            return out[:6]
+        new, got = out[4], out[6]
+        handle = NormalHandle.make(new, got, is_token_in_rank, self.group_size,
+                                   self._group.ranks_per_node(), new.rows)
+        return out[:4] + (handle, out[5])
 
     @staticmethod
     def _rows(x):
@@ -266,6 +273,9 @@ class _Normal:
             0).tolist()
 
     def _normal_handle(self, handle, call):
+        """ferry's handle in a normal-mode one (V1's NormalHandle, or ElasticBuffer's)."""
+        if isinstance(handle, NormalHandle):
+            handle = handle._ferry
         if not isinstance(handle, _Handle) or handle.rows is None:
             raise InvalidArgument(f"{call}: handle is not one this Buffer's dispatch returned")
         return handle
