@@ -18,21 +18,21 @@ tools/bench_serve.py: what the documents call prefill stalling decode).
 With --device cuda the model runs on the GPU and the AllToAll on ferry's CUDA device (one node,
 on the rank's stream); --cuda-graph captures the decode step once as a CUDA graph (GraphStep).
 
-With --elastic (attention TP 1) a rank that dies is replaced while the others serve on
-(elastic.py): its requests are failed back to the router as retryable (their KV died with it;
-the router sends them again), and a step that its death touched is done again.
+Each step, every rank shares its plan in one all-gather: the coordinator (coordinator.py; rank
+0's) the requests the router sent (assigned to the least loaded group), each group leader its
+batch (requests join and leave between steps) and what finished. Every rank then runs the same
+layers, an empty batch included, since the AllToAll is collective.
 
-Each step, every rank shares its plan in one all-gather: rank 0 the requests the router sent
-(assigned to the least loaded group), each group leader its batch (requests join and leave
-between steps) and what finished. Every rank then runs the same layers, an empty batch
-included, since the AllToAll is collective.
+With --elastic (attention TP 1) the coordinator is a process of its own and any rank that dies
+is replaced while the others serve on (elastic.py): its requests are failed back to the router
+as retryable (their KV died with it; the router sends them again), and a step that its death
+touched is done again.
 
 Run by hand:  python3 decode.py --model model.safetensors --ep 2 --control 0.0.0.0:7101
 """
 
 import argparse
 import hashlib
-import json
 import sys
 import threading
 import time
@@ -43,10 +43,9 @@ import ferry
 import elastic
 import model as mdl
 import ranks
-from control import ControlServer, check_fields, parse_address, token_list
+from coordinator import IDLE_S, Coordinator, coordinate
 
 RETRYABLE = (ferry.Unavailable, ferry.DeadlineExceeded, ferry.Cancelled)
-IDLE_S = 0.01  # with nothing to decode, an idle rank looks again this often
 
 
 class Sequence:
@@ -287,34 +286,6 @@ class GraphStep:
         return self.next_tokens[:n].tolist()
 
 
-def check_generate(msg, config, args):
-    """None for a well-formed generate message, else what is wrong with it."""
-    problem = check_fields(msg, {"id": int, "prompt_len": int, "last_token": int,
-                                 "max_new_tokens": int})
-    if problem is not None:
-        return problem
-    if msg["prompt_len"] < 1 or msg["max_new_tokens"] < 1:
-        return "prompt_len and max_new_tokens must be positive"
-    if not token_list([msg["last_token"]], config.vocab):
-        return "last_token is not a token id"
-    if msg["prompt_len"] + msg["max_new_tokens"] - 1 > args.pages * config.page_tokens:
-        return "the sequence does not fit this instance's pages"
-    if "prompt" in msg:
-        if not token_list(msg["prompt"], config.vocab) or len(msg["prompt"]) != msg["prompt_len"]:
-            return "prompt must hold prompt_len token ids"
-    elif msg["prompt_len"] > 1:
-        problem = check_fields(msg, {"prefill_address": str, "prefill_tp": int})
-        if problem is not None:
-            return problem
-        try:
-            bytes.fromhex(msg["prefill_address"])
-        except ValueError:
-            return "prefill_address is not hex"
-        if msg["prefill_tp"] < 1:
-            return "prefill_tp must be positive"
-    return None
-
-
 def split(n, parts, i):
     """Rows [lo, hi) of part i when n rows split over `parts` as evenly as can be."""
     base, extra = divmod(n, parts)
@@ -374,94 +345,57 @@ def rank_main(bootstrap, args, member=None):
         graph = GraphStep(model, a2a, bufs, caches.compute, args.max_batch,
                           mdl.pages_for(c, args.graph_tokens), args.pages - 1)
     leader = GroupLeader(args, config, caches, tp) if tp_rank == 0 else None
-    control, stop, loads = None, False, [0] * (ep // tp)
-    if me == 0:
-        host, port = parse_address(args.control)
-        hello = {"op": "hello", "role": "decode", "ep": ep, "tp": tp,
-                 "max_tokens": min(args.graph_tokens, (args.pages - 1) * c.page_tokens)
-                 if args.cuda_graph else args.pages * c.page_tokens, "max_batch": args.max_batch,
-                 "vocab": c.vocab}
-        control = ControlServer(host, port, on_connect=lambda cid: control.send(cid, hello))
-        print(json.dumps({"ready": "decode", "control": control.address}), flush=True)
-    wake = control.wake if control is not None else None
+    groups = ep // tp
+    # Whose plan each step takes: rank 0's coordinator, or (--elastic) the coordinator process,
+    # the last of the plans' all-gather, which then runs over a bootstrap of its own.
+    coordinator, planner, plans = None, 0, bootstrap
+    if member is None and me == 0:
+        coordinator = Coordinator(args, config, groups, tp)
+    if member is not None:
+        planner, plans = ep, member.plans(args.recovery_timeout)
+    wake = coordinator.wake if coordinator is not None else None
     if leader is not None:
         wake = leader.wake = wake or threading.Event()
     assigned = []
-    # Rank 0: requests checked but not yet handed out by a plan every rank received, and the
-    # group serving each request handed out (a lost group's are failed back to the router).
-    unsent, owner = [], {}
     gather_timeout = args.recovery_timeout if member is not None else ranks.COLLECTIVE_TIMEOUT
 
     def recover():
-        """The lost ranks replaced (elastic.Member.recover); rank 0 fails their requests back
-        to the router as retryable: their KV cache died with them."""
-        nonlocal bootstrap
-        bootstrap = None  # closed: peers waiting in a collective on it fail at once
-        bootstrap, replaced = member.recover(a2a, args.recovery_timeout)
+        """The lost ranks replaced (elastic.Member.recover), over new bootstraps."""
+        nonlocal bootstrap, plans
+        bootstrap = plans = None  # closed: peers waiting in a collective on them fail at once
+        bootstrap, plans, replaced = member.recover(a2a, args.recovery_timeout)
         print(f"decode rank {me}: generation {member.generation}, ranks {replaced} replaced",
               file=sys.stderr, flush=True)
-        if me != 0:
-            return
-        for rid, g in [(rid, g) for rid, g in owner.items() if g * tp in replaced]:
-            del owner[rid]
-            control.broadcast({"op": "failed", "id": rid, "retryable": True, "rank_lost": True,
-                               "error": f"unavailable: decode rank {g * tp} lost"})
-        for r in replaced:
-            loads[r // tp] = 0
 
     while True:
         state = {"load": leader.load() if leader else 0}
-        if me == 0:
-            for cid, msg in control.drain():
-                op = msg and msg.get("op")
-                if op == "generate":
-                    problem = check_generate(msg, c, args)
-                    if problem is not None:
-                        control.send(cid, {"op": "failed", "id": msg.get("id"),
-                                           "retryable": False, "error": problem})
-                        continue
-                    unsent.append(msg)
-                elif op == "stats":
-                    control.send(cid, {"op": "stats", "loads": loads})
-                elif op == "stop":
-                    stop = True
-            per_group, planned = [[] for _ in loads], list(loads)
-            for msg in unsent:
-                g = min(range(len(planned)), key=lambda i: planned[i])
-                per_group[g].append(msg)
-                planned[g] += 1
-            state.update(assign=per_group, stop=stop)
+        if coordinator is not None:
+            state.update(coordinator.plan())
         if leader is not None:
             leader.admit(assigned)
             assigned = []
             leader.check_waiting()
             state.update(batch=leader.batch(), events=leader.take_events(),
-                         load=leader.load())
+                         load=leader.load(), streaming=len(leader.waiting))
         if member is not None:  # the ranks this one's last step masked (presumed lost)
             state["masked"] = [r for r, m in enumerate(a2a.masked()) if m]
         try:
-            everyone = ranks.gather(bootstrap, state, gather_timeout)
+            everyone = ranks.gather(plans, state, gather_timeout)
         except ferry.Error:
             if member is None:
                 raise
-            everyone = None  # recovered outside the handler, whose traceback holds bootstrap
+            everyone = None  # recovered outside the handler, whose traceback holds plans
         if everyone is None:
             if leader is not None:  # what finished is reported after the recovery
                 leader.events[:0] = state["events"]
             recover()
             continue
-        if me == 0:
-            unsent = []
-            for g, msgs in enumerate(state["assign"]):
-                owner.update((m["id"], g) for m in msgs)
-            loads = [everyone[g * tp]["load"] for g in range(len(loads))]
-            for s in everyone:
-                for event in s.get("events", ()):
-                    owner.pop(event.get("id"), None)
-                    control.broadcast(event)
-        if everyone[0]["stop"]:
+        if coordinator is not None:
+            coordinator.planned(state, everyone)
+        plan = everyone[planner]
+        if plan["stop"]:
             break
-        assigned = everyone[0]["assign"][group] if leader is not None else []
+        assigned = plan["assign"][group] if leader is not None else []
         lost = sorted({r for s in everyone for r in s.get("masked", ())})
         if lost:
             if me in lost:  # a peer took this rank for lost: it leaves, a new process takes over
@@ -471,7 +405,7 @@ def rank_main(bootstrap, args, member=None):
             recover()
             continue
         batch = everyone[members[0]]["batch"]
-        if not any(everyone[g * tp]["batch"] for g in range(len(loads))):
+        if not any(everyone[g * tp]["batch"] for g in range(groups)):
             if wake is not None:  # until a message or a landed KV may change the plan
                 wake.wait(IDLE_S)
                 wake.clear()
@@ -498,13 +432,23 @@ def rank_main(bootstrap, args, member=None):
         moe_engine.close()
     if leader is not None:
         leader.close()
-    if control is not None:
-        control.close()
+    if coordinator is not None:
+        coordinator.close()
 
 
 def elastic_rank(member, args):
-    """rank_main of an --elastic rank: over its generation's bootstrap (elastic.supervise)."""
-    rank_main(member.bootstrap(args.recovery_timeout), args, member)
+    """rank_main of an --elastic rank: over its generation's bootstrap (elastic.supervise). A
+    new process whose generation does not meet (another rank lost meanwhile) meets the next:
+    the survivors there readmit every rank replaced since their last meeting."""
+    while True:
+        try:
+            group = member.bootstrap(args.recovery_timeout)
+            break
+        except ferry.Error:
+            if not member.joining:
+                raise
+            member.take(member.membership.after(member.generation, args.recovery_timeout))
+    rank_main(group, args, member)
 
 
 def parse_args(argv):
@@ -549,7 +493,8 @@ def main(argv=None):
         sys.exit("--elastic wants --tp 1 and no --cuda-graph")
     if args.elastic:
         torch.set_num_threads(1)  # before the ranks fork (ranks.run_instance says why)
-        raise SystemExit(elastic.supervise(args.ep, lambda m: elastic_rank(m, args), args.tag))
+        raise SystemExit(elastic.supervise(args.ep, lambda m: elastic_rank(m, args),
+                                           lambda m: coordinate(m, args, config), args.tag))
     ranks.run_instance(args.ep, lambda b: rank_main(b, args))
 
 

@@ -97,6 +97,8 @@ class Deployment:
         paths += [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(":") if p]
         self.env = {**os.environ, "FERRY_PROVIDER": provider, "PYTHONUNBUFFERED": "1",
                     "PYTHONPATH": ":".join(paths)}
+        if provider.startswith("tcp"):  # loopback: this host's roles only
+            self.env.setdefault("FERRY_NODE", "127.0.0.1")
         self.roles = {"prefill": [], "decode": [], "router": []}
         self.router_address = None
 

@@ -1,15 +1,18 @@
 """An elastic decode instance (decode.py --elastic): its EP ranks are processes a supervisor
-forks and watches. A rank that dies -- other than rank 0, which holds the router's connection
--- is replaced by a new process that takes its rank id and experts, and the survivors readmit
-it into their AllToAll (ferry's AllToAll.readmit on the survivors, AllToAll.join on the new
-process) over a new bootstrap of the whole world, while the instance keeps serving.
+forks and watches, beside a coordinator process (coordinator.py) that holds the router's
+connection and plans the steps. A rank that dies -- any of them -- is replaced by a new process
+that takes its rank id and experts, and the survivors readmit it into their AllToAll (ferry's
+AllToAll.readmit on the survivors, AllToAll.join on the new process) over a new bootstrap of
+the whole world, while the instance keeps serving.
 
 Membership generations. Generation 0 is the world as it starts. Each replacement is a new
-generation: the supervisor publishes {"generation", "address", "replaced"} in a file of the
-instance (written whole, then renamed over the last), the new processes meet the survivors at
-that rendezvous address, and the survivors mask the replaced ranks before they readmit them
-(a rank that died between steps was masked by nobody). A rank that dies while a recovery runs
-makes that generation's meeting fail; the supervisor's next generation replaces it too.
+generation: the supervisor publishes {"generation", "address", "plans", "replaced"} in a file
+of the instance (written whole, then renamed over the last); the new processes meet the
+survivors at the rendezvous `address` (the EP ranks: the AllToAll's group) and, with the
+coordinator, at `plans` (the step plans' all-gather); the survivors mask the replaced ranks
+before they readmit them (a rank that died between steps was masked by nobody). A rank that
+dies while a recovery runs makes that generation's meeting fail; the supervisor's next
+generation replaces it too, and the lost ranks of both count.
 
 What a survivor does with a step that a death touched (decode.py): its AllToAll, made with
 mask_lost_peers, masks a rank that sends nothing by the step's deadline and finishes the step
@@ -47,10 +50,10 @@ class Membership:
     def __init__(self, tag):
         self.path = f"/dev/shm/ferry-serve-{tag}-membership"
 
-    def publish(self, generation, address, replaced):
+    def publish(self, generation, address, plans, replaced):
         tmp = f"{self.path}.{os.getpid()}"
         with open(tmp, "w") as f:
-            json.dump({"generation": generation, "address": address,
+            json.dump({"generation": generation, "address": address, "plans": plans,
                        "replaced": sorted(replaced)}, f)
         os.replace(tmp, self.path)
 
@@ -81,55 +84,83 @@ class Membership:
 
 
 class Member:
-    """What a rank's body learns of its place: its rank of `world`, the generation it starts
-    in, where that generation meets, and whether it joins a running world (a replacement)."""
+    """What a participant's body learns of its place: its rank of `world` (the coordinator:
+    `world`, the last of the plans' all-gather), the generation it starts in, where that
+    generation meets, and whether it joins a running world (a replacement)."""
 
-    def __init__(self, rank, world, generation, address, joining, membership):
-        self.rank, self.world, self.generation = rank, world, generation
-        self.address, self.joining, self.membership = address, joining, membership
+    def __init__(self, rank, world, start, joining, membership):
+        self.rank, self.world, self.joining, self.membership = rank, world, joining, membership
+        self.take(start)
+
+    def take(self, m):
+        """Generation m's meeting places."""
+        self.generation, self.address, self.plans_address = (m["generation"], m["address"],
+                                                             m["plans"])
 
     def bootstrap(self, timeout):
+        """The EP ranks' bootstrap of this generation (the AllToAll's group)."""
         return ferry.join_rendezvous(self.address, world_size=self.world, rank=self.rank,
                                      timeout=timeout)
 
-    def recover(self, a2a, timeout):
-        """After a step that failed or that a peer's death touched: waits for the generation
-        that replaces the lost ranks, masks them, meets their new processes and readmits them.
-        Returns (the new generation's bootstrap, the ranks replaced). A meeting that fails (a
-        death meanwhile) waits for the generation after it."""
+    def plans(self, timeout):
+        """The plans' bootstrap of this generation: the EP ranks, then the coordinator."""
+        return ferry.join_rendezvous(self.plans_address, world_size=self.world + 1,
+                                     rank=self.rank, timeout=timeout)
+
+    def _next(self, timeout, meet):
+        """meet() in the generations after this one until one succeeds; (its result, every
+        rank replaced since)."""
+        replaced = set()
         while True:
             m = self.membership.after(self.generation, timeout)
-            self.generation, self.address = m["generation"], m["address"]
+            self.take(m)
+            replaced.update(m["replaced"])
+            try:
+                return meet(replaced), sorted(replaced)
+            except ferry.Error as e:
+                print(f"decode {self.rank}: generation {self.generation} failed ({e}); waiting "
+                      "for the next", file=sys.stderr, flush=True)
+
+    def recover(self, a2a, timeout):
+        """An EP rank after a step that failed or that a peer's death touched: waits for the
+        generation that replaces the lost ranks, masks them, meets their new processes and
+        readmits them, then meets the coordinator. Returns (the EP bootstrap, the plans'
+        bootstrap, the ranks replaced)."""
+        def meet(replaced):
             masked = a2a.masked()
-            for r in m["replaced"]:
+            for r in replaced:
                 if not masked[r]:
                     a2a.set_masked(r)
-            try:
-                group = self.bootstrap(timeout)
-                a2a.readmit(group, timeout)
-                return group, m["replaced"]
-            except ferry.Error as e:
-                print(f"decode rank {self.rank}: generation {self.generation} failed ({e}); "
-                      "waiting for the next", file=sys.stderr, flush=True)
+            group = self.bootstrap(timeout)
+            a2a.readmit(group, timeout)
+            return group, self.plans(timeout)
+        (group, plans), replaced = self._next(timeout, meet)
+        return group, plans, replaced
+
+    def next_plans(self, timeout):
+        """The coordinator's recover: (the plans' bootstrap of the next generation that meets,
+        the ranks replaced)."""
+        return self._next(timeout, lambda _replaced: self.plans(timeout))
 
 
-def supervise(world, body, tag):
-    """Forks `world` ranks running body(member) and replaces each one that dies with a new
-    process for its rank, until every rank has ended well (0) or rank 0 is lost (1: the others
-    are stopped). Prints {"ranks": {rank: pid}} as they start and are replaced."""
+def supervise(world, body, coordinate, tag):
+    """Forks the coordinator, running coordinate(member), and `world` ranks, running
+    body(member); replaces each rank that dies with a new process for its rank, until every
+    process has ended well (0) or the coordinator is lost (1: the ranks are stopped). Prints
+    {"ranks": {rank: pid}} as they start and are replaced."""
     membership = Membership(tag)
     children = {}
 
-    def spawn(rank, generation, address, joining):
+    def spawn(rank, run, joining):
         pid = os.fork()
         if pid == 0:
             code = 1
             try:
-                body(Member(rank, world, generation, address, joining, membership))
+                run(Member(rank, world, membership.read(), joining, membership))
                 code = 0
             except SystemExit as e:
                 code = e.code if isinstance(e.code, int) else 1
-            except BaseException:  # noqa: BLE001 -- a rank's end, printed for its log
+            except BaseException:  # noqa: BLE001 -- a process's end, printed for its log
                 traceback.print_exc()
             finally:
                 sys.stdout.flush()
@@ -138,9 +169,9 @@ def supervise(world, body, tag):
         children[pid] = rank
         return pid
 
-    address = free_address()
-    membership.publish(0, address, [])
-    pids = {r: spawn(r, 0, address, False) for r in range(world)}
+    membership.publish(0, free_address(), free_address(), [])
+    spawn(world, coordinate, False)
+    pids = {r: spawn(r, body, False) for r in range(world)}
     print(json.dumps({"ranks": pids}), flush=True)
     generation, lost = 0, False
 
@@ -163,20 +194,19 @@ def supervise(world, body, tag):
         while (ended := reap(os.WNOHANG)) is not None:
             if ended[1] != 0:
                 dead.add(ended[0])
-        print(f"decode: rank(s) {sorted(dead)} ended ({code})", file=sys.stderr, flush=True)
-        if 0 in dead or lost:  # the router's connection is gone with rank 0: so is the instance
+        print(f"decode: {sorted(dead)} ended ({code})", file=sys.stderr, flush=True)
+        if world in dead or lost:  # the router's connection is gone: so is the instance
             lost = True
             for pid in children:
                 try:
-                    os.kill(pid, 9)
+                    os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
             continue
         generation += 1
-        address = free_address()
-        membership.publish(generation, address, dead)
+        membership.publish(generation, free_address(), free_address(), dead)
         for r in sorted(dead):
-            pids[r] = spawn(r, generation, address, True)
+            pids[r] = spawn(r, body, True)
         print(json.dumps({"ranks": pids, "generation": generation}), flush=True)
     membership.remove()
     return 1 if lost else 0

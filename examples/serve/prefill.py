@@ -125,8 +125,11 @@ class Leader:
 
     def _refuse(self, rid, why):
         self.control.broadcast({"op": "refused", "id": rid, "error": why})
+        try:
+            self.prefill.cancel(rid)
+        except ferry.NotFound:  # its decoder went away and the messenger forgot it: no release
+            return
         self.running[rid] = Request(rid, [])  # its release comes back through poll_releases
-        self.prefill.cancel(rid)
 
     # -- the schedule --
 
