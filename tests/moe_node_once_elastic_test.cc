@@ -204,31 +204,28 @@ TEST_P(MoeNodeOnceResizeTest, TheWorldGrowsFromTwoNodesToThreeAndShrinksBackExac
       return Status::Ok();
     }
     ASSIGN_OR_RETURN(auto world, rendezvous(first, 4));
-    ASSIGN_OR_RETURN(AllToAllConfig c, MaskingConfig(launcher, me, cuda, four));
+    ASSIGN_OR_RETURN(const AllToAllConfig c, MaskingConfig(launcher, me, cuda, four));
     ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(c, engine.get(), *world));
     for (int epoch = 0; epoch < 2; ++epoch) {
       RETURN_IF_ERROR(Epoch(*a2a, me, epoch, all4, run, four));
     }
-    {
-      ASSIGN_OR_RETURN(auto group, rendezvous(grown, 6));
-      ASSIGN_OR_RETURN(c, MaskingConfig(launcher, me, cuda, six));
-      RETURN_IF_ERROR(a2a->Resize(c, *group, 30s));
-    }
-    CHECK_OR_RETURN(a2a->config().world_size == 6 && a2a->membership_version() == 1,
-                    "grown: world " + std::to_string(a2a->config().world_size));
-    for (int epoch = 2; epoch < 4; ++epoch) {
-      RETURN_IF_ERROR(Epoch(*a2a, me, epoch, all6, run, six));
-    }
-    {
-      ASSIGN_OR_RETURN(auto group, rendezvous(shrunk, 4));
-      ASSIGN_OR_RETURN(c, MaskingConfig(launcher, me, cuda, four));
-      RETURN_IF_ERROR(a2a->Resize(c, *group, 30s));
-    }
-    CHECK_OR_RETURN(a2a->config().world_size == 4 && a2a->membership_version() == 2,
-                    "shrunk: world " + std::to_string(a2a->config().world_size));
-    for (int epoch = 4; epoch < 6; ++epoch) {
-      RETURN_IF_ERROR(Epoch(*a2a, me, epoch, all4, run, four));
-    }
+    // Into `to` over the rendezvous at `at` (the membership's `version`), then two epochs.
+    auto resize = [&](const World& to, const std::string& at, uint64_t version,
+                      int first_epoch) -> Status {
+      ASSIGN_OR_RETURN(auto group, rendezvous(at, to.ranks));
+      ASSIGN_OR_RETURN(const AllToAllConfig next, MaskingConfig(launcher, me, cuda, to));
+      RETURN_IF_ERROR(a2a->Resize(next, *group, 30s));
+      CHECK_OR_RETURN(a2a->config().world_size == to.ranks &&
+                          a2a->membership_version() == version,
+                      "resized: world " + std::to_string(a2a->config().world_size));
+      const std::vector<bool> all(size_t(to.ranks), false);
+      for (int epoch = first_epoch; epoch < first_epoch + 2; ++epoch) {
+        RETURN_IF_ERROR(Epoch(*a2a, me, epoch, all, run, to));
+      }
+      return Status::Ok();
+    };
+    RETURN_IF_ERROR(resize(six, grown, 1, 2));
+    RETURN_IF_ERROR(resize(four, shrunk, 2, 4));
     return Status::Ok();
   }, 180s);
   for (int r = 0; r < 6; ++r) EXPECT_TRUE(exits[size_t(r)].ok()) << "process " << r;

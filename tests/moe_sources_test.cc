@@ -5,6 +5,7 @@
 // against these in moe_cuda_test.
 #include <gtest/gtest.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -34,16 +35,38 @@ std::vector<int> TokensFor(int s, int g, const InputSpec& spec, const AllToAllCo
   return tokens;
 }
 
+const InputSpec kSpec{.tokens = kTokens, .k = kK, .experts = kExperts, .rank1_empty = true,
+                      .unrouted = true};
+
+// Rank b.rank()'s AllToAll of config `c` (its world, rank and shape filled in here), its
+// dispatch sent.
+struct Sent {
+  std::unique_ptr<TransferEngine> engine;
+  std::unique_ptr<AllToAll> a2a;
+  Inputs in;
+};
+StatusOr<Sent> Send(Bootstrap& b, AllToAllConfig c) {
+  c.world_size = kWorld;
+  c.rank = b.rank();
+  c.num_experts = kExperts;
+  c.experts_per_token = kK;
+  c.max_tokens_per_rank = kTokens;
+  c.hidden = kHidden;
+  Sent s;
+  ASSIGN_OR_RETURN(s.engine, TransferEngine::Create(testing_util::TestOptions("shm")));
+  ASSIGN_OR_RETURN(s.a2a, AllToAll::Create(c, s.engine.get(), b));
+  s.in = MakeInputs(kSpec, c, b.rank(), 0);
+  RETURN_IF_ERROR(s.a2a->DispatchSend({s.in.x.data(), nullptr, s.in.indices.data(),
+                                       s.in.weights.data(), s.in.tokens}));
+  return s;
+}
+
 Status CheckSources(Bootstrap& b, int padding) {
-  ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
-  AllToAllConfig c{.world_size = kWorld, .rank = b.rank(), .num_experts = kExperts,
-                   .experts_per_token = kK, .max_tokens_per_rank = kTokens, .hidden = kHidden};
-  ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(c, engine.get(), b));
-  const InputSpec spec{.tokens = kTokens, .k = kK, .experts = kExperts, .rank1_empty = true,
-                       .unrouted = true};
-  const Inputs in = MakeInputs(spec, c, b.rank(), 0);
-  RETURN_IF_ERROR(a2a->DispatchSend({in.x.data(), nullptr, in.indices.data(), in.weights.data(),
-                                     in.tokens}));
+  ASSIGN_OR_RETURN(Sent sent, Send(b, {}));
+  const AllToAllConfig& c = sent.a2a->config();
+  auto& a2a = sent.a2a;
+  const Inputs& in = sent.in;
+  const InputSpec& spec = kSpec;
   const int l = c.local_experts();
   const int64_t rows = c.output_rows(padding, 0);
   std::vector<uint8_t> x(size_t(rows * c.token_bytes()));
@@ -92,17 +115,13 @@ Status CheckSources(Bootstrap& b, int padding) {
 // Token-major: row by row, every sender's tokens that hold any of our experts, senders in rank
 // order, each sender's in its token order.
 Status CheckTokenMajorSources(Bootstrap& b) {
-  ASSIGN_OR_RETURN(auto engine, TransferEngine::Create(testing_util::TestOptions("shm")));
-  AllToAllConfig c{.world_size = kWorld, .rank = b.rank(), .num_experts = kExperts,
-                   .experts_per_token = kK, .max_tokens_per_rank = kTokens, .hidden = kHidden,
-                   .dispatch_once_per_rank = true, .combine_reduce_at_expert_rank = true,
-                   .dispatch_layout = DispatchLayout::kTokenMajor};
-  ASSIGN_OR_RETURN(auto a2a, AllToAll::Create(c, engine.get(), b));
-  const InputSpec spec{.tokens = kTokens, .k = kK, .experts = kExperts, .rank1_empty = true,
-                       .unrouted = true};
-  const Inputs in = MakeInputs(spec, c, b.rank(), 0);
-  RETURN_IF_ERROR(a2a->DispatchSend({in.x.data(), nullptr, in.indices.data(), in.weights.data(),
-                                     in.tokens}));
+  ASSIGN_OR_RETURN(Sent sent, Send(b, {.dispatch_once_per_rank = true,
+                                       .combine_reduce_at_expert_rank = true,
+                                       .dispatch_layout = DispatchLayout::kTokenMajor}));
+  const AllToAllConfig& c = sent.a2a->config();
+  auto& a2a = sent.a2a;
+  const Inputs& in = sent.in;
+  const InputSpec& spec = kSpec;
   const int64_t rows = c.expert_capacity();
   std::vector<uint8_t> x(size_t(rows * c.token_bytes()));
   std::vector<int32_t> counts(size_t(c.local_experts())), experts(size_t(rows) * kK),
