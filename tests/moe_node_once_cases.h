@@ -171,6 +171,11 @@ inline StatusOr<MaskingRank> MakeMaskingRank(Bootstrap& b, bool cuda) {
   return r;
 }
 
+// A rendezvous address on loopback, its port free now.
+inline std::string LoopbackAddress() {
+  return "127.0.0.1:" + std::to_string(testing_util::FreeLoopbackPort());
+}
+
 inline bool SkipCuda(bool cuda) {
 #if FERRY_HAVE_CUDA
   return cuda && !HaveGpu();

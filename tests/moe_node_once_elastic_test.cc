@@ -47,8 +47,8 @@ class MoeNodeOnceReplacedTest : public testing::TestWithParam<bool> {};
 TEST_P(MoeNodeOnceReplacedTest, ALostRankIsReplacedAndEveryHopIsWholeAgain) {
   const bool cuda = GetParam();
   if (SkipCuda(cuda)) GTEST_SKIP() << "no GPU";
-  const std::string first = "127.0.0.1:" + std::to_string(testing_util::FreeLoopbackPort());
-  const std::string second = "127.0.0.1:" + std::to_string(testing_util::FreeLoopbackPort());
+  const std::string first = LoopbackAddress();
+  const std::string second = LoopbackAddress();
   auto exits = testing_util::RunRanks(kWorld + 1, [&](Bootstrap& launcher) -> Status {
     const int me = std::min(launcher.rank(), 3);  // process 4 is rank 3's replacement
     ASSIGN_OR_RETURN(const AllToAllConfig c, MaskingConfig(launcher, me, cuda));
@@ -106,8 +106,8 @@ class MoeNodeOnceFenceTest : public testing::TestWithParam<Woken> {};
 
 TEST_P(MoeNodeOnceFenceTest, AReplacedRankThatWakesWritesNothingIntoTheNewHops) {
   const bool before = GetParam() == Woken::kBefore;
-  const std::string first = "127.0.0.1:" + std::to_string(testing_util::FreeLoopbackPort());
-  const std::string second = "127.0.0.1:" + std::to_string(testing_util::FreeLoopbackPort());
+  const std::string first = LoopbackAddress();
+  const std::string second = LoopbackAddress();
   int resume[2], woke[2];
   ASSERT_EQ(pipe(resume), 0);
   ASSERT_EQ(pipe(woke), 0);
@@ -182,9 +182,9 @@ class MoeNodeOnceResizeTest : public testing::TestWithParam<bool> {};
 TEST_P(MoeNodeOnceResizeTest, TheWorldGrowsFromTwoNodesToThreeAndShrinksBackExactly) {
   const bool cuda = GetParam();
   if (SkipCuda(cuda)) GTEST_SKIP() << "no GPU";
-  const std::string first = "127.0.0.1:" + std::to_string(testing_util::FreeLoopbackPort());
-  const std::string grown = "127.0.0.1:" + std::to_string(testing_util::FreeLoopbackPort());
-  const std::string shrunk = "127.0.0.1:" + std::to_string(testing_util::FreeLoopbackPort());
+  const std::string first = LoopbackAddress();
+  const std::string grown = LoopbackAddress();
+  const std::string shrunk = LoopbackAddress();
   const World four{4, 12}, six{6, 12};
   auto exits = testing_util::RunRanks(6, [&](Bootstrap& launcher) -> Status {
     const int me = launcher.rank();

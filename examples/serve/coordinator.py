@@ -19,6 +19,11 @@ from control import ControlServer, check_fields, parse_address, token_list
 IDLE_S = 0.01  # with nothing to decode, an idle participant looks again this often
 
 
+def lost_ranks(everyone):
+    """The ranks some participant's last step masked (--elastic: presumed lost), sorted."""
+    return sorted({r for s in everyone for r in s.get("masked", ())})
+
+
 def check_generate(msg, config, args):
     """None for a well-formed generate message, else what is wrong with it."""
     problem = check_fields(msg, {"id": int, "prompt_len": int, "last_token": int,
@@ -136,7 +141,7 @@ def coordinate(member, args, config):
             everyone = ranks.gather(plans, {"load": 0, **plan}, args.recovery_timeout)
         except ferry.Error:
             everyone = None  # recovered outside the handler, whose traceback holds plans
-        lost = sorted({r for s in everyone or () for r in s.get("masked", ())})
+        lost = lost_ranks(everyone or ())
         if everyone is not None:
             coordinator.planned(plan, everyone)
             if plan["stop"]:

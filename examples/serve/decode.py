@@ -43,7 +43,7 @@ import ferry
 import elastic
 import model as mdl
 import ranks
-from coordinator import IDLE_S, Coordinator, coordinate
+from coordinator import IDLE_S, Coordinator, coordinate, lost_ranks
 
 RETRYABLE = (ferry.Unavailable, ferry.DeadlineExceeded, ferry.Cancelled)
 
@@ -396,7 +396,7 @@ def rank_main(bootstrap, args, member=None):
         if plan["stop"]:
             break
         assigned = plan["assign"][group] if leader is not None else []
-        lost = sorted({r for s in everyone for r in s.get("masked", ())})
+        lost = lost_ranks(everyone)
         if lost:
             if me in lost:  # a peer took this rank for lost: it leaves, a new process takes over
                 print(f"decode rank {me}: masked by a peer; leaving", file=sys.stderr,

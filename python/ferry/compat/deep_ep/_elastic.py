@@ -51,7 +51,7 @@ class EPHandle:
                  num_sms, topk_idx, num_recv_tokens, num_recv_tokens_per_expert_list,
                  psum_num_recv_tokens_per_expert, ferry_handle, num_expanded_tokens=0,
                  num_unaligned_recv_tokens_per_expert=None, slots=None, received=None,
-                 num_scaleup_ranks=1):
+                 num_ranks=1, num_scaleup_ranks=1):
         self.do_expand = do_expand
         self.num_experts = num_experts
         self.expert_alignment = expert_alignment
@@ -70,6 +70,7 @@ class EPHandle:
         self._slots = slots  # expanded: [rows, k] each copy's row in recv_x, -1 none
         self._received = received  # the dispatch's _Received: the rows' origins
         self._scaleup = num_scaleup_ranks
+        self._world = num_ranks
         self._metadata = self._psum_scaleup = None
 
     @property
@@ -105,13 +106,12 @@ class EPHandle:
 
     def _scaleup_psum(self):
         got = self._received
-        if got.origin is None:
+        per_rank = got.rows_per_sender(self._world)
+        if per_rank is None:
             return got.num_rows.to(torch.int32).clone()
-        rows = got.origin.shape[1]
-        live = torch.arange(rows, device=got.counts.device) < got.num_rows.long()
-        peer = torch.where(live, got.origin[1].long() % self._scaleup, self._scaleup)
-        counts = torch.bincount(peer, minlength=self._scaleup + 1)[:self._scaleup]
-        return torch.cumsum(counts, 0).to(torch.int32)
+        # Sender r reaches us through the scale-up peer of its index in its domain.
+        per_peer = per_rank.view(-1, self._scaleup).sum(0)
+        return torch.cumsum(per_peer, 0).to(torch.int32)
 
 
 class ElasticBuffer:
@@ -390,7 +390,8 @@ class ElasticBuffer:
             num_expanded_tokens=total if do_expand else 0,
             num_unaligned_recv_tokens_per_expert=(made["counts"].to(torch.int32)
                                                   if do_expand else None),
-            slots=made.get("slots"), received=got, num_scaleup_ranks=self.num_scaleup_ranks)
+            slots=made.get("slots"), received=got, num_ranks=self.num_ranks,
+            num_scaleup_ranks=self.num_scaleup_ranks)
         return recv_x, recv_idx, recv_weights, out_handle, event
 
     @staticmethod

@@ -116,6 +116,8 @@ class NotKept:
                             "(DeepEP's kernels' own bookkeeping); ferry's combine needs none")
 
     def __getattr__(self, attr):
+        if attr.startswith("__"):  # what hasattr and copy probe for: simply absent
+            raise AttributeError(attr)
         self._refuse()
 
     def __getitem__(self, key):
@@ -154,11 +156,8 @@ class NormalHandle(tuple):
                      NotKept("recv_channel_prefix_matrix"), src_idx, is_token_in_rank,
                      NotKept("send_head"))
         else:
-            if origin is not None:
-                # Rows past those received (num_worst_tokens) hold no token: counted nowhere.
-                live = torch.arange(rows, device=origin.device) < received.num_rows.long()
-                senders = torch.where(live, origin[1, :rows].long(), world)
-                per_rank = torch.bincount(senders, minlength=world + 1)[:world]
+            per_rank = received.rows_per_sender(world)
+            if per_rank is not None:
                 gbl = torch.cumsum(per_rank, 0).to(torch.int32)
                 rdma = torch.cumsum(per_rank.view(-1, ranks_per_node).sum(1), 0).to(torch.int32)
             else:

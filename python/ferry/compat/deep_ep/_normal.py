@@ -24,6 +24,17 @@ class _Received:
         self.recv, self.scales, self.experts, self.weights = recv, scales, experts, weights
         self.made = ()
 
+    def rows_per_sender(self, world):
+        """Rows received from each of `world` senders ([world] int64 on the device), or None
+        where the origins were not asked for. Rows past those received (num_worst_tokens,
+        no CPU sync) hold no token: counted nowhere."""
+        if self.origin is None:
+            return None
+        live = torch.arange(self.origin.shape[1], device=self.origin.device) < \
+            self.num_rows.long()
+        senders = torch.where(live, self.origin[1].long(), world)
+        return torch.bincount(senders, minlength=world + 1)[:world]
+
 
 class _Normal:
     """Buffer's normal-mode calls (a mixin: the state is Buffer's)."""
