@@ -42,13 +42,15 @@ def expand(rows_in, slots, total, zero):
     """rows_in [rows, ...] laid out as slots say: [total, ...] with row slots[t, j] a copy of
     row t. Rows no copy fills are zero with `zero`, else unwritten."""
     rows, k = slots.shape
-    out = (torch.zeros if zero else torch.empty)((total + 1,) + tuple(rows_in.shape[1:]),
-                                                 dtype=rows_in.dtype, device=rows_in.device)
+    # One-byte rows (fp8) are copied as bytes: torch's CUDA index_copy_ has no fp8 kernel.
+    src = rows_in.view(torch.uint8) if rows_in.element_size() == 1 else rows_in
+    out = (torch.zeros if zero else torch.empty)((total + 1,) + tuple(src.shape[1:]),
+                                                 dtype=src.dtype, device=src.device)
     # A copy that is not ours goes to the extra last row, dropped after.
     dst = torch.where(slots >= 0, slots, total)
     for j in range(k):
-        out.index_copy_(0, dst[:, j], rows_in)
-    return out[:total]
+        out.index_copy_(0, dst[:, j], src)
+    return out[:total].view(rows_in.dtype)
 
 
 def expand_weights(weights, slots, total):
