@@ -215,7 +215,14 @@ def main():
             ll_combine()
             for first in (normal_dispatch, normal_combine, v2_dispatch, v2_combine):
                 first()
-            for name, ((dd, dc), (ld, lc)) in pairs.items():
+            # Last, the pairs again with the bindings reading and making tensors through
+            # torch's Python API instead of ferry._ferry_torch (where that is loaded).
+            glue = ferry._ferry._torch_glue_loaded()
+            runs = list(pairs.items()) + ([(f"{name} [no glue]", pair)
+                                           for name, pair in pairs.items()] if glue else [])
+            for name, ((dd, dc), (ld, lc)) in runs:
+                if name.endswith("[no glue]"):
+                    ferry._ferry._use_torch_glue(False)
                 times = {k: [] for k in ("dd", "dc", "ld", "lc")}
                 for i in range(args.iterations + 50):
                     for key, f in (("dd", dd), ("dc", dc), ("ld", ld), ("lc", lc)) if i % 2 else \
@@ -236,6 +243,8 @@ def main():
                 row["combine_added_us"] = row["layer_combine_p50_us"] - row[
                     "direct_combine_p50_us"]
                 results[name] = row
+            ferry._ferry._use_torch_glue(True)
+            results["_ferry_torch"] = {"loaded": glue}
             # What a combine that makes its output pays to torch alone: the output's
             # allocation, timed as the calls are -- as the layer makes it (torch.empty_like of
             # one element expanded to the shape) and as x.new_empty of the shape would.
@@ -271,8 +280,12 @@ def main():
     run(ferry_bootstrap)
     print(f"device {args.device}, {TOKENS} tokens x {HIDDEN} bf16, {EXPERTS} experts top-{K}, "
           f"1 rank, {args.iterations} iterations; p50 per call, us")
-    print(f"{'layer':26} {'call':9} {'direct':>9} {'layer':>9} {'added':>8}  target <= 2")
+    print(f"{'layer':36} {'call':9} {'direct':>9} {'layer':>9} {'added':>8}  target <= 2")
     for name, row in results.items():
+        if "loaded" in row:
+            print(f"ferry._ferry_torch {'loaded' if row['loaded'] else 'not loaded'} "
+                  "([no glue]: the same calls through torch's Python API)")
+            continue
         if "weighted_combine_p50_us" in row:
             print(f"deep_ep normal-mode combine, p50: plain {row['plain_combine_p50_us']:.2f} us, "
                   f"with topk_weights {row['weighted_combine_p50_us']:.2f} us "
@@ -283,7 +296,7 @@ def main():
                   f"{row['empty_like_p50_us']:.2f} us, x.new_empty {row['new_empty_p50_us']:.2f} us")
             continue
         for call in ("dispatch", "combine"):
-            print(f"{name:26} {call:9} {row[f'direct_{call}_p50_us']:9.2f} "
+            print(f"{name:36} {call:9} {row[f'direct_{call}_p50_us']:9.2f} "
                   f"{row[f'layer_{call}_p50_us']:9.2f} {row[f'{call}_added_us']:8.2f}")
     if args.json:
         with open(args.json, "w") as f:

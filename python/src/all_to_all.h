@@ -138,6 +138,47 @@ class PyAllToAll {
                        {Pointer(ra), Pointer(ea), Pointer(wa)}, timeout, expert_padding,
                        Pointer(ca), expert_rows, {Pointer(ta), Pointer(ga), Pointer(ka)});
   }
+  // A token-major dispatch_recv into tensors it makes (EmptyTensor), for the layers whose calls
+  // return new ones (ferry.deep_ep's normal mode): made in C++, they cost a fraction of torch's
+  // Python allocations. Returns (x [expert_capacity, hidden] of `dtype` on `device`, scales
+  // [expert_capacity, scales per row] float32 or None (fp8 rows), counts [1 + local experts]
+  // int32 (the rows received, then the copies per local expert: one read gives the host both),
+  // token_experts int32 and token_weights float32 [expert_capacity, k], origin [2,
+  // expert_capacity] int32 (each row's token in its sender, then its sender; with `sources`)
+  // or None).
+  py::tuple DispatchRecvNew(const py::handle& dtype, int device, bool sources, double timeout) {
+    const AllToAllConfig& c = config();
+    if (c.dispatch_layout != DispatchLayout::kTokenMajor) {
+      ThrowIfError(InvalidArgumentError("dispatch_recv_new: for a token-major AllToAll"));
+    }
+    const Torch& torch = Torch::Get();
+    const int64_t rows = c.expert_capacity(), k = c.experts_per_token;
+    Array xa, sa, ca, ea, wa, oa;
+    py::object x = EmptyTensor(dtype.ptr(), {rows, c.hidden}, device, &xa);
+    py::object scales = c.scales_per_token() > 0
+                            ? EmptyTensor(torch.float32, {rows, c.scales_per_token()}, device, &sa)
+                            : py::none();
+    py::object counts = EmptyTensor(torch.int32, {1 + c.local_experts()}, device, &ca);
+    py::object experts = EmptyTensor(torch.int32, {rows, k}, device, &ea);
+    py::object weights = EmptyTensor(torch.float32, {rows, k}, device, &wa);
+    py::object origin = sources ? EmptyTensor(torch.int32, {2, rows}, device, &oa) : py::none();
+    const Array num_rows = Part(ca, 0, 1), per_expert = Part(ca, 1, c.local_experts());
+    const Array tokens = sources ? Part(oa, 0, rows) : Array(),
+                ranks = sources ? Part(oa, rows, rows) : Array();
+    DispatchRecvArrays(xa, per_expert, scales.is_none() ? nullptr : &sa,
+                       {&num_rows, &ea, &wa}, timeout, 0, nullptr, 0,
+                       {sources ? &tokens : nullptr, nullptr, sources ? &ranks : nullptr});
+    return py::make_tuple(x, scales, counts, experts, weights, origin);
+  }
+  // Items [first, first + count) of a flat view of `a`'s (contiguous) items.
+  static Array Part(const Array& a, int64_t first, int64_t count) {
+    Array p = a;
+    p.data += static_cast<uint64_t>(first * a.item_bytes);
+    p.num_bytes = static_cast<uint64_t>(count * a.item_bytes);
+    p.shape = {count};
+    return p;
+  }
+
   // What a token-major DispatchRecv writes besides the rows (null: expert-major).
   struct TokenMajorArrays {
     const Array* num_rows = nullptr;
@@ -354,6 +395,18 @@ class PyAllToAll {
     return stream_ ? stream_ == CudaStream(*stream) : config().device == MoeDeviceKind::kCuda;
   }
 
+  // An AllToAll of the CUDA device without a stream takes the caller's `stream` (a
+  // cudaStream_t as CudaStream maps it, the legacy default stream allowed) as its own: from
+  // then on a caller that keeps one current stream pays no ordering, its steps simply following
+  // each other on it. The stream must outlive the AllToAll (torch's default and pooled streams
+  // live as long as the process). Nothing where it has one, or on the host device.
+  void Adopt(void* stream) {
+    if (stream_ || config().device != MoeDeviceKind::kCuda) return;
+    ThrowIfError(a2a().SetStream(stream));
+    stream_ = stream;
+  }
+  void Adopt(const py::handle& stream) { Adopt(CudaStream(StreamHandle(stream))); }
+
   // OrderAfter / OrderBefore with a stream as set_stream takes one (0, the legacy default
   // stream, allowed: it is only ordered against).
   void Order(const py::handle& stream, bool after) { Order(StreamHandle(stream), after); }
@@ -380,10 +433,7 @@ class PyAllToAll {
     }
     void* const s = CudaStream(*stream);
     ReleaseFinished(s);
-    if (!stream_ && may_adopt && config().device == MoeDeviceKind::kCuda) {
-      ThrowIfError(a2a().SetStream(s));
-      stream_ = s;
-    }
+    if (may_adopt) Adopt(s);
     if (first && s != stream_) ThrowIfError(a2a().OrderAfter(s));
     steps();
     if (waits && s != stream_) ThrowIfError(a2a().OrderBefore(s));

@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <utility>
@@ -16,6 +17,7 @@
 
 #include "ferry/fabric.h"
 #include "ferry/status.h"
+#include "torch_api.h"
 
 namespace ferry::python {
 
@@ -96,6 +98,7 @@ struct ArrayNeed {
 // CUDA ordinal the call runs on).
 Status CheckArray(const Array* array, const ArrayNeed& need, int device);
 
+void BindTorchGlue(py::module_& m);
 void BindBootstrap(py::module_& m);
 void BindFabric(py::module_& m);
 void BindMoe(py::module_& m);
@@ -119,9 +122,19 @@ struct Region {
 // `object` as an Array: an Array as is, anything else through ferry._arrays.as_array (NumPy,
 // buffer protocol, torch tensors, __cuda_array_interface__).
 Array ToArray(const py::handle& object);
-// A contiguous torch tensor of CPU or CUDA memory as an Array, read through its own methods
-// (without ferry._arrays between); nullopt for anything else.
+// A contiguous torch tensor of CPU or CUDA memory as an Array, read through _ferry_torch where
+// it is loaded, else through the tensor's own methods (without ferry._arrays between); nullopt
+// for anything else.
 std::optional<Array> TorchArray(const py::handle& tensor);
+
+// ferry._ferry_torch's calls (torch_api.h) once torch is imported, where that module loads and
+// is not switched off (ferry._ferry._use_torch_glue); null otherwise.
+const TorchApi* TorchGlue();
+// A new contiguous torch tensor of `dtype` (torch's dtype object) shaped `shape` on `device`
+// (-1 the CPU, else the CUDA ordinal), made by _ferry_torch where it is loaded, else by
+// torch.empty; its Array (owner: the tensor) in *array where given.
+py::object EmptyTensor(PyObject* dtype, std::initializer_list<int64_t> shape, int device,
+                       Array* array = nullptr);
 
 }  // namespace ferry::python
 

@@ -141,38 +141,54 @@ std::optional<Array> TorchArray(const py::handle& t) {
   static const TensorName is_contiguous("is_contiguous"), is_cuda("is_cuda"), is_cpu("is_cpu"),
       dtype_of("dtype"), get_device("get_device"), element_size("element_size"),
       data_ptr("data_ptr"), shape_of("shape");
-  if (!Checked<bool>(is_contiguous.Call(t))) return std::nullopt;
-  const bool cuda = Checked<bool>(is_cuda.Get(t));
-  if (!cuda && !Checked<bool>(is_cpu.Get(t))) return std::nullopt;
   // dtype -> the array-interface kind letter, as _arrays._torch_kind decides it, remembered
   // per dtype (torch's dtypes are singletons that live as long as torch; each is held here).
   static const py::handle torch_kind =
       py::object(py::module_::import("ferry._arrays").attr("_torch_kind")).release();
   static std::unordered_map<PyObject*, char> kinds;
-  const py::object dtype = dtype_of.Get(t);
-  if (!dtype) throw py::error_already_set();
-  auto kind = kinds.find(dtype.ptr());
-  if (kind == kinds.end()) {
-    const char letter = py::cast<std::string>(torch_kind(t)).front();
-    kind = kinds.emplace(dtype.inc_ref().ptr(), letter).first;
-  }
+  auto kind_of = [&](PyObject* dtype) {
+    auto kind = kinds.find(dtype);
+    if (kind == kinds.end()) {
+      const char letter = py::cast<std::string>(torch_kind(t)).front();
+      kind = kinds.emplace(py::handle(dtype).inc_ref().ptr(), letter).first;
+    }
+    return kind;
+  };
   Array a;
-  a.device = cuda ? Checked<int>(get_device.Call(t)) : kHostMemory;
-  a.kind = kind->second;
-  a.item_bytes = Checked<int>(element_size.Call(t));
-  a.data = Checked<uint64_t>(data_ptr.Call(t));
-  const py::object shape = shape_of.Get(t);
-  if (!shape || !PyTuple_Check(shape.ptr())) throw py::error_already_set();
-  const Py_ssize_t dims = PyTuple_GET_SIZE(shape.ptr());
-  a.shape.resize(static_cast<size_t>(dims));
   uint64_t count = 1;
-  for (Py_ssize_t i = 0; i < dims; ++i) {
-    a.shape[static_cast<size_t>(i)] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape.ptr(), i));
-    count *= static_cast<uint64_t>(a.shape[static_cast<size_t>(i)]);
+  if (const TorchApi* glue = TorchGlue()) {
+    TorchFacts f;
+    if (!glue->describe(t.ptr(), &f) || !f.contiguous) return std::nullopt;
+    const auto kind = kind_of(f.dtype);
+    a.device = f.device < 0 ? kHostMemory : f.device;
+    a.kind = kind->second;
+    a.dtype = kind->first;
+    a.item_bytes = f.item_bytes;
+    a.data = f.data;
+    a.shape.assign(f.shape, f.shape + f.dims);
+  } else {
+    if (!Checked<bool>(is_contiguous.Call(t))) return std::nullopt;
+    const bool cuda = Checked<bool>(is_cuda.Get(t));
+    if (!cuda && !Checked<bool>(is_cpu.Get(t))) return std::nullopt;
+    const py::object dtype = dtype_of.Get(t);
+    if (!dtype) throw py::error_already_set();
+    const auto kind = kind_of(dtype.ptr());
+    a.device = cuda ? Checked<int>(get_device.Call(t)) : kHostMemory;
+    a.kind = kind->second;
+    a.dtype = kind->first;
+    a.item_bytes = Checked<int>(element_size.Call(t));
+    a.data = Checked<uint64_t>(data_ptr.Call(t));
+    const py::object shape = shape_of.Get(t);
+    if (!shape || !PyTuple_Check(shape.ptr())) throw py::error_already_set();
+    const Py_ssize_t dims = PyTuple_GET_SIZE(shape.ptr());
+    a.shape.resize(static_cast<size_t>(dims));
+    for (Py_ssize_t i = 0; i < dims; ++i) {
+      a.shape[static_cast<size_t>(i)] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape.ptr(), i));
+    }
   }
+  for (int64_t n : a.shape) count *= static_cast<uint64_t>(n);
   a.num_bytes = count * static_cast<uint64_t>(a.item_bytes);
   a.owner = py::reinterpret_borrow<py::object>(t);
-  a.dtype = kind->first;
   return a;
 }
 
@@ -290,6 +306,7 @@ PYBIND11_MODULE(_ferry, m) {
   m.attr("HOST_MEMORY") = kHostMemory;
   m.attr("CUDA_UNKNOWN_DEVICE") = kCudaUnknownDevice;
 
+  BindTorchGlue(m);
   BindBootstrap(m);
   BindFabric(m);
   BindMoe(m);

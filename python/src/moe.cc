@@ -132,6 +132,14 @@ void BindMoe(py::module_& m) {
            "(int32, one per row of x) each row's token index in its sender and its sender; "
            "expert-major also sender_ranges [local_experts, world_size] int64 (first row << 32) "
            "| rows of each sender in each expert's block")
+      .def("dispatch_recv_new", &PyAllToAll::DispatchRecvNew, py::arg("dtype"),
+           py::arg("device"), py::arg("sources") = false, py::arg("timeout") = 30.0,
+           "Token-major: dispatch_recv into tensors it makes on `device` (Tensor.get_device(): "
+           "-1 the CPU), returned as (x [expert_capacity, hidden] of torch dtype `dtype`, "
+           "scales [expert_capacity, scales per row] float32 or None, counts [1 + local "
+           "experts] int32 (num_rows, then num_tokens), token_experts, token_weights, origin "
+           "[2, expert_capacity] int32 (source_tokens, then source_ranks; with sources) or "
+           "None)")
       .def("combine_send", &PyAllToAll::CombineSend, py::arg("expert_out"),
            py::arg("num_rows") = py::none(),
            "expert_out: bf16 or float16 rows (summed as what they are; float32 for "
@@ -179,6 +187,12 @@ void BindMoe(py::module_& m) {
                              "default stream), None while they wait for themselves")
       .def("synchronize", &PyAllToAll::Synchronize,
            "Waits for the steps enqueued so far and raises what their kernels found")
+      .def("adopt_stream", [](PyAllToAll& a, const py::handle& s) { a.Adopt(s); },
+           py::arg("stream"),
+           "CUDA device: an AllToAll without a stream takes `stream` (a torch or CuPy stream, "
+           "or a cudaStream_t as an int; 0, the legacy default stream, allowed) as its own, so "
+           "that calls made on it are ordered by stream order alone (it must outlive the "
+           "AllToAll); nothing where it has one already")
       .def("order_after", [](PyAllToAll& a, const py::handle& s) { a.Order(s, true); },
            py::arg("stream"),
            "CUDA device: the steps enqueued from now on start after what `stream` (a torch or "

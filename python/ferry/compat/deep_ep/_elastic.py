@@ -323,10 +323,6 @@ class ElasticBuffer:
             total = (cached.num_expanded_tokens if cached is not None else
                      _expand.expanded_rows(worst, k, local, expert_alignment))
         made = {}
-        # The stream the caller reads the results on: what the epilogue allocates on the
-        # AllToAll's stream is marked used there, so that freeing it waits for the caller's
-        # reads (the allocator reuses a block on the stream it was made on).
-        caller = torch.cuda.current_stream(rows_x.device) if rows_x.is_cuda else None
 
         def epilogue(got):
             # On the AllToAll's stream, before the dispatch's event: the counts are ready there,
@@ -345,8 +341,11 @@ class ElasticBuffer:
                     got.experts[:worst], got.weights[:worst], local, expert_alignment, total,
                     do_zero_padding, cached._slots if cached is not None else None))
             kept = tuple(t for t in made.values() if isinstance(t, torch.Tensor))
-            for t in kept if caller is not None else ():
-                t.record_stream(caller)
+            # Made on the AllToAll's stream where that is not the caller's: marked used on the
+            # caller's, so that freeing them waits for its reads (the allocator reuses a block
+            # on the stream it was made on).
+            for t in kept if got.caller is not None else ():
+                t.record_stream(got.caller)
             return kept
 
         # Routed from topk_idx alone (no layout: ferry counts what each rank sends itself); the

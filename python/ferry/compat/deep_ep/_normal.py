@@ -11,18 +11,29 @@ from ._events import EventOverlap, NormalHandle, _Handle, _round_up, _token_majo
 
 
 class _Received:
-    """What a normal-mode dispatch received beyond its results, on the device: the copies per
-    local expert (counts, int32), the rows (num_rows, [1] int32), each row's token in its
+    """What a normal-mode dispatch received beyond its results, on the device: the rows and the
+    copies per local expert (read_back [1 + local] int32; num_rows and counts its parts),
+    each row's token in its
     sender and its sender (origin [2, rows] int32, or None), the full-size outputs (recv,
-    scales, experts, weights) and what the epilogue made from them (kept until the dispatch's
-    event fires)."""
+    scales, experts, weights), what the epilogue made from them (kept until the dispatch's
+    event fires) and the caller's torch stream where the AllToAll's is another (None where
+    they are one, or on the CPU): what the epilogue allocates there is marked used on it."""
 
-    __slots__ = ("counts", "num_rows", "origin", "recv", "scales", "experts", "weights", "made")
+    __slots__ = ("read_back", "origin", "recv", "scales", "experts", "weights", "made",
+                 "caller")
 
-    def __init__(self, counts, num_rows, origin, recv, scales, experts, weights):
-        self.counts, self.num_rows, self.origin = counts, num_rows, origin
+    def __init__(self, read_back, origin, recv, scales, experts, weights, caller):
+        self.read_back, self.origin = read_back, origin
         self.recv, self.scales, self.experts, self.weights = recv, scales, experts, weights
-        self.made = ()
+        self.made, self.caller = (), caller
+
+    @property
+    def num_rows(self):
+        return self.read_back[:1]
+
+    @property
+    def counts(self):
+        return self.read_back[1:]
 
     def rows_per_sender(self, world):
         """Rows received from each of `world` senders ([world] int64 on the device), or None
@@ -177,41 +188,29 @@ class _Normal:
                 f"dispatch: {tokens} tokens, the Buffer's num_nvl_bytes + num_rdma_bytes hold "
                 f"{capacity} per rank at hidden {hidden} ({self.group_size} ranks): make it larger")
         k = self.group_size if every_count is not None else topk_idx.shape[1]
-        local = num_experts // self.group_size
         dtype = _ferry.DispatchDtype.FP8_E4M3 if fp8 else _ferry.DispatchDtype.BF16
         pooled = self._acquire(
             ("normal", x.get_device(), capacity, hidden, num_experts, k, fp8), x,
             lambda: _token_major(num_experts, k, capacity, hidden, dtype, self._forwarding,
                                  self._partial_sums),
-            comm=True)
+            comm=False)  # its stream decided by _begin
         a2a = pooled.a2a
         rows = self.group_size * capacity
         dev = x.device
         try:
+            current = self._begin(pooled, x, previous_event, async_finish)
             weights = (topk_weights if topk_weights is not None
-                       else self._constant(x, capacity, k, 1.0, comm=True))
-            # The outputs on the caller's stream (DeepEP's allocate_on_comm_stream=False).
-            recv = torch.empty(rows, hidden, dtype=x.dtype, device=dev)
-            recv_scales = (torch.empty(rows, hidden // 128, dtype=torch.float32, device=dev)
-                           if fp8 else None)
-            # The received row count and the per-expert counts side by side: one read to the
-            # host gives both.
-            read_back = torch.empty(1 + local, dtype=torch.int32, device=dev)
-            num_rows, counts = read_back[:1], read_back[1:]
-            experts = torch.empty(rows, k, dtype=torch.int32, device=dev)
-            weights_out = torch.empty(rows, k, dtype=torch.float32, device=dev)
-            # Each row's token in its sender (row 0) and its sender (row 1).
-            origin = torch.empty(2, rows, dtype=torch.int32, device=dev) if sources else None
-            current = self._begin(a2a, x, previous_event)
+                       else self._constant(x, capacity, k, 1.0, a2a, current))
             if every_count is not None:  # rank r's column holds r where the token goes there
                 with self._on_comm(a2a, current, dev):
                     topk_idx = torch.where(is_token_in_rank, torch.arange(
                         k, dtype=torch.int32, device=dev), -1).int()
-            a2a.dispatch_send(x, topk_idx, weights, scales=x_scales, num_tokens=tokens)
-            a2a.dispatch_recv(recv, counts, recv_scales, num_rows, experts, weights_out,
-                              timeout=self._timeout,
-                              **({} if origin is None else
-                                 dict(source_tokens=origin[0], source_ranks=origin[1])))
+            a2a.dispatch_send(x, topk_idx, weights, x_scales, tokens)
+            # The outputs made by the receive (on the caller's stream: DeepEP's
+            # allocate_on_comm_stream=False); the received row count and the per-expert counts
+            # side by side (read_back), so that one read to the host gives both.
+            recv, recv_scales, read_back, experts, weights_out, origin = a2a.dispatch_recv_new(
+                x.dtype, x.get_device(), sources, self._timeout)
         except BaseException:
             pooled.busy = False
             raise
@@ -221,15 +220,17 @@ class _Normal:
                 raise InvalidArgument(f"num_worst_tokens {num_worst_tokens}: more than the "
                                       f"{rows} rows ranks can send here")
             with self._on_comm(a2a, current, x.device):
-                live = torch.arange(num_worst_tokens, device=dev) < num_rows.to(torch.int64)
+                live = torch.arange(num_worst_tokens, device=dev) < read_back[:1].long()
                 experts[:num_worst_tokens].masked_fill_(~live[:, None], -1)
                 weights_out[:num_worst_tokens].masked_fill_(~live[:, None], 0.0)
-        received = _Received(counts, num_rows, origin, recv, recv_scales, experts, weights_out)
+        received = _Received(read_back, origin, recv, recv_scales, experts, weights_out,
+                             None if current is None or a2a.stream == current
+                             else torch.cuda.current_stream(dev))
         if epilogue is not None:
             with self._on_comm(a2a, current, x.device):
                 received.made = epilogue(received) or ()
         event = self._end(a2a, current, async_finish, (x, x_scales, topk_idx, weights),
-                          (recv, recv_scales, counts, num_rows, experts, weights_out, origin) +
+                          (recv, recv_scales, read_back, experts, weights_out, origin) +
                           tuple(received.made))
         if num_worst_tokens > 0:
             r = num_worst_tokens
@@ -317,7 +318,7 @@ class _Normal:
         out = torch.empty(h.tokens, h.hidden, dtype=torch.bfloat16, device=x.device)
         combined_weights, kept = None, ()
         try:
-            current = self._begin(a2a, x, previous_event)
+            current = self._begin(h.pooled, x, previous_event, async_finish)
             if biases:  # the sums start from the bias: out, taken with accumulate
                 with self._on_comm(a2a, current, x.device):
                     if len(biases) == 1:
@@ -339,9 +340,10 @@ class _Normal:
         caller's event keeps alive): an AllToAll of fp32 rows (the columns padded to 16) routed
         as the handle's dispatch was, whose dispatch moves only the routing (the rows arrive in
         the main dispatch's order: senders in rank order, each sender's tokens in order) and
-        whose combine sums the weights rows. Every step, the padding copies too, goes on the
-        communication stream after the main combine, so what orders that combine (the caller's
-        stream or previous_event) orders these, and the caller's wait on the stream covers
+        whose combine sums the weights rows. Every step, the padding copies too, goes after the
+        main combine on its stream (taken as this AllToAll's own at its first call, else
+        ordered by events both ways), so what orders that combine (the caller's stream or
+        previous_event) orders these, and the caller's wait for the main combine covers
         both."""
         dev = x.device
         columns = topk_weights.shape[1]
@@ -354,9 +356,14 @@ class _Normal:
         pooled = self._acquire(key, x, lambda: _token_major(
             h.num_experts, h.k, capacity, width, _ferry.DispatchDtype.FP32, self._forwarding,
             self._partial_sums),
-            comm=True)
+            comm=False)
         wa2a = pooled.a2a
+        main = h.pooled.a2a.stream  # None on the CPU
         try:
+            if main is not None:
+                wa2a.adopt_stream(main)
+                if wa2a.stream != main:
+                    wa2a.order_after(main)
             # Its dispatch's outputs, read by nothing: one set per key, as the AllToAll is
             # taken and given back within this call and its steps follow each other on one
             # stream.
@@ -375,8 +382,8 @@ class _Normal:
             with self._on_comm(wa2a, current, dev):
                 padded[:, columns:].zero_()
                 padded[:, :columns].copy_(topk_weights)
-            wa2a.dispatch_send(self._constant(x, capacity, width, 0.0, comm=True)[:h.tokens],
-                               h.topk_idx, self._constant(x, capacity, h.k, 1.0, comm=True),
+            wa2a.dispatch_send(self._constant(x, capacity, width, 0.0, wa2a, current)[:h.tokens],
+                               h.topk_idx, self._constant(x, capacity, h.k, 1.0, wa2a, current),
                                num_tokens=h.tokens)
             wa2a.dispatch_recv(*scratch, timeout=self._timeout)
             wa2a.combine_send(padded, num_rows=h.rows)
@@ -384,6 +391,8 @@ class _Normal:
             if sums is not wide:
                 with self._on_comm(wa2a, current, dev):
                     sums.copy_(wide[:, :columns])
+            if main is not None and wa2a.stream != main:
+                wa2a.order_before(main)
         except Error as e:  # the usual cause: a peer that passed no topk_weights
             raise type(e)(f"combine's topk_weights (their AllToAll, which every rank's combine "
                           f"must take alike): {e}") from e

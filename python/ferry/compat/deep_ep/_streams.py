@@ -19,16 +19,17 @@ class _Streams:
         if self._destroyed:
             raise InvalidArgument(f"{call}: the Buffer was destroyed")
 
-    def _constant(self, x, rows, columns, value, comm=False):
-        """A float32 [rows, columns] tensor of `value` on x's device, made once, for step
-        inputs whose values no result reads (dispatch-time weights the combine does not use,
-        the rows of a dispatch that moves only its routing). With `comm` it is made on the
-        communication stream, where the normal mode's steps read it: made on the caller's, a
-        call ordered after previous_event alone could read it before it was filled."""
-        key = (x.get_device(), rows, columns, value, comm)
+    def _constant(self, x, rows, columns, value, a2a=None, current=None):
+        """A float32 [rows, columns] tensor of `value` on x's device, made once per stream, for
+        step inputs whose values no result reads (dispatch-time weights the combine does not
+        use, the rows of a dispatch that moves only its routing). Given the normal mode's `a2a`
+        (and the caller's stream handle `current`) it is made on the stream a2a's steps go on,
+        which reads it: made on the caller's, a call ordered after previous_event alone could
+        read it before it was filled."""
+        key = (x.get_device(), rows, columns, value, None if a2a is None else a2a.stream)
         t = self._constants.get(key)
         if t is None:
-            with torch.cuda.stream(self._stream) if comm and x.is_cuda else _NO_STREAM:
+            with _NO_STREAM if a2a is None else self._on_comm(a2a, current, x.device):
                 t = self._constants[key] = torch.full((rows, columns), value,
                                                       dtype=torch.float32, device=x.device)
         return t
@@ -85,11 +86,13 @@ class _Streams:
 
     def _stream_of(self, a2a, current, device):
         """torch's object for the stream a2a's steps go on, None where that is the caller's
-        current stream (handle `current`). A low-latency AllToAll whose first call waits for its
-        result (no async_finish) takes the caller's stream as its own in that call, as DeepEP
-        launches a hook's send half on the caller's stream: the steps then follow the caller's
-        kernels on it with no event between them. The first async_finish call gives it the
-        communication stream instead, so that its transfers overlap the caller's work."""
+        current stream (handle `current`). An AllToAll (of either mode) whose first call waits
+        for its result (no async_finish) takes the caller's stream as its own in that call, as
+        DeepEP launches a hook's send half on the caller's stream: the steps then follow the
+        caller's kernels on it with no event between them, and a caller that waits pays no
+        ordering. The first async_finish call gives it the communication stream instead, so
+        that its transfers overlap the caller's work; a call on another stream than the
+        AllToAll's is ordered with it by events."""
         s = a2a.stream
         if s is None or s == current:
             return None
@@ -106,33 +109,40 @@ class _Streams:
         """The caller's current stream (a handle) where x is on the GPU, else None."""
         return current_stream_handle(x.get_device()) if x.is_cuda else None
 
-    def _begin(self, a2a, x, previous_event):
+    def _begin(self, pooled, x, previous_event, async_finish):
         """The normal mode's steps, made one by one: what the AllToAll enqueued before and has
-        finished let go (its kernels' errors raised), then the communication
-        stream (where the AllToAll's steps go) ordered after the caller's stream, or after
-        previous_event; returns the caller's stream handle, for _end. The ordering is the
-        AllToAll's own (an event recorded and waited for in C++): torch's stream objects cost
-        several microseconds a call. The low-latency calls have the AllToAll do all of this in
-        its dispatch() / combine()."""
+        finished let go (its kernels' errors raised), its stream decided at its first call (as
+        _stream_of says), then that stream ordered after the caller's, or after previous_event;
+        returns the caller's stream handle, for _end. The ordering is the AllToAll's own (an
+        event recorded and waited for in C++): torch's stream objects cost several microseconds
+        a call. The low-latency calls have the AllToAll do all of this in its dispatch() /
+        combine()."""
         current = self._current(x)
         if current is None:
             return None
+        a2a = pooled.a2a
         a2a.release_finished(current)
+        if a2a.stream is None:
+            if async_finish:
+                self._stream_for(pooled)
+            else:
+                a2a.adopt_stream(current)
         if previous_event is not None and previous_event.event is not None:
-            self._stream.wait_event(previous_event.event)
-        else:
+            (self._stream_of(a2a, current, x.device) or
+             torch.cuda.current_stream(x.device)).wait_event(previous_event.event)
+        elif a2a.stream != current:
             a2a.order_after(current)
         return current
 
     def _end(self, a2a, current, async_finish, inputs, outputs=(), waited=False, device=None):
-        """DeepEP's finish: the caller's stream waits for the communication stream (done
-        already where `waited`), or (with async_finish) gets an event to wait on. The AllToAll
-        keeps the tensors its enqueued steps use referenced until they finish, so none is
-        freed (and its memory reused) under them."""
+        """DeepEP's finish: the caller's stream waits for the AllToAll's (done already where
+        `waited`, or where that is the caller's), or (with async_finish) gets an event to wait
+        on. The AllToAll keeps the tensors its enqueued steps use referenced until they finish,
+        so none is freed (and its memory reused) under them."""
         if current is None:
             return EventOverlap(None, inputs + outputs) if async_finish else _DONE
         if not async_finish:
-            if not waited:
+            if not waited and a2a.stream != current:
                 a2a.order_before(current)
             return _DONE
         event = torch.cuda.Event()
