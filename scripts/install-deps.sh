@@ -4,8 +4,8 @@
 set -euo pipefail
 
 packages=(build-essential cmake pkg-config libfabric-dev libfabric-bin libgtest-dev
-          libibverbs-dev libhwloc-dev python3-dev pybind11-dev python3-torch python3-numpy
-          clang libclang-rt-dev)
+          libibverbs-dev libhwloc-dev python3-dev pybind11-dev python3-torch libtorch-dev
+          python3-numpy clang libclang-rt-dev)
 
 missing=()
 for p in "${packages[@]}"; do
