@@ -130,6 +130,15 @@ class NotKept:
         return f"<deep_ep handle entry {self.name}: not kept by ferry>"
 
 
+# One of each, made once: an entry holds nothing but its name.
+_NOT_KEPT = {name: NotKept(name) for name in (
+    "rank_prefix_matrix", "channel_prefix_matrix", "recv_channel_prefix_matrix", "recv_src_idx",
+    "send_head", "rdma_channel_prefix_matrix", "gbl_channel_prefix_matrix",
+    "recv_rdma_channel_prefix_matrix", "recv_rdma_rank_prefix_sum",
+    "recv_gbl_channel_prefix_matrix", "recv_gbl_rank_prefix_sum", "recv_src_meta",
+    "send_rdma_head", "send_nvl_head")}
+
+
 class NormalHandle(tuple):
     """DeepEP V1's normal-mode handle, as V1 lays it out for callers that index or unpack it.
     Within one node (V1's intranode layout): (rank_prefix_matrix, channel_prefix_matrix,
@@ -150,24 +159,24 @@ class NormalHandle(tuple):
         """The handle of a dispatch that received `rows` rows (received: its _Received)."""
         origin = received.origin
         if world <= ranks_per_node:
-            src_idx = (origin[0, :rows] if origin is not None
-                       else NotKept("recv_src_idx"))
-            items = (NotKept("rank_prefix_matrix"), NotKept("channel_prefix_matrix"),
-                     NotKept("recv_channel_prefix_matrix"), src_idx, is_token_in_rank,
-                     NotKept("send_head"))
+            src_idx = origin[0, :rows] if origin is not None else _NOT_KEPT["recv_src_idx"]
+            items = (_NOT_KEPT["rank_prefix_matrix"], _NOT_KEPT["channel_prefix_matrix"],
+                     _NOT_KEPT["recv_channel_prefix_matrix"], src_idx, is_token_in_rank,
+                     _NOT_KEPT["send_head"])
         else:
             per_rank = received.rows_per_sender(world)
             if per_rank is not None:
                 gbl = torch.cumsum(per_rank, 0).to(torch.int32)
                 rdma = torch.cumsum(per_rank.view(-1, ranks_per_node).sum(1), 0).to(torch.int32)
             else:
-                gbl = NotKept("recv_gbl_rank_prefix_sum")
-                rdma = NotKept("recv_rdma_rank_prefix_sum")
-            items = (is_token_in_rank, NotKept("rdma_channel_prefix_matrix"),
-                     NotKept("gbl_channel_prefix_matrix"),
-                     NotKept("recv_rdma_channel_prefix_matrix"), rdma,
-                     NotKept("recv_gbl_channel_prefix_matrix"), gbl, NotKept("recv_src_meta"),
-                     NotKept("send_rdma_head"), NotKept("send_nvl_head"))
+                gbl = _NOT_KEPT["recv_gbl_rank_prefix_sum"]
+                rdma = _NOT_KEPT["recv_rdma_rank_prefix_sum"]
+            items = (is_token_in_rank, _NOT_KEPT["rdma_channel_prefix_matrix"],
+                     _NOT_KEPT["gbl_channel_prefix_matrix"],
+                     _NOT_KEPT["recv_rdma_channel_prefix_matrix"], rdma,
+                     _NOT_KEPT["recv_gbl_channel_prefix_matrix"], gbl,
+                     _NOT_KEPT["recv_src_meta"], _NOT_KEPT["send_rdma_head"],
+                     _NOT_KEPT["send_nvl_head"])
         handle = cls(items)
         handle._ferry = ferry_handle
         return handle

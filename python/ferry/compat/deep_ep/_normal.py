@@ -241,7 +241,8 @@ class _Normal:
             r = read[0]
             got = (read[1:] if every_count is None
                    else self._received_per_expert(every_count))
-            per_expert_list = [_round_up(int(c), expert_alignment) for c in got]
+            per_expert_list = (got if expert_alignment == 1 else
+                               [_round_up(int(c), expert_alignment) for c in got])
         recv_x = recv[:r]
         out_x = (recv_x, recv_scales[:r]) if fp8 else recv_x
         if cached is not None:
