@@ -17,11 +17,11 @@ DeepEP's do, in its shapes, dtypes and strides:
   sum over the ranks) map onto a token-major AllToAll with both of ferry's options (a token once
   per rank; its experts' outputs summed at the expert rank).
 
-Tensors on the CPU run on ferry's host device; CUDA tensors on its CUDA device. Normal-mode calls,
-and low-latency ones whose first call asks for async_finish, go on a stream of the Buffer's own that
+Tensors on the CPU run on ferry's host device; CUDA tensors on its CUDA device. An AllToAll (of
+either mode) whose first call asks for async_finish goes on a stream of the Buffer's own that
 waits for the caller's current stream (or `previous_event`), as DeepEP's communication stream does;
-other low-latency calls go on the caller's stream, as DeepEP launches a hook's send half, with no
-event between the caller's kernels and ferry's. An argument ferry cannot honour raises Unimplemented
+one whose first call waits for its result goes on the caller's stream, as DeepEP launches a hook's
+send half, with no event between the caller's kernels and ferry's. An argument ferry cannot honour raises Unimplemented
 naming it (ferry.Error); a bad tensor raises InvalidArgument. Tuning knobs that change no result
 (`Config`, `num_sms`, `num_qps_per_rank`, `allocate_on_comm_stream`) are taken and kept.
 """

@@ -123,8 +123,8 @@ class Buffer(_LowLatency, _Normal, _Shrink, _Streams, _ferry.DeepEpLowLatency):
         return EventOverlap(EventHandle())
 
     def get_comm_stream(self):
-        """The Buffer's communication stream (torch.cuda.Stream): where normal-mode calls, and
-        low-latency calls with async_finish, enqueue their steps."""
+        """The Buffer's communication stream (torch.cuda.Stream): where the AllToAlls whose
+        first call asked for async_finish enqueue their steps."""
         self._check_open("get_comm_stream")
         if not torch.cuda.is_available():
             raise Unimplemented("get_comm_stream: no CUDA here (every call finished when it "
