@@ -61,7 +61,10 @@ class EPHandle:
         self.num_recv_tokens = num_recv_tokens
         self.num_expanded_tokens = num_expanded_tokens
         self.num_recv_tokens_per_expert_list = num_recv_tokens_per_expert_list
-        self.psum_num_recv_tokens_per_expert = psum_num_recv_tokens_per_expert
+        # A tensor, or (with the CPU sync) the host's prefix sums, copied over at the first
+        # reading: a copy at every dispatch would cost a host-to-device transfer few callers
+        # read.
+        self._psum = psum_num_recv_tokens_per_expert
         self.num_unaligned_recv_tokens_per_expert = num_unaligned_recv_tokens_per_expert
         self.dst_buffer_slot_idx = None
         self.token_metadata_at_forward = None
@@ -82,6 +85,17 @@ class EPHandle:
     @recv_src_metadata.setter
     def recv_src_metadata(self, value):  # DeepEP's callers trim it to the rows received
         self._metadata = value
+
+    @property
+    def psum_num_recv_tokens_per_expert(self):
+        if isinstance(self._psum, list):
+            self._psum = torch.tensor(self._psum, dtype=torch.int32,
+                                      device=self._received.read_back.device)
+        return self._psum
+
+    @psum_num_recv_tokens_per_expert.setter
+    def psum_num_recv_tokens_per_expert(self, value):
+        self._psum = value
 
     @property
     def psum_num_recv_tokens_per_scaleup_rank(self):
@@ -146,6 +160,7 @@ class ElasticBuffer:
                               timeout=float(num_gpu_timeout_secs))
         self.group = group
         self.rank_idx, self.num_ranks = self._buffer.rank, self._buffer.group_size
+        self._sms = {}  # CUDA ordinal -> its SM count (get_theoretical_num_sms)
         self.num_bytes = num_bytes
         self.num_max_tokens_per_rank = num_max_tokens_per_rank
         self.deterministic = deterministic
@@ -198,7 +213,12 @@ class ElasticBuffer:
         dispatch and combine is kept, not used. 1 on the CPU."""
         if not torch.cuda.is_available():
             return 1
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        device = torch.cuda.current_device()
+        sms = self._sms.get(device)
+        if sms is None:  # asked at every dispatch whose caller gives no num_sms
+            sms = self._sms[device] = torch.cuda.get_device_properties(
+                device).multi_processor_count
+        return sms
 
     def get_theoretical_num_qps(self, num_sms):
         """ferry's answer: each peer is reached through the engine's one connection per NIC,
@@ -358,9 +378,9 @@ class ElasticBuffer:
         psum = made.get("psum")
         if do_cpu_sync:
             # The aligned counts are on the host already: their prefix sums go over in one
-            # copy (a few device ops on int32 cost tens of microseconds on the GPU).
-            psum = torch.tensor(list(itertools.accumulate(per_expert)), dtype=torch.int32,
-                                device=got.counts.device)
+            # copy at the handle's first reading (a few device ops on int32 cost tens of
+            # microseconds on the GPU).
+            psum = list(itertools.accumulate(per_expert))
             if do_expand:
                 # The rows are here (the caller's stream waited for them): expanded on it.
                 total = sum(per_expert)
