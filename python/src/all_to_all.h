@@ -143,9 +143,9 @@ class PyAllToAll {
   // Python allocations. Returns (x [expert_capacity, hidden] of `dtype` on `device`, scales
   // [expert_capacity, scales per row] float32 or None (fp8 rows), counts [1 + local experts]
   // int32 (the rows received, then the copies per local expert: one read gives the host both),
-  // token_experts int32 and token_weights float32 [expert_capacity, k], origin [2,
-  // expert_capacity] int32 (each row's token in its sender, then its sender; with `sources`)
-  // or None).
+  // token_experts int32 and token_weights float32 [expert_capacity, k], source_tokens and
+  // source_ranks [expert_capacity] int32 (each row's token in its sender, and its sender;
+  // with `sources`) or None, None).
   py::tuple DispatchRecvNew(const py::handle& dtype, int device, bool sources, double timeout) {
     const AllToAllConfig& c = config();
     if (c.dispatch_layout != DispatchLayout::kTokenMajor) {
@@ -153,7 +153,7 @@ class PyAllToAll {
     }
     const Torch& torch = Torch::Get();
     const int64_t rows = c.expert_capacity(), k = c.experts_per_token;
-    Array xa, sa, ca, ea, wa, oa;
+    Array xa, sa, ca, ea, wa, ta, ka;
     py::object x = EmptyTensor(dtype.ptr(), {rows, c.hidden}, device, &xa);
     py::object scales = c.scales_per_token() > 0
                             ? EmptyTensor(torch.float32, {rows, c.scales_per_token()}, device, &sa)
@@ -161,14 +161,13 @@ class PyAllToAll {
     py::object counts = EmptyTensor(torch.int32, {1 + c.local_experts()}, device, &ca);
     py::object experts = EmptyTensor(torch.int32, {rows, k}, device, &ea);
     py::object weights = EmptyTensor(torch.float32, {rows, k}, device, &wa);
-    py::object origin = sources ? EmptyTensor(torch.int32, {2, rows}, device, &oa) : py::none();
+    py::object tokens = sources ? EmptyTensor(torch.int32, {rows}, device, &ta) : py::none();
+    py::object ranks = sources ? EmptyTensor(torch.int32, {rows}, device, &ka) : py::none();
     const Array num_rows = Part(ca, 0, 1), per_expert = Part(ca, 1, c.local_experts());
-    const Array tokens = sources ? Part(oa, 0, rows) : Array(),
-                ranks = sources ? Part(oa, rows, rows) : Array();
     DispatchRecvArrays(xa, per_expert, scales.is_none() ? nullptr : &sa,
                        {&num_rows, &ea, &wa}, timeout, 0, nullptr, 0,
-                       {sources ? &tokens : nullptr, nullptr, sources ? &ranks : nullptr});
-    return py::make_tuple(x, scales, counts, experts, weights, origin);
+                       {sources ? &ta : nullptr, nullptr, sources ? &ka : nullptr});
+    return py::make_tuple(x, scales, counts, experts, weights, tokens, ranks);
   }
   // Items [first, first + count) of a flat view of `a`'s (contiguous) items.
   static Array Part(const Array& a, int64_t first, int64_t count) {

@@ -457,10 +457,11 @@ class PyDeepEpLowLatency {
   };
 
   // Per (device, hidden) and token count, one bf16 element of x's device expanded to [tokens,
-  // hidden]: what torch.empty_like makes a combine's output from, without _ferry_torch. It takes a third less than
-  // x.new_empty of the shape (1.96 against 2.93 us on an H200 host, 2026-12-04): one tensor
-  // argument to parse, not a shape. Expanded, it holds 2 bytes, and empty_like lays out a tensor
-  // that is not dense contiguously. Made at a count's first combine.
+  // hidden]: what torch.empty_like makes a combine's output from, without _ferry_torch. It
+  // takes a third less than x.new_empty of the shape (1.96 against 2.93 us on an H200 host,
+  // 2026-12-04): one tensor argument to parse, not a shape. Expanded, it holds 2 bytes, and
+  // empty_like lays out a tensor that is not dense contiguously. Made at a count's first
+  // combine.
   py::handle OutputTemplate(PyObject* x, int64_t tokens, int64_t hidden, int64_t m) {
     const int device = TorchArray(x)->device;
     std::vector<py::object>& by_tokens = templates_[{device, hidden}];

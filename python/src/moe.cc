@@ -137,9 +137,9 @@ void BindMoe(py::module_& m) {
            "Token-major: dispatch_recv into tensors it makes on `device` (Tensor.get_device(): "
            "-1 the CPU), returned as (x [expert_capacity, hidden] of torch dtype `dtype`, "
            "scales [expert_capacity, scales per row] float32 or None, counts [1 + local "
-           "experts] int32 (num_rows, then num_tokens), token_experts, token_weights, origin "
-           "[2, expert_capacity] int32 (source_tokens, then source_ranks; with sources) or "
-           "None)")
+           "experts] int32 (num_rows, then num_tokens), token_experts, token_weights, "
+           "source_tokens and source_ranks [expert_capacity] int32 (with sources; else None, "
+           "None))")
       .def("combine_send", &PyAllToAll::CombineSend, py::arg("expert_out"),
            py::arg("num_rows") = py::none(),
            "expert_out: bf16 or float16 rows (summed as what they are; float32 for "

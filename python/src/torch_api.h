@@ -38,6 +38,9 @@ struct TorchApi {
   // or null with a Python error set.
   PyObject* (*empty)(PyObject* dtype, const int64_t* shape, int dims, int device,
                      uint64_t* data);
+  // t[:count] (a view of t's first `count` rows; count past them: all of them). A new
+  // reference, or null with a Python error set.
+  PyObject* (*first_rows)(PyObject* t, int64_t count);
 };
 
 // The capsule's name, as PyCapsule_Import takes it (module.attribute).

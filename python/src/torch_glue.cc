@@ -53,7 +53,21 @@ PyObject* Empty(PyObject* dtype, const int64_t* shape, int dims, int device, uin
   }
 }
 
-TorchApi api{TorchApi::kVersion, Describe, Empty};
+PyObject* FirstRows(PyObject* object, int64_t count) {
+  if (!THPVariable_Check(object)) {
+    PyErr_SetString(PyExc_TypeError, "ferry._ferry_torch: not a torch tensor");
+    return nullptr;
+  }
+  try {
+    const at::Tensor& t = THPVariable_Unpack(object);
+    return THPVariable_Wrap(t.slice(0, 0, count));
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+TorchApi api{TorchApi::kVersion, Describe, Empty, FirstRows};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT,
                           "_ferry_torch",

@@ -1,10 +1,12 @@
 // Tensors through ferry._ferry_torch (torch_api.h) where it loads, else through torch's Python
 // API: the loader, the switch, and the allocation the layers' calls make their outputs with.
 #include <optional>
+#include <string>
 #include <utility>
 
 #include "binding.h"
 #include "compat.h"
+#include "fast_call.h"
 
 namespace ferry::python {
 namespace {
@@ -64,7 +66,52 @@ py::object EmptyTensor(PyObject* dtype, std::initializer_list<int64_t> shape, in
   return t;
 }
 
+namespace {
+
+// _ferry.first_rows(count, *tensors): each tensor's first `count` rows (t[:count]), None as
+// None; one call for the several views a layer's call returns.
+PyObject* FirstRows(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  return AsMethod([&]() -> PyObject* {
+    if (nargs < 1) throw py::type_error("first_rows() takes the count, then tensors");
+    const int64_t count = Int("count", args[0]);
+    if (count < 0) Invalid("first_rows: count " + std::to_string(count) + " (at least 0)");
+    const TorchApi* glue = TorchGlue();
+    py::tuple out(nargs - 1);
+    py::object slice;  // without the glue: t[slice(0, count)]
+    for (Py_ssize_t i = 1; i < nargs; ++i) {
+      PyObject* t = args[i];
+      PyObject* view;
+      if (t == Py_None) {
+        view = py::none().release().ptr();
+      } else if (glue) {
+        view = glue->first_rows(t, count);
+      } else {
+        if (!slice) {
+          slice = py::reinterpret_steal<py::object>(
+              PySlice_New(py::int_(0).ptr(), py::int_(count).ptr(), nullptr));
+        }
+        view = PyObject_GetItem(t, slice.ptr());
+      }
+      if (!view) throw py::error_already_set();
+      PyTuple_SET_ITEM(out.ptr(), i - 1, view);
+    }
+    return out.release().ptr();
+  });
+}
+
+PyMethodDef first_rows_def = {
+    "first_rows", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(FirstRows)),
+    METH_FASTCALL,
+    "first_rows(count, *tensors): each tensor's first count rows (t[:count]; None stays None), "
+    "as a tuple"};
+
+}  // namespace
+
 void BindTorchGlue(py::module_& m) {
+  py::object first_rows =
+      py::reinterpret_steal<py::object>(PyCFunction_NewEx(&first_rows_def, nullptr, m.ptr()));
+  if (!first_rows) throw py::error_already_set();
+  m.attr("first_rows") = first_rows;
   m.def(
       "_use_torch_glue",
       [](bool enabled) {

@@ -71,7 +71,7 @@ def recv_new_body(glue):
                 for sources in (True, False):
                     a2a.dispatch_send(x, ids, w)
                     got = a2a.dispatch_recv_new(x.dtype, -1, sources=sources, timeout=10)
-                    recv, scales, counts, experts, weights, origin = got
+                    recv, scales, counts, experts, weights, tokens, senders = got
                     assert scales is None, "bf16 rows have no scales"
                     assert (recv.dtype, tuple(recv.shape)) == (torch.bfloat16, (cap, HIDDEN))
                     assert tuple(counts.shape) == (1 + local,) and counts.dtype == torch.int32
@@ -82,10 +82,11 @@ def recv_new_body(glue):
                     assert torch.equal(experts[:rows], want[3][:rows])
                     assert torch.equal(weights[:rows], want[4][:rows])
                     if sources:
-                        assert torch.equal(origin[:, :rows], want[5][:, :rows])
-                        assert set(origin[1, :rows].tolist()) <= set(range(WORLD))
+                        assert torch.equal(tokens[:rows], want[5][0, :rows])
+                        assert torch.equal(senders[:rows], want[5][1, :rows])
+                        assert set(senders[:rows].tolist()) <= set(range(WORLD))
                     else:
-                        assert origin is None
+                        assert tokens is None and senders is None
                     a2a.combine_send(recv)
                     a2a.combine_recv(torch.empty(TOKENS, HIDDEN, dtype=torch.bfloat16),
                                      timeout=10)
@@ -116,6 +117,26 @@ class TorchGlueTest(unittest.TestCase):
             self.assertEqual(fast, slow, (t.dtype, tuple(t.shape), t.stride()))
         with Glue(True):
             self.assertIsNone(_ferry.torch_array(bytearray(4)))
+
+    def test_first_rows_views_each_tensors_first_rows(self):
+        a = torch.arange(20, dtype=torch.int32).view(5, 4)
+        b = torch.arange(5, dtype=torch.float32)
+        for glue in (True, False):
+            with Glue(glue):
+                got = _ferry.first_rows(3, a, None, b)
+                self.assertEqual(len(got), 3)
+                self.assertTrue(torch.equal(got[0], a[:3]))
+                self.assertIsNone(got[1])
+                self.assertTrue(torch.equal(got[2], b[:3]))
+                got[0][0, 0] = 99  # a view: written through to a
+                self.assertEqual(int(a[0, 0]), 99)
+                a[0, 0] = 0
+                self.assertEqual(tuple(_ferry.first_rows(9, b)[0].shape), (5,))
+                self.assertEqual(_ferry.first_rows(0), ())
+                with self.assertRaises(ferry.InvalidArgument):
+                    _ferry.first_rows(-1, a)
+                with self.assertRaises(TypeError):
+                    _ferry.first_rows()
 
     def test_the_switch_says_what_it_was(self):
         built = glue_built()

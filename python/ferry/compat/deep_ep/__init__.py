@@ -19,10 +19,11 @@ DeepEP's do, in its shapes, dtypes and strides:
 
 Tensors on the CPU run on ferry's host device; CUDA tensors on its CUDA device. An AllToAll (of
 either mode) whose first call asks for async_finish goes on a stream of the Buffer's own that
-waits for the caller's current stream (or `previous_event`), as DeepEP's communication stream does;
-one whose first call waits for its result goes on the caller's stream, as DeepEP launches a hook's
-send half, with no event between the caller's kernels and ferry's. An argument ferry cannot honour raises Unimplemented
-naming it (ferry.Error); a bad tensor raises InvalidArgument. Tuning knobs that change no result
+waits for the caller's current stream (or `previous_event`), as DeepEP's communication stream
+does; one whose first call waits for its result goes on the caller's stream, as DeepEP launches
+a hook's send half, with no event between the caller's kernels and ferry's. An argument ferry
+cannot honour raises Unimplemented naming it (ferry.Error); a bad tensor raises
+InvalidArgument. Tuning knobs that change no result
 (`Config`, `num_sms`, `num_qps_per_rank`, `allocate_on_comm_stream`) are taken and kept.
 """
 

@@ -110,8 +110,8 @@ class EPHandle:
         rows, k = self.num_recv_tokens, self.topk_idx.shape[1]
         dev = got.counts.device
         meta = torch.full((rows, 2 + k), -1, dtype=torch.int32, device=dev)
-        if got.origin is not None:
-            tokens, senders = got.origin[0, :rows], got.origin[1, :rows]
+        if got.senders is not None:
+            tokens, senders = got.tokens[:rows], got.senders[:rows]
             meta[:, 0] = senders * self.num_max_tokens_per_rank + tokens
             meta[:, 1] = senders
         if self._slots is not None:

@@ -155,11 +155,11 @@ class NormalHandle(tuple):
     forwarding, whose rows come from forwarders. `_ferry` holds what ferry's combine needs."""
 
     @classmethod
-    def make(cls, ferry_handle, received, is_token_in_rank, world, ranks_per_node, rows):
-        """The handle of a dispatch that received `rows` rows (received: its _Received)."""
-        origin = received.origin
+    def make(cls, ferry_handle, received, is_token_in_rank, world, ranks_per_node):
+        """The handle of a dispatch (received: its _Received, its rows counted)."""
         if world <= ranks_per_node:
-            src_idx = origin[0, :rows] if origin is not None else _NOT_KEPT["recv_src_idx"]
+            src_idx = (received.src_idx if received.src_idx is not None
+                       else _NOT_KEPT["recv_src_idx"])
             items = (_NOT_KEPT["rank_prefix_matrix"], _NOT_KEPT["channel_prefix_matrix"],
                      _NOT_KEPT["recv_channel_prefix_matrix"], src_idx, is_token_in_rank,
                      _NOT_KEPT["send_head"])

@@ -13,19 +13,20 @@ from ._events import EventOverlap, NormalHandle, _Handle, _round_up, _token_majo
 class _Received:
     """What a normal-mode dispatch received beyond its results, on the device: the rows and the
     copies per local expert (read_back [1 + local] int32; num_rows and counts its parts),
-    each row's token in its
-    sender and its sender (origin [2, rows] int32, or None), the full-size outputs (recv,
-    scales, experts, weights), what the epilogue made from them (kept until the dispatch's
-    event fires) and the caller's torch stream where the AllToAll's is another (None where
-    they are one, or on the CPU): what the epilogue allocates there is marked used on it."""
+    each row's token in its sender and its sender (tokens, senders: [rows] int32, or None), the
+    full-size outputs (recv, scales, experts, weights), what the epilogue made from them (kept
+    until the dispatch's event fires), the caller's torch stream where the AllToAll's is
+    another (None where they are one, or on the CPU: what the epilogue allocates there is
+    marked used on it) and, once the rows are counted on the host, the received rows' tokens
+    (src_idx: tokens' first rows)."""
 
-    __slots__ = ("read_back", "origin", "recv", "scales", "experts", "weights", "made",
-                 "caller")
+    __slots__ = ("read_back", "tokens", "senders", "recv", "scales", "experts", "weights",
+                 "made", "caller", "src_idx")
 
-    def __init__(self, read_back, origin, recv, scales, experts, weights, caller):
-        self.read_back, self.origin = read_back, origin
+    def __init__(self, read_back, tokens, senders, recv, scales, experts, weights, caller):
+        self.read_back, self.tokens, self.senders = read_back, tokens, senders
         self.recv, self.scales, self.experts, self.weights = recv, scales, experts, weights
-        self.made, self.caller = (), caller
+        self.made, self.caller, self.src_idx = (), caller, None
 
     @property
     def num_rows(self):
@@ -39,11 +40,11 @@ class _Received:
         """Rows received from each of `world` senders ([world] int64 on the device), or None
         where the origins were not asked for. Rows past those received (num_worst_tokens,
         no CPU sync) hold no token: counted nowhere."""
-        if self.origin is None:
+        if self.senders is None:
             return None
-        live = torch.arange(self.origin.shape[1], device=self.origin.device) < \
+        live = torch.arange(self.senders.shape[0], device=self.senders.device) < \
             self.num_rows.long()
-        senders = torch.where(live, self.origin[1].long(), world)
+        senders = torch.where(live, self.senders.long(), world)
         return torch.bincount(senders, minlength=world + 1)[:world]
 
 
@@ -138,7 +139,7 @@ class _Normal:
             return out[:6]
         new, got = out[4], out[6]
         handle = NormalHandle.make(new, got, is_token_in_rank, self.group_size,
-                                   self._group.ranks_per_node(), new.rows)
+                                   self._group.ranks_per_node())
         return out[:4] + (handle, out[5])
 
     @staticmethod
@@ -209,8 +210,8 @@ class _Normal:
             # The outputs made by the receive (on the caller's stream: DeepEP's
             # allocate_on_comm_stream=False); the received row count and the per-expert counts
             # side by side (read_back), so that one read to the host gives both.
-            recv, recv_scales, read_back, experts, weights_out, origin = a2a.dispatch_recv_new(
-                x.dtype, x.get_device(), sources, self._timeout)
+            recv, recv_scales, read_back, experts, weights_out, src_tokens, src_ranks = \
+                a2a.dispatch_recv_new(x.dtype, x.get_device(), sources, self._timeout)
         except BaseException:
             pooled.busy = False
             raise
@@ -223,14 +224,16 @@ class _Normal:
                 live = torch.arange(num_worst_tokens, device=dev) < read_back[:1].long()
                 experts[:num_worst_tokens].masked_fill_(~live[:, None], -1)
                 weights_out[:num_worst_tokens].masked_fill_(~live[:, None], 0.0)
-        received = _Received(read_back, origin, recv, recv_scales, experts, weights_out,
+        received = _Received(read_back, src_tokens, src_ranks, recv, recv_scales, experts,
+                             weights_out,
                              None if current is None or a2a.stream == current
                              else torch.cuda.current_stream(dev))
         if epilogue is not None:
             with self._on_comm(a2a, current, x.device):
                 received.made = epilogue(received) or ()
         event = self._end(a2a, current, async_finish, (x, x_scales, topk_idx, weights),
-                          (recv, recv_scales, read_back, experts, weights_out, origin) +
+                          (recv, recv_scales, read_back, experts, weights_out, src_tokens,
+                           src_ranks) +
                           tuple(received.made))
         if num_worst_tokens > 0:
             r = num_worst_tokens
@@ -243,8 +246,10 @@ class _Normal:
                    else self._received_per_expert(every_count))
             per_expert_list = (got if expert_alignment == 1 else
                                [_round_up(int(c), expert_alignment) for c in got])
-        recv_x = recv[:r]
-        out_x = (recv_x, recv_scales[:r]) if fp8 else recv_x
+        # The received rows, as views: one C++ call for them all.
+        recv_x, rows_scales, rows_experts, rows_weights, received.src_idx = _ferry.first_rows(
+            r, recv, recv_scales, experts, weights_out, src_tokens)
+        out_x = (recv_x, rows_scales) if fp8 else recv_x
         if cached is not None:
             cached.pooled, cached.rows, cached.in_flight = pooled, r, True
             return out_x, None, None, None, None, event, received
@@ -252,8 +257,8 @@ class _Normal:
                       rows=r)
         if every_count is not None:
             return out_x, None, None, per_expert_list, new, event, received
-        recv_topk_idx = experts[:r].long()
-        recv_topk_weights = weights_out[:r] if topk_weights is not None else None
+        recv_topk_idx = rows_experts.long()
+        recv_topk_weights = rows_weights if topk_weights is not None else None
         return out_x, recv_topk_idx, recv_topk_weights, per_expert_list, new, event, received
 
     def _check_rank_routing(self, is_token_in_rank, topk_weights, num_worst_tokens, x):
