@@ -135,6 +135,8 @@ const TorchApi* TorchGlue();
 // torch.empty; its Array (owner: the tensor) in *array where given.
 py::object EmptyTensor(PyObject* dtype, std::initializer_list<int64_t> shape, int device,
                        Array* array = nullptr);
+py::object EmptyTensor(PyObject* dtype, const std::vector<int64_t>& shape, int device,
+                       Array* array = nullptr);
 
 }  // namespace ferry::python
 

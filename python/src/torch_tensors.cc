@@ -3,6 +3,7 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "binding.h"
 #include "compat.h"
@@ -43,11 +44,16 @@ const TorchApi* TorchGlue() {
 
 py::object EmptyTensor(PyObject* dtype, std::initializer_list<int64_t> shape, int device,
                        Array* array) {
+  return EmptyTensor(dtype, std::vector<int64_t>(shape), device, array);
+}
+
+py::object EmptyTensor(PyObject* dtype, const std::vector<int64_t>& shape, int device,
+                       Array* array) {
   py::object t;
   if (const TorchApi* glue = TorchGlue()) {
     uint64_t data = 0;
     t = py::reinterpret_steal<py::object>(
-        glue->empty(dtype, shape.begin(), static_cast<int>(shape.size()), device, &data));
+        glue->empty(dtype, shape.data(), static_cast<int>(shape.size()), device, &data));
     if (!t) throw py::error_already_set();
   } else {
     static const py::handle empty =
@@ -99,6 +105,30 @@ PyObject* FirstRows(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   });
 }
 
+// _ferry.empty(dtype, device, *shape): EmptyTensor from Python, for the layers' outputs made
+// in Python code (torch.empty costs microseconds more on the GPU).
+PyObject* Empty(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  return AsMethod([&]() -> PyObject* {
+    if (nargs < 2 || nargs > 2 + kTorchMaxDims) {
+      throw py::type_error("empty() takes a dtype, a device, then up to " +
+                           std::to_string(kTorchMaxDims) + " sizes");
+    }
+    const int64_t device = Int("device", args[1]);
+    std::vector<int64_t> shape;
+    for (Py_ssize_t i = 2; i < nargs; ++i) {
+      shape.push_back(Int("size", args[i]));
+      if (shape.back() < 0) Invalid("empty: size " + std::to_string(shape.back()));
+    }
+    if (device < -1) Invalid("empty: device " + std::to_string(device));
+    return EmptyTensor(args[0], shape, static_cast<int>(device)).release().ptr();
+  });
+}
+
+PyMethodDef empty_def = {
+    "empty", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(Empty)), METH_FASTCALL,
+    "empty(dtype, device, *shape): a new contiguous tensor (device: Tensor.get_device()'s "
+    "ordinal, -1 the CPU), made in C++ where _ferry_torch is loaded, else by torch.empty"};
+
 PyMethodDef first_rows_def = {
     "first_rows", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(FirstRows)),
     METH_FASTCALL,
@@ -112,6 +142,10 @@ void BindTorchGlue(py::module_& m) {
       py::reinterpret_steal<py::object>(PyCFunction_NewEx(&first_rows_def, nullptr, m.ptr()));
   if (!first_rows) throw py::error_already_set();
   m.attr("first_rows") = first_rows;
+  py::object empty =
+      py::reinterpret_steal<py::object>(PyCFunction_NewEx(&empty_def, nullptr, m.ptr()));
+  if (!empty) throw py::error_already_set();
+  m.attr("empty") = empty;
   m.def(
       "_use_torch_glue",
       [](bool enabled) {

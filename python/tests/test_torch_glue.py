@@ -138,6 +138,22 @@ class TorchGlueTest(unittest.TestCase):
                 with self.assertRaises(TypeError):
                     _ferry.first_rows()
 
+    def test_empty_makes_what_torch_empty_makes(self):
+        for glue in (True, False):
+            with Glue(glue):
+                for dtype, shape in ((torch.bfloat16, (3, 4)), (torch.int32, (5,)),
+                                     (torch.float32, ()), (torch.uint8, (2, 0, 3))):
+                    t = _ferry.empty(dtype, -1, *shape)
+                    self.assertEqual((t.dtype, tuple(t.shape), t.device.type),
+                                     (dtype, shape, "cpu"))
+                    self.assertTrue(t.is_contiguous())
+                with self.assertRaises(ferry.InvalidArgument):
+                    _ferry.empty(torch.int32, -1, -2)
+                with self.assertRaises(ferry.InvalidArgument):
+                    _ferry.empty(torch.int32, -3, 2)
+                with self.assertRaises(TypeError):
+                    _ferry.empty(torch.int32)
+
     def test_the_switch_says_what_it_was(self):
         built = glue_built()
         self.assertEqual(_ferry._use_torch_glue(False), built)

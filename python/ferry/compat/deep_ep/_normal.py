@@ -321,7 +321,7 @@ class _Normal:
                                       f"dispatch received {h.rows}")
         biases = self._biases(bias, h, x)
         a2a = h.pooled.a2a
-        out = torch.empty(h.tokens, h.hidden, dtype=torch.bfloat16, device=x.device)
+        out = _ferry.empty(torch.bfloat16, x.get_device(), h.tokens, h.hidden)
         combined_weights, kept = None, ()
         try:
             current = self._begin(h.pooled, x, previous_event, async_finish)
@@ -381,10 +381,11 @@ class _Normal:
                     torch.empty(1, dtype=torch.int32, device=dev),
                     torch.empty(rows, h.k, dtype=torch.int32, device=dev),
                     torch.empty(rows, h.k, dtype=torch.float32, device=dev))
-            f32 = dict(dtype=torch.float32, device=dev)
-            padded = torch.empty(h.rows, width, **f32)
-            wide = torch.empty(h.tokens, width, **f32)
-            sums = wide if width == columns else torch.empty(h.tokens, columns, **f32)
+            at = x.get_device()
+            padded = _ferry.empty(torch.float32, at, h.rows, width)
+            wide = _ferry.empty(torch.float32, at, h.tokens, width)
+            sums = wide if width == columns else _ferry.empty(torch.float32, at, h.tokens,
+                                                              columns)
             with self._on_comm(wa2a, current, dev):
                 padded[:, columns:].zero_()
                 padded[:, :columns].copy_(topk_weights)
