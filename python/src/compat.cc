@@ -6,11 +6,13 @@
 // for ferry.deep_ep's low-latency calls.
 #include "compat.h"
 
+#include <array>
 #include <optional>
 #include <string>
 
 #include "all_to_all.h"
 #include "binding.h"
+#include "fast_call.h"
 
 namespace ferry::python {
 namespace {
@@ -292,10 +294,49 @@ Array TensorArg(const char* name, const py::handle& t, PyObject* dtype, int dims
   return std::move(*a);
 }
 
+namespace {
+
+// ferry.compat._group.check_tensor(name, t, dtype=None, dims=None, device=None): TensorArg from
+// Python, its dtype None (any), a dtype, or a tuple of one or two; dims and device None (any).
+// Every Python check of a layer's tensor is this one, so the layers' messages are one set.
+PyObject* CheckTensor(PyObject*, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  static constexpr std::array<const char*, 5> kNames{"name", "t", "dtype", "dims", "device"};
+  return AsMethod([&]() -> PyObject* {
+    std::array<PyObject*, 5> a;
+    Match("check_tensor", kNames, 2, args, nargs, kwnames, a);
+    if (!PyUnicode_Check(a[0])) throw py::type_error("check_tensor(): name is a str");
+    PyObject* dtype = IsNone(a[2]) ? nullptr : a[2];
+    PyObject* alt = nullptr;
+    if (dtype && PyTuple_Check(dtype)) {
+      const Py_ssize_t n = PyTuple_GET_SIZE(dtype);
+      if (n < 1 || n > 2) throw py::type_error("check_tensor(): one or two dtypes");
+      alt = n == 2 ? PyTuple_GET_ITEM(dtype, 1) : nullptr;
+      dtype = PyTuple_GET_ITEM(dtype, 0);
+    }
+    const int dims = IsNone(a[3]) ? -1 : static_cast<int>(Int("dims", a[3]));
+    const int device = IsNone(a[4]) ? kAnyDevice : static_cast<int>(Int("device", a[4]));
+    TensorArg(PyUnicode_AsUTF8(a[0]), a[1], dtype, dims, device, alt);
+    Py_RETURN_NONE;
+  });
+}
+
+PyMethodDef check_tensor_def = {
+    "check_tensor", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(CheckTensor)),
+    METH_FASTCALL | METH_KEYWORDS,
+    "check_tensor(name, t, dtype=None, dims=None, device=None): InvalidArgument naming `name` "
+    "unless t is a contiguous CPU or CUDA torch tensor of dtype (one, or a tuple of two), dims "
+    "dimensions, on device (Tensor.get_device()'s ordinal: -1 the CPU)"};
+
+}  // namespace
+
 PooledAllToAll::PooledAllToAll(py::object a2a)
     : a2a(std::move(a2a)), raw(this->a2a.cast<PyAllToAll*>()) {}
 
 void BindCompat(py::module_& m) {
+  py::object check_tensor =
+      py::reinterpret_steal<py::object>(PyCFunction_NewEx(&check_tensor_def, nullptr, m.ptr()));
+  if (!check_tensor) throw py::error_already_set();
+  m.attr("check_tensor") = check_tensor;
   py::class_<PooledAllToAll, std::shared_ptr<PooledAllToAll>>(
       m, "PooledAllToAll",
       "One AllToAll of a compatibility layer's pool, busy while a call holds it")

@@ -154,6 +154,30 @@ class TorchGlueTest(unittest.TestCase):
                 with self.assertRaises(TypeError):
                     _ferry.empty(torch.int32)
 
+    def test_check_tensor_names_what_is_wrong(self):
+        from ferry.compat._group import check_tensor
+        t = torch.zeros(4, 3, dtype=torch.int32)
+        for glue in (True, False):
+            with Glue(glue):
+                check_tensor("t", t)
+                check_tensor("t", t, (torch.int64, torch.int32), 2, -1)
+                check_tensor("t", t, dtype=torch.int32, dims=2, device=-1)
+                for args, text in (((t, torch.float32), "t: dtype torch.int32, expected "
+                                    "torch.float32"),
+                                   ((t, (torch.int64, torch.uint8)), "expected torch.int64 or "
+                                    "torch.uint8"),
+                                   ((t, None, 3), "t: 2 dimensions (4, 3), expected 3"),
+                                   ((t, None, None, 0), "t: on cpu, the others on cuda:0"),
+                                   ((t.t(), None), "t: not contiguous"),
+                                   ((t.tolist(),), "t: expected a torch.Tensor, got list")):
+                    with self.assertRaises(ferry.InvalidArgument) as e:
+                        check_tensor("t", *args)
+                    self.assertIn(text, str(e.exception))
+                with self.assertRaises(TypeError):
+                    check_tensor("t")
+                with self.assertRaises(TypeError):
+                    check_tensor("t", t, bogus=1)
+
     def test_the_switch_says_what_it_was(self):
         built = glue_built()
         self.assertEqual(_ferry._use_torch_glue(False), built)

@@ -29,25 +29,12 @@ def fp8_dtype():
     return getattr(torch, "float8_e4m3fn", torch.uint8)
 
 
-def check_tensor(name, t, dtype=None, dims=None, device=None):
-    """InvalidArgument unless t is a contiguous tensor of that dtype, rank and device (an
-    ordinal as Tensor.get_device() gives it: -1 for the CPU; torch.device objects cost a
-    microsecond to make and compare)."""
-    if (type(t) is torch.Tensor and (dtype is None or t.dtype is dtype or (
-            type(dtype) is tuple and t.dtype in dtype)) and (dims is None or t.dim() == dims)
-            and (device is None or t.get_device() == device) and t.is_contiguous()):
-        return  # every call's path: one expression, the messages below only when it fails
-    if not isinstance(t, torch.Tensor):
-        raise InvalidArgument(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if dtype is not None and t.dtype not in (dtype if isinstance(dtype, tuple) else (dtype,)):
-        raise InvalidArgument(f"{name}: dtype {t.dtype}, expected {dtype}")
-    if dims is not None and t.dim() != dims:
-        raise InvalidArgument(f"{name}: {t.dim()} dimensions {tuple(t.shape)}, expected {dims}")
-    if device is not None and t.get_device() != device:
-        raise InvalidArgument(f"{name}: on {t.device}, the others on "
-                              f"{'cpu' if device < 0 else f'cuda:{device}'}")
-    if not t.is_contiguous():
-        raise InvalidArgument(f"{name}: not contiguous (call .contiguous())")
+# check_tensor(name, t, dtype=None, dims=None, device=None): InvalidArgument unless t is a
+# contiguous tensor of that dtype (one, or a tuple of two), rank and device (an ordinal as
+# Tensor.get_device() gives it: -1 for the CPU). In C++, as the layers' C++ calls check their
+# tensors, with the same messages: read through the interpreter, a tensor's attributes cost
+# a microsecond a check.
+check_tensor = _ferry.check_tensor
 
 
 def refuse(name, value, default, why):
