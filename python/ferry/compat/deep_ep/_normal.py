@@ -331,8 +331,9 @@ class _Normal:
                         out.copy_(biases[0])
                     else:
                         out.copy_(biases[0].float() + biases[1].float())
-            a2a.combine_send(x, num_rows=h.rows)
-            a2a.combine_recv(out, accumulate=bool(biases), timeout=self._timeout)
+            # Positional: pybind11 matches keywords by name, a microsecond a call.
+            a2a.combine_send(x, h.rows)
+            a2a.combine_recv(out, bool(biases), self._timeout)
             if topk_weights is not None:
                 combined_weights, kept = self._combine_weights(h, x, topk_weights, current)
         finally:
@@ -393,8 +394,8 @@ class _Normal:
                                h.topk_idx, self._constant(x, capacity, h.k, 1.0, wa2a, current),
                                num_tokens=h.tokens)
             wa2a.dispatch_recv(*scratch, timeout=self._timeout)
-            wa2a.combine_send(padded, num_rows=h.rows)
-            wa2a.combine_recv(wide, accumulate=False, timeout=self._timeout)
+            wa2a.combine_send(padded, h.rows)
+            wa2a.combine_recv(wide, False, self._timeout)
             if sums is not wide:
                 with self._on_comm(wa2a, current, dev):
                     sums.copy_(wide[:, :columns])
