@@ -8,7 +8,10 @@ alike: "added" is p50(layer) - p50(direct) per call. deep_ep's combine runs two 
 SGLang calls it) and into the caller's (`out=`, as vLLM calls it). The layers are timed as a
 caller runs them, unwrapped: their steps run in the binding's C++ with no Python call to time
 between them. deep_ep's normal mode (V1) and ElasticBuffer (V2) run against a token-major
-AllToAll with options (a) and (b), the protocol they run on. The target is <= 2 us per call.
+AllToAll with options (a) and (b), the protocol they run on, and again against those steps
+giving what their contract returns (new outputs, the counts read, int64 ids), made with torch
+by hand ("over direct + its outputs"): the layers' own work alone. The target is <= 2 us per
+call.
 Last, what deep_ep's normal-mode combine pays
 for returning the combined top-k weights (a second AllToAll), as a ratio to the same combine
 without them.
@@ -172,6 +175,27 @@ def main():
             tm.combine_send(tm_x)
             tm.combine_recv(tm_out)
 
+        # The same steps giving what the normal mode's contract returns, made with torch as a
+        # caller of the direct API would: new full-size outputs, the counts read, the received
+        # rows' views and int64 ids; the combine into a new output. Against these, what the
+        # layers add is their own work alone, not their contract's.
+        def outputs_dispatch():
+            cap = tc.expert_capacity
+            out = torch.empty(cap, HIDDEN, dtype=torch.bfloat16, device=dev)
+            counts = torch.empty(1 + EXPERTS, dtype=torch.int32, device=dev)
+            experts = torch.empty(cap, K, dtype=torch.int32, device=dev)
+            weights = torch.empty(cap, K, dtype=torch.float32, device=dev)
+            tm.dispatch_send(x, idx, w)
+            tm.dispatch_recv(out, counts[1:], num_rows=counts[:1], token_experts=experts,
+                             token_weights=weights)
+            read = counts.tolist()
+            r = read[0]
+            state["od"] = (out[:r], experts[:r].long(), weights[:r], read[1:])
+
+        def outputs_combine():
+            tm.combine_send(state["od"][0], num_rows=state["od"][0].shape[0])
+            tm.combine_recv(torch.empty(TOKENS, HIDDEN, dtype=torch.bfloat16, device=dev))
+
         normal = deep_ep.Buffer(bootstrap, num_nvl_bytes=1 << 20, engine=engine,
                                 ranks_per_node=1, explicitly_destroy=True)
         layout = normal.get_dispatch_layout(idx, EXPERTS)
@@ -207,13 +231,18 @@ def main():
                  "deep_ep normal (V1)": ((token_major_dispatch, token_major_combine),
                                          (normal_dispatch, normal_combine)),
                  "deep_ep ElasticBuffer (V2)": ((token_major_dispatch, token_major_combine),
-                                                (v2_dispatch, v2_combine))}
+                                                (v2_dispatch, v2_combine)),
+                 "V1 over direct + its outputs": ((outputs_dispatch, outputs_combine),
+                                                  (normal_dispatch, normal_combine)),
+                 "V2 over direct + its outputs": ((outputs_dispatch, outputs_combine),
+                                                  (v2_dispatch, v2_combine))}
         with ctx:
             # The layers' AllToAlls exist after a first call, made on the stream the timed calls
             # run on (the one they take as their own: see ferry.deep_ep's _stream_of).
             ll_dispatch()
             ll_combine()
-            for first in (normal_dispatch, normal_combine, v2_dispatch, v2_combine):
+            for first in (normal_dispatch, normal_combine, v2_dispatch, v2_combine,
+                          outputs_dispatch, outputs_combine):
                 first()
             # Last, the pairs again with the bindings reading and making tensors through
             # torch's Python API instead of ferry._ferry_torch (where that is loaded).

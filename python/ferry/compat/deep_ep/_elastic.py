@@ -211,13 +211,16 @@ class ElasticBuffer:
         """ferry's answer: its kernels size their own grids (a dispatch's send kernel takes
         what is resident at once), so the SMs a step may use are the device's; num_sms given to
         dispatch and combine is kept, not used. 1 on the CPU."""
-        if not torch.cuda.is_available():
-            return 1
-        device = torch.cuda.current_device()
+        return self._device_sms(torch.cuda.current_device() if torch.cuda.is_available()
+                                else -1)
+
+    def _device_sms(self, device):
+        """get_theoretical_num_sms of `device` (Tensor.get_device()'s ordinal), asked once: a
+        dispatch whose caller gives no num_sms asks at every call."""
         sms = self._sms.get(device)
-        if sms is None:  # asked at every dispatch whose caller gives no num_sms
-            sms = self._sms[device] = torch.cuda.get_device_properties(
-                device).multi_processor_count
+        if sms is None:
+            sms = self._sms[device] = (1 if device < 0 else torch.cuda.get_device_properties(
+                device).multi_processor_count)
         return sms
 
     def get_theoretical_num_qps(self, num_sms):
@@ -403,7 +406,7 @@ class ElasticBuffer:
             return recv_x, recv_idx, recv_weights, cached, event
         out_handle = EPHandle(
             bool(do_expand), num_experts, expert_alignment, m,
-            num_sms or self.get_theoretical_num_sms(num_experts, k),
+            num_sms or self._device_sms(rows_x.get_device()),
             topk_idx.clone() if do_handle_copy else topk_idx, rows,
             per_expert if do_cpu_sync else None, psum, ferry_handle,
             num_expanded_tokens=total if do_expand else 0,
