@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <functional>
 #include <string>
 #include <utility>
@@ -149,9 +150,14 @@ Status RunRank(const Case& c, Bootstrap& b) {
   std::vector<int32_t> gpu_rows(1), experts(size_t(cap) * c.k), gpu_experts(experts.size());
   std::vector<float> weights(experts.size()), gpu_weights(experts.size());
   Gpu<int32_t> d_rows, d_experts;
+  Gpu<int64_t> d_experts64;
   Gpu<float> d_token_weights;
+  // Odd ranks' GPUs write 64-bit ids (DispatchOutput::token_experts64), even ranks' 32-bit:
+  // each case checks both against the host's.
+  const bool wide_ids = b.rank() % 2 == 1;
+  std::vector<int64_t> gpu_experts64(wide_ids ? experts.size() : 0);
   RETURN_IF_ERROR(d_rows.Alloc(1));
-  RETURN_IF_ERROR(d_experts.Alloc(experts.size()));
+  RETURN_IF_ERROR(wide_ids ? d_experts64.Alloc(experts.size()) : d_experts.Alloc(experts.size()));
   RETURN_IF_ERROR(d_token_weights.Alloc(weights.size()));
   DispatchOutput host_out{out_x.data(), out_scales.data(), counts.data()};
   DispatchOutput gpu_out{d_out_x.p, d_out_scales.p, d_counts.p};
@@ -190,7 +196,8 @@ Status RunRank(const Case& c, Bootstrap& b) {
     host_out.token_experts = experts.data();
     host_out.token_weights = weights.data();
     gpu_out.num_rows = d_rows.p;
-    gpu_out.token_experts = d_experts.p;
+    gpu_out.token_experts = wide_ids ? nullptr : d_experts.p;
+    gpu_out.token_experts64 = wide_ids ? d_experts64.p : nullptr;
     gpu_out.token_weights = d_token_weights.p;
   }
 
@@ -240,7 +247,20 @@ Status RunRank(const Case& c, Bootstrap& b) {
     RETURN_IF_ERROR(d_out_scales.Get(gpu_out_scales));
     if (token_major) {
       RETURN_IF_ERROR(d_rows.Get(gpu_rows));
-      RETURN_IF_ERROR(d_experts.Get(gpu_experts));
+      if (wide_ids) {
+        RETURN_IF_ERROR(d_experts64.Get(gpu_experts64));
+        // Whole 64-bit values in the received rows (a 32-bit write would leave the high half
+        // as it was), then compared as the host's.
+        const size_t written = size_t(std::max(gpu_rows[0], 0)) * size_t(c.k);
+        for (size_t i = 0; i < gpu_experts64.size(); ++i) {
+          CHECK_OR_RETURN(i >= written ||
+                              (gpu_experts64[i] >= -1 && gpu_experts64[i] < cfg.local_experts()),
+                          "64-bit token expert " + std::to_string(gpu_experts64[i]) + at);
+          gpu_experts[i] = static_cast<int32_t>(gpu_experts64[i]);
+        }
+      } else {
+        RETURN_IF_ERROR(d_experts.Get(gpu_experts));
+      }
       RETURN_IF_ERROR(d_token_weights.Get(gpu_weights));
       RETURN_IF_ERROR(CompareTokenMajor(cfg, host_out, rows, gpu_rows[0], gpu_out_x,
                                         gpu_out_scales, gpu_experts, gpu_weights, gpu_counts));

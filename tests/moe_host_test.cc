@@ -112,6 +112,7 @@ class RankRun {
     out_counts_.assign(size_t(l), -1);
     expert_out_.assign(size_t(l * cap * cfg_.combine_row_bytes()), 0);
     token_experts_.assign(size_t(cap) * c_.k, -2);
+    token_experts64_.assign(size_t(cap) * c_.k, int64_t{1} << 40);
     token_weights_.assign(size_t(cap) * c_.k, -1.0f);
     return Status::Ok();
   }
@@ -129,11 +130,28 @@ class RankRun {
     DispatchOutput out{out_x_.data(), out_scales_.data(), out_counts_.data()};
     if (token_major_) {
       out.num_rows = &num_rows_;
-      out.token_experts = token_experts_.data();
+      // Odd ranks take 64-bit ids (DispatchOutput::token_experts64): whole values, checked as
+      // the 32-bit ones once narrowed.
+      if (b_.rank() % 2) {
+        out.token_experts64 = token_experts64_.data();
+      } else {
+        out.token_experts = token_experts_.data();
+      }
       out.token_weights = token_weights_.data();
     }
     RETURN_IF_ERROR(a2a_->DispatchRecv(out, Deadline::After(30s)));
-    if (token_major_) return CheckTokenMajor(c_, cfg_, all_, out, expert_out_);
+    if (token_major_) {
+      if (out.token_experts64) {
+        for (size_t i = 0; i < size_t(num_rows_) * size_t(c_.k); ++i) {
+          const int64_t e = token_experts64_[i];
+          CHECK_OR_RETURN(e >= -1 && e < cfg_.local_experts(),
+                          "64-bit token expert " + std::to_string(e));
+          token_experts_[i] = static_cast<int32_t>(e);
+        }
+        out.token_experts = token_experts_.data();
+      }
+      return CheckTokenMajor(c_, cfg_, all_, out, expert_out_);
+    }
     const int l = cfg_.local_experts(), n = cfg_.world_size, h = cfg_.hidden;
     const int64_t cap = cfg_.expert_capacity(), row = cfg_.token_bytes();
     const int64_t spt = cfg_.scales_per_token();
@@ -261,6 +279,7 @@ class RankRun {
   std::vector<uint8_t> expert_out_;  // the combine's element (AllToAllConfig::combine_row_bytes)
   int32_t num_rows_ = -1;
   std::vector<int32_t> token_experts_;
+  std::vector<int64_t> token_experts64_;
   std::vector<float> token_weights_;
 };
 

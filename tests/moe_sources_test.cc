@@ -215,5 +215,35 @@ TEST(MoeSourcesTest, RefusedWhereRowsHaveNoSingleSender) {
   EXPECT_NE(s.message().find("source_ranks"), std::string::npos) << s.ToString();
 }
 
+// A token-major receive writes its ids at one width: 32-bit (token_experts) or 64-bit
+// (token_experts64), either alone, never both.
+TEST(MoeOutputChecksTest, TokenMajorIdsTakeOneWidth) {
+  AllToAllConfig c{.world_size = 2, .rank = 0, .num_experts = 8, .experts_per_token = 2,
+                   .max_tokens_per_rank = 4, .hidden = 128, .dispatch_once_per_rank = true,
+                   .combine_reduce_at_expert_rank = true,
+                   .dispatch_layout = DispatchLayout::kTokenMajor};
+  ASSERT_TRUE(c.Validate().ok());
+  uint16_t x[8 * 128];
+  int32_t counts[4], num_rows, narrow[16];
+  int64_t wide[16];
+  float weights[16];
+  DispatchOutput out{.x = x, .num_tokens = counts, .num_rows = &num_rows,
+                     .token_weights = weights};
+  Status s = moe::CheckDispatchOutput(c, out);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+  out.token_experts = narrow;
+  EXPECT_TRUE(moe::CheckDispatchOutput(c, out).ok());
+  out.token_experts64 = wide;
+  s = moe::CheckDispatchOutput(c, out);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+  EXPECT_NE(s.message().find("both"), std::string::npos) << s.ToString();
+  out.token_experts = nullptr;
+  EXPECT_TRUE(moe::CheckDispatchOutput(c, out).ok());
+  c.dispatch_layout = DispatchLayout::kExpertMajor;
+  s = moe::CheckDispatchOutput(c, out);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+  EXPECT_NE(s.message().find("expert-major"), std::string::npos) << s.ToString();
+}
+
 }  // namespace
 }  // namespace ferry

@@ -318,6 +318,9 @@ struct FERRY_API DispatchOutput {
   int32_t* num_rows = nullptr;       // [1] rows received
   int32_t* token_experts = nullptr;  // [expert_capacity, experts_per_token] column k: the local
                                      // expert of the token's k-th copy, -1 if not ours
+  // The same as 64-bit ids instead (what torch indexes with: the int64 ids DeepEP returns,
+  // written without a widening pass); exactly one of the two.
+  int64_t* token_experts64 = nullptr;
   float* token_weights = nullptr;    // [expert_capacity, experts_per_token] column k: its
                                      // combine weight, 0 if not ours
   // Expert-major only. 0: x is [local_experts, expert_capacity] rows. p >= 1: the experts'

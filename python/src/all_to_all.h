@@ -143,7 +143,8 @@ class PyAllToAll {
   // Python allocations. Returns (x [expert_capacity, hidden] of `dtype` on `device`, scales
   // [expert_capacity, scales per row] float32 or None (fp8 rows), counts [1 + local experts]
   // int32 (the rows received, then the copies per local expert: one read gives the host both),
-  // token_experts int32 and token_weights float32 [expert_capacity, k], source_tokens and
+  // token_experts int64 (torch's index type, as DeepEP returns its ids) and token_weights
+  // float32 [expert_capacity, k], source_tokens and
   // source_ranks [expert_capacity] int32 (each row's token in its sender, and its sender;
   // with `sources`) or None, None).
   py::tuple DispatchRecvNew(const py::handle& dtype, int device, bool sources, double timeout) {
@@ -159,7 +160,7 @@ class PyAllToAll {
                             ? EmptyTensor(torch.float32, {rows, c.scales_per_token()}, device, &sa)
                             : py::none();
     py::object counts = EmptyTensor(torch.int32, {1 + c.local_experts()}, device, &ca);
-    py::object experts = EmptyTensor(torch.int32, {rows, k}, device, &ea);
+    py::object experts = EmptyTensor(torch.int64, {rows, k}, device, &ea);
     py::object weights = EmptyTensor(torch.float32, {rows, k}, device, &wa);
     py::object tokens = sources ? EmptyTensor(torch.int32, {rows}, device, &ta) : py::none();
     py::object ranks = sources ? EmptyTensor(torch.int32, {rows}, device, &ka) : py::none();
@@ -228,10 +229,16 @@ class PyAllToAll {
             "token_weights: required"));
       }
       Check(tm.num_rows, {"num_rows", 4, true, 'i', 4});
-      Check(tm.token_experts, {"token_experts", entries * 4, true, 'i', 4});
+      // int32 ids, or int64 (what torch indexes with), written as they are.
+      const int id_bytes = tm.token_experts->item_bytes == 8 ? 8 : 4;
+      Check(tm.token_experts, {"token_experts", entries * id_bytes, true, 'i', id_bytes});
       Check(tm.token_weights, {"token_weights", entries * 4, true, 'f', 4});
       out.num_rows = static_cast<int32_t*>(tm.num_rows->pointer());
-      out.token_experts = static_cast<int32_t*>(tm.token_experts->pointer());
+      if (id_bytes == 8) {
+        out.token_experts64 = static_cast<int64_t*>(tm.token_experts->pointer());
+      } else {
+        out.token_experts = static_cast<int32_t*>(tm.token_experts->pointer());
+      }
       out.token_weights = static_cast<float*>(tm.token_weights->pointer());
       used.insert(used.end(),
                   {tm.num_rows->owner, tm.token_experts->owner, tm.token_weights->owner});

@@ -124,7 +124,8 @@ void BindMoe(py::module_& m) {
            "in x's config.padded_rows(p) rows, each rounded up to p rows; with expert_rows r "
            "x [local_experts, r, hidden] (an expert sent more than r copies: ResourceExhausted, "
            "the AllToAll unusable); token-major also "
-           "num_rows [1], token_experts and token_weights [expert_capacity, k]; scales as x's "
+           "num_rows [1], token_experts (int32 or int64) and token_weights [expert_capacity, "
+           "k]; scales as x's "
            "rows (fp8). Peers' data is checked before it is used (DataLoss naming the sender). "
            "wait_cost [world_size] int64: the time waited for each sender added to it "
            "(nanoseconds on the host device, GPU clock cycles on the CUDA device). "
@@ -137,7 +138,7 @@ void BindMoe(py::module_& m) {
            "Token-major: dispatch_recv into tensors it makes on `device` (Tensor.get_device(): "
            "-1 the CPU), returned as (x [expert_capacity, hidden] of torch dtype `dtype`, "
            "scales [expert_capacity, scales per row] float32 or None, counts [1 + local "
-           "experts] int32 (num_rows, then num_tokens), token_experts, token_weights, "
+           "experts] int32 (num_rows, then num_tokens), token_experts (int64), token_weights, "
            "source_tokens and source_ranks [expert_capacity] int32 (with sources; else None, "
            "None))")
       .def("combine_send", &PyAllToAll::CombineSend, py::arg("expert_out"),

@@ -240,10 +240,16 @@ Status CheckDispatchOutput(const AllToAllConfig& c, const DispatchOutput& out) {
     return InvalidArgumentError("DispatchRecv: null output buffer");
   }
   const bool token_major = c.dispatch_layout == DispatchLayout::kTokenMajor;
-  const bool has_token_fields = out.num_rows || out.token_experts || out.token_weights;
-  if (token_major && !(out.num_rows && out.token_experts && out.token_weights)) {
+  const bool has_token_fields =
+      out.num_rows || out.token_experts || out.token_experts64 || out.token_weights;
+  if (token_major &&
+      !(out.num_rows && (out.token_experts || out.token_experts64) && out.token_weights)) {
     return InvalidArgumentError(
         "DispatchRecv: the token-major layout needs num_rows, token_experts and token_weights");
+  }
+  if (out.token_experts && out.token_experts64) {
+    return InvalidArgumentError(
+        "DispatchRecv: token_experts and token_experts64 both given (one of them)");
   }
   if (out.expert_padding < 0 || (token_major && out.expert_padding != 0)) {
     return InvalidArgumentError("DispatchRecv: expert_padding " +

@@ -239,6 +239,7 @@ Status CudaDevice::DispatchRecv(const DispatchOutput& out, uint64_t /*epoch*/, D
       BudgetNs(deadline),
       out.num_rows,
       out.token_experts,
+      out.token_experts64,
       out.token_weights,
       out.expert_padding,
       out.expert_padding ? c_.padded_rows(out.expert_padding) : int64_t{nv_.local_experts} * block,

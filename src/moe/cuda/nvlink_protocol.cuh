@@ -222,6 +222,7 @@ struct RecvArgs {
   uint64_t timeout_ns;
   int32_t* num_rows;       // token-major: [1]
   int32_t* token_experts;  // token-major: [capacity, K]
+  int64_t* token_experts64;  // token-major, instead of token_experts: [capacity, K]
   float* token_weights;    // token-major: [capacity, K]
   int32_t padding;         // expert-major: 0, or DispatchOutput::expert_padding
   int64_t out_rows;        // the rows out_x holds (a placement at or past them is dropped)

@@ -277,7 +277,8 @@ __device__ void UnpackSlots(const Nv& v, const RecvArgs& a, const SlotTables& t,
           weight = entry.weight;
         }
       }
-      a.token_experts[g * v.topk + tid] = expert;
+      if (a.token_experts) a.token_experts[g * v.topk + tid] = expert;
+      if (a.token_experts64) a.token_experts64[g * v.topk + tid] = expert;
       a.token_weights[g * v.topk + tid] = weight;
     }
     // The slot's vectors into every entry's output row (the row, then its scales), batch by

@@ -251,11 +251,15 @@ class HostDevice final : public MoeDevice {
           if (out.source_ranks) out.source_ranks[g] = s;
           std::memcpy(static_cast<uint8_t*>(out.x) + g * payload, body, payload);
           if (spt) std::memcpy(out.scales + g * spt, body + payload, spt * 4);
-          std::fill_n(out.token_experts + int64_t{g} * k, k, -1);
-          std::fill_n(out.token_weights + int64_t{g} * k, k, 0.0f);
+          const int64_t first = int64_t{g} * k;
+          if (out.token_experts) std::fill_n(out.token_experts + first, k, -1);
+          if (out.token_experts64) std::fill_n(out.token_experts64 + first, k, int64_t{-1});
+          std::fill_n(out.token_weights + first, k, 0.0f);
           for (int i = 0; i < header.entries; ++i) {
-            out.token_experts[int64_t{g} * k + entries[i].k] = entries[i].local_expert;
-            out.token_weights[int64_t{g} * k + entries[i].k] = entries[i].weight;
+            const int64_t at = first + entries[i].k;
+            if (out.token_experts) out.token_experts[at] = entries[i].local_expert;
+            if (out.token_experts64) out.token_experts64[at] = entries[i].local_expert;
+            out.token_weights[at] = entries[i].weight;
           }
           // One combine row per slot (options (a) and (b)).
           token_routes_[g] = Route{s, row, 1.0f};

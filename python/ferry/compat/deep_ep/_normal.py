@@ -257,7 +257,7 @@ class _Normal:
                       rows=r)
         if every_count is not None:
             return out_x, None, None, per_expert_list, new, event, received
-        recv_topk_idx = rows_experts.long()
+        recv_topk_idx = rows_experts  # int64, as the receive wrote them
         recv_topk_weights = rows_weights if topk_weights is not None else None
         return out_x, recv_topk_idx, recv_topk_weights, per_expert_list, new, event, received
 
