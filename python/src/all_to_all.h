@@ -138,47 +138,6 @@ class PyAllToAll {
                        {Pointer(ra), Pointer(ea), Pointer(wa)}, timeout, expert_padding,
                        Pointer(ca), expert_rows, {Pointer(ta), Pointer(ga), Pointer(ka)});
   }
-  // A token-major dispatch_recv into tensors it makes (EmptyTensor), for the layers whose calls
-  // return new ones (ferry.deep_ep's normal mode): made in C++, they cost a fraction of torch's
-  // Python allocations. Returns (x [expert_capacity, hidden] of `dtype` on `device`, scales
-  // [expert_capacity, scales per row] float32 or None (fp8 rows), counts [1 + local experts]
-  // int32 (the rows received, then the copies per local expert: one read gives the host both),
-  // token_experts int64 (torch's index type, as DeepEP returns its ids) and token_weights
-  // float32 [expert_capacity, k], source_tokens and
-  // source_ranks [expert_capacity] int32 (each row's token in its sender, and its sender;
-  // with `sources`) or None, None).
-  py::tuple DispatchRecvNew(const py::handle& dtype, int device, bool sources, double timeout) {
-    const AllToAllConfig& c = config();
-    if (c.dispatch_layout != DispatchLayout::kTokenMajor) {
-      ThrowIfError(InvalidArgumentError("dispatch_recv_new: for a token-major AllToAll"));
-    }
-    const Torch& torch = Torch::Get();
-    const int64_t rows = c.expert_capacity(), k = c.experts_per_token;
-    Array xa, sa, ca, ea, wa, ta, ka;
-    py::object x = EmptyTensor(dtype.ptr(), {rows, c.hidden}, device, &xa);
-    py::object scales = c.scales_per_token() > 0
-                            ? EmptyTensor(torch.float32, {rows, c.scales_per_token()}, device, &sa)
-                            : py::none();
-    py::object counts = EmptyTensor(torch.int32, {1 + c.local_experts()}, device, &ca);
-    py::object experts = EmptyTensor(torch.int64, {rows, k}, device, &ea);
-    py::object weights = EmptyTensor(torch.float32, {rows, k}, device, &wa);
-    py::object tokens = sources ? EmptyTensor(torch.int32, {rows}, device, &ta) : py::none();
-    py::object ranks = sources ? EmptyTensor(torch.int32, {rows}, device, &ka) : py::none();
-    const Array num_rows = Part(ca, 0, 1), per_expert = Part(ca, 1, c.local_experts());
-    DispatchRecvArrays(xa, per_expert, scales.is_none() ? nullptr : &sa,
-                       {&num_rows, &ea, &wa}, timeout, 0, nullptr, 0,
-                       {sources ? &ta : nullptr, nullptr, sources ? &ka : nullptr});
-    return py::make_tuple(x, scales, counts, experts, weights, tokens, ranks);
-  }
-  // Items [first, first + count) of a flat view of `a`'s (contiguous) items.
-  static Array Part(const Array& a, int64_t first, int64_t count) {
-    Array p = a;
-    p.data += static_cast<uint64_t>(first * a.item_bytes);
-    p.num_bytes = static_cast<uint64_t>(count * a.item_bytes);
-    p.shape = {count};
-    return p;
-  }
-
   // What a token-major DispatchRecv writes besides the rows (null: expert-major).
   struct TokenMajorArrays {
     const Array* num_rows = nullptr;
@@ -628,5 +587,11 @@ class PyAllToAll {
   void* stream_ = nullptr;  // the stream the steps go on (set_stream's or a layer's, adopted)
   int busy_ = 0;  // steps running with the GIL released (the GIL guards the count)
 };
+
+// A token-major dispatch_recv of `a2a` into tensors it makes (EmptyTensor), for the layers whose
+// calls return new ones (ferry.deep_ep's normal mode); what it returns is dispatch_recv_new's
+// docstring's (moe.cc). torch_tensors.cc.
+py::tuple DispatchRecvNew(PyAllToAll& a2a, const py::handle& dtype, int device, bool sources,
+                          double timeout);
 
 }  // namespace ferry::python

@@ -342,8 +342,7 @@ void BindCompat(py::module_& m) {
       "One AllToAll of a compatibility layer's pool, busy while a call holds it")
       .def(py::init<py::object>(), py::arg("a2a"))
       .def_readonly("a2a", &PooledAllToAll::a2a)
-      .def_readwrite("busy", &PooledAllToAll::busy)
-      .def_readwrite("streamed", &PooledAllToAll::streamed);
+      .def_readwrite("busy", &PooledAllToAll::busy);
   py::class_<PyPplx>(m, "PplxSteps",
                      "pplx-garden's dispatch and combine over a ferry.AllToAll (what "
                      "ferry.pplx.AllToAll subclasses; construct that instead)")

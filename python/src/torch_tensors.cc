@@ -1,10 +1,12 @@
 // Tensors through ferry._ferry_torch (torch_api.h) where it loads, else through torch's Python
-// API: the loader, the switch, and the allocation the layers' calls make their outputs with.
+// API: the loader, the switch, the allocation the layers' calls make their outputs with, and
+// the token-major receive into tensors it makes (DispatchRecvNew).
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "all_to_all.h"
 #include "binding.h"
 #include "compat.h"
 #include "fast_call.h"
@@ -136,6 +138,44 @@ PyMethodDef first_rows_def = {
     "as a tuple"};
 
 }  // namespace
+
+namespace {
+
+// Items [first, first + count) of a flat view of `a`'s (contiguous) items.
+Array Part(const Array& a, int64_t first, int64_t count) {
+  Array p = a;
+  p.data += static_cast<uint64_t>(first * a.item_bytes);
+  p.num_bytes = static_cast<uint64_t>(count * a.item_bytes);
+  p.shape = {count};
+  return p;
+}
+
+}  // namespace
+
+py::tuple DispatchRecvNew(PyAllToAll& a2a, const py::handle& dtype, int device, bool sources,
+                          double timeout) {
+  const AllToAllConfig& c = a2a.config();
+  if (c.dispatch_layout != DispatchLayout::kTokenMajor) {
+    ThrowIfError(InvalidArgumentError("dispatch_recv_new: for a token-major AllToAll"));
+  }
+  const Torch& torch = Torch::Get();
+  const int64_t rows = c.expert_capacity(), k = c.experts_per_token;
+  Array xa, sa, ca, ea, wa, ta, ka;
+  py::object x = EmptyTensor(dtype.ptr(), {rows, c.hidden}, device, &xa);
+  py::object scales = c.scales_per_token() > 0
+                          ? EmptyTensor(torch.float32, {rows, c.scales_per_token()}, device, &sa)
+                          : py::none();
+  py::object counts = EmptyTensor(torch.int32, {1 + c.local_experts()}, device, &ca);
+  py::object experts = EmptyTensor(torch.int64, {rows, k}, device, &ea);
+  py::object weights = EmptyTensor(torch.float32, {rows, k}, device, &wa);
+  py::object tokens = sources ? EmptyTensor(torch.int32, {rows}, device, &ta) : py::none();
+  py::object ranks = sources ? EmptyTensor(torch.int32, {rows}, device, &ka) : py::none();
+  const Array num_rows = Part(ca, 0, 1), per_expert = Part(ca, 1, c.local_experts());
+  a2a.DispatchRecvArrays(xa, per_expert, scales.is_none() ? nullptr : &sa, {&num_rows, &ea, &wa},
+                         timeout, 0, nullptr, 0,
+                         {sources ? &ta : nullptr, nullptr, sources ? &ka : nullptr});
+  return py::make_tuple(x, scales, counts, experts, weights, tokens, ranks);
+}
 
 void BindTorchGlue(py::module_& m) {
   py::object first_rows =

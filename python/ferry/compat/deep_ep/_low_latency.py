@@ -22,7 +22,7 @@ class _LowLatency:
         """What the C++ base asks for where no AllToAll of a shape is idle: one (made where
         none is idle), with its two output sets, added to the C++ base and left idle there."""
         key = ("ll", x.get_device(), m, x.shape[1], num_experts, k, use_fp8)
-        pooled = self._acquire(key, x, lambda: self._ll_fields(key), comm=False)
+        pooled = self._acquire(key, x, lambda: self._ll_fields(key))
         self._ll_sets(pooled, x, (m, num_experts, k), use_fp8, use_ue8m0)
         pooled.busy = False
 

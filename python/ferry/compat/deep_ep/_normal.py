@@ -193,8 +193,7 @@ class _Normal:
         pooled = self._acquire(
             ("normal", x.get_device(), capacity, hidden, num_experts, k, fp8), x,
             lambda: _token_major(num_experts, k, capacity, hidden, dtype, self._forwarding,
-                                 self._partial_sums),
-            comm=False)  # its stream decided by _begin
+                                 self._partial_sums))
         a2a = pooled.a2a
         rows = self.group_size * capacity
         dev = x.device
@@ -362,8 +361,7 @@ class _Normal:
         # Forwarded as the main dispatch was: its rows arrive in the same order.
         pooled = self._acquire(key, x, lambda: _token_major(
             h.num_experts, h.k, capacity, width, _ferry.DispatchDtype.FP32, self._forwarding,
-            self._partial_sums),
-            comm=False)
+            self._partial_sums))
         wa2a = pooled.a2a
         main = h.pooled.a2a.stream  # None on the CPU
         try:

@@ -34,18 +34,14 @@ class _Streams:
                                                       dtype=torch.float32, device=x.device)
         return t
 
-    def _acquire(self, key, x, fields, comm):
+    def _acquire(self, key, x, fields):
         """The idle AllToAll of `key` (made from fields(), the config's keywords, when there is
         none: the call that makes it is the only one that builds them). The key names x's
-        device (Tensor.get_device()). With `comm` its steps go on the communication stream,
-        unless an earlier call gave it the caller's (see _stream_of)."""
+        device (Tensor.get_device()). Its stream is decided at its first call (_stream_of):
+        the low-latency calls' C++ does it, the normal mode's _begin."""
         pooled = self._group.acquire(key)
         if pooled is None:
             pooled = self._create(key, x, fields)
-        if comm and x.is_cuda and not pooled.streamed:
-            if pooled.a2a.stream is None:
-                self._stream_for(pooled)
-            pooled.streamed = True
         return pooled
 
     def _create(self, key, x, fields):
