@@ -588,10 +588,4 @@ class PyAllToAll {
   int busy_ = 0;  // steps running with the GIL released (the GIL guards the count)
 };
 
-// A token-major dispatch_recv of `a2a` into tensors it makes (EmptyTensor), for the layers whose
-// calls return new ones (ferry.deep_ep's normal mode); what it returns is dispatch_recv_new's
-// docstring's (moe.cc). torch_tensors.cc.
-py::tuple DispatchRecvNew(PyAllToAll& a2a, const py::handle& dtype, int device, bool sources,
-                          double timeout);
-
 }  // namespace ferry::python

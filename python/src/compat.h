@@ -23,6 +23,8 @@ struct Torch {
   PyObject* int64;
   PyObject* uint32;  // null before torch 2.3
   PyObject* uint8;
+  PyObject* bool_;
+  PyObject* fp8;  // float8_e4m3fn, or uint8 (the same bytes) before torch 2.1
   py::handle tensor_type;
   py::handle current_stream;  // (ordinal) -> the current cudaStream_t as an int
   py::handle empty_like;      // torch.empty_like
@@ -33,9 +35,11 @@ struct Torch {
       auto dtype = [&](const char* name) {
         return py::hasattr(torch, name) ? py::object(torch.attr(name)).release().ptr() : nullptr;
       };
+      PyObject* const e4m3 = dtype("float8_e4m3fn");
       Torch t{
           dtype("bfloat16"), dtype("float16"), dtype("float32"), dtype("int32"), dtype("int64"),
-          dtype("uint32"), dtype("uint8"), py::object(torch.attr("Tensor")).release(),
+          dtype("uint32"), dtype("uint8"), dtype("bool"), e4m3 ? e4m3 : dtype("uint8"),
+          py::object(torch.attr("Tensor")).release(),
           // torch's raw accessor where it has one (what compilers built on torch call),
           // else ferry's Python one over torch.cuda.current_stream.
           py::object(py::hasattr(torch.attr("_C"), "_cuda_getCurrentRawStream")

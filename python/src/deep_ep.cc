@@ -26,6 +26,7 @@
 #include "binding.h"
 #include "compat.h"
 #include "deep_ep_handle.h"
+#include "deep_ep_normal.h"
 #include "fast_call.h"
 
 namespace ferry::python {
@@ -43,16 +44,17 @@ struct Names {
   }
 };
 
-class PyDeepEpLowLatency {
+class PyDeepEpBuffer {
  public:
   // done: deep_ep's finished EventOverlap, what a call that waits returns.
   // handle_type: the tuple subclass V1's low-latency handles are made of (LowLatencyHandle).
-  PyDeepEpLowLatency(int world, double timeout, py::object done, py::object handle_type)
+  PyDeepEpBuffer(int world, double timeout, py::object done, py::object handle_type)
       : world_(world),
         timeout_(timeout),
         done_(std::move(done)),
         handle_type_(std::move(handle_type)),
-        torch_(Torch::Get()) {
+        torch_(Torch::Get()),
+        normal_(world, timeout, done_) {
     CheckTimeout(timeout);
     if (!PyType_Check(handle_type_.ptr()) ||
         !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(handle_type_.ptr()), &PyTuple_Type)) {
@@ -84,7 +86,9 @@ class PyDeepEpLowLatency {
     entries_.clear();
     templates_.clear();
     closed_ = true;
+    normal_.Close();
   }
+  DeepEpNormal& normal() { return normal_; }
 
   static constexpr std::array<const char*, 11> kDispatchArgs{"x",
                                                              "topk_idx",
@@ -490,6 +494,7 @@ class PyDeepEpLowLatency {
   // Shared with the hooks a call returns: a hook outlives the call, and Add may move entries.
   std::vector<std::shared_ptr<Entry>> entries_;
   std::map<std::pair<int, int64_t>, std::vector<py::object>> templates_;
+  DeepEpNormal normal_;  // the normal-mode calls (deep_ep_normal.cc)
 };
 
 // A low-latency call as a METH_FASTCALL method of the layer: its arguments matched to `kNames`
@@ -497,7 +502,7 @@ class PyDeepEpLowLatency {
 template <const char* kCall, const auto& kNames, auto Call>
 PyObject* FastMethod(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
   return AsMethod([&]() -> PyObject* {
-    auto& layer = py::cast<PyDeepEpLowLatency&>(py::handle(self));
+    auto& layer = py::cast<PyDeepEpBuffer&>(py::handle(self));
     std::array<PyObject*, std::tuple_size_v<std::remove_cvref_t<decltype(kNames)>>> a;
     Match(kCall, kNames, 4, args, nargs, kwnames, a);
     return (layer.*Call)(self, a).release().ptr();
@@ -506,9 +511,9 @@ PyObject* FastMethod(PyObject* self, PyObject* const* args, Py_ssize_t nargs, Py
 constexpr char kDispatchName[] = "Buffer.low_latency_dispatch";
 constexpr char kCombineName[] = "Buffer.low_latency_combine";
 constexpr auto LowLatencyDispatch =
-    &FastMethod<kDispatchName, PyDeepEpLowLatency::kDispatchArgs, &PyDeepEpLowLatency::Dispatch>;
+    &FastMethod<kDispatchName, PyDeepEpBuffer::kDispatchArgs, &PyDeepEpBuffer::Dispatch>;
 constexpr auto LowLatencyCombine =
-    &FastMethod<kCombineName, PyDeepEpLowLatency::kCombineArgs, &PyDeepEpLowLatency::Combine>;
+    &FastMethod<kCombineName, PyDeepEpBuffer::kCombineArgs, &PyDeepEpBuffer::Combine>;
 
 // The methods' text signatures (what inspect.signature and help() show) lead their docs.
 PyMethodDef dispatch_def{
@@ -535,10 +540,10 @@ PyMethodDef combine_def{
 
 void BindDeepEp(py::module_& m) {
   BindDeepEpHandle(m);
-  py::class_<PyDeepEpLowLatency> layer(
-      m, "DeepEpLowLatency",
-      "The low-latency calls of ferry.deep_ep.Buffer (what the Buffer subclasses; construct "
-      "that instead)");
+  py::class_<PyDeepEpBuffer> layer(
+      m, "DeepEpBuffer",
+      "The low-latency and normal-mode calls of ferry.deep_ep.Buffer (what the Buffer "
+      "subclasses; construct that instead)");
   layer
       .def(py::init<int, double, py::object, py::object>(), py::arg("world"), py::arg("timeout"),
            py::arg("done"), py::arg("handle_type"))
@@ -550,14 +555,21 @@ void BindDeepEp(py::module_& m) {
           },
           py::arg("handle"),
           "ferry's handle in a low-latency (V1 tuple) or normal-mode handle; None for another")
-      .def("_add_shape", &PyDeepEpLowLatency::Add, py::arg("device"), py::arg("m"),
+      .def("_add_shape", &PyDeepEpBuffer::Add, py::arg("device"), py::arg("m"),
            py::arg("hidden"), py::arg("experts"), py::arg("k"), py::arg("fp8"), py::arg("ue8m0"),
            py::arg("pooled"), py::arg("sets"), py::arg("ones"),
            "A shape's AllToAll and its two output sets, for the C++ path to take calls on")
-      .def("_close_shapes", &PyDeepEpLowLatency::Close,
-           "The Buffer destroyed: every later low-latency call is refused");
+      .def("_close_shapes", &PyDeepEpBuffer::Close,
+           "The Buffer destroyed: every later call is refused")
+      .def("_forget_normal", [](PyDeepEpBuffer& b) { b.normal().Forget(); },
+           "The normal-mode AllToAlls dropped: each shape's next call asks _normal_pool again");
+  m.def("deep_ep_rows", &DeepEpRows, py::arg("x"),
+        "A deep_ep normal-mode dispatch's x checked: (rows, scales or None)");
   AddFastMethod(layer, &dispatch_def);
   AddFastMethod(layer, &combine_def);
+  AddNormalMethods(layer, [](PyObject* self) -> DeepEpNormal& {
+    return py::cast<PyDeepEpBuffer&>(py::handle(self)).normal();
+  });
 }
 
 }  // namespace ferry::python

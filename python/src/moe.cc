@@ -2,6 +2,7 @@
 #include <pybind11/stl.h>
 
 #include "all_to_all.h"
+#include "torch_tensors.h"
 #include "binding.h"
 #include "ferry/moe.h"
 
@@ -133,8 +134,13 @@ void BindMoe(py::module_& m) {
            "(int32, one per row of x) each row's token index in its sender and its sender; "
            "expert-major also sender_ranges [local_experts, world_size] int64 (first row << 32) "
            "| rows of each sender in each expert's block")
-      .def("dispatch_recv_new", &DispatchRecvNew, py::arg("dtype"),
-           py::arg("device"), py::arg("sources") = false, py::arg("timeout") = 30.0,
+      .def("dispatch_recv_new",
+           [](PyAllToAll& a2a, const py::handle& dtype, int device, bool sources,
+              double timeout) {
+             return DispatchRecvNew(a2a, dtype, device, sources, timeout).Tuple();
+           },
+           py::arg("dtype"), py::arg("device"), py::arg("sources") = false,
+           py::arg("timeout") = 30.0,
            "Token-major: dispatch_recv into tensors it makes on `device` (Tensor.get_device(): "
            "-1 the CPU), returned as (x [expert_capacity, hidden] of torch dtype `dtype`, "
            "scales [expert_capacity, scales per row] float32 or None, counts [1 + local "

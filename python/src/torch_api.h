@@ -27,7 +27,7 @@ struct TorchFacts {
 };
 
 struct TorchApi {
-  static constexpr uint32_t kVersion = 1;
+  static constexpr uint32_t kVersion = 2;
   uint32_t version;  // kVersion of the module that filled it
   // Fills `facts` from `t`: false, no error set, where t is not a torch tensor of CPU or CUDA
   // memory with at most kTorchMaxDims dimensions.
@@ -41,6 +41,10 @@ struct TorchApi {
   // t[:count] (a view of t's first `count` rows; count past them: all of them). A new
   // reference, or null with a Python error set.
   PyObject* (*first_rows)(PyObject* t, int64_t count);
+  // t's first `bytes` bytes (t contiguous) copied to host memory at `dst`, ordered on the
+  // current stream of t's device and waited for, as Tensor.tolist() reads: false, with a Python
+  // error set, where that fails.
+  bool (*to_host)(PyObject* t, void* dst, int64_t bytes);
 };
 
 // The capsule's name, as PyCapsule_Import takes it (module.attribute).

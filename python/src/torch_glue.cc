@@ -67,7 +67,27 @@ PyObject* FirstRows(PyObject* object, int64_t count) {
   }
 }
 
-TorchApi api{TorchApi::kVersion, Describe, Empty, FirstRows};
+bool ToHost(PyObject* object, void* dst, int64_t bytes) {
+  if (!THPVariable_Check(object)) {
+    PyErr_SetString(PyExc_TypeError, "ferry._ferry_torch: not a torch tensor");
+    return false;
+  }
+  try {
+    const at::Tensor& t = THPVariable_Unpack(object);
+    if (!t.is_contiguous() || bytes < 0 || bytes > t.numel() * t.element_size()) {
+      PyErr_SetString(PyExc_ValueError, "ferry._ferry_torch: to_host past the tensor");
+      return false;
+    }
+    const at::Tensor from = t.view({-1}).view(at::kByte).slice(0, 0, bytes);
+    at::from_blob(dst, {bytes}, at::TensorOptions().dtype(at::kByte)).copy_(from);
+    return true;
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return false;
+  }
+}
+
+TorchApi api{TorchApi::kVersion, Describe, Empty, FirstRows, ToHost};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT,
                           "_ferry_torch",

@@ -1,12 +1,13 @@
 // Tensors through ferry._ferry_torch (torch_api.h) where it loads, else through torch's Python
 // API: the loader, the switch, the allocation the layers' calls make their outputs with, and
 // the token-major receive into tensors it makes (DispatchRecvNew).
+#include "torch_tensors.h"
+
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include "all_to_all.h"
 #include "binding.h"
 #include "compat.h"
 #include "fast_call.h"
@@ -83,25 +84,9 @@ PyObject* FirstRows(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     if (nargs < 1) throw py::type_error("first_rows() takes the count, then tensors");
     const int64_t count = Int("count", args[0]);
     if (count < 0) Invalid("first_rows: count " + std::to_string(count) + " (at least 0)");
-    const TorchApi* glue = TorchGlue();
     py::tuple out(nargs - 1);
-    py::object slice;  // without the glue: t[slice(0, count)]
     for (Py_ssize_t i = 1; i < nargs; ++i) {
-      PyObject* t = args[i];
-      PyObject* view;
-      if (t == Py_None) {
-        view = py::none().release().ptr();
-      } else if (glue) {
-        view = glue->first_rows(t, count);
-      } else {
-        if (!slice) {
-          slice = py::reinterpret_steal<py::object>(
-              PySlice_New(py::int_(0).ptr(), py::int_(count).ptr(), nullptr));
-        }
-        view = PyObject_GetItem(t, slice.ptr());
-      }
-      if (!view) throw py::error_already_set();
-      PyTuple_SET_ITEM(out.ptr(), i - 1, view);
+      PyTuple_SET_ITEM(out.ptr(), i - 1, FirstRowsOf(args[i], count).release().ptr());
     }
     return out.release().ptr();
   });
@@ -152,8 +137,22 @@ Array Part(const Array& a, int64_t first, int64_t count) {
 
 }  // namespace
 
-py::tuple DispatchRecvNew(PyAllToAll& a2a, const py::handle& dtype, int device, bool sources,
-                          double timeout) {
+py::object FirstRowsOf(const py::handle& t, int64_t count) {
+  if (t.is_none()) return py::none();
+  PyObject* view;
+  if (const TorchApi* glue = TorchGlue()) {
+    view = glue->first_rows(t.ptr(), count);
+  } else {
+    const py::object slice = py::reinterpret_steal<py::object>(
+        PySlice_New(py::int_(0).ptr(), py::int_(count).ptr(), nullptr));
+    view = PyObject_GetItem(t.ptr(), slice.ptr());
+  }
+  if (!view) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(view);
+}
+
+ReceivedTensors DispatchRecvNew(PyAllToAll& a2a, const py::handle& dtype, int device,
+                                bool sources, double timeout) {
   const AllToAllConfig& c = a2a.config();
   if (c.dispatch_layout != DispatchLayout::kTokenMajor) {
     ThrowIfError(InvalidArgumentError("dispatch_recv_new: for a token-major AllToAll"));
@@ -174,7 +173,8 @@ py::tuple DispatchRecvNew(PyAllToAll& a2a, const py::handle& dtype, int device, 
   a2a.DispatchRecvArrays(xa, per_expert, scales.is_none() ? nullptr : &sa, {&num_rows, &ea, &wa},
                          timeout, 0, nullptr, 0,
                          {sources ? &ta : nullptr, nullptr, sources ? &ka : nullptr});
-  return py::make_tuple(x, scales, counts, experts, weights, tokens, ranks);
+  return {std::move(x),       std::move(scales), std::move(counts), std::move(experts),
+          std::move(weights), std::move(tokens), std::move(ranks),  std::move(ca)};
 }
 
 void BindTorchGlue(py::module_& m) {

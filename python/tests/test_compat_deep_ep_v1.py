@@ -199,6 +199,40 @@ class DeepEpV1NamesTest(unittest.TestCase):
         self.assertTrue(torch.equal(out, x))  # each token: its two copies, half each
         buf.destroy()
 
+    def test_the_normal_mode_runs_in_cpp_and_a_refused_call_holds_nothing(self):
+        """dispatch and combine are the C++ base's methods (one call from Python, no frame of
+        ours between); a dispatch refused for what the Buffer's size decides (num_worst_tokens
+        past every rank's rows) is refused before its steps, so the shape's AllToAll stays
+        free: the next dispatch of the shape runs, on the same one, and its handle combines
+        once."""
+        from ferry import _ferry, deep_ep
+        for name in ("dispatch", "combine"):
+            self.assertIs(inspect.getattr_static(deep_ep.Buffer, name).__objclass__,
+                          _ferry.DeepEpBuffer, name)
+        buf = deep_ep.Buffer(None, comm=FakeMpiComm(), num_nvl_bytes=1 << 16,
+                             explicitly_destroy=True)
+        x = torch.arange(4 * 128, dtype=torch.float32).view(4, 128).to(torch.bfloat16)
+        idx = torch.tensor([[0, 1], [1, -1], [2, 3], [3, 0]], dtype=deep_ep.topk_idx_t)
+        layout = buf.get_dispatch_layout(idx, 4)
+        args = dict(num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
+                    num_tokens_per_expert=layout[2], topk_idx=idx)
+        rows = (1 << 16) // (128 * 2 + 4 + 16)  # what 64 KiB hold of one rank's rows
+        with self.assertRaisesRegex(ferry.InvalidArgument,
+                                    f"num_worst_tokens {rows + 1}: more than the {rows} rows"):
+            buf.dispatch(x, num_worst_tokens=rows + 1, **args)
+        recv, recv_idx, _, per_expert, handle, _ = buf.dispatch(x, **args)
+        self.assertEqual(per_expert, [2, 2, 1, 2])  # rows per local expert (all four here)
+        self.assertEqual(recv_idx.dtype, torch.int64)
+        self.assertEqual(len(buf._group.all_to_alls("normal")), 1)
+        out, weights, _ = buf.combine(recv, handle)
+        self.assertIsNone(weights)
+        self.assertTrue(torch.equal(out, x))  # one rank: each token's one row
+        with self.assertRaisesRegex(ferry.InvalidArgument, "combined already"):
+            buf.combine(recv, handle)
+        buf.destroy()
+        with self.assertRaisesRegex(ferry.InvalidArgument, "destroyed"):
+            buf.dispatch(x, **args)
+
     def test_check_nvlink_connections_agrees_with_torch(self):
         """utils.check_nvlink_connections(group) raises exactly where two GPUs of this host cannot
         reach each other's memory, as torch reports it (needs two GPUs to check anything)."""

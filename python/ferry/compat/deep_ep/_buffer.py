@@ -15,7 +15,7 @@ from ._shrink import _Shrink, rejoin_from_env
 from ._streams import _Streams
 
 
-class Buffer(_LowLatency, _Normal, _Shrink, _Streams, _ferry.DeepEpLowLatency):
+class Buffer(_LowLatency, _Normal, _Shrink, _Streams, _ferry.DeepEpBuffer):
     """DeepEP's communication buffer: dispatch and combine among the ranks of `group`.
 
     group: a torch.distributed ProcessGroup (gloo or NCCL; None for the default group), or a
@@ -33,9 +33,10 @@ class Buffer(_LowLatency, _Normal, _Shrink, _Streams, _ferry.DeepEpLowLatency):
     rank and world from FERRY_RANK and FERRY_WORLD_SIZE where rejoin is the default) and
     `group` is not used.
 
-    low_latency_dispatch and low_latency_combine are the C++ base's (_ferry.DeepEpLowLatency),
-    written once there: every argument checked, every form run; it asks _ll_shape here for a
-    shape's AllToAll and output sets.
+    low_latency_dispatch, low_latency_combine, dispatch and combine are the C++ base's
+    (_ferry.DeepEpBuffer), written once there: every argument checked, every form run; it asks
+    the mixins here by name for what stays Python (a shape's AllToAll, the streams' torch
+    objects, the torch work of the less common forms).
     """
 
     num_sms = 20

@@ -375,8 +375,7 @@ class ElasticBuffer:
         # received copies per local expert come counted by ferry, on the device.
         recv_x, recv_idx, recv_weights, per_expert, ferry_handle, event, got = buf._dispatch(
             rows_x, scales, topk_idx, topk_weights, num_experts, expert_alignment, worst,
-            previous, async_with_compute_stream, epilogue=epilogue,
-            sources=buf._forwarding == _ferry.Forwarding.PER_RANK)
+            previous, async_with_compute_stream, epilogue)
         rows = (recv_x[0] if isinstance(recv_x, tuple) else recv_x).shape[0]
         psum = made.get("psum")
         if do_cpu_sync:

@@ -85,11 +85,6 @@ def _round_up(n, to):
     return (n + to - 1) // to * to
 
 
-# What a combine needs of its dispatch (the handle a dispatch returns); the C++ path makes them
-# too.
-_Handle = _ferry.DeepEpHandle
-
-
 class LowLatencyHandle(tuple):
     """DeepEP V1's low-latency handle, as V1 lays it out for callers that index it: (src_info
     [num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank] int32: each received
@@ -152,32 +147,5 @@ class NormalHandle(tuple):
     rank, and each node: inclusive prefix sums; the senders' rows lie in rank order). The rest
     -- the channel matrices, the send heads, recv_src_meta, and rank_prefix_matrix, which
     holds every rank's receive counts -- are NotKept, as are the sums under node-once
-    forwarding, whose rows come from forwarders. `_ferry` holds what ferry's combine needs."""
-
-    @classmethod
-    def make(cls, ferry_handle, received, is_token_in_rank, world, ranks_per_node):
-        """The handle of a dispatch (received: its _Received, its rows counted)."""
-        if world <= ranks_per_node:
-            src_idx = (received.src_idx if received.src_idx is not None
-                       else _NOT_KEPT["recv_src_idx"])
-            items = (_NOT_KEPT["rank_prefix_matrix"], _NOT_KEPT["channel_prefix_matrix"],
-                     _NOT_KEPT["recv_channel_prefix_matrix"], src_idx, is_token_in_rank,
-                     _NOT_KEPT["send_head"])
-        else:
-            per_rank = received.rows_per_sender(world)
-            if per_rank is not None:
-                gbl = torch.cumsum(per_rank, 0).to(torch.int32)
-                rdma = torch.cumsum(per_rank.view(-1, ranks_per_node).sum(1), 0).to(torch.int32)
-            else:
-                gbl = _NOT_KEPT["recv_gbl_rank_prefix_sum"]
-                rdma = _NOT_KEPT["recv_rdma_rank_prefix_sum"]
-            items = (is_token_in_rank, _NOT_KEPT["rdma_channel_prefix_matrix"],
-                     _NOT_KEPT["gbl_channel_prefix_matrix"],
-                     _NOT_KEPT["recv_rdma_channel_prefix_matrix"], rdma,
-                     _NOT_KEPT["recv_gbl_channel_prefix_matrix"], gbl,
-                     _NOT_KEPT["recv_src_meta"], _NOT_KEPT["send_rdma_head"],
-                     _NOT_KEPT["send_nvl_head"])
-        handle = cls(items)
-        handle._ferry = ferry_handle
-        return handle
-
+    forwarding, whose rows come from forwarders. `_ferry` holds what ferry's combine needs. The
+    dispatch's C++ makes them (python/src/deep_ep_normal.cc)."""

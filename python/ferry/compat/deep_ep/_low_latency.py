@@ -1,5 +1,5 @@
 """DeepEP's low-latency mode over an expert-major AllToAll. Its two calls are the C++ base's
-(_ferry.DeepEpLowLatency: every argument checked, every form run there); here, what it asks
+(_ferry.DeepEpBuffer: every argument checked, every form run there); here, what it asks
 for (a shape's AllToAll and output sets) and the combine buffer."""
 
 import torch

@@ -5,9 +5,9 @@ import torch
 
 
 from ... import _ferry
-from .._group import check_tensor, fp8_dtype
-from ..._errors import Error, InvalidArgument, ResourceExhausted
-from ._events import EventOverlap, NormalHandle, _Handle, _round_up, _token_major
+from .._group import check_tensor
+from ..._errors import Error, InvalidArgument
+from ._events import _NOT_KEPT, EventOverlap, NormalHandle, _round_up, _token_major
 
 
 class _Received:
@@ -81,198 +81,84 @@ class _Normal:
         return (num_tokens_per_rank, per_rdma, num_tokens_per_expert, is_token_in_rank,
                 EventOverlap(None))
 
-    def _normal_capacity(self, hidden):
-        """Tokens per rank a normal-mode dispatch takes: what num_nvl_bytes + num_rdma_bytes
-        hold of every rank's rows of this hidden size (at least one)."""
-        per_token = self.group_size * (hidden * 2 + hidden // 128 * 4 + 16)
-        return max(1, (self.num_nvl_bytes + self.num_rdma_bytes) // per_token)
+    # ---- what the C++ calls ask for by name (python/src/deep_ep_normal.cc) ------------------
 
-    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
-                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None,
-                 topk_weights=None, expert_alignment=1, num_worst_tokens=0, config=None,
-                 previous_event=None, async_finish=False, allocate_on_comm_stream=False):
-        """(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle,
-        event); with a handle (a cached dispatch: the routing of that dispatch again), (recv_x,
-        None, None, None, None, event). x: [tokens, hidden] bf16, or (x e4m3, scales [tokens,
-        hidden / 128] fp32). The layout arguments must be get_dispatch_layout's for topk_idx;
-        ferry routes from topk_idx itself."""
-        self._check_open("dispatch")
-        x, x_scales = self._rows(x)
-        tokens, hidden = x.shape
-        every_count = None  # without topk_idx: num_tokens_per_expert, the counts' source
-        cached = None
-        if handle is not None:
-            if topk_idx is not None or topk_weights is not None:
-                raise InvalidArgument("a cached dispatch (handle) takes no topk_idx / "
-                                      "topk_weights: the handle's are used")
-            cached = self._normal_handle(handle, "dispatch")
-            if cached.in_flight:
-                raise InvalidArgument("dispatch: the handle's dispatch is not combined yet")
-            topk_idx, topk_weights = cached.topk_idx, cached.topk_weights
-            num_experts = cached.num_experts
-            if tokens != cached.tokens or hidden != cached.hidden:
-                raise InvalidArgument(f"x: shape {(tokens, hidden)}, the handle's dispatch had "
-                                      f"{(cached.tokens, cached.hidden)}")
-        else:
-            if num_tokens_per_expert is None:
-                raise InvalidArgument("num_tokens_per_expert: required (get_dispatch_layout's)")
-            check_tensor("num_tokens_per_expert", num_tokens_per_expert, None, 1)
-            num_experts = num_tokens_per_expert.numel()
-            if num_experts % self.group_size:
-                raise InvalidArgument(f"num_experts {num_experts}: not divisible by "
-                                      f"{self.group_size} ranks")
-            for name, t, n in (("num_tokens_per_rank", num_tokens_per_rank, self.group_size),
-                               ("is_token_in_rank", is_token_in_rank, None)):
-                if t is None:
-                    raise InvalidArgument(f"{name}: required (get_dispatch_layout's)")
-                if n is not None and t.numel() != n:
-                    raise InvalidArgument(f"{name}: {t.numel()} entries, expected {n}")
-            if topk_idx is None:
-                self._check_rank_routing(is_token_in_rank, topk_weights, num_worst_tokens, x)
-                # One expert per rank; the ids are made once the AllToAll's stream is ordered.
-                every_count, num_experts = num_tokens_per_expert, self.group_size
-        out = self._dispatch(x, x_scales, topk_idx, topk_weights, num_experts, expert_alignment,
-                             num_worst_tokens, previous_event, async_finish, cached, every_count,
-                             is_token_in_rank,
-                             sources=self._forwarding == _ferry.Forwarding.PER_RANK)
-        if cached is not None:
-            return out[:6]
-        new, got = out[4], out[6]
-        handle = NormalHandle.make(new, got, is_token_in_rank, self.group_size,
-                                   self._group.ranks_per_node())
-        return out[:4] + (handle, out[5])
+    # x checked as dispatch() takes it: (rows, scales or None).
+    _rows = staticmethod(_ferry.deep_ep_rows)
 
-    @staticmethod
-    def _rows(x):
-        """(x, scales or None) from a dispatch's x, checked: bf16 rows, or (e4m3 rows, fp32
-        scales per 128 columns)."""
-        x, x_scales = x if isinstance(x, tuple) else (x, None)
-        fp8 = x_scales is not None
-        check_tensor("x", x, (fp8_dtype(), torch.uint8) if fp8 else torch.bfloat16, 2)
-        tokens, hidden = x.shape
-        if hidden % (128 if fp8 else 16):
-            raise InvalidArgument(f"x: hidden {hidden} is not a multiple of "
-                                  f"{128 if fp8 else 16} ({'fp8' if fp8 else 'bf16'} rows)")
-        if fp8:
-            check_tensor("x scales", x_scales, torch.float32, 2, x.get_device())
-            if tuple(x_scales.shape) != (tokens, hidden // 128):
-                raise InvalidArgument(f"x scales: shape {tuple(x_scales.shape)}, expected "
-                                      f"{(tokens, hidden // 128)}")
-        return x, x_scales
+    def _normal_settings(self):
+        """What the normal-mode calls read of the Buffer, asked at the first call (and again
+        after its AllToAlls were dropped): (num_nvl_bytes + num_rdma_bytes, whether each row's
+        sender and token are known (per-rank forwarding), ranks per node, _Received,
+        NormalHandle, the NotKept entries)."""
+        return (self.num_nvl_bytes + self.num_rdma_bytes,
+                self._forwarding == _ferry.Forwarding.PER_RANK, self._group.ranks_per_node(),
+                _Received, NormalHandle, _NOT_KEPT)
 
-    def _dispatch(self, x, x_scales, topk_idx, topk_weights, num_experts, expert_alignment,
-                  num_worst_tokens, previous_event, async_finish, cached=None, every_count=None,
-                  is_token_in_rank=None, epilogue=None, sources=False):
-        """dispatch() past its layout arguments, x checked (_rows): what ElasticBuffer calls,
-        routing from topk_idx alone. Its six results, then a _Received of what the caller did
-        not see (the counts ferry made, and with `sources` each row's sender and token).
-        epilogue(received): torch ops on it that must be done when the dispatch is
-        (ElasticBuffer's statistics, prefix sums and expanded layout): run on the AllToAll's
-        stream after its steps and before the finishing event, so that a caller that waits for
-        the event (async_finish) reads them done."""
-        fp8 = x_scales is not None
-        tokens, hidden = x.shape
-        if expert_alignment < 1:
-            raise InvalidArgument(f"expert_alignment {expert_alignment}: at least 1")
-        if every_count is None:
-            check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), 2, x.get_device())
-            if topk_idx.shape[0] != tokens:
-                raise InvalidArgument(f"topk_idx: {topk_idx.shape[0]} rows, x has {tokens}")
-            if topk_weights is not None:
-                check_tensor("topk_weights", topk_weights, torch.float32, 2, x.get_device())
-                if topk_weights.shape != topk_idx.shape:
-                    raise InvalidArgument(f"topk_weights: shape {tuple(topk_weights.shape)}, "
-                                          f"topk_idx {tuple(topk_idx.shape)}")
-        capacity = self._normal_capacity(hidden)
-        if tokens > capacity:
-            raise ResourceExhausted(
-                f"dispatch: {tokens} tokens, the Buffer's num_nvl_bytes + num_rdma_bytes hold "
-                f"{capacity} per rank at hidden {hidden} ({self.group_size} ranks): make it larger")
-        k = self.group_size if every_count is not None else topk_idx.shape[1]
+    def _normal_pool(self, x, capacity, hidden, num_experts, k, fp8):
+        """An idle normal-mode AllToAll of the shape, taken (made, collectively, where none
+        is)."""
         dtype = _ferry.DispatchDtype.FP8_E4M3 if fp8 else _ferry.DispatchDtype.BF16
-        pooled = self._acquire(
+        return self._acquire(
             ("normal", x.get_device(), capacity, hidden, num_experts, k, fp8), x,
             lambda: _token_major(num_experts, k, capacity, hidden, dtype, self._forwarding,
                                  self._partial_sums))
-        a2a = pooled.a2a
-        rows = self.group_size * capacity
-        dev = x.device
-        try:
-            current = self._begin(pooled, x, previous_event, async_finish)
-            weights = (topk_weights if topk_weights is not None
-                       else self._constant(x, capacity, k, 1.0, a2a, current))
-            if every_count is not None:  # rank r's column holds r where the token goes there
-                with self._on_comm(a2a, current, dev):
-                    topk_idx = torch.where(is_token_in_rank, torch.arange(
-                        k, dtype=torch.int32, device=dev), -1).int()
-            a2a.dispatch_send(x, topk_idx, weights, x_scales, tokens)
-            # The outputs made by the receive (on the caller's stream: DeepEP's
-            # allocate_on_comm_stream=False); the received row count and the per-expert counts
-            # side by side (read_back), so that one read to the host gives both.
-            recv, recv_scales, read_back, experts, weights_out, src_tokens, src_ranks = \
-                a2a.dispatch_recv_new(x.dtype, x.get_device(), sources, self._timeout)
-        except BaseException:
-            pooled.busy = False
-            raise
-        if num_worst_tokens > 0:
-            # No wait for the count: rows past it hold no token (experts -1, weights 0).
-            if num_worst_tokens > rows:
-                raise InvalidArgument(f"num_worst_tokens {num_worst_tokens}: more than the "
-                                      f"{rows} rows ranks can send here")
-            with self._on_comm(a2a, current, x.device):
-                live = torch.arange(num_worst_tokens, device=dev) < read_back[:1].long()
-                experts[:num_worst_tokens].masked_fill_(~live[:, None], -1)
-                weights_out[:num_worst_tokens].masked_fill_(~live[:, None], 0.0)
-        received = _Received(read_back, src_tokens, src_ranks, recv, recv_scales, experts,
-                             weights_out,
-                             None if current is None or a2a.stream == current
-                             else torch.cuda.current_stream(dev))
-        if epilogue is not None:
-            with self._on_comm(a2a, current, x.device):
-                received.made = epilogue(received) or ()
-        event = self._end(a2a, current, async_finish, (x, x_scales, topk_idx, weights),
-                          (recv, recv_scales, read_back, experts, weights_out, src_tokens,
-                           src_ranks) +
-                          tuple(received.made))
-        if num_worst_tokens > 0:
-            r = num_worst_tokens
-            per_expert_list = []
-        else:
-            event.current_stream_wait()
-            read = read_back.tolist()
-            r = read[0]
-            got = (read[1:] if every_count is None
-                   else self._received_per_expert(every_count))
-            per_expert_list = (got if expert_alignment == 1 else
-                               [_round_up(int(c), expert_alignment) for c in got])
-        # The received rows, as views: one C++ call for them all.
-        recv_x, rows_scales, rows_experts, rows_weights, received.src_idx = _ferry.first_rows(
-            r, recv, recv_scales, experts, weights_out, src_tokens)
-        out_x = (recv_x, rows_scales) if fp8 else recv_x
-        if cached is not None:
-            cached.pooled, cached.rows, cached.in_flight = pooled, r, True
-            return out_x, None, None, None, None, event, received
-        new = _Handle(pooled, tokens, k, hidden, num_experts, topk_idx, topk_weights=topk_weights,
-                      rows=r)
-        if every_count is not None:
-            return out_x, None, None, per_expert_list, new, event, received
-        recv_topk_idx = rows_experts  # int64, as the receive wrote them
-        recv_topk_weights = rows_weights if topk_weights is not None else None
-        return out_x, recv_topk_idx, recv_topk_weights, per_expert_list, new, event, received
 
-    def _check_rank_routing(self, is_token_in_rank, topk_weights, num_worst_tokens, x):
-        """What a dispatch without topk_idx (DeepEP routes by is_token_in_rank alone) takes."""
-        if topk_weights is not None:
-            raise InvalidArgument("topk_weights: given without topk_idx (the weights follow "
-                                  "the ids)")
-        if num_worst_tokens > 0:
-            raise InvalidArgument(f"num_worst_tokens {num_worst_tokens}: needs topk_idx (the "
-                                  "rows past those received are marked by their ids)")
-        world = self.group_size
-        check_tensor("is_token_in_rank", is_token_in_rank, torch.bool, 2, x.get_device())
-        if tuple(is_token_in_rank.shape) != (x.shape[0], world):
-            raise InvalidArgument(f"is_token_in_rank: shape {tuple(is_token_in_rank.shape)}, "
-                                  f"expected {(x.shape[0], world)}")
+    def _wait_previous(self, previous_event, a2a, current, device):
+        """The AllToAll's stream (the caller's where it has none yet) waits for
+        previous_event."""
+        (self._stream_of(a2a, current, device) or
+         torch.cuda.current_stream(device)).wait_event(previous_event.event)
+
+    def _rank_ids(self, is_token_in_rank, k, a2a, current, device):
+        """A dispatch routed by is_token_in_rank: rank r's column holds r where the token goes
+        there, else -1 (int32, made on the AllToAll's stream)."""
+        with self._on_comm(a2a, current, device):
+            return torch.where(is_token_in_rank, torch.arange(
+                k, dtype=torch.int32, device=device), -1).int()
+
+    def _mask_worst(self, experts, weights, read_back, worst, a2a, current, device):
+        """num_worst_tokens: the rows past those received hold no token (experts -1, weights
+        0), marked on the AllToAll's stream without a wait for the count."""
+        with self._on_comm(a2a, current, device):
+            live = torch.arange(worst, device=device) < read_back[:1].long()
+            experts[:worst].masked_fill_(~live[:, None], -1)
+            weights[:worst].masked_fill_(~live[:, None], 0.0)
+
+    def _received(self, a2a, current, device, read_back, tokens, senders, recv, scales, experts,
+                  weights):
+        """The dispatch's _Received (the caller's torch stream where the AllToAll's is
+        another)."""
+        caller = (None if current is None or a2a.stream == current
+                  else torch.cuda.current_stream(device))
+        return _Received(read_back, tokens, senders, recv, scales, experts, weights, caller)
+
+    def _run_epilogue(self, epilogue, received, a2a, current, device):
+        """epilogue(received) on the AllToAll's stream; what it made (kept until the
+        dispatch's event fires)."""
+        with self._on_comm(a2a, current, device):
+            received.made = tuple(epilogue(received) or ())
+        return received.made
+
+    def _rank_prefix_sums(self, received):
+        """V1's internode handle's recv_gbl_rank_prefix_sum and recv_rdma_rank_prefix_sum
+        (inclusive prefix sums of the rows from the senders up to each rank, and each node), or
+        None where the rows' senders are not known."""
+        per_rank = received.rows_per_sender(self.group_size)
+        if per_rank is None:
+            return None
+        per_node = self._group.ranks_per_node()
+        return (torch.cumsum(per_rank, 0).to(torch.int32),
+                torch.cumsum(per_rank.view(-1, per_node).sum(1), 0).to(torch.int32))
+
+    def _start_from_bias(self, out, biases, a2a, current, device):
+        """A combine with bias: out starts as it (a pair summed in fp32, rounded once), on the
+        AllToAll's stream, for the receive to add to."""
+        with self._on_comm(a2a, current, device):
+            if len(biases) == 1:
+                out.copy_(biases[0])
+            else:
+                out.copy_(biases[0].float() + biases[1].float())
 
     def _received_per_expert(self, num_tokens_per_expert):
         """Tokens this rank's experts receive, from every rank's num_tokens_per_expert (a host
@@ -289,58 +175,6 @@ class _Normal:
         return counts.view(self.group_size, experts)[:, mine_first:mine_first + local].sum(
             0).tolist()
 
-    def _normal_handle(self, handle, call):
-        """ferry's handle in a normal-mode one (V1's NormalHandle, or ElasticBuffer's)."""
-        if isinstance(handle, NormalHandle):
-            handle = handle._ferry
-        if not isinstance(handle, _Handle) or handle.rows is None:
-            raise InvalidArgument(f"{call}: handle is not one this Buffer's dispatch returned")
-        return handle
-
-    def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
-                async_finish=False, allocate_on_comm_stream=False):
-        """(combined_x [tokens, hidden] bf16: each token's rows from every rank that got it,
-        summed without weights, plus bias; combined_topk_weights [tokens, columns] fp32 or None;
-        event). bias: a [tokens, hidden] bf16 tensor or a pair of them, added in fp32 before the
-        rows (a pair is first summed in fp32 and rounded to bf16 once: DeepEP keeps that sum in
-        fp32). topk_weights: [received rows, columns] fp32, each token's rows summed over the
-        ranks that got it as its x rows are (a second, small AllToAll of fp32 rows on the same
-        stream; every rank passes it or none, or the ranks wait for each other until the
-        deadline)."""
-        self._check_open("combine")
-        h = self._live_handle(self._normal_handle(handle, "combine"), "combine")
-        check_tensor("x", x, torch.bfloat16, 2)
-        if tuple(x.shape) != (h.rows, h.hidden):
-            raise InvalidArgument(f"x: shape {tuple(x.shape)}, the dispatch received "
-                                  f"{(h.rows, h.hidden)}")
-        if topk_weights is not None:
-            check_tensor("topk_weights", topk_weights, torch.float32, 2, x.get_device())
-            if topk_weights.shape[0] != h.rows:
-                raise InvalidArgument(f"topk_weights: {topk_weights.shape[0]} rows, the "
-                                      f"dispatch received {h.rows}")
-        biases = self._biases(bias, h, x)
-        a2a = h.pooled.a2a
-        out = _ferry.empty(torch.bfloat16, x.get_device(), h.tokens, h.hidden)
-        combined_weights, kept = None, ()
-        try:
-            current = self._begin(h.pooled, x, previous_event, async_finish)
-            if biases:  # the sums start from the bias: out, taken with accumulate
-                with self._on_comm(a2a, current, x.device):
-                    if len(biases) == 1:
-                        out.copy_(biases[0])
-                    else:
-                        out.copy_(biases[0].float() + biases[1].float())
-            # Positional: pybind11 matches keywords by name, a microsecond a call.
-            a2a.combine_send(x, h.rows)
-            a2a.combine_recv(out, bool(biases), self._timeout)
-            if topk_weights is not None:
-                combined_weights, kept = self._combine_weights(h, x, topk_weights, current)
-        finally:
-            self._release(h)
-        return out, combined_weights, self._end(a2a, current, async_finish,
-                                                (x, topk_weights) + biases + kept,
-                                                (out, combined_weights))
-
     def _combine_weights(self, h, x, topk_weights, current):
         """combine's top-k weights, (the sums [tokens, columns], the padded tensors the
         caller's event keeps alive): an AllToAll of fp32 rows (the columns padded to 16) routed
@@ -354,7 +188,7 @@ class _Normal:
         dev = x.device
         columns = topk_weights.shape[1]
         width = _round_up(max(columns, 1), 16)
-        capacity = self._normal_capacity(h.hidden)
+        capacity = h.pooled.a2a.config.max_tokens_per_rank  # the main dispatch's
         rows = self.group_size * capacity
         local = h.num_experts // self.group_size
         key = ("normal-weights", x.get_device(), capacity, width, h.num_experts, h.k)

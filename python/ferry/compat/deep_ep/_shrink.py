@@ -140,6 +140,7 @@ class _Shrink:
         # The normal mode's AllToAlls included the lost rank: their steps fail from then on,
         # and the new process has none. They are remade, collectively, at their next call.
         self._group.drop("ll")
+        self._forget_normal()
         self._group.rebase(group, view["ranks_per_node"])
         self._masked = [0] * self.group_size
 

@@ -7,7 +7,6 @@ import torch
 
 
 from ... import _ferry
-from .._group import current_stream_handle
 from ..._errors import InvalidArgument
 from ._events import _DONE, EventOverlap, _NO_STREAM
 
@@ -37,8 +36,8 @@ class _Streams:
     def _acquire(self, key, x, fields):
         """The idle AllToAll of `key` (made from fields(), the config's keywords, when there is
         none: the call that makes it is the only one that builds them). The key names x's
-        device (Tensor.get_device()). Its stream is decided at its first call (_stream_of):
-        the low-latency calls' C++ does it, the normal mode's _begin."""
+        device (Tensor.get_device()). Its stream is decided at its first call (_stream_of), by
+        the calls' C++."""
         pooled = self._group.acquire(key)
         if pooled is None:
             pooled = self._create(key, x, fields)
@@ -99,36 +98,6 @@ class _Streams:
             stream = self._streams[s] = (torch.cuda.default_stream(device) if s == 0
                                          else torch.cuda.ExternalStream(s, device))
         return stream
-
-    @staticmethod
-    def _current(x):
-        """The caller's current stream (a handle) where x is on the GPU, else None."""
-        return current_stream_handle(x.get_device()) if x.is_cuda else None
-
-    def _begin(self, pooled, x, previous_event, async_finish):
-        """The normal mode's steps, made one by one: what the AllToAll enqueued before and has
-        finished let go (its kernels' errors raised), its stream decided at its first call (as
-        _stream_of says), then that stream ordered after the caller's, or after previous_event;
-        returns the caller's stream handle, for _end. The ordering is the AllToAll's own (an
-        event recorded and waited for in C++): torch's stream objects cost several microseconds
-        a call. The low-latency calls have the AllToAll do all of this in its dispatch() /
-        combine()."""
-        current = self._current(x)
-        if current is None:
-            return None
-        a2a = pooled.a2a
-        a2a.release_finished(current)
-        if a2a.stream is None:
-            if async_finish:
-                self._stream_for(pooled)
-            else:
-                a2a.adopt_stream(current)
-        if previous_event is not None and previous_event.event is not None:
-            (self._stream_of(a2a, current, x.device) or
-             torch.cuda.current_stream(x.device)).wait_event(previous_event.event)
-        elif a2a.stream != current:
-            a2a.order_after(current)
-        return current
 
     def _end(self, a2a, current, async_finish, inputs, outputs=(), waited=False, device=None):
         """DeepEP's finish: the caller's stream waits for the AllToAll's (done already where
