@@ -4,13 +4,14 @@ API, in one run.
 Each layer's dispatch and combine are timed against the same steps called directly on an
 AllToAll of the same shape, given the same ids (its buffers allocated once, as a caller of the
 direct API keeps them), the two interleaved iteration by iteration so that drift hits both
-alike: "added" is p50(layer) - p50(direct) per call. deep_ep's combine runs two ways: making its output (as
-SGLang calls it) and into the caller's (`out=`, as vLLM calls it). The layers are timed as a
+alike: "added" is p50(layer) - p50(direct) per call. deep_ep's combine runs two ways: making
+its output (as SGLang calls it) and into the caller's (`out=`, as vLLM calls it). The layers are timed as a
 caller runs them, unwrapped: their steps run in the binding's C++ with no Python call to time
 between them. deep_ep's normal mode (V1) and ElasticBuffer (V2) run against a token-major
 AllToAll with options (a) and (b), the protocol they run on, and again against those steps
-giving what their contract returns (new outputs, the counts read, int64 ids), made with torch
-by hand ("over direct + its outputs"): the layers' own work alone. The target is <= 2 us per
+giving what their contract returns (new outputs, the counts read, int64 ids, the rows' views)
+through the direct API's own calls for that (dispatch_recv_new, first_rows, empty: "over direct
++ its outputs"): the layers' own work alone. The target is <= 2 us per
 call.
 Last, what deep_ep's normal-mode combine pays
 for returning the combined top-k weights (a second AllToAll), as a ratio to the same combine
@@ -175,26 +176,25 @@ def main():
             tm.combine_send(tm_x)
             tm.combine_recv(tm_out)
 
-        # The same steps giving what the normal mode's contract returns, made with torch as a
-        # caller of the direct API would: new full-size outputs, the counts read, the received
-        # rows' views and int64 ids; the combine into a new output. Against these, what the
-        # layers add is their own work alone, not their contract's.
+        # The same steps giving what the normal mode's contract returns, as the direct API
+        # gives them: the receive into new tensors it makes (dispatch_recv_new: full-size
+        # outputs, int64 ids, the counts beside the rows received), the counts read, the
+        # received rows' views (_ferry.first_rows); the combine into a new output
+        # (_ferry.empty). Against these, what the layers add is their own work alone, not
+        # their contract's.
+        at = x.get_device()
+
         def outputs_dispatch():
-            cap = tc.expert_capacity
-            out = torch.empty(cap, HIDDEN, dtype=torch.bfloat16, device=dev)
-            counts = torch.empty(1 + EXPERTS, dtype=torch.int32, device=dev)
-            experts = torch.empty(cap, K, dtype=torch.int32, device=dev)
-            weights = torch.empty(cap, K, dtype=torch.float32, device=dev)
             tm.dispatch_send(x, idx, w)
-            tm.dispatch_recv(out, counts[1:], num_rows=counts[:1], token_experts=experts,
-                             token_weights=weights)
+            out, _, counts, experts, weights, _, _ = tm.dispatch_recv_new(x.dtype, at)
             read = counts.tolist()
             r = read[0]
-            state["od"] = (out[:r], experts[:r].long(), weights[:r], read[1:])
+            state["od"] = ferry._ferry.first_rows(r, out, experts, weights) + (read[1:],)
 
         def outputs_combine():
-            tm.combine_send(state["od"][0], num_rows=state["od"][0].shape[0])
-            tm.combine_recv(torch.empty(TOKENS, HIDDEN, dtype=torch.bfloat16, device=dev))
+            rows = state["od"][0]
+            tm.combine_send(rows, num_rows=rows.shape[0])
+            tm.combine_recv(ferry._ferry.empty(torch.bfloat16, at, TOKENS, HIDDEN))
 
         normal = deep_ep.Buffer(bootstrap, num_nvl_bytes=1 << 20, engine=engine,
                                 ranks_per_node=1, explicitly_destroy=True)
@@ -322,7 +322,8 @@ def main():
             continue
         if "new_empty_p50_us" in row:
             print(f"{name} of a combine's output, p50: as the layer makes it (empty_like) "
-                  f"{row['empty_like_p50_us']:.2f} us, x.new_empty {row['new_empty_p50_us']:.2f} us")
+                  f"{row['empty_like_p50_us']:.2f} us, "
+                  f"x.new_empty {row['new_empty_p50_us']:.2f} us")
             continue
         for call in ("dispatch", "combine"):
             print(f"{name:36} {call:9} {row[f'direct_{call}_p50_us']:9.2f} "

@@ -105,6 +105,7 @@ void BindMoe(py::module_& m);
 void BindKv(py::module_& m);
 void BindCompat(py::module_& m);
 void BindDeepEp(py::module_& m);
+void BindDeepEpElastic(py::module_& m);
 
 // The exception object (not raised) of a failed status, None for OK.
 py::object ErrorObject(const Status& status);

@@ -540,6 +540,7 @@ PyMethodDef combine_def{
 
 void BindDeepEp(py::module_& m) {
   BindDeepEpHandle(m);
+  BindDeepEpElastic(m);
   py::class_<PyDeepEpBuffer> layer(
       m, "DeepEpBuffer",
       "The low-latency and normal-mode calls of ferry.deep_ep.Buffer (what the Buffer "

@@ -37,29 +37,6 @@ struct DeepEpNormal::Entry {
   Array ones_array;
 };
 
-struct DeepEpNormal::Request {
-  py::object x, scales = py::none();  // scales None for bf16 rows
-  Array xa;
-  std::optional<Array> sa;
-  // topk_idx None: routed by is_token_in_rank.
-  py::object topk_idx = py::none(), topk_weights = py::none();
-  std::optional<Array> ia, wa;
-  int64_t experts = 0, alignment = 1, worst = 0;
-  py::object previous = py::none();  // an EventOverlap, or None
-  bool async = false;
-  std::shared_ptr<DeepEpHandle> cached;
-  // Routing by is_token_in_rank: both given.
-  py::object every_count = py::none(), is_token_in_rank = py::none();
-  py::object epilogue = py::none();
-  bool keep_received = false;  // make the _Received (ElasticBuffer reads it)
-};
-
-struct DeepEpNormal::Result {
-  py::object out_x, recv_idx, recv_weights, per_expert, event, received, src_idx;
-  std::shared_ptr<DeepEpHandle> handle;  // a new dispatch's (null for a cached one)
-  py::object handle_object;
-};
-
 namespace {
 
 // A dispatch's x: bf16 rows, or (e4m3 rows, fp32 scales per 128 columns), checked.
@@ -90,6 +67,8 @@ void Rows(PyObject* x, py::object& rows, py::object& scales, Array& xa, std::opt
 }
 
 }  // namespace
+
+void DeepEpNormal::Request::SetX(PyObject* x_given) { Rows(x_given, x, scales, xa, sa); }
 
 const DeepEpNormal::Settings& DeepEpNormal::Setup(PyObject* self) {
   if (!settings_) {
@@ -139,6 +118,7 @@ std::vector<int64_t> DeepEpNormal::ReadCounts(const py::object& read_back, const
 }
 
 DeepEpNormal::Result DeepEpNormal::Run(PyObject* self, Request& r) {
+  if (closed_) Invalid("dispatch: the Buffer was destroyed");
   const Settings& settings = Setup(self);
   const Torch& torch = Torch::Get();
   const Hooks& hooks = Hooks::Get();
@@ -272,6 +252,7 @@ DeepEpNormal::Result DeepEpNormal::Run(PyObject* self, Request& r) {
       }
     }
   }
+  out.rows = received_rows;
   // The received rows, as views.
   const py::object recv_x = FirstRowsOf(got.x, received_rows);
   out.out_x =
@@ -367,9 +348,8 @@ py::object DeepEpNormal::NormalHandle(PyObject* self, const Result& got,
 
 py::object DeepEpNormal::Dispatch(PyObject* self,
                                   const std::array<PyObject*, kDispatchArgs.size()>& a) {
-  if (closed_) Invalid("dispatch: the Buffer was destroyed");
   Request r;
-  Rows(a[0], r.x, r.scales, r.xa, r.sa);
+  r.SetX(a[0]);
   const int64_t tokens = r.xa.shape[0], hidden = r.xa.shape[1];
   auto given = [&](int i) { return !IsNone(a[size_t(i)]); };
   auto object = [&](int i) {
@@ -438,35 +418,6 @@ py::object DeepEpNormal::Dispatch(PyObject* self,
                         NormalHandle(self, got, is_token_in_rank), got.event);
 }
 
-py::object DeepEpNormal::CoreDispatch(PyObject* self,
-                                      const std::array<PyObject*, kCoreArgs.size()>& a) {
-  if (closed_) Invalid("dispatch: the Buffer was destroyed");
-  Request r;
-  // x and its scales apart, as the caller checked them (Buffer._rows); checked again here.
-  if (IsNone(a[1])) {
-    Rows(a[0], r.x, r.scales, r.xa, r.sa);
-  } else {
-    const py::tuple pair = py::make_tuple(py::handle(a[0]), py::handle(a[1]));
-    Rows(pair.ptr(), r.x, r.scales, r.xa, r.sa);
-  }
-  auto object = [&](size_t i) {
-    return IsNone(a[i]) ? py::object(py::none()) : py::reinterpret_borrow<py::object>(a[i]);
-  };
-  r.topk_idx = object(2);
-  if (r.topk_idx.is_none()) Invalid("dispatch: topk_idx (or a cached handle)");
-  r.topk_weights = object(3);
-  r.experts = Int("num_experts", a[4]);
-  r.alignment = IsNone(a[5]) ? 1 : Int("expert_alignment", a[5]);
-  r.worst = IsNone(a[6]) ? 0 : Int("num_worst_tokens", a[6]);
-  r.previous = object(7);
-  r.async = Flag(a[8], false);
-  r.epilogue = object(9);
-  r.keep_received = true;
-  Result got = Run(self, r);
-  return py::make_tuple(got.out_x, got.recv_idx, got.recv_weights, got.per_expert,
-                        got.handle_object, got.event, got.received);
-}
-
 namespace {
 
 DeepEpNormal& (*normal_of)(PyObject* self) = nullptr;
@@ -484,7 +435,6 @@ PyObject* NormalMethod(PyObject* self, PyObject* const* args, Py_ssize_t nargs, 
 }
 constexpr char kDispatch[] = "Buffer.dispatch";
 constexpr char kCombine[] = "Buffer.combine";
-constexpr char kCore[] = "Buffer._dispatch";
 
 template <auto Method>
 PyCFunction Fast() {
@@ -517,16 +467,6 @@ PyMethodDef combine_def{
     "added in fp32 before the rows (a pair is first summed in fp32 and rounded to bf16 once). "
     "topk_weights: [received rows, columns] fp32, summed over the ranks as the rows are (a "
     "second AllToAll; every rank passes it or none)"};
-PyMethodDef core_def{
-    "_dispatch",
-    Fast<&NormalMethod<kCore, DeepEpNormal::kCoreArgs, 5, &DeepEpNormal::CoreDispatch>>(),
-    METH_FASTCALL | METH_KEYWORDS,
-    "_dispatch($self, x, x_scales, topk_idx, topk_weights, num_experts, expert_alignment=1, "
-    "num_worst_tokens=0, previous_event=None, async_finish=False, epilogue=None)\n--\n\n"
-    "dispatch() routed from topk_idx alone (what ElasticBuffer calls): its six results, then "
-    "the _Received of what the caller did not see. epilogue(received): torch work run on the "
-    "AllToAll's stream after its steps and before the finishing event"};
-
 }  // namespace
 
 py::tuple DeepEpRows(const py::handle& x) {
@@ -537,11 +477,12 @@ py::tuple DeepEpRows(const py::handle& x) {
   return py::make_tuple(rows, scales);
 }
 
+DeepEpNormal& NormalOf(PyObject* buffer) { return normal_of(buffer); }
+
 void AddNormalMethods(py::handle cls, DeepEpNormal& (*of)(PyObject* self)) {
   normal_of = of;
   AddFastMethod(cls, &dispatch_def);
   AddFastMethod(cls, &combine_def);
-  AddFastMethod(cls, &core_def);
 }
 
 }  // namespace ferry::python

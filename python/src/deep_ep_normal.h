@@ -42,26 +42,45 @@ class DeepEpNormal {
   static constexpr std::array<const char*, 8> kCombineArgs{
       "x",      "handle",         "topk_weights", "bias",
       "config", "previous_event", "async_finish", "allocate_on_comm_stream"};
-  // The Buffer's _dispatch (what ElasticBuffer calls): routing from topk_idx alone, x's
-  // scales apart, and epilogue(received): torch work on the AllToAll's stream before the
-  // dispatch's event (_run_epilogue).
-  static constexpr std::array<const char*, 10> kCoreArgs{"x",
-                                                         "x_scales",
-                                                         "topk_idx",
-                                                         "topk_weights",
-                                                         "num_experts",
-                                                         "expert_alignment",
-                                                         "num_worst_tokens",
-                                                         "previous_event",
-                                                         "async_finish",
-                                                         "epilogue"};
+  // What a dispatch is asked: V1's arguments, or ElasticBuffer's (deep_ep_elastic.cc), as the
+  // core takes them.
+  struct Request {
+    py::object x, scales = py::none();  // scales None for bf16 rows
+    Array xa;
+    std::optional<Array> sa;
+    // topk_idx None: routed by is_token_in_rank.
+    py::object topk_idx = py::none(), topk_weights = py::none();
+    std::optional<Array> ia, wa;
+    int64_t experts = 0, alignment = 1, worst = 0;
+    py::object previous = py::none();  // an EventOverlap, or None
+    bool async = false;
+    std::shared_ptr<DeepEpHandle> cached;
+    // Routing by is_token_in_rank: both given.
+    py::object every_count = py::none(), is_token_in_rank = py::none();
+    // epilogue(received): torch work on the AllToAll's stream before the dispatch's event
+    // (_run_epilogue).
+    py::object epilogue = py::none();
+    bool keep_received = false;  // make the _Received (ElasticBuffer reads it)
+
+    // x checked: bf16 rows, or (e4m3 rows, fp32 scales per 128 columns).
+    void SetX(PyObject* x_given);
+  };
+  // What it gave: the received rows' views (out_x: rows, or (rows, scales)), the counts per
+  // local expert rounded up to the alignment (a list; empty with num_worst_tokens), the
+  // event, the _Received where it was made, and the new handle (null for a cached dispatch).
+  struct Result {
+    py::object out_x, recv_idx, recv_weights, per_expert, event, received, src_idx;
+    int64_t rows = 0;
+    std::shared_ptr<DeepEpHandle> handle;
+    py::object handle_object;
+  };
+
+  // The dispatch of `r` on the Buffer `self`.
+  Result Run(PyObject* self, Request& r);
 
   // V1's dispatch: (recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list,
   // handle, event); a cached one (recv_x, None, None, None, None, event).
   py::object Dispatch(PyObject* self, const std::array<PyObject*, kDispatchArgs.size()>& a);
-  // _dispatch: (recv_x, recv_topk_idx, recv_topk_weights, per_expert_list, ferry handle,
-  // event, received: a _Received).
-  py::object CoreDispatch(PyObject* self, const std::array<PyObject*, kCoreArgs.size()>& a);
   // V1's combine: (combined_x, combined_topk_weights, event).
   py::object Combine(PyObject* self, const std::array<PyObject*, kCombineArgs.size()>& a);
 
@@ -78,14 +97,9 @@ class DeepEpNormal {
   }
 
  private:
-  // What a dispatch is asked: V1's and _dispatch's arguments, checked.
-  struct Request;
-  // What it gave.
-  struct Result;
   struct Settings;
   struct Entry;
 
-  Result Run(PyObject* self, Request& r);
   const Settings& Setup(PyObject* self);
   std::shared_ptr<Entry> Take(PyObject* self, const py::handle& x, int device, int64_t capacity,
                               int64_t hidden, int64_t experts, int64_t k, bool fp8);
@@ -105,8 +119,10 @@ class DeepEpNormal {
 // (rows, scales or None).
 py::tuple DeepEpRows(const py::handle& x);
 
-// Adds dispatch, combine and _dispatch, as METH_FASTCALL methods, to the bound class `cls`,
-// whose instances hold a DeepEpNormal where `of(self)` finds it.
+// Adds dispatch and combine, as METH_FASTCALL methods, to the bound class `cls`, whose
+// instances hold a DeepEpNormal where `of(self)` finds it.
 void AddNormalMethods(py::handle cls, DeepEpNormal& (*of)(PyObject* self));
+// The DeepEpNormal of a Buffer (an instance of the class AddNormalMethods was given).
+DeepEpNormal& NormalOf(PyObject* buffer);
 
 }  // namespace ferry::python

@@ -45,6 +45,8 @@ struct TorchApi {
   // current stream of t's device and waited for, as Tensor.tolist() reads: false, with a Python
   // error set, where that fails.
   bool (*to_host)(PyObject* t, void* dst, int64_t bytes);
+  // t.clone(): a new reference, or null with a Python error set.
+  PyObject* (*clone)(PyObject* t);
 };
 
 // The capsule's name, as PyCapsule_Import takes it (module.attribute).

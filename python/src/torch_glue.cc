@@ -87,7 +87,20 @@ bool ToHost(PyObject* object, void* dst, int64_t bytes) {
   }
 }
 
-TorchApi api{TorchApi::kVersion, Describe, Empty, FirstRows, ToHost};
+PyObject* Clone(PyObject* object) {
+  if (!THPVariable_Check(object)) {
+    PyErr_SetString(PyExc_TypeError, "ferry._ferry_torch: not a torch tensor");
+    return nullptr;
+  }
+  try {
+    return THPVariable_Wrap(THPVariable_Unpack(object).clone());
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+TorchApi api{TorchApi::kVersion, Describe, Empty, FirstRows, ToHost, Clone};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT,
                           "_ferry_torch",

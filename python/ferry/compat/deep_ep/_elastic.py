@@ -45,36 +45,10 @@ class EPHandle:
     ferry's receiver knows no row's sender: the first two columns hold -1 and
     psum_num_recv_tokens_per_scaleup_rank has one entry, the rows received. V2's internal
     routing tables (dst_buffer_slot_idx, token_metadata_at_forward, channel_linked_list) have
-    no counterpart in ferry: None."""
-
-    def __init__(self, do_expand, num_experts, expert_alignment, num_max_tokens_per_rank,
-                 num_sms, topk_idx, num_recv_tokens, num_recv_tokens_per_expert_list,
-                 psum_num_recv_tokens_per_expert, ferry_handle, num_expanded_tokens=0,
-                 num_unaligned_recv_tokens_per_expert=None, slots=None, received=None,
-                 num_ranks=1, num_scaleup_ranks=1):
-        self.do_expand = do_expand
-        self.num_experts = num_experts
-        self.expert_alignment = expert_alignment
-        self.num_max_tokens_per_rank = num_max_tokens_per_rank
-        self.num_sms = num_sms
-        self.topk_idx = topk_idx
-        self.num_recv_tokens = num_recv_tokens
-        self.num_expanded_tokens = num_expanded_tokens
-        self.num_recv_tokens_per_expert_list = num_recv_tokens_per_expert_list
-        # A tensor, or (with the CPU sync) the host's prefix sums, copied over at the first
-        # reading: a copy at every dispatch would cost a host-to-device transfer few callers
-        # read.
-        self._psum = psum_num_recv_tokens_per_expert
-        self.num_unaligned_recv_tokens_per_expert = num_unaligned_recv_tokens_per_expert
-        self.dst_buffer_slot_idx = None
-        self.token_metadata_at_forward = None
-        self.channel_linked_list = None
-        self._ferry = ferry_handle
-        self._slots = slots  # expanded: [rows, k] each copy's row in recv_x, -1 none
-        self._received = received  # the dispatch's _Received: the rows' origins
-        self._scaleup = num_scaleup_ranks
-        self._world = num_ranks
-        self._metadata = self._psum_scaleup = None
+    no counterpart in ferry: None. The dispatch's C++ makes them (python/src/deep_ep_elastic.cc
+    sets their attributes: _psum the prefix sums, a host list until read, _ferry ferry's handle,
+    _slots each copy's row where expanded, _received the dispatch's _Received, _world and
+    _scaleup the ranks and scale-up ranks, _metadata and _psum_scaleup None until read)."""
 
     @property
     def recv_src_metadata(self):
@@ -128,7 +102,7 @@ class EPHandle:
         return torch.cumsum(per_peer, 0).to(torch.int32)
 
 
-class ElasticBuffer:
+class ElasticBuffer(_ferry.DeepEpElastic):
     """DeepEP V2's ElasticBuffer for expert parallelism among the ranks of `group` (a
     torch.distributed ProcessGroup or a ferry.Bootstrap). Sized from num_bytes, or from the MoE
     settings (num_max_tokens_per_rank, hidden). allow_hybrid_mode on several nodes of several
@@ -145,6 +119,7 @@ class ElasticBuffer:
                  prefer_overlap_with_compute=True, sl_idx=3, num_allocated_qps=0,
                  num_cpu_timeout_secs=300, num_gpu_timeout_secs=100, explicitly_destroy=False,
                  *, engine=None, ranks_per_node=None):
+        super().__init__()  # the C++ base, which reads _elastic_settings at the first call
         _group.refuse("num_cpu_bytes", num_cpu_bytes, 0,
                       "CPU buffers (Engram storage) are not supported")
         if num_bytes is None:
@@ -262,94 +237,29 @@ class ElasticBuffer:
 
     # ---- expert parallelism -----------------------------------------------------------------
 
-    def dispatch(self, x, topk_idx=None, topk_weights=None,
-                 cumulative_local_expert_recv_stats=None, num_experts=None,
-                 num_max_tokens_per_rank=None, expert_alignment=None, num_sms=0, num_qps=0,
-                 previous_event=None, previous_event_before_epilogue=None,
-                 async_with_compute_stream=False, allocate_on_comm_stream=False, handle=None,
-                 do_handle_copy=True, do_cpu_sync=None, do_expand=False, do_zero_padding=False,
-                 use_tma_aligned_col_major_sf=False):
-        """(recv_x, recv_topk_idx, recv_topk_weights, handle, event): each token once on every
-        rank that holds any of its experts, its ids there local to the rank (-1: another
-        rank's) with their weights. do_cpu_sync (default: unless `handle`): the rows are
-        exactly those received; without it, num_max_tokens_per_rank x ranks rows, those past the
-        received ones with ids -1 and weights 0 (no host wait). A cached dispatch (`handle`)
-        routes as the handle's did, so its rows are the handle's received ones.
-        do_expand: each token's copy for each of this rank's experts in a row of its own,
-        grouped by expert, each expert's rows rounded up to expert_alignment (the padding
-        zeroed with do_zero_padding); recv_topk_idx is then None and recv_topk_weights each
-        row's weight [expanded rows] (0 in padding). Without the CPU sync the expanded rows
-        are the most the routing could fill. use_tma_aligned_col_major_sf: fp8 scales in the
-        TMA-aligned column-major layout (each column contiguous, rows padded to 16 bytes)."""
-        buf = self._buffer
-        cached = None
-        if handle is not None:
-            if not isinstance(handle, EPHandle):
-                raise InvalidArgument("dispatch: handle is not one this ElasticBuffer returned")
-            if topk_idx is not None:
-                raise InvalidArgument("dispatch: a cached dispatch (handle) takes no topk_idx")
-            if do_cpu_sync:
-                raise InvalidArgument("dispatch: a cached dispatch cannot sync with the CPU")
-            if bool(do_expand) != handle.do_expand:
-                raise InvalidArgument(f"dispatch: do_expand={bool(do_expand)}, the handle's "
-                                      f"dispatch had {handle.do_expand}")
-            cached = handle
-            topk_idx = handle.topk_idx
-            num_experts = handle.num_experts if num_experts is None else num_experts
-            expert_alignment = (handle.expert_alignment if expert_alignment is None
-                                else expert_alignment)
-            if expert_alignment != handle.expert_alignment:
-                raise InvalidArgument(f"expert_alignment {expert_alignment}: the handle's "
-                                      f"dispatch had {handle.expert_alignment}")
-            do_cpu_sync = False
-        if do_zero_padding and not do_expand:
-            raise InvalidArgument("do_zero_padding: zeroes the expanded layout's padding; "
-                                  "needs do_expand")
-        if topk_idx is None:
-            raise InvalidArgument("dispatch: topk_idx (or a cached handle)")
-        if num_experts is None:
-            raise InvalidArgument("dispatch: num_experts (or a cached handle)")
-        expert_alignment = 1 if expert_alignment is None else expert_alignment
-        do_cpu_sync = True if do_cpu_sync is None else do_cpu_sync
-        m = num_max_tokens_per_rank or self.num_max_tokens_per_rank
-        if cached is not None and m != cached.num_max_tokens_per_rank:
-            raise InvalidArgument(f"num_max_tokens_per_rank {m}: the handle's dispatch had "
-                                  f"{cached.num_max_tokens_per_rank}")
-        buf._check_open("dispatch")
-        rows_x, scales = buf._rows(x)
-        if m <= 0:
-            raise InvalidArgument("num_max_tokens_per_rank: given neither here nor at "
-                                  "construction")
-        if rows_x.shape[0] > m:
-            raise InvalidArgument(f"x: {rows_x.shape[0]} tokens, more than "
-                                  f"num_max_tokens_per_rank {m}")
-        if num_experts % self.num_ranks:
-            raise InvalidArgument(f"num_experts {num_experts}: not divisible by "
-                                  f"{self.num_ranks} ranks")
-        if previous_event_before_epilogue is not None:  # ferry has no separate epilogue
-            previous_event = previous_event or previous_event_before_epilogue
-        previous = EventOverlap(previous_event) if previous_event is not None else None
-        # Rows without a host wait: a cached dispatch's routing is its handle's, so are its
-        # received rows; otherwise every rank's most.
-        worst = 0
-        if not do_cpu_sync:
-            worst = cached.num_recv_tokens if cached is not None else self.num_ranks * m
-        local = num_experts // self.num_ranks
-        k = topk_idx.shape[1]
-        stats = cumulative_local_expert_recv_stats
-        if stats is not None:
-            _group.check_tensor("cumulative_local_expert_recv_stats", stats, torch.int32, 1,
-                                rows_x.get_device())
-            if stats.numel() != local:
-                raise InvalidArgument(f"cumulative_local_expert_recv_stats: {local} entries")
-        if do_expand and not do_cpu_sync:
-            total = (cached.num_expanded_tokens if cached is not None else
-                     _expand.expanded_rows(worst, k, local, expert_alignment))
+    # dispatch and combine are the C++ base's (_ferry.DeepEpElastic, written once there: every
+    # argument checked, the Buffer's normal-mode dispatch and combine run in the same call).
+    # What it asks for by name:
+
+    def _elastic_settings(self):
+        """(the Buffer, num_max_tokens_per_rank, ranks, scale-up ranks, EPHandle,
+        EventOverlap), read at the first call."""
+        return (self._buffer, self.num_max_tokens_per_rank, self.num_ranks,
+                self.num_scaleup_ranks, EPHandle, EventOverlap)
+
+    def _epilogue(self, stats, do_cpu_sync, expert_alignment, do_expand, worst, local, k,
+                  zero, cached):
+        """(epilogue, made) of a dispatch with cumulative_local_expert_recv_stats or without
+        the CPU sync: the torch work on the AllToAll's stream after its steps and before its
+        event (the counters, the prefix sums, the expanded layout of the most rows the routing
+        could fill), so that a caller that waits for the event reads them done; `made` the dict
+        it fills."""
         made = {}
+        if do_expand and not do_cpu_sync:
+            made["total"] = (cached.num_expanded_tokens if cached is not None else
+                             _expand.expanded_rows(worst, k, local, expert_alignment))
 
         def epilogue(got):
-            # On the AllToAll's stream, before the dispatch's event: the counts are ready there,
-            # and a caller that waits for the event finds the statistics and sums done.
             if stats is not None:
                 stats.add_(got.counts)
             if do_cpu_sync:
@@ -361,8 +271,8 @@ class ElasticBuffer:
             if do_expand:
                 made.update(self._expanded(
                     got.recv[:worst], None if got.scales is None else got.scales[:worst],
-                    got.experts[:worst], got.weights[:worst], local, expert_alignment, total,
-                    do_zero_padding, cached._slots if cached is not None else None))
+                    got.experts[:worst], got.weights[:worst], local, expert_alignment,
+                    made["total"], zero, cached._slots if cached is not None else None))
             kept = tuple(t for t in made.values() if isinstance(t, torch.Tensor))
             # Made on the AllToAll's stream where that is not the caller's: marked used on the
             # caller's, so that freeing them waits for its reads (the allocator reuses a block
@@ -371,17 +281,19 @@ class ElasticBuffer:
                 t.record_stream(got.caller)
             return kept
 
-        # Routed from topk_idx alone (no layout: ferry counts what each rank sends itself); the
-        # received copies per local expert come counted by ferry, on the device.
-        recv_x, recv_idx, recv_weights, per_expert, ferry_handle, event, got = buf._dispatch(
-            rows_x, scales, topk_idx, topk_weights, num_experts, expert_alignment, worst,
-            previous, async_with_compute_stream, epilogue)
-        rows = (recv_x[0] if isinstance(recv_x, tuple) else recv_x).shape[0]
-        psum = made.get("psum")
+        return epilogue, made
+
+    def _expand_outputs(self, recv_x, recv_idx, recv_weights, per_expert, event, got, made,
+                        do_cpu_sync, do_expand, async_finish, local, expert_alignment, zero,
+                        weighted, tma, cached):
+        """What a dispatch returns past its received rows, where it asked for more: the
+        expanded layout (do_expand), fp8 scales TMA-aligned, the prefix sums made on the device
+        (no CPU sync). (recv_x, recv_idx, recv_weights, event, psum, num_expanded_tokens,
+        num_unaligned_recv_tokens_per_expert, slots)."""
+        fp8 = isinstance(recv_x, tuple)
+        rows = (recv_x[0] if fp8 else recv_x).shape[0]
+        psum, total = made.get("psum"), made.get("total", 0)
         if do_cpu_sync:
-            # The aligned counts are on the host already: their prefix sums go over in one
-            # copy at the handle's first reading (a few device ops on int32 cost tens of
-            # microseconds on the GPU).
             psum = list(itertools.accumulate(per_expert))
             if do_expand:
                 # The rows are here (the caller's stream waited for them): expanded on it.
@@ -389,31 +301,21 @@ class ElasticBuffer:
                 made.update(self._expanded(
                     got.recv[:rows], None if got.scales is None else got.scales[:rows],
                     got.experts[:rows], got.weights[:rows], local, expert_alignment, total,
-                    do_zero_padding, None))
-                if async_with_compute_stream:  # the event follows the expansion
+                    zero, None))
+                if async_finish:  # the event follows the expansion
                     event = EventOverlap(EventHandle(), (event.extra_tensors or ()) +
                                          tuple(made.values()))
+        unaligned = None
         if do_expand:
             if cached is None:  # psum[i]: expert i's first row plus its count (V2's expanded)
                 psum = (made["starts"] + made["counts"]).to(torch.int32)
-            recv_x = (made["x"], made["scales"]) if scales is not None else made["x"]
-            recv_idx, recv_weights = None, made["weights"] if topk_weights is not None else None
-        if scales is not None and use_tma_aligned_col_major_sf:
+                unaligned = made["counts"].to(torch.int32)
+            recv_x = (made["x"], made["scales"]) if fp8 else made["x"]
+            recv_idx, recv_weights = None, made["weights"] if weighted else None
+        if fp8 and tma:
             recv_x = (recv_x[0], _expand.tma_aligned_scales(recv_x[1]))
-        if cached is not None:
-            cached._ferry = ferry_handle
-            return recv_x, recv_idx, recv_weights, cached, event
-        out_handle = EPHandle(
-            bool(do_expand), num_experts, expert_alignment, m,
-            num_sms or self._device_sms(rows_x.get_device()),
-            topk_idx.clone() if do_handle_copy else topk_idx, rows,
-            per_expert if do_cpu_sync else None, psum, ferry_handle,
-            num_expanded_tokens=total if do_expand else 0,
-            num_unaligned_recv_tokens_per_expert=(made["counts"].to(torch.int32)
-                                                  if do_expand else None),
-            slots=made.get("slots"), received=got, num_ranks=self.num_ranks,
-            num_scaleup_ranks=self.num_scaleup_ranks)
-        return recv_x, recv_idx, recv_weights, out_handle, event
+        return (recv_x, recv_idx, recv_weights, event, psum, total, unaligned,
+                made.get("slots"))
 
     @staticmethod
     def _expanded(recv, scales, experts, weights, local, alignment, total, zero, slots):
@@ -427,28 +329,6 @@ class ElasticBuffer:
                 "scales": None if scales is None else _expand.expand(scales, slots, total, zero),
                 "weights": _expand.expand_weights(weights, slots, total),
                 "slots": slots, "counts": counts, "starts": starts}
-
-    def combine(self, x, handle, topk_weights=None, bias=None, num_sms=0, num_qps=0,
-                previous_event=None, previous_event_before_epilogue=None,
-                async_with_compute_stream=False, allocate_on_comm_stream=False):
-        """(combined_x, combined_topk_weights, event): each token's rows from every rank that
-        received it summed (in fp32, rounded to bf16 once, at the token's rank), plus bias; the
-        top-k weights, if given, summed alike. After an expanded dispatch x holds a row per
-        copy ([expanded rows, hidden]) and topk_weights a weight per row: each token's copies
-        are summed in fp32 on this rank first and rounded to bf16 (one rounding more, as V2's
-        multiple reduction), on the current stream."""
-        if not isinstance(handle, EPHandle):
-            raise InvalidArgument("combine: handle is not one this ElasticBuffer's dispatch "
-                                  "returned")
-        if previous_event_before_epilogue is not None:
-            previous_event = previous_event or previous_event_before_epilogue
-        previous = EventOverlap(previous_event) if previous_event is not None else None
-        if handle.do_expand:
-            x, topk_weights = self._fold(x, topk_weights, handle, previous)
-            previous = None  # the current stream waited for it, and the combine follows that
-        return self._buffer.combine(x, handle._ferry, topk_weights=topk_weights, bias=bias,
-                                    previous_event=previous,
-                                    async_finish=async_with_compute_stream)
 
     def _fold(self, x, topk_weights, handle, previous):
         """An expanded combine's rows and weights, one row per received token."""
