@@ -4,6 +4,8 @@ and from bytes, the non-expanding and the expanding dispatch (with and without t
 cached), the combine (bias, top-k weights), the expert counters, fp8 scales in the TMA-aligned
 layout, and what is refused by name."""
 
+import inspect
+
 import ferry
 from ranks import expect_error
 
@@ -89,6 +91,42 @@ def dispatch_and_combine(buf, world, rank):
     assert torch.equal(hv(out2).view(torch.int16),
                        (x.double() * (holders + 0.5)).to(torch.bfloat16).view(torch.int16))
     assert torch.equal(hv(summed)[:, K], holders.float()[:, 0])
+
+
+@behaviour
+def plain_dispatch_handle(buf, world, rank):
+    """The commonest call (no statistics, the CPU sync, no expansion) runs in the C++ base
+    alone: its EPHandle holds every attribute V2's has (the counts aligned, their prefix sums
+    read as a tensor, the SM count, V2's routing tables None), a copy of topk_idx unless
+    do_handle_copy=False, and the received rows' origins."""
+    from ferry import _ferry, deep_ep
+    for name in ("dispatch", "combine"):
+        assert inspect.getattr_static(deep_ep.ElasticBuffer, name).__objclass__ is \
+            _ferry.DeepEpElastic, name
+    x, idx, w = inputs(world, rank)
+    want_x, _, _, _, counts = expected(world, rank)
+    e = EXPERTS_PER_RANK * world
+    ids = dv(idx)
+    recv, recv_idx, recv_w, handle, _ = buf.dispatch(dv(x), topk_idx=ids, topk_weights=dv(w),
+                                                     num_experts=e, expert_alignment=2)
+    aligned = [(c + 1) // 2 * 2 for c in counts]
+    assert (handle.do_expand, handle.num_experts, handle.expert_alignment) == (False, e, 2)
+    assert handle.num_max_tokens_per_rank == MAX_TOKENS and handle.num_sms >= 1
+    assert handle.num_recv_tokens == recv.shape[0] == len(want_x)
+    assert handle.num_recv_tokens_per_expert_list == aligned
+    assert hv(handle.psum_num_recv_tokens_per_expert).tolist() == list(
+        torch.tensor(aligned).cumsum(0).tolist())
+    assert handle.num_expanded_tokens == 0 and handle.num_unaligned_recv_tokens_per_expert is None
+    assert handle.dst_buffer_slot_idx is None and handle.token_metadata_at_forward is None \
+        and handle.channel_linked_list is None
+    assert handle.topk_idx is not ids and torch.equal(handle.topk_idx, ids)
+    meta = hv(handle.recv_src_metadata)
+    assert tuple(meta.shape) == (handle.num_recv_tokens, 2 + K)
+    assert bool((meta[:, 1] >= 0).all()) and bool((meta[:, 1] < world).all())
+    buf.combine(recv, handle)
+    _, _, _, kept, _ = buf.dispatch(dv(x), topk_idx=ids, num_experts=e, do_handle_copy=False)
+    assert kept.topk_idx is ids
+    buf.combine(dv(torch.zeros(kept.num_recv_tokens, HIDDEN, dtype=torch.bfloat16)), kept)
 
 
 @behaviour
@@ -270,6 +308,9 @@ class ElasticBufferTest(Behaviours, Case):
 
     def test_dispatch_and_combine(self):
         self.in_every_world("dispatch_and_combine")
+
+    def test_plain_dispatch_handle(self):
+        self.in_every_world("plain_dispatch_handle")
 
     def test_dispatch_without_cpu_sync(self):
         self.in_every_world("dispatch_without_cpu_sync")
