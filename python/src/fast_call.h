@@ -5,11 +5,35 @@
 
 #include <array>
 #include <cstdint>
+#include <map>
 #include <string>
 
 #include "compat.h"
 
 namespace ferry::python {
+
+// `names` as interned Python strings, made at the first call for that array (its address,
+// which a static array keeps, is the key); Interned<N>() an empty set for a call without
+// keywords.
+template <size_t N>
+const std::array<PyObject*, N>& Interned(const std::array<const char*, N>& names) {
+  static std::map<const void*, std::array<PyObject*, N>> made;
+  auto it = made.find(&names);
+  if (it == made.end()) {
+    std::array<PyObject*, N> strings;
+    for (size_t i = 0; i < N; ++i) {
+      strings[i] = PyUnicode_InternFromString(names[i]);
+      if (!strings[i]) throw py::error_already_set();
+    }
+    it = made.emplace(&names, strings).first;
+  }
+  return it->second;
+}
+template <size_t N>
+const std::array<PyObject*, N>& Interned() {
+  static const std::array<PyObject*, N> none{};
+  return none;
+}
 
 // A vectorcall's arguments matched to `names` (positional first, then by keyword; the first
 // `required` must be given) into `out` (null: not given); TypeError as Python words it for a
@@ -28,10 +52,17 @@ inline void Match(const char* call, const std::array<const char*, N>& names, siz
   }
   for (Py_ssize_t i = 0; i < nargs; ++i) out[i] = args[i];
   const Py_ssize_t keywords = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+  const std::array<PyObject*, N>& interned = keywords ? Interned(names) : Interned<N>();
   for (Py_ssize_t j = 0; j < keywords; ++j) {
     PyObject* name = PyTuple_GET_ITEM(kwnames, j);
+    // A keyword written in the caller's code is an interned string, the same object as the
+    // name's: found by address, without comparing the text of each name before it.
     size_t i = 0;
-    while (i < N && PyUnicode_CompareWithASCIIString(name, names[i]) != 0) ++i;
+    while (i < N && interned[i] != name) ++i;
+    if (i == N) {
+      i = 0;
+      while (i < N && PyUnicode_CompareWithASCIIString(name, names[i]) != 0) ++i;
+    }
     if (i == N) type_error("got an unexpected keyword argument '" + Str(name) + "'");
     if (out[i]) type_error("got multiple values for argument '" + std::string(names[i]) + "'");
     out[i] = args[nargs + j];
