@@ -497,28 +497,21 @@ class PyDeepEpBuffer {
   DeepEpNormal normal_;  // the normal-mode calls (deep_ep_normal.cc)
 };
 
-// A low-latency call as a METH_FASTCALL method of the layer: its arguments matched to `kNames`
-// (the first four required) and run by `Call`.
-template <const char* kCall, const auto& kNames, auto Call>
-PyObject* FastMethod(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
-  return AsMethod([&]() -> PyObject* {
-    auto& layer = py::cast<PyDeepEpBuffer&>(py::handle(self));
-    std::array<PyObject*, std::tuple_size_v<std::remove_cvref_t<decltype(kNames)>>> a;
-    Match(kCall, kNames, 4, args, nargs, kwnames, a);
-    return (layer.*Call)(self, a).release().ptr();
-  });
-}
+// The low-latency calls as METH_FASTCALL methods (their first four arguments required).
+PyDeepEpBuffer& BufferOf(PyObject* self) { return py::cast<PyDeepEpBuffer&>(py::handle(self)); }
 constexpr char kDispatchName[] = "Buffer.low_latency_dispatch";
 constexpr char kCombineName[] = "Buffer.low_latency_combine";
 constexpr auto LowLatencyDispatch =
-    &FastMethod<kDispatchName, PyDeepEpBuffer::kDispatchArgs, &PyDeepEpBuffer::Dispatch>;
+    &FastMethod<kDispatchName, PyDeepEpBuffer::kDispatchArgs, 4, BufferOf,
+                &PyDeepEpBuffer::Dispatch>;
 constexpr auto LowLatencyCombine =
-    &FastMethod<kCombineName, PyDeepEpBuffer::kCombineArgs, &PyDeepEpBuffer::Combine>;
+    &FastMethod<kCombineName, PyDeepEpBuffer::kCombineArgs, 4, BufferOf,
+                &PyDeepEpBuffer::Combine>;
 
 // The methods' text signatures (what inspect.signature and help() show) lead their docs.
 PyMethodDef dispatch_def{
     "low_latency_dispatch",
-    reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(LowLatencyDispatch)),
+    AsCFunction<LowLatencyDispatch>(),
     METH_FASTCALL | METH_KEYWORDS,
     "low_latency_dispatch($self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, "
     "cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None, "
@@ -529,7 +522,7 @@ PyMethodDef dispatch_def{
     "hidden], valid until the second dispatch after it of the same shape"};
 PyMethodDef combine_def{
     "low_latency_combine",
-    reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(LowLatencyCombine)),
+    AsCFunction<LowLatencyCombine>(),
     METH_FASTCALL | METH_KEYWORDS,
     "low_latency_combine($self, x, topk_idx, topk_weights, handle, use_logfmt=False, "
     "zero_copy=False, async_finish=False, return_recv_hook=False, out=None, "
@@ -569,7 +562,7 @@ void BindDeepEp(py::module_& m) {
   AddFastMethod(layer, &dispatch_def);
   AddFastMethod(layer, &combine_def);
   AddNormalMethods(layer, [](PyObject* self) -> DeepEpNormal& {
-    return py::cast<PyDeepEpBuffer&>(py::handle(self)).normal();
+    return BufferOf(self).normal();
   });
 }
 

@@ -319,28 +319,16 @@ class PyDeepEpElastic {
   std::map<int, py::object> sms_;
 };
 
-template <const char* kCall, const auto& kNames, size_t kRequired, auto Call>
-PyObject* ElasticMethod(PyObject* self, PyObject* const* args, Py_ssize_t nargs,
-                        PyObject* kwnames) {
-  return AsMethod([&]() -> PyObject* {
-    auto& elastic = py::cast<PyDeepEpElastic&>(py::handle(self));
-    std::array<PyObject*, std::tuple_size_v<std::remove_cvref_t<decltype(kNames)>>> a;
-    Match(kCall, kNames, kRequired, args, nargs, kwnames, a);
-    return (elastic.*Call)(self, a).release().ptr();
-  });
+PyDeepEpElastic& ElasticOf(PyObject* self) {
+  return py::cast<PyDeepEpElastic&>(py::handle(self));
 }
 constexpr char kDispatch[] = "ElasticBuffer.dispatch";
 constexpr char kCombine[] = "ElasticBuffer.combine";
 
-template <auto Method>
-PyCFunction Fast() {
-  return reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(Method));
-}
-
 PyMethodDef dispatch_def{
     "dispatch",
-    Fast<&ElasticMethod<kDispatch, PyDeepEpElastic::kDispatchArgs, 1,
-                        &PyDeepEpElastic::Dispatch>>(),
+    AsCFunction<&FastMethod<kDispatch, PyDeepEpElastic::kDispatchArgs, 1, ElasticOf,
+                            &PyDeepEpElastic::Dispatch>>(),
     METH_FASTCALL | METH_KEYWORDS,
     "dispatch($self, x, topk_idx=None, topk_weights=None, "
     "cumulative_local_expert_recv_stats=None, num_experts=None, num_max_tokens_per_rank=None, "
@@ -360,7 +348,8 @@ PyMethodDef dispatch_def{
     "column-major layout"};
 PyMethodDef combine_def{
     "combine",
-    Fast<&ElasticMethod<kCombine, PyDeepEpElastic::kCombineArgs, 2, &PyDeepEpElastic::Combine>>(),
+    AsCFunction<&FastMethod<kCombine, PyDeepEpElastic::kCombineArgs, 2, ElasticOf,
+                            &PyDeepEpElastic::Combine>>(),
     METH_FASTCALL | METH_KEYWORDS,
     "combine($self, x, handle, topk_weights=None, bias=None, num_sms=0, num_qps=0, "
     "previous_event=None, previous_event_before_epilogue=None, "

@@ -422,28 +422,14 @@ namespace {
 
 DeepEpNormal& (*normal_of)(PyObject* self) = nullptr;
 
-// A normal-mode call as a METH_FASTCALL method: its arguments matched to `kNames` (the first
-// `kRequired` required) and run by `Call`.
-template <const char* kCall, const auto& kNames, size_t kRequired, auto Call>
-PyObject* NormalMethod(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
-  return AsMethod([&]() -> PyObject* {
-    DeepEpNormal& normal = normal_of(self);
-    std::array<PyObject*, std::tuple_size_v<std::remove_cvref_t<decltype(kNames)>>> a;
-    Match(kCall, kNames, kRequired, args, nargs, kwnames, a);
-    return (normal.*Call)(self, a).release().ptr();
-  });
-}
+DeepEpNormal& NormalOfSelf(PyObject* self) { return normal_of(self); }
 constexpr char kDispatch[] = "Buffer.dispatch";
 constexpr char kCombine[] = "Buffer.combine";
 
-template <auto Method>
-PyCFunction Fast() {
-  return reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(Method));
-}
-
 PyMethodDef dispatch_def{
     "dispatch",
-    Fast<&NormalMethod<kDispatch, DeepEpNormal::kDispatchArgs, 1, &DeepEpNormal::Dispatch>>(),
+    AsCFunction<&FastMethod<kDispatch, DeepEpNormal::kDispatchArgs, 1, NormalOfSelf,
+                            &DeepEpNormal::Dispatch>>(),
     METH_FASTCALL | METH_KEYWORDS,
     "dispatch($self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None, "
     "is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None, "
@@ -457,7 +443,8 @@ PyMethodDef dispatch_def{
     "is_token_in_rank: one expert per rank)"};
 PyMethodDef combine_def{
     "combine",
-    Fast<&NormalMethod<kCombine, DeepEpNormal::kCombineArgs, 2, &DeepEpNormal::Combine>>(),
+    AsCFunction<&FastMethod<kCombine, DeepEpNormal::kCombineArgs, 2, NormalOfSelf,
+                            &DeepEpNormal::Combine>>(),
     METH_FASTCALL | METH_KEYWORDS,
     "combine($self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None, "
     "async_finish=False, allocate_on_comm_stream=False)\n--\n\n"

@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <tuple>
+#include <type_traits>
 
 #include "compat.h"
 
@@ -107,6 +109,24 @@ PyObject* AsMethod(Call call) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
   }
   return nullptr;
+}
+
+// A layer's call as a METH_FASTCALL method: its arguments matched to `kNames` (the first
+// `kRequired` required; `kCall` names it in TypeErrors), then (Of(self).*Call)(self, arguments)
+// run, Of finding the C++ object of the instance that holds the call.
+template <const char* kCall, const auto& kNames, size_t kRequired, auto Of, auto Call>
+PyObject* FastMethod(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {
+  return AsMethod([&]() -> PyObject* {
+    auto& layer = Of(self);
+    std::array<PyObject*, std::tuple_size_v<std::remove_cvref_t<decltype(kNames)>>> a;
+    Match(kCall, kNames, kRequired, args, nargs, kwnames, a);
+    return (layer.*Call)(self, a).release().ptr();
+  });
+}
+// A FastMethod as PyMethodDef's ml_meth takes it.
+template <auto Method>
+PyCFunction AsCFunction() {
+  return reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(Method));
 }
 
 // `function` as the METH_FASTCALL method `def->ml_name` of the bound class `cls`.
