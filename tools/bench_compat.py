@@ -5,17 +5,16 @@ Each layer's dispatch and combine are timed against the same steps called direct
 AllToAll of the same shape, given the same ids (its buffers allocated once, as a caller of the
 direct API keeps them), the two interleaved iteration by iteration so that drift hits both
 alike: "added" is p50(layer) - p50(direct) per call. deep_ep's combine runs two ways: making
-its output (as SGLang calls it) and into the caller's (`out=`, as vLLM calls it). The layers are timed as a
-caller runs them, unwrapped: their steps run in the binding's C++ with no Python call to time
-between them. deep_ep's normal mode (V1) and ElasticBuffer (V2) run against a token-major
-AllToAll with options (a) and (b), the protocol they run on, and again against those steps
-giving what their contract returns (new outputs, the counts read, int64 ids, the rows' views)
-through the direct API's own calls for that (dispatch_recv_new, first_rows, empty: "over direct
-+ its outputs"; for V2 also the copy of the ids its handle keeps): the layers' own work alone. The target is <= 2 us per
-call.
-Last, what deep_ep's normal-mode combine pays
-for returning the combined top-k weights (a second AllToAll), as a ratio to the same combine
-without them.
+its output (as SGLang calls it) and into the caller's (`out=`, as vLLM calls it). The layers
+are timed as a caller runs them, unwrapped: their steps run in the binding's C++ with no
+Python call to time between them. deep_ep's normal mode (V1) and ElasticBuffer (V2) run
+against a token-major AllToAll with options (a) and (b), the protocol they run on, and again
+against those steps giving what their contract returns (new outputs, the counts read, int64
+ids, the rows' views) through the direct API's own calls for that (dispatch_recv_new,
+first_rows, empty: "over direct + its outputs"; for V2 also the copy of the ids its handle
+keeps): the layers' own work alone. The target is <= 2 us per call. Last, what deep_ep's
+normal-mode combine pays for returning the combined top-k weights (a second AllToAll), as a
+ratio to the same combine without them.
 
   PYTHONPATH=build/python /usr/bin/python3 tools/bench_compat.py [--device cuda]
       [--iterations N] [--json out.json]
