@@ -177,18 +177,19 @@ def main():
 
         # The same steps giving what the normal mode's contract returns, as the direct API
         # gives them: the receive into new tensors it makes (dispatch_recv_new: full-size
-        # outputs, int64 ids, the counts beside the rows received), the counts read, the
-        # received rows' views (_ferry.first_rows); the combine into a new output
+        # outputs, int64 ids, the counts beside the rows received, each row's token and sender,
+        # which V1's handle and V2's recv_src_metadata give), the counts read, the received
+        # rows' views (_ferry.first_rows); the combine into a new output
         # (_ferry.empty). Against these, what the layers add is their own work alone, not
         # their contract's.
         at = x.get_device()
 
         def outputs_dispatch():
             tm.dispatch_send(x, idx, w)
-            out, _, counts, experts, weights, _, _ = tm.dispatch_recv_new(x.dtype, at)
+            out, _, counts, experts, weights, tokens, _ = tm.dispatch_recv_new(x.dtype, at, True)
             read = counts.tolist()
             r = read[0]
-            state["od"] = ferry._ferry.first_rows(r, out, experts, weights) + (read[1:],)
+            state["od"] = ferry._ferry.first_rows(r, out, experts, weights, tokens) + (read[1:],)
 
         def outputs_dispatch_v2():  # and the copy of the ids V2's handle keeps (do_handle_copy)
             outputs_dispatch()

@@ -22,7 +22,7 @@ struct Hooks {
   PyObject* const wait_previous = PyUnicode_InternFromString("_wait_previous");
   PyObject* const rank_ids = PyUnicode_InternFromString("_rank_ids");
   PyObject* const mask_worst = PyUnicode_InternFromString("_mask_worst");
-  PyObject* const received = PyUnicode_InternFromString("_received");
+  PyObject* const caller_stream = PyUnicode_InternFromString("_caller_stream");
   PyObject* const epilogue = PyUnicode_InternFromString("_run_epilogue");
   PyObject* const per_expert = PyUnicode_InternFromString("_received_per_expert");
   PyObject* const prefix_sums = PyUnicode_InternFromString("_rank_prefix_sums");
@@ -32,6 +32,16 @@ struct Hooks {
   PyObject* const combine_weights = PyUnicode_InternFromString("_combine_weights");
   PyObject* const wait = PyUnicode_InternFromString("current_stream_wait");
   PyObject* const event = PyUnicode_InternFromString("event");
+  // _Received's slots.
+  PyObject* const read_back = PyUnicode_InternFromString("read_back");
+  PyObject* const tokens = PyUnicode_InternFromString("tokens");
+  PyObject* const senders = PyUnicode_InternFromString("senders");
+  PyObject* const recv = PyUnicode_InternFromString("recv");
+  PyObject* const scales = PyUnicode_InternFromString("scales");
+  PyObject* const experts = PyUnicode_InternFromString("experts");
+  PyObject* const weights = PyUnicode_InternFromString("weights");
+  PyObject* const made = PyUnicode_InternFromString("made");
+  PyObject* const caller = PyUnicode_InternFromString("caller");
   PyObject* const src_idx = PyUnicode_InternFromString("src_idx");
   PyObject* const device = PyUnicode_InternFromString("device");
   static const Hooks& Get() {

@@ -102,6 +102,31 @@ std::shared_ptr<DeepEpNormal::Entry> DeepEpNormal::Take(PyObject* self, const py
   return entries_.back();
 }
 
+template <typename Device>
+py::object DeepEpNormal::Received(PyObject* self, PyAllToAll& a2a,
+                                  const std::optional<void*>& stream, Device device,
+                                  const ReceivedTensors& got) {
+  const Hooks& hooks = Hooks::Get();
+  // The caller's torch stream where the AllToAll's is another: what the epilogue allocates on
+  // the AllToAll's is marked used on it.
+  const py::object caller = stream && !a2a.RunsOn(stream)
+                                ? CallHook(self, hooks.caller_stream, device())
+                                : py::object(py::none());
+  // Made as its class's __init__ would fill its slots, without the Python call.
+  auto* type = reinterpret_cast<PyTypeObject*>(Setup(self).received_type.ptr());
+  py::object r = py::reinterpret_steal<py::object>(type->tp_alloc(type, 0));
+  if (!r) throw py::error_already_set();
+  const std::pair<PyObject*, py::object> slots[] = {
+      {hooks.read_back, got.counts}, {hooks.tokens, got.tokens},   {hooks.senders, got.ranks},
+      {hooks.recv, got.x},           {hooks.scales, got.scales},   {hooks.experts, got.experts},
+      {hooks.weights, got.weights},  {hooks.made, py::tuple()},    {hooks.caller, caller},
+      {hooks.src_idx, py::none()}};
+  for (const auto& [name, value] : slots) {
+    if (PyObject_SetAttr(r.ptr(), name, value.ptr()) != 0) throw py::error_already_set();
+  }
+  return r;
+}
+
 std::vector<int64_t> DeepEpNormal::ReadCounts(const py::object& read_back, const Array& counts,
                                               int device) const {
   const int64_t n = Elements(counts);
@@ -209,8 +234,7 @@ DeepEpNormal::Result DeepEpNormal::Run(PyObject* self, Request& r) {
                  current, torch_device());
       }
       if (r.keep_received || !r.epilogue.is_none()) {
-        received = CallHook(self, hooks.received, a2a_object, current, torch_device(), got.counts,
-                            got.tokens, got.ranks, got.x, got.scales, got.experts, got.weights);
+        received = Received(self, *a2a, stream, torch_device, got);
       }
       if (!r.epilogue.is_none()) {
         made = CallHook(self, hooks.epilogue, r.epilogue, received, a2a_object, current,
@@ -288,8 +312,7 @@ DeepEpNormal::Result DeepEpNormal::Run(PyObject* self, Request& r) {
   }
   if (!received && world_ > settings.ranks_per_node && settings.sources) {
     // V1's internode handle holds the rows' prefix sums per sender, which the _Received counts.
-    received = CallHook(self, hooks.received, a2a_object, current, torch_device(), got.counts,
-                        got.tokens, got.ranks, got.x, got.scales, got.experts, got.weights);
+    received = Received(self, *a2a, stream, torch_device, got);
     out.received = received;
   }
   held.kept = true;

@@ -20,6 +20,8 @@
 
 namespace ferry::python {
 
+struct ReceivedTensors;  // torch_tensors.h
+
 class DeepEpNormal {
  public:
   DeepEpNormal(int world, double timeout, py::object done)
@@ -104,6 +106,11 @@ class DeepEpNormal {
   std::shared_ptr<Entry> Take(PyObject* self, const py::handle& x, int device, int64_t capacity,
                               int64_t hidden, int64_t experts, int64_t k, bool fp8);
   py::object NormalHandle(PyObject* self, const Result& got, const py::object& is_token_in_rank);
+  // The dispatch's _Received (_normal.py) of what it made (`got`); device() torch's device
+  // object of its tensors.
+  template <typename Device>
+  py::object Received(PyObject* self, PyAllToAll& a2a, const std::optional<void*>& stream,
+                      Device device, const ReceivedTensors& got);
   std::vector<int64_t> ReadCounts(const py::object& read_back, const Array& counts,
                                   int device) const;
 

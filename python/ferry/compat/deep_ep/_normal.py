@@ -18,7 +18,8 @@ class _Received:
     until the dispatch's event fires), the caller's torch stream where the AllToAll's is
     another (None where they are one, or on the CPU: what the epilogue allocates there is
     marked used on it) and, once the rows are counted on the host, the received rows' tokens
-    (src_idx: tokens' first rows)."""
+    (src_idx: tokens' first rows). The dispatch's C++ makes them, filling the slots as
+    __init__ does."""
 
     __slots__ = ("read_back", "tokens", "senders", "recv", "scales", "experts", "weights",
                  "made", "caller", "src_idx")
@@ -125,13 +126,11 @@ class _Normal:
             experts[:worst].masked_fill_(~live[:, None], -1)
             weights[:worst].masked_fill_(~live[:, None], 0.0)
 
-    def _received(self, a2a, current, device, read_back, tokens, senders, recv, scales, experts,
-                  weights):
-        """The dispatch's _Received (the caller's torch stream where the AllToAll's is
-        another)."""
-        caller = (None if current is None or a2a.stream == current
-                  else torch.cuda.current_stream(device))
-        return _Received(read_back, tokens, senders, recv, scales, experts, weights, caller)
+    @staticmethod
+    def _caller_stream(device):
+        """torch's object for the caller's current stream on `device` (a dispatch's _Received
+        holds it where the AllToAll's stream is another)."""
+        return torch.cuda.current_stream(device)
 
     def _run_epilogue(self, epilogue, received, a2a, current, device):
         """epilogue(received) on the AllToAll's stream; what it made (kept until the
