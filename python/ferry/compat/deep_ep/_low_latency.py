@@ -37,9 +37,9 @@ class _LowLatency:
     def _ll_sets(self, pooled, x, shape, use_fp8, use_ue8m0):
         """The two output sets of a low-latency AllToAll in one form, (recv_x, recv_count,
         scales, packed, src_info, layout_range) each, made once (on the CPU torch caches no
-        large blocks, and every call would pay for fresh pages) and added to the C++ base, which takes them in turn: as
-        DeepEP's buffers are, a result stays valid until the second dispatch after it on the
-        same AllToAll. shape: (m, experts, k)."""
+        large blocks, and every call would pay for fresh pages) and added to the C++ base,
+        which takes them in turn: as DeepEP's buffers are, a result stays valid until the
+        second dispatch after it on the same AllToAll. shape: (m, experts, k)."""
         key = (id(pooled), use_fp8, use_ue8m0)
         if key in self._outputs:
             return
