@@ -32,10 +32,15 @@ py::object DeepEpNormal::Combine(PyObject* self,
               std::to_string(rows));
     }
   }
-  const py::object h_object = py::cast(h);
+  // The handle as Python's hooks take it, made where one is called.
+  py::object h_object;
+  auto handle_object = [&]() -> const py::object& {
+    if (!h_object) h_object = py::cast(h);
+    return h_object;
+  };
   const py::tuple biases =
       IsNone(a[3]) ? py::tuple()
-                   : py::tuple(CallHook(self, hooks.biases, py::handle(a[3]), h_object, x));
+                   : py::tuple(CallHook(self, hooks.biases, py::handle(a[3]), handle_object(), x));
   const py::object previous =
       IsNone(a[5]) ? py::object(py::none()) : py::reinterpret_borrow<py::object>(a[5]);
   const bool async = Flag(a[6], false);
@@ -60,7 +65,7 @@ py::object DeepEpNormal::Combine(PyObject* self,
       a2a->CombineRecvArrays(oa, !biases.empty(), timeout_, nullptr);
       if (!topk_weights.is_none()) {
         const py::tuple w =
-            CallHook(self, hooks.combine_weights, h_object, x, topk_weights, current);
+            CallHook(self, hooks.combine_weights, handle_object(), x, topk_weights, current);
         sums = w[0];
         kept = w[1];
       }
