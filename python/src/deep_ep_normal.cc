@@ -117,9 +117,9 @@ py::object DeepEpNormal::Received(PyObject* self, PyAllToAll& a2a,
   py::object r = py::reinterpret_steal<py::object>(type->tp_alloc(type, 0));
   if (!r) throw py::error_already_set();
   const std::pair<PyObject*, py::object> slots[] = {
-      {hooks.read_back, got.counts}, {hooks.tokens, got.tokens},   {hooks.senders, got.ranks},
-      {hooks.recv, got.x},           {hooks.scales, got.scales},   {hooks.experts, got.experts},
-      {hooks.weights, got.weights},  {hooks.made, py::tuple()},    {hooks.caller, caller},
+      {hooks.read_back, got.counts}, {hooks.tokens, got.tokens}, {hooks.senders, got.ranks},
+      {hooks.recv, got.x},           {hooks.scales, got.scales}, {hooks.experts, got.experts},
+      {hooks.weights, got.weights},  {hooks.made, py::tuple()},  {hooks.caller, caller},
       {hooks.src_idx, py::none()}};
   for (const auto& [name, value] : slots) {
     if (PyObject_SetAttr(r.ptr(), name, value.ptr()) != 0) throw py::error_already_set();
@@ -277,6 +277,7 @@ DeepEpNormal::Result DeepEpNormal::Run(PyObject* self, Request& r) {
     }
   }
   out.rows = received_rows;
+  out.counted = r.worst == 0;
   // The received rows, as views.
   const py::object recv_x = FirstRowsOf(got.x, received_rows);
   out.out_x =
@@ -338,7 +339,9 @@ py::object DeepEpNormal::NormalHandle(PyObject* self, const Result& got,
     py::object gbl = not_kept("recv_gbl_rank_prefix_sum"),
                rdma = not_kept("recv_rdma_rank_prefix_sum");
     if (got.received) {
-      const py::object sums = CallHook(self, Hooks::Get().prefix_sums, got.received);
+      const py::object sums =
+          CallHook(self, Hooks::Get().prefix_sums, got.received,
+                   got.counted ? py::object(py::int_(got.rows)) : py::object(py::none()));
       if (!sums.is_none()) {
         gbl = py::tuple(sums)[0];
         rdma = py::tuple(sums)[1];

@@ -73,6 +73,7 @@ class DeepEpNormal {
   struct Result {
     py::object out_x, recv_idx, recv_weights, per_expert, event, received, src_idx;
     int64_t rows = 0;
+    bool counted = true;  // rows are those received (not num_worst_tokens' bound)
     std::shared_ptr<DeepEpHandle> handle;
     py::object handle_object;
   };

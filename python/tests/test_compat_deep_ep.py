@@ -478,6 +478,16 @@ class DeepEpTest(Behaviours, Case):
                     sums = torch.tensor(want).cumsum(0)
                     assert gbl.tolist() == sums.tolist(), (gbl, want)
                     assert rdma.tolist() == sums[1::2].tolist(), (rdma, want)
+                    assert gbl.dtype == rdma.dtype == torch.int32
+                    buf.combine(torch.zeros(recv.shape[0], HIDDEN, dtype=torch.bfloat16),
+                                handle)
+                    # Without the wait for the count (num_worst_tokens): the same sums.
+                    recv, _, _, _, handle, _ = buf.dispatch(
+                        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                        num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w,
+                        num_worst_tokens=world * MAX_TOKENS)
+                    assert handle[6].tolist() == sums.tolist(), (handle[6], want)
+                    assert handle[4].tolist() == sums[1::2].tolist(), (handle[4], want)
                 else:
                     expect_error(ferry.Unimplemented, "recv_gbl_rank_prefix_sum",
                                  lambda: gbl.shape)

@@ -86,6 +86,7 @@ class Buffer(_LowLatency, _Normal, _Shrink, _Streams, _ferry.DeepEpBuffer):
         self._timeout = env_timeout() if timeout is None else float(timeout)
         self._constants = {}   # (device, rows, columns, value, comm) -> _constant's tensor
         self._weights_scratch = {}  # weights AllToAll key -> its dispatch's unread outputs
+        self._ranks = {}       # device -> arange(ranks) int32 (_rank_prefix_sums)
         self._outputs = {}     # (AllToAll, fp8 form) -> the low-latency output sets (_ll_sets)
         self._combine_buffers = {}  # AllToAll -> get_next_low_latency_combine_buffer's tensor
         self._stream = None    # the communication stream (CUDA)

@@ -139,16 +139,26 @@ class _Normal:
             received.made = tuple(epilogue(received) or ())
         return received.made
 
-    def _rank_prefix_sums(self, received):
+    def _rank_prefix_sums(self, received, rows):
         """V1's internode handle's recv_gbl_rank_prefix_sum and recv_rdma_rank_prefix_sum
-        (inclusive prefix sums of the rows from the senders up to each rank, and each node), or
-        None where the rows' senders are not known."""
-        per_rank = received.rows_per_sender(self.group_size)
-        if per_rank is None:
+        (inclusive prefix sums of the rows from the senders up to each rank, and each node, int32),
+        or None where the rows' senders are not known. rows: those received, None where the
+        dispatch did not wait to count them (num_worst_tokens)."""
+        senders = received.senders
+        if senders is None:
             return None
-        per_node = self._group.ranks_per_node()
-        return (torch.cumsum(per_rank, 0).to(torch.int32),
-                torch.cumsum(per_rank.view(-1, per_node).sum(1), 0).to(torch.int32))
+        world, per_node = self.group_size, self._group.ranks_per_node()
+        if rows is None:
+            gbl = torch.cumsum(received.rows_per_sender(world), 0).to(torch.int32)
+        else:
+            # The senders' rows lie in rank order: the rows up to rank r end where the first
+            # row of a later rank begins (one search, not a count per rank and a sum).
+            ranks = self._ranks.get(senders.device)
+            if ranks is None:
+                ranks = self._ranks[senders.device] = torch.arange(
+                    world, dtype=torch.int32, device=senders.device)
+            gbl = torch.searchsorted(senders[:rows], ranks, right=True, out_int32=True)
+        return gbl, gbl.view(-1, per_node)[:, -1].contiguous()
 
     def _start_from_bias(self, out, biases, a2a, current, device):
         """A combine with bias: out starts as it (a pair summed in fp32, rounded once), on the
