@@ -8,11 +8,23 @@ parses lines into one queue the instance's step loop drains without waiting.
 """
 
 import json
+import os
 import queue
 import socket
+import sys
 import threading
 
 MAX_LINE_BYTES = 4 << 20
+
+
+def announce(message):
+    """Prints `message` (a dict) on stdout as one JSON line in one write. An instance's processes
+    share their stdout (an elastic decode's supervisor and its coordinator), which deploy.py
+    reads line by line; unbuffered (PYTHONUNBUFFERED), print writes a line's text and its end
+    apart, and another process's line could land between them: two objects on one line, which
+    the reader cannot parse (a missed "ready" stalls the deployment's start)."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (json.dumps(message) + "\n").encode())
 
 
 def encode(msg):

@@ -9,12 +9,11 @@ coordinator's plan ({"assign": per group, "stop"}), and each group leader's batc
 events (results, failures) -- see decode.py.
 """
 
-import json
 import sys
 
 import ferry
 import ranks
-from control import ControlServer, check_fields, parse_address, token_list
+from control import ControlServer, announce, check_fields, parse_address, token_list
 
 IDLE_S = 0.01  # with nothing to decode, an idle participant looks again this often
 
@@ -70,7 +69,7 @@ class Coordinator:
         self.unsent, self.owner = [], {}  # requests not yet handed out; request -> group
         self.loads, self.stop = [0] * groups, False
         self.streaming = [0] * groups  # requests whose KV still streams in, per group
-        print(json.dumps({"ready": "decode", "control": self.control.address}), flush=True)
+        announce({"ready": "decode", "control": self.control.address})
 
     def plan(self):
         """This step's plan: the router's new requests (checked; those malformed answered)

@@ -32,6 +32,7 @@ import time
 import traceback
 
 import ferry
+from control import announce
 
 POLL_S = 0.05  # how often a survivor looks for the next generation
 SETTLE_S = 0.2  # after a death, how long the supervisor waits for others before it replaces
@@ -172,7 +173,7 @@ def supervise(world, body, coordinate, tag):
     membership.publish(0, free_address(), free_address(), [])
     spawn(world, coordinate, False)
     pids = {r: spawn(r, body, False) for r in range(world)}
-    print(json.dumps({"ranks": pids}), flush=True)
+    announce({"ranks": pids})
     generation, lost = 0, False
 
     def reap(flags):
@@ -207,7 +208,7 @@ def supervise(world, body, coordinate, tag):
         membership.publish(generation, free_address(), free_address(), dead)
         for r in sorted(dead):
             pids[r] = spawn(r, body, True)
-        print(json.dumps({"ranks": pids, "generation": generation}), flush=True)
+        announce({"ranks": pids, "generation": generation})
     membership.remove()
     return 1 if lost else 0
 

@@ -20,7 +20,6 @@ Run by hand:  python3 prefill.py --model model.safetensors --tp 2 --control 0.0.
 
 import argparse
 import collections
-import json
 import sys
 import time
 
@@ -29,7 +28,7 @@ import torch
 import ferry
 import model as mdl
 import ranks
-from control import ControlServer, check_fields, parse_address, token_list
+from control import ControlServer, announce, check_fields, parse_address, token_list
 
 UNMATCHED_S = 30.0  # a prompt or KV request whose other half has not come by then is dropped
 IDLE_S = 0.05       # an idle leader looks again this often (unmatched halves age out)
@@ -72,7 +71,7 @@ class Leader:
         self.armed = [None, None]  # the request and release readiness _wait listens to
         host, port = parse_address(args.control)
         self.control = ControlServer(host, port, on_connect=self._hello)
-        print(json.dumps({"ready": "prefill", "control": self.control.address}), flush=True)
+        announce({"ready": "prefill", "control": self.control.address})
 
     def _hello(self, cid):
         self.control.send(cid, {"op": "hello", "role": "prefill", "tp": self.tp,

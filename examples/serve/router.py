@@ -24,7 +24,7 @@ import json
 import sys
 import time
 
-from control import encode, parse_address, token_list
+from control import announce, encode, parse_address, token_list
 
 MAX_LINE_BYTES = 1 << 20
 PREFILLED_WAIT_S = 2.0  # how long a result waits for its prefill's timings (they come first)
@@ -265,7 +265,7 @@ class Router:
         server = await asyncio.start_server(self.client, *parse_address(self.args.listen),
                                             limit=MAX_LINE_BYTES)
         host, port = server.sockets[0].getsockname()[:2]
-        print(json.dumps({"ready": "router", "listen": f"{host}:{port}"}), flush=True)
+        announce({"ready": "router", "listen": f"{host}:{port}"})
         async with server:
             await server.serve_forever()
 

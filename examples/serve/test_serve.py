@@ -13,13 +13,14 @@ import sys
 import tempfile
 import time
 import unittest
+from unittest import mock
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ferry  # noqa: E402
 import model as mdl  # noqa: E402
-from control import Client  # noqa: E402
+from control import Client, announce  # noqa: E402
 from deploy import Deployment, ask  # noqa: E402
 
 torch.set_num_threads(1)
@@ -366,6 +367,18 @@ class HostileControlTest(DeploymentCase):
         with d.client() as c:
             self.check_answers([r], ask(c, [r]), d)
 
+
+
+class AnnounceTest(unittest.TestCase):
+    def test_a_line_is_one_write_to_the_shared_stdout(self):
+        """announce writes the object and its newline in one os.write, to stdout's descriptor:
+        processes sharing an instance's stdout cannot land a line of theirs inside it (print,
+        unbuffered, writes the text and its end apart)."""
+        writes = []
+        with mock.patch("os.write", side_effect=lambda fd, data: writes.append((fd, data))):
+            announce({"ready": "decode", "control": "127.0.0.1:1"})
+        self.assertEqual(writes, [(sys.stdout.fileno(),
+                                   b'{"ready": "decode", "control": "127.0.0.1:1"}\n')])
 
 
 class ModelFileTest(unittest.TestCase):
