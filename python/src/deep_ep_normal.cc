@@ -201,47 +201,45 @@ DeepEpNormal::Result DeepEpNormal::Run(PyObject* self, Request& r) {
   };
   ReceivedTensors got;
   py::object weights = r.topk_weights, received, made = py::tuple();
-  {
-    // async_finish: the AllToAll's steps go on the communication stream from its first call
-    // on, so that its transfers overlap the caller's work; a first call that waits gives it the
-    // caller's stream (Ordered's may_adopt).
-    if (r.async && stream && a2a->stream().is_none()) CallHook(self, hooks.stream_for, e->pooled);
-    bool waited_previous = false;
-    if (!r.previous.is_none() && !r.previous.attr(hooks.event).is_none()) {
-      CallHook(self, hooks.wait_previous, r.previous, a2a_object, current, torch_device());
-      waited_previous = true;
-    }
-    a2a->Ordered(stream, !waited_previous, !r.async, true, [&] {
-      if (!r.wa) {
-        if (!e->ones) {  // made on the stream the steps go on, which reads it
-          e->ones = CallHook(self, hooks.constant, r.x, capacity, k, 1.0, a2a_object, current);
-          e->ones_array = TensorArg("ones", e->ones, torch.float32, 2, device);
-        }
-        weights = e->ones;
-      }
-      if (by_rank) {  // rank r's column holds r where the token goes there
-        r.topk_idx = CallHook(self, hooks.rank_ids, r.is_token_in_rank, k, a2a_object, current,
-                              torch_device());
-        r.ia = TensorArg("topk_idx", r.topk_idx, torch.int32, 2, device);
-      }
-      a2a->DispatchSendArrays(r.xa, *r.ia, r.wa ? *r.wa : e->ones_array, fp8 ? &*r.sa : nullptr,
-                              static_cast<int>(tokens), nullptr, Fp8Scaling::kAmax);
-      // The outputs, made on the caller's stream (DeepEP's allocate_on_comm_stream=False);
-      // the rows received and the per-expert counts side by side, one read to the host.
-      got = DispatchRecvNew(*a2a, py::handle(r.xa.dtype), device, settings.sources, timeout_);
-      if (r.worst > 0) {  // no wait for the count: rows past it hold no token
-        CallHook(self, hooks.mask_worst, got.experts, got.weights, got.counts, r.worst, a2a_object,
-                 current, torch_device());
-      }
-      if (r.keep_received || !r.epilogue.is_none()) {
-        received = Received(self, *a2a, stream, torch_device, got);
-      }
-      if (!r.epilogue.is_none()) {
-        made = CallHook(self, hooks.epilogue, r.epilogue, received, a2a_object, current,
-                        torch_device());
-      }
-    });
+  // async_finish: the AllToAll's steps go on the communication stream from its first call
+  // on, so that its transfers overlap the caller's work; a first call that waits gives it the
+  // caller's stream (Ordered's may_adopt).
+  if (r.async && stream && a2a->stream().is_none()) CallHook(self, hooks.stream_for, e->pooled);
+  bool waited_previous = false;
+  if (!r.previous.is_none() && !r.previous.attr(hooks.event).is_none()) {
+    CallHook(self, hooks.wait_previous, r.previous, a2a_object, current, torch_device());
+    waited_previous = true;
   }
+  a2a->Ordered(stream, !waited_previous, !r.async, true, [&] {
+    if (!r.wa) {
+      if (!e->ones) {  // made on the stream the steps go on, which reads it
+        e->ones = CallHook(self, hooks.constant, r.x, capacity, k, 1.0, a2a_object, current);
+        e->ones_array = TensorArg("ones", e->ones, torch.float32, 2, device);
+      }
+      weights = e->ones;
+    }
+    if (by_rank) {  // rank r's column holds r where the token goes there
+      r.topk_idx = CallHook(self, hooks.rank_ids, r.is_token_in_rank, k, a2a_object, current,
+                            torch_device());
+      r.ia = TensorArg("topk_idx", r.topk_idx, torch.int32, 2, device);
+    }
+    a2a->DispatchSendArrays(r.xa, *r.ia, r.wa ? *r.wa : e->ones_array, fp8 ? &*r.sa : nullptr,
+                            static_cast<int>(tokens), nullptr, Fp8Scaling::kAmax);
+    // The outputs, made on the caller's stream (DeepEP's allocate_on_comm_stream=False);
+    // the rows received and the per-expert counts side by side, one read to the host.
+    got = DispatchRecvNew(*a2a, py::handle(r.xa.dtype), device, settings.sources, timeout_);
+    if (r.worst > 0) {  // no wait for the count: rows past it hold no token
+      CallHook(self, hooks.mask_worst, got.experts, got.weights, got.counts, r.worst, a2a_object,
+               current, torch_device());
+    }
+    if (r.keep_received || !r.epilogue.is_none()) {
+      received = Received(self, *a2a, stream, torch_device, got);
+    }
+    if (!r.epilogue.is_none()) {
+      made =
+          CallHook(self, hooks.epilogue, r.epilogue, received, a2a_object, current, torch_device());
+    }
+  });
   Result out;
   out.received = received;
   if (r.async) {  // an event the caller waits on, with what must live until it fires
