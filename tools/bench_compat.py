@@ -147,8 +147,13 @@ def main():
         # deep_ep's normal mode (V1's dispatch / combine, its layout computed once as a
         # caller's step computes it) and DeepEP V2's ElasticBuffer, against the direct steps of
         # a token-major AllToAll with (a)+(b) (the normal mode's protocol), its buffers kept.
+        # Every side sized alike: ElasticBuffer's buffer for TOKENS tokens (2 MiB-aligned, so
+        # it holds more), the V1 Buffer given the same bytes, and the direct AllToAll the tokens
+        # per rank those hold, so that each receive makes outputs of the same rows.
+        buffer_bytes = deep_ep.ElasticBuffer.get_buffer_size_hint(bootstrap, TOKENS, HIDDEN)
+        capacity = buffer_bytes // (HIDDEN * 2 + HIDDEN // 128 * 4 + 16)
         tc = ferry.AllToAllConfig(world_size=1, rank=0, num_experts=EXPERTS,
-                                  experts_per_token=K, max_tokens_per_rank=TOKENS, hidden=HIDDEN,
+                                  experts_per_token=K, max_tokens_per_rank=capacity, hidden=HIDDEN,
                                   dispatch_once_per_rank=True, combine_reduce_at_expert_rank=True,
                                   dispatch_layout=ferry.DispatchLayout.TOKEN_MAJOR, instance=14)
         if cuda:
@@ -200,7 +205,7 @@ def main():
             tm.combine_send(rows, num_rows=rows.shape[0])
             tm.combine_recv(ferry._ferry.empty(torch.bfloat16, at, TOKENS, HIDDEN))
 
-        normal = deep_ep.Buffer(bootstrap, num_nvl_bytes=1 << 20, engine=engine,
+        normal = deep_ep.Buffer(bootstrap, num_nvl_bytes=buffer_bytes, engine=engine,
                                 ranks_per_node=1, explicitly_destroy=True)
         layout = normal.get_dispatch_layout(idx, EXPERTS)
 
