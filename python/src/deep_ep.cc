@@ -414,12 +414,6 @@ class PyDeepEpBuffer {
     return c;
   }
 
-  // The handle combined (or failed): its AllToAll free for the next call.
-  static void Release(DeepEpHandle& h) {
-    h.pooled->busy = false;
-    h.in_flight = false;
-  }
-
   struct OutputArrays {
     Array recv_x, recv_count;
     std::optional<Array> scales;
@@ -557,8 +551,6 @@ void BindDeepEp(py::module_& m) {
            "The Buffer destroyed: every later call is refused")
       .def("_forget_normal", [](PyDeepEpBuffer& b) { b.normal().Forget(); },
            "The normal-mode AllToAlls dropped: each shape's next call asks _normal_pool again");
-  m.def("deep_ep_rows", &DeepEpRows, py::arg("x"),
-        "A deep_ep normal-mode dispatch's x checked: (rows, scales or None)");
   AddFastMethod(layer, &dispatch_def);
   AddFastMethod(layer, &combine_def);
   AddNormalMethods(layer, [](PyObject* self) -> DeepEpNormal& {

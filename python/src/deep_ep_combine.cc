@@ -71,12 +71,10 @@ py::object DeepEpNormal::Combine(PyObject* self,
       }
     });
   } catch (...) {
-    h->pooled->busy = false;
-    h->in_flight = false;
+    Release(*h);
     throw;
   }
-  h->pooled->busy = false;
-  h->in_flight = false;
+  Release(*h);
   py::object event = done_;
   if (async) {
     py::dict kwargs;

@@ -123,8 +123,8 @@ class PyDeepEpElastic {
       const int64_t alignment = py::cast<int64_t>(Attr(cached, n.expert_alignment));
       if (!given(6)) r.alignment = alignment;
       if (r.alignment != alignment) {
-        Invalid("expert_alignment " + std::to_string(r.alignment) +
-                ": the handle's dispatch had " + std::to_string(alignment));
+        Invalid("expert_alignment " + std::to_string(r.alignment) + ": the handle's dispatch had " +
+                std::to_string(alignment));
       }
       cpu_sync = false;
     }
@@ -163,12 +163,10 @@ class PyDeepEpElastic {
     // Rows without a host wait: a cached dispatch's routing is its handle's, so are its
     // received rows; otherwise every rank's most.
     if (!sync) {
-      r.worst = cached.is_none() ? s.ranks * m
-                                 : py::cast<int64_t>(Attr(cached, n.num_recv_tokens));
+      r.worst = cached.is_none() ? s.ranks * m : py::cast<int64_t>(Attr(cached, n.num_recv_tokens));
     }
     const int64_t local = r.experts / s.ranks;
-    const Array ids = TensorArg("topk_idx", r.topk_idx, Torch::Get().int64, 2, device,
-                                Torch::Get().int32);
+    r.ia = TensorArg("topk_idx", r.topk_idx, Torch::Get().int64, 2, device, Torch::Get().int32);
     const py::object stats = object(3);
     if (!stats.is_none()) {
       const Array sa =
@@ -180,7 +178,7 @@ class PyDeepEpElastic {
     py::object made = py::dict();  // what the epilogue or the expansion makes
     if (!stats.is_none() || !sync) {
       const py::tuple e = CallHook(self, n.epilogue, stats, sync, r.alignment, do_expand, r.worst,
-                                   local, ids.shape[1], zero, cached);
+                                   local, r.ia->shape[1], zero, cached);
       r.epilogue = e[0];
       made = e[1];
     }
@@ -191,10 +189,10 @@ class PyDeepEpElastic {
                slots = py::none();
     const bool fp8 = r.sa.has_value();
     if (do_expand || (fp8 && tma) || !sync) {
-      const py::tuple o = CallHook(self, n.expand_outputs, recv_x, recv_idx, recv_weights,
-                                   got.per_expert, event, got.received, made, sync, do_expand,
-                                   r.async, local, r.alignment, zero, !r.topk_weights.is_none(),
-                                   tma, cached);
+      const py::tuple o =
+          CallHook(self, n.expand_outputs, recv_x, recv_idx, recv_weights, got.per_expert, event,
+                   got.received, made, sync, do_expand, r.async, local, r.alignment, zero,
+                   !r.topk_weights.is_none(), tma, cached);
       recv_x = o[0];
       recv_idx = o[1];
       recv_weights = o[2];
@@ -264,9 +262,9 @@ class PyDeepEpElastic {
       Invalid("combine: handle is not one this ElasticBuffer's dispatch returned");
     }
     py::object x = py::reinterpret_borrow<py::object>(a[0]);
-    py::object weights = IsNone(a[2]) ? py::object(py::none())
-                                      : py::reinterpret_borrow<py::object>(a[2]);
-    py::object previous = !IsNone(a[6]) ? py::reinterpret_borrow<py::object>(a[6])
+    py::object weights =
+        IsNone(a[2]) ? py::object(py::none()) : py::reinterpret_borrow<py::object>(a[2]);
+    py::object previous = !IsNone(a[6])   ? py::reinterpret_borrow<py::object>(a[6])
                           : !IsNone(a[7]) ? py::reinterpret_borrow<py::object>(a[7])
                                           : py::object(py::none());
     if (!previous.is_none()) previous = s.event_type(previous);
@@ -294,8 +292,13 @@ class PyDeepEpElastic {
   const Settings& Setup(PyObject* self) {
     if (!settings_) {
       const py::tuple t = CallHook(self, ElasticNames::Get().settings);
-      settings_ = Settings{t[0], &NormalOf(t[0].ptr()), py::cast<int64_t>(t[1]),
-                           py::cast<int64_t>(t[2]), py::cast<int64_t>(t[3]), t[4], t[5]};
+      settings_ = Settings{t[0],
+                           &NormalOf(t[0].ptr()),
+                           py::cast<int64_t>(t[1]),
+                           py::cast<int64_t>(t[2]),
+                           py::cast<int64_t>(t[3]),
+                           t[4],
+                           t[5]};
     }
     return *settings_;
   }
@@ -319,9 +322,7 @@ class PyDeepEpElastic {
   std::map<int, py::object> sms_;
 };
 
-PyDeepEpElastic& ElasticOf(PyObject* self) {
-  return py::cast<PyDeepEpElastic&>(py::handle(self));
-}
+PyDeepEpElastic& ElasticOf(PyObject* self) { return py::cast<PyDeepEpElastic&>(py::handle(self)); }
 constexpr char kDispatch[] = "ElasticBuffer.dispatch";
 constexpr char kCombine[] = "ElasticBuffer.combine";
 

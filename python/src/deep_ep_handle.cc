@@ -1,9 +1,6 @@
 // ferry.deep_ep's handles (deep_ep_handle.h).
 #include "deep_ep_handle.h"
 
-#include <optional>
-#include <utility>
-
 namespace ferry::python {
 
 std::shared_ptr<DeepEpHandle> UnwrapHandle(PyObject* o) {
@@ -41,29 +38,8 @@ py::object MakeV1Handle(const py::object& handle_type, py::handle src_info, py::
 void BindDeepEpHandle(py::module_& m) {
   py::class_<DeepEpHandle, std::shared_ptr<DeepEpHandle>>(
       m, "DeepEpHandle",
-      "What a ferry.deep_ep combine needs of its dispatch (the handle a dispatch returns)")
-      .def(py::init([](std::shared_ptr<PooledAllToAll> pooled, int64_t tokens, int64_t k,
-                       int64_t hidden, int64_t num_experts, py::object topk_idx,
-                       py::object max_tokens, py::object topk_weights, py::object rows) {
-             if (!pooled) Invalid("pooled: None");
-             const std::optional<Array> ids = TorchArray(topk_idx);
-             if (!ids) Invalid("topk_idx: not a contiguous CPU or CUDA tensor");
-             return DeepEpHandle{std::move(pooled),
-                                 tokens,
-                                 k,
-                                 hidden,
-                                 num_experts,
-                                 std::move(topk_idx),
-                                 std::move(max_tokens),
-                                 std::move(topk_weights),
-                                 std::move(rows),
-                                 ids->device,
-                                 true,
-                                 py::none()};
-           }),
-           py::arg("pooled"), py::arg("tokens"), py::arg("k"), py::arg("hidden"),
-           py::arg("num_experts"), py::arg("topk_idx"), py::arg("max_tokens") = py::none(),
-           py::arg("topk_weights") = py::none(), py::arg("rows") = py::none())
+      "What a ferry.deep_ep combine needs of its dispatch (the handle a dispatch returns; the "
+      "layers' C++ makes them)")
       .def_readwrite("pooled", &DeepEpHandle::pooled)
       .def_readwrite("in_flight", &DeepEpHandle::in_flight)
       .def_readonly("tokens", &DeepEpHandle::tokens)

@@ -13,8 +13,8 @@ namespace ferry::python {
 // What a combine needs of its dispatch (deep_ep's handle): the AllToAll that carried it
 // (`pooled`, held busy until the combine's receive half; another call may take the AllToAll
 // after that, so the handle's own in_flight, not the AllToAll's flag, says whether it can still
-// be combined) and the shapes the combine checks against. Python's path makes them too
-// (ferry.deep_ep._Handle is this type); max_tokens is None for normal mode's, which have rows.
+// be combined) and the shapes the combine checks against. The layers' C++ makes them
+// (deep_ep.cc, deep_ep_normal.cc); max_tokens is None for normal mode's, which have rows.
 struct DeepEpHandle {
   std::shared_ptr<PooledAllToAll> pooled;
   int64_t tokens, k, hidden, num_experts;
@@ -23,6 +23,13 @@ struct DeepEpHandle {
   bool in_flight = true;
   py::object combine_buffer;  // get_next_low_latency_combine_buffer's, once asked for
 };
+
+// The handle's dispatch combined, or its call failed: its AllToAll free for the next call, the
+// handle no longer combinable.
+inline void Release(DeepEpHandle& h) {
+  h.pooled->busy = false;
+  h.in_flight = false;
+}
 
 // The DeepEpHandle a low-latency handle (V1's tuple, its ferry part in `_ferry`) or a
 // normal-mode one holds; null for anything else.

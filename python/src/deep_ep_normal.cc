@@ -152,7 +152,7 @@ DeepEpNormal::Result DeepEpNormal::Run(PyObject* self, Request& r) {
   const int64_t tokens = r.xa.shape[0], hidden = r.xa.shape[1];
   if (r.alignment < 1) Invalid("expert_alignment " + std::to_string(r.alignment) + ": at least 1");
   if (!by_rank) {
-    r.ia = TensorArg("topk_idx", r.topk_idx, torch.int64, 2, device, torch.int32);
+    if (!r.ia) r.ia = TensorArg("topk_idx", r.topk_idx, torch.int64, 2, device, torch.int32);
     if (r.ia->shape[0] != tokens) {
       Invalid("topk_idx: " + std::to_string(r.ia->shape[0]) + " rows, x has " +
               std::to_string(tokens));
@@ -182,12 +182,15 @@ DeepEpNormal::Result DeepEpNormal::Run(PyObject* self, Request& r) {
   }
   const int64_t k = by_rank ? world_ : r.ia->shape[1];
   const std::shared_ptr<Entry> e = Take(self, r.x, device, capacity, hidden, r.experts, k, fp8);
-  // A call that fails frees its AllToAll (which reports the failure to the next call).
-  struct Held {
+  // A call whose steps fail frees its AllToAll (which reports the failure to its next call).
+  // Once the receive has run, the AllToAll awaits that dispatch's combine (its next step must
+  // be CombineSend): a failure after it (a hook's torch work, the counts' read) leaves it held,
+  // and the shape's next call takes another from the pool.
+  struct FreedIfStepsFail {
     PooledAllToAll* pooled;
-    bool kept = false;
-    ~Held() {
-      if (!kept) pooled->busy = false;
+    bool ran = false;
+    ~FreedIfStepsFail() {
+      if (!ran) pooled->busy = false;
     }
   } held{e->pooled.get()};
   PyAllToAll* const a2a = e->pooled->raw;
@@ -228,6 +231,7 @@ DeepEpNormal::Result DeepEpNormal::Run(PyObject* self, Request& r) {
     // The outputs, made on the caller's stream (DeepEP's allocate_on_comm_stream=False);
     // the rows received and the per-expert counts side by side, one read to the host.
     got = DispatchRecvNew(*a2a, py::handle(r.xa.dtype), device, settings.sources, timeout_);
+    held.ran = true;
     if (r.worst > 0) {  // no wait for the count: rows past it hold no token
       CallHook(self, hooks.mask_worst, got.experts, got.weights, got.counts, r.worst, a2a_object,
                current, torch_device());
@@ -287,7 +291,6 @@ DeepEpNormal::Result DeepEpNormal::Run(PyObject* self, Request& r) {
     r.cached->rows = py::int_(received_rows);
     r.cached->in_flight = true;
     out.recv_idx = out.recv_weights = out.per_expert = py::none();
-    held.kept = true;
     return out;
   }
   out.per_expert = per_expert;
@@ -314,7 +317,6 @@ DeepEpNormal::Result DeepEpNormal::Run(PyObject* self, Request& r) {
     received = Received(self, *a2a, stream, torch_device, got);
     out.received = received;
   }
-  held.kept = true;
   return out;
 }
 
@@ -479,14 +481,6 @@ PyMethodDef combine_def{
     "topk_weights: [received rows, columns] fp32, summed over the ranks as the rows are (a "
     "second AllToAll; every rank passes it or none)"};
 }  // namespace
-
-py::tuple DeepEpRows(const py::handle& x) {
-  py::object rows, scales;
-  Array xa;
-  std::optional<Array> sa;
-  Rows(x.ptr(), rows, scales, xa, sa);
-  return py::make_tuple(rows, scales);
-}
 
 DeepEpNormal& NormalOf(PyObject* buffer) { return normal_of(buffer); }
 

@@ -52,7 +52,7 @@ class DeepEpNormal {
     std::optional<Array> sa;
     // topk_idx None: routed by is_token_in_rank.
     py::object topk_idx = py::none(), topk_weights = py::none();
-    std::optional<Array> ia, wa;
+    std::optional<Array> ia, wa;  // ia: topk_idx checked (by Run where the caller did not)
     int64_t experts = 0, alignment = 1, worst = 0;
     py::object previous = py::none();  // an EventOverlap, or None
     bool async = false;
@@ -122,10 +122,6 @@ class DeepEpNormal {
   std::shared_ptr<Settings> settings_;
   std::vector<std::shared_ptr<Entry>> entries_;
 };
-
-// A normal-mode dispatch's x checked: bf16 rows, or (e4m3 rows, fp32 scales per 128 columns);
-// (rows, scales or None).
-py::tuple DeepEpRows(const py::handle& x);
 
 // Adds dispatch and combine, as METH_FASTCALL methods, to the bound class `cls`, whose
 // instances hold a DeepEpNormal where `of(self)` finds it.

@@ -127,6 +127,20 @@ def plain_dispatch_handle(buf, world, rank):
     _, _, _, kept, _ = buf.dispatch(dv(x), topk_idx=ids, num_experts=e, do_handle_copy=False)
     assert kept.topk_idx is ids
     buf.combine(dv(torch.zeros(kept.num_recv_tokens, HIDDEN, dtype=torch.bfloat16)), kept)
+    # A call that fails after its steps (here the expanded layout's hook) returns no handle: its
+    # AllToAll, which awaits that dispatch's combine, stays held, and the next dispatch of the
+    # shape runs on another one the pool makes.
+    made = len(buf._buffer._group.all_to_alls("normal"))
+
+    def failing(*args):
+        raise RuntimeError("expansion failed")
+    buf._expand_outputs = failing
+    expect_error(RuntimeError, "expansion failed", buf.dispatch, dv(x), topk_idx=ids,
+                 num_experts=e, do_expand=True)
+    del buf._expand_outputs
+    _, _, _, again, _ = buf.dispatch(dv(x), topk_idx=ids, num_experts=e)
+    assert len(buf._buffer._group.all_to_alls("normal")) == made + 1
+    buf.combine(dv(torch.zeros(again.num_recv_tokens, HIDDEN, dtype=torch.bfloat16)), again)
 
 
 @behaviour

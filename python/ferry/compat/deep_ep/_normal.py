@@ -18,16 +18,11 @@ class _Received:
     until the dispatch's event fires), the caller's torch stream where the AllToAll's is
     another (None where they are one, or on the CPU: what the epilogue allocates there is
     marked used on it) and, once the rows are counted on the host, the received rows' tokens
-    (src_idx: tokens' first rows). The dispatch's C++ makes them, filling the slots as
-    __init__ does."""
+    (src_idx: tokens' first rows). The dispatch's C++ makes them, filling every slot
+    (python/src/deep_ep_normal.cc, DeepEpNormal::Received)."""
 
     __slots__ = ("read_back", "tokens", "senders", "recv", "scales", "experts", "weights",
                  "made", "caller", "src_idx")
-
-    def __init__(self, read_back, tokens, senders, recv, scales, experts, weights, caller):
-        self.read_back, self.tokens, self.senders = read_back, tokens, senders
-        self.recv, self.scales, self.experts, self.weights = recv, scales, experts, weights
-        self.made, self.caller, self.src_idx = (), caller, None
 
     @property
     def num_rows(self):
@@ -83,9 +78,6 @@ class _Normal:
                 EventOverlap(None))
 
     # ---- what the C++ calls ask for by name (python/src/deep_ep_normal.cc) ------------------
-
-    # x checked as dispatch() takes it: (rows, scales or None).
-    _rows = staticmethod(_ferry.deep_ep_rows)
 
     def _normal_settings(self):
         """What the normal-mode calls read of the Buffer, asked at the first call (and again
